@@ -1,0 +1,125 @@
+// api_impl.h — internals shared by the api/ files: the server state, jobs (one per HTTP request)
+// and choices (one per engine request), the id table, and the response-shape builders.
+//
+//   pd_api ──owns──► api_job (list) ──owns──► api_choice[n_choices]
+//      └── id table: engine request id ──► api_choice (only while the engine request is live)
+//
+// A choice leaves the id table when it finishes (FINISHED event, or a stop string matched and we
+// aborted it) or when its client disconnects; events for ids not in the table are dropped. A job
+// ends when every choice is done (reply sent) or when its client goes away (nothing sent).
+#pragma once
+
+#include <jansson.h>
+
+#include "api/api.h"
+#include "http/http.h"
+#include "metrics/metrics.h"
+
+typedef struct api_job api_job;
+
+typedef struct api_choice {
+    api_job *job;
+    int index;            // OpenAI choice index (prompt_idx * n + sample)
+    int prompt_idx;
+    uint64_t id;          // engine request id
+    bool is_live;         // in the id table
+    bool is_done;
+    const char *finish_reason;  // static: "stop", "length", "abort"
+    pd_tok_stream *detok;       // owned
+    pd_tok_stop *stop;          // owned; NULL without stop strings
+    char *text;                 // non-streaming: accumulated text (owned)
+    size_t len, cap;
+    json_t *lp;                 // non-streaming logprobs accumulated (owned) or NULL
+    size_t text_offset;         // completions logprobs: bytes of text so far
+    int n_tokens;               // generated tokens seen
+    int n_cached;               // prompt tokens served from the prefix cache
+    int64_t t_last_us;          // time of the last token
+} api_choice;
+
+struct api_job {
+    pd_api *api;
+    pd_http_req *http;    // NULL once the client is gone
+    pd_api_kind kind;
+    bool stream, include_usage, ignore_eos, has_error;
+    int logprobs;         // -1 = none
+    int n;                // samples per prompt
+    char id[48];          // "cmpl-..." / "chatcmpl-..."
+    int64_t created;      // unix seconds
+    int64_t t_arrival_us;
+    int n_choices, n_done;
+    api_choice *choices;  // owned
+    int n_prompt_tokens;  // usage.prompt_tokens (each prompt counted once)
+    int32_t stop_ids[PD_API_MAX_STOP_IDS + 1];
+    int n_stop_ids;
+    pd_status error_status;
+    char error_msg[256];
+    api_job *prev, *next;
+};
+
+typedef struct api_metrics {
+    pd_metric *ttft, *itl, *e2e;
+    pd_metric *running, *waiting;
+    pd_metric *kv_total, *kv_free, *kv_used, *kv_cached, *kv_usage;
+    pd_metric *prefix_queries, *prefix_hits, *prefix_hit_rate;
+    pd_metric *prompt_tokens, *gen_tokens, *prefill_computed, *preemptions, *steps;
+    pd_metric *fin_stop, *fin_length, *fin_abort, *fin_error;
+    pd_metric *jobs;
+} api_metrics;
+
+typedef struct api_idmap {
+    uint64_t *keys;  // 0 = empty, UINT64_MAX = deleted
+    api_choice **vals;
+    size_t cap, n_used, n_live;
+} api_idmap;
+
+struct pd_api {
+    struct event_base *base;
+    pd_engine *engine;
+    const pd_tok *tok;
+    pd_http_server *http;
+    pd_jinja_tmpl *tmpl;   // owned; NULL if the model has no chat template
+    char *model_name;      // owned
+    int max_model_len;
+    struct event *ev_engine;
+    pd_metrics *metrics;   // owned
+    api_metrics m;
+    api_idmap ids;
+    uint64_t next_id;
+    uint64_t n_jobs_total;
+    pd_rng rng;
+    api_job *jobs;
+    int n_jobs;
+};
+
+// ---- id table (server.c) -----------------------------------------------------------------------
+api_choice *pd_api_idmap_get(api_idmap *m, uint64_t id);
+pd_status pd_api_idmap_put(api_idmap *m, uint64_t id, api_choice *c);
+void pd_api_idmap_del(api_idmap *m, uint64_t id);
+void pd_api_idmap_fini(api_idmap *m);
+
+// ---- jobs (job.c) ------------------------------------------------------------------------------
+// Handles one engine event (TOKEN or FINISHED).
+void pd_api_job_on_event(pd_api *a, const pd_engine_event *ev);
+// The client went away: abort live engine requests, forget the ids, free the job.
+void pd_api_job_cancel(api_job *j);
+// Frees a job (its choices' detokenizers, matchers, buffers) and unlinks it.
+void pd_api_job_free(api_job *j);
+// Sends the first streaming chunk(s) (chat: the assistant role delta per choice).
+void pd_api_job_stream_begin(api_job *j);
+
+// ---- response shapes (response.c) --------------------------------------------------------------
+// usage object of a job (completion tokens summed over choices).
+json_t *pd_api_usage_json(const api_job *j);
+// One streaming chunk for choice c: text (may be empty), lp (stolen; NULL = "logprobs": null),
+// finish (NULL = null).
+json_t *pd_api_chunk_json(const api_job *j, const api_choice *c, const char *text, size_t len,
+                          json_t *lp, const char *finish);
+// The streaming usage chunk (choices: []).
+json_t *pd_api_usage_chunk_json(const api_job *j);
+// The whole non-streaming response.
+json_t *pd_api_response_json(const api_job *j);
+// Logprob entry for one sampled token, in the job's shape; appended to *acc (created on demand).
+//   completions: acc = {"tokens", "token_logprobs", "top_logprobs", "text_offset"}
+//   chat:        acc = {"content": [{token, logprob, bytes, top_logprobs}]}
+pd_status pd_api_logprobs_append(const api_job *j, const pd_tok *tok, const pd_sample_result *r,
+                                  size_t text_offset, json_t **acc);

@@ -1,0 +1,430 @@
+// server.c — pd_api: routes, the completion / chat handlers (parse → tokenize → submit), the
+// engine event watcher, /v1/models, /health, /metrics, and the id table.
+//
+// Everything runs on the event-loop thread: HTTP callbacks, the engine-event callback (the engine
+// fd is readable while events are pending) and metric rendering, so no state here needs a lock.
+#include <event2/event.h>
+#include <stdio.h>
+#include <string.h>
+#include <time.h>
+
+#include "api/api_impl.h"
+
+// ---- id table: open addressing, linear probing, tombstones ----------------------------------
+
+#define ID_EMPTY 0ull
+#define ID_DEAD UINT64_MAX
+
+static size_t id_slot(uint64_t id, size_t cap) { return (size_t)((id * 0x9e3779b97f4a7c15ull) >> 17) & (cap - 1); }
+
+api_choice *pd_api_idmap_get(api_idmap *m, uint64_t id) {
+    if (!m->cap || id == ID_EMPTY || id == ID_DEAD) return NULL;
+    for (size_t i = id_slot(id, m->cap);; i = (i + 1) & (m->cap - 1)) {
+        if (m->keys[i] == id) return m->vals[i];
+        if (m->keys[i] == ID_EMPTY) return NULL;
+    }
+}
+
+static pd_status idmap_grow(api_idmap *m) {
+    size_t nc = m->cap ? m->cap * 2 : 256;
+    while (m->n_live * 2 >= nc) nc *= 2;
+    uint64_t *keys = pd_calloc(nc, sizeof *keys);
+    api_choice **vals = pd_calloc(nc, sizeof *vals);
+    if (!keys || !vals) {
+        pd_free(keys);
+        pd_free(vals);
+        return PD_ERR_NOMEM;
+    }
+    for (size_t i = 0; i < m->cap; i++) {
+        uint64_t k = m->keys[i];
+        if (k == ID_EMPTY || k == ID_DEAD) continue;
+        size_t j = id_slot(k, nc);
+        while (keys[j] != ID_EMPTY) j = (j + 1) & (nc - 1);
+        keys[j] = k;
+        vals[j] = m->vals[i];
+    }
+    pd_free(m->keys);
+    pd_free(m->vals);
+    m->keys = keys;
+    m->vals = vals;
+    m->cap = nc;
+    m->n_used = m->n_live;
+    return PD_OK;
+}
+
+pd_status pd_api_idmap_put(api_idmap *m, uint64_t id, api_choice *c) {
+    if (id == ID_EMPTY || id == ID_DEAD) return PD_ERR_INVALID;
+    if ((m->n_used + 1) * 2 > m->cap && idmap_grow(m)) return PD_ERR_NOMEM;
+    size_t i = id_slot(id, m->cap);
+    while (m->keys[i] != ID_EMPTY && m->keys[i] != ID_DEAD && m->keys[i] != id) i = (i + 1) & (m->cap - 1);
+    if (m->keys[i] == id) {
+        m->vals[i] = c;
+        return PD_OK;
+    }
+    if (m->keys[i] == ID_EMPTY) m->n_used++;
+    m->keys[i] = id;
+    m->vals[i] = c;
+    m->n_live++;
+    return PD_OK;
+}
+
+void pd_api_idmap_del(api_idmap *m, uint64_t id) {
+    if (!m->cap || id == ID_EMPTY || id == ID_DEAD) return;
+    for (size_t i = id_slot(id, m->cap);; i = (i + 1) & (m->cap - 1)) {
+        if (m->keys[i] == ID_EMPTY) return;
+        if (m->keys[i] == id) {
+            m->keys[i] = ID_DEAD;
+            m->vals[i] = NULL;
+            m->n_live--;
+            return;
+        }
+    }
+}
+
+void pd_api_idmap_fini(api_idmap *m) {
+    pd_free(m->keys);
+    pd_free(m->vals);
+    memset(m, 0, sizeof *m);
+}
+
+// ---- helpers -----------------------------------------------------------------------------------
+
+static void reply_api_error(pd_http_req *r, const pd_api_error *e) {
+    const char *type;
+    int http = pd_api_status_http(e->status, &type);
+    if (e->status == PD_NOSPACE || e->status == PD_AGAIN) pd_http_reply_header(r, "Retry-After", "1");
+    pd_http_reply_error(r, http, type, e->message, e->param[0] ? e->param : NULL, e->code);
+}
+
+static void on_client_close(pd_http_req *r, void *ud) {
+    api_job *j = ud;
+    PD_UNUSED(r);
+    pd_api_job_cancel(j);
+}
+
+static api_job *job_new(pd_api *a, pd_http_req *http, const pd_api_request *rq, const pd_api_prompts *pr) {
+    api_job *j = pd_calloc(1, sizeof *j);
+    if (!j) return NULL;
+    j->api = a;
+    j->http = http;
+    j->kind = rq->kind;
+    j->stream = rq->stream;
+    j->include_usage = rq->include_usage;
+    j->ignore_eos = rq->ignore_eos;
+    j->logprobs = rq->logprobs;
+    j->n = rq->n;
+    j->created = (int64_t)time(NULL);
+    j->t_arrival_us = pd_time_us();
+    snprintf(j->id, sizeof j->id, "%s%016llx%08llx", rq->kind == PD_API_CHAT ? "chatcmpl-" : "cmpl-",
+             (unsigned long long)pd_rng_next(&a->rng), (unsigned long long)(++a->n_jobs_total & 0xffffffffu));
+    for (int i = 0; i < rq->n_stop_ids; i++) j->stop_ids[j->n_stop_ids++] = rq->stop_ids[i];
+    int32_t eos = pd_tok_eos_id(a->tok);
+    if (!rq->ignore_eos && eos >= 0) j->stop_ids[j->n_stop_ids++] = eos;
+    for (int i = 0; i < pr->n; i++) j->n_prompt_tokens += pr->items[i].n;
+    j->n_choices = pr->n * rq->n;
+    j->choices = pd_calloc((size_t)j->n_choices, sizeof *j->choices);
+    // Link first so pd_api_job_free can always unlink.
+    j->next = a->jobs;
+    if (a->jobs) a->jobs->prev = j;
+    a->jobs = j;
+    a->n_jobs++;
+    if (!j->choices) {
+        j->n_choices = 0;
+        pd_api_job_free(j);
+        return NULL;
+    }
+    for (int i = 0; i < j->n_choices; i++) {
+        api_choice *c = &j->choices[i];
+        c->job = j;
+        c->index = i;
+        c->prompt_idx = i / rq->n;
+        c->detok = pd_tok_stream_new(a->tok, rq->skip_special_tokens);
+        if (!c->detok) goto fail;
+        if (rq->n_stops) {
+            c->stop = pd_tok_stop_new(rq->stops, rq->n_stops, rq->include_stop_str_in_output, NULL);
+            if (!c->stop) goto fail;
+        }
+    }
+    return j;
+fail:
+    pd_api_job_free(j);
+    return NULL;
+}
+
+// Submits every choice; on failure aborts those already queued and fills e.
+static pd_status job_submit(api_job *j, const pd_api_request *rq, const pd_api_prompts *pr, pd_api_error *e) {
+    pd_api *a = j->api;
+    for (int i = 0; i < j->n_choices; i++) {
+        api_choice *c = &j->choices[i];
+        pd_engine_request er = {0};
+        er.id = ++a->next_id;
+        er.prompt = pr->items[c->prompt_idx].ids;
+        er.n_prompt = pr->items[c->prompt_idx].n;
+        er.max_tokens = pr->max_tokens[c->prompt_idx];
+        er.ignore_eos = rq->ignore_eos;
+        er.stop_ids = rq->stop_ids;
+        er.n_stop_ids = rq->n_stop_ids;
+        er.sampling = rq->sampling;
+        if (rq->sampling.has_seed) er.sampling.seed = rq->sampling.seed + (uint64_t)c->index;
+        er.priority = rq->priority;
+        er.arrival_us = j->t_arrival_us;
+        pd_err err = {0};
+        pd_status st = pd_api_idmap_put(&a->ids, er.id, c);
+        if (st == PD_OK) {
+            st = pd_engine_submit(a->engine, &er, &err);
+            if (st) pd_api_idmap_del(&a->ids, er.id);
+        } else {
+            snprintf(err.msg, sizeof err.msg, "out of memory");
+        }
+        if (st) {
+            e->status = st;
+            e->param[0] = 0;
+            e->code = NULL;
+            snprintf(e->message, sizeof e->message, "%s",
+                     st == PD_NOSPACE ? "the server is overloaded (request queue full); retry later" : err.msg);
+            return st;
+        }
+        c->id = er.id;
+        c->is_live = true;
+    }
+    return PD_OK;
+}
+
+static void handle_generate(pd_http_req *r, pd_api *a, pd_api_kind kind) {
+    size_t len;
+    const char *body = pd_http_req_body(r, &len);
+    pd_api_request rq;
+    pd_api_prompts pr = {0};
+    pd_api_error e = {0};
+    if (pd_api_request_parse(kind, body, len, a->model_name, &rq, &e) ||
+        pd_api_request_tokenize(&rq, a->tok, a->tmpl, a->max_model_len, &pr, &e)) {
+        reply_api_error(r, &e);
+        pd_api_request_fini(&rq);
+        return;
+    }
+    api_job *j = job_new(a, r, &rq, &pr);
+    if (!j) {
+        e.status = PD_ERR_NOMEM;
+        snprintf(e.message, sizeof e.message, "out of memory");
+        reply_api_error(r, &e);
+    } else if (job_submit(j, &rq, &pr, &e)) {
+        j->http = NULL;
+        pd_api_job_free(j);  // aborts what was queued
+        reply_api_error(r, &e);
+    } else {
+        pd_http_req_set_close_cb(r, on_client_close, j);
+        if (j->stream) pd_api_job_stream_begin(j);
+    }
+    pd_api_prompts_fini(&pr);
+    pd_api_request_fini(&rq);
+}
+
+static void h_completions(pd_http_req *r, void *ud) { handle_generate(r, ud, PD_API_COMPLETION); }
+static void h_chat(pd_http_req *r, void *ud) { handle_generate(r, ud, PD_API_CHAT); }
+
+static void h_health(pd_http_req *r, void *ud) {
+    PD_UNUSED(ud);
+    pd_http_reply(r, 200, "application/json", "{\"status\":\"ok\"}", 15);
+}
+
+static void h_models(pd_http_req *r, void *ud) {
+    pd_api *a = ud;
+    json_t *o = json_pack("{s:s,s:[{s:s,s:s,s:I,s:s,s:i}]}", "object", "list", "data", "id", a->model_name, "object",
+                          "model", "created", (json_int_t)time(NULL), "owned_by", "pdserve", "max_model_len",
+                          a->max_model_len);
+    if (!o) {
+        pd_http_reply_error(r, 500, "server_error", "out of memory", NULL, NULL);
+        return;
+    }
+    pd_http_reply_json(r, 200, o);
+    json_decref(o);
+}
+
+// Counters mirrored from the engine's running totals: add the difference.
+static void mirror(pd_metric *c, int64_t total) {
+    double d = (double)total - pd_metric_value(c);
+    if (d > 0) pd_metric_inc(c, d);
+}
+
+static void refresh_engine_metrics(pd_api *a) {
+    pd_engine_stats s;
+    memset(&s, 0, sizeof s);
+    pd_engine_stats_get(a->engine, &s);
+    pd_metric_set(a->m.running, s.n_running);
+    pd_metric_set(a->m.waiting, s.n_waiting);
+    pd_metric_set(a->m.kv_total, s.n_blocks_total);
+    pd_metric_set(a->m.kv_free, s.n_blocks_free);
+    pd_metric_set(a->m.kv_used, s.n_blocks_used);
+    pd_metric_set(a->m.kv_cached, s.n_blocks_cached);
+    pd_metric_set(a->m.kv_usage, s.n_blocks_total ? (double)s.n_blocks_used / s.n_blocks_total : 0);
+    mirror(a->m.prefix_queries, s.n_prefix_query_tokens);
+    mirror(a->m.prefix_hits, s.n_prefix_hit_tokens);
+    pd_metric_set(a->m.prefix_hit_rate,
+                  s.n_prefix_query_tokens ? (double)s.n_prefix_hit_tokens / (double)s.n_prefix_query_tokens : 0);
+    mirror(a->m.prompt_tokens, s.n_prompt_tokens);
+    mirror(a->m.gen_tokens, s.n_generation_tokens);
+    mirror(a->m.prefill_computed, s.n_prefill_tokens_computed);
+    mirror(a->m.preemptions, s.n_preemptions);
+    mirror(a->m.steps, s.n_steps);
+    pd_metric_set(a->m.jobs, a->n_jobs);
+}
+
+static void h_metrics(pd_http_req *r, void *ud) {
+    pd_api *a = ud;
+    refresh_engine_metrics(a);
+    char *txt = NULL;
+    size_t n = 0;
+    if (pd_metrics_render(a->metrics, &txt, &n)) {
+        pd_http_reply_error(r, 500, "server_error", "out of memory", NULL, NULL);
+        return;
+    }
+    pd_http_reply(r, 200, "text/plain; version=0.0.4; charset=utf-8", txt, n);
+    pd_free(txt);
+}
+
+// Responses by status: one counter per status code, registered on first sight.
+static void on_response(int status, void *ud) {
+    pd_api *a = ud;
+    char labels[32];
+    snprintf(labels, sizeof labels, "status=\"%d\"", status);
+    pd_metric *c = pd_metrics_find(a->metrics, "pdserve_http_responses_total", labels);
+    if (!c) c = pd_metrics_counter(a->metrics, "pdserve_http_responses_total", "HTTP responses by status code.", labels, NULL);
+    pd_metric_inc(c, 1);
+}
+
+static void on_engine_fd(evutil_socket_t fd, short what, void *arg) {
+    pd_api *a = arg;
+    PD_UNUSED(fd);
+    PD_UNUSED(what);
+    pd_engine_event evs[64];
+    int n;
+    do {
+        n = pd_engine_poll(a->engine, evs, (int)PD_ARRAY_LEN(evs));
+        for (int i = 0; i < n; i++) pd_api_job_on_event(a, &evs[i]);
+    } while (n == (int)PD_ARRAY_LEN(evs));
+}
+
+// ---- metrics registration ----------------------------------------------------------------------
+
+static pd_status register_metrics(pd_api *a, pd_err *err) {
+    pd_metrics *m = a->metrics;
+    api_metrics *x = &a->m;
+#define H(f, name, help, b, nb) if (!(x->f = pd_metrics_histogram(m, name, help, NULL, b, nb, err))) return err ? err->status : PD_ERR_NOMEM
+#define G(f, name, help) if (!(x->f = pd_metrics_gauge(m, name, help, NULL, err))) return err ? err->status : PD_ERR_NOMEM
+#define C(f, name, help, l) if (!(x->f = pd_metrics_counter(m, name, help, l, err))) return err ? err->status : PD_ERR_NOMEM
+    H(ttft, "pdserve_time_to_first_token_seconds", "Time from arrival to the first generated token.",
+      pd_metrics_latency_buckets, pd_metrics_n_latency_buckets);
+    H(itl, "pdserve_inter_token_latency_seconds", "Time between consecutive generated tokens of a sequence.",
+      pd_metrics_itl_buckets, pd_metrics_n_itl_buckets);
+    H(e2e, "pdserve_e2e_request_latency_seconds", "Time from arrival to the last token of a request.",
+      pd_metrics_latency_buckets, pd_metrics_n_latency_buckets);
+    G(running, "pdserve_num_requests_running", "Sequences in the running batch.");
+    G(waiting, "pdserve_num_requests_waiting", "Sequences waiting to be scheduled.");
+    G(jobs, "pdserve_http_requests_in_flight", "HTTP generation requests being served.");
+    G(kv_total, "pdserve_kv_blocks_total", "KV cache blocks in the pool.");
+    G(kv_free, "pdserve_kv_blocks_free", "KV cache blocks free (prefix-cached blocks count as free).");
+    G(kv_used, "pdserve_kv_blocks_used", "KV cache blocks held by requests.");
+    G(kv_cached, "pdserve_kv_blocks_cached", "Free KV cache blocks that still hold a cached prefix.");
+    G(kv_usage, "pdserve_kv_cache_usage_ratio", "Fraction of KV cache blocks held by requests.");
+    C(prefix_queries, "pdserve_prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache.", NULL);
+    C(prefix_hits, "pdserve_prefix_cache_hits_total", "Prompt tokens found in the prefix cache.", NULL);
+    G(prefix_hit_rate, "pdserve_prefix_cache_hit_rate", "Prefix cache hits / queries since start (tokens).");
+    C(prompt_tokens, "pdserve_prompt_tokens_total", "Prompt tokens of admitted requests.", NULL);
+    C(gen_tokens, "pdserve_generation_tokens_total", "Generated tokens.", NULL);
+    C(prefill_computed, "pdserve_prefill_tokens_computed_total", "Prompt tokens run through the model.", NULL);
+    C(preemptions, "pdserve_num_preemptions_total", "Sequences preempted for lack of KV blocks.", NULL);
+    C(steps, "pdserve_engine_steps_total", "Engine steps executed.", NULL);
+    C(fin_stop, "pdserve_request_success_total", "Finished sequences by finish reason.", "finish_reason=\"stop\"");
+    C(fin_length, "pdserve_request_success_total", "", "finish_reason=\"length\"");
+    C(fin_abort, "pdserve_request_success_total", "", "finish_reason=\"abort\"");
+    C(fin_error, "pdserve_request_success_total", "", "finish_reason=\"error\"");
+#undef H
+#undef G
+#undef C
+    return PD_OK;
+}
+
+// ---- lifecycle ---------------------------------------------------------------------------------
+
+pd_api_params pd_api_params_default(void) {
+    pd_api_params p = {0};
+    p.host = "127.0.0.1";
+    p.max_body_bytes = (size_t)8 << 20;
+    return p;
+}
+
+pd_api *pd_api_new(struct event_base *base, pd_engine *e, const pd_api_params *p, pd_err *err) {
+    pd_api_params d = pd_api_params_default();
+    if (!p) p = &d;
+    pd_api *a = pd_calloc(1, sizeof *a);
+    if (!a) {
+        pd_err_set(err, PD_ERR_NOMEM, "api: out of memory");
+        return NULL;
+    }
+    a->base = base;
+    a->engine = e;
+    a->tok = pd_engine_tok(e);
+    a->max_model_len = pd_engine_max_model_len(e);
+    pd_rng_seed(&a->rng, (uint64_t)pd_time_us() ^ (uint64_t)time(NULL));
+    a->model_name = pd_strdup(p->served_model_name && *p->served_model_name ? p->served_model_name
+                                                                            : pd_engine_model_name(e));
+    a->metrics = pd_metrics_new();
+    if (!a->model_name || !a->metrics) {
+        pd_err_set(err, PD_ERR_NOMEM, "api: out of memory");
+        goto fail;
+    }
+    const char *tmpl = pd_tok_chat_template(a->tok);
+    if (tmpl) {
+        pd_err terr = {0};
+        a->tmpl = pd_jinja_parse(tmpl, strlen(tmpl), &terr);
+        if (!a->tmpl) {
+            pd_err_set(err, terr.status ? terr.status : PD_ERR_INVALID, "chat template: %s", terr.msg);
+            goto fail;
+        }
+    }
+    if (register_metrics(a, err)) goto fail;
+    pd_http_params hp = pd_http_params_default();
+    hp.host = p->host;
+    hp.port = p->port;
+    if (p->max_body_bytes) hp.max_body_bytes = p->max_body_bytes;
+    hp.on_response = on_response;
+    hp.on_response_ud = a;
+    a->http = pd_http_server_new(base, &hp, err);
+    if (!a->http) goto fail;
+    if (pd_http_server_route(a->http, "POST", "/v1/completions", h_completions, a) ||
+        pd_http_server_route(a->http, "POST", "/v1/chat/completions", h_chat, a) ||
+        pd_http_server_route(a->http, "GET", "/v1/models", h_models, a) ||
+        pd_http_server_route(a->http, "GET", "/health", h_health, a) ||
+        pd_http_server_route(a->http, "GET", "/metrics", h_metrics, a)) {
+        pd_err_set(err, PD_ERR_NOMEM, "api: cannot add routes");
+        goto fail;
+    }
+    a->ev_engine = event_new(base, pd_engine_event_fd(e), EV_READ | EV_PERSIST, on_engine_fd, a);
+    if (!a->ev_engine || event_add(a->ev_engine, NULL)) {
+        pd_err_set(err, PD_ERR_IO, "api: cannot watch the engine event fd");
+        goto fail;
+    }
+    return a;
+fail:
+    pd_api_free(a);
+    return NULL;
+}
+
+void pd_api_free(pd_api *a) {
+    if (!a) return;
+    if (a->ev_engine) event_free(a->ev_engine);
+    // Closing the server runs on_client_close for every held request: their jobs are cancelled.
+    pd_http_server_free(a->http);
+    while (a->jobs) pd_api_job_cancel(a->jobs);
+    pd_api_idmap_fini(&a->ids);
+    pd_jinja_free(a->tmpl);
+    pd_metrics_free(a->metrics);
+    pd_free(a->model_name);
+    pd_free(a);
+}
+
+int pd_api_port(const pd_api *a) { return pd_http_server_port(a->http); }
+const char *pd_api_model_name(const pd_api *a) { return a->model_name; }
+void pd_api_stop_accepting(pd_api *a) { pd_http_server_stop_accepting(a->http); }
+int pd_api_n_jobs(const pd_api *a) { return a->n_jobs; }
+int pd_api_n_engine_requests(const pd_api *a) { return (int)a->ids.n_live; }

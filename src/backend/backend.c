@@ -1,0 +1,85 @@
+// backend.c — inline-ish wrappers over the vtable, buffers, and the generic fallbacks for the
+// optional methods.
+#include "backend/backend_impl.h"
+
+#include <string.h>
+
+size_t pd_dtype_size(pd_dtype t) {
+    switch (t) {
+    case PD_DTYPE_F32: return 4;
+    case PD_DTYPE_I32: return 4;
+    case PD_DTYPE_F16: return 2;
+    case PD_DTYPE_BF16: return 2;
+    }
+    return 0;
+}
+
+const char *pd_dtype_name(pd_dtype t) {
+    switch (t) {
+    case PD_DTYPE_F32: return "float32";
+    case PD_DTYPE_I32: return "int32";
+    case PD_DTYPE_F16: return "float16";
+    case PD_DTYPE_BF16: return "bfloat16";
+    }
+    return "unknown";
+}
+
+void pd_backend_free(pd_backend *b) {
+    if (b) b->iface->free(b);
+}
+const char *pd_backend_name(pd_backend *b) { return b->iface->name; }
+pd_dtype pd_backend_weight_dtype(pd_backend *b) { return b->iface->weight_dtype; }
+pd_dtype pd_backend_act_dtype(pd_backend *b) { return b->iface->act_dtype; }
+void pd_backend_mem_info(pd_backend *b, size_t *f, size_t *t) { b->iface->mem_info(b, f, t); }
+
+pd_buffer *pd_buffer_alloc(pd_backend *b, size_t n_bytes) {
+    pd_buffer *buf = pd_calloc(1, sizeof *buf);
+    if (!buf) return NULL;
+    buf->backend = b;
+    buf->n_bytes = n_bytes;
+    buf->ptr = b->iface->dev_alloc(b, n_bytes ? n_bytes : 1);
+    if (!buf->ptr) {
+        PD_LOG_E("%s: failed to allocate %zu bytes of device memory", b->iface->name, n_bytes);
+        pd_free(buf);
+        return NULL;
+    }
+    return buf;
+}
+void pd_buffer_free(pd_buffer *buf) {
+    if (!buf) return;
+    buf->backend->iface->dev_free(buf->backend, buf->ptr);
+    pd_free(buf);
+}
+void *pd_buffer_ptr(pd_buffer *buf) { return buf->ptr; }
+size_t pd_buffer_size(pd_buffer *buf) { return buf->n_bytes; }
+
+void pd_backend_upload(pd_backend *b, void *d, const void *s, size_t n) { if (n) b->iface->upload(b, d, s, n); }
+void pd_backend_download(pd_backend *b, void *d, const void *s, size_t n) { if (n) b->iface->download(b, d, s, n); }
+void pd_backend_memset(pd_backend *b, void *d, int v, size_t n) { if (n) b->iface->memset(b, d, v, n); }
+void pd_backend_sync(pd_backend *b) { b->iface->sync(b); }
+
+void pd_op_embed(pd_backend *b, const pd_embed_params *p) { b->iface->embed(b, p); }
+void pd_op_rmsnorm(pd_backend *b, const pd_rmsnorm_params *p) { b->iface->rmsnorm(b, p); }
+void pd_op_matmul(pd_backend *b, const pd_matmul_params *p) { b->iface->matmul(b, p); }
+void pd_op_rope_kv(pd_backend *b, const pd_rope_kv_params *p) { b->iface->rope_kv(b, p); }
+void pd_op_attention(pd_backend *b, const pd_attention_params *p) { b->iface->attention(b, p); }
+void pd_op_silu_mul(pd_backend *b, const pd_silu_mul_params *p) { b->iface->silu_mul(b, p); }
+void pd_op_get_rows(pd_backend *b, const pd_get_rows_params *p) { b->iface->get_rows(b, p); }
+
+void pd_op_copy_blocks(pd_backend *b, const pd_copy_blocks_params *p) {
+    if (b->iface->copy_blocks) {
+        b->iface->copy_blocks(b, p);
+        return;
+    }
+    for (int l = 0; l < p->n_layers; l++) {
+        for (int i = 0; i < p->n; i++) {
+            size_t so = (size_t)p->src_blocks[i] * p->block_bytes, dof = (size_t)p->dst_blocks[i] * p->block_bytes;
+            b->iface->copy_d2d(b, (char *)p->k_caches[l] + dof, (char *)p->k_caches[l] + so, p->block_bytes);
+            b->iface->copy_d2d(b, (char *)p->v_caches[l] + dof, (char *)p->v_caches[l] + so, p->block_bytes);
+        }
+    }
+}
+
+void pd_op_fill_normal(pd_backend *b, void *dst, pd_dtype dtype, size_t n, uint64_t seed, float mean, float std) {
+    if (n) b->iface->fill_normal(b, dst, dtype, n, seed, mean, std);
+}

@@ -1,0 +1,44 @@
+// backend_impl.h — the vtable behind pd_backend. Only backend implementations include this.
+// One level of vtable: each backend fills a pd_backend_iface and embeds pd_backend first in its
+// own struct. Methods marked (optional) may be NULL; the generic path in backend.c is used then.
+#pragma once
+#include "backend/backend.h"
+
+typedef struct pd_backend_iface {
+    int api_version;  // PD_BACKEND_API_VERSION
+    const char *name;
+    void (*free)(pd_backend *b);
+    pd_dtype weight_dtype, act_dtype;
+    void (*mem_info)(pd_backend *b, size_t *free_bytes, size_t *total_bytes);
+    void *(*dev_alloc)(pd_backend *b, size_t n_bytes);  // NULL on failure
+    void (*dev_free)(pd_backend *b, void *p);
+    void (*upload)(pd_backend *b, void *dst, const void *src, size_t n);
+    void (*download)(pd_backend *b, void *dst, const void *src, size_t n);
+    void (*memset)(pd_backend *b, void *dst, int v, size_t n);
+    void (*sync)(pd_backend *b);
+    void (*embed)(pd_backend *b, const pd_embed_params *p);
+    void (*rmsnorm)(pd_backend *b, const pd_rmsnorm_params *p);
+    void (*matmul)(pd_backend *b, const pd_matmul_params *p);
+    void (*rope_kv)(pd_backend *b, const pd_rope_kv_params *p);
+    void (*attention)(pd_backend *b, const pd_attention_params *p);
+    void (*silu_mul)(pd_backend *b, const pd_silu_mul_params *p);
+    void (*get_rows)(pd_backend *b, const pd_get_rows_params *p);
+    // (optional) NULL: per-layer device-to-device copies through `copy_d2d`.
+    void (*copy_blocks)(pd_backend *b, const pd_copy_blocks_params *p);
+    void (*copy_d2d)(pd_backend *b, void *dst, const void *src, size_t n);
+    void (*fill_normal)(pd_backend *b, void *dst, pd_dtype dtype, size_t n, uint64_t seed, float mean, float std);
+} pd_backend_iface;
+
+struct pd_backend {
+    const pd_backend_iface *iface;
+};
+
+struct pd_buffer {
+    pd_backend *backend;  // borrowed
+    void *ptr;            // owned device memory
+    size_t n_bytes;
+};
+
+// Constructors of the compiled-in backends (registry.c calls them).
+pd_backend *pd_backend_cuda_new(int device, pd_err *err);
+bool pd_backend_cuda_available(void);

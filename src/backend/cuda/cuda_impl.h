@@ -1,0 +1,52 @@
+// cuda_impl.h — internals shared by the CUDA backend's C files (backend.c, gemm.c). Only
+// src/backend/cuda includes this.
+#pragma once
+#include <cublasLt.h>
+#include <cuda_runtime_api.h>
+
+#include "backend/backend_impl.h"
+
+// Logs the failing call with file:line and aborts: device errors at this level are invariant
+// violations (a bad launch, a lost device), never expected outcomes.
+#define PD_CUDA_CHECK(x)                                                                         \
+    do {                                                                                         \
+        cudaError_t e_ = (x);                                                                    \
+        if (e_ != cudaSuccess) pd_abort(__FILE__, __LINE__, __func__, cudaGetErrorString(e_));  \
+    } while (0)
+#define PD_CUBLAS_CHECK(x)                                                                       \
+    do {                                                                                         \
+        cublasStatus_t s_ = (x);                                                                 \
+        if (s_ != CUBLAS_STATUS_SUCCESS) pd_abort(__FILE__, __LINE__, __func__, #x);             \
+    } while (0)
+// After every kernel launch.
+#define PD_CUDA_CHECK_LAUNCH() PD_CUDA_CHECK(cudaGetLastError())
+
+typedef struct pd_cuda_gemm_plan pd_cuda_gemm_plan;
+
+typedef struct pd_cuda_backend {
+    pd_backend base;
+    int device;
+    cudaStream_t stream;
+    // cuBLASLt
+    cublasLtHandle_t lt;
+    void *lt_ws;
+    size_t lt_ws_bytes;
+    pd_cuda_gemm_plan *plans;  // cached heuristics, one per (M, N, K, lda, flags)
+    int n_plans, cap_plans;
+    int gemv_max_m;            // M <= this uses the skinny GEMM kernel (0 disables)
+    // attention split-K partials; grows outside graph capture only
+    float *attn_ws;
+    size_t attn_ws_bytes;
+    // copy_blocks staging (device): cache pointers then (src, dst) pairs
+    void *cb_dev;
+    size_t cb_dev_bytes;
+} pd_cuda_backend;
+
+static inline pd_cuda_backend *pd_cuda_backend_of(pd_backend *b) { return (pd_cuda_backend *)b; }
+
+// gemm.c
+void pd_cuda_gemm_init(pd_cuda_backend *cb);
+void pd_cuda_gemm_fini(pd_cuda_backend *cb);
+void pd_cuda_gemm_matmul(pd_backend *b, const pd_matmul_params *p);
+// Grows a device scratch buffer (synchronising first). Aborts if the stream is being captured.
+void pd_cuda_scratch_reserve(pd_cuda_backend *cb, void **ptr, size_t *cur_bytes, size_t need_bytes);

@@ -1,0 +1,270 @@
+// bench_engine.c — `pdserve bench-engine`: how close the model runtime runs to the card's limits.
+//
+// First it measures the two ceilings of the device through the backend: copy bandwidth (a
+// device-to-device copy of 1 GiB, counting bytes read + written) and bf16 GEMM peak (8192^3).
+// Then, on the model (usually --load-format dummy with a real config), it times
+//   * single-stream decode at context 128 and 4096 (ms per token),
+//   * one decode step at batch 1, 8, 32, 64, 128, 256 (context --batch-ctx, default 512),
+//   * prefill of 512, 2048 and 8192 tokens (one sequence, one step),
+// each next to its floor: decode = (weight bytes + KV bytes read) / bandwidth; prefill =
+// (2 * matmul params * tokens + causal attention FLOPs counted once) / GEMM peak. The ratio
+// time / floor is printed and written with --json FILE.
+//
+// Timing: host clock around pd_model_forward_dev + pd_backend_sync per step, median of several
+// steps after warm-up; launches are not captured in a graph (see docs: the forward pass uploads
+// its metadata each step), so the decode numbers include host launch overhead where it shows.
+#include <getopt.h>
+#include <jansson.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "backend/backend.h"
+#include "cmd/cmd.h"
+#include "model/model.h"
+
+typedef struct bench_ctx {
+    pd_backend *be;
+    pd_model *m;
+    pd_model_cache *kc;
+    const pd_model_config *c;
+    int block_size, n_blocks;
+    double copy_bytes_s, gemm_flop_s;
+    json_t *out;
+} bench_ctx;
+
+static int cmp_dbl(const void *a, const void *b) {
+    double x = *(const double *)a, y = *(const double *)b;
+    return x < y ? -1 : x > y;
+}
+static double median(double *v, int n) {
+    qsort(v, (size_t)n, sizeof *v, cmp_dbl);
+    return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+// ---- device ceilings ---------------------------------------------------------------------------
+
+static double measure_copy(pd_backend *be) {
+    size_t n = (size_t)1 << 30;
+    pd_buffer *buf = pd_buffer_alloc(be, 2 * n);
+    if (!buf) return 0;
+    pd_op_fill_normal(be, pd_buffer_ptr(buf), PD_DTYPE_F32, n / 4, 1, 0.0f, 1.0f);  // never time on zeros
+    void *caches[1] = {pd_buffer_ptr(buf)};
+    int32_t src = 0, dst = 1;
+    pd_copy_blocks_params p = {.k_caches = caches, .v_caches = caches, .src_blocks = &src, .dst_blocks = &dst,
+                               .n = 1, .n_layers = 1, .block_bytes = n};
+    double t[7];
+    for (int i = 0; i < 9; i++) {
+        int64_t t0 = pd_time_us();
+        pd_op_copy_blocks(be, &p);  // k and v alias: two 1 GiB copies
+        pd_backend_sync(be);
+        if (i >= 2) t[i - 2] = (double)(pd_time_us() - t0) * 1e-6;
+    }
+    pd_buffer_free(buf);
+    return 2.0 * 2.0 * (double)n / median(t, 7);
+}
+
+static double measure_gemm(pd_backend *be) {
+    const int n = 8192;
+    size_t e = pd_dtype_size(pd_backend_act_dtype(be)), sz = (size_t)n * n;
+    pd_buffer *a = pd_buffer_alloc(be, sz * e), *w = pd_buffer_alloc(be, sz * e), *o = pd_buffer_alloc(be, sz * e);
+    double r = 0;
+    if (a && w && o) {
+        pd_op_fill_normal(be, pd_buffer_ptr(a), pd_backend_act_dtype(be), sz, 2, 0.0f, 1.0f);
+        pd_op_fill_normal(be, pd_buffer_ptr(w), pd_backend_weight_dtype(be), sz, 3, 0.0f, 0.02f);
+        pd_matmul_params p = {.a = pd_buffer_ptr(a), .w = pd_buffer_ptr(w), .out = pd_buffer_ptr(o), .M = n, .N = n, .K = n};
+        double t[5];
+        for (int i = 0; i < 7; i++) {
+            int64_t t0 = pd_time_us();
+            for (int k = 0; k < 5; k++) pd_op_matmul(be, &p);
+            pd_backend_sync(be);
+            if (i >= 2) t[i - 2] = (double)(pd_time_us() - t0) * 1e-6 / 5;
+        }
+        r = 2.0 * n * (double)n * n / median(t, 5);
+    }
+    pd_buffer_free(a);
+    pd_buffer_free(w);
+    pd_buffer_free(o);
+    return r;
+}
+
+// ---- model steps -------------------------------------------------------------------------------
+
+static double matmul_params(const pd_model_config *c) {
+    double D = c->hidden_size, F = c->intermediate_size, hd = c->head_dim;
+    double per_layer = D * (c->n_heads + 2.0 * c->n_kv_heads) * hd + c->n_heads * hd * D + 3.0 * F * D;
+    return per_layer * c->n_layers;
+}
+static double kv_bytes_per_token(bench_ctx *b) {
+    return 2.0 * b->c->n_layers * b->c->n_kv_heads * b->c->head_dim * pd_dtype_size(pd_backend_act_dtype(b->be));
+}
+
+// Times one step of n_seqs sequences, each with q_len new tokens on top of ctx - q_len cached
+// ones (blocks handed out in order); logits for the last row of each sequence. Median seconds.
+static double time_step(bench_ctx *b, int n_seqs, int q_len, int ctx, int reps) {
+    int bps = (ctx + b->block_size - 1) / b->block_size, T = n_seqs * q_len;
+    if ((long)n_seqs * bps > b->n_blocks) return NAN;
+    int32_t *tok = pd_malloc(sizeof(int32_t) * (size_t)T), *qi = pd_malloc(sizeof(int32_t) * (size_t)(n_seqs + 1));
+    int32_t *kv = pd_malloc(sizeof(int32_t) * (size_t)n_seqs), *bi = pd_malloc(sizeof(int32_t) * (size_t)(n_seqs + 1));
+    int32_t *bt = pd_malloc(sizeof(int32_t) * (size_t)n_seqs * bps), *rows = pd_malloc(sizeof(int32_t) * (size_t)n_seqs);
+    pd_rng r;
+    pd_rng_seed(&r, 5);
+    for (int i = 0; i < T; i++) tok[i] = (int32_t)(pd_rng_next(&r) % (uint64_t)b->c->vocab_size);
+    for (int s = 0; s <= n_seqs; s++) {
+        qi[s] = s * q_len;
+        bi[s] = s * bps;
+    }
+    for (int s = 0; s < n_seqs; s++) {
+        kv[s] = ctx;
+        rows[s] = (s + 1) * q_len - 1;
+    }
+    for (int i = 0; i < n_seqs * bps; i++) bt[i] = i;
+    pd_batch batch = {.n_tokens = T, .tokens = tok, .n_seqs = n_seqs, .q_indptr = qi, .kv_lens = kv, .bt_indptr = bi,
+                      .bt_indices = bt, .n_logits = n_seqs, .logit_rows = rows};
+    double t[32];
+    if (reps > 32) reps = 32;
+    const float *dl;
+    for (int i = 0; i < reps + 2; i++) {
+        int64_t t0 = pd_time_us();
+        pd_status st = pd_model_forward_dev(b->m, b->kc, &batch, &dl);
+        pd_backend_sync(b->be);
+        if (st) {
+            fprintf(stderr, "bench-engine: forward failed: %s\n", pd_status_str(st));
+            reps = 0;
+            break;
+        }
+        if (i >= 2) t[i - 2] = (double)(pd_time_us() - t0) * 1e-6;
+    }
+    pd_free(tok), pd_free(qi), pd_free(kv), pd_free(bi), pd_free(bt), pd_free(rows);
+    return reps ? median(t, reps) : NAN;
+}
+
+static void report(bench_ctx *b, const char *kind, const char *label, int batch, int tokens, int ctx, double sec,
+                   double floor_sec, const char *floor_kind) {
+    double ratio = sec / floor_sec;
+    printf("%-22s %-18s %10.3f ms  floor %9.3f ms (%s)  ratio %5.2fx\n", kind, label, sec * 1e3, floor_sec * 1e3,
+           floor_kind, ratio);
+    json_array_append_new(json_object_get(b->out, "results"),
+                          json_pack("{s:s, s:s, s:i, s:i, s:i, s:f, s:f, s:f, s:s}", "kind", kind, "label", label,
+                                    "batch", batch, "tokens", tokens, "ctx", ctx, "ms", sec * 1e3, "floor_ms",
+                                    floor_sec * 1e3, "ratio", ratio, "floor", floor_kind));
+}
+
+static void run_benchmarks(bench_ctx *b, int batch_ctx) {
+    double wbytes = (double)pd_model_weight_bytes(b->m), kvpt = kv_bytes_per_token(b);
+    int ctxs[] = {128, 4096};
+    for (int i = 0; i < 2; i++) {
+        double t = time_step(b, 1, 1, ctxs[i], 20);
+        char label[64];
+        snprintf(label, sizeof label, "ctx=%d", ctxs[i]);
+        report(b, "decode single-stream", label, 1, 1, ctxs[i], t, (wbytes + kvpt * ctxs[i]) / b->copy_bytes_s, "bw");
+    }
+    int batches[] = {1, 8, 32, 64, 128, 256};
+    for (int i = 0; i < 6; i++) {
+        double t = time_step(b, batches[i], 1, batch_ctx, 10);
+        char label[64];
+        snprintf(label, sizeof label, "batch=%d ctx=%d", batches[i], batch_ctx);
+        report(b, "decode step", label, batches[i], batches[i], batch_ctx, t,
+               (wbytes + kvpt * batch_ctx * batches[i]) / b->copy_bytes_s, "bw");
+    }
+    int lens[] = {512, 2048, 8192};
+    const pd_model_config *c = b->c;
+    for (int i = 0; i < 3; i++) {
+        double L = lens[i];
+        double flops = 2.0 * matmul_params(c) * L + 2.0 * c->vocab_size * c->hidden_size +
+                       c->n_layers * 2.0 * 2.0 * c->n_heads * c->head_dim * (L * (L + 1) / 2);
+        double t = time_step(b, 1, lens[i], lens[i], lens[i] >= 8192 ? 3 : 5);
+        char label[64];
+        snprintf(label, sizeof label, "tokens=%d", lens[i]);
+        report(b, "prefill", label, 1, lens[i], lens[i], t, flops / b->gemm_flop_s, "gemm");
+        printf("%-22s %-18s %10.1f TFLOP/s = %.0f%% of measured GEMM peak\n", "", "", flops / t * 1e-12,
+               100.0 * flops / t / b->gemm_flop_s);
+    }
+}
+
+int pd_cmd_bench_engine(int argc, char **argv) {
+    static const struct option opts[] = {{"model", required_argument, 0, 'm'},   {"load-format", required_argument, 0, 'l'},
+                                         {"json", required_argument, 0, 'j'},    {"device", required_argument, 0, 'd'},
+                                         {"batch-ctx", required_argument, 0, 'c'}, {"help", no_argument, 0, 'h'},
+                                         {0, 0, 0, 0}};
+    const char *model = NULL, *json_path = NULL, *device = "auto";
+    bool dummy = false;
+    long batch_ctx = 512;
+    int c;
+    optind = 1;
+    while ((c = getopt_long(argc, argv, "", opts, NULL)) != -1) {
+        switch (c) {
+        case 'm': model = optarg; break;
+        case 'l':
+            if (strcmp(optarg, "dummy") && strcmp(optarg, "auto"))
+                return pd_cmd_usage_error("bench-engine", "--load-format is auto or dummy");
+            dummy = !strcmp(optarg, "dummy");
+            break;
+        case 'j': json_path = optarg; break;
+        case 'd': device = optarg; break;
+        case 'c':
+            if (!pd_cmd_parse_int(optarg, &batch_ctx) || batch_ctx < 1 || batch_ctx > 1 << 20)
+                return pd_cmd_usage_error("bench-engine", "--batch-ctx must be a positive integer");
+            break;
+        case 'h':
+            printf("usage: pdserve bench-engine --model DIR [--load-format dummy|auto] [--device auto|cuda|cpu]\n"
+                   "                            [--batch-ctx N] [--json FILE]\n");
+            return 0;
+        default: return 2;
+        }
+    }
+    if (!model) return pd_cmd_usage_error("bench-engine", "--model DIR is required");
+    pd_err err = {0};
+    bench_ctx b = {.block_size = 16};
+    b.be = pd_backend_new(device, 0, &err);
+    if (!b.be) {
+        fprintf(stderr, "pdserve bench-engine: %s\n", err.msg);
+        return 1;
+    }
+    int rc = 1;
+    b.copy_bytes_s = measure_copy(b.be);
+    b.gemm_flop_s = measure_gemm(b.be);
+    printf("device %s: copy %.0f GB/s (read+write, 1 GiB), bf16 GEMM 8192^3 %.1f TFLOP/s\n", pd_backend_name(b.be),
+           b.copy_bytes_s * 1e-9, b.gemm_flop_s * 1e-12);
+    pd_model_params mp = pd_model_params_default();
+    mp.dir = model;
+    mp.backend = b.be;
+    mp.dummy = dummy;
+    mp.seed = 1;
+    b.m = pd_model_load(&mp, &err);
+    if (!b.m) {
+        fprintf(stderr, "pdserve bench-engine: %s\n", err.msg);
+        goto done;
+    }
+    b.c = pd_model_get_config(b.m);
+    // Enough blocks for the largest experiment: 256 sequences of batch_ctx, or one of 8192.
+    long need = PD_MAX(256 * ((batch_ctx + b.block_size - 1) / b.block_size + 1), 8192 / b.block_size + 1);
+    b.n_blocks = (int)need;
+    b.kc = pd_model_cache_new(b.m, b.n_blocks, b.block_size, &err);
+    if (!b.kc) {
+        fprintf(stderr, "pdserve bench-engine: KV cache of %d blocks: %s\n", b.n_blocks, err.msg);
+        goto done;
+    }
+    pd_buffer *kvb = pd_model_cache_buffer(b.kc);  // random KV contents: never time on zeros
+    pd_op_fill_normal(b.be, pd_buffer_ptr(kvb), pd_backend_act_dtype(b.be),
+                      pd_buffer_size(kvb) / pd_dtype_size(pd_backend_act_dtype(b.be)), 9, 0.0f, 1.0f);
+    printf("model %s: %d layers, D=%d, F=%d, heads %d/%d x %d, vocab %d, weights %.2f GB\n", model, b.c->n_layers,
+           b.c->hidden_size, b.c->intermediate_size, b.c->n_heads, b.c->n_kv_heads, b.c->head_dim, b.c->vocab_size,
+           (double)pd_model_weight_bytes(b.m) * 1e-9);
+    b.out = json_pack("{s:s, s:s, s:f, s:f, s:f, s:[]}", "model", model, "device", pd_backend_name(b.be),
+                      "copy_gbs", b.copy_bytes_s * 1e-9, "gemm_tflops", b.gemm_flop_s * 1e-12, "weight_gb",
+                      (double)pd_model_weight_bytes(b.m) * 1e-9, "results");
+    run_benchmarks(&b, (int)batch_ctx);
+    if (json_path && json_dump_file(b.out, json_path, JSON_INDENT(2)) != 0) {
+        fprintf(stderr, "pdserve bench-engine: cannot write %s\n", json_path);
+        goto done;
+    }
+    rc = 0;
+done:
+    json_decref(b.out);
+    pd_model_cache_free(b.kc);
+    pd_model_free(b.m);
+    pd_backend_free(b.be);
+    return rc;
+}

@@ -1,0 +1,272 @@
+// serve.c — `pdserve serve` (the OpenAI-compatible server) and `pdserve run` (the embedded
+// default: the bundled model on port 8000, answering one sample request through its own HTTP API
+// before it keeps serving).
+//
+// Both: flags → pd_engine_params → pd_engine_new + pd_engine_start → one libevent loop on the
+// main thread running pd_api → SIGINT/SIGTERM stop accepting, abort what is in flight, free
+// everything and return 0.
+#include <event2/buffer.h>
+#include <event2/event.h>
+#include <event2/http.h>
+#include <getopt.h>
+#include <jansson.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "api/api.h"
+#include "cmd/cmd.h"
+#include "engine/engine.h"
+
+typedef struct serve_opts {
+    pd_engine_params ep;
+    pd_api_params ap;
+    bool is_run;           // `run`: send the sample request
+    bool exit_after_sample;
+    int sample_max_tokens;
+} serve_opts;
+
+// "123", "64k", "512M", "2G" (binary multiples; an optional trailing "B"/"iB"). false on error.
+static bool parse_bytes(const char *s, size_t *out) {
+    char *end;
+    double v = strtod(s, &end);
+    if (end == s || !(v >= 0)) return false;
+    double mul = 1;
+    switch (*end) {
+    case 'k': case 'K': mul = 1024.0; end++; break;
+    case 'm': case 'M': mul = 1024.0 * 1024; end++; break;
+    case 'g': case 'G': mul = 1024.0 * 1024 * 1024; end++; break;
+    case 't': case 'T': mul = 1024.0 * 1024 * 1024 * 1024; end++; break;
+    default: break;
+    }
+    if (*end == 'i') end++;
+    if (*end == 'B' || *end == 'b') end++;
+    if (*end) return false;
+    *out = (size_t)(v * mul);
+    return true;
+}
+
+static void serve_usage(bool is_run) {
+    if (is_run)
+        printf("usage: pdserve run [--model DIR] [--host H] [--port P (default 8000)] [serve options]\n"
+               "  starts the server with the bundled model, answers a sample chat request through its own\n"
+               "  HTTP API, prints the answer, the URL and a curl example, then serves until Ctrl-C.\n"
+               "  --exit-after-sample   stop after the sample answer (for tests)\n\n");
+    printf("usage: pdserve serve --model DIR [options]\n"
+           "  --host H                      address to bind (default 127.0.0.1)\n"
+           "  --port P                      TCP port (default 8000; 0 = any free port, printed)\n"
+           "  --device cpu|cuda|auto        (default auto)\n"
+           "  --block-size N                tokens per KV block (default 16)\n"
+           "  --num-kv-blocks N             KV cache size in blocks\n"
+           "  --kv-cache-memory BYTES       KV cache size in bytes (k/M/G suffixes)\n"
+           "  --max-num-seqs N              running sequences per step\n"
+           "  --max-num-batched-tokens N    token budget per step (default 2048)\n"
+           "  --no-prefix-caching           disable automatic prefix caching\n"
+           "  --no-chunked-prefill          prefill whole prompts only\n"
+           "  --policy fcfs|srpt            scheduling policy (default fcfs)\n"
+           "  --max-model-len N             context length (default: the model's)\n"
+           "  --served-model-name NAME      model name clients must use (default: folder name)\n"
+           "  --load-format dummy           random weights (benchmarking)\n"
+           "  --max-waiting N               waiting-queue limit; beyond it requests get 503\n"
+           "  --max-body-bytes BYTES        request body limit (default 8M; larger bodies get 413)\n");
+}
+
+// Parses argv into o. Returns -1 on success, else the exit code (0 for --help).
+static int parse_flags(int argc, char **argv, serve_opts *o) {
+    enum { O_MODEL = 1, O_HOST, O_PORT, O_DEV, O_BS, O_NB, O_KVMEM, O_SEQS, O_TOKS, O_NOPC, O_NOCP, O_POL, O_MML,
+           O_NAME, O_LF, O_WAIT, O_BODY, O_EXIT, O_HELP };
+    static const struct option opts[] = {
+        {"model", required_argument, 0, O_MODEL}, {"host", required_argument, 0, O_HOST},
+        {"port", required_argument, 0, O_PORT}, {"device", required_argument, 0, O_DEV},
+        {"block-size", required_argument, 0, O_BS}, {"num-kv-blocks", required_argument, 0, O_NB},
+        {"kv-cache-memory", required_argument, 0, O_KVMEM}, {"max-num-seqs", required_argument, 0, O_SEQS},
+        {"max-num-batched-tokens", required_argument, 0, O_TOKS}, {"no-prefix-caching", no_argument, 0, O_NOPC},
+        {"no-chunked-prefill", no_argument, 0, O_NOCP}, {"policy", required_argument, 0, O_POL},
+        {"max-model-len", required_argument, 0, O_MML}, {"served-model-name", required_argument, 0, O_NAME},
+        {"load-format", required_argument, 0, O_LF}, {"max-waiting", required_argument, 0, O_WAIT},
+        {"max-body-bytes", required_argument, 0, O_BODY}, {"exit-after-sample", no_argument, 0, O_EXIT},
+        {"help", no_argument, 0, O_HELP}, {0, 0, 0, 0}};
+    const char *cmd = o->is_run ? "run" : "serve";
+    long v;
+    size_t bytes;
+    int c;
+    optind = 1;
+    while ((c = getopt_long(argc, argv, "", opts, NULL)) != -1) {
+        bool int_flag = c == O_PORT || c == O_BS || c == O_NB || c == O_SEQS || c == O_TOKS || c == O_MML || c == O_WAIT;
+        if (int_flag && (!pd_cmd_parse_int(optarg, &v) || v < 0 || v > (1l << 30)))
+            return pd_cmd_usage_error(cmd, "bad value '%s' for an integer option", optarg);
+        switch (c) {
+        case O_MODEL: o->ep.model_dir = optarg; break;
+        case O_HOST: o->ap.host = optarg; break;
+        case O_PORT:
+            if (v > 65535) return pd_cmd_usage_error(cmd, "--port must be 0..65535");
+            o->ap.port = (int)v;
+            break;
+        case O_DEV: o->ep.device = optarg; break;
+        case O_BS: o->ep.block_size = (int)v; break;
+        case O_NB: o->ep.n_blocks = (int)v; break;
+        case O_KVMEM:
+            if (!parse_bytes(optarg, &bytes)) return pd_cmd_usage_error(cmd, "bad --kv-cache-memory '%s'", optarg);
+            o->ep.kv_cache_bytes = bytes;
+            break;
+        case O_SEQS: o->ep.max_num_seqs = (int)v; break;
+        case O_TOKS: o->ep.max_num_batched_tokens = (int)v; break;
+        case O_NOPC: o->ep.enable_prefix_caching = false; break;
+        case O_NOCP: o->ep.enable_chunked_prefill = false; break;
+        case O_POL:
+            if (!strcmp(optarg, "fcfs")) o->ep.policy = PD_POLICY_FCFS;
+            else if (!strcmp(optarg, "srpt")) o->ep.policy = PD_POLICY_SRPT;
+            else return pd_cmd_usage_error(cmd, "--policy must be fcfs or srpt");
+            break;
+        case O_MML: o->ep.max_model_len = (int)v; break;
+        case O_NAME: o->ap.served_model_name = optarg; break;
+        case O_LF:
+            if (strcmp(optarg, "dummy") && strcmp(optarg, "auto") && strcmp(optarg, "safetensors"))
+                return pd_cmd_usage_error(cmd, "--load-format must be auto, safetensors or dummy");
+            o->ep.dummy_weights = !strcmp(optarg, "dummy");
+            break;
+        case O_WAIT: o->ep.max_waiting = (int)v; break;
+        case O_BODY:
+            if (!parse_bytes(optarg, &bytes) || !bytes) return pd_cmd_usage_error(cmd, "bad --max-body-bytes '%s'", optarg);
+            o->ap.max_body_bytes = bytes;
+            break;
+        case O_EXIT: o->exit_after_sample = true; break;
+        case O_HELP: serve_usage(o->is_run); return 0;
+        default: return 2;
+        }
+    }
+    if (optind != argc) return pd_cmd_usage_error(cmd, "unexpected argument '%s'", argv[optind]);
+    if (!o->ep.model_dir) {
+        if (!o->is_run) return pd_cmd_usage_error(cmd, "--model DIR is required");
+        o->ep.model_dir = pd_cmd_default_model(argv[0]);
+    }
+    return -1;
+}
+
+// ---- the loop ----------------------------------------------------------------------------------
+
+typedef struct serve_ctx {
+    serve_opts *o;
+    struct event_base *base;
+    pd_api *api;
+    struct evhttp_connection *client;  // `run`: the sample request's connection
+    int n_signals;
+} serve_ctx;
+
+static void on_signal(evutil_socket_t sig, short what, void *arg) {
+    serve_ctx *s = arg;
+    PD_UNUSED(what);
+    if (s->n_signals++ == 0) {
+        fprintf(stderr, "\npdserve: caught %s, shutting down\n", sig == SIGINT ? "SIGINT" : "SIGTERM");
+        pd_api_stop_accepting(s->api);
+    }
+    event_base_loopbreak(s->base);
+}
+
+static void print_sample_answer(serve_ctx *s, struct evhttp_request *req) {
+    int port = pd_api_port(s->api);
+    const char *host = s->o->ap.host ? s->o->ap.host : "127.0.0.1";
+    int code = req ? evhttp_request_get_response_code(req) : 0;
+    struct evbuffer *b = req ? evhttp_request_get_input_buffer(req) : NULL;
+    size_t n = b ? evbuffer_get_length(b) : 0;
+    char *body = pd_malloc(n + 1);
+    if (body) {
+        if (n) evbuffer_copyout(b, body, n);
+        body[n] = 0;
+    }
+    json_t *o = body && code == 200 ? json_loads(body, 0, NULL) : NULL;
+    json_t *msg = json_object_get(json_object_get(json_array_get(json_object_get(o, "choices"), 0), "message"), "content");
+    if (json_is_string(msg)) {
+        printf("\nsample request: chat completion, user says \"In the beginning\"\nanswer: %s\n", json_string_value(msg));
+    } else {
+        printf("\nsample request failed (HTTP %d): %s\n", code, body ? body : "");
+    }
+    printf("\npdserve is serving %s at http://%s:%d  (Ctrl-C to stop)\n", pd_api_model_name(s->api), host, port);
+    printf("try:\n  curl http://%s:%d/v1/chat/completions -H 'Content-Type: application/json' \\\n"
+           "    -d '{\"messages\": [{\"role\": \"user\", \"content\": \"And God said\"}], \"max_tokens\": 32}'\n",
+           host, port);
+    fflush(stdout);
+    json_decref(o);
+    pd_free(body);
+    if (s->o->exit_after_sample) event_base_loopbreak(s->base);
+}
+
+static void on_sample_done(struct evhttp_request *req, void *arg) { print_sample_answer(arg, req); }
+
+static void send_sample(serve_ctx *s) {
+    const char *host = s->o->ap.host && strcmp(s->o->ap.host, "0.0.0.0") ? s->o->ap.host : "127.0.0.1";
+    s->client = evhttp_connection_base_new(s->base, NULL, host, (ev_uint16_t)pd_api_port(s->api));
+    struct evhttp_request *req = s->client ? evhttp_request_new(on_sample_done, s) : NULL;
+    if (!req) {
+        print_sample_answer(s, NULL);
+        return;
+    }
+    char body[256];
+    snprintf(body, sizeof body,
+             "{\"messages\":[{\"role\":\"user\",\"content\":\"In the beginning\"}],\"max_tokens\":%d,\"temperature\":0}",
+             s->o->sample_max_tokens);
+    evhttp_add_header(evhttp_request_get_output_headers(req), "Content-Type", "application/json");
+    evhttp_add_header(evhttp_request_get_output_headers(req), "Host", host);
+    evbuffer_add(evhttp_request_get_output_buffer(req), body, strlen(body));
+    if (evhttp_make_request(s->client, req, EVHTTP_REQ_POST, "/v1/chat/completions")) print_sample_answer(s, NULL);
+}
+
+static int serve_main(serve_opts *o) {
+    signal(SIGPIPE, SIG_IGN);  // a client that vanished mid-write must not kill the server
+    pd_err err = {0};
+    fprintf(stderr, "pdserve: loading %s\n", o->ep.model_dir);
+    pd_engine *e = pd_engine_new(&o->ep, &err);
+    if (!e) {
+        fprintf(stderr, "pdserve: %s\n", err.msg);
+        return 1;
+    }
+    if (pd_engine_start(e)) {
+        fprintf(stderr, "pdserve: cannot start the engine thread\n");
+        pd_engine_free(e);
+        return 1;
+    }
+    int rc = 1;
+    serve_ctx s = {.o = o};
+    struct event *sigint = NULL, *sigterm = NULL;
+    s.base = event_base_new();
+    if (!s.base) goto done;
+    s.api = pd_api_new(s.base, e, &o->ap, &err);
+    if (!s.api) {
+        fprintf(stderr, "pdserve: %s\n", err.msg);
+        goto done;
+    }
+    sigint = evsignal_new(s.base, SIGINT, on_signal, &s);
+    sigterm = evsignal_new(s.base, SIGTERM, on_signal, &s);
+    if (!sigint || !sigterm || event_add(sigint, NULL) || event_add(sigterm, NULL)) goto done;
+    printf("pdserve: serving %s (max_model_len %d) on http://%s:%d\n", pd_api_model_name(s.api),
+           pd_engine_max_model_len(e), o->ap.host ? o->ap.host : "127.0.0.1", pd_api_port(s.api));
+    fflush(stdout);
+    if (o->is_run) send_sample(&s);
+    event_base_dispatch(s.base);
+    rc = 0;
+done:
+    if (s.client) evhttp_connection_free(s.client);
+    pd_api_free(s.api);
+    if (sigint) event_free(sigint);
+    if (sigterm) event_free(sigterm);
+    pd_engine_free(e);
+    if (s.base) event_base_free(s.base);
+    if (rc == 0) fprintf(stderr, "pdserve: stopped\n");
+    return rc;
+}
+
+static int serve_or_run(int argc, char **argv, bool is_run) {
+    serve_opts o = {0};
+    o.ep = pd_engine_params_default();
+    o.ap = pd_api_params_default();
+    o.ap.port = 8000;
+    o.is_run = is_run;
+    o.sample_max_tokens = 48;
+    int rc = parse_flags(argc, argv, &o);
+    if (rc >= 0) return rc;
+    return serve_main(&o);
+}
+
+int pd_cmd_serve(int argc, char **argv) { return serve_or_run(argc, argv, false); }
+int pd_cmd_run(int argc, char **argv) { return serve_or_run(argc, argv, true); }

@@ -1,0 +1,513 @@
+// engine.c — the step loop. One engine thread owns the backend, the model, the KV cache (device
+// memory), the block manager (kv/) and the scheduler (sched/). Per step:
+//
+//   drain commands ─► pd_sched_schedule ─► build pd_batch ─► pd_model_forward ─► sample rows
+//        ▲                                                                          │
+//        └───────── push TOKEN / FINISHED events ◄──── pd_sched_update ◄────────────┘
+//
+// Per-request state the scheduler does not keep (the sampler with its RNG and penalty counts) lives
+// in a small id → request table here. Step buffers grow to the largest step and are reused, so a
+// warm engine does not allocate per step except in the sampler's logprob path.
+#include "engine/engine.h"
+
+#include <pthread.h>
+#include <stdio.h>
+#include <string.h>
+
+#include "engine/queue.h"
+#include "kv/kv.h"
+#include "sched/sched.h"
+
+#define N_BUCKETS 4096
+
+typedef struct ereq {
+    uint64_t id;
+    pd_sampler *sampler;  // owned
+    int n_prompt;
+    struct ereq *next;    // bucket chain
+} ereq;
+
+typedef struct step_bufs {
+    int32_t *tokens, *q_indptr, *kv_lens, *bt_indptr, *bt_indices, *logit_rows, *logit_seq;
+    int cap_tokens, cap_seqs, cap_bt;
+    float *logits;  // (cap_seqs, vocab)
+    pd_step_output *outputs;
+    pd_sample_result *results;  // by plan seq index
+    pd_engine_event *events;
+    int cap_events;
+} step_bufs;
+
+struct pd_engine {
+    pd_engine_params params;
+    char model_name[256];
+    pd_backend *backend;
+    pd_model *model;
+    pd_tok *tok;
+    pd_model_cache *cache;
+    pd_kv_mgr *kv;
+    pd_sched *sched;
+    int max_model_len;
+    pd_queue q;
+    pthread_t thread;
+    bool started;
+    ereq *buckets[N_BUCKETS];
+    step_bufs sb;
+    int64_t n_prefill_computed, n_generated, n_prompt_tokens, n_finished;
+};
+
+pd_engine_params pd_engine_params_default(void) {
+    pd_engine_params p = {0};
+    p.device = "auto";
+    p.block_size = 16;
+    p.memory_utilization = 0.9f;
+    p.max_num_batched_tokens = 2048;
+    p.enable_prefix_caching = true;
+    p.enable_chunked_prefill = true;
+    p.max_waiting = 4096;
+    return p;
+}
+
+// ---- request table -----------------------------------------------------------------------------
+static ereq **slot_of(pd_engine *e, uint64_t id) {
+    ereq **pp = &e->buckets[(id * 0x9e3779b97f4a7c15ull) >> 52];
+    while (*pp && (*pp)->id != id) pp = &(*pp)->next;
+    return pp;
+}
+static ereq *req_find(pd_engine *e, uint64_t id) { return *slot_of(e, id); }
+static void req_remove(pd_engine *e, uint64_t id) {
+    ereq **pp = slot_of(e, id);
+    ereq *r = *pp;
+    if (!r) return;
+    *pp = r->next;
+    pd_sampler_free(r->sampler);
+    pd_free(r);
+}
+
+// ---- construction ------------------------------------------------------------------------------
+static int size_kv_blocks(pd_engine *e, pd_err *err) {
+    const pd_engine_params *p = &e->params;
+    if (p->n_blocks > 0) return p->n_blocks;
+    const pd_model_config *c = pd_model_get_config(e->model);
+    size_t per_block = pd_model_config_kv_bytes_per_token(c, pd_dtype_size(pd_backend_act_dtype(e->backend))) * (size_t)p->block_size;
+    size_t budget = p->kv_cache_bytes;
+    if (!budget) {
+        size_t free_b = 0, total_b = 0;
+        pd_backend_mem_info(e->backend, &free_b, &total_b);
+        budget = (size_t)((double)free_b * p->memory_utilization);
+        // On the CPU the "device" is the host: take at most 1 GiB unless told otherwise.
+        if (!strcmp(pd_backend_name(e->backend), "cpu") && budget > (1u << 30)) budget = 1u << 30;
+    }
+    size_t n = budget / per_block;
+    if (n < 2) {
+        pd_err_set(err, PD_ERR_DEVICE, "KV cache budget of %zu bytes holds fewer than 2 blocks of %zu bytes", budget, per_block);
+        return -1;
+    }
+    return n > (1u << 30) ? 1 << 30 : (int)n;
+}
+
+pd_engine *pd_engine_new(const pd_engine_params *p, pd_err *err) {
+    pd_engine *e = pd_calloc(1, sizeof *e);
+    if (!e) {
+        pd_err_set(err, PD_ERR_NOMEM, "out of memory");
+        return NULL;
+    }
+    e->params = *p;
+    if (e->params.block_size <= 0) e->params.block_size = 16;
+    const char *base = strrchr(p->model_dir, '/');
+    snprintf(e->model_name, sizeof e->model_name, "%s", base && base[1] ? base + 1 : p->model_dir);
+    if (pd_queue_init(&e->q)) {
+        pd_err_set(err, PD_ERR_IO, "cannot create the engine's event fd");
+        goto fail;
+    }
+    e->backend = pd_backend_new(p->device, p->device_id, err);
+    if (!e->backend) goto fail;
+    e->tok = pd_tok_load(p->model_dir, err);
+    if (!e->tok) goto fail;
+    pd_model_params mp = pd_model_params_default();
+    mp.dir = p->model_dir;
+    mp.backend = e->backend;
+    mp.dummy = p->dummy_weights;
+    e->model = pd_model_load(&mp, err);
+    if (!e->model) goto fail;
+    const pd_model_config *c = pd_model_get_config(e->model);
+    e->max_model_len = p->max_model_len > 0 ? PD_MIN(p->max_model_len, c->max_position_embeddings) : c->max_position_embeddings;
+    int n_blocks = size_kv_blocks(e, err);
+    if (n_blocks < 0) goto fail;
+    e->cache = pd_model_cache_new(e->model, n_blocks, e->params.block_size, err);
+    if (!e->cache) goto fail;
+    pd_kv_params kp = pd_kv_params_default();
+    kp.n_blocks = n_blocks;
+    kp.block_size = e->params.block_size;
+    kp.enable_prefix_caching = p->enable_prefix_caching;
+    e->kv = pd_kv_mgr_new(&kp, err);
+    if (!e->kv) goto fail;
+    pd_sched_params sp = pd_sched_params_default();
+    if (p->max_num_seqs > 0) sp.max_num_seqs = p->max_num_seqs;
+    else sp.max_num_seqs = !strcmp(pd_backend_name(e->backend), "cpu") ? 64 : 256;
+    sp.max_num_batched_tokens = p->max_num_batched_tokens > 0 ? p->max_num_batched_tokens : 2048;
+    sp.enable_chunked_prefill = p->enable_chunked_prefill;
+    sp.max_model_len = e->max_model_len;
+    sp.policy = p->policy == PD_POLICY_SRPT ? PD_SCHED_SRPT : PD_SCHED_FCFS;
+    e->sched = pd_sched_new(&sp, e->kv, err);
+    if (!e->sched) goto fail;
+    PD_LOG_I("engine: %s on %s, %d KV blocks of %d tokens (%.1f MiB), max_model_len %d", e->model_name,
+             pd_backend_name(e->backend), n_blocks, e->params.block_size,
+             (double)pd_buffer_size(pd_model_cache_buffer(e->cache)) / 1048576.0, e->max_model_len);
+    return e;
+fail:
+    pd_engine_free(e);
+    return NULL;
+}
+
+const pd_tok *pd_engine_tok(const pd_engine *e) { return e->tok; }
+const pd_model_config *pd_engine_config(const pd_engine *e) { return pd_model_get_config(e->model); }
+int pd_engine_max_model_len(const pd_engine *e) { return e->max_model_len; }
+const char *pd_engine_model_name(const pd_engine *e) { return e->model_name; }
+int pd_engine_event_fd(const pd_engine *e) { return e->q.efd; }
+int pd_engine_poll(pd_engine *e, pd_engine_event *out, int max) { return pd_queue_poll_events(&e->q, out, max); }
+
+void pd_engine_stats_get(pd_engine *e, pd_engine_stats *out) {
+    pthread_mutex_lock(&e->q.mu);
+    *out = e->q.stats;
+    out->n_waiting += e->q.n_in_submits;
+    pthread_mutex_unlock(&e->q.mu);
+}
+
+// ---- submit / abort (any thread) ---------------------------------------------------------------
+pd_status pd_engine_submit(pd_engine *e, const pd_engine_request *r, pd_err *err) {
+    const pd_model_config *c = pd_model_get_config(e->model);
+    if (r->n_prompt <= 0) return pd_err_set(err, PD_ERR_INVALID, "the prompt is empty");
+    if (r->max_tokens <= 0) return pd_err_set(err, PD_ERR_INVALID, "max_tokens must be at least 1");
+    if ((int64_t)r->n_prompt + r->max_tokens > e->max_model_len)
+        return pd_err_set(err, PD_ERR_INVALID,
+                          "This model's maximum context length is %d tokens. However, you requested %lld tokens "
+                          "(%d in the prompt, %d in the completion). Please reduce the length of the prompt or max_tokens.",
+                          e->max_model_len, (long long)r->n_prompt + r->max_tokens, r->n_prompt, r->max_tokens);
+    for (int i = 0; i < r->n_prompt; i++)
+        if (r->prompt[i] < 0 || r->prompt[i] >= c->vocab_size)
+            return pd_err_set(err, PD_ERR_INVALID, "token id %d at position %d is out of range [0, %d)", r->prompt[i], i, c->vocab_size);
+    if (r->n_stop_ids < 0 || r->n_stop_ids > 16) return pd_err_set(err, PD_ERR_INVALID, "at most 16 stop token ids");
+    pd_status st = pd_sampling_params_validate(&r->sampling, err);
+    if (st) return st;
+    pd_engine_stats s;
+    pd_engine_stats_get(e, &s);
+    if (s.n_waiting >= e->params.max_waiting) return pd_err_set(err, PD_NOSPACE, "the server is at capacity: %d requests waiting", s.n_waiting);
+    pd_cmd *cmd = pd_calloc(1, sizeof *cmd);
+    int32_t *prompt = pd_malloc(sizeof(int32_t) * (size_t)r->n_prompt);
+    if (!cmd || !prompt) {
+        pd_free(cmd);
+        pd_free(prompt);
+        return pd_err_set(err, PD_ERR_NOMEM, "out of memory");
+    }
+    memcpy(prompt, r->prompt, sizeof(int32_t) * (size_t)r->n_prompt);
+    cmd->kind = PD_CMD_SUBMIT;
+    cmd->id = r->id;
+    cmd->req = *r;
+    cmd->prompt = prompt;
+    cmd->req.prompt = prompt;
+    memcpy(cmd->stop_ids, r->stop_ids, sizeof(int32_t) * (size_t)r->n_stop_ids);
+    cmd->req.stop_ids = cmd->stop_ids;
+    if (!cmd->req.arrival_us) cmd->req.arrival_us = pd_time_us();
+    return pd_queue_push_cmd(&e->q, cmd);
+}
+
+void pd_engine_abort(pd_engine *e, uint64_t id) {
+    pd_cmd *cmd = pd_calloc(1, sizeof *cmd);
+    if (!cmd) return;  // the request then runs to completion; its events are dropped by id
+    cmd->kind = PD_CMD_ABORT;
+    cmd->id = id;
+    pd_queue_push_cmd(&e->q, cmd);
+}
+
+// ---- engine thread -----------------------------------------------------------------------------
+static void emit_finished(pd_engine *e, uint64_t id, pd_engine_finish f, int n_prompt, int n_cached, int n_out) {
+    pd_engine_event ev = {.kind = PD_EV_FINISHED, .id = id, .finish = f, .n_prompt_tokens = n_prompt,
+                          .n_cached_tokens = n_cached, .n_output_tokens = n_out};
+    pd_queue_push_events(&e->q, &ev, 1);
+}
+
+static void handle_submit(pd_engine *e, pd_cmd *c) {
+    const pd_engine_request *r = &c->req;
+    pd_err err = {0};
+    if (req_find(e, r->id)) {
+        PD_LOG_W("engine: duplicate request id %llu rejected", (unsigned long long)r->id);
+        emit_finished(e, r->id, PD_ENGINE_FINISH_ERROR, r->n_prompt, 0, 0);
+        return;
+    }
+    ereq *q = pd_calloc(1, sizeof *q);
+    if (q) q->sampler = pd_sampler_new(&r->sampling, pd_model_get_config(e->model)->vocab_size);
+    const pd_model_config *cfg = pd_model_get_config(e->model);
+    pd_sched_req_params sp = {.req_id = r->id, .prompt = r->prompt, .n_prompt = r->n_prompt, .max_tokens = r->max_tokens,
+                              .stop_ids = r->stop_ids, .n_stop_ids = r->n_stop_ids, .eos_ids = cfg->eos_token_ids,
+                              .n_eos_ids = cfg->n_eos, .ignore_eos = r->ignore_eos, .priority = r->priority};
+    if (!q || !q->sampler || pd_sched_add(e->sched, &sp, r->arrival_us, &err)) {
+        if (q) pd_sampler_free(q->sampler);
+        pd_free(q);
+        PD_LOG_W("engine: request %llu rejected: %s", (unsigned long long)r->id, err.msg[0] ? err.msg : "out of memory");
+        emit_finished(e, r->id, PD_ENGINE_FINISH_ERROR, r->n_prompt, 0, 0);
+        return;
+    }
+    pd_sampler_add_prompt(q->sampler, r->prompt, r->n_prompt);
+    q->id = r->id;
+    q->n_prompt = r->n_prompt;
+    ereq **pp = slot_of(e, r->id);
+    *pp = q;
+    e->n_prompt_tokens += r->n_prompt;
+}
+
+static void handle_cmds(pd_engine *e, pd_cmd *c) {
+    while (c) {
+        pd_cmd *n = c->next;
+        if (c->kind == PD_CMD_SUBMIT) {
+            handle_submit(e, c);
+        } else if (req_find(e, c->id)) {
+            ereq *r = req_find(e, c->id);
+            int n_prompt = r->n_prompt;
+            pd_sched_abort(e->sched, c->id);
+            req_remove(e, c->id);
+            emit_finished(e, c->id, PD_ENGINE_FINISH_ABORT, n_prompt, 0, 0);
+        }
+        pd_cmd_free(c);
+        c = n;
+    }
+}
+
+static bool grow_i32(int32_t **p, int *cap, int need) {
+    if (need <= *cap) return true;
+    int nc = PD_MAX(need, *cap * 2);
+    int32_t *np = pd_realloc(*p, sizeof(int32_t) * (size_t)nc);
+    if (!np) return false;
+    *p = np;
+    *cap = nc;
+    return true;
+}
+
+static pd_status reserve_bufs(pd_engine *e, const pd_step_plan *plan) {
+    step_bufs *b = &e->sb;
+    int V = pd_model_get_config(e->model)->vocab_size;
+    int n_bt = 0;
+    for (int i = 0; i < plan->n_seqs; i++) n_bt += plan->seqs[i].n_blocks;
+    int ct = b->cap_tokens, cb = b->cap_bt;
+    if (!grow_i32(&b->tokens, &ct, plan->n_tokens) || !grow_i32(&b->bt_indices, &cb, n_bt)) return PD_ERR_NOMEM;
+    b->cap_tokens = ct;
+    b->cap_bt = cb;
+    if (plan->n_seqs + 1 > b->cap_seqs) {
+        int n = (plan->n_seqs + 1) * 2, c1 = 0, c2 = 0, c3 = 0, c4 = 0, c5 = 0, c6 = 0;
+        c1 = c2 = c3 = c4 = c5 = c6 = b->cap_seqs;
+        if (!grow_i32(&b->q_indptr, &c1, n) || !grow_i32(&b->kv_lens, &c2, n) || !grow_i32(&b->bt_indptr, &c3, n) ||
+            !grow_i32(&b->logit_rows, &c4, n) || !grow_i32(&b->logit_seq, &c5, n))
+            return PD_ERR_NOMEM;
+        float *lg = pd_realloc(b->logits, sizeof(float) * (size_t)n * (size_t)V);
+        pd_step_output *o = pd_realloc(b->outputs, sizeof *o * (size_t)n);
+        pd_sample_result *r = pd_realloc(b->results, sizeof *r * (size_t)n);
+        if (lg) b->logits = lg;
+        if (o) b->outputs = o;
+        if (r) b->results = r;
+        if (!lg || !o || !r) return PD_ERR_NOMEM;
+        (void)c6;
+        b->cap_seqs = n;
+    }
+    return PD_OK;
+}
+
+// Runs the forward for a plan and samples. Returns PD_OK or an error (the step's requests are then
+// finished with ERROR by the caller).
+static pd_status run_plan(pd_engine *e, const pd_step_plan *plan) {
+    step_bufs *b = &e->sb;
+    pd_status st = reserve_bufs(e, plan);
+    if (st) return st;
+    int V = pd_model_get_config(e->model)->vocab_size, t = 0, nl = 0, bt = 0;
+    b->q_indptr[0] = b->bt_indptr[0] = 0;
+    for (int i = 0; i < plan->n_seqs; i++) {
+        const pd_step_seq *s = &plan->seqs[i];
+        memcpy(b->tokens + t, s->tokens, sizeof(int32_t) * (size_t)s->n_tokens);
+        t += s->n_tokens;
+        b->q_indptr[i + 1] = t;
+        b->kv_lens[i] = s->pos_start + s->n_tokens;
+        memcpy(b->bt_indices + bt, s->block_ids, sizeof(int32_t) * (size_t)s->n_blocks);
+        bt += s->n_blocks;
+        b->bt_indptr[i + 1] = bt;
+        if (s->needs_logits) {
+            b->logit_rows[nl] = t - 1;
+            b->logit_seq[nl++] = i;
+        }
+        b->outputs[i] = (pd_step_output){.token = -1};
+    }
+    pd_batch batch = {.n_tokens = t, .tokens = b->tokens, .n_seqs = plan->n_seqs, .q_indptr = b->q_indptr,
+                      .kv_lens = b->kv_lens, .bt_indptr = b->bt_indptr, .bt_indices = b->bt_indices, .n_logits = nl,
+                      .logit_rows = b->logit_rows};
+    st = pd_model_forward(e->model, e->cache, &batch, b->logits);
+    if (st) return st;
+    for (int k = 0; k < nl; k++) {
+        int i = b->logit_seq[k];
+        ereq *r = req_find(e, plan->seqs[i].req_id);
+        PD_ASSERT(r);
+        b->outputs[i].token = pd_sampler_sample(r->sampler, b->logits + (size_t)k * (size_t)V, &b->results[i]);
+        pd_sampler_accept(r->sampler, b->outputs[i].token);
+    }
+    // Prefill work actually done: prompt positions computed in this step (a prefix hit or a
+    // remote prefill computes fewer; a recompute after preemption computes them again).
+    for (int i = 0; i < plan->n_seqs; i++) {
+        const pd_step_seq *s = &plan->seqs[i];
+        ereq *r = req_find(e, s->req_id);
+        int end = PD_MIN(s->pos_start + s->n_tokens, r ? r->n_prompt : 0);
+        if (end > s->pos_start) e->n_prefill_computed += end - s->pos_start;
+    }
+    return PD_OK;
+}
+
+static pd_engine_finish map_finish(pd_finish_reason f) {
+    switch (f) {
+    case PD_FINISH_STOP: return PD_ENGINE_FINISH_STOP;
+    case PD_FINISH_LENGTH: return PD_ENGINE_FINISH_LENGTH;
+    case PD_FINISH_ABORT: return PD_ENGINE_FINISH_ABORT;
+    default: return PD_ENGINE_FINISH_ERROR;
+    }
+}
+
+// Turns scheduler events into engine events (TOKEN, then FINISHED when the request ended).
+static void push_sched_events(pd_engine *e, const pd_step_plan *plan, const pd_sched_event *ev, int n) {
+    step_bufs *b = &e->sb;
+    if (2 * n > b->cap_events) {
+        pd_engine_event *ne = pd_realloc(b->events, sizeof *ne * (size_t)(2 * n + 16));
+        if (!ne) return;  // PD_ASSERT-worthy in practice; events would be lost
+        b->events = ne;
+        b->cap_events = 2 * n + 16;
+    }
+    int k = 0;
+    for (int j = 0; j < n; j++) {
+        const pd_sched_event *s = &ev[j];
+        if (s->token >= 0) {
+            pd_engine_event *o = &b->events[k++];
+            memset(o, 0, sizeof *o);
+            o->kind = PD_EV_TOKEN;
+            o->id = s->req_id;
+            o->n_prompt_tokens = s->n_prompt_tokens;
+            o->n_cached_tokens = s->n_cached_tokens;
+            o->n_output_tokens = s->n_output_tokens;
+            for (int i = 0; plan && i < plan->n_seqs; i++)
+                if (plan->seqs[i].req_id == s->req_id && plan->seqs[i].needs_logits) {
+                    o->tok = b->results[i];
+                    break;
+                }
+            o->tok.token = s->token;
+            e->n_generated++;
+        }
+        if (s->finish != PD_FINISH_NONE) {
+            pd_engine_event *o = &b->events[k++];
+            memset(o, 0, sizeof *o);
+            o->kind = PD_EV_FINISHED;
+            o->id = s->req_id;
+            o->finish = map_finish(s->finish);
+            o->n_prompt_tokens = s->n_prompt_tokens;
+            o->n_cached_tokens = s->n_cached_tokens;
+            o->n_output_tokens = s->n_output_tokens;
+            req_remove(e, s->req_id);
+            e->n_finished++;
+        }
+    }
+    pd_queue_push_events(&e->q, b->events, k);
+}
+
+static void publish_stats(pd_engine *e) {
+    pd_sched_stats ss;
+    pd_kv_stats ks;
+    pd_sched_stats_get(e->sched, &ss);
+    pd_kv_stats_get(e->kv, &ks);
+    pthread_mutex_lock(&e->q.mu);
+    pd_engine_stats *o = &e->q.stats;
+    o->n_running = ss.n_running;
+    o->n_waiting = ss.n_waiting;
+    o->n_blocks_total = ks.n_blocks;
+    o->n_blocks_free = ks.n_free;
+    o->n_blocks_used = ks.n_used;
+    o->n_blocks_cached = ks.n_cached;
+    o->n_prompt_tokens = e->n_prompt_tokens;
+    o->n_generation_tokens = e->n_generated;
+    o->n_prefix_query_tokens = ks.n_query_tokens;
+    o->n_prefix_hit_tokens = ks.n_hit_tokens;
+    o->n_prefill_tokens_computed = e->n_prefill_computed;
+    o->n_preemptions = ss.n_preemptions;
+    o->n_steps = ss.n_steps;
+    o->n_requests_finished = e->n_finished;
+    pthread_mutex_unlock(&e->q.mu);
+}
+
+static void engine_step(pd_engine *e) {
+    pd_step_plan plan;
+    pd_sched_schedule(e->sched, pd_time_us(), &plan);
+    if (plan.n_finished) push_sched_events(e, NULL, plan.finished, plan.n_finished);
+    if (plan.n_seqs == 0) return;
+    pd_status st = run_plan(e, &plan);
+    pd_step_output *outs = e->sb.outputs;
+    if (st) {
+        // A failed step (device error, OOM) fails the requests in it, not the server.
+        PD_LOG_E("engine: step failed: %s", pd_status_str(st));
+        for (int i = 0; i < plan.n_seqs; i++) {
+            uint64_t id = plan.seqs[i].req_id;
+            ereq *r = req_find(e, id);
+            int np = r ? r->n_prompt : 0;
+            pd_sched_abort(e->sched, id);
+            req_remove(e, id);
+            emit_finished(e, id, PD_ENGINE_FINISH_ERROR, np, 0, 0);
+        }
+        const pd_sched_event *ev;
+        int32_t n;
+        pd_sched_update(e->sched, &plan, NULL, pd_time_us(), &ev, &n);
+        return;
+    }
+    const pd_sched_event *ev = NULL;
+    int32_t n_ev = 0;
+    st = pd_sched_update(e->sched, &plan, outs, pd_time_us(), &ev, &n_ev);
+    PD_ASSERT(st == PD_OK);
+    push_sched_events(e, &plan, ev, n_ev);
+}
+
+static void *engine_main(void *arg) {
+    pd_engine *e = arg;
+    for (;;) {
+        bool idle = !pd_sched_has_work(e->sched);
+        pd_cmd *c = pd_queue_pop_cmds(&e->q, idle);
+        if (e->q.stopping) {
+            handle_cmds(e, c);
+            break;
+        }
+        handle_cmds(e, c);
+        if (pd_sched_has_work(e->sched)) engine_step(e);
+        publish_stats(e);
+    }
+    return NULL;
+}
+
+pd_status pd_engine_start(pd_engine *e) {
+    publish_stats(e);
+    if (pthread_create(&e->thread, NULL, engine_main, e)) return PD_ERR_IO;
+    e->started = true;
+    return PD_OK;
+}
+
+void pd_engine_free(pd_engine *e) {
+    if (!e) return;
+    if (e->started) {
+        pd_queue_stop(&e->q);
+        pthread_join(e->thread, NULL);
+    }
+    for (int i = 0; i < N_BUCKETS; i++)
+        while (e->buckets[i]) {
+            uint64_t id = e->buckets[i]->id;
+            if (e->sched) pd_sched_abort(e->sched, id);
+            req_remove(e, id);
+        }
+    pd_sched_free(e->sched);
+    pd_kv_mgr_free(e->kv);
+    pd_model_cache_free(e->cache);
+    pd_model_free(e->model);
+    pd_tok_free(e->tok);
+    pd_backend_free(e->backend);
+    step_bufs *b = &e->sb;
+    pd_free(b->tokens), pd_free(b->q_indptr), pd_free(b->kv_lens), pd_free(b->bt_indptr), pd_free(b->bt_indices);
+    pd_free(b->logit_rows), pd_free(b->logit_seq), pd_free(b->logits), pd_free(b->outputs), pd_free(b->results);
+    pd_free(b->events);
+    pd_queue_fini(&e->q);
+    pd_free(e);
+}

@@ -1,0 +1,130 @@
+// engine — the serving engine: one model, one paged KV cache, a continuous-batching scheduler and
+// the step loop (plan → forward → sample → update) on its own thread.
+//
+// Threads: pd_engine_new loads the model and tokenizer; pd_engine_start starts the engine thread,
+// which owns the backend and all device memory. Any thread may call pd_engine_submit /
+// pd_engine_abort / pd_engine_stats (they only touch the request queue, under its mutex). Results
+// come back as events: the engine appends them to an outgoing queue and makes pd_engine_event_fd
+// readable; the consumer (the HTTP event loop) drains them with pd_engine_poll. This queue is the
+// one thread boundary of the server (engine/queue.c).
+//
+// Request lifecycle seen from outside:
+//   submit ──► (waiting) ──► TOKEN events, one per generated token ──► a FINISHED event (last)
+//   abort(id) at any time ──► a FINISHED event with reason ABORT (unless it had already finished);
+//   every submitted request gets exactly one FINISHED event, after which its id is forgotten.
+//
+// The engine knows token ids only: stop *strings*, detokenization and HTTP live in api/. It stops
+// on EOS (unless ignore_eos), on stop_ids and at max_tokens.
+#pragma once
+#include "base/base.h"
+#include "model/model.h"
+#include "model/sample.h"
+#include "tok/tok.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct pd_engine pd_engine;
+
+typedef enum pd_sched_policy_kind {
+    PD_POLICY_FCFS = 0,      // first come, first served (priority still orders first)
+    PD_POLICY_SRPT = 1,      // shortest remaining (uncached) prefill first, with aging
+} pd_sched_policy_kind;
+
+typedef struct pd_engine_params {
+    const char *model_dir;        // borrowed for the call
+    const char *device;           // "cpu", "cuda", "auto" (default)
+    int device_id;
+    bool dummy_weights;           // --load-format dummy
+    int block_size;               // tokens per KV block (default 16)
+    int n_blocks;                 // KV blocks; 0 = sized from kv_cache_bytes or memory_utilization
+    size_t kv_cache_bytes;        // --kv-cache-memory; 0 = use memory_utilization
+    float memory_utilization;     // fraction of free device memory for KV (default 0.9 cuda; cpu: 1 GiB cap)
+    int max_num_seqs;             // default 256 (cuda) / 64 (cpu)
+    int max_num_batched_tokens;   // token budget per step (default 2048)
+    int max_model_len;            // 0 = the model's max_position_embeddings
+    bool enable_prefix_caching;   // default true
+    bool enable_chunked_prefill;  // default true
+    pd_sched_policy_kind policy;  // default FCFS
+    int max_waiting;              // queue limit; submit returns PD_NOSPACE beyond it (default 4096)
+} pd_engine_params;
+pd_engine_params pd_engine_params_default(void);
+
+// Loads model + tokenizer and sizes the KV cache. NULL with err on failure.
+pd_engine *pd_engine_new(const pd_engine_params *p, pd_err *err);
+// Starts the engine thread. PD_OK or PD_ERR_IO.
+pd_status pd_engine_start(pd_engine *e);
+// Stops the thread (finishing nothing: running requests get ABORT events) and frees everything.
+void pd_engine_free(pd_engine *e);
+
+const pd_tok *pd_engine_tok(const pd_engine *e);            // valid until pd_engine_free
+const pd_model_config *pd_engine_config(const pd_engine *e);
+int pd_engine_max_model_len(const pd_engine *e);
+const char *pd_engine_model_name(const pd_engine *e);        // folder basename
+
+typedef struct pd_engine_request {
+    uint64_t id;                  // caller-chosen, unique among live requests
+    const int32_t *prompt;        // copied by submit
+    int n_prompt;
+    int max_tokens;               // > 0
+    bool ignore_eos;
+    const int32_t *stop_ids;      // copied (n_stop_ids <= 16)
+    int n_stop_ids;
+    pd_sampling_params sampling;
+    int priority;                 // higher runs first (default 0)
+    int64_t arrival_us;           // 0 = now
+} pd_engine_request;
+
+// Queues a request.
+//   PD_OK           queued; events will follow
+//   PD_NOSPACE      the waiting queue is full (HTTP 503 + Retry-After)
+//   PD_ERR_INVALID  bad request: err says why (prompt + max_tokens beyond the context length,
+//                   empty prompt, token id out of range, duplicate id, bad sampling params)
+//   PD_ERR_NOMEM
+pd_status pd_engine_submit(pd_engine *e, const pd_engine_request *r, pd_err *err);
+// Aborts a request (client went away, stop string matched). Unknown ids are ignored.
+void pd_engine_abort(pd_engine *e, uint64_t id);
+
+typedef enum pd_engine_event_kind {
+    PD_EV_TOKEN = 1,
+    PD_EV_FINISHED = 2,
+} pd_engine_event_kind;
+
+typedef enum pd_engine_finish {
+    PD_ENGINE_FINISH_LENGTH = 1,
+    PD_ENGINE_FINISH_STOP = 2,    // EOS or a stop id
+    PD_ENGINE_FINISH_ABORT = 3,
+    PD_ENGINE_FINISH_ERROR = 4,   // could never fit in the KV cache, or a device error
+} pd_engine_finish;
+
+typedef struct pd_engine_event {
+    pd_engine_event_kind kind;
+    uint64_t id;
+    pd_sample_result tok;         // TOKEN: token id, logprob and top alternatives
+    pd_engine_finish finish;      // FINISHED
+    int n_prompt_tokens;          // FINISHED and first TOKEN
+    int n_cached_tokens;          // prompt tokens served from the prefix cache
+    int n_output_tokens;          // FINISHED
+} pd_engine_event;
+
+// File descriptor that becomes readable when events are pending (level-triggered: it stays
+// readable until pd_engine_poll has drained everything).
+int pd_engine_event_fd(const pd_engine *e);
+// Moves up to max pending events into out; returns how many.
+int pd_engine_poll(pd_engine *e, pd_engine_event *out, int max);
+
+typedef struct pd_engine_stats {
+    int n_running, n_waiting;
+    int n_blocks_total, n_blocks_free, n_blocks_used, n_blocks_cached;
+    int64_t n_prompt_tokens, n_generation_tokens;   // totals
+    int64_t n_prefix_query_tokens, n_prefix_hit_tokens;
+    int64_t n_prefill_tokens_computed;              // prompt tokens actually run through the model
+    int64_t n_preemptions, n_steps;
+    int64_t n_requests_finished;
+} pd_engine_stats;
+void pd_engine_stats_get(pd_engine *e, pd_engine_stats *out);
+
+#ifdef __cplusplus
+}
+#endif

@@ -1,0 +1,438 @@
+// attention.cu — paged causal GQA attention: a tensor-core prefill kernel, a split-K decode
+// kernel and the combine kernel for the decode partials. See attention.cuh for the contract.
+//
+// Prefill (k_attn_prefill<HD>): block = 8 warps = 128 query rows of one sequence and one head;
+// each warp owns 16 rows. K/V tiles of 64 positions are gathered through the page table into
+// padded shared memory (row stride HD+8 elements, so ldmatrix rows hit distinct banks) with
+// cp.async, double-buffered. S = Q.K^T and O += P.V run on mma.sync m16n8k16 (bf16 in, f32
+// accumulate); the softmax is online (running max m and sum l per row, base-2 exponentials with
+// scale*log2(e) folded into the scores). Causal masking only matters on the last tiles.
+//
+//   smem: Q [128][HD+8] | K [2][64][HD+8] | V [2][64][HD+8]   (HD=128: 102 KB)
+//
+// Decode (k_attn_decode<HD, G>): block = 4 warps for one (sequence, kv head, partition). The G
+// query heads of the kv head are processed together, so each K/V row is read once. A token's row
+// is spread over HD/8 lanes (16 bytes each); a warp covers 32/(HD/8) tokens per step and loads
+// PD_K_DEC_UNROLL steps ahead. Partials (o normalised, lse in base 2) go to the workspace when
+// the sequence spans several partitions, and k_attn_combine merges them; otherwise the block
+// writes the output directly.
+#include <math.h>
+
+#include "kernels/attention.cuh"
+#include "kernels/common.cuh"
+
+#define PD_K_ATT_BQ 128
+#define PD_K_ATT_BKV 64
+#define PD_K_ATT_WARPS 8
+#define PD_K_LOG2E 1.4426950408889634f
+
+#define PD_K_DEC_WARPS 4
+#define PD_K_DEC_UNROLL 4
+#define PD_K_DEC_MIN_PART 64
+#define PD_K_DEC_MAX_SPLITS 64
+
+// ---- prefill ---------------------------------------------------------------------------------
+
+template <int HD>
+static __device__ __forceinline__ void pd_k_att_load_kv(__nv_bfloat16 *ks, __nv_bfloat16 *vs,
+                                                        const __nv_bfloat16 *kc, const __nv_bfloat16 *vc,
+                                                        const int32_t *bt, int kv0, int kv_end, int bs,
+                                                        int n_kv, int kvh) {
+    constexpr int CPR = HD / 8;  // 16-byte chunks per row
+    constexpr int STR = HD + 8;
+    for (int c = threadIdx.x; c < PD_K_ATT_BKV * CPR; c += PD_K_ATT_WARPS * 32) {
+        int r = c / CPR, ch = c % CPR, pos = kv0 + r;
+        bool ok = pos < kv_end;
+        size_t off = 0;
+        if (ok) {
+            size_t slot = (size_t)bt[pos / bs] * bs + pos % bs;
+            off = (slot * n_kv + kvh) * HD + ch * 8;
+        }
+        pd_k_cp_async16(ks + r * STR + ch * 8, kc + off, ok);
+        pd_k_cp_async16(vs + r * STR + ch * 8, vc + off, ok);
+    }
+}
+
+template <int HD>
+static __global__ void __launch_bounds__(PD_K_ATT_WARPS * 32)
+    k_attn_prefill(const __nv_bfloat16 *q, const __nv_bfloat16 *kc, const __nv_bfloat16 *vc, __nv_bfloat16 *out,
+                   const int32_t *q_indptr, const int32_t *kv_lens, const int32_t *bt_indptr,
+                   const int32_t *bt_indices, int n_q_tiles, int H, int n_kv, int bs, int q_stride,
+                   float scale_log2) {
+    constexpr int STR = HD + 8;
+    extern __shared__ __align__(16) unsigned char pd_k_smem[];
+    __nv_bfloat16 *qs = (__nv_bfloat16 *)pd_k_smem;
+    __nv_bfloat16 *ks = qs + PD_K_ATT_BQ * STR;                      // [2][BKV][STR]
+    __nv_bfloat16 *vs = ks + 2 * PD_K_ATT_BKV * STR;                 // [2][BKV][STR]
+
+    int s = blockIdx.x / n_q_tiles;
+    int qt = n_q_tiles - 1 - blockIdx.x % n_q_tiles;  // longest tiles first
+    int h = blockIdx.y, kvh = h / (H / n_kv);
+    int q_begin = q_indptr[s], q_len = q_indptr[s + 1] - q_begin;
+    if (q_len <= 1 || qt * PD_K_ATT_BQ >= q_len) return;  // q_len == 1: the decode kernel's
+    int kv_len = kv_lens[s];
+    int row0 = qt * PD_K_ATT_BQ, row_end = min(q_len, row0 + PD_K_ATT_BQ);
+    int pos0 = kv_len - q_len + row0;            // position of tile row 0
+    int kv_end = kv_len - q_len + row_end;       // exclusive bound over the tile's rows
+    const int32_t *bt = bt_indices + bt_indptr[s];
+    int n_kv_tiles = (kv_end + PD_K_ATT_BKV - 1) / PD_K_ATT_BKV;
+
+    // Q tile -> smem (rows past q_len zero).
+    for (int c = threadIdx.x; c < PD_K_ATT_BQ * (HD / 8); c += PD_K_ATT_WARPS * 32) {
+        int r = c / (HD / 8), ch = c % (HD / 8);
+        bool ok = row0 + r < q_len;
+        const __nv_bfloat16 *src = q + (size_t)(q_begin + (ok ? row0 + r : 0)) * q_stride + (size_t)h * HD + ch * 8;
+        pd_k_cp_async16(qs + r * STR + ch * 8, src, ok);
+    }
+    pd_k_att_load_kv<HD>(ks, vs, kc, vc, bt, 0, kv_end, bs, n_kv, kvh);
+    pd_k_cp_async_commit();
+
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+    int wr = warp * 16;  // warp's first row in the tile
+    uint32_t qf[HD / 16][4];
+    float o[HD / 8][4];
+#pragma unroll
+    for (int i = 0; i < HD / 8; i++) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
+    float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+    int qpos[2] = {pos0 + wr + g, pos0 + wr + g + 8};
+
+    for (int j = 0; j < n_kv_tiles; j++) {
+        int buf = j & 1;
+        if (j + 1 < n_kv_tiles) {
+            pd_k_att_load_kv<HD>(ks + (buf ^ 1) * PD_K_ATT_BKV * STR, vs + (buf ^ 1) * PD_K_ATT_BKV * STR, kc, vc,
+                                 bt, (j + 1) * PD_K_ATT_BKV, kv_end, bs, n_kv, kvh);
+            pd_k_cp_async_commit();
+            pd_k_cp_async_wait<1>();
+        } else {
+            pd_k_cp_async_wait<0>();
+        }
+        __syncthreads();
+        if (j == 0) {
+#pragma unroll
+            for (int kk = 0; kk < HD / 16; kk++)
+                pd_k_ldmatrix_x4(qf[kk], qs + (wr + (lane & 15)) * STR + kk * 16 + (lane >> 4) * 8);
+        }
+        const __nv_bfloat16 *kt = ks + buf * PD_K_ATT_BKV * STR, *vt = vs + buf * PD_K_ATT_BKV * STR;
+        int kv0 = j * PD_K_ATT_BKV;
+        // Skip the whole tile for this warp if all its rows are before kv0 (causal).
+        bool warp_live = pos0 + wr + 15 >= kv0;
+        if (warp_live) {
+            float sc[PD_K_ATT_BKV / 8][4];
+#pragma unroll
+            for (int nt = 0; nt < PD_K_ATT_BKV / 8; nt++) sc[nt][0] = sc[nt][1] = sc[nt][2] = sc[nt][3] = 0.f;
+#pragma unroll
+            for (int kk = 0; kk < HD / 16; kk += 2) {
+#pragma unroll
+                for (int nt = 0; nt < PD_K_ATT_BKV / 8; nt++) {
+                    uint32_t b[4];
+                    pd_k_ldmatrix_x4(b, kt + (nt * 8 + (lane & 7)) * STR + kk * 16 + (lane >> 3) * 8);
+                    pd_k_mma_bf16(sc[nt], qf[kk], b[0], b[1]);
+                    pd_k_mma_bf16(sc[nt], qf[kk + 1], b[2], b[3]);
+                }
+            }
+            // scale, mask, online softmax
+            bool need_mask = kv0 + PD_K_ATT_BKV - 1 > pos0 + wr;
+            float mx[2] = {m[0], m[1]};
+#pragma unroll
+            for (int nt = 0; nt < PD_K_ATT_BKV / 8; nt++) {
+#pragma unroll
+                for (int i = 0; i < 4; i++) {
+                    float v = sc[nt][i] * scale_log2;
+                    if (need_mask) {
+                        int kp = kv0 + nt * 8 + 2 * t + (i & 1);
+                        if (kp > qpos[i >> 1]) v = -INFINITY;
+                    }
+                    sc[nt][i] = v;
+                    mx[i >> 1] = fmaxf(mx[i >> 1], v);
+                }
+            }
+            float corr[2];
+#pragma unroll
+            for (int r = 0; r < 2; r++) {
+                mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
+                mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
+                corr[r] = mx[r] == -INFINITY ? 1.f : exp2f(m[r] - mx[r]);
+                m[r] = mx[r];
+                l[r] *= corr[r];
+            }
+#pragma unroll
+            for (int d = 0; d < HD / 8; d++) {
+                o[d][0] *= corr[0];
+                o[d][1] *= corr[0];
+                o[d][2] *= corr[1];
+                o[d][3] *= corr[1];
+            }
+            float base[2] = {m[0] == -INFINITY ? 0.f : m[0], m[1] == -INFINITY ? 0.f : m[1]};
+#pragma unroll
+            for (int nt = 0; nt < PD_K_ATT_BKV / 8; nt++) {
+#pragma unroll
+                for (int i = 0; i < 4; i++) {
+                    float p = exp2f(sc[nt][i] - base[i >> 1]);
+                    sc[nt][i] = p;
+                    l[i >> 1] += p;
+                }
+            }
+            // O += P V
+#pragma unroll
+            for (int kk = 0; kk < PD_K_ATT_BKV / 16; kk++) {
+                uint32_t pa[4] = {pd_k_pack2(sc[2 * kk][0], sc[2 * kk][1]), pd_k_pack2(sc[2 * kk][2], sc[2 * kk][3]),
+                                  pd_k_pack2(sc[2 * kk + 1][0], sc[2 * kk + 1][1]),
+                                  pd_k_pack2(sc[2 * kk + 1][2], sc[2 * kk + 1][3])};
+#pragma unroll
+                for (int d = 0; d < HD / 8; d += 2) {
+                    uint32_t b[4];
+                    pd_k_ldmatrix_x4_trans(b, vt + (kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * STR + d * 8 +
+                                                  (lane >> 4) * 8);
+                    pd_k_mma_bf16(o[d], pa, b[0], b[1]);
+                    pd_k_mma_bf16(o[d + 1], pa, b[2], b[3]);
+                }
+            }
+        }
+        __syncthreads();  // buffer buf is refilled next iteration
+    }
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
+        l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
+        l[r] = l[r] > 0.f ? 1.f / l[r] : 0.f;
+    }
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        int row = row0 + wr + g + r * 8;
+        if (row >= q_len) continue;
+        __nv_bfloat16 *dst = out + (size_t)(q_begin + row) * H * HD + (size_t)h * HD;
+#pragma unroll
+        for (int d = 0; d < HD / 8; d++)
+            *(uint32_t *)(dst + d * 8 + 2 * t) = pd_k_pack2(o[d][2 * r] * l[r], o[d][2 * r + 1] * l[r]);
+    }
+}
+
+// ---- decode ----------------------------------------------------------------------------------
+
+static inline __host__ __device__ int pd_k_dec_part(int n_seqs, int n_kv, int max_kv_len) {
+    int want = (4 * 132 + n_seqs * n_kv - 1) / (n_seqs * n_kv);  // ~4 waves on an H100
+    if (want < 1) want = 1;
+    int part = (max_kv_len + want - 1) / want;
+    if (part < PD_K_DEC_MIN_PART) part = PD_K_DEC_MIN_PART;
+    int min_part = (max_kv_len + PD_K_DEC_MAX_SPLITS - 1) / PD_K_DEC_MAX_SPLITS;
+    if (part < min_part) part = min_part;
+    return (part + 63) / 64 * 64;
+}
+
+template <int HD, int GM>
+static __global__ void __launch_bounds__(PD_K_DEC_WARPS * 32)
+    k_attn_decode(const __nv_bfloat16 *q, const __nv_bfloat16 *kc, const __nv_bfloat16 *vc, __nv_bfloat16 *out,
+                  const int32_t *q_indptr, const int32_t *kv_lens, const int32_t *bt_indptr,
+                  const int32_t *bt_indices, int H, int n_kv, int bs, int q_stride, float scale_log2, int part,
+                  int n_splits, float *ws) {
+    constexpr int LPT = HD / 8, TPW = 32 / LPT, U = PD_K_DEC_UNROLL;
+    __shared__ float red[PD_K_DEC_WARPS][GM][HD + 2];
+    int split = blockIdx.x, kvh = blockIdx.y, s = blockIdx.z;
+    int q_begin = q_indptr[s];
+    if (q_indptr[s + 1] - q_begin != 1) return;  // prefill kernel's
+    int kv_len = kv_lens[s];
+    int k_begin = split * part, k_end = min(kv_len, k_begin + part);
+    if (k_begin >= kv_len) return;
+    int n_sp = (kv_len + part - 1) / part;
+    int G = H / n_kv;
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, sub = lane / LPT, d8 = lane % LPT;
+    const int32_t *bt = bt_indices + bt_indptr[s];
+
+    float qv[GM][8], acc[GM][8], m[GM], l[GM];
+#pragma unroll
+    for (int gi = 0; gi < GM; gi++) {
+        m[gi] = -INFINITY;
+        l[gi] = 0.f;
+#pragma unroll
+        for (int i = 0; i < 8; i++) acc[gi][i] = 0.f;
+        if (gi < G) {
+            uint4 u = *(const uint4 *)(q + (size_t)q_begin * q_stride + (size_t)(kvh * G + gi) * HD + d8 * 8);
+            pd_k_unpack8(u, qv[gi]);
+#pragma unroll
+            for (int i = 0; i < 8; i++) qv[gi][i] *= scale_log2;
+        } else {
+#pragma unroll
+            for (int i = 0; i < 8; i++) qv[gi][i] = 0.f;
+        }
+    }
+    constexpr int STEP = PD_K_DEC_WARPS * TPW * U;
+    for (int base = k_begin; base < k_end; base += STEP) {
+        uint4 kr[U], vr[U];
+        bool ok[U];
+#pragma unroll
+        for (int u = 0; u < U; u++) {
+            int pos = base + (u * PD_K_DEC_WARPS + warp) * TPW + sub;
+            ok[u] = pos < k_end;
+            if (ok[u]) {
+                size_t slot = (size_t)bt[pos / bs] * bs + pos % bs;
+                size_t off = (slot * n_kv + kvh) * HD + d8 * 8;
+                kr[u] = __ldg((const uint4 *)(kc + off));
+                vr[u] = __ldg((const uint4 *)(vc + off));
+            } else {
+                kr[u] = vr[u] = make_uint4(0, 0, 0, 0);
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < U; u++) {
+            float kf[8], vf[8];
+            pd_k_unpack8(kr[u], kf);
+            pd_k_unpack8(vr[u], vf);
+#pragma unroll
+            for (int gi = 0; gi < GM; gi++) {
+                if (gi >= G) continue;
+                float sc = 0.f;
+#pragma unroll
+                for (int i = 0; i < 8; i++) sc += qv[gi][i] * kf[i];
+#pragma unroll
+                for (int o = LPT / 2; o > 0; o >>= 1) sc += __shfl_xor_sync(0xffffffffu, sc, o);
+                if (!ok[u]) continue;
+                float mn = fmaxf(m[gi], sc);
+                float corr = exp2f(m[gi] - mn), p = exp2f(sc - mn);
+                m[gi] = mn;
+                l[gi] = l[gi] * corr + p;
+#pragma unroll
+                for (int i = 0; i < 8; i++) acc[gi][i] = acc[gi][i] * corr + p * vf[i];
+            }
+        }
+    }
+    // merge the token groups of the warp
+#pragma unroll
+    for (int o = LPT; o < 32; o <<= 1) {
+#pragma unroll
+        for (int gi = 0; gi < GM; gi++) {
+            float mo = __shfl_xor_sync(0xffffffffu, m[gi], o), lo = __shfl_xor_sync(0xffffffffu, l[gi], o);
+            float mn = fmaxf(m[gi], mo);
+            float a = mn == -INFINITY ? 0.f : exp2f(m[gi] - mn), b = mn == -INFINITY ? 0.f : exp2f(mo - mn);
+            l[gi] = l[gi] * a + lo * b;
+#pragma unroll
+            for (int i = 0; i < 8; i++) acc[gi][i] = acc[gi][i] * a + __shfl_xor_sync(0xffffffffu, acc[gi][i], o) * b;
+            m[gi] = mn;
+        }
+    }
+    if (sub == 0) {
+#pragma unroll
+        for (int gi = 0; gi < GM; gi++) {
+            if (gi >= G) continue;
+#pragma unroll
+            for (int i = 0; i < 8; i++) red[warp][gi][d8 * 8 + i] = acc[gi][i];
+            if (d8 == 0) {
+                red[warp][gi][HD] = m[gi];
+                red[warp][gi][HD + 1] = l[gi];
+            }
+        }
+    }
+    __syncthreads();
+    for (int e = threadIdx.x; e < G * HD; e += PD_K_DEC_WARPS * 32) {
+        int gi = e / HD, d = e % HD;
+        float mn = -INFINITY;
+#pragma unroll
+        for (int w = 0; w < PD_K_DEC_WARPS; w++) mn = fmaxf(mn, red[w][gi][HD]);
+        float lt = 0.f, v = 0.f;
+#pragma unroll
+        for (int w = 0; w < PD_K_DEC_WARPS; w++) {
+            float mw = red[w][gi][HD];
+            float f = mw == -INFINITY ? 0.f : exp2f(mw - mn);
+            lt += red[w][gi][HD + 1] * f;
+            v += red[w][gi][d] * f;
+        }
+        int h = kvh * G + gi;
+        float r = lt > 0.f ? v / lt : 0.f;
+        if (n_sp == 1) {
+            out[(size_t)q_begin * H * HD + (size_t)h * HD + d] = __float2bfloat16(r);
+        } else {
+            float *wo = ws + ((size_t)(s * H + h) * n_splits + split) * (HD + 1);
+            wo[d] = r;
+            if (d == 0) wo[HD] = mn + log2f(lt);
+        }
+    }
+}
+
+template <int HD>
+static __global__ void k_attn_combine(__nv_bfloat16 *out, const int32_t *q_indptr, const int32_t *kv_lens, int H,
+                                      int part, int n_splits, const float *ws) {
+    int s = blockIdx.x, h = blockIdx.y;
+    int q_begin = q_indptr[s];
+    if (q_indptr[s + 1] - q_begin != 1) return;
+    int n_sp = (kv_lens[s] + part - 1) / part;
+    if (n_sp <= 1) return;
+    const float *w0 = ws + (size_t)(s * H + h) * n_splits * (HD + 1);
+    float mx = -INFINITY;
+    for (int i = 0; i < n_sp; i++) mx = fmaxf(mx, w0[(size_t)i * (HD + 1) + HD]);
+    for (int d = threadIdx.x; d < HD; d += blockDim.x) {
+        float num = 0.f, den = 0.f;
+        for (int i = 0; i < n_sp; i++) {
+            float f = exp2f(w0[(size_t)i * (HD + 1) + HD] - mx);
+            num += f * w0[(size_t)i * (HD + 1) + d];
+            den += f;
+        }
+        out[(size_t)q_begin * H * HD + (size_t)h * HD + d] = __float2bfloat16(num / den);
+    }
+}
+
+// ---- launchers -------------------------------------------------------------------------------
+
+extern "C" int pd_cuda_attention_supported(int head_dim, int n_heads, int n_kv_heads) {
+    if (head_dim != 32 && head_dim != 64 && head_dim != 128) return 0;
+    if (n_kv_heads <= 0 || n_heads % n_kv_heads) return 0;
+    return n_heads / n_kv_heads <= 8;
+}
+
+extern "C" size_t pd_cuda_attention_workspace_bytes(int n_tokens, int n_seqs, int n_heads, int n_kv_heads,
+                                                    int head_dim, int max_kv_len) {
+    int part = pd_k_dec_part(n_seqs, n_kv_heads, max_kv_len);
+    int n_splits = (max_kv_len + part - 1) / part;
+    if (n_splits <= 1) return 0;
+    return (size_t)n_seqs * n_heads * n_splits * (head_dim + 1) * sizeof(float);
+}
+
+template <int HD>
+static void pd_k_attn_launch_prefill(const pd_attention_kparams *p, cudaStream_t s) {
+    int n_q_tiles = (p->max_q_len + PD_K_ATT_BQ - 1) / PD_K_ATT_BQ;
+    size_t smem = (size_t)(PD_K_ATT_BQ + 4 * PD_K_ATT_BKV) * (HD + 8) * 2;
+    static bool attr_set = false;  // per instantiation; the first launch raises the smem limit
+    if (!attr_set) {
+        cudaFuncSetAttribute(k_attn_prefill<HD>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+        attr_set = true;
+    }
+    dim3 grid(p->n_seqs * n_q_tiles, p->n_heads);
+    k_attn_prefill<HD><<<grid, PD_K_ATT_WARPS * 32, smem, s>>>(
+        (const __nv_bfloat16 *)p->q, (const __nv_bfloat16 *)p->k_cache, (const __nv_bfloat16 *)p->v_cache,
+        (__nv_bfloat16 *)p->out, p->q_indptr, p->kv_lens, p->bt_indptr, p->bt_indices, n_q_tiles, p->n_heads,
+        p->n_kv_heads, p->block_size, p->q_stride, p->scale * PD_K_LOG2E);
+}
+
+template <int HD, int GM>
+static void pd_k_attn_launch_decode(const pd_attention_kparams *p, cudaStream_t s, int part, int n_splits) {
+    dim3 grid(n_splits, p->n_kv_heads, p->n_seqs);
+    k_attn_decode<HD, GM><<<grid, PD_K_DEC_WARPS * 32, 0, s>>>(
+        (const __nv_bfloat16 *)p->q, (const __nv_bfloat16 *)p->k_cache, (const __nv_bfloat16 *)p->v_cache,
+        (__nv_bfloat16 *)p->out, p->q_indptr, p->kv_lens, p->bt_indptr, p->bt_indices, p->n_heads, p->n_kv_heads,
+        p->block_size, p->q_stride, p->scale * PD_K_LOG2E, part, n_splits, p->workspace);
+    if (n_splits > 1)
+        k_attn_combine<HD><<<dim3(p->n_seqs, p->n_heads), HD, 0, s>>>((__nv_bfloat16 *)p->out, p->q_indptr,
+                                                                      p->kv_lens, p->n_heads, part, n_splits,
+                                                                      p->workspace);
+}
+
+template <int HD>
+static void pd_k_attn_dispatch(const pd_attention_kparams *p, cudaStream_t s) {
+    if (p->max_q_len > 1) pd_k_attn_launch_prefill<HD>(p, s);
+    int part = pd_k_dec_part(p->n_seqs, p->n_kv_heads, p->max_kv_len);
+    int n_splits = (p->max_kv_len + part - 1) / part;
+    if (n_splits < 1) n_splits = 1;
+    int G = p->n_heads / p->n_kv_heads;
+    if (G == 1) pd_k_attn_launch_decode<HD, 1>(p, s, part, n_splits);
+    else if (G == 2) pd_k_attn_launch_decode<HD, 2>(p, s, part, n_splits);
+    else if (G <= 4) pd_k_attn_launch_decode<HD, 4>(p, s, part, n_splits);
+    else pd_k_attn_launch_decode<HD, 8>(p, s, part, n_splits);
+}
+
+extern "C" void pd_cuda_attention(const pd_attention_kparams *p, cudaStream_t s) {
+    if (p->n_tokens <= 0 || p->n_seqs <= 0) return;
+    switch (p->head_dim) {
+    case 32: pd_k_attn_dispatch<32>(p, s); break;
+    case 64: pd_k_attn_dispatch<64>(p, s); break;
+    case 128: pd_k_attn_dispatch<128>(p, s); break;
+    default: break;  // pd_cuda_attention_supported() is checked by the caller
+    }
+}

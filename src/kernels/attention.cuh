@@ -1,0 +1,47 @@
+// attention.cuh — paged causal attention with GQA over a mixed batch (prefill chunks and decodes
+// in one launch sequence). C-compatible: the CUDA backend shim includes it.
+//
+// Paged KV: k_cache/v_cache are (n_blocks, block_size, n_kv_heads, head_dim) bf16; sequence s
+// owns block ids bt_indices[bt_indptr[s] .. bt_indptr[s+1]) and query rows [q_indptr[s],
+// q_indptr[s+1]); query row i sits at position kv_lens[s] - q_len + i.
+//
+// Two kernels share the work: sequences with q_len > 1 go to the prefill kernel (tensor cores,
+// online softmax, 64 query rows x one head per block); sequences with q_len == 1 go to the decode
+// kernel (all query heads of a KV group together, the context split into partitions, partial
+// results combined by a third kernel). Both read per-sequence data on the device only, so the
+// launch shape depends only on (n_seqs, max_q_len, max_kv_len): a graph captured with upper
+// bounds replays for any batch within them.
+#pragma once
+#include <cuda_runtime_api.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct pd_attention_kparams {
+    const void *q;                      // (n_tokens, q_stride) bf16; head h at h*head_dim
+    const void *k_cache, *v_cache;      // (n_blocks, block_size, n_kv_heads, head_dim) bf16
+    void *out;                          // (n_tokens, n_heads*head_dim) bf16
+    const int32_t *q_indptr;            // (n_seqs + 1)
+    const int32_t *kv_lens;             // (n_seqs)
+    const int32_t *bt_indptr;           // (n_seqs + 1)
+    const int32_t *bt_indices;          // block ids
+    int n_tokens, n_seqs, n_heads, n_kv_heads, head_dim, block_size, q_stride;
+    int max_q_len, max_kv_len;          // upper bounds over the batch
+    float scale;
+    float *workspace;                   // split-K partials; see pd_cuda_attention_workspace_bytes
+    size_t workspace_bytes;
+} pd_attention_kparams;
+
+// True when head_dim and the GQA group size are supported (head_dim 32/64/128, group <= 8).
+int pd_cuda_attention_supported(int head_dim, int n_heads, int n_kv_heads);
+// Workspace bytes the launch with these bounds needs (0 when no split is needed).
+size_t pd_cuda_attention_workspace_bytes(int n_tokens, int n_seqs, int n_heads, int n_kv_heads, int head_dim,
+                                         int max_kv_len);
+void pd_cuda_attention(const pd_attention_kparams *p, cudaStream_t s);
+
+#ifdef __cplusplus
+}
+#endif

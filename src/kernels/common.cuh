@@ -1,0 +1,99 @@
+// common.cuh — small device helpers shared by the kernels: bf16 <-> f32 vectors of 8 (one 16-byte
+// load), warp reductions, the mma.sync / ldmatrix / cp.async wrappers used by attention.
+// Device-only: included by .cu files, never by the C shim.
+#pragma once
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+#define PD_K_WARP 32
+
+// 8 bf16 packed in 16 bytes.
+struct pd_k_bf16x8 {
+    uint4 u;
+};
+
+static __device__ __forceinline__ void pd_k_unpack8(uint4 u, float f[8]) {
+    const uint32_t w[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        f[2 * i] = __uint_as_float(w[i] << 16);
+        f[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+    }
+}
+
+static __device__ __forceinline__ uint32_t pd_k_pack2(float a, float b) {
+    __nv_bfloat162 h = __floats2bfloat162_rn(a, b);  // .x = a (low half), .y = b
+    return *reinterpret_cast<uint32_t *>(&h);
+}
+
+static __device__ __forceinline__ uint4 pd_k_pack8(const float f[8]) {
+    uint4 u;
+    u.x = pd_k_pack2(f[0], f[1]);
+    u.y = pd_k_pack2(f[2], f[3]);
+    u.z = pd_k_pack2(f[4], f[5]);
+    u.w = pd_k_pack2(f[6], f[7]);
+    return u;
+}
+
+static __device__ __forceinline__ float pd_k_bf2f(__nv_bfloat16 h) { return __bfloat162float(h); }
+
+static __device__ __forceinline__ float pd_k_warp_sum(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+static __device__ __forceinline__ float pd_k_warp_max(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
+// Sum over a whole block (blockDim.x a multiple of 32, <= 1024). `red` holds >= 32 floats.
+static __device__ __forceinline__ float pd_k_block_sum(float v, float *red) {
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, n_warps = (blockDim.x + 31) >> 5;
+    v = pd_k_warp_sum(v);
+    __syncthreads();
+    if (lane == 0) red[warp] = v;
+    __syncthreads();
+    v = lane < n_warps ? red[lane] : 0.0f;
+    return pd_k_warp_sum(v);
+}
+
+// ---- tensor-core helpers (sm_80+) --------------------------------------------------------------
+
+static __device__ __forceinline__ uint32_t pd_k_smem_u32(const void *p) {
+    return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// 16-byte async global->shared copy; zero-fills when !valid.
+static __device__ __forceinline__ void pd_k_cp_async16(void *smem, const void *gmem, bool valid) {
+    int n = valid ? 16 : 0;
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(pd_k_smem_u32(smem)), "l"(gmem), "r"(n));
+}
+static __device__ __forceinline__ void pd_k_cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+static __device__ __forceinline__ void pd_k_cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+static __device__ __forceinline__ void pd_k_ldmatrix_x4(uint32_t r[4], const void *smem) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(pd_k_smem_u32(smem)));
+}
+static __device__ __forceinline__ void pd_k_ldmatrix_x4_trans(uint32_t r[4], const void *smem) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(pd_k_smem_u32(smem)));
+}
+
+// d (16x8 f32) += a (16x16 bf16, row) * b (16x8 bf16, col)
+static __device__ __forceinline__ void pd_k_mma_bf16(float d[4], const uint32_t a[4], uint32_t b0, uint32_t b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}

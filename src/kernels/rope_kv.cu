@@ -1,0 +1,62 @@
+// rope_kv.cu — RoPE (HF rotate_half layout: pairs (i, i + hd/2)) on the q and k heads of each
+// qkv row, in place, then k and v of the token go to its paged-cache slot. One block per token:
+// thread j handles rotation pair j of the (n_heads + n_kv_heads) * hd/2 pairs, then the v copy.
+// Angles are pos * inv_freq in fp32 (as HF computes them), reduced mod 2*pi before the fast
+// sin/cos so that long positions keep full accuracy under --use_fast_math.
+#include "kernels/common.cuh"
+#include "kernels/rope_kv.cuh"
+
+static __device__ __forceinline__ void pd_k_sincos(float a, float *s, float *c) {
+    const float two_pi_hi = 6.28318548202514648f, two_pi_lo = -1.7484555314695172e-7f;
+    float k = rintf(a * 0.159154943091895336f);
+    float r = fmaf(-k, two_pi_hi, a);
+    r = fmaf(-k, two_pi_lo, r);
+    __sincosf(r, s, c);
+}
+
+static __global__ void k_rope_kv(__nv_bfloat16 *qkv, const int32_t *positions, const float *inv_freq,
+                                 const int32_t *slot_mapping, __nv_bfloat16 *kc, __nv_bfloat16 *vc, int H,
+                                 int Hkv, int hd, float attn_scaling) {
+    int t = blockIdx.x, half = hd / 2;
+    size_t row = (size_t)(H + 2 * Hkv) * hd;
+    __nv_bfloat16 *r = qkv + (size_t)t * row;
+    float pos = (float)positions[t];
+    int slot = slot_mapping[t];
+    size_t kvw = (size_t)Hkv * hd;
+    for (int j = threadIdx.x; j < (H + Hkv) * half; j += blockDim.x) {
+        int h = j / half, i = j % half;
+        float sn, cs;
+        pd_k_sincos(pos * inv_freq[i], &sn, &cs);
+        cs *= attn_scaling;
+        sn *= attn_scaling;
+        __nv_bfloat16 *v = r + (size_t)h * hd;
+        float x0 = __bfloat162float(v[i]), x1 = __bfloat162float(v[i + half]);
+        __nv_bfloat16 y0 = __float2bfloat16(x0 * cs - x1 * sn), y1 = __float2bfloat16(x1 * cs + x0 * sn);
+        v[i] = y0;
+        v[i + half] = y1;
+        if (h >= H && slot >= 0) {
+            __nv_bfloat16 *kd = kc + (size_t)slot * kvw + (size_t)(h - H) * hd;
+            kd[i] = y0;
+            kd[i + half] = y1;
+        }
+    }
+    if (slot >= 0) {
+        const __nv_bfloat16 *vs = r + (size_t)(H + Hkv) * hd;
+        __nv_bfloat16 *vd = vc + (size_t)slot * kvw;
+        if (kvw % 8 == 0) {
+            for (int j = threadIdx.x; j < (int)(kvw / 8); j += blockDim.x)
+                ((uint4 *)vd)[j] = ((const uint4 *)vs)[j];
+        } else {
+            for (int j = threadIdx.x; j < (int)kvw; j += blockDim.x) vd[j] = vs[j];
+        }
+    }
+}
+
+extern "C" void pd_cuda_rope_kv(const pd_rope_kv_kparams *p, cudaStream_t s) {
+    if (p->n_tokens <= 0) return;
+    int pairs = (p->n_heads + p->n_kv_heads) * p->head_dim / 2;
+    int threads = pairs >= 512 ? 512 : ((pairs + 31) / 32) * 32;
+    k_rope_kv<<<p->n_tokens, threads, 0, s>>>((__nv_bfloat16 *)p->qkv, p->positions, p->inv_freq, p->slot_mapping,
+                                              (__nv_bfloat16 *)p->k_cache, (__nv_bfloat16 *)p->v_cache, p->n_heads,
+                                              p->n_kv_heads, p->head_dim, p->attn_scaling);
+}

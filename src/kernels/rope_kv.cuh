@@ -1,0 +1,25 @@
+// rope_kv.cuh — launcher and parameters of the rope_kv kernel (rotate q,k in place (HF rotate_half), write k,v to the paged cache). C-compatible: the CUDA backend shim
+// (src/backend/cuda) includes it. Pointers are device pointers; activations are bf16.
+#pragma once
+#include <cuda_runtime_api.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct pd_rope_kv_kparams {
+    void *qkv;                    // (n_tokens, (n_heads + 2*n_kv_heads) * head_dim) bf16
+    const int32_t *positions;     // (n_tokens)
+    const float *inv_freq;        // (head_dim/2)
+    const int32_t *slot_mapping;  // (n_tokens); a negative slot skips the cache write
+    void *k_cache, *v_cache;      // (n_slots, n_kv_heads, head_dim) bf16
+    int n_tokens, n_heads, n_kv_heads, head_dim;
+    float attn_scaling;
+} pd_rope_kv_kparams;
+void pd_cuda_rope_kv(const pd_rope_kv_kparams *p, cudaStream_t s);
+
+#ifdef __cplusplus
+}
+#endif

@@ -1,0 +1,88 @@
+// model — a Llama-family decoder (Llama 2/3, Mistral, Qwen2) on a pd_backend, over a paged KV
+// cache. Knows nothing of requests, scheduling, HTTP or processes: a caller describes a batch of
+// token spans (pd_batch), and pd_model_forward computes them, writes their K/V into the cache
+// blocks the caller chose, and returns logits for the rows the caller asked for.
+//
+// Weights: loaded from a Hugging Face folder (config.json + safetensors, single or sharded) and
+// converted to the backend's weight dtype (f32 on CPU, bf16 on CUDA); or, with `dummy`, filled
+// with seeded random values from config.json alone (vLLM's --load-format dummy) so large shapes can
+// be benchmarked without files. q/k/v are fused into one (H+2*Hkv)*hd x D matrix and gate/up into
+// one 2F x D matrix at load, so each layer runs 4 GEMMs.
+//
+// Forward pass per layer (x is the residual stream, act dtype):
+//   h = rmsnorm(x) ; qkv = h·Wqkvᵀ (+b) ; rope(q,k) + write k,v to cache ; a = attention(q, cache)
+//   x += a·Woᵀ ; h = rmsnorm(x) ; gu = h·Wguᵀ ; m = silu(g)*u ; x += m·Wdownᵀ
+// then logits = rmsnorm(x[rows])·Wlmᵀ (f32).
+//
+// Threading: a model and its caches are used by one thread at a time. The model keeps a
+// workspace that grows to the largest batch seen (no allocation once warm).
+#pragma once
+#include "backend/backend.h"
+#include "base/base.h"
+#include "model/config.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct pd_model pd_model;
+typedef struct pd_model_cache pd_model_cache;
+
+typedef void (*pd_model_progress_fn)(void *ud, size_t bytes_done, size_t bytes_total);
+
+typedef struct pd_model_params {
+    const char *dir;          // borrowed: Hugging Face model folder
+    pd_backend *backend;      // borrowed: must outlive the model
+    bool dummy;               // --load-format dummy: random weights from config.json alone
+    uint64_t seed;            // for dummy weights
+    pd_model_progress_fn progress;  // (optional) called while weights load
+    void *progress_ud;
+} pd_model_params;
+pd_model_params pd_model_params_default(void);
+
+// Loads a model. NULL with err naming the problem (unknown architecture, unsupported dtype,
+// missing or mis-shaped tensor by name and shape, truncated file, bad JSON, device OOM).
+pd_model *pd_model_load(const pd_model_params *p, pd_err *err);
+void pd_model_free(pd_model *m);
+const pd_model_config *pd_model_get_config(const pd_model *m);
+pd_backend *pd_model_backend(const pd_model *m);
+size_t pd_model_weight_bytes(const pd_model *m);  // device bytes of weights
+
+// The paged KV cache: n_blocks blocks of block_size tokens for every layer, in one device buffer
+// laid out (n_layers, 2 [k, v], n_blocks, block_size, n_kv_heads, head_dim), kv dtype = act dtype.
+pd_model_cache *pd_model_cache_new(pd_model *m, int n_blocks, int block_size, pd_err *err);
+void pd_model_cache_free(pd_model_cache *c);
+int pd_model_cache_n_blocks(const pd_model_cache *c);
+int pd_model_cache_block_size(const pd_model_cache *c);
+size_t pd_model_cache_block_bytes(const pd_model_cache *c);  // one block, one layer, K or V
+void *pd_model_cache_k(pd_model_cache *c, int layer);        // device pointer
+void *pd_model_cache_v(pd_model_cache *c, int layer);        // device pointer
+pd_buffer *pd_model_cache_buffer(pd_model_cache *c);         // the whole cache (for transfer)
+
+// One forward step over several sequences (host arrays, borrowed for the call).
+// Sequence s computes tokens[q_indptr[s] .. q_indptr[s+1]); after the step it has kv_lens[s]
+// tokens of context stored in blocks bt_indices[bt_indptr[s] .. bt_indptr[s+1]) (enough blocks
+// for kv_lens[s] tokens). The new tokens are the last q_len of those positions.
+typedef struct pd_batch {
+    int n_tokens;
+    const int32_t *tokens;      // (n_tokens)
+    int n_seqs;
+    const int32_t *q_indptr;    // (n_seqs + 1)
+    const int32_t *kv_lens;     // (n_seqs)
+    const int32_t *bt_indptr;   // (n_seqs + 1)
+    const int32_t *bt_indices;  // (bt_indptr[n_seqs])
+    int n_logits;
+    const int32_t *logit_rows;  // (n_logits) token rows whose logits are wanted
+} pd_batch;
+
+// Runs the step. logits: host (n_logits, vocab) f32, may be NULL when n_logits == 0.
+// PD_ERR_INVALID for an inconsistent batch (ids out of range, too few blocks, ...);
+// PD_ERR_NOMEM / PD_ERR_DEVICE if the workspace cannot grow.
+pd_status pd_model_forward(pd_model *m, pd_model_cache *c, const pd_batch *b, float *logits);
+// Same, but leaves the logits on the device: *logits_dev (n_logits, vocab) f32, valid until the
+// next forward call. The caller may run device-side sampling on it.
+pd_status pd_model_forward_dev(pd_model *m, pd_model_cache *c, const pd_batch *b, const float **logits_dev);
+
+#ifdef __cplusplus
+}
+#endif

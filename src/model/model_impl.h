@@ -1,0 +1,52 @@
+// model_impl.h — the model's internal structs, shared by load.c and forward.c only.
+#pragma once
+#include "model/model.h"
+
+typedef struct pd_layer_weights {
+    pd_buffer *attn_norm;  // (D)
+    pd_buffer *wqkv;       // ((H + 2*Hkv) * hd, D)
+    pd_buffer *bqkv;       // ((H + 2*Hkv) * hd) or NULL
+    pd_buffer *wo;         // (D, H * hd)
+    pd_buffer *bo;         // (D) or NULL (llama attention_bias)
+    pd_buffer *mlp_norm;   // (D)
+    pd_buffer *wgu;        // (2F, D): gate rows then up rows
+    pd_buffer *bgu;        // (2F) or NULL
+    pd_buffer *wdown;      // (D, F)
+    pd_buffer *bdown;      // (D) or NULL
+} pd_layer_weights;
+
+// Forward workspace, grown on demand. Activations in act dtype.
+typedef struct pd_model_ws {
+    int cap_tokens, cap_logits, cap_meta;
+    pd_buffer *x;       // (cap_tokens, D) residual stream
+    pd_buffer *h;       // (cap_tokens, D)
+    pd_buffer *qkv;     // (cap_tokens, (H + 2Hkv) * hd)
+    pd_buffer *attn;    // (cap_tokens, H * hd)
+    pd_buffer *gu;      // (cap_tokens, 2F)
+    pd_buffer *mlp;     // (cap_tokens, F)
+    pd_buffer *sel;     // (cap_logits, D)
+    pd_buffer *logits;  // (cap_logits, V) f32
+    pd_buffer *meta;    // (cap_meta) i32: packed per-step metadata
+    int32_t *meta_host; // (cap_meta) owned staging
+    float *logits_host_unused;
+} pd_model_ws;
+
+struct pd_model {
+    pd_model_config cfg;
+    pd_backend *backend;  // borrowed
+    pd_dtype wdt, adt;
+    pd_buffer *embed;     // (V, D)
+    pd_buffer *final_norm;  // (D)
+    pd_buffer *lm_head;   // (V, D), NULL when tied (embed is used)
+    pd_buffer *inv_freq;  // (hd/2) f32
+    pd_layer_weights *layers;  // owned (n_layers)
+    size_t weight_bytes;
+    pd_model_ws ws;
+};
+
+struct pd_model_cache {
+    pd_model *model;  // borrowed
+    pd_buffer *buf;   // (n_layers, 2, n_blocks, block_size, Hkv, hd), act dtype
+    int n_blocks, block_size;
+    size_t block_bytes;  // block_size * Hkv * hd * elem
+};

@@ -1,0 +1,224 @@
+// sample.c — see sample.h. Token counts are a dense array of vocab ints: a few hundred KB for a
+// 128k vocabulary, touched sparsely, and it keeps penalties O(generated tokens) per step.
+#include "model/sample.h"
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+struct pd_sampler {
+    pd_sampling_params p;
+    int vocab;
+    pd_rng rng;
+    int32_t *out_counts;   // (vocab) generated-token counts
+    uint8_t *seen;         // (vocab) in prompt or output (repetition penalty)
+    int32_t *touched;      // ids with out_counts > 0, for O(k) penalty application
+    int n_touched, cap_touched;
+    int32_t *seen_ids;
+    int n_seen, cap_seen;
+    int32_t *idx;          // (vocab) scratch for sorting
+};
+
+pd_sampling_params pd_sampling_params_default(void) {
+    pd_sampling_params p = {0};
+    p.temperature = 1.0f;
+    p.top_p = 1.0f;
+    p.repetition_penalty = 1.0f;
+    p.n_logprobs = -1;
+    return p;
+}
+
+pd_status pd_sampling_params_validate(const pd_sampling_params *p, pd_err *err) {
+    if (!(p->temperature >= 0) || p->temperature > 100) return pd_err_set(err, PD_ERR_INVALID, "temperature must be between 0 and 100");
+    if (!(p->top_p > 0 && p->top_p <= 1)) return pd_err_set(err, PD_ERR_INVALID, "top_p must be in (0, 1]");
+    if (!(p->min_p >= 0 && p->min_p <= 1)) return pd_err_set(err, PD_ERR_INVALID, "min_p must be in [0, 1]");
+    if (p->top_k < -1) return pd_err_set(err, PD_ERR_INVALID, "top_k must be -1, 0 or positive");
+    if (!(p->presence_penalty >= -2 && p->presence_penalty <= 2))
+        return pd_err_set(err, PD_ERR_INVALID, "presence_penalty must be between -2 and 2");
+    if (!(p->frequency_penalty >= -2 && p->frequency_penalty <= 2))
+        return pd_err_set(err, PD_ERR_INVALID, "frequency_penalty must be between -2 and 2");
+    if (!(p->repetition_penalty > 0 && p->repetition_penalty <= 10))
+        return pd_err_set(err, PD_ERR_INVALID, "repetition_penalty must be in (0, 10]");
+    if (p->n_logprobs < -1 || p->n_logprobs > PD_MAX_LOGPROBS)
+        return pd_err_set(err, PD_ERR_INVALID, "logprobs must be between 0 and %d", PD_MAX_LOGPROBS);
+    return PD_OK;
+}
+
+static uint64_t g_seed_counter;
+
+pd_sampler *pd_sampler_new(const pd_sampling_params *p, int vocab) {
+    pd_sampler *s = pd_calloc(1, sizeof *s);
+    if (!s) return NULL;
+    s->p = *p;
+    s->vocab = vocab;
+    s->out_counts = pd_calloc((size_t)vocab, sizeof(int32_t));
+    s->seen = pd_calloc((size_t)vocab, 1);
+    s->idx = pd_malloc(sizeof(int32_t) * (size_t)vocab);
+    if (!s->out_counts || !s->seen || !s->idx) {
+        pd_sampler_free(s);
+        return NULL;
+    }
+    uint64_t seed = p->has_seed ? p->seed
+                                : (uint64_t)pd_time_us() ^ (__atomic_add_fetch(&g_seed_counter, 1, __ATOMIC_RELAXED) * 0x9e3779b97f4a7c15ull);
+    pd_rng_seed(&s->rng, seed);
+    return s;
+}
+
+void pd_sampler_free(pd_sampler *s) {
+    if (!s) return;
+    pd_free(s->out_counts);
+    pd_free(s->seen);
+    pd_free(s->touched);
+    pd_free(s->seen_ids);
+    pd_free(s->idx);
+    pd_free(s);
+}
+
+static void push(int32_t **arr, int *n, int *cap, int32_t v) {
+    if (*n == *cap) {
+        int nc = *cap ? *cap * 2 : 64;
+        int32_t *na = pd_realloc(*arr, sizeof(int32_t) * (size_t)nc);
+        if (!na) return;  // penalties degrade gracefully under OOM (benign)
+        *arr = na;
+        *cap = nc;
+    }
+    (*arr)[(*n)++] = v;
+}
+
+static void mark_seen(pd_sampler *s, int32_t t) {
+    if (t < 0 || t >= s->vocab || s->seen[t]) return;
+    s->seen[t] = 1;
+    push(&s->seen_ids, &s->n_seen, &s->cap_seen, t);
+}
+
+void pd_sampler_add_prompt(pd_sampler *s, const int32_t *ids, int n) {
+    if (s->p.repetition_penalty == 1.0f) return;
+    for (int i = 0; i < n; i++) mark_seen(s, ids[i]);
+}
+
+void pd_sampler_accept(pd_sampler *s, int32_t t) {
+    if (t < 0 || t >= s->vocab) return;
+    if (s->out_counts[t]++ == 0) push(&s->touched, &s->n_touched, &s->cap_touched, t);
+    if (s->p.repetition_penalty != 1.0f) mark_seen(s, t);
+}
+
+int32_t pd_argmax(const float *x, int n) {
+    int32_t best = 0;
+    for (int i = 1; i < n; i++)
+        if (x[i] > x[best]) best = i;
+    return best;
+}
+
+static __thread const float *t_sort_vals;
+static int cmp_desc(const void *a, const void *b) {
+    float x = t_sort_vals[*(const int32_t *)a], y = t_sort_vals[*(const int32_t *)b];
+    if (x > y) return -1;
+    if (x < y) return 1;
+    return *(const int32_t *)a - *(const int32_t *)b;
+}
+
+// Raw log-softmax values for the chosen token and the top-N.
+static void fill_logprobs(pd_sampler *s, const float *raw, int32_t token, pd_sample_result *out) {
+    int V = s->vocab;
+    float mx = raw[pd_argmax(raw, V)];
+    double sum = 0;
+    for (int i = 0; i < V; i++) sum += exp((double)(raw[i] - mx));
+    float lse = mx + (float)log(sum);
+    out->logprob = raw[token] - lse;
+    out->n_top = 0;
+    int n = PD_MIN(s->p.n_logprobs, V);
+    // Partial selection: n is small (<= 20), so n passes over the vocab are fine.
+    for (int k = 0; k < n; k++) {
+        int32_t best = -1;
+        for (int i = 0; i < V; i++) {
+            bool taken = false;
+            for (int j = 0; j < k && !taken; j++) taken = out->top_ids[j] == i;
+            if (!taken && (best < 0 || raw[i] > raw[best])) best = i;
+        }
+        out->top_ids[k] = best;
+        out->top_logprobs[k] = raw[best] - lse;
+        out->n_top++;
+    }
+}
+
+static void apply_penalties(pd_sampler *s, float *logits) {
+    const pd_sampling_params *p = &s->p;
+    if (p->repetition_penalty != 1.0f) {
+        for (int i = 0; i < s->n_seen; i++) {
+            float *l = &logits[s->seen_ids[i]];
+            *l = *l > 0 ? *l / p->repetition_penalty : *l * p->repetition_penalty;
+        }
+    }
+    if (p->presence_penalty != 0 || p->frequency_penalty != 0) {
+        for (int i = 0; i < s->n_touched; i++) {
+            int32_t t = s->touched[i];
+            logits[t] -= p->presence_penalty + p->frequency_penalty * (float)s->out_counts[t];
+        }
+    }
+}
+
+int32_t pd_sampler_sample(pd_sampler *s, float *logits, pd_sample_result *out) {
+    const pd_sampling_params *p = &s->p;
+    int V = s->vocab;
+    pd_sample_result local;
+    if (!out) out = &local;
+    memset(out, 0, sizeof *out);
+    float *raw = NULL;
+    if (p->n_logprobs >= 0) {
+        raw = pd_malloc(sizeof(float) * (size_t)V);
+        if (raw) memcpy(raw, logits, sizeof(float) * (size_t)V);
+    }
+    apply_penalties(s, logits);
+    int32_t token;
+    if (p->temperature == 0.0f) {
+        token = pd_argmax(logits, V);
+    } else {
+        for (int i = 0; i < V; i++) logits[i] /= p->temperature;
+        // Sort candidates by logit, descending (only as many as needed would be faster; the full
+        // sort keeps top-k/top-p/min-p composition obviously right).
+        int n = V;
+        for (int i = 0; i < V; i++) s->idx[i] = i;
+        t_sort_vals = logits;
+        qsort(s->idx, (size_t)V, sizeof(int32_t), cmp_desc);
+        if (p->top_k > 0 && p->top_k < n) n = p->top_k;
+        float mx = logits[s->idx[0]];
+        double sum = 0;
+        for (int i = 0; i < n; i++) sum += exp((double)(logits[s->idx[i]] - mx));
+        if (p->top_p < 1.0f) {
+            double cum = 0;
+            int keep = n;
+            for (int i = 0; i < n; i++) {
+                cum += exp((double)(logits[s->idx[i]] - mx)) / sum;
+                if (cum >= p->top_p) {
+                    keep = i + 1;
+                    break;
+                }
+            }
+            n = keep;
+        }
+        if (p->min_p > 0) {
+            // Keep tokens whose probability is at least min_p times the top token's.
+            double thresh = log((double)p->min_p);
+            int keep = 1;
+            while (keep < n && (double)(logits[s->idx[keep]] - mx) >= thresh) keep++;
+            n = keep;
+        }
+        sum = 0;
+        for (int i = 0; i < n; i++) sum += exp((double)(logits[s->idx[i]] - mx));
+        double r = pd_rng_uniform(&s->rng) * sum, acc = 0;
+        token = s->idx[n - 1];
+        for (int i = 0; i < n; i++) {
+            acc += exp((double)(logits[s->idx[i]] - mx));
+            if (r < acc) {
+                token = s->idx[i];
+                break;
+            }
+        }
+    }
+    out->token = token;
+    if (raw) {
+        fill_logprobs(s, raw, token, out);
+        pd_free(raw);
+    }
+    return token;
+}

@@ -1,0 +1,60 @@
+// sample — turning one row of logits into a token, with the knobs OpenAI/vLLM clients use:
+// temperature (0 = greedy), top-k, top-p, min-p, a seeded per-sequence RNG (reproducible),
+// presence/frequency penalties (on generated tokens, OpenAI semantics), repetition penalty (on
+// prompt + generated tokens, HF semantics), and per-token logprobs with top-N alternatives.
+//
+// Order of processing: penalties → temperature → top-k → top-p → min-p → draw. Logprobs are
+// those of the model's raw distribution (log-softmax of the unprocessed logits), as vLLM reports
+// by default; greedy ties go to the lowest id (torch.argmax).
+//
+// A pd_sampler is per sequence (it holds the RNG and token counts); not thread-safe.
+#pragma once
+#include "base/base.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define PD_MAX_LOGPROBS 20
+
+typedef struct pd_sampling_params {
+    float temperature;         // 0: greedy
+    int top_k;                 // <= 0: off
+    float top_p;               // 1: off
+    float min_p;               // 0: off
+    float presence_penalty;    // 0: off
+    float frequency_penalty;   // 0: off
+    float repetition_penalty;  // 1: off
+    uint64_t seed;
+    bool has_seed;             // false: seeded from a process-wide counter + time
+    int n_logprobs;            // -1: none; 0: only the chosen token's; N <= PD_MAX_LOGPROBS: top-N too
+} pd_sampling_params;
+pd_sampling_params pd_sampling_params_default(void);
+// Checks ranges; err names the field ("temperature must be >= 0").
+pd_status pd_sampling_params_validate(const pd_sampling_params *p, pd_err *err);
+
+typedef struct pd_sample_result {
+    int32_t token;
+    float logprob;             // of token (raw distribution); valid if n_logprobs >= 0
+    int n_top;
+    int32_t top_ids[PD_MAX_LOGPROBS];
+    float top_logprobs[PD_MAX_LOGPROBS];
+} pd_sample_result;
+
+typedef struct pd_sampler pd_sampler;
+// out: owned by caller (pd_sampler_free). NULL on OOM.
+pd_sampler *pd_sampler_new(const pd_sampling_params *p, int vocab_size);
+void pd_sampler_free(pd_sampler *s);
+// Records prompt tokens (repetition penalty only).
+void pd_sampler_add_prompt(pd_sampler *s, const int32_t *ids, int n);
+// Records a generated token (all penalties).
+void pd_sampler_accept(pd_sampler *s, int32_t token);
+// Samples from logits (vocab floats; modified in place). Returns the token.
+int32_t pd_sampler_sample(pd_sampler *s, float *logits, pd_sample_result *out);
+
+// Index of the largest value, lowest index on ties.
+int32_t pd_argmax(const float *x, int n);
+
+#ifdef __cplusplus
+}
+#endif

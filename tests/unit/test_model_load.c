@@ -1,0 +1,236 @@
+// Model loading error paths: each failure names the problem (architecture, dtype, tensor name and
+// shape, truncated file, bad JSON), and a failed load frees everything (the harness checks leaks).
+#include <jansson.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "model/model.h"
+#include "model/safetensors.h"
+#include "test.h"
+
+static char g_tmp[256];
+
+static const char *mktmp(void) {
+    snprintf(g_tmp, sizeof g_tmp, "/tmp/pd_test_load_XXXXXX");
+    PD_ASSERT(mkdtemp(g_tmp));
+    return g_tmp;
+}
+
+static void write_file(const char *dir, const char *name, const void *data, size_t n) {
+    char p[512];
+    snprintf(p, sizeof p, "%s/%s", dir, name);
+    FILE *f = fopen(p, "wb");
+    PD_ASSERT(f);
+    fwrite(data, 1, n, f);
+    fclose(f);
+}
+
+static void rm_dir(const char *dir) {
+    char cmd[600];
+    snprintf(cmd, sizeof cmd, "rm -rf '%s'", dir);
+    PD_ASSERT(system(cmd) == 0);
+}
+
+static const char *CFG =
+    "{\"architectures\":[\"LlamaForCausalLM\"],\"hidden_size\":8,\"intermediate_size\":16,\"num_hidden_layers\":1,"
+    "\"num_attention_heads\":2,\"num_key_value_heads\":1,\"vocab_size\":10,\"rms_norm_eps\":1e-5,\"rope_theta\":10000.0,"
+    "\"tie_word_embeddings\":true,\"max_position_embeddings\":64}";
+
+// Writes a safetensors file holding the given tensors (f32, zero data), with optional defects.
+typedef struct spec { const char *name; int64_t r, c; const char *dtype; } spec;
+static void write_st(const char *dir, const char *fname, const spec *t, int n, size_t truncate_by) {
+    json_t *h = json_object();
+    size_t off = 0;
+    for (int i = 0; i < n; i++) {
+        size_t esz = !strcmp(t[i].dtype, "F32") ? 4 : !strcmp(t[i].dtype, "I64") ? 8 : 2;
+        size_t bytes = (size_t)(t[i].r * (t[i].c ? t[i].c : 1)) * esz;
+        json_t *shape = t[i].c ? json_pack("[II]", (json_int_t)t[i].r, (json_int_t)t[i].c) : json_pack("[I]", (json_int_t)t[i].r);
+        json_object_set_new(h, t[i].name, json_pack("{s:s,s:o,s:[II]}", "dtype", t[i].dtype, "shape", shape, "data_offsets",
+                                                    (json_int_t)off, (json_int_t)(off + bytes)));
+        off += bytes;
+    }
+    char *hs = json_dumps(h, JSON_COMPACT);
+    size_t hl = strlen(hs), total = 8 + hl + off - truncate_by;
+    unsigned char *buf = calloc(1, 8 + hl + off);
+    for (int i = 0; i < 8; i++) buf[i] = (unsigned char)((uint64_t)hl >> (8 * i));
+    memcpy(buf + 8, hs, hl);
+    write_file(dir, fname, buf, total);
+    free(buf);
+    free(hs);
+    json_decref(h);
+}
+
+static const spec FULL[] = {
+    {"model.embed_tokens.weight", 10, 8, "F32"}, {"model.norm.weight", 8, 0, "F32"},
+    {"model.layers.0.input_layernorm.weight", 8, 0, "F32"}, {"model.layers.0.post_attention_layernorm.weight", 8, 0, "F32"},
+    {"model.layers.0.self_attn.q_proj.weight", 8, 8, "F32"}, {"model.layers.0.self_attn.k_proj.weight", 4, 8, "F32"},
+    {"model.layers.0.self_attn.v_proj.weight", 4, 8, "F32"}, {"model.layers.0.self_attn.o_proj.weight", 8, 8, "F32"},
+    {"model.layers.0.mlp.gate_proj.weight", 16, 8, "F32"}, {"model.layers.0.mlp.up_proj.weight", 16, 8, "F32"},
+    {"model.layers.0.mlp.down_proj.weight", 8, 16, "BF16"},
+};
+
+static pd_model *try_load(const char *dir, pd_err *err) {
+    pd_backend *be = pd_backend_cpu_new(1);
+    pd_model_params p = pd_model_params_default();
+    p.dir = dir;
+    p.backend = be;
+    pd_model *m = pd_model_load(&p, err);
+    pd_model_free(m);
+    pd_backend_free(be);
+    return m;
+}
+
+PD_TEST(load_ok_synthetic) {
+    const char *d = mktmp();
+    write_file(d, "config.json", CFG, strlen(CFG));
+    write_st(d, "model.safetensors", FULL, (int)PD_ARRAY_LEN(FULL), 0);
+    pd_err err = {0};
+    PD_CHECK_MSG(try_load(d, &err) != NULL, "load failed: %s", err.msg);
+    rm_dir(d);
+}
+
+PD_TEST(load_missing_tensor_named) {
+    const char *d = mktmp();
+    write_file(d, "config.json", CFG, strlen(CFG));
+    write_st(d, "model.safetensors", FULL, (int)PD_ARRAY_LEN(FULL) - 1, 0);
+    pd_err err = {0};
+    PD_CHECK(try_load(d, &err) == NULL);
+    PD_CHECK_CONTAINS(err.msg, "missing tensor 'model.layers.0.mlp.down_proj.weight'");
+    rm_dir(d);
+}
+
+PD_TEST(load_misshaped_tensor_named) {
+    const char *d = mktmp();
+    spec t[PD_ARRAY_LEN(FULL)];
+    memcpy(t, FULL, sizeof FULL);
+    t[5].r = 6;  // k_proj rows
+    write_file(d, "config.json", CFG, strlen(CFG));
+    write_st(d, "model.safetensors", t, (int)PD_ARRAY_LEN(t), 0);
+    pd_err err = {0};
+    PD_CHECK(try_load(d, &err) == NULL);
+    PD_CHECK_CONTAINS(err.msg, "tensor 'model.layers.0.self_attn.k_proj.weight' has shape [6, 8], expected [4, 8]");
+    rm_dir(d);
+}
+
+PD_TEST(load_unsupported_dtype_named) {
+    const char *d = mktmp();
+    spec t[PD_ARRAY_LEN(FULL)];
+    memcpy(t, FULL, sizeof FULL);
+    t[1].dtype = "I64";
+    write_file(d, "config.json", CFG, strlen(CFG));
+    write_st(d, "model.safetensors", t, (int)PD_ARRAY_LEN(t), 0);
+    pd_err err = {0};
+    PD_CHECK(try_load(d, &err) == NULL);
+    PD_CHECK_CONTAINS(err.msg, "tensor 'model.norm.weight' has unsupported dtype I64");
+    rm_dir(d);
+}
+
+PD_TEST(load_truncated_file) {
+    const char *d = mktmp();
+    write_file(d, "config.json", CFG, strlen(CFG));
+    write_st(d, "model.safetensors", FULL, (int)PD_ARRAY_LEN(FULL), 100);
+    pd_err err = {0};
+    PD_CHECK(try_load(d, &err) == NULL);
+    PD_CHECK_CONTAINS(err.msg, "truncated file");
+    // a file shorter than its header length
+    write_file(d, "model.safetensors", "\xff\x00\x00\x00\x00\x00\x00\x00{}", 10);
+    PD_CHECK(try_load(d, &err) == NULL);
+    PD_CHECK_CONTAINS(err.msg, "truncated file or bad header length 255");
+    rm_dir(d);
+}
+
+PD_TEST(load_bad_json_config) {
+    const char *d = mktmp();
+    write_file(d, "config.json", "{\"architectures\": [", 19);
+    pd_err err = {0};
+    PD_CHECK(try_load(d, &err) == NULL);
+    PD_CHECK_CONTAINS(err.msg, "config.json: bad JSON at line 1");
+    rm_dir(d);
+}
+
+PD_TEST(load_unknown_architecture) {
+    const char *d = mktmp();
+    const char *cfg = "{\"architectures\":[\"GPTNeoXForCausalLM\"],\"hidden_size\":8}";
+    write_file(d, "config.json", cfg, strlen(cfg));
+    pd_err err = {0};
+    PD_CHECK(try_load(d, &err) == NULL);
+    PD_CHECK_CONTAINS(err.msg, "unknown architecture 'GPTNeoXForCausalLM'");
+    PD_CHECK_EQ(err.status, PD_ERR_UNSUPPORTED);
+    rm_dir(d);
+}
+
+PD_TEST(load_missing_files) {
+    pd_err err = {0};
+    PD_CHECK(try_load("/nonexistent/model", &err) == NULL);
+    PD_CHECK_CONTAINS(err.msg, "/nonexistent/model/config.json");
+    PD_CHECK_EQ(err.status, PD_ERR_NOTFOUND);
+    const char *d = mktmp();
+    write_file(d, "config.json", CFG, strlen(CFG));
+    PD_CHECK(try_load(d, &err) == NULL);
+    PD_CHECK_CONTAINS(err.msg, "no model.safetensors or model.safetensors.index.json");
+    rm_dir(d);
+}
+
+PD_TEST(config_fields_checked) {
+    pd_model_config c;
+    pd_err err = {0};
+    PD_CHECK(pd_model_config_parse("{\"architectures\":[\"LlamaForCausalLM\"]}", 38, &c, &err) != PD_OK);
+    PD_CHECK_CONTAINS(err.msg, "missing field 'vocab_size'");
+    const char *bad_rope =
+        "{\"architectures\":[\"MistralForCausalLM\"],\"hidden_size\":8,\"intermediate_size\":16,\"num_hidden_layers\":1,"
+        "\"num_attention_heads\":2,\"vocab_size\":10,\"rope_scaling\":{\"rope_type\":\"yarn\",\"factor\":4}}";
+    PD_CHECK(pd_model_config_parse(bad_rope, strlen(bad_rope), &c, &err) == PD_ERR_UNSUPPORTED);
+    PD_CHECK_CONTAINS(err.msg, "unsupported rope_scaling type 'yarn'");
+    const char *gqa =
+        "{\"architectures\":[\"LlamaForCausalLM\"],\"hidden_size\":8,\"intermediate_size\":16,\"num_hidden_layers\":1,"
+        "\"num_attention_heads\":3,\"num_key_value_heads\":2,\"vocab_size\":10}";
+    PD_CHECK(pd_model_config_parse(gqa, strlen(gqa), &c, &err) == PD_ERR_INVALID);
+    PD_CHECK_CONTAINS(err.msg, "not a multiple of num_key_value_heads");
+    // Linear rope scaling divides every frequency by the factor.
+    const char *lin =
+        "{\"architectures\":[\"LlamaForCausalLM\"],\"hidden_size\":8,\"intermediate_size\":16,\"num_hidden_layers\":1,"
+        "\"num_attention_heads\":2,\"vocab_size\":10,\"rope_theta\":100.0,\"rope_scaling\":{\"type\":\"linear\",\"factor\":4.0}}";
+    PD_REQUIRE(pd_model_config_parse(lin, strlen(lin), &c, &err) == PD_OK);
+    float f[2];
+    pd_model_config_inv_freq(&c, f);
+    PD_CHECK_NEAR(f[0], 0.25, 1e-7);
+    PD_CHECK_NEAR(f[1], 0.1 / 4, 1e-7);
+    PD_CHECK_EQ(c.head_dim, 4);
+}
+
+// A sharded checkpoint (index.json + 2 shards) loads like a single file; a tensor listed in the
+// index but absent from its shard is named.
+PD_TEST(load_sharded) {
+    const char *d = mktmp();
+    write_file(d, "config.json", CFG, strlen(CFG));
+    write_st(d, "model-00001-of-00002.safetensors", FULL, 5, 0);
+    write_st(d, "model-00002-of-00002.safetensors", FULL + 5, (int)PD_ARRAY_LEN(FULL) - 5, 0);
+    json_t *wm = json_object();
+    for (size_t i = 0; i < PD_ARRAY_LEN(FULL); i++)
+        json_object_set_new(wm, FULL[i].name, json_string(i < 5 ? "model-00001-of-00002.safetensors" : "model-00002-of-00002.safetensors"));
+    json_t *idx = json_pack("{s:{},s:o}", "metadata", "weight_map", wm);
+    char *s = json_dumps(idx, 0);
+    write_file(d, "model.safetensors.index.json", s, strlen(s));
+    free(s);
+    pd_err err = {0};
+    PD_CHECK_MSG(try_load(d, &err) != NULL, "sharded load failed: %s", err.msg);
+    json_object_set_new(wm, "model.extra.weight", json_string("model-00002-of-00002.safetensors"));
+    s = json_dumps(idx, 0);
+    write_file(d, "model.safetensors.index.json", s, strlen(s));
+    free(s);
+    PD_CHECK(try_load(d, &err) == NULL);
+    PD_CHECK_CONTAINS(err.msg, "tensor 'model.extra.weight' is listed in the index but missing from shard");
+    json_decref(idx);
+    rm_dir(d);
+}
+
+// bf16/f16/f32 conversions are exact where they must be.
+PD_TEST(half_conversions) {
+    PD_CHECK_EQ(pd_f32_to_bf16(1.0f), 0x3f80);
+    PD_CHECK_NEAR(pd_bf16_to_f32(0x3f80), 1.0, 0);
+    PD_CHECK_NEAR(pd_f16_to_f32(0x3c00), 1.0, 0);
+    PD_CHECK_NEAR(pd_f16_to_f32(0x0001), 5.960464477539063e-08, 1e-15);
+    PD_CHECK_EQ(pd_f32_to_f16(65504.0f), 0x7bff);
+    PD_CHECK_EQ(pd_f32_to_f16(-2.0f), 0xc000);
+    for (int h = 0; h < 0x7c00; h += 7) PD_CHECK_EQ(pd_f32_to_f16(pd_f16_to_f32((uint16_t)h)), h);
+}

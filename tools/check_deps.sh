@@ -1,0 +1,37 @@
+#!/bin/sh
+# Fails if an #include crosses the layer rules of docs/design.md. Each module lists the modules
+# it may include (besides itself); anything else is a violation.
+cd "$(dirname "$0")/.." || exit 1
+allowed() {
+  case "$1" in
+    base) echo "base" ;;
+    backend) echo "base backend kernels" ;;
+    kernels) echo "kernels" ;;
+    kv|tok|wire|net|metrics) echo "base $1" ;;
+    model) echo "base backend tok model" ;;
+    sched) echo "base kv sched" ;;
+    xfer) echo "base wire net backend kv xfer" ;;
+    http) echo "base net http" ;;
+    engine) echo "base model sched kv xfer backend metrics tok wire net engine" ;;
+    api) echo "base http tok engine metrics net api" ;;
+    router) echo "base http net wire metrics router" ;;
+    bench) echo "base http net metrics bench" ;;
+    cmd) echo "*" ;;
+    *) echo "*" ;;
+  esac
+}
+bad=0
+for f in $(find src -name '*.c' -o -name '*.h' -o -name '*.cu' -o -name '*.cuh'); do
+  mod=$(echo "$f" | cut -d/ -f2)
+  ok=$(allowed "$mod")
+  [ "$ok" = "*" ] && continue
+  for inc in $(grep -hoE '^#include "[a-z_]+/' "$f" | sed -E 's/#include "([a-z_]+)\//\1/'); do
+    case " $ok " in *" $inc "*) ;; *) echo "layering: $f includes $inc/ (allowed: $ok)"; bad=1 ;; esac
+  done
+done
+# PD_USE_CUDA belongs to the backend registry alone.
+if grep -rl 'PD_USE_CUDA' src | grep -v 'src/backend/registry.c' | grep -q .; then
+  echo "layering: PD_USE_CUDA used outside src/backend/registry.c"; bad=1
+fi
+[ $bad = 0 ] && echo "check_deps: layering ok"
+exit $bad

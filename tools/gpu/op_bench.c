@@ -1,0 +1,145 @@
+// op_bench — times the CUDA backend's ops on real model shapes (Llama-3-8B by default), through
+// the public backend API only: decode GEMMs (skinny kernel vs cuBLASLt), prefill GEMMs, the
+// 8192^3 GEMM peak, paged attention (prefill and decode) and a 1 GiB device copy. Host clock
+// around N back-to-back launches followed by a sync; weights rotate over several copies so
+// that L2 does not serve them. Build: tools/gpu/build.sh; run on the GPU machine.
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "backend/backend.h"
+
+static pd_backend *g_b;
+
+static void *alloc(size_t n) {
+    pd_buffer *b = pd_buffer_alloc(g_b, n);
+    if (!b) { fprintf(stderr, "alloc %zu failed\n", n); exit(1); }
+    return pd_buffer_ptr(b);  // leaked on purpose: a short-lived tool
+}
+static void *rnd(size_t n_elems) {
+    void *p = alloc(n_elems * 2);
+    pd_op_fill_normal(g_b, p, PD_DTYPE_BF16, n_elems, n_elems, 0.0f, 0.05f);
+    return p;
+}
+
+typedef void (*op_fn)(pd_backend *b, void *arg, int rep);
+static double time_us(pd_backend *b, op_fn f, void *arg, int reps) {
+    for (int i = 0; i < 3; i++) f(b, arg, i);
+    pd_backend_sync(b);
+    int64_t t0 = pd_time_us();
+    for (int i = 0; i < reps; i++) f(b, arg, i);
+    pd_backend_sync(b);
+    return (double)(pd_time_us() - t0) / reps;
+}
+
+#define NW 4
+typedef struct mm_arg { void *a, *w[NW], *out; int M, N, K; } mm_arg;
+static void mm_op(pd_backend *b, void *arg, int rep) {
+    mm_arg *m = arg;
+    pd_matmul_params p = {.a = m->a, .w = m->w[rep % NW], .out = m->out, .M = m->M, .N = m->N, .K = m->K};
+    pd_op_matmul(b, &p);
+}
+
+typedef struct at_arg { pd_attention_params p; } at_arg;
+static void at_op(pd_backend *b, void *arg, int rep) { pd_op_attention(b, &((at_arg *)arg)->p); }
+
+typedef struct cp_arg { void *base; size_t bytes; } cp_arg;
+static void cp_op(pd_backend *b, void *arg, int rep) {
+    cp_arg *c = arg;
+    void *caches[1] = {c->base};
+    int32_t src = 0, dst = 1;
+    pd_copy_blocks_params p = {.k_caches = caches, .v_caches = caches, .src_blocks = &src, .dst_blocks = &dst,
+                               .n = 1, .n_layers = 1, .block_bytes = c->bytes};
+    pd_op_copy_blocks(b, &p);  // k and v both point at the same cache: 2 copies per call
+}
+
+static void attn_setup(at_arg *a, int n_seqs, int q_len, int kv_len, int H, int Hkv, int hd, int bs) {
+    int n_tok = n_seqs * q_len, bps = (kv_len + bs - 1) / bs, n_blocks = n_seqs * bps;
+    int32_t *qi = malloc(4 * (n_seqs + 1)), *kl = malloc(4 * n_seqs), *bi = malloc(4 * (n_seqs + 1)),
+            *bt = malloc(4 * (size_t)n_blocks), *ts = malloc(4 * (size_t)n_tok);
+    for (int s = 0; s <= n_seqs; s++) { qi[s] = s * q_len; bi[s] = s * bps; }
+    for (int s = 0; s < n_seqs; s++) kl[s] = kv_len;
+    for (int i = 0; i < n_blocks; i++) bt[i] = (int32_t)(((int64_t)i * 7919) % n_blocks);  // scattered
+    for (int i = 0; i < n_tok; i++) ts[i] = i / q_len;
+    int32_t *d[5];
+    size_t sz[5] = {4 * (size_t)(n_seqs + 1), 4 * (size_t)n_seqs, 4 * (size_t)(n_seqs + 1), 4 * (size_t)n_blocks, 4 * (size_t)n_tok};
+    int32_t *h[5] = {qi, kl, bi, bt, ts};
+    for (int i = 0; i < 5; i++) { d[i] = alloc(sz[i]); pd_backend_upload(g_b, d[i], h[i], sz[i]); }
+    pd_backend_sync(g_b);
+    size_t kvn = (size_t)n_blocks * bs * Hkv * hd;
+    a->p = (pd_attention_params){.q = rnd((size_t)n_tok * H * hd), .k_cache = rnd(kvn), .v_cache = rnd(kvn),
+                                 .out = alloc((size_t)n_tok * H * hd * 2), .q_indptr = d[0], .kv_lens = d[1],
+                                 .bt_indptr = d[2], .bt_indices = d[3], .token_seq = d[4], .n_tokens = n_tok,
+                                 .n_seqs = n_seqs, .n_heads = H, .n_kv_heads = Hkv, .head_dim = hd,
+                                 .block_size = bs, .q_stride = H * hd, .max_q_len = q_len, .max_kv_len = kv_len,
+                                 .scale = 1.0f / sqrtf((float)hd)};
+    free(qi); free(kl); free(bi); free(bt); free(ts);
+}
+
+int main(int argc, char **argv) {
+    pd_err err = {0};
+    g_b = pd_backend_new("cuda", 0, &err);
+    setenv("PD_CUDA_GEMV_MAX_M", "16", 1);
+    pd_backend *lt = pd_backend_new("cuda", 0, &err);
+    if (!g_b || !lt) { fprintf(stderr, "no cuda: %s\n", err.msg); return 1; }
+    // copy bandwidth
+    cp_arg cp = {.bytes = (size_t)1 << 30};
+    cp.base = alloc(2 * cp.bytes);
+    double us = time_us(g_b, cp_op, &cp, 10);
+    double copy_gbs = 2.0 * 2.0 * cp.bytes / (us * 1e3);  // 2 copies x (read + write)
+    printf("copy 1GiB x2 (kernel)      %9.1f us  %7.0f GB/s (read+write)\n", us, copy_gbs);
+    // GEMM peak
+    {
+        mm_arg m = {.M = 8192, .N = 8192, .K = 8192};
+        m.a = rnd((size_t)8192 * 8192);
+        for (int i = 0; i < NW; i++) m.w[i] = i ? m.w[0] : rnd((size_t)8192 * 8192);
+        m.out = alloc((size_t)8192 * 8192 * 2);
+        us = time_us(g_b, mm_op, &m, 20);
+        printf("gemm 8192^3 (cuBLASLt)     %9.1f us  %7.1f TFLOP/s\n", us, 2.0 * 8192.0 * 8192 * 8192 / (us * 1e6));
+    }
+    int shapes[][2] = {{6144, 4096}, {4096, 4096}, {28672, 4096}, {4096, 14336}, {128256, 4096}};
+    const char *names[] = {"qkv", "o", "gate_up", "down", "lm_head"};
+    int Ms[] = {1, 4, 8, 16, 32, 64, 128, 256};
+    for (size_t s = 0; s < 5; s++) {
+        int N = shapes[s][0], K = shapes[s][1];
+        mm_arg m = {.N = N, .K = K};
+        m.a = rnd((size_t)8192 * K);
+        int nw = (size_t)N * K * 2 > (64u << 20) ? 2 : NW;
+        for (int i = 0; i < NW; i++) m.w[i] = i < nw ? rnd((size_t)N * K) : m.w[i % nw];
+        m.out = alloc((size_t)8192 * N * 4);
+        for (size_t mi = 0; mi < sizeof Ms / sizeof Ms[0]; mi++) {
+            m.M = Ms[mi];
+            double bytes = (double)N * K * 2;
+            double t_g = Ms[mi] <= 16 ? time_us(lt, mm_op, &m, 50) : NAN;
+            double t_l = time_us(g_b, mm_op, &m, 50);
+            printf("%-8s M=%-4d N=%-6d K=%-5d  gemv %8.1f us (%5.0f GB/s)  cublasLt %8.1f us (%5.0f GB/s)\n", names[s],
+                   m.M, N, K, t_g, bytes / (t_g * 1e3), t_l, bytes / (t_l * 1e3));
+        }
+        m.M = 8192;
+        double t = time_us(g_b, mm_op, &m, 10);
+        printf("%-8s M=8192 prefill            cublasLt %8.1f us  %6.1f TFLOP/s\n", names[s], t,
+               2.0 * 8192 * N * K / (t * 1e6));
+    }
+    // attention: Llama-3-8B heads
+    int H = 32, Hkv = 8, hd = 128;
+    int pre[] = {512, 2048, 8192};
+    for (int i = 0; i < 3; i++) {
+        at_arg a;
+        attn_setup(&a, 1, pre[i], pre[i], H, Hkv, hd, 16);
+        us = time_us(g_b, at_op, &a, pre[i] == 8192 ? 5 : 20);
+        double fl = 4.0 * H * hd * (double)pre[i] * pre[i] / 2;
+        printf("attn prefill L=%-5d         %9.1f us  %6.1f TFLOP/s (causal flops)\n", pre[i], us, fl / (us * 1e6));
+    }
+    int dec[][2] = {{1, 128}, {1, 4096}, {64, 128}, {64, 4096}, {256, 1024}, {8, 32768}};
+    for (int i = 0; i < 6; i++) {
+        at_arg a;
+        attn_setup(&a, dec[i][0], 1, dec[i][1], H, Hkv, hd, 16);
+        us = time_us(g_b, at_op, &a, 50);
+        double bytes = (double)dec[i][0] * dec[i][1] * Hkv * hd * 2 * 2;
+        printf("attn decode B=%-4d ctx=%-6d   %9.1f us  %6.0f GB/s (KV bytes)\n", dec[i][0], dec[i][1], us,
+               bytes / (us * 1e3));
+    }
+    (void)argc; (void)argv;
+    return 0;
+}
