@@ -124,7 +124,7 @@ fuzz: deps
 	@$(MAKE) --no-print-directory $(FUZZ_BIN)
 build/fuzz/%: tests/fuzz/%.c $(filter-out src/backend/cuda/%,$(LIB_SRC))
 	@mkdir -p build/fuzz
-	clang $(CFLAGS_BASE) -O1 -g -fsanitize=fuzzer,address,undefined -fno-omit-frame-pointer \
+	clang $(CFLAGS_BASE) -O1 -g -DFUZZING_BUILD_MODE_UNSAFE_FOR_PRODUCTION -fsanitize=fuzzer,address,undefined -fno-omit-frame-pointer \
 	  -o $@ $< $(filter-out src/backend/cuda/% src/backend/registry.c,$(LIB_SRC)) src/backend/registry.c $(LDLIBS)
 fuzz-run: fuzz
 	@for f in $(FUZZ_BIN); do n=$$(basename $$f); mkdir -p tests/fuzz/corpus/$$n; \

@@ -79,7 +79,7 @@ static inline const char *pd_test_repo_dir(void) {
 }
 
 int main(int argc, char **argv) {
-    pd_log_set_level(PD_LOG_WARN);
+    pd_log_set_level(getenv("PD_TEST_LOG") ? PD_LOG_DEBUG : PD_LOG_WARN);
     int n_pass = 0, n_fail = 0;
     for (int i = 0; i < pd_n_tests_; i++) {
         if (argc > 1 && !strstr(pd_tests_[i].name, argv[1])) continue;

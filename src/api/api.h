@@ -37,7 +37,7 @@
 #include "base/base.h"
 #include "engine/engine.h"
 #include "model/sample.h"
-#include "tok/jinja.h"
+#include "tok/chat.h"
 #include "tok/tok.h"
 
 #ifdef __cplusplus
@@ -116,13 +116,14 @@ typedef struct pd_api_prompts {
 } pd_api_prompts;
 
 // Turns r's prompt or messages into token ids: chat renders r->messages with tmpl
-// (add_generation_prompt = true, bos/eos from tok) and encodes with add_special=false when the
+// (add_generation_prompt = true; the request's "tools" array and "chat_template_kwargs" object,
+// when present, reach the template as extra variables) and encodes with add_special=false when the
 // rendered text already starts with the BOS token (else true); completion text is encoded with
 // add_special=true; token-id prompts are checked against the vocabulary. Then checks each prompt
 // against max_model_len (prompt alone < max_model_len; prompt + max_tokens <= max_model_len).
 // Errors (PD_ERR_INVALID with param "prompt" or "messages"; PD_ERR_NOMEM): *out is zeroed.
 pd_status pd_api_request_tokenize(const pd_api_request *r, const pd_tok *tok,
-                                  const pd_jinja_tmpl *tmpl, int max_model_len,
+                                  const pd_chat_template *tmpl, int max_model_len,
                                   pd_api_prompts *out, pd_api_error *err);
 void pd_api_prompts_fini(pd_api_prompts *p);
 

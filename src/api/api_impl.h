@@ -77,7 +77,7 @@ struct pd_api {
     pd_engine *engine;
     const pd_tok *tok;
     pd_http_server *http;
-    pd_jinja_tmpl *tmpl;   // owned; NULL if the model has no chat template
+    pd_chat_template *tmpl;  // owned; NULL if the model has no chat template
     char *model_name;      // owned
     int max_model_len;
     struct event *ev_engine;

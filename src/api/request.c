@@ -412,22 +412,39 @@ static pd_status ids_from_json(const pd_tok *tok, json_t *arr, pd_tok_ids *out, 
     return PD_OK;
 }
 
-static pd_status render_chat(const pd_api_request *r, const pd_tok *tok, const pd_jinja_tmpl *tmpl,
+// Extra template variables: "tools" (array) and vLLM's "chat_template_kwargs" (object).
+static pd_status chat_extra(const pd_api_request *r, json_t **out, pd_api_error *e) {
+    *out = NULL;
+    json_t *tools = field(r->root, "tools"), *kw = field(r->root, "chat_template_kwargs");
+    if (tools && !json_is_array(tools)) return fail(e, PD_ERR_INVALID, "tools", "'tools' must be an array");
+    if (kw && !json_is_object(kw))
+        return fail(e, PD_ERR_INVALID, "chat_template_kwargs", "'chat_template_kwargs' must be an object");
+    if (!tools && !kw) return PD_OK;
+    *out = kw ? json_copy(kw) : json_object();
+    if (!*out || (tools && json_object_set(*out, "tools", tools))) {
+        json_decref(*out);
+        *out = NULL;
+        return fail(e, PD_ERR_NOMEM, NULL, "out of memory");
+    }
+    return PD_OK;
+}
+
+static pd_status render_chat(const pd_api_request *r, const pd_tok *tok, const pd_chat_template *tmpl,
                              pd_tok_ids *out, pd_api_error *e) {
     if (!tmpl) return fail(e, PD_ERR_INVALID, "messages", "this model has no chat template");
-    const char *bos = pd_tok_bos_token(tok), *eos = pd_tok_eos_token(tok);
-    json_t *ctx = json_pack("{s:O,s:b,s:s,s:s}", "messages", r->messages, "add_generation_prompt", 1,
-                            "bos_token", bos ? bos : "", "eos_token", eos ? eos : "");
-    if (!ctx) return fail(e, PD_ERR_NOMEM, NULL, "out of memory");
+    json_t *extra = NULL;
+    pd_status st = chat_extra(r, &extra, e);
+    if (st) return st;
     char *text = NULL;
     size_t len = 0;
     pd_err jerr = {0};
-    pd_status st = pd_jinja_render(tmpl, ctx, &text, &len, &jerr);
-    json_decref(ctx);
+    st = pd_chat_template_apply(tmpl, r->messages, true, extra, NULL, &text, &len, &jerr);
+    json_decref(extra);
     if (st == PD_ERR_INVALID) return fail(e, st, "messages", "chat template error: %s", jerr.msg);
     if (st) return fail(e, st, NULL, "chat template: %s", jerr.msg);
     // The template writes BOS itself when it wants one: do not add a second (vLLM does the same).
-    bool add_special = !(bos && *bos && !strncmp(text, bos, strlen(bos)));
+    const char *bos = pd_chat_template_bos(tmpl);
+    bool add_special = !(*bos && !strncmp(text, bos, strlen(bos)));
     json_t *as = json_object_get(r->root, "add_special_tokens");
     if (json_is_boolean(as)) add_special = json_is_true(as);
     st = encode_text(tok, text, len, add_special, out, "messages", e);
@@ -436,7 +453,7 @@ static pd_status render_chat(const pd_api_request *r, const pd_tok *tok, const p
 }
 
 pd_status pd_api_request_tokenize(const pd_api_request *r, const pd_tok *tok,
-                                  const pd_jinja_tmpl *tmpl, int max_model_len,
+                                  const pd_chat_template *tmpl, int max_model_len,
                                   pd_api_prompts *out, pd_api_error *err) {
     memset(out, 0, sizeof *out);
     pd_api_error tmp;

@@ -376,7 +376,7 @@ pd_api *pd_api_new(struct event_base *base, pd_engine *e, const pd_api_params *p
     const char *tmpl = pd_tok_chat_template(a->tok);
     if (tmpl) {
         pd_err terr = {0};
-        a->tmpl = pd_jinja_parse(tmpl, strlen(tmpl), &terr);
+        a->tmpl = pd_chat_template_new(tmpl, strlen(tmpl), pd_tok_bos_token(a->tok), pd_tok_eos_token(a->tok), &terr);
         if (!a->tmpl) {
             pd_err_set(err, terr.status ? terr.status : PD_ERR_INVALID, "chat template: %s", terr.msg);
             goto fail;
@@ -417,7 +417,7 @@ void pd_api_free(pd_api *a) {
     pd_http_server_free(a->http);
     while (a->jobs) pd_api_job_cancel(a->jobs);
     pd_api_idmap_fini(&a->ids);
-    pd_jinja_free(a->tmpl);
+    pd_chat_template_free(a->tmpl);
     pd_metrics_free(a->metrics);
     pd_free(a->model_name);
     pd_free(a);

@@ -4,6 +4,8 @@
 
 #include <string.h>
 
+#include "base/checksum.h"
+
 size_t pd_dtype_size(pd_dtype t) {
     switch (t) {
     case PD_DTYPE_F32: return 4;
@@ -47,8 +49,88 @@ pd_buffer *pd_buffer_alloc(pd_backend *b, size_t n_bytes) {
 }
 void pd_buffer_free(pd_buffer *buf) {
     if (!buf) return;
-    buf->backend->iface->dev_free(buf->backend, buf->ptr);
+    if (buf->is_shared) buf->backend->iface->dev_free_shared(buf->backend, buf->ptr, &buf->handle);
+    else buf->backend->iface->dev_free(buf->backend, buf->ptr);
     pd_free(buf);
+}
+
+pd_buffer *pd_buffer_alloc_shared(pd_backend *b, size_t n_bytes, pd_err *err) {
+    if (!b->iface->dev_alloc_shared) {
+        pd_err_set(err, PD_ERR_UNSUPPORTED, "the %s backend cannot share buffers between processes", b->iface->name);
+        return NULL;
+    }
+    pd_buffer *buf = pd_calloc(1, sizeof *buf);
+    if (!buf) {
+        pd_err_set(err, PD_ERR_NOMEM, "out of memory");
+        return NULL;
+    }
+    buf->backend = b;
+    buf->n_bytes = n_bytes;
+    buf->is_shared = true;
+    buf->ptr = b->iface->dev_alloc_shared(b, n_bytes ? n_bytes : 1, &buf->handle, err);
+    if (!buf->ptr) {
+        pd_free(buf);
+        return NULL;
+    }
+    return buf;
+}
+
+pd_status pd_buffer_export(pd_buffer *buf, pd_buffer_handle *out) {
+    if (!buf->is_shared) return PD_ERR_UNSUPPORTED;
+    *out = buf->handle;
+    return PD_OK;
+}
+
+void *pd_backend_import(pd_backend *b, const pd_buffer_handle *h, pd_err *err) {
+    if (!b->iface->import) {
+        pd_err_set(err, PD_ERR_UNSUPPORTED, "the %s backend cannot import buffers", b->iface->name);
+        return NULL;
+    }
+    return b->iface->import(b, h, err);
+}
+
+void pd_backend_unimport(pd_backend *b, void *p, const pd_buffer_handle *h) {
+    if (p && b->iface->unimport) b->iface->unimport(b, p, h);
+}
+
+void pd_op_kv_copy(pd_backend *b, const pd_kv_copy_params *p) {
+    if (b->iface->kv_copy) {
+        b->iface->kv_copy(b, p);
+        return;
+    }
+    size_t bb = p->row_bytes * (size_t)p->block_size;
+    for (int l = p->layer_begin; l < p->layer_end; l++)
+        for (int i = 0; i < p->n_blocks; i++) {
+            size_t n = p->row_bytes * (size_t)p->n_rows[i];
+            size_t so = (size_t)p->src_blocks[i] * bb, dof = (size_t)p->dst_blocks[i] * bb;
+            b->iface->copy_d2d(b, (char *)p->dst_k[l] + dof, (char *)p->src_k[l] + so, n);
+            b->iface->copy_d2d(b, (char *)p->dst_v[l] + dof, (char *)p->src_v[l] + so, n);
+        }
+}
+
+// Generic checksum: bring each run to the host (free on the CPU backend, where download is a
+// memcpy) and hash it there.
+void pd_op_kv_checksum(pd_backend *b, const pd_kv_checksum_params *p) {
+    if (b->iface->kv_checksum) {
+        b->iface->kv_checksum(b, p);
+        return;
+    }
+    size_t bb = p->row_bytes * (size_t)p->block_size;
+    unsigned char *tmp = pd_malloc(bb);
+    PD_ASSERT(tmp);
+    for (int l = p->layer_begin; l < p->layer_end; l++) {
+        uint64_t sum = 0, g = 0;
+        for (int kv = 0; kv < 2; kv++) {
+            void *const *base = kv ? p->v : p->k;
+            for (int i = 0; i < p->n_blocks; i++) {
+                size_t n = p->row_bytes * (size_t)p->n_rows[i];
+                b->iface->download(b, tmp, (char *)base[l] + (size_t)p->blocks[i] * bb, n);
+                pd_checksum_run(&sum, &g, tmp, n);
+            }
+        }
+        p->sums[l - p->layer_begin] = sum;
+    }
+    pd_free(tmp);
 }
 void *pd_buffer_ptr(pd_buffer *buf) { return buf->ptr; }
 size_t pd_buffer_size(pd_buffer *buf) { return buf->n_bytes; }

@@ -129,6 +129,42 @@ typedef struct pd_copy_blocks_params {
     size_t block_bytes;
 } pd_copy_blocks_params;
 
+// Copies the first n_rows[i] token rows of KV block src_blocks[i] to block dst_blocks[i] of another
+// cache with the same layout (a peer's imported KV pool, or a staging area laid out like a cache),
+// for layers [layer_begin, layer_end). The KV handoff's data path.
+typedef struct pd_kv_copy_params {
+    void *const *src_k, *const *src_v;  // (n_layers) host arrays of device pointers: local layers
+    void *const *dst_k, *const *dst_v;  // (n_layers) host arrays of destination layer bases
+    const int32_t *src_blocks;          // host (n_blocks)
+    const int32_t *dst_blocks;          // host (n_blocks)
+    const int32_t *n_rows;              // host (n_blocks): rows from the block's start, <= block_size
+    int n_blocks, layer_begin, layer_end, block_size;
+    size_t row_bytes;                   // n_kv_heads * head_dim * kv elem size (multiple of 8)
+} pd_kv_copy_params;
+
+// The KV-transfer checksum (base/checksum.h) of each layer's slab: for l in [layer_begin,
+// layer_end), the runs are the K rows of every listed block in order, then the V rows.
+// sums: host (layer_end - layer_begin). Synchronizes.
+typedef struct pd_kv_checksum_params {
+    void *const *k, *const *v;   // (n_layers) host arrays of device pointers
+    const int32_t *blocks;       // host (n_blocks)
+    const int32_t *n_rows;       // host (n_blocks)
+    int n_blocks, layer_begin, layer_end, block_size;
+    size_t row_bytes;
+    uint64_t *sums;              // out, host
+} pd_kv_checksum_params;
+
+// A handle that lets another process on the same host map a buffer: the decode worker exports its
+// KV pool once and the prefill worker writes straight into it (shm on CPU, CUDA IPC on GPU).
+typedef struct pd_buffer_handle {
+    char kind[8];          // "shm" or "cuda"
+    char shm_name[64];     // shm: POSIX shared-memory object name
+    uint8_t ipc[64];       // cuda: cudaIpcMemHandle_t
+    uint64_t n_bytes;
+    int32_t device;
+    int32_t pid;           // exporting process (cuda IPC cannot be opened by its own process)
+} pd_buffer_handle;
+
 // ---- the backend -------------------------------------------------------------------------------
 
 // A CPU backend using n_threads (0: all cores). Never NULL except on OOM.
@@ -151,6 +187,15 @@ void pd_buffer_free(pd_buffer *buf);
 void *pd_buffer_ptr(pd_buffer *buf);  // device pointer, valid until pd_buffer_free
 size_t pd_buffer_size(pd_buffer *buf);
 
+// An exportable buffer (pd_buffer_export works on it). NULL with err when the backend cannot.
+pd_buffer *pd_buffer_alloc_shared(pd_backend *b, size_t n_bytes, pd_err *err);
+// Fills out for a buffer from pd_buffer_alloc_shared. PD_ERR_UNSUPPORTED otherwise.
+pd_status pd_buffer_export(pd_buffer *buf, pd_buffer_handle *out);
+// Maps a buffer exported by another process; returns a device pointer for this backend's ops, or
+// NULL with err. Unmap with pd_backend_unimport.
+void *pd_backend_import(pd_backend *b, const pd_buffer_handle *h, pd_err *err);
+void pd_backend_unimport(pd_backend *b, void *ptr, const pd_buffer_handle *h);
+
 // Host <-> device copies. upload is ordered on the backend stream (host memory must stay valid
 // until the next sync); download synchronizes.
 void pd_backend_upload(pd_backend *b, void *dst_dev, const void *src_host, size_t n_bytes);
@@ -167,6 +212,8 @@ void pd_op_attention(pd_backend *b, const pd_attention_params *p);
 void pd_op_silu_mul(pd_backend *b, const pd_silu_mul_params *p);
 void pd_op_get_rows(pd_backend *b, const pd_get_rows_params *p);
 void pd_op_copy_blocks(pd_backend *b, const pd_copy_blocks_params *p);
+void pd_op_kv_copy(pd_backend *b, const pd_kv_copy_params *p);
+void pd_op_kv_checksum(pd_backend *b, const pd_kv_checksum_params *p);
 // Fills n elements of `dtype` at dst with mean + std * N(0,1) from a counter-based generator
 // seeded by `seed` (dummy weights: --load-format dummy). Deterministic per backend.
 void pd_op_fill_normal(pd_backend *b, void *dst, pd_dtype dtype, size_t n, uint64_t seed, float mean, float std);

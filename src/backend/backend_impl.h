@@ -26,6 +26,14 @@ typedef struct pd_backend_iface {
     // (optional) NULL: per-layer device-to-device copies through `copy_d2d`.
     void (*copy_blocks)(pd_backend *b, const pd_copy_blocks_params *p);
     void (*copy_d2d)(pd_backend *b, void *dst, const void *src, size_t n);
+    // (optional) shared buffers: NULL means the backend cannot export/import.
+    void *(*dev_alloc_shared)(pd_backend *b, size_t n_bytes, pd_buffer_handle *h, pd_err *err);
+    void (*dev_free_shared)(pd_backend *b, void *p, const pd_buffer_handle *h);
+    void *(*import)(pd_backend *b, const pd_buffer_handle *h, pd_err *err);
+    void (*unimport)(pd_backend *b, void *p, const pd_buffer_handle *h);
+    // (optional) NULL: generic per-block copy_d2d loops / download + CPU checksum in backend.c.
+    void (*kv_copy)(pd_backend *b, const pd_kv_copy_params *p);
+    void (*kv_checksum)(pd_backend *b, const pd_kv_checksum_params *p);
     void (*fill_normal)(pd_backend *b, void *dst, pd_dtype dtype, size_t n, uint64_t seed, float mean, float std);
 } pd_backend_iface;
 
@@ -37,6 +45,8 @@ struct pd_buffer {
     pd_backend *backend;  // borrowed
     void *ptr;            // owned device memory
     size_t n_bytes;
+    bool is_shared;       // allocated by dev_alloc_shared; handle describes it
+    pd_buffer_handle handle;
 };
 
 // Constructors of the compiled-in backends (registry.c calls them).

@@ -137,7 +137,8 @@ void pd_log(pd_log_level lvl, const char *fmt, ...) {
     vsnprintf(line, sizeof line, fmt, ap);
     va_end(ap);
     // One fprintf per line so lines from different threads do not interleave.
-    fprintf(stderr, "pdserve %s: %s\n", names[lvl], line);
+    if (lvl == PD_LOG_DEBUG) fprintf(stderr, "pdserve %s [%.6f]: %s\n", names[lvl], (double)pd_time_us() / 1e6, line);
+    else fprintf(stderr, "pdserve %s: %s\n", names[lvl], line);
 }
 
 _Noreturn void pd_abort(const char *file, int line, const char *func, const char *what) {

@@ -9,7 +9,9 @@ int pd_cmd_generate(int argc, char **argv);
 int pd_cmd_model_info(int argc, char **argv);
 int pd_cmd_run(int argc, char **argv);
 int pd_cmd_serve(int argc, char **argv);
+int pd_cmd_router(int argc, char **argv);
 int pd_cmd_bench_engine(int argc, char **argv);
+int pd_cmd_bench(int argc, char **argv);
 
 // Minimal flag parsing shared by subcommands: --name value / --name=value / --flag.
 typedef struct pd_flags {

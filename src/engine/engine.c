@@ -14,46 +14,7 @@
 #include <stdio.h>
 #include <string.h>
 
-#include "engine/queue.h"
-#include "kv/kv.h"
-#include "sched/sched.h"
-
-#define N_BUCKETS 4096
-
-typedef struct ereq {
-    uint64_t id;
-    pd_sampler *sampler;  // owned
-    int n_prompt;
-    struct ereq *next;    // bucket chain
-} ereq;
-
-typedef struct step_bufs {
-    int32_t *tokens, *q_indptr, *kv_lens, *bt_indptr, *bt_indices, *logit_rows, *logit_seq;
-    int cap_tokens, cap_seqs, cap_bt;
-    float *logits;  // (cap_seqs, vocab)
-    pd_step_output *outputs;
-    pd_sample_result *results;  // by plan seq index
-    pd_engine_event *events;
-    int cap_events;
-} step_bufs;
-
-struct pd_engine {
-    pd_engine_params params;
-    char model_name[256];
-    pd_backend *backend;
-    pd_model *model;
-    pd_tok *tok;
-    pd_model_cache *cache;
-    pd_kv_mgr *kv;
-    pd_sched *sched;
-    int max_model_len;
-    pd_queue q;
-    pthread_t thread;
-    bool started;
-    ereq *buckets[N_BUCKETS];
-    step_bufs sb;
-    int64_t n_prefill_computed, n_generated, n_prompt_tokens, n_finished;
-};
+#include "engine/engine_impl.h"
 
 pd_engine_params pd_engine_params_default(void) {
     pd_engine_params p = {0};
@@ -64,6 +25,8 @@ pd_engine_params pd_engine_params_default(void) {
     p.enable_prefix_caching = true;
     p.enable_chunked_prefill = true;
     p.max_waiting = 4096;
+    p.disagg_min_tokens = 64;
+    p.disagg_timeout_ms = 30000;
     return p;
 }
 
@@ -80,7 +43,19 @@ static void req_remove(pd_engine *e, uint64_t id) {
     if (!r) return;
     *pp = r->next;
     pd_sampler_free(r->sampler);
+    pd_disagg_req_fini(r);
     pd_free(r);
+}
+ereq *pd_engine_req_find(pd_engine *e, uint64_t id) { return req_find(e, id); }
+void pd_engine_req_insert(pd_engine *e, ereq *q) {
+    ereq **pp = slot_of(e, q->id);
+    PD_ASSERT(!*pp);
+    *pp = q;
+}
+void pd_engine_req_remove(pd_engine *e, uint64_t id) { req_remove(e, id); }
+
+const char *pd_engine_role_name(pd_engine_role r) {
+    return r == PD_ROLE_PREFILL ? "prefill" : r == PD_ROLE_DECODE ? "decode" : "both";
 }
 
 // ---- construction ------------------------------------------------------------------------------
@@ -133,8 +108,23 @@ pd_engine *pd_engine_new(const pd_engine_params *p, pd_err *err) {
     e->max_model_len = p->max_model_len > 0 ? PD_MIN(p->max_model_len, c->max_position_embeddings) : c->max_position_embeddings;
     int n_blocks = size_kv_blocks(e, err);
     if (n_blocks < 0) goto fail;
-    e->cache = pd_model_cache_new(e->model, n_blocks, e->params.block_size, err);
+    if (!e->params.kv_transport)
+        e->params.kv_transport = !strcmp(pd_backend_name(e->backend), "cpu") ? PD_KVW_TRANSPORT_SHM : PD_KVW_TRANSPORT_CUDA_IPC;
+    // A decode worker's pool is exported once so prefill workers can write straight into it.
+    bool shared = p->role == PD_ROLE_DECODE && e->params.kv_transport != PD_KVW_TRANSPORT_TCP;
+    e->cache = shared ? pd_model_cache_new_shared(e->model, n_blocks, e->params.block_size, err)
+                      : pd_model_cache_new(e->model, n_blocks, e->params.block_size, err);
     if (!e->cache) goto fail;
+    e->layer_k = pd_malloc(sizeof(void *) * (size_t)c->n_layers);
+    e->layer_v = pd_malloc(sizeof(void *) * (size_t)c->n_layers);
+    if (!e->layer_k || !e->layer_v) {
+        pd_err_set(err, PD_ERR_NOMEM, "out of memory");
+        goto fail;
+    }
+    for (int l = 0; l < c->n_layers; l++) {
+        e->layer_k[l] = pd_model_cache_k(e->cache, l);
+        e->layer_v[l] = pd_model_cache_v(e->cache, l);
+    }
     pd_kv_params kp = pd_kv_params_default();
     kp.n_blocks = n_blocks;
     kp.block_size = e->params.block_size;
@@ -150,6 +140,7 @@ pd_engine *pd_engine_new(const pd_engine_params *p, pd_err *err) {
     sp.policy = p->policy == PD_POLICY_SRPT ? PD_SCHED_SRPT : PD_SCHED_FCFS;
     e->sched = pd_sched_new(&sp, e->kv, err);
     if (!e->sched) goto fail;
+    if (pd_disagg_init(e, err)) goto fail;
     PD_LOG_I("engine: %s on %s, %d KV blocks of %d tokens (%.1f MiB), max_model_len %d", e->model_name,
              pd_backend_name(e->backend), n_blocks, e->params.block_size,
              (double)pd_buffer_size(pd_model_cache_buffer(e->cache)) / 1048576.0, e->max_model_len);
@@ -220,7 +211,7 @@ void pd_engine_abort(pd_engine *e, uint64_t id) {
 }
 
 // ---- engine thread -----------------------------------------------------------------------------
-static void emit_finished(pd_engine *e, uint64_t id, pd_engine_finish f, int n_prompt, int n_cached, int n_out) {
+void pd_engine_emit_finished(pd_engine *e, uint64_t id, pd_engine_finish f, int n_prompt, int n_cached, int n_out) {
     pd_engine_event ev = {.kind = PD_EV_FINISHED, .id = id, .finish = f, .n_prompt_tokens = n_prompt,
                           .n_cached_tokens = n_cached, .n_output_tokens = n_out};
     pd_queue_push_events(&e->q, &ev, 1);
@@ -231,7 +222,7 @@ static void handle_submit(pd_engine *e, pd_cmd *c) {
     pd_err err = {0};
     if (req_find(e, r->id)) {
         PD_LOG_W("engine: duplicate request id %llu rejected", (unsigned long long)r->id);
-        emit_finished(e, r->id, PD_ENGINE_FINISH_ERROR, r->n_prompt, 0, 0);
+        pd_engine_emit_finished(e, r->id, PD_ENGINE_FINISH_ERROR, r->n_prompt, 0, 0);
         return;
     }
     ereq *q = pd_calloc(1, sizeof *q);
@@ -240,18 +231,24 @@ static void handle_submit(pd_engine *e, pd_cmd *c) {
     pd_sched_req_params sp = {.req_id = r->id, .prompt = r->prompt, .n_prompt = r->n_prompt, .max_tokens = r->max_tokens,
                               .stop_ids = r->stop_ids, .n_stop_ids = r->n_stop_ids, .eos_ids = cfg->eos_token_ids,
                               .n_eos_ids = cfg->n_eos, .ignore_eos = r->ignore_eos, .priority = r->priority};
+    sp.is_remote_prefill = e->params.role == PD_ROLE_DECODE && pd_disagg_want_remote(e, r->prompt, r->n_prompt);
     if (!q || !q->sampler || pd_sched_add(e->sched, &sp, r->arrival_us, &err)) {
         if (q) pd_sampler_free(q->sampler);
         pd_free(q);
         PD_LOG_W("engine: request %llu rejected: %s", (unsigned long long)r->id, err.msg[0] ? err.msg : "out of memory");
-        emit_finished(e, r->id, PD_ENGINE_FINISH_ERROR, r->n_prompt, 0, 0);
+        pd_engine_emit_finished(e, r->id, PD_ENGINE_FINISH_ERROR, r->n_prompt, 0, 0);
         return;
     }
     pd_sampler_add_prompt(q->sampler, r->prompt, r->n_prompt);
+    if (sp.is_remote_prefill) {
+        q->is_remote = true;
+        q->prompt = c->prompt;  // the command's copy moves into the request
+        c->prompt = NULL;
+        q->sampling = r->sampling;
+    }
     q->id = r->id;
     q->n_prompt = r->n_prompt;
-    ereq **pp = slot_of(e, r->id);
-    *pp = q;
+    pd_engine_req_insert(e, q);
     e->n_prompt_tokens += r->n_prompt;
 }
 
@@ -260,12 +257,18 @@ static void handle_cmds(pd_engine *e, pd_cmd *c) {
         pd_cmd *n = c->next;
         if (c->kind == PD_CMD_SUBMIT) {
             handle_submit(e, c);
-        } else if (req_find(e, c->id)) {
+        } else if (c->kind == PD_CMD_XFER) {
+            pd_disagg_handle(e, &c->xev);
+        } else if (req_find(e, c->id) && !req_find(e, c->id)->is_aborted) {
             ereq *r = req_find(e, c->id);
             int n_prompt = r->n_prompt;
-            pd_sched_abort(e->sched, c->id);
-            req_remove(e, c->id);
-            emit_finished(e, c->id, PD_ENGINE_FINISH_ABORT, n_prompt, 0, 0);
+            if (r->is_loading || r->is_export) {
+                pd_disagg_abort(e, r);  // keeps the request until its transfer ends
+            } else {
+                pd_sched_abort(e->sched, c->id);
+                req_remove(e, c->id);
+            }
+            pd_engine_emit_finished(e, c->id, PD_ENGINE_FINISH_ABORT, n_prompt, 0, 0);
         }
         pd_cmd_free(c);
         c = n;
@@ -366,7 +369,7 @@ static pd_engine_finish map_finish(pd_finish_reason f) {
 }
 
 // Turns scheduler events into engine events (TOKEN, then FINISHED when the request ended).
-static void push_sched_events(pd_engine *e, const pd_step_plan *plan, const pd_sched_event *ev, int n) {
+void pd_engine_push_sched_events(pd_engine *e, const pd_step_plan *plan, const pd_sched_event *ev, int n) {
     step_bufs *b = &e->sb;
     if (2 * n > b->cap_events) {
         pd_engine_event *ne = pd_realloc(b->events, sizeof *ne * (size_t)(2 * n + 16));
@@ -377,6 +380,19 @@ static void push_sched_events(pd_engine *e, const pd_step_plan *plan, const pd_s
     int k = 0;
     for (int j = 0; j < n; j++) {
         const pd_sched_event *s = &ev[j];
+        ereq *q = req_find(e, s->req_id);
+        if (q && q->is_export) {
+            // Prefill role: the first token and the KV go back to the decode worker, not to an
+            // API client.
+            if (s->finish != PD_FINISH_NONE) {
+                pd_sample_result first = {.token = s->token};
+                for (int i = 0; plan && i < plan->n_seqs; i++)
+                    if (plan->seqs[i].req_id == s->req_id && plan->seqs[i].needs_logits) first = b->results[i];
+                first.token = s->token;
+                pd_disagg_export(e, q, s, &first);
+            }
+            continue;
+        }
         if (s->token >= 0) {
             pd_engine_event *o = &b->events[k++];
             memset(o, 0, sizeof *o);
@@ -430,13 +446,21 @@ static void publish_stats(pd_engine *e) {
     o->n_preemptions = ss.n_preemptions;
     o->n_steps = ss.n_steps;
     o->n_requests_finished = e->n_finished;
+    o->n_kv_handoffs = e->n_handoffs;
+    memcpy(o->n_kv_fallbacks, e->n_fallbacks, sizeof o->n_kv_fallbacks);
+    o->n_kv_local_short = e->n_local_short;
+    o->n_kv_handoff_bytes = e->handoff_bytes;
+    o->kv_handoff_us_total = e->handoff_us;
+    o->n_kv_exports = e->n_exports;
     pthread_mutex_unlock(&e->q.mu);
 }
 
 static void engine_step(pd_engine *e) {
     pd_step_plan plan;
     pd_sched_schedule(e->sched, pd_time_us(), &plan);
-    if (plan.n_finished) push_sched_events(e, NULL, plan.finished, plan.n_finished);
+    if (plan.n_finished) pd_engine_push_sched_events(e, NULL, plan.finished, plan.n_finished);
+    if (plan.n_kv_loads) pd_disagg_start_loads(e, &plan);
+    e->last_step_empty = plan.n_seqs == 0 && plan.n_kv_loads == 0;
     if (plan.n_seqs == 0) return;
     pd_status st = run_plan(e, &plan);
     pd_step_output *outs = e->sb.outputs;
@@ -449,7 +473,7 @@ static void engine_step(pd_engine *e) {
             int np = r ? r->n_prompt : 0;
             pd_sched_abort(e->sched, id);
             req_remove(e, id);
-            emit_finished(e, id, PD_ENGINE_FINISH_ERROR, np, 0, 0);
+            pd_engine_emit_finished(e, id, PD_ENGINE_FINISH_ERROR, np, 0, 0);
         }
         const pd_sched_event *ev;
         int32_t n;
@@ -460,14 +484,16 @@ static void engine_step(pd_engine *e) {
     int32_t n_ev = 0;
     st = pd_sched_update(e->sched, &plan, outs, pd_time_us(), &ev, &n_ev);
     PD_ASSERT(st == PD_OK);
-    push_sched_events(e, &plan, ev, n_ev);
+    pd_engine_push_sched_events(e, &plan, ev, n_ev);
 }
 
 static void *engine_main(void *arg) {
     pd_engine *e = arg;
     for (;;) {
-        bool idle = !pd_sched_has_work(e->sched);
-        pd_cmd *c = pd_queue_pop_cmds(&e->q, idle);
+        // No work: sleep until a command. Work that cannot progress (KV loads in flight, nothing
+        // schedulable): sleep briefly, or until a command (an xfer result) arrives.
+        int64_t wait_us = !pd_sched_has_work(e->sched) ? -1 : e->last_step_empty ? 2000 : 0;
+        pd_cmd *c = pd_queue_pop_cmds(&e->q, wait_us);
         if (e->q.stopping) {
             handle_cmds(e, c);
             break;
@@ -492,6 +518,7 @@ void pd_engine_free(pd_engine *e) {
         pd_queue_stop(&e->q);
         pthread_join(e->thread, NULL);
     }
+    pd_disagg_fini(e);  // joins the xfer threads, which push into the queue
     for (int i = 0; i < N_BUCKETS; i++)
         while (e->buckets[i]) {
             uint64_t id = e->buckets[i]->id;
@@ -508,6 +535,8 @@ void pd_engine_free(pd_engine *e) {
     pd_free(b->tokens), pd_free(b->q_indptr), pd_free(b->kv_lens), pd_free(b->bt_indptr), pd_free(b->bt_indices);
     pd_free(b->logit_rows), pd_free(b->logit_seq), pd_free(b->logits), pd_free(b->outputs), pd_free(b->results);
     pd_free(b->events);
+    pd_free(e->layer_k);
+    pd_free(e->layer_v);
     pd_queue_fini(&e->q);
     pd_free(e);
 }

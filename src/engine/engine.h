@@ -20,6 +20,7 @@
 #include "model/model.h"
 #include "model/sample.h"
 #include "tok/tok.h"
+#include "wire/kv.h"
 
 #ifdef __cplusplus
 extern "C" {
@@ -32,7 +33,30 @@ typedef enum pd_sched_policy_kind {
     PD_POLICY_SRPT = 1,      // shortest remaining (uncached) prefill first, with aging
 } pd_sched_policy_kind;
 
+// Disaggregation roles: BOTH serves requests start to end (colocated). DECODE owns requests and
+// asks prefill workers (over xfer/) for the KV of long uncached prompts, prefilling locally when
+// the uncached part is short, no prefill worker is healthy, or a handoff fails. PREFILL serves
+// only KV-prefill requests from decode workers (no OpenAI clients of its own).
+typedef enum pd_engine_role {
+    PD_ROLE_BOTH = 0,
+    PD_ROLE_PREFILL = 1,
+    PD_ROLE_DECODE = 2,
+} pd_engine_role;
+const char *pd_engine_role_name(pd_engine_role r);
+
 typedef struct pd_engine_params {
+    pd_engine_role role;
+    // decode role
+    int n_prefill_addrs;
+    const char *prefill_addrs[16];  // "host:port" of prefill workers' KV ports (borrowed for the call)
+    pd_kvw_transport kv_transport;  // default shm on cpu, cuda-ipc on cuda
+    int disagg_min_tokens;        // prefill locally when fewer uncached prompt tokens (default 64)
+    int disagg_timeout_ms;        // a handoff slower than this falls back (default 30000)
+    // prefill role
+    const char *kv_host;          // bind address of the KV port (default 127.0.0.1)
+    int kv_port;                  // 0 = any free port (pd_engine_kv_port tells)
+    int debug_corrupt_every;      // test hook (--debug-hooks): corrupt every Nth KV transfer
+
     const char *model_dir;        // borrowed for the call
     const char *device;           // "cpu", "cuda", "auto" (default)
     int device_id;
@@ -114,6 +138,22 @@ int pd_engine_event_fd(const pd_engine *e);
 // Moves up to max pending events into out; returns how many.
 int pd_engine_poll(pd_engine *e, pd_engine_event *out, int max);
 
+// The KV port a PREFILL engine listens on (after pd_engine_start), else 0.
+int pd_engine_kv_port(const pd_engine *e);
+// Decode role: prefill workers currently connected (0 otherwise).
+int pd_engine_n_prefill_healthy(pd_engine *e);
+pd_kvw_transport pd_engine_kv_transport(const pd_engine *e);
+
+typedef enum pd_fallback_reason {
+    PD_FALLBACK_UNAVAILABLE = 0,  // no healthy / unsaturated prefill worker
+    PD_FALLBACK_TIMEOUT = 1,      // the handoff took longer than disagg_timeout_ms
+    PD_FALLBACK_WORKER_DIED = 2,  // the prefill worker's connection was lost
+    PD_FALLBACK_CHECKSUM = 3,     // KV arrived but failed verification (never decoded from)
+    PD_FALLBACK_ERROR = 4,        // the prefill worker reported an error
+    PD_FALLBACK_N = 5,
+} pd_fallback_reason;
+const char *pd_fallback_reason_name(pd_fallback_reason r);
+
 typedef struct pd_engine_stats {
     int n_running, n_waiting;
     int n_blocks_total, n_blocks_free, n_blocks_used, n_blocks_cached;
@@ -122,6 +162,14 @@ typedef struct pd_engine_stats {
     int64_t n_prefill_tokens_computed;              // prompt tokens actually run through the model
     int64_t n_preemptions, n_steps;
     int64_t n_requests_finished;
+    // disaggregation (decode role)
+    int64_t n_kv_handoffs;                     // prompts whose KV came from a prefill worker
+    int64_t n_kv_fallbacks[PD_FALLBACK_N];     // prompts prefilled locally after a failed handoff
+    int64_t n_kv_local_short;                  // prompts prefilled locally because they were short
+    int64_t n_kv_handoff_bytes;
+    int64_t kv_handoff_us_total;               // request sent → KV verified, summed
+    // prefill role
+    int64_t n_kv_exports;
 } pd_engine_stats;
 void pd_engine_stats_get(pd_engine *e, pd_engine_stats *out);
 

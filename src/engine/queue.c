@@ -2,6 +2,7 @@
 #include "engine/queue.h"
 
 #include <string.h>
+#include <time.h>
 #include <sys/eventfd.h>
 #include <unistd.h>
 
@@ -17,6 +18,7 @@ pd_status pd_queue_init(pd_queue *q) {
 void pd_cmd_free(pd_cmd *c) {
     if (!c) return;
     pd_free(c->prompt);
+    pd_xfer_event_fini(&c->xev);
     pd_free(c);
 }
 
@@ -45,9 +47,18 @@ pd_status pd_queue_push_cmd(pd_queue *q, pd_cmd *c) {
     return PD_OK;
 }
 
-pd_cmd *pd_queue_pop_cmds(pd_queue *q, bool wait) {
+pd_cmd *pd_queue_pop_cmds(pd_queue *q, int64_t wait_us) {
     pthread_mutex_lock(&q->mu);
-    while (wait && !q->in_head && !q->stopping) pthread_cond_wait(&q->cv, &q->mu);
+    if (wait_us < 0) {
+        while (!q->in_head && !q->stopping) pthread_cond_wait(&q->cv, &q->mu);
+    } else if (wait_us > 0 && !q->in_head && !q->stopping) {
+        struct timespec ts;
+        clock_gettime(CLOCK_REALTIME, &ts);
+        int64_t ns = ts.tv_nsec + wait_us * 1000;
+        ts.tv_sec += ns / 1000000000;
+        ts.tv_nsec = ns % 1000000000;
+        pthread_cond_timedwait(&q->cv, &q->mu, &ts);
+    }
     pd_cmd *h = q->in_head;
     q->in_head = q->in_tail = NULL;
     q->n_in_submits = 0;

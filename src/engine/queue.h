@@ -7,8 +7,9 @@
 #include <pthread.h>
 
 #include "engine/engine.h"
+#include "xfer/xfer.h"
 
-typedef enum pd_cmd_kind { PD_CMD_SUBMIT = 1, PD_CMD_ABORT = 2 } pd_cmd_kind;
+typedef enum pd_cmd_kind { PD_CMD_SUBMIT = 1, PD_CMD_ABORT = 2, PD_CMD_XFER = 3 } pd_cmd_kind;
 
 typedef struct pd_cmd {
     pd_cmd_kind kind;
@@ -16,6 +17,7 @@ typedef struct pd_cmd {
     pd_engine_request req;   // SUBMIT: prompt/stop_ids point into the owned copies below
     int32_t *prompt;         // owned
     int32_t stop_ids[16];
+    pd_xfer_event xev;       // XFER: owned (xev.owned)
     struct pd_cmd *next;
 } pd_cmd;
 
@@ -36,8 +38,8 @@ void pd_queue_fini(pd_queue *q);  // frees pending commands and events
 // Producer side (any thread).
 pd_status pd_queue_push_cmd(pd_queue *q, pd_cmd *c);  // takes ownership
 // Engine side: moves all pending commands out (returns the list head, caller frees each with
-// pd_cmd_free). If wait and nothing is pending, sleeps until something arrives or stop.
-pd_cmd *pd_queue_pop_cmds(pd_queue *q, bool wait);
+// pd_cmd_free). If nothing is pending, sleeps up to wait_us (-1: until something arrives or stop).
+pd_cmd *pd_queue_pop_cmds(pd_queue *q, int64_t wait_us);
 void pd_cmd_free(pd_cmd *c);
 pd_status pd_queue_push_events(pd_queue *q, const pd_engine_event *ev, int n);
 int pd_queue_poll_events(pd_queue *q, pd_engine_event *out, int max);

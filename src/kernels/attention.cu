@@ -28,7 +28,7 @@
 
 #define PD_K_DEC_WARPS 4
 #define PD_K_DEC_UNROLL 4
-#define PD_K_DEC_MIN_PART 64
+#define PD_K_DEC_MIN_PART 128
 #define PD_K_DEC_MAX_SPLITS 64
 
 // ---- prefill ---------------------------------------------------------------------------------
@@ -272,26 +272,50 @@ static __global__ void __launch_bounds__(PD_K_DEC_WARPS * 32)
                 kr[u] = vr[u] = make_uint4(0, 0, 0, 0);
             }
         }
+        // scores of the U tokens for every head, then one max/correction per step (not per token)
+        float sc[U][GM];
 #pragma unroll
         for (int u = 0; u < U; u++) {
-            float kf[8], vf[8];
+            float kf[8];
             pd_k_unpack8(kr[u], kf);
+#pragma unroll
+            for (int gi = 0; gi < GM; gi++) {
+                float d = 0.f;
+                if (gi < G) {
+#pragma unroll
+                    for (int i = 0; i < 8; i++) d += qv[gi][i] * kf[i];
+#pragma unroll
+                    for (int o = LPT / 2; o > 0; o >>= 1) d += __shfl_xor_sync(0xffffffffu, d, o);
+                }
+                sc[u][gi] = ok[u] ? d : -INFINITY;
+            }
+        }
+#pragma unroll
+        for (int gi = 0; gi < GM; gi++) {
+            if (gi >= G) continue;
+            float mn = m[gi];
+#pragma unroll
+            for (int u = 0; u < U; u++) mn = fmaxf(mn, sc[u][gi]);
+            if (mn == -INFINITY) continue;  // no valid token for this lane group yet
+            float corr = exp2f(m[gi] - mn);
+            m[gi] = mn;
+            l[gi] *= corr;
+#pragma unroll
+            for (int i = 0; i < 8; i++) acc[gi][i] *= corr;
+#pragma unroll
+            for (int u = 0; u < U; u++) sc[u][gi] = exp2f(sc[u][gi] - mn);  // -inf -> 0
+        }
+#pragma unroll
+        for (int u = 0; u < U; u++) {
+            float vf[8];
             pd_k_unpack8(vr[u], vf);
 #pragma unroll
             for (int gi = 0; gi < GM; gi++) {
-                if (gi >= G) continue;
-                float sc = 0.f;
+                if (gi >= G || m[gi] == -INFINITY) continue;
+                float p = sc[u][gi];
+                l[gi] += p;
 #pragma unroll
-                for (int i = 0; i < 8; i++) sc += qv[gi][i] * kf[i];
-#pragma unroll
-                for (int o = LPT / 2; o > 0; o >>= 1) sc += __shfl_xor_sync(0xffffffffu, sc, o);
-                if (!ok[u]) continue;
-                float mn = fmaxf(m[gi], sc);
-                float corr = exp2f(m[gi] - mn), p = exp2f(sc - mn);
-                m[gi] = mn;
-                l[gi] = l[gi] * corr + p;
-#pragma unroll
-                for (int i = 0; i < 8; i++) acc[gi][i] = acc[gi][i] * corr + p * vf[i];
+                for (int i = 0; i < 8; i++) acc[gi][i] += p * vf[i];
             }
         }
     }

@@ -175,8 +175,8 @@ bool pd_kv_is_prefix_caching(const pd_kv_mgr *m);
 int32_t pd_kv_block_ref(const pd_kv_mgr *m, int32_t block_id);
 // Blocks needed to hold n_tokens token slots.
 static inline int32_t pd_kv_n_blocks_for(const pd_kv_mgr *m, int32_t n_tokens) {
-    int32_t bs = pd_kv_block_size(m);
-    return (n_tokens + bs - 1) / bs;
+    int64_t bs = pd_kv_block_size(m);
+    return (int32_t)(((int64_t)n_tokens + bs - 1) / bs);
 }
 
 // Debug check of every invariant listed at the top (O(n_blocks)). PD_OK, or PD_ERR_INVALID with the

@@ -220,7 +220,7 @@ const pd_model_config *pd_model_get_config(const pd_model *m) { return &m->cfg; 
 pd_backend *pd_model_backend(const pd_model *m) { return m->backend; }
 size_t pd_model_weight_bytes(const pd_model *m) { return m->weight_bytes; }
 
-pd_model_cache *pd_model_cache_new(pd_model *m, int n_blocks, int block_size, pd_err *err) {
+static pd_model_cache *cache_new(pd_model *m, int n_blocks, int block_size, bool shared, pd_err *err) {
     if (n_blocks <= 0 || block_size <= 0) {
         pd_err_set(err, PD_ERR_INVALID, "KV cache needs n_blocks > 0 and block_size > 0");
         return NULL;
@@ -236,7 +236,7 @@ pd_model_cache *pd_model_cache_new(pd_model *m, int n_blocks, int block_size, pd
     kc->block_size = block_size;
     kc->block_bytes = (size_t)block_size * (size_t)c->n_kv_heads * (size_t)c->head_dim * pd_dtype_size(m->adt);
     size_t total = kc->block_bytes * (size_t)n_blocks * 2 * (size_t)c->n_layers;
-    kc->buf = pd_buffer_alloc(m->backend, total);
+    kc->buf = shared ? pd_buffer_alloc_shared(m->backend, total, err) : pd_buffer_alloc(m->backend, total);
     if (!kc->buf) {
         pd_err_set(err, PD_ERR_DEVICE, "out of device memory for a %zu-byte KV cache (%d blocks of %d tokens)", total, n_blocks,
                    block_size);
@@ -246,6 +246,13 @@ pd_model_cache *pd_model_cache_new(pd_model *m, int n_blocks, int block_size, pd
     // Zeroed so a stray read of an unwritten slot is deterministic (never NaN garbage).
     pd_backend_memset(m->backend, pd_buffer_ptr(kc->buf), 0, total);
     return kc;
+}
+
+pd_model_cache *pd_model_cache_new(pd_model *m, int n_blocks, int block_size, pd_err *err) {
+    return cache_new(m, n_blocks, block_size, false, err);
+}
+pd_model_cache *pd_model_cache_new_shared(pd_model *m, int n_blocks, int block_size, pd_err *err) {
+    return cache_new(m, n_blocks, block_size, true, err);
 }
 
 void pd_model_cache_free(pd_model_cache *c) {

@@ -51,6 +51,8 @@ size_t pd_model_weight_bytes(const pd_model *m);  // device bytes of weights
 // The paged KV cache: n_blocks blocks of block_size tokens for every layer, in one device buffer
 // laid out (n_layers, 2 [k, v], n_blocks, block_size, n_kv_heads, head_dim), kv dtype = act dtype.
 pd_model_cache *pd_model_cache_new(pd_model *m, int n_blocks, int block_size, pd_err *err);
+// Same, in an exportable buffer (pd_buffer_export) so a peer process can write KV into it.
+pd_model_cache *pd_model_cache_new_shared(pd_model *m, int n_blocks, int block_size, pd_err *err);
 void pd_model_cache_free(pd_model_cache *c);
 int pd_model_cache_n_blocks(const pd_model_cache *c);
 int pd_model_cache_block_size(const pd_model_cache *c);

@@ -101,7 +101,7 @@ static bool new_func(jj_render *r, int kind, int id, const jj_node *macro, const
     fn->id = id;
     fn->macro = macro;
     fn->self = self ? jv_copy(self) : jv_undef(NULL);
-    out->kind = JV_FUNC;
+    *out = (jv){.kind = JV_FUNC};
     out->u.o = &fn->hdr;
     return true;
 }
@@ -467,7 +467,7 @@ static bool call_mapping(jj_render *r, const jj_args *a, bool is_ns, jv *out) {
             return jj_fail_nomem(r);
         }
     }
-    out->kind = is_ns ? JV_NS : JV_DICT;
+    *out = (jv){.kind = is_ns ? JV_NS : JV_DICT};
     out->u.j = obj;
     return true;
 }
@@ -946,7 +946,10 @@ static bool eval(jj_render *r, jj_frame *f, const jj_node *n, jv *out) {
     r->line = n->line;
     if (!step(r, 1)) return false;
     switch (n->kind) {
-    case JJ_E_CONST: *out = jv_copy(&n->value); return true;
+    case JJ_E_CONST:
+        *out = n->value;
+        out->is_borrowed = n->value.kind == JV_STR;
+        return true;
     case JJ_E_NAME: return lookup(r, f, n->str, out);
     case JJ_E_ATTR: {
         jv obj;

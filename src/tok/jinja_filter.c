@@ -151,19 +151,13 @@ bool jj_test_apply(jj_render *r, int id, const jv *in, const jj_args *a, bool *o
     }
     case T_SAMEAS: *out = arg && test_sameas(in, arg); return true;
     case T_LOWER: case T_UPPER: {
-        jv s;
+        jv s, res;
+        jj_args none = {0};
         if (!jj_to_str(r, in, &s)) return false;
-        const char *p = jv_str_ptr(&s);
-        size_t n = jv_str_len(&s);
-        bool any = false, ok = true;
-        for (size_t k = 0; k < n; k++) {
-            bool up = p[k] >= 'A' && p[k] <= 'Z', low = p[k] >= 'a' && p[k] <= 'z';
-            any = any || up || low;
-            if ((id == T_LOWER && up) || (id == T_UPPER && low)) ok = false;
-        }
+        bool ok = jj_method_call(r, jj_method_lookup(&s, id == T_LOWER ? "islower" : "isupper"), &s, &none, &res);
         jv_drop(&s);
-        *out = ok && any;
-        return true;
+        if (ok) *out = res.kind == JV_BOOL && res.u.b;
+        return ok;
     }
     default: *out = false; return true;
     }

@@ -69,6 +69,9 @@ typedef struct jj_obj {
 
 typedef struct jv {
     uint8_t kind;
+    // A string borrowed from the template's constants: no reference is held (the template outlives
+    // the render), so renders sharing a template never touch its reference counts.
+    bool is_borrowed;
     union {
         bool b;
         int64_t i;
@@ -129,6 +132,8 @@ double jv_as_double(const jv *v);        // numeric kinds only
 // ---- UTF-8 ----------------------------------------------------------------------------------------
 // Decodes the code point at s[*i] and advances *i. Invalid bytes decode as themselves (one byte).
 uint32_t jj_utf8_next(const char *s, size_t len, size_t *i);
+// Decodes the code point that ends at s[end) (end > 0) and sets *start to where it begins.
+uint32_t jj_utf8_prev(const char *s, size_t end, size_t *start);
 size_t jj_utf8_count(const char *s, size_t len);
 size_t jj_utf8_offset(const char *s, size_t len, size_t n_cps);  // byte offset of code point n
 bool jj_utf8_put(jj_buf *b, uint32_t cp);

@@ -74,22 +74,23 @@ bool jj_strip(jj_render *r, const jv *sv, const jv *chars, char which, jv *out) 
     if (chars && chars->kind != JV_STR)
         return jj_fail(r, PD_ERR_INVALID, "line %d: strip arg must be None or str", r->line);
     const char *s = jv_str_ptr(sv);
-    size_t n = jv_str_len(sv), start = 0, end = n, i = 0;
-    bool seen = false;
-    while (i < n) {
-        size_t at = i;
-        uint32_t cp = jj_utf8_next(s, n, &i);
-        bool strip = chars ? cp_in(cp, chars) : jj_is_space(cp);
-        if (!strip) {
-            if (!seen) start = at;
-            seen = true;
-            end = i;
+    size_t n = jv_str_len(sv), start = 0, end = n;
+    if (which != 'r') {
+        while (start < n) {
+            size_t i = start;
+            uint32_t cp = jj_utf8_next(s, n, &i);
+            if (chars ? !cp_in(cp, chars) : !jj_is_space(cp)) break;
+            start = i;
         }
     }
-    if (!seen) start = end = (which == 'r') ? 0 : n;
-    if (which == 'l') end = n;
-    if (which == 'r') start = 0;
-    if (!seen && which == 'l') start = n;
+    if (which != 'l') {
+        while (end > start) {
+            size_t at;
+            uint32_t cp = jj_utf8_prev(s, end, &at);
+            if (chars ? !cp_in(cp, chars) : !jj_is_space(cp)) break;
+            end = at;
+        }
+    }
     return jj_str_new(r, s + start, end - start, out);
 }
 
@@ -125,14 +126,55 @@ bool jj_replace(jj_render *r, const jv *sv, const jv *old, const jv *repl, int64
     return jj_str_from_buf(r, &b, out);
 }
 
-static bool is_upper(char c) { return c >= 'A' && c <= 'Z'; }
-static bool is_lower(char c) { return c >= 'a' && c <= 'z'; }
-static char to_upper(char c) { return is_lower(c) ? (char)(c - 32) : c; }
-static char to_lower(char c) { return is_upper(c) ? (char)(c + 32) : c; }
+// Simple (one-to-one) case mappings for Latin-1, Latin Extended-A, Greek, Cyrillic and fullwidth
+// Latin; everything else maps to itself. Python's special cases (final sigma, dotted I) are not
+// reproduced; "ß".upper() == "SS" is (in jj_case).
+static uint32_t cp_upper(uint32_t c) {
+    if (c < 0x80) return (c >= 'a' && c <= 'z') ? c - 32 : c;
+    if ((c >= 0xE0 && c <= 0xFE && c != 0xF7)) return c - 32;
+    if (c == 0xFF) return 0x178;
+    if (c == 0xB5) return 0x39C;
+    if ((c >= 0x100 && c <= 0x137) || (c >= 0x14A && c <= 0x177)) return c & ~1u;
+    if ((c >= 0x139 && c <= 0x148) || (c >= 0x179 && c <= 0x17E)) return (c & 1u) ? c : c - 1;
+    if (c == 0x17F) return 'S';
+    if (c >= 0x3B1 && c <= 0x3C9) return c == 0x3C2 ? 0x3A3 : c - 32;
+    if (c == 0x3AC) return 0x386;
+    if (c >= 0x3AD && c <= 0x3AF) return c - 37;
+    if (c == 0x3CC) return 0x38C;
+    if (c == 0x3CD || c == 0x3CE) return c - 63;
+    if (c >= 0x430 && c <= 0x44F) return c - 32;
+    if (c >= 0x450 && c <= 0x45F) return c - 80;
+    if ((c >= 0x460 && c <= 0x481) || (c >= 0x48A && c <= 0x4BF) || (c >= 0x4D0 && c <= 0x52F)) return c & ~1u;
+    if (c >= 0xFF41 && c <= 0xFF5A) return c - 32;
+    return c;
+}
 
-static bool is_title_sep(const char *s, size_t n, size_t at) {
-    size_t i = at;
-    uint32_t cp = jj_utf8_next(s, n, &i);
+static uint32_t cp_lower(uint32_t c) {
+    if (c < 0x80) return (c >= 'A' && c <= 'Z') ? c + 32 : c;
+    if ((c >= 0xC0 && c <= 0xDE && c != 0xD7)) return c + 32;
+    if (c == 0x178) return 0xFF;
+    if ((c >= 0x100 && c <= 0x137) || (c >= 0x14A && c <= 0x177)) return c | 1u;
+    if ((c >= 0x139 && c <= 0x148) || (c >= 0x179 && c <= 0x17E)) return (c & 1u) ? c + 1 : c;
+    if (c >= 0x391 && c <= 0x3A9 && c != 0x3A2) return c + 32;
+    if (c == 0x386) return 0x3AC;
+    if (c >= 0x388 && c <= 0x38A) return c + 37;
+    if (c == 0x38C) return 0x3CC;
+    if (c == 0x38E || c == 0x38F) return c + 63;
+    if (c >= 0x410 && c <= 0x42F) return c + 32;
+    if (c >= 0x400 && c <= 0x40F) return c + 80;
+    if ((c >= 0x460 && c <= 0x481) || (c >= 0x48A && c <= 0x4BF) || (c >= 0x4D0 && c <= 0x52F)) return c | 1u;
+    if (c >= 0xFF21 && c <= 0xFF3A) return c + 32;
+    return c;
+}
+
+static bool cp_is_cased(uint32_t c) { return cp_upper(c) != c || cp_lower(c) != c || c == 0xDF; }
+
+static bool put_upper(jj_buf *b, uint32_t cp) {
+    if (cp == 0xDF) return jj_buf_put(b, "SS", 2);
+    return jj_utf8_put(b, cp_upper(cp));
+}
+
+static bool is_title_sep(uint32_t cp) {
     return cp == '-' || cp == '(' || cp == '{' || cp == '[' || cp == '<' || jj_is_space(cp);
 }
 
@@ -140,35 +182,42 @@ bool jj_case(jj_render *r, const jv *sv, char mode, jv *out) {
     jv str;
     if (!jj_to_str(r, sv, &str)) return false;
     const char *s = jv_str_ptr(&str);
-    size_t n = jv_str_len(&str);
-    char *t = pd_malloc(n + 1);
-    if (!t) {
-        jv_drop(&str);
-        return jj_fail_nomem(r);
-    }
-    bool word_start = true;
-    for (size_t k = 0; k < n; k++) {
-        char c = s[k];
+    size_t n = jv_str_len(&str), i = 0;
+    jj_buf b;
+    jj_buf_init(&b, r->lim.max_output_bytes);
+    bool word_start = true, first = true;
+    while (i < n) {
+        size_t at = i;
+        uint32_t cp = jj_utf8_next(s, n, &i);
+        bool up;
         switch (mode) {
-        case 'u': t[k] = to_upper(c); break;
-        case 'l': t[k] = to_lower(c); break;
-        case 'c': t[k] = k == 0 ? to_upper(c) : to_lower(c); break;
+        case 'u': up = true; break;
+        case 'l': up = false; break;
+        case 'c': up = first; break;
         case 't':  // Python str.title(): a cased letter after an uncased character starts a word
-            t[k] = word_start ? to_upper(c) : to_lower(c);
-            word_start = !(is_upper(c) || is_lower(c) || (unsigned char)c >= 0x80);
+            up = word_start;
+            word_start = !cp_is_cased(cp);
             break;
-        default: {  // jinja2 title filter
-            bool sep = ((unsigned char)c & 0xC0) != 0x80 && is_title_sep(s, n, k);
-            t[k] = sep ? c : word_start ? to_upper(c) : to_lower(c);
-            if (((unsigned char)c & 0xC0) != 0x80) word_start = sep;
+        default:  // jinja2's title filter: words start after -, whitespace, (, {, [, <
+            if (is_title_sep(cp)) {
+                word_start = true;
+                jj_buf_put(&b, s + at, i - at);
+                continue;
+            }
+            up = word_start;
+            word_start = false;
             break;
         }
+        first = false;
+        if (cp < 0x80 || cp_is_cased(cp)) {
+            if (up) put_upper(&b, cp);
+            else jj_utf8_put(&b, cp_lower(cp));
+        } else {
+            jj_buf_put(&b, s + at, i - at);
         }
     }
-    bool ok = jj_str_new(r, t, n, out);
-    pd_free(t);
     jv_drop(&str);
-    return ok;
+    return jj_str_from_buf(r, &b, out);
 }
 
 // ---- % formatting ---------------------------------------------------------------------------------
@@ -527,7 +576,7 @@ static bool str_predicate(const jv *self, int id) {
     if (n == 0) return false;
     while (i < n) {
         uint32_t cp = jj_utf8_next(s, n, &i);
-        bool digit = cp >= '0' && cp <= '9', up = cp >= 'A' && cp <= 'Z', low = cp >= 'a' && cp <= 'z';
+        bool digit = cp >= '0' && cp <= '9', up = cp_lower(cp) != cp, low = cp_upper(cp) != cp || cp == 0xDF;
         bool alpha = up || low || (cp >= 0x80 && !jj_is_space(cp));
         switch (id) {
         case M_ISDIGIT: if (!digit) return false; break;

@@ -77,6 +77,7 @@ bool jj_buf_put(jj_buf *b, const char *s, size_t n) {
     if (b->len + n + 1 > b->cap) {
         size_t cap = b->cap ? b->cap * 2 : 64;
         while (cap < b->len + n + 1) cap *= 2;
+        if (cap > b->limit + 1 && b->limit + 1 >= b->len + n + 1) cap = b->limit + 1;
         char *p = pd_realloc(b->data, cap);
         if (!p) {
             b->is_nomem = true;
@@ -153,13 +154,17 @@ bool jj_str_new(jj_render *r, const char *s, size_t n, jv *out) {
                        r->lim.max_output_bytes);
     json_t *j = json_stringn_nocheck(s ? s : "", n);
     if (!j) return jj_fail_nomem(r);
-    out->kind = JV_STR;
+    *out = (jv){.kind = JV_STR};
     out->u.j = j;
     return true;
 }
 
 bool jj_str_from_buf(jj_render *r, jj_buf *b, jv *out) {
-    if (b->is_over || b->is_nomem) return jj_fail_buf(r, b);
+    if (b->is_over || b->is_nomem) {
+        jj_fail_buf(r, b);
+        jj_buf_fini(b);
+        return false;
+    }
     bool ok = jj_str_new(r, b->data, b->len, out);
     jj_buf_fini(b);
     return ok;
@@ -179,6 +184,10 @@ static void obj_release(jj_obj *o) {
 }
 
 void jv_drop(jv *v) {
+    if (v->is_borrowed) {
+        *v = jv_undef(NULL);
+        return;
+    }
     switch (v->kind) {
     case JV_STR: case JV_LIST: case JV_DICT: case JV_NS: json_decref(v->u.j); break;
     case JV_FUNC: case JV_LOOP: obj_release(v->u.o); break;
@@ -188,6 +197,7 @@ void jv_drop(jv *v) {
 }
 
 jv jv_copy(const jv *v) {
+    if (v->is_borrowed) return *v;
     switch (v->kind) {
     case JV_STR: case JV_LIST: case JV_DICT: case JV_NS: json_incref(v->u.j); break;
     case JV_FUNC: case JV_LOOP: v->u.o->refcount++; break;
@@ -230,7 +240,10 @@ json_t *jv_to_json(const jv *v) {
     case JV_BOOL: return json_boolean(v->u.b);
     case JV_INT: return json_integer((json_int_t)v->u.i);
     case JV_FLOAT: return isfinite(v->u.f) ? json_real(v->u.f) : json_null();
-    case JV_STR: case JV_LIST: case JV_DICT: return json_incref(v->u.j);
+    case JV_STR:
+        if (v->is_borrowed) return json_stringn_nocheck(jv_str_ptr(v), jv_str_len(v));
+        return json_incref(v->u.j);
+    case JV_LIST: case JV_DICT: return json_incref(v->u.j);
     case JV_NS: return json_deep_copy(v->u.j);
     default: return json_null();
     }
@@ -341,11 +354,25 @@ bool jj_is_space(uint32_t cp) {
            cp == 0x2028 || cp == 0x2029 || cp == 0x202F || cp == 0x205F || cp == 0x3000;
 }
 
+uint32_t jj_utf8_prev(const char *s, size_t end, size_t *start) {
+    size_t a = end - 1;
+    while (a > 0 && end - a < 4 && ((unsigned char)s[a] & 0xC0) == 0x80) a--;
+    size_t i = a;
+    uint32_t cp = jj_utf8_next(s, end, &i);
+    if (i != end) {  // not a whole sequence: the last byte stands alone
+        *start = end - 1;
+        return (unsigned char)s[end - 1];
+    }
+    *start = a;
+    return cp;
+}
+
 size_t jj_rstrip_len(const char *s, size_t len) {
-    size_t i = 0, end = 0;
-    while (i < len) {
-        uint32_t cp = jj_utf8_next(s, len, &i);
-        if (!jj_is_space(cp)) end = i;
+    size_t end = len;
+    while (end > 0) {
+        size_t start;
+        if (!jj_is_space(jj_utf8_prev(s, end, &start))) break;
+        end = start;
     }
     return end;
 }

@@ -11,10 +11,13 @@
 //   * merges: rank = position in the list; a repeated pair keeps its last rank (HF builds its
 //     merge map by inserting in order);
 //   * the id → string table prefers an added token's content over the model's string
-//     (AddedVocabulary::simple_id_to_token first);
+//     (AddedVocabulary::simple_id_to_token first); a normalized added token is reported, and
+//     decoded, by its normalized content ("foo bar" → "▁foo▁bar" under Llama 2's normalizer),
+//     as tokenizers 0.23 does;
 //   * a token is "special" when its string is the content of a special added token.
 // NOT handled: BPE dropout, continuing_subword_prefix / end_of_word_suffix, pair templates
-// (only the single-sequence template is used), truncation and padding (ignored).
+// (only the single-sequence template is used), truncation and padding (ignored), and vocabulary
+// keys containing U+0000 (jansson refuses NUL in object keys: the load fails as bad JSON).
 #include <jansson.h>
 #include <string.h>
 
@@ -105,9 +108,14 @@ static pcre2_code *re_compile(pd_tok *t, const char *pat, size_t n, bool literal
     }
     int ec;
     PCRE2_SIZE eo;
-    uint32_t opts = PCRE2_UTF | PCRE2_UCP | (literal ? PCRE2_LITERAL : 0);
+    // PCRE2_LITERAL refuses PCRE2_UCP (which only matters for \w, \s, ... anyway).
+    uint32_t opts = PCRE2_UTF | (literal ? PCRE2_LITERAL : PCRE2_UCP);
     pcre2_code *re = pcre2_compile((PCRE2_SPTR)pat, n, opts, &ec, &eo, cc);
     pcre2_compile_context_free(cc);
+    if (!re && ec == PCRE2_ERROR_HEAP_FAILED) {
+        nomem(err);
+        return NULL;
+    }
     if (!re) {
         PCRE2_UCHAR msg[160];
         pcre2_get_error_message(ec, msg, sizeof(msg));
@@ -843,6 +851,8 @@ static pd_status load_config(pd_tok *t, const char *dir, pd_err *err) {
         const char *bos = config_token(c, "bos_token"), *eos = config_token(c, "eos_token");
         if (bos) t->bos_id = pd_tok_token_to_id(t, bos, strlen(bos));
         if (eos) t->eos_id = pd_tok_token_to_id(t, eos, strlen(eos));
+        // The strings are kept even when the vocabulary lacks them (a chat template may use them).
+        if ((bos && !(t->bos_token = pd_strdup(bos))) || (eos && !(t->eos_token = pd_strdup(eos)))) st = nomem(err);
         if (!t->has_post) {  // no template: transformers' add_bos_token / add_eos_token decide
             if (jbool(c, "add_bos_token", false) && t->bos_id >= 0) t->prefix_ids[t->n_prefix++] = t->bos_id;
             if (jbool(c, "add_eos_token", false) && t->eos_id >= 0) t->suffix_ids[t->n_suffix++] = t->eos_id;
@@ -851,8 +861,9 @@ static pd_status load_config(pd_tok *t, const char *dir, pd_err *err) {
         json_decref(c);
     }
     if (t->bos_id < 0 && t->n_prefix == 1) t->bos_id = t->prefix_ids[0];
-    if (st == PD_OK && t->bos_id >= 0 && !(t->bos_token = pd_strdup(pd_tok_token_str(t, t->bos_id)))) st = nomem(err);
-    if (st == PD_OK && t->eos_id >= 0 && !(t->eos_token = pd_strdup(pd_tok_token_str(t, t->eos_id)))) st = nomem(err);
+    if (st == PD_OK && !t->bos_token && t->bos_id >= 0 && !(t->bos_token = pd_strdup(pd_tok_token_str(t, t->bos_id)))) {
+        st = nomem(err);
+    }
     return st;
 }
 

@@ -11,6 +11,10 @@
 // popped — O(n log n) per word, so one huge word (SentencePiece-style input has no pre-tokenizer)
 // stays fast.
 //
+// Regexes are HF's Oniguruma patterns compiled with PCRE2 (UTF, UCP). Known divergence: PCRE2's
+// \s also matches U+180E MONGOLIAN VOWEL SEPARATOR, which Oniguruma (Unicode White_Space) does
+// not; text containing U+180E may split differently from HF.
+//
 // Each call owns its scratch space (pd_tok_work) including its BPE word cache, so concurrent
 // calls on one pd_tok share nothing mutable.
 #include <string.h>

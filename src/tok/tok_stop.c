@@ -114,10 +114,10 @@ pd_status pd_tok_stop_feed(pd_tok_stop *s, const char *text, size_t len, pd_tok_
             if (b < best_end || (b == best_end && a < best_start)) best = i, best_start = a, best_end = b;
         }
         if (best >= 0) {
-            st = release(s, s->include_stop ? best_end : best_start);
             s->stopped = true;
             s->stop_idx = best;
-            s->stop_pos = s->base + (s->include_stop ? best_start - best_end : 0);
+            s->stop_pos = s->base + best_start;
+            st = release(s, s->include_stop ? best_end : best_start);
             s->pending.len = 0;
         } else {
             st = release(s, s->pending.len - held_suffix(s));

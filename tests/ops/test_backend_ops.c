@@ -276,6 +276,7 @@ static void matmul_case(ctx *c, pd_backend *gpu, int M, int N, int K, int lda, b
                               .accumulate = acc, .out_f32 = f32};
         pd_op_matmul(bs[k], &p);
     }
+    pd_backend_sync(gpu);  // gpu may be a second backend (own stream): compare() reads through c->gpu
     char what[128];
     snprintf(what, sizeof what, "matmul M=%d N=%d K=%d lda=%d bias=%d acc=%d f32=%d", M, N, K, lda, bias, acc, f32);
     compare(c, out[1], out[0], (size_t)M * N, f32, f32 ? 1e-5 : NMSE_GEMM, what);

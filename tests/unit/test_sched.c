@@ -747,6 +747,43 @@ PD_TEST(abort_frees_everything) {
     fe_free(e);
 }
 
+PD_TEST(many_requests_map_and_queue_grow) {
+    pd_sched_params sp = sp_make(16, 256);
+    fe *e = fe_new(256, 4, &sp);
+    int32_t p[8];
+    fill(p, 8, 103);
+    // Sparse, colliding-looking ids exercise the id map's probing, growth and deletion.
+    for (uint64_t i = 0; i < 400; i++) {
+        pd_sched_req_params rp = {.req_id = i * 4096 + 7, .prompt = p, .n_prompt = 8, .max_tokens = 2};
+        PD_REQUIRE(pd_sched_add(e->s, &rp, 0, NULL) == PD_OK);
+    }
+    pd_err err = {0};
+    PD_CHECK_MSG(pd_sched_check(e->s, &err) == PD_OK, "%s", err.msg);
+    for (uint64_t i = 0; i < 400; i += 2) PD_CHECK_EQ(pd_sched_abort(e->s, i * 4096 + 7), PD_OK);
+    for (uint64_t i = 0; i < 400; i += 2) PD_CHECK_EQ(pd_sched_abort(e->s, i * 4096 + 7), PD_ERR_NOTFOUND);
+    PD_CHECK_MSG(pd_sched_check(e->s, &err) == PD_OK, "%s", err.msg);
+    pd_sched_stats st;
+    pd_sched_stats_get(e->s, &st);
+    PD_CHECK_EQ(st.n_waiting, 200);
+    int64_t n = 0;
+    while (pd_sched_has_work(e->s) && n++ < 1000) {
+        pd_step_plan plan;
+        pd_sched_schedule(e->s, 0, &plan);
+        PD_CHECK(plan.n_seqs <= 16);
+        pd_step_output outs[16];
+        for (int32_t i = 0; i < plan.n_seqs; i++) outs[i] = (pd_step_output){.token = 1};
+        const pd_sched_event *ev;
+        int32_t n_ev;
+        PD_CHECK_EQ(pd_sched_update(e->s, &plan, outs, 0, &ev, &n_ev), PD_OK);
+        PD_CHECK_MSG(pd_sched_check(e->s, &err) == PD_OK, "%s", err.msg);
+    }
+    pd_sched_stats_get(e->s, &st);
+    PD_CHECK_EQ(st.n_finished, 200);
+    PD_CHECK_EQ(st.n_aborted, 200);
+    PD_CHECK_EQ(pd_kv_n_free(e->kv), 256);
+    fe_free(e);
+}
+
 // ---- disaggregation hooks ------------------------------------------------------------------------
 
 PD_TEST(remote_prefill_decode_side) {

@@ -509,7 +509,211 @@ PD_TEST(test_speed_100k_tokens) {
     printf("  encode: %d tokens (%zu bytes) in %.1f ms; decode in %.1f ms\n", ids.n, len,
            (double)(t1 - t0) / 1000.0, (double)(t2 - t1) / 1000.0);
     pd_free(dec);
+    pd_tok_free(t);
+
+    // SentencePiece style (Llama 2 legacy): no pre-tokenizer, so each text between added tokens
+    // is ONE word for BPE — the merge loop must stay O(n log n).
+    t = load_spm();
+    PD_REQUIRE(t != NULL);
+    ids.n = 0;
+    t0 = pd_time_us();
+    PD_CHECK_EQ(pd_tok_encode(t, doc, len, false, true, &ids), PD_OK);
+    t1 = pd_time_us();
+    PD_CHECK_EQ(pd_tok_decode(t, ids.ids, ids.n, false, &dec, &dec_len), PD_OK);
+    t2 = pd_time_us();
+    PD_CHECK(dec_len == len && memcmp(dec, doc, len) == 0);
+    printf("  spm encode: %d tokens (%zu bytes, one BPE word) in %.1f ms; decode in %.1f ms\n", ids.n, len,
+           (double)(t1 - t0) / 1000.0, (double)(t2 - t1) / 1000.0);
+    pd_free(dec);
     pd_tok_ids_free(&ids);
     pd_free(doc);
+    pd_tok_free(t);
+}
+
+// ---- allocation failures ---------------------------------------------------------------------------
+// SQLite-style countdown: fail the n-th allocation for n = 0, 1, 2, ... until a call succeeds
+// without hitting the fault. Every failure must come back as a clean error (the harness checks
+// that nothing leaked), and a benign one (e.g. PCRE2's JIT) may still succeed.
+
+static void fault_loop(const char *dir) {
+    int n_load_failures = 0;
+    pd_tok *t = NULL;
+    for (long n = 0; n < 100000; n++) {
+        pd_err err = {0};
+        pd_mem_fault_set(n, false);
+        t = pd_tok_load(dir, &err);
+        long failed = pd_mem_fault_n_failed();
+        pd_mem_fault_set(-1, false);
+        if (!t) {
+            PD_CHECK_MSG(err.status == PD_ERR_NOMEM, "countdown %ld: %s", n, err.msg);
+            n_load_failures++;
+            continue;
+        }
+        if (failed == 0) break;
+        pd_tok_free(t);
+        t = NULL;
+    }
+    PD_REQUIRE(t != NULL);
+    PD_CHECK(n_load_failures > 20);
+
+    const char *text = "Hello <s>world</s> 你好 café [MASK] <|tool|> foo bar\n\n  end";
+    pd_tok_ids ref = {0};
+    PD_REQUIRE(pd_tok_encode(t, text, strlen(text), true, true, &ref) == PD_OK);
+    for (long n = 0; n < 10000; n++) {
+        pd_tok_ids ids = {0};
+        pd_mem_fault_set(n, false);
+        pd_status st = pd_tok_encode(t, text, strlen(text), true, true, &ids);
+        char *dec = NULL;
+        size_t dec_len = 0;
+        pd_status st2 = pd_tok_decode(t, ref.ids, ref.n, false, &dec, &dec_len);
+        pd_tok_stream *s = pd_tok_stream_new(t, false);
+        pd_status st3 = PD_OK;
+        for (int i = 0; s && i < ref.n && st3 == PD_OK; i++) {
+            const char *p;
+            size_t l;
+            st3 = pd_tok_stream_feed(s, ref.ids[i], &p, &l);
+        }
+        long failed = pd_mem_fault_n_failed();
+        pd_mem_fault_set(-1, false);
+        PD_CHECK(st == PD_OK || (st == PD_ERR_NOMEM && ids.n == 0));
+        if (st == PD_OK) PD_CHECK(ids.n == ref.n && memcmp(ids.ids, ref.ids, (size_t)ref.n * sizeof(int32_t)) == 0);
+        PD_CHECK(st2 == PD_OK || (st2 == PD_ERR_NOMEM && dec == NULL));
+        PD_CHECK(st3 == PD_OK || st3 == PD_ERR_NOMEM);
+        pd_free(dec);
+        pd_tok_stream_free(s);
+        pd_tok_ids_free(&ids);
+        if (failed == 0) break;
+    }
+    pd_tok_ids_free(&ref);
+    pd_tok_free(t);
+}
+
+PD_TEST(test_fault_injection) {
+    char dir[1024];
+    snprintf(dir, sizeof(dir), "%s/tests/data/tok/spm", pd_test_repo_dir());
+    fault_loop(dir);
+    fault_loop(pd_test_path(dir, sizeof(dir), "tokenizer"));
+}
+
+// ---- pipeline pieces not covered by the HF fixtures -------------------------------------------------
+// Split behaviors, observed through ignore_merges (a piece that is in the vocabulary becomes one
+// token). Expected splits follow HF's NormalizedString::split.
+
+static pd_tok *load_json_tok(const char *json) {
+    char dir[] = "/tmp/pd_tok_test_XXXXXX";
+    if (!mkdtemp(dir)) return NULL;
+    write_file(dir, "tokenizer.json", json);
+    pd_err err = {0};
+    pd_tok *t = pd_tok_load(dir, &err);
+    if (!t) fprintf(stderr, "  load failed: %s\n", err.msg);
+    remove_dir(dir);
+    return t;
+}
+
+static void check_ids(pd_tok *t, const char *text, const int32_t *want, int n_want) {
+    pd_tok_ids ids = {0};
+    PD_CHECK_EQ(pd_tok_encode(t, text, strlen(text), false, true, &ids), PD_OK);
+    bool ok = ids.n == n_want;
+    for (int i = 0; ok && i < n_want; i++) ok = ids.ids[i] == want[i];
+    PD_CHECK_MSG(ok, "\"%s\": got %d ids: %d %d %d", text, ids.n, ids.n > 0 ? ids.ids[0] : -1, ids.n > 1 ? ids.ids[1] : -1, ids.n > 2 ? ids.ids[2] : -1);
+    pd_tok_ids_free(&ids);
+}
+
+PD_TEST(test_split_behaviors) {
+    static const char *behaviors[] = {"Removed", "Isolated", "MergedWithPrevious", "MergedWithNext", "Contiguous"};
+    static const int32_t want[5][3] = {{0, 1, -1}, {0, 2, 1}, {3, 1, -1}, {0, 4, -1}, {0, 7, 1}};
+    static const int n_want[5] = {2, 3, 2, 2, 3};
+    for (int b = 0; b < 5; b++) {
+        char json[1024];
+        snprintf(json, sizeof(json),
+                 "{\"model\": {\"type\": \"BPE\", \"ignore_merges\": true, \"merges\": [],"
+                 " \"vocab\": {\"a\": 0, \"b\": 1, \"-\": 2, \"a-\": 3, \"-b\": 4, \"ab\": 5, \"a-b\": 6, \"--\": 7}},"
+                 " \"pre_tokenizer\": {\"type\": \"Split\", \"pattern\": {\"String\": \"-\"}, \"behavior\": \"%s\","
+                 " \"invert\": false}}", behaviors[b]);
+        pd_tok *t = load_json_tok(json);
+        PD_REQUIRE(t != NULL);
+        check_ids(t, b == 4 ? "a--b" : "a-b", want[b], n_want[b]);
+        pd_tok_free(t);
+    }
+    // invert flips what counts as a match: Removed on an inverted "-" drops everything else
+    // (HF's Whitespace pre-tokenizer is \w+|[^\w\s]+ inverted and Removed).
+    pd_tok *t = load_json_tok(
+        "{\"model\": {\"type\": \"BPE\", \"ignore_merges\": true, \"merges\": [],"
+        " \"vocab\": {\"a\": 0, \"b\": 1, \"-\": 2}},"
+        " \"pre_tokenizer\": {\"type\": \"Split\", \"pattern\": {\"Regex\": \"-\"}, \"behavior\": \"Removed\", \"invert\": true}}");
+    PD_REQUIRE(t != NULL);
+    static const int32_t inv[] = {2};
+    check_ids(t, "a-b", inv, 1);
+    pd_tok_free(t);
+    t = load_json_tok(
+        "{\"model\": {\"type\": \"BPE\", \"ignore_merges\": true, \"merges\": [],"
+        " \"vocab\": {\"ab\": 0, \"cd\": 1, \"!\": 2, \"a\": 3, \"b\": 4, \"c\": 5, \"d\": 6}},"
+        " \"pre_tokenizer\": {\"type\": \"Whitespace\"}}");
+    PD_REQUIRE(t != NULL);
+    static const int32_t ws[] = {0, 2, 1};
+    check_ids(t, "  ab!  cd ", ws, 3);
+    pd_tok_free(t);
+}
+
+// Steps after Fuse stream over one growing string: a Replace with a two-byte pattern split across
+// tokens, and Strip with stop > 0. Property: the stream equals decode() for random id sequences.
+PD_TEST(test_stream_fragment_steps_match_decode) {
+    pd_tok *t = load_json_tok(
+        "{\"model\": {\"type\": \"BPE\", \"merges\": [],"
+        " \"vocab\": {\"a\": 0, \"b\": 1, \" \": 2, \"ab\": 3, \"x\": 4, \"\\u00e9\": 5}},"
+        " \"added_tokens\": [{\"id\": 6, \"content\": \"<s>\", \"special\": true}],"
+        " \"decoder\": {\"type\": \"Sequence\", \"decoders\": [{\"type\": \"Fuse\"},"
+        "   {\"type\": \"Replace\", \"pattern\": {\"String\": \"ab\"}, \"content\": \"Y\"},"
+        "   {\"type\": \"Strip\", \"content\": \" \", \"start\": 2, \"stop\": 2}]}}");
+    PD_REQUIRE(t != NULL);
+    int32_t ids1[] = {2, 2, 2, 0, 1, 3, 2, 4, 2, 2, 2};  // "   abab x   "
+    char *dec;
+    size_t len;
+    PD_CHECK_EQ(pd_tok_decode(t, ids1, 11, false, &dec, &len), PD_OK);
+    PD_CHECK_STR(dec, " YY x ");
+    pd_free(dec);
+    pd_rng rng;
+    pd_rng_seed(&rng, 7);
+    for (int iter = 0; iter < 300; iter++) {
+        int32_t ids[24];
+        int n = (int)(pd_rng_next(&rng) % 24);
+        for (int i = 0; i < n; i++) ids[i] = (int32_t)(pd_rng_next(&rng) % 8) - 1;  // includes -1 and 7 (no token)
+        bool skip = iter & 1;
+        PD_REQUIRE(pd_tok_decode(t, ids, n, skip, &dec, &len) == PD_OK);
+        pd_tok_stream *s = pd_tok_stream_new(t, skip);
+        PD_REQUIRE(s != NULL);
+        char acc[256];
+        size_t acc_len = 0;
+        for (int i = 0; i <= n; i++) {
+            const char *p;
+            size_t l;
+            PD_CHECK_EQ(i < n ? pd_tok_stream_feed(s, ids[i], &p, &l) : pd_tok_stream_finish(s, &p, &l), PD_OK);
+            PD_REQUIRE(acc_len + l < sizeof(acc));
+            memcpy(acc + acc_len, p, l);
+            acc_len += l;
+        }
+        PD_CHECK_MSG(acc_len == len && memcmp(acc, dec, len) == 0, "iter %d: stream \"%.*s\" decode \"%s\"", iter,
+                     (int)acc_len, acc, dec);
+        pd_free(dec);
+        pd_tok_stream_free(s);
+    }
+    pd_tok_free(t);
+}
+
+// NFC normalizer through the whole encoder; a char with no token, no unk and no byte fallback
+// (here NUL) is dropped, as HF's BPE does.
+PD_TEST(test_nfc_normalizer_in_pipeline) {
+    pd_tok *t = load_json_tok(
+        "{\"model\": {\"type\": \"BPE\", \"merges\": [], \"vocab\": {\"e\": 0, \"\\u00e9\": 1, \"\\u0301\": 2}},"
+        " \"normalizer\": {\"type\": \"NFC\"}}");
+    PD_REQUIRE(t != NULL);
+    pd_tok_ids ids = {0};
+    PD_CHECK_EQ(pd_tok_encode(t, "e\xCC\x81" "\0e", 5, false, true, &ids), PD_OK);
+    PD_CHECK_EQ(ids.n, 2);
+    if (ids.n == 2) {
+        PD_CHECK_EQ(ids.ids[0], 1);  // e + U+0301 composed to é
+        PD_CHECK_EQ(ids.ids[1], 0);
+    }
+    pd_tok_ids_free(&ids);
     pd_tok_free(t);
 }

@@ -11,6 +11,10 @@
 #include <omp.h>
 #include <math.h>
 #include <string.h>
+#include <fcntl.h>
+#include <stdio.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include "backend/backend_impl.h"
@@ -199,6 +203,61 @@ static void cpu_fill_normal(pd_backend *b, void *dst, pd_dtype dtype, size_t n, 
     for (size_t i = 0; i < n; i++) d[i] = mean + std * pd_rng_normal(&r);
 }
 
+// Shared buffers are POSIX shared-memory objects: the exporter creates and maps one, the importer
+// maps it by name. The name is unlinked when the exporter frees the buffer; mappings made before
+// stay valid (POSIX semantics), so a peer that imported it keeps working until it unmaps.
+static void *cpu_alloc_shared(pd_backend *b, size_t n, pd_buffer_handle *h, pd_err *err) {
+    static int counter;
+    memset(h, 0, sizeof *h);
+    snprintf(h->kind, sizeof h->kind, "shm");
+    snprintf(h->shm_name, sizeof h->shm_name, "/pdserve-kv-%d-%d", (int)getpid(), __atomic_add_fetch(&counter, 1, __ATOMIC_RELAXED));
+    h->n_bytes = n;
+    h->pid = (int32_t)getpid();
+    int fd = shm_open(h->shm_name, O_CREAT | O_EXCL | O_RDWR, 0600);
+    if (fd < 0) {
+        pd_err_set(err, PD_ERR_IO, "shm_open %s: %m", h->shm_name);
+        return NULL;
+    }
+    void *p = MAP_FAILED;
+    if (ftruncate(fd, (off_t)n) == 0) p = mmap(NULL, n, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    close(fd);
+    if (p == MAP_FAILED) {
+        pd_err_set(err, PD_ERR_NOMEM, "cannot map %zu bytes of shared memory (%s)", n, h->shm_name);
+        shm_unlink(h->shm_name);
+        return NULL;
+    }
+    return p;
+}
+
+static void cpu_free_shared(pd_backend *b, void *p, const pd_buffer_handle *h) {
+    munmap(p, h->n_bytes);
+    shm_unlink(h->shm_name);
+}
+
+static void *cpu_import(pd_backend *b, const pd_buffer_handle *h, pd_err *err) {
+    if (strcmp(h->kind, "shm")) {
+        pd_err_set(err, PD_ERR_UNSUPPORTED, "the cpu backend cannot import a '%s' buffer", h->kind);
+        return NULL;
+    }
+    int fd = shm_open(h->shm_name, O_RDWR, 0);
+    if (fd < 0) {
+        pd_err_set(err, PD_ERR_IO, "shm_open %s: %m", h->shm_name);
+        return NULL;
+    }
+    struct stat st;
+    void *p = MAP_FAILED;
+    if (fstat(fd, &st) == 0 && (uint64_t)st.st_size >= h->n_bytes)
+        p = mmap(NULL, h->n_bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    close(fd);
+    if (p == MAP_FAILED) {
+        pd_err_set(err, PD_ERR_IO, "cannot map shared KV pool %s (%llu bytes)", h->shm_name, (unsigned long long)h->n_bytes);
+        return NULL;
+    }
+    return p;
+}
+
+static void cpu_unimport(pd_backend *b, void *p, const pd_buffer_handle *h) { munmap(p, h->n_bytes); }
+
 static const pd_backend_iface cpu_iface = {
     .api_version = PD_BACKEND_API_VERSION,
     .name = "cpu",
@@ -222,6 +281,10 @@ static const pd_backend_iface cpu_iface = {
     .copy_blocks = NULL,
     .copy_d2d = cpu_copy,
     .fill_normal = cpu_fill_normal,
+    .dev_alloc_shared = cpu_alloc_shared,
+    .dev_free_shared = cpu_free_shared,
+    .import = cpu_import,
+    .unimport = cpu_unimport,
 };
 
 pd_backend *pd_backend_cpu_new(int n_threads) {

@@ -1,0 +1,159 @@
+// router.c — `pdserve router`: flags → pd_router_params → pd_router_new → one libevent loop until
+// SIGINT/SIGTERM. All the logic is in src/router/.
+#include <event2/event.h>
+#include <getopt.h>
+#include <signal.h>
+#include <stdio.h>
+#include <string.h>
+
+#include "cmd/cmd.h"
+#include "router/router.h"
+
+#define MAX_URLS PD_ROUTER_MAX_WORKERS
+
+typedef struct router_opts {
+    pd_router_params p;
+    const char *workers[MAX_URLS], *prefill[MAX_URLS], *decode[MAX_URLS];
+    const char *token_file, *qos_file;
+} router_opts;
+
+static void usage(void) {
+    printf("usage: pdserve router [options]\n\n"
+           "  --host H                 address to bind (default 127.0.0.1)\n"
+           "  --port P                 port (default 8080; 0 = any free port, printed at start)\n"
+           "  --worker URL             a worker (role both); repeatable\n"
+           "  --prefill URL            a prefill worker; repeatable\n"
+           "  --decode URL             a decode worker; repeatable\n"
+           "  --auth-token-file F      bearer token required by POST /internal/register\n"
+           "  --routing kv|load|round-robin|random   (default kv)\n"
+           "  --slo-ttft-ms N          default TTFT SLO for admission (0 = none)\n"
+           "  --slo-tpot-ms N          default TPOT SLO for admission (0 = none)\n"
+           "  --qos-config FILE        QoS classes and API keys (JSON, see docs/router.md)\n"
+           "  --heartbeat-ms N         worker poll period (default 200)\n");
+}
+
+static int add_url(const char **arr, int *n, const char *url) {
+    if (*n >= MAX_URLS) return pd_cmd_usage_error("router", "at most %d workers", MAX_URLS);
+    arr[(*n)++] = url;
+    return -1;
+}
+
+// Returns -1 on success, else the exit code.
+static int parse_flags(int argc, char **argv, router_opts *o) {
+    enum { O_HOST = 1, O_PORT, O_W, O_P, O_D, O_TOK, O_ROUT, O_TTFT, O_TPOT, O_QOS, O_HB, O_HELP };
+    static const struct option opts[] = {
+        {"host", required_argument, 0, O_HOST}, {"port", required_argument, 0, O_PORT},
+        {"worker", required_argument, 0, O_W}, {"prefill", required_argument, 0, O_P},
+        {"decode", required_argument, 0, O_D}, {"auth-token-file", required_argument, 0, O_TOK},
+        {"routing", required_argument, 0, O_ROUT}, {"slo-ttft-ms", required_argument, 0, O_TTFT},
+        {"slo-tpot-ms", required_argument, 0, O_TPOT}, {"qos-config", required_argument, 0, O_QOS},
+        {"heartbeat-ms", required_argument, 0, O_HB}, {"help", no_argument, 0, O_HELP}, {0, 0, 0, 0}};
+    long v;
+    double d;
+    int c, rc;
+    optind = 1;
+    while ((c = getopt_long(argc, argv, "", opts, NULL)) != -1) {
+        switch (c) {
+        case O_HOST: o->p.host = optarg; break;
+        case O_PORT:
+            if (!pd_cmd_parse_int(optarg, &v) || v < 0 || v > 65535) return pd_cmd_usage_error("router", "bad --port");
+            o->p.port = (int)v;
+            break;
+        case O_W: if ((rc = add_url(o->workers, &o->p.n_workers, optarg)) >= 0) return rc; break;
+        case O_P: if ((rc = add_url(o->prefill, &o->p.n_prefill, optarg)) >= 0) return rc; break;
+        case O_D: if ((rc = add_url(o->decode, &o->p.n_decode, optarg)) >= 0) return rc; break;
+        case O_TOK: o->token_file = optarg; break;
+        case O_ROUT:
+            if (pd_router_routing_parse(optarg, &o->p.routing) != PD_OK)
+                return pd_cmd_usage_error("router", "--routing must be kv, load, round-robin or random");
+            break;
+        case O_TTFT:
+        case O_TPOT:
+            if (!pd_cmd_parse_float(optarg, &d) || d < 0) return pd_cmd_usage_error("router", "bad SLO '%s'", optarg);
+            if (c == O_TTFT) o->p.slo_ttft_ms = d;
+            else o->p.slo_tpot_ms = d;
+            break;
+        case O_QOS: o->qos_file = optarg; break;
+        case O_HB:
+            if (!pd_cmd_parse_int(optarg, &v) || v < 10 || v > 60000)
+                return pd_cmd_usage_error("router", "--heartbeat-ms must be 10..60000");
+            o->p.heartbeat_ms = (int)v;
+            break;
+        case O_HELP: usage(); return 0;
+        default: return 2;
+        }
+    }
+    if (optind != argc) return pd_cmd_usage_error("router", "unexpected argument '%s'", argv[optind]);
+    return -1;
+}
+
+static void on_signal(evutil_socket_t sig, short what, void *arg) {
+    event_base_loopbreak(arg);
+}
+
+// Reads the token file, trimming trailing whitespace. NULL (and a message) on failure.
+static char *read_token(const char *path) {
+    char *txt = NULL;
+    size_t len = 0;
+    pd_err err = {0};
+    if (pd_file_read_all(path, &txt, &len, &err) != PD_OK) {
+        fprintf(stderr, "pdserve router: %s\n", err.msg);
+        return NULL;
+    }
+    while (len > 0 && (txt[len - 1] == '\n' || txt[len - 1] == '\r' || txt[len - 1] == ' ')) txt[--len] = 0;
+    if (!len) {
+        fprintf(stderr, "pdserve router: token file %s is empty\n", path);
+        pd_free(txt);
+        return NULL;
+    }
+    return txt;
+}
+
+int pd_cmd_router(int argc, char **argv) {
+    router_opts o;
+    memset(&o, 0, sizeof o);
+    o.p = pd_router_params_default();
+    o.p.port = 8080;
+    int rc = parse_flags(argc, argv, &o);
+    if (rc >= 0) return rc;
+    o.p.worker_urls = o.workers;
+    o.p.prefill_urls = o.prefill;
+    o.p.decode_urls = o.decode;
+    char *token = NULL, *qos = NULL;
+    struct event_base *base = NULL;
+    struct event *sigint = NULL, *sigterm = NULL;
+    pd_router *r = NULL;
+    rc = 1;
+    if (o.token_file && !(token = read_token(o.token_file))) goto out;
+    pd_err err = {0};
+    if (o.qos_file && pd_file_read_all(o.qos_file, &qos, NULL, &err) != PD_OK) {
+        fprintf(stderr, "pdserve router: %s\n", err.msg);
+        goto out;
+    }
+    o.p.auth_token = token;
+    o.p.qos_json = qos;
+    signal(SIGPIPE, SIG_IGN);
+    base = event_base_new();
+    if (!base) goto out;
+    r = pd_router_new(base, &o.p, &err);
+    if (!r) {
+        fprintf(stderr, "pdserve router: %s\n", err.msg);
+        goto out;
+    }
+    sigint = evsignal_new(base, SIGINT, on_signal, base);
+    sigterm = evsignal_new(base, SIGTERM, on_signal, base);
+    if (!sigint || !sigterm || event_add(sigint, NULL) || event_add(sigterm, NULL)) goto out;
+    printf("pdserve router listening on http://%s:%d (routing %s, %d workers)\n", o.p.host,
+           pd_router_port(r), pd_router_routing_str(o.p.routing), o.p.n_workers + o.p.n_prefill + o.p.n_decode);
+    fflush(stdout);
+    event_base_dispatch(base);
+    rc = 0;
+out:
+    if (sigint) event_free(sigint);
+    if (sigterm) event_free(sigterm);
+    pd_router_free(r);
+    if (base) event_base_free(base);
+    pd_free(token);
+    pd_free(qos);
+    return rc;
+}

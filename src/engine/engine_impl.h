@@ -1,0 +1,99 @@
+// engine_impl.h — the engine's internal state, shared by engine.c (the step loop) and disagg.c
+// (remote prefill on the decode side, KV export on the prefill side). Engine thread only, except
+// where a field says otherwise.
+#pragma once
+#include "engine/engine.h"
+#include "engine/queue.h"
+#include "kv/kv.h"
+#include "sched/sched.h"
+#include "xfer/xfer.h"
+
+#define N_BUCKETS 4096
+
+typedef struct ereq {
+    uint64_t id;
+    pd_sampler *sampler;  // owned
+    int n_prompt;
+    struct ereq *next;    // bucket chain
+    // decode role: remote prefill
+    bool is_remote;       // admitted with is_remote_prefill
+    bool is_loading;      // PREFILL_REQ sent (or being sent), result pending
+    bool is_aborted;      // aborted while loading: the result only frees the blocks
+    int32_t *prompt;      // owned copy (the PREFILL_REQ needs it after submit)
+    int32_t load_start;   // first position asked for (block-aligned)
+    int32_t *load_blocks; // owned: decode blocks of positions [load_start, n_prompt)
+    int32_t n_load_blocks;
+    int64_t load_t0_us;
+    pd_sampling_params sampling;
+    // prefill role: this request computes KV for a decode worker
+    bool is_export;
+    int conn_id;
+    uint64_t peer_req_id;
+    int32_t export_start;
+    int32_t *dst_blocks;  // owned (n_dst_blocks)
+    int32_t n_dst_blocks;
+} ereq;
+
+typedef struct step_bufs {
+    int32_t *tokens, *q_indptr, *kv_lens, *bt_indptr, *bt_indices, *logit_rows, *logit_seq;
+    int cap_tokens, cap_seqs, cap_bt;
+    float *logits;  // (cap_seqs, vocab)
+    pd_step_output *outputs;
+    pd_sample_result *results;  // by plan seq index
+    pd_engine_event *events;
+    int cap_events;
+} step_bufs;
+
+struct pd_engine {
+    pd_engine_params params;
+    char model_name[256];
+    pd_backend *backend;
+    pd_model *model;
+    pd_tok *tok;
+    pd_model_cache *cache;
+    pd_kv_mgr *kv;
+    pd_sched *sched;
+    int max_model_len;
+    pd_queue q;
+    pthread_t thread;
+    bool started;
+    ereq *buckets[N_BUCKETS];
+    step_bufs sb;
+    int64_t n_prefill_computed, n_generated, n_prompt_tokens, n_finished;
+    // disaggregation
+    pd_xfer_client *xc;   // decode role
+    pd_xfer_server *xs;   // prefill role
+    struct peer_pool {    // prefill role: decode pools mapped per connection
+        bool is_mapped;
+        pd_kvw_transport transport;
+        pd_buffer_handle handle;
+        void *base;       // imported device pointer (NULL for tcp)
+        int n_blocks;
+    } peers[256];
+    uint64_t next_internal_id;
+    int n_corrupt_counter;
+    bool last_step_empty;  // the last schedule produced nothing to run
+    int64_t n_exports, n_handoffs, n_fallbacks[PD_FALLBACK_N], n_local_short, handoff_bytes, handoff_us;
+    void **layer_k, **layer_v;  // (n_layers) this engine's cache layer bases (owned arrays)
+};
+
+
+
+// engine.c helpers used by disagg.c
+ereq *pd_engine_req_find(pd_engine *e, uint64_t id);
+void pd_engine_req_insert(pd_engine *e, ereq *q);
+void pd_engine_req_remove(pd_engine *e, uint64_t id);
+void pd_engine_emit_finished(pd_engine *e, uint64_t id, pd_engine_finish f, int n_prompt, int n_cached, int n_out);
+void pd_engine_push_sched_events(pd_engine *e, const pd_step_plan *plan, const pd_sched_event *ev, int n);
+
+// disagg.c
+pd_status pd_disagg_init(pd_engine *e, pd_err *err);  // after the model and cache exist
+void pd_disagg_fini(pd_engine *e);
+bool pd_disagg_want_remote(pd_engine *e, const int32_t *prompt, int n_prompt);
+void pd_disagg_start_loads(pd_engine *e, const pd_step_plan *plan);
+void pd_disagg_handle(pd_engine *e, pd_xfer_event *ev);  // an xfer event, on the engine thread
+// Prefill role: a held request finished its prefill: send its KV and first token, release blocks.
+void pd_disagg_export(pd_engine *e, ereq *q, const pd_sched_event *ev, const pd_sample_result *first);
+// An abort of a request that is loading (decode) or exporting (prefill).
+void pd_disagg_abort(pd_engine *e, ereq *q);
+void pd_disagg_req_fini(ereq *q);  // frees the disaggregation fields

@@ -1,0 +1,126 @@
+// router_impl.h — internals shared by the router's files:
+//   server.c  pd_router_new/free, routes, registration, /health, /v1/models, /metrics
+//   worker.c  the worker registry and the heartbeat (GET /internal/state, KV events → prefix index)
+//   proxy.c   one client request: class, rate limit, tokenize, route, admit, forward, failover
+//   status.c  GET /status (HTML) and /status.json, per-second latency history
+//
+//   pd_router ──owns──► rt_worker[PD_ROUTER_MAX_WORKERS] (slots; slot index = prefix-index bit)
+//      │                    └── in-flight requests counted per worker
+//      ├──owns──► rt_job list (one per proxied client request)
+//      ├──owns──► pd_router_prefix, pd_metrics, pd_http_server, pd_http_client
+//      └── heartbeat timer ──► one GET /internal/state per worker at a time
+#pragma once
+
+#include <jansson.h>
+
+#include "http/client.h"
+#include "http/http.h"
+#include "metrics/metrics.h"
+#include "router/core_impl.h"
+#include "router/router.h"
+#include "wire/control.h"
+
+struct event;
+
+typedef struct rt_worker {
+    pd_router *rt;              // back pointer (callbacks get the worker)
+    int idx;                    // slot
+    bool is_used;               // slot in use
+    bool is_static;             // from the command line (never removed by deregister)
+    bool is_healthy;            // in rotation
+    bool has_state;             // at least one good /internal/state reply
+    bool is_polling;
+    char url[PD_WIRE_URL_MAX];
+    pd_wire_role role;
+    char model[PD_WIRE_MODEL_MAX];
+    int32_t block_size;
+    pd_wire_load load;
+    uint64_t instance, seq_next;
+    int n_poll_failures;        // in a row
+    int64_t t_last_ok_us;
+    pd_http_client_call *poll_call;
+    char *poll_buf;             // owned: the state reply being read
+    size_t poll_len, poll_cap;
+    // router-side accounting
+    int n_inflight;             // requests routed here and not finished
+    int64_t n_pending_prefill_tokens;  // uncached prompt tokens of requests not yet at first byte
+    int64_t n_routed, n_failed;
+    int64_t n_pred_query_tokens, n_pred_hit_tokens;  // router's predicted prefix hits
+    int64_t n_prefix_query_base, n_prefix_hit_base;  // worker counters at registration (for rates)
+    pd_metric *m_routed;        // pdserve_router_routed_total{worker=...}
+} rt_worker;
+
+typedef struct rt_class_metrics {
+    pd_metric *ttft, *itl, *e2e, *rejected_slo, *rejected_capacity, *rejected_rate, *requests,
+        *inflight;
+} rt_class_metrics;
+
+#define RT_HISTORY_S 120
+
+// One second of latency history for /status.json.
+typedef struct rt_sample {
+    int64_t t_s;                               // unix second
+    int n[PD_ROUTER_MAX_CLASSES];              // requests finished
+    double ttft_ms_sum[PD_ROUTER_MAX_CLASSES];
+    double ttft_ms_max[PD_ROUTER_MAX_CLASSES];
+    double e2e_ms_sum[PD_ROUTER_MAX_CLASSES];
+    int n_rejected;
+} rt_sample;
+
+typedef struct rt_job rt_job;
+
+struct pd_router {
+    struct event_base *base;
+    pd_http_server *http;
+    pd_http_client *client;       // proxied requests (long timeouts)
+    pd_http_client *poll_client;  // heartbeats (short timeouts)
+    pd_metrics *metrics;
+    pd_router_prefix *prefix;
+    pd_router_qos qos;
+    pd_router_cost_params cost;
+    pd_router_routing routing;
+    char *auth_token;           // owned; NULL = open registration
+    int heartbeat_ms, n_poll_failures_down, max_attempts, upstream_timeout_s;
+    double default_prefill_tps, default_step_ms;
+    struct event *heartbeat;
+    rt_worker workers[PD_ROUTER_MAX_WORKERS];
+    unsigned rr_next;
+    pd_rng rng;
+    uint64_t next_job_id;
+    rt_job *jobs;               // doubly linked list of live jobs
+    int inflight_by_class[PD_ROUTER_MAX_CLASSES];
+    struct {
+        char key[96];
+        pd_router_bucket bucket;
+    } buckets[PD_ROUTER_MAX_KEYS];
+    int n_buckets;
+    rt_class_metrics cm[PD_ROUTER_MAX_CLASSES];
+    pd_metric *m_retries, *m_failovers, *m_decisions[4], *m_prefix_query, *m_prefix_hit,
+        *m_workers_healthy, *m_poll_failures, *m_queue, *m_tokenize_failures, *m_kv_events;
+    rt_sample history[RT_HISTORY_S];
+};
+
+// ---- worker.c ----
+// Adds (or refreshes) a worker; returns its slot or -1 (full / bad URL, err set).
+int rt_worker_add(pd_router *r, const char *url, pd_wire_role role, const char *model,
+                  int32_t block_size, bool is_static, pd_err *err);
+// Removes a registered worker by URL. PD_OK or PD_ERR_NOTFOUND.
+pd_status rt_worker_remove(pd_router *r, const char *url);
+pd_status rt_heartbeat_start(pd_router *r);
+void rt_heartbeat_stop(pd_router *r);
+// A proxied request could not reach worker w: count a failure (takes it out of rotation at once
+// when connect failed: `is_hard`).
+void rt_worker_note_failure(pd_router *r, int w, bool is_hard);
+int rt_n_healthy(const pd_router *r);
+
+// ---- proxy.c ----
+void rt_handle_completions(pd_http_req *req, void *ud);
+void rt_handle_chat(pd_http_req *req, void *ud);
+// Cancels every live job (router shutting down).
+void rt_jobs_free_all(pd_router *r);
+
+// ---- status.c ----
+void rt_handle_status_html(pd_http_req *req, void *ud);
+void rt_handle_status_json(pd_http_req *req, void *ud);
+// Records a finished request (or a rejection when is_rejected) in the per-second history.
+void rt_history_note(pd_router *r, int class_idx, double ttft_ms, double e2e_ms, bool is_rejected);

@@ -1,0 +1,416 @@
+// test_api_request.c — OpenAI request parsing and validation without an engine: every bad-input
+// case gives the right status (→ HTTP status through pd_api_status_http), names the right param,
+// and leaves nothing allocated; good inputs fill pd_api_request as documented. The tokenize step
+// runs against the real kjv-llama-6m tokenizer (PD_MODELS_DIR): prompts of every shape, chat
+// rendering with and without a BOS in the template, vocabulary and context-length checks.
+#include "test.h"
+
+#include "api/api.h"
+
+// ---- helpers -----------------------------------------------------------------------------------
+
+static pd_status parse(pd_api_kind k, const char *body, pd_api_request *r, pd_api_error *e) {
+    return pd_api_request_parse(k, body, strlen(body), "kjv", r, e);
+}
+
+// Expects body to be rejected with HTTP status `http` naming `param` ("" = JSON null).
+static void expect_bad_(pd_api_kind k, const char *body, int http, const char *param, int line) {
+    pd_api_request r;
+    pd_api_error e;
+    pd_status st = parse(k, body, &r, &e);
+    int got = pd_api_status_http(st, NULL);
+    if (st == PD_OK || got != http || strcmp(e.param, param)) {
+        fprintf(stderr, "  line %d: body %s: status %s http %d param '%s' msg '%s' (want http %d param '%s')\n", line,
+                body, pd_status_str(st), got, st ? e.param : "", st ? e.message : "", http, param);
+        pd_test_failed_ = 1;
+    }
+    pd_n_checks_++;
+    PD_CHECK(r.root == NULL && r.messages == NULL);  // zeroed on failure
+    if (st == PD_OK) pd_api_request_fini(&r);
+}
+#define EXPECT_BAD(k, body, http, param) expect_bad_(k, body, http, param, __LINE__)
+#define C PD_API_COMPLETION
+#define CH PD_API_CHAT
+
+// ---- the status mapping ------------------------------------------------------------------------
+
+PD_TEST(status_mapping) {
+    const char *t;
+    PD_CHECK_EQ(pd_api_status_http(PD_OK, NULL), 200);
+    PD_CHECK_EQ(pd_api_status_http(PD_ERR_INVALID, &t), 400);
+    PD_CHECK_STR(t, "invalid_request_error");
+    PD_CHECK_EQ(pd_api_status_http(PD_ERR_PROTO, &t), 400);
+    PD_CHECK_EQ(pd_api_status_http(PD_ERR_UNSUPPORTED, &t), 400);
+    PD_CHECK_EQ(pd_api_status_http(PD_ERR_NOTFOUND, &t), 404);
+    PD_CHECK_STR(t, "invalid_request_error");
+    PD_CHECK_EQ(pd_api_status_http(PD_NOSPACE, &t), 503);
+    PD_CHECK_STR(t, "server_error");
+    PD_CHECK_EQ(pd_api_status_http(PD_AGAIN, &t), 503);
+    PD_CHECK_EQ(pd_api_status_http(PD_ERR_TIMEOUT, &t), 504);
+    PD_CHECK_EQ(pd_api_status_http(PD_ERR_NOMEM, &t), 500);
+    PD_CHECK_STR(t, "server_error");
+    PD_CHECK_EQ(pd_api_status_http(PD_ERR_IO, NULL), 500);
+    PD_CHECK_EQ(pd_api_status_http(PD_ERR_DEVICE, NULL), 500);
+    PD_CHECK_EQ(pd_api_status_http(PD_ERR_CLOSED, NULL), 500);
+}
+
+// ---- good requests -----------------------------------------------------------------------------
+
+PD_TEST(completion_defaults) {
+    pd_api_request r;
+    pd_api_error e;
+    PD_REQUIRE(parse(C, "{\"prompt\":\"hi\"}", &r, &e) == PD_OK);
+    PD_CHECK_EQ(r.kind, C);
+    PD_CHECK(r.model == NULL);
+    PD_CHECK(json_is_string(r.prompt));
+    PD_CHECK_EQ(r.max_tokens, -1);
+    PD_CHECK_EQ(r.n, 1);
+    PD_CHECK(!r.stream && !r.include_usage && !r.ignore_eos && r.skip_special_tokens);
+    PD_CHECK_EQ(r.logprobs, -1);
+    PD_CHECK_EQ(r.sampling.n_logprobs, -1);
+    PD_CHECK_NEAR(r.sampling.temperature, 1.0, 0);
+    PD_CHECK_NEAR(r.sampling.top_p, 1.0, 0);
+    PD_CHECK(!r.sampling.has_seed);
+    PD_CHECK_EQ(r.n_stops, 0);
+    pd_api_request_fini(&r);
+    pd_api_request_fini(&r);  // idempotent on a zeroed request
+}
+
+PD_TEST(completion_all_fields) {
+    const char *body =
+        "{\"model\":\"kjv\",\"prompt\":[1,2,3],\"max_tokens\":7.0,\"n\":3,\"stream\":true,"
+        "\"stream_options\":{\"include_usage\":true},\"temperature\":0.5,\"top_p\":0.9,\"top_k\":40,"
+        "\"min_p\":0.05,\"seed\":-5,\"stop\":[\"a\",\"bc\"],\"presence_penalty\":0.5,\"frequency_penalty\":-0.5,"
+        "\"repetition_penalty\":1.1,\"logprobs\":3,\"ignore_eos\":true,\"echo\":false,\"user\":\"u\","
+        "\"priority\":-2,\"stop_token_ids\":[5,6],\"best_of\":3,\"some_future_field\":{\"x\":[1]}}";
+    pd_api_request r;
+    pd_api_error e;
+    PD_REQUIRE(parse(C, body, &r, &e) == PD_OK);
+    PD_CHECK_STR(r.model, "kjv");
+    PD_CHECK_EQ(r.max_tokens, 7);
+    PD_CHECK_EQ(r.n, 3);
+    PD_CHECK(r.stream && r.include_usage && r.ignore_eos);
+    PD_CHECK_NEAR(r.sampling.temperature, 0.5, 1e-6);
+    PD_CHECK_NEAR(r.sampling.top_p, 0.9, 1e-6);
+    PD_CHECK_EQ(r.sampling.top_k, 40);
+    PD_CHECK_NEAR(r.sampling.min_p, 0.05, 1e-6);
+    PD_CHECK(r.sampling.has_seed);
+    PD_CHECK_EQ((int64_t)r.sampling.seed, -5);
+    PD_CHECK_EQ(r.n_stops, 2);
+    PD_CHECK_STR(r.stops[1], "bc");
+    PD_CHECK_NEAR(r.sampling.repetition_penalty, 1.1, 1e-6);
+    PD_CHECK_EQ(r.logprobs, 3);
+    PD_CHECK_EQ(r.sampling.n_logprobs, 3);
+    PD_CHECK_EQ(r.priority, -2);
+    PD_CHECK_EQ(r.n_stop_ids, 2);
+    PD_CHECK_EQ(r.stop_ids[1], 6);
+    pd_api_request_fini(&r);
+    // Nulls mean "not given".
+    PD_REQUIRE(parse(C, "{\"prompt\":\"x\",\"max_tokens\":null,\"stop\":null,\"logprobs\":null,\"seed\":null}", &r, &e) ==
+               PD_OK);
+    PD_CHECK_EQ(r.max_tokens, -1);
+    PD_CHECK_EQ(r.logprobs, -1);
+    pd_api_request_fini(&r);
+    PD_REQUIRE(parse(C, "{\"prompt\":\"x\",\"stop\":\"###\"}", &r, &e) == PD_OK);
+    PD_CHECK_EQ(r.n_stops, 1);
+    PD_CHECK_STR(r.stops[0], "###");
+    pd_api_request_fini(&r);
+}
+
+PD_TEST(chat_fields_and_messages) {
+    const char *body =
+        "{\"messages\":[{\"role\":\"system\",\"content\":\"be brief\"},"
+        "{\"role\":\"user\",\"content\":[{\"type\":\"text\",\"text\":\"a\"},{\"type\":\"text\",\"text\":\"b\"}]},"
+        "{\"role\":\"assistant\",\"content\":null}],"
+        "\"max_tokens\":100,\"max_completion_tokens\":9,\"logprobs\":true,\"top_logprobs\":2}";
+    pd_api_request r;
+    pd_api_error e;
+    PD_REQUIRE(parse(CH, body, &r, &e) == PD_OK);
+    PD_CHECK_EQ(r.max_tokens, 9);  // max_completion_tokens wins
+    PD_CHECK_EQ(r.logprobs, 2);
+    PD_REQUIRE(json_array_size(r.messages) == 3);
+    PD_CHECK_STR(json_string_value(json_object_get(json_array_get(r.messages, 1), "content")), "a\nb");
+    PD_CHECK_STR(json_string_value(json_object_get(json_array_get(r.messages, 2), "content")), "");
+    PD_CHECK_STR(json_string_value(json_object_get(json_array_get(r.messages, 0), "role")), "system");
+    pd_api_request_fini(&r);
+    PD_REQUIRE(parse(CH, "{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"logprobs\":true}", &r, &e) == PD_OK);
+    PD_CHECK_EQ(r.logprobs, 0);
+    pd_api_request_fini(&r);
+    PD_REQUIRE(parse(CH, "{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"logprobs\":false}", &r, &e) == PD_OK);
+    PD_CHECK_EQ(r.logprobs, -1);
+    pd_api_request_fini(&r);
+}
+
+// ---- bad requests ------------------------------------------------------------------------------
+
+PD_TEST(bad_body_and_model) {
+    EXPECT_BAD(C, "", 400, "");
+    EXPECT_BAD(C, "{", 400, "");
+    EXPECT_BAD(C, "{\"prompt\":\"x\",}", 400, "");
+    EXPECT_BAD(C, "[1,2]", 400, "");
+    EXPECT_BAD(C, "\"prompt\"", 400, "");
+    EXPECT_BAD(C, "null", 400, "");
+    EXPECT_BAD(C, "{\"prompt\":\"x\",\"model\":\"gpt-4\"}", 404, "model");
+    EXPECT_BAD(CH, "{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"model\":\"other\"}", 404, "model");
+    EXPECT_BAD(C, "{\"prompt\":\"x\",\"model\":5}", 400, "model");
+    pd_api_request r;
+    pd_api_error e;
+    PD_CHECK_EQ(parse(C, "{\"prompt\":\"x\",\"model\":\"gpt-4\"}", &r, &e), PD_ERR_NOTFOUND);
+    PD_CHECK_STR(e.code, "model_not_found");
+    PD_CHECK_CONTAINS(e.message, "gpt-4");
+    // Any model is accepted when the server does not check.
+    const char *any = "{\"prompt\":\"x\",\"model\":\"m\"}";
+    PD_CHECK_EQ(pd_api_request_parse(C, any, strlen(any), NULL, &r, &e), PD_OK);
+    pd_api_request_fini(&r);
+}
+
+PD_TEST(bad_prompt) {
+    EXPECT_BAD(C, "{}", 400, "prompt");
+    EXPECT_BAD(C, "{\"prompt\":null}", 400, "prompt");
+    EXPECT_BAD(C, "{\"prompt\":5}", 400, "prompt");
+    EXPECT_BAD(C, "{\"prompt\":{}}", 400, "prompt");
+    EXPECT_BAD(C, "{\"prompt\":[]}", 400, "prompt");
+    EXPECT_BAD(C, "{\"prompt\":[1,\"a\"]}", 400, "prompt");
+    EXPECT_BAD(C, "{\"prompt\":[\"a\",2]}", 400, "prompt");
+    EXPECT_BAD(C, "{\"prompt\":[true]}", 400, "prompt");
+    EXPECT_BAD(C, "{\"prompt\":[[]]}", 400, "prompt");
+    EXPECT_BAD(C, "{\"prompt\":[[1],[\"a\"]]}", 400, "prompt");
+    EXPECT_BAD(C, "{\"prompt\":[1.5]}", 400, "prompt");
+}
+
+PD_TEST(bad_messages) {
+    EXPECT_BAD(CH, "{}", 400, "messages");
+    EXPECT_BAD(CH, "{\"messages\":[]}", 400, "messages");
+    EXPECT_BAD(CH, "{\"messages\":\"hi\"}", 400, "messages");
+    EXPECT_BAD(CH, "{\"messages\":[\"hi\"]}", 400, "messages");
+    EXPECT_BAD(CH, "{\"messages\":[{\"content\":\"hi\"}]}", 400, "messages");
+    EXPECT_BAD(CH, "{\"messages\":[{\"role\":5,\"content\":\"hi\"}]}", 400, "messages");
+    EXPECT_BAD(CH, "{\"messages\":[{\"role\":\"user\",\"content\":5}]}", 400, "messages");
+    EXPECT_BAD(CH, "{\"messages\":[{\"role\":\"user\",\"content\":[{\"type\":\"image_url\",\"image_url\":{}}]}]}", 400,
+               "messages");
+    EXPECT_BAD(CH, "{\"messages\":[{\"role\":\"user\",\"content\":[{\"type\":\"text\"}]}]}", 400, "messages");
+}
+
+PD_TEST(bad_numbers) {
+    EXPECT_BAD(C, "{\"prompt\":\"x\",\"max_tokens\":0}", 400, "max_tokens");
+    EXPECT_BAD(C, "{\"prompt\":\"x\",\"max_tokens\":-1}", 400, "max_tokens");
+    EXPECT_BAD(C, "{\"prompt\":\"x\",\"max_tokens\":\"10\"}", 400, "max_tokens");
+    EXPECT_BAD(C, "{\"prompt\":\"x\",\"max_tokens\":1.5}", 400, "max_tokens");
+    EXPECT_BAD(C, "{\"prompt\":\"x\",\"max_tokens\":1099511627776}", 400, "max_tokens");
+    EXPECT_BAD(C, "{\"prompt\":\"x\",\"max_tokens\":true}", 400, "max_tokens");
+    EXPECT_BAD(CH, "{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"max_completion_tokens\":0}", 400,
+               "max_completion_tokens");
+    EXPECT_BAD(C, "{\"prompt\":\"x\",\"n\":0}", 400, "n");
+    EXPECT_BAD(C, "{\"prompt\":\"x\",\"n\":17}", 400, "n");
+    EXPECT_BAD(C, "{\"prompt\":\"x\",\"n\":\"2\"}", 400, "n");
+    EXPECT_BAD(C, "{\"prompt\":\"x\",\"temperature\":-0.1}", 400, "temperature");
+    EXPECT_BAD(C, "{\"prompt\":\"x\",\"temperature\":\"hot\"}", 400, "temperature");
+    EXPECT_BAD(C, "{\"prompt\":\"x\",\"temperature\":1000}", 400, "temperature");
+    EXPECT_BAD(C, "{\"prompt\":\"x\",\"top_p\":0}", 400, "top_p");
+    EXPECT_BAD(C, "{\"prompt\":\"x\",\"top_p\":1.5}", 400, "top_p");
+    EXPECT_BAD(C, "{\"prompt\":\"x\",\"top_k\":-2}", 400, "top_k");
+    EXPECT_BAD(C, "{\"prompt\":\"x\",\"top_k\":2.5}", 400, "top_k");
+    EXPECT_BAD(C, "{\"prompt\":\"x\",\"min_p\":2}", 400, "min_p");
+    EXPECT_BAD(C, "{\"prompt\":\"x\",\"presence_penalty\":3}", 400, "presence_penalty");
+    EXPECT_BAD(C, "{\"prompt\":\"x\",\"frequency_penalty\":-2.5}", 400, "frequency_penalty");
+    EXPECT_BAD(C, "{\"prompt\":\"x\",\"repetition_penalty\":0}", 400, "repetition_penalty");
+    EXPECT_BAD(C, "{\"prompt\":\"x\",\"seed\":\"x\"}", 400, "seed");
+    EXPECT_BAD(C, "{\"prompt\":\"x\",\"priority\":\"high\"}", 400, "priority");
+    EXPECT_BAD(C, "{\"prompt\":\"x\",\"best_of\":3}", 400, "best_of");
+}
+
+PD_TEST(bad_flags_and_lists) {
+    EXPECT_BAD(C, "{\"prompt\":\"x\",\"stream\":\"yes\"}", 400, "stream");
+    EXPECT_BAD(C, "{\"prompt\":\"x\",\"stream_options\":{\"include_usage\":true}}", 400, "stream_options");
+    EXPECT_BAD(C, "{\"prompt\":\"x\",\"stream\":true,\"stream_options\":5}", 400, "stream_options");
+    EXPECT_BAD(C, "{\"prompt\":\"x\",\"stream\":true,\"stream_options\":{\"include_usage\":1}}", 400, "stream_options");
+    EXPECT_BAD(C, "{\"prompt\":\"x\",\"echo\":true}", 400, "echo");
+    EXPECT_BAD(C, "{\"prompt\":\"x\",\"echo\":\"no\"}", 400, "echo");
+    EXPECT_BAD(C, "{\"prompt\":\"x\",\"suffix\":\"end\"}", 400, "suffix");
+    EXPECT_BAD(C, "{\"prompt\":\"x\",\"ignore_eos\":1}", 400, "ignore_eos");
+    EXPECT_BAD(C, "{\"prompt\":\"x\",\"stop\":\"\"}", 400, "stop");
+    EXPECT_BAD(C, "{\"prompt\":\"x\",\"stop\":5}", 400, "stop");
+    EXPECT_BAD(C, "{\"prompt\":\"x\",\"stop\":[\"a\",1]}", 400, "stop");
+    EXPECT_BAD(C, "{\"prompt\":\"x\",\"stop\":[\"a\",\"\"]}", 400, "stop");
+    EXPECT_BAD(C, "{\"prompt\":\"x\",\"stop\":[\"1\",\"2\",\"3\",\"4\",\"5\",\"6\",\"7\",\"8\",\"9\",\"10\",\"11\","
+                  "\"12\",\"13\",\"14\",\"15\",\"16\",\"17\"]}",
+               400, "stop");
+    EXPECT_BAD(C, "{\"prompt\":\"x\",\"stop_token_ids\":[-1]}", 400, "stop_token_ids");
+    EXPECT_BAD(C, "{\"prompt\":\"x\",\"stop_token_ids\":\"5\"}", 400, "stop_token_ids");
+    EXPECT_BAD(C, "{\"prompt\":\"x\",\"logprobs\":21}", 400, "logprobs");
+    EXPECT_BAD(C, "{\"prompt\":\"x\",\"logprobs\":-1}", 400, "logprobs");
+    EXPECT_BAD(C, "{\"prompt\":\"x\",\"logprobs\":true}", 400, "logprobs");
+    EXPECT_BAD(CH, "{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"logprobs\":3}", 400, "logprobs");
+    EXPECT_BAD(CH, "{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"top_logprobs\":3}", 400, "top_logprobs");
+    EXPECT_BAD(CH, "{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"logprobs\":true,\"top_logprobs\":21}", 400,
+               "top_logprobs");
+    // 16 stop strings are fine.
+    pd_api_request r;
+    pd_api_error e;
+    PD_CHECK_EQ(parse(C, "{\"prompt\":\"x\",\"stop\":[\"1\",\"2\",\"3\",\"4\",\"5\",\"6\",\"7\",\"8\",\"9\",\"10\",\"11\","
+                         "\"12\",\"13\",\"14\",\"15\",\"16\"]}",
+                      &r, &e),
+                PD_OK);
+    PD_CHECK_EQ(r.n_stops, 16);
+    pd_api_request_fini(&r);
+}
+
+PD_TEST(parse_survives_allocation_failures) {
+    const char *body = "{\"messages\":[{\"role\":\"user\",\"content\":[{\"type\":\"text\",\"text\":\"a\"}]}],"
+                       "\"stop\":[\"x\"],\"n\":2}";
+    for (long k = 0; k < 64; k++) {
+        pd_mem_fault_set(k, false);
+        pd_api_request r;
+        pd_api_error e;
+        pd_status st = parse(CH, body, &r, &e);
+        pd_mem_fault_set(-1, false);
+        if (st == PD_OK) pd_api_request_fini(&r);
+        else PD_CHECK(st == PD_ERR_NOMEM || st == PD_ERR_INVALID);
+    }
+}
+
+// ---- tokenize (real tokenizer) -----------------------------------------------------------------
+
+static pd_tok *load_tok(void) {
+    char path[1024];
+    pd_err err = {0};
+    pd_tok *t = pd_tok_load(pd_test_path(path, sizeof path, "kjv-llama-6m"), &err);
+    PD_CHECK_MSG(t != NULL, "tokenizer: %s", err.msg);
+    return t;
+}
+
+static pd_chat_template *tmpl_of(const char *src) {
+    pd_err err = {0};
+    pd_chat_template *t = pd_chat_template_new(src, strlen(src), "<|begin_of_text|>", "<|end_of_text|>", &err);
+    PD_CHECK_MSG(t != NULL, "template: %s", err.msg);
+    return t;
+}
+
+static pd_status tokenize(pd_api_kind k, const char *body, const pd_tok *tok, const pd_chat_template *tm, int max_len,
+                          pd_api_prompts *p, pd_api_error *e) {
+    pd_api_request r;
+    pd_status st = parse(k, body, &r, e);
+    if (st) return st;
+    st = pd_api_request_tokenize(&r, tok, tm, max_len, p, e);
+    pd_api_request_fini(&r);
+    return st;
+}
+
+PD_TEST(tokenize_prompt_shapes) {
+    pd_tok *tok = load_tok();
+    if (!tok) return;
+    int32_t bos = pd_tok_bos_id(tok);
+    PD_CHECK_EQ(bos, 4092);
+    pd_api_prompts p;
+    pd_api_error e;
+    // A string: BOS + text, max_tokens filled to the context.
+    PD_REQUIRE(tokenize(C, "{\"prompt\":\"In the beginning\"}", tok, NULL, 100, &p, &e) == PD_OK);
+    PD_CHECK_EQ(p.n, 1);
+    PD_CHECK(p.items[0].n >= 2);
+    PD_CHECK_EQ(p.items[0].ids[0], bos);
+    PD_CHECK_EQ(p.max_tokens[0], 100 - p.items[0].n);
+    int n_text = p.items[0].n;
+    pd_api_prompts_fini(&p);
+    // Token ids verbatim.
+    PD_REQUIRE(tokenize(C, "{\"prompt\":[5,6,7],\"max_tokens\":4}", tok, NULL, 100, &p, &e) == PD_OK);
+    PD_CHECK_EQ(p.n, 1);
+    PD_CHECK_EQ(p.items[0].n, 3);
+    PD_CHECK_EQ(p.items[0].ids[2], 7);
+    PD_CHECK_EQ(p.max_tokens[0], 4);
+    pd_api_prompts_fini(&p);
+    // Batches of strings and of id lists.
+    PD_REQUIRE(tokenize(C, "{\"prompt\":[\"In the beginning\",\"And\"],\"n\":2}", tok, NULL, 100, &p, &e) == PD_OK);
+    PD_CHECK_EQ(p.n, 2);
+    PD_CHECK_EQ(p.items[0].n, n_text);
+    PD_CHECK_EQ(p.items[1].ids[0], bos);
+    pd_api_prompts_fini(&p);
+    PD_REQUIRE(tokenize(C, "{\"prompt\":[[1],[2,3]]}", tok, NULL, 100, &p, &e) == PD_OK);
+    PD_CHECK_EQ(p.n, 2);
+    PD_CHECK_EQ(p.items[1].n, 2);
+    pd_api_prompts_fini(&p);
+    pd_tok_free(tok);
+}
+
+PD_TEST(tokenize_rejects) {
+    pd_tok *tok = load_tok();
+    if (!tok) return;
+    pd_api_prompts p;
+    pd_api_error e;
+    PD_CHECK_EQ(tokenize(C, "{\"prompt\":[4096]}", tok, NULL, 100, &p, &e), PD_ERR_INVALID);
+    PD_CHECK_STR(e.param, "prompt");
+    PD_CHECK_CONTAINS(e.message, "out of range");
+    PD_CHECK_EQ(tokenize(C, "{\"prompt\":[[1],[-3]]}", tok, NULL, 100, &p, &e), PD_ERR_INVALID);
+    PD_CHECK_EQ(p.n, 0);
+    // Context: prompt alone must leave room; prompt + max_tokens must fit.
+    PD_CHECK_EQ(tokenize(C, "{\"prompt\":[1,2,3,4,5]}", tok, NULL, 5, &p, &e), PD_ERR_INVALID);
+    PD_CHECK_STR(e.param, "prompt");
+    PD_CHECK_CONTAINS(e.message, "maximum context length is 5 tokens");
+    PD_CHECK_EQ(tokenize(C, "{\"prompt\":[1,2,3],\"max_tokens\":3}", tok, NULL, 5, &p, &e), PD_ERR_INVALID);
+    PD_CHECK_STR(e.param, "prompt");
+    PD_CHECK_CONTAINS(e.message, "you requested 6 tokens (3 in the prompt, 3 in the completion)");
+    PD_CHECK_EQ(tokenize(C, "{\"prompt\":[1,2,3],\"max_tokens\":2}", tok, NULL, 5, &p, &e), PD_OK);
+    pd_api_prompts_fini(&p);
+    PD_CHECK_EQ(tokenize(CH, "{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}]}", tok, NULL, 100, &p, &e),
+                PD_ERR_INVALID);
+    PD_CHECK_STR(e.param, "messages");
+    PD_CHECK_CONTAINS(e.message, "no chat template");
+    // Invalid UTF-8 never gets this far: jansson rejects it while parsing the body.
+    PD_CHECK_EQ(parse(C, "{\"prompt\":\"\xff\"}", &(pd_api_request){0}, &e), PD_ERR_INVALID);
+    pd_tok_free(tok);
+}
+
+PD_TEST(tokenize_chat_template) {
+    pd_tok *tok = load_tok();
+    if (!tok) return;
+    const char *chatml = pd_tok_chat_template(tok);
+    PD_REQUIRE(chatml != NULL);
+    pd_chat_template *tm = tmpl_of(chatml);
+    pd_api_prompts p;
+    pd_api_error e;
+    PD_REQUIRE(tokenize(CH, "{\"messages\":[{\"role\":\"user\",\"content\":\"In the beginning\"}]}", tok, tm, 2048, &p,
+                        &e) == PD_OK);
+    // ChatML writes no BOS, so encode adds it; the text ends with the generation prompt.
+    pd_tok_ids want = {0};
+    const char *text = "<|im_start|>user\nIn the beginning<|im_end|>\n<|im_start|>assistant\n";
+    PD_CHECK_EQ(pd_tok_encode(tok, text, strlen(text), true, true, &want), PD_OK);
+    PD_CHECK_EQ(p.items[0].n, want.n);
+    PD_CHECK(p.items[0].n == want.n && !memcmp(p.items[0].ids, want.ids, sizeof(int32_t) * (size_t)want.n));
+    PD_CHECK_EQ(p.items[0].ids[1], 4094);  // <|im_start|> matched as a special token
+    pd_tok_ids_free(&want);
+    pd_api_prompts_fini(&p);
+    pd_chat_template_free(tm);
+    // A template that writes BOS itself: exactly one BOS.
+    tm = tmpl_of("{{ bos_token }}{% for m in messages %}{{ m.content }}{% endfor %}");
+    PD_REQUIRE(tokenize(CH, "{\"messages\":[{\"role\":\"user\",\"content\":\"And\"}]}", tok, tm, 2048, &p, &e) ==
+               PD_OK);
+    PD_CHECK_EQ(p.items[0].ids[0], 4092);
+    PD_CHECK(p.items[0].n >= 2 && p.items[0].ids[1] != 4092);
+    pd_api_prompts_fini(&p);
+    pd_chat_template_free(tm);
+    // A template that raises: 400 naming messages, with the template's message.
+    tm = tmpl_of("{{ raise_exception('roles must alternate') }}");
+    PD_CHECK_EQ(tokenize(CH, "{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}]}", tok, tm, 2048, &p, &e),
+                PD_ERR_INVALID);
+    PD_CHECK_STR(e.param, "messages");
+    PD_CHECK_CONTAINS(e.message, "roles must alternate");
+    pd_chat_template_free(tm);
+    // tools and chat_template_kwargs reach the template; wrong types are 400s naming them.
+    tm = tmpl_of("{% if tools %}{{ tools[0].name }}:{% endif %}{{ greeting }}");
+    PD_REQUIRE(tokenize(CH, "{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"tools\":[{\"name\":\"Amen\"}],"
+                            "\"chat_template_kwargs\":{\"greeting\":\" selah\"},\"add_special_tokens\":false}",
+                        tok, tm, 2048, &p, &e) == PD_OK);
+    pd_tok_ids want2 = {0};
+    PD_CHECK_EQ(pd_tok_encode(tok, "Amen: selah", 11, false, true, &want2), PD_OK);
+    PD_CHECK(p.items[0].n == want2.n && !memcmp(p.items[0].ids, want2.ids, sizeof(int32_t) * (size_t)want2.n));
+    pd_tok_ids_free(&want2);
+    pd_api_prompts_fini(&p);
+    PD_CHECK_EQ(tokenize(CH, "{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"tools\":{}}", tok, tm, 2048, &p, &e),
+                PD_ERR_INVALID);
+    PD_CHECK_STR(e.param, "tools");
+    PD_CHECK_EQ(tokenize(CH, "{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"chat_template_kwargs\":[]}", tok, tm,
+                         2048, &p, &e),
+                PD_ERR_INVALID);
+    PD_CHECK_STR(e.param, "chat_template_kwargs");
+    pd_chat_template_free(tm);
+    pd_tok_free(tok);
+}
