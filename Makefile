@@ -96,6 +96,13 @@ $(BUILD)/tests/%: tests/%.c $(BUILD)/libpdserve.a $(HELPER_OBJ) tests/test.h
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) -Itests $(LDFLAGS_SAN) -o $@ $< $(HELPER_OBJ) $(BUILD)/libpdserve.a $(LDLIBS)
 
+# Corpus replay: each fuzz target linked with tests/fuzz/replay_main.c (no libFuzzer needed).
+REPLAY_BIN := $(patsubst tests/fuzz/fuzz_%.c,$(BUILD)/tests/fuzz/replay_%,$(wildcard tests/fuzz/fuzz_*.c))
+TEST_BIN += $(REPLAY_BIN)
+$(BUILD)/tests/fuzz/replay_%: tests/fuzz/fuzz_%.c tests/fuzz/replay_main.c $(BUILD)/libpdserve.a
+	@mkdir -p $(dir $@)
+	$(CC) $(CFLAGS) -DFUZZING_BUILD_MODE_UNSAFE_FOR_PRODUCTION -DPD_FUZZ_TARGET=fuzz_$* $(LDFLAGS_SAN) -o $@ $< tests/fuzz/replay_main.c $(BUILD)/libpdserve.a $(LDLIBS)
+
 tests: $(BUILD)/pdserve $(TEST_BIN)
 
 # Packages: installed with apt only when missing (fresh Debian/Ubuntu machines).
@@ -104,7 +111,6 @@ deps:
 
 test: deps
 	@$(MAKE) --no-print-directory tests
-	@sh tools/check_deps.sh
 	@sh tools/run_tests.sh $(BUILD) $(TEST_BIN)
 
 test-asan: deps

@@ -15,6 +15,7 @@ run_one() {
   echo "== $name"
   if timeout "${PD_TEST_TIMEOUT:-900}" "$@"; then pass=$((pass+1)); else fail=$((fail+1)); failed="$failed $name"; fi
 }
+run_one check_deps sh "$repo/tools/check_deps.sh"
 for t in "$@"; do run_one "$t" "$t"; done
 if [ -z "${PD_SKIP_INTEGRATION:-}" ]; then
   for s in "$repo"/tests/integration/*.sh; do

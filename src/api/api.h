@@ -21,6 +21,7 @@
 //   * `echo: true`, `best_of` != n / 1 and `suffix` are rejected with 400 (not implemented).
 //   * max_tokens absent → the rest of the context (max_model_len - prompt tokens).
 //   * n: 1..16 independent samples; with `seed`, choice i uses seed + i.
+//   * priority (vLLM extension): an integer, lower values are scheduled first (default 0).
 //   * Stop strings: at most 16, each non-empty; the matched text is not returned.
 //   * Chat content may be a string, null, or an array of {"type":"text","text":...} parts (joined
 //     with "\n"); other part types are a 400.
@@ -36,7 +37,6 @@
 
 #include "base/base.h"
 #include "engine/engine.h"
-#include "model/sample.h"
 #include "tok/chat.h"
 #include "tok/tok.h"
 

@@ -4,6 +4,7 @@
 // Everything runs on the event-loop thread: HTTP callbacks, the engine-event callback (the engine
 // fd is readable while events are pending) and metric rendering, so no state here needs a lock.
 #include <event2/event.h>
+#include <limits.h>
 #include <stdio.h>
 #include <string.h>
 #include <time.h>
@@ -166,7 +167,8 @@ static pd_status job_submit(api_job *j, const pd_api_request *rq, const pd_api_p
         er.n_stop_ids = rq->n_stop_ids;
         er.sampling = rq->sampling;
         if (rq->sampling.has_seed) er.sampling.seed = rq->sampling.seed + (uint64_t)c->index;
-        er.priority = rq->priority;
+        // vLLM's `priority`: lower values run first; the engine runs higher values first.
+        er.priority = rq->priority == INT_MIN ? INT_MAX : -rq->priority;
         er.arrival_us = j->t_arrival_us;
         pd_err err = {0};
         pd_status st = pd_api_idmap_put(&a->ids, er.id, c);

@@ -162,6 +162,17 @@ void pd_op_copy_blocks(pd_backend *b, const pd_copy_blocks_params *p) {
     }
 }
 
+bool pd_backend_has_graphs(pd_backend *b) { return b->iface->graph_begin != NULL; }
+void pd_backend_graph_begin(pd_backend *b) {
+    PD_ASSERT(b->iface->graph_begin);
+    b->iface->graph_begin(b);
+}
+pd_graph *pd_backend_graph_end(pd_backend *b) { return (pd_graph *)b->iface->graph_end(b); }
+bool pd_backend_graph_launch(pd_backend *b, pd_graph *g) { return b->iface->graph_launch(b, g); }
+void pd_backend_graph_free(pd_backend *b, pd_graph *g) {
+    if (g) b->iface->graph_free(b, g);
+}
+
 void pd_op_fill_normal(pd_backend *b, void *dst, pd_dtype dtype, size_t n, uint64_t seed, float mean, float std) {
     if (n) b->iface->fill_normal(b, dst, dtype, n, seed, mean, std);
 }

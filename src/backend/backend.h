@@ -43,6 +43,7 @@ const char *pd_dtype_name(pd_dtype t);
 
 typedef struct pd_backend pd_backend;
 typedef struct pd_buffer pd_buffer;
+typedef struct pd_graph pd_graph;  // a captured op sequence (pd_backend_graph_*)
 
 // ---- op parameters (all pointers are device pointers of the backend) ---------------------------
 
@@ -85,7 +86,7 @@ typedef struct pd_rope_kv_params {
     void *qkv;                   // (n_tokens, (n_heads + 2*n_kv_heads) * head_dim), act dtype
     const int32_t *positions;    // (n_tokens)
     const float *inv_freq;       // (head_dim/2), f32: frequencies incl. llama3/linear scaling
-    const int32_t *slot_mapping; // (n_tokens): block_id * block_size + offset
+    const int32_t *slot_mapping; // (n_tokens): block_id * block_size + offset; < 0: padding, no KV write
     void *k_cache, *v_cache;     // (n_blocks, block_size, n_kv_heads, head_dim), kv dtype
     int n_tokens, n_heads, n_kv_heads, head_dim;
     float attn_scaling;          // multiplies cos/sin (1.0 for llama/qwen2)
@@ -214,6 +215,18 @@ void pd_op_get_rows(pd_backend *b, const pd_get_rows_params *p);
 void pd_op_copy_blocks(pd_backend *b, const pd_copy_blocks_params *p);
 void pd_op_kv_copy(pd_backend *b, const pd_kv_copy_params *p);
 void pd_op_kv_checksum(pd_backend *b, const pd_kv_checksum_params *p);
+// Graphs (optional; CUDA graphs on the CUDA backend): the ops enqueued between graph_begin and
+// graph_end are recorded, not run, and pd_backend_graph_launch replays them with the same
+// pointers and parameters (device memory they read may change between launches). Between begin
+// and end nothing may synchronise (no download, no sync) and no device memory may be allocated:
+// run the same sequence once eagerly first so scratch buffers are sized. launch returns false
+// when the graph is stale (the backend moved a scratch buffer it uses): free it and capture again.
+bool pd_backend_has_graphs(pd_backend *b);
+void pd_backend_graph_begin(pd_backend *b);
+pd_graph *pd_backend_graph_end(pd_backend *b);  // NULL when the capture failed
+bool pd_backend_graph_launch(pd_backend *b, pd_graph *g);
+void pd_backend_graph_free(pd_backend *b, pd_graph *g);  // NULL is a no-op
+
 // Fills n elements of `dtype` at dst with mean + std * N(0,1) from a counter-based generator
 // seeded by `seed` (dummy weights: --load-format dummy). Deterministic per backend.
 void pd_op_fill_normal(pd_backend *b, void *dst, pd_dtype dtype, size_t n, uint64_t seed, float mean, float std);

@@ -35,6 +35,11 @@ typedef struct pd_backend_iface {
     void (*kv_copy)(pd_backend *b, const pd_kv_copy_params *p);
     void (*kv_checksum)(pd_backend *b, const pd_kv_checksum_params *p);
     void (*fill_normal)(pd_backend *b, void *dst, pd_dtype dtype, size_t n, uint64_t seed, float mean, float std);
+    // (optional) graphs: NULL means every op runs eagerly. See pd_backend_graph_begin.
+    void (*graph_begin)(pd_backend *b);
+    void *(*graph_end)(pd_backend *b);             // NULL when the capture failed
+    bool (*graph_launch)(pd_backend *b, void *g);  // false: stale (device scratch moved since capture)
+    void (*graph_free)(pd_backend *b, void *g);
 } pd_backend_iface;
 
 struct pd_backend {

@@ -16,8 +16,9 @@
 //              so a single run, a sweep and `bench merge` of several configurations share one path.
 //
 // Definitions (per request, all in milliseconds; docs/bench.md has the long form):
-//   TTFT  first content chunk − request sent (sent = its scheduled arrival, so client-side queueing
-//         for a connection or a concurrency slot counts)
+//   TTFT  first content chunk − request sent; "sent" is when the request is handed to the HTTP
+//         client: at its arrival time (open loop), or when a slot frees up under max_concurrency.
+//         Waiting for a pooled connection after that counts.
 //   ITL   every gap between consecutive content chunks
 //   TPOT  (E2E − TTFT) / (output tokens − 1), only for requests with ≥ 2 output tokens
 //   E2E   end of the response − request sent
@@ -216,6 +217,10 @@ json_t *pd_bench_result_to_json(const pd_bench_config *cfg, pd_bench_result *con
 json_t *pd_bench_metrics_to_json(const pd_bench_metrics *m);
 // The human summary of one run (vllm-style table). out: owned by caller (pd_free); NULL on OOM.
 char *pd_bench_result_summary(const pd_bench_result *r, const pd_bench_slo *slo, const char *label);
+// Recomputes "good_requests" and "goodput" of every run of doc (in place) for other SLOs, from the
+// per-request records, and records slo in config.goodput (`bench merge --goodput`).
+// PD_OK, PD_ERR_INVALID (not a bench document) or PD_ERR_NOMEM.
+pd_status pd_bench_result_apply_slo(json_t *doc, const pd_bench_slo *slo, pd_err *err);
 // Checks that a parsed document has the shape of pd_bench_result_to_json's (for merge).
 // PD_OK or PD_ERR_INVALID with err.
 pd_status pd_bench_result_check_json(const json_t *doc, pd_err *err);
@@ -227,8 +232,10 @@ typedef struct pd_bench_svg_series {
     const double *x, *y; // borrowed, n points
     int n;
     const char *color;   // borrowed, CSS color ("#1f77b4")
+    double opacity;      // line opacity in (0, 1]; 0 means 1
     bool is_dashed;
     bool has_markers;
+    bool is_scatter;     // markers only, no line
 } pd_bench_svg_series;
 
 typedef struct pd_bench_svg_chart {

@@ -5,6 +5,7 @@
 // Charts:
 //   ttft_cdf, tpot_cdf, itl_cdf, e2e_cdf   empirical CDFs, one line per configuration × run
 //                                          (ITL over every token gap, the others per request)
+//   ttft_over_time                         every request's TTFT against its send time (scatter)
 //   p99_ttft_vs_rate, p99_tpot_vs_rate,    only when some configuration has ≥ 2 runs at finite
 //   throughput_vs_rate, goodput_vs_rate    rates; one line per configuration (goodput only when
 //                                          an SLO was given)
@@ -25,7 +26,7 @@
 
 #define CDF_MAX_POINTS 400
 #define MAX_SERIES 64
-#define MAX_CHARTS 8
+#define MAX_CHARTS 9
 
 typedef struct series_set {
     pd_bench_svg_series s[MAX_SERIES];
@@ -37,6 +38,7 @@ typedef struct series_set {
 typedef struct chart {
     const char *file;     // base name of the .svg
     const char *caption;  // static
+    bool is_sweep;        // goes in the "Load sweep" section
     char *svg;            // owned
 } chart;
 
@@ -99,8 +101,11 @@ static char *series_name(json_t *doc, json_t *run, bool with_rate) {
     return pd_strdup(buf);
 }
 
-// Adds the empirical CDF of `key` in `run` to ss. PD_OK or PD_ERR_NOMEM.
-static pd_status add_cdf(series_set *ss, json_t *doc, json_t *run, const char *key, bool with_rate) {
+// Adds the empirical CDF of `key` in `run` to ss. Colors: one per run when there is one
+// configuration; else one per configuration, its runs from light (first rate) to solid (last).
+// PD_OK or PD_ERR_NOMEM.
+static pd_status add_cdf(series_set *ss, json_t *doc, json_t *run, const char *key, bool with_rate,
+                         int doc_idx, int n_docs, int run_idx, int n_runs) {
     if (ss->n == MAX_SERIES) return PD_OK;
     size_t n;
     double *v = run_values(run, key, &n);
@@ -128,7 +133,38 @@ static pd_status add_cdf(series_set *ss, json_t *doc, json_t *run, const char *k
     pd_free(v);
     int i = ss->n++;
     ss->x[i] = x, ss->y[i] = y, ss->name[i] = name;
-    ss->s[i] = (pd_bench_svg_series){.name = name, .x = x, .y = y, .n = (int)m, .color = pd_bench_svg_color(i)};
+    ss->s[i] = (pd_bench_svg_series){.name = name, .x = x, .y = y, .n = (int)m};
+    if (n_docs == 1) {
+        ss->s[i].color = pd_bench_svg_color(run_idx);
+    } else {
+        ss->s[i].color = pd_bench_svg_color(doc_idx);
+        ss->s[i].opacity = n_runs > 1 ? 0.3 + 0.7 * run_idx / (n_runs - 1) : 1.0;
+    }
+    return PD_OK;
+}
+
+// Adds TTFT against send time (seconds since the run started) of one run's ok requests.
+static pd_status add_timeline(series_set *ss, json_t *doc, json_t *run, bool with_rate, int doc_idx, int n_docs,
+                              int run_idx, int n_runs) {
+    json_t *reqs = json_object_get(run, "requests");
+    size_t n = json_array_size(reqs), i, m = 0;
+    if (ss->n == MAX_SERIES) return PD_OK;
+    double *x = pd_malloc((n ? n : 1) * sizeof *x), *y = pd_malloc((n ? n : 1) * sizeof *y);
+    char *name = series_name(doc, run, with_rate);
+    if (!x || !y || !name) {
+        pd_free(x), pd_free(y), pd_free(name);
+        return PD_ERR_NOMEM;
+    }
+    json_t *r;
+    json_array_foreach(reqs, i, r) {
+        double t = jnum(r, "start_s"), v = jnum(r, "ttft_ms");
+        if (json_is_true(json_object_get(r, "ok")) && isfinite(t) && isfinite(v)) x[m] = t, y[m++] = v;
+    }
+    int k = ss->n++;
+    ss->x[k] = x, ss->y[k] = y, ss->name[k] = name;
+    ss->s[k] = (pd_bench_svg_series){.name = name, .x = x, .y = y, .n = (int)m, .is_scatter = true};
+    ss->s[k].color = pd_bench_svg_color(n_docs == 1 ? run_idx : doc_idx);
+    ss->s[k].opacity = n_docs == 1 || n_runs < 2 ? 0.8 : 0.3 + 0.6 * run_idx / (n_runs - 1);
     return PD_OK;
 }
 
@@ -214,13 +250,28 @@ static pd_status build_charts(json_t *const *docs, int n_docs, chart *out, int *
         for (int d = 0; d < n_docs && !st; d++) {
             size_t i;
             json_t *run;
-            json_array_foreach(json_object_get(docs[d], "runs"), i, run) {
-                if ((st = add_cdf(&ss, docs[d], run, CDFS[c].key, with_rate))) break;
+            json_t *runs = json_object_get(docs[d], "runs");
+            json_array_foreach(runs, i, run) {
+                if ((st = add_cdf(&ss, docs[d], run, CDFS[c].key, with_rate, d, n_docs, (int)i,
+                                  (int)json_array_size(runs))))
+                    break;
             }
         }
         if (!st) st = render(&out[(*n_out)++], &ss, CDFS[c].file, CDFS[c].caption, CDFS[c].title, CDFS[c].x_label,
                              CDFS[c].y_label, true);
     }
+    for (int d = 0; d < n_docs && !st; d++) {
+        size_t i;
+        json_t *run, *runs = json_object_get(docs[d], "runs");
+        json_array_foreach(runs, i, run) {
+            if ((st = add_timeline(&ss, docs[d], run, with_rate, d, n_docs, (int)i, (int)json_array_size(runs))))
+                break;
+        }
+    }
+    if (!st) st = render(&out[(*n_out)++], &ss, "ttft_over_time",
+                         "TTFT of every request against the time it was sent: a rising cloud means requests queue "
+                         "faster than the server drains them.", "TTFT over the run", "send time (s)", "TTFT (ms)",
+                         false);
     if (st || !any_sweep(docs, n_docs)) goto done;
     static const struct { const char *group, *field, *file, *title, *y_label, *caption; } RATES[] = {
         {"ttft_ms", "p99", "p99_ttft_vs_rate", "P99 TTFT vs request rate", "P99 TTFT (ms)",
@@ -236,8 +287,9 @@ static pd_status build_charts(json_t *const *docs, int n_docs, chart *out, int *
     for (size_t c = 0; c < PD_ARRAY_LEN(RATES) && !st; c++) {
         if (!strcmp(RATES[c].field, "goodput") && !has_goodput) continue;
         for (int d = 0; d < n_docs && !st; d++) st = add_rate_series(&ss, docs[d], d, RATES[c].group, RATES[c].field);
-        if (!st) st = render(&out[(*n_out)++], &ss, RATES[c].file, RATES[c].caption, RATES[c].title,
+        if (!st) st = render(&out[*n_out], &ss, RATES[c].file, RATES[c].caption, RATES[c].title,
                              "request rate (req/s)", RATES[c].y_label, false);
+        out[(*n_out)++].is_sweep = true;
     }
 done:
     set_fini(&ss);
@@ -351,7 +403,8 @@ static char *build_html(json_t *const *docs, int n_docs, const chart *charts, in
     summary_table(&b, docs, n_docs);
     for (int c = 0; c < n_charts; c++) {
         if (c == 0) pd_bench_buf_puts(&b, "<h2>Latency distributions</h2>\n<div class=\"grid\">\n");
-        if (c == 4) pd_bench_buf_puts(&b, "</div>\n<h2>Load sweep</h2>\n<div class=\"grid\">\n");
+        if (c > 0 && charts[c].is_sweep && !charts[c - 1].is_sweep)
+            pd_bench_buf_puts(&b, "</div>\n<h2>Load sweep</h2>\n<div class=\"grid\">\n");
         pd_bench_buf_printf(&b, "<figure id=\"%s\">\n%s<figcaption>", charts[c].file, charts[c].svg);
         pd_bench_buf_escape(&b, charts[c].caption);
         pd_bench_buf_puts(&b, "</figcaption></figure>\n");

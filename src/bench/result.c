@@ -142,6 +142,37 @@ pd_status pd_bench_result_check_json(const json_t *doc, pd_err *err) {
     return PD_OK;
 }
 
+static double jnum(json_t *o, const char *key) {
+    json_t *v = json_object_get(o, key);
+    return json_is_number(v) ? json_number_value(v) : NAN;
+}
+
+pd_status pd_bench_result_apply_slo(json_t *doc, const pd_bench_slo *slo, pd_err *err) {
+    pd_status st = pd_bench_result_check_json(doc, err);
+    if (st) return st;
+    size_t i, j;
+    json_t *run, *req;
+    json_array_foreach(json_object_get(doc, "runs"), i, run) {
+        json_t *m = json_object_get(run, "metrics");
+        int n_good = 0;
+        json_array_foreach(json_object_get(run, "requests"), j, req) {
+            pd_bench_record r = {.is_ok = json_is_true(json_object_get(req, "ok")), .ttft_ms = jnum(req, "ttft_ms"),
+                                 .tpot_ms = jnum(req, "tpot_ms"), .e2e_ms = jnum(req, "e2e_ms")};
+            n_good += pd_bench_stats_meets_slo(slo, &r);
+        }
+        double d = jnum(m, "duration_s");
+        if (json_object_set_new(m, "good_requests", json_integer(n_good)) ||
+            json_object_set_new(m, "goodput", num(d > 0 ? n_good / d : NAN)))
+            return pd_err_set(err, PD_ERR_NOMEM, "out of memory");
+    }
+    json_t *g = json_pack("{s:o,s:o,s:o}", "ttft_ms", num(slo->ttft_ms > 0 ? slo->ttft_ms : NAN), "tpot_ms",
+                          num(slo->tpot_ms > 0 ? slo->tpot_ms : NAN), "e2e_ms", num(slo->e2e_ms > 0 ? slo->e2e_ms : NAN));
+    json_t *cfg = json_object_get(doc, "config");
+    if (!g || !json_is_object(cfg) || json_object_set_new(cfg, "goodput", g))
+        return pd_err_set(err, PD_ERR_NOMEM, "out of memory");
+    return PD_OK;
+}
+
 // ---- the human summary ---------------------------------------------------------------------------
 
 static void row(pd_bench_buf *b, const char *name, double v, int prec) {

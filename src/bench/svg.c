@@ -123,12 +123,12 @@ static void draw_axes(pd_bench_buf *b, const pd_bench_svg_chart *c, const axis *
     pd_bench_buf_puts(b, "</text>\n</g>\n");
 }
 
-static void draw_series(pd_bench_buf *b, const pd_bench_svg_chart *c, const pd_bench_svg_series *s,
-                        const axis *ax, const axis *ay, double pw, double ph) {
-    pd_bench_buf_printf(b, "<g><title>");
-    pd_bench_buf_escape(b, s->name ? s->name : "");
-    pd_bench_buf_printf(b, "</title><path fill=\"none\" stroke=\"%s\" stroke-width=\"2\" stroke-linejoin=\"round\"%s d=\"",
-                        s->color ? s->color : "#1f77b4", s->is_dashed ? " stroke-dasharray=\"6 4\"" : "");
+// The series as one path (steps for CDFs); a NAN point lifts the pen.
+static void draw_path(pd_bench_buf *b, const pd_bench_svg_chart *c, const pd_bench_svg_series *s, const axis *ax,
+                      const axis *ay, double pw, double ph) {
+    pd_bench_buf_printf(b, "<path fill=\"none\" stroke=\"%s\" stroke-opacity=\"%.2f\" stroke-width=\"2\" "
+                        "stroke-linejoin=\"round\"%s d=\"", s->color ? s->color : "#1f77b4",
+                        s->opacity > 0 ? s->opacity : 1.0, s->is_dashed ? " stroke-dasharray=\"6 4\"" : "");
     bool pen = false;
     double prev_y = 0;
     for (int i = 0; i < s->n; i++) {
@@ -143,12 +143,21 @@ static void draw_series(pd_bench_buf *b, const pd_bench_svg_chart *c, const pd_b
         prev_y = y;
     }
     pd_bench_buf_puts(b, "\"/>\n");
-    if (s->has_markers) {
+}
+
+static void draw_series(pd_bench_buf *b, const pd_bench_svg_chart *c, const pd_bench_svg_series *s,
+                        const axis *ax, const axis *ay, double pw, double ph) {
+    pd_bench_buf_printf(b, "<g><title>");
+    pd_bench_buf_escape(b, s->name ? s->name : "");
+    pd_bench_buf_puts(b, "</title>");
+    if (!s->is_scatter) draw_path(b, c, s, ax, ay, pw, ph);
+    if (s->has_markers || s->is_scatter) {
         for (int i = 0; i < s->n; i++) {
             if (!isfinite(s->x[i]) || !isfinite(s->y[i])) continue;
             double x = ML + axis_pos(ax, s->x[i], pw), y = MT + ph - axis_pos(ay, s->y[i], ph);
-            pd_bench_buf_printf(b, "<circle cx=\"%.1f\" cy=\"%.1f\" r=\"3.5\" fill=\"%s\"><title>", x, y,
-                                s->color ? s->color : "#1f77b4");
+            pd_bench_buf_printf(b, "<circle cx=\"%.1f\" cy=\"%.1f\" r=\"%s\" fill=\"%s\" fill-opacity=\"%.2f\"><title>",
+                                x, y, s->is_scatter ? "2.5" : "3.5", s->color ? s->color : "#1f77b4",
+                                s->opacity > 0 ? s->opacity : 1.0);
             pd_bench_buf_escape(b, s->name ? s->name : "");
             pd_bench_buf_printf(b, ": (%g, %g)</title></circle>\n", s->x[i], s->y[i]);
         }
@@ -180,9 +189,10 @@ static void draw_legend(pd_bench_buf *b, const pd_bench_svg_chart *c, const axis
     for (int s = 0; s < c->n_series; s++) {
         double y = best_y + 13 + 17.0 * s;
         const pd_bench_svg_series *se = &c->series[s];
-        pd_bench_buf_printf(b, "<line x1=\"%.1f\" y1=\"%.1f\" x2=\"%.1f\" y2=\"%.1f\" stroke=\"%s\" stroke-width=\"2\"%s/>"
-                            "<text x=\"%.1f\" y=\"%.1f\" dominant-baseline=\"middle\">", best_x + 6, y, best_x + 26, y,
-                            se->color ? se->color : "#1f77b4", se->is_dashed ? " stroke-dasharray=\"6 4\"" : "",
+        pd_bench_buf_printf(b, "<line x1=\"%.1f\" y1=\"%.1f\" x2=\"%.1f\" y2=\"%.1f\" stroke=\"%s\" stroke-opacity=\"%.2f\" "
+                            "stroke-width=\"3\"%s/><text x=\"%.1f\" y=\"%.1f\" dominant-baseline=\"middle\">",
+                            best_x + 6, y, best_x + 26, y, se->color ? se->color : "#1f77b4",
+                            se->opacity > 0 ? se->opacity : 1.0, se->is_dashed ? " stroke-dasharray=\"6 4\"" : "",
                             best_x + 31, y);
         pd_bench_buf_escape(b, se->name ? se->name : "");
         pd_bench_buf_puts(b, "</text>\n");

@@ -28,7 +28,8 @@ typedef struct bench_opts {
 static void bench_usage(void) {
     printf(
         "usage: pdserve bench [options]           benchmark an OpenAI-compatible server\n"
-        "       pdserve bench merge [--output-html F] [--output-svg-dir D] a.json b.json ...\n\n"
+        "       pdserve bench merge [--output-html F] [--output-svg-dir D] [--goodput SLOS] a.json b.json ...\n"
+        "         (one report from earlier --output-json files; --goodput recomputes goodput for other SLOs)\n\n"
         "target:\n"
         "  --url URL                 server base URL (default http://127.0.0.1:8000)\n"
         "  --endpoint PATH           /v1/completions (default) or /v1/chat/completions\n"
@@ -206,6 +207,7 @@ static int write_outputs(json_t *doc, const char *json_path, const char *html_pa
 
 static int bench_merge(int argc, char **argv) {
     const char *html_path = NULL, *svg_dir = NULL;
+    pd_bench_slo slo = {0};
     json_t *docs[256];
     int n_docs = 0, rc = 0;
     for (int i = 1; i < argc && rc == 0; i++) {
@@ -215,6 +217,16 @@ static int bench_merge(int argc, char **argv) {
         }
         if (!strcmp(argv[i], "--output-html") && i + 1 < argc) html_path = argv[++i];
         else if (!strcmp(argv[i], "--output-svg-dir") && i + 1 < argc) svg_dir = argv[++i];
+        else if (!strcmp(argv[i], "--goodput") && i + 1 < argc) {
+            char buf[512];
+            snprintf(buf, sizeof buf, "%s", argv[++i]);
+            while (i + 1 < argc && strncmp(argv[i + 1], "--", 2) && strchr(argv[i + 1], ':') && !strstr(argv[i + 1], ".json")) {
+                size_t n = strlen(buf);
+                snprintf(buf + n, sizeof buf - n, " %s", argv[++i]);
+            }
+            pd_err err = {0};
+            if (pd_bench_slo_parse(buf, &slo, &err)) rc = pd_cmd_usage_error("bench merge", "%s", err.msg);
+        }
         else if (!strncmp(argv[i], "--", 2)) rc = pd_cmd_usage_error("bench merge", "unknown option %s", argv[i]);
         else if (n_docs == (int)PD_ARRAY_LEN(docs)) rc = pd_cmd_usage_error("bench merge", "too many files");
         else {
@@ -235,6 +247,10 @@ static int bench_merge(int argc, char **argv) {
     }
     if (rc == 0 && n_docs == 0) rc = pd_cmd_usage_error("bench merge", "give at least one JSON result file");
     if (rc == 0 && !html_path && !svg_dir) rc = pd_cmd_usage_error("bench merge", "give --output-html and/or --output-svg-dir");
+    for (int i = 0; rc == 0 && pd_bench_slo_is_set(&slo) && i < n_docs; i++) {
+        pd_err err = {0};
+        if (pd_bench_result_apply_slo(docs[i], &slo, &err)) rc = pd_cmd_usage_error("bench merge", "%s", err.msg);
+    }
     if (rc == 0) {
         pd_err err = {0};
         char *html = NULL;

@@ -11,6 +11,7 @@ int pd_cmd_run(int argc, char **argv);
 int pd_cmd_serve(int argc, char **argv);
 int pd_cmd_router(int argc, char **argv);
 int pd_cmd_bench_engine(int argc, char **argv);
+int pd_cmd_bench_handoff(int argc, char **argv);
 int pd_cmd_bench(int argc, char **argv);
 
 // Minimal flag parsing shared by subcommands: --name value / --name=value / --flag.

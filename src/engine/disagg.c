@@ -387,7 +387,12 @@ void pd_disagg_export(pd_engine *e, ereq *q, const pd_sched_event *ev, const pd_
                 pd_kv_copy_params kp = {.src_k = e->layer_k, .src_v = e->layer_v, .dst_k = dk, .dst_v = dv, .src_blocks = src,
                                         .dst_blocks = q->dst_blocks, .n_rows = rows, .n_blocks = nb, .layer_begin = 0,
                                         .layer_end = L, .block_size = bs, .row_bytes = row_bytes};
+                // Timed alone: the checksum above has synchronised, so the stream is idle here.
+                int64_t t0 = pd_time_us();
                 pd_op_kv_copy(e->backend, &kp);
+                pd_backend_sync(e->backend);
+                e->export_copy_us += pd_time_us() - t0;
+                for (int i = 0; i < nb; i++) e->export_bytes += (int64_t)(2 * (size_t)L * (size_t)rows[i] * row_bytes);
                 if (corrupt) {  // test hook: flip one bit of the copied V rows in the decode pool
                     uint8_t x;
                     char *at = (char *)dv[L - 1] + (size_t)q->dst_blocks[0] * row_bytes * (size_t)bs;

@@ -14,6 +14,9 @@
 #include <stdio.h>
 #include <string.h>
 
+#include <unistd.h>
+#include <xxhash.h>
+
 #include "engine/engine_impl.h"
 
 pd_engine_params pd_engine_params_default(void) {
@@ -129,6 +132,14 @@ pd_engine *pd_engine_new(const pd_engine_params *p, pd_err *err) {
     kp.n_blocks = n_blocks;
     kp.block_size = e->params.block_size;
     kp.enable_prefix_caching = p->enable_prefix_caching;
+    kp.n_events_max = 1 << 16;
+    e->kv_log = pd_wire_kv_log_new(1 << 16);
+    if (!e->kv_log) {
+        pd_err_set(err, PD_ERR_NOMEM, "out of memory");
+        goto fail;
+    }
+    e->instance = XXH3_64bits_withSeed(&e, sizeof e, (uint64_t)pd_time_us() ^ ((uint64_t)getpid() << 32));
+    e->ema_prefill_tps = e->ema_decode_ms = -1;
     e->kv = pd_kv_mgr_new(&kp, err);
     if (!e->kv) goto fail;
     pd_sched_params sp = pd_sched_params_default();
@@ -430,7 +441,16 @@ static void publish_stats(pd_engine *e) {
     pd_kv_stats ks;
     pd_sched_stats_get(e->sched, &ss);
     pd_kv_stats_get(e->kv, &ks);
+    pd_kv_event kev[256];
+    int n_kev;
     pthread_mutex_lock(&e->q.mu);
+    while ((n_kev = pd_kv_events_drain(e->kv, kev, 256)) > 0)
+        for (int i = 0; i < n_kev; i++) {
+            pd_wire_kv_event_type t = kev[i].type == PD_KV_EVENT_STORED    ? PD_WIRE_KV_STORED
+                                      : kev[i].type == PD_KV_EVENT_REMOVED ? PD_WIRE_KV_REMOVED
+                                                                           : PD_WIRE_KV_ALL_CLEARED;
+            pd_wire_kv_log_push(e->kv_log, t, kev[i].hash, kev[i].parent_hash, kev[i].n_tokens);
+        }
     pd_engine_stats *o = &e->q.stats;
     o->n_running = ss.n_running;
     o->n_waiting = ss.n_waiting;
@@ -452,12 +472,32 @@ static void publish_stats(pd_engine *e) {
     o->n_kv_handoff_bytes = e->handoff_bytes;
     o->kv_handoff_us_total = e->handoff_us;
     o->n_kv_exports = e->n_exports;
+    o->n_kv_export_bytes = e->export_bytes;
+    o->kv_export_copy_us_total = e->export_copy_us;
+    pthread_mutex_unlock(&e->q.mu);
+}
+
+// Recent prefill throughput and decode step time (EMA), for routers' admission predictions.
+static void measure_step(pd_engine *e, const pd_step_plan *plan, int64_t us) {
+    int n_prefill = 0;
+    for (int i = 0; i < plan->n_seqs; i++)
+        if (plan->seqs[i].n_tokens > 1 || !plan->seqs[i].needs_logits) n_prefill += plan->seqs[i].n_tokens;
+    double a = 0.2;
+    pthread_mutex_lock(&e->q.mu);
+    if (n_prefill > 0 && us > 0) {
+        double tps = (double)n_prefill * 1e6 / (double)us;
+        e->ema_prefill_tps = e->ema_prefill_tps < 0 ? tps : (1 - a) * e->ema_prefill_tps + a * tps;
+    } else if (plan->n_seqs > 0) {
+        double ms = (double)us / 1000.0;
+        e->ema_decode_ms = e->ema_decode_ms < 0 ? ms : (1 - a) * e->ema_decode_ms + a * ms;
+    }
     pthread_mutex_unlock(&e->q.mu);
 }
 
 static void engine_step(pd_engine *e) {
     pd_step_plan plan;
-    pd_sched_schedule(e->sched, pd_time_us(), &plan);
+    int64_t t0 = pd_time_us();
+    pd_sched_schedule(e->sched, t0, &plan);
     if (plan.n_finished) pd_engine_push_sched_events(e, NULL, plan.finished, plan.n_finished);
     if (plan.n_kv_loads) pd_disagg_start_loads(e, &plan);
     e->last_step_empty = plan.n_seqs == 0 && plan.n_kv_loads == 0;
@@ -484,6 +524,7 @@ static void engine_step(pd_engine *e) {
     int32_t n_ev = 0;
     st = pd_sched_update(e->sched, &plan, outs, pd_time_us(), &ev, &n_ev);
     PD_ASSERT(st == PD_OK);
+    measure_step(e, &plan, pd_time_us() - t0);
     pd_engine_push_sched_events(e, &plan, ev, n_ev);
 }
 
@@ -527,6 +568,7 @@ void pd_engine_free(pd_engine *e) {
         }
     pd_sched_free(e->sched);
     pd_kv_mgr_free(e->kv);
+    pd_wire_kv_log_free(e->kv_log);
     pd_model_cache_free(e->cache);
     pd_model_free(e->model);
     pd_tok_free(e->tok);
@@ -539,4 +581,31 @@ void pd_engine_free(pd_engine *e) {
     pd_free(e->layer_v);
     pd_queue_fini(&e->q);
     pd_free(e);
+}
+
+pd_status pd_engine_state(pd_engine *e, uint64_t since, int max_events, pd_wire_state *out) {
+    memset(out, 0, sizeof *out);
+    out->instance = e->instance;
+    snprintf(out->model, sizeof out->model, "%.127s", e->model_name);
+    out->role = e->params.role == PD_ROLE_PREFILL ? PD_WIRE_ROLE_PREFILL : e->params.role == PD_ROLE_DECODE ? PD_WIRE_ROLE_DECODE
+                                                                                                          : PD_WIRE_ROLE_BOTH;
+    out->block_size = e->params.block_size;
+    pthread_mutex_lock(&e->q.mu);
+    const pd_engine_stats *s = &e->q.stats;
+    pd_wire_load *l = &out->load;
+    *l = pd_wire_load_default();
+    l->n_running = s->n_running;
+    l->n_waiting = s->n_waiting + e->q.n_in_submits;
+    l->n_kv_blocks_total = s->n_blocks_total;
+    l->n_kv_blocks_free = s->n_blocks_free;
+    l->n_kv_blocks_used = s->n_blocks_used;
+    l->n_kv_blocks_cached = s->n_blocks_cached;
+    l->prefill_tokens_per_s = e->ema_prefill_tps;
+    l->decode_step_ms = e->ema_decode_ms;
+    l->n_prefix_query_tokens = s->n_prefix_query_tokens;
+    l->n_prefix_hit_tokens = s->n_prefix_hit_tokens;
+    l->n_requests_finished = s->n_requests_finished;
+    pd_status st = pd_wire_kv_log_read(e->kv_log, since, max_events, out);
+    pthread_mutex_unlock(&e->q.mu);
+    return st;
 }

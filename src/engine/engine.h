@@ -20,6 +20,7 @@
 #include "model/model.h"
 #include "model/sample.h"
 #include "tok/tok.h"
+#include "wire/control.h"
 #include "wire/kv.h"
 
 #ifdef __cplusplus
@@ -170,8 +171,16 @@ typedef struct pd_engine_stats {
     int64_t kv_handoff_us_total;               // request sent → KV verified, summed
     // prefill role
     int64_t n_kv_exports;
+    int64_t n_kv_export_bytes;                 // KV bytes written into decode pools (cuda-ipc / shm)
+    int64_t kv_export_copy_us_total;           // time of those copies alone (pd_op_kv_copy + sync), summed
 } pd_engine_stats;
 void pd_engine_stats_get(pd_engine *e, pd_engine_stats *out);
+
+// What a router polls (GET /internal/state): load (queue, KV usage, measured prefill tokens/s and
+// decode step time) and the KV events (blocks stored in / evicted from the prefix cache) with
+// sequence numbers >= since, at most max_events. out->events is owned by out
+// (pd_wire_state_fini). Any thread. PD_OK or PD_ERR_NOMEM.
+pd_status pd_engine_state(pd_engine *e, uint64_t since, int max_events, pd_wire_state *out);
 
 #ifdef __cplusplus
 }

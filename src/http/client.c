@@ -334,7 +334,8 @@ static void on_ev_error(enum evhttp_request_error error, void *arg) {
 
 static const char *ev_error_msg(pd_http_client_call *call, pd_status *st) {
     *st = PD_ERR_IO;
-    if (!call->has_ev_error) return "connection failed";
+    // libevent reports a failed connect (refused, unreachable, connect timeout) without an error.
+    if (!call->has_ev_error) return "cannot connect (refused, unreachable or timed out)";
     switch (call->ev_error) {
     case EVREQ_HTTP_TIMEOUT: *st = PD_ERR_TIMEOUT; return "read timeout";
     case EVREQ_HTTP_EOF: return "connection closed by the server";

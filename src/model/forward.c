@@ -4,7 +4,19 @@
 // Per-step metadata (tokens, positions, slot mapping, CSR page table, ...) is validated on the
 // host, packed into one int32 array and uploaded with a single copy, so a step costs one
 // host-to-device transfer besides the logits coming back.
+//
+// Decode steps run as CUDA graphs where the backend has them (pd_backend_has_graphs; off with
+// PD_CUDA_GRAPHS=0): a step whose every sequence has one query token is padded to a batch bucket
+// B (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256) and a context bound kv_cap (256, 384,
+// 512, 768, 1024, ...: powers of two and their 1.5x), and its metadata is packed in a layout
+// fixed by (B, kv_cap) into the bucket's own device buffer. Padding sequences hold one token
+// (id 0, position 0) with slot -1 (rope_kv writes no KV for it) and attend to one slot of block 0;
+// their rows are computed and ignored. The first step of a bucket runs eagerly (it sizes the
+// backend's scratch), the second is captured and launched, later ones only refresh the metadata
+// and launch. Graphs go stale when the workspace moves (ws.gen), the backend's scratch moves
+// (launch refuses) or another cache is used (kc_base): they are then captured again.
 #include <math.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "model/model_impl.h"
@@ -49,12 +61,14 @@ static pd_status ws_reserve(pd_model *m, int n_tokens, int n_logits, size_t n_me
             grow(m->backend, &ws->gu, T * 2 * F * e) || grow(m->backend, &ws->mlp, T * F * e))
             return PD_ERR_DEVICE;
         ws->cap_tokens = n_tokens;
+        ws->gen++;
     }
     if (n_logits > ws->cap_logits) {
         size_t L = (size_t)n_logits;
         if (grow(m->backend, &ws->sel, L * D * e) || grow(m->backend, &ws->logits, L * (size_t)c->vocab_size * 4))
             return PD_ERR_DEVICE;
         ws->cap_logits = n_logits;
+        ws->gen++;
     }
     if (n_meta > (size_t)ws->cap_meta) {
         size_t cap = n_meta * 2;
@@ -145,36 +159,223 @@ static void run_layer(pd_model *m, pd_model_cache *kc, int li, int T, const int3
                                          .N = D, .K = F, .accumulate = true});
 }
 
+// The whole op sequence of one step over packed metadata at dmeta (layout l).
+static void run_step(pd_model *m, pd_model_cache *kc, const int32_t *dmeta, const meta_layout *l, int T, int n_seqs,
+                     int n_logits, int max_q, int max_kv) {
+    pd_backend *be = m->backend;
+    pd_model_ws *ws = &m->ws;
+    const pd_model_config *c = &m->cfg;
+    int D = c->hidden_size;
+    pd_op_embed(be, &(pd_embed_params){.ids = dmeta + l->tokens, .table = wp(m->embed), .out = wp(ws->x), .n_tokens = T,
+                                       .dim = D, .vocab = c->vocab_size});
+    for (int li = 0; li < c->n_layers; li++) run_layer(m, kc, li, T, dmeta, l, n_seqs, max_q, max_kv);
+    if (n_logits > 0) {
+        pd_op_get_rows(be, &(pd_get_rows_params){.x = wp(ws->x), .idx = dmeta + l->logit_rows, .out = wp(ws->sel),
+                                                 .n_rows = n_logits, .dim = D});
+        pd_op_rmsnorm(be, &(pd_rmsnorm_params){.x = wp(ws->sel), .w = wp(m->final_norm), .out = wp(ws->sel),
+                                               .n_rows = n_logits, .dim = D, .eps = c->rms_norm_eps});
+        pd_op_matmul(be, &(pd_matmul_params){.a = wp(ws->sel), .w = wp(m->lm_head ? m->lm_head : m->embed),
+                                             .out = wp(ws->logits), .M = n_logits, .N = c->vocab_size, .K = D,
+                                             .out_f32 = true});
+    }
+}
+
+// ---- decode graphs -----------------------------------------------------------------------------
+
+static const int GRAPH_BUCKETS[] = {1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256};
+
+static bool graphs_on(pd_model *m) {
+    if (m->ws.graphs_mode == 0) {
+        const char *env = getenv("PD_CUDA_GRAPHS");
+        m->ws.graphs_mode = pd_backend_has_graphs(m->backend) && !(env && !strcmp(env, "0")) ? 1 : 2;
+    }
+    return m->ws.graphs_mode == 1;
+}
+
+// 256, 384, 512, 768, 1024, 1536, ...: the smallest >= kv.
+static int kv_bucket(int kv) {
+    int p = 256;
+    while (p < kv) {
+        if (p + p / 2 >= kv) return p + p / 2;
+        p *= 2;
+    }
+    return p;
+}
+
+// The metadata layout of a padded decode step: B rows, bt_cap page-table entries.
+static meta_layout layout_fixed(int B, int bt_cap) {
+    meta_layout l;
+    size_t o = 0, n = (size_t)B;
+    l.tokens = o; o += n;
+    l.positions = o; o += n;
+    l.slots = o; o += n;
+    l.token_seq = o; o += n;
+    l.q_indptr = o; o += n + 1;
+    l.kv_lens = o; o += n;
+    l.bt_indptr = o; o += n + 1;
+    l.bt_indices = o; o += (size_t)bt_cap;
+    l.logit_rows = o; o += n;
+    l.total = o;
+    return l;
+}
+
+static void graph_entry_free(pd_model *m, pd_graph_entry *ge) {
+    pd_backend_graph_free(m->backend, ge->g);
+    pd_buffer_free(ge->meta);
+    memset(ge, 0, sizeof *ge);
+}
+
+void pd_model_graphs_free(pd_model *m) {
+    for (int i = 0; i < m->ws.n_graphs; i++) graph_entry_free(m, &m->ws.graphs[i]);
+    m->ws.n_graphs = 0;
+    pd_free(m->ws.pad_host);
+    m->ws.pad_host = NULL;
+    m->ws.cap_pad = 0;
+}
+
+// The bucket's entry, created (evicting the least recently used one when full) if needed.
+static pd_graph_entry *graph_entry_get(pd_model *m, const void *kc_base, int B, int kv_cap, int bt_cap, size_t n_meta) {
+    pd_model_ws *ws = &m->ws;
+    pd_graph_entry *ge = NULL;
+    for (int i = 0; i < ws->n_graphs && !ge; i++)
+        if (ws->graphs[i].B == B && ws->graphs[i].kv_cap == kv_cap && ws->graphs[i].kc_base == kc_base) ge = &ws->graphs[i];
+    if (!ge) {
+        if (ws->n_graphs < PD_MODEL_MAX_GRAPHS) {
+            ge = &ws->graphs[ws->n_graphs++];
+        } else {
+            ge = &ws->graphs[0];
+            for (int i = 1; i < ws->n_graphs; i++)
+                if (ws->graphs[i].last_use < ge->last_use) ge = &ws->graphs[i];
+            graph_entry_free(m, ge);
+        }
+        *ge = (pd_graph_entry){.B = B, .kv_cap = kv_cap, .bt_cap = bt_cap, .kc_base = kc_base};
+        ge->meta = pd_buffer_alloc(m->backend, n_meta * sizeof(int32_t));
+        if (!ge->meta) {
+            *ge = ws->graphs[--ws->n_graphs];  // drop it again (the last entry moves here)
+            return NULL;
+        }
+    }
+    ge->last_use = ++ws->use_clock;
+    return ge;
+}
+
+// Builds the padded batch (B sequences of one token) in ws->pad_host. Each real sequence keeps
+// only the ceil(kv / bs) blocks attention reads. false when out of host memory.
+static bool pad_batch(pd_model *m, const pd_batch *b, int B, int bs, pd_batch *pb) {
+    int n = b->n_seqs, n_bt = 0;
+    for (int s = 0; s < n; s++) n_bt += PD_MIN(b->bt_indptr[s + 1] - b->bt_indptr[s], (b->kv_lens[s] + bs - 1) / bs);
+    int need = B + (B + 1) + B + (B + 1) + n_bt + (B - n) + B;
+    pd_model_ws *ws = &m->ws;
+    if (need > ws->cap_pad) {
+        int32_t *h = pd_realloc(ws->pad_host, sizeof(int32_t) * (size_t)need);
+        if (!h) return false;
+        ws->pad_host = h;
+        ws->cap_pad = need;
+    }
+    int32_t *tok = ws->pad_host, *qi = tok + B, *kvl = qi + B + 1, *bti = kvl + B, *bt = bti + B + 1;
+    int32_t *lr = bt + n_bt + (B - n);
+    int k = 0;
+    bti[0] = 0;
+    for (int s = 0; s < B; s++) {
+        qi[s] = s;
+        if (s < n) {
+            tok[s] = b->tokens[s];
+            kvl[s] = b->kv_lens[s];
+            int nb = PD_MIN(b->bt_indptr[s + 1] - b->bt_indptr[s], (b->kv_lens[s] + bs - 1) / bs);
+            memcpy(bt + k, b->bt_indices + b->bt_indptr[s], sizeof(int32_t) * (size_t)nb);
+            k += nb;
+        } else {  // padding: token 0 at position 0 over block 0 (its slot is set to -1 later)
+            tok[s] = 0;
+            kvl[s] = 1;
+            bt[k++] = 0;
+        }
+        bti[s + 1] = k;
+        lr[s] = s < b->n_logits ? b->logit_rows[s] : 0;
+    }
+    qi[B] = B;
+    *pb = (pd_batch){.n_tokens = B, .tokens = tok, .n_seqs = B, .q_indptr = qi, .kv_lens = kvl, .bt_indptr = bti,
+                     .bt_indices = bt, .n_logits = B, .logit_rows = lr};
+    return true;
+}
+
+// A decode step through the bucket's graph. *handled false: not a graph step (run it eagerly).
+static pd_status forward_graph(pd_model *m, pd_model_cache *kc, const pd_batch *b, bool *handled) {
+    *handled = false;
+    int n = b->n_seqs, B = 0, max_kv = 0;
+    if (b->n_tokens != n || b->n_logits <= 0) return PD_OK;
+    for (size_t i = 0; i < PD_ARRAY_LEN(GRAPH_BUCKETS) && !B; i++)
+        if (GRAPH_BUCKETS[i] >= n) B = GRAPH_BUCKETS[i];
+    if (!B || b->bt_indptr[0] != 0) return PD_OK;
+    int bs = kc->block_size;
+    for (int s = 0; s <= n; s++)
+        if (b->q_indptr[s] != s) return PD_OK;  // some sequence has more than one query token
+    for (int s = 0; s < n; s++) {
+        int nb = b->bt_indptr[s + 1] - b->bt_indptr[s];
+        if (b->kv_lens[s] < 1 || nb < 0 || (int64_t)nb * bs < b->kv_lens[s]) return PD_OK;  // eager path reports it
+        max_kv = PD_MAX(max_kv, b->kv_lens[s]);
+    }
+    int kv_cap = kv_bucket(max_kv), bt_cap = B * ((kv_cap + bs - 1) / bs);
+    meta_layout l = layout_fixed(B, bt_cap);
+    pd_batch pb;
+    if (!pad_batch(m, b, B, bs, &pb)) return PD_ERR_NOMEM;
+    pd_status st = ws_reserve(m, B, B, l.total);
+    if (st) return st;
+    int max_q, mkv;
+    st = pack_meta(m, kc, &pb, &l, &max_q, &mkv);
+    *handled = true;
+    if (st) return st;
+    for (int s = n; s < B; s++) m->ws.meta_host[l.slots + (size_t)s] = -1;
+    pd_graph_entry *ge = graph_entry_get(m, pd_buffer_ptr(kc->buf), B, kv_cap, bt_cap, l.total);
+    if (!ge) {
+        *handled = false;  // no room for the bucket's metadata: eager
+        return PD_OK;
+    }
+    pd_backend *be = m->backend;
+    const int32_t *dmeta = wp(ge->meta);
+    pd_backend_upload(be, wp(ge->meta), m->ws.meta_host, l.total * sizeof(int32_t));
+    if (ge->g && (ge->ws_gen != m->ws.gen || !pd_backend_graph_launch(be, ge->g))) {
+        pd_backend_graph_free(be, ge->g);  // stale: capture again below
+        ge->g = NULL;
+    }
+    if (ge->g) return PD_OK;
+    if (!ge->is_warm || ge->is_eager_only) {
+        run_step(m, kc, dmeta, &l, B, B, B, 1, kv_cap);
+        ge->is_warm = true;
+        return PD_OK;
+    }
+    pd_backend_graph_begin(be);
+    run_step(m, kc, dmeta, &l, B, B, B, 1, kv_cap);
+    ge->g = pd_backend_graph_end(be);
+    ge->ws_gen = m->ws.gen;
+    if (ge->g && pd_backend_graph_launch(be, ge->g)) return PD_OK;
+    PD_LOG_W("model: decode graph for batch %d, context %d unavailable; running it eagerly", B, kv_cap);
+    pd_backend_graph_free(be, ge->g);
+    ge->g = NULL;
+    ge->is_eager_only = true;
+    run_step(m, kc, dmeta, &l, B, B, B, 1, kv_cap);
+    return PD_OK;
+}
+
 pd_status pd_model_forward_dev(pd_model *m, pd_model_cache *kc, const pd_batch *b, const float **logits_dev) {
     if (b->n_tokens <= 0 || b->n_seqs <= 0 || b->n_logits < 0 || b->n_logits > b->n_tokens || kc->model != m)
         return PD_ERR_INVALID;
+    if (graphs_on(m)) {
+        bool handled;
+        pd_status st = forward_graph(m, kc, b, &handled);
+        if (handled || st) {
+            if (!st && logits_dev) *logits_dev = wp(m->ws.logits);
+            return st;
+        }
+    }
     meta_layout l = layout_of(b);
     pd_status st = ws_reserve(m, b->n_tokens, PD_MAX(b->n_logits, 1), l.total);
     if (st) return st;
     int max_q, max_kv;
     st = pack_meta(m, kc, b, &l, &max_q, &max_kv);
     if (st) return st;
-    pd_backend *be = m->backend;
-    pd_model_ws *ws = &m->ws;
-    const pd_model_config *c = &m->cfg;
-    int T = b->n_tokens, D = c->hidden_size;
-    pd_backend_upload(be, wp(ws->meta), ws->meta_host, l.total * sizeof(int32_t));
-    const int32_t *dmeta = wp(ws->meta);
-
-    pd_op_embed(be, &(pd_embed_params){.ids = dmeta + l.tokens, .table = wp(m->embed), .out = wp(ws->x), .n_tokens = T,
-                                       .dim = D, .vocab = c->vocab_size});
-    for (int li = 0; li < c->n_layers; li++) run_layer(m, kc, li, T, dmeta, &l, b->n_seqs, max_q, max_kv);
-
-    if (b->n_logits > 0) {
-        pd_op_get_rows(be, &(pd_get_rows_params){.x = wp(ws->x), .idx = dmeta + l.logit_rows, .out = wp(ws->sel),
-                                                 .n_rows = b->n_logits, .dim = D});
-        pd_op_rmsnorm(be, &(pd_rmsnorm_params){.x = wp(ws->sel), .w = wp(m->final_norm), .out = wp(ws->sel),
-                                               .n_rows = b->n_logits, .dim = D, .eps = c->rms_norm_eps});
-        pd_op_matmul(be, &(pd_matmul_params){.a = wp(ws->sel), .w = wp(m->lm_head ? m->lm_head : m->embed),
-                                             .out = wp(ws->logits), .M = b->n_logits, .N = c->vocab_size, .K = D,
-                                             .out_f32 = true});
-    }
-    if (logits_dev) *logits_dev = wp(ws->logits);
+    pd_backend_upload(m->backend, wp(m->ws.meta), m->ws.meta_host, l.total * sizeof(int32_t));
+    run_step(m, kc, wp(m->ws.meta), &l, b->n_tokens, b->n_seqs, b->n_logits, max_q, max_kv);
+    if (logits_dev) *logits_dev = wp(m->ws.logits);
     return PD_OK;
 }
 

@@ -212,6 +212,7 @@ void pd_model_free(pd_model *m) {
     pd_buffer_free(m->final_norm);
     pd_buffer_free(m->lm_head);
     pd_buffer_free(m->inv_freq);
+    pd_model_graphs_free(m);
     ws_free(&m->ws);
     pd_free(m);
 }

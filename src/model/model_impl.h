@@ -15,6 +15,21 @@ typedef struct pd_layer_weights {
     pd_buffer *bdown;      // (D) or NULL
 } pd_layer_weights;
 
+// One captured decode step (forward.c, CUDA graphs): B padded sequences of one token each, context
+// at most kv_cap, on one KV cache. The graph bakes in the workspace and cache pointers, and reads
+// its metadata from its own device buffer, refreshed before every launch.
+typedef struct pd_graph_entry {
+    int B, kv_cap, bt_cap;
+    const void *kc_base;  // pd_buffer_ptr of the cache the graph writes (identity of the cache)
+    uint64_t ws_gen;      // pd_model_ws.gen when captured
+    pd_graph *g;          // NULL until captured: the first step of a bucket runs eagerly (warm-up)
+    pd_buffer *meta;      // (fixed layout of B, bt_cap) i32
+    bool is_warm;         // ran eagerly once with these bounds: device scratch is sized
+    bool is_eager_only;   // capture failed once: this bucket stays eager
+    uint64_t last_use;
+} pd_graph_entry;
+#define PD_MODEL_MAX_GRAPHS 64
+
 // Forward workspace, grown on demand. Activations in act dtype.
 typedef struct pd_model_ws {
     int cap_tokens, cap_logits, cap_meta;
@@ -29,7 +44,18 @@ typedef struct pd_model_ws {
     pd_buffer *meta;    // (cap_meta) i32: packed per-step metadata
     int32_t *meta_host; // (cap_meta) owned staging
     float *logits_host_unused;
+    uint64_t gen;        // bumped whenever an activation / logits buffer moves (graphs go stale)
+    // decode graphs
+    int graphs_mode;     // 0 undecided, 1 on, 2 off (no backend support, or PD_CUDA_GRAPHS=0)
+    pd_graph_entry graphs[PD_MODEL_MAX_GRAPHS];
+    int n_graphs;
+    uint64_t use_clock;
+    int32_t *pad_host;   // (cap_pad) the padded decode batch's host arrays
+    int cap_pad;
 } pd_model_ws;
+
+// forward.c: frees the captured graphs and their buffers (pd_model_free calls it).
+void pd_model_graphs_free(pd_model *m);
 
 struct pd_model {
     pd_model_config cfg;

@@ -75,8 +75,9 @@ int pd_router_pick(const pd_router_cost_params *p, const pd_router_cand *cands, 
                    unsigned tie_start);
 
 // Predicted time to first token (ms): queued prefill work ahead plus our uncached tokens at the
-// measured prefill rate, plus one decode step (the first token comes out of a step):
-//   ttft = (queued + (prompt - hit)) / rate × 1000 + step_ms × (1 + waiting)
+// measured prefill rate, plus the step we join (at batch running + 1) once per waiting request
+// ahead of us and once for our own first token:
+//   ttft = (queued + (prompt - hit)) / rate × 1000 + step_ms × (running + 1) / max(running, 1) × (1 + waiting)
 // Predicted time per output token (ms) at the batch size we would make (pessimistic linear
 // scaling from the measured step at the current batch):
 //   tpot = step_ms × (running + 1) / max(running, 1)

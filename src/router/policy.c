@@ -50,7 +50,9 @@ double pd_router_predict_ttft_ms(const pd_router_cand *c) {
     double rate = c->prefill_tokens_per_s > 0 ? c->prefill_tokens_per_s : 1.0;
     double step = c->decode_step_ms > 0 ? c->decode_step_ms : 0;
     double own = (double)(c->n_prompt_tokens - PD_MIN(c->n_hit_tokens, c->n_prompt_tokens));
-    return ((double)c->n_queued_prefill_tokens + own) / rate * 1000.0 + step * (1.0 + c->n_waiting);
+    int run = c->n_running > 0 ? c->n_running : 1;
+    double step_joined = step * (double)(c->n_running + 1) / (double)run;
+    return ((double)c->n_queued_prefill_tokens + own) / rate * 1000.0 + step_joined * (1.0 + c->n_waiting);
 }
 
 double pd_router_predict_tpot_ms(const pd_router_cand *c) {

@@ -53,7 +53,7 @@ struct rt_job {
     int w;                       // worker of the current upstream call, -1
     int n_attempts;
     uint64_t tried;              // worker slots tried
-    int64_t pending_tokens;      // counted in workers[w].n_pending_prefill_tokens until first chunk
+    int64_t pending_tokens;      // uncached prompt tokens sent with the current attempt
     int64_t queued_at_dispatch;
     pd_http_client_call *call;
     bool is_tokenizing, is_continuation;
@@ -101,7 +101,6 @@ static void worker_release(rt_job *j) {
     if (j->w < 0) return;
     rt_worker *w = &j->rt->workers[j->w];
     if (w->n_inflight > 0) w->n_inflight--;
-    w->n_pending_prefill_tokens = PD_MAX(0, w->n_pending_prefill_tokens - j->pending_tokens);
     j->pending_tokens = 0;
     j->w = -1;
 }
@@ -219,13 +218,16 @@ static void relay_event(rt_job *j, const char *data, size_t len) {
     if (!j->got_chunk) {
         j->got_chunk = true;
         if (!j->t_first_us) j->t_first_us = now;
-        if (j->w >= 0) {
-            rt_worker *w = &r->workers[j->w];
-            w->n_pending_prefill_tokens = PD_MAX(0, w->n_pending_prefill_tokens - j->pending_tokens);
-        }
         j->pending_tokens = 0;
     } else if (j->t_last_us) {
-        pd_metric_observe(r->cm[j->class_idx].itl, (double)(now - j->t_last_us) / 1e6);
+        double itl_ms = (double)(now - j->t_last_us) / 1e3;
+        pd_metric_observe(r->cm[j->class_idx].itl, itl_ms / 1e3);
+        if (j->w >= 0) {  // the router's own measure of a step, for workers that report none
+            rt_worker *w = &r->workers[j->w];
+            bool first = w->obs_step_ms <= 0;
+            w->obs_step_ms = first ? itl_ms : 0.9 * w->obs_step_ms + 0.1 * itl_ms;
+            w->obs_batch = first ? w->n_inflight : 0.9 * w->obs_batch + 0.1 * w->n_inflight;
+        }
     }
     j->t_last_us = now;
     if (!j->http) goto out;
@@ -412,14 +414,32 @@ static double worker_prefill_tps(const pd_router *r, const rt_worker *w) {
     return w->load.prefill_tokens_per_s > 0 ? w->load.prefill_tokens_per_s : r->default_prefill_tps;
 }
 
+// The decode step at the worker's current batch: reported, else the router's observed gap scaled
+// linearly from the batch it was observed at to the current in-flight count, else a default.
 static double worker_step_ms(const pd_router *r, const rt_worker *w) {
-    return w->load.decode_step_ms > 0 ? w->load.decode_step_ms : r->default_step_ms;
+    if (w->load.decode_step_ms > 0) return w->load.decode_step_ms;
+    if (w->obs_step_ms > 0) return w->obs_step_ms * PD_MAX(1.0, w->n_inflight) / PD_MAX(1.0, w->obs_batch);
+    return r->default_step_ms;
 }
 
-// Fills cands for every eligible worker; returns how many. hits: predicted hit tokens per slot.
+// Prefill work the router has sent to each worker and believes not yet done: for every job there
+// without a first chunk, its uncached tokens minus what the worker's prefill rate has worked off
+// since dispatch. (Non-streaming jobs never show a first chunk; the decay retires them.)
+static void queued_by_worker(const pd_router *r, int64_t now_us, int64_t out[PD_ROUTER_MAX_WORKERS]) {
+    memset(out, 0, PD_ROUTER_MAX_WORKERS * sizeof *out);
+    for (const rt_job *o = r->jobs; o; o = o->next) {
+        if (o->w < 0 || o->got_chunk || o->pending_tokens <= 0) continue;
+        double done = (double)(now_us - o->t_dispatch_us) / 1e6 * worker_prefill_tps(r, &r->workers[o->w]);
+        if ((double)o->pending_tokens > done) out[o->w] += o->pending_tokens - (int64_t)done;
+    }
+}
+
+// Fills cands for every eligible worker; returns how many.
 static int build_cands(rt_job *j, pd_router_cand *cands) {
     pd_router *r = j->rt;
     int32_t hit_blocks[64] = {0};
+    int64_t queued[PD_ROUTER_MAX_WORKERS];
+    queued_by_worker(r, pd_time_us(), queued);
     int32_t bs_done = 0;
     pd_hash128 *hashes = NULL;
     int n = 0;
@@ -442,9 +462,9 @@ static int build_cands(rt_job *j, pd_router_cand *cands) {
         c->idx = i;
         c->n_prompt_tokens = j->n_prompt;
         c->n_hit_tokens = j->has_ids ? hit_blocks[i] * w->block_size : 0;
-        c->n_running = w->load.n_running;
+        c->n_running = w->has_state ? w->load.n_running : w->n_inflight;
         c->n_waiting = w->load.n_waiting;
-        c->n_queued_prefill_tokens = PD_MAX(w->load.n_waiting_prefill_tokens, w->n_pending_prefill_tokens);
+        c->n_queued_prefill_tokens = PD_MAX(w->load.n_waiting_prefill_tokens, queued[i]);
         c->n_inflight = w->n_inflight;
         c->kv_free_frac = w->load.n_kv_blocks_total > 0
                               ? (double)w->load.n_kv_blocks_free / w->load.n_kv_blocks_total : 1.0;
@@ -527,7 +547,6 @@ static void job_dispatch(rt_job *j) {
     }
     j->pending_tokens = j->n_prompt - c->n_hit_tokens + j->n_gen;
     j->queued_at_dispatch = c->n_queued_prefill_tokens;
-    w->n_pending_prefill_tokens += j->pending_tokens;
     send_upstream(j);
 }
 

@@ -43,7 +43,8 @@ typedef struct rt_worker {
     size_t poll_len, poll_cap;
     // router-side accounting
     int n_inflight;             // requests routed here and not finished
-    int64_t n_pending_prefill_tokens;  // uncached prompt tokens of requests not yet at first byte
+    double obs_step_ms;         // EWMA of observed inter-chunk gaps (0 = none yet)
+    double obs_batch;           // EWMA of n_inflight when those gaps were observed
     int64_t n_routed, n_failed;
     int64_t n_pred_query_tokens, n_pred_hit_tokens;  // router's predicted prefix hits
     int64_t n_prefix_query_base, n_prefix_hit_base;  // worker counters at registration (for rates)

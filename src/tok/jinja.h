@@ -19,15 +19,21 @@
 // filters. See jinja_filter.c for the list of filters, tests and str/dict methods.
 //
 // Deliberately not handled: template inheritance/include/import (there is no loader), {% call %}
-// blocks, recursive loops, autoescape, Unicode case mapping outside ASCII (upper/lower/title only
-// change ASCII letters), integers beyond int64 (an overflow is a render error).
+// blocks, recursive loops, autoescape, the lipsum/cycler/joiner globals, complex numbers, integers
+// beyond int64 (an overflow is a render error). Tuples are lists, so a printed tuple shows as
+// [1, 2] where Python shows (1, 2). Case mapping covers ASCII, Latin-1, Latin Extended-A, Greek,
+// Cyrillic and fullwidth Latin (plus "ß" -> "SS"), not Python's contextual rules (final sigma).
 //
 // Undefined variables render as "" and are falsy (jinja2's default Undefined); any other use of
 // one (attribute access, arithmetic, calling) is a render error, as in jinja2.
 //
 // Safety: rendering is bounded by pd_jinja_limits (output bytes, evaluation steps, list sizes,
-// nesting depth), so a hostile template or a huge request fails with an error instead of hanging
-// or exhausting memory. A parsed template is immutable: render it from many threads at once.
+// macro depth; values nested deeper than 256 levels are an error when printed), so a hostile
+// template or a huge request fails with an error instead of hanging or exhausting memory.
+// Building strings and lists costs steps too, so max_steps also bounds the memory a render churns.
+// A parsed template is immutable and renders never touch it (not even reference counts): render
+// it from many threads at once. A context may be shared as well (it is only read; jansson's
+// reference counts are atomic), though per-request contexts are the usual case.
 #pragma once
 
 #include <jansson.h>
@@ -48,7 +54,7 @@ typedef struct pd_jinja_limits {
     size_t max_output_bytes;  // output, and any single string the template builds
     uint64_t max_steps;       // expression/statement evaluations (bounds time)
     size_t max_items;         // any list the template builds (range(), list * n, ...)
-    int max_depth;            // macro call depth and nesting depth of printed/compared values
+    int max_depth;            // macro call depth
     int64_t now_unix;         // clock for strftime_now (formatted in UTC); 0 = time() in local time
 } pd_jinja_limits;
 

@@ -35,6 +35,17 @@ static const char *const filter_names[F_N] = {
     "selectattr", "sort", "string", "sum", "title", "tojson", "trim", "unique", "upper", "wordcount",
 };
 
+// Most positional arguments each filter takes (as in jinja2's signatures); more is an error.
+static const uint8_t filter_max_pos[F_N] = {
+    [F_ABS] = 0, [F_ATTR] = 1, [F_CAPITALIZE] = 0, [F_CENTER] = 1, [F_COUNT] = 0, [F_D] = 2,
+    [F_DEFAULT] = 2, [F_DICTSORT] = 3, [F_E] = 0, [F_ESCAPE] = 0, [F_FIRST] = 0, [F_FLOAT] = 1,
+    [F_FORMAT] = 255, [F_INDENT] = 3, [F_INT] = 2, [F_ITEMS] = 0, [F_JOIN] = 2, [F_LAST] = 0,
+    [F_LENGTH] = 0, [F_LIST] = 0, [F_LOWER] = 0, [F_MAP] = 255, [F_MAX] = 2, [F_MIN] = 2,
+    [F_REJECT] = 255, [F_REJECTATTR] = 255, [F_REPLACE] = 3, [F_REVERSE] = 0, [F_ROUND] = 2,
+    [F_SAFE] = 0, [F_SELECT] = 255, [F_SELECTATTR] = 255, [F_SORT] = 3, [F_STRING] = 0, [F_SUM] = 2,
+    [F_TITLE] = 0, [F_TOJSON] = 4, [F_TRIM] = 1, [F_UNIQUE] = 2, [F_UPPER] = 0, [F_WORDCOUNT] = 0,
+};
+
 int jj_filter_lookup(const char *name) {
     for (int k = 0; k < F_N; k++)
         if (!strcmp(filter_names[k], name)) return k;
@@ -786,8 +797,14 @@ static bool f_wordcount(jj_render *r, const jv *in, jv *out) {
     bool in_word = false;
     while (i < n) {
         uint32_t cp = jj_utf8_next(p, n, &i);
+        // Python's \w, approximately: ASCII alphanumerics and '_', and non-ASCII code points
+        // outside the punctuation, symbol and emoji blocks.
+        bool symbol = (cp >= 0x80 && cp <= 0xBF && cp != 0xAA && cp != 0xB2 && cp != 0xB3 && cp != 0xB5 &&
+                       cp != 0xB9 && cp != 0xBA && cp != 0xBC && cp != 0xBD && cp != 0xBE) ||
+                      cp == 0xD7 || cp == 0xF7 || (cp >= 0x2000 && cp <= 0x2BFF) || (cp >= 0x3000 && cp <= 0x303F) ||
+                      (cp >= 0xFE00 && cp <= 0xFE0F) || (cp >= 0xFF00 && cp <= 0xFF0F) || (cp >= 0x1F000 && cp <= 0x1FAFF);
         bool w = (cp >= '0' && cp <= '9') || (cp >= 'a' && cp <= 'z') || (cp >= 'A' && cp <= 'Z') || cp == '_' ||
-                 (cp >= 0x80 && !jj_is_space(cp));
+                 (cp >= 0x80 && !jj_is_space(cp) && !symbol);
         if (w && !in_word) count++;
         in_word = w;
     }
@@ -848,6 +865,9 @@ static bool string_filter(jj_render *r, int id, const jv *in, const jj_args *a, 
 }
 
 bool jj_filter_apply(jj_render *r, int id, const jv *in, const jj_args *a, jv *out) {
+    if (id >= 0 && id < F_N && a->n_pos > filter_max_pos[id])
+        return jj_fail(r, PD_ERR_INVALID, "line %d: filter %s takes at most %d positional argument(s), got %zu",
+                       r->line, filter_names[id], filter_max_pos[id], a->n_pos);
     switch (id) {
     case F_ABS:
         if (in->kind == JV_FLOAT) *out = jv_float(fabs(in->u.f));

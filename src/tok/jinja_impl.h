@@ -345,7 +345,7 @@ void jj_format_float(double f, char *buf);
 bool jj_equal(const jv *a, const jv *b, int depth);
 // Python ordering for <, <=, sort, min, max: *cmp is -1/0/1; false + error if not orderable.
 bool jj_compare(jj_render *r, const jv *a, const jv *b, int *cmp);
-// Lower-cased (ASCII) copy for case-insensitive comparisons; other kinds are copied.
+// Lower-cased copy of a string for case-insensitive comparisons; other kinds are copied.
 bool jj_fold_case(jj_render *r, const jv *v, jv *out);
 
 // ---- string helpers shared by filters and methods (jinja_method.c) ---------------------------------
@@ -355,7 +355,7 @@ bool jj_to_str(jj_render *r, const jv *v, jv *out);
 bool jj_strip(jj_render *r, const jv *s, const jv *chars, char which, jv *out);
 // s.replace(old, new, count) (count < 0: all).
 bool jj_replace(jj_render *r, const jv *s, const jv *old, const jv *repl, int64_t count, jv *out);
-// ASCII case mapping: mode 'u' upper, 'l' lower, 'c' capitalize, 't' Python str.title(),
+// Case mapping (simple tables, see jinja.h): mode 'u' upper, 'l' lower, 'c' capitalize, 't' Python str.title(),
 // 'j' jinja2's title filter (words start after -, whitespace, (, {, [, <).
 bool jj_case(jj_render *r, const jv *s, char mode, jv *out);
 // Python's printf-style `fmt % args` (args: a single value or a list of values).

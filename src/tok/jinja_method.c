@@ -8,8 +8,9 @@
 // Mutating methods (list.append, dict.update, ...) are absent on purpose: transformers renders in
 // jinja2's ImmutableSandboxedEnvironment, where calling them is a SecurityError.
 //
-// Case mapping is ASCII-only (see jinja.h). Code point semantics are kept everywhere else: find()
-// returns code point offsets, strip() strips Unicode whitespace.
+// Case mapping uses simple one-to-one tables for the common alphabets (see jinja.h). Code point
+// semantics are kept everywhere: find() returns code point offsets, strip() strips Unicode
+// whitespace from both ends without scanning the middle.
 #include <stdio.h>
 #include <string.h>
 

@@ -743,12 +743,5 @@ bool jj_fold_case(jj_render *r, const jv *v, jv *out) {
         *out = jv_copy(v);
         return true;
     }
-    size_t n = jv_str_len(v);
-    char *tmp = pd_malloc(n + 1);
-    if (!tmp) return jj_fail_nomem(r);
-    const char *s = jv_str_ptr(v);
-    for (size_t k = 0; k < n; k++) tmp[k] = (s[k] >= 'A' && s[k] <= 'Z') ? (char)(s[k] + 32) : s[k];
-    bool ok = jj_str_new(r, tmp, n, out);
-    pd_free(tmp);
-    return ok;
+    return jj_case(r, v, 'l', out);
 }

@@ -54,8 +54,6 @@ static int64_t pool_add(pd_tok *t, const char *s, size_t n) {
     return off;
 }
 
-const char *pd_tok_pool_str(const pd_tok *t, uint32_t off) { return t->pool + off; }
-
 static const char *jstr(json_t *o, const char *key) {
     json_t *v = json_object_get(o, key);
     return json_is_string(v) ? json_string_value(v) : NULL;

@@ -67,7 +67,9 @@ void pd_tok_free(pd_tok *t);
 //   parse_special  match special added tokens in the text (HF default). false: their text is
 //                  ordinary text (HF encode_special_tokens=True). Non-special added tokens are
 //                  matched either way.
-// Returns PD_OK, PD_ERR_INVALID (text is not valid UTF-8; out unchanged) or PD_ERR_NOMEM.
+// Returns PD_OK, PD_ERR_INVALID (text is not valid UTF-8 or longer than PD_TOK_MAX_TEXT_BYTES;
+// out unchanged) or PD_ERR_NOMEM (out unchanged).
+#define PD_TOK_MAX_TEXT_BYTES ((size_t)1 << 30)
 pd_status pd_tok_encode(const pd_tok *t, const char *text, size_t len, bool add_special,
                         bool parse_special, pd_tok_ids *out);
 

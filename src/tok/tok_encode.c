@@ -53,7 +53,7 @@ typedef struct work {
     pd_tok_ids *out;
     bool parse_special;
     pcre2_match_data *md;
-    pd_tok_buf norm, tmp;
+    pd_tok_buf norm, tmp, wt;
     piece_list pl[2];
     range *rg;
     int n_rg, cap_rg;
@@ -311,52 +311,39 @@ static pd_status pre_step(work *w, const pd_tok_pre *p, const char *s, size_t n,
         if (st == PD_OK) st = apply_behavior(w, p->behavior);
         return st == PD_OK ? emit_ranges(w, s, first, false, dst) : st;
     }
-    // ByteLevel and Metaspace rewrite the piece into work_text first, then split it.
-    pd_tok_buf work_text = {0};
+    // ByteLevel and Metaspace rewrite the piece into w->wt first, then split it.
+    pd_tok_buf *wt = &w->wt;
+    wt->len = 0;
+    st = PD_OK;
     if (p->kind == PD_TOK_PRE_BYTELEVEL) {
-        st = PD_OK;
-        if (p->add_prefix_space && (n == 0 || s[0] != ' ')) st = pd_tok_buf_add(&work_text, " ", 1);
-        if (st == PD_OK) st = pd_tok_buf_add(&work_text, s, n);
-        if (st == PD_OK) {
-            if (p->re) st = find_matches(w, p->re, NULL, 0, work_text.p, work_text.len, false);
-            else {
-                w->n_rg = 0;
-                st = add_range(w, 0, work_text.len, false);
-            }
+        if (p->add_prefix_space && (n == 0 || s[0] != ' ')) st = pd_tok_buf_add(wt, " ", 1);
+        if (st == PD_OK) st = pd_tok_buf_add(wt, s, n);
+        if (st == PD_OK && p->re) st = find_matches(w, p->re, NULL, 0, wt->p, wt->len, false);
+        if (st == PD_OK && !p->re) {
+            w->n_rg = 0;
+            st = add_range(w, 0, wt->len, false);
         }
         if (st == PD_OK) st = apply_behavior(w, PD_TOK_SPLIT_ISOLATED);
-        if (st == PD_OK) st = emit_ranges(w, work_text.p, first, true, dst);
-        pd_tok_buf_fini(&work_text);
-        return st;
+        return st == PD_OK ? emit_ranges(w, wt->p, first, true, dst) : st;
     }
     // Metaspace: ' ' → replacement, maybe prepend it, maybe split before each replacement.
     const char *rep = t->pool + p->rep_off;
     size_t nrep = p->rep_len;
-    st = PD_OK;
-    for (size_t i = 0; i < n && st == PD_OK; i++) {
-        st = s[i] == ' ' ? pd_tok_buf_add(&work_text, rep, nrep) : pd_tok_buf_add(&work_text, s + i, 1);
-    }
-    bool starts = work_text.len >= nrep && memcmp(work_text.p, rep, nrep) == 0;
+    bool starts = (n > 0 && s[0] == ' ') || (n >= nrep && memcmp(s, rep, nrep) == 0);
     bool prepend = !starts && (p->prepend == PD_TOK_PREPEND_ALWAYS || (p->prepend == PD_TOK_PREPEND_FIRST && first));
-    if (st == PD_OK && prepend) {
-        pd_tok_buf tmp2 = {0};
-        st = pd_tok_buf_add(&tmp2, rep, nrep);
-        if (st == PD_OK) st = pd_tok_buf_add(&tmp2, work_text.p ? work_text.p : "", work_text.len);
-        pd_tok_buf_fini(&work_text);
-        work_text = tmp2;
+    if (prepend) st = pd_tok_buf_add(wt, rep, nrep);
+    for (size_t i = 0; i < n && st == PD_OK; i++) {
+        st = s[i] == ' ' ? pd_tok_buf_add(wt, rep, nrep) : pd_tok_buf_add(wt, s + i, 1);
     }
-    if (st == PD_OK) {
-        if (p->split) {
-            st = find_matches(w, NULL, rep, nrep, work_text.p, work_text.len, false);
-            if (st == PD_OK) st = apply_behavior(w, PD_TOK_SPLIT_MERGED_NEXT);
-        } else {
-            w->n_rg = 0;
-            st = add_range(w, 0, work_text.len, false);
-        }
+    if (st == PD_OK && pd_tok_buf_reserve(wt, 0) != PD_OK) st = PD_ERR_NOMEM;
+    if (st == PD_OK && p->split) {
+        st = find_matches(w, NULL, rep, nrep, wt->p, wt->len, false);
+        if (st == PD_OK) st = apply_behavior(w, PD_TOK_SPLIT_MERGED_NEXT);
+    } else if (st == PD_OK) {
+        w->n_rg = 0;
+        st = add_range(w, 0, wt->len, false);
     }
-    if (st == PD_OK) st = emit_ranges(w, work_text.p ? work_text.p : "", first, false, dst);
-    pd_tok_buf_fini(&work_text);
-    return st;
+    return st == PD_OK ? emit_ranges(w, wt->p, first, false, dst) : st;
 }
 
 // ---- BPE model ----------------------------------------------------------------------------------
@@ -664,7 +651,7 @@ static pd_status raw_segment(work *w, const char *s, size_t n, size_t at) {
 
 pd_status pd_tok_encode(const pd_tok *t, const char *text, size_t len, bool add_special,
                         bool parse_special, pd_tok_ids *out) {
-    if (!text && len) return PD_ERR_INVALID;
+    if ((!text && len) || len > PD_TOK_MAX_TEXT_BYTES) return PD_ERR_INVALID;
     if (!pd_tok_utf8_valid(text, len)) return PD_ERR_INVALID;
     work w = {.t = t, .out = out, .parse_special = parse_special};
     int n0 = out->n;
@@ -678,6 +665,7 @@ pd_status pd_tok_encode(const pd_tok *t, const char *text, size_t len, bool add_
     pcre2_match_data_free(w.md);
     pd_tok_buf_fini(&w.norm);
     pd_tok_buf_fini(&w.tmp);
+    pd_tok_buf_fini(&w.wt);
     for (int i = 0; i < 2; i++) {
         pd_tok_buf_fini(&w.pl[i].text);
         pd_free(w.pl[i].p);

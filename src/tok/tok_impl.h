@@ -180,7 +180,7 @@ struct pd_tok {
 
     pd_tok_token *tokens;  // owned, n_vocab entries
     int n_vocab;
-    uint32_t *str_off, *str_len;  // owned, n_vocab: key arrays for the maps (copies of tokens[])
+    uint32_t *str_off, *str_len;  // owned, n_vocab: model-vocabulary strings, the keys of `vocab`
 
     pd_tok_smap vocab;  // model vocabulary string → id
     pd_tok_smap added_map;  // added content → id
@@ -227,10 +227,7 @@ struct pd_tok {
     pcre2_code *re_word;          // owned; \w for single_word
 };
 
-// tok_load.c helpers used by other files
-const char *pd_tok_pool_str(const pd_tok *t, uint32_t off);
-
-// tok_pipeline.c
+// tok_encode.c: appends the normalizer's output for s[0..n) to out.
 pd_status pd_tok_normalize(const pd_tok *t, const char *s, size_t n, pd_tok_buf *out);
 
 // tok_nfc.c: appends the NFC form of s[0..n) (valid UTF-8) to out.

@@ -320,6 +320,7 @@ void pd_tok_ids_free(pd_tok_ids *v) {
 
 pd_status pd_tok_ids_push(pd_tok_ids *v, int32_t id) {
     if (v->n == v->cap) {
+        if (v->cap > INT32_MAX / 2) return PD_ERR_NOMEM;
         int cap = v->cap ? v->cap * 2 : 64;
         int32_t *ids = pd_realloc(v->ids, (size_t)cap * sizeof(*ids));
         if (!ids) return PD_ERR_NOMEM;

@@ -5,7 +5,8 @@
 #   2. every bad-input case: HTTP status + OpenAI error JSON (type, param), 404/405/413, 503
 #   3. greedy outputs identical: prefix caching on/off, chunk budgets 16/64/2048, alone vs among
 #      32 concurrent requests, and under memory pressure (tiny KV pool → preemption)
-#   4. soak: 500 requests from 64 concurrent clients, some disconnecting mid-stream; afterwards
+#   4. 400 idle connections + 16 open streams do not stop a request from being served;
+#      soak: 500 requests from 64 concurrent clients, some disconnecting mid-stream; afterwards
 #      the KV pool is back to its initial free count and the server still answers
 #   5. SIGTERM: clean exit with status 0
 # Needs curl and node (the load client is tests/integration/js/load.mjs, no npm packages).
@@ -48,6 +49,13 @@ bad() {
   grep -q '"code":' "$TMP/body" || pd_fail "no code field"
   ok
 }
+
+# ---- 0. `pdserve run`: the embedded default answers its own sample request ----------------------
+"$PD_BIN" run --model "$MODEL" --port 0 --num-kv-blocks 256 --exit-after-sample >"$TMP/run.out" 2>"$TMP/run.err" ||
+  pd_fail "pdserve run failed: $(cat "$TMP/run.err")"
+grep -q '^answer: ..' "$TMP/run.out" || pd_fail "pdserve run printed no answer: $(cat "$TMP/run.out")"
+grep -q 'curl http://127.0.0.1:[0-9]*/v1/chat/completions' "$TMP/run.out" || pd_fail "pdserve run printed no curl example"
+echo "ok   pdserve run answers its sample request"
 
 # ---- 1. endpoints ---------------------------------------------------------------------------
 [ "$(req GET /health)" = 200 ] && has '{"status":"ok"}' health
@@ -194,6 +202,8 @@ echo "ok   greedy outputs identical: prefix cache on/off, budgets 16/64/2048, al
 
 # ---- 4. soak --------------------------------------------------------------------------------
 for s in B C D E; do pd_stop $s; done  # free the CPU for the soak
+# Many connections on the one event-loop thread: 400 idle sockets + 16 open streams.
+$LOAD idle "$URL" 400 || pd_fail "idle connections"
 curl -s "$URL/metrics" >"$TMP/metrics0"
 free0=$(pd_metric "$TMP/metrics0" pdserve_kv_blocks_free)
 total=$(pd_metric "$TMP/metrics0" pdserve_kv_blocks_total)

@@ -12,7 +12,10 @@
 #include <math.h>
 #include <stdlib.h>
 
+#include <unistd.h>
+
 #include "backend/backend.h"
+#include "base/checksum.h"
 #include "test.h"
 
 // ---- helpers -----------------------------------------------------------------------------------
@@ -518,6 +521,158 @@ PD_TEST(test_cuda_copy_blocks) {
         pd_op_copy_blocks(bs[k], &p);
     }
     for (int l = 0; l < 2 * n_layers; l++) compare(&c, caches[1][l], caches[0][l], n, false, 0.0, "copy_blocks");
+    ctx_fini(&c);
+}
+
+// ---- KV handoff: kv_copy, kv_checksum, CUDA IPC ------------------------------------------------
+
+// Raw bytes on backend b (the KV handoff ops move and hash bytes, whatever the dtype).
+static void *dev_bytes(ctx *c, pd_backend *b, const uint8_t *h, size_t n) {
+    pd_buffer *buf = pd_buffer_alloc(b, n);
+    PD_ASSERT(buf && c->n_bufs < MAX_BUFS);
+    c->bufs[c->n_bufs++] = buf;
+    pd_backend_upload(b, pd_buffer_ptr(buf), h, n);
+    pd_backend_sync(b);
+    return pd_buffer_ptr(buf);
+}
+
+static uint8_t *rand_bytes(ctx *c, size_t n, uint8_t fill, bool random) {
+    uint8_t *h = pd_malloc(n);
+    for (size_t i = 0; i < n; i++) h[i] = random ? (uint8_t)(pd_rng_next(&c->rng) >> 24) : fill;
+    return h;
+}
+
+typedef struct kv_case {
+    int n_layers, n_blocks, bs, layer_begin, layer_end, nb;
+    size_t row_bytes;
+    int32_t src[8], dst[8], rows[8];
+} kv_case;
+
+static const kv_case KV_CASES[] = {
+    // Llama-3-8B rows (8 heads x 128 bf16 = 2 KiB): 32 KiB blocks span two kernel chunks.
+    {3, 12, 16, 1, 3, 4, 2048, {3, 7, 1, 10}, {0, 5, 11, 2}, {16, 16, 16, 9}},
+    // 24-byte rows (8-byte vector path), odd block size, one row in the last block.
+    {2, 9, 5, 0, 2, 3, 24, {8, 0, 4}, {1, 2, 3}, {5, 5, 1}},
+    // a single block, every layer
+    {4, 3, 1, 0, 4, 1, 128, {2}, {0}, {1}},
+};
+
+PD_TEST(test_cuda_kv_copy) {
+    ctx c;
+    if (!ctx_init(&c, 21)) { skip_msg(__func__); return; }
+    for (size_t ci = 0; ci < PD_ARRAY_LEN(KV_CASES); ci++) {
+        const kv_case *k = &KV_CASES[ci];
+        size_t layer = (size_t)k->n_blocks * (size_t)k->bs * k->row_bytes, bb = (size_t)k->bs * k->row_bytes;
+        uint8_t *hs[2][8], *hd[2][8];
+        void *ds[2][8], *dd[2][8];
+        for (int l = 0; l < k->n_layers; l++)
+            for (int kv = 0; kv < 2; kv++) {
+                hs[kv][l] = rand_bytes(&c, layer, 0, true);
+                hd[kv][l] = rand_bytes(&c, layer, 0xab, false);
+                ds[kv][l] = dev_bytes(&c, c.gpu, hs[kv][l], layer);
+                dd[kv][l] = dev_bytes(&c, c.gpu, hd[kv][l], layer);
+            }
+        pd_kv_copy_params p = {.src_k = ds[0], .src_v = ds[1], .dst_k = dd[0], .dst_v = dd[1], .src_blocks = k->src,
+                               .dst_blocks = k->dst, .n_rows = k->rows, .n_blocks = k->nb, .layer_begin = k->layer_begin,
+                               .layer_end = k->layer_end, .block_size = k->bs, .row_bytes = k->row_bytes};
+        pd_op_kv_copy(c.gpu, &p);
+        pd_backend_sync(c.gpu);
+        uint8_t *got = pd_malloc(layer);
+        for (int l = 0; l < k->n_layers; l++)
+            for (int kv = 0; kv < 2; kv++) {
+                // expected: the destination as it was, plus the listed rows of listed layers
+                if (l >= k->layer_begin && l < k->layer_end)
+                    for (int i = 0; i < k->nb; i++)
+                        memcpy(hd[kv][l] + (size_t)k->dst[i] * bb, hs[kv][l] + (size_t)k->src[i] * bb,
+                               (size_t)k->rows[i] * k->row_bytes);
+                pd_backend_download(c.gpu, got, dd[kv][l], layer);
+                PD_CHECK_MSG(!memcmp(got, hd[kv][l], layer), "kv_copy case %zu layer %d %s differs", ci, l, kv ? "V" : "K");
+                pd_free(hs[kv][l]);
+                pd_free(hd[kv][l]);
+            }
+        pd_free(got);
+        ctx_release(&c);
+    }
+    ctx_fini(&c);
+}
+
+// GPU and CPU checksums of the same bytes agree bit for bit, and both equal base/checksum.h's
+// definition computed here directly; one flipped bit changes the GPU sum.
+PD_TEST(test_cuda_kv_checksum) {
+    ctx c;
+    if (!ctx_init(&c, 22)) { skip_msg(__func__); return; }
+    for (size_t ci = 0; ci < PD_ARRAY_LEN(KV_CASES); ci++) {
+        const kv_case *k = &KV_CASES[ci];
+        size_t layer = (size_t)k->n_blocks * (size_t)k->bs * k->row_bytes, bb = (size_t)k->bs * k->row_bytes;
+        uint8_t *h[2][8];
+        void *dg[2][8], *dc[2][8];
+        for (int l = 0; l < k->n_layers; l++)
+            for (int kv = 0; kv < 2; kv++) {
+                h[kv][l] = rand_bytes(&c, layer, 0, true);
+                dg[kv][l] = dev_bytes(&c, c.gpu, h[kv][l], layer);
+                dc[kv][l] = dev_bytes(&c, c.cpu, h[kv][l], layer);
+            }
+        uint64_t sg[8] = {0}, sc[8] = {0};
+        pd_kv_checksum_params p = {.k = dg[0], .v = dg[1], .blocks = k->src, .n_rows = k->rows, .n_blocks = k->nb,
+                                   .layer_begin = k->layer_begin, .layer_end = k->layer_end, .block_size = k->bs,
+                                   .row_bytes = k->row_bytes, .sums = sg};
+        pd_op_kv_checksum(c.gpu, &p);
+        p.k = dc[0], p.v = dc[1], p.sums = sc;
+        pd_op_kv_checksum(c.cpu, &p);
+        for (int l = k->layer_begin; l < k->layer_end; l++) {
+            uint64_t want = 0, g = 0;
+            for (int kv = 0; kv < 2; kv++)
+                for (int i = 0; i < k->nb; i++)
+                    pd_checksum_run(&want, &g, h[kv][l] + (size_t)k->src[i] * bb, (size_t)k->rows[i] * k->row_bytes);
+            int j = l - k->layer_begin;
+            PD_CHECK_MSG(sg[j] == want && sc[j] == want, "case %zu layer %d: gpu %016llx cpu %016llx want %016llx", ci, l,
+                         (unsigned long long)sg[j], (unsigned long long)sc[j], (unsigned long long)want);
+        }
+        // flip one bit in the last listed row of V of the last layer
+        int l = k->layer_end - 1, i = k->nb - 1;
+        size_t at = (size_t)k->src[i] * bb + (size_t)k->rows[i] * k->row_bytes - 3;
+        uint8_t x = h[1][l][at] ^ 0x10;
+        pd_backend_upload(c.gpu, (char *)dg[1][l] + at, &x, 1);
+        uint64_t s2[8] = {0};
+        p.k = dg[0], p.v = dg[1], p.sums = s2;
+        pd_op_kv_checksum(c.gpu, &p);
+        PD_CHECK(s2[l - k->layer_begin] != sg[l - k->layer_begin]);
+        for (int ll = k->layer_begin; ll < l; ll++) PD_CHECK_EQ(s2[ll - k->layer_begin], sg[ll - k->layer_begin]);
+        for (int ll = 0; ll < k->n_layers; ll++) pd_free(h[0][ll]), pd_free(h[1][ll]);
+        ctx_release(&c);
+    }
+    ctx_fini(&c);
+}
+
+// An exported pool describes itself; opening our own handle fails cleanly (CUDA IPC handles can
+// only be opened by another process — bench-handoff exercises that path across two GPUs).
+PD_TEST(test_cuda_ipc_export) {
+    ctx c;
+    if (!ctx_init(&c, 23)) { skip_msg(__func__); return; }
+    pd_err err = {0};
+    pd_buffer *buf = pd_buffer_alloc_shared(c.gpu, 1 << 20, &err);
+    PD_REQUIRE(buf);
+    pd_buffer_handle h;
+    PD_CHECK_EQ(pd_buffer_export(buf, &h), PD_OK);
+    PD_CHECK_STR(h.kind, "cuda");
+    PD_CHECK_EQ((long long)h.n_bytes, 1 << 20);
+    PD_CHECK_EQ(h.pid, (int32_t)getpid());
+    PD_CHECK_EQ(h.device, 0);
+    pd_err e2 = {0};
+    void *p = pd_backend_import(c.gpu, &h, &e2);
+    PD_CHECK(p == NULL);
+    PD_CHECK(e2.status != PD_OK);
+    pd_buffer_handle bad = h;
+    snprintf(bad.kind, sizeof bad.kind, "shm");
+    bad.pid = 1;
+    PD_CHECK(pd_backend_import(c.gpu, &bad, &e2) == NULL);
+    // the shared buffer works like any other
+    uint8_t in[64], out[64];
+    for (int i = 0; i < 64; i++) in[i] = (uint8_t)(i * 7 + 1);
+    pd_backend_upload(c.gpu, pd_buffer_ptr(buf), in, 64);
+    pd_backend_download(c.gpu, out, pd_buffer_ptr(buf), 64);
+    PD_CHECK(!memcmp(in, out, 64));
+    pd_buffer_free(buf);
     ctx_fini(&c);
 }
 

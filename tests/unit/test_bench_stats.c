@@ -371,7 +371,7 @@ PD_TEST(result_json_and_summary) {
     PD_CHECK_CONTAINS(s, "request 1: HTTP 503: busy");
     pd_free(s);
 
-    // The report: self-contained HTML, four CDFs; no sweep charts (only one finite rate).
+    // The report: self-contained HTML, four CDFs and a timeline; no sweep charts (one finite rate).
     char *html = NULL;
     PD_REQUIRE(pd_bench_report_build(&doc, 1, &html, NULL, &err) == PD_OK);
     PD_CHECK_CONTAINS(html, "<!DOCTYPE html>");
@@ -382,8 +382,21 @@ PD_TEST(result_json_and_summary) {
     PD_CHECK(!strstr(html, "src=\"http") && !strstr(html, "href=\"http"));
     int n_svg = 0;
     for (const char *q = html; (q = strstr(q, "<svg")); q++) n_svg++;
-    PD_CHECK_EQ(n_svg, 4);
+    PD_CHECK_EQ(n_svg, 5);  // four CDFs and the TTFT timeline
+    PD_CHECK_CONTAINS(html, "id=\"ttft_over_time\"");
     pd_free(html);
+
+    // merge --goodput: recomputed from the records (request 0 has TTFT 100 in run 0, 200 in run 1).
+    pd_bench_slo tight = {.ttft_ms = 150};
+    PD_REQUIRE(pd_bench_result_apply_slo(doc, &tight, &err) == PD_OK);
+    json_t *runs_j = json_object_get(doc, "runs");
+    json_t *m0 = json_object_get(json_array_get(runs_j, 0), "metrics");
+    json_t *m1 = json_object_get(json_array_get(runs_j, 1), "metrics");
+    PD_CHECK_EQ(json_integer_value(json_object_get(m0, "good_requests")), 1);
+    PD_CHECK_EQ(json_integer_value(json_object_get(m1, "good_requests")), 0);
+    PD_CHECK_NEAR(json_number_value(json_object_get(m1, "goodput")), 0, 0);
+    PD_CHECK_NEAR(json_number_value(json_object_get(json_object_get(json_object_get(doc, "config"), "goodput"),
+                                                    "ttft_ms")), 150, 0);
 
     json_t *bad = json_pack("{s:i}", "pdserve_bench_version", 99);
     PD_CHECK_EQ(pd_bench_report_build(&bad, 1, &html, NULL, &err), PD_ERR_INVALID);
@@ -412,8 +425,8 @@ PD_TEST(report_sweep_and_svg_files) {
     PD_CHECK_CONTAINS(html, "id=\"p99_ttft_vs_rate\"");
     PD_CHECK_CONTAINS(html, "id=\"goodput_vs_rate\"");
     PD_CHECK_CONTAINS(html, "A @ 2 req/s");  // CDF legend names carry the rate in a sweep
-    const char *files[] = {"ttft_cdf", "tpot_cdf", "itl_cdf", "e2e_cdf", "p99_ttft_vs_rate", "p99_tpot_vs_rate",
-                           "throughput_vs_rate", "goodput_vs_rate"};
+    const char *files[] = {"ttft_cdf", "tpot_cdf", "itl_cdf", "e2e_cdf", "ttft_over_time", "p99_ttft_vs_rate",
+                           "p99_tpot_vs_rate", "throughput_vs_rate", "goodput_vs_rate"};
     for (size_t i = 0; i < PD_ARRAY_LEN(files); i++) {
         char path[256];
         snprintf(path, sizeof path, "%s/%s.svg", sub, files[i]);

@@ -144,8 +144,8 @@ PD_TEST(pick_prefers_cache_but_not_a_queue) {
 
 PD_TEST(predictions) {
     pd_router_cand c = cand(0, 600, 100, 4, 2, 1500);
-    // (1500 + 500) / 1000 tok/s = 2000 ms, plus 10 ms × (1 + 2 waiting)
-    PD_CHECK_NEAR(pd_router_predict_ttft_ms(&c), 2030, 1e-6);
+    // (1500 + 500) / 1000 tok/s = 2000 ms, plus a 12.5 ms step (batch 4 → 5) × (1 + 2 waiting)
+    PD_CHECK_NEAR(pd_router_predict_ttft_ms(&c), 2037.5, 1e-6);
     // 10 ms at batch 4 → 12.5 ms at batch 5
     PD_CHECK_NEAR(pd_router_predict_tpot_ms(&c), 12.5, 1e-9);
     c.n_running = 0;

@@ -117,6 +117,7 @@ static void cpu_rope_kv(pd_backend *b, const pd_rope_kv_params *p) {
                 v[i + half] = x1 * cs[i] + x0 * sn[i];
             }
         }
+        if (p->slot_mapping[t] < 0) continue;  // a padding row: rotate only, write no KV
         size_t slot = (size_t)p->slot_mapping[t], kvw = (size_t)Hkv * hd;
         memcpy(kc + slot * kvw, r + (size_t)H * hd, sizeof(float) * kvw);
         memcpy(vc + slot * kvw, r + (size_t)(H + Hkv) * hd, sizeof(float) * kvw);

@@ -7,9 +7,18 @@
 //     upload is asynchronous (host memory must stay valid until the next sync), download
 //     synchronises. Nothing here synchronises implicitly otherwise, so a sequence of ops can be
 //     captured into a CUDA graph by the caller of the stream.
+//   * cudaSetDevice is per thread and engines call ops from their own thread, not the one that
+//     created the backend: every entry point first makes the backend's device current
+//     (pd_cuda_bind, cached per thread), so several backends on several GPUs can coexist.
 //   * Device memory comes from cudaMalloc (never managed memory). Scratch buffers (cuBLASLt
 //     workspace, attention split-K partials, copy_blocks staging) belong to the backend and only
 //     grow; growing is refused while the stream is being captured.
+//   * Shared buffers (a decode worker's KV pool) are plain cudaMalloc allocations exported with
+//     cudaIpcGetMemHandle; an importer maps them with cudaIpcOpenMemHandle and lazy peer access,
+//     so a kernel on our GPU can store straight into a peer GPU's pool over NVLink (kv_copy).
+//   * Graphs: graph_begin/graph_end capture the stream (thread-local mode) into an instantiated
+//     CUDA graph that remembers the scratch generation; when a scratch buffer moves later, launch
+//     refuses the stale graph and the caller captures again.
 //   * Errors from the CUDA runtime are invariant violations: PD_CUDA_CHECK logs file:line and
 //     aborts. The one expected failure, out of memory in dev_alloc, returns NULL.
 #include "backend/cuda/cuda_impl.h"
@@ -18,24 +27,29 @@
 #include "kernels/embed.cuh"
 #include "kernels/fill_normal.cuh"
 #include "kernels/get_rows.cuh"
+#include "kernels/kv_xfer.cuh"
 #include "kernels/rmsnorm.cuh"
 #include "kernels/rope_kv.cuh"
 #include "kernels/silu_mul.cuh"
 
+#include <stdio.h>
 #include <string.h>
+#include <unistd.h>
 
 static void cuda_free(pd_backend *b) {
     pd_cuda_backend *cb = pd_cuda_backend_of(b);
-    cudaSetDevice(cb->device);
+    pd_cuda_bind(cb);
     if (cb->stream) cudaStreamSynchronize(cb->stream);
     pd_cuda_gemm_fini(cb);
     if (cb->attn_ws) cudaFree(cb->attn_ws);
     if (cb->cb_dev) cudaFree(cb->cb_dev);
+    if (cb->kv_dev) cudaFree(cb->kv_dev);
     if (cb->stream) cudaStreamDestroy(cb->stream);
     pd_free(cb);
 }
 
 static void cuda_mem_info(pd_backend *b, size_t *free_bytes, size_t *total_bytes) {
+    pd_cuda_bind(pd_cuda_backend_of(b));
     size_t f = 0, t = 0;
     PD_CUDA_CHECK(cudaMemGetInfo(&f, &t));
     if (free_bytes) *free_bytes = f;
@@ -43,6 +57,7 @@ static void cuda_mem_info(pd_backend *b, size_t *free_bytes, size_t *total_bytes
 }
 
 static void *cuda_dev_alloc(pd_backend *b, size_t n) {
+    pd_cuda_bind(pd_cuda_backend_of(b));
     void *p = NULL;
     cudaError_t e = cudaMalloc(&p, n);
     if (e != cudaSuccess) {
@@ -54,27 +69,44 @@ static void *cuda_dev_alloc(pd_backend *b, size_t n) {
 }
 
 static void cuda_dev_free(pd_backend *b, void *p) {
+    pd_cuda_bind(pd_cuda_backend_of(b));
     if (p) PD_CUDA_CHECK(cudaFree(p));
 }
 
 static void cuda_upload(pd_backend *b, void *dst, const void *src, size_t n) {
+    pd_cuda_bind(pd_cuda_backend_of(b));
     PD_CUDA_CHECK(cudaMemcpyAsync(dst, src, n, cudaMemcpyHostToDevice, pd_cuda_backend_of(b)->stream));
 }
 
 static void cuda_download(pd_backend *b, void *dst, const void *src, size_t n) {
+    pd_cuda_bind(pd_cuda_backend_of(b));
     pd_cuda_backend *cb = pd_cuda_backend_of(b);
     PD_CUDA_CHECK(cudaMemcpyAsync(dst, src, n, cudaMemcpyDeviceToHost, cb->stream));
     PD_CUDA_CHECK(cudaStreamSynchronize(cb->stream));
 }
 
 static void cuda_memset(pd_backend *b, void *dst, int v, size_t n) {
+    pd_cuda_bind(pd_cuda_backend_of(b));
     PD_CUDA_CHECK(cudaMemsetAsync(dst, v, n, pd_cuda_backend_of(b)->stream));
 }
 
-static void cuda_sync(pd_backend *b) { PD_CUDA_CHECK(cudaStreamSynchronize(pd_cuda_backend_of(b)->stream)); }
+static void cuda_sync(pd_backend *b) {
+    pd_cuda_bind(pd_cuda_backend_of(b));
+    PD_CUDA_CHECK(cudaStreamSynchronize(pd_cuda_backend_of(b)->stream));
+}
 
 static void cuda_copy_d2d(pd_backend *b, void *dst, const void *src, size_t n) {
+    pd_cuda_bind(pd_cuda_backend_of(b));
     PD_CUDA_CHECK(cudaMemcpyAsync(dst, src, n, cudaMemcpyDeviceToDevice, pd_cuda_backend_of(b)->stream));
+}
+
+// The device current in this thread as far as this backend knows (cudaSetDevice is per thread,
+// and the engine thread is not the thread that created the backend). Every entry point binds.
+static _Thread_local int tl_device = -1;
+void pd_cuda_bind(pd_cuda_backend *cb) {
+    if (tl_device == cb->device) return;
+    PD_CUDA_CHECK(cudaSetDevice(cb->device));
+    tl_device = cb->device;
 }
 
 void pd_cuda_scratch_reserve(pd_cuda_backend *cb, void **ptr, size_t *cur_bytes, size_t need_bytes) {
@@ -92,11 +124,13 @@ void pd_cuda_scratch_reserve(pd_cuda_backend *cb, void **ptr, size_t *cur_bytes,
     *ptr = NULL;
     PD_CUDA_CHECK(cudaMalloc(ptr, n));
     *cur_bytes = n;
+    cb->scratch_gen++;
 }
 
 // ---- op shims ----------------------------------------------------------------------------------
 
 static void cuda_embed(pd_backend *b, const pd_embed_params *p) {
+    pd_cuda_bind(pd_cuda_backend_of(b));
     pd_embed_kparams k = {.ids = p->ids, .table = p->table, .out = p->out, .n_tokens = p->n_tokens,
                           .dim = p->dim, .vocab = p->vocab};
     pd_cuda_embed(&k, pd_cuda_backend_of(b)->stream);
@@ -104,6 +138,7 @@ static void cuda_embed(pd_backend *b, const pd_embed_params *p) {
 }
 
 static void cuda_rmsnorm(pd_backend *b, const pd_rmsnorm_params *p) {
+    pd_cuda_bind(pd_cuda_backend_of(b));
     PD_ASSERT(!(p->add && p->x == p->out));
     pd_rmsnorm_kparams k = {.x = p->x, .add = p->add, .w = p->w, .out = p->out, .n_rows = p->n_rows,
                             .dim = p->dim, .eps = p->eps};
@@ -112,6 +147,7 @@ static void cuda_rmsnorm(pd_backend *b, const pd_rmsnorm_params *p) {
 }
 
 static void cuda_rope_kv(pd_backend *b, const pd_rope_kv_params *p) {
+    pd_cuda_bind(pd_cuda_backend_of(b));
     PD_ASSERT(p->head_dim % 2 == 0);
     pd_rope_kv_kparams k = {.qkv = p->qkv, .positions = p->positions, .inv_freq = p->inv_freq,
                             .slot_mapping = p->slot_mapping, .k_cache = p->k_cache, .v_cache = p->v_cache,
@@ -122,6 +158,7 @@ static void cuda_rope_kv(pd_backend *b, const pd_rope_kv_params *p) {
 }
 
 static void cuda_attention(pd_backend *b, const pd_attention_params *p) {
+    pd_cuda_bind(pd_cuda_backend_of(b));
     pd_cuda_backend *cb = pd_cuda_backend_of(b);
     PD_ASSERT(pd_cuda_attention_supported(p->head_dim, p->n_heads, p->n_kv_heads));
     PD_ASSERT(p->q_stride % 8 == 0);
@@ -140,12 +177,14 @@ static void cuda_attention(pd_backend *b, const pd_attention_params *p) {
 }
 
 static void cuda_silu_mul(pd_backend *b, const pd_silu_mul_params *p) {
+    pd_cuda_bind(pd_cuda_backend_of(b));
     pd_silu_mul_kparams k = {.gu = p->gu, .out = p->out, .n_rows = p->n_rows, .F = p->F};
     pd_cuda_silu_mul(&k, pd_cuda_backend_of(b)->stream);
     PD_CUDA_CHECK_LAUNCH();
 }
 
 static void cuda_get_rows(pd_backend *b, const pd_get_rows_params *p) {
+    pd_cuda_bind(pd_cuda_backend_of(b));
     pd_get_rows_kparams k = {.x = p->x, .idx = p->idx, .out = p->out, .n_rows = p->n_rows, .dim = p->dim};
     pd_cuda_get_rows(&k, pd_cuda_backend_of(b)->stream);
     PD_CUDA_CHECK_LAUNCH();
@@ -153,6 +192,7 @@ static void cuda_get_rows(pd_backend *b, const pd_get_rows_params *p) {
 
 // Stages the cache pointers and block pairs in device scratch, then one kernel copies them all.
 static void cuda_copy_blocks(pd_backend *b, const pd_copy_blocks_params *p) {
+    pd_cuda_bind(pd_cuda_backend_of(b));
     pd_cuda_backend *cb = pd_cuda_backend_of(b);
     if (p->n <= 0 || p->n_layers <= 0) return;
     if (p->block_bytes % 16) {  // odd geometry: plain copies
@@ -191,12 +231,223 @@ static void cuda_copy_blocks(pd_backend *b, const pd_copy_blocks_params *p) {
     pd_free(host);
 }
 
+// ---- shared buffers (CUDA IPC) -----------------------------------------------------------------
+
+static void *cuda_alloc_shared(pd_backend *b, size_t n, pd_buffer_handle *h, pd_err *err) {
+    pd_cuda_bind(pd_cuda_backend_of(b));
+    pd_cuda_backend *cb = pd_cuda_backend_of(b);
+    void *p = NULL;
+    cudaError_t e = cudaMalloc(&p, n);
+    if (e != cudaSuccess) {
+        cudaGetLastError();
+        pd_err_set(err, PD_ERR_NOMEM, "cuda: cannot allocate a %zu-byte shared buffer: %s", n, cudaGetErrorString(e));
+        return NULL;
+    }
+    cudaIpcMemHandle_t ih;
+    _Static_assert(sizeof ih <= sizeof h->ipc, "cudaIpcMemHandle_t does not fit pd_buffer_handle.ipc");
+    e = cudaIpcGetMemHandle(&ih, p);
+    if (e != cudaSuccess) {
+        cudaGetLastError();
+        cudaFree(p);
+        pd_err_set(err, PD_ERR_DEVICE, "cuda: cudaIpcGetMemHandle failed: %s", cudaGetErrorString(e));
+        return NULL;
+    }
+    memset(h, 0, sizeof *h);
+    snprintf(h->kind, sizeof h->kind, "cuda");
+    memcpy(h->ipc, &ih, sizeof ih);
+    h->n_bytes = n;
+    h->device = cb->device;
+    h->pid = (int32_t)getpid();
+    return p;
+}
+
+static void cuda_free_shared(pd_backend *b, void *p, const pd_buffer_handle *h) {
+    pd_cuda_bind(pd_cuda_backend_of(b));
+    if (p) PD_CUDA_CHECK(cudaFree(p));
+}
+
+// Maps another process's buffer on our device. The exporter's GPU may be a peer: lazy peer
+// access lets our kernels read and write it directly (NVLink / PCIe P2P).
+static void *cuda_import(pd_backend *b, const pd_buffer_handle *h, pd_err *err) {
+    pd_cuda_bind(pd_cuda_backend_of(b));
+    pd_cuda_backend *cb = pd_cuda_backend_of(b);
+    if (strncmp(h->kind, "cuda", sizeof h->kind)) {
+        pd_err_set(err, PD_ERR_UNSUPPORTED, "the cuda backend cannot import a '%.8s' buffer", h->kind);
+        return NULL;
+    }
+    if (h->pid == (int32_t)getpid()) {
+        pd_err_set(err, PD_ERR_INVALID, "a CUDA IPC handle cannot be opened by the process that exported it (pid %d)",
+                   (int)h->pid);
+        return NULL;
+    }
+    int n_dev = 0, can = 1;
+    if (cudaGetDeviceCount(&n_dev) == cudaSuccess && h->device != cb->device && h->device >= 0 && h->device < n_dev &&
+        cudaDeviceCanAccessPeer(&can, cb->device, h->device) == cudaSuccess && !can)
+        PD_LOG_W("cuda: device %d reports no peer access to device %d; the KV copy may fail or be slow", cb->device,
+                 (int)h->device);
+    cudaGetLastError();
+    cudaIpcMemHandle_t ih;
+    memcpy(&ih, h->ipc, sizeof ih);
+    void *p = NULL;
+    cudaError_t e = cudaIpcOpenMemHandle(&p, ih, cudaIpcMemLazyEnablePeerAccess);
+    if (e != cudaSuccess) {
+        cudaGetLastError();
+        pd_err_set(err, PD_ERR_DEVICE, "cuda: cannot open the IPC handle of pid %d device %d (%llu bytes): %s", (int)h->pid,
+                   (int)h->device, (unsigned long long)h->n_bytes, cudaGetErrorString(e));
+        return NULL;
+    }
+    return p;
+}
+
+static void cuda_unimport(pd_backend *b, void *p, const pd_buffer_handle *h) {
+    pd_cuda_bind(pd_cuda_backend_of(b));
+    if (!p) return;
+    cudaError_t e = cudaIpcCloseMemHandle(p);
+    if (e != cudaSuccess) {
+        cudaGetLastError();
+        PD_LOG_W("cuda: cudaIpcCloseMemHandle: %s", cudaGetErrorString(e));
+    }
+}
+
+// ---- KV handoff --------------------------------------------------------------------------------
+
+// Stages n_ptrs layer pointers, the block descriptors and n_tail bytes of room (8-aligned) in the
+// backend's kv scratch; returns the device addresses. The host copy may be freed on return
+// (cudaMemcpyAsync has consumed pageable memory by then); the stream orders reuse.
+static void kv_stage(pd_cuda_backend *cb, void *const *ptrs, int n_ptrs, const pd_kv_block_desc *descs, int nb,
+                     size_t n_tail, void ***d_ptrs, pd_kv_block_desc **d_descs, void **d_tail) {
+    size_t pb = sizeof(void *) * (size_t)n_ptrs, db = sizeof(pd_kv_block_desc) * (size_t)nb;
+    size_t need = pb + db + n_tail;
+    char *host = pd_malloc(pb + db);
+    PD_ASSERT(host);
+    memcpy(host, ptrs, pb);
+    if (db) memcpy(host + pb, descs, db);
+    pd_cuda_scratch_reserve(cb, &cb->kv_dev, &cb->kv_dev_bytes, need);
+    PD_CUDA_CHECK(cudaMemcpyAsync(cb->kv_dev, host, pb + db, cudaMemcpyHostToDevice, cb->stream));
+    pd_free(host);
+    *d_ptrs = (void **)cb->kv_dev;
+    *d_descs = (pd_kv_block_desc *)((char *)cb->kv_dev + pb);
+    if (d_tail) *d_tail = (char *)cb->kv_dev + pb + db;
+}
+
+static void cuda_kv_copy(pd_backend *b, const pd_kv_copy_params *p) {
+    pd_cuda_bind(pd_cuda_backend_of(b));
+    pd_cuda_backend *cb = pd_cuda_backend_of(b);
+    int nl = p->layer_end - p->layer_begin;
+    if (p->n_blocks <= 0 || nl <= 0) return;
+    PD_ASSERT(p->row_bytes % 8 == 0 && p->block_size > 0);
+    void **ptrs = pd_malloc(sizeof(void *) * 4 * (size_t)nl);
+    pd_kv_block_desc *d = pd_calloc((size_t)p->n_blocks, sizeof *d);
+    PD_ASSERT(ptrs && d);
+    for (int l = 0; l < nl; l++) {
+        int g = p->layer_begin + l;
+        ptrs[4 * l] = p->src_k[g], ptrs[4 * l + 1] = p->src_v[g];
+        ptrs[4 * l + 2] = p->dst_k[g], ptrs[4 * l + 3] = p->dst_v[g];
+    }
+    for (int i = 0; i < p->n_blocks; i++) {
+        PD_ASSERT(p->n_rows[i] >= 0 && p->n_rows[i] <= p->block_size);
+        d[i] = (pd_kv_block_desc){.src_block = p->src_blocks[i], .dst_block = p->dst_blocks[i], .n_rows = p->n_rows[i]};
+    }
+    void **dp;
+    pd_kv_block_desc *dd;
+    kv_stage(cb, ptrs, 4 * nl, d, p->n_blocks, 0, &dp, &dd, NULL);
+    pd_free(ptrs);
+    pd_free(d);
+    pd_kv_copy_kparams k = {.ptrs = dp, .blocks = dd, .n_blocks = p->n_blocks, .n_layers = nl,
+                            .block_size = p->block_size, .row_bytes = p->row_bytes};
+    pd_cuda_kv_copy(&k, cb->stream);
+    PD_CUDA_CHECK_LAUNCH();
+}
+
+static void cuda_kv_checksum(pd_backend *b, const pd_kv_checksum_params *p) {
+    pd_cuda_bind(pd_cuda_backend_of(b));
+    pd_cuda_backend *cb = pd_cuda_backend_of(b);
+    int nl = p->layer_end - p->layer_begin;
+    if (nl <= 0) return;
+    PD_ASSERT(p->row_bytes % 8 == 0 && p->block_size > 0);
+    void **ptrs = pd_malloc(sizeof(void *) * 2 * (size_t)nl);
+    pd_kv_block_desc *d = pd_calloc((size_t)(p->n_blocks > 0 ? p->n_blocks : 1), sizeof *d);
+    PD_ASSERT(ptrs && d);
+    for (int l = 0; l < nl; l++) ptrs[2 * l] = p->k[p->layer_begin + l], ptrs[2 * l + 1] = p->v[p->layer_begin + l];
+    uint64_t words = 0;
+    for (int i = 0; i < p->n_blocks; i++) {
+        PD_ASSERT(p->n_rows[i] >= 0 && p->n_rows[i] <= p->block_size);
+        d[i] = (pd_kv_block_desc){.src_block = p->blocks[i], .n_rows = p->n_rows[i], .word0 = words};
+        words += (uint64_t)p->n_rows[i] * p->row_bytes / 8;
+    }
+    void **dp, *dsums;
+    pd_kv_block_desc *dd;
+    kv_stage(cb, ptrs, 2 * nl, d, p->n_blocks, sizeof(uint64_t) * (size_t)nl, &dp, &dd, &dsums);
+    pd_free(ptrs);
+    pd_free(d);
+    pd_kv_checksum_kparams k = {.ptrs = dp, .blocks = dd, .sums = dsums, .n_blocks = p->n_blocks, .n_layers = nl,
+                                .block_size = p->block_size, .row_bytes = p->row_bytes, .k_words = words};
+    pd_cuda_kv_checksum(&k, cb->stream);
+    PD_CUDA_CHECK_LAUNCH();
+    cuda_download(b, p->sums, dsums, sizeof(uint64_t) * (size_t)nl);
+}
+
 static void cuda_fill_normal(pd_backend *b, void *dst, pd_dtype dtype, size_t n, uint64_t seed, float mean, float std) {
+    pd_cuda_bind(pd_cuda_backend_of(b));
     PD_ASSERT(dtype == PD_DTYPE_F32 || dtype == PD_DTYPE_BF16);
     pd_fill_normal_kparams k = {.dst = dst, .is_f32 = dtype == PD_DTYPE_F32, .n = n, .seed = seed, .mean = mean,
                                 .std = std};
     pd_cuda_fill_normal(&k, pd_cuda_backend_of(b)->stream);
     PD_CUDA_CHECK_LAUNCH();
+}
+
+// ---- CUDA graphs -------------------------------------------------------------------------------
+
+// An instantiated graph and the scratch generation its kernels' pointers belong to.
+typedef struct cuda_graph {
+    cudaGraphExec_t exec;
+    uint64_t gen;
+} cuda_graph;
+
+static void cuda_graph_begin(pd_backend *b) {
+    pd_cuda_backend *cb = pd_cuda_backend_of(b);
+    pd_cuda_bind(cb);
+    // Thread-local mode: other threads (another engine) may use the runtime meanwhile.
+    PD_CUDA_CHECK(cudaStreamBeginCapture(cb->stream, cudaStreamCaptureModeThreadLocal));
+}
+
+static void *cuda_graph_end(pd_backend *b) {
+    pd_cuda_backend *cb = pd_cuda_backend_of(b);
+    pd_cuda_bind(cb);
+    cudaGraph_t g = NULL;
+    cudaError_t e = cudaStreamEndCapture(cb->stream, &g);
+    if (e != cudaSuccess || !g) {
+        cudaGetLastError();
+        PD_LOG_W("cuda: graph capture failed: %s", cudaGetErrorString(e));
+        return NULL;
+    }
+    cuda_graph *cg = pd_calloc(1, sizeof *cg);
+    e = cg ? cudaGraphInstantiate(&cg->exec, g, 0) : cudaErrorMemoryAllocation;
+    cudaGraphDestroy(g);
+    if (e != cudaSuccess) {
+        cudaGetLastError();
+        PD_LOG_W("cuda: graph instantiation failed: %s", cudaGetErrorString(e));
+        pd_free(cg);
+        return NULL;
+    }
+    cg->gen = cb->scratch_gen;
+    return cg;
+}
+
+static bool cuda_graph_launch(pd_backend *b, void *g) {
+    pd_cuda_backend *cb = pd_cuda_backend_of(b);
+    cuda_graph *cg = g;
+    if (cg->gen != cb->scratch_gen) return false;
+    pd_cuda_bind(cb);
+    PD_CUDA_CHECK(cudaGraphLaunch(cg->exec, cb->stream));
+    return true;
+}
+
+static void cuda_graph_free(pd_backend *b, void *g) {
+    cuda_graph *cg = g;
+    pd_cuda_bind(pd_cuda_backend_of(b));
+    PD_CUDA_CHECK(cudaGraphExecDestroy(cg->exec));
+    pd_free(cg);
 }
 
 static const pd_backend_iface cuda_iface = {
@@ -221,6 +472,16 @@ static const pd_backend_iface cuda_iface = {
     .get_rows = cuda_get_rows,
     .copy_blocks = cuda_copy_blocks,
     .copy_d2d = cuda_copy_d2d,
+    .dev_alloc_shared = cuda_alloc_shared,
+    .dev_free_shared = cuda_free_shared,
+    .import = cuda_import,
+    .unimport = cuda_unimport,
+    .kv_copy = cuda_kv_copy,
+    .kv_checksum = cuda_kv_checksum,
+    .graph_begin = cuda_graph_begin,
+    .graph_end = cuda_graph_end,
+    .graph_launch = cuda_graph_launch,
+    .graph_free = cuda_graph_free,
     .fill_normal = cuda_fill_normal,
 };
 
@@ -252,6 +513,7 @@ pd_backend *pd_backend_cuda_new(int device, pd_err *err) {
     cb->base.iface = &cuda_iface;
     cb->device = device;
     cudaError_t e = cudaSetDevice(device);
+    if (e == cudaSuccess) tl_device = device;
     if (e == cudaSuccess) e = cudaStreamCreateWithFlags(&cb->stream, cudaStreamNonBlocking);
     if (e != cudaSuccess) {
         pd_err_set(err, PD_ERR_DEVICE, "CUDA device %d: %s", device, cudaGetErrorString(e));

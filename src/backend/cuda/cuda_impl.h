@@ -40,9 +40,17 @@ typedef struct pd_cuda_backend {
     // copy_blocks staging (device): cache pointers then (src, dst) pairs
     void *cb_dev;
     size_t cb_dev_bytes;
+    // kv_copy / kv_checksum staging (device): layer pointers, block descriptors, layer sums
+    void *kv_dev;
+    size_t kv_dev_bytes;
+    // bumped whenever a scratch buffer moves: graphs captured before then are stale
+    uint64_t scratch_gen;
 } pd_cuda_backend;
 
 static inline pd_cuda_backend *pd_cuda_backend_of(pd_backend *b) { return (pd_cuda_backend *)b; }
+
+// Makes cb's device current in the calling thread (cached per thread). Every entry point calls it.
+void pd_cuda_bind(pd_cuda_backend *cb);
 
 // gemm.c
 void pd_cuda_gemm_init(pd_cuda_backend *cb);

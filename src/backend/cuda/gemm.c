@@ -106,6 +106,7 @@ static pd_cuda_gemm_plan *gemm_plan_get(pd_cuda_backend *cb, int M, int N, int K
 }
 
 void pd_cuda_gemm_matmul(pd_backend *b, const pd_matmul_params *p) {
+    pd_cuda_bind(pd_cuda_backend_of(b));
     pd_cuda_backend *cb = pd_cuda_backend_of(b);
     int lda = p->lda ? p->lda : p->K;
     PD_ASSERT(p->M >= 0 && p->N > 0 && p->K > 0 && lda >= p->K);

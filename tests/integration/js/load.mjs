@@ -9,9 +9,13 @@
 //       N mixed requests (stream / non-stream, chat / completions, random lengths) from
 //       CONCURRENCY workers; every 7th streaming request disconnects after its first content
 //       chunk. Checks the shape of every finished response; exits 1 on any unexpected result.
+//   node load.mjs idle URL N
+//       opens N idle TCP connections (half of them with a half-sent request) plus 16 streaming
+//       requests that stay open, then checks that a completion is still served promptly.
 //   node load.mjs burst URL N BODY_JSON
 //       fires N copies of one request at once and prints one HTTP status per line (503 checks).
 import { writeFileSync } from 'node:fs';
+import net from 'node:net';
 
 const [mode, base, ...rest] = process.argv.slice(2);
 
@@ -168,8 +172,37 @@ async function burst(n, body) {
   console.log(codes.join('\n'));
 }
 
+// ---- idle -------------------------------------------------------------------------------------
+async function idle(n) {
+  const u = new URL(base);
+  const socks = await Promise.all(Array.from({ length: n }, (_, i) => new Promise((resolve, reject) => {
+    const s = net.connect(Number(u.port), u.hostname, () => {
+      if (i % 2) s.write('POST /v1/completions HTTP/1.1\r\nHost: x\r\n');  // never finished
+      resolve(s);
+    });
+    s.on('error', reject);
+  })));
+  const ctls = [], streams = [];
+  for (let i = 0; i < 16; i++) {
+    const ctl = new AbortController();
+    ctls.push(ctl);
+    const res = await post('/v1/completions', { prompt: 'And', max_tokens: 1500, ignore_eos: true, stream: true }, ctl.signal);
+    if (res.status !== 200) fail(`stream ${i}: HTTP ${res.status}`);
+    streams.push(res.body.getReader().read());  // first bytes arrive; then it stays open
+  }
+  await Promise.all(streams);
+  const t0 = Date.now();
+  const res = await post('/v1/completions', { prompt: 'In the beginning', max_tokens: 4 });
+  const o = await res.json();
+  if (res.status !== 200 || o.usage.completion_tokens !== 4) fail(`with ${n} idle connections: ${JSON.stringify(o)}`);
+  console.log(`idle: ${n} idle connections + 16 open streams, a 4-token completion took ${Date.now() - t0} ms`);
+  for (const c of ctls) c.abort();
+  for (const s of socks) s.destroy();
+}
+
 try {
-  if (mode === 'greedy') await greedy(rest[0], rest[1] || 'alone');
+  if (mode === 'idle') await idle(Number(rest[0]));
+  else if (mode === 'greedy') await greedy(rest[0], rest[1] || 'alone');
   else if (mode === 'soak') await soak(Number(rest[0]), Number(rest[1]));
   else if (mode === 'burst') await burst(Number(rest[0]), rest[1]);
   else fail(`unknown mode ${mode}`);

@@ -44,10 +44,11 @@ async function readStream(res, t0, onChunk) {
       if (data === '[DONE]') { done++; continue; }
       const j = JSON.parse(data);
       if (j.error) { errors++; continue; }
+      if (firstMs === null) firstMs = performance.now() - t0;
       ids.add(j.id);
       const c = j.choices && j.choices[0];
       const piece = c ? (c.text ?? (c.delta && c.delta.content) ?? '') : '';
-      if (piece) { text += piece; chunks++; if (firstMs === null) firstMs = performance.now() - t0; if (onChunk) onChunk(); }
+      if (piece) { text += piece; chunks++; if (onChunk) onChunk(); }
     }
   }
   return { text, ids, done, errors, firstMs, chunks };
