@@ -2,6 +2,8 @@
 //   POST /v1/completions        prompt: string | [token ids] | [strings] | [[token ids]]
 //   POST /v1/chat/completions   messages rendered with the model's chat template
 //   GET  /v1/models, GET /health, GET /metrics (Prometheus text)
+//   POST /internal/tokenize     (router) a completions/chat body → {"token_ids": [...]}
+//   GET  /internal/state?since=N (router) load report + KV events (wire/control.h STATE)
 // with streaming (SSE chunks in OpenAI's shapes, then `data: [DONE]`) and non-streaming replies.
 //
 // Pipeline of one request (all on the HTTP event-loop thread):
@@ -21,6 +23,8 @@
 //   * `echo: true`, `best_of` != n / 1 and `suffix` are rejected with 400 (not implemented).
 //   * max_tokens absent → the rest of the context (max_model_len - prompt tokens).
 //   * n: 1..16 independent samples; with `seed`, choice i uses seed + i.
+//   * return_token_ids: true adds "token_ids" (the generated ids) to each choice, and in a
+//     stream to each chunk (every generated token's id arrives in exactly one chunk).
 //   * priority (vLLM extension): an integer, lower values are scheduled first (default 0).
 //   * Stop strings: at most 16, each non-empty; the matched text is not returned.
 //   * Chat content may be a string, null, or an array of {"type":"text","text":...} parts (joined
@@ -87,6 +91,7 @@ typedef struct pd_api_request {
     bool ignore_eos;
     bool skip_special_tokens;  // default true
     bool include_stop_str_in_output;
+    bool return_token_ids;     // add "token_ids" to each choice / chunk (used by the router)
     int logprobs;              // -1 = none, else top-N count (chat: top_logprobs when logprobs)
     int priority;
     pd_sampling_params sampling;
@@ -120,8 +125,9 @@ typedef struct pd_api_prompts {
 // when present, reach the template as extra variables) and encodes with add_special=false when the
 // rendered text already starts with the BOS token (else true); completion text is encoded with
 // add_special=true; token-id prompts are checked against the vocabulary. Then checks each prompt
-// against max_model_len (prompt alone < max_model_len; prompt + max_tokens <= max_model_len).
-// Errors (PD_ERR_INVALID with param "prompt" or "messages"; PD_ERR_NOMEM): *out is zeroed.
+// against max_model_len: max_tokens < max_model_len (else param "max_tokens" or
+// "max_completion_tokens"), prompt alone < max_model_len and prompt + max_tokens <= max_model_len
+// (else param "prompt" or "messages"). Errors (PD_ERR_INVALID, PD_ERR_NOMEM): *out is zeroed.
 pd_status pd_api_request_tokenize(const pd_api_request *r, const pd_tok *tok,
                                   const pd_chat_template *tmpl, int max_model_len,
                                   pd_api_prompts *out, pd_api_error *err);

@@ -31,6 +31,9 @@ typedef struct api_choice {
     size_t len, cap;
     json_t *lp;                 // non-streaming logprobs accumulated (owned) or NULL
     size_t text_offset;         // completions logprobs: bytes of text so far
+    pd_tok_ids ids;             // non-streaming with return_token_ids: generated ids (owned)
+    int32_t cur_id;             // streaming with return_token_ids: the id not yet sent in a chunk
+    bool has_cur_id;
     int n_tokens;               // generated tokens seen
     int n_cached;               // prompt tokens served from the prefix cache
     int64_t t_last_us;          // time of the last token
@@ -41,6 +44,7 @@ struct api_job {
     pd_http_req *http;    // NULL once the client is gone
     pd_api_kind kind;
     bool stream, include_usage, ignore_eos, has_error;
+    bool return_ids;      // return_token_ids
     int logprobs;         // -1 = none
     int n;                // samples per prompt
     char id[48];          // "cmpl-..." / "chatcmpl-..."
@@ -64,6 +68,8 @@ typedef struct api_metrics {
     pd_metric *prompt_tokens, *gen_tokens, *prefill_computed, *preemptions, *steps;
     pd_metric *fin_stop, *fin_length, *fin_abort, *fin_error;
     pd_metric *jobs;
+    pd_metric *handoffs, *fallbacks[PD_FALLBACK_N], *local_short, *handoff_bytes, *handoff_seconds;
+    pd_metric *exports, *export_bytes, *export_copy_seconds, *prefill_healthy;
 } api_metrics;
 
 typedef struct api_idmap {
@@ -111,9 +117,9 @@ void pd_api_job_stream_begin(api_job *j);
 // usage object of a job (completion tokens summed over choices).
 json_t *pd_api_usage_json(const api_job *j);
 // One streaming chunk for choice c: text (may be empty), lp (stolen; NULL = "logprobs": null),
-// finish (NULL = null).
+// finish (NULL = null), ids (n_ids >= 0: a "token_ids" array; n_ids < 0: none).
 json_t *pd_api_chunk_json(const api_job *j, const api_choice *c, const char *text, size_t len,
-                          json_t *lp, const char *finish);
+                          json_t *lp, const char *finish, const int32_t *ids, int n_ids);
 // The streaming usage chunk (choices: []).
 json_t *pd_api_usage_chunk_json(const api_job *j);
 // The whole non-streaming response.

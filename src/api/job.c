@@ -34,11 +34,14 @@ static void append_text(api_choice *c, const char *s, size_t n) {
 }
 
 // Sends or accumulates text (and lp, stolen) for c.
+// With return_token_ids, the id of the current token rides on the first chunk sent for it.
 static void emit(api_choice *c, const char *text, size_t len, json_t *lp, const char *finish) {
     api_job *j = c->job;
     if (j->stream) {
         if (!len && !lp && !finish) return;
-        json_t *o = pd_api_chunk_json(j, c, text, len, lp, finish);
+        bool with_id = j->return_ids && c->has_cur_id;
+        json_t *o = pd_api_chunk_json(j, c, text, len, lp, finish, &c->cur_id, !j->return_ids ? -1 : with_id ? 1 : 0);
+        c->has_cur_id = false;
         if (o && j->http) pd_http_sse_send_json(j->http, o);
         json_decref(o);
     } else {
@@ -162,11 +165,27 @@ static void on_token(api_choice *c, const pd_engine_event *ev) {
         lp = NULL;
     }
     int32_t t = ev->tok.token;
+    if (j->return_ids) {
+        if (j->stream) {
+            c->cur_id = t;
+            c->has_cur_id = true;
+        } else if (pd_tok_ids_push(&c->ids, t)) {
+            j->has_error = true;
+            j->error_status = PD_ERR_NOMEM;
+        }
+    }
     const char *txt = "";
     size_t n = 0;
     bool silent = is_stop_token(j, t);  // EOS / stop ids end the text, they are not part of it
     if (!silent && pd_tok_stream_feed(c->detok, t, &txt, &n)) n = 0;
-    if (push_text(c, txt, n, lp, false)) {
+    bool stopped = push_text(c, txt, n, lp, false);
+    if (c->has_cur_id) {  // no text came out for this token: send its id alone
+        json_t *o = pd_api_chunk_json(j, c, "", 0, NULL, NULL, &c->cur_id, 1);
+        if (o && j->http) pd_http_sse_send_json(j->http, o);
+        json_decref(o);
+        c->has_cur_id = false;
+    }
+    if (stopped) {
         pd_engine_abort(a->engine, c->id);
         finish_choice(c, "stop");
     }
@@ -209,7 +228,7 @@ void pd_api_job_stream_begin(api_job *j) {
     pd_http_sse_begin(j->http);
     if (j->kind != PD_API_CHAT) return;
     for (int i = 0; i < j->n_choices; i++) {  // chat: {"role":"assistant","content":""} first
-        json_t *o = pd_api_chunk_json(j, &j->choices[i], "", 0, NULL, NULL);
+        json_t *o = pd_api_chunk_json(j, &j->choices[i], "", 0, NULL, NULL, NULL, -1);
         json_t *ch = o ? json_array_get(json_object_get(o, "choices"), 0) : NULL;
         json_t *d = json_pack("{s:s,s:s}", "role", "assistant", "content", "");
         if (ch && d) {
@@ -248,6 +267,7 @@ void pd_api_job_free(api_job *j) {
         pd_tok_stream_free(c->detok);
         pd_tok_stop_free(c->stop);
         pd_free(c->text);
+        pd_tok_ids_free(&c->ids);
         json_decref(c->lp);
     }
     pd_free(j->choices);

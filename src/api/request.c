@@ -308,6 +308,8 @@ static pd_status parse_fields(pd_api_request *r, const char *served, pd_api_erro
     if ((st = get_int(o, "n", 1, PD_API_MAX_N, &v, &given, e))) return st;
     if (given) r->n = (int)v;
     if (n_prompts(r) > 64) return fail(e, PD_ERR_INVALID, "prompt", "at most 64 prompts per request");
+    if (n_prompts(r) * (size_t)r->n > 128)
+        return fail(e, PD_ERR_INVALID, "n", "at most 128 choices per request (prompts x n)");
     json_t *bo = field(o, "best_of");
     if (bo && (!json_is_integer(bo) || (json_integer_value(bo) != 1 && json_integer_value(bo) != r->n)))
         return fail(e, PD_ERR_INVALID, "best_of", "'best_of' is not supported (must equal n)");
@@ -331,6 +333,7 @@ static pd_status parse_fields(pd_api_request *r, const char *served, pd_api_erro
     if ((st = get_bool(o, "ignore_eos", &r->ignore_eos, e))) return st;
     if ((st = get_bool(o, "skip_special_tokens", &r->skip_special_tokens, e))) return st;
     if ((st = get_bool(o, "include_stop_str_in_output", &r->include_stop_str_in_output, e))) return st;
+    if ((st = get_bool(o, "return_token_ids", &r->return_token_ids, e))) return st;
     if ((st = get_int(o, "priority", INT_MIN, INT_MAX, &v, &given, e))) return st;
     if (given) r->priority = (int)v;
     if ((st = parse_sampling(r, e))) return st;
@@ -470,6 +473,12 @@ pd_status pd_api_request_tokenize(const pd_api_request *r, const pd_tok *tok,
     p.n = n;
     const char *param = r->kind == PD_API_CHAT ? "messages" : "prompt";
     pd_status st = PD_OK;
+    if (r->max_tokens >= max_model_len) {
+        pd_api_prompts_fini(&p);
+        return fail(e, PD_ERR_INVALID, r->kind == PD_API_CHAT && field(r->root, "max_completion_tokens") ? "max_completion_tokens" : "max_tokens",
+                    "max_tokens (%d) must be less than the model's maximum context length (%d tokens)", r->max_tokens,
+                    max_model_len);
+    }
     for (int i = 0; i < n && !st; i++) {
         pd_tok_ids *ids = &p.items[i];
         if (r->kind == PD_API_CHAT) {

@@ -33,8 +33,14 @@ static json_t *envelope(const api_job *j, bool is_chunk) {
                      j->api->model_name);
 }
 
+static json_t *ids_json(const int32_t *ids, int n) {
+    json_t *a = json_array();
+    for (int i = 0; a && i < n; i++) json_array_append_new(a, json_integer(ids[i]));
+    return a;
+}
+
 json_t *pd_api_chunk_json(const api_job *j, const api_choice *c, const char *text, size_t len,
-                          json_t *lp, const char *finish) {
+                          json_t *lp, const char *finish, const int32_t *ids, int n_ids) {
     json_t *o = envelope(j, true);
     json_t *ch = json_object();
     json_t *arr = json_array();
@@ -51,6 +57,7 @@ json_t *pd_api_chunk_json(const api_job *j, const api_choice *c, const char *tex
     json_object_set_new(ch, "logprobs", lp ? lp : json_null());
     lp = NULL;
     json_object_set_new(ch, "finish_reason", finish ? json_string(finish) : json_null());
+    if (n_ids >= 0) json_object_set_new(ch, "token_ids", ids_json(ids, n_ids));
     json_array_append_new(arr, ch);
     ch = NULL;
     json_object_set_new(o, "choices", arr);
@@ -92,6 +99,7 @@ json_t *pd_api_response_json(const api_job *j) {
             json_object_set_new(ch, "text", text);
         json_object_set_new(ch, "logprobs", c->lp ? json_incref(c->lp) : json_null());
         json_object_set_new(ch, "finish_reason", json_string(c->finish_reason ? c->finish_reason : "stop"));
+        if (j->return_ids) json_object_set_new(ch, "token_ids", ids_json(c->ids.ids, c->ids.n));
         json_array_append_new(arr, ch);
     }
     json_object_set_new(o, "choices", arr);

@@ -6,6 +6,7 @@
 #include <event2/event.h>
 #include <limits.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 #include <time.h>
 
@@ -111,6 +112,7 @@ static api_job *job_new(pd_api *a, pd_http_req *http, const pd_api_request *rq, 
     j->kind = rq->kind;
     j->stream = rq->stream;
     j->include_usage = rq->include_usage;
+    j->return_ids = rq->return_token_ids;
     j->ignore_eos = rq->ignore_eos;
     j->logprobs = rq->logprobs;
     j->n = rq->n;
@@ -222,6 +224,55 @@ static void handle_generate(pd_http_req *r, pd_api *a, pd_api_kind kind) {
 }
 
 static void h_completions(pd_http_req *r, void *ud) { handle_generate(r, ud, PD_API_COMPLETION); }
+
+// POST /internal/tokenize (for the router): a completions or chat body (chat when it has
+// "messages") → {"token_ids": [...]}, the ids the engine would get (the first prompt of a batch).
+static void h_tokenize(pd_http_req *r, void *ud) {
+    pd_api *a = ud;
+    size_t len;
+    const char *body = pd_http_req_body(r, &len);
+    json_t *probe = json_loadb(body, len, 0, NULL);
+    pd_api_kind kind = json_object_get(probe, "messages") ? PD_API_CHAT : PD_API_COMPLETION;
+    json_decref(probe);
+    pd_api_request rq;
+    pd_api_prompts pr = {0};
+    pd_api_error e = {0};
+    if (pd_api_request_parse(kind, body, len, a->model_name, &rq, &e) ||
+        pd_api_request_tokenize(&rq, a->tok, a->tmpl, a->max_model_len, &pr, &e)) {
+        reply_api_error(r, &e);
+        pd_api_request_fini(&rq);
+        return;
+    }
+    json_t *ids = json_array();
+    for (int i = 0; ids && i < pr.items[0].n; i++) json_array_append_new(ids, json_integer(pr.items[0].ids[i]));
+    json_t *o = ids ? json_pack("{s:o}", "token_ids", ids) : NULL;
+    if (o) pd_http_reply_json(r, 200, o);
+    else pd_http_reply_error(r, 500, "server_error", "out of memory", NULL, NULL);
+    json_decref(o);
+    pd_api_prompts_fini(&pr);
+    pd_api_request_fini(&rq);
+}
+
+// GET /internal/state?since=N (for the router): load report + KV events (wire/control.h STATE).
+static void h_state(pd_http_req *r, void *ud) {
+    pd_api *a = ud;
+    const char *q = pd_http_req_query(r, "since");
+    char *end = NULL;
+    unsigned long long since = q ? strtoull(q, &end, 10) : 0;
+    if (q && (!*q || *end)) {
+        pd_http_reply_error(r, 400, "invalid_request_error", "'since' must be a non-negative integer", "since", NULL);
+        return;
+    }
+    pd_wire_state st;
+    char *txt = NULL;
+    size_t n = 0;
+    pd_status s = pd_engine_state(a->engine, (uint64_t)since, 4096, &st);
+    if (s == PD_OK) s = pd_wire_state_encode(&st, &txt, &n);
+    pd_wire_state_fini(&st);
+    if (s) pd_http_reply_error(r, 500, "server_error", "out of memory", NULL, NULL);
+    else pd_http_reply(r, 200, "application/json", txt, n);
+    pd_free(txt);
+}
 static void h_chat(pd_http_req *r, void *ud) { handle_generate(r, ud, PD_API_CHAT); }
 
 static void h_health(pd_http_req *r, void *ud) {
@@ -243,8 +294,8 @@ static void h_models(pd_http_req *r, void *ud) {
 }
 
 // Counters mirrored from the engine's running totals: add the difference.
-static void mirror(pd_metric *c, int64_t total) {
-    double d = (double)total - pd_metric_value(c);
+static void mirror(pd_metric *c, double total) {
+    double d = total - pd_metric_value(c);
     if (d > 0) pd_metric_inc(c, d);
 }
 
@@ -269,6 +320,15 @@ static void refresh_engine_metrics(pd_api *a) {
     mirror(a->m.preemptions, s.n_preemptions);
     mirror(a->m.steps, s.n_steps);
     pd_metric_set(a->m.jobs, a->n_jobs);
+    mirror(a->m.handoffs, s.n_kv_handoffs);
+    for (int i = 0; i < PD_FALLBACK_N; i++) mirror(a->m.fallbacks[i], s.n_kv_fallbacks[i]);
+    mirror(a->m.local_short, s.n_kv_local_short);
+    mirror(a->m.handoff_bytes, s.n_kv_handoff_bytes);
+    mirror(a->m.handoff_seconds, (double)s.kv_handoff_us_total / 1e6);
+    mirror(a->m.exports, s.n_kv_exports);
+    mirror(a->m.export_bytes, s.n_kv_export_bytes);
+    mirror(a->m.export_copy_seconds, (double)s.kv_export_copy_us_total / 1e6);
+    pd_metric_set(a->m.prefill_healthy, pd_engine_n_prefill_healthy(a->engine));
 }
 
 static void h_metrics(pd_http_req *r, void *ud) {
@@ -340,6 +400,20 @@ static pd_status register_metrics(pd_api *a, pd_err *err) {
     C(fin_length, "pdserve_request_success_total", "", "finish_reason=\"length\"");
     C(fin_abort, "pdserve_request_success_total", "", "finish_reason=\"abort\"");
     C(fin_error, "pdserve_request_success_total", "", "finish_reason=\"error\"");
+    // Disaggregation (zero on a colocated worker).
+    C(handoffs, "pdserve_kv_handoffs_total", "Prompts whose KV came from a prefill worker.", NULL);
+    for (int i = 0; i < PD_FALLBACK_N; i++) {
+        char l[64];
+        snprintf(l, sizeof l, "reason=\"%s\"", pd_fallback_reason_name((pd_fallback_reason)i));
+        C(fallbacks[i], "pdserve_kv_handoff_fallbacks_total", "Prompts prefilled locally after a failed KV handoff.", l);
+    }
+    C(local_short, "pdserve_kv_local_prefill_short_total", "Prompts prefilled locally because the uncached part was short.", NULL);
+    C(handoff_bytes, "pdserve_kv_handoff_bytes_total", "KV bytes received from prefill workers.", NULL);
+    C(handoff_seconds, "pdserve_kv_handoff_seconds_total", "Time from KV request to verified KV, summed over handoffs.", NULL);
+    C(exports, "pdserve_kv_exports_total", "Prompts whose KV this prefill worker exported.", NULL);
+    C(export_bytes, "pdserve_kv_export_bytes_total", "KV bytes this prefill worker wrote into decode pools.", NULL);
+    C(export_copy_seconds, "pdserve_kv_export_copy_seconds_total", "Time spent copying exported KV, summed.", NULL);
+    G(prefill_healthy, "pdserve_kv_prefill_workers_healthy", "Prefill workers this decode worker is connected to.");
 #undef H
 #undef G
 #undef C
@@ -397,7 +471,9 @@ pd_api *pd_api_new(struct event_base *base, pd_engine *e, const pd_api_params *p
         pd_http_server_route(a->http, "POST", "/v1/chat/completions", h_chat, a) ||
         pd_http_server_route(a->http, "GET", "/v1/models", h_models, a) ||
         pd_http_server_route(a->http, "GET", "/health", h_health, a) ||
-        pd_http_server_route(a->http, "GET", "/metrics", h_metrics, a)) {
+        pd_http_server_route(a->http, "GET", "/metrics", h_metrics, a) ||
+        pd_http_server_route(a->http, "POST", "/internal/tokenize", h_tokenize, a) ||
+        pd_http_server_route(a->http, "GET", "/internal/state", h_state, a)) {
         pd_err_set(err, PD_ERR_NOMEM, "api: cannot add routes");
         goto fail;
     }

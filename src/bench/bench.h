@@ -166,6 +166,8 @@ char *pd_bench_dataset_ids_to_text(const int32_t *ids, int n_ids);
 
 // ---- the load generator (run.c) -----------------------------------------------------------------
 
+struct pd_bench_progress;
+
 typedef struct pd_bench_params {
     const char *base_url;      // "http://127.0.0.1:8000" (borrowed)
     const char *endpoint;      // "/v1/completions" or "/v1/chat/completions" (borrowed)
@@ -178,8 +180,22 @@ typedef struct pd_bench_params {
     double timeout_s;          // whole run: then everything still in flight is cancelled (default 3600)
     uint64_t seed;             // arrival schedule
     pd_bench_slo slo;
+    const char *api_key;       // borrowed; NULL = none, else sent as "Authorization: Bearer <key>"
+    int n_warmup;              // requests sent (all at once, bounded by max_concurrency) and awaited
+                               // before the clock starts; not recorded
+    // (optional) called on the loop thread every progress_interval_s (default 5) while the run
+    // goes on, and once at the end. p is valid during the call.
+    void (*on_progress)(const struct pd_bench_progress *p, void *ud);
+    void *progress_ud;
+    double progress_interval_s;
     bool is_chat;              // derived from endpoint by pd_bench_run
 } pd_bench_params;
+
+typedef struct pd_bench_progress {
+    double elapsed_s;
+    int n_total, n_sent, n_in_flight, n_done, n_failed;
+    bool is_final;
+} pd_bench_progress;
 pd_bench_params pd_bench_params_default(void);
 
 typedef struct pd_bench_result {

@@ -198,10 +198,30 @@ static pd_status add_rate_series(series_set *ss, json_t *doc, int doc_idx, const
     return PD_OK;
 }
 
+// Whether x spans so many orders of magnitude that a linear axis would squash the fast lines
+// against zero (e.g. TTFT of a cached vs an uncached configuration): max/min > 30, all x > 0.
+static bool wants_log_x(const series_set *ss) {
+    double lo = INFINITY, hi = 0;
+    for (int i = 0; i < ss->n; i++)
+        for (int k = 0; k < ss->s[i].n; k++) {
+            double x = ss->s[i].x[k];
+            if (!isfinite(x)) continue;
+            if (x <= 0) return false;
+            lo = fmin(lo, x), hi = fmax(hi, x);
+        }
+    return isfinite(lo) && hi / lo > 30;
+}
+
+// Renders ss (then emptied) into out. CDFs (is_step) switch to a log x axis when wants_log_x.
 static pd_status render(chart *out, series_set *ss, const char *file, const char *caption, const char *title,
                         const char *x_label, const char *y_label, bool is_step) {
     pd_bench_svg_chart c = {.title = title, .x_label = x_label, .y_label = y_label, .series = ss->s,
-                            .n_series = ss->n, .is_step = is_step};
+                            .n_series = ss->n, .is_step = is_step, .is_log_x = is_step && wants_log_x(ss)};
+    char log_label[96];
+    if (c.is_log_x) {
+        snprintf(log_label, sizeof log_label, "%s, log scale", x_label);
+        c.x_label = log_label;
+    }
     out->file = file;
     out->caption = caption;
     out->svg = pd_bench_svg_render(&c);
@@ -213,7 +233,7 @@ static bool any_sweep(json_t *const *docs, int n_docs) {
     for (int d = 0; d < n_docs; d++) {
         size_t i, n = 0;
         json_t *run;
-        json_array_foreach(json_object_get(docs[d], "runs"), i, run) n += isfinite(jnum(run, "request_rate"));
+        json_array_foreach(json_object_get(docs[d], "runs"), i, run) n += isfinite(jnum(run, "request_rate")) ? 1u : 0u;
         if (n >= 2) return true;
     }
     return false;

@@ -4,7 +4,8 @@
 // request rate — are null):
 //   {"pdserve_bench_version": 1, "label": "...",
 //    "config": {"url", "endpoint", "dataset": {...}, "burstiness", "max_concurrency",
-//               "request_timeout_s", "timeout_s", "seed", "goodput": {"ttft_ms", "tpot_ms", "e2e_ms"}},
+//               "request_timeout_s", "timeout_s", "seed", "num_warmups",
+//               "goodput": {"ttft_ms", "tpot_ms", "e2e_ms"}},
 //    "runs": [{"request_rate", "burstiness", "max_concurrency", "model",
 //              "metrics": {"completed", "failed", "duration_s", "total_input_tokens",
 //                          "total_output_tokens", "request_throughput", "output_throughput",
@@ -107,10 +108,11 @@ static json_t *config_json(const pd_bench_config *cfg) {
     json_t *slo = json_pack("{s:o,s:o,s:o}", "ttft_ms", num(p->slo.ttft_ms > 0 ? p->slo.ttft_ms : NAN), "tpot_ms",
                             num(p->slo.tpot_ms > 0 ? p->slo.tpot_ms : NAN), "e2e_ms",
                             num(p->slo.e2e_ms > 0 ? p->slo.e2e_ms : NAN));
-    return json_pack("{s:s?,s:s?,s:o,s:o,s:i,s:o,s:o,s:I,s:o}", "url", p->base_url, "endpoint", p->endpoint,
+    // NOTE: the API key is deliberately left out: result files get shared.
+    return json_pack("{s:s?,s:s?,s:o,s:o,s:i,s:o,s:o,s:I,s:i,s:o}", "url", p->base_url, "endpoint", p->endpoint,
                      "dataset", dataset_json(cfg->dataset), "burstiness", num(p->burstiness), "max_concurrency",
                      p->max_concurrency, "request_timeout_s", num(p->request_timeout_s), "timeout_s",
-                     num(p->timeout_s), "seed", (json_int_t)p->seed, "goodput", slo);
+                     num(p->timeout_s), "seed", (json_int_t)p->seed, "num_warmups", p->n_warmup, "goodput", slo);
 }
 
 json_t *pd_bench_result_to_json(const pd_bench_config *cfg, pd_bench_result *const *runs, int n_runs) {

@@ -52,9 +52,11 @@ struct bench_run {
     double *arrival_s;          // owned: ds->n
     int *waiting;               // owned: FIFO of due requests waiting for a slot
     int w_head, w_tail;
-    int next_arrival, n_in_flight, n_done;
+    int next_arrival, n_in_flight, n_done, n_sent, n_failed;
     int64_t t0_us, t_end_us;
-    struct event *ev_arrival, *ev_deadline;
+    struct event *ev_arrival, *ev_deadline, *ev_progress;
+    const char *headers[5];     // name/value pairs for every request, NULL-terminated
+    char auth[512];             // "Bearer <key>"
     pd_bench_record *records;   // borrowed from the result
     bool is_stopping;
 };
@@ -66,6 +68,7 @@ pd_bench_params pd_bench_params_default(void) {
         .burstiness = 1.0,
         .request_timeout_s = 600,
         .timeout_s = 3600,
+        .progress_interval_s = 5,
     };
 }
 
@@ -219,6 +222,7 @@ static void on_done(pd_http_client_call *call, pd_status st, int http_status, co
     record_finish(rq, st, http_status, msg, now);
     run->n_in_flight--;
     run->n_done++;
+    run->n_failed += !run->records[rq->idx].is_ok;
     run->t_end_us = now;
     if (run->n_done == run->ds->n) {
         event_base_loopbreak(run->base);
@@ -235,10 +239,10 @@ static void req_send(bench_run *run, int idx) {
     rq->t_send_us = pd_time_us();
     r->start_s = (double)(rq->t_send_us - run->t0_us) / 1e6;
     run->n_in_flight++;
+    run->n_sent++;
     pd_err err = {0};
     if (body) {
-        static const char *const headers[] = {"Accept", "text/event-stream", NULL};
-        pd_http_client_request hr = {.method = "POST", .url = run->url, .headers = headers,
+        pd_http_client_request hr = {.method = "POST", .url = run->url, .headers = run->headers,
                                      .body = body, .body_len = strlen(body)};
         pd_http_client_callbacks cb = {.on_body = on_body, .on_sse = on_sse, .on_done = on_done};
         rq->call = pd_http_client_send(run->client, &hr, &cb, rq, &err);
@@ -329,7 +333,7 @@ static pd_status discover_model(bench_run *run, char **out, pd_err *err) {
     if (!m) return pd_err_set(err, PD_ERR_NOMEM, "out of memory");
     m->base = run->base;
     char *url = dup_printf("%s%s", run->p->base_url, "/v1/models");
-    pd_http_client_request hr = {.method = "GET", .url = url};
+    pd_http_client_request hr = {.method = "GET", .url = url, .headers = run->p->api_key ? run->headers + 2 : NULL};
     pd_http_client_callbacks cb = {.on_body = models_body, .on_done = models_done};
     pd_status st = PD_OK;
     pd_err e = {0};
@@ -353,6 +357,49 @@ done:
     pd_free(url);
     pd_free(m);
     return st;
+}
+
+// ---- progress and warmup -------------------------------------------------------------------------
+
+static struct timeval tv_of(double s) {
+    s = PD_MIN(PD_MAX(s, 0), 1e8);
+    return (struct timeval){(time_t)s, (suseconds_t)((s - floor(s)) * 1e6)};
+}
+
+static void on_progress_tick(evutil_socket_t fd, short what, void *arg) {
+    bench_run *run = arg;
+    pd_bench_progress pr = {.elapsed_s = (double)(pd_time_us() - run->t0_us) / 1e6, .n_total = run->ds->n,
+                            .n_sent = run->n_sent, .n_in_flight = run->n_in_flight, .n_done = run->n_done,
+                            .n_failed = run->n_failed};
+    run->p->on_progress(&pr, run->p->progress_ud);
+}
+
+typedef struct warmup {
+    bench_run *run;
+    int n_left, n_failed;
+} warmup;
+
+static void warmup_done(pd_http_client_call *call, pd_status st, int http_status, const char *msg, void *ud) {
+    warmup *w = ud;
+    w->n_failed += st != PD_OK || http_status != 200;
+    if (--w->n_left == 0) event_base_loopbreak(w->run->base);
+}
+
+// Sends n_warmup requests (prompts taken in order) at once and waits for all; the pool and the
+// per-request timeout bound them. Their results are dropped.
+static void run_warmup(bench_run *run) {
+    warmup w = {.run = run};
+    pd_http_client_callbacks cb = {.on_done = warmup_done};
+    for (int i = 0; i < run->p->n_warmup; i++) {
+        char *body = request_body(run, &run->ds->prompts[i % run->ds->n]);
+        if (!body) break;
+        pd_http_client_request hr = {.method = "POST", .url = run->url, .headers = run->headers, .body = body,
+                                     .body_len = strlen(body)};
+        w.n_left += pd_http_client_send(run->client, &hr, &cb, &w, NULL) != NULL;
+        pd_free(body);
+    }
+    if (w.n_left > 0) event_base_dispatch(run->base);
+    if (w.n_failed) PD_LOG_W("bench: %d of %d warmup requests failed", w.n_failed, run->p->n_warmup);
 }
 
 // ---- the run -------------------------------------------------------------------------------------
@@ -381,6 +428,17 @@ static pd_status run_setup(bench_run *run, pd_bench_result *res, pd_err *err) {
         return pd_err_set(err, PD_ERR_NOMEM, "out of memory");
     res->n_records = n;
     run->records = res->records;
+    // Accept first: discovery sends only the Authorization pair (headers + 2).
+    int k = 0;
+    run->headers[k++] = "Accept", run->headers[k++] = "text/event-stream";
+    if (p->api_key) {
+        snprintf(run->auth, sizeof run->auth, "Bearer %s", p->api_key);
+        run->headers[k++] = "Authorization", run->headers[k++] = run->auth;
+    }
+    run->headers[k] = NULL;
+    if (p->on_progress && p->progress_interval_s > 0 &&
+        !(run->ev_progress = event_new(run->base, -1, EV_PERSIST, on_progress_tick, run)))
+        return pd_err_set(err, PD_ERR_NOMEM, "out of memory");
     for (int i = 0; i < n; i++) {
         run->reqs[i].run = run;
         run->reqs[i].idx = i;
@@ -403,6 +461,7 @@ static void run_cleanup(bench_run *run) {
     pd_http_client_free(run->client);  // nothing is in flight any more; a no-op safety net
     if (run->ev_arrival) event_free(run->ev_arrival);
     if (run->ev_deadline) event_free(run->ev_deadline);
+    if (run->ev_progress) event_free(run->ev_progress);
     if (run->base) event_base_free(run->base);
     pd_free(run->url);
     pd_free(run->reqs);
@@ -433,19 +492,28 @@ pd_status pd_bench_run(const pd_bench_params *p0, const pd_bench_dataset *ds, pd
         goto fail;
     }
     run.model = res->model;
+    if (p.n_warmup > 0) run_warmup(&run);
     run.t0_us = run.t_end_us = pd_time_us();
     struct timeval zero = {0, 0};
     evtimer_add(run.ev_arrival, &zero);
     if (p.timeout_s > 0) {
-        double t = PD_MIN(p.timeout_s, 1e8);
-        struct timeval tv = {(time_t)t, (suseconds_t)((t - floor(t)) * 1e6)};
+        struct timeval tv = tv_of(p.timeout_s);
         evtimer_add(run.ev_deadline, &tv);
+    }
+    if (run.ev_progress) {
+        struct timeval tv = tv_of(p.progress_interval_s);
+        event_add(run.ev_progress, &tv);
     }
     event_base_dispatch(run.base);
     double duration_s = (double)(run.t_end_us - run.t0_us) / 1e6;
     if ((st = pd_bench_stats_compute(res->records, (size_t)res->n_records, duration_s, &p.slo, &res->metrics))) {
         pd_err_set(err, st, "out of memory computing statistics");
         goto fail;
+    }
+    if (p.on_progress) {
+        pd_bench_progress pr = {.elapsed_s = duration_s, .n_total = ds->n, .n_sent = run.n_sent, .n_done = ds->n,
+                                .n_failed = res->metrics.n_failed, .is_final = true};
+        p.on_progress(&pr, p.progress_ud);
     }
     run_cleanup(&run);
     *out = res;

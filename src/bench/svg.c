@@ -28,6 +28,9 @@ const char *pd_bench_svg_color(int i) {
 #define MR 20
 #define MT 40
 #define MB 52
+#define LOG_DECADES 4
+#define LEGEND_ROW 17        // pixels per legend line
+#define LEGEND_INSIDE_MAX 4  // more series than this: the legend goes below the plot
 
 typedef struct axis {
     double lo, hi;     // data range shown
@@ -50,7 +53,11 @@ static void axis_fit(axis *a, double lo, double hi, bool from_zero, bool is_log)
         if (h <= l) h = l + 1;
         a->lo = pow(10, l);
         a->hi = pow(10, h);
-        for (double e = l; e <= h && a->n_ticks < 32; e++) a->ticks[a->n_ticks++] = pow(10, e);
+        bool is_fine = h - l <= 2;  // few decades: also label 2x and 5x
+        for (double e = l; e <= h && a->n_ticks < 30; e++) {
+            a->ticks[a->n_ticks++] = pow(10, e);
+            if (is_fine && e < h) a->ticks[a->n_ticks++] = 2 * pow(10, e), a->ticks[a->n_ticks++] = 5 * pow(10, e);
+        }
         return;
     }
     if (from_zero && lo > 0) lo = 0;
@@ -65,7 +72,7 @@ static void axis_fit(axis *a, double lo, double hi, bool from_zero, bool is_log)
 // Position of v along an axis of `len` pixels (0 at lo).
 static double axis_pos(const axis *a, double v, double len) {
     if (a->is_log) {
-        if (v <= 0) v = a->lo;
+        if (!(v >= a->lo)) v = a->lo;
         return (log10(v) - log10(a->lo)) / (log10(a->hi) - log10(a->lo)) * len;
     }
     return (v - a->lo) / (a->hi - a->lo) * len;
@@ -88,6 +95,9 @@ static bool data_range(const pd_bench_svg_chart *c, double r[4]) {
             if (!isfinite(x) || !isfinite(y) || (c->is_log_x && x <= 0)) continue;
             r[0] = fmin(r[0], x), r[1] = fmax(r[1], x), r[2] = fmin(r[2], y), r[3] = fmax(r[3], y);
         }
+    // A log axis spans at most LOG_DECADES decades below the largest x; smaller values (e.g. ITL
+    // gaps of chunks that arrived in one read) are drawn on its left edge.
+    if (c->is_log_x && isfinite(r[0])) r[0] = fmax(r[0], r[1] / pow(10, LOG_DECADES));
     return isfinite(r[0]);
 }
 
@@ -165,13 +175,43 @@ static void draw_series(pd_bench_buf *b, const pd_bench_svg_chart *c, const pd_b
     pd_bench_buf_puts(b, "</g>\n");
 }
 
-// Legend box in the plot corner that covers the fewest data points.
+static size_t longest_name(const pd_bench_svg_chart *c) {
+    size_t n = 4;
+    for (int s = 0; s < c->n_series; s++) n = PD_MAX(n, strlen(c->series[s].name ? c->series[s].name : ""));
+    return PD_MIN(n, 48);
+}
+
+// Columns of the legend drawn below the plot (0 when it fits inside).
+static int legend_cols(const pd_bench_svg_chart *c, double pw) {
+    if (c->n_series <= LEGEND_INSIDE_MAX) return 0;
+    int cols = (int)(pw / (40 + 6.6 * (double)longest_name(c)));
+    return PD_MAX(1, PD_MIN(cols, 4));
+}
+
+static void legend_item(pd_bench_buf *b, const pd_bench_svg_series *se, double x, double y) {
+    pd_bench_buf_printf(b, "<line x1=\"%.1f\" y1=\"%.1f\" x2=\"%.1f\" y2=\"%.1f\" stroke=\"%s\" stroke-opacity=\"%.2f\" "
+                        "stroke-width=\"3\"%s/><text x=\"%.1f\" y=\"%.1f\" dominant-baseline=\"middle\">",
+                        x, y, x + 20, y, se->color ? se->color : "#1f77b4", se->opacity > 0 ? se->opacity : 1.0,
+                        se->is_dashed ? " stroke-dasharray=\"6 4\"" : "", x + 25, y);
+    pd_bench_buf_escape(b, se->name ? se->name : "");
+    pd_bench_buf_puts(b, "</text>\n");
+}
+
+// Few series: a box in the plot corner that covers the fewest data points. Many: rows of items
+// below the x label (the SVG is made taller for them).
 static void draw_legend(pd_bench_buf *b, const pd_bench_svg_chart *c, const axis *ax, const axis *ay, double pw,
                         double ph) {
     if (c->n_series == 0) return;
-    size_t longest = 4;
-    for (int s = 0; s < c->n_series; s++) longest = PD_MAX(longest, strlen(c->series[s].name ? c->series[s].name : ""));
-    double lw = 34 + 6.6 * (double)PD_MIN(longest, 48), lh = 8 + 17.0 * c->n_series;
+    int cols = legend_cols(c, pw);
+    pd_bench_buf_puts(b, "<g font-size=\"11\" fill=\"#222\">\n");
+    if (cols > 0) {
+        double col_w = pw / cols;
+        for (int s = 0; s < c->n_series; s++)
+            legend_item(b, &c->series[s], ML + col_w * (s % cols), MT + ph + MB + LEGEND_ROW * (s / cols));
+        pd_bench_buf_puts(b, "</g>\n");
+        return;
+    }
+    double lw = 34 + 6.6 * (double)longest_name(c), lh = 8 + (double)LEGEND_ROW * c->n_series;
     double best_x = ML + pw - lw - 8, best_y = MT + 8;
     int best = -1;
     for (int corner = 0; corner < 4; corner++) {
@@ -184,25 +224,17 @@ static void draw_legend(pd_bench_buf *b, const pd_bench_svg_chart *c, const axis
             }
         if (best < 0 || n_in < best) best = n_in, best_x = bx, best_y = by;
     }
-    pd_bench_buf_printf(b, "<g font-size=\"11\" fill=\"#222\"><rect x=\"%.1f\" y=\"%.1f\" width=\"%.1f\" height=\"%.1f\" "
-                        "fill=\"#fff\" fill-opacity=\"0.85\" stroke=\"#ccc\" rx=\"3\"/>\n", best_x, best_y, lw, lh);
-    for (int s = 0; s < c->n_series; s++) {
-        double y = best_y + 13 + 17.0 * s;
-        const pd_bench_svg_series *se = &c->series[s];
-        pd_bench_buf_printf(b, "<line x1=\"%.1f\" y1=\"%.1f\" x2=\"%.1f\" y2=\"%.1f\" stroke=\"%s\" stroke-opacity=\"%.2f\" "
-                            "stroke-width=\"3\"%s/><text x=\"%.1f\" y=\"%.1f\" dominant-baseline=\"middle\">",
-                            best_x + 6, y, best_x + 26, y, se->color ? se->color : "#1f77b4",
-                            se->opacity > 0 ? se->opacity : 1.0, se->is_dashed ? " stroke-dasharray=\"6 4\"" : "",
-                            best_x + 31, y);
-        pd_bench_buf_escape(b, se->name ? se->name : "");
-        pd_bench_buf_puts(b, "</text>\n");
-    }
+    pd_bench_buf_printf(b, "<rect x=\"%.1f\" y=\"%.1f\" width=\"%.1f\" height=\"%.1f\" fill=\"#fff\" fill-opacity=\"0.85\" "
+                        "stroke=\"#ccc\" rx=\"3\"/>\n", best_x, best_y, lw, lh);
+    for (int s = 0; s < c->n_series; s++) legend_item(b, &c->series[s], best_x + 6, best_y + 13 + (double)LEGEND_ROW * s);
     pd_bench_buf_puts(b, "</g>\n");
 }
 
 char *pd_bench_svg_render(const pd_bench_svg_chart *c) {
     int w = c->width > 0 ? c->width : 640, h = c->height > 0 ? c->height : 400;
     double pw = w - ML - MR, ph = h - MT - MB;
+    int cols = legend_cols(c, pw);
+    if (cols > 0) h += 8 + LEGEND_ROW * ((c->n_series + cols - 1) / cols);  // room for the legend below
     pd_bench_buf b = {0};
     pd_bench_buf_printf(&b, "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"%d\" height=\"%d\" viewBox=\"0 0 %d %d\" "
                         "font-family=\"-apple-system, 'Segoe UI', Helvetica, Arial, sans-serif\" role=\"img\">\n"

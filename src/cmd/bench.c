@@ -9,6 +9,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/resource.h>
 
 #include "bench/bench.h"
 #include "cmd/cmd.h"
@@ -34,6 +35,7 @@ static void bench_usage(void) {
         "  --url URL                 server base URL (default http://127.0.0.1:8000)\n"
         "  --endpoint PATH           /v1/completions (default) or /v1/chat/completions\n"
         "  --model NAME              model name (default: the first of GET /v1/models)\n"
+        "  --api-key KEY             sent as 'Authorization: Bearer KEY' (default: $OPENAI_API_KEY)\n"
         "load:\n"
         "  --num-prompts N           requests to send (default 100)\n"
         "  --request-rate R          requests/s, or inf = all at once (default inf)\n"
@@ -44,6 +46,7 @@ static void bench_usage(void) {
         "  --request-timeout-s S     per request (default 600)\n"
         "  --timeout-s S             whole benchmark; then in-flight requests are cancelled (default 3600)\n"
         "  --seed N                  prompts and arrivals (default 0)\n"
+        "  --num-warmups N           requests sent and awaited before measuring (default 0)\n"
         "dataset:\n"
         "  --dataset random|shared-prefix|long-mix|trace   (default random)\n"
         "  --input-len I --output-len O --range-ratio X     random (default 1024, 128, 0)\n"
@@ -58,7 +61,7 @@ static void bench_usage(void) {
         "  --output-json FILE        all metrics and per-request records\n"
         "  --output-html FILE        self-contained HTML report with SVG charts\n"
         "  --output-svg-dir DIR      each chart as a standalone .svg\n"
-        "  --quiet                   no progress lines on stderr\n");
+        "  --quiet                   no progress lines on stderr (one every 5 s otherwise)\n");
 }
 
 // Parses "1,2,4,inf". false on error.
@@ -123,6 +126,8 @@ static int apply_flag(bench_opts *o, const char *name, const char *val, int argc
     else if (IS("token-id-min")) ok = parse_i(val, &o->d.token_id_min, 0);
     else if (IS("token-id-max") || IS("vocab-size")) ok = parse_i(val, &o->d.token_id_max, 1);
     else if (IS("label")) o->label = val;
+    else if (IS("api-key")) o->p.api_key = val;
+    else if (IS("num-warmups")) ok = parse_i(val, &o->p.n_warmup, 0);
     else if (IS("output-json")) o->output_json = val;
     else if (IS("output-html")) o->output_html = val;
     else if (IS("output-svg-dir")) o->output_svg_dir = val;
@@ -268,14 +273,33 @@ done:
     return rc;
 }
 
+static void print_progress(const pd_bench_progress *p, void *ud) {
+    if (p->is_final) {
+        fprintf(stderr, "pdserve bench: done in %.1f s: %d requests, %d failed\n", p->elapsed_s, p->n_total, p->n_failed);
+        return;
+    }
+    fprintf(stderr, "pdserve bench: %6.1f s  sent %d/%d  in flight %d  done %d  failed %d\n", p->elapsed_s, p->n_sent,
+            p->n_total, p->n_in_flight, p->n_done, p->n_failed);
+}
+
 int pd_cmd_bench(int argc, char **argv) {
     if (argc > 1 && !strcmp(argv[1], "merge")) return bench_merge(argc - 1, argv + 1);
     bench_opts o = {.p = pd_bench_params_default(), .d = pd_bench_dataset_params_default(), .label = "pdserve"};
     o.p.base_url = "http://127.0.0.1:8000";
     o.rates[0] = INFINITY;
     o.n_rates = 1;
+    const char *env_key = getenv("OPENAI_API_KEY");
+    if (env_key && *env_key) o.p.api_key = env_key;
     int rc = parse_flags(argc, argv, &o);
     if (rc >= 0) return rc;
+    if (!o.is_quiet) o.p.on_progress = print_progress;
+    // One socket per connection: lift the soft descriptor limit (often 1024) to the hard one so
+    // that a large --max-concurrency does not fail on connect.
+    struct rlimit rl;
+    if (getrlimit(RLIMIT_NOFILE, &rl) == 0 && rl.rlim_cur < rl.rlim_max) {
+        rl.rlim_cur = rl.rlim_max;
+        setrlimit(RLIMIT_NOFILE, &rl);
+    }
     size_t n = strlen(o.p.base_url);
     static char url[2048];
     snprintf(url, sizeof url, "%.*s", (int)(n && o.p.base_url[n - 1] == '/' ? n - 1 : n), o.p.base_url);

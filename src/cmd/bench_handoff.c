@@ -374,6 +374,30 @@ static void remove_dir(const char *tmp) {
     rmdir(tmp);
 }
 
+// The decode engine (this process), connected to the prefill worker at 127.0.0.1:port. NULL on failure.
+static pd_engine *start_decode(const hb_opts *o, const char *dir, int32_t port) {
+    char addr[64];
+    snprintf(addr, sizeof addr, "127.0.0.1:%d", (int)port);
+    pd_engine_params p = base_params(o, dir, o->dev_decode);
+    p.role = PD_ROLE_DECODE;
+    p.n_prefill_addrs = 1;
+    p.prefill_addrs[0] = addr;
+    pd_err err = {0};
+    pd_engine *d = pd_engine_new(&p, &err);
+    if (!d || pd_engine_start(d) != PD_OK) {
+        fprintf(stderr, "pdserve bench-handoff: decode engine: %s\n", err.msg);
+        pd_engine_free(d);
+        return NULL;
+    }
+    for (int i = 0; i < 3000 && pd_engine_n_prefill_healthy(d) == 0; i++) poll(NULL, 0, 10);
+    if (pd_engine_n_prefill_healthy(d) == 0) {
+        fprintf(stderr, "pdserve bench-handoff: the decode engine never connected to the prefill engine\n");
+        pd_engine_free(d);
+        return NULL;
+    }
+    return d;
+}
+
 int pd_cmd_bench_handoff(int argc, char **argv) {
     hb_opts o;
     int prc = parse_opts(argc, argv, &o);
@@ -413,23 +437,8 @@ int pd_cmd_bench_handoff(int argc, char **argv) {
         fprintf(stderr, "pdserve bench-handoff: the prefill engine did not start\n");
         goto done;
     }
-    char addr[64];
-    snprintf(addr, sizeof addr, "127.0.0.1:%d", (int)port);
-    pd_engine_params p = base_params(&o, dir, o.dev_decode);
-    p.role = PD_ROLE_DECODE;
-    p.n_prefill_addrs = 1;
-    p.prefill_addrs[0] = addr;
-    pd_err err = {0};
-    d = pd_engine_new(&p, &err);
-    if (!d || pd_engine_start(d) != PD_OK) {
-        fprintf(stderr, "pdserve bench-handoff: decode engine: %s\n", err.msg);
-        goto done;
-    }
-    for (int i = 0; i < 3000 && pd_engine_n_prefill_healthy(d) == 0; i++) poll(NULL, 0, 10);
-    if (pd_engine_n_prefill_healthy(d) == 0) {
-        fprintf(stderr, "pdserve bench-handoff: the decode engine never connected to the prefill engine\n");
-        goto done;
-    }
+    d = start_decode(&o, dir, port);
+    if (!d) goto done;
     int max_len = pd_engine_max_model_len(d) - 1;
     int ttft_tokens = o.ttft_tokens > 0 ? PD_MIN(o.ttft_tokens, max_len) : max_len;
     for (int i = 0; i < o.n_lens; i++) rows[n_rows++].tokens = PD_MIN(o.lens[i], max_len);
@@ -454,7 +463,8 @@ int pd_cmd_bench_handoff(int argc, char **argv) {
     ch.pid = 0;
     pd_engine_free(d);
     d = NULL;
-    p = base_params(&o, dir, o.dev_prefill);
+    pd_err err = {0};
+    pd_engine_params p = base_params(&o, dir, o.dev_prefill);
     col = pd_engine_new(&p, &err);
     if (!col || pd_engine_start(col) != PD_OK) {
         fprintf(stderr, "pdserve bench-handoff: colocated engine: %s\n", err.msg);

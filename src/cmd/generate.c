@@ -162,6 +162,32 @@ static int parse_ids(const char *s, pd_tok_ids *out) {
     return out->n > 0 ? 0 : -1;
 }
 
+// One forward over the whole prompt; writes the last position's logits (for comparisons with an
+// outside reference, e.g. transformers on the same weights).
+static pd_status write_logits(pd_model *m, const pd_tok_ids *ids, const char *path, pd_err *err) {
+    int n = ids->n, V = pd_model_get_config(m)->vocab_size, bs = 16, nb = (n + bs - 1) / bs;
+    pd_model_cache *kc = pd_model_cache_new(m, nb, bs, err);
+    if (!kc) return err->status;
+    int32_t qi[2] = {0, n}, kv[1] = {n}, bti[2] = {0, nb}, row[1] = {n - 1};
+    int32_t *bt = pd_malloc(sizeof(int32_t) * (size_t)nb);
+    float *lg = pd_malloc(sizeof(float) * (size_t)V);
+    pd_status st = bt && lg ? PD_OK : PD_ERR_NOMEM;
+    if (st == PD_OK) {
+        for (int i = 0; i < nb; i++) bt[i] = i;
+        pd_batch b = {.n_tokens = n, .tokens = ids->ids, .n_seqs = 1, .q_indptr = qi, .kv_lens = kv, .bt_indptr = bti,
+                      .bt_indices = bt, .n_logits = 1, .logit_rows = row};
+        st = pd_model_forward(m, kc, &b, lg);
+    }
+    FILE *f = st == PD_OK ? fopen(path, "wb") : NULL;
+    if (st == PD_OK && (!f || fwrite(lg, sizeof(float), (size_t)V, f) != (size_t)V)) st = PD_ERR_IO;
+    if (f) fclose(f);
+    if (st) pd_err_set(err, st, "cannot write logits to %s: %s", path, pd_status_str(st));
+    pd_free(bt);
+    pd_free(lg);
+    pd_model_cache_free(kc);
+    return st;
+}
+
 static void gen_usage(void) {
     printf("usage: pdserve generate [--model DIR] (--prompt TEXT | --prompt-ids 1,2,3) [options]\n"
            "  --max-tokens N          tokens to generate (default 64)\n"
@@ -175,12 +201,13 @@ static void gen_usage(void) {
            "  --no-bos                do not add the tokenizer's special tokens to --prompt\n"
            "  --device cpu|cuda|auto  (default auto)\n"
            "  --load-format dummy     random weights from config.json (benchmarking)\n"
-           "  --output text|json      (default text)\n");
+           "  --output text|json      (default text)\n"
+           "  --logits-out FILE       also write the prompt's last-position logits (f32, little-endian)\n");
 }
 
 int pd_cmd_generate(int argc, char **argv) {
     enum { O_MODEL = 1, O_PROMPT, O_IDS, O_MAX, O_TEMP, O_TOPP, O_TOPK, O_MINP, O_PP, O_FP, O_RP, O_SEED, O_STOP, O_LP, O_EOS, O_BOS,
-           O_DEV, O_OUT, O_LF, O_HELP };
+           O_DEV, O_OUT, O_LF, O_LOGITS, O_HELP };
     static const struct option opts[] = {
         {"model", required_argument, 0, O_MODEL}, {"prompt", required_argument, 0, O_PROMPT},
         {"prompt-ids", required_argument, 0, O_IDS}, {"max-tokens", required_argument, 0, O_MAX},
@@ -191,8 +218,9 @@ int pd_cmd_generate(int argc, char **argv) {
         {"stop", required_argument, 0, O_STOP}, {"logprobs", required_argument, 0, O_LP},
         {"ignore-eos", no_argument, 0, O_EOS}, {"no-bos", no_argument, 0, O_BOS},
         {"device", required_argument, 0, O_DEV}, {"output", required_argument, 0, O_OUT},
-        {"load-format", required_argument, 0, O_LF}, {"help", no_argument, 0, O_HELP}, {0, 0, 0, 0}};
-    const char *model = NULL, *prompt = NULL, *prompt_ids = NULL, *device = "auto", *output = "text";
+        {"load-format", required_argument, 0, O_LF}, {"logits-out", required_argument, 0, O_LOGITS},
+        {"help", no_argument, 0, O_HELP}, {0, 0, 0, 0}};
+    const char *model = NULL, *prompt = NULL, *prompt_ids = NULL, *device = "auto", *output = "text", *logits_out = NULL;
     const char *stops[16];
     int n_stops = 0;
     long max_tokens = 64;
@@ -232,6 +260,7 @@ int pd_cmd_generate(int argc, char **argv) {
                 return pd_cmd_usage_error("generate", "--load-format must be auto, safetensors or dummy");
             dummy = !strcmp(optarg, "dummy");
             break;
+        case O_LOGITS: logits_out = optarg; break;
         case O_HELP: gen_usage(); return 0;
         default: return 2;
         }
@@ -272,6 +301,7 @@ int pd_cmd_generate(int argc, char **argv) {
     mp.progress = progress;
     m = pd_model_load(&mp, &err);
     if (!m) goto fail;
+    if (logits_out && write_logits(m, &ids, logits_out, &err)) goto fail;
     g.stream = pd_tok_stream_new(g.tok, true);
     if (n_stops && !(g.stop = pd_tok_stop_new(stops, n_stops, false, &err))) goto fail;
     g.print = !strcmp(output, "text");

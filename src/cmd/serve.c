@@ -18,6 +18,8 @@
 #include "api/api.h"
 #include "cmd/cmd.h"
 #include "engine/engine.h"
+#include "http/client.h"
+#include "wire/control.h"
 
 typedef struct serve_opts {
     pd_engine_params ep;
@@ -25,6 +27,9 @@ typedef struct serve_opts {
     bool is_run;           // `run`: send the sample request
     bool exit_after_sample;
     int sample_max_tokens;
+    const char *router_url;       // --router: register with this router (and deregister at exit)
+    const char *router_token_file;
+    const char *advertise_url;    // the URL the router should use for us (default http://host:port)
 } serve_opts;
 
 // "123", "64k", "512M", "2G" (binary multiples; an optional trailing "B"/"iB"). false on error.
@@ -69,13 +74,26 @@ static void serve_usage(bool is_run) {
            "  --served-model-name NAME      model name clients must use (default: folder name)\n"
            "  --load-format dummy           random weights (benchmarking)\n"
            "  --max-waiting N               waiting-queue limit; beyond it requests get 503\n"
-           "  --max-body-bytes BYTES        request body limit (default 8M; larger bodies get 413)\n");
+           "  --max-body-bytes BYTES        request body limit (default 8M; larger bodies get 413)\n"
+           "disaggregated prefill/decode (docs/design.md):\n"
+           "  --role both|prefill|decode    (default both: colocated)\n"
+           "  --kv-host H  --kv-port P      prefill role: where the KV port listens (P 0 = any, printed)\n"
+           "  --prefill HOST:PORT           decode role: a prefill worker's KV port (repeatable, up to 16)\n"
+           "  --kv-transport tcp|shm|cuda-ipc  decode role (default shm on cpu, cuda-ipc on cuda)\n"
+           "  --disagg-min-tokens N         prefill locally below N uncached prompt tokens (default 64)\n"
+           "  --disagg-timeout-ms N         fall back to local prefill after N ms (default 30000)\n"
+           "  --debug-corrupt-kv N          test hook: corrupt every Nth KV transfer (prefill role)\n"
+           "router registration:\n"
+           "  --router URL                  register with the router at URL (re-sent every 10 s; deregistered at exit)\n"
+           "  --router-token-file F         bearer token for the router's /internal/register\n"
+           "  --advertise-url URL           the URL the router should use (default http://HOST:PORT)\n");
 }
 
 // Parses argv into o. Returns -1 on success, else the exit code (0 for --help).
 static int parse_flags(int argc, char **argv, serve_opts *o) {
     enum { O_MODEL = 1, O_HOST, O_PORT, O_DEV, O_BS, O_NB, O_KVMEM, O_SEQS, O_TOKS, O_NOPC, O_NOCP, O_POL, O_MML,
-           O_NAME, O_LF, O_WAIT, O_BODY, O_EXIT, O_HELP };
+           O_NAME, O_LF, O_WAIT, O_BODY, O_EXIT, O_ROLE, O_KVHOST, O_KVPORT, O_PREFILL, O_KVTR, O_DMIN, O_DTO,
+           O_CORRUPT, O_ROUTER, O_RTOKEN, O_ADV, O_HELP };
     static const struct option opts[] = {
         {"model", required_argument, 0, O_MODEL}, {"host", required_argument, 0, O_HOST},
         {"port", required_argument, 0, O_PORT}, {"device", required_argument, 0, O_DEV},
@@ -86,6 +104,12 @@ static int parse_flags(int argc, char **argv, serve_opts *o) {
         {"max-model-len", required_argument, 0, O_MML}, {"served-model-name", required_argument, 0, O_NAME},
         {"load-format", required_argument, 0, O_LF}, {"max-waiting", required_argument, 0, O_WAIT},
         {"max-body-bytes", required_argument, 0, O_BODY}, {"exit-after-sample", no_argument, 0, O_EXIT},
+        {"role", required_argument, 0, O_ROLE}, {"kv-host", required_argument, 0, O_KVHOST},
+        {"kv-port", required_argument, 0, O_KVPORT}, {"prefill", required_argument, 0, O_PREFILL},
+        {"kv-transport", required_argument, 0, O_KVTR}, {"disagg-min-tokens", required_argument, 0, O_DMIN},
+        {"disagg-timeout-ms", required_argument, 0, O_DTO}, {"debug-corrupt-kv", required_argument, 0, O_CORRUPT},
+        {"router", required_argument, 0, O_ROUTER}, {"router-token-file", required_argument, 0, O_RTOKEN},
+        {"advertise-url", required_argument, 0, O_ADV},
         {"help", no_argument, 0, O_HELP}, {0, 0, 0, 0}};
     const char *cmd = o->is_run ? "run" : "serve";
     long v;
@@ -93,7 +117,8 @@ static int parse_flags(int argc, char **argv, serve_opts *o) {
     int c;
     optind = 1;
     while ((c = getopt_long(argc, argv, "", opts, NULL)) != -1) {
-        bool int_flag = c == O_PORT || c == O_BS || c == O_NB || c == O_SEQS || c == O_TOKS || c == O_MML || c == O_WAIT;
+        bool int_flag = c == O_PORT || c == O_BS || c == O_NB || c == O_SEQS || c == O_TOKS || c == O_MML || c == O_WAIT ||
+                        c == O_KVPORT || c == O_DMIN || c == O_DTO || c == O_CORRUPT;
         if (int_flag && (!pd_cmd_parse_int(optarg, &v) || v < 0 || v > (1l << 30)))
             return pd_cmd_usage_error(cmd, "bad value '%s' for an integer option", optarg);
         switch (c) {
@@ -132,11 +157,44 @@ static int parse_flags(int argc, char **argv, serve_opts *o) {
             o->ap.max_body_bytes = bytes;
             break;
         case O_EXIT: o->exit_after_sample = true; break;
+        case O_ROLE:
+            if (!strcmp(optarg, "both")) o->ep.role = PD_ROLE_BOTH;
+            else if (!strcmp(optarg, "prefill")) o->ep.role = PD_ROLE_PREFILL;
+            else if (!strcmp(optarg, "decode")) o->ep.role = PD_ROLE_DECODE;
+            else return pd_cmd_usage_error(cmd, "--role must be both, prefill or decode");
+            break;
+        case O_KVHOST: o->ep.kv_host = optarg; break;
+        case O_KVPORT:
+            if (v > 65535) return pd_cmd_usage_error(cmd, "--kv-port must be 0..65535");
+            o->ep.kv_port = (int)v;
+            break;
+        case O_PREFILL:
+            if (o->ep.n_prefill_addrs >= (int)PD_ARRAY_LEN(o->ep.prefill_addrs))
+                return pd_cmd_usage_error(cmd, "at most %d --prefill workers", (int)PD_ARRAY_LEN(o->ep.prefill_addrs));
+            if (!strchr(optarg, ':')) return pd_cmd_usage_error(cmd, "--prefill wants HOST:PORT, got '%s'", optarg);
+            o->ep.prefill_addrs[o->ep.n_prefill_addrs++] = optarg;
+            break;
+        case O_KVTR:
+            if (!strcmp(optarg, "tcp")) o->ep.kv_transport = PD_KVW_TRANSPORT_TCP;
+            else if (!strcmp(optarg, "shm")) o->ep.kv_transport = PD_KVW_TRANSPORT_SHM;
+            else if (!strcmp(optarg, "cuda-ipc")) o->ep.kv_transport = PD_KVW_TRANSPORT_CUDA_IPC;
+            else return pd_cmd_usage_error(cmd, "--kv-transport must be tcp, shm or cuda-ipc");
+            break;
+        case O_DMIN: o->ep.disagg_min_tokens = (int)v; break;
+        case O_DTO: o->ep.disagg_timeout_ms = (int)v; break;
+        case O_CORRUPT: o->ep.debug_corrupt_every = (int)v; break;
+        case O_ROUTER: o->router_url = optarg; break;
+        case O_RTOKEN: o->router_token_file = optarg; break;
+        case O_ADV: o->advertise_url = optarg; break;
         case O_HELP: serve_usage(o->is_run); return 0;
         default: return 2;
         }
     }
     if (optind != argc) return pd_cmd_usage_error(cmd, "unexpected argument '%s'", argv[optind]);
+    if (o->ep.role == PD_ROLE_DECODE && o->ep.n_prefill_addrs == 0)
+        return pd_cmd_usage_error(cmd, "--role decode needs at least one --prefill HOST:PORT");
+    if (o->ep.role != PD_ROLE_DECODE && o->ep.n_prefill_addrs)
+        return pd_cmd_usage_error(cmd, "--prefill only applies to --role decode");
     if (!o->ep.model_dir) {
         if (!o->is_run) return pd_cmd_usage_error(cmd, "--model DIR is required");
         o->ep.model_dir = pd_cmd_default_model(argv[0]);
@@ -212,6 +270,135 @@ static void send_sample(serve_ctx *s) {
     if (evhttp_make_request(s->client, req, EVHTTP_REQ_POST, "/v1/chat/completions")) print_sample_answer(s, NULL);
 }
 
+// ---- router registration -----------------------------------------------------------------------
+// POST <router>/internal/register with our URL, role, model and block size, at start and every
+// 10 s (re-registering is idempotent and re-announces us to a restarted router); at exit one
+// POST /internal/deregister, waited for at most 2 s.
+
+typedef struct reg_ctx {
+    serve_ctx *s;
+    pd_http_client *client;
+    struct event *timer;
+    char *auth;                 // "Bearer <token>" or NULL (owned)
+    char url[PD_WIRE_URL_MAX];  // our advertised URL
+    pd_http_client_call *call;  // in flight, or NULL
+    bool is_registered, is_final, has_failed;
+} reg_ctx;
+
+static void on_reg_done(pd_http_client_call *call, pd_status st, int http, const char *msg, void *ud) {
+    reg_ctx *g = ud;
+    PD_UNUSED(call);
+    g->call = NULL;
+    bool ok = st == PD_OK && http == 200;
+    if (g->is_final) {
+        event_base_loopbreak(g->s->base);
+        return;
+    }
+    if (ok && !g->is_registered) fprintf(stderr, "pdserve: registered with router %s as %s\n", g->s->o->router_url, g->url);
+    if (!ok && (g->is_registered || !g->has_failed))
+        fprintf(stderr, "pdserve: router %s: registration failed (%s, HTTP %d); retrying every 10 s\n", g->s->o->router_url,
+                st == PD_OK ? "refused" : msg, http);
+    g->has_failed |= !ok;
+    g->is_registered = ok;
+}
+
+static void reg_send(reg_ctx *g, bool deregister) {
+    char target[PD_WIRE_URL_MAX + 32];
+    snprintf(target, sizeof target, "%s/internal/%s", g->s->o->router_url, deregister ? "deregister" : "register");
+    json_t *o;
+    if (deregister) {
+        o = pd_wire_deregister_to_json(g->url);
+    } else {
+        pd_wire_register m = {0};
+        snprintf(m.url, sizeof m.url, "%s", g->url);
+        m.role = g->s->o->ep.role == PD_ROLE_PREFILL ? PD_WIRE_ROLE_PREFILL
+                 : g->s->o->ep.role == PD_ROLE_DECODE ? PD_WIRE_ROLE_DECODE : PD_WIRE_ROLE_BOTH;
+        snprintf(m.model, sizeof m.model, "%s", pd_api_model_name(g->s->api));
+        m.block_size = g->s->o->ep.block_size;
+        o = pd_wire_register_to_json(&m);
+    }
+    char *body = o ? json_dumps(o, JSON_COMPACT) : NULL;
+    json_decref(o);
+    if (!body) return;
+    const char *hdrs[] = {"Authorization", g->auth, NULL};
+    pd_http_client_request rq = {.method = "POST", .url = target, .headers = g->auth ? hdrs : NULL,
+                                 .body = body, .body_len = strlen(body)};
+    pd_http_client_callbacks cb = {.on_done = on_reg_done};
+    pd_err err = {0};
+    g->call = pd_http_client_send(g->client, &rq, &cb, g, &err);
+    if (!g->call) fprintf(stderr, "pdserve: router %s: %s\n", g->s->o->router_url, err.msg);
+    free(body);
+}
+
+static void on_reg_timer(evutil_socket_t fd, short what, void *arg) {
+    reg_ctx *g = arg;
+    PD_UNUSED(fd);
+    PD_UNUSED(what);
+    if (!g->call) reg_send(g, false);
+}
+
+// Starts registration; false (with a message) on a setup error.
+static bool reg_start(reg_ctx *g, serve_ctx *s) {
+    memset(g, 0, sizeof *g);
+    g->s = s;
+    serve_opts *o = s->o;
+    if (o->advertise_url) {
+        snprintf(g->url, sizeof g->url, "%s", o->advertise_url);
+    } else {
+        const char *h = o->ap.host && strcmp(o->ap.host, "0.0.0.0") ? o->ap.host : "127.0.0.1";
+        snprintf(g->url, sizeof g->url, "http://%s:%d", h, pd_api_port(s->api));
+    }
+    if (o->router_token_file) {
+        char *tok = NULL;
+        size_t n = 0;
+        pd_err err = {0};
+        if (pd_file_read_all(o->router_token_file, &tok, &n, &err)) {
+            fprintf(stderr, "pdserve: %s\n", err.msg);
+            return false;
+        }
+        while (n && (tok[n - 1] == '\n' || tok[n - 1] == '\r' || tok[n - 1] == ' ')) tok[--n] = 0;
+        g->auth = pd_malloc(n + 8);
+        if (g->auth) snprintf(g->auth, n + 8, "Bearer %s", tok);
+        pd_free(tok);
+        if (!g->auth) return false;
+    }
+    pd_http_client_params cp = pd_http_client_params_default();
+    cp.max_connections = 2;
+    cp.request_timeout_ms = 5000;
+    g->client = pd_http_client_new(s->base, &cp, NULL);
+    g->timer = event_new(s->base, -1, EV_PERSIST, on_reg_timer, g);
+    struct timeval tv = {10, 0};
+    if (!g->client || !g->timer || event_add(g->timer, &tv)) return false;
+    reg_send(g, false);
+    return true;
+}
+
+static void on_reg_deadline(evutil_socket_t fd, short what, void *arg) {
+    PD_UNUSED(fd);
+    PD_UNUSED(what);
+    event_base_loopbreak(arg);
+}
+
+// Deregisters (waiting at most 2 s on the loop) and frees everything.
+static void reg_stop(reg_ctx *g) {
+    if (g->timer) event_free(g->timer);
+    if (g->client && g->s->api) {
+        if (g->call) pd_http_client_call_cancel(g->call);
+        g->call = NULL;
+        g->is_final = true;
+        reg_send(g, true);
+        if (g->call) {
+            struct event *deadline = evtimer_new(g->s->base, on_reg_deadline, g->s->base);
+            struct timeval tv = {2, 0};
+            if (deadline && !evtimer_add(deadline, &tv)) event_base_dispatch(g->s->base);
+            if (deadline) event_free(deadline);
+        }
+    }
+    pd_http_client_free(g->client);
+    pd_free(g->auth);
+    memset(g, 0, sizeof *g);
+}
+
 static int serve_main(serve_opts *o) {
     signal(SIGPIPE, SIG_IGN);  // a client that vanished mid-write must not kill the server
     pd_err err = {0};
@@ -228,6 +415,7 @@ static int serve_main(serve_opts *o) {
     }
     int rc = 1;
     serve_ctx s = {.o = o};
+    reg_ctx reg = {0};
     struct event *sigint = NULL, *sigterm = NULL;
     s.base = event_base_new();
     if (!s.base) goto done;
@@ -239,13 +427,19 @@ static int serve_main(serve_opts *o) {
     sigint = evsignal_new(s.base, SIGINT, on_signal, &s);
     sigterm = evsignal_new(s.base, SIGTERM, on_signal, &s);
     if (!sigint || !sigterm || event_add(sigint, NULL) || event_add(sigterm, NULL)) goto done;
-    printf("pdserve: serving %s (max_model_len %d) on http://%s:%d\n", pd_api_model_name(s.api),
-           pd_engine_max_model_len(e), o->ap.host ? o->ap.host : "127.0.0.1", pd_api_port(s.api));
+    if (o->ep.role == PD_ROLE_PREFILL)  // printed before the URL: scripts read it once the URL shows
+        printf("pdserve: prefill worker, KV port %s:%d\n", o->ep.kv_host ? o->ep.kv_host : "127.0.0.1",
+               pd_engine_kv_port(e));
+    printf("pdserve: serving %s (%s, max_model_len %d) on http://%s:%d\n", pd_api_model_name(s.api),
+           pd_engine_role_name(o->ep.role), pd_engine_max_model_len(e), o->ap.host ? o->ap.host : "127.0.0.1",
+           pd_api_port(s.api));
     fflush(stdout);
     if (o->is_run) send_sample(&s);
+    if (o->router_url && !reg_start(&reg, &s)) goto done;
     event_base_dispatch(s.base);
     rc = 0;
 done:
+    if (o->router_url) reg_stop(&reg);
     if (s.client) evhttp_connection_free(s.client);
     pd_api_free(s.api);
     if (sigint) event_free(sigint);

@@ -207,7 +207,7 @@ pd_status pd_engine_submit(pd_engine *e, const pd_engine_request *r, pd_err *err
     cmd->req = *r;
     cmd->prompt = prompt;
     cmd->req.prompt = prompt;
-    memcpy(cmd->stop_ids, r->stop_ids, sizeof(int32_t) * (size_t)r->n_stop_ids);
+    if (r->n_stop_ids) memcpy(cmd->stop_ids, r->stop_ids, sizeof(int32_t) * (size_t)r->n_stop_ids);
     cmd->req.stop_ids = cmd->stop_ids;
     if (!cmd->req.arrival_us) cmd->req.arrival_us = pd_time_us();
     return pd_queue_push_cmd(&e->q, cmd);

@@ -94,8 +94,10 @@ pd_status pd_queue_push_events(pd_queue *q, const pd_engine_event *ev, int n) {
 int pd_queue_poll_events(pd_queue *q, pd_engine_event *out, int max) {
     pthread_mutex_lock(&q->mu);
     int n = PD_MIN(max, q->n_out);
-    memcpy(out, q->out, sizeof *out * (size_t)n);
-    memmove(q->out, q->out + n, sizeof *out * (size_t)(q->n_out - n));
+    if (n > 0) {
+        memcpy(out, q->out, sizeof *out * (size_t)n);
+        memmove(q->out, q->out + n, sizeof *out * (size_t)(q->n_out - n));
+    }
     q->n_out -= n;
     if (q->n_out == 0) {
         uint64_t v;

@@ -81,6 +81,8 @@ const char *pd_http_req_path(const pd_http_req *r);    // without the query stri
 const char *pd_http_req_body(pd_http_req *r, size_t *len);
 // A request header (case-insensitive name), or NULL.
 const char *pd_http_req_header(const pd_http_req *r, const char *name);
+// A query-string parameter ("since" of /x?since=4), URL-decoded, or NULL.
+const char *pd_http_req_query(pd_http_req *r, const char *name);
 // Sets the callback that runs if the client disconnects before r is ended (see lifecycle above).
 void pd_http_req_set_close_cb(pd_http_req *r, pd_http_close_fn fn, void *ud);
 // Bytes queued on r's connection and not yet written to the socket (slow-client backpressure).

@@ -23,6 +23,7 @@
 #include <arpa/inet.h>
 #include <errno.h>
 #include <netinet/in.h>
+#include <sys/queue.h>
 #include <sys/socket.h>
 #include <stdio.h>
 #include <string.h>
@@ -61,6 +62,8 @@ struct pd_http_req {
     pd_http_close_fn close_fn;
     void *close_ud;
     bool is_streaming;
+    bool has_query;               // query parsed into `query`
+    struct evkeyvalq query;       // the query string's parameters (evhttp_parse_query_str)
     struct event *watch;  // EOF watch on the socket while a handler holds r (see on_watch)
     pd_http_req *prev, *next;
 };
@@ -102,6 +105,7 @@ static void req_end(pd_http_req *r) {
     pd_http_server *s = r->srv;
     if (s->in_handler == r) s->in_handler = NULL;
     if (r->watch) event_free(r->watch);
+    if (r->has_query) evhttp_clear_headers(&r->query);
     if (r->evcon) evhttp_connection_set_closecb(r->evcon, NULL, NULL);
     if (r->prev) r->prev->next = r->next;
     else s->active = r->next;
@@ -313,6 +317,21 @@ const char *pd_http_req_body(pd_http_req *r, size_t *len) {
 const char *pd_http_req_header(const pd_http_req *r, const char *name) {
     if (!r->ev) return NULL;
     return evhttp_find_header(evhttp_request_get_input_headers(r->ev), name);
+}
+
+const char *pd_http_req_query(pd_http_req *r, const char *name) {
+    if (!r->has_query) {
+        if (!r->ev) return NULL;
+        const struct evhttp_uri *uri = evhttp_request_get_evhttp_uri(r->ev);
+        const char *q = uri ? evhttp_uri_get_query(uri) : NULL;
+        TAILQ_INIT(&r->query);
+        r->has_query = true;
+        if (q && evhttp_parse_query_str(q, &r->query)) {
+            evhttp_clear_headers(&r->query);
+            return NULL;
+        }
+    }
+    return evhttp_find_header(&r->query, name);
 }
 
 void pd_http_req_set_close_cb(pd_http_req *r, pd_http_close_fn fn, void *ud) {

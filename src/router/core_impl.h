@@ -51,6 +51,7 @@ typedef struct pd_router_cand {
     double kv_free_frac;           // free KV blocks / total (1 if unknown)
     double prefill_tokens_per_s;   // measured (or the router's default)
     double decode_step_ms;         // measured (or the router's default)
+    double ttft_ms_per_inflight;   // router-observed TTFT / (in flight at dispatch + 1); 0 = unknown
 } pd_router_cand;
 
 // Cost weights, in "prefill-token equivalents". Defaults (pd_router_cost_params_default):
@@ -78,6 +79,10 @@ int pd_router_pick(const pd_router_cost_params *p, const pd_router_cand *cands, 
 // measured prefill rate, plus the step we join (at batch running + 1) once per waiting request
 // ahead of us and once for our own first token:
 //   ttft = (queued + (prompt - hit)) / rate × 1000 + step_ms × (running + 1) / max(running, 1) × (1 + waiting)
+// unless the router has observed this worker: then its own measure, scaled to the load, is used:
+//   ttft = ttft_ms_per_inflight × (inflight + 1)
+// (self-calibrating; the reported rates are averages over the worker's last steps, stale when
+// it idles, and carry no batch size).
 // Predicted time per output token (ms) at the batch size we would make (pessimistic linear
 // scaling from the measured step at the current batch):
 //   tpot = step_ms × (running + 1) / max(running, 1)

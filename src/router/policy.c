@@ -52,7 +52,11 @@ double pd_router_predict_ttft_ms(const pd_router_cand *c) {
     double own = (double)(c->n_prompt_tokens - PD_MIN(c->n_hit_tokens, c->n_prompt_tokens));
     int run = c->n_running > 0 ? c->n_running : 1;
     double step_joined = step * (double)(c->n_running + 1) / (double)run;
-    return ((double)c->n_queued_prefill_tokens + own) / rate * 1000.0 + step_joined * (1.0 + c->n_waiting);
+    double model = ((double)c->n_queued_prefill_tokens + own) / rate * 1000.0 + step_joined * (1.0 + c->n_waiting);
+    // NOTE: the router's own observation wins when it has one: the worker's rates are averages
+    // over the steps it last ran, so they go stale on an idle worker and carry no batch size.
+    if (c->ttft_ms_per_inflight > 0) return c->ttft_ms_per_inflight * (double)(c->n_inflight + 1);
+    return model;
 }
 
 double pd_router_predict_tpot_ms(const pd_router_cand *c) {

@@ -55,6 +55,7 @@ struct rt_job {
     uint64_t tried;              // worker slots tried
     int64_t pending_tokens;      // uncached prompt tokens sent with the current attempt
     int64_t queued_at_dispatch;
+    int inflight_at_dispatch;
     pd_http_client_call *call;
     bool is_tokenizing, is_continuation;
     int up_status;
@@ -181,6 +182,7 @@ static void relay_event(rt_job *j, const char *data, size_t len) {
         return;  // sent by pd_http_sse_end once the upstream call is over
     }
     int64_t now = pd_time_us();
+    bool is_fresh_first = !j->got_chunk && j->n_gen == 0;  // first chunk of a non-continuation
     json_t *chunk = json_loadb(data, len, 0, NULL);
     if (chunk && json_is_object(chunk) && !json_object_get(chunk, "error")) {
         json_t *c0 = json_array_get(json_object_get(chunk, "choices"), 0);
@@ -219,6 +221,11 @@ static void relay_event(rt_job *j, const char *data, size_t len) {
         j->got_chunk = true;
         if (!j->t_first_us) j->t_first_us = now;
         j->pending_tokens = 0;
+        if (j->w >= 0 && is_fresh_first) {
+            rt_worker *w = &r->workers[j->w];
+            double per = (double)(now - j->t_dispatch_us) / 1e3 / (j->inflight_at_dispatch + 1);
+            w->obs_ttft_per_inflight = w->obs_ttft_per_inflight <= 0 ? per : 0.8 * w->obs_ttft_per_inflight + 0.2 * per;
+        }
     } else if (j->t_last_us) {
         double itl_ms = (double)(now - j->t_last_us) / 1e3;
         pd_metric_observe(r->cm[j->class_idx].itl, itl_ms / 1e3);
@@ -318,6 +325,23 @@ static void retry_or_fail(rt_job *j, const char *why) {
     bool is_mid_stream = j->sse_started || j->n_gen > 0;
     if (is_mid_stream && (!j->can_continue || j->is_ids_missing))
         return job_fail(j, 502, "router: the worker failed mid-stream and the stream cannot be continued");
+    if (is_mid_stream && j->max_tokens >= 0 && j->n_gen >= j->max_tokens) {
+        // every token was relayed; only the finish chunk was lost with the worker
+        if (j->http) {
+            json_t *c = j->kind == RT_CHAT
+                            ? json_pack("{s:s, s:I, s:s, s:[{s:i, s:{}, s:s}]}", "id", j->resp_id, "created",
+                                        j->created, "object", "chat.completion.chunk", "choices", "index", 0,
+                                        "delta", "finish_reason", "length")
+                            : json_pack("{s:s, s:I, s:s, s:[{s:i, s:s, s:s}]}", "id", j->resp_id, "created",
+                                        j->created, "object", "text_completion", "choices", "index", 0, "text",
+                                        "", "finish_reason", "length");
+            if (c) pd_http_sse_send_json(j->http, c);
+            json_decref(c);
+            pd_http_sse_end(j->http, true);
+            j->http = NULL;
+        }
+        return job_end(j, true);
+    }
     pd_metric_inc(is_mid_stream ? r->m_failovers : r->m_retries, 1);
     if (is_mid_stream && !j->has_ids) {
         // The continuation needs the prompt as ids: tokenize on any healthy worker first.
@@ -470,6 +494,7 @@ static int build_cands(rt_job *j, pd_router_cand *cands) {
                               ? (double)w->load.n_kv_blocks_free / w->load.n_kv_blocks_total : 1.0;
         c->prefill_tokens_per_s = worker_prefill_tps(r, w);
         c->decode_step_ms = worker_step_ms(r, w);
+        c->ttft_ms_per_inflight = w->obs_ttft_per_inflight;
     }
     pd_free(hashes);
     return n;
@@ -488,6 +513,9 @@ static int choose(rt_job *j, const pd_router_cand *cands, int n) {
 }
 
 static bool meets_slo(const pd_router_class *cls, const pd_router_cand *c) {
+    // An idle worker is never a reason to refuse: there is nothing to wait for, and its reported
+    // rates may be stale averages from its last burst.
+    if (c->n_inflight == 0 && c->n_running == 0 && c->n_waiting == 0) return true;
     if (cls->slo_ttft_ms > 0 && pd_router_predict_ttft_ms(c) > cls->slo_ttft_ms) return false;
     if (cls->slo_tpot_ms > 0 && pd_router_predict_tpot_ms(c) > cls->slo_tpot_ms) return false;
     return true;
@@ -547,6 +575,7 @@ static void job_dispatch(rt_job *j) {
     }
     j->pending_tokens = j->n_prompt - c->n_hit_tokens + j->n_gen;
     j->queued_at_dispatch = c->n_queued_prefill_tokens;
+    j->inflight_at_dispatch = w->n_inflight - 1;  // others already there
     send_upstream(j);
 }
 

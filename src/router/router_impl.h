@@ -45,6 +45,7 @@ typedef struct rt_worker {
     int n_inflight;             // requests routed here and not finished
     double obs_step_ms;         // EWMA of observed inter-chunk gaps (0 = none yet)
     double obs_batch;           // EWMA of n_inflight when those gaps were observed
+    double obs_ttft_per_inflight;  // EWMA of TTFT / (in flight at dispatch + 1), ms
     int64_t n_routed, n_failed;
     int64_t n_pred_query_tokens, n_pred_hit_tokens;  // router's predicted prefix hits
     int64_t n_prefix_query_base, n_prefix_hit_base;  // worker counters at registration (for rates)

@@ -42,15 +42,17 @@ static json_t *workers_json(const pd_router *r) {
         const pd_wire_load *l = &w->load;
         double hit = l->n_prefix_query_tokens > 0 ? (double)l->n_prefix_hit_tokens / (double)l->n_prefix_query_tokens : 0;
         double pred = w->n_pred_query_tokens > 0 ? (double)w->n_pred_hit_tokens / (double)w->n_pred_query_tokens : 0;
-        json_array_append_new(
-            a, json_pack("{s:s, s:s, s:s, s:s, s:i, s:i, s:i, s:i, s:i, s:f, s:f, s:I, s:I, s:f, s:f}",
+        json_t *o = json_pack("{s:s, s:s, s:s, s:s, s:i, s:i, s:i, s:i, s:i, s:f, s:f, s:I, s:I, s:f, s:f}",
                          "url", w->url, "role", pd_wire_role_str(w->role), "state", worker_state(w),
                          "model", w->model, "running", (int)l->n_running, "waiting", (int)l->n_waiting,
                          "inflight", w->n_inflight, "kv_blocks_used", (int)l->n_kv_blocks_used,
                          "kv_blocks_total", (int)l->n_kv_blocks_total, "prefix_hit_rate", hit,
                          "predicted_hit_rate", pred, "routed", (json_int_t)w->n_routed, "failed",
                          (json_int_t)w->n_failed, "prefill_tokens_per_s", l->prefill_tokens_per_s,
-                         "decode_step_ms", l->decode_step_ms));
+                         "decode_step_ms", l->decode_step_ms);
+        json_object_set_new(o, "observed_step_ms", json_real(w->obs_step_ms));
+        json_object_set_new(o, "observed_ttft_ms_per_inflight", json_real(w->obs_ttft_per_inflight));
+        json_array_append_new(a, o);
     }
     return a;
 }

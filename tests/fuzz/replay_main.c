@@ -8,6 +8,8 @@
 #include <string.h>
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
+// Optional, as in libFuzzer: one-time set-up (loading a tokenizer, a template).
+int LLVMFuzzerInitialize(int *argc, char ***argv) __attribute__((weak));
 #define STR2(x) #x
 #define STR(x) STR2(x)
 
@@ -16,6 +18,7 @@ int main(int argc, char **argv) {
     char dir[1024];
     if (argc > 1) snprintf(dir, sizeof dir, "%s", argv[1]);
     else snprintf(dir, sizeof dir, "%s/tests/fuzz/corpus/%s", repo ? repo : ".", STR(PD_FUZZ_TARGET));
+    if (LLVMFuzzerInitialize) LLVMFuzzerInitialize(&argc, &argv);
     DIR *d = opendir(dir);
     if (!d) {
         printf("no corpus at %s\n0 passed, 1 failed\n", dir);

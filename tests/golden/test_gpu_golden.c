@@ -6,6 +6,7 @@
 
 #include "model/generate.h"
 #include "model/model.h"
+#include "model/model_impl.h"  // white-box: which decode buckets were captured
 #include "test.h"
 
 static const char *MODELS[] = {"kjv-llama-6m", "kjv-llama-1m", "tiny-random-llama31", "tiny-random-qwen2"};
@@ -265,6 +266,11 @@ PD_TEST(gpu_decode_graphs_match_eager) {
             PD_CHECK_MSG(e < 1e-2, "step %d seq %d (batch %d, context %d): graph vs eager rel L2 %.3g", step, s, n, len[s], e);
         }
     }
+    // Buckets (4 seqs, ctx 256), (4, 384), (2, 384) were each warmed eagerly, then captured.
+    int n_captured = 0;
+    for (int i = 0; i < mg->ws.n_graphs; i++) n_captured += mg->ws.graphs[i].g != NULL;
+    PD_CHECK_MSG(n_captured == 3, "%d decode graphs captured, want 3", n_captured);
+    PD_CHECK_EQ(me->ws.n_graphs, 0);
     size_t bb = pd_model_cache_block_bytes(kg);
     uint8_t *blk = pd_malloc(bb);
     pd_backend_download(be, blk, pd_model_cache_k(kg, 0), bb);

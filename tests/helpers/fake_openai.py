@@ -4,15 +4,17 @@
 Python standard library only. It answers:
   GET  /v1/models                       {"data": [{"id": MODEL}]}
   GET  /health                          200
+  GET  /stats                           {"completions": requests answered on the two POST routes}
   POST /v1/completions                  SSE: max_tokens chunks {"choices":[{"text": "tok"}]}, a finish
   POST /v1/chat/completions             chunk, a usage chunk (stream_options.include_usage), [DONE];
                                         chat sends a role-only delta first, as OpenAI does
 Timing is known, so the harness's measurements can be checked: the first token comes after
 --ttft-ms, then one every --itl-ms. --fail-every N answers every Nth completion request with a
-500 (OpenAI-shaped error) so failure accounting can be checked too. Responses use HTTP/1.1
+500 (OpenAI-shaped error) so failure accounting can be checked too; with --api-key KEY every route
+but /health and /stats wants "Authorization: Bearer KEY" (else 401). Responses use HTTP/1.1
 chunked encoding and keep-alive, like a real server.
 
-Usage: fake_openai.py [--port 0] [--ttft-ms 20] [--itl-ms 5] [--fail-every 0] [--model NAME]
+Usage: fake_openai.py [--port 0] [--ttft-ms 20] [--itl-ms 5] [--fail-every 0] [--model NAME] [--api-key KEY]
 Prints "port N" on stdout once listening (port 0 picks a free one).
 """
 import argparse
@@ -44,7 +46,19 @@ class Handler(BaseHTTPRequestHandler):
         self.wfile.write(b"%x\r\n%s\r\n" % (len(raw), raw))
         self.wfile.flush()
 
+    def _authorized(self):
+        key = self.server.opts.api_key
+        if not key or self.headers.get("Authorization") == "Bearer " + key:
+            return True
+        self._json(401, {"error": {"message": "bad api key", "type": "invalid_request_error"}})
+        return False
+
     def do_GET(self):
+        if self.path == "/stats":
+            with Handler.lock:
+                return self._json(200, {"completions": Handler.counter})
+        if self.path != "/health" and not self._authorized():
+            return
         if self.path == "/v1/models":
             self._json(200, {"object": "list", "data": [{"id": self.server.opts.model, "object": "model"}]})
         elif self.path == "/health":
@@ -54,8 +68,11 @@ class Handler(BaseHTTPRequestHandler):
 
     def do_POST(self):
         n = int(self.headers.get("Content-Length", "0"))
+        body = self.rfile.read(n)
+        if not self._authorized():
+            return
         try:
-            req = json.loads(self.rfile.read(n) or b"{}")
+            req = json.loads(body or b"{}")
         except ValueError:
             return self._json(400, {"error": {"message": "bad json", "type": "invalid_request_error"}})
         chat = self.path == "/v1/chat/completions"
@@ -109,6 +126,7 @@ def main():
     ap.add_argument("--itl-ms", type=float, default=5)
     ap.add_argument("--fail-every", type=int, default=0)
     ap.add_argument("--model", default="fake-model")
+    ap.add_argument("--api-key", default="")
     opts = ap.parse_args()
     srv = ThreadingHTTPServer(("127.0.0.1", opts.port), Handler)
     srv.daemon_threads = True

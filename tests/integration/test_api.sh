@@ -8,7 +8,8 @@
 #   4. 400 idle connections + 16 open streams do not stop a request from being served;
 #      soak: 500 requests from 64 concurrent clients, some disconnecting mid-stream; afterwards
 #      the KV pool is back to its initial free count and the server still answers
-#   5. SIGTERM: clean exit with status 0
+#   5. --router: the worker registers with a router, serves through it, deregisters at exit
+#   6. SIGTERM: clean exit with status 0
 # Needs curl and node (the load client is tests/integration/js/load.mjs, no npm packages).
 here=$(cd "$(dirname "$0")" && pwd)
 . "$here/lib/server.sh"
@@ -20,12 +21,14 @@ n_checks=0
 
 # ---- servers --------------------------------------------------------------------------------
 # A: defaults (prefix caching, budget 2048). B: no prefix caching, budget 16. C: budget 64.
-# D: memory pressure, 40 blocks of 16 tokens. E: one sequence, one waiting slot (503s).
+# D: memory pressure, 40 blocks of 16 tokens. E: one sequence, one waiting slot (503s), and the
+# remaining serve flags (KV size in bytes, srpt, a shorter context, no chunked prefill).
 pd_start A --num-kv-blocks 1024 --served-model-name kjv
 pd_start B --num-kv-blocks 1024 --served-model-name kjv --no-prefix-caching --max-num-batched-tokens 16
 pd_start C --num-kv-blocks 1024 --served-model-name kjv --max-num-batched-tokens 64
 pd_start D --num-kv-blocks 40 --served-model-name kjv
-pd_start E --num-kv-blocks 256 --served-model-name kjv --max-num-seqs 1 --max-waiting 1
+pd_start E --kv-cache-memory 16M --policy srpt --max-model-len 512 --no-chunked-prefill --served-model-name kjv \
+  --max-num-seqs 1 --max-waiting 1
 URL=$URL_A
 echo "servers up: A=$URL_A B=$URL_B C=$URL_C D=$URL_D E=$URL_E"
 
@@ -125,6 +128,19 @@ has '"logprobs":{"tokens":\[' lp; has '"token_logprobs":\[' lp; has '"text_offse
 req POST /v1/chat/completions '{"messages":[{"role":"user","content":"And"}],"max_tokens":3,"logprobs":true,"top_logprobs":2}' >/dev/null
 has '"logprobs":{"content":\[{"token":' chatlp; has '"bytes":\[' chatlp; has '"top_logprobs":\[{"token":' chatlp
 
+# Router-facing endpoints: /internal/tokenize, /internal/state, return_token_ids.
+req POST /internal/tokenize '{"prompt":"And God"}' >/dev/null; has '{"token_ids":\[4092,' tokenize
+req POST /internal/tokenize '{"messages":[{"role":"user","content":"And"}]}' >/dev/null; has '{"token_ids":\[4092,4094,' tokenize_chat
+[ "$(req GET '/internal/state?since=0')" = 200 ] || pd_fail "/internal/state"
+has '"type":"state"' state; has '"kv_blocks_total":1024' state; has '"seq_next":' state
+[ "$(req GET '/internal/state?since=abc')" = 400 ] || pd_fail "/internal/state?since=abc"
+req POST /v1/completions '{"prompt":"And","max_tokens":5,"temperature":0,"stream":true,"return_token_ids":true}' >/dev/null
+n_ids=$(node -e 'let n=0;for(const l of require("fs").readFileSync(process.argv[1],"utf8").split("\n\n")){if(!l.startsWith("data: {"))continue;for(const c of JSON.parse(l.slice(6)).choices)n+=c.token_ids.length}process.stdout.write(String(n))' "$TMP/body")
+[ "$n_ids" = 5 ] || pd_fail "return_token_ids: $n_ids ids streamed, want 5"
+req POST /v1/completions '{"prompt":"And","max_tokens":4,"return_token_ids":true}' >/dev/null
+grep -q '"token_ids":\[[0-9]*,[0-9]*,[0-9]*,[0-9]*\]' "$TMP/body" || pd_fail "return_token_ids (non-stream): $(cat "$TMP/body")"
+ok
+
 # ---- 2. bad input ---------------------------------------------------------------------------
 C=/v1/completions; H=/v1/chat/completions
 bad 400 null $C '{"prompt":'
@@ -145,7 +161,7 @@ bad 400 max_tokens $C '{"prompt":"x","max_tokens":0}'
 bad 400 max_tokens $C '{"prompt":"x","max_tokens":-5}'
 bad 400 max_tokens $C '{"prompt":"x","max_tokens":"10"}'
 bad 400 max_completion_tokens $H '{"messages":[{"role":"user","content":"x"}],"max_completion_tokens":0}'
-bad 400 prompt $C '{"prompt":"x","max_tokens":100000}'
+bad 400 max_tokens $C '{"prompt":"x","max_tokens":100000}'
 bad 400 prompt $C "{\"prompt\":[$(node -e 'process.stdout.write(Array(2100).fill(5).join(","))')]}"
 bad 400 messages $H "{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"max_tokens\":2040}"
 bad 400 temperature $C '{"prompt":"x","temperature":-1}'
@@ -184,6 +200,13 @@ $LOAD burst "$URL_E" 6 '{"prompt":"And","max_tokens":200,"ignore_eos":true}' >"$
 grep -q '^503 1 {"error":{"message":".*","type":"server_error"' "$TMP/burst" || pd_fail "no 503: $(cat "$TMP/burst")"
 grep -q '^200 ' "$TMP/burst" || pd_fail "burst: nothing served"
 ok
+URL=$URL_E
+[ "$(req GET /v1/models)" = 200 ] && has '"max_model_len":512' flags
+bad 400 max_tokens $C '{"prompt":"x","max_tokens":512}'
+curl -s "$URL_E/metrics" >"$TMP/metrics_e"
+nb=$(pd_metric "$TMP/metrics_e" pdserve_kv_blocks_total)
+[ "${nb:-0}" -gt 0 ] && [ "$nb" -lt 1024 ] || pd_fail "--kv-cache-memory 16M gave $nb blocks"
+URL=$URL_A
 echo "ok   endpoints and bad input ($n_checks checks)"
 
 # ---- 3. greedy consistency ------------------------------------------------------------------
@@ -230,7 +253,23 @@ grep -q '^# TYPE pdserve_request_success_total counter' "$TMP/metrics1" || pd_fa
 [ "$(req POST /v1/completions '{"prompt":"And","max_tokens":2}')" = 200 ] || pd_fail "server dead after soak"
 echo "ok   soak: 500 requests / 64 clients, KV pool back to $free1/$total free"
 
-# ---- 5. clean shutdown ----------------------------------------------------------------------
+# ---- 5. router registration (--router): register, serve through the router, deregister --------
+printf 'tok-%s\n' "$$" >"$TMP/token"
+"$PD_BIN" router --port 0 --auth-token-file "$TMP/token" >"$TMP/router.out" 2>"$TMP/router.err" &
+echo $! >"$TMP/router.pid"
+pd_wait_for 30 grep -q 'http://' "$TMP/router.out" || pd_fail "router did not start: $(cat "$TMP/router.err")"
+RURL=$(grep -o 'http://[0-9.]*:[0-9]*' "$TMP/router.out" | head -1)
+pd_start R --num-kv-blocks 256 --router "$RURL" --router-token-file "$TMP/token"
+pd_wait_for 30 grep -q 'registered with router' "$TMP/R.err" || pd_fail "worker never registered: $(cat "$TMP/R.err")"
+URL=$RURL
+pd_wait_for 30 sh -c "[ \$(curl -s -o /dev/null -w '%{http_code}' -d '{\"prompt\":\"And\",\"max_tokens\":3}' $RURL/v1/completions) = 200 ]" ||
+  pd_fail "no completion through the router"
+pd_stop R
+pd_wait_for 10 grep -q 'removed' "$TMP/router.err" || pd_fail "worker did not deregister: $(cat "$TMP/router.err")"
+echo "ok   --router: registered, served through the router, deregistered at exit"
+URL=$URL_A
+
+# ---- 6. clean shutdown ----------------------------------------------------------------------
 pd_stop A
 echo "ok   SIGTERM: all servers exited with status 0"
 echo "test_api.sh: PASS"

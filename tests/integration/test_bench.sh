@@ -41,7 +41,7 @@ start=$(date +%s)
 # ---- 1. the harness against the fake server --------------------------------------------------------
 python3 "$repo/tests/helpers/fake_openai.py" --port 0 --ttft-ms 30 --itl-ms 8 --fail-every 5 > "$tmp/fake.log" 2>&1 &
 pids="$pids $!"
-wait_for "grep -q '^port ' '$tmp/fake.log'" 10 || fail "fake server did not start"
+wait_for "grep -qs '^port ' '$tmp/fake.log'" 10 || fail "fake server did not start"
 fport=$(sed -n 's/^port //p' "$tmp/fake.log")
 furl="http://127.0.0.1:$fport"
 
@@ -66,7 +66,9 @@ for r in reqs:
     assert r["output_tokens"] == 6 and r["chunks"] == 6 and r["prompt_tokens"] == 8, r
     assert len(r["itl_ms"]) == 5, r
     assert r["ttft_ms"] >= 29, r                               # the fake waits 30 ms
-    assert sum(r["itl_ms"]) >= 5 * 8 * 0.85, r["itl_ms"]     # ... and 8 ms per token (gaps jitter)
+    # ... then sleeps 8 ms before each later token, so the whole answer takes >= 30 + 5*8 ms. (Single
+    # gaps are not checked: a late write on a loaded machine makes the next gap short.)
+    assert r["e2e_ms"] >= 69, r
     assert abs(r["tpot_ms"] - (r["e2e_ms"] - r["ttft_ms"]) / 5) < 1e-3, r
 assert m["total_output_tokens"] == 48 and m["total_input_tokens"] == 64, m
 # TTFT SLO of 25 ms cannot be met (30 ms injected): goodput is 0, not missing.
@@ -89,6 +91,24 @@ import json; d=json.load(open('$tmp/sweep.json'))
 assert [r['request_rate'] for r in d['runs']] == [50, 100], d['runs']
 assert all(r['metrics']['completed'] + r['metrics']['failed'] == 8 for r in d['runs'])" || fail "sweep JSON"
 
+# Authorization and warmup: a fake that wants a key; warmup requests reach it but are not recorded.
+python3 "$repo/tests/helpers/fake_openai.py" --port 0 --ttft-ms 1 --itl-ms 1 --api-key s3cret > "$tmp/fake2.log" 2>&1 &
+pids="$pids $!"
+wait_for "grep -qs '^port ' '$tmp/fake2.log'" 10 || fail "second fake server did not start"
+furl2="http://127.0.0.1:$(sed -n 's/^port //p' "$tmp/fake2.log")"
+OPENAI_API_KEY= "$bin" bench --url "$furl2" --num-prompts 2 --input-len 4 --output-len 2 --quiet \
+  > "$tmp/noauth.out" 2>&1 && fail "bench without the key should fail (401 on /v1/models)"
+grep -q "HTTP 401" "$tmp/noauth.out" || fail "no 401 reported"
+"$bin" bench --url "$furl2" --api-key s3cret --num-warmups 3 --num-prompts 4 --input-len 4 --output-len 2 \
+  --output-json "$tmp/auth.json" --quiet > "$tmp/auth.out" 2>&1 || fail "bench with --api-key"
+python3 - "$tmp/auth.json" "$furl2" <<'EOF' || fail "auth/warmup checks"
+import json, sys, urllib.request
+m = json.load(open(sys.argv[1]))["runs"][0]["metrics"]
+assert m["completed"] == 4 and m["failed"] == 0, m
+served = json.load(urllib.request.urlopen(sys.argv[2] + "/stats"))["completions"]
+assert served == 7, served  # 3 warmups + 4 measured
+EOF
+
 # ---- 2. the real server ----------------------------------------------------------------------------
 model="$repo/models/kjv-llama-6m"
 [ -d "$model" ] || fail "no model at $model"
@@ -97,7 +117,7 @@ model="$repo/models/kjv-llama-6m"
 OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-passive} \
   "$bin" serve --model "$model" --port 0 > "$tmp/serve.log" 2>&1 &
 pids="$pids $!"
-wait_for "grep -q 'on http://' '$tmp/serve.log'" 40 || fail "pdserve serve did not start"
+wait_for "grep -qs 'on http://' '$tmp/serve.log'" 40 || fail "pdserve serve did not start"
 url=$(sed -n 's|.* on \(http://[0-9.:]*\).*|\1|p' "$tmp/serve.log" | head -1)
 [ -n "$url" ] || fail "cannot find the server URL in its log"
 

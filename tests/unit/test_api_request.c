@@ -82,7 +82,8 @@ PD_TEST(completion_all_fields) {
         "\"stream_options\":{\"include_usage\":true},\"temperature\":0.5,\"top_p\":0.9,\"top_k\":40,"
         "\"min_p\":0.05,\"seed\":-5,\"stop\":[\"a\",\"bc\"],\"presence_penalty\":0.5,\"frequency_penalty\":-0.5,"
         "\"repetition_penalty\":1.1,\"logprobs\":3,\"ignore_eos\":true,\"echo\":false,\"user\":\"u\","
-        "\"priority\":-2,\"stop_token_ids\":[5,6],\"best_of\":3,\"some_future_field\":{\"x\":[1]}}";
+        "\"priority\":-2,\"stop_token_ids\":[5,6],\"best_of\":3,\"some_future_field\":{\"x\":[1]},"
+        "\"return_token_ids\":true}";
     pd_api_request r;
     pd_api_error e;
     PD_REQUIRE(parse(C, body, &r, &e) == PD_OK);
@@ -104,6 +105,7 @@ PD_TEST(completion_all_fields) {
     PD_CHECK_EQ(r.priority, -2);
     PD_CHECK_EQ(r.n_stop_ids, 2);
     PD_CHECK_EQ(r.stop_ids[1], 6);
+    PD_CHECK(r.return_token_ids);
     pd_api_request_fini(&r);
     // Nulls mean "not given".
     PD_REQUIRE(parse(C, "{\"prompt\":\"x\",\"max_tokens\":null,\"stop\":null,\"logprobs\":null,\"seed\":null}", &r, &e) ==
@@ -203,6 +205,7 @@ PD_TEST(bad_numbers) {
     EXPECT_BAD(C, "{\"prompt\":\"x\",\"n\":0}", 400, "n");
     EXPECT_BAD(C, "{\"prompt\":\"x\",\"n\":17}", 400, "n");
     EXPECT_BAD(C, "{\"prompt\":\"x\",\"n\":\"2\"}", 400, "n");
+    EXPECT_BAD(C, "{\"prompt\":[\"a\",\"b\",\"c\",\"d\",\"e\",\"f\",\"g\",\"h\",\"i\"],\"n\":15}", 400, "n");
     EXPECT_BAD(C, "{\"prompt\":\"x\",\"temperature\":-0.1}", 400, "temperature");
     EXPECT_BAD(C, "{\"prompt\":\"x\",\"temperature\":\"hot\"}", 400, "temperature");
     EXPECT_BAD(C, "{\"prompt\":\"x\",\"temperature\":1000}", 400, "temperature");
@@ -228,6 +231,7 @@ PD_TEST(bad_flags_and_lists) {
     EXPECT_BAD(C, "{\"prompt\":\"x\",\"echo\":\"no\"}", 400, "echo");
     EXPECT_BAD(C, "{\"prompt\":\"x\",\"suffix\":\"end\"}", 400, "suffix");
     EXPECT_BAD(C, "{\"prompt\":\"x\",\"ignore_eos\":1}", 400, "ignore_eos");
+    EXPECT_BAD(C, "{\"prompt\":\"x\",\"return_token_ids\":\"yes\"}", 400, "return_token_ids");
     EXPECT_BAD(C, "{\"prompt\":\"x\",\"stop\":\"\"}", 400, "stop");
     EXPECT_BAD(C, "{\"prompt\":\"x\",\"stop\":5}", 400, "stop");
     EXPECT_BAD(C, "{\"prompt\":\"x\",\"stop\":[\"a\",1]}", 400, "stop");
@@ -348,6 +352,12 @@ PD_TEST(tokenize_rejects) {
     PD_CHECK_EQ(tokenize(C, "{\"prompt\":[1,2,3],\"max_tokens\":3}", tok, NULL, 5, &p, &e), PD_ERR_INVALID);
     PD_CHECK_STR(e.param, "prompt");
     PD_CHECK_CONTAINS(e.message, "you requested 6 tokens (3 in the prompt, 3 in the completion)");
+    PD_CHECK_EQ(tokenize(C, "{\"prompt\":[1],\"max_tokens\":5}", tok, NULL, 5, &p, &e), PD_ERR_INVALID);
+    PD_CHECK_STR(e.param, "max_tokens");  // oversized on its own
+    PD_CHECK_EQ(tokenize(CH, "{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"max_completion_tokens\":9}", tok, NULL, 5, &p,
+                         &e),
+                PD_ERR_INVALID);
+    PD_CHECK_STR(e.param, "max_completion_tokens");
     PD_CHECK_EQ(tokenize(C, "{\"prompt\":[1,2,3],\"max_tokens\":2}", tok, NULL, 5, &p, &e), PD_OK);
     pd_api_prompts_fini(&p);
     PD_CHECK_EQ(tokenize(CH, "{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}]}", tok, NULL, 100, &p, &e),

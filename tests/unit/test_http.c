@@ -104,6 +104,13 @@ static void h_echo(pd_http_req *r, void *ud) {
     pd_http_reply(r, 200, "text/plain", b, n);
 }
 
+static void h_query(pd_http_req *r, void *ud) {
+    const char *a = pd_http_req_query(r, "since"), *b = pd_http_req_query(r, "name");
+    char out[256];
+    snprintf(out, sizeof out, "%s|%s", a ? a : "(none)", b ? b : "(none)");
+    pd_http_reply(r, 200, "text/plain", out, strlen(out));
+}
+
 static void on_close(pd_http_req *r, void *ud) {
     fixture *f = ud;
     f->n_closed++;
@@ -148,6 +155,7 @@ static bool fx_init(fixture *f, size_t max_body) {
     PD_CHECK_EQ(pd_http_server_route(f->srv, "POST", "/hold", h_hold, f), PD_OK);
     PD_CHECK_EQ(pd_http_server_route(f->srv, "GET", "/stream", h_stream, f), PD_OK);
     PD_CHECK_EQ(pd_http_server_route(f->srv, "GET", "/stream_hold", h_stream, f), PD_OK);
+    PD_CHECK_EQ(pd_http_server_route(f->srv, "GET", "/q", h_query, f), PD_OK);
     PD_CHECK_EQ(pd_http_server_route(f->srv, "GET", "/hello", h_hello, f), PD_ERR_INVALID);
     return true;
 }
@@ -250,6 +258,18 @@ PD_TEST(server_routes_and_errors) {
     PD_CHECK_EQ(f.n_responses[405], 2);
     PD_CHECK_EQ(f.n_responses[413], 1);
     PD_CHECK_EQ(pd_http_server_n_active(f.srv), 0);
+    fx_fini(&f);
+}
+
+PD_TEST(server_query_params) {
+    fixture f;
+    if (!fx_init(&f, 1024)) return;
+    char *r = roundtrip(&f, "GET /q?since=42&name=a%20b HTTP/1.0\r\n\r\n");
+    PD_CHECK_CONTAINS(r, "\r\n\r\n42|a b");
+    pd_free(r);
+    r = roundtrip(&f, "GET /q HTTP/1.0\r\n\r\n");
+    PD_CHECK_CONTAINS(r, "\r\n\r\n(none)|(none)");
+    pd_free(r);
     fx_fini(&f);
 }
 

@@ -152,6 +152,11 @@ PD_TEST(predictions) {
     PD_CHECK_NEAR(pd_router_predict_tpot_ms(&c), 10, 1e-9);
     c = cand(0, 100, 100, 0, 0, 0);  // fully cached, idle: one step
     PD_CHECK_NEAR(pd_router_predict_ttft_ms(&c), 10, 1e-9);
+    c.ttft_ms_per_inflight = 40;  // observed: 40 ms per request in flight
+    c.n_inflight = 9;
+    PD_CHECK_NEAR(pd_router_predict_ttft_ms(&c), 400, 1e-9);
+    c.n_inflight = 0;
+    PD_CHECK_NEAR(pd_router_predict_ttft_ms(&c), 40, 1e-9);  // the larger of the two
 }
 
 // ---- QoS -----------------------------------------------------------------------------------------------

@@ -8,13 +8,26 @@
 //     so cuBLASLt sees A = w (K x N, ld K, transposed), B = a (K x M, ld lda), D = out (N x M, ld N).
 // The descriptors and the heuristic's algorithm are cached per (M, N, K, lda, flags): building
 // them costs tens of microseconds, a lookup is a short linear scan (a model has ~10 shapes).
+// With PD_CUDA_GEMM_TUNE=1, decode shapes (M <= 64) are tuned once when their plan is built: up
+// to 8 of the heuristic's candidates are timed with cudaEvents on the call's own operands (output
+// to a scratch buffer, L2 flushed before each rep, so a weight that fits in L2 is not timed hot)
+// and the fastest is kept; a few milliseconds per shape on its first call, never during graph
+// capture (the eager warm-up step builds every plan first). Off by default: on an H200 the
+// heuristic's first choice was within 2% of the best candidate on every Llama-3-8B decode shape
+// (tools/gpu/NOTES.md), so it did not pay for its first-call latency.
+#include <math.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "backend/cuda/cuda_impl.h"
 #include "kernels/add_bias.cuh"
 #include "kernels/gemv.cuh"
 
 #define PD_CUDA_LT_WS_BYTES (32u << 20)
+#define PD_GEMM_TUNE_MAX_M 64
+#define PD_GEMM_TUNE_ALGOS 8
+#define PD_GEMM_TUNE_REPS 6
+#define PD_GEMM_FLUSH_BYTES (192u << 20)  // > L2 (50 MB on H100/H200) with margin
 
 struct pd_cuda_gemm_plan {
     int M, N, K, lda, flags;
@@ -50,7 +63,58 @@ void pd_cuda_gemm_fini(pd_cuda_backend *cb) {
     if (cb->lt) cublasLtDestroy(cb->lt);
 }
 
-static pd_cuda_gemm_plan *gemm_plan_build(pd_cuda_backend *cb, int M, int N, int K, int lda, int flags) {
+static bool tune_enabled(void) {
+    const char *e = getenv("PD_CUDA_GEMM_TUNE");
+    return e && !strcmp(e, "1");
+}
+
+// Times the candidates on p's operands and keeps the fastest in pl->algo. Best effort: any
+// allocation failure leaves the heuristic's first choice.
+static void gemm_tune(pd_cuda_backend *cb, pd_cuda_gemm_plan *pl, const cublasLtMatmulHeuristicResult_t *res, int n_res,
+                      const pd_matmul_params *p) {
+    size_t out_bytes = (size_t)pl->M * (size_t)pl->N * ((pl->flags & PD_GEMM_F32) ? 4 : 2);
+    void *out = NULL, *flush = NULL;
+    cudaEvent_t e0 = NULL, e1 = NULL;
+    if (cudaMalloc(&out, out_bytes) != cudaSuccess || cudaMalloc(&flush, PD_GEMM_FLUSH_BYTES) != cudaSuccess ||
+        cudaEventCreate(&e0) != cudaSuccess || cudaEventCreate(&e1) != cudaSuccess) {
+        cudaGetLastError();
+        PD_LOG_D("cuBLASLt: no memory to tune M=%d N=%d K=%d; using the heuristic's choice", pl->M, pl->N, pl->K);
+        goto done;
+    }
+    PD_CUDA_CHECK(cudaMemsetAsync(out, 0, out_bytes, cb->stream));
+    if (pl->flags & PD_GEMM_BIAS)
+        PD_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(pl->desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &p->bias, sizeof p->bias));
+    float alpha = 1.0f, beta = p->accumulate ? 1.0f : 0.0f, best = INFINITY, first = 0;
+    int best_i = 0;
+    for (int i = 0; i < n_res; i++) {
+        float total = 0;
+        bool ok = true;
+        for (int r = 0; r <= PD_GEMM_TUNE_REPS && ok; r++) {  // rep 0 warms up
+            PD_CUDA_CHECK(cudaMemsetAsync(flush, r, PD_GEMM_FLUSH_BYTES, cb->stream));
+            PD_CUDA_CHECK(cudaEventRecord(e0, cb->stream));
+            ok = cublasLtMatmul(cb->lt, pl->desc, &alpha, p->w, pl->la, p->a, pl->lb, &beta, out, pl->lc, out, pl->lc,
+                                &res[i].algo, cb->lt_ws, cb->lt_ws_bytes, cb->stream) == CUBLAS_STATUS_SUCCESS;
+            PD_CUDA_CHECK(cudaEventRecord(e1, cb->stream));
+            PD_CUDA_CHECK(cudaEventSynchronize(e1));
+            float ms = 0;
+            PD_CUDA_CHECK(cudaEventElapsedTime(&ms, e0, e1));
+            if (r > 0) total += ms;
+        }
+        if (i == 0) first = total;
+        if (ok && total < best) best = total, best_i = i;
+    }
+    pl->algo = res[best_i].algo;
+    PD_LOG_D("cuBLASLt: M=%d N=%d K=%d: candidate %d of %d, %.1f us (heuristic's first %.1f us)", pl->M, pl->N, pl->K,
+             best_i, n_res, 1e3 * best / PD_GEMM_TUNE_REPS, 1e3 * first / PD_GEMM_TUNE_REPS);
+done:
+    if (e0) cudaEventDestroy(e0);
+    if (e1) cudaEventDestroy(e1);
+    if (out) cudaFree(out);
+    if (flush) cudaFree(flush);
+}
+
+static pd_cuda_gemm_plan *gemm_plan_build(pd_cuda_backend *cb, const pd_matmul_params *p, int lda, int flags) {
+    int M = p->M, N = p->N, K = p->K;
     if (cb->n_plans == cb->cap_plans) {
         int cap = cb->cap_plans ? cb->cap_plans * 2 : 16;
         pd_cuda_gemm_plan *np = pd_realloc(cb->plans, sizeof *np * (size_t)cap);
@@ -83,26 +147,30 @@ static pd_cuda_gemm_plan *gemm_plan_build(pd_cuda_backend *cb, int M, int N, int
     PD_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &align, sizeof align));
     PD_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &align, sizeof align));
     PD_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &align, sizeof align));
-    cublasLtMatmulHeuristicResult_t res;
+    cublasLtMatmulHeuristicResult_t res[PD_GEMM_TUNE_ALGOS];
     int n_res = 0;
-    cublasStatus_t st = cublasLtMatmulAlgoGetHeuristic(cb->lt, pl->desc, pl->la, pl->lb, pl->lc, pl->lc, pref, 1,
-                                                       &res, &n_res);
+    enum cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
+    PD_CUDA_CHECK(cudaStreamIsCapturing(cb->stream, &cs));
+    bool tune = M <= PD_GEMM_TUNE_MAX_M && cs == cudaStreamCaptureStatusNone && tune_enabled();
+    cublasStatus_t st = cublasLtMatmulAlgoGetHeuristic(cb->lt, pl->desc, pl->la, pl->lb, pl->lc, pl->lc, pref,
+                                                       tune ? PD_GEMM_TUNE_ALGOS : 1, res, &n_res);
     cublasLtMatmulPreferenceDestroy(pref);
     if (st != CUBLAS_STATUS_SUCCESS || n_res == 0) {
         PD_LOG_E("cuBLASLt: no algorithm for M=%d N=%d K=%d lda=%d flags=%d (status %d)", M, N, K, lda, flags, (int)st);
         pd_abort(__FILE__, __LINE__, __func__, "cuBLASLt heuristic found no algorithm");
     }
-    pl->algo = res.algo;
-    cb->n_plans++;
+    pl->algo = res[0].algo;
+    cb->n_plans++;  // counted before tuning: pl stays valid (no realloc until the next build)
+    if (tune && n_res > 1) gemm_tune(cb, pl, res, n_res, p);
     return pl;
 }
 
-static pd_cuda_gemm_plan *gemm_plan_get(pd_cuda_backend *cb, int M, int N, int K, int lda, int flags) {
+static pd_cuda_gemm_plan *gemm_plan_get(pd_cuda_backend *cb, const pd_matmul_params *p, int lda, int flags) {
     for (int i = 0; i < cb->n_plans; i++) {
         pd_cuda_gemm_plan *pl = &cb->plans[i];
-        if (pl->M == M && pl->N == N && pl->K == K && pl->lda == lda && pl->flags == flags) return pl;
+        if (pl->M == p->M && pl->N == p->N && pl->K == p->K && pl->lda == lda && pl->flags == flags) return pl;
     }
-    return gemm_plan_build(cb, M, N, K, lda, flags);
+    return gemm_plan_build(cb, p, lda, flags);
 }
 
 void pd_cuda_gemm_matmul(pd_backend *b, const pd_matmul_params *p) {
@@ -121,7 +189,7 @@ void pd_cuda_gemm_matmul(pd_backend *b, const pd_matmul_params *p) {
     // f32 output + bias: cuBLASLt has no bf16-bias epilogue for f32 D, so the bias goes after.
     bool bias_after = p->bias && p->out_f32;
     int flags = (p->bias && !bias_after ? PD_GEMM_BIAS : 0) | (p->out_f32 ? PD_GEMM_F32 : 0);
-    pd_cuda_gemm_plan *pl = gemm_plan_get(cb, p->M, p->N, p->K, lda, flags);
+    pd_cuda_gemm_plan *pl = gemm_plan_get(cb, p, lda, flags);
     if (flags & PD_GEMM_BIAS)
         PD_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(pl->desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &p->bias,
                                                        sizeof p->bias));

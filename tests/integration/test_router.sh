@@ -1,0 +1,146 @@
+#!/bin/sh
+# test_router.sh — `pdserve router` over real `pdserve serve` workers (the bundled kjv-llama-6m,
+# CPU) on 127.0.0.1 with free ports (exit 0 = pass):
+#   1. registration: no token / wrong token → 401 (OpenAI error), right token → 200, deregister
+#   2. shared-prefix workload: kv routing gives a clearly higher prefix-hit rate (as the workers
+#      report it in usage.cached_tokens) than round-robin, and no worker is idle
+#   3. /status renders in headless Chromium: the DOM lists every live worker (and a screenshot)
+#   4. overload: a burst gets 503 + Retry-After at once (rejections answered fast), accepted
+#      requests meet the TTFT SLO (router-side histogram)
+#   5. QoS: premium keeps its latency and is never refused while free saturates and is refused
+#   6. failover: a worker SIGKILLed mid-stream; every stream completes, gap- and duplicate-free
+#      (text equal to an uninterrupted greedy run). Needs the worker's "return_token_ids".
+# Needs curl and node; installs chromium with apt when it is missing.
+here=$(cd "$(dirname "$0")" && pwd)
+. "$here/lib/server.sh"
+pd_setup
+command -v curl >/dev/null || pd_fail "curl is required"
+command -v node >/dev/null || pd_fail "node is required"
+CLIENT="node $here/js/router_client.mjs"
+
+router_start() {  # NAME FLAGS...
+  name=$1; shift
+  "$PD_BIN" router --host 127.0.0.1 --port 0 "$@" >"$TMP/$name.out" 2>"$TMP/$name.err" &
+  echo $! >"$TMP/$name.pid"
+  pd_wait_for 20 grep -q 'http://' "$TMP/$name.out" || { cat "$TMP/$name.err" >&2; pd_fail "router $name did not start"; }
+  eval "URL_$name=$(grep -o 'http://[0-9.]*:[0-9]*' "$TMP/$name.out" | head -1)"
+}
+router_stop() { kill "$(cat "$TMP/$1.pid")"; wait "$(cat "$TMP/$1.pid")" 2>/dev/null; rm -f "$TMP/$1.pid"; }
+json() { python3 -c "import json,sys; d=json.load(sys.stdin); print($1)"; }
+
+pd_start A --num-kv-blocks 2048
+pd_start B --num-kv-blocks 2048
+echo "workers: A=$URL_A B=$URL_B"
+echo "s3cret-token" >"$TMP/token"
+
+# ---- 1. registration auth ---------------------------------------------------------------------
+router_start R --worker "$URL_A" --worker "$URL_B" --auth-token-file "$TMP/token" --routing kv
+reg='{"v":1,"type":"register","url":"http://127.0.0.1:1","role":"both","model":"kjv-llama-6m","block_size":16}'
+code=$(curl -s -o "$TMP/reg" -w '%{http_code}' "$URL_R/internal/register" -d "$reg")
+[ "$code" = 401 ] || pd_fail "register without token: $code"
+grep -q '"error":{' "$TMP/reg" || pd_fail "401 body is not an OpenAI error: $(cat "$TMP/reg")"
+code=$(curl -s -o /dev/null -w '%{http_code}' -H 'Authorization: Bearer wrong' "$URL_R/internal/register" -d "$reg")
+[ "$code" = 401 ] || pd_fail "register with a wrong token: $code"
+code=$(curl -s -o /dev/null -w '%{http_code}' -H 'Authorization: Bearer s3cret-token' "$URL_R/internal/deregister" -d '{"v":1,"url":"http://127.0.0.1:1"}')
+[ "$code" = 404 ] || pd_fail "deregister of an unknown worker: $code"
+code=$(curl -s -o "$TMP/reg" -w '%{http_code}' -H 'Authorization: Bearer s3cret-token' "$URL_R/internal/register" -d "$reg")
+[ "$code" = 200 ] || pd_fail "register with the token: $code $(cat "$TMP/reg")"
+code=$(curl -s -o /dev/null -w '%{http_code}' -H 'Authorization: Bearer s3cret-token' "$URL_R/internal/deregister" -d '{"v":1,"url":"http://127.0.0.1:1"}')
+[ "$code" = 200 ] || pd_fail "deregister: $code"
+echo "1. registration auth: ok"
+
+# ---- 2. kv routing vs round-robin --------------------------------------------------------------
+# Same workload shape, fresh prefixes per run (a different seed), so neither run inherits cache.
+kv=$($CLIENT prefix "$URL_R" 48 2 16 101) || pd_fail "kv workload: $kv"
+routed=$(curl -s "$URL_R/status.json" | json '" ".join(str(w["routed"]) for w in d["workers"])')
+router_start RR --worker "$URL_A" --worker "$URL_B" --routing round-robin
+rr=$($CLIENT prefix "$URL_RR" 48 2 16 202) || pd_fail "round-robin workload: $rr"
+router_stop RR
+hit_kv=$(echo "$kv" | json 'd["hit_rate"]')
+hit_rr=$(echo "$rr" | json 'd["hit_rate"]')
+echo "2. prefix-hit rate: kv $hit_kv, round-robin $hit_rr; kv routed per worker: $routed"
+python3 -c "import sys; sys.exit(0 if $hit_kv >= $hit_rr + 0.1 else 1)" || pd_fail "kv routing is not clearly better"
+for n in $routed; do [ "$n" -ge 8 ] || pd_fail "a worker was (nearly) idle under kv routing: $routed"; done
+curl -s "$URL_R/metrics" >"$TMP/metrics"
+[ "$(pd_metric "$TMP/metrics" 'pdserve_router_routing_decisions_total{policy="kv"}')" -ge 48 ] || pd_fail "decisions not counted"
+grep -q '^pdserve_router_prefix_hit_tokens_total [1-9]' "$TMP/metrics" || pd_fail "prefix hits not counted"
+
+# ---- 3. status page in headless chromium ----------------------------------------------------------
+if ! command -v chromium >/dev/null; then
+  echo "installing chromium (missing)"
+  (apt-get install -y chromium >/dev/null 2>&1 || (apt-get update >/dev/null 2>&1 && apt-get install -y chromium >/dev/null 2>&1)) ||
+    pd_fail "chromium is missing and could not be installed"
+fi
+chromium --headless --no-sandbox --disable-gpu --virtual-time-budget=3000 --dump-dom "$URL_R/status" \
+  >"$TMP/status.dom" 2>/dev/null || pd_fail "chromium --dump-dom failed"
+for u in "$URL_A" "$URL_B"; do grep -q "$u" "$TMP/status.dom" || pd_fail "status page lacks worker $u"; done
+grep -q '<polyline\|<svg id="ttft"' "$TMP/status.dom" || pd_fail "status page has no chart"
+chromium --headless --no-sandbox --disable-gpu --virtual-time-budget=3000 --window-size=1280,900 \
+  --screenshot="$TMP/status.png" "$URL_R/status" >/dev/null 2>&1 || pd_fail "chromium --screenshot failed"
+[ -s "$TMP/status.png" ] || pd_fail "empty screenshot"
+[ -n "${PD_ROUTER_SCREENSHOT:-}" ] && cp "$TMP/status.png" "$PD_ROUTER_SCREENSHOT"
+echo "3. status page: both workers in the DOM, screenshot $(wc -c <"$TMP/status.png") bytes"
+router_stop R
+
+# ---- 4. overload: fast 503s, accepted requests meet the SLO ---------------------------------------
+# capacity set high so that the SLO prediction, not the concurrency cap, does the refusing
+echo '{"capacity_per_worker":1000}' >"$TMP/cap.json"
+router_start O --worker "$URL_A" --worker "$URL_B" --slo-ttft-ms 2500 --qos-config "$TMP/cap.json"
+body='{"prompt":[5,6,7,8,9,10,11,12,13,14,15,16,17,18,19,20],"max_tokens":24,"ignore_eos":true,"stream":true}'
+$CLIENT burst "$URL_O" 4 "$body" >/dev/null || pd_fail "warm-up"  # the router measures the workers
+$CLIENT burst "$URL_O" 8 "$body" >/dev/null || pd_fail "warm-up"
+$CLIENT burst "$URL_O" 160 "$body" >"$TMP/burst.json" &
+bp=$!
+pd_wait_for 30 sh -c "curl -s $URL_O/metrics | grep -q 'pdserve_router_rejected_total{class=\"standard\",reason=\"slo\"} [1-9]'" ||
+  pd_fail "no SLO rejection under a 160-request burst"
+n503=0
+for i in 1 2 3 4 5; do  # probes while the burst runs: a rejection must come back at once
+  r=$(curl -s -o /dev/null -w '%{http_code} %{time_total}' "$URL_O/v1/completions" -d "$body")
+  set -- $r
+  if [ "$1" = 503 ]; then
+    n503=$((n503+1))
+    python3 -c "import sys; sys.exit(0 if $2 < 0.5 else 1)" || pd_fail "a 503 took $2 s"
+  fi
+done
+wait $bp || pd_fail "burst client failed"
+burst=$(cat "$TMP/burst.json")
+echo "4. burst: $burst; probe 503s: $n503/5"
+[ "$(echo "$burst" | json 'd["ok"]')" -ge 1 ] || pd_fail "nothing accepted"
+[ "$(echo "$burst" | json 'd["rejected"]')" -ge 1 ] || pd_fail "nothing rejected"
+[ "$(echo "$burst" | json 'd["retry_after_all"]')" = True ] || pd_fail "503 without Retry-After"
+curl -s "$URL_O/metrics" >"$TMP/metrics"
+n_all=$(pd_metric "$TMP/metrics" 'pdserve_router_time_to_first_token_seconds_count{class="standard"}')
+n_ok=$(pd_metric "$TMP/metrics" 'pdserve_router_time_to_first_token_seconds_bucket{class="standard",le="2.5"}')
+echo "   accepted within the 2.5 s TTFT SLO (router-side): $n_ok/$n_all"
+python3 -c "import sys; sys.exit(0 if $n_ok >= 0.9 * $n_all else 1)" || pd_fail "accepted requests missed the SLO: $n_ok/$n_all"
+router_stop O
+
+# ---- 5. QoS: premium keeps latency while free saturates --------------------------------------------
+cat >"$TMP/qos.json" <<'EOF'
+{"classes":[{"name":"premium","priority":2,"reserved_fraction":0.5},
+            {"name":"standard","priority":1},
+            {"name":"free","priority":0}],
+ "capacity_per_worker":4}
+EOF
+router_start Q --worker "$URL_A" --worker "$URL_B" --qos-config "$TMP/qos.json"
+qbody='{"prompt":[5,6,7,8,9,10,11,12],"max_tokens":16,"ignore_eos":true,"stream":true}'
+base=$($CLIENT qos "$URL_Q" 3 0 2 "$qbody") || pd_fail "qos baseline: $base"
+load=$($CLIENT qos "$URL_Q" 6 16 2 "$qbody") || pd_fail "qos load: $load"
+echo "5. qos: premium alone $base; with a free flood $load"
+p_base=$(echo "$base" | json 'd["premium"]["ttft_ms_p50"]')
+p_load=$(echo "$load" | json 'd["premium"]["ttft_ms_p50"]')
+[ "$(echo "$load" | json 'd["premium"]["rejected"]')" = 0 ] || pd_fail "premium was refused"
+[ "$(echo "$load" | json 'd["free"]["rejected"]')" -ge 1 ] || pd_fail "free never saturated"
+python3 -c "import sys; sys.exit(0 if $p_load <= 3 * $p_base + 300 else 1)" || pd_fail "premium latency degraded: $p_base → $p_load ms"
+router_stop Q
+
+# ---- 6. failover mid-stream on real workers ------------------------------------------------------------
+probe=$(curl -sN "$URL_A/v1/completions" -d '{"prompt":[5,6,7],"max_tokens":2,"stream":true,"return_token_ids":true}')
+echo "$probe" | grep -q '"token_ids"' ||
+  pd_fail "the worker does not honour \"return_token_ids\" (src/api): mid-stream failover cannot be tested"
+router_start F --worker "$URL_A" --worker "$URL_B" --routing round-robin --heartbeat-ms 100
+out=$($CLIENT failover "$URL_F" 6 48 "$(cat "$TMP/B.pid")" 30 "$URL_A") || pd_fail "failover: $out"
+echo "6. failover: $out"
+pd_wait_for 10 sh -c "curl -s $URL_F/health | grep -q '\"workers_healthy\":1'" || pd_fail "dead worker still in rotation"
+rm -f "$TMP/B.pid"
+echo "test_router: all checks passed"
