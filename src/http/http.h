@@ -21,6 +21,7 @@
 // Body limit: bodies up to max_body_bytes reach the handler; bigger ones get a JSON 413. libevent
 // itself is told to refuse bodies beyond 2 * max_body_bytes + 64 KiB before buffering them (its own
 // 413 with an HTML body), so a huge upload cannot exhaust memory.
+// The request line and headers are limited to 64 KiB (libevent refuses more).
 //
 // Ownership: pd_http_req objects are owned by this layer; a handler borrows r from the handler
 // call until it ends r (a reply) or the close callback returns. Strings returned by accessors are

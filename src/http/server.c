@@ -440,6 +440,7 @@ pd_http_server *pd_http_server_new(struct event_base *base, const pd_http_params
     size_t hard = s->max_body_bytes > ((size_t)1 << 40) ? s->max_body_bytes
                                                           : 2 * s->max_body_bytes + (64u << 10);
     evhttp_set_max_body_size(s->http, (ev_ssize_t)hard);
+    evhttp_set_max_headers_size(s->http, 64 << 10);  // request line + headers
     evhttp_set_timeout(s->http, p->timeout_s > 0 ? p->timeout_s : 600);
     evhttp_set_allowed_methods(s->http, EVHTTP_REQ_GET | EVHTTP_REQ_POST | EVHTTP_REQ_HEAD |
                                             EVHTTP_REQ_PUT | EVHTTP_REQ_DELETE |

@@ -87,8 +87,9 @@ router_stop R
 echo '{"capacity_per_worker":1000}' >"$TMP/cap.json"
 router_start O --worker "$URL_A" --worker "$URL_B" --slo-ttft-ms 2500 --qos-config "$TMP/cap.json"
 body='{"prompt":[5,6,7,8,9,10,11,12,13,14,15,16,17,18,19,20],"max_tokens":24,"ignore_eos":true,"stream":true}'
-$CLIENT burst "$URL_O" 4 "$body" >/dev/null || pd_fail "warm-up"  # the router measures the workers
+# warm-up at a moderate load: the router calibrates its TTFT-per-request-in-flight estimate
 $CLIENT burst "$URL_O" 8 "$body" >/dev/null || pd_fail "warm-up"
+$CLIENT burst "$URL_O" 32 "$body" >/dev/null || pd_fail "warm-up"
 $CLIENT burst "$URL_O" 160 "$body" >"$TMP/burst.json" &
 bp=$!
 pd_wait_for 30 sh -c "curl -s $URL_O/metrics | grep -q 'pdserve_router_rejected_total{class=\"standard\",reason=\"slo\"} [1-9]'" ||

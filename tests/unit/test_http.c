@@ -273,6 +273,24 @@ PD_TEST(server_query_params) {
     fx_fini(&f);
 }
 
+PD_TEST(server_rejects_huge_headers) {
+    fixture f;
+    if (!fx_init(&f, 1024)) return;
+    size_t n = 80 << 10;
+    char *req = pd_malloc(n + 128);
+    int k = snprintf(req, 128, "GET /hello HTTP/1.0\r\nX-Big: ");
+    memset(req + k, 'a', n);
+    strcpy(req + k + n, "\r\n\r\n");
+    char *r = roundtrip(&f, req);
+    PD_CHECK(strstr(r, "200 OK") == NULL);  // refused (or the connection dropped), never served
+    pd_free(r);
+    pd_free(req);
+    r = roundtrip(&f, "GET /hello HTTP/1.0\r\n\r\n");  // and the server goes on
+    PD_CHECK_CONTAINS(r, "200 OK");
+    pd_free(r);
+    fx_fini(&f);
+}
+
 PD_TEST(server_keepalive_two_requests) {
     fixture f;
     if (!fx_init(&f, 1024)) return;
