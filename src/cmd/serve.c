@@ -61,7 +61,7 @@ static void serve_usage(bool is_run) {
     printf("usage: pdserve serve --model DIR [options]\n"
            "  --host H                      address to bind (default 127.0.0.1)\n"
            "  --port P                      TCP port (default 8000; 0 = any free port, printed)\n"
-           "  --device cpu|cuda|auto        (default auto)\n"
+           "  --device cpu|cuda|cuda:N|auto (default auto)\n"
            "  --block-size N                tokens per KV block (default 16)\n"
            "  --num-kv-blocks N             KV cache size in blocks\n"
            "  --kv-cache-memory BYTES       KV cache size in bytes (k/M/G suffixes)\n"
@@ -128,7 +128,17 @@ static int parse_flags(int argc, char **argv, serve_opts *o) {
             if (v > 65535) return pd_cmd_usage_error(cmd, "--port must be 0..65535");
             o->ap.port = (int)v;
             break;
-        case O_DEV: o->ep.device = optarg; break;
+        case O_DEV:
+            // "cuda:N" picks GPU N (all GPUs stay visible, so CUDA IPC can reach a peer GPU's pool).
+            if (!strncmp(optarg, "cuda:", 5)) {
+                long id;
+                if (!pd_cmd_parse_int(optarg + 5, &id) || id < 0 || id > 1023) return pd_cmd_usage_error(cmd, "bad --device '%s'", optarg);
+                o->ep.device = "cuda";
+                o->ep.device_id = (int)id;
+            } else {
+                o->ep.device = optarg;
+            }
+            break;
         case O_BS: o->ep.block_size = (int)v; break;
         case O_NB: o->ep.n_blocks = (int)v; break;
         case O_KVMEM:
@@ -463,4 +473,5 @@ static int serve_or_run(int argc, char **argv, bool is_run) {
 }
 
 int pd_cmd_serve(int argc, char **argv) { return serve_or_run(argc, argv, false); }
-int pd_cmd_run(int argc, char **argv) { return serve_or_run(argc, argv, true); }
+// `pdserve run --colocated` (run.c dispatches): the single-process embedded default.
+int pd_cmd_run_colocated(int argc, char **argv) { return serve_or_run(argc, argv, true); }

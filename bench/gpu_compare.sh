@@ -1,0 +1,87 @@
+#!/bin/sh
+# bench/gpu_compare.sh — the standard comparison on a 2-GPU machine (issue: benchmark evidence).
+# Llama-3-8B shape with dummy weights, one router in front of:
+#   (a) 2 colocated replicas, chunked prefill off
+#   (b) 2 colocated replicas, chunked prefill on (512-token chunks)
+#   (c) 1 prefill + 1 decode worker, KV over cuda-ipc
+# two workloads (prefill-heavy: 20% 7680-token prompts among 512-token ones, 64 output tokens;
+# decode-heavy: 256 in, 256 out), a sweep of request rates each. Writes
+# OUT/report-{prefill,decode}.html, OUT/svg-{prefill,decode}/*.svg and one JSON per (configuration,
+# workload).
+# usage: bench/gpu_compare.sh OUT [NUM_PROMPTS]     (PDSERVE=binary, default build/pdserve)
+# A CPU dry run of the script itself: CONFIG=models/kjv-llama-6m DEV0=cpu DEV1=cpu TRANSPORT=shm
+#   LONG_LEN=1024 SHORT_LEN=128 KV_MEM=256M bench/gpu_compare.sh /tmp/cmp 8
+set -eu
+out=$1
+np=${2:-32}
+repo=$(cd "$(dirname "$0")/.." && pwd)
+bin=${PDSERVE:-$repo/build/pdserve}
+mkdir -p "$out"
+model=$(mktemp -d)/llama-3-8b
+mkdir -p "$model"
+cp "$repo/${CONFIG:-bench/configs/llama-3-8b}/config.json" "$model/"
+dev0=${DEV0:-cuda:0}; dev1=${DEV1:-cuda:1}; transport=${TRANSPORT:-cuda-ipc}
+long=${LONG_LEN:-7680}; short=${SHORT_LEN:-512}
+# Dummy weights need only config.json; the API needs a tokenizer: prompts are token ids and
+# outputs are counted in tokens, so any tokenizer will do.
+cp "$repo/models/kjv-llama-6m/tokenizer.json" "$repo/models/kjv-llama-6m/tokenizer_config.json" "$model/"
+pids=""
+cleanup() { for p in $pids; do kill "$p" 2>/dev/null || true; done; wait 2>/dev/null || true; }
+trap cleanup EXIT INT TERM
+
+port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
+wait_health() {
+  i=0
+  until curl -sf "$1/health" >/dev/null 2>&1; do
+    i=$((i + 1)); [ $i -lt 1200 ] || { echo "no /health at $1" >&2; exit 1; }; sleep 0.1
+  done
+}
+serve() {  # serve LOG FLAGS... ; sets $url
+  p=$(port)
+  "$bin" serve --model "$model" --load-format dummy --port "$p" --kv-cache-memory ${KV_MEM:-24G} "$@" >"$out/$1.log" 2>&1 &
+  pids="$pids $!"
+  url="http://127.0.0.1:$p"
+  wait_health "$url"
+}
+router() {  # router FLAGS... ; sets $rurl
+  p=$(port)
+  "$bin" router --port "$p" "$@" >"$out/router.log" 2>&1 &
+  pids="$pids $!"
+  rurl="http://127.0.0.1:$p"
+  wait_health "$rurl"
+}
+bench() {  # bench LABEL TAG FLAGS...
+  label=$1; tag=$2; shift 2
+  "$bin" bench --url "$rurl" --label "$label" --output-json "$out/$tag.json" --num-prompts "$np" --seed 1 \
+    --goodput ttft:3000 tpot:50 --max-concurrency 64 --quiet "$@" | tee "$out/$tag.txt"
+}
+run_workloads() {  # run_workloads LABEL TAG
+  bench "$1" "$2-prefill" --dataset long-mix --long-fraction 0.2 --long-len $long --short-len $short --output-len 64 \
+    --sweep-rates 2,4,8
+  bench "$1" "$2-decode" --dataset random --input-len 256 --output-len 256 --sweep-rates 4,8,16
+}
+
+for cfg in a b c; do
+  pids_before=$pids
+  case $cfg in
+  a) serve a0 --device $dev0 --no-chunked-prefill --max-num-batched-tokens 8192; u0=$url
+     serve a1 --device $dev1 --no-chunked-prefill --max-num-batched-tokens 8192; u1=$url
+     router --worker "$u0" --worker "$u1"; label="(a) 2 colocated, no chunking" ;;
+  b) serve b0 --device $dev0 --max-num-batched-tokens 512; u0=$url
+     serve b1 --device $dev1 --max-num-batched-tokens 512; u1=$url
+     router --worker "$u0" --worker "$u1"; label="(b) 2 colocated, chunked 512" ;;
+  c) kv=$(port)
+     serve c_prefill --device $dev0 --role prefill --kv-port "$kv" --max-num-batched-tokens 8192; up=$url
+     serve c_decode --device $dev1 --role decode --prefill "127.0.0.1:$kv" --kv-transport $transport; ud=$url
+     router --decode "$ud" --prefill "$up"; label="(c) 1 prefill + 1 decode, $transport" ;;
+  esac
+  run_workloads "$label" "$cfg"
+  [ "$cfg" = c ] && curl -sf "$ud/metrics" | grep -E '^pdserve_kv_handoff' > "$out/c_handoff_metrics.txt" || true
+  cleanup
+  pids=""
+done
+for w in prefill decode; do
+  "$bin" bench merge --output-html "$out/report-$w.html" --output-svg-dir "$out/svg-$w" \
+    "$out/a-$w.json" "$out/b-$w.json" "$out/c-$w.json"
+done
+echo "reports: $out/report-prefill.html $out/report-decode.html"
