@@ -7,7 +7,8 @@
 # two workloads (prefill-heavy: 20% 7680-token prompts among 512-token ones, 64 output tokens;
 # decode-heavy: 256 in, 256 out), a sweep of request rates each. Writes
 # OUT/report-{prefill,decode}.html, OUT/svg-{prefill,decode}/*.svg and one JSON per (configuration,
-# workload).
+# workload). Prefix caching is off everywhere: every rate of a sweep replays the same seeded prompts,
+# and cache hits would make later rates cheaper (and skip handoffs) in every configuration.
 # usage: bench/gpu_compare.sh OUT [NUM_PROMPTS]     (PDSERVE=binary, default build/pdserve)
 # A CPU dry run of the script itself: CONFIG=models/kjv-llama-6m DEV0=cpu DEV1=cpu TRANSPORT=shm
 #   LONG_LEN=1024 SHORT_LEN=128 KV_MEM=256M bench/gpu_compare.sh /tmp/cmp 8
@@ -37,8 +38,9 @@ wait_health() {
   done
 }
 serve() {  # serve LOG FLAGS... ; sets $url
+  log=$1; shift
   p=$(port)
-  "$bin" serve --model "$model" --load-format dummy --port "$p" --kv-cache-memory ${KV_MEM:-24G} "$@" >"$out/$1.log" 2>&1 &
+  "$bin" serve --model "$model" --load-format dummy --port "$p" --kv-cache-memory ${KV_MEM:-24G} --no-prefix-caching "$@" >"$out/$log.log" 2>&1 &
   pids="$pids $!"
   url="http://127.0.0.1:$p"
   wait_health "$url"

@@ -17,6 +17,8 @@ struct pd_sampler {
     int32_t *seen_ids;
     int n_seen, cap_seen;
     int32_t *idx;          // (vocab) scratch for sorting
+    float *raw;            // (vocab) unprocessed logits for logprobs; allocated on first use
+    float *ex;             // (vocab) exp(logit - max) scratch
 };
 
 pd_sampling_params pd_sampling_params_default(void) {
@@ -54,7 +56,8 @@ pd_sampler *pd_sampler_new(const pd_sampling_params *p, int vocab) {
     s->out_counts = pd_calloc((size_t)vocab, sizeof(int32_t));
     s->seen = pd_calloc((size_t)vocab, 1);
     s->idx = pd_malloc(sizeof(int32_t) * (size_t)vocab);
-    if (!s->out_counts || !s->seen || !s->idx) {
+    s->ex = pd_malloc(sizeof(float) * (size_t)vocab);
+    if (!s->out_counts || !s->seen || !s->idx || !s->ex) {
         pd_sampler_free(s);
         return NULL;
     }
@@ -71,6 +74,8 @@ void pd_sampler_free(pd_sampler *s) {
     pd_free(s->touched);
     pd_free(s->seen_ids);
     pd_free(s->idx);
+    pd_free(s->raw);
+    pd_free(s->ex);
     pd_free(s);
 }
 
@@ -157,68 +162,125 @@ static void apply_penalties(pd_sampler *s, float *logits) {
     }
 }
 
+// Draws from candidates idx[0..n) with weights e[idx[i]].
+static int32_t draw(pd_sampler *s, const float *e, const int32_t *idx, int n) {
+    double sum = 0;
+    for (int i = 0; i < n; i++) sum += e[idx[i]];
+    double r = pd_rng_uniform(&s->rng) * sum, acc = 0;
+    for (int i = 0; i < n; i++) {
+        acc += e[idx[i]];
+        if (r < acc) return idx[i];
+    }
+    return idx[n - 1];
+}
+
+// The k largest logits, sorted descending (ties: lower id first), via a size-k min-heap: O(V log k).
+static int top_k_sorted(pd_sampler *s, const float *l, int V, int k) {
+    int32_t *h = s->idx;
+    int n = 0;
+#define LESS(a, b) (l[a] < l[b] || (l[a] == l[b] && (a) > (b)))  // "a ranks below b"
+    for (int32_t i = 0; i < V; i++) {
+        if (n < k) {
+            int c = n++;
+            h[c] = i;
+            while (c > 0 && LESS(h[c], h[(c - 1) / 2])) {
+                int32_t t = h[c]; h[c] = h[(c - 1) / 2]; h[(c - 1) / 2] = t;
+                c = (c - 1) / 2;
+            }
+        } else if (LESS(h[0], i)) {
+            h[0] = i;
+            for (int c = 0;;) {
+                int a = 2 * c + 1, b = a + 1, m = c;
+                if (a < n && LESS(h[a], h[m])) m = a;
+                if (b < n && LESS(h[b], h[m])) m = b;
+                if (m == c) break;
+                int32_t t = h[c]; h[c] = h[m]; h[m] = t;
+                c = m;
+            }
+        }
+    }
+#undef LESS
+    t_sort_vals = l;
+    qsort(h, (size_t)n, sizeof(int32_t), cmp_desc);
+    return n;
+}
+
+// NOTE: the hot path of every sampled token. One expf pass over the vocabulary; no full sort (a
+// qsort of a 128k vocabulary per token made serving CPU-bound at ~25 ms a token): top-k uses a
+// heap, top-p first bisects the logit threshold whose tail holds the top_p mass, then sorts only
+// the tokens above it, so the cut is exact.
+static int32_t sample_random(pd_sampler *s, float *logits) {
+    const pd_sampling_params *p = &s->p;
+    int V = s->vocab;
+    float inv_t = 1.0f / p->temperature, mx = -INFINITY;
+    for (int i = 0; i < V; i++) {
+        logits[i] *= inv_t;
+        if (logits[i] > mx) mx = logits[i];
+    }
+    float *e = s->ex;
+    double total = 0;
+    for (int i = 0; i < V; i++) total += (e[i] = expf(logits[i] - mx));
+    bool has_k = p->top_k > 0 && p->top_k < V, has_p = p->top_p < 1.0f;
+    int n;
+    if (has_k) {
+        n = top_k_sorted(s, logits, V, p->top_k);
+    } else if (has_p) {
+        // Largest threshold tau with mass(logit >= tau) >= top_p * total (bisection on tau).
+        double want = (double)p->top_p * total;
+        float lo = mx - 60.0f, hi = mx;
+        for (int it = 0; it < 28; it++) {
+            float mid = 0.5f * (lo + hi);
+            double m = 0;
+            for (int i = 0; i < V; i++)
+                if (logits[i] >= mid) m += e[i];
+            if (m >= want) lo = mid;
+            else hi = mid;
+        }
+        n = 0;
+        for (int i = 0; i < V; i++)
+            if (logits[i] >= lo) s->idx[n++] = i;
+        t_sort_vals = logits;
+        qsort(s->idx, (size_t)n, sizeof(int32_t), cmp_desc);
+    } else {
+        n = 0;
+        for (int i = 0; i < V; i++) s->idx[n++] = i;  // min-p alone: no order needed below
+    }
+    if (has_p) {
+        double sum = 0, cum = 0;
+        for (int i = 0; i < n; i++) sum += e[s->idx[i]];
+        if (!has_k) sum = total;  // the candidates hold only part of the mass
+        for (int i = 0; i < n; i++) {
+            cum += e[s->idx[i]] / sum;
+            if (cum >= p->top_p) {
+                n = i + 1;
+                break;
+            }
+        }
+    }
+    if (p->min_p > 0) {
+        // Keep tokens whose probability is at least min_p times the top token's.
+        float thresh = mx + logf(p->min_p);
+        int keep = 0;
+        for (int i = 0; i < n; i++)
+            if (logits[s->idx[i]] >= thresh) s->idx[keep++] = s->idx[i];
+        n = keep;
+    }
+    if (!has_k && !has_p && p->min_p <= 0) return draw(s, e, s->idx, V);
+    return draw(s, e, s->idx, n);
+}
+
 int32_t pd_sampler_sample(pd_sampler *s, float *logits, pd_sample_result *out) {
     const pd_sampling_params *p = &s->p;
     int V = s->vocab;
     pd_sample_result local;
     if (!out) out = &local;
     memset(out, 0, sizeof *out);
-    float *raw = NULL;
-    if (p->n_logprobs >= 0) {
-        raw = pd_malloc(sizeof(float) * (size_t)V);
-        if (raw) memcpy(raw, logits, sizeof(float) * (size_t)V);
-    }
+    bool want_lp = p->n_logprobs >= 0;
+    if (want_lp && !s->raw) s->raw = pd_malloc(sizeof(float) * (size_t)V);
+    if (want_lp && s->raw) memcpy(s->raw, logits, sizeof(float) * (size_t)V);
     apply_penalties(s, logits);
-    int32_t token;
-    if (p->temperature == 0.0f) {
-        token = pd_argmax(logits, V);
-    } else {
-        for (int i = 0; i < V; i++) logits[i] /= p->temperature;
-        // Sort candidates by logit, descending (only as many as needed would be faster; the full
-        // sort keeps top-k/top-p/min-p composition obviously right).
-        int n = V;
-        for (int i = 0; i < V; i++) s->idx[i] = i;
-        t_sort_vals = logits;
-        qsort(s->idx, (size_t)V, sizeof(int32_t), cmp_desc);
-        if (p->top_k > 0 && p->top_k < n) n = p->top_k;
-        float mx = logits[s->idx[0]];
-        double sum = 0;
-        for (int i = 0; i < n; i++) sum += exp((double)(logits[s->idx[i]] - mx));
-        if (p->top_p < 1.0f) {
-            double cum = 0;
-            int keep = n;
-            for (int i = 0; i < n; i++) {
-                cum += exp((double)(logits[s->idx[i]] - mx)) / sum;
-                if (cum >= p->top_p) {
-                    keep = i + 1;
-                    break;
-                }
-            }
-            n = keep;
-        }
-        if (p->min_p > 0) {
-            // Keep tokens whose probability is at least min_p times the top token's.
-            double thresh = log((double)p->min_p);
-            int keep = 1;
-            while (keep < n && (double)(logits[s->idx[keep]] - mx) >= thresh) keep++;
-            n = keep;
-        }
-        sum = 0;
-        for (int i = 0; i < n; i++) sum += exp((double)(logits[s->idx[i]] - mx));
-        double r = pd_rng_uniform(&s->rng) * sum, acc = 0;
-        token = s->idx[n - 1];
-        for (int i = 0; i < n; i++) {
-            acc += exp((double)(logits[s->idx[i]] - mx));
-            if (r < acc) {
-                token = s->idx[i];
-                break;
-            }
-        }
-    }
+    int32_t token = p->temperature == 0.0f ? pd_argmax(logits, V) : sample_random(s, logits);
     out->token = token;
-    if (raw) {
-        fill_logprobs(s, raw, token, out);
-        pd_free(raw);
-    }
+    if (want_lp && s->raw) fill_logprobs(s, s->raw, token, out);
     return token;
 }
