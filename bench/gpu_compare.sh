@@ -57,10 +57,14 @@ bench() {  # bench LABEL TAG FLAGS...
   "$bin" bench --url "$rurl" --label "$label" --output-json "$out/$tag.json" --num-prompts "$np" --seed 1 \
     --goodput ttft:3000 tpot:50 --max-concurrency 64 --quiet "$@" | tee "$out/$tag.txt"
 }
-run_workloads() {  # run_workloads LABEL TAG
-  bench "$1" "$2-prefill" --dataset long-mix --long-fraction 0.2 --long-len $long --short-len $short --output-len 64 \
-    --sweep-rates 2,4,8
-  bench "$1" "$2-decode" --dataset random --input-len 256 --output-len 256 --sweep-rates 4,8,16
+run_workloads() {  # run_workloads LABEL TAG   (WORKLOADS="prefill decode" by default)
+  for w in ${WORKLOADS:-prefill decode}; do
+    case $w in
+    prefill) bench "$1" "$2-prefill" --dataset long-mix --long-fraction 0.2 --long-len $long --short-len $short \
+               --output-len 64 --sweep-rates ${RATES_PREFILL:-2,4,8} ;;
+    decode) bench "$1" "$2-decode" --dataset random --input-len 256 --output-len 256 --sweep-rates ${RATES_DECODE:-4,8,16} ;;
+    esac
+  done
 }
 
 for cfg in a b c; do
@@ -82,8 +86,8 @@ for cfg in a b c; do
   cleanup
   pids=""
 done
-for w in prefill decode; do
+for w in ${WORKLOADS:-prefill decode}; do
   "$bin" bench merge --output-html "$out/report-$w.html" --output-svg-dir "$out/svg-$w" \
     "$out/a-$w.json" "$out/b-$w.json" "$out/c-$w.json"
 done
-echo "reports: $out/report-prefill.html $out/report-decode.html"
+echo "reports in $out"
