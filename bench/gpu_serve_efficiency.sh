@@ -23,6 +23,6 @@ i=0
 until curl -sf "http://127.0.0.1:$port/health" >/dev/null 2>&1; do i=$((i+1)); [ $i -lt 1200 ] || exit 1; sleep 0.1; done
 for c in 32 64; do
   "$bin" bench --url "http://127.0.0.1:$port" --dataset random --input-len 256 --output-len 256 \
-    --num-prompts $((c * 3)) --max-concurrency $c --request-rate inf --seed $c --quiet \
+    --num-prompts $((c * 3)) --max-concurrency $c --request-rate inf --seed $c --quiet --return-token-ids \
     --output-json "$out/serve_c$c.json" | tee "$out/serve_c$c.txt"
 done

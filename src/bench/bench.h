@@ -189,6 +189,9 @@ typedef struct pd_bench_params {
     void *progress_ud;
     double progress_interval_s;
     bool is_chat;              // derived from endpoint by pd_bench_run
+    bool return_token_ids;     // ask for "return_token_ids" (pdserve extension): every token then
+                               // arrives as a chunk carrying its id, even when its text is empty,
+                               // so TTFT/ITL are timed per token whatever the tokenizer decodes
 } pd_bench_params;
 
 typedef struct pd_bench_progress {

@@ -116,6 +116,7 @@ static char *request_body(bench_run *run, const pd_bench_prompt *q) {
     ok &= !json_object_set_new(o, "ignore_eos", json_true());
     ok &= !json_object_set_new(o, "stream", json_true());
     ok &= !json_object_set_new(o, "stream_options", json_pack("{s:b}", "include_usage", 1));
+    if (run->p->return_token_ids) ok &= !json_object_set_new(o, "return_token_ids", json_true());
     char *js = ok ? json_dumps(o, JSON_COMPACT) : NULL;
     json_decref(o);
     if (!js) return NULL;
@@ -134,6 +135,12 @@ static bool itl_push(bench_req *rq, double v) {
     }
     rq->itl_ms[rq->n_itl++] = v;
     return true;
+}
+
+// Tokens a chunk carries by id (choices[0].token_ids, with return_token_ids), else 0.
+static size_t chunk_n_ids(json_t *o) {
+    json_t *ids = json_object_get(json_array_get(json_object_get(o, "choices"), 0), "token_ids");
+    return json_is_array(ids) ? json_array_size(ids) : 0;
 }
 
 // The text a chunk carries: choices[0].text (completions) or choices[0].delta.content (chat).
@@ -157,7 +164,10 @@ static void on_sse(pd_http_client_call *call, const char *event, const char *dat
         rq->stream_error = pd_strdup(json_is_string(m) ? json_string_value(m) : "error event in the stream");
     }
     const char *text = chunk_text(o);
-    if (text && *text) {
+    // With token ids, a chunk is a token iff it carries ids (held-back text can come out later in
+    // a chunk of its own); without, iff it carries text.
+    bool is_token = rq->run->p->return_token_ids ? chunk_n_ids(o) > 0 : text && *text;
+    if (is_token) {
         if (rq->n_chunks == 0) rq->run->records[rq->idx].ttft_ms = (double)(now - rq->t_send_us) / 1000.0;
         else itl_push(rq, (double)(now - rq->t_last_us) / 1000.0);
         rq->t_last_us = now;

@@ -61,7 +61,9 @@ static void bench_usage(void) {
         "  --output-json FILE        all metrics and per-request records\n"
         "  --output-html FILE        self-contained HTML report with SVG charts\n"
         "  --output-svg-dir DIR      each chart as a standalone .svg\n"
-        "  --quiet                   no progress lines on stderr (one every 5 s otherwise)\n");
+        "  --quiet                   no progress lines on stderr (one every 5 s otherwise)\n"
+        "  --return-token-ids        ask for token ids in every chunk (pdserve): times every token,\n"
+        "                            even those whose text is empty (dummy weights, small tokenizers)\n");
 }
 
 // Parses "1,2,4,inf". false on error.
@@ -154,6 +156,10 @@ static int parse_flags(int argc, char **argv, bench_opts *o) {
         if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
             bench_usage();
             return 0;
+        }
+        if (!strcmp(a, "--return-token-ids")) {
+            o->p.return_token_ids = true;
+            continue;
         }
         if (!strcmp(a, "--quiet")) {
             o->is_quiet = true;

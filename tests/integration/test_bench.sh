@@ -177,4 +177,15 @@ grep -q "fake-sweep" "$tmp/merged.html" && grep -q "kjv-llama-6m" "$tmp/merged.h
 [ -s "$tmp/msvg/goodput_vs_rate.svg" ] || fail "merge did not write goodput_vs_rate.svg"
 "$bin" bench merge --output-html "$tmp/x.html" "$tmp/fake.log" > /dev/null 2>&1 && fail "merge accepted a non-JSON file"
 
+# --return-token-ids: every token is timed from its own chunk, so chunks == output tokens exactly.
+"$bin" bench --url "$url" --num-prompts 6 --input-len 16 --output-len 12 --return-token-ids --quiet \
+  --output-json "$tmp/ids.json" > /dev/null 2>&1 || fail "bench --return-token-ids"
+python3 - "$tmp/ids.json" <<'PY' || fail "return-token-ids checks"
+import json, sys
+r = json.load(open(sys.argv[1]))["runs"][0]
+assert r["metrics"]["completed"] == 6, r["metrics"]
+for q in r["requests"]:
+    assert q["chunks"] == q["output_tokens"] == 12, q
+PY
+
 echo "test_bench: ok ($(( $(date +%s) - start )) s)"
