@@ -307,20 +307,17 @@ static pd_status reserve_bufs(pd_engine *e, const pd_step_plan *plan) {
     b->cap_tokens = ct;
     b->cap_bt = cb;
     if (plan->n_seqs + 1 > b->cap_seqs) {
-        int n = (plan->n_seqs + 1) * 2, c1 = 0, c2 = 0, c3 = 0, c4 = 0, c5 = 0, c6 = 0;
-        c1 = c2 = c3 = c4 = c5 = c6 = b->cap_seqs;
-        if (!grow_i32(&b->q_indptr, &c1, n) || !grow_i32(&b->kv_lens, &c2, n) || !grow_i32(&b->bt_indptr, &c3, n) ||
-            !grow_i32(&b->logit_rows, &c4, n) || !grow_i32(&b->logit_seq, &c5, n))
-            return PD_ERR_NOMEM;
-        float *lg = pd_realloc(b->logits, sizeof(float) * (size_t)n * (size_t)V);
-        pd_step_output *o = pd_realloc(b->outputs, sizeof *o * (size_t)n);
-        pd_sample_result *r = pd_realloc(b->results, sizeof *r * (size_t)n);
-        if (lg) b->logits = lg;
-        if (o) b->outputs = o;
-        if (r) b->results = r;
-        if (!lg || !o || !r) return PD_ERR_NOMEM;
-        (void)c6;
-        b->cap_seqs = n;
+        // Every per-sequence array has cap_seqs entries; grow them together.
+        size_t n = (size_t)(plan->n_seqs + 1) * 2;
+        void **arrs[] = {(void **)&b->q_indptr, (void **)&b->kv_lens, (void **)&b->bt_indptr, (void **)&b->logit_rows,
+                         (void **)&b->logit_seq, (void **)&b->logits, (void **)&b->outputs, (void **)&b->results};
+        size_t elem[] = {4, 4, 4, 4, 4, sizeof(float) * (size_t)V, sizeof(pd_step_output), sizeof(pd_sample_result)};
+        for (size_t i = 0; i < PD_ARRAY_LEN(arrs); i++) {
+            void *np = pd_realloc(*arrs[i], elem[i] * n);
+            if (!np) return PD_ERR_NOMEM;  // arrays already grown keep their larger size: harmless
+            *arrs[i] = np;
+        }
+        b->cap_seqs = (int)n;
     }
     return PD_OK;
 }
