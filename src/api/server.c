@@ -194,18 +194,27 @@ static pd_status job_submit(api_job *j, const pd_api_request *rq, const pd_api_p
     return PD_OK;
 }
 
+// Parses and tokenizes a request body; on failure replies with the error and returns false
+// (nothing left to free).
+static bool parse_and_tokenize(pd_http_req *r, pd_api *a, pd_api_kind kind, const char *body, size_t len,
+                               pd_api_request *rq, pd_api_prompts *pr) {
+    pd_api_error e = {0};
+    if (pd_api_request_parse(kind, body, len, a->model_name, rq, &e) ||
+        pd_api_request_tokenize(rq, a->tok, a->tmpl, a->max_model_len, pr, &e)) {
+        reply_api_error(r, &e);
+        pd_api_request_fini(rq);
+        return false;
+    }
+    return true;
+}
+
 static void handle_generate(pd_http_req *r, pd_api *a, pd_api_kind kind) {
     size_t len;
     const char *body = pd_http_req_body(r, &len);
     pd_api_request rq;
     pd_api_prompts pr = {0};
+    if (!parse_and_tokenize(r, a, kind, body, len, &rq, &pr)) return;
     pd_api_error e = {0};
-    if (pd_api_request_parse(kind, body, len, a->model_name, &rq, &e) ||
-        pd_api_request_tokenize(&rq, a->tok, a->tmpl, a->max_model_len, &pr, &e)) {
-        reply_api_error(r, &e);
-        pd_api_request_fini(&rq);
-        return;
-    }
     api_job *j = job_new(a, r, &rq, &pr);
     if (!j) {
         e.status = PD_ERR_NOMEM;
@@ -236,13 +245,7 @@ static void h_tokenize(pd_http_req *r, void *ud) {
     json_decref(probe);
     pd_api_request rq;
     pd_api_prompts pr = {0};
-    pd_api_error e = {0};
-    if (pd_api_request_parse(kind, body, len, a->model_name, &rq, &e) ||
-        pd_api_request_tokenize(&rq, a->tok, a->tmpl, a->max_model_len, &pr, &e)) {
-        reply_api_error(r, &e);
-        pd_api_request_fini(&rq);
-        return;
-    }
+    if (!parse_and_tokenize(r, a, kind, body, len, &rq, &pr)) return;
     json_t *ids = json_array();
     for (int i = 0; ids && i < pr.items[0].n; i++) json_array_append_new(ids, json_integer(pr.items[0].ids[i]));
     json_t *o = ids ? json_pack("{s:o}", "token_ids", ids) : NULL;

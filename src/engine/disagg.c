@@ -235,14 +235,9 @@ static void handle_result(pd_engine *e, pd_xfer_event *ev) {
     // The first token's logprobs were computed remotely; hand them on with the token event.
     pd_sample_result r = {.token = d->first_token, .logprob = d->logprob, .n_top = PD_MIN(d->n_top, PD_MAX_LOGPROBS)};
     for (int i = 0; i < r.n_top; i++) r.top_ids[i] = d->top_ids[i], r.top_logprobs[i] = d->top_logprobs[i];
-    // A one-seq plan carries r to the event builder (it reads results by plan index).
     pd_step_seq seq = {.req_id = q->id, .needs_logits = true};
     pd_step_plan plan = {.n_seqs = 1, .seqs = &seq};
-    pd_sample_result *saved = e->sb.results;
-    pd_sample_result one = r;
-    e->sb.results = &one;
-    pd_engine_push_sched_events(e, &plan, &sev, 1);
-    e->sb.results = saved;
+    pd_engine_push_sched_events(e, &plan, &r, &sev, 1);
 }
 
 // ---- prefill side ------------------------------------------------------------------------------

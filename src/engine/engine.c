@@ -383,7 +383,8 @@ static pd_engine_finish map_finish(pd_finish_reason f) {
 }
 
 // Turns scheduler events into engine events (TOKEN, then FINISHED when the request ended).
-void pd_engine_push_sched_events(pd_engine *e, const pd_step_plan *plan, const pd_sched_event *ev, int n) {
+void pd_engine_push_sched_events(pd_engine *e, const pd_step_plan *plan, const pd_sample_result *results,
+                                 const pd_sched_event *ev, int n) {
     step_bufs *b = &e->sb;
     if (2 * n > b->cap_events) {
         pd_engine_event *ne = pd_realloc(b->events, sizeof *ne * (size_t)(2 * n + 16));
@@ -401,7 +402,7 @@ void pd_engine_push_sched_events(pd_engine *e, const pd_step_plan *plan, const p
             if (s->finish != PD_FINISH_NONE) {
                 pd_sample_result first = {.token = s->token};
                 for (int i = 0; plan && i < plan->n_seqs; i++)
-                    if (plan->seqs[i].req_id == s->req_id && plan->seqs[i].needs_logits) first = b->results[i];
+                    if (plan->seqs[i].req_id == s->req_id && plan->seqs[i].needs_logits) first = results[i];
                 first.token = s->token;
                 pd_disagg_export(e, q, s, &first);
             }
@@ -417,7 +418,7 @@ void pd_engine_push_sched_events(pd_engine *e, const pd_step_plan *plan, const p
             o->n_output_tokens = s->n_output_tokens;
             for (int i = 0; plan && i < plan->n_seqs; i++)
                 if (plan->seqs[i].req_id == s->req_id && plan->seqs[i].needs_logits) {
-                    o->tok = b->results[i];
+                    o->tok = results[i];
                     break;
                 }
             o->tok.token = s->token;
@@ -501,7 +502,7 @@ static void engine_step(pd_engine *e) {
     pd_step_plan plan;
     int64_t t0 = pd_time_us();
     pd_sched_schedule(e->sched, t0, &plan);
-    if (plan.n_finished) pd_engine_push_sched_events(e, NULL, plan.finished, plan.n_finished);
+    if (plan.n_finished) pd_engine_push_sched_events(e, NULL, NULL, plan.finished, plan.n_finished);
     if (plan.n_kv_loads) pd_disagg_start_loads(e, &plan);
     e->last_step_empty = plan.n_seqs == 0 && plan.n_kv_loads == 0;
     if (plan.n_seqs == 0) return;
@@ -528,7 +529,7 @@ static void engine_step(pd_engine *e) {
     st = pd_sched_update(e->sched, &plan, outs, pd_time_us(), &ev, &n_ev);
     PD_ASSERT(st == PD_OK);
     measure_step(e, &plan, pd_time_us() - t0);
-    pd_engine_push_sched_events(e, &plan, ev, n_ev);
+    pd_engine_push_sched_events(e, &plan, e->sb.results, ev, n_ev);
 }
 
 static void *engine_main(void *arg) {

@@ -88,7 +88,9 @@ ereq *pd_engine_req_find(pd_engine *e, uint64_t id);
 void pd_engine_req_insert(pd_engine *e, ereq *q);
 void pd_engine_req_remove(pd_engine *e, uint64_t id);
 void pd_engine_emit_finished(pd_engine *e, uint64_t id, pd_engine_finish f, int n_prompt, int n_cached, int n_out);
-void pd_engine_push_sched_events(pd_engine *e, const pd_step_plan *plan, const pd_sched_event *ev, int n);
+// results[i]: what was sampled for plan->seqs[i] (read where needs_logits); NULL when plan is.
+void pd_engine_push_sched_events(pd_engine *e, const pd_step_plan *plan, const pd_sample_result *results,
+                                 const pd_sched_event *ev, int n);
 
 // disagg.c
 pd_status pd_disagg_init(pd_engine *e, pd_err *err);  // after the model and cache exist

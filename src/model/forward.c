@@ -26,9 +26,10 @@ typedef struct meta_layout {
     size_t tokens, positions, slots, token_seq, q_indptr, kv_lens, bt_indptr, bt_indices, logit_rows, total;
 } meta_layout;
 
-static meta_layout layout_of(const pd_batch *b) {
+// Packs the arrays back to back: T tokens, S sequences, n_bt page-table entries, n_logits rows.
+static meta_layout layout_for(size_t T, size_t S, size_t n_bt, size_t n_logits) {
     meta_layout l;
-    size_t o = 0, T = (size_t)b->n_tokens, S = (size_t)b->n_seqs;
+    size_t o = 0;
     l.tokens = o; o += T;
     l.positions = o; o += T;
     l.slots = o; o += T;
@@ -36,10 +37,14 @@ static meta_layout layout_of(const pd_batch *b) {
     l.q_indptr = o; o += S + 1;
     l.kv_lens = o; o += S;
     l.bt_indptr = o; o += S + 1;
-    l.bt_indices = o; o += (size_t)b->bt_indptr[b->n_seqs];
-    l.logit_rows = o; o += (size_t)b->n_logits;
+    l.bt_indices = o; o += n_bt;
+    l.logit_rows = o; o += n_logits;
     l.total = o;
     return l;
+}
+
+static meta_layout layout_of(const pd_batch *b) {
+    return layout_for((size_t)b->n_tokens, (size_t)b->n_seqs, (size_t)b->bt_indptr[b->n_seqs], (size_t)b->n_logits);
 }
 
 static pd_status grow(pd_backend *be, pd_buffer **buf, size_t n_bytes) {
@@ -204,19 +209,7 @@ static int kv_bucket(int kv) {
 
 // The metadata layout of a padded decode step: B rows, bt_cap page-table entries.
 static meta_layout layout_fixed(int B, int bt_cap) {
-    meta_layout l;
-    size_t o = 0, n = (size_t)B;
-    l.tokens = o; o += n;
-    l.positions = o; o += n;
-    l.slots = o; o += n;
-    l.token_seq = o; o += n;
-    l.q_indptr = o; o += n + 1;
-    l.kv_lens = o; o += n;
-    l.bt_indptr = o; o += n + 1;
-    l.bt_indices = o; o += (size_t)bt_cap;
-    l.logit_rows = o; o += n;
-    l.total = o;
-    return l;
+    return layout_for((size_t)B, (size_t)B, (size_t)bt_cap, (size_t)B);
 }
 
 static void graph_entry_free(pd_model *m, pd_graph_entry *ge) {
