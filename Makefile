@@ -4,7 +4,7 @@
 #   make run          install missing packages, build, start the embedded default and answer a sample request
 #   make test-asan    the unit + golden tiers under AddressSanitizer/UBSan
 #   make fuzz         build the libFuzzer targets (clang); make fuzz-run FUZZ_SECONDS=300 runs each
-#   make gpu-test     build with CUDA and run the GPU tests (needs a GPU)
+#   make gpu-test     build with CUDA and run the GPU tests (needs a GPU; 2 GPUs: also tools/gpu/test_disagg_gpu.sh)
 #   make SAN=address,undefined DEBUG=1 ...
 #
 # Sources are found by wildcard: every src/**/*.c except src/cmd/ goes into build/libpdserve.a,
@@ -140,6 +140,10 @@ fuzz-run: fuzz
 gpu-test:
 	@$(MAKE) --no-print-directory CUDA=1 tests
 	@PD_GPU_TESTS=1 sh tools/run_tests.sh $(BUILD) $(TEST_BIN)
+	@# disaggregation on two GPUs (cuda-ipc and nccl): outputs identical to colocated
+	@if [ "$$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')" -ge 2 ]; then \
+	  PD_BIN=$(CURDIR)/$(BUILD)/pdserve sh tools/gpu/test_disagg_gpu.sh; \
+	else echo "test_disagg_gpu: skipped (needs 2 GPUs)"; fi
 
 clean:
 	rm -rf build

@@ -55,7 +55,7 @@ router() {  # router FLAGS... ; sets $rurl
 bench() {  # bench LABEL TAG FLAGS...
   label=$1; tag=$2; shift 2
   "$bin" bench --url "$rurl" --label "$label" --output-json "$out/$tag.json" --num-prompts "$np" --seed 1 \
-    --goodput ttft:3000 tpot:50 --max-concurrency 64 --quiet --return-token-ids "$@" | tee "$out/$tag.txt"
+    --goodput ${GOODPUT:-ttft:3000 tpot:50} --max-concurrency 64 --num-warmups ${WARMUPS:-16} --quiet --return-token-ids "$@" | tee "$out/$tag.txt"
 }
 run_workloads() {  # run_workloads LABEL TAG   (WORKLOADS="prefill decode" by default)
   for w in ${WORKLOADS:-prefill decode}; do

@@ -5,6 +5,7 @@
 #include <string.h>
 
 #include "base/checksum.h"
+#include "kernels/sample_rng.h"
 
 size_t pd_dtype_size(pd_dtype t) {
     switch (t) {
@@ -175,4 +176,64 @@ void pd_backend_graph_free(pd_backend *b, pd_graph *g) {
 
 void pd_op_fill_normal(pd_backend *b, void *dst, pd_dtype dtype, size_t n, uint64_t seed, float mean, float std) {
     if (n) b->iface->fill_normal(b, dst, dtype, n, seed, mean, std);
+}
+
+bool pd_backend_has_sample(pd_backend *b) { return b->iface->sample != NULL; }
+void pd_op_sample(pd_backend *b, const pd_sample_params *p) {
+    PD_ASSERT(b->iface->sample);
+    if (p->n_rows > 0) b->iface->sample(b, p);
+}
+double pd_sample_uniform(uint64_t seed, uint64_t draw_idx) { return pd_sample_uniform_of(seed, draw_idx); }
+
+// ---- device messaging --------------------------------------------------------------------------
+struct pd_comm {
+    pd_backend *b;  // borrowed
+    void *impl;     // the backend's communicator
+};
+
+pd_status pd_comm_id_new(pd_backend *b, pd_comm_id *out, pd_err *err) {
+    if (!b->iface->comm_id_new)
+        return pd_err_set(err, PD_ERR_UNSUPPORTED, "the %s backend has no device-to-device transport (nccl needs cuda)",
+                          b->iface->name);
+    return b->iface->comm_id_new(b, out, err);
+}
+
+pd_comm *pd_comm_new(pd_backend *b, const pd_comm_id *id, int n_ranks, int rank, int timeout_ms, pd_err *err) {
+    if (!b->iface->comm_new) {
+        pd_err_set(err, PD_ERR_UNSUPPORTED, "the %s backend has no device-to-device transport", b->iface->name);
+        return NULL;
+    }
+    if (n_ranks < 1 || rank < 0 || rank >= n_ranks) {
+        pd_err_set(err, PD_ERR_INVALID, "comm: rank %d of %d", rank, n_ranks);
+        return NULL;
+    }
+    pd_comm *c = pd_calloc(1, sizeof *c);
+    if (!c) {
+        pd_err_set(err, PD_ERR_NOMEM, "out of memory");
+        return NULL;
+    }
+    c->b = b;
+    c->impl = b->iface->comm_new(b, id, n_ranks, rank, timeout_ms, err);
+    if (!c->impl) {
+        pd_free(c);
+        return NULL;
+    }
+    return c;
+}
+
+void pd_comm_free(pd_comm *c) {
+    if (!c) return;
+    c->b->iface->comm_free(c->b, c->impl);
+    pd_free(c);
+}
+
+pd_status pd_comm_send(pd_comm *c, const void *buf, size_t n, int peer, pd_err *err) {
+    return c->b->iface->comm_post(c->b, c->impl, (void *)buf, n, peer, true, err);
+}
+pd_status pd_comm_recv(pd_comm *c, void *buf, size_t n, int peer, pd_err *err) {
+    return c->b->iface->comm_post(c->b, c->impl, buf, n, peer, false, err);
+}
+void pd_comm_kv_copy(pd_comm *c, const pd_kv_copy_params *p) { c->b->iface->comm_kv_copy(c->b, c->impl, p); }
+pd_status pd_comm_wait(pd_comm *c, int timeout_ms, pd_err *err) {
+    return c->b->iface->comm_wait(c->b, c->impl, timeout_ms, err);
 }

@@ -155,6 +155,51 @@ typedef struct pd_kv_checksum_params {
     uint64_t *sums;              // out, host
 } pd_kv_checksum_params;
 
+// Sampling on the device (optional op, pd_backend_has_sample): one token per row of f32 logits,
+// with exactly the semantics of the CPU sampler (src/model/sample.h): penalties → temperature →
+// top-k → top-p → min-p → draw; greedy ties go to the lowest id; logprobs are those of the raw
+// (unprocessed) logits. A random draw uses pd_sample_uniform(seed, draw_idx) and walks the
+// surviving tokens in id order, as the CPU sampler does, so a seeded row draws the same token on
+// either backend (up to float rounding at a boundary). Only the results cross to the host.
+#define PD_SAMPLE_MAX_TOP 20
+
+typedef struct pd_sample_row {
+    float temperature;         // 0: greedy
+    int32_t top_k;             // <= 0 or >= vocab: off
+    float top_p;               // >= 1: off
+    float min_p;               // <= 0: off
+    float presence_penalty, frequency_penalty, repetition_penalty;
+    uint64_t seed;
+    uint64_t draw_idx;         // which draw of the seed's stream this one is
+    int32_t n_logprobs;        // -1: none; 0: the token's; N <= PD_SAMPLE_MAX_TOP: and the top N
+    int32_t pen_begin, n_pens; // this row's entries in pd_sample_params.pens
+} pd_sample_row;
+
+// A token of a row that a penalty applies to. Tokens are unique within a row.
+typedef struct pd_sample_pen {
+    int32_t token;
+    int32_t count;             // times generated: presence / frequency penalties when > 0
+    int32_t is_seen;           // in the prompt or generated: the repetition penalty applies
+} pd_sample_pen;
+
+typedef struct pd_sample_out {
+    int32_t token;
+    float logprob;             // raw log-softmax of token (n_logprobs >= 0)
+    int32_t n_top;
+    int32_t top_ids[PD_SAMPLE_MAX_TOP];       // descending, ties by lower id
+    float top_logprobs[PD_SAMPLE_MAX_TOP];
+} pd_sample_out;
+
+typedef struct pd_sample_params {
+    float *logits;                 // device (n_rows, vocab) f32; the op applies penalties in place
+                                   // and restores the original values before it returns
+    int n_rows, vocab;             // n_rows <= 256 per call is what the CUDA op is tuned for
+    const pd_sample_row *rows;     // host (n_rows)
+    const pd_sample_pen *pens;     // host (n_pens), each row's entries contiguous
+    int n_pens;
+    pd_sample_out *out;            // host (n_rows)
+} pd_sample_params;
+
 // A handle that lets another process on the same host map a buffer: the decode worker exports its
 // KV pool once and the prefill worker writes straight into it (shm on CPU, CUDA IPC on GPU).
 typedef struct pd_buffer_handle {
@@ -215,6 +260,13 @@ void pd_op_get_rows(pd_backend *b, const pd_get_rows_params *p);
 void pd_op_copy_blocks(pd_backend *b, const pd_copy_blocks_params *p);
 void pd_op_kv_copy(pd_backend *b, const pd_kv_copy_params *p);
 void pd_op_kv_checksum(pd_backend *b, const pd_kv_checksum_params *p);
+// Device sampling (optional): NULL in the vtable means the caller samples on the host (download
+// the logits, src/model/sample.c). pd_op_sample synchronises: p->out is filled on return.
+bool pd_backend_has_sample(pd_backend *b);
+void pd_op_sample(pd_backend *b, const pd_sample_params *p);
+// The sampler's uniform in [0, 1): draw number draw_idx of stream seed (counter-based: the same
+// function runs on the device).
+double pd_sample_uniform(uint64_t seed, uint64_t draw_idx);
 // Graphs (optional; CUDA graphs on the CUDA backend): the ops enqueued between graph_begin and
 // graph_end are recorded, not run, and pd_backend_graph_launch replays them with the same
 // pointers and parameters (device memory they read may change between launches). Between begin
@@ -230,6 +282,35 @@ void pd_backend_graph_free(pd_backend *b, pd_graph *g);  // NULL is a no-op
 // Fills n elements of `dtype` at dst with mean + std * N(0,1) from a counter-based generator
 // seeded by `seed` (dummy weights: --load-format dummy). Deterministic per backend.
 void pd_op_fill_normal(pd_backend *b, void *dst, pd_dtype dtype, size_t n, uint64_t seed, float mean, float std);
+
+// ---- device messaging between processes (optional; NCCL on the CUDA backend) -----------------
+// A pd_comm is one rank of a communicator of n_ranks processes, each with its own backend (the KV
+// handoff's nccl transport uses 2: decode rank 0, prefill rank 1). Bootstrap: one rank makes an id
+// (pd_comm_id_new) and sends it to the others out of band (the KV control socket); every rank calls
+// pd_comm_new with it, which returns once all have joined, or fails after timeout_ms.
+// Sends and receives run on the comm's own stream (never the backend's), in the order posted; the
+// peers must post matching operations in the same order. pd_comm_wait bounds every wait: a dead or
+// hung peer makes it abort the communicator (every later call fails: free it, bootstrap anew).
+// A comm may be used from any thread, one thread at a time.
+#define PD_COMM_ID_BYTES 128
+typedef struct pd_comm_id {
+    uint8_t bytes[PD_COMM_ID_BYTES];
+} pd_comm_id;
+typedef struct pd_comm pd_comm;
+// PD_ERR_UNSUPPORTED with err saying why when the backend has no device messaging (CPU backend, or
+// NCCL not installed: "nccl transport unavailable: <dlerror>"). out NULL: only checks that.
+pd_status pd_comm_id_new(pd_backend *b, pd_comm_id *out, pd_err *err);
+pd_comm *pd_comm_new(pd_backend *b, const pd_comm_id *id, int n_ranks, int rank, int timeout_ms, pd_err *err);
+void pd_comm_free(pd_comm *c);  // aborts what is still in flight; NULL is a no-op
+// Posts a send (receive) of n bytes of device memory to (from) rank peer. A send first waits, on the
+// device, for the work already enqueued on the backend's stream (which produced its data).
+pd_status pd_comm_send(pd_comm *c, const void *buf, size_t n, int peer, pd_err *err);
+pd_status pd_comm_recv(pd_comm *c, void *buf, size_t n, int peer, pd_err *err);
+// pd_op_kv_copy on the comm's stream, ordered after its receives (scatters a received slab).
+void pd_comm_kv_copy(pd_comm *c, const pd_kv_copy_params *p);
+// Waits until everything posted has completed: PD_OK, PD_ERR_TIMEOUT after timeout_ms, or
+// PD_ERR_DEVICE (NCCL reported an error). On failure the communicator has been aborted.
+pd_status pd_comm_wait(pd_comm *c, int timeout_ms, pd_err *err);
 
 #ifdef __cplusplus
 }

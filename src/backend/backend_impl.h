@@ -40,6 +40,15 @@ typedef struct pd_backend_iface {
     void *(*graph_end)(pd_backend *b);             // NULL when the capture failed
     bool (*graph_launch)(pd_backend *b, void *g);  // false: stale (device scratch moved since capture)
     void (*graph_free)(pd_backend *b, void *g);
+    // (optional) NULL: no device sampling; the caller samples on the host. See pd_op_sample.
+    void (*sample)(pd_backend *b, const pd_sample_params *p);
+    // (optional) device messaging (pd_comm_*): NULL means none. c is what comm_new returned.
+    pd_status (*comm_id_new)(pd_backend *b, pd_comm_id *out, pd_err *err);
+    void *(*comm_new)(pd_backend *b, const pd_comm_id *id, int n_ranks, int rank, int timeout_ms, pd_err *err);
+    void (*comm_free)(pd_backend *b, void *c);
+    pd_status (*comm_post)(pd_backend *b, void *c, void *buf, size_t n, int peer, bool is_send, pd_err *err);
+    void (*comm_kv_copy)(pd_backend *b, void *c, const pd_kv_copy_params *p);
+    pd_status (*comm_wait)(pd_backend *b, void *c, int timeout_ms, pd_err *err);
 } pd_backend_iface;
 
 struct pd_backend {

@@ -10,6 +10,8 @@
 // (2 * matmul params * tokens + causal attention FLOPs counted once) / GEMM peak. The ratio
 // time / floor is printed and written with --json FILE.
 //
+// --only decode|prefill runs one half (the ceilings are always measured).
+//
 // Timing: host clock around pd_model_forward_dev + pd_backend_sync per step, median of several
 // steps after warm-up; launches are not captured in a graph (see docs: the forward pass uploads
 // its metadata each step), so the decode numbers include host launch overhead where it shows.
@@ -153,17 +155,17 @@ static void report(bench_ctx *b, const char *kind, const char *label, int batch,
                                     floor_sec * 1e3, "ratio", ratio, "floor", floor_kind));
 }
 
-static void run_benchmarks(bench_ctx *b, int batch_ctx) {
+static void run_benchmarks(bench_ctx *b, int batch_ctx, bool decode, bool prefill) {
     double wbytes = (double)pd_model_weight_bytes(b->m), kvpt = kv_bytes_per_token(b);
     int ctxs[] = {128, 4096};
-    for (int i = 0; i < 2; i++) {
+    for (int i = 0; i < 2 && decode; i++) {
         double t = time_step(b, 1, 1, ctxs[i], 20);
         char label[64];
         snprintf(label, sizeof label, "ctx=%d", ctxs[i]);
         report(b, "decode single-stream", label, 1, 1, ctxs[i], t, (wbytes + kvpt * ctxs[i]) / b->copy_bytes_s, "bw");
     }
     int batches[] = {1, 8, 32, 64, 128, 256};
-    for (int i = 0; i < 6; i++) {
+    for (int i = 0; i < 6 && decode; i++) {
         double t = time_step(b, batches[i], 1, batch_ctx, 10);
         char label[64];
         snprintf(label, sizeof label, "batch=%d ctx=%d", batches[i], batch_ctx);
@@ -172,7 +174,7 @@ static void run_benchmarks(bench_ctx *b, int batch_ctx) {
     }
     int lens[] = {512, 2048, 8192};
     const pd_model_config *c = b->c;
-    for (int i = 0; i < 3; i++) {
+    for (int i = 0; i < 3 && prefill; i++) {
         double L = lens[i];
         double flops = 2.0 * matmul_params(c) * L + 2.0 * c->vocab_size * c->hidden_size +
                        c->n_layers * 2.0 * 2.0 * c->n_heads * c->head_dim * (L * (L + 1) / 2);
@@ -188,10 +190,10 @@ static void run_benchmarks(bench_ctx *b, int batch_ctx) {
 int pd_cmd_bench_engine(int argc, char **argv) {
     static const struct option opts[] = {{"model", required_argument, 0, 'm'},   {"load-format", required_argument, 0, 'l'},
                                          {"json", required_argument, 0, 'j'},    {"device", required_argument, 0, 'd'},
-                                         {"batch-ctx", required_argument, 0, 'c'}, {"help", no_argument, 0, 'h'},
-                                         {0, 0, 0, 0}};
+                                         {"batch-ctx", required_argument, 0, 'c'}, {"only", required_argument, 0, 'o'},
+                                         {"help", no_argument, 0, 'h'},          {0, 0, 0, 0}};
     const char *model = NULL, *json_path = NULL, *device = "auto";
-    bool dummy = false;
+    bool dummy = false, decode = true, prefill = true;
     long batch_ctx = 512;
     int c;
     optind = 1;
@@ -209,9 +211,14 @@ int pd_cmd_bench_engine(int argc, char **argv) {
             if (!pd_cmd_parse_int(optarg, &batch_ctx) || batch_ctx < 1 || batch_ctx > 1 << 20)
                 return pd_cmd_usage_error("bench-engine", "--batch-ctx must be a positive integer");
             break;
+        case 'o':
+            if (!strcmp(optarg, "decode")) prefill = false;
+            else if (!strcmp(optarg, "prefill")) decode = false;
+            else if (strcmp(optarg, "all")) return pd_cmd_usage_error("bench-engine", "--only is decode, prefill or all");
+            break;
         case 'h':
             printf("usage: pdserve bench-engine --model DIR [--load-format dummy|auto] [--device auto|cuda|cpu]\n"
-                   "                            [--batch-ctx N] [--json FILE]\n");
+                   "                            [--batch-ctx N] [--only decode|prefill|all] [--json FILE]\n");
             return 0;
         default: return 2;
         }
@@ -257,7 +264,7 @@ int pd_cmd_bench_engine(int argc, char **argv) {
     b.out = json_pack("{s:s, s:s, s:f, s:f, s:f, s:[]}", "model", model, "device", pd_backend_name(b.be),
                       "copy_gbs", b.copy_bytes_s * 1e-9, "gemm_tflops", b.gemm_flop_s * 1e-12, "weight_gb",
                       (double)pd_model_weight_bytes(b.m) * 1e-9, "results");
-    run_benchmarks(&b, (int)batch_ctx);
+    run_benchmarks(&b, (int)batch_ctx, decode, prefill);
     if (json_path && json_dump_file(b.out, json_path, JSON_INDENT(2)) != 0) {
         fprintf(stderr, "pdserve bench-engine: cannot write %s\n", json_path);
         goto done;

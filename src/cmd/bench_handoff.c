@@ -11,8 +11,11 @@
 // --reps requests with max_tokens 1, each submitted through pd_engine_submit and watched with
 // pd_engine_poll. Reported per length (medians):
 //   * KV bytes moved (2 x layers x tokens x row bytes) and the copy time of the KV itself: the
-//     prefill engine's kv_export_copy_us_total delta (pd_op_kv_copy + a stream sync, host clock;
-//     the stream is idle before it), and the resulting GB/s;
+//     prefill engine's kv_export_copy_us_total delta (cuda-ipc: pd_op_kv_copy + a stream sync,
+//     host clock, the stream idle before it; nccl (--transport nccl): the KV_NCCL announcement +
+//     ncclSend of the request's slab until complete, i.e. until the decode side has received it —
+//     the local gather into the staging slab and the decode side's scatter are not in it, they
+//     are in the handoff and TTFT columns), and the resulting GB/s;
 //   * the decode side's handoff time (PREFILL_REQ sent → KV verified, kv_handoff_us_total delta);
 //   * TTFT disaggregated: submit → first TOKEN event on the decode engine.
 // Then the child quits, the decode engine is freed, and a colocated (BOTH-role) engine on device A
@@ -44,6 +47,7 @@ typedef struct hb_opts {
     int dev_prefill, dev_decode;
     int reps, block_size, max_batched;
     double kv_gib;
+    pd_kvw_transport transport;  // 0: cuda-ipc on GPUs, shm on the CPU
 } hb_opts;
 
 typedef struct hb_row {
@@ -114,7 +118,7 @@ static pd_engine_params base_params(const hb_opts *o, const char *dir, int devic
     p.block_size = o->block_size;
     p.kv_cache_bytes = (size_t)(o->kv_gib * (double)(1ull << 30));
     p.max_num_batched_tokens = o->max_batched;
-    p.kv_transport = strcmp(o->device, "cpu") ? PD_KVW_TRANSPORT_CUDA_IPC : PD_KVW_TRANSPORT_SHM;
+    p.kv_transport = o->transport ? o->transport : strcmp(o->device, "cpu") ? PD_KVW_TRANSPORT_CUDA_IPC : PD_KVW_TRANSPORT_SHM;
     p.disagg_min_tokens = 1;
     p.disagg_timeout_ms = 120000;
     return p;
@@ -289,7 +293,7 @@ static int parse_opts(int argc, char **argv, hb_opts *o) {
         {"devices", required_argument, 0, 'D'}, {"device", required_argument, 0, 'd'},      {"json", required_argument, 0, 'j'},
         {"reps", required_argument, 0, 'r'},    {"tokenizer", required_argument, 0, 'k'},   {"ttft-tokens", required_argument, 0, 'T'},
         {"kv-cache-gib", required_argument, 0, 'g'}, {"max-num-batched-tokens", required_argument, 0, 'b'},
-        {"help", no_argument, 0, 'h'},          {0, 0, 0, 0}};
+        {"transport", required_argument, 0, 'x'}, {"help", no_argument, 0, 'h'}, {0, 0, 0, 0}};
     *o = (hb_opts){.device = "cuda", .reps = 3, .block_size = 16, .max_batched = 8192, .kv_gib = 4.0, .dev_decode = 1,
                    .lens = {512, 2048, 7500}, .n_lens = 3};
     int c;
@@ -299,6 +303,13 @@ static int parse_opts(int argc, char **argv, hb_opts *o) {
     while ((c = getopt_long(argc, argv, "", opts, NULL)) != -1) {
         switch (c) {
         case 'm': o->model = optarg; break;
+        case 'x':
+            if (!strcmp(optarg, "cuda-ipc")) o->transport = PD_KVW_TRANSPORT_CUDA_IPC;
+            else if (!strcmp(optarg, "nccl")) o->transport = PD_KVW_TRANSPORT_NCCL;
+            else if (!strcmp(optarg, "shm")) o->transport = PD_KVW_TRANSPORT_SHM;
+            else if (!strcmp(optarg, "tcp")) o->transport = PD_KVW_TRANSPORT_TCP;
+            else return pd_cmd_usage_error("bench-handoff", "--transport is cuda-ipc, nccl, shm or tcp");
+            break;
         case 'k': o->tokenizer = optarg; break;
         case 'j': o->json_path = optarg; break;
         case 'd': o->device = optarg; break;
@@ -339,7 +350,8 @@ static int parse_opts(int argc, char **argv, hb_opts *o) {
         case 'h':
             printf("usage: pdserve bench-handoff --model DIR [--load-format dummy|auto] [--tokenizer DIR]\n"
                    "         [--tokens 512,2048,7500] [--ttft-tokens N] [--devices PREFILL,DECODE] [--device cuda|cpu]\n"
-                   "         [--reps 3] [--kv-cache-gib 4] [--max-num-batched-tokens 8192] [--json FILE]\n");
+                   "         [--reps 3] [--kv-cache-gib 4] [--max-num-batched-tokens 8192] [--json FILE]\n"
+                   "         [--transport cuda-ipc|nccl|shm|tcp] (default cuda-ipc on GPUs, shm on the CPU)\n");
             return 0;
         default: return 2;
         }

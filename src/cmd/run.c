@@ -131,10 +131,11 @@ static void stop_all(child *cs, int n) {
 
 static void usage(void) {
     printf("usage: pdserve run [--model DIR] [--port P (default 8000)] [--device cpu|cuda|auto]\n"
-           "                  [--disagg-min-tokens N] [--exit-after-sample] [--colocated] [serve options]\n"
+           "                  [--disagg-min-tokens N] [--kv-transport tcp|shm|cuda-ipc|nccl]\n"
+           "                  [--exit-after-sample] [--colocated] [serve options]\n"
            "  Starts a prefill worker, a decode worker and the router (separate processes) with the\n"
            "  bundled model, answers a sample request through the router, prints the URL, then serves\n"
-           "  until Ctrl-C. KV moves over shm on the CPU and cuda-ipc on a GPU.\n"
+           "  until Ctrl-C. KV moves over shm on the CPU and cuda-ipc on a GPU unless --kv-transport says.\n"
            "  --colocated  one process serving prefill and decode together instead\n"
            "  Other options (e.g. --num-kv-blocks N) are passed to both workers (see pdserve serve --help).\n");
 }
@@ -150,7 +151,7 @@ static void print_answer(const char *body) {
 }
 
 int pd_cmd_run(int argc, char **argv) {
-    const char *model = NULL, *device = "auto", *min_tokens = "64";
+    const char *model = NULL, *device = "auto", *min_tokens = "64", *kv_transport = NULL;
     int port = 8000, n_fwd = 0;
     char *fwd[MAX_FWD];
     bool exit_after = false;
@@ -176,6 +177,12 @@ int pd_cmd_run(int argc, char **argv) {
         else if (i + 1 < argc && !strcmp(a, "--model")) model = argv[++i];
         else if (i + 1 < argc && !strcmp(a, "--device")) device = argv[++i];
         else if (i + 1 < argc && !strcmp(a, "--disagg-min-tokens")) min_tokens = argv[++i];
+        else if (i + 1 < argc && !strcmp(a, "--kv-transport")) {
+            kv_transport = argv[++i];
+            if (strcmp(kv_transport, "tcp") && strcmp(kv_transport, "shm") && strcmp(kv_transport, "cuda-ipc") &&
+                strcmp(kv_transport, "nccl"))
+                return pd_cmd_usage_error("run", "--kv-transport must be tcp, shm, cuda-ipc or nccl");
+        }
         else if (i + 1 < argc && !strcmp(a, "--port")) {
             long v;
             if (!pd_cmd_parse_int(argv[++i], &v) || v < 0 || v > 65535) return pd_cmd_usage_error("run", "bad --port");
@@ -188,7 +195,7 @@ int pd_cmd_run(int argc, char **argv) {
     if (!model) model = pd_cmd_default_model(argv[0]);
     if (port == 0) port = free_port();
     bool gpu = !strcmp(device, "cuda") || (!strcmp(device, "auto") && pd_backend_has_cuda());
-    const char *transport = gpu ? "cuda-ipc" : "shm";
+    const char *transport = kv_transport ? kv_transport : gpu ? "cuda-ipc" : "shm";
     const char *dev = gpu ? "cuda" : "cpu";
     char p_port[16], d_port[16], kv_port[16], r_port[16], kv_addr[64], d_url[64], p_url[64];
     child cs[3] = {{"prefill", 0, free_port()}, {"decode", 0, free_port()}, {"router", 0, port}};
@@ -221,7 +228,11 @@ int pd_cmd_run(int argc, char **argv) {
         }
     }
     printf("pdserve run: prefill worker %s (KV port %d), decode worker %s, router http://127.0.0.1:%d\n", p_url, kvp, d_url, port);
-    printf("pdserve run: KV transport: %s (%s)\n", transport, gpu ? "GPU to GPU, no host copy" : "shared memory, same host");
+    const char *how = !strcmp(transport, "tcp")    ? "inline over the KV socket"
+                      : !strcmp(transport, "nccl") ? "GPU to GPU through an NCCL communicator"
+                      : gpu                        ? "GPU to GPU, no host copy"
+                                                   : "shared memory, same host";
+    printf("pdserve run: KV transport: %s (%s)\n", transport, how);
     char *body = NULL;
     const char *req = "{\"messages\":[{\"role\":\"user\",\"content\":\"Who was the father of Isaac?\"}],\"max_tokens\":32,\"temperature\":0}";
     int st = http_req(port, "POST", "/v1/chat/completions", req, &body, 120000);

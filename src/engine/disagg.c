@@ -17,8 +17,15 @@
 //   decode worker's blocks (or send them as KV_SLAB frames over tcp), checksum our source blocks,
 //   send PREFILL_DONE with the first token, release the blocks.
 //
+// Transports: tcp (KV_SLAB frames), shm / cuda-ipc (direct writes into the decode pool), nccl (the
+// request's rows gathered into one staging slab on the compute stream, then ncclSend on the
+// connection's communicator; the decode side's xfer thread receives and scatters it).
+//
 // NOTE(lead): the export runs after the step that completes the prompt, not layer by layer; with
-// cuda-ipc the copy is one device-to-device pass per layer on the compute stream.
+// cuda-ipc the copy is one device-to-device pass per layer on the compute stream. With nccl the
+// prefill engine thread waits for the send to complete (bounded by disagg_timeout_ms), as it
+// waits for the cuda-ipc copy.
+#include <poll.h>
 #include <stdio.h>
 #include <string.h>
 #include <xxhash.h>
@@ -73,7 +80,10 @@ pd_status pd_disagg_init(pd_engine *e, pd_err *err) {
         for (int i = 0; i < p->n_prefill_addrs && i < PD_XFER_MAX_WORKERS; i++) cp.addrs[i] = p->prefill_addrs[i];
         cp.transport = p->kv_transport;
         cp.fp = fingerprint(e);
-        if (p->kv_transport != PD_KVW_TRANSPORT_TCP && pd_buffer_export(pd_model_cache_buffer(e->cache), &cp.pool_handle))
+        if (p->kv_transport == PD_KVW_TRANSPORT_NCCL && pd_comm_id_new(e->backend, NULL, err))
+            return err ? err->status : PD_ERR_UNSUPPORTED;
+        if ((p->kv_transport == PD_KVW_TRANSPORT_SHM || p->kv_transport == PD_KVW_TRANSPORT_CUDA_IPC) &&
+            pd_buffer_export(pd_model_cache_buffer(e->cache), &cp.pool_handle))
             return pd_err_set(err, PD_ERR_UNSUPPORTED, "the KV pool cannot be exported for %s", pd_kvw_transport_name(p->kv_transport));
         if (p->kv_transport == PD_KVW_TRANSPORT_TCP && strcmp(pd_backend_name(e->backend), "cpu"))
             return pd_err_set(err, PD_ERR_UNSUPPORTED, "the tcp KV transport needs a CPU KV pool; use cuda-ipc on GPUs");
@@ -81,6 +91,7 @@ pd_status pd_disagg_init(pd_engine *e, pd_err *err) {
                                  .block_size = e->params.block_size,
                                  .row_bytes = (size_t)c->n_kv_heads * (size_t)c->head_dim * pd_dtype_size(pd_backend_act_dtype(e->backend)),
                                  .k = e->layer_k, .v = e->layer_v};
+        cp.backend = e->backend;
         cp.timeout_ms = p->disagg_timeout_ms;
         cp.on_event = on_xfer_event;
         cp.ud = e;
@@ -89,7 +100,8 @@ pd_status pd_disagg_init(pd_engine *e, pd_err *err) {
         PD_LOG_I("engine: decode role, %d prefill worker(s), KV transport %s, disagg-min-tokens %d", p->n_prefill_addrs,
                  pd_kvw_transport_name(p->kv_transport), p->disagg_min_tokens);
     } else if (p->role == PD_ROLE_PREFILL) {
-        pd_xfer_server_params sp = {.host = p->kv_host, .port = p->kv_port, .fp = fingerprint(e), .on_event = on_xfer_event, .ud = e};
+        pd_xfer_server_params sp = {.host = p->kv_host, .port = p->kv_port, .fp = fingerprint(e), .backend = e->backend,
+                                    .on_event = on_xfer_event, .ud = e};
         e->xs = pd_xfer_server_new(&sp, err);
         if (!e->xs) return err ? err->status : PD_ERR_IO;
         PD_LOG_I("engine: prefill role, KV port %d", pd_xfer_server_port(e->xs));
@@ -254,7 +266,7 @@ static void handle_hello(pd_engine *e, pd_xfer_event *ev) {
     memset(pp, 0, sizeof *pp);
     pp->transport = (pd_kvw_transport)ev->hello.transport;
     pp->n_blocks = (int)ev->hello.pool_n_blocks;
-    if (pp->transport != PD_KVW_TRANSPORT_TCP) {
+    if (pp->transport == PD_KVW_TRANSPORT_SHM || pp->transport == PD_KVW_TRANSPORT_CUDA_IPC) {
         if (ev->hello.handle_len != sizeof pp->handle) {
             PD_LOG_W("engine: decode worker %d sent a bad pool handle", ev->conn_id);
             return;
@@ -321,6 +333,70 @@ static void handle_request(pd_engine *e, pd_xfer_event *ev) {
     e->n_prompt_tokens += r->n_tokens;
 }
 
+// nccl: the staging slab is laid out like a cache of nb blocks (wire/kv.h, KV_NCCL): slab block i
+// = the request's i-th block. Runs on the compute stream; the send waits for it on the device.
+typedef struct gather_ctx {
+    pd_engine *e;
+    const int32_t *src, *rows;
+    int nb;
+    size_t row_bytes;
+    bool corrupt;
+    int64_t us;  // out: the gather's time (host clock, synchronised)
+} gather_ctx;
+
+static void gather_slab(void *ud, void *dev) {
+    gather_ctx *g = ud;
+    pd_engine *e = g->e;
+    int64_t t0 = pd_time_us();
+    int L = pd_model_get_config(e->model)->n_layers, bs = e->params.block_size;
+    size_t stride = (size_t)g->nb * (size_t)bs * g->row_bytes;
+    void **dk = pd_malloc(sizeof(void *) * 2 * (size_t)L);
+    int32_t *idx = pd_malloc(sizeof(int32_t) * (size_t)g->nb);
+    PD_ASSERT(dk && idx);
+    for (int l = 0; l < L; l++) dk[l] = (char *)dev + (size_t)(2 * l) * stride, dk[L + l] = (char *)dev + (size_t)(2 * l + 1) * stride;
+    for (int i = 0; i < g->nb; i++) idx[i] = i;
+    pd_kv_copy_params kp = {.src_k = e->layer_k, .src_v = e->layer_v, .dst_k = dk, .dst_v = dk + L, .src_blocks = g->src,
+                            .dst_blocks = idx, .n_rows = g->rows, .n_blocks = g->nb, .layer_begin = 0, .layer_end = L,
+                            .block_size = bs, .row_bytes = g->row_bytes};
+    pd_op_kv_copy(e->backend, &kp);
+    if (g->corrupt) {  // test hook: flip one bit of the last layer's V rows in the slab
+        uint8_t x;
+        char *at = (char *)dk[2 * L - 1];
+        pd_backend_download(e->backend, &x, at, 1);
+        x ^= 0x40;
+        pd_backend_upload(e->backend, at, &x, 1);
+    }
+    // Synchronised only to time the send alone (the send would wait for the gather anyway).
+    pd_backend_sync(e->backend);
+    g->us = pd_time_us() - t0;
+    pd_free(dk);
+    pd_free(idx);
+}
+
+static pd_status send_nccl(pd_engine *e, ereq *q, const int32_t *src, const int32_t *rows, int nb, size_t row_bytes,
+                           bool corrupt) {
+    const pd_model_config *c = pd_model_get_config(e->model);
+    int bs = e->params.block_size;
+    pd_kvw_kv_nccl slab = {.req_id = q->peer_req_id, .n_layers = c->n_layers, .n_blocks = nb, .block_size = bs,
+                           .n_rows_last = rows[nb - 1], .row_bytes = row_bytes};
+    slab.bytes = (uint64_t)c->n_layers * 2u * (uint64_t)nb * (uint64_t)bs * row_bytes;
+    gather_ctx g = {.e = e, .src = src, .rows = rows, .nb = nb, .row_bytes = row_bytes, .corrupt = corrupt};
+    pd_err err = {0};
+    int64_t t0 = pd_time_us();
+    pd_status st = pd_xfer_server_send_nccl(e->xs, q->conn_id, &slab, gather_slab, &g, e->params.disagg_timeout_ms, &err);
+    if (st) {
+        PD_LOG_W("engine: request %llu: nccl KV export failed: %s", (unsigned long long)q->peer_req_id, err.msg);
+        return st;
+    }
+    // The transfer alone: announcement + ncclSend until the peer has it (the local gather excluded).
+    int64_t us = pd_time_us() - t0 - g.us;
+    e->export_copy_us += us;
+    PD_LOG_D("engine: request %llu: nccl slab of %llu bytes: gather %.3f ms, send %.3f ms",
+             (unsigned long long)q->peer_req_id, (unsigned long long)slab.bytes, (double)g.us / 1000.0, (double)us / 1000.0);
+    for (int i = 0; i < nb; i++) e->export_bytes += (int64_t)(2 * (size_t)c->n_layers * (size_t)rows[i] * row_bytes);
+    return PD_OK;
+}
+
 // tcp: one KV_SLAB frame per layer, K rows of every block then V rows (the checksum's order).
 static pd_status send_slabs(pd_engine *e, ereq *q, const int32_t *src, const int32_t *rows, int nb, size_t row_bytes,
                             bool corrupt) {
@@ -361,6 +437,7 @@ void pd_disagg_export(pd_engine *e, ereq *q, const pd_sched_event *ev, const pd_
     pd_kvw_prefill_done *d = &m.u.done;
     pd_status st = rows && pp->is_mapped && ev->n_blocks >= first_block + nb && L <= PD_KVW_MAX_LAYERS ? PD_OK : PD_ERR_INVALID;
     bool corrupt = e->params.debug_corrupt_every > 0 && ++e->n_corrupt_counter % e->params.debug_corrupt_every == 0;
+    if (e->params.debug_export_delay_ms > 0) poll(NULL, 0, e->params.debug_export_delay_ms);  // test hook: slow worker
     if (st == PD_OK && !q->is_aborted) {
         const int32_t *src = ev->block_ids + first_block;
         for (int i = 0; i < nb; i++) rows[i] = PD_MIN(bs, q->n_prompt - (q->export_start + i * bs));
@@ -370,6 +447,8 @@ void pd_disagg_export(pd_engine *e, ereq *q, const pd_sched_event *ev, const pd_
         pd_op_kv_checksum(e->backend, &cp);
         if (pp->transport == PD_KVW_TRANSPORT_TCP) {
             st = send_slabs(e, q, src, rows, nb, row_bytes, corrupt);
+        } else if (pp->transport == PD_KVW_TRANSPORT_NCCL) {
+            st = send_nccl(e, q, src, rows, nb, row_bytes, corrupt);
         } else {
             // Direct write into the decode worker's pool: same layout, its layer stride.
             size_t layer_stride = (size_t)pp->n_blocks * row_bytes * (size_t)bs;

@@ -7,12 +7,14 @@
 //
 // Per-request state the scheduler does not keep (the sampler with its RNG and penalty counts) lives
 // in a small id → request table here. Step buffers grow to the largest step and are reused, so a
-// warm engine does not allocate per step except in the sampler's logprob path.
+// warm engine does not allocate per step except in the sampler's logprob path. Sampling runs on
+// the device when the backend has the op (only token ids cross to the host), else on host threads.
 #include "engine/engine.h"
 
 #include <omp.h>
 #include <pthread.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include <unistd.h>
@@ -322,13 +324,104 @@ static pd_status reserve_bufs(pd_engine *e, const pd_step_plan *plan) {
     return PD_OK;
 }
 
+// ---- sampling ------------------------------------------------------------------------------------
+// A backend with a sampling op (CUDA) samples on the device: the logits stay there and only the
+// tokens (and requested logprobs) come back, one small copy per step. Otherwise the logits are
+// downloaded and the rows sampled on all cores. The per-request pd_sampler owns the state either
+// way (seed, draw counter, token counts); pd_sampler_accept records every token.
+// PD_DEVICE_SAMPLING=0 in the environment forces the host path (A/B measurements).
+static bool use_device_sampling(pd_engine *e) {
+    step_bufs *b = &e->sb;
+    if (!b->sample_mode) {
+        const char *env = getenv("PD_DEVICE_SAMPLING");
+        bool off = env && !strcmp(env, "0");
+        b->sample_mode = pd_backend_has_sample(e->backend) && !off ? 1 : 2;
+    }
+    return b->sample_mode == 1;
+}
+
+// Grows the device-sampling host arrays (grow-only: a warm engine does not allocate).
+static bool reserve_sample_bufs(step_bufs *b, int n_rows, int n_pens) {
+    if (n_rows > b->cap_srows) {
+        int n = PD_MAX(n_rows, b->cap_srows * 2);
+        pd_sample_row *r = pd_realloc(b->srows, sizeof(pd_sample_row) * (size_t)n);
+        if (r) b->srows = r;
+        pd_sample_out *o = pd_realloc(b->souts, sizeof(pd_sample_out) * (size_t)n);
+        if (o) b->souts = o;
+        if (!r || !o) return false;
+        b->cap_srows = n;
+    }
+    if (n_pens > b->cap_spens) {
+        int n = PD_MAX(n_pens, b->cap_spens * 2);
+        pd_sample_pen *p = pd_realloc(b->spens, sizeof(pd_sample_pen) * (size_t)n);
+        if (!p) return false;
+        b->spens = p;
+        b->cap_spens = n;
+    }
+    return true;
+}
+
+static pd_status sample_on_device(pd_engine *e, const pd_step_plan *plan, const pd_batch *batch) {
+    step_bufs *b = &e->sb;
+    int nl = batch->n_logits, V = pd_model_get_config(e->model)->vocab_size;
+    const float *dl = NULL;
+    pd_status st = pd_model_forward_dev(e->model, e->cache, batch, &dl);
+    if (st) return st;
+    if (nl == 0) {
+        pd_backend_sync(e->backend);  // as pd_model_forward: the step's KV is written on return
+        return PD_OK;
+    }
+    int n_pens = 0;
+    for (int k = 0; k < nl; k++) n_pens += pd_sampler_n_pens(req_find(e, plan->seqs[b->logit_seq[k]].req_id)->sampler);
+    if (!reserve_sample_bufs(b, nl, n_pens)) return PD_ERR_NOMEM;
+    int off = 0;
+    for (int k = 0; k < nl; k++) {
+        ereq *r = req_find(e, plan->seqs[b->logit_seq[k]].req_id);
+        pd_sampler_export_row(r->sampler, off, &b->srows[k], b->spens + off);
+        off += b->srows[k].n_pens;
+    }
+    // The logits are the model's workspace (writable, valid until the next forward); the op
+    // applies penalties in place and restores them before it returns.
+    pd_sample_params sp = {.logits = (float *)dl, .n_rows = nl, .vocab = V, .rows = b->srows, .pens = b->spens,
+                           .n_pens = off, .out = b->souts};
+    pd_op_sample(e->backend, &sp);
+    for (int k = 0; k < nl; k++) {
+        int i = b->logit_seq[k];
+        ereq *r = req_find(e, plan->seqs[i].req_id);
+        b->outputs[i].token = pd_sampler_import_result(r->sampler, &b->souts[k], &b->results[i]);
+        pd_sampler_accept(r->sampler, b->outputs[i].token);
+    }
+    return PD_OK;
+}
+
+static pd_status sample_on_host(pd_engine *e, const pd_step_plan *plan, const pd_batch *batch) {
+    step_bufs *b = &e->sb;
+    int nl = batch->n_logits, V = pd_model_get_config(e->model)->vocab_size;
+    pd_status st = pd_model_forward(e->model, e->cache, batch, b->logits);
+    if (st) return st;
+    // Rows are independent (one sampler per request): sample them in parallel. At a 128k
+    // vocabulary one row costs ~1 ms of CPU, so a serial loop capped a GPU server at ~900 tok/s.
+    // One thread per row at most: a team wider than the work only spins, and two servers on one
+    // host (two replicas) would each spin a full-width team and contend for the cores.
+    int n_threads = nl >= 4 && V >= 16384 ? PD_MIN(nl, omp_get_max_threads()) : 1;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(n_threads)
+    for (int k = 0; k < nl; k++) {
+        int i = b->logit_seq[k];
+        ereq *r = req_find(e, plan->seqs[i].req_id);
+        PD_ASSERT(r);
+        b->outputs[i].token = pd_sampler_sample(r->sampler, b->logits + (size_t)k * (size_t)V, &b->results[i]);
+        pd_sampler_accept(r->sampler, b->outputs[i].token);
+    }
+    return PD_OK;
+}
+
 // Runs the forward for a plan and samples. Returns PD_OK or an error (the step's requests are then
 // finished with ERROR by the caller).
 static pd_status run_plan(pd_engine *e, const pd_step_plan *plan) {
     step_bufs *b = &e->sb;
     pd_status st = reserve_bufs(e, plan);
     if (st) return st;
-    int V = pd_model_get_config(e->model)->vocab_size, t = 0, nl = 0, bt = 0;
+    int t = 0, nl = 0, bt = 0;
     b->q_indptr[0] = b->bt_indptr[0] = 0;
     for (int i = 0; i < plan->n_seqs; i++) {
         const pd_step_seq *s = &plan->seqs[i];
@@ -348,20 +441,8 @@ static pd_status run_plan(pd_engine *e, const pd_step_plan *plan) {
     pd_batch batch = {.n_tokens = t, .tokens = b->tokens, .n_seqs = plan->n_seqs, .q_indptr = b->q_indptr,
                       .kv_lens = b->kv_lens, .bt_indptr = b->bt_indptr, .bt_indices = b->bt_indices, .n_logits = nl,
                       .logit_rows = b->logit_rows};
-    st = pd_model_forward(e->model, e->cache, &batch, b->logits);
+    st = use_device_sampling(e) ? sample_on_device(e, plan, &batch) : sample_on_host(e, plan, &batch);
     if (st) return st;
-    // Rows are independent (one sampler per request): sample them on all cores. At a 128k
-    // vocabulary one row costs ~1 ms of CPU, so a serial loop capped a GPU server at ~900 tok/s.
-    // NOTE: sampling on the GPU (only ids crossing PCIe) is the real fix; this is the stopgap.
-    int n_threads = nl >= 4 && V >= 16384 ? omp_get_max_threads() : 1;
-#pragma omp parallel for schedule(dynamic, 1) num_threads(n_threads)
-    for (int k = 0; k < nl; k++) {
-        int i = b->logit_seq[k];
-        ereq *r = req_find(e, plan->seqs[i].req_id);
-        PD_ASSERT(r);
-        b->outputs[i].token = pd_sampler_sample(r->sampler, b->logits + (size_t)k * (size_t)V, &b->results[i]);
-        pd_sampler_accept(r->sampler, b->outputs[i].token);
-    }
     // Prefill work actually done: prompt positions computed in this step (a prefix hit or a
     // remote prefill computes fewer; a recompute after preemption computes them again).
     for (int i = 0; i < plan->n_seqs; i++) {
@@ -580,6 +661,7 @@ void pd_engine_free(pd_engine *e) {
     step_bufs *b = &e->sb;
     pd_free(b->tokens), pd_free(b->q_indptr), pd_free(b->kv_lens), pd_free(b->bt_indptr), pd_free(b->bt_indices);
     pd_free(b->logit_rows), pd_free(b->logit_seq), pd_free(b->logits), pd_free(b->outputs), pd_free(b->results);
+    pd_free(b->srows), pd_free(b->souts), pd_free(b->spens);
     pd_free(b->events);
     pd_free(e->layer_k);
     pd_free(e->layer_v);

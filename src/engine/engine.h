@@ -57,6 +57,7 @@ typedef struct pd_engine_params {
     const char *kv_host;          // bind address of the KV port (default 127.0.0.1)
     int kv_port;                  // 0 = any free port (pd_engine_kv_port tells)
     int debug_corrupt_every;      // test hook (--debug-hooks): corrupt every Nth KV transfer
+    int debug_export_delay_ms;    // test hook: a slow prefill worker (sleeps before each KV export)
 
     const char *model_dir;        // borrowed for the call
     const char *device;           // "cpu", "cuda", "auto" (default)

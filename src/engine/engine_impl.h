@@ -42,6 +42,12 @@ typedef struct step_bufs {
     pd_sample_result *results;  // by plan seq index
     pd_engine_event *events;
     int cap_events;
+    // device sampling (pd_op_sample): rows and results (cap_srows), penalty entries (cap_spens)
+    int sample_mode;  // 0: not decided yet, 1: on the device, 2: on the host
+    pd_sample_row *srows;
+    pd_sample_out *souts;
+    pd_sample_pen *spens;
+    int cap_srows, cap_spens;
 } step_bufs;
 
 struct pd_engine {

@@ -1,5 +1,6 @@
-// attention.cu — paged causal GQA attention: a tensor-core prefill kernel, a split-K decode
-// kernel and the combine kernel for the decode partials. See attention.cuh for the contract.
+// attention.cu — paged causal GQA attention: a tensor-core prefill kernel, split-K decode kernels
+// (tensor cores for head_dim >= 64, CUDA cores for 32) and the combine kernel for the decode
+// partials. See attention.cuh for the contract.
 //
 // Prefill (k_attn_prefill<HD>): block = 8 warps = 128 query rows of one sequence and one head;
 // each warp owns 16 rows. K/V tiles of 64 positions are gathered through the page table into
@@ -15,7 +16,9 @@
 // is spread over HD/8 lanes (16 bytes each); a warp covers 32/(HD/8) tokens per step and loads
 // PD_K_DEC_UNROLL steps ahead. Partials (o normalised, lse in base 2) go to the workspace when
 // the sequence spans several partitions, and k_attn_combine merges them; otherwise the block
-// writes the output directly.
+// writes the output directly. k_attn_decode_tc (below) keeps this grid, partitioning and
+// workspace but runs on mma.sync; it is the default for head_dim 64/128 (PD_CUDA_ATTN_TC=0 picks
+// this one). The decode and combine kernels are launched with PDL (common.cuh).
 #include <math.h>
 
 #include "kernels/attention.cuh"
@@ -219,6 +222,37 @@ static inline __host__ __device__ int pd_k_dec_part(int n_seqs, int n_kv, int ma
     return (part + 63) / 64 * 64;
 }
 
+// Merges the warps' partial (acc, m, l) in red (red[w][gi][HD] = m, [HD + 1] = l, both base 2) and
+// writes the normalised output (one partition) or the partial and its lse to the workspace.
+template <int HD, int GM, int W = PD_K_DEC_WARPS>
+static __device__ __forceinline__ void pd_k_dec_finish(float (*red)[GM][HD + 2], __nv_bfloat16 *out, float *ws,
+                                                       int q_begin, int s, int kvh, int G, int H, int split, int n_sp,
+                                                       int n_splits) {
+    for (int e = threadIdx.x; e < G * HD; e += W * 32) {
+        int gi = e / HD, d = e % HD;
+        float mn = -INFINITY;
+#pragma unroll
+        for (int w = 0; w < W; w++) mn = fmaxf(mn, red[w][gi][HD]);
+        float lt = 0.f, v = 0.f;
+#pragma unroll
+        for (int w = 0; w < W; w++) {
+            float mw = red[w][gi][HD];
+            float f = mw == -INFINITY ? 0.f : exp2f(mw - mn);
+            lt += red[w][gi][HD + 1] * f;
+            v += red[w][gi][d] * f;
+        }
+        int h = kvh * G + gi;
+        float r = lt > 0.f ? v / lt : 0.f;
+        if (n_sp == 1) {
+            out[(size_t)q_begin * H * HD + (size_t)h * HD + d] = __float2bfloat16(r);
+        } else {
+            float *wo = ws + ((size_t)(s * H + h) * n_splits + split) * (HD + 1);
+            wo[d] = r;
+            if (d == 0) wo[HD] = mn + log2f(lt);
+        }
+    }
+}
+
 template <int HD, int GM>
 static __global__ void __launch_bounds__(PD_K_DEC_WARPS * 32)
     k_attn_decode(const __nv_bfloat16 *q, const __nv_bfloat16 *kc, const __nv_bfloat16 *vc, __nv_bfloat16 *out,
@@ -227,6 +261,8 @@ static __global__ void __launch_bounds__(PD_K_DEC_WARPS * 32)
                   int n_splits, float *ws) {
     constexpr int LPT = HD / 8, TPW = 32 / LPT, U = PD_K_DEC_UNROLL;
     __shared__ float red[PD_K_DEC_WARPS][GM][HD + 2];
+    pd_k_pdl_trigger();
+    pd_k_pdl_wait();
     int split = blockIdx.x, kvh = blockIdx.y, s = blockIdx.z;
     int q_begin = q_indptr[s];
     if (q_indptr[s + 1] - q_begin != 1) return;  // prefill kernel's
@@ -346,34 +382,182 @@ static __global__ void __launch_bounds__(PD_K_DEC_WARPS * 32)
         }
     }
     __syncthreads();
-    for (int e = threadIdx.x; e < G * HD; e += PD_K_DEC_WARPS * 32) {
-        int gi = e / HD, d = e % HD;
-        float mn = -INFINITY;
+    pd_k_dec_finish<HD, GM>(red, out, ws, q_begin, s, kvh, G, H, split, n_sp, n_splits);
+}
+
+// ---- decode on tensor cores ------------------------------------------------------------------
+//
+// k_attn_decode_tc<HD, GM, W>: same grid, partitions, outputs and workspace as k_attn_decode, but
+// the scores and P.V run on mma.sync with the G query heads of the kv head as the M rows (padded
+// to 16, rows >= G are zero) and no shared memory for K/V: every warp takes 16 tokens per step
+// (steps interleaved over the W warps) and loads them straight into registers. Lane (g, t) loads
+// 16 bytes of token g (and g + 8) for dims i*32 + t*8 .. +8 (i < HD/32): 64 contiguous bytes per
+// token and group across the 4 lanes. For S = Q.K^T those registers are the B fragments as is
+// (the dot product is order-free, and Q is loaded with the same permutation of dims). For O +=
+// P.V the reduction axis is the token, so each 8x8 block of V is transposed in registers
+// (movmatrix.trans), which makes lane (g, t) hold V[tokens 2t, 2t+1][one dim]; P comes straight
+// from the S accumulators (FlashAttention-2 register reuse). Lane (g, t) ends with dims
+// i*32 + t*8 .. +8 of head g. Online softmax per step, base 2, scale applied in fp32.
+
+static __device__ __forceinline__ uint32_t pd_k_movmatrix_trans(uint32_t a) {
+    uint32_t d;
+    asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n" : "=r"(d) : "r"(a));
+    return d;
+}
+
+static __device__ __forceinline__ uint32_t pd_k_u4_get(const uint4 &u, int r) {
+    return r == 0 ? u.x : r == 1 ? u.y : r == 2 ? u.z : u.w;
+}
+
+// Cache slot of token pos (through the page table), or -1 past k_end.
+static __device__ __forceinline__ int pd_k_dec_slot(const int32_t *bt, int pos, int k_end, int bs) {
+    return pos < k_end ? bt[pos / bs] * bs + pos % bs : -1;
+}
+
+// One step of 16 tokens (base .. base + 15) for this warp: S = Q.K^T on tensor cores, online
+// softmax (rows = heads, base 2), O += P.V with V transposed in registers.
+template <int NI>
+static __device__ __forceinline__ void pd_k_dec_tc_step(const uint4 (&qf)[NI], const uint4 (&kr)[2][NI],
+                                                        const uint4 (&vr)[2][NI], float (&o)[NI][4][4], float &m,
+                                                        float &l, int base, int k_end, int t, float scale_log2) {
+    // S (rows = heads, cols = tokens base + hh*8 + 2t, +1)
+    float sc[2][4];
 #pragma unroll
-        for (int w = 0; w < PD_K_DEC_WARPS; w++) mn = fmaxf(mn, red[w][gi][HD]);
-        float lt = 0.f, v = 0.f;
+    for (int hh = 0; hh < 2; hh++) {
+        sc[hh][0] = sc[hh][1] = sc[hh][2] = sc[hh][3] = 0.f;
 #pragma unroll
-        for (int w = 0; w < PD_K_DEC_WARPS; w++) {
-            float mw = red[w][gi][HD];
-            float f = mw == -INFINITY ? 0.f : exp2f(mw - mn);
-            lt += red[w][gi][HD + 1] * f;
-            v += red[w][gi][d] * f;
-        }
-        int h = kvh * G + gi;
-        float r = lt > 0.f ? v / lt : 0.f;
-        if (n_sp == 1) {
-            out[(size_t)q_begin * H * HD + (size_t)h * HD + d] = __float2bfloat16(r);
-        } else {
-            float *wo = ws + ((size_t)(s * H + h) * n_splits + split) * (HD + 1);
-            wo[d] = r;
-            if (d == 0) wo[HD] = mn + log2f(lt);
+        for (int i = 0; i < NI; i++) {
+            uint32_t a0[4] = {qf[i].x, 0u, qf[i].y, 0u}, a1[4] = {qf[i].z, 0u, qf[i].w, 0u};
+            pd_k_mma_bf16(sc[hh], a0, kr[hh][i].x, kr[hh][i].y);
+            pd_k_mma_bf16(sc[hh], a1, kr[hh][i].z, kr[hh][i].w);
         }
     }
+    float p[4], mx = -INFINITY;
+#pragma unroll
+    for (int j = 0; j < 4; j++) {
+        int pos = base + (j >> 1) * 8 + 2 * t + (j & 1);
+        p[j] = pos < k_end ? sc[j >> 1][j & 1] * scale_log2 : -INFINITY;
+        mx = fmaxf(mx, p[j]);
+    }
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+    float mn = fmaxf(m, mx);  // finite: token `base` is valid for every row
+    float corr = exp2f(m - mn);  // m = -inf -> 0
+    m = mn;
+    float ps = 0.f;
+#pragma unroll
+    for (int j = 0; j < 4; j++) {
+        p[j] = exp2f(p[j] - mn);  // -inf -> 0
+        ps += p[j];
+    }
+    l = l * corr + ps;
+#pragma unroll
+    for (int i = 0; i < NI; i++)
+#pragma unroll
+        for (int r = 0; r < 4; r++) {
+            o[i][r][0] *= corr;
+            o[i][r][1] *= corr;
+        }
+    uint32_t pa[4] = {pd_k_pack2(p[0], p[1]), 0u, pd_k_pack2(p[2], p[3]), 0u};
+#pragma unroll
+    for (int i = 0; i < NI; i++)
+#pragma unroll
+        for (int r = 0; r < 4; r++) {
+            uint32_t b0 = pd_k_movmatrix_trans(pd_k_u4_get(vr[0][i], r));
+            uint32_t b1 = pd_k_movmatrix_trans(pd_k_u4_get(vr[1][i], r));
+            pd_k_mma_bf16(o[i][r], pa, b0, b1);
+        }
+}
+
+// W warps per block (4, or 8 when the grid is smaller than the GPU: each warp then has fewer
+// steps in its dependent chain). The batch metadata and the first step's page-table lookups are
+// read before pd_k_pdl_wait(): they are uploaded by the host before the step and never written
+// by a kernel, unlike Q and the newest K/V row (written by rope_kv just before); later steps'
+// lookups are issued one step ahead.
+template <int HD, int GM, int W>
+static __global__ void __launch_bounds__(W * 32, W == 4 ? 3 : 1)
+    k_attn_decode_tc(const __nv_bfloat16 *q, const __nv_bfloat16 *kc, const __nv_bfloat16 *vc, __nv_bfloat16 *out,
+                     const int32_t *q_indptr, const int32_t *kv_lens, const int32_t *bt_indptr,
+                     const int32_t *bt_indices, int H, int n_kv, int bs, int q_stride, float scale_log2, int part,
+                     int n_splits, float *ws) {
+    constexpr int NI = HD / 32;
+    __shared__ float red[W][GM][HD + 2];
+    pd_k_pdl_trigger();
+    int split = blockIdx.x, kvh = blockIdx.y, s = blockIdx.z;
+    int q_begin = q_indptr[s], q_len = q_indptr[s + 1] - q_begin;
+    int kv_len = kv_lens[s];
+    const int32_t *bt = bt_indices + bt_indptr[s];
+    int k_begin = split * part, k_end = min(kv_len, k_begin + part);
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+    bool live = q_len == 1 && k_begin < kv_len;  // else: the prefill kernel's, or past this context
+    int slot[2] = {-1, -1};
+    if (live) {
+        slot[0] = pd_k_dec_slot(bt, k_begin + warp * 16 + g, k_end, bs);
+        slot[1] = pd_k_dec_slot(bt, k_begin + warp * 16 + 8 + g, k_end, bs);
+    }
+    pd_k_pdl_wait();
+    if (!live) return;
+    int n_sp = (kv_len + part - 1) / part;
+    int G = H / n_kv;
+    const uint4 zero = make_uint4(0, 0, 0, 0);
+
+    uint4 qf[NI];
+#pragma unroll
+    for (int i = 0; i < NI; i++)
+        qf[i] = g < G ? *(const uint4 *)(q + (size_t)q_begin * q_stride + (size_t)(kvh * G + g) * HD + i * 32 + t * 8)
+                      : zero;
+    float o[NI][4][4];
+#pragma unroll
+    for (int i = 0; i < NI; i++)
+#pragma unroll
+        for (int r = 0; r < 4; r++) o[i][r][0] = o[i][r][1] = o[i][r][2] = o[i][r][3] = 0.f;
+    float m = -INFINITY, l = 0.f;
+
+    for (int base = k_begin + warp * 16; base < k_end; base += W * 16) {
+        uint4 kr[2][NI], vr[2][NI];
+#pragma unroll
+        for (int hh = 0; hh < 2; hh++) {
+            if (slot[hh] >= 0) {
+                size_t off = ((size_t)slot[hh] * n_kv + kvh) * HD + t * 8;
+#pragma unroll
+                for (int i = 0; i < NI; i++) {
+                    kr[hh][i] = __ldg((const uint4 *)(kc + off + i * 32));
+                    vr[hh][i] = __ldg((const uint4 *)(vc + off + i * 32));
+                }
+            } else {
+#pragma unroll
+                for (int i = 0; i < NI; i++) kr[hh][i] = vr[hh][i] = zero;
+            }
+        }
+        // next step's page-table lookups, off the critical path
+#pragma unroll
+        for (int hh = 0; hh < 2; hh++) slot[hh] = pd_k_dec_slot(bt, base + W * 16 + hh * 8 + g, k_end, bs);
+        pd_k_dec_tc_step<NI>(qf, kr, vr, o, m, l, base, k_end, t, scale_log2);
+    }
+    l += __shfl_xor_sync(0xffffffffu, l, 1);
+    l += __shfl_xor_sync(0xffffffffu, l, 2);
+    if (g < G) {
+#pragma unroll
+        for (int i = 0; i < NI; i++)
+#pragma unroll
+            for (int r = 0; r < 4; r++) {
+                red[warp][g][i * 32 + t * 8 + 2 * r] = o[i][r][0];
+                red[warp][g][i * 32 + t * 8 + 2 * r + 1] = o[i][r][1];
+            }
+        if (t == 0) {
+            red[warp][g][HD] = m;
+            red[warp][g][HD + 1] = l;
+        }
+    }
+    __syncthreads();
+    pd_k_dec_finish<HD, GM, W>(red, out, ws, q_begin, s, kvh, G, H, split, n_sp, n_splits);
 }
 
 template <int HD>
 static __global__ void k_attn_combine(__nv_bfloat16 *out, const int32_t *q_indptr, const int32_t *kv_lens, int H,
                                       int part, int n_splits, const float *ws) {
+    pd_k_pdl_trigger();
+    pd_k_pdl_wait();
     int s = blockIdx.x, h = blockIdx.y;
     int q_begin = q_indptr[s];
     if (q_indptr[s + 1] - q_begin != 1) return;
@@ -425,17 +609,34 @@ static void pd_k_attn_launch_prefill(const pd_attention_kparams *p, cudaStream_t
         p->n_kv_heads, p->block_size, p->q_stride, p->scale * PD_K_LOG2E);
 }
 
+
+// PD_CUDA_ATTN_TC=0 selects the CUDA-core decode kernel for every head_dim (measurement knob).
+static bool pd_k_attn_tc_enabled() {
+    static int on = -1;
+    if (on < 0) {
+        const char *e = getenv("PD_CUDA_ATTN_TC");
+        on = (e && !strcmp(e, "0")) ? 0 : 1;
+    }
+    return on != 0;
+}
+
 template <int HD, int GM>
 static void pd_k_attn_launch_decode(const pd_attention_kparams *p, cudaStream_t s, int part, int n_splits) {
     dim3 grid(n_splits, p->n_kv_heads, p->n_seqs);
-    k_attn_decode<HD, GM><<<grid, PD_K_DEC_WARPS * 32, 0, s>>>(
-        (const __nv_bfloat16 *)p->q, (const __nv_bfloat16 *)p->k_cache, (const __nv_bfloat16 *)p->v_cache,
-        (__nv_bfloat16 *)p->out, p->q_indptr, p->kv_lens, p->bt_indptr, p->bt_indices, p->n_heads, p->n_kv_heads,
-        p->block_size, p->q_stride, p->scale * PD_K_LOG2E, part, n_splits, p->workspace);
+    // tensor cores for head_dim >= 64; 8 warps per block when the blocks do not fill the GPU
+    bool tc = HD >= 64 && pd_k_attn_tc_enabled();
+    bool wide = tc && (long)n_splits * p->n_kv_heads * p->n_seqs <= pd_k_num_sms();
+    void (*kern)(const __nv_bfloat16 *, const __nv_bfloat16 *, const __nv_bfloat16 *, __nv_bfloat16 *,
+                 const int32_t *, const int32_t *, const int32_t *, const int32_t *, int, int, int, int, float, int,
+                 int, float *) = wide ? k_attn_decode_tc<HD, GM, 8>
+                                      : tc ? k_attn_decode_tc<HD, GM, 4> : k_attn_decode<HD, GM>;
+    pd_k_launch(kern, grid, dim3((wide ? 8 : 4) * 32), 0, s, (const __nv_bfloat16 *)p->q,
+                (const __nv_bfloat16 *)p->k_cache, (const __nv_bfloat16 *)p->v_cache, (__nv_bfloat16 *)p->out,
+                p->q_indptr, p->kv_lens, p->bt_indptr, p->bt_indices, p->n_heads, p->n_kv_heads, p->block_size,
+                p->q_stride, p->scale * PD_K_LOG2E, part, n_splits, p->workspace);
     if (n_splits > 1)
-        k_attn_combine<HD><<<dim3(p->n_seqs, p->n_heads), HD, 0, s>>>((__nv_bfloat16 *)p->out, p->q_indptr,
-                                                                      p->kv_lens, p->n_heads, part, n_splits,
-                                                                      p->workspace);
+        pd_k_launch(k_attn_combine<HD>, dim3(p->n_seqs, p->n_heads), dim3(HD), 0, s, (__nv_bfloat16 *)p->out,
+                    p->q_indptr, p->kv_lens, p->n_heads, part, n_splits, (const float *)p->workspace);
 }
 
 template <int HD>

@@ -1,10 +1,24 @@
 // common.cuh — small device helpers shared by the kernels: bf16 <-> f32 vectors of 8 (one 16-byte
-// load), warp reductions, the mma.sync / ldmatrix / cp.async wrappers used by attention.
+// load), warp reductions, the mma.sync / ldmatrix / cp.async wrappers used by attention, and
+// programmatic dependent launch (PDL).
 // Device-only: included by .cu files, never by the C shim.
+//
+// PDL (sm_90): a kernel launched with pd_k_launch may start while the kernel before it in the
+// stream is still running. Contract for every kernel launched that way:
+//   * it calls pd_k_pdl_wait() in every thread before it reads anything an earlier kernel wrote,
+//     before it writes anything an earlier kernel reads or writes, and before it exits (a grid
+//     whose threads all skipped the wait could complete before its predecessor, breaking the
+//     transitive ordering that later kernels rely on); loads of data no kernel writes (weights)
+//     may be issued before the wait — that is the point: they overlap the previous kernel's tail;
+//   * it calls pd_k_pdl_trigger() as early as it likes (the dependents still wait for this grid
+//     to complete before they read its output).
+// PD_CUDA_PDL=0 launches everything plainly (the wait and trigger are then no-ops).
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 #include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
 
 #define PD_K_WARP 32
 
@@ -96,4 +110,59 @@ static __device__ __forceinline__ void pd_k_mma_bf16(float d[4], const uint32_t 
         "{%0,%1,%2,%3};\n"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// ---- programmatic dependent launch -------------------------------------------------------------
+
+static __device__ __forceinline__ void pd_k_pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+static __device__ __forceinline__ void pd_k_pdl_trigger() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+
+// PD_CUDA_PDL=0 turns PDL off (read once per process; a benign race on first use).
+static inline bool pd_k_pdl_enabled() {
+    static int on = -1;
+    if (on < 0) {
+        const char *e = getenv("PD_CUDA_PDL");
+        on = (e && !strcmp(e, "0")) ? 0 : 1;
+    }
+    return on != 0;
+}
+
+// Launches kern<<<grid, block, smem, s>>>(args...) with the programmatic-stream-serialization
+// attribute when PDL is on. Errors surface through cudaGetLastError (the caller checks).
+template <typename... KArgs, typename... Args>
+static inline void pd_k_launch(void (*kern)(KArgs...), dim3 grid, dim3 block, size_t smem, cudaStream_t s,
+                               Args... args) {
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = grid;
+    cfg.blockDim = block;
+    cfg.dynamicSmemBytes = smem;
+    cfg.stream = s;
+    cudaLaunchAttribute at[1];
+    at[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    at[0].val.programmaticStreamSerializationAllowed = 1;
+    cfg.attrs = at;
+    cfg.numAttrs = pd_k_pdl_enabled() ? 1 : 0;
+    (void)cudaLaunchKernelEx(&cfg, kern, static_cast<KArgs>(args)...);
+}
+
+// SMs of the current device (cached per device id; grid sizing of the persistent-style kernels).
+static inline int pd_k_num_sms() {
+    static int cache[64];
+    int dev = 0;
+    cudaGetDevice(&dev);
+    if (dev < 0 || dev >= 64) dev = 0;
+    if (!cache[dev]) {
+        int n = 0;
+        cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev);
+        cache[dev] = n > 0 ? n : 1;
+    }
+    return cache[dev];
 }

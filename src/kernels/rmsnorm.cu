@@ -1,6 +1,7 @@
 // rmsnorm.cu — fused residual add + RMSNorm. One block per row; the row (up to 16 vectors of 8
 // per thread) stays in registers between the sum of squares and the scaling, so x is read once.
 //   x += add (written back, bf16);  out = bf16(w * (x * rsqrt(mean(x^2) + eps)))
+// Launched with PDL (common.cuh).
 #include "kernels/common.cuh"
 #include "kernels/rmsnorm.cuh"
 
@@ -8,10 +9,12 @@
 
 static __global__ void k_rmsnorm_vec(uint4 *x, const uint4 *add, const uint4 *w, uint4 *out, int nv, float eps) {
     __shared__ float red[32];
+    pd_k_pdl_trigger();
     int r = blockIdx.x;
     uint4 *xr = x + (size_t)r * nv;
     float v[PD_K_RMS_MAX_VEC][8];
     float ss = 0.0f;
+    pd_k_pdl_wait();
 #pragma unroll
     for (int j = 0; j < PD_K_RMS_MAX_VEC; j++) {
         int i = threadIdx.x + j * blockDim.x;
@@ -49,6 +52,8 @@ static __global__ void k_rmsnorm_vec(uint4 *x, const uint4 *add, const uint4 *w,
 static __global__ void k_rmsnorm_scalar(__nv_bfloat16 *x, const __nv_bfloat16 *add, const __nv_bfloat16 *w,
                                         __nv_bfloat16 *out, int dim, float eps) {
     __shared__ float red[32];
+    pd_k_pdl_trigger();
+    pd_k_pdl_wait();
     size_t base = (size_t)blockIdx.x * dim;
     float ss = 0.0f;
     for (int i = threadIdx.x; i < dim; i += blockDim.x) {
@@ -73,10 +78,11 @@ extern "C" void pd_cuda_rmsnorm(const pd_rmsnorm_kparams *p, cudaStream_t s) {
         int threads = 32;
         while (threads < 1024 && (threads < nv / PD_K_RMS_MAX_VEC || threads * 2 <= nv) && threads < 256) threads *= 2;
         while (threads * PD_K_RMS_MAX_VEC < nv) threads *= 2;
-        k_rmsnorm_vec<<<p->n_rows, threads, 0, s>>>((uint4 *)p->x, (const uint4 *)p->add, (const uint4 *)p->w,
-                                                   (uint4 *)p->out, nv, p->eps);
+        pd_k_launch(k_rmsnorm_vec, dim3(p->n_rows), dim3(threads), 0, s, (uint4 *)p->x, (const uint4 *)p->add,
+                    (const uint4 *)p->w, (uint4 *)p->out, nv, p->eps);
     } else {
-        k_rmsnorm_scalar<<<p->n_rows, 256, 0, s>>>((__nv_bfloat16 *)p->x, (const __nv_bfloat16 *)p->add,
-                                                  (const __nv_bfloat16 *)p->w, (__nv_bfloat16 *)p->out, p->dim, p->eps);
+        pd_k_launch(k_rmsnorm_scalar, dim3(p->n_rows), dim3(256), 0, s, (__nv_bfloat16 *)p->x,
+                    (const __nv_bfloat16 *)p->add, (const __nv_bfloat16 *)p->w, (__nv_bfloat16 *)p->out, p->dim,
+                    p->eps);
     }
 }

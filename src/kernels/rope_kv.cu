@@ -2,7 +2,7 @@
 // qkv row, in place, then k and v of the token go to its paged-cache slot. One block per token:
 // thread j handles rotation pair j of the (n_heads + n_kv_heads) * hd/2 pairs, then the v copy.
 // Angles are pos * inv_freq in fp32 (as HF computes them), reduced mod 2*pi before the fast
-// sin/cos so that long positions keep full accuracy under --use_fast_math.
+// sin/cos so that long positions keep full accuracy under --use_fast_math. Launched with PDL.
 #include "kernels/common.cuh"
 #include "kernels/rope_kv.cuh"
 
@@ -17,6 +17,8 @@ static __device__ __forceinline__ void pd_k_sincos(float a, float *s, float *c) 
 static __global__ void k_rope_kv(__nv_bfloat16 *qkv, const int32_t *positions, const float *inv_freq,
                                  const int32_t *slot_mapping, __nv_bfloat16 *kc, __nv_bfloat16 *vc, int H,
                                  int Hkv, int hd, float attn_scaling) {
+    pd_k_pdl_trigger();
+    pd_k_pdl_wait();
     int t = blockIdx.x, half = hd / 2;
     size_t row = (size_t)(H + 2 * Hkv) * hd;
     __nv_bfloat16 *r = qkv + (size_t)t * row;
@@ -56,7 +58,7 @@ extern "C" void pd_cuda_rope_kv(const pd_rope_kv_kparams *p, cudaStream_t s) {
     if (p->n_tokens <= 0) return;
     int pairs = (p->n_heads + p->n_kv_heads) * p->head_dim / 2;
     int threads = pairs >= 512 ? 512 : ((pairs + 31) / 32) * 32;
-    k_rope_kv<<<p->n_tokens, threads, 0, s>>>((__nv_bfloat16 *)p->qkv, p->positions, p->inv_freq, p->slot_mapping,
-                                              (__nv_bfloat16 *)p->k_cache, (__nv_bfloat16 *)p->v_cache, p->n_heads,
-                                              p->n_kv_heads, p->head_dim, p->attn_scaling);
+    pd_k_launch(k_rope_kv, dim3(p->n_tokens), dim3(threads), 0, s, (__nv_bfloat16 *)p->qkv, p->positions,
+                p->inv_freq, p->slot_mapping, (__nv_bfloat16 *)p->k_cache, (__nv_bfloat16 *)p->v_cache, p->n_heads,
+                p->n_kv_heads, p->head_dim, p->attn_scaling);
 }

@@ -1,11 +1,13 @@
 // silu_mul.cu — SwiGLU: out[r, i] = silu(gu[r, i]) * gu[r, F + i], fp32 math. Grid-stride over
-// 8-element vectors when F % 8 == 0.
+// 8-element vectors when F % 8 == 0. Launched with PDL.
 #include "kernels/common.cuh"
 #include "kernels/silu_mul.cuh"
 
 static __device__ __forceinline__ float pd_k_silu(float g) { return g / (1.0f + __expf(-g)); }
 
 static __global__ void k_silu_mul_vec(const uint4 *gu, uint4 *out, int n_rows, int fv) {
+    pd_k_pdl_trigger();
+    pd_k_pdl_wait();
     size_t n = (size_t)n_rows * fv;
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
         size_t r = i / fv, c = i % fv;
@@ -19,6 +21,8 @@ static __global__ void k_silu_mul_vec(const uint4 *gu, uint4 *out, int n_rows, i
 }
 
 static __global__ void k_silu_mul_scalar(const __nv_bfloat16 *gu, __nv_bfloat16 *out, int n_rows, int F) {
+    pd_k_pdl_trigger();
+    pd_k_pdl_wait();
     size_t n = (size_t)n_rows * F;
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
         size_t r = i / F, c = i % F;
@@ -32,10 +36,12 @@ extern "C" void pd_cuda_silu_mul(const pd_silu_mul_kparams *p, cudaStream_t s) {
     if (p->F % 8 == 0) {
         size_t n = (size_t)p->n_rows * (p->F / 8);
         int blocks = (int)((n + 255) / 256 < 4096 ? (n + 255) / 256 : 4096);
-        k_silu_mul_vec<<<blocks, 256, 0, s>>>((const uint4 *)p->gu, (uint4 *)p->out, p->n_rows, p->F / 8);
+        pd_k_launch(k_silu_mul_vec, dim3(blocks), dim3(256), 0, s, (const uint4 *)p->gu, (uint4 *)p->out, p->n_rows,
+                    p->F / 8);
     } else {
         size_t n = (size_t)p->n_rows * p->F;
         int blocks = (int)((n + 255) / 256 < 4096 ? (n + 255) / 256 : 4096);
-        k_silu_mul_scalar<<<blocks, 256, 0, s>>>((const __nv_bfloat16 *)p->gu, (__nv_bfloat16 *)p->out, p->n_rows, p->F);
+        pd_k_launch(k_silu_mul_scalar, dim3(blocks), dim3(256), 0, s, (const __nv_bfloat16 *)p->gu,
+                    (__nv_bfloat16 *)p->out, p->n_rows, p->F);
     }
 }

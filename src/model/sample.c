@@ -9,7 +9,8 @@
 struct pd_sampler {
     pd_sampling_params p;
     int vocab;
-    pd_rng rng;
+    uint64_t seed;
+    uint64_t n_draws;      // draws made: the next draw uses pd_sample_uniform(seed, n_draws)
     int32_t *out_counts;   // (vocab) generated-token counts
     uint8_t *seen;         // (vocab) in prompt or output (repetition penalty)
     int32_t *touched;      // ids with out_counts > 0, for O(k) penalty application
@@ -63,7 +64,7 @@ pd_sampler *pd_sampler_new(const pd_sampling_params *p, int vocab) {
     }
     uint64_t seed = p->has_seed ? p->seed
                                 : (uint64_t)pd_time_us() ^ (__atomic_add_fetch(&g_seed_counter, 1, __ATOMIC_RELAXED) * 0x9e3779b97f4a7c15ull);
-    pd_rng_seed(&s->rng, seed);
+    s->seed = seed;
     return s;
 }
 
@@ -114,6 +115,11 @@ int32_t pd_argmax(const float *x, int n) {
     return best;
 }
 
+static int cmp_id(const void *a, const void *b) {
+    int32_t x = *(const int32_t *)a, y = *(const int32_t *)b;
+    return (x > y) - (x < y);
+}
+
 static __thread const float *t_sort_vals;
 static int cmp_desc(const void *a, const void *b) {
     float x = t_sort_vals[*(const int32_t *)a], y = t_sort_vals[*(const int32_t *)b];
@@ -162,11 +168,12 @@ static void apply_penalties(pd_sampler *s, float *logits) {
     }
 }
 
-// Draws from candidates idx[0..n) with weights e[idx[i]].
+// Draws from candidates idx[0..n), which are in increasing id order, with weights e[idx[i]]: the
+// first candidate whose running sum exceeds u * total (the device op walks the same order).
 static int32_t draw(pd_sampler *s, const float *e, const int32_t *idx, int n) {
     double sum = 0;
     for (int i = 0; i < n; i++) sum += e[idx[i]];
-    double r = pd_rng_uniform(&s->rng) * sum, acc = 0;
+    double r = pd_sample_uniform(s->seed, s->n_draws++) * sum, acc = 0;
     for (int i = 0; i < n; i++) {
         acc += e[idx[i]];
         if (r < acc) return idx[i];
@@ -266,6 +273,8 @@ static int32_t sample_random(pd_sampler *s, float *logits) {
         n = keep;
     }
     if (!has_k && !has_p && p->min_p <= 0) return draw(s, e, s->idx, V);
+    // The survivors are in value order after top-k / top-p: draw in id order.
+    if (has_k || has_p) qsort(s->idx, (size_t)n, sizeof(int32_t), cmp_id);
     return draw(s, e, s->idx, n);
 }
 
@@ -284,3 +293,55 @@ int32_t pd_sampler_sample(pd_sampler *s, float *logits, pd_sample_result *out) {
     if (want_lp && s->raw) fill_logprobs(s, s->raw, token, out);
     return token;
 }
+
+// ---- device sampling ---------------------------------------------------------------------------
+
+static bool has_pres_freq(const pd_sampling_params *p) { return p->presence_penalty != 0 || p->frequency_penalty != 0; }
+
+// Entries: every seen token (repetition penalty; seen is empty when it is off), then generated
+// tokens not among them (presence / frequency). One entry per token, as apply_penalties sees it.
+int pd_sampler_n_pens(const pd_sampler *s) {
+    bool rep = s->p.repetition_penalty != 1.0f;
+    int n = rep ? s->n_seen : 0;
+    if (has_pres_freq(&s->p))
+        for (int i = 0; i < s->n_touched; i++) n += !(rep && s->seen[s->touched[i]]);
+    return n;
+}
+
+void pd_sampler_export_row(const pd_sampler *s, int pen_begin, pd_sample_row *row, pd_sample_pen *pens) {
+    const pd_sampling_params *p = &s->p;
+    *row = (pd_sample_row){.temperature = p->temperature, .top_k = p->top_k, .top_p = p->top_p, .min_p = p->min_p,
+                           .presence_penalty = p->presence_penalty, .frequency_penalty = p->frequency_penalty,
+                           .repetition_penalty = p->repetition_penalty, .seed = s->seed, .draw_idx = s->n_draws,
+                           .n_logprobs = p->n_logprobs, .pen_begin = pen_begin};
+    int n = 0;
+    bool rep = p->repetition_penalty != 1.0f;
+    if (rep)
+        for (int i = 0; i < s->n_seen; i++) {
+            int32_t t = s->seen_ids[i];
+            pens[n++] = (pd_sample_pen){.token = t, .count = s->out_counts[t], .is_seen = 1};
+        }
+    if (has_pres_freq(p))
+        for (int i = 0; i < s->n_touched; i++) {
+            int32_t t = s->touched[i];
+            if (!(rep && s->seen[t])) pens[n++] = (pd_sample_pen){.token = t, .count = s->out_counts[t]};
+        }
+    row->n_pens = n;
+}
+
+int32_t pd_sampler_import_result(pd_sampler *s, const pd_sample_out *o, pd_sample_result *out) {
+    if (s->p.temperature != 0.0f) s->n_draws++;
+    if (out) {
+        memset(out, 0, sizeof *out);
+        out->token = o->token;
+        if (s->p.n_logprobs >= 0) {
+            out->logprob = o->logprob;
+            out->n_top = PD_MIN(o->n_top, PD_MAX_LOGPROBS);
+            memcpy(out->top_ids, o->top_ids, sizeof(int32_t) * (size_t)out->n_top);
+            memcpy(out->top_logprobs, o->top_logprobs, sizeof(float) * (size_t)out->n_top);
+        }
+    }
+    return o->token;
+}
+
+uint64_t pd_sampler_n_draws(const pd_sampler *s) { return s->n_draws; }

@@ -3,19 +3,26 @@
 // presence/frequency penalties (on generated tokens, OpenAI semantics), repetition penalty (on
 // prompt + generated tokens, HF semantics), and per-token logprobs with top-N alternatives.
 //
+// Randomness is counter-based: draw number n of a sequence uses pd_sample_uniform(seed, n)
+// (backend.h), and the draw walks the surviving tokens in id order. The CUDA backend's sampling
+// op (pd_op_sample) does the same, so a seeded request gets the same tokens whether it is
+// sampled here or on the device; the engine exports a sampler's state as a pd_sample_row
+// (pd_sampler_export_row) and hands the device's answer back (pd_sampler_import_result).
+//
 // Order of processing: penalties → temperature → top-k → top-p → min-p → draw. Logprobs are
 // those of the model's raw distribution (log-softmax of the unprocessed logits), as vLLM reports
 // by default; greedy ties go to the lowest id (torch.argmax).
 //
 // A pd_sampler is per sequence (it holds the RNG and token counts); not thread-safe.
 #pragma once
+#include "backend/backend.h"
 #include "base/base.h"
 
 #ifdef __cplusplus
 extern "C" {
 #endif
 
-#define PD_MAX_LOGPROBS 20
+#define PD_MAX_LOGPROBS PD_SAMPLE_MAX_TOP  // 20: the device op reports as many
 
 typedef struct pd_sampling_params {
     float temperature;         // 0: greedy
@@ -51,6 +58,19 @@ void pd_sampler_add_prompt(pd_sampler *s, const int32_t *ids, int n);
 void pd_sampler_accept(pd_sampler *s, int32_t token);
 // Samples from logits (vocab floats; modified in place). Returns the token.
 int32_t pd_sampler_sample(pd_sampler *s, float *logits, pd_sample_result *out);
+
+// ---- device sampling (pd_op_sample) ------------------------------------------------------------
+// Number of penalty entries pd_sampler_export_row writes now (0 when no penalty is on).
+int pd_sampler_n_pens(const pd_sampler *s);
+// The sampler's next sample as a device row: parameters, seed, the next draw index and, in
+// pens[0 .. pd_sampler_n_pens(s)), its penalty entries (one per token); row->pen_begin = pen_begin,
+// the entries' offset in the op's array.
+void pd_sampler_export_row(const pd_sampler *s, int pen_begin, pd_sample_row *row, pd_sample_pen *pens);
+// Takes the op's result for the exported row: fills out (may be NULL) and consumes the draw when
+// the row was random (temperature > 0). Returns the token; record it with pd_sampler_accept.
+int32_t pd_sampler_import_result(pd_sampler *s, const pd_sample_out *o, pd_sample_result *out);
+// Draws made so far (the index of the next one).
+uint64_t pd_sampler_n_draws(const pd_sampler *s);
 
 // Index of the largest value, lowest index on ties.
 int32_t pd_argmax(const float *x, int n);

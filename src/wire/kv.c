@@ -11,6 +11,7 @@ const char *pd_kvw_transport_name(pd_kvw_transport t) {
     case PD_KVW_TRANSPORT_TCP: return "tcp";
     case PD_KVW_TRANSPORT_SHM: return "shm";
     case PD_KVW_TRANSPORT_CUDA_IPC: return "cuda-ipc";
+    case PD_KVW_TRANSPORT_NCCL: return "nccl";
     }
     return "unknown";
 }
@@ -22,6 +23,16 @@ const char *pd_kvw_fingerprint_diff(const pd_kvw_fingerprint *a, const pd_kvw_fi
     CMP(block_size) CMP(weights_hash)
 #undef CMP
     return "";
+}
+
+bool pd_kvw_kv_nccl_valid(const pd_kvw_kv_nccl *s) {
+    if (s->n_layers <= 0 || s->n_layers > PD_KVW_MAX_LAYERS || s->n_blocks <= 0 || s->block_size <= 0 ||
+        s->block_size > 4096 || s->n_rows_last <= 0 || s->n_rows_last > s->block_size || s->row_bytes == 0 ||
+        s->row_bytes % 8 || s->row_bytes > (1u << 20))
+        return false;
+    // n_layers * 2 * n_blocks * block_size * row_bytes, without overflow, within the payload cap
+    uint64_t rows = (uint64_t)s->n_layers * 2u * (uint64_t)s->n_blocks * (uint64_t)s->block_size;  // < 2^53
+    return rows <= PD_KVW_MAX_PAYLOAD / s->row_bytes && rows * s->row_bytes == s->bytes;
 }
 
 // ---- writer ------------------------------------------------------------------------------------
@@ -108,6 +119,12 @@ static void put_body(pd_kvw_buf *b, const pd_kvw_msg *m) {
         const pd_kvw_kv_slab *s = &m->u.kv_slab;
         put_u64(b, s->req_id), put_i32(b, s->layer), put_i32(b, s->n_blocks), put_i32(b, s->n_rows_last);
         put_u64(b, s->row_bytes);
+        break;
+    }
+    case PD_KVW_KV_NCCL: {
+        const pd_kvw_kv_nccl *s = &m->u.kv_nccl;
+        put_u64(b, s->req_id), put_i32(b, s->n_layers), put_i32(b, s->n_blocks), put_i32(b, s->block_size);
+        put_i32(b, s->n_rows_last), put_u64(b, s->row_bytes), put_u64(b, s->bytes);
         break;
     }
     case PD_KVW_PREFILL_DONE: {
@@ -283,6 +300,14 @@ static pd_status decode_body(rd *r, pd_kvw_msg *m, uint64_t payload_len, const u
             return pd_err_set(err, PD_ERR_PROTO, "KV_SLAB: bad geometry");
         s->payload = payload;
         s->payload_len = payload_len;
+        break;
+    }
+    case PD_KVW_KV_NCCL: {
+        pd_kvw_kv_nccl *s = &m->u.kv_nccl;
+        s->req_id = get_u64(r), s->n_layers = get_i32(r), s->n_blocks = get_i32(r), s->block_size = get_i32(r);
+        s->n_rows_last = get_i32(r), s->row_bytes = get_u64(r), s->bytes = get_u64(r);
+        if (r->bad) break;
+        if (!pd_kvw_kv_nccl_valid(s)) return pd_err_set(err, PD_ERR_PROTO, "KV_NCCL: bad geometry");
         break;
     }
     case PD_KVW_PREFILL_DONE: {

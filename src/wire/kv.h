@@ -22,7 +22,7 @@ extern "C" {
 #endif
 
 #define PD_KVW_MAGIC 0x564B4450u
-#define PD_KVW_VERSION 1
+#define PD_KVW_VERSION 2  // 2: the nccl transport (HELLO carries an NCCL unique id; KV_NCCL)
 #define PD_KVW_HDR 24
 #define PD_KVW_MAX_BODY (16u << 20)
 #define PD_KVW_MAX_PAYLOAD (1ull << 34)
@@ -39,12 +39,14 @@ typedef enum pd_kvw_type {
     PD_KVW_PING = 7,
     PD_KVW_PONG = 8,
     PD_KVW_CANCEL = 9,        // decode → prefill: the request went away
+    PD_KVW_KV_NCCL = 10,      // prefill → decode (nccl transport): a slab follows on the communicator
 } pd_kvw_type;
 
 typedef enum pd_kvw_transport {
     PD_KVW_TRANSPORT_TCP = 1,       // KV bytes inline in KV_SLAB payloads
     PD_KVW_TRANSPORT_SHM = 2,       // prefill writes into the decode pool mapped from /dev/shm
     PD_KVW_TRANSPORT_CUDA_IPC = 3,  // prefill writes into the decode pool through CUDA IPC
+    PD_KVW_TRANSPORT_NCCL = 4,      // KV slabs through an NCCL communicator (GPU to GPU, any host)
 } pd_kvw_transport;
 const char *pd_kvw_transport_name(pd_kvw_transport t);
 
@@ -62,7 +64,7 @@ typedef struct pd_kvw_hello {
     pd_kvw_fingerprint fp;
     uint32_t transport;          // pd_kvw_transport
     uint32_t pool_n_blocks;      // decode pool size (direct transports)
-    uint8_t handle[256];         // pd_buffer_handle bytes (direct transports)
+    uint8_t handle[256];         // pd_buffer_handle bytes (shm, cuda-ipc) or the NCCL unique id (nccl)
     uint32_t handle_len;
 } pd_kvw_hello;
 
@@ -99,6 +101,18 @@ typedef struct pd_kvw_kv_slab {
     uint64_t payload_len;
 } pd_kvw_kv_slab;
 
+// nccl transport: announces the next slab on the connection's communicator. The slab is the
+// request's blocks laid out like a cache of n_blocks blocks: (n_layers, 2 [K, V], n_blocks,
+// block_size, row_bytes), block i = the request's i-th destination block, rows past n_rows_last in
+// the last block are padding. bytes = n_layers * 2 * n_blocks * block_size * row_bytes; the
+// receiver posts its receive of exactly that many bytes, in announcement order.
+typedef struct pd_kvw_kv_nccl {
+    uint64_t req_id;
+    int32_t n_layers, n_blocks, block_size, n_rows_last;
+    uint64_t row_bytes;
+    uint64_t bytes;
+} pd_kvw_kv_nccl;
+
 typedef struct pd_kvw_prefill_done {
     uint64_t req_id;
     int32_t first_token;
@@ -118,6 +132,7 @@ typedef struct pd_kvw_msg {
         pd_kvw_hello_ack hello_ack;
         pd_kvw_prefill_req prefill_req;
         pd_kvw_kv_slab kv_slab;
+        pd_kvw_kv_nccl kv_nccl;
         pd_kvw_prefill_done done;
         struct { uint64_t req_id; char reason[256]; } fail;
         struct { uint64_t nonce; } ping;
@@ -151,6 +166,9 @@ pd_status pd_kvw_decode(const uint8_t *buf, size_t len, pd_kvw_msg *m, size_t *c
 void pd_kvw_msg_fini(pd_kvw_msg *m);
 // Total frame size announced by a header (needs PD_KVW_HDR bytes); 0 if the header is invalid.
 uint64_t pd_kvw_peek_len(const uint8_t *hdr);
+// KV_NCCL geometry check (the decoder applies it): positive sizes, n_rows_last <= block_size,
+// row_bytes a multiple of 8, and bytes exactly the slab size (no overflow, <= PD_KVW_MAX_PAYLOAD).
+bool pd_kvw_kv_nccl_valid(const pd_kvw_kv_nccl *s);
 
 #ifdef __cplusplus
 }

@@ -107,9 +107,13 @@ static int dial(const char *addr, int timeout_ms) {
 }
 
 // ---- decode side -------------------------------------------------------------------------------
+#define NCCL_JOIN_MS 20000  // both sides' bound on joining a new communicator
+
 typedef struct inflight {
     uint64_t req_id;
     int64_t deadline_us;
+    bool timed_out;          // cancelled at its deadline; blocks stay reserved until the answer
+    int64_t grace_end_us;    // timed out: drop the connection if no answer by then
     int32_t start_pos, n_tokens;
     int32_t *dst_blocks;  // owned (tcp: where slabs land)
     int32_t n_dst_blocks;
@@ -125,6 +129,9 @@ typedef struct worker {
     bool healthy;
     inflight *inf;
     int n_inf, cap_inf;
+    // nccl transport (I/O thread only)
+    pd_comm *comm;       // this connection's communicator (rank 0)
+    pd_buffer *staging;  // receive slab, grown as needed
 } worker;
 
 struct pd_xfer_client {
@@ -161,7 +168,8 @@ static void fail_all(worker *w, pd_status st, const char *reason) {
     w->healthy = false;
     pthread_mutex_unlock(&w->mu);
     for (int i = 0; i < n; i++) {
-        emit_result(w->c, w->idx, inf[i].req_id, st, reason, NULL);
+        if (inf[i].timed_out) emit_result(w->c, w->idx, inf[i].req_id, PD_ERR_TIMEOUT, "prefill timed out", NULL);
+        else emit_result(w->c, w->idx, inf[i].req_id, st, reason, NULL);
         pd_free(inf[i].dst_blocks);
     }
     pd_free(inf);
@@ -175,7 +183,7 @@ static pd_status land_slab(worker *w, const pd_kvw_kv_slab *s) {
     for (int i = 0; i < w->n_inf; i++)
         if (w->inf[i].req_id == s->req_id) f = &w->inf[i];
     pd_status st = PD_OK;
-    if (!f) goto out;  // cancelled or timed out: drop it
+    if (!f || f->timed_out) goto out;  // cancelled or timed out: its blocks are not ours to write
     size_t rows = (size_t)(s->n_blocks - 1) * (size_t)pool->block_size + (size_t)s->n_rows_last;
     if (s->layer >= pool->n_layers || s->n_blocks != f->n_dst_blocks || s->row_bytes != pool->row_bytes ||
         s->n_rows_last > pool->block_size || s->payload_len != 2 * rows * pool->row_bytes) {
@@ -202,7 +210,75 @@ out:
     return st;
 }
 
-static void handle_client_msg(worker *w, const pd_kvw_msg *m, int64_t *last_pong) {
+// nccl transport: receives the announced slab (always: the communicator's order must stay in step
+// with the sender) and scatters it into the request's blocks if they are still reserved for it.
+// Returns NULL, or why the connection must be dropped.
+static const char *land_nccl(worker *w, const pd_kvw_kv_nccl *s) {
+    pd_xfer_client *c = w->c;
+    const pd_xfer_pool *pool = &c->p.pool;
+    if (!w->comm) return "KV_NCCL on a connection without a communicator";
+    pd_err err = {0};
+    if (!w->staging || pd_buffer_size(w->staging) < s->bytes) {
+        pd_buffer_free(w->staging);
+        w->staging = pd_buffer_alloc(c->p.backend, (size_t)s->bytes);
+        if (!w->staging) return "out of device memory for an nccl slab";
+    }
+    char *stg = pd_buffer_ptr(w->staging);
+    if (pd_comm_recv(w->comm, stg, (size_t)s->bytes, 1, &err) || pd_comm_wait(w->comm, c->p.timeout_ms, &err)) {
+        PD_LOG_W("xfer: %s", err.msg);
+        return "nccl transfer failed";
+    }
+    int nb = s->n_blocks, L = s->n_layers, bs = s->block_size;
+    int32_t *idx = pd_malloc(sizeof(int32_t) * 3 * (size_t)nb);  // src blocks, dst blocks, rows
+    void **ptrs = pd_malloc(sizeof(void *) * 2 * (size_t)L);
+    if (!idx || !ptrs) {
+        pd_free(idx);
+        pd_free(ptrs);
+        return "out of memory";
+    }
+    bool found = false, geom_ok = false;
+    pthread_mutex_lock(&w->mu);
+    for (int i = 0; i < w->n_inf && !found; i++) {
+        inflight *f = &w->inf[i];
+        if (f->req_id != s->req_id || f->timed_out) continue;
+        found = true;
+        geom_ok = nb == f->n_dst_blocks && L == pool->n_layers && bs == pool->block_size && s->row_bytes == pool->row_bytes;
+        for (int b = 0; b < nb && geom_ok; b++) {
+            geom_ok = f->dst_blocks[b] >= 0 && f->dst_blocks[b] < pool->n_blocks;
+            idx[b] = b, idx[nb + b] = f->dst_blocks[b], idx[2 * nb + b] = b == nb - 1 ? s->n_rows_last : bs;
+        }
+    }
+    pthread_mutex_unlock(&w->mu);
+    const char *why = NULL;
+    if (found && !geom_ok) {
+        inflight f;
+        pthread_mutex_lock(&w->mu);
+        bool had = take_inflight(w, s->req_id, &f);
+        pthread_mutex_unlock(&w->mu);
+        if (had) {
+            emit_result(c, w->idx, f.req_id, PD_ERR_PROTO, "KV_NCCL slab does not match the request", NULL);
+            pd_free(f.dst_blocks);
+        }
+    } else if (found) {
+        // Only this thread removes entries once the request was sent, so the blocks stay ours.
+        size_t stride = (size_t)nb * (size_t)bs * (size_t)s->row_bytes;
+        for (int l = 0; l < L; l++) ptrs[l] = stg + (size_t)(2 * l) * stride, ptrs[L + l] = stg + (size_t)(2 * l + 1) * stride;
+        pd_kv_copy_params kp = {.src_k = ptrs, .src_v = ptrs + L, .dst_k = pool->k, .dst_v = pool->v, .src_blocks = idx,
+                                .dst_blocks = idx + nb, .n_rows = idx + 2 * nb, .n_blocks = nb, .layer_begin = 0,
+                                .layer_end = L, .block_size = bs, .row_bytes = (size_t)s->row_bytes};
+        pd_comm_kv_copy(w->comm, &kp);
+        if (pd_comm_wait(w->comm, c->p.timeout_ms, &err)) {
+            PD_LOG_W("xfer: %s", err.msg);
+            why = "nccl scatter failed";
+        }
+    }
+    pd_free(idx);
+    pd_free(ptrs);
+    return why;
+}
+
+// Returns NULL, or why the connection must be dropped.
+static const char *handle_client_msg(worker *w, const pd_kvw_msg *m, int64_t *last_pong) {
     inflight f;
     switch (m->type) {
     case PD_KVW_PONG: *last_pong = pd_time_us(); break;
@@ -223,14 +299,18 @@ static void handle_client_msg(worker *w, const pd_kvw_msg *m, int64_t *last_pong
         pthread_mutex_lock(&w->mu);
         bool had = take_inflight(w, id, &f);
         pthread_mutex_unlock(&w->mu);
-        if (!had) break;  // timed out or cancelled already
+        if (!had) break;  // a late duplicate
         pd_free(f.dst_blocks);
-        if (m->type == PD_KVW_PREFILL_DONE) emit_result(w->c, w->idx, id, PD_OK, NULL, &m->u.done);
+        // A timed-out request ends here: the worker is done with its blocks, the engine may reuse them.
+        if (f.timed_out) emit_result(w->c, w->idx, id, PD_ERR_TIMEOUT, "prefill timed out", NULL);
+        else if (m->type == PD_KVW_PREFILL_DONE) emit_result(w->c, w->idx, id, PD_OK, NULL, &m->u.done);
         else emit_result(w->c, w->idx, id, PD_ERR_INVALID, m->u.fail.reason, NULL);
         break;
     }
+    case PD_KVW_KV_NCCL: return land_nccl(w, &m->u.kv_nccl);
     default: break;
     }
+    return NULL;
 }
 
 static bool handshake(worker *w, int fd) {
@@ -239,7 +319,16 @@ static bool handshake(worker *w, int fd) {
     m.u.hello.fp = c->p.fp;
     m.u.hello.transport = (uint32_t)c->p.transport;
     m.u.hello.pool_n_blocks = (uint32_t)c->p.pool.n_blocks;
-    if (c->p.transport != PD_KVW_TRANSPORT_TCP) {
+    pd_comm_id cid;
+    pd_err cerr = {0};
+    if (c->p.transport == PD_KVW_TRANSPORT_NCCL) {
+        if (pd_comm_id_new(c->p.backend, &cid, &cerr)) {
+            PD_LOG_W("xfer: %s", cerr.msg);
+            return false;
+        }
+        m.u.hello.handle_len = sizeof cid;
+        memcpy(m.u.hello.handle, &cid, sizeof cid);
+    } else if (c->p.transport != PD_KVW_TRANSPORT_TCP) {
         m.u.hello.handle_len = sizeof c->p.pool_handle;
         memcpy(m.u.hello.handle, &c->p.pool_handle, sizeof c->p.pool_handle);
     }
@@ -256,7 +345,43 @@ static bool handshake(worker *w, int fd) {
     }
     if (ok) pd_kvw_msg_fini(&ack);
     pd_free(buf);
+    if (ok && c->p.transport == PD_KVW_TRANSPORT_NCCL) {
+        // The prefill worker joins right after its HELLO_ACK; both sides wait at most this long.
+        w->comm = pd_comm_new(c->p.backend, &cid, 2, 0, NCCL_JOIN_MS, &cerr);
+        if (!w->comm) PD_LOG_W("xfer: nccl bootstrap with %s failed: %s", w->addr, cerr.msg);
+        ok = w->comm != NULL;
+    }
     return ok;
+}
+
+// Per-request deadlines: a request past its deadline is cancelled but stays registered (the
+// engine's blocks stay reserved) until the worker answers. Returns true when a cancelled request
+// stayed unanswered past the grace period (the connection is then dropped).
+static bool check_deadlines(worker *w, int64_t now) {
+    pd_xfer_client *c = w->c;
+    bool unanswered = false;
+    for (;;) {
+        uint64_t id = 0;
+        bool expired = false;
+        pthread_mutex_lock(&w->mu);
+        for (int i = 0; i < w->n_inf && !expired; i++) {
+            inflight *f = &w->inf[i];
+            if (f->timed_out) {
+                unanswered |= f->grace_end_us < now;
+            } else if (f->deadline_us < now) {
+                f->timed_out = expired = true;
+                f->grace_end_us = now + (int64_t)c->p.cancel_grace_ms * 1000;
+                id = f->req_id;
+            }
+        }
+        pthread_mutex_unlock(&w->mu);
+        if (!expired) return unanswered;
+        PD_LOG_W("xfer: request %llu timed out on %s: cancelled, its blocks stay reserved until the worker answers",
+                 (unsigned long long)id, w->addr);
+        pd_kvw_msg cm = {.type = PD_KVW_CANCEL};
+        cm.u.cancel.req_id = id;
+        send_msg(&w->fd, &w->mu, &cm, NULL);
+    }
 }
 
 static void *worker_main(void *arg) {
@@ -293,8 +418,12 @@ static void *worker_main(void *arg) {
                     if (st == PD_ERR_PROTO) why = "protocol error from prefill worker", why_st = PD_ERR_PROTO;
                     break;
                 }
-                handle_client_msg(w, &m, &last_pong);
+                const char *drop = handle_client_msg(w, &m, &last_pong);
                 pd_kvw_msg_fini(&m);
+                if (drop) {
+                    why = drop, why_st = PD_ERR_CLOSED;
+                    break;
+                }
             }
             int64_t now = pd_time_us();
             if (now - last_ping >= (int64_t)c->p.ping_ms * 1000) {
@@ -308,26 +437,19 @@ static void *worker_main(void *arg) {
                 why_st = PD_ERR_TIMEOUT;
                 break;
             }
-            // Per-request deadlines.
-            for (;;) {
-                inflight f = {0};
-                bool expired = false;
-                pthread_mutex_lock(&w->mu);
-                for (int i = 0; i < w->n_inf && !expired; i++)
-                    if (w->inf[i].deadline_us < now) expired = take_inflight(w, w->inf[i].req_id, &f);
-                pthread_mutex_unlock(&w->mu);
-                if (!expired) break;
-                pd_kvw_msg cm = {.type = PD_KVW_CANCEL};
-                cm.u.cancel.req_id = f.req_id;
-                send_msg(&w->fd, &w->mu, &cm, NULL);
-                emit_result(c, w->idx, f.req_id, PD_ERR_TIMEOUT, "prefill timed out", NULL);
-                pd_free(f.dst_blocks);
+            bool unanswered = check_deadlines(w, now);
+            if (unanswered) {
+                why = "prefill worker did not answer a cancelled request";
+                why_st = PD_ERR_TIMEOUT;
+                break;
             }
         }
         pthread_mutex_lock(&w->mu);
         w->fd = -1;
         pthread_mutex_unlock(&w->mu);
         close(fd);
+        pd_comm_free(w->comm);  // aborts anything in flight: nothing lands after this
+        w->comm = NULL;
         if (!c->stop) PD_LOG_W("xfer: %s (%s); in-flight requests fall back", why, w->addr);
         fail_all(w, why_st, why);
     }
@@ -349,6 +471,12 @@ pd_xfer_client *pd_xfer_client_new(const pd_xfer_client_params *p, pd_err *err) 
     if (c->p.timeout_ms <= 0) c->p.timeout_ms = 30000;
     if (c->p.ping_ms <= 0) c->p.ping_ms = 500;
     if (c->p.max_inflight <= 0) c->p.max_inflight = 64;
+    if (c->p.cancel_grace_ms <= 0) c->p.cancel_grace_ms = 10000;
+    if (p->transport == PD_KVW_TRANSPORT_NCCL && !p->backend) {
+        pd_free(c);
+        pd_err_set(err, PD_ERR_INVALID, "xfer client: the nccl transport needs the decode pool's backend");
+        return NULL;
+    }
     for (int i = 0; i < p->n_workers; i++) {
         worker *w = &c->workers[i];
         w->c = c;
@@ -375,6 +503,7 @@ void pd_xfer_client_free(pd_xfer_client *c) {
         pthread_join(w->thread, NULL);
         for (int k = 0; k < w->n_inf; k++) pd_free(w->inf[k].dst_blocks);
         pd_free(w->inf);
+        pd_buffer_free(w->staging);
         pthread_mutex_destroy(&w->mu);
     }
     pd_free(c);
@@ -443,8 +572,8 @@ void pd_xfer_client_cancel(pd_xfer_client *c, uint64_t req_id) {
     for (int i = 0; i < c->p.n_workers; i++) {
         worker *w = &c->workers[i];
         pthread_mutex_lock(&w->mu);
-        bool had = false;
-        for (int k = 0; k < w->n_inf && !had; k++) had = w->inf[k].req_id == req_id;
+        bool had = false;  // (a timed-out request was cancelled already)
+        for (int k = 0; k < w->n_inf && !had; k++) had = w->inf[k].req_id == req_id && !w->inf[k].timed_out;
         pthread_mutex_unlock(&w->mu);
         if (had) {
             pd_kvw_msg cm = {.type = PD_KVW_CANCEL};
@@ -463,6 +592,10 @@ typedef struct sconn {
     pthread_t thread;
     pthread_mutex_t mu;  // guards writes
     bool done;
+    // nccl transport
+    pthread_mutex_t kv_mu;  // guards comm and staging; held for a whole slab send
+    pd_comm *comm;          // rank 1 of this connection's communicator
+    pd_buffer *staging;     // the slab being sent (device), grown as needed
 } sconn;
 
 struct pd_xfer_server {
@@ -482,23 +615,38 @@ static void *sconn_main(void *arg) {
     size_t cap = 0;
     pd_kvw_msg m;
     pd_err err = {0};
-    bool hello_ok = false;
+    bool hello_ok = false, announced = false, nccl = false;
+    pd_comm_id cid;
     if (recv_msg(k->fd, &buf, &cap, &m, &err) == PD_OK && m.type == PD_KVW_HELLO) {
         pd_kvw_msg ack = {.type = PD_KVW_HELLO_ACK};
         ack.u.hello_ack.fp = s->p.fp;
         const char *diff = pd_kvw_fingerprint_diff(&m.u.hello.fp, &s->p.fp);
+        nccl = m.u.hello.transport == PD_KVW_TRANSPORT_NCCL;
+        if (nccl && m.u.hello.handle_len == sizeof cid) memcpy(&cid, m.u.hello.handle, sizeof cid);
         if (*diff) {
             snprintf(ack.u.hello_ack.error, sizeof ack.u.hello_ack.error, "model fingerprint mismatch: %s", diff);
+            PD_LOG_W("xfer: refusing a decode worker: %s", ack.u.hello_ack.error);
+        } else if (nccl && (!s->p.backend || m.u.hello.handle_len != sizeof cid)) {
+            snprintf(ack.u.hello_ack.error, sizeof ack.u.hello_ack.error, "%s",
+                     s->p.backend ? "nccl: bad unique id" : "this prefill worker cannot use the nccl transport");
             PD_LOG_W("xfer: refusing a decode worker: %s", ack.u.hello_ack.error);
         } else {
             // The engine maps the decode pool (if any) before any request can arrive.
             pd_xfer_event ev = {.kind = PD_XFER_EV_HELLO, .conn_id = k->id, .hello = m.u.hello};
             s->p.on_event(s->p.ud, &ev);
             ack.u.hello_ack.ok = 1;
-            hello_ok = true;
+            hello_ok = announced = true;
         }
         pd_kvw_msg_fini(&m);
         if (send_msg(&k->fd, &k->mu, &ack, NULL)) hello_ok = false;
+    }
+    if (hello_ok && nccl) {  // the decode worker joins as rank 0 after our HELLO_ACK
+        pd_comm *cm = pd_comm_new(s->p.backend, &cid, 2, 1, NCCL_JOIN_MS, &err);
+        if (!cm) PD_LOG_W("xfer: nccl bootstrap with decode worker %d failed: %s", k->id, err.msg);
+        pthread_mutex_lock(&k->kv_mu);
+        k->comm = cm;
+        pthread_mutex_unlock(&k->kv_mu);
+        hello_ok = cm != NULL;
     }
     while (hello_ok && !s->stop) {
         struct pollfd pfd = {.fd = k->fd, .events = POLLIN};
@@ -525,12 +673,18 @@ static void *sconn_main(void *arg) {
         pd_kvw_msg_fini(&m);
     }
     pd_free(buf);
+    pthread_mutex_lock(&k->kv_mu);  // waits for a slab send in progress (bounded by its timeout)
+    pd_comm_free(k->comm);
+    k->comm = NULL;
+    pd_buffer_free(k->staging);
+    k->staging = NULL;
+    pthread_mutex_unlock(&k->kv_mu);
     pthread_mutex_lock(&k->mu);
     close(k->fd);
     k->fd = -1;
     k->done = true;
     pthread_mutex_unlock(&k->mu);
-    if (hello_ok) {
+    if (announced) {
         pd_xfer_event ev = {.kind = PD_XFER_EV_CLOSED, .conn_id = k->id};
         s->p.on_event(s->p.ud, &ev);
     }
@@ -559,11 +713,13 @@ static void *accept_main(void *arg) {
         k->fd = fd;
         k->id = s->n_conns;
         pthread_mutex_init(&k->mu, NULL);
+        pthread_mutex_init(&k->kv_mu, NULL);
         s->conns[s->n_conns++] = k;
         if (pthread_create(&k->thread, NULL, sconn_main, k)) {
             s->conns[--s->n_conns] = NULL;
             close(fd);
             pthread_mutex_destroy(&k->mu);
+            pthread_mutex_destroy(&k->kv_mu);
             pd_free(k);
         }
         pthread_mutex_unlock(&s->mu);
@@ -625,6 +781,7 @@ void pd_xfer_server_free(pd_xfer_server *s) {
         pthread_mutex_unlock(&k->mu);
         pthread_join(k->thread, NULL);
         pthread_mutex_destroy(&k->mu);
+        pthread_mutex_destroy(&k->kv_mu);
         pd_free(k);
     }
     close(s->lfd);
@@ -638,4 +795,44 @@ pd_status pd_xfer_server_send(pd_xfer_server *s, int conn_id, const pd_kvw_msg *
     pthread_mutex_unlock(&s->mu);
     if (!k) return PD_ERR_CLOSED;
     return send_msg(&k->fd, &k->mu, m, payload);
+}
+
+pd_status pd_xfer_server_send_nccl(pd_xfer_server *s, int conn_id, const pd_kvw_kv_nccl *slab, pd_xfer_fill_fn fill,
+                                   void *ud, int timeout_ms, pd_err *err) {
+    pthread_mutex_lock(&s->mu);
+    sconn *k = conn_id >= 0 && conn_id < s->n_conns ? s->conns[conn_id] : NULL;
+    pthread_mutex_unlock(&s->mu);
+    if (!k) return pd_err_set(err, PD_ERR_CLOSED, "no decode worker %d", conn_id);
+    pthread_mutex_lock(&k->kv_mu);
+    pd_status st = PD_OK;
+    if (!k->comm) {
+        st = pd_err_set(err, PD_ERR_CLOSED, "decode worker %d has no communicator", conn_id);
+        goto out;
+    }
+    if (!k->staging || pd_buffer_size(k->staging) < slab->bytes) {
+        pd_buffer_free(k->staging);
+        k->staging = pd_buffer_alloc(s->p.backend, (size_t)slab->bytes);
+        if (!k->staging) {
+            st = pd_err_set(err, PD_ERR_NOMEM, "no device memory for a %llu-byte slab", (unsigned long long)slab->bytes);
+            goto out;
+        }
+    }
+    fill(ud, pd_buffer_ptr(k->staging));
+    pd_kvw_msg m = {.type = PD_KVW_KV_NCCL};
+    m.u.kv_nccl = *slab;
+    st = send_msg(&k->fd, &k->mu, &m, NULL);
+    if (st) {
+        pd_err_set(err, st, "decode worker %d is gone", conn_id);
+        goto out;
+    }
+    st = pd_comm_send(k->comm, pd_buffer_ptr(k->staging), (size_t)slab->bytes, 0, err);
+    if (!st) st = pd_comm_wait(k->comm, timeout_ms, err);
+    if (st) {  // the communicator is aborted: end the connection, the decode worker bootstraps anew
+        pthread_mutex_lock(&k->mu);
+        if (k->fd >= 0) shutdown(k->fd, SHUT_RDWR);
+        pthread_mutex_unlock(&k->mu);
+    }
+out:
+    pthread_mutex_unlock(&k->kv_mu);
+    return st;
 }

@@ -12,15 +12,32 @@
 //
 // Transports (pd_kvw_transport): tcp sends KV rows inline; shm and cuda-ipc let the prefill
 // worker write straight into the decode worker's pool (exported once, in HELLO), so only control
-// frames cross the socket. In every case the decode side verifies the checksums on its own blocks
-// before decoding from them (engine.c), so corrupt or partial KV falls back to a local prefill.
+// frames cross the socket; nccl moves each request's KV as one slab through a 2-rank NCCL
+// communicator (GPU to GPU, same host or not). In every case the decode side verifies the
+// checksums on its own blocks before decoding from them (disagg.c), so corrupt or partial KV falls
+// back to a local prefill.
+//
+// nccl: the decode side makes an NCCL unique id per connection and sends it in HELLO; after
+// HELLO_ACK both I/O threads join the communicator (decode rank 0, prefill rank 1; bounded wait).
+// The prefill engine gathers a request's rows into a device staging slab on its stream, announces
+// it on the socket (KV_NCCL: request, geometry, bytes) and ncclSends it on the communicator's own
+// stream; the decode I/O thread posts the matching ncclRecv in announcement order (so both sides
+// post in the same order), then scatters the slab into the reserved blocks on the same stream.
+// Every wait is bounded: on a timeout the communicator is aborted and the connection dropped, so
+// in-flight requests fail (local prefill) and the next connection bootstraps a new communicator.
+//
+// Timeouts never free blocks a worker may still write: a request whose deadline passes is
+// cancelled (CANCEL) but stays registered — its destination blocks stay reserved — until the
+// worker answers (DONE or FAIL, reported as a timeout) or the connection dies; a worker that does
+// not answer within cancel_grace_ms is treated as dead (connection dropped). KV_SLAB / KV_NCCL data
+// for a timed-out request is never written into its blocks.
 //
 // Threads: each connection has one I/O thread that reads frames (blocking, with a poll timeout for
 // pings and deadlines). Sends take a per-connection mutex, so the engine thread may send while the
 // I/O thread reads. Results and requests are delivered through a callback on the I/O thread; the
 // engine copies them into its command queue (engine/queue.c) and acts on its own thread.
 //
-// What is deliberately not here: NCCL (not yet), and tcp into a GPU pool (the I/O thread would have
+// What is deliberately not here: tcp into a GPU pool (the I/O thread would have
 // to upload into device memory it does not own): tcp is for CPU pools; GPUs use cuda-ipc.
 #pragma once
 #include "backend/backend.h"
@@ -31,7 +48,7 @@
 extern "C" {
 #endif
 
-#define PD_XFER_API_VERSION 1
+#define PD_XFER_API_VERSION 2  // 2: nccl transport, backend + cancel_grace_ms params
 #define PD_XFER_MAX_WORKERS 16
 
 typedef enum pd_xfer_event_kind {
@@ -73,8 +90,11 @@ typedef struct pd_xfer_client_params {
     pd_kvw_transport transport;
     pd_kvw_fingerprint fp;
     pd_buffer_handle pool_handle;            // shm / cuda-ipc: the exported decode pool
-    pd_xfer_pool pool;                       // tcp: where slabs land
+    pd_xfer_pool pool;                       // tcp, nccl: where slabs land (nccl: device pointers)
+    pd_backend *backend;                     // nccl: the decode pool's backend (borrowed)
     int timeout_ms;                          // per request (default 30000)
+    int cancel_grace_ms;                     // after a timeout, wait this long for the worker's answer
+                                             // before dropping the connection (default 10000)
     int ping_ms;                             // heartbeat period (default 500); dead after 4 missed
     int max_inflight;                        // per worker before it counts as saturated (default 64)
     pd_xfer_event_fn on_event;
@@ -99,6 +119,7 @@ typedef struct pd_xfer_server_params {
     const char *host;   // bind address (default 127.0.0.1)
     int port;           // 0 = any free port (see pd_xfer_server_port)
     pd_kvw_fingerprint fp;
+    pd_backend *backend;  // nccl: the prefill engine's backend (borrowed); NULL refuses nccl peers
     pd_xfer_event_fn on_event;
     void *ud;
 } pd_xfer_server_params;
@@ -110,6 +131,16 @@ int pd_xfer_server_port(const pd_xfer_server *s);
 // Sends a message to a connected decode worker (and, for KV_SLAB, the payload bytes after it).
 // Blocking; safe from any thread. PD_ERR_CLOSED if the connection is gone.
 pd_status pd_xfer_server_send(pd_xfer_server *s, int conn_id, const pd_kvw_msg *m, const void *payload);
+// nccl transport: fill(ud, dev) writes the slab (slab->bytes, layout in wire/kv.h) into the
+// connection's device staging buffer on the backend's stream; then the slab is announced
+// (KV_NCCL) and sent through the connection's communicator. Returns when the peer has it
+// (PD_OK), or fails: PD_ERR_CLOSED (no such connection / communicator), PD_ERR_NOMEM, or a
+// transfer that failed or took longer than timeout_ms — then the communicator is aborted and the
+// connection closed (the decode worker reconnects with a new one). Engine thread; one at a time
+// per connection.
+typedef void (*pd_xfer_fill_fn)(void *ud, void *dev);
+pd_status pd_xfer_server_send_nccl(pd_xfer_server *s, int conn_id, const pd_kvw_kv_nccl *slab, pd_xfer_fill_fn fill,
+                                   void *ud, int timeout_ms, pd_err *err);
 
 #ifdef __cplusplus
 }

@@ -1,5 +1,6 @@
 // libFuzzer target: the KV wire-format decoder on arbitrary bytes. Decodes frames back to back
-// as a stream reader would; every accepted message must point only inside the input.
+// as a stream reader would; every accepted message must point only inside the input, and every
+// accepted KV_NCCL announcement must describe a consistent slab.
 #include <stdint.h>
 #include <stdlib.h>
 
@@ -15,6 +16,8 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
         if (m.type == PD_KVW_KV_SLAB && m.u.kv_slab.payload_len &&
             (m.u.kv_slab.payload < data || m.u.kv_slab.payload + m.u.kv_slab.payload_len > data + size))
             abort();
+        // an accepted slab announcement has a consistent geometry (the receiver sizes its recv by it)
+        if (m.type == PD_KVW_KV_NCCL && !pd_kvw_kv_nccl_valid(&m.u.kv_nccl)) abort();
         if (m.type == PD_KVW_PREFILL_REQ) {
             volatile int32_t x = m.u.prefill_req.tokens[m.u.prefill_req.n_tokens - 1];
             if (m.u.prefill_req.n_dst_blocks) x ^= m.u.prefill_req.dst_blocks[m.u.prefill_req.n_dst_blocks - 1];

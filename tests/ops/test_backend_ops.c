@@ -290,15 +290,46 @@ static void matmul_case(ctx *c, pd_backend *gpu, int M, int N, int K, int lda, b
     ctx_release(c);
 }
 
+// Two dependent skinny GEMMs back to back with no sync between them (PDL: the second one's weight
+// loads start before the first one ends, its activation reads must not), then the same on CPU.
+static void matmul_chain_case(ctx *c, int M, int N1, int K, int N2) {
+    float *a = rand_f32(c, (size_t)M * K, 1.0f), *w1 = rand_f32(c, (size_t)N1 * K, 0.05f);
+    float *w2 = rand_f32(c, (size_t)N2 * N1, 0.05f), *o0 = rand_f32(c, (size_t)M * N2, 1.0f);
+    pd_backend *bs[2] = {c->cpu, c->gpu};
+    void *out[2];
+    for (int k = 0; k < 2; k++) {
+        void *h = dev_out(c, bs[k], (size_t)M * N1, pd_backend_act_dtype(bs[k]));
+        out[k] = dev_act(c, bs[k], o0, (size_t)M * N2);
+        pd_op_matmul(bs[k], &(pd_matmul_params){.a = dev_act(c, bs[k], a, (size_t)M * K),
+                                                .w = dev_from_f32(c, bs[k], w1, (size_t)N1 * K, pd_backend_weight_dtype(bs[k])),
+                                                .out = h, .M = M, .N = N1, .K = K});
+        void *w2d = dev_from_f32(c, bs[k], w2, (size_t)N2 * N1, pd_backend_weight_dtype(bs[k]));
+        for (int r = 0; r < 2; r++)  // out += h . w2^T, twice
+            pd_op_matmul(bs[k], &(pd_matmul_params){.a = h, .w = w2d, .out = out[k], .M = M, .N = N2, .K = N1,
+                                                    .accumulate = true});
+    }
+    pd_backend_sync(c->gpu);
+    char what[96];
+    snprintf(what, sizeof what, "matmul chain M=%d N1=%d K=%d N2=%d", M, N1, K, N2);
+    compare(c, out[1], out[0], (size_t)M * N2, false, NMSE_GEMM, what);
+    pd_free(a), pd_free(w1), pd_free(w2), pd_free(o0);
+    ctx_release(c);
+}
+
 PD_TEST(test_cuda_matmul) {
     ctx c;
     if (!ctx_init(&c, 5)) { skip_msg(__func__); return; }
-    // Both GEMM paths: a second backend with the skinny decode kernel enabled for M <= 16.
-    setenv("PD_CUDA_GEMV_MAX_M", "16", 1);
+    // Both GEMM paths: c.gpu uses the skinny decode kernel for M <= 16, a second backend cuBLASLt
+    // for every M (whichever the default is).
+    setenv("PD_CUDA_GEMV_MAX_M", "0", 1);
     pd_err err = {0};
-    pd_backend *gemv_on = pd_backend_new("cuda", 0, &err);  // (name kept: the other path)
+    pd_backend *lt_only = pd_backend_new("cuda", 0, &err);
+    setenv("PD_CUDA_GEMV_MAX_M", "16", 1);
+    pd_backend *gemv_on = pd_backend_new("cuda", 0, &err);
     unsetenv("PD_CUDA_GEMV_MAX_M");
-    PD_REQUIRE(gemv_on);
+    PD_REQUIRE(lt_only && gemv_on);
+    pd_backend *dflt = c.gpu;
+    c.gpu = gemv_on;  // compare() reads through c.gpu: the backend under test
     int Ms[] = {1, 3, 16, 17, 64, 300}, NKs[][2] = {{8, 64}, {1000, 136}, {512, 1024}, {96, 4096}};
     for (size_t mi = 0; mi < PD_ARRAY_LEN(Ms); mi++)
         for (size_t nk = 0; nk < PD_ARRAY_LEN(NKs); nk++)
@@ -306,10 +337,21 @@ PD_TEST(test_cuda_matmul) {
                 int M = Ms[mi], N = NKs[nk][0], K = NKs[nk][1];
                 bool bias = flags & 1, acc = flags & 2, f32 = flags & 4;
                 matmul_case(&c, c.gpu, M, N, K, K, bias, acc, f32);
-                if (M <= 17 && flags % 3 != 1) matmul_case(&c, gemv_on, M, N, K, K, bias, acc, f32);
+                if (M <= 17 && flags % 3 != 1) matmul_case(&c, lt_only, M, N, K, K, bias, acc, f32);
             }
     matmul_case(&c, c.gpu, 5, 256, 128, 384, true, false, false);   // lda > K (a slice of qkv)
     matmul_case(&c, c.gpu, 40, 256, 128, 384, false, true, false);
+    // Decode-sized shapes: every SM busy, tiles split over several warps (stream-K partials).
+    int big_ms[] = {1, 8, 9, 16};
+    for (size_t mi = 0; mi < PD_ARRAY_LEN(big_ms); mi++) {
+        matmul_case(&c, c.gpu, big_ms[mi], 2048, 4096, 4096, mi & 1, mi >= 2, false);
+        matmul_case(&c, c.gpu, big_ms[mi], 1000, 2048, 2056, true, false, mi & 1);
+    }
+    matmul_chain_case(&c, 1, 2048, 1024, 512);
+    matmul_chain_case(&c, 7, 512, 4096, 2048);
+    matmul_chain_case(&c, 16, 4096, 4096, 96);
+    c.gpu = dflt;
+    pd_backend_free(lt_only);
     pd_backend_free(gemv_on);
     ctx_fini(&c);
 }
@@ -700,4 +742,174 @@ PD_TEST(test_cpu_attention_paging_invariance) {
     pd_free(hr);
     ctx_release(&c);
     pd_backend_free(c.cpu);
+}
+
+// ---- sampling on the device (pd_op_sample) vs the CPU sampler ----------------------------------
+#include "model/sample.h"  // the CPU sampler is the reference
+
+// Twin samplers (same parameters, seed and history) sample the same logits, one through
+// pd_sampler_sample, one through the CUDA op (export_row → pd_op_sample → import_result, as the
+// engine does). Greedy and seeded draws must give the same token, logprobs agree within 1e-4 and
+// the top-N ids are equal. Row configurations cycle through greedy, temperature, top-k, top-p,
+// min-p, all of them together, penalties and logprobs; half the cases round the logits to bf16,
+// which makes exact ties common (greedy ties, top-k / top-p cuts inside a run of equal values).
+#define N_SAMPLE_CFG 10
+static pd_sampling_params sample_cfg(int k, uint64_t seed) {
+    pd_sampling_params p = pd_sampling_params_default();
+    p.seed = seed, p.has_seed = true;
+    switch (k) {
+    case 0: p.temperature = 0; break;
+    case 1: p.temperature = 0.8f; break;
+    case 2: p.top_k = 50; break;
+    case 3: p.top_p = 0.9f; break;
+    case 4: p.temperature = 0.7f, p.min_p = 0.1f; break;
+    case 5: p.temperature = 1.2f, p.top_k = 100, p.top_p = 0.8f, p.min_p = 0.02f; break;
+    case 6: p.temperature = 0, p.presence_penalty = 0.5f, p.frequency_penalty = 0.3f, p.repetition_penalty = 1.2f,
+            p.n_logprobs = 5; break;
+    case 7: p.repetition_penalty = 1.3f, p.presence_penalty = -0.5f, p.frequency_penalty = 0.4f, p.top_p = 0.95f,
+            p.n_logprobs = 20; break;
+    case 8: p.temperature = 0.9f, p.n_logprobs = 0; break;
+    default: p.top_k = 1, p.temperature = 1.5f; break;
+    }
+    return p;
+}
+
+typedef struct sample_bufs {
+    pd_sample_row *rows;
+    pd_sample_pen *pens;
+    pd_sample_out *outs;
+    int cap_pens;
+} sample_bufs;
+
+// Exports every GPU-side sampler, runs the op on dev (n_rows, V).
+static void sample_on_gpu(ctx *c, pd_sampler **s, int n_rows, int V, float *dev, sample_bufs *sb) {
+    int n = 0;
+    for (int r = 0; r < n_rows; r++) n += pd_sampler_n_pens(s[r]);
+    if (n > sb->cap_pens) {
+        pd_free(sb->pens);
+        sb->pens = pd_malloc(sizeof(pd_sample_pen) * (size_t)n);
+        sb->cap_pens = n;
+    }
+    int off = 0;
+    for (int r = 0; r < n_rows; r++) {
+        pd_sampler_export_row(s[r], off, &sb->rows[r], sb->pens + off);
+        off += sb->rows[r].n_pens;
+    }
+    pd_sample_params sp = {.logits = dev, .n_rows = n_rows, .vocab = V, .rows = sb->rows, .pens = sb->pens,
+                           .n_pens = off, .out = sb->outs};
+    pd_op_sample(c->gpu, &sp);
+}
+
+static void sample_case(ctx *c, int V, int n_rows, bool bf16, int cfg_off, int n_steps) {
+    pd_sampler *cs[64], *gs[64];
+    pd_sampling_params ps[64];
+    PD_ASSERT(n_rows <= 64);
+    for (int r = 0; r < n_rows; r++) {
+        ps[r] = sample_cfg((r + cfg_off) % N_SAMPLE_CFG, 1000003ull * (uint64_t)(r + 1) + (uint64_t)cfg_off);
+        cs[r] = pd_sampler_new(&ps[r], V);
+        gs[r] = pd_sampler_new(&ps[r], V);
+        int n_prompt = 10 + (int)(pd_rng_next(&c->rng) % 60), n_gen = (int)(pd_rng_next(&c->rng) % 25);
+        for (int i = 0; i < n_prompt + n_gen; i++) {
+            // a small id range now and then, so that tokens repeat
+            int32_t t = (int32_t)(pd_rng_next(&c->rng) % (uint64_t)(i % 3 ? V : 40));
+            if (i < n_prompt) pd_sampler_add_prompt(cs[r], &t, 1), pd_sampler_add_prompt(gs[r], &t, 1);
+            else pd_sampler_accept(cs[r], t), pd_sampler_accept(gs[r], t);
+        }
+    }
+    size_t n = (size_t)n_rows * (size_t)V;
+    float *h = pd_malloc(sizeof(float) * n), *back = pd_malloc(sizeof(float) * n), *row = pd_malloc(sizeof(float) * (size_t)V);
+    pd_buffer *buf = pd_buffer_alloc(c->gpu, sizeof(float) * n);
+    PD_ASSERT(buf);
+    sample_bufs sb = {.rows = pd_malloc(sizeof(pd_sample_row) * (size_t)n_rows),
+                      .outs = pd_malloc(sizeof(pd_sample_out) * (size_t)n_rows)};
+    int n_bad = 0;
+    for (int step = 0; step < n_steps; step++) {
+        for (size_t i = 0; i < n; i++) {
+            float v = 3.0f * pd_rng_normal(&c->rng);
+            h[i] = bf16 ? pd_bf16_to_f32(pd_f32_to_bf16(v)) : v;
+        }
+        pd_backend_upload(c->gpu, pd_buffer_ptr(buf), h, sizeof(float) * n);
+        sample_on_gpu(c, gs, n_rows, V, pd_buffer_ptr(buf), &sb);
+        pd_backend_download(c->gpu, back, pd_buffer_ptr(buf), sizeof(float) * n);
+        PD_CHECK_MSG(!memcmp(back, h, sizeof(float) * n), "V=%d rows=%d: the op left the logits changed", V, n_rows);
+        for (int r = 0; r < n_rows; r++) {
+            memcpy(row, h + (size_t)r * (size_t)V, sizeof(float) * (size_t)V);
+            pd_sample_result rc, rg;
+            int32_t tc = pd_sampler_sample(cs[r], row, &rc);
+            int32_t tg = pd_sampler_import_result(gs[r], &sb.outs[r], &rg);
+            pd_sampler_accept(cs[r], tc);
+            pd_sampler_accept(gs[r], tg);
+            const pd_sampling_params *p = &ps[r];
+            if (tc != tg && n_bad++ < 8)
+                PD_FAIL_("V=%d rows=%d bf16=%d step %d row %d (T=%g k=%d p=%g min_p=%g pen=%g/%g/%g): cpu %d gpu %d", V,
+                         n_rows, bf16, step, r, p->temperature, p->top_k, p->top_p, p->min_p, p->presence_penalty,
+                         p->frequency_penalty, p->repetition_penalty, tc, tg);
+            if (p->n_logprobs < 0) continue;
+            PD_CHECK_NEAR(rg.logprob, rc.logprob, 1e-4);
+            PD_CHECK_EQ(rg.n_top, rc.n_top);
+            for (int j = 0; j < rc.n_top && j < rg.n_top; j++) {
+                PD_CHECK_EQ(rg.top_ids[j], rc.top_ids[j]);
+                PD_CHECK_NEAR(rg.top_logprobs[j], rc.top_logprobs[j], 1e-4);
+            }
+        }
+    }
+    PD_CHECK_MSG(n_bad == 0, "V=%d rows=%d bf16=%d: %d of %d tokens differ", V, n_rows, bf16, n_bad, n_rows * n_steps);
+    for (int r = 0; r < n_rows; r++) pd_sampler_free(cs[r]), pd_sampler_free(gs[r]);
+    pd_buffer_free(buf);
+    pd_free(h), pd_free(back), pd_free(row), pd_free(sb.rows), pd_free(sb.outs), pd_free(sb.pens);
+}
+
+// Host-timed op calls (upload of the rows, kernel, download, sync) for 64 rows of V = 151936.
+static void sample_timing(ctx *c) {
+    int V = 151936, n_rows = 64;
+    size_t n = (size_t)n_rows * (size_t)V;
+    float *h = rand_f32(c, n, 3.0f);
+    pd_buffer *buf = pd_buffer_alloc(c->gpu, sizeof(float) * n);
+    PD_ASSERT(buf);
+    pd_backend_upload(c->gpu, pd_buffer_ptr(buf), h, sizeof(float) * n);
+    sample_bufs sb = {.rows = pd_malloc(sizeof(pd_sample_row) * (size_t)n_rows),
+                      .outs = pd_malloc(sizeof(pd_sample_out) * (size_t)n_rows)};
+    const char *names[] = {"greedy", "temperature 0.8", "top-k 50", "top-p 0.9", "min-p 0.1", "all four",
+                           "penalties+logprobs 5", "penalties+top-p+logprobs 20"};
+    printf("  pd_op_sample, %d rows x %d, H2D rows + kernel + D2H + sync, median of 15:\n", n_rows, V);
+    for (int k = 0; k < 8; k++) {
+        pd_sampler *s[64];
+        pd_sampling_params p = sample_cfg(k, 7);
+        for (int r = 0; r < n_rows; r++) {
+            s[r] = pd_sampler_new(&p, V);
+            for (int32_t t = 0; t < 200; t++) pd_sampler_accept(s[r], (t * 7919) % V);
+        }
+        double us[15];
+        for (int it = 0; it < 17; it++) {
+            int64_t t0 = pd_time_us();
+            sample_on_gpu(c, s, n_rows, V, pd_buffer_ptr(buf), &sb);
+            if (it >= 2) us[it - 2] = (double)(pd_time_us() - t0);
+        }
+        for (int a = 1; a < 15; a++)
+            for (int b = a; b > 0 && us[b] < us[b - 1]; b--) {
+                double t = us[b];
+                us[b] = us[b - 1], us[b - 1] = t;
+            }
+        printf("    %-28s %8.1f us\n", names[k], us[7]);
+        for (int r = 0; r < n_rows; r++) pd_sampler_free(s[r]);
+    }
+    pd_buffer_free(buf);
+    pd_free(h), pd_free(sb.rows), pd_free(sb.outs), pd_free(sb.pens);
+}
+
+PD_TEST(test_cuda_sample) {
+    ctx c;
+    if (!ctx_init(&c, 31)) {
+        skip_msg("test_cuda_sample");
+        ctx_fini(&c);
+        return;
+    }
+    PD_CHECK(pd_backend_has_sample(c.gpu));
+    PD_CHECK(!pd_backend_has_sample(c.cpu));
+    int vocabs[] = {32000, 151936}, rows[] = {1, 7, 64};
+    for (int v = 0; v < 2; v++)
+        for (int r = 0; r < 3; r++)
+            for (int bf = 0; bf < 2; bf++) sample_case(&c, vocabs[v], rows[r], bf, r * 3 + bf, rows[r] == 64 ? 2 : 4);
+    sample_timing(&c);
+    ctx_fini(&c);
 }

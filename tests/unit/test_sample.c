@@ -1,5 +1,7 @@
 // Sampler: greedy ties, seeded reproducibility, top-k / top-p / min-p truncation, penalties and
-// logprobs, each checked against hand-computed expectations.
+// logprobs, each checked against hand-computed expectations; the counter-based uniform (against
+// an independent implementation of its formula), the id-order draw the device op shares, and the
+// export / import of a sampler's state for device sampling (pd_op_sample).
 #include "model/sample.h"
 #include "test.h"
 
@@ -144,4 +146,163 @@ PD_TEST(params_validated) {
     p.presence_penalty = 3;
     PD_CHECK_EQ(pd_sampling_params_validate(&p, &err), PD_ERR_INVALID);
     PD_CHECK_CONTAINS(err.msg, "presence_penalty");
+}
+
+// ---- counter-based draws and device-sampling packing --------------------------------------------
+
+static uint64_t ref_mix(uint64_t z) {  // splitmix64's finaliser, written out again
+    z ^= z >> 30;
+    z *= 0xbf58476d1ce4e5b9ull;
+    z ^= z >> 27;
+    z *= 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+}
+static double ref_uniform(uint64_t seed, uint64_t n) {
+    uint64_t h = ref_mix(seed ^ ref_mix(n * 0x9e3779b97f4a7c15ull + 0x632be59bd9b4e019ull));
+    return (double)(h >> 11) / 9007199254740992.0;
+}
+
+PD_TEST(uniform_is_counter_based) {
+    uint64_t seeds[] = {0, 1, 42, 0xffffffffffffffffull};
+    double sum = 0, sum2 = 0;
+    int buckets[10] = {0}, n = 0, same_neighbour = 0;
+    for (size_t k = 0; k < PD_ARRAY_LEN(seeds); k++)
+        for (uint64_t i = 0; i < 25000; i++) {
+            double u = pd_sample_uniform(seeds[k], i);
+            PD_CHECK_MSG(u == ref_uniform(seeds[k], i), "seed %llu draw %llu", (unsigned long long)seeds[k],
+                         (unsigned long long)i);
+            if (!(u >= 0 && u < 1)) PD_FAIL_("u = %g out of [0, 1)", u);
+            same_neighbour += u == pd_sample_uniform(seeds[k], i + 1) || u == pd_sample_uniform(seeds[k] + 1, i);
+            sum += u, sum2 += u * u, n++;
+            buckets[(int)(u * 10)]++;
+        }
+    PD_CHECK_EQ(same_neighbour, 0);
+    PD_CHECK_NEAR(sum / n, 0.5, 0.005);
+    PD_CHECK_NEAR(sum2 / n - (sum / n) * (sum / n), 1.0 / 12, 0.002);
+    for (int b = 0; b < 10; b++) PD_CHECK_MSG(abs(buckets[b] - n / 10) < n / 100, "bucket %d: %d of %d", b, buckets[b], n);
+}
+
+// The token a draw must give: the first id (in id order among the survivors) whose running mass
+// exceeds u * total, with u = pd_sample_uniform(seed, draw index).
+static int ref_draw(const float *l, const bool *keep, uint64_t seed, uint64_t n) {
+    double mx = -INFINITY, sum = 0, acc = 0;
+    for (int i = 0; i < V; i++) mx = l[i] > mx ? l[i] : mx;
+    for (int i = 0; i < V; i++) sum += keep[i] ? expf(l[i] - (float)mx) : 0;
+    double r = ref_uniform(seed, n) * sum;
+    int last = -1;
+    for (int i = 0; i < V; i++) {
+        if (!keep[i]) continue;
+        acc += expf(l[i] - (float)mx);
+        last = i;
+        if (r < acc) return i;
+    }
+    return last;
+}
+
+PD_TEST(draws_walk_survivors_in_id_order) {
+    bool all[V], top3[V] = {0};
+    for (int i = 0; i < V; i++) all[i] = true;
+    top3[3] = top3[6] = top3[0] = true;  // L's three largest
+    for (int c = 0; c < 2; c++) {
+        pd_sampling_params p = pd_sampling_params_default();
+        p.seed = 1234 + (uint64_t)c, p.has_seed = true;
+        p.top_k = c ? 3 : 0;
+        pd_sampler *s = pd_sampler_new(&p, V);
+        int distinct[V] = {0};
+        for (uint64_t d = 0; d < 300; d++) {
+            PD_CHECK_EQ(pd_sampler_n_draws(s), d);
+            float l[V];
+            memcpy(l, L, sizeof l);
+            int32_t t = pd_sampler_sample(s, l, NULL);
+            PD_CHECK_EQ(t, ref_draw(L, c ? top3 : all, p.seed, d));
+            distinct[t] = 1;
+        }
+        int nd = 0;
+        for (int i = 0; i < V; i++) nd += distinct[i];
+        PD_CHECK_EQ(nd, c ? 3 : V);
+        pd_sampler_free(s);
+    }
+    // greedy consumes no draw
+    pd_sampling_params p = pd_sampling_params_default();
+    p.temperature = 0;
+    pd_sampler *s = pd_sampler_new(&p, V);
+    float l[V];
+    memcpy(l, L, sizeof l);
+    pd_sampler_sample(s, l, NULL);
+    PD_CHECK_EQ(pd_sampler_n_draws(s), 0);
+    pd_sampler_free(s);
+}
+
+static const pd_sample_pen *find_pen(const pd_sample_pen *pens, int n, int32_t t) {
+    for (int i = 0; i < n; i++)
+        if (pens[i].token == t) return &pens[i];
+    return NULL;
+}
+
+PD_TEST(export_row_packs_params_and_penalties) {
+    pd_sampling_params p = pd_sampling_params_default();
+    p.temperature = 0.7f, p.top_k = 5, p.top_p = 0.9f, p.min_p = 0.05f, p.n_logprobs = 2;
+    p.repetition_penalty = 1.3f, p.presence_penalty = 0.5f, p.frequency_penalty = 0.25f;
+    p.seed = 99, p.has_seed = true;
+    pd_sampler *s = pd_sampler_new(&p, V);
+    int32_t prompt[] = {3, 4, 4, 1};
+    pd_sampler_add_prompt(s, prompt, 4);
+    pd_sampler_accept(s, 3);
+    pd_sampler_accept(s, 3);
+    pd_sampler_accept(s, 5);
+    PD_CHECK_EQ(pd_sampler_n_pens(s), 4);  // seen {3, 4, 1, 5}, one entry each
+    pd_sample_pen pens[8];
+    pd_sample_row row;
+    pd_sampler_export_row(s, 7, &row, pens);
+    PD_CHECK_EQ(row.n_pens, 4);
+    PD_CHECK_EQ(row.pen_begin, 7);
+    PD_CHECK(row.temperature == 0.7f && row.top_k == 5 && row.top_p == 0.9f && row.min_p == 0.05f);
+    PD_CHECK(row.repetition_penalty == 1.3f && row.presence_penalty == 0.5f && row.frequency_penalty == 0.25f);
+    PD_CHECK_EQ(row.seed, 99);
+    PD_CHECK_EQ(row.draw_idx, 0);
+    PD_CHECK_EQ(row.n_logprobs, 2);
+    int want_count[V] = {[3] = 2, [5] = 1};
+    int32_t seen[] = {3, 4, 1, 5};
+    for (int i = 0; i < 4; i++) {
+        const pd_sample_pen *e = find_pen(pens, 4, seen[i]);
+        PD_CHECK_MSG(e && e->is_seen && e->count == want_count[seen[i]], "entry for token %d", seen[i]);
+    }
+    // The device result comes back as a pd_sample_result and consumes the draw.
+    pd_sample_out o = {.token = 6, .logprob = -1.5f, .n_top = 2, .top_ids = {3, 6}, .top_logprobs = {-0.9f, -1.5f}};
+    pd_sample_result r;
+    PD_CHECK_EQ(pd_sampler_import_result(s, &o, &r), 6);
+    PD_CHECK_EQ(r.token, 6);
+    PD_CHECK(r.logprob == -1.5f && r.n_top == 2 && r.top_ids[1] == 6 && r.top_logprobs[0] == -0.9f);
+    PD_CHECK_EQ(pd_sampler_n_draws(s), 1);
+    pd_sampler_accept(s, 6);
+    pd_sampler_export_row(s, 0, &row, pens);
+    PD_CHECK_EQ(row.draw_idx, 1);
+    PD_CHECK_EQ(row.n_pens, 5);
+    pd_sampler_free(s);
+
+    // Presence / frequency only: the generated tokens, not the prompt, and not marked seen.
+    p = pd_sampling_params_default();
+    p.temperature = 0, p.frequency_penalty = 1.0f;
+    s = pd_sampler_new(&p, V);
+    pd_sampler_add_prompt(s, prompt, 4);
+    pd_sampler_accept(s, 2);
+    pd_sampler_accept(s, 7);
+    pd_sampler_accept(s, 2);
+    PD_CHECK_EQ(pd_sampler_n_pens(s), 2);
+    pd_sampler_export_row(s, 0, &row, pens);
+    const pd_sample_pen *e2 = find_pen(pens, 2, 2), *e7 = find_pen(pens, 2, 7);
+    PD_CHECK(e2 && e2->count == 2 && !e2->is_seen && e7 && e7->count == 1);
+    PD_CHECK(row.temperature == 0.0f);
+    o = (pd_sample_out){.token = 2};
+    pd_sampler_import_result(s, &o, NULL);
+    PD_CHECK_EQ(pd_sampler_n_draws(s), 0);  // greedy draws nothing
+    pd_sampler_free(s);
+
+    // No penalty: no entries.
+    p = pd_sampling_params_default();
+    s = pd_sampler_new(&p, V);
+    pd_sampler_add_prompt(s, prompt, 4);
+    pd_sampler_accept(s, 2);
+    PD_CHECK_EQ(pd_sampler_n_pens(s), 0);
+    pd_sampler_free(s);
 }

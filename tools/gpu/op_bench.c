@@ -2,7 +2,9 @@
 // the public backend API only: decode GEMMs (skinny kernel vs cuBLASLt), prefill GEMMs, the
 // 8192^3 GEMM peak, paged attention (prefill and decode) and a 1 GiB device copy. Host clock
 // around N back-to-back launches followed by a sync; weights rotate over several copies so
-// that L2 does not serve them. Build: tools/gpu/build.sh; run on the GPU machine.
+// that L2 does not serve them (back-to-back launches overlap through PDL where the kernel uses
+// it, as they do inside a decode step). Build: tools/gpu/build.sh; run on the GPU machine.
+// Usage: op_bench [copy] [peak] [gemm] [prefill] [attn]  (no argument: all sections).
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -11,6 +13,15 @@
 #include "backend/backend.h"
 
 static pd_backend *g_b;
+static int g_argc;
+static char **g_argv;
+
+static int want(const char *section) {
+    if (g_argc < 2) return 1;
+    for (int i = 1; i < g_argc; i++)
+        if (!strcmp(g_argv[i], section)) return 1;
+    return 0;
+}
 
 static void *alloc(size_t n) {
     pd_buffer *b = pd_buffer_alloc(g_b, n);
@@ -79,19 +90,22 @@ static void attn_setup(at_arg *a, int n_seqs, int q_len, int kv_len, int H, int 
 
 int main(int argc, char **argv) {
     pd_err err = {0};
+    g_argc = argc, g_argv = argv;
+    setenv("PD_CUDA_GEMV_MAX_M", "0", 1);  // g_b: cuBLASLt for every M
     g_b = pd_backend_new("cuda", 0, &err);
-    setenv("PD_CUDA_GEMV_MAX_M", "16", 1);
+    setenv("PD_CUDA_GEMV_MAX_M", "16", 1);  // lt: the skinny kernel for M <= 16
     pd_backend *lt = pd_backend_new("cuda", 0, &err);
     if (!g_b || !lt) { fprintf(stderr, "no cuda: %s\n", err.msg); return 1; }
-    // copy bandwidth
-    cp_arg cp = {.bytes = (size_t)1 << 30};
-    cp.base = alloc(4 * cp.bytes);
-    pd_op_fill_normal(g_b, cp.base, PD_DTYPE_F32, cp.bytes, 1, 0.0f, 1.0f);
-    double us = time_us(g_b, cp_op, &cp, 10);
-    double copy_gbs = 2.0 * 2.0 * cp.bytes / (us * 1e3);  // 2 copies x (read + write)
-    printf("copy 1GiB x2 (kernel)      %9.1f us  %7.0f GB/s (read+write)\n", us, copy_gbs);
-    // GEMM peak
-    {
+    double us;
+    if (want("copy")) {
+        cp_arg cp = {.bytes = (size_t)1 << 30};
+        cp.base = alloc(4 * cp.bytes);
+        pd_op_fill_normal(g_b, cp.base, PD_DTYPE_F32, cp.bytes, 1, 0.0f, 1.0f);
+        us = time_us(g_b, cp_op, &cp, 10);
+        double copy_gbs = 2.0 * 2.0 * cp.bytes / (us * 1e3);  // 2 copies x (read + write)
+        printf("copy 1GiB x2 (kernel)      %9.1f us  %7.0f GB/s (read+write)\n", us, copy_gbs);
+    }
+    if (want("peak")) {
         mm_arg m = {.M = 8192, .N = 8192, .K = 8192};
         m.a = rnd((size_t)8192 * 8192);
         for (int i = 0; i < NW; i++) m.w[i] = i ? m.w[0] : rnd((size_t)8192 * 8192);
@@ -102,14 +116,14 @@ int main(int argc, char **argv) {
     int shapes[][2] = {{6144, 4096}, {4096, 4096}, {28672, 4096}, {4096, 14336}, {128256, 4096}};
     const char *names[] = {"qkv", "o", "gate_up", "down", "lm_head"};
     int Ms[] = {1, 4, 8, 16, 32, 64, 128, 256};
-    for (size_t s = 0; s < 5; s++) {
+    for (size_t s = 0; s < 5 && (want("gemm") || want("prefill")); s++) {
         int N = shapes[s][0], K = shapes[s][1];
         mm_arg m = {.N = N, .K = K};
         m.a = rnd((size_t)8192 * K);
         int nw = (size_t)N * K * 2 > (64u << 20) ? 2 : NW;
         for (int i = 0; i < NW; i++) m.w[i] = i < nw ? rnd((size_t)N * K) : m.w[i % nw];
         m.out = alloc((size_t)8192 * N * 4);
-        for (size_t mi = 0; mi < sizeof Ms / sizeof Ms[0]; mi++) {
+        for (size_t mi = 0; mi < sizeof Ms / sizeof Ms[0] && want("gemm"); mi++) {
             m.M = Ms[mi];
             double bytes = (double)N * K * 2;
             double t_g = Ms[mi] <= 16 ? time_us(lt, mm_op, &m, 50) : NAN;
@@ -117,6 +131,7 @@ int main(int argc, char **argv) {
             printf("%-8s M=%-4d N=%-6d K=%-5d  gemv %8.1f us (%5.0f GB/s)  cublasLt %8.1f us (%5.0f GB/s)\n", names[s],
                    m.M, N, K, t_g, bytes / (t_g * 1e3), t_l, bytes / (t_l * 1e3));
         }
+        if (!want("prefill")) continue;
         m.M = 8192;
         double t = time_us(g_b, mm_op, &m, 10);
         printf("%-8s M=8192 prefill            cublasLt %8.1f us  %6.1f TFLOP/s\n", names[s], t,
@@ -125,7 +140,7 @@ int main(int argc, char **argv) {
     // attention: Llama-3-8B heads
     int H = 32, Hkv = 8, hd = 128;
     int pre[] = {512, 2048, 8192};
-    for (int i = 0; i < 3; i++) {
+    for (int i = 0; i < 3 && want("prefill"); i++) {
         at_arg a;
         attn_setup(&a, 1, pre[i], pre[i], H, Hkv, hd, 16);
         us = time_us(g_b, at_op, &a, pre[i] == 8192 ? 5 : 20);
@@ -133,7 +148,7 @@ int main(int argc, char **argv) {
         printf("attn prefill L=%-5d         %9.1f us  %6.1f TFLOP/s (causal flops)\n", pre[i], us, fl / (us * 1e6));
     }
     int dec[][2] = {{1, 128}, {1, 4096}, {64, 128}, {64, 4096}, {256, 1024}, {8, 32768}};
-    for (int i = 0; i < 6; i++) {
+    for (int i = 0; i < 6 && want("attn"); i++) {
         at_arg a;
         attn_setup(&a, dec[i][0], 1, dec[i][1], H, Hkv, hd, 16);
         us = time_us(g_b, at_op, &a, 50);
@@ -141,6 +156,5 @@ int main(int argc, char **argv) {
         printf("attn decode B=%-4d ctx=%-6d   %9.1f us  %6.0f GB/s (KV bytes)\n", dec[i][0], dec[i][1], us,
                bytes / (us * 1e3));
     }
-    (void)argc; (void)argv;
     return 0;
 }

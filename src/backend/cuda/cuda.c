@@ -19,9 +19,12 @@
 //   * Graphs: graph_begin/graph_end capture the stream (thread-local mode) into an instantiated
 //     CUDA graph that remembers the scratch generation; when a scratch buffer moves later, launch
 //     refuses the stale graph and the caller captures again.
+//   * Device messaging between processes (pd_comm_*, the nccl KV transport) is NCCL loaded at run
+//     time, in nccl.c.
 //   * Errors from the CUDA runtime are invariant violations: PD_CUDA_CHECK logs file:line and
 //     aborts. The one expected failure, out of memory in dev_alloc, returns NULL.
 #include "backend/cuda/cuda_impl.h"
+#include "backend/cuda/nccl.h"
 #include "kernels/attention.cuh"
 #include "kernels/copy_blocks.cuh"
 #include "kernels/embed.cuh"
@@ -41,7 +44,9 @@ static void cuda_free(pd_backend *b) {
     pd_cuda_bind(cb);
     if (cb->stream) cudaStreamSynchronize(cb->stream);
     pd_cuda_gemm_fini(cb);
+    pd_cuda_sample_fini(cb);
     if (cb->attn_ws) cudaFree(cb->attn_ws);
+    if (cb->gemv_ws) cudaFree(cb->gemv_ws);
     if (cb->cb_dev) cudaFree(cb->cb_dev);
     if (cb->kv_dev) cudaFree(cb->kv_dev);
     if (cb->stream) cudaStreamDestroy(cb->stream);
@@ -483,6 +488,13 @@ static const pd_backend_iface cuda_iface = {
     .graph_launch = cuda_graph_launch,
     .graph_free = cuda_graph_free,
     .fill_normal = cuda_fill_normal,
+    .comm_id_new = pd_cuda_comm_id_new,
+    .comm_new = pd_cuda_comm_new,
+    .comm_free = pd_cuda_comm_free,
+    .comm_post = pd_cuda_comm_post,
+    .comm_kv_copy = pd_cuda_comm_kv_copy,
+    .comm_wait = pd_cuda_comm_wait,
+    .sample = pd_cuda_sample_op,
 };
 
 bool pd_backend_cuda_available(void) {

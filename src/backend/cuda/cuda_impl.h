@@ -22,6 +22,7 @@
 #define PD_CUDA_CHECK_LAUNCH() PD_CUDA_CHECK(cudaGetLastError())
 
 typedef struct pd_cuda_gemm_plan pd_cuda_gemm_plan;
+typedef struct pd_cuda_sampler pd_cuda_sampler;  // sample.c: pd_op_sample's staging buffers
 
 typedef struct pd_cuda_backend {
     pd_backend base;
@@ -34,6 +35,8 @@ typedef struct pd_cuda_backend {
     pd_cuda_gemm_plan *plans;  // cached heuristics, one per (M, N, K, lda, flags)
     int n_plans, cap_plans;
     int gemv_max_m;            // M <= this uses the skinny GEMM kernel (0 disables)
+    void *gemv_ws;             // its split-K partials + tile counters; zero between launches
+    size_t gemv_ws_bytes;
     // attention split-K partials; grows outside graph capture only
     float *attn_ws;
     size_t attn_ws_bytes;
@@ -45,6 +48,7 @@ typedef struct pd_cuda_backend {
     size_t kv_dev_bytes;
     // bumped whenever a scratch buffer moves: graphs captured before then are stale
     uint64_t scratch_gen;
+    pd_cuda_sampler *sampler;  // NULL until the first pd_op_sample
 } pd_cuda_backend;
 
 static inline pd_cuda_backend *pd_cuda_backend_of(pd_backend *b) { return (pd_cuda_backend *)b; }
@@ -58,3 +62,7 @@ void pd_cuda_gemm_fini(pd_cuda_backend *cb);
 void pd_cuda_gemm_matmul(pd_backend *b, const pd_matmul_params *p);
 // Grows a device scratch buffer (synchronising first). Aborts if the stream is being captured.
 void pd_cuda_scratch_reserve(pd_cuda_backend *cb, void **ptr, size_t *cur_bytes, size_t need_bytes);
+
+// sample.c
+void pd_cuda_sample_op(pd_backend *b, const pd_sample_params *p);
+void pd_cuda_sample_fini(pd_cuda_backend *cb);

@@ -1,20 +1,22 @@
 // gemm.c — pd_op_matmul on CUDA: out (M, N) = a (M, K) . w(N, K)^T [+ bias] [+ out].
 //
 // Two paths, picked per shape:
-//   * M <= gemv_max_m (decode): the skinny tensor-core kernel in kernels/gemv.cu, which streams
-//     the weight once (off by default: cuBLASLt measured faster on an H200, see pd_cuda_gemm_init);
+//   * M <= gemv_max_m (decode; off by default, see pd_cuda_gemm_init): the skinny tensor-core
+//     kernel in kernels/gemv.cu, which streams the weight once over a stream-K split and is
+//     launched with PDL (its weight loads start during the previous kernel); its split-K scratch
+//     (cb->gemv_ws) is zeroed when allocated and left zero by every launch;
 //   * otherwise cuBLASLt: bf16 A/B, fp32 compute, bf16 or f32 D, the bias epilogue when bias !=
 //     NULL and beta = 1 for accumulate. Row-major out = a.w^T is column-major out^T = w^T.a^T,
 //     so cuBLASLt sees A = w (K x N, ld K, transposed), B = a (K x M, ld lda), D = out (N x M, ld N).
 // The descriptors and the heuristic's algorithm are cached per (M, N, K, lda, flags): building
 // them costs tens of microseconds, a lookup is a short linear scan (a model has ~10 shapes).
-// With PD_CUDA_GEMM_TUNE=1, decode shapes (M <= 64) are tuned once when their plan is built: up
+// Decode shapes with 32 <= M <= 64 (batched decode) are tuned once when their plan is built: up
 // to 8 of the heuristic's candidates are timed with cudaEvents on the call's own operands (output
 // to a scratch buffer, L2 flushed before each rep, so a weight that fits in L2 is not timed hot)
 // and the fastest is kept; a few milliseconds per shape on its first call, never during graph
-// capture (the eager warm-up step builds every plan first). Off by default: on an H200 the
-// heuristic's first choice was within 2% of the best candidate on every Llama-3-8B decode shape
-// (tools/gpu/NOTES.md), so it did not pay for its first-call latency.
+// capture (the eager warm-up step builds every plan first). On an H200 this took Llama-3-8B
+// batch-64 decode from 6.34 to 6.23 ms; for M < 32 the heuristic's first choice was as good
+// (tools/gpu/NOTES.md). PD_CUDA_GEMM_TUNE=1 tunes every M <= 64, =0 none.
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -24,6 +26,7 @@
 #include "kernels/gemv.cuh"
 
 #define PD_CUDA_LT_WS_BYTES (32u << 20)
+#define PD_GEMM_TUNE_MIN_M 32  // default tuning range: PD_GEMM_TUNE_MIN_M <= M <= PD_GEMM_TUNE_MAX_M
 #define PD_GEMM_TUNE_MAX_M 64
 #define PD_GEMM_TUNE_ALGOS 8
 #define PD_GEMM_TUNE_REPS 6
@@ -42,9 +45,10 @@ void pd_cuda_gemm_init(pd_cuda_backend *cb) {
     PD_CUBLAS_CHECK(cublasLtCreate(&cb->lt));
     cb->lt_ws_bytes = PD_CUDA_LT_WS_BYTES;
     PD_CUDA_CHECK(cudaMalloc(&cb->lt_ws, cb->lt_ws_bytes));
-    // Measured on an H200 (tools/gpu/op_bench): cuBLASLt reached 2.4-4.2 TB/s on the Llama-3-8B
-    // decode shapes at M = 1..16, the skinny kernel 2.0-4.0 TB/s, so cuBLASLt is the default and
-    // the kernel stays selectable (PD_CUDA_GEMV_MAX_M=16) for cards or shapes where it wins.
+    // Measured on an H200 (tools/gpu/NOTES.md, "decode speed"): the stream-K skinny kernel with PDL
+    // and bulk copies reached 2.2-3.6 TB/s on the Llama-3-8B decode shapes (lm_head 4.2), cuBLASLt
+    // 2.4-4.1, and 8B single-stream decode took 5.11 ms with it against 4.49 ms with cuBLASLt. So
+    // cuBLASLt is the default; PD_CUDA_GEMV_MAX_M=16 selects the kernel (measurements, other cards).
     cb->gemv_max_m = 0;
     const char *e = getenv("PD_CUDA_GEMV_MAX_M");  // tuning knob for measurements
     if (e && *e) cb->gemv_max_m = atoi(e);
@@ -63,8 +67,9 @@ void pd_cuda_gemm_fini(pd_cuda_backend *cb) {
     if (cb->lt) cublasLtDestroy(cb->lt);
 }
 
-static bool tune_enabled(void) {
+static bool tune_enabled(int M) {
     const char *e = getenv("PD_CUDA_GEMM_TUNE");
+    if (!e || !*e) return M >= PD_GEMM_TUNE_MIN_M;
     return e && !strcmp(e, "1");
 }
 
@@ -151,7 +156,7 @@ static pd_cuda_gemm_plan *gemm_plan_build(pd_cuda_backend *cb, const pd_matmul_p
     int n_res = 0;
     enum cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
     PD_CUDA_CHECK(cudaStreamIsCapturing(cb->stream, &cs));
-    bool tune = M <= PD_GEMM_TUNE_MAX_M && cs == cudaStreamCaptureStatusNone && tune_enabled();
+    bool tune = M <= PD_GEMM_TUNE_MAX_M && cs == cudaStreamCaptureStatusNone && tune_enabled(M);
     cublasStatus_t st = cublasLtMatmulAlgoGetHeuristic(cb->lt, pl->desc, pl->la, pl->lb, pl->lc, pl->lc, pref,
                                                        tune ? PD_GEMM_TUNE_ALGOS : 1, res, &n_res);
     cublasLtMatmulPreferenceDestroy(pref);
@@ -180,8 +185,12 @@ void pd_cuda_gemm_matmul(pd_backend *b, const pd_matmul_params *p) {
     PD_ASSERT(p->M >= 0 && p->N > 0 && p->K > 0 && lda >= p->K);
     if (p->M == 0) return;
     if (p->M <= cb->gemv_max_m && pd_cuda_gemv_supported(p->M, p->K, lda)) {
+        void *old = cb->gemv_ws;
+        pd_cuda_scratch_reserve(cb, &cb->gemv_ws, &cb->gemv_ws_bytes, pd_cuda_gemv_workspace_bytes(p->N));
+        if (cb->gemv_ws != old) PD_CUDA_CHECK(cudaMemsetAsync(cb->gemv_ws, 0, cb->gemv_ws_bytes, cb->stream));
         pd_gemv_kparams k = {.a = p->a, .w = p->w, .bias = p->bias, .out = p->out, .M = p->M, .N = p->N,
-                             .K = p->K, .lda = lda, .accumulate = p->accumulate, .out_f32 = p->out_f32};
+                             .K = p->K, .lda = lda, .accumulate = p->accumulate, .out_f32 = p->out_f32,
+                             .workspace = cb->gemv_ws};
         pd_cuda_gemv(&k, cb->stream);
         PD_CUDA_CHECK_LAUNCH();
         return;

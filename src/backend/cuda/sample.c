@@ -1,0 +1,118 @@
+// sample.c — the CUDA shim of pd_op_sample (kernel: src/kernels/sample.cu).
+//
+// Per call: the rows' parameters (normalised here: 1/temperature, logf(min_p), top_k clamped to
+// "off") and the penalty entries are packed into a pinned staging buffer and sent in one
+// host-to-device copy; one kernel launch samples every row; one device-to-host copy brings back
+// the n_rows results, and the stream is synchronised. The staging buffers (pinned host, device)
+// belong to the backend and only grow; they are never used inside a captured graph, so growing
+// them does not bump the backend's scratch generation.
+#include <math.h>
+#include <string.h>
+
+#include "backend/cuda/cuda_impl.h"
+#include "kernels/sample.cuh"
+
+_Static_assert(PD_SAMPLE_KMAX_TOP == PD_SAMPLE_MAX_TOP, "kernel and backend top-N bounds differ");
+_Static_assert(sizeof(pd_sample_kout) == sizeof(pd_sample_out), "pd_sample_kout and pd_sample_out differ");
+
+struct pd_cuda_sampler {
+    void *host;  // pinned: [krows | kpens] to send, [kouts] received
+    size_t host_bytes;
+    void *dev;   // [krows | kpens | pen_raw | kouts]
+    size_t dev_bytes;
+};
+
+static size_t align16(size_t n) { return (n + 15) & ~(size_t)15; }
+
+void pd_cuda_sample_fini(pd_cuda_backend *cb) {
+    pd_cuda_sampler *s = cb->sampler;
+    if (!s) return;
+    if (s->host) cudaFreeHost(s->host);
+    if (s->dev) cudaFree(s->dev);
+    pd_free(s);
+    cb->sampler = NULL;
+}
+
+// Grows the staging buffers to at least host_need / dev_need bytes (the stream is idle between
+// calls: every call ends with a synchronisation).
+static pd_cuda_sampler *sampler_reserve(pd_cuda_backend *cb, size_t host_need, size_t dev_need) {
+    if (!cb->sampler) {
+        cb->sampler = pd_calloc(1, sizeof(pd_cuda_sampler));
+        PD_ASSERT(cb->sampler);
+    }
+    pd_cuda_sampler *s = cb->sampler;
+    if (host_need > s->host_bytes) {
+        if (s->host) PD_CUDA_CHECK(cudaFreeHost(s->host));
+        s->host = NULL;
+        size_t n = host_need + host_need / 2;
+        PD_CUDA_CHECK(cudaHostAlloc(&s->host, n, cudaHostAllocDefault));
+        s->host_bytes = n;
+    }
+    if (dev_need > s->dev_bytes) {
+        if (s->dev) PD_CUDA_CHECK(cudaFree(s->dev));
+        s->dev = NULL;
+        size_t n = dev_need + dev_need / 2;
+        PD_CUDA_CHECK(cudaMalloc(&s->dev, n));
+        s->dev_bytes = n;
+    }
+    return s;
+}
+
+static pd_sample_krow krow_of(const pd_sample_row *r, int vocab, int n_pens) {
+    PD_ASSERT(r->temperature >= 0 && r->n_logprobs >= -1 && r->n_logprobs <= PD_SAMPLE_MAX_TOP);
+    PD_ASSERT(r->n_pens >= 0 && r->pen_begin >= 0 && r->pen_begin + r->n_pens <= n_pens);
+    pd_sample_krow k = {0};
+    k.is_greedy = r->temperature == 0.0f;
+    k.inv_temp = k.is_greedy ? 1.0f : 1.0f / r->temperature;  // the CPU sampler's float, bit for bit
+    k.top_k = r->top_k > 0 && r->top_k < vocab ? r->top_k : 0;
+    k.top_p = r->top_p;
+    k.log_min_p = r->min_p > 0 ? logf(r->min_p) : -INFINITY;
+    k.presence = r->presence_penalty;
+    k.frequency = r->frequency_penalty;
+    k.repetition = r->repetition_penalty;
+    k.n_logprobs = r->n_logprobs;
+    k.pen_begin = r->pen_begin;
+    k.n_pens = r->n_pens;
+    k.seed = r->seed;
+    k.draw_idx = r->draw_idx;
+    return k;
+}
+
+void pd_cuda_sample_op(pd_backend *b, const pd_sample_params *p) {
+    pd_cuda_backend *cb = pd_cuda_backend_of(b);
+    pd_cuda_bind(cb);
+    PD_ASSERT(p->logits && p->rows && p->out && p->n_rows > 0 && p->vocab > 0 && p->vocab <= PD_SAMPLE_KMAX_VOCAB);
+    PD_ASSERT(p->n_pens >= 0 && (p->n_pens == 0 || p->pens));
+    size_t rows_b = align16(sizeof(pd_sample_krow) * (size_t)p->n_rows);
+    size_t pens_b = align16(sizeof(pd_sample_kpen) * (size_t)p->n_pens);
+    size_t raw_b = align16(sizeof(float) * (size_t)p->n_pens);
+    size_t outs_b = align16(sizeof(pd_sample_kout) * (size_t)p->n_rows);
+    pd_cuda_sampler *s = sampler_reserve(cb, rows_b + pens_b + outs_b, rows_b + pens_b + raw_b + outs_b);
+    char *h = s->host, *d = s->dev;
+    pd_sample_krow *hrows = (pd_sample_krow *)h;
+    pd_sample_kpen *hpens = (pd_sample_kpen *)(h + rows_b);
+    pd_sample_kout *houts = (pd_sample_kout *)(h + rows_b + pens_b);
+    for (int r = 0; r < p->n_rows; r++) hrows[r] = krow_of(&p->rows[r], p->vocab, p->n_pens);
+    for (int i = 0; i < p->n_pens; i++) {
+        PD_ASSERT(p->pens[i].token >= 0 && p->pens[i].token < p->vocab);
+        hpens[i] = (pd_sample_kpen){.token = p->pens[i].token, .count = p->pens[i].count, .is_seen = p->pens[i].is_seen};
+    }
+    PD_CUDA_CHECK(cudaMemcpyAsync(d, h, rows_b + pens_b, cudaMemcpyHostToDevice, cb->stream));
+    pd_sample_kparams k = {.logits = p->logits, .rows = (const pd_sample_krow *)d,
+                           .pens = (const pd_sample_kpen *)(d + rows_b), .pen_raw = (float *)(d + rows_b + pens_b),
+                           .out = (pd_sample_kout *)(d + rows_b + pens_b + raw_b), .n_rows = p->n_rows,
+                           .vocab = p->vocab};
+    pd_cuda_sample(&k, cb->stream);
+    PD_CUDA_CHECK_LAUNCH();
+    PD_CUDA_CHECK(cudaMemcpyAsync(houts, k.out, sizeof(pd_sample_kout) * (size_t)p->n_rows, cudaMemcpyDeviceToHost,
+                                  cb->stream));
+    PD_CUDA_CHECK(cudaStreamSynchronize(cb->stream));
+    for (int r = 0; r < p->n_rows; r++) {
+        pd_sample_out *o = &p->out[r];
+        o->token = houts[r].token;
+        o->logprob = houts[r].logprob;
+        o->n_top = houts[r].n_top;
+        memcpy(o->top_ids, houts[r].top_ids, sizeof o->top_ids);
+        memcpy(o->top_logprobs, houts[r].top_logprobs, sizeof o->top_logprobs);
+    }
+}

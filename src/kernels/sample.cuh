@@ -1,0 +1,55 @@
+// sample.cuh — launcher and parameters of the sampling kernel (logits → token ids on the device;
+// see sample.cu). C-compatible: the CUDA backend shim (src/backend/cuda/sample.c) includes it.
+// Pointers are device pointers; everything a row needs is in its pd_sample_krow, already
+// normalised by the shim (1/temperature and logf(min_p) computed on the host, so both samplers
+// use the same float values).
+#pragma once
+#include <cuda_runtime_api.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define PD_SAMPLE_KMAX_TOP 20
+#define PD_SAMPLE_KMAX_VOCAB (1 << 30)
+
+typedef struct pd_sample_krow {
+    float inv_temp;       // 1 / temperature; unused when is_greedy
+    float top_p;          // >= 1: off
+    float log_min_p;      // logf(min_p); -INFINITY: off
+    float presence, frequency, repetition;
+    int32_t is_greedy;    // temperature == 0: argmax of the penalised logits
+    int32_t top_k;        // 0: off (else 0 < top_k < vocab)
+    int32_t n_logprobs;   // -1: none; 0..PD_SAMPLE_KMAX_TOP
+    int32_t pen_begin, n_pens;
+    int32_t pad_;
+    uint64_t seed, draw_idx;
+} pd_sample_krow;
+
+typedef struct pd_sample_kpen {
+    int32_t token, count, is_seen;
+} pd_sample_kpen;
+
+typedef struct pd_sample_kout {
+    int32_t token;
+    float logprob;
+    int32_t n_top;
+    int32_t top_ids[PD_SAMPLE_KMAX_TOP];
+    float top_logprobs[PD_SAMPLE_KMAX_TOP];
+} pd_sample_kout;
+
+typedef struct pd_sample_kparams {
+    float *logits;                 // (n_rows, vocab) f32: penalties applied in place, then restored
+    const pd_sample_krow *rows;    // (n_rows)
+    const pd_sample_kpen *pens;    // (n_pens total), row r's at [pen_begin, pen_begin + n_pens)
+    float *pen_raw;                // (n_pens total) scratch: the logits the penalties overwrote
+    pd_sample_kout *out;           // (n_rows)
+    int n_rows, vocab;
+} pd_sample_kparams;
+// One CTA per row; no host synchronisation (graph-capturable).
+void pd_cuda_sample(const pd_sample_kparams *p, cudaStream_t s);
+
+#ifdef __cplusplus
+}
+#endif
