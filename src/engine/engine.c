@@ -154,6 +154,21 @@ pd_engine *pd_engine_new(const pd_engine_params *p, pd_err *err) {
     sp.policy = p->policy == PD_POLICY_SRPT ? PD_SCHED_SRPT : PD_SCHED_FCFS;
     e->sched = pd_sched_new(&sp, e->kv, err);
     if (!e->sched) goto fail;
+    // Size the workspace for the largest step and capture the decode graphs now: lazily, the first
+    // step of each (batch, context) bucket paid a capture (~40 ms on an 8B model) and every
+    // workspace growth made all graphs stale, stalling every running stream mid-serving.
+    int max_step = sp.enable_chunked_prefill ? sp.max_num_batched_tokens : PD_MAX(sp.max_num_batched_tokens, e->max_model_len);
+    int n_graphs = 0;
+    int64_t t_warm = pd_time_us();
+    pd_status wst = pd_model_warmup(e->model, e->cache, max_step, p->role == PD_ROLE_PREFILL ? 0 : sp.max_num_seqs,
+                                    e->max_model_len, &n_graphs);
+    if (wst) {
+        pd_err_set(err, wst, "warm-up for steps of %d tokens failed (%s): lower --max-num-batched-tokens or the KV cache size",
+                   max_step, pd_status_str(wst));
+        goto fail;
+    }
+    if (n_graphs > 0)
+        PD_LOG_I("engine: captured %d decode graphs in %.1f s", n_graphs, (double)(pd_time_us() - t_warm) / 1e6);
     if (pd_disagg_init(e, err)) goto fail;
     PD_LOG_I("engine: %s on %s, %d KV blocks of %d tokens (%.1f MiB), max_model_len %d", e->model_name,
              pd_backend_name(e->backend), n_blocks, e->params.block_size,

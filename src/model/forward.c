@@ -15,6 +15,9 @@
 // backend's scratch), the second is captured and launched, later ones only refresh the metadata
 // and launch. Graphs go stale when the workspace moves (ws.gen), the backend's scratch moves
 // (launch refuses) or another cache is used (kc_base): they are then captured again.
+// pd_model_warmup (the engine calls it at start) sizes the workspace for the largest step and
+// captures every bucket up to the serving bounds, all rows padding, so no serving step pays a
+// capture and nothing within those bounds makes the graphs stale.
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -291,25 +294,15 @@ static bool pad_batch(pd_model *m, const pd_batch *b, int B, int bs, pd_batch *p
     return true;
 }
 
-// A decode step through the bucket's graph. *handled false: not a graph step (run it eagerly).
-static pd_status forward_graph(pd_model *m, pd_model_cache *kc, const pd_batch *b, bool *handled) {
-    *handled = false;
-    int n = b->n_seqs, B = 0, max_kv = 0;
-    if (b->n_tokens != n || b->n_logits <= 0) return PD_OK;
-    for (size_t i = 0; i < PD_ARRAY_LEN(GRAPH_BUCKETS) && !B; i++)
-        if (GRAPH_BUCKETS[i] >= n) B = GRAPH_BUCKETS[i];
-    if (!B || b->bt_indptr[0] != 0) return PD_OK;
-    int bs = kc->block_size;
-    for (int s = 0; s <= n; s++)
-        if (b->q_indptr[s] != s) return PD_OK;  // some sequence has more than one query token
-    for (int s = 0; s < n; s++) {
-        int nb = b->bt_indptr[s + 1] - b->bt_indptr[s];
-        if (b->kv_lens[s] < 1 || nb < 0 || (int64_t)nb * bs < b->kv_lens[s]) return PD_OK;  // eager path reports it
-        max_kv = PD_MAX(max_kv, b->kv_lens[s]);
-    }
-    int kv_cap = kv_bucket(max_kv), bt_cap = B * ((kv_cap + bs - 1) / bs);
+// One padded decode step of the real sequences in b (possibly none: a warm-up) through the (B,
+// kv_cap) bucket's graph: launched when captured; otherwise run eagerly the first time (it sizes
+// cuBLASLt plans and scratch, which must not grow during capture) and captured the second time.
+// *handled false: no room for the bucket (the caller runs the step eagerly).
+static pd_status graph_step(pd_model *m, pd_model_cache *kc, const pd_batch *b, int B, int kv_cap, bool *handled) {
+    int n = b->n_seqs, bs = kc->block_size, bt_cap = B * ((kv_cap + bs - 1) / bs);
     meta_layout l = layout_fixed(B, bt_cap);
     pd_batch pb;
+    *handled = false;
     if (!pad_batch(m, b, B, bs, &pb)) return PD_ERR_NOMEM;
     pd_status st = ws_reserve(m, B, B, l.total);
     if (st) return st;
@@ -346,6 +339,59 @@ static pd_status forward_graph(pd_model *m, pd_model_cache *kc, const pd_batch *
     ge->g = NULL;
     ge->is_eager_only = true;
     run_step(m, kc, dmeta, &l, B, B, B, 1, kv_cap);
+    return PD_OK;
+}
+
+static int graph_bucket(int n) {
+    for (size_t i = 0; i < PD_ARRAY_LEN(GRAPH_BUCKETS); i++)
+        if (GRAPH_BUCKETS[i] >= n) return GRAPH_BUCKETS[i];
+    return 0;
+}
+
+// A decode step through the bucket's graph. *handled false: not a graph step (run it eagerly).
+static pd_status forward_graph(pd_model *m, pd_model_cache *kc, const pd_batch *b, bool *handled) {
+    *handled = false;
+    int n = b->n_seqs, B = graph_bucket(n), max_kv = 0;
+    if (b->n_tokens != n || b->n_logits <= 0) return PD_OK;
+    if (!B || b->bt_indptr[0] != 0) return PD_OK;
+    int bs = kc->block_size;
+    for (int s = 0; s <= n; s++)
+        if (b->q_indptr[s] != s) return PD_OK;  // some sequence has more than one query token
+    for (int s = 0; s < n; s++) {
+        int nb = b->bt_indptr[s + 1] - b->bt_indptr[s];
+        if (b->kv_lens[s] < 1 || nb < 0 || (int64_t)nb * bs < b->kv_lens[s]) return PD_OK;  // eager path reports it
+        max_kv = PD_MAX(max_kv, b->kv_lens[s]);
+    }
+    return graph_step(m, kc, b, B, kv_bucket(max_kv), handled);
+}
+
+pd_status pd_model_warmup(pd_model *m, pd_model_cache *kc, int max_tokens, int max_seqs, int max_len, int *n_graphs) {
+    if (n_graphs) *n_graphs = 0;
+    if (kc->model != m || max_tokens < 1 || max_seqs < 0 || max_len < 1) return PD_ERR_INVALID;
+    int b_max = max_seqs > 0 && graphs_on(m) ? graph_bucket(PD_MIN(max_seqs, GRAPH_BUCKETS[PD_ARRAY_LEN(GRAPH_BUCKETS) - 1])) : 0;
+    // The activations for the largest step first: growing them later would make every graph stale.
+    pd_status st = ws_reserve(m, PD_MAX(max_tokens, b_max), PD_MAX(PD_MAX(max_seqs, b_max), 1), 0);
+    if (st || !b_max) return st;
+    int n_b = 0, n_kv = 0, kvs[32];
+    for (size_t i = 0; i < PD_ARRAY_LEN(GRAPH_BUCKETS) && GRAPH_BUCKETS[i] <= b_max; i++) n_b++;
+    for (int kv = 1; n_kv < (int)PD_ARRAY_LEN(kvs); kv = kvs[n_kv - 1] + 1) {
+        kvs[n_kv++] = kv_bucket(kv);
+        if (kvs[n_kv - 1] >= max_len) break;
+    }
+    n_kv = PD_MIN(n_kv, PD_MODEL_MAX_GRAPHS / n_b);  // the shortest contexts when the table is short
+    // Largest first, so the attention scratch is sized once (growing it would also stale graphs).
+    int32_t zero = 0;
+    pd_batch none = {.q_indptr = &zero, .bt_indptr = &zero};  // no real sequence: all rows padding
+    for (int i = n_b - 1; i >= 0; i--)
+        for (int k = n_kv - 1; k >= 0; k--)
+            for (int rep = 0; rep < 2; rep++) {  // eager warm-up, then capture
+                bool handled;
+                st = graph_step(m, kc, &none, GRAPH_BUCKETS[i], kvs[k], &handled);
+                if (st) return st;
+                if (!handled) break;
+                if (rep == 1 && n_graphs) (*n_graphs)++;
+            }
+    pd_backend_sync(m->backend);
     return PD_OK;
 }
 

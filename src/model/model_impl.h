@@ -28,7 +28,7 @@ typedef struct pd_graph_entry {
     bool is_eager_only;   // capture failed once: this bucket stays eager
     uint64_t last_use;
 } pd_graph_entry;
-#define PD_MODEL_MAX_GRAPHS 64
+#define PD_MODEL_MAX_GRAPHS 256
 
 // Forward workspace, grown on demand. Activations in act dtype.
 typedef struct pd_model_ws {

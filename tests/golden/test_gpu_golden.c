@@ -287,3 +287,95 @@ PD_TEST(gpu_decode_graphs_match_eager) {
     pd_model_free(me);
     pd_backend_free(be);
 }
+
+// pd_model_warmup captures every (batch bucket, context bucket) graph up to its bounds without
+// writing KV, and sizes the workspace so that serving steps within those bounds (a prefill of
+// up to max_tokens, then decode steps) neither capture nor recapture anything; their logits still
+// match an eager model's.
+PD_TEST(gpu_warmup_captures_every_bucket) {
+    SKIP_WITHOUT_GPU();
+    char dir[512];
+    snprintf(dir, sizeof dir, "%s/kjv-llama-6m", pd_test_models_dir());
+    pd_err err = {0};
+    pd_backend *be = pd_backend_new("cuda", 0, &err);
+    PD_REQUIRE(be);
+    pd_model *mg = load_on(be, dir), *me = load_on(be, dir);
+    PD_REQUIRE(mg && me);
+    int V = pd_model_get_config(mg)->vocab_size;
+    enum { NS = 3, BS = 16, CTX0 = 150, STEPS = 8, NBS = (CTX0 + STEPS + BS - 1) / BS };
+    pd_model_cache *kg = pd_model_cache_new(mg, 1 + NS * NBS, BS, &err), *ke = pd_model_cache_new(me, 1 + NS * NBS, BS, &err);
+    PD_REQUIRE(kg && ke);
+    int n_graphs = -1;
+    PD_CHECK_EQ(pd_model_warmup(mg, kg, 512, 8, 512, &n_graphs), PD_OK);
+    PD_CHECK_MSG(n_graphs == 12, "%d graphs captured, want 12 (batch 1/2/4/8 x context 256/384/512)", n_graphs);
+    void *before[PD_MODEL_MAX_GRAPHS];
+    int n0 = mg->ws.n_graphs;
+    uint64_t gen0 = mg->ws.gen;
+    for (int i = 0; i < n0; i++) before[i] = mg->ws.graphs[i].g;
+    size_t nbytes = pd_model_cache_block_bytes(kg) * (size_t)pd_model_cache_n_blocks(kg), nz = 0;
+    uint8_t *kv = pd_malloc(nbytes);
+    PD_REQUIRE(kv);
+    for (int li = 0; li < pd_model_get_config(mg)->n_layers; li++) {
+        pd_backend_download(be, kv, pd_model_cache_k(kg, li), nbytes);
+        for (size_t i = 0; i < nbytes; i++) nz += kv[i] != 0;
+        pd_backend_download(be, kv, pd_model_cache_v(kg, li), nbytes);
+        for (size_t i = 0; i < nbytes; i++) nz += kv[i] != 0;
+    }
+    PD_CHECK_MSG(nz == 0, "warm-up wrote %zu bytes of KV", nz);
+    int32_t bt[NS * NBS], len[NS], tok[NS * CTX0], qi[NS + 1], kvl[NS], bti[NS + 1], rows[NS];
+    for (int i = 0; i < NS * NBS; i++) bt[i] = 1 + i;
+    pd_rng r;
+    pd_rng_seed(&r, 78);
+    int T = 0;
+    qi[0] = bti[0] = 0;
+    for (int s = 0; s < NS; s++) {
+        len[s] = CTX0 - 7 * s;
+        for (int i = 0; i < len[s]; i++) tok[T + i] = 1 + (int32_t)(pd_rng_next(&r) % (uint64_t)(V - 1));
+        T += len[s];
+        qi[s + 1] = T, kvl[s] = len[s], bti[s + 1] = (s + 1) * NBS, rows[s] = T - 1;
+    }
+    float *lg = pd_malloc(sizeof(float) * NS * (size_t)V), *le = pd_malloc(sizeof(float) * NS * (size_t)V);
+    pd_batch b = {.n_tokens = T, .tokens = tok, .n_seqs = NS, .q_indptr = qi, .kv_lens = kvl, .bt_indptr = bti,
+                  .bt_indices = bt, .n_logits = NS, .logit_rows = rows};
+    PD_CHECK_EQ(pd_model_forward(mg, kg, &b, lg), PD_OK);
+    setenv("PD_CUDA_GRAPHS", "0", 1);
+    PD_CHECK_EQ(pd_model_forward(me, ke, &b, le), PD_OK);
+    unsetenv("PD_CUDA_GRAPHS");
+    double worst = 0;
+    for (int step = 0; step < STEPS; step++) {
+        int32_t next[NS];
+        for (int s = 0; s < NS; s++) {
+            next[s] = argmax(le + (size_t)s * V, V);
+            len[s]++;
+            qi[s + 1] = s + 1, kvl[s] = len[s], rows[s] = s;
+        }
+        pd_batch d = {.n_tokens = NS, .tokens = next, .n_seqs = NS, .q_indptr = qi, .kv_lens = kvl, .bt_indptr = bti,
+                      .bt_indices = bt, .n_logits = NS, .logit_rows = rows};
+        PD_CHECK_EQ(pd_model_forward(mg, kg, &d, lg), PD_OK);
+        PD_CHECK_EQ(pd_model_forward(me, ke, &d, le), PD_OK);
+        for (int s = 0; s < NS; s++) {
+            double num = 0, den = 0;
+            for (int i = 0; i < V; i++) {
+                double x = lg[(size_t)s * V + i], y = le[(size_t)s * V + i];
+                num += isfinite(x) ? (x - y) * (x - y) : INFINITY;
+                den += y * y;
+            }
+            worst = PD_MAX(worst, sqrt(num / den));
+        }
+    }
+    PD_CHECK_MSG(worst < 1e-2, "graph vs eager rel L2 %.3g after warm-up", worst);
+    PD_CHECK_EQ(mg->ws.gen, gen0);  // the prefill did not grow (and stale) the workspace
+    PD_CHECK_EQ(mg->ws.n_graphs, n0);
+    int n_same = 0;
+    for (int i = 0; i < n0; i++) n_same += mg->ws.graphs[i].g == before[i] && before[i] != NULL;
+    PD_CHECK_MSG(n_same == n0, "%d of %d warm-up graphs were recaptured", n0 - n_same, n0);
+    printf("  warm-up: %d graphs, decode vs eager worst rel L2 %.3g\n", n_graphs, worst);
+    pd_free(kv);
+    pd_free(lg);
+    pd_free(le);
+    pd_model_cache_free(kg);
+    pd_model_cache_free(ke);
+    pd_model_free(mg);
+    pd_model_free(me);
+    pd_backend_free(be);
+}

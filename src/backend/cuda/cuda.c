@@ -114,7 +114,7 @@ void pd_cuda_bind(pd_cuda_backend *cb) {
     tl_device = cb->device;
 }
 
-void pd_cuda_scratch_reserve(pd_cuda_backend *cb, void **ptr, size_t *cur_bytes, size_t need_bytes) {
+void pd_cuda_scratch_reserve(pd_cuda_backend *cb, void **ptr, size_t *cur_bytes, size_t need_bytes, bool in_graphs) {
     if (need_bytes <= *cur_bytes) return;
     enum cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
     PD_CUDA_CHECK(cudaStreamIsCapturing(cb->stream, &cs));
@@ -129,7 +129,10 @@ void pd_cuda_scratch_reserve(pd_cuda_backend *cb, void **ptr, size_t *cur_bytes,
     *ptr = NULL;
     PD_CUDA_CHECK(cudaMalloc(ptr, n));
     *cur_bytes = n;
-    cb->scratch_gen++;
+    // Only buffers that captured kernels point at make graphs stale: the KV-transfer staging
+    // (kv_copy, kv_checksum, copy_blocks) is never captured, and it grows with each longer prompt
+    // a decode worker verifies, which used to force a recapture of every decode graph.
+    if (in_graphs) cb->scratch_gen++;
 }
 
 // ---- op shims ----------------------------------------------------------------------------------
@@ -169,7 +172,7 @@ static void cuda_attention(pd_backend *b, const pd_attention_params *p) {
     PD_ASSERT(p->q_stride % 8 == 0);
     size_t ws = pd_cuda_attention_workspace_bytes(p->n_tokens, p->n_seqs, p->n_heads, p->n_kv_heads, p->head_dim,
                                                   p->max_kv_len);
-    pd_cuda_scratch_reserve(cb, (void **)&cb->attn_ws, &cb->attn_ws_bytes, ws);
+    pd_cuda_scratch_reserve(cb, (void **)&cb->attn_ws, &cb->attn_ws_bytes, ws, true);
     pd_attention_kparams k = {.q = p->q, .k_cache = p->k_cache, .v_cache = p->v_cache, .out = p->out,
                               .q_indptr = p->q_indptr, .kv_lens = p->kv_lens, .bt_indptr = p->bt_indptr,
                               .bt_indices = p->bt_indices, .n_tokens = p->n_tokens, .n_seqs = p->n_seqs,
@@ -224,7 +227,7 @@ static void cuda_copy_blocks(pd_backend *b, const pd_copy_blocks_params *p) {
         pairs[2 * i] = p->src_blocks[i];
         pairs[2 * i + 1] = p->dst_blocks[i];
     }
-    pd_cuda_scratch_reserve(cb, &cb->cb_dev, &cb->cb_dev_bytes, need);
+    pd_cuda_scratch_reserve(cb, &cb->cb_dev, &cb->cb_dev_bytes, need, false);
     // Pageable source: the copy is staged before cudaMemcpyAsync returns, so `host` may go now.
     PD_CUDA_CHECK(cudaMemcpyAsync(cb->cb_dev, host, need, cudaMemcpyHostToDevice, cb->stream));
     pd_copy_blocks_kparams k = {.caches = (void *const *)cb->cb_dev,
@@ -327,7 +330,7 @@ static void kv_stage(pd_cuda_backend *cb, void *const *ptrs, int n_ptrs, const p
     PD_ASSERT(host);
     memcpy(host, ptrs, pb);
     if (db) memcpy(host + pb, descs, db);
-    pd_cuda_scratch_reserve(cb, &cb->kv_dev, &cb->kv_dev_bytes, need);
+    pd_cuda_scratch_reserve(cb, &cb->kv_dev, &cb->kv_dev_bytes, need, false);
     PD_CUDA_CHECK(cudaMemcpyAsync(cb->kv_dev, host, pb + db, cudaMemcpyHostToDevice, cb->stream));
     pd_free(host);
     *d_ptrs = (void **)cb->kv_dev;

@@ -61,7 +61,8 @@ void pd_cuda_gemm_init(pd_cuda_backend *cb);
 void pd_cuda_gemm_fini(pd_cuda_backend *cb);
 void pd_cuda_gemm_matmul(pd_backend *b, const pd_matmul_params *p);
 // Grows a device scratch buffer (synchronising first). Aborts if the stream is being captured.
-void pd_cuda_scratch_reserve(pd_cuda_backend *cb, void **ptr, size_t *cur_bytes, size_t need_bytes);
+// in_graphs: captured kernels may use the buffer, so growing it makes existing graphs stale.
+void pd_cuda_scratch_reserve(pd_cuda_backend *cb, void **ptr, size_t *cur_bytes, size_t need_bytes, bool in_graphs);
 
 // sample.c
 void pd_cuda_sample_op(pd_backend *b, const pd_sample_params *p);

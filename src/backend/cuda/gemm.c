@@ -186,7 +186,7 @@ void pd_cuda_gemm_matmul(pd_backend *b, const pd_matmul_params *p) {
     if (p->M == 0) return;
     if (p->M <= cb->gemv_max_m && pd_cuda_gemv_supported(p->M, p->K, lda)) {
         void *old = cb->gemv_ws;
-        pd_cuda_scratch_reserve(cb, &cb->gemv_ws, &cb->gemv_ws_bytes, pd_cuda_gemv_workspace_bytes(p->N));
+        pd_cuda_scratch_reserve(cb, &cb->gemv_ws, &cb->gemv_ws_bytes, pd_cuda_gemv_workspace_bytes(p->N), true);
         if (cb->gemv_ws != old) PD_CUDA_CHECK(cudaMemsetAsync(cb->gemv_ws, 0, cb->gemv_ws_bytes, cb->stream));
         pd_gemv_kparams k = {.a = p->a, .w = p->w, .bias = p->bias, .out = p->out, .M = p->M, .N = p->N,
                              .K = p->K, .lda = lda, .accumulate = p->accumulate, .out_f32 = p->out_f32,
