@@ -10,6 +10,9 @@
 # workload). Prefix caching is off everywhere: every rate of a sweep replays the same seeded prompts,
 # and cache hits would make later rates cheaper (and skip handoffs) in every configuration.
 # usage: bench/gpu_compare.sh OUT [NUM_PROMPTS]     (PDSERVE=binary, default build/pdserve)
+# env: RATES_PREFILL (2,4,8,12), RATES_DECODE (4,8,16,32), WARMUPS (8 per rate), GOODPUT ("ttft:1000
+#   tpot:8": an interactive SLO, ~1.7x the unloaded TPOT of this shape on an H200; other SLOs can be
+#   applied afterwards with `pdserve bench merge --goodput ...`), WORKLOADS ("prefill decode").
 # A CPU dry run of the script itself: CONFIG=models/kjv-llama-6m DEV0=cpu DEV1=cpu TRANSPORT=shm
 #   LONG_LEN=1024 SHORT_LEN=128 KV_MEM=256M bench/gpu_compare.sh /tmp/cmp 8
 set -eu
@@ -55,14 +58,14 @@ router() {  # router FLAGS... ; sets $rurl
 bench() {  # bench LABEL TAG FLAGS...
   label=$1; tag=$2; shift 2
   "$bin" bench --url "$rurl" --label "$label" --output-json "$out/$tag.json" --num-prompts "$np" --seed 1 \
-    --goodput ${GOODPUT:-ttft:3000 tpot:50} --max-concurrency 64 --num-warmups ${WARMUPS:-16} --quiet --return-token-ids "$@" | tee "$out/$tag.txt"
+    --goodput ${GOODPUT:-ttft:1000 tpot:8} --max-concurrency 64 --num-warmups ${WARMUPS:-8} --quiet --return-token-ids "$@" | tee "$out/$tag.txt"
 }
 run_workloads() {  # run_workloads LABEL TAG   (WORKLOADS="prefill decode" by default)
   for w in ${WORKLOADS:-prefill decode}; do
     case $w in
     prefill) bench "$1" "$2-prefill" --dataset long-mix --long-fraction 0.2 --long-len $long --short-len $short \
-               --output-len 64 --sweep-rates ${RATES_PREFILL:-2,4,8} ;;
-    decode) bench "$1" "$2-decode" --dataset random --input-len 256 --output-len 256 --sweep-rates ${RATES_DECODE:-4,8,16} ;;
+               --output-len 64 --sweep-rates ${RATES_PREFILL:-2,4,8,12} ;;
+    decode) bench "$1" "$2-decode" --dataset random --input-len 256 --output-len 256 --sweep-rates ${RATES_DECODE:-4,8,16,32} ;;
     esac
   done
 }
