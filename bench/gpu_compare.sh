@@ -20,36 +20,24 @@ out=$1
 np=${2:-32}
 repo=$(cd "$(dirname "$0")/.." && pwd)
 bin=${PDSERVE:-$repo/build/pdserve}
+. "$repo/bench/lib.sh"
 mkdir -p "$out"
-model=$(mktemp -d)/llama-3-8b
-mkdir -p "$model"
-cp "$repo/${CONFIG:-bench/configs/llama-3-8b}/config.json" "$model/"
+model=$(dummy_model "${CONFIG:-bench/configs/llama-3-8b}")
 dev0=${DEV0:-cuda:0}; dev1=${DEV1:-cuda:1}; transport=${TRANSPORT:-cuda-ipc}
 long=${LONG_LEN:-7680}; short=${SHORT_LEN:-512}
-# Dummy weights need only config.json; the API needs a tokenizer: prompts are token ids and
-# outputs are counted in tokens, so any tokenizer will do.
-cp "$repo/models/kjv-llama-6m/tokenizer.json" "$repo/models/kjv-llama-6m/tokenizer_config.json" "$model/"
 pids=""
 cleanup() { for p in $pids; do kill "$p" 2>/dev/null || true; done; wait 2>/dev/null || true; }
 trap cleanup EXIT INT TERM
-
-port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
-wait_health() {
-  i=0
-  until curl -sf "$1/health" >/dev/null 2>&1; do
-    i=$((i + 1)); [ $i -lt 1200 ] || { echo "no /health at $1" >&2; exit 1; }; sleep 0.1
-  done
-}
 serve() {  # serve LOG FLAGS... ; sets $url
   log=$1; shift
-  p=$(port)
+  p=$(free_port)
   "$bin" serve --model "$model" --load-format dummy --port "$p" --kv-cache-memory ${KV_MEM:-24G} --no-prefix-caching "$@" >"$out/$log.log" 2>&1 &
   pids="$pids $!"
   url="http://127.0.0.1:$p"
   wait_health "$url"
 }
 router() {  # router FLAGS... ; sets $rurl
-  p=$(port)
+  p=$(free_port)
   "$bin" router --port "$p" "$@" >"$out/router.log" 2>&1 &
   pids="$pids $!"
   rurl="http://127.0.0.1:$p"
@@ -79,7 +67,7 @@ for cfg in a b c; do
   b) serve b0 --device $dev0 --max-num-batched-tokens 512; u0=$url
      serve b1 --device $dev1 --max-num-batched-tokens 512; u1=$url
      router --worker "$u0" --worker "$u1"; label="(b) 2 colocated, chunked 512" ;;
-  c) kv=$(port)
+  c) kv=$(free_port)
      serve c_prefill --device $dev0 --role prefill --kv-port "$kv" --max-num-batched-tokens 8192; up=$url
      serve c_decode --device $dev1 --role decode --prefill "127.0.0.1:$kv" --kv-transport $transport; ud=$url
      router --decode "$ud" --prefill "$up"; label="(c) 1 prefill + 1 decode, $transport" ;;

@@ -9,18 +9,15 @@ set -eu
 out=$1
 repo=$(cd "$(dirname "$0")/.." && pwd)
 bin=${PDSERVE:-$repo/build/pdserve}
+. "$repo/bench/lib.sh"
 mkdir -p "$out"
-model=$(mktemp -d)/llama-3-8b
-mkdir -p "$model"
-cp "$repo/bench/configs/llama-3-8b/config.json" "$model/"
-cp "$repo/models/kjv-llama-6m/tokenizer.json" "$repo/models/kjv-llama-6m/tokenizer_config.json" "$model/"
+model=$(dummy_model bench/configs/llama-3-8b)
 "$bin" bench-engine --model "$model" --load-format dummy --json "$out/engine.json" > "$out/engine.txt" 2>&1
-port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
+port=$(free_port)
 "$bin" serve --model "$model" --load-format dummy --port "$port" --kv-cache-memory 40G --no-prefix-caching > "$out/serve.log" 2>&1 &
 pid=$!
 trap 'kill $pid 2>/dev/null || true' EXIT INT TERM
-i=0
-until curl -sf "http://127.0.0.1:$port/health" >/dev/null 2>&1; do i=$((i+1)); [ $i -lt 1200 ] || exit 1; sleep 0.1; done
+wait_health "http://127.0.0.1:$port"
 for c in 32 64; do
   "$bin" bench --url "http://127.0.0.1:$port" --dataset random --input-len 256 --output-len 256 \
     --num-prompts $((c * 3)) --max-concurrency $c --request-rate inf --seed $c --quiet --return-token-ids \

@@ -154,9 +154,9 @@ pd_engine *pd_engine_new(const pd_engine_params *p, pd_err *err) {
     sp.policy = p->policy == PD_POLICY_SRPT ? PD_SCHED_SRPT : PD_SCHED_FCFS;
     e->sched = pd_sched_new(&sp, e->kv, err);
     if (!e->sched) goto fail;
-    // Size the workspace for the largest step and capture the decode graphs now: lazily, the first
-    // step of each (batch, context) bucket paid a capture (~40 ms on an 8B model) and every
-    // workspace growth made all graphs stale, stalling every running stream mid-serving.
+    // Decode graphs (GPU) are captured now, with the workspace sized for the largest step: lazily,
+    // the first step of each (batch, context) bucket paid a capture (~40 ms on an 8B model) and
+    // every workspace growth made all graphs stale, stalling every running stream mid-serving.
     int max_step = sp.enable_chunked_prefill ? sp.max_num_batched_tokens : PD_MAX(sp.max_num_batched_tokens, e->max_model_len);
     int n_graphs = 0;
     int64_t t_warm = pd_time_us();

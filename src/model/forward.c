@@ -15,8 +15,8 @@
 // backend's scratch), the second is captured and launched, later ones only refresh the metadata
 // and launch. Graphs go stale when the workspace moves (ws.gen), the backend's scratch moves
 // (launch refuses) or another cache is used (kc_base): they are then captured again.
-// pd_model_warmup (the engine calls it at start) sizes the workspace for the largest step and
-// captures every bucket up to the serving bounds, all rows padding, so no serving step pays a
+// pd_model_warmup (the engine calls it at start, graphs on) sizes the workspace for the largest
+// step and captures every bucket up to the serving bounds, all rows padding, so no serving step pays a
 // capture and nothing within those bounds makes the graphs stale.
 #include <math.h>
 #include <stdlib.h>
@@ -369,9 +369,10 @@ pd_status pd_model_warmup(pd_model *m, pd_model_cache *kc, int max_tokens, int m
     if (n_graphs) *n_graphs = 0;
     if (kc->model != m || max_tokens < 1 || max_seqs < 0 || max_len < 1) return PD_ERR_INVALID;
     int b_max = max_seqs > 0 && graphs_on(m) ? graph_bucket(PD_MIN(max_seqs, GRAPH_BUCKETS[PD_ARRAY_LEN(GRAPH_BUCKETS) - 1])) : 0;
+    if (!b_max) return PD_OK;  // no graphs: the workspace may as well grow with the steps
     // The activations for the largest step first: growing them later would make every graph stale.
-    pd_status st = ws_reserve(m, PD_MAX(max_tokens, b_max), PD_MAX(PD_MAX(max_seqs, b_max), 1), 0);
-    if (st || !b_max) return st;
+    pd_status st = ws_reserve(m, PD_MAX(max_tokens, b_max), PD_MAX(max_seqs, b_max), 0);
+    if (st) return st;
     int n_b = 0, n_kv = 0, kvs[32];
     for (size_t i = 0; i < PD_ARRAY_LEN(GRAPH_BUCKETS) && GRAPH_BUCKETS[i] <= b_max; i++) n_b++;
     for (int kv = 1; n_kv < (int)PD_ARRAY_LEN(kvs); kv = kvs[n_kv - 1] + 1) {

@@ -84,11 +84,12 @@ pd_status pd_model_forward(pd_model *m, pd_model_cache *c, const pd_batch *b, fl
 // Same, but leaves the logits on the device: *logits_dev (n_logits, vocab) f32, valid until the
 // next forward call. The caller may run device-side sampling on it.
 pd_status pd_model_forward_dev(pd_model *m, pd_model_cache *c, const pd_batch *b, const float **logits_dev);
-// Prepares for serving steps of up to max_tokens tokens and max_seqs sequences of up to max_len
-// positions: sizes the activation workspace for the largest step, and on a backend with graphs
-// captures the decode graph of every (batch bucket, context bucket) pair up to those bounds, so no
-// step pays a capture (tens of ms) and no later growth makes the graphs stale. max_seqs 0: the
-// workspace only. Writes no KV (every warm-up row is padding). *n_graphs: graphs captured.
+// Prepares decode graphs for serving steps of up to max_tokens tokens and max_seqs sequences of up
+// to max_len positions: on a backend with graphs, sizes the activation workspace for the largest
+// step and captures the decode graph of every (batch bucket, context bucket) pair up to those
+// bounds, so no step pays a capture (tens of ms) and no later growth makes the graphs stale.
+// Nothing to do without graphs or with max_seqs 0 (a prefill worker). Writes no KV (every warm-up
+// row is padding). *n_graphs: graphs captured.
 pd_status pd_model_warmup(pd_model *m, pd_model_cache *c, int max_tokens, int max_seqs, int max_len, int *n_graphs);
 
 #ifdef __cplusplus

@@ -56,11 +56,16 @@ static bool token_ok(const pd_router *r, pd_http_req *req) {
     return diff == 0;
 }
 
+// The registration endpoints' gate: replies 401 and returns false without the right token.
+static bool require_token(const pd_router *r, pd_http_req *req) {
+    if (token_ok(r, req)) return true;
+    pd_http_reply_error(req, 401, "authentication_error", "invalid or missing registration token", NULL, "invalid_token");
+    return false;
+}
+
 static void h_register(pd_http_req *req, void *ud) {
     pd_router *r = ud;
-    if (!token_ok(r, req))
-        return pd_http_reply_error(req, 401, "authentication_error", "invalid or missing registration token",
-                                   NULL, "invalid_token");
+    if (!require_token(r, req)) return;
     size_t len;
     const char *body = pd_http_req_body(req, &len);
     pd_wire_register m;
@@ -76,9 +81,7 @@ static void h_register(pd_http_req *req, void *ud) {
 
 static void h_deregister(pd_http_req *req, void *ud) {
     pd_router *r = ud;
-    if (!token_ok(r, req))
-        return pd_http_reply_error(req, 401, "authentication_error", "invalid or missing registration token",
-                                   NULL, "invalid_token");
+    if (!require_token(r, req)) return;
     size_t len;
     const char *body = pd_http_req_body(req, &len);
     char url[PD_WIRE_URL_MAX];

@@ -205,87 +205,136 @@ static int argmax(const float *x, int n) {
     return best;
 }
 
-// Decode steps through CUDA graphs (padded batch buckets) give the logits of eager steps, across
-// bucket changes (3 -> 2 sequences, context crossing 256 -> 384) and with more blocks listed than
-// the context needs; padding rows write no KV (block 0, which only padding reads, stays zero).
-// The eager model is the same weights with PD_CUDA_GRAPHS=0 at its first step.
-PD_TEST(gpu_decode_graphs_match_eager) {
-    SKIP_WITHOUT_GPU();
+// rel_l2 against a float row (the eager model's logits).
+static double rel_l2_f(const float *x, const float *y, int n) {
+    double num = 0, den = 0;
+    for (int i = 0; i < n; i++) {
+        if (!isfinite(x[i])) return INFINITY;
+        num += ((double)x[i] - y[i]) * ((double)x[i] - y[i]);
+        den += (double)y[i] * y[i];
+    }
+    return sqrt(num / den);
+}
+
+// Two copies of kjv-llama-6m on one GPU: mg runs decode steps through CUDA graphs, me eagerly
+// (PD_CUDA_GRAPHS=0 at its first step). ns sequences with nbs blocks each (block 0 is never a
+// sequence's); both models follow me's greedy tokens.
+typedef struct twin {
+    pd_backend *be;
+    pd_model *mg, *me;
+    pd_model_cache *kg, *ke;
+    int V, ns, nbs;
+    int32_t *bt, *len, *qi, *kvl, *bti, *rows, *next;
+    float *lg, *le;  // (ns, V) logits of the last step
+} twin;
+
+static bool twin_open(twin *t, int ns, int nbs) {
+    memset(t, 0, sizeof *t);
     char dir[512];
     snprintf(dir, sizeof dir, "%s/kjv-llama-6m", pd_test_models_dir());
     pd_err err = {0};
-    pd_backend *be = pd_backend_new("cuda", 0, &err);
-    PD_REQUIRE(be);
-    pd_model *mg = load_on(be, dir), *me = load_on(be, dir);
-    PD_REQUIRE(mg && me);
-    int V = pd_model_get_config(mg)->vocab_size;
-    enum { NS = 3, BS = 16, CTX0 = 247, STEPS = 24, NBS = (CTX0 + 2 * NS + STEPS + BS - 1) / BS + 1 };
-    pd_model_cache *kg = pd_model_cache_new(mg, 1 + NS * NBS, BS, &err), *ke = pd_model_cache_new(me, 1 + NS * NBS, BS, &err);
-    PD_REQUIRE(kg && ke);
-    int32_t bt[NS * NBS], len[NS], tok[NS * (CTX0 + 2 * NS)], qi[NS + 1], kvl[NS], bti[NS + 1], rows[NS];
-    for (int i = 0; i < NS * NBS; i++) bt[i] = 1 + i;  // block 0 is never a sequence's
-    pd_rng r;
-    pd_rng_seed(&r, 77);
+    t->be = pd_backend_new("cuda", 0, &err);
+    if (!t->be) return false;
+    t->mg = load_on(t->be, dir), t->me = load_on(t->be, dir);
+    if (!t->mg || !t->me) return false;
+    t->V = pd_model_get_config(t->mg)->vocab_size, t->ns = ns, t->nbs = nbs;
+    t->kg = pd_model_cache_new(t->mg, 1 + ns * nbs, 16, &err);
+    t->ke = pd_model_cache_new(t->me, 1 + ns * nbs, 16, &err);
+    t->bt = pd_malloc(sizeof(int32_t) * (size_t)(ns * nbs));
+    t->len = pd_malloc(sizeof(int32_t) * (size_t)ns), t->kvl = pd_malloc(sizeof(int32_t) * (size_t)ns);
+    t->qi = pd_malloc(sizeof(int32_t) * (size_t)(ns + 1)), t->bti = pd_malloc(sizeof(int32_t) * (size_t)(ns + 1));
+    t->rows = pd_malloc(sizeof(int32_t) * (size_t)ns), t->next = pd_malloc(sizeof(int32_t) * (size_t)ns);
+    t->lg = pd_malloc(sizeof(float) * (size_t)ns * (size_t)t->V), t->le = pd_malloc(sizeof(float) * (size_t)ns * (size_t)t->V);
+    if (!t->kg || !t->ke || !t->bt || !t->len || !t->kvl || !t->qi || !t->bti || !t->rows || !t->next || !t->lg || !t->le) return false;
+    for (int i = 0; i < ns * nbs; i++) t->bt[i] = 1 + i;
+    return true;
+}
+
+static void twin_close(twin *t) {
+    pd_free(t->bt), pd_free(t->len), pd_free(t->kvl), pd_free(t->qi), pd_free(t->bti), pd_free(t->rows), pd_free(t->next);
+    pd_free(t->lg), pd_free(t->le);
+    if (t->kg) pd_model_cache_free(t->kg);
+    if (t->ke) pd_model_cache_free(t->ke);
+    if (t->mg) pd_model_free(t->mg);
+    if (t->me) pd_model_free(t->me);
+    if (t->be) pd_backend_free(t->be);
+}
+
+// Prefills sequence s with lens[s] random tokens (seeded) on both models.
+static void twin_prefill(twin *t, const int *lens, uint64_t seed) {
     int T = 0;
-    qi[0] = bti[0] = 0;
-    for (int s = 0; s < NS; s++) {
-        len[s] = CTX0 + 2 * s;
-        for (int i = 0; i < len[s]; i++) tok[T + i] = 1 + (int32_t)(pd_rng_next(&r) % (uint64_t)(V - 1));
-        T += len[s];
-        qi[s + 1] = T, kvl[s] = len[s], bti[s + 1] = (s + 1) * NBS, rows[s] = T - 1;
+    for (int s = 0; s < t->ns; s++) T += lens[s];
+    int32_t *tok = pd_malloc(sizeof(int32_t) * (size_t)T);
+    PD_REQUIRE(tok);
+    pd_rng r;
+    pd_rng_seed(&r, seed);
+    T = 0;
+    t->qi[0] = t->bti[0] = 0;
+    for (int s = 0; s < t->ns; s++) {
+        t->len[s] = lens[s];
+        for (int i = 0; i < lens[s]; i++) tok[T + i] = 1 + (int32_t)(pd_rng_next(&r) % (uint64_t)(t->V - 1));
+        T += lens[s];
+        t->qi[s + 1] = T, t->kvl[s] = lens[s], t->bti[s + 1] = (s + 1) * t->nbs, t->rows[s] = T - 1;
     }
-    float *lg = pd_malloc(sizeof(float) * NS * (size_t)V), *le = pd_malloc(sizeof(float) * NS * (size_t)V);
-    pd_batch b = {.n_tokens = T, .tokens = tok, .n_seqs = NS, .q_indptr = qi, .kv_lens = kvl, .bt_indptr = bti,
-                  .bt_indices = bt, .n_logits = NS, .logit_rows = rows};
-    PD_CHECK_EQ(pd_model_forward(mg, kg, &b, lg), PD_OK);
+    pd_batch b = {.n_tokens = T, .tokens = tok, .n_seqs = t->ns, .q_indptr = t->qi, .kv_lens = t->kvl,
+                  .bt_indptr = t->bti, .bt_indices = t->bt, .n_logits = t->ns, .logit_rows = t->rows};
+    PD_CHECK_EQ(pd_model_forward(t->mg, t->kg, &b, t->lg), PD_OK);
     setenv("PD_CUDA_GRAPHS", "0", 1);
-    PD_CHECK_EQ(pd_model_forward(me, ke, &b, le), PD_OK);  // the eager model decides here
+    PD_CHECK_EQ(pd_model_forward(t->me, t->ke, &b, t->le), PD_OK);  // the eager model decides here
     unsetenv("PD_CUDA_GRAPHS");
+    pd_free(tok);
+}
+
+// One decode step of the first n (<= ns) sequences on both models; err[s]: graph vs eager rel L2 of row s.
+static void twin_decode(twin *t, int n, double *err) {
+    for (int s = 0; s < n; s++) {
+        t->next[s] = argmax(t->le + (size_t)s * t->V, t->V);  // both follow the eager model's tokens
+        t->len[s]++;
+        t->qi[s + 1] = s + 1, t->kvl[s] = t->len[s], t->rows[s] = s;
+    }
+    pd_batch d = {.n_tokens = n, .tokens = t->next, .n_seqs = n, .q_indptr = t->qi, .kv_lens = t->kvl,
+                  .bt_indptr = t->bti, .bt_indices = t->bt, .n_logits = n, .logit_rows = t->rows};
+    PD_CHECK_EQ(pd_model_forward(t->mg, t->kg, &d, t->lg), PD_OK);
+    PD_CHECK_EQ(pd_model_forward(t->me, t->ke, &d, t->le), PD_OK);
+    for (int s = 0; s < n; s++) err[s] = rel_l2_f(t->lg + (size_t)s * t->V, t->le + (size_t)s * t->V, t->V);
+}
+
+// Decode steps through CUDA graphs (padded batch buckets) give the logits of eager steps, across
+// bucket changes (3 -> 2 sequences, context crossing 256 -> 384) and with more blocks listed than
+// the context needs; padding rows write no KV (block 0, which only padding reads, stays zero).
+PD_TEST(gpu_decode_graphs_match_eager) {
+    SKIP_WITHOUT_GPU();
+    enum { NS = 3, BS = 16, CTX0 = 247, STEPS = 24, NBS = (CTX0 + 2 * NS + STEPS + BS - 1) / BS + 1 };
+    twin t;
+    PD_REQUIRE(twin_open(&t, NS, NBS));
+    int lens[NS];
+    for (int s = 0; s < NS; s++) lens[s] = CTX0 + 2 * s;
+    twin_prefill(&t, lens, 77);
     double worst = 0;
     for (int step = 0; step < STEPS; step++) {
         int n = step < STEPS / 2 ? NS : NS - 1;
-        int32_t next[NS];
+        double err[NS];
+        twin_decode(&t, n, err);
         for (int s = 0; s < n; s++) {
-            next[s] = argmax(le + (size_t)s * V, V);  // both follow the eager model's tokens
-            len[s]++;
-            qi[s + 1] = s + 1, kvl[s] = len[s], rows[s] = s;
-        }
-        pd_batch d = {.n_tokens = n, .tokens = next, .n_seqs = n, .q_indptr = qi, .kv_lens = kvl, .bt_indptr = bti,
-                      .bt_indices = bt, .n_logits = n, .logit_rows = rows};
-        PD_CHECK_EQ(pd_model_forward(mg, kg, &d, lg), PD_OK);
-        PD_CHECK_EQ(pd_model_forward(me, ke, &d, le), PD_OK);
-        for (int s = 0; s < n; s++) {
-            double num = 0, den = 0;
-            for (int i = 0; i < V; i++) {
-                double x = lg[(size_t)s * V + i], y = le[(size_t)s * V + i];
-                num += isfinite(x) ? (x - y) * (x - y) : INFINITY;
-                den += y * y;
-            }
-            double e = sqrt(num / den);
-            worst = PD_MAX(worst, e);
-            PD_CHECK_MSG(e < 1e-2, "step %d seq %d (batch %d, context %d): graph vs eager rel L2 %.3g", step, s, n, len[s], e);
+            worst = PD_MAX(worst, err[s]);
+            PD_CHECK_MSG(err[s] < 1e-2, "step %d seq %d (batch %d, context %d): graph vs eager rel L2 %.3g", step, s, n,
+                         t.len[s], err[s]);
         }
     }
     // Buckets (4 seqs, ctx 256), (4, 384), (2, 384) were each warmed eagerly, then captured.
     int n_captured = 0;
-    for (int i = 0; i < mg->ws.n_graphs; i++) n_captured += mg->ws.graphs[i].g != NULL;
+    for (int i = 0; i < t.mg->ws.n_graphs; i++) n_captured += t.mg->ws.graphs[i].g != NULL;
     PD_CHECK_MSG(n_captured == 3, "%d decode graphs captured, want 3", n_captured);
-    PD_CHECK_EQ(me->ws.n_graphs, 0);
-    size_t bb = pd_model_cache_block_bytes(kg);
+    PD_CHECK_EQ(t.me->ws.n_graphs, 0);
+    size_t bb = pd_model_cache_block_bytes(t.kg);
     uint8_t *blk = pd_malloc(bb);
-    pd_backend_download(be, blk, pd_model_cache_k(kg, 0), bb);
+    pd_backend_download(t.be, blk, pd_model_cache_k(t.kg, 0), bb);
     size_t nz = 0;
     for (size_t i = 0; i < bb; i++) nz += blk[i] != 0;
     PD_CHECK_MSG(nz == 0, "padding rows wrote %zu bytes of KV into block 0", nz);
     printf("  decode graphs vs eager: worst logits rel L2 %.3g over %d steps\n", worst, STEPS);
     pd_free(blk);
-    pd_free(lg);
-    pd_free(le);
-    pd_model_cache_free(kg);
-    pd_model_cache_free(ke);
-    pd_model_free(mg);
-    pd_model_free(me);
-    pd_backend_free(be);
+    twin_close(&t);
 }
 
 // pd_model_warmup captures every (batch bucket, context bucket) graph up to its bounds without
@@ -294,88 +343,42 @@ PD_TEST(gpu_decode_graphs_match_eager) {
 // match an eager model's.
 PD_TEST(gpu_warmup_captures_every_bucket) {
     SKIP_WITHOUT_GPU();
-    char dir[512];
-    snprintf(dir, sizeof dir, "%s/kjv-llama-6m", pd_test_models_dir());
-    pd_err err = {0};
-    pd_backend *be = pd_backend_new("cuda", 0, &err);
-    PD_REQUIRE(be);
-    pd_model *mg = load_on(be, dir), *me = load_on(be, dir);
-    PD_REQUIRE(mg && me);
-    int V = pd_model_get_config(mg)->vocab_size;
     enum { NS = 3, BS = 16, CTX0 = 150, STEPS = 8, NBS = (CTX0 + STEPS + BS - 1) / BS };
-    pd_model_cache *kg = pd_model_cache_new(mg, 1 + NS * NBS, BS, &err), *ke = pd_model_cache_new(me, 1 + NS * NBS, BS, &err);
-    PD_REQUIRE(kg && ke);
+    twin t;
+    PD_REQUIRE(twin_open(&t, NS, NBS));
     int n_graphs = -1;
-    PD_CHECK_EQ(pd_model_warmup(mg, kg, 512, 8, 512, &n_graphs), PD_OK);
+    PD_CHECK_EQ(pd_model_warmup(t.mg, t.kg, 512, 8, 512, &n_graphs), PD_OK);
     PD_CHECK_MSG(n_graphs == 12, "%d graphs captured, want 12 (batch 1/2/4/8 x context 256/384/512)", n_graphs);
     void *before[PD_MODEL_MAX_GRAPHS];
-    int n0 = mg->ws.n_graphs;
-    uint64_t gen0 = mg->ws.gen;
-    for (int i = 0; i < n0; i++) before[i] = mg->ws.graphs[i].g;
-    size_t nbytes = pd_model_cache_block_bytes(kg) * (size_t)pd_model_cache_n_blocks(kg), nz = 0;
+    int n0 = t.mg->ws.n_graphs;
+    uint64_t gen0 = t.mg->ws.gen;
+    for (int i = 0; i < n0; i++) before[i] = t.mg->ws.graphs[i].g;
+    size_t nbytes = pd_model_cache_block_bytes(t.kg) * (size_t)pd_model_cache_n_blocks(t.kg), nz = 0;
     uint8_t *kv = pd_malloc(nbytes);
     PD_REQUIRE(kv);
-    for (int li = 0; li < pd_model_get_config(mg)->n_layers; li++) {
-        pd_backend_download(be, kv, pd_model_cache_k(kg, li), nbytes);
+    for (int li = 0; li < pd_model_get_config(t.mg)->n_layers; li++) {
+        pd_backend_download(t.be, kv, pd_model_cache_k(t.kg, li), nbytes);
         for (size_t i = 0; i < nbytes; i++) nz += kv[i] != 0;
-        pd_backend_download(be, kv, pd_model_cache_v(kg, li), nbytes);
+        pd_backend_download(t.be, kv, pd_model_cache_v(t.kg, li), nbytes);
         for (size_t i = 0; i < nbytes; i++) nz += kv[i] != 0;
     }
     PD_CHECK_MSG(nz == 0, "warm-up wrote %zu bytes of KV", nz);
-    int32_t bt[NS * NBS], len[NS], tok[NS * CTX0], qi[NS + 1], kvl[NS], bti[NS + 1], rows[NS];
-    for (int i = 0; i < NS * NBS; i++) bt[i] = 1 + i;
-    pd_rng r;
-    pd_rng_seed(&r, 78);
-    int T = 0;
-    qi[0] = bti[0] = 0;
-    for (int s = 0; s < NS; s++) {
-        len[s] = CTX0 - 7 * s;
-        for (int i = 0; i < len[s]; i++) tok[T + i] = 1 + (int32_t)(pd_rng_next(&r) % (uint64_t)(V - 1));
-        T += len[s];
-        qi[s + 1] = T, kvl[s] = len[s], bti[s + 1] = (s + 1) * NBS, rows[s] = T - 1;
-    }
-    float *lg = pd_malloc(sizeof(float) * NS * (size_t)V), *le = pd_malloc(sizeof(float) * NS * (size_t)V);
-    pd_batch b = {.n_tokens = T, .tokens = tok, .n_seqs = NS, .q_indptr = qi, .kv_lens = kvl, .bt_indptr = bti,
-                  .bt_indices = bt, .n_logits = NS, .logit_rows = rows};
-    PD_CHECK_EQ(pd_model_forward(mg, kg, &b, lg), PD_OK);
-    setenv("PD_CUDA_GRAPHS", "0", 1);
-    PD_CHECK_EQ(pd_model_forward(me, ke, &b, le), PD_OK);
-    unsetenv("PD_CUDA_GRAPHS");
+    int lens[NS];
+    for (int s = 0; s < NS; s++) lens[s] = CTX0 - 7 * s;
+    twin_prefill(&t, lens, 78);
     double worst = 0;
     for (int step = 0; step < STEPS; step++) {
-        int32_t next[NS];
-        for (int s = 0; s < NS; s++) {
-            next[s] = argmax(le + (size_t)s * V, V);
-            len[s]++;
-            qi[s + 1] = s + 1, kvl[s] = len[s], rows[s] = s;
-        }
-        pd_batch d = {.n_tokens = NS, .tokens = next, .n_seqs = NS, .q_indptr = qi, .kv_lens = kvl, .bt_indptr = bti,
-                      .bt_indices = bt, .n_logits = NS, .logit_rows = rows};
-        PD_CHECK_EQ(pd_model_forward(mg, kg, &d, lg), PD_OK);
-        PD_CHECK_EQ(pd_model_forward(me, ke, &d, le), PD_OK);
-        for (int s = 0; s < NS; s++) {
-            double num = 0, den = 0;
-            for (int i = 0; i < V; i++) {
-                double x = lg[(size_t)s * V + i], y = le[(size_t)s * V + i];
-                num += isfinite(x) ? (x - y) * (x - y) : INFINITY;
-                den += y * y;
-            }
-            worst = PD_MAX(worst, sqrt(num / den));
-        }
+        double err[NS];
+        twin_decode(&t, NS, err);
+        for (int s = 0; s < NS; s++) worst = PD_MAX(worst, err[s]);
     }
     PD_CHECK_MSG(worst < 1e-2, "graph vs eager rel L2 %.3g after warm-up", worst);
-    PD_CHECK_EQ(mg->ws.gen, gen0);  // the prefill did not grow (and stale) the workspace
-    PD_CHECK_EQ(mg->ws.n_graphs, n0);
+    PD_CHECK_EQ(t.mg->ws.gen, gen0);  // the prefill did not grow (and stale) the workspace
+    PD_CHECK_EQ(t.mg->ws.n_graphs, n0);
     int n_same = 0;
-    for (int i = 0; i < n0; i++) n_same += mg->ws.graphs[i].g == before[i] && before[i] != NULL;
+    for (int i = 0; i < n0; i++) n_same += t.mg->ws.graphs[i].g == before[i] && before[i] != NULL;
     PD_CHECK_MSG(n_same == n0, "%d of %d warm-up graphs were recaptured", n0 - n_same, n0);
     printf("  warm-up: %d graphs, decode vs eager worst rel L2 %.3g\n", n_graphs, worst);
     pd_free(kv);
-    pd_free(lg);
-    pd_free(le);
-    pd_model_cache_free(kg);
-    pd_model_cache_free(ke);
-    pd_model_free(mg);
-    pd_model_free(me);
-    pd_backend_free(be);
+    twin_close(&t);
 }

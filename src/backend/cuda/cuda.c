@@ -319,34 +319,24 @@ static void cuda_unimport(pd_backend *b, void *p, const pd_buffer_handle *h) {
 
 // ---- KV handoff --------------------------------------------------------------------------------
 
-// Stages n_ptrs layer pointers, the block descriptors and n_tail bytes of room (8-aligned) in the
-// backend's kv scratch; returns the device addresses. The host copy may be freed on return
-// (cudaMemcpyAsync has consumed pageable memory by then); the stream orders reuse.
-static void kv_stage(pd_cuda_backend *cb, void *const *ptrs, int n_ptrs, const pd_kv_block_desc *descs, int nb,
-                     size_t n_tail, void ***d_ptrs, pd_kv_block_desc **d_descs, void **d_tail) {
-    size_t pb = sizeof(void *) * (size_t)n_ptrs, db = sizeof(pd_kv_block_desc) * (size_t)nb;
-    size_t need = pb + db + n_tail;
-    char *host = pd_malloc(pb + db);
-    PD_ASSERT(host);
-    memcpy(host, ptrs, pb);
-    if (db) memcpy(host + pb, descs, db);
-    pd_cuda_scratch_reserve(cb, &cb->kv_dev, &cb->kv_dev_bytes, need, false);
-    PD_CUDA_CHECK(cudaMemcpyAsync(cb->kv_dev, host, pb + db, cudaMemcpyHostToDevice, cb->stream));
+// Uploads n bytes of host staging (pd_malloc'ed, freed here) into the backend's kv scratch, with
+// n_tail bytes of room after them (8-aligned); returns the device address. cudaMemcpyAsync has
+// consumed pageable memory when it returns, and the stream orders the scratch's reuse.
+static char *kv_stage(pd_cuda_backend *cb, char *host, size_t n, size_t n_tail) {
+    pd_cuda_scratch_reserve(cb, &cb->kv_dev, &cb->kv_dev_bytes, n + n_tail, false);
+    PD_CUDA_CHECK(cudaMemcpyAsync(cb->kv_dev, host, n, cudaMemcpyHostToDevice, cb->stream));
     pd_free(host);
-    *d_ptrs = (void **)cb->kv_dev;
-    *d_descs = (pd_kv_block_desc *)((char *)cb->kv_dev + pb);
-    if (d_tail) *d_tail = (char *)cb->kv_dev + pb + db;
+    return cb->kv_dev;
 }
 
-static void cuda_kv_copy(pd_backend *b, const pd_kv_copy_params *p) {
-    pd_cuda_bind(pd_cuda_backend_of(b));
-    pd_cuda_backend *cb = pd_cuda_backend_of(b);
+char *pd_cuda_kv_copy_pack(const pd_kv_copy_params *p, size_t *desc_off, size_t *n_bytes) {
     int nl = p->layer_end - p->layer_begin;
-    if (p->n_blocks <= 0 || nl <= 0) return;
     PD_ASSERT(p->row_bytes % 8 == 0 && p->block_size > 0);
-    void **ptrs = pd_malloc(sizeof(void *) * 4 * (size_t)nl);
-    pd_kv_block_desc *d = pd_calloc((size_t)p->n_blocks, sizeof *d);
-    PD_ASSERT(ptrs && d);
+    size_t pb = sizeof(void *) * 4 * (size_t)nl, db = sizeof(pd_kv_block_desc) * (size_t)p->n_blocks;
+    char *host = pd_calloc(1, pb + db);
+    PD_ASSERT(host);
+    void **ptrs = (void **)host;
+    pd_kv_block_desc *d = (pd_kv_block_desc *)(host + pb);
     for (int l = 0; l < nl; l++) {
         int g = p->layer_begin + l;
         ptrs[4 * l] = p->src_k[g], ptrs[4 * l + 1] = p->src_v[g];
@@ -356,13 +346,21 @@ static void cuda_kv_copy(pd_backend *b, const pd_kv_copy_params *p) {
         PD_ASSERT(p->n_rows[i] >= 0 && p->n_rows[i] <= p->block_size);
         d[i] = (pd_kv_block_desc){.src_block = p->src_blocks[i], .dst_block = p->dst_blocks[i], .n_rows = p->n_rows[i]};
     }
-    void **dp;
-    pd_kv_block_desc *dd;
-    kv_stage(cb, ptrs, 4 * nl, d, p->n_blocks, 0, &dp, &dd, NULL);
-    pd_free(ptrs);
-    pd_free(d);
-    pd_kv_copy_kparams k = {.ptrs = dp, .blocks = dd, .n_blocks = p->n_blocks, .n_layers = nl,
-                            .block_size = p->block_size, .row_bytes = p->row_bytes};
+    *desc_off = pb;
+    *n_bytes = pb + db;
+    return host;
+}
+
+static void cuda_kv_copy(pd_backend *b, const pd_kv_copy_params *p) {
+    pd_cuda_bind(pd_cuda_backend_of(b));
+    pd_cuda_backend *cb = pd_cuda_backend_of(b);
+    int nl = p->layer_end - p->layer_begin;
+    if (p->n_blocks <= 0 || nl <= 0) return;
+    size_t off, n;
+    char *dev = kv_stage(cb, pd_cuda_kv_copy_pack(p, &off, &n), n, 0);
+    pd_kv_copy_kparams k = {.ptrs = (void *const *)dev, .blocks = (const pd_kv_block_desc *)(dev + off),
+                            .n_blocks = p->n_blocks, .n_layers = nl, .block_size = p->block_size,
+                            .row_bytes = p->row_bytes};
     pd_cuda_kv_copy(&k, cb->stream);
     PD_CUDA_CHECK_LAUNCH();
 }
@@ -373,9 +371,11 @@ static void cuda_kv_checksum(pd_backend *b, const pd_kv_checksum_params *p) {
     int nl = p->layer_end - p->layer_begin;
     if (nl <= 0) return;
     PD_ASSERT(p->row_bytes % 8 == 0 && p->block_size > 0);
-    void **ptrs = pd_malloc(sizeof(void *) * 2 * (size_t)nl);
-    pd_kv_block_desc *d = pd_calloc((size_t)(p->n_blocks > 0 ? p->n_blocks : 1), sizeof *d);
-    PD_ASSERT(ptrs && d);
+    size_t pb = sizeof(void *) * 2 * (size_t)nl, db = sizeof(pd_kv_block_desc) * (size_t)(p->n_blocks > 0 ? p->n_blocks : 0);
+    char *host = pd_calloc(1, pb + db);  // pb > 0: nl > 0
+    PD_ASSERT(host);
+    void **ptrs = (void **)host;
+    pd_kv_block_desc *d = (pd_kv_block_desc *)(host + pb);
     for (int l = 0; l < nl; l++) ptrs[2 * l] = p->k[p->layer_begin + l], ptrs[2 * l + 1] = p->v[p->layer_begin + l];
     uint64_t words = 0;
     for (int i = 0; i < p->n_blocks; i++) {
@@ -383,13 +383,11 @@ static void cuda_kv_checksum(pd_backend *b, const pd_kv_checksum_params *p) {
         d[i] = (pd_kv_block_desc){.src_block = p->blocks[i], .n_rows = p->n_rows[i], .word0 = words};
         words += (uint64_t)p->n_rows[i] * p->row_bytes / 8;
     }
-    void **dp, *dsums;
-    pd_kv_block_desc *dd;
-    kv_stage(cb, ptrs, 2 * nl, d, p->n_blocks, sizeof(uint64_t) * (size_t)nl, &dp, &dd, &dsums);
-    pd_free(ptrs);
-    pd_free(d);
-    pd_kv_checksum_kparams k = {.ptrs = dp, .blocks = dd, .sums = dsums, .n_blocks = p->n_blocks, .n_layers = nl,
-                                .block_size = p->block_size, .row_bytes = p->row_bytes, .k_words = words};
+    char *dev = kv_stage(cb, host, pb + db, sizeof(uint64_t) * (size_t)nl);
+    void *dsums = dev + pb + db;
+    pd_kv_checksum_kparams k = {.ptrs = (void **)dev, .blocks = (pd_kv_block_desc *)(dev + pb), .sums = dsums,
+                                .n_blocks = p->n_blocks, .n_layers = nl, .block_size = p->block_size,
+                                .row_bytes = p->row_bytes, .k_words = words};
     pd_cuda_kv_checksum(&k, cb->stream);
     PD_CUDA_CHECK_LAUNCH();
     cuda_download(b, p->sums, dsums, sizeof(uint64_t) * (size_t)nl);

@@ -60,6 +60,10 @@ void pd_cuda_bind(pd_cuda_backend *cb);
 void pd_cuda_gemm_init(pd_cuda_backend *cb);
 void pd_cuda_gemm_fini(pd_cuda_backend *cb);
 void pd_cuda_gemm_matmul(pd_backend *b, const pd_matmul_params *p);
+// The host staging of a kv_copy (pd_malloc'ed; the caller uploads and frees it): 4 layer pointers
+// per layer (src_k, src_v, dst_k, dst_v), then one pd_kv_block_desc per block at *desc_off;
+// *n_bytes in all. Shared by the backend's kv_copy and the NCCL comm's scatter.
+char *pd_cuda_kv_copy_pack(const pd_kv_copy_params *p, size_t *desc_off, size_t *n_bytes);
 // Grows a device scratch buffer (synchronising first). Aborts if the stream is being captured.
 // in_graphs: captured kernels may use the buffer, so growing it makes existing graphs stale.
 void pd_cuda_scratch_reserve(pd_cuda_backend *cb, void **ptr, size_t *cur_bytes, size_t need_bytes, bool in_graphs);

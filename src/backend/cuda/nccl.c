@@ -204,34 +204,21 @@ void pd_cuda_comm_kv_copy(pd_backend *b, void *p, const pd_kv_copy_params *kp) {
     nccl_comm *c = p;
     int nl = kp->layer_end - kp->layer_begin;
     if (!c->comm || kp->n_blocks <= 0 || nl <= 0) return;
-    PD_ASSERT(kp->row_bytes % 8 == 0 && kp->block_size > 0);
     pd_cuda_bind(c->cb);
-    size_t pb = sizeof(void *) * 4 * (size_t)nl, db = sizeof(pd_kv_block_desc) * (size_t)kp->n_blocks;
-    char *host = pd_calloc(1, pb + db);
-    PD_ASSERT(host);
-    void **ptrs = (void **)host;
-    pd_kv_block_desc *d = (pd_kv_block_desc *)(host + pb);
-    for (int l = 0; l < nl; l++) {
-        int g = kp->layer_begin + l;
-        ptrs[4 * l] = kp->src_k[g], ptrs[4 * l + 1] = kp->src_v[g];
-        ptrs[4 * l + 2] = kp->dst_k[g], ptrs[4 * l + 3] = kp->dst_v[g];
-    }
-    for (int i = 0; i < kp->n_blocks; i++) {
-        PD_ASSERT(kp->n_rows[i] >= 0 && kp->n_rows[i] <= kp->block_size);
-        d[i] = (pd_kv_block_desc){.src_block = kp->src_blocks[i], .dst_block = kp->dst_blocks[i], .n_rows = kp->n_rows[i]};
-    }
-    if (pb + db > c->kv_dev_bytes) {
+    size_t off, n;
+    char *host = pd_cuda_kv_copy_pack(kp, &off, &n);
+    if (n > c->kv_dev_bytes) {
         PD_CUDA_CHECK(cudaStreamSynchronize(c->stream));
         if (c->kv_dev) PD_CUDA_CHECK(cudaFree(c->kv_dev));
         c->kv_dev = NULL;
         c->kv_dev_bytes = 0;
-        PD_CUDA_CHECK(cudaMalloc(&c->kv_dev, pb + db));
-        c->kv_dev_bytes = pb + db;
+        PD_CUDA_CHECK(cudaMalloc(&c->kv_dev, n));
+        c->kv_dev_bytes = n;
     }
     // Pageable source: staged before cudaMemcpyAsync returns; the stream orders the reuse.
-    PD_CUDA_CHECK(cudaMemcpyAsync(c->kv_dev, host, pb + db, cudaMemcpyHostToDevice, c->stream));
+    PD_CUDA_CHECK(cudaMemcpyAsync(c->kv_dev, host, n, cudaMemcpyHostToDevice, c->stream));
     pd_free(host);
-    pd_kv_copy_kparams k = {.ptrs = (void *const *)c->kv_dev, .blocks = (const pd_kv_block_desc *)((char *)c->kv_dev + pb),
+    pd_kv_copy_kparams k = {.ptrs = (void *const *)c->kv_dev, .blocks = (const pd_kv_block_desc *)((char *)c->kv_dev + off),
                             .n_blocks = kp->n_blocks, .n_layers = nl, .block_size = kp->block_size, .row_bytes = kp->row_bytes};
     pd_cuda_kv_copy(&k, c->stream);
     PD_CUDA_CHECK_LAUNCH();
