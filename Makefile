@@ -140,6 +140,9 @@ fuzz-run: fuzz
 gpu-test:
 	@$(MAKE) --no-print-directory CUDA=1 tests
 	@PD_GPU_TESTS=1 sh tools/run_tests.sh $(BUILD) $(TEST_BIN)
+	@# the decode attention merging every split launch's partials with the combine kernel
+	@PD_CUDA_ATTN_FOLD=0 $(BUILD)/tests/ops/test_backend_ops > /dev/null && \
+	  echo "test_backend_ops with PD_CUDA_ATTN_FOLD=0: PASS" || { echo "test_backend_ops with PD_CUDA_ATTN_FOLD=0: FAIL"; exit 1; }
 	@# disaggregation on two GPUs (cuda-ipc and nccl): outputs identical to colocated
 	@if [ "$$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')" -ge 2 ]; then \
 	  PD_BIN=$(CURDIR)/$(BUILD)/pdserve sh tools/gpu/test_disagg_gpu.sh; \

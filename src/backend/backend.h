@@ -55,8 +55,9 @@ typedef struct pd_embed_params {
     int n_tokens, dim, vocab;
 } pd_embed_params;
 
-// If add != NULL: x += add first (residual). Then out = x / rms(x) * w.
-// x may alias out only when add == NULL.
+// If add != NULL: x += add first (residual; in a 16-bit act dtype the sum is rounded and the rounded
+// value normalised). Then out = w * (x / rms(x)), where in a 16-bit act dtype x / rms(x) is rounded
+// before the multiplication (transformers' LlamaRMSNorm). out may alias add, never x.
 typedef struct pd_rmsnorm_params {
     void *x;          // (n_rows, dim), act dtype
     const void *add;  // (n_rows, dim) or NULL, act dtype
@@ -80,7 +81,9 @@ typedef struct pd_matmul_params {
 } pd_matmul_params;
 
 // RoPE (HF "rotate_half" layout: pairs (i, i + head_dim/2)) applied in place to the q and k parts
-// of qkv rows, then k and v of each token are written to the paged cache at slot_mapping[i].
+// of qkv rows, then k and v of each token are written to the paged cache at slot_mapping[i]. In a
+// 16-bit act dtype cos and sin are rounded to it and each product and the sum are rounded, as
+// transformers' apply_rotary_pos_emb computes them in bf16.
 // qkv row layout: [q (n_heads*head_dim) | k (n_kv_heads*head_dim) | v (n_kv_heads*head_dim)].
 typedef struct pd_rope_kv_params {
     void *qkv;                   // (n_tokens, (n_heads + 2*n_kv_heads) * head_dim), act dtype
@@ -107,7 +110,8 @@ typedef struct pd_attention_params {
     float scale;                 // 1/sqrt(head_dim)
 } pd_attention_params;
 
-// out (n, F) = silu(gu[:, :F]) * gu[:, F:]
+// out (n, F) = silu(gu[:, :F]) * gu[:, F:]; in a 16-bit act dtype silu(g) is rounded before the
+// product (as torch computes act_fn(gate) * up).
 typedef struct pd_silu_mul_params {
     const void *gu;  // (n_rows, 2F), act dtype
     void *out;       // (n_rows, F), act dtype

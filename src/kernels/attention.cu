@@ -1,6 +1,6 @@
-// attention.cu — paged causal GQA attention: a tensor-core prefill kernel, split-K decode kernels
-// (tensor cores for head_dim >= 64, CUDA cores for 32) and the combine kernel for the decode
-// partials. See attention.cuh for the contract.
+// attention.cu — paged causal GQA attention: a tensor-core prefill kernel and split-K decode
+// kernels (tensor cores for head_dim >= 64, CUDA cores for 32) and the merge of their partials.
+// See attention.cuh for the contract.
 //
 // Prefill (k_attn_prefill<HD>): block = 8 warps = 128 query rows of one sequence and one head;
 // each warp owns 16 rows. K/V tiles of 64 positions are gathered through the page table into
@@ -15,9 +15,15 @@
 // query heads of the kv head are processed together, so each K/V row is read once. A token's row
 // is spread over HD/8 lanes (16 bytes each); a warp covers 32/(HD/8) tokens per step and loads
 // PD_K_DEC_UNROLL steps ahead. Partials (o normalised, lse in base 2) go to the workspace when
-// the sequence spans several partitions, and k_attn_combine merges them; otherwise the block
-// writes the output directly. k_attn_decode_tc (below) keeps this grid, partitioning and
-// workspace but runs on mma.sync; it is the default for head_dim 64/128 (PD_CUDA_ATTN_TC=0 picks
+// the sequence spans several partitions; otherwise the block writes the output directly. The
+// partials are merged by k_attn_combine, or, when the tensor-core decode grid fits in one wave
+// (small batches, where a step is a chain of short kernels), by the last block of each (sequence,
+// kv head) to finish (a counter that block resets): that saves the combine launch, which a CUDA
+// graph still pays on the critical path of every decode step. Only the one-wave (8-warp)
+// instantiations carry the merge code: in the 4-warp ones it raised register spills and cost
+// ~2% at batch 32-128. PD_CUDA_ATTN_FOLD=0 always launches the combine kernel (measurement knob).
+// k_attn_decode_tc (below)
+// keeps this grid, partitioning and workspace but runs on mma.sync; it is the default for head_dim 64/128 (PD_CUDA_ATTN_TC=0 picks
 // this one). The decode and combine kernels are launched with PDL (common.cuh).
 #include <math.h>
 
@@ -223,11 +229,14 @@ static inline __host__ __device__ int pd_k_dec_part(int n_seqs, int n_kv, int ma
 }
 
 // Merges the warps' partial (acc, m, l) in red (red[w][gi][HD] = m, [HD + 1] = l, both base 2) and
-// writes the normalised output (one partition) or the partial and its lse to the workspace.
-template <int HD, int GM, int W = PD_K_DEC_WARPS>
+// writes the normalised output (one partition) or the partial and its lse to the workspace. With
+// MERGE and cnt (the in-place merge, see the top of the file) the block that finishes last among
+// the n_sp of this sequence and kv head then merges their partials into the output and resets the
+// counter.
+template <int HD, int GM, int W = PD_K_DEC_WARPS, bool MERGE = false>
 static __device__ __forceinline__ void pd_k_dec_finish(float (*red)[GM][HD + 2], __nv_bfloat16 *out, float *ws,
-                                                       int q_begin, int s, int kvh, int G, int H, int split, int n_sp,
-                                                       int n_splits) {
+                                                       int *cnt, int q_begin, int s, int kvh, int G, int H, int split,
+                                                       int n_sp, int n_splits) {
     for (int e = threadIdx.x; e < G * HD; e += W * 32) {
         int gi = e / HD, d = e % HD;
         float mn = -INFINITY;
@@ -251,6 +260,50 @@ static __device__ __forceinline__ void pd_k_dec_finish(float (*red)[GM][HD + 2],
             if (d == 0) wo[HD] = mn + log2f(lt);
         }
     }
+    if (!MERGE || n_sp == 1 || !cnt) return;
+    // Publish the partial, then count this block in (the threadFenceReduction pattern).
+    __shared__ int is_last;
+    __shared__ float wgt[GM][PD_K_DEC_MAX_SPLITS];
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        int *c = cnt + (size_t)s * (H / G) + kvh;
+        is_last = atomicAdd(c, 1) == n_sp - 1;
+        if (is_last) *c = 0;  // every block of this (s, kvh) has counted: ready for the next launch
+    }
+    __syncthreads();
+    if (!is_last) return;
+    __threadfence();
+    // One warp per head: the partials' weights exp2(lse_i - max) / sum, in shared memory.
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    for (int gi = warp; gi < G; gi += W) {
+        const float *w0 = ws + (size_t)(s * H + kvh * G + gi) * n_splits * (HD + 1);
+        float mx = -INFINITY;
+        for (int i = lane; i < n_sp; i += 32) {
+            float v = __ldcg(w0 + (size_t)i * (HD + 1) + HD);
+            wgt[gi][i] = v;
+            mx = fmaxf(mx, v);
+        }
+        mx = pd_k_warp_max(mx);
+        float den = 0.f;
+        for (int i = lane; i < n_sp; i += 32) {
+            float f = exp2f(wgt[gi][i] - mx);
+            wgt[gi][i] = f;
+            den += f;
+        }
+        den = pd_k_warp_sum(den);
+        __syncwarp();
+        for (int i = lane; i < n_sp; i += 32) wgt[gi][i] /= den;
+    }
+    __syncthreads();
+    for (int e = threadIdx.x; e < G * HD; e += W * 32) {
+        int gi = e / HD, d = e % HD;
+        const float *w0 = ws + (size_t)(s * H + kvh * G + gi) * n_splits * (HD + 1) + d;
+        float v = 0.f;
+#pragma unroll 8
+        for (int i = 0; i < n_sp; i++) v += wgt[gi][i] * __ldcg(w0 + (size_t)i * (HD + 1));
+        out[(size_t)q_begin * H * HD + (size_t)(kvh * G + gi) * HD + d] = __float2bfloat16(v);
+    }
 }
 
 template <int HD, int GM>
@@ -258,7 +311,7 @@ static __global__ void __launch_bounds__(PD_K_DEC_WARPS * 32)
     k_attn_decode(const __nv_bfloat16 *q, const __nv_bfloat16 *kc, const __nv_bfloat16 *vc, __nv_bfloat16 *out,
                   const int32_t *q_indptr, const int32_t *kv_lens, const int32_t *bt_indptr,
                   const int32_t *bt_indices, int H, int n_kv, int bs, int q_stride, float scale_log2, int part,
-                  int n_splits, float *ws) {
+                  int n_splits, float *ws, int *cnt) {
     constexpr int LPT = HD / 8, TPW = 32 / LPT, U = PD_K_DEC_UNROLL;
     __shared__ float red[PD_K_DEC_WARPS][GM][HD + 2];
     pd_k_pdl_trigger();
@@ -382,7 +435,7 @@ static __global__ void __launch_bounds__(PD_K_DEC_WARPS * 32)
         }
     }
     __syncthreads();
-    pd_k_dec_finish<HD, GM>(red, out, ws, q_begin, s, kvh, G, H, split, n_sp, n_splits);
+    pd_k_dec_finish<HD, GM>(red, out, ws, cnt, q_begin, s, kvh, G, H, split, n_sp, n_splits);
 }
 
 // ---- decode on tensor cores ------------------------------------------------------------------
@@ -479,7 +532,7 @@ static __global__ void __launch_bounds__(W * 32, W == 4 ? 3 : 1)
     k_attn_decode_tc(const __nv_bfloat16 *q, const __nv_bfloat16 *kc, const __nv_bfloat16 *vc, __nv_bfloat16 *out,
                      const int32_t *q_indptr, const int32_t *kv_lens, const int32_t *bt_indptr,
                      const int32_t *bt_indices, int H, int n_kv, int bs, int q_stride, float scale_log2, int part,
-                     int n_splits, float *ws) {
+                     int n_splits, float *ws, int *cnt) {
     constexpr int NI = HD / 32;
     __shared__ float red[W][GM][HD + 2];
     pd_k_pdl_trigger();
@@ -550,7 +603,7 @@ static __global__ void __launch_bounds__(W * 32, W == 4 ? 3 : 1)
         }
     }
     __syncthreads();
-    pd_k_dec_finish<HD, GM, W>(red, out, ws, q_begin, s, kvh, G, H, split, n_sp, n_splits);
+    pd_k_dec_finish<HD, GM, W, W == 8>(red, out, ws, cnt, q_begin, s, kvh, G, H, split, n_sp, n_splits);
 }
 
 template <int HD>
@@ -593,6 +646,11 @@ extern "C" size_t pd_cuda_attention_workspace_bytes(int n_tokens, int n_seqs, in
     return (size_t)n_seqs * n_heads * n_splits * (head_dim + 1) * sizeof(float);
 }
 
+extern "C" size_t pd_cuda_attention_counter_bytes(int n_seqs, int n_kv_heads, int head_dim, int max_kv_len) {
+    int part = pd_k_dec_part(n_seqs, n_kv_heads, max_kv_len);
+    return (max_kv_len + part - 1) / part <= 1 ? 0 : (size_t)n_seqs * n_kv_heads * sizeof(int);
+}
+
 template <int HD>
 static void pd_k_attn_launch_prefill(const pd_attention_kparams *p, cudaStream_t s) {
     int n_q_tiles = (p->max_q_len + PD_K_ATT_BQ - 1) / PD_K_ATT_BQ;
@@ -613,11 +671,13 @@ static void pd_k_attn_launch_prefill(const pd_attention_kparams *p, cudaStream_t
 // PD_CUDA_ATTN_TC=0 selects the CUDA-core decode kernel for every head_dim (measurement knob).
 static bool pd_k_attn_tc_enabled() {
     static int on = -1;
-    if (on < 0) {
-        const char *e = getenv("PD_CUDA_ATTN_TC");
-        on = (e && !strcmp(e, "0")) ? 0 : 1;
-    }
-    return on != 0;
+    return pd_k_env_on("PD_CUDA_ATTN_TC", &on);
+}
+
+// PD_CUDA_ATTN_FOLD=0: split partials are always merged by k_attn_combine (measurement knob).
+static bool pd_k_attn_fold_enabled() {
+    static int on = -1;
+    return pd_k_env_on("PD_CUDA_ATTN_FOLD", &on);
 }
 
 template <int HD, int GM>
@@ -625,16 +685,18 @@ static void pd_k_attn_launch_decode(const pd_attention_kparams *p, cudaStream_t 
     dim3 grid(n_splits, p->n_kv_heads, p->n_seqs);
     // tensor cores for head_dim >= 64; 8 warps per block when the blocks do not fill the GPU
     bool tc = HD >= 64 && pd_k_attn_tc_enabled();
-    bool wide = tc && (long)n_splits * p->n_kv_heads * p->n_seqs <= pd_k_num_sms();
+    long blocks = (long)n_splits * p->n_kv_heads * p->n_seqs;
+    bool wide = tc && blocks <= pd_k_num_sms();
+    bool fold = n_splits > 1 && wide && pd_k_attn_fold_enabled();  // only the 8-warp kernels merge
     void (*kern)(const __nv_bfloat16 *, const __nv_bfloat16 *, const __nv_bfloat16 *, __nv_bfloat16 *,
                  const int32_t *, const int32_t *, const int32_t *, const int32_t *, int, int, int, int, float, int,
-                 int, float *) = wide ? k_attn_decode_tc<HD, GM, 8>
-                                      : tc ? k_attn_decode_tc<HD, GM, 4> : k_attn_decode<HD, GM>;
+                 int, float *, int *) = wide ? k_attn_decode_tc<HD, GM, 8>
+                                            : tc ? k_attn_decode_tc<HD, GM, 4> : k_attn_decode<HD, GM>;
     pd_k_launch(kern, grid, dim3((wide ? 8 : 4) * 32), 0, s, (const __nv_bfloat16 *)p->q,
                 (const __nv_bfloat16 *)p->k_cache, (const __nv_bfloat16 *)p->v_cache, (__nv_bfloat16 *)p->out,
                 p->q_indptr, p->kv_lens, p->bt_indptr, p->bt_indices, p->n_heads, p->n_kv_heads, p->block_size,
-                p->q_stride, p->scale * PD_K_LOG2E, part, n_splits, p->workspace);
-    if (n_splits > 1)
+                p->q_stride, p->scale * PD_K_LOG2E, part, n_splits, p->workspace, fold ? p->counters : (int *)0);
+    if (n_splits > 1 && !fold)
         pd_k_launch(k_attn_combine<HD>, dim3(p->n_seqs, p->n_heads), dim3(HD), 0, s, (__nv_bfloat16 *)p->out,
                     p->q_indptr, p->kv_lens, p->n_heads, part, n_splits, (const float *)p->workspace);
 }

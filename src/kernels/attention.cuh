@@ -8,7 +8,7 @@
 // Two kernels share the work: sequences with q_len > 1 go to the prefill kernel (tensor cores,
 // online softmax, 64 query rows x one head per block); sequences with q_len == 1 go to the decode
 // kernel (all query heads of a KV group together, the context split into partitions, partial
-// results combined by a third kernel). Both read per-sequence data on the device only, so the
+// results merged by a third kernel, or in place when the grid is small: see attention.cu). Both read per-sequence data on the device only, so the
 // launch shape depends only on (n_seqs, max_q_len, max_kv_len): a graph captured with upper
 // bounds replays for any batch within them.
 #pragma once
@@ -33,6 +33,8 @@ typedef struct pd_attention_kparams {
     float scale;
     float *workspace;                   // split-K partials; see pd_cuda_attention_workspace_bytes
     size_t workspace_bytes;
+    int *counters;                      // (n_seqs * n_kv_heads) zero on entry, left zero; see
+                                        // pd_cuda_attention_counter_bytes
 } pd_attention_kparams;
 
 // True when head_dim and the GQA group size are supported (head_dim 32/64/128, group <= 8).
@@ -40,6 +42,8 @@ int pd_cuda_attention_supported(int head_dim, int n_heads, int n_kv_heads);
 // Workspace bytes the launch with these bounds needs (0 when no split is needed).
 size_t pd_cuda_attention_workspace_bytes(int n_tokens, int n_seqs, int n_heads, int n_kv_heads, int head_dim,
                                          int max_kv_len);
+// Bytes of the counters (zeroed once by the caller) for these bounds (0 when no split is needed).
+size_t pd_cuda_attention_counter_bytes(int n_seqs, int n_kv_heads, int head_dim, int max_kv_len);
 void pd_cuda_attention(const pd_attention_kparams *p, cudaStream_t s);
 
 #ifdef __cplusplus

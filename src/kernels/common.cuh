@@ -125,14 +125,20 @@ static __device__ __forceinline__ void pd_k_pdl_trigger() {
 #endif
 }
 
-// PD_CUDA_PDL=0 turns PDL off (read once per process; a benign race on first use).
+// The measurement knobs: false when environment variable `name` is "0", else true. Read once per
+// process into *cache (-1 before; a benign race on first use).
+static inline bool pd_k_env_on(const char *name, int *cache) {
+    if (*cache < 0) {
+        const char *e = getenv(name);
+        *cache = (e && !strcmp(e, "0")) ? 0 : 1;
+    }
+    return *cache != 0;
+}
+
+// PD_CUDA_PDL=0 turns PDL off.
 static inline bool pd_k_pdl_enabled() {
     static int on = -1;
-    if (on < 0) {
-        const char *e = getenv("PD_CUDA_PDL");
-        on = (e && !strcmp(e, "0")) ? 0 : 1;
-    }
-    return on != 0;
+    return pd_k_env_on("PD_CUDA_PDL", &on);
 }
 
 // Launches kern<<<grid, block, smem, s>>>(args...) with the programmatic-stream-serialization
@@ -151,6 +157,52 @@ static inline void pd_k_launch(void (*kern)(KArgs...), dim3 grid, dim3 block, si
     cfg.attrs = at;
     cfg.numAttrs = pd_k_pdl_enabled() ? 1 : 0;
     (void)cudaLaunchKernelEx(&cfg, kern, static_cast<KArgs>(args)...);
+}
+
+// ---- bf16 rounding points -------------------------------------------------------------------
+
+// The value x would have after a store to bf16 and a load back.
+static __device__ __forceinline__ float pd_k_bf16r(float x) { return __bfloat162float(__float2bfloat16(x)); }
+
+// Whether the elementwise kernels round where transformers' bf16 modules round (a product's
+// operands and each intermediate tensor; see backend.h), or only their final result.
+// PD_CUDA_HF_ROUNDING=0 selects the latter (measurements only).
+static inline int pd_k_hf_rounding() {
+    static int on = -1;
+    return pd_k_env_on("PD_CUDA_HF_ROUNDING", &on);
+}
+
+// ---- RoPE --------------------------------------------------------------------------------------------------------------
+
+// sin/cos of angle a after reduction mod 2*pi, so that long positions keep full accuracy under
+// --use_fast_math.
+static __device__ __forceinline__ void pd_k_sincos(float a, float *s, float *c) {
+    const float two_pi_hi = 6.28318548202514648f, two_pi_lo = -1.7484555314695172e-7f;
+    float k = rintf(a * 0.159154943091895336f);
+    float r = fmaf(-k, two_pi_hi, a);
+    r = fmaf(-k, two_pi_lo, r);
+    __sincosf(r, s, c);
+}
+
+// Rotation of the pair (x0, x1) = (x[i], x[i + hd/2]) at position pos with frequency inv_freq[i]
+// (the angle pos * inv_freq in fp32, as transformers computes it). hf: cos and sin rounded to bf16
+// and each product and the sum rounded, as transformers' apply_rotary_pos_emb does in bf16 (the
+// caller rounds the results when it stores them).
+static __device__ __forceinline__ void pd_k_rope_pair(float x0, float x1, float pos, float inv_freq, float scaling,
+                                                      int hf, float *y0, float *y1) {
+    float sn, cs;
+    pd_k_sincos(pos * inv_freq, &sn, &cs);
+    cs *= scaling;
+    sn *= scaling;
+    if (hf) {
+        cs = pd_k_bf16r(cs);
+        sn = pd_k_bf16r(sn);
+        *y0 = pd_k_bf16r(x0 * cs) - pd_k_bf16r(x1 * sn);
+        *y1 = pd_k_bf16r(x1 * cs) + pd_k_bf16r(x0 * sn);
+    } else {
+        *y0 = x0 * cs - x1 * sn;
+        *y1 = x1 * cs + x0 * sn;
+    }
 }
 
 // SMs of the current device (cached per device id; grid sizing of the persistent-style kernels).

@@ -327,11 +327,7 @@ static void pd_k_gemv_launch_tma(pd_k_gemv_args &a, cudaStream_t s) {
 // PD_CUDA_GEMV_TMA=0 selects the cp.async kernel for every shape (measurement knob).
 static bool pd_k_gemv_tma_enabled() {
     static int on = -1;
-    if (on < 0) {
-        const char *e = getenv("PD_CUDA_GEMV_TMA");
-        on = (e && !strcmp(e, "0")) ? 0 : 1;
-    }
-    return on != 0;
+    return pd_k_env_on("PD_CUDA_GEMV_TMA", &on);
 }
 
 extern "C" void pd_cuda_gemv(const pd_gemv_kparams *p, cudaStream_t s) {

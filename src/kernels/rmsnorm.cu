@@ -1,13 +1,16 @@
 // rmsnorm.cu — fused residual add + RMSNorm. One block per row; the row (up to 16 vectors of 8
 // per thread) stays in registers between the sum of squares and the scaling, so x is read once.
-//   x += add (written back, bf16);  out = bf16(w * (x * rsqrt(mean(x^2) + eps)))
-// Launched with PDL (common.cuh).
+//   x += add (written back, bf16);  out = bf16(w * bf16(x * rsqrt(mean(x^2) + eps)))
+// The inner rounding is transformers' (LlamaRMSNorm casts the normalised row to the input dtype
+// before the weight multiplies it); PD_CUDA_HF_ROUNDING=0 leaves it out. Launched with PDL
+// (common.cuh).
 #include "kernels/common.cuh"
 #include "kernels/rmsnorm.cuh"
 
 #define PD_K_RMS_MAX_VEC 8  // vectors of 8 per thread kept in registers: dim <= 8*8*blockDim
 
-static __global__ void k_rmsnorm_vec(uint4 *x, const uint4 *add, const uint4 *w, uint4 *out, int nv, float eps) {
+static __global__ void k_rmsnorm_vec(uint4 *x, const uint4 *add, const uint4 *w, uint4 *out, int nv, float eps,
+                                     int hf) {
     __shared__ float red[32];
     pd_k_pdl_trigger();
     int r = blockIdx.x;
@@ -42,7 +45,7 @@ static __global__ void k_rmsnorm_vec(uint4 *x, const uint4 *add, const uint4 *w,
             float ww[8], o[8];
             pd_k_unpack8(w[i], ww);
 #pragma unroll
-            for (int k = 0; k < 8; k++) o[k] = ww[k] * (v[j][k] * inv);
+            for (int k = 0; k < 8; k++) o[k] = ww[k] * (hf ? pd_k_bf16r(v[j][k] * inv) : v[j][k] * inv);
             out[(size_t)r * nv + i] = pd_k_pack8(o);
         }
     }
@@ -50,7 +53,7 @@ static __global__ void k_rmsnorm_vec(uint4 *x, const uint4 *add, const uint4 *w,
 
 // Any dim: two passes over global memory.
 static __global__ void k_rmsnorm_scalar(__nv_bfloat16 *x, const __nv_bfloat16 *add, const __nv_bfloat16 *w,
-                                        __nv_bfloat16 *out, int dim, float eps) {
+                                        __nv_bfloat16 *out, int dim, float eps, int hf) {
     __shared__ float red[32];
     pd_k_pdl_trigger();
     pd_k_pdl_wait();
@@ -67,8 +70,10 @@ static __global__ void k_rmsnorm_scalar(__nv_bfloat16 *x, const __nv_bfloat16 *a
     }
     ss = pd_k_block_sum(ss, red);
     float inv = rsqrtf(ss / (float)dim + eps);
-    for (int i = threadIdx.x; i < dim; i += blockDim.x)
-        out[base + i] = __float2bfloat16(__bfloat162float(w[i]) * (__bfloat162float(x[base + i]) * inv));
+    for (int i = threadIdx.x; i < dim; i += blockDim.x) {
+        float n = __bfloat162float(x[base + i]) * inv;
+        out[base + i] = __float2bfloat16(__bfloat162float(w[i]) * (hf ? pd_k_bf16r(n) : n));
+    }
 }
 
 extern "C" void pd_cuda_rmsnorm(const pd_rmsnorm_kparams *p, cudaStream_t s) {
@@ -79,10 +84,10 @@ extern "C" void pd_cuda_rmsnorm(const pd_rmsnorm_kparams *p, cudaStream_t s) {
         while (threads < 1024 && (threads < nv / PD_K_RMS_MAX_VEC || threads * 2 <= nv) && threads < 256) threads *= 2;
         while (threads * PD_K_RMS_MAX_VEC < nv) threads *= 2;
         pd_k_launch(k_rmsnorm_vec, dim3(p->n_rows), dim3(threads), 0, s, (uint4 *)p->x, (const uint4 *)p->add,
-                    (const uint4 *)p->w, (uint4 *)p->out, nv, p->eps);
+                    (const uint4 *)p->w, (uint4 *)p->out, nv, p->eps, pd_k_hf_rounding());
     } else {
         pd_k_launch(k_rmsnorm_scalar, dim3(p->n_rows), dim3(256), 0, s, (__nv_bfloat16 *)p->x,
                     (const __nv_bfloat16 *)p->add, (const __nv_bfloat16 *)p->w, (__nv_bfloat16 *)p->out, p->dim,
-                    p->eps);
+                    p->eps, pd_k_hf_rounding());
     }
 }

@@ -1,4 +1,4 @@
-// rmsnorm.cuh — launcher and parameters of the rmsnorm kernel (x += add; out = x / rms(x) * w, fp32 math). C-compatible: the CUDA backend shim
+// rmsnorm.cuh — launcher and parameters of the rmsnorm kernel (x += add; out = w * bf16(x / rms(x)), fp32 math). C-compatible: the CUDA backend shim
 // (src/backend/cuda) includes it. Pointers are device pointers; activations are bf16.
 #pragma once
 #include <cuda_runtime_api.h>

@@ -1,22 +1,14 @@
 // rope_kv.cu — RoPE (HF rotate_half layout: pairs (i, i + hd/2)) on the q and k heads of each
 // qkv row, in place, then k and v of the token go to its paged-cache slot. One block per token:
 // thread j handles rotation pair j of the (n_heads + n_kv_heads) * hd/2 pairs, then the v copy.
-// Angles are pos * inv_freq in fp32 (as HF computes them), reduced mod 2*pi before the fast
-// sin/cos so that long positions keep full accuracy under --use_fast_math. Launched with PDL.
+// The rotation is pd_k_rope_pair (common.cuh): transformers' bf16 rounding points unless
+// PD_CUDA_HF_ROUNDING=0. Launched with PDL.
 #include "kernels/common.cuh"
 #include "kernels/rope_kv.cuh"
 
-static __device__ __forceinline__ void pd_k_sincos(float a, float *s, float *c) {
-    const float two_pi_hi = 6.28318548202514648f, two_pi_lo = -1.7484555314695172e-7f;
-    float k = rintf(a * 0.159154943091895336f);
-    float r = fmaf(-k, two_pi_hi, a);
-    r = fmaf(-k, two_pi_lo, r);
-    __sincosf(r, s, c);
-}
-
 static __global__ void k_rope_kv(__nv_bfloat16 *qkv, const int32_t *positions, const float *inv_freq,
                                  const int32_t *slot_mapping, __nv_bfloat16 *kc, __nv_bfloat16 *vc, int H,
-                                 int Hkv, int hd, float attn_scaling) {
+                                 int Hkv, int hd, float attn_scaling, int hf) {
     pd_k_pdl_trigger();
     pd_k_pdl_wait();
     int t = blockIdx.x, half = hd / 2;
@@ -27,13 +19,11 @@ static __global__ void k_rope_kv(__nv_bfloat16 *qkv, const int32_t *positions, c
     size_t kvw = (size_t)Hkv * hd;
     for (int j = threadIdx.x; j < (H + Hkv) * half; j += blockDim.x) {
         int h = j / half, i = j % half;
-        float sn, cs;
-        pd_k_sincos(pos * inv_freq[i], &sn, &cs);
-        cs *= attn_scaling;
-        sn *= attn_scaling;
         __nv_bfloat16 *v = r + (size_t)h * hd;
-        float x0 = __bfloat162float(v[i]), x1 = __bfloat162float(v[i + half]);
-        __nv_bfloat16 y0 = __float2bfloat16(x0 * cs - x1 * sn), y1 = __float2bfloat16(x1 * cs + x0 * sn);
+        float f0, f1;
+        pd_k_rope_pair(__bfloat162float(v[i]), __bfloat162float(v[i + half]), pos, inv_freq[i], attn_scaling, hf,
+                       &f0, &f1);
+        __nv_bfloat16 y0 = __float2bfloat16(f0), y1 = __float2bfloat16(f1);
         v[i] = y0;
         v[i + half] = y1;
         if (h >= H && slot >= 0) {
@@ -60,5 +50,5 @@ extern "C" void pd_cuda_rope_kv(const pd_rope_kv_kparams *p, cudaStream_t s) {
     int threads = pairs >= 512 ? 512 : ((pairs + 31) / 32) * 32;
     pd_k_launch(k_rope_kv, dim3(p->n_tokens), dim3(threads), 0, s, (__nv_bfloat16 *)p->qkv, p->positions,
                 p->inv_freq, p->slot_mapping, (__nv_bfloat16 *)p->k_cache, (__nv_bfloat16 *)p->v_cache, p->n_heads,
-                p->n_kv_heads, p->head_dim, p->attn_scaling);
+                p->n_kv_heads, p->head_dim, p->attn_scaling, pd_k_hf_rounding());
 }

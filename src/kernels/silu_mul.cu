@@ -1,11 +1,12 @@
-// silu_mul.cu — SwiGLU: out[r, i] = silu(gu[r, i]) * gu[r, F + i], fp32 math. Grid-stride over
-// 8-element vectors when F % 8 == 0. Launched with PDL.
+// silu_mul.cu — SwiGLU: out[r, i] = bf16(silu(gu[r, i])) * gu[r, F + i], fp32 math. The inner
+// rounding is torch's (act_fn(gate) is a bf16 tensor before it multiplies up); PD_CUDA_HF_ROUNDING=0
+// leaves it out. Grid-stride over 8-element vectors when F % 8 == 0. Launched with PDL.
 #include "kernels/common.cuh"
 #include "kernels/silu_mul.cuh"
 
 static __device__ __forceinline__ float pd_k_silu(float g) { return g / (1.0f + __expf(-g)); }
 
-static __global__ void k_silu_mul_vec(const uint4 *gu, uint4 *out, int n_rows, int fv) {
+static __global__ void k_silu_mul_vec(const uint4 *gu, uint4 *out, int n_rows, int fv, int hf) {
     pd_k_pdl_trigger();
     pd_k_pdl_wait();
     size_t n = (size_t)n_rows * fv;
@@ -15,19 +16,19 @@ static __global__ void k_silu_mul_vec(const uint4 *gu, uint4 *out, int n_rows, i
         pd_k_unpack8(gu[r * 2 * fv + c], g);
         pd_k_unpack8(gu[r * 2 * fv + fv + c], u);
 #pragma unroll
-        for (int k = 0; k < 8; k++) o[k] = pd_k_silu(g[k]) * u[k];
+        for (int k = 0; k < 8; k++) o[k] = (hf ? pd_k_bf16r(pd_k_silu(g[k])) : pd_k_silu(g[k])) * u[k];
         out[i] = pd_k_pack8(o);
     }
 }
 
-static __global__ void k_silu_mul_scalar(const __nv_bfloat16 *gu, __nv_bfloat16 *out, int n_rows, int F) {
+static __global__ void k_silu_mul_scalar(const __nv_bfloat16 *gu, __nv_bfloat16 *out, int n_rows, int F, int hf) {
     pd_k_pdl_trigger();
     pd_k_pdl_wait();
     size_t n = (size_t)n_rows * F;
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
         size_t r = i / F, c = i % F;
         float g = __bfloat162float(gu[r * 2 * F + c]), u = __bfloat162float(gu[r * 2 * F + F + c]);
-        out[i] = __float2bfloat16(pd_k_silu(g) * u);
+        out[i] = __float2bfloat16((hf ? pd_k_bf16r(pd_k_silu(g)) : pd_k_silu(g)) * u);
     }
 }
 
@@ -37,11 +38,11 @@ extern "C" void pd_cuda_silu_mul(const pd_silu_mul_kparams *p, cudaStream_t s) {
         size_t n = (size_t)p->n_rows * (p->F / 8);
         int blocks = (int)((n + 255) / 256 < 4096 ? (n + 255) / 256 : 4096);
         pd_k_launch(k_silu_mul_vec, dim3(blocks), dim3(256), 0, s, (const uint4 *)p->gu, (uint4 *)p->out, p->n_rows,
-                    p->F / 8);
+                    p->F / 8, pd_k_hf_rounding());
     } else {
         size_t n = (size_t)p->n_rows * p->F;
         int blocks = (int)((n + 255) / 256 < 4096 ? (n + 255) / 256 : 4096);
         pd_k_launch(k_silu_mul_scalar, dim3(blocks), dim3(256), 0, s, (const __nv_bfloat16 *)p->gu,
-                    (__nv_bfloat16 *)p->out, p->n_rows, p->F);
+                    (__nv_bfloat16 *)p->out, p->n_rows, p->F, pd_k_hf_rounding());
     }
 }

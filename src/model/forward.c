@@ -73,7 +73,8 @@ static pd_status ws_reserve(pd_model *m, int n_tokens, int n_logits, size_t n_me
     }
     if (n_logits > ws->cap_logits) {
         size_t L = (size_t)n_logits;
-        if (grow(m->backend, &ws->sel, L * D * e) || grow(m->backend, &ws->logits, L * (size_t)c->vocab_size * 4))
+        if (grow(m->backend, &ws->sel, L * D * e) || grow(m->backend, &ws->sel_add, L * D * e) ||
+            grow(m->backend, &ws->logits, L * (size_t)c->vocab_size * 4))
             return PD_ERR_DEVICE;
         ws->cap_logits = n_logits;
         ws->gen++;
@@ -130,6 +131,10 @@ static pd_status pack_meta(pd_model *m, const pd_model_cache *kc, const pd_batch
 
 static void *wp(pd_buffer *b) { return b ? pd_buffer_ptr(b) : NULL; }
 
+// The residual stream x is updated by the rmsnorm that follows each branch (x += h, rounded to the
+// activation dtype, then normalised), not by the branch's GEMM: in bf16 this rounds the branch
+// output and then the sum, as transformers and vLLM do, so a bf16 model gives their numbers. On
+// entry h holds the previous layer's MLP output (none for layer 0, whose x is the embedding).
 static void run_layer(pd_model *m, pd_model_cache *kc, int li, int T, const int32_t *dmeta, const meta_layout *l,
                       int n_seqs, int max_q, int max_kv) {
     const pd_model_config *c = &m->cfg;
@@ -139,8 +144,8 @@ static void run_layer(pd_model *m, pd_model_cache *kc, int li, int T, const int3
     int D = c->hidden_size, F = c->intermediate_size, hd = c->head_dim, H = c->n_heads, Hkv = c->n_kv_heads;
     int nqkv = (H + 2 * Hkv) * hd;
 
-    pd_op_rmsnorm(be, &(pd_rmsnorm_params){.x = wp(ws->x), .w = wp(w->attn_norm), .out = wp(ws->h), .n_rows = T, .dim = D,
-                                           .eps = c->rms_norm_eps});
+    pd_op_rmsnorm(be, &(pd_rmsnorm_params){.x = wp(ws->x), .add = li > 0 ? wp(ws->h) : NULL, .w = wp(w->attn_norm),
+                                           .out = wp(ws->h), .n_rows = T, .dim = D, .eps = c->rms_norm_eps});
     pd_op_matmul(be, &(pd_matmul_params){.a = wp(ws->h), .w = wp(w->wqkv), .bias = wp(w->bqkv), .out = wp(ws->qkv), .M = T,
                                          .N = nqkv, .K = D});
     pd_op_rope_kv(be, &(pd_rope_kv_params){.qkv = wp(ws->qkv), .positions = dmeta + l->positions,
@@ -156,15 +161,15 @@ static void run_layer(pd_model *m, pd_model_cache *kc, int li, int T, const int3
                                                .n_heads = H, .n_kv_heads = Hkv, .head_dim = hd,
                                                .block_size = kc->block_size, .q_stride = nqkv, .max_q_len = max_q,
                                                .max_kv_len = max_kv, .scale = 1.0f / sqrtf((float)hd)});
-    pd_op_matmul(be, &(pd_matmul_params){.a = wp(ws->attn), .w = wp(w->wo), .bias = wp(w->bo), .out = wp(ws->x), .M = T,
-                                         .N = D, .K = H * hd, .accumulate = true});
-    pd_op_rmsnorm(be, &(pd_rmsnorm_params){.x = wp(ws->x), .w = wp(w->mlp_norm), .out = wp(ws->h), .n_rows = T, .dim = D,
-                                           .eps = c->rms_norm_eps});
+    pd_op_matmul(be, &(pd_matmul_params){.a = wp(ws->attn), .w = wp(w->wo), .bias = wp(w->bo), .out = wp(ws->h), .M = T,
+                                         .N = D, .K = H * hd});
+    pd_op_rmsnorm(be, &(pd_rmsnorm_params){.x = wp(ws->x), .add = wp(ws->h), .w = wp(w->mlp_norm), .out = wp(ws->h),
+                                           .n_rows = T, .dim = D, .eps = c->rms_norm_eps});
     pd_op_matmul(be, &(pd_matmul_params){.a = wp(ws->h), .w = wp(w->wgu), .bias = wp(w->bgu), .out = wp(ws->gu), .M = T,
                                          .N = 2 * F, .K = D});
     pd_op_silu_mul(be, &(pd_silu_mul_params){.gu = wp(ws->gu), .out = wp(ws->mlp), .n_rows = T, .F = F});
-    pd_op_matmul(be, &(pd_matmul_params){.a = wp(ws->mlp), .w = wp(w->wdown), .bias = wp(w->bdown), .out = wp(ws->x), .M = T,
-                                         .N = D, .K = F, .accumulate = true});
+    pd_op_matmul(be, &(pd_matmul_params){.a = wp(ws->mlp), .w = wp(w->wdown), .bias = wp(w->bdown), .out = wp(ws->h), .M = T,
+                                         .N = D, .K = F});
 }
 
 // The whole op sequence of one step over packed metadata at dmeta (layout l).
@@ -178,11 +183,16 @@ static void run_step(pd_model *m, pd_model_cache *kc, const int32_t *dmeta, cons
                                        .dim = D, .vocab = c->vocab_size});
     for (int li = 0; li < c->n_layers; li++) run_layer(m, kc, li, T, dmeta, l, n_seqs, max_q, max_kv);
     if (n_logits > 0) {
+        // Only the logit rows: the last MLP output (in h) is added to them here, not to all of x.
+        pd_buffer *head = m->lm_head ? m->lm_head : m->embed;
         pd_op_get_rows(be, &(pd_get_rows_params){.x = wp(ws->x), .idx = dmeta + l->logit_rows, .out = wp(ws->sel),
                                                  .n_rows = n_logits, .dim = D});
-        pd_op_rmsnorm(be, &(pd_rmsnorm_params){.x = wp(ws->sel), .w = wp(m->final_norm), .out = wp(ws->sel),
-                                               .n_rows = n_logits, .dim = D, .eps = c->rms_norm_eps});
-        pd_op_matmul(be, &(pd_matmul_params){.a = wp(ws->sel), .w = wp(m->lm_head ? m->lm_head : m->embed),
+        pd_op_get_rows(be, &(pd_get_rows_params){.x = wp(ws->h), .idx = dmeta + l->logit_rows, .out = wp(ws->sel_add),
+                                                 .n_rows = n_logits, .dim = D});
+        pd_op_rmsnorm(be, &(pd_rmsnorm_params){.x = wp(ws->sel), .add = wp(ws->sel_add), .w = wp(m->final_norm),
+                                               .out = wp(ws->sel_add), .n_rows = n_logits, .dim = D,
+                                               .eps = c->rms_norm_eps});
+        pd_op_matmul(be, &(pd_matmul_params){.a = wp(ws->sel_add), .w = wp(head),
                                              .out = wp(ws->logits), .M = n_logits, .N = c->vocab_size, .K = D,
                                              .out_f32 = true});
     }

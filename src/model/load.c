@@ -192,7 +192,7 @@ fail:
 }
 
 static void ws_free(pd_model_ws *ws) {
-    pd_buffer *bufs[] = {ws->x, ws->h, ws->qkv, ws->attn, ws->gu, ws->mlp, ws->sel, ws->logits, ws->meta};
+    pd_buffer *bufs[] = {ws->x, ws->h, ws->qkv, ws->attn, ws->gu, ws->mlp, ws->sel, ws->sel_add, ws->logits, ws->meta};
     for (size_t i = 0; i < PD_ARRAY_LEN(bufs); i++) pd_buffer_free(bufs[i]);
     pd_free(ws->meta_host);
     memset(ws, 0, sizeof *ws);

@@ -10,9 +10,11 @@
 // one 2F x D matrix at load, so each layer runs 4 GEMMs.
 //
 // Forward pass per layer (x is the residual stream, act dtype):
-//   h = rmsnorm(x) ; qkv = h·Wqkvᵀ (+b) ; rope(q,k) + write k,v to cache ; a = attention(q, cache)
-//   x += a·Woᵀ ; h = rmsnorm(x) ; gu = h·Wguᵀ ; m = silu(g)*u ; x += m·Wdownᵀ
-// then logits = rmsnorm(x[rows])·Wlmᵀ (f32).
+//   h = rmsnorm(x += h) ; qkv = h·Wqkvᵀ (+b) ; rope(q,k) + write k,v to cache ; a = attention(q, cache)
+//   h = a·Woᵀ ; h = rmsnorm(x += h) ; gu = h·Wguᵀ ; m = silu(g)*u ; h = m·Wdownᵀ
+// (layer 0 adds nothing: x is the embedding), then logits = rmsnorm(x[rows] + h[rows])·Wlmᵀ (f32).
+// Each branch output is rounded to the activation dtype before it is added, and the sum after,
+// as transformers and vLLM do in bf16.
 //
 // Threading: a model and its caches are used by one thread at a time. The model keeps a
 // workspace that grows to the largest batch seen (no allocation once warm).

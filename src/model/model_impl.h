@@ -33,13 +33,14 @@ typedef struct pd_graph_entry {
 // Forward workspace, grown on demand. Activations in act dtype.
 typedef struct pd_model_ws {
     int cap_tokens, cap_logits, cap_meta;
-    pd_buffer *x;       // (cap_tokens, D) residual stream
-    pd_buffer *h;       // (cap_tokens, D)
+    pd_buffer *x;       // (cap_tokens, D) residual stream (without the last branch output, see h)
+    pd_buffer *h;       // (cap_tokens, D) normed input of a GEMM, or a branch output the next rmsnorm adds to x
     pd_buffer *qkv;     // (cap_tokens, (H + 2Hkv) * hd)
     pd_buffer *attn;    // (cap_tokens, H * hd)
     pd_buffer *gu;      // (cap_tokens, 2F)
     pd_buffer *mlp;     // (cap_tokens, F)
     pd_buffer *sel;     // (cap_logits, D)
+    pd_buffer *sel_add; // (cap_logits, D) the last MLP output of the logit rows
     pd_buffer *logits;  // (cap_logits, V) f32
     pd_buffer *meta;    // (cap_meta) i32: packed per-step metadata
     int32_t *meta_host; // (cap_meta) owned staging

@@ -46,6 +46,7 @@ static void cuda_free(pd_backend *b) {
     pd_cuda_gemm_fini(cb);
     pd_cuda_sample_fini(cb);
     if (cb->attn_ws) cudaFree(cb->attn_ws);
+    if (cb->attn_cnt) cudaFree(cb->attn_cnt);
     if (cb->gemv_ws) cudaFree(cb->gemv_ws);
     if (cb->cb_dev) cudaFree(cb->cb_dev);
     if (cb->kv_dev) cudaFree(cb->kv_dev);
@@ -173,13 +174,18 @@ static void cuda_attention(pd_backend *b, const pd_attention_params *p) {
     size_t ws = pd_cuda_attention_workspace_bytes(p->n_tokens, p->n_seqs, p->n_heads, p->n_kv_heads, p->head_dim,
                                                   p->max_kv_len);
     pd_cuda_scratch_reserve(cb, (void **)&cb->attn_ws, &cb->attn_ws_bytes, ws, true);
+    size_t cnt = pd_cuda_attention_counter_bytes(p->n_seqs, p->n_kv_heads, p->head_dim, p->max_kv_len);
+    if (cnt > cb->attn_cnt_bytes) {  // the kernel leaves the counters zero: clear them once
+        pd_cuda_scratch_reserve(cb, (void **)&cb->attn_cnt, &cb->attn_cnt_bytes, cnt, true);
+        PD_CUDA_CHECK(cudaMemsetAsync(cb->attn_cnt, 0, cb->attn_cnt_bytes, cb->stream));
+    }
     pd_attention_kparams k = {.q = p->q, .k_cache = p->k_cache, .v_cache = p->v_cache, .out = p->out,
                               .q_indptr = p->q_indptr, .kv_lens = p->kv_lens, .bt_indptr = p->bt_indptr,
                               .bt_indices = p->bt_indices, .n_tokens = p->n_tokens, .n_seqs = p->n_seqs,
                               .n_heads = p->n_heads, .n_kv_heads = p->n_kv_heads, .head_dim = p->head_dim,
                               .block_size = p->block_size, .q_stride = p->q_stride, .max_q_len = p->max_q_len,
                               .max_kv_len = p->max_kv_len, .scale = p->scale, .workspace = cb->attn_ws,
-                              .workspace_bytes = cb->attn_ws_bytes};
+                              .workspace_bytes = cb->attn_ws_bytes, .counters = cb->attn_cnt};
     pd_cuda_attention(&k, cb->stream);
     PD_CUDA_CHECK_LAUNCH();
 }
@@ -357,7 +363,8 @@ static void cuda_kv_copy(pd_backend *b, const pd_kv_copy_params *p) {
     int nl = p->layer_end - p->layer_begin;
     if (p->n_blocks <= 0 || nl <= 0) return;
     size_t off, n;
-    char *dev = kv_stage(cb, pd_cuda_kv_copy_pack(p, &off, &n), n, 0);
+    char *host = pd_cuda_kv_copy_pack(p, &off, &n);  // sets n: not in kv_stage's argument list
+    char *dev = kv_stage(cb, host, n, 0);
     pd_kv_copy_kparams k = {.ptrs = (void *const *)dev, .blocks = (const pd_kv_block_desc *)(dev + off),
                             .n_blocks = p->n_blocks, .n_layers = nl, .block_size = p->block_size,
                             .row_bytes = p->row_bytes};

@@ -40,6 +40,8 @@ typedef struct pd_cuda_backend {
     // attention split-K partials; grows outside graph capture only
     float *attn_ws;
     size_t attn_ws_bytes;
+    int *attn_cnt;          // the decode attention's split counters (zeroed when allocated)
+    size_t attn_cnt_bytes;
     // copy_blocks staging (device): cache pointers then (src, dst) pairs
     void *cb_dev;
     size_t cb_dev_bytes;
