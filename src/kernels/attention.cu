@@ -22,9 +22,9 @@
 // graph still pays on the critical path of every decode step. Only the one-wave (8-warp)
 // instantiations carry the merge code: in the 4-warp ones it raised register spills and cost
 // ~2% at batch 32-128. PD_CUDA_ATTN_FOLD=0 always launches the combine kernel (measurement knob).
-// k_attn_decode_tc (below)
-// keeps this grid, partitioning and workspace but runs on mma.sync; it is the default for head_dim 64/128 (PD_CUDA_ATTN_TC=0 picks
-// this one). The decode and combine kernels are launched with PDL (common.cuh).
+// k_attn_decode_tc (below) keeps this grid, partitioning and workspace but runs on mma.sync; it is
+// the default for head_dim 64/128 (PD_CUDA_ATTN_TC=0 picks this one). The decode and combine
+// kernels are launched with PDL (common.cuh).
 #include <math.h>
 
 #include "kernels/attention.cuh"

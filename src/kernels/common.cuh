@@ -172,7 +172,7 @@ static inline int pd_k_hf_rounding() {
     return pd_k_env_on("PD_CUDA_HF_ROUNDING", &on);
 }
 
-// ---- RoPE --------------------------------------------------------------------------------------------------------------
+// ---- RoPE ------------------------------------------------------------------------------------
 
 // sin/cos of angle a after reduction mod 2*pi, so that long positions keep full accuracy under
 // --use_fast_math.
