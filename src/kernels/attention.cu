@@ -3,13 +3,13 @@
 // See attention.cuh for the contract.
 //
 // Prefill (k_attn_prefill<HD>): block = 8 warps = 128 query rows of one sequence and one head;
-// each warp owns 16 rows. K/V tiles of 64 positions are gathered through the page table into
-// padded shared memory (row stride HD+8 elements, so ldmatrix rows hit distinct banks) with
+// each warp owns 16 rows. K/V tiles of BKV positions (below) are gathered through the page table
+// into padded shared memory (row stride HD+8 elements, so ldmatrix rows hit distinct banks) with
 // cp.async, double-buffered. S = Q.K^T and O += P.V run on mma.sync m16n8k16 (bf16 in, f32
 // accumulate); the softmax is online (running max m and sum l per row, base-2 exponentials with
 // scale*log2(e) folded into the scores). Causal masking only matters on the last tiles.
 //
-//   smem: Q [128][HD+8] | K [2][64][HD+8] | V [2][64][HD+8]   (HD=128: 102 KB)
+//   smem: Q [128][HD+8] | K [2][BKV][HD+8] | V [2][BKV][HD+8]   (HD=128: 102 KB; HD=64: 92 KB)
 //
 // Decode (k_attn_decode<HD, G>): block = 4 warps for one (sequence, kv head, partition). The G
 // query heads of the kv head are processed together, so each K/V row is read once. A token's row
@@ -31,7 +31,12 @@
 #include "kernels/common.cuh"
 
 #define PD_K_ATT_BQ 128
-#define PD_K_ATT_BKV 64
+// K/V positions per prefill tile (BKV): 128 for head_dim <= 64, 64 above, the tile shapes
+// FlashAttention-2 uses at these head sizes. The longer tile halves the syncs per query tile at
+// small head sizes, and it moves where the online softmax rescales (a row's P is rounded to bf16
+// relative to the running max of the tiles so far), which is where two flash kernels' bf16
+// results differ.
+#define PD_K_ATT_BKV_OF(HD) ((HD) <= 64 ? 128 : 64)
 #define PD_K_ATT_WARPS 8
 #define PD_K_LOG2E 1.4426950408889634f
 
@@ -49,6 +54,7 @@ static __device__ __forceinline__ void pd_k_att_load_kv(__nv_bfloat16 *ks, __nv_
                                                         int n_kv, int kvh) {
     constexpr int CPR = HD / 8;  // 16-byte chunks per row
     constexpr int STR = HD + 8;
+    constexpr int PD_K_ATT_BKV = PD_K_ATT_BKV_OF(HD);
     for (int c = threadIdx.x; c < PD_K_ATT_BKV * CPR; c += PD_K_ATT_WARPS * 32) {
         int r = c / CPR, ch = c % CPR, pos = kv0 + r;
         bool ok = pos < kv_end;
@@ -69,6 +75,7 @@ static __global__ void __launch_bounds__(PD_K_ATT_WARPS * 32)
                    const int32_t *bt_indices, int n_q_tiles, int H, int n_kv, int bs, int q_stride,
                    float scale_log2) {
     constexpr int STR = HD + 8;
+    constexpr int PD_K_ATT_BKV = PD_K_ATT_BKV_OF(HD);
     extern __shared__ __align__(16) unsigned char pd_k_smem[];
     __nv_bfloat16 *qs = (__nv_bfloat16 *)pd_k_smem;
     __nv_bfloat16 *ks = qs + PD_K_ATT_BQ * STR;                      // [2][BKV][STR]
@@ -654,7 +661,7 @@ extern "C" size_t pd_cuda_attention_counter_bytes(int n_seqs, int n_kv_heads, in
 template <int HD>
 static void pd_k_attn_launch_prefill(const pd_attention_kparams *p, cudaStream_t s) {
     int n_q_tiles = (p->max_q_len + PD_K_ATT_BQ - 1) / PD_K_ATT_BQ;
-    size_t smem = (size_t)(PD_K_ATT_BQ + 4 * PD_K_ATT_BKV) * (HD + 8) * 2;
+    size_t smem = (size_t)(PD_K_ATT_BQ + 4 * PD_K_ATT_BKV_OF(HD)) * (HD + 8) * 2;
     static bool attr_set = false;  // per instantiation; the first launch raises the smem limit
     if (!attr_set) {
         cudaFuncSetAttribute(k_attn_prefill<HD>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
