@@ -136,6 +136,13 @@ void pd_op_kv_checksum(pd_backend *b, const pd_kv_checksum_params *p) {
 void *pd_buffer_ptr(pd_buffer *buf) { return buf->ptr; }
 size_t pd_buffer_size(pd_buffer *buf) { return buf->n_bytes; }
 
+bool pd_buffer_reserve(pd_backend *b, pd_buffer **buf, size_t n_bytes) {
+    if (*buf && (*buf)->n_bytes >= n_bytes) return true;
+    pd_buffer_free(*buf);
+    *buf = pd_buffer_alloc(b, n_bytes);
+    return *buf != NULL;
+}
+
 void pd_backend_upload(pd_backend *b, void *d, const void *s, size_t n) { if (n) b->iface->upload(b, d, s, n); }
 void pd_backend_download(pd_backend *b, void *d, const void *s, size_t n) { if (n) b->iface->download(b, d, s, n); }
 void pd_backend_memset(pd_backend *b, void *d, int v, size_t n) { if (n) b->iface->memset(b, d, v, n); }

@@ -233,6 +233,9 @@ void pd_backend_mem_info(pd_backend *b, size_t *free_bytes, size_t *total_bytes)
 
 // Device memory. alloc returns NULL on failure (logged with size). free(NULL) is a no-op.
 pd_buffer *pd_buffer_alloc(pd_backend *b, size_t n_bytes);
+// Grow-only scratch: makes *buf hold at least n_bytes, replacing it (contents lost) when smaller.
+// false on failure, with *buf NULL.
+bool pd_buffer_reserve(pd_backend *b, pd_buffer **buf, size_t n_bytes);
 void pd_buffer_free(pd_buffer *buf);
 void *pd_buffer_ptr(pd_buffer *buf);  // device pointer, valid until pd_buffer_free
 size_t pd_buffer_size(pd_buffer *buf);

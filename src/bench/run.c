@@ -312,60 +312,30 @@ static void on_deadline(evutil_socket_t fd, short what, void *arg) {
 
 // ---- model discovery ---------------------------------------------------------------------------
 
-typedef struct models_query {
-    struct event_base *base;
-    char body[65536];
-    size_t len;
-    pd_status st;
-    int http_status;
-    char msg[256];
-} models_query;
-
-static void models_body(pd_http_client_call *call, const char *data, size_t len, void *ud) {
-    models_query *m = ud;
-    size_t n = PD_MIN(len, sizeof m->body - 1 - m->len);
-    memcpy(m->body + m->len, data, n);
-    m->len += n;
-    m->body[m->len] = 0;
-}
-
-static void models_done(pd_http_client_call *call, pd_status st, int http_status, const char *msg, void *ud) {
-    models_query *m = ud;
-    m->st = st;
-    m->http_status = http_status;
-    snprintf(m->msg, sizeof m->msg, "%s", msg);
-    event_base_loopbreak(m->base);
-}
-
 // GET base_url/v1/models and return data[0].id. out: owned by caller (pd_free).
 static pd_status discover_model(bench_run *run, char **out, pd_err *err) {
-    models_query *m = pd_calloc(1, sizeof *m);
-    if (!m) return pd_err_set(err, PD_ERR_NOMEM, "out of memory");
-    m->base = run->base;
     char *url = dup_printf("%s%s", run->p->base_url, "/v1/models");
+    if (!url) return pd_err_set(err, PD_ERR_NOMEM, "out of memory");
     pd_http_client_request hr = {.method = "GET", .url = url, .headers = run->p->api_key ? run->headers + 2 : NULL};
-    pd_http_client_callbacks cb = {.on_body = models_body, .on_done = models_done};
-    pd_status st = PD_OK;
+    double rt_ms = run->p->request_timeout_s > 0 ? PD_MIN(run->p->request_timeout_s * 1000.0, 2e9) : 0;
+    int http = 0;
+    char *body = NULL;
     pd_err e = {0};
-    if (!url || !pd_http_client_send(run->client, &hr, &cb, m, &e)) {
-        st = url ? pd_err_set(err, e.status, "%s", e.msg) : pd_err_set(err, PD_ERR_NOMEM, "out of memory");
-        goto done;
+    pd_status st = pd_http_fetch(&hr, (int)rt_ms, &http, &body, NULL, &e);
+    if (st) {
+        st = pd_err_set(err, PD_ERR_IO, "GET %s failed: %s", url, e.msg);
+    } else if (http != 200) {
+        st = pd_err_set(err, PD_ERR_IO, "GET %s failed: HTTP %d", url, http);
+    } else {
+        json_t *o = json_loads(body, 0, NULL);
+        json_t *id = json_object_get(json_array_get(json_object_get(o, "data"), 0), "id");
+        if (json_is_string(id)) *out = pd_strdup(json_string_value(id));
+        else st = pd_err_set(err, PD_ERR_IO, "GET %s: no model in the reply (pass --model)", url);
+        if (!st && !*out) st = pd_err_set(err, PD_ERR_NOMEM, "out of memory");
+        json_decref(o);
     }
-    event_base_dispatch(run->base);
-    if (m->st != PD_OK || m->http_status != 200) {
-        st = pd_err_set(err, PD_ERR_IO, "GET %s failed: %s", url,
-                        m->st != PD_OK ? m->msg : (snprintf(m->msg, sizeof m->msg, "HTTP %d", m->http_status), m->msg));
-        goto done;
-    }
-    json_t *o = json_loads(m->body, 0, NULL);
-    json_t *id = json_object_get(json_array_get(json_object_get(o, "data"), 0), "id");
-    if (json_is_string(id)) *out = pd_strdup(json_string_value(id));
-    else st = pd_err_set(err, PD_ERR_IO, "GET %s: no model in the reply (pass --model)", url);
-    if (!st && !*out) st = pd_err_set(err, PD_ERR_NOMEM, "out of memory");
-    json_decref(o);
-done:
+    pd_free(body);
     pd_free(url);
-    pd_free(m);
     return st;
 }
 

@@ -23,6 +23,7 @@
 
 #include "backend/backend.h"
 #include "cmd/cmd.h"
+#include "http/client.h"
 
 int pd_cmd_run_colocated(int argc, char **argv);  // serve.c
 
@@ -40,45 +41,14 @@ static int free_port(void) {
     return port;
 }
 
-// Minimal blocking HTTP/1.1 request to 127.0.0.1:port (Connection: close). Returns the status code
-// (0 on a connection error); *body_out (malloc'ed) receives the response body.
+// One blocking request to 127.0.0.1:port. Returns the HTTP status (0 when there was no complete
+// response); *body_out (pd_free) receives the response body, or NULL.
 static int http_req(int port, const char *method, const char *path, const char *body, char **body_out, int timeout_ms) {
-    *body_out = NULL;
-    int fd = socket(AF_INET, SOCK_STREAM, 0);
-    struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons((uint16_t)port), .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
-    if (fd < 0 || connect(fd, (struct sockaddr *)&a, sizeof a) < 0) {
-        if (fd >= 0) close(fd);
-        return 0;
-    }
-    char hdr[512];
-    size_t blen = body ? strlen(body) : 0;
-    int hl = snprintf(hdr, sizeof hdr,
-                      "%s %s HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\nContent-Type: application/json\r\n"
-                      "Content-Length: %zu\r\n\r\n", method, path, blen);
-    if (write(fd, hdr, (size_t)hl) != hl || (blen && write(fd, body, blen) != (ssize_t)blen)) {
-        close(fd);
-        return 0;
-    }
-    size_t cap = 1 << 16, len = 0;
-    char *buf = malloc(cap);
-    int64_t deadline = pd_time_us() + (int64_t)timeout_ms * 1000;
-    for (;;) {
-        struct pollfd p = {.fd = fd, .events = POLLIN};
-        int left = (int)((deadline - pd_time_us()) / 1000);
-        if (left <= 0 || poll(&p, 1, left) <= 0) break;
-        if (len + 4096 > cap) buf = realloc(buf, cap *= 2);
-        ssize_t r = read(fd, buf + len, cap - len - 1);
-        if (r <= 0) break;
-        len += (size_t)r;
-    }
-    close(fd);
-    buf[len] = 0;
+    char url[256];
+    snprintf(url, sizeof url, "http://127.0.0.1:%d%s", port, path);
+    pd_http_client_request rq = {.method = method, .url = url, .body = body, .body_len = body ? strlen(body) : 0};
     int status = 0;
-    sscanf(buf, "HTTP/1.%*d %d", &status);
-    char *b = strstr(buf, "\r\n\r\n");
-    *body_out = strdup(b ? b + 4 : "");
-    free(buf);
-    return status;
+    return pd_http_fetch(&rq, timeout_ms, &status, body_out, NULL, NULL) == PD_OK ? status : 0;
 }
 
 typedef struct child {
@@ -102,7 +72,7 @@ static bool wait_health(child *c, int timeout_s) {
     while (pd_time_us() < end && !g_stop) {
         char *b;
         int st = http_req(c->port, "GET", "/health", NULL, &b, 2000);
-        free(b);
+        pd_free(b);
         if (st == 200) return true;
         int ws;
         if (waitpid(c->pid, &ws, WNOHANG) == c->pid) {
@@ -159,6 +129,7 @@ int pd_cmd_run(int argc, char **argv) {
         if (!strcmp(argv[i], "--colocated")) {
             // The single-process server takes the same argv minus this flag.
             char **rest = calloc((size_t)argc, sizeof *rest);
+            if (!rest) return 1;
             int n = 0;
             for (int k = 0; k < argc; k++)
                 if (strcmp(argv[k], "--colocated")) rest[n++] = argv[k];
@@ -238,11 +209,11 @@ int pd_cmd_run(int argc, char **argv) {
     int st = http_req(port, "POST", "/v1/chat/completions", req, &body, 120000);
     if (st != 200) {
         fprintf(stderr, "pdserve run: the sample request failed (HTTP %d): %s\n", st, body ? body : "");
-        free(body);
+        pd_free(body);
         goto out;
     }
     print_answer(body);
-    free(body);
+    pd_free(body);
     printf("\nServing on http://127.0.0.1:%d — try:\n  curl http://127.0.0.1:%d/v1/chat/completions -H 'Content-Type: application/json' \\\n"
            "    -d '{\"messages\":[{\"role\":\"user\",\"content\":\"Who was the father of Isaac?\"}],\"max_tokens\":32}'\n",
            port, port);

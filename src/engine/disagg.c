@@ -337,9 +337,8 @@ static void handle_request(pd_engine *e, pd_xfer_event *ev) {
 // = the request's i-th block. Runs on the compute stream; the send waits for it on the device.
 typedef struct gather_ctx {
     pd_engine *e;
+    const pd_kvw_kv_nccl *slab;
     const int32_t *src, *rows;
-    int nb;
-    size_t row_bytes;
     bool corrupt;
     int64_t us;  // out: the gather's time (host clock, synchronised)
 } gather_ctx;
@@ -348,16 +347,16 @@ static void gather_slab(void *ud, void *dev) {
     gather_ctx *g = ud;
     pd_engine *e = g->e;
     int64_t t0 = pd_time_us();
-    int L = pd_model_get_config(e->model)->n_layers, bs = e->params.block_size;
-    size_t stride = (size_t)g->nb * (size_t)bs * g->row_bytes;
+    const pd_kvw_kv_nccl *s = g->slab;
+    int L = s->n_layers, nb = s->n_blocks;
     void **dk = pd_malloc(sizeof(void *) * 2 * (size_t)L);
-    int32_t *idx = pd_malloc(sizeof(int32_t) * (size_t)g->nb);
+    int32_t *idx = pd_malloc(sizeof(int32_t) * (size_t)nb);
     PD_ASSERT(dk && idx);
-    for (int l = 0; l < L; l++) dk[l] = (char *)dev + (size_t)(2 * l) * stride, dk[L + l] = (char *)dev + (size_t)(2 * l + 1) * stride;
-    for (int i = 0; i < g->nb; i++) idx[i] = i;
+    pd_kvw_kv_nccl_layers(s, dev, dk, dk + L);
+    for (int i = 0; i < nb; i++) idx[i] = i;
     pd_kv_copy_params kp = {.src_k = e->layer_k, .src_v = e->layer_v, .dst_k = dk, .dst_v = dk + L, .src_blocks = g->src,
-                            .dst_blocks = idx, .n_rows = g->rows, .n_blocks = g->nb, .layer_begin = 0, .layer_end = L,
-                            .block_size = bs, .row_bytes = g->row_bytes};
+                            .dst_blocks = idx, .n_rows = g->rows, .n_blocks = nb, .layer_begin = 0, .layer_end = L,
+                            .block_size = s->block_size, .row_bytes = (size_t)s->row_bytes};
     pd_op_kv_copy(e->backend, &kp);
     if (g->corrupt) {  // test hook: flip one bit of the last layer's V rows in the slab
         uint8_t x;
@@ -380,7 +379,7 @@ static pd_status send_nccl(pd_engine *e, ereq *q, const int32_t *src, const int3
     pd_kvw_kv_nccl slab = {.req_id = q->peer_req_id, .n_layers = c->n_layers, .n_blocks = nb, .block_size = bs,
                            .n_rows_last = rows[nb - 1], .row_bytes = row_bytes};
     slab.bytes = (uint64_t)c->n_layers * 2u * (uint64_t)nb * (uint64_t)bs * row_bytes;
-    gather_ctx g = {.e = e, .src = src, .rows = rows, .nb = nb, .row_bytes = row_bytes, .corrupt = corrupt};
+    gather_ctx g = {.e = e, .slab = &slab, .src = src, .rows = rows, .corrupt = corrupt};
     pd_err err = {0};
     int64_t t0 = pd_time_us();
     pd_status st = pd_xfer_server_send_nccl(e->xs, q->conn_id, &slab, gather_slab, &g, e->params.disagg_timeout_ms, &err);

@@ -650,3 +650,75 @@ fail:
     call_free(call);
     return NULL;
 }
+
+// ---- one blocking request -----------------------------------------------------------------------
+
+typedef struct fetch_state {
+    struct event_base *base;
+    char *body;
+    size_t len, cap;
+    bool oom;
+    pd_status status;
+    int http_status;
+    char msg[160];
+} fetch_state;
+
+static void fetch_body(pd_http_client_call *call, const char *data, size_t len, void *ud) {
+    fetch_state *f = ud;
+    if (f->oom) return;
+    if (f->len + len + 1 > f->cap) {
+        size_t cap = PD_MAX(f->cap * 2, f->len + len + 1);
+        char *nb = pd_realloc(f->body, cap);
+        if (!nb) {
+            f->oom = true;
+            return;
+        }
+        f->body = nb, f->cap = cap;
+    }
+    memcpy(f->body + f->len, data, len);
+    f->len += len;
+}
+
+static void fetch_done(pd_http_client_call *call, pd_status status, int http_status, const char *msg, void *ud) {
+    fetch_state *f = ud;
+    f->status = status;
+    f->http_status = http_status;
+    snprintf(f->msg, sizeof f->msg, "%s", msg);
+    event_base_loopbreak(f->base);
+}
+
+pd_status pd_http_fetch(const pd_http_client_request *rq, int timeout_ms, int *http_status, char **body,
+                        size_t *body_len, pd_err *err) {
+    pd_err local = {0};
+    if (!err) err = &local;
+    *body = NULL;
+    fetch_state f = {0};
+    if (!(f.base = event_base_new())) return pd_err_set(err, PD_ERR_NOMEM, "http fetch: no event loop");
+    pd_http_client_params cp = pd_http_client_params_default();
+    cp.max_connections = 1;
+    if (timeout_ms > 0) cp.read_timeout_ms = cp.request_timeout_ms = timeout_ms;
+    pd_http_client *c = pd_http_client_new(f.base, &cp, err);
+    pd_status st;
+    if (!c) {
+        st = err->status;
+    } else if (!pd_http_client_send(c, rq, &(pd_http_client_callbacks){.on_body = fetch_body, .on_done = fetch_done}, &f,
+                                    err)) {
+        st = err->status;
+    } else {
+        event_base_dispatch(f.base);  // until fetch_done breaks the loop
+        st = f.oom ? PD_ERR_NOMEM : f.status;
+        if (st) pd_err_set(err, st, "%s", f.oom ? "http fetch: out of memory" : f.msg);
+    }
+    pd_http_client_free(c);
+    event_base_free(f.base);
+    if (!st && !f.body && !(f.body = pd_malloc(1))) st = pd_err_set(err, PD_ERR_NOMEM, "http fetch: out of memory");
+    if (st) {
+        pd_free(f.body);
+        return st;
+    }
+    f.body[f.len] = 0;
+    *body = f.body;
+    if (body_len) *body_len = f.len;
+    *http_status = f.http_status;
+    return PD_OK;
+}

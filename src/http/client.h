@@ -1,7 +1,8 @@
 // http/client — an asynchronous HTTP/1.1 client over libevent's evhttp: many concurrent requests
 // on one event-loop thread, response bodies delivered as they arrive, and Server-Sent Events
 // parsed incrementally (the `data:` lines of an OpenAI stream). Used by `pdserve bench` to load a
-// server and by the router to proxy streams.
+// server and by the router to proxy streams; pd_http_fetch wraps it for one blocking request
+// (`pdserve run`'s start-up probes, bench's model discovery).
 //
 // Model:
 //   pd_http_client  a pool of at most max_connections keep-alive connections (evhttp_connection),
@@ -111,6 +112,16 @@ const char *pd_http_client_call_header(const pd_http_client_call *call, const ch
 // Calls sent and not yet ended (queued ones included); open connections.
 int pd_http_client_n_active(const pd_http_client *c);
 int pd_http_client_n_connections(const pd_http_client *c);
+
+// One blocking request on a private event loop (start-up probes and one-off calls from a command,
+// not for serving: it blocks the calling thread for up to timeout_ms; <= 0: no limit on the whole
+// request, the client's default idle timeout). On PD_OK (a complete
+// response, whatever its HTTP status) *http_status is set and *body (owned by the caller,
+// pd_free; NUL-terminated, *body_len bytes if body_len is not NULL) holds the response body after
+// chunked decoding. Otherwise the client's statuses (PD_ERR_IO for a refused connection,
+// PD_ERR_TIMEOUT, ...) with err saying why, and *body NULL.
+pd_status pd_http_fetch(const pd_http_client_request *rq, int timeout_ms, int *http_status, char **body,
+                        size_t *body_len, pd_err *err);
 
 // ---- the incremental SSE reader (pure; used by the client, exposed for tests and proxies) -------
 typedef void (*pd_http_client_sse_fn)(const char *event, const char *data, size_t len, void *ud);

@@ -31,8 +31,8 @@
 #include "kernels/common.cuh"
 
 #define PD_K_ATT_BQ 128
-// K/V positions per prefill tile (BKV): 128 for head_dim <= 64, 64 above, the tile shapes
-// FlashAttention-2 uses at these head sizes. The longer tile halves the syncs per query tile at
+// K/V positions per prefill tile (BKV): 128 for head_dim <= 64 (FlashAttention-2's forward kernel
+// uses 128 x 128 tiles at head_dim 32 and 64), 64 above. The longer tile halves the syncs per query tile at
 // small head sizes, and it moves where the online softmax rescales (a row's P is rounded to bf16
 // relative to the running max of the tiles so far), which is where two flash kernels' bf16
 // results differ.

@@ -51,10 +51,7 @@ static meta_layout layout_of(const pd_batch *b) {
 }
 
 static pd_status grow(pd_backend *be, pd_buffer **buf, size_t n_bytes) {
-    if (*buf && pd_buffer_size(*buf) >= n_bytes) return PD_OK;
-    pd_buffer_free(*buf);
-    *buf = pd_buffer_alloc(be, n_bytes);
-    return *buf ? PD_OK : PD_ERR_DEVICE;
+    return pd_buffer_reserve(be, buf, n_bytes) ? PD_OK : PD_ERR_DEVICE;
 }
 
 static pd_status ws_reserve(pd_model *m, int n_tokens, int n_logits, size_t n_meta) {

@@ -35,6 +35,14 @@ bool pd_kvw_kv_nccl_valid(const pd_kvw_kv_nccl *s) {
     return rows <= PD_KVW_MAX_PAYLOAD / s->row_bytes && rows * s->row_bytes == s->bytes;
 }
 
+void pd_kvw_kv_nccl_layers(const pd_kvw_kv_nccl *s, void *base, void **k, void **v) {
+    size_t stride = (size_t)s->n_blocks * (size_t)s->block_size * (size_t)s->row_bytes;  // one of K or V
+    for (int l = 0; l < s->n_layers; l++) {
+        k[l] = (char *)base + (size_t)(2 * l) * stride;
+        v[l] = (char *)base + (size_t)(2 * l + 1) * stride;
+    }
+}
+
 // ---- writer ------------------------------------------------------------------------------------
 void pd_kvw_buf_fini(pd_kvw_buf *b) {
     pd_free(b->data);

@@ -169,6 +169,8 @@ uint64_t pd_kvw_peek_len(const uint8_t *hdr);
 // KV_NCCL geometry check (the decoder applies it): positive sizes, n_rows_last <= block_size,
 // row_bytes a multiple of 8, and bytes exactly the slab size (no overflow, <= PD_KVW_MAX_PAYLOAD).
 bool pd_kvw_kv_nccl_valid(const pd_kvw_kv_nccl *s);
+// Where layer l's K and V rows start in a KV_NCCL slab at base: k[l], v[l] for l < n_layers.
+void pd_kvw_kv_nccl_layers(const pd_kvw_kv_nccl *s, void *base, void **k, void **v);
 
 #ifdef __cplusplus
 }

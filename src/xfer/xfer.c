@@ -218,11 +218,7 @@ static const char *land_nccl(worker *w, const pd_kvw_kv_nccl *s) {
     const pd_xfer_pool *pool = &c->p.pool;
     if (!w->comm) return "KV_NCCL on a connection without a communicator";
     pd_err err = {0};
-    if (!w->staging || pd_buffer_size(w->staging) < s->bytes) {
-        pd_buffer_free(w->staging);
-        w->staging = pd_buffer_alloc(c->p.backend, (size_t)s->bytes);
-        if (!w->staging) return "out of device memory for an nccl slab";
-    }
+    if (!pd_buffer_reserve(c->p.backend, &w->staging, (size_t)s->bytes)) return "out of device memory for an nccl slab";
     char *stg = pd_buffer_ptr(w->staging);
     if (pd_comm_recv(w->comm, stg, (size_t)s->bytes, 1, &err) || pd_comm_wait(w->comm, c->p.timeout_ms, &err)) {
         PD_LOG_W("xfer: %s", err.msg);
@@ -261,8 +257,7 @@ static const char *land_nccl(worker *w, const pd_kvw_kv_nccl *s) {
         }
     } else if (found) {
         // Only this thread removes entries once the request was sent, so the blocks stay ours.
-        size_t stride = (size_t)nb * (size_t)bs * (size_t)s->row_bytes;
-        for (int l = 0; l < L; l++) ptrs[l] = stg + (size_t)(2 * l) * stride, ptrs[L + l] = stg + (size_t)(2 * l + 1) * stride;
+        pd_kvw_kv_nccl_layers(s, stg, ptrs, ptrs + L);
         pd_kv_copy_params kp = {.src_k = ptrs, .src_v = ptrs + L, .dst_k = pool->k, .dst_v = pool->v, .src_blocks = idx,
                                 .dst_blocks = idx + nb, .n_rows = idx + 2 * nb, .n_blocks = nb, .layer_begin = 0,
                                 .layer_end = L, .block_size = bs, .row_bytes = (size_t)s->row_bytes};
@@ -809,13 +804,9 @@ pd_status pd_xfer_server_send_nccl(pd_xfer_server *s, int conn_id, const pd_kvw_
         st = pd_err_set(err, PD_ERR_CLOSED, "decode worker %d has no communicator", conn_id);
         goto out;
     }
-    if (!k->staging || pd_buffer_size(k->staging) < slab->bytes) {
-        pd_buffer_free(k->staging);
-        k->staging = pd_buffer_alloc(s->p.backend, (size_t)slab->bytes);
-        if (!k->staging) {
-            st = pd_err_set(err, PD_ERR_NOMEM, "no device memory for a %llu-byte slab", (unsigned long long)slab->bytes);
-            goto out;
-        }
+    if (!pd_buffer_reserve(s->p.backend, &k->staging, (size_t)slab->bytes)) {
+        st = pd_err_set(err, PD_ERR_NOMEM, "no device memory for a %llu-byte slab", (unsigned long long)slab->bytes);
+        goto out;
     }
     fill(ud, pd_buffer_ptr(k->staging));
     pd_kvw_msg m = {.type = PD_KVW_KV_NCCL};

@@ -2,10 +2,13 @@
 // live requests against the house server (pd_http_server on 127.0.0.1, port 0) on one event loop:
 // JSON replies, streams delivered as they are produced, many concurrent calls through a small
 // pool, request timeouts, cancels (also from inside a callback), refused connections, bad URLs.
-// A watchdog timer bounds every loop; nothing sleeps.
+// A watchdog timer bounds every loop; nothing sleeps. pd_http_fetch (blocking) runs against a
+// server whose loop runs on a second thread.
 #include "test.h"
 
 #include <event2/event.h>
+#include <event2/thread.h>
+#include <pthread.h>
 
 #include "http/client.h"
 #include "http/http.h"
@@ -349,6 +352,47 @@ PD_TEST(client_timeout_cancel_refused) {
     PD_CHECK_EQ(err.status, PD_ERR_UNSUPPORTED);
     bad.url = "not a url";
     PD_CHECK(pd_http_client_send(f.cli, &bad, &CB, &r, &err) == NULL);
+    fixture_fini(&f);
+}
+
+static void *loop_thread(void *base) {
+    event_base_dispatch(base);
+    return NULL;
+}
+
+// pd_http_fetch: a JSON reply, a non-200 status (still a response), a refused connection.
+PD_TEST(fetch_blocking) {
+    PD_REQUIRE(evthread_use_pthreads() == 0);  // before the base: loopbreak from this thread
+    fixture f;
+    PD_REQUIRE(fixture_init(&f, 4, 0));
+    pthread_t th;
+    PD_REQUIRE(pthread_create(&th, NULL, loop_thread, f.base) == 0);
+    char url[160];
+    snprintf(url, sizeof url, "%s/json", f.url);
+    pd_http_client_request rq = {.method = "POST", .url = url, .body = "{\"k\":2}", .body_len = 7};
+    int http = 0;
+    char *body = NULL;
+    size_t blen = 0;
+    pd_err err = {0};
+    PD_CHECK_EQ(pd_http_fetch(&rq, 2000, &http, &body, &blen, &err), PD_OK);
+    PD_CHECK_EQ(http, 200);
+    PD_REQUIRE(body);
+    PD_CHECK_CONTAINS(body, "\"method\":\"POST\"");
+    PD_CHECK_CONTAINS(body, "\"body\":\"{\\\"k\\\":2}\"");
+    PD_CHECK_EQ(blen, strlen(body));
+    pd_free(body);
+    pd_http_client_request nf = {.url = url};  // a path with no route
+    snprintf(url, sizeof url, "%s/no-such-path", f.url);
+    PD_CHECK_EQ(pd_http_fetch(&nf, 2000, &http, &body, NULL, &err), PD_OK);
+    PD_CHECK_EQ(http, 404);
+    pd_free(body);
+    event_base_loopbreak(f.base);
+    pthread_join(th, NULL);
+    pd_http_server_free(f.srv);  // now nobody listens on that port
+    f.srv = NULL;
+    PD_CHECK_EQ(pd_http_fetch(&nf, 2000, &http, &body, NULL, &err), PD_ERR_IO);
+    PD_CHECK(body == NULL);
+    PD_CHECK(err.msg[0] != 0);
     fixture_fini(&f);
 }
 

@@ -132,6 +132,26 @@ PD_TEST(kvw_nccl_hello_and_slab_roundtrip) {
 }
 
 // Re-encodes a KV_NCCL frame with one field changed; the decoder must refuse it.
+// The slab layout both sides address: (layer, K|V, block, row), so layer l's K starts at
+// 2 l * stride and its V at (2 l + 1) * stride, stride = n_blocks * block_size * row_bytes, and the
+// last V region ends exactly at bytes.
+PD_TEST(kvw_nccl_slab_layers) {
+    pd_kvw_kv_nccl s = {.n_layers = 3, .n_blocks = 5, .block_size = 16, .n_rows_last = 7, .row_bytes = 64};
+    s.bytes = 3ull * 2 * 5 * 16 * 64;
+    PD_REQUIRE(pd_kvw_kv_nccl_valid(&s));
+    char *base = pd_malloc(s.bytes);
+    PD_REQUIRE(base);
+    void *k[3], *v[3];
+    pd_kvw_kv_nccl_layers(&s, base, k, v);
+    size_t stride = 5 * 16 * 64;
+    for (int l = 0; l < 3; l++) {
+        PD_CHECK((char *)k[l] - base == (ptrdiff_t)(2 * l * stride));
+        PD_CHECK((char *)v[l] - base == (ptrdiff_t)((2 * l + 1) * stride));
+    }
+    PD_CHECK((char *)v[2] - base + (ptrdiff_t)stride == (ptrdiff_t)s.bytes);
+    pd_free(base);
+}
+
 static void nccl_refused(pd_kvw_kv_nccl s, const char *what) {
     pd_kvw_buf b = {0};
     pd_kvw_msg m = {.type = PD_KVW_KV_NCCL};

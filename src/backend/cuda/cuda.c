@@ -136,6 +136,12 @@ void pd_cuda_scratch_reserve(pd_cuda_backend *cb, void **ptr, size_t *cur_bytes,
     if (in_graphs) cb->scratch_gen++;
 }
 
+void pd_cuda_scratch_reserve_zeroed(pd_cuda_backend *cb, void **ptr, size_t *cur_bytes, size_t need_bytes) {
+    size_t before = *cur_bytes;  // (not the pointer: cudaMalloc may hand back the freed address)
+    pd_cuda_scratch_reserve(cb, ptr, cur_bytes, need_bytes, true);
+    if (*cur_bytes != before) PD_CUDA_CHECK(cudaMemsetAsync(*ptr, 0, *cur_bytes, cb->stream));
+}
+
 // ---- op shims ----------------------------------------------------------------------------------
 
 static void cuda_embed(pd_backend *b, const pd_embed_params *p) {
@@ -174,11 +180,8 @@ static void cuda_attention(pd_backend *b, const pd_attention_params *p) {
     size_t ws = pd_cuda_attention_workspace_bytes(p->n_tokens, p->n_seqs, p->n_heads, p->n_kv_heads, p->head_dim,
                                                   p->max_kv_len);
     pd_cuda_scratch_reserve(cb, (void **)&cb->attn_ws, &cb->attn_ws_bytes, ws, true);
-    size_t cnt = pd_cuda_attention_counter_bytes(p->n_seqs, p->n_kv_heads, p->head_dim, p->max_kv_len);
-    if (cnt > cb->attn_cnt_bytes) {  // the kernel leaves the counters zero: clear them once
-        pd_cuda_scratch_reserve(cb, (void **)&cb->attn_cnt, &cb->attn_cnt_bytes, cnt, true);
-        PD_CUDA_CHECK(cudaMemsetAsync(cb->attn_cnt, 0, cb->attn_cnt_bytes, cb->stream));
-    }
+    pd_cuda_scratch_reserve_zeroed(cb, (void **)&cb->attn_cnt, &cb->attn_cnt_bytes,
+                                   pd_cuda_attention_counter_bytes(p->n_seqs, p->n_kv_heads, p->head_dim, p->max_kv_len));
     pd_attention_kparams k = {.q = p->q, .k_cache = p->k_cache, .v_cache = p->v_cache, .out = p->out,
                               .q_indptr = p->q_indptr, .kv_lens = p->kv_lens, .bt_indptr = p->bt_indptr,
                               .bt_indices = p->bt_indices, .n_tokens = p->n_tokens, .n_seqs = p->n_seqs,
@@ -325,14 +328,24 @@ static void cuda_unimport(pd_backend *b, void *p, const pd_buffer_handle *h) {
 
 // ---- KV handoff --------------------------------------------------------------------------------
 
-// Uploads n bytes of host staging (pd_malloc'ed, freed here) into the backend's kv scratch, with
-// n_tail bytes of room after them (8-aligned); returns the device address. cudaMemcpyAsync has
-// consumed pageable memory when it returns, and the stream orders the scratch's reuse.
-static char *kv_stage(pd_cuda_backend *cb, char *host, size_t n, size_t n_tail) {
-    pd_cuda_scratch_reserve(cb, &cb->kv_dev, &cb->kv_dev_bytes, n + n_tail, false);
-    PD_CUDA_CHECK(cudaMemcpyAsync(cb->kv_dev, host, n, cudaMemcpyHostToDevice, cb->stream));
+char *pd_cuda_stage(cudaStream_t s, void **dev, size_t *dev_bytes, char *host, size_t n, size_t n_tail) {
+    if (n + n_tail > *dev_bytes) {
+        PD_CUDA_CHECK(cudaStreamSynchronize(s));
+        if (*dev) PD_CUDA_CHECK(cudaFree(*dev));
+        *dev = NULL;
+        *dev_bytes = 0;
+        size_t want = n + n_tail + (n + n_tail) / 4;
+        PD_CUDA_CHECK(cudaMalloc(dev, want));
+        *dev_bytes = want;
+    }
+    PD_CUDA_CHECK(cudaMemcpyAsync(*dev, host, n, cudaMemcpyHostToDevice, s));
     pd_free(host);
-    return cb->kv_dev;
+    return *dev;
+}
+
+// The KV-transfer staging (kv_copy, kv_checksum) is never captured: it may grow at any time.
+static char *kv_stage(pd_cuda_backend *cb, char *host, size_t n, size_t n_tail) {
+    return pd_cuda_stage(cb->stream, &cb->kv_dev, &cb->kv_dev_bytes, host, n, n_tail);
 }
 
 char *pd_cuda_kv_copy_pack(const pd_kv_copy_params *p, size_t *desc_off, size_t *n_bytes) {

@@ -69,6 +69,13 @@ char *pd_cuda_kv_copy_pack(const pd_kv_copy_params *p, size_t *desc_off, size_t 
 // Grows a device scratch buffer (synchronising first). Aborts if the stream is being captured.
 // in_graphs: captured kernels may use the buffer, so growing it makes existing graphs stale.
 void pd_cuda_scratch_reserve(pd_cuda_backend *cb, void **ptr, size_t *cur_bytes, size_t need_bytes, bool in_graphs);
+// The same for counters / partials that must read zero when a kernel starts (the kernels leave
+// them zero): the whole buffer is cleared whenever it is (re)allocated. Used by captured kernels.
+void pd_cuda_scratch_reserve_zeroed(pd_cuda_backend *cb, void **ptr, size_t *cur_bytes, size_t need_bytes);
+// Uploads n bytes of host staging (pd_malloc'ed, freed here) to the device scratch *dev on stream
+// s, grown (after synchronising s) to hold them plus n_tail bytes; returns the device address.
+// cudaMemcpyAsync has consumed pageable memory when it returns; s orders the scratch's reuse.
+char *pd_cuda_stage(cudaStream_t s, void **dev, size_t *dev_bytes, char *host, size_t n, size_t n_tail);
 
 // sample.c
 void pd_cuda_sample_op(pd_backend *b, const pd_sample_params *p);

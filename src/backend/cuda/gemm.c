@@ -70,7 +70,7 @@ void pd_cuda_gemm_fini(pd_cuda_backend *cb) {
 static bool tune_enabled(int M) {
     const char *e = getenv("PD_CUDA_GEMM_TUNE");
     if (!e || !*e) return M >= PD_GEMM_TUNE_MIN_M;
-    return e && !strcmp(e, "1");
+    return !strcmp(e, "1");
 }
 
 // Times the candidates on p's operands and keeps the fastest in pl->algo. Best effort: any
@@ -185,9 +185,7 @@ void pd_cuda_gemm_matmul(pd_backend *b, const pd_matmul_params *p) {
     PD_ASSERT(p->M >= 0 && p->N > 0 && p->K > 0 && lda >= p->K);
     if (p->M == 0) return;
     if (p->M <= cb->gemv_max_m && pd_cuda_gemv_supported(p->M, p->K, lda)) {
-        void *old = cb->gemv_ws;
-        pd_cuda_scratch_reserve(cb, &cb->gemv_ws, &cb->gemv_ws_bytes, pd_cuda_gemv_workspace_bytes(p->N), true);
-        if (cb->gemv_ws != old) PD_CUDA_CHECK(cudaMemsetAsync(cb->gemv_ws, 0, cb->gemv_ws_bytes, cb->stream));
+        pd_cuda_scratch_reserve_zeroed(cb, &cb->gemv_ws, &cb->gemv_ws_bytes, pd_cuda_gemv_workspace_bytes(p->N));
         pd_gemv_kparams k = {.a = p->a, .w = p->w, .bias = p->bias, .out = p->out, .M = p->M, .N = p->N,
                              .K = p->K, .lda = lda, .accumulate = p->accumulate, .out_f32 = p->out_f32,
                              .workspace = cb->gemv_ws};

@@ -206,19 +206,9 @@ void pd_cuda_comm_kv_copy(pd_backend *b, void *p, const pd_kv_copy_params *kp) {
     if (!c->comm || kp->n_blocks <= 0 || nl <= 0) return;
     pd_cuda_bind(c->cb);
     size_t off, n;
-    char *host = pd_cuda_kv_copy_pack(kp, &off, &n);
-    if (n > c->kv_dev_bytes) {
-        PD_CUDA_CHECK(cudaStreamSynchronize(c->stream));
-        if (c->kv_dev) PD_CUDA_CHECK(cudaFree(c->kv_dev));
-        c->kv_dev = NULL;
-        c->kv_dev_bytes = 0;
-        PD_CUDA_CHECK(cudaMalloc(&c->kv_dev, n));
-        c->kv_dev_bytes = n;
-    }
-    // Pageable source: staged before cudaMemcpyAsync returns; the stream orders the reuse.
-    PD_CUDA_CHECK(cudaMemcpyAsync(c->kv_dev, host, n, cudaMemcpyHostToDevice, c->stream));
-    pd_free(host);
-    pd_kv_copy_kparams k = {.ptrs = (void *const *)c->kv_dev, .blocks = (const pd_kv_block_desc *)((char *)c->kv_dev + off),
+    char *host = pd_cuda_kv_copy_pack(kp, &off, &n);  // sets n: not in pd_cuda_stage's argument list
+    char *dev = pd_cuda_stage(c->stream, &c->kv_dev, &c->kv_dev_bytes, host, n, 0);
+    pd_kv_copy_kparams k = {.ptrs = (void *const *)dev, .blocks = (const pd_kv_block_desc *)(dev + off),
                             .n_blocks = kp->n_blocks, .n_layers = nl, .block_size = kp->block_size, .row_bytes = kp->row_bytes};
     pd_cuda_kv_copy(&k, c->stream);
     PD_CUDA_CHECK_LAUNCH();

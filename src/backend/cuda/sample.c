@@ -34,7 +34,7 @@ void pd_cuda_sample_fini(pd_cuda_backend *cb) {
 }
 
 // Grows the staging buffers to at least host_need / dev_need bytes (the stream is idle between
-// calls: every call ends with a synchronisation).
+// calls: every call ends with a synchronisation; the device one is a backend scratch).
 static pd_cuda_sampler *sampler_reserve(pd_cuda_backend *cb, size_t host_need, size_t dev_need) {
     if (!cb->sampler) {
         cb->sampler = pd_calloc(1, sizeof(pd_cuda_sampler));
@@ -48,13 +48,7 @@ static pd_cuda_sampler *sampler_reserve(pd_cuda_backend *cb, size_t host_need, s
         PD_CUDA_CHECK(cudaHostAlloc(&s->host, n, cudaHostAllocDefault));
         s->host_bytes = n;
     }
-    if (dev_need > s->dev_bytes) {
-        if (s->dev) PD_CUDA_CHECK(cudaFree(s->dev));
-        s->dev = NULL;
-        size_t n = dev_need + dev_need / 2;
-        PD_CUDA_CHECK(cudaMalloc(&s->dev, n));
-        s->dev_bytes = n;
-    }
+    pd_cuda_scratch_reserve(cb, &s->dev, &s->dev_bytes, dev_need, false);  // never in a graph
     return s;
 }
 
