@@ -8,8 +8,8 @@ pd_status pd_buf_reserve(pd_buf *b, size_t extra) {
     size_t need;
     if (pd_add_overflow(b->len, extra, &need) || pd_add_overflow(need, 1, &need)) return PD_ERR_NOMEM;
     if (b->p && need <= b->cap) return PD_OK;
-    size_t cap = b->cap > 32 ? b->cap : 32;
-    while (cap < need) cap = cap > SIZE_MAX / 2 ? need : cap * 2;
+    size_t cap = b->cap > SIZE_MAX / 2 ? need : PD_MAX(b->cap * 2, need);  // doubling, or exactly
+    if (cap < 32) cap = 32;                                                    // a bigger need
     char *p = pd_realloc(b->p, cap);
     if (!p) return PD_ERR_NOMEM;
     if (!b->p) p[0] = 0;
@@ -73,8 +73,8 @@ void pd_buf_free(pd_buf *b) {
 
 pd_status pd_array_reserve(void *pptr, size_t elem, size_t *cap, size_t need) {
     if (need <= *cap) return PD_OK;
-    size_t c = *cap > 4 ? *cap : 4;
-    while (c < need) c = c > SIZE_MAX / 2 ? need : c * 2;
+    size_t c = *cap > SIZE_MAX / 2 ? need : PD_MAX(*cap * 2, need);  // doubling, or exactly a bigger need
+    if (c < 4) c = 4;
     size_t bytes;
     if (pd_mul_overflow(c, elem, &bytes)) {
         c = need;  // doubling overflowed: try exactly what was asked

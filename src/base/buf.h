@@ -7,7 +7,8 @@
 //
 // pd_buf: {p, len, cap}, zero-initialised is an empty buffer. Once it holds anything, p[len] is
 // a NUL (cap counts it), so p is a C string whenever the contents have no NUL bytes of their own.
-// Growth doubles (at least 32 bytes), so appending n bytes one at a time costs O(n).
+// Growth: the larger of double and the need (at least 32 bytes), so appending n bytes one at a
+// time costs O(n) and one big append allocates no more than it needs.
 #pragma once
 
 #include "base/base.h"
@@ -42,7 +43,8 @@ char *pd_buf_take(pd_buf *b);
 void pd_buf_free(pd_buf *b);
 
 // Typed arrays kept as `T *arr; size_t n, cap;`: makes *pptr (a T *) hold at least `need`
-// elements of elem bytes, doubling the capacity (at least 4 elements). Contents are kept; new
+// elements of elem bytes, growing to the larger of double the capacity
+// and need (at least 4 elements). Contents are kept; new
 // elements are uninitialised. PD_ERR_NOMEM (nothing changed) on overflow or OOM.
 pd_status pd_array_reserve(void *pptr, size_t elem, size_t *cap, size_t need);
 #define PD_ARRAY_RESERVE(arr, cap, need) pd_array_reserve(&(arr), sizeof *(arr), &(cap), (need))
