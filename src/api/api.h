@@ -6,7 +6,8 @@
 //   GET  /internal/state?since=N (router) load report + KV events (wire/control.h STATE)
 // with streaming (SSE chunks in OpenAI's shapes, then `data: [DONE]`) and non-streaming replies.
 //
-// Pipeline of one request (all on the HTTP event-loop thread):
+// Pipeline of one request (parse + template + tokenize on the preparation pool, api/prep.h; the
+// rest on the HTTP event-loop thread):
 //   body ─► pd_api_request_parse (JSON, types, ranges, model name) ─► pd_api_request_tokenize
 //   (chat template, tokenizer, context-length check) ─► one engine request per choice
 //   (n × prompts) ─► TOKEN events ─► streaming detokenizer ─► stop-string matcher ─► SSE chunk or

@@ -95,6 +95,7 @@ struct pd_api {
     pd_rng rng;
     api_job *jobs;
     int n_jobs;
+    struct pd_api_prep *prep;  // owned: parse + template + tokenize off the loop (prep.c)
 };
 
 // ---- id table (server.c) -----------------------------------------------------------------------

@@ -1,8 +1,10 @@
 // server.c — pd_api: routes, the completion / chat handlers (parse → tokenize → submit), the
 // engine event watcher, /v1/models, /health, /metrics, and the id table.
 //
-// Everything runs on the event-loop thread: HTTP callbacks, the engine-event callback (the engine
-// fd is readable while events are pending) and metric rendering, so no state here needs a lock.
+// Everything here runs on the event-loop thread: HTTP callbacks, the engine-event callback (the
+// engine fd is readable while events are pending) and metric rendering, so no state here needs a
+// lock. Parsing, chat templating and tokenizing a body run on the preparation pool (prep.c), whose
+// results come back to this thread.
 #include <event2/event.h>
 #include <limits.h>
 #include <stdio.h>
@@ -11,6 +13,7 @@
 #include <time.h>
 
 #include "api/api_impl.h"
+#include "api/prep.h"
 
 // ---- id table: engine request id -> choice, a pd_map (base/map.h) ---------------------------------
 
@@ -142,33 +145,22 @@ static pd_status job_submit(api_job *j, const pd_api_request *rq, const pd_api_p
     return PD_OK;
 }
 
-// Parses and tokenizes a request body; on failure replies with the error and returns false
-// (nothing left to free).
-static bool parse_and_tokenize(pd_http_req *r, pd_api *a, pd_api_kind kind, const char *body, size_t len,
-                               pd_api_request *rq, pd_api_prompts *pr) {
-    pd_api_error e = {0};
-    if (pd_api_request_parse(kind, body, len, a->model_name, rq, &e) ||
-        pd_api_request_tokenize(rq, a->tok, a->tmpl, a->max_model_len, pr, &e)) {
+// Parsing, templating and tokenizing run on the preparation pool (prep.c); these continue on the
+// loop thread with the result.
+static void generate_prepared(api_prep_job *pj, void *ud) {
+    pd_api *a = ud;
+    pd_http_req *r = pj->http;
+    pd_api_error e = pj->e;
+    if (pj->status) {
         reply_api_error(r, &e);
-        pd_api_request_fini(rq);
-        return false;
+        return;
     }
-    return true;
-}
-
-static void handle_generate(pd_http_req *r, pd_api *a, pd_api_kind kind) {
-    size_t len;
-    const char *body = pd_http_req_body(r, &len);
-    pd_api_request rq;
-    pd_api_prompts pr = {0};
-    if (!parse_and_tokenize(r, a, kind, body, len, &rq, &pr)) return;
-    pd_api_error e = {0};
-    api_job *j = job_new(a, r, &rq, &pr);
+    api_job *j = job_new(a, r, &pj->rq, &pj->pr);
     if (!j) {
         e.status = PD_ERR_NOMEM;
         snprintf(e.message, sizeof e.message, "out of memory");
         reply_api_error(r, &e);
-    } else if (job_submit(j, &rq, &pr, &e)) {
+    } else if (job_submit(j, &pj->rq, &pj->pr, &e)) {
         j->http = NULL;
         pd_api_job_free(j);  // aborts what was queued
         reply_api_error(r, &e);
@@ -176,33 +168,37 @@ static void handle_generate(pd_http_req *r, pd_api *a, pd_api_kind kind) {
         pd_http_req_set_close_cb(r, on_client_close, j);
         if (j->stream) pd_api_job_stream_begin(j);
     }
-    pd_api_prompts_fini(&pr);
-    pd_api_request_fini(&rq);
+}
+
+static void submit_prep(pd_http_req *r, pd_api *a, pd_api_kind kind, bool detect_kind, api_prep_done_fn done) {
+    if (pd_api_prep_submit(a->prep, r, kind, detect_kind, done, a) != PD_OK)
+        pd_http_reply_error(r, 500, "server_error", "out of memory", NULL, NULL);
+}
+
+static void handle_generate(pd_http_req *r, pd_api *a, pd_api_kind kind) {
+    submit_prep(r, a, kind, false, generate_prepared);
 }
 
 static void h_completions(pd_http_req *r, void *ud) { handle_generate(r, ud, PD_API_COMPLETION); }
 
 // POST /internal/tokenize (for the router): a completions or chat body (chat when it has
 // "messages") → {"token_ids": [...]}, the ids the engine would get (the first prompt of a batch).
-static void h_tokenize(pd_http_req *r, void *ud) {
-    pd_api *a = ud;
-    size_t len;
-    const char *body = pd_http_req_body(r, &len);
-    json_t *probe = json_loadb(body, len, 0, NULL);
-    pd_api_kind kind = json_object_get(probe, "messages") ? PD_API_CHAT : PD_API_COMPLETION;
-    json_decref(probe);
-    pd_api_request rq;
-    pd_api_prompts pr = {0};
-    if (!parse_and_tokenize(r, a, kind, body, len, &rq, &pr)) return;
+static void tokenize_prepared(api_prep_job *pj, void *ud) {
+    pd_http_req *r = pj->http;
+    PD_UNUSED(ud);
+    if (pj->status) {
+        reply_api_error(r, &pj->e);
+        return;
+    }
     json_t *ids = json_array();
-    for (int i = 0; ids && i < pr.items[0].n; i++) json_array_append_new(ids, json_integer(pr.items[0].ids[i]));
+    for (int i = 0; ids && i < pj->pr.items[0].n; i++) json_array_append_new(ids, json_integer(pj->pr.items[0].ids[i]));
     json_t *o = ids ? json_pack("{s:o}", "token_ids", ids) : NULL;
     if (o) pd_http_reply_json(r, 200, o);
     else pd_http_reply_error(r, 500, "server_error", "out of memory", NULL, NULL);
     json_decref(o);
-    pd_api_prompts_fini(&pr);
-    pd_api_request_fini(&rq);
 }
+
+static void h_tokenize(pd_http_req *r, void *ud) { submit_prep(r, ud, PD_API_COMPLETION, true, tokenize_prepared); }
 
 // GET /internal/state?since=N (for the router): load report + KV events (wire/control.h STATE).
 static void h_state(pd_http_req *r, void *ud) {
@@ -410,6 +406,9 @@ pd_api *pd_api_new(struct event_base *base, pd_engine *e, const pd_api_params *p
         }
     }
     if (register_metrics(a, err)) goto fail;
+    a->prep = pd_api_prep_new(base, &(pd_api_prep_params){.tok = a->tok, .tmpl = a->tmpl, .model_name = a->model_name,
+                                                          .max_model_len = a->max_model_len}, err);
+    if (!a->prep) goto fail;
     pd_http_params hp = pd_http_params_default();
     hp.host = p->host;
     hp.port = p->port;
@@ -444,6 +443,7 @@ void pd_api_free(pd_api *a) {
     if (a->ev_engine) event_free(a->ev_engine);
     // Closing the server runs on_client_close for every held request: their jobs are cancelled.
     pd_http_server_free(a->http);
+    pd_api_prep_free(a->prep);  // after the server: requests still being prepared were cancelled
     while (a->jobs) pd_api_job_cancel(a->jobs);
     pd_api_idmap_fini(&a->ids);
     pd_chat_template_free(a->tmpl);
@@ -455,5 +455,5 @@ void pd_api_free(pd_api *a) {
 int pd_api_port(const pd_api *a) { return pd_http_server_port(a->http); }
 const char *pd_api_model_name(const pd_api *a) { return a->model_name; }
 void pd_api_stop_accepting(pd_api *a) { pd_http_server_stop_accepting(a->http); }
-int pd_api_n_jobs(const pd_api *a) { return a->n_jobs; }
+int pd_api_n_jobs(const pd_api *a) { return a->n_jobs + pd_api_prep_n_pending(a->prep); }
 int pd_api_n_engine_requests(const pd_api *a) { return (int)pd_map_len(&a->ids.map); }
