@@ -78,11 +78,13 @@ static int size_kv_blocks(pd_engine *e, pd_err *err) {
         budget = (size_t)((double)free_b * p->memory_utilization);
         if (!strcmp(pd_backend_name(e->backend), "cpu")) {
             // On the CPU the "device" is the host, shared with everything else on it (a `pdserve
-            // run` puts two workers and a router there): hold what the limits can use, never more
-            // than 1 GiB. A decode (or colocated) worker can have max_num_seqs full contexts; a
-            // prefill worker holds prompts only while it computes and exports them: two steps'
-            // worth plus one full context. The pool is zeroed at start, so it is resident memory.
-            if (budget > (1u << 30)) budget = 1u << 30;
+            // run` puts two workers and a router there): hold what the limits can use, and at most
+            // 1/32 of the host's memory or 512 MiB. A decode (or colocated) worker can have
+            // max_num_seqs full contexts; a prefill worker holds prompts only while it computes and
+            // exports them: two steps' worth plus one full context. The pool is zeroed at start,
+            // so all of it is resident memory.
+            size_t cap = PD_MIN(total_b / 32, (size_t)512 << 20);
+            if (budget > cap) budget = cap;
             size_t per_ctx = (size_t)(e->max_model_len + p->block_size - 1) / (size_t)p->block_size;
             int seqs = p->max_num_seqs > 0 ? p->max_num_seqs : 64;
             int step = p->max_num_batched_tokens > 0 ? p->max_num_batched_tokens : 2048;

@@ -68,7 +68,8 @@ typedef struct pd_engine_params {
     size_t kv_cache_bytes;        // --kv-cache-memory; 0 = sized by default (size_kv_blocks):
                                   //   cuda: memory_utilization of the free device memory;
                                   //   cpu: what the limits can use (decode/both: max_num_seqs full
-                                  //   contexts; prefill: 2 steps + one full context), at most 1 GiB
+                                  //   contexts; prefill: 2 steps + one full context), at most
+                                  //   1/32 of the host's memory and 512 MiB
     float memory_utilization;     // fraction of free device memory for KV (default 0.9)
     int max_num_seqs;             // default 256 (cuda) / 64 (cpu)
     int max_num_batched_tokens;   // token budget per step (default 2048)
