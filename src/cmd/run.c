@@ -70,7 +70,7 @@ typedef struct child {
     int n_restarts, n_quick_fails;
     struct event *restart; // backoff timer
     bool is_signalled;     // SIGTERM sent during shutdown
-    bool is_clean;         // exited with status 0 (meaningful once pid == 0)
+    bool is_clean;         // never started, or exited with status 0 (or by our SIGTERM)
 } child;
 
 typedef enum run_phase { PH_STARTING, PH_SERVING, PH_STOP_ROUTER, PH_STOP_WORKERS, PH_DONE } run_phase;
@@ -153,6 +153,7 @@ static pid_t spawn(run_ctx *r, child *c) {
     pid_t g = getpgid(pid);
     if (g > 0 && g != getpgrp()) r->pgid = g;
     c->pid = pid;
+    c->is_clean = false;
     c->t_start_us = pd_time_us();
     return pid;
 }
@@ -223,7 +224,9 @@ static void on_sigchld(evutil_socket_t fd, short what, void *arg) {
         child *c = child_of(r, pid);
         if (!c) continue;
         c->pid = 0;
-        c->is_clean = WIFEXITED(ws) && WEXITSTATUS(ws) == 0;
+        // A child still starting up has no handler yet: our SIGTERM's default action is its exit.
+        c->is_clean = (WIFEXITED(ws) && WEXITSTATUS(ws) == 0) ||
+                      (c->is_signalled && WIFSIGNALED(ws) && WTERMSIG(ws) == SIGTERM);
         if (r->phase == PH_SERVING) {
             schedule_restart(r, c, ws);
         } else if (r->phase >= PH_STOP_ROUTER) {
@@ -500,9 +503,9 @@ int pd_cmd_run(int argc, char **argv) {
     run_ctx r = {0};
     r.threads = threads;
     r.shutdown_timeout_s = (int)strtol(sdt, NULL, 10);
-    r.cs[C_PREFILL] = (child){.r = &r, .name = "prefill", .port = free_port()};
-    r.cs[C_DECODE] = (child){.r = &r, .name = "decode", .port = free_port()};
-    r.cs[C_ROUTER] = (child){.r = &r, .name = "router", .port = port};
+    r.cs[C_PREFILL] = (child){.r = &r, .name = "prefill", .port = free_port(), .is_clean = true};
+    r.cs[C_DECODE] = (child){.r = &r, .name = "decode", .port = free_port(), .is_clean = true};
+    r.cs[C_ROUTER] = (child){.r = &r, .name = "router", .port = port, .is_clean = true};
     if (kvp <= 0 || r.cs[C_PREFILL].port <= 0 || r.cs[C_DECODE].port <= 0 || port <= 0) {
         fprintf(stderr, "pdserve run: cannot find free loopback ports\n");
         return 1;
@@ -549,6 +552,7 @@ int pd_cmd_run(int argc, char **argv) {
         if (spawn(&r, &r.cs[i]) < 0 || !wait_health(&r, &r.cs[i], 120)) {
             if (!r.stop_requested) fprintf(stderr, "pdserve run: the %s process did not become healthy\n", r.cs[i].name);
             stop_now(&r);
+            if (r.stop_requested) goto stopped;  // interrupted by the user, not a failure
             goto out;
         }
     }
@@ -575,6 +579,7 @@ int pd_cmd_run(int argc, char **argv) {
     event_base_loop(r.base, EVLOOP_NONBLOCK);  // signals or deaths during the sample
     if (exit_after || r.stop_requested) begin_shutdown(&r);
     if (r.phase != PH_DONE) event_base_dispatch(r.base);
+stopped:
     rc = r.is_failed ? 1 : 0;
     for (int i = 0; i < N_CHILDREN; i++)
         if (!r.cs[i].is_clean) rc = 1;
