@@ -10,12 +10,13 @@
 #   5. QoS: premium keeps its latency and is never refused while free saturates and is refused
 #   6. failover: a worker SIGKILLed mid-stream; every stream completes, gap- and duplicate-free
 #      (text equal to an uninterrupted greedy run). Needs the worker's "return_token_ids".
-# Needs curl and node; installs chromium with apt when it is missing.
+# Needs curl, node, python3 and chromium (make deps installs them).
 here=$(cd "$(dirname "$0")" && pwd)
 . "$here/lib/server.sh"
 pd_setup
 command -v curl >/dev/null || pd_fail "curl is required"
 command -v node >/dev/null || pd_fail "node is required"
+command -v python3 >/dev/null || pd_fail "python3 is required"
 CLIENT="node $here/js/router_client.mjs"
 
 router_start() {  # NAME FLAGS...
@@ -66,11 +67,7 @@ curl -s "$URL_R/metrics" >"$TMP/metrics"
 grep -q '^pdserve_router_prefix_hit_tokens_total [1-9]' "$TMP/metrics" || pd_fail "prefix hits not counted"
 
 # ---- 3. status page in headless chromium ----------------------------------------------------------
-if ! command -v chromium >/dev/null; then
-  echo "installing chromium (missing)"
-  (apt-get install -y chromium >/dev/null 2>&1 || (apt-get update >/dev/null 2>&1 && apt-get install -y chromium >/dev/null 2>&1)) ||
-    pd_fail "chromium is missing and could not be installed"
-fi
+command -v chromium >/dev/null || pd_fail "chromium is required (installed by make deps)"
 chromium --headless --no-sandbox --disable-gpu --virtual-time-budget=3000 --dump-dom "$URL_R/status" \
   >"$TMP/status.dom" 2>/dev/null || pd_fail "chromium --dump-dom failed"
 for u in "$URL_A" "$URL_B"; do grep -q "$u" "$TMP/status.dom" || pd_fail "status page lacks worker $u"; done
