@@ -87,12 +87,13 @@ mount -t tmpfs -o mode=1777,size=4g shm "$root/dev/shm"   # private: what is lef
 if [ -z "${FMC_NO_CACHE:-}" ]; then
   mkdir -p "$root/var/cache/apt/archives"
   mount --bind "$cache/apt-archives" "$root/var/cache/apt/archives"
+  chroot "$root" chown _apt:root /var/cache/apt/archives/partial
 fi
 
 # ---- 2. the tree, as a clone has it --------------------------------------------------------------
 phase "copying the tree ($(cd "$repo" && git ls-files -co --exclude-standard | wc -l) files) and the models"
 mkdir -p "$root/src/pdserve" "$root/src/shared"
-(cd "$repo" && git ls-files -co --exclude-standard -z | xargs -0 tar -cf - --no-recursion) | tar -xf - -C "$root/src/pdserve"
+(cd "$repo" && git ls-files -co --exclude-standard -z | tar --null --no-recursion -T - -cf -) | tar -xf - -C "$root/src/pdserve"
 cp -a "$models" "$root/src/shared/models"
 
 in_root() { chroot "$root" /usr/bin/env -i HOME=/root PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin \
