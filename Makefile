@@ -139,7 +139,7 @@ test: deps
 # the instrumented build/asan/pdserve). UBSan findings abort: a report is a failure.
 test-asan: deps
 	@$(MAKE) --no-print-directory BUILD=build/asan SAN=address,undefined CUDA=0 tests
-	@ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \
+	@PD_TEST_TIME_SCALE=4 ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \
 	  sh tools/run_tests.sh build/asan $(patsubst $(BUILD)/%,build/asan/%,$(TEST_BIN))
 
 # ThreadSanitizer over the tests that run threads: the engine thread, the KV transfer threads, the
@@ -151,7 +151,7 @@ TSAN_TESTS ?= unit/test_engine unit/test_disagg unit/test_api_server unit/test_h
 TSAN_SCRIPTS ?= test_disagg.sh test_router_fake.sh test_api.sh
 test-tsan: deps
 	@$(MAKE) --no-print-directory BUILD=build/tsan SAN=thread CUDA=0 $(addprefix build/tsan/tests/,$(TSAN_TESTS)) build/tsan/pdserve
-	@OMP_THREAD_LIMIT=1 TSAN_OPTIONS="suppressions=$(CURDIR)/tools/tsan.supp halt_on_error=1 exitcode=66 second_deadlock_stack=1" \
+	@PD_TEST_TIME_SCALE=10 OMP_THREAD_LIMIT=1 TSAN_OPTIONS="suppressions=$(CURDIR)/tools/tsan.supp halt_on_error=1 exitcode=66 second_deadlock_stack=1" \
 	  PD_INTEGRATION="$(TSAN_SCRIPTS)" sh tools/run_tests.sh build/tsan $(addprefix build/tsan/tests/,$(TSAN_TESTS))
 
 RUN_ARGS ?=

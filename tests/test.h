@@ -84,6 +84,13 @@ static inline const char *pd_test_path(char *buf, size_t n, const char *rel) {
     snprintf(buf, n, "%s/%s", pd_test_models_dir(), rel);
     return buf;
 }
+// A deadline `seconds` from now, for bounding waits (never for judging speed). PD_TEST_TIME_SCALE
+// (default 1) stretches every deadline: the sanitizer tiers run 5-20x slower.
+static inline int64_t pd_test_deadline_us(double seconds) {
+    const char *s = getenv("PD_TEST_TIME_SCALE");
+    double k = s && atof(s) > 0 ? atof(s) : 1.0;
+    return pd_time_us() + (int64_t)(seconds * k * 1e6);
+}
 static inline const char *pd_test_repo_dir(void) {
     const char *d = getenv("PD_REPO_DIR");
     return d && *d ? d : ".";

@@ -90,5 +90,5 @@ done
 
 if npm_stale; then
   echo "deps: npm ci in tests/integration/js (from package-lock.json)"
-  (cd "$repo/tests/integration/js" && npm ci --no-audit --no-fund --silent)
+  (cd "$repo/tests/integration/js" && npm ci --no-audit --no-fund --loglevel=error)
 fi

@@ -4,7 +4,7 @@
 # Builds a minimal Debian 12 root with debootstrap (--variant=minbase: no compiler, no make, no
 # curl, no CA certificates — stricter than a desktop install), puts libblas-dev in it (the
 # reference BLAS, common on real machines: its cblas.h once passed for OpenBLAS), copies the tree
-# (git ls-files: tracked + untracked-not-ignored files, as a clone would have) to /src/pdserve and
+# (git ls-files: tracked + untracked-not-ignored files, as a clone would have) to /src/repo and
 # the shared models to /src/shared/models (tests look for ../shared/models beside the repository),
 # then, inside a chroot, runs what the README says:
 #     apt-get install make         (the README's one prerequisite)
@@ -78,6 +78,11 @@ deb $mirror $suite-updates main
 deb ${mirror%/debian*}/debian-security $suite-security main
 EOF
 cp /etc/resolv.conf "$root/etc/resolv.conf"
+# This network's own TLS trust (a proxy's CA in /usr/local/share/ca-certificates, public
+# certificates only): a machine on this network has it too, or npm ci cannot reach the registry.
+# update-ca-certificates picks it up when make deps installs ca-certificates.
+mkdir -p "$root/usr/local/share/ca-certificates"
+cp /usr/local/share/ca-certificates/*.crt "$root/usr/local/share/ca-certificates/" 2>/dev/null || true
 
 mount -t proc proc "$root/proc"
 mount -t sysfs sys "$root/sys"
@@ -92,8 +97,8 @@ fi
 
 # ---- 2. the tree, as a clone has it --------------------------------------------------------------
 phase "copying the tree ($(cd "$repo" && git ls-files -co --exclude-standard | wc -l) files) and the models"
-mkdir -p "$root/src/pdserve" "$root/src/shared"
-(cd "$repo" && git ls-files -co --exclude-standard -z | tar --null --no-recursion -T - -cf -) | tar -xf - -C "$root/src/pdserve"
+mkdir -p "$root/src/repo" "$root/src/shared"
+(cd "$repo" && git ls-files -co --exclude-standard -z | tar --null --no-recursion -T - -cf -) | tar -xf - -C "$root/src/repo"
 cp -a "$models" "$root/src/shared/models"
 
 in_root() { chroot "$root" /usr/bin/env -i HOME=/root PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin \
@@ -109,7 +114,7 @@ in_root 'DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-reco
 
 phase "make run RUN_ARGS=\"--exit-after-sample --port 0\""
 t0=$(date +%s)
-in_root 'cd /src/pdserve && timeout 3600 make run RUN_ARGS="--exit-after-sample --port 0"' >"$cache/make-run.log" 2>&1 ||
+in_root 'cd /src/repo && timeout 3600 make run RUN_ARGS="--exit-after-sample --port 0"' >"$cache/make-run.log" 2>&1 ||
   { tail -40 "$cache/make-run.log"; echo "FAIL: make run"; exit 1; }
 tail -25 "$cache/make-run.log"
 grep -q '^answer: ..' "$cache/make-run.log" || { echo "FAIL: make run printed no answer"; exit 1; }
@@ -117,7 +122,7 @@ phase "make run: ok ($(( $(date +%s) - t0 ))s, packages and build included)"
 
 phase "make test"
 t0=$(date +%s)
-in_root 'cd /src/pdserve && timeout 5400 make test' >"$cache/make-test.log" 2>&1 || true
+in_root 'cd /src/repo && timeout 5400 make test' >"$cache/make-test.log" 2>&1 || true
 tail -15 "$cache/make-test.log"
 last=$(tail -1 "$cache/make-test.log")
 phase "make test: '$last' ($(( $(date +%s) - t0 ))s)"

@@ -47,8 +47,10 @@ pd_cleanup() {
 }
 
 # Polls until `cmd` succeeds or `secs` pass. Usage: pd_wait_for SECS CMD...
+# The deadline bounds the wait; it never judges speed. PD_TEST_TIME_SCALE (an integer, default 1)
+# stretches it for the sanitizer tiers, whose servers run 5-20x slower.
 pd_wait_for() {
-  secs=$1; shift
+  secs=$(( $1 * ${PD_TEST_TIME_SCALE:-1} )); shift
   end=$(( $(date +%s) + secs ))
   while ! "$@" >/dev/null 2>&1; do
     [ "$(date +%s)" -ge "$end" ] && return 1
