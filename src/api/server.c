@@ -223,8 +223,11 @@ static void h_state(pd_http_req *r, void *ud) {
 static void h_chat(pd_http_req *r, void *ud) { handle_generate(r, ud, PD_API_CHAT); }
 
 static void h_health(pd_http_req *r, void *ud) {
-    PD_UNUSED(ud);
-    pd_http_reply(r, 200, "application/json", "{\"status\":\"ok\"}", 15);
+    pd_api *a = ud;
+    if (pd_http_server_is_draining(a->http))  // shutting down: load balancers take us out
+        pd_http_reply(r, 503, "application/json", "{\"status\":\"draining\"}", 21);
+    else
+        pd_http_reply(r, 200, "application/json", "{\"status\":\"ok\"}", 15);
 }
 
 static void h_models(pd_http_req *r, void *ud) {
@@ -455,5 +458,11 @@ void pd_api_free(pd_api *a) {
 int pd_api_port(const pd_api *a) { return pd_http_server_port(a->http); }
 const char *pd_api_model_name(const pd_api *a) { return a->model_name; }
 void pd_api_stop_accepting(pd_api *a) { pd_http_server_stop_accepting(a->http); }
+void pd_api_drain(pd_api *a, int retry_after_s) { pd_http_server_drain(a->http, retry_after_s); }
 int pd_api_n_jobs(const pd_api *a) { return a->n_jobs + pd_api_prep_n_pending(a->prep); }
+bool pd_api_is_drained(pd_api *a) {
+    return pd_api_n_jobs(a) == 0 && pd_http_server_n_active(a->http) == 0 && pd_http_server_n_unflushed(a->http) == 0;
+}
+// The close callbacks (on_client_close) cancel the jobs and abort their engine requests.
+void pd_api_end_all(pd_api *a, const char *msg) { pd_http_server_end_all(a->http, msg); }
 int pd_api_n_engine_requests(const pd_api *a) { return (int)pd_map_len(&a->ids.map); }
