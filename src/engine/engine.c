@@ -652,8 +652,9 @@ static void *engine_main(void *arg) {
         // No work: sleep until a command. Work that cannot progress (KV loads in flight, nothing
         // schedulable): sleep briefly, or until a command (an xfer result) arrives.
         int64_t wait_us = !pd_sched_has_work(e->sched) ? -1 : e->last_step_empty ? 2000 : 0;
-        pd_cmd *c = pd_queue_pop_cmds(&e->q, wait_us);
-        if (e->q.stopping) {
+        bool stopping;
+        pd_cmd *c = pd_queue_pop_cmds(&e->q, wait_us, &stopping);
+        if (stopping) {
             handle_cmds(e, c);
             break;
         }

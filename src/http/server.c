@@ -152,10 +152,15 @@ static void req_end(pd_http_req *r) {
 static void on_conn_close(struct evhttp_connection *evcon, void *arg) {
     pd_http_req *r = arg;
     PD_UNUSED(evcon);
+    // When libevent itself sees the failure (a chunk write to a closed socket) while a reply is
+    // unfinished, it detaches the request from the connection before freeing the connection and
+    // leaves the request to its user (evhttp_connection_incoming_fail): free it here.
+    struct evhttp_request *detached = r->ev && !evhttp_request_get_connection(r->ev) ? r->ev : NULL;
     r->evcon = NULL;  // being freed by libevent: nothing to detach
     r->ev = NULL;
     if (r->close_fn) r->close_fn(r, r->close_ud);
     req_end(r);
+    if (detached) evhttp_request_free(detached);
 }
 
 static void on_watch(evutil_socket_t fd, short what, void *arg) {
