@@ -169,5 +169,6 @@ out:
     if (base) event_base_free(base);
     pd_free(token);
     pd_free(qos);
+    if (rc == 0) fprintf(stderr, "pdserve router: stopped\n");
     return rc;
 }
