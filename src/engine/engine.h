@@ -165,6 +165,10 @@ typedef enum pd_fallback_reason {
     PD_FALLBACK_N = 5,
 } pd_fallback_reason;
 const char *pd_fallback_reason_name(pd_fallback_reason r);
+// Speculative method names by pd_engine_stats.spec_method / event spec_method index ("none",
+// "draft", "ngram", "lookahead"); PD_ENGINE_SPEC_N methods.
+#define PD_ENGINE_SPEC_N 4
+const char *pd_engine_spec_method_name(int m);
 
 typedef struct pd_engine_stats {
     int n_running, n_waiting;

@@ -624,6 +624,8 @@ void pd_engine_spec_after_update(pd_engine *e, const pd_step_plan *plan, int64_t
     }
 }
 
+const char *pd_engine_spec_method_name(int m) { return pd_spec_method_name((pd_spec_method)m); }
+
 const pd_sample_result *pd_engine_spec_result(pd_engine *e, int seq_index, int out_index) {
     espec *S = e->spec;
     if (!S || !S->last_valid || seq_index < 0 || seq_index >= S->cap_res_seqs || out_index < 0 || out_index > S->K) return NULL;
