@@ -8,6 +8,8 @@
 // Also reports the kjv pair's acceptance rate and mean accepted length on the golden prompts.
 #include <jansson.h>
 #include <poll.h>
+#include <stdlib.h>
+#include <unistd.h>
 
 #include "engine/engine.h"
 #include "spec/spec.h"
@@ -221,11 +223,56 @@ PD_TEST(spec_lookahead_all_models) {
     for (size_t i = 0; i < PD_ARRAY_LEN(MODELS); i++) check_method(MODELS[i], PD_SPEC_LOOKAHEAD, NULL, 4);
 }
 
+// A copy of kjv-llama-1m whose tokenizer maps two ids the other way round (every shared model has
+// the same tokenizer): the weights are fine, the ids would mean other text. Returns the folder.
+static bool make_mismatched_draft(char *dir, size_t n) {
+    snprintf(dir, n, "/tmp/pd-spec-draft-XXXXXX");
+    if (!mkdtemp(dir)) return false;
+    const char *files[] = {"config.json", "generation_config.json", "model.safetensors", "tokenizer_config.json",
+                           "special_tokens_map.json"};
+    char src[1024], dst[1024];
+    for (size_t i = 0; i < PD_ARRAY_LEN(files); i++) {
+        snprintf(src, sizeof src, "%s/kjv-llama-1m/%s", pd_test_models_dir(), files[i]);
+        snprintf(dst, sizeof dst, "%s/%s", dir, files[i]);
+        if (symlink(src, dst)) return false;
+    }
+    snprintf(src, sizeof src, "%s/kjv-llama-1m/tokenizer.json", pd_test_models_dir());
+    json_t *t = json_load_file(src, 0, NULL);
+    json_t *vocab = json_object_get(json_object_get(t, "model"), "vocab");
+    const char *k;
+    json_t *v;
+    const char *ka = NULL, *kb = NULL;
+    json_object_foreach(vocab, k, v) {
+        if (json_integer_value(v) == 300) ka = k;
+        if (json_integer_value(v) == 301) kb = k;
+    }
+    bool ok = ka && kb;
+    if (ok) {
+        json_object_set_new(vocab, ka, json_integer(301));
+        json_object_set_new(vocab, kb, json_integer(300));
+        snprintf(dst, sizeof dst, "%s/tokenizer.json", dir);
+        ok = json_dump_file(t, dst, 0) == 0;
+    }
+    json_decref(t);
+    return ok;
+}
+
+static void remove_draft(const char *dir) {
+    const char *files[] = {"config.json", "generation_config.json", "model.safetensors", "tokenizer_config.json",
+                           "special_tokens_map.json", "tokenizer.json"};
+    char p[1024];
+    for (size_t i = 0; i < PD_ARRAY_LEN(files); i++) {
+        snprintf(p, sizeof p, "%s/%s", dir, files[i]);
+        unlink(p);
+    }
+    rmdir(dir);
+}
+
 // A draft whose tokenizer differs from the target's is refused with a clear error.
 PD_TEST(spec_draft_tokenizer_mismatch_refused) {
     char dir[512], draft[512];
     snprintf(dir, sizeof dir, "%s/kjv-llama-6m", pd_test_models_dir());
-    snprintf(draft, sizeof draft, "%s/tiny-random-qwen2", pd_test_models_dir());
+    PD_REQUIRE(make_mismatched_draft(draft, sizeof draft));
     pd_engine_params p = pd_engine_params_default();
     p.model_dir = dir;
     p.device = "cpu";
@@ -235,10 +282,12 @@ PD_TEST(spec_draft_tokenizer_mismatch_refused) {
     pd_err err = {0};
     pd_engine *e = pd_engine_new(&p, &err);
     PD_CHECK(!e);
-    PD_CHECK_CONTAINS(err.msg, "tokenizer");
+    PD_CHECK_CONTAINS(err.msg, "tokenizer differs");
     PD_CHECK_CONTAINS(err.msg, "must match");
     pd_engine_free(e);
+    remove_draft(draft);
     p.spec_model_dir = NULL;  // draft without a model
+    memset(&err, 0, sizeof err);
     e = pd_engine_new(&p, &err);
     PD_CHECK(!e);
     PD_CHECK_CONTAINS(err.msg, "--speculative-model");
