@@ -107,6 +107,8 @@ in_root() { chroot "$root" /usr/bin/env -i HOME=/root PATH=/usr/local/sbin:/usr/
 # ---- 3. a real machine's trap: the reference BLAS, whose cblas.h is not OpenBLAS's ----------------
 phase "installing libblas-dev (reference BLAS) as many machines have it"
 in_root 'apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends libblas-dev >/dev/null'
+# the old file test ("any cblas.h means OpenBLAS") would pass here although OpenBLAS is absent
+in_root 'echo "  cblas.h -> $(readlink -f /usr/include/x86_64-linux-gnu/cblas.h); libopenblas-dev: $(dpkg-query -W -f="\${db:Status-Abbrev}" libopenblas-dev 2>/dev/null || echo not installed)"'
 
 # ---- 4. the README -----------------------------------------------------------------------------------
 phase "README prerequisite: apt-get install make"

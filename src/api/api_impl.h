@@ -39,6 +39,8 @@ typedef struct api_choice {
     int n_tokens;               // generated tokens seen
     int n_cached;               // prompt tokens served from the prefix cache
     int64_t t_last_us;          // time of the last token
+    int spec_method;            // speculative decoding (FINISHED): method, drafts, accepted, steps
+    int n_spec_drafted, n_spec_accepted, n_spec_steps;
 } api_choice;
 
 struct api_job {
@@ -72,6 +74,9 @@ typedef struct api_metrics {
     pd_metric *jobs;
     pd_metric *handoffs, *fallbacks[PD_FALLBACK_N], *local_short, *handoff_bytes, *handoff_seconds;
     pd_metric *exports, *export_bytes, *export_copy_seconds, *prefill_healthy;
+    // speculative decoding, by method (index 1.. of PD_ENGINE_SPEC_N; 0 unused)
+    pd_metric *spec_drafted[PD_ENGINE_SPEC_N], *spec_accepted[PD_ENGINE_SPEC_N], *spec_emitted[PD_ENGINE_SPEC_N];
+    pd_metric *spec_steps[PD_ENGINE_SPEC_N], *spec_rate[PD_ENGINE_SPEC_N], *spec_mal[PD_ENGINE_SPEC_N];
 } api_metrics;
 
 typedef struct api_idmap {

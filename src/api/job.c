@@ -188,6 +188,10 @@ static void on_token(api_choice *c, const pd_engine_event *ev) {
 static void on_finished(api_choice *c, const pd_engine_event *ev) {
     api_job *j = c->job;
     if (c->n_tokens == 0) c->n_cached = ev->n_cached_tokens;
+    c->spec_method = ev->spec_method;
+    c->n_spec_drafted = ev->n_spec_drafted;
+    c->n_spec_accepted = ev->n_spec_accepted;
+    c->n_spec_steps = ev->n_spec_steps;
     const char *txt = "";
     size_t n = 0;
     if (pd_tok_stream_finish(c->detok, &txt, &n)) n = 0;

@@ -279,6 +279,14 @@ static void refresh_engine_metrics(pd_api *a) {
     mirror(a->m.export_bytes, s.n_kv_export_bytes);
     mirror(a->m.export_copy_seconds, (double)s.kv_export_copy_us_total / 1e6);
     pd_metric_set(a->m.prefill_healthy, pd_engine_n_prefill_healthy(a->engine));
+    for (int k = 1; k < PD_ENGINE_SPEC_N; k++) {
+        mirror(a->m.spec_drafted[k], s.spec_drafted[k]);
+        mirror(a->m.spec_accepted[k], s.spec_accepted[k]);
+        mirror(a->m.spec_emitted[k], s.spec_emitted[k]);
+        mirror(a->m.spec_steps[k], s.spec_steps[k]);
+        pd_metric_set(a->m.spec_rate[k], s.spec_drafted[k] ? (double)s.spec_accepted[k] / (double)s.spec_drafted[k] : 0);
+        pd_metric_set(a->m.spec_mal[k], s.spec_steps[k] ? (double)s.spec_emitted[k] / (double)s.spec_steps[k] : 0);
+    }
 }
 
 static void h_metrics(pd_http_req *r, void *ud) {
@@ -323,6 +331,7 @@ static pd_status register_metrics(pd_api *a, pd_err *err) {
     api_metrics *x = &a->m;
 #define H(f, name, help, b, nb) if (!(x->f = pd_metrics_histogram(m, name, help, NULL, b, nb, err))) return err ? err->status : PD_ERR_NOMEM
 #define G(f, name, help) if (!(x->f = pd_metrics_gauge(m, name, help, NULL, err))) return err ? err->status : PD_ERR_NOMEM
+#define G2(f, name, help, l) if (!(x->f = pd_metrics_gauge(m, name, help, l, err))) return err ? err->status : PD_ERR_NOMEM
 #define C(f, name, help, l) if (!(x->f = pd_metrics_counter(m, name, help, l, err))) return err ? err->status : PD_ERR_NOMEM
     H(ttft, "pdserve_time_to_first_token_seconds", "Time from arrival to the first generated token.",
       pd_metrics_latency_buckets, pd_metrics_n_latency_buckets);
@@ -364,7 +373,21 @@ static pd_status register_metrics(pd_api *a, pd_err *err) {
     C(export_bytes, "pdserve_kv_export_bytes_total", "KV bytes this prefill worker wrote into decode pools.", NULL);
     C(export_copy_seconds, "pdserve_kv_export_copy_seconds_total", "Time spent copying exported KV, summed.", NULL);
     G(prefill_healthy, "pdserve_kv_prefill_workers_healthy", "Prefill workers this decode worker is connected to.");
+    // Speculative decoding, by method (zero without it).
+    for (int k = 1; k < PD_ENGINE_SPEC_N; k++) {
+        char l[64];
+        bool first = k == 1;
+        snprintf(l, sizeof l, "method=\"%s\"", pd_engine_spec_method_name(k));
+        C(spec_drafted[k], "pdserve_spec_draft_tokens_total", first ? "Draft tokens verified by the target." : "", l);
+        C(spec_accepted[k], "pdserve_spec_accepted_tokens_total", first ? "Draft tokens accepted." : "", l);
+        C(spec_emitted[k], "pdserve_spec_emitted_tokens_total",
+          first ? "Tokens emitted by verify steps (accepted drafts plus the target's own token)." : "", l);
+        C(spec_steps[k], "pdserve_spec_verify_steps_total", first ? "Sequence-steps that verified drafts." : "", l);
+        G2(spec_rate[k], "pdserve_spec_acceptance_rate", first ? "Accepted / drafted tokens since start." : "", l);
+        G2(spec_mal[k], "pdserve_spec_mean_accepted_length", first ? "Tokens emitted per verify step since start." : "", l);
+    }
 #undef H
+#undef G2
 #undef G
 #undef C
     return PD_OK;

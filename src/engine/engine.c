@@ -49,6 +49,7 @@ static void req_remove(pd_engine *e, uint64_t id) {
     if (!r) return;
     *pp = r->next;
     pd_sampler_free(r->sampler);
+    pd_engine_spec_req_fini(r);
     pd_disagg_req_fini(r);
     pd_free(r);
 }
@@ -169,6 +170,7 @@ pd_engine *pd_engine_new(const pd_engine_params *p, pd_err *err) {
     sp.enable_chunked_prefill = p->enable_chunked_prefill;
     sp.max_model_len = e->max_model_len;
     sp.policy = p->policy == PD_POLICY_SRPT ? PD_SCHED_SRPT : PD_SCHED_FCFS;
+    if (pd_engine_spec_init(e, &sp, err)) goto fail;
     e->sched = pd_sched_new(&sp, e->kv, err);
     if (!e->sched) goto fail;
     // Decode graphs (GPU) are captured now, with the workspace sized for the largest step: lazily,
@@ -186,6 +188,7 @@ pd_engine *pd_engine_new(const pd_engine_params *p, pd_err *err) {
     }
     if (n_graphs > 0)
         PD_LOG_I("engine: captured %d decode graphs in %.1f s", n_graphs, (double)(pd_time_us() - t_warm) / 1e6);
+    if (pd_engine_spec_warmup(e, err)) goto fail;
     if (pd_disagg_init(e, err)) goto fail;
     PD_LOG_I("engine: %s on %s, %d KV blocks of %d tokens (%.1f MiB), max_model_len %d", e->model_name,
              pd_backend_name(e->backend), n_blocks, e->params.block_size,
@@ -286,6 +289,15 @@ static void handle_submit(pd_engine *e, pd_cmd *c) {
         return;
     }
     pd_sampler_add_prompt(q->sampler, r->prompt, r->n_prompt);
+    if (pd_engine_spec_req_init(e, q, r)) {
+        pd_sched_abort(e->sched, r->id);
+        pd_engine_spec_req_fini(q);
+        pd_sampler_free(q->sampler);
+        pd_free(q);
+        PD_LOG_W("engine: request %llu rejected: out of memory", (unsigned long long)r->id);
+        pd_engine_emit_finished(e, r->id, PD_ENGINE_FINISH_ERROR, r->n_prompt, 0, 0);
+        return;
+    }
     if (sp.is_remote_prefill) {
         q->is_remote = true;
         q->prompt = c->prompt;  // the command's copy moves into the request
@@ -449,10 +461,15 @@ static pd_status sample_on_host(pd_engine *e, const pd_step_plan *plan, const pd
 
 // Runs the forward for a plan and samples. Returns PD_OK or an error (the step's requests are then
 // finished with ERROR by the caller).
-static pd_status run_plan(pd_engine *e, const pd_step_plan *plan) {
+static pd_status run_plan(pd_engine *e, const pd_step_plan *plan, bool *was_spec) {
     step_bufs *b = &e->sb;
     pd_status st = reserve_bufs(e, plan);
     if (st) return st;
+    // Speculative decoding (engine/spec.c) runs steps with drafts itself; the rest run below.
+    *was_spec = false;
+    st = pd_engine_spec_run_plan(e, plan, was_spec);
+    if (st) return st;
+    if (*was_spec) goto account;
     int t = 0, nl = 0, bt = 0;
     b->q_indptr[0] = b->bt_indptr[0] = 0;
     for (int i = 0; i < plan->n_seqs; i++) {
@@ -475,6 +492,7 @@ static pd_status run_plan(pd_engine *e, const pd_step_plan *plan) {
                       .logit_rows = b->logit_rows};
     st = use_device_sampling(e) ? sample_on_device(e, plan, &batch) : sample_on_host(e, plan, &batch);
     if (st) return st;
+account:
     // Prefill work actually done: prompt positions computed in this step (a prefix hit or a
     // remote prefill computes fewer; a recompute after preemption computes them again).
     for (int i = 0; i < plan->n_seqs; i++) {
@@ -529,12 +547,16 @@ void pd_engine_push_sched_events(pd_engine *e, const pd_step_plan *plan, const p
             o->n_prompt_tokens = s->n_prompt_tokens;
             o->n_cached_tokens = s->n_cached_tokens;
             o->n_output_tokens = s->n_output_tokens;
-            for (int i = 0; plan && i < plan->n_seqs; i++)
-                if (plan->seqs[i].req_id == s->req_id && plan->seqs[i].needs_logits) {
-                    o->tok = results[i];
-                    break;
-                }
+            const pd_sample_result *spec_res = plan ? pd_engine_spec_result(e, s->seq_index, s->out_index) : NULL;
+            if (spec_res) o->tok = *spec_res;  // a speculative step: one result per token
+            else
+                for (int i = 0; plan && i < plan->n_seqs; i++)
+                    if (plan->seqs[i].req_id == s->req_id && plan->seqs[i].needs_logits) {
+                        o->tok = results[i];
+                        break;
+                    }
             o->tok.token = s->token;
+            if (q) pd_engine_spec_push_token(q, s->token);
             e->n_generated++;
         }
         if (s->finish != PD_FINISH_NONE) {
@@ -546,6 +568,7 @@ void pd_engine_push_sched_events(pd_engine *e, const pd_step_plan *plan, const p
             o->n_prompt_tokens = s->n_prompt_tokens;
             o->n_cached_tokens = s->n_cached_tokens;
             o->n_output_tokens = s->n_output_tokens;
+            pd_engine_spec_fill_finished(e, q, o);
             req_remove(e, s->req_id);
             e->n_finished++;
         }
@@ -591,6 +614,7 @@ static void publish_stats(pd_engine *e) {
     o->n_kv_exports = e->n_exports;
     o->n_kv_export_bytes = e->export_bytes;
     o->kv_export_copy_us_total = e->export_copy_us;
+    pd_engine_spec_stats(e, o);
     pthread_mutex_unlock(&e->q.mu);
 }
 
@@ -619,7 +643,8 @@ static void engine_step(pd_engine *e) {
     if (plan.n_kv_loads) pd_disagg_start_loads(e, &plan);
     e->last_step_empty = plan.n_seqs == 0 && plan.n_kv_loads == 0;
     if (plan.n_seqs == 0) return;
-    pd_status st = run_plan(e, &plan);
+    bool was_spec = false;
+    pd_status st = run_plan(e, &plan, &was_spec);
     pd_step_output *outs = e->sb.outputs;
     if (st) {
         // A failed step (device error, OOM) fails the requests in it, not the server.
@@ -642,6 +667,7 @@ static void engine_step(pd_engine *e) {
     st = pd_sched_update(e->sched, &plan, outs, pd_time_us(), &ev, &n_ev);
     PD_ASSERT(st == PD_OK);
     measure_step(e, &plan, pd_time_us() - t0);
+    pd_engine_spec_after_update(e, &plan, pd_time_us() - t0, was_spec);
     pd_engine_push_sched_events(e, &plan, e->sb.results, ev, n_ev);
 }
 
@@ -686,6 +712,7 @@ void pd_engine_free(pd_engine *e) {
             req_remove(e, id);
         }
     pd_sched_free(e->sched);
+    pd_engine_spec_fini(e);
     pd_kv_mgr_free(e->kv);
     pd_wire_kv_log_free(e->kv_log);
     pd_model_cache_free(e->cache);

@@ -13,6 +13,7 @@
 // callback (before it frees the evhttp_request); we run the handler's close callback and free the
 // wrapper. A failed write mid-stream takes the same path inside libevent. Readable with data means
 // a pipelined next request: we stop watching (it is read after the reply).
+#include "base/buf.h"
 #include "http/http.h"
 
 #include <event2/buffer.h>
@@ -56,7 +57,8 @@ struct pd_http_server {
     // While draining: connections whose request ended, until libevent frees them (their close
     // callback is on_flush_close) or a new request on them gets a wrapper (see flush_untrack).
     struct evhttp_connection **flushing;
-    int n_flushing, cap_flushing;
+    int n_flushing;
+    size_t cap_flushing;
 };
 
 struct pd_http_req {
@@ -102,13 +104,7 @@ static void on_flush_close(struct evhttp_connection *evcon, void *arg) { flush_u
 // (pd_http_server_n_unflushed). Untracked (and not waited for) when out of memory.
 static void flush_track(pd_http_server *s, struct evhttp_connection *evcon) {
     flush_untrack(s, evcon);
-    if (s->n_flushing == s->cap_flushing) {
-        int nc = s->cap_flushing ? 2 * s->cap_flushing : 64;
-        struct evhttp_connection **t = pd_realloc(s->flushing, sizeof *t * (size_t)nc);
-        if (!t) return;
-        s->flushing = t;
-        s->cap_flushing = nc;
-    }
+    if (PD_ARRAY_RESERVE(s->flushing, s->cap_flushing, (size_t)s->n_flushing + 1) != PD_OK) return;
     s->flushing[s->n_flushing++] = evcon;
     evhttp_connection_set_closecb(evcon, on_flush_close, s);
 }
