@@ -27,7 +27,7 @@ ifeq ($(CUDA),auto)
   endif
 endif
 
-PKGS     := jansson libpcre2-8 libevent xxhash openblas
+PKGS     := jansson libpcre2-8 libevent xxhash openblas libcrypto
 CFLAGS_BASE := -std=c11 -D_GNU_SOURCE -Wall -Wextra -Wshadow -Wno-unused-parameter -fPIC -pthread -fopenmp \
                -Isrc -I/usr/include/x86_64-linux-gnu/openblas-pthread
 ifeq ($(DEBUG),1)
@@ -43,7 +43,7 @@ ifeq ($(WERROR),1)
   CFLAGS_OPT += -Werror
 endif
 CFLAGS  += $(CFLAGS_BASE) $(CFLAGS_OPT)
-LDLIBS  := -ljansson -lpcre2-8 -levent -levent_pthreads -lxxhash -lopenblas -lm -lpthread -fopenmp
+LDLIBS  := -ljansson -lpcre2-8 -levent -levent_pthreads -lxxhash -lopenblas $(shell pkg-config --libs libcrypto 2>/dev/null || echo -lcrypto) -lm -lpthread -fopenmp
 
 CUDA_HOME ?= /usr/local/cuda
 ifeq ($(CUDA),1)

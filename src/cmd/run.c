@@ -18,12 +18,14 @@
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
+#include <unistd.h>
 
 #include <jansson.h>
 
 #include "backend/backend.h"
 #include "cmd/cmd.h"
 #include "http/client.h"
+#include "xfer/auth.h"
 
 int pd_cmd_run_colocated(int argc, char **argv);  // serve.c
 
@@ -182,13 +184,20 @@ int pd_cmd_run(int argc, char **argv) {
     signal(SIGTERM, on_sig);
     signal(SIGPIPE, SIG_IGN);
 
-    char *pa[16 + MAX_FWD] = {"pdserve", "serve", "--role", "prefill", "--model", (char *)model, "--device", (char *)dev,
-                              "--port", p_port, "--kv-port", kv_port};
-    char *da[20 + MAX_FWD] = {"pdserve", "serve", "--role", "decode", "--model", (char *)model, "--device", (char *)dev,
+    // One fresh secret for the children (KV HMAC, router registration): 0600 in a private dir.
+    char tok_dir[] = "/tmp/pdserve-run-XXXXXX", tok[64];
+    pd_err terr = {0};
+    if (!mkdtemp(tok_dir) || (snprintf(tok, sizeof tok, "%s/auth-token", tok_dir), pd_auth_write_new(tok, &terr))) {
+        fprintf(stderr, "pdserve run: cannot create the auth token: %s\n", terr.msg[0] ? terr.msg : strerror(errno));
+        return 1;
+    }
+    char *pa[18 + MAX_FWD] = {"pdserve", "serve", "--role", "prefill", "--model", (char *)model, "--device", (char *)dev,
+                              "--port", p_port, "--kv-port", kv_port, "--auth-token-file", tok};
+    char *da[22 + MAX_FWD] = {"pdserve", "serve", "--role", "decode", "--model", (char *)model, "--device", (char *)dev,
                               "--port", d_port, "--prefill", kv_addr, "--kv-transport", (char *)transport,
-                              "--disagg-min-tokens", (char *)min_tokens};
-    for (int i = 0; i < n_fwd; i++) pa[12 + i] = da[16 + i] = fwd[i];
-    char *ra[] = {"pdserve", "router", "--port", r_port, "--decode", d_url, "--prefill", p_url, NULL};
+                              "--disagg-min-tokens", (char *)min_tokens, "--auth-token-file", tok};
+    for (int i = 0; i < n_fwd; i++) pa[14 + i] = da[18 + i] = fwd[i];
+    char *ra[] = {"pdserve", "router", "--port", r_port, "--decode", d_url, "--prefill", p_url, "--auth-token-file", tok, NULL};
     char *const *args[3] = {pa, da, ra};
     int rc = 1;
     for (int i = 0; i < 3; i++) {
@@ -234,5 +243,7 @@ int pd_cmd_run(int argc, char **argv) {
     }
 out:
     stop_all(cs, 3);
+    unlink(tok);
+    rmdir(tok_dir);
     return rc;
 }

@@ -13,6 +13,8 @@
 #include "test.h"
 #include "xfer/xfer.h"
 
+#define SECRET "test-secret-0123456789abcdef"
+
 typedef struct outs {
     int n;
     int32_t out[16][64];
@@ -38,6 +40,7 @@ static pd_engine *mk(pd_engine_role role, pd_kvw_transport tr, const char *prefi
     p.disagg_min_tokens = 1;  // hand off every prompt, even 1 token
     p.disagg_timeout_ms = 20000;
     p.debug_corrupt_every = corrupt_every;
+    p.kv_secret = SECRET;
     if (prefill_addr) {
         p.n_prefill_addrs = 1;
         p.prefill_addrs[0] = prefill_addr;
@@ -240,7 +243,7 @@ PD_TEST(disagg_timeout_keeps_blocks_until_worker_answers) {
     snprintf(dir, sizeof dir, "%s/kjv-llama-6m", pd_test_models_dir());
     pd_engine_params pp = pd_engine_params_default();
     pp.model_dir = dir, pp.device = "cpu", pp.n_blocks = 256, pp.role = PD_ROLE_PREFILL;
-    pp.kv_transport = PD_KVW_TRANSPORT_SHM, pp.debug_export_delay_ms = 800;
+    pp.kv_transport = PD_KVW_TRANSPORT_SHM, pp.debug_export_delay_ms = 800, pp.kv_secret = SECRET;
     pd_err err = {0};
     pd_engine *pf = pd_engine_new(&pp, &err);
     PD_REQUIRE(pf);
@@ -252,7 +255,7 @@ PD_TEST(disagg_timeout_keeps_blocks_until_worker_answers) {
     dp.n_blocks = 19;             // 300 prompt + 4 generated tokens = 19 blocks of 16: the whole pool
     dp.disagg_min_tokens = 100;   // only the 300-token prompt is handed off
     dp.disagg_timeout_ms = 150;
-    dp.n_prefill_addrs = 1, dp.prefill_addrs[0] = addr;
+    dp.n_prefill_addrs = 1, dp.prefill_addrs[0] = addr, dp.kv_secret = SECRET;
     pd_engine *d = pd_engine_new(&dp, &err);
     if (!d) PD_FAIL_("decode engine: %s", err.msg);
     PD_REQUIRE(d);
@@ -330,7 +333,7 @@ static void got_result_event(void *ud, pd_xfer_event *ev) {
 // Returns the time from the request to its RESULT (ms); *st gets the status.
 static double timed_out_request(slow_pf *f, int grace_ms, pd_status *st) {
     pthread_mutex_init(&f->mu, NULL);
-    pd_xfer_server_params sp = {.port = 0, .on_event = slow_pf_event, .ud = f};
+    pd_xfer_server_params sp = {.port = 0, .secret = SECRET, .on_event = slow_pf_event, .ud = f};
     pd_err err = {0};
     f->s = pd_xfer_server_new(&sp, &err);
     if (!f->s) {
@@ -342,7 +345,8 @@ static double timed_out_request(slow_pf *f, int grace_ms, pd_status *st) {
     got_result g = {.n = 0};
     pthread_mutex_init(&g.mu, NULL);
     pd_xfer_client_params cp = {.n_workers = 1, .addrs = {addr}, .transport = PD_KVW_TRANSPORT_TCP, .timeout_ms = 100,
-                                .cancel_grace_ms = grace_ms, .ping_ms = 200, .on_event = got_result_event, .ud = &g};
+                                .cancel_grace_ms = grace_ms, .ping_ms = 200, .on_event = got_result_event, .ud = &g,
+                                .secret = SECRET, .pool = {.n_layers = 1, .n_blocks = 4, .block_size = 16, .row_bytes = 8}};
     pd_xfer_client *c = pd_xfer_client_new(&cp, &err);
     if (!c) {
         PD_FAIL_("xfer client: %s", err.msg);
