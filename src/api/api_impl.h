@@ -70,6 +70,7 @@ typedef struct api_metrics {
     pd_metric *jobs;
     pd_metric *handoffs, *fallbacks[PD_FALLBACK_N], *local_short, *handoff_bytes, *handoff_seconds;
     pd_metric *exports, *export_bytes, *export_copy_seconds, *prefill_healthy;
+    pd_metric *kvconn[8];  // the KV connector's counters (server.c KVCONN_METRICS)
 } api_metrics;
 
 typedef struct api_idmap {

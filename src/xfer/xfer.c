@@ -982,9 +982,16 @@ static void *sconn_main(void *arg) {
     bool hello_ok = false, announced = false, nccl = false;
     pd_comm_id cid;
     int got_fd = -1;
-    if (server_auth(k, &buf, &cap) &&
-        recv_frame(k->fd, &buf, &cap, &m, 1u << PD_KVW_HELLO, pd_kvw_max_body(PD_KVW_HELLO), pd_time_us() + AUTH_MS * 1000ll,
-                   &got_fd, &err) == PD_OK) {
+    pd_status hst = PD_ERR_CLOSED;
+    if (server_auth(k, &buf, &cap)) {
+        hst = recv_frame(k->fd, &buf, &cap, &m, 1u << PD_KVW_HELLO, pd_kvw_max_body(PD_KVW_HELLO),
+                         pd_time_us() + AUTH_MS * 1000ll, &got_fd, &err);
+        if (hst == PD_ERR_PROTO) {
+            count(&s->ctr.proto_errors);
+            PD_LOG_W("xfer: decode worker %d: %s: disconnected", k->id, err.msg);
+        }
+    }
+    if (hst == PD_OK) {
         pd_kvw_msg ack = {.type = PD_KVW_HELLO_ACK};
         ack.u.hello_ack.fp = s->p.fp;
         const char *diff = pd_kvw_fingerprint_diff(&m.u.hello.fp, &s->p.fp);
