@@ -311,7 +311,7 @@ static const char *const KVCONN_METRICS[8][2] = {
     {"pdserve_kv_fenced_total", "KV loads failed only after their writer was fenced off."},
     {"pdserve_kv_peers_refused_total", "Decode KV pools refused (announced size or handle did not check out)."},
     {"pdserve_kv_saves_layerwise_total", "KV exports whose layers shipped while later layers computed."},
-    {"pdserve_kv_saves_failed_total", "KV exports that ended with PREFILL_FAIL."},
+    {"pdserve_kv_saves_failed_total", "KV prefill requests refused or failed (PREFILL_FAIL sent)."},
 };
 
 static void refresh_engine_metrics(pd_api *a) {

@@ -438,6 +438,9 @@ static pd_status sample_on_host(pd_engine *e, const pd_step_plan *plan, const pd
 // finished with ERROR by the caller).
 static pd_status run_plan(pd_engine *e, const pd_step_plan *plan) {
     step_bufs *b = &e->sb;
+    // Test hook: every Nth step fails as if out of memory (its requests fail, the server goes on).
+    if (e->params.debug_fail_step_every > 0 && ++e->n_debug_steps % e->params.debug_fail_step_every == 0)
+        return PD_ERR_NOMEM;
     pd_status st = reserve_bufs(e, plan);
     if (st) return st;
     int t = 0, nl = 0, bt = 0;

@@ -58,6 +58,7 @@ typedef struct pd_engine_params {
     int kv_port;                  // 0 = any free port (pd_engine_kv_port tells)
     int debug_corrupt_every;      // test hook (--debug-hooks): corrupt every Nth KV transfer
     int debug_export_delay_ms;    // test hook: a slow prefill worker (sleeps before each KV export)
+    int debug_fail_step_every;    // test hook: every Nth step fails as if out of memory
     const char *debug_kv_pause;   // test hook: stop (until killed) at "hello_ack" | "mid_slab" | "before_done"
     const char *kv_secret;        // shared secret of the KV connections (required for the prefill
                                   // role and for a decode role with prefill workers)

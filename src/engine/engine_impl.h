@@ -76,6 +76,7 @@ struct pd_engine {
     pd_wire_kv_log *kv_log;  // KV events for routers; guarded by q.mu
     uint64_t instance;       // random per process (routers detect restarts)
     double ema_prefill_tps, ema_decode_ms;  // guarded by q.mu when read
+    int64_t n_debug_steps;  // debug_fail_step_every
     int64_t n_exports, n_handoffs, n_fallbacks[PD_FALLBACK_N], n_local_short, handoff_bytes, handoff_us;
     int64_t export_bytes, export_copy_us;  // prefill role: direct-write KV copies (bytes, time)
     void **layer_k, **layer_v;  // (n_layers) this engine's cache layer bases (owned arrays)

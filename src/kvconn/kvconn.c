@@ -260,6 +260,7 @@ const char *pd_kvconn_check_request(pd_kvconn *c, const pd_kvconn_event *ev, int
 
 void pd_kvconn_send_fail(pd_kvconn *c, int peer, uint64_t peer_req_id, const char *why) {
     if (!c->xs) return;
+    __atomic_add_fetch(&c->saves_failed, 1, __ATOMIC_RELAXED);
     pd_kvw_msg m = {.type = PD_KVW_PREFILL_FAIL};
     m.u.fail.req_id = peer_req_id;
     snprintf(m.u.fail.reason, sizeof m.u.fail.reason, "%.200s", why);
@@ -337,10 +338,8 @@ pd_status pd_kvconn_save_end(pd_kvconn *c, pd_kvconn_save *s, const pd_kvconn_fi
 
 void pd_kvconn_save_fail(pd_kvconn *c, pd_kvconn_save *s, const char *why, bool tell_peer) {
     if (!s) return;
-    if (why) {
-        __atomic_add_fetch(&c->saves_failed, 1, __ATOMIC_RELAXED);
-        if (tell_peer) pd_kvconn_send_fail(c, s->conn_id, s->peer_req_id, why);
-    }
+    if (why && tell_peer) pd_kvconn_send_fail(c, s->conn_id, s->peer_req_id, why);  // (counted there)
+    else if (why) __atomic_add_fetch(&c->saves_failed, 1, __ATOMIC_RELAXED);
     pd_free(s->src);
     pd_free(s->dst);
     pd_free(s->rows);

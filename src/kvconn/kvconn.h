@@ -104,7 +104,7 @@ typedef struct pd_kvconn_stats {
     int64_t auth_failures, proto_errors, conns_accepted, conns_closed, slow_peer_drops, fenced;
     int64_t peers_refused;     // prefill: decode pools refused (size or handle did not check out)
     int64_t saves_layerwise;   // prefill: saves whose layers shipped during the forward pass
-    int64_t saves_failed;      // prefill: PREFILL_FAIL sent (step failed, export failed, aborted)
+    int64_t saves_failed;      // prefill: requests refused or failed (PREFILL_FAIL sent), or saves dropped on abort
 } pd_kvconn_stats;
 void pd_kvconn_stats_get(pd_kvconn *c, pd_kvconn_stats *out);
 
