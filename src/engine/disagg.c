@@ -198,7 +198,7 @@ static void handle_load_done(pd_engine *e, pd_kvconn_event *ev) {
     const pd_model_config *c = pd_model_get_config(e->model);
     int64_t bytes = 0;
     if (!pd_kvconn_load_verify(e->kc, ev, q->load_blocks, q->n_load_blocks, q->load_start, q->n_prompt, c->vocab_size,
-                               &bytes)) {
+                               pd_time_us() - q->load_t0_us, &bytes)) {
         fallback(e, q, PD_FALLBACK_CHECKSUM, "KV checksum mismatch");
         return;
     }

@@ -156,8 +156,8 @@ void pd_kvconn_match_tokens(pd_kvconn *c, int n_prompt, int n_local_hit, pd_kvco
     out->n_tokens = c->xc && n_prompt > start ? n_prompt - start : 0;
     out->worker = c->xc && pd_xfer_client_n_healthy(c->xc) > 0 ? 0 : -1;
     // Predicted: the recent per-token load time (0 until a load was measured).
-    int64_t per_tok = __atomic_load_n(&c->ema_load_us, __ATOMIC_RELAXED);
-    out->cost_us = (double)per_tok / 1000.0 * out->n_tokens;
+    int64_t ns_per_tok = __atomic_load_n(&c->ema_load_us, __ATOMIC_RELAXED);
+    out->cost_us = (double)ns_per_tok / 1000.0 * out->n_tokens;
 }
 
 // ---- decode role -------------------------------------------------------------------------------
@@ -169,7 +169,7 @@ pd_status pd_kvconn_start_load(pd_kvconn *c, const pd_kvconn_load *l) {
 }
 
 bool pd_kvconn_load_verify(pd_kvconn *c, const pd_kvconn_event *ev, const int32_t *dst_blocks, int n_dst_blocks,
-                           int start_pos, int n_tokens, int vocab, int64_t *bytes) {
+                           int start_pos, int n_tokens, int vocab, int64_t load_us, int64_t *bytes) {
     const pd_kvw_prefill_done *d = &ev->done;
     const pd_kvconn_cache *k = &c->p.cache;
     *bytes = 0;
@@ -191,6 +191,10 @@ bool pd_kvconn_load_verify(pd_kvconn *c, const pd_kvconn_event *ev, const int32_
     }
     pd_free(rows);
     pd_free(sums);
+    if (ok && n_tokens > start_pos && load_us > 0) {  // EMA of ns per loaded token (engine thread writes)
+        int64_t ns = load_us * 1000 / (n_tokens - start_pos), old = __atomic_load_n(&c->ema_load_us, __ATOMIC_RELAXED);
+        __atomic_store_n(&c->ema_load_us, old ? (old * 4 + ns) / 5 : ns, __ATOMIC_RELAXED);
+    }
     return ok;
 }
 

@@ -132,8 +132,9 @@ typedef struct pd_kvconn_load {
 pd_status pd_kvconn_start_load(pd_kvconn *c, const pd_kvconn_load *l);
 // After a LOAD_DONE with status PD_OK: checks the per-layer checksums over our own blocks and the
 // first token. false: never decode from this KV (prefill locally). bytes: the KV bytes verified.
+// load_us: start_load → LOAD_DONE, which feeds the cost predicted by pd_kvconn_match_tokens.
 bool pd_kvconn_load_verify(pd_kvconn *c, const pd_kvconn_event *ev, const int32_t *dst_blocks, int n_dst_blocks,
-                           int start_pos, int n_tokens, int vocab, int64_t *bytes);
+                           int start_pos, int n_tokens, int vocab, int64_t load_us, int64_t *bytes);
 // Whether layer `layer` of a load is in place (tcp: its slab landed; other transports: when the
 // load is done). Never blocks: PD_OK or PD_AGAIN.
 pd_status pd_kvconn_wait_for_layer(pd_kvconn *c, uint64_t req_id, int layer);

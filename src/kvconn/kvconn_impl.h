@@ -50,7 +50,7 @@ struct pd_kvconn {
     kvc_peer peers[PD_XFER_MAX_CONNS];  // prefill role, by connection slot (engine thread)
     int n_saves;                       // for corrupt_every
     int64_t peers_refused, saves_layerwise, saves_failed;  // engine thread; read racily by stats
-    int64_t ema_load_us;               // decode: recent load time (match cost)
+    int64_t ema_load_us;               // decode: recent load time per token, in ns (match cost)
 };
 
 // registry.c

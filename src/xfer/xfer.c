@@ -382,7 +382,7 @@ struct pd_xfer_client {
     char *secret;
     worker workers[PD_XFER_MAX_WORKERS];
     pd_xfer_counters ctr;
-    volatile bool stop;
+    int stop;  // atomic
 };
 
 void pd_xfer_client_counters(pd_xfer_client *c, pd_xfer_counters *out) { counters_get(&c->ctr, out); }
@@ -668,7 +668,7 @@ static void fence(worker *w) {
     pthread_mutex_unlock(&w->mu);
     if (!n || !is_direct(c->p.transport)) return;
     int64_t end = pd_time_us() + (int64_t)c->p.fence_ms * 1000;
-    while (!c->stop && pd_time_us() < end) {
+    while (!__atomic_load_n(&c->stop, __ATOMIC_ACQUIRE) && pd_time_us() < end) {
         if (w->peer_pidfd >= 0) {
             struct pollfd pfd = {.fd = w->peer_pidfd, .events = POLLIN};
             if (poll(&pfd, 1, PD_MIN(50, ms_left(end))) == 1) break;  // the writer is dead
@@ -686,7 +686,7 @@ static void *worker_main(void *arg) {
     size_t cap = 0;
     int backoff_ms = 50;
     bool unix_sock = c->p.transport == PD_KVW_TRANSPORT_SHM;
-    while (!c->stop) {
+    while (!__atomic_load_n(&c->stop, __ATOMIC_ACQUIRE)) {
         int fd = dial(w->addr, unix_sock, c->p.ping_ms * 4);
         w->peer_pidfd = -1;
         if (fd >= 0 && unix_sock) {
@@ -697,7 +697,7 @@ static void *worker_main(void *arg) {
         if (fd < 0 || !handshake(w, fd)) {
             if (fd >= 0) close(fd);
             if (w->peer_pidfd >= 0) close(w->peer_pidfd);
-            for (int i = 0; i < backoff_ms / 10 && !c->stop; i++) poll(NULL, 0, 10);
+            for (int i = 0; i < backoff_ms / 10 && !__atomic_load_n(&c->stop, __ATOMIC_ACQUIRE); i++) poll(NULL, 0, 10);
             backoff_ms = PD_MIN(backoff_ms * 2, 1000);
             continue;
         }
@@ -711,7 +711,7 @@ static void *worker_main(void *arg) {
         int64_t last_ping = pd_time_us(), last_pong = last_ping;
         const char *why = "prefill worker connection lost";
         pd_status why_st = PD_ERR_CLOSED;
-        while (!c->stop && started) {
+        while (!__atomic_load_n(&c->stop, __ATOMIC_ACQUIRE) && started) {
             pd_kvw_msg m;
             pd_err err = {0};
             uint32_t allow = 1u << PD_KVW_PONG | 1u << PD_KVW_KV_SLAB | 1u << PD_KVW_PREFILL_DONE |
@@ -761,7 +761,7 @@ static void *worker_main(void *arg) {
         close(fd);
         pd_comm_free(w->comm);  // aborts anything in flight: nothing lands after this
         w->comm = NULL;
-        if (!c->stop) PD_LOG_W("xfer: %s (%s); in-flight requests fall back", why, w->addr);
+        if (!__atomic_load_n(&c->stop, __ATOMIC_ACQUIRE)) PD_LOG_W("xfer: %s (%s); in-flight requests fall back", why, w->addr);
         fence(w);
         if (w->peer_pidfd >= 0) close(w->peer_pidfd);
         w->peer_pidfd = -1;
@@ -817,7 +817,7 @@ pd_xfer_client *pd_xfer_client_new(const pd_xfer_client_params *p, pd_err *err) 
 
 void pd_xfer_client_free(pd_xfer_client *c) {
     if (!c) return;
-    c->stop = true;
+    __atomic_store_n(&c->stop, 1, __ATOMIC_RELEASE);
     for (int i = 0; i < c->p.n_workers; i++) {
         worker *w = &c->workers[i];
         pthread_join(w->thread, NULL);
@@ -936,7 +936,7 @@ struct pd_xfer_server {
     sconn *slots[PD_XFER_MAX_CONNS];
     uint32_t gen[PD_XFER_MAX_CONNS];
     pd_xfer_counters ctr;
-    volatile bool stop;
+    int stop;  // atomic
 };
 
 void pd_xfer_server_counters(pd_xfer_server *s, pd_xfer_counters *out) { counters_get(&s->ctr, out); }
@@ -945,7 +945,7 @@ static void debug_pause(pd_xfer_server *s, const char *step) {
     if (!s->p.debug_pause || strcmp(s->p.debug_pause, step)) return;
     PD_LOG_W("xfer: debug: paused at %s", step);
     fprintf(stderr, "pdserve: debug: paused at %s\n", step);
-    while (!s->stop) poll(NULL, 0, 50);
+    while (!__atomic_load_n(&s->stop, __ATOMIC_ACQUIRE)) poll(NULL, 0, 50);
 }
 
 // The first exchange: nothing else is read before a correct proof.
@@ -1035,7 +1035,7 @@ static void *sconn_main(void *arg) {
     }
     if (hello_ok) hello_ok = outq_start(&k->q);
     int64_t last_rx = pd_time_us();
-    while (hello_ok && !s->stop) {
+    while (hello_ok && !__atomic_load_n(&s->stop, __ATOMIC_ACQUIRE)) {
         uint32_t allow = 1u << PD_KVW_PING | 1u << PD_KVW_PREFILL_REQ | 1u << PD_KVW_CANCEL;
         pd_status st = recv_frame(k->fd, &buf, &cap, &m, allow, PD_KVW_MAX_BODY, pd_time_us() + 100000, NULL, &err);
         if (st == PD_ERR_TIMEOUT) {
@@ -1152,7 +1152,7 @@ static void accept_one(pd_xfer_server *s, int lfd, bool is_unix) {
 
 static void *accept_main(void *arg) {
     pd_xfer_server *s = arg;
-    while (!s->stop) {
+    while (!__atomic_load_n(&s->stop, __ATOMIC_ACQUIRE)) {
         struct pollfd pfd[2] = {{.fd = s->lfd, .events = POLLIN}, {.fd = s->ufd, .events = POLLIN}};
         int n = poll(pfd, s->ufd >= 0 ? 2 : 1, 100);
         if (n <= 0) {
@@ -1234,7 +1234,7 @@ int pd_xfer_server_port(const pd_xfer_server *s) { return s->port; }
 
 void pd_xfer_server_free(pd_xfer_server *s) {
     if (!s) return;
-    s->stop = true;
+    __atomic_store_n(&s->stop, 1, __ATOMIC_RELEASE);
     pthread_join(s->accept_thread, NULL);
     for (int i = 0; i < PD_XFER_MAX_CONNS; i++) {
         sconn *k = s->slots[i];
