@@ -683,7 +683,7 @@ static void *engine_main(void *arg) {
         // schedulable): sleep briefly, or until a command (an xfer result) arrives.
         int64_t wait_us = !pd_sched_has_work(e->sched) ? -1 : e->last_step_empty ? 2000 : 0;
         pd_cmd *c = pd_queue_pop_cmds(&e->q, wait_us);
-        if (e->q.stopping) {
+        if (__atomic_load_n(&e->q.stopping, __ATOMIC_ACQUIRE)) {  // (written under q.mu by pd_queue_stop)
             handle_cmds(e, c);
             break;
         }

@@ -113,7 +113,7 @@ int pd_queue_poll_events(pd_queue *q, pd_engine_event *out, int max) {
 
 void pd_queue_stop(pd_queue *q) {
     pthread_mutex_lock(&q->mu);
-    q->stopping = true;
+    __atomic_store_n(&q->stopping, true, __ATOMIC_RELEASE);  // also read without the lock (engine_main)
     pthread_cond_broadcast(&q->cv);
     pthread_mutex_unlock(&q->mu);
 }
