@@ -50,7 +50,7 @@ pd_status pd_queue_push_cmd(pd_queue *q, pd_cmd *c) {
     return PD_OK;
 }
 
-pd_cmd *pd_queue_pop_cmds(pd_queue *q, int64_t wait_us) {
+pd_cmd *pd_queue_pop_cmds(pd_queue *q, int64_t wait_us, bool *stopping) {
     pthread_mutex_lock(&q->mu);
     if (wait_us < 0) {
         while (!q->in_head && !q->stopping) pthread_cond_wait(&q->cv, &q->mu);
@@ -65,6 +65,7 @@ pd_cmd *pd_queue_pop_cmds(pd_queue *q, int64_t wait_us) {
     pd_cmd *h = q->in_head;
     q->in_head = q->in_tail = NULL;
     q->n_in_submits = 0;
+    *stopping = q->stopping;
     pthread_mutex_unlock(&q->mu);
     return h;
 }
@@ -113,7 +114,7 @@ int pd_queue_poll_events(pd_queue *q, pd_engine_event *out, int max) {
 
 void pd_queue_stop(pd_queue *q) {
     pthread_mutex_lock(&q->mu);
-    __atomic_store_n(&q->stopping, true, __ATOMIC_RELEASE);  // also read without the lock (engine_main)
+    q->stopping = true;
     pthread_cond_broadcast(&q->cv);
     pthread_mutex_unlock(&q->mu);
 }
