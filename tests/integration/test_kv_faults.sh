@@ -215,7 +215,7 @@ kill "$(cat "$TMP/router.pid")"
 rport=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
 "$PD_BIN" run --model "$MODEL" --port "$rport" >"$TMP/run.out" 2>"$TMP/run.err" &
 echo $! >"$TMP/run.pid"
-pd_wait_for 120 grep -q 'Serving on' "$TMP/run.out" || pd_fail "pdserve run did not come up: $(tail -5 "$TMP/run.err")"
+pd_wait_for 120 grep -qi 'serving on' "$TMP/run.out" || pd_fail "pdserve run did not come up: $(tail -5 "$TMP/run.err")"
 code=$(curl -s -o /dev/null -w '%{http_code}' "http://127.0.0.1:$rport/internal/register" -d "$reg")
 [ "$code" = 401 ] || pd_fail "pdserve run's router accepted an unauthenticated register ($code)"
 dereg="{\"v\":1,\"url\":\"$(grep -o 'decode worker http://[0-9.:]*' "$TMP/run.out" | awk '{print $3}')\"}"
