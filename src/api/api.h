@@ -88,6 +88,7 @@ typedef struct pd_api_request {
     int n;                     // 1..PD_API_MAX_N
     bool stream;
     bool include_usage;        // stream_options.include_usage
+    bool include_timings;      // "timings": true or stream_options.include_timings: usage.ttft_breakdown
     bool ignore_eos;
     bool skip_special_tokens;  // default true
     bool include_stop_str_in_output;

@@ -21,9 +21,11 @@ json_t *pd_api_usage_json(const api_job *j) {
         n_completion += j->choices[i].n_tokens;
         if (j->choices[i].index % j->n == 0) n_cached += j->choices[i].n_cached;  // once per prompt
     }
-    return json_pack("{s:i,s:i,s:i,s:{s:i}}", "prompt_tokens", j->n_prompt_tokens, "completion_tokens",
-                     n_completion, "total_tokens", j->n_prompt_tokens + n_completion, "prompt_tokens_details",
-                     "cached_tokens", n_cached);
+    json_t *u = json_pack("{s:i,s:i,s:i,s:{s:i}}", "prompt_tokens", j->n_prompt_tokens, "completion_tokens",
+                          n_completion, "total_tokens", j->n_prompt_tokens + n_completion, "prompt_tokens_details",
+                          "cached_tokens", n_cached);
+    if (u && j->include_timings) json_object_set_new(u, "ttft_breakdown", pd_api_ttft_json(j));
+    return u;
 }
 
 static json_t *envelope(const api_job *j, bool is_chunk) {
