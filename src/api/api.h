@@ -143,6 +143,9 @@ typedef struct pd_api_params {
     int port;                       // 0 = any free port
     size_t max_body_bytes;          // default 8 MiB
     const char *served_model_name;  // NULL = pd_engine_model_name()
+    int max_connections;            // 0 = from RLIMIT_NOFILE (http.h)
+    int keepalive_timeout_s;        // 0 = default (30)
+    int header_timeout_s;           // 0 = default (60)
 } pd_api_params;
 pd_api_params pd_api_params_default(void);
 

@@ -471,6 +471,9 @@ pd_api *pd_api_new(struct event_base *base, pd_engine *e, const pd_api_params *p
     hp.host = p->host;
     hp.port = p->port;
     if (p->max_body_bytes) hp.max_body_bytes = p->max_body_bytes;
+    if (p->max_connections > 0) hp.max_connections = p->max_connections;
+    if (p->keepalive_timeout_s > 0) hp.keepalive_timeout_s = p->keepalive_timeout_s;
+    if (p->header_timeout_s > 0) hp.header_timeout_s = p->header_timeout_s;
     hp.on_response = on_response;
     hp.on_response_ud = a;
     a->http = pd_http_server_new(base, &hp, err);

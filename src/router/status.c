@@ -12,21 +12,43 @@
 
 #include "router/router_impl.h"
 
-void rt_history_note(pd_router *r, int c, double ttft_ms, double e2e_ms, bool is_rejected) {
+static rt_sample *sample_now(pd_router *r) {
     int64_t now = (int64_t)time(NULL);
     rt_sample *s = &r->history[now % RT_HISTORY_S];
     if (s->t_s != now) {
         memset(s, 0, sizeof *s);
         s->t_s = now;
     }
+    return s;
+}
+
+void rt_history_note(pd_router *r, int c, double ttft_ms, double e2e_ms, bool is_rejected) {
+    rt_sample *s = sample_now(r);
     if (is_rejected) {
         s->n_rejected++;
+        s->n_rejected_class[c]++;
         return;
     }
     s->n[c]++;
     s->ttft_ms_sum[c] += ttft_ms;
     s->e2e_ms_sum[c] += e2e_ms;
     if (ttft_ms > s->ttft_ms_max[c]) s->ttft_ms_max[c] = ttft_ms;
+}
+
+void rt_ttft_note(pd_router *r, int part, double ms) {
+    if (part < 0 || part >= RT_N_TTFT_PARTS) return;
+    rt_sample *s = sample_now(r);
+    s->n_ttft_part[part]++;
+    s->ttft_part_ms_sum[part] += ms;
+}
+
+static int64_t delta(int64_t now, int64_t prev) { return now > prev ? now - prev : 0; }
+
+void rt_history_disagg(pd_router *r, const pd_wire_load *now, const pd_wire_load *prev) {
+    rt_sample *s = sample_now(r);
+    s->n_handoffs += delta(now->n_kv_handoffs, prev->n_kv_handoffs);
+    s->handoff_bytes += delta(now->n_kv_handoff_bytes, prev->n_kv_handoff_bytes);
+    for (int i = 0; i < PD_WIRE_N_FALLBACKS; i++) s->n_fallbacks[i] += delta(now->n_kv_fallbacks[i], prev->n_kv_fallbacks[i]);
 }
 
 static const char *worker_state(const rt_worker *w) {

@@ -26,6 +26,32 @@ int rt_n_healthy(const pd_router *r) {
     return n;
 }
 
+int rt_n_decode_healthy(const pd_router *r) {
+    int n = 0;
+    for (int i = 0; i < PD_ROUTER_MAX_WORKERS; i++) {
+        const rt_worker *w = &r->workers[i];
+        n += w->is_used && w->is_healthy && w->role != PD_WIRE_ROLE_PREFILL;
+    }
+    return n;
+}
+
+int64_t rt_worker_capacity(const pd_router *r, const rt_worker *w) {
+    return pd_router_worker_capacity(w->has_state ? w->load.n_max_seqs : 0, w->has_state ? w->load.n_max_waiting : 0,
+                                     r->qos.capacity_per_worker);
+}
+
+int64_t rt_pool_capacity(const pd_router *r) {
+    int64_t sum = 0;
+    for (int i = 0; i < PD_ROUTER_MAX_WORKERS; i++) {
+        const rt_worker *w = &r->workers[i];
+        if (!w->is_used || !w->is_healthy || w->role == PD_WIRE_ROLE_PREFILL) continue;
+        int64_t c = rt_worker_capacity(r, w);
+        if (c <= 0) return 0;
+        sum += c;
+    }
+    return sum;
+}
+
 static void worker_metric(pd_router *r, rt_worker *w) {
     char labels[PD_WIRE_URL_MAX + 16];
     snprintf(labels, sizeof labels, "worker=\"%s\"", w->url);
@@ -150,9 +176,11 @@ static void poll_ok(pd_router *r, rt_worker *w, int http_status) {
             PD_LOG_I("router: worker %s restarted (new instance)", w->url);
     }
     apply_events(r, w, &s);
+    if (w->has_state && s.instance == w->instance) rt_history_disagg(r, &s.load, &w->load);
     w->has_state = true;
     w->instance = s.instance;
     w->seq_next = s.seq_next;
+    w->prev_load = w->load;
     w->load = s.load;
     if (s.block_size > 0) w->block_size = s.block_size;
     if (s.model[0]) snprintf(w->model, sizeof w->model, "%s", s.model);
