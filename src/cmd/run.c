@@ -188,7 +188,14 @@ int pd_cmd_run(int argc, char **argv) {
                               "--port", d_port, "--prefill", kv_addr, "--kv-transport", (char *)transport,
                               "--disagg-min-tokens", (char *)min_tokens};
     for (int i = 0; i < n_fwd; i++) pa[12 + i] = da[16 + i] = fwd[i];
-    char *ra[] = {"pdserve", "router", "--port", r_port, "--decode", d_url, "--prefill", p_url, NULL};
+    char *ra[12] = {"pdserve", "router", "--port", r_port, "--decode", d_url, "--prefill", p_url, NULL};
+    for (int i = 0; i + 1 < n_fwd; i++)  // the router traces too (one file per process)
+        if (!strcmp(fwd[i], "--trace-dir")) {
+            ra[8] = "--trace-dir";
+            ra[9] = fwd[i + 1];
+            ra[10] = NULL;
+            break;
+        }
     char *const *args[3] = {pa, da, ra};
     int rc = 1;
     for (int i = 0; i < 3; i++) {

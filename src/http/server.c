@@ -22,6 +22,8 @@
 #include <event2/keyvalq_struct.h>
 #include <arpa/inet.h>
 #include <errno.h>
+#include <netdb.h>
+#include <pthread.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
 #include <event2/listener.h>
@@ -76,12 +78,16 @@ struct pd_http_server {
     http_pending *pending;            // new bufferevents whose fd is not set yet
     int n_pending, cap_pending;
     int n_conns;                      // accepted and not yet released
+    int n_shedding;                   // of them, shut down by us and not yet released
+    int *shed_fds;                    // (n_shedding) their fds, to release them without a full scan
+    int cap_shed;
     int max_connections;
     int64_t header_timeout_us, keepalive_timeout_us;
     struct event *sweep, *resume, *kick;  // periodic sweep; accept re-enable; refusal
     int backoff_ms;
     int64_t t_last_emfile_log_us;
     int64_t n_emfile, n_shed, n_emfile_logged;
+    pd_http_server *next_server;      // the listener registry (on_accept_error)
 };
 
 struct pd_http_req {
@@ -473,10 +479,11 @@ static void on_request(struct evhttp_request *ev, void *arg) {
 //     fd, BEV_OPT_CLOSE_ON_FREE) alive until our sweep sees its callbacks cleared and drops it;
 //   * at max_connections, close the longest-idle connections (no request held, nothing unread,
 //     32 at a time, nginx's ngx_drain_connections) so a new client, a health check say, still
-//     gets in; with none idle the newest is closed instead;
+//     gets in; with none idle the newest is closed instead. A closed connection's fd is released
+//     by the next sweep; until then it does not count against the limit;
 //   * close a connection idle for keepalive_timeout_s, or one whose request has not arrived
-//     complete header_timeout_s after its first bytes were seen (slow-loris), in a sweep each
-//     second (libevent's own timeout_s still bounds each read and write);
+//     complete header_timeout_s after its first bytes were seen (slow-loris), in a sweep every
+//     500 ms (libevent's own timeout_s still bounds each read and write);
 //   * on EMFILE / ENFILE / ENOBUFS / ENOMEM from accept(): pause the listener, shed idle
 //     connections and resume after a short backoff (100 ms doubling to 1 s), logging at most one
 //     line per 10 s with a count.
@@ -529,8 +536,24 @@ static void conns_resolve(pd_http_server *s) {
 
 static void conn_release(pd_http_server *s, http_conn *c) {
     bufferevent_decref(c->bev);  // closes the fd
+    if (c->is_shed) {
+        int fd = (int)(c - s->conns);
+        for (int i = 0; i < s->n_shedding; i++)
+            if (s->shed_fds[i] == fd) {
+                s->shed_fds[i] = s->shed_fds[--s->n_shedding];
+                break;
+            }
+    }
     memset(c, 0, sizeof *c);
     s->n_conns--;
+}
+
+// Releases the fds of shed connections evhttp has freed already (cheap: only those are looked at).
+static void conns_release_shed(pd_http_server *s) {
+    for (int i = s->n_shedding - 1; i >= 0; i--) {
+        http_conn *c = &s->conns[s->shed_fds[i]];
+        if (c->bev && bev_is_freed(c->bev)) conn_release(s, c);
+    }
 }
 
 static bool conn_is_idle(const http_conn *c) {
@@ -543,24 +566,46 @@ static void conn_shed(pd_http_server *s, http_conn *c) {
     evutil_socket_t fd = bufferevent_getfd(c->bev);
     // evhttp reads EOF, frees the connection; the sweep then releases the fd
     if (fd >= 0) shutdown(fd, SHUT_RDWR);
+    if (s->n_shedding == s->cap_shed) {
+        int cap = PD_MAX(64, 2 * s->cap_shed);
+        int *p = pd_realloc(s->shed_fds, (size_t)cap * sizeof *p);
+        if (!p) return;  // not marked: the keep-alive sweep releases it like any closed connection
+        s->shed_fds = p;
+        s->cap_shed = cap;
+    }
+    s->shed_fds[s->n_shedding++] = (int)(c - s->conns);
     c->is_shed = true;
     s->n_shed++;
 }
 
-// Closes up to n of the longest-idle connections. Returns how many.
+// Closes up to n (<= HTTP_SHED_BATCH) of the longest-idle connections in one pass over the table.
+// Returns how many.
 static int conns_shed_idle(pd_http_server *s, int n) {
-    int done = 0;
-    while (done < n) {
-        http_conn *oldest = NULL;
-        for (int fd = 0; fd < s->n_conn_slots; fd++) {
-            http_conn *c = &s->conns[fd];
-            if (c->bev && conn_is_idle(c) && (!oldest || c->t_idle_us < oldest->t_idle_us)) oldest = c;
+    http_conn *pick[HTTP_SHED_BATCH];
+    int k = 0;
+    n = PD_MIN(n, HTTP_SHED_BATCH);
+    for (int fd = 0; fd < s->n_conn_slots; fd++) {
+        http_conn *c = &s->conns[fd];
+        if (!c->bev || !conn_is_idle(c)) continue;
+        if (k < n) {
+            pick[k++] = c;
+            continue;
         }
-        if (!oldest) break;
-        conn_shed(s, oldest);
-        done++;
+        int newest = 0;  // replace the most recently idle of the picks if c is older
+        for (int i = 1; i < k; i++)
+            if (pick[i]->t_idle_us > pick[newest]->t_idle_us) newest = i;
+        if (c->t_idle_us < pick[newest]->t_idle_us) pick[newest] = c;
     }
-    return done;
+    for (int i = 0; i < k; i++) conn_shed(s, pick[i]);
+    return k;
+}
+
+// Releases every connection evhttp has freed (one pass over the table).
+static void conns_release_freed(pd_http_server *s) {
+    for (int fd = 0; fd < s->n_conn_slots; fd++) {
+        http_conn *c = &s->conns[fd];
+        if (c->bev && bev_is_freed(c->bev)) conn_release(s, c);
+    }
 }
 
 static void conns_sweep(pd_http_server *s, int64_t now) {
@@ -604,33 +649,80 @@ static struct bufferevent *on_new_conn(struct event_base *base, void *arg) {
         s->cap_pending = cap;
     }
     conns_resolve(s);
-    bool refuse = s->n_conns + 1 > s->max_connections && conns_shed_idle(s, HTTP_SHED_BATCH) == 0;
+    conns_release_shed(s);
+    // Over the limit (connections being closed by us do not count: their fds go at the next sweep):
+    // close a batch of the longest-idle ones; with none idle, refuse this one.
+    if (s->n_conns - s->n_shedding + 1 > s->max_connections) conns_release_freed(s);  // closed by their clients
+    bool refuse = s->n_conns - s->n_shedding + 1 > s->max_connections && conns_shed_idle(s, HTTP_SHED_BATCH) == 0;
     bufferevent_incref(bev);
     s->pending[s->n_pending++] = (http_pending){bev, refuse};
+    s->backoff_ms = 0;  // accept() works again
     s->n_conns++;
     // evhttp sets the fd when we return; a refused connection is shut down right after
     if (refuse) event_active(s->kick, EV_TIMEOUT, 0);
     return bev;
 }
 
+// The listener's error callback gets the listener's user data, which evhttp owns (its struct
+// evhttp): servers are found by listener in this registry instead.
+static pthread_mutex_t g_servers_mu = PTHREAD_MUTEX_INITIALIZER;
+static pd_http_server *g_servers;  // linked through next_server
+
+static void registry_add(pd_http_server *s) {
+    pthread_mutex_lock(&g_servers_mu);
+    s->next_server = g_servers;
+    g_servers = s;
+    pthread_mutex_unlock(&g_servers_mu);
+}
+
+static void registry_remove(pd_http_server *s) {
+    pthread_mutex_lock(&g_servers_mu);
+    for (pd_http_server **p = &g_servers; *p; p = &(*p)->next_server)
+        if (*p == s) {
+            *p = s->next_server;
+            break;
+        }
+    pthread_mutex_unlock(&g_servers_mu);
+}
+
+static pd_http_server *registry_find(const struct evconnlistener *l) {
+    pthread_mutex_lock(&g_servers_mu);
+    pd_http_server *s = g_servers;
+    while (s && s->listener != l) s = s->next_server;
+    pthread_mutex_unlock(&g_servers_mu);
+    return s;
+}
+
 // accept() failed for a reason other than EAGAIN / ECONNABORTED (which libevent retries itself).
 static void on_accept_error(struct evconnlistener *l, void *arg) {
-    pd_http_server *s = arg;
+    PD_UNUSED(arg);  // evhttp's
+    pd_http_server *s = registry_find(l);
+    if (!s) {
+        evconnlistener_disable(l);  // cannot happen; never spin
+        return;
+    }
     int e = EVUTIL_SOCKET_ERROR();
     int64_t now = pd_time_us();
     s->n_emfile++;
     evconnlistener_disable(l);
-    conns_sweep(s, now);
+    conns_resolve(s);
+    conns_release_shed(s);
     int n = conns_shed_idle(s, HTTP_SHED_BATCH);
+    // The limit was above what the descriptors allow: bring it below the connections open now,
+    // so that from here on the limit (closing idle connections per accept) acts before accept()
+    // fails.
+    int lim = PD_MAX(16, s->n_conns - s->n_shedding - HTTP_SHED_BATCH);
+    bool lowered = lim < s->max_connections;
+    if (lowered) s->max_connections = lim;
     if (now - s->t_last_emfile_log_us >= 10 * 1000000) {
         PD_LOG_W("http: accept() failed: %s (%lld time(s) since the last report); pausing accepts, "
-                 "closed %d idle connection(s); %d open", evutil_socket_error_to_string(e),
-                 (long long)(s->n_emfile - s->n_emfile_logged), n, s->n_conns);
+                 "closed %d idle connection(s); %d open; connection limit now %d", evutil_socket_error_to_string(e),
+                 (long long)(s->n_emfile - s->n_emfile_logged), n, s->n_conns, s->max_connections);
         s->t_last_emfile_log_us = now;
         s->n_emfile_logged = s->n_emfile;
     }
-    // back off: 100 ms, doubling while accept keeps failing, at most 1 s
-    s->backoff_ms = s->backoff_ms ? PD_MIN(1000, s->backoff_ms * 2) : 100;
+    // back off: 10 ms, doubling while accept keeps failing, at most 1 s
+    s->backoff_ms = s->backoff_ms ? PD_MIN(1000, s->backoff_ms * 2) : 10;
     struct timeval tv = {s->backoff_ms / 1000, (s->backoff_ms % 1000) * 1000};
     event_add(s->resume, &tv);
 }
@@ -639,7 +731,8 @@ static void on_resume(evutil_socket_t fd, short what, void *arg) {
     PD_UNUSED(fd);
     PD_UNUSED(what);
     pd_http_server *s = arg;
-    conns_sweep(s, pd_time_us());
+    conns_resolve(s);
+    conns_release_shed(s);
     if (s->listener) evconnlistener_enable(s->listener);
 }
 
@@ -683,13 +776,17 @@ static pd_status conns_init(pd_http_server *s, const pd_http_params *p, pd_err *
         pd_err_set(err, PD_ERR_NOMEM, "http: out of memory");
         return PD_ERR_NOMEM;
     }
-    struct timeval tv = {1, 0};
+    struct timeval tv = {0, 500 * 1000};
     event_add(s->sweep, &tv);
-    if (s->listener) evconnlistener_set_error_cb(s->listener, on_accept_error);
+    if (s->listener) {
+        registry_add(s);
+        evconnlistener_set_error_cb(s->listener, on_accept_error);
+    }
     return PD_OK;
 }
 
 static void conns_fini(pd_http_server *s) {
+    registry_remove(s);
     if (s->sweep) event_free(s->sweep);
     if (s->resume) event_free(s->resume);
     if (s->kick) event_free(s->kick);
@@ -698,12 +795,34 @@ static void conns_fini(pd_http_server *s) {
         if (s->conns[fd].bev) bufferevent_decref(s->conns[fd].bev);
     pd_free(s->pending);
     pd_free(s->conns);
+    pd_free(s->shed_fds);
 }
 
 int pd_http_server_n_connections(const pd_http_server *s) { return s->n_conns; }
 int pd_http_server_max_connections(const pd_http_server *s) { return s->max_connections; }
 
 // ---- server ------------------------------------------------------------------------------------
+
+// Listens with a deep accept queue (net.core.somaxconn; evhttp's own bind and libevent's default
+// use 128, so a connection storm left clients in SYN retransmits, or "connected" ones the server
+// never saw, for seconds) and hands the listener to evhttp.
+static struct evhttp_bound_socket *bind_listener(pd_http_server *s, const char *host, int port) {
+    char ps[16];
+    snprintf(ps, sizeof ps, "%d", port);
+    struct addrinfo hints = {.ai_family = AF_UNSPEC, .ai_socktype = SOCK_STREAM, .ai_flags = AI_PASSIVE};
+    struct addrinfo *ai = NULL;
+    if (getaddrinfo(host, ps, &hints, &ai) != 0 || !ai) return NULL;
+    struct evconnlistener *l = NULL;
+    for (struct addrinfo *a = ai; a && !l; a = a->ai_next)
+        l = evconnlistener_new_bind(s->base, NULL, NULL, LEV_OPT_CLOSE_ON_FREE | LEV_OPT_REUSEABLE | LEV_OPT_CLOSE_ON_EXEC,
+                                    65535 /* the kernel caps it at net.core.somaxconn */, a->ai_addr,
+                                    (int)a->ai_addrlen);
+    freeaddrinfo(ai);
+    if (!l) return NULL;
+    struct evhttp_bound_socket *b = evhttp_bind_listener(s->http, l);
+    if (!b) evconnlistener_free(l);
+    return b;
+}
 
 pd_http_server *pd_http_server_new(struct event_base *base, const pd_http_params *p, pd_err *err) {
     pd_http_params d = pd_http_params_default();
@@ -737,7 +856,7 @@ pd_http_server *pd_http_server_new(struct event_base *base, const pd_http_params
                                             EVHTTP_REQ_OPTIONS | EVHTTP_REQ_PATCH);
     evhttp_set_gencb(s->http, on_request, s);
     const char *host = p->host && *p->host ? p->host : "127.0.0.1";
-    s->sock = evhttp_bind_socket_with_handle(s->http, host, (ev_uint16_t)p->port);
+    s->sock = bind_listener(s, host, p->port);
     if (!s->sock) {
         pd_err_set(err, PD_ERR_IO, "http: cannot listen on %s:%d", host, p->port);
         goto fail;

@@ -76,6 +76,7 @@ typedef struct rt_sample {
     int n_ttft_part[RT_N_TTFT_PARTS];
     double ttft_part_ms_sum[RT_N_TTFT_PARTS];
     int64_t n_handoffs, handoff_bytes, n_fallbacks[PD_WIRE_N_FALLBACKS];  // from the workers' counters
+    int router_inflight, running, waiting;     // queue depths: the largest seen in the second
 } rt_sample;
 
 typedef struct rt_job rt_job;
@@ -146,3 +147,6 @@ void rt_history_note(pd_router *r, int class_idx, double ttft_ms, double e2e_ms,
 void rt_ttft_note(pd_router *r, int part, double ms);
 // Adds a worker's counter deltas since its previous report (handoffs, bytes, fallbacks).
 void rt_history_disagg(pd_router *r, const pd_wire_load *now, const pd_wire_load *prev);
+// Samples the queue depths (each heartbeat): requests in flight through the router, and the
+// workers' reported running and waiting totals.
+void rt_history_queue(pd_router *r, int router_inflight, int running, int waiting);

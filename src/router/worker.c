@@ -242,6 +242,14 @@ static void on_heartbeat(evutil_socket_t fd, short what, void *arg) {
     int queued = 0;
     for (int i = 0; i < r->qos.n_classes; i++) queued += r->inflight_by_class[i];
     pd_metric_set(r->m_queue, queued);
+    int running = 0, waiting = 0;
+    for (int i = 0; i < PD_ROUTER_MAX_WORKERS; i++) {
+        const rt_worker *w = &r->workers[i];
+        if (!w->is_used || !w->is_healthy || !w->has_state) continue;
+        running += w->load.n_running;
+        waiting += w->load.n_waiting;
+    }
+    rt_history_queue(r, queued, running, waiting);
 }
 
 pd_status rt_heartbeat_start(pd_router *r) {
