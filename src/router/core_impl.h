@@ -53,6 +53,7 @@ typedef struct pd_router_cand {
     double decode_step_ms;         // measured (or the router's default)
     double ttft_ms_per_inflight;   // router-observed TTFT / (in flight at dispatch + 1); 0 = unknown
     int64_t n_capacity;            // requests it takes at once (seats + queue); 0 = unknown
+    int32_t n_foreign;             // requests there that are not the router's (from the last report)
     int32_t n_kv_blocks_total;     // 0 = unknown
     int32_t n_blocks_needed;       // this request's KV blocks at most (prompt + max tokens)
 } pd_router_cand;
@@ -62,9 +63,10 @@ typedef struct pd_router_cand {
 // accepts before answering 503 itself. override > 0 (capacity_per_worker in --qos-config) wins;
 // 0 = unknown (no report yet): the router then refuses nothing on capacity grounds.
 int64_t pd_router_worker_capacity(int32_t max_seqs, int32_t max_waiting, int override);
-// Whether candidate c can take one more request now: its occupancy — the larger of the router's
-// own in-flight count and the reported running + waiting (reports lag a heartbeat behind a burst)
-// — is below its capacity, and the request's KV fits the worker's cache at all.
+// Whether candidate c can take one more request now: its occupancy — the router's own in-flight
+// count there (exact and current) plus the requests the worker last reported beyond the router's
+// (n_foreign: other clients; reports lag a heartbeat, so they are not used for our own) — is below
+// its capacity, and the request's KV fits the worker's cache at all.
 bool pd_router_has_room(const pd_router_cand *c);
 
 // Cost weights, in "prefill-token equivalents". Defaults (pd_router_cost_params_default):

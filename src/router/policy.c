@@ -68,7 +68,7 @@ int64_t pd_router_worker_capacity(int32_t max_seqs, int32_t max_waiting, int ove
 bool pd_router_has_room(const pd_router_cand *c) {
     if (c->n_kv_blocks_total > 0 && c->n_blocks_needed > c->n_kv_blocks_total) return false;
     if (c->n_capacity <= 0) return true;
-    int64_t occupied = PD_MAX((int64_t)c->n_inflight, (int64_t)c->n_running + c->n_waiting);
+    int64_t occupied = (int64_t)c->n_inflight + (c->n_foreign > 0 ? c->n_foreign : 0);
     return occupied < c->n_capacity;
 }
 

@@ -611,6 +611,7 @@ static int build_cands(rt_job *j, pd_router_cand *cands, int *n_full) {
         c->decode_step_ms = worker_step_ms(r, w);
         c->ttft_ms_per_inflight = w->obs_ttft_per_inflight;
         c->n_capacity = rt_worker_capacity(r, w);
+        c->n_foreign = w->n_foreign;
         c->n_kv_blocks_total = w->load.n_kv_blocks_total;
         int64_t need = (int64_t)j->n_prompt + (j->max_tokens > 0 ? j->max_tokens : 0);
         c->n_blocks_needed = (int32_t)PD_MIN((need + w->block_size - 1) / PD_MAX(1, w->block_size), INT32_MAX);

@@ -51,6 +51,8 @@ typedef struct rt_worker {
     int64_t n_prefix_query_base, n_prefix_hit_base;  // worker counters at registration (for rates)
     pd_metric *m_routed;        // pdserve_router_routed_total{worker=...}
     pd_wire_load prev_load;     // the previous report (rates on /status are deltas of counters)
+    int inflight_at_poll;       // n_inflight when the current poll was sent
+    int n_foreign;              // requests the worker reported beyond ours (other clients), last poll
 } rt_worker;
 
 typedef struct rt_class_metrics {

@@ -182,6 +182,10 @@ static void poll_ok(pd_router *r, rt_worker *w, int http_status) {
     w->seq_next = s.seq_next;
     w->prev_load = w->load;
     w->load = s.load;
+    // Load that is not ours (other routers, direct clients): what the worker reports beyond the
+    // requests we had in flight while it answered (the larger count, to stay lenient).
+    int ours = PD_MAX(w->inflight_at_poll, w->n_inflight);
+    w->n_foreign = PD_MAX(0, s.load.n_running + s.load.n_waiting - ours);
     if (s.block_size > 0) w->block_size = s.block_size;
     if (s.model[0]) snprintf(w->model, sizeof w->model, "%s", s.model);
     pd_wire_state_fini(&s);
@@ -224,6 +228,7 @@ static void poll_worker(pd_router *r, rt_worker *w) {
     pd_http_client_callbacks cb = {.on_body = on_poll_body, .on_done = on_poll_done};
     w->poll_len = 0;
     if (w->poll_buf) w->poll_buf[0] = 0;
+    w->inflight_at_poll = w->n_inflight;
     pd_err err = {0};
     w->poll_call = pd_http_client_send(r->poll_client, &rq, &cb, w, &err);
     if (!w->poll_call) {

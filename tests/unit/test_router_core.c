@@ -219,11 +219,13 @@ PD_TEST(worker_capacity_and_room) {
     PD_CHECK(pd_router_has_room(&c));
     c.n_inflight = 4;
     PD_CHECK(!pd_router_has_room(&c));
-    c.n_inflight = 0;  // the report may be ahead of the router's count (other routers, direct clients)
-    c.n_running = 2;
-    c.n_waiting = 2;
+    c.n_inflight = 1;  // plus load from other clients (other routers, direct requests)
+    c.n_foreign = 3;
     PD_CHECK(!pd_router_has_room(&c));
-    c.n_waiting = 1;
+    c.n_foreign = 2;
+    PD_CHECK(pd_router_has_room(&c));
+    c.n_running = 50;  // a stale report of our own requests does not count
+    c.n_waiting = 50;
     PD_CHECK(pd_router_has_room(&c));
     c.n_kv_blocks_total = 100;
     c.n_blocks_needed = 101;  // can never fit there
