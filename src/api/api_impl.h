@@ -12,6 +12,8 @@
 #include <jansson.h>
 
 #include "api/api.h"
+#include "base/buf.h"
+#include "base/map.h"
 #include "http/http.h"
 #include "metrics/metrics.h"
 
@@ -37,6 +39,8 @@ typedef struct api_choice {
     int n_tokens;               // generated tokens seen
     int n_cached;               // prompt tokens served from the prefix cache
     int64_t t_last_us;          // time of the last token
+    int spec_method;            // speculative decoding (FINISHED): method, drafts, accepted, steps
+    int n_spec_drafted, n_spec_accepted, n_spec_steps;
 } api_choice;
 
 struct api_job {
@@ -78,12 +82,13 @@ typedef struct api_metrics {
     pd_metric *handoffs, *fallbacks[PD_FALLBACK_N], *local_short, *handoff_bytes, *handoff_seconds;
     pd_metric *exports, *export_bytes, *export_copy_seconds, *prefill_healthy;
     pd_metric *ttft_part[PD_WIRE_N_TTFT_PARTS][2];  // [part][local, remote]
+    // speculative decoding, by method (index 1.. of PD_ENGINE_SPEC_N; 0 unused)
+    pd_metric *spec_drafted[PD_ENGINE_SPEC_N], *spec_accepted[PD_ENGINE_SPEC_N], *spec_emitted[PD_ENGINE_SPEC_N];
+    pd_metric *spec_steps[PD_ENGINE_SPEC_N], *spec_rate[PD_ENGINE_SPEC_N], *spec_mal[PD_ENGINE_SPEC_N];
 } api_metrics;
 
 typedef struct api_idmap {
-    uint64_t *keys;  // 0 = empty, UINT64_MAX = deleted
-    api_choice **vals;
-    size_t cap, n_used, n_live;
+    pd_map map;  // base/map.h: {engine request id, choice}; zero until the first put
 } api_idmap;
 
 struct pd_api {
@@ -105,6 +110,7 @@ struct pd_api {
     int n_jobs;
     int64_t n_ttft;                             // first tokens seen (reported in /internal/state)
     double ttft_ms_sum[PD_WIRE_N_TTFT_PARTS];
+    struct pd_api_prep *prep;  // owned: parse + template + tokenize off the loop (prep.c)
 };
 
 // ---- TTFT breakdown and request spans (timing.c) ------------------------------------------------

@@ -17,16 +17,10 @@
 
 static void append_text(api_choice *c, const char *s, size_t n) {
     if (!n) return;
-    if (c->len + n + 1 > c->cap) {
-        size_t nc = (c->len + n + 1) * 2;
-        char *t = pd_realloc(c->text, nc);
-        if (!t) {
-            c->job->has_error = true;
-            c->job->error_status = PD_ERR_NOMEM;
-            return;
-        }
-        c->text = t;
-        c->cap = nc;
+    if (PD_ARRAY_RESERVE(c->text, c->cap, c->len + n + 1) != PD_OK) {  // overflow-checked
+        c->job->has_error = true;
+        c->job->error_status = PD_ERR_NOMEM;
+        return;
     }
     memcpy(c->text + c->len, s, n);
     c->len += n;
@@ -196,6 +190,10 @@ static void on_token(api_choice *c, const pd_engine_event *ev) {
 static void on_finished(api_choice *c, const pd_engine_event *ev) {
     api_job *j = c->job;
     if (c->n_tokens == 0) c->n_cached = ev->n_cached_tokens;
+    c->spec_method = ev->spec_method;
+    c->n_spec_drafted = ev->n_spec_drafted;
+    c->n_spec_accepted = ev->n_spec_accepted;
+    c->n_spec_steps = ev->n_spec_steps;
     const char *txt = "";
     size_t n = 0;
     if (pd_tok_stream_finish(c->detok, &txt, &n)) n = 0;

@@ -2,7 +2,8 @@
 //
 //   * the queues are sorted by importance; states match the queue a request is in;
 //   * running requests own distinct slots, free slots + running = max_num_seqs;
-//   * a running request's table covers its computed tokens and it has a token left to compute;
+//   * a running request's table covers its computed tokens (and its lookahead slots: decodes only,
+//     within max_len and max_tokens) and it has a token left to compute;
 //     a waiting one holds no blocks and has nothing computed;
 //   * the id map holds exactly the queued requests;
 //   * LOADING_KV and HELD requests are counted, keep their blocks, and only loading ones a seat;
@@ -40,9 +41,16 @@ static pd_status check_running(const pd_sched *s, pd_err *err) {
             r->n_computed + r->n_scheduled > r->n_tokens)
             FAIL("request %llu: %d + %d of %d tokens computed", (unsigned long long)r->id,
                  r->n_computed, r->n_scheduled, r->n_tokens);
-        if (r->kv.n_blocks < pd_kv_n_blocks_for(s->kv, r->n_computed + r->n_scheduled))
-            FAIL("request %llu: %d blocks for %d tokens", (unsigned long long)r->id, r->kv.n_blocks,
-                 r->n_computed + r->n_scheduled);
+        if (r->kv.n_blocks < pd_kv_n_blocks_for(s->kv, r->n_computed + r->n_scheduled + r->n_lookahead))
+            FAIL("request %llu: %d blocks for %d tokens + %d lookahead", (unsigned long long)r->id, r->kv.n_blocks,
+                 r->n_computed + r->n_scheduled, r->n_lookahead);
+        if (r->n_lookahead < 0 || r->n_lookahead > r->n_lookahead_want ||
+            (r->n_lookahead > 0 && r->n_computed + r->n_scheduled != r->n_tokens))
+            FAIL("request %llu: %d lookahead slots (asked %d) at %d + %d of %d tokens", (unsigned long long)r->id,
+                 r->n_lookahead, r->n_lookahead_want, r->n_computed, r->n_scheduled, r->n_tokens);
+        if (r->n_lookahead > 0 && (r->n_tokens + r->n_lookahead > s->max_len ||
+                                   r->n_tokens - r->n_prompt + r->n_lookahead >= r->max_tokens))
+            FAIL("request %llu: %d lookahead slots overrun max_len / max_tokens", (unsigned long long)r->id, r->n_lookahead);
         if (r->n_tokens > s->max_len) FAIL("request %llu: %d tokens > max_len %d", (unsigned long long)r->id, r->n_tokens, s->max_len);
     }
     return PD_OK;
@@ -64,8 +72,8 @@ static pd_status check_waiting(const pd_sched *s, pd_err *err) {
         FAIL("map holds %d requests, queues %d + %d + detached %d + %d", s->reqs.n, s->n_waiting,
              s->n_running, s->n_loading_aborted, s->n_held);
     int32_t n_held = 0, n_aborted = 0, n_loading = 0;
-    for (uint64_t i = 0; i <= s->reqs.mask; i++) {
-        const pd_sched_req *r = s->reqs.slots[i];
+    for (size_t i = 0; i < pd_sched_reqmap_cap(&s->reqs); i++) {
+        const pd_sched_req *r = pd_sched_reqmap_at(&s->reqs, i);
         if (!r) continue;
         if (pd_sched_reqmap_find(&s->reqs, r->id) != r) FAIL("map entry %llu unreachable", (unsigned long long)r->id);
         if (r->state == PD_SCHED_FINISHED) FAIL("finished request %llu in the map", (unsigned long long)r->id);
@@ -86,9 +94,9 @@ static pd_status check_refs(const pd_sched *s, pd_err *err) {
     int32_t *want = pd_calloc((size_t)n, sizeof *want);
     if (!want) FAIL("out of memory");
     pd_status st = PD_OK;
-    for (uint64_t i = 0; i <= s->reqs.mask; i++) {  // every live request, in any state
-        if (!s->reqs.slots[i]) continue;
-        const pd_kv_seq *q = &s->reqs.slots[i]->kv;
+    for (size_t i = 0; i < pd_sched_reqmap_cap(&s->reqs); i++) {  // every live request, in any state
+        if (!pd_sched_reqmap_at(&s->reqs, i)) continue;
+        const pd_kv_seq *q = &pd_sched_reqmap_at(&s->reqs, i)->kv;
         for (int32_t j = 0; j < q->n_blocks; j++) want[q->block_ids[j]]++;
     }
     for (int32_t b = 0; b < n && st == PD_OK; b++)
