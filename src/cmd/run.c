@@ -537,8 +537,15 @@ int pd_cmd_run(int argc, char **argv) {
                               (char *)transport, "--disagg-min-tokens", (char *)min_tokens, "--threads", (char *)threads,
                               "--shutdown-timeout", (char *)sdt};
     for (int i = 0; i < n_fwd; i++) pa[18 + i] = da[22 + i] = fwd[i];
-    char *ra[] = {"pdserve", "router", "--host", (char *)(host ? host : "127.0.0.1"), "--port", ps.r_port,
-                  "--decode", ps.d_url, "--prefill", ps.p_url, "--shutdown-timeout", (char *)sdt, NULL};
+    char *ra[16] = {"pdserve", "router", "--host", (char *)(host ? host : "127.0.0.1"), "--port", ps.r_port,
+                    "--decode", ps.d_url, "--prefill", ps.p_url, "--shutdown-timeout", (char *)sdt, NULL};
+    for (int i = 0; i + 1 < n_fwd; i++)  // the router traces too (one file per process)
+        if (!strcmp(fwd[i], "--trace-dir")) {
+            ra[12] = "--trace-dir";
+            ra[13] = fwd[i + 1];
+            ra[14] = NULL;
+            break;
+        }
     r.cs[C_PREFILL].argv = pa;
     r.cs[C_DECODE].argv = da;
     r.cs[C_ROUTER].argv = ra;
