@@ -69,6 +69,8 @@ static api_job *job_new(pd_api *a, pd_http_req *http, const pd_api_request *rq, 
     j->n = rq->n;
     j->created = (int64_t)time(NULL);
     j->t_arrival_us = pd_time_us();
+    j->include_timings = rq->include_timings;
+    pd_api_trace_begin(j, http ? pd_http_req_header(http, "traceparent") : NULL);
     snprintf(j->id, sizeof j->id, "%s%016llx%08llx", rq->kind == PD_API_CHAT ? "chatcmpl-" : "cmpl-",
              (unsigned long long)pd_rng_next(&a->rng), (unsigned long long)(++a->n_jobs_total & 0xffffffffu));
     for (int i = 0; i < rq->n_stop_ids; i++) j->stop_ids[j->n_stop_ids++] = rq->stop_ids[i];
@@ -123,6 +125,7 @@ static pd_status job_submit(api_job *j, const pd_api_request *rq, const pd_api_p
         // vLLM's `priority`: lower values run first; the engine runs higher values first.
         er.priority = rq->priority == INT_MIN ? INT_MAX : -rq->priority;
         er.arrival_us = j->t_arrival_us;
+        pd_api_trace_traceparent(j, er.traceparent);
         pd_err err = {0};
         pd_status st = pd_api_idmap_put(&a->ids, er.id, c);
         if (st == PD_OK) {
@@ -214,6 +217,8 @@ static void h_state(pd_http_req *r, void *ud) {
     char *txt = NULL;
     size_t n = 0;
     pd_status s = pd_engine_state(a->engine, (uint64_t)since, 4096, &st);
+    st.load.n_ttft = a->n_ttft;
+    for (int i = 0; i < PD_WIRE_N_TTFT_PARTS; i++) st.load.ttft_ms_sum[i] = a->ttft_ms_sum[i];
     if (s == PD_OK) s = pd_wire_state_encode(&st, &txt, &n);
     pd_wire_state_fini(&st);
     if (s) pd_http_reply_error(r, 500, "server_error", "out of memory", NULL, NULL);
@@ -447,7 +452,7 @@ pd_api *pd_api_new(struct event_base *base, pd_engine *e, const pd_api_params *p
             goto fail;
         }
     }
-    if (register_metrics(a, err)) goto fail;
+    if (register_metrics(a, err) || pd_api_timing_metrics_init(a, err)) goto fail;
     a->prep = pd_api_prep_new(base, &(pd_api_prep_params){.tok = a->tok, .tmpl = a->tmpl, .model_name = a->model_name,
                                                           .max_model_len = a->max_model_len}, err);
     if (!a->prep) goto fail;
@@ -455,6 +460,9 @@ pd_api *pd_api_new(struct event_base *base, pd_engine *e, const pd_api_params *p
     hp.host = p->host;
     hp.port = p->port;
     if (p->max_body_bytes) hp.max_body_bytes = p->max_body_bytes;
+    if (p->max_connections > 0) hp.max_connections = p->max_connections;
+    if (p->keepalive_timeout_s > 0) hp.keepalive_timeout_s = p->keepalive_timeout_s;
+    if (p->header_timeout_s > 0) hp.header_timeout_s = p->header_timeout_s;
     hp.on_response = on_response;
     hp.on_response_ud = a;
     a->http = pd_http_server_new(base, &hp, err);

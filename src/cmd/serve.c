@@ -17,6 +17,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "metrics/trace.h"
 #include "api/api.h"
 #include "cmd/cmd.h"
 #include "engine/engine.h"
@@ -36,6 +37,7 @@ typedef struct serve_opts {
     const char *auth_token_file;  // --auth-token-file: the KV connections' shared secret (and the
                                   // router registration token when --router-token-file is absent)
     const char *advertise_url;    // the URL the router should use for us (default http://host:port)
+    const char *trace_dir;        // --trace-dir: Chrome trace files of request spans (metrics/trace.h)
     bool spec_method_set;         // --speculative-method was given
     int shutdown_timeout_s;       // --shutdown-timeout
 } serve_opts;
@@ -83,6 +85,11 @@ static void serve_usage(bool is_run) {
            "  --load-format dummy           random weights (benchmarking)\n"
            "  --max-waiting N               waiting-queue limit; beyond it requests get 503\n"
            "  --max-body-bytes BYTES        request body limit (default 8M; larger bodies get 413)\n"
+           "  --max-connections N           open HTTP connections at most (default: fd limit less 1/8);\n"
+           "                                at the limit the longest-idle ones are closed\n"
+           "  --keepalive-timeout S         close idle keep-alive connections after S s (default 30)\n"
+           "  --header-timeout S            a request must arrive whole within S s of its first bytes (60)\n"
+           "  --trace-dir DIR               write request spans as Chrome trace JSON (Perfetto) into DIR\n"
            "  --threads N                   compute threads (CPU; default: every core)\n"
            "  --shutdown-timeout S          on SIGTERM/SIGINT: stop taking requests (503, /health \"draining\")\n"
            "                                and give running ones up to S seconds (default 30)\n"
@@ -115,7 +122,7 @@ static int parse_flags(int argc, char **argv, serve_opts *o) {
     enum { O_MODEL = 1, O_HOST, O_PORT, O_DEV, O_BS, O_NB, O_KVMEM, O_SEQS, O_TOKS, O_NOPC, O_NOCP, O_POL, O_MML,
            O_NAME, O_LF, O_WAIT, O_BODY, O_EXIT, O_ROLE, O_KVHOST, O_KVPORT, O_PREFILL, O_KVTR, O_DMIN, O_DTO,
            O_CORRUPT, O_ROUTER, O_RTOKEN, O_ADV, O_SPEC_MODEL, O_SPEC_K, O_SPEC_METHOD, O_SPEC_FIXED, O_LA_W, O_LA_N,
-           O_NGRAM_MAX, O_THREADS, O_SDT, O_AUTH, O_KVPAUSE, O_HELP };
+           O_NGRAM_MAX, O_THREADS, O_SDT, O_MAXCONN, O_KATO, O_HDRTO, O_TRACE, O_AUTH, O_KVPAUSE, O_HELP };
     static const struct option opts[] = {
         {"model", required_argument, 0, O_MODEL}, {"host", required_argument, 0, O_HOST},
         {"port", required_argument, 0, O_PORT}, {"device", required_argument, 0, O_DEV},
@@ -131,7 +138,9 @@ static int parse_flags(int argc, char **argv, serve_opts *o) {
         {"kv-transport", required_argument, 0, O_KVTR}, {"disagg-min-tokens", required_argument, 0, O_DMIN},
         {"disagg-timeout-ms", required_argument, 0, O_DTO}, {"debug-corrupt-kv", required_argument, 0, O_CORRUPT},
         {"router", required_argument, 0, O_ROUTER}, {"router-token-file", required_argument, 0, O_RTOKEN},
-        {"advertise-url", required_argument, 0, O_ADV},
+        {"advertise-url", required_argument, 0, O_ADV}, {"max-connections", required_argument, 0, O_MAXCONN},
+        {"keepalive-timeout", required_argument, 0, O_KATO}, {"header-timeout", required_argument, 0, O_HDRTO},
+        {"trace-dir", required_argument, 0, O_TRACE},
         {"speculative-model", required_argument, 0, O_SPEC_MODEL}, {"num-speculative-tokens", required_argument, 0, O_SPEC_K},
         {"speculative-method", required_argument, 0, O_SPEC_METHOD}, {"speculative-fixed", no_argument, 0, O_SPEC_FIXED},
         {"lookahead-window", required_argument, 0, O_LA_W}, {"lookahead-ngram", required_argument, 0, O_LA_N},
@@ -147,7 +156,8 @@ static int parse_flags(int argc, char **argv, serve_opts *o) {
     while ((c = getopt_long(argc, argv, "", opts, NULL)) != -1) {
         bool int_flag = c == O_PORT || c == O_BS || c == O_NB || c == O_SEQS || c == O_TOKS || c == O_MML || c == O_WAIT ||
                         c == O_KVPORT || c == O_DMIN || c == O_DTO || c == O_CORRUPT || c == O_SPEC_K || c == O_LA_W ||
-                        c == O_LA_N || c == O_NGRAM_MAX || c == O_THREADS || c == O_SDT;
+                        c == O_LA_N || c == O_NGRAM_MAX || c == O_THREADS || c == O_SDT || c == O_MAXCONN || c == O_KATO ||
+                        c == O_HDRTO;
         if (int_flag && (!pd_cmd_parse_int(optarg, &v) || v < 0 || v > (1l << 30)))
             return pd_cmd_usage_error(cmd, "bad value '%s' for an integer option", optarg);
         switch (c) {
@@ -232,6 +242,10 @@ static int parse_flags(int argc, char **argv, serve_opts *o) {
                 return pd_cmd_usage_error(cmd, "--debug-kv-pause must be hello_ack, mid_slab or before_done");
             o->ep.debug_kv_pause = optarg;
             break;
+        case O_MAXCONN: o->ap.max_connections = (int)v; break;
+        case O_KATO: o->ap.keepalive_timeout_s = (int)v; break;
+        case O_HDRTO: o->ap.header_timeout_s = (int)v; break;
+        case O_TRACE: o->trace_dir = optarg; break;
         case O_SPEC_MODEL: o->ep.spec_model_dir = optarg; break;
         case O_SPEC_K:
             if (v < 1 || v > PD_SPEC_MAX_K) return pd_cmd_usage_error(cmd, "--num-speculative-tokens must be 1..%d", PD_SPEC_MAX_K);
@@ -512,6 +526,10 @@ static void sd_end_all(void *ud, const char *msg) { pd_api_end_all(((serve_ctx *
 static int serve_main(serve_opts *o) {
     signal(SIGPIPE, SIG_IGN);  // a client that vanished mid-write must not kill the server
     pd_err err = {0};
+    if (pd_trace_init(pd_engine_role_name(o->ep.role), o->trace_dir, &err) != PD_OK) {
+        fprintf(stderr, "pdserve: %s\n", err.msg);
+        return 1;
+    }
     char *secret = NULL;
     if (o->auth_token_file && pd_auth_load_file(o->auth_token_file, &secret, &err)) {
         fprintf(stderr, "pdserve: %s\n", err.msg);
@@ -571,6 +589,7 @@ done:
     pd_api_free(s.api);
     pd_engine_free(e);
     if (s.base) event_base_free(s.base);
+    pd_trace_shutdown();
     if (rc == 0) fprintf(stderr, "pdserve: stopped\n");
     return rc;
 }

@@ -28,6 +28,7 @@
 #include <xxhash.h>
 
 #include "engine/engine_impl.h"
+#include "metrics/trace.h"
 
 const char *pd_fallback_reason_name(pd_fallback_reason r) {
     static const char *n[] = {"unavailable", "timeout", "worker_died", "checksum", "error"};
@@ -164,6 +165,7 @@ void pd_disagg_start_loads(pd_engine *e, const pd_step_plan *plan) {
         q->load_blocks = pd_malloc(sizeof(int32_t) * (size_t)(nb > 0 ? nb : 1));
         q->is_loading = true;
         q->load_t0_us = pd_time_us();
+        if (!q->t_sched_us) q->t_sched_us = q->load_t0_us;
         if (!q->load_blocks || nb <= 0) {
             fallback(e, q, PD_FALLBACK_ERROR, "out of memory");
             continue;
@@ -176,6 +178,7 @@ void pd_disagg_start_loads(pd_engine *e, const pd_step_plan *plan) {
                                          .presence_penalty = sp->presence_penalty, .frequency_penalty = sp->frequency_penalty,
                                          .repetition_penalty = sp->repetition_penalty, .top_k = sp->top_k,
                                          .n_logprobs = sp->n_logprobs, .seed = sp->seed, .has_seed = sp->has_seed}};
+        l.traceparent = q->traceparent;
         if (pd_kvconn_start_load(e->kc, &l) != PD_OK) fallback(e, q, PD_FALLBACK_UNAVAILABLE, NULL);
     }
 }
@@ -208,6 +211,10 @@ static void handle_load_done(pd_engine *e, pd_kvconn_event *ev) {
              (double)(pd_time_us() - q->load_t0_us) / 1000.0);
     e->n_handoffs++;
     e->handoff_us += pd_time_us() - q->load_t0_us;
+    q->t_kv_ready_us = pd_time_us();
+    q->is_kv_remote = true;
+    q->remote_queue_us = d->queue_us;
+    q->remote_compute_us = d->compute_us;
     pd_sampler_accept(q->sampler, d->first_token);
     // The first token was drawn remotely: continue its counter, so a seeded request draws the same
     // tokens handed off as prefilled here.
@@ -232,13 +239,13 @@ static void handle_save_request(pd_engine *e, pd_kvconn_event *ev) {
     const pd_model_config *c = pd_model_get_config(e->model);
     const char *bad = pd_kvconn_check_request(e->kc, ev, c->vocab_size);
     if (bad) return pd_kvconn_send_fail(e->kc, ev->peer, r->req_id, bad);
-    ereq *q = pd_calloc(1, sizeof *q);
     pd_sampling_params sp = pd_sampling_params_default();
     sp.temperature = r->sampling.temperature, sp.top_p = r->sampling.top_p, sp.min_p = r->sampling.min_p;
     sp.presence_penalty = r->sampling.presence_penalty, sp.frequency_penalty = r->sampling.frequency_penalty;
     sp.repetition_penalty = r->sampling.repetition_penalty, sp.top_k = r->sampling.top_k;
     sp.n_logprobs = r->sampling.n_logprobs, sp.seed = r->sampling.seed, sp.has_seed = r->sampling.has_seed != 0;
     if (pd_sampling_params_validate(&sp, NULL)) return pd_kvconn_send_fail(e->kc, ev->peer, r->req_id, "bad sampling parameters");
+    ereq *q = pd_calloc(1, sizeof *q);
     if (q) {
         q->sampler = pd_sampler_new(&sp, c->vocab_size);
         q->dst_blocks = pd_malloc(sizeof(int32_t) * (size_t)r->n_dst_blocks);
@@ -264,6 +271,9 @@ static void handle_save_request(pd_engine *e, pd_kvconn_event *ev) {
     q->conn_id = ev->peer;
     q->peer_req_id = r->req_id;
     q->export_start = r->start_pos;
+    q->t_arrival_us = pd_time_us();
+    memcpy(q->traceparent, r->traceparent, sizeof q->traceparent);
+    q->traceparent[sizeof q->traceparent - 1] = 0;
     pd_engine_req_insert(e, q);
     e->n_prompt_tokens += r->n_tokens;
 }
@@ -311,6 +321,27 @@ void pd_disagg_step_failed(pd_engine *e, uint64_t req_id) {
     pd_engine_req_remove(e, q->id);
 }
 
+// The prefill worker's spans of one export (metrics/trace.h), children of the decode worker's
+// request span named in PREFILL_REQ: queue, compute (the prompt's forward), export (KV out).
+static void trace_export(pd_engine *e, const ereq *q, int64_t t_sched, int64_t t_ready) {
+    pd_trace_ctx parent;
+    if (!pd_trace_enabled() || pd_traceparent_parse(q->traceparent, &parent) != PD_OK) return;
+    uint8_t span[8], child[8];
+    pd_trace_new_span_id(span);
+    int64_t now = pd_time_us();
+    char attrs[160];
+    snprintf(attrs, sizeof attrs, "\"tokens\":%d,\"start_pos\":%d,\"queue_ms\":%.3f,\"compute_ms\":%.3f", q->n_prompt,
+             q->export_start, (double)(t_sched - q->t_arrival_us) / 1e3, (double)(t_ready - t_sched) / 1e3);
+    pd_trace_span(parent.trace_id, span, parent.span_id, "prefill_worker.prefill", q->t_arrival_us, now, attrs);
+    pd_trace_new_span_id(child);
+    pd_trace_span(parent.trace_id, child, span, "prefill.queue", q->t_arrival_us, t_sched, NULL);
+    pd_trace_new_span_id(child);
+    pd_trace_span(parent.trace_id, child, span, "prefill.compute", t_sched, t_ready, NULL);
+    pd_trace_new_span_id(child);
+    pd_trace_span(parent.trace_id, child, span, "prefill.kv_export", t_ready, now, NULL);
+    PD_UNUSED(e);
+}
+
 void pd_disagg_export(pd_engine *e, ereq *q, const pd_sched_event *ev, const pd_sample_result *first) {
     PD_LOG_D("engine: exporting request %llu (%d tokens)", (unsigned long long)q->peer_req_id, q->n_prompt);
     int bs = e->params.block_size;
@@ -324,15 +355,19 @@ void pd_disagg_export(pd_engine *e, ereq *q, const pd_sched_event *ev, const pd_
     } else if (!q->save) {
         pd_kvconn_send_fail(e->kc, q->conn_id, q->peer_req_id, "KV export failed");
     } else {
+        int64_t t_sched = q->t_sched_us ? q->t_sched_us : q->t_arrival_us;
+        int64_t t_ready = q->t_kv_ready_us ? q->t_kv_ready_us : t_sched;
         pd_kvconn_first f = {.token = first->token, .logprob = first->logprob, .n_top = first->n_top,
                              .top_ids = first->top_ids, .top_logprobs = first->top_logprobs,
-                             .n_draws = pd_sampler_n_draws(q->sampler)};
+                             .n_draws = pd_sampler_n_draws(q->sampler), .queue_us = t_sched - q->t_arrival_us,
+                             .compute_us = t_ready - t_sched};
         int64_t us = 0;
         if (pd_kvconn_save_end(e->kc, q->save, &f, &us) == PD_OK) {
             const pd_model_config *c = pd_model_get_config(e->model);
             size_t row_bytes = (size_t)c->n_kv_heads * (size_t)c->head_dim * pd_dtype_size(pd_backend_act_dtype(e->backend));
             e->export_bytes += (int64_t)(2 * (size_t)c->n_layers * (size_t)(q->n_prompt - q->export_start) * row_bytes);
             e->n_exports++;
+            trace_export(e, q, t_sched, t_ready);
         }
         e->export_copy_us += us;
     }

@@ -167,6 +167,7 @@ pd_engine *pd_engine_new(const pd_engine_params *p, pd_err *err) {
     pd_sched_params sp = pd_sched_params_default();
     if (p->max_num_seqs > 0) sp.max_num_seqs = p->max_num_seqs;
     else sp.max_num_seqs = !strcmp(pd_backend_name(e->backend), "cpu") ? 64 : 256;
+    e->params.max_num_seqs = sp.max_num_seqs;  // the value in force (reported to the router)
     sp.max_num_batched_tokens = p->max_num_batched_tokens > 0 ? p->max_num_batched_tokens : 2048;
     sp.enable_chunked_prefill = p->enable_chunked_prefill;
     sp.max_model_len = e->max_model_len;
@@ -310,6 +311,9 @@ static void handle_submit(pd_engine *e, pd_cmd *c) {
     }
     q->id = r->id;
     q->n_prompt = r->n_prompt;
+    q->t_arrival_us = r->arrival_us;
+    memcpy(q->traceparent, r->traceparent, sizeof q->traceparent);
+    q->traceparent[sizeof q->traceparent - 1] = 0;
     pd_engine_req_insert(e, q);
     e->n_prompt_tokens += r->n_prompt;
 }
@@ -470,6 +474,7 @@ static pd_status run_plan(pd_engine *e, const pd_step_plan *plan, bool *was_spec
     // Test hook: every Nth step fails as if out of memory (its requests fail, the server goes on).
     if (e->params.debug_fail_step_every > 0 && ++e->n_debug_steps % e->params.debug_fail_step_every == 0)
         return PD_ERR_NOMEM;
+    int64_t t_start = pd_time_us();
     pd_status st = reserve_bufs(e, plan);
     if (st) return st;
     // Speculative decoding (engine/spec.c) runs steps with drafts itself; the rest run below.
@@ -503,11 +508,14 @@ static pd_status run_plan(pd_engine *e, const pd_step_plan *plan, bool *was_spec
 account:
     // Prefill work actually done: prompt positions computed in this step (a prefix hit or a
     // remote prefill computes fewer; a recompute after preemption computes them again).
+    int64_t t_end = pd_time_us();
     for (int i = 0; i < plan->n_seqs; i++) {
         const pd_step_seq *s = &plan->seqs[i];
         ereq *r = req_find(e, s->req_id);
         int end = PD_MIN(s->pos_start + s->n_tokens, r ? r->n_prompt : 0);
         if (end > s->pos_start) e->n_prefill_computed += end - s->pos_start;
+        if (r && !r->t_sched_us) r->t_sched_us = t_start;  // TTFT breakdown
+        if (r && !r->t_kv_ready_us && s->pos_start + s->n_tokens >= r->n_prompt) r->t_kv_ready_us = t_end;
     }
     return PD_OK;
 }
@@ -587,6 +595,15 @@ void pd_engine_push_sched_events(pd_engine *e, const pd_step_plan *plan, const p
                         break;
                     }
             o->tok.token = s->token;
+            if (q && !q->is_first_sent) {  // TTFT breakdown rides on the first token
+                q->is_first_sent = true;
+                o->is_remote_prefill = q->is_kv_remote;
+                o->t_arrival_us = q->t_arrival_us;
+                o->t_sched_us = q->t_sched_us;
+                o->t_kv_ready_us = q->t_kv_ready_us;
+                o->remote_queue_us = q->remote_queue_us;
+                o->remote_compute_us = q->remote_compute_us;
+            }
             if (q) pd_engine_spec_push_token(q, s->token);
             e->n_generated++;
         }
@@ -800,6 +817,15 @@ pd_status pd_engine_state(pd_engine *e, uint64_t since, int max_events, pd_wire_
     l->n_prefix_query_tokens = s->n_prefix_query_tokens;
     l->n_prefix_hit_tokens = s->n_prefix_hit_tokens;
     l->n_requests_finished = s->n_requests_finished;
+    l->n_max_seqs = e->params.max_num_seqs;
+    l->n_max_waiting = e->params.max_waiting;
+    l->n_kv_handoffs = s->n_kv_handoffs;
+    l->n_kv_handoff_bytes = s->n_kv_handoff_bytes;
+    l->kv_handoff_us = s->kv_handoff_us_total;
+    for (int i = 0; i < PD_FALLBACK_N && i < PD_WIRE_N_FALLBACKS; i++) l->n_kv_fallbacks[i] = s->n_kv_fallbacks[i];
+    l->n_kv_local_short = s->n_kv_local_short;
+    l->n_kv_exports = s->n_kv_exports;
+    l->n_kv_export_bytes = s->n_kv_export_bytes;
     pd_status st = pd_wire_kv_log_read(e->kv_log, since, max_events, out);
     pthread_mutex_unlock(&e->q.mu);
     return st;

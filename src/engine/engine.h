@@ -116,6 +116,7 @@ typedef struct pd_engine_request {
     pd_sampling_params sampling;
     int priority;                 // higher runs first (default 0)
     int64_t arrival_us;           // 0 = now
+    char traceparent[56];         // "" or the caller's span as W3C traceparent (sent on to a prefill worker)
 } pd_engine_request;
 
 // Queues a request.
@@ -148,6 +149,12 @@ typedef struct pd_engine_event {
     int n_prompt_tokens;          // FINISHED and first TOKEN
     int n_cached_tokens;          // prompt tokens served from the prefix cache
     int n_output_tokens;          // FINISHED
+    // The first TOKEN only: where the time to it went (pd_time_us; 0 = not reached). Local
+    // prefill: t_sched_us = start of the first step that computed the prompt, t_kv_ready_us = end
+    // of the step that completed it. Remote: t_sched_us = PREFILL_REQ sent, t_kv_ready_us = KV
+    // verified, remote_*_us = the prefill worker's own queue and compute time.
+    bool is_remote_prefill;
+    int64_t t_arrival_us, t_sched_us, t_kv_ready_us, remote_queue_us, remote_compute_us;
     // FINISHED, speculative decoding: method (0 none), drafts verified, accepted, verify steps
     int spec_method;
     int n_spec_drafted, n_spec_accepted, n_spec_steps;

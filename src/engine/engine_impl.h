@@ -25,6 +25,10 @@ typedef struct ereq {
     int32_t n_load_blocks;
     int64_t load_t0_us;
     pd_sampling_params sampling;
+    // TTFT breakdown (pd_engine_event) and tracing
+    int64_t t_arrival_us, t_sched_us, t_kv_ready_us, remote_queue_us, remote_compute_us;
+    bool is_first_sent, is_kv_remote;
+    char traceparent[56];
     // prefill role: this request computes KV for a decode worker
     bool is_export;
     int conn_id;

@@ -165,6 +165,7 @@ pd_status pd_kvconn_start_load(pd_kvconn *c, const pd_kvconn_load *l) {
     if (!c->xc) return PD_NOSPACE;
     pd_kvw_prefill_req r = {.req_id = l->req_id, .start_pos = l->start_pos, .n_tokens = l->n_tokens, .tokens = l->tokens,
                             .n_dst_blocks = l->n_dst_blocks, .dst_blocks = l->dst_blocks, .sampling = l->sampling};
+    if (l->traceparent) snprintf(r.traceparent, sizeof r.traceparent, "%s", l->traceparent);
     return pd_xfer_client_prefill(c->xc, &r);
 }
 
@@ -335,6 +336,8 @@ pd_status pd_kvconn_save_end(pd_kvconn *c, pd_kvconn_save *s, const pd_kvconn_fi
     memcpy(d->checksums, s->sums, sizeof(uint64_t) * (size_t)L);
     d->n_tokens_computed = s->n_tokens;
     d->n_draws = first->n_draws;
+    d->queue_us = first->queue_us;
+    d->compute_us = first->compute_us;
     st = pd_xfer_server_send(c->xs, s->conn_id, &m, NULL);
     pd_kvconn_save_fail(c, s, NULL, false);  // frees
     return st;

@@ -126,6 +126,7 @@ typedef struct pd_kvconn_load {
     const int32_t *dst_blocks;  // (n_dst_blocks) our blocks for those positions, in order
     int n_dst_blocks;
     pd_kvw_sampling sampling;   // the first token is drawn remotely with the same sampler state
+    const char *traceparent;    // NULL / "" or the request's W3C traceparent (the prefill worker's spans)
 } pd_kvconn_load;
 // PD_OK: exactly one LOAD_DONE event follows. PD_NOSPACE: no worker now (prefill locally).
 // PD_ERR_INVALID: a block id outside our pool. Queues only.
@@ -168,6 +169,7 @@ typedef struct pd_kvconn_first {
     const int32_t *top_ids;
     const float *top_logprobs;
     uint64_t n_draws;
+    int64_t queue_us, compute_us;  // the prefill worker's own queue and compute time (TTFT breakdown)
 } pd_kvconn_first;
 // copy_us (may be NULL): time spent moving bytes on this thread (copies, gathers, waits).
 pd_status pd_kvconn_save_end(pd_kvconn *c, pd_kvconn_save *s, const pd_kvconn_first *first, int64_t *copy_us);

@@ -154,6 +154,7 @@ def geometry(fp):
 def prefill_req(req_id, tokens, blocks, start=0):
     b = struct.pack("<QiiffffffiiQI", req_id, start, len(tokens), 0.0, 1.0, 0.0, 0.0, 0.0, 1.0, 0, 0, 0, 0)
     b += struct.pack("<%di" % len(tokens), *tokens) + struct.pack("<i", len(blocks)) + struct.pack("<%di" % len(blocks), *blocks)
+    b += struct.pack("<I", 0)  # traceparent: empty
     return frame(PREFILL_REQ, b)
 
 
