@@ -25,6 +25,8 @@
 // k_attn_decode_tc (below) keeps this grid, partitioning and workspace but runs on mma.sync; it is
 // the default for head_dim 64/128 (PD_CUDA_ATTN_TC=0 picks this one). The decode and combine
 // kernels are launched with PDL (common.cuh).
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
 #include <math.h>
 
 #include "kernels/attention.cuh"
@@ -45,35 +47,87 @@
 #define PD_K_DEC_MIN_PART 128
 #define PD_K_DEC_MAX_SPLITS 64
 
+// ---- fp8 KV (backend.h, PD_KV_FP8) -------------------------------------------------------------
+// A slot's row: n_kv * HD e4m3 bytes, then n_kv f32 scales. Every kernel takes the caches as bytes
+// plus row_bytes when F8; e4m3 -> bf16 is exact (cvt to f16x2, widen), the scale is applied in
+// f32 to the scores (K) and to P (V), or, in the prefill tiles, before the bf16 rounding.
+
+// Two e4m3 (low byte first) -> bf16x2 (low half first), exactly.
+static __device__ __forceinline__ uint32_t pd_k_fp8x2_bf16x2(uint32_t v16) {
+    __half2_raw hr = __nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)v16, __NV_E4M3);
+    float2 f = __half22float2(*reinterpret_cast<__half2 *>(&hr));
+    return pd_k_pack2(f.x, f.y);
+}
+// Eight e4m3 -> eight bf16 (the same 16-byte register layout a bf16 load would give).
+static __device__ __forceinline__ uint4 pd_k_fp8x8_bf16x8(uint2 u) {
+    return make_uint4(pd_k_fp8x2_bf16x2(u.x & 0xffffu), pd_k_fp8x2_bf16x2(u.x >> 16), pd_k_fp8x2_bf16x2(u.y & 0xffffu),
+                      pd_k_fp8x2_bf16x2(u.y >> 16));
+}
+// Dims [d, d + 8) of head kvh at `slot` as 8 bf16 (bf16 cache) or 8 e4m3 widened to bf16 (fp8),
+// and the head's scale (1 for bf16). slot < 0: zeros.
+template <int HD, bool F8>
+static __device__ __forceinline__ uint4 pd_k_kv_ld8(const void *c, int slot, int n_kv, int kvh, int d, size_t rb,
+                                                    float *sc) {
+    if (slot < 0) {
+        *sc = 0.f;
+        return make_uint4(0, 0, 0, 0);
+    }
+    if constexpr (F8) {
+        const uint8_t *row = (const uint8_t *)c + (size_t)slot * rb;
+        *sc = __ldg((const float *)(row + (size_t)n_kv * HD) + kvh);
+        return pd_k_fp8x8_bf16x8(__ldg((const uint2 *)(row + (size_t)kvh * HD + d)));
+    } else {
+        *sc = 1.f;
+        return __ldg((const uint4 *)((const __nv_bfloat16 *)c + ((size_t)slot * n_kv + kvh) * HD + d));
+    }
+}
+
 // ---- prefill ---------------------------------------------------------------------------------
 
-template <int HD>
-static __device__ __forceinline__ void pd_k_att_load_kv(__nv_bfloat16 *ks, __nv_bfloat16 *vs,
-                                                        const __nv_bfloat16 *kc, const __nv_bfloat16 *vc,
-                                                        const int32_t *bt, int kv0, int kv_end, int bs,
-                                                        int n_kv, int kvh) {
+// F8: the tile is dequantised on the way (plain loads, x * scale rounded to bf16, shared stores),
+// so it is in shared memory when this returns; bf16: cp.async, completed by the caller's wait.
+template <int HD, bool F8>
+static __device__ __forceinline__ void pd_k_att_load_kv(__nv_bfloat16 *ks, __nv_bfloat16 *vs, const void *kc,
+                                                        const void *vc, const int32_t *bt, int kv0, int kv_end, int bs,
+                                                        int n_kv, int kvh, size_t rb) {
     constexpr int CPR = HD / 8;  // 16-byte chunks per row
     constexpr int STR = HD + 8;
     constexpr int PD_K_ATT_BKV = PD_K_ATT_BKV_OF(HD);
     for (int c = threadIdx.x; c < PD_K_ATT_BKV * CPR; c += PD_K_ATT_WARPS * 32) {
         int r = c / CPR, ch = c % CPR, pos = kv0 + r;
         bool ok = pos < kv_end;
-        size_t off = 0;
-        if (ok) {
-            size_t slot = (size_t)bt[pos / bs] * bs + pos % bs;
-            off = (slot * n_kv + kvh) * HD + ch * 8;
+        if constexpr (F8) {
+            int slot = ok ? bt[pos / bs] * bs + pos % bs : -1;
+            float sk, sv;
+            uint4 k8 = pd_k_kv_ld8<HD, true>(kc, slot, n_kv, kvh, ch * 8, rb, &sk);
+            uint4 v8 = pd_k_kv_ld8<HD, true>(vc, slot, n_kv, kvh, ch * 8, rb, &sv);
+            float f[8];
+            pd_k_unpack8(k8, f);
+#pragma unroll
+            for (int i = 0; i < 8; i++) f[i] *= sk;
+            *(uint4 *)(ks + r * STR + ch * 8) = pd_k_pack8(f);
+            pd_k_unpack8(v8, f);
+#pragma unroll
+            for (int i = 0; i < 8; i++) f[i] *= sv;
+            *(uint4 *)(vs + r * STR + ch * 8) = pd_k_pack8(f);
+        } else {
+            size_t off = 0;
+            if (ok) {
+                size_t slot = (size_t)bt[pos / bs] * bs + pos % bs;
+                off = (slot * n_kv + kvh) * HD + ch * 8;
+            }
+            pd_k_cp_async16(ks + r * STR + ch * 8, (const __nv_bfloat16 *)kc + off, ok);
+            pd_k_cp_async16(vs + r * STR + ch * 8, (const __nv_bfloat16 *)vc + off, ok);
         }
-        pd_k_cp_async16(ks + r * STR + ch * 8, kc + off, ok);
-        pd_k_cp_async16(vs + r * STR + ch * 8, vc + off, ok);
     }
 }
 
-template <int HD>
+template <int HD, bool F8>
 static __global__ void __launch_bounds__(PD_K_ATT_WARPS * 32)
-    k_attn_prefill(const __nv_bfloat16 *q, const __nv_bfloat16 *kc, const __nv_bfloat16 *vc, __nv_bfloat16 *out,
+    k_attn_prefill(const __nv_bfloat16 *q, const void *kc, const void *vc, __nv_bfloat16 *out,
                    const int32_t *q_indptr, const int32_t *kv_lens, const int32_t *bt_indptr,
                    const int32_t *bt_indices, int n_q_tiles, int H, int n_kv, int bs, int q_stride,
-                   float scale_log2) {
+                   float scale_log2, size_t rb) {
     constexpr int STR = HD + 8;
     constexpr int PD_K_ATT_BKV = PD_K_ATT_BKV_OF(HD);
     extern __shared__ __align__(16) unsigned char pd_k_smem[];
@@ -100,7 +154,7 @@ static __global__ void __launch_bounds__(PD_K_ATT_WARPS * 32)
         const __nv_bfloat16 *src = q + (size_t)(q_begin + (ok ? row0 + r : 0)) * q_stride + (size_t)h * HD + ch * 8;
         pd_k_cp_async16(qs + r * STR + ch * 8, src, ok);
     }
-    pd_k_att_load_kv<HD>(ks, vs, kc, vc, bt, 0, kv_end, bs, n_kv, kvh);
+    pd_k_att_load_kv<HD, F8>(ks, vs, kc, vc, bt, 0, kv_end, bs, n_kv, kvh, rb);
     pd_k_cp_async_commit();
 
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
@@ -115,8 +169,8 @@ static __global__ void __launch_bounds__(PD_K_ATT_WARPS * 32)
     for (int j = 0; j < n_kv_tiles; j++) {
         int buf = j & 1;
         if (j + 1 < n_kv_tiles) {
-            pd_k_att_load_kv<HD>(ks + (buf ^ 1) * PD_K_ATT_BKV * STR, vs + (buf ^ 1) * PD_K_ATT_BKV * STR, kc, vc,
-                                 bt, (j + 1) * PD_K_ATT_BKV, kv_end, bs, n_kv, kvh);
+            pd_k_att_load_kv<HD, F8>(ks + (buf ^ 1) * PD_K_ATT_BKV * STR, vs + (buf ^ 1) * PD_K_ATT_BKV * STR, kc,
+                                     vc, bt, (j + 1) * PD_K_ATT_BKV, kv_end, bs, n_kv, kvh, rb);
             pd_k_cp_async_commit();
             pd_k_cp_async_wait<1>();
         } else {
@@ -313,12 +367,12 @@ static __device__ __forceinline__ void pd_k_dec_finish(float (*red)[GM][HD + 2],
     }
 }
 
-template <int HD, int GM>
+template <int HD, int GM, bool F8>
 static __global__ void __launch_bounds__(PD_K_DEC_WARPS * 32)
-    k_attn_decode(const __nv_bfloat16 *q, const __nv_bfloat16 *kc, const __nv_bfloat16 *vc, __nv_bfloat16 *out,
+    k_attn_decode(const __nv_bfloat16 *q, const void *kc, const void *vc, __nv_bfloat16 *out,
                   const int32_t *q_indptr, const int32_t *kv_lens, const int32_t *bt_indptr,
                   const int32_t *bt_indices, int H, int n_kv, int bs, int q_stride, float scale_log2, int part,
-                  int n_splits, float *ws, int *cnt) {
+                  int n_splits, float *ws, int *cnt, size_t rb) {
     constexpr int LPT = HD / 8, TPW = 32 / LPT, U = PD_K_DEC_UNROLL;
     __shared__ float red[PD_K_DEC_WARPS][GM][HD + 2];
     pd_k_pdl_trigger();
@@ -354,19 +408,15 @@ static __global__ void __launch_bounds__(PD_K_DEC_WARPS * 32)
     constexpr int STEP = PD_K_DEC_WARPS * TPW * U;
     for (int base = k_begin; base < k_end; base += STEP) {
         uint4 kr[U], vr[U];
+        float ksc[U], vsc[U];  // per-token scales (fp8 cache; 1 for bf16)
         bool ok[U];
 #pragma unroll
         for (int u = 0; u < U; u++) {
             int pos = base + (u * PD_K_DEC_WARPS + warp) * TPW + sub;
             ok[u] = pos < k_end;
-            if (ok[u]) {
-                size_t slot = (size_t)bt[pos / bs] * bs + pos % bs;
-                size_t off = (slot * n_kv + kvh) * HD + d8 * 8;
-                kr[u] = __ldg((const uint4 *)(kc + off));
-                vr[u] = __ldg((const uint4 *)(vc + off));
-            } else {
-                kr[u] = vr[u] = make_uint4(0, 0, 0, 0);
-            }
+            int slot = ok[u] ? bt[pos / bs] * bs + pos % bs : -1;
+            kr[u] = pd_k_kv_ld8<HD, F8>(kc, slot, n_kv, kvh, d8 * 8, rb, &ksc[u]);
+            vr[u] = pd_k_kv_ld8<HD, F8>(vc, slot, n_kv, kvh, d8 * 8, rb, &vsc[u]);
         }
         // scores of the U tokens for every head, then one max/correction per step (not per token)
         float sc[U][GM];
@@ -383,7 +433,7 @@ static __global__ void __launch_bounds__(PD_K_DEC_WARPS * 32)
 #pragma unroll
                     for (int o = LPT / 2; o > 0; o >>= 1) d += __shfl_xor_sync(0xffffffffu, d, o);
                 }
-                sc[u][gi] = ok[u] ? d : -INFINITY;
+                sc[u][gi] = ok[u] ? (F8 ? d * ksc[u] : d) : -INFINITY;
             }
         }
 #pragma unroll
@@ -410,6 +460,7 @@ static __global__ void __launch_bounds__(PD_K_DEC_WARPS * 32)
                 if (gi >= G || m[gi] == -INFINITY) continue;
                 float p = sc[u][gi];
                 l[gi] += p;
+                if (F8) p *= vsc[u];
 #pragma unroll
                 for (int i = 0; i < 8; i++) acc[gi][i] += p * vf[i];
             }
@@ -476,10 +527,13 @@ static __device__ __forceinline__ int pd_k_dec_slot(const int32_t *bt, int pos, 
 
 // One step of 16 tokens (base .. base + 15) for this warp: S = Q.K^T on tensor cores, online
 // softmax (rows = heads, base 2), O += P.V with V transposed in registers.
-template <int NI>
+// F8: ks[j] / vs[j] are the scales of the token of p[j] (column (j >> 1) * 8 + 2t + (j & 1)): the
+// score is scaled by K's, and P by V's after the row sum (the sum is over the softmax weights).
+template <int NI, bool F8>
 static __device__ __forceinline__ void pd_k_dec_tc_step(const uint4 (&qf)[NI], const uint4 (&kr)[2][NI],
                                                         const uint4 (&vr)[2][NI], float (&o)[NI][4][4], float &m,
-                                                        float &l, int base, int k_end, int t, float scale_log2) {
+                                                        float &l, int base, int k_end, int t, float scale_log2,
+                                                        const float (&ks)[4], const float (&vs)[4]) {
     // S (rows = heads, cols = tokens base + hh*8 + 2t, +1)
     float sc[2][4];
 #pragma unroll
@@ -496,7 +550,7 @@ static __device__ __forceinline__ void pd_k_dec_tc_step(const uint4 (&qf)[NI], c
 #pragma unroll
     for (int j = 0; j < 4; j++) {
         int pos = base + (j >> 1) * 8 + 2 * t + (j & 1);
-        p[j] = pos < k_end ? sc[j >> 1][j & 1] * scale_log2 : -INFINITY;
+        p[j] = pos < k_end ? sc[j >> 1][j & 1] * (F8 ? scale_log2 * ks[j] : scale_log2) : -INFINITY;
         mx = fmaxf(mx, p[j]);
     }
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
@@ -518,6 +572,10 @@ static __device__ __forceinline__ void pd_k_dec_tc_step(const uint4 (&qf)[NI], c
             o[i][r][0] *= corr;
             o[i][r][1] *= corr;
         }
+    if (F8) {
+#pragma unroll
+        for (int j = 0; j < 4; j++) p[j] *= vs[j];
+    }
     uint32_t pa[4] = {pd_k_pack2(p[0], p[1]), 0u, pd_k_pack2(p[2], p[3]), 0u};
 #pragma unroll
     for (int i = 0; i < NI; i++)
@@ -534,12 +592,12 @@ static __device__ __forceinline__ void pd_k_dec_tc_step(const uint4 (&qf)[NI], c
 // read before pd_k_pdl_wait(): they are uploaded by the host before the step and never written
 // by a kernel, unlike Q and the newest K/V row (written by rope_kv just before); later steps'
 // lookups are issued one step ahead.
-template <int HD, int GM, int W>
+template <int HD, int GM, int W, bool F8>
 static __global__ void __launch_bounds__(W * 32, W == 4 ? 3 : 1)
-    k_attn_decode_tc(const __nv_bfloat16 *q, const __nv_bfloat16 *kc, const __nv_bfloat16 *vc, __nv_bfloat16 *out,
+    k_attn_decode_tc(const __nv_bfloat16 *q, const void *kc, const void *vc, __nv_bfloat16 *out,
                      const int32_t *q_indptr, const int32_t *kv_lens, const int32_t *bt_indptr,
                      const int32_t *bt_indices, int H, int n_kv, int bs, int q_stride, float scale_log2, int part,
-                     int n_splits, float *ws, int *cnt) {
+                     int n_splits, float *ws, int *cnt, size_t rb) {
     constexpr int NI = HD / 32;
     __shared__ float red[W][GM][HD + 2];
     pd_k_pdl_trigger();
@@ -575,24 +633,27 @@ static __global__ void __launch_bounds__(W * 32, W == 4 ? 3 : 1)
 
     for (int base = k_begin + warp * 16; base < k_end; base += W * 16) {
         uint4 kr[2][NI], vr[2][NI];
+        float ksm[2], vsm[2];  // scales of this lane's tokens g, g + 8 (fp8)
 #pragma unroll
         for (int hh = 0; hh < 2; hh++) {
-            if (slot[hh] >= 0) {
-                size_t off = ((size_t)slot[hh] * n_kv + kvh) * HD + t * 8;
 #pragma unroll
-                for (int i = 0; i < NI; i++) {
-                    kr[hh][i] = __ldg((const uint4 *)(kc + off + i * 32));
-                    vr[hh][i] = __ldg((const uint4 *)(vc + off + i * 32));
-                }
-            } else {
+            for (int i = 0; i < NI; i++) {
+                kr[hh][i] = pd_k_kv_ld8<HD, F8>(kc, slot[hh], n_kv, kvh, i * 32 + t * 8, rb, &ksm[hh]);
+                vr[hh][i] = pd_k_kv_ld8<HD, F8>(vc, slot[hh], n_kv, kvh, i * 32 + t * 8, rb, &vsm[hh]);
+            }
+        }
+        float ks[4] = {1.f, 1.f, 1.f, 1.f}, vs[4] = {1.f, 1.f, 1.f, 1.f};
+        if (F8) {  // p[j]'s token is column (j >> 1) * 8 + 2t + (j & 1), loaded by the lanes of g = 2t + (j & 1)
 #pragma unroll
-                for (int i = 0; i < NI; i++) kr[hh][i] = vr[hh][i] = zero;
+            for (int j = 0; j < 4; j++) {
+                ks[j] = __shfl_sync(0xffffffffu, ksm[j >> 1], (2 * t + (j & 1)) * 4);
+                vs[j] = __shfl_sync(0xffffffffu, vsm[j >> 1], (2 * t + (j & 1)) * 4);
             }
         }
         // next step's page-table lookups, off the critical path
 #pragma unroll
         for (int hh = 0; hh < 2; hh++) slot[hh] = pd_k_dec_slot(bt, base + W * 16 + hh * 8 + g, k_end, bs);
-        pd_k_dec_tc_step<NI>(qf, kr, vr, o, m, l, base, k_end, t, scale_log2);
+        pd_k_dec_tc_step<NI, F8>(qf, kr, vr, o, m, l, base, k_end, t, scale_log2, ks, vs);
     }
     l += __shfl_xor_sync(0xffffffffu, l, 1);
     l += __shfl_xor_sync(0xffffffffu, l, 2);
@@ -658,20 +719,20 @@ extern "C" size_t pd_cuda_attention_counter_bytes(int n_seqs, int n_kv_heads, in
     return (max_kv_len + part - 1) / part <= 1 ? 0 : (size_t)n_seqs * n_kv_heads * sizeof(int);
 }
 
-template <int HD>
+template <int HD, bool F8>
 static void pd_k_attn_launch_prefill(const pd_attention_kparams *p, cudaStream_t s) {
     int n_q_tiles = (p->max_q_len + PD_K_ATT_BQ - 1) / PD_K_ATT_BQ;
     size_t smem = (size_t)(PD_K_ATT_BQ + 4 * PD_K_ATT_BKV_OF(HD)) * (HD + 8) * 2;
     static bool attr_set = false;  // per instantiation; the first launch raises the smem limit
     if (!attr_set) {
-        cudaFuncSetAttribute(k_attn_prefill<HD>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+        cudaFuncSetAttribute(k_attn_prefill<HD, F8>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
         attr_set = true;
     }
     dim3 grid(p->n_seqs * n_q_tiles, p->n_heads);
-    k_attn_prefill<HD><<<grid, PD_K_ATT_WARPS * 32, smem, s>>>(
-        (const __nv_bfloat16 *)p->q, (const __nv_bfloat16 *)p->k_cache, (const __nv_bfloat16 *)p->v_cache,
-        (__nv_bfloat16 *)p->out, p->q_indptr, p->kv_lens, p->bt_indptr, p->bt_indices, n_q_tiles, p->n_heads,
-        p->n_kv_heads, p->block_size, p->q_stride, p->scale * PD_K_LOG2E);
+    k_attn_prefill<HD, F8><<<grid, PD_K_ATT_WARPS * 32, smem, s>>>(
+        (const __nv_bfloat16 *)p->q, p->k_cache, p->v_cache, (__nv_bfloat16 *)p->out, p->q_indptr, p->kv_lens,
+        p->bt_indptr, p->bt_indices, n_q_tiles, p->n_heads, p->n_kv_heads, p->block_size, p->q_stride,
+        p->scale * PD_K_LOG2E, p->row_bytes);
 }
 
 
@@ -687,7 +748,7 @@ static bool pd_k_attn_fold_enabled() {
     return pd_k_env_on("PD_CUDA_ATTN_FOLD", &on);
 }
 
-template <int HD, int GM>
+template <int HD, int GM, bool F8>
 static void pd_k_attn_launch_decode(const pd_attention_kparams *p, cudaStream_t s, int part, int n_splits) {
     dim3 grid(n_splits, p->n_kv_heads, p->n_seqs);
     // tensor cores for head_dim >= 64; 8 warps per block when the blocks do not fill the GPU
@@ -695,38 +756,40 @@ static void pd_k_attn_launch_decode(const pd_attention_kparams *p, cudaStream_t 
     long blocks = (long)n_splits * p->n_kv_heads * p->n_seqs;
     bool wide = tc && blocks <= pd_k_num_sms();
     bool fold = n_splits > 1 && wide && pd_k_attn_fold_enabled();  // only the 8-warp kernels merge
-    void (*kern)(const __nv_bfloat16 *, const __nv_bfloat16 *, const __nv_bfloat16 *, __nv_bfloat16 *,
-                 const int32_t *, const int32_t *, const int32_t *, const int32_t *, int, int, int, int, float, int,
-                 int, float *, int *) = wide ? k_attn_decode_tc<HD, GM, 8>
-                                            : tc ? k_attn_decode_tc<HD, GM, 4> : k_attn_decode<HD, GM>;
-    pd_k_launch(kern, grid, dim3((wide ? 8 : 4) * 32), 0, s, (const __nv_bfloat16 *)p->q,
-                (const __nv_bfloat16 *)p->k_cache, (const __nv_bfloat16 *)p->v_cache, (__nv_bfloat16 *)p->out,
-                p->q_indptr, p->kv_lens, p->bt_indptr, p->bt_indices, p->n_heads, p->n_kv_heads, p->block_size,
-                p->q_stride, p->scale * PD_K_LOG2E, part, n_splits, p->workspace, fold ? p->counters : (int *)0);
+    void (*kern)(const __nv_bfloat16 *, const void *, const void *, __nv_bfloat16 *, const int32_t *, const int32_t *,
+                 const int32_t *, const int32_t *, int, int, int, int, float, int, int, float *, int *, size_t) =
+        wide ? k_attn_decode_tc<HD, GM, 8, F8> : tc ? k_attn_decode_tc<HD, GM, 4, F8> : k_attn_decode<HD, GM, F8>;
+    pd_k_launch(kern, grid, dim3((wide ? 8 : 4) * 32), 0, s, (const __nv_bfloat16 *)p->q, p->k_cache, p->v_cache,
+                (__nv_bfloat16 *)p->out, p->q_indptr, p->kv_lens, p->bt_indptr, p->bt_indices, p->n_heads,
+                p->n_kv_heads, p->block_size, p->q_stride, p->scale * PD_K_LOG2E, part, n_splits, p->workspace,
+                fold ? p->counters : (int *)0, p->row_bytes);
     if (n_splits > 1 && !fold)
         pd_k_launch(k_attn_combine<HD>, dim3(p->n_seqs, p->n_heads), dim3(HD), 0, s, (__nv_bfloat16 *)p->out,
                     p->q_indptr, p->kv_lens, p->n_heads, part, n_splits, (const float *)p->workspace);
 }
 
-template <int HD>
+template <int HD, bool F8>
 static void pd_k_attn_dispatch(const pd_attention_kparams *p, cudaStream_t s) {
-    if (p->max_q_len > 1) pd_k_attn_launch_prefill<HD>(p, s);
+    if (p->max_q_len > 1) pd_k_attn_launch_prefill<HD, F8>(p, s);
     int part = pd_k_dec_part(p->n_seqs, p->n_kv_heads, p->max_kv_len);
     int n_splits = (p->max_kv_len + part - 1) / part;
     if (n_splits < 1) n_splits = 1;
     int G = p->n_heads / p->n_kv_heads;
-    if (G == 1) pd_k_attn_launch_decode<HD, 1>(p, s, part, n_splits);
-    else if (G == 2) pd_k_attn_launch_decode<HD, 2>(p, s, part, n_splits);
-    else if (G <= 4) pd_k_attn_launch_decode<HD, 4>(p, s, part, n_splits);
-    else pd_k_attn_launch_decode<HD, 8>(p, s, part, n_splits);
+    if (G == 1) pd_k_attn_launch_decode<HD, 1, F8>(p, s, part, n_splits);
+    else if (G == 2) pd_k_attn_launch_decode<HD, 2, F8>(p, s, part, n_splits);
+    else if (G <= 4) pd_k_attn_launch_decode<HD, 4, F8>(p, s, part, n_splits);
+    else pd_k_attn_launch_decode<HD, 8, F8>(p, s, part, n_splits);
 }
 
 extern "C" void pd_cuda_attention(const pd_attention_kparams *p, cudaStream_t s) {
     if (p->n_tokens <= 0 || p->n_seqs <= 0) return;
-    switch (p->head_dim) {
-    case 32: pd_k_attn_dispatch<32>(p, s); break;
-    case 64: pd_k_attn_dispatch<64>(p, s); break;
-    case 128: pd_k_attn_dispatch<128>(p, s); break;
+    switch (p->head_dim * 2 + (p->kv_fp8 ? 1 : 0)) {
+    case 64: pd_k_attn_dispatch<32, false>(p, s); break;
+    case 128: pd_k_attn_dispatch<64, false>(p, s); break;
+    case 256: pd_k_attn_dispatch<128, false>(p, s); break;
+    case 65: pd_k_attn_dispatch<32, true>(p, s); break;
+    case 129: pd_k_attn_dispatch<64, true>(p, s); break;
+    case 257: pd_k_attn_dispatch<128, true>(p, s); break;
     default: break;  // pd_cuda_attention_supported() is checked by the caller
     }
 }

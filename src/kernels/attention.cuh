@@ -35,9 +35,12 @@ typedef struct pd_attention_kparams {
     size_t workspace_bytes;
     int *counters;                      // (n_seqs * n_kv_heads) zero on entry, left zero; see
                                         // pd_cuda_attention_counter_bytes
+    int kv_fp8;                         // 1: caches hold E4M3 rows with per-head f32 scales
+    size_t row_bytes;                   // fp8 only: bytes per slot row (pd_kv_row_bytes)
 } pd_attention_kparams;
 
-// True when head_dim and the GQA group size are supported (head_dim 32/64/128, group <= 8).
+// True when head_dim and the GQA group size are supported (head_dim 32/64/128, group <= 8), for
+// bf16 and fp8 caches alike.
 int pd_cuda_attention_supported(int head_dim, int n_heads, int n_kv_heads);
 // Workspace bytes the launch with these bounds needs (0 when no split is needed).
 size_t pd_cuda_attention_workspace_bytes(int n_tokens, int n_seqs, int n_heads, int n_kv_heads, int head_dim,
