@@ -4,7 +4,8 @@
 // device-to-device copy of 1 GiB, counting bytes read + written) and bf16 GEMM peak (8192^3).
 // Then, on the model (usually --load-format dummy with a real config), it times
 //   * single-stream decode at contexts --ctx (default 128, 4096, 8192, 32768; ms per token),
-//   * one decode step at batch 1, 8, 32, 64, 128, 256 (context --batch-ctx, default 512),
+//   * one decode step at batch --batches (default 1, 8, 32, 64, 128, 256), context --batch-ctx
+//     (default 512),
 //   * prefill of 512, 2048 and 8192 tokens (one sequence, one step),
 // each next to its floor: decode = (weight bytes read + KV bytes read) / bandwidth; prefill =
 // (2 * matmul params * tokens + causal attention FLOPs counted once) / GEMM peak. Weight bytes
@@ -15,7 +16,7 @@
 // floor and the share of each ceiling are printed and written with --json FILE.
 //
 // Each group of experiments gets a KV cache sized for it alone (single-stream: one sequence of
-// the longest --ctx; batched: 256 x --batch-ctx; prefill: 8192), filled with random values, so a
+// the longest --ctx; batched: the largest batch x --batch-ctx; prefill: 8192), filled with random values, so a
 // long single-stream context never needs a pool for 256 sequences. --kv-cache-dtype fp8 runs the
 // same experiments on the E4M3 cache (backend.h, PD_KV_FP8); its KV bytes are the fp8 rows.
 //
@@ -210,8 +211,8 @@ static void report(bench_ctx *b, const char *kind, const char *label, int batch,
 
 #define BENCH_MAX_CTX 16
 
-static void run_benchmarks(bench_ctx *b, const int *ctxs, int n_ctx, int batch_ctx, bool single, bool batched,
-                           bool prefill) {
+static void run_benchmarks(bench_ctx *b, const int *ctxs, int n_ctx, const int *batches, int n_batches,
+                           int batch_ctx, bool single, bool batched, bool prefill) {
     double kvpt = kv_bytes_per_token(b);
     int bs = b->block_size, max_ctx = 0;
     for (int i = 0; i < n_ctx; i++) max_ctx = PD_MAX(max_ctx, ctxs[i]);
@@ -224,9 +225,10 @@ static void run_benchmarks(bench_ctx *b, const int *ctxs, int n_ctx, int batch_c
                    (double)pd_model_weight_bytes_read(b->m, 1) + kvpt * ctxs[i], "bw");
         }
     }
-    int batches[] = {1, 8, 32, 64, 128, 256};
-    if (batched && cache_resize(b, 256L * ((batch_ctx + bs - 1) / bs))) {
-        for (int i = 0; i < 6; i++) {
+    int max_batch = 0;
+    for (int i = 0; i < n_batches; i++) max_batch = PD_MAX(max_batch, batches[i]);
+    if (batched && n_batches > 0 && cache_resize(b, (long)max_batch * ((batch_ctx + bs - 1) / bs))) {
+        for (int i = 0; i < n_batches; i++) {
             double t = time_step(b, batches[i], 1, batch_ctx, 10);
             char label[64];
             snprintf(label, sizeof label, "batch=%d ctx=%d", batches[i], batch_ctx);
@@ -256,11 +258,13 @@ int pd_cmd_bench_engine(int argc, char **argv) {
                                          {"ctx", required_argument, 0, 'x'},     {"kv-cache-dtype", required_argument, 0, 'k'},
                                          {"datasheet-gbs", required_argument, 0, 'g'},
                                          {"datasheet-tflops", required_argument, 0, 't'},
+                                         {"batches", required_argument, 0, 'b'},
                                          {"help", no_argument, 0, 'h'},          {0, 0, 0, 0}};
     const char *model = NULL, *json_path = NULL, *device = "auto";
     bool dummy = false, single = true, batched = true, prefill = true;
     long batch_ctx = 512;
     int ctxs[BENCH_MAX_CTX] = {128, 4096, 8192, 32768}, n_ctx = 4;
+    int batches[BENCH_MAX_CTX] = {1, 8, 32, 64, 128, 256}, n_batches = 6;
     pd_kv_dtype kv_dtype = PD_KV_ACT;
     double ds_gbs = 0, ds_tflops = 0;
     int c;
@@ -286,18 +290,20 @@ int pd_cmd_bench_engine(int argc, char **argv) {
             else if (strcmp(optarg, "all"))
                 return pd_cmd_usage_error("bench-engine", "--only is decode, single, prefill or all");
             break;
-        case 'x': {
-            n_ctx = 0;
+        case 'x':
+        case 'b': {
+            int *dst = c == 'x' ? ctxs : batches, *n = c == 'x' ? &n_ctx : &n_batches;
+            *n = 0;
             char *save = NULL, *list = strdup(optarg);
             if (!list) return 1;
             for (char *tok = strtok_r(list, ",", &save); tok; tok = strtok_r(NULL, ",", &save)) {
                 long v;
-                if (n_ctx == BENCH_MAX_CTX || !pd_cmd_parse_int(tok, &v) || v < 1 || v > 1 << 20) {
+                if (*n == BENCH_MAX_CTX || !pd_cmd_parse_int(tok, &v) || v < 1 || v > 1 << 20) {
                     free(list);
-                    return pd_cmd_usage_error("bench-engine", "--ctx is a list of up to %d contexts in [1, 1048576]",
-                                              BENCH_MAX_CTX);
+                    return pd_cmd_usage_error("bench-engine", "--ctx / --batches take a list of up to %d numbers in "
+                                              "[1, 1048576]", BENCH_MAX_CTX);
                 }
-                ctxs[n_ctx++] = (int)v;
+                dst[(*n)++] = (int)v;
             }
             free(list);
             break;
@@ -316,7 +322,8 @@ int pd_cmd_bench_engine(int argc, char **argv) {
         }
         case 'h':
             printf("usage: pdserve bench-engine --model DIR [--load-format dummy|auto] [--device auto|cuda|cpu]\n"
-                   "                            [--ctx N,N,...] [--batch-ctx N] [--only decode|single|prefill|all]\n"
+                   "                            [--ctx N,N,...] [--batches N,N,...] [--batch-ctx N]\n"
+                   "                            [--only decode|single|prefill|all]\n"
                    "                            [--kv-cache-dtype auto|fp8] [--datasheet-gbs X] [--datasheet-tflops X]\n"
                    "                            [--json FILE]\n");
             return 0;
@@ -371,7 +378,7 @@ int pd_cmd_bench_engine(int argc, char **argv) {
                       "copy_gbs", b.copy_bytes_s * 1e-9, "gemm_tflops", b.gemm_flop_s * 1e-12, "datasheet_gbs",
                       b.ds_bytes_s * 1e-9, "datasheet_tflops", b.ds_flop_s * 1e-12, "weight_gb",
                       (double)pd_model_weight_bytes(b.m) * 1e-9, "kv_bytes_per_token", kv_bytes_per_token(&b), "results");
-    run_benchmarks(&b, ctxs, n_ctx, (int)batch_ctx, single, batched, prefill);
+    run_benchmarks(&b, ctxs, n_ctx, batches, n_batches, (int)batch_ctx, single, batched, prefill);
     if (json_path && json_dump_file(b.out, json_path, JSON_INDENT(2)) != 0) {
         fprintf(stderr, "pdserve bench-engine: cannot write %s\n", json_path);
         goto done;

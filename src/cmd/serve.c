@@ -65,6 +65,7 @@ static void serve_usage(bool is_run) {
            "  --block-size N                tokens per KV block (default 16)\n"
            "  --num-kv-blocks N             KV cache size in blocks\n"
            "  --kv-cache-memory BYTES       KV cache size in bytes (k/M/G suffixes)\n"
+           "  --kv-cache-dtype auto|fp8     KV cache format: the activation dtype, or E4M3 with per-head scales\n"
            "  --max-num-seqs N              running sequences per step\n"
            "  --max-num-batched-tokens N    token budget per step (default 2048)\n"
            "  --no-prefix-caching           disable automatic prefix caching\n"
@@ -93,7 +94,7 @@ static void serve_usage(bool is_run) {
 static int parse_flags(int argc, char **argv, serve_opts *o) {
     enum { O_MODEL = 1, O_HOST, O_PORT, O_DEV, O_BS, O_NB, O_KVMEM, O_SEQS, O_TOKS, O_NOPC, O_NOCP, O_POL, O_MML,
            O_NAME, O_LF, O_WAIT, O_BODY, O_EXIT, O_ROLE, O_KVHOST, O_KVPORT, O_PREFILL, O_KVTR, O_DMIN, O_DTO,
-           O_CORRUPT, O_ROUTER, O_RTOKEN, O_ADV, O_HELP };
+           O_CORRUPT, O_ROUTER, O_RTOKEN, O_ADV, O_KVDT, O_HELP };
     static const struct option opts[] = {
         {"model", required_argument, 0, O_MODEL}, {"host", required_argument, 0, O_HOST},
         {"port", required_argument, 0, O_PORT}, {"device", required_argument, 0, O_DEV},
@@ -109,7 +110,7 @@ static int parse_flags(int argc, char **argv, serve_opts *o) {
         {"kv-transport", required_argument, 0, O_KVTR}, {"disagg-min-tokens", required_argument, 0, O_DMIN},
         {"disagg-timeout-ms", required_argument, 0, O_DTO}, {"debug-corrupt-kv", required_argument, 0, O_CORRUPT},
         {"router", required_argument, 0, O_ROUTER}, {"router-token-file", required_argument, 0, O_RTOKEN},
-        {"advertise-url", required_argument, 0, O_ADV},
+        {"advertise-url", required_argument, 0, O_ADV}, {"kv-cache-dtype", required_argument, 0, O_KVDT},
         {"help", no_argument, 0, O_HELP}, {0, 0, 0, 0}};
     const char *cmd = o->is_run ? "run" : "serve";
     long v;
@@ -197,6 +198,10 @@ static int parse_flags(int argc, char **argv, serve_opts *o) {
         case O_ROUTER: o->router_url = optarg; break;
         case O_RTOKEN: o->router_token_file = optarg; break;
         case O_ADV: o->advertise_url = optarg; break;
+        case O_KVDT:
+            if (!pd_kv_dtype_parse(optarg, &o->ep.kv_cache_dtype))
+                return pd_cmd_usage_error(cmd, "--kv-cache-dtype is auto or fp8, not '%s'", optarg);
+            break;
         case O_HELP: serve_usage(o->is_run); return 0;
         default: return 2;
         }

@@ -46,7 +46,7 @@ static pd_kvw_fingerprint fingerprint(pd_engine *e) {
     pd_kvw_fingerprint f = {.arch = (uint32_t)c->arch, .n_layers = (uint32_t)c->n_layers, .n_heads = (uint32_t)c->n_heads,
                             .n_kv_heads = (uint32_t)c->n_kv_heads, .head_dim = (uint32_t)c->head_dim,
                             .hidden = (uint32_t)c->hidden_size, .vocab = (uint32_t)c->vocab_size,
-                            .kv_dtype = (uint32_t)pd_backend_act_dtype(e->backend), .block_size = (uint32_t)e->params.block_size};
+                            .kv_dtype = (uint32_t)(pd_model_kv_dtype(e->model) == PD_KV_FP8 ? PD_DTYPE_FP8_E4M3 : pd_backend_act_dtype(e->backend)), .block_size = (uint32_t)e->params.block_size};
     // The weights' metadata: every shape-determining field, the RoPE setup and the total weight
     // bytes; dummy weights also hash their seed origin, so dummy and real never mix.
     // Hashed as explicit doubles (no struct padding in the hash input).
@@ -89,7 +89,7 @@ pd_status pd_disagg_init(pd_engine *e, pd_err *err) {
             return pd_err_set(err, PD_ERR_UNSUPPORTED, "the tcp KV transport needs a CPU KV pool; use cuda-ipc on GPUs");
         cp.pool = (pd_xfer_pool){.n_layers = c->n_layers, .n_blocks = pd_model_cache_n_blocks(e->cache),
                                  .block_size = e->params.block_size,
-                                 .row_bytes = (size_t)c->n_kv_heads * (size_t)c->head_dim * pd_dtype_size(pd_backend_act_dtype(e->backend)),
+                                 .row_bytes = pd_model_kv_row_bytes(e->model),
                                  .k = e->layer_k, .v = e->layer_v};
         cp.backend = e->backend;
         cp.timeout_ms = p->disagg_timeout_ms;
@@ -201,8 +201,7 @@ static bool verify(pd_engine *e, ereq *q, const pd_kvw_prefill_done *d) {
         for (int i = 0; i < q->n_load_blocks; i++) rows[i] = PD_MIN(bs, q->n_prompt - (q->load_start + i * bs));
         pd_kv_checksum_params cp = {.k = e->layer_k, .v = e->layer_v, .blocks = q->load_blocks, .n_rows = rows,
                                     .n_blocks = q->n_load_blocks, .layer_begin = 0, .layer_end = c->n_layers,
-                                    .block_size = bs, .row_bytes = (size_t)c->n_kv_heads * (size_t)c->head_dim *
-                                                                   pd_dtype_size(pd_backend_act_dtype(e->backend)),
+                                    .block_size = bs, .row_bytes = pd_model_kv_row_bytes(e->model),
                                     .sums = sums};
         pd_op_kv_checksum(e->backend, &cp);
         for (int l = 0; l < c->n_layers && ok; l++) ok = sums[l] == d->checksums[l];
@@ -430,7 +429,7 @@ void pd_disagg_export(pd_engine *e, ereq *q, const pd_sched_event *ev, const pd_
     int bs = e->params.block_size, L = c->n_layers;
     struct peer_pool *pp = &e->peers[q->conn_id];
     int first_block = q->export_start / bs, nb = q->n_dst_blocks;
-    size_t row_bytes = (size_t)c->n_kv_heads * (size_t)c->head_dim * pd_dtype_size(pd_backend_act_dtype(e->backend));
+    size_t row_bytes = pd_model_kv_row_bytes(e->model);
     int32_t *rows = pd_malloc(sizeof(int32_t) * (size_t)nb);
     pd_kvw_msg m = {.type = PD_KVW_PREFILL_DONE};
     pd_kvw_prefill_done *d = &m.u.done;

@@ -63,6 +63,11 @@ static __device__ __forceinline__ uint4 pd_k_fp8x8_bf16x8(uint2 u) {
     return make_uint4(pd_k_fp8x2_bf16x2(u.x & 0xffffu), pd_k_fp8x2_bf16x2(u.x >> 16), pd_k_fp8x2_bf16x2(u.y & 0xffffu),
                       pd_k_fp8x2_bf16x2(u.y >> 16));
 }
+// Half h (bytes 8h .. 8h + 7) of 16 raw e4m3 bytes, widened to 8 bf16.
+static __device__ __forceinline__ uint4 pd_k_f8_chunk(uint4 raw, int h) {
+    return pd_k_fp8x8_bf16x8(h ? make_uint2(raw.z, raw.w) : make_uint2(raw.x, raw.y));
+}
+
 // Dims [d, d + 8) of head kvh at `slot` as 8 bf16 (bf16 cache) or 8 e4m3 widened to bf16 (fp8),
 // and the head's scale (1 for bf16). slot < 0: zeros.
 template <int HD, bool F8>
@@ -84,9 +89,8 @@ static __device__ __forceinline__ uint4 pd_k_kv_ld8(const void *c, int slot, int
 
 // ---- prefill ---------------------------------------------------------------------------------
 
-// F8: the tile is dequantised on the way (plain loads, x * scale rounded to bf16, shared stores),
-// so it is in shared memory when this returns; bf16: cp.async, completed by the caller's wait.
-template <int HD, bool F8>
+// bf16 tiles: cp.async, completed by the caller's wait (fp8: pd_k_att_f8_ld / _st below).
+template <int HD>
 static __device__ __forceinline__ void pd_k_att_load_kv(__nv_bfloat16 *ks, __nv_bfloat16 *vs, const void *kc,
                                                         const void *vc, const int32_t *bt, int kv0, int kv_end, int bs,
                                                         int n_kv, int kvh, size_t rb) {
@@ -96,29 +100,65 @@ static __device__ __forceinline__ void pd_k_att_load_kv(__nv_bfloat16 *ks, __nv_
     for (int c = threadIdx.x; c < PD_K_ATT_BKV * CPR; c += PD_K_ATT_WARPS * 32) {
         int r = c / CPR, ch = c % CPR, pos = kv0 + r;
         bool ok = pos < kv_end;
-        if constexpr (F8) {
-            int slot = ok ? bt[pos / bs] * bs + pos % bs : -1;
-            float sk, sv;
-            uint4 k8 = pd_k_kv_ld8<HD, true>(kc, slot, n_kv, kvh, ch * 8, rb, &sk);
-            uint4 v8 = pd_k_kv_ld8<HD, true>(vc, slot, n_kv, kvh, ch * 8, rb, &sv);
-            float f[8];
-            pd_k_unpack8(k8, f);
-#pragma unroll
-            for (int i = 0; i < 8; i++) f[i] *= sk;
-            *(uint4 *)(ks + r * STR + ch * 8) = pd_k_pack8(f);
-            pd_k_unpack8(v8, f);
-#pragma unroll
-            for (int i = 0; i < 8; i++) f[i] *= sv;
-            *(uint4 *)(vs + r * STR + ch * 8) = pd_k_pack8(f);
-        } else {
-            size_t off = 0;
-            if (ok) {
-                size_t slot = (size_t)bt[pos / bs] * bs + pos % bs;
-                off = (slot * n_kv + kvh) * HD + ch * 8;
-            }
-            pd_k_cp_async16(ks + r * STR + ch * 8, (const __nv_bfloat16 *)kc + off, ok);
-            pd_k_cp_async16(vs + r * STR + ch * 8, (const __nv_bfloat16 *)vc + off, ok);
+        size_t off = 0;
+        if (ok) {
+            size_t slot = (size_t)bt[pos / bs] * bs + pos % bs;
+            off = (slot * n_kv + kvh) * HD + ch * 8;
         }
+        pd_k_cp_async16(ks + r * STR + ch * 8, (const __nv_bfloat16 *)kc + off, ok);
+        pd_k_cp_async16(vs + r * STR + ch * 8, (const __nv_bfloat16 *)vc + off, ok);
+    }
+}
+
+// The fp8 tile load in two halves, so the global loads of tile j + 1 are in flight while tile j is
+// computed: pd_k_att_f8_ld fetches this thread's raw rows and scales into registers, pd_k_att_f8_st
+// dequantises them (x * scale, rounded to bf16) into the shared tile.
+template <int HD>
+struct pd_k_att_f8_regs {
+    static constexpr int CH = (PD_K_ATT_BKV_OF(HD) * (HD / 8) + PD_K_ATT_WARPS * 32 - 1) / (PD_K_ATT_WARPS * 32);
+    uint2 k[CH], v[CH];
+    float ks[CH], vs[CH];
+};
+
+template <int HD>
+static __device__ __forceinline__ void pd_k_att_f8_ld(pd_k_att_f8_regs<HD> &r, const void *kc, const void *vc,
+                                                      const int32_t *bt, int kv0, int kv_end, int bs, int n_kv,
+                                                      int kvh, size_t rb) {
+    constexpr int CPR = HD / 8;
+#pragma unroll
+    for (int i = 0; i < pd_k_att_f8_regs<HD>::CH; i++) {
+        int c = threadIdx.x + i * PD_K_ATT_WARPS * 32, row = c / CPR, ch = c % CPR, pos = kv0 + row;
+        bool ok = c < PD_K_ATT_BKV_OF(HD) * CPR && pos < kv_end;
+        r.k[i] = r.v[i] = make_uint2(0, 0);
+        r.ks[i] = r.vs[i] = 0.f;
+        if (ok) {
+            size_t off = (size_t)(bt[pos / bs] * bs + pos % bs) * rb;
+            const uint8_t *kr = (const uint8_t *)kc + off, *vr = (const uint8_t *)vc + off;
+            r.k[i] = __ldg((const uint2 *)(kr + (size_t)kvh * HD + ch * 8));
+            r.v[i] = __ldg((const uint2 *)(vr + (size_t)kvh * HD + ch * 8));
+            r.ks[i] = __ldg((const float *)(kr + (size_t)n_kv * HD) + kvh);
+            r.vs[i] = __ldg((const float *)(vr + (size_t)n_kv * HD) + kvh);
+        }
+    }
+}
+
+template <int HD>
+static __device__ __forceinline__ void pd_k_att_f8_st(const pd_k_att_f8_regs<HD> &r, __nv_bfloat16 *ks,
+                                                      __nv_bfloat16 *vs) {
+    constexpr int CPR = HD / 8, STR = HD + 8;
+#pragma unroll
+    for (int i = 0; i < pd_k_att_f8_regs<HD>::CH; i++) {
+        int c = threadIdx.x + i * PD_K_ATT_WARPS * 32, row = c / CPR, ch = c % CPR;
+        if (c >= PD_K_ATT_BKV_OF(HD) * CPR) continue;
+        float f[8];
+        pd_k_unpack8(pd_k_fp8x8_bf16x8(r.k[i]), f);
+#pragma unroll
+        for (int e = 0; e < 8; e++) f[e] *= r.ks[i];
+        *(uint4 *)(ks + row * STR + ch * 8) = pd_k_pack8(f);
+        pd_k_unpack8(pd_k_fp8x8_bf16x8(r.v[i]), f);
+#pragma unroll
+        for (int e = 0; e < 8; e++) f[e] *= r.vs[i];
+        *(uint4 *)(vs + row * STR + ch * 8) = pd_k_pack8(f);
     }
 }
 
@@ -154,7 +194,13 @@ static __global__ void __launch_bounds__(PD_K_ATT_WARPS * 32)
         const __nv_bfloat16 *src = q + (size_t)(q_begin + (ok ? row0 + r : 0)) * q_stride + (size_t)h * HD + ch * 8;
         pd_k_cp_async16(qs + r * STR + ch * 8, src, ok);
     }
-    pd_k_att_load_kv<HD, F8>(ks, vs, kc, vc, bt, 0, kv_end, bs, n_kv, kvh, rb);
+    pd_k_att_f8_regs<HD> f8r;  // F8: the next tile's raw rows (unused otherwise)
+    if constexpr (F8) {
+        pd_k_att_f8_ld<HD>(f8r, kc, vc, bt, 0, kv_end, bs, n_kv, kvh, rb);
+        pd_k_att_f8_st<HD>(f8r, ks, vs);
+    } else {
+        pd_k_att_load_kv<HD>(ks, vs, kc, vc, bt, 0, kv_end, bs, n_kv, kvh, rb);
+    }
     pd_k_cp_async_commit();
 
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
@@ -168,9 +214,12 @@ static __global__ void __launch_bounds__(PD_K_ATT_WARPS * 32)
 
     for (int j = 0; j < n_kv_tiles; j++) {
         int buf = j & 1;
-        if (j + 1 < n_kv_tiles) {
-            pd_k_att_load_kv<HD, F8>(ks + (buf ^ 1) * PD_K_ATT_BKV * STR, vs + (buf ^ 1) * PD_K_ATT_BKV * STR, kc,
-                                     vc, bt, (j + 1) * PD_K_ATT_BKV, kv_end, bs, n_kv, kvh, rb);
+        if (F8 && j + 1 < n_kv_tiles) {
+            pd_k_att_f8_ld<HD>(f8r, kc, vc, bt, (j + 1) * PD_K_ATT_BKV, kv_end, bs, n_kv, kvh, rb);
+            pd_k_cp_async_wait<0>();  // the Q tile
+        } else if (j + 1 < n_kv_tiles) {
+            pd_k_att_load_kv<HD>(ks + (buf ^ 1) * PD_K_ATT_BKV * STR, vs + (buf ^ 1) * PD_K_ATT_BKV * STR, kc,
+                                        vc, bt, (j + 1) * PD_K_ATT_BKV, kv_end, bs, n_kv, kvh, rb);
             pd_k_cp_async_commit();
             pd_k_cp_async_wait<1>();
         } else {
@@ -258,6 +307,9 @@ static __global__ void __launch_bounds__(PD_K_ATT_WARPS * 32)
                 }
             }
         }
+        // F8: tile j + 1 into the other buffer (its readers, iteration j - 1, passed the barrier below)
+        if (F8 && j + 1 < n_kv_tiles)
+            pd_k_att_f8_st<HD>(f8r, ks + (buf ^ 1) * PD_K_ATT_BKV * STR, vs + (buf ^ 1) * PD_K_ATT_BKV * STR);
         __syncthreads();  // buffer buf is refilled next iteration
     }
 #pragma unroll
@@ -527,11 +579,13 @@ static __device__ __forceinline__ int pd_k_dec_slot(const int32_t *bt, int pos, 
 
 // One step of 16 tokens (base .. base + 15) for this warp: S = Q.K^T on tensor cores, online
 // softmax (rows = heads, base 2), O += P.V with V transposed in registers.
-// F8: ks[j] / vs[j] are the scales of the token of p[j] (column (j >> 1) * 8 + 2t + (j & 1)): the
-// score is scaled by K's, and P by V's after the row sum (the sum is over the softmax weights).
-template <int NI, bool F8>
-static __device__ __forceinline__ void pd_k_dec_tc_step(const uint4 (&qf)[NI], const uint4 (&kr)[2][NI],
-                                                        const uint4 (&vr)[2][NI], float (&o)[NI][4][4], float &m,
+// F8 (k_attn_decode_tc_f8): K/V come as raw e4m3 (rk/rv: 16 bytes per lane and token, see there)
+// and are widened to bf16 here, next to their use; ks[j] / vs[j] are the scales of the token of
+// p[j] (column (j >> 1) * 8 + 2t + (j & 1)): the score is scaled by K's, and P by V's after the row
+// sum (the sum is over the softmax weights). Otherwise kr/vr hold bf16 and the scales are unused.
+template <int NI, bool F8, int NR>
+static __device__ __forceinline__ void pd_k_dec_tc_step(const uint4 (&qf)[NI], const uint4 (&kr)[2][NR],
+                                                        const uint4 (&vr)[2][NR], float (&o)[NI][4][4], float &m,
                                                         float &l, int base, int k_end, int t, float scale_log2,
                                                         const float (&ks)[4], const float (&vs)[4]) {
     // S (rows = heads, cols = tokens base + hh*8 + 2t, +1)
@@ -542,8 +596,9 @@ static __device__ __forceinline__ void pd_k_dec_tc_step(const uint4 (&qf)[NI], c
 #pragma unroll
         for (int i = 0; i < NI; i++) {
             uint32_t a0[4] = {qf[i].x, 0u, qf[i].y, 0u}, a1[4] = {qf[i].z, 0u, qf[i].w, 0u};
-            pd_k_mma_bf16(sc[hh], a0, kr[hh][i].x, kr[hh][i].y);
-            pd_k_mma_bf16(sc[hh], a1, kr[hh][i].z, kr[hh][i].w);
+            uint4 kb = F8 ? pd_k_f8_chunk(kr[hh][i >> 1], i & 1) : kr[hh][i];
+            pd_k_mma_bf16(sc[hh], a0, kb.x, kb.y);
+            pd_k_mma_bf16(sc[hh], a1, kb.z, kb.w);
         }
     }
     float p[4], mx = -INFINITY;
@@ -578,13 +633,16 @@ static __device__ __forceinline__ void pd_k_dec_tc_step(const uint4 (&qf)[NI], c
     }
     uint32_t pa[4] = {pd_k_pack2(p[0], p[1]), 0u, pd_k_pack2(p[2], p[3]), 0u};
 #pragma unroll
-    for (int i = 0; i < NI; i++)
+    for (int i = 0; i < NI; i++) {
+        uint4 v0 = F8 ? pd_k_f8_chunk(vr[0][i >> 1], i & 1) : vr[0][i];
+        uint4 v1 = F8 ? pd_k_f8_chunk(vr[1][i >> 1], i & 1) : vr[1][i];
 #pragma unroll
         for (int r = 0; r < 4; r++) {
-            uint32_t b0 = pd_k_movmatrix_trans(pd_k_u4_get(vr[0][i], r));
-            uint32_t b1 = pd_k_movmatrix_trans(pd_k_u4_get(vr[1][i], r));
+            uint32_t b0 = pd_k_movmatrix_trans(pd_k_u4_get(v0, r));
+            uint32_t b1 = pd_k_movmatrix_trans(pd_k_u4_get(v1, r));
             pd_k_mma_bf16(o[i][r], pa, b0, b1);
         }
+    }
 }
 
 // W warps per block (4, or 8 when the grid is smaller than the GPU: each warp then has fewer
@@ -592,7 +650,7 @@ static __device__ __forceinline__ void pd_k_dec_tc_step(const uint4 (&qf)[NI], c
 // read before pd_k_pdl_wait(): they are uploaded by the host before the step and never written
 // by a kernel, unlike Q and the newest K/V row (written by rope_kv just before); later steps'
 // lookups are issued one step ahead.
-template <int HD, int GM, int W, bool F8>
+template <int HD, int GM, int W>
 static __global__ void __launch_bounds__(W * 32, W == 4 ? 3 : 1)
     k_attn_decode_tc(const __nv_bfloat16 *q, const void *kc, const void *vc, __nv_bfloat16 *out,
                      const int32_t *q_indptr, const int32_t *kv_lens, const int32_t *bt_indptr,
@@ -633,27 +691,20 @@ static __global__ void __launch_bounds__(W * 32, W == 4 ? 3 : 1)
 
     for (int base = k_begin + warp * 16; base < k_end; base += W * 16) {
         uint4 kr[2][NI], vr[2][NI];
-        float ksm[2], vsm[2];  // scales of this lane's tokens g, g + 8 (fp8)
+        float sc_unused;
 #pragma unroll
         for (int hh = 0; hh < 2; hh++) {
 #pragma unroll
             for (int i = 0; i < NI; i++) {
-                kr[hh][i] = pd_k_kv_ld8<HD, F8>(kc, slot[hh], n_kv, kvh, i * 32 + t * 8, rb, &ksm[hh]);
-                vr[hh][i] = pd_k_kv_ld8<HD, F8>(vc, slot[hh], n_kv, kvh, i * 32 + t * 8, rb, &vsm[hh]);
+                kr[hh][i] = pd_k_kv_ld8<HD, false>(kc, slot[hh], n_kv, kvh, i * 32 + t * 8, rb, &sc_unused);
+                vr[hh][i] = pd_k_kv_ld8<HD, false>(vc, slot[hh], n_kv, kvh, i * 32 + t * 8, rb, &sc_unused);
             }
         }
-        float ks[4] = {1.f, 1.f, 1.f, 1.f}, vs[4] = {1.f, 1.f, 1.f, 1.f};
-        if (F8) {  // p[j]'s token is column (j >> 1) * 8 + 2t + (j & 1), loaded by the lanes of g = 2t + (j & 1)
-#pragma unroll
-            for (int j = 0; j < 4; j++) {
-                ks[j] = __shfl_sync(0xffffffffu, ksm[j >> 1], (2 * t + (j & 1)) * 4);
-                vs[j] = __shfl_sync(0xffffffffu, vsm[j >> 1], (2 * t + (j & 1)) * 4);
-            }
-        }
+        const float ks[4] = {1.f, 1.f, 1.f, 1.f}, vs[4] = {1.f, 1.f, 1.f, 1.f};
         // next step's page-table lookups, off the critical path
 #pragma unroll
         for (int hh = 0; hh < 2; hh++) slot[hh] = pd_k_dec_slot(bt, base + W * 16 + hh * 8 + g, k_end, bs);
-        pd_k_dec_tc_step<NI, F8>(qf, kr, vr, o, m, l, base, k_end, t, scale_log2, ks, vs);
+        pd_k_dec_tc_step<NI, false>(qf, kr, vr, o, m, l, base, k_end, t, scale_log2, ks, vs);
     }
     l += __shfl_xor_sync(0xffffffffu, l, 1);
     l += __shfl_xor_sync(0xffffffffu, l, 2);
@@ -664,6 +715,118 @@ static __global__ void __launch_bounds__(W * 32, W == 4 ? 3 : 1)
             for (int r = 0; r < 4; r++) {
                 red[warp][g][i * 32 + t * 8 + 2 * r] = o[i][r][0];
                 red[warp][g][i * 32 + t * 8 + 2 * r + 1] = o[i][r][1];
+            }
+        if (t == 0) {
+            red[warp][g][HD] = m;
+            red[warp][g][HD + 1] = l;
+        }
+    }
+    __syncthreads();
+    pd_k_dec_finish<HD, GM, W, W == 8>(red, out, ws, cnt, q_begin, s, kvh, G, H, split, n_sp, n_splits);
+}
+
+// k_attn_decode_tc_f8: k_attn_decode_tc on the fp8 cache. Lane (g, t) loads 16 raw e4m3 bytes per
+// token (g and g + 8) and 64 dims: dims c*64 + t*16 .. +16 for c < HD/64, i.e. chunk i (of 8 dims,
+// i < HD/32) is dims (i >> 1)*64 + t*16 + (i & 1)*8 (pd_k_f8_dim); Q is loaded with the same
+// permutation, so S is unchanged, and the output dims follow it. Each token's scales are loaded once
+// per step by its lanes and handed to the lanes whose score columns hold it. The next step's raw
+// bytes are loaded before this step's math (fp8 halves the registers a step holds, so the loop can
+// be software-pipelined one step deep).
+static __device__ __forceinline__ int pd_k_f8_dim(int i, int t) { return (i >> 1) * 64 + t * 16 + (i & 1) * 8; }
+
+template <int HD>
+struct pd_k_f8_step_regs {
+    uint4 k[2][HD / 64], v[2][HD / 64];
+    float ks[2], vs[2];
+};
+
+template <int HD>
+static __device__ __forceinline__ void pd_k_f8_load(pd_k_f8_step_regs<HD> &r, const uint8_t *kc, const uint8_t *vc,
+                                                    const int (&slot)[2], int n_kv, int kvh, int t, size_t rb) {
+#pragma unroll
+    for (int hh = 0; hh < 2; hh++) {
+        if (slot[hh] >= 0) {
+            const uint8_t *kr = kc + (size_t)slot[hh] * rb, *vr = vc + (size_t)slot[hh] * rb;
+#pragma unroll
+            for (int c = 0; c < HD / 64; c++) {
+                r.k[hh][c] = __ldg((const uint4 *)(kr + (size_t)kvh * HD + c * 64 + t * 16));
+                r.v[hh][c] = __ldg((const uint4 *)(vr + (size_t)kvh * HD + c * 64 + t * 16));
+            }
+            r.ks[hh] = __ldg((const float *)(kr + (size_t)n_kv * HD) + kvh);
+            r.vs[hh] = __ldg((const float *)(vr + (size_t)n_kv * HD) + kvh);
+        } else {
+#pragma unroll
+            for (int c = 0; c < HD / 64; c++) r.k[hh][c] = r.v[hh][c] = make_uint4(0, 0, 0, 0);
+            r.ks[hh] = r.vs[hh] = 0.f;
+        }
+    }
+}
+
+// Two 4-warp blocks per SM (not three as in bf16): the pipelined step needs ~210 registers, and
+// each warp already keeps two steps of loads in flight.
+template <int HD, int GM, int W>
+static __global__ void __launch_bounds__(W * 32, W == 4 ? 2 : 1)
+    k_attn_decode_tc_f8(const __nv_bfloat16 *q, const void *kc_, const void *vc_, __nv_bfloat16 *out,
+                        const int32_t *q_indptr, const int32_t *kv_lens, const int32_t *bt_indptr,
+                        const int32_t *bt_indices, int H, int n_kv, int bs, int q_stride, float scale_log2, int part,
+                        int n_splits, float *ws, int *cnt, size_t rb) {
+    constexpr int NI = HD / 32;
+    __shared__ float red[W][GM][HD + 2];
+    const uint8_t *kc = (const uint8_t *)kc_, *vc = (const uint8_t *)vc_;
+    pd_k_pdl_trigger();
+    int split = blockIdx.x, kvh = blockIdx.y, s = blockIdx.z;
+    int q_begin = q_indptr[s], q_len = q_indptr[s + 1] - q_begin;
+    int kv_len = kv_lens[s];
+    const int32_t *bt = bt_indices + bt_indptr[s];
+    int k_begin = split * part, k_end = min(kv_len, k_begin + part);
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+    bool live = q_len == 1 && k_begin < kv_len;
+    int slot[2] = {-1, -1};
+    if (live) {
+        slot[0] = pd_k_dec_slot(bt, k_begin + warp * 16 + g, k_end, bs);
+        slot[1] = pd_k_dec_slot(bt, k_begin + warp * 16 + 8 + g, k_end, bs);
+    }
+    pd_k_pdl_wait();
+    if (!live) return;
+    int n_sp = (kv_len + part - 1) / part;
+    int G = H / n_kv;
+    const uint4 zero = make_uint4(0, 0, 0, 0);
+
+    uint4 qf[NI];
+#pragma unroll
+    for (int i = 0; i < NI; i++)
+        qf[i] = g < G ? *(const uint4 *)(q + (size_t)q_begin * q_stride + (size_t)(kvh * G + g) * HD + pd_k_f8_dim(i, t))
+                      : zero;
+    float o[NI][4][4];
+#pragma unroll
+    for (int i = 0; i < NI; i++)
+#pragma unroll
+        for (int r = 0; r < 4; r++) o[i][r][0] = o[i][r][1] = o[i][r][2] = o[i][r][3] = 0.f;
+    float m = -INFINITY, l = 0.f;
+
+    pd_k_f8_step_regs<HD> cur, nxt;
+    pd_k_f8_load<HD>(cur, kc, vc, slot, n_kv, kvh, t, rb);
+    for (int base = k_begin + warp * 16; base < k_end; base += W * 16) {
+        int ns[2] = {pd_k_dec_slot(bt, base + W * 16 + g, k_end, bs), pd_k_dec_slot(bt, base + W * 16 + 8 + g, k_end, bs)};
+        pd_k_f8_load<HD>(nxt, kc, vc, ns, n_kv, kvh, t, rb);  // in flight during this step's math
+        float ks[4], vs[4];  // p[j]'s token is column (j >> 1) * 8 + 2t + (j & 1): lanes of g = 2t + (j & 1)
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+            ks[j] = __shfl_sync(0xffffffffu, cur.ks[j >> 1], (2 * t + (j & 1)) * 4);
+            vs[j] = __shfl_sync(0xffffffffu, cur.vs[j >> 1], (2 * t + (j & 1)) * 4);
+        }
+        pd_k_dec_tc_step<NI, true>(qf, cur.k, cur.v, o, m, l, base, k_end, t, scale_log2, ks, vs);
+        cur = nxt;
+    }
+    l += __shfl_xor_sync(0xffffffffu, l, 1);
+    l += __shfl_xor_sync(0xffffffffu, l, 2);
+    if (g < G) {
+#pragma unroll
+        for (int i = 0; i < NI; i++)
+#pragma unroll
+            for (int r = 0; r < 4; r++) {
+                red[warp][g][pd_k_f8_dim(i, t) + 2 * r] = o[i][r][0];
+                red[warp][g][pd_k_f8_dim(i, t) + 2 * r + 1] = o[i][r][1];
             }
         if (t == 0) {
             red[warp][g][HD] = m;
@@ -758,7 +921,11 @@ static void pd_k_attn_launch_decode(const pd_attention_kparams *p, cudaStream_t 
     bool fold = n_splits > 1 && wide && pd_k_attn_fold_enabled();  // only the 8-warp kernels merge
     void (*kern)(const __nv_bfloat16 *, const void *, const void *, __nv_bfloat16 *, const int32_t *, const int32_t *,
                  const int32_t *, const int32_t *, int, int, int, int, float, int, int, float *, int *, size_t) =
-        wide ? k_attn_decode_tc<HD, GM, 8, F8> : tc ? k_attn_decode_tc<HD, GM, 4, F8> : k_attn_decode<HD, GM, F8>;
+        k_attn_decode<HD, GM, F8>;
+    if constexpr (HD >= 64) {
+        if (F8) kern = wide ? k_attn_decode_tc_f8<HD, GM, 8> : tc ? k_attn_decode_tc_f8<HD, GM, 4> : kern;
+        else kern = wide ? k_attn_decode_tc<HD, GM, 8> : tc ? k_attn_decode_tc<HD, GM, 4> : kern;
+    }
     pd_k_launch(kern, grid, dim3((wide ? 8 : 4) * 32), 0, s, (const __nv_bfloat16 *)p->q, p->k_cache, p->v_cache,
                 (__nv_bfloat16 *)p->out, p->q_indptr, p->kv_lens, p->bt_indptr, p->bt_indices, p->n_heads,
                 p->n_kv_heads, p->block_size, p->q_stride, p->scale * PD_K_LOG2E, part, n_splits, p->workspace,

@@ -79,10 +79,13 @@ static __global__ void k_rope_kv_fp8(__nv_bfloat16 *qkv, const int32_t *position
         float amax = 0.f;
         for (int i = lane; i < hd; i += 32) amax = fmaxf(amax, fabsf(__bfloat162float(src[i])));
         amax = pd_k_warp_max(amax);
-        float inv = amax > 0.f ? 448.f / amax : 0.f;
+        // IEEE divisions (__fdiv_rn) and an unfused product, whatever --use_fast_math says: the
+        // CPU backend computes the same values bit for bit.
+        float inv = amax > 0.f ? __fdiv_rn(448.f, amax) : 0.f;
         for (int i = lane; i < hd; i += 32)
-            dst[(size_t)kvh * hd + i] = __nv_cvt_float_to_fp8(__bfloat162float(src[i]) * inv, __NV_SATFINITE, __NV_E4M3);
-        if (lane == 0) ((float *)(dst + (size_t)Hkv * hd))[kvh] = amax / 448.f;
+            dst[(size_t)kvh * hd + i] =
+                __nv_cvt_float_to_fp8(__fmul_rn(__bfloat162float(src[i]), inv), __NV_SATFINITE, __NV_E4M3);
+        if (lane == 0) ((float *)(dst + (size_t)Hkv * hd))[kvh] = __fdiv_rn(amax, 448.f);
     }
 }
 

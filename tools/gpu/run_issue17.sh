@@ -1,0 +1,51 @@
+#!/bin/sh
+# One device call for issue 17 (fp8 KV, bench-engine accounting): tests, then bench-engine old vs
+# new (bf16 KV) vs new (fp8 KV) on the same card, then the attention op bench. Run from a folder
+# holding pdserve, pdserve-old (the previous commit's build), test_backend_ops, test_gpu_golden,
+# op_bench and models/ (golden + small models); bench configs are read from ../bench/configs.
+# usage: sh run_issue17.sh OUT_DIR [tests|bench|ops]...  (no section: all)
+set -u
+out=$1
+shift
+want() { [ $# -eq 0 ] && return 0; for s in $ALL; do [ "$s" = "$1" ] && return 0; done; return 1; }
+ALL="$*"
+mkdir -p "$out"
+nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,clocks.max.mem --format=csv,noheader
+export PD_MODELS_DIR=models
+B="--model ../bench/configs/llama-3-8b --load-format dummy"
+if [ -z "$ALL" ] || want tests; then
+  ./test_backend_ops > "$out/ops.log" 2>&1; echo "test_backend_ops rc=$?: $(tail -1 "$out/ops.log")"
+  grep -E "FAIL|fail" "$out/ops.log" | head -5
+  ./test_gpu_golden > "$out/golden.log" 2>&1; echo "test_gpu_golden rc=$?: $(tail -1 "$out/golden.log")"
+  grep -E "fp8|FAIL|fail" "$out/golden.log" | head -20
+fi
+if [ -z "$ALL" ] || want bench; then
+  for i in 1 2; do
+    ./pdserve-old bench-engine $B --only decode > "$out/old_$i.txt" 2>&1
+    ./pdserve bench-engine $B --only decode --ctx 128,4096 --json "$out/new_$i.json" > "$out/new_$i.txt" 2>&1
+  done
+  ./pdserve bench-engine $B --only single --ctx 8192,32768 > "$out/new_long.txt" 2>&1
+  ./pdserve bench-engine $B --only single --ctx 128,4096,8192,32768 --kv-cache-dtype fp8 > "$out/fp8_single.txt" 2>&1
+  ./pdserve bench-engine $B --only decode --ctx 1 --batches 1,4,8 --batch-ctx 32768 > "$out/bf16_32k.txt" 2>&1
+  ./pdserve bench-engine $B --only decode --ctx 1 --batches 1,4,8,16 --batch-ctx 32768 --kv-cache-dtype fp8 > "$out/fp8_32k.txt" 2>&1
+  ./pdserve bench-engine $B --only decode --ctx 1 --batches 1,8,32,64,128,256 --kv-cache-dtype fp8 > "$out/fp8_batch.txt" 2>&1
+  ./pdserve-old bench-engine $B --only prefill > "$out/old_prefill.txt" 2>&1
+  ./pdserve bench-engine $B --only prefill > "$out/new_prefill.txt" 2>&1
+  ./pdserve bench-engine $B --only prefill --kv-cache-dtype fp8 > "$out/fp8_prefill.txt" 2>&1
+  for f in old_1 new_1 old_2 new_2 new_long fp8_single bf16_32k fp8_32k fp8_batch old_prefill new_prefill fp8_prefill; do
+    echo "== $f"; grep -E "^device|^decode|^prefill|TFLOP/s =|error|fail" "$out/$f.txt" | cut -c1-150
+  done
+fi
+if want fp8bench; then
+  ./pdserve bench-engine $B --only single --ctx 128,4096,8192,32768 --kv-cache-dtype fp8 > "$out/fp8_single.txt" 2>&1
+  ./pdserve bench-engine $B --only decode --ctx 1 --batches 1,4,8 --batch-ctx 32768 > "$out/bf16_32k.txt" 2>&1
+  ./pdserve bench-engine $B --only decode --ctx 1 --batches 1,4,8,16 --batch-ctx 32768 --kv-cache-dtype fp8 > "$out/fp8_32k.txt" 2>&1
+  ./pdserve bench-engine $B --only decode --ctx 1 --batches 1,8,32,64,128,256 --kv-cache-dtype fp8 > "$out/fp8_batch.txt" 2>&1
+  ./pdserve bench-engine $B --only prefill --kv-cache-dtype fp8 > "$out/fp8_prefill.txt" 2>&1
+  for f in fp8_single bf16_32k fp8_32k fp8_batch fp8_prefill; do
+    echo "== $f"; grep -E "^decode|^prefill|error|fail" "$out/$f.txt" | cut -c1-150
+  done
+fi
+if [ -z "$ALL" ] || want ops; then
+  ./op_bench attn prefill > "$out/op_bench.txt" 2>&1; grep attn "$out/op_bench.txt"
+fi
