@@ -45,7 +45,7 @@
 #define PD_K_DEC_WARPS 4
 #define PD_K_DEC_UNROLL 4
 #define PD_K_DEC_MIN_PART 128
-#define PD_K_DEC_MAX_SPLITS 64
+#define PD_K_DEC_MAX_SPLITS 128
 
 // ---- fp8 KV (backend.h, PD_KV_FP8) -------------------------------------------------------------
 // A slot's row: n_kv * HD e4m3 bytes, then n_kv f32 scales. Every kernel takes the caches as bytes
@@ -331,8 +331,38 @@ static __global__ void __launch_bounds__(PD_K_ATT_WARPS * 32)
 
 // ---- decode ----------------------------------------------------------------------------------
 
-static inline __host__ __device__ int pd_k_dec_part(int n_seqs, int n_kv, int max_kv_len) {
-    int want = (4 * 132 + n_seqs * n_kv - 1) / (n_seqs * n_kv);  // ~4 waves on an H100
+// Blocks per SM the split aims at (PD_CUDA_ATTN_WAVES, default 4: a measurement knob).
+static int pd_k_dec_waves() {
+    static int w = -1;
+    if (w < 0) {
+        const char *e = getenv("PD_CUDA_ATTN_WAVES");
+        w = e && atoi(e) > 0 && atoi(e) <= 64 ? atoi(e) : 4;
+    }
+    return w;
+}
+
+// PD_CUDA_ATTN_ONEWAVE=1: when the (sequence, kv head) pairs are fewer than the SMs, split each
+// into as many partitions as make one wave (8-warp blocks that merge in place, no combine launch)
+// instead of ~4 waves of 4-warp blocks (measurement knob).
+static bool pd_k_attn_onewave() {
+    static int on = -1;
+    if (on < 0) {
+        const char *e = getenv("PD_CUDA_ATTN_ONEWAVE");
+        on = e && !strcmp(e, "1");
+    }
+    return on;
+}
+
+static inline int pd_k_dec_part(int n_seqs, int n_kv, int max_kv_len) {
+    int want = (pd_k_dec_waves() * 132 + n_seqs * n_kv - 1) / (n_seqs * n_kv);  // ~4 waves on an H100
+    if (pd_k_attn_onewave() && n_seqs * n_kv * 2 <= pd_k_num_sms()) {
+        int w1 = pd_k_num_sms() / (n_seqs * n_kv);
+        if (w1 > PD_K_DEC_MAX_SPLITS) w1 = PD_K_DEC_MAX_SPLITS;
+        int part = (max_kv_len + w1 - 1) / w1;
+        part = (part + 63) / 64 * 64;
+        if (part < PD_K_DEC_MIN_PART) part = PD_K_DEC_MIN_PART;
+        return part;  // ceil(max_kv_len / part) <= w1 splits: one wave
+    }
     if (want < 1) want = 1;
     int part = (max_kv_len + want - 1) / want;
     if (part < PD_K_DEC_MIN_PART) part = PD_K_DEC_MIN_PART;
@@ -650,8 +680,10 @@ static __device__ __forceinline__ void pd_k_dec_tc_step(const uint4 (&qf)[NI], c
 // read before pd_k_pdl_wait(): they are uploaded by the host before the step and never written
 // by a kernel, unlike Q and the newest K/V row (written by rope_kv just before); later steps'
 // lookups are issued one step ahead.
-template <int HD, int GM, int W>
-static __global__ void __launch_bounds__(W * 32, W == 4 ? 3 : 1)
+// PIPE: the next step's K is loaded before this step's math (one step of software pipelining, as in
+// the fp8 kernel; this step's V is only needed after the softmax). PD_CUDA_ATTN_PIPE=0: off.
+template <int HD, int GM, int W, bool PIPE>
+static __global__ void __launch_bounds__(W * 32, W == 4 ? (PIPE ? 2 : 3) : 1)
     k_attn_decode_tc(const __nv_bfloat16 *q, const void *kc, const void *vc, __nv_bfloat16 *out,
                      const int32_t *q_indptr, const int32_t *kv_lens, const int32_t *bt_indptr,
                      const int32_t *bt_indices, int H, int n_kv, int bs, int q_stride, float scale_log2, int part,
@@ -689,22 +721,43 @@ static __global__ void __launch_bounds__(W * 32, W == 4 ? 3 : 1)
         for (int r = 0; r < 4; r++) o[i][r][0] = o[i][r][1] = o[i][r][2] = o[i][r][3] = 0.f;
     float m = -INFINITY, l = 0.f;
 
+    const float ks[4] = {1.f, 1.f, 1.f, 1.f}, vs[4] = {1.f, 1.f, 1.f, 1.f};
+    float sc_unused;
+    uint4 kr[2][NI];  // PIPE: this step's K, loaded during the previous step
+    if (PIPE) {
+#pragma unroll
+        for (int hh = 0; hh < 2; hh++)
+#pragma unroll
+            for (int i = 0; i < NI; i++)
+                kr[hh][i] = pd_k_kv_ld8<HD, false>(kc, slot[hh], n_kv, kvh, i * 32 + t * 8, rb, &sc_unused);
+    }
     for (int base = k_begin + warp * 16; base < k_end; base += W * 16) {
-        uint4 kr[2][NI], vr[2][NI];
-        float sc_unused;
+        uint4 vr[2][NI], kn[2][NI];
 #pragma unroll
         for (int hh = 0; hh < 2; hh++) {
 #pragma unroll
             for (int i = 0; i < NI; i++) {
-                kr[hh][i] = pd_k_kv_ld8<HD, false>(kc, slot[hh], n_kv, kvh, i * 32 + t * 8, rb, &sc_unused);
+                if (!PIPE) kr[hh][i] = pd_k_kv_ld8<HD, false>(kc, slot[hh], n_kv, kvh, i * 32 + t * 8, rb, &sc_unused);
                 vr[hh][i] = pd_k_kv_ld8<HD, false>(vc, slot[hh], n_kv, kvh, i * 32 + t * 8, rb, &sc_unused);
             }
         }
-        const float ks[4] = {1.f, 1.f, 1.f, 1.f}, vs[4] = {1.f, 1.f, 1.f, 1.f};
-        // next step's page-table lookups, off the critical path
+        // next step's page-table lookups (and, PIPE, its K: in flight during this step's math)
 #pragma unroll
         for (int hh = 0; hh < 2; hh++) slot[hh] = pd_k_dec_slot(bt, base + W * 16 + hh * 8 + g, k_end, bs);
+        if (PIPE) {
+#pragma unroll
+            for (int hh = 0; hh < 2; hh++)
+#pragma unroll
+                for (int i = 0; i < NI; i++)
+                    kn[hh][i] = pd_k_kv_ld8<HD, false>(kc, slot[hh], n_kv, kvh, i * 32 + t * 8, rb, &sc_unused);
+        }
         pd_k_dec_tc_step<NI, false>(qf, kr, vr, o, m, l, base, k_end, t, scale_log2, ks, vs);
+        if (PIPE) {
+#pragma unroll
+            for (int hh = 0; hh < 2; hh++)
+#pragma unroll
+                for (int i = 0; i < NI; i++) kr[hh][i] = kn[hh][i];
+        }
     }
     l += __shfl_xor_sync(0xffffffffu, l, 1);
     l += __shfl_xor_sync(0xffffffffu, l, 2);
@@ -905,6 +958,13 @@ static bool pd_k_attn_tc_enabled() {
     return pd_k_env_on("PD_CUDA_ATTN_TC", &on);
 }
 
+// PD_CUDA_ATTN_PIPE=0: the bf16 tensor-core decode kernel loads K and V at the top of each step, as
+// before the pipelined version (measurement knob).
+static bool pd_k_attn_pipe_enabled() {
+    static int on = -1;
+    return pd_k_env_on("PD_CUDA_ATTN_PIPE", &on);
+}
+
 // PD_CUDA_ATTN_FOLD=0: split partials are always merged by k_attn_combine (measurement knob).
 static bool pd_k_attn_fold_enabled() {
     static int on = -1;
@@ -924,7 +984,9 @@ static void pd_k_attn_launch_decode(const pd_attention_kparams *p, cudaStream_t 
         k_attn_decode<HD, GM, F8>;
     if constexpr (HD >= 64) {
         if (F8) kern = wide ? k_attn_decode_tc_f8<HD, GM, 8> : tc ? k_attn_decode_tc_f8<HD, GM, 4> : kern;
-        else kern = wide ? k_attn_decode_tc<HD, GM, 8> : tc ? k_attn_decode_tc<HD, GM, 4> : kern;
+        else if (pd_k_attn_pipe_enabled())
+            kern = wide ? k_attn_decode_tc<HD, GM, 8, true> : tc ? k_attn_decode_tc<HD, GM, 4, true> : kern;
+        else kern = wide ? k_attn_decode_tc<HD, GM, 8, false> : tc ? k_attn_decode_tc<HD, GM, 4, false> : kern;
     }
     pd_k_launch(kern, grid, dim3((wide ? 8 : 4) * 32), 0, s, (const __nv_bfloat16 *)p->q, p->k_cache, p->v_cache,
                 (__nv_bfloat16 *)p->out, p->q_indptr, p->kv_lens, p->bt_indptr, p->bt_indices, p->n_heads,

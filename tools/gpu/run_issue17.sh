@@ -46,6 +46,22 @@ if want fp8bench; then
     echo "== $f"; grep -E "^decode|^prefill|error|fail" "$out/$f.txt" | cut -c1-150
   done
 fi
+if want attnab; then  # decode attention knobs, kernel level, one binary
+  for e in "PD_CUDA_ATTN_PIPE=0" "V=default" "PD_CUDA_ATTN_WAVES=8" "PD_CUDA_ATTN_WAVES=16" "PD_CUDA_ATTN_PIPE=0 PD_CUDA_ATTN_WAVES=8"; do
+    echo "== $e"; env $e ./op_bench attn > "$out/attn_$(echo $e | tr ' =' '__').txt" 2>&1
+    grep attn "$out/attn_$(echo $e | tr ' =' '__').txt"
+  done
+fi
+if want decab; then  # end to end, old binary vs new with the knobs
+  for i in 1 2; do
+    for e in "OLD" "PD_CUDA_ATTN_PIPE=0" "V=default" "PD_CUDA_ATTN_WAVES=8"; do
+      f="$out/dec_$(echo $e | tr ' =' '__')_$i.txt"
+      if [ "$e" = OLD ]; then ./pdserve-old bench-engine $B --only decode > "$f" 2>&1
+      else env $e ./pdserve bench-engine $B --only decode --ctx 128,4096,8192,32768 > "$f" 2>&1; fi
+      echo "== $e run $i: $(grep -E '^decode' "$f" | sed -E 's/^decode (single-stream|step) +(.*[^ ]) +([0-9.]+) ms.*/\2 \3;/' | tr '\n' ' ')"
+    done
+  done
+fi
 if [ -z "$ALL" ] || want ops; then
   ./op_bench attn prefill > "$out/op_bench.txt" 2>&1; grep attn "$out/op_bench.txt"
 fi
