@@ -27,9 +27,9 @@ ifeq ($(CUDA),auto)
   endif
 endif
 
-PKGS     := jansson libpcre2-8 libevent xxhash openblas
+PKGS     := jansson libpcre2-8 libevent xxhash openblas libutf8proc
 CFLAGS_BASE := -std=c11 -D_GNU_SOURCE -Wall -Wextra -Wshadow -Wno-unused-parameter -fPIC -pthread -fopenmp \
-               -Isrc -I/usr/include/x86_64-linux-gnu/openblas-pthread
+               -Isrc -I/usr/include/x86_64-linux-gnu/openblas-pthread $(shell pkg-config --cflags libutf8proc 2>/dev/null)
 ifeq ($(DEBUG),1)
   CFLAGS_OPT := -O0 -g -DPD_DEBUG
 else
@@ -43,7 +43,7 @@ ifeq ($(WERROR),1)
   CFLAGS_OPT += -Werror
 endif
 CFLAGS  += $(CFLAGS_BASE) $(CFLAGS_OPT)
-LDLIBS  := -ljansson -lpcre2-8 -levent -levent_pthreads -lxxhash -lopenblas -lm -lpthread -fopenmp
+LDLIBS  := -ljansson -lpcre2-8 -levent -levent_pthreads -lxxhash -lopenblas $(shell pkg-config --libs libutf8proc) -lm -lpthread -fopenmp
 
 CUDA_HOME ?= /usr/local/cuda
 ifeq ($(CUDA),1)

@@ -8,6 +8,7 @@ chk /usr/include/jansson.h libjansson-dev
 chk /usr/include/pcre2.h libpcre2-dev
 chk /usr/include/event2/event.h libevent-dev
 chk /usr/include/xxhash.h libxxhash-dev
+chk /usr/include/utf8proc.h libutf8proc-dev
 [ -e /usr/include/x86_64-linux-gnu/cblas.h ] || [ -e /usr/include/cblas.h ] || need="$need libopenblas-dev"
 command -v cc >/dev/null 2>&1 || need="$need build-essential"
 command -v pkg-config >/dev/null 2>&1 || need="$need pkg-config"

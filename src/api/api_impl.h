@@ -12,6 +12,8 @@
 #include <jansson.h>
 
 #include "api/api.h"
+#include "base/buf.h"
+#include "base/map.h"
 #include "http/http.h"
 #include "metrics/metrics.h"
 
@@ -73,9 +75,7 @@ typedef struct api_metrics {
 } api_metrics;
 
 typedef struct api_idmap {
-    uint64_t *keys;  // 0 = empty, UINT64_MAX = deleted
-    api_choice **vals;
-    size_t cap, n_used, n_live;
+    pd_map map;  // base/map.h: {engine request id, choice}; zero until the first put
 } api_idmap;
 
 struct pd_api {
@@ -95,6 +95,7 @@ struct pd_api {
     pd_rng rng;
     api_job *jobs;
     int n_jobs;
+    struct pd_api_prep *prep;  // owned: parse + template + tokenize off the loop (prep.c)
 };
 
 // ---- id table (server.c) -----------------------------------------------------------------------

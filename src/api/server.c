@@ -1,8 +1,10 @@
 // server.c — pd_api: routes, the completion / chat handlers (parse → tokenize → submit), the
 // engine event watcher, /v1/models, /health, /metrics, and the id table.
 //
-// Everything runs on the event-loop thread: HTTP callbacks, the engine-event callback (the engine
-// fd is readable while events are pending) and metric rendering, so no state here needs a lock.
+// Everything here runs on the event-loop thread: HTTP callbacks, the engine-event callback (the
+// engine fd is readable while events are pending) and metric rendering, so no state here needs a
+// lock. Parsing, chat templating and tokenizing a body run on the preparation pool (prep.c), whose
+// results come back to this thread.
 #include <event2/event.h>
 #include <limits.h>
 #include <stdio.h>
@@ -11,83 +13,32 @@
 #include <time.h>
 
 #include "api/api_impl.h"
+#include "api/prep.h"
 
-// ---- id table: open addressing, linear probing, tombstones ----------------------------------
+// ---- id table: engine request id -> choice, a pd_map (base/map.h) ---------------------------------
 
-#define ID_EMPTY 0ull
-#define ID_DEAD UINT64_MAX
-
-static size_t id_slot(uint64_t id, size_t cap) { return (size_t)((id * 0x9e3779b97f4a7c15ull) >> 17) & (cap - 1); }
+typedef struct id_entry {
+    uint64_t id;
+    api_choice *c;
+} id_entry;
 
 api_choice *pd_api_idmap_get(api_idmap *m, uint64_t id) {
-    if (!m->cap || id == ID_EMPTY || id == ID_DEAD) return NULL;
-    for (size_t i = id_slot(id, m->cap);; i = (i + 1) & (m->cap - 1)) {
-        if (m->keys[i] == id) return m->vals[i];
-        if (m->keys[i] == ID_EMPTY) return NULL;
-    }
-}
-
-static pd_status idmap_grow(api_idmap *m) {
-    size_t nc = m->cap ? m->cap * 2 : 256;
-    while (m->n_live * 2 >= nc) nc *= 2;
-    uint64_t *keys = pd_calloc(nc, sizeof *keys);
-    api_choice **vals = pd_calloc(nc, sizeof *vals);
-    if (!keys || !vals) {
-        pd_free(keys);
-        pd_free(vals);
-        return PD_ERR_NOMEM;
-    }
-    for (size_t i = 0; i < m->cap; i++) {
-        uint64_t k = m->keys[i];
-        if (k == ID_EMPTY || k == ID_DEAD) continue;
-        size_t j = id_slot(k, nc);
-        while (keys[j] != ID_EMPTY) j = (j + 1) & (nc - 1);
-        keys[j] = k;
-        vals[j] = m->vals[i];
-    }
-    pd_free(m->keys);
-    pd_free(m->vals);
-    m->keys = keys;
-    m->vals = vals;
-    m->cap = nc;
-    m->n_used = m->n_live;
-    return PD_OK;
+    const id_entry *e = pd_map_find(&m->map, pd_map_mix64(id), &id);
+    return e ? e->c : NULL;
 }
 
 pd_status pd_api_idmap_put(api_idmap *m, uint64_t id, api_choice *c) {
-    if (id == ID_EMPTY || id == ID_DEAD) return PD_ERR_INVALID;
-    if ((m->n_used + 1) * 2 > m->cap && idmap_grow(m)) return PD_ERR_NOMEM;
-    size_t i = id_slot(id, m->cap);
-    while (m->keys[i] != ID_EMPTY && m->keys[i] != ID_DEAD && m->keys[i] != id) i = (i + 1) & (m->cap - 1);
-    if (m->keys[i] == id) {
-        m->vals[i] = c;
-        return PD_OK;
-    }
-    if (m->keys[i] == ID_EMPTY) m->n_used++;
-    m->keys[i] = id;
-    m->vals[i] = c;
-    m->n_live++;
+    if (!m->map.stride)
+        PD_ASSERT(pd_map_init(&m->map, &(pd_map_params){.entry_size = sizeof(id_entry), .key_size = 8}) == PD_OK);
+    id_entry *e = pd_map_put(&m->map, pd_map_mix64(id), &id, NULL);
+    if (!e) return PD_ERR_NOMEM;
+    e->c = c;
     return PD_OK;
 }
 
-void pd_api_idmap_del(api_idmap *m, uint64_t id) {
-    if (!m->cap || id == ID_EMPTY || id == ID_DEAD) return;
-    for (size_t i = id_slot(id, m->cap);; i = (i + 1) & (m->cap - 1)) {
-        if (m->keys[i] == ID_EMPTY) return;
-        if (m->keys[i] == id) {
-            m->keys[i] = ID_DEAD;
-            m->vals[i] = NULL;
-            m->n_live--;
-            return;
-        }
-    }
-}
+void pd_api_idmap_del(api_idmap *m, uint64_t id) { pd_map_del(&m->map, pd_map_mix64(id), &id); }
 
-void pd_api_idmap_fini(api_idmap *m) {
-    pd_free(m->keys);
-    pd_free(m->vals);
-    memset(m, 0, sizeof *m);
-}
+void pd_api_idmap_fini(api_idmap *m) { pd_map_fini(&m->map); }
 
 // ---- helpers -----------------------------------------------------------------------------------
 
@@ -194,33 +145,22 @@ static pd_status job_submit(api_job *j, const pd_api_request *rq, const pd_api_p
     return PD_OK;
 }
 
-// Parses and tokenizes a request body; on failure replies with the error and returns false
-// (nothing left to free).
-static bool parse_and_tokenize(pd_http_req *r, pd_api *a, pd_api_kind kind, const char *body, size_t len,
-                               pd_api_request *rq, pd_api_prompts *pr) {
-    pd_api_error e = {0};
-    if (pd_api_request_parse(kind, body, len, a->model_name, rq, &e) ||
-        pd_api_request_tokenize(rq, a->tok, a->tmpl, a->max_model_len, pr, &e)) {
+// Parsing, templating and tokenizing run on the preparation pool (prep.c); these continue on the
+// loop thread with the result.
+static void generate_prepared(api_prep_job *pj, void *ud) {
+    pd_api *a = ud;
+    pd_http_req *r = pj->http;
+    pd_api_error e = pj->e;
+    if (pj->status) {
         reply_api_error(r, &e);
-        pd_api_request_fini(rq);
-        return false;
+        return;
     }
-    return true;
-}
-
-static void handle_generate(pd_http_req *r, pd_api *a, pd_api_kind kind) {
-    size_t len;
-    const char *body = pd_http_req_body(r, &len);
-    pd_api_request rq;
-    pd_api_prompts pr = {0};
-    if (!parse_and_tokenize(r, a, kind, body, len, &rq, &pr)) return;
-    pd_api_error e = {0};
-    api_job *j = job_new(a, r, &rq, &pr);
+    api_job *j = job_new(a, r, &pj->rq, &pj->pr);
     if (!j) {
         e.status = PD_ERR_NOMEM;
         snprintf(e.message, sizeof e.message, "out of memory");
         reply_api_error(r, &e);
-    } else if (job_submit(j, &rq, &pr, &e)) {
+    } else if (job_submit(j, &pj->rq, &pj->pr, &e)) {
         j->http = NULL;
         pd_api_job_free(j);  // aborts what was queued
         reply_api_error(r, &e);
@@ -228,33 +168,37 @@ static void handle_generate(pd_http_req *r, pd_api *a, pd_api_kind kind) {
         pd_http_req_set_close_cb(r, on_client_close, j);
         if (j->stream) pd_api_job_stream_begin(j);
     }
-    pd_api_prompts_fini(&pr);
-    pd_api_request_fini(&rq);
+}
+
+static void submit_prep(pd_http_req *r, pd_api *a, pd_api_kind kind, bool detect_kind, api_prep_done_fn done) {
+    if (pd_api_prep_submit(a->prep, r, kind, detect_kind, done, a) != PD_OK)
+        pd_http_reply_error(r, 500, "server_error", "out of memory", NULL, NULL);
+}
+
+static void handle_generate(pd_http_req *r, pd_api *a, pd_api_kind kind) {
+    submit_prep(r, a, kind, false, generate_prepared);
 }
 
 static void h_completions(pd_http_req *r, void *ud) { handle_generate(r, ud, PD_API_COMPLETION); }
 
 // POST /internal/tokenize (for the router): a completions or chat body (chat when it has
 // "messages") → {"token_ids": [...]}, the ids the engine would get (the first prompt of a batch).
-static void h_tokenize(pd_http_req *r, void *ud) {
-    pd_api *a = ud;
-    size_t len;
-    const char *body = pd_http_req_body(r, &len);
-    json_t *probe = json_loadb(body, len, 0, NULL);
-    pd_api_kind kind = json_object_get(probe, "messages") ? PD_API_CHAT : PD_API_COMPLETION;
-    json_decref(probe);
-    pd_api_request rq;
-    pd_api_prompts pr = {0};
-    if (!parse_and_tokenize(r, a, kind, body, len, &rq, &pr)) return;
+static void tokenize_prepared(api_prep_job *pj, void *ud) {
+    pd_http_req *r = pj->http;
+    PD_UNUSED(ud);
+    if (pj->status) {
+        reply_api_error(r, &pj->e);
+        return;
+    }
     json_t *ids = json_array();
-    for (int i = 0; ids && i < pr.items[0].n; i++) json_array_append_new(ids, json_integer(pr.items[0].ids[i]));
+    for (int i = 0; ids && i < pj->pr.items[0].n; i++) json_array_append_new(ids, json_integer(pj->pr.items[0].ids[i]));
     json_t *o = ids ? json_pack("{s:o}", "token_ids", ids) : NULL;
     if (o) pd_http_reply_json(r, 200, o);
     else pd_http_reply_error(r, 500, "server_error", "out of memory", NULL, NULL);
     json_decref(o);
-    pd_api_prompts_fini(&pr);
-    pd_api_request_fini(&rq);
 }
+
+static void h_tokenize(pd_http_req *r, void *ud) { submit_prep(r, ud, PD_API_COMPLETION, true, tokenize_prepared); }
 
 // GET /internal/state?since=N (for the router): load report + KV events (wire/control.h STATE).
 static void h_state(pd_http_req *r, void *ud) {
@@ -279,8 +223,11 @@ static void h_state(pd_http_req *r, void *ud) {
 static void h_chat(pd_http_req *r, void *ud) { handle_generate(r, ud, PD_API_CHAT); }
 
 static void h_health(pd_http_req *r, void *ud) {
-    PD_UNUSED(ud);
-    pd_http_reply(r, 200, "application/json", "{\"status\":\"ok\"}", 15);
+    pd_api *a = ud;
+    if (pd_http_server_is_draining(a->http))  // shutting down: load balancers take us out
+        pd_http_reply(r, 503, "application/json", "{\"status\":\"draining\"}", 21);
+    else
+        pd_http_reply(r, 200, "application/json", "{\"status\":\"ok\"}", 15);
 }
 
 static void h_models(pd_http_req *r, void *ud) {
@@ -462,6 +409,9 @@ pd_api *pd_api_new(struct event_base *base, pd_engine *e, const pd_api_params *p
         }
     }
     if (register_metrics(a, err)) goto fail;
+    a->prep = pd_api_prep_new(base, &(pd_api_prep_params){.tok = a->tok, .tmpl = a->tmpl, .model_name = a->model_name,
+                                                          .max_model_len = a->max_model_len}, err);
+    if (!a->prep) goto fail;
     pd_http_params hp = pd_http_params_default();
     hp.host = p->host;
     hp.port = p->port;
@@ -496,6 +446,7 @@ void pd_api_free(pd_api *a) {
     if (a->ev_engine) event_free(a->ev_engine);
     // Closing the server runs on_client_close for every held request: their jobs are cancelled.
     pd_http_server_free(a->http);
+    pd_api_prep_free(a->prep);  // after the server: requests still being prepared were cancelled
     while (a->jobs) pd_api_job_cancel(a->jobs);
     pd_api_idmap_fini(&a->ids);
     pd_chat_template_free(a->tmpl);
@@ -507,5 +458,11 @@ void pd_api_free(pd_api *a) {
 int pd_api_port(const pd_api *a) { return pd_http_server_port(a->http); }
 const char *pd_api_model_name(const pd_api *a) { return a->model_name; }
 void pd_api_stop_accepting(pd_api *a) { pd_http_server_stop_accepting(a->http); }
-int pd_api_n_jobs(const pd_api *a) { return a->n_jobs; }
-int pd_api_n_engine_requests(const pd_api *a) { return (int)a->ids.n_live; }
+void pd_api_drain(pd_api *a, int retry_after_s) { pd_http_server_drain(a->http, retry_after_s); }
+int pd_api_n_jobs(const pd_api *a) { return a->n_jobs + pd_api_prep_n_pending(a->prep); }
+bool pd_api_is_drained(pd_api *a) {
+    return pd_api_n_jobs(a) == 0 && pd_http_server_n_active(a->http) == 0 && pd_http_server_n_unflushed(a->http) == 0;
+}
+// The close callbacks (on_client_close) cancel the jobs and abort their engine requests.
+void pd_api_end_all(pd_api *a, const char *msg) { pd_http_server_end_all(a->http, msg); }
+int pd_api_n_engine_requests(const pd_api *a) { return (int)pd_map_len(&a->ids.map); }

@@ -3,8 +3,10 @@
 // before it keeps serving).
 //
 // Both: flags → pd_engine_params → pd_engine_new + pd_engine_start → one libevent loop on the
-// main thread running pd_api → SIGINT/SIGTERM stop accepting, abort what is in flight, free
-// everything and return 0.
+// main thread running pd_api → SIGTERM/SIGINT: graceful shutdown (shutdown.c): /health says
+// "draining", new requests get 503 + Retry-After, running ones finish within --shutdown-timeout
+// (then end with an SSE error event), the router registration is withdrawn, everything is freed
+// and the exit status is 0.
 #include <event2/buffer.h>
 #include <event2/event.h>
 #include <event2/http.h>
@@ -30,6 +32,7 @@ typedef struct serve_opts {
     const char *router_url;       // --router: register with this router (and deregister at exit)
     const char *router_token_file;
     const char *advertise_url;    // the URL the router should use for us (default http://host:port)
+    int shutdown_timeout_s;       // --shutdown-timeout
 } serve_opts;
 
 // "123", "64k", "512M", "2G" (binary multiples; an optional trailing "B"/"iB"). false on error.
@@ -76,6 +79,9 @@ static void serve_usage(bool is_run) {
            "  --load-format dummy           random weights (benchmarking)\n"
            "  --max-waiting N               waiting-queue limit; beyond it requests get 503\n"
            "  --max-body-bytes BYTES        request body limit (default 8M; larger bodies get 413)\n"
+           "  --threads N                   compute threads (CPU; default: every core)\n"
+           "  --shutdown-timeout S          on SIGTERM/SIGINT: stop taking requests (503, /health \"draining\")\n"
+           "                                and give running ones up to S seconds (default 30)\n"
            "disaggregated prefill/decode (docs/design.md):\n"
            "  --role both|prefill|decode    (default both: colocated)\n"
            "  --kv-host H  --kv-port P      prefill role: where the KV port listens (P 0 = any, printed)\n"
@@ -94,7 +100,7 @@ static void serve_usage(bool is_run) {
 static int parse_flags(int argc, char **argv, serve_opts *o) {
     enum { O_MODEL = 1, O_HOST, O_PORT, O_DEV, O_BS, O_NB, O_KVMEM, O_SEQS, O_TOKS, O_NOPC, O_NOCP, O_POL, O_MML,
            O_NAME, O_LF, O_WAIT, O_BODY, O_EXIT, O_ROLE, O_KVHOST, O_KVPORT, O_PREFILL, O_KVTR, O_DMIN, O_DTO,
-           O_CORRUPT, O_ROUTER, O_RTOKEN, O_ADV, O_KVDT, O_HELP };
+           O_CORRUPT, O_ROUTER, O_RTOKEN, O_ADV, O_THREADS, O_SDT, O_KVDT, O_HELP };
     static const struct option opts[] = {
         {"model", required_argument, 0, O_MODEL}, {"host", required_argument, 0, O_HOST},
         {"port", required_argument, 0, O_PORT}, {"device", required_argument, 0, O_DEV},
@@ -110,7 +116,9 @@ static int parse_flags(int argc, char **argv, serve_opts *o) {
         {"kv-transport", required_argument, 0, O_KVTR}, {"disagg-min-tokens", required_argument, 0, O_DMIN},
         {"disagg-timeout-ms", required_argument, 0, O_DTO}, {"debug-corrupt-kv", required_argument, 0, O_CORRUPT},
         {"router", required_argument, 0, O_ROUTER}, {"router-token-file", required_argument, 0, O_RTOKEN},
-        {"advertise-url", required_argument, 0, O_ADV}, {"kv-cache-dtype", required_argument, 0, O_KVDT},
+        {"advertise-url", required_argument, 0, O_ADV},
+        {"threads", required_argument, 0, O_THREADS}, {"shutdown-timeout", required_argument, 0, O_SDT},
+        {"kv-cache-dtype", required_argument, 0, O_KVDT},
         {"help", no_argument, 0, O_HELP}, {0, 0, 0, 0}};
     const char *cmd = o->is_run ? "run" : "serve";
     long v;
@@ -119,7 +127,7 @@ static int parse_flags(int argc, char **argv, serve_opts *o) {
     optind = 1;
     while ((c = getopt_long(argc, argv, "", opts, NULL)) != -1) {
         bool int_flag = c == O_PORT || c == O_BS || c == O_NB || c == O_SEQS || c == O_TOKS || c == O_MML || c == O_WAIT ||
-                        c == O_KVPORT || c == O_DMIN || c == O_DTO || c == O_CORRUPT;
+                        c == O_KVPORT || c == O_DMIN || c == O_DTO || c == O_CORRUPT || c == O_THREADS || c == O_SDT;
         if (int_flag && (!pd_cmd_parse_int(optarg, &v) || v < 0 || v > (1l << 30)))
             return pd_cmd_usage_error(cmd, "bad value '%s' for an integer option", optarg);
         switch (c) {
@@ -198,6 +206,14 @@ static int parse_flags(int argc, char **argv, serve_opts *o) {
         case O_ROUTER: o->router_url = optarg; break;
         case O_RTOKEN: o->router_token_file = optarg; break;
         case O_ADV: o->advertise_url = optarg; break;
+        case O_THREADS:
+            if (v < 1 || v > 4096) return pd_cmd_usage_error(cmd, "--threads must be 1..4096");
+            o->ep.n_threads = (int)v;
+            break;
+        case O_SDT:
+            if (v > 86400) return pd_cmd_usage_error(cmd, "--shutdown-timeout must be 0..86400 seconds");
+            o->shutdown_timeout_s = (int)v;
+            break;
         case O_KVDT:
             if (!pd_kv_dtype_parse(optarg, &o->ep.kv_cache_dtype))
                 return pd_cmd_usage_error(cmd, "--kv-cache-dtype is auto or fp8, not '%s'", optarg);
@@ -225,18 +241,9 @@ typedef struct serve_ctx {
     struct event_base *base;
     pd_api *api;
     struct evhttp_connection *client;  // `run`: the sample request's connection
-    int n_signals;
+    pd_engine *engine;
+    struct reg_ctx *reg;               // router registration, or NULL
 } serve_ctx;
-
-static void on_signal(evutil_socket_t sig, short what, void *arg) {
-    serve_ctx *s = arg;
-    PD_UNUSED(what);
-    if (s->n_signals++ == 0) {
-        fprintf(stderr, "\npdserve: caught %s, shutting down\n", sig == SIGINT ? "SIGINT" : "SIGTERM");
-        pd_api_stop_accepting(s->api);
-    }
-    event_base_loopbreak(s->base);
-}
 
 static void print_sample_answer(serve_ctx *s, struct evhttp_request *req) {
     int port = pd_api_port(s->api);
@@ -299,6 +306,7 @@ typedef struct reg_ctx {
     char url[PD_WIRE_URL_MAX];  // our advertised URL
     pd_http_client_call *call;  // in flight, or NULL
     bool is_registered, is_final, has_failed;
+    bool has_left;              // draining: deregistered, no more re-registration
 } reg_ctx;
 
 static void on_reg_done(pd_http_client_call *call, pd_status st, int http, const char *msg, void *ud) {
@@ -310,6 +318,7 @@ static void on_reg_done(pd_http_client_call *call, pd_status st, int http, const
         event_base_loopbreak(g->s->base);
         return;
     }
+    if (g->has_left) return;
     if (ok && !g->is_registered) fprintf(stderr, "pdserve: registered with router %s as %s\n", g->s->o->router_url, g->url);
     if (!ok && (g->is_registered || !g->has_failed))
         fprintf(stderr, "pdserve: router %s: registration failed (%s, HTTP %d); retrying every 10 s\n", g->s->o->router_url,
@@ -395,6 +404,16 @@ static void on_reg_deadline(evutil_socket_t fd, short what, void *arg) {
     event_base_loopbreak(arg);
 }
 
+// Draining: withdraws the registration now (the router stops routing here); no re-registration.
+static void reg_leave(reg_ctx *g) {
+    if (!g->client || g->has_left) return;
+    if (g->timer) event_del(g->timer);
+    if (g->call) pd_http_client_call_cancel(g->call);
+    g->call = NULL;
+    g->has_left = true;
+    reg_send(g, true);
+}
+
 // Deregisters (waiting at most 2 s on the loop) and frees everything.
 static void reg_stop(reg_ctx *g) {
     if (g->timer) event_free(g->timer);
@@ -415,6 +434,27 @@ static void reg_stop(reg_ctx *g) {
     memset(g, 0, sizeof *g);
 }
 
+// ---- graceful shutdown (shutdown.c drives these) -------------------------------------------------
+
+static void sd_drain(void *ud) {
+    serve_ctx *s = ud;
+    pd_api_drain(s->api, 1);
+    if (s->reg) reg_leave(s->reg);
+}
+
+static bool sd_is_drained(void *ud) {
+    serve_ctx *s = ud;
+    if (!pd_api_is_drained(s->api)) return false;
+    if (s->o->ep.role != PD_ROLE_PREFILL) return true;
+    // A prefill worker's work comes from decode workers over the KV port, not over HTTP.
+    pd_engine_stats st;
+    memset(&st, 0, sizeof st);
+    pd_engine_stats_get(s->engine, &st);
+    return st.n_running + st.n_waiting == 0;
+}
+
+static void sd_end_all(void *ud, const char *msg) { pd_api_end_all(((serve_ctx *)ud)->api, msg); }
+
 static int serve_main(serve_opts *o) {
     signal(SIGPIPE, SIG_IGN);  // a client that vanished mid-write must not kill the server
     pd_err err = {0};
@@ -430,9 +470,9 @@ static int serve_main(serve_opts *o) {
         return 1;
     }
     int rc = 1;
-    serve_ctx s = {.o = o};
+    serve_ctx s = {.o = o, .engine = e};
     reg_ctx reg = {0};
-    struct event *sigint = NULL, *sigterm = NULL;
+    pd_cmd_shutdown sd = {0};
     s.base = event_base_new();
     if (!s.base) goto done;
     s.api = pd_api_new(s.base, e, &o->ap, &err);
@@ -440,9 +480,14 @@ static int serve_main(serve_opts *o) {
         fprintf(stderr, "pdserve: %s\n", err.msg);
         goto done;
     }
-    sigint = evsignal_new(s.base, SIGINT, on_signal, &s);
-    sigterm = evsignal_new(s.base, SIGTERM, on_signal, &s);
-    if (!sigint || !sigterm || event_add(sigint, NULL) || event_add(sigterm, NULL)) goto done;
+    sd.base = s.base;
+    sd.who = "pdserve";
+    sd.timeout_s = o->shutdown_timeout_s;
+    sd.ud = &s;
+    sd.drain = sd_drain;
+    sd.is_drained = sd_is_drained;
+    sd.end_all = sd_end_all;
+    if (pd_cmd_shutdown_install(&sd)) goto done;
     if (o->ep.role == PD_ROLE_PREFILL)  // printed before the URL: scripts read it once the URL shows
         printf("pdserve: prefill worker, KV port %s:%d\n", o->ep.kv_host ? o->ep.kv_host : "127.0.0.1",
                pd_engine_kv_port(e));
@@ -451,15 +496,17 @@ static int serve_main(serve_opts *o) {
            pd_api_port(s.api));
     fflush(stdout);
     if (o->is_run) send_sample(&s);
-    if (o->router_url && !reg_start(&reg, &s)) goto done;
+    if (o->router_url) {
+        if (!reg_start(&reg, &s)) goto done;
+        s.reg = &reg;
+    }
     event_base_dispatch(s.base);
     rc = 0;
 done:
     if (o->router_url) reg_stop(&reg);
     if (s.client) evhttp_connection_free(s.client);
+    pd_cmd_shutdown_fini(&sd);
     pd_api_free(s.api);
-    if (sigint) event_free(sigint);
-    if (sigterm) event_free(sigterm);
     pd_engine_free(e);
     if (s.base) event_base_free(s.base);
     if (rc == 0) fprintf(stderr, "pdserve: stopped\n");
@@ -473,6 +520,7 @@ static int serve_or_run(int argc, char **argv, bool is_run) {
     o.ap.port = 8000;
     o.is_run = is_run;
     o.sample_max_tokens = 48;
+    o.shutdown_timeout_s = PD_CMD_SHUTDOWN_TIMEOUT_S;
     int rc = parse_flags(argc, argv, &o);
     if (rc >= 0) return rc;
     return serve_main(&o);

@@ -71,14 +71,30 @@ static int size_kv_blocks(pd_engine *e, pd_err *err) {
     const pd_model_config *c = pd_model_get_config(e->model);
     size_t per_block = 2 * (size_t)c->n_layers * pd_model_kv_row_bytes(e->model) * (size_t)p->block_size;
     size_t budget = p->kv_cache_bytes;
+    size_t n_need = SIZE_MAX;  // blocks the limits can use at most (CPU default only)
     if (!budget) {
         size_t free_b = 0, total_b = 0;
         pd_backend_mem_info(e->backend, &free_b, &total_b);
         budget = (size_t)((double)free_b * p->memory_utilization);
-        // On the CPU the "device" is the host: take at most 1 GiB unless told otherwise.
-        if (!strcmp(pd_backend_name(e->backend), "cpu") && budget > (1u << 30)) budget = 1u << 30;
+        if (!strcmp(pd_backend_name(e->backend), "cpu")) {
+            // On the CPU the "device" is the host, shared with everything else on it (a `pdserve
+            // run` puts two workers and a router there): hold what the limits can use, and at most
+            // 1/32 of the host's memory or 512 MiB. A decode (or colocated) worker can have
+            // max_num_seqs full contexts; a prefill worker holds prompts only while it computes and
+            // exports them: two steps' worth plus one full context. The pool is zeroed at start,
+            // so all of it is resident memory.
+            size_t cap = PD_MIN(total_b / 32, (size_t)512 << 20);
+            if (budget > cap) budget = cap;
+            size_t per_ctx = (size_t)(e->max_model_len + p->block_size - 1) / (size_t)p->block_size;
+            int seqs = p->max_num_seqs > 0 ? p->max_num_seqs : 64;
+            int step = p->max_num_batched_tokens > 0 ? p->max_num_batched_tokens : 2048;
+            n_need = p->role == PD_ROLE_PREFILL
+                         ? per_ctx + (size_t)(2 * step + p->block_size - 1) / (size_t)p->block_size
+                         : (size_t)seqs * per_ctx;
+        }
     }
     size_t n = budget / per_block;
+    if (n > n_need) n = n_need;
     if (n < 2) {
         pd_err_set(err, PD_ERR_DEVICE, "KV cache budget of %zu bytes holds fewer than 2 blocks of %zu bytes", budget, per_block);
         return -1;
@@ -100,6 +116,7 @@ pd_engine *pd_engine_new(const pd_engine_params *p, pd_err *err) {
         pd_err_set(err, PD_ERR_IO, "cannot create the engine's event fd");
         goto fail;
     }
+    if (p->n_threads > 0) omp_set_num_threads(p->n_threads);  // this thread (load, warm-up)
     e->backend = pd_backend_new(p->device, p->device_id, err);
     if (!e->backend) goto fail;
     e->tok = pd_tok_load(p->model_dir, err);
@@ -631,6 +648,7 @@ static void engine_step(pd_engine *e) {
 
 static void *engine_main(void *arg) {
     pd_engine *e = arg;
+    if (e->params.n_threads > 0) omp_set_num_threads(e->params.n_threads);  // per-thread setting
     for (;;) {
         // No work: sleep until a command. Work that cannot progress (KV loads in flight, nothing
         // schedulable): sleep briefly, or until a command (an xfer result) arrives.

@@ -66,8 +66,12 @@ typedef struct pd_engine_params {
     int block_size;               // tokens per KV block (default 16)
     pd_kv_dtype kv_cache_dtype;   // --kv-cache-dtype: PD_KV_ACT (default) or PD_KV_FP8 (E4M3, per-head scales)
     int n_blocks;                 // KV blocks; 0 = sized from kv_cache_bytes or memory_utilization
-    size_t kv_cache_bytes;        // --kv-cache-memory; 0 = use memory_utilization
-    float memory_utilization;     // fraction of free device memory for KV (default 0.9 cuda; cpu: 1 GiB cap)
+    size_t kv_cache_bytes;        // --kv-cache-memory; 0 = sized by default (size_kv_blocks):
+                                  //   cuda: memory_utilization of the free device memory;
+                                  //   cpu: what the limits can use (decode/both: max_num_seqs full
+                                  //   contexts; prefill: 2 steps + one full context), at most
+                                  //   1/32 of the host's memory and 512 MiB
+    float memory_utilization;     // fraction of free device memory for KV (default 0.9)
     int max_num_seqs;             // default 256 (cuda) / 64 (cpu)
     int max_num_batched_tokens;   // token budget per step (default 2048)
     int max_model_len;            // 0 = the model's max_position_embeddings
@@ -75,6 +79,7 @@ typedef struct pd_engine_params {
     bool enable_chunked_prefill;  // default true
     pd_sched_policy_kind policy;  // default FCFS
     int max_waiting;              // queue limit; submit returns PD_NOSPACE beyond it (default 4096)
+    int n_threads;                // OpenMP threads of the engine (CPU compute); 0 = OpenMP's default
 } pd_engine_params;
 pd_engine_params pd_engine_params_default(void);
 

@@ -70,6 +70,27 @@ void pd_http_server_stop_accepting(pd_http_server *s);
 // Number of requests handed to handlers and not yet ended.
 int pd_http_server_n_active(const pd_http_server *s);
 
+// ---- graceful shutdown ---------------------------------------------------------------------------
+// Drain mode (the first step of a graceful shutdown; nothing is closed):
+//   * GET and HEAD requests still reach their handlers (health, metrics, state pages are read-only;
+//     a handler asks pd_http_server_is_draining to answer /health with 503 "draining");
+//   * every other request (POST: new work) gets 503 + Retry-After: retry_after_s with an OpenAI
+//     error body (type "server_error", code "draining"), without reaching its handler;
+//   * every response from now on carries "Connection: close", so keep-alive clients reconnect
+//     elsewhere; requests already held by handlers (streams) continue untouched.
+void pd_http_server_drain(pd_http_server *s, int retry_after_s);
+bool pd_http_server_is_draining(const pd_http_server *s);
+// Ends every request still held by a handler (the drain deadline passed): a stream gets a last
+// SSE event with an OpenAI error object (type "server_error", code "shutdown", message msg) and its
+// chunked reply is ended WITHOUT "data: [DONE]" (so clients can tell it is incomplete); a request
+// not yet answered gets 503 + Retry-After with the same error. Then each holder's close callback
+// runs (as if the client had gone away: it must release what it holds and forget r).
+void pd_http_server_end_all(pd_http_server *s, const char *msg);
+// Connections of requests ended while draining whose reply bytes are not yet all written to the
+// socket. A caller that is about to free the server waits for 0 (bounded) so the last chunks and
+// "[DONE]" reach the clients: pd_http_server_free closes sockets without flushing.
+int pd_http_server_n_unflushed(pd_http_server *s);
+
 // Adds a route: exact path match (the query string is ignored), method "GET", "POST", ...
 // PD_OK, PD_ERR_INVALID (duplicate or too many routes) or PD_ERR_NOMEM.
 pd_status pd_http_server_route(pd_http_server *s, const char *method, const char *path,

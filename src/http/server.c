@@ -51,6 +51,12 @@ struct pd_http_server {
     pd_http_req *active;  // doubly linked list of live wrappers
     int n_active;
     pd_http_req *in_handler;  // the request whose handler is running (NULL once it ends)
+    bool is_draining;         // pd_http_server_drain: POSTs get 503, replies close the connection
+    int retry_after_s;
+    // While draining: connections whose request ended, until libevent frees them (their close
+    // callback is on_flush_close) or a new request on them gets a wrapper (see flush_untrack).
+    struct evhttp_connection **flushing;
+    int n_flushing, cap_flushing;
 };
 
 struct pd_http_req {
@@ -82,6 +88,31 @@ pd_http_params pd_http_params_default(void) {
 
 static void on_conn_close(struct evhttp_connection *evcon, void *arg);
 
+static void flush_untrack(pd_http_server *s, struct evhttp_connection *evcon) {
+    for (int i = 0; i < s->n_flushing; i++)
+        if (s->flushing[i] == evcon) {
+            s->flushing[i] = s->flushing[--s->n_flushing];
+            return;
+        }
+}
+
+static void on_flush_close(struct evhttp_connection *evcon, void *arg) { flush_untrack(arg, evcon); }
+
+// A request ended while draining: remember its connection until its reply bytes are written
+// (pd_http_server_n_unflushed). Untracked (and not waited for) when out of memory.
+static void flush_track(pd_http_server *s, struct evhttp_connection *evcon) {
+    flush_untrack(s, evcon);
+    if (s->n_flushing == s->cap_flushing) {
+        int nc = s->cap_flushing ? 2 * s->cap_flushing : 64;
+        struct evhttp_connection **t = pd_realloc(s->flushing, sizeof *t * (size_t)nc);
+        if (!t) return;
+        s->flushing = t;
+        s->cap_flushing = nc;
+    }
+    s->flushing[s->n_flushing++] = evcon;
+    evhttp_connection_set_closecb(evcon, on_flush_close, s);
+}
+
 static pd_http_req *req_new(pd_http_server *s, struct evhttp_request *ev, const char *path) {
     pd_http_req *r = pd_calloc(1, sizeof *r);
     if (!r) return NULL;
@@ -97,6 +128,7 @@ static pd_http_req *req_new(pd_http_server *s, struct evhttp_request *ev, const 
     if (s->active) s->active->prev = r;
     s->active = r;
     s->n_active++;
+    if (r->evcon) flush_untrack(s, r->evcon);
     if (r->evcon) evhttp_connection_set_closecb(r->evcon, on_conn_close, r);
     return r;
 }
@@ -108,6 +140,7 @@ static void req_end(pd_http_req *r) {
     if (r->watch) event_free(r->watch);
     if (r->has_query) evhttp_clear_headers(&r->query);
     if (r->evcon) evhttp_connection_set_closecb(r->evcon, NULL, NULL);
+    if (r->evcon && s->is_draining) flush_track(s, r->evcon);
     if (r->prev) r->prev->next = r->next;
     else s->active = r->next;
     if (r->next) r->next->prev = r->prev;
@@ -348,21 +381,33 @@ size_t pd_http_req_n_pending_bytes(const pd_http_req *r) {
 
 // ---- dispatch ----------------------------------------------------------------------------------
 
-// Replies to a request that has no wrapper (routing errors, OOM) with an OpenAI-shaped error.
-static void reply_raw_error(pd_http_server *s, struct evhttp_request *ev, int status,
-                            const char *msg, const char *allow) {
-    json_t *o = pd_http_error_body("invalid_request_error", msg, NULL, NULL);
+// Replies to a request that has no wrapper with an OpenAI-shaped error; retry_after_s > 0 adds
+// Retry-After.
+static void reply_raw(pd_http_server *s, struct evhttp_request *ev, int status, const char *type,
+                      const char *msg, const char *allow, const char *code, int retry_after_s) {
+    json_t *o = pd_http_error_body(type, msg, NULL, code);
     char *txt = o ? json_dumps(o, JSON_COMPACT | JSON_PRESERVE_ORDER) : NULL;
     struct evbuffer *buf = evbuffer_new();
     if (buf) evbuffer_add_printf(buf, "%s", txt ? txt : "{}");
     struct evkeyvalq *h = evhttp_request_get_output_headers(ev);
     evhttp_add_header(h, "Content-Type", "application/json");
     if (allow) evhttp_add_header(h, "Allow", allow);
+    if (retry_after_s > 0) {
+        char ra[16];
+        snprintf(ra, sizeof ra, "%d", retry_after_s);
+        evhttp_add_header(h, "Retry-After", ra);
+    }
     evhttp_send_reply(ev, status, pd_http_status_reason(status), buf);
     if (buf) evbuffer_free(buf);
     free(txt);
     json_decref(o);
     note_status(s, status);
+}
+
+// Routing errors, OOM.
+static void reply_raw_error(pd_http_server *s, struct evhttp_request *ev, int status,
+                            const char *msg, const char *allow) {
+    reply_raw(s, ev, status, "invalid_request_error", msg, allow, NULL, 0);
 }
 
 // Replies and SSE chunks are many small writes: with Nagle's algorithm a chunk waits for the ACK of
@@ -384,6 +429,7 @@ static void on_request(struct evhttp_request *ev, void *arg) {
     if (!path || !*path) path = "/";
     pd_http_req tmp = {.ev = ev};
     const char *method = pd_http_req_method(&tmp);
+    if (s->is_draining) evhttp_add_header(evhttp_request_get_output_headers(ev), "Connection", "close");
 
     const route *hit = NULL;
     char allow[128] = "";
@@ -401,6 +447,11 @@ static void on_request(struct evhttp_request *ev, void *arg) {
         snprintf(msg, sizeof msg, "%s (%s %.400s)", known ? "Method not allowed" : "Invalid URL",
                  method, path);
         reply_raw_error(s, ev, known ? 405 : 404, msg, known ? allow : NULL);
+        return;
+    }
+    if (s->is_draining && strcmp(method, "GET") && strcmp(method, "HEAD")) {
+        reply_raw(s, ev, 503, "server_error", "the server is shutting down (draining); retry on another instance",
+                  NULL, "draining", s->retry_after_s);
         return;
     }
     struct evbuffer *in = evhttp_request_get_input_buffer(ev);
@@ -486,7 +537,8 @@ void pd_http_server_free(pd_http_server *s) {
         if (r->close_fn) r->close_fn(r, r->close_ud);
         req_end(r);
     }
-    if (s->http) evhttp_free(s->http);
+    if (s->http) evhttp_free(s->http);  // runs on_flush_close for tracked connections
+    pd_free(s->flushing);
     for (int i = 0; i < s->n_routes; i++) {
         pd_free(s->routes[i].method);
         pd_free(s->routes[i].path);
@@ -497,6 +549,54 @@ void pd_http_server_free(pd_http_server *s) {
 int pd_http_server_port(const pd_http_server *s) { return s->port; }
 
 int pd_http_server_n_active(const pd_http_server *s) { return s->n_active; }
+
+void pd_http_server_drain(pd_http_server *s, int retry_after_s) {
+    s->is_draining = true;
+    s->retry_after_s = retry_after_s > 0 ? retry_after_s : 1;
+}
+
+bool pd_http_server_is_draining(const pd_http_server *s) { return s->is_draining; }
+
+void pd_http_server_end_all(pd_http_server *s, const char *msg) {
+    while (s->active) {
+        pd_http_req *r = s->active;
+        if (r->evcon) evhttp_connection_set_closecb(r->evcon, NULL, NULL);
+        if (r->ev) {
+            json_t *e = pd_http_error_body("server_error", msg, NULL, "shutdown");
+            if (r->is_streaming) {
+                if (e) pd_http_sse_send_json(r, e);
+                evhttp_send_reply_end(r->ev);  // no [DONE]: the stream is incomplete
+            } else {
+                char *txt = e ? json_dumps(e, JSON_COMPACT | JSON_PRESERVE_ORDER) : NULL;
+                struct evbuffer *buf = evbuffer_new();
+                if (buf) evbuffer_add_printf(buf, "%s", txt ? txt : "{}");
+                char ra[16];
+                snprintf(ra, sizeof ra, "%d", s->retry_after_s > 0 ? s->retry_after_s : 1);
+                struct evkeyvalq *h = evhttp_request_get_output_headers(r->ev);
+                evhttp_add_header(h, "Content-Type", "application/json");
+                evhttp_add_header(h, "Retry-After", ra);
+                evhttp_add_header(h, "Connection", "close");
+                evhttp_send_reply(r->ev, 503, pd_http_status_reason(503), buf);
+                if (buf) evbuffer_free(buf);
+                free(txt);
+                note_status(s, 503);
+            }
+            json_decref(e);
+            r->ev = NULL;  // ended: the holder's close callback must not reply on it
+        }
+        if (r->close_fn) r->close_fn(r, r->close_ud);
+        req_end(r);
+    }
+}
+
+int pd_http_server_n_unflushed(pd_http_server *s) {
+    int n = 0;
+    for (int i = 0; i < s->n_flushing; i++) {
+        struct bufferevent *bev = evhttp_connection_get_bufferevent(s->flushing[i]);
+        n += bev && evbuffer_get_length(bufferevent_get_output(bev)) > 0;
+    }
+    return n;
+}
 
 void pd_http_server_stop_accepting(pd_http_server *s) {
     if (s->sock) {

@@ -44,6 +44,13 @@ pd_router_params pd_router_params_default(void) {
 int pd_router_port(const pd_router *r) { return pd_http_server_port(r->http); }
 int pd_router_n_healthy(const pd_router *r) { return rt_n_healthy(r); }
 
+void pd_router_drain(pd_router *r, int retry_after_s) { pd_http_server_drain(r->http, retry_after_s); }
+bool pd_router_is_drained(pd_router *r) {
+    return !r->jobs && pd_http_server_n_active(r->http) == 0 && pd_http_server_n_unflushed(r->http) == 0;
+}
+// The close callbacks (proxy.c on_client_close) free the jobs and cancel their upstream calls.
+void pd_router_end_all(pd_router *r, const char *msg) { pd_http_server_end_all(r->http, msg); }
+
 // ---- handlers ----------------------------------------------------------------------------------------
 static bool token_ok(const pd_router *r, pd_http_req *req) {
     if (!r->auth_token) return true;
@@ -98,8 +105,10 @@ static void h_deregister(pd_http_req *req, void *ud) {
 static void h_health(pd_http_req *req, void *ud) {
     pd_router *r = ud;
     int n = rt_n_healthy(r);
-    json_t *o = json_pack("{s:s, s:i}", "status", n > 0 ? "ok" : "no healthy worker", "workers_healthy", n);
-    pd_http_reply_json(req, n > 0 ? 200 : 503, o);
+    bool draining = pd_http_server_is_draining(r->http);
+    json_t *o = json_pack("{s:s, s:i}", "status", draining ? "draining" : n > 0 ? "ok" : "no healthy worker",
+                          "workers_healthy", n);
+    pd_http_reply_json(req, n > 0 && !draining ? 200 : 503, o);
     json_decref(o);
 }
 
