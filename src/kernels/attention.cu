@@ -341,16 +341,14 @@ static int pd_k_dec_waves() {
     return w;
 }
 
-// PD_CUDA_ATTN_ONEWAVE=1: when the (sequence, kv head) pairs are fewer than the SMs, split each
-// into as many partitions as make one wave (8-warp blocks that merge in place, no combine launch)
-// instead of ~4 waves of 4-warp blocks (measurement knob).
+// When the (sequence, kv head) pairs are at most half the SMs (batch <= 8 for 8 kv heads), each is
+// split into as many partitions as make one wave of 8-warp blocks, which merge in place (no
+// combine launch), instead of ~4 waves of 4-warp blocks: on an H100, single-stream attention at
+// 8k goes from 21.5 to 12.7 us (1.56 -> 2.64 TB/s on the K/V bytes), at 32k from 74 to 56 us, and
+// batch 8 at 32k from 411 to 391 us. PD_CUDA_ATTN_ONEWAVE=0: the old sizing (measurement knob).
 static bool pd_k_attn_onewave() {
     static int on = -1;
-    if (on < 0) {
-        const char *e = getenv("PD_CUDA_ATTN_ONEWAVE");
-        on = e && !strcmp(e, "1");
-    }
-    return on;
+    return pd_k_env_on("PD_CUDA_ATTN_ONEWAVE", &on);
 }
 
 static inline int pd_k_dec_part(int n_seqs, int n_kv, int max_kv_len) {

@@ -12,6 +12,8 @@ ALL="$*"
 mkdir -p "$out"
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,clocks.max.mem --format=csv,noheader
 export PD_MODELS_DIR=models
+# libraries the machine image lacks (libutf8proc since the tokenizer's NFC tables), carried in lib/
+[ -d lib ] && export LD_LIBRARY_PATH="$PWD/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 B="--model ../bench/configs/llama-3-8b --load-format dummy"
 if [ -z "$ALL" ] || want tests; then
   ./test_backend_ops > "$out/ops.log" 2>&1; echo "test_backend_ops rc=$?: $(tail -1 "$out/ops.log")"
@@ -58,6 +60,16 @@ if want decab; then  # end to end, old binary vs new with the knobs
       f="$out/dec_$(echo $e | tr ' =' '__')_$i.txt"
       if [ "$e" = OLD ]; then ./pdserve-old bench-engine $B --only decode > "$f" 2>&1
       else env $e ./pdserve bench-engine $B --only decode --ctx 128,4096,8192,32768 > "$f" 2>&1; fi
+      echo "== $e run $i: $(grep -E '^decode' "$f" | sed -E 's/^decode (single-stream|step) +(.*[^ ]) +([0-9.]+) ms.*/\2 \3;/' | tr '\n' ' ')"
+    done
+  done
+fi
+if want onewave; then  # one-wave split sizing for small grids, kernel level and end to end
+  PD_CUDA_ATTN_ONEWAVE=1 ./op_bench attn > "$out/attn_onewave.txt" 2>&1; echo "== ONEWAVE=1"; grep "B=1 \|B=8 " "$out/attn_onewave.txt"
+  for i in 1 2; do
+    for e in "V=default" "PD_CUDA_ATTN_ONEWAVE=1"; do
+      f="$out/ow_$(echo $e | tr ' =' '__')_$i.txt"
+      env $e ./pdserve bench-engine $B --only single --ctx 128,4096,8192,32768 > "$f" 2>&1
       echo "== $e run $i: $(grep -E '^decode' "$f" | sed -E 's/^decode (single-stream|step) +(.*[^ ]) +([0-9.]+) ms.*/\2 \3;/' | tr '\n' ' ')"
     done
   done
