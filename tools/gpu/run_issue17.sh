@@ -54,6 +54,18 @@ if want attnab; then  # decode attention knobs, kernel level, one binary
     grep attn "$out/attn_$(echo $e | tr ' =' '__').txt"
   done
 fi
+if want waves; then  # fewer, longer partitions for large grids
+  for e in "V=default" "PD_CUDA_ATTN_WAVES=1" "PD_CUDA_ATTN_WAVES=2" "PD_CUDA_ATTN_WAVES=2 PD_CUDA_ATTN_PIPE=0"; do
+    echo "== $e"; env $e ./op_bench attn 2>&1 | grep "B=64\|B=256\|B=32 "
+  done
+  for i in 1 2; do
+    for e in "V=default" "PD_CUDA_ATTN_WAVES=2" "PD_CUDA_ATTN_WAVES=1"; do
+      f="$out/wv_$(echo $e | tr ' =' '__')_$i.txt"
+      env $e ./pdserve bench-engine $B --only decode --ctx 1 > "$f" 2>&1
+      echo "== $e run $i: $(grep -E '^decode step' "$f" | sed -E 's/^decode (single-stream|step) +(.*[^ ]) +([0-9.]+) ms.*/\2 \3;/' | tr '\n' ' ')"
+    done
+  done
+fi
 if want decab; then  # end to end, old binary vs new with the knobs
   for i in 1 2; do
     for e in "OLD" "PD_CUDA_ATTN_PIPE=0" "V=default" "PD_CUDA_ATTN_WAVES=8"; do
