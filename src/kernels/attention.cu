@@ -24,7 +24,10 @@
 // ~2% at batch 32-128. PD_CUDA_ATTN_FOLD=0 always launches the combine kernel (measurement knob).
 // k_attn_decode_tc (below) keeps this grid, partitioning and workspace but runs on mma.sync; it is
 // the default for head_dim 64/128 (PD_CUDA_ATTN_TC=0 picks this one). The decode and combine
-// kernels are launched with PDL (common.cuh).
+// kernels are launched with PDL (common.cuh). The bf16 tensor-core kernel loads the next step's K
+// during this step's math (PD_CUDA_ATTN_PIPE=0: off); k_attn_decode_tc_f8 is its fp8-cache twin
+// (fully pipelined); the prefill kernel and the CUDA-core decode kernel take F8 as a template flag.
+// Partition sizing (pd_k_dec_part) aims at one wave; see there.
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
 #include <math.h>

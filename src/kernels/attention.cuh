@@ -1,7 +1,8 @@
 // attention.cuh — paged causal attention with GQA over a mixed batch (prefill chunks and decodes
 // in one launch sequence). C-compatible: the CUDA backend shim includes it.
 //
-// Paged KV: k_cache/v_cache are (n_blocks, block_size, n_kv_heads, head_dim) bf16; sequence s
+// Paged KV: k_cache/v_cache are (n_blocks, block_size, n_kv_heads, head_dim) bf16, or with kv_fp8
+// rows of row_bytes holding e4m3 values then per-head f32 scales (backend.h, PD_KV_FP8); sequence s
 // owns block ids bt_indices[bt_indptr[s] .. bt_indptr[s+1]) and query rows [q_indptr[s],
 // q_indptr[s+1]); query row i sits at position kv_lens[s] - q_len + i.
 //
