@@ -10,9 +10,10 @@ allowed() {
     kv|tok|wire|net|metrics) echo "base $1" ;;
     model) echo "base backend tok model" ;;
     sched) echo "base kv sched" ;;
+    spec) echo "base spec" ;;
     xfer) echo "base wire net backend kv xfer" ;;
     http) echo "base net http" ;;
-    engine) echo "base model sched kv xfer backend metrics tok wire net engine" ;;
+    engine) echo "base model sched kv xfer backend metrics tok wire net spec engine" ;;
     api) echo "base http tok engine metrics net api" ;;
     router) echo "base http net wire metrics router" ;;
     bench) echo "base http net metrics bench" ;;

@@ -69,6 +69,8 @@ static api_job *job_new(pd_api *a, pd_http_req *http, const pd_api_request *rq, 
     j->n = rq->n;
     j->created = (int64_t)time(NULL);
     j->t_arrival_us = pd_time_us();
+    j->include_timings = rq->include_timings;
+    pd_api_trace_begin(j, http ? pd_http_req_header(http, "traceparent") : NULL);
     snprintf(j->id, sizeof j->id, "%s%016llx%08llx", rq->kind == PD_API_CHAT ? "chatcmpl-" : "cmpl-",
              (unsigned long long)pd_rng_next(&a->rng), (unsigned long long)(++a->n_jobs_total & 0xffffffffu));
     for (int i = 0; i < rq->n_stop_ids; i++) j->stop_ids[j->n_stop_ids++] = rq->stop_ids[i];
@@ -123,6 +125,7 @@ static pd_status job_submit(api_job *j, const pd_api_request *rq, const pd_api_p
         // vLLM's `priority`: lower values run first; the engine runs higher values first.
         er.priority = rq->priority == INT_MIN ? INT_MAX : -rq->priority;
         er.arrival_us = j->t_arrival_us;
+        pd_api_trace_traceparent(j, er.traceparent);
         pd_err err = {0};
         pd_status st = pd_api_idmap_put(&a->ids, er.id, c);
         if (st == PD_OK) {
@@ -214,6 +217,8 @@ static void h_state(pd_http_req *r, void *ud) {
     char *txt = NULL;
     size_t n = 0;
     pd_status s = pd_engine_state(a->engine, (uint64_t)since, 4096, &st);
+    st.load.n_ttft = a->n_ttft;
+    for (int i = 0; i < PD_WIRE_N_TTFT_PARTS; i++) st.load.ttft_ms_sum[i] = a->ttft_ms_sum[i];
     if (s == PD_OK) s = pd_wire_state_encode(&st, &txt, &n);
     pd_wire_state_fini(&st);
     if (s) pd_http_reply_error(r, 500, "server_error", "out of memory", NULL, NULL);
@@ -279,6 +284,14 @@ static void refresh_engine_metrics(pd_api *a) {
     mirror(a->m.export_bytes, s.n_kv_export_bytes);
     mirror(a->m.export_copy_seconds, (double)s.kv_export_copy_us_total / 1e6);
     pd_metric_set(a->m.prefill_healthy, pd_engine_n_prefill_healthy(a->engine));
+    for (int k = 1; k < PD_ENGINE_SPEC_N; k++) {
+        mirror(a->m.spec_drafted[k], s.spec_drafted[k]);
+        mirror(a->m.spec_accepted[k], s.spec_accepted[k]);
+        mirror(a->m.spec_emitted[k], s.spec_emitted[k]);
+        mirror(a->m.spec_steps[k], s.spec_steps[k]);
+        pd_metric_set(a->m.spec_rate[k], s.spec_drafted[k] ? (double)s.spec_accepted[k] / (double)s.spec_drafted[k] : 0);
+        pd_metric_set(a->m.spec_mal[k], s.spec_steps[k] ? (double)s.spec_emitted[k] / (double)s.spec_steps[k] : 0);
+    }
 }
 
 static void h_metrics(pd_http_req *r, void *ud) {
@@ -323,6 +336,7 @@ static pd_status register_metrics(pd_api *a, pd_err *err) {
     api_metrics *x = &a->m;
 #define H(f, name, help, b, nb) if (!(x->f = pd_metrics_histogram(m, name, help, NULL, b, nb, err))) return err ? err->status : PD_ERR_NOMEM
 #define G(f, name, help) if (!(x->f = pd_metrics_gauge(m, name, help, NULL, err))) return err ? err->status : PD_ERR_NOMEM
+#define G2(f, name, help, l) if (!(x->f = pd_metrics_gauge(m, name, help, l, err))) return err ? err->status : PD_ERR_NOMEM
 #define C(f, name, help, l) if (!(x->f = pd_metrics_counter(m, name, help, l, err))) return err ? err->status : PD_ERR_NOMEM
     H(ttft, "pdserve_time_to_first_token_seconds", "Time from arrival to the first generated token.",
       pd_metrics_latency_buckets, pd_metrics_n_latency_buckets);
@@ -364,7 +378,21 @@ static pd_status register_metrics(pd_api *a, pd_err *err) {
     C(export_bytes, "pdserve_kv_export_bytes_total", "KV bytes this prefill worker wrote into decode pools.", NULL);
     C(export_copy_seconds, "pdserve_kv_export_copy_seconds_total", "Time spent copying exported KV, summed.", NULL);
     G(prefill_healthy, "pdserve_kv_prefill_workers_healthy", "Prefill workers this decode worker is connected to.");
+    // Speculative decoding, by method (zero without it).
+    for (int k = 1; k < PD_ENGINE_SPEC_N; k++) {
+        char l[64];
+        bool first = k == 1;
+        snprintf(l, sizeof l, "method=\"%s\"", pd_engine_spec_method_name(k));
+        C(spec_drafted[k], "pdserve_spec_draft_tokens_total", first ? "Draft tokens verified by the target." : "", l);
+        C(spec_accepted[k], "pdserve_spec_accepted_tokens_total", first ? "Draft tokens accepted." : "", l);
+        C(spec_emitted[k], "pdserve_spec_emitted_tokens_total",
+          first ? "Tokens emitted by verify steps (accepted drafts plus the target's own token)." : "", l);
+        C(spec_steps[k], "pdserve_spec_verify_steps_total", first ? "Sequence-steps that verified drafts." : "", l);
+        G2(spec_rate[k], "pdserve_spec_acceptance_rate", first ? "Accepted / drafted tokens since start." : "", l);
+        G2(spec_mal[k], "pdserve_spec_mean_accepted_length", first ? "Tokens emitted per verify step since start." : "", l);
+    }
 #undef H
+#undef G2
 #undef G
 #undef C
     return PD_OK;
@@ -408,7 +436,7 @@ pd_api *pd_api_new(struct event_base *base, pd_engine *e, const pd_api_params *p
             goto fail;
         }
     }
-    if (register_metrics(a, err)) goto fail;
+    if (register_metrics(a, err) || pd_api_timing_metrics_init(a, err)) goto fail;
     a->prep = pd_api_prep_new(base, &(pd_api_prep_params){.tok = a->tok, .tmpl = a->tmpl, .model_name = a->model_name,
                                                           .max_model_len = a->max_model_len}, err);
     if (!a->prep) goto fail;
@@ -416,6 +444,9 @@ pd_api *pd_api_new(struct event_base *base, pd_engine *e, const pd_api_params *p
     hp.host = p->host;
     hp.port = p->port;
     if (p->max_body_bytes) hp.max_body_bytes = p->max_body_bytes;
+    if (p->max_connections > 0) hp.max_connections = p->max_connections;
+    if (p->keepalive_timeout_s > 0) hp.keepalive_timeout_s = p->keepalive_timeout_s;
+    if (p->header_timeout_s > 0) hp.header_timeout_s = p->header_timeout_s;
     hp.on_response = on_response;
     hp.on_response_ud = a;
     a->http = pd_http_server_new(base, &hp, err);

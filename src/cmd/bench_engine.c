@@ -20,7 +20,14 @@
 // long single-stream context never needs a pool for 256 sequences. --kv-cache-dtype fp8 runs the
 // same experiments on the E4M3 cache (backend.h, PD_KV_FP8); its KV bytes are the fp8 rows.
 //
-// --only decode|prefill|single runs one part (the ceilings are always measured).
+// --only decode|prefill|single runs one part (the ceilings are measured unless only verify runs).
+//
+// --verify-tokens N (speculative decoding): times verify steps of 1..N tokens per sequence (the
+// last token + N-1 drafts, logits at every row, as the engine's verify forward asks) at batch 1,
+// 8, 32, 64, context --batch-ctx, next to the plain decode step, and prints the speedup this
+// implies at acceptance 0.5..0.9 with a draft costing 1/10 of a plain step per token (a 1/10-size
+// draft on a memory-bound step): E(k) = (1 - a^(k+1)) / (1 - a) tokens per verify of k drafts,
+// speedup = E(k) * t(1) / (t(k+1) + k * t(1) / 10), best k shown.
 //
 // Timing: host clock around pd_model_forward_dev + pd_backend_sync per step, median of several
 // steps after warm-up; launches are not captured in a graph (see docs: the forward pass uploads
@@ -147,12 +154,13 @@ static bool cache_resize(bench_ctx *b, long n_blocks) {
 
 // Times one step of n_seqs sequences, each with q_len new tokens on top of ctx - q_len cached
 // ones (blocks handed out in order); logits for the last row of each sequence. Median seconds.
-static double time_step(bench_ctx *b, int n_seqs, int q_len, int ctx, int reps) {
+static double time_step_rows(bench_ctx *b, int n_seqs, int q_len, int ctx, int reps, bool all_rows) {
     int bps = (ctx + b->block_size - 1) / b->block_size, T = n_seqs * q_len;
     if ((long)n_seqs * bps > b->n_blocks) return NAN;
     int32_t *tok = pd_malloc(sizeof(int32_t) * (size_t)T), *qi = pd_malloc(sizeof(int32_t) * (size_t)(n_seqs + 1));
     int32_t *kv = pd_malloc(sizeof(int32_t) * (size_t)n_seqs), *bi = pd_malloc(sizeof(int32_t) * (size_t)(n_seqs + 1));
-    int32_t *bt = pd_malloc(sizeof(int32_t) * (size_t)n_seqs * bps), *rows = pd_malloc(sizeof(int32_t) * (size_t)n_seqs);
+    int n_rows = all_rows ? T : n_seqs;
+    int32_t *bt = pd_malloc(sizeof(int32_t) * (size_t)n_seqs * bps), *rows = pd_malloc(sizeof(int32_t) * (size_t)n_rows);
     pd_rng r;
     pd_rng_seed(&r, 5);
     for (int i = 0; i < T; i++) tok[i] = (int32_t)(pd_rng_next(&r) % (uint64_t)b->c->vocab_size);
@@ -162,11 +170,12 @@ static double time_step(bench_ctx *b, int n_seqs, int q_len, int ctx, int reps) 
     }
     for (int s = 0; s < n_seqs; s++) {
         kv[s] = ctx;
-        rows[s] = (s + 1) * q_len - 1;
+        if (!all_rows) rows[s] = (s + 1) * q_len - 1;
     }
+    for (int i = 0; all_rows && i < T; i++) rows[i] = i;
     for (int i = 0; i < n_seqs * bps; i++) bt[i] = i;
     pd_batch batch = {.n_tokens = T, .tokens = tok, .n_seqs = n_seqs, .q_indptr = qi, .kv_lens = kv, .bt_indptr = bi,
-                      .bt_indices = bt, .n_logits = n_seqs, .logit_rows = rows};
+                      .bt_indices = bt, .n_logits = n_rows, .logit_rows = rows};
     double t[32];
     if (reps > 32) reps = 32;
     const float *dl;
@@ -183,6 +192,39 @@ static double time_step(bench_ctx *b, int n_seqs, int q_len, int ctx, int reps) 
     }
     pd_free(tok), pd_free(qi), pd_free(kv), pd_free(bi), pd_free(bt), pd_free(rows);
     return reps ? median(t, reps) : NAN;
+}
+
+static double time_step(bench_ctx *b, int n_seqs, int q_len, int ctx, int reps) {
+    return time_step_rows(b, n_seqs, q_len, ctx, reps, false);
+}
+
+static void run_verify(bench_ctx *b, int batch_ctx, int max_q) {
+    int batches[] = {1, 8, 32, 64};
+    if (!cache_resize(b, 64L * ((batch_ctx + b->block_size - 1) / b->block_size))) return;
+    double alphas[] = {0.5, 0.6, 0.7, 0.8, 0.9};
+    json_t *arr = json_array();
+    for (int bi = 0; bi < 4; bi++) {
+        int B = batches[bi];
+        double t[17] = {0};
+        for (int q = 1; q <= max_q; q++) {
+            t[q] = time_step_rows(b, B, q, batch_ctx, 10, true);
+            printf("%-22s batch=%-3d ctx=%-5d tokens/seq=%d %10.3f ms  (%.2fx the 1-token step)\n", "verify step", B, batch_ctx, q,
+                   t[q] * 1e3, t[q] / t[1]);
+            json_array_append_new(arr, json_pack("{s:i, s:i, s:i, s:f}", "batch", B, "ctx", batch_ctx, "tokens_per_seq", q, "ms", t[q] * 1e3));
+        }
+        for (size_t ai = 0; ai < PD_ARRAY_LEN(alphas); ai++) {
+            double a = alphas[ai], best = 1;
+            int best_k = 0;
+            for (int k = 1; k + 1 <= max_q; k++) {
+                double E = (1 - pow(a, k + 1)) / (1 - a);
+                double sp = E * t[1] / (t[k + 1] + k * t[1] / 10.0);
+                if (sp > best) best = sp, best_k = k;
+            }
+            printf("%-22s batch=%-3d acceptance %.1f: best k=%d drafts, implied speedup %.2fx (1/10-size draft)\n", "", B, a, best_k, best);
+            json_array_append_new(arr, json_pack("{s:i, s:f, s:i, s:f}", "batch", B, "acceptance", a, "best_k", best_k, "speedup", best));
+        }
+    }
+    json_object_set_new(b->out, "verify", arr);
 }
 
 // work: bytes (floor "bw") or FLOPs (floor "gemm") the step must move / compute.
@@ -259,10 +301,11 @@ int pd_cmd_bench_engine(int argc, char **argv) {
                                          {"datasheet-gbs", required_argument, 0, 'g'},
                                          {"datasheet-tflops", required_argument, 0, 't'},
                                          {"batches", required_argument, 0, 'b'},
+                                         {"verify-tokens", required_argument, 0, 'v'},
                                          {"help", no_argument, 0, 'h'},          {0, 0, 0, 0}};
     const char *model = NULL, *json_path = NULL, *device = "auto";
     bool dummy = false, single = true, batched = true, prefill = true;
-    long batch_ctx = 512;
+    long batch_ctx = 512, verify_tokens = 0;
     int ctxs[BENCH_MAX_CTX] = {128, 4096, 8192, 32768}, n_ctx = 4;
     int batches[BENCH_MAX_CTX] = {1, 8, 32, 64, 128, 256}, n_batches = 6;
     pd_kv_dtype kv_dtype = PD_KV_ACT;
@@ -287,8 +330,13 @@ int pd_cmd_bench_engine(int argc, char **argv) {
             if (!strcmp(optarg, "decode")) prefill = false;
             else if (!strcmp(optarg, "prefill")) single = batched = false;
             else if (!strcmp(optarg, "single")) batched = prefill = false;
+            else if (!strcmp(optarg, "verify")) single = batched = prefill = false;
             else if (strcmp(optarg, "all"))
-                return pd_cmd_usage_error("bench-engine", "--only is decode, single, prefill or all");
+                return pd_cmd_usage_error("bench-engine", "--only is decode, single, prefill, verify or all");
+            break;
+        case 'v':
+            if (!pd_cmd_parse_int(optarg, &verify_tokens) || verify_tokens < 1 || verify_tokens > 16)
+                return pd_cmd_usage_error("bench-engine", "--verify-tokens must be 1..16");
             break;
         case 'x':
         case 'b': {
@@ -323,9 +371,11 @@ int pd_cmd_bench_engine(int argc, char **argv) {
         case 'h':
             printf("usage: pdserve bench-engine --model DIR [--load-format dummy|auto] [--device auto|cuda|cpu]\n"
                    "                            [--ctx N,N,...] [--batches N,N,...] [--batch-ctx N]\n"
-                   "                            [--only decode|single|prefill|all]\n"
+                   "                            [--only decode|single|prefill|verify|all] [--verify-tokens N]\n"
                    "                            [--kv-cache-dtype auto|fp8] [--datasheet-gbs X] [--datasheet-tflops X]\n"
-                   "                            [--json FILE]\n");
+                   "                            [--json FILE]\n"
+                   "  --verify-tokens N   speculative verify steps of 1..N tokens per sequence at batch 1/8/32/64\n"
+                   "                      (--only verify runs just those)\n");
             return 0;
         default: return 2;
         }
@@ -339,8 +389,10 @@ int pd_cmd_bench_engine(int argc, char **argv) {
         return 1;
     }
     int rc = 1;
-    b.copy_bytes_s = measure_copy(b.be);
-    b.gemm_flop_s = measure_gemm(b.be);
+    if (single || batched || prefill) {  // the floors need them; verify steps are compared with each other
+        b.copy_bytes_s = measure_copy(b.be);
+        b.gemm_flop_s = measure_gemm(b.be);
+    }
     const char *dev_name = pd_backend_device_name(b.be);
     for (size_t i = 0; i < sizeof datasheet / sizeof datasheet[0] && strcmp(pd_backend_name(b.be), "cpu"); i++)
         if (strstr(dev_name, datasheet[i].name_has)) {
@@ -379,6 +431,8 @@ int pd_cmd_bench_engine(int argc, char **argv) {
                       b.ds_bytes_s * 1e-9, "datasheet_tflops", b.ds_flop_s * 1e-12, "weight_gb",
                       (double)pd_model_weight_bytes(b.m) * 1e-9, "kv_bytes_per_token", kv_bytes_per_token(&b), "results");
     run_benchmarks(&b, ctxs, n_ctx, batches, n_batches, (int)batch_ctx, single, batched, prefill);
+    if (verify_tokens > 0) run_verify(&b, (int)batch_ctx, (int)verify_tokens);
+    else if (!single && !batched && !prefill) fprintf(stderr, "bench-engine: --only verify needs --verify-tokens N\n");
     if (json_path && json_dump_file(b.out, json_path, JSON_INDENT(2)) != 0) {
         fprintf(stderr, "pdserve bench-engine: cannot write %s\n", json_path);
         goto done;

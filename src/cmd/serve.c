@@ -17,10 +17,12 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "metrics/trace.h"
 #include "api/api.h"
 #include "cmd/cmd.h"
 #include "engine/engine.h"
 #include "http/client.h"
+#include "spec/spec.h"
 #include "wire/control.h"
 
 typedef struct serve_opts {
@@ -32,6 +34,8 @@ typedef struct serve_opts {
     const char *router_url;       // --router: register with this router (and deregister at exit)
     const char *router_token_file;
     const char *advertise_url;    // the URL the router should use for us (default http://host:port)
+    const char *trace_dir;        // --trace-dir: Chrome trace files of request spans (metrics/trace.h)
+    bool spec_method_set;         // --speculative-method was given
     int shutdown_timeout_s;       // --shutdown-timeout
 } serve_opts;
 
@@ -79,6 +83,11 @@ static void serve_usage(bool is_run) {
            "  --load-format dummy           random weights (benchmarking)\n"
            "  --max-waiting N               waiting-queue limit; beyond it requests get 503\n"
            "  --max-body-bytes BYTES        request body limit (default 8M; larger bodies get 413)\n"
+           "  --max-connections N           open HTTP connections at most (default: fd limit less 1/8);\n"
+           "                                at the limit the longest-idle ones are closed\n"
+           "  --keepalive-timeout S         close idle keep-alive connections after S s (default 30)\n"
+           "  --header-timeout S            a request must arrive whole within S s of its first bytes (60)\n"
+           "  --trace-dir DIR               write request spans as Chrome trace JSON (Perfetto) into DIR\n"
            "  --threads N                   compute threads (CPU; default: every core)\n"
            "  --shutdown-timeout S          on SIGTERM/SIGINT: stop taking requests (503, /health \"draining\")\n"
            "                                and give running ones up to S seconds (default 30)\n"
@@ -90,6 +99,13 @@ static void serve_usage(bool is_run) {
            "  --disagg-min-tokens N         prefill locally below N uncached prompt tokens (default 64)\n"
            "  --disagg-timeout-ms N         fall back to local prefill after N ms (default 30000)\n"
            "  --debug-corrupt-kv N          test hook: corrupt every Nth KV transfer (prefill role)\n"
+           "speculative decoding (roles both and decode; exact: greedy output is unchanged):\n"
+           "  --speculative-method M        none (default), draft, ngram (prompt lookup) or lookahead (Jacobi + n-gram pool)\n"
+           "  --speculative-model DIR       draft model (same tokenizer as --model); implies --speculative-method draft\n"
+           "  --num-speculative-tokens K    draft tokens per step at most (default 4, 1..16)\n"
+           "  --speculative-fixed           always draft K (default: adaptive length from measured step costs and acceptance)\n"
+           "  --ngram-max N                 ngram: longest suffix matched (default 3)\n"
+           "  --lookahead-window W          lookahead: Jacobi window (default 8); --lookahead-ngram N: n-gram size (default 4)\n"
            "router registration:\n"
            "  --router URL                  register with the router at URL (re-sent every 10 s; deregistered at exit)\n"
            "  --router-token-file F         bearer token for the router's /internal/register\n"
@@ -100,7 +116,8 @@ static void serve_usage(bool is_run) {
 static int parse_flags(int argc, char **argv, serve_opts *o) {
     enum { O_MODEL = 1, O_HOST, O_PORT, O_DEV, O_BS, O_NB, O_KVMEM, O_SEQS, O_TOKS, O_NOPC, O_NOCP, O_POL, O_MML,
            O_NAME, O_LF, O_WAIT, O_BODY, O_EXIT, O_ROLE, O_KVHOST, O_KVPORT, O_PREFILL, O_KVTR, O_DMIN, O_DTO,
-           O_CORRUPT, O_ROUTER, O_RTOKEN, O_ADV, O_THREADS, O_SDT, O_KVDT, O_HELP };
+           O_CORRUPT, O_ROUTER, O_RTOKEN, O_ADV, O_SPEC_MODEL, O_SPEC_K, O_SPEC_METHOD, O_SPEC_FIXED, O_LA_W, O_LA_N,
+           O_NGRAM_MAX, O_THREADS, O_SDT, O_MAXCONN, O_KATO, O_HDRTO, O_TRACE, O_KVDT, O_HELP };
     static const struct option opts[] = {
         {"model", required_argument, 0, O_MODEL}, {"host", required_argument, 0, O_HOST},
         {"port", required_argument, 0, O_PORT}, {"device", required_argument, 0, O_DEV},
@@ -116,7 +133,13 @@ static int parse_flags(int argc, char **argv, serve_opts *o) {
         {"kv-transport", required_argument, 0, O_KVTR}, {"disagg-min-tokens", required_argument, 0, O_DMIN},
         {"disagg-timeout-ms", required_argument, 0, O_DTO}, {"debug-corrupt-kv", required_argument, 0, O_CORRUPT},
         {"router", required_argument, 0, O_ROUTER}, {"router-token-file", required_argument, 0, O_RTOKEN},
-        {"advertise-url", required_argument, 0, O_ADV},
+        {"advertise-url", required_argument, 0, O_ADV}, {"max-connections", required_argument, 0, O_MAXCONN},
+        {"keepalive-timeout", required_argument, 0, O_KATO}, {"header-timeout", required_argument, 0, O_HDRTO},
+        {"trace-dir", required_argument, 0, O_TRACE},
+        {"speculative-model", required_argument, 0, O_SPEC_MODEL}, {"num-speculative-tokens", required_argument, 0, O_SPEC_K},
+        {"speculative-method", required_argument, 0, O_SPEC_METHOD}, {"speculative-fixed", no_argument, 0, O_SPEC_FIXED},
+        {"lookahead-window", required_argument, 0, O_LA_W}, {"lookahead-ngram", required_argument, 0, O_LA_N},
+        {"ngram-max", required_argument, 0, O_NGRAM_MAX},
         {"threads", required_argument, 0, O_THREADS}, {"shutdown-timeout", required_argument, 0, O_SDT},
         {"kv-cache-dtype", required_argument, 0, O_KVDT},
         {"help", no_argument, 0, O_HELP}, {0, 0, 0, 0}};
@@ -127,7 +150,9 @@ static int parse_flags(int argc, char **argv, serve_opts *o) {
     optind = 1;
     while ((c = getopt_long(argc, argv, "", opts, NULL)) != -1) {
         bool int_flag = c == O_PORT || c == O_BS || c == O_NB || c == O_SEQS || c == O_TOKS || c == O_MML || c == O_WAIT ||
-                        c == O_KVPORT || c == O_DMIN || c == O_DTO || c == O_CORRUPT || c == O_THREADS || c == O_SDT;
+                        c == O_KVPORT || c == O_DMIN || c == O_DTO || c == O_CORRUPT || c == O_SPEC_K || c == O_LA_W ||
+                        c == O_LA_N || c == O_NGRAM_MAX || c == O_THREADS || c == O_SDT || c == O_MAXCONN || c == O_KATO ||
+                        c == O_HDRTO;
         if (int_flag && (!pd_cmd_parse_int(optarg, &v) || v < 0 || v > (1l << 30)))
             return pd_cmd_usage_error(cmd, "bad value '%s' for an integer option", optarg);
         switch (c) {
@@ -206,6 +231,36 @@ static int parse_flags(int argc, char **argv, serve_opts *o) {
         case O_ROUTER: o->router_url = optarg; break;
         case O_RTOKEN: o->router_token_file = optarg; break;
         case O_ADV: o->advertise_url = optarg; break;
+        case O_MAXCONN: o->ap.max_connections = (int)v; break;
+        case O_KATO: o->ap.keepalive_timeout_s = (int)v; break;
+        case O_HDRTO: o->ap.header_timeout_s = (int)v; break;
+        case O_TRACE: o->trace_dir = optarg; break;
+        case O_SPEC_MODEL: o->ep.spec_model_dir = optarg; break;
+        case O_SPEC_K:
+            if (v < 1 || v > PD_SPEC_MAX_K) return pd_cmd_usage_error(cmd, "--num-speculative-tokens must be 1..%d", PD_SPEC_MAX_K);
+            o->ep.spec_k = (int)v;
+            break;
+        case O_SPEC_METHOD: {
+            pd_spec_method m;
+            if (pd_spec_method_parse(optarg, &m) != PD_OK)
+                return pd_cmd_usage_error(cmd, "--speculative-method must be none, draft, ngram or lookahead");
+            o->ep.spec_method = (int)m;
+            o->spec_method_set = true;
+            break;
+        }
+        case O_SPEC_FIXED: o->ep.spec_fixed = true; break;
+        case O_LA_W:
+            if (v < 1 || v > PD_SPEC_MAX_W) return pd_cmd_usage_error(cmd, "--lookahead-window must be 1..%d", PD_SPEC_MAX_W);
+            o->ep.spec_lookahead_w = (int)v;
+            break;
+        case O_LA_N:
+            if (v < 2 || v > PD_SPEC_MAX_N) return pd_cmd_usage_error(cmd, "--lookahead-ngram must be 2..%d", PD_SPEC_MAX_N);
+            o->ep.spec_lookahead_n = (int)v;
+            break;
+        case O_NGRAM_MAX:
+            if (v < 1 || v > 64) return pd_cmd_usage_error(cmd, "--ngram-max must be 1..64");
+            o->ep.spec_ngram_max = (int)v;
+            break;
         case O_THREADS:
             if (v < 1 || v > 4096) return pd_cmd_usage_error(cmd, "--threads must be 1..4096");
             o->ep.n_threads = (int)v;
@@ -227,6 +282,11 @@ static int parse_flags(int argc, char **argv, serve_opts *o) {
         return pd_cmd_usage_error(cmd, "--role decode needs at least one --prefill HOST:PORT");
     if (o->ep.role != PD_ROLE_DECODE && o->ep.n_prefill_addrs)
         return pd_cmd_usage_error(cmd, "--prefill only applies to --role decode");
+    if (o->ep.spec_model_dir && !o->spec_method_set) o->ep.spec_method = PD_SPEC_DRAFT;
+    if (o->ep.spec_model_dir && o->ep.spec_method != PD_SPEC_DRAFT)
+        return pd_cmd_usage_error(cmd, "--speculative-model only applies to --speculative-method draft");
+    if (o->ep.spec_method == PD_SPEC_DRAFT && !o->ep.spec_model_dir)
+        return pd_cmd_usage_error(cmd, "--speculative-method draft needs --speculative-model DIR");
     if (!o->ep.model_dir) {
         if (!o->is_run) return pd_cmd_usage_error(cmd, "--model DIR is required");
         o->ep.model_dir = pd_cmd_default_model(argv[0]);
@@ -458,6 +518,10 @@ static void sd_end_all(void *ud, const char *msg) { pd_api_end_all(((serve_ctx *
 static int serve_main(serve_opts *o) {
     signal(SIGPIPE, SIG_IGN);  // a client that vanished mid-write must not kill the server
     pd_err err = {0};
+    if (pd_trace_init(pd_engine_role_name(o->ep.role), o->trace_dir, &err) != PD_OK) {
+        fprintf(stderr, "pdserve: %s\n", err.msg);
+        return 1;
+    }
     fprintf(stderr, "pdserve: loading %s\n", o->ep.model_dir);
     pd_engine *e = pd_engine_new(&o->ep, &err);
     if (!e) {
@@ -509,6 +573,7 @@ done:
     pd_api_free(s.api);
     pd_engine_free(e);
     if (s.base) event_base_free(s.base);
+    pd_trace_shutdown();
     if (rc == 0) fprintf(stderr, "pdserve: stopped\n");
     return rc;
 }

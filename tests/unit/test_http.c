@@ -176,7 +176,7 @@ static int connect_to(fixture *f) {
 
 static void send_all(fixture *f, int fd, const char *s, size_t n) {
     size_t off = 0;
-    int64_t deadline = pd_time_us() + 5000000;
+    int64_t deadline = pd_test_deadline_us(5);
     while (off < n && pd_time_us() < deadline) {
         ssize_t k = send(fd, s + off, n - off, MSG_NOSIGNAL);
         if (k > 0) off += (size_t)k;
@@ -190,7 +190,7 @@ static void send_all(fixture *f, int fd, const char *s, size_t n) {
 static char *pump(fixture *f, int fd, const char *until) {
     size_t cap = 1 << 16, len = 0;
     char *buf = pd_malloc(cap);
-    int64_t deadline = pd_time_us() + 5000000;
+    int64_t deadline = pd_test_deadline_us(5);
     while (pd_time_us() < deadline) {
         event_base_loop(f->base, EVLOOP_NONBLOCK);
         ssize_t k = recv(fd, buf + len, cap - len - 1, 0);
@@ -327,7 +327,7 @@ PD_TEST(server_sse_http10_and_chunked) {
 
 // Runs the loop until the close callback fired or 5 s passed.
 static void wait_closed(fixture *f, int want) {
-    int64_t deadline = pd_time_us() + 5000000;
+    int64_t deadline = pd_test_deadline_us(5);
     while (f->n_closed < want && pd_time_us() < deadline) event_base_loop(f->base, EVLOOP_NONBLOCK);
 }
 
@@ -337,7 +337,7 @@ PD_TEST(server_detects_disconnect_while_held) {
     int fd = connect_to(&f);
     const char *req = "POST /hold HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\n{}";
     send_all(&f, fd, req, strlen(req));
-    int64_t deadline = pd_time_us() + 5000000;
+    int64_t deadline = pd_test_deadline_us(5);
     while (!f.held && pd_time_us() < deadline) event_base_loop(f.base, EVLOOP_NONBLOCK);
     PD_REQUIRE(f.held != NULL);
     PD_CHECK_EQ(pd_http_server_n_active(f.srv), 1);
@@ -372,7 +372,7 @@ PD_TEST(server_free_with_held_request) {
     int fd = connect_to(&f);
     const char *req = "POST /hold HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n";
     send_all(&f, fd, req, strlen(req));
-    int64_t deadline = pd_time_us() + 5000000;
+    int64_t deadline = pd_test_deadline_us(5);
     while (!f.held && pd_time_us() < deadline) event_base_loop(f.base, EVLOOP_NONBLOCK);
     PD_REQUIRE(f.held != NULL);
     fx_fini(&f);  // must call the close callback, then free cleanly
