@@ -534,7 +534,8 @@ static void on_request(struct evhttp_request *ev, void *arg) {
 //     fd, BEV_OPT_CLOSE_ON_FREE) alive until our sweep sees its callbacks cleared and drops it;
 //   * at max_connections, close the longest-idle connections (no request held, nothing unread,
 //     32 at a time, nginx's ngx_drain_connections) so a new client, a health check say, still
-//     gets in; with none idle the newest is closed instead. A closed connection's fd is released
+//     gets in (fewer at a time under a small limit: a sixteenth of it); with none idle the newest
+//     is closed instead. A closed connection's fd is released
 //     by the next sweep; until then it does not count against the limit;
 //   * close a connection idle for keepalive_timeout_s, or one whose request has not arrived
 //     complete header_timeout_s after its first bytes were seen (slow-loris), in a sweep every
@@ -543,6 +544,10 @@ static void on_request(struct evhttp_request *ev, void *arg) {
 //     connections and resume after a short backoff (100 ms doubling to 1 s), logging at most one
 //     line per 10 s with a count.
 #define HTTP_SHED_BATCH 32
+
+// Connections closed per shedding pass: 32 (nginx), fewer under a small limit (a sixteenth of it)
+// so that a pass never empties the server of its recent connections.
+static int shed_batch(const pd_http_server *s) { return PD_MAX(1, PD_MIN(HTTP_SHED_BATCH, s->max_connections / 16)); }
 
 static http_conn *conn_slot(pd_http_server *s, evutil_socket_t fd) {
     if (fd < 0) return NULL;
@@ -696,7 +701,7 @@ static struct bufferevent *on_new_conn(struct event_base *base, void *arg) {
     // Over the limit (connections being closed by us do not count: their fds go at the next sweep):
     // close a batch of the longest-idle ones; with none idle, refuse this one.
     if (s->n_conns - s->n_shedding + 1 > s->max_connections) conns_release_freed(s);  // closed by their clients
-    bool refuse = s->n_conns - s->n_shedding + 1 > s->max_connections && conns_shed_idle(s, HTTP_SHED_BATCH) == 0;
+    bool refuse = s->n_conns - s->n_shedding + 1 > s->max_connections && conns_shed_idle(s, shed_batch(s)) == 0;
     bufferevent_incref(bev);
     s->pending[s->n_pending++] = (http_pending){bev, refuse};
     s->backoff_ms = 0;  // accept() works again
@@ -750,7 +755,7 @@ static void on_accept_error(struct evconnlistener *l, void *arg) {
     evconnlistener_disable(l);
     conns_resolve(s);
     conns_release_shed(s);
-    int n = conns_shed_idle(s, HTTP_SHED_BATCH);
+    int n = conns_shed_idle(s, shed_batch(s));
     // The limit was above what the descriptors allow: bring it below the connections open now,
     // so that from here on the limit (closing idle connections per accept) acts before accept()
     // fails.
