@@ -23,6 +23,7 @@
 #include <event2/keyvalq_struct.h>
 #include <arpa/inet.h>
 #include <errno.h>
+#include <limits.h>
 #include <netdb.h>
 #include <pthread.h>
 #include <netinet/in.h>
@@ -76,12 +77,14 @@ struct pd_http_server {
     struct evconnlistener *listener;  // evhttp's, borrowed
     http_conn *conns;                 // (n_conn_slots) indexed by fd
     int n_conn_slots;
+    size_t cap_conns;                 // allocated slots (>= n_conn_slots)
     http_pending *pending;            // new bufferevents whose fd is not set yet
-    int n_pending, cap_pending;
+    int n_pending;
+    size_t cap_pending;
     int n_conns;                      // accepted and not yet released
     int n_shedding;                   // of them, shut down by us and not yet released
     int *shed_fds;                    // (n_shedding) their fds, to release them without a full scan
-    int cap_shed;
+    size_t cap_shed;
     int max_connections;
     int64_t header_timeout_us, keepalive_timeout_us;
     struct event *sweep, *resume, *kick;  // periodic sweep; accept re-enable; refusal
@@ -549,11 +552,9 @@ static int shed_batch(const pd_http_server *s) { return PD_MAX(1, PD_MIN(HTTP_SH
 static http_conn *conn_slot(pd_http_server *s, evutil_socket_t fd) {
     if (fd < 0) return NULL;
     if (fd >= s->n_conn_slots) {
-        int n = PD_MAX(s->n_conn_slots * 2, (int)fd + 1024);
-        http_conn *c = pd_realloc(s->conns, (size_t)n * sizeof *c);
-        if (!c) return NULL;
-        memset(c + s->n_conn_slots, 0, (size_t)(n - s->n_conn_slots) * sizeof *c);
-        s->conns = c;
+        if (fd > INT_MAX - 1024 || PD_ARRAY_RESERVE(s->conns, s->cap_conns, (size_t)fd + 1024) != PD_OK) return NULL;
+        int n = (int)PD_MIN(s->cap_conns, (size_t)INT_MAX);
+        memset(s->conns + s->n_conn_slots, 0, (size_t)(n - s->n_conn_slots) * sizeof *s->conns);
         s->n_conn_slots = n;
     }
     return &s->conns[fd];
@@ -623,13 +624,8 @@ static void conn_shed(pd_http_server *s, http_conn *c) {
     evutil_socket_t fd = bufferevent_getfd(c->bev);
     // evhttp reads EOF, frees the connection; the sweep then releases the fd
     if (fd >= 0) shutdown(fd, SHUT_RDWR);
-    if (s->n_shedding == s->cap_shed) {
-        int cap = PD_MAX(64, 2 * s->cap_shed);
-        int *p = pd_realloc(s->shed_fds, (size_t)cap * sizeof *p);
-        if (!p) return;  // not marked: the keep-alive sweep releases it like any closed connection
-        s->shed_fds = p;
-        s->cap_shed = cap;
-    }
+    if (PD_ARRAY_RESERVE(s->shed_fds, s->cap_shed, (size_t)s->n_shedding + 1) != PD_OK)
+        return;  // not marked: the keep-alive sweep releases it like any closed connection
     s->shed_fds[s->n_shedding++] = (int)(c - s->conns);
     c->is_shed = true;
     s->n_shed++;
@@ -698,13 +694,8 @@ static struct bufferevent *on_new_conn(struct event_base *base, void *arg) {
     pd_http_server *s = arg;
     struct bufferevent *bev = bufferevent_socket_new(base, -1, BEV_OPT_CLOSE_ON_FREE);
     if (!bev) return NULL;  // evhttp makes its own (uncounted; only on OOM)
-    if (s->n_pending == s->cap_pending) {
-        int cap = PD_MAX(64, 2 * s->cap_pending);
-        http_pending *p = pd_realloc(s->pending, (size_t)cap * sizeof *p);
-        if (!p) return bev;  // uncounted; evhttp owns it alone
-        s->pending = p;
-        s->cap_pending = cap;
-    }
+    if (PD_ARRAY_RESERVE(s->pending, s->cap_pending, (size_t)s->n_pending + 1) != PD_OK)
+        return bev;  // uncounted; evhttp owns it alone
     conns_resolve(s);
     conns_release_shed(s);
     // Over the limit (connections being closed by us do not count: their fds go at the next sweep):
