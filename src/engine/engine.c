@@ -168,7 +168,7 @@ pd_engine *pd_engine_new(const pd_engine_params *p, pd_err *err) {
     pd_sched_params sp = pd_sched_params_default();
     if (p->max_num_seqs > 0) sp.max_num_seqs = p->max_num_seqs;
     else sp.max_num_seqs = !strcmp(pd_backend_name(e->backend), "cpu") ? 64 : 256;
-    e->params.max_num_seqs = sp.max_num_seqs;  // the value in force (reported to the router)
+    e->max_num_seqs = sp.max_num_seqs;  // the value in force (reported to the router)
     sp.max_num_batched_tokens = p->max_num_batched_tokens > 0 ? p->max_num_batched_tokens : 2048;
     sp.enable_chunked_prefill = p->enable_chunked_prefill;
     sp.max_model_len = e->max_model_len;
@@ -818,7 +818,7 @@ pd_status pd_engine_state(pd_engine *e, uint64_t since, int max_events, pd_wire_
     l->n_prefix_query_tokens = s->n_prefix_query_tokens;
     l->n_prefix_hit_tokens = s->n_prefix_hit_tokens;
     l->n_requests_finished = s->n_requests_finished;
-    l->n_max_seqs = e->params.max_num_seqs;
+    l->n_max_seqs = e->max_num_seqs;
     l->n_max_waiting = e->params.max_waiting;
     l->n_kv_handoffs = s->n_kv_handoffs;
     l->n_kv_handoff_bytes = s->n_kv_handoff_bytes;

@@ -58,6 +58,7 @@ typedef struct step_bufs {
 
 struct pd_engine {
     pd_engine_params params;
+    int max_num_seqs;  // in force: the params value or the backend default (reported to routers)
     char model_name[256];
     pd_backend *backend;
     pd_model *model;
