@@ -116,6 +116,18 @@ h1=$(metric "$URL_dec" '^pdserve_kv_handoffs_total')
 echo "cycles: $((h1 - h0)) handoffs after 10000 cycles ($(metric "$URL_pf" '^pdserve_kv_connections_accepted_total') connections accepted)"
 
 # ---- 5: a slow-reading peer -----------------------------------------------------------------------
+# Baseline: the worst /metrics latency of the prefill worker while it computes the same client load
+# without a slow reader (what this shared, maybe loaded, box gives a busy worker).
+python3 "$here/disagg_client.py" "$URL_dec" "$TMP/prompts.json" "$TMP/base.json" --concurrency 8 --max-tokens 16 &
+cpid=$!
+base=0
+for i in $(seq 1 30); do
+  t=$(curl -s -o /dev/null -w '%{time_total}' "$URL_pf/metrics")
+  base=$(python3 -c "print(max($base, $t))")
+  sleep 0.2
+done
+wait $cpid || pd_fail "baseline client run failed"
+h1=$(metric "$URL_dec" '^pdserve_kv_handoffs_total')
 $PEER slow_reader 127.0.0.1 "$KVPORT" "$TMP/token" 25 >"$TMP/slow.out" 2>&1 &
 spid=$!
 pd_wait_for 20 grep -q 'not reading' "$TMP/slow.out" || pd_fail "slow reader did not start: $(cat "$TMP/slow.out")"
@@ -131,12 +143,15 @@ wait $cpid || pd_fail "client run during the slow reader failed"
 compare "$TMP/slow.json" "during a slow reader" || pd_fail "outputs differ during a slow reader"
 h2=$(metric "$URL_dec" '^pdserve_kv_handoffs_total')
 [ "$h2" -ge $((h1 + 24)) ] || pd_fail "handoffs stopped during a slow reader ($h1 -> $h2)"
-python3 -c "import sys; sys.exit(0 if $worst < 0.1 else 1)" || pd_fail "/metrics took ${worst}s with a slow reader"
+# < 100 ms; on a box so loaded that a busy worker's /metrics is slower anyway, no worse than twice
+# that baseline (the frozen path this guards against took the whole 10 s write stall)
+python3 -c "import sys; sys.exit(0 if $worst < 0.1 or $worst < 2 * $base else 1)" ||
+  pd_fail "/metrics took ${worst}s with a slow reader (${base}s without)"
 wait $spid
 pd_wait_for 30 sh -c "[ \$(curl -sf '$URL_pf/metrics' | awk '/^pdserve_kv_slow_peer_drops_total/ {print \$2+0}') -ge 1 ]" ||
   pd_fail "the stalled connection was not dropped"
 pool_full "slow reader"
-echo "slow reader: /metrics worst ${worst}s, handoffs went on, stalled connection dropped"
+echo "slow reader: /metrics worst ${worst}s (${base}s under the same load without it), handoffs went on, stalled connection dropped"
 pd_stop dec
 pd_stop pf
 
