@@ -70,8 +70,11 @@ start_prefill() {  # start_prefill NAME [flags]
   [ -n "$KV" ] || pd_fail "$n did not print its KV port"
   KVPORT=${KV##*:}
 }
-start_decode() {  # start_decode TRANSPORT
-  pd_start dec --role decode --prefill "$KV" --kv-transport "$1" --disagg-min-tokens 1 --disagg-timeout-ms 20000 \
+n_dec=0
+start_decode() {  # start_decode TRANSPORT (a fresh name each time: pd_start may read a reused .out
+  n_dec=$((n_dec + 1))  # before the new process truncated it, and take the old URL)
+  DEC=dec$n_dec
+  pd_start $DEC --role decode --prefill "$KV" --kv-transport "$1" --disagg-min-tokens 1 --disagg-timeout-ms 20000 \
     --num-kv-blocks 1024 --auth-token-file "$TMP/token"
   URL_dec=$URL
 }
@@ -152,33 +155,33 @@ pd_wait_for 30 sh -c "[ \$(curl -sf '$URL_pf/metrics' | awk '/^pdserve_kv_slow_p
   pd_fail "the stalled connection was not dropped"
 pool_full "slow reader"
 echo "slow reader: /metrics worst ${worst}s (${base}s under the same load without it), handoffs went on, stalled connection dropped"
-pd_stop dec
+pd_stop $DEC
 pd_stop pf
 
 # ---- 6: kill -9 of the prefill worker at each protocol step ---------------------------------------
 for step in hello_ack mid_slab before_done; do
   for tr in tcp shm; do
-    start_prefill pf_$step --debug-kv-pause "$step"
+    start_prefill pf_${step}_$tr --debug-kv-pause "$step"
     start_decode "$tr"
     if [ "$step" = hello_ack ]; then
-      pd_wait_for 30 grep -q "paused at $step" "$TMP/pf_$step.err" || pd_fail "$step: the worker did not pause"
-      kill -9 "$(cat "$TMP/pf_$step.pid")"
-      rm -f "$TMP/pf_$step.pid"
+      pd_wait_for 30 grep -q "paused at $step" "$TMP/pf_${step}_$tr.err" || pd_fail "$step: the worker did not pause"
+      kill -9 "$(cat "$TMP/pf_${step}_$tr.pid")"
+      rm -f "$TMP/pf_${step}_$tr.pid"
       run_clients "kill_$step" "kill -9 before HELLO_ACK ($tr)"
     else
       wait_connected
       python3 "$here/disagg_client.py" "$URL_dec" "$TMP/prompts.json" "$TMP/kill_$step.json" --concurrency 8 --max-tokens 16 &
       cpid=$!
-      pd_wait_for 30 grep -q "paused at $step" "$TMP/pf_$step.err" || pd_fail "$step: the worker did not pause"
-      kill -9 "$(cat "$TMP/pf_$step.pid")"
-      rm -f "$TMP/pf_$step.pid"
+      pd_wait_for 30 grep -q "paused at $step" "$TMP/pf_${step}_$tr.err" || pd_fail "$step: the worker did not pause"
+      kill -9 "$(cat "$TMP/pf_${step}_$tr.pid")"
+      rm -f "$TMP/pf_${step}_$tr.pid"
       wait $cpid || pd_fail "$step: client run failed"
       compare "$TMP/kill_$step.json" "kill -9 at $step ($tr)" || pd_fail "$step: outputs differ"
       pool_full "$step"
       f=$(metric "$URL_dec" 'pdserve_kv_handoff_fallbacks_total.*reason="(worker_died|timeout|unavailable)"')
       [ "$f" -ge 1 ] || pd_fail "$step: no fallback counted"
     fi
-    pd_stop dec
+    pd_stop $DEC
   done
 done
 echo "kill -9: before HELLO_ACK, mid-slab and before PREFILL_DONE, tcp and shm: all requests completed"
@@ -213,7 +216,7 @@ if a != b:
     sys.exit("FAIL: seeded: colocated %r, handed off %r" % (a, b))
 print("seeded: identical handed off and colocated")
 PY
-pd_stop dec
+pd_stop $DEC
 pd_stop pf2
 
 # ---- 9: no /dev/shm objects; router registration needs the secret ---------------------------------
