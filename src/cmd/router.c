@@ -200,5 +200,6 @@ out:
     pd_free(token);
     pd_free(qos);
     pd_trace_shutdown();
+    if (rc == 0) fprintf(stderr, "pdserve router: stopped\n");
     return rc;
 }

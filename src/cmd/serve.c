@@ -75,6 +75,7 @@ static void serve_usage(bool is_run) {
            "  --block-size N                tokens per KV block (default 16)\n"
            "  --num-kv-blocks N             KV cache size in blocks\n"
            "  --kv-cache-memory BYTES       KV cache size in bytes (k/M/G suffixes)\n"
+           "  --kv-cache-dtype auto|fp8     KV cache format: the activation dtype, or E4M3 with per-head scales\n"
            "  --max-num-seqs N              running sequences per step\n"
            "  --max-num-batched-tokens N    token budget per step (default 2048)\n"
            "  --no-prefix-caching           disable automatic prefix caching\n"
@@ -122,7 +123,7 @@ static int parse_flags(int argc, char **argv, serve_opts *o) {
     enum { O_MODEL = 1, O_HOST, O_PORT, O_DEV, O_BS, O_NB, O_KVMEM, O_SEQS, O_TOKS, O_NOPC, O_NOCP, O_POL, O_MML,
            O_NAME, O_LF, O_WAIT, O_BODY, O_EXIT, O_ROLE, O_KVHOST, O_KVPORT, O_PREFILL, O_KVTR, O_DMIN, O_DTO,
            O_CORRUPT, O_ROUTER, O_RTOKEN, O_ADV, O_SPEC_MODEL, O_SPEC_K, O_SPEC_METHOD, O_SPEC_FIXED, O_LA_W, O_LA_N,
-           O_NGRAM_MAX, O_THREADS, O_SDT, O_MAXCONN, O_KATO, O_HDRTO, O_TRACE, O_AUTH, O_KVPAUSE, O_HELP };
+           O_NGRAM_MAX, O_THREADS, O_SDT, O_MAXCONN, O_KATO, O_HDRTO, O_TRACE, O_AUTH, O_KVPAUSE, O_KVDT, O_HELP };
     static const struct option opts[] = {
         {"model", required_argument, 0, O_MODEL}, {"host", required_argument, 0, O_HOST},
         {"port", required_argument, 0, O_PORT}, {"device", required_argument, 0, O_DEV},
@@ -147,6 +148,7 @@ static int parse_flags(int argc, char **argv, serve_opts *o) {
         {"ngram-max", required_argument, 0, O_NGRAM_MAX},
         {"threads", required_argument, 0, O_THREADS}, {"shutdown-timeout", required_argument, 0, O_SDT},
         {"auth-token-file", required_argument, 0, O_AUTH}, {"debug-kv-pause", required_argument, 0, O_KVPAUSE},
+        {"kv-cache-dtype", required_argument, 0, O_KVDT},
         {"help", no_argument, 0, O_HELP}, {0, 0, 0, 0}};
     const char *cmd = o->is_run ? "run" : "serve";
     long v;
@@ -279,6 +281,10 @@ static int parse_flags(int argc, char **argv, serve_opts *o) {
         case O_SDT:
             if (v > 86400) return pd_cmd_usage_error(cmd, "--shutdown-timeout must be 0..86400 seconds");
             o->shutdown_timeout_s = (int)v;
+            break;
+        case O_KVDT:
+            if (!pd_kv_dtype_parse(optarg, &o->ep.kv_cache_dtype))
+                return pd_cmd_usage_error(cmd, "--kv-cache-dtype is auto or fp8, not '%s'", optarg);
             break;
         case O_HELP: serve_usage(o->is_run); return 0;
         default: return 2;

@@ -44,7 +44,7 @@ static pd_kvw_fingerprint fingerprint(pd_engine *e) {
     pd_kvw_fingerprint f = {.arch = (uint32_t)c->arch, .n_layers = (uint32_t)c->n_layers, .n_heads = (uint32_t)c->n_heads,
                             .n_kv_heads = (uint32_t)c->n_kv_heads, .head_dim = (uint32_t)c->head_dim,
                             .hidden = (uint32_t)c->hidden_size, .vocab = (uint32_t)c->vocab_size,
-                            .kv_dtype = (uint32_t)pd_backend_act_dtype(e->backend), .block_size = (uint32_t)e->params.block_size};
+                            .kv_dtype = (uint32_t)(pd_model_kv_dtype(e->model) == PD_KV_FP8 ? PD_DTYPE_FP8_E4M3 : pd_backend_act_dtype(e->backend)), .block_size = (uint32_t)e->params.block_size};
     // The weights' metadata: every shape-determining field, the RoPE setup and the total weight
     // bytes; dummy weights also hash their seed origin, so dummy and real never mix.
     // Hashed as explicit doubles (no struct padding in the hash input).
@@ -91,7 +91,7 @@ pd_status pd_disagg_init(pd_engine *e, pd_err *err) {
     for (int i = 0; i < kp.n_workers; i++) kp.addrs[i] = p->prefill_addrs[i];
     kp.cache = (pd_kvconn_cache){.n_layers = c->n_layers, .n_blocks = pd_model_cache_n_blocks(e->cache),
                                  .block_size = p->block_size,
-                                 .row_bytes = (size_t)c->n_kv_heads * (size_t)c->head_dim * pd_dtype_size(pd_backend_act_dtype(e->backend)),
+                                 .row_bytes = pd_model_kv_row_bytes(e->model),
                                  .k = e->layer_k, .v = e->layer_v, .buffer = pd_model_cache_buffer(e->cache)};
     e->kc = pd_kvconn_new(&kp, err);
     if (!e->kc) return err ? err->status : PD_ERR_IO;
@@ -364,7 +364,7 @@ void pd_disagg_export(pd_engine *e, ereq *q, const pd_sched_event *ev, const pd_
         int64_t us = 0;
         if (pd_kvconn_save_end(e->kc, q->save, &f, &us) == PD_OK) {
             const pd_model_config *c = pd_model_get_config(e->model);
-            size_t row_bytes = (size_t)c->n_kv_heads * (size_t)c->head_dim * pd_dtype_size(pd_backend_act_dtype(e->backend));
+            size_t row_bytes = pd_model_kv_row_bytes(e->model);
             e->export_bytes += (int64_t)(2 * (size_t)c->n_layers * (size_t)(q->n_prompt - q->export_start) * row_bytes);
             e->n_exports++;
             trace_export(e, q, t_sched, t_ready);

@@ -71,7 +71,7 @@ static int size_kv_blocks(pd_engine *e, pd_err *err) {
     const pd_engine_params *p = &e->params;
     if (p->n_blocks > 0) return p->n_blocks;
     const pd_model_config *c = pd_model_get_config(e->model);
-    size_t per_block = pd_model_config_kv_bytes_per_token(c, pd_dtype_size(pd_backend_act_dtype(e->backend))) * (size_t)p->block_size;
+    size_t per_block = 2 * (size_t)c->n_layers * pd_model_kv_row_bytes(e->model) * (size_t)p->block_size;
     size_t budget = p->kv_cache_bytes;
     size_t n_need = SIZE_MAX;  // blocks the limits can use at most (CPU default only)
     if (!budget) {
@@ -127,6 +127,7 @@ pd_engine *pd_engine_new(const pd_engine_params *p, pd_err *err) {
     mp.dir = p->model_dir;
     mp.backend = e->backend;
     mp.dummy = p->dummy_weights;
+    mp.kv_dtype = p->kv_cache_dtype;
     e->model = pd_model_load(&mp, err);
     if (!e->model) goto fail;
     const pd_model_config *c = pd_model_get_config(e->model);

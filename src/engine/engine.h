@@ -68,6 +68,7 @@ typedef struct pd_engine_params {
     int device_id;
     bool dummy_weights;           // --load-format dummy
     int block_size;               // tokens per KV block (default 16)
+    pd_kv_dtype kv_cache_dtype;   // --kv-cache-dtype: PD_KV_ACT (default) or PD_KV_FP8 (E4M3, per-head scales)
     int n_blocks;                 // KV blocks; 0 = sized from kv_cache_bytes or memory_utilization
     size_t kv_cache_bytes;        // --kv-cache-memory; 0 = sized by default (size_kv_blocks):
                                   //   cuda: memory_utilization of the free device memory;

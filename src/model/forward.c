@@ -150,7 +150,7 @@ static void run_layer(pd_model *m, pd_model_cache *kc, int li, int T, const int3
                                            .inv_freq = wp(m->inv_freq), .slot_mapping = dmeta + l->slots,
                                            .k_cache = pd_model_cache_k(kc, li), .v_cache = pd_model_cache_v(kc, li),
                                            .n_tokens = T, .n_heads = H, .n_kv_heads = Hkv, .head_dim = hd,
-                                           .attn_scaling = 1.0f});
+                                           .attn_scaling = 1.0f, .kv_dtype = m->kv_dtype});
     pd_op_attention(be, &(pd_attention_params){.q = wp(ws->qkv), .k_cache = pd_model_cache_k(kc, li),
                                                .v_cache = pd_model_cache_v(kc, li), .out = wp(ws->attn),
                                                .q_indptr = dmeta + l->q_indptr, .kv_lens = dmeta + l->kv_lens,
@@ -158,7 +158,8 @@ static void run_layer(pd_model *m, pd_model_cache *kc, int li, int T, const int3
                                                .token_seq = dmeta + l->token_seq, .n_tokens = T, .n_seqs = n_seqs,
                                                .n_heads = H, .n_kv_heads = Hkv, .head_dim = hd,
                                                .block_size = kc->block_size, .q_stride = nqkv, .max_q_len = max_q,
-                                               .max_kv_len = max_kv, .scale = 1.0f / sqrtf((float)hd)});
+                                               .max_kv_len = max_kv, .scale = 1.0f / sqrtf((float)hd),
+                                               .kv_dtype = m->kv_dtype});
     pd_op_matmul(be, &(pd_matmul_params){.a = wp(ws->attn), .w = wp(w->wo), .bias = wp(w->bo), .out = wp(ws->h), .M = T,
                                          .N = D, .K = H * hd});
     pd_op_rmsnorm(be, &(pd_rmsnorm_params){.x = wp(ws->x), .add = wp(ws->h), .w = wp(w->mlp_norm), .out = wp(ws->h),

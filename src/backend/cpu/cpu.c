@@ -93,6 +93,27 @@ static void cpu_matmul(pd_backend *b, const pd_matmul_params *p) {
     }
 }
 
+// The fp8 KV row (backend.h, PD_KV_FP8): per kv head, scale = amax / 448 and q = e4m3(x * 448 /
+// amax), computed in f32 exactly as the CUDA KV write computes them.
+static void fp8_write_row(uint8_t *dst, const float *x, int Hkv, int hd) {
+    float *scales = (float *)(dst + (size_t)Hkv * hd);
+    for (int h = 0; h < Hkv; h++) {
+        const float *xh = x + (size_t)h * hd;
+        float amax = 0.0f;
+        for (int i = 0; i < hd; i++) amax = fmaxf(amax, fabsf(xh[i]));
+        float inv = amax > 0.0f ? 448.0f / amax : 0.0f;
+        for (int i = 0; i < hd; i++) dst[(size_t)h * hd + i] = pd_fp8_e4m3_from_f32(xh[i] * inv);
+        scales[h] = amax / 448.0f;
+    }
+}
+
+// Dequantises head kvh of an fp8 row into out (hd floats).
+static void fp8_read_head(const uint8_t *row, int Hkv, int hd, int kvh, const float *lut, float *out) {
+    float sc = ((const float *)(row + (size_t)Hkv * hd))[kvh];
+    const uint8_t *q = row + (size_t)kvh * hd;
+    for (int i = 0; i < hd; i++) out[i] = lut[q[i]] * sc;
+}
+
 static void cpu_rope_kv(pd_backend *b, const pd_rope_kv_params *p) {
     int hd = p->head_dim, half = hd / 2, H = p->n_heads, Hkv = p->n_kv_heads;
     int row = (H + 2 * Hkv) * hd;
@@ -119,6 +140,12 @@ static void cpu_rope_kv(pd_backend *b, const pd_rope_kv_params *p) {
         }
         if (p->slot_mapping[t] < 0) continue;  // a padding row: rotate only, write no KV
         size_t slot = (size_t)p->slot_mapping[t], kvw = (size_t)Hkv * hd;
+        if (p->kv_dtype == PD_KV_FP8) {
+            size_t rb = pd_kv_row_bytes(b, PD_KV_FP8, Hkv, hd);
+            fp8_write_row((uint8_t *)p->k_cache + slot * rb, r + (size_t)H * hd, Hkv, hd);
+            fp8_write_row((uint8_t *)p->v_cache + slot * rb, r + (size_t)(H + Hkv) * hd, Hkv, hd);
+            continue;
+        }
         memcpy(kc + slot * kvw, r + (size_t)H * hd, sizeof(float) * kvw);
         memcpy(vc + slot * kvw, r + (size_t)(H + Hkv) * hd, sizeof(float) * kvw);
     }
@@ -132,10 +159,15 @@ static void cpu_attention(pd_backend *b, const pd_attention_params *p) {
     float *out = p->out;
     int max_kv = p->max_kv_len;
     double work = (double)p->n_tokens * H * max_kv * hd;
+    bool fp8 = p->kv_dtype == PD_KV_FP8;
+    size_t rb = pd_kv_row_bytes(b, p->kv_dtype, Hkv, hd);
+    float lut[256];
+    for (int i = 0; i < 256; i++) lut[i] = pd_fp8_e4m3_to_f32((uint8_t)i);
 #pragma omp parallel if (work > 2e5)
     {
         float *sc = pd_malloc(sizeof(float) * (size_t)(max_kv > 0 ? max_kv : 1));
-        PD_ASSERT(sc);
+        float *deq = pd_malloc(sizeof(float) * (size_t)hd);
+        PD_ASSERT(sc && deq);
 #pragma omp for schedule(dynamic, 1) collapse(2)
         for (int t = 0; t < p->n_tokens; t++) {
             for (int h = 0; h < H; h++) {
@@ -152,6 +184,10 @@ static void cpu_attention(pd_backend *b, const pd_attention_params *p) {
                 for (int j = 0; j < n; j++) {
                     size_t slot = (size_t)bt[j / bs] * bs + (size_t)(j % bs);
                     const float *kj = kc + slot * kvw + (size_t)kvh * hd;
+                    if (fp8) {
+                        fp8_read_head((const uint8_t *)p->k_cache + slot * rb, Hkv, hd, kvh, lut, deq);
+                        kj = deq;
+                    }
                     float d = 0;
                     for (int i = 0; i < hd; i++) d += qh[i] * kj[i];
                     sc[j] = d * p->scale;
@@ -168,12 +204,17 @@ static void cpu_attention(pd_backend *b, const pd_attention_params *p) {
                 for (int j = 0; j < n; j++) {
                     size_t slot = (size_t)bt[j / bs] * bs + (size_t)(j % bs);
                     const float *vj = vc + slot * kvw + (size_t)kvh * hd;
+                    if (fp8) {
+                        fp8_read_head((const uint8_t *)p->v_cache + slot * rb, Hkv, hd, kvh, lut, deq);
+                        vj = deq;
+                    }
                     float w = sc[j] * inv;
                     for (int i = 0; i < hd; i++) o[i] += w * vj[i];
                 }
             }
         }
         pd_free(sc);
+        pd_free(deq);
     }
 }
 
@@ -197,10 +238,15 @@ static void cpu_get_rows(pd_backend *b, const pd_get_rows_params *p) {
 }
 
 static void cpu_fill_normal(pd_backend *b, void *dst, pd_dtype dtype, size_t n, uint64_t seed, float mean, float std) {
-    PD_ASSERT(dtype == PD_DTYPE_F32);
-    float *d = dst;
+    PD_ASSERT(dtype == PD_DTYPE_F32 || dtype == PD_DTYPE_FP8_E4M3);
     pd_rng r;
     pd_rng_seed(&r, seed);
+    if (dtype == PD_DTYPE_FP8_E4M3) {
+        uint8_t *d = dst;
+        for (size_t i = 0; i < n; i++) d[i] = pd_fp8_e4m3_from_f32(mean + std * pd_rng_normal(&r));
+        return;
+    }
+    float *d = dst;
     for (size_t i = 0; i < n; i++) d[i] = mean + std * pd_rng_normal(&r);
 }
 
