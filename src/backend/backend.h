@@ -233,12 +233,14 @@ typedef struct pd_sample_params {
 // A handle that lets another process on the same host map a buffer: the decode worker exports its
 // KV pool once and the prefill worker writes straight into it (shm on CPU, CUDA IPC on GPU).
 typedef struct pd_buffer_handle {
-    char kind[8];          // "shm" or "cuda"
-    char shm_name[64];     // shm: POSIX shared-memory object name
+    char kind[8];          // "memfd" or "cuda"
+    char shm_name[64];     // unused (was: a POSIX shared-memory name; pools are memfds now)
     uint8_t ipc[64];       // cuda: cudaIpcMemHandle_t
     uint64_t n_bytes;
     int32_t device;
     int32_t pid;           // exporting process (cuda IPC cannot be opened by its own process)
+    int32_t fd;            // memfd: a descriptor of the pool in THIS process (the exporter's own, or
+                           // one received with SCM_RIGHTS); never meaningful across processes
 } pd_buffer_handle;
 
 // ---- the backend -------------------------------------------------------------------------------

@@ -85,6 +85,11 @@ typedef struct pd_batch {
     const int32_t *bt_indices;  // (bt_indptr[n_seqs])
     int n_logits;
     const int32_t *logit_rows;  // (n_logits) token rows whose logits are wanted
+    // Optional "layer done" hook: called on the calling thread after layer l's ops (its K/V writes
+    // included) were issued on the backend stream — on the CPU backend they have completed. A step
+    // with a hook never runs as a captured graph.
+    void (*on_layer)(void *ud, int layer);
+    void *on_layer_ud;
 } pd_batch;
 
 // Runs the step. logits: host (n_logits, vocab) f32, may be NULL when n_logits == 0.

@@ -250,54 +250,53 @@ static void cpu_fill_normal(pd_backend *b, void *dst, pd_dtype dtype, size_t n, 
     for (size_t i = 0; i < n; i++) d[i] = mean + std * pd_rng_normal(&r);
 }
 
-// Shared buffers are POSIX shared-memory objects: the exporter creates and maps one, the importer
-// maps it by name. The name is unlinked when the exporter frees the buffer; mappings made before
-// stay valid (POSIX semantics), so a peer that imported it keeps working until it unmaps.
+// Shared buffers are anonymous memfds: nothing in /dev/shm, no name another process could open.
+// The exporter keeps the descriptor in the handle; a peer gets a copy only over a unix socket
+// (SCM_RIGHTS, src/xfer) after it authenticated, and maps it here. The memory goes away when the
+// last mapping and descriptor do (any exit, SIGKILL included).
 static void *cpu_alloc_shared(pd_backend *b, size_t n, pd_buffer_handle *h, pd_err *err) {
-    static int counter;
     memset(h, 0, sizeof *h);
-    snprintf(h->kind, sizeof h->kind, "shm");
-    snprintf(h->shm_name, sizeof h->shm_name, "/pdserve-kv-%d-%d", (int)getpid(), __atomic_add_fetch(&counter, 1, __ATOMIC_RELAXED));
+    snprintf(h->kind, sizeof h->kind, "memfd");
     h->n_bytes = n;
     h->pid = (int32_t)getpid();
-    int fd = shm_open(h->shm_name, O_CREAT | O_EXCL | O_RDWR, 0600);
+    int fd = memfd_create("pdserve-kv", MFD_CLOEXEC);
     if (fd < 0) {
-        pd_err_set(err, PD_ERR_IO, "shm_open %s: %m", h->shm_name);
+        pd_err_set(err, PD_ERR_IO, "memfd_create: %m");
         return NULL;
     }
     void *p = MAP_FAILED;
     if (ftruncate(fd, (off_t)n) == 0) p = mmap(NULL, n, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-    close(fd);
     if (p == MAP_FAILED) {
-        pd_err_set(err, PD_ERR_NOMEM, "cannot map %zu bytes of shared memory (%s)", n, h->shm_name);
-        shm_unlink(h->shm_name);
+        pd_err_set(err, PD_ERR_NOMEM, "cannot map %zu bytes of shared memory", n);
+        close(fd);
         return NULL;
     }
+    h->fd = fd;
     return p;
 }
 
 static void cpu_free_shared(pd_backend *b, void *p, const pd_buffer_handle *h) {
     munmap(p, h->n_bytes);
-    shm_unlink(h->shm_name);
+    if (h->fd >= 0) close(h->fd);
 }
 
+// Maps h->fd (a memfd received from the pool's owner). The mapping covers exactly h->n_bytes and
+// is refused when the object is smaller: the size a peer announces is checked against what is
+// really there, so no access past the end can happen.
 static void *cpu_import(pd_backend *b, const pd_buffer_handle *h, pd_err *err) {
-    if (strcmp(h->kind, "shm")) {
-        pd_err_set(err, PD_ERR_UNSUPPORTED, "the cpu backend cannot import a '%s' buffer", h->kind);
-        return NULL;
-    }
-    int fd = shm_open(h->shm_name, O_RDWR, 0);
-    if (fd < 0) {
-        pd_err_set(err, PD_ERR_IO, "shm_open %s: %m", h->shm_name);
+    if (strcmp(h->kind, "memfd") || h->fd < 0) {
+        pd_err_set(err, PD_ERR_UNSUPPORTED, "the cpu backend imports only a memfd received from its owner");
         return NULL;
     }
     struct stat st;
-    void *p = MAP_FAILED;
-    if (fstat(fd, &st) == 0 && (uint64_t)st.st_size >= h->n_bytes)
-        p = mmap(NULL, h->n_bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-    close(fd);
+    if (fstat(h->fd, &st) || !S_ISREG(st.st_mode) || h->n_bytes == 0 || (uint64_t)st.st_size < h->n_bytes) {
+        pd_err_set(err, PD_ERR_INVALID, "shared KV pool: %llu bytes announced, %lld mapped by its owner",
+                   (unsigned long long)h->n_bytes, (long long)st.st_size);
+        return NULL;
+    }
+    void *p = mmap(NULL, h->n_bytes, PROT_READ | PROT_WRITE, MAP_SHARED, h->fd, 0);
     if (p == MAP_FAILED) {
-        pd_err_set(err, PD_ERR_IO, "cannot map shared KV pool %s (%llu bytes)", h->shm_name, (unsigned long long)h->n_bytes);
+        pd_err_set(err, PD_ERR_IO, "cannot map the shared KV pool (%llu bytes): %m", (unsigned long long)h->n_bytes);
         return NULL;
     }
     return p;

@@ -317,6 +317,23 @@ static void *cuda_import(pd_backend *b, const pd_buffer_handle *h, pd_err *err) 
                    (int)h->device, (unsigned long long)h->n_bytes, cudaGetErrorString(e));
         return NULL;
     }
+    // The size a peer announces is checked against the allocation really behind the handle
+    // (cuMemGetAddressRange through the runtime's driver entry point: no libcuda link needed).
+    typedef int (*range_fn)(unsigned long long *base, size_t *size, unsigned long long ptr);
+    void *fn = NULL;
+    enum cudaDriverEntryPointQueryResult qr;
+    unsigned long long rb = 0;
+    size_t rs = 0;
+    if (cudaGetDriverEntryPointByVersion("cuMemGetAddressRange", &fn, 12000, cudaEnableDefault, &qr) != cudaSuccess ||
+        !fn || ((range_fn)fn)(&rb, &rs, (unsigned long long)(uintptr_t)p) != 0 || rb != (unsigned long long)(uintptr_t)p ||
+        rs < h->n_bytes) {
+        cudaGetLastError();
+        cudaIpcCloseMemHandle(p);
+        cudaGetLastError();
+        pd_err_set(err, PD_ERR_INVALID, "cuda: the IPC buffer of pid %d holds %zu bytes, %llu announced", (int)h->pid, rs,
+                   (unsigned long long)h->n_bytes);
+        return NULL;
+    }
     return p;
 }
 
