@@ -9,11 +9,12 @@ allowed() {
     kernels) echo "kernels" ;;
     kv|tok|wire|net|metrics) echo "base $1" ;;
     model) echo "base backend tok model" ;;
+    grammar) echo "base tok grammar" ;;
     sched) echo "base kv sched" ;;
     xfer) echo "base wire net backend kv xfer" ;;
     http) echo "base net http" ;;
-    engine) echo "base model sched kv xfer backend metrics tok wire net engine" ;;
-    api) echo "base http tok engine metrics net api" ;;
+    engine) echo "base model sched kv xfer backend metrics tok wire net grammar engine" ;;
+    api) echo "base http tok engine metrics net grammar api" ;;
     router) echo "base http net wire metrics router" ;;
     bench) echo "base http net metrics bench" ;;
     cmd) echo "*" ;;
