@@ -116,6 +116,10 @@ static api_job *job_new(pd_api *a, pd_http_req *http, const pd_api_request *rq, 
     j->ignore_eos = rq->ignore_eos;
     j->logprobs = rq->logprobs;
     j->n = rq->n;
+    j->parse_tools = rq->tools && rq->tool_choice != PD_API_TOOL_CHOICE_NONE;
+    j->tools_forced = rq->tool_choice >= PD_API_TOOL_CHOICE_REQUIRED;
+    j->tool_fmt = rq->tool_format;
+    j->tools = j->parse_tools ? json_incref(rq->tools) : NULL;
     j->created = (int64_t)time(NULL);
     j->t_arrival_us = pd_time_us();
     snprintf(j->id, sizeof j->id, "%s%016llx%08llx", rq->kind == PD_API_CHAT ? "chatcmpl-" : "cmpl-",
@@ -155,7 +159,8 @@ fail:
 }
 
 // Submits every choice; on failure aborts those already queued and fills e.
-static pd_status job_submit(api_job *j, const pd_api_request *rq, const pd_api_prompts *pr, pd_api_error *e) {
+static pd_status job_submit(api_job *j, const pd_api_request *rq, const pd_api_prompts *pr, pd_grammar *g,
+                            pd_api_error *e) {
     pd_api *a = j->api;
     for (int i = 0; i < j->n_choices; i++) {
         api_choice *c = &j->choices[i];
@@ -173,13 +178,15 @@ static pd_status job_submit(api_job *j, const pd_api_request *rq, const pd_api_p
         er.priority = rq->priority == INT_MIN ? INT_MAX : -rq->priority;
         er.arrival_us = j->t_arrival_us;
         pd_err err = {0};
-        pd_status st = pd_api_idmap_put(&a->ids, er.id, c);
+        pd_status st = pd_api_choice_ctl(a, rq, g, &er.ctl);  // logit bias, grammar matcher
+        if (st == PD_OK) st = pd_api_idmap_put(&a->ids, er.id, c);
         if (st == PD_OK) {
-            st = pd_engine_submit(a->engine, &er, &err);
+            st = pd_engine_submit(a->engine, &er, &err);  // the engine owns er.ctl on success
             if (st) pd_api_idmap_del(&a->ids, er.id);
         } else {
             snprintf(err.msg, sizeof err.msg, "out of memory");
         }
+        if (st) pd_sample_ctl_free(er.ctl);
         if (st) {
             e->status = st;
             e->param[0] = 0;
@@ -200,7 +207,7 @@ static bool parse_and_tokenize(pd_http_req *r, pd_api *a, pd_api_kind kind, cons
                                pd_api_request *rq, pd_api_prompts *pr) {
     pd_api_error e = {0};
     if (pd_api_request_parse(kind, body, len, a->model_name, rq, &e) ||
-        pd_api_request_tokenize(rq, a->tok, a->tmpl, a->max_model_len, pr, &e)) {
+        (rq->tool_format = a->tool_fmt, pd_api_request_tokenize(rq, a->tok, a->tmpl, a->max_model_len, pr, &e))) {
         reply_api_error(r, &e);
         pd_api_request_fini(rq);
         return false;
@@ -215,12 +222,19 @@ static void handle_generate(pd_http_req *r, pd_api *a, pd_api_kind kind) {
     pd_api_prompts pr = {0};
     if (!parse_and_tokenize(r, a, kind, body, len, &rq, &pr)) return;
     pd_api_error e = {0};
+    pd_grammar *g = NULL;
+    if (pd_api_constraint(a, &rq, &g, &e)) {  // response_format / grammar / forced tool calls
+        reply_api_error(r, &e);
+        pd_api_prompts_fini(&pr);
+        pd_api_request_fini(&rq);
+        return;
+    }
     api_job *j = job_new(a, r, &rq, &pr);
     if (!j) {
         e.status = PD_ERR_NOMEM;
         snprintf(e.message, sizeof e.message, "out of memory");
         reply_api_error(r, &e);
-    } else if (job_submit(j, &rq, &pr, &e)) {
+    } else if (job_submit(j, &rq, &pr, g, &e)) {
         j->http = NULL;
         pd_api_job_free(j);  // aborts what was queued
         reply_api_error(r, &e);
@@ -228,6 +242,7 @@ static void handle_generate(pd_http_req *r, pd_api *a, pd_api_kind kind) {
         pd_http_req_set_close_cb(r, on_client_close, j);
         if (j->stream) pd_api_job_stream_begin(j);
     }
+    pd_grammar_unref(g);  // the choices' matchers hold their own references
     pd_api_prompts_fini(&pr);
     pd_api_request_fini(&rq);
 }
@@ -462,6 +477,14 @@ pd_api *pd_api_new(struct event_base *base, pd_engine *e, const pd_api_params *p
         }
     }
     if (register_metrics(a, err)) goto fail;
+    // Constrained decoding: the vocabulary trie, the tool-call syntax, the tokens that end a sequence.
+    pd_err gerr = {0};
+    a->gvocab = pd_grammar_vocab_new(a->tok, &gerr);
+    if (!a->gvocab) PD_LOG_W("api: no constrained decoding: %s", gerr.msg);
+    a->tool_fmt = pd_api_tool_format_detect(tmpl);
+    const pd_model_config *cfg = pd_engine_config(e);
+    for (int i = 0; i < cfg->n_eos && a->n_end_ids < 15; i++) a->end_ids[a->n_end_ids++] = cfg->eos_token_ids[i];
+    if (pd_tok_eos_id(a->tok) >= 0) a->end_ids[a->n_end_ids++] = pd_tok_eos_id(a->tok);
     pd_http_params hp = pd_http_params_default();
     hp.host = p->host;
     hp.port = p->port;
@@ -498,6 +521,8 @@ void pd_api_free(pd_api *a) {
     pd_http_server_free(a->http);
     while (a->jobs) pd_api_job_cancel(a->jobs);
     pd_api_idmap_fini(&a->ids);
+    pd_api_gcache_fini(a);
+    pd_grammar_vocab_free(a->gvocab);
     pd_chat_template_free(a->tmpl);
     pd_metrics_free(a->metrics);
     pd_free(a->model_name);
