@@ -58,7 +58,8 @@ int pd_grammar_n_elems(const pd_grammar *g);
 // ones may be left out), items / minItems / maxItems, enum, const, anyOf / oneOf (as anyOf),
 // allOf of one schema, $ref to a JSON pointer in the same document ($defs, definitions, ...),
 // string minLength / maxLength / format (date, time, date-time, email, uuid), integer minimum /
-// maximum (both given, range <= 4096, or minimum 0 / 1 alone), nullable. Annotations (title,
+// maximum / exclusive bounds (a span <= 4096: every value; wider: the whole digit counts inside
+// the range, plus 0 and single digits, so every output is in range), nullable. Annotations (title,
 // description, default, examples, $schema, $id, strict, $comment) are ignored. Anything else
 // that constrains values is PD_ERR_INVALID naming the keyword and its JSON path (a constraint we
 // could not enforce is never dropped). Whitespace between tokens is limited (one space, or a

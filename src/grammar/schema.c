@@ -259,7 +259,7 @@ static bool num_bound(sc *c, const json_t *s, const char *key, bool *has, long l
     const json_t *x = json_object_get(s, key);
     if (!x) return true;
     double d = json_number_value(x);
-    if (!json_is_number(x) || d != (double)(long long)d || d < -1e15 || d > 1e15)
+    if (!json_is_number(x) || !(d >= -9e18 && d <= 9e18) || d != (double)(long long)d)
         return fail(c, path, "'%s' must be an integer here", key), false;
     long long n = (long long)d + adj;
     if (*has) *v = adj >= 0 ? PD_MAX(*v, n) : PD_MIN(*v, n);
@@ -279,18 +279,40 @@ static bool gen_integer(sc *c, const json_t *s, sbuf *b, const char *path) {
         sb_printf(b, "%sinteger", c->prefix);
         return true;
     }
-    if (has_lo && has_hi) {
-        if (hi < lo) return fail(c, path, "the integer range is empty"), false;
-        if (hi - lo > 4096) return fail(c, path, "integer ranges wider than 4096 values are not supported"), false;
+    if (has_lo && has_hi && hi < lo) return fail(c, path, "the integer range is empty"), false;
+    if (has_lo && has_hi && (unsigned long long)hi - (unsigned long long)lo <= 4096) {  // small ranges: every value
         for (long long v = lo; v <= hi; v++) sb_printf(b, "%s\"%lld\"", v == lo ? "( " : " | ", v);
         sb_puts(b, " )");
         return true;
     }
-    if (has_lo && !has_hi && (lo == 0 || lo == 1)) {
-        sb_printf(b, lo == 0 ? "%suint" : "[1-9] [0-9]{0,15}", c->prefix);
-        return true;
+    // Wide ranges (zod's int() is [-(2^53-1), 2^53-1]): whole digit counts that lie inside the range,
+    // plus 0 and the single digits when they do. A subset of the range, never a value outside it.
+    const long long LIM = 999999999999999ll;  // 15 digits
+    long long plo = has_lo ? PD_MAX(lo, 1) : 1, phi = has_hi ? PD_MIN(hi, LIM) : LIM;
+    long long nlo = has_hi ? PD_MAX(-hi, 1) : 1, nhi = has_lo ? PD_MIN(-lo, LIM) : LIM;  // |negatives|
+    int alts = 0;
+    sb_puts(b, "( ");
+    if ((!has_lo || lo <= 0) && (!has_hi || hi >= 0)) sb_puts(b, alts++ ? " | \"0\"" : "\"0\"");
+    for (int side = 0; side < 2; side++) {
+        long long a = side ? nlo : plo, z = side ? nhi : phi;
+        if (a > z) continue;
+        const char *sign = side ? "\"-\" " : "";
+        if (a <= 9) {  // single digits a..min(z, 9)
+            sb_printf(b, "%s%s[%lld-%lld]", alts++ ? " | " : "", sign, a, PD_MIN(z, 9ll));
+            a = 10;
+        }
+        int da = 1, dz = 0;  // digit counts whose every value lies in [a, z]
+        long long p10 = 1;
+        for (int d = 1; d <= 15; d++, p10 *= 10) {
+            if (p10 < a) da = d + 1;
+            if (p10 * 10 - 1 <= z) dz = d;
+        }
+        if (da < 2) da = 2;
+        if (da <= dz) sb_printf(b, "%s%s[1-9] [0-9]{%d,%d}", alts++ ? " | " : "", sign, da - 1, dz - 1);
     }
-    return fail(c, path, "this integer bound is not supported (use minimum and maximum together, or minimum 0 or 1)"), false;
+    if (!alts) return fail(c, path, "this integer range is not supported (too narrow for its size: give a span <= 4096)"), false;
+    sb_puts(b, " )");
+    return true;
 }
 
 static bool gen_object(sc *c, const json_t *s, sbuf *b, const char *path) {

@@ -359,3 +359,41 @@ PD_TEST(recursive_schema_and_qwen_vocab) {
     pd_grammar_vocab_free(v);
     pd_tok_free(tok);
 }
+
+// Integer bounds: small spans list every value, wide ones (zod's int() is +-(2^53-1)) keep to
+// whole digit counts inside the range; every walk ends in range.
+PD_TEST(integer_bounds) {
+    pd_tok *tok = NULL;
+    pd_grammar_vocab *v = load_vocab("kjv-llama-6m", &tok);
+    PD_REQUIRE(v);
+    static const struct {
+        const char *schema;
+        long long lo, hi;
+    } cases[] = {
+        {"{\"type\":\"integer\",\"minimum\":-9007199254740991,\"maximum\":9007199254740991}", -9007199254740991ll, 9007199254740991ll},
+        {"{\"type\":\"integer\",\"minimum\":5,\"maximum\":100000}", 5, 100000},
+        {"{\"type\":\"integer\",\"exclusiveMinimum\":0}", 1, 999999999999999ll},
+        {"{\"type\":\"integer\",\"minimum\":-20,\"maximum\":-3}", -20, -3},
+        {"{\"type\":\"integer\",\"maximum\":-150}", -999999999999999ll, -150},
+    };
+    for (size_t i = 0; i < PD_ARRAY_LEN(cases); i++) {
+        json_t *s = json_loads(cases[i].schema, 0, NULL);
+        char *gbnf = NULL;
+        pd_err err = {0};
+        PD_REQUIRE(pd_grammar_schema_to_gbnf(s, &gbnf, &err) == PD_OK);
+        pd_grammar *g = compile(gbnf, v, &err);
+        PD_CHECK_MSG(g, "%s: %s", cases[i].schema, err.msg);
+        for (uint64_t seed = 1; g && seed <= 12; seed++) {
+            char *text = walk(g, tok, v, seed, 40, false);
+            if (!text) continue;
+            long long x = strtoll(text, NULL, 10);
+            PD_CHECK_MSG(x >= cases[i].lo && x <= cases[i].hi, "%s: %s", cases[i].schema, text);
+            pd_free(text);
+        }
+        pd_grammar_unref(g);
+        pd_free(gbnf);
+        json_decref(s);
+    }
+    pd_grammar_vocab_free(v);
+    pd_tok_free(tok);
+}
