@@ -12,6 +12,8 @@
 #include <jansson.h>
 
 #include "api/api.h"
+#include "base/buf.h"
+#include "base/map.h"
 #include "grammar/grammar.h"
 #include "http/http.h"
 #include "metrics/metrics.h"
@@ -90,9 +92,7 @@ typedef struct api_gcache {
 } api_gcache;
 
 typedef struct api_idmap {
-    uint64_t *keys;  // 0 = empty, UINT64_MAX = deleted
-    api_choice **vals;
-    size_t cap, n_used, n_live;
+    pd_map map;  // base/map.h: {engine request id, choice}; zero until the first put
 } api_idmap;
 
 struct pd_api {

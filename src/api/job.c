@@ -18,16 +18,10 @@
 
 static void append_text(api_choice *c, const char *s, size_t n) {
     if (!n) return;
-    if (c->len + n + 1 > c->cap) {
-        size_t nc = (c->len + n + 1) * 2;
-        char *t = pd_realloc(c->text, nc);
-        if (!t) {
-            c->job->has_error = true;
-            c->job->error_status = PD_ERR_NOMEM;
-            return;
-        }
-        c->text = t;
-        c->cap = nc;
+    if (PD_ARRAY_RESERVE(c->text, c->cap, c->len + n + 1) != PD_OK) {  // overflow-checked
+        c->job->has_error = true;
+        c->job->error_status = PD_ERR_NOMEM;
+        return;
     }
     memcpy(c->text + c->len, s, n);
     c->len += n;

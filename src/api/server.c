@@ -12,82 +12,30 @@
 
 #include "api/api_impl.h"
 
-// ---- id table: open addressing, linear probing, tombstones ----------------------------------
+// ---- id table: engine request id -> choice, a pd_map (base/map.h) ---------------------------------
 
-#define ID_EMPTY 0ull
-#define ID_DEAD UINT64_MAX
-
-static size_t id_slot(uint64_t id, size_t cap) { return (size_t)((id * 0x9e3779b97f4a7c15ull) >> 17) & (cap - 1); }
+typedef struct id_entry {
+    uint64_t id;
+    api_choice *c;
+} id_entry;
 
 api_choice *pd_api_idmap_get(api_idmap *m, uint64_t id) {
-    if (!m->cap || id == ID_EMPTY || id == ID_DEAD) return NULL;
-    for (size_t i = id_slot(id, m->cap);; i = (i + 1) & (m->cap - 1)) {
-        if (m->keys[i] == id) return m->vals[i];
-        if (m->keys[i] == ID_EMPTY) return NULL;
-    }
-}
-
-static pd_status idmap_grow(api_idmap *m) {
-    size_t nc = m->cap ? m->cap * 2 : 256;
-    while (m->n_live * 2 >= nc) nc *= 2;
-    uint64_t *keys = pd_calloc(nc, sizeof *keys);
-    api_choice **vals = pd_calloc(nc, sizeof *vals);
-    if (!keys || !vals) {
-        pd_free(keys);
-        pd_free(vals);
-        return PD_ERR_NOMEM;
-    }
-    for (size_t i = 0; i < m->cap; i++) {
-        uint64_t k = m->keys[i];
-        if (k == ID_EMPTY || k == ID_DEAD) continue;
-        size_t j = id_slot(k, nc);
-        while (keys[j] != ID_EMPTY) j = (j + 1) & (nc - 1);
-        keys[j] = k;
-        vals[j] = m->vals[i];
-    }
-    pd_free(m->keys);
-    pd_free(m->vals);
-    m->keys = keys;
-    m->vals = vals;
-    m->cap = nc;
-    m->n_used = m->n_live;
-    return PD_OK;
+    const id_entry *e = pd_map_find(&m->map, pd_map_mix64(id), &id);
+    return e ? e->c : NULL;
 }
 
 pd_status pd_api_idmap_put(api_idmap *m, uint64_t id, api_choice *c) {
-    if (id == ID_EMPTY || id == ID_DEAD) return PD_ERR_INVALID;
-    if ((m->n_used + 1) * 2 > m->cap && idmap_grow(m)) return PD_ERR_NOMEM;
-    size_t i = id_slot(id, m->cap);
-    while (m->keys[i] != ID_EMPTY && m->keys[i] != ID_DEAD && m->keys[i] != id) i = (i + 1) & (m->cap - 1);
-    if (m->keys[i] == id) {
-        m->vals[i] = c;
-        return PD_OK;
-    }
-    if (m->keys[i] == ID_EMPTY) m->n_used++;
-    m->keys[i] = id;
-    m->vals[i] = c;
-    m->n_live++;
+    if (!m->map.stride)
+        PD_ASSERT(pd_map_init(&m->map, &(pd_map_params){.entry_size = sizeof(id_entry), .key_size = 8}) == PD_OK);
+    id_entry *e = pd_map_put(&m->map, pd_map_mix64(id), &id, NULL);
+    if (!e) return PD_ERR_NOMEM;
+    e->c = c;
     return PD_OK;
 }
 
-void pd_api_idmap_del(api_idmap *m, uint64_t id) {
-    if (!m->cap || id == ID_EMPTY || id == ID_DEAD) return;
-    for (size_t i = id_slot(id, m->cap);; i = (i + 1) & (m->cap - 1)) {
-        if (m->keys[i] == ID_EMPTY) return;
-        if (m->keys[i] == id) {
-            m->keys[i] = ID_DEAD;
-            m->vals[i] = NULL;
-            m->n_live--;
-            return;
-        }
-    }
-}
+void pd_api_idmap_del(api_idmap *m, uint64_t id) { pd_map_del(&m->map, pd_map_mix64(id), &id); }
 
-void pd_api_idmap_fini(api_idmap *m) {
-    pd_free(m->keys);
-    pd_free(m->vals);
-    memset(m, 0, sizeof *m);
-}
+void pd_api_idmap_fini(api_idmap *m) { pd_map_fini(&m->map); }
 
 // ---- helpers -----------------------------------------------------------------------------------
 
@@ -533,4 +481,4 @@ int pd_api_port(const pd_api *a) { return pd_http_server_port(a->http); }
 const char *pd_api_model_name(const pd_api *a) { return a->model_name; }
 void pd_api_stop_accepting(pd_api *a) { pd_http_server_stop_accepting(a->http); }
 int pd_api_n_jobs(const pd_api *a) { return a->n_jobs; }
-int pd_api_n_engine_requests(const pd_api *a) { return (int)a->ids.n_live; }
+int pd_api_n_engine_requests(const pd_api *a) { return (int)pd_map_len(&a->ids.map); }

@@ -5,12 +5,12 @@
 #include <stdarg.h>
 
 #include "base/base.h"
+#include "base/buf.h"
 
-// A NUL-terminated growable string. Zero-initialise; on OOM it sets is_oom, drops further
-// appends and pd_bench_buf_take returns NULL (so callers check once, at the end).
+// A pd_buf (base/buf.h) with a sticky OOM flag. Zero-initialise; on OOM it sets is_oom, drops
+// further appends and pd_bench_buf_take returns NULL (so callers check once, at the end).
 typedef struct pd_bench_buf {
-    char *s;      // owned
-    size_t len, cap;
+    pd_buf b;
     bool is_oom;
 } pd_bench_buf;
 

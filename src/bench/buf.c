@@ -6,46 +6,17 @@
 #include "bench/bench_impl.h"
 
 void pd_bench_buf_append(pd_bench_buf *b, const char *s, size_t n) {
-    if (b->is_oom) return;
-    if (b->len + n + 1 > b->cap) {
-        size_t ncap = b->cap ? b->cap : 1024;
-        while (ncap < b->len + n + 1) ncap *= 2;
-        char *ns = pd_realloc(b->s, ncap);
-        if (!ns) {
-            b->is_oom = true;
-            return;
-        }
-        b->s = ns;
-        b->cap = ncap;
-    }
-    memcpy(b->s + b->len, s, n);
-    b->len += n;
-    b->s[b->len] = 0;
+    if (!b->is_oom && pd_buf_append(&b->b, s, n) != PD_OK) b->is_oom = true;
 }
 
 void pd_bench_buf_puts(pd_bench_buf *b, const char *s) { pd_bench_buf_append(b, s, strlen(s)); }
 
 void pd_bench_buf_printf(pd_bench_buf *b, const char *fmt, ...) {
-    char small[512];
+    if (b->is_oom) return;
     va_list ap;
     va_start(ap, fmt);
-    int n = vsnprintf(small, sizeof small, fmt, ap);
+    if (pd_buf_vprintf(&b->b, fmt, ap) == PD_ERR_NOMEM) b->is_oom = true;
     va_end(ap);
-    if (n < 0) return;
-    if ((size_t)n < sizeof small) {
-        pd_bench_buf_append(b, small, (size_t)n);
-        return;
-    }
-    char *big = pd_malloc((size_t)n + 1);
-    if (!big) {
-        b->is_oom = true;
-        return;
-    }
-    va_start(ap, fmt);
-    vsnprintf(big, (size_t)n + 1, fmt, ap);
-    va_end(ap);
-    pd_bench_buf_append(b, big, (size_t)n);
-    pd_free(big);
 }
 
 void pd_bench_buf_escape(pd_bench_buf *b, const char *s) {
@@ -62,14 +33,12 @@ void pd_bench_buf_escape(pd_bench_buf *b, const char *s) {
 }
 
 char *pd_bench_buf_take(pd_bench_buf *b) {
-    char *s = b->is_oom ? NULL : b->s;
-    if (!s && !b->is_oom) s = pd_strdup("");
-    if (b->is_oom) pd_free(b->s);
-    *b = (pd_bench_buf){0};
+    char *s = b->is_oom ? NULL : pd_buf_take(&b->b);
+    pd_bench_buf_fini(b);
     return s;
 }
 
 void pd_bench_buf_fini(pd_bench_buf *b) {
-    pd_free(b->s);
-    *b = (pd_bench_buf){0};
+    pd_buf_free(&b->b);
+    b->is_oom = false;
 }

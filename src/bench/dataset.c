@@ -21,6 +21,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "base/buf.h"
 #include "bench/bench.h"
 
 pd_bench_dataset_params pd_bench_dataset_params_default(void) {
@@ -262,7 +263,8 @@ static pd_status load_trace(pd_bench_dataset *d, const pd_bench_dataset_params *
     size_t len = 0;
     pd_status st = pd_file_read_all(p->trace_path, &text, &len, err);
     if (st) return st;
-    int cap = 0, line_no = 0;
+    size_t cap = 0;
+    int line_no = 0;
     pd_rng rng;
     pd_rng_seed(&rng, p->seed);
     for (char *line = text, *next; line && *line; line = next) {
@@ -273,14 +275,8 @@ static pd_status load_trace(pd_bench_dataset *d, const pd_bench_dataset_params *
         while (isspace((unsigned char)*s)) s++;
         if (!*s || *s == '#') continue;
         if (p->n_prompts > 0 && d->n >= p->n_prompts) break;
-        if (d->n == cap) {
-            int ncap = cap ? cap * 2 : 64;
-            pd_bench_prompt *np = pd_realloc(d->prompts, (size_t)ncap * sizeof *np);
-            if (!np) { st = PD_ERR_NOMEM; break; }
-            memset(np + cap, 0, (size_t)(ncap - cap) * sizeof *np);
-            d->prompts = np;
-            cap = ncap;
-        }
+        if (PD_ARRAY_RESERVE(d->prompts, cap, (size_t)d->n + 1) != PD_OK) { st = PD_ERR_NOMEM; break; }
+        memset(&d->prompts[d->n], 0, sizeof d->prompts[d->n]);
         st = trace_line(s, line_no, p, &rng, &d->prompts[d->n], err);
         d->n++;  // counted even on failure so that free releases what it holds
         if (st) break;

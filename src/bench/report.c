@@ -63,20 +63,17 @@ static int cmp_double(const void *a, const void *b) {
 
 // Collects the values of `key` over the run's ok requests (concatenated when they are arrays).
 static double *run_values(json_t *run, const char *key, size_t *n_out) {
-    size_t n = 0, cap = 256, i;
-    double *v = pd_malloc(cap * sizeof *v);
+    size_t n = 0, cap = 0, i;
+    double *v = NULL;
+    *n_out = 0;
+    if (PD_ARRAY_RESERVE(v, cap, 256) != PD_OK) return NULL;
     json_t *r;
     json_array_foreach(json_object_get(run, "requests"), i, r) {
         if (!v) break;
         if (!json_is_true(json_object_get(r, "ok"))) continue;
         json_t *x = json_object_get(r, key);
         size_t m = json_is_array(x) ? json_array_size(x) : 1;
-        if (n + m > cap) {
-            while (cap < n + m) cap *= 2;
-            double *nv = pd_realloc(v, cap * sizeof *nv);
-            if (!nv) { pd_free(v); v = NULL; break; }
-            v = nv;
-        }
+        if (PD_ARRAY_RESERVE(v, cap, n + m) != PD_OK) { pd_free(v); v = NULL; break; }
         for (size_t j = 0; j < m; j++) {
             json_t *e = json_is_array(x) ? json_array_get(x, j) : x;
             if (json_is_number(e) && isfinite(json_number_value(e))) v[n++] = json_number_value(e);

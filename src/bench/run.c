@@ -33,7 +33,8 @@ typedef struct bench_req {
     int64_t t_send_us, t_last_us;
     int n_chunks;
     double *itl_ms;             // owned (moved into the record)
-    int n_itl, itl_cap;
+    int n_itl;
+    size_t itl_cap;
     int usage_prompt, usage_completion;
     char *stream_error;         // owned: an error object seen in the stream
     char err_body[512];         // start of a non-200 body
@@ -126,13 +127,7 @@ static char *request_body(bench_run *run, const pd_bench_prompt *q) {
 }
 
 static bool itl_push(bench_req *rq, double v) {
-    if (rq->n_itl == rq->itl_cap) {
-        int ncap = rq->itl_cap ? rq->itl_cap * 2 : 64;
-        double *n = pd_realloc(rq->itl_ms, (size_t)ncap * sizeof *n);
-        if (!n) return false;
-        rq->itl_ms = n;
-        rq->itl_cap = ncap;
-    }
+    if (PD_ARRAY_RESERVE(rq->itl_ms, rq->itl_cap, (size_t)rq->n_itl + 1) != PD_OK) return false;
     rq->itl_ms[rq->n_itl++] = v;
     return true;
 }

@@ -6,6 +6,7 @@
 #include <string.h>
 
 #include "backend/backend.h"
+#include "base/buf.h"
 #include "cmd/cmd.h"
 #include "model/generate.h"
 #include "model/model.h"
@@ -106,23 +107,13 @@ typedef struct gen_cli {
     pd_tok_stream *stream;
     pd_tok_stop *stop;
     bool print;  // stream text to stdout as it comes
-    char *text;  // accumulated visible text (owned)
-    size_t len, cap;
+    pd_buf text;  // accumulated visible text
     json_t *logprobs;  // array, or NULL
 } gen_cli;
 
 static void emit(gen_cli *g, const char *s, size_t n) {
     if (!n) return;
-    if (g->len + n + 1 > g->cap) {
-        size_t nc = (g->len + n + 1) * 2;
-        char *t = pd_realloc(g->text, nc);
-        if (!t) return;
-        g->text = t;
-        g->cap = nc;
-    }
-    memcpy(g->text + g->len, s, n);
-    g->len += n;
-    g->text[g->len] = 0;
+    if (pd_buf_append(&g->text, s, n) != PD_OK) return;
     if (g->print) {
         fwrite(s, 1, n, stdout);
         fflush(stdout);
@@ -333,7 +324,7 @@ int pd_cmd_generate(int argc, char **argv) {
         json_t *pi = json_array(), *oi = json_array();
         for (int i = 0; i < ids.n; i++) json_array_append_new(pi, json_integer(ids.ids[i]));
         for (int i = 0; i < s.n_out; i++) json_array_append_new(oi, json_integer(out_ids[i]));
-        json_t *o = json_pack("{s:o,s:o,s:s,s:s,s:f}", "prompt_ids", pi, "output_ids", oi, "text", g.text ? g.text : "",
+        json_t *o = json_pack("{s:o,s:o,s:s,s:s,s:f}", "prompt_ids", pi, "output_ids", oi, "text", g.text.p ? g.text.p : "",
                               "finish_reason", s.finish == PD_GEN_FINISH_STOP ? "stop" : "length", "seconds", (double)(t1 - t0) / 1e6);
         if (g.logprobs) json_object_set(o, "logprobs", g.logprobs);
         char *js = json_dumps(o, JSON_PRESERVE_ORDER);
@@ -345,7 +336,7 @@ int pd_cmd_generate(int argc, char **argv) {
 fail:
     if (rc) fprintf(stderr, "pdserve generate: %s\n", err.msg[0] ? err.msg : "failed");
     json_decref(g.logprobs);
-    pd_free(g.text);
+    pd_buf_free(&g.text);
     pd_free(out_ids);
     pd_tok_ids_free(&ids);
     pd_tok_stop_free(g.stop);

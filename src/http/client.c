@@ -100,40 +100,27 @@ void pd_http_client_sse_init(pd_http_client_sse *s, size_t max_bytes) {
 }
 
 void pd_http_client_sse_fini(pd_http_client_sse *s) {
-    pd_free(s->line);
-    pd_free(s->data);
+    pd_buf_free(&s->line);
+    pd_buf_free(&s->data);
     memset(s, 0, sizeof *s);
 }
 
-// Appends n bytes to a growable buffer, keeping room for a NUL. PD_ERR_PROTO past max.
-static pd_status buf_append(char **buf, size_t *len, size_t *cap, const char *src, size_t n,
-                            size_t max) {
-    if (*len + n > max) return PD_ERR_PROTO;
-    if (*len + n + 1 > *cap) {
-        size_t ncap = *cap ? *cap : 256;
-        while (ncap < *len + n + 1) ncap *= 2;
-        char *nb = pd_realloc(*buf, ncap);
-        if (!nb) return PD_ERR_NOMEM;
-        *buf = nb;
-        *cap = ncap;
-    }
-    if (n) memcpy(*buf + *len, src, n);
-    *len += n;
-    (*buf)[*len] = 0;
-    return PD_OK;
+// Appends n bytes to b; PD_ERR_PROTO past max.
+static pd_status buf_append(pd_buf *b, const char *src, size_t n, size_t max) {
+    if (n > max || b->len > max - n) return PD_ERR_PROTO;
+    return pd_buf_append(b, src, n);
 }
 
 // One complete line (without its terminator) of the event stream.
 static pd_status sse_line(pd_http_client_sse *s, pd_http_client_sse_fn fn, void *ud) {
-    const char *line = s->line ? s->line : "";
-    size_t n = s->line_len;
+    const char *line = s->line.p ? s->line.p : "";
+    size_t n = s->line.len;
     if (n == 0) {  // blank line: dispatch
         if (s->has_data) {
             static char empty[1];
-            fn(s->event, s->data ? s->data : empty, s->data_len, ud);
+            fn(s->event, s->data.p ? s->data.p : empty, s->data.len, ud);
         }
-        s->data_len = 0;
-        if (s->data) s->data[0] = 0;
+        pd_buf_clear(&s->data);
         s->has_data = false;
         s->event[0] = 0;
         return PD_OK;
@@ -146,10 +133,9 @@ static pd_status sse_line(pd_http_client_sse *s, pd_http_client_sse_fn fn, void 
     if (value_len && value[0] == ' ') value++, value_len--;
     if (name_len == 4 && !memcmp(line, "data", 4)) {
         pd_status st;
-        if (s->has_data && (st = buf_append(&s->data, &s->data_len, &s->data_cap, "\n", 1, s->max_bytes)))
-            return st;
+        if (s->has_data && (st = buf_append(&s->data, "\n", 1, s->max_bytes))) return st;
         s->has_data = true;
-        return buf_append(&s->data, &s->data_len, &s->data_cap, value, value_len, s->max_bytes);
+        return buf_append(&s->data, value, value_len, s->max_bytes);
     }
     if (name_len == 5 && !memcmp(line, "event", 5)) {
         size_t m = PD_MIN(value_len, sizeof s->event - 1);
@@ -174,13 +160,13 @@ pd_status pd_http_client_sse_feed(pd_http_client_sse *s, const char *buf, size_t
             s->last_was_cr = ch == '\r';
             pd_status st = sse_line(s, fn, ud);
             if (st) return st;
-            s->line_len = 0;
+            pd_buf_clear(&s->line);
             i++;
             continue;
         }
         size_t j = i;
         while (j < len && buf[j] != '\r' && buf[j] != '\n') j++;
-        pd_status st = buf_append(&s->line, &s->line_len, &s->line_cap, buf + i, j - i, s->max_bytes);
+        pd_status st = buf_append(&s->line, buf + i, j - i, s->max_bytes);
         if (st) return st;
         i = j;
     }
@@ -655,8 +641,7 @@ fail:
 
 typedef struct fetch_state {
     struct event_base *base;
-    char *body;
-    size_t len, cap;
+    pd_buf body;
     bool oom;
     pd_status status;
     int http_status;
@@ -665,18 +650,7 @@ typedef struct fetch_state {
 
 static void fetch_body(pd_http_client_call *call, const char *data, size_t len, void *ud) {
     fetch_state *f = ud;
-    if (f->oom) return;
-    if (f->len + len + 1 > f->cap) {
-        size_t cap = PD_MAX(f->cap * 2, f->len + len + 1);
-        char *nb = pd_realloc(f->body, cap);
-        if (!nb) {
-            f->oom = true;
-            return;
-        }
-        f->body = nb, f->cap = cap;
-    }
-    memcpy(f->body + f->len, data, len);
-    f->len += len;
+    if (!f->oom && pd_buf_append(&f->body, data, len) != PD_OK) f->oom = true;
 }
 
 static void fetch_done(pd_http_client_call *call, pd_status status, int http_status, const char *msg, void *ud) {
@@ -711,14 +685,15 @@ pd_status pd_http_fetch(const pd_http_client_request *rq, int timeout_ms, int *h
     }
     pd_http_client_free(c);
     event_base_free(f.base);
-    if (!st && !f.body && !(f.body = pd_malloc(1))) st = pd_err_set(err, PD_ERR_NOMEM, "http fetch: out of memory");
+    size_t n = f.body.len;
+    char *p = st ? NULL : pd_buf_take(&f.body);
+    if (!st && !p) st = pd_err_set(err, PD_ERR_NOMEM, "http fetch: out of memory");
     if (st) {
-        pd_free(f.body);
+        pd_buf_free(&f.body);
         return st;
     }
-    f.body[f.len] = 0;
-    *body = f.body;
-    if (body_len) *body_len = f.len;
+    *body = p;
+    if (body_len) *body_len = n;
     *http_status = f.http_status;
     return PD_OK;
 }

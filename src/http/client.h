@@ -41,6 +41,7 @@
 #include <stddef.h>
 
 #include "base/base.h"
+#include "base/buf.h"
 
 #ifdef __cplusplus
 extern "C" {
@@ -126,10 +127,8 @@ pd_status pd_http_fetch(const pd_http_client_request *rq, int timeout_ms, int *h
 // ---- the incremental SSE reader (pure; used by the client, exposed for tests and proxies) -------
 typedef void (*pd_http_client_sse_fn)(const char *event, const char *data, size_t len, void *ud);
 typedef struct pd_http_client_sse {
-    char *line;        // owned: the current, not yet terminated line
-    size_t line_len, line_cap;
-    char *data;        // owned: data lines of the open event, joined with \n
-    size_t data_len, data_cap;
+    pd_buf line;       // the current, not yet terminated line
+    pd_buf data;       // data lines of the open event, joined with \n
     char event[64];    // the `event:` field of the open event ("" if none)
     bool has_data;     // a data: line was seen in the open event
     bool last_was_cr;  // the previous byte was \r (so a following \n ends no second line)

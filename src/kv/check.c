@@ -53,22 +53,23 @@ static pd_status check_blocks(const pd_kv_mgr *m, pd_err *err) {
 }
 
 static pd_status check_map(const pd_kv_mgr *m, pd_err *err) {
-    const pd_kv_prefix *p = &m->prefix;
-    if (!p->slots) return PD_OK;
+    const pd_map *map = &m->prefix.map;
+    if (!map->slots) return PD_OK;
     int32_t n = 0;
-    for (uint64_t i = 0; i <= p->mask; i++) {
-        const pd_kv_prefix_entry *e = &p->slots[i];
-        if (e->block_id < 0) continue;
+    for (size_t i = 0; i < map->cap; i++) {
+        const pd_kv_prefix_entry *e = pd_map_slot(map, i);
+        if (!e) continue;
         n++;
-        if (e->block_id >= m->params.n_blocks) FAIL("map slot %llu: block %d", (unsigned long long)i, e->block_id);
+        if (e->block_id < 0 || e->block_id >= m->params.n_blocks)
+            FAIL("map slot %zu: block %d", i, e->block_id);
         const pd_kv_block *b = &m->blocks[e->block_id];
         if (!b->is_cached || !pd_hash128_eq(b->hash, e->key))
             FAIL("map entry for block %d does not match the block's hash", e->block_id);
-        // Linear probing: no empty slot between the home slot and this one.
-        for (uint64_t j = e->key.lo & p->mask; j != i; j = (j + 1) & p->mask)
-            if (p->slots[j].block_id < 0) FAIL("map entry for block %d unreachable", e->block_id);
+        // Linear probing: the entry is found from its home slot.
+        if (pd_map_find(map, e->key.lo, &e->key) != e) FAIL("map entry for block %d unreachable", e->block_id);
     }
-    if (n != p->n) FAIL("map holds %d entries, counter says %d", n, p->n);
+    if (n != m->prefix.n || (size_t)n != pd_map_len(map))
+        FAIL("map holds %d entries, counter says %d", n, m->prefix.n);
     return PD_OK;
 }
 

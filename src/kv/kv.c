@@ -10,6 +10,7 @@
 //   |<------------ n_tokens_computed ------------>|<- new ->|
 //
 // Only blocks entirely inside n_tokens_computed are ever cached, so a partial last block never is.
+#include "base/buf.h"
 #include "kv/kv_impl.h"
 
 #include <string.h>
@@ -65,7 +66,7 @@ fail:
 
 void pd_kv_mgr_free(pd_kv_mgr *m) {
     if (!m) return;
-    if (m->prefix.slots) pd_kv_prefix_fini(&m->prefix);
+    pd_kv_prefix_fini(&m->prefix);
     pd_free(m->events);
     pd_free(m->block_tokens);
     pd_free(m->blocks);
@@ -90,23 +91,10 @@ void pd_kv_seq_fini(pd_kv_seq *seq) {
     seq->root = root;
 }
 
-// Grows *arr (elements of elem_size) to hold at least need elements, doubling.
-static pd_status grow(void **arr, int32_t *cap, int32_t need, size_t elem_size) {
-    if (need <= *cap) return PD_OK;
-    int64_t c = *cap > 0 ? *cap : 8;
-    while (c < need) c *= 2;
-    if (c > INT32_MAX) c = need;
-    void *p = pd_realloc(*arr, (size_t)c * elem_size);
-    if (!p) return PD_ERR_NOMEM;
-    *arr = p;
-    *cap = (int32_t)c;
-    return PD_OK;
-}
-
 // Extends the seq's chain hashes to cover the first n_full blocks of tokens.
 static pd_status seq_hash_upto(pd_kv_mgr *m, pd_kv_seq *seq, const int32_t *tokens, int32_t n_full) {
     if (n_full <= seq->n_hashes) return PD_OK;
-    pd_status st = grow((void **)&seq->block_hashes, &seq->cap_hashes, n_full, sizeof(pd_hash128));
+    pd_status st = PD_ARRAY_RESERVE(seq->block_hashes, seq->cap_hashes, (size_t)n_full);
     if (st != PD_OK) return st;
     int32_t bs = m->params.block_size;
     for (int32_t i = seq->n_hashes; i < n_full; i++) {
@@ -153,7 +141,7 @@ pd_status pd_kv_get_computed_blocks(pd_kv_mgr *m, pd_kv_seq *seq, const int32_t 
     // NOTE: at least one token is always left to compute: a forward is needed for the logits.
     int32_t max_blocks = (n_tokens - 1) / m->params.block_size;
     pd_status st = seq_hash_upto(m, seq, tokens, max_blocks);
-    if (st == PD_OK) st = grow((void **)&seq->block_ids, &seq->cap_blocks, max_blocks, sizeof(int32_t));
+    if (st == PD_OK) st = PD_ARRAY_RESERVE(seq->block_ids, seq->cap_blocks, (size_t)max_blocks);
     if (st != PD_OK) return st;
     int32_t n_hit = walk_prefix(m, seq, tokens, max_blocks, true);
     m->stats.n_query_tokens += n_tokens;
@@ -179,8 +167,7 @@ pd_status pd_kv_alloc_slots(pd_kv_mgr *m, pd_kv_seq *seq, int32_t n_tokens_compu
     int32_t need = pd_kv_n_blocks_for(m, n_tokens_computed + n_new_tokens) - seq->n_blocks;
     if (need <= 0) return PD_OK;
     if (need > m->freeq.n) return PD_NOSPACE;
-    pd_status st = grow((void **)&seq->block_ids, &seq->cap_blocks, seq->n_blocks + need,
-                        sizeof(int32_t));
+    pd_status st = PD_ARRAY_RESERVE(seq->block_ids, seq->cap_blocks, (size_t)seq->n_blocks + (size_t)need);
     if (st != PD_OK) return st;
     for (int32_t i = 0; i < need; i++) {
         int32_t id = pd_kv_pool_alloc(m);

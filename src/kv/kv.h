@@ -69,10 +69,10 @@ void pd_kv_mgr_free(pd_kv_mgr *m);
 typedef struct pd_kv_seq {
     int32_t *block_ids;        // owned; (n_blocks) block ids, append-only while blocks are held
     int32_t n_blocks;
-    int32_t cap_blocks;
+    size_t cap_blocks;
     pd_hash128 *block_hashes;  // owned; (n_hashes) chain hashes of the request's full token blocks
     int32_t n_hashes;          // grows as tokens are appended; survives pd_kv_free_request
-    int32_t cap_hashes;
+    size_t cap_hashes;
     int32_t n_blocks_cached;   // leading blocks already registered in (or found in) the prefix cache
     int32_t parent_id;         // identity of block n_blocks_cached-1 for chaining (-1: root)
     uint32_t parent_gen;

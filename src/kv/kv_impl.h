@@ -8,6 +8,7 @@
 //   check.c   pd_kv_check
 #pragma once
 
+#include "base/map.h"
 #include "kv/kv.h"
 
 // Per-block metadata. Indexed by block id; index n_blocks is the free queue's sentinel.
@@ -44,18 +45,17 @@ int32_t pd_kv_freeq_head(const pd_kv_freeq *q);
 int32_t pd_kv_freeq_next(const pd_kv_freeq *q, int32_t id);
 int32_t pd_kv_freeq_tail(const pd_kv_freeq *q);
 
-// Hash -> block id, open addressing with linear probing and backward-shift deletion. The table is
-// sized at creation to a power of two >= 2 * n_blocks, and holds at most n_blocks entries, so it
-// never grows and probes stay short.
+// Hash -> block id: a pd_map (base/map.h) of pd_kv_prefix_entry keyed by the 128-bit hash, whose
+// low word is already uniform (XXH3) and so is the map hash. Reserved at creation for n_blocks
+// entries (at most one per block), so an insert never allocates or fails.
 typedef struct pd_kv_prefix_entry {
     pd_hash128 key;
-    int32_t block_id;  // -1 = empty slot
+    int32_t block_id;
 } pd_kv_prefix_entry;
 
 typedef struct pd_kv_prefix {
-    pd_kv_prefix_entry *slots;  // owned; (mask + 1)
-    uint64_t mask;
-    int32_t n;                  // entries in use
+    pd_map map;  // of pd_kv_prefix_entry
+    int32_t n;   // entries in use (== map's length)
 } pd_kv_prefix;
 
 pd_status pd_kv_prefix_init(pd_kv_prefix *p, int32_t n_blocks);

@@ -1,10 +1,9 @@
 // prefix.c — the prefix cache's hash map (vLLM BlockHashToBlockMap) and hit verification.
 //
-// Map: open addressing over a power-of-two table of (hash, block id) with linear probing. The
-// 128-bit key is already uniformly distributed, so its low bits are the home slot. Sized at creation
-// to >= 2 * n_blocks (load <= 1/2) and never resized, since at most one entry exists per block.
-// Deletion shifts later entries of the probe run back (Knuth's algorithm R) instead of leaving
-// tombstones, so lookups never degrade however long the server runs.
+// Map: a pd_map (base/map.h: open addressing, linear probing, backward-shift deletion, so
+// lookups never degrade however long the server runs) keyed by the 128-bit hash, whose low word is
+// the map hash. Reserved at creation for n_blocks entries at load <= 1/2 and never grown, since at
+// most one entry exists per block: inserts cannot fail.
 //
 // One entry per hash: when a second block computes content whose hash is already present, the second
 // block stays private to its request (kv.c). So a lookup yields at most one candidate, and
@@ -20,56 +19,34 @@
 #include <string.h>
 
 pd_status pd_kv_prefix_init(pd_kv_prefix *p, int32_t n_blocks) {
-    uint64_t cap = 16;
-    while (cap < 2 * (uint64_t)n_blocks) cap <<= 1;
-    p->slots = pd_malloc(cap * sizeof *p->slots);
-    if (!p->slots) return PD_ERR_NOMEM;
-    for (uint64_t i = 0; i < cap; i++) p->slots[i].block_id = -1;
-    p->mask = cap - 1;
     p->n = 0;
-    return PD_OK;
+    pd_status st = pd_map_init(&p->map, &(pd_map_params){.entry_size = sizeof(pd_kv_prefix_entry),
+                                                         .key_size = sizeof(pd_hash128)});
+    if (st == PD_OK) st = pd_map_reserve(&p->map, (size_t)(n_blocks > 0 ? n_blocks : 1));
+    return st;
 }
 
 void pd_kv_prefix_fini(pd_kv_prefix *p) {
-    pd_free(p->slots);
+    pd_map_fini(&p->map);
     memset(p, 0, sizeof *p);
 }
 
-static uint64_t find_slot(const pd_kv_prefix *p, pd_hash128 key) {
-    uint64_t i = key.lo & p->mask;
-    while (p->slots[i].block_id >= 0 && !pd_hash128_eq(p->slots[i].key, key)) i = (i + 1) & p->mask;
-    return i;
-}
-
 int32_t pd_kv_prefix_find(const pd_kv_prefix *p, pd_hash128 key) {
-    return p->slots[find_slot(p, key)].block_id;
+    const pd_kv_prefix_entry *e = pd_map_find(&p->map, key.lo, &key);
+    return e ? e->block_id : -1;
 }
 
 void pd_kv_prefix_insert(pd_kv_prefix *p, pd_hash128 key, int32_t block_id) {
-    uint64_t i = find_slot(p, key);
-    PD_ASSERT(p->slots[i].block_id < 0 && block_id >= 0);
-    PD_ASSERT((uint64_t)p->n < p->mask);  // never full: load stays <= 1/2
-    p->slots[i].key = key;
-    p->slots[i].block_id = block_id;
+    PD_ASSERT(block_id >= 0);
+    bool existed;
+    pd_kv_prefix_entry *e = pd_map_put(&p->map, key.lo, &key, &existed);
+    PD_ASSERT(e && !existed);  // reserved for every block at init: never grows
+    e->block_id = block_id;
     p->n++;
 }
 
 void pd_kv_prefix_remove(pd_kv_prefix *p, pd_hash128 key) {
-    uint64_t i = find_slot(p, key);
-    PD_ASSERT(p->slots[i].block_id >= 0);
-    // Backward shift: move each later entry of the run into the hole unless its home slot lies
-    // cyclically in (hole, j], in which case moving it would put it before its home.
-    uint64_t hole = i, j = i;
-    for (;;) {
-        j = (j + 1) & p->mask;
-        if (p->slots[j].block_id < 0) break;
-        uint64_t home = p->slots[j].key.lo & p->mask;
-        bool stays = hole <= j ? (hole < home && home <= j) : (hole < home || home <= j);
-        if (stays) continue;
-        p->slots[hole] = p->slots[j];
-        hole = j;
-    }
-    p->slots[hole].block_id = -1;
+    PD_ASSERT(pd_map_del(&p->map, key.lo, &key));
     p->n--;
 }
 

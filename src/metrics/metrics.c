@@ -5,8 +5,14 @@
 // torn value; updates use a compare-exchange loop so even two writers would not lose increments.
 // Rendering walks the list once per distinct name (O(n^2) in the number of metrics, which is a
 // few dozen), so that the label sets of one name come out together under one HELP/TYPE header as
-// the text format requires.
+// the text format requires. pd_metrics_find (on request paths) goes through an index, a pd_map
+// (base/map.h) over (name, labels).
 #include "metrics/metrics.h"
+
+#include "base/buf.h"
+#include "base/map.h"
+
+#include <xxhash.h>
 
 #include <math.h>
 #include <stdatomic.h>
@@ -28,7 +34,26 @@ struct pd_metric {
 
 struct pd_metrics {
     pd_metric *head, *tail;
+    pd_map index;  // of pd_metric *, by (name, labels)
 };
+
+typedef struct mkey {
+    const char *name, *labels;
+} mkey;
+
+static bool same_labels(const char *a, const char *b);
+
+static bool index_eq(const void *entry, const void *key, void *ctx) {
+    const pd_metric *x;
+    memcpy(&x, entry, sizeof x);
+    const mkey *k = key;
+    return !strcmp(x->name, k->name) && same_labels(x->labels, k->labels);
+}
+
+static uint64_t index_hash(const char *name, const char *labels) {
+    uint64_t h = XXH3_64bits(name, strlen(name));
+    return labels && *labels ? h ^ pd_map_mix64(XXH3_64bits(labels, strlen(labels))) : h;
+}
 
 const double pd_metrics_latency_buckets[] = {0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
                                              0.5,   1.0,    2.5,   5.0,  10.0,  20.0, 40.0, 60.0};
@@ -55,7 +80,11 @@ static void atomic_add_double(_Atomic uint64_t *a, double v) {
     }
 }
 
-pd_metrics *pd_metrics_new(void) { return pd_calloc(1, sizeof(pd_metrics)); }
+pd_metrics *pd_metrics_new(void) {
+    pd_metrics *m = pd_calloc(1, sizeof(pd_metrics));
+    if (m) PD_ASSERT(pd_map_init(&m->index, &(pd_map_params){.entry_size = sizeof(pd_metric *), .eq = index_eq}) == PD_OK);
+    return m;
+}
 
 static void metric_free(pd_metric *x) {
     pd_free(x->name);
@@ -70,6 +99,7 @@ void pd_metrics_free(pd_metrics *m) {
         nx = x->next;
         metric_free(x);
     }
+    pd_map_fini(&m->index);
     pd_free(m);
 }
 
@@ -90,9 +120,9 @@ static bool same_labels(const char *a, const char *b) {
 }
 
 pd_metric *pd_metrics_find(pd_metrics *m, const char *name, const char *labels) {
-    for (pd_metric *x = m->head; x; x = x->next)
-        if (!strcmp(x->name, name) && same_labels(x->labels, labels)) return x;
-    return NULL;
+    if (!name) return NULL;
+    pd_metric *const *e = pd_map_find(&m->index, index_hash(name, labels), &(mkey){name, labels});
+    return e ? *e : NULL;
 }
 
 static pd_metric *add(pd_metrics *m, pd_metric_kind kind, const char *name, const char *help,
@@ -125,6 +155,9 @@ static pd_metric *add(pd_metrics *m, pd_metric_kind kind, const char *name, cons
         if (*p == '\n') *p = ' ';
     atomic_init(&x->value_bits, d_to_bits(0.0));
     atomic_init(&x->count, 0);
+    pd_metric **e = pd_map_put(&m->index, index_hash(x->name, x->labels), &(mkey){x->name, x->labels}, NULL);
+    if (!e) goto oom;
+    *e = x;
     if (m->tail) m->tail->next = x;
     else m->head = x;
     m->tail = x;
@@ -210,36 +243,17 @@ double pd_metric_sum(const pd_metric *h) {
 // ---- rendering ---------------------------------------------------------------------------------
 
 typedef struct rbuf {
-    char *p;
-    size_t len, cap;
+    pd_buf s;
     bool oom;
 } rbuf;
 
 static void rb_printf(rbuf *b, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 static void rb_printf(rbuf *b, const char *fmt, ...) {
     if (b->oom) return;
-    for (;;) {
-        va_list ap;
-        va_start(ap, fmt);
-        int n = vsnprintf(b->p + b->len, b->cap - b->len, fmt, ap);
-        va_end(ap);
-        if (n < 0) {
-            b->oom = true;
-            return;
-        }
-        if ((size_t)n < b->cap - b->len) {
-            b->len += (size_t)n;
-            return;
-        }
-        size_t nc = (b->cap + (size_t)n + 1) * 2;
-        char *np = pd_realloc(b->p, nc);
-        if (!np) {
-            b->oom = true;
-            return;
-        }
-        b->p = np;
-        b->cap = nc;
-    }
+    va_list ap;
+    va_start(ap, fmt);
+    b->oom = pd_buf_vprintf(&b->s, fmt, ap) != PD_OK;
+    va_end(ap);
 }
 
 // Formats a sample value the way Prometheus clients do: +Inf/-Inf/NaN, integers without a
@@ -275,10 +289,7 @@ static void render_histogram(rbuf *b, const pd_metric *x) {
 
 pd_status pd_metrics_render(const pd_metrics *m, char **out, size_t *out_len) {
     rbuf b = {0};
-    b.cap = 4096;
-    b.p = pd_malloc(b.cap);
-    if (!b.p) return PD_ERR_NOMEM;
-    b.p[0] = 0;
+    if (pd_buf_reserve(&b.s, 4096) != PD_OK) return PD_ERR_NOMEM;
     for (const pd_metric *x = m->head; x; x = x->next) {
         // Emit each name once, at its first registration, with all its label sets.
         bool seen = false;
@@ -299,10 +310,10 @@ pd_status pd_metrics_render(const pd_metrics *m, char **out, size_t *out_len) {
         }
     }
     if (b.oom) {
-        pd_free(b.p);
+        pd_buf_free(&b.s);
         return PD_ERR_NOMEM;
     }
-    *out = b.p;
-    if (out_len) *out_len = b.len;
+    if (out_len) *out_len = b.s.len;
+    *out = pd_buf_take(&b.s);
     return PD_OK;
 }

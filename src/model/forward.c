@@ -22,6 +22,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "base/buf.h"
 #include "model/model_impl.h"
 
 // Offsets (in int32 elements) of each array inside the packed metadata.
@@ -269,12 +270,7 @@ static bool pad_batch(pd_model *m, const pd_batch *b, int B, int bs, pd_batch *p
     for (int s = 0; s < n; s++) n_bt += PD_MIN(b->bt_indptr[s + 1] - b->bt_indptr[s], (b->kv_lens[s] + bs - 1) / bs);
     int need = B + (B + 1) + B + (B + 1) + n_bt + (B - n) + B;
     pd_model_ws *ws = &m->ws;
-    if (need > ws->cap_pad) {
-        int32_t *h = pd_realloc(ws->pad_host, sizeof(int32_t) * (size_t)need);
-        if (!h) return false;
-        ws->pad_host = h;
-        ws->cap_pad = need;
-    }
+    if (PD_ARRAY_RESERVE(ws->pad_host, ws->cap_pad, (size_t)need) != PD_OK) return false;
     int32_t *tok = ws->pad_host, *qi = tok + B, *kvl = qi + B + 1, *bti = kvl + B, *bt = bti + B + 1;
     int32_t *lr = bt + n_bt + (B - n);
     int k = 0;

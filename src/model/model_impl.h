@@ -52,7 +52,7 @@ typedef struct pd_model_ws {
     int n_graphs;
     uint64_t use_clock;
     int32_t *pad_host;   // (cap_pad) the padded decode batch's host arrays
-    int cap_pad;
+    size_t cap_pad;
 } pd_model_ws;
 
 // forward.c: frees the captured graphs and their buffers (pd_model_free calls it).

@@ -2,6 +2,7 @@
 //   [u64 little-endian N][N bytes of JSON header][data]
 //   header: {"name": {"dtype": "BF16", "shape": [..], "data_offsets": [begin, end]}, ...,
 //            "__metadata__": {...}}   offsets are relative to the start of data.
+#include "base/buf.h"
 #include "model/safetensors.h"
 
 #include <errno.h>
@@ -16,7 +17,8 @@
 
 struct pd_st {
     pd_st_tensor *tensors;  // owned
-    int n, cap;
+    int n;
+    size_t cap;
     void *maps[MAX_FILES];  // owned mappings
     size_t map_len[MAX_FILES];
     int n_files;
@@ -96,13 +98,8 @@ static pd_status parse_entry(pd_st *st, const char *name, json_t *e, const uint8
     if (end > data_len)
         return pd_err_set(err, PD_ERR_PROTO, "%s: truncated file: tensor '%s' ends at byte %zu of a %zu-byte data section", what,
                           name, end, data_len);
-    if (st->n == st->cap) {
-        int nc = st->cap ? st->cap * 2 : 64;
-        pd_st_tensor *nt = pd_realloc(st->tensors, sizeof *nt * (size_t)nc);
-        if (!nt) return pd_err_set(err, PD_ERR_NOMEM, "out of memory");
-        st->tensors = nt;
-        st->cap = nc;
-    }
+    if (PD_ARRAY_RESERVE(st->tensors, st->cap, (size_t)st->n + 1) != PD_OK)
+        return pd_err_set(err, PD_ERR_NOMEM, "out of memory");
     t.name = pd_strdup(name);
     if (!t.name) return pd_err_set(err, PD_ERR_NOMEM, "out of memory");
     t.data = data + begin;

@@ -32,6 +32,7 @@
 #include <string.h>
 #include <strings.h>
 
+#include "base/buf.h"
 #include "router/router_impl.h"
 
 typedef enum rt_kind { RT_COMPLETIONS = 0, RT_CHAT = 1 } rt_kind;
@@ -48,7 +49,8 @@ struct rt_job {
     int32_t n_prompt;            // ids, or an estimate when !has_ids
     bool has_ids;
     int32_t *gen_ids;            // owned; (n_gen) token ids relayed to the client so far
-    int32_t n_gen, cap_gen;
+    int32_t n_gen;
+    size_t cap_gen;
     long max_tokens;             // the client's, -1 if absent
     int w;                       // worker of the current upstream call, -1
     int n_attempts;
@@ -76,13 +78,7 @@ static void on_up_done(pd_http_client_call *call, pd_status st, int http_status,
 
 // ---- small helpers ----------------------------------------------------------------------------------
 static void buf_append(rt_job *j, const char *data, size_t n) {
-    if (j->len + n + 1 > j->cap) {
-        size_t cap = PD_MAX(j->cap * 2, j->len + n + 1);
-        char *b = pd_realloc(j->buf, cap);
-        if (!b) return;
-        j->buf = b;
-        j->cap = cap;
-    }
+    if (n >= SIZE_MAX - j->len || PD_ARRAY_RESERVE(j->buf, j->cap, j->len + n + 1) != PD_OK) return;
     memcpy(j->buf + j->len, data, n);
     j->len += n;
     j->buf[j->len] = 0;
@@ -190,13 +186,7 @@ static void relay_event(rt_job *j, const char *data, size_t len) {
         size_t k;
         json_t *x;
         json_array_foreach(ids, k, x) {
-            if (j->n_gen == j->cap_gen) {
-                int32_t cap = PD_MAX(64, j->cap_gen * 2);
-                int32_t *g = pd_realloc(j->gen_ids, (size_t)cap * sizeof *g);
-                if (!g) break;
-                j->gen_ids = g;
-                j->cap_gen = cap;
-            }
+            if (j->n_gen == INT32_MAX || PD_ARRAY_RESERVE(j->gen_ids, j->cap_gen, (size_t)j->n_gen + 1) != PD_OK) break;
             j->gen_ids[j->n_gen++] = (int32_t)json_integer_value(x);
         }
         if (json_is_string(json_object_get(c0, "finish_reason"))) j->saw_finish = true;

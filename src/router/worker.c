@@ -18,6 +18,7 @@
 #include <stdio.h>
 #include <string.h>
 
+#include "base/buf.h"
 #include "router/router_impl.h"
 
 int rt_n_healthy(const pd_router *r) {
@@ -161,13 +162,8 @@ static void poll_ok(pd_router *r, rt_worker *w, int http_status) {
 
 static void on_poll_body(pd_http_client_call *call, const char *data, size_t len, void *ud) {
     rt_worker *w = ud;
-    if (w->poll_len + len + 1 > w->poll_cap) {
-        size_t cap = PD_MAX(w->poll_cap * 2, w->poll_len + len + 1);
-        char *b = pd_realloc(w->poll_buf, cap);
-        if (!b) return;  // the decode will fail and be logged
-        w->poll_buf = b;
-        w->poll_cap = cap;
-    }
+    if (len >= SIZE_MAX - w->poll_len || PD_ARRAY_RESERVE(w->poll_buf, w->poll_cap, w->poll_len + len + 1) != PD_OK)
+        return;  // the decode will fail and be logged
     memcpy(w->poll_buf + w->poll_len, data, len);
     w->poll_len += len;
     w->poll_buf[w->poll_len] = 0;

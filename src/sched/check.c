@@ -64,8 +64,8 @@ static pd_status check_waiting(const pd_sched *s, pd_err *err) {
         FAIL("map holds %d requests, queues %d + %d + detached %d + %d", s->reqs.n, s->n_waiting,
              s->n_running, s->n_loading_aborted, s->n_held);
     int32_t n_held = 0, n_aborted = 0, n_loading = 0;
-    for (uint64_t i = 0; i <= s->reqs.mask; i++) {
-        const pd_sched_req *r = s->reqs.slots[i];
+    for (size_t i = 0; i < pd_sched_reqmap_cap(&s->reqs); i++) {
+        const pd_sched_req *r = pd_sched_reqmap_at(&s->reqs, i);
         if (!r) continue;
         if (pd_sched_reqmap_find(&s->reqs, r->id) != r) FAIL("map entry %llu unreachable", (unsigned long long)r->id);
         if (r->state == PD_SCHED_FINISHED) FAIL("finished request %llu in the map", (unsigned long long)r->id);
@@ -86,9 +86,9 @@ static pd_status check_refs(const pd_sched *s, pd_err *err) {
     int32_t *want = pd_calloc((size_t)n, sizeof *want);
     if (!want) FAIL("out of memory");
     pd_status st = PD_OK;
-    for (uint64_t i = 0; i <= s->reqs.mask; i++) {  // every live request, in any state
-        if (!s->reqs.slots[i]) continue;
-        const pd_kv_seq *q = &s->reqs.slots[i]->kv;
+    for (size_t i = 0; i < pd_sched_reqmap_cap(&s->reqs); i++) {  // every live request, in any state
+        if (!pd_sched_reqmap_at(&s->reqs, i)) continue;
+        const pd_kv_seq *q = &pd_sched_reqmap_at(&s->reqs, i)->kv;
         for (int32_t j = 0; j < q->n_blocks; j++) want[q->block_ids[j]]++;
     }
     for (int32_t b = 0; b < n && st == PD_OK; b++)

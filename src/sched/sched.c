@@ -87,8 +87,8 @@ static void req_destroy(pd_sched *s, pd_sched_req *r) {
 void pd_sched_free(pd_sched *s) {
     if (!s) return;
     // Every live request is in the map, whatever its state; zombies have left it.
-    for (uint64_t i = 0; s->reqs.slots && i <= s->reqs.mask; i++)
-        if (s->reqs.slots[i]) req_destroy(s, s->reqs.slots[i]);
+    for (size_t i = 0; i < pd_sched_reqmap_cap(&s->reqs); i++)
+        if (pd_sched_reqmap_at(&s->reqs, i)) req_destroy(s, pd_sched_reqmap_at(&s->reqs, i));
     for (int32_t i = 0; i < s->n_zombies; i++) req_destroy(s, s->zombies[i]);
     pd_sched_reqmap_fini(&s->reqs);
     pd_free(s->waiting);
@@ -132,17 +132,9 @@ static pd_status validate(const pd_sched *s, const pd_sched_req_params *rp, pd_e
 
 // Grows the waiting queue (and the SRPT scratch) to hold every live request plus one.
 static pd_status reserve_waiting(pd_sched *s) {
-    int32_t need = s->reqs.n + 1;
-    if (need <= s->cap_waiting) return PD_OK;
-    int32_t cap = s->cap_waiting ? 2 * s->cap_waiting : 64;
-    pd_sched_req **w = pd_realloc(s->waiting, (size_t)cap * sizeof *w);
-    if (!w) return PD_ERR_NOMEM;
-    s->waiting = w;
-    pd_sched_req **o = pd_realloc(s->order, (size_t)cap * sizeof *o);
-    if (!o) return PD_ERR_NOMEM;  // waiting grew: harmless, cap_waiting stays until both do
-    s->order = o;
-    s->cap_waiting = cap;
-    return PD_OK;
+    size_t need = (size_t)s->reqs.n + 1;
+    pd_status st = PD_ARRAY_RESERVE(s->waiting, s->cap_waiting, need);
+    return st == PD_OK ? PD_ARRAY_RESERVE(s->order, s->cap_order, need) : st;
 }
 
 pd_status pd_sched_add(pd_sched *s, const pd_sched_req_params *rp, int64_t now_us, pd_err *err) {
@@ -153,8 +145,8 @@ pd_status pd_sched_add(pd_sched *s, const pd_sched_req_params *rp, int64_t now_u
     pd_sched_req *r = pd_calloc(1, sizeof *r);
     if (!r) return pd_err_set(err, PD_ERR_NOMEM, "sched: out of memory");
     int32_t n_stop = rp->n_stop_ids + (rp->ignore_eos ? 0 : rp->n_eos_ids);
-    r->cap_tokens = rp->n_prompt + PD_MIN(rp->max_tokens, 64);
-    r->tokens = pd_malloc((size_t)r->cap_tokens * sizeof *r->tokens);
+    r->cap_tokens = (size_t)rp->n_prompt + (size_t)PD_MIN(rp->max_tokens, 64);
+    r->tokens = pd_malloc(r->cap_tokens * sizeof *r->tokens);
     r->stop_ids = pd_malloc((size_t)(n_stop > 0 ? n_stop : 1) * sizeof *r->stop_ids);
     if (!r->tokens || !r->stop_ids) {
         pd_free(r->tokens);
@@ -214,7 +206,7 @@ static void array_remove(pd_sched_req **arr, int32_t *n, pd_sched_req *r) {
 }
 
 void pd_sched_waiting_insert(pd_sched *s, pd_sched_req *r) {
-    PD_ASSERT(s->n_waiting < s->cap_waiting);
+    PD_ASSERT((size_t)s->n_waiting < s->cap_waiting);
     array_insert(s->waiting, &s->n_waiting, r);
 }
 

@@ -7,6 +7,8 @@
 //   check.c     pd_sched_check
 #pragma once
 
+#include "base/buf.h"
+#include "base/map.h"
 #include "sched/sched.h"
 
 typedef enum pd_sched_state {
@@ -23,7 +25,7 @@ typedef struct pd_sched_req {
     pd_sched_state state;
     int32_t *tokens;            // owned; (n_tokens) prompt then sampled outputs; append-only
     int32_t n_tokens;
-    int32_t cap_tokens;
+    size_t cap_tokens;
     int32_t n_prompt;           // the original prompt
     int32_t n_computed;         // tokens whose KV is in kv's blocks
     int32_t max_tokens, min_tokens;
@@ -44,10 +46,10 @@ typedef struct pd_sched_req {
     pd_kv_seq kv;
 } pd_sched_req;
 
-// Open addressing (linear probing, backward-shift delete) over req_id; grows at add time.
+// req_id -> request: a pd_map (base/map.h) of {id, request} hashed by the mixed id; grows at add
+// time (reserve), so the insert that follows cannot fail.
 typedef struct pd_sched_reqmap {
-    pd_sched_req **slots;  // owned (the requests are not); (mask + 1), NULL = empty
-    uint64_t mask;
+    pd_map map;  // of pd_sched_reqmap_entry; the requests are not owned
     int32_t n;
 } pd_sched_reqmap;
 
@@ -59,6 +61,9 @@ pd_status pd_sched_reqmap_reserve(pd_sched_reqmap *m);
 // Inserts (after a successful reserve; the id must be absent).
 void pd_sched_reqmap_insert(pd_sched_reqmap *m, pd_sched_req *r);
 void pd_sched_reqmap_remove(pd_sched_reqmap *m, uint64_t id);
+// Iteration over every live request: slots 0 .. pd_sched_reqmap_cap - 1, NULL for an empty one.
+size_t pd_sched_reqmap_cap(const pd_sched_reqmap *m);
+pd_sched_req *pd_sched_reqmap_at(const pd_sched_reqmap *m, size_t i);
 
 struct pd_sched {
     pd_sched_params params;
@@ -66,8 +71,10 @@ struct pd_sched {
     int32_t max_len;              // min(max_model_len, KV pool tokens): LENGTH at this many tokens
     pd_sched_reqmap reqs;         // every live request (waiting, running, zombie)
     pd_sched_req **waiting;       // owned array; (n_waiting) sorted by (priority desc, arrival)
-    int32_t n_waiting, cap_waiting;
-    pd_sched_req **order;         // owned scratch; (cap_waiting) SRPT admission order
+    int32_t n_waiting;
+    size_t cap_waiting;
+    pd_sched_req **order;         // owned scratch; (cap_order >= live requests) SRPT admission order
+    size_t cap_order;
     pd_sched_req **running;       // owned; (max_num_seqs) sorted by (priority desc, arrival)
     int32_t n_running;
     int32_t *free_slots;          // owned; (max_num_seqs) stack of unused slots

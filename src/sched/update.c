@@ -17,13 +17,8 @@
 #include <string.h>
 
 static pd_status append_token(pd_sched_req *r, int32_t token) {
-    if (r->n_tokens == r->cap_tokens) {
-        int32_t cap = r->cap_tokens + PD_MAX(r->cap_tokens / 2, 16);
-        int32_t *t = pd_realloc(r->tokens, (size_t)cap * sizeof *t);
-        if (!t) return PD_ERR_NOMEM;
-        r->tokens = t;
-        r->cap_tokens = cap;
-    }
+    pd_status st = PD_ARRAY_RESERVE(r->tokens, r->cap_tokens, (size_t)r->n_tokens + 1);
+    if (st != PD_OK) return st;
     r->tokens[r->n_tokens++] = token;
     return PD_OK;
 }

@@ -64,15 +64,9 @@ static bool frame_set(jj_render *r, jj_frame *f, const char *name, jv val) {
         v->val = val;
         return true;
     }
-    if (f->n == f->cap) {
-        size_t cap = f->cap ? f->cap * 2 : 8;
-        jj_var *nv = pd_realloc(f->vars, cap * sizeof *nv);
-        if (!nv) {
-            jv_drop(&val);
-            return jj_fail_nomem(r);
-        }
-        f->vars = nv;
-        f->cap = cap;
+    if (PD_ARRAY_RESERVE(f->vars, f->cap, f->n + 1) != PD_OK) {
+        jv_drop(&val);
+        return jj_fail_nomem(r);
     }
     f->vars[f->n].name = name;
     f->vars[f->n].val = val;
@@ -364,7 +358,7 @@ static ex_rc capture(jj_render *r, jj_frame *f, const jj_node *body, jv *out) {
         jj_buf_fini(&buf);
         return EX_ERR;
     }
-    if (!step(r, buf.len / 32) || !jj_str_from_buf(r, &buf, out)) {
+    if (!step(r, buf.s.len / 32) || !jj_str_from_buf(r, &buf, out)) {
         jj_buf_fini(&buf);
         return EX_ERR;
     }
@@ -506,7 +500,7 @@ static bool call_global(jj_render *r, int id, const jj_args *a, jv *out) {
         jj_buf b;
         jj_buf_init(&b, 4096);
         if (msg) jj_write_str(r, &b, msg);
-        if (r->status == PD_OK) jj_fail(r, PD_ERR_INVALID, "%s", b.data ? b.data : "");
+        if (r->status == PD_OK) jj_fail(r, PD_ERR_INVALID, "%s", b.s.p ? b.s.p : "");
         jj_buf_fini(&b);
         return false;
     }
@@ -551,7 +545,7 @@ static bool repeat(jj_render *r, const jv *seq, int64_t times, jv *out) {
         jj_buf_init(&b, r->lim.max_output_bytes);
         for (int64_t k = 0; k < times; k++)
             if (!jj_buf_put(&b, jv_str_ptr(seq), n)) break;
-        return step(r, b.len / 32) && jj_str_from_buf(r, &b, out);
+        return step(r, b.s.len / 32) && jj_str_from_buf(r, &b, out);
     }
     size_t n = json_array_size(seq->u.j);
     if (n && (uint64_t)times > r->lim.max_items / n)
@@ -572,7 +566,7 @@ static bool concat_seq(jj_render *r, const jv *a, const jv *b, jv *out) {
         jj_buf_init(&buf, r->lim.max_output_bytes);
         jj_buf_put(&buf, jv_str_ptr(a), jv_str_len(a));
         jj_buf_put(&buf, jv_str_ptr(b), jv_str_len(b));
-        return step(r, buf.len / 32) && jj_str_from_buf(r, &buf, out);
+        return step(r, buf.s.len / 32) && jj_str_from_buf(r, &buf, out);
     }
     size_t n = json_array_size(a->u.j) + json_array_size(b->u.j);
     if (n > r->lim.max_items)
@@ -818,7 +812,7 @@ static bool eval_dict(jj_render *r, jj_frame *f, const jj_node *n, jv *out) {
             jj_buf_fini(&kb);
             goto fail;
         }
-        int rc = json_object_setn_new_nocheck(obj, kb.data ? kb.data : "", kb.len, jv_to_json(&val));
+        int rc = json_object_setn_new_nocheck(obj, kb.s.p ? kb.s.p : "", kb.s.len, jv_to_json(&val));
         jv_drop(&val);
         jj_buf_fini(&kb);
         if (rc) {
@@ -849,7 +843,7 @@ static bool eval_concat(jj_render *r, jj_frame *f, const jj_node *n, jv *out) {
             return false;
         }
     }
-    if (!step(r, b.len / 32)) {
+    if (!step(r, b.s.len / 32)) {
         jj_buf_fini(&b);
         return false;
     }

@@ -20,6 +20,7 @@
 #include <stdarg.h>
 
 #include "base/base.h"
+#include "base/buf.h"
 #include "tok/jinja.h"
 
 // ---- arena: template-lifetime allocations (AST nodes, names) -----------------------------------
@@ -33,8 +34,7 @@ void jj_arena_fini(jj_arena *a);
 
 // ---- growable byte buffer with a size limit ---------------------------------------------------
 typedef struct jj_buf {
-    char *data;  // owned (pd_malloc), NUL-terminated when non-NULL
-    size_t len, cap;
+    pd_buf s;        // the text (owned)
     size_t limit;    // put fails once len would exceed it
     bool is_nomem;   // a put failed for lack of memory
     bool is_over;    // a put failed because of limit

@@ -62,13 +62,7 @@ static bool nomem(lexer *lx) {
 }
 
 static jj_tok *push(lexer *lx, uint8_t kind, size_t pos) {
-    if (lx->n_toks == lx->cap_toks) {
-        size_t cap = lx->cap_toks ? lx->cap_toks * 2 : 256;
-        jj_tok *t = pd_realloc(lx->toks, cap * sizeof *t);
-        if (!t) return NULL;
-        lx->toks = t;
-        lx->cap_toks = cap;
-    }
+    if (PD_ARRAY_RESERVE(lx->toks, lx->cap_toks, lx->n_toks + 1) != PD_OK) return NULL;
     jj_tok *t = &lx->toks[lx->n_toks++];
     memset(t, 0, sizeof *t);
     t->kind = kind;
@@ -199,7 +193,7 @@ static bool lex_string(lexer *lx, size_t *p) {
             ok = jj_buf_putc(&b, s[k++]);
         }
     }
-    if (ok) ok = push_str(lx, JJ_T_STRING, start, b.data ? b.data : "", b.len);
+    if (ok) ok = push_str(lx, JJ_T_STRING, start, b.s.p ? b.s.p : "", b.s.len);
     else if (b.is_nomem) nomem(lx);
     jj_buf_fini(&b);
     *p = i + 1;

@@ -301,13 +301,7 @@ typedef struct span {
 } span;
 
 static bool span_push(span **v, size_t *n, size_t *cap, size_t start, size_t end) {
-    if (*n == *cap) {
-        size_t c = *cap ? *cap * 2 : 16;
-        span *nv = pd_realloc(*v, c * sizeof *nv);
-        if (!nv) return false;
-        *v = nv;
-        *cap = c;
-    }
+    if (PD_ARRAY_RESERVE(*v, *cap, *n + 1) != PD_OK) return false;
     (*v)[(*n)++] = (span){start, end};
     return true;
 }

@@ -166,15 +166,9 @@ static jj_node *const_node(parser *p, const jj_tok *at, jv v) {
     }
     if (v.kind == JV_STR) {
         pd_jinja_tmpl *t = p->t;
-        if (t->n_consts == t->cap_consts) {
-            size_t cap = t->cap_consts ? t->cap_consts * 2 : 16;
-            json_t **nc = pd_realloc(t->consts, cap * sizeof *nc);
-            if (!nc) {
-                jv_drop(&v);
-                return nomem(p);
-            }
-            t->consts = nc;
-            t->cap_consts = cap;
+        if (PD_ARRAY_RESERVE(t->consts, t->cap_consts, t->n_consts + 1) != PD_OK) {
+            jv_drop(&v);
+            return nomem(p);
         }
         t->consts[t->n_consts++] = v.u.j;
     }

@@ -70,25 +70,14 @@ void jj_buf_init(jj_buf *b, size_t limit) {
 }
 
 bool jj_buf_put(jj_buf *b, const char *s, size_t n) {
-    if (b->len + n > b->limit || b->len + n < b->len) {
+    if (b->s.len + n > b->limit || b->s.len + n < b->s.len) {
         b->is_over = true;
         return false;
     }
-    if (b->len + n + 1 > b->cap) {
-        size_t cap = b->cap ? b->cap * 2 : 64;
-        while (cap < b->len + n + 1) cap *= 2;
-        if (cap > b->limit + 1 && b->limit + 1 >= b->len + n + 1) cap = b->limit + 1;
-        char *p = pd_realloc(b->data, cap);
-        if (!p) {
-            b->is_nomem = true;
-            return false;
-        }
-        b->data = p;
-        b->cap = cap;
+    if (pd_buf_append(&b->s, s, n) != PD_OK) {
+        b->is_nomem = true;
+        return false;
     }
-    if (n) memcpy(b->data + b->len, s, n);
-    b->len += n;
-    b->data[b->len] = 0;
     return true;
 }
 
@@ -107,23 +96,13 @@ bool jj_buf_printf(jj_buf *b, const char *fmt, ...) {
 }
 
 char *jj_buf_take(jj_buf *b, size_t *len) {
-    if (!b->data) {
-        b->data = pd_malloc(1);
-        if (!b->data) return NULL;
-        b->data[0] = 0;
-    }
-    char *p = b->data;
-    if (len) *len = b->len;
-    b->data = NULL;
-    b->len = b->cap = 0;
+    size_t n = b->s.len;
+    char *p = pd_buf_take(&b->s);
+    if (p && len) *len = n;
     return p;
 }
 
-void jj_buf_fini(jj_buf *b) {
-    pd_free(b->data);
-    b->data = NULL;
-    b->len = b->cap = 0;
-}
+void jj_buf_fini(jj_buf *b) { pd_buf_free(&b->s); }
 
 // ---- errors ---------------------------------------------------------------------------------------
 bool jj_fail(jj_render *r, pd_status status, const char *fmt, ...) {
@@ -165,7 +144,7 @@ bool jj_str_from_buf(jj_render *r, jj_buf *b, jv *out) {
         jj_buf_fini(b);
         return false;
     }
-    bool ok = jj_str_new(r, b->data, b->len, out);
+    bool ok = jj_str_new(r, b->s.p, b->s.len, out);
     jj_buf_fini(b);
     return ok;
 }

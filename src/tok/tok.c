@@ -39,14 +39,7 @@ static void gctx_free(void *p, void *ud) {
 // Appends s[0..n) + NUL to the pool; returns its offset, or -1 on OOM / overflow.
 static int64_t pool_add(pd_tok *t, const char *s, size_t n) {
     if (n > UINT32_MAX / 2 || t->pool_len + n + 1 > UINT32_MAX) return -1;
-    if (t->pool_len + n + 1 > t->pool_cap) {
-        size_t cap = t->pool_cap ? t->pool_cap : 4096;
-        while (cap < t->pool_len + n + 1) cap *= 2;
-        char *p = pd_realloc(t->pool, cap);
-        if (!p) return -1;
-        t->pool = p;
-        t->pool_cap = cap;
-    }
+    if (PD_ARRAY_RESERVE(t->pool, t->pool_cap, PD_MAX(t->pool_len + n + 1, 4096)) != PD_OK) return -1;
     int64_t off = (int64_t)t->pool_len;
     if (n) memcpy(t->pool + t->pool_len, s, n);
     t->pool[t->pool_len + n] = 0;
@@ -251,7 +244,7 @@ static int32_t vocab_id(const pd_tok *t, const char *s, size_t n) {
 static pd_status load_merges(pd_tok *t, json_t *merges, pd_err *err) {
     size_t i;
     json_t *m;
-    pd_tok_buf joined = {0};
+    pd_buf joined = {0};
     pd_status st = PD_OK;
     json_array_foreach(merges, i, m) {
         const char *a, *b;
@@ -273,7 +266,7 @@ static pd_status load_merges(pd_tok *t, json_t *merges, pd_err *err) {
         }
         int32_t ia = vocab_id(t, a, la), ib = vocab_id(t, b, lb);
         joined.len = 0;
-        if (pd_tok_buf_add(&joined, a, la) != PD_OK || pd_tok_buf_add(&joined, b, lb) != PD_OK) {
+        if (pd_buf_append(&joined, a, la) != PD_OK || pd_buf_append(&joined, b, lb) != PD_OK) {
             st = nomem(err);
             break;
         }
@@ -288,7 +281,7 @@ static pd_status load_merges(pd_tok *t, json_t *merges, pd_err *err) {
             break;
         }
     }
-    pd_tok_buf_fini(&joined);
+    pd_buf_free(&joined);
     return st;
 }
 
@@ -651,9 +644,7 @@ static pd_status load_post(pd_tok *t, json_t *j, pd_err *err) {
 
 static pd_status trie_add(pd_tok_trie *tr, const char *s, size_t n, int32_t term) {
     if (tr->n == 0) {
-        tr->cap = 64;
-        tr->nodes = pd_malloc((size_t)tr->cap * sizeof(*tr->nodes));
-        if (!tr->nodes) return PD_ERR_NOMEM;
+        if (PD_ARRAY_RESERVE(tr->nodes, tr->cap, 64) != PD_OK) return PD_ERR_NOMEM;
         tr->nodes[0] = (pd_tok_trie_node){.child = -1, .sibling = -1, .term = -1};
         tr->n = 1;
     }
@@ -663,12 +654,8 @@ static pd_status trie_add(pd_tok_trie *tr, const char *s, size_t n, int32_t term
         int32_t k = tr->nodes[cur].child;
         while (k >= 0 && tr->nodes[k].byte != c) k = tr->nodes[k].sibling;
         if (k < 0) {
-            if (tr->n == tr->cap) {
-                pd_tok_trie_node *nn = pd_realloc(tr->nodes, (size_t)tr->cap * 2 * sizeof(*nn));
-                if (!nn) return PD_ERR_NOMEM;
-                tr->nodes = nn;
-                tr->cap *= 2;
-            }
+            if (tr->n == INT32_MAX || PD_ARRAY_RESERVE(tr->nodes, tr->cap, (size_t)tr->n + 1) != PD_OK)
+                return PD_ERR_NOMEM;
             k = tr->n++;
             tr->nodes[k] = (pd_tok_trie_node){.child = -1, .sibling = tr->nodes[cur].child, .term = -1, .byte = c};
             tr->nodes[cur].child = k;
@@ -683,7 +670,7 @@ static pd_status trie_add(pd_tok_trie *tr, const char *s, size_t n, int32_t term
 // HF builds its matchers from the special tokens first, then the other added tokens; the first
 // token with a given pattern wins.
 static pd_status build_tries(pd_tok *t, pd_err *err) {
-    pd_tok_buf nb = {0};
+    pd_buf nb = {0};
     pd_status st = PD_OK;
     for (int pass = 0; pass < 2 && st == PD_OK; pass++) {
         for (int k = 0; k < t->n_added && st == PD_OK; k++) {
@@ -709,7 +696,7 @@ static pd_status build_tries(pd_tok *t, pd_err *err) {
             if (nb.len) st = trie_add(&t->trie_norm, t->pool + a->norm_off, a->norm_len, k);
         }
     }
-    pd_tok_buf_fini(&nb);
+    pd_buf_free(&nb);
     return st == PD_OK ? PD_OK : nomem(err);
 }
 
@@ -729,29 +716,29 @@ static void init_byte_tables(pd_tok *t) {
 }
 
 // Replaces every occurrence of pat with rep in b (in place, through a scratch buffer).
-static pd_status replace_all(pd_tok_buf *b, pd_tok_buf *tmp, const char *pat, size_t np,
+static pd_status replace_all(pd_buf *b, pd_buf *tmp, const char *pat, size_t np,
                              const char *rep, size_t nr) {
     tmp->len = 0;
     size_t i = 0;
     while (i < b->len) {
         if (i + np <= b->len && memcmp(b->p + i, pat, np) == 0) {
-            if (pd_tok_buf_add(tmp, rep, nr) != PD_OK) return PD_ERR_NOMEM;
+            if (pd_buf_append(tmp, rep, nr) != PD_OK) return PD_ERR_NOMEM;
             i += np;
         } else {
-            if (pd_tok_buf_add(tmp, b->p + i, 1) != PD_OK) return PD_ERR_NOMEM;
+            if (pd_buf_append(tmp, b->p + i, 1) != PD_OK) return PD_ERR_NOMEM;
             i++;
         }
     }
     b->len = 0;
-    return pd_tok_buf_add(b, tmp->p ? tmp->p : "", tmp->len);
+    return pd_buf_append(b, tmp->p ? tmp->p : "", tmp->len);
 }
 
 // What one token decodes to on its own, without the decoder's context rules (Strip, first-token
 // Metaspace): the decoder steps applied to this token alone.
 static pd_status token_bytes_one(pd_tok *t, const char *s, size_t n,
-                                 pd_tok_buf *b, pd_tok_buf *tmp) {
+                                 pd_buf *b, pd_buf *tmp) {
     b->len = 0;
-    if (pd_tok_buf_add(b, s, n) != PD_OK) return PD_ERR_NOMEM;
+    if (pd_buf_append(b, s, n) != PD_OK) return PD_ERR_NOMEM;
     for (int k = 0; k < t->n_decs; k++) {
         const pd_tok_dec *d = &t->decs[k];
         uint8_t byte;
@@ -772,11 +759,11 @@ static pd_status token_bytes_one(pd_tok *t, const char *s, size_t n,
                 i += (size_t)pd_tok_utf8_decode(p + i, b->len - i, &cp);
                 ok = cp < 324 && t->char_to_byte[cp] >= 0;
                 uint8_t by = ok ? (uint8_t)t->char_to_byte[cp] : 0;
-                if (ok && pd_tok_buf_add(tmp, &by, 1) != PD_OK) return PD_ERR_NOMEM;
+                if (ok && pd_buf_append(tmp, &by, 1) != PD_OK) return PD_ERR_NOMEM;
             }
             if (ok) {  // else keep the string's own bytes, as HF does
                 b->len = 0;
-                if (pd_tok_buf_add(b, tmp->p ? tmp->p : "", tmp->len) != PD_OK) return PD_ERR_NOMEM;
+                if (pd_buf_append(b, tmp->p ? tmp->p : "", tmp->len) != PD_OK) return PD_ERR_NOMEM;
             }
         }
     }
@@ -785,7 +772,7 @@ static pd_status token_bytes_one(pd_tok *t, const char *s, size_t n,
 
 static pd_status compute_token_bytes(pd_tok *t, pd_err *err) {
     init_byte_tables(t);
-    pd_tok_buf b = {0}, tmp = {0};
+    pd_buf b = {0}, tmp = {0};
     pd_status st = PD_OK;
     for (int id = 0; id < t->n_vocab && st == PD_OK; id++) {
         pd_tok_token *tk = &t->tokens[id];
@@ -800,8 +787,8 @@ static pd_status compute_token_bytes(pd_tok *t, pd_err *err) {
         tk->bytes_off = (uint32_t)off;
         tk->bytes_len = (uint32_t)b.len;
     }
-    pd_tok_buf_fini(&b);
-    pd_tok_buf_fini(&tmp);
+    pd_buf_free(&b);
+    pd_buf_free(&tmp);
     return st == PD_OK ? PD_OK : nomem(err);
 }
 
@@ -815,12 +802,11 @@ static const char *config_token(json_t *c, const char *key) {
 }
 
 static pd_status add_template(pd_tok *t, const char *name, const char *text) {
-    char **names = pd_realloc(t->tmpl_names, (size_t)(t->n_tmpl + 1) * sizeof(char *));
-    if (!names) return PD_ERR_NOMEM;
-    t->tmpl_names = names;
-    char **texts = pd_realloc(t->tmpl_texts, (size_t)(t->n_tmpl + 1) * sizeof(char *));
-    if (!texts) return PD_ERR_NOMEM;
-    t->tmpl_texts = texts;
+    size_t need = (size_t)t->n_tmpl + 1;
+    if (PD_ARRAY_RESERVE(t->tmpl_names, t->cap_tmpl_names, need) != PD_OK ||
+        PD_ARRAY_RESERVE(t->tmpl_texts, t->cap_tmpl_texts, need) != PD_OK)
+        return PD_ERR_NOMEM;
+    char **names = t->tmpl_names, **texts = t->tmpl_texts;
     names[t->n_tmpl] = pd_strdup(name);
     texts[t->n_tmpl] = pd_strdup(text);
     t->n_tmpl++;

@@ -36,7 +36,8 @@ typedef struct pd_tok pd_tok;
 // A growable id vector owned by the caller. Zero-initialise it; free it with pd_tok_ids_free.
 typedef struct pd_tok_ids {
     int32_t *ids;  // owned (pd_malloc)
-    int n, cap;
+    int n;
+    size_t cap;
 } pd_tok_ids;
 
 // Frees v->ids and zeroes *v. NULL is a no-op.

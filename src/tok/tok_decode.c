@@ -28,8 +28,8 @@ static const char FFFD[] = "\xEF\xBF\xBD";
 
 typedef struct step_state {
     long n_in;          // token phase: tokens received (Metaspace: token 0 is special)
-    pd_tok_buf hold;    // held-back bytes (ByteFallback run, partial match, trailing chars)
-    pd_tok_buf scratch; // per-step output space (steps call the next one while it is in use)
+    pd_buf hold;    // held-back bytes (ByteFallback run, partial match, trailing chars)
+    pd_buf scratch; // per-step output space (steps call the next one while it is in use)
     int n_stripped;     // fragment-phase Strip: leading content chars removed so far
     bool past_start;    // fragment-phase Strip: saw a char that is not stripped
 } step_state;
@@ -38,7 +38,7 @@ struct pd_tok_stream {
     const pd_tok *t;
     bool skip_special;
     bool joined_one;  // no decoder: HF joins tokens with " "
-    pd_tok_buf out;
+    pd_buf out;
     step_state st[PD_TOK_MAX_STEPS];
 };
 
@@ -53,14 +53,14 @@ static bool starts_with(const char *p, size_t n, const char *q, size_t nq) {
 static pd_status tok_push(pd_tok_stream *s, int k, const char *p, size_t n);
 
 static pd_status bytefallback_flush(pd_tok_stream *s, int k) {
-    pd_tok_buf *run = &s->st[k].hold;
+    pd_buf *run = &s->st[k].hold;
     if (run->len == 0) return PD_OK;
     pd_status st = PD_OK;
     if (pd_tok_utf8_valid(run->p, run->len)) {
         // run is re-used by the next token only after this returns; copy to scratch first.
-        pd_tok_buf *sc = &s->st[k].scratch;
+        pd_buf *sc = &s->st[k].scratch;
         sc->len = 0;
-        st = pd_tok_buf_add(sc, run->p, run->len);
+        st = pd_buf_append(sc, run->p, run->len);
         run->len = 0;
         if (st == PD_OK) st = tok_push(s, k + 1, sc->p, sc->len);
     } else {
@@ -83,27 +83,27 @@ static pd_status bytelevel_push(pd_tok_stream *s, int k, const char *p, size_t n
         i += (size_t)pd_tok_utf8_decode(q + i, n - i, &cp);
         ok = cp < 324 && t->char_to_byte[cp] >= 0;
         uint8_t b = ok ? (uint8_t)t->char_to_byte[cp] : 0;
-        if (ok && pd_tok_buf_add(&ss->hold, &b, 1) != PD_OK) return PD_ERR_NOMEM;
+        if (ok && pd_buf_append(&ss->hold, &b, 1) != PD_OK) return PD_ERR_NOMEM;
     }
     if (!ok) {
         ss->hold.len = start;
-        if (pd_tok_buf_add(&ss->hold, p, n) != PD_OK) return PD_ERR_NOMEM;
+        if (pd_buf_append(&ss->hold, p, n) != PD_OK) return PD_ERR_NOMEM;
     }
     // Lossy UTF-8 over held + new bytes: emit what is decided, keep an incomplete tail.
-    pd_tok_buf *sc = &ss->scratch;
+    pd_buf *sc = &ss->scratch;
     sc->len = 0;
     const unsigned char *b = (const unsigned char *)ss->hold.p;
     size_t i = 0, len = ss->hold.len;
     while (i < len) {
         int l = pd_tok_utf8_len(b + i, len - i);
         if (l > 0) {
-            if (pd_tok_buf_add(sc, b + i, (size_t)l) != PD_OK) return PD_ERR_NOMEM;
+            if (pd_buf_append(sc, b + i, (size_t)l) != PD_OK) return PD_ERR_NOMEM;
             i += (size_t)l;
             continue;
         }
         int bad = pd_tok_utf8_invalid_len(b + i, len - i, true);
         if (bad == 0) break;  // truncated: wait for more bytes
-        if (pd_tok_buf_add(sc, FFFD, 3) != PD_OK) return PD_ERR_NOMEM;
+        if (pd_buf_append(sc, FFFD, 3) != PD_OK) return PD_ERR_NOMEM;
         i += (size_t)bad;
     }
     memmove(ss->hold.p, ss->hold.p + i, len - i);
@@ -115,14 +115,14 @@ static pd_status bytelevel_push(pd_tok_stream *s, int k, const char *p, size_t n
 static pd_status metaspace(pd_tok_stream *s, int k, const char *p, size_t n, bool drop, bool frag) {
     const pd_tok_dec *d = &s->t->decs[k];
     const char *rep = s->t->pool + d->a_off;
-    pd_tok_buf *sc = &s->st[k].scratch;
+    pd_buf *sc = &s->st[k].scratch;
     sc->len = 0;
     for (size_t i = 0; i < n;) {
         if (starts_with(p + i, n - i, rep, d->a_len)) {
-            if (!drop && pd_tok_buf_add(sc, " ", 1) != PD_OK) return PD_ERR_NOMEM;
+            if (!drop && pd_buf_append(sc, " ", 1) != PD_OK) return PD_ERR_NOMEM;
             i += d->a_len;
         } else {
-            if (pd_tok_buf_add(sc, p + i, 1) != PD_OK) return PD_ERR_NOMEM;
+            if (pd_buf_append(sc, p + i, 1) != PD_OK) return PD_ERR_NOMEM;
             i++;
         }
     }
@@ -142,17 +142,17 @@ static pd_status strip_token(pd_tok_stream *s, int k, const char *p, size_t n) {
 
 static pd_status tok_push(pd_tok_stream *s, int k, const char *p, size_t n) {
     const pd_tok *t = s->t;
-    if (k == t->n_decs) return pd_tok_buf_add(&s->out, p, n);
+    if (k == t->n_decs) return pd_buf_append(&s->out, p, n);
     const pd_tok_dec *d = &t->decs[k];
     step_state *ss = &s->st[k];
     switch (d->kind) {
     case PD_TOK_DEC_REPLACE: {
-        pd_tok_buf *sc = &ss->scratch;
+        pd_buf *sc = &ss->scratch;
         sc->len = 0;
         const char *pat = t->pool + d->a_off, *rep = t->pool + d->b_off;
         for (size_t i = 0; i < n;) {
             bool m = starts_with(p + i, n - i, pat, d->a_len);
-            if (pd_tok_buf_add(sc, m ? rep : p + i, m ? d->b_len : 1) != PD_OK) return PD_ERR_NOMEM;
+            if (pd_buf_append(sc, m ? rep : p + i, m ? d->b_len : 1) != PD_OK) return PD_ERR_NOMEM;
             i += m ? d->a_len : 1;
         }
         return tok_push(s, k + 1, sc->p ? sc->p : "", sc->len);
@@ -164,7 +164,7 @@ static pd_status tok_push(pd_tok_stream *s, int k, const char *p, size_t n) {
     }
     case PD_TOK_DEC_BYTEFALLBACK: {
         uint8_t byte;
-        if (pd_tok_byte_token(p, n, &byte)) return pd_tok_buf_add(&ss->hold, &byte, 1);
+        if (pd_tok_byte_token(p, n, &byte)) return pd_buf_append(&ss->hold, &byte, 1);
         pd_status st = bytefallback_flush(s, k);
         return st == PD_OK ? tok_push(s, k + 1, p, n) : st;
     }
@@ -181,19 +181,19 @@ static pd_status replace_frag(pd_tok_stream *s, int k, const char *p, size_t n, 
     const pd_tok_dec *d = &t->decs[k];
     step_state *ss = &s->st[k];
     const char *pat = t->pool + d->a_off, *rep = t->pool + d->b_off;
-    if (pd_tok_buf_add(&ss->hold, p, n) != PD_OK) return PD_ERR_NOMEM;
-    pd_tok_buf *sc = &ss->scratch;
+    if (pd_buf_append(&ss->hold, p, n) != PD_OK) return PD_ERR_NOMEM;
+    pd_buf *sc = &ss->scratch;
     sc->len = 0;
     const char *b = ss->hold.p;
     size_t len = ss->hold.len, i = 0;
     while (i < len) {
         if (starts_with(b + i, len - i, pat, d->a_len)) {
-            if (pd_tok_buf_add(sc, rep, d->b_len) != PD_OK) return PD_ERR_NOMEM;
+            if (pd_buf_append(sc, rep, d->b_len) != PD_OK) return PD_ERR_NOMEM;
             i += d->a_len;
             continue;
         }
         if (!final && len - i < d->a_len && memcmp(b + i, pat, len - i) == 0) break;  // maybe a match
-        if (pd_tok_buf_add(sc, b + i, 1) != PD_OK) return PD_ERR_NOMEM;
+        if (pd_buf_append(sc, b + i, 1) != PD_OK) return PD_ERR_NOMEM;
         i++;
     }
     memmove(ss->hold.p, b + i, len - i);
@@ -217,12 +217,12 @@ static pd_status strip_frag(pd_tok_stream *s, int k, const char *p, size_t n) {
     if (a == n) return PD_OK;
     if (d->stop == 0) return frag_push(s, k + 1, p + a, n - a);
     // Hold the trailing run of content chars, at most `stop` of them (the rest is safe).
-    if (pd_tok_buf_add(&ss->hold, p + a, n - a) != PD_OK) return PD_ERR_NOMEM;
+    if (pd_buf_append(&ss->hold, p + a, n - a) != PD_OK) return PD_ERR_NOMEM;
     size_t len = ss->hold.len, keep = 0;
     while (keep / cl < (size_t)d->stop && len >= keep + cl && memcmp(ss->hold.p + len - keep - cl, c, cl) == 0) keep += cl;
-    pd_tok_buf *sc = &ss->scratch;
+    pd_buf *sc = &ss->scratch;
     sc->len = 0;
-    if (pd_tok_buf_add(sc, ss->hold.p, len - keep) != PD_OK) return PD_ERR_NOMEM;
+    if (pd_buf_append(sc, ss->hold.p, len - keep) != PD_OK) return PD_ERR_NOMEM;
     memmove(ss->hold.p, ss->hold.p + len - keep, keep);
     ss->hold.len = keep;
     return sc->len ? frag_push(s, k + 1, sc->p, sc->len) : PD_OK;
@@ -230,7 +230,7 @@ static pd_status strip_frag(pd_tok_stream *s, int k, const char *p, size_t n) {
 
 static pd_status frag_push(pd_tok_stream *s, int k, const char *p, size_t n) {
     const pd_tok *t = s->t;
-    if (k == t->n_decs) return pd_tok_buf_add(&s->out, p, n);
+    if (k == t->n_decs) return pd_buf_append(&s->out, p, n);
     const pd_tok_dec *d = &t->decs[k];
     switch (d->kind) {
     case PD_TOK_DEC_REPLACE: return replace_frag(s, k, p, n, false);
@@ -252,9 +252,9 @@ static pd_status push_id(pd_tok_stream *s, int32_t id) {
     if (s->skip_special && (tk->flags & PD_TOK_TF_SPECIAL)) return PD_OK;
     const char *p = t->pool + tk->str_off;
     if (!t->has_decoder) {
-        if (s->joined_one && pd_tok_buf_add(&s->out, " ", 1) != PD_OK) return PD_ERR_NOMEM;
+        if (s->joined_one && pd_buf_append(&s->out, " ", 1) != PD_OK) return PD_ERR_NOMEM;
         s->joined_one = true;
-        return pd_tok_buf_add(&s->out, p, tk->str_len);
+        return pd_buf_append(&s->out, p, tk->str_len);
     }
     return tok_push(s, 0, p, tk->str_len);
 }
@@ -268,11 +268,11 @@ static pd_status flush_all(pd_tok_stream *s) {
         switch (t->decs[k].kind) {
         case PD_TOK_DEC_BYTEFALLBACK: st = bytefallback_flush(s, k); break;
         case PD_TOK_DEC_BYTELEVEL: {  // an unfinished sequence: one U+FFFD per maximal subpart
-            pd_tok_buf *sc = &ss->scratch;
+            pd_buf *sc = &ss->scratch;
             sc->len = 0;
             for (size_t i = 0; i < ss->hold.len && st == PD_OK;) {
                 i += (size_t)pd_tok_utf8_invalid_len((const unsigned char *)ss->hold.p + i, ss->hold.len - i, false);
-                st = pd_tok_buf_add(sc, FFFD, 3);
+                st = pd_buf_append(sc, FFFD, 3);
             }
             ss->hold.len = 0;
             if (st == PD_OK && sc->len) st = frag_push(s, k + 1, sc->p, sc->len);
@@ -296,10 +296,10 @@ static pd_status flush_all(pd_tok_stream *s) {
 
 static void stream_fini(pd_tok_stream *s) {
     for (int k = 0; k < PD_TOK_MAX_STEPS; k++) {
-        pd_tok_buf_fini(&s->st[k].hold);
-        pd_tok_buf_fini(&s->st[k].scratch);
+        pd_buf_free(&s->st[k].hold);
+        pd_buf_free(&s->st[k].scratch);
     }
-    pd_tok_buf_fini(&s->out);
+    pd_buf_free(&s->out);
 }
 
 pd_tok_stream *pd_tok_stream_new(const pd_tok *t, bool skip_special) {
@@ -317,7 +317,7 @@ void pd_tok_stream_free(pd_tok_stream *s) {
 }
 
 static pd_status stream_result(pd_tok_stream *s, pd_status st, const char **text, size_t *len) {
-    if (st != PD_OK || pd_tok_buf_reserve(&s->out, 0) != PD_OK) {
+    if (st != PD_OK || pd_buf_reserve(&s->out, 0) != PD_OK) {
         s->out.len = 0;
         st = st != PD_OK ? st : PD_ERR_NOMEM;
     }
@@ -343,7 +343,7 @@ pd_status pd_tok_decode(const pd_tok *t, const int32_t *ids, int n, bool skip_sp
     pd_status st = PD_OK;
     for (int i = 0; i < n && st == PD_OK; i++) st = push_id(&s, ids[i]);
     if (st == PD_OK) st = flush_all(&s);
-    if (st == PD_OK) st = pd_tok_buf_reserve(&s.out, 0);
+    if (st == PD_OK) st = pd_buf_reserve(&s.out, 0);
     *out = NULL;
     *out_len = 0;
     if (st == PD_OK) {

@@ -29,9 +29,10 @@ typedef struct piece {
 } piece;
 
 typedef struct piece_list {
-    pd_tok_buf text;
+    pd_buf text;
     piece *p;
-    int n, cap;
+    int n;
+    size_t cap;
 } piece_list;
 
 typedef struct sym {
@@ -53,35 +54,27 @@ typedef struct work {
     pd_tok_ids *out;
     bool parse_special;
     pcre2_match_data *md;
-    pd_tok_buf norm, tmp, wt;
+    pd_buf norm, tmp, wt;
     piece_list pl[2];
     range *rg;
-    int n_rg, cap_rg;
+    int n_rg;
+    size_t cap_rg;
     range *rg2;
-    int cap_rg2;
+    size_t cap_rg2;
     sym *syms;
-    int cap_syms;
+    size_t cap_syms;
     cand *heap;
-    int n_heap, cap_heap;
+    int n_heap;
+    size_t cap_heap;
     // BPE cache: word → ids. Map values index the entry arrays.
     pd_tok_smap cache;
-    pd_tok_buf ckeys;
+    pd_buf ckeys;
     uint32_t *ck_off, *ck_len, *cv_off, *cv_n;
-    int n_cache, cap_cache;
+    int n_cache;
+    size_t cap_cache[4];  // of ck_off, ck_len, cv_off, cv_n
     pd_tok_ids cids;
     bool first_seg;  // the raw segment being normalized starts the text
 } work;
-
-static pd_status grow(void **p, int *cap, int need, size_t elem) {
-    if (need <= *cap) return PD_OK;
-    int c = *cap ? *cap : 16;
-    while (c < need) c *= 2;
-    void *q = pd_realloc(*p, (size_t)c * elem);
-    if (!q) return PD_ERR_NOMEM;
-    *p = q;
-    *cap = c;
-    return PD_OK;
-}
 
 static pd_status push_id(work *w, int32_t id) { return pd_tok_ids_push(w->out, id); }
 
@@ -115,7 +108,7 @@ static int re_search(pcre2_code *re, pcre2_match_data *md, const char *s, size_t
 }
 
 static pd_status add_range(work *w, size_t a, size_t b, bool match) {
-    if (grow((void **)&w->rg, &w->cap_rg, w->n_rg + 1, sizeof(range)) != PD_OK) return PD_ERR_NOMEM;
+    if (PD_ARRAY_RESERVE(w->rg, w->cap_rg, (size_t)w->n_rg + 1) != PD_OK) return PD_ERR_NOMEM;
     w->rg[w->n_rg++] = (range){a, b, match};
     return PD_OK;
 }
@@ -154,7 +147,7 @@ static pd_status find_matches(work *w, pcre2_code *re, const char *lit, size_t n
 // HF NormalizedString::split: applies the delimiter behavior to w->rg, in place. Ranges marked
 // match=true afterwards are to be removed.
 static pd_status apply_behavior(work *w, pd_tok_split_behavior b) {
-    if (grow((void **)&w->rg2, &w->cap_rg2, w->n_rg, sizeof(range)) != PD_OK) return PD_ERR_NOMEM;
+    if (PD_ARRAY_RESERVE(w->rg2, w->cap_rg2, (size_t)w->n_rg) != PD_OK) return PD_ERR_NOMEM;
     range *in = w->rg, *out = w->rg2;
     int n = 0;
     bool prev_match = false;
@@ -193,7 +186,7 @@ static pd_status apply_behavior(work *w, pd_tok_split_behavior b) {
 // ---- normalizer -------------------------------------------------------------------------------
 
 static pd_status norm_replace(const pd_tok *t, const pd_tok_norm *nm, const char *s, size_t n,
-                              pcre2_match_data *md, pd_tok_buf *out) {
+                              pcre2_match_data *md, pd_buf *out) {
     const char *pat = t->pool + nm->a_off, *rep = t->pool + nm->b_off;
     size_t i = 0, ms = 0, me = 0;
     while (i <= n) {
@@ -207,20 +200,20 @@ static pd_status norm_replace(const pd_tok *t, const pd_tok_norm *nm, const char
             ms = (size_t)(f - s);
             me = ms + nm->a_len;
         }
-        if (pd_tok_buf_add(out, s + i, ms - i) != PD_OK || pd_tok_buf_add(out, rep, nm->b_len) != PD_OK) {
+        if (pd_buf_append(out, s + i, ms - i) != PD_OK || pd_buf_append(out, rep, nm->b_len) != PD_OK) {
             return PD_ERR_NOMEM;
         }
         if (me == ms) {  // empty match: copy one char and move on
             size_t l = char_len_at(s, n, me);
-            if (me < n && pd_tok_buf_add(out, s + me, l) != PD_OK) return PD_ERR_NOMEM;
+            if (me < n && pd_buf_append(out, s + me, l) != PD_OK) return PD_ERR_NOMEM;
             me += l;
         }
         i = me;
     }
-    return i < n ? pd_tok_buf_add(out, s + i, n - i) : PD_OK;
+    return i < n ? pd_buf_append(out, s + i, n - i) : PD_OK;
 }
 
-static pd_status norm_strip(const pd_tok_norm *nm, const char *s, size_t n, pd_tok_buf *out) {
+static pd_status norm_strip(const pd_tok_norm *nm, const char *s, size_t n, pd_buf *out) {
     const unsigned char *p = (const unsigned char *)s;
     size_t a = 0, b = n;
     uint32_t cp;
@@ -236,23 +229,23 @@ static pd_status norm_strip(const pd_tok_norm *nm, const char *s, size_t n, pd_t
         if (!pd_tok_is_space(cp)) break;
         b = k;
     }
-    return pd_tok_buf_add(out, s + a, b - a);
+    return pd_buf_append(out, s + a, b - a);
 }
 
-pd_status pd_tok_normalize(const pd_tok *t, const char *s, size_t n, pd_tok_buf *out) {
-    pd_tok_buf bufs[2] = {{0}, {0}};
+pd_status pd_tok_normalize(const pd_tok *t, const char *s, size_t n, pd_buf *out) {
+    pd_buf bufs[2] = {{0}, {0}};
     pcre2_match_data *md = NULL;
     pd_status st = PD_OK;
     const char *cur = s;
     size_t ncur = n;
     for (int k = 0; k < t->n_norms && st == PD_OK; k++) {
         const pd_tok_norm *nm = &t->norms[k];
-        pd_tok_buf *dst = &bufs[k & 1];
+        pd_buf *dst = &bufs[k & 1];
         dst->len = 0;
         switch (nm->kind) {
         case PD_TOK_NORM_PREPEND:
-            if (ncur) st = pd_tok_buf_add(dst, t->pool + nm->a_off, nm->a_len);
-            if (st == PD_OK) st = pd_tok_buf_add(dst, cur, ncur);
+            if (ncur) st = pd_buf_append(dst, t->pool + nm->a_off, nm->a_len);
+            if (st == PD_OK) st = pd_buf_append(dst, cur, ncur);
             break;
         case PD_TOK_NORM_REPLACE:
             if (nm->re && !md && !(md = pcre2_match_data_create(1, t->gctx))) st = PD_ERR_NOMEM;
@@ -261,14 +254,14 @@ pd_status pd_tok_normalize(const pd_tok *t, const char *s, size_t n, pd_tok_buf 
         case PD_TOK_NORM_NFC: st = pd_tok_nfc(cur, ncur, dst); break;
         case PD_TOK_NORM_STRIP: st = norm_strip(nm, cur, ncur, dst); break;
         }
-        if (st == PD_OK && pd_tok_buf_reserve(dst, 0) != PD_OK) st = PD_ERR_NOMEM;
+        if (st == PD_OK && pd_buf_reserve(dst, 0) != PD_OK) st = PD_ERR_NOMEM;
         cur = dst->p;
         ncur = dst->len;
     }
-    if (st == PD_OK) st = pd_tok_buf_add(out, cur, ncur);
+    if (st == PD_OK) st = pd_buf_append(out, cur, ncur);
     pcre2_match_data_free(md);
-    pd_tok_buf_fini(&bufs[0]);
-    pd_tok_buf_fini(&bufs[1]);
+    pd_buf_free(&bufs[0]);
+    pd_buf_free(&bufs[1]);
     return st;
 }
 
@@ -276,9 +269,9 @@ pd_status pd_tok_normalize(const pd_tok *t, const char *s, size_t n, pd_tok_buf 
 
 static pd_status pl_add(piece_list *pl, const char *s, size_t n, bool first) {
     if (n == 0) return PD_OK;  // HF drops empty splits
-    if (grow((void **)&pl->p, &pl->cap, pl->n + 1, sizeof(piece)) != PD_OK) return PD_ERR_NOMEM;
+    if (PD_ARRAY_RESERVE(pl->p, pl->cap, (size_t)pl->n + 1) != PD_OK) return PD_ERR_NOMEM;
     uint32_t off = (uint32_t)pl->text.len;
-    if (pd_tok_buf_add(&pl->text, s, n) != PD_OK) return PD_ERR_NOMEM;
+    if (pd_buf_append(&pl->text, s, n) != PD_OK) return PD_ERR_NOMEM;
     pl->p[pl->n++] = (piece){off, (uint32_t)n, first};
     return PD_OK;
 }
@@ -296,7 +289,7 @@ static pd_status emit_ranges(work *w, const char *s, bool first, bool bytelevel,
         w->tmp.len = 0;
         for (size_t k = r.a; k < r.b; k++) {
             uint8_t c = (uint8_t)s[k];
-            if (pd_tok_buf_add(&w->tmp, w->t->byte_char[c], w->t->byte_char_len[c]) != PD_OK) return PD_ERR_NOMEM;
+            if (pd_buf_append(&w->tmp, w->t->byte_char[c], w->t->byte_char_len[c]) != PD_OK) return PD_ERR_NOMEM;
         }
         if (pl_add(dst, w->tmp.p, w->tmp.len, f) != PD_OK) return PD_ERR_NOMEM;
     }
@@ -312,12 +305,12 @@ static pd_status pre_step(work *w, const pd_tok_pre *p, const char *s, size_t n,
         return st == PD_OK ? emit_ranges(w, s, first, false, dst) : st;
     }
     // ByteLevel and Metaspace rewrite the piece into w->wt first, then split it.
-    pd_tok_buf *wt = &w->wt;
+    pd_buf *wt = &w->wt;
     wt->len = 0;
     st = PD_OK;
     if (p->kind == PD_TOK_PRE_BYTELEVEL) {
-        if (p->add_prefix_space && (n == 0 || s[0] != ' ')) st = pd_tok_buf_add(wt, " ", 1);
-        if (st == PD_OK) st = pd_tok_buf_add(wt, s, n);
+        if (p->add_prefix_space && (n == 0 || s[0] != ' ')) st = pd_buf_append(wt, " ", 1);
+        if (st == PD_OK) st = pd_buf_append(wt, s, n);
         if (st == PD_OK && p->re) st = find_matches(w, p->re, NULL, 0, wt->p, wt->len, false);
         if (st == PD_OK && !p->re) {
             w->n_rg = 0;
@@ -331,11 +324,11 @@ static pd_status pre_step(work *w, const pd_tok_pre *p, const char *s, size_t n,
     size_t nrep = p->rep_len;
     bool starts = (n > 0 && s[0] == ' ') || (n >= nrep && memcmp(s, rep, nrep) == 0);
     bool prepend = !starts && (p->prepend == PD_TOK_PREPEND_ALWAYS || (p->prepend == PD_TOK_PREPEND_FIRST && first));
-    if (prepend) st = pd_tok_buf_add(wt, rep, nrep);
+    if (prepend) st = pd_buf_append(wt, rep, nrep);
     for (size_t i = 0; i < n && st == PD_OK; i++) {
-        st = s[i] == ' ' ? pd_tok_buf_add(wt, rep, nrep) : pd_tok_buf_add(wt, s + i, 1);
+        st = s[i] == ' ' ? pd_buf_append(wt, rep, nrep) : pd_buf_append(wt, s + i, 1);
     }
-    if (st == PD_OK && pd_tok_buf_reserve(wt, 0) != PD_OK) st = PD_ERR_NOMEM;
+    if (st == PD_OK && pd_buf_reserve(wt, 0) != PD_OK) st = PD_ERR_NOMEM;
     if (st == PD_OK && p->split) {
         st = find_matches(w, NULL, rep, nrep, wt->p, wt->len, false);
         if (st == PD_OK) st = apply_behavior(w, PD_TOK_SPLIT_MERGED_NEXT);
@@ -353,7 +346,7 @@ static int32_t vocab_get(const pd_tok *t, const char *s, size_t n) {
 }
 
 static pd_status add_sym(work *w, int *n, int32_t id, uint32_t len) {
-    if (grow((void **)&w->syms, &w->cap_syms, *n + 1, sizeof(sym)) != PD_OK) return PD_ERR_NOMEM;
+    if (PD_ARRAY_RESERVE(w->syms, w->cap_syms, (size_t)*n + 1) != PD_OK) return PD_ERR_NOMEM;
     w->syms[*n] = (sym){id, *n - 1, *n + 1, len};
     (*n)++;
     return PD_OK;
@@ -400,7 +393,7 @@ static pd_status word_symbols(work *w, const char *s, size_t n, int *n_syms) {
 static bool cand_less(cand a, cand b) { return a.rank != b.rank ? a.rank < b.rank : a.pos < b.pos; }
 
 static pd_status heap_push(work *w, cand c) {
-    if (grow((void **)&w->heap, &w->cap_heap, w->n_heap + 1, sizeof(cand)) != PD_OK) return PD_ERR_NOMEM;
+    if (PD_ARRAY_RESERVE(w->heap, w->cap_heap, (size_t)w->n_heap + 1) != PD_OK) return PD_ERR_NOMEM;
     int i = w->n_heap++;
     while (i > 0) {
         int parent = (i - 1) / 2;
@@ -461,15 +454,12 @@ static pd_status merge_all(work *w, int n) {
 }
 
 static pd_status cache_grow(work *w) {
-    if (w->n_cache < w->cap_cache) return PD_OK;
-    int cap = w->cap_cache ? w->cap_cache * 2 : 256;
-    uint32_t **arrs[4] = {&w->ck_off, &w->ck_len, &w->cv_off, &w->cv_n};
-    for (int i = 0; i < 4; i++) {  // a failure midway leaves some arrays merely larger
-        uint32_t *p = pd_realloc(*arrs[i], (size_t)cap * sizeof(uint32_t));
-        if (!p) return PD_ERR_NOMEM;
-        *arrs[i] = p;
-    }
-    w->cap_cache = cap;
+    size_t need = (size_t)w->n_cache + 1;
+    if (PD_ARRAY_RESERVE(w->ck_off, w->cap_cache[0], need) != PD_OK ||
+        PD_ARRAY_RESERVE(w->ck_len, w->cap_cache[1], need) != PD_OK ||
+        PD_ARRAY_RESERVE(w->cv_off, w->cap_cache[2], need) != PD_OK ||
+        PD_ARRAY_RESERVE(w->cv_n, w->cap_cache[3], need) != PD_OK)
+        return PD_ERR_NOMEM;  // a failure midway leaves some arrays merely larger
     return PD_OK;
 }
 
@@ -480,7 +470,7 @@ static pd_status cache_put(work *w, const char *s, size_t n, const int32_t *ids,
     w->ck_len[e] = (uint32_t)n;
     w->cv_off[e] = (uint32_t)w->cids.n;
     w->cv_n[e] = (uint32_t)n_ids;
-    if (pd_tok_buf_add(&w->ckeys, s, n) != PD_OK) return PD_ERR_NOMEM;
+    if (pd_buf_append(&w->ckeys, s, n) != PD_OK) return PD_ERR_NOMEM;
     for (int i = 0; i < n_ids; i++) {
         if (pd_tok_ids_push(&w->cids, ids[i]) != PD_OK) return PD_ERR_NOMEM;
     }
@@ -663,11 +653,11 @@ pd_status pd_tok_encode(const pd_tok *t, const char *text, size_t len, bool add_
     for (int i = 0; add_special && st == PD_OK && i < t->n_suffix; i++) st = push_id(&w, t->suffix_ids[i]);
     if (st != PD_OK) out->n = n0;
     pcre2_match_data_free(w.md);
-    pd_tok_buf_fini(&w.norm);
-    pd_tok_buf_fini(&w.tmp);
-    pd_tok_buf_fini(&w.wt);
+    pd_buf_free(&w.norm);
+    pd_buf_free(&w.tmp);
+    pd_buf_free(&w.wt);
     for (int i = 0; i < 2; i++) {
-        pd_tok_buf_fini(&w.pl[i].text);
+        pd_buf_free(&w.pl[i].text);
         pd_free(w.pl[i].p);
     }
     pd_free(w.rg);
@@ -675,7 +665,7 @@ pd_status pd_tok_encode(const pd_tok *t, const char *text, size_t len, bool add_
     pd_free(w.syms);
     pd_free(w.heap);
     pd_tok_smap_fini(&w.cache);
-    pd_tok_buf_fini(&w.ckeys);
+    pd_buf_free(&w.ckeys);
     pd_free(w.ck_off);
     pd_free(w.ck_len);
     pd_free(w.cv_off);

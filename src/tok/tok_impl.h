@@ -16,17 +16,16 @@
 #define PCRE2_CODE_UNIT_WIDTH 8
 #include <pcre2.h>
 
+#include "base/buf.h"
+#include "base/map.h"
 #include "tok/tok.h"
 
 // ---- string → int32 hash map ---------------------------------------------------------------
-// Keys are not stored in the map: a slot holds a value v, and the key of v is
-// (pool + key_off[v], key_len[v]), arrays owned by the map's user. This keeps the vocabulary
-// map at 8 bytes a slot.
+// A pd_map (base/map.h) whose entries are values only: the key of value v is
+// (pool + key_off[v], key_len[v]), arrays owned by the map's user and passed to every call (the
+// pool may move as it grows). Hashed with XXH3.
 typedef struct pd_tok_smap {
-    int32_t *vals;     // cap slots, -1 = empty
-    uint32_t *hashes;  // cap slots, low 32 bits of the key hash
-    uint32_t cap;      // power of two (0 when empty)
-    uint32_t n;
+    pd_map map;  // of int32_t; zero (cap 0) until the first put
 } pd_tok_smap;
 
 uint64_t pd_tok_hash(const char *s, size_t n);
@@ -40,11 +39,9 @@ pd_status pd_tok_smap_put(pd_tok_smap *m, const char *pool, const uint32_t *key_
 void pd_tok_smap_fini(pd_tok_smap *m);
 
 // ---- (id, id) → (rank, id) hash map --------------------------------------------------------
+// A pd_map keyed by (left << 32) | right.
 typedef struct pd_tok_pmap {
-    uint64_t *keys;  // (left << 32) | right; UINT64_MAX = empty
-    int32_t *ranks;
-    int32_t *ids;
-    uint32_t cap, n;
+    pd_map map;  // of pd_tok_pmap_entry; zero (cap 0) until the first put
 } pd_tok_pmap;
 
 // true and *rank/*id set when the pair merges.
@@ -68,15 +65,6 @@ int pd_tok_utf8_invalid_len(const unsigned char *s, size_t n, bool more_may_come
 bool pd_tok_byte_token(const char *s, size_t n, uint8_t *out);
 // Unicode White_Space.
 bool pd_tok_is_space(uint32_t cp);
-
-// ---- growable byte buffer --------------------------------------------------------------------
-typedef struct pd_tok_buf {
-    char *p;  // owned (pd_malloc), NUL-terminated when len > 0 or after pd_tok_buf_cstr
-    size_t len, cap;
-} pd_tok_buf;
-pd_status pd_tok_buf_reserve(pd_tok_buf *b, size_t extra);
-pd_status pd_tok_buf_add(pd_tok_buf *b, const void *s, size_t n);
-void pd_tok_buf_fini(pd_tok_buf *b);
 
 // ---- tokens -------------------------------------------------------------------------------------
 enum {
@@ -108,7 +96,8 @@ typedef struct pd_tok_trie_node {
 
 typedef struct pd_tok_trie {
     pd_tok_trie_node *nodes;  // nodes[0] is the root
-    int n, cap;
+    int n;
+    size_t cap;
     bool first_byte[256];
 } pd_tok_trie;
 
@@ -221,6 +210,7 @@ struct pd_tok {
     char *bos_token, *eos_token;  // owned, NULL if none
     char **tmpl_names, **tmpl_texts;  // owned, n_tmpl
     int n_tmpl;
+    size_t cap_tmpl_names, cap_tmpl_texts;
     int default_tmpl;  // index, -1 none
 
     pcre2_general_context *gctx;  // owned; routes PCRE2 allocations through pd_malloc
@@ -228,7 +218,7 @@ struct pd_tok {
 };
 
 // tok_encode.c: appends the normalizer's output for s[0..n) to out.
-pd_status pd_tok_normalize(const pd_tok *t, const char *s, size_t n, pd_tok_buf *out);
+pd_status pd_tok_normalize(const pd_tok *t, const char *s, size_t n, pd_buf *out);
 
 // tok_nfc.c: appends the NFC form of s[0..n) (valid UTF-8) to out.
-pd_status pd_tok_nfc(const char *s, size_t n, pd_tok_buf *out);
+pd_status pd_tok_nfc(const char *s, size_t n, pd_buf *out);

@@ -135,11 +135,11 @@ static void compose_all(cps *v) {
     v->n = out;
 }
 
-pd_status pd_tok_nfc(const char *s, size_t n, pd_tok_buf *out) {
+pd_status pd_tok_nfc(const char *s, size_t n, pd_buf *out) {
     const unsigned char *p = (const unsigned char *)s;
     size_t i = 0;
     while (i < n && (p[i] < 0xcc)) i++;  // bytes below 0xCC start code points below U+0300
-    if (i == n) return pd_tok_buf_add(out, s, n);
+    if (i == n) return pd_buf_append(out, s, n);
     cps v = {0};
     pd_status st = PD_OK;
     for (i = 0; i < n && st == PD_OK;) {
@@ -151,7 +151,7 @@ pd_status pd_tok_nfc(const char *s, size_t n, pd_tok_buf *out) {
         reorder(&v);
         compose_all(&v);
         char enc[4];
-        for (size_t k = 0; k < v.n && st == PD_OK; k++) st = pd_tok_buf_add(out, enc, (size_t)pd_tok_utf8_encode(v.p[k], enc));
+        for (size_t k = 0; k < v.n && st == PD_OK; k++) st = pd_buf_append(out, enc, (size_t)pd_tok_utf8_encode(v.p[k], enc));
     }
     pd_free(v.p);
     return st;

@@ -21,8 +21,8 @@ struct pd_tok_stop {
     int n;
     size_t max_len;
     bool include_stop;
-    pd_tok_buf pending;
-    pd_tok_buf out;     // what the last call released
+    pd_buf pending;
+    pd_buf out;     // what the last call released
     size_t base;        // offset of pending[0] in all text fed
     bool stopped;
     int stop_idx;
@@ -66,8 +66,8 @@ void pd_tok_stop_free(pd_tok_stop *s) {
     for (int i = 0; i < s->n; i++) pd_free(s->stops[i]);
     pd_free(s->stops);
     pd_free(s->lens);
-    pd_tok_buf_fini(&s->pending);
-    pd_tok_buf_fini(&s->out);
+    pd_buf_free(&s->pending);
+    pd_buf_free(&s->out);
     pd_free(s);
 }
 
@@ -81,7 +81,7 @@ static void fill(pd_tok_stop *s, pd_tok_stop_result *res) {
 
 // Releases pending[0..n) into out and drops it from pending.
 static pd_status release(pd_tok_stop *s, size_t n) {
-    if (pd_tok_buf_add(&s->out, s->pending.p, n) != PD_OK) return PD_ERR_NOMEM;
+    if (pd_buf_append(&s->out, s->pending.p, n) != PD_OK) return PD_ERR_NOMEM;
     memmove(s->pending.p, s->pending.p + n, s->pending.len - n);
     s->pending.len -= n;
     s->base += n;
@@ -103,7 +103,7 @@ static size_t held_suffix(const pd_tok_stop *s) {
 pd_status pd_tok_stop_feed(pd_tok_stop *s, const char *text, size_t len, pd_tok_stop_result *res) {
     s->out.len = 0;
     pd_status st = PD_OK;
-    if (!s->stopped && len > 0) st = pd_tok_buf_add(&s->pending, text, len);
+    if (!s->stopped && len > 0) st = pd_buf_append(&s->pending, text, len);
     if (st == PD_OK && !s->stopped && s->pending.len > 0) {
         size_t best_start = 0, best_end = SIZE_MAX;
         int best = -1;

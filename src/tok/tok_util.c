@@ -1,10 +1,9 @@
-// tok_util.c — small building blocks of the tokenizer: hash maps keyed by strings and by id
-// pairs, UTF-8 validation and lossy decoding rules, a growable byte buffer.
+// tok_util.c — small building blocks of the tokenizer: the maps keyed by strings and by id pairs
+// (both pd_map, base/map.h, grown at 3/4 load), UTF-8 validation and lossy decoding rules.
 //
-// The string map stores values only (8 bytes a slot: value + 32-bit hash); keys live in the
-// caller's pool and are found through the value (see pd_tok_smap in tok_impl.h). Both maps use
-// open addressing with linear probing, grown at 3/4 load. Nothing here is thread-aware: maps are
-// filled at load time (then read-only) or are per-call.
+// The string map stores values only; keys live in the caller's pool and are found through the
+// value (see pd_tok_smap in tok_impl.h). Nothing here is thread-aware: maps are filled at load
+// time (then read-only) or are per-call.
 #include <string.h>
 #include <xxhash.h>
 
@@ -14,146 +13,80 @@ uint64_t pd_tok_hash(const char *s, size_t n) { return XXH3_64bits(s, n); }
 
 // ---- string map ------------------------------------------------------------------------------
 
-int32_t pd_tok_smap_get(const pd_tok_smap *m, const char *pool, const uint32_t *key_off,
-                        const uint32_t *key_len, const char *key, size_t n) {
-    if (m->cap == 0) return -1;
-    uint32_t h = (uint32_t)pd_tok_hash(key, n), mask = m->cap - 1;
-    for (uint32_t i = h & mask;; i = (i + 1) & mask) {
-        int32_t v = m->vals[i];
-        if (v < 0) return -1;
-        if (m->hashes[i] == h && key_len[v] == n && memcmp(pool + key_off[v], key, n) == 0) return v;
-    }
+typedef struct skey {  // a lookup key and where the stored values' keys live
+    const char *pool;
+    const uint32_t *off, *len;
+    const char *s;
+    size_t n;
+} skey;
+
+static bool smap_eq(const void *entry, const void *key, void *ctx) {
+    const skey *k = key;
+    int32_t v;
+    memcpy(&v, entry, sizeof v);
+    return k->len[v] == k->n && memcmp(k->pool + k->off[v], k->s, k->n) == 0;
 }
 
-static pd_status smap_grow(pd_tok_smap *m) {
-    uint32_t cap = m->cap ? m->cap * 2 : 64;
-    int32_t *vals = pd_malloc((size_t)cap * sizeof(*vals));
-    uint32_t *hashes = pd_malloc((size_t)cap * sizeof(*hashes));
-    if (!vals || !hashes) {
-        pd_free(vals);
-        pd_free(hashes);
-        return PD_ERR_NOMEM;
-    }
-    memset(vals, 0xff, (size_t)cap * sizeof(*vals));
-    for (uint32_t i = 0; i < m->cap; i++) {
-        if (m->vals[i] < 0) continue;
-        uint32_t j = m->hashes[i] & (cap - 1);
-        while (vals[j] >= 0) j = (j + 1) & (cap - 1);
-        vals[j] = m->vals[i];
-        hashes[j] = m->hashes[i];
-    }
-    pd_free(m->vals);
-    pd_free(m->hashes);
-    m->vals = vals;
-    m->hashes = hashes;
-    m->cap = cap;
-    return PD_OK;
+static const pd_map_params smap_params = {.entry_size = sizeof(int32_t), .eq = smap_eq, .max_load_pct = 75};
+
+int32_t pd_tok_smap_get(const pd_tok_smap *m, const char *pool, const uint32_t *key_off,
+                        const uint32_t *key_len, const char *key, size_t n) {
+    if (!m->map.cap) return -1;
+    skey k = {pool, key_off, key_len, key, n};
+    const int32_t *e = pd_map_find(&m->map, pd_tok_hash(key, n), &k);
+    return e ? *e : -1;
 }
 
 pd_status pd_tok_smap_put(pd_tok_smap *m, const char *pool, const uint32_t *key_off,
                           const uint32_t *key_len, int32_t v) {
-    if ((m->n + 1) * 4 > m->cap * 3) {
-        pd_status st = smap_grow(m);
-        if (st != PD_OK) return st;
-    }
-    const char *key = pool + key_off[v];
-    size_t n = key_len[v];
-    uint32_t h = (uint32_t)pd_tok_hash(key, n), mask = m->cap - 1;
-    uint32_t i = h & mask;
-    for (; m->vals[i] >= 0; i = (i + 1) & mask) {
-        int32_t w = m->vals[i];
-        if (m->hashes[i] == h && key_len[w] == n && memcmp(pool + key_off[w], key, n) == 0) {
-            return PD_OK;
-        }
-    }
-    m->vals[i] = v;
-    m->hashes[i] = h;
-    m->n++;
+    if (!m->map.stride) PD_ASSERT(pd_map_init(&m->map, &smap_params) == PD_OK);
+    skey k = {pool, key_off, key_len, pool + key_off[v], key_len[v]};
+    bool existed;
+    int32_t *e = pd_map_put(&m->map, pd_tok_hash(k.s, k.n), &k, &existed);
+    if (!e) return PD_ERR_NOMEM;
+    if (!existed) *e = v;
     return PD_OK;
 }
 
 void pd_tok_smap_fini(pd_tok_smap *m) {
-    pd_free(m->vals);
-    pd_free(m->hashes);
+    pd_map_fini(&m->map);
     memset(m, 0, sizeof(*m));
 }
 
 // ---- pair map ----------------------------------------------------------------------------------
 
-static inline uint64_t mix64(uint64_t x) {  // splitmix64 finaliser
-    x ^= x >> 30;
-    x *= 0xbf58476d1ce4e5b9ull;
-    x ^= x >> 27;
-    x *= 0x94d049bb133111ebull;
-    x ^= x >> 31;
-    return x;
-}
+typedef struct pd_tok_pmap_entry {
+    uint64_t key;  // (left << 32) | right
+    int32_t rank, id;
+} pd_tok_pmap_entry;
+
+static const pd_map_params pmap_params = {.entry_size = sizeof(pd_tok_pmap_entry), .key_size = 8, .max_load_pct = 75};
 
 bool pd_tok_pmap_get(const pd_tok_pmap *m, int32_t a, int32_t b, int32_t *rank, int32_t *id) {
-    if (m->cap == 0) return false;
+    if (!m->map.cap) return false;
     uint64_t key = ((uint64_t)(uint32_t)a << 32) | (uint32_t)b;
-    uint32_t mask = m->cap - 1;
-    for (uint32_t i = (uint32_t)mix64(key) & mask;; i = (i + 1) & mask) {
-        if (m->keys[i] == UINT64_MAX) return false;
-        if (m->keys[i] == key) {
-            *rank = m->ranks[i];
-            *id = m->ids[i];
-            return true;
-        }
-    }
-}
-
-static pd_status pmap_grow(pd_tok_pmap *m) {
-    uint32_t cap = m->cap ? m->cap * 2 : 64;
-    uint64_t *keys = pd_malloc((size_t)cap * sizeof(*keys));
-    int32_t *ranks = pd_malloc((size_t)cap * sizeof(*ranks));
-    int32_t *ids = pd_malloc((size_t)cap * sizeof(*ids));
-    if (!keys || !ranks || !ids) {
-        pd_free(keys);
-        pd_free(ranks);
-        pd_free(ids);
-        return PD_ERR_NOMEM;
-    }
-    memset(keys, 0xff, (size_t)cap * sizeof(*keys));
-    for (uint32_t i = 0; i < m->cap; i++) {
-        if (m->keys[i] == UINT64_MAX) continue;
-        uint32_t j = (uint32_t)mix64(m->keys[i]) & (cap - 1);
-        while (keys[j] != UINT64_MAX) j = (j + 1) & (cap - 1);
-        keys[j] = m->keys[i];
-        ranks[j] = m->ranks[i];
-        ids[j] = m->ids[i];
-    }
-    pd_free(m->keys);
-    pd_free(m->ranks);
-    pd_free(m->ids);
-    m->keys = keys;
-    m->ranks = ranks;
-    m->ids = ids;
-    m->cap = cap;
-    return PD_OK;
+    const pd_tok_pmap_entry *e = pd_map_find(&m->map, pd_map_mix64(key), &key);
+    if (!e) return false;
+    *rank = e->rank;
+    *id = e->id;
+    return true;
 }
 
 pd_status pd_tok_pmap_put(pd_tok_pmap *m, int32_t a, int32_t b, int32_t rank, int32_t id) {
-    if ((m->n + 1) * 4 > m->cap * 3) {
-        pd_status st = pmap_grow(m);
-        if (st != PD_OK) return st;
-    }
+    if (!m->map.stride) PD_ASSERT(pd_map_init(&m->map, &pmap_params) == PD_OK);
     uint64_t key = ((uint64_t)(uint32_t)a << 32) | (uint32_t)b;
-    uint32_t mask = m->cap - 1, i = (uint32_t)mix64(key) & mask;
-    for (; m->keys[i] != UINT64_MAX; i = (i + 1) & mask) {
-        if (m->keys[i] == key) return PD_OK;
+    bool existed;
+    pd_tok_pmap_entry *e = pd_map_put(&m->map, pd_map_mix64(key), &key, &existed);
+    if (!e) return PD_ERR_NOMEM;
+    if (!existed) {
+        e->rank = rank;
+        e->id = id;
     }
-    m->keys[i] = key;
-    m->ranks[i] = rank;
-    m->ids[i] = id;
-    m->n++;
     return PD_OK;
 }
 
 void pd_tok_pmap_fini(pd_tok_pmap *m) {
-    pd_free(m->keys);
-    pd_free(m->ranks);
-    pd_free(m->ids);
+    pd_map_fini(&m->map);
     memset(m, 0, sizeof(*m));
 }
 
@@ -282,34 +215,6 @@ bool pd_tok_byte_token(const char *s, size_t n, uint8_t *out) {
     return true;
 }
 
-// ---- buffer ------------------------------------------------------------------------------------
-
-pd_status pd_tok_buf_reserve(pd_tok_buf *b, size_t extra) {
-    size_t need;
-    if (pd_add_overflow(b->len, extra + 1, &need)) return PD_ERR_NOMEM;
-    if (need <= b->cap) return PD_OK;
-    size_t cap = b->cap ? b->cap : 64;
-    while (cap < need) cap *= 2;
-    char *p = pd_realloc(b->p, cap);
-    if (!p) return PD_ERR_NOMEM;
-    b->p = p;
-    b->cap = cap;
-    return PD_OK;
-}
-
-pd_status pd_tok_buf_add(pd_tok_buf *b, const void *s, size_t n) {
-    if (pd_tok_buf_reserve(b, n) != PD_OK) return PD_ERR_NOMEM;
-    if (n) memcpy(b->p + b->len, s, n);
-    b->len += n;
-    b->p[b->len] = 0;
-    return PD_OK;
-}
-
-void pd_tok_buf_fini(pd_tok_buf *b) {
-    pd_free(b->p);
-    memset(b, 0, sizeof(*b));
-}
-
 // ---- id vector (public) ------------------------------------------------------------------------
 
 void pd_tok_ids_free(pd_tok_ids *v) {
@@ -319,14 +224,9 @@ void pd_tok_ids_free(pd_tok_ids *v) {
 }
 
 pd_status pd_tok_ids_push(pd_tok_ids *v, int32_t id) {
-    if (v->n == v->cap) {
-        if (v->cap > INT32_MAX / 2) return PD_ERR_NOMEM;
-        int cap = v->cap ? v->cap * 2 : 64;
-        int32_t *ids = pd_realloc(v->ids, (size_t)cap * sizeof(*ids));
-        if (!ids) return PD_ERR_NOMEM;
-        v->ids = ids;
-        v->cap = cap;
-    }
+    if (v->n == INT32_MAX) return PD_ERR_NOMEM;
+    pd_status st = PD_ARRAY_RESERVE(v->ids, v->cap, (size_t)v->n + 1);
+    if (st != PD_OK) return st;
     v->ids[v->n++] = id;
     return PD_OK;
 }

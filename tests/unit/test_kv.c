@@ -112,7 +112,7 @@ PD_TEST(freeq_link_by_link) {
 PD_TEST(prefix_map_probe_and_delete) {
     pd_kv_prefix p;
     PD_REQUIRE(pd_kv_prefix_init(&p, 8) == PD_OK);  // 16 slots
-    PD_CHECK_EQ(p.mask, 15);
+    PD_CHECK_EQ(p.map.cap, 16);
     // Keys 0..5 share home slot 3 (a forced pile-up), keys 6, 7 have homes inside that run.
     pd_hash128 k[8];
     for (int i = 0; i < 6; i++) k[i] = (pd_hash128){3 + 16 * (uint64_t)i, (uint64_t)i};
@@ -133,7 +133,7 @@ PD_TEST(prefix_map_probe_and_delete) {
         }
     }
     PD_CHECK_EQ(p.n, 0);
-    for (uint64_t i = 0; i <= p.mask; i++) PD_CHECK_EQ(p.slots[i].block_id, -1);
+    for (size_t i = 0; i < p.map.cap; i++) PD_CHECK(pd_map_slot(&p.map, i) == NULL);
     pd_kv_prefix_fini(&p);
 }
 

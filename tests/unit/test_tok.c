@@ -412,10 +412,10 @@ PD_TEST(test_nfc) {
         {"plain ascii", "plain ascii"},
     };
     for (size_t i = 0; i < PD_ARRAY_LEN(cases); i++) {
-        pd_tok_buf b = {0};
+        pd_buf b = {0};
         PD_CHECK_EQ(pd_tok_nfc(cases[i].in, strlen(cases[i].in), &b), PD_OK);
         PD_CHECK_MSG(b.len == strlen(cases[i].out) && memcmp(b.p, cases[i].out, b.len) == 0, "nfc case %zu", i);
-        pd_tok_buf_fini(&b);
+        pd_buf_free(&b);
     }
 }
 
