@@ -82,6 +82,7 @@ typedef struct api_metrics {
     pd_metric *jobs;
     pd_metric *handoffs, *fallbacks[PD_FALLBACK_N], *local_short, *handoff_bytes, *handoff_seconds;
     pd_metric *exports, *export_bytes, *export_copy_seconds, *prefill_healthy;
+    pd_metric *masks, *mask_seconds;
 } api_metrics;
 
 #define API_GCACHE_N 32
@@ -144,6 +145,8 @@ pd_status pd_api_constraint(pd_api *a, const pd_api_request *r, pd_grammar **out
 // The ctl of one choice: logit bias and a matcher of g (NULL when neither). PD_ERR_NOMEM or PD_OK.
 pd_status pd_api_choice_ctl(pd_api *a, const pd_api_request *r, pd_grammar *g, pd_sample_ctl **out);
 void pd_api_gcache_fini(pd_api *a);
+// Token masks computed in this process and the time they took (engine threads), since start.
+void pd_api_mask_stats(double *seconds, double *count);
 // messages for a template without tool support: the tools described in the (first) system message,
 // assistant tool_calls written as <tool_call> text, tool results as <tool_response> user turns.
 json_t *pd_api_tools_fallback_messages(const json_t *messages, const json_t *tools);

@@ -7,6 +7,7 @@
 // cache holds the 32 most recently used grammars; a grammar in use by running requests stays
 // alive through their references when it leaves the cache.
 #include <stdio.h>
+#include <time.h>
 #include <string.h>
 
 #include "api/api_impl.h"
@@ -87,7 +88,24 @@ pd_status pd_api_constraint(pd_api *a, const pd_api_request *r, pd_grammar **out
 
 // ---- the mask source of one choice -------------------------------------------------------------------
 
-static int m_fill(void *ud, uint32_t *mask) { return pd_grammar_matcher_fill_mask(ud, mask); }
+// Mask cost (CPU time of the engine thread), process-wide (a sampler, and so its matcher, may outlive the pd_api that made it).
+static int64_t g_mask_ns, g_masks;
+
+static int m_fill(void *ud, uint32_t *mask) {
+    struct timespec t0, t1;
+    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t0);  // CPU time: what the mask costs, whatever else runs
+    int n = pd_grammar_matcher_fill_mask(ud, mask);
+    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t1);
+    __atomic_add_fetch(&g_mask_ns, (int64_t)(t1.tv_sec - t0.tv_sec) * 1000000000 + (t1.tv_nsec - t0.tv_nsec),
+                       __ATOMIC_RELAXED);
+    __atomic_add_fetch(&g_masks, 1, __ATOMIC_RELAXED);
+    return n;
+}
+
+void pd_api_mask_stats(double *seconds, double *count) {
+    *seconds = (double)__atomic_load_n(&g_mask_ns, __ATOMIC_RELAXED) / 1e9;
+    *count = (double)__atomic_load_n(&g_masks, __ATOMIC_RELAXED);
+}
 static pd_status m_accept(void *ud, int32_t t) { return pd_grammar_matcher_accept(ud, t); }
 static void m_free(void *ud) { pd_grammar_matcher_free(ud); }
 static const pd_token_mask_ops k_matcher_ops = {m_fill, m_accept, m_free};

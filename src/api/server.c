@@ -295,6 +295,10 @@ static void refresh_engine_metrics(pd_api *a) {
     mirror(a->m.export_bytes, s.n_kv_export_bytes);
     mirror(a->m.export_copy_seconds, (double)s.kv_export_copy_us_total / 1e6);
     pd_metric_set(a->m.prefill_healthy, pd_engine_n_prefill_healthy(a->engine));
+    double mask_s, n_masks;
+    pd_api_mask_stats(&mask_s, &n_masks);
+    mirror(a->m.masks, n_masks);
+    mirror(a->m.mask_seconds, mask_s);
 }
 
 static void h_metrics(pd_http_req *r, void *ud) {
@@ -380,6 +384,8 @@ static pd_status register_metrics(pd_api *a, pd_err *err) {
     C(export_bytes, "pdserve_kv_export_bytes_total", "KV bytes this prefill worker wrote into decode pools.", NULL);
     C(export_copy_seconds, "pdserve_kv_export_copy_seconds_total", "Time spent copying exported KV, summed.", NULL);
     G(prefill_healthy, "pdserve_kv_prefill_workers_healthy", "Prefill workers this decode worker is connected to.");
+    C(masks, "pdserve_grammar_masks_total", "Token masks computed for constrained decoding (one per constrained row and step).", NULL);
+    C(mask_seconds, "pdserve_grammar_mask_seconds_total", "CPU time spent computing token masks, summed.", NULL);
 #undef H
 #undef G
 #undef C

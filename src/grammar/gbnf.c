@@ -607,6 +607,99 @@ static bool check(parser *p, int *root) {
     return ok;
 }
 
+// ---- inlining ------------------------------------------------------------------------------------------
+// A token mask is precomputed per grammar position with nothing known below the position's rule
+// (match.c), so a token that leaves the rule must be checked at run time. Small helper rules
+// (JSON's `char`, a repeated [0-9], a UTF-8 class) would make nearly every token leave them after a
+// byte or two: `string ::= "\"" char* "\""` is a loop of one-character calls. Splicing small,
+// non-recursive rules into their callers turns such loops into one tail-recursive rule, whose
+// positions judge whole runs of characters on their own. The language does not change.
+
+#define INLINE_MAX_ALTS 16     // alternatives of a rule that may be inlined
+#define INLINE_MAX_SYMS 48     // symbols in all its alternatives
+#define INLINE_MAX_RESULT 64   // alternatives a rule may grow to
+
+static bool rule_reaches(const parser *p, int from, int target, uint8_t *seen) {
+    if (seen[from]) return false;
+    seen[from] = 1;
+    const prule *r = &p->rules[from];
+    for (int a = 0; a < r->n_alts; a++)
+        for (int k = 0; k < r->alts[a].n; k++) {
+            const sym *x = &r->alts[a].a[k];
+            if (x->type != GE_RULE) continue;
+            if (x->v == target || rule_reaches(p, x->v, target, seen)) return true;
+        }
+    return false;
+}
+
+static bool inline_rules(parser *p, int root) {
+    int n = p->n_rules;
+    bool *can = pd_calloc((size_t)n, sizeof(bool));
+    uint8_t *seen = pd_malloc((size_t)n);
+    if (!can || !seen) {
+        pd_free(can);
+        pd_free(seen);
+        return oom(p);
+    }
+    for (int b = 0; b < n; b++) {  // recursion never changes; sizes do, so they are checked at each use
+        memset(seen, 0, (size_t)n);
+        can[b] = b != root && p->rules[b].n_alts >= 1 && !rule_reaches(p, b, b, seen);
+    }
+    bool ok = true;
+    for (int rr = 0; rr < n && ok; rr++) {
+        for (int a = 0; a < p->rules[rr].n_alts && ok; a++) {
+            for (int k = 0; k < p->rules[rr].alts[a].n && ok;) {
+                sym x = p->rules[rr].alts[a].a[k];
+                prule *B = &p->rules[x.v];
+                // Not at the end of the alternative: a tail call keeps the caller's frame anyway, and
+                // unrolling repetition chains there would only grow the grammar.
+                int syms = 0;
+                for (int i = 0; x.type == GE_RULE && i < B->n_alts; i++) syms += B->alts[i].n;
+                // A rule of several alternatives only into a short alternative (the `x tail` loop of a
+                // repetition): in longer sequences they would multiply out.
+                if (x.type != GE_RULE || k == p->rules[rr].alts[a].n - 1 || !can[x.v] || B->n_alts > INLINE_MAX_ALTS ||
+                    syms > INLINE_MAX_SYMS || (B->n_alts > 1 && p->rules[rr].alts[a].n > 2) ||
+                    p->rules[rr].n_alts - 1 + B->n_alts > INLINE_MAX_RESULT) {
+                    k++;
+                    continue;
+                }
+                // alt = pre B post  →  pre b_i post for every alternative b_i of B (the first in place).
+                symvec old = p->rules[rr].alts[a];
+                int nb = B->n_alts;
+                for (int i = 1; i < nb && ok; i++) {
+                    symvec *v = new_alt(p, rr);  // may move p->rules[rr].alts, not the symbol arrays
+                    B = &p->rules[x.v];
+                    if (!v) {
+                        ok = false;
+                        break;
+                    }
+                    const symvec *bi = &B->alts[i];
+                    for (int j = 0; j < k && ok; j++) ok = push_sym(p, v, old.a[j].type, old.a[j].v);
+                    for (int j = 0; j < bi->n && ok; j++) ok = push_sym(p, v, bi->a[j].type, bi->a[j].v);
+                    for (int j = k + 1; j < old.n && ok; j++) ok = push_sym(p, v, old.a[j].type, old.a[j].v);
+                }
+                if (!ok) break;
+                B = &p->rules[x.v];
+                symvec cur = {0};
+                const symvec *b0 = &B->alts[0];
+                for (int j = 0; j < k && ok; j++) ok = push_sym(p, &cur, old.a[j].type, old.a[j].v);
+                for (int j = 0; j < b0->n && ok; j++) ok = push_sym(p, &cur, b0->a[j].type, b0->a[j].v);
+                for (int j = k + 1; j < old.n && ok; j++) ok = push_sym(p, &cur, old.a[j].type, old.a[j].v);
+                if (!ok) {
+                    pd_free(cur.a);
+                    break;
+                }
+                pd_free(old.a);
+                p->rules[rr].alts[a] = cur;
+                // k stays: the spliced symbols are looked at next (nested small rules inline too).
+            }
+        }
+    }
+    pd_free(can);
+    pd_free(seen);
+    return ok;
+}
+
 static pd_grammar *flatten(parser *p, int root, const pd_grammar_vocab *vocab) {
     int n_elems = 0, n_alts = 0;
     for (int i = 0; i < p->n_rules; i++) {
@@ -661,7 +754,7 @@ pd_grammar *pd_grammar_new(const char *gbnf, size_t len, const pd_grammar_vocab 
     parser p = {.s = gbnf, .end = gbnf + len, .begin = gbnf, .err = err};
     int root = -1;
     pd_grammar *g = NULL;
-    if (parse_grammar(&p) && check(&p, &root)) g = flatten(&p, root, vocab);
+    if (parse_grammar(&p) && check(&p, &root) && inline_rules(&p, root)) g = flatten(&p, root, vocab);
     parser_fini(&p);
     return g;
 }
