@@ -44,6 +44,9 @@
 //     Messages may carry role "tool" (tool_call_id) and assistant tool_calls (arguments as a
 //     JSON string, passed to templates as an object, as vLLM does).
 //   * logit_bias: {"token id": bias in [-100, 100]}, at most 300; -100 bans the token outright.
+//   * continuation_tokens (pdserve extension, completions; the router's failover re-issue): the
+//     prompt's last N tokens were generated for this request already, so a grammar resumes after
+//     them (they must follow it: else a 400) instead of starting over.
 //   * `model` may be absent; if present it must equal the served model name (else 404
 //     model_not_found).
 //   * `echo: true`, `best_of` != n / 1 and `suffix` are rejected with 400 (not implemented).
@@ -158,6 +161,7 @@ typedef struct pd_api_request {
     pd_api_tool_format tool_format;  // set by the caller before tokenize (default FALLBACK)
     pd_logit_bias *logit_bias; // owned (pd_malloc)
     int n_logit_bias;
+    int continuation_tokens;   // completions: the prompt's last N tokens are this request's own output
 } pd_api_request;
 
 // Parses and validates a request body for kind. served_model: the name `model` must match (NULL

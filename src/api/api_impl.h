@@ -142,8 +142,10 @@ void pd_api_job_stream_begin(api_job *j);
 // The grammar r's output must follow (a new reference), or *out = NULL when unconstrained.
 // Errors fill e (PD_ERR_INVALID: 400 naming response_format / grammar / tools).
 pd_status pd_api_constraint(pd_api *a, const pd_api_request *r, pd_grammar **out, pd_api_error *e);
-// The ctl of one choice: logit bias and a matcher of g (NULL when neither). PD_ERR_NOMEM or PD_OK.
-pd_status pd_api_choice_ctl(pd_api *a, const pd_api_request *r, pd_grammar *g, pd_sample_ctl **out);
+// The ctl of one choice: logit bias and a matcher of g (NULL when neither), resumed after the
+// prompt's continuation tokens. PD_ERR_NOMEM, PD_ERR_INVALID (they do not follow g) or PD_OK.
+pd_status pd_api_choice_ctl(pd_api *a, const pd_api_request *r, pd_grammar *g, const pd_tok_ids *prompt,
+                            pd_sample_ctl **out);
 void pd_api_gcache_fini(pd_api *a);
 // Token masks computed in this process and the time they took (engine threads), since start.
 void pd_api_mask_stats(double *seconds, double *count);

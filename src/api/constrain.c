@@ -110,7 +110,8 @@ static pd_status m_accept(void *ud, int32_t t) { return pd_grammar_matcher_accep
 static void m_free(void *ud) { pd_grammar_matcher_free(ud); }
 static const pd_token_mask_ops k_matcher_ops = {m_fill, m_accept, m_free};
 
-pd_status pd_api_choice_ctl(pd_api *a, const pd_api_request *r, pd_grammar *g, pd_sample_ctl **out) {
+pd_status pd_api_choice_ctl(pd_api *a, const pd_api_request *r, pd_grammar *g, const pd_tok_ids *prompt,
+                            pd_sample_ctl **out) {
     *out = NULL;
     if (!g && !r->n_logit_bias) return PD_OK;
     pd_sample_ctl *c = pd_calloc(1, sizeof *c);
@@ -130,6 +131,12 @@ pd_status pd_api_choice_ctl(pd_api *a, const pd_api_request *r, pd_grammar *g, p
         c->mask_ud = pd_grammar_matcher_new(g, end, n);
         if (!c->mask_ud) goto oom;
         c->mask_ops = &k_matcher_ops;
+        // A failover continuation: the output so far ends the prompt; the grammar resumes after it.
+        for (int i = prompt->n - r->continuation_tokens; r->continuation_tokens && i < prompt->n; i++)
+            if (pd_grammar_matcher_accept(c->mask_ud, prompt->ids[i])) {
+                pd_sample_ctl_free(c);
+                return PD_ERR_INVALID;
+            }
     }
     *out = c;
     return PD_OK;

@@ -109,7 +109,7 @@ static const char *const k_fields_common[] = {
     "include_stop_str_in_output", "return_token_ids", "priority", "add_special_tokens", NULL};
 static const char *const k_fields_chat[] = {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
                                             "parallel_tool_calls", "chat_template_kwargs", NULL};
-static const char *const k_fields_completion[] = {"prompt", "best_of", "echo", "suffix", NULL};
+static const char *const k_fields_completion[] = {"prompt", "best_of", "echo", "suffix", "continuation_tokens", NULL};
 // OpenAI fields that would change the output and are not implemented.
 static const char *const k_fields_unsupported[] = {"audio", "prediction", "reasoning_effort", "web_search_options",
                                                    "verbosity", "functions", "function_call", NULL};
@@ -556,6 +556,8 @@ static pd_status parse_fields(pd_api_request *r, const char *served, pd_api_erro
     if ((st = get_bool(o, "skip_special_tokens", &r->skip_special_tokens, e))) return st;
     if ((st = get_bool(o, "include_stop_str_in_output", &r->include_stop_str_in_output, e))) return st;
     if ((st = get_bool(o, "return_token_ids", &r->return_token_ids, e))) return st;
+    if ((st = get_int(o, "continuation_tokens", 0, INT_MAX, &v, &given, e))) return st;
+    if (given) r->continuation_tokens = (int)v;
     if ((st = get_int(o, "priority", INT_MIN, INT_MAX, &v, &given, e))) return st;
     if (given) r->priority = (int)v;
     if ((st = parse_sampling(r, e))) return st;
@@ -734,6 +736,9 @@ pd_status pd_api_request_tokenize(const pd_api_request *r, const pd_tok *tok,
         if (st) break;
         if (ids->n == 0) {
             st = fail(e, PD_ERR_INVALID, param, "the prompt is empty");
+        } else if (r->continuation_tokens >= ids->n) {
+            st = fail(e, PD_ERR_INVALID, "continuation_tokens", "'continuation_tokens' (%d) must be below the prompt's %d tokens",
+                      r->continuation_tokens, ids->n);
         } else if (ids->n >= max_model_len) {
             st = fail(e, PD_ERR_INVALID, param,
                       "This model's maximum context length is %d tokens. However, your prompt has %d tokens "

@@ -126,7 +126,14 @@ static pd_status job_submit(api_job *j, const pd_api_request *rq, const pd_api_p
         er.priority = rq->priority == INT_MIN ? INT_MAX : -rq->priority;
         er.arrival_us = j->t_arrival_us;
         pd_err err = {0};
-        pd_status st = pd_api_choice_ctl(a, rq, g, &er.ctl);  // logit bias, grammar matcher
+        pd_status st = pd_api_choice_ctl(a, rq, g, &pr->items[c->prompt_idx], &er.ctl);  // logit bias, grammar
+        if (st == PD_ERR_INVALID) {
+            e->status = st;
+            snprintf(e->param, sizeof e->param, "continuation_tokens");
+            snprintf(e->message, sizeof e->message, "the continuation tokens do not follow the request's grammar");
+            e->code = NULL;
+            return st;
+        }
         if (st == PD_OK) st = pd_api_idmap_put(&a->ids, er.id, c);
         if (st == PD_OK) {
             st = pd_engine_submit(a->engine, &er, &err);  // the engine owns er.ctl on success

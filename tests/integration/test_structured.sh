@@ -48,6 +48,27 @@ if (r.choices.length !== 3) throw new Error("n=3 gave " + r.choices.length);
 for (const c of r.choices) {
   if (c.finish_reason !== "stop" || !/^(yea|nay)(, (yea|nay)){0,3}\.$/.test(c.text)) throw new Error("off-grammar: " + JSON.stringify(c));
 }' "$TMP/body" || pd_fail "grammar outputs"
+# A failover continuation (the router's re-issue): the prompt ends with output already generated
+# (continuation_tokens), and the grammar resumes after it instead of starting over; output that
+# does not follow the grammar is a 400.
+node --input-type=module -e '
+const base = process.argv[1];
+const post = async (path, body) => { const r = await fetch(base + path, { method: "POST", headers: { "Content-Type": "application/json" }, body: JSON.stringify(body) }); return [r.status, await r.json()]; };
+const ids = async (text) => (await post("/internal/tokenize", { prompt: text }))[1].token_ids;
+const head = await ids("And God said"), bos = head[0];
+const tail = async (text) => { const t = await ids(text); return t[0] === bos ? t.slice(1) : t; };
+const grammar = "root ::= \"yea\" (\", \" (\"yea\" | \"nay\")){1,3} \".\"";
+for (const seed of [1, 2, 3]) {
+  const yea = await tail("yea");
+  const [st, r] = await post("/v1/completions", { prompt: [...head, ...yea], continuation_tokens: yea.length, grammar, max_tokens: 30, seed, temperature: 1 });
+  if (st !== 200) throw new Error("continuation: " + st + " " + JSON.stringify(r));
+  const t = r.choices[0].text;
+  if (r.choices[0].finish_reason !== "stop" || !/^(, (yea|nay)){1,3}\.$/.test(t)) throw new Error("continuation restarted the grammar: " + JSON.stringify(t));
+}
+const nay = await tail("nay");
+const [st, r] = await post("/v1/completions", { prompt: [...head, ...nay], continuation_tokens: nay.length, grammar, max_tokens: 5 });
+if (st !== 400 || r.error.param !== "continuation_tokens") throw new Error("off-grammar continuation: " + st + " " + JSON.stringify(r));
+' "$URL" || pd_fail "continuation_tokens"
 # json_object: an object whenever the model finished (a cut reply is a prefix of one).
 code=$(post /v1/chat/completions "{$M,\"max_tokens\":300,\"seed\":5,\"n\":4,\"response_format\":{\"type\":\"json_object\"}}")
 [ "$code" = 200 ] || pd_fail "json_object: $code"
