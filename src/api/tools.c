@@ -222,10 +222,12 @@ static bool add_call(json_t *calls, const json_t *obj, pd_api_tool_format f, con
     if (json_is_string(args)) a = strdup(json_string_value(args));
     else a = json_dumps(args ? args : json_object(), JSON_COMPACT | JSON_ENCODE_ANY);
     if (!a) return false;
+    // OpenAI's shape "call_" + 24; Mistral's templates refuse anything but 9 alphanumerics (as vLLM).
     char id[40] = "call_";
     static const char al[] = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789";
-    for (int i = 0; i < 24; i++) id[5 + i] = al[pd_rng_next(rng) % (sizeof al - 1)];
-    id[29] = 0;
+    int pre = f == PD_API_TOOLS_MISTRAL ? 0 : 5, n = f == PD_API_TOOLS_MISTRAL ? 9 : 24;
+    for (int i = 0; i < n; i++) id[pre + i] = al[pd_rng_next(rng) % (sizeof al - 1)];
+    id[pre + n] = 0;
     json_t *c = json_pack("{s:s,s:s,s:{s:s,s:s}}", "id", id, "type", "function", "function", "name", name, "arguments", a);
     free(a);
     return c && !json_array_append_new(calls, c);

@@ -374,6 +374,7 @@ PD_TEST(tool_formats_and_parsing) {
     const char *m = "[TOOL_CALLS][{\"name\": \"g\", \"arguments\": {\"x\": [1]}}]";
     calls = pd_api_tools_parse(m, strlen(m), PD_API_TOOLS_MISTRAL, tools, &rng, &clen);
     PD_CHECK(json_array_size(calls) == 1 && clen == 0);
+    PD_CHECK_EQ(strlen(json_string_value(json_object_get(json_array_get(calls, 0), "id"))), 9);  // Mistral's ids
     json_decref(calls);
     const char *l = " {\"name\": \"f\", \"parameters\": {\"q\": \"a\"}}";
     calls = pd_api_tools_parse(l, strlen(l), PD_API_TOOLS_LLAMA3, tools, &rng, &clen);
@@ -551,5 +552,54 @@ PD_TEST(tokenize_chat_template) {
                 PD_ERR_INVALID);
     PD_CHECK_STR(e.param, "chat_template_kwargs");
     pd_chat_template_free(tm);
+    pd_tok_free(tok);
+}
+
+// Tool turns through every fixture template: the model's own tool syntax where the template has
+// one (tools rendered, assistant tool_calls with object arguments, tool results), our Hermes
+// system prompt where it has none. The rendered prompt names the function and carries the result.
+PD_TEST(tool_turns_render_in_every_template) {
+    pd_tok *tok = load_tok();
+    if (!tok) return;
+    static const char *files[] = {"qwen25.jinja", "mistral_v03.jinja", "llama31.jinja", "llama32.jinja", "qwen2.jinja",
+                                  "llama3.jinja"};
+    const char *body =
+        "{\"messages\":[{\"role\":\"system\",\"content\":\"Be brief.\"},{\"role\":\"user\",\"content\":\"Weather in Rome?\"},"
+        "{\"role\":\"assistant\",\"content\":null,\"tool_calls\":[{\"id\":\"abcdefghi\",\"type\":\"function\","
+        "\"function\":{\"name\":\"get_weather\",\"arguments\":\"{\\\"city\\\":\\\"Rome\\\"}\"}}]},"
+        "{\"role\":\"tool\",\"tool_call_id\":\"abcdefghi\",\"content\":\"sunny-and-warm\"}],"
+        "\"tools\":[{\"type\":\"function\",\"function\":{\"name\":\"get_weather\",\"description\":\"Weather\","
+        "\"parameters\":{\"type\":\"object\",\"properties\":{\"city\":{\"type\":\"string\"}},\"required\":[\"city\"]}}}]}";
+    for (size_t i = 0; i < PD_ARRAY_LEN(files); i++) {
+        char path[512];
+        snprintf(path, sizeof path, "%s/tests/data/chat/%s", pd_test_repo_dir(), files[i]);
+        FILE *f = fopen(path, "rb");
+        PD_REQUIRE(f);
+        char *src = pd_calloc(1, 1 << 16);
+        size_t n = fread(src, 1, (1 << 16) - 1, f);
+        fclose(f);
+        pd_chat_template *tm = tmpl_of(src);
+        pd_api_request r;
+        pd_api_error e;
+        pd_api_prompts p = {0};
+        PD_REQUIRE(parse(CH, body, &r, &e) == PD_OK);
+        r.tool_format = pd_api_tool_format_detect(src);
+        pd_status st = pd_api_request_tokenize(&r, tok, tm, 8192, &p, &e);
+        PD_CHECK_MSG(st == PD_OK, "%s: %s", files[i], e.message);
+        if (st == PD_OK) {
+            char *text = NULL;
+            size_t len = 0;
+            PD_CHECK(pd_tok_decode(tok, p.items[0].ids, p.items[0].n, false, &text, &len) == PD_OK);
+            PD_CHECK_MSG(text && strstr(text, "get_weather") && strstr(text, "sunny-and-warm"), "%s: %s", files[i],
+                         text ? text : "");
+            if (r.tool_format == PD_API_TOOLS_FALLBACK) PD_CHECK_MSG(text && strstr(text, "<tools>"), "%s", files[i]);
+            pd_free(text);
+        }
+        (void)n;
+        pd_api_prompts_fini(&p);
+        pd_api_request_fini(&r);
+        pd_chat_template_free(tm);
+        pd_free(src);
+    }
     pd_tok_free(tok);
 }
