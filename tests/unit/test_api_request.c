@@ -603,3 +603,89 @@ PD_TEST(tool_turns_render_in_every_template) {
     }
     pd_tok_free(tok);
 }
+
+// The grammar of a forced tool choice, per format: random walks through its token masks (the
+// kjv vocabulary) always parse back into calls of the right function with arguments that match
+// the parameter schema.
+PD_TEST(forced_tool_grammar_parses_back) {
+    pd_tok *tok = load_tok();
+    if (!tok) return;
+    pd_err err = {0};
+    pd_grammar_vocab *v = pd_grammar_vocab_new(tok, &err);
+    PD_REQUIRE(v);
+    const char *body =
+        "{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"tool_choice\":\"required\",\"tools\":["
+        "{\"type\":\"function\",\"function\":{\"name\":\"get_weather\",\"parameters\":{\"type\":\"object\","
+        "\"properties\":{\"city\":{\"type\":\"string\",\"maxLength\":8},\"days\":{\"type\":\"integer\",\"minimum\":1,"
+        "\"maximum\":7}},\"required\":[\"city\",\"days\"],\"additionalProperties\":false}}},"
+        "{\"type\":\"function\",\"function\":{\"name\":\"now\"}}]}";
+    pd_api_tool_format fmts[] = {PD_API_TOOLS_FALLBACK, PD_API_TOOLS_HERMES, PD_API_TOOLS_MISTRAL, PD_API_TOOLS_LLAMA3};
+    int32_t eos = pd_tok_eos_id(tok);
+    uint32_t *mask = pd_malloc(sizeof(uint32_t) * (size_t)pd_grammar_mask_words(v));
+    for (size_t f = 0; f < PD_ARRAY_LEN(fmts); f++) {
+        pd_api_request r;
+        pd_api_error e;
+        PD_REQUIRE(parse(CH, body, &r, &e) == PD_OK);
+        char *gbnf = NULL;
+        PD_REQUIRE(pd_api_tools_gbnf(&r, fmts[f], &gbnf, &err) == PD_OK);
+        pd_grammar *g = pd_grammar_new(gbnf, strlen(gbnf), v, &err);
+        PD_CHECK_MSG(g, "format %d: %s", (int)fmts[f], err.msg);
+        pd_rng rng;
+        pd_rng_seed(&rng, 11 + f);
+        int parsed = 0;
+        for (int walk = 0; g && walk < 8; walk++) {
+            pd_grammar_matcher *m = pd_grammar_matcher_new(g, &eos, 1);
+            char text[4096];
+            size_t len = 0;
+            bool ended = false;
+            for (int step = 0; step < 300 && !ended; step++) {
+                int n = pd_grammar_matcher_fill_mask(m, mask);
+                if (n <= 0) break;
+                int32_t pick = -1;
+                if ((mask[eos >> 5] >> (eos & 31)) & 1) pick = eos;  // end as soon as allowed
+                for (int k = (int)(pd_rng_next(&rng) % (uint64_t)n); pick < 0;)
+                    for (int32_t t = 0; t < pd_grammar_vocab_size(v) && pick < 0; t++)
+                        if ((mask[t >> 5] >> (t & 31)) & 1 && k-- == 0) pick = t;
+                PD_REQUIRE(pd_grammar_matcher_accept(m, pick) == PD_OK);
+                if (pick == eos) {
+                    ended = true;
+                    break;
+                }
+                size_t bn = 0;
+                const char *b = pd_tok_token_bytes(tok, pick, &bn);
+                if (len + bn >= sizeof text) break;
+                memcpy(text + len, b, bn);
+                len += bn;
+            }
+            pd_grammar_matcher_free(m);
+            if (!ended) continue;
+            size_t clen = 1;
+            json_t *calls = pd_api_tools_parse(text, len, fmts[f], r.tools, &rng, &clen);
+            PD_CHECK_MSG(json_array_size(calls) >= 1 && clen == 0, "format %d: %.*s", (int)fmts[f], (int)len, text);
+            size_t i;
+            json_t *c;
+            json_array_foreach(calls, i, c) {
+                json_t *fn = json_object_get(c, "function");
+                const char *name = json_string_value(json_object_get(fn, "name"));
+                json_t *args = json_loads(json_string_value(json_object_get(fn, "arguments")), 0, NULL);
+                PD_CHECK(json_is_object(args));
+                if (name && !strcmp(name, "get_weather")) {
+                    json_int_t d = json_integer_value(json_object_get(args, "days"));
+                    PD_CHECK(json_is_string(json_object_get(args, "city")) && d >= 1 && d <= 7);
+                } else {
+                    PD_CHECK(name && !strcmp(name, "now"));
+                }
+                json_decref(args);
+            }
+            parsed += calls != NULL;
+            json_decref(calls);
+        }
+        PD_CHECK_MSG(parsed > 0, "format %d: no walk ended", (int)fmts[f]);
+        pd_grammar_unref(g);
+        pd_free(gbnf);
+        pd_api_request_fini(&r);
+    }
+    pd_free(mask);
+    pd_grammar_vocab_free(v);
+    pd_tok_free(tok);
+}
