@@ -1,8 +1,12 @@
 # pdserve — the one front door.
-#   make              build build/pdserve (CUDA auto-detected: CUDA=auto|0|1)
+#   make              build build/pdserve (CUDA=auto|0|1: auto builds the CUDA code only when a GPU is
+#                     present -- /dev/nvidia0 or `nvidia-smi -L` -- and nvcc is found; CUDA=1 forces it)
+#   make deps         install the missing Debian packages and npm test clients (tools/deps.sh)
 #   make test         install missing packages, build, run every CPU test tier
-#   make run          install missing packages, build, start the embedded default and answer a sample request
-#   make test-asan    the unit + golden tiers under AddressSanitizer/UBSan
+#   make run          install missing packages, build, start the embedded default and answer a sample
+#                     request (RUN_ARGS=--exit-after-sample: exit after the answer)
+#   make test-asan    unit + golden + integration tiers under AddressSanitizer/UBSan (CUDA=0)
+#   make test-tsan    the tests that run threads under ThreadSanitizer (CUDA=0, see TSAN_TESTS)
 #   make fuzz         build the libFuzzer targets (clang); make fuzz-run FUZZ_SECONDS=300 runs each
 #   make gpu-test     build with CUDA and run the GPU tests (needs a GPU; 2 GPUs: also tools/gpu/test_disagg_gpu.sh)
 #   make SAN=address,undefined DEBUG=1 ...
@@ -19,17 +23,29 @@ SAN     ?=
 DEBUG   ?= 0
 WERROR  ?= 0
 
+# CUDA=auto: the GPU decides, not the compiler (a machine with nvcc but no GPU builds CPU-only).
 ifeq ($(CUDA),auto)
-  ifneq ($(NVCC),)
-    CUDA := 1
+  HAVE_GPU := $(shell { [ -e /dev/nvidia0 ] || nvidia-smi -L 2>/dev/null | grep -q '^GPU'; } && echo 1)
+  ifeq ($(HAVE_GPU),1)
+    ifneq ($(NVCC),)
+      CUDA := 1
+    else
+      $(warning a GPU is present but nvcc was not found: building CPU-only (CUDA=0))
+      CUDA := 0
+    endif
   else
     CUDA := 0
   endif
 endif
 
-PKGS     := jansson libpcre2-8 libevent xxhash openblas
+# Libraries, by pkg-config module (tools/deps.sh installs their Debian packages). Flags come from
+# pkg-config only: openblas.pc points at Debian's openblas-pthread include directory, whose cblas.h
+# declares openblas_set_num_threads (a reference-BLAS cblas.h does not).
+PKGS     := jansson libpcre2-8 libevent libevent_pthreads libxxhash openblas libutf8proc
+PKG_CFLAGS := $(shell pkg-config --cflags $(PKGS) 2>/dev/null)
+PKG_LIBS   := $(shell pkg-config --libs $(PKGS) 2>/dev/null)
 CFLAGS_BASE := -std=c11 -D_GNU_SOURCE -Wall -Wextra -Wshadow -Wno-unused-parameter -fPIC -pthread -fopenmp \
-               -Isrc -I/usr/include/x86_64-linux-gnu/openblas-pthread
+               -Isrc $(PKG_CFLAGS)
 ifeq ($(DEBUG),1)
   CFLAGS_OPT := -O0 -g -DPD_DEBUG
 else
@@ -43,7 +59,7 @@ ifeq ($(WERROR),1)
   CFLAGS_OPT += -Werror
 endif
 CFLAGS  += $(CFLAGS_BASE) $(CFLAGS_OPT)
-LDLIBS  := -ljansson -lpcre2-8 -levent -levent_pthreads -lxxhash -lopenblas -lm -lpthread -fopenmp
+LDLIBS  := $(PKG_LIBS) -lm -lpthread -fopenmp
 
 CUDA_HOME ?= /usr/local/cuda
 ifeq ($(CUDA),1)
@@ -67,8 +83,14 @@ CMD_OBJ  := $(CMD_SRC:%.c=$(BUILD)/obj/%.o)
 TEST_BIN := $(patsubst tests/%.c,$(BUILD)/tests/%,$(TEST_SRC))
 HELPER_OBJ := $(TEST_HELPER_SRC:%.c=$(BUILD)/obj/%.o)
 
-.PHONY: all deps test test-asan run fuzz fuzz-run gpu-test clean check-deps tests
+.PHONY: all deps test test-asan test-tsan run fuzz fuzz-run gpu-test clean check-deps tests pkgcheck
 all: $(BUILD)/pdserve
+
+# Every compile needs the pkg-config modules: say which are missing instead of failing on a header.
+pkgcheck:
+	@pkg-config --exists $(PKGS) 2>/dev/null || { echo "missing pkg-config modules (run 'make deps'):" >&2; \
+	  for m in $(PKGS); do pkg-config --exists $$m || echo "  $$m" >&2; done; exit 1; }
+$(LIB_OBJ) $(CMD_OBJ) $(HELPER_OBJ): | pkgcheck
 
 # The backend registry is the one file that knows whether CUDA is compiled in.
 $(BUILD)/obj/src/backend/registry.o: CFLAGS += $(if $(filter 1,$(CUDA)),-DPD_USE_CUDA)
@@ -113,14 +135,29 @@ test: deps
 	@$(MAKE) --no-print-directory tests
 	@sh tools/run_tests.sh $(BUILD) $(TEST_BIN)
 
+# ASan + UBSan over unit, golden, corpus replay and integration (the servers the scripts start are
+# the instrumented build/asan/pdserve). UBSan findings abort: a report is a failure.
 test-asan: deps
 	@$(MAKE) --no-print-directory BUILD=build/asan SAN=address,undefined CUDA=0 tests
-	@ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \
+	@PD_TEST_TIME_SCALE=4 ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \
 	  sh tools/run_tests.sh build/asan $(patsubst $(BUILD)/%,build/asan/%,$(TEST_BIN))
 
+# ThreadSanitizer over the tests that run threads: the engine thread, the KV transfer threads, the
+# HTTP/API event loops and the router. libgomp is not instrumented (its barriers look like races),
+# so OMP_THREAD_LIMIT=1 runs every OpenMP region on its calling thread; tools/tsan.supp holds the
+# (commented, narrow) suppressions. TSan reports make the process exit 66: a report is a failure.
+TSAN_TESTS ?= unit/test_engine unit/test_disagg unit/test_api_server unit/test_api_prep unit/test_http \
+              unit/test_http_client unit/test_router_core unit/test_router_wire
+TSAN_SCRIPTS ?= test_disagg.sh test_router_fake.sh test_api.sh test_shutdown.sh
+test-tsan: deps
+	@$(MAKE) --no-print-directory BUILD=build/tsan SAN=thread CUDA=0 $(addprefix build/tsan/tests/,$(TSAN_TESTS)) build/tsan/pdserve
+	@PD_TEST_TIME_SCALE=10 OMP_THREAD_LIMIT=1 TSAN_OPTIONS="suppressions=$(CURDIR)/tools/tsan.supp halt_on_error=1 exitcode=66 second_deadlock_stack=1" \
+	  PD_INTEGRATION="$(TSAN_SCRIPTS)" sh tools/run_tests.sh build/tsan $(addprefix build/tsan/tests/,$(TSAN_TESTS))
+
+RUN_ARGS ?=
 run: deps
 	@$(MAKE) --no-print-directory all
-	@sh tools/run.sh $(BUILD)/pdserve
+	@sh tools/run.sh $(BUILD)/pdserve $(RUN_ARGS)
 
 # libFuzzer targets: tests/fuzz/fuzz_*.c, built with clang against the library sources.
 FUZZ_SRC := $(wildcard tests/fuzz/fuzz_*.c)
@@ -137,9 +174,10 @@ fuzz-run: fuzz
 	  echo "== $$n ($(FUZZ_SECONDS)s)"; \
 	  $$f -max_total_time=$(FUZZ_SECONDS) -timeout=10 -rss_limit_mb=4096 tests/fuzz/corpus/$$n || exit 1; done
 
+# On a GPU machine nothing may be skipped: PD_NO_SKIP=1 counts a skipped test as failed.
 gpu-test:
 	@$(MAKE) --no-print-directory CUDA=1 tests
-	@PD_GPU_TESTS=1 sh tools/run_tests.sh $(BUILD) $(TEST_BIN)
+	@PD_NO_SKIP=1 sh tools/run_tests.sh $(BUILD) $(TEST_BIN)
 	@# the decode attention merging every split launch's partials with the combine kernel
 	@PD_CUDA_ATTN_FOLD=0 $(BUILD)/tests/ops/test_backend_ops > /dev/null && \
 	  echo "test_backend_ops with PD_CUDA_ATTN_FOLD=0: PASS" || { echo "test_backend_ops with PD_CUDA_ATTN_FOLD=0: FAIL"; exit 1; }

@@ -15,7 +15,7 @@
 
 typedef void (*pd_test_fn)(void);
 static struct { const char *name; pd_test_fn fn; } pd_tests_[512];
-static int pd_n_tests_, pd_test_failed_, pd_n_checks_;
+static int pd_n_tests_, pd_test_failed_, pd_test_skipped_, pd_n_checks_;
 
 #define PD_TEST(tname)                                                  \
     static void tname(void);                                            \
@@ -61,6 +61,17 @@ static int pd_n_tests_, pd_test_failed_, pd_n_checks_;
         pd_n_checks_++;                                                                 \
         if (!h_ || !strstr(h_, n_)) PD_FAIL_("\"%s\" does not contain \"%s\"", h_ ? h_ : "(null)", n_); \
     } while (0)
+// Marks the current test skipped (it cannot run here, e.g. no CUDA device) and returns from it.
+// A binary in which some test was skipped and none failed exits 77 (the automake convention),
+// which tools/run_tests.sh counts as skipped, not passed.
+#define PD_SKIP(...)                                                    \
+    do {                                                                \
+        printf("  skipped: ");                                          \
+        printf(__VA_ARGS__);                                            \
+        printf("\n");                                                   \
+        pd_test_skipped_ = 1;                                           \
+        return;                                                         \
+    } while (0)
 // Stops the current test (after a failure that makes the rest meaningless).
 #define PD_REQUIRE(c) do { pd_n_checks_++; if (!(c)) { PD_FAIL_("required: %s", #c); return; } } while (0)
 
@@ -73,6 +84,13 @@ static inline const char *pd_test_path(char *buf, size_t n, const char *rel) {
     snprintf(buf, n, "%s/%s", pd_test_models_dir(), rel);
     return buf;
 }
+// A deadline `seconds` from now, for bounding waits (never for judging speed). PD_TEST_TIME_SCALE
+// (default 1) stretches every deadline: the sanitizer tiers run 5-20x slower.
+static inline int64_t pd_test_deadline_us(double seconds) {
+    const char *s = getenv("PD_TEST_TIME_SCALE");
+    double k = s && atof(s) > 0 ? atof(s) : 1.0;
+    return pd_time_us() + (int64_t)(seconds * k * 1e6);
+}
 static inline const char *pd_test_repo_dir(void) {
     const char *d = getenv("PD_REPO_DIR");
     return d && *d ? d : ".";
@@ -80,20 +98,24 @@ static inline const char *pd_test_repo_dir(void) {
 
 int main(int argc, char **argv) {
     pd_log_set_level(getenv("PD_TEST_LOG") ? PD_LOG_DEBUG : PD_LOG_WARN);
-    int n_pass = 0, n_fail = 0;
+    int n_pass = 0, n_fail = 0, n_skip = 0;
     for (int i = 0; i < pd_n_tests_; i++) {
         if (argc > 1 && !strstr(pd_tests_[i].name, argv[1])) continue;
         pd_test_failed_ = 0;
+        pd_test_skipped_ = 0;
         size_t allocs0 = pd_mem_n_allocs(), used0 = pd_mem_used();
         pd_tests_[i].fn();
         if (pd_mem_n_allocs() != allocs0) {
             PD_FAIL_("leak: %zu allocations (%zu bytes) not freed",
                      pd_mem_n_allocs() - allocs0, pd_mem_used() - used0);
         }
-        printf("%s %s\n", pd_test_failed_ ? "FAIL" : "ok  ", pd_tests_[i].name);
+        const char *verdict = pd_test_failed_ ? "FAIL" : pd_test_skipped_ ? "skip" : "ok  ";
+        printf("%s %s\n", verdict, pd_tests_[i].name);
         fflush(stdout);
-        if (pd_test_failed_) n_fail++; else n_pass++;
+        if (pd_test_failed_) n_fail++;
+        else if (pd_test_skipped_) n_skip++;
+        else n_pass++;
     }
-    printf("%d passed, %d failed (%d checks)\n", n_pass, n_fail, pd_n_checks_);
-    return n_fail ? 1 : 0;
+    printf("%d passed, %d failed, %d skipped (%d checks)\n", n_pass, n_fail, n_skip, pd_n_checks_);
+    return n_fail ? 1 : n_skip ? 77 : 0;
 }

@@ -11,9 +11,10 @@ allowed() {
     model) echo "base backend tok model" ;;
     grammar) echo "base tok grammar" ;;
     sched) echo "base kv sched" ;;
+    spec) echo "base spec" ;;
     xfer) echo "base wire net backend kv xfer" ;;
     http) echo "base net http" ;;
-    engine) echo "base model sched kv xfer backend metrics tok wire net grammar engine" ;;
+    engine) echo "base model sched kv xfer backend metrics tok wire net spec engine" ;;
     api) echo "base http tok engine metrics net grammar api" ;;
     router) echo "base http net wire metrics router" ;;
     bench) echo "base http net metrics bench" ;;

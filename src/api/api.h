@@ -6,7 +6,8 @@
 //   GET  /internal/state?since=N (router) load report + KV events (wire/control.h STATE)
 // with streaming (SSE chunks in OpenAI's shapes, then `data: [DONE]`) and non-streaming replies.
 //
-// Pipeline of one request (all on the HTTP event-loop thread):
+// Pipeline of one request (parse + template + tokenize on the preparation pool, api/prep.h; the
+// rest on the HTTP event-loop thread):
 //   body ─► pd_api_request_parse (JSON, types, ranges, model name) ─► pd_api_request_tokenize
 //   (chat template, tokenizer, context-length check) ─► one engine request per choice
 //   (n × prompts) ─► TOKEN events ─► streaming detokenizer ─► stop-string matcher ─► SSE chunk or
@@ -140,6 +141,7 @@ typedef struct pd_api_request {
     int n;                     // 1..PD_API_MAX_N
     bool stream;
     bool include_usage;        // stream_options.include_usage
+    bool include_timings;      // "timings": true or stream_options.include_timings: usage.ttft_breakdown
     bool ignore_eos;
     bool skip_special_tokens;  // default true
     bool include_stop_str_in_output;
@@ -206,6 +208,9 @@ typedef struct pd_api_params {
     int port;                       // 0 = any free port
     size_t max_body_bytes;          // default 8 MiB
     const char *served_model_name;  // NULL = pd_engine_model_name()
+    int max_connections;            // 0 = from RLIMIT_NOFILE (http.h)
+    int keepalive_timeout_s;        // 0 = default (30)
+    int header_timeout_s;           // 0 = default (60)
 } pd_api_params;
 pd_api_params pd_api_params_default(void);
 
@@ -218,8 +223,18 @@ pd_api *pd_api_new(struct event_base *base, pd_engine *e, const pd_api_params *p
 void pd_api_free(pd_api *a);
 int pd_api_port(const pd_api *a);
 const char *pd_api_model_name(const pd_api *a);
-// Stops accepting connections (shutdown step 1); in-flight requests keep going.
+// Stops accepting connections; in-flight requests keep going.
 void pd_api_stop_accepting(pd_api *a);
+// Graceful shutdown (driven by `pdserve serve` on SIGTERM/SIGINT):
+//   pd_api_drain: GET /health answers 503 {"status":"draining"}; new generation (POST) requests
+//     get 503 + Retry-After (code "draining"); GET /metrics, /v1/models, /internal/state still
+//     answer; running requests continue (pd_http_server_drain).
+//   pd_api_is_drained: nothing in flight and the last replies written to their sockets.
+//   pd_api_end_all: the deadline passed: streams get a final SSE error event (no [DONE]),
+//     waiting non-streamed requests a 503; their engine requests are aborted.
+void pd_api_drain(pd_api *a, int retry_after_s);
+bool pd_api_is_drained(pd_api *a);
+void pd_api_end_all(pd_api *a, const char *msg);
 // In-flight HTTP requests (jobs) and live engine requests.
 int pd_api_n_jobs(const pd_api *a);
 int pd_api_n_engine_requests(const pd_api *a);

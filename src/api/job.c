@@ -82,6 +82,7 @@ static void count_finish(pd_api *a, const char *reason) {
 static void job_complete(api_job *j) {
     pd_api *a = j->api;
     pd_metric_observe(a->m.e2e, (double)(pd_time_us() - j->t_arrival_us) / 1e6);
+    pd_api_trace_end(j, pd_time_us());
     if (j->http) {
         if (j->has_error && !j->stream) {
             const char *type;
@@ -182,6 +183,7 @@ static void on_token(api_choice *c, const pd_engine_event *ev) {
     int64_t now = pd_time_us();
     if (c->n_tokens == 0) {
         pd_metric_observe(a->m.ttft, (double)(now - j->t_arrival_us) / 1e6);
+        pd_api_ttft_note(j, ev, now);
         c->n_cached = ev->n_cached_tokens;
     } else {
         pd_metric_observe(a->m.itl, (double)(now - c->t_last_us) / 1e6);
@@ -234,6 +236,10 @@ static void on_token(api_choice *c, const pd_engine_event *ev) {
 static void on_finished(api_choice *c, const pd_engine_event *ev) {
     api_job *j = c->job;
     if (c->n_tokens == 0) c->n_cached = ev->n_cached_tokens;
+    c->spec_method = ev->spec_method;
+    c->n_spec_drafted = ev->n_spec_drafted;
+    c->n_spec_accepted = ev->n_spec_accepted;
+    c->n_spec_steps = ev->n_spec_steps;
     const char *txt = "";
     size_t n = 0;
     if (pd_tok_stream_finish(c->detok, &txt, &n)) n = 0;

@@ -106,7 +106,9 @@ static const char *const k_fields_common[] = {
     "user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier", "modalities",
     // vLLM extensions
     "top_k", "min_p", "repetition_penalty", "ignore_eos", "stop_token_ids", "skip_special_tokens",
-    "include_stop_str_in_output", "return_token_ids", "priority", "add_special_tokens", NULL};
+    "include_stop_str_in_output", "return_token_ids", "priority", "add_special_tokens",
+    // pdserve extensions
+    "timings", NULL};
 static const char *const k_fields_chat[] = {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
                                             "parallel_tool_calls", "chat_template_kwargs", NULL};
 static const char *const k_fields_completion[] = {"prompt", "best_of", "echo", "suffix", "continuation_tokens", NULL};
@@ -534,7 +536,8 @@ static pd_status parse_fields(pd_api_request *r, const char *served, pd_api_erro
         if (!json_is_object(so)) return fail(e, PD_ERR_INVALID, "stream_options", "'stream_options' must be an object");
         if (!r->stream)
             return fail(e, PD_ERR_INVALID, "stream_options", "'stream_options' is only allowed when 'stream' is true");
-        if ((st = get_bool(so, "include_usage", &r->include_usage, e))) {
+        if ((st = get_bool(so, "include_usage", &r->include_usage, e)) ||
+            (st = get_bool(so, "include_timings", &r->include_timings, e))) {
             snprintf(e->param, sizeof e->param, "stream_options");
             return st;
         }
@@ -558,6 +561,9 @@ static pd_status parse_fields(pd_api_request *r, const char *served, pd_api_erro
     if ((st = get_bool(o, "return_token_ids", &r->return_token_ids, e))) return st;
     if ((st = get_int(o, "continuation_tokens", 0, INT_MAX, &v, &given, e))) return st;
     if (given) r->continuation_tokens = (int)v;
+    bool timings = false;  // pdserve extension: usage.ttft_breakdown (docs/router.md)
+    if ((st = get_bool(o, "timings", &timings, e))) return st;
+    if (timings) r->include_timings = true;
     if ((st = get_int(o, "priority", INT_MIN, INT_MAX, &v, &given, e))) return st;
     if (given) r->priority = (int)v;
     if ((st = parse_sampling(r, e))) return st;

@@ -24,9 +24,26 @@ json_t *pd_api_usage_json(const api_job *j) {
         n_completion += j->choices[i].n_tokens;
         if (j->choices[i].index % j->n == 0) n_cached += j->choices[i].n_cached;  // once per prompt
     }
-    return json_pack("{s:i,s:i,s:i,s:{s:i}}", "prompt_tokens", j->n_prompt_tokens, "completion_tokens",
-                     n_completion, "total_tokens", j->n_prompt_tokens + n_completion, "prompt_tokens_details",
-                     "cached_tokens", n_cached);
+    json_t *u = json_pack("{s:i,s:i,s:i,s:{s:i}}", "prompt_tokens", j->n_prompt_tokens, "completion_tokens",
+                          n_completion, "total_tokens", j->n_prompt_tokens + n_completion, "prompt_tokens_details",
+                          "cached_tokens", n_cached);
+    if (u && j->include_timings) json_object_set_new(u, "ttft_breakdown", pd_api_ttft_json(j));
+    // Extension (not in OpenAI's schema): speculative decoding's work for this request.
+    int method = 0, drafted = 0, accepted = 0, steps = 0;
+    for (int i = 0; i < j->n_choices; i++) {
+        if (j->choices[i].spec_method) method = j->choices[i].spec_method;
+        drafted += j->choices[i].n_spec_drafted;
+        accepted += j->choices[i].n_spec_accepted;
+        steps += j->choices[i].n_spec_steps;
+    }
+    if (u && method) {
+        json_t *s = json_pack("{s:s,s:i,s:i,s:i,s:f,s:f}", "method", pd_engine_spec_method_name(method), "draft_tokens",
+                              drafted, "accepted_tokens", accepted, "verify_steps", steps, "acceptance_rate",
+                              drafted ? (double)accepted / drafted : 0.0, "mean_accepted_length",
+                              steps ? (double)(accepted + steps) / steps : 0.0);
+        if (s) json_object_set_new(u, "speculative", s);
+    }
+    return u;
 }
 
 static json_t *envelope(const api_job *j, bool is_chunk) {

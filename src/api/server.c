@@ -1,8 +1,10 @@
 // server.c — pd_api: routes, the completion / chat handlers (parse → tokenize → submit), the
 // engine event watcher, /v1/models, /health, /metrics, and the id table.
 //
-// Everything runs on the event-loop thread: HTTP callbacks, the engine-event callback (the engine
-// fd is readable while events are pending) and metric rendering, so no state here needs a lock.
+// Everything here runs on the event-loop thread: HTTP callbacks, the engine-event callback (the
+// engine fd is readable while events are pending) and metric rendering, so no state here needs a
+// lock. Parsing, chat templating and tokenizing a body run on the preparation pool (prep.c), whose
+// results come back to this thread.
 #include <event2/event.h>
 #include <limits.h>
 #include <stdio.h>
@@ -11,6 +13,7 @@
 #include <time.h>
 
 #include "api/api_impl.h"
+#include "api/prep.h"
 
 // ---- id table: engine request id -> choice, a pd_map (base/map.h) ---------------------------------
 
@@ -70,6 +73,8 @@ static api_job *job_new(pd_api *a, pd_http_req *http, const pd_api_request *rq, 
     j->tools = j->parse_tools ? json_incref(rq->tools) : NULL;
     j->created = (int64_t)time(NULL);
     j->t_arrival_us = pd_time_us();
+    j->include_timings = rq->include_timings;
+    pd_api_trace_begin(j, http ? pd_http_req_header(http, "traceparent") : NULL);
     snprintf(j->id, sizeof j->id, "%s%016llx%08llx", rq->kind == PD_API_CHAT ? "chatcmpl-" : "cmpl-",
              (unsigned long long)pd_rng_next(&a->rng), (unsigned long long)(++a->n_jobs_total & 0xffffffffu));
     for (int i = 0; i < rq->n_stop_ids; i++) j->stop_ids[j->n_stop_ids++] = rq->stop_ids[i];
@@ -125,6 +130,7 @@ static pd_status job_submit(api_job *j, const pd_api_request *rq, const pd_api_p
         // vLLM's `priority`: lower values run first; the engine runs higher values first.
         er.priority = rq->priority == INT_MIN ? INT_MAX : -rq->priority;
         er.arrival_us = j->t_arrival_us;
+        pd_api_trace_traceparent(j, er.traceparent);
         pd_err err = {0};
         pd_status st = pd_api_choice_ctl(a, rq, g, &pr->items[c->prompt_idx], &er.ctl);  // logit bias, grammar
         if (st == PD_ERR_INVALID) {
@@ -156,40 +162,27 @@ static pd_status job_submit(api_job *j, const pd_api_request *rq, const pd_api_p
     return PD_OK;
 }
 
-// Parses and tokenizes a request body; on failure replies with the error and returns false
-// (nothing left to free).
-static bool parse_and_tokenize(pd_http_req *r, pd_api *a, pd_api_kind kind, const char *body, size_t len,
-                               pd_api_request *rq, pd_api_prompts *pr) {
-    pd_api_error e = {0};
-    if (pd_api_request_parse(kind, body, len, a->model_name, rq, &e) ||
-        (rq->tool_format = a->tool_fmt, pd_api_request_tokenize(rq, a->tok, a->tmpl, a->max_model_len, pr, &e))) {
+// Parsing, templating and tokenizing run on the preparation pool (prep.c); these continue on the
+// loop thread with the result.
+static void generate_prepared(api_prep_job *pj, void *ud) {
+    pd_api *a = ud;
+    pd_http_req *r = pj->http;
+    pd_api_error e = pj->e;
+    if (pj->status) {
         reply_api_error(r, &e);
-        pd_api_request_fini(rq);
-        return false;
-    }
-    return true;
-}
-
-static void handle_generate(pd_http_req *r, pd_api *a, pd_api_kind kind) {
-    size_t len;
-    const char *body = pd_http_req_body(r, &len);
-    pd_api_request rq;
-    pd_api_prompts pr = {0};
-    if (!parse_and_tokenize(r, a, kind, body, len, &rq, &pr)) return;
-    pd_api_error e = {0};
-    pd_grammar *g = NULL;
-    if (pd_api_constraint(a, &rq, &g, &e)) {  // response_format / grammar / forced tool calls
-        reply_api_error(r, &e);
-        pd_api_prompts_fini(&pr);
-        pd_api_request_fini(&rq);
         return;
     }
-    api_job *j = job_new(a, r, &rq, &pr);
+    pd_grammar *g = NULL;
+    if (pd_api_constraint(a, &pj->rq, &g, &e)) {  // response_format / grammar / forced tool calls
+        reply_api_error(r, &e);
+        return;
+    }
+    api_job *j = job_new(a, r, &pj->rq, &pj->pr);
     if (!j) {
         e.status = PD_ERR_NOMEM;
         snprintf(e.message, sizeof e.message, "out of memory");
         reply_api_error(r, &e);
-    } else if (job_submit(j, &rq, &pr, g, &e)) {
+    } else if (job_submit(j, &pj->rq, &pj->pr, g, &e)) {
         j->http = NULL;
         pd_api_job_free(j);  // aborts what was queued
         reply_api_error(r, &e);
@@ -198,33 +191,37 @@ static void handle_generate(pd_http_req *r, pd_api *a, pd_api_kind kind) {
         if (j->stream) pd_api_job_stream_begin(j);
     }
     pd_grammar_unref(g);  // the choices' matchers hold their own references
-    pd_api_prompts_fini(&pr);
-    pd_api_request_fini(&rq);
+}
+
+static void submit_prep(pd_http_req *r, pd_api *a, pd_api_kind kind, bool detect_kind, api_prep_done_fn done) {
+    if (pd_api_prep_submit(a->prep, r, kind, detect_kind, done, a) != PD_OK)
+        pd_http_reply_error(r, 500, "server_error", "out of memory", NULL, NULL);
+}
+
+static void handle_generate(pd_http_req *r, pd_api *a, pd_api_kind kind) {
+    submit_prep(r, a, kind, false, generate_prepared);
 }
 
 static void h_completions(pd_http_req *r, void *ud) { handle_generate(r, ud, PD_API_COMPLETION); }
 
 // POST /internal/tokenize (for the router): a completions or chat body (chat when it has
 // "messages") → {"token_ids": [...]}, the ids the engine would get (the first prompt of a batch).
-static void h_tokenize(pd_http_req *r, void *ud) {
-    pd_api *a = ud;
-    size_t len;
-    const char *body = pd_http_req_body(r, &len);
-    json_t *probe = json_loadb(body, len, 0, NULL);
-    pd_api_kind kind = json_object_get(probe, "messages") ? PD_API_CHAT : PD_API_COMPLETION;
-    json_decref(probe);
-    pd_api_request rq;
-    pd_api_prompts pr = {0};
-    if (!parse_and_tokenize(r, a, kind, body, len, &rq, &pr)) return;
+static void tokenize_prepared(api_prep_job *pj, void *ud) {
+    pd_http_req *r = pj->http;
+    PD_UNUSED(ud);
+    if (pj->status) {
+        reply_api_error(r, &pj->e);
+        return;
+    }
     json_t *ids = json_array();
-    for (int i = 0; ids && i < pr.items[0].n; i++) json_array_append_new(ids, json_integer(pr.items[0].ids[i]));
+    for (int i = 0; ids && i < pj->pr.items[0].n; i++) json_array_append_new(ids, json_integer(pj->pr.items[0].ids[i]));
     json_t *o = ids ? json_pack("{s:o}", "token_ids", ids) : NULL;
     if (o) pd_http_reply_json(r, 200, o);
     else pd_http_reply_error(r, 500, "server_error", "out of memory", NULL, NULL);
     json_decref(o);
-    pd_api_prompts_fini(&pr);
-    pd_api_request_fini(&rq);
 }
+
+static void h_tokenize(pd_http_req *r, void *ud) { submit_prep(r, ud, PD_API_COMPLETION, true, tokenize_prepared); }
 
 // GET /internal/state?since=N (for the router): load report + KV events (wire/control.h STATE).
 static void h_state(pd_http_req *r, void *ud) {
@@ -240,6 +237,8 @@ static void h_state(pd_http_req *r, void *ud) {
     char *txt = NULL;
     size_t n = 0;
     pd_status s = pd_engine_state(a->engine, (uint64_t)since, 4096, &st);
+    st.load.n_ttft = a->n_ttft;
+    for (int i = 0; i < PD_WIRE_N_TTFT_PARTS; i++) st.load.ttft_ms_sum[i] = a->ttft_ms_sum[i];
     if (s == PD_OK) s = pd_wire_state_encode(&st, &txt, &n);
     pd_wire_state_fini(&st);
     if (s) pd_http_reply_error(r, 500, "server_error", "out of memory", NULL, NULL);
@@ -249,8 +248,11 @@ static void h_state(pd_http_req *r, void *ud) {
 static void h_chat(pd_http_req *r, void *ud) { handle_generate(r, ud, PD_API_CHAT); }
 
 static void h_health(pd_http_req *r, void *ud) {
-    PD_UNUSED(ud);
-    pd_http_reply(r, 200, "application/json", "{\"status\":\"ok\"}", 15);
+    pd_api *a = ud;
+    if (pd_http_server_is_draining(a->http))  // shutting down: load balancers take us out
+        pd_http_reply(r, 503, "application/json", "{\"status\":\"draining\"}", 21);
+    else
+        pd_http_reply(r, 200, "application/json", "{\"status\":\"ok\"}", 15);
 }
 
 static void h_models(pd_http_req *r, void *ud) {
@@ -302,6 +304,14 @@ static void refresh_engine_metrics(pd_api *a) {
     mirror(a->m.export_bytes, s.n_kv_export_bytes);
     mirror(a->m.export_copy_seconds, (double)s.kv_export_copy_us_total / 1e6);
     pd_metric_set(a->m.prefill_healthy, pd_engine_n_prefill_healthy(a->engine));
+    for (int k = 1; k < PD_ENGINE_SPEC_N; k++) {
+        mirror(a->m.spec_drafted[k], s.spec_drafted[k]);
+        mirror(a->m.spec_accepted[k], s.spec_accepted[k]);
+        mirror(a->m.spec_emitted[k], s.spec_emitted[k]);
+        mirror(a->m.spec_steps[k], s.spec_steps[k]);
+        pd_metric_set(a->m.spec_rate[k], s.spec_drafted[k] ? (double)s.spec_accepted[k] / (double)s.spec_drafted[k] : 0);
+        pd_metric_set(a->m.spec_mal[k], s.spec_steps[k] ? (double)s.spec_emitted[k] / (double)s.spec_steps[k] : 0);
+    }
     double mask_s, n_masks;
     pd_api_mask_stats(&mask_s, &n_masks);
     mirror(a->m.masks, n_masks);
@@ -350,6 +360,7 @@ static pd_status register_metrics(pd_api *a, pd_err *err) {
     api_metrics *x = &a->m;
 #define H(f, name, help, b, nb) if (!(x->f = pd_metrics_histogram(m, name, help, NULL, b, nb, err))) return err ? err->status : PD_ERR_NOMEM
 #define G(f, name, help) if (!(x->f = pd_metrics_gauge(m, name, help, NULL, err))) return err ? err->status : PD_ERR_NOMEM
+#define G2(f, name, help, l) if (!(x->f = pd_metrics_gauge(m, name, help, l, err))) return err ? err->status : PD_ERR_NOMEM
 #define C(f, name, help, l) if (!(x->f = pd_metrics_counter(m, name, help, l, err))) return err ? err->status : PD_ERR_NOMEM
     H(ttft, "pdserve_time_to_first_token_seconds", "Time from arrival to the first generated token.",
       pd_metrics_latency_buckets, pd_metrics_n_latency_buckets);
@@ -391,9 +402,23 @@ static pd_status register_metrics(pd_api *a, pd_err *err) {
     C(export_bytes, "pdserve_kv_export_bytes_total", "KV bytes this prefill worker wrote into decode pools.", NULL);
     C(export_copy_seconds, "pdserve_kv_export_copy_seconds_total", "Time spent copying exported KV, summed.", NULL);
     G(prefill_healthy, "pdserve_kv_prefill_workers_healthy", "Prefill workers this decode worker is connected to.");
+    // Speculative decoding, by method (zero without it).
+    for (int k = 1; k < PD_ENGINE_SPEC_N; k++) {
+        char l[64];
+        bool first = k == 1;
+        snprintf(l, sizeof l, "method=\"%s\"", pd_engine_spec_method_name(k));
+        C(spec_drafted[k], "pdserve_spec_draft_tokens_total", first ? "Draft tokens verified by the target." : "", l);
+        C(spec_accepted[k], "pdserve_spec_accepted_tokens_total", first ? "Draft tokens accepted." : "", l);
+        C(spec_emitted[k], "pdserve_spec_emitted_tokens_total",
+          first ? "Tokens emitted by verify steps (accepted drafts plus the target's own token)." : "", l);
+        C(spec_steps[k], "pdserve_spec_verify_steps_total", first ? "Sequence-steps that verified drafts." : "", l);
+        G2(spec_rate[k], "pdserve_spec_acceptance_rate", first ? "Accepted / drafted tokens since start." : "", l);
+        G2(spec_mal[k], "pdserve_spec_mean_accepted_length", first ? "Tokens emitted per verify step since start." : "", l);
+    }
     C(masks, "pdserve_grammar_masks_total", "Token masks computed for constrained decoding (one per constrained row and step).", NULL);
     C(mask_seconds, "pdserve_grammar_mask_seconds_total", "CPU time spent computing token masks, summed.", NULL);
 #undef H
+#undef G2
 #undef G
 #undef C
     return PD_OK;
@@ -437,7 +462,7 @@ pd_api *pd_api_new(struct event_base *base, pd_engine *e, const pd_api_params *p
             goto fail;
         }
     }
-    if (register_metrics(a, err)) goto fail;
+    if (register_metrics(a, err) || pd_api_timing_metrics_init(a, err)) goto fail;
     // Constrained decoding: the vocabulary trie, the tool-call syntax, the tokens that end a sequence.
     pd_err gerr = {0};
     a->gvocab = pd_grammar_vocab_new(a->tok, &gerr);
@@ -446,10 +471,16 @@ pd_api *pd_api_new(struct event_base *base, pd_engine *e, const pd_api_params *p
     const pd_model_config *cfg = pd_engine_config(e);
     for (int i = 0; i < cfg->n_eos && a->n_end_ids < 15; i++) a->end_ids[a->n_end_ids++] = cfg->eos_token_ids[i];
     if (pd_tok_eos_id(a->tok) >= 0) a->end_ids[a->n_end_ids++] = pd_tok_eos_id(a->tok);
+    a->prep = pd_api_prep_new(base, &(pd_api_prep_params){.tok = a->tok, .tmpl = a->tmpl, .model_name = a->model_name,
+                                                          .max_model_len = a->max_model_len, .tool_format = a->tool_fmt}, err);
+    if (!a->prep) goto fail;
     pd_http_params hp = pd_http_params_default();
     hp.host = p->host;
     hp.port = p->port;
     if (p->max_body_bytes) hp.max_body_bytes = p->max_body_bytes;
+    if (p->max_connections > 0) hp.max_connections = p->max_connections;
+    if (p->keepalive_timeout_s > 0) hp.keepalive_timeout_s = p->keepalive_timeout_s;
+    if (p->header_timeout_s > 0) hp.header_timeout_s = p->header_timeout_s;
     hp.on_response = on_response;
     hp.on_response_ud = a;
     a->http = pd_http_server_new(base, &hp, err);
@@ -480,6 +511,7 @@ void pd_api_free(pd_api *a) {
     if (a->ev_engine) event_free(a->ev_engine);
     // Closing the server runs on_client_close for every held request: their jobs are cancelled.
     pd_http_server_free(a->http);
+    pd_api_prep_free(a->prep);  // after the server: requests still being prepared were cancelled
     while (a->jobs) pd_api_job_cancel(a->jobs);
     pd_api_idmap_fini(&a->ids);
     pd_api_gcache_fini(a);
@@ -493,5 +525,11 @@ void pd_api_free(pd_api *a) {
 int pd_api_port(const pd_api *a) { return pd_http_server_port(a->http); }
 const char *pd_api_model_name(const pd_api *a) { return a->model_name; }
 void pd_api_stop_accepting(pd_api *a) { pd_http_server_stop_accepting(a->http); }
-int pd_api_n_jobs(const pd_api *a) { return a->n_jobs; }
+void pd_api_drain(pd_api *a, int retry_after_s) { pd_http_server_drain(a->http, retry_after_s); }
+int pd_api_n_jobs(const pd_api *a) { return a->n_jobs + pd_api_prep_n_pending(a->prep); }
+bool pd_api_is_drained(pd_api *a) {
+    return pd_api_n_jobs(a) == 0 && pd_http_server_n_active(a->http) == 0 && pd_http_server_n_unflushed(a->http) == 0;
+}
+// The close callbacks (on_client_close) cancel the jobs and abort their engine requests.
+void pd_api_end_all(pd_api *a, const char *msg) { pd_http_server_end_all(a->http, msg); }
 int pd_api_n_engine_requests(const pd_api *a) { return (int)pd_map_len(&a->ids.map); }

@@ -5,6 +5,7 @@
 // can assert that a load/free cycle returns to the same count. Counters are atomics because the
 // event-loop thread and the engine thread both allocate.
 #include "base.h"
+#include "buf.h"
 
 #include <errno.h>
 #include <math.h>
@@ -163,32 +164,25 @@ pd_status pd_file_read_all(const char *path, char **out, size_t *out_len, pd_err
         return pd_err_set(err, e == ENOENT ? PD_ERR_NOTFOUND : PD_ERR_IO, "%s: %s", path,
                           strerror(e));
     }
-    size_t cap = 4096, len = 0;
-    char *buf = pd_malloc(cap);
-    if (!buf) goto nomem;
+    pd_buf b = {0};
     for (;;) {
-        if (len + 1 >= cap) {
-            char *nb = pd_realloc(buf, cap * 2);
-            if (!nb) goto nomem;
-            buf = nb;
-            cap *= 2;
-        }
-        size_t n = fread(buf + len, 1, cap - len - 1, f);
-        len += n;
+        if (pd_buf_reserve(&b, 4096) != PD_OK) goto nomem;
+        size_t n = fread(b.p + b.len, 1, b.cap - b.len - 1, f);
+        b.len += n;
         if (n == 0) break;
     }
     if (ferror(f)) {
-        pd_free(buf);
+        pd_buf_free(&b);
         fclose(f);
         return pd_err_set(err, PD_ERR_IO, "%s: read error", path);
     }
     fclose(f);
-    buf[len] = 0;
-    *out = buf;
-    if (out_len) *out_len = len;
+    b.p[b.len] = 0;
+    if (out_len) *out_len = b.len;
+    *out = b.p;
     return PD_OK;
 nomem:
-    pd_free(buf);
+    pd_buf_free(&b);
     fclose(f);
     return pd_err_set(err, PD_ERR_NOMEM, "%s: out of memory", path);
 }

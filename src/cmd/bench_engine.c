@@ -12,6 +12,13 @@
 //
 // --only decode|prefill runs one half (the ceilings are always measured).
 //
+// --verify-tokens N (speculative decoding): times verify steps of 1..N tokens per sequence (the
+// last token + N-1 drafts, logits at every row, as the engine's verify forward asks) at batch 1,
+// 8, 32, 64, context --batch-ctx, next to the plain decode step, and prints the speedup this
+// implies at acceptance 0.5..0.9 with a draft costing 1/10 of a plain step per token (a 1/10-size
+// draft on a memory-bound step): E(k) = (1 - a^(k+1)) / (1 - a) tokens per verify of k drafts,
+// speedup = E(k) * t(1) / (t(k+1) + k * t(1) / 10), best k shown.
+//
 // Timing: host clock around pd_model_forward_dev + pd_backend_sync per step, median of several
 // steps after warm-up; launches are not captured in a graph (see docs: the forward pass uploads
 // its metadata each step), so the decode numbers include host launch overhead where it shows.
@@ -106,12 +113,13 @@ static double kv_bytes_per_token(bench_ctx *b) {
 
 // Times one step of n_seqs sequences, each with q_len new tokens on top of ctx - q_len cached
 // ones (blocks handed out in order); logits for the last row of each sequence. Median seconds.
-static double time_step(bench_ctx *b, int n_seqs, int q_len, int ctx, int reps) {
+static double time_step_rows(bench_ctx *b, int n_seqs, int q_len, int ctx, int reps, bool all_rows) {
     int bps = (ctx + b->block_size - 1) / b->block_size, T = n_seqs * q_len;
     if ((long)n_seqs * bps > b->n_blocks) return NAN;
     int32_t *tok = pd_malloc(sizeof(int32_t) * (size_t)T), *qi = pd_malloc(sizeof(int32_t) * (size_t)(n_seqs + 1));
     int32_t *kv = pd_malloc(sizeof(int32_t) * (size_t)n_seqs), *bi = pd_malloc(sizeof(int32_t) * (size_t)(n_seqs + 1));
-    int32_t *bt = pd_malloc(sizeof(int32_t) * (size_t)n_seqs * bps), *rows = pd_malloc(sizeof(int32_t) * (size_t)n_seqs);
+    int n_rows = all_rows ? T : n_seqs;
+    int32_t *bt = pd_malloc(sizeof(int32_t) * (size_t)n_seqs * bps), *rows = pd_malloc(sizeof(int32_t) * (size_t)n_rows);
     pd_rng r;
     pd_rng_seed(&r, 5);
     for (int i = 0; i < T; i++) tok[i] = (int32_t)(pd_rng_next(&r) % (uint64_t)b->c->vocab_size);
@@ -121,11 +129,12 @@ static double time_step(bench_ctx *b, int n_seqs, int q_len, int ctx, int reps) 
     }
     for (int s = 0; s < n_seqs; s++) {
         kv[s] = ctx;
-        rows[s] = (s + 1) * q_len - 1;
+        if (!all_rows) rows[s] = (s + 1) * q_len - 1;
     }
+    for (int i = 0; all_rows && i < T; i++) rows[i] = i;
     for (int i = 0; i < n_seqs * bps; i++) bt[i] = i;
     pd_batch batch = {.n_tokens = T, .tokens = tok, .n_seqs = n_seqs, .q_indptr = qi, .kv_lens = kv, .bt_indptr = bi,
-                      .bt_indices = bt, .n_logits = n_seqs, .logit_rows = rows};
+                      .bt_indices = bt, .n_logits = n_rows, .logit_rows = rows};
     double t[32];
     if (reps > 32) reps = 32;
     const float *dl;
@@ -142,6 +151,38 @@ static double time_step(bench_ctx *b, int n_seqs, int q_len, int ctx, int reps) 
     }
     pd_free(tok), pd_free(qi), pd_free(kv), pd_free(bi), pd_free(bt), pd_free(rows);
     return reps ? median(t, reps) : NAN;
+}
+
+static double time_step(bench_ctx *b, int n_seqs, int q_len, int ctx, int reps) {
+    return time_step_rows(b, n_seqs, q_len, ctx, reps, false);
+}
+
+static void run_verify(bench_ctx *b, int batch_ctx, int max_q) {
+    int batches[] = {1, 8, 32, 64};
+    double alphas[] = {0.5, 0.6, 0.7, 0.8, 0.9};
+    json_t *arr = json_array();
+    for (int bi = 0; bi < 4; bi++) {
+        int B = batches[bi];
+        double t[17] = {0};
+        for (int q = 1; q <= max_q; q++) {
+            t[q] = time_step_rows(b, B, q, batch_ctx, 10, true);
+            printf("%-22s batch=%-3d ctx=%-5d tokens/seq=%d %10.3f ms  (%.2fx the 1-token step)\n", "verify step", B, batch_ctx, q,
+                   t[q] * 1e3, t[q] / t[1]);
+            json_array_append_new(arr, json_pack("{s:i, s:i, s:i, s:f}", "batch", B, "ctx", batch_ctx, "tokens_per_seq", q, "ms", t[q] * 1e3));
+        }
+        for (size_t ai = 0; ai < PD_ARRAY_LEN(alphas); ai++) {
+            double a = alphas[ai], best = 1;
+            int best_k = 0;
+            for (int k = 1; k + 1 <= max_q; k++) {
+                double E = (1 - pow(a, k + 1)) / (1 - a);
+                double sp = E * t[1] / (t[k + 1] + k * t[1] / 10.0);
+                if (sp > best) best = sp, best_k = k;
+            }
+            printf("%-22s batch=%-3d acceptance %.1f: best k=%d drafts, implied speedup %.2fx (1/10-size draft)\n", "", B, a, best_k, best);
+            json_array_append_new(arr, json_pack("{s:i, s:f, s:i, s:f}", "batch", B, "acceptance", a, "best_k", best_k, "speedup", best));
+        }
+    }
+    json_object_set_new(b->out, "verify", arr);
 }
 
 static void report(bench_ctx *b, const char *kind, const char *label, int batch, int tokens, int ctx, double sec,
@@ -191,10 +232,11 @@ int pd_cmd_bench_engine(int argc, char **argv) {
     static const struct option opts[] = {{"model", required_argument, 0, 'm'},   {"load-format", required_argument, 0, 'l'},
                                          {"json", required_argument, 0, 'j'},    {"device", required_argument, 0, 'd'},
                                          {"batch-ctx", required_argument, 0, 'c'}, {"only", required_argument, 0, 'o'},
+                                         {"verify-tokens", required_argument, 0, 'v'},
                                          {"help", no_argument, 0, 'h'},          {0, 0, 0, 0}};
     const char *model = NULL, *json_path = NULL, *device = "auto";
     bool dummy = false, decode = true, prefill = true;
-    long batch_ctx = 512;
+    long batch_ctx = 512, verify_tokens = 0;
     int c;
     optind = 1;
     while ((c = getopt_long(argc, argv, "", opts, NULL)) != -1) {
@@ -211,14 +253,22 @@ int pd_cmd_bench_engine(int argc, char **argv) {
             if (!pd_cmd_parse_int(optarg, &batch_ctx) || batch_ctx < 1 || batch_ctx > 1 << 20)
                 return pd_cmd_usage_error("bench-engine", "--batch-ctx must be a positive integer");
             break;
+        case 'v':
+            if (!pd_cmd_parse_int(optarg, &verify_tokens) || verify_tokens < 1 || verify_tokens > 16)
+                return pd_cmd_usage_error("bench-engine", "--verify-tokens must be 1..16");
+            break;
         case 'o':
             if (!strcmp(optarg, "decode")) prefill = false;
             else if (!strcmp(optarg, "prefill")) decode = false;
-            else if (strcmp(optarg, "all")) return pd_cmd_usage_error("bench-engine", "--only is decode, prefill or all");
+            else if (!strcmp(optarg, "verify")) decode = prefill = false;
+            else if (strcmp(optarg, "all")) return pd_cmd_usage_error("bench-engine", "--only is decode, prefill, verify or all");
             break;
         case 'h':
             printf("usage: pdserve bench-engine --model DIR [--load-format dummy|auto] [--device auto|cuda|cpu]\n"
-                   "                            [--batch-ctx N] [--only decode|prefill|all] [--json FILE]\n");
+                   "                            [--batch-ctx N] [--only decode|prefill|verify|all] [--verify-tokens N]\n"
+                   "                            [--json FILE]\n"
+                   "  --verify-tokens N   speculative verify steps of 1..N tokens per sequence at batch 1/8/32/64\n"
+                   "                      (--only verify runs just those)\n");
             return 0;
         default: return 2;
         }
@@ -232,8 +282,10 @@ int pd_cmd_bench_engine(int argc, char **argv) {
         return 1;
     }
     int rc = 1;
-    b.copy_bytes_s = measure_copy(b.be);
-    b.gemm_flop_s = measure_gemm(b.be);
+    if (decode || prefill) {  // the floors need them; verify steps are compared with each other
+        b.copy_bytes_s = measure_copy(b.be);
+        b.gemm_flop_s = measure_gemm(b.be);
+    }
     printf("device %s: copy %.0f GB/s (read+write, 1 GiB), bf16 GEMM 8192^3 %.1f TFLOP/s\n", pd_backend_name(b.be),
            b.copy_bytes_s * 1e-9, b.gemm_flop_s * 1e-12);
     pd_model_params mp = pd_model_params_default();
@@ -265,6 +317,8 @@ int pd_cmd_bench_engine(int argc, char **argv) {
                       "copy_gbs", b.copy_bytes_s * 1e-9, "gemm_tflops", b.gemm_flop_s * 1e-12, "weight_gb",
                       (double)pd_model_weight_bytes(b.m) * 1e-9, "results");
     run_benchmarks(&b, (int)batch_ctx, decode, prefill);
+    if (verify_tokens > 0) run_verify(&b, (int)batch_ctx, (int)verify_tokens);
+    else if (!decode && !prefill) fprintf(stderr, "bench-engine: --only verify needs --verify-tokens N\n");
     if (json_path && json_dump_file(b.out, json_path, JSON_INDENT(2)) != 0) {
         fprintf(stderr, "pdserve bench-engine: cannot write %s\n", json_path);
         goto done;

@@ -4,6 +4,9 @@
 #pragma once
 #include "base/base.h"
 
+struct event_base;
+struct event;
+
 int pd_cmd_tokenize(int argc, char **argv);
 int pd_cmd_generate(int argc, char **argv);
 int pd_cmd_model_info(int argc, char **argv);
@@ -30,3 +33,26 @@ int pd_cmd_usage_error(const char *cmd, const char *fmt, ...) __attribute__((for
 // Parses an integer / float flag value; false on error.
 bool pd_cmd_parse_int(const char *s, long *out);
 bool pd_cmd_parse_float(const char *s, double *out);
+
+// Graceful shutdown of a serving event loop (shutdown.c): SIGTERM / SIGINT caught with evsignal on
+// `base` (the loop thread; no async-signal-unsafe handler) → drain(ud); the loop exits once
+// is_drained(ud), or timeout_s after the signal (or at a second signal) end_all(ud, msg) ends what
+// is still running and the loop exits when those replies are written (at most 2 s later). The
+// caller then frees everything and exits 0. Set the public fields, zero the rest, then install.
+#define PD_CMD_SHUTDOWN_TIMEOUT_S 30
+typedef struct pd_cmd_shutdown {
+    struct event_base *base;
+    const char *who;  // log prefix: "pdserve", "pdserve router"
+    int timeout_s;    // --shutdown-timeout
+    void *ud;
+    void (*drain)(void *ud);
+    bool (*is_drained)(void *ud);
+    void (*end_all)(void *ud, const char *msg);
+    // internal
+    struct event *sigint, *sigterm, *tick;
+    int n_signals;
+    bool is_ended;
+    int64_t t_signal_us, t_deadline_us, t_flush_deadline_us;
+} pd_cmd_shutdown;
+pd_status pd_cmd_shutdown_install(pd_cmd_shutdown *s);
+void pd_cmd_shutdown_fini(pd_cmd_shutdown *s);

@@ -3,8 +3,10 @@
 // before it keeps serving).
 //
 // Both: flags → pd_engine_params → pd_engine_new + pd_engine_start → one libevent loop on the
-// main thread running pd_api → SIGINT/SIGTERM stop accepting, abort what is in flight, free
-// everything and return 0.
+// main thread running pd_api → SIGTERM/SIGINT: graceful shutdown (shutdown.c): /health says
+// "draining", new requests get 503 + Retry-After, running ones finish within --shutdown-timeout
+// (then end with an SSE error event), the router registration is withdrawn, everything is freed
+// and the exit status is 0.
 #include <event2/buffer.h>
 #include <event2/event.h>
 #include <event2/http.h>
@@ -15,10 +17,12 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "metrics/trace.h"
 #include "api/api.h"
 #include "cmd/cmd.h"
 #include "engine/engine.h"
 #include "http/client.h"
+#include "spec/spec.h"
 #include "wire/control.h"
 
 typedef struct serve_opts {
@@ -30,6 +34,9 @@ typedef struct serve_opts {
     const char *router_url;       // --router: register with this router (and deregister at exit)
     const char *router_token_file;
     const char *advertise_url;    // the URL the router should use for us (default http://host:port)
+    const char *trace_dir;        // --trace-dir: Chrome trace files of request spans (metrics/trace.h)
+    bool spec_method_set;         // --speculative-method was given
+    int shutdown_timeout_s;       // --shutdown-timeout
 } serve_opts;
 
 // "123", "64k", "512M", "2G" (binary multiples; an optional trailing "B"/"iB"). false on error.
@@ -75,6 +82,14 @@ static void serve_usage(bool is_run) {
            "  --load-format dummy           random weights (benchmarking)\n"
            "  --max-waiting N               waiting-queue limit; beyond it requests get 503\n"
            "  --max-body-bytes BYTES        request body limit (default 8M; larger bodies get 413)\n"
+           "  --max-connections N           open HTTP connections at most (default: fd limit less 1/8);\n"
+           "                                at the limit the longest-idle ones are closed\n"
+           "  --keepalive-timeout S         close idle keep-alive connections after S s (default 30)\n"
+           "  --header-timeout S            a request must arrive whole within S s of its first bytes (60)\n"
+           "  --trace-dir DIR               write request spans as Chrome trace JSON (Perfetto) into DIR\n"
+           "  --threads N                   compute threads (CPU; default: every core)\n"
+           "  --shutdown-timeout S          on SIGTERM/SIGINT: stop taking requests (503, /health \"draining\")\n"
+           "                                and give running ones up to S seconds (default 30)\n"
            "disaggregated prefill/decode (docs/design.md):\n"
            "  --role both|prefill|decode    (default both: colocated)\n"
            "  --kv-host H  --kv-port P      prefill role: where the KV port listens (P 0 = any, printed)\n"
@@ -83,6 +98,13 @@ static void serve_usage(bool is_run) {
            "  --disagg-min-tokens N         prefill locally below N uncached prompt tokens (default 64)\n"
            "  --disagg-timeout-ms N         fall back to local prefill after N ms (default 30000)\n"
            "  --debug-corrupt-kv N          test hook: corrupt every Nth KV transfer (prefill role)\n"
+           "speculative decoding (roles both and decode; exact: greedy output is unchanged):\n"
+           "  --speculative-method M        none (default), draft, ngram (prompt lookup) or lookahead (Jacobi + n-gram pool)\n"
+           "  --speculative-model DIR       draft model (same tokenizer as --model); implies --speculative-method draft\n"
+           "  --num-speculative-tokens K    draft tokens per step at most (default 4, 1..16)\n"
+           "  --speculative-fixed           always draft K (default: adaptive length from measured step costs and acceptance)\n"
+           "  --ngram-max N                 ngram: longest suffix matched (default 3)\n"
+           "  --lookahead-window W          lookahead: Jacobi window (default 8); --lookahead-ngram N: n-gram size (default 4)\n"
            "router registration:\n"
            "  --router URL                  register with the router at URL (re-sent every 10 s; deregistered at exit)\n"
            "  --router-token-file F         bearer token for the router's /internal/register\n"
@@ -93,7 +115,8 @@ static void serve_usage(bool is_run) {
 static int parse_flags(int argc, char **argv, serve_opts *o) {
     enum { O_MODEL = 1, O_HOST, O_PORT, O_DEV, O_BS, O_NB, O_KVMEM, O_SEQS, O_TOKS, O_NOPC, O_NOCP, O_POL, O_MML,
            O_NAME, O_LF, O_WAIT, O_BODY, O_EXIT, O_ROLE, O_KVHOST, O_KVPORT, O_PREFILL, O_KVTR, O_DMIN, O_DTO,
-           O_CORRUPT, O_ROUTER, O_RTOKEN, O_ADV, O_HELP };
+           O_CORRUPT, O_ROUTER, O_RTOKEN, O_ADV, O_SPEC_MODEL, O_SPEC_K, O_SPEC_METHOD, O_SPEC_FIXED, O_LA_W, O_LA_N,
+           O_NGRAM_MAX, O_THREADS, O_SDT, O_MAXCONN, O_KATO, O_HDRTO, O_TRACE, O_HELP };
     static const struct option opts[] = {
         {"model", required_argument, 0, O_MODEL}, {"host", required_argument, 0, O_HOST},
         {"port", required_argument, 0, O_PORT}, {"device", required_argument, 0, O_DEV},
@@ -109,7 +132,14 @@ static int parse_flags(int argc, char **argv, serve_opts *o) {
         {"kv-transport", required_argument, 0, O_KVTR}, {"disagg-min-tokens", required_argument, 0, O_DMIN},
         {"disagg-timeout-ms", required_argument, 0, O_DTO}, {"debug-corrupt-kv", required_argument, 0, O_CORRUPT},
         {"router", required_argument, 0, O_ROUTER}, {"router-token-file", required_argument, 0, O_RTOKEN},
-        {"advertise-url", required_argument, 0, O_ADV},
+        {"advertise-url", required_argument, 0, O_ADV}, {"max-connections", required_argument, 0, O_MAXCONN},
+        {"keepalive-timeout", required_argument, 0, O_KATO}, {"header-timeout", required_argument, 0, O_HDRTO},
+        {"trace-dir", required_argument, 0, O_TRACE},
+        {"speculative-model", required_argument, 0, O_SPEC_MODEL}, {"num-speculative-tokens", required_argument, 0, O_SPEC_K},
+        {"speculative-method", required_argument, 0, O_SPEC_METHOD}, {"speculative-fixed", no_argument, 0, O_SPEC_FIXED},
+        {"lookahead-window", required_argument, 0, O_LA_W}, {"lookahead-ngram", required_argument, 0, O_LA_N},
+        {"ngram-max", required_argument, 0, O_NGRAM_MAX},
+        {"threads", required_argument, 0, O_THREADS}, {"shutdown-timeout", required_argument, 0, O_SDT},
         {"help", no_argument, 0, O_HELP}, {0, 0, 0, 0}};
     const char *cmd = o->is_run ? "run" : "serve";
     long v;
@@ -118,7 +148,9 @@ static int parse_flags(int argc, char **argv, serve_opts *o) {
     optind = 1;
     while ((c = getopt_long(argc, argv, "", opts, NULL)) != -1) {
         bool int_flag = c == O_PORT || c == O_BS || c == O_NB || c == O_SEQS || c == O_TOKS || c == O_MML || c == O_WAIT ||
-                        c == O_KVPORT || c == O_DMIN || c == O_DTO || c == O_CORRUPT;
+                        c == O_KVPORT || c == O_DMIN || c == O_DTO || c == O_CORRUPT || c == O_SPEC_K || c == O_LA_W ||
+                        c == O_LA_N || c == O_NGRAM_MAX || c == O_THREADS || c == O_SDT || c == O_MAXCONN || c == O_KATO ||
+                        c == O_HDRTO;
         if (int_flag && (!pd_cmd_parse_int(optarg, &v) || v < 0 || v > (1l << 30)))
             return pd_cmd_usage_error(cmd, "bad value '%s' for an integer option", optarg);
         switch (c) {
@@ -197,6 +229,44 @@ static int parse_flags(int argc, char **argv, serve_opts *o) {
         case O_ROUTER: o->router_url = optarg; break;
         case O_RTOKEN: o->router_token_file = optarg; break;
         case O_ADV: o->advertise_url = optarg; break;
+        case O_MAXCONN: o->ap.max_connections = (int)v; break;
+        case O_KATO: o->ap.keepalive_timeout_s = (int)v; break;
+        case O_HDRTO: o->ap.header_timeout_s = (int)v; break;
+        case O_TRACE: o->trace_dir = optarg; break;
+        case O_SPEC_MODEL: o->ep.spec_model_dir = optarg; break;
+        case O_SPEC_K:
+            if (v < 1 || v > PD_SPEC_MAX_K) return pd_cmd_usage_error(cmd, "--num-speculative-tokens must be 1..%d", PD_SPEC_MAX_K);
+            o->ep.spec_k = (int)v;
+            break;
+        case O_SPEC_METHOD: {
+            pd_spec_method m;
+            if (pd_spec_method_parse(optarg, &m) != PD_OK)
+                return pd_cmd_usage_error(cmd, "--speculative-method must be none, draft, ngram or lookahead");
+            o->ep.spec_method = (int)m;
+            o->spec_method_set = true;
+            break;
+        }
+        case O_SPEC_FIXED: o->ep.spec_fixed = true; break;
+        case O_LA_W:
+            if (v < 1 || v > PD_SPEC_MAX_W) return pd_cmd_usage_error(cmd, "--lookahead-window must be 1..%d", PD_SPEC_MAX_W);
+            o->ep.spec_lookahead_w = (int)v;
+            break;
+        case O_LA_N:
+            if (v < 2 || v > PD_SPEC_MAX_N) return pd_cmd_usage_error(cmd, "--lookahead-ngram must be 2..%d", PD_SPEC_MAX_N);
+            o->ep.spec_lookahead_n = (int)v;
+            break;
+        case O_NGRAM_MAX:
+            if (v < 1 || v > 64) return pd_cmd_usage_error(cmd, "--ngram-max must be 1..64");
+            o->ep.spec_ngram_max = (int)v;
+            break;
+        case O_THREADS:
+            if (v < 1 || v > 4096) return pd_cmd_usage_error(cmd, "--threads must be 1..4096");
+            o->ep.n_threads = (int)v;
+            break;
+        case O_SDT:
+            if (v > 86400) return pd_cmd_usage_error(cmd, "--shutdown-timeout must be 0..86400 seconds");
+            o->shutdown_timeout_s = (int)v;
+            break;
         case O_HELP: serve_usage(o->is_run); return 0;
         default: return 2;
         }
@@ -206,6 +276,11 @@ static int parse_flags(int argc, char **argv, serve_opts *o) {
         return pd_cmd_usage_error(cmd, "--role decode needs at least one --prefill HOST:PORT");
     if (o->ep.role != PD_ROLE_DECODE && o->ep.n_prefill_addrs)
         return pd_cmd_usage_error(cmd, "--prefill only applies to --role decode");
+    if (o->ep.spec_model_dir && !o->spec_method_set) o->ep.spec_method = PD_SPEC_DRAFT;
+    if (o->ep.spec_model_dir && o->ep.spec_method != PD_SPEC_DRAFT)
+        return pd_cmd_usage_error(cmd, "--speculative-model only applies to --speculative-method draft");
+    if (o->ep.spec_method == PD_SPEC_DRAFT && !o->ep.spec_model_dir)
+        return pd_cmd_usage_error(cmd, "--speculative-method draft needs --speculative-model DIR");
     if (!o->ep.model_dir) {
         if (!o->is_run) return pd_cmd_usage_error(cmd, "--model DIR is required");
         o->ep.model_dir = pd_cmd_default_model(argv[0]);
@@ -220,18 +295,9 @@ typedef struct serve_ctx {
     struct event_base *base;
     pd_api *api;
     struct evhttp_connection *client;  // `run`: the sample request's connection
-    int n_signals;
+    pd_engine *engine;
+    struct reg_ctx *reg;               // router registration, or NULL
 } serve_ctx;
-
-static void on_signal(evutil_socket_t sig, short what, void *arg) {
-    serve_ctx *s = arg;
-    PD_UNUSED(what);
-    if (s->n_signals++ == 0) {
-        fprintf(stderr, "\npdserve: caught %s, shutting down\n", sig == SIGINT ? "SIGINT" : "SIGTERM");
-        pd_api_stop_accepting(s->api);
-    }
-    event_base_loopbreak(s->base);
-}
 
 static void print_sample_answer(serve_ctx *s, struct evhttp_request *req) {
     int port = pd_api_port(s->api);
@@ -294,6 +360,7 @@ typedef struct reg_ctx {
     char url[PD_WIRE_URL_MAX];  // our advertised URL
     pd_http_client_call *call;  // in flight, or NULL
     bool is_registered, is_final, has_failed;
+    bool has_left;              // draining: deregistered, no more re-registration
 } reg_ctx;
 
 static void on_reg_done(pd_http_client_call *call, pd_status st, int http, const char *msg, void *ud) {
@@ -305,6 +372,7 @@ static void on_reg_done(pd_http_client_call *call, pd_status st, int http, const
         event_base_loopbreak(g->s->base);
         return;
     }
+    if (g->has_left) return;
     if (ok && !g->is_registered) fprintf(stderr, "pdserve: registered with router %s as %s\n", g->s->o->router_url, g->url);
     if (!ok && (g->is_registered || !g->has_failed))
         fprintf(stderr, "pdserve: router %s: registration failed (%s, HTTP %d); retrying every 10 s\n", g->s->o->router_url,
@@ -390,6 +458,16 @@ static void on_reg_deadline(evutil_socket_t fd, short what, void *arg) {
     event_base_loopbreak(arg);
 }
 
+// Draining: withdraws the registration now (the router stops routing here); no re-registration.
+static void reg_leave(reg_ctx *g) {
+    if (!g->client || g->has_left) return;
+    if (g->timer) event_del(g->timer);
+    if (g->call) pd_http_client_call_cancel(g->call);
+    g->call = NULL;
+    g->has_left = true;
+    reg_send(g, true);
+}
+
 // Deregisters (waiting at most 2 s on the loop) and frees everything.
 static void reg_stop(reg_ctx *g) {
     if (g->timer) event_free(g->timer);
@@ -410,9 +488,34 @@ static void reg_stop(reg_ctx *g) {
     memset(g, 0, sizeof *g);
 }
 
+// ---- graceful shutdown (shutdown.c drives these) -------------------------------------------------
+
+static void sd_drain(void *ud) {
+    serve_ctx *s = ud;
+    pd_api_drain(s->api, 1);
+    if (s->reg) reg_leave(s->reg);
+}
+
+static bool sd_is_drained(void *ud) {
+    serve_ctx *s = ud;
+    if (!pd_api_is_drained(s->api)) return false;
+    if (s->o->ep.role != PD_ROLE_PREFILL) return true;
+    // A prefill worker's work comes from decode workers over the KV port, not over HTTP.
+    pd_engine_stats st;
+    memset(&st, 0, sizeof st);
+    pd_engine_stats_get(s->engine, &st);
+    return st.n_running + st.n_waiting == 0;
+}
+
+static void sd_end_all(void *ud, const char *msg) { pd_api_end_all(((serve_ctx *)ud)->api, msg); }
+
 static int serve_main(serve_opts *o) {
     signal(SIGPIPE, SIG_IGN);  // a client that vanished mid-write must not kill the server
     pd_err err = {0};
+    if (pd_trace_init(pd_engine_role_name(o->ep.role), o->trace_dir, &err) != PD_OK) {
+        fprintf(stderr, "pdserve: %s\n", err.msg);
+        return 1;
+    }
     fprintf(stderr, "pdserve: loading %s\n", o->ep.model_dir);
     pd_engine *e = pd_engine_new(&o->ep, &err);
     if (!e) {
@@ -425,9 +528,9 @@ static int serve_main(serve_opts *o) {
         return 1;
     }
     int rc = 1;
-    serve_ctx s = {.o = o};
+    serve_ctx s = {.o = o, .engine = e};
     reg_ctx reg = {0};
-    struct event *sigint = NULL, *sigterm = NULL;
+    pd_cmd_shutdown sd = {0};
     s.base = event_base_new();
     if (!s.base) goto done;
     s.api = pd_api_new(s.base, e, &o->ap, &err);
@@ -435,9 +538,14 @@ static int serve_main(serve_opts *o) {
         fprintf(stderr, "pdserve: %s\n", err.msg);
         goto done;
     }
-    sigint = evsignal_new(s.base, SIGINT, on_signal, &s);
-    sigterm = evsignal_new(s.base, SIGTERM, on_signal, &s);
-    if (!sigint || !sigterm || event_add(sigint, NULL) || event_add(sigterm, NULL)) goto done;
+    sd.base = s.base;
+    sd.who = "pdserve";
+    sd.timeout_s = o->shutdown_timeout_s;
+    sd.ud = &s;
+    sd.drain = sd_drain;
+    sd.is_drained = sd_is_drained;
+    sd.end_all = sd_end_all;
+    if (pd_cmd_shutdown_install(&sd)) goto done;
     if (o->ep.role == PD_ROLE_PREFILL)  // printed before the URL: scripts read it once the URL shows
         printf("pdserve: prefill worker, KV port %s:%d\n", o->ep.kv_host ? o->ep.kv_host : "127.0.0.1",
                pd_engine_kv_port(e));
@@ -446,17 +554,20 @@ static int serve_main(serve_opts *o) {
            pd_api_port(s.api));
     fflush(stdout);
     if (o->is_run) send_sample(&s);
-    if (o->router_url && !reg_start(&reg, &s)) goto done;
+    if (o->router_url) {
+        if (!reg_start(&reg, &s)) goto done;
+        s.reg = &reg;
+    }
     event_base_dispatch(s.base);
     rc = 0;
 done:
     if (o->router_url) reg_stop(&reg);
     if (s.client) evhttp_connection_free(s.client);
+    pd_cmd_shutdown_fini(&sd);
     pd_api_free(s.api);
-    if (sigint) event_free(sigint);
-    if (sigterm) event_free(sigterm);
     pd_engine_free(e);
     if (s.base) event_base_free(s.base);
+    pd_trace_shutdown();
     if (rc == 0) fprintf(stderr, "pdserve: stopped\n");
     return rc;
 }
@@ -468,6 +579,7 @@ static int serve_or_run(int argc, char **argv, bool is_run) {
     o.ap.port = 8000;
     o.is_run = is_run;
     o.sample_max_tokens = 48;
+    o.shutdown_timeout_s = PD_CMD_SHUTDOWN_TIMEOUT_S;
     int rc = parse_flags(argc, argv, &o);
     if (rc >= 0) return rc;
     return serve_main(&o);

@@ -25,6 +25,7 @@
 // cuda-ipc the copy is one device-to-device pass per layer on the compute stream. With nccl the
 // prefill engine thread waits for the send to complete (bounded by disagg_timeout_ms), as it
 // waits for the cuda-ipc copy.
+#include "metrics/trace.h"
 #include <poll.h>
 #include <stdio.h>
 #include <string.h>
@@ -173,6 +174,7 @@ void pd_disagg_start_loads(pd_engine *e, const pd_step_plan *plan) {
         q->load_blocks = pd_malloc(sizeof(int32_t) * (size_t)(nb > 0 ? nb : 1));
         q->is_loading = true;
         q->load_t0_us = pd_time_us();
+        if (!q->t_sched_us) q->t_sched_us = q->load_t0_us;
         if (!q->load_blocks || nb <= 0) {
             fallback(e, q, PD_FALLBACK_ERROR, "out of memory");
             continue;
@@ -185,6 +187,7 @@ void pd_disagg_start_loads(pd_engine *e, const pd_step_plan *plan) {
                                              .presence_penalty = sp->presence_penalty, .frequency_penalty = sp->frequency_penalty,
                                              .repetition_penalty = sp->repetition_penalty, .top_k = sp->top_k,
                                              .n_logprobs = sp->n_logprobs, .seed = sp->seed, .has_seed = sp->has_seed}};
+        memcpy(r.traceparent, q->traceparent, sizeof r.traceparent);
         if (pd_xfer_client_prefill(e->xc, &r) != PD_OK) fallback(e, q, PD_FALLBACK_UNAVAILABLE, NULL);
     }
 }
@@ -238,6 +241,10 @@ static void handle_result(pd_engine *e, pd_xfer_event *ev) {
              (double)(pd_time_us() - q->load_t0_us) / 1000.0);
     e->n_handoffs++;
     e->handoff_us += pd_time_us() - q->load_t0_us;
+    q->t_kv_ready_us = pd_time_us();
+    q->is_kv_remote = true;
+    q->remote_queue_us = d->queue_us;
+    q->remote_compute_us = d->compute_us;
     pd_sampler_accept(q->sampler, d->first_token);
     pd_sched_event sev;
     if (pd_sched_kv_loaded(e->sched, q->id, true, d->first_token, &sev) != PD_OK) {
@@ -329,6 +336,9 @@ static void handle_request(pd_engine *e, pd_xfer_event *ev) {
     q->conn_id = ev->conn_id;
     q->peer_req_id = r->req_id;
     q->export_start = r->start_pos;
+    q->t_arrival_us = pd_time_us();
+    memcpy(q->traceparent, r->traceparent, sizeof q->traceparent);
+    q->traceparent[sizeof q->traceparent - 1] = 0;
     pd_engine_req_insert(e, q);
     e->n_prompt_tokens += r->n_tokens;
 }
@@ -424,6 +434,27 @@ static pd_status send_slabs(pd_engine *e, ereq *q, const int32_t *src, const int
     return st;
 }
 
+// The prefill worker's spans of one export (metrics/trace.h), children of the decode worker's
+// request span named in PREFILL_REQ: queue, compute (the prompt's forward), export (KV out).
+static void trace_export(pd_engine *e, const ereq *q, int64_t t_sched, int64_t t_ready) {
+    pd_trace_ctx parent;
+    if (!pd_trace_enabled() || pd_traceparent_parse(q->traceparent, &parent) != PD_OK) return;
+    uint8_t span[8], child[8];
+    pd_trace_new_span_id(span);
+    int64_t now = pd_time_us();
+    char attrs[160];
+    snprintf(attrs, sizeof attrs, "\"tokens\":%d,\"start_pos\":%d,\"queue_ms\":%.3f,\"compute_ms\":%.3f", q->n_prompt,
+             q->export_start, (double)(t_sched - q->t_arrival_us) / 1e3, (double)(t_ready - t_sched) / 1e3);
+    pd_trace_span(parent.trace_id, span, parent.span_id, "prefill_worker.prefill", q->t_arrival_us, now, attrs);
+    pd_trace_new_span_id(child);
+    pd_trace_span(parent.trace_id, child, span, "prefill.queue", q->t_arrival_us, t_sched, NULL);
+    pd_trace_new_span_id(child);
+    pd_trace_span(parent.trace_id, child, span, "prefill.compute", t_sched, t_ready, NULL);
+    pd_trace_new_span_id(child);
+    pd_trace_span(parent.trace_id, child, span, "prefill.kv_export", t_ready, now, NULL);
+    PD_UNUSED(e);
+}
+
 void pd_disagg_export(pd_engine *e, ereq *q, const pd_sched_event *ev, const pd_sample_result *first) {
     PD_LOG_D("engine: exporting request %llu (%d tokens)", (unsigned long long)q->peer_req_id, q->n_prompt);
     const pd_model_config *c = pd_model_get_config(e->model);
@@ -490,8 +521,13 @@ void pd_disagg_export(pd_engine *e, ereq *q, const pd_sched_event *ev, const pd_
             for (int i = 0; i < d->n_top; i++) d->top_ids[i] = first->top_ids[i], d->top_logprobs[i] = first->top_logprobs[i];
             d->n_layers = L;
             d->n_tokens_computed = q->n_prompt;
+            int64_t t_sched = q->t_sched_us ? q->t_sched_us : q->t_arrival_us;
+            int64_t t_ready = q->t_kv_ready_us ? q->t_kv_ready_us : t_sched;
+            d->queue_us = t_sched - q->t_arrival_us;
+            d->compute_us = t_ready - t_sched;
             pd_xfer_server_send(e->xs, q->conn_id, &m, NULL);
             e->n_exports++;
+            trace_export(e, q, t_sched, t_ready);
         } else {
             send_fail(e, q->conn_id, q->peer_req_id, "KV export failed");
         }

@@ -49,6 +49,7 @@ static void req_remove(pd_engine *e, uint64_t id) {
     if (!r) return;
     *pp = r->next;
     pd_sampler_free(r->sampler);
+    pd_engine_spec_req_fini(r);
     pd_disagg_req_fini(r);
     pd_free(r);
 }
@@ -71,14 +72,30 @@ static int size_kv_blocks(pd_engine *e, pd_err *err) {
     const pd_model_config *c = pd_model_get_config(e->model);
     size_t per_block = pd_model_config_kv_bytes_per_token(c, pd_dtype_size(pd_backend_act_dtype(e->backend))) * (size_t)p->block_size;
     size_t budget = p->kv_cache_bytes;
+    size_t n_need = SIZE_MAX;  // blocks the limits can use at most (CPU default only)
     if (!budget) {
         size_t free_b = 0, total_b = 0;
         pd_backend_mem_info(e->backend, &free_b, &total_b);
         budget = (size_t)((double)free_b * p->memory_utilization);
-        // On the CPU the "device" is the host: take at most 1 GiB unless told otherwise.
-        if (!strcmp(pd_backend_name(e->backend), "cpu") && budget > (1u << 30)) budget = 1u << 30;
+        if (!strcmp(pd_backend_name(e->backend), "cpu")) {
+            // On the CPU the "device" is the host, shared with everything else on it (a `pdserve
+            // run` puts two workers and a router there): hold what the limits can use, and at most
+            // 1/32 of the host's memory or 512 MiB. A decode (or colocated) worker can have
+            // max_num_seqs full contexts; a prefill worker holds prompts only while it computes and
+            // exports them: two steps' worth plus one full context. The pool is zeroed at start,
+            // so all of it is resident memory.
+            size_t cap = PD_MIN(total_b / 32, (size_t)512 << 20);
+            if (budget > cap) budget = cap;
+            size_t per_ctx = (size_t)(e->max_model_len + p->block_size - 1) / (size_t)p->block_size;
+            int seqs = p->max_num_seqs > 0 ? p->max_num_seqs : 64;
+            int step = p->max_num_batched_tokens > 0 ? p->max_num_batched_tokens : 2048;
+            n_need = p->role == PD_ROLE_PREFILL
+                         ? per_ctx + (size_t)(2 * step + p->block_size - 1) / (size_t)p->block_size
+                         : (size_t)seqs * per_ctx;
+        }
     }
     size_t n = budget / per_block;
+    if (n > n_need) n = n_need;
     if (n < 2) {
         pd_err_set(err, PD_ERR_DEVICE, "KV cache budget of %zu bytes holds fewer than 2 blocks of %zu bytes", budget, per_block);
         return -1;
@@ -100,6 +117,7 @@ pd_engine *pd_engine_new(const pd_engine_params *p, pd_err *err) {
         pd_err_set(err, PD_ERR_IO, "cannot create the engine's event fd");
         goto fail;
     }
+    if (p->n_threads > 0) omp_set_num_threads(p->n_threads);  // this thread (load, warm-up)
     e->backend = pd_backend_new(p->device, p->device_id, err);
     if (!e->backend) goto fail;
     e->tok = pd_tok_load(p->model_dir, err);
@@ -148,10 +166,12 @@ pd_engine *pd_engine_new(const pd_engine_params *p, pd_err *err) {
     pd_sched_params sp = pd_sched_params_default();
     if (p->max_num_seqs > 0) sp.max_num_seqs = p->max_num_seqs;
     else sp.max_num_seqs = !strcmp(pd_backend_name(e->backend), "cpu") ? 64 : 256;
+    e->params.max_num_seqs = sp.max_num_seqs;  // the value in force (reported to the router)
     sp.max_num_batched_tokens = p->max_num_batched_tokens > 0 ? p->max_num_batched_tokens : 2048;
     sp.enable_chunked_prefill = p->enable_chunked_prefill;
     sp.max_model_len = e->max_model_len;
     sp.policy = p->policy == PD_POLICY_SRPT ? PD_SCHED_SRPT : PD_SCHED_FCFS;
+    if (pd_engine_spec_init(e, &sp, err)) goto fail;
     e->sched = pd_sched_new(&sp, e->kv, err);
     if (!e->sched) goto fail;
     // Decode graphs (GPU) are captured now, with the workspace sized for the largest step: lazily,
@@ -169,6 +189,7 @@ pd_engine *pd_engine_new(const pd_engine_params *p, pd_err *err) {
     }
     if (n_graphs > 0)
         PD_LOG_I("engine: captured %d decode graphs in %.1f s", n_graphs, (double)(pd_time_us() - t_warm) / 1e6);
+    if (pd_engine_spec_warmup(e, err)) goto fail;
     if (pd_disagg_init(e, err)) goto fail;
     PD_LOG_I("engine: %s on %s, %d KV blocks of %d tokens (%.1f MiB), max_model_len %d", e->model_name,
              pd_backend_name(e->backend), n_blocks, e->params.block_size,
@@ -280,6 +301,17 @@ static void handle_submit(pd_engine *e, pd_cmd *c) {
         return;
     }
     pd_sampler_add_prompt(q->sampler, r->prompt, r->n_prompt);
+    // Not speculated when constrained: draft proposals and verification draw without the mask or
+    // the logit bias (the request's rows are then sampled plainly, pd_sampler_sample).
+    if (!has_ctl && pd_engine_spec_req_init(e, q, r)) {
+        pd_sched_abort(e->sched, r->id);
+        pd_engine_spec_req_fini(q);
+        pd_sampler_free(q->sampler);
+        pd_free(q);
+        PD_LOG_W("engine: request %llu rejected: out of memory", (unsigned long long)r->id);
+        pd_engine_emit_finished(e, r->id, PD_ENGINE_FINISH_ERROR, r->n_prompt, 0, 0);
+        return;
+    }
     if (sp.is_remote_prefill) {
         q->is_remote = true;
         q->prompt = c->prompt;  // the command's copy moves into the request
@@ -288,6 +320,9 @@ static void handle_submit(pd_engine *e, pd_cmd *c) {
     }
     q->id = r->id;
     q->n_prompt = r->n_prompt;
+    q->t_arrival_us = r->arrival_us;
+    memcpy(q->traceparent, r->traceparent, sizeof q->traceparent);
+    q->traceparent[sizeof q->traceparent - 1] = 0;
     pd_engine_req_insert(e, q);
     e->n_prompt_tokens += r->n_prompt;
 }
@@ -456,10 +491,16 @@ static pd_status sample_on_host(pd_engine *e, const pd_step_plan *plan, const pd
 
 // Runs the forward for a plan and samples. Returns PD_OK or an error (the step's requests are then
 // finished with ERROR by the caller).
-static pd_status run_plan(pd_engine *e, const pd_step_plan *plan) {
+static pd_status run_plan(pd_engine *e, const pd_step_plan *plan, bool *was_spec) {
     step_bufs *b = &e->sb;
+    int64_t t_start = pd_time_us();
     pd_status st = reserve_bufs(e, plan);
     if (st) return st;
+    // Speculative decoding (engine/spec.c) runs steps with drafts itself; the rest run below.
+    *was_spec = false;
+    st = pd_engine_spec_run_plan(e, plan, was_spec);
+    if (st) return st;
+    if (*was_spec) goto account;
     int t = 0, nl = 0, bt = 0;
     b->q_indptr[0] = b->bt_indptr[0] = 0;
     for (int i = 0; i < plan->n_seqs; i++) {
@@ -482,13 +523,17 @@ static pd_status run_plan(pd_engine *e, const pd_step_plan *plan) {
                       .logit_rows = b->logit_rows};
     st = use_device_sampling(e) ? sample_on_device(e, plan, &batch) : sample_on_host(e, plan, &batch);
     if (st) return st;
+account:
     // Prefill work actually done: prompt positions computed in this step (a prefix hit or a
     // remote prefill computes fewer; a recompute after preemption computes them again).
+    int64_t t_end = pd_time_us();
     for (int i = 0; i < plan->n_seqs; i++) {
         const pd_step_seq *s = &plan->seqs[i];
         ereq *r = req_find(e, s->req_id);
         int end = PD_MIN(s->pos_start + s->n_tokens, r ? r->n_prompt : 0);
         if (end > s->pos_start) e->n_prefill_computed += end - s->pos_start;
+        if (r && !r->t_sched_us) r->t_sched_us = t_start;  // TTFT breakdown
+        if (r && !r->t_kv_ready_us && s->pos_start + s->n_tokens >= r->n_prompt) r->t_kv_ready_us = t_end;
     }
     return PD_OK;
 }
@@ -536,12 +581,25 @@ void pd_engine_push_sched_events(pd_engine *e, const pd_step_plan *plan, const p
             o->n_prompt_tokens = s->n_prompt_tokens;
             o->n_cached_tokens = s->n_cached_tokens;
             o->n_output_tokens = s->n_output_tokens;
-            for (int i = 0; plan && i < plan->n_seqs; i++)
-                if (plan->seqs[i].req_id == s->req_id && plan->seqs[i].needs_logits) {
-                    o->tok = results[i];
-                    break;
-                }
+            const pd_sample_result *spec_res = plan ? pd_engine_spec_result(e, s->seq_index, s->out_index) : NULL;
+            if (spec_res) o->tok = *spec_res;  // a speculative step: one result per token
+            else
+                for (int i = 0; plan && i < plan->n_seqs; i++)
+                    if (plan->seqs[i].req_id == s->req_id && plan->seqs[i].needs_logits) {
+                        o->tok = results[i];
+                        break;
+                    }
             o->tok.token = s->token;
+            if (q && !q->is_first_sent) {  // TTFT breakdown rides on the first token
+                q->is_first_sent = true;
+                o->is_remote_prefill = q->is_kv_remote;
+                o->t_arrival_us = q->t_arrival_us;
+                o->t_sched_us = q->t_sched_us;
+                o->t_kv_ready_us = q->t_kv_ready_us;
+                o->remote_queue_us = q->remote_queue_us;
+                o->remote_compute_us = q->remote_compute_us;
+            }
+            if (q) pd_engine_spec_push_token(q, s->token);
             e->n_generated++;
         }
         if (s->finish != PD_FINISH_NONE) {
@@ -553,6 +611,7 @@ void pd_engine_push_sched_events(pd_engine *e, const pd_step_plan *plan, const p
             o->n_prompt_tokens = s->n_prompt_tokens;
             o->n_cached_tokens = s->n_cached_tokens;
             o->n_output_tokens = s->n_output_tokens;
+            pd_engine_spec_fill_finished(e, q, o);
             req_remove(e, s->req_id);
             e->n_finished++;
         }
@@ -598,6 +657,7 @@ static void publish_stats(pd_engine *e) {
     o->n_kv_exports = e->n_exports;
     o->n_kv_export_bytes = e->export_bytes;
     o->kv_export_copy_us_total = e->export_copy_us;
+    pd_engine_spec_stats(e, o);
     pthread_mutex_unlock(&e->q.mu);
 }
 
@@ -626,7 +686,8 @@ static void engine_step(pd_engine *e) {
     if (plan.n_kv_loads) pd_disagg_start_loads(e, &plan);
     e->last_step_empty = plan.n_seqs == 0 && plan.n_kv_loads == 0;
     if (plan.n_seqs == 0) return;
-    pd_status st = run_plan(e, &plan);
+    bool was_spec = false;
+    pd_status st = run_plan(e, &plan, &was_spec);
     pd_step_output *outs = e->sb.outputs;
     if (st) {
         // A failed step (device error, OOM) fails the requests in it, not the server.
@@ -649,17 +710,20 @@ static void engine_step(pd_engine *e) {
     st = pd_sched_update(e->sched, &plan, outs, pd_time_us(), &ev, &n_ev);
     PD_ASSERT(st == PD_OK);
     measure_step(e, &plan, pd_time_us() - t0);
+    pd_engine_spec_after_update(e, &plan, pd_time_us() - t0, was_spec);
     pd_engine_push_sched_events(e, &plan, e->sb.results, ev, n_ev);
 }
 
 static void *engine_main(void *arg) {
     pd_engine *e = arg;
+    if (e->params.n_threads > 0) omp_set_num_threads(e->params.n_threads);  // per-thread setting
     for (;;) {
         // No work: sleep until a command. Work that cannot progress (KV loads in flight, nothing
         // schedulable): sleep briefly, or until a command (an xfer result) arrives.
         int64_t wait_us = !pd_sched_has_work(e->sched) ? -1 : e->last_step_empty ? 2000 : 0;
-        pd_cmd *c = pd_queue_pop_cmds(&e->q, wait_us);
-        if (e->q.stopping) {
+        bool stopping;
+        pd_cmd *c = pd_queue_pop_cmds(&e->q, wait_us, &stopping);
+        if (stopping) {
             handle_cmds(e, c);
             break;
         }
@@ -691,6 +755,7 @@ void pd_engine_free(pd_engine *e) {
             req_remove(e, id);
         }
     pd_sched_free(e->sched);
+    pd_engine_spec_fini(e);
     pd_kv_mgr_free(e->kv);
     pd_wire_kv_log_free(e->kv_log);
     pd_model_cache_free(e->cache);
@@ -730,6 +795,15 @@ pd_status pd_engine_state(pd_engine *e, uint64_t since, int max_events, pd_wire_
     l->n_prefix_query_tokens = s->n_prefix_query_tokens;
     l->n_prefix_hit_tokens = s->n_prefix_hit_tokens;
     l->n_requests_finished = s->n_requests_finished;
+    l->n_max_seqs = e->params.max_num_seqs;
+    l->n_max_waiting = e->params.max_waiting;
+    l->n_kv_handoffs = s->n_kv_handoffs;
+    l->n_kv_handoff_bytes = s->n_kv_handoff_bytes;
+    l->kv_handoff_us = s->kv_handoff_us_total;
+    for (int i = 0; i < PD_FALLBACK_N && i < PD_WIRE_N_FALLBACKS; i++) l->n_kv_fallbacks[i] = s->n_kv_fallbacks[i];
+    l->n_kv_local_short = s->n_kv_local_short;
+    l->n_kv_exports = s->n_kv_exports;
+    l->n_kv_export_bytes = s->n_kv_export_bytes;
     pd_status st = pd_wire_kv_log_read(e->kv_log, since, max_events, out);
     pthread_mutex_unlock(&e->q.mu);
     return st;

@@ -65,8 +65,12 @@ typedef struct pd_engine_params {
     bool dummy_weights;           // --load-format dummy
     int block_size;               // tokens per KV block (default 16)
     int n_blocks;                 // KV blocks; 0 = sized from kv_cache_bytes or memory_utilization
-    size_t kv_cache_bytes;        // --kv-cache-memory; 0 = use memory_utilization
-    float memory_utilization;     // fraction of free device memory for KV (default 0.9 cuda; cpu: 1 GiB cap)
+    size_t kv_cache_bytes;        // --kv-cache-memory; 0 = sized by default (size_kv_blocks):
+                                  //   cuda: memory_utilization of the free device memory;
+                                  //   cpu: what the limits can use (decode/both: max_num_seqs full
+                                  //   contexts; prefill: 2 steps + one full context), at most
+                                  //   1/32 of the host's memory and 512 MiB
+    float memory_utilization;     // fraction of free device memory for KV (default 0.9)
     int max_num_seqs;             // default 256 (cuda) / 64 (cpu)
     int max_num_batched_tokens;   // token budget per step (default 2048)
     int max_model_len;            // 0 = the model's max_position_embeddings
@@ -74,6 +78,14 @@ typedef struct pd_engine_params {
     bool enable_chunked_prefill;  // default true
     pd_sched_policy_kind policy;  // default FCFS
     int max_waiting;              // queue limit; submit returns PD_NOSPACE beyond it (default 4096)
+    // speculative decoding (roles both and decode; see docs/design.md "Speculative decoding")
+    int spec_method;              // spec/spec.h pd_spec_method: 0 none, 1 draft, 2 ngram, 3 lookahead
+    const char *spec_model_dir;   // draft: a model with the target's tokenizer (borrowed for the call)
+    int spec_k;                   // --num-speculative-tokens: drafts per step at most (default 4)
+    int spec_ngram_min, spec_ngram_max;  // ngram: match lengths tried (default 1..3)
+    int spec_lookahead_w, spec_lookahead_n;  // lookahead: window width, n-gram size (default 8, 4)
+    bool spec_fixed;              // true: always speculate k (no adaptive length); default false
+    int n_threads;                // OpenMP threads of the engine (CPU compute); 0 = OpenMP's default
 } pd_engine_params;
 pd_engine_params pd_engine_params_default(void);
 
@@ -100,6 +112,7 @@ typedef struct pd_engine_request {
     pd_sampling_params sampling;
     int priority;                 // higher runs first (default 0)
     int64_t arrival_us;           // 0 = now
+    char traceparent[56];         // "" or the caller's span as W3C traceparent (sent on to a prefill worker)
     // Logit bias and token mask (constrained decoding), or NULL. Owned by the engine once submit
     // returns PD_OK (the request's sampler frees it); on an error the caller still owns it. Its
     // mask source is then called on the engine thread only. A request with a ctl is prefilled by
@@ -137,6 +150,15 @@ typedef struct pd_engine_event {
     int n_prompt_tokens;          // FINISHED and first TOKEN
     int n_cached_tokens;          // prompt tokens served from the prefix cache
     int n_output_tokens;          // FINISHED
+    // The first TOKEN only: where the time to it went (pd_time_us; 0 = not reached). Local
+    // prefill: t_sched_us = start of the first step that computed the prompt, t_kv_ready_us = end
+    // of the step that completed it. Remote: t_sched_us = PREFILL_REQ sent, t_kv_ready_us = KV
+    // verified, remote_*_us = the prefill worker's own queue and compute time.
+    bool is_remote_prefill;
+    int64_t t_arrival_us, t_sched_us, t_kv_ready_us, remote_queue_us, remote_compute_us;
+    // FINISHED, speculative decoding: method (0 none), drafts verified, accepted, verify steps
+    int spec_method;
+    int n_spec_drafted, n_spec_accepted, n_spec_steps;
 } pd_engine_event;
 
 // File descriptor that becomes readable when events are pending (level-triggered: it stays
@@ -160,6 +182,10 @@ typedef enum pd_fallback_reason {
     PD_FALLBACK_N = 5,
 } pd_fallback_reason;
 const char *pd_fallback_reason_name(pd_fallback_reason r);
+// Speculative method names by pd_engine_stats.spec_method / event spec_method index ("none",
+// "draft", "ngram", "lookahead"); PD_ENGINE_SPEC_N methods.
+#define PD_ENGINE_SPEC_N 4
+const char *pd_engine_spec_method_name(int m);
 
 typedef struct pd_engine_stats {
     int n_running, n_waiting;
@@ -179,6 +205,10 @@ typedef struct pd_engine_stats {
     int64_t n_kv_exports;
     int64_t n_kv_export_bytes;                 // KV bytes written into decode pools (cuda-ipc / shm)
     int64_t kv_export_copy_us_total;           // time of those copies alone (pd_op_kv_copy + sync), summed
+    // speculative decoding, by method (index = pd_spec_method): draft tokens verified, accepted,
+    // tokens emitted by verify steps (accepted + the target's own), sequence-steps that verified
+    int spec_method;
+    int64_t spec_drafted[4], spec_accepted[4], spec_emitted[4], spec_steps[4];
 } pd_engine_stats;
 void pd_engine_stats_get(pd_engine *e, pd_engine_stats *out);
 

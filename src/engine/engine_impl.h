@@ -25,6 +25,10 @@ typedef struct ereq {
     int32_t n_load_blocks;
     int64_t load_t0_us;
     pd_sampling_params sampling;
+    // TTFT breakdown (pd_engine_event) and tracing
+    int64_t t_arrival_us, t_sched_us, t_kv_ready_us, remote_queue_us, remote_compute_us;
+    bool is_first_sent, is_kv_remote;
+    char traceparent[56];
     // prefill role: this request computes KV for a decode worker
     bool is_export;
     int conn_id;
@@ -32,6 +36,7 @@ typedef struct ereq {
     int32_t export_start;
     int32_t *dst_blocks;  // owned (n_dst_blocks)
     int32_t n_dst_blocks;
+    struct sreq *spec;    // owned: speculative decoding state (engine/spec.c), NULL when off
 } ereq;
 
 typedef struct step_bufs {
@@ -87,6 +92,7 @@ struct pd_engine {
     int64_t n_exports, n_handoffs, n_fallbacks[PD_FALLBACK_N], n_local_short, handoff_bytes, handoff_us;
     int64_t export_bytes, export_copy_us;  // prefill role: direct-write KV copies (bytes, time)
     void **layer_k, **layer_v;  // (n_layers) this engine's cache layer bases (owned arrays)
+    struct espec *spec;         // owned: speculative decoding (engine/spec.c), NULL when off
 };
 
 
@@ -111,3 +117,20 @@ void pd_disagg_export(pd_engine *e, ereq *q, const pd_sched_event *ev, const pd_
 // An abort of a request that is loading (decode) or exporting (prefill).
 void pd_disagg_abort(pd_engine *e, ereq *q);
 void pd_disagg_req_fini(ereq *q);  // frees the disaggregation fields
+
+// spec.c — speculative decoding in the step loop (NULL e->spec: every call is a no-op / false).
+pd_status pd_engine_spec_init(pd_engine *e, pd_sched_params *sp, pd_err *err);  // before pd_sched_new
+pd_status pd_engine_spec_warmup(pd_engine *e, pd_err *err);                     // after the target's
+void pd_engine_spec_fini(pd_engine *e);
+pd_status pd_engine_spec_req_init(pd_engine *e, ereq *q, const pd_engine_request *r);
+void pd_engine_spec_req_fini(ereq *q);
+// Runs the plan's step with speculation (draft forwards, one verify forward, the acceptance rule)
+// when it has lookahead slots or draft work; *handled false = run it the plain way.
+pd_status pd_engine_spec_run_plan(pd_engine *e, const pd_step_plan *plan, bool *handled);
+// After pd_sched_update: token history, lookahead asks for the next step, cost model.
+void pd_engine_spec_after_update(pd_engine *e, const pd_step_plan *plan, int64_t step_us, bool was_spec);
+void pd_engine_spec_push_token(ereq *q, int32_t token);  // every token the request gets, in order
+// The result of out_index of plan seq seq_index in the last speculative step, or NULL.
+const pd_sample_result *pd_engine_spec_result(pd_engine *e, int seq_index, int out_index);
+void pd_engine_spec_fill_finished(pd_engine *e, const ereq *q, pd_engine_event *o);
+void pd_engine_spec_stats(pd_engine *e, pd_engine_stats *o);

@@ -48,7 +48,7 @@ pd_status pd_queue_push_cmd(pd_queue *q, pd_cmd *c) {
     return PD_OK;
 }
 
-pd_cmd *pd_queue_pop_cmds(pd_queue *q, int64_t wait_us) {
+pd_cmd *pd_queue_pop_cmds(pd_queue *q, int64_t wait_us, bool *stopping) {
     pthread_mutex_lock(&q->mu);
     if (wait_us < 0) {
         while (!q->in_head && !q->stopping) pthread_cond_wait(&q->cv, &q->mu);
@@ -63,6 +63,7 @@ pd_cmd *pd_queue_pop_cmds(pd_queue *q, int64_t wait_us) {
     pd_cmd *h = q->in_head;
     q->in_head = q->in_tail = NULL;
     q->n_in_submits = 0;
+    *stopping = q->stopping;
     pthread_mutex_unlock(&q->mu);
     return h;
 }

@@ -39,7 +39,8 @@ void pd_queue_fini(pd_queue *q);  // frees pending commands and events
 pd_status pd_queue_push_cmd(pd_queue *q, pd_cmd *c);  // takes ownership
 // Engine side: moves all pending commands out (returns the list head, caller frees each with
 // pd_cmd_free). If nothing is pending, sleeps up to wait_us (-1: until something arrives or stop).
-pd_cmd *pd_queue_pop_cmds(pd_queue *q, int64_t wait_us);
+// *stopping: whether pd_queue_stop was called, read under the lock with the commands.
+pd_cmd *pd_queue_pop_cmds(pd_queue *q, int64_t wait_us, bool *stopping);
 void pd_cmd_free(pd_cmd *c);
 pd_status pd_queue_push_events(pd_queue *q, const pd_engine_event *ev, int n);
 int pd_queue_poll_events(pd_queue *q, pd_engine_event *out, int max);

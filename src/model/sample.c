@@ -11,6 +11,7 @@ struct pd_sampler {
     int vocab;
     uint64_t seed;
     uint64_t n_draws;      // draws made: the next draw uses pd_sample_uniform(seed, n_draws)
+    uint64_t n_out;        // tokens accepted (pd_sampler_accept): speculative draws' position
     int32_t *out_counts;   // (vocab) generated-token counts
     uint8_t *seen;         // (vocab) in prompt or output (repetition penalty)
     int32_t *touched;      // ids with out_counts > 0, for O(k) penalty application
@@ -153,6 +154,7 @@ void pd_sampler_add_prompt(pd_sampler *s, const int32_t *ids, int n) {
 
 void pd_sampler_accept(pd_sampler *s, int32_t t) {
     if (t < 0 || t >= s->vocab) return;
+    s->n_out++;
     if (pd_sampler_has_mask(s) && s->ctl->mask_ops->accept(s->ctl->mask_ud, t))
         PD_LOG_W("sampler: the mask source refused token %d", t);  // a token the mask allowed: cannot happen
     if (s->out_counts[t]++ == 0) push(&s->touched, &s->n_touched, &s->cap_touched, t);
@@ -267,7 +269,9 @@ static int top_k_sorted(pd_sampler *s, const float *l, int V, int k) {
 // qsort of a 128k vocabulary per token made serving CPU-bound at ~25 ms a token): top-k uses a
 // heap, top-p first bisects the logit threshold whose tail holds the top_p mass, then sorts only
 // the tokens above it, so the cut is exact.
-static int32_t sample_random(pd_sampler *s, float *logits) {
+// The survivors of penalties → temperature → top-k → top-p → min-p: s->idx[0..n) in increasing id
+// order (all of the vocabulary when no filter is on) with weights s->ex[id]. logits are scaled.
+static int select_candidates(pd_sampler *s, float *logits) {
     const pd_sampling_params *p = &s->p;
     int V = s->vocab;
     float inv_t = 1.0f / p->temperature, mx = -INFINITY;
@@ -323,10 +327,14 @@ static int32_t sample_random(pd_sampler *s, float *logits) {
             if (logits[s->idx[i]] >= thresh) s->idx[keep++] = s->idx[i];
         n = keep;
     }
-    if (!has_k && !has_p && p->min_p <= 0) return draw(s, e, s->idx, V);
     // The survivors are in value order after top-k / top-p: draw in id order.
     if (has_k || has_p) qsort(s->idx, (size_t)n, sizeof(int32_t), cmp_id);
-    return draw(s, e, s->idx, n);
+    return n;
+}
+
+static int32_t sample_random(pd_sampler *s, float *logits) {
+    int n = select_candidates(s, logits);
+    return draw(s, s->ex, s->idx, n);
 }
 
 int32_t pd_sampler_sample(pd_sampler *s, float *logits, pd_sample_result *out) {
@@ -422,3 +430,111 @@ int32_t pd_sampler_import_result(pd_sampler *s, const pd_sample_out *o, pd_sampl
 }
 
 uint64_t pd_sampler_n_draws(const pd_sampler *s) { return s->n_draws; }
+
+// ---- speculative decoding ----------------------------------------------------------------------
+//
+// Speculative draws never touch the plain stream (seed, n_draws): each has its own stream, indexed
+// by the output position the token would take (n_accepted tokens so far), so a draw is a pure
+// function of (seed, stream, position) whatever the step structure was.
+enum { STREAM_ACCEPT = 1, STREAM_RESIDUAL = 2, STREAM_DRAFT = 3 };
+
+static uint64_t mix64(uint64_t z) {  // splitmix64's finaliser
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+}
+
+static double spec_uniform(const pd_sampler *s, int stream, int64_t offset) {
+    uint64_t seed = mix64(s->seed ^ (0xa0761d6478bd642full * (uint64_t)stream));
+    return pd_sample_uniform(seed, (uint64_t)(s->n_out + offset));
+}
+
+static int g_spec_broken;  // test hook: see pd_sampler_debug_break_spec
+void pd_sampler_debug_break_spec(bool on) { __atomic_store_n(&g_spec_broken, on ? 1 : 0, __ATOMIC_RELAXED); }
+
+bool pd_sampler_is_greedy(const pd_sampler *s) { return s->p.temperature == 0.0f; }
+
+int32_t pd_sampler_probs(pd_sampler *s, float *logits, float *probs) {
+    int V = s->vocab;
+    apply_penalties(s, logits);
+    if (s->p.temperature == 0.0f) {
+        int32_t t = pd_argmax(logits, V);
+        memset(probs, 0, sizeof(float) * (size_t)V);
+        probs[t] = 1.0f;
+        return t;
+    }
+    int n = select_candidates(s, logits);
+    double sum = 0;
+    for (int i = 0; i < n; i++) sum += s->ex[s->idx[i]];
+    memset(probs, 0, sizeof(float) * (size_t)V);
+    int32_t best = s->idx[0];
+    for (int i = 0; i < n; i++) {
+        int32_t t = s->idx[i];
+        probs[t] = (float)(s->ex[t] / sum);
+        if (probs[t] > probs[best]) best = t;
+    }
+    return best;
+}
+
+// Draws from weights w over ids 0..V-1 in id order with uniform u; -1 if all weights are zero.
+static int32_t draw_dense(const float *w, int V, double u) {
+    double sum = 0;
+    for (int i = 0; i < V; i++) sum += w[i];
+    if (!(sum > 0)) return -1;
+    double r = u * sum, acc = 0;
+    int32_t last = -1;
+    for (int i = 0; i < V; i++) {
+        if (w[i] <= 0) continue;
+        acc += w[i];
+        last = i;
+        if (r < acc) return i;
+    }
+    return last;
+}
+
+int32_t pd_sampler_draft(pd_sampler *s, float *logits, int offset, float *q) {
+    int32_t best = pd_sampler_probs(s, logits, q);
+    if (s->p.temperature == 0.0f) return best;
+    int32_t t = draw_dense(q, s->vocab, spec_uniform(s, STREAM_DRAFT, offset));
+    return t >= 0 ? t : best;
+}
+
+int32_t pd_sampler_verify(pd_sampler *s, float *logits, int32_t draft, const float *q, float *scratch, bool *accepted,
+                          pd_sample_result *out) {
+    int V = s->vocab;
+    pd_sample_result local;
+    if (!out) out = &local;
+    memset(out, 0, sizeof *out);
+    bool want_lp = s->p.n_logprobs >= 0;
+    if (want_lp && !s->raw) s->raw = pd_malloc(sizeof(float) * (size_t)V);
+    if (want_lp && s->raw) memcpy(s->raw, logits, sizeof(float) * (size_t)V);
+    float *p = scratch;
+    int32_t best = pd_sampler_probs(s, logits, p);
+    int32_t token;
+    if (s->p.temperature == 0.0f) {
+        // Greedy: the target's argmax, exactly as plain decoding picks it.
+        *accepted = best == draft;
+        token = best;
+    } else {
+        // Leviathan et al. / Chen et al.: accept x ~ q with probability min(1, p(x) / q(x)); else
+        // draw from norm(max(0, p - q)). A draft-free proposal (q NULL) is a point mass at x.
+        double qx = q ? (double)q[draft] : 1.0, px = draft >= 0 && draft < V ? (double)p[draft] : 0.0;
+        double u = spec_uniform(s, STREAM_ACCEPT, 0);
+        *accepted = qx > 0 && u * qx < px;
+        if (*accepted) {
+            token = draft;
+        } else {
+            if (!__atomic_load_n(&g_spec_broken, __ATOMIC_RELAXED)) {
+                for (int i = 0; i < V; i++) {
+                    float r = p[i] - (q ? q[i] : (i == draft ? 1.0f : 0.0f));
+                    p[i] = r > 0 ? r : 0;
+                }
+            }  // broken (tests only): resample from p itself, the classic bias towards x
+            token = draw_dense(p, V, spec_uniform(s, STREAM_RESIDUAL, 0));
+            if (token < 0) token = best;  // p == q exactly: any x was accepted with probability 1
+        }
+    }
+    out->token = token;
+    if (want_lp && s->raw) fill_logprobs(s, s->raw, token, out);
+    return token;
+}

@@ -108,6 +108,28 @@ int32_t pd_sampler_import_result(pd_sampler *s, const pd_sample_out *o, pd_sampl
 // Draws made so far (the index of the next one).
 uint64_t pd_sampler_n_draws(const pd_sampler *s);
 
+// ---- speculative decoding ----------------------------------------------------------------------
+// The processed distribution plain sampling draws from (penalties with the tokens accepted so far,
+// temperature, top-k, top-p, min-p), dense over the vocabulary in probs; greedy is one-hot at the
+// argmax. logits are modified. Returns the most likely token.
+int32_t pd_sampler_probs(pd_sampler *s, float *logits, float *probs);
+// A draft model's proposal for the output `offset` places after the tokens accepted so far: q
+// (vocab) gets the draft's processed distribution (same knobs as the request), the token is drawn
+// from it (greedy: its argmax) with the request's seed on a stream of its own.
+int32_t pd_sampler_draft(pd_sampler *s, float *logits, int offset, float *q);
+// Verifies a proposed token against the target's logits for the next output position: greedy
+// accepts iff draft == the target's argmax (which is returned either way). Random: accepts with
+// probability min(1, p(x)/q(x)) (q NULL = a draft-free proposal, a point mass at x), else returns
+// a draw from norm(max(0, p - q)) (Leviathan et al. 2023, Chen et al. 2023): the output follows p
+// exactly. Draws are pure functions of (seed, position). scratch: vocab floats. Logprobs as plain
+// sampling. Record the returned token with pd_sampler_accept before the next position.
+int32_t pd_sampler_verify(pd_sampler *s, float *logits, int32_t draft, const float *q, float *scratch, bool *accepted,
+                          pd_sample_result *out);
+bool pd_sampler_is_greedy(const pd_sampler *s);
+// Test hook: on rejection, draw from p instead of the residual (a known-wrong rule the statistical
+// test must catch). Process-wide; off by default.
+void pd_sampler_debug_break_spec(bool on);
+
 // Index of the largest value, lowest index on ties.
 int32_t pd_argmax(const float *x, int n);
 

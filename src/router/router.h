@@ -66,6 +66,10 @@ typedef struct pd_router_params {
     int upstream_timeout_s;         // per upstream request (default 600)
     int max_attempts;               // tries per request, across workers (default 3)
     uint64_t seed;                  // random routing
+    int max_connections;            // client connections at most; 0 = from RLIMIT_NOFILE (http.h)
+    int keepalive_timeout_s;        // 0 = default (30)
+    int header_timeout_s;           // 0 = default (60)
+    size_t max_body_bytes;          // 0 = default (8 MiB)
 } pd_router_params;
 pd_router_params pd_router_params_default(void);
 
@@ -77,6 +81,14 @@ void pd_router_free(pd_router *r);
 int pd_router_port(const pd_router *r);
 // Workers currently in rotation.
 int pd_router_n_healthy(const pd_router *r);
+// Graceful shutdown (driven by `pdserve router` on SIGTERM/SIGINT), as a worker's (api.h):
+// pd_router_drain: /health answers 503 {"status":"draining"}, new requests 503 + Retry-After,
+// proxied requests continue; pd_router_is_drained: none left and their last bytes written;
+// pd_router_end_all: the deadline passed: streams end with an SSE error event (no [DONE]), the
+// upstream calls are cancelled (the workers see the disconnect and abort).
+void pd_router_drain(pd_router *r, int retry_after_s);
+bool pd_router_is_drained(pd_router *r);
+void pd_router_end_all(pd_router *r, const char *msg);
 
 #ifdef __cplusplus
 }

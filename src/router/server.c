@@ -44,6 +44,13 @@ pd_router_params pd_router_params_default(void) {
 int pd_router_port(const pd_router *r) { return pd_http_server_port(r->http); }
 int pd_router_n_healthy(const pd_router *r) { return rt_n_healthy(r); }
 
+void pd_router_drain(pd_router *r, int retry_after_s) { pd_http_server_drain(r->http, retry_after_s); }
+bool pd_router_is_drained(pd_router *r) {
+    return !r->jobs && pd_http_server_n_active(r->http) == 0 && pd_http_server_n_unflushed(r->http) == 0;
+}
+// The close callbacks (proxy.c on_client_close) free the jobs and cancel their upstream calls.
+void pd_router_end_all(pd_router *r, const char *msg) { pd_http_server_end_all(r->http, msg); }
+
 // ---- handlers ----------------------------------------------------------------------------------------
 static bool token_ok(const pd_router *r, pd_http_req *req) {
     if (!r->auth_token) return true;
@@ -95,11 +102,17 @@ static void h_deregister(pd_http_req *req, void *ud) {
     json_decref(o);
 }
 
+// 200 "ok" while at least one decode-capable worker (role both or decode) is in rotation: that is
+// what requests need. A pool of prefill workers alone serves nothing: 503.
 static void h_health(pd_http_req *req, void *ud) {
     pd_router *r = ud;
-    int n = rt_n_healthy(r);
-    json_t *o = json_pack("{s:s, s:i}", "status", n > 0 ? "ok" : "no healthy worker", "workers_healthy", n);
-    pd_http_reply_json(req, n > 0 ? 200 : 503, o);
+    int n = rt_n_healthy(r), nd = rt_n_decode_healthy(r);
+    bool draining = pd_http_server_is_draining(r->http);
+    json_t *o = json_pack("{s:s, s:i, s:i, s:i}", "status",
+                          draining ? "draining" : nd > 0 ? "ok" : "no healthy decode worker", "workers_healthy", n,
+                          "decode_workers_healthy", nd, "prefill_workers_healthy", n - nd);
+    if (nd == 0 && !draining) pd_http_reply_header(req, "Retry-After", "1");
+    pd_http_reply_json(req, nd > 0 && !draining ? 200 : 503, o);
     json_decref(o);
 }
 
@@ -173,6 +186,15 @@ static pd_status make_metrics(pd_router *r, pd_err *err) {
     r->m_queue = pd_metrics_gauge(m, "pdserve_router_queue_length", "Requests in flight through the router", NULL, err);
     r->m_tokenize_failures = pd_metrics_counter(m, "pdserve_router_tokenize_failures_total", "Failed tokenize calls", NULL, err);
     r->m_kv_events = pd_metrics_counter(m, "pdserve_router_kv_events_total", "KV events applied to the prefix index", NULL, err);
+    for (int i = 0; i < RT_N_TTFT_PARTS; i++) {
+        char l[48];
+        snprintf(l, sizeof l, "part=\"%s\"", i == 0 ? "router" : pd_wire_ttft_part_names[i - 1]);
+        r->m_ttft_part[i] = pd_metrics_histogram(m, "pdserve_router_ttft_part_seconds",
+                                                 "Time to first token by part: router (arrival to upstream request), then "
+                                                 "the worker's queue, prefill, transfer and first decode",
+                                                 l, pd_metrics_latency_buckets, pd_metrics_n_latency_buckets, err);
+        if (!r->m_ttft_part[i]) return PD_ERR_NOMEM;
+    }
     if (!r->m_retries || !r->m_failovers || !r->m_prefix_query || !r->m_prefix_hit || !r->m_workers_healthy ||
         !r->m_poll_failures || !r->m_queue || !r->m_tokenize_failures || !r->m_kv_events)
         return PD_ERR_NOMEM;
@@ -242,6 +264,10 @@ pd_router *pd_router_new(struct event_base *base, const pd_router_params *p, pd_
     pd_http_params hp = pd_http_params_default();
     hp.host = p->host ? p->host : "127.0.0.1";
     hp.port = p->port;
+    if (p->max_connections > 0) hp.max_connections = p->max_connections;
+    if (p->keepalive_timeout_s > 0) hp.keepalive_timeout_s = p->keepalive_timeout_s;
+    if (p->header_timeout_s > 0) hp.header_timeout_s = p->header_timeout_s;
+    if (p->max_body_bytes > 0) hp.max_body_bytes = p->max_body_bytes;
     if (!(r->http = pd_http_server_new(base, &hp, err))) goto fail;
     if (add_routes(r) != PD_OK) goto nomem;
     if (rt_heartbeat_start(r) != PD_OK) goto nomem;

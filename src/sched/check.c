@@ -2,7 +2,8 @@
 //
 //   * the queues are sorted by importance; states match the queue a request is in;
 //   * running requests own distinct slots, free slots + running = max_num_seqs;
-//   * a running request's table covers its computed tokens and it has a token left to compute;
+//   * a running request's table covers its computed tokens (and its lookahead slots: decodes only,
+//     within max_len and max_tokens) and it has a token left to compute;
 //     a waiting one holds no blocks and has nothing computed;
 //   * the id map holds exactly the queued requests;
 //   * LOADING_KV and HELD requests are counted, keep their blocks, and only loading ones a seat;
@@ -40,9 +41,16 @@ static pd_status check_running(const pd_sched *s, pd_err *err) {
             r->n_computed + r->n_scheduled > r->n_tokens)
             FAIL("request %llu: %d + %d of %d tokens computed", (unsigned long long)r->id,
                  r->n_computed, r->n_scheduled, r->n_tokens);
-        if (r->kv.n_blocks < pd_kv_n_blocks_for(s->kv, r->n_computed + r->n_scheduled))
-            FAIL("request %llu: %d blocks for %d tokens", (unsigned long long)r->id, r->kv.n_blocks,
-                 r->n_computed + r->n_scheduled);
+        if (r->kv.n_blocks < pd_kv_n_blocks_for(s->kv, r->n_computed + r->n_scheduled + r->n_lookahead))
+            FAIL("request %llu: %d blocks for %d tokens + %d lookahead", (unsigned long long)r->id, r->kv.n_blocks,
+                 r->n_computed + r->n_scheduled, r->n_lookahead);
+        if (r->n_lookahead < 0 || r->n_lookahead > r->n_lookahead_want ||
+            (r->n_lookahead > 0 && r->n_computed + r->n_scheduled != r->n_tokens))
+            FAIL("request %llu: %d lookahead slots (asked %d) at %d + %d of %d tokens", (unsigned long long)r->id,
+                 r->n_lookahead, r->n_lookahead_want, r->n_computed, r->n_scheduled, r->n_tokens);
+        if (r->n_lookahead > 0 && (r->n_tokens + r->n_lookahead > s->max_len ||
+                                   r->n_tokens - r->n_prompt + r->n_lookahead >= r->max_tokens))
+            FAIL("request %llu: %d lookahead slots overrun max_len / max_tokens", (unsigned long long)r->id, r->n_lookahead);
         if (r->n_tokens > s->max_len) FAIL("request %llu: %d tokens > max_len %d", (unsigned long long)r->id, r->n_tokens, s->max_len);
     }
     return PD_OK;

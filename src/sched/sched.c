@@ -33,13 +33,15 @@ pd_sched_params pd_sched_params_default(void) {
         .max_model_len = 0,
         .policy = PD_SCHED_FCFS,
         .srpt_starvation_us = 5 * 1000 * 1000,
+        .max_lookahead_slots = 0,
     };
     return p;
 }
 
 pd_sched *pd_sched_new(const pd_sched_params *p, pd_kv_mgr *kv, pd_err *err) {
     if (!p || !kv || p->max_num_seqs <= 0 || p->max_num_batched_tokens <= 0 ||
-        p->max_prefill_chunk < 0 || p->max_model_len < 0 ||
+        p->max_prefill_chunk < 0 || p->max_model_len < 0 || p->max_lookahead_slots < 0 ||
+        p->max_lookahead_slots > 64 ||
         (p->policy != PD_SCHED_FCFS && p->policy != PD_SCHED_SRPT)) {
         pd_err_set(err, PD_ERR_INVALID, "sched: bad params");
         return NULL;
@@ -61,7 +63,7 @@ pd_sched *pd_sched_new(const pd_sched_params *p, pd_kv_mgr *kv, pd_err *err) {
     s->zombies = pd_calloc(n, sizeof *s->zombies);
     s->plan_loads = pd_calloc(n, sizeof *s->plan_loads);
     s->loads = pd_calloc(n, sizeof *s->loads);
-    s->events = pd_calloc(n, sizeof *s->events);
+    s->events = pd_calloc(n * (size_t)(1 + p->max_lookahead_slots), sizeof *s->events);
     if (!s->running || !s->free_slots || !s->scheduled || !s->plan_seqs || !s->preempted_ids ||
         !s->plan_finished || !s->zombies || !s->events || !s->plan_loads || !s->loads)
         goto nomem;
@@ -235,6 +237,7 @@ pd_sched_event pd_sched_req_event(const pd_sched_req *r) {
         .n_output_tokens = r->n_tokens - r->n_prompt,
         .n_cached_tokens = PD_MAX(r->n_cached_tokens, 0),
         .n_preemptions = r->n_preemptions,
+        .seq_index = -1,
     };
     return ev;
 }
@@ -291,10 +294,17 @@ void pd_sched_req_preempt(pd_sched *s, pd_sched_req *r) {
 }
 
 void pd_sched_plan_release(pd_sched *s) {
-    for (int32_t i = 0; i < s->n_running; i++) s->running[i]->n_scheduled = 0;
+    for (int32_t i = 0; i < s->n_running; i++) s->running[i]->n_scheduled = s->running[i]->n_lookahead = 0;
     for (int32_t i = 0; i < s->n_zombies; i++) req_destroy(s, s->zombies[i]);
     s->n_zombies = 0;
     s->has_plan = false;
+}
+
+pd_status pd_sched_set_lookahead(pd_sched *s, uint64_t req_id, int32_t n) {
+    pd_sched_req *r = pd_sched_reqmap_find(&s->reqs, req_id);
+    if (!r) return PD_ERR_NOTFOUND;
+    r->n_lookahead_want = PD_MAX(0, PD_MIN(n, s->params.max_lookahead_slots));
+    return PD_OK;
 }
 
 pd_status pd_sched_abort(pd_sched *s, uint64_t req_id) {

@@ -81,6 +81,8 @@ typedef struct pd_sched_params {
     pd_sched_policy policy;          // PD_SCHED_FCFS
     int64_t srpt_starvation_us;      // SRPT: waited longer than this = served in arrival order
                                      // ahead of shorter ones; 5 s
+    int32_t max_lookahead_slots;     // speculation: at most this many draft positions per decode
+                                     // (pd_sched_set_lookahead); 0 = none
 } pd_sched_params;
 
 pd_sched_params pd_sched_params_default(void);
@@ -121,6 +123,14 @@ pd_status pd_sched_add(pd_sched *s, const pd_sched_req_params *rp, int64_t now_u
 // valid and pd_sched_update skips it. PD_OK, or PD_ERR_NOTFOUND for an unknown / finished id.
 pd_status pd_sched_abort(pd_sched *s, uint64_t req_id);
 
+// Speculation: asks for n lookahead slots (draft positions) after each future decode token of the
+// request, 0 <= n <= max_lookahead_slots (clamped). Sticky until changed. A step grants them after
+// every decode got its token, while the budget lasts and without preempting anyone (a grant that
+// needs a block the pool cannot give shrinks to what the request's blocks already hold), and never
+// beyond max_len or max_tokens (the last token of a step always comes from the target).
+// PD_OK, or PD_ERR_NOTFOUND for an unknown id.
+pd_status pd_sched_set_lookahead(pd_sched *s, uint64_t req_id, int32_t n);
+
 // ---- one step ------------------------------------------------------------------------------------
 
 // One request's share of a step. Positions pos_start .. pos_start + n_tokens - 1 are computed and
@@ -133,7 +143,11 @@ typedef struct pd_step_seq {
     const int32_t *tokens;     // (n_tokens) valid until the next pd_sched_update
     bool needs_logits;         // the chunk reaches the last token: sample one token from it
     const int32_t *block_ids;  // (n_blocks) the whole block table, covering pos_start + n_tokens
-    int32_t n_blocks;          //   tokens; valid until the next pd_sched_update
+    int32_t n_blocks;          //   + n_lookahead tokens; valid until the next pd_sched_update
+    int32_t n_lookahead;       // speculation (decodes only): positions pos_start + n_tokens ..
+                               //   + n_lookahead - 1 are reserved for draft tokens the engine may
+                               //   compute in the same forward; 0 otherwise. They count against the
+                               //   token budget (plan->n_tokens includes them).
 } pd_step_seq;
 
 // A KV load the engine must start (remote prefill): fetch the KV of prompt positions
@@ -168,10 +182,16 @@ typedef struct pd_step_plan {
 // Builds the next step. Never fails: an empty plan means no work (or none possible right now).
 void pd_sched_schedule(pd_sched *s, int64_t now_us, pd_step_plan *out);
 
-// What the engine sampled for plan->seqs[i] (only read where needs_logits).
+// What the engine sampled for plan->seqs[i] (only read where needs_logits). With speculation, the
+// first n_accepted draft tokens the engine computed in the lookahead slots were accepted: they are
+// appended (their KV is computed) before token, the target's own token (correction or bonus).
+// Rejected draft positions are simply not counted: their KV slots are overwritten later, and no
+// block holding them is ever registered in the prefix cache (only computed positions are).
 typedef struct pd_step_output {
     int32_t token;
     bool is_stop_string_hit;  // the detokenized text now contains a stop string: finish (STOP)
+    int32_t n_accepted;        // 0 .. seq.n_lookahead
+    const int32_t *accepted;   // (n_accepted) the accepted draft tokens, in order; borrowed
 } pd_step_output;
 
 struct pd_sched_event {
@@ -185,14 +205,20 @@ struct pd_sched_event {
     int32_t n_preemptions;
     const int32_t *block_ids;     // is_hold_blocks and finished: the held blocks (n_blocks),
     int32_t n_blocks;             //   valid until pd_sched_release; else NULL, 0
+    int32_t seq_index;            // pd_sched_update: the plan seq it came from; else -1
+    int32_t out_index;            // pd_sched_update: 0 .. n_accepted (the token's place in the
+                                  //   step's output of that seq: accepted drafts, then token)
 };
 
 // Applies a step's results. plan must be the one from the last pd_sched_schedule, and outputs has
 // plan->n_seqs entries (NULL is allowed when no seq needs logits). Computed blocks are cached,
-// sampled tokens appended, stop rules applied; finished requests free their blocks and slots.
-// *events (owned by the scheduler, valid until the next call) gets one event per sampled token.
+// sampled tokens appended (accepted drafts first, one at a time, each followed by the stop rules:
+// a request that stops mid-way drops the rest), stop rules applied; finished requests free their
+// blocks and slots. *events (owned by the scheduler, valid until the next call) gets one event per
+// appended token.
 //   PD_OK
-//   PD_ERR_INVALID  plan is not the outstanding one (nothing applied)
+//   PD_ERR_INVALID  plan is not the outstanding one, or an output accepts more drafts than its
+//                   seq's n_lookahead (nothing applied)
 pd_status pd_sched_update(pd_sched *s, const pd_step_plan *plan, const pd_step_output *outputs,
                           int64_t now_us, const pd_sched_event **events, int32_t *n_events);
 

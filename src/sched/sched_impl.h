@@ -38,6 +38,8 @@ typedef struct pd_sched_req {
     int32_t n_preemptions;
     int32_t slot;               // -1 unless running
     int32_t n_scheduled;        // tokens in the outstanding step (0 = not scheduled)
+    int32_t n_lookahead_want;   // speculation: lookahead slots asked for (pd_sched_set_lookahead)
+    int32_t n_lookahead;        // lookahead slots granted in the outstanding step
     int64_t srpt_key;           // scratch for SRPT ordering
     bool is_dequeued;           // scratch: leaves the waiting queue at the end of admission
     bool is_remote_prefill;     // the prompt's KV is still to be loaded from a prefill worker
@@ -96,7 +98,7 @@ struct pd_sched {
     int32_t n_held;               // detached: HELD requests
     pd_sched_req **zombies;       // owned; (max_num_seqs) aborted while in the plan
     int32_t n_zombies;
-    pd_sched_event *events;       // owned; (max_num_seqs) update's output
+    pd_sched_event *events;       // owned; (max_num_seqs * (1 + max_lookahead_slots)) update's output
     pd_sched_stats stats;
 };
 

@@ -2,6 +2,8 @@
 //
 //   plan_release      drop the previous plan if it was never applied
 //   grow_running(1)   running requests with one token left (decodes), most important first
+//   grow_lookahead    speculation: lookahead slots for the decodes just scheduled, while budget
+//                     lasts, never preempting (a slot that needs a block the pool lacks is cut)
 //   grow_running(0)   running requests mid-prompt (prefill chunks)
 //   admit_waiting     new and preempted requests in policy order, while budget, seats and blocks
 //                     last; skipped in a step that had to preempt (there is no room anyway).
@@ -82,6 +84,36 @@ static void grow_running(pd_sched *s, bool decodes, int32_t *budget, int32_t *n_
         fit_result fr = preempt_until_fits(s, r, n_new, n_preempted);
         if (fr == FIT_OK) mark_scheduled(s, r, n_new, budget, n_sched);
         if (fr != FIT_PREEMPTED) i++;  // else r left the array and i already names the next one
+    }
+}
+
+// Lookahead slots (draft positions) for the decodes scheduled so far, most important first. A
+// decode's lookahead is capped so the step's last token still fits max_len and max_tokens, and so
+// its draft positions never need a block the pool cannot give right now: lookahead is an
+// optimisation, it must never preempt or block anyone.
+static void grow_lookahead(pd_sched *s, int32_t n_sched, int32_t *budget) {
+    int32_t bs = pd_kv_block_size(s->kv);
+    for (int32_t i = 0; i < n_sched && *budget > 0; i++) {
+        pd_sched_req *r = s->scheduled[i];
+        if (r->n_lookahead_want <= 0 || r->n_computed + r->n_scheduled != r->n_tokens) continue;
+        // Positions n_tokens .. n_tokens + n - 1: at most max_len - n_tokens of them (the KV must
+        // fit) and max_tokens - outputs - 1 (each accepted draft is an output, then the target's).
+        int32_t n_out = r->n_tokens - r->n_prompt;
+        int32_t n = PD_MIN(r->n_lookahead_want, *budget);
+        n = PD_MIN(n, s->max_len - r->n_tokens);
+        n = PD_MIN(n, r->max_tokens - n_out - 1);
+        if (n <= 0) continue;
+        // New blocks only with a block of headroom per running request left in the pool, so the
+        // prefill chunks and admissions after this phase do not preempt for want of them.
+        int32_t need = pd_kv_n_blocks_for(s->kv, r->n_tokens + n) - r->kv.n_blocks;
+        if (need > 0 && (pd_kv_n_free(s->kv) - need < s->n_running ||
+                         pd_kv_alloc_slots(s->kv, &r->kv, r->n_tokens, n) != PD_OK)) {
+            int32_t room = r->kv.n_blocks * bs - r->n_tokens;  // what its blocks already hold
+            n = PD_MIN(n, room);
+            if (n <= 0) continue;
+        }
+        r->n_lookahead = n;
+        *budget -= n;
     }
 }
 
@@ -203,7 +235,8 @@ static void emit_plan(pd_sched *s, int32_t n_sched, int32_t n_preempted, pd_step
         e->needs_logits = r->n_computed + r->n_scheduled == r->n_tokens;
         e->block_ids = r->kv.block_ids;
         e->n_blocks = r->kv.n_blocks;
-        n_tokens += r->n_scheduled;
+        e->n_lookahead = r->n_lookahead;
+        n_tokens += r->n_scheduled + r->n_lookahead;
     }
     out->step_id = s->step_id;
     out->n_seqs = n_sched;
@@ -236,6 +269,7 @@ void pd_sched_schedule(pd_sched *s, int64_t now_us, pd_step_plan *out) {
     s->n_plan_loads = 0;
     int32_t budget = s->params.max_num_batched_tokens, n_sched = 0, n_preempted = 0;
     grow_running(s, true, &budget, &n_sched, &n_preempted);
+    if (s->params.max_lookahead_slots > 0) grow_lookahead(s, n_sched, &budget);
     grow_running(s, false, &budget, &n_sched, &n_preempted);
     if (n_preempted == 0) admit_waiting(s, now_us, &budget, &n_sched);
     emit_plan(s, n_sched, n_preempted, out);

@@ -8,6 +8,10 @@
 //   3. fewer than min_tokens outputs          -> go on
 //   4. a stop id (or EOS unless ignore_eos)   -> STOP, stop_token = it
 //
+// With speculation a step appends the accepted draft tokens first, one by one, each checked like a
+// sampled token (a stop id among them ends the request there, the rest is dropped), then the
+// target's token; n_computed advances over the accepted drafts only.
+//
 // A finished request frees its blocks (after caching its full ones, which happened just above) and
 // its slot at once, so the next pd_sched_schedule can reuse them, unless it was added with
 // is_hold_blocks (prefill side of disaggregation): then it is HELD until pd_sched_release.
@@ -46,29 +50,54 @@ static void end_if_finished(pd_sched *s, pd_sched_req *r, pd_sched_event *ev) {
     else pd_sched_req_finish(s, r);
 }
 
-// Applies plan entry e to r; returns true when an event was written to *ev.
-static bool apply_one(pd_sched *s, pd_sched_req *r, const pd_step_seq *e, const pd_step_output *o,
-                      pd_sched_event *ev) {
-    PD_ASSERT(e->pos_start == r->n_computed && r->n_computed + e->n_tokens <= r->n_tokens);
-    r->n_computed += e->n_tokens;
-    r->n_scheduled = 0;
-    // NOMEM here only delays caching: the next call registers the blocks it missed.
-    (void)pd_kv_cache_full_blocks(s->kv, &r->kv, r->tokens, r->n_computed);
-    if (!e->needs_logits) return false;
+// Appends one output token and runs the stop rules; *ev describes it. Returns the finish reason.
+static pd_finish_reason append_and_check(pd_sched *s, pd_sched_req *r, int32_t token, const pd_step_output *o,
+                                         pd_sched_event *ev) {
     pd_finish_reason why;
     int32_t stop_token = -1;
-    if (append_token(r, o->token) != PD_OK) {
+    if (append_token(r, token) != PD_OK) {
         why = PD_FINISH_ERROR;
         *ev = pd_sched_req_event(r);
     } else {
         why = check_stop(s, r, o, &stop_token);
         *ev = pd_sched_req_event(r);
-        ev->token = o->token;
+        ev->token = token;
     }
     ev->finish = why;
     ev->stop_token = stop_token;
-    end_if_finished(s, r, ev);
-    return true;
+    return why;
+}
+
+// Applies plan entry e (seq index i) to r; returns the number of events written to ev.
+static int32_t apply_one(pd_sched *s, pd_sched_req *r, int32_t i, const pd_step_seq *e, const pd_step_output *o,
+                         pd_sched_event *ev) {
+    PD_ASSERT(e->pos_start == r->n_computed && r->n_computed + e->n_tokens <= r->n_tokens);
+    r->n_computed += e->n_tokens;
+    r->n_scheduled = 0;
+    r->n_lookahead = 0;
+    int32_t n_ev = 0;
+    if (e->needs_logits) {
+        // Accepted drafts: each one's KV was computed in its lookahead slot, so it is computed as
+        // soon as it is appended; then the target's own token (not computed yet).
+        static const pd_step_output plain = {.token = -1};
+        pd_finish_reason why = PD_FINISH_NONE;
+        for (int32_t k = 0; k < o->n_accepted && why == PD_FINISH_NONE; k++) {
+            why = append_and_check(s, r, o->accepted[k], &plain, &ev[n_ev]);
+            r->n_computed++;
+            ev[n_ev].seq_index = i;
+            ev[n_ev++].out_index = k;
+        }
+        if (why == PD_FINISH_NONE) {
+            why = append_and_check(s, r, o->token, o, &ev[n_ev]);
+            ev[n_ev].seq_index = i;
+            ev[n_ev++].out_index = o->n_accepted;
+        }
+    }
+    // Only computed positions are cached: a block holding rejected drafts is never registered.
+    // NOMEM here only delays caching: the next call registers the blocks it missed.
+    (void)pd_kv_cache_full_blocks(s->kv, &r->kv, r->tokens, r->n_computed);
+    if (n_ev > 0) end_if_finished(s, r, &ev[n_ev - 1]);
+    return n_ev;
 }
 
 pd_status pd_sched_update(pd_sched *s, const pd_step_plan *plan, const pd_step_output *outputs,
@@ -78,14 +107,18 @@ pd_status pd_sched_update(pd_sched *s, const pd_step_plan *plan, const pd_step_o
     if (!s->has_plan || !plan || plan->step_id != s->step_id || plan->seqs != s->plan_seqs)
         return PD_ERR_INVALID;
     int32_t n_seqs = plan->n_seqs, n_ev = 0;
-    for (int32_t i = 0; i < n_seqs && !outputs; i++)
-        if (s->plan_seqs[i].needs_logits) return PD_ERR_INVALID;
+    for (int32_t i = 0; i < n_seqs; i++) {
+        const pd_step_seq *e = &s->plan_seqs[i];
+        if (e->needs_logits && !outputs) return PD_ERR_INVALID;
+        if (outputs && (outputs[i].n_accepted < 0 || outputs[i].n_accepted > e->n_lookahead ||
+                        (outputs[i].n_accepted > 0 && (!outputs[i].accepted || !e->needs_logits))))
+            return PD_ERR_INVALID;
+    }
     // Walk our own record of the plan: an aborted request is a zombie there (still valid memory).
     for (int32_t i = 0; i < n_seqs; i++) {
         pd_sched_req *r = s->scheduled[i];
         if (r->state != PD_SCHED_RUNNING) continue;
-        if (apply_one(s, r, &s->plan_seqs[i], outputs ? &outputs[i] : NULL, &s->events[n_ev]))
-            n_ev++;
+        n_ev += apply_one(s, r, i, &s->plan_seqs[i], outputs ? &outputs[i] : NULL, &s->events[n_ev]);
     }
     pd_sched_plan_release(s);
     *n_events = n_ev;

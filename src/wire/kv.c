@@ -121,6 +121,7 @@ static void put_body(pd_kvw_buf *b, const pd_kvw_msg *m) {
         put_i32s(b, r->tokens, r->n_tokens);
         put_i32(b, r->n_dst_blocks);
         put_i32s(b, r->dst_blocks, r->n_dst_blocks);
+        put_str(b, r->traceparent, sizeof r->traceparent);
         break;
     }
     case PD_KVW_KV_SLAB: {
@@ -142,6 +143,7 @@ static void put_body(pd_kvw_buf *b, const pd_kvw_msg *m) {
         put_i32(b, d->n_layers);
         for (int i = 0; i < d->n_layers && i < PD_KVW_MAX_LAYERS; i++) put_u64(b, d->checksums[i]);
         put_i32(b, d->n_tokens_computed);
+        put_u64(b, (uint64_t)d->queue_us), put_u64(b, (uint64_t)d->compute_us);
         break;
     }
     case PD_KVW_PREFILL_FAIL:
@@ -296,6 +298,7 @@ static pd_status decode_body(rd *r, pd_kvw_msg *m, uint64_t payload_len, const u
         m->owned_i32 = joined;
         q->tokens = joined;
         q->dst_blocks = joined + q->n_tokens;
+        get_str(r, q->traceparent, sizeof q->traceparent);
         break;
     }
     case PD_KVW_KV_SLAB: {
@@ -327,6 +330,8 @@ static pd_status decode_body(rd *r, pd_kvw_msg *m, uint64_t payload_len, const u
         if (d->n_layers < 0 || d->n_layers > PD_KVW_MAX_LAYERS) return pd_err_set(err, PD_ERR_PROTO, "PREFILL_DONE: bad n_layers");
         for (int i = 0; i < d->n_layers; i++) d->checksums[i] = get_u64(r);
         d->n_tokens_computed = get_i32(r);
+        d->queue_us = (int64_t)get_u64(r), d->compute_us = (int64_t)get_u64(r);
+        if (d->queue_us < 0 || d->compute_us < 0) d->queue_us = d->compute_us = 0;  // only used for timings
         break;
     }
     case PD_KVW_PREFILL_FAIL:

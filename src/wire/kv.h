@@ -89,6 +89,7 @@ typedef struct pd_kvw_prefill_req {
     int32_t n_dst_blocks;         // decode blocks for positions [start_pos, n_tokens) in order
     const int32_t *dst_blocks;    // borrowed (unaligned-safe copies are made by the decoder)
     pd_kvw_sampling sampling;
+    char traceparent[56];         // "" or the decode worker's request span (W3C traceparent) for tracing
 } pd_kvw_prefill_req;
 
 typedef struct pd_kvw_kv_slab {
@@ -123,6 +124,7 @@ typedef struct pd_kvw_prefill_done {
     int32_t n_layers;
     uint64_t checksums[PD_KVW_MAX_LAYERS];  // per layer slab (base/checksum.h)
     int32_t n_tokens_computed;              // prompt tokens the prefill worker actually ran
+    int64_t queue_us, compute_us;           // the prefill worker's own queue and compute time (TTFT breakdown)
 } pd_kvw_prefill_done;
 
 typedef struct pd_kvw_msg {

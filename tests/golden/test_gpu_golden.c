@@ -177,10 +177,7 @@ static void check_greedy(const char *name, int block_size, int prefill_chunk) {
 
 #define SKIP_WITHOUT_GPU()                                               \
     do {                                                                 \
-        if (!pd_backend_has_cuda()) {                                    \
-            printf("  %s: skipped (no CUDA device)\n", __func__);        \
-            return;                                                      \
-        }                                                                \
+        if (!pd_backend_has_cuda()) PD_SKIP("%s: no CUDA device", __func__); \
     } while (0)
 
 PD_TEST(gpu_logits_all_models) {

@@ -34,7 +34,8 @@ wait_for() {
   return 1
 }
 
-command -v python3 >/dev/null || { echo "SKIP: python3 is needed"; exit 0; }
+command -v python3 >/dev/null || fail "python3 is required (installed by make deps)"
+command -v curl >/dev/null || fail "curl is required (installed by make deps)"
 [ -x "$bin" ] || fail "no binary at $bin"
 start=$(date +%s)
 

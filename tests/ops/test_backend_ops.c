@@ -7,8 +7,8 @@
 // backends, so the difference measures only the CUDA backend's arithmetic (bf16 storage of
 // outputs and intermediates, fp32 accumulation). Judged by NMSE = sum((x - ref)^2) / sum(ref^2)
 // with per-op limits for bf16; outputs are poisoned with NaN before each run, so an unwritten
-// element fails. Without a GPU (CI) the CUDA tests print "skipped" and pass; the CPU-only
-// checks of the paged layout always run.
+// element fails. Without a GPU (CI) the CUDA tests are skipped (PD_SKIP: the binary exits 77,
+// counted as skipped); the CPU-only checks of the paged layout always run.
 #include <math.h>
 #include <stdlib.h>
 
@@ -35,7 +35,11 @@ static bool ctx_init(ctx *c, uint64_t seed) {
     pd_err err = {0};
     c->cpu = pd_backend_cpu_new(0);
     c->gpu = pd_backend_new("cuda", 0, &err);
-    if (!c->gpu) fprintf(stderr, "  cuda backend: %s\n", err.msg);
+    if (!c->gpu) {
+        printf("  cuda backend: %s\n", err.msg);
+        pd_backend_free(c->cpu);
+        c->cpu = NULL;
+    }
     return c->gpu != NULL;
 }
 
@@ -50,7 +54,6 @@ static void ctx_fini(ctx *c) {
     pd_backend_free(c->cpu);
 }
 
-static void skip_msg(const char *name) { printf("  %s: skipped (no CUDA device)\n", name); }
 
 static float *rand_f32(ctx *c, size_t n, float scale) {
     float *h = pd_malloc(sizeof(float) * (n ? n : 1));
@@ -143,7 +146,7 @@ static double compare(ctx *c, const void *g, const void *r, size_t n, bool f32, 
 
 PD_TEST(test_cuda_embed_get_rows) {
     ctx c;
-    if (!ctx_init(&c, 1)) { skip_msg(__func__); return; }
+    if (!ctx_init(&c, 1)) PD_SKIP("%s: no CUDA device", __func__);
     int dims[] = {64, 20, 4096}, ns[] = {1, 17};
     for (size_t di = 0; di < PD_ARRAY_LEN(dims); di++)
         for (size_t ni = 0; ni < PD_ARRAY_LEN(ns); ni++) {
@@ -176,7 +179,7 @@ PD_TEST(test_cuda_embed_get_rows) {
 
 PD_TEST(test_cuda_rmsnorm) {
     ctx c;
-    if (!ctx_init(&c, 2)) { skip_msg(__func__); return; }
+    if (!ctx_init(&c, 2)) PD_SKIP("%s: no CUDA device", __func__);
     int dims[] = {128, 4096, 100, 8192}, ns[] = {1, 17};
     for (size_t di = 0; di < PD_ARRAY_LEN(dims); di++)
         for (size_t ni = 0; ni < PD_ARRAY_LEN(ns); ni++)
@@ -208,7 +211,7 @@ PD_TEST(test_cuda_rmsnorm) {
 
 PD_TEST(test_cuda_silu_mul) {
     ctx c;
-    if (!ctx_init(&c, 3)) { skip_msg(__func__); return; }
+    if (!ctx_init(&c, 3)) PD_SKIP("%s: no CUDA device", __func__);
     int Fs[] = {64, 100, 1376}, ns[] = {1, 17};
     for (size_t fi = 0; fi < PD_ARRAY_LEN(Fs); fi++)
         for (size_t ni = 0; ni < PD_ARRAY_LEN(ns); ni++) {
@@ -231,7 +234,7 @@ PD_TEST(test_cuda_silu_mul) {
 
 PD_TEST(test_cuda_fill_normal) {
     ctx c;
-    if (!ctx_init(&c, 4)) { skip_msg(__func__); return; }
+    if (!ctx_init(&c, 4)) PD_SKIP("%s: no CUDA device", __func__);
     size_t n = 1 << 20;
     for (int f32 = 0; f32 < 2; f32++) {
         pd_dtype dt = f32 ? PD_DTYPE_F32 : PD_DTYPE_BF16;
@@ -319,7 +322,7 @@ static void matmul_chain_case(ctx *c, int M, int N1, int K, int N2) {
 
 PD_TEST(test_cuda_matmul) {
     ctx c;
-    if (!ctx_init(&c, 5)) { skip_msg(__func__); return; }
+    if (!ctx_init(&c, 5)) PD_SKIP("%s: no CUDA device", __func__);
     // Both GEMM paths: c.gpu uses the skinny decode kernel for M <= 16, a second backend cuBLASLt
     // for every M (whichever the default is).
     setenv("PD_CUDA_GEMV_MAX_M", "0", 1);
@@ -361,7 +364,7 @@ PD_TEST(test_cuda_matmul) {
 
 PD_TEST(test_cuda_rope_kv) {
     ctx c;
-    if (!ctx_init(&c, 6)) { skip_msg(__func__); return; }
+    if (!ctx_init(&c, 6)) PD_SKIP("%s: no CUDA device", __func__);
     int cfg[][3] = {{4, 2, 64}, {32, 8, 128}, {4, 1, 32}, {8, 8, 64}};  // H, Hkv, hd
     int ns[] = {1, 17};
     for (size_t ci = 0; ci < PD_ARRAY_LEN(cfg); ci++)
@@ -427,7 +430,7 @@ static void bf16_diff(const float *got, const float *want, size_t n, size_t *n_d
 // emulation that rounds only each op's result.
 PD_TEST(test_cuda_hf_rounding) {
     ctx c;
-    if (!ctx_init(&c, 31)) { skip_msg(__func__); return; }
+    if (!ctx_init(&c, 31)) PD_SKIP("%s: no CUDA device", __func__);
     int n = 7, dim = 4096, F = 1376, H = 8, Hkv = 2, hd = 128;
     size_t nd = (size_t)n * dim;
     float *x = rand_f32(&c, nd, 2.0f), *a = rand_f32(&c, nd, 1.0f), *w = rand_f32(&c, dim, 1.0f);
@@ -610,7 +613,7 @@ static void attn_check(ctx *c, const attn_case *ac, const char *name) {
 
 PD_TEST(test_cuda_attention_decode) {
     ctx c;
-    if (!ctx_init(&c, 7)) { skip_msg(__func__); return; }
+    if (!ctx_init(&c, 7)) PD_SKIP("%s: no CUDA device", __func__);
     int heads[][2] = {{4, 4}, {8, 2}, {16, 2}, {7, 1}};
     int hds[] = {64, 128, 32}, bss[] = {16, 1, 7, 32};
     for (size_t hi = 0; hi < PD_ARRAY_LEN(heads); hi++)
@@ -631,7 +634,7 @@ PD_TEST(test_cuda_attention_decode) {
 
 PD_TEST(test_cuda_attention_prefill_mixed) {
     ctx c;
-    if (!ctx_init(&c, 8)) { skip_msg(__func__); return; }
+    if (!ctx_init(&c, 8)) PD_SKIP("%s: no CUDA device", __func__);
     int heads[][2] = {{4, 4}, {8, 2}, {16, 2}};
     int hds[] = {64, 128, 32}, bss[] = {16, 1, 32, 5};
     for (size_t hi = 0; hi < PD_ARRAY_LEN(heads); hi++)
@@ -659,7 +662,7 @@ PD_TEST(test_cuda_attention_prefill_mixed) {
 
 PD_TEST(test_cuda_copy_blocks) {
     ctx c;
-    if (!ctx_init(&c, 9)) { skip_msg(__func__); return; }
+    if (!ctx_init(&c, 9)) PD_SKIP("%s: no CUDA device", __func__);
     int n_layers = 3, n_blocks = 10, block_elems = 16 * 2 * 64;
     size_t n = (size_t)n_blocks * block_elems;
     pd_backend *bs[2] = {c.cpu, c.gpu};
@@ -724,7 +727,7 @@ static const kv_case KV_CASES[] = {
 
 PD_TEST(test_cuda_kv_copy) {
     ctx c;
-    if (!ctx_init(&c, 21)) { skip_msg(__func__); return; }
+    if (!ctx_init(&c, 21)) PD_SKIP("%s: no CUDA device", __func__);
     for (size_t ci = 0; ci < PD_ARRAY_LEN(KV_CASES); ci++) {
         const kv_case *k = &KV_CASES[ci];
         size_t layer = (size_t)k->n_blocks * (size_t)k->bs * k->row_bytes, bb = (size_t)k->bs * k->row_bytes;
@@ -765,7 +768,7 @@ PD_TEST(test_cuda_kv_copy) {
 // definition computed here directly; one flipped bit changes the GPU sum.
 PD_TEST(test_cuda_kv_checksum) {
     ctx c;
-    if (!ctx_init(&c, 22)) { skip_msg(__func__); return; }
+    if (!ctx_init(&c, 22)) PD_SKIP("%s: no CUDA device", __func__);
     for (size_t ci = 0; ci < PD_ARRAY_LEN(KV_CASES); ci++) {
         const kv_case *k = &KV_CASES[ci];
         size_t layer = (size_t)k->n_blocks * (size_t)k->bs * k->row_bytes, bb = (size_t)k->bs * k->row_bytes;
@@ -813,7 +816,7 @@ PD_TEST(test_cuda_kv_checksum) {
 // only be opened by another process — bench-handoff exercises that path across two GPUs).
 PD_TEST(test_cuda_ipc_export) {
     ctx c;
-    if (!ctx_init(&c, 23)) { skip_msg(__func__); return; }
+    if (!ctx_init(&c, 23)) PD_SKIP("%s: no CUDA device", __func__);
     pd_err err = {0};
     pd_buffer *buf = pd_buffer_alloc_shared(c.gpu, 1 << 20, &err);
     PD_REQUIRE(buf);
@@ -1102,11 +1105,7 @@ static void sample_timing(ctx *c) {
 
 PD_TEST(test_cuda_sample) {
     ctx c;
-    if (!ctx_init(&c, 31)) {
-        skip_msg("test_cuda_sample");
-        ctx_fini(&c);
-        return;
-    }
+    if (!ctx_init(&c, 31)) PD_SKIP("%s: no CUDA device", __func__);
     PD_CHECK(pd_backend_has_sample(c.gpu));
     PD_CHECK(!pd_backend_has_sample(c.cpu));
     int vocabs[] = {32000, 151936}, rows[] = {1, 7, 64};

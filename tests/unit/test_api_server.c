@@ -64,7 +64,7 @@ static void send_req(fx *f, int fd, const char *path, const char *body) {
     int n = snprintf(buf, sizeof buf, "POST %s HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\nContent-Length: %zu\r\n\r\n%s",
                      path, strlen(body), body);
     size_t off = 0;
-    int64_t deadline = pd_time_us() + 5000000;
+    int64_t deadline = pd_test_deadline_us(5);
     while (off < (size_t)n && pd_time_us() < deadline) {
         ssize_t k = send(fd, buf + off, (size_t)n - off, MSG_NOSIGNAL);
         if (k > 0) off += (size_t)k;
@@ -77,7 +77,7 @@ static char *pump_until(fx *f, int fd, const char *until) {
     size_t cap = 1 << 20, len = 0;
     char *buf = pd_malloc(cap);
     buf[0] = 0;
-    int64_t deadline = pd_time_us() + 20000000;
+    int64_t deadline = pd_test_deadline_us(20);
     while (pd_time_us() < deadline) {
         event_base_loop(f->base, EVLOOP_NONBLOCK);
         ssize_t k = recv(fd, buf + len, cap - len - 1, 0);
@@ -93,7 +93,7 @@ static char *pump_until(fx *f, int fd, const char *until) {
 
 // Pumps until no job and no engine request is left and the engine holds no KV block.
 static bool wait_idle(fx *f) {
-    int64_t deadline = pd_time_us() + 20000000;
+    int64_t deadline = pd_test_deadline_us(20);
     while (pd_time_us() < deadline) {
         event_base_loop(f->base, EVLOOP_NONBLOCK);
         pd_engine_stats s;
@@ -142,7 +142,7 @@ PD_TEST(disconnect_while_waiting_aborts) {
     if (!fx_init(&f)) { fx_fini(&f); return; }
     int fd = conn(&f);
     send_req(&f, fd, "/v1/completions", "{\"prompt\":\"And\",\"max_tokens\":1500,\"ignore_eos\":true}");
-    int64_t deadline = pd_time_us() + 5000000;
+    int64_t deadline = pd_test_deadline_us(5);
     while (pd_api_n_jobs(f.api) == 0 && pd_time_us() < deadline) event_base_loop(f.base, EVLOOP_NONBLOCK);
     PD_CHECK_EQ(pd_api_n_jobs(f.api), 1);
     close(fd);
@@ -203,7 +203,7 @@ PD_TEST(free_with_requests_in_flight) {
     int fd1 = conn(&f), fd2 = conn(&f);
     send_req(&f, fd1, "/v1/completions", "{\"prompt\":\"And\",\"max_tokens\":1500,\"ignore_eos\":true,\"stream\":true}");
     send_req(&f, fd2, "/v1/completions", "{\"prompt\":\"But\",\"max_tokens\":1500,\"ignore_eos\":true}");
-    int64_t deadline = pd_time_us() + 5000000;
+    int64_t deadline = pd_test_deadline_us(5);
     while (pd_api_n_jobs(f.api) < 2 && pd_time_us() < deadline) event_base_loop(f.base, EVLOOP_NONBLOCK);
     PD_CHECK_EQ(pd_api_n_jobs(f.api), 2);
     fx_fini(&f);  // aborts both, frees everything (the harness checks for leaks)

@@ -67,7 +67,7 @@ static void run(pd_engine *d, json_t *g, outs *o) {
         PD_CHECK_EQ(pd_engine_submit(d, &q, &err), PD_OK);
     }
     int done = 0;
-    int64_t deadline = pd_time_us() + 60000000;
+    int64_t deadline = pd_test_deadline_us(60);
     while (done < o->n && pd_time_us() < deadline) {
         struct pollfd pfd = {.fd = pd_engine_event_fd(d), .events = POLLIN};
         poll(&pfd, 1, 100);
@@ -192,7 +192,7 @@ static int run_one(pd_engine *d, uint64_t id, const int32_t *p, int n, int max_t
     PD_CHECK_EQ(pd_engine_submit(d, &q, &err), PD_OK);
     int n_out = 0;
     bool done = false;
-    int64_t deadline = pd_time_us() + 30000000;
+    int64_t deadline = pd_test_deadline_us(30);
     while (!done && pd_time_us() < deadline) {
         struct pollfd pfd = {.fd = pd_engine_event_fd(d), .events = POLLIN};
         poll(&pfd, 1, 20);

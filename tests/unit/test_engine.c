@@ -51,7 +51,7 @@ static pd_engine_stats run_engine(const pd_engine_params *p0, run *r) {
         PD_CHECK_EQ(pd_engine_submit(e, &q, &err), PD_OK);
     }
     int done = 0;
-    int64_t deadline = pd_time_us() + 60 * 1000000LL;
+    int64_t deadline = pd_test_deadline_us(60);
     while (done < r->n && pd_time_us() < deadline) {
         struct pollfd pfd = {.fd = pd_engine_event_fd(e), .events = POLLIN};
         poll(&pfd, 1, 100);

@@ -176,7 +176,7 @@ static int connect_to(fixture *f) {
 
 static void send_all(fixture *f, int fd, const char *s, size_t n) {
     size_t off = 0;
-    int64_t deadline = pd_time_us() + 5000000;
+    int64_t deadline = pd_test_deadline_us(5);
     while (off < n && pd_time_us() < deadline) {
         ssize_t k = send(fd, s + off, n - off, MSG_NOSIGNAL);
         if (k > 0) off += (size_t)k;
@@ -190,7 +190,7 @@ static void send_all(fixture *f, int fd, const char *s, size_t n) {
 static char *pump(fixture *f, int fd, const char *until) {
     size_t cap = 1 << 16, len = 0;
     char *buf = pd_malloc(cap);
-    int64_t deadline = pd_time_us() + 5000000;
+    int64_t deadline = pd_test_deadline_us(5);
     while (pd_time_us() < deadline) {
         event_base_loop(f->base, EVLOOP_NONBLOCK);
         ssize_t k = recv(fd, buf + len, cap - len - 1, 0);
@@ -327,7 +327,7 @@ PD_TEST(server_sse_http10_and_chunked) {
 
 // Runs the loop until the close callback fired or 5 s passed.
 static void wait_closed(fixture *f, int want) {
-    int64_t deadline = pd_time_us() + 5000000;
+    int64_t deadline = pd_test_deadline_us(5);
     while (f->n_closed < want && pd_time_us() < deadline) event_base_loop(f->base, EVLOOP_NONBLOCK);
 }
 
@@ -337,7 +337,7 @@ PD_TEST(server_detects_disconnect_while_held) {
     int fd = connect_to(&f);
     const char *req = "POST /hold HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\n{}";
     send_all(&f, fd, req, strlen(req));
-    int64_t deadline = pd_time_us() + 5000000;
+    int64_t deadline = pd_test_deadline_us(5);
     while (!f.held && pd_time_us() < deadline) event_base_loop(f.base, EVLOOP_NONBLOCK);
     PD_REQUIRE(f.held != NULL);
     PD_CHECK_EQ(pd_http_server_n_active(f.srv), 1);
@@ -372,7 +372,7 @@ PD_TEST(server_free_with_held_request) {
     int fd = connect_to(&f);
     const char *req = "POST /hold HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n";
     send_all(&f, fd, req, strlen(req));
-    int64_t deadline = pd_time_us() + 5000000;
+    int64_t deadline = pd_test_deadline_us(5);
     while (!f.held && pd_time_us() < deadline) event_base_loop(f.base, EVLOOP_NONBLOCK);
     PD_REQUIRE(f.held != NULL);
     fx_fini(&f);  // must call the close callback, then free cleanly
@@ -390,5 +390,90 @@ PD_TEST(server_bind_conflict_reports_io) {
     PD_CHECK(s2 == NULL);
     PD_CHECK_EQ(err.status, PD_ERR_IO);
     PD_CHECK_CONTAINS(err.msg, "cannot listen");
+    fx_fini(&f);
+}
+
+// Drain: a held stream keeps going and ends normally; a new POST gets 503 + Retry-After with an
+// OpenAI error (code "draining") without reaching its handler; a GET still reaches its handler;
+// replies close the connection; once the stream ends the server is idle and flushed.
+PD_TEST(server_drain_refuses_new_work_and_lets_streams_finish) {
+    fixture f;
+    if (!fx_init(&f, 1024)) return;
+    int fd = connect_to(&f);
+    const char *req = "GET /stream_hold HTTP/1.1\r\nHost: x\r\n\r\n";
+    send_all(&f, fd, req, strlen(req));
+    char *r = pump(&f, fd, "data: {\"n\":2}");
+    pd_free(r);
+    PD_REQUIRE(f.held != NULL);
+    pd_http_server_drain(f.srv, 7);
+    PD_CHECK(pd_http_server_is_draining(f.srv));
+    r = roundtrip(&f, "POST /hold HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n");
+    PD_CHECK_CONTAINS(r, "HTTP/1.1 503");
+    PD_CHECK_CONTAINS(r, "Retry-After: 7");
+    PD_CHECK_CONTAINS(r, "Connection: close");
+    PD_CHECK_CONTAINS(r, "\"type\":\"server_error\"");
+    PD_CHECK_CONTAINS(r, "\"code\":\"draining\"");
+    pd_free(r);
+    r = roundtrip(&f, "GET /hello HTTP/1.1\r\nHost: x\r\n\r\n");  // the server closes it: no hang
+    PD_CHECK_CONTAINS(r, "HTTP/1.1 200 OK");
+    PD_CHECK_CONTAINS(r, "Connection: close");
+    pd_free(r);
+    PD_CHECK_EQ(pd_http_server_n_active(f.srv), 1);
+    pd_http_req *h = f.held;
+    f.held = NULL;
+    pd_http_sse_send(h, "{\"n\":3}", 7);
+    pd_http_sse_end(h, true);
+    r = pump(&f, fd, "0\r\n\r\n");
+    PD_CHECK_CONTAINS(r, "data: {\"n\":3}\n\n");
+    PD_CHECK_CONTAINS(r, "data: [DONE]\n\n");
+    pd_free(r);
+    int64_t deadline = pd_time_us() + 5000000;
+    while (pd_http_server_n_unflushed(f.srv) > 0 && pd_time_us() < deadline) event_base_loop(f.base, EVLOOP_NONBLOCK);
+    PD_CHECK_EQ(pd_http_server_n_active(f.srv), 0);
+    PD_CHECK_EQ(pd_http_server_n_unflushed(f.srv), 0);
+    PD_CHECK_EQ(f.n_closed, 0);
+    close(fd);
+    fx_fini(&f);
+}
+
+// The drain deadline: a held stream gets an SSE error event and its chunked reply ends without
+// [DONE]; a held non-streamed request gets 503 + Retry-After; both holders' close callbacks run.
+PD_TEST(server_end_all_cuts_streams_without_done) {
+    fixture f;
+    if (!fx_init(&f, 1024)) return;
+    int fs = connect_to(&f);
+    const char *req = "GET /stream_hold HTTP/1.1\r\nHost: x\r\n\r\n";
+    send_all(&f, fs, req, strlen(req));
+    char *r = pump(&f, fs, "data: {\"n\":2}");
+    pd_free(r);
+    PD_REQUIRE(f.held != NULL);
+    f.held = NULL;
+    int fh = connect_to(&f);
+    req = "POST /hold HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n";
+    send_all(&f, fh, req, strlen(req));
+    int64_t deadline = pd_time_us() + 5000000;
+    while (!f.held && pd_time_us() < deadline) event_base_loop(f.base, EVLOOP_NONBLOCK);
+    PD_REQUIRE(f.held != NULL);
+    PD_CHECK_EQ(pd_http_server_n_active(f.srv), 2);
+    pd_http_server_drain(f.srv, 1);
+    pd_http_server_end_all(f.srv, "shutting down now");
+    PD_CHECK_EQ(f.n_closed, 2);
+    PD_CHECK_EQ(pd_http_server_n_active(f.srv), 0);
+    r = pump(&f, fs, "0\r\n\r\n");
+    PD_CHECK_CONTAINS(r, "\"message\":\"shutting down now\"");
+    PD_CHECK_CONTAINS(r, "\"code\":\"shutdown\"");
+    PD_CHECK(strstr(r, "[DONE]") == NULL);
+    PD_CHECK_CONTAINS(r, "0\r\n\r\n");  // the chunked reply is properly terminated
+    pd_free(r);
+    r = pump(&f, fh, NULL);
+    PD_CHECK_CONTAINS(r, "HTTP/1.1 503");
+    PD_CHECK_CONTAINS(r, "Retry-After: 1");
+    PD_CHECK_CONTAINS(r, "shutting down now");
+    pd_free(r);
+    deadline = pd_time_us() + 5000000;
+    while (pd_http_server_n_unflushed(f.srv) > 0 && pd_time_us() < deadline) event_base_loop(f.base, EVLOOP_NONBLOCK);
+    PD_CHECK_EQ(pd_http_server_n_unflushed(f.srv), 0);
+    close(fs);
+    close(fh);
     fx_fini(&f);
 }

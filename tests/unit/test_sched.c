@@ -49,6 +49,12 @@ typedef struct fe {
     int32_t n_loads_done, n_loads_failed, n_released;
     uint64_t held[FE_MAX_REQS];  // finished is_hold_blocks requests, released next step
     int32_t n_held;
+    // Speculation: when set, every lookahead slot gets a draft token (right with probability
+    // spec_p_right, else a wrong one), written into the shadow KV like the forward writes it; the
+    // "target" verifies drafts against f over the KV read back, as the engine does.
+    pd_rng *spec_rng;
+    double spec_p_right;
+    int64_t n_spec_slots, n_spec_drafted, n_spec_accepted, n_events_multi;
 } fe;
 
 static uint32_t f_next(const int32_t *toks, int32_t n) {
@@ -191,19 +197,44 @@ static int32_t fe_step(fe *e) {
         PD_CHECK(q->n_tokens >= 1);
         PD_CHECK(q->n_blocks * e->bs >= q->pos_start + q->n_tokens);
         for (int32_t j = 0; j < i; j++) PD_CHECK(plan.seqs[j].slot != q->slot);
-        sum += q->n_tokens;
-        outs[i].token = -1;
-        outs[i].is_stop_string_hit = false;
+        sum += q->n_tokens + q->n_lookahead;
+        outs[i] = (pd_step_output){.token = -1};
         if (e->r[q->req_id].aborted) continue;  // its blocks are already back in the pool
         for (int32_t k = 0; k < q->n_tokens; k++) {
             int32_t p = q->pos_start + k, b = q->block_ids[p / e->bs];
             PD_CHECK_EQ(pd_kv_block_ref(e->kv, b), 1);  // never write a shared block
             e->shadow[b][p % e->bs] = q->tokens[k];
         }
+        PD_CHECK(q->n_lookahead == 0 || (q->needs_logits && q->n_tokens == 1));
+        PD_CHECK(q->n_blocks * e->bs >= q->pos_start + q->n_tokens + q->n_lookahead);
         if (!q->needs_logits) continue;
         int32_t end = q->pos_start + q->n_tokens;
         for (int32_t p = 0; p < end; p++) ctx[p] = e->shadow[q->block_ids[p / e->bs]][p % e->bs];
         outs[i].token = (int32_t)f_next(ctx, end);
+        e->n_spec_slots += q->n_lookahead;
+        if (e->spec_rng && q->n_lookahead > 0) {
+            // Drafts: d_k right (= f of the context with the drafts before it) or wrong, written
+            // into their lookahead slots; then verified left to right against the shadow KV.
+            int32_t n_d = (int32_t)(pd_rng_next(e->spec_rng) % (uint64_t)(q->n_lookahead + 1));
+            static int32_t drafts[FE_MAX_REQS][64];
+            int32_t *d = drafts[i];
+            for (int32_t k = 0; k < n_d; k++) {
+                int32_t want = (int32_t)f_next(ctx, end + k);
+                d[k] = pd_rng_uniform(e->spec_rng) < e->spec_p_right ? want : 1 + (want % 97);
+                ctx[end + k] = d[k];
+                int32_t p = end + k, b = q->block_ids[p / e->bs];
+                PD_CHECK_EQ(pd_kv_block_ref(e->kv, b), 1);  // lookahead slots are private too
+                e->shadow[b][p % e->bs] = d[k];
+            }
+            int32_t acc = 0;
+            for (int32_t p = 0; p < end + n_d; p++) ctx[p] = e->shadow[q->block_ids[p / e->bs]][p % e->bs];
+            while (acc < n_d && (int32_t)f_next(ctx, end + acc) == d[acc]) acc++;
+            outs[i].token = (int32_t)f_next(ctx, end + acc);
+            outs[i].n_accepted = acc;
+            outs[i].accepted = d;
+            e->n_spec_drafted += n_d;
+            e->n_spec_accepted += acc;
+        }
         fe_req *r = &e->r[q->req_id];
         outs[i].is_stop_string_hit = e->stop_string_after > 0 && r->n_out + 1 >= e->stop_string_after;
     }
@@ -211,7 +242,12 @@ static int32_t fe_step(fe *e) {
     const pd_sched_event *ev;
     int32_t n_ev;
     PD_CHECK_EQ(pd_sched_update(e->s, &plan, outs, e->now_us, &ev, &n_ev), PD_OK);
-    for (int32_t i = 0; i < n_ev; i++) fe_event(e, &ev[i]);
+    for (int32_t i = 0; i < n_ev; i++) {
+        PD_CHECK(ev[i].seq_index >= 0 && ev[i].seq_index < plan.n_seqs);
+        PD_CHECK(ev[i].out_index >= 0 && ev[i].out_index <= outs[ev[i].seq_index].n_accepted);
+        e->n_events_multi += ev[i].out_index > 0;
+        fe_event(e, &ev[i]);
+    }
     for (int32_t i = 0; i < e->n_held; i++) {  // the KV was "sent"
         PD_CHECK_EQ(pd_sched_release(e->s, e->held[i]), PD_OK);
         e->n_released++;
@@ -928,10 +964,13 @@ typedef struct preq_info {
 
 static int64_t prop_preemptions, prop_aborts;
 
-static void prop_sched(uint64_t seed, pd_sched_policy policy, bool chunked, bool caching) {
+static int64_t prop_spec_accepted, prop_spec_drafted, prop_spec_multi;
+
+static void prop_sched_spec(uint64_t seed, pd_sched_policy policy, bool chunked, bool caching, int32_t lookahead) {
     pd_rng rng;
     pd_rng_seed(&rng, seed);
     pd_sched_params sp = sp_make(1 + (int32_t)(pd_rng_next(&rng) % 8), 8 + (int32_t)(pd_rng_next(&rng) % 64));
+    sp.max_lookahead_slots = lookahead;
     sp.policy = policy;
     sp.enable_chunked_prefill = chunked;
     sp.srpt_starvation_us = 50000;
@@ -943,6 +982,12 @@ static void prop_sched(uint64_t seed, pd_sched_policy policy, bool chunked, bool
     pd_rng_seed(&loads, seed + 2000);
     e->mid_abort_rng = &mid;
     e->load_rng = &loads;
+    pd_rng spec;
+    pd_rng_seed(&spec, seed + 3000);
+    if (lookahead > 0) {
+        e->spec_rng = &spec;
+        e->spec_p_right = 0.3 + 0.6 * pd_rng_uniform(&spec);
+    }
     fe_caching = true;
     int32_t n_free0 = pd_kv_n_free(e->kv);
     static preq_info info[FE_MAX_REQS];
@@ -965,12 +1010,15 @@ static void prop_sched(uint64_t seed, pd_sched_policy policy, bool chunked, bool
                                       .is_remote_prefill = kind == 0, .is_hold_blocks = kind == 1};
             pd_status s = fe_add_rp(e, &rp);
             PD_CHECK_EQ(s, PD_OK);
+            if (lookahead > 0) PD_CHECK_EQ(pd_sched_set_lookahead(e->s, next, (int32_t)(pd_rng_next(&spec) % (uint64_t)(lookahead + 2))), PD_OK);
             next++;
         }
         if (next > 1 && pd_rng_uniform(&rng) < 0.05) {
             uint64_t id = 1 + pd_rng_next(&rng) % (next - 1);
             if (pd_sched_abort(e->s, id) == PD_OK) e->r[id].aborted = true;
         }
+        if (lookahead > 0 && next > 1 && pd_rng_uniform(&spec) < 0.2)  // the policy changes its mind
+            (void)pd_sched_set_lookahead(e->s, 1 + pd_rng_next(&spec) % (next - 1), (int32_t)(pd_rng_next(&spec) % (uint64_t)(lookahead + 1)));
         fe_step(e);
     }
     fe_run(e, 5000);
@@ -993,6 +1041,10 @@ static void prop_sched(uint64_t seed, pd_sched_policy policy, bool chunked, bool
     PD_CHECK_EQ(pd_kv_n_free(e->kv), n_free0);
     pd_sched_stats st;
     pd_sched_stats_get(e->s, &st);
+    prop_spec_accepted += e->n_spec_accepted;
+    prop_spec_drafted += e->n_spec_drafted;
+    prop_spec_multi += e->n_events_multi;
+    if (lookahead == 0) PD_CHECK_EQ(e->n_spec_slots, 0);
     prop_preemptions += st.n_preemptions;
     prop_aborts += st.n_aborted;
     if (getenv("PD_TEST_VERBOSE"))
@@ -1005,6 +1057,26 @@ static void prop_sched(uint64_t seed, pd_sched_policy policy, bool chunked, bool
     PD_CHECK_EQ(st.n_held, 0);
     PD_CHECK_EQ(st.n_loading, 0);
     fe_free(e);
+}
+
+static void prop_sched(uint64_t seed, pd_sched_policy policy, bool chunked, bool caching) {
+    prop_sched_spec(seed, policy, chunked, caching, 0);
+}
+
+// Speculation: lookahead slots, drafts written into them, partial acceptance (rollback by not
+// counting the rejected positions) — outputs must still equal the reference token for token,
+// with preemption, aborts mid-step, remote prefill, prefix caching on and off.
+PD_TEST(property_speculative) {
+    prop_preemptions = prop_aborts = prop_spec_accepted = prop_spec_drafted = prop_spec_multi = 0;
+    for (uint64_t seed = 41; seed <= 48 && !pd_test_failed_; seed++)
+        prop_sched_spec(seed, seed % 2 ? PD_SCHED_FCFS : PD_SCHED_SRPT, seed % 4 != 0, seed % 3 != 0, 1 + (int32_t)(seed % 7));
+    PD_CHECK(prop_preemptions > 0);
+    PD_CHECK(prop_aborts > 0);
+    PD_CHECK(prop_spec_accepted > 100 && prop_spec_accepted < prop_spec_drafted);
+    PD_CHECK(prop_spec_multi > 100);
+    if (getenv("PD_TEST_VERBOSE"))
+        fprintf(stderr, "  speculative: %lld drafted, %lld accepted, %lld multi-token events\n", (long long)prop_spec_drafted,
+                (long long)prop_spec_accepted, (long long)prop_spec_multi);
 }
 
 PD_TEST(property_fcfs) {

@@ -702,6 +702,54 @@ PD_TEST(test_stream_fragment_steps_match_decode) {
 
 // NFC normalizer through the whole encoder; a char with no token, no unk and no byte fallback
 // (here NUL) is dropped, as HF's BPE does.
+static size_t unhex(const char *h, size_t n, char *out) {
+    size_t k = 0;
+    for (size_t i = 0; i + 1 < n; i += 2) {
+        unsigned v;
+        sscanf(h + i, "%2x", &v);
+        out[k++] = (char)v;
+    }
+    return k;
+}
+
+// 3000 random mixes of combining marks, precomposed letters, Hangul, Indic nuktas, singletons and
+// exclusions, against Python's unicodedata.normalize("NFC") (tests/data/tok/nfc/cases.txt).
+PD_TEST(test_nfc_against_python) {
+    char path[1024];
+    snprintf(path, sizeof path, "%s/tests/data/tok/nfc/cases.txt", pd_test_repo_dir());
+    char *txt = NULL;
+    size_t len = 0;
+    PD_REQUIRE(pd_file_read_all(path, &txt, &len, NULL) == PD_OK);
+    int n_cases = 0, n_bad = 0;
+    for (char *line = txt, *next; line && *line; line = next) {
+        next = strchr(line, '\n');
+        if (next) *next++ = 0;
+        if (line[0] == '#') continue;
+        char *sp = strchr(line, ' ');
+        if (!sp) continue;
+        char in[64], want[64];
+        size_t n_in = unhex(line, (size_t)(sp - line), in), n_want = unhex(sp + 1, strlen(sp + 1), want);
+        pd_buf b = {0};
+        PD_CHECK_EQ(pd_tok_nfc(in, n_in, &b), PD_OK);
+        if (b.len != n_want || memcmp(b.p, want, n_want) != 0) {
+            if (n_bad++ < 5) PD_FAIL_("nfc mismatch for %s", line);
+        }
+        pd_buf_free(&b);
+        // Allocation failure: a clean PD_ERR_NOMEM, nothing leaked (checked by the harness).
+        if (n_cases % 500 == 0) {
+            pd_mem_fault_set(0, false);
+            pd_status st = pd_tok_nfc(in, n_in, &b);
+            pd_mem_fault_set(-1, false);
+            PD_CHECK(st == PD_OK || st == PD_ERR_NOMEM);
+            pd_buf_free(&b);
+        }
+        n_cases++;
+    }
+    PD_CHECK_EQ(n_cases, 3000);
+    PD_CHECK_EQ(n_bad, 0);
+    pd_free(txt);
+}
+
 PD_TEST(test_nfc_normalizer_in_pipeline) {
     pd_tok *t = load_json_tok(
         "{\"model\": {\"type\": \"BPE\", \"merges\": [], \"vocab\": {\"e\": 0, \"\\u00e9\": 1, \"\\u0301\": 2}},"

@@ -25,7 +25,10 @@ PD_TEST(kvw_roundtrip_all_types) {
     pd_kvw_msg m = {.type = PD_KVW_PREFILL_REQ};
     m.u.prefill_req = (pd_kvw_prefill_req){.req_id = 77, .start_pos = 0, .n_tokens = 5, .tokens = toks, .n_dst_blocks = 1,
                                            .dst_blocks = blks, .sampling = {.temperature = 0.5f, .top_k = 3, .seed = 42, .has_seed = 1}};
+    snprintf(m.u.prefill_req.traceparent, sizeof m.u.prefill_req.traceparent,
+             "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01");
     pd_kvw_msg o = roundtrip(&m, &b);
+    PD_CHECK_STR(o.u.prefill_req.traceparent, "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01");
     PD_CHECK_EQ(o.type, PD_KVW_PREFILL_REQ);
     PD_CHECK_EQ(o.u.prefill_req.req_id, 77);
     PD_CHECK_EQ(o.u.prefill_req.tokens[4], 5);
@@ -41,7 +44,11 @@ PD_TEST(kvw_roundtrip_all_types) {
     m.u.done.top_ids[1] = 7;
     m.u.done.n_layers = 3;
     m.u.done.checksums[2] = 0xdeadbeefcafef00dull;
+    m.u.done.queue_us = 1500;
+    m.u.done.compute_us = 123456789012ll;
     o = roundtrip(&m, &b);
+    PD_CHECK_EQ(o.u.done.queue_us, 1500);
+    PD_CHECK_EQ(o.u.done.compute_us, 123456789012ll);
     PD_CHECK_EQ(o.u.done.first_token, 123);
     PD_CHECK_EQ(o.u.done.top_ids[1], 7);
     PD_CHECK(o.u.done.checksums[2] == 0xdeadbeefcafef00dull);

@@ -1,4 +1,6 @@
 # server.sh — helpers shared by tests/integration/*.sh (POSIX sh; sourced, not run).
+#   pd_need TOOL...          fails, naming it, when a tool is missing (make deps installs them all;
+#                            a test never installs anything)
 #   pd_setup                 finds PD_BIN and the model, makes $TMP, installs the cleanup trap
 #   pd_start NAME FLAGS...   starts `pdserve serve` on a free port (--port 0, read back from its
 #                            output), waits for GET /health (polling, 60 s deadline), sets $URL
@@ -7,9 +9,16 @@
 
 pd_fail() { echo "FAIL: $*" >&2; exit 1; }
 
+pd_need() {
+  for t in "$@"; do
+    command -v "$t" >/dev/null 2>&1 || pd_fail "$t is required and missing (make deps installs it)"
+  done
+}
+
 pd_setup() {
   # Several servers share a small CI machine: one compute thread each avoids OpenMP spin contention.
   export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+  pd_need curl
   repo="${PD_REPO_DIR:-$(cd "$(dirname "$0")/../.." && pwd)}"
   PD_BIN="${PD_BIN:-$repo/build/pdserve}"
   [ -x "$PD_BIN" ] || pd_fail "no pdserve binary at $PD_BIN (build with make)"
@@ -38,8 +47,10 @@ pd_cleanup() {
 }
 
 # Polls until `cmd` succeeds or `secs` pass. Usage: pd_wait_for SECS CMD...
+# The deadline bounds the wait; it never judges speed. PD_TEST_TIME_SCALE (an integer, default 1)
+# stretches it for the sanitizer tiers, whose servers run 5-20x slower.
 pd_wait_for() {
-  secs=$1; shift
+  secs=$(( $1 * ${PD_TEST_TIME_SCALE:-1} )); shift
   end=$(( $(date +%s) + secs ))
   while ! "$@" >/dev/null 2>&1; do
     [ "$(date +%s)" -ge "$end" ] && return 1

@@ -1,0 +1,652 @@
+// spec.c — speculative decoding in the engine's step loop (draft model, n-gram prompt lookup,
+// lookahead decoding), exact: the target verifies every draft in one forward and the acceptance
+// rule of model/sample.h decides (greedy: byte-identical to plain decoding; random: the output
+// follows the target's distribution exactly).
+//
+// A step with speculation, after pd_sched_schedule granted lookahead slots (plan seq n_lookahead):
+//
+//   1. lengths     k per speculating sequence: adaptive (spec/spec.h pd_spec_choose: per-request
+//                  acceptance estimate against the measured step-cost model), or fixed
+//   2. proposals   draft model: forward 1 runs every sequence's catch-up span (positions the draft
+//                  has no KV for, through the last real token; prefill chunks are mirrored so the
+//                  draft prefills with the target) and gives draft token 1; forwards 2..k feed one
+//                  draft token each. ngram: prompt lookup. lookahead: the n-gram pool, and a
+//                  Jacobi window appended after the drafts
+//   3. verify      one target forward over [last token, drafts (, window)] per sequence with
+//                  logits at every draft row; pd_sampler_verify row by row, stopping at the first
+//                  rejection; the bonus row is sampled plainly when every draft was accepted
+//   4. update      pd_sched_update gets n_accepted + the target's token; rejected positions are
+//                  overwritten later (the scheduler never caches them); the draft's valid prefix
+//                  (draft_pos) is cut back to what was accepted.
+//
+// The draft model has its own paged KV cache with the same geometry as the target's and is indexed
+// by the same block tables, so its blocks follow the target's through the prefix cache and
+// preemption: a prefix hit is a draft hit too (draft KV is only ever a speed matter; a stale one
+// lowers acceptance, never changes output). Decode workers (--role decode) prefill the draft
+// locally after the handoff: the catch-up span covers the prompt, chunked (CATCHUP_MAX) so that it
+// never stalls a step.
+//
+// Verify steps run eagerly (the decode CUDA graphs are one token per sequence); the draft model's
+// single-token forwards use its own decode graphs when the backend has them.
+#include <omp.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "engine/engine_impl.h"
+#include "spec/spec.h"
+
+#define CATCHUP_MAX 512  // draft catch-up tokens per sequence per step
+#define PROBE_EVERY 16   // adaptive: a request whose estimate says "don't" still drafts 1 token now and then
+
+typedef struct sreq {
+    int32_t *toks;  // owned: prompt + outputs
+    int n, cap;
+    int n_prompt;
+    int draft_pos;  // draft KV is valid for positions [0, draft_pos); -1: not placed yet
+    bool fixed_k;   // seeded random sampling: k does not depend on load (reproducible)
+    bool is_random;
+    pd_spec_accept acc;
+    pd_spec_jacobi jac;
+    pd_spec_pool *pool;
+    int64_t n_drafted, n_accepted, n_steps;
+    // this step
+    int k, w;  // drafts proposed, window tokens appended
+    int32_t draft[PD_SPEC_MAX_K];
+    int32_t accepted[PD_SPEC_MAX_K];
+    float *q;  // (k, V) draft distributions (random sampling with a draft model); into espec.qbuf
+} sreq;
+
+typedef struct bbuild {
+    int32_t *tok, *qi, *kvl, *bti, *bt, *lr;
+    int cap_tok, cap_seq, cap_bt, cap_lr;
+    int nt, ns, nbt, nl;
+} bbuild;
+
+typedef struct espec {
+    pd_spec_method method;
+    int K, W, N, ngram_min, ngram_max;
+    bool adaptive;
+    int V, bs;
+    pd_model *draft;
+    pd_model_cache *dcache;
+    pd_spec_cost cost;
+    int64_t n_steps;
+    bbuild bb;
+    float *logits;  // host (cap_logits, V)
+    int cap_logits;
+    float *scratch;  // (threads, V)
+    int n_scratch;
+    float *qbuf;  // (cap_q, V)
+    int cap_q;
+    pd_sample_result *results;  // (cap_res_seqs, K + 1)
+    int cap_res_seqs;
+    int *kmax, *kch, *sidx, *row0;  // per plan seq
+    double *alpha;
+    int cap_seqs;
+    bool last_valid;  // results describe the last step
+    int64_t drafted[PD_SPEC_N], accepted[PD_SPEC_N], emitted[PD_SPEC_N], steps[PD_SPEC_N];
+} espec;
+
+// ---- helpers ---------------------------------------------------------------------------------------
+
+static bool grow(void **p, int *cap, int need, size_t elem) {
+    if (need <= *cap) return true;
+    int nc = PD_MAX(need, *cap * 2);
+    void *np = pd_realloc(*p, elem * (size_t)nc);
+    if (!np) return false;
+    *p = np;
+    *cap = nc;
+    return true;
+}
+
+static void bb_reset(bbuild *b) {
+    b->nt = b->ns = b->nbt = b->nl = 0;
+}
+
+// Adds a span of n tokens at positions pos .. pos + n - 1 over the block table; logits for its last
+// n_logits rows (0: none). false on OOM.
+static bool bb_add(bbuild *b, const int32_t *toks, int n, int pos, const int32_t *blocks, int bs, int n_logits) {
+    int nb = (pos + n + bs - 1) / bs;
+    int ct = b->cap_tok, cs = b->cap_seq, cb = b->cap_bt, cl = b->cap_lr;
+    if (!grow((void **)&b->tok, &ct, b->nt + n, 4) || !grow((void **)&b->bt, &cb, b->nbt + nb, 4) ||
+        !grow((void **)&b->lr, &cl, b->nl + n_logits, 4))
+        return false;
+    b->cap_tok = ct, b->cap_bt = cb, b->cap_lr = cl;
+    int cs2 = cs;
+    if (!grow((void **)&b->qi, &cs, b->ns + 2, 4) || !grow((void **)&b->bti, &cs2, b->ns + 2, 4)) return false;
+    int cs3 = b->cap_seq;
+    if (!grow((void **)&b->kvl, &cs3, b->ns + 2, 4)) return false;
+    b->cap_seq = PD_MIN(cs, PD_MIN(cs2, cs3));
+    if (b->ns == 0) b->qi[0] = b->bti[0] = 0;
+    memcpy(b->tok + b->nt, toks, sizeof(int32_t) * (size_t)n);
+    memcpy(b->bt + b->nbt, blocks, sizeof(int32_t) * (size_t)nb);
+    for (int i = 0; i < n_logits; i++) b->lr[b->nl++] = b->nt + n - n_logits + i;
+    b->nt += n;
+    b->nbt += nb;
+    b->kvl[b->ns] = pos + n;
+    b->ns++;
+    b->qi[b->ns] = b->nt;
+    b->bti[b->ns] = b->nbt;
+    return true;
+}
+
+static pd_batch bb_batch(const bbuild *b) {
+    return (pd_batch){.n_tokens = b->nt, .tokens = b->tok, .n_seqs = b->ns, .q_indptr = b->qi, .kv_lens = b->kvl,
+                      .bt_indptr = b->bti, .bt_indices = b->bt, .n_logits = b->nl, .logit_rows = b->lr};
+}
+
+static bool reserve_logits(espec *S, int n) {
+    if (n <= S->cap_logits) return true;
+    int nc = PD_MAX(n, S->cap_logits * 2);
+    float *p = pd_realloc(S->logits, sizeof(float) * (size_t)nc * (size_t)S->V);
+    if (!p) return false;
+    S->logits = p;
+    S->cap_logits = nc;
+    return true;
+}
+
+static bool reserve_seqs(espec *S, int n) {
+    if (n <= S->cap_seqs) return true;
+    int nc = PD_MAX(n, S->cap_seqs * 2);
+    void **arrs[] = {(void **)&S->kmax, (void **)&S->kch, (void **)&S->sidx, (void **)&S->row0, (void **)&S->alpha};
+    size_t elem[] = {sizeof(int), sizeof(int), sizeof(int), sizeof(int), sizeof(double)};
+    for (size_t i = 0; i < PD_ARRAY_LEN(arrs); i++) {
+        void *np = pd_realloc(*arrs[i], elem[i] * (size_t)nc);
+        if (!np) return false;
+        *arrs[i] = np;
+    }
+    pd_sample_result *r = pd_realloc(S->results, sizeof(pd_sample_result) * (size_t)nc * (size_t)(S->K + 1));
+    if (!r) return false;
+    S->results = r;
+    S->cap_res_seqs = nc;
+    S->cap_seqs = nc;
+    return true;
+}
+
+static bool sreq_push(sreq *r, int32_t t) {
+    if (r->n == r->cap) {
+        int nc = r->cap ? r->cap * 2 : 64;
+        int32_t *np = pd_realloc(r->toks, sizeof(int32_t) * (size_t)nc);
+        if (!np) return false;
+        r->toks = np;
+        r->cap = nc;
+    }
+    r->toks[r->n++] = t;
+    return true;
+}
+
+// ---- set-up ----------------------------------------------------------------------------------------
+
+// The draft must tokenize exactly as the target: same vocabulary size, same token for every id.
+static pd_status check_tokenizers(const pd_tok *t, const char *draft_dir, pd_err *err) {
+    pd_tok *d = pd_tok_load(draft_dir, err);
+    if (!d) return PD_ERR_INVALID;
+    pd_status st = PD_OK;
+    if (pd_tok_n_vocab(d) != pd_tok_n_vocab(t)) {
+        st = pd_err_set(err, PD_ERR_INVALID, "--speculative-model %s: its tokenizer has %d tokens, the target's %d: they must match",
+                        draft_dir, pd_tok_n_vocab(d), pd_tok_n_vocab(t));
+    } else {
+        for (int32_t id = 0; id < pd_tok_n_vocab(t); id++) {
+            size_t la = 0, lb = 0;
+            const char *a = pd_tok_token_bytes(t, id, &la), *b = pd_tok_token_bytes(d, id, &lb);
+            if (la != lb || (la && (!a || !b || memcmp(a, b, la)))) {
+                st = pd_err_set(err, PD_ERR_INVALID,
+                                "--speculative-model %s: its tokenizer differs from the target's at token id %d: they must match",
+                                draft_dir, id);
+                break;
+            }
+        }
+    }
+    pd_tok_free(d);
+    return st;
+}
+
+pd_status pd_engine_spec_init(pd_engine *e, pd_sched_params *sp, pd_err *err) {
+    const pd_engine_params *p = &e->params;
+    if (p->spec_method == PD_SPEC_NONE || p->role == PD_ROLE_PREFILL) return PD_OK;
+    if (p->spec_method < 0 || p->spec_method >= PD_SPEC_N)
+        return pd_err_set(err, PD_ERR_INVALID, "unknown speculative method %d", p->spec_method);
+    espec *S = pd_calloc(1, sizeof *S);
+    if (!S) return pd_err_set(err, PD_ERR_NOMEM, "out of memory");
+    e->spec = S;
+    S->method = (pd_spec_method)p->spec_method;
+    S->K = p->spec_k > 0 ? p->spec_k : 4;
+    if (S->K > PD_SPEC_MAX_K) return pd_err_set(err, PD_ERR_INVALID, "--num-speculative-tokens must be 1..%d", PD_SPEC_MAX_K);
+    S->ngram_min = p->spec_ngram_min > 0 ? p->spec_ngram_min : 1;
+    S->ngram_max = p->spec_ngram_max > 0 ? p->spec_ngram_max : 3;
+    if (S->ngram_min > S->ngram_max) return pd_err_set(err, PD_ERR_INVALID, "ngram: min length %d > max %d", S->ngram_min, S->ngram_max);
+    S->W = p->spec_lookahead_w > 0 ? p->spec_lookahead_w : 8;
+    S->N = p->spec_lookahead_n > 0 ? p->spec_lookahead_n : 4;
+    if (S->W > PD_SPEC_MAX_W || S->N < 2 || S->N > PD_SPEC_MAX_N)
+        return pd_err_set(err, PD_ERR_INVALID, "lookahead: window 1..%d, n-gram size 2..%d", PD_SPEC_MAX_W, PD_SPEC_MAX_N);
+    if (S->method == PD_SPEC_LOOKAHEAD) S->K = PD_MIN(S->K, S->N - 1);  // one n-gram's continuation
+    S->adaptive = !p->spec_fixed;
+    const pd_model_config *c = pd_model_get_config(e->model);
+    S->V = c->vocab_size;
+    S->bs = e->params.block_size;
+    pd_spec_cost_init(&S->cost, 0);
+    if (S->method == PD_SPEC_DRAFT) {
+        if (!p->spec_model_dir) return pd_err_set(err, PD_ERR_INVALID, "--speculative-method draft needs --speculative-model DIR");
+        pd_status st = check_tokenizers(e->tok, p->spec_model_dir, err);
+        if (st) return st;
+        pd_model_params mp = pd_model_params_default();
+        mp.dir = p->spec_model_dir;
+        mp.backend = e->backend;
+        mp.dummy = p->dummy_weights;
+        mp.seed = 7;
+        S->draft = pd_model_load(&mp, err);
+        if (!S->draft) return PD_ERR_INVALID;
+        if (pd_model_get_config(S->draft)->vocab_size != S->V)
+            return pd_err_set(err, PD_ERR_INVALID, "--speculative-model: vocab_size %d, the target's %d: they must match",
+                              pd_model_get_config(S->draft)->vocab_size, S->V);
+        S->dcache = pd_model_cache_new(S->draft, pd_model_cache_n_blocks(e->cache), S->bs, err);
+        if (!S->dcache) return PD_ERR_NOMEM;
+    }
+    // Lookahead slots: drafts, plus the Jacobi window for lookahead decoding.
+    sp->max_lookahead_slots = S->K + (S->method == PD_SPEC_LOOKAHEAD ? S->W : 0);
+    S->n_scratch = omp_get_max_threads();
+    S->scratch = pd_malloc(sizeof(float) * (size_t)S->n_scratch * (size_t)S->V);
+    if (!S->scratch) return pd_err_set(err, PD_ERR_NOMEM, "out of memory");
+    PD_LOG_I("engine: speculative decoding: %s, up to %d tokens per step%s%s", pd_spec_method_name(S->method), S->K,
+             S->adaptive ? ", adaptive" : ", fixed", S->draft ? " (draft model loaded)" : "");
+    return PD_OK;
+}
+
+pd_status pd_engine_spec_warmup(pd_engine *e, pd_err *err) {
+    espec *S = e->spec;
+    if (!S || !S->draft) return PD_OK;
+    int n_graphs = 0;
+    int max_step = (e->params.max_num_batched_tokens > 0 ? e->params.max_num_batched_tokens : 2048) + CATCHUP_MAX;
+    pd_status st = pd_model_warmup(S->draft, S->dcache, max_step, e->params.max_num_seqs > 0 ? e->params.max_num_seqs : 64,
+                                   e->max_model_len, &n_graphs);
+    if (st) return pd_err_set(err, st, "draft model warm-up failed (%s)", pd_status_str(st));
+    if (n_graphs > 0) PD_LOG_I("engine: draft model: %d decode graphs", n_graphs);
+    return PD_OK;
+}
+
+void pd_engine_spec_fini(pd_engine *e) {
+    espec *S = e->spec;
+    if (!S) return;
+    pd_model_cache_free(S->dcache);
+    pd_model_free(S->draft);
+    bbuild *b = &S->bb;
+    pd_free(b->tok), pd_free(b->qi), pd_free(b->kvl), pd_free(b->bti), pd_free(b->bt), pd_free(b->lr);
+    pd_free(S->logits), pd_free(S->scratch), pd_free(S->qbuf), pd_free(S->results);
+    pd_free(S->kmax), pd_free(S->kch), pd_free(S->sidx), pd_free(S->row0), pd_free(S->alpha);
+    pd_free(S);
+    e->spec = NULL;
+}
+
+pd_status pd_engine_spec_req_init(pd_engine *e, ereq *q, const pd_engine_request *r) {
+    espec *S = e->spec;
+    if (!S) return PD_OK;
+    sreq *sr = pd_calloc(1, sizeof *sr);
+    if (!sr) return PD_ERR_NOMEM;
+    q->spec = sr;
+    sr->draft_pos = -1;
+    sr->n_prompt = r->n_prompt;
+    sr->is_random = r->sampling.temperature > 0;
+    sr->fixed_k = sr->is_random && r->sampling.has_seed;
+    for (int i = 0; i < r->n_prompt; i++)
+        if (!sreq_push(sr, r->prompt[i])) return PD_ERR_NOMEM;
+    double prior = S->method == PD_SPEC_DRAFT ? 0.7 : 0.5;
+    pd_spec_accept_init(&sr->acc, prior);
+    if (S->method == PD_SPEC_LOOKAHEAD) {
+        sr->pool = pd_spec_pool_new(S->N);
+        if (!sr->pool) return PD_ERR_NOMEM;
+        pd_spec_jacobi_init(&sr->jac, S->W, S->N, r->prompt, r->n_prompt);
+    }
+    pd_status st = pd_sched_set_lookahead(e->sched, r->id, S->K + (S->method == PD_SPEC_LOOKAHEAD ? S->W : 0));
+    return st == PD_ERR_NOTFOUND ? PD_OK : st;
+}
+
+void pd_engine_spec_req_fini(ereq *q) {
+    sreq *sr = q->spec;
+    if (!sr) return;
+    pd_free(sr->toks);
+    pd_spec_pool_free(sr->pool);
+    pd_free(sr);
+    q->spec = NULL;
+}
+
+// ---- the step ------------------------------------------------------------------------------------
+
+static bool is_decode(const pd_step_seq *s, const sreq *sr) {
+    return s->needs_logits && s->n_tokens == 1 && sr && s->pos_start == sr->n - 1;
+}
+
+// Draft forwards: catch-up (and mirrored prefill chunks) + draft token 1, then one token per
+// forward. Fills sr->draft[0..k) (and q rows for random sampling). On error drafts nothing.
+static pd_status run_draft(pd_engine *e, const pd_step_plan *plan, sreq **srs) {
+    espec *S = e->spec;
+    bbuild *b = &S->bb;
+    int V = S->V, max_k = 0, n_rand = 0;
+    bb_reset(b);
+    for (int i = 0; i < plan->n_seqs; i++) {
+        const pd_step_seq *s = &plan->seqs[i];
+        sreq *sr = srs[i];
+        if (!sr) continue;
+        int end = s->pos_start + s->n_tokens;  // positions the target has after this step
+        int from = sr->draft_pos;
+        if (S->kch[i] > 0) {
+            // Catch-up through the last real token; its logits give draft 1.
+            if (!bb_add(b, sr->toks + from, end - from, from, s->block_ids, S->bs, 1)) return PD_ERR_NOMEM;
+            S->row0[i] = b->nl - 1;
+            max_k = PD_MAX(max_k, S->kch[i]);
+            if (sr->is_random) n_rand += S->kch[i];
+        } else {
+            // A prefill chunk: the draft keeps up with the target (chunked like it). A decode far
+            // behind (a remote prefill's prompt) catches up CATCHUP_MAX tokens a step; a decode
+            // a little behind catches up when it next drafts.
+            int lim = is_decode(s, sr) ? (end - from > CATCHUP_MAX ? CATCHUP_MAX : 0) : PD_MIN(end - from, CATCHUP_MAX);
+            S->row0[i] = -1;
+            if (lim > 0) {
+                if (!bb_add(b, sr->toks + from, lim, from, s->block_ids, S->bs, 0)) return PD_ERR_NOMEM;
+                sr->draft_pos = from + lim;
+            }
+        }
+    }
+    if (b->ns == 0) return PD_OK;
+    if (n_rand > 0 && !grow((void **)&S->qbuf, &S->cap_q, n_rand, sizeof(float) * (size_t)V)) return PD_ERR_NOMEM;
+    if (!reserve_logits(S, PD_MAX(b->nl, 1))) return PD_ERR_NOMEM;
+    pd_batch batch = bb_batch(b);
+    pd_status st = pd_model_forward(S->draft, S->dcache, &batch, S->logits);
+    if (st) return st;
+    int qoff = 0;
+    for (int i = 0; i < plan->n_seqs; i++) {
+        sreq *sr = srs[i];
+        if (!sr || S->kch[i] <= 0) continue;
+        ereq *r = pd_engine_req_find(e, plan->seqs[i].req_id);
+        sr->q = sr->is_random ? S->qbuf + (size_t)qoff * (size_t)V : NULL;
+        if (sr->is_random) qoff += S->kch[i];
+        float *qrow = sr->q ? sr->q : S->scratch;
+        sr->draft[0] = pd_sampler_draft(r->sampler, S->logits + (size_t)S->row0[i] * (size_t)V, 0, qrow);
+        sr->k = 1;
+        sr->draft_pos = plan->seqs[i].pos_start + 1;
+    }
+    for (int j = 1; j < max_k; j++) {
+        bb_reset(b);
+        for (int i = 0; i < plan->n_seqs; i++) {
+            sreq *sr = srs[i];
+            if (!sr || S->kch[i] <= j) continue;
+            const pd_step_seq *s = &plan->seqs[i];
+            if (!bb_add(b, &sr->draft[j - 1], 1, s->pos_start + j, s->block_ids, S->bs, 1)) return PD_ERR_NOMEM;
+            S->row0[i] = b->nl - 1;
+        }
+        batch = bb_batch(b);
+        int64_t t0 = pd_time_us();
+        st = pd_model_forward(S->draft, S->dcache, &batch, S->logits);
+        if (st) return st;
+        pd_spec_cost_observe_draft(&S->cost, (double)(pd_time_us() - t0));
+        for (int i = 0; i < plan->n_seqs; i++) {
+            sreq *sr = srs[i];
+            if (!sr || S->kch[i] <= j) continue;
+            ereq *r = pd_engine_req_find(e, plan->seqs[i].req_id);
+            float *qrow = sr->q ? sr->q + (size_t)j * (size_t)V : S->scratch;
+            sr->draft[j] = pd_sampler_draft(r->sampler, S->logits + (size_t)S->row0[i] * (size_t)V, j, qrow);
+            sr->k = j + 1;
+            sr->draft_pos = plan->seqs[i].pos_start + j + 1;
+        }
+    }
+    return PD_OK;
+}
+
+// Proposals without a draft model, up to kmax[i] tokens; sets kmax[i] to what is available.
+static void propose_free(pd_engine *e, const pd_step_plan *plan, sreq **srs) {
+    espec *S = e->spec;
+    for (int i = 0; i < plan->n_seqs; i++) {
+        sreq *sr = srs[i];
+        if (!sr || S->kmax[i] <= 0) continue;
+        int m = 0;
+        if (S->method == PD_SPEC_NGRAM)
+            m = pd_spec_ngram_propose(sr->toks, sr->n, S->ngram_min, S->ngram_max, S->kmax[i], sr->draft);
+        else
+            m = pd_spec_pool_propose(sr->pool, sr->toks[sr->n - 1], S->kmax[i], sr->draft);
+        S->kmax[i] = m;
+    }
+}
+
+// Chooses each speculating sequence's length in S->kch from S->kmax.
+static void choose_lengths(pd_engine *e, const pd_step_plan *plan, sreq **srs) {
+    espec *S = e->spec;
+    int n = 0, n_base = 0;
+    for (int i = 0; i < plan->n_seqs; i++) {
+        n_base += plan->seqs[i].n_tokens;
+        S->kch[i] = 0;
+        sreq *sr = srs[i];
+        if (!sr || S->kmax[i] <= 0) continue;
+        if (!S->adaptive || sr->fixed_k) {
+            S->kch[i] = S->kmax[i];
+            continue;
+        }
+        S->sidx[n] = i;
+        S->alpha[n] = pd_spec_accept_alpha(&sr->acc);
+        n++;
+    }
+    if (n == 0) return;
+    // Compact arrays for pd_spec_choose (kmax / alpha by position in sidx).
+    int *km = S->row0, *kk = S->kch + 0;  // row0 is free until the draft runs
+    for (int j = 0; j < n; j++) km[j] = S->kmax[S->sidx[j]];
+    int tmp[256];
+    int *kout = n <= 256 ? tmp : NULL;
+    if (!kout) kout = pd_malloc(sizeof(int) * (size_t)n);
+    if (!kout) return;
+    pd_spec_choose(&S->cost, n_base, n, S->alpha, km, S->method == PD_SPEC_DRAFT, kout);
+    for (int j = 0; j < n; j++) {
+        int i = S->sidx[j];
+        kk[i] = kout[j];
+        // Probe now and then: an estimate that says "never" would never be revised.
+        if (kk[i] == 0 && (S->n_steps + (int64_t)plan->seqs[i].slot) % PROBE_EVERY == 0) kk[i] = 1;
+    }
+    if (kout != tmp) pd_free(kout);
+}
+
+static pd_status verify(pd_engine *e, const pd_step_plan *plan, sreq **srs) {
+    espec *S = e->spec;
+    step_bufs *sb = &e->sb;
+    bbuild *b = &S->bb;
+    int V = S->V;
+    bb_reset(b);
+    int32_t span[1 + PD_SPEC_MAX_K + PD_SPEC_MAX_W];
+    for (int i = 0; i < plan->n_seqs; i++) {
+        const pd_step_seq *s = &plan->seqs[i];
+        sreq *sr = srs[i];
+        sb->outputs[i] = (pd_step_output){.token = -1};
+        if (sr && sr->k + sr->w > 0) {
+            const int32_t *win = pd_spec_jacobi_window(&sr->jac);
+            span[0] = s->tokens[0];
+            memcpy(span + 1, sr->draft, sizeof(int32_t) * (size_t)sr->k);
+            if (sr->w) memcpy(span + 1 + sr->k, win, sizeof(int32_t) * (size_t)sr->w);
+            // Logits: the last token and every draft row (k + 1), then the window rows but the last.
+            int n = 1 + sr->k + sr->w, nl = 1 + sr->k + (sr->w ? sr->w - 1 : 0);
+            if (!bb_add(b, span, n, s->pos_start, s->block_ids, S->bs, 0)) return PD_ERR_NOMEM;
+            S->row0[i] = b->nl;
+            int ct = b->cap_lr;
+            if (!grow((void **)&b->lr, &ct, b->nl + nl, 4)) return PD_ERR_NOMEM;
+            b->cap_lr = ct;
+            for (int r = 0; r < nl; r++) b->lr[b->nl++] = b->nt - n + r;
+        } else {
+            if (!bb_add(b, s->tokens, s->n_tokens, s->pos_start, s->block_ids, S->bs, s->needs_logits ? 1 : 0))
+                return PD_ERR_NOMEM;
+            S->row0[i] = s->needs_logits ? b->nl - 1 : -1;
+        }
+    }
+    if (!reserve_logits(S, PD_MAX(b->nl, 1))) return PD_ERR_NOMEM;
+    pd_batch batch = bb_batch(b);
+    int64_t t0 = pd_time_us();
+    pd_status st = pd_model_forward(e->model, e->cache, &batch, S->logits);
+    if (st) return st;
+    pd_spec_cost_observe(&S->cost, b->nt, (double)(pd_time_us() - t0));
+    int K1 = S->K + 1;
+    int n_threads = plan->n_seqs >= 4 && V >= 16384 ? PD_MIN(plan->n_seqs, S->n_scratch) : 1;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(n_threads)
+    for (int i = 0; i < plan->n_seqs; i++) {
+        const pd_step_seq *s = &plan->seqs[i];
+        if (S->row0[i] < 0) continue;
+        ereq *r = pd_engine_req_find(e, s->req_id);
+        sreq *sr = srs[i];
+        float *row = S->logits + (size_t)S->row0[i] * (size_t)V;
+        if (!sr || sr->k + sr->w == 0) {
+            sb->outputs[i].token = pd_sampler_sample(r->sampler, row, &sb->results[i]);
+            pd_sampler_accept(r->sampler, sb->outputs[i].token);
+            S->results[(size_t)i * (size_t)K1] = sb->results[i];
+            continue;
+        }
+        float *scratch = S->scratch + (size_t)omp_get_thread_num() * (size_t)V;
+        pd_sample_result *res = S->results + (size_t)i * (size_t)K1;
+        int na = 0;
+        int32_t tok = -1;
+        // Jacobi guesses come from the raw rows, before sampling transforms them.
+        int32_t pred[PD_SPEC_MAX_W];
+        if (sr->w)
+            for (int j = 0; j < sr->w; j++) pred[j] = pd_argmax(row + (size_t)(sr->k + j) * (size_t)V, V);
+        for (int j = 0; j <= sr->k; j++) {
+            float *lj = row + (size_t)j * (size_t)V;
+            if (j == sr->k) {
+                tok = pd_sampler_sample(r->sampler, lj, &res[j]);
+                pd_sampler_accept(r->sampler, tok);
+                break;
+            }
+            bool ok = false;
+            const float *q = sr->q ? sr->q + (size_t)j * (size_t)V : NULL;
+            tok = pd_sampler_verify(r->sampler, lj, sr->draft[j], q, scratch, &ok, &res[j]);
+            pd_sampler_accept(r->sampler, tok);
+            if (!ok) break;
+            sr->accepted[na++] = tok;
+        }
+        sb->outputs[i] = (pd_step_output){.token = tok, .n_accepted = na, .accepted = sr->accepted};
+        sb->results[i] = res[na];
+        if (sr->w) pd_spec_jacobi_step(&sr->jac, pred, sr->pool);
+    }
+    return PD_OK;
+}
+
+pd_status pd_engine_spec_run_plan(pd_engine *e, const pd_step_plan *plan, bool *handled) {
+    espec *S = e->spec;
+    *handled = false;
+    if (!S) return PD_OK;
+    S->last_valid = false;
+    if (!reserve_seqs(S, plan->n_seqs)) return PD_ERR_NOMEM;
+    sreq *tmp[256], **srs = plan->n_seqs <= 256 ? tmp : pd_malloc(sizeof(sreq *) * (size_t)plan->n_seqs);
+    if (!srs) return PD_ERR_NOMEM;
+    bool any = false, draft_work = false;
+    for (int i = 0; i < plan->n_seqs; i++) {
+        const pd_step_seq *s = &plan->seqs[i];
+        ereq *r = pd_engine_req_find(e, s->req_id);
+        sreq *sr = r ? r->spec : NULL;
+        srs[i] = sr;
+        S->kmax[i] = 0;
+        if (!sr) continue;
+        sr->k = sr->w = 0;
+        sr->q = NULL;
+        // Where the draft's KV stands: a first appearance mid-prompt (a prefix hit) has the hit's
+        // draft KV in the same blocks; one that starts decoding (a remote prefill) has none.
+        if (sr->draft_pos < 0) sr->draft_pos = is_decode(s, sr) ? 0 : s->pos_start;
+        if (s->pos_start < sr->draft_pos) sr->draft_pos = s->pos_start;  // preempted and recomputed
+        if (S->draft && !is_decode(s, sr) && sr->draft_pos < s->pos_start + s->n_tokens) draft_work = true;
+        if (s->n_lookahead <= 0 || !is_decode(s, sr)) continue;
+        int room = PD_MIN(s->n_lookahead, S->K);
+        if (S->method == PD_SPEC_DRAFT && s->pos_start + 1 - sr->draft_pos > CATCHUP_MAX) {
+            draft_work = true;  // too far behind: catch up first (chunked), draft later
+            room = 0;
+        }
+        S->kmax[i] = room;
+    }
+    if (S->method == PD_SPEC_NGRAM || S->method == PD_SPEC_LOOKAHEAD) propose_free(e, plan, srs);
+    choose_lengths(e, plan, srs);
+    for (int i = 0; i < plan->n_seqs; i++) {
+        any |= S->kch[i] > 0;
+        if (srs[i] && S->method != PD_SPEC_DRAFT) srs[i]->k = S->kch[i];
+    }
+    if (S->method == PD_SPEC_LOOKAHEAD) {
+        // The Jacobi window rides along while it is cheap: W extra tokens per sequence must cost
+        // under 10% of the step (always, with fixed lengths).
+        int n_base = plan->n_tokens, n_win = 0;
+        for (int i = 0; i < plan->n_seqs; i++) n_base -= plan->seqs[i].n_lookahead;
+        for (int i = 0; i < plan->n_seqs; i++) n_win += srs[i] && is_decode(&plan->seqs[i], srs[i]) && plan->seqs[i].n_lookahead > 0;
+        bool cheap = !S->adaptive || pd_spec_cost_predict(&S->cost, n_base + n_win * S->W) <= 1.1 * pd_spec_cost_predict(&S->cost, n_base);
+        for (int i = 0; cheap && i < plan->n_seqs; i++) {
+            sreq *sr = srs[i];
+            if (!sr || !is_decode(&plan->seqs[i], sr)) continue;
+            if (plan->seqs[i].n_lookahead - sr->k >= S->W) sr->w = S->W;
+            any |= sr->w > 0;
+        }
+    }
+    pd_status st = PD_OK;
+    if (S->draft && (any || draft_work)) {
+        st = run_draft(e, plan, srs);
+        if (st) goto out;
+    }
+    if (!any) goto out;  // the plain path runs the target (device sampling, graphs)
+    st = verify(e, plan, srs);
+    if (st) goto out;
+    *handled = true;
+    S->last_valid = true;
+    for (int i = 0; i < plan->n_seqs; i++) {
+        sreq *sr = srs[i];
+        if (!sr || sr->k == 0) continue;
+        const pd_step_output *o = &e->sb.outputs[i];
+        pd_spec_accept_update(&sr->acc, sr->k, o->n_accepted);
+        sr->n_drafted += sr->k;
+        sr->n_accepted += o->n_accepted;
+        sr->n_steps++;
+        S->drafted[S->method] += sr->k;
+        S->accepted[S->method] += o->n_accepted;
+        S->emitted[S->method] += o->n_accepted + 1;
+        S->steps[S->method]++;
+        // The draft's KV past the accepted tokens holds rejected drafts: cut it back.
+        sr->draft_pos = PD_MIN(sr->draft_pos, plan->seqs[i].pos_start + 1 + o->n_accepted);
+    }
+out:
+    S->n_steps++;
+    if (srs != tmp) pd_free(srs);
+    return st;
+}
+
+void pd_engine_spec_push_token(ereq *q, int32_t token) {
+    if (q->spec && token >= 0) (void)sreq_push(q->spec, token);  // OOM: proposals only see less
+}
+
+void pd_engine_spec_after_update(pd_engine *e, const pd_step_plan *plan, int64_t step_us, bool was_spec) {
+    espec *S = e->spec;
+    if (!S) return;
+    if (!was_spec) pd_spec_cost_observe(&S->cost, plan->n_tokens, (double)step_us);
+    // Next step's lookahead asks: what was chosen now, plus one to let it grow (and 1 when it was
+    // 0, for the probes); the Jacobi window always (only budget: unused slots cost no compute).
+    int extra = S->method == PD_SPEC_LOOKAHEAD ? S->W : 0;
+    for (int i = 0; i < plan->n_seqs && S->adaptive; i++) {
+        ereq *r = pd_engine_req_find(e, plan->seqs[i].req_id);
+        if (!r || !r->spec || r->spec->fixed_k || !is_decode(&plan->seqs[i], r->spec) || plan->seqs[i].n_lookahead <= 0)
+            continue;
+        int want = PD_MIN(S->K, S->kch[i] + 1);
+        (void)pd_sched_set_lookahead(e->sched, r->id, want + extra);
+    }
+}
+
+const char *pd_engine_spec_method_name(int m) { return pd_spec_method_name((pd_spec_method)m); }
+
+const pd_sample_result *pd_engine_spec_result(pd_engine *e, int seq_index, int out_index) {
+    espec *S = e->spec;
+    if (!S || !S->last_valid || seq_index < 0 || seq_index >= S->cap_res_seqs || out_index < 0 || out_index > S->K) return NULL;
+    return &S->results[(size_t)seq_index * (size_t)(S->K + 1) + (size_t)out_index];
+}
+
+void pd_engine_spec_fill_finished(pd_engine *e, const ereq *q, pd_engine_event *o) {
+    espec *S = e->spec;
+    if (!S || !q || !q->spec) return;
+    o->spec_method = S->method;
+    o->n_spec_drafted = (int)q->spec->n_drafted;
+    o->n_spec_accepted = (int)q->spec->n_accepted;
+    o->n_spec_steps = (int)q->spec->n_steps;
+}
+
+void pd_engine_spec_stats(pd_engine *e, pd_engine_stats *o) {
+    espec *S = e->spec;
+    if (!S) return;
+    o->spec_method = S->method;
+    memcpy(o->spec_drafted, S->drafted, sizeof o->spec_drafted);
+    memcpy(o->spec_accepted, S->accepted, sizeof o->spec_accepted);
+    memcpy(o->spec_emitted, S->emitted, sizeof o->spec_emitted);
+    memcpy(o->spec_steps, S->steps, sizeof o->spec_steps);
+}

@@ -1,0 +1,235 @@
+// spec.c — see spec.h.
+#include "spec/spec.h"
+
+#include <math.h>
+#include <string.h>
+
+static const char *const NAMES[PD_SPEC_N] = {"none", "draft", "ngram", "lookahead"};
+
+const char *pd_spec_method_name(pd_spec_method m) { return (unsigned)m < PD_SPEC_N ? NAMES[m] : "unknown"; }
+
+pd_status pd_spec_method_parse(const char *s, pd_spec_method *out) {
+    for (int i = 0; i < PD_SPEC_N; i++)
+        if (s && !strcmp(s, NAMES[i])) {
+            *out = (pd_spec_method)i;
+            return PD_OK;
+        }
+    return PD_ERR_INVALID;
+}
+
+// ---- n-gram prompt lookup ------------------------------------------------------------------------
+
+int pd_spec_ngram_propose(const int32_t *toks, int n_toks, int n_min, int n_max, int k, int32_t *out) {
+    if (k <= 0 || n_min < 1) return 0;
+    for (int n = PD_MIN(n_max, n_toks - 1); n >= n_min; n--) {
+        const int32_t *tail = toks + n_toks - n;
+        // Most recent earlier occurrence: its start i < n_toks - n, so at least one token follows.
+        for (int i = n_toks - n - 1; i >= 0; i--) {
+            if (memcmp(toks + i, tail, sizeof(int32_t) * (size_t)n)) continue;
+            int from = i + n, m = PD_MIN(k, n_toks - from);
+            memcpy(out, toks + from, sizeof(int32_t) * (size_t)m);
+            return m;
+        }
+    }
+    return 0;
+}
+
+// ---- lookahead pool ------------------------------------------------------------------------------
+// Open addressing over the key token; each key keeps its PER_KEY newest n-grams (newest first).
+// When the table is full the probe's last slot is overwritten: the pool is a cache of guesses.
+#define POOL_SLOTS 1024
+#define PER_KEY 4
+#define PROBE 8
+
+typedef struct pool_slot {
+    int32_t key;  // -1 = empty
+    int32_t n;
+    int32_t g[PER_KEY][PD_SPEC_MAX_N - 1];
+} pool_slot;
+
+struct pd_spec_pool {
+    int N, size;
+    pool_slot slots[POOL_SLOTS];
+};
+
+pd_spec_pool *pd_spec_pool_new(int N) {
+    if (N < 2 || N > PD_SPEC_MAX_N) return NULL;
+    pd_spec_pool *p = pd_malloc(sizeof *p);
+    if (!p) return NULL;
+    p->N = N;
+    p->size = 0;
+    for (int i = 0; i < POOL_SLOTS; i++) p->slots[i].key = -1, p->slots[i].n = 0;
+    return p;
+}
+
+void pd_spec_pool_free(pd_spec_pool *p) { pd_free(p); }
+
+static uint32_t key_hash(int32_t key) { return ((uint32_t)key * 2654435761u) >> 22; }  // 10 bits
+
+static pool_slot *pool_find(pd_spec_pool *p, int32_t key, bool create) {
+    uint32_t h = key_hash(key);
+    pool_slot *last = NULL;
+    for (int i = 0; i < PROBE; i++) {
+        pool_slot *s = &p->slots[(h + (uint32_t)i) & (POOL_SLOTS - 1)];
+        if (s->key == key) return s;
+        if (s->key < 0) {
+            if (!create) return NULL;
+            s->key = key;
+            s->n = 0;
+            return s;
+        }
+        last = s;
+    }
+    if (!create) return NULL;
+    p->size -= last->n;  // evict
+    last->key = key;
+    last->n = 0;
+    return last;
+}
+
+void pd_spec_pool_add(pd_spec_pool *p, const int32_t *g) {
+    if (g[0] < 0) return;
+    pool_slot *s = pool_find(p, g[0], true);
+    int L = p->N - 1, at = s->n < PER_KEY ? s->n : PER_KEY - 1;
+    for (int i = 0; i < s->n; i++)
+        if (!memcmp(s->g[i], g + 1, sizeof(int32_t) * (size_t)L)) {
+            at = i;  // already there: move it to the front
+            break;
+        }
+    if (at == s->n) {
+        s->n++;
+        p->size++;
+    }
+    memmove(s->g[1], s->g[0], sizeof s->g[0] * (size_t)at);
+    memcpy(s->g[0], g + 1, sizeof(int32_t) * (size_t)L);
+}
+
+int pd_spec_pool_propose(const pd_spec_pool *p, int32_t key, int k, int32_t *out) {
+    const pool_slot *s = pool_find((pd_spec_pool *)p, key, false);
+    if (!s || s->n == 0 || k <= 0) return 0;
+    int m = PD_MIN(k, p->N - 1);
+    memcpy(out, s->g[0], sizeof(int32_t) * (size_t)m);
+    return m;
+}
+
+int pd_spec_pool_size(const pd_spec_pool *p) { return p->size; }
+
+// ---- Jacobi window -------------------------------------------------------------------------------
+
+void pd_spec_jacobi_init(pd_spec_jacobi *j, int W, int N, const int32_t *ctx, int n_ctx) {
+    memset(j, 0, sizeof *j);
+    j->W = PD_MAX(1, PD_MIN(W, PD_SPEC_MAX_W));
+    j->N = PD_MAX(2, PD_MIN(N, PD_SPEC_MAX_N));
+    j->n_hist = 1;
+    for (int i = 0; i < j->W; i++) j->hist[0][i] = n_ctx > 0 ? ctx[(int64_t)i * 7919 % n_ctx] : 0;
+}
+
+const int32_t *pd_spec_jacobi_window(const pd_spec_jacobi *j) { return j->hist[j->n_hist - 1]; }
+
+void pd_spec_jacobi_step(pd_spec_jacobi *j, const int32_t *pred, pd_spec_pool *pool) {
+    int W = j->W, N = j->N;
+    if (j->n_hist == N - 1 + 1) {  // keep N - 1 past windows plus the new one
+        memmove(j->hist[0], j->hist[1], sizeof j->hist[0] * (size_t)(j->n_hist - 1));
+        j->n_hist--;
+    }
+    memcpy(j->hist[j->n_hist++], pred, sizeof(int32_t) * (size_t)W);
+    if (!pool || j->n_hist < N) return;
+    // Iteration t's window token i is followed, one iteration later, by the model's guess for the
+    // next position at i + 1 (given that very token): the diagonals are n-grams.
+    int32_t g[PD_SPEC_MAX_N];
+    for (int i = 0; i + N - 1 < W; i++) {
+        for (int d = 0; d < N; d++) g[d] = j->hist[d][i + d];
+        pd_spec_pool_add(pool, g);
+    }
+}
+
+// ---- adaptive length -----------------------------------------------------------------------------
+
+#define ACCEPT_DECAY 0.9
+#define ACCEPT_PRIOR_WEIGHT 2.0
+
+void pd_spec_accept_init(pd_spec_accept *a, double prior_alpha) {
+    a->s = ACCEPT_PRIOR_WEIGHT * prior_alpha;
+    a->f = ACCEPT_PRIOR_WEIGHT * (1 - prior_alpha);
+}
+
+void pd_spec_accept_update(pd_spec_accept *a, int n_drafted, int n_accepted) {
+    if (n_drafted <= 0) return;
+    a->s = ACCEPT_DECAY * a->s + n_accepted;
+    a->f = ACCEPT_DECAY * a->f + (n_accepted < n_drafted ? 1 : 0);
+}
+
+double pd_spec_accept_alpha(const pd_spec_accept *a) {
+    double t = a->s + a->f;
+    return t > 0 ? a->s / t : 0;
+}
+
+#define COST_DECAY 0.98
+
+void pd_spec_cost_init(pd_spec_cost *c, double step_us_prior) {
+    memset(c, 0, sizeof *c);
+    c->draft_us = -1;
+    // Optimistic prior (a memory-bound step: 1% more per extra token), weight 2: measured steps
+    // replace it within a few dozen steps. Optimism lets speculation run and be measured at all.
+    double a = step_us_prior > 0 ? step_us_prior : 1000;
+    for (int i = 0; i < 2; i++) {
+        double x = i == 0 ? 1 : 64, y = a * (1 + 0.01 * (x - 1));
+        c->w += 1, c->sx += x, c->sy += y, c->sxx += x * x, c->sxy += x * y;
+    }
+}
+
+void pd_spec_cost_observe(pd_spec_cost *c, int n_tokens, double us) {
+    if (n_tokens <= 0 || !(us > 0)) return;
+    double x = n_tokens;
+    c->w = COST_DECAY * c->w + 1;
+    c->sx = COST_DECAY * c->sx + x;
+    c->sy = COST_DECAY * c->sy + us;
+    c->sxx = COST_DECAY * c->sxx + x * x;
+    c->sxy = COST_DECAY * c->sxy + x * us;
+    c->n_obs++;
+}
+
+void pd_spec_cost_observe_draft(pd_spec_cost *c, double us) {
+    if (!(us > 0)) return;
+    c->draft_us = c->draft_us < 0 ? us : 0.8 * c->draft_us + 0.2 * us;
+}
+
+double pd_spec_cost_predict(const pd_spec_cost *c, int n_tokens) {
+    double mx = c->sx / c->w, my = c->sy / c->w;
+    double var = c->sxx / c->w - mx * mx, cov = c->sxy / c->w - mx * my;
+    double b = var > 1e-9 ? cov / var : 0;
+    if (b < 0) b = 0;  // more tokens never cost less
+    double a = my - b * mx;
+    double t = a + b * n_tokens;
+    double floor_us = my * 0.05;  // noise guard: a step is never predicted (near) free
+    return t > floor_us ? t : floor_us;
+}
+
+int pd_spec_choose(const pd_spec_cost *c, int n_base, int n_seqs, const double *alpha, const int *k_max,
+                   bool uses_draft, int *k) {
+    double draft_us = uses_draft ? (c->draft_us > 0 ? c->draft_us : 0) : 0;
+    int sum_k = 0, max_k = 0;
+    double tokens = n_seqs;  // each speculating sequence yields its target token anyway
+    for (int i = 0; i < n_seqs; i++) k[i] = 0;
+    double cost = pd_spec_cost_predict(c, n_base);
+    for (;;) {
+        // The sequence with the largest marginal gain alpha^(k+1).
+        int best = -1;
+        double gain = 0;
+        for (int i = 0; i < n_seqs; i++) {
+            if (k[i] >= k_max[i]) continue;
+            double g = pow(alpha[i], k[i] + 1);
+            if (g > gain) gain = g, best = i;
+        }
+        if (best < 0 || gain <= 0) break;
+        int nk = k[best] + 1;
+        double ncost = pd_spec_cost_predict(c, n_base + sum_k + 1) + (nk > max_k ? nk : max_k) * draft_us;
+        if ((tokens + gain) / ncost <= tokens / cost) break;  // does not pay: neither will the rest
+        k[best] = nk;
+        sum_k++;
+        if (nk > max_k) max_k = nk;
+        tokens += gain;
+        cost = ncost;
+    }
+    return sum_k;
+}

@@ -1,0 +1,107 @@
+// spec — the pure parts of speculative decoding: proposing draft tokens without a draft model
+// (n-gram prompt lookup; lookahead decoding's Jacobi window and n-gram pool) and choosing how many
+// tokens to speculate per request and step (an online step-cost model and a per-request acceptance
+// estimate). No I/O, clocks or device calls: time comes in as arguments, so it is unit-tested
+// exhaustively. The engine (engine/spec.c) runs the draft model, builds the verify batch and
+// applies the acceptance rule (model/sample.h: pd_sampler_verify).
+//
+// Methods:
+//   draft      a smaller model with the same tokenizer proposes k tokens autoregressively
+//   ngram      prompt lookup: the last n tokens (n_max down to n_min) matched earlier in prompt +
+//              output; the tokens that followed the most recent match are proposed
+//   lookahead  Fu et al. 2024, built on a causal (1-D) attention kernel: a Jacobi window of W
+//              guesses rides after the verify span in the same forward; each step is one Jacobi
+//              iteration of the window, and n-grams read along the diagonals of the last N-1
+//              iterations fill a per-request pool; the verify span is the pool's most recent
+//              n-gram that starts with the last token. See docs/design.md for what differs from
+//              the paper (no 2-D window, one candidate per step).
+#pragma once
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "base/base.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define PD_SPEC_MAX_K 16       // draft tokens per step at most
+#define PD_SPEC_MAX_W 16       // lookahead window at most
+#define PD_SPEC_MAX_N 8        // lookahead n-gram size at most
+
+typedef enum pd_spec_method {
+    PD_SPEC_NONE = 0,
+    PD_SPEC_DRAFT = 1,
+    PD_SPEC_NGRAM = 2,
+    PD_SPEC_LOOKAHEAD = 3,
+    PD_SPEC_N = 4,
+} pd_spec_method;
+const char *pd_spec_method_name(pd_spec_method m);  // "none", "draft", "ngram", "lookahead"
+// PD_OK or PD_ERR_INVALID for an unknown name.
+pd_status pd_spec_method_parse(const char *s, pd_spec_method *out);
+
+// ---- n-gram prompt lookup ------------------------------------------------------------------------
+// Finds the most recent earlier occurrence of toks' last n tokens, n from n_max down to n_min, and
+// copies up to k tokens that followed it into out. Returns how many (0: no match).
+int pd_spec_ngram_propose(const int32_t *toks, int n_toks, int n_min, int n_max, int k, int32_t *out);
+
+// ---- lookahead: n-gram pool and Jacobi window ----------------------------------------------------
+typedef struct pd_spec_pool pd_spec_pool;
+// N: n-gram size (2..PD_SPEC_MAX_N): a key token and N-1 continuation tokens. NULL on OOM.
+pd_spec_pool *pd_spec_pool_new(int N);
+void pd_spec_pool_free(pd_spec_pool *p);
+// Adds the n-gram g[0..N) (the newest entry for its key; duplicates move to the front).
+void pd_spec_pool_add(pd_spec_pool *p, const int32_t *g);
+// The newest n-gram starting with key: copies up to k of its N-1 continuation tokens to out.
+int pd_spec_pool_propose(const pd_spec_pool *p, int32_t key, int k, int32_t *out);
+int pd_spec_pool_size(const pd_spec_pool *p);  // n-grams held
+
+typedef struct pd_spec_jacobi {
+    int W, N;                                  // window width, n-gram size
+    int n_hist;                                // iterations kept (<= N - 1)
+    int32_t hist[PD_SPEC_MAX_N][PD_SPEC_MAX_W];  // hist[n_hist - 1] is the current window
+} pd_spec_jacobi;
+// Seeds the window with W tokens of ctx (spread over it; the paper starts from random tokens).
+void pd_spec_jacobi_init(pd_spec_jacobi *j, int W, int N, const int32_t *ctx, int n_ctx);
+const int32_t *pd_spec_jacobi_window(const pd_spec_jacobi *j);  // (W) current guesses
+// One Jacobi iteration: pred[0] is the model's next token at the row before the window, pred[i]
+// (1..W) the one at the row of window token i-1. The new window is pred[0..W); n-grams read along
+// the diagonals of the kept iterations (token i of iteration t, token i+1 of t+1, ...) go into pool.
+void pd_spec_jacobi_step(pd_spec_jacobi *j, const int32_t *pred, pd_spec_pool *pool);
+
+// ---- adaptive length (DISCO-like) ----------------------------------------------------------------
+// Per-request acceptance: the per-token acceptance probability alpha of a geometric model (each
+// draft accepted with alpha given the previous were), estimated with exponential forgetting:
+// successes = accepted drafts, failures = rejections.
+typedef struct pd_spec_accept {
+    double s, f;
+} pd_spec_accept;
+void pd_spec_accept_init(pd_spec_accept *a, double prior_alpha);
+void pd_spec_accept_update(pd_spec_accept *a, int n_drafted, int n_accepted);
+double pd_spec_accept_alpha(const pd_spec_accept *a);
+
+// Step cost: time of a target forward as a + b * tokens (exponentially weighted least squares over
+// measured steps, started from an optimistic prior that decays away), plus the time of one draft
+// forward (EMA). Microseconds.
+typedef struct pd_spec_cost {
+    double w, sx, sy, sxx, sxy;  // weighted sums
+    double draft_us;             // one draft forward; < 0 until measured
+    int64_t n_obs;
+} pd_spec_cost;
+void pd_spec_cost_init(pd_spec_cost *c, double step_us_prior);
+void pd_spec_cost_observe(pd_spec_cost *c, int n_tokens, double us);
+void pd_spec_cost_observe_draft(pd_spec_cost *c, double us);
+double pd_spec_cost_predict(const pd_spec_cost *c, int n_tokens);
+
+// Chooses k[i] in 0..k_max[i] for the n_seqs speculating sequences of a step whose other work is
+// n_base tokens (one per decode plus prefill chunks), maximising expected tokens per unit of time:
+// sequence i yields 1 + sum_{j=1..k} alpha_i^j tokens, the step costs predict(n_base + sum k)
+// + (max k) * draft_us (draft forwards run for the whole batch; 0 without a draft model).
+// Greedy on the marginal gain alpha_i^(k+1) (decreasing in k, so greedy is optimal for a fixed
+// number of draft forwards); a token is added only if it raises tokens/time. Returns sum k.
+int pd_spec_choose(const pd_spec_cost *c, int n_base, int n_seqs, const double *alpha, const int *k_max,
+                   bool uses_draft, int *k);
+
+#ifdef __cplusplus
+}
+#endif

@@ -1,0 +1,317 @@
+// Speculative decoding's pure parts (spec/spec.h) and the acceptance rule (model/sample.h):
+//   * n-gram prompt lookup, the lookahead pool and Jacobi window, the acceptance estimate, the
+//     step-cost model and the length choice (it must switch speculation off when steps cost in
+//     proportion to their tokens, and use it when they are flat);
+//   * the rejection sampler: over many seeds, the first token of speculative sampling (draft
+//     distribution q, acceptance rule, residual) follows the target's distribution p as plain
+//     sampling does (chi-square), for draft-model and draft-free proposals, with temperature,
+//     top-k, top-p and penalties; and the test catches a deliberately broken rule.
+#include <math.h>
+
+#include "model/sample.h"
+#include "spec/spec.h"
+#include "test.h"
+
+PD_TEST(ngram_lookup) {
+    int32_t t[] = {5, 6, 7, 8, 9, 5, 6, 7, 1, 2, 5, 6, 7};
+    int32_t out[8];
+    // Last 3 tokens (5 6 7): most recent earlier match at 5, followed by 1 2 5 6.
+    PD_CHECK_EQ(pd_spec_ngram_propose(t, 13, 1, 3, 4, out), 4);
+    PD_CHECK(out[0] == 1 && out[1] == 2 && out[2] == 5 && out[3] == 6);
+    // k larger than what follows: only what is there.
+    int32_t u[] = {3, 4, 3};
+    PD_CHECK_EQ(pd_spec_ngram_propose(u, 3, 1, 2, 5, out), 2);
+    PD_CHECK(out[0] == 4 && out[1] == 3);
+    int32_t v[] = {1, 2, 3, 4};
+    PD_CHECK_EQ(pd_spec_ngram_propose(v, 4, 1, 3, 4, out), 0);  // no repetition: nothing
+    PD_CHECK_EQ(pd_spec_ngram_propose(v, 1, 1, 3, 4, out), 0);
+    PD_CHECK_EQ(pd_spec_ngram_propose(t, 13, 1, 3, 0, out), 0);
+    // min length respected: 2-gram (9 9) absent, 1-gram would match but min is 2.
+    int32_t w[] = {9, 1, 9};
+    PD_CHECK_EQ(pd_spec_ngram_propose(w, 3, 2, 3, 2, out), 0);
+    PD_CHECK_EQ(pd_spec_ngram_propose(w, 3, 1, 3, 2, out), 2);
+}
+
+PD_TEST(lookahead_pool_and_jacobi) {
+    pd_spec_pool *p = pd_spec_pool_new(3);
+    PD_REQUIRE(p);
+    int32_t out[4];
+    PD_CHECK_EQ(pd_spec_pool_propose(p, 7, 2, out), 0);
+    int32_t g1[] = {7, 1, 2}, g2[] = {7, 3, 4};
+    pd_spec_pool_add(p, g1);
+    pd_spec_pool_add(p, g2);
+    PD_CHECK_EQ(pd_spec_pool_size(p), 2);
+    PD_CHECK_EQ(pd_spec_pool_propose(p, 7, 5, out), 2);  // newest first
+    PD_CHECK(out[0] == 3 && out[1] == 4);
+    pd_spec_pool_add(p, g1);  // a duplicate moves to the front, not in twice
+    PD_CHECK_EQ(pd_spec_pool_size(p), 2);
+    PD_CHECK_EQ(pd_spec_pool_propose(p, 7, 1, out), 1);
+    PD_CHECK_EQ(out[0], 1);
+    // Many keys: the table evicts, never grows past its slots, never crashes.
+    for (int32_t k = 0; k < 100000; k++) {
+        int32_t g[] = {k, k + 1, k + 2};
+        pd_spec_pool_add(p, g);
+    }
+    PD_CHECK(pd_spec_pool_size(p) <= 1024 * 4);
+    PD_CHECK_EQ(pd_spec_pool_propose(p, 99999, 2, out), 2);
+    PD_CHECK(out[0] == 100000 && out[1] == 100001);
+    pd_spec_pool_free(p);
+
+    // Jacobi on a "model" whose next token is prev + 1: after N - 1 iterations the diagonals are
+    // exact n-grams (t, t+1, t+2) of the model, and the pool proposes the model's continuation.
+    pd_spec_pool *pool = pd_spec_pool_new(3);
+    pd_spec_jacobi j;
+    int32_t ctx[] = {50, 60, 70, 80};
+    pd_spec_jacobi_init(&j, 5, 3, ctx, 4);
+    int32_t last = 10;
+    for (int it = 0; it < 6; it++) {
+        const int32_t *win = pd_spec_jacobi_window(&j);
+        int32_t pred[5];
+        pred[0] = last + 1;
+        for (int i = 1; i < 5; i++) pred[i] = win[i - 1] + 1;
+        pd_spec_jacobi_step(&j, pred, pool);
+    }
+    const int32_t *win = pd_spec_jacobi_window(&j);
+    for (int i = 0; i < 5; i++) PD_CHECK_EQ(win[i], 11 + i);  // converged: the fixed point
+    PD_CHECK_EQ(pd_spec_pool_propose(pool, 12, 2, out), 2);
+    PD_CHECK(out[0] == 13 && out[1] == 14);
+    pd_spec_pool_free(pool);
+}
+
+PD_TEST(acceptance_estimate) {
+    pd_spec_accept a;
+    pd_spec_accept_init(&a, 0.5);
+    PD_CHECK_NEAR(pd_spec_accept_alpha(&a), 0.5, 1e-12);
+    for (int i = 0; i < 100; i++) pd_spec_accept_update(&a, 4, 4);  // always all accepted
+    PD_CHECK(pd_spec_accept_alpha(&a) > 0.99);
+    for (int i = 0; i < 100; i++) pd_spec_accept_update(&a, 4, 0);  // always rejected at once
+    PD_CHECK(pd_spec_accept_alpha(&a) < 0.01);
+    for (int i = 0; i < 200; i++) pd_spec_accept_update(&a, 4, i % 2 ? 3 : 4);  // 7 of 8, one failure per 2
+    PD_CHECK_NEAR(pd_spec_accept_alpha(&a), 7.0 / 8.0, 0.02);
+    pd_spec_accept_update(&a, 0, 0);  // nothing drafted: no information
+}
+
+PD_TEST(cost_model_and_choice) {
+    // Flat steps (memory-bound GPU decode): speculation pays at high acceptance, up to k_max.
+    pd_spec_cost c;
+    pd_spec_cost_init(&c, 1000);
+    for (int i = 0; i < 200; i++) pd_spec_cost_observe(&c, 1 + i % 40, 1000 + 2.0 * (1 + i % 40));
+    PD_CHECK_NEAR(pd_spec_cost_predict(&c, 1), 1002, 5);
+    PD_CHECK_NEAR(pd_spec_cost_predict(&c, 33), 1066, 5);
+    double alpha[4] = {0.8, 0.8, 0.1, 0.0};
+    int km[4] = {5, 5, 5, 5}, k[4];
+    pd_spec_choose(&c, 4, 4, alpha, km, false, k);
+    PD_CHECK(k[0] == 5 && k[1] == 5);
+    PD_CHECK_EQ(k[3], 0);  // never accepted: never drafted
+    // Proportional steps (compute-bound: every token costs as much as a plain step's token):
+    // a draft token pays only if it is accepted more than ... never at batch 64.
+    pd_spec_cost_init(&c, 1000);
+    for (int i = 0; i < 300; i++) pd_spec_cost_observe(&c, 8 + i % 64, 100.0 * (8 + i % 64));
+    double a64[64];
+    int km64[64], k64[64];
+    for (int i = 0; i < 64; i++) a64[i] = 0.7, km64[i] = 4;
+    PD_CHECK_EQ(pd_spec_choose(&c, 64, 64, a64, km64, false, k64), 0);
+    // A draft model whose forward costs as much as a target step kills speculation at alpha 0.5.
+    pd_spec_cost_init(&c, 1000);
+    for (int i = 0; i < 200; i++) pd_spec_cost_observe(&c, 1 + i % 8, 1000);
+    pd_spec_cost_observe_draft(&c, 1000);
+    double a1[1] = {0.5};
+    int km1[1] = {4}, k1[1];
+    PD_CHECK_EQ(pd_spec_choose(&c, 1, 1, a1, km1, true, k1), 0);
+    pd_spec_cost_observe_draft(&c, 1);  // a cheap draft (EMA: converges)
+    for (int i = 0; i < 50; i++) pd_spec_cost_observe_draft(&c, 10);
+    a1[0] = 0.9;
+    PD_CHECK(pd_spec_choose(&c, 1, 1, a1, km1, true, k1) >= 3);
+}
+
+PD_TEST(method_names) {
+    pd_spec_method m;
+    PD_CHECK_EQ(pd_spec_method_parse("lookahead", &m), PD_OK);
+    PD_CHECK_EQ(m, PD_SPEC_LOOKAHEAD);
+    PD_CHECK_STR(pd_spec_method_name(PD_SPEC_NGRAM), "ngram");
+    PD_CHECK_EQ(pd_spec_method_parse("medusa", &m), PD_ERR_INVALID);
+}
+
+// ---- the acceptance rule, statistically --------------------------------------------------------------
+
+#define SV 12  // vocabulary of the synthetic distributions
+
+// Target and draft logits that differ a lot (the draft likes token 0, the target token 5).
+static void target_logits(float *l) {
+    for (int i = 0; i < SV; i++) l[i] = (float)(-0.15 * (i - 5) * (i - 5));
+}
+static void draft_logits(float *l) {
+    for (int i = 0; i < SV; i++) l[i] = (float)(-0.3 * i);
+}
+
+// Chi-square statistic of counts against the expected probabilities (bins with expectation < 5
+// merged into one).
+static double chi_square(const int *count, const double *p, int n_bins, int n) {
+    double chi = 0, rest_o = 0, rest_e = 0;
+    for (int i = 0; i < n_bins; i++) {
+        double e = p[i] * n;
+        if (e < 5) {
+            rest_o += count[i];
+            rest_e += e;
+            continue;
+        }
+        chi += (count[i] - e) * (count[i] - e) / e;
+    }
+    if (rest_e > 0) chi += (rest_o - rest_e) * (rest_o - rest_e) / rest_e;
+    return chi;
+}
+
+typedef enum { PROP_DRAFT, PROP_FIXED } prop_kind;
+
+// First two output tokens of speculative sampling with k = 2 drafts, over n seeds; pairs binned
+// (t0 * SV + t1). The exact distribution: p(t0) p(t1 | t0) where the target here is context-free
+// except for penalties (presence penalty on t0 changes the second position's distribution).
+static void spec_first_tokens(const pd_sampling_params *base, prop_kind kind, int n, int *count) {
+    float scratch[SV], q[2][SV], l[SV];
+    for (int s = 0; s < n; s++) {
+        pd_sampling_params sp = *base;
+        sp.seed = (uint64_t)s * 7919 + 13;
+        sp.has_seed = true;
+        pd_sampler *smp = pd_sampler_new(&sp, SV);
+        int32_t d[2];
+        for (int j = 0; j < 2; j++) {
+            if (kind == PROP_DRAFT) {
+                draft_logits(l);
+                d[j] = pd_sampler_draft(smp, l, j, q[j]);
+            } else {
+                d[j] = j == 0 ? 4 : 6;  // a fixed (n-gram style) proposal: point mass
+            }
+        }
+        int32_t out[2];
+        int na = 0;
+        for (int j = 0; j < 2; j++) {
+            target_logits(l);
+            bool ok = false;
+            out[j] = pd_sampler_verify(smp, l, d[j], kind == PROP_DRAFT ? q[j] : NULL, scratch, &ok, NULL);
+            pd_sampler_accept(smp, out[j]);
+            if (!ok) break;
+            na++;
+        }
+        if (na == 2) {
+            // Both accepted: there is nothing else to compare; the pair is (d0, d1).
+        } else if (na == 1) {
+            // out[1] is the correction at position 1.
+        } else {
+            // Rejected at position 0: position 1 is a plain sample (the next step's).
+            target_logits(l);
+            out[1] = pd_sampler_sample(smp, l, NULL);
+        }
+        count[out[0] * SV + out[1]]++;
+        pd_sampler_free(smp);
+    }
+}
+
+// Plain sampling's exact pair distribution, computed with the sampler's own processed
+// distributions (pd_sampler_probs) so penalties and filters are taken into account.
+static void exact_pairs(const pd_sampling_params *base, double *p2) {
+    float l[SV], p0[SV], p1[SV];
+    pd_sampler *smp = pd_sampler_new(base, SV);
+    target_logits(l);
+    pd_sampler_probs(smp, l, p0);
+    pd_sampler_free(smp);
+    for (int a = 0; a < SV; a++) {
+        pd_sampler *s2 = pd_sampler_new(base, SV);
+        pd_sampler_accept(s2, a);
+        target_logits(l);
+        pd_sampler_probs(s2, l, p1);
+        for (int b = 0; b < SV; b++) p2[a * SV + b] = (double)p0[a] * p1[b];
+        pd_sampler_free(s2);
+    }
+}
+
+// chi-square critical value at p = 0.001 for df degrees of freedom (Wilson-Hilferty).
+static double chi_crit(int df) {
+    double z = 3.09, h = 2.0 / (9.0 * df);
+    double x = 1 - h + z * sqrt(h);
+    return df * x * x * x;
+}
+
+static int nonzero_bins(const double *p, int n, int n_draws) {
+    int k = 0, small = 0;
+    for (int i = 0; i < n; i++) {
+        if (p[i] * n_draws >= 5) k++;
+        else if (p[i] > 0) small = 1;
+    }
+    return k + small;
+}
+
+static double run_stat(const pd_sampling_params *sp, prop_kind kind, int n, double *crit) {
+    static int count[SV * SV];
+    static double p2[SV * SV];
+    memset(count, 0, sizeof count);
+    spec_first_tokens(sp, kind, n, count);
+    exact_pairs(sp, p2);
+    int df = nonzero_bins(p2, SV * SV, n) - 1;
+    *crit = chi_crit(df);
+    return chi_square(count, p2, SV * SV, n);
+}
+
+PD_TEST(rejection_sampling_matches_target_distribution) {
+    const int n = 40000;
+    struct {
+        float temperature, top_p, presence;
+        int top_k;
+        prop_kind kind;
+        const char *name;
+    } cases[] = {
+        {1.0f, 1.0f, 0.0f, 0, PROP_DRAFT, "draft model, T=1"},
+        {0.7f, 1.0f, 0.0f, 0, PROP_DRAFT, "draft model, T=0.7"},
+        {1.0f, 0.9f, 0.0f, 6, PROP_DRAFT, "draft model, top-k 6, top-p 0.9"},
+        {1.0f, 1.0f, 1.5f, 0, PROP_DRAFT, "draft model, presence penalty"},
+        {1.0f, 1.0f, 0.0f, 0, PROP_FIXED, "draft-free proposal (point mass)"},
+        {1.2f, 0.95f, 0.8f, 0, PROP_FIXED, "draft-free, T=1.2, top-p, penalty"},
+    };
+    for (size_t c = 0; c < PD_ARRAY_LEN(cases); c++) {
+        pd_sampling_params sp = pd_sampling_params_default();
+        sp.temperature = cases[c].temperature;
+        sp.top_p = cases[c].top_p;
+        sp.top_k = cases[c].top_k;
+        sp.presence_penalty = cases[c].presence;
+        double crit, chi = run_stat(&sp, cases[c].kind, n, &crit);
+        printf("  %-40s chi2 %.1f (critical at p=0.001: %.1f)\n", cases[c].name, chi, crit);
+        PD_CHECK_MSG(chi < crit, "%s: speculative sampling deviates from the target: chi2 %.1f >= %.1f", cases[c].name, chi, crit);
+        // The broken rule (resample from p on rejection) must be caught by the same test.
+        pd_sampler_debug_break_spec(true);
+        double crit_b, chi_b = run_stat(&sp, cases[c].kind, n, &crit_b);
+        pd_sampler_debug_break_spec(false);
+        printf("  %-40s broken rule: chi2 %.1f\n", "", chi_b);
+        PD_CHECK_MSG(chi_b > crit_b, "%s: the broken acceptance rule went undetected (chi2 %.1f < %.1f)", cases[c].name, chi_b, crit_b);
+    }
+}
+
+PD_TEST(speculative_sampling_is_reproducible_and_greedy_exact) {
+    float l[SV], q[SV], scratch[SV];
+    pd_sampling_params sp = pd_sampling_params_default();
+    sp.seed = 42;
+    sp.has_seed = true;
+    int32_t first[2][8];
+    for (int rep = 0; rep < 2; rep++) {
+        pd_sampler *s = pd_sampler_new(&sp, SV);
+        for (int i = 0; i < 8; i++) {
+            draft_logits(l);
+            int32_t d = pd_sampler_draft(s, l, 0, q);
+            target_logits(l);
+            bool ok;
+            first[rep][i] = pd_sampler_verify(s, l, d, q, scratch, &ok, NULL);
+            pd_sampler_accept(s, first[rep][i]);
+        }
+        pd_sampler_free(s);
+    }
+    PD_CHECK(!memcmp(first[0], first[1], sizeof first[0]));  // a pure function of (seed, position)
+    // Greedy: the target's argmax whatever the draft; accepted iff equal.
+    sp.temperature = 0;
+    pd_sampler *g = pd_sampler_new(&sp, SV);
+    bool ok;
+    target_logits(l);
+    PD_CHECK_EQ(pd_sampler_verify(g, l, 3, NULL, scratch, &ok, NULL), 5);
+    PD_CHECK(!ok);
+    target_logits(l);
+    PD_CHECK_EQ(pd_sampler_verify(g, l, 5, NULL, scratch, &ok, NULL), 5);
+    PD_CHECK(ok);
+    pd_sampler_free(g);
+}
