@@ -274,6 +274,18 @@ static void mirror(pd_metric *c, double total) {
     if (d > 0) pd_metric_inc(c, d);
 }
 
+// The KV connector's counters: name, help (the order of pd_engine_stats' n_kv_auth_failures..).
+static const char *const KVCONN_METRICS[8][2] = {
+    {"pdserve_kv_auth_failures_total", "KV peers that did not prove the shared secret (disconnected, told nothing)."},
+    {"pdserve_kv_protocol_errors_total", "KV connections closed for a malformed or out-of-bounds frame."},
+    {"pdserve_kv_connections_accepted_total", "KV connections accepted by this prefill worker."},
+    {"pdserve_kv_slow_peer_drops_total", "KV sends refused or connections closed because the peer did not read."},
+    {"pdserve_kv_fenced_total", "KV loads failed only after their writer was fenced off."},
+    {"pdserve_kv_peers_refused_total", "Decode KV pools refused (announced size or handle did not check out)."},
+    {"pdserve_kv_saves_layerwise_total", "KV exports whose layers shipped while later layers computed."},
+    {"pdserve_kv_saves_failed_total", "KV prefill requests refused or failed (PREFILL_FAIL sent)."},
+};
+
 static void refresh_engine_metrics(pd_api *a) {
     pd_engine_stats s;
     memset(&s, 0, sizeof s);
@@ -304,6 +316,9 @@ static void refresh_engine_metrics(pd_api *a) {
     mirror(a->m.export_bytes, s.n_kv_export_bytes);
     mirror(a->m.export_copy_seconds, (double)s.kv_export_copy_us_total / 1e6);
     pd_metric_set(a->m.prefill_healthy, pd_engine_n_prefill_healthy(a->engine));
+    int64_t kvc[8] = {s.n_kv_auth_failures, s.n_kv_proto_errors, s.n_kv_conns_accepted, s.n_kv_slow_peer_drops,
+                      s.n_kv_fenced, s.n_kv_peers_refused, s.n_kv_saves_layerwise, s.n_kv_saves_failed};
+    for (int i = 0; i < 8; i++) mirror(a->m.kvconn[i], (double)kvc[i]);
     for (int k = 1; k < PD_ENGINE_SPEC_N; k++) {
         mirror(a->m.spec_drafted[k], s.spec_drafted[k]);
         mirror(a->m.spec_accepted[k], s.spec_accepted[k]);
@@ -402,6 +417,7 @@ static pd_status register_metrics(pd_api *a, pd_err *err) {
     C(export_bytes, "pdserve_kv_export_bytes_total", "KV bytes this prefill worker wrote into decode pools.", NULL);
     C(export_copy_seconds, "pdserve_kv_export_copy_seconds_total", "Time spent copying exported KV, summed.", NULL);
     G(prefill_healthy, "pdserve_kv_prefill_workers_healthy", "Prefill workers this decode worker is connected to.");
+    for (int i = 0; i < 8; i++) C(kvconn[i], KVCONN_METRICS[i][0], KVCONN_METRICS[i][1], NULL);
     // Speculative decoding, by method (zero without it).
     for (int k = 1; k < PD_ENGINE_SPEC_N; k++) {
         char l[64];

@@ -26,7 +26,8 @@ static void usage(void) {
            "  --worker URL             a worker (role both); repeatable\n"
            "  --prefill URL            a prefill worker; repeatable\n"
            "  --decode URL             a decode worker; repeatable\n"
-           "  --auth-token-file F      bearer token required by POST /internal/register\n"
+           "  --auth-token-file F      bearer token required by POST /internal/register and /deregister\n"
+           "                           (without it both are refused)\n"
            "  --routing kv|load|round-robin|random   (default kv)\n"
            "  --slo-ttft-ms N          default TTFT SLO for admission (0 = none)\n"
            "  --slo-tpot-ms N          default TPOT SLO for admission (0 = none)\n"
@@ -199,5 +200,6 @@ out:
     pd_free(token);
     pd_free(qos);
     pd_trace_shutdown();
+    if (rc == 0) fprintf(stderr, "pdserve router: stopped\n");
     return rc;
 }

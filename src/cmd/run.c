@@ -45,6 +45,7 @@
 #include "backend/backend.h"
 #include "cmd/cmd.h"
 #include "http/client.h"
+#include "xfer/auth.h"
 
 int pd_cmd_run_colocated(int argc, char **argv);  // serve.c
 
@@ -529,21 +530,29 @@ int pd_cmd_run(int argc, char **argv) {
     }
     ports_format(&ps, &r, kvp);
 
-    char *pa[24 + MAX_FWD] = {"pdserve", "serve", "--role", "prefill", "--model", (char *)model, "--device", (char *)dev,
+    // One fresh secret for the children (KV HMAC, router registration): 0600 in a private dir.
+    char tok_dir[] = "/tmp/pdserve-run-XXXXXX", tok[64];
+    pd_err terr = {0};
+    if (!mkdtemp(tok_dir) || (snprintf(tok, sizeof tok, "%s/auth-token", tok_dir), pd_auth_write_new(tok, &terr))) {
+        fprintf(stderr, "pdserve run: cannot create the auth token: %s\n", terr.msg[0] ? terr.msg : strerror(errno));
+        return 1;
+    }
+    char *pa[26 + MAX_FWD] = {"pdserve", "serve", "--role", "prefill", "--model", (char *)model, "--device", (char *)dev,
                               "--host", "127.0.0.1", "--port", ps.p_port, "--kv-port", ps.kv_port, "--threads",
-                              (char *)threads, "--shutdown-timeout", (char *)sdt};
-    char *da[28 + MAX_FWD] = {"pdserve", "serve", "--role", "decode", "--model", (char *)model, "--device", (char *)dev,
+                              (char *)threads, "--shutdown-timeout", (char *)sdt, "--auth-token-file", tok};
+    char *da[30 + MAX_FWD] = {"pdserve", "serve", "--role", "decode", "--model", (char *)model, "--device", (char *)dev,
                               "--host", "127.0.0.1", "--port", ps.d_port, "--prefill", ps.kv_addr, "--kv-transport",
                               (char *)transport, "--disagg-min-tokens", (char *)min_tokens, "--threads", (char *)threads,
-                              "--shutdown-timeout", (char *)sdt};
-    for (int i = 0; i < n_fwd; i++) pa[18 + i] = da[22 + i] = fwd[i];
-    char *ra[16] = {"pdserve", "router", "--host", (char *)(host ? host : "127.0.0.1"), "--port", ps.r_port,
-                    "--decode", ps.d_url, "--prefill", ps.p_url, "--shutdown-timeout", (char *)sdt, NULL};
+                              "--shutdown-timeout", (char *)sdt, "--auth-token-file", tok};
+    for (int i = 0; i < n_fwd; i++) pa[20 + i] = da[24 + i] = fwd[i];
+    char *ra[18] = {"pdserve", "router", "--host", (char *)(host ? host : "127.0.0.1"), "--port", ps.r_port,
+                    "--decode", ps.d_url, "--prefill", ps.p_url, "--shutdown-timeout", (char *)sdt,
+                    "--auth-token-file", tok, NULL};
     for (int i = 0; i + 1 < n_fwd; i++)  // the router traces too (one file per process)
         if (!strcmp(fwd[i], "--trace-dir")) {
-            ra[12] = "--trace-dir";
-            ra[13] = fwd[i + 1];
-            ra[14] = NULL;
+            ra[14] = "--trace-dir";
+            ra[15] = fwd[i + 1];
+            ra[16] = NULL;
             break;
         }
     r.cs[C_PREFILL].argv = pa;
@@ -629,5 +638,7 @@ out:
     if (r.sigchld) event_free(r.sigchld);
     if (r.tick) event_free(r.tick);
     event_base_free(r.base);
+    unlink(tok);
+    rmdir(tok_dir);
     return rc;
 }

@@ -24,6 +24,7 @@
 #include "http/client.h"
 #include "spec/spec.h"
 #include "wire/control.h"
+#include "xfer/auth.h"
 
 typedef struct serve_opts {
     pd_engine_params ep;
@@ -33,6 +34,8 @@ typedef struct serve_opts {
     int sample_max_tokens;
     const char *router_url;       // --router: register with this router (and deregister at exit)
     const char *router_token_file;
+    const char *auth_token_file;  // --auth-token-file: the KV connections' shared secret (and the
+                                  // router registration token when --router-token-file is absent)
     const char *advertise_url;    // the URL the router should use for us (default http://host:port)
     const char *trace_dir;        // --trace-dir: Chrome trace files of request spans (metrics/trace.h)
     bool spec_method_set;         // --speculative-method was given
@@ -72,6 +75,7 @@ static void serve_usage(bool is_run) {
            "  --block-size N                tokens per KV block (default 16)\n"
            "  --num-kv-blocks N             KV cache size in blocks\n"
            "  --kv-cache-memory BYTES       KV cache size in bytes (k/M/G suffixes)\n"
+           "  --kv-cache-dtype auto|fp8     KV cache format: the activation dtype, or E4M3 with per-head scales\n"
            "  --max-num-seqs N              running sequences per step\n"
            "  --max-num-batched-tokens N    token budget per step (default 2048)\n"
            "  --no-prefix-caching           disable automatic prefix caching\n"
@@ -97,7 +101,10 @@ static void serve_usage(bool is_run) {
            "  --kv-transport tcp|shm|cuda-ipc|nccl  decode role (default shm on cpu, cuda-ipc on cuda)\n"
            "  --disagg-min-tokens N         prefill locally below N uncached prompt tokens (default 64)\n"
            "  --disagg-timeout-ms N         fall back to local prefill after N ms (default 30000)\n"
+           "  --auth-token-file F           shared secret (mode 0600) every KV connection proves (HMAC);\n"
+           "                                required for --role prefill and --role decode\n"
            "  --debug-corrupt-kv N          test hook: corrupt every Nth KV transfer (prefill role)\n"
+           "  --debug-kv-pause STEP         test hook: stop at hello_ack|mid_slab|before_done (prefill role)\n"
            "speculative decoding (roles both and decode; exact: greedy output is unchanged):\n"
            "  --speculative-method M        none (default), draft, ngram (prompt lookup) or lookahead (Jacobi + n-gram pool)\n"
            "  --speculative-model DIR       draft model (same tokenizer as --model); implies --speculative-method draft\n"
@@ -116,7 +123,7 @@ static int parse_flags(int argc, char **argv, serve_opts *o) {
     enum { O_MODEL = 1, O_HOST, O_PORT, O_DEV, O_BS, O_NB, O_KVMEM, O_SEQS, O_TOKS, O_NOPC, O_NOCP, O_POL, O_MML,
            O_NAME, O_LF, O_WAIT, O_BODY, O_EXIT, O_ROLE, O_KVHOST, O_KVPORT, O_PREFILL, O_KVTR, O_DMIN, O_DTO,
            O_CORRUPT, O_ROUTER, O_RTOKEN, O_ADV, O_SPEC_MODEL, O_SPEC_K, O_SPEC_METHOD, O_SPEC_FIXED, O_LA_W, O_LA_N,
-           O_NGRAM_MAX, O_THREADS, O_SDT, O_MAXCONN, O_KATO, O_HDRTO, O_TRACE, O_HELP };
+           O_NGRAM_MAX, O_THREADS, O_SDT, O_MAXCONN, O_KATO, O_HDRTO, O_TRACE, O_AUTH, O_KVPAUSE, O_KVDT, O_HELP };
     static const struct option opts[] = {
         {"model", required_argument, 0, O_MODEL}, {"host", required_argument, 0, O_HOST},
         {"port", required_argument, 0, O_PORT}, {"device", required_argument, 0, O_DEV},
@@ -140,6 +147,8 @@ static int parse_flags(int argc, char **argv, serve_opts *o) {
         {"lookahead-window", required_argument, 0, O_LA_W}, {"lookahead-ngram", required_argument, 0, O_LA_N},
         {"ngram-max", required_argument, 0, O_NGRAM_MAX},
         {"threads", required_argument, 0, O_THREADS}, {"shutdown-timeout", required_argument, 0, O_SDT},
+        {"auth-token-file", required_argument, 0, O_AUTH}, {"debug-kv-pause", required_argument, 0, O_KVPAUSE},
+        {"kv-cache-dtype", required_argument, 0, O_KVDT},
         {"help", no_argument, 0, O_HELP}, {0, 0, 0, 0}};
     const char *cmd = o->is_run ? "run" : "serve";
     long v;
@@ -229,6 +238,12 @@ static int parse_flags(int argc, char **argv, serve_opts *o) {
         case O_ROUTER: o->router_url = optarg; break;
         case O_RTOKEN: o->router_token_file = optarg; break;
         case O_ADV: o->advertise_url = optarg; break;
+        case O_AUTH: o->auth_token_file = optarg; break;
+        case O_KVPAUSE:
+            if (strcmp(optarg, "hello_ack") && strcmp(optarg, "mid_slab") && strcmp(optarg, "before_done"))
+                return pd_cmd_usage_error(cmd, "--debug-kv-pause must be hello_ack, mid_slab or before_done");
+            o->ep.debug_kv_pause = optarg;
+            break;
         case O_MAXCONN: o->ap.max_connections = (int)v; break;
         case O_KATO: o->ap.keepalive_timeout_s = (int)v; break;
         case O_HDRTO: o->ap.header_timeout_s = (int)v; break;
@@ -266,6 +281,10 @@ static int parse_flags(int argc, char **argv, serve_opts *o) {
         case O_SDT:
             if (v > 86400) return pd_cmd_usage_error(cmd, "--shutdown-timeout must be 0..86400 seconds");
             o->shutdown_timeout_s = (int)v;
+            break;
+        case O_KVDT:
+            if (!pd_kv_dtype_parse(optarg, &o->ep.kv_cache_dtype))
+                return pd_cmd_usage_error(cmd, "--kv-cache-dtype is auto or fp8, not '%s'", optarg);
             break;
         case O_HELP: serve_usage(o->is_run); return 0;
         default: return 2;
@@ -427,11 +446,12 @@ static bool reg_start(reg_ctx *g, serve_ctx *s) {
         const char *h = o->ap.host && strcmp(o->ap.host, "0.0.0.0") ? o->ap.host : "127.0.0.1";
         snprintf(g->url, sizeof g->url, "http://%s:%d", h, pd_api_port(s->api));
     }
-    if (o->router_token_file) {
+    const char *token_file = o->router_token_file ? o->router_token_file : o->auth_token_file;
+    if (token_file) {
         char *tok = NULL;
         size_t n = 0;
         pd_err err = {0};
-        if (pd_file_read_all(o->router_token_file, &tok, &n, &err)) {
+        if (pd_file_read_all(token_file, &tok, &n, &err)) {
             fprintf(stderr, "pdserve: %s\n", err.msg);
             return false;
         }
@@ -516,8 +536,16 @@ static int serve_main(serve_opts *o) {
         fprintf(stderr, "pdserve: %s\n", err.msg);
         return 1;
     }
+    char *secret = NULL;
+    if (o->auth_token_file && pd_auth_load_file(o->auth_token_file, &secret, &err)) {
+        fprintf(stderr, "pdserve: %s\n", err.msg);
+        return 1;
+    }
+    o->ep.kv_secret = secret;
     fprintf(stderr, "pdserve: loading %s\n", o->ep.model_dir);
     pd_engine *e = pd_engine_new(&o->ep, &err);
+    o->ep.kv_secret = NULL;
+    pd_free(secret);  // the connector keeps its own copy
     if (!e) {
         fprintf(stderr, "pdserve: %s\n", err.msg);
         return 1;

@@ -19,7 +19,10 @@ void pd_cmd_free(pd_cmd *c) {
     if (!c) return;
     pd_free(c->prompt);
     pd_sample_ctl_free(c->req.ctl);  // a SUBMIT the engine never took over
-    pd_xfer_event_fini(&c->xev);
+    if (c->kev) {
+        pd_kvconn_event_fini(c->kev);
+        pd_free(c->kev);
+    }
     pd_free(c);
 }
 

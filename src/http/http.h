@@ -26,7 +26,7 @@
 // Connections (like nginx): the server raises its RLIMIT_NOFILE soft limit to the hard one and,
 // unless max_connections says otherwise, allows that limit minus an eighth (at least 64) in
 // reserve for everything else. At the limit it closes the longest-idle keep-alive connections (32
-// at a time) so that new clients still get in; with none idle the new connection is closed. Idle
+// at a time, or a sixteenth of the limit if smaller) so that new clients still get in; with none idle the new connection is closed. Idle
 // connections close after keepalive_timeout_s; a request not complete header_timeout_s after its
 // first bytes closes its connection. When accept() fails for lack of descriptors (EMFILE, ENFILE)
 // or memory, accepting pauses (100 ms doubling to 1 s) and one warning per 10 s is logged.

@@ -23,6 +23,7 @@
 #include <event2/keyvalq_struct.h>
 #include <arpa/inet.h>
 #include <errno.h>
+#include <limits.h>
 #include <netdb.h>
 #include <pthread.h>
 #include <netinet/in.h>
@@ -76,12 +77,14 @@ struct pd_http_server {
     struct evconnlistener *listener;  // evhttp's, borrowed
     http_conn *conns;                 // (n_conn_slots) indexed by fd
     int n_conn_slots;
+    size_t cap_conns;                 // allocated slots (>= n_conn_slots)
     http_pending *pending;            // new bufferevents whose fd is not set yet
-    int n_pending, cap_pending;
+    int n_pending;
+    size_t cap_pending;
     int n_conns;                      // accepted and not yet released
     int n_shedding;                   // of them, shut down by us and not yet released
     int *shed_fds;                    // (n_shedding) their fds, to release them without a full scan
-    int cap_shed;
+    size_t cap_shed;
     int max_connections;
     int64_t header_timeout_us, keepalive_timeout_us;
     struct event *sweep, *resume, *kick;  // periodic sweep; accept re-enable; refusal
@@ -531,7 +534,8 @@ static void on_request(struct evhttp_request *ev, void *arg) {
 //     fd, BEV_OPT_CLOSE_ON_FREE) alive until our sweep sees its callbacks cleared and drops it;
 //   * at max_connections, close the longest-idle connections (no request held, nothing unread,
 //     32 at a time, nginx's ngx_drain_connections) so a new client, a health check say, still
-//     gets in; with none idle the newest is closed instead. A closed connection's fd is released
+//     gets in (fewer at a time under a small limit: a sixteenth of it); with none idle the newest
+//     is closed instead. A closed connection's fd is released
 //     by the next sweep; until then it does not count against the limit;
 //   * close a connection idle for keepalive_timeout_s, or one whose request has not arrived
 //     complete header_timeout_s after its first bytes were seen (slow-loris), in a sweep every
@@ -541,14 +545,16 @@ static void on_request(struct evhttp_request *ev, void *arg) {
 //     line per 10 s with a count.
 #define HTTP_SHED_BATCH 32
 
+// Connections closed per shedding pass: 32 (nginx), fewer under a small limit (a sixteenth of it)
+// so that a pass never empties the server of its recent connections.
+static int shed_batch(const pd_http_server *s) { return PD_MAX(1, PD_MIN(HTTP_SHED_BATCH, s->max_connections / 16)); }
+
 static http_conn *conn_slot(pd_http_server *s, evutil_socket_t fd) {
     if (fd < 0) return NULL;
     if (fd >= s->n_conn_slots) {
-        int n = PD_MAX(s->n_conn_slots * 2, (int)fd + 1024);
-        http_conn *c = pd_realloc(s->conns, (size_t)n * sizeof *c);
-        if (!c) return NULL;
-        memset(c + s->n_conn_slots, 0, (size_t)(n - s->n_conn_slots) * sizeof *c);
-        s->conns = c;
+        if (fd > INT_MAX - 1024 || PD_ARRAY_RESERVE(s->conns, s->cap_conns, (size_t)fd + 1024) != PD_OK) return NULL;
+        int n = (int)PD_MIN(s->cap_conns, (size_t)INT_MAX);
+        memset(s->conns + s->n_conn_slots, 0, (size_t)(n - s->n_conn_slots) * sizeof *s->conns);
         s->n_conn_slots = n;
     }
     return &s->conns[fd];
@@ -618,13 +624,8 @@ static void conn_shed(pd_http_server *s, http_conn *c) {
     evutil_socket_t fd = bufferevent_getfd(c->bev);
     // evhttp reads EOF, frees the connection; the sweep then releases the fd
     if (fd >= 0) shutdown(fd, SHUT_RDWR);
-    if (s->n_shedding == s->cap_shed) {
-        int cap = PD_MAX(64, 2 * s->cap_shed);
-        int *p = pd_realloc(s->shed_fds, (size_t)cap * sizeof *p);
-        if (!p) return;  // not marked: the keep-alive sweep releases it like any closed connection
-        s->shed_fds = p;
-        s->cap_shed = cap;
-    }
+    if (PD_ARRAY_RESERVE(s->shed_fds, s->cap_shed, (size_t)s->n_shedding + 1) != PD_OK)
+        return;  // not marked: the keep-alive sweep releases it like any closed connection
     s->shed_fds[s->n_shedding++] = (int)(c - s->conns);
     c->is_shed = true;
     s->n_shed++;
@@ -693,19 +694,14 @@ static struct bufferevent *on_new_conn(struct event_base *base, void *arg) {
     pd_http_server *s = arg;
     struct bufferevent *bev = bufferevent_socket_new(base, -1, BEV_OPT_CLOSE_ON_FREE);
     if (!bev) return NULL;  // evhttp makes its own (uncounted; only on OOM)
-    if (s->n_pending == s->cap_pending) {
-        int cap = PD_MAX(64, 2 * s->cap_pending);
-        http_pending *p = pd_realloc(s->pending, (size_t)cap * sizeof *p);
-        if (!p) return bev;  // uncounted; evhttp owns it alone
-        s->pending = p;
-        s->cap_pending = cap;
-    }
+    if (PD_ARRAY_RESERVE(s->pending, s->cap_pending, (size_t)s->n_pending + 1) != PD_OK)
+        return bev;  // uncounted; evhttp owns it alone
     conns_resolve(s);
     conns_release_shed(s);
     // Over the limit (connections being closed by us do not count: their fds go at the next sweep):
     // close a batch of the longest-idle ones; with none idle, refuse this one.
     if (s->n_conns - s->n_shedding + 1 > s->max_connections) conns_release_freed(s);  // closed by their clients
-    bool refuse = s->n_conns - s->n_shedding + 1 > s->max_connections && conns_shed_idle(s, HTTP_SHED_BATCH) == 0;
+    bool refuse = s->n_conns - s->n_shedding + 1 > s->max_connections && conns_shed_idle(s, shed_batch(s)) == 0;
     bufferevent_incref(bev);
     s->pending[s->n_pending++] = (http_pending){bev, refuse};
     s->backoff_ms = 0;  // accept() works again
@@ -759,7 +755,7 @@ static void on_accept_error(struct evconnlistener *l, void *arg) {
     evconnlistener_disable(l);
     conns_resolve(s);
     conns_release_shed(s);
-    int n = conns_shed_idle(s, HTTP_SHED_BATCH);
+    int n = conns_shed_idle(s, shed_batch(s));
     // The limit was above what the descriptors allow: bring it below the connections open now,
     // so that from here on the limit (closing idle connections per accept) acts before accept()
     // fails.

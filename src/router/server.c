@@ -4,8 +4,10 @@
 //
 // Registration is authenticated with one shared bearer token (--auth-token-file): the header
 // `Authorization: Bearer <token>` must match exactly (compared in constant time), else 401.
-// Without a token file registration is open (a loopback development setup) and a warning is
-// logged at start.
+// Without a token file registration and deregistration are refused (403): an open endpoint let
+// any local process add a fake worker or remove a real one. `pdserve run` always sets a token.
+// The token crosses the wire in the clear: keep the router's registration port on loopback or a
+// private network (the KV ports use an HMAC challenge-response instead, xfer/auth.h).
 #include <event2/event.h>
 #include <stdio.h>
 #include <string.h>
@@ -53,7 +55,7 @@ void pd_router_end_all(pd_router *r, const char *msg) { pd_http_server_end_all(r
 
 // ---- handlers ----------------------------------------------------------------------------------------
 static bool token_ok(const pd_router *r, pd_http_req *req) {
-    if (!r->auth_token) return true;
+    if (!r->auth_token) return false;
     const char *a = pd_http_req_header(req, "Authorization");
     if (!a || strncasecmp(a, "Bearer ", 7)) return false;
     a += 7;
@@ -66,6 +68,11 @@ static bool token_ok(const pd_router *r, pd_http_req *req) {
 // The registration endpoints' gate: replies 401 and returns false without the right token.
 static bool require_token(const pd_router *r, pd_http_req *req) {
     if (token_ok(r, req)) return true;
+    if (!r->auth_token) {
+        pd_http_reply_error(req, 403, "permission_error", "worker registration is disabled: start the router with --auth-token-file",
+                            NULL, "registration_disabled");
+        return false;
+    }
     pd_http_reply_error(req, 401, "authentication_error", "invalid or missing registration token", NULL, "invalid_token");
     return false;
 }
@@ -272,7 +279,7 @@ pd_router *pd_router_new(struct event_base *base, const pd_router_params *p, pd_
     if (add_routes(r) != PD_OK) goto nomem;
     if (rt_heartbeat_start(r) != PD_OK) goto nomem;
     pd_metric_set(r->m_workers_healthy, rt_n_healthy(r));
-    if (!r->auth_token) PD_LOG_W("router: no --auth-token-file: worker registration is open");
+    if (!r->auth_token) PD_LOG_W("router: no --auth-token-file: worker registration is disabled");
     return r;
 nomem:
     pd_err_set(err, PD_ERR_NOMEM, "router: out of memory");

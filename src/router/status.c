@@ -18,6 +18,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "base/buf.h"
 #include "router/router_impl.h"
 
 static rt_sample *sample_now(pd_router *r) {
@@ -188,38 +189,19 @@ void rt_handle_status_json(pd_http_req *req, void *ud) {
 }
 
 // ---- the page ------------------------------------------------------------------------------------------
-// A small growable string for the server-side render.
+// The server-side render's string: a pd_buf with a sticky OOM flag.
 typedef struct sbuf {
-    char *p;
-    size_t n, cap;
+    pd_buf s;
     bool is_oom;
 } sbuf;
 
 static void sb_printf(sbuf *b, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 static void sb_printf(sbuf *b, const char *fmt, ...) {
     if (b->is_oom) return;
-    for (;;) {
-        va_list ap;
-        va_start(ap, fmt);
-        int k = vsnprintf(b->p + b->n, b->cap - b->n, fmt, ap);
-        va_end(ap);
-        if (k < 0) {
-            b->is_oom = true;
-            return;
-        }
-        if ((size_t)k < b->cap - b->n) {
-            b->n += (size_t)k;
-            return;
-        }
-        size_t cap = PD_MAX(b->cap * 2, b->n + (size_t)k + 1);
-        char *q = pd_realloc(b->p, cap);
-        if (!q) {
-            b->is_oom = true;
-            return;
-        }
-        b->p = q;
-        b->cap = cap;
-    }
+    va_list ap;
+    va_start(ap, fmt);
+    b->is_oom = pd_buf_vprintf(&b->s, fmt, ap) != PD_OK;
+    va_end(ap);
 }
 
 // HTML-escapes s into out (bounded).
@@ -378,9 +360,9 @@ void rt_handle_status_html(pd_http_req *req, void *ud) {
                   CHARTS[i].ylabel);
     sb_printf(&b, "</div>%s", PAGE_SCRIPT);
     if (b.is_oom) {
-        pd_free(b.p);
+        pd_buf_free(&b.s);
         return pd_http_reply_error(req, 500, "server_error", "out of memory", NULL, NULL);
     }
-    pd_http_reply(req, 200, "text/html; charset=utf-8", b.p, b.n);
-    pd_free(b.p);
+    pd_http_reply(req, 200, "text/html; charset=utf-8", b.s.p, b.s.len);
+    pd_buf_free(&b.s);
 }
