@@ -54,6 +54,8 @@ typedef struct step_bufs {
     pd_sample_out *souts;
     pd_sample_pen *spens;
     int cap_srows, cap_spens;
+    uint32_t *smasks;            // token masks of the constrained rows (cap_smasks words)
+    int cap_smasks;
 } step_bufs;
 
 struct pd_engine {

@@ -368,6 +368,12 @@ static json_t *continuation_body(rt_job *j) {
     json_object_del(b, "max_completion_tokens");
     json_object_del(b, "logprobs");
     json_object_del(b, "top_logprobs");
+    // Chat-only fields a completions request refuses; a grammar resumes after the generated ids.
+    json_object_del(b, "tools");
+    json_object_del(b, "tool_choice");
+    json_object_del(b, "parallel_tool_calls");
+    json_object_del(b, "chat_template_kwargs");
+    json_object_set_new(b, "continuation_tokens", json_integer(j->n_gen));
     json_object_set_new(b, "prompt", ids);
     ids = NULL;
     if (j->max_tokens >= 0) json_object_set_new(b, "max_tokens", json_integer(j->max_tokens - j->n_gen));
