@@ -157,6 +157,27 @@ void pd_op_kv_copy(pd_backend *b, const pd_kv_copy_params *p) {
         }
 }
 
+bool pd_backend_has_xfer_stream(pd_backend *b) { return b->iface->kv_copy_xfer != NULL; }
+
+void pd_backend_xfer_mark(pd_backend *b) {
+    if (b->iface->xfer_mark) b->iface->xfer_mark(b);
+}
+
+void pd_op_kv_copy_xfer(pd_backend *b, const pd_kv_copy_params *p) {
+    if (b->iface->kv_copy_xfer) b->iface->kv_copy_xfer(b, p);
+    else pd_op_kv_copy(b, p);
+}
+
+void pd_op_kv_checksum_xfer(pd_backend *b, const pd_kv_checksum_params *p) {
+    if (b->iface->kv_checksum_xfer) b->iface->kv_checksum_xfer(b, p);
+    else pd_op_kv_checksum(b, p);
+}
+
+void pd_backend_xfer_sync(pd_backend *b) {
+    if (b->iface->xfer_sync) b->iface->xfer_sync(b);
+    else pd_backend_sync(b);
+}
+
 // Generic checksum: bring each run to the host (free on the CPU backend, where download is a
 // memcpy) and hash it there.
 void pd_op_kv_checksum(pd_backend *b, const pd_kv_checksum_params *p) {

@@ -307,6 +307,23 @@ void pd_op_get_rows(pd_backend *b, const pd_get_rows_params *p);
 void pd_op_copy_blocks(pd_backend *b, const pd_copy_blocks_params *p);
 void pd_op_kv_copy(pd_backend *b, const pd_kv_copy_params *p);
 void pd_op_kv_checksum(pd_backend *b, const pd_kv_checksum_params *p);
+
+// Transfer stream (optional; CUDA: a second stream of the same device). KV exports that overlap
+// with compute: pd_backend_xfer_mark records the compute stream's progress (an event) and makes
+// the transfer stream wait for it; pd_op_kv_copy_xfer / pd_op_kv_checksum_xfer enqueued after a
+// mark run on the transfer stream after everything enqueued on the compute stream before that
+// mark, so layer l ships while layer l+1 computes. Bounded run-ahead: a mark first waits (on the
+// host) until the previous mark's compute work is done, so a check made right after a mark (the
+// cuda-ipc fence) is at most one layer old when the copies run. The checksums land in p->sums
+// only at pd_backend_xfer_sync, which waits for everything on the transfer stream (p->sums must
+// stay valid until then). Never during a graph capture (prefill steps run eagerly). Backends
+// without a second stream: marks do nothing, the ops run as pd_op_kv_copy / pd_op_kv_checksum,
+// and pd_backend_xfer_sync is pd_backend_sync.
+bool pd_backend_has_xfer_stream(pd_backend *b);
+void pd_backend_xfer_mark(pd_backend *b);
+void pd_op_kv_copy_xfer(pd_backend *b, const pd_kv_copy_params *p);
+void pd_op_kv_checksum_xfer(pd_backend *b, const pd_kv_checksum_params *p);
+void pd_backend_xfer_sync(pd_backend *b);
 // Device sampling (optional): NULL in the vtable means the caller samples on the host (download
 // the logits, src/model/sample.c). pd_op_sample synchronises: p->out is filled on return.
 bool pd_backend_has_sample(pd_backend *b);

@@ -35,6 +35,11 @@ typedef struct pd_backend_iface {
     // (optional) NULL: generic per-block copy_d2d loops / download + CPU checksum in backend.c.
     void (*kv_copy)(pd_backend *b, const pd_kv_copy_params *p);
     void (*kv_checksum)(pd_backend *b, const pd_kv_checksum_params *p);
+    // (optional) transfer stream: NULL means none (see pd_backend_xfer_mark); all four or none.
+    void (*xfer_mark)(pd_backend *b);
+    void (*kv_copy_xfer)(pd_backend *b, const pd_kv_copy_params *p);
+    void (*kv_checksum_xfer)(pd_backend *b, const pd_kv_checksum_params *p);
+    void (*xfer_sync)(pd_backend *b);
     void (*fill_normal)(pd_backend *b, void *dst, pd_dtype dtype, size_t n, uint64_t seed, float mean, float std);
     // (optional) graphs: NULL means every op runs eagerly. See pd_backend_graph_begin.
     void (*graph_begin)(pd_backend *b);

@@ -280,6 +280,7 @@ static void handle_save_request(pd_engine *e, pd_kvconn_event *ev) {
 
 static void on_layer(void *ud, int layer) {
     pd_engine *e = ud;
+    if (e->n_saves) pd_kvconn_layer_begin(e->kc, layer);
     for (int i = 0; i < e->n_saves; i++) pd_kvconn_save_layer(e->kc, e->saves[i]->save, layer);
 }
 

@@ -8,15 +8,13 @@ static pd_status ipc_attach(pd_kvconn *c, kvc_peer *p, const pd_kvw_hello *h, in
     return kvc_direct_attach(c, p, h, fd, "cuda", err);
 }
 
-static pd_status ipc_save_rest(pd_kvconn *c, pd_kvconn_save *s) {
-    return kvc_direct_write(c, s, s->n_layers_saved, c->p.cache.n_layers);
-}
-
 const kvc_transport kvc_cuda_ipc = {
     .id = PD_KVW_TRANSPORT_CUDA_IPC,
     .name = "cuda-ipc",
     .export_pool = kvc_direct_export,
     .attach = ipc_attach,
     .detach = kvc_direct_detach,
-    .save_rest = ipc_save_rest,
+    .is_layerwise = true,
+    .save_layer = kvc_direct_save_layer,
+    .save_rest = kvc_direct_save_rest,
 };

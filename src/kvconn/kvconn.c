@@ -4,6 +4,7 @@
 #include "kvconn/kvconn_impl.h"
 
 #include <poll.h>
+#include <stdlib.h>
 #include <stdio.h>
 #include <string.h>
 #include <unistd.h>
@@ -88,6 +89,8 @@ pd_kvconn *pd_kvconn_new(const pd_kvconn_params *p, pd_err *err) {
     }
     c->p = *p;
     if (c->p.timeout_ms <= 0) c->p.timeout_ms = 30000;
+    const char *ov = getenv("PD_KV_OVERLAP");
+    c->is_overlap_off = ov && !strcmp(ov, "0");
     if (p->role == PD_KVCONN_DECODE) {
         c->t = kvc_transport_find(p->transport);
         if (!c->t) {
@@ -306,9 +309,14 @@ static const kvc_transport *save_transport(pd_kvconn *c, pd_kvconn_save *s) {
     return p && p == s->peer && p->is_ready ? kvc_transport_find(p->transport) : NULL;
 }
 
+void pd_kvconn_layer_begin(pd_kvconn *c, int layer) {
+    (void)layer;
+    c->is_mark_due = true;
+}
+
 void pd_kvconn_save_layer(pd_kvconn *c, pd_kvconn_save *s, int layer) {
     const kvc_transport *t = save_transport(c, s);
-    if (!t || s->st || !t->is_layerwise || layer != s->n_layers_saved) return;
+    if (!t || s->st || !t->is_layerwise || c->is_overlap_off || layer != s->n_layers_saved) return;
     t->save_layer(c, s, layer);
     if (!s->st) s->n_layers_saved = layer + 1;
 }
@@ -317,8 +325,9 @@ pd_status pd_kvconn_save_end(pd_kvconn *c, pd_kvconn_save *s, const pd_kvconn_fi
     const kvc_transport *t = save_transport(c, s);
     int L = c->p.cache.n_layers;
     pd_status st = t ? s->st : PD_ERR_CLOSED;
-    if (st == PD_OK && s->n_layers_saved < L) st = t->save_rest(c, s);
-    if (st == PD_OK && t->is_layerwise && s->n_layers_saved == L) __atomic_add_fetch(&c->saves_layerwise, 1, __ATOMIC_RELAXED);
+    bool was_layerwise = s->n_layers_saved == L;
+    if (st == PD_OK) st = t->save_rest(c, s);  // (ships what is left; direct: waits for the transfer stream)
+    if (st == PD_OK && t->is_layerwise && was_layerwise) __atomic_add_fetch(&c->saves_layerwise, 1, __ATOMIC_RELAXED);
     if (copy_us) *copy_us = s->copy_us;
     if (st) {
         pd_kvconn_save_fail(c, s, "KV export failed", true);
@@ -345,12 +354,15 @@ pd_status pd_kvconn_save_end(pd_kvconn *c, pd_kvconn_save *s, const pd_kvconn_fi
 
 void pd_kvconn_save_fail(pd_kvconn *c, pd_kvconn_save *s, const char *why, bool tell_peer) {
     if (!s) return;
+    if (s->is_xfer_pending) pd_backend_xfer_sync(c->p.backend);  // nothing may still write s->sums
     if (why && tell_peer) pd_kvconn_send_fail(c, s->conn_id, s->peer_req_id, why);  // (counted there)
     else if (why) __atomic_add_fetch(&c->saves_failed, 1, __ATOMIC_RELAXED);
     pd_free(s->src);
     pd_free(s->dst);
     pd_free(s->rows);
     pd_free(s->sums);
+    pd_free(s->dk);
+    pd_free(s->dv);
     pd_free(s);
 }
 
@@ -387,52 +399,72 @@ pd_status kvc_direct_attach(pd_kvconn *c, kvc_peer *p, const pd_kvw_hello *h, in
 }
 
 void kvc_direct_detach(pd_kvconn *c, kvc_peer *p) {
+    if (p->base) pd_backend_xfer_sync(c->p.backend);  // no copy may still target the mapping
     if (p->base) pd_backend_unimport(c->p.backend, p->base, &p->handle);
     p->base = NULL;
 }
 
-pd_status kvc_direct_write(pd_kvconn *c, pd_kvconn_save *s, int l0, int l1) {
+void kvc_direct_save_layer(pd_kvconn *c, pd_kvconn_save *s, int l) {
     const pd_kvconn_cache *k = &c->p.cache;
     kvc_peer *p = s->peer;
     int L = k->n_layers, bs = k->block_size;
-    size_t layer_stride = (size_t)p->n_blocks * k->row_bytes * (size_t)bs;
-    void **dk = pd_malloc(sizeof(void *) * (size_t)L), **dv = pd_malloc(sizeof(void *) * (size_t)L);
-    pd_status st = dk && dv ? PD_OK : PD_ERR_NOMEM;
-    for (int l = 0; l < L && st == PD_OK; l++) {
-        dk[l] = (char *)p->base + (size_t)(2 * l) * layer_stride;
-        dv[l] = (char *)p->base + (size_t)(2 * l + 1) * layer_stride;
+    int64_t t0 = pd_time_us();
+    if (!s->dk) {
+        size_t layer_stride = (size_t)p->n_blocks * k->row_bytes * (size_t)bs;
+        s->dk = pd_malloc(sizeof(void *) * (size_t)L);
+        s->dv = pd_malloc(sizeof(void *) * (size_t)L);
+        if (!s->dk || !s->dv) {
+            s->st = PD_ERR_NOMEM;
+            return;
+        }
+        for (int i = 0; i < L; i++) {
+            s->dk[i] = (char *)p->base + (size_t)(2 * i) * layer_stride;
+            s->dv[i] = (char *)p->base + (size_t)(2 * i + 1) * layer_stride;
+        }
+    }
+    if (c->is_mark_due) {  // after layer l's KV write on the compute stream (bounded run-ahead)
+        pd_backend_xfer_mark(c->p.backend);
+        c->is_mark_due = false;
+    }
+    // The fence: a writer whose connection ended stops here; the decode side waits out the layer
+    // in progress (fence_ms) before it reuses the blocks. The mark above waited for layer l-1's
+    // compute, so what is enqueued now runs within about one layer of this check.
+    if (!pd_xfer_server_conn_alive(c->xs, s->conn_id)) {
+        s->st = PD_ERR_CLOSED;
+        return;
+    }
+    pd_kv_copy_params kp = {.src_k = k->k, .src_v = k->v, .dst_k = s->dk, .dst_v = s->dv, .src_blocks = s->src,
+                            .dst_blocks = s->dst, .n_rows = s->rows, .n_blocks = s->n_blocks, .layer_begin = l,
+                            .layer_end = l + 1, .block_size = bs, .row_bytes = k->row_bytes};
+    pd_op_kv_copy_xfer(c->p.backend, &kp);
+    pd_kv_checksum_params cp = {.k = k->k, .v = k->v, .blocks = s->src, .n_rows = s->rows, .n_blocks = s->n_blocks,
+                                .layer_begin = l, .layer_end = l + 1, .block_size = bs, .row_bytes = k->row_bytes,
+                                .sums = s->sums + l};
+    pd_op_kv_checksum_xfer(c->p.backend, &cp);  // same stream: after the copy, from the same source
+    s->is_xfer_pending = true;
+    s->copy_us += pd_time_us() - t0;
+    if (l == L / 2) kvc_debug_pause(c, "mid_slab");
+}
+
+pd_status kvc_direct_save_rest(pd_kvconn *c, pd_kvconn_save *s) {
+    const pd_kvconn_cache *k = &c->p.cache;
+    int L = k->n_layers;
+    if (s->n_layers_saved < L) c->is_mark_due = true;  // the forward pass is over: depend on all of it
+    for (int l = s->n_layers_saved; l < L && !s->st; l++) {
+        kvc_direct_save_layer(c, s, l);
+        if (!s->st) s->n_layers_saved = l + 1;
     }
     int64_t t0 = pd_time_us();
-    for (int l = l0; l < l1 && st == PD_OK; l++) {
-        // The fence: a writer whose connection ended stops here; the decode side waits out the
-        // layer in progress (fence_ms) before it reuses the blocks.
-        if (!pd_xfer_server_conn_alive(c->xs, s->conn_id)) {
-            st = PD_ERR_CLOSED;
-            break;
-        }
-        pd_kv_copy_params kp = {.src_k = k->k, .src_v = k->v, .dst_k = dk, .dst_v = dv, .src_blocks = s->src,
-                                .dst_blocks = s->dst, .n_rows = s->rows, .n_blocks = s->n_blocks, .layer_begin = l,
-                                .layer_end = l + 1, .block_size = bs, .row_bytes = k->row_bytes};
-        pd_op_kv_copy(c->p.backend, &kp);
-        if (l == L / 2) kvc_debug_pause(c, "mid_slab");
-    }
-    if (st == PD_OK) {
-        pd_kv_checksum_params cp = {.k = k->k, .v = k->v, .blocks = s->src, .n_rows = s->rows, .n_blocks = s->n_blocks,
-                                    .layer_begin = l0, .layer_end = l1, .block_size = bs, .row_bytes = k->row_bytes,
-                                    .sums = s->sums + l0};
-        pd_op_kv_checksum(c->p.backend, &cp);  // synchronises: the copies are in place
-        if (s->is_corrupt && l1 == L) {  // test hook: flip one bit of the copied V rows in the decode pool
-            uint8_t x;
-            char *at = (char *)dv[L - 1] + (size_t)s->dst[0] * k->row_bytes * (size_t)bs;
-            pd_backend_download(c->p.backend, &x, at, 1);
-            x ^= 0x40;
-            pd_backend_upload(c->p.backend, at, &x, 1);
-        }
+    if (s->is_xfer_pending) pd_backend_xfer_sync(c->p.backend);  // the KV is in place, the sums filled
+    s->is_xfer_pending = false;
+    if (s->st == PD_OK && s->is_corrupt) {  // test hook: flip one bit of the copied V rows in the decode pool
+        uint8_t x;
+        char *at = (char *)s->dv[L - 1] + (size_t)s->dst[0] * k->row_bytes * (size_t)k->block_size;
+        pd_backend_download(c->p.backend, &x, at, 1);
+        x ^= 0x40;
+        pd_backend_upload(c->p.backend, at, &x, 1);
         pd_backend_sync(c->p.backend);  // the KV must be in place before DONE leaves
-        s->n_layers_saved = l1;
     }
     s->copy_us += pd_time_us() - t0;
-    pd_free(dk);
-    pd_free(dv);
-    return st;
+    return s->st;
 }

@@ -159,6 +159,11 @@ pd_kvconn_save *pd_kvconn_save_begin(pd_kvconn *c, int peer, uint64_t peer_req_i
                                      const int32_t *dst_blocks, int n_blocks, int start_pos, int n_tokens);
 // Layer `layer` of the step is computed: ship it if the transport is layer-wise (engine thread;
 // tcp copies the rows into a queued slab and returns: the send runs while the next layer computes).
+// cuda-ipc (and shm) enqueue layer l's copy and checksum on the backend's transfer stream after
+// an event on the compute stream (pd_backend_xfer_mark), checking the fence first. Call
+// pd_kvconn_layer_begin once per layer before the step's saves (it arms that mark).
+// PD_KV_OVERLAP=0 in the environment turns layer-wise shipping off (everything ships at the end).
+void pd_kvconn_layer_begin(pd_kvconn *c, int layer);
 void pd_kvconn_save_layer(pd_kvconn *c, pd_kvconn_save *s, int layer);
 // The step finished: ship what is left, then PREFILL_DONE with the first token (first->token;
 // n_draws: the request's sampler draws so far). Frees s. PD_OK, or the failure (FAIL was sent).

@@ -21,6 +21,8 @@ struct pd_kvconn_save {
     int32_t *src, *dst, *rows;  // owned (n_blocks each)
     uint64_t *sums;             // owned (n_layers): per-layer checksums of the source slab
     int n_layers_saved;         // layers shipped so far (layer-wise transports)
+    void **dk, **dv;            // direct transports: the peer's layer bases (n_layers each), lazily
+    bool is_xfer_pending;       // transfer-stream work may still write sums / the peer's pool
     bool is_corrupt;            // test hook: flip one bit of this save's KV
     pd_status st;               // first failure
     int64_t copy_us;
@@ -49,6 +51,8 @@ struct pd_kvconn {
     pd_xfer_server *xs;
     kvc_peer peers[PD_XFER_MAX_CONNS];  // prefill role, by connection slot (engine thread)
     int n_saves;                       // for corrupt_every
+    bool is_overlap_off;               // PD_KV_OVERLAP=0: no layer-wise shipping
+    bool is_mark_due;                  // a layer finished: the next direct save_layer marks it
     int64_t peers_refused, saves_layerwise, saves_failed;  // engine thread; read racily by stats
     int64_t ema_load_us;               // decode: recent load time per token, in ns (match cost)
 };
@@ -61,9 +65,12 @@ extern const kvc_transport kvc_tcp, kvc_shm, kvc_cuda_ipc, kvc_nccl;
 kvc_peer *kvc_peer_of(pd_kvconn *c, int conn_id);
 size_t kvc_pool_bytes(const pd_kvconn *c, int n_blocks);  // a pool of n_blocks with our geometry
 void kvc_debug_pause(pd_kvconn *c, const char *step);
-// Direct transports: copies layers [l0, l1) of s into the peer's mapped pool, checking before each
-// layer that the connection is still alive (a fenced-off writer stops). Checksums the source.
-pd_status kvc_direct_write(pd_kvconn *c, pd_kvconn_save *s, int l0, int l1);
+// Direct transports: enqueues layer l of s into the peer's mapped pool on the backend's transfer
+// stream (and its source checksum), checking first that the connection is still alive (a
+// fenced-off writer stops). save_rest ships the layers not yet shipped, then waits for the
+// transfer stream: the KV is in place and s->sums filled.
+void kvc_direct_save_layer(pd_kvconn *c, pd_kvconn_save *s, int l);
+pd_status kvc_direct_save_rest(pd_kvconn *c, pd_kvconn_save *s);
 pd_status kvc_direct_attach(pd_kvconn *c, kvc_peer *p, const pd_kvw_hello *h, int fd, const char *kind, pd_err *err);
 void kvc_direct_detach(pd_kvconn *c, kvc_peer *p);
 pd_status kvc_direct_export(pd_kvconn *c, pd_buffer_handle *h, pd_err *err);

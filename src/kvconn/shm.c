@@ -9,15 +9,13 @@ static pd_status shm_attach(pd_kvconn *c, kvc_peer *p, const pd_kvw_hello *h, in
     return kvc_direct_attach(c, p, h, fd, "memfd", err);
 }
 
-static pd_status shm_save_rest(pd_kvconn *c, pd_kvconn_save *s) {
-    return kvc_direct_write(c, s, s->n_layers_saved, c->p.cache.n_layers);
-}
-
 const kvc_transport kvc_shm = {
     .id = PD_KVW_TRANSPORT_SHM,
     .name = "shm",
     .export_pool = kvc_direct_export,
     .attach = shm_attach,
     .detach = kvc_direct_detach,
-    .save_rest = shm_save_rest,
+    .is_layerwise = true,
+    .save_layer = kvc_direct_save_layer,
+    .save_rest = kvc_direct_save_rest,
 };

@@ -45,6 +45,7 @@ static void cuda_free(pd_backend *b) {
     if (cb->stream) cudaStreamSynchronize(cb->stream);
     pd_cuda_gemm_fini(cb);
     pd_cuda_sample_fini(cb);
+    pd_cuda_xfer_fini(cb);
     if (cb->attn_ws) cudaFree(cb->attn_ws);
     if (cb->attn_cnt) cudaFree(cb->attn_cnt);
     if (cb->gemv_ws) cudaFree(cb->gemv_ws);
@@ -537,6 +538,10 @@ static const pd_backend_iface cuda_iface = {
     .unimport = cuda_unimport,
     .kv_copy = cuda_kv_copy,
     .kv_checksum = cuda_kv_checksum,
+    .xfer_mark = pd_cuda_xfer_mark,
+    .kv_copy_xfer = pd_cuda_kv_copy_xfer,
+    .kv_checksum_xfer = pd_cuda_kv_checksum_xfer,
+    .xfer_sync = pd_cuda_xfer_sync,
     .graph_begin = cuda_graph_begin,
     .graph_end = cuda_graph_end,
     .graph_launch = cuda_graph_launch,

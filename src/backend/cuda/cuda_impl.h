@@ -22,7 +22,8 @@
 #define PD_CUDA_CHECK_LAUNCH() PD_CUDA_CHECK(cudaGetLastError())
 
 typedef struct pd_cuda_gemm_plan pd_cuda_gemm_plan;
-typedef struct pd_cuda_sampler pd_cuda_sampler;  // sample.c: pd_op_sample's staging buffers
+typedef struct pd_cuda_sampler pd_cuda_sampler;
+typedef struct pd_cuda_xfer pd_cuda_xfer;  // xfer.c: the transfer stream  // sample.c: pd_op_sample's staging buffers
 
 typedef struct pd_cuda_backend {
     pd_backend base;
@@ -52,6 +53,7 @@ typedef struct pd_cuda_backend {
     // bumped whenever a scratch buffer moves: graphs captured before then are stale
     uint64_t scratch_gen;
     pd_cuda_sampler *sampler;  // NULL until the first pd_op_sample
+    pd_cuda_xfer *xfer;        // xfer.c: the transfer stream; NULL until the first use
 } pd_cuda_backend;
 
 static inline pd_cuda_backend *pd_cuda_backend_of(pd_backend *b) { return (pd_cuda_backend *)b; }
@@ -77,6 +79,13 @@ void pd_cuda_scratch_reserve_zeroed(pd_cuda_backend *cb, void **ptr, size_t *cur
 // s, grown (after synchronising s) to hold them plus n_tail bytes; returns the device address.
 // cudaMemcpyAsync has consumed pageable memory when it returns; s orders the scratch's reuse.
 char *pd_cuda_stage(cudaStream_t s, void **dev, size_t *dev_bytes, char *host, size_t n, size_t n_tail);
+
+// xfer.c: the transfer stream (backend.h pd_backend_xfer_mark and friends)
+void pd_cuda_xfer_mark(pd_backend *b);
+void pd_cuda_kv_copy_xfer(pd_backend *b, const pd_kv_copy_params *p);
+void pd_cuda_kv_checksum_xfer(pd_backend *b, const pd_kv_checksum_params *p);
+void pd_cuda_xfer_sync(pd_backend *b);
+void pd_cuda_xfer_fini(pd_cuda_backend *cb);
 
 // sample.c
 void pd_cuda_sample_op(pd_backend *b, const pd_sample_params *p);

@@ -1,0 +1,153 @@
+// xfer.c — the CUDA backend's transfer stream (pd_backend_xfer_mark and friends, backend.h): a
+// second non-blocking stream on the backend's device for KV exports that overlap with compute.
+//   * A mark records an event on the compute stream and makes the transfer stream wait for it;
+//     two events in a ring, and a mark first waits on the host for the previous one, so the host
+//     never runs more than one mark ahead of the compute it depends on (the fence's bound).
+//   * Descriptors are staged through a pinned host buffer mirrored by a device buffer, bump-
+//     allocated and reset at each xfer_sync: pinned uploads are truly asynchronous (a pageable
+//     upload may synchronise with the stream, which waits on compute) and no region is reused
+//     before the stream has consumed it. Growing drains the stream first.
+//   * Checksums are computed into the device buffer and copied back into the pinned one; the
+//     caller's sums are filled from there at xfer_sync (the pending list).
+#include <string.h>
+#include "backend/cuda/cuda_impl.h"
+#include "kernels/kv_xfer.cuh"
+
+typedef struct xfer_pending {
+    uint64_t *dst;  // the caller's sums
+    size_t off;     // in the pinned buffer
+    int n;
+} xfer_pending;
+
+struct pd_cuda_xfer {
+    cudaStream_t stream;
+    cudaEvent_t ev[2];
+    uint64_t n_marks;
+    char *host, *dev;  // pinned staging and its device mirror, cap bytes each
+    size_t cap, used;
+    xfer_pending *pending;
+    int n_pending, cap_pending;
+};
+
+static void xfer_drain(pd_cuda_xfer *x) {
+    PD_CUDA_CHECK(cudaStreamSynchronize(x->stream));
+    for (int i = 0; i < x->n_pending; i++)
+        memcpy(x->pending[i].dst, x->host + x->pending[i].off, sizeof(uint64_t) * (size_t)x->pending[i].n);
+    x->n_pending = 0;
+    x->used = 0;
+}
+
+static pd_cuda_xfer *xfer_of(pd_cuda_backend *cb) {
+    pd_cuda_bind(cb);
+    if (cb->xfer) return cb->xfer;
+    pd_cuda_xfer *x = pd_calloc(1, sizeof *x);
+    PD_ASSERT(x);
+    PD_CUDA_CHECK(cudaStreamCreateWithFlags(&x->stream, cudaStreamNonBlocking));
+    for (int i = 0; i < 2; i++) PD_CUDA_CHECK(cudaEventCreateWithFlags(&x->ev[i], cudaEventDisableTiming));
+    cb->xfer = x;
+    return x;
+}
+
+// n bytes (16-aligned) of staging: host and device addresses at the same offset.
+static size_t xfer_alloc(pd_cuda_xfer *x, size_t n) {
+    n = (n + 15) & ~(size_t)15;
+    if (x->used + n > x->cap) {
+        xfer_drain(x);
+        if (n > x->cap) {
+            if (x->host) PD_CUDA_CHECK(cudaFreeHost(x->host));
+            if (x->dev) PD_CUDA_CHECK(cudaFree(x->dev));
+            size_t want = PD_MAX(n, PD_MAX(x->cap * 2, (size_t)1 << 20));
+            PD_CUDA_CHECK(cudaMallocHost((void **)&x->host, want));
+            PD_CUDA_CHECK(cudaMalloc((void **)&x->dev, want));
+            x->cap = want;
+        }
+    }
+    size_t off = x->used;
+    x->used += n;
+    return off;
+}
+
+void pd_cuda_xfer_mark(pd_backend *b) {
+    pd_cuda_backend *cb = pd_cuda_backend_of(b);
+    pd_cuda_xfer *x = xfer_of(cb);
+    enum cudaStreamCaptureStatus cs;
+    PD_CUDA_CHECK(cudaStreamIsCapturing(cb->stream, &cs));
+    PD_ASSERT(cs == cudaStreamCaptureStatusNone);
+    cudaEvent_t ev = x->ev[x->n_marks & 1];
+    if (x->n_marks > 0) PD_CUDA_CHECK(cudaEventSynchronize(x->ev[(x->n_marks - 1) & 1]));  // bounded run-ahead
+    x->n_marks++;
+    PD_CUDA_CHECK(cudaEventRecord(ev, cb->stream));
+    PD_CUDA_CHECK(cudaStreamWaitEvent(x->stream, ev, 0));
+}
+
+void pd_cuda_kv_copy_xfer(pd_backend *b, const pd_kv_copy_params *p) {
+    pd_cuda_backend *cb = pd_cuda_backend_of(b);
+    pd_cuda_xfer *x = xfer_of(cb);
+    int nl = p->layer_end - p->layer_begin;
+    if (p->n_blocks <= 0 || nl <= 0) return;
+    size_t off, n;
+    char *host = pd_cuda_kv_copy_pack(p, &off, &n);
+    size_t at = xfer_alloc(x, n);
+    memcpy(x->host + at, host, n);
+    pd_free(host);
+    PD_CUDA_CHECK(cudaMemcpyAsync(x->dev + at, x->host + at, n, cudaMemcpyHostToDevice, x->stream));
+    pd_kv_copy_kparams k = {.ptrs = (void *const *)(x->dev + at), .blocks = (const pd_kv_block_desc *)(x->dev + at + off),
+                            .n_blocks = p->n_blocks, .n_layers = nl, .block_size = p->block_size, .row_bytes = p->row_bytes};
+    pd_cuda_kv_copy(&k, x->stream);
+    PD_CUDA_CHECK_LAUNCH();
+}
+
+void pd_cuda_kv_checksum_xfer(pd_backend *b, const pd_kv_checksum_params *p) {
+    pd_cuda_backend *cb = pd_cuda_backend_of(b);
+    pd_cuda_xfer *x = xfer_of(cb);
+    int nl = p->layer_end - p->layer_begin;
+    if (nl <= 0) return;
+    PD_ASSERT(p->row_bytes % 8 == 0 && p->block_size > 0);
+    int nb = PD_MAX(p->n_blocks, 0);
+    size_t pb = sizeof(void *) * 2 * (size_t)nl, db = sizeof(pd_kv_block_desc) * (size_t)nb;
+    size_t sb = sizeof(uint64_t) * (size_t)nl, sums_off = (pb + db + 15) & ~(size_t)15;
+    size_t at = xfer_alloc(x, sums_off + sb);
+    void **ptrs = (void **)(x->host + at);
+    pd_kv_block_desc *d = (pd_kv_block_desc *)(x->host + at + pb);
+    for (int l = 0; l < nl; l++) ptrs[2 * l] = p->k[p->layer_begin + l], ptrs[2 * l + 1] = p->v[p->layer_begin + l];
+    uint64_t words = 0;
+    for (int i = 0; i < nb; i++) {
+        PD_ASSERT(p->n_rows[i] >= 0 && p->n_rows[i] <= p->block_size);
+        d[i] = (pd_kv_block_desc){.src_block = p->blocks[i], .n_rows = p->n_rows[i], .word0 = words};
+        words += (uint64_t)p->n_rows[i] * p->row_bytes / 8;
+    }
+    PD_CUDA_CHECK(cudaMemcpyAsync(x->dev + at, x->host + at, pb + db, cudaMemcpyHostToDevice, x->stream));
+    pd_kv_checksum_kparams k = {.ptrs = (void **)(x->dev + at), .blocks = (pd_kv_block_desc *)(x->dev + at + pb),
+                                .sums = (uint64_t *)(x->dev + at + sums_off), .n_blocks = nb, .n_layers = nl,
+                                .block_size = p->block_size, .row_bytes = p->row_bytes, .k_words = words};
+    pd_cuda_kv_checksum(&k, x->stream);
+    PD_CUDA_CHECK_LAUNCH();
+    PD_CUDA_CHECK(cudaMemcpyAsync(x->host + at + sums_off, x->dev + at + sums_off, sb, cudaMemcpyDeviceToHost, x->stream));
+    if (x->n_pending == x->cap_pending) {
+        int cap = PD_MAX(16, 2 * x->cap_pending);
+        xfer_pending *np = pd_realloc(x->pending, sizeof *np * (size_t)cap);
+        PD_ASSERT(np);
+        x->pending = np;
+        x->cap_pending = cap;
+    }
+    x->pending[x->n_pending++] = (xfer_pending){.dst = p->sums, .off = at + sums_off, .n = nl};
+}
+
+void pd_cuda_xfer_sync(pd_backend *b) {
+    pd_cuda_backend *cb = pd_cuda_backend_of(b);
+    pd_cuda_bind(cb);
+    if (cb->xfer) xfer_drain(cb->xfer);
+}
+
+void pd_cuda_xfer_fini(pd_cuda_backend *cb) {
+    pd_cuda_xfer *x = cb->xfer;
+    if (!x) return;
+    cudaStreamSynchronize(x->stream);
+    for (int i = 0; i < 2; i++) cudaEventDestroy(x->ev[i]);
+    cudaStreamDestroy(x->stream);
+    if (x->host) cudaFreeHost(x->host);
+    if (x->dev) cudaFree(x->dev);
+    pd_free(x->pending);
+    pd_free(x);
+    cb->xfer = NULL;
+}
