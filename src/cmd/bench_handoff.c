@@ -11,8 +11,10 @@
 // --reps requests with max_tokens 1, each submitted through pd_engine_submit and watched with
 // pd_engine_poll. Reported per length (medians):
 //   * KV bytes moved (2 x layers x tokens x row bytes) and the copy time of the KV itself: the
-//     prefill engine's kv_export_copy_us_total delta (cuda-ipc: pd_op_kv_copy + a stream sync,
-//     host clock, the stream idle before it; nccl (--transport nccl): the KV_NCCL announcement +
+//     prefill engine's kv_export_copy_us_total delta (cuda-ipc: the engine thread's time to
+//     enqueue each layer's copy + checksum on the backend's transfer stream plus the wait for
+//     that stream after the forward pass — with layer-wise overlap (the default; PD_KV_OVERLAP=0
+//     turns it off) most copies ran during the forward pass and are not in it; nccl (--transport nccl): the KV_NCCL announcement +
 //     ncclSend of the request's slab until complete, i.e. until the decode side has received it —
 //     the local gather into the staging slab and the decode side's scatter are not in it, they
 //     are in the handoff and TTFT columns), and the resulting GB/s;
@@ -466,8 +468,11 @@ int pd_cmd_bench_handoff(int argc, char **argv) {
     for (int i = 0; i < n_rows; i++) have |= rows[i].tokens == ttft_tokens;
     if (!have) rows[n_rows++].tokens = ttft_tokens;
     const char *transport = pd_kvw_transport_name(pd_engine_kv_transport(d));
-    printf("bench-handoff: model %s, %s devices prefill %d -> decode %d, transport %s, %d reps after 1 warm-up\n", o.model,
-           o.device, o.dev_prefill, o.dev_decode, transport, o.reps);
+    const char *ov = getenv("PD_KV_OVERLAP");
+    bool overlap = !(ov && !strcmp(ov, "0"));
+    printf("bench-handoff: model %s, %s devices prefill %d -> decode %d, transport %s, %d reps after 1 warm-up, "
+           "layer-wise overlap %s (PD_KV_OVERLAP)\n", o.model, o.device, o.dev_prefill, o.dev_decode, transport, o.reps,
+           overlap ? "on" : "off");
     for (int i = 0; i < n_rows; i++) {
         if (!run_disagg(&o, d, &ch, &rows[i], &next_id)) {
             fprintf(stderr, "pdserve bench-handoff: disaggregated run of %d tokens failed\n", rows[i].tokens);

@@ -937,6 +937,69 @@ PD_TEST(test_cuda_kv_checksum) {
     ctx_fini(&c);
 }
 
+// The transfer stream (pd_backend_xfer_mark, pd_op_kv_copy_xfer, pd_op_kv_checksum_xfer): the
+// sources are written on the compute stream without a sync, then each listed layer is copied and
+// checksummed on the transfer stream after a mark; after pd_backend_xfer_sync the destination and
+// the sums are exactly what the compute-stream writes give (the mark orders them).
+PD_TEST(test_cuda_kv_xfer_stream) {
+    ctx c;
+    if (!ctx_init(&c, 24)) PD_SKIP("%s: no CUDA device", __func__);
+    PD_CHECK(pd_backend_has_xfer_stream(c.gpu));
+    PD_CHECK(!pd_backend_has_xfer_stream(c.cpu));
+    for (size_t ci = 0; ci < PD_ARRAY_LEN(KV_CASES); ci++) {
+        const kv_case *k = &KV_CASES[ci];
+        size_t layer = (size_t)k->n_blocks * (size_t)k->bs * k->row_bytes, bb = (size_t)k->bs * k->row_bytes;
+        uint8_t *hs[2][8], *hd[2][8], *stale = rand_bytes(&c, layer, 0x5a, false);
+        void *ds[2][8], *dd[2][8];
+        for (int l = 0; l < k->n_layers; l++)
+            for (int kv = 0; kv < 2; kv++) {
+                hs[kv][l] = rand_bytes(&c, layer, 0, true);
+                hd[kv][l] = rand_bytes(&c, layer, 0xab, false);
+                ds[kv][l] = dev_bytes(&c, c.gpu, stale, layer);  // synced: what a missing dependency would read
+                dd[kv][l] = dev_bytes(&c, c.gpu, hd[kv][l], layer);
+            }
+        uint64_t sums[8] = {0};
+        for (int l = k->layer_begin; l < k->layer_end; l++) {
+            for (int kv = 0; kv < 2; kv++) pd_backend_upload(c.gpu, ds[kv][l], hs[kv][l], layer);  // compute stream
+            pd_backend_xfer_mark(c.gpu);
+            pd_kv_copy_params p = {.src_k = ds[0], .src_v = ds[1], .dst_k = dd[0], .dst_v = dd[1], .src_blocks = k->src,
+                                   .dst_blocks = k->dst, .n_rows = k->rows, .n_blocks = k->nb, .layer_begin = l,
+                                   .layer_end = l + 1, .block_size = k->bs, .row_bytes = k->row_bytes};
+            pd_op_kv_copy_xfer(c.gpu, &p);
+            pd_kv_checksum_params cp = {.k = ds[0], .v = ds[1], .blocks = k->src, .n_rows = k->rows, .n_blocks = k->nb,
+                                        .layer_begin = l, .layer_end = l + 1, .block_size = k->bs,
+                                        .row_bytes = k->row_bytes, .sums = sums + l};
+            pd_op_kv_checksum_xfer(c.gpu, &cp);
+        }
+        pd_backend_xfer_sync(c.gpu);
+        pd_backend_sync(c.gpu);
+        uint8_t *got = pd_malloc(layer);
+        for (int l = 0; l < k->n_layers; l++) {
+            bool listed = l >= k->layer_begin && l < k->layer_end;
+            uint64_t want = 0, g = 0;
+            for (int kv = 0; kv < 2; kv++) {
+                if (listed)
+                    for (int i = 0; i < k->nb; i++) {
+                        memcpy(hd[kv][l] + (size_t)k->dst[i] * bb, hs[kv][l] + (size_t)k->src[i] * bb,
+                               (size_t)k->rows[i] * k->row_bytes);
+                        pd_checksum_run(&want, &g, hs[kv][l] + (size_t)k->src[i] * bb, (size_t)k->rows[i] * k->row_bytes);
+                    }
+                pd_backend_download(c.gpu, got, dd[kv][l], layer);
+                PD_CHECK_MSG(!memcmp(got, hd[kv][l], layer), "xfer case %zu layer %d %s differs", ci, l, kv ? "V" : "K");
+                pd_free(hs[kv][l]);
+                pd_free(hd[kv][l]);
+            }
+            if (listed)
+                PD_CHECK_MSG(sums[l] == want, "xfer case %zu layer %d: sum %016llx want %016llx", ci, l,
+                             (unsigned long long)sums[l], (unsigned long long)want);
+        }
+        pd_free(got);
+        pd_free(stale);
+        ctx_release(&c);
+    }
+    ctx_fini(&c);
+}
+
 // An exported pool describes itself; opening our own handle fails cleanly (CUDA IPC handles can
 // only be opened by another process — bench-handoff exercises that path across two GPUs).
 PD_TEST(test_cuda_ipc_export) {
