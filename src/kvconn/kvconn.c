@@ -408,7 +408,6 @@ void kvc_direct_save_layer(pd_kvconn *c, pd_kvconn_save *s, int l) {
     const pd_kvconn_cache *k = &c->p.cache;
     kvc_peer *p = s->peer;
     int L = k->n_layers, bs = k->block_size;
-    int64_t t0 = pd_time_us();
     if (!s->dk) {
         size_t layer_stride = (size_t)p->n_blocks * k->row_bytes * (size_t)bs;
         s->dk = pd_malloc(sizeof(void *) * (size_t)L);
@@ -426,6 +425,7 @@ void kvc_direct_save_layer(pd_kvconn *c, pd_kvconn_save *s, int l) {
         pd_backend_xfer_mark(c->p.backend);
         c->is_mark_due = false;
     }
+    int64_t t0 = pd_time_us();  // (after the mark: its wait is the compute's, not the copy's)
     // The fence: a writer whose connection ended stops here; the decode side waits out the layer
     // in progress (fence_ms) before it reuses the blocks. The mark above waited for layer l-1's
     // compute, so what is enqueued now runs within about one layer of this check.
