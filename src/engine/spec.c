@@ -524,8 +524,12 @@ pd_status pd_engine_spec_run_plan(pd_engine *e, const pd_step_plan *plan, bool *
         const pd_step_seq *s = &plan->seqs[i];
         ereq *r = pd_engine_req_find(e, s->req_id);
         sreq *sr = r ? r->spec : NULL;
+        // A history that missed tokens (out of memory in sreq_push) cannot feed the draft or the
+        // proposals: that request runs plainly from now on.
+        if (sr && sr->n < s->pos_start + s->n_tokens) sr = NULL;
         srs[i] = sr;
         S->kmax[i] = 0;
+        S->kch[i] = 0;
         if (!sr) continue;
         sr->k = sr->w = 0;
         sr->q = NULL;
