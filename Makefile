@@ -41,7 +41,7 @@ endif
 # Libraries, by pkg-config module (tools/deps.sh installs their Debian packages). Flags come from
 # pkg-config only: openblas.pc points at Debian's openblas-pthread include directory, whose cblas.h
 # declares openblas_set_num_threads (a reference-BLAS cblas.h does not).
-PKGS     := jansson libpcre2-8 libevent libevent_pthreads libxxhash openblas libutf8proc
+PKGS     := jansson libpcre2-8 libevent libevent_pthreads libxxhash openblas libutf8proc libcrypto
 PKG_CFLAGS := $(shell pkg-config --cflags $(PKGS) 2>/dev/null)
 PKG_LIBS   := $(shell pkg-config --libs $(PKGS) 2>/dev/null)
 CFLAGS_BASE := -std=c11 -D_GNU_SOURCE -Wall -Wextra -Wshadow -Wno-unused-parameter -fPIC -pthread -fopenmp \
@@ -146,9 +146,9 @@ test-asan: deps
 # HTTP/API event loops and the router. libgomp is not instrumented (its barriers look like races),
 # so OMP_THREAD_LIMIT=1 runs every OpenMP region on its calling thread; tools/tsan.supp holds the
 # (commented, narrow) suppressions. TSan reports make the process exit 66: a report is a failure.
-TSAN_TESTS ?= unit/test_engine unit/test_disagg unit/test_api_server unit/test_http unit/test_http_client \
-              unit/test_router_core unit/test_router_wire
-TSAN_SCRIPTS ?= test_disagg.sh test_router_fake.sh test_api.sh
+TSAN_TESTS ?= unit/test_engine unit/test_disagg unit/test_api_server unit/test_api_prep unit/test_http \
+              unit/test_http_client unit/test_router_core unit/test_router_wire
+TSAN_SCRIPTS ?= test_disagg.sh test_router_fake.sh test_api.sh test_shutdown.sh
 test-tsan: deps
 	@$(MAKE) --no-print-directory BUILD=build/tsan SAN=thread CUDA=0 $(addprefix build/tsan/tests/,$(TSAN_TESTS)) build/tsan/pdserve
 	@PD_TEST_TIME_SCALE=10 OMP_THREAD_LIMIT=1 TSAN_OPTIONS="suppressions=$(CURDIR)/tools/tsan.supp halt_on_error=1 exitcode=66 second_deadlock_stack=1" \

@@ -12,8 +12,9 @@ allowed() {
     sched) echo "base kv sched" ;;
     spec) echo "base spec" ;;
     xfer) echo "base wire net backend kv xfer" ;;
+    kvconn) echo "base wire net backend kv xfer kvconn" ;;
     http) echo "base net http" ;;
-    engine) echo "base model sched kv xfer backend metrics tok wire net spec engine" ;;
+    engine) echo "base model sched kv kvconn backend metrics tok wire net spec engine" ;;
     api) echo "base http tok engine metrics net api" ;;
     router) echo "base http net wire metrics router" ;;
     bench) echo "base http net metrics bench" ;;
@@ -30,6 +31,11 @@ for f in $(find src -name '*.c' -o -name '*.h' -o -name '*.cu' -o -name '*.cuh')
     case " $ok " in *" $inc "*) ;; *) echo "layering: $f includes $inc/ (allowed: $ok)"; bad=1 ;; esac
   done
 done
+# The engine reaches the KV path through the connector interface only: kvconn/kvconn.h, never a
+# transport file, the connector's internals or the session layer (xfer/, excluded above).
+if grep -nE '^#include "kvconn/' src/engine/*.c src/engine/*.h | grep -v '"kvconn/kvconn.h"' | grep .; then
+  echo "layering: the engine includes a KV transport or connector internals (only kvconn/kvconn.h is allowed)"; bad=1
+fi
 # PD_USE_CUDA belongs to the backend registry alone.
 if grep -rl 'PD_USE_CUDA' src | grep -v 'src/backend/registry.c' | grep -q .; then
   echo "layering: PD_USE_CUDA used outside src/backend/registry.c"; bad=1

@@ -107,6 +107,8 @@ in_root() { chroot "$root" /usr/bin/env -i HOME=/root PATH=/usr/local/sbin:/usr/
 # ---- 3. a real machine's trap: the reference BLAS, whose cblas.h is not OpenBLAS's ----------------
 phase "installing libblas-dev (reference BLAS) as many machines have it"
 in_root 'apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends libblas-dev >/dev/null'
+# the old file test ("any cblas.h means OpenBLAS") would pass here although OpenBLAS is absent
+in_root 'echo "  cblas.h -> $(readlink -f /usr/include/x86_64-linux-gnu/cblas.h); libopenblas-dev: $(dpkg-query -W -f="\${db:Status-Abbrev}" libopenblas-dev 2>/dev/null || echo not installed)"'
 
 # ---- 4. the README -----------------------------------------------------------------------------------
 phase "README prerequisite: apt-get install make"
@@ -124,9 +126,9 @@ phase "make test"
 t0=$(date +%s)
 in_root 'cd /src/repo && timeout 5400 make test' >"$cache/make-test.log" 2>&1 || true
 tail -15 "$cache/make-test.log"
-last=$(tail -1 "$cache/make-test.log")
+last=$(grep -E '^[0-9]+ passed, [0-9]+ failed, [0-9]+ skipped$' "$cache/make-test.log" | tail -1)
 phase "make test: '$last' ($(( $(date +%s) - t0 ))s)"
 left=$(ls -A "$root/dev/shm" | head -20)
 [ -z "$left" ] || echo "note: files left in the root's /dev/shm: $left"
-echo "$last" | grep -Eq '^[0-9]+ passed, 0 failed, [0-9]+ skipped$' || { echo "FAIL: make test: $last"; exit 1; }
+echo "$last" | grep -Eq '^[0-9]+ passed, 0 failed, [0-9]+ skipped$' || { grep '^-- .*FAILED' "$cache/make-test.log"; echo "FAIL: make test: ${last:-no runner line}"; exit 1; }
 phase "PASS: make run and make test on a clean Debian 12 root (total $(( $(date +%s) - t_start ))s)"

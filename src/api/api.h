@@ -89,6 +89,7 @@ typedef struct pd_api_request {
     int n;                     // 1..PD_API_MAX_N
     bool stream;
     bool include_usage;        // stream_options.include_usage
+    bool include_timings;      // "timings": true or stream_options.include_timings: usage.ttft_breakdown
     bool ignore_eos;
     bool skip_special_tokens;  // default true
     bool include_stop_str_in_output;
@@ -143,6 +144,9 @@ typedef struct pd_api_params {
     int port;                       // 0 = any free port
     size_t max_body_bytes;          // default 8 MiB
     const char *served_model_name;  // NULL = pd_engine_model_name()
+    int max_connections;            // 0 = from RLIMIT_NOFILE (http.h)
+    int keepalive_timeout_s;        // 0 = default (30)
+    int header_timeout_s;           // 0 = default (60)
 } pd_api_params;
 pd_api_params pd_api_params_default(void);
 

@@ -62,6 +62,13 @@ struct api_job {
     pd_status error_status;
     char error_msg[256];
     api_job *prev, *next;
+    // TTFT breakdown and tracing (timing.c)
+    bool include_timings;  // "timings": true / stream_options.include_timings → usage.ttft_breakdown
+    bool has_ttft, ttft_remote;
+    double ttft_ms[PD_WIRE_N_TTFT_PARTS];
+    int64_t t_ttft_sched_us, t_ttft_kv_us, t_ttft_first_us;
+    bool is_traced, has_parent_span;
+    uint8_t trace_id[16], span_id[8], parent_span_id[8];
 };
 
 typedef struct api_metrics {
@@ -74,6 +81,8 @@ typedef struct api_metrics {
     pd_metric *jobs;
     pd_metric *handoffs, *fallbacks[PD_FALLBACK_N], *local_short, *handoff_bytes, *handoff_seconds;
     pd_metric *exports, *export_bytes, *export_copy_seconds, *prefill_healthy;
+    pd_metric *kvconn[8];  // the KV connector's counters (server.c KVCONN_METRICS)
+    pd_metric *ttft_part[PD_WIRE_N_TTFT_PARTS][2];  // [part][local, remote]
     // speculative decoding, by method (index 1.. of PD_ENGINE_SPEC_N; 0 unused)
     pd_metric *spec_drafted[PD_ENGINE_SPEC_N], *spec_accepted[PD_ENGINE_SPEC_N], *spec_emitted[PD_ENGINE_SPEC_N];
     pd_metric *spec_steps[PD_ENGINE_SPEC_N], *spec_rate[PD_ENGINE_SPEC_N], *spec_mal[PD_ENGINE_SPEC_N];
@@ -100,8 +109,23 @@ struct pd_api {
     pd_rng rng;
     api_job *jobs;
     int n_jobs;
+    int64_t n_ttft;                             // first tokens seen (reported in /internal/state)
+    double ttft_ms_sum[PD_WIRE_N_TTFT_PARTS];
     struct pd_api_prep *prep;  // owned: parse + template + tokenize off the loop (prep.c)
 };
+
+// ---- TTFT breakdown and request spans (timing.c) ------------------------------------------------
+pd_status pd_api_timing_metrics_init(pd_api *a, pd_err *err);
+// Records the breakdown of j's first token (ev: its first TOKEN event, now: when it arrived here).
+void pd_api_ttft_note(api_job *j, const pd_engine_event *ev, int64_t now);
+// usage.ttft_breakdown (new reference; JSON null before the first token).
+json_t *pd_api_ttft_json(const api_job *j);
+// Starts j's span (tracing on): under the caller's traceparent header if valid, else a new trace.
+void pd_api_trace_begin(api_job *j, const char *traceparent);
+// The traceparent naming j's span ("" when not traced), for the engine (→ prefill worker).
+void pd_api_trace_traceparent(const api_job *j, char out[56]);
+// Exports j's span and its TTFT parts.
+void pd_api_trace_end(api_job *j, int64_t now);
 
 // ---- id table (server.c) -----------------------------------------------------------------------
 api_choice *pd_api_idmap_get(api_idmap *m, uint64_t id);

@@ -56,6 +56,7 @@ static void count_finish(pd_api *a, const char *reason) {
 static void job_complete(api_job *j) {
     pd_api *a = j->api;
     pd_metric_observe(a->m.e2e, (double)(pd_time_us() - j->t_arrival_us) / 1e6);
+    pd_api_trace_end(j, pd_time_us());
     if (j->http) {
         if (j->has_error && !j->stream) {
             const char *type;
@@ -136,6 +137,7 @@ static void on_token(api_choice *c, const pd_engine_event *ev) {
     int64_t now = pd_time_us();
     if (c->n_tokens == 0) {
         pd_metric_observe(a->m.ttft, (double)(now - j->t_arrival_us) / 1e6);
+        pd_api_ttft_note(j, ev, now);
         c->n_cached = ev->n_cached_tokens;
     } else {
         pd_metric_observe(a->m.itl, (double)(now - c->t_last_us) / 1e6);

@@ -319,7 +319,8 @@ static pd_status parse_fields(pd_api_request *r, const char *served, pd_api_erro
         if (!json_is_object(so)) return fail(e, PD_ERR_INVALID, "stream_options", "'stream_options' must be an object");
         if (!r->stream)
             return fail(e, PD_ERR_INVALID, "stream_options", "'stream_options' is only allowed when 'stream' is true");
-        if ((st = get_bool(so, "include_usage", &r->include_usage, e))) {
+        if ((st = get_bool(so, "include_usage", &r->include_usage, e)) ||
+            (st = get_bool(so, "include_timings", &r->include_timings, e))) {
             snprintf(e->param, sizeof e->param, "stream_options");
             return st;
         }
@@ -334,6 +335,9 @@ static pd_status parse_fields(pd_api_request *r, const char *served, pd_api_erro
     if ((st = get_bool(o, "skip_special_tokens", &r->skip_special_tokens, e))) return st;
     if ((st = get_bool(o, "include_stop_str_in_output", &r->include_stop_str_in_output, e))) return st;
     if ((st = get_bool(o, "return_token_ids", &r->return_token_ids, e))) return st;
+    bool timings = false;  // pdserve extension: usage.ttft_breakdown (docs/router.md)
+    if ((st = get_bool(o, "timings", &timings, e))) return st;
+    if (timings) r->include_timings = true;
     if ((st = get_int(o, "priority", INT_MIN, INT_MAX, &v, &given, e))) return st;
     if (given) r->priority = (int)v;
     if ((st = parse_sampling(r, e))) return st;

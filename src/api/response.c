@@ -24,6 +24,7 @@ json_t *pd_api_usage_json(const api_job *j) {
     json_t *u = json_pack("{s:i,s:i,s:i,s:{s:i}}", "prompt_tokens", j->n_prompt_tokens, "completion_tokens",
                           n_completion, "total_tokens", j->n_prompt_tokens + n_completion, "prompt_tokens_details",
                           "cached_tokens", n_cached);
+    if (u && j->include_timings) json_object_set_new(u, "ttft_breakdown", pd_api_ttft_json(j));
     // Extension (not in OpenAI's schema): speculative decoding's work for this request.
     int method = 0, drafted = 0, accepted = 0, steps = 0;
     for (int i = 0; i < j->n_choices; i++) {

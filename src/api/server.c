@@ -69,6 +69,8 @@ static api_job *job_new(pd_api *a, pd_http_req *http, const pd_api_request *rq, 
     j->n = rq->n;
     j->created = (int64_t)time(NULL);
     j->t_arrival_us = pd_time_us();
+    j->include_timings = rq->include_timings;
+    pd_api_trace_begin(j, http ? pd_http_req_header(http, "traceparent") : NULL);
     snprintf(j->id, sizeof j->id, "%s%016llx%08llx", rq->kind == PD_API_CHAT ? "chatcmpl-" : "cmpl-",
              (unsigned long long)pd_rng_next(&a->rng), (unsigned long long)(++a->n_jobs_total & 0xffffffffu));
     for (int i = 0; i < rq->n_stop_ids; i++) j->stop_ids[j->n_stop_ids++] = rq->stop_ids[i];
@@ -123,6 +125,7 @@ static pd_status job_submit(api_job *j, const pd_api_request *rq, const pd_api_p
         // vLLM's `priority`: lower values run first; the engine runs higher values first.
         er.priority = rq->priority == INT_MIN ? INT_MAX : -rq->priority;
         er.arrival_us = j->t_arrival_us;
+        pd_api_trace_traceparent(j, er.traceparent);
         pd_err err = {0};
         pd_status st = pd_api_idmap_put(&a->ids, er.id, c);
         if (st == PD_OK) {
@@ -214,6 +217,8 @@ static void h_state(pd_http_req *r, void *ud) {
     char *txt = NULL;
     size_t n = 0;
     pd_status s = pd_engine_state(a->engine, (uint64_t)since, 4096, &st);
+    st.load.n_ttft = a->n_ttft;
+    for (int i = 0; i < PD_WIRE_N_TTFT_PARTS; i++) st.load.ttft_ms_sum[i] = a->ttft_ms_sum[i];
     if (s == PD_OK) s = pd_wire_state_encode(&st, &txt, &n);
     pd_wire_state_fini(&st);
     if (s) pd_http_reply_error(r, 500, "server_error", "out of memory", NULL, NULL);
@@ -249,6 +254,18 @@ static void mirror(pd_metric *c, double total) {
     if (d > 0) pd_metric_inc(c, d);
 }
 
+// The KV connector's counters: name, help (the order of pd_engine_stats' n_kv_auth_failures..).
+static const char *const KVCONN_METRICS[8][2] = {
+    {"pdserve_kv_auth_failures_total", "KV peers that did not prove the shared secret (disconnected, told nothing)."},
+    {"pdserve_kv_protocol_errors_total", "KV connections closed for a malformed or out-of-bounds frame."},
+    {"pdserve_kv_connections_accepted_total", "KV connections accepted by this prefill worker."},
+    {"pdserve_kv_slow_peer_drops_total", "KV sends refused or connections closed because the peer did not read."},
+    {"pdserve_kv_fenced_total", "KV loads failed only after their writer was fenced off."},
+    {"pdserve_kv_peers_refused_total", "Decode KV pools refused (announced size or handle did not check out)."},
+    {"pdserve_kv_saves_layerwise_total", "KV exports whose layers shipped while later layers computed."},
+    {"pdserve_kv_saves_failed_total", "KV prefill requests refused or failed (PREFILL_FAIL sent)."},
+};
+
 static void refresh_engine_metrics(pd_api *a) {
     pd_engine_stats s;
     memset(&s, 0, sizeof s);
@@ -279,6 +296,9 @@ static void refresh_engine_metrics(pd_api *a) {
     mirror(a->m.export_bytes, s.n_kv_export_bytes);
     mirror(a->m.export_copy_seconds, (double)s.kv_export_copy_us_total / 1e6);
     pd_metric_set(a->m.prefill_healthy, pd_engine_n_prefill_healthy(a->engine));
+    int64_t kvc[8] = {s.n_kv_auth_failures, s.n_kv_proto_errors, s.n_kv_conns_accepted, s.n_kv_slow_peer_drops,
+                      s.n_kv_fenced, s.n_kv_peers_refused, s.n_kv_saves_layerwise, s.n_kv_saves_failed};
+    for (int i = 0; i < 8; i++) mirror(a->m.kvconn[i], (double)kvc[i]);
     for (int k = 1; k < PD_ENGINE_SPEC_N; k++) {
         mirror(a->m.spec_drafted[k], s.spec_drafted[k]);
         mirror(a->m.spec_accepted[k], s.spec_accepted[k]);
@@ -373,6 +393,7 @@ static pd_status register_metrics(pd_api *a, pd_err *err) {
     C(export_bytes, "pdserve_kv_export_bytes_total", "KV bytes this prefill worker wrote into decode pools.", NULL);
     C(export_copy_seconds, "pdserve_kv_export_copy_seconds_total", "Time spent copying exported KV, summed.", NULL);
     G(prefill_healthy, "pdserve_kv_prefill_workers_healthy", "Prefill workers this decode worker is connected to.");
+    for (int i = 0; i < 8; i++) C(kvconn[i], KVCONN_METRICS[i][0], KVCONN_METRICS[i][1], NULL);
     // Speculative decoding, by method (zero without it).
     for (int k = 1; k < PD_ENGINE_SPEC_N; k++) {
         char l[64];
@@ -431,7 +452,7 @@ pd_api *pd_api_new(struct event_base *base, pd_engine *e, const pd_api_params *p
             goto fail;
         }
     }
-    if (register_metrics(a, err)) goto fail;
+    if (register_metrics(a, err) || pd_api_timing_metrics_init(a, err)) goto fail;
     a->prep = pd_api_prep_new(base, &(pd_api_prep_params){.tok = a->tok, .tmpl = a->tmpl, .model_name = a->model_name,
                                                           .max_model_len = a->max_model_len}, err);
     if (!a->prep) goto fail;
@@ -439,6 +460,9 @@ pd_api *pd_api_new(struct event_base *base, pd_engine *e, const pd_api_params *p
     hp.host = p->host;
     hp.port = p->port;
     if (p->max_body_bytes) hp.max_body_bytes = p->max_body_bytes;
+    if (p->max_connections > 0) hp.max_connections = p->max_connections;
+    if (p->keepalive_timeout_s > 0) hp.keepalive_timeout_s = p->keepalive_timeout_s;
+    if (p->header_timeout_s > 0) hp.header_timeout_s = p->header_timeout_s;
     hp.on_response = on_response;
     hp.on_response_ud = a;
     a->http = pd_http_server_new(base, &hp, err);

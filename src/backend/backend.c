@@ -2,6 +2,7 @@
 // optional methods.
 #include "backend/backend_impl.h"
 
+#include <math.h>
 #include <string.h>
 
 #include "base/checksum.h"
@@ -13,6 +14,7 @@ size_t pd_dtype_size(pd_dtype t) {
     case PD_DTYPE_I32: return 4;
     case PD_DTYPE_F16: return 2;
     case PD_DTYPE_BF16: return 2;
+    case PD_DTYPE_FP8_E4M3: return 1;
     }
     return 0;
 }
@@ -23,14 +25,60 @@ const char *pd_dtype_name(pd_dtype t) {
     case PD_DTYPE_I32: return "int32";
     case PD_DTYPE_F16: return "float16";
     case PD_DTYPE_BF16: return "bfloat16";
+    case PD_DTYPE_FP8_E4M3: return "float8_e4m3fn";
     }
     return "unknown";
 }
+
+uint8_t pd_fp8_e4m3_from_f32(float x) {
+    if (isnan(x)) return 0x7f;
+    uint8_t sign = signbit(x) ? 0x80 : 0;
+    float a = fabsf(x);
+    if (a >= 464.0f) return sign | 0x7e;  // saturate (464 is the midpoint of 448 and the next step, 480)
+    if (a < 0.015625f) {                  // below 2^-6: subnormal, steps of 2^-9
+        int m = (int)nearbyintf(a * 512.0f);  // 0..8 (8 is the smallest normal, 0x08)
+        return sign | (uint8_t)m;
+    }
+    int e;
+    float f = frexpf(a, &e);  // a = f * 2^e, f in [0.5, 1)
+    int m = (int)nearbyintf((f * 2.0f - 1.0f) * 8.0f);  // mantissa steps of 1/8, ties to even
+    int be = e - 1 + 7;
+    if (m == 8) m = 0, be++;
+    if (be > 15 || (be == 15 && m > 6)) return sign | 0x7e;
+    return sign | (uint8_t)(be << 3) | (uint8_t)m;
+}
+
+float pd_fp8_e4m3_to_f32(uint8_t v) {
+    int e = (v >> 3) & 15, m = v & 7;
+    float a;
+    if (e == 15 && m == 7) return NAN;
+    if (e == 0) a = ldexpf((float)m, -9);
+    else a = ldexpf(1.0f + (float)m / 8.0f, e - 7);
+    return (v & 0x80) ? -a : a;
+}
+
+size_t pd_kv_row_bytes(pd_backend *b, pd_kv_dtype t, int n_kv_heads, int head_dim) {
+    size_t n = (size_t)n_kv_heads * (size_t)head_dim;
+    if (t == PD_KV_FP8) return (n + 4 * (size_t)n_kv_heads + 15) / 16 * 16;
+    return n * pd_dtype_size(b->iface->act_dtype);
+}
+
+bool pd_kv_dtype_parse(const char *s, pd_kv_dtype *out) {
+    if (!strcmp(s, "auto") || !strcmp(s, "bf16") || !strcmp(s, "bfloat16") || !strcmp(s, "float32")) *out = PD_KV_ACT;
+    else if (!strcmp(s, "fp8") || !strcmp(s, "fp8_e4m3")) *out = PD_KV_FP8;
+    else return false;
+    return true;
+}
+
+const char *pd_kv_dtype_name(pd_kv_dtype t) { return t == PD_KV_FP8 ? "fp8_e4m3" : "auto"; }
 
 void pd_backend_free(pd_backend *b) {
     if (b) b->iface->free(b);
 }
 const char *pd_backend_name(pd_backend *b) { return b->iface->name; }
+const char *pd_backend_device_name(pd_backend *b) {
+    return b->iface->device_name ? b->iface->device_name(b) : b->iface->name;
+}
 pd_dtype pd_backend_weight_dtype(pd_backend *b) { return b->iface->weight_dtype; }
 pd_dtype pd_backend_act_dtype(pd_backend *b) { return b->iface->act_dtype; }
 void pd_backend_mem_info(pd_backend *b, size_t *f, size_t *t) { b->iface->mem_info(b, f, t); }

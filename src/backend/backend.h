@@ -37,11 +37,35 @@ typedef enum pd_dtype {
     PD_DTYPE_F16 = 1,
     PD_DTYPE_BF16 = 2,
     PD_DTYPE_I32 = 3,
+    PD_DTYPE_FP8_E4M3 = 4,  // OCP E4M3 (no infinities; max 448; 0x7f/0xff NaN): the fp8 KV cache
 } pd_dtype;
 size_t pd_dtype_size(pd_dtype t);
 const char *pd_dtype_name(pd_dtype t);
 
 typedef struct pd_backend pd_backend;
+
+// E4M3 conversions on the host, as the device converts (round to nearest even, saturating to
+// +-448; NaN -> 0x7f). The CPU backend's fp8 KV cache and the tests use them.
+uint8_t pd_fp8_e4m3_from_f32(float x);
+float pd_fp8_e4m3_to_f32(uint8_t v);
+
+// KV-cache element formats. PD_KV_ACT: the backend's activation dtype (f32 on CPU, bf16 on CUDA).
+// PD_KV_FP8: E4M3 with one f32 scale per (token, kv head) ("per-head" scales), quantised in the KV
+// write: scale = amax / 448 over the head's head_dim values, q = e4m3(x * (448 / amax)) (all zero,
+// scale 0, when amax is 0), x ~ q * scale. A cache slot's row, in K and in V alike, is
+//   [n_kv_heads * head_dim e4m3 bytes | n_kv_heads f32 scales | zero padding to 16 bytes]
+// so a row stays self-contained (block copies, KV handoffs and checksums move rows as bytes) and
+// every head's data starts 16-byte aligned when head_dim % 16 == 0.
+typedef enum pd_kv_dtype {
+    PD_KV_ACT = 0,
+    PD_KV_FP8 = 1,
+} pd_kv_dtype;
+// Bytes of one slot's K (or V) row of a layer: n_kv_heads * head_dim * act size for PD_KV_ACT.
+size_t pd_kv_row_bytes(pd_backend *b, pd_kv_dtype t, int n_kv_heads, int head_dim);
+// "auto" / "bf16" / "float32" (the act dtype) or "fp8" / "fp8_e4m3"; false for anything else.
+bool pd_kv_dtype_parse(const char *s, pd_kv_dtype *out);
+const char *pd_kv_dtype_name(pd_kv_dtype t);
+
 typedef struct pd_buffer pd_buffer;
 typedef struct pd_graph pd_graph;  // a captured op sequence (pd_backend_graph_*)
 
@@ -90,15 +114,16 @@ typedef struct pd_rope_kv_params {
     const int32_t *positions;    // (n_tokens)
     const float *inv_freq;       // (head_dim/2), f32: frequencies incl. llama3/linear scaling
     const int32_t *slot_mapping; // (n_tokens): block_id * block_size + offset; < 0: padding, no KV write
-    void *k_cache, *v_cache;     // (n_blocks, block_size, n_kv_heads, head_dim), kv dtype
+    void *k_cache, *v_cache;     // (n_blocks, block_size, rows of pd_kv_row_bytes), kv_dtype
     int n_tokens, n_heads, n_kv_heads, head_dim;
     float attn_scaling;          // multiplies cos/sin (1.0 for llama/qwen2)
+    pd_kv_dtype kv_dtype;        // PD_KV_FP8: k and v are quantised as they are written
 } pd_rope_kv_params;
 
 // Paged causal attention with GQA for a mixed batch (prefill chunks and decodes together).
 typedef struct pd_attention_params {
     const void *q;               // (n_tokens, n_heads, head_dim), act dtype, row stride q_stride elems
-    const void *k_cache, *v_cache;  // (n_blocks, block_size, n_kv_heads, head_dim)
+    const void *k_cache, *v_cache;  // (n_blocks, block_size, rows of pd_kv_row_bytes), kv_dtype
     void *out;                   // (n_tokens, n_heads * head_dim), act dtype
     const int32_t *q_indptr;     // (n_seqs + 1)
     const int32_t *kv_lens;      // (n_seqs)
@@ -108,6 +133,7 @@ typedef struct pd_attention_params {
     int n_tokens, n_seqs, n_heads, n_kv_heads, head_dim, block_size, q_stride;
     int max_q_len, max_kv_len;   // upper bounds over the batch (for grid sizing)
     float scale;                 // 1/sqrt(head_dim)
+    pd_kv_dtype kv_dtype;        // PD_KV_FP8: K/V are dequantised (q * scale) as they are read
 } pd_attention_params;
 
 // out (n, F) = silu(gu[:, :F]) * gu[:, F:]; in a 16-bit act dtype silu(g) is rounded before the
@@ -207,12 +233,14 @@ typedef struct pd_sample_params {
 // A handle that lets another process on the same host map a buffer: the decode worker exports its
 // KV pool once and the prefill worker writes straight into it (shm on CPU, CUDA IPC on GPU).
 typedef struct pd_buffer_handle {
-    char kind[8];          // "shm" or "cuda"
-    char shm_name[64];     // shm: POSIX shared-memory object name
+    char kind[8];          // "memfd" or "cuda"
+    char shm_name[64];     // unused (was: a POSIX shared-memory name; pools are memfds now)
     uint8_t ipc[64];       // cuda: cudaIpcMemHandle_t
     uint64_t n_bytes;
     int32_t device;
     int32_t pid;           // exporting process (cuda IPC cannot be opened by its own process)
+    int32_t fd;            // memfd: a descriptor of the pool in THIS process (the exporter's own, or
+                           // one received with SCM_RIGHTS); never meaningful across processes
 } pd_buffer_handle;
 
 // ---- the backend -------------------------------------------------------------------------------
@@ -226,6 +254,8 @@ bool pd_backend_has_cuda(void);  // compiled in and a device is visible
 void pd_backend_free(pd_backend *b);
 
 const char *pd_backend_name(pd_backend *b);
+// The device's marketing name ("NVIDIA H100 80GB HBM3"; "cpu" on the CPU backend).
+const char *pd_backend_device_name(pd_backend *b);
 pd_dtype pd_backend_weight_dtype(pd_backend *b);
 pd_dtype pd_backend_act_dtype(pd_backend *b);
 // Free and total device memory in bytes (for KV sizing). CPU: available RAM.

@@ -8,6 +8,7 @@ typedef struct pd_backend_iface {
     int api_version;  // PD_BACKEND_API_VERSION
     const char *name;
     void (*free)(pd_backend *b);
+    const char *(*device_name)(pd_backend *b);  // (optional) NULL: the backend's name
     pd_dtype weight_dtype, act_dtype;
     void (*mem_info)(pd_backend *b, size_t *free_bytes, size_t *total_bytes);
     void *(*dev_alloc)(pd_backend *b, size_t n_bytes);  // NULL on failure

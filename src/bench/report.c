@@ -23,6 +23,7 @@
 
 #include "bench/bench.h"
 #include "bench/bench_impl.h"
+#include "http/http.h"
 
 #define CDF_MAX_POINTS 400
 #define MAX_SERIES 64
@@ -320,9 +321,10 @@ static const char CSS[] =
     "padding:0 16px;color:#222;background:#fafafa}"
     "h1{font-size:22px;margin:0 0 4px}h2{font-size:17px;margin:28px 0 10px}"
     ".sub{color:#666;font-size:13px;margin-bottom:16px}"
-    "table{border-collapse:collapse;font-size:13px;background:#fff;width:100%}"
-    "th,td{border:1px solid #ddd;padding:5px 8px;text-align:right;white-space:nowrap}"
-    "th{background:#f0f0f0;position:sticky;top:0}td.l,th.l{text-align:left}"
+    "table{border-collapse:collapse;font-size:12px;background:#fff;width:100%}"
+    "th,td{border:1px solid #ddd;padding:3px 5px;text-align:right;white-space:nowrap}"
+    "th{background:#f0f0f0;position:sticky;top:0;white-space:normal;vertical-align:bottom}td.l,th.l{text-align:left}"
+    "td.msg{text-align:left;white-space:normal;word-break:break-word;max-width:520px;color:#444}"
     ".grid{display:grid;grid-template-columns:repeat(auto-fill,minmax(640px,1fr));gap:16px}"
     "figure{margin:0;background:#fff;border:1px solid #ddd;border-radius:6px;padding:8px}"
     "figcaption{font-size:12px;color:#555;padding:4px 8px}"
@@ -335,7 +337,9 @@ static void cell(pd_bench_buf *b, double v, int prec) {
 }
 
 static void summary_table(pd_bench_buf *b, json_t *const *docs, int n_docs) {
-    pd_bench_buf_puts(b, "<div class=\"wrap\"><table><tr><th class=\"l\">configuration</th><th class=\"l\">model</th>"
+    // 19 columns that must fit a laptop screen (1366 px) without scrolling: headers wrap, the model
+    // goes under the configuration's name.
+    pd_bench_buf_puts(b, "<div class=\"wrap\"><table id=\"summary\"><tr><th class=\"l\">configuration / model</th>"
                          "<th>rate (req/s)</th><th>max conc.</th><th>ok / failed</th><th>duration (s)</th>"
                          "<th>req/s</th><th>out tok/s</th><th>total tok/s</th><th>goodput (req/s)</th>"
                          "<th>TTFT mean</th><th>TTFT p50</th><th>TTFT p99</th><th>TPOT mean</th><th>TPOT p50</th>"
@@ -352,9 +356,9 @@ static void summary_table(pd_bench_buf *b, json_t *const *docs, int n_docs) {
             int n_failed = (int)json_integer_value(json_object_get(m, "failed"));
             pd_bench_buf_printf(b, "<tr><td class=\"l\"><span style=\"color:%s\">&#9632;</span> ", pd_bench_svg_color(d));
             pd_bench_buf_escape(b, label ? label : "");
-            pd_bench_buf_puts(b, "</td><td class=\"l\">");
+            pd_bench_buf_puts(b, "<br><span class=\"sub\">");
             pd_bench_buf_escape(b, model ? model : "");
-            pd_bench_buf_puts(b, "</td>");
+            pd_bench_buf_puts(b, "</span></td>");
             double rate = jnum(run, "request_rate");
             if (isfinite(rate)) pd_bench_buf_printf(b, "<td>%g</td>", rate);
             else pd_bench_buf_puts(b, "<td>inf</td>");
@@ -378,6 +382,108 @@ static void summary_table(pd_bench_buf *b, json_t *const *docs, int n_docs) {
     pd_bench_buf_puts(b, "</table></div>\n<div class=\"sub\">Latencies in milliseconds. "
                          "TTFT: first content chunk; TPOT: (E2E − TTFT)/(output tokens − 1); ITL: every gap between "
                          "chunks; E2E: whole request. Goodput counts requests meeting every SLO.</div>\n");
+}
+
+static const char *status_reason(int status) { return status ? pd_http_status_reason(status) : "no response"; }
+
+// ---- failures by reason ----------------------------------------------------------------------------
+// A failed request's reason, from its error text (run.c writes "HTTP <status>: <body start>",
+// "<status>: <transport message>", "error in stream: ...", "no content in the response"): the
+// HTTP status with the OpenAI error code when the body has one, else the status alone; the
+// transport status; "error in stream"; "no content". out: at least 96 bytes.
+static void failure_reason(const json_t *r, char *out, size_t cap) {
+    const char *e = json_string_value(json_object_get(r, "error"));
+    int status = (int)json_integer_value(json_object_get(r, "http_status"));
+    if (!e) e = "";
+    if (!strncmp(e, "HTTP ", 5)) {
+        const char *body = strchr(e, ':');
+        json_t *o = body ? json_loads(body + 1, 0, NULL) : NULL;
+        json_t *err = json_object_get(o, "error");
+        const char *code = json_string_value(json_object_get(err, "code"));
+        const char *type = json_string_value(json_object_get(err, "type"));
+        if (code && *code) snprintf(out, cap, "HTTP %d %.60s", status, code);
+        else if (type && *type) snprintf(out, cap, "HTTP %d %.60s", status, type);
+        else snprintf(out, cap, "HTTP %d %s", status, status_reason(status));
+        json_decref(o);
+    } else if (!strncmp(e, "error in stream", 15)) {
+        snprintf(out, cap, "error event in the stream");
+    } else if (!strncmp(e, "no content", 10)) {
+        snprintf(out, cap, "no content (empty answer)");
+    } else {
+        const char *colon = strchr(e, ':');
+        int n = colon ? (int)(colon - e) : (int)strlen(e);
+        snprintf(out, cap, "transport: %.*s", PD_MIN(n, 60), e);
+    }
+}
+
+typedef struct fail_row {
+    char reason[96];
+    int n;
+    char example[160];
+} fail_row;
+
+// One table: every (configuration, rate) with failures, its failures grouped by reason, most
+// frequent first, with one example message each.
+static void failures_table(pd_bench_buf *b, json_t *const *docs, int n_docs) {
+    bool any = false;
+    for (int d = 0; d < n_docs; d++) {
+        size_t i;
+        json_t *run;
+        json_array_foreach(json_object_get(docs[d], "runs"), i, run) {
+            fail_row rows[32];
+            int n_rows = 0, n_other = 0;
+            size_t k;
+            json_t *r;
+            json_array_foreach(json_object_get(run, "requests"), k, r) {
+                if (json_is_true(json_object_get(r, "ok"))) continue;
+                char reason[96];
+                failure_reason(r, reason, sizeof reason);
+                int j = 0;
+                while (j < n_rows && strcmp(rows[j].reason, reason)) j++;
+                if (j == n_rows) {
+                    if (n_rows == (int)PD_ARRAY_LEN(rows)) {
+                        n_other++;
+                        continue;
+                    }
+                    memset(&rows[j], 0, sizeof rows[j]);
+                    snprintf(rows[j].reason, sizeof rows[j].reason, "%s", reason);
+                    const char *e = json_string_value(json_object_get(r, "error"));
+                    snprintf(rows[j].example, sizeof rows[j].example, "%s", e ? e : "");
+                    n_rows++;
+                }
+                rows[j].n++;
+            }
+            if (!n_rows) continue;
+            if (!any) {
+                pd_bench_buf_puts(b, "<h2>Failures by reason</h2>\n<div class=\"wrap\"><table id=\"failures\"><tr>"
+                                     "<th class=\"l\">configuration</th><th>rate (req/s)</th><th class=\"l\">reason</th>"
+                                     "<th>requests</th><th class=\"l\">example</th></tr>\n");
+                any = true;
+            }
+            for (int a = 0; a < n_rows; a++)  // most frequent first (few rows: insertion sort)
+                for (int c = a; c > 0 && rows[c].n > rows[c - 1].n; c--) {
+                    fail_row t = rows[c];
+                    rows[c] = rows[c - 1];
+                    rows[c - 1] = t;
+                }
+            const char *label = json_string_value(json_object_get(docs[d], "label"));
+            double rate = jnum(run, "request_rate");
+            for (int a = 0; a < n_rows; a++) {
+                pd_bench_buf_puts(b, "<tr><td class=\"l\">");
+                pd_bench_buf_escape(b, label ? label : "");
+                if (isfinite(rate)) pd_bench_buf_printf(b, "</td><td>%g</td><td class=\"l bad\">", rate);
+                else pd_bench_buf_puts(b, "</td><td>inf</td><td class=\"l bad\">");
+                pd_bench_buf_escape(b, rows[a].reason);
+                pd_bench_buf_printf(b, "</td><td>%d</td><td class=\"msg\">", rows[a].n);
+                pd_bench_buf_escape(b, rows[a].example);
+                pd_bench_buf_puts(b, "</td></tr>\n");
+            }
+            if (n_other) pd_bench_buf_printf(b, "<tr><td class=\"l\" colspan=\"3\">other reasons</td><td>%d</td><td></td></tr>\n", n_other);
+        }
+    }
+    if (any)
+        pd_bench_buf_puts(b, "</table></div>\n<div class=\"sub\">A reason is the HTTP status with the server's error code, "
+                             "a transport error, or an error event inside a stream.</div>\n");
 }
 
 static void config_details(pd_bench_buf *b, json_t *const *docs, int n_docs) {
@@ -418,6 +524,7 @@ static char *build_html(json_t *const *docs, int n_docs, const chart *charts, in
     }
     pd_bench_buf_puts(&b, "</div>\n<h2>Summary</h2>\n");
     summary_table(&b, docs, n_docs);
+    failures_table(&b, docs, n_docs);
     for (int c = 0; c < n_charts; c++) {
         if (c == 0) pd_bench_buf_puts(&b, "<h2>Latency distributions</h2>\n<div class=\"grid\">\n");
         if (c > 0 && charts[c].is_sweep && !charts[c - 1].is_sweep)

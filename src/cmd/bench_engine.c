@@ -3,14 +3,24 @@
 // First it measures the two ceilings of the device through the backend: copy bandwidth (a
 // device-to-device copy of 1 GiB, counting bytes read + written) and bf16 GEMM peak (8192^3).
 // Then, on the model (usually --load-format dummy with a real config), it times
-//   * single-stream decode at context 128 and 4096 (ms per token),
-//   * one decode step at batch 1, 8, 32, 64, 128, 256 (context --batch-ctx, default 512),
+//   * single-stream decode at contexts --ctx (default 128, 4096, 8192, 32768; ms per token),
+//   * one decode step at batch --batches (default 1, 8, 32, 64, 128, 256), context --batch-ctx
+//     (default 512),
 //   * prefill of 512, 2048 and 8192 tokens (one sequence, one step),
-// each next to its floor: decode = (weight bytes + KV bytes read) / bandwidth; prefill =
-// (2 * matmul params * tokens + causal attention FLOPs counted once) / GEMM peak. The ratio
-// time / floor is printed and written with --json FILE.
+// each next to its floor: decode = (weight bytes read + KV bytes read) / bandwidth; prefill =
+// (2 * matmul params * tokens + causal attention FLOPs counted once) / GEMM peak. Weight bytes
+// are counted as a step reads them (llama-bench's accounting): every matrix and norm, one
+// embedding row per token, not the embedding table (unless tied: then it is read as lm_head).
+// Every floor is given twice: from the measured ceiling and from the card's datasheet (a table
+// of known cards by device name, or --datasheet-gbs / --datasheet-tflops); the ratio time /
+// floor and the share of each ceiling are printed and written with --json FILE.
 //
-// --only decode|prefill runs one half (the ceilings are always measured).
+// Each group of experiments gets a KV cache sized for it alone (single-stream: one sequence of
+// the longest --ctx; batched: the largest batch x --batch-ctx; prefill: 8192), filled with random values, so a
+// long single-stream context never needs a pool for 256 sequences. --kv-cache-dtype fp8 runs the
+// same experiments on the E4M3 cache (backend.h, PD_KV_FP8); its KV bytes are the fp8 rows.
+//
+// --only decode|prefill|single runs one part (the ceilings are measured unless only verify runs).
 //
 // --verify-tokens N (speculative decoding): times verify steps of 1..N tokens per sequence (the
 // last token + N-1 drafts, logits at every row, as the engine's verify forward asks) at batch 1,
@@ -40,8 +50,21 @@ typedef struct bench_ctx {
     const pd_model_config *c;
     int block_size, n_blocks;
     double copy_bytes_s, gemm_flop_s;
+    double ds_bytes_s, ds_flop_s;  // datasheet (0: unknown card)
     json_t *out;
 } bench_ctx;
+
+// Datasheet HBM bandwidth and dense bf16 tensor rate of known cards, matched on the device name
+// (the SXM parts unless the name says otherwise). Leads, not measurements: bench-engine reports
+// its floors against both these and the ceilings it measures.
+static const struct {
+    const char *name_has;
+    double gbs, tflops;
+} datasheet[] = {
+    {"H200", 4800, 989},        {"H100 NVL", 3900, 835}, {"H100 PCIe", 2000, 756}, {"H100", 3350, 989},
+    {"H800", 3350, 989},        {"GH200", 4000, 989},    {"A100 80GB PCIe", 1935, 312},
+    {"A100-SXM4-80GB", 2039, 312}, {"A100", 1555, 312},  {"L40S", 864, 362},       {"L4", 300, 121},
+};
 
 static int cmp_dbl(const void *a, const void *b) {
     double x = *(const double *)a, y = *(const double *)b;
@@ -107,8 +130,26 @@ static double matmul_params(const pd_model_config *c) {
     double per_layer = D * (c->n_heads + 2.0 * c->n_kv_heads) * hd + c->n_heads * hd * D + 3.0 * F * D;
     return per_layer * c->n_layers;
 }
-static double kv_bytes_per_token(bench_ctx *b) {
-    return 2.0 * b->c->n_layers * b->c->n_kv_heads * b->c->head_dim * pd_dtype_size(pd_backend_act_dtype(b->be));
+static double kv_bytes_per_token(bench_ctx *b) { return 2.0 * b->c->n_layers * (double)pd_model_kv_row_bytes(b->m); }
+
+// Replaces the KV cache with one of n_blocks blocks of random contents (never time on zeros; an
+// fp8 cache gets random e4m3 values and finite scales). false when it does not fit.
+static bool cache_resize(bench_ctx *b, long n_blocks) {
+    pd_model_cache_free(b->kc);
+    b->kc = NULL;
+    b->n_blocks = 0;
+    if (n_blocks > INT32_MAX) return false;
+    pd_err err = {0};
+    b->kc = pd_model_cache_new(b->m, (int)n_blocks, b->block_size, &err);
+    if (!b->kc) {
+        fprintf(stderr, "bench-engine: KV cache of %ld blocks: %s\n", n_blocks, err.msg);
+        return false;
+    }
+    b->n_blocks = (int)n_blocks;
+    pd_buffer *kvb = pd_model_cache_buffer(b->kc);
+    pd_dtype dt = pd_model_kv_dtype(b->m) == PD_KV_FP8 ? PD_DTYPE_FP8_E4M3 : pd_backend_act_dtype(b->be);
+    pd_op_fill_normal(b->be, pd_buffer_ptr(kvb), dt, pd_buffer_size(kvb) / pd_dtype_size(dt), 9, 0.0f, 1.0f);
+    return true;
 }
 
 // Times one step of n_seqs sequences, each with q_len new tokens on top of ctx - q_len cached
@@ -159,6 +200,7 @@ static double time_step(bench_ctx *b, int n_seqs, int q_len, int ctx, int reps) 
 
 static void run_verify(bench_ctx *b, int batch_ctx, int max_q) {
     int batches[] = {1, 8, 32, 64};
+    if (!cache_resize(b, 64L * ((batch_ctx + b->block_size - 1) / b->block_size))) return;
     double alphas[] = {0.5, 0.6, 0.7, 0.8, 0.9};
     json_t *arr = json_array();
     for (int bi = 0; bi < 4; bi++) {
@@ -185,46 +227,69 @@ static void run_verify(bench_ctx *b, int batch_ctx, int max_q) {
     json_object_set_new(b->out, "verify", arr);
 }
 
+// work: bytes (floor "bw") or FLOPs (floor "gemm") the step must move / compute.
 static void report(bench_ctx *b, const char *kind, const char *label, int batch, int tokens, int ctx, double sec,
-                   double floor_sec, const char *floor_kind) {
+                   double work, const char *floor_kind) {
+    bool bw = !strcmp(floor_kind, "bw");
+    double ceil = bw ? b->copy_bytes_s : b->gemm_flop_s, ds = bw ? b->ds_bytes_s : b->ds_flop_s;
+    double floor_sec = work / ceil, ds_floor = ds > 0 ? work / ds : NAN;
     double ratio = sec / floor_sec;
-    printf("%-22s %-18s %10.3f ms  floor %9.3f ms (%s)  ratio %5.2fx\n", kind, label, sec * 1e3, floor_sec * 1e3,
-           floor_kind, ratio);
-    json_array_append_new(json_object_get(b->out, "results"),
-                          json_pack("{s:s, s:s, s:i, s:i, s:i, s:f, s:f, s:f, s:s}", "kind", kind, "label", label,
-                                    "batch", batch, "tokens", tokens, "ctx", ctx, "ms", sec * 1e3, "floor_ms",
-                                    floor_sec * 1e3, "ratio", ratio, "floor", floor_kind));
+    printf("%-22s %-18s %10.3f ms  floor %8.3f ms (%s) %5.2fx = %3.0f%%", kind, label, sec * 1e3, floor_sec * 1e3,
+           floor_kind, ratio, 100.0 / ratio);
+    if (ds > 0) printf("  datasheet %8.3f ms %5.2fx = %3.0f%%", ds_floor * 1e3, sec / ds_floor, 100.0 * ds_floor / sec);
+    if (bw) printf("  %.2f GB, %4.0f GB/s", work * 1e-9, work / sec * 1e-9);
+    else printf("  %5.1f TFLOP/s", work / sec * 1e-12);
+    printf("\n");
+    json_t *r = json_pack("{s:s, s:s, s:i, s:i, s:i, s:f, s:f, s:f, s:s, s:f}", "kind", kind, "label", label, "batch",
+                          batch, "tokens", tokens, "ctx", ctx, "ms", sec * 1e3, "floor_ms", floor_sec * 1e3, "ratio",
+                          ratio, "floor", floor_kind, bw ? "bytes" : "flops", work);
+    if (ds > 0) {
+        json_object_set_new(r, "datasheet_floor_ms", json_real(ds_floor * 1e3));
+        json_object_set_new(r, "datasheet_ratio", json_real(sec / ds_floor));
+    }
+    if (bw) json_object_set_new(r, "tok_s", json_real(tokens / sec));
+    json_array_append_new(json_object_get(b->out, "results"), r);
 }
 
-static void run_benchmarks(bench_ctx *b, int batch_ctx, bool decode, bool prefill) {
-    double wbytes = (double)pd_model_weight_bytes(b->m), kvpt = kv_bytes_per_token(b);
-    int ctxs[] = {128, 4096};
-    for (int i = 0; i < 2 && decode; i++) {
-        double t = time_step(b, 1, 1, ctxs[i], 20);
-        char label[64];
-        snprintf(label, sizeof label, "ctx=%d", ctxs[i]);
-        report(b, "decode single-stream", label, 1, 1, ctxs[i], t, (wbytes + kvpt * ctxs[i]) / b->copy_bytes_s, "bw");
+#define BENCH_MAX_CTX 16
+
+static void run_benchmarks(bench_ctx *b, const int *ctxs, int n_ctx, const int *batches, int n_batches,
+                           int batch_ctx, bool single, bool batched, bool prefill) {
+    double kvpt = kv_bytes_per_token(b);
+    int bs = b->block_size, max_ctx = 0;
+    for (int i = 0; i < n_ctx; i++) max_ctx = PD_MAX(max_ctx, ctxs[i]);
+    if (single && n_ctx > 0 && cache_resize(b, (max_ctx + bs - 1) / bs)) {
+        for (int i = 0; i < n_ctx; i++) {
+            double t = time_step(b, 1, 1, ctxs[i], 20);
+            char label[64];
+            snprintf(label, sizeof label, "ctx=%d", ctxs[i]);
+            report(b, "decode single-stream", label, 1, 1, ctxs[i], t,
+                   (double)pd_model_weight_bytes_read(b->m, 1) + kvpt * ctxs[i], "bw");
+        }
     }
-    int batches[] = {1, 8, 32, 64, 128, 256};
-    for (int i = 0; i < 6 && decode; i++) {
-        double t = time_step(b, batches[i], 1, batch_ctx, 10);
-        char label[64];
-        snprintf(label, sizeof label, "batch=%d ctx=%d", batches[i], batch_ctx);
-        report(b, "decode step", label, batches[i], batches[i], batch_ctx, t,
-               (wbytes + kvpt * batch_ctx * batches[i]) / b->copy_bytes_s, "bw");
+    int max_batch = 0;
+    for (int i = 0; i < n_batches; i++) max_batch = PD_MAX(max_batch, batches[i]);
+    if (batched && n_batches > 0 && cache_resize(b, (long)max_batch * ((batch_ctx + bs - 1) / bs))) {
+        for (int i = 0; i < n_batches; i++) {
+            double t = time_step(b, batches[i], 1, batch_ctx, 10);
+            char label[64];
+            snprintf(label, sizeof label, "batch=%d ctx=%d", batches[i], batch_ctx);
+            report(b, "decode step", label, batches[i], batches[i], batch_ctx, t,
+                   (double)pd_model_weight_bytes_read(b->m, batches[i]) + kvpt * batch_ctx * batches[i], "bw");
+        }
     }
     int lens[] = {512, 2048, 8192};
     const pd_model_config *c = b->c;
-    for (int i = 0; i < 3 && prefill; i++) {
-        double L = lens[i];
-        double flops = 2.0 * matmul_params(c) * L + 2.0 * c->vocab_size * c->hidden_size +
-                       c->n_layers * 2.0 * 2.0 * c->n_heads * c->head_dim * (L * (L + 1) / 2);
-        double t = time_step(b, 1, lens[i], lens[i], lens[i] >= 8192 ? 3 : 5);
-        char label[64];
-        snprintf(label, sizeof label, "tokens=%d", lens[i]);
-        report(b, "prefill", label, 1, lens[i], lens[i], t, flops / b->gemm_flop_s, "gemm");
-        printf("%-22s %-18s %10.1f TFLOP/s = %.0f%% of measured GEMM peak\n", "", "", flops / t * 1e-12,
-               100.0 * flops / t / b->gemm_flop_s);
+    if (prefill && cache_resize(b, (8192 + bs - 1) / bs)) {
+        for (int i = 0; i < 3; i++) {
+            double L = lens[i];
+            double flops = 2.0 * matmul_params(c) * L + 2.0 * c->vocab_size * c->hidden_size +
+                           c->n_layers * 2.0 * 2.0 * c->n_heads * c->head_dim * (L * (L + 1) / 2);
+            double t = time_step(b, 1, lens[i], lens[i], lens[i] >= 8192 ? 3 : 5);
+            char label[64];
+            snprintf(label, sizeof label, "tokens=%d", lens[i]);
+            report(b, "prefill", label, 1, lens[i], lens[i], t, flops, "gemm");
+        }
     }
 }
 
@@ -232,11 +297,19 @@ int pd_cmd_bench_engine(int argc, char **argv) {
     static const struct option opts[] = {{"model", required_argument, 0, 'm'},   {"load-format", required_argument, 0, 'l'},
                                          {"json", required_argument, 0, 'j'},    {"device", required_argument, 0, 'd'},
                                          {"batch-ctx", required_argument, 0, 'c'}, {"only", required_argument, 0, 'o'},
+                                         {"ctx", required_argument, 0, 'x'},     {"kv-cache-dtype", required_argument, 0, 'k'},
+                                         {"datasheet-gbs", required_argument, 0, 'g'},
+                                         {"datasheet-tflops", required_argument, 0, 't'},
+                                         {"batches", required_argument, 0, 'b'},
                                          {"verify-tokens", required_argument, 0, 'v'},
                                          {"help", no_argument, 0, 'h'},          {0, 0, 0, 0}};
     const char *model = NULL, *json_path = NULL, *device = "auto";
-    bool dummy = false, decode = true, prefill = true;
+    bool dummy = false, single = true, batched = true, prefill = true;
     long batch_ctx = 512, verify_tokens = 0;
+    int ctxs[BENCH_MAX_CTX] = {128, 4096, 8192, 32768}, n_ctx = 4;
+    int batches[BENCH_MAX_CTX] = {1, 8, 32, 64, 128, 256}, n_batches = 6;
+    pd_kv_dtype kv_dtype = PD_KV_ACT;
+    double ds_gbs = 0, ds_tflops = 0;
     int c;
     optind = 1;
     while ((c = getopt_long(argc, argv, "", opts, NULL)) != -1) {
@@ -253,19 +326,53 @@ int pd_cmd_bench_engine(int argc, char **argv) {
             if (!pd_cmd_parse_int(optarg, &batch_ctx) || batch_ctx < 1 || batch_ctx > 1 << 20)
                 return pd_cmd_usage_error("bench-engine", "--batch-ctx must be a positive integer");
             break;
+        case 'o':
+            if (!strcmp(optarg, "decode")) prefill = false;
+            else if (!strcmp(optarg, "prefill")) single = batched = false;
+            else if (!strcmp(optarg, "single")) batched = prefill = false;
+            else if (!strcmp(optarg, "verify")) single = batched = prefill = false;
+            else if (strcmp(optarg, "all"))
+                return pd_cmd_usage_error("bench-engine", "--only is decode, single, prefill, verify or all");
+            break;
         case 'v':
             if (!pd_cmd_parse_int(optarg, &verify_tokens) || verify_tokens < 1 || verify_tokens > 16)
                 return pd_cmd_usage_error("bench-engine", "--verify-tokens must be 1..16");
             break;
-        case 'o':
-            if (!strcmp(optarg, "decode")) prefill = false;
-            else if (!strcmp(optarg, "prefill")) decode = false;
-            else if (!strcmp(optarg, "verify")) decode = prefill = false;
-            else if (strcmp(optarg, "all")) return pd_cmd_usage_error("bench-engine", "--only is decode, prefill, verify or all");
+        case 'x':
+        case 'b': {
+            int *dst = c == 'x' ? ctxs : batches, *n = c == 'x' ? &n_ctx : &n_batches;
+            *n = 0;
+            char *save = NULL, *list = strdup(optarg);
+            if (!list) return 1;
+            for (char *tok = strtok_r(list, ",", &save); tok; tok = strtok_r(NULL, ",", &save)) {
+                long v;
+                if (*n == BENCH_MAX_CTX || !pd_cmd_parse_int(tok, &v) || v < 1 || v > 1 << 20) {
+                    free(list);
+                    return pd_cmd_usage_error("bench-engine", "--ctx / --batches take a list of up to %d numbers in "
+                                              "[1, 1048576]", BENCH_MAX_CTX);
+                }
+                dst[(*n)++] = (int)v;
+            }
+            free(list);
             break;
+        }
+        case 'k':
+            if (!pd_kv_dtype_parse(optarg, &kv_dtype))
+                return pd_cmd_usage_error("bench-engine", "--kv-cache-dtype is auto or fp8, not '%s'", optarg);
+            break;
+        case 'g':
+        case 't': {
+            char *end;
+            double v = strtod(optarg, &end);
+            if (*end || !(v > 0)) return pd_cmd_usage_error("bench-engine", "--datasheet-gbs/-tflops take a positive number");
+            *(c == 'g' ? &ds_gbs : &ds_tflops) = v;
+            break;
+        }
         case 'h':
             printf("usage: pdserve bench-engine --model DIR [--load-format dummy|auto] [--device auto|cuda|cpu]\n"
-                   "                            [--batch-ctx N] [--only decode|prefill|verify|all] [--verify-tokens N]\n"
+                   "                            [--ctx N,N,...] [--batches N,N,...] [--batch-ctx N]\n"
+                   "                            [--only decode|single|prefill|verify|all] [--verify-tokens N]\n"
+                   "                            [--kv-cache-dtype auto|fp8] [--datasheet-gbs X] [--datasheet-tflops X]\n"
                    "                            [--json FILE]\n"
                    "  --verify-tokens N   speculative verify steps of 1..N tokens per sequence at batch 1/8/32/64\n"
                    "                      (--only verify runs just those)\n");
@@ -282,43 +389,50 @@ int pd_cmd_bench_engine(int argc, char **argv) {
         return 1;
     }
     int rc = 1;
-    if (decode || prefill) {  // the floors need them; verify steps are compared with each other
+    if (single || batched || prefill) {  // the floors need them; verify steps are compared with each other
         b.copy_bytes_s = measure_copy(b.be);
         b.gemm_flop_s = measure_gemm(b.be);
     }
-    printf("device %s: copy %.0f GB/s (read+write, 1 GiB), bf16 GEMM 8192^3 %.1f TFLOP/s\n", pd_backend_name(b.be),
-           b.copy_bytes_s * 1e-9, b.gemm_flop_s * 1e-12);
+    const char *dev_name = pd_backend_device_name(b.be);
+    for (size_t i = 0; i < sizeof datasheet / sizeof datasheet[0] && strcmp(pd_backend_name(b.be), "cpu"); i++)
+        if (strstr(dev_name, datasheet[i].name_has)) {
+            b.ds_bytes_s = datasheet[i].gbs * 1e9;
+            b.ds_flop_s = datasheet[i].tflops * 1e12;
+            break;
+        }
+    if (ds_gbs > 0) b.ds_bytes_s = ds_gbs * 1e9;
+    if (ds_tflops > 0) b.ds_flop_s = ds_tflops * 1e12;
+    printf("device %s (%s): copy %.0f GB/s (read+write, 1 GiB), bf16 GEMM 8192^3 %.1f TFLOP/s", pd_backend_name(b.be),
+           dev_name, b.copy_bytes_s * 1e-9, b.gemm_flop_s * 1e-12);
+    if (b.ds_bytes_s > 0)
+        printf("; datasheet %.0f GB/s, %.0f TFLOP/s (copy = %.0f%%, GEMM = %.0f%% of it)", b.ds_bytes_s * 1e-9,
+               b.ds_flop_s * 1e-12, 100.0 * b.copy_bytes_s / b.ds_bytes_s, 100.0 * b.gemm_flop_s / b.ds_flop_s);
+    printf("\n");
     pd_model_params mp = pd_model_params_default();
     mp.dir = model;
     mp.backend = b.be;
     mp.dummy = dummy;
     mp.seed = 1;
+    mp.kv_dtype = kv_dtype;
     b.m = pd_model_load(&mp, &err);
     if (!b.m) {
         fprintf(stderr, "pdserve bench-engine: %s\n", err.msg);
         goto done;
     }
     b.c = pd_model_get_config(b.m);
-    // Enough blocks for the largest experiment: 256 sequences of batch_ctx, or one of 8192.
-    long need = PD_MAX(256 * ((batch_ctx + b.block_size - 1) / b.block_size + 1), 8192 / b.block_size + 1);
-    b.n_blocks = (int)need;
-    b.kc = pd_model_cache_new(b.m, b.n_blocks, b.block_size, &err);
-    if (!b.kc) {
-        fprintf(stderr, "pdserve bench-engine: KV cache of %d blocks: %s\n", b.n_blocks, err.msg);
-        goto done;
-    }
-    pd_buffer *kvb = pd_model_cache_buffer(b.kc);  // random KV contents: never time on zeros
-    pd_op_fill_normal(b.be, pd_buffer_ptr(kvb), pd_backend_act_dtype(b.be),
-                      pd_buffer_size(kvb) / pd_dtype_size(pd_backend_act_dtype(b.be)), 9, 0.0f, 1.0f);
-    printf("model %s: %d layers, D=%d, F=%d, heads %d/%d x %d, vocab %d, weights %.2f GB\n", model, b.c->n_layers,
-           b.c->hidden_size, b.c->intermediate_size, b.c->n_heads, b.c->n_kv_heads, b.c->head_dim, b.c->vocab_size,
-           (double)pd_model_weight_bytes(b.m) * 1e-9);
-    b.out = json_pack("{s:s, s:s, s:f, s:f, s:f, s:[]}", "model", model, "device", pd_backend_name(b.be),
-                      "copy_gbs", b.copy_bytes_s * 1e-9, "gemm_tflops", b.gemm_flop_s * 1e-12, "weight_gb",
-                      (double)pd_model_weight_bytes(b.m) * 1e-9, "results");
-    run_benchmarks(&b, (int)batch_ctx, decode, prefill);
+    printf("model %s: %d layers, D=%d, F=%d, heads %d/%d x %d, vocab %d, weights %.2f GB (%.2f GB read per "
+           "token), KV %s, %.0f bytes per token\n",
+           model, b.c->n_layers, b.c->hidden_size, b.c->intermediate_size, b.c->n_heads, b.c->n_kv_heads, b.c->head_dim,
+           b.c->vocab_size, (double)pd_model_weight_bytes(b.m) * 1e-9, (double)pd_model_weight_bytes_read(b.m, 1) * 1e-9,
+           pd_kv_dtype_name(kv_dtype), kv_bytes_per_token(&b));
+    b.out = json_pack("{s:s, s:s, s:s, s:s, s:f, s:f, s:f, s:f, s:f, s:f, s:[]}", "model", model, "device",
+                      pd_backend_name(b.be), "device_name", dev_name, "kv_cache_dtype", pd_kv_dtype_name(kv_dtype),
+                      "copy_gbs", b.copy_bytes_s * 1e-9, "gemm_tflops", b.gemm_flop_s * 1e-12, "datasheet_gbs",
+                      b.ds_bytes_s * 1e-9, "datasheet_tflops", b.ds_flop_s * 1e-12, "weight_gb",
+                      (double)pd_model_weight_bytes(b.m) * 1e-9, "kv_bytes_per_token", kv_bytes_per_token(&b), "results");
+    run_benchmarks(&b, ctxs, n_ctx, batches, n_batches, (int)batch_ctx, single, batched, prefill);
     if (verify_tokens > 0) run_verify(&b, (int)batch_ctx, (int)verify_tokens);
-    else if (!decode && !prefill) fprintf(stderr, "bench-engine: --only verify needs --verify-tokens N\n");
+    else if (!single && !batched && !prefill) fprintf(stderr, "bench-engine: --only verify needs --verify-tokens N\n");
     if (json_path && json_dump_file(b.out, json_path, JSON_INDENT(2)) != 0) {
         fprintf(stderr, "pdserve bench-engine: cannot write %s\n", json_path);
         goto done;

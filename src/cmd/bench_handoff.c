@@ -36,6 +36,10 @@
 
 #include "cmd/cmd.h"
 #include "engine/engine.h"
+#include "xfer/auth.h"
+
+// The two engines' shared KV secret: made before the fork, so both processes hold it (never on disk).
+static char g_secret[65];
 
 #define HB_MAX_LENS 16
 
@@ -121,6 +125,7 @@ static pd_engine_params base_params(const hb_opts *o, const char *dir, int devic
     p.kv_transport = o->transport ? o->transport : strcmp(o->device, "cpu") ? PD_KVW_TRANSPORT_CUDA_IPC : PD_KVW_TRANSPORT_SHM;
     p.disagg_min_tokens = 1;
     p.disagg_timeout_ms = 120000;
+    p.kv_secret = g_secret;
     return p;
 }
 
@@ -420,6 +425,9 @@ int pd_cmd_bench_handoff(int argc, char **argv) {
         remove_dir(tmp);
         return 1;
     }
+    uint8_t rnd[32];
+    pd_auth_nonce(rnd);
+    for (int i = 0; i < 32; i++) snprintf(g_secret + 2 * i, 3, "%02x", rnd[i]);
     // Fork first: the child must not inherit an initialised device context.
     int to_child[2], from_child[2];
     if (pipe(to_child) || pipe(from_child)) {

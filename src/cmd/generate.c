@@ -193,12 +193,13 @@ static void gen_usage(void) {
            "  --device cpu|cuda|auto  (default auto)\n"
            "  --load-format dummy     random weights from config.json (benchmarking)\n"
            "  --output text|json      (default text)\n"
-           "  --logits-out FILE       also write the prompt's last-position logits (f32, little-endian)\n");
+           "  --logits-out FILE       also write the prompt's last-position logits (f32, little-endian)\n"
+           "  --kv-cache-dtype auto|fp8  KV cache format (fp8: E4M3 with per-head scales)\n");
 }
 
 int pd_cmd_generate(int argc, char **argv) {
     enum { O_MODEL = 1, O_PROMPT, O_IDS, O_MAX, O_TEMP, O_TOPP, O_TOPK, O_MINP, O_PP, O_FP, O_RP, O_SEED, O_STOP, O_LP, O_EOS, O_BOS,
-           O_DEV, O_OUT, O_LF, O_LOGITS, O_HELP };
+           O_DEV, O_OUT, O_LF, O_LOGITS, O_KVDT, O_HELP };
     static const struct option opts[] = {
         {"model", required_argument, 0, O_MODEL}, {"prompt", required_argument, 0, O_PROMPT},
         {"prompt-ids", required_argument, 0, O_IDS}, {"max-tokens", required_argument, 0, O_MAX},
@@ -210,12 +211,14 @@ int pd_cmd_generate(int argc, char **argv) {
         {"ignore-eos", no_argument, 0, O_EOS}, {"no-bos", no_argument, 0, O_BOS},
         {"device", required_argument, 0, O_DEV}, {"output", required_argument, 0, O_OUT},
         {"load-format", required_argument, 0, O_LF}, {"logits-out", required_argument, 0, O_LOGITS},
+        {"kv-cache-dtype", required_argument, 0, O_KVDT},
         {"help", no_argument, 0, O_HELP}, {0, 0, 0, 0}};
     const char *model = NULL, *prompt = NULL, *prompt_ids = NULL, *device = "auto", *output = "text", *logits_out = NULL;
     const char *stops[16];
     int n_stops = 0;
     long max_tokens = 64;
     bool ignore_eos = false, add_bos = true, dummy = false;
+    pd_kv_dtype kv_dtype = PD_KV_ACT;
     pd_sampling_params sp = pd_sampling_params_default();
     int c;
     long lv;
@@ -252,6 +255,10 @@ int pd_cmd_generate(int argc, char **argv) {
             dummy = !strcmp(optarg, "dummy");
             break;
         case O_LOGITS: logits_out = optarg; break;
+        case O_KVDT:
+            if (!pd_kv_dtype_parse(optarg, &kv_dtype))
+                return pd_cmd_usage_error("generate", "--kv-cache-dtype is auto or fp8, not '%s'", optarg);
+            break;
         case O_HELP: gen_usage(); return 0;
         default: return 2;
         }
@@ -289,6 +296,7 @@ int pd_cmd_generate(int argc, char **argv) {
     mp.dir = model;
     mp.backend = be;
     mp.dummy = dummy;
+    mp.kv_dtype = kv_dtype;
     mp.progress = progress;
     m = pd_model_load(&mp, &err);
     if (!m) goto fail;

@@ -20,7 +20,7 @@ static const subcmd CMDS[] = {
     {"model-info", pd_cmd_model_info, "print architecture, parameter count, dtype, KV bytes per token"},
     {"serve", pd_cmd_serve, "start the OpenAI-compatible HTTP server"},
     {"router", pd_cmd_router, "OpenAI-compatible router over a pool of pdserve workers (KV-aware, SLO admission)"},
-    {"run", pd_cmd_run, "serve the bundled model on port 8000 and answer a sample request"},
+    {"run", pd_cmd_run, "prefill + decode workers + router for the bundled model on port 8000, supervised; a sample request"},
     {"bench", pd_cmd_bench, "benchmark an OpenAI-compatible server (latency, throughput, goodput; JSON/HTML reports)"},
 };
 

@@ -6,6 +6,7 @@
 #include <stdio.h>
 #include <string.h>
 
+#include "metrics/trace.h"
 #include "cmd/cmd.h"
 #include "router/router.h"
 
@@ -14,7 +15,7 @@
 typedef struct router_opts {
     pd_router_params p;
     const char *workers[MAX_URLS], *prefill[MAX_URLS], *decode[MAX_URLS];
-    const char *token_file, *qos_file;
+    const char *token_file, *qos_file, *trace_dir;
     int shutdown_timeout_s;
 } router_opts;
 
@@ -25,12 +26,19 @@ static void usage(void) {
            "  --worker URL             a worker (role both); repeatable\n"
            "  --prefill URL            a prefill worker; repeatable\n"
            "  --decode URL             a decode worker; repeatable\n"
-           "  --auth-token-file F      bearer token required by POST /internal/register\n"
+           "  --auth-token-file F      bearer token required by POST /internal/register and /deregister\n"
+           "                           (without it both are refused)\n"
            "  --routing kv|load|round-robin|random   (default kv)\n"
            "  --slo-ttft-ms N          default TTFT SLO for admission (0 = none)\n"
            "  --slo-tpot-ms N          default TPOT SLO for admission (0 = none)\n"
            "  --qos-config FILE        QoS classes and API keys (JSON, see docs/router.md)\n"
            "  --heartbeat-ms N         worker poll period (default 200)\n"
+           "  --max-connections N      open client connections at most (default: fd limit less 1/8);\n"
+           "                           at the limit the longest-idle ones are closed\n"
+           "  --keepalive-timeout S    close idle keep-alive connections after S s (default 30)\n"
+           "  --header-timeout S       a request must arrive whole within S s of its first bytes (60)\n"
+           "  --max-body-bytes N       request body limit in bytes (default 8388608)\n"
+           "  --trace-dir DIR          write request spans as Chrome trace JSON (Perfetto) into DIR\n"
            "  --shutdown-timeout S     on SIGTERM/SIGINT: stop taking requests (503, /health \"draining\") and\n"
            "                           give running ones up to S seconds to finish (default 30)\n");
 }
@@ -43,14 +51,18 @@ static int add_url(const char **arr, int *n, const char *url) {
 
 // Returns -1 on success, else the exit code.
 static int parse_flags(int argc, char **argv, router_opts *o) {
-    enum { O_HOST = 1, O_PORT, O_W, O_P, O_D, O_TOK, O_ROUT, O_TTFT, O_TPOT, O_QOS, O_HB, O_SDT, O_HELP };
+    enum { O_HOST = 1, O_PORT, O_W, O_P, O_D, O_TOK, O_ROUT, O_TTFT, O_TPOT, O_QOS, O_HB, O_SDT, O_MAXCONN, O_KATO,
+           O_HDRTO, O_BODY, O_TRACE, O_HELP };
     static const struct option opts[] = {
         {"host", required_argument, 0, O_HOST}, {"port", required_argument, 0, O_PORT},
         {"worker", required_argument, 0, O_W}, {"prefill", required_argument, 0, O_P},
         {"decode", required_argument, 0, O_D}, {"auth-token-file", required_argument, 0, O_TOK},
         {"routing", required_argument, 0, O_ROUT}, {"slo-ttft-ms", required_argument, 0, O_TTFT},
         {"slo-tpot-ms", required_argument, 0, O_TPOT}, {"qos-config", required_argument, 0, O_QOS},
-        {"heartbeat-ms", required_argument, 0, O_HB}, {"shutdown-timeout", required_argument, 0, O_SDT},
+        {"heartbeat-ms", required_argument, 0, O_HB}, {"max-connections", required_argument, 0, O_MAXCONN},
+        {"keepalive-timeout", required_argument, 0, O_KATO}, {"header-timeout", required_argument, 0, O_HDRTO},
+        {"max-body-bytes", required_argument, 0, O_BODY}, {"trace-dir", required_argument, 0, O_TRACE},
+        {"shutdown-timeout", required_argument, 0, O_SDT},
         {"help", no_argument, 0, O_HELP}, {0, 0, 0, 0}};
     long v;
     double d;
@@ -83,6 +95,20 @@ static int parse_flags(int argc, char **argv, router_opts *o) {
                 return pd_cmd_usage_error("router", "--heartbeat-ms must be 10..60000");
             o->p.heartbeat_ms = (int)v;
             break;
+        case O_MAXCONN:
+        case O_KATO:
+        case O_HDRTO:
+        case O_BODY:
+            if (!pd_cmd_parse_int(optarg, &v) || v < 1 || v > (1l << 40))
+                return pd_cmd_usage_error("router", "bad value '%s' for --%s", optarg,
+                                          c == O_MAXCONN ? "max-connections" : c == O_KATO ? "keepalive-timeout"
+                                                                             : c == O_HDRTO ? "header-timeout" : "max-body-bytes");
+            if (c == O_MAXCONN) o->p.max_connections = (int)PD_MIN(v, 1l << 24);
+            else if (c == O_KATO) o->p.keepalive_timeout_s = (int)PD_MIN(v, 1l << 24);
+            else if (c == O_HDRTO) o->p.header_timeout_s = (int)PD_MIN(v, 1l << 24);
+            else o->p.max_body_bytes = (size_t)v;
+            break;
+        case O_TRACE: o->trace_dir = optarg; break;
         case O_SDT:
             if (!pd_cmd_parse_int(optarg, &v) || v < 0 || v > 86400)
                 return pd_cmd_usage_error("router", "--shutdown-timeout must be 0..86400 seconds");
@@ -143,6 +169,10 @@ int pd_cmd_router(int argc, char **argv) {
     o.p.auth_token = token;
     o.p.qos_json = qos;
     signal(SIGPIPE, SIG_IGN);
+    if (pd_trace_init("router", o.trace_dir, &err) != PD_OK) {
+        fprintf(stderr, "pdserve router: %s\n", err.msg);
+        goto out;
+    }
     base = event_base_new();
     if (!base) goto out;
     r = pd_router_new(base, &o.p, &err);
@@ -169,5 +199,7 @@ out:
     if (base) event_base_free(base);
     pd_free(token);
     pd_free(qos);
+    pd_trace_shutdown();
+    if (rc == 0) fprintf(stderr, "pdserve router: stopped\n");
     return rc;
 }

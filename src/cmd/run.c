@@ -45,6 +45,7 @@
 #include "backend/backend.h"
 #include "cmd/cmd.h"
 #include "http/client.h"
+#include "xfer/auth.h"
 
 int pd_cmd_run_colocated(int argc, char **argv);  // serve.c
 
@@ -416,6 +417,22 @@ static bool run_sample(run_ctx *r, const char *transport, const char *min_tokens
 
 // ---- flags and main ----------------------------------------------------------------------------
 
+// The children's port arguments. argv entries point into these arrays, so rewriting them (a start-up
+// retry on new ports) changes what the next spawn passes.
+typedef struct run_ports {
+    char p_port[16], d_port[16], kv_port[16], r_port[16], kv_addr[64], d_url[64], p_url[64];
+} run_ports;
+
+static void ports_format(run_ports *s, const run_ctx *r, int kv_port) {
+    snprintf(s->p_port, sizeof s->p_port, "%d", r->cs[C_PREFILL].port);
+    snprintf(s->d_port, sizeof s->d_port, "%d", r->cs[C_DECODE].port);
+    snprintf(s->r_port, sizeof s->r_port, "%d", r->cs[C_ROUTER].port);
+    snprintf(s->kv_port, sizeof s->kv_port, "%d", kv_port);
+    snprintf(s->kv_addr, sizeof s->kv_addr, "127.0.0.1:%d", kv_port);
+    snprintf(s->d_url, sizeof s->d_url, "http://127.0.0.1:%d", r->cs[C_DECODE].port);
+    snprintf(s->p_url, sizeof s->p_url, "http://127.0.0.1:%d", r->cs[C_PREFILL].port);
+}
+
 static void usage(void) {
     printf("usage: pdserve run [--model DIR] [--host H] [--port P (default 8000; 0 = any free port)]\n"
            "                  [--device cpu|cuda|auto] [--threads N] [--shutdown-timeout S]\n"
@@ -484,7 +501,8 @@ int pd_cmd_run(int argc, char **argv) {
         }
     }
     if (!model) model = pd_cmd_default_model(argv[0]);
-    if (port == 0) port = free_port();
+    bool port_auto = port == 0;
+    if (port_auto) port = free_port();
     char threads_buf[24], sdt_buf[16];
     if (!threads) {  // the two workers share the cores; the router computes nothing
         long n_cpu = sysconf(_SC_NPROCESSORS_ONLN);
@@ -498,7 +516,7 @@ int pd_cmd_run(int argc, char **argv) {
     bool gpu = !strcmp(device, "cuda") || (!strcmp(device, "auto") && pd_backend_has_cuda());
     const char *transport = kv_transport ? kv_transport : gpu ? "cuda-ipc" : "shm";
     const char *dev = gpu ? "cuda" : "cpu";
-    char p_port[16], d_port[16], kv_port[16], r_port[16], kv_addr[64], d_url[64], p_url[64];
+    run_ports ps;
     int kvp = free_port();
     run_ctx r = {0};
     r.threads = threads;
@@ -510,24 +528,33 @@ int pd_cmd_run(int argc, char **argv) {
         fprintf(stderr, "pdserve run: cannot find free loopback ports\n");
         return 1;
     }
-    snprintf(p_port, sizeof p_port, "%d", r.cs[C_PREFILL].port);
-    snprintf(d_port, sizeof d_port, "%d", r.cs[C_DECODE].port);
-    snprintf(r_port, sizeof r_port, "%d", port);
-    snprintf(kv_port, sizeof kv_port, "%d", kvp);
-    snprintf(kv_addr, sizeof kv_addr, "127.0.0.1:%d", kvp);
-    snprintf(d_url, sizeof d_url, "http://127.0.0.1:%d", r.cs[C_DECODE].port);
-    snprintf(p_url, sizeof p_url, "http://127.0.0.1:%d", r.cs[C_PREFILL].port);
+    ports_format(&ps, &r, kvp);
 
-    char *pa[24 + MAX_FWD] = {"pdserve", "serve", "--role", "prefill", "--model", (char *)model, "--device", (char *)dev,
-                              "--host", "127.0.0.1", "--port", p_port, "--kv-port", kv_port, "--threads",
-                              (char *)threads, "--shutdown-timeout", (char *)sdt};
-    char *da[28 + MAX_FWD] = {"pdserve", "serve", "--role", "decode", "--model", (char *)model, "--device", (char *)dev,
-                              "--host", "127.0.0.1", "--port", d_port, "--prefill", kv_addr, "--kv-transport",
+    // One fresh secret for the children (KV HMAC, router registration): 0600 in a private dir.
+    char tok_dir[] = "/tmp/pdserve-run-XXXXXX", tok[64];
+    pd_err terr = {0};
+    if (!mkdtemp(tok_dir) || (snprintf(tok, sizeof tok, "%s/auth-token", tok_dir), pd_auth_write_new(tok, &terr))) {
+        fprintf(stderr, "pdserve run: cannot create the auth token: %s\n", terr.msg[0] ? terr.msg : strerror(errno));
+        return 1;
+    }
+    char *pa[26 + MAX_FWD] = {"pdserve", "serve", "--role", "prefill", "--model", (char *)model, "--device", (char *)dev,
+                              "--host", "127.0.0.1", "--port", ps.p_port, "--kv-port", ps.kv_port, "--threads",
+                              (char *)threads, "--shutdown-timeout", (char *)sdt, "--auth-token-file", tok};
+    char *da[30 + MAX_FWD] = {"pdserve", "serve", "--role", "decode", "--model", (char *)model, "--device", (char *)dev,
+                              "--host", "127.0.0.1", "--port", ps.d_port, "--prefill", ps.kv_addr, "--kv-transport",
                               (char *)transport, "--disagg-min-tokens", (char *)min_tokens, "--threads", (char *)threads,
-                              "--shutdown-timeout", (char *)sdt};
-    for (int i = 0; i < n_fwd; i++) pa[18 + i] = da[22 + i] = fwd[i];
-    char *ra[] = {"pdserve", "router", "--host", (char *)(host ? host : "127.0.0.1"), "--port", r_port,
-                  "--decode", d_url, "--prefill", p_url, "--shutdown-timeout", (char *)sdt, NULL};
+                              "--shutdown-timeout", (char *)sdt, "--auth-token-file", tok};
+    for (int i = 0; i < n_fwd; i++) pa[20 + i] = da[24 + i] = fwd[i];
+    char *ra[18] = {"pdserve", "router", "--host", (char *)(host ? host : "127.0.0.1"), "--port", ps.r_port,
+                    "--decode", ps.d_url, "--prefill", ps.p_url, "--shutdown-timeout", (char *)sdt,
+                    "--auth-token-file", tok, NULL};
+    for (int i = 0; i + 1 < n_fwd; i++)  // the router traces too (one file per process)
+        if (!strcmp(fwd[i], "--trace-dir")) {
+            ra[14] = "--trace-dir";
+            ra[15] = fwd[i + 1];
+            ra[16] = NULL;
+            break;
+        }
     r.cs[C_PREFILL].argv = pa;
     r.cs[C_DECODE].argv = da;
     r.cs[C_ROUTER].argv = ra;
@@ -548,17 +575,31 @@ int pd_cmd_run(int argc, char **argv) {
         goto out;
     }
 
-    for (int i = 0; i < N_CHILDREN; i++) {
-        if (spawn(&r, &r.cs[i]) < 0 || !wait_health(&r, &r.cs[i], 120)) {
-            if (!r.stop_requested) fprintf(stderr, "pdserve run: the %s process did not become healthy\n", r.cs[i].name);
-            stop_now(&r);
-            if (r.stop_requested) goto stopped;  // interrupted by the user, not a failure
-            goto out;
+    for (int i = 0, n_tries = 0; i < N_CHILDREN; i++) {
+        if (spawn(&r, &r.cs[i]) > 0 && wait_health(&r, &r.cs[i], 120)) continue;
+        // A child that exited at once may have lost its port to another process between
+        // free_port() and its bind: a few retries on new ports (not for a --port the user chose).
+        bool can_retry = !r.stop_requested && r.cs[i].pid == 0 && ++n_tries < 4 && (i != C_ROUTER || port_auto);
+        if (can_retry) {
+            int k = free_port(), h = free_port();
+            if (k > 0 && h > 0) {
+                r.cs[i].port = h;
+                if (i == C_PREFILL) kvp = k;
+                if (i == C_ROUTER) port = h;
+                ports_format(&ps, &r, kvp);
+                fprintf(stderr, "pdserve run: starting the %s process again on new ports\n", r.cs[i].name);
+                i--;
+                continue;
+            }
         }
+        if (!r.stop_requested) fprintf(stderr, "pdserve run: the %s process did not become healthy\n", r.cs[i].name);
+        stop_now(&r);
+        if (r.stop_requested) goto stopped;  // interrupted by the user, not a failure
+        goto out;
     }
     const char *shown = host && strcmp(host, "0.0.0.0") ? host : "127.0.0.1";
     printf("pdserve run: prefill worker %s (KV port %d), decode worker %s, router http://%s:%d; %s compute "
-           "thread(s) per worker\n", p_url, kvp, d_url, host ? host : "127.0.0.1", port, threads);
+           "thread(s) per worker\n", ps.p_url, kvp, ps.d_url, host ? host : "127.0.0.1", port, threads);
     const char *how = !strcmp(transport, "tcp")    ? "inline over the KV socket"
                       : !strcmp(transport, "nccl") ? "GPU to GPU through an NCCL communicator"
                       : gpu                        ? "GPU to GPU, no host copy"
@@ -597,5 +638,7 @@ out:
     if (r.sigchld) event_free(r.sigchld);
     if (r.tick) event_free(r.tick);
     event_base_free(r.base);
+    unlink(tok);
+    rmdir(tok_dir);
     return rc;
 }

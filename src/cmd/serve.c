@@ -17,12 +17,14 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "metrics/trace.h"
 #include "api/api.h"
 #include "cmd/cmd.h"
 #include "engine/engine.h"
 #include "http/client.h"
 #include "spec/spec.h"
 #include "wire/control.h"
+#include "xfer/auth.h"
 
 typedef struct serve_opts {
     pd_engine_params ep;
@@ -32,7 +34,10 @@ typedef struct serve_opts {
     int sample_max_tokens;
     const char *router_url;       // --router: register with this router (and deregister at exit)
     const char *router_token_file;
+    const char *auth_token_file;  // --auth-token-file: the KV connections' shared secret (and the
+                                  // router registration token when --router-token-file is absent)
     const char *advertise_url;    // the URL the router should use for us (default http://host:port)
+    const char *trace_dir;        // --trace-dir: Chrome trace files of request spans (metrics/trace.h)
     bool spec_method_set;         // --speculative-method was given
     int shutdown_timeout_s;       // --shutdown-timeout
 } serve_opts;
@@ -70,6 +75,7 @@ static void serve_usage(bool is_run) {
            "  --block-size N                tokens per KV block (default 16)\n"
            "  --num-kv-blocks N             KV cache size in blocks\n"
            "  --kv-cache-memory BYTES       KV cache size in bytes (k/M/G suffixes)\n"
+           "  --kv-cache-dtype auto|fp8     KV cache format: the activation dtype, or E4M3 with per-head scales\n"
            "  --max-num-seqs N              running sequences per step\n"
            "  --max-num-batched-tokens N    token budget per step (default 2048)\n"
            "  --no-prefix-caching           disable automatic prefix caching\n"
@@ -80,6 +86,11 @@ static void serve_usage(bool is_run) {
            "  --load-format dummy           random weights (benchmarking)\n"
            "  --max-waiting N               waiting-queue limit; beyond it requests get 503\n"
            "  --max-body-bytes BYTES        request body limit (default 8M; larger bodies get 413)\n"
+           "  --max-connections N           open HTTP connections at most (default: fd limit less 1/8);\n"
+           "                                at the limit the longest-idle ones are closed\n"
+           "  --keepalive-timeout S         close idle keep-alive connections after S s (default 30)\n"
+           "  --header-timeout S            a request must arrive whole within S s of its first bytes (60)\n"
+           "  --trace-dir DIR               write request spans as Chrome trace JSON (Perfetto) into DIR\n"
            "  --threads N                   compute threads (CPU; default: every core)\n"
            "  --shutdown-timeout S          on SIGTERM/SIGINT: stop taking requests (503, /health \"draining\")\n"
            "                                and give running ones up to S seconds (default 30)\n"
@@ -90,7 +101,10 @@ static void serve_usage(bool is_run) {
            "  --kv-transport tcp|shm|cuda-ipc|nccl  decode role (default shm on cpu, cuda-ipc on cuda)\n"
            "  --disagg-min-tokens N         prefill locally below N uncached prompt tokens (default 64)\n"
            "  --disagg-timeout-ms N         fall back to local prefill after N ms (default 30000)\n"
+           "  --auth-token-file F           shared secret (mode 0600) every KV connection proves (HMAC);\n"
+           "                                required for --role prefill and --role decode\n"
            "  --debug-corrupt-kv N          test hook: corrupt every Nth KV transfer (prefill role)\n"
+           "  --debug-kv-pause STEP         test hook: stop at hello_ack|mid_slab|before_done (prefill role)\n"
            "speculative decoding (roles both and decode; exact: greedy output is unchanged):\n"
            "  --speculative-method M        none (default), draft, ngram (prompt lookup) or lookahead (Jacobi + n-gram pool)\n"
            "  --speculative-model DIR       draft model (same tokenizer as --model); implies --speculative-method draft\n"
@@ -109,7 +123,7 @@ static int parse_flags(int argc, char **argv, serve_opts *o) {
     enum { O_MODEL = 1, O_HOST, O_PORT, O_DEV, O_BS, O_NB, O_KVMEM, O_SEQS, O_TOKS, O_NOPC, O_NOCP, O_POL, O_MML,
            O_NAME, O_LF, O_WAIT, O_BODY, O_EXIT, O_ROLE, O_KVHOST, O_KVPORT, O_PREFILL, O_KVTR, O_DMIN, O_DTO,
            O_CORRUPT, O_ROUTER, O_RTOKEN, O_ADV, O_SPEC_MODEL, O_SPEC_K, O_SPEC_METHOD, O_SPEC_FIXED, O_LA_W, O_LA_N,
-           O_NGRAM_MAX, O_THREADS, O_SDT, O_HELP };
+           O_NGRAM_MAX, O_THREADS, O_SDT, O_MAXCONN, O_KATO, O_HDRTO, O_TRACE, O_AUTH, O_KVPAUSE, O_KVDT, O_HELP };
     static const struct option opts[] = {
         {"model", required_argument, 0, O_MODEL}, {"host", required_argument, 0, O_HOST},
         {"port", required_argument, 0, O_PORT}, {"device", required_argument, 0, O_DEV},
@@ -125,12 +139,16 @@ static int parse_flags(int argc, char **argv, serve_opts *o) {
         {"kv-transport", required_argument, 0, O_KVTR}, {"disagg-min-tokens", required_argument, 0, O_DMIN},
         {"disagg-timeout-ms", required_argument, 0, O_DTO}, {"debug-corrupt-kv", required_argument, 0, O_CORRUPT},
         {"router", required_argument, 0, O_ROUTER}, {"router-token-file", required_argument, 0, O_RTOKEN},
-        {"advertise-url", required_argument, 0, O_ADV},
+        {"advertise-url", required_argument, 0, O_ADV}, {"max-connections", required_argument, 0, O_MAXCONN},
+        {"keepalive-timeout", required_argument, 0, O_KATO}, {"header-timeout", required_argument, 0, O_HDRTO},
+        {"trace-dir", required_argument, 0, O_TRACE},
         {"speculative-model", required_argument, 0, O_SPEC_MODEL}, {"num-speculative-tokens", required_argument, 0, O_SPEC_K},
         {"speculative-method", required_argument, 0, O_SPEC_METHOD}, {"speculative-fixed", no_argument, 0, O_SPEC_FIXED},
         {"lookahead-window", required_argument, 0, O_LA_W}, {"lookahead-ngram", required_argument, 0, O_LA_N},
         {"ngram-max", required_argument, 0, O_NGRAM_MAX},
         {"threads", required_argument, 0, O_THREADS}, {"shutdown-timeout", required_argument, 0, O_SDT},
+        {"auth-token-file", required_argument, 0, O_AUTH}, {"debug-kv-pause", required_argument, 0, O_KVPAUSE},
+        {"kv-cache-dtype", required_argument, 0, O_KVDT},
         {"help", no_argument, 0, O_HELP}, {0, 0, 0, 0}};
     const char *cmd = o->is_run ? "run" : "serve";
     long v;
@@ -140,7 +158,8 @@ static int parse_flags(int argc, char **argv, serve_opts *o) {
     while ((c = getopt_long(argc, argv, "", opts, NULL)) != -1) {
         bool int_flag = c == O_PORT || c == O_BS || c == O_NB || c == O_SEQS || c == O_TOKS || c == O_MML || c == O_WAIT ||
                         c == O_KVPORT || c == O_DMIN || c == O_DTO || c == O_CORRUPT || c == O_SPEC_K || c == O_LA_W ||
-                        c == O_LA_N || c == O_NGRAM_MAX || c == O_THREADS || c == O_SDT;
+                        c == O_LA_N || c == O_NGRAM_MAX || c == O_THREADS || c == O_SDT || c == O_MAXCONN || c == O_KATO ||
+                        c == O_HDRTO;
         if (int_flag && (!pd_cmd_parse_int(optarg, &v) || v < 0 || v > (1l << 30)))
             return pd_cmd_usage_error(cmd, "bad value '%s' for an integer option", optarg);
         switch (c) {
@@ -219,6 +238,16 @@ static int parse_flags(int argc, char **argv, serve_opts *o) {
         case O_ROUTER: o->router_url = optarg; break;
         case O_RTOKEN: o->router_token_file = optarg; break;
         case O_ADV: o->advertise_url = optarg; break;
+        case O_AUTH: o->auth_token_file = optarg; break;
+        case O_KVPAUSE:
+            if (strcmp(optarg, "hello_ack") && strcmp(optarg, "mid_slab") && strcmp(optarg, "before_done"))
+                return pd_cmd_usage_error(cmd, "--debug-kv-pause must be hello_ack, mid_slab or before_done");
+            o->ep.debug_kv_pause = optarg;
+            break;
+        case O_MAXCONN: o->ap.max_connections = (int)v; break;
+        case O_KATO: o->ap.keepalive_timeout_s = (int)v; break;
+        case O_HDRTO: o->ap.header_timeout_s = (int)v; break;
+        case O_TRACE: o->trace_dir = optarg; break;
         case O_SPEC_MODEL: o->ep.spec_model_dir = optarg; break;
         case O_SPEC_K:
             if (v < 1 || v > PD_SPEC_MAX_K) return pd_cmd_usage_error(cmd, "--num-speculative-tokens must be 1..%d", PD_SPEC_MAX_K);
@@ -252,6 +281,10 @@ static int parse_flags(int argc, char **argv, serve_opts *o) {
         case O_SDT:
             if (v > 86400) return pd_cmd_usage_error(cmd, "--shutdown-timeout must be 0..86400 seconds");
             o->shutdown_timeout_s = (int)v;
+            break;
+        case O_KVDT:
+            if (!pd_kv_dtype_parse(optarg, &o->ep.kv_cache_dtype))
+                return pd_cmd_usage_error(cmd, "--kv-cache-dtype is auto or fp8, not '%s'", optarg);
             break;
         case O_HELP: serve_usage(o->is_run); return 0;
         default: return 2;
@@ -413,11 +446,12 @@ static bool reg_start(reg_ctx *g, serve_ctx *s) {
         const char *h = o->ap.host && strcmp(o->ap.host, "0.0.0.0") ? o->ap.host : "127.0.0.1";
         snprintf(g->url, sizeof g->url, "http://%s:%d", h, pd_api_port(s->api));
     }
-    if (o->router_token_file) {
+    const char *token_file = o->router_token_file ? o->router_token_file : o->auth_token_file;
+    if (token_file) {
         char *tok = NULL;
         size_t n = 0;
         pd_err err = {0};
-        if (pd_file_read_all(o->router_token_file, &tok, &n, &err)) {
+        if (pd_file_read_all(token_file, &tok, &n, &err)) {
             fprintf(stderr, "pdserve: %s\n", err.msg);
             return false;
         }
@@ -498,8 +532,20 @@ static void sd_end_all(void *ud, const char *msg) { pd_api_end_all(((serve_ctx *
 static int serve_main(serve_opts *o) {
     signal(SIGPIPE, SIG_IGN);  // a client that vanished mid-write must not kill the server
     pd_err err = {0};
+    if (pd_trace_init(pd_engine_role_name(o->ep.role), o->trace_dir, &err) != PD_OK) {
+        fprintf(stderr, "pdserve: %s\n", err.msg);
+        return 1;
+    }
+    char *secret = NULL;
+    if (o->auth_token_file && pd_auth_load_file(o->auth_token_file, &secret, &err)) {
+        fprintf(stderr, "pdserve: %s\n", err.msg);
+        return 1;
+    }
+    o->ep.kv_secret = secret;
     fprintf(stderr, "pdserve: loading %s\n", o->ep.model_dir);
     pd_engine *e = pd_engine_new(&o->ep, &err);
+    o->ep.kv_secret = NULL;
+    pd_free(secret);  // the connector keeps its own copy
     if (!e) {
         fprintf(stderr, "pdserve: %s\n", err.msg);
         return 1;
@@ -549,6 +595,7 @@ done:
     pd_api_free(s.api);
     pd_engine_free(e);
     if (s.base) event_base_free(s.base);
+    pd_trace_shutdown();
     if (rc == 0) fprintf(stderr, "pdserve: stopped\n");
     return rc;
 }

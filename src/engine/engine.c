@@ -12,6 +12,7 @@
 #include "engine/engine.h"
 
 #include <omp.h>
+#include <poll.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -70,7 +71,7 @@ static int size_kv_blocks(pd_engine *e, pd_err *err) {
     const pd_engine_params *p = &e->params;
     if (p->n_blocks > 0) return p->n_blocks;
     const pd_model_config *c = pd_model_get_config(e->model);
-    size_t per_block = pd_model_config_kv_bytes_per_token(c, pd_dtype_size(pd_backend_act_dtype(e->backend))) * (size_t)p->block_size;
+    size_t per_block = 2 * (size_t)c->n_layers * pd_model_kv_row_bytes(e->model) * (size_t)p->block_size;
     per_block += pd_engine_spec_kv_bytes_per_block(e);  // a draft model's cache has as many blocks
     size_t budget = p->kv_cache_bytes;
     size_t n_need = SIZE_MAX;  // blocks the limits can use at most (CPU default only)
@@ -127,6 +128,7 @@ pd_engine *pd_engine_new(const pd_engine_params *p, pd_err *err) {
     mp.dir = p->model_dir;
     mp.backend = e->backend;
     mp.dummy = p->dummy_weights;
+    mp.kv_dtype = p->kv_cache_dtype;
     e->model = pd_model_load(&mp, err);
     if (!e->model) goto fail;
     if (pd_engine_spec_load(e, err)) goto fail;  // a draft model's weights, before the KV is sized
@@ -168,6 +170,7 @@ pd_engine *pd_engine_new(const pd_engine_params *p, pd_err *err) {
     pd_sched_params sp = pd_sched_params_default();
     if (p->max_num_seqs > 0) sp.max_num_seqs = p->max_num_seqs;
     else sp.max_num_seqs = !strcmp(pd_backend_name(e->backend), "cpu") ? 64 : 256;
+    e->params.max_num_seqs = sp.max_num_seqs;  // the value in force (reported to the router)
     sp.max_num_batched_tokens = p->max_num_batched_tokens > 0 ? p->max_num_batched_tokens : 2048;
     sp.enable_chunked_prefill = p->enable_chunked_prefill;
     sp.max_model_len = e->max_model_len;
@@ -192,6 +195,7 @@ pd_engine *pd_engine_new(const pd_engine_params *p, pd_err *err) {
         PD_LOG_I("engine: captured %d decode graphs in %.1f s", n_graphs, (double)(pd_time_us() - t_warm) / 1e6);
     if (pd_engine_spec_warmup(e, err)) goto fail;
     if (pd_disagg_init(e, err)) goto fail;
+    e->params.kv_secret = NULL;  // the connector copied it; this copy was borrowed for the call
     PD_LOG_I("engine: %s on %s, %d KV blocks of %d tokens (%.1f MiB), max_model_len %d", e->model_name,
              pd_backend_name(e->backend), n_blocks, e->params.block_size,
              (double)pd_buffer_size(pd_model_cache_buffer(e->cache)) / 1048576.0, e->max_model_len);
@@ -262,10 +266,12 @@ void pd_engine_abort(pd_engine *e, uint64_t id) {
 }
 
 // ---- engine thread -----------------------------------------------------------------------------
+static void push_events_retry(pd_engine *e, const pd_engine_event *ev, int n);
+
 void pd_engine_emit_finished(pd_engine *e, uint64_t id, pd_engine_finish f, int n_prompt, int n_cached, int n_out) {
     pd_engine_event ev = {.kind = PD_EV_FINISHED, .id = id, .finish = f, .n_prompt_tokens = n_prompt,
                           .n_cached_tokens = n_cached, .n_output_tokens = n_out};
-    pd_queue_push_events(&e->q, &ev, 1);
+    push_events_retry(e, &ev, 1);
 }
 
 static void handle_submit(pd_engine *e, pd_cmd *c) {
@@ -308,6 +314,9 @@ static void handle_submit(pd_engine *e, pd_cmd *c) {
     }
     q->id = r->id;
     q->n_prompt = r->n_prompt;
+    q->t_arrival_us = r->arrival_us;
+    memcpy(q->traceparent, r->traceparent, sizeof q->traceparent);
+    q->traceparent[sizeof q->traceparent - 1] = 0;
     pd_engine_req_insert(e, q);
     e->n_prompt_tokens += r->n_prompt;
 }
@@ -318,7 +327,7 @@ static void handle_cmds(pd_engine *e, pd_cmd *c) {
         if (c->kind == PD_CMD_SUBMIT) {
             handle_submit(e, c);
         } else if (c->kind == PD_CMD_XFER) {
-            pd_disagg_handle(e, &c->xev);
+            pd_disagg_handle(e, c->kev);
         } else if (req_find(e, c->id) && !req_find(e, c->id)->is_aborted) {
             ereq *r = req_find(e, c->id);
             int n_prompt = r->n_prompt;
@@ -465,6 +474,10 @@ static pd_status sample_on_host(pd_engine *e, const pd_step_plan *plan, const pd
 // finished with ERROR by the caller).
 static pd_status run_plan(pd_engine *e, const pd_step_plan *plan, bool *was_spec) {
     step_bufs *b = &e->sb;
+    // Test hook: every Nth step fails as if out of memory (its requests fail, the server goes on).
+    if (e->params.debug_fail_step_every > 0 && ++e->n_debug_steps % e->params.debug_fail_step_every == 0)
+        return PD_ERR_NOMEM;
+    int64_t t_start = pd_time_us();
     pd_status st = reserve_bufs(e, plan);
     if (st) return st;
     // Speculative decoding (engine/spec.c) runs steps with drafts itself; the rest run below.
@@ -492,16 +505,20 @@ static pd_status run_plan(pd_engine *e, const pd_step_plan *plan, bool *was_spec
     pd_batch batch = {.n_tokens = t, .tokens = b->tokens, .n_seqs = plan->n_seqs, .q_indptr = b->q_indptr,
                       .kv_lens = b->kv_lens, .bt_indptr = b->bt_indptr, .bt_indices = b->bt_indices, .n_logits = nl,
                       .logit_rows = b->logit_rows};
+    pd_disagg_step_begin(e, plan, &batch);  // prefill role: layer-wise KV saves ride on the forward pass
     st = use_device_sampling(e) ? sample_on_device(e, plan, &batch) : sample_on_host(e, plan, &batch);
     if (st) return st;
 account:
     // Prefill work actually done: prompt positions computed in this step (a prefix hit or a
     // remote prefill computes fewer; a recompute after preemption computes them again).
+    int64_t t_end = pd_time_us();
     for (int i = 0; i < plan->n_seqs; i++) {
         const pd_step_seq *s = &plan->seqs[i];
         ereq *r = req_find(e, s->req_id);
         int end = PD_MIN(s->pos_start + s->n_tokens, r ? r->n_prompt : 0);
         if (end > s->pos_start) e->n_prefill_computed += end - s->pos_start;
+        if (r && !r->t_sched_us) r->t_sched_us = t_start;  // TTFT breakdown
+        if (r && !r->t_kv_ready_us && s->pos_start + s->n_tokens >= r->n_prompt) r->t_kv_ready_us = t_end;
     }
     return PD_OK;
 }
@@ -515,18 +532,41 @@ static pd_engine_finish map_finish(pd_finish_reason f) {
     }
 }
 
+// The queue grows its array to take events; when that allocation fails, retry a few times (the
+// consumer frees memory as it drains), then push one at a time so that at least what fits goes.
+static void push_events_retry(pd_engine *e, const pd_engine_event *ev, int n) {
+    for (int tries = 0; n > 0 && pd_queue_push_events(&e->q, ev, n) != PD_OK; tries++) {
+        if (tries >= 50) {
+            for (int i = 0; i < n; i++)
+                while (pd_queue_push_events(&e->q, &ev[i], 1) != PD_OK) poll(NULL, 0, 10);
+            return;
+        }
+        poll(NULL, 0, 10);
+    }
+}
+
 // Turns scheduler events into engine events (TOKEN, then FINISHED when the request ended).
 void pd_engine_push_sched_events(pd_engine *e, const pd_step_plan *plan, const pd_sample_result *results,
                                  const pd_sched_event *ev, int n) {
     step_bufs *b = &e->sb;
     if (2 * n > b->cap_events) {
         pd_engine_event *ne = pd_realloc(b->events, sizeof *ne * (size_t)(2 * n + 16));
-        if (!ne) return;  // PD_ASSERT-worthy in practice; events would be lost
-        b->events = ne;
-        b->cap_events = 2 * n + 16;
+        if (ne) {
+            b->events = ne;
+            b->cap_events = 2 * n + 16;
+        }
     }
+    // Without room for all (out of memory), events go out in chunks through a small fixed buffer:
+    // none is ever dropped (a lost FINISHED would leave its client hanging).
+    pd_engine_event spill[16];
+    pd_engine_event *out = 2 * n <= b->cap_events ? b->events : spill;
+    int cap = 2 * n <= b->cap_events ? b->cap_events : (int)PD_ARRAY_LEN(spill);
     int k = 0;
     for (int j = 0; j < n; j++) {
+        if (k + 2 > cap) {
+            push_events_retry(e, out, k);
+            k = 0;
+        }
         const pd_sched_event *s = &ev[j];
         ereq *q = req_find(e, s->req_id);
         if (q && q->is_export) {
@@ -542,7 +582,7 @@ void pd_engine_push_sched_events(pd_engine *e, const pd_step_plan *plan, const p
             continue;
         }
         if (s->token >= 0) {
-            pd_engine_event *o = &b->events[k++];
+            pd_engine_event *o = &out[k++];
             memset(o, 0, sizeof *o);
             o->kind = PD_EV_TOKEN;
             o->id = s->req_id;
@@ -558,11 +598,20 @@ void pd_engine_push_sched_events(pd_engine *e, const pd_step_plan *plan, const p
                         break;
                     }
             o->tok.token = s->token;
+            if (q && !q->is_first_sent) {  // TTFT breakdown rides on the first token
+                q->is_first_sent = true;
+                o->is_remote_prefill = q->is_kv_remote;
+                o->t_arrival_us = q->t_arrival_us;
+                o->t_sched_us = q->t_sched_us;
+                o->t_kv_ready_us = q->t_kv_ready_us;
+                o->remote_queue_us = q->remote_queue_us;
+                o->remote_compute_us = q->remote_compute_us;
+            }
             if (q) pd_engine_spec_push_token(q, s->token);
             e->n_generated++;
         }
         if (s->finish != PD_FINISH_NONE) {
-            pd_engine_event *o = &b->events[k++];
+            pd_engine_event *o = &out[k++];
             memset(o, 0, sizeof *o);
             o->kind = PD_EV_FINISHED;
             o->id = s->req_id;
@@ -575,7 +624,7 @@ void pd_engine_push_sched_events(pd_engine *e, const pd_step_plan *plan, const p
             e->n_finished++;
         }
     }
-    pd_queue_push_events(&e->q, b->events, k);
+    push_events_retry(e, out, k);
 }
 
 static void publish_stats(pd_engine *e) {
@@ -616,6 +665,18 @@ static void publish_stats(pd_engine *e) {
     o->n_kv_exports = e->n_exports;
     o->n_kv_export_bytes = e->export_bytes;
     o->kv_export_copy_us_total = e->export_copy_us;
+    if (e->kc) {
+        pd_kvconn_stats ks2;
+        pd_kvconn_stats_get(e->kc, &ks2);
+        o->n_kv_auth_failures = ks2.auth_failures;
+        o->n_kv_proto_errors = ks2.proto_errors;
+        o->n_kv_conns_accepted = ks2.conns_accepted;
+        o->n_kv_slow_peer_drops = ks2.slow_peer_drops;
+        o->n_kv_fenced = ks2.fenced;
+        o->n_kv_peers_refused = ks2.peers_refused;
+        o->n_kv_saves_layerwise = ks2.saves_layerwise;
+        o->n_kv_saves_failed = ks2.saves_failed;
+    }
     pd_engine_spec_stats(e, o);
     pthread_mutex_unlock(&e->q.mu);
 }
@@ -647,6 +708,7 @@ static void engine_step(pd_engine *e) {
     if (plan.n_seqs == 0) return;
     bool was_spec = false;
     pd_status st = run_plan(e, &plan, &was_spec);
+    e->n_saves = 0;  // the layer hook ran during the forward pass only
     pd_step_output *outs = e->sb.outputs;
     if (st) {
         // A failed step (device error, OOM) fails the requests in it, not the server.
@@ -654,6 +716,10 @@ static void engine_step(pd_engine *e) {
         for (int i = 0; i < plan.n_seqs; i++) {
             uint64_t id = plan.seqs[i].req_id;
             ereq *r = req_find(e, id);
+            if (r && r->is_export) {  // no client here: the decode worker is told at once
+                pd_disagg_step_failed(e, id);
+                continue;
+            }
             int np = r ? r->n_prompt : 0;
             pd_sched_abort(e->sched, id);
             req_remove(e, id);
@@ -754,6 +820,15 @@ pd_status pd_engine_state(pd_engine *e, uint64_t since, int max_events, pd_wire_
     l->n_prefix_query_tokens = s->n_prefix_query_tokens;
     l->n_prefix_hit_tokens = s->n_prefix_hit_tokens;
     l->n_requests_finished = s->n_requests_finished;
+    l->n_max_seqs = e->params.max_num_seqs;
+    l->n_max_waiting = e->params.max_waiting;
+    l->n_kv_handoffs = s->n_kv_handoffs;
+    l->n_kv_handoff_bytes = s->n_kv_handoff_bytes;
+    l->kv_handoff_us = s->kv_handoff_us_total;
+    for (int i = 0; i < PD_FALLBACK_N && i < PD_WIRE_N_FALLBACKS; i++) l->n_kv_fallbacks[i] = s->n_kv_fallbacks[i];
+    l->n_kv_local_short = s->n_kv_local_short;
+    l->n_kv_exports = s->n_kv_exports;
+    l->n_kv_export_bytes = s->n_kv_export_bytes;
     pd_status st = pd_wire_kv_log_read(e->kv_log, since, max_events, out);
     pthread_mutex_unlock(&e->q.mu);
     return st;

@@ -58,12 +58,17 @@ typedef struct pd_engine_params {
     int kv_port;                  // 0 = any free port (pd_engine_kv_port tells)
     int debug_corrupt_every;      // test hook (--debug-hooks): corrupt every Nth KV transfer
     int debug_export_delay_ms;    // test hook: a slow prefill worker (sleeps before each KV export)
+    int debug_fail_step_every;    // test hook: every Nth step fails as if out of memory
+    const char *debug_kv_pause;   // test hook: stop (until killed) at "hello_ack" | "mid_slab" | "before_done"
+    const char *kv_secret;        // shared secret of the KV connections (required for the prefill
+                                  // role and for a decode role with prefill workers)
 
     const char *model_dir;        // borrowed for the call
     const char *device;           // "cpu", "cuda", "auto" (default)
     int device_id;
     bool dummy_weights;           // --load-format dummy
     int block_size;               // tokens per KV block (default 16)
+    pd_kv_dtype kv_cache_dtype;   // --kv-cache-dtype: PD_KV_ACT (default) or PD_KV_FP8 (E4M3, per-head scales)
     int n_blocks;                 // KV blocks; 0 = sized from kv_cache_bytes or memory_utilization
     size_t kv_cache_bytes;        // --kv-cache-memory; 0 = sized by default (size_kv_blocks):
                                   //   cuda: memory_utilization of the free device memory;
@@ -112,6 +117,7 @@ typedef struct pd_engine_request {
     pd_sampling_params sampling;
     int priority;                 // higher runs first (default 0)
     int64_t arrival_us;           // 0 = now
+    char traceparent[56];         // "" or the caller's span as W3C traceparent (sent on to a prefill worker)
 } pd_engine_request;
 
 // Queues a request.
@@ -144,6 +150,12 @@ typedef struct pd_engine_event {
     int n_prompt_tokens;          // FINISHED and first TOKEN
     int n_cached_tokens;          // prompt tokens served from the prefix cache
     int n_output_tokens;          // FINISHED
+    // The first TOKEN only: where the time to it went (pd_time_us; 0 = not reached). Local
+    // prefill: t_sched_us = start of the first step that computed the prompt, t_kv_ready_us = end
+    // of the step that completed it. Remote: t_sched_us = PREFILL_REQ sent, t_kv_ready_us = KV
+    // verified, remote_*_us = the prefill worker's own queue and compute time.
+    bool is_remote_prefill;
+    int64_t t_arrival_us, t_sched_us, t_kv_ready_us, remote_queue_us, remote_compute_us;
     // FINISHED, speculative decoding: method (0 none), drafts verified, accepted, verify steps
     int spec_method;
     int n_spec_drafted, n_spec_accepted, n_spec_steps;
@@ -193,6 +205,15 @@ typedef struct pd_engine_stats {
     int64_t n_kv_exports;
     int64_t n_kv_export_bytes;                 // KV bytes written into decode pools (cuda-ipc / shm)
     int64_t kv_export_copy_us_total;           // time of those copies alone (pd_op_kv_copy + sync), summed
+    // the KV connector (either role): what it refused, dropped or fenced
+    int64_t n_kv_auth_failures;                // peers that did not prove the shared secret
+    int64_t n_kv_proto_errors;                 // connections closed for a malformed / out-of-bounds frame
+    int64_t n_kv_conns_accepted;               // prefill role: KV connections accepted (lifetime)
+    int64_t n_kv_slow_peer_drops;              // sends refused or connections closed: a peer not reading
+    int64_t n_kv_fenced;                       // decode: loads failed only after their writer was fenced off
+    int64_t n_kv_peers_refused;                // prefill: decode pools refused (size / handle did not check out)
+    int64_t n_kv_saves_layerwise;              // prefill: exports whose layers shipped during the forward pass
+    int64_t n_kv_saves_failed;                 // prefill: PREFILL_FAIL sent
     // speculative decoding, by method (index = pd_spec_method): draft tokens verified, accepted,
     // tokens emitted by verify steps (accepted + the target's own), sequence-steps that verified
     int spec_method;

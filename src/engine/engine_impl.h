@@ -6,7 +6,7 @@
 #include "engine/queue.h"
 #include "kv/kv.h"
 #include "sched/sched.h"
-#include "xfer/xfer.h"
+#include "kvconn/kvconn.h"
 
 #define N_BUCKETS 4096
 
@@ -25,6 +25,10 @@ typedef struct ereq {
     int32_t n_load_blocks;
     int64_t load_t0_us;
     pd_sampling_params sampling;
+    // TTFT breakdown (pd_engine_event) and tracing
+    int64_t t_arrival_us, t_sched_us, t_kv_ready_us, remote_queue_us, remote_compute_us;
+    bool is_first_sent, is_kv_remote;
+    char traceparent[56];
     // prefill role: this request computes KV for a decode worker
     bool is_export;
     int conn_id;
@@ -32,6 +36,7 @@ typedef struct ereq {
     int32_t export_start;
     int32_t *dst_blocks;  // owned (n_dst_blocks)
     int32_t n_dst_blocks;
+    pd_kvconn_save *save;  // the save in progress (its last prompt chunk is in the current step)
     struct sreq *spec;    // owned: speculative decoding state (engine/spec.c), NULL when off
 } ereq;
 
@@ -68,21 +73,15 @@ struct pd_engine {
     step_bufs sb;
     int64_t n_prefill_computed, n_generated, n_prompt_tokens, n_finished;
     // disaggregation
-    pd_xfer_client *xc;   // decode role
-    pd_xfer_server *xs;   // prefill role
-    struct peer_pool {    // prefill role: decode pools mapped per connection
-        bool is_mapped;
-        pd_kvw_transport transport;
-        pd_buffer_handle handle;
-        void *base;       // imported device pointer (NULL for tcp)
-        int n_blocks;
-    } peers[256];
+    pd_kvconn *kc;        // the KV connector (decode or prefill role); NULL colocated
+    ereq **saves;         // prefill role: requests whose save runs in the current step
+    int n_saves, cap_saves;
     uint64_t next_internal_id;
-    int n_corrupt_counter;
     bool last_step_empty;  // the last schedule produced nothing to run
     pd_wire_kv_log *kv_log;  // KV events for routers; guarded by q.mu
     uint64_t instance;       // random per process (routers detect restarts)
     double ema_prefill_tps, ema_decode_ms;  // guarded by q.mu when read
+    int64_t n_debug_steps;  // debug_fail_step_every
     int64_t n_exports, n_handoffs, n_fallbacks[PD_FALLBACK_N], n_local_short, handoff_bytes, handoff_us;
     int64_t export_bytes, export_copy_us;  // prefill role: direct-write KV copies (bytes, time)
     void **layer_k, **layer_v;  // (n_layers) this engine's cache layer bases (owned arrays)
@@ -105,7 +104,12 @@ pd_status pd_disagg_init(pd_engine *e, pd_err *err);  // after the model and cac
 void pd_disagg_fini(pd_engine *e);
 bool pd_disagg_want_remote(pd_engine *e, const int32_t *prompt, int n_prompt);
 void pd_disagg_start_loads(pd_engine *e, const pd_step_plan *plan);
-void pd_disagg_handle(pd_engine *e, pd_xfer_event *ev);  // an xfer event, on the engine thread
+void pd_disagg_handle(pd_engine *e, pd_kvconn_event *ev);  // a connector event, on the engine thread
+// Prefill role, before a step runs: starts the saves of requests whose last prompt chunk is in the
+// plan and sets batch->on_layer so each layer ships as soon as it is computed.
+void pd_disagg_step_begin(pd_engine *e, const pd_step_plan *plan, pd_batch *batch);
+// The step failed: every save of the step fails now (PREFILL_FAIL), its requests are released.
+void pd_disagg_step_failed(pd_engine *e, uint64_t req_id);
 // Prefill role: a held request finished its prefill: send its KV and first token, release blocks.
 void pd_disagg_export(pd_engine *e, ereq *q, const pd_sched_event *ev, const pd_sample_result *first);
 // An abort of a request that is loading (decode) or exporting (prefill).

@@ -18,7 +18,10 @@ pd_status pd_queue_init(pd_queue *q) {
 void pd_cmd_free(pd_cmd *c) {
     if (!c) return;
     pd_free(c->prompt);
-    pd_xfer_event_fini(&c->xev);
+    if (c->kev) {
+        pd_kvconn_event_fini(c->kev);
+        pd_free(c->kev);
+    }
     pd_free(c);
 }
 

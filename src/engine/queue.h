@@ -7,7 +7,7 @@
 #include <pthread.h>
 
 #include "engine/engine.h"
-#include "xfer/xfer.h"
+#include "kvconn/kvconn.h"
 
 typedef enum pd_cmd_kind { PD_CMD_SUBMIT = 1, PD_CMD_ABORT = 2, PD_CMD_XFER = 3 } pd_cmd_kind;
 
@@ -17,7 +17,7 @@ typedef struct pd_cmd {
     pd_engine_request req;   // SUBMIT: prompt/stop_ids point into the owned copies below
     int32_t *prompt;         // owned
     int32_t stop_ids[16];
-    pd_xfer_event xev;       // XFER: owned (xev.owned)
+    pd_kvconn_event *kev;    // XFER: a KV connector event (owned)
     struct pd_cmd *next;
 } pd_cmd;
 

@@ -221,8 +221,8 @@ pd_status pd_engine_spec_load(pd_engine *e, pd_err *err) {
 size_t pd_engine_spec_kv_bytes_per_block(const pd_engine *e) {
     const espec *S = e->spec;
     if (!S || !S->draft) return 0;
-    size_t act = pd_dtype_size(pd_backend_act_dtype(e->backend));
-    return pd_model_config_kv_bytes_per_token(pd_model_get_config(S->draft), act) * (size_t)(e->params.block_size > 0 ? e->params.block_size : 16);
+    return 2 * (size_t)pd_model_get_config(S->draft)->n_layers * pd_model_kv_row_bytes(S->draft) *
+           (size_t)(e->params.block_size > 0 ? e->params.block_size : 16);
 }
 
 pd_status pd_engine_spec_init(pd_engine *e, pd_sched_params *sp, pd_err *err) {

@@ -23,6 +23,14 @@
 // 413 with an HTML body), so a huge upload cannot exhaust memory.
 // The request line and headers are limited to 64 KiB (libevent refuses more).
 //
+// Connections (like nginx): the server raises its RLIMIT_NOFILE soft limit to the hard one and,
+// unless max_connections says otherwise, allows that limit minus an eighth (at least 64) in
+// reserve for everything else. At the limit it closes the longest-idle keep-alive connections (32
+// at a time, or a sixteenth of the limit if smaller) so that new clients still get in; with none idle the new connection is closed. Idle
+// connections close after keepalive_timeout_s; a request not complete header_timeout_s after its
+// first bytes closes its connection. When accept() fails for lack of descriptors (EMFILE, ENFILE)
+// or memory, accepting pauses (100 ms doubling to 1 s) and one warning per 10 s is logged.
+//
 // Ownership: pd_http_req objects are owned by this layer; a handler borrows r from the handler
 // call until it ends r (a reply) or the close callback returns. Strings returned by accessors are
 // valid as long as r.
@@ -51,7 +59,10 @@ typedef struct pd_http_params {
     const char *host;          // address to bind (default "127.0.0.1"); borrowed for the call
     int port;                  // 0 = any free port (see pd_http_server_port)
     size_t max_body_bytes;     // default 8 MiB
-    int timeout_s;             // idle read/write timeout per connection (default 600)
+    int timeout_s;             // libevent's per-read / per-write inactivity timeout (default 60)
+    int header_timeout_s;      // a request must arrive whole this long after its first bytes (60)
+    int keepalive_timeout_s;   // an idle keep-alive connection is closed after this (default 30)
+    int max_connections;       // open connections at most; 0 = from RLIMIT_NOFILE (see below)
     pd_http_response_fn on_response;  // optional
     void *on_response_ud;
 } pd_http_params;
@@ -69,6 +80,9 @@ int pd_http_server_port(const pd_http_server *s);
 void pd_http_server_stop_accepting(pd_http_server *s);
 // Number of requests handed to handlers and not yet ended.
 int pd_http_server_n_active(const pd_http_server *s);
+// Connections open now, and the limit in force.
+int pd_http_server_n_connections(const pd_http_server *s);
+int pd_http_server_max_connections(const pd_http_server *s);
 
 // ---- graceful shutdown ---------------------------------------------------------------------------
 // Drain mode (the first step of a graceful shutdown; nothing is closed):

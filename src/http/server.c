@@ -13,6 +13,7 @@
 // callback (before it frees the evhttp_request); we run the handler's close callback and free the
 // wrapper. A failed write mid-stream takes the same path inside libevent. Readable with data means
 // a pipelined next request: we stop watching (it is read after the reply).
+#include "base/buf.h"
 #include "http/http.h"
 
 #include <event2/buffer.h>
@@ -22,14 +23,35 @@
 #include <event2/keyvalq_struct.h>
 #include <arpa/inet.h>
 #include <errno.h>
+#include <limits.h>
+#include <netdb.h>
+#include <pthread.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
+#include <event2/listener.h>
 #include <sys/queue.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <stdio.h>
 #include <string.h>
 
 #define PD_HTTP_MAX_ROUTES 64
+
+// One accepted connection (see "connection accounting" below). Indexed by its fd in
+// pd_http_server.conns once the fd is known; the bufferevent holds an extra reference of ours so
+// that the fd stays open (and its number ours) until we release it.
+typedef struct http_conn {
+    struct bufferevent *bev;   // NULL = slot unused
+    int64_t t_idle_us;         // accepted, or its last request ended
+    int64_t t_input_us;        // when the sweep first saw bytes of a request; 0 = none
+    int n_busy;                // requests of this connection held by handlers
+    bool is_shed;              // shut down by us, waiting for evhttp to free it
+} http_conn;
+
+typedef struct http_pending {
+    struct bufferevent *bev;
+    bool refuse;               // over max_connections with nothing idle: shut it down at once
+} http_pending;
 
 typedef struct route {
     char *method;  // owned
@@ -51,12 +73,32 @@ struct pd_http_server {
     pd_http_req *active;  // doubly linked list of live wrappers
     int n_active;
     pd_http_req *in_handler;  // the request whose handler is running (NULL once it ends)
+    // connection accounting
+    struct evconnlistener *listener;  // evhttp's, borrowed
+    http_conn *conns;                 // (n_conn_slots) indexed by fd
+    int n_conn_slots;
+    size_t cap_conns;                 // allocated slots (>= n_conn_slots)
+    http_pending *pending;            // new bufferevents whose fd is not set yet
+    int n_pending;
+    size_t cap_pending;
+    int n_conns;                      // accepted and not yet released
+    int n_shedding;                   // of them, shut down by us and not yet released
+    int *shed_fds;                    // (n_shedding) their fds, to release them without a full scan
+    size_t cap_shed;
+    int max_connections;
+    int64_t header_timeout_us, keepalive_timeout_us;
+    struct event *sweep, *resume, *kick;  // periodic sweep; accept re-enable; refusal
+    int backoff_ms;
+    int64_t t_last_emfile_log_us;
+    int64_t n_emfile, n_shed, n_emfile_logged;
+    pd_http_server *next_server;      // the listener registry (on_accept_error)
     bool is_draining;         // pd_http_server_drain: POSTs get 503, replies close the connection
     int retry_after_s;
     // While draining: connections whose request ended, until libevent frees them (their close
     // callback is on_flush_close) or a new request on them gets a wrapper (see flush_untrack).
     struct evhttp_connection **flushing;
-    int n_flushing, cap_flushing;
+    int n_flushing;
+    size_t cap_flushing;
 };
 
 struct pd_http_req {
@@ -80,13 +122,17 @@ pd_http_params pd_http_params_default(void) {
     p.host = "127.0.0.1";
     p.port = 0;
     p.max_body_bytes = (size_t)8 << 20;
-    p.timeout_s = 600;
+    p.timeout_s = 60;
+    p.header_timeout_s = 60;
+    p.keepalive_timeout_s = 30;
+    p.max_connections = 0;
     return p;
 }
 
 // ---- wrapper lifecycle -------------------------------------------------------------------------
 
 static void on_conn_close(struct evhttp_connection *evcon, void *arg);
+static void conn_note_busy(pd_http_server *s, struct evhttp_connection *evcon, bool busy);
 
 static void flush_untrack(pd_http_server *s, struct evhttp_connection *evcon) {
     for (int i = 0; i < s->n_flushing; i++)
@@ -102,13 +148,7 @@ static void on_flush_close(struct evhttp_connection *evcon, void *arg) { flush_u
 // (pd_http_server_n_unflushed). Untracked (and not waited for) when out of memory.
 static void flush_track(pd_http_server *s, struct evhttp_connection *evcon) {
     flush_untrack(s, evcon);
-    if (s->n_flushing == s->cap_flushing) {
-        int nc = s->cap_flushing ? 2 * s->cap_flushing : 64;
-        struct evhttp_connection **t = pd_realloc(s->flushing, sizeof *t * (size_t)nc);
-        if (!t) return;
-        s->flushing = t;
-        s->cap_flushing = nc;
-    }
+    if (PD_ARRAY_RESERVE(s->flushing, s->cap_flushing, (size_t)s->n_flushing + 1) != PD_OK) return;
     s->flushing[s->n_flushing++] = evcon;
     evhttp_connection_set_closecb(evcon, on_flush_close, s);
 }
@@ -130,6 +170,7 @@ static pd_http_req *req_new(pd_http_server *s, struct evhttp_request *ev, const 
     s->n_active++;
     if (r->evcon) flush_untrack(s, r->evcon);
     if (r->evcon) evhttp_connection_set_closecb(r->evcon, on_conn_close, r);
+    conn_note_busy(s, r->evcon, true);
     return r;
 }
 
@@ -140,6 +181,7 @@ static void req_end(pd_http_req *r) {
     if (r->watch) event_free(r->watch);
     if (r->has_query) evhttp_clear_headers(&r->query);
     if (r->evcon) evhttp_connection_set_closecb(r->evcon, NULL, NULL);
+    conn_note_busy(s, r->evcon, false);
     if (r->evcon && s->is_draining) flush_track(s, r->evcon);
     if (r->prev) r->prev->next = r->next;
     else s->active = r->next;
@@ -483,7 +525,352 @@ static void on_request(struct evhttp_request *ev, void *arg) {
     }
 }
 
+// ---- connection accounting ---------------------------------------------------------------------
+// evhttp (libevent 2.1) neither limits connections nor separates a header deadline from the
+// keep-alive idle time, and without an error callback its listener logs every failed accept() and
+// spins on a full fd table. Like nginx we therefore:
+//   * count connections: evhttp asks us for each new connection's bufferevent (evhttp_set_bevcb);
+//     we create it with one extra reference, so evhttp freeing the connection leaves it (and its
+//     fd, BEV_OPT_CLOSE_ON_FREE) alive until our sweep sees its callbacks cleared and drops it;
+//   * at max_connections, close the longest-idle connections (no request held, nothing unread,
+//     32 at a time, nginx's ngx_drain_connections) so a new client, a health check say, still
+//     gets in (fewer at a time under a small limit: a sixteenth of it); with none idle the newest
+//     is closed instead. A closed connection's fd is released
+//     by the next sweep; until then it does not count against the limit;
+//   * close a connection idle for keepalive_timeout_s, or one whose request has not arrived
+//     complete header_timeout_s after its first bytes were seen (slow-loris), in a sweep every
+//     500 ms (libevent's own timeout_s still bounds each read and write);
+//   * on EMFILE / ENFILE / ENOBUFS / ENOMEM from accept(): pause the listener, shed idle
+//     connections and resume after a short backoff (100 ms doubling to 1 s), logging at most one
+//     line per 10 s with a count.
+#define HTTP_SHED_BATCH 32
+
+// Connections closed per shedding pass: 32 (nginx), fewer under a small limit (a sixteenth of it)
+// so that a pass never empties the server of its recent connections.
+static int shed_batch(const pd_http_server *s) { return PD_MAX(1, PD_MIN(HTTP_SHED_BATCH, s->max_connections / 16)); }
+
+static http_conn *conn_slot(pd_http_server *s, evutil_socket_t fd) {
+    if (fd < 0) return NULL;
+    if (fd >= s->n_conn_slots) {
+        if (fd > INT_MAX - 1024 || PD_ARRAY_RESERVE(s->conns, s->cap_conns, (size_t)fd + 1024) != PD_OK) return NULL;
+        int n = (int)PD_MIN(s->cap_conns, (size_t)INT_MAX);
+        memset(s->conns + s->n_conn_slots, 0, (size_t)(n - s->n_conn_slots) * sizeof *s->conns);
+        s->n_conn_slots = n;
+    }
+    return &s->conns[fd];
+}
+
+static bool bev_is_freed(struct bufferevent *bev) {
+    bufferevent_data_cb rd = NULL, wr = NULL;
+    bufferevent_event_cb ev = NULL;
+    void *arg = NULL;
+    bufferevent_getcb(bev, &rd, &wr, &ev, &arg);
+    return !rd && !wr && !ev;
+}
+
+static void conn_shed(pd_http_server *s, http_conn *c);
+
+// Moves bufferevents whose fd is now set into the fd-indexed table.
+static void conns_resolve(pd_http_server *s) {
+    int k = 0;
+    for (int i = 0; i < s->n_pending; i++) {
+        struct bufferevent *bev = s->pending[i].bev;
+        evutil_socket_t fd = bufferevent_getfd(bev);
+        http_conn *c = fd >= 0 ? conn_slot(s, fd) : NULL;
+        if (c && !c->bev) {
+            memset(c, 0, sizeof *c);
+            c->bev = bev;
+            c->t_idle_us = pd_time_us();
+            if (s->pending[i].refuse) conn_shed(s, c);
+        } else if (fd < 0 && bev_is_freed(bev)) {  // evhttp gave up before setting the fd
+            bufferevent_decref(bev);
+            s->n_conns--;
+        } else {
+            s->pending[k++] = s->pending[i];
+        }
+    }
+    s->n_pending = k;
+}
+
+static void conn_release(pd_http_server *s, http_conn *c) {
+    bufferevent_decref(c->bev);  // closes the fd
+    if (c->is_shed) {
+        int fd = (int)(c - s->conns);
+        for (int i = 0; i < s->n_shedding; i++)
+            if (s->shed_fds[i] == fd) {
+                s->shed_fds[i] = s->shed_fds[--s->n_shedding];
+                break;
+            }
+    }
+    memset(c, 0, sizeof *c);
+    s->n_conns--;
+}
+
+// Releases the fds of shed connections evhttp has freed already (cheap: only those are looked at).
+static void conns_release_shed(pd_http_server *s) {
+    for (int i = s->n_shedding - 1; i >= 0; i--) {
+        http_conn *c = &s->conns[s->shed_fds[i]];
+        if (c->bev && bev_is_freed(c->bev)) conn_release(s, c);
+    }
+}
+
+static bool conn_is_idle(const http_conn *c) {
+    if (c->n_busy > 0 || c->is_shed || bev_is_freed(c->bev)) return false;
+    return evbuffer_get_length(bufferevent_get_input(c->bev)) == 0 &&
+           evbuffer_get_length(bufferevent_get_output(c->bev)) == 0;
+}
+
+static void conn_shed(pd_http_server *s, http_conn *c) {
+    evutil_socket_t fd = bufferevent_getfd(c->bev);
+    // evhttp reads EOF, frees the connection; the sweep then releases the fd
+    if (fd >= 0) shutdown(fd, SHUT_RDWR);
+    if (PD_ARRAY_RESERVE(s->shed_fds, s->cap_shed, (size_t)s->n_shedding + 1) != PD_OK)
+        return;  // not marked: the keep-alive sweep releases it like any closed connection
+    s->shed_fds[s->n_shedding++] = (int)(c - s->conns);
+    c->is_shed = true;
+    s->n_shed++;
+}
+
+// Closes up to n (<= HTTP_SHED_BATCH) of the longest-idle connections in one pass over the table.
+// Returns how many.
+static int conns_shed_idle(pd_http_server *s, int n) {
+    http_conn *pick[HTTP_SHED_BATCH];
+    int k = 0;
+    n = PD_MIN(n, HTTP_SHED_BATCH);
+    for (int fd = 0; fd < s->n_conn_slots; fd++) {
+        http_conn *c = &s->conns[fd];
+        if (!c->bev || !conn_is_idle(c)) continue;
+        if (k < n) {
+            pick[k++] = c;
+            continue;
+        }
+        int newest = 0;  // replace the most recently idle of the picks if c is older
+        for (int i = 1; i < k; i++)
+            if (pick[i]->t_idle_us > pick[newest]->t_idle_us) newest = i;
+        if (c->t_idle_us < pick[newest]->t_idle_us) pick[newest] = c;
+    }
+    for (int i = 0; i < k; i++) conn_shed(s, pick[i]);
+    return k;
+}
+
+// Releases every connection evhttp has freed (one pass over the table).
+static void conns_release_freed(pd_http_server *s) {
+    for (int fd = 0; fd < s->n_conn_slots; fd++) {
+        http_conn *c = &s->conns[fd];
+        if (c->bev && bev_is_freed(c->bev)) conn_release(s, c);
+    }
+}
+
+static void conns_sweep(pd_http_server *s, int64_t now) {
+    conns_resolve(s);
+    for (int fd = 0; fd < s->n_conn_slots; fd++) {
+        http_conn *c = &s->conns[fd];
+        if (!c->bev) continue;
+        if (bev_is_freed(c->bev)) {
+            conn_release(s, c);
+            continue;
+        }
+        if (c->n_busy > 0 || c->is_shed) continue;
+        bool has_input = evbuffer_get_length(bufferevent_get_input(c->bev)) > 0;
+        if (has_input && !c->t_input_us) c->t_input_us = now;
+        if (!has_input && !c->t_input_us && now - c->t_idle_us > s->keepalive_timeout_us) conn_shed(s, c);
+        else if (c->t_input_us && now - c->t_input_us > s->header_timeout_us) conn_shed(s, c);
+    }
+}
+
+static void on_sweep(evutil_socket_t fd, short what, void *arg) {
+    PD_UNUSED(fd);
+    PD_UNUSED(what);
+    conns_sweep(arg, pd_time_us());
+}
+
+static void on_kick(evutil_socket_t fd, short what, void *arg) {
+    PD_UNUSED(fd);
+    PD_UNUSED(what);
+    conns_resolve(arg);  // refused connections get their fd now, and are shut down
+}
+
+static struct bufferevent *on_new_conn(struct event_base *base, void *arg) {
+    pd_http_server *s = arg;
+    struct bufferevent *bev = bufferevent_socket_new(base, -1, BEV_OPT_CLOSE_ON_FREE);
+    if (!bev) return NULL;  // evhttp makes its own (uncounted; only on OOM)
+    if (PD_ARRAY_RESERVE(s->pending, s->cap_pending, (size_t)s->n_pending + 1) != PD_OK)
+        return bev;  // uncounted; evhttp owns it alone
+    conns_resolve(s);
+    conns_release_shed(s);
+    // Over the limit (connections being closed by us do not count: their fds go at the next sweep):
+    // close a batch of the longest-idle ones; with none idle, refuse this one.
+    if (s->n_conns - s->n_shedding + 1 > s->max_connections) conns_release_freed(s);  // closed by their clients
+    bool refuse = s->n_conns - s->n_shedding + 1 > s->max_connections && conns_shed_idle(s, shed_batch(s)) == 0;
+    bufferevent_incref(bev);
+    s->pending[s->n_pending++] = (http_pending){bev, refuse};
+    s->backoff_ms = 0;  // accept() works again
+    s->n_conns++;
+    // evhttp sets the fd when we return; a refused connection is shut down right after
+    if (refuse) event_active(s->kick, EV_TIMEOUT, 0);
+    return bev;
+}
+
+// The listener's error callback gets the listener's user data, which evhttp owns (its struct
+// evhttp): servers are found by listener in this registry instead.
+static pthread_mutex_t g_servers_mu = PTHREAD_MUTEX_INITIALIZER;
+static pd_http_server *g_servers;  // linked through next_server
+
+static void registry_add(pd_http_server *s) {
+    pthread_mutex_lock(&g_servers_mu);
+    s->next_server = g_servers;
+    g_servers = s;
+    pthread_mutex_unlock(&g_servers_mu);
+}
+
+static void registry_remove(pd_http_server *s) {
+    pthread_mutex_lock(&g_servers_mu);
+    for (pd_http_server **p = &g_servers; *p; p = &(*p)->next_server)
+        if (*p == s) {
+            *p = s->next_server;
+            break;
+        }
+    pthread_mutex_unlock(&g_servers_mu);
+}
+
+static pd_http_server *registry_find(const struct evconnlistener *l) {
+    pthread_mutex_lock(&g_servers_mu);
+    pd_http_server *s = g_servers;
+    while (s && s->listener != l) s = s->next_server;
+    pthread_mutex_unlock(&g_servers_mu);
+    return s;
+}
+
+// accept() failed for a reason other than EAGAIN / ECONNABORTED (which libevent retries itself).
+static void on_accept_error(struct evconnlistener *l, void *arg) {
+    PD_UNUSED(arg);  // evhttp's
+    pd_http_server *s = registry_find(l);
+    if (!s) {
+        evconnlistener_disable(l);  // cannot happen; never spin
+        return;
+    }
+    int e = EVUTIL_SOCKET_ERROR();
+    int64_t now = pd_time_us();
+    s->n_emfile++;
+    evconnlistener_disable(l);
+    conns_resolve(s);
+    conns_release_shed(s);
+    int n = conns_shed_idle(s, shed_batch(s));
+    // The limit was above what the descriptors allow: bring it below the connections open now,
+    // so that from here on the limit (closing idle connections per accept) acts before accept()
+    // fails.
+    int lim = PD_MAX(16, s->n_conns - s->n_shedding - HTTP_SHED_BATCH);
+    bool lowered = lim < s->max_connections;
+    if (lowered) s->max_connections = lim;
+    if (now - s->t_last_emfile_log_us >= 10 * 1000000) {
+        PD_LOG_W("http: accept() failed: %s (%lld time(s) since the last report); pausing accepts, "
+                 "closed %d idle connection(s); %d open; connection limit now %d", evutil_socket_error_to_string(e),
+                 (long long)(s->n_emfile - s->n_emfile_logged), n, s->n_conns, s->max_connections);
+        s->t_last_emfile_log_us = now;
+        s->n_emfile_logged = s->n_emfile;
+    }
+    // back off: 10 ms, doubling while accept keeps failing, at most 1 s
+    s->backoff_ms = s->backoff_ms ? PD_MIN(1000, s->backoff_ms * 2) : 10;
+    struct timeval tv = {s->backoff_ms / 1000, (s->backoff_ms % 1000) * 1000};
+    event_add(s->resume, &tv);
+}
+
+static void on_resume(evutil_socket_t fd, short what, void *arg) {
+    PD_UNUSED(fd);
+    PD_UNUSED(what);
+    pd_http_server *s = arg;
+    conns_resolve(s);
+    conns_release_shed(s);
+    if (s->listener) evconnlistener_enable(s->listener);
+}
+
+// Marks r's connection busy / idle (requests held by handlers are never shed).
+static void conn_note_busy(pd_http_server *s, struct evhttp_connection *evcon, bool busy) {
+    struct bufferevent *bev = evcon ? evhttp_connection_get_bufferevent(evcon) : NULL;
+    evutil_socket_t fd = bev ? bufferevent_getfd(bev) : -1;
+    if (fd < 0) return;
+    if (fd >= s->n_conn_slots || s->conns[fd].bev != bev) conns_resolve(s);
+    if (fd >= s->n_conn_slots || s->conns[fd].bev != bev) return;
+    http_conn *c = &s->conns[fd];
+    if (busy) {
+        c->n_busy++;
+    } else if (c->n_busy > 0) {
+        c->n_busy--;
+        c->t_idle_us = pd_time_us();
+        c->t_input_us = 0;
+    }
+}
+
+static pd_status conns_init(pd_http_server *s, const pd_http_params *p, pd_err *err) {
+    // Like nginx's worker_rlimit_nofile: use the hard limit on descriptors, and keep a reserve
+    // below it for upstream connections, files and the engine.
+    struct rlimit rl;
+    if (getrlimit(RLIMIT_NOFILE, &rl) == 0 && rl.rlim_cur < rl.rlim_max) {
+        rl.rlim_cur = rl.rlim_max;
+        (void)setrlimit(RLIMIT_NOFILE, &rl);
+        (void)getrlimit(RLIMIT_NOFILE, &rl);
+    }
+    long lim = rl.rlim_cur == RLIM_INFINITY ? 1L << 20 : (long)rl.rlim_cur;
+    long reserve = PD_MAX(64L, lim / 8);
+    long autolim = PD_MAX(16L, lim - reserve);
+    s->max_connections = p->max_connections > 0 ? p->max_connections : (int)PD_MIN(autolim, 1L << 20);
+    s->header_timeout_us = (int64_t)(p->header_timeout_s > 0 ? p->header_timeout_s : 60) * 1000000;
+    s->keepalive_timeout_us = (int64_t)(p->keepalive_timeout_s > 0 ? p->keepalive_timeout_s : 30) * 1000000;
+    s->listener = evhttp_bound_socket_get_listener(s->sock);
+    s->sweep = event_new(s->base, -1, EV_PERSIST, on_sweep, s);
+    s->resume = event_new(s->base, -1, 0, on_resume, s);
+    s->kick = event_new(s->base, -1, 0, on_kick, s);
+    if (!s->sweep || !s->resume || !s->kick) {
+        pd_err_set(err, PD_ERR_NOMEM, "http: out of memory");
+        return PD_ERR_NOMEM;
+    }
+    struct timeval tv = {0, 500 * 1000};
+    event_add(s->sweep, &tv);
+    if (s->listener) {
+        registry_add(s);
+        evconnlistener_set_error_cb(s->listener, on_accept_error);
+    }
+    return PD_OK;
+}
+
+static void conns_fini(pd_http_server *s) {
+    registry_remove(s);
+    if (s->sweep) event_free(s->sweep);
+    if (s->resume) event_free(s->resume);
+    if (s->kick) event_free(s->kick);
+    for (int i = 0; i < s->n_pending; i++) bufferevent_decref(s->pending[i].bev);
+    for (int fd = 0; fd < s->n_conn_slots; fd++)
+        if (s->conns[fd].bev) bufferevent_decref(s->conns[fd].bev);
+    pd_free(s->pending);
+    pd_free(s->conns);
+    pd_free(s->shed_fds);
+}
+
+int pd_http_server_n_connections(const pd_http_server *s) { return s->n_conns; }
+int pd_http_server_max_connections(const pd_http_server *s) { return s->max_connections; }
+
 // ---- server ------------------------------------------------------------------------------------
+
+// Listens with a deep accept queue (net.core.somaxconn; evhttp's own bind and libevent's default
+// use 128, so a connection storm left clients in SYN retransmits, or "connected" ones the server
+// never saw, for seconds) and hands the listener to evhttp.
+static struct evhttp_bound_socket *bind_listener(pd_http_server *s, const char *host, int port) {
+    char ps[16];
+    snprintf(ps, sizeof ps, "%d", port);
+    struct addrinfo hints = {.ai_family = AF_UNSPEC, .ai_socktype = SOCK_STREAM, .ai_flags = AI_PASSIVE};
+    struct addrinfo *ai = NULL;
+    if (getaddrinfo(host, ps, &hints, &ai) != 0 || !ai) return NULL;
+    struct evconnlistener *l = NULL;
+    for (struct addrinfo *a = ai; a && !l; a = a->ai_next)
+        l = evconnlistener_new_bind(s->base, NULL, NULL, LEV_OPT_CLOSE_ON_FREE | LEV_OPT_REUSEABLE | LEV_OPT_CLOSE_ON_EXEC,
+                                    65535 /* the kernel caps it at net.core.somaxconn */, a->ai_addr,
+                                    (int)a->ai_addrlen);
+    freeaddrinfo(ai);
+    if (!l) return NULL;
+    struct evhttp_bound_socket *b = evhttp_bind_listener(s->http, l);
+    if (!b) evconnlistener_free(l);
+    return b;
+}
 
 pd_http_server *pd_http_server_new(struct event_base *base, const pd_http_params *p, pd_err *err) {
     pd_http_params d = pd_http_params_default();
@@ -510,13 +897,14 @@ pd_http_server *pd_http_server_new(struct event_base *base, const pd_http_params
                                                           : 2 * s->max_body_bytes + (64u << 10);
     evhttp_set_max_body_size(s->http, (ev_ssize_t)hard);
     evhttp_set_max_headers_size(s->http, 64 << 10);  // request line + headers
-    evhttp_set_timeout(s->http, p->timeout_s > 0 ? p->timeout_s : 600);
+    evhttp_set_timeout(s->http, p->timeout_s > 0 ? p->timeout_s : 60);
+    evhttp_set_bevcb(s->http, on_new_conn, s);
     evhttp_set_allowed_methods(s->http, EVHTTP_REQ_GET | EVHTTP_REQ_POST | EVHTTP_REQ_HEAD |
                                             EVHTTP_REQ_PUT | EVHTTP_REQ_DELETE |
                                             EVHTTP_REQ_OPTIONS | EVHTTP_REQ_PATCH);
     evhttp_set_gencb(s->http, on_request, s);
     const char *host = p->host && *p->host ? p->host : "127.0.0.1";
-    s->sock = evhttp_bind_socket_with_handle(s->http, host, (ev_uint16_t)p->port);
+    s->sock = bind_listener(s, host, p->port);
     if (!s->sock) {
         pd_err_set(err, PD_ERR_IO, "http: cannot listen on %s:%d", host, p->port);
         goto fail;
@@ -527,6 +915,7 @@ pd_http_server *pd_http_server_new(struct event_base *base, const pd_http_params
         if (ss.ss_family == AF_INET) s->port = ntohs(((struct sockaddr_in *)&ss)->sin_port);
         else if (ss.ss_family == AF_INET6) s->port = ntohs(((struct sockaddr_in6 *)&ss)->sin6_port);
     }
+    if (conns_init(s, p, err) != PD_OK) goto fail;
     return s;
 fail:
     pd_http_server_free(s);
@@ -544,6 +933,7 @@ void pd_http_server_free(pd_http_server *s) {
     }
     if (s->http) evhttp_free(s->http);  // runs on_flush_close for tracked connections
     pd_free(s->flushing);
+    conns_fini(s);
     for (int i = 0; i < s->n_routes; i++) {
         pd_free(s->routes[i].method);
         pd_free(s->routes[i].path);
@@ -607,6 +997,7 @@ void pd_http_server_stop_accepting(pd_http_server *s) {
     if (s->sock) {
         evhttp_del_accept_socket(s->http, s->sock);
         s->sock = NULL;
+        s->listener = NULL;  // freed with the bound socket
     }
 }
 

@@ -24,7 +24,12 @@
 // ~2% at batch 32-128. PD_CUDA_ATTN_FOLD=0 always launches the combine kernel (measurement knob).
 // k_attn_decode_tc (below) keeps this grid, partitioning and workspace but runs on mma.sync; it is
 // the default for head_dim 64/128 (PD_CUDA_ATTN_TC=0 picks this one). The decode and combine
-// kernels are launched with PDL (common.cuh).
+// kernels are launched with PDL (common.cuh). The bf16 tensor-core kernel loads the next step's K
+// during this step's math (PD_CUDA_ATTN_PIPE=0: off); k_attn_decode_tc_f8 is its fp8-cache twin
+// (fully pipelined); the prefill kernel and the CUDA-core decode kernel take F8 as a template flag.
+// Partition sizing (pd_k_dec_part) aims at one wave; see there.
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
 #include <math.h>
 
 #include "kernels/attention.cuh"
@@ -43,15 +48,55 @@
 #define PD_K_DEC_WARPS 4
 #define PD_K_DEC_UNROLL 4
 #define PD_K_DEC_MIN_PART 128
-#define PD_K_DEC_MAX_SPLITS 64
+#define PD_K_DEC_MAX_SPLITS 128
+
+// ---- fp8 KV (backend.h, PD_KV_FP8) -------------------------------------------------------------
+// A slot's row: n_kv * HD e4m3 bytes, then n_kv f32 scales. Every kernel takes the caches as bytes
+// plus row_bytes when F8; e4m3 -> bf16 is exact (cvt to f16x2, widen), the scale is applied in
+// f32 to the scores (K) and to P (V), or, in the prefill tiles, before the bf16 rounding.
+
+// Two e4m3 (low byte first) -> bf16x2 (low half first), exactly.
+static __device__ __forceinline__ uint32_t pd_k_fp8x2_bf16x2(uint32_t v16) {
+    __half2_raw hr = __nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)v16, __NV_E4M3);
+    float2 f = __half22float2(*reinterpret_cast<__half2 *>(&hr));
+    return pd_k_pack2(f.x, f.y);
+}
+// Eight e4m3 -> eight bf16 (the same 16-byte register layout a bf16 load would give).
+static __device__ __forceinline__ uint4 pd_k_fp8x8_bf16x8(uint2 u) {
+    return make_uint4(pd_k_fp8x2_bf16x2(u.x & 0xffffu), pd_k_fp8x2_bf16x2(u.x >> 16), pd_k_fp8x2_bf16x2(u.y & 0xffffu),
+                      pd_k_fp8x2_bf16x2(u.y >> 16));
+}
+// Half h (bytes 8h .. 8h + 7) of 16 raw e4m3 bytes, widened to 8 bf16.
+static __device__ __forceinline__ uint4 pd_k_f8_chunk(uint4 raw, int h) {
+    return pd_k_fp8x8_bf16x8(h ? make_uint2(raw.z, raw.w) : make_uint2(raw.x, raw.y));
+}
+
+// Dims [d, d + 8) of head kvh at `slot` as 8 bf16 (bf16 cache) or 8 e4m3 widened to bf16 (fp8),
+// and the head's scale (1 for bf16). slot < 0: zeros.
+template <int HD, bool F8>
+static __device__ __forceinline__ uint4 pd_k_kv_ld8(const void *c, int slot, int n_kv, int kvh, int d, size_t rb,
+                                                    float *sc) {
+    if (slot < 0) {
+        *sc = 0.f;
+        return make_uint4(0, 0, 0, 0);
+    }
+    if constexpr (F8) {
+        const uint8_t *row = (const uint8_t *)c + (size_t)slot * rb;
+        *sc = __ldg((const float *)(row + (size_t)n_kv * HD) + kvh);
+        return pd_k_fp8x8_bf16x8(__ldg((const uint2 *)(row + (size_t)kvh * HD + d)));
+    } else {
+        *sc = 1.f;
+        return __ldg((const uint4 *)((const __nv_bfloat16 *)c + ((size_t)slot * n_kv + kvh) * HD + d));
+    }
+}
 
 // ---- prefill ---------------------------------------------------------------------------------
 
+// bf16 tiles: cp.async, completed by the caller's wait (fp8: pd_k_att_f8_ld / _st below).
 template <int HD>
-static __device__ __forceinline__ void pd_k_att_load_kv(__nv_bfloat16 *ks, __nv_bfloat16 *vs,
-                                                        const __nv_bfloat16 *kc, const __nv_bfloat16 *vc,
-                                                        const int32_t *bt, int kv0, int kv_end, int bs,
-                                                        int n_kv, int kvh) {
+static __device__ __forceinline__ void pd_k_att_load_kv(__nv_bfloat16 *ks, __nv_bfloat16 *vs, const void *kc,
+                                                        const void *vc, const int32_t *bt, int kv0, int kv_end, int bs,
+                                                        int n_kv, int kvh, size_t rb) {
     constexpr int CPR = HD / 8;  // 16-byte chunks per row
     constexpr int STR = HD + 8;
     constexpr int PD_K_ATT_BKV = PD_K_ATT_BKV_OF(HD);
@@ -63,17 +108,69 @@ static __device__ __forceinline__ void pd_k_att_load_kv(__nv_bfloat16 *ks, __nv_
             size_t slot = (size_t)bt[pos / bs] * bs + pos % bs;
             off = (slot * n_kv + kvh) * HD + ch * 8;
         }
-        pd_k_cp_async16(ks + r * STR + ch * 8, kc + off, ok);
-        pd_k_cp_async16(vs + r * STR + ch * 8, vc + off, ok);
+        pd_k_cp_async16(ks + r * STR + ch * 8, (const __nv_bfloat16 *)kc + off, ok);
+        pd_k_cp_async16(vs + r * STR + ch * 8, (const __nv_bfloat16 *)vc + off, ok);
+    }
+}
+
+// The fp8 tile load in two halves, so the global loads of tile j + 1 are in flight while tile j is
+// computed: pd_k_att_f8_ld fetches this thread's raw rows and scales into registers, pd_k_att_f8_st
+// dequantises them (x * scale, rounded to bf16) into the shared tile.
+template <int HD>
+struct pd_k_att_f8_regs {
+    static constexpr int CH = (PD_K_ATT_BKV_OF(HD) * (HD / 8) + PD_K_ATT_WARPS * 32 - 1) / (PD_K_ATT_WARPS * 32);
+    uint2 k[CH], v[CH];
+    float ks[CH], vs[CH];
+};
+
+template <int HD>
+static __device__ __forceinline__ void pd_k_att_f8_ld(pd_k_att_f8_regs<HD> &r, const void *kc, const void *vc,
+                                                      const int32_t *bt, int kv0, int kv_end, int bs, int n_kv,
+                                                      int kvh, size_t rb) {
+    constexpr int CPR = HD / 8;
+#pragma unroll
+    for (int i = 0; i < pd_k_att_f8_regs<HD>::CH; i++) {
+        int c = threadIdx.x + i * PD_K_ATT_WARPS * 32, row = c / CPR, ch = c % CPR, pos = kv0 + row;
+        bool ok = c < PD_K_ATT_BKV_OF(HD) * CPR && pos < kv_end;
+        r.k[i] = r.v[i] = make_uint2(0, 0);
+        r.ks[i] = r.vs[i] = 0.f;
+        if (ok) {
+            size_t off = (size_t)(bt[pos / bs] * bs + pos % bs) * rb;
+            const uint8_t *kr = (const uint8_t *)kc + off, *vr = (const uint8_t *)vc + off;
+            r.k[i] = __ldg((const uint2 *)(kr + (size_t)kvh * HD + ch * 8));
+            r.v[i] = __ldg((const uint2 *)(vr + (size_t)kvh * HD + ch * 8));
+            r.ks[i] = __ldg((const float *)(kr + (size_t)n_kv * HD) + kvh);
+            r.vs[i] = __ldg((const float *)(vr + (size_t)n_kv * HD) + kvh);
+        }
     }
 }
 
 template <int HD>
+static __device__ __forceinline__ void pd_k_att_f8_st(const pd_k_att_f8_regs<HD> &r, __nv_bfloat16 *ks,
+                                                      __nv_bfloat16 *vs) {
+    constexpr int CPR = HD / 8, STR = HD + 8;
+#pragma unroll
+    for (int i = 0; i < pd_k_att_f8_regs<HD>::CH; i++) {
+        int c = threadIdx.x + i * PD_K_ATT_WARPS * 32, row = c / CPR, ch = c % CPR;
+        if (c >= PD_K_ATT_BKV_OF(HD) * CPR) continue;
+        float f[8];
+        pd_k_unpack8(pd_k_fp8x8_bf16x8(r.k[i]), f);
+#pragma unroll
+        for (int e = 0; e < 8; e++) f[e] *= r.ks[i];
+        *(uint4 *)(ks + row * STR + ch * 8) = pd_k_pack8(f);
+        pd_k_unpack8(pd_k_fp8x8_bf16x8(r.v[i]), f);
+#pragma unroll
+        for (int e = 0; e < 8; e++) f[e] *= r.vs[i];
+        *(uint4 *)(vs + row * STR + ch * 8) = pd_k_pack8(f);
+    }
+}
+
+template <int HD, bool F8>
 static __global__ void __launch_bounds__(PD_K_ATT_WARPS * 32)
-    k_attn_prefill(const __nv_bfloat16 *q, const __nv_bfloat16 *kc, const __nv_bfloat16 *vc, __nv_bfloat16 *out,
+    k_attn_prefill(const __nv_bfloat16 *q, const void *kc, const void *vc, __nv_bfloat16 *out,
                    const int32_t *q_indptr, const int32_t *kv_lens, const int32_t *bt_indptr,
                    const int32_t *bt_indices, int n_q_tiles, int H, int n_kv, int bs, int q_stride,
-                   float scale_log2) {
+                   float scale_log2, size_t rb) {
     constexpr int STR = HD + 8;
     constexpr int PD_K_ATT_BKV = PD_K_ATT_BKV_OF(HD);
     extern __shared__ __align__(16) unsigned char pd_k_smem[];
@@ -100,7 +197,13 @@ static __global__ void __launch_bounds__(PD_K_ATT_WARPS * 32)
         const __nv_bfloat16 *src = q + (size_t)(q_begin + (ok ? row0 + r : 0)) * q_stride + (size_t)h * HD + ch * 8;
         pd_k_cp_async16(qs + r * STR + ch * 8, src, ok);
     }
-    pd_k_att_load_kv<HD>(ks, vs, kc, vc, bt, 0, kv_end, bs, n_kv, kvh);
+    pd_k_att_f8_regs<HD> f8r;  // F8: the next tile's raw rows (unused otherwise)
+    if constexpr (F8) {
+        pd_k_att_f8_ld<HD>(f8r, kc, vc, bt, 0, kv_end, bs, n_kv, kvh, rb);
+        pd_k_att_f8_st<HD>(f8r, ks, vs);
+    } else {
+        pd_k_att_load_kv<HD>(ks, vs, kc, vc, bt, 0, kv_end, bs, n_kv, kvh, rb);
+    }
     pd_k_cp_async_commit();
 
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
@@ -114,9 +217,12 @@ static __global__ void __launch_bounds__(PD_K_ATT_WARPS * 32)
 
     for (int j = 0; j < n_kv_tiles; j++) {
         int buf = j & 1;
-        if (j + 1 < n_kv_tiles) {
-            pd_k_att_load_kv<HD>(ks + (buf ^ 1) * PD_K_ATT_BKV * STR, vs + (buf ^ 1) * PD_K_ATT_BKV * STR, kc, vc,
-                                 bt, (j + 1) * PD_K_ATT_BKV, kv_end, bs, n_kv, kvh);
+        if (F8 && j + 1 < n_kv_tiles) {
+            pd_k_att_f8_ld<HD>(f8r, kc, vc, bt, (j + 1) * PD_K_ATT_BKV, kv_end, bs, n_kv, kvh, rb);
+            pd_k_cp_async_wait<0>();  // the Q tile
+        } else if (j + 1 < n_kv_tiles) {
+            pd_k_att_load_kv<HD>(ks + (buf ^ 1) * PD_K_ATT_BKV * STR, vs + (buf ^ 1) * PD_K_ATT_BKV * STR, kc,
+                                        vc, bt, (j + 1) * PD_K_ATT_BKV, kv_end, bs, n_kv, kvh, rb);
             pd_k_cp_async_commit();
             pd_k_cp_async_wait<1>();
         } else {
@@ -204,6 +310,9 @@ static __global__ void __launch_bounds__(PD_K_ATT_WARPS * 32)
                 }
             }
         }
+        // F8: tile j + 1 into the other buffer (its readers, iteration j - 1, passed the barrier below)
+        if (F8 && j + 1 < n_kv_tiles)
+            pd_k_att_f8_st<HD>(f8r, ks + (buf ^ 1) * PD_K_ATT_BKV * STR, vs + (buf ^ 1) * PD_K_ATT_BKV * STR);
         __syncthreads();  // buffer buf is refilled next iteration
     }
 #pragma unroll
@@ -225,8 +334,39 @@ static __global__ void __launch_bounds__(PD_K_ATT_WARPS * 32)
 
 // ---- decode ----------------------------------------------------------------------------------
 
-static inline __host__ __device__ int pd_k_dec_part(int n_seqs, int n_kv, int max_kv_len) {
-    int want = (4 * 132 + n_seqs * n_kv - 1) / (n_seqs * n_kv);  // ~4 waves on an H100
+// Waves of blocks the split aims at when the grid is large (PD_CUDA_ATTN_WAVES, a measurement
+// knob). 1 since the pipelined kernels: on an H100, batch 64 at ctx 512 goes from 62.6 to 54.1 us
+// (2 partitions and a combine launch -> 1) and the whole decode step from 8.07 to 7.83 ms, batch 32
+// from 7.20 to 7.00 ms; 4 (the old default) gained nothing anywhere.
+static int pd_k_dec_waves() {
+    static int w = -1;
+    if (w < 0) {
+        const char *e = getenv("PD_CUDA_ATTN_WAVES");
+        w = e && atoi(e) > 0 && atoi(e) <= 64 ? atoi(e) : 1;
+    }
+    return w;
+}
+
+// When the (sequence, kv head) pairs are at most half the SMs (batch <= 8 for 8 kv heads), each is
+// split into as many partitions as make one wave of 8-warp blocks, which merge in place (no
+// combine launch), instead of ~4 waves of 4-warp blocks: on an H100, single-stream attention at
+// 8k goes from 21.5 to 12.7 us (1.56 -> 2.64 TB/s on the K/V bytes), at 32k from 74 to 56 us, and
+// batch 8 at 32k from 411 to 391 us. PD_CUDA_ATTN_ONEWAVE=0: the old sizing (measurement knob).
+static bool pd_k_attn_onewave() {
+    static int on = -1;
+    return pd_k_env_on("PD_CUDA_ATTN_ONEWAVE", &on);
+}
+
+static inline int pd_k_dec_part(int n_seqs, int n_kv, int max_kv_len) {
+    int want = (pd_k_dec_waves() * 132 + n_seqs * n_kv - 1) / (n_seqs * n_kv);  // waves on an H100
+    if (pd_k_attn_onewave() && n_seqs * n_kv * 2 <= pd_k_num_sms()) {
+        int w1 = pd_k_num_sms() / (n_seqs * n_kv);
+        if (w1 > PD_K_DEC_MAX_SPLITS) w1 = PD_K_DEC_MAX_SPLITS;
+        int part = (max_kv_len + w1 - 1) / w1;
+        part = (part + 63) / 64 * 64;
+        if (part < PD_K_DEC_MIN_PART) part = PD_K_DEC_MIN_PART;
+        return part;  // ceil(max_kv_len / part) <= w1 splits: one wave
+    }
     if (want < 1) want = 1;
     int part = (max_kv_len + want - 1) / want;
     if (part < PD_K_DEC_MIN_PART) part = PD_K_DEC_MIN_PART;
@@ -313,12 +453,12 @@ static __device__ __forceinline__ void pd_k_dec_finish(float (*red)[GM][HD + 2],
     }
 }
 
-template <int HD, int GM>
+template <int HD, int GM, bool F8>
 static __global__ void __launch_bounds__(PD_K_DEC_WARPS * 32)
-    k_attn_decode(const __nv_bfloat16 *q, const __nv_bfloat16 *kc, const __nv_bfloat16 *vc, __nv_bfloat16 *out,
+    k_attn_decode(const __nv_bfloat16 *q, const void *kc, const void *vc, __nv_bfloat16 *out,
                   const int32_t *q_indptr, const int32_t *kv_lens, const int32_t *bt_indptr,
                   const int32_t *bt_indices, int H, int n_kv, int bs, int q_stride, float scale_log2, int part,
-                  int n_splits, float *ws, int *cnt) {
+                  int n_splits, float *ws, int *cnt, size_t rb) {
     constexpr int LPT = HD / 8, TPW = 32 / LPT, U = PD_K_DEC_UNROLL;
     __shared__ float red[PD_K_DEC_WARPS][GM][HD + 2];
     pd_k_pdl_trigger();
@@ -354,19 +494,15 @@ static __global__ void __launch_bounds__(PD_K_DEC_WARPS * 32)
     constexpr int STEP = PD_K_DEC_WARPS * TPW * U;
     for (int base = k_begin; base < k_end; base += STEP) {
         uint4 kr[U], vr[U];
+        float ksc[U], vsc[U];  // per-token scales (fp8 cache; 1 for bf16)
         bool ok[U];
 #pragma unroll
         for (int u = 0; u < U; u++) {
             int pos = base + (u * PD_K_DEC_WARPS + warp) * TPW + sub;
             ok[u] = pos < k_end;
-            if (ok[u]) {
-                size_t slot = (size_t)bt[pos / bs] * bs + pos % bs;
-                size_t off = (slot * n_kv + kvh) * HD + d8 * 8;
-                kr[u] = __ldg((const uint4 *)(kc + off));
-                vr[u] = __ldg((const uint4 *)(vc + off));
-            } else {
-                kr[u] = vr[u] = make_uint4(0, 0, 0, 0);
-            }
+            int slot = ok[u] ? bt[pos / bs] * bs + pos % bs : -1;
+            kr[u] = pd_k_kv_ld8<HD, F8>(kc, slot, n_kv, kvh, d8 * 8, rb, &ksc[u]);
+            vr[u] = pd_k_kv_ld8<HD, F8>(vc, slot, n_kv, kvh, d8 * 8, rb, &vsc[u]);
         }
         // scores of the U tokens for every head, then one max/correction per step (not per token)
         float sc[U][GM];
@@ -383,7 +519,7 @@ static __global__ void __launch_bounds__(PD_K_DEC_WARPS * 32)
 #pragma unroll
                     for (int o = LPT / 2; o > 0; o >>= 1) d += __shfl_xor_sync(0xffffffffu, d, o);
                 }
-                sc[u][gi] = ok[u] ? d : -INFINITY;
+                sc[u][gi] = ok[u] ? (F8 ? d * ksc[u] : d) : -INFINITY;
             }
         }
 #pragma unroll
@@ -410,6 +546,7 @@ static __global__ void __launch_bounds__(PD_K_DEC_WARPS * 32)
                 if (gi >= G || m[gi] == -INFINITY) continue;
                 float p = sc[u][gi];
                 l[gi] += p;
+                if (F8) p *= vsc[u];
 #pragma unroll
                 for (int i = 0; i < 8; i++) acc[gi][i] += p * vf[i];
             }
@@ -476,10 +613,15 @@ static __device__ __forceinline__ int pd_k_dec_slot(const int32_t *bt, int pos, 
 
 // One step of 16 tokens (base .. base + 15) for this warp: S = Q.K^T on tensor cores, online
 // softmax (rows = heads, base 2), O += P.V with V transposed in registers.
-template <int NI>
-static __device__ __forceinline__ void pd_k_dec_tc_step(const uint4 (&qf)[NI], const uint4 (&kr)[2][NI],
-                                                        const uint4 (&vr)[2][NI], float (&o)[NI][4][4], float &m,
-                                                        float &l, int base, int k_end, int t, float scale_log2) {
+// F8 (k_attn_decode_tc_f8): K/V come as raw e4m3 (rk/rv: 16 bytes per lane and token, see there)
+// and are widened to bf16 here, next to their use; ks[j] / vs[j] are the scales of the token of
+// p[j] (column (j >> 1) * 8 + 2t + (j & 1)): the score is scaled by K's, and P by V's after the row
+// sum (the sum is over the softmax weights). Otherwise kr/vr hold bf16 and the scales are unused.
+template <int NI, bool F8, int NR>
+static __device__ __forceinline__ void pd_k_dec_tc_step(const uint4 (&qf)[NI], const uint4 (&kr)[2][NR],
+                                                        const uint4 (&vr)[2][NR], float (&o)[NI][4][4], float &m,
+                                                        float &l, int base, int k_end, int t, float scale_log2,
+                                                        const float (&ks)[4], const float (&vs)[4]) {
     // S (rows = heads, cols = tokens base + hh*8 + 2t, +1)
     float sc[2][4];
 #pragma unroll
@@ -488,15 +630,16 @@ static __device__ __forceinline__ void pd_k_dec_tc_step(const uint4 (&qf)[NI], c
 #pragma unroll
         for (int i = 0; i < NI; i++) {
             uint32_t a0[4] = {qf[i].x, 0u, qf[i].y, 0u}, a1[4] = {qf[i].z, 0u, qf[i].w, 0u};
-            pd_k_mma_bf16(sc[hh], a0, kr[hh][i].x, kr[hh][i].y);
-            pd_k_mma_bf16(sc[hh], a1, kr[hh][i].z, kr[hh][i].w);
+            uint4 kb = F8 ? pd_k_f8_chunk(kr[hh][i >> 1], i & 1) : kr[hh][i];
+            pd_k_mma_bf16(sc[hh], a0, kb.x, kb.y);
+            pd_k_mma_bf16(sc[hh], a1, kb.z, kb.w);
         }
     }
     float p[4], mx = -INFINITY;
 #pragma unroll
     for (int j = 0; j < 4; j++) {
         int pos = base + (j >> 1) * 8 + 2 * t + (j & 1);
-        p[j] = pos < k_end ? sc[j >> 1][j & 1] * scale_log2 : -INFINITY;
+        p[j] = pos < k_end ? sc[j >> 1][j & 1] * (F8 ? scale_log2 * ks[j] : scale_log2) : -INFINITY;
         mx = fmaxf(mx, p[j]);
     }
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
@@ -518,15 +661,22 @@ static __device__ __forceinline__ void pd_k_dec_tc_step(const uint4 (&qf)[NI], c
             o[i][r][0] *= corr;
             o[i][r][1] *= corr;
         }
+    if (F8) {
+#pragma unroll
+        for (int j = 0; j < 4; j++) p[j] *= vs[j];
+    }
     uint32_t pa[4] = {pd_k_pack2(p[0], p[1]), 0u, pd_k_pack2(p[2], p[3]), 0u};
 #pragma unroll
-    for (int i = 0; i < NI; i++)
+    for (int i = 0; i < NI; i++) {
+        uint4 v0 = F8 ? pd_k_f8_chunk(vr[0][i >> 1], i & 1) : vr[0][i];
+        uint4 v1 = F8 ? pd_k_f8_chunk(vr[1][i >> 1], i & 1) : vr[1][i];
 #pragma unroll
         for (int r = 0; r < 4; r++) {
-            uint32_t b0 = pd_k_movmatrix_trans(pd_k_u4_get(vr[0][i], r));
-            uint32_t b1 = pd_k_movmatrix_trans(pd_k_u4_get(vr[1][i], r));
+            uint32_t b0 = pd_k_movmatrix_trans(pd_k_u4_get(v0, r));
+            uint32_t b1 = pd_k_movmatrix_trans(pd_k_u4_get(v1, r));
             pd_k_mma_bf16(o[i][r], pa, b0, b1);
         }
+    }
 }
 
 // W warps per block (4, or 8 when the grid is smaller than the GPU: each warp then has fewer
@@ -534,12 +684,14 @@ static __device__ __forceinline__ void pd_k_dec_tc_step(const uint4 (&qf)[NI], c
 // read before pd_k_pdl_wait(): they are uploaded by the host before the step and never written
 // by a kernel, unlike Q and the newest K/V row (written by rope_kv just before); later steps'
 // lookups are issued one step ahead.
-template <int HD, int GM, int W>
-static __global__ void __launch_bounds__(W * 32, W == 4 ? 3 : 1)
-    k_attn_decode_tc(const __nv_bfloat16 *q, const __nv_bfloat16 *kc, const __nv_bfloat16 *vc, __nv_bfloat16 *out,
+// PIPE: the next step's K is loaded before this step's math (one step of software pipelining, as in
+// the fp8 kernel; this step's V is only needed after the softmax). PD_CUDA_ATTN_PIPE=0: off.
+template <int HD, int GM, int W, bool PIPE>
+static __global__ void __launch_bounds__(W * 32, W == 4 ? (PIPE ? 2 : 3) : 1)
+    k_attn_decode_tc(const __nv_bfloat16 *q, const void *kc, const void *vc, __nv_bfloat16 *out,
                      const int32_t *q_indptr, const int32_t *kv_lens, const int32_t *bt_indptr,
                      const int32_t *bt_indices, int H, int n_kv, int bs, int q_stride, float scale_log2, int part,
-                     int n_splits, float *ws, int *cnt) {
+                     int n_splits, float *ws, int *cnt, size_t rb) {
     constexpr int NI = HD / 32;
     __shared__ float red[W][GM][HD + 2];
     pd_k_pdl_trigger();
@@ -573,26 +725,43 @@ static __global__ void __launch_bounds__(W * 32, W == 4 ? 3 : 1)
         for (int r = 0; r < 4; r++) o[i][r][0] = o[i][r][1] = o[i][r][2] = o[i][r][3] = 0.f;
     float m = -INFINITY, l = 0.f;
 
+    const float ks[4] = {1.f, 1.f, 1.f, 1.f}, vs[4] = {1.f, 1.f, 1.f, 1.f};
+    float sc_unused;
+    uint4 kr[2][NI];  // PIPE: this step's K, loaded during the previous step
+    if (PIPE) {
+#pragma unroll
+        for (int hh = 0; hh < 2; hh++)
+#pragma unroll
+            for (int i = 0; i < NI; i++)
+                kr[hh][i] = pd_k_kv_ld8<HD, false>(kc, slot[hh], n_kv, kvh, i * 32 + t * 8, rb, &sc_unused);
+    }
     for (int base = k_begin + warp * 16; base < k_end; base += W * 16) {
-        uint4 kr[2][NI], vr[2][NI];
+        uint4 vr[2][NI], kn[2][NI];
 #pragma unroll
         for (int hh = 0; hh < 2; hh++) {
-            if (slot[hh] >= 0) {
-                size_t off = ((size_t)slot[hh] * n_kv + kvh) * HD + t * 8;
 #pragma unroll
-                for (int i = 0; i < NI; i++) {
-                    kr[hh][i] = __ldg((const uint4 *)(kc + off + i * 32));
-                    vr[hh][i] = __ldg((const uint4 *)(vc + off + i * 32));
-                }
-            } else {
-#pragma unroll
-                for (int i = 0; i < NI; i++) kr[hh][i] = vr[hh][i] = zero;
+            for (int i = 0; i < NI; i++) {
+                if (!PIPE) kr[hh][i] = pd_k_kv_ld8<HD, false>(kc, slot[hh], n_kv, kvh, i * 32 + t * 8, rb, &sc_unused);
+                vr[hh][i] = pd_k_kv_ld8<HD, false>(vc, slot[hh], n_kv, kvh, i * 32 + t * 8, rb, &sc_unused);
             }
         }
-        // next step's page-table lookups, off the critical path
+        // next step's page-table lookups (and, PIPE, its K: in flight during this step's math)
 #pragma unroll
         for (int hh = 0; hh < 2; hh++) slot[hh] = pd_k_dec_slot(bt, base + W * 16 + hh * 8 + g, k_end, bs);
-        pd_k_dec_tc_step<NI>(qf, kr, vr, o, m, l, base, k_end, t, scale_log2);
+        if (PIPE) {
+#pragma unroll
+            for (int hh = 0; hh < 2; hh++)
+#pragma unroll
+                for (int i = 0; i < NI; i++)
+                    kn[hh][i] = pd_k_kv_ld8<HD, false>(kc, slot[hh], n_kv, kvh, i * 32 + t * 8, rb, &sc_unused);
+        }
+        pd_k_dec_tc_step<NI, false>(qf, kr, vr, o, m, l, base, k_end, t, scale_log2, ks, vs);
+        if (PIPE) {
+#pragma unroll
+            for (int hh = 0; hh < 2; hh++)
+#pragma unroll
+                for (int i = 0; i < NI; i++) kr[hh][i] = kn[hh][i];
+        }
     }
     l += __shfl_xor_sync(0xffffffffu, l, 1);
     l += __shfl_xor_sync(0xffffffffu, l, 2);
@@ -603,6 +772,118 @@ static __global__ void __launch_bounds__(W * 32, W == 4 ? 3 : 1)
             for (int r = 0; r < 4; r++) {
                 red[warp][g][i * 32 + t * 8 + 2 * r] = o[i][r][0];
                 red[warp][g][i * 32 + t * 8 + 2 * r + 1] = o[i][r][1];
+            }
+        if (t == 0) {
+            red[warp][g][HD] = m;
+            red[warp][g][HD + 1] = l;
+        }
+    }
+    __syncthreads();
+    pd_k_dec_finish<HD, GM, W, W == 8>(red, out, ws, cnt, q_begin, s, kvh, G, H, split, n_sp, n_splits);
+}
+
+// k_attn_decode_tc_f8: k_attn_decode_tc on the fp8 cache. Lane (g, t) loads 16 raw e4m3 bytes per
+// token (g and g + 8) and 64 dims: dims c*64 + t*16 .. +16 for c < HD/64, i.e. chunk i (of 8 dims,
+// i < HD/32) is dims (i >> 1)*64 + t*16 + (i & 1)*8 (pd_k_f8_dim); Q is loaded with the same
+// permutation, so S is unchanged, and the output dims follow it. Each token's scales are loaded once
+// per step by its lanes and handed to the lanes whose score columns hold it. The next step's raw
+// bytes are loaded before this step's math (fp8 halves the registers a step holds, so the loop can
+// be software-pipelined one step deep).
+static __device__ __forceinline__ int pd_k_f8_dim(int i, int t) { return (i >> 1) * 64 + t * 16 + (i & 1) * 8; }
+
+template <int HD>
+struct pd_k_f8_step_regs {
+    uint4 k[2][HD / 64], v[2][HD / 64];
+    float ks[2], vs[2];
+};
+
+template <int HD>
+static __device__ __forceinline__ void pd_k_f8_load(pd_k_f8_step_regs<HD> &r, const uint8_t *kc, const uint8_t *vc,
+                                                    const int (&slot)[2], int n_kv, int kvh, int t, size_t rb) {
+#pragma unroll
+    for (int hh = 0; hh < 2; hh++) {
+        if (slot[hh] >= 0) {
+            const uint8_t *kr = kc + (size_t)slot[hh] * rb, *vr = vc + (size_t)slot[hh] * rb;
+#pragma unroll
+            for (int c = 0; c < HD / 64; c++) {
+                r.k[hh][c] = __ldg((const uint4 *)(kr + (size_t)kvh * HD + c * 64 + t * 16));
+                r.v[hh][c] = __ldg((const uint4 *)(vr + (size_t)kvh * HD + c * 64 + t * 16));
+            }
+            r.ks[hh] = __ldg((const float *)(kr + (size_t)n_kv * HD) + kvh);
+            r.vs[hh] = __ldg((const float *)(vr + (size_t)n_kv * HD) + kvh);
+        } else {
+#pragma unroll
+            for (int c = 0; c < HD / 64; c++) r.k[hh][c] = r.v[hh][c] = make_uint4(0, 0, 0, 0);
+            r.ks[hh] = r.vs[hh] = 0.f;
+        }
+    }
+}
+
+// Two 4-warp blocks per SM (not three as in bf16): the pipelined step needs ~210 registers, and
+// each warp already keeps two steps of loads in flight.
+template <int HD, int GM, int W>
+static __global__ void __launch_bounds__(W * 32, W == 4 ? 2 : 1)
+    k_attn_decode_tc_f8(const __nv_bfloat16 *q, const void *kc_, const void *vc_, __nv_bfloat16 *out,
+                        const int32_t *q_indptr, const int32_t *kv_lens, const int32_t *bt_indptr,
+                        const int32_t *bt_indices, int H, int n_kv, int bs, int q_stride, float scale_log2, int part,
+                        int n_splits, float *ws, int *cnt, size_t rb) {
+    constexpr int NI = HD / 32;
+    __shared__ float red[W][GM][HD + 2];
+    const uint8_t *kc = (const uint8_t *)kc_, *vc = (const uint8_t *)vc_;
+    pd_k_pdl_trigger();
+    int split = blockIdx.x, kvh = blockIdx.y, s = blockIdx.z;
+    int q_begin = q_indptr[s], q_len = q_indptr[s + 1] - q_begin;
+    int kv_len = kv_lens[s];
+    const int32_t *bt = bt_indices + bt_indptr[s];
+    int k_begin = split * part, k_end = min(kv_len, k_begin + part);
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+    bool live = q_len == 1 && k_begin < kv_len;
+    int slot[2] = {-1, -1};
+    if (live) {
+        slot[0] = pd_k_dec_slot(bt, k_begin + warp * 16 + g, k_end, bs);
+        slot[1] = pd_k_dec_slot(bt, k_begin + warp * 16 + 8 + g, k_end, bs);
+    }
+    pd_k_pdl_wait();
+    if (!live) return;
+    int n_sp = (kv_len + part - 1) / part;
+    int G = H / n_kv;
+    const uint4 zero = make_uint4(0, 0, 0, 0);
+
+    uint4 qf[NI];
+#pragma unroll
+    for (int i = 0; i < NI; i++)
+        qf[i] = g < G ? *(const uint4 *)(q + (size_t)q_begin * q_stride + (size_t)(kvh * G + g) * HD + pd_k_f8_dim(i, t))
+                      : zero;
+    float o[NI][4][4];
+#pragma unroll
+    for (int i = 0; i < NI; i++)
+#pragma unroll
+        for (int r = 0; r < 4; r++) o[i][r][0] = o[i][r][1] = o[i][r][2] = o[i][r][3] = 0.f;
+    float m = -INFINITY, l = 0.f;
+
+    pd_k_f8_step_regs<HD> cur, nxt;
+    pd_k_f8_load<HD>(cur, kc, vc, slot, n_kv, kvh, t, rb);
+    for (int base = k_begin + warp * 16; base < k_end; base += W * 16) {
+        int ns[2] = {pd_k_dec_slot(bt, base + W * 16 + g, k_end, bs), pd_k_dec_slot(bt, base + W * 16 + 8 + g, k_end, bs)};
+        pd_k_f8_load<HD>(nxt, kc, vc, ns, n_kv, kvh, t, rb);  // in flight during this step's math
+        float ks[4], vs[4];  // p[j]'s token is column (j >> 1) * 8 + 2t + (j & 1): lanes of g = 2t + (j & 1)
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+            ks[j] = __shfl_sync(0xffffffffu, cur.ks[j >> 1], (2 * t + (j & 1)) * 4);
+            vs[j] = __shfl_sync(0xffffffffu, cur.vs[j >> 1], (2 * t + (j & 1)) * 4);
+        }
+        pd_k_dec_tc_step<NI, true>(qf, cur.k, cur.v, o, m, l, base, k_end, t, scale_log2, ks, vs);
+        cur = nxt;
+    }
+    l += __shfl_xor_sync(0xffffffffu, l, 1);
+    l += __shfl_xor_sync(0xffffffffu, l, 2);
+    if (g < G) {
+#pragma unroll
+        for (int i = 0; i < NI; i++)
+#pragma unroll
+            for (int r = 0; r < 4; r++) {
+                red[warp][g][pd_k_f8_dim(i, t) + 2 * r] = o[i][r][0];
+                red[warp][g][pd_k_f8_dim(i, t) + 2 * r + 1] = o[i][r][1];
             }
         if (t == 0) {
             red[warp][g][HD] = m;
@@ -658,20 +939,20 @@ extern "C" size_t pd_cuda_attention_counter_bytes(int n_seqs, int n_kv_heads, in
     return (max_kv_len + part - 1) / part <= 1 ? 0 : (size_t)n_seqs * n_kv_heads * sizeof(int);
 }
 
-template <int HD>
+template <int HD, bool F8>
 static void pd_k_attn_launch_prefill(const pd_attention_kparams *p, cudaStream_t s) {
     int n_q_tiles = (p->max_q_len + PD_K_ATT_BQ - 1) / PD_K_ATT_BQ;
     size_t smem = (size_t)(PD_K_ATT_BQ + 4 * PD_K_ATT_BKV_OF(HD)) * (HD + 8) * 2;
     static bool attr_set = false;  // per instantiation; the first launch raises the smem limit
     if (!attr_set) {
-        cudaFuncSetAttribute(k_attn_prefill<HD>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+        cudaFuncSetAttribute(k_attn_prefill<HD, F8>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
         attr_set = true;
     }
     dim3 grid(p->n_seqs * n_q_tiles, p->n_heads);
-    k_attn_prefill<HD><<<grid, PD_K_ATT_WARPS * 32, smem, s>>>(
-        (const __nv_bfloat16 *)p->q, (const __nv_bfloat16 *)p->k_cache, (const __nv_bfloat16 *)p->v_cache,
-        (__nv_bfloat16 *)p->out, p->q_indptr, p->kv_lens, p->bt_indptr, p->bt_indices, n_q_tiles, p->n_heads,
-        p->n_kv_heads, p->block_size, p->q_stride, p->scale * PD_K_LOG2E);
+    k_attn_prefill<HD, F8><<<grid, PD_K_ATT_WARPS * 32, smem, s>>>(
+        (const __nv_bfloat16 *)p->q, p->k_cache, p->v_cache, (__nv_bfloat16 *)p->out, p->q_indptr, p->kv_lens,
+        p->bt_indptr, p->bt_indices, n_q_tiles, p->n_heads, p->n_kv_heads, p->block_size, p->q_stride,
+        p->scale * PD_K_LOG2E, p->row_bytes);
 }
 
 
@@ -681,13 +962,20 @@ static bool pd_k_attn_tc_enabled() {
     return pd_k_env_on("PD_CUDA_ATTN_TC", &on);
 }
 
+// PD_CUDA_ATTN_PIPE=0: the bf16 tensor-core decode kernel loads K and V at the top of each step, as
+// before the pipelined version (measurement knob).
+static bool pd_k_attn_pipe_enabled() {
+    static int on = -1;
+    return pd_k_env_on("PD_CUDA_ATTN_PIPE", &on);
+}
+
 // PD_CUDA_ATTN_FOLD=0: split partials are always merged by k_attn_combine (measurement knob).
 static bool pd_k_attn_fold_enabled() {
     static int on = -1;
     return pd_k_env_on("PD_CUDA_ATTN_FOLD", &on);
 }
 
-template <int HD, int GM>
+template <int HD, int GM, bool F8>
 static void pd_k_attn_launch_decode(const pd_attention_kparams *p, cudaStream_t s, int part, int n_splits) {
     dim3 grid(n_splits, p->n_kv_heads, p->n_seqs);
     // tensor cores for head_dim >= 64; 8 warps per block when the blocks do not fill the GPU
@@ -695,38 +983,46 @@ static void pd_k_attn_launch_decode(const pd_attention_kparams *p, cudaStream_t 
     long blocks = (long)n_splits * p->n_kv_heads * p->n_seqs;
     bool wide = tc && blocks <= pd_k_num_sms();
     bool fold = n_splits > 1 && wide && pd_k_attn_fold_enabled();  // only the 8-warp kernels merge
-    void (*kern)(const __nv_bfloat16 *, const __nv_bfloat16 *, const __nv_bfloat16 *, __nv_bfloat16 *,
-                 const int32_t *, const int32_t *, const int32_t *, const int32_t *, int, int, int, int, float, int,
-                 int, float *, int *) = wide ? k_attn_decode_tc<HD, GM, 8>
-                                            : tc ? k_attn_decode_tc<HD, GM, 4> : k_attn_decode<HD, GM>;
-    pd_k_launch(kern, grid, dim3((wide ? 8 : 4) * 32), 0, s, (const __nv_bfloat16 *)p->q,
-                (const __nv_bfloat16 *)p->k_cache, (const __nv_bfloat16 *)p->v_cache, (__nv_bfloat16 *)p->out,
-                p->q_indptr, p->kv_lens, p->bt_indptr, p->bt_indices, p->n_heads, p->n_kv_heads, p->block_size,
-                p->q_stride, p->scale * PD_K_LOG2E, part, n_splits, p->workspace, fold ? p->counters : (int *)0);
+    void (*kern)(const __nv_bfloat16 *, const void *, const void *, __nv_bfloat16 *, const int32_t *, const int32_t *,
+                 const int32_t *, const int32_t *, int, int, int, int, float, int, int, float *, int *, size_t) =
+        k_attn_decode<HD, GM, F8>;
+    if constexpr (HD >= 64) {
+        if (F8) kern = wide ? k_attn_decode_tc_f8<HD, GM, 8> : tc ? k_attn_decode_tc_f8<HD, GM, 4> : kern;
+        else if (pd_k_attn_pipe_enabled())
+            kern = wide ? k_attn_decode_tc<HD, GM, 8, true> : tc ? k_attn_decode_tc<HD, GM, 4, true> : kern;
+        else kern = wide ? k_attn_decode_tc<HD, GM, 8, false> : tc ? k_attn_decode_tc<HD, GM, 4, false> : kern;
+    }
+    pd_k_launch(kern, grid, dim3((wide ? 8 : 4) * 32), 0, s, (const __nv_bfloat16 *)p->q, p->k_cache, p->v_cache,
+                (__nv_bfloat16 *)p->out, p->q_indptr, p->kv_lens, p->bt_indptr, p->bt_indices, p->n_heads,
+                p->n_kv_heads, p->block_size, p->q_stride, p->scale * PD_K_LOG2E, part, n_splits, p->workspace,
+                fold ? p->counters : (int *)0, p->row_bytes);
     if (n_splits > 1 && !fold)
         pd_k_launch(k_attn_combine<HD>, dim3(p->n_seqs, p->n_heads), dim3(HD), 0, s, (__nv_bfloat16 *)p->out,
                     p->q_indptr, p->kv_lens, p->n_heads, part, n_splits, (const float *)p->workspace);
 }
 
-template <int HD>
+template <int HD, bool F8>
 static void pd_k_attn_dispatch(const pd_attention_kparams *p, cudaStream_t s) {
-    if (p->max_q_len > 1) pd_k_attn_launch_prefill<HD>(p, s);
+    if (p->max_q_len > 1) pd_k_attn_launch_prefill<HD, F8>(p, s);
     int part = pd_k_dec_part(p->n_seqs, p->n_kv_heads, p->max_kv_len);
     int n_splits = (p->max_kv_len + part - 1) / part;
     if (n_splits < 1) n_splits = 1;
     int G = p->n_heads / p->n_kv_heads;
-    if (G == 1) pd_k_attn_launch_decode<HD, 1>(p, s, part, n_splits);
-    else if (G == 2) pd_k_attn_launch_decode<HD, 2>(p, s, part, n_splits);
-    else if (G <= 4) pd_k_attn_launch_decode<HD, 4>(p, s, part, n_splits);
-    else pd_k_attn_launch_decode<HD, 8>(p, s, part, n_splits);
+    if (G == 1) pd_k_attn_launch_decode<HD, 1, F8>(p, s, part, n_splits);
+    else if (G == 2) pd_k_attn_launch_decode<HD, 2, F8>(p, s, part, n_splits);
+    else if (G <= 4) pd_k_attn_launch_decode<HD, 4, F8>(p, s, part, n_splits);
+    else pd_k_attn_launch_decode<HD, 8, F8>(p, s, part, n_splits);
 }
 
 extern "C" void pd_cuda_attention(const pd_attention_kparams *p, cudaStream_t s) {
     if (p->n_tokens <= 0 || p->n_seqs <= 0) return;
-    switch (p->head_dim) {
-    case 32: pd_k_attn_dispatch<32>(p, s); break;
-    case 64: pd_k_attn_dispatch<64>(p, s); break;
-    case 128: pd_k_attn_dispatch<128>(p, s); break;
+    switch (p->head_dim * 2 + (p->kv_fp8 ? 1 : 0)) {
+    case 64: pd_k_attn_dispatch<32, false>(p, s); break;
+    case 128: pd_k_attn_dispatch<64, false>(p, s); break;
+    case 256: pd_k_attn_dispatch<128, false>(p, s); break;
+    case 65: pd_k_attn_dispatch<32, true>(p, s); break;
+    case 129: pd_k_attn_dispatch<64, true>(p, s); break;
+    case 257: pd_k_attn_dispatch<128, true>(p, s); break;
     default: break;  // pd_cuda_attention_supported() is checked by the caller
     }
 }

@@ -1,7 +1,8 @@
 // attention.cuh — paged causal attention with GQA over a mixed batch (prefill chunks and decodes
 // in one launch sequence). C-compatible: the CUDA backend shim includes it.
 //
-// Paged KV: k_cache/v_cache are (n_blocks, block_size, n_kv_heads, head_dim) bf16; sequence s
+// Paged KV: k_cache/v_cache are (n_blocks, block_size, n_kv_heads, head_dim) bf16, or with kv_fp8
+// rows of row_bytes holding e4m3 values then per-head f32 scales (backend.h, PD_KV_FP8); sequence s
 // owns block ids bt_indices[bt_indptr[s] .. bt_indptr[s+1]) and query rows [q_indptr[s],
 // q_indptr[s+1]); query row i sits at position kv_lens[s] - q_len + i.
 //
@@ -35,9 +36,12 @@ typedef struct pd_attention_kparams {
     size_t workspace_bytes;
     int *counters;                      // (n_seqs * n_kv_heads) zero on entry, left zero; see
                                         // pd_cuda_attention_counter_bytes
+    int kv_fp8;                         // 1: caches hold E4M3 rows with per-head f32 scales
+    size_t row_bytes;                   // fp8 only: bytes per slot row (pd_kv_row_bytes)
 } pd_attention_kparams;
 
-// True when head_dim and the GQA group size are supported (head_dim 32/64/128, group <= 8).
+// True when head_dim and the GQA group size are supported (head_dim 32/64/128, group <= 8), for
+// bf16 and fp8 caches alike.
 int pd_cuda_attention_supported(int head_dim, int n_heads, int n_kv_heads);
 // Workspace bytes the launch with these bounds needs (0 when no split is needed).
 size_t pd_cuda_attention_workspace_bytes(int n_tokens, int n_seqs, int n_heads, int n_kv_heads, int head_dim,

@@ -11,7 +11,8 @@ extern "C" {
 
 typedef struct pd_fill_normal_kparams {
     void *dst;
-    int is_f32;  // 1: f32 elements, 0: bf16
+    int is_f32;  // 1: f32 elements, 0: bf16 (or e4m3 when is_fp8)
+    int is_fp8;  // 1: e4m3 bytes (round to nearest even, saturating)
     size_t n;
     uint64_t seed;
     float mean, std;

@@ -3,6 +3,8 @@
 // thread j handles rotation pair j of the (n_heads + n_kv_heads) * hd/2 pairs, then the v copy.
 // The rotation is pd_k_rope_pair (common.cuh): transformers' bf16 rounding points unless
 // PD_CUDA_HF_ROUNDING=0. Launched with PDL.
+#include <cuda_fp8.h>
+
 #include "kernels/common.cuh"
 #include "kernels/rope_kv.cuh"
 
@@ -44,10 +46,59 @@ static __global__ void k_rope_kv(__nv_bfloat16 *qkv, const int32_t *positions, c
     }
 }
 
+// The fp8 cache (backend.h, PD_KV_FP8): the block rotates q and k in place as above, then one warp
+// per (K or V, kv head) quantises the head: amax over head_dim (of the bf16 values the bf16 cache
+// would hold), scale = amax / 448, q = e4m3(x * (448 / amax)) rounded to nearest even and saturated,
+// exactly as the CPU backend's KV write computes it.
+static __global__ void k_rope_kv_fp8(__nv_bfloat16 *qkv, const int32_t *positions, const float *inv_freq,
+                                     const int32_t *slot_mapping, uint8_t *kc, uint8_t *vc, int H, int Hkv, int hd,
+                                     float attn_scaling, int hf, size_t row_bytes) {
+    pd_k_pdl_trigger();
+    pd_k_pdl_wait();
+    int t = blockIdx.x, half = hd / 2;
+    size_t row = (size_t)(H + 2 * Hkv) * hd;
+    __nv_bfloat16 *r = qkv + (size_t)t * row;
+    float pos = (float)positions[t];
+    int slot = slot_mapping[t];
+    for (int j = threadIdx.x; j < (H + Hkv) * half; j += blockDim.x) {
+        int h = j / half, i = j % half;
+        __nv_bfloat16 *v = r + (size_t)h * hd;
+        float f0, f1;
+        pd_k_rope_pair(__bfloat162float(v[i]), __bfloat162float(v[i + half]), pos, inv_freq[i], attn_scaling, hf,
+                       &f0, &f1);
+        v[i] = __float2bfloat16(f0);
+        v[i + half] = __float2bfloat16(f1);
+    }
+    if (slot < 0) return;
+    __syncthreads();  // the rotated k heads (global, this block's writes) are visible to every warp
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, n_warps = blockDim.x >> 5;
+    for (int it = warp; it < 2 * Hkv; it += n_warps) {
+        int is_v = it >= Hkv, kvh = it - is_v * Hkv;
+        const __nv_bfloat16 *src = r + (size_t)(H + it) * hd;
+        uint8_t *dst = (is_v ? vc : kc) + (size_t)slot * row_bytes;
+        float amax = 0.f;
+        for (int i = lane; i < hd; i += 32) amax = fmaxf(amax, fabsf(__bfloat162float(src[i])));
+        amax = pd_k_warp_max(amax);
+        // IEEE divisions (__fdiv_rn) and an unfused product, whatever --use_fast_math says: the
+        // CPU backend computes the same values bit for bit.
+        float inv = amax > 0.f ? __fdiv_rn(448.f, amax) : 0.f;
+        for (int i = lane; i < hd; i += 32)
+            dst[(size_t)kvh * hd + i] =
+                __nv_cvt_float_to_fp8(__fmul_rn(__bfloat162float(src[i]), inv), __NV_SATFINITE, __NV_E4M3);
+        if (lane == 0) ((float *)(dst + (size_t)Hkv * hd))[kvh] = __fdiv_rn(amax, 448.f);
+    }
+}
+
 extern "C" void pd_cuda_rope_kv(const pd_rope_kv_kparams *p, cudaStream_t s) {
     if (p->n_tokens <= 0) return;
     int pairs = (p->n_heads + p->n_kv_heads) * p->head_dim / 2;
     int threads = pairs >= 512 ? 512 : ((pairs + 31) / 32) * 32;
+    if (p->kv_fp8) {
+        pd_k_launch(k_rope_kv_fp8, dim3(p->n_tokens), dim3(threads), 0, s, (__nv_bfloat16 *)p->qkv, p->positions,
+                    p->inv_freq, p->slot_mapping, (uint8_t *)p->k_cache, (uint8_t *)p->v_cache, p->n_heads,
+                    p->n_kv_heads, p->head_dim, p->attn_scaling, pd_k_hf_rounding(), p->row_bytes);
+        return;
+    }
     pd_k_launch(k_rope_kv, dim3(p->n_tokens), dim3(threads), 0, s, (__nv_bfloat16 *)p->qkv, p->positions,
                 p->inv_freq, p->slot_mapping, (__nv_bfloat16 *)p->k_cache, (__nv_bfloat16 *)p->v_cache, p->n_heads,
                 p->n_kv_heads, p->head_dim, p->attn_scaling, pd_k_hf_rounding());

@@ -150,7 +150,7 @@ static void run_layer(pd_model *m, pd_model_cache *kc, int li, int T, const int3
                                            .inv_freq = wp(m->inv_freq), .slot_mapping = dmeta + l->slots,
                                            .k_cache = pd_model_cache_k(kc, li), .v_cache = pd_model_cache_v(kc, li),
                                            .n_tokens = T, .n_heads = H, .n_kv_heads = Hkv, .head_dim = hd,
-                                           .attn_scaling = 1.0f});
+                                           .attn_scaling = 1.0f, .kv_dtype = m->kv_dtype});
     pd_op_attention(be, &(pd_attention_params){.q = wp(ws->qkv), .k_cache = pd_model_cache_k(kc, li),
                                                .v_cache = pd_model_cache_v(kc, li), .out = wp(ws->attn),
                                                .q_indptr = dmeta + l->q_indptr, .kv_lens = dmeta + l->kv_lens,
@@ -158,7 +158,8 @@ static void run_layer(pd_model *m, pd_model_cache *kc, int li, int T, const int3
                                                .token_seq = dmeta + l->token_seq, .n_tokens = T, .n_seqs = n_seqs,
                                                .n_heads = H, .n_kv_heads = Hkv, .head_dim = hd,
                                                .block_size = kc->block_size, .q_stride = nqkv, .max_q_len = max_q,
-                                               .max_kv_len = max_kv, .scale = 1.0f / sqrtf((float)hd)});
+                                               .max_kv_len = max_kv, .scale = 1.0f / sqrtf((float)hd),
+                                               .kv_dtype = m->kv_dtype});
     pd_op_matmul(be, &(pd_matmul_params){.a = wp(ws->attn), .w = wp(w->wo), .bias = wp(w->bo), .out = wp(ws->h), .M = T,
                                          .N = D, .K = H * hd});
     pd_op_rmsnorm(be, &(pd_rmsnorm_params){.x = wp(ws->x), .add = wp(ws->h), .w = wp(w->mlp_norm), .out = wp(ws->h),
@@ -172,14 +173,17 @@ static void run_layer(pd_model *m, pd_model_cache *kc, int li, int T, const int3
 
 // The whole op sequence of one step over packed metadata at dmeta (layout l).
 static void run_step(pd_model *m, pd_model_cache *kc, const int32_t *dmeta, const meta_layout *l, int T, int n_seqs,
-                     int n_logits, int max_q, int max_kv) {
+                     int n_logits, int max_q, int max_kv, const pd_batch *hook) {
     pd_backend *be = m->backend;
     pd_model_ws *ws = &m->ws;
     const pd_model_config *c = &m->cfg;
     int D = c->hidden_size;
     pd_op_embed(be, &(pd_embed_params){.ids = dmeta + l->tokens, .table = wp(m->embed), .out = wp(ws->x), .n_tokens = T,
                                        .dim = D, .vocab = c->vocab_size});
-    for (int li = 0; li < c->n_layers; li++) run_layer(m, kc, li, T, dmeta, l, n_seqs, max_q, max_kv);
+    for (int li = 0; li < c->n_layers; li++) {
+        run_layer(m, kc, li, T, dmeta, l, n_seqs, max_q, max_kv);
+        if (hook && hook->on_layer) hook->on_layer(hook->on_layer_ud, li);
+    }
     if (n_logits > 0) {
         // Only the logit rows: the last MLP output (in h) is added to them here, not to all of x.
         pd_buffer *head = m->lm_head ? m->lm_head : m->embed;
@@ -328,12 +332,12 @@ static pd_status graph_step(pd_model *m, pd_model_cache *kc, const pd_batch *b, 
     }
     if (ge->g) return PD_OK;
     if (!ge->is_warm || ge->is_eager_only) {
-        run_step(m, kc, dmeta, &l, B, B, B, 1, kv_cap);
+        run_step(m, kc, dmeta, &l, B, B, B, 1, kv_cap, NULL);
         ge->is_warm = true;
         return PD_OK;
     }
     pd_backend_graph_begin(be);
-    run_step(m, kc, dmeta, &l, B, B, B, 1, kv_cap);
+    run_step(m, kc, dmeta, &l, B, B, B, 1, kv_cap, NULL);
     ge->g = pd_backend_graph_end(be);
     ge->ws_gen = m->ws.gen;
     if (ge->g && pd_backend_graph_launch(be, ge->g)) return PD_OK;
@@ -341,7 +345,7 @@ static pd_status graph_step(pd_model *m, pd_model_cache *kc, const pd_batch *b, 
     pd_backend_graph_free(be, ge->g);
     ge->g = NULL;
     ge->is_eager_only = true;
-    run_step(m, kc, dmeta, &l, B, B, B, 1, kv_cap);
+    run_step(m, kc, dmeta, &l, B, B, B, 1, kv_cap, NULL);
     return PD_OK;
 }
 
@@ -402,7 +406,7 @@ pd_status pd_model_warmup(pd_model *m, pd_model_cache *kc, int max_tokens, int m
 pd_status pd_model_forward_dev(pd_model *m, pd_model_cache *kc, const pd_batch *b, const float **logits_dev) {
     if (b->n_tokens <= 0 || b->n_seqs <= 0 || b->n_logits < 0 || b->n_logits > b->n_tokens || kc->model != m)
         return PD_ERR_INVALID;
-    if (graphs_on(m)) {
+    if (graphs_on(m) && !b->on_layer) {
         bool handled;
         pd_status st = forward_graph(m, kc, b, &handled);
         if (handled || st) {
@@ -417,7 +421,7 @@ pd_status pd_model_forward_dev(pd_model *m, pd_model_cache *kc, const pd_batch *
     st = pack_meta(m, kc, b, &l, &max_q, &max_kv);
     if (st) return st;
     pd_backend_upload(m->backend, wp(m->ws.meta), m->ws.meta_host, l.total * sizeof(int32_t));
-    run_step(m, kc, wp(m->ws.meta), &l, b->n_tokens, b->n_seqs, b->n_logits, max_q, max_kv);
+    run_step(m, kc, wp(m->ws.meta), &l, b->n_tokens, b->n_seqs, b->n_logits, max_q, max_kv, b);
     if (logits_dev) *logits_dev = wp(m->ws.logits);
     return PD_OK;
 }

@@ -164,7 +164,13 @@ pd_model *pd_model_load(const pd_model_params *p, pd_err *err) {
     m->backend = p->backend;
     m->wdt = pd_backend_weight_dtype(p->backend);
     m->adt = pd_backend_act_dtype(p->backend);
+    m->kv_dtype = p->kv_dtype;
     if (pd_model_config_load(p->dir, &m->cfg, err)) goto fail;
+    m->kv_row_bytes = pd_kv_row_bytes(p->backend, m->kv_dtype, m->cfg.n_kv_heads, m->cfg.head_dim);
+    if (m->kv_dtype == PD_KV_FP8 && m->cfg.head_dim % 16) {
+        pd_err_set(err, PD_ERR_UNSUPPORTED, "--kv-cache-dtype fp8 needs head_dim %% 16 == 0 (head_dim %d)", m->cfg.head_dim);
+        goto fail;
+    }
     m->layers = pd_calloc((size_t)m->cfg.n_layers, sizeof *m->layers);
     if (!m->layers) {
         pd_err_set(err, PD_ERR_NOMEM, "out of memory");
@@ -220,6 +226,14 @@ void pd_model_free(pd_model *m) {
 const pd_model_config *pd_model_get_config(const pd_model *m) { return &m->cfg; }
 pd_backend *pd_model_backend(const pd_model *m) { return m->backend; }
 size_t pd_model_weight_bytes(const pd_model *m) { return m->weight_bytes; }
+size_t pd_model_weight_bytes_read(const pd_model *m, int n_tokens) {
+    if (m->cfg.tie_word_embeddings) return m->weight_bytes;  // the table is read whole, as lm_head
+    size_t row = (size_t)m->cfg.hidden_size * pd_dtype_size(m->wdt);
+    size_t rows = PD_MIN((size_t)n_tokens, (size_t)m->cfg.vocab_size);
+    return m->weight_bytes - row * (size_t)m->cfg.vocab_size + row * rows;
+}
+pd_kv_dtype pd_model_kv_dtype(const pd_model *m) { return m->kv_dtype; }
+size_t pd_model_kv_row_bytes(const pd_model *m) { return m->kv_row_bytes; }
 
 static pd_model_cache *cache_new(pd_model *m, int n_blocks, int block_size, bool shared, pd_err *err) {
     if (n_blocks <= 0 || block_size <= 0) {
@@ -235,7 +249,7 @@ static pd_model_cache *cache_new(pd_model *m, int n_blocks, int block_size, bool
     kc->model = m;
     kc->n_blocks = n_blocks;
     kc->block_size = block_size;
-    kc->block_bytes = (size_t)block_size * (size_t)c->n_kv_heads * (size_t)c->head_dim * pd_dtype_size(m->adt);
+    kc->block_bytes = (size_t)block_size * m->kv_row_bytes;
     size_t total = kc->block_bytes * (size_t)n_blocks * 2 * (size_t)c->n_layers;
     kc->buf = shared ? pd_buffer_alloc_shared(m->backend, total, err) : pd_buffer_alloc(m->backend, total);
     if (!kc->buf) {

@@ -39,6 +39,7 @@ typedef struct pd_model_params {
     uint64_t seed;            // for dummy weights
     pd_model_progress_fn progress;  // (optional) called while weights load
     void *progress_ud;
+    pd_kv_dtype kv_dtype;     // the KV caches' format (--kv-cache-dtype): PD_KV_ACT or PD_KV_FP8
 } pd_model_params;
 pd_model_params pd_model_params_default(void);
 
@@ -49,9 +50,16 @@ void pd_model_free(pd_model *m);
 const pd_model_config *pd_model_get_config(const pd_model *m);
 pd_backend *pd_model_backend(const pd_model *m);
 size_t pd_model_weight_bytes(const pd_model *m);  // device bytes of weights
+// Device bytes of weights one step reads for n_tokens tokens: every matrix and norm, plus one
+// embedding row per token (the table itself is not read; with tied embeddings it is, as lm_head).
+size_t pd_model_weight_bytes_read(const pd_model *m, int n_tokens);
+pd_kv_dtype pd_model_kv_dtype(const pd_model *m);
+// Bytes of one token's K (or V) row of one layer in this model's caches (pd_kv_row_bytes).
+size_t pd_model_kv_row_bytes(const pd_model *m);
 
 // The paged KV cache: n_blocks blocks of block_size tokens for every layer, in one device buffer
-// laid out (n_layers, 2 [k, v], n_blocks, block_size, n_kv_heads, head_dim), kv dtype = act dtype.
+// laid out (n_layers, 2 [k, v], n_blocks, block_size, row), a row being n_kv_heads * head_dim
+// act-dtype values, or with kv_dtype PD_KV_FP8 e4m3 bytes and per-head scales (backend.h).
 pd_model_cache *pd_model_cache_new(pd_model *m, int n_blocks, int block_size, pd_err *err);
 // Same, in an exportable buffer (pd_buffer_export) so a peer process can write KV into it.
 pd_model_cache *pd_model_cache_new_shared(pd_model *m, int n_blocks, int block_size, pd_err *err);
@@ -77,6 +85,11 @@ typedef struct pd_batch {
     const int32_t *bt_indices;  // (bt_indptr[n_seqs])
     int n_logits;
     const int32_t *logit_rows;  // (n_logits) token rows whose logits are wanted
+    // Optional "layer done" hook: called on the calling thread after layer l's ops (its K/V writes
+    // included) were issued on the backend stream — on the CPU backend they have completed. A step
+    // with a hook never runs as a captured graph.
+    void (*on_layer)(void *ud, int layer);
+    void *on_layer_ud;
 } pd_batch;
 
 // Runs the step. logits: host (n_logits, vocab) f32, may be NULL when n_logits == 0.

@@ -62,6 +62,8 @@ struct pd_model {
     pd_model_config cfg;
     pd_backend *backend;  // borrowed
     pd_dtype wdt, adt;
+    pd_kv_dtype kv_dtype;
+    size_t kv_row_bytes;  // pd_kv_row_bytes of the model's KV format
     pd_buffer *embed;     // (V, D)
     pd_buffer *final_norm;  // (D)
     pd_buffer *lm_head;   // (V, D), NULL when tied (embed is used)
@@ -75,5 +77,5 @@ struct pd_model_cache {
     pd_model *model;  // borrowed
     pd_buffer *buf;   // (n_layers, 2, n_blocks, block_size, Hkv, hd), act dtype
     int n_blocks, block_size;
-    size_t block_bytes;  // block_size * Hkv * hd * elem
+    size_t block_bytes;  // block_size * kv_row_bytes
 };

@@ -353,6 +353,7 @@ int32_t pd_sampler_import_result(pd_sampler *s, const pd_sample_out *o, pd_sampl
 }
 
 uint64_t pd_sampler_n_draws(const pd_sampler *s) { return s->n_draws; }
+void pd_sampler_set_n_draws(pd_sampler *s, uint64_t n) { s->n_draws = n; }
 
 // ---- speculative decoding ----------------------------------------------------------------------
 //

@@ -71,6 +71,9 @@ void pd_sampler_export_row(const pd_sampler *s, int pen_begin, pd_sample_row *ro
 int32_t pd_sampler_import_result(pd_sampler *s, const pd_sample_out *o, pd_sample_result *out);
 // Draws made so far (the index of the next one).
 uint64_t pd_sampler_n_draws(const pd_sampler *s);
+// Continues another sampler's counter (a first token drawn by a prefill worker, disaggregated):
+// the next draw uses index n, as it would had the draws been made here.
+void pd_sampler_set_n_draws(pd_sampler *s, uint64_t n);
 
 // ---- speculative decoding ----------------------------------------------------------------------
 // The processed distribution plain sampling draws from (penalties with the tokens accepted so far,

@@ -52,7 +52,22 @@ typedef struct pd_router_cand {
     double prefill_tokens_per_s;   // measured (or the router's default)
     double decode_step_ms;         // measured (or the router's default)
     double ttft_ms_per_inflight;   // router-observed TTFT / (in flight at dispatch + 1); 0 = unknown
+    int64_t n_capacity;            // requests it takes at once (seats + queue); 0 = unknown
+    int32_t n_foreign;             // requests there that are not the router's (from the last report)
+    int32_t n_kv_blocks_total;     // 0 = unknown
+    int32_t n_blocks_needed;       // this request's KV blocks at most (prompt + max tokens)
 } pd_router_cand;
+
+// A worker's admission capacity in concurrent requests, from what it reports: its running-batch
+// seats (max_num_seqs) plus the requests it queues beyond them (max_waiting) — exactly what it
+// accepts before answering 503 itself. override > 0 (capacity_per_worker in --qos-config) wins;
+// 0 = unknown (no report yet): the router then refuses nothing on capacity grounds.
+int64_t pd_router_worker_capacity(int32_t max_seqs, int32_t max_waiting, int override);
+// Whether candidate c can take one more request now: its occupancy — the router's own in-flight
+// count there (exact and current) plus the requests the worker last reported beyond the router's
+// (n_foreign: other clients; reports lag a heartbeat, so they are not used for our own) — is below
+// its capacity, and the request's KV fits the worker's cache at all.
+bool pd_router_has_room(const pd_router_cand *c);
 
 // Cost weights, in "prefill-token equivalents". Defaults (pd_router_cost_params_default):
 //   cost = w_prefill × (uncached prompt tokens + queued prefill tokens)
@@ -107,7 +122,7 @@ typedef struct pd_router_qos {
     pd_router_class classes[PD_ROUTER_MAX_CLASSES];
     int n_classes;
     int default_class;             // index
-    int capacity_per_worker;       // concurrent requests one worker takes before "near capacity"
+    int capacity_per_worker;       // > 0: fixed capacity per worker; 0 = each worker's reported one
     struct {
         char key[96];
         int class_idx;
@@ -115,8 +130,9 @@ typedef struct pd_router_qos {
     int n_keys;
 } pd_router_qos;
 
-// Built-in classes: premium (priority 2, reserved 0.2), standard (1, 0), free (0, 0); default
-// "standard"; SLOs from the arguments; capacity_per_worker 32.
+// Built-in classes: premium (priority 2), standard (1), free (0), none with reserved capacity
+// (a reserve only exists when a --qos-config asks for one); default "standard"; SLOs from the
+// arguments; capacity_per_worker 0 (from the workers' reports).
 void pd_router_qos_default(pd_router_qos *q, double slo_ttft_ms, double slo_tpot_ms);
 // Parses a --qos-config document (see docs/router.md):
 //   {"classes":[{"name":"premium","priority":2,"reserved_fraction":0.3,"slo_ttft_ms":500,

@@ -59,6 +59,19 @@ double pd_router_predict_ttft_ms(const pd_router_cand *c) {
     return model;
 }
 
+int64_t pd_router_worker_capacity(int32_t max_seqs, int32_t max_waiting, int override) {
+    if (override > 0) return override;
+    if (max_seqs <= 0) return 0;
+    return (int64_t)max_seqs + (max_waiting > 0 ? max_waiting : 0);
+}
+
+bool pd_router_has_room(const pd_router_cand *c) {
+    if (c->n_kv_blocks_total > 0 && c->n_blocks_needed > c->n_kv_blocks_total) return false;
+    if (c->n_capacity <= 0) return true;
+    int64_t occupied = (int64_t)c->n_inflight + (c->n_foreign > 0 ? c->n_foreign : 0);
+    return occupied < c->n_capacity;
+}
+
 double pd_router_predict_tpot_ms(const pd_router_cand *c) {
     double step = c->decode_step_ms > 0 ? c->decode_step_ms : 0;
     int run = c->n_running > 0 ? c->n_running : 1;

@@ -32,6 +32,7 @@
 #include <string.h>
 #include <strings.h>
 
+#include "metrics/trace.h"
 #include "base/buf.h"
 #include "router/router_impl.h"
 
@@ -69,6 +70,14 @@ struct rt_job {
     char resp_id[96];
     json_int_t created;
     int64_t t_arrival_us, t_first_us, t_last_us, t_dispatch_us;
+    int64_t t_first_dispatch_us;  // the first upstream request left (router part of the TTFT)
+    bool wants_usage;            // the client's stream_options.include_usage
+    bool wants_timings;          // the client's "timings" / stream_options.include_timings
+    bool has_breakdown;          // a worker's ttft_breakdown was recorded
+    int n_continuations;         // streams continued on another worker (usage is then rewritten)
+    bool is_traced;              // tracing on: the router span's ids
+    uint8_t trace_id[16], span_id[8], parent_span_id[8];
+    bool has_parent_span;
 };
 
 static void job_dispatch(rt_job *j);
@@ -97,6 +106,14 @@ static void reply_error(pd_http_req *req, int status, const char *type, const ch
 static void worker_release(rt_job *j) {
     if (j->w < 0) return;
     rt_worker *w = &j->rt->workers[j->w];
+    if (j->is_traced) {  // one span per upstream attempt
+        uint8_t s[8];
+        char attrs[PD_WIRE_URL_MAX + 64];
+        snprintf(attrs, sizeof attrs, "\"worker\":\"%s\",\"attempt\":%d,\"tokens_relayed\":%d", w->url, j->n_attempts,
+                 (int)j->n_gen);
+        pd_trace_new_span_id(s);
+        pd_trace_span(j->trace_id, s, j->span_id, "router.upstream", j->t_dispatch_us, pd_time_us(), attrs);
+    }
     if (w->n_inflight > 0) w->n_inflight--;
     j->pending_tokens = 0;
     j->w = -1;
@@ -128,6 +145,19 @@ static void job_end(rt_job *j, bool is_ok) {
         pd_metric_observe(r->cm[j->class_idx].ttft, ttft / 1e3);
         pd_metric_observe(r->cm[j->class_idx].e2e, e2e / 1e3);
         rt_history_note(r, j->class_idx, ttft, e2e, false);
+        if (j->t_first_dispatch_us) pd_metric_observe(r->m_ttft_part[0], (double)(j->t_first_dispatch_us - j->t_arrival_us) / 1e6);
+    }
+    if (j->is_traced) {
+        char attrs[192];
+        snprintf(attrs, sizeof attrs, "\"class\":\"%s\",\"ok\":%s,\"attempts\":%d,\"continuations\":%d",
+                 r->qos.classes[j->class_idx].name, is_ok ? "true" : "false", j->n_attempts, j->n_continuations);
+        int64_t now = pd_time_us();
+        pd_trace_span(j->trace_id, j->span_id, j->has_parent_span ? j->parent_span_id : NULL, "router.request",
+                      j->t_arrival_us, now, attrs);
+        uint8_t s[8];
+        pd_trace_new_span_id(s);
+        pd_trace_span(j->trace_id, s, j->span_id, "router.admission", j->t_arrival_us,
+                      j->t_first_dispatch_us ? j->t_first_dispatch_us : now, NULL);
     }
     job_free(j);
 }
@@ -152,6 +182,42 @@ static void on_client_close(pd_http_req *req, void *ud) {
     rt_job *j = ud;
     j->http = NULL;
     job_free(j);  // cancels the upstream call: the worker sees the disconnect and aborts
+}
+
+// ---- usage and timings ---------------------------------------------------------------------------------
+// The router always asks the worker for usage and the TTFT breakdown ("timings": true, and
+// stream_options.include_usage for streams) and passes on only what the client asked for. Usage
+// is rewritten after a failover, so that the client sees one request's: prompt_tokens = the
+// original prompt, completion_tokens = every token the client received (the continuation
+// worker counts the relayed tokens as prompt). The first worker's breakdown feeds the router's
+// per-part histograms; the client's copy gains router_ms (arrival → first upstream request).
+static void fix_usage(rt_job *j, json_t *usage) {
+    pd_router *r = j->rt;
+    if (j->n_continuations > 0 && j->has_ids) {
+        json_object_set_new(usage, "prompt_tokens", json_integer(j->n_prompt));
+        json_object_set_new(usage, "completion_tokens", json_integer(j->n_gen));
+        json_object_set_new(usage, "total_tokens", json_integer((json_int_t)j->n_prompt + j->n_gen));
+    }
+    json_t *b = json_object_get(usage, "ttft_breakdown");
+    if (json_is_object(b) && !j->has_breakdown && j->n_continuations == 0) {
+        j->has_breakdown = true;
+        for (int i = 0; i < PD_WIRE_N_TTFT_PARTS; i++) {
+            char k[32];
+            snprintf(k, sizeof k, "%s_ms", pd_wire_ttft_part_names[i]);
+            json_t *v = json_object_get(b, k);
+            if (json_is_number(v) && json_number_value(v) >= 0) {
+                pd_metric_observe(r->m_ttft_part[i + 1], json_number_value(v) / 1e3);
+                rt_ttft_note(r, i + 1, json_number_value(v));
+            }
+        }
+    }
+    if (!j->wants_timings) {
+        json_object_del(usage, "ttft_breakdown");
+    } else if (json_is_object(b)) {
+        double router_ms = j->t_first_dispatch_us ? (double)(j->t_first_dispatch_us - j->t_arrival_us) / 1e3 : 0;
+        json_object_set_new(b, "router_ms", json_real(router_ms));
+        if (j->n_continuations > 0) json_object_set_new(b, "after_failover", json_true());
+    }
 }
 
 // ---- relaying a stream ---------------------------------------------------------------------------------
@@ -180,6 +246,29 @@ static void relay_event(rt_job *j, const char *data, size_t len) {
     int64_t now = pd_time_us();
     bool is_fresh_first = !j->got_chunk && j->n_gen == 0;  // first chunk of a non-continuation
     json_t *chunk = json_loadb(data, len, 0, NULL);
+    if (chunk && json_is_object(chunk)) {
+        json_t *u = json_object_get(chunk, "usage");
+        json_t *ch = json_object_get(chunk, "choices");
+        bool is_usage_only = json_is_object(u) && json_is_array(ch) && json_array_size(ch) == 0;
+        if (json_is_object(u)) fix_usage(j, u);
+        if (u && !j->wants_usage) json_object_del(chunk, "usage");
+        if (is_usage_only) {  // the last chunk: usage alone (not a token; no latency sample)
+            if (j->wants_usage && j->http) {
+                if (j->resp_id[0]) {
+                    json_object_set_new(chunk, "id", json_string(j->resp_id));
+                    json_object_set_new(chunk, "created", json_integer(j->created));
+                }
+                if (j->is_continuation) json_object_set_new(chunk, "object", json_string("chat.completion.chunk"));
+                if (!j->sse_started) {
+                    pd_http_sse_begin(j->http);
+                    j->sse_started = true;
+                }
+                pd_http_sse_send_json(j->http, chunk);
+            }
+            json_decref(chunk);
+            return;
+        }
+    }
     if (chunk && json_is_object(chunk) && !json_object_get(chunk, "error")) {
         json_t *c0 = json_array_get(json_object_get(chunk, "choices"), 0);
         json_t *ids = json_object_get(c0, "token_ids");
@@ -285,7 +374,16 @@ static void send_upstream(rt_job *j) {
     json_t *b = cont ? continuation_body(j) : json_deep_copy(j->body);
     if (!b) return job_fail(j, 500, "router: out of memory");
     json_object_set_new(b, "priority", json_integer(r->qos.classes[j->class_idx].priority));
-    if (j->is_stream) json_object_set_new(b, "return_token_ids", json_true());
+    json_object_set_new(b, "timings", json_true());  // the breakdown feeds the router's histograms
+    if (j->is_stream) {
+        json_object_set_new(b, "return_token_ids", json_true());
+        json_t *so = json_object_get(b, "stream_options");
+        if (!json_is_object(so)) {
+            so = json_object();
+            json_object_set_new(b, "stream_options", so);
+        }
+        if (so) json_object_set_new(so, "include_usage", json_true());  // usage is rewritten after a failover
+    }
     char *txt = json_dumps(b, JSON_COMPACT);
     json_decref(b);
     if (!txt) return job_fail(j, 500, "router: out of memory");
@@ -293,13 +391,18 @@ static void send_upstream(rt_job *j) {
     const char *path = cont || j->kind == RT_COMPLETIONS ? "/v1/completions" : "/v1/chat/completions";
     char url[PD_WIRE_URL_MAX + 32];
     snprintf(url, sizeof url, "%s%s", w->url, path);
-    pd_http_client_request rq = {.method = "POST", .url = url, .body = txt, .body_len = strlen(txt)};
+    char tp[PD_TRACEPARENT_LEN + 1] = "";
+    const char *hdrs[] = {"traceparent", tp, NULL};
+    if (j->is_traced) pd_traceparent_format(j->trace_id, j->span_id, tp);
+    pd_http_client_request rq = {.method = "POST", .url = url, .body = txt, .body_len = strlen(txt),
+                                 .headers = j->is_traced ? hdrs : NULL};
     pd_http_client_callbacks cb = {.on_headers = on_up_headers, .on_body = on_up_body,
                                    .on_sse = j->is_stream ? on_up_sse : NULL, .on_done = on_up_done};
     j->up_status = 0;
     j->len = 0;
     j->saw_done = j->saw_finish = j->got_chunk = false;
     j->t_dispatch_us = pd_time_us();
+    if (!j->t_first_dispatch_us) j->t_first_dispatch_us = j->t_dispatch_us;
     pd_err err = {0};
     j->call = pd_http_client_send(r->client, &rq, &cb, j, &err);
     free(txt);  // jansson's allocator
@@ -333,6 +436,7 @@ static void retry_or_fail(rt_job *j, const char *why) {
         return job_end(j, true);
     }
     pd_metric_inc(is_mid_stream ? r->m_failovers : r->m_retries, 1);
+    if (is_mid_stream) j->n_continuations++;
     if (is_mid_stream && !j->has_ids) {
         // The continuation needs the prompt as ids: tokenize on any healthy worker first.
         for (int i = 0; i < PD_ROUTER_MAX_WORKERS; i++)
@@ -368,12 +472,22 @@ static void on_up_done(pd_http_client_call *call, pd_status st, int http_status,
     if (j->http) {
         const char *ra = pd_http_client_call_header(call, "Retry-After");
         if (ra) pd_http_reply_header(j->http, "Retry-After", ra);
+        json_t *o = http_status == 200 && !j->sse_started && j->buf ? json_loadb(j->buf, j->len, 0, NULL) : NULL;
+        char *txt = NULL;
+        if (json_is_object(json_object_get(o, "usage"))) {
+            fix_usage(j, json_object_get(o, "usage"));
+            txt = json_dumps(o, JSON_COMPACT | JSON_PRESERVE_ORDER);
+        }
+        json_decref(o);
         if (j->sse_started) {  // a non-200 continuation: the stream is already open
             pd_http_sse_send(j->http, j->buf ? j->buf : "", j->len);
             pd_http_sse_end(j->http, true);
+        } else if (txt) {
+            pd_http_reply(j->http, http_status, j->content_type, txt, strlen(txt));
         } else {
             pd_http_reply(j->http, http_status, j->content_type, j->buf ? j->buf : "", j->len);
         }
+        free(txt);  // jansson's allocator
         j->http = NULL;
     }
     if (!j->t_first_us) j->t_first_us = pd_time_us();
@@ -448,8 +562,9 @@ static void queued_by_worker(const pd_router *r, int64_t now_us, int64_t out[PD_
     }
 }
 
-// Fills cands for every eligible worker; returns how many.
-static int build_cands(rt_job *j, pd_router_cand *cands) {
+// Fills cands for every eligible worker with room (pd_router_has_room); returns how many.
+// *n_full: healthy decode-capable workers left out because they were full.
+static int build_cands(rt_job *j, pd_router_cand *cands, int *n_full) {
     pd_router *r = j->rt;
     int32_t hit_blocks[64] = {0};
     int64_t queued[PD_ROUTER_MAX_WORKERS];
@@ -485,6 +600,15 @@ static int build_cands(rt_job *j, pd_router_cand *cands) {
         c->prefill_tokens_per_s = worker_prefill_tps(r, w);
         c->decode_step_ms = worker_step_ms(r, w);
         c->ttft_ms_per_inflight = w->obs_ttft_per_inflight;
+        c->n_capacity = rt_worker_capacity(r, w);
+        c->n_foreign = w->n_foreign;
+        c->n_kv_blocks_total = w->load.n_kv_blocks_total;
+        int64_t need = (int64_t)j->n_prompt + (j->max_tokens > 0 ? j->max_tokens : 0);
+        c->n_blocks_needed = (int32_t)PD_MIN((need + w->block_size - 1) / PD_MAX(1, w->block_size), INT32_MAX);
+        if (!pd_router_has_room(c)) {  // full: not a candidate
+            n--;
+            (*n_full)++;
+        }
     }
     pd_free(hashes);
     return n;
@@ -529,8 +653,12 @@ static void reject(rt_job *j, int status, const char *msg, const char *code, pd_
 static void job_dispatch(rt_job *j) {
     pd_router *r = j->rt;
     pd_router_cand cands[PD_ROUTER_MAX_WORKERS];
-    int n = build_cands(j, cands);
-    if (n == 0) return job_fail(j, 503, "router: no healthy worker available");
+    int n_full = 0;
+    int n = build_cands(j, cands, &n_full);
+    if (n == 0 && n_full > 0 && !j->sse_started && j->n_gen == 0)
+        return reject(j, 503, "router: every decode worker is full (running and queued requests at its capacity); retry later",
+                      "capacity", r->cm[j->class_idx].rejected_capacity);
+    if (n == 0) return job_fail(j, 503, "router: no healthy decode worker available");
     int k = choose(j, cands, n);
     const pd_router_class *cls = &r->qos.classes[j->class_idx];
     if (!j->is_admitted && !meets_slo(cls, &cands[k])) {
@@ -642,12 +770,14 @@ static void handle(pd_http_req *req, pd_router *r, rt_kind kind) {
                                "rate_limit_exceeded", 1);
         }
     }
-    int n_healthy = rt_n_healthy(r);
-    if (n_healthy == 0) {
+    if (rt_n_decode_healthy(r) == 0) {
         json_decref(root);
-        return reply_error(req, 503, "server_error", "router: no healthy worker available", NULL, 1);
+        return reply_error(req, 503, "server_error", "router: no healthy decode worker available", NULL, 1);
     }
-    if (!pd_router_qos_admit(&r->qos, ci, r->inflight_by_class, r->qos.capacity_per_worker * n_healthy)) {
+    // Reserved capacity (only when a --qos-config reserves some): the pool's capacity is the sum
+    // of the decode-capable workers' own (pd_router_worker_capacity); unknown = no refusal here.
+    int64_t pool = rt_pool_capacity(r);
+    if (pool > 0 && !pd_router_qos_admit(&r->qos, ci, r->inflight_by_class, (int)PD_MIN(pool, INT32_MAX))) {
         json_decref(root);
         pd_metric_inc(r->cm[ci].rejected_capacity, 1);
         rt_history_note(r, ci, 0, 0, true);
@@ -668,6 +798,21 @@ static void handle(pd_http_req *req, pd_router *r, rt_kind kind) {
     j->t_arrival_us = pd_time_us();
     j->is_stream = json_is_true(json_object_get(root, "stream"));
     j->wants_ids = json_is_true(json_object_get(root, "return_token_ids"));
+    json_t *so = json_object_get(root, "stream_options");
+    j->wants_usage = json_is_true(json_object_get(so, "include_usage"));
+    j->wants_timings = json_is_true(json_object_get(root, "timings")) || json_is_true(json_object_get(so, "include_timings"));
+    if (pd_trace_enabled()) {
+        pd_trace_ctx in;
+        if (pd_traceparent_parse(pd_http_req_header(req, "traceparent"), &in) == PD_OK) {
+            memcpy(j->trace_id, in.trace_id, 16);
+            memcpy(j->parent_span_id, in.span_id, 8);
+            j->has_parent_span = true;
+        } else {
+            pd_trace_new_trace_id(j->trace_id);
+        }
+        pd_trace_new_span_id(j->span_id);
+        j->is_traced = true;
+    }
     json_t *mt = json_object_get(root, kind == RT_CHAT && json_object_get(root, "max_completion_tokens")
                                            ? "max_completion_tokens" : "max_tokens");
     j->max_tokens = json_is_integer(mt) ? (long)json_integer_value(mt) : -1;

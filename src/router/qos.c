@@ -24,12 +24,12 @@ static void set_class(pd_router_class *c, const char *name, int prio, double res
 
 void pd_router_qos_default(pd_router_qos *q, double slo_ttft_ms, double slo_tpot_ms) {
     memset(q, 0, sizeof *q);
-    set_class(&q->classes[0], "premium", 2, 0.2, slo_ttft_ms, slo_tpot_ms);
+    set_class(&q->classes[0], "premium", 2, 0.0, slo_ttft_ms, slo_tpot_ms);
     set_class(&q->classes[1], "standard", 1, 0.0, slo_ttft_ms, slo_tpot_ms);
     set_class(&q->classes[2], "free", 0, 0.0, slo_ttft_ms, slo_tpot_ms);
     q->n_classes = 3;
     q->default_class = 1;
-    q->capacity_per_worker = 32;
+    q->capacity_per_worker = 0;
 }
 
 int pd_router_qos_find(const pd_router_qos *q, const char *name) {
@@ -121,8 +121,8 @@ pd_status pd_router_qos_parse(pd_router_qos *q, const char *json, double slo_ttf
         }
     }
     double cap = num(root, "capacity_per_worker", q->capacity_per_worker);
-    if (cap < 1 || cap > 1e6) {
-        st = pd_err_set(err, PD_ERR_INVALID, "qos: capacity_per_worker must be >= 1");
+    if (json_object_get(root, "capacity_per_worker") && (cap < 1 || cap > 1e6)) {
+        st = pd_err_set(err, PD_ERR_INVALID, "qos: capacity_per_worker must be >= 1 (omit it to use the workers' reports)");
         goto out;
     }
     q->capacity_per_worker = (int)cap;

@@ -66,6 +66,10 @@ typedef struct pd_router_params {
     int upstream_timeout_s;         // per upstream request (default 600)
     int max_attempts;               // tries per request, across workers (default 3)
     uint64_t seed;                  // random routing
+    int max_connections;            // client connections at most; 0 = from RLIMIT_NOFILE (http.h)
+    int keepalive_timeout_s;        // 0 = default (30)
+    int header_timeout_s;           // 0 = default (60)
+    size_t max_body_bytes;          // 0 = default (8 MiB)
 } pd_router_params;
 pd_router_params pd_router_params_default(void);
 

@@ -50,6 +50,9 @@ typedef struct rt_worker {
     int64_t n_pred_query_tokens, n_pred_hit_tokens;  // router's predicted prefix hits
     int64_t n_prefix_query_base, n_prefix_hit_base;  // worker counters at registration (for rates)
     pd_metric *m_routed;        // pdserve_router_routed_total{worker=...}
+    pd_wire_load prev_load;     // the previous report (rates on /status are deltas of counters)
+    int inflight_at_poll;       // n_inflight when the current poll was sent
+    int n_foreign;              // requests the worker reported beyond ours (other clients), last poll
 } rt_worker;
 
 typedef struct rt_class_metrics {
@@ -60,6 +63,10 @@ typedef struct rt_class_metrics {
 #define RT_HISTORY_S 120
 
 // One second of latency history for /status.json.
+// TTFT parts the router sees: its own (arrival → first upstream request), then the worker's four
+// (wire/control.h pd_wire_ttft_part_names).
+#define RT_N_TTFT_PARTS (1 + PD_WIRE_N_TTFT_PARTS)
+
 typedef struct rt_sample {
     int64_t t_s;                               // unix second
     int n[PD_ROUTER_MAX_CLASSES];              // requests finished
@@ -67,6 +74,11 @@ typedef struct rt_sample {
     double ttft_ms_max[PD_ROUTER_MAX_CLASSES];
     double e2e_ms_sum[PD_ROUTER_MAX_CLASSES];
     int n_rejected;
+    int n_rejected_class[PD_ROUTER_MAX_CLASSES];
+    int n_ttft_part[RT_N_TTFT_PARTS];
+    double ttft_part_ms_sum[RT_N_TTFT_PARTS];
+    int64_t n_handoffs, handoff_bytes, n_fallbacks[PD_WIRE_N_FALLBACKS];  // from the workers' counters
+    int router_inflight, running, waiting;     // queue depths: the largest seen in the second
 } rt_sample;
 
 typedef struct rt_job rt_job;
@@ -99,6 +111,7 @@ struct pd_router {
     rt_class_metrics cm[PD_ROUTER_MAX_CLASSES];
     pd_metric *m_retries, *m_failovers, *m_decisions[4], *m_prefix_query, *m_prefix_hit,
         *m_workers_healthy, *m_poll_failures, *m_queue, *m_tokenize_failures, *m_kv_events;
+    pd_metric *m_ttft_part[RT_N_TTFT_PARTS];  // pdserve_router_ttft_part_seconds{part=...}
     rt_sample history[RT_HISTORY_S];
 };
 
@@ -114,6 +127,12 @@ void rt_heartbeat_stop(pd_router *r);
 // when connect failed: `is_hard`).
 void rt_worker_note_failure(pd_router *r, int w, bool is_hard);
 int rt_n_healthy(const pd_router *r);
+// Workers in rotation that can decode (role both or decode): the ones requests can go to.
+int rt_n_decode_healthy(const pd_router *r);
+// A worker's capacity (pd_router_worker_capacity over its report and the QoS override); 0 = unknown.
+int64_t rt_worker_capacity(const pd_router *r, const rt_worker *w);
+// Σ over decode-capable workers in rotation; 0 if any of them is unknown (no refusal then).
+int64_t rt_pool_capacity(const pd_router *r);
 
 // ---- proxy.c ----
 void rt_handle_completions(pd_http_req *req, void *ud);
@@ -126,3 +145,10 @@ void rt_handle_status_html(pd_http_req *req, void *ud);
 void rt_handle_status_json(pd_http_req *req, void *ud);
 // Records a finished request (or a rejection when is_rejected) in the per-second history.
 void rt_history_note(pd_router *r, int class_idx, double ttft_ms, double e2e_ms, bool is_rejected);
+// Records one TTFT part (0 = router, 1.. = the worker's parts) of a finished first token.
+void rt_ttft_note(pd_router *r, int part, double ms);
+// Adds a worker's counter deltas since its previous report (handoffs, bytes, fallbacks).
+void rt_history_disagg(pd_router *r, const pd_wire_load *now, const pd_wire_load *prev);
+// Samples the queue depths (each heartbeat): requests in flight through the router, and the
+// workers' reported running and waiting totals.
+void rt_history_queue(pd_router *r, int router_inflight, int running, int waiting);

@@ -4,8 +4,10 @@
 //
 // Registration is authenticated with one shared bearer token (--auth-token-file): the header
 // `Authorization: Bearer <token>` must match exactly (compared in constant time), else 401.
-// Without a token file registration is open (a loopback development setup) and a warning is
-// logged at start.
+// Without a token file registration and deregistration are refused (403): an open endpoint let
+// any local process add a fake worker or remove a real one. `pdserve run` always sets a token.
+// The token crosses the wire in the clear: keep the router's registration port on loopback or a
+// private network (the KV ports use an HMAC challenge-response instead, xfer/auth.h).
 #include <event2/event.h>
 #include <stdio.h>
 #include <string.h>
@@ -53,7 +55,7 @@ void pd_router_end_all(pd_router *r, const char *msg) { pd_http_server_end_all(r
 
 // ---- handlers ----------------------------------------------------------------------------------------
 static bool token_ok(const pd_router *r, pd_http_req *req) {
-    if (!r->auth_token) return true;
+    if (!r->auth_token) return false;
     const char *a = pd_http_req_header(req, "Authorization");
     if (!a || strncasecmp(a, "Bearer ", 7)) return false;
     a += 7;
@@ -66,6 +68,11 @@ static bool token_ok(const pd_router *r, pd_http_req *req) {
 // The registration endpoints' gate: replies 401 and returns false without the right token.
 static bool require_token(const pd_router *r, pd_http_req *req) {
     if (token_ok(r, req)) return true;
+    if (!r->auth_token) {
+        pd_http_reply_error(req, 403, "permission_error", "worker registration is disabled: start the router with --auth-token-file",
+                            NULL, "registration_disabled");
+        return false;
+    }
     pd_http_reply_error(req, 401, "authentication_error", "invalid or missing registration token", NULL, "invalid_token");
     return false;
 }
@@ -102,13 +109,17 @@ static void h_deregister(pd_http_req *req, void *ud) {
     json_decref(o);
 }
 
+// 200 "ok" while at least one decode-capable worker (role both or decode) is in rotation: that is
+// what requests need. A pool of prefill workers alone serves nothing: 503.
 static void h_health(pd_http_req *req, void *ud) {
     pd_router *r = ud;
-    int n = rt_n_healthy(r);
+    int n = rt_n_healthy(r), nd = rt_n_decode_healthy(r);
     bool draining = pd_http_server_is_draining(r->http);
-    json_t *o = json_pack("{s:s, s:i}", "status", draining ? "draining" : n > 0 ? "ok" : "no healthy worker",
-                          "workers_healthy", n);
-    pd_http_reply_json(req, n > 0 && !draining ? 200 : 503, o);
+    json_t *o = json_pack("{s:s, s:i, s:i, s:i}", "status",
+                          draining ? "draining" : nd > 0 ? "ok" : "no healthy decode worker", "workers_healthy", n,
+                          "decode_workers_healthy", nd, "prefill_workers_healthy", n - nd);
+    if (nd == 0 && !draining) pd_http_reply_header(req, "Retry-After", "1");
+    pd_http_reply_json(req, nd > 0 && !draining ? 200 : 503, o);
     json_decref(o);
 }
 
@@ -182,6 +193,15 @@ static pd_status make_metrics(pd_router *r, pd_err *err) {
     r->m_queue = pd_metrics_gauge(m, "pdserve_router_queue_length", "Requests in flight through the router", NULL, err);
     r->m_tokenize_failures = pd_metrics_counter(m, "pdserve_router_tokenize_failures_total", "Failed tokenize calls", NULL, err);
     r->m_kv_events = pd_metrics_counter(m, "pdserve_router_kv_events_total", "KV events applied to the prefix index", NULL, err);
+    for (int i = 0; i < RT_N_TTFT_PARTS; i++) {
+        char l[48];
+        snprintf(l, sizeof l, "part=\"%s\"", i == 0 ? "router" : pd_wire_ttft_part_names[i - 1]);
+        r->m_ttft_part[i] = pd_metrics_histogram(m, "pdserve_router_ttft_part_seconds",
+                                                 "Time to first token by part: router (arrival to upstream request), then "
+                                                 "the worker's queue, prefill, transfer and first decode",
+                                                 l, pd_metrics_latency_buckets, pd_metrics_n_latency_buckets, err);
+        if (!r->m_ttft_part[i]) return PD_ERR_NOMEM;
+    }
     if (!r->m_retries || !r->m_failovers || !r->m_prefix_query || !r->m_prefix_hit || !r->m_workers_healthy ||
         !r->m_poll_failures || !r->m_queue || !r->m_tokenize_failures || !r->m_kv_events)
         return PD_ERR_NOMEM;
@@ -251,11 +271,15 @@ pd_router *pd_router_new(struct event_base *base, const pd_router_params *p, pd_
     pd_http_params hp = pd_http_params_default();
     hp.host = p->host ? p->host : "127.0.0.1";
     hp.port = p->port;
+    if (p->max_connections > 0) hp.max_connections = p->max_connections;
+    if (p->keepalive_timeout_s > 0) hp.keepalive_timeout_s = p->keepalive_timeout_s;
+    if (p->header_timeout_s > 0) hp.header_timeout_s = p->header_timeout_s;
+    if (p->max_body_bytes > 0) hp.max_body_bytes = p->max_body_bytes;
     if (!(r->http = pd_http_server_new(base, &hp, err))) goto fail;
     if (add_routes(r) != PD_OK) goto nomem;
     if (rt_heartbeat_start(r) != PD_OK) goto nomem;
     pd_metric_set(r->m_workers_healthy, rt_n_healthy(r));
-    if (!r->auth_token) PD_LOG_W("router: no --auth-token-file: worker registration is open");
+    if (!r->auth_token) PD_LOG_W("router: no --auth-token-file: worker registration is disabled");
     return r;
 nomem:
     pd_err_set(err, PD_ERR_NOMEM, "router: out of memory");

@@ -1,26 +1,41 @@
 // status.c — GET /status: one self-contained HTML page (inline CSS, inline JS, inline SVG; no
-// external asset) showing the workers and live latency charts, and GET /status.json, which the
+// external asset) giving a live view of the disaggregated system, and GET /status.json, which the
 // page polls every second.
 //
-// The worker table is rendered on the server too, so the page is useful (and testable with a DOM
-// dump) before its script runs; the script then replaces it and draws the charts from the
-// per-second history (RT_HISTORY_S seconds, one slot per unix second, mean TTFT / E2E per class
-// and rejections).
+// What it shows: the workers by role (decode-capable ones with running / waiting / capacity / KV
+// and the KV handoffs they received, prefill ones with the KV exports they served), totals of
+// rejections by class and reason and of handoff fallbacks by reason, and charts over the last
+// RT_HISTORY_S seconds (one slot per unix second): TTFT per class, the TTFT breakdown (router,
+// queue, prefill, transfer, first decode; mean per second, stacked), handoffs/s and GB/s, queue
+// depths, rejections/s by class and fallbacks/s by reason. Every chart has a title, labelled axes
+// with units and tick values.
+//
+// The tables and the charts' axes are rendered on the server too, so the page is useful (and
+// testable with a DOM dump) before its script runs; the script then redraws everything from
+// /status.json.
+#include <stdarg.h>
 #include <stdio.h>
 #include <string.h>
 #include <time.h>
 
+#include "base/buf.h"
 #include "router/router_impl.h"
 
-void rt_history_note(pd_router *r, int c, double ttft_ms, double e2e_ms, bool is_rejected) {
+static rt_sample *sample_now(pd_router *r) {
     int64_t now = (int64_t)time(NULL);
     rt_sample *s = &r->history[now % RT_HISTORY_S];
     if (s->t_s != now) {
         memset(s, 0, sizeof *s);
         s->t_s = now;
     }
+    return s;
+}
+
+void rt_history_note(pd_router *r, int c, double ttft_ms, double e2e_ms, bool is_rejected) {
+    rt_sample *s = sample_now(r);
     if (is_rejected) {
         s->n_rejected++;
+        s->n_rejected_class[c]++;
         return;
     }
     s->n[c]++;
@@ -29,9 +44,38 @@ void rt_history_note(pd_router *r, int c, double ttft_ms, double e2e_ms, bool is
     if (ttft_ms > s->ttft_ms_max[c]) s->ttft_ms_max[c] = ttft_ms;
 }
 
+void rt_ttft_note(pd_router *r, int part, double ms) {
+    if (part < 0 || part >= RT_N_TTFT_PARTS) return;
+    rt_sample *s = sample_now(r);
+    s->n_ttft_part[part]++;
+    s->ttft_part_ms_sum[part] += ms;
+}
+
+void rt_history_queue(pd_router *r, int router_inflight, int running, int waiting) {
+    rt_sample *s = sample_now(r);
+    s->router_inflight = PD_MAX(s->router_inflight, router_inflight);
+    s->running = PD_MAX(s->running, running);
+    s->waiting = PD_MAX(s->waiting, waiting);
+}
+
+static int64_t delta(int64_t now, int64_t prev) { return now > prev ? now - prev : 0; }
+
+void rt_history_disagg(pd_router *r, const pd_wire_load *now, const pd_wire_load *prev) {
+    rt_sample *s = sample_now(r);
+    s->n_handoffs += delta(now->n_kv_handoffs, prev->n_kv_handoffs);
+    s->handoff_bytes += delta(now->n_kv_handoff_bytes, prev->n_kv_handoff_bytes);
+    for (int i = 0; i < PD_WIRE_N_FALLBACKS; i++) s->n_fallbacks[i] += delta(now->n_kv_fallbacks[i], prev->n_kv_fallbacks[i]);
+}
+
 static const char *worker_state(const rt_worker *w) {
     if (!w->is_healthy) return "down";
     return w->has_state ? "up" : "up (no state)";
+}
+
+static int64_t sum_fallbacks(const pd_wire_load *l) {
+    int64_t n = 0;
+    for (int i = 0; i < PD_WIRE_N_FALLBACKS; i++) n += l->n_kv_fallbacks[i];
+    return n;
 }
 
 static json_t *workers_json(const pd_router *r) {
@@ -50,41 +94,114 @@ static json_t *workers_json(const pd_router *r) {
                          "predicted_hit_rate", pred, "routed", (json_int_t)w->n_routed, "failed",
                          (json_int_t)w->n_failed, "prefill_tokens_per_s", l->prefill_tokens_per_s,
                          "decode_step_ms", l->decode_step_ms);
+        if (!o) continue;
         json_object_set_new(o, "observed_step_ms", json_real(w->obs_step_ms));
         json_object_set_new(o, "observed_ttft_ms_per_inflight", json_real(w->obs_ttft_per_inflight));
+        json_object_set_new(o, "capacity", json_integer(w->role == PD_WIRE_ROLE_PREFILL ? 0 : rt_worker_capacity(r, w)));
+        json_object_set_new(o, "max_seqs", json_integer(l->n_max_seqs));
+        json_object_set_new(o, "handoffs", json_integer(l->n_kv_handoffs));
+        json_object_set_new(o, "handoff_bytes", json_integer(l->n_kv_handoff_bytes));
+        json_object_set_new(o, "local_short", json_integer(l->n_kv_local_short));
+        json_object_set_new(o, "exports", json_integer(l->n_kv_exports));
+        json_object_set_new(o, "export_bytes", json_integer(l->n_kv_export_bytes));
+        json_object_set_new(o, "fallbacks", json_integer(sum_fallbacks(l)));
         json_array_append_new(a, o);
     }
     return a;
 }
+
+static json_t *num_or_null(bool has, double v) { return has ? json_real(v) : json_null(); }
 
 static json_t *history_json(const pd_router *r) {
     json_t *a = json_array();
     int64_t now = (int64_t)time(NULL);
     for (int64_t t = now - RT_HISTORY_S + 1; a && t <= now; t++) {
         const rt_sample *s = &r->history[t % RT_HISTORY_S];
-        json_t *ttft = json_array(), *e2e = json_array();
+        bool cur = s->t_s == t;
+        json_t *ttft = json_array(), *e2e = json_array(), *rej = json_array(), *parts = json_array(),
+               *fb = json_array();
         for (int c = 0; c < r->qos.n_classes; c++) {
-            bool has = s->t_s == t && s->n[c] > 0;
-            json_array_append_new(ttft, has ? json_real(s->ttft_ms_sum[c] / s->n[c]) : json_null());
-            json_array_append_new(e2e, has ? json_real(s->e2e_ms_sum[c] / s->n[c]) : json_null());
+            bool has = cur && s->n[c] > 0;
+            json_array_append_new(ttft, num_or_null(has, has ? s->ttft_ms_sum[c] / s->n[c] : 0));
+            json_array_append_new(e2e, num_or_null(has, has ? s->e2e_ms_sum[c] / s->n[c] : 0));
+            json_array_append_new(rej, json_integer(cur ? s->n_rejected_class[c] : 0));
         }
-        json_array_append_new(a, json_pack("{s:I, s:o, s:o, s:i}", "t", (json_int_t)t, "ttft_ms", ttft,
-                                           "e2e_ms", e2e, "rejected", s->t_s == t ? s->n_rejected : 0));
+        for (int p = 0; p < RT_N_TTFT_PARTS; p++) {
+            bool has = cur && s->n_ttft_part[p] > 0;
+            json_array_append_new(parts, num_or_null(has, has ? s->ttft_part_ms_sum[p] / s->n_ttft_part[p] : 0));
+        }
+        for (int i = 0; i < PD_WIRE_N_FALLBACKS; i++) json_array_append_new(fb, json_integer(cur ? s->n_fallbacks[i] : 0));
+        json_t *o = json_pack("{s:I, s:o, s:o, s:i, s:o, s:o, s:I, s:f, s:o, s:i, s:i, s:i}", "t", (json_int_t)t, "ttft_ms",
+                              ttft, "e2e_ms", e2e, "rejected", cur ? s->n_rejected : 0, "rejected_by_class", rej,
+                              "ttft_parts_ms", parts, "handoffs", (json_int_t)(cur ? s->n_handoffs : 0), "handoff_gb",
+                              cur ? (double)s->handoff_bytes / 1e9 : 0.0, "fallbacks", fb, "router_inflight",
+                              cur ? s->router_inflight : 0, "running", cur ? s->running : 0, "waiting",
+                              cur ? s->waiting : 0);
+        if (o) json_array_append_new(a, o);
     }
     return a;
 }
 
+static json_t *rejections_json(const pd_router *r) {
+    json_t *a = json_array();
+    for (int c = 0; a && c < r->qos.n_classes; c++) {
+        const rt_class_metrics *m = &r->cm[c];
+        json_t *o = json_pack("{s:s, s:I, s:I, s:I, s:I}", "class", r->qos.classes[c].name, "requests",
+                              (json_int_t)pd_metric_value(m->requests), "capacity",
+                              (json_int_t)pd_metric_value(m->rejected_capacity), "slo",
+                              (json_int_t)pd_metric_value(m->rejected_slo), "rate_limit",
+                              (json_int_t)pd_metric_value(m->rejected_rate));
+        if (o) json_array_append_new(a, o);
+    }
+    return a;
+}
+
+static json_t *fallbacks_json(const pd_router *r) {
+    json_t *o = json_object();
+    for (int i = 0; o && i < PD_WIRE_N_FALLBACKS; i++) {
+        int64_t n = 0;
+        for (int w = 0; w < PD_ROUTER_MAX_WORKERS; w++)
+            if (r->workers[w].is_used) n += r->workers[w].load.n_kv_fallbacks[i];
+        json_object_set_new(o, pd_wire_fallback_names[i], json_integer(n));
+    }
+    return o;
+}
+
 void rt_handle_status_json(pd_http_req *req, void *ud) {
     pd_router *r = ud;
-    json_t *classes = json_array();
+    json_t *classes = json_array(), *parts = json_array(), *fbn = json_array();
     for (int c = 0; c < r->qos.n_classes; c++) json_array_append_new(classes, json_string(r->qos.classes[c].name));
-    json_t *o = json_pack("{s:s, s:i, s:I, s:o, s:o, s:o}", "routing", pd_router_routing_str(r->routing),
-                          "workers_healthy", rt_n_healthy(r), "prefix_index_entries",
-                          (json_int_t)pd_router_prefix_n_entries(r->prefix), "classes", classes, "workers",
-                          workers_json(r), "history", history_json(r));
+    json_array_append_new(parts, json_string("router"));
+    for (int p = 0; p < PD_WIRE_N_TTFT_PARTS; p++) json_array_append_new(parts, json_string(pd_wire_ttft_part_names[p]));
+    for (int i = 0; i < PD_WIRE_N_FALLBACKS; i++) json_array_append_new(fbn, json_string(pd_wire_fallback_names[i]));
+    int inflight = 0;
+    for (int c = 0; c < r->qos.n_classes; c++) inflight += r->inflight_by_class[c];
+    json_t *o = json_pack("{s:s, s:i, s:i, s:I, s:i, s:i, s:I, s:o, s:o, s:o, s:o, s:o, s:o, s:o}", "routing",
+                          pd_router_routing_str(r->routing), "workers_healthy", rt_n_healthy(r), "decode_workers_healthy",
+                          rt_n_decode_healthy(r), "capacity", (json_int_t)rt_pool_capacity(r), "inflight", inflight,
+                          "connections", pd_http_server_n_connections(r->http), "prefix_index_entries",
+                          (json_int_t)pd_router_prefix_n_entries(r->prefix), "classes", classes, "ttft_parts", parts,
+                          "fallback_reasons", fbn, "workers", workers_json(r), "rejections", rejections_json(r),
+                          "fallbacks", fallbacks_json(r), "history", history_json(r));
     if (!o) return pd_http_reply_error(req, 500, "server_error", "out of memory", NULL, NULL);
     pd_http_reply_json(req, 200, o);
     json_decref(o);
+}
+
+// ---- the page ------------------------------------------------------------------------------------------
+// The server-side render's string: a pd_buf with a sticky OOM flag.
+typedef struct sbuf {
+    pd_buf s;
+    bool is_oom;
+} sbuf;
+
+static void sb_printf(sbuf *b, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+static void sb_printf(sbuf *b, const char *fmt, ...) {
+    if (b->is_oom) return;
+    va_list ap;
+    va_start(ap, fmt);
+    b->is_oom = pd_buf_vprintf(&b->s, fmt, ap) != PD_OK;
+    va_end(ap);
 }
 
 // HTML-escapes s into out (bounded).
@@ -98,67 +215,154 @@ static void esc(char *out, size_t cap, const char *s) {
     out[n] = 0;
 }
 
-static const char PAGE_HEAD[] =
-    "<!DOCTYPE html><html><head><meta charset=\"utf-8\"><title>pdserve router</title><style>"
-    "body{font-family:system-ui,sans-serif;margin:24px;color:#222;background:#fafafa}"
-    "table{border-collapse:collapse;margin-bottom:20px}td,th{border:1px solid #ccc;padding:4px 10px;"
-    "font-size:14px;text-align:right}th{background:#eee}td.l{text-align:left}.up{color:#080}"
-    ".down{color:#c00;font-weight:bold}svg{background:#fff;border:1px solid #ccc;margin-right:16px}"
-    ".legend span{margin-right:14px}</style></head><body><h1>pdserve router</h1>"
-    "<p id=\"summary\"></p><h2>Workers</h2><table id=\"workers\"><thead><tr><th>url</th><th>role</th>"
-    "<th>state</th><th>running</th><th>waiting</th><th>in flight</th><th>KV used</th>"
-    "<th>prefix hit rate</th><th>routed</th></tr></thead><tbody>";
+// The charts: id, title, y-axis label (with unit). The x axis is always "time (s)".
+static const struct {
+    const char *id, *title, *ylabel;
+} CHARTS[] = {
+    {"c_ttft", "Time to first token, mean per class", "TTFT (ms)"},
+    {"c_parts", "TTFT breakdown, mean per part (stacked)", "time (ms)"},
+    {"c_handoffs", "KV handoffs", "handoffs/s"},
+    {"c_gbps", "KV handoff throughput", "GB/s"},
+    {"c_queue", "Queue depths (max per second)", "requests"},
+    {"c_rejects", "Rejections per class", "rejections/s"},
+    {"c_fallbacks", "Handoff fallbacks per reason", "fallbacks/s"},
+    {"c_e2e", "End-to-end latency, mean per class", "latency (ms)"},
+};
 
-static const char PAGE_TAIL[] =
-    "</tbody></table><h2>Latency (mean per second, last 2 minutes)</h2><div class=\"legend\" id=\"legend\">"
-    "</div><svg id=\"ttft\" width=\"560\" height=\"220\"></svg><svg id=\"e2e\" width=\"560\" height=\"220\"></svg>"
+#define CHART_W 420
+#define CHART_H 200
+#define STR_(x) #x
+#define STR(x) STR_(x)
+
+static const char PAGE_HEAD[] =
+    "<!DOCTYPE html><html><head><meta charset=\"utf-8\"><meta name=\"viewport\" content=\"width=device-width\">"
+    "<title>pdserve router</title><style>"
+    "body{font-family:system-ui,sans-serif;margin:12px 16px;color:#222;background:#fafafa;font-size:13px}"
+    "h1{font-size:20px;margin:4px 0}h2{font-size:15px;margin:12px 0 6px}"
+    "table{border-collapse:collapse;margin-bottom:8px}td,th{border:1px solid #ccc;padding:2px 8px;text-align:right}"
+    "th{background:#eee}td.l,th.l{text-align:left}.up{color:#080}.down{color:#c00;font-weight:bold}"
+    ".charts{display:flex;flex-wrap:wrap;gap:8px}svg{background:#fff;border:1px solid #ccc}"
+    ".row{display:flex;flex-wrap:wrap;gap:24px}.legend{font-size:11px}"
+    "</style></head><body><h1>pdserve router</h1><p id=\"summary\">%s</p>";
+
+// The page script: polls /status.json each second and redraws tables and charts.
+static const char PAGE_SCRIPT[] =
     "<script>\n"
     "const COLORS=['#1f77b4','#ff7f0e','#2ca02c','#d62728','#9467bd','#8c564b','#e377c2','#7f7f7f'];\n"
+    "const W=" STR(CHART_W) ",H=" STR(CHART_H) ",L=52,R=10,T=30,B=34;\n"
     "function esc(s){return String(s).replace(/[&<>\"]/g,c=>({'&':'&amp;','<':'&lt;','>':'&gt;','\"':'&quot;'}[c]));}\n"
-    "function chart(id,title,hist,key,classes){const W=560,H=220,P=40;let max=1;\n"
-    " hist.forEach(h=>h[key].forEach(v=>{if(v!==null&&v>max)max=v;}));\n"
-    " let s=`<text x=\"${P}\" y=\"16\" font-size=\"13\">${title} (ms, max ${max.toFixed(1)})</text>`;\n"
-    " s+=`<line x1=\"${P}\" y1=\"${H-P}\" x2=\"${W-10}\" y2=\"${H-P}\" stroke=\"#999\"/>`;\n"
-    " s+=`<line x1=\"${P}\" y1=\"24\" x2=\"${P}\" y2=\"${H-P}\" stroke=\"#999\"/>`;\n"
-    " classes.forEach((c,ci)=>{let pts=[];hist.forEach((h,i)=>{const v=h[key][ci];if(v!==null){\n"
-    "  const x=P+i*(W-P-10)/Math.max(1,hist.length-1),y=H-P-(v/max)*(H-P-24);pts.push(x.toFixed(1)+','+y.toFixed(1));}});\n"
-    "  if(pts.length)s+=`<polyline fill=\"none\" stroke=\"${COLORS[ci%8]}\" stroke-width=\"2\" points=\"${pts.join(' ')}\"/>`;});\n"
-    " document.getElementById(id).innerHTML=s;}\n"
-    "async function tick(){try{const r=await fetch('/status.json');const d=await r.json();\n"
-    " document.getElementById('summary').textContent=`routing: ${d.routing} | healthy workers: ${d.workers_healthy} | prefix index entries: ${d.prefix_index_entries}`;\n"
-    " document.querySelector('#workers tbody').innerHTML=d.workers.map(w=>`<tr><td class=\"l\">${esc(w.url)}</td>"
-    "<td class=\"l\">${w.role}</td><td class=\"l ${w.state==='down'?'down':'up'}\">${w.state}</td><td>${w.running}</td>"
-    "<td>${w.waiting}</td><td>${w.inflight}</td><td>${w.kv_blocks_used}/${w.kv_blocks_total}</td>"
-    "<td>${(100*w.prefix_hit_rate).toFixed(1)}%</td><td>${w.routed}</td></tr>`).join('');\n"
-    " document.getElementById('legend').innerHTML=d.classes.map((c,i)=>`<span style=\"color:${COLORS[i%8]}\">&#9632; ${esc(c)}</span>`).join('');\n"
-    " chart('ttft','TTFT',d.history,'ttft_ms',d.classes);chart('e2e','E2E latency',d.history,'e2e_ms',d.classes);\n"
+    "function nice(v){if(v<=0)return 1;const p=Math.pow(10,Math.floor(Math.log10(v)));for(const m of [1,2,2.5,5,10])if(m*p>=v)return m*p;return 10*p;}\n"
+    "function fmt(v){return Number.isInteger(v)?String(v):v>=100?v.toFixed(0):v>=10?v.toFixed(1):v>=1?v.toFixed(2):v.toFixed(3);}\n"
+    "// series: [{name,values:[number|null]}]; stacked: draw cumulative areas\n"
+    "function chart(id,title,ylabel,series,stacked){const el=document.getElementById(id);if(!el)return;\n"
+    " const n=series.length?series[0].values.length:0;let max=0;\n"
+    " for(let i=0;i<n;i++){let acc=0;series.forEach(s=>{const v=s.values[i];if(v!==null){acc=stacked?acc+v:Math.max(acc,v);}});max=Math.max(max,acc);}\n"
+    " max=nice(max);const x=i=>L+i*(W-L-R)/Math.max(1,n-1),y=v=>H-B-(v/max)*(H-B-T);\n"
+    " let s=`<text x=\"${L}\" y=\"14\" font-size=\"12\" font-weight=\"bold\">${esc(title)}</text>`;\n"
+    " s+=`<line x1=\"${L}\" y1=\"${H-B}\" x2=\"${W-R}\" y2=\"${H-B}\" stroke=\"#666\"/><line x1=\"${L}\" y1=\"${T}\" x2=\"${L}\" y2=\"${H-B}\" stroke=\"#666\"/>`;\n"
+    " for(const f of [0,0.5,1]){const v=max*f,yy=y(v);s+=`<line x1=\"${L-4}\" y1=\"${yy}\" x2=\"${W-R}\" y2=\"${yy}\" stroke=\"#eee\"/><text class=\"tick\" x=\"${L-6}\" y=\"${yy+4}\" font-size=\"10\" text-anchor=\"end\">${fmt(v)}</text>`;}\n"
+    " for(const k of [120,90,60,30,0]){const i=Math.max(0,n-1-k),xx=x(i);s+=`<text class=\"tick\" x=\"${xx}\" y=\"${H-B+13}\" font-size=\"10\" text-anchor=\"middle\">${k?'-'+k:'0'}</text>`;}\n"
+    " s+=`<text class=\"axis-label\" x=\"${(L+W-R)/2}\" y=\"${H-4}\" font-size=\"11\" text-anchor=\"middle\">time (s, 0 = now)</text>`;\n"
+    " s+=`<text class=\"axis-label\" transform=\"translate(12,${(T+H-B)/2}) rotate(-90)\" font-size=\"11\" text-anchor=\"middle\">${esc(ylabel)}</text>`;\n"
+    " const base=new Array(n).fill(0);\n"
+    " series.forEach((se,si)=>{const c=COLORS[si%8];let pts=[];\n"
+    "  if(stacked){let top=[];for(let i=0;i<n;i++){const v=se.values[i]||0;top.push(base[i]+v);}\n"
+    "   const up=top.map((v,i)=>x(i).toFixed(1)+','+y(v).toFixed(1)),down=base.map((v,i)=>x(i).toFixed(1)+','+y(v).toFixed(1)).reverse();\n"
+    "   s+=`<polygon fill=\"${c}\" fill-opacity=\"0.55\" stroke=\"${c}\" points=\"${up.concat(down).join(' ')}\"/>`;for(let i=0;i<n;i++)base[i]=top[i];}\n"
+    "  else{for(let i=0;i<n;i++){const v=se.values[i];if(v!==null)pts.push(x(i).toFixed(1)+','+y(v).toFixed(1));}\n"
+    "   if(pts.length)s+=`<polyline fill=\"none\" stroke=\"${c}\" stroke-width=\"1.5\" points=\"${pts.join(' ')}\"/>`;}});\n"
+    " let lx=L+4;series.forEach((se,si)=>{s+=`<text class=\"legend\" x=\"${lx}\" y=\"${T-4}\" font-size=\"10\" fill=\"${COLORS[si%8]}\">&#9632; ${esc(se.name)}</text>`;lx+=24+6.5*se.name.length;});\n"
+    " el.innerHTML=s;}\n"
+    "function col(h,f){return h.map(f);}\n"
+    "async function tick(){try{const r=await fetch('/status.json');const d=await r.json();const h=d.history;\n"
+    " document.getElementById('summary').textContent=`routing ${d.routing} | workers up ${d.workers_healthy} (decode-capable ${d.decode_workers_healthy}) | capacity ${d.capacity||'unknown'} requests | in flight ${d.inflight} | client connections ${d.connections} | prefix index ${d.prefix_index_entries} blocks`;\n"
+    " const dec=d.workers.filter(w=>w.role!=='prefill'),pre=d.workers.filter(w=>w.role==='prefill');\n"
+    " document.querySelector('#decode tbody').innerHTML=dec.map(w=>`<tr><td class=\"l\">${esc(w.url)}</td><td class=\"l\">${w.role}</td><td class=\"l ${w.state==='down'?'down':'up'}\">${w.state}</td><td>${w.running}</td><td>${w.waiting}</td><td>${w.inflight}</td><td>${w.capacity||'?'}</td><td>${w.kv_blocks_used}/${w.kv_blocks_total}</td><td>${(100*w.prefix_hit_rate).toFixed(1)}%</td><td>${w.routed}</td><td>${w.handoffs}</td><td>${w.local_short}</td><td>${w.fallbacks}</td></tr>`).join('');\n"
+    " document.querySelector('#prefill tbody').innerHTML=pre.map(w=>`<tr><td class=\"l\">${esc(w.url)}</td><td class=\"l ${w.state==='down'?'down':'up'}\">${w.state}</td><td>${w.running}</td><td>${w.waiting}</td><td>${w.exports}</td><td>${(w.export_bytes/1e9).toFixed(3)}</td><td>${w.prefill_tokens_per_s>0?w.prefill_tokens_per_s.toFixed(0):'-'}</td></tr>`).join('');\n"
+    " document.querySelector('#rejections tbody').innerHTML=d.rejections.map(c=>`<tr><td class=\"l\">${esc(c.class)}</td><td>${c.requests}</td><td>${c.capacity}</td><td>${c.slo}</td><td>${c.rate_limit}</td></tr>`).join('');\n"
+    " document.querySelector('#fallbacks tbody').innerHTML=d.fallback_reasons.map(k=>`<tr><td class=\"l\">${k}</td><td>${d.fallbacks[k]}</td></tr>`).join('');\n"
+    " const per=(key,names)=>names.map((nm,i)=>({name:nm,values:col(h,x=>x[key][i])}));\n"
+    " chart('c_ttft','Time to first token, mean per class','TTFT (ms)',per('ttft_ms',d.classes));\n"
+    " chart('c_parts','TTFT breakdown, mean per part (stacked)','time (ms)',per('ttft_parts_ms',d.ttft_parts),true);\n"
+    " chart('c_handoffs','KV handoffs','handoffs/s',[{name:'handoffs',values:col(h,x=>x.handoffs)}]);\n"
+    " chart('c_gbps','KV handoff throughput','GB/s',[{name:'GB/s',values:col(h,x=>x.handoff_gb)}]);\n"
+    " chart('c_queue','Queue depths (max per second)','requests',[{name:'router in flight',values:col(h,x=>x.router_inflight)},{name:'workers running',values:col(h,x=>x.running)},{name:'workers waiting',values:col(h,x=>x.waiting)}]);\n"
+    " chart('c_rejects','Rejections per class','rejections/s',per('rejected_by_class',d.classes));\n"
+    " chart('c_fallbacks','Handoff fallbacks per reason','fallbacks/s',per('fallbacks',d.fallback_reasons));\n"
+    " chart('c_e2e','End-to-end latency, mean per class','latency (ms)',per('e2e_ms',d.classes));\n"
     "}catch(e){document.getElementById('summary').textContent='status.json unavailable: '+e;}}\n"
     "tick();setInterval(tick,1000);\n"
     "</script></body></html>\n";
 
 void rt_handle_status_html(pd_http_req *req, void *ud) {
     pd_router *r = ud;
-    size_t cap = sizeof PAGE_HEAD + sizeof PAGE_TAIL + (size_t)PD_ROUTER_MAX_WORKERS * 1024;
-    char *page = pd_malloc(cap);
-    if (!page) return pd_http_reply_error(req, 500, "server_error", "out of memory", NULL, NULL);
-    size_t n = (size_t)snprintf(page, cap, "%s", PAGE_HEAD);
-    for (int i = 0; i < PD_ROUTER_MAX_WORKERS; i++) {
-        const rt_worker *w = &r->workers[i];
-        if (!w->is_used) continue;
-        char url[PD_WIRE_URL_MAX * 6];
-        esc(url, sizeof url, w->url);
-        const pd_wire_load *l = &w->load;
-        double hit = l->n_prefix_query_tokens > 0 ? 100.0 * (double)l->n_prefix_hit_tokens / (double)l->n_prefix_query_tokens : 0;
-        n += (size_t)snprintf(page + n, cap - n,
-                              "<tr><td class=\"l\">%s</td><td class=\"l\">%s</td><td class=\"l %s\">%s</td>"
-                              "<td>%d</td><td>%d</td><td>%d</td><td>%d/%d</td><td>%.1f%%</td><td>%lld</td></tr>",
-                              url, pd_wire_role_str(w->role), w->is_healthy ? "up" : "down", worker_state(w),
-                              (int)l->n_running, (int)l->n_waiting, w->n_inflight, (int)l->n_kv_blocks_used,
-                              (int)l->n_kv_blocks_total, hit, (long long)w->n_routed);
-        if (n >= cap) break;
+    sbuf b = {0};
+    char summary[256];
+    snprintf(summary, sizeof summary, "routing %s | workers up %d (decode-capable %d)", pd_router_routing_str(r->routing),
+             rt_n_healthy(r), rt_n_decode_healthy(r));
+    sb_printf(&b, PAGE_HEAD, summary);
+    sb_printf(&b, "<div class=\"row\"><div><h2>Decode workers</h2><table id=\"decode\"><thead><tr><th class=\"l\">url</th>"
+                  "<th class=\"l\">role</th><th class=\"l\">state</th><th>running</th><th>waiting</th><th>in flight</th>"
+                  "<th>capacity</th><th>KV blocks used</th><th>prefix hits</th><th>routed</th><th>KV handoffs in</th>"
+                  "<th>local (short)</th><th>fallbacks</th></tr></thead><tbody>");
+    for (int pass = 0; pass < 2; pass++) {
+        if (pass == 1)
+            sb_printf(&b, "</tbody></table></div><div><h2>Prefill workers</h2><table id=\"prefill\"><thead><tr>"
+                          "<th class=\"l\">url</th><th class=\"l\">state</th><th>running</th><th>waiting</th>"
+                          "<th>KV exports</th><th>exported (GB)</th><th>prefill tokens/s</th></tr></thead><tbody>");
+        for (int i = 0; i < PD_ROUTER_MAX_WORKERS; i++) {
+            const rt_worker *w = &r->workers[i];
+            if (!w->is_used || (w->role == PD_WIRE_ROLE_PREFILL) != (pass == 1)) continue;
+            char url[PD_WIRE_URL_MAX * 6];
+            esc(url, sizeof url, w->url);
+            const pd_wire_load *l = &w->load;
+            double hit = l->n_prefix_query_tokens > 0 ? 100.0 * (double)l->n_prefix_hit_tokens / (double)l->n_prefix_query_tokens : 0;
+            if (pass == 0)
+                sb_printf(&b, "<tr><td class=\"l\">%s</td><td class=\"l\">%s</td><td class=\"l %s\">%s</td><td>%d</td><td>%d</td>"
+                              "<td>%d</td><td>%lld</td><td>%d/%d</td><td>%.1f%%</td><td>%lld</td><td>%lld</td><td>%lld</td>"
+                              "<td>%lld</td></tr>",
+                          url, pd_wire_role_str(w->role), w->is_healthy ? "up" : "down", worker_state(w), (int)l->n_running,
+                          (int)l->n_waiting, w->n_inflight, (long long)rt_worker_capacity(r, w), (int)l->n_kv_blocks_used,
+                          (int)l->n_kv_blocks_total, hit, (long long)w->n_routed, (long long)l->n_kv_handoffs,
+                          (long long)l->n_kv_local_short, (long long)sum_fallbacks(l));
+            else
+                sb_printf(&b, "<tr><td class=\"l\">%s</td><td class=\"l %s\">%s</td><td>%d</td><td>%d</td><td>%lld</td>"
+                              "<td>%.3f</td><td>%.0f</td></tr>",
+                          url, w->is_healthy ? "up" : "down", worker_state(w), (int)l->n_running, (int)l->n_waiting,
+                          (long long)l->n_kv_exports, (double)l->n_kv_export_bytes / 1e9, l->prefill_tokens_per_s);
+        }
     }
-    if (n < cap) n += (size_t)snprintf(page + n, cap - n, "%s", PAGE_TAIL);
-    if (n >= cap) n = cap - 1;
-    pd_http_reply(req, 200, "text/html; charset=utf-8", page, n);
-    pd_free(page);
+    sb_printf(&b, "</tbody></table></div></div><div class=\"row\"><div><h2>Rejections by class</h2><table id=\"rejections\">"
+                  "<thead><tr><th class=\"l\">class</th><th>requests</th><th>capacity</th><th>SLO</th><th>rate limit</th>"
+                  "</tr></thead><tbody>");
+    for (int c = 0; c < r->qos.n_classes; c++) {
+        char name[200];
+        esc(name, sizeof name, r->qos.classes[c].name);
+        const rt_class_metrics *m = &r->cm[c];
+        sb_printf(&b, "<tr><td class=\"l\">%s</td><td>%.0f</td><td>%.0f</td><td>%.0f</td><td>%.0f</td></tr>", name,
+                  pd_metric_value(m->requests), pd_metric_value(m->rejected_capacity), pd_metric_value(m->rejected_slo),
+                  pd_metric_value(m->rejected_rate));
+    }
+    sb_printf(&b, "</tbody></table></div><div><h2>Handoff fallbacks</h2><table id=\"fallbacks\"><thead><tr>"
+                  "<th class=\"l\">reason</th><th>count</th></tr></thead><tbody>");
+    for (int i = 0; i < PD_WIRE_N_FALLBACKS; i++) {
+        int64_t n = 0;
+        for (int w = 0; w < PD_ROUTER_MAX_WORKERS; w++)
+            if (r->workers[w].is_used) n += r->workers[w].load.n_kv_fallbacks[i];
+        sb_printf(&b, "<tr><td class=\"l\">%s</td><td>%lld</td></tr>", pd_wire_fallback_names[i], (long long)n);
+    }
+    sb_printf(&b, "</tbody></table></div></div><h2>Last %d seconds</h2><div class=\"charts\">", RT_HISTORY_S);
+    for (size_t i = 0; i < PD_ARRAY_LEN(CHARTS); i++)  // axes and labels before the script draws the data
+        sb_printf(&b, "<svg id=\"%s\" width=\"%d\" height=\"%d\"><text x=\"52\" y=\"14\" font-size=\"12\" font-weight=\"bold\">%s</text>"
+                      "<text class=\"axis-label\" x=\"%d\" y=\"%d\" font-size=\"11\" text-anchor=\"middle\">time (s, 0 = now)</text>"
+                      "<text class=\"axis-label\" transform=\"translate(12,%d) rotate(-90)\" font-size=\"11\" text-anchor=\"middle\">%s</text></svg>",
+                  CHARTS[i].id, CHART_W, CHART_H, CHARTS[i].title, (52 + CHART_W - 10) / 2, CHART_H - 4, (30 + CHART_H - 34) / 2,
+                  CHARTS[i].ylabel);
+    sb_printf(&b, "</div>%s", PAGE_SCRIPT);
+    if (b.is_oom) {
+        pd_buf_free(&b.s);
+        return pd_http_reply_error(req, 500, "server_error", "out of memory", NULL, NULL);
+    }
+    pd_http_reply(req, 200, "text/html; charset=utf-8", b.s.p, b.s.len);
+    pd_buf_free(&b.s);
 }

@@ -27,6 +27,32 @@ int rt_n_healthy(const pd_router *r) {
     return n;
 }
 
+int rt_n_decode_healthy(const pd_router *r) {
+    int n = 0;
+    for (int i = 0; i < PD_ROUTER_MAX_WORKERS; i++) {
+        const rt_worker *w = &r->workers[i];
+        n += w->is_used && w->is_healthy && w->role != PD_WIRE_ROLE_PREFILL;
+    }
+    return n;
+}
+
+int64_t rt_worker_capacity(const pd_router *r, const rt_worker *w) {
+    return pd_router_worker_capacity(w->has_state ? w->load.n_max_seqs : 0, w->has_state ? w->load.n_max_waiting : 0,
+                                     r->qos.capacity_per_worker);
+}
+
+int64_t rt_pool_capacity(const pd_router *r) {
+    int64_t sum = 0;
+    for (int i = 0; i < PD_ROUTER_MAX_WORKERS; i++) {
+        const rt_worker *w = &r->workers[i];
+        if (!w->is_used || !w->is_healthy || w->role == PD_WIRE_ROLE_PREFILL) continue;
+        int64_t c = rt_worker_capacity(r, w);
+        if (c <= 0) return 0;
+        sum += c;
+    }
+    return sum;
+}
+
 static void worker_metric(pd_router *r, rt_worker *w) {
     char labels[PD_WIRE_URL_MAX + 16];
     snprintf(labels, sizeof labels, "worker=\"%s\"", w->url);
@@ -151,10 +177,16 @@ static void poll_ok(pd_router *r, rt_worker *w, int http_status) {
             PD_LOG_I("router: worker %s restarted (new instance)", w->url);
     }
     apply_events(r, w, &s);
+    if (w->has_state && s.instance == w->instance) rt_history_disagg(r, &s.load, &w->load);
     w->has_state = true;
     w->instance = s.instance;
     w->seq_next = s.seq_next;
+    w->prev_load = w->load;
     w->load = s.load;
+    // Load that is not ours (other routers, direct clients): what the worker reports beyond the
+    // requests we had in flight while it answered (the larger count, to stay lenient).
+    int ours = PD_MAX(w->inflight_at_poll, w->n_inflight);
+    w->n_foreign = PD_MAX(0, s.load.n_running + s.load.n_waiting - ours);
     if (s.block_size > 0) w->block_size = s.block_size;
     if (s.model[0]) snprintf(w->model, sizeof w->model, "%s", s.model);
     pd_wire_state_fini(&s);
@@ -192,6 +224,7 @@ static void poll_worker(pd_router *r, rt_worker *w) {
     pd_http_client_callbacks cb = {.on_body = on_poll_body, .on_done = on_poll_done};
     w->poll_len = 0;
     if (w->poll_buf) w->poll_buf[0] = 0;
+    w->inflight_at_poll = w->n_inflight;
     pd_err err = {0};
     w->poll_call = pd_http_client_send(r->poll_client, &rq, &cb, w, &err);
     if (!w->poll_call) {
@@ -210,6 +243,14 @@ static void on_heartbeat(evutil_socket_t fd, short what, void *arg) {
     int queued = 0;
     for (int i = 0; i < r->qos.n_classes; i++) queued += r->inflight_by_class[i];
     pd_metric_set(r->m_queue, queued);
+    int running = 0, waiting = 0;
+    for (int i = 0; i < PD_ROUTER_MAX_WORKERS; i++) {
+        const rt_worker *w = &r->workers[i];
+        if (!w->is_used || !w->is_healthy || !w->has_state) continue;
+        running += w->load.n_running;
+        waiting += w->load.n_waiting;
+    }
+    rt_history_queue(r, queued, running, waiting);
 }
 
 pd_status rt_heartbeat_start(pd_router *r) {

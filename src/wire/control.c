@@ -199,8 +199,37 @@ pd_wire_load pd_wire_load_default(void) {
     return l;
 }
 
+const char *const pd_wire_fallback_names[PD_WIRE_N_FALLBACKS] = {"unavailable", "timeout", "worker_died",
+                                                                "checksum", "error"};
+const char *const pd_wire_ttft_part_names[PD_WIRE_N_TTFT_PARTS] = {"queue", "prefill", "transfer", "first_decode"};
+
+static json_t *load_extra_to_json(const pd_wire_load *l, json_t *o) {
+    json_t *fb = json_object();
+    for (int i = 0; fb && i < PD_WIRE_N_FALLBACKS; i++)
+        json_object_set_new(fb, pd_wire_fallback_names[i], json_integer(l->n_kv_fallbacks[i]));
+    json_t *d = fb ? json_pack("{s:I, s:I, s:I, s:I, s:I, s:I, s:o}", "handoffs", (json_int_t)l->n_kv_handoffs,
+                               "handoff_bytes", (json_int_t)l->n_kv_handoff_bytes, "handoff_us",
+                               (json_int_t)l->kv_handoff_us, "local_short", (json_int_t)l->n_kv_local_short,
+                               "exports", (json_int_t)l->n_kv_exports, "export_bytes",
+                               (json_int_t)l->n_kv_export_bytes, "fallbacks", fb)
+                   : NULL;
+    json_t *t = json_pack("{s:I}", "n", (json_int_t)l->n_ttft);
+    for (int i = 0; t && i < PD_WIRE_N_TTFT_PARTS; i++) {
+        char k[32];
+        snprintf(k, sizeof k, "%s_ms", pd_wire_ttft_part_names[i]);
+        json_object_set_new(t, k, json_real(l->ttft_ms_sum[i]));
+    }
+    if (!o || !d || !t || json_object_set_new(o, "max_seqs", json_integer(l->n_max_seqs)) ||
+        json_object_set_new(o, "max_waiting", json_integer(l->n_max_waiting)) || json_object_set_new(o, "disagg", d) ||
+        json_object_set_new(o, "ttft", t)) {
+        json_decref(o);
+        return NULL;  // set_new stole d and t
+    }
+    return o;
+}
+
 static json_t *load_to_json(const pd_wire_load *l) {
-    return json_pack("{s:i, s:i, s:I, s:i, s:i, s:i, s:i, s:f, s:f, s:I, s:I, s:I}",
+    return load_extra_to_json(l, json_pack("{s:i, s:i, s:I, s:i, s:i, s:i, s:i, s:f, s:f, s:I, s:I, s:I}",
                      "running", (int)l->n_running, "waiting", (int)l->n_waiting,
                      "waiting_prefill_tokens", (json_int_t)l->n_waiting_prefill_tokens,
                      "kv_blocks_total", (int)l->n_kv_blocks_total, "kv_blocks_free",
@@ -209,7 +238,7 @@ static json_t *load_to_json(const pd_wire_load *l) {
                      l->prefill_tokens_per_s, "decode_step_ms", l->decode_step_ms,
                      "prefix_query_tokens", (json_int_t)l->n_prefix_query_tokens,
                      "prefix_hit_tokens", (json_int_t)l->n_prefix_hit_tokens, "requests_finished",
-                     (json_int_t)l->n_requests_finished);
+                     (json_int_t)l->n_requests_finished));
 }
 
 static void load_from_json(json_t *o, pd_wire_load *l) {
@@ -227,6 +256,30 @@ static void load_from_json(json_t *o, pd_wire_load *l) {
     l->n_prefix_query_tokens = get_int(o, "prefix_query_tokens", 0);
     l->n_prefix_hit_tokens = get_int(o, "prefix_hit_tokens", 0);
     l->n_requests_finished = get_int(o, "requests_finished", 0);
+    l->n_max_seqs = clamp_i32(get_int(o, "max_seqs", 0));
+    l->n_max_waiting = clamp_i32(get_int(o, "max_waiting", 0));
+    if (l->n_max_seqs < 0) l->n_max_seqs = 0;
+    if (l->n_max_waiting < 0) l->n_max_waiting = 0;
+    json_t *d = json_object_get(o, "disagg");
+    if (json_is_object(d)) {
+        l->n_kv_handoffs = get_int(d, "handoffs", 0);
+        l->n_kv_handoff_bytes = get_int(d, "handoff_bytes", 0);
+        l->kv_handoff_us = get_int(d, "handoff_us", 0);
+        l->n_kv_local_short = get_int(d, "local_short", 0);
+        l->n_kv_exports = get_int(d, "exports", 0);
+        l->n_kv_export_bytes = get_int(d, "export_bytes", 0);
+        json_t *fb = json_object_get(d, "fallbacks");
+        for (int i = 0; i < PD_WIRE_N_FALLBACKS; i++) l->n_kv_fallbacks[i] = get_int(fb, pd_wire_fallback_names[i], 0);
+    }
+    json_t *t = json_object_get(o, "ttft");
+    if (json_is_object(t)) {
+        l->n_ttft = get_int(t, "n", 0);
+        for (int i = 0; i < PD_WIRE_N_TTFT_PARTS; i++) {
+            char k[32];
+            snprintf(k, sizeof k, "%s_ms", pd_wire_ttft_part_names[i]);
+            l->ttft_ms_sum[i] = get_num(t, k, 0);
+        }
+    }
 }
 
 static const char *const EVENT_NAMES[] = {NULL, "stored", "removed", "all_cleared"};

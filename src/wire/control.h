@@ -13,7 +13,14 @@
 //      "load":{"running":2,"waiting":0,"waiting_prefill_tokens":0,"kv_blocks_total":512,
 //              "kv_blocks_free":500,"kv_blocks_used":12,"kv_blocks_cached":40,
 //              "prefill_tokens_per_s":5000.0,"decode_step_ms":4.2,
-//              "prefix_query_tokens":1000,"prefix_hit_tokens":640,"requests_finished":17},
+//              "prefix_query_tokens":1000,"prefix_hit_tokens":640,"requests_finished":17,
+//              "max_seqs":64,"max_waiting":4096,
+//              "disagg":{"handoffs":9,"handoff_bytes":123456,"handoff_us":8000,"local_short":3,
+//                        "exports":0,"export_bytes":0,
+//                        "fallbacks":{"unavailable":0,"timeout":0,"worker_died":1,"checksum":0,
+//                                     "error":0}},
+//              "ttft":{"n":12,"queue_ms":3.5,"prefill_ms":40.1,"transfer_ms":9.0,
+//                      "first_decode_ms":2.2}},
 //      "events":{"reset":false,"seq_next":42,
 //                "list":[{"seq":40,"type":"stored","hash":"<32 hex>","parent":"<32 hex>",
 //                         "n_tokens":16},
@@ -96,6 +103,8 @@ json_t *pd_wire_deregister_to_json(const char *url);
 pd_status pd_wire_deregister_decode(const char *buf, size_t len, char *out_url, pd_err *err);
 
 // ---- LOAD report -------------------------------------------------------------------------------------
+#define PD_WIRE_N_FALLBACKS 5
+#define PD_WIRE_N_TTFT_PARTS 4
 typedef struct pd_wire_load {
     int32_t n_running;               // requests in the running batch
     int32_t n_waiting;               // requests queued, not yet started
@@ -109,7 +118,26 @@ typedef struct pd_wire_load {
     int64_t n_prefix_query_tokens;   // cumulative prefix-cache lookups, in tokens
     int64_t n_prefix_hit_tokens;     // cumulative hits, in tokens
     int64_t n_requests_finished;     // cumulative
+    // capacity (0 = not reported: the router falls back to its configured default)
+    int32_t n_max_seqs;              // running-batch seats (the engine's max_num_seqs)
+    int32_t n_max_waiting;           // requests it queues beyond them before refusing (503)
+    // disaggregation, cumulative ("disagg" object)
+    int64_t n_kv_handoffs;           // decode: prompts whose KV came from a prefill worker
+    int64_t n_kv_handoff_bytes;
+    int64_t kv_handoff_us;           // summed request-sent → KV-verified time
+    int64_t n_kv_fallbacks[PD_WIRE_N_FALLBACKS];  // decode: local prefill after a failed handoff, by reason
+    int64_t n_kv_local_short;        // decode: prefilled locally because short
+    int64_t n_kv_exports;            // prefill: KV exports served
+    int64_t n_kv_export_bytes;
+    // time-to-first-token breakdown, cumulative over first tokens ("ttft" object, milliseconds)
+    int64_t n_ttft;                  // first tokens counted
+    double ttft_ms_sum[PD_WIRE_N_TTFT_PARTS];  // queue, prefill, transfer, first_decode
 } pd_wire_load;
+
+// Fallback reasons in "disagg.fallbacks" (same order as the engine's pd_fallback_reason).
+extern const char *const pd_wire_fallback_names[PD_WIRE_N_FALLBACKS];
+// The parts of a TTFT (same order as ttft_ms_sum; see docs/router.md "TTFT breakdown").
+extern const char *const pd_wire_ttft_part_names[PD_WIRE_N_TTFT_PARTS];
 
 // A load with every count 0 and both rates -1 (unknown).
 pd_wire_load pd_wire_load_default(void);

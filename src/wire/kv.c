@@ -121,6 +121,7 @@ static void put_body(pd_kvw_buf *b, const pd_kvw_msg *m) {
         put_i32s(b, r->tokens, r->n_tokens);
         put_i32(b, r->n_dst_blocks);
         put_i32s(b, r->dst_blocks, r->n_dst_blocks);
+        put_str(b, r->traceparent, sizeof r->traceparent);
         break;
     }
     case PD_KVW_KV_SLAB: {
@@ -142,6 +143,8 @@ static void put_body(pd_kvw_buf *b, const pd_kvw_msg *m) {
         put_i32(b, d->n_layers);
         for (int i = 0; i < d->n_layers && i < PD_KVW_MAX_LAYERS; i++) put_u64(b, d->checksums[i]);
         put_i32(b, d->n_tokens_computed);
+        put_u64(b, d->n_draws);
+        put_u64(b, (uint64_t)d->queue_us), put_u64(b, (uint64_t)d->compute_us);
         break;
     }
     case PD_KVW_PREFILL_FAIL:
@@ -151,6 +154,12 @@ static void put_body(pd_kvw_buf *b, const pd_kvw_msg *m) {
     case PD_KVW_PING:
     case PD_KVW_PONG: put_u64(b, m->u.ping.nonce); break;
     case PD_KVW_CANCEL: put_u64(b, m->u.cancel.req_id); break;
+    case PD_KVW_AUTH_CHALLENGE: put(b, m->u.auth.nonce, PD_KVW_NONCE); break;
+    case PD_KVW_AUTH_PROOF:
+        put(b, m->u.auth.nonce, PD_KVW_NONCE);
+        put(b, m->u.auth.mac, PD_KVW_MAC);
+        break;
+    case PD_KVW_AUTH_OK: put(b, m->u.auth.mac, PD_KVW_MAC); break;
     }
 }
 
@@ -235,6 +244,30 @@ static const int32_t *get_i32s(rd *r, int32_t n, pd_kvw_msg *m) {
     return a;
 }
 
+uint32_t pd_kvw_max_body(pd_kvw_type t) {
+    switch (t) {
+    case PD_KVW_HELLO: return 60 + 16 + 256;
+    case PD_KVW_HELLO_ACK: return 4 + 44 + 4 + 256;
+    case PD_KVW_PREFILL_REQ: return PD_KVW_MAX_BODY;  // tokens + blocks: bounded by the body cap
+    case PD_KVW_KV_SLAB: return 28;
+    case PD_KVW_KV_NCCL: return 40;
+    case PD_KVW_PREFILL_DONE: return 20 + 8 * PD_KVW_MAX_TOP + 4 + 8 * PD_KVW_MAX_LAYERS + 28;
+    case PD_KVW_PREFILL_FAIL: return 12 + 256;
+    case PD_KVW_PING:
+    case PD_KVW_PONG:
+    case PD_KVW_CANCEL: return 8;
+    case PD_KVW_AUTH_CHALLENGE: return PD_KVW_NONCE;
+    case PD_KVW_AUTH_PROOF: return PD_KVW_NONCE + PD_KVW_MAC;
+    case PD_KVW_AUTH_OK: return PD_KVW_MAC;
+    }
+    return 0;
+}
+
+pd_kvw_type pd_kvw_peek_type(const uint8_t *h) {
+    if (!pd_kvw_peek_len(h)) return 0;
+    return (pd_kvw_type)(h[6] | h[7] << 8);
+}
+
 uint64_t pd_kvw_peek_len(const uint8_t *h) {
     rd r = {h, PD_KVW_HDR, 0, false};
     uint32_t magic = get_u32(&r);
@@ -242,7 +275,9 @@ uint64_t pd_kvw_peek_len(const uint8_t *h) {
     uint32_t body = get_u32(&r);
     get_u32(&r);
     uint64_t payload = get_u64(&r);
-    if (magic != PD_KVW_MAGIC || (vt[0] | vt[1] << 8) != PD_KVW_VERSION || body > PD_KVW_MAX_BODY || payload > PD_KVW_MAX_PAYLOAD)
+    pd_kvw_type t = (pd_kvw_type)(vt[2] | vt[3] << 8);
+    if (magic != PD_KVW_MAGIC || (vt[0] | vt[1] << 8) != PD_KVW_VERSION || body > pd_kvw_max_body(t) ||
+        payload > PD_KVW_MAX_PAYLOAD || (payload && t != PD_KVW_KV_SLAB))
         return 0;
     return PD_KVW_HDR + (uint64_t)body + payload;
 }
@@ -296,6 +331,7 @@ static pd_status decode_body(rd *r, pd_kvw_msg *m, uint64_t payload_len, const u
         m->owned_i32 = joined;
         q->tokens = joined;
         q->dst_blocks = joined + q->n_tokens;
+        get_str(r, q->traceparent, sizeof q->traceparent);
         break;
     }
     case PD_KVW_KV_SLAB: {
@@ -327,6 +363,9 @@ static pd_status decode_body(rd *r, pd_kvw_msg *m, uint64_t payload_len, const u
         if (d->n_layers < 0 || d->n_layers > PD_KVW_MAX_LAYERS) return pd_err_set(err, PD_ERR_PROTO, "PREFILL_DONE: bad n_layers");
         for (int i = 0; i < d->n_layers; i++) d->checksums[i] = get_u64(r);
         d->n_tokens_computed = get_i32(r);
+        d->n_draws = get_u64(r);
+        d->queue_us = (int64_t)get_u64(r), d->compute_us = (int64_t)get_u64(r);
+        if (d->queue_us < 0 || d->compute_us < 0) d->queue_us = d->compute_us = 0;  // only used for timings
         break;
     }
     case PD_KVW_PREFILL_FAIL:
@@ -336,6 +375,15 @@ static pd_status decode_body(rd *r, pd_kvw_msg *m, uint64_t payload_len, const u
     case PD_KVW_PING:
     case PD_KVW_PONG: m->u.ping.nonce = get_u64(r); break;
     case PD_KVW_CANCEL: m->u.cancel.req_id = get_u64(r); break;
+    case PD_KVW_AUTH_CHALLENGE:
+    case PD_KVW_AUTH_PROOF:
+    case PD_KVW_AUTH_OK: {
+        const uint8_t *p = m->type != PD_KVW_AUTH_OK ? take(r, PD_KVW_NONCE) : NULL;
+        if (p) memcpy(m->u.auth.nonce, p, PD_KVW_NONCE);
+        p = m->type != PD_KVW_AUTH_CHALLENGE ? take(r, PD_KVW_MAC) : NULL;
+        if (p) memcpy(m->u.auth.mac, p, PD_KVW_MAC);
+        break;
+    }
     default: return pd_err_set(err, PD_ERR_PROTO, "unknown message type %d", (int)m->type);
     }
     if (r->bad) return pd_err_set(err, PD_ERR_PROTO, "message type %d: body too short", (int)m->type);
@@ -356,6 +404,9 @@ pd_status pd_kvw_decode(const uint8_t *buf, size_t len, pd_kvw_msg *m, size_t *c
     if (magic != PD_KVW_MAGIC) return pd_err_set(err, PD_ERR_PROTO, "bad magic 0x%08x", magic);
     if ((ver & 0xffff) != PD_KVW_VERSION) return pd_err_set(err, PD_ERR_PROTO, "unsupported version %u", ver & 0xffff);
     if (body_len > PD_KVW_MAX_BODY || payload_len > PD_KVW_MAX_PAYLOAD) return pd_err_set(err, PD_ERR_PROTO, "frame too large");
+    if (!pd_kvw_max_body((pd_kvw_type)(ver >> 16))) return pd_err_set(err, PD_ERR_PROTO, "unknown message type %u", ver >> 16);
+    if (body_len > pd_kvw_max_body((pd_kvw_type)(ver >> 16)))
+        return pd_err_set(err, PD_ERR_PROTO, "message type %u: body of %u bytes over its cap", ver >> 16, body_len);
     uint64_t total = PD_KVW_HDR + (uint64_t)body_len + payload_len;
     if (len < total) {
         *consumed = (size_t)total;

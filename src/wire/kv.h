@@ -22,7 +22,8 @@ extern "C" {
 #endif
 
 #define PD_KVW_MAGIC 0x564B4450u
-#define PD_KVW_VERSION 2  // 2: the nccl transport (HELLO carries an NCCL unique id; KV_NCCL)
+#define PD_KVW_VERSION 3  // 3: HMAC authentication first, per-type frame caps, PREFILL_DONE n_draws
+                          // 2: the nccl transport (HELLO carries an NCCL unique id; KV_NCCL)
 #define PD_KVW_HDR 24
 #define PD_KVW_MAX_BODY (16u << 20)
 #define PD_KVW_MAX_PAYLOAD (1ull << 34)
@@ -40,7 +41,13 @@ typedef enum pd_kvw_type {
     PD_KVW_PONG = 8,
     PD_KVW_CANCEL = 9,        // decode → prefill: the request went away
     PD_KVW_KV_NCCL = 10,      // prefill → decode (nccl transport): a slab follows on the communicator
+    PD_KVW_AUTH_CHALLENGE = 11,  // prefill → decode, first frame: the server's nonce
+    PD_KVW_AUTH_PROOF = 12,      // decode → prefill: client nonce + HMAC proof of the shared secret
+    PD_KVW_AUTH_OK = 13,         // prefill → decode: the server's HMAC proof (mutual authentication)
 } pd_kvw_type;
+
+#define PD_KVW_NONCE 32  // bytes of an auth nonce
+#define PD_KVW_MAC 32    // HMAC-SHA256
 
 typedef enum pd_kvw_transport {
     PD_KVW_TRANSPORT_TCP = 1,       // KV bytes inline in KV_SLAB payloads
@@ -89,6 +96,7 @@ typedef struct pd_kvw_prefill_req {
     int32_t n_dst_blocks;         // decode blocks for positions [start_pos, n_tokens) in order
     const int32_t *dst_blocks;    // borrowed (unaligned-safe copies are made by the decoder)
     pd_kvw_sampling sampling;
+    char traceparent[56];         // "" or the decode worker's request span (W3C traceparent) for tracing
 } pd_kvw_prefill_req;
 
 typedef struct pd_kvw_kv_slab {
@@ -123,11 +131,20 @@ typedef struct pd_kvw_prefill_done {
     int32_t n_layers;
     uint64_t checksums[PD_KVW_MAX_LAYERS];  // per layer slab (base/checksum.h)
     int32_t n_tokens_computed;              // prompt tokens the prefill worker actually ran
+    uint64_t n_draws;                       // the request's sampler draws after the first token
+                                            // (the decode side continues the same counter)
+    int64_t queue_us, compute_us;           // the prefill worker's own queue and compute time (TTFT breakdown)
 } pd_kvw_prefill_done;
+
+typedef struct pd_kvw_auth {
+    uint8_t nonce[PD_KVW_NONCE];  // CHALLENGE: server nonce; PROOF: client nonce; OK: unused
+    uint8_t mac[PD_KVW_MAC];      // PROOF, OK
+} pd_kvw_auth;
 
 typedef struct pd_kvw_msg {
     pd_kvw_type type;
     union {
+        pd_kvw_auth auth;
         pd_kvw_hello hello;
         pd_kvw_hello_ack hello_ack;
         pd_kvw_prefill_req prefill_req;
@@ -164,8 +181,14 @@ pd_status pd_kvw_encode(pd_kvw_buf *out, const pd_kvw_msg *m);
 // For KV_SLAB the payload must be in buf too (use pd_kvw_peek_len to size the read).
 pd_status pd_kvw_decode(const uint8_t *buf, size_t len, pd_kvw_msg *m, size_t *consumed, pd_err *err);
 void pd_kvw_msg_fini(pd_kvw_msg *m);
-// Total frame size announced by a header (needs PD_KVW_HDR bytes); 0 if the header is invalid.
+// Total frame size announced by a header (needs PD_KVW_HDR bytes); 0 if the header is invalid or
+// the body exceeds its type's cap (pd_kvw_max_body) or a payload comes with a type that has none.
 uint64_t pd_kvw_peek_len(const uint8_t *hdr);
+// The message type a valid header announces (0 if invalid).
+pd_kvw_type pd_kvw_peek_type(const uint8_t *hdr);
+// The protocol's cap on a type's body (bytes); 0 for an unknown type. A receiver refuses a header
+// announcing more before reading (or allocating for) the body.
+uint32_t pd_kvw_max_body(pd_kvw_type t);
 // KV_NCCL geometry check (the decoder applies it): positive sizes, n_rows_last <= block_size,
 // row_bytes a multiple of 8, and bytes exactly the slab size (no overflow, <= PD_KVW_MAX_PAYLOAD).
 bool pd_kvw_kv_nccl_valid(const pd_kvw_kv_nccl *s);

@@ -1,41 +1,43 @@
-// xfer — moving a prompt's KV cache from a prefill worker into a decode worker (the KV connector).
+// xfer — the KV connector's session layer: authenticated, bounded connections between a decode
+// worker (client) and a prefill worker (server) speaking wire/kv.h (docs/kv-wire-format.md).
+// Transports and the engine-facing interface live in src/kvconn; this module only moves frames.
 //
-// Two halves that share only the wire protocol (wire/kv.h, docs/kv-wire-format.md):
 //   * pd_xfer_client — decode side. Holds a connection to each prefill worker, sends PREFILL_REQ
 //     (prompt, first position wanted, the decode blocks reserved for it) and reports one result per
 //     request: DONE (first token + per-layer checksums; with the tcp transport the KV rows arrived
-//     as KV_SLAB frames and were written into the reserved blocks), or a failure (the worker said
-//     FAIL, died, stopped answering pings, or the request timed out).
-//   * pd_xfer_server — prefill side. Accepts decode workers, checks their fingerprint, and hands
-//     their PREFILL_REQ / CANCEL / disconnects to the engine; the engine answers through
-//     pd_xfer_server_send.
+//     as KV_SLAB frames and were read straight into the reserved blocks), or a failure (the worker
+//     said FAIL, died, stopped answering pings, or the request timed out).
+//   * pd_xfer_server — prefill side. Accepts decode workers, authenticates them, checks their
+//     fingerprint, and hands their PREFILL_REQ / CANCEL / disconnects to the engine; the engine
+//     answers through pd_xfer_server_send, which only queues.
 //
-// Transports (pd_kvw_transport): tcp sends KV rows inline; shm and cuda-ipc let the prefill
-// worker write straight into the decode worker's pool (exported once, in HELLO), so only control
-// frames cross the socket; nccl moves each request's KV as one slab through a 2-rank NCCL
-// communicator (GPU to GPU, same host or not). In every case the decode side verifies the
-// checksums on its own blocks before decoding from them (disagg.c), so corrupt or partial KV falls
-// back to a local prefill.
+// Authentication (xfer/auth.h): the first frame on every connection is the server's
+// AUTH_CHALLENGE; nothing but a correct AUTH_PROOF (HMAC-SHA256 of the shared secret over both
+// nonces, read within 5 s, 88 bytes at most) is read before it, and the client checks the
+// server's AUTH_OK before it sends anything about itself (fingerprint, pool). A peer that fails
+// learns nothing and is disconnected; the failure is counted.
 //
-// nccl: the decode side makes an NCCL unique id per connection and sends it in HELLO; after
-// HELLO_ACK both I/O threads join the communicator (decode rank 0, prefill rank 1; bounded wait).
-// The prefill engine gathers a request's rows into a device staging slab on its stream, announces
-// it on the socket (KV_NCCL: request, geometry, bytes) and ncclSends it on the communicator's own
-// stream; the decode I/O thread posts the matching ncclRecv in announcement order (so both sides
-// post in the same order), then scatters the slab into the reserved blocks on the same stream.
-// Every wait is bounded: on a timeout the communicator is aborted and the connection dropped, so
-// in-flight requests fail (local prefill) and the next connection bootstraps a new communicator.
+// Bounds: every frame's size is capped per type before it is read (wire/kv.h); a KV_SLAB payload
+// must match, byte for byte, the geometry of the request it names, and is read straight into that
+// request's reserved blocks (never buffered); every read and write has a deadline.
 //
-// Timeouts never free blocks a worker may still write: a request whose deadline passes is
-// cancelled (CANCEL) but stays registered — its destination blocks stay reserved — until the
-// worker answers (DONE or FAIL, reported as a timeout) or the connection dies; a worker that does
-// not answer within cancel_grace_ms is treated as dead (connection dropped). KV_SLAB / KV_NCCL data
-// for a timed-out request is never written into its blocks.
+// Threads and locks: per connection one reader thread (frames in, events out through the callback)
+// and one writer thread draining an outbound queue. The engine thread only queues (no socket I/O),
+// and no lock is ever held across a blocking call. A queue over its byte cap (a peer that does not
+// read) fails the send (the engine fails that request) and a write that makes no progress for
+// stall_ms closes the connection.
 //
-// Threads: each connection has one I/O thread that reads frames (blocking, with a poll timeout for
-// pings and deadlines). Sends take a per-connection mutex, so the engine thread may send while the
-// I/O thread reads. Results and requests are delivered through a callback on the I/O thread; the
-// engine copies them into its command queue (engine/queue.c) and acts on its own thread.
+// shm transport: the connection runs over the prefill worker's abstract unix socket
+// "@pdserve-kv-<kv port>" (same host), and the decode pool is an anonymous memfd passed with
+// SCM_RIGHTS in HELLO (after authentication): nothing in /dev/shm, no name to open.
+//
+// Fencing (per-connection epoch): blocks lent to a connection (a request's destination blocks)
+// are handed back only when the writer acknowledged (DONE / FAIL), or when the connection is
+// fenced off. tcp and nccl writes happen on this side (nothing lands once the connection is gone);
+// for direct writes (shm, cuda-ipc) the prefill worker checks, before each layer, that the
+// connection still exists, and the decode side waits fence_ms after the loss (or until the peer
+// process has exited: pidfd from SO_PEERCRED on the unix socket) before failing the requests, so
+// a late write never lands in blocks given to another request.
 //
 // What is deliberately not here: tcp into a GPU pool (the I/O thread would have
 // to upload into device memory it does not own): tcp is for CPU pools; GPUs use cuda-ipc.
@@ -48,8 +50,10 @@
 extern "C" {
 #endif
 
-#define PD_XFER_API_VERSION 2  // 2: nccl transport, backend + cancel_grace_ms params
+#define PD_XFER_API_VERSION 3  // 3: auth secret, queued sends, memfd pools, fences, recycled slots
 #define PD_XFER_MAX_WORKERS 16
+#define PD_XFER_MAX_CONNS 256                      // prefill side: concurrent decode connections
+#define PD_XFER_CONN_SLOT(id) ((id) & (PD_XFER_MAX_CONNS - 1))
 
 typedef enum pd_xfer_event_kind {
     PD_XFER_EV_RESULT = 1,   // client: a prefill request ended (ok or not)
@@ -67,10 +71,20 @@ typedef struct pd_xfer_event {
     char reason[160];        // RESULT when not OK
     pd_kvw_prefill_done done;  // RESULT ok
     pd_kvw_hello hello;        // HELLO
+    int fd;                    // HELLO: the decode pool's memfd (shm), owned by the event; else -1
     pd_kvw_prefill_req req;    // REQUEST: tokens/dst_blocks point into owned
     int32_t *owned;
 } pd_xfer_event;
-void pd_xfer_event_fini(pd_xfer_event *ev);
+void pd_xfer_event_fini(pd_xfer_event *ev);  // frees owned, closes fd
+
+// Counters of what the session layer refused or dropped (monotonic; any thread).
+typedef struct pd_xfer_counters {
+    int64_t auth_failures;     // peers that did not prove the secret (or sent anything else first)
+    int64_t proto_errors;      // connections closed for a malformed or out-of-bounds frame
+    int64_t conns_accepted, conns_closed;
+    int64_t slow_peer_drops;   // sends refused (queue over its cap) or connections closed for a stall
+    int64_t fenced;            // requests failed only after their connection was fenced off
+} pd_xfer_counters;
 
 // Called on an I/O thread. The callee must copy what it keeps (it may move ev->owned: set it to
 // NULL then). Must not block for long.
@@ -89,7 +103,8 @@ typedef struct pd_xfer_client_params {
     const char *addrs[PD_XFER_MAX_WORKERS];  // "host:port" of prefill workers (copied)
     pd_kvw_transport transport;
     pd_kvw_fingerprint fp;
-    pd_buffer_handle pool_handle;            // shm / cuda-ipc: the exported decode pool
+    const char *secret;                      // shared secret (copied); required
+    pd_buffer_handle pool_handle;            // shm / cuda-ipc: the exported decode pool (shm: .fd)
     pd_xfer_pool pool;                       // tcp, nccl: where slabs land (nccl: device pointers)
     pd_backend *backend;                     // nccl: the decode pool's backend (borrowed)
     int timeout_ms;                          // per request (default 30000)
@@ -97,6 +112,8 @@ typedef struct pd_xfer_client_params {
                                              // before dropping the connection (default 10000)
     int ping_ms;                             // heartbeat period (default 500); dead after 4 missed
     int max_inflight;                        // per worker before it counts as saturated (default 64)
+    int fence_ms;                            // shm / cuda-ipc: after a lost connection, wait this long
+                                             // (or until the peer exited) before its blocks return (2000)
     pd_xfer_event_fn on_event;
     void *ud;
 } pd_xfer_client_params;
@@ -105,7 +122,8 @@ typedef struct pd_xfer_client pd_xfer_client;
 // Starts connecting (in the background). NULL with err on bad params.
 pd_xfer_client *pd_xfer_client_new(const pd_xfer_client_params *p, pd_err *err);
 void pd_xfer_client_free(pd_xfer_client *c);  // fails nothing: pending requests are dropped
-// Sends a prefill request to the least-loaded healthy worker.
+void pd_xfer_client_counters(pd_xfer_client *c, pd_xfer_counters *out);
+// Sends (queues) a prefill request to the least-loaded healthy worker.
 //   PD_OK       sent; exactly one RESULT event will follow
 //   PD_NOSPACE  no worker is connected, or all are saturated (prefill locally instead)
 pd_status pd_xfer_client_prefill(pd_xfer_client *c, const pd_kvw_prefill_req *req);
@@ -113,13 +131,20 @@ pd_status pd_xfer_client_prefill(pd_xfer_client *c, const pd_kvw_prefill_req *re
 // already written, or a failure): only then are the destination blocks safe to reuse.
 void pd_xfer_client_cancel(pd_xfer_client *c, uint64_t req_id);
 int pd_xfer_client_n_healthy(pd_xfer_client *c);
+// tcp: KV_SLAB layers landed so far for an in-flight request; -1 if it is not in flight.
+int pd_xfer_client_layers_landed(pd_xfer_client *c, uint64_t req_id);
 
 // ---- prefill side ------------------------------------------------------------------------------
 typedef struct pd_xfer_server_params {
     const char *host;   // bind address (default 127.0.0.1)
     int port;           // 0 = any free port (see pd_xfer_server_port)
     pd_kvw_fingerprint fp;
+    const char *secret;   // shared secret (copied); required
     pd_backend *backend;  // nccl: the prefill engine's backend (borrowed); NULL refuses nccl peers
+    size_t max_queued_bytes;  // per connection, queued KV bytes before sends are refused (default 1 GiB)
+    int stall_ms;             // a write making no progress this long closes the connection (10000)
+    const char *debug_pause;  // test hook: "hello_ack" stops (sleeps forever, after logging) before
+                              // sending HELLO_ACK; NULL: off
     pd_xfer_event_fn on_event;
     void *ud;
 } pd_xfer_server_params;
@@ -128,9 +153,14 @@ typedef struct pd_xfer_server pd_xfer_server;
 pd_xfer_server *pd_xfer_server_new(const pd_xfer_server_params *p, pd_err *err);
 void pd_xfer_server_free(pd_xfer_server *s);
 int pd_xfer_server_port(const pd_xfer_server *s);
-// Sends a message to a connected decode worker (and, for KV_SLAB, the payload bytes after it).
-// Blocking; safe from any thread. PD_ERR_CLOSED if the connection is gone.
-pd_status pd_xfer_server_send(pd_xfer_server *s, int conn_id, const pd_kvw_msg *m, const void *payload);
+void pd_xfer_server_counters(pd_xfer_server *s, pd_xfer_counters *out);
+// Queues a message to a connected decode worker; for KV_SLAB, payload (pd_malloc'd,
+// m->u.kv_slab.payload_len bytes) is taken over and freed once sent. Never blocks. PD_ERR_CLOSED if
+// the connection is gone, PD_NOSPACE if its queue is over max_queued_bytes (a slow reader).
+// Connection ids are slot | generation << 8: an id of a closed connection never reaches a new one.
+pd_status pd_xfer_server_send(pd_xfer_server *s, int conn_id, const pd_kvw_msg *m, void *payload);
+// Whether the connection still exists (direct writers check before each layer). Any thread.
+bool pd_xfer_server_conn_alive(pd_xfer_server *s, int conn_id);
 // nccl transport: fill(ud, dev) writes the slab (slab->bytes, layout in wire/kv.h) into the
 // connection's device staging buffer on the backend's stream; then the slab is announced
 // (KV_NCCL) and sent through the connection's communicator. Returns when the peer has it

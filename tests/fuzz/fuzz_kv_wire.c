@@ -1,6 +1,7 @@
-// libFuzzer target: the KV wire-format decoder on arbitrary bytes. Decodes frames back to back
-// as a stream reader would; every accepted message must point only inside the input, and every
-// accepted KV_NCCL announcement must describe a consistent slab.
+// libFuzzer target: the KV wire-format decoder (version 3) on arbitrary bytes. Decodes frames back
+// to back as a stream reader would; every accepted message must point only inside the input, fit
+// its type's body cap (what a receiver allocates before decoding), agree with pd_kvw_peek_len
+// (what the receiver reads), and every accepted KV_NCCL announcement must describe a consistent slab.
 #include <stdint.h>
 #include <stdlib.h>
 
@@ -13,6 +14,10 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
         size_t used = 0;
         pd_status st = pd_kvw_decode(data + off, size - off, &m, &used, NULL);
         if (st != PD_OK) break;
+        uint32_t body_len = (uint32_t)data[off + 8] | (uint32_t)data[off + 9] << 8 | (uint32_t)data[off + 10] << 16 |
+                            (uint32_t)data[off + 11] << 24;
+        if (body_len > pd_kvw_max_body(m.type) || pd_kvw_peek_len(data + off) != used || pd_kvw_peek_type(data + off) != m.type)
+            abort();
         if (m.type == PD_KVW_KV_SLAB && m.u.kv_slab.payload_len &&
             (m.u.kv_slab.payload < data || m.u.kv_slab.payload + m.u.kv_slab.payload_len > data + size))
             abort();

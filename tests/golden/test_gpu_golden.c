@@ -19,15 +19,17 @@ typedef struct gctx {
     pd_model *gpu, *cpu;
 } gctx;
 
-static pd_model *load_on(pd_backend *be, const char *dir) {
+static pd_model *load_kv(pd_backend *be, const char *dir, pd_kv_dtype kv) {
     pd_model_params p = pd_model_params_default();
     p.dir = dir;
     p.backend = be;
+    p.kv_dtype = kv;
     pd_err err = {0};
     pd_model *m = pd_model_load(&p, &err);
     if (!m) PD_FAIL_("load %s on %s: %s", dir, pd_backend_name(be), err.msg);
     return m;
 }
+static pd_model *load_on(pd_backend *be, const char *dir) { return load_kv(be, dir, PD_KV_ACT); }
 
 static bool gctx_open(gctx *g, const char *name) {
     char path[512], dir[512];
@@ -191,6 +193,115 @@ PD_TEST(gpu_greedy_all_models) {
     check_greedy("kjv-llama-6m", 8, 37);
     check_greedy("tiny-random-qwen2", 1, 64);
     check_greedy("tiny-random-llama31", 32, 100);
+}
+
+// ---- fp8 KV cache ------------------------------------------------------------------------------
+
+// Greedy continuations (max_tokens each) of every prompt of the golden file on model m.
+static void greedy_all(pd_model *m, json_t *prompts, int max_tokens, int32_t out[8][64], int n_out[8]) {
+    int np = (int)json_array_size(prompts);
+    pd_gen_seq seqs[8];
+    int32_t *prompt_ids[8];
+    memset(seqs, 0, sizeof seqs);
+    PD_ASSERT(np <= 8 && max_tokens <= 64);
+    for (int i = 0; i < np; i++) {
+        json_t *pr = json_array_get(prompts, (size_t)i);
+        seqs[i].prompt = prompt_ids[i] = ids_of(json_object_get(pr, "prompt_ids"), &seqs[i].n_prompt);
+        seqs[i].max_tokens = max_tokens;
+        seqs[i].ignore_eos = true;
+        seqs[i].sampling = pd_sampling_params_default();
+        seqs[i].sampling.temperature = 0;
+        seqs[i].out_ids = out[i];
+    }
+    pd_gen_params gp = pd_gen_params_default();
+    gp.block_size = 16;
+    gp.prefill_chunk = 64;
+    pd_err err = {0};
+    PD_CHECK_EQ(pd_generate(m, seqs, np, &gp, &err), PD_OK);
+    for (int i = 0; i < np; i++) {
+        n_out[i] = seqs[i].n_out;
+        pd_free(prompt_ids[i]);
+    }
+}
+
+// The fp8 KV cache (--kv-cache-dtype fp8) on one golden model, against the HF fp32 reference, the
+// same backend's unquantised cache, and (GPU) the CPU backend's fp8 cache (same quantisation: like
+// with like). Greedy agreement with the unquantised cache is reported (48 tokens per prompt, the
+// prefix up to the first difference). The CPU part runs without a GPU.
+#define FP8_REL_L2_MAX 0.1
+static void check_fp8(const char *name) {
+    char path[512], dir[512];
+    snprintf(path, sizeof path, "%s/golden/%s.json", pd_test_models_dir(), name);
+    snprintf(dir, sizeof dir, "%s/%s", pd_test_models_dir(), name);
+    json_error_t je;
+    json_t *root = json_load_file(path, 0, &je);
+    if (!root) {
+        PD_FAIL_("cannot read %s: %s", path, je.text);
+        return;
+    }
+    bool gpu = pd_backend_has_cuda();
+    pd_err err = {0};
+    pd_backend *bc = pd_backend_cpu_new(0), *bg = gpu ? pd_backend_new("cuda", 0, &err) : NULL;
+    pd_model *m[2][2] = {{load_kv(bc, dir, PD_KV_ACT), load_kv(bc, dir, PD_KV_FP8)}, {NULL, NULL}};  // [gpu][fp8]
+    if (bg) m[1][0] = load_kv(bg, dir, PD_KV_ACT), m[1][1] = load_kv(bg, dir, PD_KV_FP8);
+    int nb = bg ? 2 : 1, V = pd_model_get_config(m[0][0])->vocab_size;
+    double *ref = pd_malloc(sizeof(double) * (size_t)V), *tmp = pd_malloc(sizeof(double) * (size_t)V);
+    double w_hf[2] = {0, 0}, w_act[2] = {0, 0}, w_cpu = 0, w_hf_act[2] = {0, 0};
+    size_t pi;
+    json_t *pr, *prompts = json_object_get(root, "prompts");
+    json_array_foreach(prompts, pi, pr) {
+        int n;
+        int32_t *ids = ids_of(json_object_get(pr, "prompt_ids"), &n);
+        json_t *last = json_object_get(pr, "last_logits");
+        for (int i = 0; i < V; i++) ref[i] = json_number_value(json_array_get(last, (size_t)i));
+        float *lg[2][2];
+        for (int k = 0; k < nb; k++)
+            for (int q = 0; q < 2; q++) lg[k][q] = last_logits(m[k][q], ids, n, 16);
+        for (int k = 0; k < nb; k++) {
+            for (int i = 0; i < V; i++) tmp[i] = lg[k][0][i];
+            w_hf[k] = PD_MAX(w_hf[k], rel_l2(lg[k][1], ref, V));
+            w_hf_act[k] = PD_MAX(w_hf_act[k], rel_l2(lg[k][0], ref, V));
+            w_act[k] = PD_MAX(w_act[k], rel_l2(lg[k][1], tmp, V));
+        }
+        if (bg) {
+            for (int i = 0; i < V; i++) tmp[i] = lg[0][1][i];
+            w_cpu = PD_MAX(w_cpu, rel_l2(lg[1][1], tmp, V));
+        }
+        for (int k = 0; k < nb; k++) pd_free(lg[k][0]), pd_free(lg[k][1]);
+        pd_free(ids);
+    }
+    for (int k = 0; k < nb; k++) {
+        const char *bn = k ? "cuda" : "cpu";
+        PD_CHECK_MSG(w_hf[k] <= FP8_REL_L2_MAX, "%s %s fp8: last logits rel L2 vs HF %.3g > %.3g", name, bn, w_hf[k],
+                     FP8_REL_L2_MAX);
+        int32_t out[2][8][64];
+        int n_out[2][8];
+        greedy_all(m[k][0], prompts, 48, out[0], n_out[0]);
+        greedy_all(m[k][1], prompts, 48, out[1], n_out[1]);
+        int same = 0, total = 0, np = (int)json_array_size(prompts);
+        for (int i = 0; i < np; i++) {
+            int j = 0;
+            while (j < n_out[0][i] && j < n_out[1][i] && out[0][i][j] == out[1][i][j]) j++;
+            same += j;
+            total += n_out[0][i];
+        }
+        printf("  %s %s: last-logits rel L2 vs HF fp32: fp8 cache %.4f, %s cache %.4f; fp8 vs %s cache %.4f; "
+               "greedy: %d/%d tokens before the first difference\n",
+               name, bn, w_hf[k], k ? "bf16" : "f32", w_hf_act[k], k ? "bf16" : "f32", w_act[k], same, total);
+    }
+    if (bg) {
+        PD_CHECK_MSG(w_cpu <= REL_L2_MAX, "%s: cuda fp8 vs cpu fp8 rel L2 %.3g > %.3g", name, w_cpu, REL_L2_MAX);
+        printf("  %s: cuda fp8 vs cpu fp8 last-logits rel L2 %.4f\n", name, w_cpu);
+    }
+    for (int k = 0; k < 2; k++) pd_model_free(m[k][0]), pd_model_free(m[k][1]);
+    pd_backend_free(bg);
+    pd_backend_free(bc);
+    pd_free(ref), pd_free(tmp);
+    json_decref(root);
+}
+
+PD_TEST(fp8_kv_all_models) {
+    for (size_t i = 0; i < PD_ARRAY_LEN(MODELS); i++) check_fp8(MODELS[i]);
 }
 
 // ---- decode graphs -----------------------------------------------------------------------------

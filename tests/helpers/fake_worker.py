@@ -3,7 +3,7 @@
 #
 # It speaks just enough of the worker API for the router: POST /v1/completions and
 # /v1/chat/completions (streaming or not, "return_token_ids" adds "token_ids" to each chunk's
-# choice), POST /internal/tokenize ({"token_ids": [...]}), GET /internal/state (a v1 STATE with a
+# choice; "usage" like a worker's: in the body, or as a last chunk with stream_options.include_usage), POST /internal/tokenize ({"token_ids": [...]}), GET /internal/state (a v1 STATE with a
 # load report and no KV events), GET /health. Generation is a deterministic function of the whole
 # token sequence (next = f(last id, length)), so a continuation sent as prompt + generated ids
 # produces exactly the tokens an uninterrupted run would have: that is what lets a test check a
@@ -76,6 +76,8 @@ class H(BaseHTTPRequestHandler):
         if self.path not in ("/v1/completions", "/v1/chat/completions"):
             return self.reply(404, {"error": {"message": "not found", "type": "invalid_request_error"}})
         seq = tokenize(body)
+        n_prompt = len(seq)
+        usage = lambda n_out: {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out}
         max_tokens = int(body.get("max_completion_tokens", body.get("max_tokens", 16)))
         ids = body.get("return_token_ids", False)
         obj = "chat.completion.chunk" if chat else "text_completion"
@@ -90,7 +92,8 @@ class H(BaseHTTPRequestHandler):
                 text = "".join("<%d>" % t for t in out)
                 choice = {"index": 0, "finish_reason": "length"}
                 choice.update({"message": {"role": "assistant", "content": text}} if chat else {"text": text})
-                return self.reply(200, {"id": "x", "object": obj.replace(".chunk", ""), "choices": [choice]})
+                return self.reply(200, {"id": "x", "object": obj.replace(".chunk", ""), "choices": [choice],
+                                        "usage": usage(len(out))})
             self.send_response(200)
             self.send_header("Content-Type", "text/event-stream")
             self.send_header("Transfer-Encoding", "chunked")
@@ -114,6 +117,9 @@ class H(BaseHTTPRequestHandler):
                     c = {"index": 0, "finish_reason": fin}
                     c.update({"delta": {}} if chat else {"text": ""})
                     send(json.dumps({"id": "fake-%s" % INSTANCE, "object": obj, "created": 1, "choices": [c]}))
+            if (body.get("stream_options") or {}).get("include_usage"):
+                send(json.dumps({"id": "fake-%s" % INSTANCE, "object": obj, "created": 1, "choices": [],
+                                 "usage": usage(max_tokens)}))
             send("[DONE]")
             self.wfile.write(b"0\r\n\r\n")
         except (BrokenPipeError, ConnectionResetError):

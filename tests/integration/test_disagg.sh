@@ -27,6 +27,8 @@ while len(prompts) < 64:
 json.dump(prompts, open(out, "w"))
 PY
 
+# The KV connections' shared secret (the workers refuse to start without one).
+(umask 077; head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \n' >"$TMP/token")
 metric() {  # metric URL NAME_REGEX: sums the matching samples
   curl -sf "$1/metrics" | awk -v re="$2" '$1 ~ re {s += $2} END {print s + 0}'
 }
@@ -37,11 +39,11 @@ python3 "$here/disagg_client.py" "$URL_both" "$TMP/prompts.json" "$TMP/ref.json"
 
 start_pair() {  # start_pair TRANSPORT [prefill flags...]
   tr=$1; shift
-  pd_start prefill_$tr --role prefill --kv-port 0 --num-kv-blocks 2048 "$@"
+  pd_start prefill_$tr --role prefill --kv-port 0 --num-kv-blocks 2048 --auth-token-file "$TMP/token" "$@"
   kv=$(grep -o 'KV port [0-9.]*:[0-9]*' "$TMP/prefill_$tr.out" | head -1 | awk '{print $3}')
   [ -n "$kv" ] || pd_fail "prefill worker did not print its KV port"
   pd_start decode_$tr --role decode --prefill "$kv" --kv-transport "$tr" --disagg-min-tokens 1 \
-    --disagg-timeout-ms 20000 --num-kv-blocks 2048
+    --disagg-timeout-ms 20000 --num-kv-blocks 2048 --auth-token-file "$TMP/token"
   # wait until the decode worker is connected to the prefill worker
   pd_wait_for 30 sh -c "curl -sf '$URL/metrics' | grep -q '^pdserve_kv_prefill_workers_healthy 1'" ||
     pd_fail "$tr: decode worker never connected to the prefill worker"

@@ -362,6 +362,9 @@ PD_TEST(test_cuda_matmul) {
 
 // ---- rope + paged KV write ---------------------------------------------------------------------
 
+static void *dev_bytes(ctx *c, pd_backend *b, const uint8_t *h, size_t n);
+static float *fp8_dequant(pd_backend *b, const void *d, size_t n_slots, int Hkv, int hd, size_t rb);
+
 PD_TEST(test_cuda_rope_kv) {
     ctx c;
     if (!ctx_init(&c, 6)) PD_SKIP("%s: no CUDA device", __func__);
@@ -399,6 +402,33 @@ PD_TEST(test_cuda_rope_kv) {
             compare(&c, q[1], q[0], (size_t)n * row, false, NMSE_ELEM_HF, "rope qkv");
             compare(&c, k_[1], k_[0], kvn, false, NMSE_ELEM_HF, "rope k_cache");
             compare(&c, v_[1], v_[0], kvn, false, 0.0, "rope v_cache");
+            // fp8 cache: the same write quantised. V (not rotated) gets identical bytes and scales on
+            // both backends; K (rotated with bf16 roundings on the GPU, f32 on the CPU) differs by at
+            // most a step here and there; untouched slots keep their contents.
+            size_t rb = pd_kv_row_bytes(c.cpu, PD_KV_FP8, Hkv, hd);
+            uint8_t *init = pd_malloc((size_t)n_slots * rb);
+            for (size_t i = 0; i < (size_t)n_slots * rb; i++) init[i] = (uint8_t)(pd_rng_next(&c.rng) & 0x3f);
+            void *k8[2], *v8[2];
+            for (int k = 0; k < 2; k++) {
+                pd_rope_kv_params p = {.qkv = dev_act(&c, bs[k], qkv, (size_t)n * row),
+                                       .positions = dev_i32(&c, bs[k], pos, n),
+                                       .inv_freq = dev_from_f32(&c, bs[k], inv_freq, hd / 2, PD_DTYPE_F32),
+                                       .slot_mapping = dev_i32(&c, bs[k], slots, n),
+                                       .k_cache = k8[k] = dev_bytes(&c, bs[k], init, (size_t)n_slots * rb),
+                                       .v_cache = v8[k] = dev_bytes(&c, bs[k], init, (size_t)n_slots * rb),
+                                       .n_tokens = n, .n_heads = H, .n_kv_heads = Hkv, .head_dim = hd,
+                                       .attn_scaling = scaling, .kv_dtype = PD_KV_FP8};
+                pd_op_rope_kv(bs[k], &p);
+            }
+            uint8_t *vg = pd_malloc((size_t)n_slots * rb), *vr = pd_malloc((size_t)n_slots * rb);
+            pd_backend_download(c.gpu, vg, v8[1], (size_t)n_slots * rb);
+            pd_backend_download(c.cpu, vr, v8[0], (size_t)n_slots * rb);
+            PD_CHECK_MSG(!memcmp(vg, vr, (size_t)n_slots * rb), "rope fp8 v_cache bytes differ (H=%d Hkv=%d hd=%d n=%d)",
+                         H, Hkv, hd, n);
+            float *kg = fp8_dequant(c.gpu, k8[1], n_slots, Hkv, hd, rb), *kr = fp8_dequant(c.cpu, k8[0], n_slots, Hkv, hd, rb);
+            double e = nmse(kg, kr, kvn);
+            PD_CHECK_MSG(e < 1e-3, "rope fp8 k_cache: nmse %.3g (H=%d Hkv=%d hd=%d n=%d)", e, H, Hkv, hd, n);
+            pd_free(init), pd_free(vg), pd_free(vr), pd_free(kg), pd_free(kr);
             pd_free(qkv);
             pd_free(kc);
             pd_free(vc);
@@ -529,12 +559,78 @@ PD_TEST(test_cuda_hf_rounding) {
     ctx_fini(&c);
 }
 
+// ---- fp8 KV (backend.h, PD_KV_FP8) ---------------------------------------------------------------
+
+static void *dev_bytes(ctx *c, pd_backend *b, const uint8_t *h, size_t n);
+
+// Quantises n_slots rows of Hkv * hd floats into fp8 rows of rb bytes the way the KV write does
+// (per-head scale amax / 448); the result is byte-identical input for either backend.
+static uint8_t *fp8_rows(const float *x, size_t n_slots, int Hkv, int hd, size_t rb) {
+    uint8_t *o = pd_calloc(n_slots ? n_slots : 1, rb);
+    for (size_t sl = 0; sl < n_slots; sl++) {
+        uint8_t *row = o + sl * rb;
+        for (int h = 0; h < Hkv; h++) {
+            const float *xh = x + (sl * Hkv + h) * hd;
+            float amax = 0.0f;
+            for (int i = 0; i < hd; i++) amax = fmaxf(amax, fabsf(xh[i]));
+            float inv = amax > 0.0f ? 448.0f / amax : 0.0f, scale = amax / 448.0f;
+            for (int i = 0; i < hd; i++) row[(size_t)h * hd + i] = pd_fp8_e4m3_from_f32(xh[i] * inv);
+            memcpy(row + (size_t)Hkv * hd + 4 * (size_t)h, &scale, 4);
+        }
+    }
+    return o;
+}
+
+// Dequantised contents (n_slots * Hkv * hd floats) of fp8 rows downloaded from backend b.
+static float *fp8_dequant(pd_backend *b, const void *d, size_t n_slots, int Hkv, int hd, size_t rb) {
+    uint8_t *h = pd_malloc(n_slots * rb);
+    pd_backend_download(b, h, d, n_slots * rb);
+    float *o = pd_malloc(sizeof(float) * n_slots * Hkv * hd);
+    for (size_t sl = 0; sl < n_slots; sl++)
+        for (int k = 0; k < Hkv; k++) {
+            float sc;
+            memcpy(&sc, h + sl * rb + (size_t)Hkv * hd + 4 * (size_t)k, 4);
+            for (int i = 0; i < hd; i++)
+                o[(sl * Hkv + k) * hd + i] = pd_fp8_e4m3_to_f32(h[sl * rb + (size_t)k * hd + i]) * sc;
+        }
+    pd_free(h);
+    return o;
+}
+
+// The host E4M3 conversions against the format's definition (no GPU needed).
+PD_TEST(test_fp8_e4m3_host) {
+    PD_CHECK(pd_fp8_e4m3_to_f32(0x7e) == 448.0f && pd_fp8_e4m3_to_f32(0x01) == 0x1p-9f);
+    PD_CHECK(pd_fp8_e4m3_to_f32(0x08) == 0x1p-6f && pd_fp8_e4m3_to_f32(0x38) == 1.0f);
+    PD_CHECK(isnan(pd_fp8_e4m3_to_f32(0x7f)) && isnan(pd_fp8_e4m3_to_f32(0xff)));
+    for (int v = 0; v < 256; v++) {
+        if ((v & 0x7f) == 0x7f) continue;
+        float f = pd_fp8_e4m3_to_f32((uint8_t)v);
+        PD_CHECK_MSG(pd_fp8_e4m3_from_f32(f) == v, "code 0x%02x (%g) does not round-trip", v, f);
+        if ((v & 0x7f) < 0x7e) {  // the midpoint to the next magnitude rounds to the even code
+            float g = pd_fp8_e4m3_to_f32((uint8_t)(v + 1)), mid = 0.5f * (f + g);
+            int want = (v & 1) ? v + 1 : v;
+            PD_CHECK_MSG(pd_fp8_e4m3_from_f32(mid) == want, "midpoint of 0x%02x: got 0x%02x", v,
+                         pd_fp8_e4m3_from_f32(mid));
+        }
+    }
+    PD_CHECK(pd_fp8_e4m3_from_f32(1e6f) == 0x7e && pd_fp8_e4m3_from_f32(-449.0f) == 0xfe);
+    PD_CHECK(pd_fp8_e4m3_from_f32(NAN) == 0x7f && pd_fp8_e4m3_from_f32(0x1p-11f) == 0x00);
+    pd_backend *cpu = pd_backend_cpu_new(1);
+    PD_CHECK(pd_kv_row_bytes(cpu, PD_KV_FP8, 8, 128) == 1056 && pd_kv_row_bytes(cpu, PD_KV_FP8, 1, 32) == 48);
+    PD_CHECK(pd_kv_row_bytes(cpu, PD_KV_ACT, 8, 128) == 4096);
+    pd_kv_dtype t;
+    PD_CHECK(pd_kv_dtype_parse("fp8", &t) && t == PD_KV_FP8 && pd_kv_dtype_parse("auto", &t) && t == PD_KV_ACT);
+    PD_CHECK(!pd_kv_dtype_parse("fp16", &t));
+    pd_backend_free(cpu);
+}
+
 // ---- attention ---------------------------------------------------------------------------------
 
 typedef struct attn_case {
     int H, Hkv, hd, bs;
     int n_seqs;
     int q_lens[24], kv_lens[24];
+    bool fp8;  // the caches hold fp8 rows (the same bytes on both backends)
 } attn_case;
 
 // Builds the batch (blocks drawn from a shuffled pool, so pages are scattered), runs it on
@@ -583,8 +679,19 @@ static void *attn_run(ctx *c, pd_backend *b, const attn_case *ac, uint64_t seed,
         }
     }
     c->rng = save;
+    void *kd, *vd;
+    if (ac->fp8) {
+        size_t rb = pd_kv_row_bytes(b, PD_KV_FP8, ac->Hkv, ac->hd), n_slots = (size_t)n_blocks * ac->bs;
+        uint8_t *k8 = fp8_rows(kc, n_slots, ac->Hkv, ac->hd, rb), *v8 = fp8_rows(vc, n_slots, ac->Hkv, ac->hd, rb);
+        kd = dev_bytes(c, b, k8, n_slots * rb);
+        vd = dev_bytes(c, b, v8, n_slots * rb);
+        pd_free(k8), pd_free(v8);
+    } else {
+        kd = dev_act(c, b, kc, kvn);
+        vd = dev_act(c, b, vc, kvn);
+    }
     pd_attention_params p = {
-        .q = dev_act(c, b, q, qn), .k_cache = dev_act(c, b, kc, kvn), .v_cache = dev_act(c, b, vc, kvn),
+        .q = dev_act(c, b, q, qn), .k_cache = kd, .v_cache = vd, .kv_dtype = ac->fp8 ? PD_KV_FP8 : PD_KV_ACT,
         .out = dev_out(c, b, qn, pd_backend_act_dtype(b)), .q_indptr = dev_i32(c, b, q_indptr, ac->n_seqs + 1),
         .kv_lens = dev_i32(c, b, ac->kv_lens, ac->n_seqs), .bt_indptr = dev_i32(c, b, bt_indptr, ac->n_seqs + 1),
         .bt_indices = dev_i32(c, b, pool, n_bt), .token_seq = dev_i32(c, b, tseq, n_tok), .n_tokens = n_tok,
@@ -605,9 +712,27 @@ static void attn_check(ctx *c, const attn_case *ac, const char *name) {
     void *ref = attn_run(c, c->cpu, ac, 77, &n_tok);
     void *got = attn_run(c, c->gpu, ac, 77, &n_tok);
     char what[160];
-    snprintf(what, sizeof what, "attention %s H=%d Hkv=%d hd=%d bs=%d seqs=%d", name, ac->H, ac->Hkv, ac->hd, ac->bs,
-             ac->n_seqs);
+    snprintf(what, sizeof what, "attention %s%s H=%d Hkv=%d hd=%d bs=%d seqs=%d", ac->fp8 ? "fp8 " : "", name, ac->H,
+             ac->Hkv, ac->hd, ac->bs, ac->n_seqs);
     compare(c, got, ref, (size_t)n_tok * ac->H * ac->hd, false, NMSE_ATTN, what);
+    ctx_release(c);
+}
+
+// Every attention case again on fp8 caches (GPU vs CPU on the same fp8 bytes), plus the cost of
+// fp8 itself: the CPU result on the fp8 cache vs the CPU result on the unquantised values.
+static void attn_check_both(ctx *c, const attn_case *ac, const char *name) {
+    attn_check(c, ac, name);
+    attn_case f = *ac;
+    f.fp8 = true;
+    attn_check(c, &f, name);
+    int n_tok = 0;
+    size_t n = 0;
+    for (int s = 0; s < ac->n_seqs; s++) n += (size_t)ac->q_lens[s] * ac->H * ac->hd;
+    float *q8 = to_host(c->cpu, attn_run(c, c->cpu, &f, 77, &n_tok), n, PD_DTYPE_F32);
+    float *qx = to_host(c->cpu, attn_run(c, c->cpu, ac, 77, &n_tok), n, PD_DTYPE_F32);
+    double e = nmse(q8, qx, n);
+    PD_CHECK_MSG(e < 5e-3, "attention %s: fp8 cache vs exact nmse %.3g", name, e);
+    pd_free(q8), pd_free(qx);
     ctx_release(c);
 }
 
@@ -624,10 +749,10 @@ PD_TEST(test_cuda_attention_decode) {
                 ac.q_lens[s] = 1;
                 ac.kv_lens[s] = kvs[s % 8] + (s / 8);
             }
-            attn_check(&c, &ac, "decode x17");
+            attn_check_both(&c, &ac, "decode x17");
             attn_case one = {.H = heads[hi][0], .Hkv = heads[hi][1], .hd = hds[di], .bs = 16, .n_seqs = 1,
                              .q_lens = {1}, .kv_lens = {hi == 0 ? 9000 : 2047}};
-            attn_check(&c, &one, "decode x1 long");
+            attn_check_both(&c, &one, "decode x1 long");
         }
     ctx_fini(&c);
 }
@@ -643,18 +768,18 @@ PD_TEST(test_cuda_attention_prefill_mixed) {
             // one fresh prompt
             attn_case a = {.H = heads[hi][0], .Hkv = heads[hi][1], .hd = hds[di], .bs = bs, .n_seqs = 1,
                            .q_lens = {97}, .kv_lens = {97}};
-            attn_check(&c, &a, "prefill 97");
+            attn_check_both(&c, &a, "prefill 97");
             // prompts of odd lengths, some with cached prefixes (q_len < kv_len)
             attn_case b = {.H = heads[hi][0], .Hkv = heads[hi][1], .hd = hds[di], .bs = bs, .n_seqs = 4,
                            .q_lens = {54, 2, 130, 64}, .kv_lens = {54, 97, 300, 64 + 32}};
-            attn_check(&c, &b, "prefill prefix");
+            attn_check_both(&c, &b, "prefill prefix");
             // mixed: decodes and prefill chunks together
             attn_case m = {.H = heads[hi][0], .Hkv = heads[hi][1], .hd = hds[di], .bs = bs, .n_seqs = 6,
                            .q_lens = {1, 77, 1, 1, 200, 3}, .kv_lens = {2047, 77, 1, 54, 700, 3}};
-            attn_check(&c, &m, "mixed");
+            attn_check_both(&c, &m, "mixed");
         }
     attn_case big = {.H = 8, .Hkv = 1, .hd = 128, .bs = 16, .n_seqs = 2, .q_lens = {1000, 1}, .kv_lens = {2047, 5000}};
-    attn_check(&c, &big, "long prefill chunk");
+    attn_check_both(&c, &big, "long prefill chunk");
     ctx_fini(&c);
 }
 

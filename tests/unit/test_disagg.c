@@ -13,6 +13,8 @@
 #include "test.h"
 #include "xfer/xfer.h"
 
+#define SECRET "test-secret-0123456789abcdef"
+
 typedef struct outs {
     int n;
     int32_t out[16][64];
@@ -36,8 +38,9 @@ static pd_engine *mk(pd_engine_role role, pd_kvw_transport tr, const char *prefi
     p.role = role;
     p.kv_transport = tr;
     p.disagg_min_tokens = 1;  // hand off every prompt, even 1 token
-    p.disagg_timeout_ms = 20000;
+    p.disagg_timeout_ms = 120000;  // a safety net only: sanitizer builds on a loaded box are slow
     p.debug_corrupt_every = corrupt_every;
+    p.kv_secret = SECRET;
     if (prefill_addr) {
         p.n_prefill_addrs = 1;
         p.prefill_addrs[0] = prefill_addr;
@@ -240,7 +243,7 @@ PD_TEST(disagg_timeout_keeps_blocks_until_worker_answers) {
     snprintf(dir, sizeof dir, "%s/kjv-llama-6m", pd_test_models_dir());
     pd_engine_params pp = pd_engine_params_default();
     pp.model_dir = dir, pp.device = "cpu", pp.n_blocks = 256, pp.role = PD_ROLE_PREFILL;
-    pp.kv_transport = PD_KVW_TRANSPORT_SHM, pp.debug_export_delay_ms = 800;
+    pp.kv_transport = PD_KVW_TRANSPORT_SHM, pp.debug_export_delay_ms = 800, pp.kv_secret = SECRET;
     pd_err err = {0};
     pd_engine *pf = pd_engine_new(&pp, &err);
     PD_REQUIRE(pf);
@@ -252,7 +255,7 @@ PD_TEST(disagg_timeout_keeps_blocks_until_worker_answers) {
     dp.n_blocks = 19;             // 300 prompt + 4 generated tokens = 19 blocks of 16: the whole pool
     dp.disagg_min_tokens = 100;   // only the 300-token prompt is handed off
     dp.disagg_timeout_ms = 150;
-    dp.n_prefill_addrs = 1, dp.prefill_addrs[0] = addr;
+    dp.n_prefill_addrs = 1, dp.prefill_addrs[0] = addr, dp.kv_secret = SECRET;
     pd_engine *d = pd_engine_new(&dp, &err);
     if (!d) PD_FAIL_("decode engine: %s", err.msg);
     PD_REQUIRE(d);
@@ -330,7 +333,7 @@ static void got_result_event(void *ud, pd_xfer_event *ev) {
 // Returns the time from the request to its RESULT (ms); *st gets the status.
 static double timed_out_request(slow_pf *f, int grace_ms, pd_status *st) {
     pthread_mutex_init(&f->mu, NULL);
-    pd_xfer_server_params sp = {.port = 0, .on_event = slow_pf_event, .ud = f};
+    pd_xfer_server_params sp = {.port = 0, .secret = SECRET, .on_event = slow_pf_event, .ud = f};
     pd_err err = {0};
     f->s = pd_xfer_server_new(&sp, &err);
     if (!f->s) {
@@ -342,7 +345,8 @@ static double timed_out_request(slow_pf *f, int grace_ms, pd_status *st) {
     got_result g = {.n = 0};
     pthread_mutex_init(&g.mu, NULL);
     pd_xfer_client_params cp = {.n_workers = 1, .addrs = {addr}, .transport = PD_KVW_TRANSPORT_TCP, .timeout_ms = 100,
-                                .cancel_grace_ms = grace_ms, .ping_ms = 200, .on_event = got_result_event, .ud = &g};
+                                .cancel_grace_ms = grace_ms, .ping_ms = 200, .on_event = got_result_event, .ud = &g,
+                                .secret = SECRET, .pool = {.n_layers = 1, .n_blocks = 4, .block_size = 16, .row_bytes = 8}};
     pd_xfer_client *c = pd_xfer_client_new(&cp, &err);
     if (!c) {
         PD_FAIL_("xfer client: %s", err.msg);
@@ -395,4 +399,127 @@ PD_TEST(xfer_timeout_unanswered_drops_the_worker_after_grace) {
     PD_CHECK_EQ(f.n_cancel, 1);
     PD_CHECK(ms >= 100 + 300 - 20);
     PD_CHECK(ms < 3000);
+}
+
+// Seeded sampling: a temperature-1 request with a seed draws the same tokens handed off as
+// prefilled locally — the first token is drawn remotely, and the decode side continues the remote
+// sampler's draw counter (PREFILL_DONE n_draws), not its own (which made the draws differ).
+static int run_seeded(pd_engine *d, uint64_t id, const int32_t *p, int n, int32_t *out) {
+    pd_err err = {0};
+    pd_engine_request q = {.id = id, .prompt = p, .n_prompt = n, .max_tokens = 24, .ignore_eos = true,
+                           .sampling = pd_sampling_params_default()};
+    q.sampling.temperature = 1.0f;
+    q.sampling.seed = 4242;
+    q.sampling.has_seed = true;
+    PD_CHECK_EQ(pd_engine_submit(d, &q, &err), PD_OK);
+    int n_out = 0;
+    bool done = false;
+    int64_t deadline = pd_test_deadline_us(60);
+    while (!done && pd_time_us() < deadline) {
+        struct pollfd pfd = {.fd = pd_engine_event_fd(d), .events = POLLIN};
+        poll(&pfd, 1, 20);
+        pd_engine_event ev[16];
+        int k;
+        while ((k = pd_engine_poll(d, ev, 16)) > 0)
+            for (int i = 0; i < k; i++) {
+                if (ev[i].id != id) continue;
+                if (ev[i].kind == PD_EV_TOKEN && n_out < 64) out[n_out++] = ev[i].tok.token;
+                if (ev[i].kind == PD_EV_FINISHED) done = true;
+            }
+    }
+    PD_CHECK(done);
+    return n_out;
+}
+
+PD_TEST(disagg_seeded_sampling_same_as_local) {
+    json_t *g = golden();
+    int32_t p[512], local[64], remote[64];
+    int n = golden_prompt(g, 1, p);
+    pd_engine *both = mk(PD_ROLE_BOTH, PD_KVW_TRANSPORT_TCP, NULL, 0);
+    PD_REQUIRE(both);
+    int nl = run_seeded(both, 1, p, n, local);
+    pd_engine_free(both);
+    for (int t = 0; t < 2; t++) {
+        pd_kvw_transport tr = t ? PD_KVW_TRANSPORT_SHM : PD_KVW_TRANSPORT_TCP;
+        pd_engine *pf = mk(PD_ROLE_PREFILL, tr, NULL, 0);
+        PD_REQUIRE(pf);
+        char addr[64];
+        snprintf(addr, sizeof addr, "127.0.0.1:%d", pd_engine_kv_port(pf));
+        pd_engine *d = mk(PD_ROLE_DECODE, tr, addr, 0);
+        wait_healthy(d);
+        int nr = run_seeded(d, 2, p, n, remote);
+        pd_engine_stats st;
+        pd_engine_stats_get(d, &st);
+        PD_CHECK_EQ(st.n_kv_handoffs, 1);
+        PD_CHECK_EQ(nr, nl);
+        for (int i = 0; i < nl && i < nr; i++)
+            if (local[i] != remote[i]) {
+                PD_FAIL_("%s: seeded token %d: local %d, handed off %d", pd_kvw_transport_name(tr), i, local[i], remote[i]);
+                break;
+            }
+        pd_engine_free(d);
+        pd_engine_free(pf);
+    }
+    json_decref(g);
+}
+
+// A prefill step that fails (out of memory: test hook) tells the decode worker at once
+// (PREFILL_FAIL): its requests fall back right away, not after the 20 s handoff timeout, and their
+// outputs are still right. Colocated, a failed step fails its requests with an error event: no
+// client is left waiting.
+PD_TEST(disagg_failed_prefill_step_fails_at_once) {
+    json_t *g = golden();
+    char dir[512];
+    snprintf(dir, sizeof dir, "%s/kjv-llama-6m", pd_test_models_dir());
+    pd_engine_params pp = pd_engine_params_default();
+    pp.model_dir = dir, pp.device = "cpu", pp.n_blocks = 256, pp.role = PD_ROLE_PREFILL;
+    pp.kv_transport = PD_KVW_TRANSPORT_TCP, pp.kv_secret = SECRET, pp.debug_fail_step_every = 1;  // every step
+    pd_err err = {0};
+    pd_engine *pf = pd_engine_new(&pp, &err);
+    PD_REQUIRE(pf);
+    PD_CHECK_EQ(pd_engine_start(pf), PD_OK);
+    char addr[64];
+    snprintf(addr, sizeof addr, "127.0.0.1:%d", pd_engine_kv_port(pf));
+    pd_engine *d = mk(PD_ROLE_DECODE, PD_KVW_TRANSPORT_TCP, addr, 0);
+    wait_healthy(d);
+    outs o;
+    run(d, g, &o);
+    check(g, &o, "failed prefill steps");
+    pd_engine_stats st;
+    pd_engine_stats_get(d, &st);
+    PD_CHECK_EQ(st.n_kv_fallbacks[PD_FALLBACK_ERROR], 6);
+    PD_CHECK_EQ(st.n_kv_fallbacks[PD_FALLBACK_TIMEOUT], 0);  // without PREFILL_FAIL they would all time out
+    pd_engine_stats ps;
+    pd_engine_stats_get(pf, &ps);
+    PD_CHECK_EQ(ps.n_kv_saves_failed, 6);
+    PD_CHECK_EQ(ps.n_blocks_used, 0);
+    pd_engine_free(d);
+    pd_engine_free(pf);
+
+    pd_engine_params cp = pd_engine_params_default();
+    cp.model_dir = dir, cp.device = "cpu", cp.n_blocks = 256, cp.debug_fail_step_every = 3;
+    pd_engine *c = pd_engine_new(&cp, &err);
+    PD_REQUIRE(c);
+    PD_CHECK_EQ(pd_engine_start(c), PD_OK);
+    int32_t p[512];
+    int n = golden_prompt(g, 0, p), errors = 0, finished = 0;
+    for (int i = 0; i < 8; i++) {
+        pd_engine_request q = {.id = (uint64_t)i + 1, .prompt = p, .n_prompt = n, .max_tokens = 8, .ignore_eos = true,
+                               .sampling = pd_sampling_params_default()};
+        PD_CHECK_EQ(pd_engine_submit(c, &q, &err), PD_OK);
+    }
+    int64_t deadline = pd_test_deadline_us(60);
+    while (finished < 8 && pd_time_us() < deadline) {
+        struct pollfd pfd = {.fd = pd_engine_event_fd(c), .events = POLLIN};
+        poll(&pfd, 1, 20);
+        pd_engine_event ev[16];
+        int k;
+        while ((k = pd_engine_poll(c, ev, 16)) > 0)
+            for (int i = 0; i < k; i++)
+                if (ev[i].kind == PD_EV_FINISHED) finished++, errors += ev[i].finish == PD_ENGINE_FINISH_ERROR;
+    }
+    PD_CHECK_EQ(finished, 8);  // every client hears the end of its request
+    PD_CHECK(errors >= 1);
+    pd_engine_free(c);
+    json_decref(g);
 }

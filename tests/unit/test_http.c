@@ -11,6 +11,7 @@
 #include <event2/event.h>
 #include <fcntl.h>
 #include <netinet/in.h>
+#include <poll.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -138,11 +139,13 @@ static void h_stream(pd_http_req *r, void *ud) {
     pd_http_sse_end(r, true);
 }
 
-static bool fx_init(fixture *f, size_t max_body) {
+static bool fx_init_p(fixture *f, size_t max_body, int max_conns, int keepalive_s) {
     memset(f, 0, sizeof *f);
     f->base = event_base_new();
     pd_http_params p = pd_http_params_default();
     p.max_body_bytes = max_body;
+    p.max_connections = max_conns;
+    p.keepalive_timeout_s = keepalive_s;
     p.on_response = on_resp;
     p.on_response_ud = f;
     pd_err err = {0};
@@ -159,6 +162,8 @@ static bool fx_init(fixture *f, size_t max_body) {
     PD_CHECK_EQ(pd_http_server_route(f->srv, "GET", "/hello", h_hello, f), PD_ERR_INVALID);
     return true;
 }
+
+static bool fx_init(fixture *f, size_t max_body) { return fx_init_p(f, max_body, 0, 0); }
 
 static void fx_fini(fixture *f) {
     pd_http_server_free(f->srv);
@@ -475,5 +480,87 @@ PD_TEST(server_end_all_cuts_streams_without_done) {
     PD_CHECK_EQ(pd_http_server_n_unflushed(f.srv), 0);
     close(fs);
     close(fh);
+    fx_fini(&f);
+}
+
+// Whether the server has closed fd (EOF or reset), pumping the loop for up to `secs`.
+static bool closed_by_server(fixture *f, int fd, double secs) {
+    int64_t deadline = pd_time_us() + (int64_t)(secs * 1e6);
+    do {
+        event_base_loop(f->base, EVLOOP_NONBLOCK);
+        char c;
+        ssize_t k = recv(fd, &c, 1, MSG_PEEK | MSG_DONTWAIT);
+        if (k == 0 || (k < 0 && errno != EAGAIN && errno != EWOULDBLOCK)) return true;
+        poll(NULL, 0, 5);
+    } while (pd_time_us() < deadline);
+    return false;
+}
+
+PD_TEST(server_connection_limit_closes_longest_idle) {
+    fixture f;
+    if (!fx_init_p(&f, 1 << 20, 8, 0)) return;
+    PD_CHECK_EQ(pd_http_server_max_connections(f.srv), 8);
+    int fds[40];
+    for (int i = 0; i < 40; i++) {
+        fds[i] = connect_to(&f);
+        for (int k = 0; k < 20; k++) event_base_loop(f.base, EVLOOP_NONBLOCK);  // accepted, in order
+        poll(NULL, 0, 1);
+    }
+    // a request on a new connection is still served: the longest-idle ones made room
+    char *out = roundtrip(&f, "GET /hello HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
+    PD_CHECK_CONTAINS(out, "HTTP/1.1 200");
+    pd_free(out);
+    int n_closed = 0;
+    for (int i = 0; i < 40; i++) n_closed += closed_by_server(&f, fds[i], i < 20 ? 0.5 : 0.05);
+    PD_CHECK_MSG(n_closed >= 40 - 8, "%d of 40 idle connections closed at a limit of 8", n_closed);
+    PD_CHECK(closed_by_server(&f, fds[0], 0.01));  // the oldest went first
+    PD_CHECK(!closed_by_server(&f, fds[39], 0.01));  // the newest stays
+    for (int k = 0; k < 200 && pd_http_server_n_connections(f.srv) > 8; k++) {
+        event_base_loop(f.base, EVLOOP_NONBLOCK);
+        poll(NULL, 0, 5);
+    }
+    PD_CHECK(pd_http_server_n_connections(f.srv) <= 8);
+    for (int i = 0; i < 40; i++) close(fds[i]);
+    fx_fini(&f);
+}
+
+PD_TEST(server_connection_limit_never_closes_busy) {
+    fixture f;
+    if (!fx_init_p(&f, 1 << 20, 2, 0)) return;
+    int held = connect_to(&f);
+    const char *req = "POST /hold HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\n{}";
+    send_all(&f, held, req, strlen(req));
+    int64_t deadline = pd_test_deadline_us(5);
+    while (!f.held && pd_time_us() < deadline) event_base_loop(f.base, EVLOOP_NONBLOCK);
+    PD_REQUIRE(f.held != NULL);
+    int idle[6];
+    for (int i = 0; i < 6; i++) {
+        idle[i] = connect_to(&f);
+        for (int k = 0; k < 20; k++) event_base_loop(f.base, EVLOOP_NONBLOCK);
+    }
+    PD_CHECK(!closed_by_server(&f, held, 0.2));  // its request is held by a handler: never shed
+    PD_CHECK(f.held != NULL);
+    pd_http_reply(f.held, 200, "text/plain", "ok", 2);
+    f.held = NULL;
+    char *out = pump(&f, held, "ok");
+    PD_CHECK_CONTAINS(out, "HTTP/1.1 200");
+    pd_free(out);
+    close(held);
+    for (int i = 0; i < 6; i++) close(idle[i]);
+    fx_fini(&f);
+}
+
+PD_TEST(server_keepalive_timeout_closes_idle) {
+    fixture f;
+    if (!fx_init_p(&f, 1 << 20, 0, 1)) return;
+    int fd = connect_to(&f);
+    const char *req = "GET /hello HTTP/1.1\r\nHost: x\r\n\r\n";
+    send_all(&f, fd, req, strlen(req));
+    char *out = pump(&f, fd, "\"ok\"");
+    PD_CHECK_CONTAINS(out, "HTTP/1.1 200");
+    pd_free(out);
+    PD_CHECK(!closed_by_server(&f, fd, 0.3));  // keep-alive: still open right after the reply
+    PD_CHECK(closed_by_server(&f, fd, 5));     // ... and closed once idle for 1 s (sweep: 0.5 s)
+    close(fd);
     fx_fini(&f);
 }

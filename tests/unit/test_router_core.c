@@ -194,9 +194,50 @@ PD_TEST(qos_parse_and_select) {
     PD_CHECK_EQ(pd_router_qos_select(&q, NULL, NULL), 1);  // standard
 }
 
+PD_TEST(qos_default_reserves_nothing) {
+    // Without a --qos-config no class holds capacity back: a full pool of standard requests
+    // may use every seat (issue 18: a 20% premium reserve refused load one worker handled).
+    pd_router_qos q;
+    pd_router_qos_default(&q, 0, 0);
+    PD_CHECK_EQ(q.capacity_per_worker, 0);
+    int inflight[PD_ROUTER_MAX_CLASSES] = {0};
+    inflight[1] = 9;
+    PD_CHECK(pd_router_qos_admit(&q, 1, inflight, 10));
+    inflight[1] = 10;
+    PD_CHECK(!pd_router_qos_admit(&q, 1, inflight, 10));
+}
+
+PD_TEST(worker_capacity_and_room) {
+    PD_CHECK_EQ(pd_router_worker_capacity(64, 4096, 0), 4160);
+    PD_CHECK_EQ(pd_router_worker_capacity(64, 0, 0), 64);
+    PD_CHECK_EQ(pd_router_worker_capacity(0, 4096, 0), 0);  // no report: unknown
+    PD_CHECK_EQ(pd_router_worker_capacity(64, 4096, 8), 8);  // the config's override
+    pd_router_cand c = {0};
+    PD_CHECK(pd_router_has_room(&c));  // unknown capacity refuses nothing
+    c.n_capacity = 4;
+    c.n_inflight = 3;
+    PD_CHECK(pd_router_has_room(&c));
+    c.n_inflight = 4;
+    PD_CHECK(!pd_router_has_room(&c));
+    c.n_inflight = 1;  // plus load from other clients (other routers, direct requests)
+    c.n_foreign = 3;
+    PD_CHECK(!pd_router_has_room(&c));
+    c.n_foreign = 2;
+    PD_CHECK(pd_router_has_room(&c));
+    c.n_running = 50;  // a stale report of our own requests does not count
+    c.n_waiting = 50;
+    PD_CHECK(pd_router_has_room(&c));
+    c.n_kv_blocks_total = 100;
+    c.n_blocks_needed = 101;  // can never fit there
+    PD_CHECK(!pd_router_has_room(&c));
+    c.n_blocks_needed = 100;
+    PD_CHECK(pd_router_has_room(&c));
+}
+
 PD_TEST(qos_reserved_capacity) {
     pd_router_qos q;
-    pd_router_qos_default(&q, 0, 0);  // premium reserves 0.2
+    pd_router_qos_default(&q, 0, 0);
+    q.classes[0].reserved_frac = 0.2;  // as a --qos-config would set it
     int inflight[PD_ROUTER_MAX_CLASSES] = {0};
     // capacity 10: premium keeps 2 slots, so free/standard may fill 8
     inflight[2] = 7;

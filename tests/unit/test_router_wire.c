@@ -94,6 +94,17 @@ PD_TEST(state_roundtrip) {
     s.load.n_prefix_query_tokens = 1000;
     s.load.n_prefix_hit_tokens = 640;
     s.load.n_requests_finished = 9;
+    s.load.n_max_seqs = 64;
+    s.load.n_max_waiting = 4096;
+    s.load.n_kv_handoffs = 11;
+    s.load.n_kv_handoff_bytes = 5000000000ll;
+    s.load.kv_handoff_us = 777;
+    s.load.n_kv_fallbacks[2] = 3;  // worker_died
+    s.load.n_kv_local_short = 5;
+    s.load.n_kv_exports = 6;
+    s.load.n_kv_export_bytes = 42;
+    s.load.n_ttft = 12;
+    s.load.ttft_ms_sum[0] = 1.5, s.load.ttft_ms_sum[3] = 9.25;
     char *txt = NULL;
     size_t len = 0;
     PD_REQUIRE(pd_wire_state_encode(&s, &txt, &len) == PD_OK);
@@ -122,6 +133,19 @@ PD_TEST(state_roundtrip) {
     PD_CHECK_EQ(d.load.n_prefix_query_tokens, 1000);
     PD_CHECK_EQ(d.load.n_prefix_hit_tokens, 640);
     PD_CHECK_EQ(d.load.n_requests_finished, 9);
+    PD_CHECK_EQ(d.load.n_max_seqs, 64);
+    PD_CHECK_EQ(d.load.n_max_waiting, 4096);
+    PD_CHECK_EQ(d.load.n_kv_handoffs, 11);
+    PD_CHECK_EQ(d.load.n_kv_handoff_bytes, 5000000000ll);
+    PD_CHECK_EQ(d.load.kv_handoff_us, 777);
+    PD_CHECK_EQ(d.load.n_kv_fallbacks[2], 3);
+    PD_CHECK_EQ(d.load.n_kv_fallbacks[0], 0);
+    PD_CHECK_EQ(d.load.n_kv_local_short, 5);
+    PD_CHECK_EQ(d.load.n_kv_exports, 6);
+    PD_CHECK_EQ(d.load.n_kv_export_bytes, 42);
+    PD_CHECK_EQ(d.load.n_ttft, 12);
+    PD_CHECK_NEAR(d.load.ttft_ms_sum[0], 1.5, 1e-9);
+    PD_CHECK_NEAR(d.load.ttft_ms_sum[3], 9.25, 1e-9);
     PD_REQUIRE(d.n_events == 3);
     for (int i = 0; i < 3; i++) {
         PD_CHECK_EQ(d.events[i].seq, ev[i].seq);
@@ -133,6 +157,27 @@ PD_TEST(state_roundtrip) {
     PD_CHECK(pd_hash128_eq(d.events[1].hash, ev[1].hash));
     pd_wire_state_fini(&d);
     pd_wire_state_fini(&d);  // idempotent
+}
+
+PD_TEST(state_load_capacity_absent_or_bad) {
+    // An older worker reports no capacity (0 = unknown: the router refuses nothing on it); negative
+    // values from a broken one read as unknown too.
+    const char *old = "{\"v\":1,\"type\":\"state\",\"instance\":\"00000000000000aa\",\"role\":\"both\","
+                      "\"block_size\":16,\"load\":{\"running\":1},\"events\":{\"reset\":false,\"seq_next\":0,\"list\":[]}}";
+    pd_wire_state d;
+    pd_err err = {0};
+    PD_REQUIRE(pd_wire_state_decode(old, strlen(old), &d, &err) == PD_OK);
+    PD_CHECK_EQ(d.load.n_max_seqs, 0);
+    PD_CHECK_EQ(d.load.n_max_waiting, 0);
+    PD_CHECK_EQ(d.load.n_ttft, 0);
+    pd_wire_state_fini(&d);
+    const char *bad = "{\"v\":1,\"type\":\"state\",\"instance\":\"00000000000000aa\",\"role\":\"both\","
+                      "\"block_size\":16,\"load\":{\"max_seqs\":-5,\"max_waiting\":-1},"
+                      "\"events\":{\"reset\":false,\"seq_next\":0,\"list\":[]}}";
+    PD_REQUIRE(pd_wire_state_decode(bad, strlen(bad), &d, &err) == PD_OK);
+    PD_CHECK_EQ(d.load.n_max_seqs, 0);
+    PD_CHECK_EQ(d.load.n_max_waiting, 0);
+    pd_wire_state_fini(&d);
 }
 
 PD_TEST(state_lenient_and_strict) {

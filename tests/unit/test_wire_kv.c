@@ -25,7 +25,10 @@ PD_TEST(kvw_roundtrip_all_types) {
     pd_kvw_msg m = {.type = PD_KVW_PREFILL_REQ};
     m.u.prefill_req = (pd_kvw_prefill_req){.req_id = 77, .start_pos = 0, .n_tokens = 5, .tokens = toks, .n_dst_blocks = 1,
                                            .dst_blocks = blks, .sampling = {.temperature = 0.5f, .top_k = 3, .seed = 42, .has_seed = 1}};
+    snprintf(m.u.prefill_req.traceparent, sizeof m.u.prefill_req.traceparent,
+             "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01");
     pd_kvw_msg o = roundtrip(&m, &b);
+    PD_CHECK_STR(o.u.prefill_req.traceparent, "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01");
     PD_CHECK_EQ(o.type, PD_KVW_PREFILL_REQ);
     PD_CHECK_EQ(o.u.prefill_req.req_id, 77);
     PD_CHECK_EQ(o.u.prefill_req.tokens[4], 5);
@@ -41,7 +44,11 @@ PD_TEST(kvw_roundtrip_all_types) {
     m.u.done.top_ids[1] = 7;
     m.u.done.n_layers = 3;
     m.u.done.checksums[2] = 0xdeadbeefcafef00dull;
+    m.u.done.queue_us = 1500;
+    m.u.done.compute_us = 123456789012ll;
     o = roundtrip(&m, &b);
+    PD_CHECK_EQ(o.u.done.queue_us, 1500);
+    PD_CHECK_EQ(o.u.done.compute_us, 123456789012ll);
     PD_CHECK_EQ(o.u.done.first_token, 123);
     PD_CHECK_EQ(o.u.done.top_ids[1], 7);
     PD_CHECK(o.u.done.checksums[2] == 0xdeadbeefcafef00dull);
@@ -208,5 +215,64 @@ PD_TEST(kvw_nccl_bad_lengths_refused) {
     b.data[4] = 1;
     PD_CHECK_EQ(pd_kvw_decode(b.data, b.len, &o, &used, &err), PD_ERR_PROTO);
     PD_CHECK_CONTAINS(err.msg, "unsupported version 1");
+    pd_kvw_buf_fini(&b);
+}
+
+// Version 3: the auth frames round-trip with exact sizes, PREFILL_DONE carries n_draws, and every
+// type's body is capped before it is read (peek_len refuses the header) — a lying header cannot
+// make a receiver allocate more than the protocol allows.
+PD_TEST(kvw_v3_auth_frames_and_caps) {
+    pd_kvw_buf b = {0};
+    pd_kvw_msg m = {.type = PD_KVW_AUTH_PROOF};
+    for (int i = 0; i < PD_KVW_NONCE; i++) m.u.auth.nonce[i] = (uint8_t)i;
+    for (int i = 0; i < PD_KVW_MAC; i++) m.u.auth.mac[i] = (uint8_t)(200 - i);
+    pd_kvw_msg o = roundtrip(&m, &b);
+    PD_CHECK_EQ(b.len, PD_KVW_HDR + PD_KVW_NONCE + PD_KVW_MAC);
+    PD_CHECK(!memcmp(o.u.auth.nonce, m.u.auth.nonce, PD_KVW_NONCE) && !memcmp(o.u.auth.mac, m.u.auth.mac, PD_KVW_MAC));
+    m.type = PD_KVW_AUTH_CHALLENGE;
+    o = roundtrip(&m, &b);
+    PD_CHECK_EQ(b.len, PD_KVW_HDR + PD_KVW_NONCE);
+    PD_CHECK_EQ(pd_kvw_peek_type(b.data), PD_KVW_AUTH_CHALLENGE);
+    m.type = PD_KVW_AUTH_OK;
+    o = roundtrip(&m, &b);
+    PD_CHECK_EQ(b.len, PD_KVW_HDR + PD_KVW_MAC);
+    PD_CHECK(!memcmp(o.u.auth.mac, m.u.auth.mac, PD_KVW_MAC));
+
+    m = (pd_kvw_msg){.type = PD_KVW_PREFILL_DONE};
+    m.u.done.n_layers = PD_KVW_MAX_LAYERS;
+    m.u.done.n_top = PD_KVW_MAX_TOP;
+    m.u.done.n_draws = 0x123456789ull;
+    o = roundtrip(&m, &b);
+    PD_CHECK(o.u.done.n_draws == 0x123456789ull);
+    PD_CHECK_EQ(b.len - PD_KVW_HDR, pd_kvw_max_body(PD_KVW_PREFILL_DONE));  // the largest DONE fits its cap exactly
+
+    // Each type's largest legal body fits its cap; one byte more is refused at the header.
+    pd_kvw_msg h = {.type = PD_KVW_HELLO};
+    h.u.hello.handle_len = sizeof h.u.hello.handle;
+    pd_kvw_buf_reset(&b);
+    PD_CHECK_EQ(pd_kvw_encode(&b, &h), PD_OK);
+    PD_CHECK(b.len - PD_KVW_HDR <= pd_kvw_max_body(PD_KVW_HELLO));
+    PD_CHECK(pd_kvw_peek_len(b.data) == b.len);
+    uint32_t over = pd_kvw_max_body(PD_KVW_HELLO) + 1;
+    memcpy(b.data + 8, &over, 4);  // little-endian host
+    PD_CHECK(pd_kvw_peek_len(b.data) == 0);
+    pd_err err = {0};
+    size_t used;
+    PD_CHECK_EQ(pd_kvw_decode(b.data, b.len, &o, &used, &err), PD_ERR_PROTO);
+    // a payload on anything but KV_SLAB is refused at the header
+    m = (pd_kvw_msg){.type = PD_KVW_PING};
+    pd_kvw_buf_reset(&b);
+    PD_CHECK_EQ(pd_kvw_encode(&b, &m), PD_OK);
+    PD_CHECK(pd_kvw_peek_len(b.data) == b.len);
+    b.data[16] = 1;
+    PD_CHECK(pd_kvw_peek_len(b.data) == 0);
+    // unknown types have no cap: refused
+    PD_CHECK_EQ(pd_kvw_max_body((pd_kvw_type)99), 0);
+    // a version-2 peer is refused
+    b.data[16] = 0;
+    b.data[4] = 2;
+    PD_CHECK(pd_kvw_peek_len(b.data) == 0);
+    PD_CHECK_EQ(pd_kvw_decode(b.data, b.len, &o, &used, &err), PD_ERR_PROTO);
+    PD_CHECK_CONTAINS(err.msg, "unsupported version 2");
     pd_kvw_buf_fini(&b);
 }

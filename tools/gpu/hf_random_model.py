@@ -58,11 +58,11 @@ def hf_logits(model_dir, ids):
     return refs, inv_freq_dtype
 
 
-def pd_logits(bin_path, model_dir, ids, device, out_path):
-    """Last-position logits of `pdserve generate --device DEVICE --logits-out`."""
+def pd_logits(bin_path, model_dir, ids, device, out_path, extra=()):
+    """Last-position logits of `pdserve generate --device DEVICE --logits-out` (extra: more flags)."""
     subprocess.run([bin_path, "generate", "--model", model_dir, "--device", device, "--prompt-ids",
                     ",".join(str(int(x)) for x in ids[0]), "--max-tokens", "1", "--temperature", "0",
-                    "--logits-out", out_path, "--output", "json"], check=True, stdout=subprocess.DEVNULL,
+                    "--logits-out", out_path, "--output", "json", *extra], check=True, stdout=subprocess.DEVNULL,
                    stderr=subprocess.DEVNULL)
     return torch.frombuffer(bytearray(open(out_path, "rb").read()), dtype=torch.float32)
 

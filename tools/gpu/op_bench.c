@@ -65,7 +65,7 @@ static void cp_op(pd_backend *b, void *arg, int rep) {
     pd_op_copy_blocks(b, &p);  // two independent 1 GiB copies per call
 }
 
-static void attn_setup(at_arg *a, int n_seqs, int q_len, int kv_len, int H, int Hkv, int hd, int bs) {
+static void attn_setup(at_arg *a, int n_seqs, int q_len, int kv_len, int H, int Hkv, int hd, int bs, bool fp8) {
     int n_tok = n_seqs * q_len, bps = (kv_len + bs - 1) / bs, n_blocks = n_seqs * bps;
     int32_t *qi = malloc(4 * (n_seqs + 1)), *kl = malloc(4 * n_seqs), *bi = malloc(4 * (n_seqs + 1)),
             *bt = malloc(4 * (size_t)n_blocks), *ts = malloc(4 * (size_t)n_tok);
@@ -79,7 +79,17 @@ static void attn_setup(at_arg *a, int n_seqs, int q_len, int kv_len, int H, int 
     for (int i = 0; i < 5; i++) { d[i] = alloc(sz[i]); pd_backend_upload(g_b, d[i], h[i], sz[i]); }
     pd_backend_sync(g_b);
     size_t kvn = (size_t)n_blocks * bs * Hkv * hd;
-    a->p = (pd_attention_params){.q = rnd((size_t)n_tok * H * hd), .k_cache = rnd(kvn), .v_cache = rnd(kvn),
+    void *kc, *vc;
+    if (fp8) {  // random e4m3 bytes; the scales are random bytes too (finite: see bench-engine)
+        size_t rb = pd_kv_row_bytes(g_b, PD_KV_FP8, Hkv, hd) * (size_t)n_blocks * bs;
+        kc = alloc(rb), vc = alloc(rb);
+        pd_op_fill_normal(g_b, kc, PD_DTYPE_FP8_E4M3, rb, 5, 0.0f, 1.0f);
+        pd_op_fill_normal(g_b, vc, PD_DTYPE_FP8_E4M3, rb, 6, 0.0f, 1.0f);
+    } else {
+        kc = rnd(kvn), vc = rnd(kvn);
+    }
+    a->p = (pd_attention_params){.q = rnd((size_t)n_tok * H * hd), .k_cache = kc, .v_cache = vc,
+                                 .kv_dtype = fp8 ? PD_KV_FP8 : PD_KV_ACT,
                                  .out = alloc((size_t)n_tok * H * hd * 2), .q_indptr = d[0], .kv_lens = d[1],
                                  .bt_indptr = d[2], .bt_indices = d[3], .token_seq = d[4], .n_tokens = n_tok,
                                  .n_seqs = n_seqs, .n_heads = H, .n_kv_heads = Hkv, .head_dim = hd,
@@ -140,21 +150,27 @@ int main(int argc, char **argv) {
     // attention: Llama-3-8B heads
     int H = 32, Hkv = 8, hd = 128;
     int pre[] = {512, 2048, 8192};
-    for (int i = 0; i < 3 && want("prefill"); i++) {
-        at_arg a;
-        attn_setup(&a, 1, pre[i], pre[i], H, Hkv, hd, 16);
-        us = time_us(g_b, at_op, &a, pre[i] == 8192 ? 5 : 20);
-        double fl = 4.0 * H * hd * (double)pre[i] * pre[i] / 2;
-        printf("attn prefill L=%-5d         %9.1f us  %6.1f TFLOP/s (causal flops)\n", pre[i], us, fl / (us * 1e6));
-    }
-    int dec[][2] = {{1, 128}, {1, 4096}, {64, 128}, {64, 4096}, {256, 1024}, {8, 32768}};
-    for (int i = 0; i < 6 && want("attn"); i++) {
-        at_arg a;
-        attn_setup(&a, dec[i][0], 1, dec[i][1], H, Hkv, hd, 16);
-        us = time_us(g_b, at_op, &a, 50);
-        double bytes = (double)dec[i][0] * dec[i][1] * Hkv * hd * 2 * 2;
-        printf("attn decode B=%-4d ctx=%-6d   %9.1f us  %6.0f GB/s (KV bytes)\n", dec[i][0], dec[i][1], us,
-               bytes / (us * 1e3));
-    }
+    for (int f8 = 0; f8 < 2; f8++)
+        for (int i = 0; i < 3 && want("prefill"); i++) {
+            at_arg a;
+            attn_setup(&a, 1, pre[i], pre[i], H, Hkv, hd, 16, f8);
+            us = time_us(g_b, at_op, &a, pre[i] == 8192 ? 5 : 20);
+            double fl = 4.0 * H * hd * (double)pre[i] * pre[i] / 2;
+            printf("attn prefill %s L=%-5d    %9.1f us  %6.1f TFLOP/s (causal flops)\n", f8 ? "fp8 " : "bf16", pre[i], us,
+                   fl / (us * 1e6));
+        }
+    int dec[][2] = {{1, 128}, {1, 4096}, {1, 8192}, {1, 32768}, {64, 128}, {64, 512}, {64, 4096}, {256, 1024},
+                    {8, 32768}, {32, 32768}};
+    for (int i = 0; i < 10 && want("attn"); i++)
+        for (int f8 = 0; f8 < 2; f8++) {
+            at_arg a;
+            attn_setup(&a, dec[i][0], 1, dec[i][1], H, Hkv, hd, 16, f8);
+            us = time_us(g_b, at_op, &a, 50);
+            // bytes read: every K and V row of the context (fp8: e4m3 values + the per-head scales)
+            double row = f8 ? (double)Hkv * (hd + 4) : (double)Hkv * hd * 2;
+            double bytes = (double)dec[i][0] * dec[i][1] * row * 2;
+            printf("attn decode %s B=%-4d ctx=%-6d %9.1f us  %6.0f GB/s (KV bytes read)\n", f8 ? "fp8 " : "bf16",
+                   dec[i][0], dec[i][1], us, bytes / (us * 1e3));
+        }
     return 0;
 }

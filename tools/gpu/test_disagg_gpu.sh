@@ -106,10 +106,11 @@ PY
       [ $mode = batch ] && flags=$batch_flags label="$m $tr batched" ref=batch
       [ $mode = corrupt ] && extra="--debug-corrupt-kv 3" label="$m $tr corrupted-slabs"
       tag="$m.$tr.$mode"
-      pd_start pf --role prefill --device "$dev_a" --kv-port 0 $flags $extra
+      [ -e "$TMP/token" ] || (umask 077; head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \n' >"$TMP/token")
+      pd_start pf --role prefill --device "$dev_a" --kv-port 0 --auth-token-file "$TMP/token" $flags $extra
       kv=$(grep -o 'KV port [0-9.]*:[0-9]*' "$TMP/pf.out" | head -1 | awk '{print $3}')
       pd_start dc --role decode --device "$dev_b" --prefill "$kv" --kv-transport $tr --disagg-min-tokens 1 \
-        --disagg-timeout-ms 20000 $flags
+        --disagg-timeout-ms 20000 --auth-token-file "$TMP/token" $flags
       if ! pd_wait_for 30 sh -c "curl -sf '$URL/metrics' | grep -q '^pdserve_kv_prefill_workers_healthy 1'"; then
         fail "$label: the decode worker never connected to the prefill worker"
         tail -5 "$TMP/dc.err" "$TMP/pf.err"

@@ -93,6 +93,27 @@ static void cpu_matmul(pd_backend *b, const pd_matmul_params *p) {
     }
 }
 
+// The fp8 KV row (backend.h, PD_KV_FP8): per kv head, scale = amax / 448 and q = e4m3(x * 448 /
+// amax), computed in f32 exactly as the CUDA KV write computes them.
+static void fp8_write_row(uint8_t *dst, const float *x, int Hkv, int hd) {
+    float *scales = (float *)(dst + (size_t)Hkv * hd);
+    for (int h = 0; h < Hkv; h++) {
+        const float *xh = x + (size_t)h * hd;
+        float amax = 0.0f;
+        for (int i = 0; i < hd; i++) amax = fmaxf(amax, fabsf(xh[i]));
+        float inv = amax > 0.0f ? 448.0f / amax : 0.0f;
+        for (int i = 0; i < hd; i++) dst[(size_t)h * hd + i] = pd_fp8_e4m3_from_f32(xh[i] * inv);
+        scales[h] = amax / 448.0f;
+    }
+}
+
+// Dequantises head kvh of an fp8 row into out (hd floats).
+static void fp8_read_head(const uint8_t *row, int Hkv, int hd, int kvh, const float *lut, float *out) {
+    float sc = ((const float *)(row + (size_t)Hkv * hd))[kvh];
+    const uint8_t *q = row + (size_t)kvh * hd;
+    for (int i = 0; i < hd; i++) out[i] = lut[q[i]] * sc;
+}
+
 static void cpu_rope_kv(pd_backend *b, const pd_rope_kv_params *p) {
     int hd = p->head_dim, half = hd / 2, H = p->n_heads, Hkv = p->n_kv_heads;
     int row = (H + 2 * Hkv) * hd;
@@ -119,6 +140,12 @@ static void cpu_rope_kv(pd_backend *b, const pd_rope_kv_params *p) {
         }
         if (p->slot_mapping[t] < 0) continue;  // a padding row: rotate only, write no KV
         size_t slot = (size_t)p->slot_mapping[t], kvw = (size_t)Hkv * hd;
+        if (p->kv_dtype == PD_KV_FP8) {
+            size_t rb = pd_kv_row_bytes(b, PD_KV_FP8, Hkv, hd);
+            fp8_write_row((uint8_t *)p->k_cache + slot * rb, r + (size_t)H * hd, Hkv, hd);
+            fp8_write_row((uint8_t *)p->v_cache + slot * rb, r + (size_t)(H + Hkv) * hd, Hkv, hd);
+            continue;
+        }
         memcpy(kc + slot * kvw, r + (size_t)H * hd, sizeof(float) * kvw);
         memcpy(vc + slot * kvw, r + (size_t)(H + Hkv) * hd, sizeof(float) * kvw);
     }
@@ -132,10 +159,15 @@ static void cpu_attention(pd_backend *b, const pd_attention_params *p) {
     float *out = p->out;
     int max_kv = p->max_kv_len;
     double work = (double)p->n_tokens * H * max_kv * hd;
+    bool fp8 = p->kv_dtype == PD_KV_FP8;
+    size_t rb = pd_kv_row_bytes(b, p->kv_dtype, Hkv, hd);
+    float lut[256];
+    for (int i = 0; i < 256; i++) lut[i] = pd_fp8_e4m3_to_f32((uint8_t)i);
 #pragma omp parallel if (work > 2e5)
     {
         float *sc = pd_malloc(sizeof(float) * (size_t)(max_kv > 0 ? max_kv : 1));
-        PD_ASSERT(sc);
+        float *deq = pd_malloc(sizeof(float) * (size_t)hd);
+        PD_ASSERT(sc && deq);
 #pragma omp for schedule(dynamic, 1) collapse(2)
         for (int t = 0; t < p->n_tokens; t++) {
             for (int h = 0; h < H; h++) {
@@ -152,6 +184,10 @@ static void cpu_attention(pd_backend *b, const pd_attention_params *p) {
                 for (int j = 0; j < n; j++) {
                     size_t slot = (size_t)bt[j / bs] * bs + (size_t)(j % bs);
                     const float *kj = kc + slot * kvw + (size_t)kvh * hd;
+                    if (fp8) {
+                        fp8_read_head((const uint8_t *)p->k_cache + slot * rb, Hkv, hd, kvh, lut, deq);
+                        kj = deq;
+                    }
                     float d = 0;
                     for (int i = 0; i < hd; i++) d += qh[i] * kj[i];
                     sc[j] = d * p->scale;
@@ -168,12 +204,17 @@ static void cpu_attention(pd_backend *b, const pd_attention_params *p) {
                 for (int j = 0; j < n; j++) {
                     size_t slot = (size_t)bt[j / bs] * bs + (size_t)(j % bs);
                     const float *vj = vc + slot * kvw + (size_t)kvh * hd;
+                    if (fp8) {
+                        fp8_read_head((const uint8_t *)p->v_cache + slot * rb, Hkv, hd, kvh, lut, deq);
+                        vj = deq;
+                    }
                     float w = sc[j] * inv;
                     for (int i = 0; i < hd; i++) o[i] += w * vj[i];
                 }
             }
         }
         pd_free(sc);
+        pd_free(deq);
     }
 }
 
@@ -197,61 +238,65 @@ static void cpu_get_rows(pd_backend *b, const pd_get_rows_params *p) {
 }
 
 static void cpu_fill_normal(pd_backend *b, void *dst, pd_dtype dtype, size_t n, uint64_t seed, float mean, float std) {
-    PD_ASSERT(dtype == PD_DTYPE_F32);
-    float *d = dst;
+    PD_ASSERT(dtype == PD_DTYPE_F32 || dtype == PD_DTYPE_FP8_E4M3);
     pd_rng r;
     pd_rng_seed(&r, seed);
+    if (dtype == PD_DTYPE_FP8_E4M3) {
+        uint8_t *d = dst;
+        for (size_t i = 0; i < n; i++) d[i] = pd_fp8_e4m3_from_f32(mean + std * pd_rng_normal(&r));
+        return;
+    }
+    float *d = dst;
     for (size_t i = 0; i < n; i++) d[i] = mean + std * pd_rng_normal(&r);
 }
 
-// Shared buffers are POSIX shared-memory objects: the exporter creates and maps one, the importer
-// maps it by name. The name is unlinked when the exporter frees the buffer; mappings made before
-// stay valid (POSIX semantics), so a peer that imported it keeps working until it unmaps.
+// Shared buffers are anonymous memfds: nothing in /dev/shm, no name another process could open.
+// The exporter keeps the descriptor in the handle; a peer gets a copy only over a unix socket
+// (SCM_RIGHTS, src/xfer) after it authenticated, and maps it here. The memory goes away when the
+// last mapping and descriptor do (any exit, SIGKILL included).
 static void *cpu_alloc_shared(pd_backend *b, size_t n, pd_buffer_handle *h, pd_err *err) {
-    static int counter;
     memset(h, 0, sizeof *h);
-    snprintf(h->kind, sizeof h->kind, "shm");
-    snprintf(h->shm_name, sizeof h->shm_name, "/pdserve-kv-%d-%d", (int)getpid(), __atomic_add_fetch(&counter, 1, __ATOMIC_RELAXED));
+    snprintf(h->kind, sizeof h->kind, "memfd");
     h->n_bytes = n;
     h->pid = (int32_t)getpid();
-    int fd = shm_open(h->shm_name, O_CREAT | O_EXCL | O_RDWR, 0600);
+    int fd = memfd_create("pdserve-kv", MFD_CLOEXEC);
     if (fd < 0) {
-        pd_err_set(err, PD_ERR_IO, "shm_open %s: %m", h->shm_name);
+        pd_err_set(err, PD_ERR_IO, "memfd_create: %m");
         return NULL;
     }
     void *p = MAP_FAILED;
     if (ftruncate(fd, (off_t)n) == 0) p = mmap(NULL, n, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-    close(fd);
     if (p == MAP_FAILED) {
-        pd_err_set(err, PD_ERR_NOMEM, "cannot map %zu bytes of shared memory (%s)", n, h->shm_name);
-        shm_unlink(h->shm_name);
+        pd_err_set(err, PD_ERR_NOMEM, "cannot map %zu bytes of shared memory", n);
+        close(fd);
         return NULL;
     }
+    h->fd = fd;
     return p;
 }
 
 static void cpu_free_shared(pd_backend *b, void *p, const pd_buffer_handle *h) {
     munmap(p, h->n_bytes);
-    shm_unlink(h->shm_name);
+    if (h->fd >= 0) close(h->fd);
 }
 
+// Maps h->fd (a memfd received from the pool's owner). The mapping covers exactly h->n_bytes and
+// is refused when the object is smaller: the size a peer announces is checked against what is
+// really there, so no access past the end can happen.
 static void *cpu_import(pd_backend *b, const pd_buffer_handle *h, pd_err *err) {
-    if (strcmp(h->kind, "shm")) {
-        pd_err_set(err, PD_ERR_UNSUPPORTED, "the cpu backend cannot import a '%s' buffer", h->kind);
-        return NULL;
-    }
-    int fd = shm_open(h->shm_name, O_RDWR, 0);
-    if (fd < 0) {
-        pd_err_set(err, PD_ERR_IO, "shm_open %s: %m", h->shm_name);
+    if (strcmp(h->kind, "memfd") || h->fd < 0) {
+        pd_err_set(err, PD_ERR_UNSUPPORTED, "the cpu backend imports only a memfd received from its owner");
         return NULL;
     }
     struct stat st;
-    void *p = MAP_FAILED;
-    if (fstat(fd, &st) == 0 && (uint64_t)st.st_size >= h->n_bytes)
-        p = mmap(NULL, h->n_bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-    close(fd);
+    if (fstat(h->fd, &st) || !S_ISREG(st.st_mode) || h->n_bytes == 0 || (uint64_t)st.st_size < h->n_bytes) {
+        pd_err_set(err, PD_ERR_INVALID, "shared KV pool: %llu bytes announced, %lld mapped by its owner",
+                   (unsigned long long)h->n_bytes, (long long)st.st_size);
+        return NULL;
+    }
+    void *p = mmap(NULL, h->n_bytes, PROT_READ | PROT_WRITE, MAP_SHARED, h->fd, 0);
     if (p == MAP_FAILED) {
-        pd_err_set(err, PD_ERR_IO, "cannot map shared KV pool %s (%llu bytes)", h->shm_name, (unsigned long long)h->n_bytes);
+        pd_err_set(err, PD_ERR_IO, "cannot map the shared KV pool (%llu bytes): %m", (unsigned long long)h->n_bytes);
         return NULL;
     }
     return p;

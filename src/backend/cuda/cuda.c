@@ -167,7 +167,9 @@ static void cuda_rope_kv(pd_backend *b, const pd_rope_kv_params *p) {
     pd_rope_kv_kparams k = {.qkv = p->qkv, .positions = p->positions, .inv_freq = p->inv_freq,
                             .slot_mapping = p->slot_mapping, .k_cache = p->k_cache, .v_cache = p->v_cache,
                             .n_tokens = p->n_tokens, .n_heads = p->n_heads, .n_kv_heads = p->n_kv_heads,
-                            .head_dim = p->head_dim, .attn_scaling = p->attn_scaling};
+                            .head_dim = p->head_dim, .attn_scaling = p->attn_scaling,
+                            .kv_fp8 = p->kv_dtype == PD_KV_FP8,
+                            .row_bytes = pd_kv_row_bytes(b, p->kv_dtype, p->n_kv_heads, p->head_dim)};
     pd_cuda_rope_kv(&k, pd_cuda_backend_of(b)->stream);
     PD_CUDA_CHECK_LAUNCH();
 }
@@ -188,7 +190,9 @@ static void cuda_attention(pd_backend *b, const pd_attention_params *p) {
                               .n_heads = p->n_heads, .n_kv_heads = p->n_kv_heads, .head_dim = p->head_dim,
                               .block_size = p->block_size, .q_stride = p->q_stride, .max_q_len = p->max_q_len,
                               .max_kv_len = p->max_kv_len, .scale = p->scale, .workspace = cb->attn_ws,
-                              .workspace_bytes = cb->attn_ws_bytes, .counters = cb->attn_cnt};
+                              .workspace_bytes = cb->attn_ws_bytes, .counters = cb->attn_cnt,
+                              .kv_fp8 = p->kv_dtype == PD_KV_FP8,
+                              .row_bytes = pd_kv_row_bytes(b, p->kv_dtype, p->n_kv_heads, p->head_dim)};
     pd_cuda_attention(&k, cb->stream);
     PD_CUDA_CHECK_LAUNCH();
 }
@@ -313,6 +317,23 @@ static void *cuda_import(pd_backend *b, const pd_buffer_handle *h, pd_err *err) 
                    (int)h->device, (unsigned long long)h->n_bytes, cudaGetErrorString(e));
         return NULL;
     }
+    // The size a peer announces is checked against the allocation really behind the handle
+    // (cuMemGetAddressRange through the runtime's driver entry point: no libcuda link needed).
+    typedef int (*range_fn)(unsigned long long *base, size_t *size, unsigned long long ptr);
+    void *fn = NULL;
+    enum cudaDriverEntryPointQueryResult qr;
+    unsigned long long rb = 0;
+    size_t rs = 0;
+    if (cudaGetDriverEntryPointByVersion("cuMemGetAddressRange", &fn, 12000, cudaEnableDefault, &qr) != cudaSuccess ||
+        !fn || ((range_fn)fn)(&rb, &rs, (unsigned long long)(uintptr_t)p) != 0 || rb != (unsigned long long)(uintptr_t)p ||
+        rs < h->n_bytes) {
+        cudaGetLastError();
+        cudaIpcCloseMemHandle(p);
+        cudaGetLastError();
+        pd_err_set(err, PD_ERR_INVALID, "cuda: the IPC buffer of pid %d holds %zu bytes, %llu announced", (int)h->pid, rs,
+                   (unsigned long long)h->n_bytes);
+        return NULL;
+    }
     return p;
 }
 
@@ -415,9 +436,9 @@ static void cuda_kv_checksum(pd_backend *b, const pd_kv_checksum_params *p) {
 
 static void cuda_fill_normal(pd_backend *b, void *dst, pd_dtype dtype, size_t n, uint64_t seed, float mean, float std) {
     pd_cuda_bind(pd_cuda_backend_of(b));
-    PD_ASSERT(dtype == PD_DTYPE_F32 || dtype == PD_DTYPE_BF16);
-    pd_fill_normal_kparams k = {.dst = dst, .is_f32 = dtype == PD_DTYPE_F32, .n = n, .seed = seed, .mean = mean,
-                                .std = std};
+    PD_ASSERT(dtype == PD_DTYPE_F32 || dtype == PD_DTYPE_BF16 || dtype == PD_DTYPE_FP8_E4M3);
+    pd_fill_normal_kparams k = {.dst = dst, .is_f32 = dtype == PD_DTYPE_F32, .is_fp8 = dtype == PD_DTYPE_FP8_E4M3,
+                                .n = n, .seed = seed, .mean = mean, .std = std};
     pd_cuda_fill_normal(&k, pd_cuda_backend_of(b)->stream);
     PD_CUDA_CHECK_LAUNCH();
 }
@@ -476,10 +497,22 @@ static void cuda_graph_free(pd_backend *b, void *g) {
     pd_free(cg);
 }
 
+// cudaGetDeviceProperties' name, read once per backend.
+static const char *cuda_device_name(pd_backend *b) {
+    pd_cuda_backend *cb = pd_cuda_backend_of(b);
+    if (!cb->device_name[0]) {
+        struct cudaDeviceProp prop;
+        if (cudaGetDeviceProperties(&prop, cb->device) == cudaSuccess) snprintf(cb->device_name, sizeof cb->device_name, "%s", prop.name);
+        else snprintf(cb->device_name, sizeof cb->device_name, "cuda device %d", cb->device);
+    }
+    return cb->device_name;
+}
+
 static const pd_backend_iface cuda_iface = {
     .api_version = PD_BACKEND_API_VERSION,
     .name = "cuda",
     .free = cuda_free,
+    .device_name = cuda_device_name,
     .weight_dtype = PD_DTYPE_BF16,
     .act_dtype = PD_DTYPE_BF16,
     .mem_info = cuda_mem_info,

@@ -27,6 +27,7 @@ typedef struct pd_cuda_sampler pd_cuda_sampler;  // sample.c: pd_op_sample's sta
 typedef struct pd_cuda_backend {
     pd_backend base;
     int device;
+    char device_name[256];  // cuda_device_name, filled on first use
     cudaStream_t stream;
     // cuBLASLt
     cublasLtHandle_t lt;

@@ -5,7 +5,11 @@ import OpenAI from 'openai';
 import assert from 'node:assert/strict';
 
 const [base, model] = process.argv.slice(2);
-const client = new OpenAI({ baseURL: `${base}/v1`, apiKey: 'unused', maxRetries: 0, timeout: 60000 });
+// fetch: Node's own (undici). The SDK's default on Node is node-fetch 2.7, whose "bad chunked
+// ending" detector raises a false "Premature close" when a keep-alive socket is reused
+// (node-fetch#1767): on Debian 12's Node 18 every stream after the first request failed that way,
+// while the same exchange passes with undici, and with node-fetch once keep-alive is off.
+const client = new OpenAI({ baseURL: `${base}/v1`, apiKey: 'unused', maxRetries: 0, timeout: 60000, fetch: globalThis.fetch });
 let n = 0;
 const check = (name, fn) => fn().then(() => { n++; console.log(`ok   ${name}`); });
 

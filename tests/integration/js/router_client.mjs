@@ -30,7 +30,7 @@ async function post(path, body, headers = {}) {
 async function readStream(res, t0, onChunk) {
   const reader = res.body.getReader();
   const dec = new TextDecoder();
-  let buf = '', text = '', done = 0, errors = 0, firstMs = null, chunks = 0;
+  let buf = '', text = '', done = 0, errors = 0, firstMs = null, chunks = 0, usage = null;
   const ids = new Set();
   for (;;) {
     const { value, done: eof } = await reader.read();
@@ -44,6 +44,8 @@ async function readStream(res, t0, onChunk) {
       if (data === '[DONE]') { done++; continue; }
       const j = JSON.parse(data);
       if (j.error) { errors++; continue; }
+      if (j.usage) usage = j.usage;
+      if (j.choices && j.choices.length === 0) continue;  // the usage chunk
       if (firstMs === null) firstMs = performance.now() - t0;
       ids.add(j.id);
       const c = j.choices && j.choices[0];
@@ -51,7 +53,7 @@ async function readStream(res, t0, onChunk) {
       if (piece) { text += piece; chunks++; if (onChunk) onChunk(); }
     }
   }
-  return { text, ids, done, errors, firstMs, chunks };
+  return { text, ids, done, errors, firstMs, chunks, usage };
 }
 
 const pct = (a, p) => { if (!a.length) return null; const s = [...a].sort((x, y) => x - y); return s[Math.min(s.length - 1, Math.floor(p * s.length))]; };
@@ -80,7 +82,7 @@ async function modeFailover(n, maxTokens, pid, killAfter, refUrl) {
   const r = rng(99);
   const reqs = Array.from({ length: n }, (_, k) => ({
     prompt: Array.from({ length: 20 + k }, () => 10 + Math.floor(r() * 4000)),
-    max_tokens: maxTokens, temperature: 0, ignore_eos: true, stream: true }));
+    max_tokens: maxTokens, temperature: 0, ignore_eos: true, stream: true, stream_options: { include_usage: true } }));
   let total = 0, killed = false;
   const onChunk = () => { if (++total >= killAfter && !killed) { killed = true; process.kill(pid, 'SIGKILL'); } };
   const outs = await Promise.all(reqs.map(async (body) => {
@@ -94,11 +96,15 @@ async function modeFailover(n, maxTokens, pid, killAfter, refUrl) {
   for (let k = 0; k < n; k++) {
     const o = outs[k];
     const ref = await fetch((refUrl || base) + '/v1/completions', { method: 'POST', headers: { 'Content-Type': 'application/json' },
-      body: JSON.stringify({ ...reqs[k], stream: false }) }).then((x) => x.json());
+      body: JSON.stringify({ ...reqs[k], stream: false, stream_options: undefined }) }).then((x) => x.json());
     const want = ref.choices[0].text;
-    if (o.done !== 1 || o.errors || o.ids.size !== 1 || o.text !== want) {
+    // usage after a failover must be the uninterrupted run's (issue 18: 214/211 instead of 125/300)
+    const u = o.usage, w = ref.usage;
+    const usageOk = u && u.prompt_tokens === w.prompt_tokens && u.completion_tokens === w.completion_tokens &&
+                    u.total_tokens === w.total_tokens;
+    if (o.done !== 1 || o.errors || o.ids.size !== 1 || o.text !== want || !usageOk) {
       bad++;
-      console.error(`stream ${k}: done=${o.done} errors=${o.errors} ids=${o.ids.size}\n got: ${JSON.stringify(o.text)}\nwant: ${JSON.stringify(want)}`);
+      console.error(`stream ${k}: done=${o.done} errors=${o.errors} ids=${o.ids.size} usage=${JSON.stringify(u)} want usage=${JSON.stringify(w)}\n got: ${JSON.stringify(o.text)}\nwant: ${JSON.stringify(want)}`);
     }
   }
   console.log(JSON.stringify({ n, bad, chunks: total }));

@@ -1,0 +1,182 @@
+// kvconn — the KV connector: the one interface through which the engine moves a prompt's KV cache
+// between workers (docs/design.md, "Disaggregation"). The engine includes this header only, never
+// a transport file or the session layer (tools/check_deps.sh enforces it).
+//
+// The split follows vLLM v1's KVConnector (scheduler side / worker side) and NIXL's
+// register-memory / transfer / notify:
+//
+//   scheduler side   pd_kvconn_match: how many tokens of this prompt can be loaded, from which
+//                    worker, at what predicted cost.
+//   worker side      decode role (loads):  pd_kvconn_start_load → (the KV lands in the reserved
+//                      blocks, by whichever transport) → a LOAD_DONE event → pd_kvconn_load_verify
+//                      (per-layer checksums over our own blocks) → decode; pd_kvconn_wait_for_layer
+//                      says whether a layer is in place; pd_kvconn_request_finished (abort, or a
+//                      result consumed) — a request's blocks are reused only after its LOAD_DONE.
+//                    prefill role (saves): SAVE_REQUEST event → pd_kvconn_check_request →
+//                      pd_kvconn_save_begin when the request's last prompt chunk is scheduled →
+//                      pd_kvconn_save_layer from the model's "layer done" hook (layer l ships
+//                      while l+1 computes) → pd_kvconn_save_end with the first token (DONE) or
+//                      pd_kvconn_save_fail (FAIL, at once: a failed step, an abort).
+//   completion       events, delivered by a callback on connector threads (the engine copies
+//                    them into its command queue and handles them on its own thread).
+//
+// Transports (src/kvconn/<name>.c, one file each, listed in registry.c): tcp (KV rows inline,
+// layer-wise), shm (direct writes into the decode pool, a memfd passed over a unix socket),
+// cuda-ipc (direct device writes), nccl (one slab per request through a communicator). A new
+// transport is one new file implementing kvc_transport (kvconn_impl.h) plus a registry entry.
+//
+// Guarantees: the engine thread does no socket I/O (sends are queued, see xfer); no lock is held
+// across a blocking call; every operation has a deadline; every connection authenticates (HMAC
+// challenge–response over a shared secret) before anything else is read.
+#pragma once
+#include "backend/backend.h"
+#include "base/base.h"
+#include "wire/kv.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define PD_KVCONN_MAX_WORKERS 16
+
+typedef struct pd_kvconn pd_kvconn;
+
+typedef enum pd_kvconn_event_kind {
+    PD_KVCONN_EV_LOAD_DONE = 1,     // decode: a load ended (status PD_OK: verify it; else a failure)
+    PD_KVCONN_EV_PEER_UP = 2,       // prefill: a decode worker connected (hand to pd_kvconn_peer_up)
+    PD_KVCONN_EV_SAVE_REQUEST = 3,  // prefill: compute and save this prompt's KV (req)
+    PD_KVCONN_EV_CANCEL = 4,        // prefill: the decode worker cancelled req_id
+    PD_KVCONN_EV_PEER_DOWN = 5,     // prefill: the decode worker went away (hand to pd_kvconn_peer_down)
+} pd_kvconn_event_kind;
+
+typedef struct pd_kvconn_event {
+    pd_kvconn_event_kind kind;
+    int peer;                  // prefill: the decode connection; decode: the prefill worker index
+    uint64_t req_id;           // LOAD_DONE: ours; SAVE_REQUEST / CANCEL: the peer's
+    pd_status status;          // LOAD_DONE: PD_OK, PD_ERR_CLOSED, PD_ERR_TIMEOUT, PD_ERR_PROTO, PD_ERR_INVALID
+    char reason[160];          // LOAD_DONE when not OK
+    pd_kvw_prefill_done done;  // LOAD_DONE ok: first token, logprobs, checksums, n_draws
+    pd_kvw_prefill_req req;    // SAVE_REQUEST: tokens / dst_blocks point into owned
+    int32_t *owned;
+    void *priv;                // PEER_UP: connector-private (owned)
+} pd_kvconn_event;
+void pd_kvconn_event_fini(pd_kvconn_event *ev);
+
+// Called on connector threads; the callee takes the event over (frees it with
+// pd_kvconn_event_fini). Must not block for long.
+typedef void (*pd_kvconn_event_fn)(void *ud, pd_kvconn_event *ev);
+
+// The local KV cache, as both roles see it.
+typedef struct pd_kvconn_cache {
+    int n_layers, n_blocks, block_size;
+    size_t row_bytes;        // n_kv_heads * head_dim * elem (a multiple of 8)
+    void **k, **v;           // (n_layers) layer bases (device pointers; borrowed)
+    pd_buffer *buffer;       // the whole pool (shm / cuda-ipc export it), borrowed
+} pd_kvconn_cache;
+
+typedef enum pd_kvconn_role { PD_KVCONN_DECODE = 1, PD_KVCONN_PREFILL = 2 } pd_kvconn_role;
+
+typedef struct pd_kvconn_params {
+    pd_kvconn_role role;
+    pd_kvw_transport transport;          // decode role
+    int n_workers;                       // decode role: prefill workers ("host:port", copied)
+    const char *addrs[PD_KVCONN_MAX_WORKERS];
+    const char *host;                    // prefill role: bind address of the KV port
+    int port;                            // prefill role: 0 = any free port
+    const char *secret;                  // shared secret (required)
+    pd_kvw_fingerprint fp;
+    pd_backend *backend;                 // borrowed
+    pd_kvconn_cache cache;
+    int timeout_ms;                      // a load slower than this is cancelled (default 30000)
+    int corrupt_every;                   // test hook: corrupt every Nth save (0: off)
+    const char *debug_pause;             // test hook (prefill): "hello_ack" | "mid_slab" | "before_done"
+    pd_kvconn_event_fn on_event;
+    void *ud;
+} pd_kvconn_params;
+
+pd_kvconn *pd_kvconn_new(const pd_kvconn_params *p, pd_err *err);
+void pd_kvconn_free(pd_kvconn *c);  // joins its threads; pending loads are dropped
+int pd_kvconn_port(const pd_kvconn *c);  // prefill role: the KV port
+int pd_kvconn_n_healthy(pd_kvconn *c);   // decode role: connected prefill workers
+const char *pd_kvconn_transport_name(const pd_kvconn *c);
+
+typedef struct pd_kvconn_stats {
+    int64_t auth_failures, proto_errors, conns_accepted, conns_closed, slow_peer_drops, fenced;
+    int64_t peers_refused;     // prefill: decode pools refused (size or handle did not check out)
+    int64_t saves_layerwise;   // prefill: saves whose layers shipped during the forward pass
+    int64_t saves_failed;      // prefill: requests refused or failed (PREFILL_FAIL sent), or saves dropped on abort
+} pd_kvconn_stats;
+void pd_kvconn_stats_get(pd_kvconn *c, pd_kvconn_stats *out);
+
+// ---- scheduler side ----------------------------------------------------------------------------
+typedef struct pd_kvconn_match {
+    int n_tokens;          // prompt tokens loadable remotely (from the block-aligned local hit on)
+    int worker;            // which prefill worker would serve it (-1: none healthy)
+    double cost_us;        // predicted time until the KV is in place (queue + transfer estimate)
+} pd_kvconn_match;
+// n_local_hit: prompt tokens already cached locally. Never blocks.
+void pd_kvconn_match_tokens(pd_kvconn *c, int n_prompt, int n_local_hit, pd_kvconn_match *out);
+
+// ---- worker side, decode role ------------------------------------------------------------------
+typedef struct pd_kvconn_load {
+    uint64_t req_id;
+    const int32_t *tokens;
+    int n_tokens;
+    int start_pos;              // block-aligned: KV for [start_pos, n_tokens) is loaded
+    const int32_t *dst_blocks;  // (n_dst_blocks) our blocks for those positions, in order
+    int n_dst_blocks;
+    pd_kvw_sampling sampling;   // the first token is drawn remotely with the same sampler state
+    const char *traceparent;    // NULL / "" or the request's W3C traceparent (the prefill worker's spans)
+} pd_kvconn_load;
+// PD_OK: exactly one LOAD_DONE event follows. PD_NOSPACE: no worker now (prefill locally).
+// PD_ERR_INVALID: a block id outside our pool. Queues only.
+pd_status pd_kvconn_start_load(pd_kvconn *c, const pd_kvconn_load *l);
+// After a LOAD_DONE with status PD_OK: checks the per-layer checksums over our own blocks and the
+// first token. false: never decode from this KV (prefill locally). bytes: the KV bytes verified.
+// load_us: start_load → LOAD_DONE, which feeds the cost predicted by pd_kvconn_match_tokens.
+bool pd_kvconn_load_verify(pd_kvconn *c, const pd_kvconn_event *ev, const int32_t *dst_blocks, int n_dst_blocks,
+                           int start_pos, int n_tokens, int vocab, int64_t load_us, int64_t *bytes);
+// Whether layer `layer` of a load is in place (tcp: its slab landed; other transports: when the
+// load is done). Never blocks: PD_OK or PD_AGAIN.
+pd_status pd_kvconn_wait_for_layer(pd_kvconn *c, uint64_t req_id, int layer);
+// The request went away (abort) while loading: cancels it remotely. Its LOAD_DONE still comes;
+// only then are its blocks free to reuse (the writer acknowledged or was fenced off).
+void pd_kvconn_request_finished(pd_kvconn *c, uint64_t req_id);
+
+// ---- worker side, prefill role -----------------------------------------------------------------
+void pd_kvconn_peer_up(pd_kvconn *c, pd_kvconn_event *ev);    // maps the peer's pool (direct transports)
+void pd_kvconn_peer_down(pd_kvconn *c, pd_kvconn_event *ev);  // unmaps it
+// Validates a SAVE_REQUEST against the peer (its pool is mapped, every destination block exists
+// in what it really mapped, the span is block-aligned). NULL if fine, else why (send it back
+// with pd_kvconn_send_fail).
+const char *pd_kvconn_check_request(pd_kvconn *c, const pd_kvconn_event *ev, int vocab);
+void pd_kvconn_send_fail(pd_kvconn *c, int peer, uint64_t peer_req_id, const char *why);
+
+typedef struct pd_kvconn_save pd_kvconn_save;
+// The request's last prompt chunk is in this step: src_blocks are its local blocks for positions
+// [start_pos, n_tokens) (copied), dst_blocks the peer's (copied). NULL on OOM (send a fail).
+pd_kvconn_save *pd_kvconn_save_begin(pd_kvconn *c, int peer, uint64_t peer_req_id, const int32_t *src_blocks,
+                                     const int32_t *dst_blocks, int n_blocks, int start_pos, int n_tokens);
+// Layer `layer` of the step is computed: ship it if the transport is layer-wise (engine thread;
+// tcp copies the rows into a queued slab and returns: the send runs while the next layer computes).
+void pd_kvconn_save_layer(pd_kvconn *c, pd_kvconn_save *s, int layer);
+// The step finished: ship what is left, then PREFILL_DONE with the first token (first->token;
+// n_draws: the request's sampler draws so far). Frees s. PD_OK, or the failure (FAIL was sent).
+typedef struct pd_kvconn_first {
+    int32_t token;
+    float logprob;
+    int n_top;
+    const int32_t *top_ids;
+    const float *top_logprobs;
+    uint64_t n_draws;
+    int64_t queue_us, compute_us;  // the prefill worker's own queue and compute time (TTFT breakdown)
+} pd_kvconn_first;
+// copy_us (may be NULL): time spent moving bytes on this thread (copies, gathers, waits).
+pd_status pd_kvconn_save_end(pd_kvconn *c, pd_kvconn_save *s, const pd_kvconn_first *first, int64_t *copy_us);
+// The save cannot complete (step failed, request aborted): PREFILL_FAIL now (unless the peer is
+// gone or cancelled: silent is fine), frees s.
+void pd_kvconn_save_fail(pd_kvconn *c, pd_kvconn_save *s, const char *why, bool tell_peer);
+
+#ifdef __cplusplus
+}
+#endif

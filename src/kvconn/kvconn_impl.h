@@ -1,0 +1,69 @@
+// kvconn_impl.h — what a transport implements (one file per transport, listed in registry.c) and
+// the connector state the transports share. Not for the engine: it includes kvconn/kvconn.h only.
+#pragma once
+#include "kvconn/kvconn.h"
+#include "xfer/xfer.h"
+
+typedef struct kvc_peer {  // prefill role: one decode connection
+    int conn_id;           // xfer connection id (slot | generation << 8); 0 when unused
+    pd_kvw_transport transport;
+    bool is_ready;         // the pool checked out (direct) or nothing to map (tcp, nccl)
+    int n_blocks;          // the peer's pool size, in blocks (direct: what is really mapped)
+    pd_buffer_handle handle;
+    void *base;            // direct transports: the mapped pool
+} kvc_peer;
+
+struct pd_kvconn_save {
+    kvc_peer *peer;        // borrowed (valid while the connection's PEER_DOWN is not handled)
+    int conn_id;
+    uint64_t peer_req_id;
+    int n_blocks, start_pos, n_tokens;
+    int32_t *src, *dst, *rows;  // owned (n_blocks each)
+    uint64_t *sums;             // owned (n_layers): per-layer checksums of the source slab
+    int n_layers_saved;         // layers shipped so far (layer-wise transports)
+    bool is_corrupt;            // test hook: flip one bit of this save's KV
+    pd_status st;               // first failure
+    int64_t copy_us;
+};
+
+typedef struct kvc_transport {
+    pd_kvw_transport id;
+    const char *name;
+    bool is_layerwise;   // save_layer ships layers during the forward pass
+    bool needs_host_pool;  // tcp: the decode side's I/O thread writes the pool with the CPU
+    // decode role: describe our pool to peers (fills *h); NULL: nothing to export.
+    pd_status (*export_pool)(pd_kvconn *c, pd_buffer_handle *h, pd_err *err);
+    // prefill role: a peer said HELLO: make its pool writable (fd: shm's memfd, taken over)
+    pd_status (*attach)(pd_kvconn *c, kvc_peer *p, const pd_kvw_hello *h, int fd, pd_err *err);
+    void (*detach)(pd_kvconn *c, kvc_peer *p);
+    // one layer (layer-wise transports, from the layer hook) or, at the end, every layer not yet
+    // shipped (save_rest); must leave s->sums[l] set for each layer it shipped.
+    void (*save_layer)(pd_kvconn *c, pd_kvconn_save *s, int layer);
+    pd_status (*save_rest)(pd_kvconn *c, pd_kvconn_save *s);
+} kvc_transport;
+
+struct pd_kvconn {
+    pd_kvconn_params p;
+    const kvc_transport *t;  // decode role: ours
+    pd_xfer_client *xc;
+    pd_xfer_server *xs;
+    kvc_peer peers[PD_XFER_MAX_CONNS];  // prefill role, by connection slot (engine thread)
+    int n_saves;                       // for corrupt_every
+    int64_t peers_refused, saves_layerwise, saves_failed;  // engine thread; read racily by stats
+    int64_t ema_load_us;               // decode: recent load time per token, in ns (match cost)
+};
+
+// registry.c
+const kvc_transport *kvc_transport_find(pd_kvw_transport id);
+extern const kvc_transport kvc_tcp, kvc_shm, kvc_cuda_ipc, kvc_nccl;
+
+// kvconn.c helpers for transports
+kvc_peer *kvc_peer_of(pd_kvconn *c, int conn_id);
+size_t kvc_pool_bytes(const pd_kvconn *c, int n_blocks);  // a pool of n_blocks with our geometry
+void kvc_debug_pause(pd_kvconn *c, const char *step);
+// Direct transports: copies layers [l0, l1) of s into the peer's mapped pool, checking before each
+// layer that the connection is still alive (a fenced-off writer stops). Checksums the source.
+pd_status kvc_direct_write(pd_kvconn *c, pd_kvconn_save *s, int l0, int l1);
+pd_status kvc_direct_attach(pd_kvconn *c, kvc_peer *p, const pd_kvw_hello *h, int fd, const char *kind, pd_err *err);
+void kvc_direct_detach(pd_kvconn *c, kvc_peer *p);
+pd_status kvc_direct_export(pd_kvconn *c, pd_buffer_handle *h, pd_err *err);
