@@ -213,7 +213,9 @@ static void check_method(const char *model, pd_spec_method m, const char *draft,
         check_golden(on, g, what);
         PD_CHECK_EQ(st.n_blocks_used, 0);
         PD_CHECK_EQ(st.spec_method, m);
-        PD_CHECK_MSG(st.spec_drafted[m] > 0, "%s: nothing was drafted", what);
+        // Fixed lengths must draft; the adaptive policy may rightly choose not to on a CPU, where a
+        // forward costs about its tokens (lookahead's window is then off and its pool stays empty).
+        PD_CHECK_MSG(!sc->fixed || st.spec_drafted[m] > 0, "%s: nothing was drafted", what);
         PD_CHECK(st.spec_accepted[m] <= st.spec_drafted[m]);
         PD_CHECK_EQ(st.spec_emitted[m], st.spec_accepted[m] + st.spec_steps[m]);
         int64_t sum_d = 0, sum_a = 0;
