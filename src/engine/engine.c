@@ -38,27 +38,36 @@ pd_engine_params pd_engine_params_default(void) {
 }
 
 // ---- request table -----------------------------------------------------------------------------
-static ereq **slot_of(pd_engine *e, uint64_t id) {
-    ereq **pp = &e->buckets[(id * 0x9e3779b97f4a7c15ull) >> 52];
-    while (*pp && (*pp)->id != id) pp = &(*pp)->next;
-    return pp;
+// A pd_map (base/map.h) of {id, ereq *}; ids are mixed because clients use sequential ones.
+typedef struct req_entry {
+    uint64_t id;
+    ereq *q;
+} req_entry;
+static ereq *req_find(pd_engine *e, uint64_t id) {
+    const req_entry *en = pd_map_find(&e->reqs, pd_map_mix64(id), &id);
+    return en ? en->q : NULL;
 }
-static ereq *req_find(pd_engine *e, uint64_t id) { return *slot_of(e, id); }
 static void req_remove(pd_engine *e, uint64_t id) {
-    ereq **pp = slot_of(e, id);
-    ereq *r = *pp;
+    ereq *r = req_find(e, id);
     if (!r) return;
-    *pp = r->next;
+    pd_map_del(&e->reqs, pd_map_mix64(id), &id);
     pd_sampler_free(r->sampler);
     pd_engine_spec_req_fini(r);
     pd_disagg_req_fini(r);
     pd_free(r);
 }
 ereq *pd_engine_req_find(pd_engine *e, uint64_t id) { return req_find(e, id); }
+pd_status pd_engine_req_reserve(pd_engine *e) { return pd_map_reserve(&e->reqs, pd_map_len(&e->reqs) + 1); }
 void pd_engine_req_insert(pd_engine *e, ereq *q) {
-    ereq **pp = slot_of(e, q->id);
-    PD_ASSERT(!*pp);
-    *pp = q;
+    bool existed;
+    req_entry *en = pd_map_put(&e->reqs, pd_map_mix64(q->id), &q->id, &existed);
+    PD_ASSERT(en && !existed);  // reserved by pd_engine_req_reserve; ids are unique
+    en->q = q;
+}
+size_t pd_engine_req_cap(const pd_engine *e) { return e->reqs.cap; }
+ereq *pd_engine_req_at(const pd_engine *e, size_t i) {
+    const req_entry *en = pd_map_slot(&e->reqs, i);
+    return en ? en->q : NULL;
 }
 void pd_engine_req_remove(pd_engine *e, uint64_t id) { req_remove(e, id); }
 
@@ -114,6 +123,10 @@ pd_engine *pd_engine_new(const pd_engine_params *p, pd_err *err) {
     if (e->params.block_size <= 0) e->params.block_size = 16;
     const char *base = strrchr(p->model_dir, '/');
     snprintf(e->model_name, sizeof e->model_name, "%s", base && base[1] ? base + 1 : p->model_dir);
+    if (pd_map_init(&e->reqs, &(pd_map_params){.entry_size = sizeof(req_entry), .key_size = 8})) {
+        pd_err_set(err, PD_ERR_NOMEM, "out of memory");
+        goto fail;
+    }
     if (pd_queue_init(&e->q)) {
         pd_err_set(err, PD_ERR_IO, "cannot create the engine's event fd");
         goto fail;
@@ -298,7 +311,7 @@ static void handle_submit(pd_engine *e, pd_cmd *c) {
     // A constrained request (logit bias, token mask) samples its first token here: a prefill
     // worker would sample it without the constraint.
     sp.is_remote_prefill = e->params.role == PD_ROLE_DECODE && !has_ctl && pd_disagg_want_remote(e, r->prompt, r->n_prompt);
-    if (!q || !q->sampler || pd_sched_add(e->sched, &sp, r->arrival_us, &err)) {
+    if (!q || !q->sampler || pd_engine_req_reserve(e) || pd_sched_add(e->sched, &sp, r->arrival_us, &err)) {
         if (q) pd_sampler_free(q->sampler);
         pd_free(q);
         PD_LOG_W("engine: request %llu rejected: %s", (unsigned long long)r->id, err.msg[0] ? err.msg : "out of memory");
@@ -797,12 +810,13 @@ void pd_engine_free(pd_engine *e) {
         pthread_join(e->thread, NULL);
     }
     pd_disagg_fini(e);  // joins the xfer threads, which push into the queue
-    for (int i = 0; i < N_BUCKETS; i++)
-        while (e->buckets[i]) {
-            uint64_t id = e->buckets[i]->id;
+    for (size_t i = 0; i < e->reqs.cap; i++)
+        for (ereq *q; (q = pd_engine_req_at(e, i));) {  // a delete may shift another entry into slot i
+            uint64_t id = q->id;
             if (e->sched) pd_sched_abort(e->sched, id);
             req_remove(e, id);
         }
+    pd_map_fini(&e->reqs);
     pd_sched_free(e->sched);
     pd_engine_spec_fini(e);
     pd_kv_mgr_free(e->kv);

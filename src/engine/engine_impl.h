@@ -7,14 +7,12 @@
 #include "kv/kv.h"
 #include "sched/sched.h"
 #include "kvconn/kvconn.h"
-
-#define N_BUCKETS 4096
+#include "base/map.h"
 
 typedef struct ereq {
     uint64_t id;
     pd_sampler *sampler;  // owned
     int n_prompt;
-    struct ereq *next;    // bucket chain
     // decode role: remote prefill
     bool is_remote;       // admitted with is_remote_prefill
     bool is_loading;      // PREFILL_REQ sent (or being sent), result pending
@@ -72,7 +70,7 @@ struct pd_engine {
     pd_queue q;
     pthread_t thread;
     bool started;
-    ereq *buckets[N_BUCKETS];
+    pd_map reqs;  // request id -> ereq * (req_entry in engine.c); reserved before each insert
     step_bufs sb;
     int64_t n_prefill_computed, n_generated, n_prompt_tokens, n_finished;
     // disaggregation
@@ -95,7 +93,12 @@ struct pd_engine {
 
 // engine.c helpers used by disagg.c
 ereq *pd_engine_req_find(pd_engine *e, uint64_t id);
+// Room for one more request: call before anything else changes, then the insert cannot fail.
+pd_status pd_engine_req_reserve(pd_engine *e);
 void pd_engine_req_insert(pd_engine *e, ereq *q);
+// The i-th slot of the request table (i < pd_engine_req_cap), or NULL when empty.
+size_t pd_engine_req_cap(const pd_engine *e);
+ereq *pd_engine_req_at(const pd_engine *e, size_t i);
 void pd_engine_req_remove(pd_engine *e, uint64_t id);
 void pd_engine_emit_finished(pd_engine *e, uint64_t id, pd_engine_finish f, int n_prompt, int n_cached, int n_out);
 // results[i]: what was sampled for plan->seqs[i] (read where needs_logits); NULL when plan is.
