@@ -11,6 +11,7 @@
 // the device when the backend has the op (only token ids cross to the host), else on host threads.
 #include "engine/engine.h"
 
+#include <limits.h>
 #include <omp.h>
 #include <poll.h>
 #include <pthread.h>
@@ -368,37 +369,27 @@ static void handle_cmds(pd_engine *e, pd_cmd *c) {
     }
 }
 
-static bool grow_i32(int32_t **p, int *cap, int need) {
-    if (need <= *cap) return true;
-    int nc = PD_MAX(need, *cap * 2);
-    int32_t *np = pd_realloc(*p, sizeof(int32_t) * (size_t)nc);
-    if (!np) return false;
-    *p = np;
-    *cap = nc;
-    return true;
-}
-
 static pd_status reserve_bufs(pd_engine *e, const pd_step_plan *plan) {
     step_bufs *b = &e->sb;
     int V = pd_model_get_config(e->model)->vocab_size;
     int n_bt = 0;
     for (int i = 0; i < plan->n_seqs; i++) n_bt += plan->seqs[i].n_blocks;
-    int ct = b->cap_tokens, cb = b->cap_bt;
-    if (!grow_i32(&b->tokens, &ct, plan->n_tokens) || !grow_i32(&b->bt_indices, &cb, n_bt)) return PD_ERR_NOMEM;
-    b->cap_tokens = ct;
-    b->cap_bt = cb;
-    if (plan->n_seqs + 1 > b->cap_seqs) {
-        // Every per-sequence array has cap_seqs entries; grow them together.
-        size_t n = (size_t)(plan->n_seqs + 1) * 2;
-        void **arrs[] = {(void **)&b->q_indptr, (void **)&b->kv_lens, (void **)&b->bt_indptr, (void **)&b->logit_rows,
-                         (void **)&b->logit_seq, (void **)&b->logits, (void **)&b->outputs, (void **)&b->results};
+    if (PD_ARRAY_RESERVE(b->tokens, b->cap_tokens, (size_t)plan->n_tokens) ||
+        PD_ARRAY_RESERVE(b->bt_indices, b->cap_bt, (size_t)n_bt))
+        return PD_ERR_NOMEM;
+    size_t need = (size_t)plan->n_seqs + 1;
+    if (need > b->cap_seqs) {
+        // Every per-sequence array has cap_seqs entries; grow them together (each from the same
+        // capacity to the same new one; on failure the arrays already grown keep it: harmless).
+        void *arrs[] = {&b->q_indptr, &b->kv_lens, &b->bt_indptr, &b->logit_rows,
+                        &b->logit_seq, &b->logits, &b->outputs, &b->results};
         size_t elem[] = {4, 4, 4, 4, 4, sizeof(float) * (size_t)V, sizeof(pd_step_output), sizeof(pd_sample_result)};
+        size_t cap = 0;
         for (size_t i = 0; i < PD_ARRAY_LEN(arrs); i++) {
-            void *np = pd_realloc(*arrs[i], elem[i] * n);
-            if (!np) return PD_ERR_NOMEM;  // arrays already grown keep their larger size: harmless
-            *arrs[i] = np;
+            cap = b->cap_seqs;
+            if (pd_array_reserve(arrs[i], elem[i], &cap, need)) return PD_ERR_NOMEM;
         }
-        b->cap_seqs = (int)n;
+        b->cap_seqs = cap;
     }
     return PD_OK;
 }
@@ -421,23 +412,12 @@ static bool use_device_sampling(pd_engine *e) {
 
 // Grows the device-sampling host arrays (grow-only: a warm engine does not allocate).
 static bool reserve_sample_bufs(step_bufs *b, int n_rows, int n_pens) {
-    if (n_rows > b->cap_srows) {
-        int n = PD_MAX(n_rows, b->cap_srows * 2);
-        pd_sample_row *r = pd_realloc(b->srows, sizeof(pd_sample_row) * (size_t)n);
-        if (r) b->srows = r;
-        pd_sample_out *o = pd_realloc(b->souts, sizeof(pd_sample_out) * (size_t)n);
-        if (o) b->souts = o;
-        if (!r || !o) return false;
-        b->cap_srows = n;
-    }
-    if (n_pens > b->cap_spens) {
-        int n = PD_MAX(n_pens, b->cap_spens * 2);
-        pd_sample_pen *p = pd_realloc(b->spens, sizeof(pd_sample_pen) * (size_t)n);
-        if (!p) return false;
-        b->spens = p;
-        b->cap_spens = n;
-    }
-    return true;
+    size_t cap = b->cap_srows;  // srows and souts share cap_srows
+    if (PD_ARRAY_RESERVE(b->srows, cap, (size_t)n_rows)) return false;
+    cap = b->cap_srows;
+    if (PD_ARRAY_RESERVE(b->souts, cap, (size_t)n_rows)) return false;
+    b->cap_srows = cap;
+    return !PD_ARRAY_RESERVE(b->spens, b->cap_spens, (size_t)n_pens);
 }
 
 static pd_status sample_on_device(pd_engine *e, const pd_step_plan *plan, const pd_batch *batch) {
@@ -455,12 +435,8 @@ static pd_status sample_on_device(pd_engine *e, const pd_step_plan *plan, const 
     if (!reserve_sample_bufs(b, nl, n_pens)) return PD_ERR_NOMEM;
     int off = 0, n_masks = 0, words = (V + 31) / 32;
     for (int k = 0; k < nl; k++) n_masks += pd_sampler_has_mask(req_find(e, plan->seqs[b->logit_seq[k]].req_id)->sampler);
-    if (n_masks * words > b->cap_smasks) {  // token masks (constrained decoding), grow-only
-        uint32_t *m = pd_realloc(b->smasks, sizeof(uint32_t) * (size_t)n_masks * (size_t)words);
-        if (!m) return PD_ERR_NOMEM;
-        b->smasks = m;
-        b->cap_smasks = n_masks * words;
-    }
+    if (PD_ARRAY_RESERVE(b->smasks, b->cap_smasks, (size_t)n_masks * (size_t)words))  // token masks (constrained decoding)
+        return PD_ERR_NOMEM;
     n_masks = 0;
     for (int k = 0; k < nl; k++) {
         ereq *r = req_find(e, plan->seqs[b->logit_seq[k]].req_id);
@@ -586,18 +562,13 @@ static void push_events_retry(pd_engine *e, const pd_engine_event *ev, int n) {
 void pd_engine_push_sched_events(pd_engine *e, const pd_step_plan *plan, const pd_sample_result *results,
                                  const pd_sched_event *ev, int n) {
     step_bufs *b = &e->sb;
-    if (2 * n > b->cap_events) {
-        pd_engine_event *ne = pd_realloc(b->events, sizeof *ne * (size_t)(2 * n + 16));
-        if (ne) {
-            b->events = ne;
-            b->cap_events = 2 * n + 16;
-        }
-    }
+    (void)PD_ARRAY_RESERVE(b->events, b->cap_events, 2 * (size_t)n);  // on failure: the spill below
     // Without room for all (out of memory), events go out in chunks through a small fixed buffer:
     // none is ever dropped (a lost FINISHED would leave its client hanging).
     pd_engine_event spill[16];
-    pd_engine_event *out = 2 * n <= b->cap_events ? b->events : spill;
-    int cap = 2 * n <= b->cap_events ? b->cap_events : (int)PD_ARRAY_LEN(spill);
+    bool roomy = 2 * (size_t)n <= b->cap_events;
+    pd_engine_event *out = roomy ? b->events : spill;
+    int cap = roomy ? (int)PD_MIN(b->cap_events, (size_t)INT_MAX) : (int)PD_ARRAY_LEN(spill);
     int k = 0;
     for (int j = 0; j < n; j++) {
         if (k + 2 > cap) {

@@ -7,6 +7,7 @@
 #include "kv/kv.h"
 #include "sched/sched.h"
 #include "kvconn/kvconn.h"
+#include "base/buf.h"
 #include "base/map.h"
 
 typedef struct ereq {
@@ -40,20 +41,20 @@ typedef struct ereq {
 
 typedef struct step_bufs {
     int32_t *tokens, *q_indptr, *kv_lens, *bt_indptr, *bt_indices, *logit_rows, *logit_seq;
-    int cap_tokens, cap_seqs, cap_bt;
+    size_t cap_tokens, cap_seqs, cap_bt;  // PD_ARRAY_RESERVE (base/buf.h) capacities
     float *logits;  // (cap_seqs, vocab)
     pd_step_output *outputs;
     pd_sample_result *results;  // by plan seq index
     pd_engine_event *events;
-    int cap_events;
+    size_t cap_events;
     // device sampling (pd_op_sample): rows and results (cap_srows), penalty entries (cap_spens)
     int sample_mode;  // 0: not decided yet, 1: on the device, 2: on the host
     pd_sample_row *srows;
     pd_sample_out *souts;
     pd_sample_pen *spens;
-    int cap_srows, cap_spens;
+    size_t cap_srows, cap_spens;
     uint32_t *smasks;            // token masks of the constrained rows (cap_smasks words)
-    int cap_smasks;
+    size_t cap_smasks;
 } step_bufs;
 
 struct pd_engine {
