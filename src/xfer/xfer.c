@@ -18,6 +18,7 @@
 #include <sys/un.h>
 #include <unistd.h>
 
+#include "base/buf.h"
 #include "xfer/auth.h"
 
 #define AUTH_MS 5000          // the whole authentication exchange, each side
@@ -124,12 +125,7 @@ static pd_status write_all(int fd, const void *p, size_t n, int stall_ms, int fd
 static pd_status recv_frame(int fd, uint8_t **buf, size_t *cap, pd_kvw_msg *m, uint32_t allow, uint32_t max_body,
                             int64_t idle_deadline_us, int *fdp, pd_err *err) {
     memset(m, 0, sizeof *m);
-    if (*cap < 4096) {
-        uint8_t *nb = pd_realloc(*buf, 4096);
-        if (!nb) return PD_ERR_NOMEM;
-        *buf = nb;
-        *cap = 4096;
-    }
+    if (PD_ARRAY_RESERVE(*buf, *cap, 4096)) return PD_ERR_NOMEM;
     pd_status st = read_all(fd, *buf, 1, idle_deadline_us, fdp);
     if (st) return st;
     st = read_all(fd, *buf + 1, PD_KVW_HDR - 1, pd_time_us() + FRAME_MS * 1000ll, fdp);
@@ -141,12 +137,7 @@ static pd_status recv_frame(int fd, uint8_t **buf, size_t *cap, pd_kvw_msg *m, u
     for (int i = 0; i < 8; i++) payload |= (uint64_t)(*buf)[16 + i] << (8 * i);
     uint64_t body = total - PD_KVW_HDR - payload;
     if (body > max_body) return pd_err_set(err, PD_ERR_PROTO, "frame body of %llu bytes over the cap", (unsigned long long)body);
-    if (PD_KVW_HDR + body > *cap) {
-        uint8_t *nb = pd_realloc(*buf, (size_t)(PD_KVW_HDR + body));
-        if (!nb) return PD_ERR_NOMEM;
-        *buf = nb;
-        *cap = (size_t)(PD_KVW_HDR + body);
-    }
+    if (PD_ARRAY_RESERVE(*buf, *cap, (size_t)(PD_KVW_HDR + body))) return PD_ERR_NOMEM;
     st = read_all(fd, *buf + PD_KVW_HDR, (size_t)body, pd_time_us() + FRAME_MS * 1000ll, fdp);
     if (st) return st == PD_ERR_TIMEOUT ? pd_err_set(err, PD_ERR_PROTO, "frame body stalled") : st;
     memset(*buf + 16, 0, 8);  // the payload (if any) is not buffered: decode header + body alone
@@ -369,7 +360,8 @@ typedef struct worker {
     bool healthy, q_live;
     outq q;                  // the current connection's writer (valid while q_live)
     inflight *inf;
-    int n_inf, cap_inf;
+    int n_inf;
+    size_t cap_inf;  // PD_ARRAY_RESERVE
     int peer_pidfd;          // shm: the prefill process (fencing), else -1
     // nccl transport (I/O thread only)
     pd_comm *comm;       // this connection's communicator (rank 0)
@@ -878,12 +870,7 @@ pd_status pd_xfer_client_prefill(pd_xfer_client *c, const pd_kvw_prefill_req *re
     m.u.prefill_req = *req;
     pthread_mutex_lock(&best->mu);
     pd_status st = best->q_live && best->healthy ? PD_OK : PD_NOSPACE;
-    if (st == PD_OK && best->n_inf == best->cap_inf) {
-        int nc = best->cap_inf ? best->cap_inf * 2 : 16;
-        inflight *ni = pd_realloc(best->inf, sizeof *ni * (size_t)nc);
-        if (ni) best->inf = ni, best->cap_inf = nc;
-        else st = PD_ERR_NOMEM;
-    }
+    if (st == PD_OK && PD_ARRAY_RESERVE(best->inf, best->cap_inf, (size_t)best->n_inf + 1)) st = PD_ERR_NOMEM;
     if (st == PD_OK) {
         best->inf[best->n_inf++] = f;  // registered before sending: the reply may race the send
         st = outq_push(&best->q, &m, NULL);  // queued only: the engine thread does no socket I/O
