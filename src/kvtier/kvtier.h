@@ -16,7 +16,8 @@
 //   store   a tier behind one interface (put / get / contains / stats): host DRAM
 //           (pd_kvt_dram_new) and local disk (pd_kvt_disk_new: one O_DIRECT file per page under a
 //           directory, written and read with io_uring; the index is rebuilt at start from the
-//           files, and files of another model fingerprint are refused).
+//           files, and files of another model fingerprint are refused) and Redis
+//           (pd_kvt_redis_new: the cluster pool shared by every worker; reconnect with backoff).
 //
 // Thread safety: a policy is not thread-safe (its store's lock guards it); stores are.
 // Layering: kvtier includes base only; the engine-side tier connector is not built yet (see
@@ -144,6 +145,13 @@ bool pd_kvt_store_contains(pd_kvt_store *s, pd_hash128 key);
 void pd_kvt_store_stats_get(pd_kvt_store *s, pd_kvt_store_stats *out);
 // Disk: files refused at start because they belong to another model (left in place, not indexed).
 int64_t pd_kvt_disk_refused(pd_kvt_store *s);
+// The remote tier: Redis at url "redis://HOST:PORT", shared by every worker of the same model
+// (keys carry the fingerprint). Capacity is Redis's (maxmemory); p->capacity is ignored. A server
+// that is down (at start or later) is not an error: operations miss / fail fast and reconnects are
+// tried with exponential backoff (100 ms .. 5 s).
+pd_kvt_store *pd_kvt_redis_new(const pd_kvt_store_params *p, const char *url, pd_err *err);
+// Operations that found the server down or lost the connection.
+int64_t pd_kvt_redis_down_misses(pd_kvt_store *s);
 
 #ifdef __cplusplus
 }

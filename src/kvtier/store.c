@@ -17,12 +17,14 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <inttypes.h>
+#include <hiredis/hiredis.h>
 #include <liburing.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "base/map.h"
@@ -49,6 +51,12 @@ struct pd_kvt_store {
     struct io_uring ring;
     bool ring_ok, direct;
     int64_t refused_foreign;
+    // redis
+    char *host;
+    int port;
+    redisContext *rc;
+    int64_t retry_at_ms, backoff_ms;
+    int64_t reconnects, down_misses;
 };
 
 static uint64_t hkey(pd_hash128 h) {
@@ -118,6 +126,8 @@ void pd_kvt_store_free(pd_kvt_store *s) {
     pd_map_fini(&s->pages);
     pd_kvt_policy_free(s->pol);
     if (s->ring_ok) io_uring_queue_exit(&s->ring);
+    if (s->rc) redisFree(s->rc);
+    free(s->host);
     free(s->dir);
     pthread_mutex_destroy(&s->mu);
     free(s);
@@ -250,12 +260,164 @@ pd_kvt_store *pd_kvt_disk_new(const pd_kvt_store_params *p, pd_err *err) {
     return s;
 }
 
+// ---- redis: the cluster KV pool ------------------------------------------------------------------
+// Keys are "pdkv:<fingerprint>:<hash.hi><hash.lo>" (hex), values whole pages; every worker of the
+// same model shares them. Capacity and eviction are Redis's own (maxmemory + its policy): this
+// store keeps no local index, so a prefix any worker computed is visible to all. Connection loss:
+// the context is dropped and reconnects are attempted with exponential backoff (100 ms .. 5 s);
+// while down, gets are misses (counted in down_misses too) and puts fail fast — serving goes on.
+#define REDIS_TIMEOUT_MS 200
+
+static int64_t now_ms(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+}
+
+static void redis_drop(pd_kvt_store *s) {
+    if (s->rc) redisFree(s->rc);
+    s->rc = NULL;
+    s->backoff_ms = s->backoff_ms ? (s->backoff_ms * 2 > 5000 ? 5000 : s->backoff_ms * 2) : 100;
+    s->retry_at_ms = now_ms() + s->backoff_ms;
+}
+
+static bool redis_up(pd_kvt_store *s) {
+    if (s->rc) return true;
+    if (now_ms() < s->retry_at_ms) return false;
+    struct timeval tv = {0, REDIS_TIMEOUT_MS * 1000};
+    s->rc = redisConnectWithTimeout(s->host, s->port, tv);
+    if (!s->rc || s->rc->err || redisSetTimeout(s->rc, tv) != REDIS_OK) {
+        redis_drop(s);
+        return false;
+    }
+    s->reconnects++;
+    s->backoff_ms = 0;
+    return true;
+}
+
+static void redis_key(const pd_kvt_store *s, pd_hash128 h, char *out, size_t n) {
+    snprintf(out, n, "pdkv:%016" PRIx64 ":%016" PRIx64 "%016" PRIx64, s->p.fingerprint, h.hi, h.lo);
+}
+
+// Runs one command; NULL when the server is down or the connection broke (then dropped).
+static redisReply *redis_cmd(pd_kvt_store *s, int argc, const char **argv, const size_t *lens) {
+    if (!redis_up(s)) {
+        s->down_misses++;
+        return NULL;
+    }
+    redisReply *r = redisCommandArgv(s->rc, argc, argv, lens);
+    if (!r || s->rc->err) {
+        if (r) freeReplyObject(r);
+        redis_drop(s);
+        s->down_misses++;
+        return NULL;
+    }
+    return r;
+}
+
+static pd_status redis_put(pd_kvt_store *s, pd_hash128 key, const void *page, size_t len) {
+    char k[96];
+    redis_key(s, key, k, sizeof k);
+    const char *argv[] = {"SET", k, page};
+    size_t lens[] = {3, strlen(k), len};
+    redisReply *r = redis_cmd(s, 3, argv, lens);
+    if (!r) return PD_ERR_IO;
+    pd_status st = r->type == REDIS_REPLY_STATUS ? PD_OK : PD_ERR_IO;
+    freeReplyObject(r);
+    return st;
+}
+
+static pd_status redis_get(pd_kvt_store *s, pd_hash128 key, void *buf, size_t cap, size_t *len) {
+    char k[96];
+    redis_key(s, key, k, sizeof k);
+    const char *argv[] = {"GET", k};
+    size_t lens[] = {3, strlen(k)};
+    redisReply *r = redis_cmd(s, 2, argv, lens);
+    if (!r) return PD_ERR_IO;
+    pd_status st = PD_ERR_NOTFOUND;
+    if (r->type == REDIS_REPLY_STRING && r->len <= cap) {
+        memcpy(buf, r->str, r->len);
+        *len = r->len;
+        st = PD_OK;
+    } else if (r->type == REDIS_REPLY_STRING) {  // longer than any page of ours: bad
+        *len = 0;
+        st = PD_OK;
+    }
+    freeReplyObject(r);
+    return st;
+}
+
+static void redis_del(pd_kvt_store *s, pd_hash128 key) {
+    char k[96];
+    redis_key(s, key, k, sizeof k);
+    const char *argv[] = {"DEL", k};
+    size_t lens[] = {3, strlen(k)};
+    redisReply *r = redis_cmd(s, 2, argv, lens);
+    if (r) freeReplyObject(r);
+}
+
+static bool redis_exists(pd_kvt_store *s, pd_hash128 key) {
+    char k[96];
+    redis_key(s, key, k, sizeof k);
+    const char *argv[] = {"EXISTS", k};
+    size_t lens[] = {6, strlen(k)};
+    redisReply *r = redis_cmd(s, 2, argv, lens);
+    bool e = r && r->type == REDIS_REPLY_INTEGER && r->integer > 0;
+    if (r) freeReplyObject(r);
+    return e;
+}
+
+pd_kvt_store *pd_kvt_redis_new(const pd_kvt_store_params *p, const char *url, pd_err *err) {
+    // redis://HOST:PORT
+    const char *pre = "redis://";
+    if (!url || strncmp(url, pre, strlen(pre))) {
+        pd_err_set(err, PD_ERR_INVALID, "kvtier: --kv-remote wants redis://HOST:PORT, got '%s'", url ? url : "");
+        return NULL;
+    }
+    const char *hp = url + strlen(pre);
+    const char *colon = strrchr(hp, ':');
+    char *end = NULL;
+    long port = colon ? strtol(colon + 1, &end, 10) : 0;
+    if (!colon || colon == hp || !end || *end || port <= 0 || port > 65535 || colon - hp > 255) {
+        pd_err_set(err, PD_ERR_INVALID, "kvtier: bad redis address '%s' (redis://HOST:PORT)", url);
+        return NULL;
+    }
+    pd_kvt_store_params q = *p;
+    if (!q.capacity) q.capacity = 1;  // Redis owns capacity; the local policy is unused
+    pd_kvt_store *s = store_new(3, &q, err);
+    if (!s) return NULL;
+    s->host = strndup(hp, (size_t)(colon - hp));
+    s->port = (int)port;
+    snprintf(s->name, sizeof s->name, "redis");
+    if (!s->host) {
+        pd_kvt_store_free(s);
+        pd_err_set(err, PD_ERR_NOMEM, "kvtier: out of memory");
+        return NULL;
+    }
+    redis_up(s);  // a server down at start is not an error: it is retried with backoff
+    return s;
+}
+
+int64_t pd_kvt_redis_down_misses(pd_kvt_store *s) {
+    pthread_mutex_lock(&s->mu);
+    int64_t r = s->down_misses;
+    pthread_mutex_unlock(&s->mu);
+    return r;
+}
+
 // ---- the interface ---------------------------------------------------------------------------------
 pd_status pd_kvt_store_put(pd_kvt_store *s, pd_hash128 key, const void *page, size_t len) {
     if (pd_kvt_page_check(page, len, s->p.fingerprint, &s->p.geom, &key, NULL) != PD_KVT_PAGE_OK)
         return PD_ERR_INVALID;
     pthread_mutex_lock(&s->mu);
     pd_status st = PD_OK;
+    if (s->kind == 3) {
+        st = redis_put(s, key, page, len);
+        if (st != PD_OK) goto fail;
+        s->st.puts++;
+        s->st.bytes_in += (int64_t)len;
+        goto out;
+    }
     if (pd_kvt_policy_contains(s->pol, key)) goto out;  // content-addressed: same key, same page
     if (s->kind == 1) {
         void *copy = malloc(len);
@@ -325,11 +487,18 @@ out:
 pd_status pd_kvt_store_get(pd_kvt_store *s, pd_hash128 key, void *buf, size_t cap, size_t *len) {
     pthread_mutex_lock(&s->mu);
     pd_status st = PD_ERR_NOTFOUND;
+    size_t n = 0;
+    if (s->kind == 3) {
+        if (redis_get(s, key, buf, cap, &n) != PD_OK) {
+            s->st.misses++;
+            goto out;
+        }
+        goto check;
+    }
     if (!pd_kvt_policy_get(s->pol, key)) {
         s->st.misses++;
         goto out;
     }
-    size_t n = 0;
     if (s->kind == 1) {
         dram_entry *e = pd_map_find(&s->pages, hkey(key), &key);
         if (!e || e->len > cap) {
@@ -367,9 +536,14 @@ pd_status pd_kvt_store_get(pd_kvt_store *s, pd_hash128 key, void *buf, size_t ca
             goto out;
         }
     }
+check:
     if (pd_kvt_page_check(buf, n, s->p.fingerprint, &s->p.geom, &key, NULL) != PD_KVT_PAGE_OK) {
         s->st.misses++;
         s->st.bad_pages++;
+        if (s->kind == 3) {
+            redis_del(s, key);
+            goto out;
+        }
         pd_kvt_policy_remove(s->pol, key);
         if (s->kind == 1) {
             dram_entry *e = pd_map_find(&s->pages, hkey(key), &key);
@@ -395,7 +569,7 @@ out:
 
 bool pd_kvt_store_contains(pd_kvt_store *s, pd_hash128 key) {
     pthread_mutex_lock(&s->mu);
-    bool r = pd_kvt_policy_contains(s->pol, key);
+    bool r = s->kind == 3 ? redis_exists(s, key) : pd_kvt_policy_contains(s->pol, key);
     pthread_mutex_unlock(&s->mu);
     return r;
 }
@@ -403,11 +577,13 @@ bool pd_kvt_store_contains(pd_kvt_store *s, pd_hash128 key) {
 void pd_kvt_store_stats_get(pd_kvt_store *s, pd_kvt_store_stats *out) {
     pthread_mutex_lock(&s->mu);
     *out = s->st;
-    pd_kvt_policy_stats ps;
-    pd_kvt_policy_stats_get(s->pol, &ps);
-    out->bytes_used = ps.bytes_used;
-    out->n_items = ps.n_items;
-    out->capacity = ps.capacity;
+    if (s->kind != 3) {
+        pd_kvt_policy_stats ps;
+        pd_kvt_policy_stats_get(s->pol, &ps);
+        out->bytes_used = ps.bytes_used;
+        out->n_items = ps.n_items;
+        out->capacity = ps.capacity;
+    }
     pthread_mutex_unlock(&s->mu);
 }
 
