@@ -156,3 +156,74 @@ int64_t pd_kvt_redis_down_misses(pd_kvt_store *s);
 #ifdef __cplusplus
 }
 #endif
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+// Whether a store would admit key under "seen at least twice": resident or remembered by its
+// ghost list (DRAM, disk); always true for Redis (the pool takes every prefix).
+bool pd_kvt_store_seen_before(pd_kvt_store *s, pd_hash128 key);
+
+// ---- tiers: the chain below the device pool ----------------------------------------------------
+// The scheduler side and the worker side of a tier connector, over up to PD_KVT_MAX_TIERS stores
+// ordered fastest first (DRAM, disk, Redis). One tier thread runs every offload and load; callers
+// (the engine thread) only queue work and read results: they never wait on a tier.
+//
+//   offload   a block completed or evicted in the device pool: its rows are copied into the job
+//             (bounded queue; full = dropped, counted) and, on the tier thread, encoded (tier 0 at
+//             f32, lower tiers at the configured dtype) and written: always to tier 0; to a lower
+//             tier when that tier admits it (pd_kvt_store_seen_before, i.e. the second sighting,
+//             or the ghost list), or at once for Redis.
+//   match     how many leading blocks of a prompt (by chained hash) some tier holds, and the
+//             predicted load time from the measured per-tier load bandwidth.
+//   load      on the tier thread: each block from the fastest tier holding it, verified (a bad
+//             page is a miss and the load stops there), decoded into the caller's block rows;
+//             a lower-tier hit is promoted to tier 0. Completion through a callback (tier thread).
+#define PD_KVT_MAX_TIERS 3
+typedef struct pd_kvt_tiers pd_kvt_tiers;
+
+typedef struct pd_kvt_tiers_params {
+    pd_kvt_geom geom;
+    uint64_t fingerprint;
+    pd_kvt_dtype dtype;                    // lower tiers (disk, Redis); tier 0 keeps f32
+    pd_kvt_store *stores[PD_KVT_MAX_TIERS];  // owned from here on
+    int n_stores;
+    int queue_max;                         // pending offloads (default 1024)
+} pd_kvt_tiers_params;
+
+// done: n_loaded leading blocks are in place (0..n); called on the tier thread.
+typedef void (*pd_kvt_load_fn)(void *ud, uint64_t req_id, int n_loaded, int64_t load_us);
+
+typedef struct pd_kvt_tier_stats {
+    char name[16];
+    pd_kvt_store_stats store;
+    int64_t load_hist[24];  // block loads served by this tier, by latency: bucket i < 2^i us
+} pd_kvt_tier_stats;
+
+typedef struct pd_kvt_tiers_stats {
+    int n_tiers;
+    pd_kvt_tier_stats tier[PD_KVT_MAX_TIERS];
+    int64_t offloads_queued, offloads_dropped, offloads_done, admitted_lower, refused_lower;
+    int64_t loads, load_blocks, load_misses, promotions;
+} pd_kvt_tiers_stats;
+
+pd_kvt_tiers *pd_kvt_tiers_new(const pd_kvt_tiers_params *p, pd_err *err);
+void pd_kvt_tiers_free(pd_kvt_tiers *t);  // drains queued work, joins the thread, frees the stores
+// k[l], v[l]: the block's rows in layer l (copied before return).
+pd_status pd_kvt_tiers_offload(pd_kvt_tiers *t, pd_hash128 hash, pd_hash128 parent, const float *const *k,
+                               const float *const *v);
+// Leading blocks of hashes[0..n) held by some tier (checks existence only). tier_of (may be NULL):
+// per block, which tier would serve it. cost_us (may be NULL): predicted load time.
+int pd_kvt_tiers_match(pd_kvt_tiers *t, const pd_hash128 *hashes, int n, int *tier_of, double *cost_us);
+// Queues a load of blocks hashes[0..n) into dst_k[i][l], dst_v[i][l] (arrays and rows borrowed
+// until done). PD_OK: done is called exactly once.
+pd_status pd_kvt_tiers_load(pd_kvt_tiers *t, uint64_t req_id, const pd_hash128 *hashes, int n,
+                            float *const *const *dst_k, float *const *const *dst_v, pd_kvt_load_fn done, void *ud);
+// Waits (bounded by timeout_ms) until every queued job ran. true when idle. Tests and shutdown.
+bool pd_kvt_tiers_flush(pd_kvt_tiers *t, int timeout_ms);
+void pd_kvt_tiers_stats_get(pd_kvt_tiers *t, pd_kvt_tiers_stats *out);
+
+#ifdef __cplusplus
+}
+#endif

@@ -567,6 +567,14 @@ out:
     return st;
 }
 
+bool pd_kvt_store_seen_before(pd_kvt_store *s, pd_hash128 key) {
+    if (s->kind == 3) return true;
+    pthread_mutex_lock(&s->mu);
+    bool r = pd_kvt_policy_seen_before(s->pol, key);
+    pthread_mutex_unlock(&s->mu);
+    return r;
+}
+
 bool pd_kvt_store_contains(pd_kvt_store *s, pd_hash128 key) {
     pthread_mutex_lock(&s->mu);
     bool r = s->kind == 3 ? redis_exists(s, key) : pd_kvt_policy_contains(s->pol, key);

@@ -409,3 +409,101 @@ PD_TEST(store_disk_restart_corruption_foreign) {
     free(buf);
     rm_dir(dir);
 }
+
+// ---- the tier chain -------------------------------------------------------------------------------
+typedef struct load_result {
+    int calls, n_loaded;
+} load_result;
+static void on_loaded(void *ud, uint64_t req_id, int n_loaded, int64_t load_us) {
+    load_result *r = ud;
+    (void)req_id;
+    (void)load_us;
+    r->calls++;
+    r->n_loaded = n_loaded;
+}
+
+PD_TEST(tiers_offload_admission_match_load_promote) {
+    char dir[] = "/tmp/pd_kvtier_XXXXXX";
+    PD_REQUIRE(mkdtemp(dir));
+    pd_err err = {0};
+    size_t f32b = pd_kvt_page_bytes(&G, PD_KVT_F32);
+    pd_kvt_store_params dp = sparams(f32b * 4, 77, NULL);
+    pd_kvt_store_params kp = sparams(4096 * 100, 77, dir);
+    pd_kvt_tiers_params tp = {.geom = G, .fingerprint = 77, .dtype = PD_KVT_BF16, .n_stores = 2};
+    tp.stores[0] = pd_kvt_dram_new(&dp, &err);
+    tp.stores[1] = pd_kvt_disk_new(&kp, &err);
+    PD_REQUIRE(tp.stores[0] && tp.stores[1]);
+    pd_kvt_tiers *t = pd_kvt_tiers_new(&tp, &err);
+    PD_REQUIRE(t);
+    enum { NB = 6 };
+    blockdata data[NB];
+    pd_hash128 hs[NB], parent = pd_hash_root(0);
+    for (int b = 0; b < NB; b++) {
+        int32_t toks[4] = {b, b + 1, b + 2, 1000 + b};
+        hs[b] = pd_hash_block(&parent, toks, 4);
+        fill(&data[b], 1.0f + (float)b);
+        parent = hs[b];
+    }
+    for (int pass = 0; pass < 2; pass++) {
+        for (int b = 0; b < NB; b++) {
+            const float *k[2] = {data[b].k[0], data[b].k[1]}, *v[2] = {data[b].v[0], data[b].v[1]};
+            PD_CHECK_EQ(pd_kvt_tiers_offload(t, hs[b], b ? hs[b - 1] : pd_hash_root(0), k, v), PD_OK);
+        }
+        PD_CHECK(pd_kvt_tiers_flush(t, 10000));
+        pd_kvt_tiers_stats st;
+        pd_kvt_tiers_stats_get(t, &st);
+        if (pass == 0) {  // first sighting: DRAM only (4 of 6 fit), nothing admitted to disk
+            PD_CHECK_EQ(st.refused_lower, NB);
+            PD_CHECK_EQ(st.tier[1].store.n_items, 0);
+            PD_CHECK_EQ(st.tier[0].store.n_items, 4);
+            PD_CHECK_EQ(st.tier[0].store.evictions, 2);
+        } else {  // second sighting (resident or in the ghost list): admitted to disk
+            PD_CHECK_EQ(st.admitted_lower, NB);
+            PD_CHECK_EQ(st.tier[1].store.n_items, NB);
+        }
+    }
+    int tier_of[NB];
+    double cost = 0;
+    PD_CHECK_EQ(pd_kvt_tiers_match(t, hs, NB, tier_of, &cost), NB);
+    PD_CHECK(cost > 0);
+    pd_hash128 unknown[2] = {hs[0], {1, 2}};
+    PD_CHECK_EQ(pd_kvt_tiers_match(t, unknown, 2, NULL, NULL), 1);
+
+    blockdata out[NB];
+    memset(out, 0, sizeof out);
+    float *kr[NB][2], *vr[NB][2];
+    float *const *dk[NB], *const *dv[NB];
+    for (int b = 0; b < NB; b++) {
+        kr[b][0] = out[b].k[0];
+        kr[b][1] = out[b].k[1];
+        vr[b][0] = out[b].v[0];
+        vr[b][1] = out[b].v[1];
+        dk[b] = kr[b];
+        dv[b] = vr[b];
+    }
+    load_result lr = {0};
+    PD_CHECK_EQ(pd_kvt_tiers_load(t, 5, hs, NB, dk, dv, on_loaded, &lr), PD_OK);
+    PD_CHECK(pd_kvt_tiers_flush(t, 10000));
+    PD_CHECK_EQ(lr.calls, 1);
+    PD_CHECK_EQ(lr.n_loaded, NB);
+    pd_kvt_tiers_stats st;
+    pd_kvt_tiers_stats_get(t, &st);
+    int64_t from_disk = 0, from_dram = 0;
+    for (int i = 0; i < 24; i++) {
+        from_dram += st.tier[0].load_hist[i];
+        from_disk += st.tier[1].load_hist[i];
+    }
+    PD_CHECK_EQ(from_dram + from_disk, NB);
+    PD_CHECK(from_disk >= 2);  // the blocks DRAM had evicted
+    PD_CHECK_EQ(st.promotions, from_disk);
+    for (int b = 0; b < NB; b++) PD_CHECK(max_rel_err(&data[b], &out[b]) <= 1.0 / 128);
+    PD_CHECK(st.tier[1].store.bytes_out > 0 && st.tier[1].store.bytes_in > 0);
+
+    // A load that starts with an unknown block loads nothing.
+    lr = (load_result){0};
+    PD_CHECK_EQ(pd_kvt_tiers_load(t, 6, unknown + 1, 1, dk, dv, on_loaded, &lr), PD_OK);
+    PD_CHECK(pd_kvt_tiers_flush(t, 10000));
+    PD_CHECK_EQ(lr.n_loaded, 0);
+    pd_kvt_tiers_free(t);
+    rm_dir(dir);
+}

@@ -179,3 +179,92 @@ PD_TEST(redis_pool_shared_corrupt_down_reconnect) {
     free(p2);
     free(buf);
 }
+
+static void on_loaded(void *ud, uint64_t req_id, int n_loaded, int64_t load_us) {
+    (void)req_id;
+    (void)load_us;
+    *(int *)ud = n_loaded;
+}
+
+// Two workers (two tier chains: DRAM + the Redis pool): what worker 1 offloads, worker 2 finds by
+// hash and loads (bf16 pages); with Redis killed, worker 2's load is a counted miss and returns.
+PD_TEST(redis_two_workers_share_prefix_then_redis_dies) {
+    if (system("command -v redis-server >/dev/null 2>&1") != 0) PD_SKIP("redis-server not installed");
+    int port = free_port();
+    PD_REQUIRE(port > 0);
+    pid_t pid = start_redis(port);
+    PD_REQUIRE(pid > 0);
+    char url[64];
+    snprintf(url, sizeof url, "redis://127.0.0.1:%d", port);
+    pd_err err = {0};
+    pd_kvt_tiers *w[2];
+    size_t f32b = pd_kvt_page_bytes(&G, PD_KVT_F32);
+    for (int i = 0; i < 2; i++) {
+        pd_kvt_store_params dp = {.geom = G, .fingerprint = 5, .capacity = f32b * 64, .policy = PD_KVT_S3FIFO};
+        pd_kvt_tiers_params tp = {.geom = G, .fingerprint = 5, .dtype = PD_KVT_BF16, .n_stores = 2};
+        tp.stores[0] = pd_kvt_dram_new(&dp, &err);
+        tp.stores[1] = pd_kvt_redis_new(&dp, url, &err);
+        PD_REQUIRE(tp.stores[0] && tp.stores[1]);
+        w[i] = pd_kvt_tiers_new(&tp, &err);
+        PD_REQUIRE(w[i]);
+    }
+    enum { NB = 4 };
+    static float data[NB][2][2][64], out[NB][2][2][64];
+    pd_hash128 hs[NB], parent = pd_hash_root(0);
+    for (int b = 0; b < NB; b++) {
+        int32_t toks[4] = {7 * b, 1, 2, 3};
+        hs[b] = pd_hash_block(&parent, toks, 4);
+        for (int l = 0; l < 2; l++)
+            for (int i = 0; i < 64; i++) {
+                data[b][l][0][i] = (float)(b + 1) * (float)(i % 9 - 4) / 3.0f;
+                data[b][l][1][i] = (float)(l - b) + (float)i / 50.0f;
+            }
+        const float *k[2] = {data[b][0][0], data[b][1][0]}, *v[2] = {data[b][0][1], data[b][1][1]};
+        PD_CHECK_EQ(pd_kvt_tiers_offload(w[0], hs[b], parent, k, v), PD_OK);
+        parent = hs[b];
+    }
+    PD_CHECK(pd_kvt_tiers_flush(w[0], 10000));
+    int tier_of[NB];
+    PD_CHECK_EQ(pd_kvt_tiers_match(w[1], hs, NB, tier_of, NULL), NB);
+    for (int b = 0; b < NB; b++) PD_CHECK_EQ(tier_of[b], 1);  // from the pool, not its own DRAM
+    float *kr[NB][2], *vr[NB][2];
+    float *const *dk[NB], *const *dv[NB];
+    for (int b = 0; b < NB; b++) {
+        for (int l = 0; l < 2; l++) {
+            kr[b][l] = out[b][l][0];
+            vr[b][l] = out[b][l][1];
+        }
+        dk[b] = kr[b];
+        dv[b] = vr[b];
+    }
+    int n_loaded = -1;
+    PD_CHECK_EQ(pd_kvt_tiers_load(w[1], 1, hs, NB, dk, dv, on_loaded, &n_loaded), PD_OK);
+    PD_CHECK(pd_kvt_tiers_flush(w[1], 10000));
+    PD_CHECK_EQ(n_loaded, NB);
+    double worst = 0;
+    for (int b = 0; b < NB; b++)
+        for (int l = 0; l < 2; l++)
+            for (int kv = 0; kv < 2; kv++)
+                for (int i = 0; i < 64; i++) {
+                    double a = data[b][l][kv][i], e = fabs(a - out[b][l][kv][i]);
+                    if (e > fabs(a) / 128 + 1e-7 && e > worst) worst = e;
+                }
+    PD_CHECK_MSG(worst == 0, "bf16 round trip off by %g", worst);
+    pd_kvt_tiers_stats st;
+    pd_kvt_tiers_stats_get(w[1], &st);
+    PD_CHECK_EQ(st.promotions, NB);  // now in worker 2's DRAM
+    PD_CHECK_EQ(st.tier[1].store.hits, NB);
+
+    // Redis dies: a block only the pool had is a miss; the load completes (0 blocks).
+    stop_redis(pid);
+    pd_hash128 lost = pd_hash_block(&hs[NB - 1], (const int32_t[]){9, 9, 9, 9}, 4);
+    n_loaded = -1;
+    PD_CHECK_EQ(pd_kvt_tiers_load(w[1], 2, &lost, 1, dk, dv, on_loaded, &n_loaded), PD_OK);
+    PD_CHECK(pd_kvt_tiers_flush(w[1], 10000));
+    PD_CHECK_EQ(n_loaded, 0);
+    // Its own DRAM still serves what it promoted.
+    PD_CHECK_EQ(pd_kvt_tiers_match(w[1], hs, NB, tier_of, NULL), NB);
+    PD_CHECK_EQ(tier_of[0], 0);
+    pd_kvt_tiers_free(w[0]);
+    pd_kvt_tiers_free(w[1]);
+}
