@@ -612,7 +612,7 @@ int pd_cmd_run(int argc, char **argv) {
         stop_now(&r);
         goto out;
     }
-    printf("\npdserve run: serving on http://%s:%d (Ctrl-C to stop) — try:\n"
+    printf("\nServing on http://%s:%d (Ctrl-C to stop) — try:\n"
            "  curl http://%s:%d/v1/chat/completions -H 'Content-Type: application/json' \\\n"
            "    -d '{\"messages\":[{\"role\":\"user\",\"content\":\"Who was the father of Isaac?\"}],\"max_tokens\":32}'\n",
            shown, port, shown, port);

@@ -72,6 +72,7 @@ static int size_kv_blocks(pd_engine *e, pd_err *err) {
     if (p->n_blocks > 0) return p->n_blocks;
     const pd_model_config *c = pd_model_get_config(e->model);
     size_t per_block = 2 * (size_t)c->n_layers * pd_model_kv_row_bytes(e->model) * (size_t)p->block_size;
+    per_block += pd_engine_spec_kv_bytes_per_block(e);  // a draft model's cache has as many blocks
     size_t budget = p->kv_cache_bytes;
     size_t n_need = SIZE_MAX;  // blocks the limits can use at most (CPU default only)
     if (!budget) {
@@ -130,6 +131,7 @@ pd_engine *pd_engine_new(const pd_engine_params *p, pd_err *err) {
     mp.kv_dtype = p->kv_cache_dtype;
     e->model = pd_model_load(&mp, err);
     if (!e->model) goto fail;
+    if (pd_engine_spec_load(e, err)) goto fail;  // a draft model's weights, before the KV is sized
     const pd_model_config *c = pd_model_get_config(e->model);
     e->max_model_len = p->max_model_len > 0 ? PD_MIN(p->max_model_len, c->max_position_embeddings) : c->max_position_embeddings;
     int n_blocks = size_kv_blocks(e, err);
@@ -168,12 +170,12 @@ pd_engine *pd_engine_new(const pd_engine_params *p, pd_err *err) {
     pd_sched_params sp = pd_sched_params_default();
     if (p->max_num_seqs > 0) sp.max_num_seqs = p->max_num_seqs;
     else sp.max_num_seqs = !strcmp(pd_backend_name(e->backend), "cpu") ? 64 : 256;
-    e->params.max_num_seqs = sp.max_num_seqs;  // the value in force (reported to the router)
+    e->max_num_seqs = sp.max_num_seqs;  // the value in force (reported to the router)
     sp.max_num_batched_tokens = p->max_num_batched_tokens > 0 ? p->max_num_batched_tokens : 2048;
     sp.enable_chunked_prefill = p->enable_chunked_prefill;
     sp.max_model_len = e->max_model_len;
     sp.policy = p->policy == PD_POLICY_SRPT ? PD_SCHED_SRPT : PD_SCHED_FCFS;
-    if (pd_engine_spec_init(e, &sp, err)) goto fail;
+    if (pd_engine_spec_init(e, &sp, err)) goto fail;  // the draft's KV cache, lookahead slots
     e->sched = pd_sched_new(&sp, e->kv, err);
     if (!e->sched) goto fail;
     // Decode graphs (GPU) are captured now, with the workspace sized for the largest step: lazily,
@@ -282,11 +284,22 @@ static void handle_submit(pd_engine *e, pd_cmd *c) {
     }
     ereq *q = pd_calloc(1, sizeof *q);
     if (q) q->sampler = pd_sampler_new(&r->sampling, pd_model_get_config(e->model)->vocab_size);
+    bool has_ctl = r->ctl != NULL;
+    if (q && q->sampler) {
+        pd_status cs = pd_sampler_set_ctl(q->sampler, r->ctl);  // the sampler owns the ctl now
+        c->req.ctl = NULL;
+        if (cs) {
+            pd_sampler_free(q->sampler);
+            q->sampler = NULL;
+        }
+    }
     const pd_model_config *cfg = pd_model_get_config(e->model);
     pd_sched_req_params sp = {.req_id = r->id, .prompt = r->prompt, .n_prompt = r->n_prompt, .max_tokens = r->max_tokens,
                               .stop_ids = r->stop_ids, .n_stop_ids = r->n_stop_ids, .eos_ids = cfg->eos_token_ids,
                               .n_eos_ids = cfg->n_eos, .ignore_eos = r->ignore_eos, .priority = r->priority};
-    sp.is_remote_prefill = e->params.role == PD_ROLE_DECODE && pd_disagg_want_remote(e, r->prompt, r->n_prompt);
+    // A constrained request (logit bias, token mask) samples its first token here: a prefill
+    // worker would sample it without the constraint.
+    sp.is_remote_prefill = e->params.role == PD_ROLE_DECODE && !has_ctl && pd_disagg_want_remote(e, r->prompt, r->n_prompt);
     if (!q || !q->sampler || pd_sched_add(e->sched, &sp, r->arrival_us, &err)) {
         if (q) pd_sampler_free(q->sampler);
         pd_free(q);
@@ -295,7 +308,9 @@ static void handle_submit(pd_engine *e, pd_cmd *c) {
         return;
     }
     pd_sampler_add_prompt(q->sampler, r->prompt, r->n_prompt);
-    if (pd_engine_spec_req_init(e, q, r)) {
+    // Not speculated when constrained: draft proposals and verification draw without the mask or
+    // the logit bias (the request's rows are then sampled plainly, pd_sampler_sample).
+    if (!has_ctl && pd_engine_spec_req_init(e, q, r)) {
         pd_sched_abort(e->sched, r->id);
         pd_engine_spec_req_fini(q);
         pd_sampler_free(q->sampler);
@@ -427,16 +442,29 @@ static pd_status sample_on_device(pd_engine *e, const pd_step_plan *plan, const 
     int n_pens = 0;
     for (int k = 0; k < nl; k++) n_pens += pd_sampler_n_pens(req_find(e, plan->seqs[b->logit_seq[k]].req_id)->sampler);
     if (!reserve_sample_bufs(b, nl, n_pens)) return PD_ERR_NOMEM;
-    int off = 0;
+    int off = 0, n_masks = 0, words = (V + 31) / 32;
+    for (int k = 0; k < nl; k++) n_masks += pd_sampler_has_mask(req_find(e, plan->seqs[b->logit_seq[k]].req_id)->sampler);
+    if (n_masks * words > b->cap_smasks) {  // token masks (constrained decoding), grow-only
+        uint32_t *m = pd_realloc(b->smasks, sizeof(uint32_t) * (size_t)n_masks * (size_t)words);
+        if (!m) return PD_ERR_NOMEM;
+        b->smasks = m;
+        b->cap_smasks = n_masks * words;
+    }
+    n_masks = 0;
     for (int k = 0; k < nl; k++) {
         ereq *r = req_find(e, plan->seqs[b->logit_seq[k]].req_id);
         pd_sampler_export_row(r->sampler, off, &b->srows[k], b->spens + off);
         off += b->srows[k].n_pens;
+        if (pd_sampler_has_mask(r->sampler)) {
+            pd_sampler_fill_mask(r->sampler, b->smasks + (size_t)n_masks * (size_t)words);
+            b->srows[k].mask_row = n_masks++;
+        }
     }
     // The logits are the model's workspace (writable, valid until the next forward); the op
     // applies penalties in place and restores them before it returns.
     pd_sample_params sp = {.logits = (float *)dl, .n_rows = nl, .vocab = V, .rows = b->srows, .pens = b->spens,
-                           .n_pens = off, .out = b->souts};
+                           .n_pens = off, .out = b->souts, .masks = b->smasks, .n_masks = n_masks,
+                           .mask_words = words};
     pd_op_sample(e->backend, &sp);
     for (int k = 0; k < nl; k++) {
         int i = b->logit_seq[k];
@@ -788,7 +816,7 @@ void pd_engine_free(pd_engine *e) {
     step_bufs *b = &e->sb;
     pd_free(b->tokens), pd_free(b->q_indptr), pd_free(b->kv_lens), pd_free(b->bt_indptr), pd_free(b->bt_indices);
     pd_free(b->logit_rows), pd_free(b->logit_seq), pd_free(b->logits), pd_free(b->outputs), pd_free(b->results);
-    pd_free(b->srows), pd_free(b->souts), pd_free(b->spens);
+    pd_free(b->srows), pd_free(b->souts), pd_free(b->spens), pd_free(b->smasks);
     pd_free(b->events);
     pd_free(e->layer_k);
     pd_free(e->layer_v);
@@ -818,7 +846,7 @@ pd_status pd_engine_state(pd_engine *e, uint64_t since, int max_events, pd_wire_
     l->n_prefix_query_tokens = s->n_prefix_query_tokens;
     l->n_prefix_hit_tokens = s->n_prefix_hit_tokens;
     l->n_requests_finished = s->n_requests_finished;
-    l->n_max_seqs = e->params.max_num_seqs;
+    l->n_max_seqs = e->max_num_seqs;
     l->n_max_waiting = e->params.max_waiting;
     l->n_kv_handoffs = s->n_kv_handoffs;
     l->n_kv_handoff_bytes = s->n_kv_handoff_bytes;

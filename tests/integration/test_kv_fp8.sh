@@ -28,6 +28,8 @@ while len(prompts) < 30:
 json.dump(prompts, open(out, "w"))
 PY
 
+(umask 077; head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \n' >"$TMP/token")  # the KV port's shared secret
+
 metric() { curl -sf "$1/metrics" | awk -v re="$2" '$1 ~ re {s += $2} END {printf "%d\n", s + 0}'; }
 run() { python3 "$here/disagg_client.py" "$1" "$TMP/prompts.json" "$2" --concurrency 8 --max-tokens 16 || pd_fail "$3 run failed"; }
 same() {
@@ -43,11 +45,11 @@ print("%s: %d outputs identical" % (label, len(ref["texts"])))
 PY
 }
 start_pair() {  # start_pair TAG TRANSPORT PREFILL_FLAGS DECODE_FLAGS [wait]
-  pd_start p_$1 --role prefill --kv-port 0 --num-kv-blocks 1024 $3
+  pd_start p_$1 --role prefill --kv-port 0 --num-kv-blocks 1024 --auth-token-file "$TMP/token" $3
   kv=$(grep -o 'KV port [0-9.]*:[0-9]*' "$TMP/p_$1.out" | head -1 | awk '{print $3}')
   [ -n "$kv" ] || pd_fail "$1: prefill worker did not print its KV port"
   pd_start d_$1 --role decode --prefill "$kv" --kv-transport "$2" --disagg-min-tokens 1 --disagg-timeout-ms 20000 \
-    --num-kv-blocks 1024 $4
+    --num-kv-blocks 1024 --auth-token-file "$TMP/token" $4
   [ "${5:-}" = nowait ] && return 0
   pd_wait_for 30 sh -c "curl -sf '$URL/metrics' | grep -q '^pdserve_kv_prefill_workers_healthy 1'" ||
     pd_fail "$1: decode worker never connected"

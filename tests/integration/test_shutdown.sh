@@ -82,8 +82,8 @@ ls /dev/shm >"$TMP/shm.before" 2>/dev/null
 "$PD_BIN" run --model "$MODEL" --port 0 --shutdown-timeout 300 >"$TMP/run.out" 2>"$TMP/run.err" &
 echo $! >"$TMP/run.pid"
 run_pid=$!
-pd_wait_for 120 grep -q 'serving on http://' "$TMP/run.out" || { cat "$TMP/run.err" >&2; pd_fail "run did not start"; }
-URL_RUN=$(grep -o 'serving on http://[0-9.]*:[0-9]*' "$TMP/run.out" | grep -o 'http://.*')
+pd_wait_for 120 grep -q '^Serving on http://' "$TMP/run.out" || { cat "$TMP/run.err" >&2; pd_fail "run did not start"; }
+URL_RUN=$(grep -o 'Serving on http://[0-9.]*:[0-9]*' "$TMP/run.out" | grep -o 'http://.*')
 kids=$(pgrep -P "$run_pid" | tr '\n' ' ')
 [ -n "$kids" ] || pd_fail "run has no child processes"
 sv_streams s4 "$URL_RUN" "$TMP/p.json" $MT

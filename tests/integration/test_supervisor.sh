@@ -29,8 +29,8 @@ ls /dev/shm >"$TMP/shm.before" 2>/dev/null
 "$PD_BIN" run --model "$MODEL" --port 0 --shutdown-timeout 300 >"$TMP/run.out" 2>"$TMP/run.err" &
 run_pid=$!
 echo $run_pid >"$TMP/run.pid"
-pd_wait_for 120 grep -q 'serving on http://' "$TMP/run.out" || { cat "$TMP/run.err" >&2; pd_fail "run did not start"; }
-URL_RUN=$(grep -o 'serving on http://[0-9.]*:[0-9]*' "$TMP/run.out" | grep -o 'http://.*')
+pd_wait_for 120 grep -q '^Serving on http://' "$TMP/run.out" || { cat "$TMP/run.err" >&2; pd_fail "run did not start"; }
+URL_RUN=$(grep -o 'Serving on http://[0-9.]*:[0-9]*' "$TMP/run.out" | grep -o 'http://.*')
 URL_D=$(grep -o 'decode worker http://[0-9.]*:[0-9]*' "$TMP/run.out" | grep -o 'http://.*')
 grep -q 'prefilled by the prefill worker; [0-9.]* KiB of KV moved' "$TMP/run.out" ||
   pd_fail "run's sample was not reported as handed off: $(grep 'pdserve run' "$TMP/run.out")"
