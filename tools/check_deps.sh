@@ -9,13 +9,14 @@ allowed() {
     kernels) echo "kernels" ;;
     kv|tok|wire|net|metrics) echo "base $1" ;;
     model) echo "base backend tok model" ;;
+    grammar) echo "base tok grammar" ;;
     sched) echo "base kv sched" ;;
     spec) echo "base spec" ;;
     xfer) echo "base wire net backend kv xfer" ;;
     kvconn) echo "base wire net backend kv xfer kvconn" ;;
     http) echo "base net http" ;;
     engine) echo "base model sched kv kvconn backend metrics tok wire net spec engine" ;;
-    api) echo "base http tok engine metrics net api" ;;
+    api) echo "base http tok engine metrics net grammar api" ;;
     router) echo "base http net wire metrics router" ;;
     bench) echo "base http net metrics bench" ;;
     cmd) echo "*" ;;

@@ -12,6 +12,10 @@
 #   PD_INTEGRATION="a.sh b.sh"  only these integration scripts (default: all)
 #   PD_NO_SKIP=1             a skipped test counts as failed (make gpu-test: on a GPU machine
 #                            nothing may be skipped)
+#   PD_DEADLINE=EPOCH_SECS   a time budget (.ci/run sets it so CI ends inside its 90 minutes): a
+#                            test is given at most the time left, and once it is spent the tests
+#                            not yet run are reported as skipped ("time budget spent"), never as
+#                            passed
 build="$1"; shift
 repo=$(cd "$(dirname "$0")/.." && pwd)
 export PD_REPO_DIR="$repo"
@@ -29,7 +33,17 @@ run_one() {
   name="$1"; shift
   echo "== $name"
   t0=$(date +%s)
-  { timeout "${PD_TEST_TIMEOUT:-900}" "$@"; echo $? >"$log.rc"; } 2>&1 | tee "$log"
+  limit="${PD_TEST_TIMEOUT:-900}"
+  if [ -n "${PD_DEADLINE:-}" ]; then
+    left=$(( PD_DEADLINE - t0 ))
+    if [ "$left" -lt 30 ]; then
+      echo "-- $name: skipped (time budget spent: PD_DEADLINE reached) [0s]"
+      skip=$((skip+1)); skipped="$skipped $name"
+      return
+    fi
+    [ "$left" -lt "$limit" ] && limit=$left
+  fi
+  { timeout "$limit" "$@"; echo $? >"$log.rc"; } 2>&1 | tee "$log"
   rc=$(cat "$log.rc")
   dt=$(( $(date +%s) - t0 ))
   if [ "$rc" = 77 ] && [ -z "${PD_NO_SKIP:-}" ]; then
@@ -42,7 +56,7 @@ run_one() {
   else
     case "$rc" in
       77) why="skipped, and PD_NO_SKIP is set" ;;
-      124) why="timed out after ${PD_TEST_TIMEOUT:-900}s" ;;
+      124) why="timed out after ${limit}s" ;;
       66) why="ThreadSanitizer report" ;;
       *) why="exit status $rc" ;;
     esac

@@ -16,9 +16,38 @@
 // ever taken here. A client that disconnects aborts its engine requests; their later events are
 // dropped (the id is no longer in the table).
 //
-// Request policy (documented contract, as vLLM does):
-//   * Unknown fields are ignored, so clients that send newer OpenAI fields keep working; known
-//     fields with a wrong type or range are a 400 naming the field in error.param.
+// Request policy (documented contract):
+//   * Every field is known or refused. Fields that change the output are implemented or a 400
+//     naming them (error.param); fields that change nothing here are accepted: `user`, `metadata`,
+//     `store`, `service_tier`, `prompt_cache_key`, `safety_identifier`, `modalities: ["text"]`.
+//     OpenAI fields we do not implement (`audio`, `prediction`, `reasoning_effort`,
+//     `web_search_options`, `verbosity`, the deprecated `functions` / `function_call`) are a 400
+//     saying so, and a field nobody defines is a 400 "Unrecognized request argument supplied"
+//     (OpenAI's own behaviour; vLLM ignores unknown fields unless strict, which lets a typo in
+//     `respose_format` silently return unconstrained text). A field added here must be added to
+//     the tables at the top of request.c. Known fields with a wrong type or range are a 400 too.
+//   * response_format: {"type":"text"} | {"type":"json_object"} (any JSON object) |
+//     {"type":"json_schema","json_schema":{"name","schema","strict"}} (the grammar/ subset; a
+//     schema keyword we cannot enforce is a 400 naming it; the schema is enforced whether strict
+//     is true or not). `grammar` (llama.cpp's field): a GBNF grammar string. Either constrains
+//     decoding with a token mask: the text always follows the grammar, EOS is allowed only where
+//     the grammar may end, and a sequence cut by max_tokens ends with finish_reason "length"
+//     (then the text is a prefix of a valid output, as OpenAI's). Not with ignore_eos (400).
+//   * tools / tool_choice ("none" | "auto" | "required" | {"type":"function","function":{"name"}})
+//     / parallel_tool_calls: the model's tool-call syntax (pd_api_tool_format: from the chat
+//     template) is parsed into message.tool_calls (finish_reason "tool_calls"; streamed as
+//     tool_calls deltas once a call is complete). "required" and a named function are enforced
+//     by a grammar of the call syntax with each function's parameter schema; "auto" leaves the
+//     model free and parses what it wrote (a streamed reply is parsed when its first
+//     non-blank character could open a call); "none" never parses. Templates without tool
+//     support (the bundled ChatML model) get the Hermes format: the tools are described in a
+//     system message (Qwen2.5's wording) and calls are `<tool_call>{json}</tool_call>`.
+//     Messages may carry role "tool" (tool_call_id) and assistant tool_calls (arguments as a
+//     JSON string, passed to templates as an object, as vLLM does).
+//   * logit_bias: {"token id": bias in [-100, 100]}, at most 300; -100 bans the token outright.
+//   * continuation_tokens (pdserve extension, completions; the router's failover re-issue): the
+//     prompt's last N tokens were generated for this request already, so a grammar resumes after
+//     them (they must follow it: else a 400) instead of starting over.
 //   * `model` may be absent; if present it must equal the served model name (else 404
 //     model_not_found).
 //   * `echo: true`, `best_of` != n / 1 and `suffix` are rejected with 400 (not implemented).
@@ -79,6 +108,29 @@ typedef enum pd_api_kind {
     PD_API_CHAT = 2,
 } pd_api_kind;
 
+// The tool-call syntax of a chat template (pd_api_tool_format_detect).
+typedef enum pd_api_tool_format {
+    PD_API_TOOLS_FALLBACK = 0,  // no tool support in the template: Hermes syntax, tools described by us
+    PD_API_TOOLS_HERMES = 1,    // <tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call> (Qwen2.5)
+    PD_API_TOOLS_MISTRAL = 2,   // [TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]
+    PD_API_TOOLS_LLAMA3 = 3,    // {"name": ..., "parameters": {...}} (Llama 3.1+ JSON tool calls)
+} pd_api_tool_format;
+pd_api_tool_format pd_api_tool_format_detect(const char *template_source);
+
+typedef enum pd_api_tool_choice {
+    PD_API_TOOL_CHOICE_AUTO = 0,
+    PD_API_TOOL_CHOICE_NONE = 1,
+    PD_API_TOOL_CHOICE_REQUIRED = 2,
+    PD_API_TOOL_CHOICE_NAMED = 3,
+} pd_api_tool_choice;
+
+typedef enum pd_api_format {
+    PD_API_FORMAT_TEXT = 0,
+    PD_API_FORMAT_JSON_OBJECT = 1,
+    PD_API_FORMAT_JSON_SCHEMA = 2,
+    PD_API_FORMAT_GRAMMAR = 3,
+} pd_api_format;
+
 typedef struct pd_api_request {
     pd_api_kind kind;
     json_t *root;              // owned: the parsed body
@@ -101,6 +153,17 @@ typedef struct pd_api_request {
     int n_stops;
     int32_t stop_ids[PD_API_MAX_STOP_IDS];  // stop_token_ids (vLLM extension)
     int n_stop_ids;
+    pd_api_format format;      // response_format / grammar
+    json_t *schema;            // JSON_SCHEMA: borrowed from root
+    const char *grammar;       // GRAMMAR: borrowed from root
+    json_t *tools;             // chat: validated "tools" array, borrowed; NULL = none
+    pd_api_tool_choice tool_choice;
+    const char *tool_name;     // NAMED: borrowed
+    bool parallel_tool_calls;  // default true
+    pd_api_tool_format tool_format;  // set by the caller before tokenize (default FALLBACK)
+    pd_logit_bias *logit_bias; // owned (pd_malloc)
+    int n_logit_bias;
+    int continuation_tokens;   // completions: the prompt's last N tokens are this request's own output
 } pd_api_request;
 
 // Parses and validates a request body for kind. served_model: the name `model` must match (NULL
@@ -122,7 +185,8 @@ typedef struct pd_api_prompts {
     int n;
 } pd_api_prompts;
 
-// Turns r's prompt or messages into token ids: chat renders r->messages with tmpl
+// Turns r's prompt or messages into token ids (and checks logit_bias ids against the
+// vocabulary): chat renders r->messages with tmpl
 // (add_generation_prompt = true; the request's "tools" array and "chat_template_kwargs" object,
 // when present, reach the template as extra variables) and encodes with add_special=false when the
 // rendered text already starts with the BOS token (else true); completion text is encoded with

@@ -14,10 +14,13 @@
 #include "api/api.h"
 #include "base/buf.h"
 #include "base/map.h"
+#include "grammar/grammar.h"
 #include "http/http.h"
 #include "metrics/metrics.h"
 
 typedef struct api_job api_job;
+
+enum { TOOL_UNDECIDED = 0, TOOL_CONTENT = 1, TOOL_BUFFER = 2 };
 
 typedef struct api_choice {
     api_job *job;
@@ -36,6 +39,9 @@ typedef struct api_choice {
     pd_tok_ids ids;             // non-streaming with return_token_ids: generated ids (owned)
     int32_t cur_id;             // streaming with return_token_ids: the id not yet sent in a chunk
     bool has_cur_id;
+    int tool_state;             // tools parsed (job->parse_tools): TOOL_UNDECIDED / _CONTENT / _BUFFER
+    json_t *tool_calls;         // parsed at the end (owned) or NULL
+    size_t content_len;         // with tool_calls: the text before the first call
     int n_tokens;               // generated tokens seen
     int n_cached;               // prompt tokens served from the prefix cache
     int64_t t_last_us;          // time of the last token
@@ -49,6 +55,10 @@ struct api_job {
     pd_api_kind kind;
     bool stream, include_usage, ignore_eos, has_error;
     bool return_ids;      // return_token_ids
+    bool parse_tools;     // tools given and tool_choice != none: the text is parsed for calls
+    bool tools_forced;    // required / named: the whole text is calls (buffered when streaming)
+    pd_api_tool_format tool_fmt;
+    json_t *tools;        // a reference to the request's tools (owned ref) or NULL
     int logprobs;         // -1 = none
     int n;                // samples per prompt
     char id[48];          // "cmpl-..." / "chatcmpl-..."
@@ -86,7 +96,15 @@ typedef struct api_metrics {
     // speculative decoding, by method (index 1.. of PD_ENGINE_SPEC_N; 0 unused)
     pd_metric *spec_drafted[PD_ENGINE_SPEC_N], *spec_accepted[PD_ENGINE_SPEC_N], *spec_emitted[PD_ENGINE_SPEC_N];
     pd_metric *spec_steps[PD_ENGINE_SPEC_N], *spec_rate[PD_ENGINE_SPEC_N], *spec_mal[PD_ENGINE_SPEC_N];
+    pd_metric *masks, *mask_seconds;
 } api_metrics;
+
+#define API_GCACHE_N 32
+typedef struct api_gcache {
+    uint64_t hash, last_use;
+    char *text;          // owned: the GBNF
+    pd_grammar *g;       // a reference
+} api_gcache;
 
 typedef struct api_idmap {
     pd_map map;  // base/map.h: {engine request id, choice}; zero until the first put
@@ -112,6 +130,13 @@ struct pd_api {
     int64_t n_ttft;                             // first tokens seen (reported in /internal/state)
     double ttft_ms_sum[PD_WIRE_N_TTFT_PARTS];
     struct pd_api_prep *prep;  // owned: parse + template + tokenize off the loop (prep.c)
+    // constrained decoding and tools
+    pd_grammar_vocab *gvocab;  // owned; NULL if it could not be built (constraints then 400)
+    api_gcache gcache[API_GCACHE_N];
+    uint64_t gcache_clock;
+    pd_api_tool_format tool_fmt;  // of the model's chat template
+    int32_t end_ids[16];          // the model's EOS ids and the tokenizer's
+    int n_end_ids;
 };
 
 // ---- TTFT breakdown and request spans (timing.c) ------------------------------------------------
@@ -143,6 +168,29 @@ void pd_api_job_free(api_job *j);
 // Sends the first streaming chunk(s) (chat: the assistant role delta per choice).
 void pd_api_job_stream_begin(api_job *j);
 
+// ---- constraints (constrain.c) and tools (tools.c) ---------------------------------------------
+// The grammar r's output must follow (a new reference), or *out = NULL when unconstrained.
+// Errors fill e (PD_ERR_INVALID: 400 naming response_format / grammar / tools).
+pd_status pd_api_constraint(pd_api *a, const pd_api_request *r, pd_grammar **out, pd_api_error *e);
+// The ctl of one choice: logit bias and a matcher of g (NULL when neither), resumed after the
+// prompt's continuation tokens. PD_ERR_NOMEM, PD_ERR_INVALID (they do not follow g) or PD_OK.
+pd_status pd_api_choice_ctl(pd_api *a, const pd_api_request *r, pd_grammar *g, const pd_tok_ids *prompt,
+                            pd_sample_ctl **out);
+void pd_api_gcache_fini(pd_api *a);
+// Token masks computed in this process and the time they took (engine threads), since start.
+void pd_api_mask_stats(double *seconds, double *count);
+// messages for a template without tool support: the tools described in the (first) system message,
+// assistant tool_calls written as <tool_call> text, tool results as <tool_response> user turns.
+json_t *pd_api_tools_fallback_messages(const json_t *messages, const json_t *tools);
+// GBNF for r's required / named tool choice in format f.
+pd_status pd_api_tools_gbnf(const pd_api_request *r, pd_api_tool_format f, char **out, pd_err *err);
+// Tool calls in text (OpenAI's tool_calls array, new reference) or NULL when there are none;
+// *content_len: the length of the text before the first call.
+json_t *pd_api_tools_parse(const char *text, size_t n, pd_api_tool_format f, const json_t *tools, pd_rng *rng,
+                           size_t *content_len);
+// Whether a reply whose first non-blank character is c may be a tool call in format f.
+bool pd_api_tools_may_open(pd_api_tool_format f, char c);
+
 // ---- response shapes (response.c) --------------------------------------------------------------
 // usage object of a job (completion tokens summed over choices).
 json_t *pd_api_usage_json(const api_job *j);
@@ -150,6 +198,8 @@ json_t *pd_api_usage_json(const api_job *j);
 // finish (NULL = null), ids (n_ids >= 0: a "token_ids" array; n_ids < 0: none).
 json_t *pd_api_chunk_json(const api_job *j, const api_choice *c, const char *text, size_t len,
                           json_t *lp, const char *finish, const int32_t *ids, int n_ids);
+// A streaming chunk whose delta carries tool call k of choice c (call: {"id","type","function"}).
+json_t *pd_api_tool_call_chunk_json(const api_job *j, const api_choice *c, int k, const json_t *call);
 // The streaming usage chunk (choices: []).
 json_t *pd_api_usage_chunk_json(const api_job *j);
 // The whole non-streaming response.

@@ -11,6 +11,7 @@
 // Per FINISHED event: flush the detokenizer and the matcher, then finish the choice with the
 // engine's reason. When the last choice finishes the job replies (or ends the stream with the
 // usage chunk and [DONE]) and is freed.
+#include <ctype.h>
 #include <string.h>
 
 #include "api/api_impl.h"
@@ -27,10 +28,35 @@ static void append_text(api_choice *c, const char *s, size_t n) {
     c->text[c->len] = 0;
 }
 
+static void send_chunk(api_choice *c, json_t *o) {
+    if (o && c->job->http) pd_http_sse_send_json(c->job->http, o);
+    json_decref(o);
+}
+
 // Sends or accumulates text (and lp, stolen) for c.
 // With return_token_ids, the id of the current token rides on the first chunk sent for it.
+// Streaming with tools: the text is held back while it may be a tool call (always, for a required
+// or named choice; for "auto" when its first non-blank character may open one), and sent as
+// content as soon as it cannot be.
 static void emit(api_choice *c, const char *text, size_t len, json_t *lp, const char *finish) {
     api_job *j = c->job;
+    if (j->stream && j->parse_tools && c->tool_state != TOOL_CONTENT && !finish) {
+        if (c->tool_state == TOOL_UNDECIDED && j->tools_forced) c->tool_state = TOOL_BUFFER;
+        for (size_t i = 0; i < len && c->tool_state == TOOL_UNDECIDED; i++)
+            if (!isspace((unsigned char)text[i]))
+                c->tool_state = pd_api_tools_may_open(j->tool_fmt, text[i]) ? TOOL_BUFFER : TOOL_CONTENT;
+        append_text(c, text, len);
+        c->text_offset += len;
+        if (c->tool_state != TOOL_CONTENT) {
+            json_decref(lp);
+            return;
+        }
+        bool with_id = j->return_ids && c->has_cur_id;
+        send_chunk(c, pd_api_chunk_json(j, c, c->text, c->len, lp, NULL, &c->cur_id, !j->return_ids ? -1 : with_id ? 1 : 0));
+        c->has_cur_id = false;
+        c->len = 0;
+        return;
+    }
     if (j->stream) {
         if (!len && !lp && !finish) return;
         bool with_id = j->return_ids && c->has_cur_id;
@@ -86,11 +112,31 @@ static void job_complete(api_job *j) {
     pd_api_job_free(j);
 }
 
+// Tools: parses the held-back (streaming) or whole (non-streaming) text for calls; streaming, sends
+// the content before them and one tool_calls delta per call. Returns the finish reason.
+static const char *finish_tools(api_choice *c, const char *reason) {
+    api_job *j = c->job;
+    if (j->stream && c->tool_state == TOOL_CONTENT) return reason;
+    size_t clen = 0;
+    json_t *calls = c->len ? pd_api_tools_parse(c->text, c->len, j->tool_fmt, j->tools, &j->api->rng, &clen) : NULL;
+    c->tool_calls = calls;
+    c->content_len = clen;
+    if (j->stream && !j->has_error) {
+        size_t n = calls ? clen : c->len;
+        if (n) send_chunk(c, pd_api_chunk_json(j, c, c->text, n, NULL, NULL, NULL, j->return_ids ? 0 : -1));
+        size_t k;
+        json_t *call;
+        json_array_foreach(calls, k, call) send_chunk(c, pd_api_tool_call_chunk_json(j, c, (int)k, call));
+    }
+    return calls && !strcmp(reason, "stop") ? "tool_calls" : reason;  // cut by max_tokens: "length"
+}
+
 static void finish_choice(api_choice *c, const char *reason) {
     api_job *j = c->job;
     pd_api *a = j->api;
     if (c->is_done) return;
     c->is_done = true;
+    if (j->parse_tools) reason = finish_tools(c, reason);
     c->finish_reason = reason;
     if (c->is_live) {
         pd_api_idmap_del(&a->ids, c->id);
@@ -269,7 +315,9 @@ void pd_api_job_free(api_job *j) {
         pd_free(c->text);
         pd_tok_ids_free(&c->ids);
         json_decref(c->lp);
+        json_decref(c->tool_calls);
     }
+    json_decref(j->tools);
     pd_free(j->choices);
     if (j->prev) j->prev->next = j->next;
     else if (a->jobs == j) a->jobs = j->next;

@@ -57,8 +57,10 @@ static void prepare(pd_api_prep *p, api_prep_job *j) {
     }
     const pd_api_prep_params *pp = &p->params;
     j->status = pd_api_request_parse(j->kind, j->body, j->len, pp->model_name, &j->rq, &j->e);
-    if (j->status == PD_OK)
+    if (j->status == PD_OK) {
+        j->rq.tool_format = pp->tool_format;
         j->status = pd_api_request_tokenize(&j->rq, pp->tok, pp->tmpl, pp->max_model_len, &j->pr, &j->e);
+    }
 }
 
 static void *worker(void *arg) {

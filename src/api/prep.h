@@ -55,6 +55,7 @@ typedef struct pd_api_prep_params {
     const char *model_name;        // borrowed
     int max_model_len;
     int n_threads;                 // 0 = online cores / 4; clamped to 2..4
+    pd_api_tool_format tool_format;  // the chat template's tool-call syntax (api.h)
 } pd_api_prep_params;
 
 // NULL on failure (err says why). The pool watches its eventfd on base.

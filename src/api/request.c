@@ -4,12 +4,14 @@
 // Parsing is a table of typed getters: each looks a field up, treats absent and JSON null alike
 // ("not given"), and on a wrong type or range fills pd_api_error with the field's name. Nothing
 // here touches the engine, so every bad-input case is unit-tested without a model.
+#include <ctype.h>
 #include <limits.h>
+#include <stdlib.h>
 #include <math.h>
 #include <stdio.h>
 #include <string.h>
 
-#include "api/api.h"
+#include "api/api_impl.h"
 
 int pd_api_status_http(pd_status s, const char **type) {
     int http;
@@ -92,6 +94,56 @@ static pd_status get_num(json_t *o, const char *key, double lo, bool lo_open, do
         return fail(e, PD_ERR_INVALID, key, "'%s' must be %s %g and <= %g, got %g", key,
                     lo_open ? ">" : ">=", lo, hi, x);
     *out = (float)x;
+    return PD_OK;
+}
+
+// ---- the field tables (api.h: every field is known or refused) -----------------------------------
+
+static const char *const k_fields_common[] = {
+    "model", "stream", "stream_options", "n", "max_tokens", "temperature", "top_p", "stop", "seed",
+    "presence_penalty", "frequency_penalty", "logit_bias", "logprobs", "response_format", "grammar",
+    // accepted, no effect on the output here
+    "user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier", "modalities",
+    // vLLM extensions
+    "top_k", "min_p", "repetition_penalty", "ignore_eos", "stop_token_ids", "skip_special_tokens",
+    "include_stop_str_in_output", "return_token_ids", "priority", "add_special_tokens",
+    // pdserve extensions
+    "timings", NULL};
+static const char *const k_fields_chat[] = {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
+                                            "parallel_tool_calls", "chat_template_kwargs", NULL};
+static const char *const k_fields_completion[] = {"prompt", "best_of", "echo", "suffix", "continuation_tokens", NULL};
+// OpenAI fields that would change the output and are not implemented.
+static const char *const k_fields_unsupported[] = {"audio", "prediction", "reasoning_effort", "web_search_options",
+                                                   "verbosity", "functions", "function_call", NULL};
+
+static bool in_table(const char *const *t, const char *k) {
+    for (; *t; t++)
+        if (!strcmp(*t, k)) return true;
+    return false;
+}
+
+static pd_status check_fields(pd_api_request *r, pd_api_error *e) {
+    const char *k;
+    json_t *v;
+    json_object_foreach(r->root, k, v) {
+        if (in_table(k_fields_common, k) || in_table(r->kind == PD_API_CHAT ? k_fields_chat : k_fields_completion, k))
+            continue;
+        if (in_table(k_fields_unsupported, k)) {
+            if (json_is_null(v)) continue;
+            if (!strcmp(k, "functions") || !strcmp(k, "function_call"))
+                return fail(e, PD_ERR_INVALID, k, "'%s' is deprecated and not supported: use 'tools' and 'tool_choice'", k);
+            return fail(e, PD_ERR_INVALID, k, "'%s' is not supported by this server", k);
+        }
+        return fail(e, PD_ERR_INVALID, k, "Unrecognized request argument supplied: %.100s", k);
+    }
+    json_t *mod = field(r->root, "modalities");
+    if (mod && !(json_is_array(mod) && json_array_size(mod) == 1 && json_is_string(json_array_get(mod, 0)) &&
+                 !strcmp(json_string_value(json_array_get(mod, 0)), "text")))
+        return fail(e, PD_ERR_INVALID, "modalities", "only 'modalities': [\"text\"] is supported");
+    json_t *md = field(r->root, "metadata");
+    if (md && !json_is_object(md)) return fail(e, PD_ERR_INVALID, "metadata", "'metadata' must be an object");
+    json_t *user = field(r->root, "user");
+    if (user && !json_is_string(user)) return fail(e, PD_ERR_INVALID, "user", "'user' must be a string");
     return PD_OK;
 }
 
@@ -180,6 +232,165 @@ static pd_status parse_logprobs(pd_api_request *r, pd_api_error *e) {
     return PD_OK;
 }
 
+static pd_status parse_format(pd_api_request *r, pd_api_error *e) {
+    json_t *rf = field(r->root, "response_format"), *g = field(r->root, "grammar");
+    if (g) {
+        if (!json_is_string(g) || !json_string_length(g))
+            return fail(e, PD_ERR_INVALID, "grammar", "'grammar' must be a non-empty GBNF string");
+        r->format = PD_API_FORMAT_GRAMMAR;
+        r->grammar = json_string_value(g);
+    }
+    if (!rf) return PD_OK;
+    json_t *ty = json_object_get(rf, "type");
+    if (!json_is_object(rf) || !json_is_string(ty))
+        return fail(e, PD_ERR_INVALID, "response_format", "'response_format' must be an object with a 'type'");
+    const char *t = json_string_value(ty);
+    if (!strcmp(t, "text")) return PD_OK;
+    if (g) return fail(e, PD_ERR_INVALID, "grammar", "'grammar' and a 'response_format' other than text are exclusive");
+    if (!strcmp(t, "json_object")) {
+        r->format = PD_API_FORMAT_JSON_OBJECT;
+        return PD_OK;
+    }
+    if (strcmp(t, "json_schema"))
+        return fail(e, PD_ERR_INVALID, "response_format",
+                    "'response_format.type' must be 'text', 'json_object' or 'json_schema', got '%.40s'", t);
+    json_t *js = json_object_get(rf, "json_schema");
+    if (!json_is_object(js))
+        return fail(e, PD_ERR_INVALID, "response_format", "'response_format.json_schema' must be an object");
+    json_t *name = json_object_get(js, "name"), *strict = json_object_get(js, "strict");
+    if (name && !json_is_string(name))
+        return fail(e, PD_ERR_INVALID, "response_format", "'response_format.json_schema.name' must be a string");
+    if (strict && !json_is_boolean(strict) && !json_is_null(strict))
+        return fail(e, PD_ERR_INVALID, "response_format", "'response_format.json_schema.strict' must be a boolean");
+    json_t *schema = json_object_get(js, "schema");
+    if (!schema || json_is_null(schema)) schema = json_object_get(rf, "schema");  // some clients nest it here
+    if (!json_is_object(schema) && !json_is_true(schema))
+        return fail(e, PD_ERR_INVALID, "response_format", "'response_format.json_schema.schema' must be an object");
+    r->format = PD_API_FORMAT_JSON_SCHEMA;
+    r->schema = schema;
+    return PD_OK;
+}
+
+static pd_status parse_logit_bias(pd_api_request *r, pd_api_error *e) {
+    json_t *lb = field(r->root, "logit_bias");
+    if (!lb) return PD_OK;
+    if (!json_is_object(lb)) return fail(e, PD_ERR_INVALID, "logit_bias", "'logit_bias' must be an object");
+    if (json_object_size(lb) > 300)
+        return fail(e, PD_ERR_INVALID, "logit_bias", "'logit_bias' may hold at most 300 tokens");
+    if (!json_object_size(lb)) return PD_OK;
+    r->logit_bias = pd_malloc(sizeof(pd_logit_bias) * json_object_size(lb));
+    if (!r->logit_bias) return fail(e, PD_ERR_NOMEM, NULL, "out of memory");
+    const char *k;
+    json_t *v;
+    json_object_foreach(lb, k, v) {
+        char *end = NULL;
+        long id = strtol(k, &end, 10);
+        if (!*k || *end || id < 0 || id > INT32_MAX)
+            return fail(e, PD_ERR_INVALID, "logit_bias", "'logit_bias' keys must be token ids, got '%.40s'", k);
+        if (!json_is_number(v) || !(json_number_value(v) >= -100 && json_number_value(v) <= 100))
+            return fail(e, PD_ERR_INVALID, "logit_bias", "'logit_bias' values must be numbers between -100 and 100");
+        for (int i = 0; i < r->n_logit_bias; i++)
+            if (r->logit_bias[i].token == (int32_t)id)
+                return fail(e, PD_ERR_INVALID, "logit_bias", "'logit_bias' names token %ld twice", id);
+        r->logit_bias[r->n_logit_bias++] = (pd_logit_bias){(int32_t)id, (float)json_number_value(v)};
+    }
+    return PD_OK;
+}
+
+static bool valid_fn_name(const char *s) {
+    size_t n = strlen(s);
+    if (!n || n > 64) return false;
+    for (size_t i = 0; i < n; i++)
+        if (!(isalnum((unsigned char)s[i]) || s[i] == '_' || s[i] == '-')) return false;
+    return true;
+}
+
+static pd_status parse_tools(pd_api_request *r, pd_api_error *e) {
+    json_t *tools = field(r->root, "tools"), *tc = field(r->root, "tool_choice");
+    r->parallel_tool_calls = true;
+    pd_status st = get_bool(r->root, "parallel_tool_calls", &r->parallel_tool_calls, e);
+    if (st) return st;
+    if (tools) {
+        if (!json_is_array(tools)) return fail(e, PD_ERR_INVALID, "tools", "'tools' must be an array");
+        if (json_array_size(tools) > 128) return fail(e, PD_ERR_INVALID, "tools", "at most 128 tools");
+        size_t i, j;
+        json_t *t, *u;
+        json_array_foreach(tools, i, t) {
+            json_t *ty = json_object_get(t, "type"), *fn = json_object_get(t, "function");
+            if (!json_is_object(t) || !json_is_string(ty) || strcmp(json_string_value(ty), "function"))
+                return fail(e, PD_ERR_INVALID, "tools", "tools[%zu]: only tools of type 'function' are supported", i);
+            json_t *name = json_object_get(fn, "name"), *params = json_object_get(fn, "parameters");
+            if (!json_is_object(fn) || !json_is_string(name) || !valid_fn_name(json_string_value(name)))
+                return fail(e, PD_ERR_INVALID, "tools",
+                            "tools[%zu].function.name must be 1-64 characters of a-z, A-Z, 0-9, '_' and '-'", i);
+            if (params && !json_is_null(params) && !json_is_object(params))
+                return fail(e, PD_ERR_INVALID, "tools", "tools[%zu].function.parameters must be an object", i);
+            json_array_foreach(tools, j, u) {
+                if (j >= i) break;
+                if (!strcmp(json_string_value(json_object_get(json_object_get(u, "function"), "name")),
+                            json_string_value(name)))
+                    return fail(e, PD_ERR_INVALID, "tools", "two tools are named '%s'", json_string_value(name));
+            }
+        }
+        if (json_array_size(tools)) r->tools = tools;
+    }
+    r->tool_choice = r->tools ? PD_API_TOOL_CHOICE_AUTO : PD_API_TOOL_CHOICE_NONE;
+    if (!tc) return PD_OK;
+    if (json_is_string(tc)) {
+        const char *c = json_string_value(tc);
+        if (!strcmp(c, "none")) r->tool_choice = PD_API_TOOL_CHOICE_NONE;
+        else if (!strcmp(c, "auto")) r->tool_choice = r->tools ? PD_API_TOOL_CHOICE_AUTO : PD_API_TOOL_CHOICE_NONE;
+        else if (!strcmp(c, "required")) r->tool_choice = PD_API_TOOL_CHOICE_REQUIRED;
+        else return fail(e, PD_ERR_INVALID, "tool_choice", "'tool_choice' must be 'none', 'auto', 'required' or a function");
+    } else {
+        json_t *fn = json_object_get(tc, "function"), *name = json_object_get(fn, "name");
+        if (!json_is_object(tc) || !json_is_string(name))
+            return fail(e, PD_ERR_INVALID, "tool_choice",
+                        "'tool_choice' must be 'none', 'auto', 'required' or {\"type\":\"function\",\"function\":{\"name\":...}}");
+        r->tool_choice = PD_API_TOOL_CHOICE_NAMED;
+        r->tool_name = json_string_value(name);
+    }
+    if (r->tool_choice >= PD_API_TOOL_CHOICE_REQUIRED && !r->tools)
+        return fail(e, PD_ERR_INVALID, "tool_choice", "'tool_choice' requires 'tools'");
+    if (r->tool_choice == PD_API_TOOL_CHOICE_NAMED) {
+        size_t i;
+        json_t *t;
+        bool found = false;
+        json_array_foreach(r->tools, i, t) found |= !strcmp(
+            json_string_value(json_object_get(json_object_get(t, "function"), "name")), r->tool_name);
+        if (!found) return fail(e, PD_ERR_INVALID, "tool_choice", "tool_choice names '%.64s', which is not in 'tools'", r->tool_name);
+    }
+    if (r->tool_choice >= PD_API_TOOL_CHOICE_REQUIRED && r->format != PD_API_FORMAT_TEXT)
+        return fail(e, PD_ERR_INVALID, "tool_choice",
+                    "a required or named 'tool_choice' cannot be combined with 'response_format' or 'grammar'");
+    return PD_OK;
+}
+
+// An assistant message's tool_calls, checked and with each function.arguments (a JSON string
+// from OpenAI clients) also available as an object for templates (vLLM does the same).
+static pd_status normalise_tool_calls(json_t *copy, size_t i, pd_api_error *e) {
+    json_t *calls = json_object_get(copy, "tool_calls");
+    if (!calls || json_is_null(calls)) return PD_OK;
+    if (!json_is_array(calls)) return fail(e, PD_ERR_INVALID, "messages", "messages[%zu].tool_calls must be an array", i);
+    size_t k;
+    json_t *c;
+    json_array_foreach(calls, k, c) {
+        json_t *fn = json_object_get(c, "function");
+        json_t *args = json_object_get(fn, "arguments");
+        if (!json_is_object(c) || !json_is_object(fn) || !json_is_string(json_object_get(fn, "name")))
+            return fail(e, PD_ERR_INVALID, "messages", "messages[%zu].tool_calls[%zu] needs function.name", i, k);
+        if (json_is_string(args)) {
+            json_t *obj = json_loads(json_string_value(args), JSON_DECODE_ANY, NULL);
+            if (!obj)
+                return fail(e, PD_ERR_INVALID, "messages", "messages[%zu].tool_calls[%zu].function.arguments is not JSON", i, k);
+            json_object_set_new(fn, "arguments", obj);
+        } else if (!args || json_is_null(args)) {
+            json_object_set_new(fn, "arguments", json_object());
+        }
+    }
+    return PD_OK;
+}
+
 // Appends the text of one content value: a string, or an array of {"type":"text","text":...}.
 static pd_status content_text(json_t *c, json_t **out, pd_api_error *e) {
     if (!c || json_is_null(c)) {
@@ -238,11 +449,16 @@ static pd_status parse_messages(pd_api_request *r, pd_api_error *e) {
                          " (messages[%zu])", i);
             return st;
         }
-        json_t *copy = json_copy(msg);
+        json_t *copy = json_deep_copy(msg);
         if (!copy || json_object_set_new(copy, "content", text) || json_array_append_new(r->messages, copy)) {
             if (!copy) json_decref(text);
             return fail(e, PD_ERR_NOMEM, NULL, "out of memory");
         }
+        if ((st = normalise_tool_calls(copy, i, e))) return st;
+        const char *rs = json_string_value(role);
+        json_t *tcid = json_object_get(msg, "tool_call_id");
+        if (!strcmp(rs, "tool") && tcid && !json_is_string(tcid))
+            return fail(e, PD_ERR_INVALID, "messages", "messages[%zu].tool_call_id must be a string", i);
     }
     return PD_OK;
 }
@@ -296,6 +512,7 @@ static pd_status parse_fields(pd_api_request *r, const char *served, pd_api_erro
             return PD_ERR_NOTFOUND;
         }
     }
+    if ((st = check_fields(r, e))) return st;
     if (r->kind == PD_API_CHAT) {
         if ((st = parse_messages(r, e))) return st;
     } else if ((st = check_prompt(r, e))) {
@@ -332,9 +549,18 @@ static pd_status parse_fields(pd_api_request *r, const char *served, pd_api_erro
     if (suffix && (!json_is_string(suffix) || json_string_length(suffix)))
         return fail(e, PD_ERR_INVALID, "suffix", "'suffix' is not supported");
     if ((st = get_bool(o, "ignore_eos", &r->ignore_eos, e))) return st;
+    if ((st = parse_format(r, e))) return st;
+    if ((st = parse_logit_bias(r, e))) return st;
+    if (r->kind == PD_API_CHAT && (st = parse_tools(r, e))) return st;
+    bool constrained = r->format != PD_API_FORMAT_TEXT || r->tool_choice >= PD_API_TOOL_CHOICE_REQUIRED;
+    if (constrained && r->ignore_eos)
+        return fail(e, PD_ERR_INVALID, "ignore_eos", "'ignore_eos' cannot be combined with constrained decoding "
+                                                     "(the grammar decides where the text may end)");
     if ((st = get_bool(o, "skip_special_tokens", &r->skip_special_tokens, e))) return st;
     if ((st = get_bool(o, "include_stop_str_in_output", &r->include_stop_str_in_output, e))) return st;
     if ((st = get_bool(o, "return_token_ids", &r->return_token_ids, e))) return st;
+    if ((st = get_int(o, "continuation_tokens", 0, INT_MAX, &v, &given, e))) return st;
+    if (given) r->continuation_tokens = (int)v;
     bool timings = false;  // pdserve extension: usage.ttft_breakdown (docs/router.md)
     if ((st = get_bool(o, "timings", &timings, e))) return st;
     if (timings) r->include_timings = true;
@@ -383,6 +609,7 @@ pd_status pd_api_request_parse(pd_api_kind kind, const char *body, size_t len,
 
 void pd_api_request_fini(pd_api_request *r) {
     if (!r) return;
+    pd_free(r->logit_bias);
     json_decref(r->messages);
     json_decref(r->root);
     memset(r, 0, sizeof *r);
@@ -445,7 +672,19 @@ static pd_status render_chat(const pd_api_request *r, const pd_tok *tok, const p
     char *text = NULL;
     size_t len = 0;
     pd_err jerr = {0};
-    st = pd_chat_template_apply(tmpl, r->messages, true, extra, NULL, &text, &len, &jerr);
+    json_t *msgs = r->messages;
+    bool tool_turns = r->tools != NULL;
+    size_t mi;
+    json_t *m;
+    json_array_foreach(r->messages, mi, m) tool_turns |= json_object_get(m, "tool_calls") != NULL ||
+                                                        !strcmp(json_string_value(json_object_get(m, "role")), "tool");
+    if (r->tool_format == PD_API_TOOLS_FALLBACK && tool_turns &&
+        !(msgs = pd_api_tools_fallback_messages(r->messages, r->tool_choice != PD_API_TOOL_CHOICE_NONE ? r->tools : NULL))) {
+        json_decref(extra);
+        return fail(e, PD_ERR_NOMEM, NULL, "out of memory");
+    }
+    st = pd_chat_template_apply(tmpl, msgs, true, extra, NULL, &text, &len, &jerr);
+    if (msgs != r->messages) json_decref(msgs);
     json_decref(extra);
     if (st == PD_ERR_INVALID) return fail(e, st, "messages", "chat template error: %s", jerr.msg);
     if (st) return fail(e, st, NULL, "chat template: %s", jerr.msg);
@@ -477,6 +716,12 @@ pd_status pd_api_request_tokenize(const pd_api_request *r, const pd_tok *tok,
     p.n = n;
     const char *param = r->kind == PD_API_CHAT ? "messages" : "prompt";
     pd_status st = PD_OK;
+    for (int i = 0; i < r->n_logit_bias; i++)
+        if (r->logit_bias[i].token >= pd_tok_n_vocab(tok)) {
+            pd_api_prompts_fini(&p);
+            return fail(e, PD_ERR_INVALID, "logit_bias", "logit_bias names token %d, beyond the vocabulary (%d tokens)",
+                        r->logit_bias[i].token, pd_tok_n_vocab(tok));
+        }
     if (r->max_tokens >= max_model_len) {
         pd_api_prompts_fini(&p);
         return fail(e, PD_ERR_INVALID, r->kind == PD_API_CHAT && field(r->root, "max_completion_tokens") ? "max_completion_tokens" : "max_tokens",
@@ -497,6 +742,9 @@ pd_status pd_api_request_tokenize(const pd_api_request *r, const pd_tok *tok,
         if (st) break;
         if (ids->n == 0) {
             st = fail(e, PD_ERR_INVALID, param, "the prompt is empty");
+        } else if (r->continuation_tokens >= ids->n) {
+            st = fail(e, PD_ERR_INVALID, "continuation_tokens", "'continuation_tokens' (%d) must be below the prompt's %d tokens",
+                      r->continuation_tokens, ids->n);
         } else if (ids->n >= max_model_len) {
             st = fail(e, PD_ERR_INVALID, param,
                       "This model's maximum context length is %d tokens. However, your prompt has %d tokens "

@@ -7,6 +7,9 @@
 //                  "choices":[{"index","message":{"role","content"},"logprobs","finish_reason"}]}
 //                 streaming: "object":"chat.completion.chunk", choices[].delta = {"role"} first,
 //                 then {"content"}, and {} with the finish_reason.
+//                 With tool calls: message.tool_calls = [{"id","type":"function","function":{"name",
+//                 "arguments" (a JSON string)}}] and content the text before them or null; streamed
+//                 as one delta {"tool_calls":[{"index",...}]} per call; finish_reason "tool_calls".
 //   usage         {"prompt_tokens","completion_tokens","total_tokens",
 //                  "prompt_tokens_details":{"cached_tokens"}}
 // With stream_options.include_usage every chunk carries "usage": null and a last chunk carries
@@ -88,6 +91,20 @@ fail:
     return NULL;
 }
 
+json_t *pd_api_tool_call_chunk_json(const api_job *j, const api_choice *c, int k, const json_t *call) {
+    json_t *o = pd_api_chunk_json(j, c, "", 0, NULL, NULL, NULL, -1);
+    json_t *ch = o ? json_array_get(json_object_get(o, "choices"), 0) : NULL;
+    json_t *tc = json_deep_copy(call);
+    if (!ch || !tc) {
+        json_decref(o);
+        json_decref(tc);
+        return NULL;
+    }
+    json_object_set_new(tc, "index", json_integer(k));
+    json_object_set_new(ch, "delta", json_pack("{s:[o]}", "tool_calls", tc));
+    return o;
+}
+
 json_t *pd_api_usage_chunk_json(const api_job *j) {
     json_t *o = envelope(j, true);
     if (!o) return NULL;
@@ -109,8 +126,12 @@ json_t *pd_api_response_json(const api_job *j) {
         json_t *ch = json_object();
         if (!ch) continue;
         json_object_set_new(ch, "index", json_integer(c->index));
-        json_t *text = json_stringn(c->text ? c->text : "", c->len);
-        if (j->kind == PD_API_CHAT)
+        json_t *text = json_stringn(c->text ? c->text : "", c->tool_calls ? c->content_len : c->len);
+        if (j->kind == PD_API_CHAT && c->tool_calls) {  // content: the text before the calls, or null
+            if (!c->content_len) json_decref(text), text = json_null();
+            json_object_set_new(ch, "message", json_pack("{s:s,s:o,s:O}", "role", "assistant", "content", text,
+                                                         "tool_calls", c->tool_calls));
+        } else if (j->kind == PD_API_CHAT)
             json_object_set_new(ch, "message", json_pack("{s:s,s:o}", "role", "assistant", "content", text));
         else
             json_object_set_new(ch, "text", text);

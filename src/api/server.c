@@ -67,6 +67,10 @@ static api_job *job_new(pd_api *a, pd_http_req *http, const pd_api_request *rq, 
     j->ignore_eos = rq->ignore_eos;
     j->logprobs = rq->logprobs;
     j->n = rq->n;
+    j->parse_tools = rq->tools && rq->tool_choice != PD_API_TOOL_CHOICE_NONE;
+    j->tools_forced = rq->tool_choice >= PD_API_TOOL_CHOICE_REQUIRED;
+    j->tool_fmt = rq->tool_format;
+    j->tools = j->parse_tools ? json_incref(rq->tools) : NULL;
     j->created = (int64_t)time(NULL);
     j->t_arrival_us = pd_time_us();
     j->include_timings = rq->include_timings;
@@ -108,7 +112,8 @@ fail:
 }
 
 // Submits every choice; on failure aborts those already queued and fills e.
-static pd_status job_submit(api_job *j, const pd_api_request *rq, const pd_api_prompts *pr, pd_api_error *e) {
+static pd_status job_submit(api_job *j, const pd_api_request *rq, const pd_api_prompts *pr, pd_grammar *g,
+                            pd_api_error *e) {
     pd_api *a = j->api;
     for (int i = 0; i < j->n_choices; i++) {
         api_choice *c = &j->choices[i];
@@ -127,13 +132,22 @@ static pd_status job_submit(api_job *j, const pd_api_request *rq, const pd_api_p
         er.arrival_us = j->t_arrival_us;
         pd_api_trace_traceparent(j, er.traceparent);
         pd_err err = {0};
-        pd_status st = pd_api_idmap_put(&a->ids, er.id, c);
+        pd_status st = pd_api_choice_ctl(a, rq, g, &pr->items[c->prompt_idx], &er.ctl);  // logit bias, grammar
+        if (st == PD_ERR_INVALID) {
+            e->status = st;
+            snprintf(e->param, sizeof e->param, "continuation_tokens");
+            snprintf(e->message, sizeof e->message, "the continuation tokens do not follow the request's grammar");
+            e->code = NULL;
+            return st;
+        }
+        if (st == PD_OK) st = pd_api_idmap_put(&a->ids, er.id, c);
         if (st == PD_OK) {
-            st = pd_engine_submit(a->engine, &er, &err);
+            st = pd_engine_submit(a->engine, &er, &err);  // the engine owns er.ctl on success
             if (st) pd_api_idmap_del(&a->ids, er.id);
         } else {
             snprintf(err.msg, sizeof err.msg, "out of memory");
         }
+        if (st) pd_sample_ctl_free(er.ctl);
         if (st) {
             e->status = st;
             e->param[0] = 0;
@@ -158,12 +172,17 @@ static void generate_prepared(api_prep_job *pj, void *ud) {
         reply_api_error(r, &e);
         return;
     }
+    pd_grammar *g = NULL;
+    if (pd_api_constraint(a, &pj->rq, &g, &e)) {  // response_format / grammar / forced tool calls
+        reply_api_error(r, &e);
+        return;
+    }
     api_job *j = job_new(a, r, &pj->rq, &pj->pr);
     if (!j) {
         e.status = PD_ERR_NOMEM;
         snprintf(e.message, sizeof e.message, "out of memory");
         reply_api_error(r, &e);
-    } else if (job_submit(j, &pj->rq, &pj->pr, &e)) {
+    } else if (job_submit(j, &pj->rq, &pj->pr, g, &e)) {
         j->http = NULL;
         pd_api_job_free(j);  // aborts what was queued
         reply_api_error(r, &e);
@@ -171,6 +190,7 @@ static void generate_prepared(api_prep_job *pj, void *ud) {
         pd_http_req_set_close_cb(r, on_client_close, j);
         if (j->stream) pd_api_job_stream_begin(j);
     }
+    pd_grammar_unref(g);  // the choices' matchers hold their own references
 }
 
 static void submit_prep(pd_http_req *r, pd_api *a, pd_api_kind kind, bool detect_kind, api_prep_done_fn done) {
@@ -307,6 +327,10 @@ static void refresh_engine_metrics(pd_api *a) {
         pd_metric_set(a->m.spec_rate[k], s.spec_drafted[k] ? (double)s.spec_accepted[k] / (double)s.spec_drafted[k] : 0);
         pd_metric_set(a->m.spec_mal[k], s.spec_steps[k] ? (double)s.spec_emitted[k] / (double)s.spec_steps[k] : 0);
     }
+    double mask_s, n_masks;
+    pd_api_mask_stats(&mask_s, &n_masks);
+    mirror(a->m.masks, n_masks);
+    mirror(a->m.mask_seconds, mask_s);
 }
 
 static void h_metrics(pd_http_req *r, void *ud) {
@@ -407,6 +431,8 @@ static pd_status register_metrics(pd_api *a, pd_err *err) {
         G2(spec_rate[k], "pdserve_spec_acceptance_rate", first ? "Accepted / drafted tokens since start." : "", l);
         G2(spec_mal[k], "pdserve_spec_mean_accepted_length", first ? "Tokens emitted per verify step since start." : "", l);
     }
+    C(masks, "pdserve_grammar_masks_total", "Token masks computed for constrained decoding (one per constrained row and step).", NULL);
+    C(mask_seconds, "pdserve_grammar_mask_seconds_total", "CPU time spent computing token masks, summed.", NULL);
 #undef H
 #undef G2
 #undef G
@@ -453,8 +479,16 @@ pd_api *pd_api_new(struct event_base *base, pd_engine *e, const pd_api_params *p
         }
     }
     if (register_metrics(a, err) || pd_api_timing_metrics_init(a, err)) goto fail;
+    // Constrained decoding: the vocabulary trie, the tool-call syntax, the tokens that end a sequence.
+    pd_err gerr = {0};
+    a->gvocab = pd_grammar_vocab_new(a->tok, &gerr);
+    if (!a->gvocab) PD_LOG_W("api: no constrained decoding: %s", gerr.msg);
+    a->tool_fmt = pd_api_tool_format_detect(tmpl);
+    const pd_model_config *cfg = pd_engine_config(e);
+    for (int i = 0; i < cfg->n_eos && a->n_end_ids < 15; i++) a->end_ids[a->n_end_ids++] = cfg->eos_token_ids[i];
+    if (pd_tok_eos_id(a->tok) >= 0) a->end_ids[a->n_end_ids++] = pd_tok_eos_id(a->tok);
     a->prep = pd_api_prep_new(base, &(pd_api_prep_params){.tok = a->tok, .tmpl = a->tmpl, .model_name = a->model_name,
-                                                          .max_model_len = a->max_model_len}, err);
+                                                          .max_model_len = a->max_model_len, .tool_format = a->tool_fmt}, err);
     if (!a->prep) goto fail;
     pd_http_params hp = pd_http_params_default();
     hp.host = p->host;
@@ -496,6 +530,8 @@ void pd_api_free(pd_api *a) {
     pd_api_prep_free(a->prep);  // after the server: requests still being prepared were cancelled
     while (a->jobs) pd_api_job_cancel(a->jobs);
     pd_api_idmap_fini(&a->ids);
+    pd_api_gcache_fini(a);
+    pd_grammar_vocab_free(a->gvocab);
     pd_chat_template_free(a->tmpl);
     pd_metrics_free(a->metrics);
     pd_free(a->model_name);

@@ -186,8 +186,8 @@ typedef struct pd_kv_checksum_params {
 } pd_kv_checksum_params;
 
 // Sampling on the device (optional op, pd_backend_has_sample): one token per row of f32 logits,
-// with exactly the semantics of the CPU sampler (src/model/sample.h): penalties → temperature →
-// top-k → top-p → min-p → draw; greedy ties go to the lowest id; logprobs are those of the raw
+// with exactly the semantics of the CPU sampler (src/model/sample.h): token mask → penalties and
+// logit bias → temperature → top-k → top-p → min-p → draw; greedy ties go to the lowest id; logprobs are those of the raw
 // (unprocessed) logits. A random draw uses pd_sample_uniform(seed, draw_idx) and walks the
 // surviving tokens in id order, as the CPU sampler does, so a seeded row draws the same token on
 // either backend (up to float rounding at a boundary). Only the results cross to the host.
@@ -203,6 +203,8 @@ typedef struct pd_sample_row {
     uint64_t draw_idx;         // which draw of the seed's stream this one is
     int32_t n_logprobs;        // -1: none; 0: the token's; N <= PD_SAMPLE_MAX_TOP: and the top N
     int32_t pen_begin, n_pens; // this row's entries in pd_sample_params.pens
+    int32_t mask_row;          // -1: no mask; else the row's allowed-token bitmask in
+                               // pd_sample_params.masks (constrained decoding)
 } pd_sample_row;
 
 // A token of a row that a penalty applies to. Tokens are unique within a row.
@@ -210,7 +212,9 @@ typedef struct pd_sample_pen {
     int32_t token;
     int32_t count;             // times generated: presence / frequency penalties when > 0
     int32_t is_seen;           // in the prompt or generated: the repetition penalty applies
+    float bias;                // logit_bias, added after the penalties; <= PD_SAMPLE_BIAS_BAN: -inf
 } pd_sample_pen;
+#define PD_SAMPLE_BIAS_BAN (-100.0f)
 
 typedef struct pd_sample_out {
     int32_t token;
@@ -228,6 +232,12 @@ typedef struct pd_sample_params {
     const pd_sample_pen *pens;     // host (n_pens), each row's entries contiguous
     int n_pens;
     pd_sample_out *out;            // host (n_rows)
+    // Token masks (optional): n_masks bitmasks of mask_words 32-bit words each (bit t set = token
+    // t may be drawn); a row with mask_row >= 0 treats every other token as -inf (greedy,
+    // truncation and draw; the raw logprobs are those of the unmasked logits). Masks are not
+    // written into the logits, which stay unchanged.
+    const uint32_t *masks;         // host (n_masks * mask_words)
+    int n_masks, mask_words;
 } pd_sample_params;
 
 // A handle that lets another process on the same host map a buffer: the decode worker exports its

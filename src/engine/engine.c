@@ -168,7 +168,7 @@ pd_engine *pd_engine_new(const pd_engine_params *p, pd_err *err) {
     pd_sched_params sp = pd_sched_params_default();
     if (p->max_num_seqs > 0) sp.max_num_seqs = p->max_num_seqs;
     else sp.max_num_seqs = !strcmp(pd_backend_name(e->backend), "cpu") ? 64 : 256;
-    e->params.max_num_seqs = sp.max_num_seqs;  // the value in force (reported to the router)
+    e->max_num_seqs = sp.max_num_seqs;  // the value in force (reported to the router)
     sp.max_num_batched_tokens = p->max_num_batched_tokens > 0 ? p->max_num_batched_tokens : 2048;
     sp.enable_chunked_prefill = p->enable_chunked_prefill;
     sp.max_model_len = e->max_model_len;
@@ -282,11 +282,22 @@ static void handle_submit(pd_engine *e, pd_cmd *c) {
     }
     ereq *q = pd_calloc(1, sizeof *q);
     if (q) q->sampler = pd_sampler_new(&r->sampling, pd_model_get_config(e->model)->vocab_size);
+    bool has_ctl = r->ctl != NULL;
+    if (q && q->sampler) {
+        pd_status cs = pd_sampler_set_ctl(q->sampler, r->ctl);  // the sampler owns the ctl now
+        c->req.ctl = NULL;
+        if (cs) {
+            pd_sampler_free(q->sampler);
+            q->sampler = NULL;
+        }
+    }
     const pd_model_config *cfg = pd_model_get_config(e->model);
     pd_sched_req_params sp = {.req_id = r->id, .prompt = r->prompt, .n_prompt = r->n_prompt, .max_tokens = r->max_tokens,
                               .stop_ids = r->stop_ids, .n_stop_ids = r->n_stop_ids, .eos_ids = cfg->eos_token_ids,
                               .n_eos_ids = cfg->n_eos, .ignore_eos = r->ignore_eos, .priority = r->priority};
-    sp.is_remote_prefill = e->params.role == PD_ROLE_DECODE && pd_disagg_want_remote(e, r->prompt, r->n_prompt);
+    // A constrained request (logit bias, token mask) samples its first token here: a prefill
+    // worker would sample it without the constraint.
+    sp.is_remote_prefill = e->params.role == PD_ROLE_DECODE && !has_ctl && pd_disagg_want_remote(e, r->prompt, r->n_prompt);
     if (!q || !q->sampler || pd_sched_add(e->sched, &sp, r->arrival_us, &err)) {
         if (q) pd_sampler_free(q->sampler);
         pd_free(q);
@@ -295,7 +306,9 @@ static void handle_submit(pd_engine *e, pd_cmd *c) {
         return;
     }
     pd_sampler_add_prompt(q->sampler, r->prompt, r->n_prompt);
-    if (pd_engine_spec_req_init(e, q, r)) {
+    // Not speculated when constrained: draft proposals and verification draw without the mask or
+    // the logit bias (the request's rows are then sampled plainly, pd_sampler_sample).
+    if (!has_ctl && pd_engine_spec_req_init(e, q, r)) {
         pd_sched_abort(e->sched, r->id);
         pd_engine_spec_req_fini(q);
         pd_sampler_free(q->sampler);
@@ -427,16 +440,29 @@ static pd_status sample_on_device(pd_engine *e, const pd_step_plan *plan, const 
     int n_pens = 0;
     for (int k = 0; k < nl; k++) n_pens += pd_sampler_n_pens(req_find(e, plan->seqs[b->logit_seq[k]].req_id)->sampler);
     if (!reserve_sample_bufs(b, nl, n_pens)) return PD_ERR_NOMEM;
-    int off = 0;
+    int off = 0, n_masks = 0, words = (V + 31) / 32;
+    for (int k = 0; k < nl; k++) n_masks += pd_sampler_has_mask(req_find(e, plan->seqs[b->logit_seq[k]].req_id)->sampler);
+    if (n_masks * words > b->cap_smasks) {  // token masks (constrained decoding), grow-only
+        uint32_t *m = pd_realloc(b->smasks, sizeof(uint32_t) * (size_t)n_masks * (size_t)words);
+        if (!m) return PD_ERR_NOMEM;
+        b->smasks = m;
+        b->cap_smasks = n_masks * words;
+    }
+    n_masks = 0;
     for (int k = 0; k < nl; k++) {
         ereq *r = req_find(e, plan->seqs[b->logit_seq[k]].req_id);
         pd_sampler_export_row(r->sampler, off, &b->srows[k], b->spens + off);
         off += b->srows[k].n_pens;
+        if (pd_sampler_has_mask(r->sampler)) {
+            pd_sampler_fill_mask(r->sampler, b->smasks + (size_t)n_masks * (size_t)words);
+            b->srows[k].mask_row = n_masks++;
+        }
     }
     // The logits are the model's workspace (writable, valid until the next forward); the op
     // applies penalties in place and restores them before it returns.
     pd_sample_params sp = {.logits = (float *)dl, .n_rows = nl, .vocab = V, .rows = b->srows, .pens = b->spens,
-                           .n_pens = off, .out = b->souts};
+                           .n_pens = off, .out = b->souts, .masks = b->smasks, .n_masks = n_masks,
+                           .mask_words = words};
     pd_op_sample(e->backend, &sp);
     for (int k = 0; k < nl; k++) {
         int i = b->logit_seq[k];
@@ -788,7 +814,7 @@ void pd_engine_free(pd_engine *e) {
     step_bufs *b = &e->sb;
     pd_free(b->tokens), pd_free(b->q_indptr), pd_free(b->kv_lens), pd_free(b->bt_indptr), pd_free(b->bt_indices);
     pd_free(b->logit_rows), pd_free(b->logit_seq), pd_free(b->logits), pd_free(b->outputs), pd_free(b->results);
-    pd_free(b->srows), pd_free(b->souts), pd_free(b->spens);
+    pd_free(b->srows), pd_free(b->souts), pd_free(b->spens), pd_free(b->smasks);
     pd_free(b->events);
     pd_free(e->layer_k);
     pd_free(e->layer_v);
@@ -818,7 +844,7 @@ pd_status pd_engine_state(pd_engine *e, uint64_t since, int max_events, pd_wire_
     l->n_prefix_query_tokens = s->n_prefix_query_tokens;
     l->n_prefix_hit_tokens = s->n_prefix_hit_tokens;
     l->n_requests_finished = s->n_requests_finished;
-    l->n_max_seqs = e->params.max_num_seqs;
+    l->n_max_seqs = e->max_num_seqs;
     l->n_max_waiting = e->params.max_waiting;
     l->n_kv_handoffs = s->n_kv_handoffs;
     l->n_kv_handoff_bytes = s->n_kv_handoff_bytes;

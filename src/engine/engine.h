@@ -118,6 +118,11 @@ typedef struct pd_engine_request {
     int priority;                 // higher runs first (default 0)
     int64_t arrival_us;           // 0 = now
     char traceparent[56];         // "" or the caller's span as W3C traceparent (sent on to a prefill worker)
+    // Logit bias and token mask (constrained decoding), or NULL. Owned by the engine once submit
+    // returns PD_OK (the request's sampler frees it); on an error the caller still owns it. Its
+    // mask source is then called on the engine thread only. A request with a ctl is prefilled by
+    // its decode worker (a prefill worker would sample the first token without it).
+    pd_sample_ctl *ctl;
 } pd_engine_request;
 
 // Queues a request.

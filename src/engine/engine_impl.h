@@ -54,10 +54,13 @@ typedef struct step_bufs {
     pd_sample_out *souts;
     pd_sample_pen *spens;
     int cap_srows, cap_spens;
+    uint32_t *smasks;            // token masks of the constrained rows (cap_smasks words)
+    int cap_smasks;
 } step_bufs;
 
 struct pd_engine {
     pd_engine_params params;
+    int max_num_seqs;  // in force: the params value or the backend default (reported to routers)
     char model_name[256];
     pd_backend *backend;
     pd_model *model;

@@ -18,6 +18,7 @@ pd_status pd_queue_init(pd_queue *q) {
 void pd_cmd_free(pd_cmd *c) {
     if (!c) return;
     pd_free(c->prompt);
+    pd_sample_ctl_free(c->req.ctl);  // a SUBMIT the engine never took over
     if (c->kev) {
         pd_kvconn_event_fini(c->kev);
         pd_free(c->kev);

@@ -7,7 +7,9 @@
 //
 //   A  raw log-sum-exp (online max + sum)          logprobs
 //      radix select of the N-th largest raw logit  top-N logprobs, then an ordered gather
-//   B  penalties in place (sparse entries; the overwritten values are saved in pen_raw)
+//   B  penalties and logit bias in place (sparse entries; the overwritten values are saved in
+//      pen_raw). A row with a token mask reads every disallowed token as -inf in C (lg()), so the
+//      mask is never written into the logits.
 //   C  greedy: block argmax.  Random: max of l = x * (1/T), then
 //      top-k: radix select of the k-th largest l (counts)
 //      top-p: radix select by probability mass (restricted to the top-k set)
@@ -326,9 +328,15 @@ static __device__ void penalties(float *x, const pd_sample_krow &R, const pd_sam
         pen_raw[R.pen_begin + e] = v;
         if (rep && P.is_seen) v = v > 0 ? __fdiv_rn(v, R.repetition) : __fmul_rn(v, R.repetition);
         if (pf && P.count > 0) v = __fsub_rn(v, __fadd_rn(R.presence, __fmul_rn(R.frequency, (float)P.count)));
+        if (P.bias != 0.0f) v = P.bias <= -100.0f ? -INFINITY : __fadd_rn(v, P.bias);
         x[P.token] = v;
     }
     __syncthreads();
+}
+
+// The logit of token i as sampling sees it: -inf when the row's mask M disallows it.
+static __device__ __forceinline__ float lg(const float *x, const uint32_t *M, int i) {
+    return M && !((M[i >> 5] >> (i & 31)) & 1u) ? -INFINITY : x[i];
 }
 
 // The surviving set: key > Kc, the first jc tokens (by id) with key == Kc, and l >= thresh.
@@ -339,7 +347,8 @@ struct cut_t {
 };
 
 // Top-k, then top-p (over the top-k set). mx: max of l.
-static __device__ cut_t truncate(const float *x, int V, const pd_sample_krow &R, float mx, k_smem &S) {
+static __device__ cut_t truncate(const float *x, const uint32_t *M, int V, const pd_sample_krow &R, float mx,
+                                 k_smem &S) {
     float it = R.inv_temp;
     cut_t c = {0u, INT_MAX, -INFINITY};
     uint32_t Kk = 0;
@@ -348,7 +357,7 @@ static __device__ cut_t truncate(const float *x, int V, const pd_sample_krow &R,
     if (R.top_k > 0) {
         double above, eq;
         Kk = radix_select(V, (double)R.top_k,
-                          [&](int i, uint32_t *k, double *w) { *k = fkey(__fmul_rn(x[i], it)); *w = 1.0; return true; },
+                          [&](int i, uint32_t *k, double *w) { *k = fkey(__fmul_rn(lg(x, M, i), it)); *w = 1.0; return true; },
                           S, &above, &eq);
         n_tie_k = R.top_k - (int)above;
         frac = (double)n_tie_k / eq;
@@ -357,7 +366,7 @@ static __device__ cut_t truncate(const float *x, int V, const pd_sample_krow &R,
     if (R.top_p < 1.0f) {
         double tot = 0;
         for (int i = threadIdx.x; i < V; i += NT) {
-            float l = __fmul_rn(x[i], it);
+            float l = __fmul_rn(lg(x, M, i), it);
             uint32_t k = fkey(l);
             if (k >= Kk) tot += (double)elem_e(l, mx) * (k == Kk && R.top_k > 0 ? frac : 1.0);
         }
@@ -366,7 +375,7 @@ static __device__ cut_t truncate(const float *x, int V, const pd_sample_krow &R,
         bool has_k = R.top_k > 0;
         uint32_t Kp = radix_select(V, want,
                                    [&](int i, uint32_t *k, double *w) {
-                                       float l = __fmul_rn(x[i], it);
+                                       float l = __fmul_rn(lg(x, M, i), it);
                                        *k = fkey(l);
                                        if (has_k && *k < Kk) return false;
                                        *w = (double)elem_e(l, mx) * (has_k && *k == Kk ? frac : 1.0);
@@ -387,13 +396,14 @@ static __device__ cut_t truncate(const float *x, int V, const pd_sample_krow &R,
 }
 
 // Draws from the surviving set: the first token (id order) whose running mass exceeds u * S.
-static __device__ int draw(const float *x, int V, const pd_sample_krow &R, float mx, cut_t c, k_smem &S) {
+static __device__ int draw(const float *x, const uint32_t *M, int V, const pd_sample_krow &R, float mx, cut_t c,
+                           k_smem &S) {
     float it = R.inv_temp;
     // S: surviving mass = mass(key > Kc, l >= thresh) + the kept ties' mass.
     double m = 0;
     int n_eq = 0;
     for (int i = threadIdx.x; i < V; i += NT) {
-        float l = __fmul_rn(x[i], it);
+        float l = __fmul_rn(lg(x, M, i), it);
         uint32_t k = fkey(l);
         if (k > c.Kc && l >= c.thresh) m += (double)elem_e(l, mx);
         n_eq += k == c.Kc;
@@ -412,7 +422,7 @@ static __device__ int draw(const float *x, int V, const pd_sample_krow &R, float
         float l[ITEMS];
         uint32_t k[ITEMS];
         for (int j = 0; j < ITEMS; j++) {
-            l[j] = i0 + j < V ? __fmul_rn(x[i0 + j], it) : -INFINITY;
+            l[j] = i0 + j < V ? __fmul_rn(lg(x, M, i0 + j), it) : -INFINITY;
             k[j] = fkey(l[j]);
         }
         if (partial) {
@@ -449,6 +459,7 @@ static __global__ void __launch_bounds__(NT) k_sample(pd_sample_kparams p) {
     int row = blockIdx.x, V = p.vocab;
     const pd_sample_krow R = p.rows[row];
     float *x = p.logits + (size_t)row * (size_t)V;
+    const uint32_t *M = R.mask_row >= 0 ? p.masks + (size_t)R.mask_row * (size_t)p.mask_words : nullptr;
     float lse = 0;
     if (R.n_logprobs >= 0) lse = raw_logprobs(x, V, R.n_logprobs, S);
     if (R.n_pens > 0) penalties(x, R, p.pens, p.pen_raw, false);
@@ -457,16 +468,16 @@ static __global__ void __launch_bounds__(NT) k_sample(pd_sample_kparams p) {
         float bv = -INFINITY;
         int bi = 0;
         for (int i = threadIdx.x; i < V; i += NT) {
-            float v = x[i];
+            float v = lg(x, M, i);
             if (v > bv) bv = v, bi = i;  // ascending i: the first maximum of this thread
         }
         token = blk_argmax(bv, bi, S);
     } else {
         float mx = -INFINITY;
-        for (int i = threadIdx.x; i < V; i += NT) mx = fmaxf(mx, __fmul_rn(x[i], R.inv_temp));
+        for (int i = threadIdx.x; i < V; i += NT) mx = fmaxf(mx, __fmul_rn(lg(x, M, i), R.inv_temp));
         mx = blk_max_f(mx, S);
-        cut_t c = truncate(x, V, R, mx, S);
-        token = draw(x, V, R, mx, c, S);
+        cut_t c = truncate(x, M, V, R, mx, S);
+        token = draw(x, M, V, R, mx, c, S);
     }
     if (R.n_pens > 0) penalties(x, R, p.pens, p.pen_raw, true);
     if (threadIdx.x == 0) {

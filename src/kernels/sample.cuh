@@ -23,12 +23,13 @@ typedef struct pd_sample_krow {
     int32_t top_k;        // 0: off (else 0 < top_k < vocab)
     int32_t n_logprobs;   // -1: none; 0..PD_SAMPLE_KMAX_TOP
     int32_t pen_begin, n_pens;
-    int32_t pad_;
+    int32_t mask_row;     // -1: no mask; else the row's bitmask in pd_sample_kparams.masks
     uint64_t seed, draw_idx;
 } pd_sample_krow;
 
 typedef struct pd_sample_kpen {
     int32_t token, count, is_seen;
+    float bias;           // logit_bias after the penalties; <= -100: -inf
 } pd_sample_kpen;
 
 typedef struct pd_sample_kout {
@@ -45,7 +46,8 @@ typedef struct pd_sample_kparams {
     const pd_sample_kpen *pens;    // (n_pens total), row r's at [pen_begin, pen_begin + n_pens)
     float *pen_raw;                // (n_pens total) scratch: the logits the penalties overwrote
     pd_sample_kout *out;           // (n_rows)
-    int n_rows, vocab;
+    const uint32_t *masks;         // (n_masks, mask_words) allowed-token bits; read, never written
+    int n_rows, vocab, mask_words;
 } pd_sample_kparams;
 // One CTA per row; no host synchronisation (graph-capturable).
 void pd_cuda_sample(const pd_sample_kparams *p, cudaStream_t s);

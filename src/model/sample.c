@@ -21,6 +21,8 @@ struct pd_sampler {
     int32_t *idx;          // (vocab) scratch for sorting
     float *raw;            // (vocab) unprocessed logits for logprobs; allocated on first use
     float *ex;             // (vocab) exp(logit - max) scratch
+    pd_sample_ctl *ctl;    // owned or NULL: logit bias, token mask source
+    uint32_t *mask;        // (mask words) the last mask; allocated on first use
 };
 
 pd_sampling_params pd_sampling_params_default(void) {
@@ -78,7 +80,54 @@ void pd_sampler_free(pd_sampler *s) {
     pd_free(s->idx);
     pd_free(s->raw);
     pd_free(s->ex);
+    pd_sample_ctl_free(s->ctl);
+    pd_free(s->mask);
     pd_free(s);
+}
+
+void pd_sample_ctl_free(pd_sample_ctl *c) {
+    if (!c) return;
+    if (c->mask_ops && c->mask_ops->free) c->mask_ops->free(c->mask_ud);
+    pd_free(c->bias);
+    pd_free(c);
+}
+
+pd_status pd_sampler_set_ctl(pd_sampler *s, pd_sample_ctl *ctl) {
+    if (s->ctl != ctl) pd_sample_ctl_free(s->ctl);
+    s->ctl = ctl;
+    if (ctl && ctl->mask_ops && !s->mask && !(s->mask = pd_malloc(sizeof(uint32_t) * (size_t)pd_sampler_mask_words(s)))) {
+        pd_sample_ctl_free(ctl);
+        s->ctl = NULL;
+        return PD_ERR_NOMEM;
+    }
+    return PD_OK;
+}
+
+bool pd_sampler_has_mask(const pd_sampler *s) { return s->ctl && s->ctl->mask_ops; }
+int pd_sampler_mask_words(const pd_sampler *s) { return (s->vocab + 31) / 32; }
+
+void pd_sampler_fill_mask(pd_sampler *s, uint32_t *mask) {
+    int w = pd_sampler_mask_words(s);
+    if (!pd_sampler_has_mask(s)) {
+        memset(mask, 0xff, sizeof(uint32_t) * (size_t)w);
+        return;
+    }
+    s->ctl->mask_ops->fill(s->ctl->mask_ud, mask);
+}
+
+// Sets the tokens the mask disallows to -inf (s->mask was allocated by pd_sampler_set_ctl).
+static void apply_mask(pd_sampler *s, float *logits) {
+    pd_sampler_fill_mask(s, s->mask);
+    for (int i = 0; i < s->vocab; i++)
+        if (!((s->mask[i >> 5] >> (i & 31)) & 1)) logits[i] = -INFINITY;
+}
+
+static void apply_bias(const pd_sampler *s, float *logits) {
+    for (int i = 0; i < s->ctl->n_bias; i++) {
+        const pd_logit_bias *b = &s->ctl->bias[i];
+        if (b->token < 0 || b->token >= s->vocab) continue;
+        logits[b->token] = b->bias <= PD_SAMPLE_BIAS_BAN ? -INFINITY : logits[b->token] + b->bias;
+    }
 }
 
 static void push(int32_t **arr, int *n, int *cap, int32_t v) {
@@ -106,6 +155,8 @@ void pd_sampler_add_prompt(pd_sampler *s, const int32_t *ids, int n) {
 void pd_sampler_accept(pd_sampler *s, int32_t t) {
     if (t < 0 || t >= s->vocab) return;
     s->n_out++;
+    if (pd_sampler_has_mask(s) && s->ctl->mask_ops->accept(s->ctl->mask_ud, t))
+        PD_LOG_W("sampler: the mask source refused token %d", t);  // a token the mask allowed: cannot happen
     if (s->out_counts[t]++ == 0) push(&s->touched, &s->n_touched, &s->cap_touched, t);
     if (s->p.repetition_penalty != 1.0f) mark_seen(s, t);
 }
@@ -295,7 +346,9 @@ int32_t pd_sampler_sample(pd_sampler *s, float *logits, pd_sample_result *out) {
     bool want_lp = p->n_logprobs >= 0;
     if (want_lp && !s->raw) s->raw = pd_malloc(sizeof(float) * (size_t)V);
     if (want_lp && s->raw) memcpy(s->raw, logits, sizeof(float) * (size_t)V);
+    if (pd_sampler_has_mask(s)) apply_mask(s, logits);
     apply_penalties(s, logits);
+    if (s->ctl && s->ctl->n_bias) apply_bias(s, logits);
     int32_t token = p->temperature == 0.0f ? pd_argmax(logits, V) : sample_random(s, logits);
     out->token = token;
     if (want_lp && s->raw) fill_logprobs(s, s->raw, token, out);
@@ -308,11 +361,21 @@ static bool has_pres_freq(const pd_sampling_params *p) { return p->presence_pena
 
 // Entries: every seen token (repetition penalty; seen is empty when it is off), then generated
 // tokens not among them (presence / frequency). One entry per token, as apply_penalties sees it.
+// Whether token t already has a penalty entry.
+static bool has_pen_entry(const pd_sampler *s, int32_t t) {
+    bool rep = s->p.repetition_penalty != 1.0f;
+    return (rep && s->seen[t]) || (has_pres_freq(&s->p) && s->out_counts[t] > 0);
+}
+
 int pd_sampler_n_pens(const pd_sampler *s) {
     bool rep = s->p.repetition_penalty != 1.0f;
     int n = rep ? s->n_seen : 0;
     if (has_pres_freq(&s->p))
         for (int i = 0; i < s->n_touched; i++) n += !(rep && s->seen[s->touched[i]]);
+    for (int i = 0; s->ctl && i < s->ctl->n_bias; i++) {
+        int32_t t = s->ctl->bias[i].token;
+        n += t >= 0 && t < s->vocab && !has_pen_entry(s, t);
+    }
     return n;
 }
 
@@ -321,7 +384,7 @@ void pd_sampler_export_row(const pd_sampler *s, int pen_begin, pd_sample_row *ro
     *row = (pd_sample_row){.temperature = p->temperature, .top_k = p->top_k, .top_p = p->top_p, .min_p = p->min_p,
                            .presence_penalty = p->presence_penalty, .frequency_penalty = p->frequency_penalty,
                            .repetition_penalty = p->repetition_penalty, .seed = s->seed, .draw_idx = s->n_draws,
-                           .n_logprobs = p->n_logprobs, .pen_begin = pen_begin};
+                           .n_logprobs = p->n_logprobs, .pen_begin = pen_begin, .mask_row = -1};
     int n = 0;
     bool rep = p->repetition_penalty != 1.0f;
     if (rep)
@@ -334,6 +397,20 @@ void pd_sampler_export_row(const pd_sampler *s, int pen_begin, pd_sample_row *ro
             int32_t t = s->touched[i];
             if (!(rep && s->seen[t])) pens[n++] = (pd_sample_pen){.token = t, .count = s->out_counts[t]};
         }
+    // logit_bias: on the token's penalty entry when it has one, else an entry of its own.
+    for (int i = 0; s->ctl && i < s->ctl->n_bias; i++) {
+        const pd_logit_bias *b = &s->ctl->bias[i];
+        if (b->token < 0 || b->token >= s->vocab) continue;
+        if (!has_pen_entry(s, b->token)) {
+            pens[n++] = (pd_sample_pen){.token = b->token, .bias = b->bias};
+            continue;
+        }
+        for (int k = 0; k < n; k++)
+            if (pens[k].token == b->token) {
+                pens[k].bias = b->bias;
+                break;
+            }
+    }
     row->n_pens = n;
 }
 

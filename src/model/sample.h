@@ -9,7 +9,8 @@
 // sampled here or on the device; the engine exports a sampler's state as a pd_sample_row
 // (pd_sampler_export_row) and hands the device's answer back (pd_sampler_import_result).
 //
-// Order of processing: penalties → temperature → top-k → top-p → min-p → draw. Logprobs are
+// Order of processing: token mask → penalties → logit bias → temperature → top-k → top-p →
+// min-p → draw. Logprobs are
 // those of the model's raw distribution (log-softmax of the unprocessed logits), as vLLM reports
 // by default; greedy ties go to the lowest id (torch.argmax).
 //
@@ -48,14 +49,49 @@ typedef struct pd_sample_result {
     float top_logprobs[PD_MAX_LOGPROBS];
 } pd_sample_result;
 
+// ---- constraints: logit bias and token masks (constrained decoding) ------------------------------
+// Applied before everything else: the mask sets disallowed tokens to -inf, then the penalties,
+// then the bias is added (a bias <= PD_SAMPLE_BIAS_BAN = -100 bans the token: -inf, so it can
+// never be drawn, as OpenAI documents for -100). The mask comes from a source the sampler does not
+// know (a grammar matcher, api/): fill writes the allowed tokens as (vocab + 31) / 32 words and
+// returns how many are allowed; accept is told every token the sampler's sequence takes.
+typedef struct pd_logit_bias {
+    int32_t token;
+    float bias;
+} pd_logit_bias;
+
+typedef struct pd_token_mask_ops {
+    int (*fill)(void *ud, uint32_t *mask);
+    pd_status (*accept)(void *ud, int32_t token);
+    void (*free)(void *ud);
+} pd_token_mask_ops;
+
+typedef struct pd_sample_ctl {
+    pd_logit_bias *bias;               // owned (pd_malloc), n_bias entries, unique tokens
+    int n_bias;
+    const pd_token_mask_ops *mask_ops; // NULL: no mask
+    void *mask_ud;                     // owned: released with mask_ops->free
+} pd_sample_ctl;
+// Frees what ctl owns and ctl itself (pd_malloc'd). NULL is a no-op.
+void pd_sample_ctl_free(pd_sample_ctl *ctl);
+
 typedef struct pd_sampler pd_sampler;
 // out: owned by caller (pd_sampler_free). NULL on OOM.
 pd_sampler *pd_sampler_new(const pd_sampling_params *p, int vocab_size);
 void pd_sampler_free(pd_sampler *s);
 // Records prompt tokens (repetition penalty only).
 void pd_sampler_add_prompt(pd_sampler *s, const int32_t *ids, int n);
-// Records a generated token (all penalties).
+// Records a generated token (all penalties; the mask source is told).
 void pd_sampler_accept(pd_sampler *s, int32_t token);
+// Hands ctl (NULL: none) to the sampler, which owns it from then on (an earlier one is freed).
+// PD_ERR_NOMEM (ctl freed, the sampler has none) or PD_OK.
+pd_status pd_sampler_set_ctl(pd_sampler *s, pd_sample_ctl *ctl);
+bool pd_sampler_has_mask(const pd_sampler *s);
+// Words of a token mask: (vocab + 31) / 32.
+int pd_sampler_mask_words(const pd_sampler *s);
+// Writes the allowed tokens of the next sample (device sampling: the row's mask). All tokens when
+// the sampler has no mask.
+void pd_sampler_fill_mask(pd_sampler *s, uint32_t *mask);
 // Samples from logits (vocab floats; modified in place). Returns the token.
 int32_t pd_sampler_sample(pd_sampler *s, float *logits, pd_sample_result *out);
 

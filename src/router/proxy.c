@@ -103,13 +103,23 @@ static void reply_error(pd_http_req *req, int status, const char *type, const ch
     pd_http_reply_error(req, status, type, msg, NULL, code);
 }
 
+// s as a JSON string literal (quoted, escaped) into out; "\"\"" when it does not fit.
+static void json_str(char *out, size_t cap, const char *s) {
+    json_t *v = json_string(s);
+    char *q = v ? json_dumps(v, JSON_ENCODE_ANY) : NULL;
+    snprintf(out, cap, "%s", q && strlen(q) < cap ? q : "\"\"");
+    free(q);  // jansson's allocator
+    json_decref(v);
+}
+
 static void worker_release(rt_job *j) {
     if (j->w < 0) return;
     rt_worker *w = &j->rt->workers[j->w];
     if (j->is_traced) {  // one span per upstream attempt
         uint8_t s[8];
-        char attrs[PD_WIRE_URL_MAX + 64];
-        snprintf(attrs, sizeof attrs, "\"worker\":\"%s\",\"attempt\":%d,\"tokens_relayed\":%d", w->url, j->n_attempts,
+        char attrs[2 * PD_WIRE_URL_MAX + 64], url[2 * PD_WIRE_URL_MAX];
+        json_str(url, sizeof url, w->url);
+        snprintf(attrs, sizeof attrs, "\"worker\":%s,\"attempt\":%d,\"tokens_relayed\":%d", url, j->n_attempts,
                  (int)j->n_gen);
         pd_trace_new_span_id(s);
         pd_trace_span(j->trace_id, s, j->span_id, "router.upstream", j->t_dispatch_us, pd_time_us(), attrs);
@@ -148,9 +158,10 @@ static void job_end(rt_job *j, bool is_ok) {
         if (j->t_first_dispatch_us) pd_metric_observe(r->m_ttft_part[0], (double)(j->t_first_dispatch_us - j->t_arrival_us) / 1e6);
     }
     if (j->is_traced) {
-        char attrs[192];
-        snprintf(attrs, sizeof attrs, "\"class\":\"%s\",\"ok\":%s,\"attempts\":%d,\"continuations\":%d",
-                 r->qos.classes[j->class_idx].name, is_ok ? "true" : "false", j->n_attempts, j->n_continuations);
+        char attrs[256], cls[96];
+        json_str(cls, sizeof cls, r->qos.classes[j->class_idx].name);
+        snprintf(attrs, sizeof attrs, "\"class\":%s,\"ok\":%s,\"attempts\":%d,\"continuations\":%d", cls,
+                 is_ok ? "true" : "false", j->n_attempts, j->n_continuations);
         int64_t now = pd_time_us();
         pd_trace_span(j->trace_id, j->span_id, j->has_parent_span ? j->parent_span_id : NULL, "router.request",
                       j->t_arrival_us, now, attrs);
@@ -357,6 +368,12 @@ static json_t *continuation_body(rt_job *j) {
     json_object_del(b, "max_completion_tokens");
     json_object_del(b, "logprobs");
     json_object_del(b, "top_logprobs");
+    // Chat-only fields a completions request refuses; a grammar resumes after the generated ids.
+    json_object_del(b, "tools");
+    json_object_del(b, "tool_choice");
+    json_object_del(b, "parallel_tool_calls");
+    json_object_del(b, "chat_template_kwargs");
+    json_object_set_new(b, "continuation_tokens", json_integer(j->n_gen));
     json_object_set_new(b, "prompt", ids);
     ids = NULL;
     if (j->max_tokens >= 0) json_object_set_new(b, "max_tokens", json_integer(j->max_tokens - j->n_gen));

@@ -186,8 +186,9 @@ bad 400 stream_options $C '{"prompt":"x","stream_options":{"include_usage":true}
 bad 400 echo $C '{"prompt":"x","echo":true}'
 bad 400 ignore_eos $C '{"prompt":"x","ignore_eos":"no"}'
 bad 400 priority $C '{"prompt":"x","priority":"high"}'
-# Unknown fields are ignored (documented policy).
-[ "$(req POST $C '{"prompt":"x","max_tokens":1,"frobnicate":{"a":1},"user":"me"}')" = 200 ] || pd_fail "unknown field"; ok
+# Unknown fields are a 400 naming them; fields that change nothing here are accepted (api.h policy).
+bad 400 frobnicate $C '{"prompt":"x","max_tokens":1,"frobnicate":{"a":1}}'
+[ "$(req POST $C '{"prompt":"x","max_tokens":1,"user":"me","metadata":{"k":"v"},"store":false,"service_tier":"auto"}')" = 200 ] || pd_fail "harmless fields"; ok
 # Routing errors and the body limit.
 code=$(req GET /v1/nope); [ "$code" = 404 ] || pd_fail "unknown route: $code"; has '"type":"invalid_request_error"' route404
 code=$(req GET /v1/completions); [ "$code" = 405 ] || pd_fail "wrong method: $code"

@@ -39,6 +39,9 @@ python3 "$here/disagg_client.py" "$URL_both" "$TMP/prompts.json" "$TMP/ref.json"
 
 start_pair() {  # start_pair TRANSPORT [prefill flags...]
   tr=$1; shift
+  # a name used before: drop its old output first, or pd_start may read the old URL before the new
+  # process truncated the file
+  rm -f "$TMP/prefill_$tr.out" "$TMP/decode_$tr.out"
   pd_start prefill_$tr --role prefill --kv-port 0 --num-kv-blocks 2048 --auth-token-file "$TMP/token" "$@"
   kv=$(grep -o 'KV port [0-9.]*:[0-9]*' "$TMP/prefill_$tr.out" | head -1 | awk '{print $3}')
   [ -n "$kv" ] || pd_fail "prefill worker did not print its KV port"

@@ -139,7 +139,8 @@ chrome --window-size=1366,768 --screenshot="$TMP/status.png" "$R/status" >/dev/n
 kill "$(cat "$TMP/run.pid")"; wait "$(cat "$TMP/run.pid")" 2>/dev/null; rm -f "$TMP/run.pid"
 
 # ---- 5. /health follows the decode-capable workers --------------------------------------------------------
-pd_start P --role prefill --kv-port 0
+(umask 077; head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \n' >"$TMP/kvtoken")
+pd_start P --role prefill --kv-port 0 --auth-token-file "$TMP/kvtoken"
 pd_start D
 router_start H --prefill "$URL_P" --heartbeat-ms 100
 code=$(curl -s -o "$TMP/h.json" -w '%{http_code}' "$URL_H/health")

@@ -1004,6 +1004,8 @@ PD_TEST(test_cpu_attention_paging_invariance) {
 // the top-N ids are equal. Row configurations cycle through greedy, temperature, top-k, top-p,
 // min-p, all of them together, penalties and logprobs; half the cases round the logits to bf16,
 // which makes exact ties common (greedy ties, top-k / top-p cuts inside a run of equal values).
+// Every third row also has logit biases (including -100 bans) and every sixth a token mask: the
+// drawn token is never banned or masked, on either side.
 #define N_SAMPLE_CFG 10
 static pd_sampling_params sample_cfg(int k, uint64_t seed) {
     pd_sampling_params p = pd_sampling_params_default();
@@ -1030,7 +1032,65 @@ typedef struct sample_bufs {
     pd_sample_pen *pens;
     pd_sample_out *outs;
     int cap_pens;
+    uint32_t *masks;
+    int cap_masks;
 } sample_bufs;
+
+// A fixed token mask (the grammar's place in these tests): about half the vocabulary allowed.
+typedef struct test_mask {
+    uint32_t *bits;
+    int words;
+} test_mask;
+static int test_mask_fill(void *ud, uint32_t *m) {
+    test_mask *t = ud;
+    memcpy(m, t->bits, sizeof(uint32_t) * (size_t)t->words);
+    return 1;
+}
+static pd_status test_mask_accept(void *ud, int32_t tok) {  // the histories below are random
+    PD_UNUSED(ud);
+    PD_UNUSED(tok);
+    return PD_OK;
+}
+static void test_mask_free(void *ud) {
+    test_mask *t = ud;
+    pd_free(t->bits);
+    pd_free(t);
+}
+static const pd_token_mask_ops k_test_mask_ops = {test_mask_fill, test_mask_accept, test_mask_free};
+
+// A ctl with logit biases (one -100 ban among them) and, when with_mask, a mask from seed.
+static pd_sample_ctl *test_ctl(int V, uint64_t seed, bool with_mask) {
+    pd_rng rng;
+    pd_rng_seed(&rng, seed);
+    pd_sample_ctl *c = pd_calloc(1, sizeof *c);
+    c->bias = pd_malloc(sizeof(pd_logit_bias) * 6);
+    static const float biases[] = {-100.0f, 3.0f, -2.5f, 8.0f, -100.0f, 0.5f};
+    for (int i = 0; i < 6; i++) {
+        int32_t t = (int32_t)(pd_rng_next(&rng) % 40);  // small ids: they collide with penalty entries
+        bool dup = false;
+        for (int j = 0; j < c->n_bias; j++) dup |= c->bias[j].token == t;
+        if (!dup) c->bias[c->n_bias++] = (pd_logit_bias){t, biases[i]};
+    }
+    if (with_mask) {
+        test_mask *m = pd_calloc(1, sizeof *m);
+        m->words = (V + 31) / 32;
+        m->bits = pd_malloc(sizeof(uint32_t) * (size_t)m->words);
+        for (int w = 0; w < m->words; w++) m->bits[w] = (uint32_t)pd_rng_next(&rng);
+        c->mask_ops = &k_test_mask_ops;
+        c->mask_ud = m;
+    }
+    return c;
+}
+
+static bool banned_or_masked(const pd_sample_ctl *c, int32_t t) {
+    for (int i = 0; c && i < c->n_bias; i++)
+        if (c->bias[i].token == t && c->bias[i].bias <= PD_SAMPLE_BIAS_BAN) return true;
+    if (c && c->mask_ops) {
+        const test_mask *m = c->mask_ud;
+        return !((m->bits[t >> 5] >> (t & 31)) & 1);
+    }
+    return false;
+}
 
 // Exports every GPU-side sampler, runs the op on dev (n_rows, V).
 static void sample_on_gpu(ctx *c, pd_sampler **s, int n_rows, int V, float *dev, sample_bufs *sb) {
@@ -1041,24 +1101,42 @@ static void sample_on_gpu(ctx *c, pd_sampler **s, int n_rows, int V, float *dev,
         sb->pens = pd_malloc(sizeof(pd_sample_pen) * (size_t)n);
         sb->cap_pens = n;
     }
-    int off = 0;
+    int words = (V + 31) / 32;
+    if (n_rows * words > sb->cap_masks) {
+        pd_free(sb->masks);
+        sb->masks = pd_malloc(sizeof(uint32_t) * (size_t)n_rows * (size_t)words);
+        sb->cap_masks = n_rows * words;
+    }
+    int off = 0, n_masks = 0;
     for (int r = 0; r < n_rows; r++) {
         pd_sampler_export_row(s[r], off, &sb->rows[r], sb->pens + off);
         off += sb->rows[r].n_pens;
+        if (pd_sampler_has_mask(s[r])) {
+            pd_sampler_fill_mask(s[r], sb->masks + (size_t)n_masks * (size_t)words);
+            sb->rows[r].mask_row = n_masks++;
+        }
     }
     pd_sample_params sp = {.logits = dev, .n_rows = n_rows, .vocab = V, .rows = sb->rows, .pens = sb->pens,
-                           .n_pens = off, .out = sb->outs};
+                           .n_pens = off, .out = sb->outs, .masks = sb->masks, .n_masks = n_masks,
+                           .mask_words = words};
     pd_op_sample(c->gpu, &sp);
 }
 
 static void sample_case(ctx *c, int V, int n_rows, bool bf16, int cfg_off, int n_steps) {
     pd_sampler *cs[64], *gs[64];
     pd_sampling_params ps[64];
+    pd_sample_ctl *ctls[64] = {0};
     PD_ASSERT(n_rows <= 64);
     for (int r = 0; r < n_rows; r++) {
         ps[r] = sample_cfg((r + cfg_off) % N_SAMPLE_CFG, 1000003ull * (uint64_t)(r + 1) + (uint64_t)cfg_off);
         cs[r] = pd_sampler_new(&ps[r], V);
         gs[r] = pd_sampler_new(&ps[r], V);
+        if (r % 3 == 1) {  // logit bias, and a token mask on every other such row
+            uint64_t seed = 77 + (uint64_t)r;
+            PD_CHECK(pd_sampler_set_ctl(cs[r], test_ctl(V, seed, r % 6 == 1)) == PD_OK);
+            PD_CHECK(pd_sampler_set_ctl(gs[r], test_ctl(V, seed, r % 6 == 1)) == PD_OK);
+            ctls[r] = test_ctl(V, seed, r % 6 == 1);  // the reference copy for the checks below
+        }
         int n_prompt = 10 + (int)(pd_rng_next(&c->rng) % 60), n_gen = (int)(pd_rng_next(&c->rng) % 25);
         for (int i = 0; i < n_prompt + n_gen; i++) {
             // a small id range now and then, so that tokens repeat
@@ -1091,6 +1169,8 @@ static void sample_case(ctx *c, int V, int n_rows, bool bf16, int cfg_off, int n
             pd_sampler_accept(cs[r], tc);
             pd_sampler_accept(gs[r], tg);
             const pd_sampling_params *p = &ps[r];
+            PD_CHECK_MSG(!banned_or_masked(ctls[r], tc) && !banned_or_masked(ctls[r], tg),
+                         "row %d drew a banned or masked token (cpu %d gpu %d)", r, tc, tg);
             if (tc != tg && n_bad++ < 8)
                 PD_FAIL_("V=%d rows=%d bf16=%d step %d row %d (T=%g k=%d p=%g min_p=%g pen=%g/%g/%g): cpu %d gpu %d", V,
                          n_rows, bf16, step, r, p->temperature, p->top_k, p->top_p, p->min_p, p->presence_penalty,
@@ -1105,9 +1185,9 @@ static void sample_case(ctx *c, int V, int n_rows, bool bf16, int cfg_off, int n
         }
     }
     PD_CHECK_MSG(n_bad == 0, "V=%d rows=%d bf16=%d: %d of %d tokens differ", V, n_rows, bf16, n_bad, n_rows * n_steps);
-    for (int r = 0; r < n_rows; r++) pd_sampler_free(cs[r]), pd_sampler_free(gs[r]);
+    for (int r = 0; r < n_rows; r++) pd_sampler_free(cs[r]), pd_sampler_free(gs[r]), pd_sample_ctl_free(ctls[r]);
     pd_buffer_free(buf);
-    pd_free(h), pd_free(back), pd_free(row), pd_free(sb.rows), pd_free(sb.outs), pd_free(sb.pens);
+    pd_free(h), pd_free(back), pd_free(row), pd_free(sb.rows), pd_free(sb.outs), pd_free(sb.pens), pd_free(sb.masks);
 }
 
 // Host-timed op calls (upload of the rows, kernel, download, sync) for 64 rows of V = 151936.
@@ -1145,7 +1225,7 @@ static void sample_timing(ctx *c) {
         for (int r = 0; r < n_rows; r++) pd_sampler_free(s[r]);
     }
     pd_buffer_free(buf);
-    pd_free(h), pd_free(sb.rows), pd_free(sb.outs), pd_free(sb.pens);
+    pd_free(h), pd_free(sb.rows), pd_free(sb.outs), pd_free(sb.pens), pd_free(sb.masks);
 }
 
 PD_TEST(test_cuda_sample) {

@@ -5,7 +5,7 @@
 // rendering with and without a BOS in the template, vocabulary and context-length checks.
 #include "test.h"
 
-#include "api/api.h"
+#include "api/api_impl.h"
 
 // ---- helpers -----------------------------------------------------------------------------------
 
@@ -82,7 +82,7 @@ PD_TEST(completion_all_fields) {
         "\"stream_options\":{\"include_usage\":true},\"temperature\":0.5,\"top_p\":0.9,\"top_k\":40,"
         "\"min_p\":0.05,\"seed\":-5,\"stop\":[\"a\",\"bc\"],\"presence_penalty\":0.5,\"frequency_penalty\":-0.5,"
         "\"repetition_penalty\":1.1,\"logprobs\":3,\"ignore_eos\":true,\"echo\":false,\"user\":\"u\","
-        "\"priority\":-2,\"stop_token_ids\":[5,6],\"best_of\":3,\"some_future_field\":{\"x\":[1]},"
+        "\"priority\":-2,\"stop_token_ids\":[5,6],\"best_of\":3,\"metadata\":{\"x\":\"1\"},"
         "\"return_token_ids\":true}";
     pd_api_request r;
     pd_api_error e;
@@ -259,6 +259,135 @@ PD_TEST(bad_flags_and_lists) {
     pd_api_request_fini(&r);
 }
 
+// The field policy: every field is known or refused; harmless ones are accepted.
+PD_TEST(field_policy) {
+    EXPECT_BAD(CH, "{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"respose_format\":{}}", 400, "respose_format");
+    EXPECT_BAD(C, "{\"prompt\":\"x\",\"some_future_field\":1}", 400, "some_future_field");
+    EXPECT_BAD(C, "{\"prompt\":\"x\",\"messages\":[]}", 400, "messages");
+    EXPECT_BAD(CH, "{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"echo\":true}", 400, "echo");
+    EXPECT_BAD(CH, "{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"audio\":{\"voice\":\"a\"}}", 400, "audio");
+    EXPECT_BAD(CH, "{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"functions\":[]}", 400, "functions");
+    EXPECT_BAD(CH, "{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"modalities\":[\"audio\"]}", 400, "modalities");
+    EXPECT_BAD(CH, "{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"reasoning_effort\":\"low\"}", 400, "reasoning_effort");
+    pd_api_request r;
+    pd_api_error e;
+    PD_CHECK(parse(CH, "{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"user\":\"u\",\"metadata\":{\"a\":\"b\"},"
+                       "\"store\":false,\"service_tier\":\"auto\",\"modalities\":[\"text\"],\"parallel_tool_calls\":false,"
+                       "\"audio\":null}",
+                   &r, &e) == PD_OK);
+    pd_api_request_fini(&r);
+}
+
+PD_TEST(constraints_tools_and_bias) {
+    pd_api_request r;
+    pd_api_error e;
+    PD_REQUIRE(parse(CH, "{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"response_format\":{\"type\":\"json_schema\","
+                         "\"json_schema\":{\"name\":\"n\",\"strict\":true,\"schema\":{\"type\":\"object\"}}},"
+                         "\"logit_bias\":{\"5\":-100,\"7\":2.5}}",
+                     &r, &e) == PD_OK);
+    PD_CHECK_EQ(r.format, PD_API_FORMAT_JSON_SCHEMA);
+    PD_CHECK(json_is_object(r.schema));
+    PD_CHECK_EQ(r.n_logit_bias, 2);
+    PD_CHECK(r.logit_bias[0].token == 5 && r.logit_bias[0].bias == -100.0f && r.logit_bias[1].token == 7);
+    PD_CHECK_EQ(r.tool_choice, PD_API_TOOL_CHOICE_NONE);
+    pd_api_request_fini(&r);
+    PD_REQUIRE(parse(C, "{\"prompt\":\"x\",\"grammar\":\"root ::= \\\"a\\\"\"}", &r, &e) == PD_OK);
+    PD_CHECK_EQ(r.format, PD_API_FORMAT_GRAMMAR);
+    pd_api_request_fini(&r);
+    const char *tools = "\"tools\":[{\"type\":\"function\",\"function\":{\"name\":\"f\",\"parameters\":{\"type\":\"object\"}}},"
+                        "{\"type\":\"function\",\"function\":{\"name\":\"g-2\"}}]";
+    char body[1024];
+    snprintf(body, sizeof body, "{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],%s,\"tool_choice\":{\"type\":\"function\","
+             "\"function\":{\"name\":\"g-2\"}}}", tools);
+    PD_REQUIRE(parse(CH, body, &r, &e) == PD_OK);
+    PD_CHECK(r.tool_choice == PD_API_TOOL_CHOICE_NAMED && !strcmp(r.tool_name, "g-2") && r.parallel_tool_calls);
+    pd_api_request_fini(&r);
+    snprintf(body, sizeof body, "{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],%s}", tools);
+    PD_REQUIRE(parse(CH, body, &r, &e) == PD_OK);
+    PD_CHECK(r.tool_choice == PD_API_TOOL_CHOICE_AUTO && json_array_size(r.tools) == 2);
+    pd_api_request_fini(&r);
+    // Assistant tool calls and tool results are accepted; arguments reach templates as objects.
+    PD_REQUIRE(parse(CH, "{\"messages\":[{\"role\":\"user\",\"content\":\"x\"},{\"role\":\"assistant\",\"content\":null,"
+                         "\"tool_calls\":[{\"id\":\"c1\",\"type\":\"function\",\"function\":{\"name\":\"f\",\"arguments\":\"{\\\"a\\\":1}\"}}]},"
+                         "{\"role\":\"tool\",\"tool_call_id\":\"c1\",\"content\":\"ok\"}]}",
+                     &r, &e) == PD_OK);
+    json_t *args = json_object_get(json_object_get(json_array_get(json_object_get(json_array_get(r.messages, 1), "tool_calls"), 0),
+                                                   "function"), "arguments");
+    PD_CHECK(json_is_object(args) && json_integer_value(json_object_get(args, "a")) == 1);
+    pd_api_request_fini(&r);
+
+    EXPECT_BAD(CH, "{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"response_format\":{\"type\":\"xml\"}}", 400, "response_format");
+    EXPECT_BAD(CH, "{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"response_format\":{\"type\":\"json_schema\"}}", 400, "response_format");
+    EXPECT_BAD(C, "{\"prompt\":\"x\",\"grammar\":\"\"}", 400, "grammar");
+    EXPECT_BAD(C, "{\"prompt\":\"x\",\"grammar\":\"root ::= x\",\"response_format\":{\"type\":\"json_object\"}}", 400, "grammar");
+    EXPECT_BAD(C, "{\"prompt\":\"x\",\"response_format\":{\"type\":\"json_object\"},\"ignore_eos\":true}", 400, "ignore_eos");
+    EXPECT_BAD(C, "{\"prompt\":\"x\",\"logit_bias\":{\"a\":1}}", 400, "logit_bias");
+    EXPECT_BAD(C, "{\"prompt\":\"x\",\"logit_bias\":{\"1\":101}}", 400, "logit_bias");
+    EXPECT_BAD(C, "{\"prompt\":\"x\",\"logit_bias\":[1]}", 400, "logit_bias");
+    EXPECT_BAD(CH, "{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"tools\":[{\"type\":\"code\"}]}", 400, "tools");
+    EXPECT_BAD(CH, "{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"tools\":[{\"type\":\"function\",\"function\":{\"name\":\"a b\"}}]}", 400, "tools");
+    EXPECT_BAD(CH, "{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"tool_choice\":\"required\"}", 400, "tool_choice");
+    EXPECT_BAD(CH, "{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"tool_choice\":\"sometimes\"}", 400, "tool_choice");
+    snprintf(body, sizeof body, "{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],%s,\"tool_choice\":{\"type\":\"function\","
+             "\"function\":{\"name\":\"h\"}}}", tools);
+    EXPECT_BAD(CH, body, 400, "tool_choice");
+    snprintf(body, sizeof body, "{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],%s,\"tool_choice\":\"required\","
+             "\"response_format\":{\"type\":\"json_object\"}}", tools);
+    EXPECT_BAD(CH, body, 400, "tool_choice");
+    EXPECT_BAD(CH, "{\"messages\":[{\"role\":\"assistant\",\"tool_calls\":[{\"function\":{\"name\":\"f\",\"arguments\":\"{oops\"}}]}]}", 400, "messages");
+}
+
+PD_TEST(tool_formats_and_parsing) {
+    PD_CHECK_EQ(pd_api_tool_format_detect(NULL), PD_API_TOOLS_FALLBACK);
+    PD_CHECK_EQ(pd_api_tool_format_detect("{% for m in messages %}{{ m.content }}{% endfor %}"), PD_API_TOOLS_FALLBACK);
+    static const struct {
+        const char *file;
+        pd_api_tool_format want;
+    } fx[] = {{"qwen25.jinja", PD_API_TOOLS_HERMES}, {"mistral_v03.jinja", PD_API_TOOLS_MISTRAL},
+              {"llama31.jinja", PD_API_TOOLS_LLAMA3}, {"llama32.jinja", PD_API_TOOLS_LLAMA3},
+              {"qwen2.jinja", PD_API_TOOLS_FALLBACK}, {"llama2.jinja", PD_API_TOOLS_FALLBACK}};
+    for (size_t i = 0; i < PD_ARRAY_LEN(fx); i++) {
+        char path[512];
+        snprintf(path, sizeof path, "%s/tests/data/chat/%s", pd_test_repo_dir(), fx[i].file);
+        FILE *f = fopen(path, "rb");
+        PD_REQUIRE(f);
+        char *buf = pd_calloc(1, 1 << 16);
+        size_t n = fread(buf, 1, (1 << 16) - 1, f);
+        fclose(f);
+        PD_CHECK(n > 0);
+        PD_CHECK_MSG(pd_api_tool_format_detect(buf) == fx[i].want, "%s: %d", fx[i].file, pd_api_tool_format_detect(buf));
+        pd_free(buf);
+    }
+    json_t *tools = json_loads("[{\"type\":\"function\",\"function\":{\"name\":\"f\"}},{\"type\":\"function\",\"function\":{\"name\":\"g\"}}]", 0, NULL);
+    pd_rng rng;
+    pd_rng_seed(&rng, 1);
+    size_t clen = 99;
+    const char *h = "Let me look.\n<tool_call>\n{\"name\": \"f\", \"arguments\": {\"a\": 1}}\n</tool_call>\n<tool_call>\n{\"name\": \"g\", \"arguments\": {}}\n</tool_call>";
+    json_t *calls = pd_api_tools_parse(h, strlen(h), PD_API_TOOLS_HERMES, tools, &rng, &clen);
+    PD_REQUIRE(json_array_size(calls) == 2);
+    PD_CHECK_EQ(clen, 12);
+    json_t *fn = json_object_get(json_array_get(calls, 0), "function");
+    PD_CHECK_STR(json_string_value(json_object_get(fn, "name")), "f");
+    PD_CHECK_STR(json_string_value(json_object_get(fn, "arguments")), "{\"a\":1}");
+    PD_CHECK_EQ(strlen(json_string_value(json_object_get(json_array_get(calls, 0), "id"))), 29);
+    json_decref(calls);
+    const char *m = "[TOOL_CALLS][{\"name\": \"g\", \"arguments\": {\"x\": [1]}}]";
+    calls = pd_api_tools_parse(m, strlen(m), PD_API_TOOLS_MISTRAL, tools, &rng, &clen);
+    PD_CHECK(json_array_size(calls) == 1 && clen == 0);
+    PD_CHECK_EQ(strlen(json_string_value(json_object_get(json_array_get(calls, 0), "id"))), 9);  // Mistral's ids
+    json_decref(calls);
+    const char *l = " {\"name\": \"f\", \"parameters\": {\"q\": \"a\"}}";
+    calls = pd_api_tools_parse(l, strlen(l), PD_API_TOOLS_LLAMA3, tools, &rng, &clen);
+    PD_CHECK(json_array_size(calls) == 1);
+    json_decref(calls);
+    // Not calls: unknown function, broken JSON, plain text.
+    const char *bad[] = {"<tool_call>{\"name\": \"zz\", \"arguments\": {}}</tool_call>", "<tool_call>{\"name\": \"f\"",
+                         "In the beginning"};
+    for (size_t i = 0; i < PD_ARRAY_LEN(bad); i++)
+        PD_CHECK(!pd_api_tools_parse(bad[i], strlen(bad[i]), PD_API_TOOLS_HERMES, tools, &rng, &clen));
+    json_decref(tools);
+}
+
 PD_TEST(parse_survives_allocation_failures) {
     const char *body = "{\"messages\":[{\"role\":\"user\",\"content\":[{\"type\":\"text\",\"text\":\"a\"}]}],"
                        "\"stop\":[\"x\"],\"n\":2}";
@@ -405,8 +534,9 @@ PD_TEST(tokenize_chat_template) {
     PD_CHECK_CONTAINS(e.message, "roles must alternate");
     pd_chat_template_free(tm);
     // tools and chat_template_kwargs reach the template; wrong types are 400s naming them.
-    tm = tmpl_of("{% if tools %}{{ tools[0].name }}:{% endif %}{{ greeting }}");
-    PD_REQUIRE(tokenize(CH, "{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"tools\":[{\"name\":\"Amen\"}],"
+    tm = tmpl_of("{% if tools %}{{ tools[0].function.name }}:{% endif %}{{ greeting }}");
+    PD_REQUIRE(tokenize(CH, "{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],"
+                            "\"tools\":[{\"type\":\"function\",\"function\":{\"name\":\"Amen\"}}],"
                             "\"chat_template_kwargs\":{\"greeting\":\" selah\"},\"add_special_tokens\":false}",
                         tok, tm, 2048, &p, &e) == PD_OK);
     pd_tok_ids want2 = {0};
@@ -422,5 +552,140 @@ PD_TEST(tokenize_chat_template) {
                 PD_ERR_INVALID);
     PD_CHECK_STR(e.param, "chat_template_kwargs");
     pd_chat_template_free(tm);
+    pd_tok_free(tok);
+}
+
+// Tool turns through every fixture template: the model's own tool syntax where the template has
+// one (tools rendered, assistant tool_calls with object arguments, tool results), our Hermes
+// system prompt where it has none. The rendered prompt names the function and carries the result.
+PD_TEST(tool_turns_render_in_every_template) {
+    pd_tok *tok = load_tok();
+    if (!tok) return;
+    static const char *files[] = {"qwen25.jinja", "mistral_v03.jinja", "llama31.jinja", "llama32.jinja", "qwen2.jinja",
+                                  "llama3.jinja"};
+    const char *body =
+        "{\"messages\":[{\"role\":\"system\",\"content\":\"Be brief.\"},{\"role\":\"user\",\"content\":\"Weather in Rome?\"},"
+        "{\"role\":\"assistant\",\"content\":null,\"tool_calls\":[{\"id\":\"abcdefghi\",\"type\":\"function\","
+        "\"function\":{\"name\":\"get_weather\",\"arguments\":\"{\\\"city\\\":\\\"Rome\\\"}\"}}]},"
+        "{\"role\":\"tool\",\"tool_call_id\":\"abcdefghi\",\"content\":\"sunny-and-warm\"}],"
+        "\"tools\":[{\"type\":\"function\",\"function\":{\"name\":\"get_weather\",\"description\":\"Weather\","
+        "\"parameters\":{\"type\":\"object\",\"properties\":{\"city\":{\"type\":\"string\"}},\"required\":[\"city\"]}}}]}";
+    for (size_t i = 0; i < PD_ARRAY_LEN(files); i++) {
+        char path[512];
+        snprintf(path, sizeof path, "%s/tests/data/chat/%s", pd_test_repo_dir(), files[i]);
+        FILE *f = fopen(path, "rb");
+        PD_REQUIRE(f);
+        char *src = pd_calloc(1, 1 << 16);
+        size_t n = fread(src, 1, (1 << 16) - 1, f);
+        fclose(f);
+        pd_chat_template *tm = tmpl_of(src);
+        pd_api_request r;
+        pd_api_error e;
+        pd_api_prompts p = {0};
+        PD_REQUIRE(parse(CH, body, &r, &e) == PD_OK);
+        r.tool_format = pd_api_tool_format_detect(src);
+        pd_status st = pd_api_request_tokenize(&r, tok, tm, 8192, &p, &e);
+        PD_CHECK_MSG(st == PD_OK, "%s: %s", files[i], e.message);
+        if (st == PD_OK) {
+            char *text = NULL;
+            size_t len = 0;
+            PD_CHECK(pd_tok_decode(tok, p.items[0].ids, p.items[0].n, false, &text, &len) == PD_OK);
+            PD_CHECK_MSG(text && strstr(text, "get_weather") && strstr(text, "sunny-and-warm"), "%s: %s", files[i],
+                         text ? text : "");
+            if (r.tool_format == PD_API_TOOLS_FALLBACK) PD_CHECK_MSG(text && strstr(text, "<tools>"), "%s", files[i]);
+            pd_free(text);
+        }
+        (void)n;
+        pd_api_prompts_fini(&p);
+        pd_api_request_fini(&r);
+        pd_chat_template_free(tm);
+        pd_free(src);
+    }
+    pd_tok_free(tok);
+}
+
+// The grammar of a forced tool choice, per format: random walks through its token masks (the
+// kjv vocabulary) always parse back into calls of the right function with arguments that match
+// the parameter schema.
+PD_TEST(forced_tool_grammar_parses_back) {
+    pd_tok *tok = load_tok();
+    if (!tok) return;
+    pd_err err = {0};
+    pd_grammar_vocab *v = pd_grammar_vocab_new(tok, &err);
+    PD_REQUIRE(v);
+    const char *body =
+        "{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"tool_choice\":\"required\",\"tools\":["
+        "{\"type\":\"function\",\"function\":{\"name\":\"get_weather\",\"parameters\":{\"type\":\"object\","
+        "\"properties\":{\"city\":{\"type\":\"string\",\"maxLength\":8},\"days\":{\"type\":\"integer\",\"minimum\":1,"
+        "\"maximum\":7}},\"required\":[\"city\",\"days\"],\"additionalProperties\":false}}},"
+        "{\"type\":\"function\",\"function\":{\"name\":\"now\"}}]}";
+    pd_api_tool_format fmts[] = {PD_API_TOOLS_FALLBACK, PD_API_TOOLS_HERMES, PD_API_TOOLS_MISTRAL, PD_API_TOOLS_LLAMA3};
+    int32_t eos = pd_tok_eos_id(tok);
+    uint32_t *mask = pd_malloc(sizeof(uint32_t) * (size_t)pd_grammar_mask_words(v));
+    for (size_t f = 0; f < PD_ARRAY_LEN(fmts); f++) {
+        pd_api_request r;
+        pd_api_error e;
+        PD_REQUIRE(parse(CH, body, &r, &e) == PD_OK);
+        char *gbnf = NULL;
+        PD_REQUIRE(pd_api_tools_gbnf(&r, fmts[f], &gbnf, &err) == PD_OK);
+        pd_grammar *g = pd_grammar_new(gbnf, strlen(gbnf), v, &err);
+        PD_CHECK_MSG(g, "format %d: %s", (int)fmts[f], err.msg);
+        pd_rng rng;
+        pd_rng_seed(&rng, 11 + f);
+        int parsed = 0;
+        for (int walk = 0; g && walk < 8; walk++) {
+            pd_grammar_matcher *m = pd_grammar_matcher_new(g, &eos, 1);
+            char text[4096];
+            size_t len = 0;
+            bool ended = false;
+            for (int step = 0; step < 300 && !ended; step++) {
+                int n = pd_grammar_matcher_fill_mask(m, mask);
+                if (n <= 0) break;
+                int32_t pick = -1;
+                if ((mask[eos >> 5] >> (eos & 31)) & 1) pick = eos;  // end as soon as allowed
+                for (int k = (int)(pd_rng_next(&rng) % (uint64_t)n); pick < 0;)
+                    for (int32_t t = 0; t < pd_grammar_vocab_size(v) && pick < 0; t++)
+                        if ((mask[t >> 5] >> (t & 31)) & 1 && k-- == 0) pick = t;
+                PD_REQUIRE(pd_grammar_matcher_accept(m, pick) == PD_OK);
+                if (pick == eos) {
+                    ended = true;
+                    break;
+                }
+                size_t bn = 0;
+                const char *b = pd_tok_token_bytes(tok, pick, &bn);
+                if (len + bn >= sizeof text) break;
+                memcpy(text + len, b, bn);
+                len += bn;
+            }
+            pd_grammar_matcher_free(m);
+            if (!ended) continue;
+            size_t clen = 1;
+            json_t *calls = pd_api_tools_parse(text, len, fmts[f], r.tools, &rng, &clen);
+            PD_CHECK_MSG(json_array_size(calls) >= 1 && clen == 0, "format %d: %.*s", (int)fmts[f], (int)len, text);
+            size_t i;
+            json_t *c;
+            json_array_foreach(calls, i, c) {
+                json_t *fn = json_object_get(c, "function");
+                const char *name = json_string_value(json_object_get(fn, "name"));
+                json_t *args = json_loads(json_string_value(json_object_get(fn, "arguments")), 0, NULL);
+                PD_CHECK(json_is_object(args));
+                if (name && !strcmp(name, "get_weather")) {
+                    json_int_t d = json_integer_value(json_object_get(args, "days"));
+                    PD_CHECK(json_is_string(json_object_get(args, "city")) && d >= 1 && d <= 7);
+                } else {
+                    PD_CHECK(name && !strcmp(name, "now"));
+                }
+                json_decref(args);
+            }
+            parsed += calls != NULL;
+            json_decref(calls);
+        }
+        PD_CHECK_MSG(parsed > 0, "format %d: no walk ended", (int)fmts[f]);
+        pd_grammar_unref(g);
+        pd_free(gbnf);
+        pd_api_request_fini(&r);
+    }
+    pd_free(mask);
+    pd_grammar_vocab_free(v);
     pd_tok_free(tok);
 }

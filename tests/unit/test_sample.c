@@ -306,3 +306,92 @@ PD_TEST(export_row_packs_params_and_penalties) {
     PD_CHECK_EQ(pd_sampler_n_pens(s), 0);
     pd_sampler_free(s);
 }
+
+// ---- logit bias and token masks (pd_sample_ctl) ----------------------------------------------------
+
+typedef struct only_evens {
+    int vocab, n_accepted;
+} only_evens;
+static int evens_fill(void *ud, uint32_t *m) {
+    only_evens *o = ud;
+    memset(m, 0, sizeof(uint32_t) * (size_t)((o->vocab + 31) / 32));
+    for (int t = 0; t < o->vocab; t += 2) m[t >> 5] |= 1u << (t & 31);
+    return (o->vocab + 1) / 2;
+}
+static pd_status evens_accept(void *ud, int32_t t) {
+    only_evens *o = ud;
+    o->n_accepted++;
+    return t % 2 ? PD_ERR_INVALID : PD_OK;
+}
+static int g_evens_freed;
+static void evens_free(void *ud) {
+    g_evens_freed++;
+    pd_free(ud);
+}
+static const pd_token_mask_ops k_evens = {evens_fill, evens_accept, evens_free};
+
+#define NV 100
+PD_TEST(logit_bias_and_mask) {
+    float logits[NV], work[NV];
+    for (int i = 0; i < NV; i++) logits[i] = (float)(i % 17) * 0.1f;
+    logits[41] = 50.0f;  // the greedy choice
+    logits[43] = 40.0f;
+    logits[44] = 30.0f;
+    pd_sampling_params p = pd_sampling_params_default();
+    p.temperature = 0;
+    p.n_logprobs = 1;
+
+    // -100 bans 41 (whatever its logit); +100 on a low token makes it win.
+    pd_sampler *s = pd_sampler_new(&p, NV);
+    pd_sample_ctl *c = pd_calloc(1, sizeof *c);
+    c->bias = pd_malloc(sizeof(pd_logit_bias) * 2);
+    c->bias[c->n_bias++] = (pd_logit_bias){41, -100.0f};
+    c->bias[c->n_bias++] = (pd_logit_bias){3, 2.0f};
+    PD_REQUIRE(pd_sampler_set_ctl(s, c) == PD_OK);
+    memcpy(work, logits, sizeof work);
+    pd_sample_result r;
+    PD_CHECK_EQ(pd_sampler_sample(s, work, &r), 43);
+    PD_CHECK_NEAR(r.logprob, -10.0f, 1e-3);  // raw distribution: 43 is 10 below 41
+    PD_CHECK(!pd_sampler_has_mask(s));
+    pd_sample_pen pens[4];
+    pd_sample_row row;
+    PD_CHECK_EQ(pd_sampler_n_pens(s), 2);  // bias entries ride on the penalty array
+    pd_sampler_export_row(s, 0, &row, pens);
+    PD_CHECK(row.n_pens == 2 && row.mask_row == -1 && pens[0].token == 41 && pens[0].bias == -100.0f);
+
+    // Random draws never pick a banned token, even a likely one.
+    pd_sampler_free(s);
+    p.temperature = 1.0f, p.has_seed = true, p.seed = 5;
+    s = pd_sampler_new(&p, NV);
+    c = pd_calloc(1, sizeof *c);
+    c->bias = pd_malloc(sizeof(pd_logit_bias));
+    c->bias[c->n_bias++] = (pd_logit_bias){41, -100.0f};
+    PD_REQUIRE(pd_sampler_set_ctl(s, c) == PD_OK);
+    for (int i = 0; i < 200; i++) {
+        memcpy(work, logits, sizeof work);
+        PD_CHECK(pd_sampler_sample(s, work, NULL) != 41);
+    }
+    pd_sampler_free(s);
+
+    // A mask: only even tokens; the source sees every accepted token and is freed with the sampler.
+    p.temperature = 0;
+    s = pd_sampler_new(&p, NV);
+    c = pd_calloc(1, sizeof *c);
+    only_evens *o = pd_calloc(1, sizeof *o);
+    o->vocab = NV;
+    c->mask_ops = &k_evens;
+    c->mask_ud = o;
+    PD_REQUIRE(pd_sampler_set_ctl(s, c) == PD_OK);
+    PD_CHECK(pd_sampler_has_mask(s));
+    memcpy(work, logits, sizeof work);
+    int32_t t = pd_sampler_sample(s, work, NULL);
+    PD_CHECK_EQ(t, 44);
+    pd_sampler_accept(s, t);
+    PD_CHECK_EQ(o->n_accepted, 1);
+    uint32_t m[4];
+    pd_sampler_fill_mask(s, m);
+    PD_CHECK(m[0] == 0x55555555u);
+    g_evens_freed = 0;
+    pd_sampler_free(s);
+    PD_CHECK_EQ(g_evens_freed, 1);
+}

@@ -1,7 +1,7 @@
 // sample.c — the CUDA shim of pd_op_sample (kernel: src/kernels/sample.cu).
 //
 // Per call: the rows' parameters (normalised here: 1/temperature, logf(min_p), top_k clamped to
-// "off") and the penalty entries are packed into a pinned staging buffer and sent in one
+// "off"), the penalty / logit-bias entries and the token masks of constrained rows are packed into a pinned staging buffer and sent in one
 // host-to-device copy; one kernel launch samples every row; one device-to-host copy brings back
 // the n_rows results, and the stream is synchronised. The staging buffers (pinned host, device)
 // belong to the backend and only grow; they are never used inside a captured graph, so growing
@@ -16,9 +16,9 @@ _Static_assert(PD_SAMPLE_KMAX_TOP == PD_SAMPLE_MAX_TOP, "kernel and backend top-
 _Static_assert(sizeof(pd_sample_kout) == sizeof(pd_sample_out), "pd_sample_kout and pd_sample_out differ");
 
 struct pd_cuda_sampler {
-    void *host;  // pinned: [krows | kpens] to send, [kouts] received
+    void *host;  // pinned: [krows | kpens | masks] to send, [kouts] received
     size_t host_bytes;
-    void *dev;   // [krows | kpens | pen_raw | kouts]
+    void *dev;   // [krows | kpens | masks | pen_raw | kouts]
     size_t dev_bytes;
 };
 
@@ -52,8 +52,9 @@ static pd_cuda_sampler *sampler_reserve(pd_cuda_backend *cb, size_t host_need, s
     return s;
 }
 
-static pd_sample_krow krow_of(const pd_sample_row *r, int vocab, int n_pens) {
+static pd_sample_krow krow_of(const pd_sample_row *r, int vocab, int n_pens, int n_masks) {
     PD_ASSERT(r->temperature >= 0 && r->n_logprobs >= -1 && r->n_logprobs <= PD_SAMPLE_MAX_TOP);
+    PD_ASSERT(r->mask_row >= -1 && r->mask_row < n_masks);
     PD_ASSERT(r->n_pens >= 0 && r->pen_begin >= 0 && r->pen_begin + r->n_pens <= n_pens);
     pd_sample_krow k = {0};
     k.is_greedy = r->temperature == 0.0f;
@@ -67,6 +68,7 @@ static pd_sample_krow krow_of(const pd_sample_row *r, int vocab, int n_pens) {
     k.n_logprobs = r->n_logprobs;
     k.pen_begin = r->pen_begin;
     k.n_pens = r->n_pens;
+    k.mask_row = r->mask_row;
     k.seed = r->seed;
     k.draw_idx = r->draw_idx;
     return k;
@@ -81,21 +83,28 @@ void pd_cuda_sample_op(pd_backend *b, const pd_sample_params *p) {
     size_t pens_b = align16(sizeof(pd_sample_kpen) * (size_t)p->n_pens);
     size_t raw_b = align16(sizeof(float) * (size_t)p->n_pens);
     size_t outs_b = align16(sizeof(pd_sample_kout) * (size_t)p->n_rows);
-    pd_cuda_sampler *s = sampler_reserve(cb, rows_b + pens_b + outs_b, rows_b + pens_b + raw_b + outs_b);
+    int n_masks = p->masks ? p->n_masks : 0;
+    PD_ASSERT(n_masks == 0 || p->mask_words == (p->vocab + 31) / 32);
+    size_t masks_b = align16(sizeof(uint32_t) * (size_t)n_masks * (size_t)(n_masks ? p->mask_words : 0));
+    size_t send_b = rows_b + pens_b + masks_b;
+    pd_cuda_sampler *s = sampler_reserve(cb, send_b + outs_b, send_b + raw_b + outs_b);
     char *h = s->host, *d = s->dev;
     pd_sample_krow *hrows = (pd_sample_krow *)h;
     pd_sample_kpen *hpens = (pd_sample_kpen *)(h + rows_b);
-    pd_sample_kout *houts = (pd_sample_kout *)(h + rows_b + pens_b);
-    for (int r = 0; r < p->n_rows; r++) hrows[r] = krow_of(&p->rows[r], p->vocab, p->n_pens);
+    pd_sample_kout *houts = (pd_sample_kout *)(h + send_b);
+    for (int r = 0; r < p->n_rows; r++) hrows[r] = krow_of(&p->rows[r], p->vocab, p->n_pens, n_masks);
     for (int i = 0; i < p->n_pens; i++) {
         PD_ASSERT(p->pens[i].token >= 0 && p->pens[i].token < p->vocab);
-        hpens[i] = (pd_sample_kpen){.token = p->pens[i].token, .count = p->pens[i].count, .is_seen = p->pens[i].is_seen};
+        hpens[i] = (pd_sample_kpen){.token = p->pens[i].token, .count = p->pens[i].count, .is_seen = p->pens[i].is_seen,
+                                    .bias = p->pens[i].bias};
     }
-    PD_CUDA_CHECK(cudaMemcpyAsync(d, h, rows_b + pens_b, cudaMemcpyHostToDevice, cb->stream));
+    if (n_masks) memcpy(h + rows_b + pens_b, p->masks, sizeof(uint32_t) * (size_t)n_masks * (size_t)p->mask_words);
+    PD_CUDA_CHECK(cudaMemcpyAsync(d, h, send_b, cudaMemcpyHostToDevice, cb->stream));
     pd_sample_kparams k = {.logits = p->logits, .rows = (const pd_sample_krow *)d,
-                           .pens = (const pd_sample_kpen *)(d + rows_b), .pen_raw = (float *)(d + rows_b + pens_b),
-                           .out = (pd_sample_kout *)(d + rows_b + pens_b + raw_b), .n_rows = p->n_rows,
-                           .vocab = p->vocab};
+                           .pens = (const pd_sample_kpen *)(d + rows_b), .pen_raw = (float *)(d + send_b),
+                           .out = (pd_sample_kout *)(d + send_b + raw_b), .n_rows = p->n_rows,
+                           .vocab = p->vocab, .masks = n_masks ? (const uint32_t *)(d + rows_b + pens_b) : NULL,
+                           .mask_words = p->mask_words};
     pd_cuda_sample(&k, cb->stream);
     PD_CUDA_CHECK_LAUNCH();
     PD_CUDA_CHECK(cudaMemcpyAsync(houts, k.out, sizeof(pd_sample_kout) * (size_t)p->n_rows, cudaMemcpyDeviceToHost,
