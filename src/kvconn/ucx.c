@@ -135,9 +135,8 @@ static pd_status ucx_export(pd_kvconn *c, pd_buffer_handle *h, pd_err *err) {
                                .address = u->pool, .length = u->pool_bytes};
     ucs_status_t s = ucp_mem_map(u->ctx, &mp, &u->memh);
     if (s != UCS_OK) return ucx_fail(err, "registering the KV pool", s);
-    if (pthread_create(&u->progress, NULL, progress_main, u)) return pd_err_set(err, PD_ERR_IO, "ucx: no progress thread");
-    u->has_thread = true;
-    return PD_OK;
+    return PD_OK;  // the progress thread starts in ucx_hello_blob, once the worker's address is out
+
 }
 
 static pd_status ucx_hello_blob(pd_kvconn *c, uint8_t *blob, uint32_t *len, pd_err *err) {
@@ -163,6 +162,11 @@ static pd_status ucx_hello_blob(pd_kvconn *c, uint8_t *blob, uint32_t *len, pd_e
     }
     if (rkey) ucp_rkey_buffer_release(rkey);
     ucp_worker_release_address(u->worker, addr);
+    // From here on the worker belongs to the progress thread (UCS_THREAD_MODE_SINGLE).
+    if (st == PD_OK && !u->has_thread) {
+        if (pthread_create(&u->progress, NULL, progress_main, u)) return pd_err_set(err, PD_ERR_IO, "ucx: no progress thread");
+        u->has_thread = true;
+    }
     return st;
 }
 
