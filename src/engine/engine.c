@@ -72,6 +72,7 @@ static int size_kv_blocks(pd_engine *e, pd_err *err) {
     if (p->n_blocks > 0) return p->n_blocks;
     const pd_model_config *c = pd_model_get_config(e->model);
     size_t per_block = 2 * (size_t)c->n_layers * pd_model_kv_row_bytes(e->model) * (size_t)p->block_size;
+    per_block += pd_engine_spec_kv_bytes_per_block(e);  // a draft model's cache has as many blocks
     size_t budget = p->kv_cache_bytes;
     size_t n_need = SIZE_MAX;  // blocks the limits can use at most (CPU default only)
     if (!budget) {
@@ -130,6 +131,7 @@ pd_engine *pd_engine_new(const pd_engine_params *p, pd_err *err) {
     mp.kv_dtype = p->kv_cache_dtype;
     e->model = pd_model_load(&mp, err);
     if (!e->model) goto fail;
+    if (pd_engine_spec_load(e, err)) goto fail;  // a draft model's weights, before the KV is sized
     const pd_model_config *c = pd_model_get_config(e->model);
     e->max_model_len = p->max_model_len > 0 ? PD_MIN(p->max_model_len, c->max_position_embeddings) : c->max_position_embeddings;
     int n_blocks = size_kv_blocks(e, err);
@@ -173,7 +175,7 @@ pd_engine *pd_engine_new(const pd_engine_params *p, pd_err *err) {
     sp.enable_chunked_prefill = p->enable_chunked_prefill;
     sp.max_model_len = e->max_model_len;
     sp.policy = p->policy == PD_POLICY_SRPT ? PD_SCHED_SRPT : PD_SCHED_FCFS;
-    if (pd_engine_spec_init(e, &sp, err)) goto fail;
+    if (pd_engine_spec_init(e, &sp, err)) goto fail;  // the draft's KV cache, lookahead slots
     e->sched = pd_sched_new(&sp, e->kv, err);
     if (!e->sched) goto fail;
     // Decode graphs (GPU) are captured now, with the workspace sized for the largest step: lazily,

@@ -120,6 +120,8 @@ void pd_disagg_abort(pd_engine *e, ereq *q);
 void pd_disagg_req_fini(ereq *q);  // frees the disaggregation fields
 
 // spec.c — speculative decoding in the step loop (NULL e->spec: every call is a no-op / false).
+pd_status pd_engine_spec_load(pd_engine *e, pd_err *err);  // after the target loads: checks, draft weights
+size_t pd_engine_spec_kv_bytes_per_block(const pd_engine *e);  // the draft's KV per block (0 without)
 pd_status pd_engine_spec_init(pd_engine *e, pd_sched_params *sp, pd_err *err);  // before pd_sched_new
 pd_status pd_engine_spec_warmup(pd_engine *e, pd_err *err);                     // after the target's
 void pd_engine_spec_fini(pd_engine *e);

@@ -33,6 +33,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "base/buf.h"
 #include "engine/engine_impl.h"
 #include "spec/spec.h"
 
@@ -41,7 +42,8 @@
 
 typedef struct sreq {
     int32_t *toks;  // owned: prompt + outputs
-    int n, cap;
+    int n;
+    size_t cap;
     int n_prompt;
     int draft_pos;  // draft KV is valid for positions [0, draft_pos); -1: not placed yet
     bool fixed_k;   // seeded random sampling: k does not depend on load (reproducible)
@@ -59,7 +61,7 @@ typedef struct sreq {
 
 typedef struct bbuild {
     int32_t *tok, *qi, *kvl, *bti, *bt, *lr;
-    int cap_tok, cap_seq, cap_bt, cap_lr;
+    size_t cap_tok, cap_qi, cap_kvl, cap_bti, cap_bt, cap_lr;
     int nt, ns, nbt, nl;
 } bbuild;
 
@@ -74,11 +76,11 @@ typedef struct espec {
     int64_t n_steps;
     bbuild bb;
     float *logits;  // host (cap_logits, V)
-    int cap_logits;
+    size_t cap_logits;
     float *scratch;  // (threads, V)
     int n_scratch;
     float *qbuf;  // (cap_q, V)
-    int cap_q;
+    size_t cap_q;
     pd_sample_result *results;  // (cap_res_seqs, K + 1)
     int cap_res_seqs;
     int *kmax, *kch, *sidx, *row0;  // per plan seq
@@ -90,15 +92,6 @@ typedef struct espec {
 
 // ---- helpers ---------------------------------------------------------------------------------------
 
-static bool grow(void **p, int *cap, int need, size_t elem) {
-    if (need <= *cap) return true;
-    int nc = PD_MAX(need, *cap * 2);
-    void *np = pd_realloc(*p, elem * (size_t)nc);
-    if (!np) return false;
-    *p = np;
-    *cap = nc;
-    return true;
-}
 
 static void bb_reset(bbuild *b) {
     b->nt = b->ns = b->nbt = b->nl = 0;
@@ -108,16 +101,11 @@ static void bb_reset(bbuild *b) {
 // n_logits rows (0: none). false on OOM.
 static bool bb_add(bbuild *b, const int32_t *toks, int n, int pos, const int32_t *blocks, int bs, int n_logits) {
     int nb = (pos + n + bs - 1) / bs;
-    int ct = b->cap_tok, cs = b->cap_seq, cb = b->cap_bt, cl = b->cap_lr;
-    if (!grow((void **)&b->tok, &ct, b->nt + n, 4) || !grow((void **)&b->bt, &cb, b->nbt + nb, 4) ||
-        !grow((void **)&b->lr, &cl, b->nl + n_logits, 4))
+    size_t S2 = (size_t)b->ns + 2;
+    if (PD_ARRAY_RESERVE(b->tok, b->cap_tok, (size_t)(b->nt + n)) || PD_ARRAY_RESERVE(b->bt, b->cap_bt, (size_t)(b->nbt + nb)) ||
+        PD_ARRAY_RESERVE(b->lr, b->cap_lr, (size_t)(b->nl + n_logits)) || PD_ARRAY_RESERVE(b->qi, b->cap_qi, S2) ||
+        PD_ARRAY_RESERVE(b->bti, b->cap_bti, S2) || PD_ARRAY_RESERVE(b->kvl, b->cap_kvl, S2))
         return false;
-    b->cap_tok = ct, b->cap_bt = cb, b->cap_lr = cl;
-    int cs2 = cs;
-    if (!grow((void **)&b->qi, &cs, b->ns + 2, 4) || !grow((void **)&b->bti, &cs2, b->ns + 2, 4)) return false;
-    int cs3 = b->cap_seq;
-    if (!grow((void **)&b->kvl, &cs3, b->ns + 2, 4)) return false;
-    b->cap_seq = PD_MIN(cs, PD_MIN(cs2, cs3));
     if (b->ns == 0) b->qi[0] = b->bti[0] = 0;
     memcpy(b->tok + b->nt, toks, sizeof(int32_t) * (size_t)n);
     memcpy(b->bt + b->nbt, blocks, sizeof(int32_t) * (size_t)nb);
@@ -136,14 +124,8 @@ static pd_batch bb_batch(const bbuild *b) {
                       .bt_indptr = b->bti, .bt_indices = b->bt, .n_logits = b->nl, .logit_rows = b->lr};
 }
 
-static bool reserve_logits(espec *S, int n) {
-    if (n <= S->cap_logits) return true;
-    int nc = PD_MAX(n, S->cap_logits * 2);
-    float *p = pd_realloc(S->logits, sizeof(float) * (size_t)nc * (size_t)S->V);
-    if (!p) return false;
-    S->logits = p;
-    S->cap_logits = nc;
-    return true;
+static bool reserve_logits(espec *S, int n) {  // n rows of V floats
+    return pd_array_reserve(&S->logits, sizeof(float) * (size_t)S->V, &S->cap_logits, (size_t)n) == PD_OK;
 }
 
 static bool reserve_seqs(espec *S, int n) {
@@ -165,13 +147,7 @@ static bool reserve_seqs(espec *S, int n) {
 }
 
 static bool sreq_push(sreq *r, int32_t t) {
-    if (r->n == r->cap) {
-        int nc = r->cap ? r->cap * 2 : 64;
-        int32_t *np = pd_realloc(r->toks, sizeof(int32_t) * (size_t)nc);
-        if (!np) return false;
-        r->toks = np;
-        r->cap = nc;
-    }
+    if (PD_ARRAY_RESERVE(r->toks, r->cap, (size_t)r->n + 1)) return false;
     r->toks[r->n++] = t;
     return true;
 }
@@ -202,7 +178,7 @@ static pd_status check_tokenizers(const pd_tok *t, const char *draft_dir, pd_err
     return st;
 }
 
-pd_status pd_engine_spec_init(pd_engine *e, pd_sched_params *sp, pd_err *err) {
+pd_status pd_engine_spec_load(pd_engine *e, pd_err *err) {
     const pd_engine_params *p = &e->params;
     if (p->spec_method == PD_SPEC_NONE || p->role == PD_ROLE_PREFILL) return PD_OK;
     if (p->spec_method < 0 || p->spec_method >= PD_SPEC_N)
@@ -222,9 +198,7 @@ pd_status pd_engine_spec_init(pd_engine *e, pd_sched_params *sp, pd_err *err) {
         return pd_err_set(err, PD_ERR_INVALID, "lookahead: window 1..%d, n-gram size 2..%d", PD_SPEC_MAX_W, PD_SPEC_MAX_N);
     if (S->method == PD_SPEC_LOOKAHEAD) S->K = PD_MIN(S->K, S->N - 1);  // one n-gram's continuation
     S->adaptive = !p->spec_fixed;
-    const pd_model_config *c = pd_model_get_config(e->model);
-    S->V = c->vocab_size;
-    S->bs = e->params.block_size;
+    S->V = pd_model_get_config(e->model)->vocab_size;
     pd_spec_cost_init(&S->cost, 0);
     if (S->method == PD_SPEC_DRAFT) {
         if (!p->spec_model_dir) return pd_err_set(err, PD_ERR_INVALID, "--speculative-method draft needs --speculative-model DIR");
@@ -240,6 +214,23 @@ pd_status pd_engine_spec_init(pd_engine *e, pd_sched_params *sp, pd_err *err) {
         if (pd_model_get_config(S->draft)->vocab_size != S->V)
             return pd_err_set(err, PD_ERR_INVALID, "--speculative-model: vocab_size %d, the target's %d: they must match",
                               pd_model_get_config(S->draft)->vocab_size, S->V);
+    }
+    return PD_OK;
+}
+
+size_t pd_engine_spec_kv_bytes_per_block(const pd_engine *e) {
+    const espec *S = e->spec;
+    if (!S || !S->draft) return 0;
+    return 2 * (size_t)pd_model_get_config(S->draft)->n_layers * pd_model_kv_row_bytes(S->draft) *
+           (size_t)(e->params.block_size > 0 ? e->params.block_size : 16);
+}
+
+pd_status pd_engine_spec_init(pd_engine *e, pd_sched_params *sp, pd_err *err) {
+    espec *S = e->spec;
+    if (!S) return PD_OK;
+    S->bs = e->params.block_size;
+    if (S->draft) {
+        // Same geometry as the target's pool: the draft's blocks are indexed by the same tables.
         S->dcache = pd_model_cache_new(S->draft, pd_model_cache_n_blocks(e->cache), S->bs, err);
         if (!S->dcache) return PD_ERR_NOMEM;
     }
@@ -348,7 +339,7 @@ static pd_status run_draft(pd_engine *e, const pd_step_plan *plan, sreq **srs) {
         }
     }
     if (b->ns == 0) return PD_OK;
-    if (n_rand > 0 && !grow((void **)&S->qbuf, &S->cap_q, n_rand, sizeof(float) * (size_t)V)) return PD_ERR_NOMEM;
+    if (n_rand > 0 && pd_array_reserve(&S->qbuf, sizeof(float) * (size_t)V, &S->cap_q, (size_t)n_rand)) return PD_ERR_NOMEM;
     if (!reserve_logits(S, PD_MAX(b->nl, 1))) return PD_ERR_NOMEM;
     pd_batch batch = bb_batch(b);
     pd_status st = pd_model_forward(S->draft, S->dcache, &batch, S->logits);
@@ -462,9 +453,7 @@ static pd_status verify(pd_engine *e, const pd_step_plan *plan, sreq **srs) {
             int n = 1 + sr->k + sr->w, nl = 1 + sr->k + (sr->w ? sr->w - 1 : 0);
             if (!bb_add(b, span, n, s->pos_start, s->block_ids, S->bs, 0)) return PD_ERR_NOMEM;
             S->row0[i] = b->nl;
-            int ct = b->cap_lr;
-            if (!grow((void **)&b->lr, &ct, b->nl + nl, 4)) return PD_ERR_NOMEM;
-            b->cap_lr = ct;
+            if (PD_ARRAY_RESERVE(b->lr, b->cap_lr, (size_t)(b->nl + nl))) return PD_ERR_NOMEM;
             for (int r = 0; r < nl; r++) b->lr[b->nl++] = b->nt - n + r;
         } else {
             if (!bb_add(b, s->tokens, s->n_tokens, s->pos_start, s->block_ids, S->bs, s->needs_logits ? 1 : 0))
@@ -535,8 +524,12 @@ pd_status pd_engine_spec_run_plan(pd_engine *e, const pd_step_plan *plan, bool *
         const pd_step_seq *s = &plan->seqs[i];
         ereq *r = pd_engine_req_find(e, s->req_id);
         sreq *sr = r ? r->spec : NULL;
+        // A history that missed tokens (out of memory in sreq_push) cannot feed the draft or the
+        // proposals: that request runs plainly from now on.
+        if (sr && sr->n < s->pos_start + s->n_tokens) sr = NULL;
         srs[i] = sr;
         S->kmax[i] = 0;
+        S->kch[i] = 0;
         if (!sr) continue;
         sr->k = sr->w = 0;
         sr->q = NULL;
