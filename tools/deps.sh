@@ -45,7 +45,7 @@ clang                libFuzzer targets
 libclang-rt-14-dev   clang sanitizer/fuzzer runtimes
 "
 # pkg-config modules that must resolve once the packages are in (the Makefile reads their flags).
-PCS="jansson libpcre2-8 libevent libevent_pthreads libxxhash openblas libutf8proc libcrypto ucx"
+PCS="jansson libpcre2-8 libevent libevent_pthreads libxxhash openblas libutf8proc libcrypto liburing hiredis ucx"
 
 check_only=0
 [ "${1:-}" = "--check" ] && check_only=1
