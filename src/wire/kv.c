@@ -14,6 +14,7 @@ const char *pd_kvw_transport_name(pd_kvw_transport t) {
     case PD_KVW_TRANSPORT_SHM: return "shm";
     case PD_KVW_TRANSPORT_CUDA_IPC: return "cuda-ipc";
     case PD_KVW_TRANSPORT_NCCL: return "nccl";
+    case PD_KVW_TRANSPORT_UCX: return "ucx";
     }
     return "unknown";
 }

@@ -379,7 +379,10 @@ struct pd_xfer_client {
 
 void pd_xfer_client_counters(pd_xfer_client *c, pd_xfer_counters *out) { counters_get(&c->ctr, out); }
 
-static bool is_direct(pd_kvw_transport t) { return t == PD_KVW_TRANSPORT_SHM || t == PD_KVW_TRANSPORT_CUDA_IPC; }
+// Transports whose writer puts bytes straight into our pool (fenced after a lost connection).
+static bool is_direct(pd_kvw_transport t) {
+    return t == PD_KVW_TRANSPORT_SHM || t == PD_KVW_TRANSPORT_CUDA_IPC || t == PD_KVW_TRANSPORT_UCX;
+}
 
 static void emit_result(pd_xfer_client *c, int widx, uint64_t id, pd_status st, const char *reason, const pd_kvw_prefill_done *d) {
     pd_xfer_event ev = {.kind = PD_XFER_EV_RESULT, .conn_id = widx, .req_id = id, .status = st, .fd = -1};
@@ -596,6 +599,10 @@ static bool handshake(worker *w, int fd) {
         }
         h.u.hello.handle_len = sizeof cid;
         memcpy(h.u.hello.handle, &cid, sizeof cid);
+    } else if (c->p.transport == PD_KVW_TRANSPORT_UCX) {
+        if (!c->p.hello_blob_len || c->p.hello_blob_len > sizeof h.u.hello.handle) goto out;
+        h.u.hello.handle_len = c->p.hello_blob_len;
+        memcpy(h.u.hello.handle, c->p.hello_blob, c->p.hello_blob_len);
     } else if (is_direct(c->p.transport)) {
         pd_buffer_handle hd = c->p.pool_handle;
         fd_pass = c->p.transport == PD_KVW_TRANSPORT_SHM ? hd.fd : -1;
@@ -987,7 +994,9 @@ static void *sconn_main(void *arg) {
         if (nccl && m.u.hello.handle_len == sizeof cid) memcpy(&cid, m.u.hello.handle, sizeof cid);
         const char *bad = NULL;
         if (*diff) bad = "model fingerprint mismatch";
-        else if (tr < PD_KVW_TRANSPORT_TCP || tr > PD_KVW_TRANSPORT_NCCL) bad = "unknown KV transport";
+        else if (tr < PD_KVW_TRANSPORT_TCP || tr > PD_KVW_TRANSPORT_UCX) bad = "unknown KV transport";
+        else if (tr == PD_KVW_TRANSPORT_UCX && (!m.u.hello.handle_len || m.u.hello.handle_len > sizeof m.u.hello.handle))
+            bad = "ucx: bad address/rkey";
         else if (tr == PD_KVW_TRANSPORT_SHM && (!k->is_unix || got_fd < 0))
             bad = "shm needs the unix socket and the pool's descriptor";
         else if (nccl && (!s->p.backend || m.u.hello.handle_len != sizeof cid))
