@@ -8,6 +8,7 @@ allowed() {
     backend) echo "base backend kernels" ;;
     kernels) echo "kernels" ;;
     kv|tok|wire|net|metrics) echo "base $1" ;;
+    kvtier) echo "base kvtier" ;;
     model) echo "base backend tok model" ;;
     grammar) echo "base tok grammar" ;;
     sched) echo "base kv sched" ;;

@@ -36,6 +36,7 @@ libnats-dev          NATS client
 nats-server          NATS tests
 libssl-dev           libcrypto (HMAC, auth)
 python3              test helpers (fake workers, golden checks)
+python3-yaml         tools/check_k8s.py (offline check of deploy/k8s)
 nodejs               JS test clients
 npm                  installs the openai npm client (npm ci)
 chromium             headless render of the router's /status page
@@ -44,7 +45,7 @@ clang                libFuzzer targets
 libclang-rt-14-dev   clang sanitizer/fuzzer runtimes
 "
 # pkg-config modules that must resolve once the packages are in (the Makefile reads their flags).
-PCS="jansson libpcre2-8 libevent libevent_pthreads libxxhash openblas libutf8proc libcrypto"
+PCS="jansson libpcre2-8 libevent libevent_pthreads libxxhash openblas libutf8proc libcrypto liburing hiredis ucx"
 
 check_only=0
 [ "${1:-}" = "--check" ] && check_only=1
@@ -58,6 +59,9 @@ need=""
 for p in $(echo "$PKGS" | awk 'NF { print $1 }'); do
   echo "$have" | grep -qx "$p" || need="$need $p"
 done
+# kubectl (test_k8s.sh: `kubectl kustomize deploy/k8s`): Debian 12's kubernetes-client (1.20) only when
+# no kubectl command exists at all (a newer one from elsewhere is kept, never shadowed).
+command -v kubectl >/dev/null 2>&1 || need="$need kubernetes-client"
 
 npm_stale() {
   js="$repo/tests/integration/js"

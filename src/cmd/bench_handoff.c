@@ -313,6 +313,7 @@ static int parse_opts(int argc, char **argv, hb_opts *o) {
         case 'x':
             if (!strcmp(optarg, "cuda-ipc")) o->transport = PD_KVW_TRANSPORT_CUDA_IPC;
             else if (!strcmp(optarg, "nccl")) o->transport = PD_KVW_TRANSPORT_NCCL;
+            else if (!strcmp(optarg, "ucx")) o->transport = PD_KVW_TRANSPORT_UCX;
             else if (!strcmp(optarg, "shm")) o->transport = PD_KVW_TRANSPORT_SHM;
             else if (!strcmp(optarg, "tcp")) o->transport = PD_KVW_TRANSPORT_TCP;
             else return pd_cmd_usage_error("bench-handoff", "--transport is cuda-ipc, nccl, shm or tcp");

@@ -98,7 +98,7 @@ static void serve_usage(bool is_run) {
            "  --role both|prefill|decode    (default both: colocated)\n"
            "  --kv-host H  --kv-port P      prefill role: where the KV port listens (P 0 = any, printed)\n"
            "  --prefill HOST:PORT           decode role: a prefill worker's KV port (repeatable, up to 16)\n"
-           "  --kv-transport tcp|shm|cuda-ipc|nccl  decode role (default shm on cpu, cuda-ipc on cuda)\n"
+           "  --kv-transport tcp|shm|cuda-ipc|nccl|ucx  decode role (default shm on cpu, cuda-ipc on cuda)\n"
            "  --disagg-min-tokens N         prefill locally below N uncached prompt tokens (default 64)\n"
            "  --disagg-timeout-ms N         fall back to local prefill after N ms (default 30000)\n"
            "  --auth-token-file F           shared secret (mode 0600) every KV connection proves (HMAC);\n"
@@ -230,6 +230,7 @@ static int parse_flags(int argc, char **argv, serve_opts *o) {
             else if (!strcmp(optarg, "shm")) o->ep.kv_transport = PD_KVW_TRANSPORT_SHM;
             else if (!strcmp(optarg, "cuda-ipc")) o->ep.kv_transport = PD_KVW_TRANSPORT_CUDA_IPC;
             else if (!strcmp(optarg, "nccl")) o->ep.kv_transport = PD_KVW_TRANSPORT_NCCL;
+            else if (!strcmp(optarg, "ucx")) o->ep.kv_transport = PD_KVW_TRANSPORT_UCX;
             else return pd_cmd_usage_error(cmd, "--kv-transport must be tcp, shm, cuda-ipc or nccl");
             break;
         case O_DMIN: o->ep.disagg_min_tokens = (int)v; break;

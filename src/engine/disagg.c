@@ -254,7 +254,7 @@ static void handle_save_request(pd_engine *e, pd_kvconn_event *ev) {
     pd_sched_req_params srp = {.req_id = id, .prompt = r->tokens, .n_prompt = r->n_tokens, .max_tokens = 1,
                                .ignore_eos = true, .is_hold_blocks = true};
     pd_err err = {0};
-    if (!q || !q->sampler || !q->dst_blocks || pd_sched_add(e->sched, &srp, pd_time_us(), &err)) {
+    if (!q || !q->sampler || !q->dst_blocks || pd_engine_req_reserve(e) || pd_sched_add(e->sched, &srp, pd_time_us(), &err)) {
         if (q) {
             pd_sampler_free(q->sampler);
             pd_free(q->dst_blocks);
@@ -400,16 +400,19 @@ void pd_disagg_handle(pd_engine *e, pd_kvconn_event *ev) {
     case PD_KVCONN_EV_CANCEL:
     case PD_KVCONN_EV_PEER_DOWN:
         // Abort the requests of that peer (one, or all on PEER_DOWN).
-        for (int b = 0; b < N_BUCKETS; b++)
-            for (ereq *q = e->buckets[b], *n; q; q = n) {
-                n = q->next;
-                if (q->is_export && q->conn_id == ev->peer && (ev->kind == PD_KVCONN_EV_PEER_DOWN || q->peer_req_id == ev->req_id)) {
-                    // Not exported yet (exports finish within a step): say so, so the decode
-                    // worker frees the blocks it reserved.
-                    if (ev->kind == PD_KVCONN_EV_CANCEL) pd_kvconn_send_fail(e->kc, q->conn_id, q->peer_req_id, "cancelled");
-                    pd_disagg_abort(e, q);
-                }
-            }
+        // An abort here removes the request, and the map's delete may shift a later entry into
+        // slot i (or wrap one already seen, which does not match, to the end): slot i is looked
+        // at again after each abort, so every entry is seen.
+        for (size_t i = 0; i < pd_engine_req_cap(e); i++) {
+            ereq *q = pd_engine_req_at(e, i);
+            if (!q || !q->is_export || q->conn_id != ev->peer || (ev->kind == PD_KVCONN_EV_CANCEL && q->peer_req_id != ev->req_id))
+                continue;
+            // Not exported yet (exports finish within a step): say so, so the decode worker
+            // frees the blocks it reserved.
+            if (ev->kind == PD_KVCONN_EV_CANCEL) pd_kvconn_send_fail(e->kc, q->conn_id, q->peer_req_id, "cancelled");
+            pd_disagg_abort(e, q);                     // removes q (an export)
+            if (pd_engine_req_at(e, i) != q) i--;      // look at slot i again (0 - 1 wraps, ++ gives 0)
+        }
         if (ev->kind == PD_KVCONN_EV_PEER_DOWN) pd_kvconn_peer_down(e->kc, ev);
         break;
     }

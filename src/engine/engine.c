@@ -11,6 +11,7 @@
 // the device when the backend has the op (only token ids cross to the host), else on host threads.
 #include "engine/engine.h"
 
+#include <limits.h>
 #include <omp.h>
 #include <poll.h>
 #include <pthread.h>
@@ -38,27 +39,36 @@ pd_engine_params pd_engine_params_default(void) {
 }
 
 // ---- request table -----------------------------------------------------------------------------
-static ereq **slot_of(pd_engine *e, uint64_t id) {
-    ereq **pp = &e->buckets[(id * 0x9e3779b97f4a7c15ull) >> 52];
-    while (*pp && (*pp)->id != id) pp = &(*pp)->next;
-    return pp;
+// A pd_map (base/map.h) of {id, ereq *}; ids are mixed because clients use sequential ones.
+typedef struct req_entry {
+    uint64_t id;
+    ereq *q;
+} req_entry;
+static ereq *req_find(pd_engine *e, uint64_t id) {
+    const req_entry *en = pd_map_find(&e->reqs, pd_map_mix64(id), &id);
+    return en ? en->q : NULL;
 }
-static ereq *req_find(pd_engine *e, uint64_t id) { return *slot_of(e, id); }
 static void req_remove(pd_engine *e, uint64_t id) {
-    ereq **pp = slot_of(e, id);
-    ereq *r = *pp;
+    ereq *r = req_find(e, id);
     if (!r) return;
-    *pp = r->next;
+    pd_map_del(&e->reqs, pd_map_mix64(id), &id);
     pd_sampler_free(r->sampler);
     pd_engine_spec_req_fini(r);
     pd_disagg_req_fini(r);
     pd_free(r);
 }
 ereq *pd_engine_req_find(pd_engine *e, uint64_t id) { return req_find(e, id); }
+pd_status pd_engine_req_reserve(pd_engine *e) { return pd_map_reserve(&e->reqs, pd_map_len(&e->reqs) + 1); }
 void pd_engine_req_insert(pd_engine *e, ereq *q) {
-    ereq **pp = slot_of(e, q->id);
-    PD_ASSERT(!*pp);
-    *pp = q;
+    bool existed;
+    req_entry *en = pd_map_put(&e->reqs, pd_map_mix64(q->id), &q->id, &existed);
+    PD_ASSERT(en && !existed);  // reserved by pd_engine_req_reserve; ids are unique
+    en->q = q;
+}
+size_t pd_engine_req_cap(const pd_engine *e) { return e->reqs.cap; }
+ereq *pd_engine_req_at(const pd_engine *e, size_t i) {
+    const req_entry *en = pd_map_slot(&e->reqs, i);
+    return en ? en->q : NULL;
 }
 void pd_engine_req_remove(pd_engine *e, uint64_t id) { req_remove(e, id); }
 
@@ -115,6 +125,10 @@ pd_engine *pd_engine_new(const pd_engine_params *p, pd_err *err) {
     if (e->params.block_size <= 0) e->params.block_size = 16;
     const char *base = strrchr(p->model_dir, '/');
     snprintf(e->model_name, sizeof e->model_name, "%s", base && base[1] ? base + 1 : p->model_dir);
+    if (pd_map_init(&e->reqs, &(pd_map_params){.entry_size = sizeof(req_entry), .key_size = 8})) {
+        pd_err_set(err, PD_ERR_NOMEM, "out of memory");
+        goto fail;
+    }
     if (pd_queue_init(&e->q)) {
         pd_err_set(err, PD_ERR_IO, "cannot create the engine's event fd");
         goto fail;
@@ -300,7 +314,7 @@ static void handle_submit(pd_engine *e, pd_cmd *c) {
     // A constrained request (logit bias, token mask) samples its first token here: a prefill
     // worker would sample it without the constraint.
     sp.is_remote_prefill = e->params.role == PD_ROLE_DECODE && !has_ctl && pd_disagg_want_remote(e, r->prompt, r->n_prompt);
-    if (!q || !q->sampler || pd_sched_add(e->sched, &sp, r->arrival_us, &err)) {
+    if (!q || !q->sampler || pd_engine_req_reserve(e) || pd_sched_add(e->sched, &sp, r->arrival_us, &err)) {
         if (q) pd_sampler_free(q->sampler);
         pd_free(q);
         PD_LOG_W("engine: request %llu rejected: %s", (unsigned long long)r->id, err.msg[0] ? err.msg : "out of memory");
@@ -357,37 +371,27 @@ static void handle_cmds(pd_engine *e, pd_cmd *c) {
     }
 }
 
-static bool grow_i32(int32_t **p, int *cap, int need) {
-    if (need <= *cap) return true;
-    int nc = PD_MAX(need, *cap * 2);
-    int32_t *np = pd_realloc(*p, sizeof(int32_t) * (size_t)nc);
-    if (!np) return false;
-    *p = np;
-    *cap = nc;
-    return true;
-}
-
 static pd_status reserve_bufs(pd_engine *e, const pd_step_plan *plan) {
     step_bufs *b = &e->sb;
     int V = pd_model_get_config(e->model)->vocab_size;
     int n_bt = 0;
     for (int i = 0; i < plan->n_seqs; i++) n_bt += plan->seqs[i].n_blocks;
-    int ct = b->cap_tokens, cb = b->cap_bt;
-    if (!grow_i32(&b->tokens, &ct, plan->n_tokens) || !grow_i32(&b->bt_indices, &cb, n_bt)) return PD_ERR_NOMEM;
-    b->cap_tokens = ct;
-    b->cap_bt = cb;
-    if (plan->n_seqs + 1 > b->cap_seqs) {
-        // Every per-sequence array has cap_seqs entries; grow them together.
-        size_t n = (size_t)(plan->n_seqs + 1) * 2;
-        void **arrs[] = {(void **)&b->q_indptr, (void **)&b->kv_lens, (void **)&b->bt_indptr, (void **)&b->logit_rows,
-                         (void **)&b->logit_seq, (void **)&b->logits, (void **)&b->outputs, (void **)&b->results};
+    if (PD_ARRAY_RESERVE(b->tokens, b->cap_tokens, (size_t)plan->n_tokens) ||
+        PD_ARRAY_RESERVE(b->bt_indices, b->cap_bt, (size_t)n_bt))
+        return PD_ERR_NOMEM;
+    size_t need = (size_t)plan->n_seqs + 1;
+    if (need > b->cap_seqs) {
+        // Every per-sequence array has cap_seqs entries; grow them together (each from the same
+        // capacity to the same new one; on failure the arrays already grown keep it: harmless).
+        void *arrs[] = {&b->q_indptr, &b->kv_lens, &b->bt_indptr, &b->logit_rows,
+                        &b->logit_seq, &b->logits, &b->outputs, &b->results};
         size_t elem[] = {4, 4, 4, 4, 4, sizeof(float) * (size_t)V, sizeof(pd_step_output), sizeof(pd_sample_result)};
+        size_t cap = 0;
         for (size_t i = 0; i < PD_ARRAY_LEN(arrs); i++) {
-            void *np = pd_realloc(*arrs[i], elem[i] * n);
-            if (!np) return PD_ERR_NOMEM;  // arrays already grown keep their larger size: harmless
-            *arrs[i] = np;
+            cap = b->cap_seqs;
+            if (pd_array_reserve(arrs[i], elem[i], &cap, need)) return PD_ERR_NOMEM;
         }
-        b->cap_seqs = (int)n;
+        b->cap_seqs = cap;
     }
     return PD_OK;
 }
@@ -410,23 +414,12 @@ static bool use_device_sampling(pd_engine *e) {
 
 // Grows the device-sampling host arrays (grow-only: a warm engine does not allocate).
 static bool reserve_sample_bufs(step_bufs *b, int n_rows, int n_pens) {
-    if (n_rows > b->cap_srows) {
-        int n = PD_MAX(n_rows, b->cap_srows * 2);
-        pd_sample_row *r = pd_realloc(b->srows, sizeof(pd_sample_row) * (size_t)n);
-        if (r) b->srows = r;
-        pd_sample_out *o = pd_realloc(b->souts, sizeof(pd_sample_out) * (size_t)n);
-        if (o) b->souts = o;
-        if (!r || !o) return false;
-        b->cap_srows = n;
-    }
-    if (n_pens > b->cap_spens) {
-        int n = PD_MAX(n_pens, b->cap_spens * 2);
-        pd_sample_pen *p = pd_realloc(b->spens, sizeof(pd_sample_pen) * (size_t)n);
-        if (!p) return false;
-        b->spens = p;
-        b->cap_spens = n;
-    }
-    return true;
+    size_t cap = b->cap_srows;  // srows and souts share cap_srows
+    if (PD_ARRAY_RESERVE(b->srows, cap, (size_t)n_rows)) return false;
+    cap = b->cap_srows;
+    if (PD_ARRAY_RESERVE(b->souts, cap, (size_t)n_rows)) return false;
+    b->cap_srows = cap;
+    return !PD_ARRAY_RESERVE(b->spens, b->cap_spens, (size_t)n_pens);
 }
 
 static pd_status sample_on_device(pd_engine *e, const pd_step_plan *plan, const pd_batch *batch) {
@@ -444,12 +437,8 @@ static pd_status sample_on_device(pd_engine *e, const pd_step_plan *plan, const 
     if (!reserve_sample_bufs(b, nl, n_pens)) return PD_ERR_NOMEM;
     int off = 0, n_masks = 0, words = (V + 31) / 32;
     for (int k = 0; k < nl; k++) n_masks += pd_sampler_has_mask(req_find(e, plan->seqs[b->logit_seq[k]].req_id)->sampler);
-    if (n_masks * words > b->cap_smasks) {  // token masks (constrained decoding), grow-only
-        uint32_t *m = pd_realloc(b->smasks, sizeof(uint32_t) * (size_t)n_masks * (size_t)words);
-        if (!m) return PD_ERR_NOMEM;
-        b->smasks = m;
-        b->cap_smasks = n_masks * words;
-    }
+    if (PD_ARRAY_RESERVE(b->smasks, b->cap_smasks, (size_t)n_masks * (size_t)words))  // token masks (constrained decoding)
+        return PD_ERR_NOMEM;
     n_masks = 0;
     for (int k = 0; k < nl; k++) {
         ereq *r = req_find(e, plan->seqs[b->logit_seq[k]].req_id);
@@ -575,18 +564,13 @@ static void push_events_retry(pd_engine *e, const pd_engine_event *ev, int n) {
 void pd_engine_push_sched_events(pd_engine *e, const pd_step_plan *plan, const pd_sample_result *results,
                                  const pd_sched_event *ev, int n) {
     step_bufs *b = &e->sb;
-    if (2 * n > b->cap_events) {
-        pd_engine_event *ne = pd_realloc(b->events, sizeof *ne * (size_t)(2 * n + 16));
-        if (ne) {
-            b->events = ne;
-            b->cap_events = 2 * n + 16;
-        }
-    }
+    (void)PD_ARRAY_RESERVE(b->events, b->cap_events, 2 * (size_t)n);  // on failure: the spill below
     // Without room for all (out of memory), events go out in chunks through a small fixed buffer:
     // none is ever dropped (a lost FINISHED would leave its client hanging).
     pd_engine_event spill[16];
-    pd_engine_event *out = 2 * n <= b->cap_events ? b->events : spill;
-    int cap = 2 * n <= b->cap_events ? b->cap_events : (int)PD_ARRAY_LEN(spill);
+    bool roomy = 2 * (size_t)n <= b->cap_events;
+    pd_engine_event *out = roomy ? b->events : spill;
+    int cap = roomy ? (int)PD_MIN(b->cap_events, (size_t)INT_MAX) : (int)PD_ARRAY_LEN(spill);
     int k = 0;
     for (int j = 0; j < n; j++) {
         if (k + 2 > cap) {
@@ -799,12 +783,13 @@ void pd_engine_free(pd_engine *e) {
         pthread_join(e->thread, NULL);
     }
     pd_disagg_fini(e);  // joins the xfer threads, which push into the queue
-    for (int i = 0; i < N_BUCKETS; i++)
-        while (e->buckets[i]) {
-            uint64_t id = e->buckets[i]->id;
+    for (size_t i = 0; i < e->reqs.cap; i++)
+        for (ereq *q; (q = pd_engine_req_at(e, i));) {  // a delete may shift another entry into slot i
+            uint64_t id = q->id;
             if (e->sched) pd_sched_abort(e->sched, id);
             req_remove(e, id);
         }
+    pd_map_fini(&e->reqs);
     pd_sched_free(e->sched);
     pd_engine_spec_fini(e);
     pd_kv_mgr_free(e->kv);

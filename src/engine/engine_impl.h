@@ -7,14 +7,13 @@
 #include "kv/kv.h"
 #include "sched/sched.h"
 #include "kvconn/kvconn.h"
-
-#define N_BUCKETS 4096
+#include "base/buf.h"
+#include "base/map.h"
 
 typedef struct ereq {
     uint64_t id;
     pd_sampler *sampler;  // owned
     int n_prompt;
-    struct ereq *next;    // bucket chain
     // decode role: remote prefill
     bool is_remote;       // admitted with is_remote_prefill
     bool is_loading;      // PREFILL_REQ sent (or being sent), result pending
@@ -42,20 +41,20 @@ typedef struct ereq {
 
 typedef struct step_bufs {
     int32_t *tokens, *q_indptr, *kv_lens, *bt_indptr, *bt_indices, *logit_rows, *logit_seq;
-    int cap_tokens, cap_seqs, cap_bt;
+    size_t cap_tokens, cap_seqs, cap_bt;  // PD_ARRAY_RESERVE (base/buf.h) capacities
     float *logits;  // (cap_seqs, vocab)
     pd_step_output *outputs;
     pd_sample_result *results;  // by plan seq index
     pd_engine_event *events;
-    int cap_events;
+    size_t cap_events;
     // device sampling (pd_op_sample): rows and results (cap_srows), penalty entries (cap_spens)
     int sample_mode;  // 0: not decided yet, 1: on the device, 2: on the host
     pd_sample_row *srows;
     pd_sample_out *souts;
     pd_sample_pen *spens;
-    int cap_srows, cap_spens;
+    size_t cap_srows, cap_spens;
     uint32_t *smasks;            // token masks of the constrained rows (cap_smasks words)
-    int cap_smasks;
+    size_t cap_smasks;
 } step_bufs;
 
 struct pd_engine {
@@ -72,7 +71,7 @@ struct pd_engine {
     pd_queue q;
     pthread_t thread;
     bool started;
-    ereq *buckets[N_BUCKETS];
+    pd_map reqs;  // request id -> ereq * (req_entry in engine.c); reserved before each insert
     step_bufs sb;
     int64_t n_prefill_computed, n_generated, n_prompt_tokens, n_finished;
     // disaggregation
@@ -95,7 +94,12 @@ struct pd_engine {
 
 // engine.c helpers used by disagg.c
 ereq *pd_engine_req_find(pd_engine *e, uint64_t id);
+// Room for one more request: call before anything else changes, then the insert cannot fail.
+pd_status pd_engine_req_reserve(pd_engine *e);
 void pd_engine_req_insert(pd_engine *e, ereq *q);
+// The i-th slot of the request table (i < pd_engine_req_cap), or NULL when empty.
+size_t pd_engine_req_cap(const pd_engine *e);
+ereq *pd_engine_req_at(const pd_engine *e, size_t i);
 void pd_engine_req_remove(pd_engine *e, uint64_t id);
 void pd_engine_emit_finished(pd_engine *e, uint64_t id, pd_engine_finish f, int n_prompt, int n_cached, int n_out);
 // results[i]: what was sampled for plan->seqs[i] (read where needs_logits); NULL when plan is.

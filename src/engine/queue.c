@@ -74,15 +74,9 @@ pd_cmd *pd_queue_pop_cmds(pd_queue *q, int64_t wait_us, bool *stopping) {
 pd_status pd_queue_push_events(pd_queue *q, const pd_engine_event *ev, int n) {
     if (n <= 0) return PD_OK;
     pthread_mutex_lock(&q->mu);
-    if (q->n_out + n > q->cap_out) {
-        int nc = PD_MAX(q->cap_out * 2, q->n_out + n + 64);
-        pd_engine_event *no = pd_realloc(q->out, sizeof *no * (size_t)nc);
-        if (!no) {
-            pthread_mutex_unlock(&q->mu);
-            return PD_ERR_NOMEM;
-        }
-        q->out = no;
-        q->cap_out = nc;
+    if (PD_ARRAY_RESERVE(q->out, q->cap_out, (size_t)q->n_out + (size_t)n)) {
+        pthread_mutex_unlock(&q->mu);
+        return PD_ERR_NOMEM;
     }
     bool was_empty = q->n_out == 0;
     memcpy(q->out + q->n_out, ev, sizeof *ev * (size_t)n);

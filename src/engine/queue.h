@@ -6,6 +6,7 @@
 #pragma once
 #include <pthread.h>
 
+#include "base/buf.h"
 #include "engine/engine.h"
 #include "kvconn/kvconn.h"
 
@@ -27,7 +28,8 @@ typedef struct pd_queue {
     pd_cmd *in_head, *in_tail;  // owned commands, FIFO
     int n_in_submits;
     pd_engine_event *out;       // owned, (cap_out)
-    int n_out, cap_out;
+    int n_out;
+    size_t cap_out;  // PD_ARRAY_RESERVE (base/buf.h)
     int efd;                    // eventfd: readable while out is non-empty
     bool stopping;
     pd_engine_stats stats;      // snapshot written by the engine thread

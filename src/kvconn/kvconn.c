@@ -105,6 +105,7 @@ pd_kvconn *pd_kvconn_new(const pd_kvconn_params *p, pd_err *err) {
                                     .backend = p->backend, .timeout_ms = p->timeout_ms, .on_event = on_xfer_event, .ud = c};
         for (int i = 0; i < p->n_workers && i < PD_XFER_MAX_WORKERS; i++) cp.addrs[i] = p->addrs[i];
         if (c->t->export_pool && c->t->export_pool(c, &cp.pool_handle, err)) goto fail;
+        if (c->t->hello_blob && c->t->hello_blob(c, cp.hello_blob, &cp.hello_blob_len, err)) goto fail;
         cp.pool = (pd_xfer_pool){.n_layers = p->cache.n_layers, .n_blocks = p->cache.n_blocks,
                                  .block_size = p->cache.block_size, .row_bytes = p->cache.row_bytes, .k = p->cache.k,
                                  .v = p->cache.v};
@@ -120,6 +121,7 @@ pd_kvconn *pd_kvconn_new(const pd_kvconn_params *p, pd_err *err) {
     for (int i = 0; i < PD_KVCONN_MAX_WORKERS; i++) c->p.addrs[i] = NULL;
     return c;
 fail:
+    kvc_ucx.fini(c);
     pd_free(c);
     return NULL;
 }
@@ -133,6 +135,7 @@ void pd_kvconn_free(pd_kvconn *c) {
         const kvc_transport *t = pp->conn_id ? kvc_transport_find(pp->transport) : NULL;
         if (t && t->detach) t->detach(c, pp);
     }
+    kvc_ucx.fini(c);  // the only transport with connector-wide state (both roles)
     pd_free(c);
 }
 

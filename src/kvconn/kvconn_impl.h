@@ -11,6 +11,7 @@ typedef struct kvc_peer {  // prefill role: one decode connection
     int n_blocks;          // the peer's pool size, in blocks (direct: what is really mapped)
     pd_buffer_handle handle;
     void *base;            // direct transports: the mapped pool
+    void *tpriv;           // the transport's own per-peer state (ucx: endpoint, rkey)
 } kvc_peer;
 
 struct pd_kvconn_save {
@@ -42,6 +43,9 @@ typedef struct kvc_transport {
     // shipped (save_rest); must leave s->sums[l] set for each layer it shipped.
     void (*save_layer)(pd_kvconn *c, pd_kvconn_save *s, int layer);
     pd_status (*save_rest)(pd_kvconn *c, pd_kvconn_save *s);
+    // decode role (optional): the HELLO handle bytes, after export_pool (ucx: address + rkey)
+    pd_status (*hello_blob)(pd_kvconn *c, uint8_t *blob, uint32_t *len, pd_err *err);
+    void (*fini)(pd_kvconn *c);  // optional: frees c->tstate (both roles; after the session layer stopped)
 } kvc_transport;
 
 struct pd_kvconn {
@@ -54,12 +58,13 @@ struct pd_kvconn {
     bool is_overlap_off;               // PD_KV_OVERLAP=0: no layer-wise shipping
     bool is_mark_due;                  // a layer finished: the next direct save_layer marks it
     int64_t peers_refused, saves_layerwise, saves_failed;  // engine thread; read racily by stats
+    void *tstate;                      // the transport's own connector state (ucx: context, worker)
     int64_t ema_load_us;               // decode: recent load time per token, in ns (match cost)
 };
 
 // registry.c
 const kvc_transport *kvc_transport_find(pd_kvw_transport id);
-extern const kvc_transport kvc_tcp, kvc_shm, kvc_cuda_ipc, kvc_nccl;
+extern const kvc_transport kvc_tcp, kvc_shm, kvc_cuda_ipc, kvc_nccl, kvc_ucx;
 
 // kvconn.c helpers for transports
 kvc_peer *kvc_peer_of(pd_kvconn *c, int conn_id);

@@ -6,6 +6,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "base/buf.h"
+
 struct pd_sampler {
     pd_sampling_params p;
     int vocab;
@@ -15,9 +17,11 @@ struct pd_sampler {
     int32_t *out_counts;   // (vocab) generated-token counts
     uint8_t *seen;         // (vocab) in prompt or output (repetition penalty)
     int32_t *touched;      // ids with out_counts > 0, for O(k) penalty application
-    int n_touched, cap_touched;
+    int n_touched;
+    size_t cap_touched;
     int32_t *seen_ids;
-    int n_seen, cap_seen;
+    int n_seen;
+    size_t cap_seen;
     int32_t *idx;          // (vocab) scratch for sorting
     float *raw;            // (vocab) unprocessed logits for logprobs; allocated on first use
     float *ex;             // (vocab) exp(logit - max) scratch
@@ -130,14 +134,8 @@ static void apply_bias(const pd_sampler *s, float *logits) {
     }
 }
 
-static void push(int32_t **arr, int *n, int *cap, int32_t v) {
-    if (*n == *cap) {
-        int nc = *cap ? *cap * 2 : 64;
-        int32_t *na = pd_realloc(*arr, sizeof(int32_t) * (size_t)nc);
-        if (!na) return;  // penalties degrade gracefully under OOM (benign)
-        *arr = na;
-        *cap = nc;
-    }
+static void push(int32_t **arr, int *n, size_t *cap, int32_t v) {
+    if (PD_ARRAY_RESERVE(*arr, *cap, (size_t)*n + 1)) return;  // penalties degrade gracefully under OOM (benign)
     (*arr)[(*n)++] = v;
 }
 

@@ -6,12 +6,15 @@
 #include <string.h>
 #include <xxhash.h>
 
+#include "base/buf.h"
+
 const char *pd_kvw_transport_name(pd_kvw_transport t) {
     switch (t) {
     case PD_KVW_TRANSPORT_TCP: return "tcp";
     case PD_KVW_TRANSPORT_SHM: return "shm";
     case PD_KVW_TRANSPORT_CUDA_IPC: return "cuda-ipc";
     case PD_KVW_TRANSPORT_NCCL: return "nccl";
+    case PD_KVW_TRANSPORT_UCX: return "ucx";
     }
     return "unknown";
 }
@@ -55,15 +58,9 @@ void pd_kvw_buf_reset(pd_kvw_buf *b) {
 
 static void put(pd_kvw_buf *b, const void *p, size_t n) {
     if (b->oom) return;
-    if (b->len + n > b->cap) {
-        size_t nc = PD_MAX(b->cap * 2, b->len + n + 256);
-        uint8_t *d = pd_realloc(b->data, nc);
-        if (!d) {
-            b->oom = true;
-            return;
-        }
-        b->data = d;
-        b->cap = nc;
+    if (n > SIZE_MAX - b->len || PD_ARRAY_RESERVE(b->data, b->cap, b->len + n)) {
+        b->oom = true;
+        return;
     }
     memcpy(b->data + b->len, p, n);
     b->len += n;

@@ -54,6 +54,7 @@ typedef enum pd_kvw_transport {
     PD_KVW_TRANSPORT_SHM = 2,       // prefill writes into the decode pool mapped from /dev/shm
     PD_KVW_TRANSPORT_CUDA_IPC = 3,  // prefill writes into the decode pool through CUDA IPC
     PD_KVW_TRANSPORT_NCCL = 4,      // KV slabs through an NCCL communicator (GPU to GPU, any host)
+    PD_KVW_TRANSPORT_UCX = 5,       // prefill puts into the decode pool registered with UCX (HELLO: address + rkey)
 } pd_kvw_transport;
 const char *pd_kvw_transport_name(pd_kvw_transport t);
 

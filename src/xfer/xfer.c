@@ -18,6 +18,7 @@
 #include <sys/un.h>
 #include <unistd.h>
 
+#include "base/buf.h"
 #include "xfer/auth.h"
 
 #define AUTH_MS 5000          // the whole authentication exchange, each side
@@ -124,12 +125,7 @@ static pd_status write_all(int fd, const void *p, size_t n, int stall_ms, int fd
 static pd_status recv_frame(int fd, uint8_t **buf, size_t *cap, pd_kvw_msg *m, uint32_t allow, uint32_t max_body,
                             int64_t idle_deadline_us, int *fdp, pd_err *err) {
     memset(m, 0, sizeof *m);
-    if (*cap < 4096) {
-        uint8_t *nb = pd_realloc(*buf, 4096);
-        if (!nb) return PD_ERR_NOMEM;
-        *buf = nb;
-        *cap = 4096;
-    }
+    if (PD_ARRAY_RESERVE(*buf, *cap, 4096)) return PD_ERR_NOMEM;
     pd_status st = read_all(fd, *buf, 1, idle_deadline_us, fdp);
     if (st) return st;
     st = read_all(fd, *buf + 1, PD_KVW_HDR - 1, pd_time_us() + FRAME_MS * 1000ll, fdp);
@@ -141,12 +137,7 @@ static pd_status recv_frame(int fd, uint8_t **buf, size_t *cap, pd_kvw_msg *m, u
     for (int i = 0; i < 8; i++) payload |= (uint64_t)(*buf)[16 + i] << (8 * i);
     uint64_t body = total - PD_KVW_HDR - payload;
     if (body > max_body) return pd_err_set(err, PD_ERR_PROTO, "frame body of %llu bytes over the cap", (unsigned long long)body);
-    if (PD_KVW_HDR + body > *cap) {
-        uint8_t *nb = pd_realloc(*buf, (size_t)(PD_KVW_HDR + body));
-        if (!nb) return PD_ERR_NOMEM;
-        *buf = nb;
-        *cap = (size_t)(PD_KVW_HDR + body);
-    }
+    if (PD_ARRAY_RESERVE(*buf, *cap, (size_t)(PD_KVW_HDR + body))) return PD_ERR_NOMEM;
     st = read_all(fd, *buf + PD_KVW_HDR, (size_t)body, pd_time_us() + FRAME_MS * 1000ll, fdp);
     if (st) return st == PD_ERR_TIMEOUT ? pd_err_set(err, PD_ERR_PROTO, "frame body stalled") : st;
     memset(*buf + 16, 0, 8);  // the payload (if any) is not buffered: decode header + body alone
@@ -369,7 +360,8 @@ typedef struct worker {
     bool healthy, q_live;
     outq q;                  // the current connection's writer (valid while q_live)
     inflight *inf;
-    int n_inf, cap_inf;
+    int n_inf;
+    size_t cap_inf;  // PD_ARRAY_RESERVE
     int peer_pidfd;          // shm: the prefill process (fencing), else -1
     // nccl transport (I/O thread only)
     pd_comm *comm;       // this connection's communicator (rank 0)
@@ -387,7 +379,10 @@ struct pd_xfer_client {
 
 void pd_xfer_client_counters(pd_xfer_client *c, pd_xfer_counters *out) { counters_get(&c->ctr, out); }
 
-static bool is_direct(pd_kvw_transport t) { return t == PD_KVW_TRANSPORT_SHM || t == PD_KVW_TRANSPORT_CUDA_IPC; }
+// Transports whose writer puts bytes straight into our pool (fenced after a lost connection).
+static bool is_direct(pd_kvw_transport t) {
+    return t == PD_KVW_TRANSPORT_SHM || t == PD_KVW_TRANSPORT_CUDA_IPC || t == PD_KVW_TRANSPORT_UCX;
+}
 
 static void emit_result(pd_xfer_client *c, int widx, uint64_t id, pd_status st, const char *reason, const pd_kvw_prefill_done *d) {
     pd_xfer_event ev = {.kind = PD_XFER_EV_RESULT, .conn_id = widx, .req_id = id, .status = st, .fd = -1};
@@ -604,6 +599,10 @@ static bool handshake(worker *w, int fd) {
         }
         h.u.hello.handle_len = sizeof cid;
         memcpy(h.u.hello.handle, &cid, sizeof cid);
+    } else if (c->p.transport == PD_KVW_TRANSPORT_UCX) {
+        if (!c->p.hello_blob_len || c->p.hello_blob_len > sizeof h.u.hello.handle) goto out;
+        h.u.hello.handle_len = c->p.hello_blob_len;
+        memcpy(h.u.hello.handle, c->p.hello_blob, c->p.hello_blob_len);
     } else if (is_direct(c->p.transport)) {
         pd_buffer_handle hd = c->p.pool_handle;
         fd_pass = c->p.transport == PD_KVW_TRANSPORT_SHM ? hd.fd : -1;
@@ -878,12 +877,7 @@ pd_status pd_xfer_client_prefill(pd_xfer_client *c, const pd_kvw_prefill_req *re
     m.u.prefill_req = *req;
     pthread_mutex_lock(&best->mu);
     pd_status st = best->q_live && best->healthy ? PD_OK : PD_NOSPACE;
-    if (st == PD_OK && best->n_inf == best->cap_inf) {
-        int nc = best->cap_inf ? best->cap_inf * 2 : 16;
-        inflight *ni = pd_realloc(best->inf, sizeof *ni * (size_t)nc);
-        if (ni) best->inf = ni, best->cap_inf = nc;
-        else st = PD_ERR_NOMEM;
-    }
+    if (st == PD_OK && PD_ARRAY_RESERVE(best->inf, best->cap_inf, (size_t)best->n_inf + 1)) st = PD_ERR_NOMEM;
     if (st == PD_OK) {
         best->inf[best->n_inf++] = f;  // registered before sending: the reply may race the send
         st = outq_push(&best->q, &m, NULL);  // queued only: the engine thread does no socket I/O
@@ -1000,7 +994,9 @@ static void *sconn_main(void *arg) {
         if (nccl && m.u.hello.handle_len == sizeof cid) memcpy(&cid, m.u.hello.handle, sizeof cid);
         const char *bad = NULL;
         if (*diff) bad = "model fingerprint mismatch";
-        else if (tr < PD_KVW_TRANSPORT_TCP || tr > PD_KVW_TRANSPORT_NCCL) bad = "unknown KV transport";
+        else if (tr < PD_KVW_TRANSPORT_TCP || tr > PD_KVW_TRANSPORT_UCX) bad = "unknown KV transport";
+        else if (tr == PD_KVW_TRANSPORT_UCX && (!m.u.hello.handle_len || m.u.hello.handle_len > sizeof m.u.hello.handle))
+            bad = "ucx: bad address/rkey";
         else if (tr == PD_KVW_TRANSPORT_SHM && (!k->is_unix || got_fd < 0))
             bad = "shm needs the unix socket and the pool's descriptor";
         else if (nccl && (!s->p.backend || m.u.hello.handle_len != sizeof cid))

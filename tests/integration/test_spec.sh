@@ -112,7 +112,7 @@ echo "ok   mismatched draft tokenizer refused: $(grep -o 'speculative-model.*' "
 "$PD_BIN" run --model "$MODEL" --port 0 --num-kv-blocks 1024 --disagg-min-tokens 1 \
   --speculative-model "$DRAFT" --num-speculative-tokens 4 --speculative-fixed >"$TMP/run.out" 2>"$TMP/run.err" &
 echo $! >"$TMP/run.pid"
-pd_wait_for 180 grep -q 'serving on http://' "$TMP/run.out" || { cat "$TMP/run.err" >&2; pd_fail "pdserve run did not start"; }
+pd_wait_for 180 grep -qi 'serving on http://' "$TMP/run.out" || { cat "$TMP/run.err" >&2; pd_fail "pdserve run did not start"; }
 RURL=$(grep -o 'router http://[0-9.]*:[0-9]*' "$TMP/run.out" | head -1 | awk '{print $2}')
 DURL=$(grep -o 'decode worker http://[0-9.]*:[0-9]*' "$TMP/run.out" | head -1 | awk '{print $3}')
 [ -n "$RURL" ] && [ -n "$DURL" ] || pd_fail "pdserve run printed no router / decode URL: $(cat "$TMP/run.out")"

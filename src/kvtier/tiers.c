@@ -1,0 +1,326 @@
+// tiers.c — the tier chain: one thread runs offloads (encode + write-back) and loads (read,
+// verify, decode, promote); the engine thread only queues and matches. See kvtier.h.
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "kvtier/kvtier.h"
+
+typedef struct job {
+    struct job *next;
+    int kind;  // 1 offload, 2 load
+    // offload
+    pd_hash128 hash, parent;
+    float *rows;  // (n_layers * 2 * block rows)
+    // load
+    uint64_t req_id;
+    pd_hash128 *hashes;
+    int n;
+    float *const *const *dst_k;
+    float *const *const *dst_v;
+    pd_kvt_load_fn done;
+    void *ud;
+} job;
+
+struct pd_kvt_tiers {
+    pd_kvt_tiers_params p;
+    size_t block_floats;  // per layer per K or V
+    pthread_t thread;
+    pthread_mutex_t mu;
+    pthread_cond_t cv, idle_cv;
+    job *head, *tail;
+    int n_queued_offloads;
+    bool busy, stop;
+    pd_kvt_tiers_stats st;     // guarded by mu
+    double bw_bytes_per_us[PD_KVT_MAX_TIERS];  // measured load bandwidth (EMA), guarded by mu
+    uint8_t *page;             // tier thread scratch
+    size_t page_cap;
+};
+
+static int64_t now_us(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000 + ts.tv_nsec / 1000;
+}
+
+static pd_kvt_dtype tier_dtype(const pd_kvt_tiers *t, int i) {
+    return i == 0 ? PD_KVT_F32 : t->p.dtype;
+}
+
+static void put_tier(pd_kvt_tiers *t, int i, pd_hash128 h, pd_hash128 parent, const float *const *k,
+                     const float *const *v) {
+    size_t n = pd_kvt_page_bytes(&t->p.geom, tier_dtype(t, i));
+    if (pd_kvt_page_encode(&t->p.geom, tier_dtype(t, i), t->p.fingerprint, h, parent, k, v, t->page, n) != PD_OK)
+        return;
+    pd_kvt_store_put(t->p.stores[i], h, t->page, n);
+}
+
+static void run_offload(pd_kvt_tiers *t, job *j) {
+    int L = t->p.geom.n_layers;
+    const float *k[4096], *v[4096];
+    for (int l = 0; l < L; l++) {
+        k[l] = j->rows + (size_t)(2 * l) * t->block_floats;
+        v[l] = j->rows + (size_t)(2 * l + 1) * t->block_floats;
+    }
+    // Admission to lower tiers: the block was seen before by tier 0 (second sighting, or its
+    // ghost list remembers it); Redis, the shared pool, takes every block.
+    bool seen = pd_kvt_store_seen_before(t->p.stores[0], j->hash);
+    put_tier(t, 0, j->hash, j->parent, k, v);
+    int64_t adm = 0, ref = 0;
+    for (int i = 1; i < t->p.n_stores; i++) {
+        bool is_pool = !strcmp(pd_kvt_store_name(t->p.stores[i]), "redis");
+        if (!seen && !is_pool) {
+            ref++;
+            continue;
+        }
+        if (pd_kvt_store_contains(t->p.stores[i], j->hash)) continue;
+        put_tier(t, i, j->hash, j->parent, k, v);
+        adm++;
+    }
+    pthread_mutex_lock(&t->mu);
+    t->st.offloads_done++;
+    t->st.admitted_lower += adm;
+    t->st.refused_lower += ref;
+    pthread_mutex_unlock(&t->mu);
+}
+
+static void run_load(pd_kvt_tiers *t, job *j) {
+    int64_t t0 = now_us();
+    int L = t->p.geom.n_layers;
+    int n_ok = 0;
+    for (int b = 0; b < j->n; b++) {
+        pd_hash128 h = j->hashes[b];
+        bool ok = false;
+        for (int i = 0; i < t->p.n_stores && !ok; i++) {
+            int64_t tb = now_us();
+            size_t len = 0;
+            if (pd_kvt_store_get(t->p.stores[i], h, t->page, t->page_cap, &len) != PD_OK) continue;
+            float *k[4096], *v[4096];
+            for (int l = 0; l < L; l++) {
+                k[l] = j->dst_k[b][l];
+                v[l] = j->dst_v[b][l];
+            }
+            if (pd_kvt_page_decode(t->page, len, t->p.fingerprint, &t->p.geom, h, k, v) != PD_KVT_PAGE_OK) continue;
+            ok = true;
+            int64_t dt = now_us() - tb;
+            pd_kvt_page_info info;
+            pd_kvt_page_check(t->page, len, t->p.fingerprint, &t->p.geom, &h, &info);
+            pthread_mutex_lock(&t->mu);
+            int bucket = 0;
+            while (bucket < 23 && ((int64_t)1 << bucket) <= dt) bucket++;
+            t->st.tier[i].load_hist[bucket]++;
+            double bw = (double)len / (double)(dt > 0 ? dt : 1);
+            t->bw_bytes_per_us[i] = t->bw_bytes_per_us[i] > 0 ? 0.8 * t->bw_bytes_per_us[i] + 0.2 * bw : bw;
+            pthread_mutex_unlock(&t->mu);
+            if (i > 0) {  // promote: the next load of this block comes from DRAM
+                const float *ck[4096], *cv[4096];
+                for (int l = 0; l < L; l++) {
+                    ck[l] = k[l];
+                    cv[l] = v[l];
+                }
+                put_tier(t, 0, h, info.parent, ck, cv);
+                pthread_mutex_lock(&t->mu);
+                t->st.promotions++;
+                pthread_mutex_unlock(&t->mu);
+            }
+        }
+        if (!ok) break;  // the chain stops at the first block no tier can give
+        n_ok++;
+    }
+    int64_t dt = now_us() - t0;
+    pthread_mutex_lock(&t->mu);
+    t->st.loads++;
+    t->st.load_blocks += n_ok;
+    if (n_ok < j->n) t->st.load_misses++;
+    pthread_mutex_unlock(&t->mu);
+    j->done(j->ud, j->req_id, n_ok, dt);
+}
+
+static void *tier_main(void *arg) {
+    pd_kvt_tiers *t = arg;
+    pthread_mutex_lock(&t->mu);
+    for (;;) {
+        while (!t->head && !t->stop) {
+            t->busy = false;
+            pthread_cond_broadcast(&t->idle_cv);
+            pthread_cond_wait(&t->cv, &t->mu);
+        }
+        if (!t->head && t->stop) break;
+        job *j = t->head;
+        t->head = j->next;
+        if (!t->head) t->tail = NULL;
+        if (j->kind == 1) t->n_queued_offloads--;
+        t->busy = true;
+        pthread_mutex_unlock(&t->mu);
+        if (j->kind == 1) run_offload(t, j);
+        else run_load(t, j);
+        free(j->rows);
+        free(j->hashes);
+        free(j);
+        pthread_mutex_lock(&t->mu);
+    }
+    t->busy = false;
+    pthread_cond_broadcast(&t->idle_cv);
+    pthread_mutex_unlock(&t->mu);
+    return NULL;
+}
+
+pd_kvt_tiers *pd_kvt_tiers_new(const pd_kvt_tiers_params *p, pd_err *err) {
+    if (!p || p->n_stores < 1 || p->n_stores > PD_KVT_MAX_TIERS || !pd_kvt_page_bytes(&p->geom, p->dtype) ||
+        p->geom.n_layers > 4096) {
+        pd_err_set(err, PD_ERR_INVALID, "kvtier: bad tier parameters");
+        return NULL;
+    }
+    for (int i = 0; i < p->n_stores; i++)
+        if (!p->stores[i]) {
+            pd_err_set(err, PD_ERR_INVALID, "kvtier: tier %d has no store", i);
+            return NULL;
+        }
+    pd_kvt_tiers *t = calloc(1, sizeof *t);
+    if (!t) {
+        pd_err_set(err, PD_ERR_NOMEM, "kvtier: out of memory");
+        return NULL;
+    }
+    t->p = *p;
+    if (t->p.queue_max <= 0) t->p.queue_max = 1024;
+    t->block_floats = (size_t)p->geom.block_size * (size_t)p->geom.n_kv_heads * (size_t)p->geom.head_dim;
+    t->page_cap = pd_kvt_page_bytes(&p->geom, PD_KVT_F32);  // the largest dtype
+    t->page = malloc(t->page_cap);
+    pthread_mutex_init(&t->mu, NULL);
+    pthread_cond_init(&t->cv, NULL);
+    pthread_cond_init(&t->idle_cv, NULL);
+    t->st.n_tiers = p->n_stores;
+    for (int i = 0; i < p->n_stores; i++)
+        snprintf(t->st.tier[i].name, sizeof t->st.tier[i].name, "%s", pd_kvt_store_name(p->stores[i]));
+    if (!t->page || pthread_create(&t->thread, NULL, tier_main, t)) {
+        free(t->page);
+        free(t);
+        pd_err_set(err, PD_ERR_NOMEM, "kvtier: cannot start the tier thread");
+        return NULL;
+    }
+    return t;
+}
+
+void pd_kvt_tiers_free(pd_kvt_tiers *t) {
+    if (!t) return;
+    pthread_mutex_lock(&t->mu);
+    t->stop = true;
+    pthread_cond_signal(&t->cv);
+    pthread_mutex_unlock(&t->mu);
+    pthread_join(t->thread, NULL);
+    for (int i = 0; i < t->p.n_stores; i++) pd_kvt_store_free(t->p.stores[i]);
+    pthread_mutex_destroy(&t->mu);
+    pthread_cond_destroy(&t->cv);
+    pthread_cond_destroy(&t->idle_cv);
+    free(t->page);
+    free(t);
+}
+
+static void enqueue(pd_kvt_tiers *t, job *j) {
+    j->next = NULL;
+    if (t->tail) t->tail->next = j;
+    else t->head = j;
+    t->tail = j;
+    t->busy = true;
+    pthread_cond_signal(&t->cv);
+}
+
+pd_status pd_kvt_tiers_offload(pd_kvt_tiers *t, pd_hash128 hash, pd_hash128 parent, const float *const *k,
+                               const float *const *v) {
+    pthread_mutex_lock(&t->mu);
+    bool full = t->n_queued_offloads >= t->p.queue_max;
+    if (full) t->st.offloads_dropped++;
+    pthread_mutex_unlock(&t->mu);
+    if (full) return PD_NOSPACE;
+    job *j = calloc(1, sizeof *j);
+    size_t L = (size_t)t->p.geom.n_layers;
+    float *rows = j ? malloc(L * 2 * t->block_floats * sizeof(float)) : NULL;
+    if (!rows) {
+        free(j);
+        return PD_ERR_NOMEM;
+    }
+    for (size_t l = 0; l < L; l++) {
+        memcpy(rows + (2 * l) * t->block_floats, k[l], t->block_floats * sizeof(float));
+        memcpy(rows + (2 * l + 1) * t->block_floats, v[l], t->block_floats * sizeof(float));
+    }
+    j->kind = 1;
+    j->hash = hash;
+    j->parent = parent;
+    j->rows = rows;
+    pthread_mutex_lock(&t->mu);
+    t->n_queued_offloads++;
+    t->st.offloads_queued++;
+    enqueue(t, j);
+    pthread_mutex_unlock(&t->mu);
+    return PD_OK;
+}
+
+int pd_kvt_tiers_match(pd_kvt_tiers *t, const pd_hash128 *hashes, int n, int *tier_of, double *cost_us) {
+    int m = 0;
+    double cost = 0;
+    for (; m < n; m++) {
+        int found = -1;
+        for (int i = 0; i < t->p.n_stores && found < 0; i++)
+            if (pd_kvt_store_contains(t->p.stores[i], hashes[m])) found = i;
+        if (found < 0) break;
+        if (tier_of) tier_of[m] = found;
+        pthread_mutex_lock(&t->mu);
+        double bw = t->bw_bytes_per_us[found];
+        pthread_mutex_unlock(&t->mu);
+        size_t bytes = pd_kvt_page_bytes(&t->p.geom, tier_dtype(t, found));
+        cost += bw > 0 ? (double)bytes / bw : 100.0;  // unmeasured: 100 us per block
+    }
+    if (cost_us) *cost_us = cost;
+    return m;
+}
+
+pd_status pd_kvt_tiers_load(pd_kvt_tiers *t, uint64_t req_id, const pd_hash128 *hashes, int n,
+                            float *const *const *dst_k, float *const *const *dst_v, pd_kvt_load_fn done, void *ud) {
+    if (n < 0 || !done || (n > 0 && (!hashes || !dst_k || !dst_v))) return PD_ERR_INVALID;
+    job *j = calloc(1, sizeof *j);
+    pd_hash128 *hs = j && n ? malloc((size_t)n * sizeof *hs) : NULL;
+    if (!j || (n && !hs)) {
+        free(j);
+        free(hs);
+        return PD_ERR_NOMEM;
+    }
+    if (n) memcpy(hs, hashes, (size_t)n * sizeof *hs);
+    j->kind = 2;
+    j->req_id = req_id;
+    j->hashes = hs;
+    j->n = n;
+    j->dst_k = dst_k;
+    j->dst_v = dst_v;
+    j->done = done;
+    j->ud = ud;
+    pthread_mutex_lock(&t->mu);
+    enqueue(t, j);
+    pthread_mutex_unlock(&t->mu);
+    return PD_OK;
+}
+
+bool pd_kvt_tiers_flush(pd_kvt_tiers *t, int timeout_ms) {
+    struct timespec dl;
+    clock_gettime(CLOCK_REALTIME, &dl);
+    dl.tv_sec += timeout_ms / 1000;
+    dl.tv_nsec += (long)(timeout_ms % 1000) * 1000000;
+    if (dl.tv_nsec >= 1000000000) {
+        dl.tv_sec++;
+        dl.tv_nsec -= 1000000000;
+    }
+    pthread_mutex_lock(&t->mu);
+    while ((t->head || t->busy) && pthread_cond_timedwait(&t->idle_cv, &t->mu, &dl) == 0) {
+    }
+    bool idle = !t->head && !t->busy;
+    pthread_mutex_unlock(&t->mu);
+    return idle;
+}
+
+void pd_kvt_tiers_stats_get(pd_kvt_tiers *t, pd_kvt_tiers_stats *out) {
+    pthread_mutex_lock(&t->mu);
+    *out = t->st;
+    pthread_mutex_unlock(&t->mu);
+    for (int i = 0; i < t->p.n_stores; i++) pd_kvt_store_stats_get(t->p.stores[i], &out->tier[i].store);
+}

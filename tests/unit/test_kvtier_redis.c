@@ -1,0 +1,270 @@
+// test_kvtier_redis.c — the Redis tier against a real redis-server started here on a free loopback
+// port (killed at the end): two stores (two workers) share pages, a corrupted value is a miss and
+// is deleted, the server killed mid-run → gets miss and puts fail at once (counted), and once it is
+// back the store reconnects by itself (backoff).
+#include "test.h"
+
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <hiredis/hiredis.h>
+#include <netinet/in.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "base/hash.h"
+#include "kvtier/kvtier.h"
+
+static const pd_kvt_geom G = {.n_layers = 2, .n_kv_heads = 2, .head_dim = 8, .block_size = 4};
+
+static int free_port(void) {
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    struct sockaddr_in a = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+    socklen_t l = sizeof a;
+    if (fd < 0 || bind(fd, (struct sockaddr *)&a, sizeof a) || getsockname(fd, (struct sockaddr *)&a, &l)) {
+        if (fd >= 0) close(fd);
+        return -1;
+    }
+    int port = ntohs(a.sin_port);
+    close(fd);
+    return port;
+}
+
+static pid_t start_redis(int port) {
+    pid_t pid = fork();
+    if (pid == 0) {
+        char ps[16];
+        snprintf(ps, sizeof ps, "%d", port);
+        int devnull = open("/dev/null", O_WRONLY);
+        if (devnull >= 0) {
+            dup2(devnull, 1);
+            dup2(devnull, 2);
+        }
+        execlp("redis-server", "redis-server", "--port", ps, "--bind", "127.0.0.1", "--save", "",
+               "--appendonly", "no", (char *)NULL);
+        _exit(127);
+    }
+    // Wait (bounded: 10 s) until it answers PING.
+    for (int i = 0; i < 200; i++) {
+        struct timeval tv = {0, 100000};
+        redisContext *c = redisConnectWithTimeout("127.0.0.1", port, tv);
+        bool ok = false;
+        if (c && !c->err) {
+            redisReply *r = redisCommand(c, "PING");
+            ok = r && r->type == REDIS_REPLY_STATUS;
+            if (r) freeReplyObject(r);
+        }
+        if (c) redisFree(c);
+        if (ok) return pid;
+        usleep(50000);
+    }
+    kill(pid, SIGKILL);
+    waitpid(pid, NULL, 0);
+    return -1;
+}
+
+static void stop_redis(pid_t pid) {
+    kill(pid, SIGKILL);
+    waitpid(pid, NULL, 0);
+}
+
+static uint8_t *mkpage(uint64_t fp, pd_hash128 h, float seed, size_t *n) {
+    static float kk[2][4 * 16], vv[2][4 * 16];
+    for (int l = 0; l < 2; l++)
+        for (int i = 0; i < 64; i++) {
+            kk[l][i] = seed * (float)(i - 32) / 7.0f;
+            vv[l][i] = seed + (float)l - (float)i / 64.0f;
+        }
+    const float *k[2] = {kk[0], kk[1]}, *v[2] = {vv[0], vv[1]};
+    *n = pd_kvt_page_bytes(&G, PD_KVT_BF16);
+    uint8_t *p = malloc(*n);
+    pd_kvt_page_encode(&G, PD_KVT_BF16, fp, h, pd_hash_root(0), k, v, p, *n);
+    return p;
+}
+
+PD_TEST(redis_pool_shared_corrupt_down_reconnect) {
+    if (system("command -v redis-server >/dev/null 2>&1") != 0) PD_SKIP("redis-server not installed");
+    int port = free_port();
+    PD_REQUIRE(port > 0);
+    pid_t pid = start_redis(port);
+    PD_REQUIRE(pid > 0);
+    char url[64];
+    snprintf(url, sizeof url, "redis://127.0.0.1:%d", port);
+    pd_kvt_store_params sp = {.geom = G, .fingerprint = 0xabcdef, .capacity = 0};
+    pd_err err = {0};
+    pd_kvt_store *w1 = pd_kvt_redis_new(&sp, url, &err);
+    pd_kvt_store *w2 = pd_kvt_redis_new(&sp, url, &err);
+    pd_kvt_store_params other = sp;
+    other.fingerprint = 0x123;
+    pd_kvt_store *w3 = pd_kvt_redis_new(&other, url, &err);  // another model
+    PD_REQUIRE(w1 && w2 && w3);
+    PD_CHECK(pd_kvt_redis_new(&sp, "http://x:1", &err) == NULL);
+    PD_CHECK(pd_kvt_redis_new(&sp, "redis://host:99999", &err) == NULL);
+
+    size_t n;
+    pd_hash128 h1 = {11, 12}, h2 = {21, 22};
+    uint8_t *p1 = mkpage(0xabcdef, h1, 1.5f, &n), *p2 = mkpage(0xabcdef, h2, -2.0f, &n);
+    uint8_t *buf = malloc(n);
+    size_t got = 0;
+    // Worker 1 computes, worker 2 reuses.
+    PD_CHECK_EQ(pd_kvt_store_get(w2, h1, buf, n, &got), PD_ERR_NOTFOUND);
+    PD_CHECK_EQ(pd_kvt_store_put(w1, h1, p1, n), PD_OK);
+    PD_CHECK_EQ(pd_kvt_store_put(w1, h2, p2, n), PD_OK);
+    PD_CHECK(pd_kvt_store_contains(w2, h1));
+    PD_CHECK_EQ(pd_kvt_store_get(w2, h1, buf, n, &got), PD_OK);
+    PD_CHECK(got == n && memcmp(buf, p1, n) == 0);
+    PD_CHECK(!pd_kvt_store_contains(w3, h1));  // another model never sees it
+    PD_CHECK_EQ(pd_kvt_store_get(w3, h1, buf, n, &got), PD_ERR_NOTFOUND);
+
+    // Corrupt h2's value behind the store's back: a miss, counted, and the key is deleted.
+    {
+        struct timeval tv = {1, 0};
+        redisContext *c = redisConnectWithTimeout("127.0.0.1", port, tv);
+        PD_REQUIRE(c && !c->err);
+        char key[96];
+        snprintf(key, sizeof key, "pdkv:%016llx:%016llx%016llx", 0xabcdefull, 22ull, 21ull);
+        uint8_t *bad = malloc(n);
+        memcpy(bad, p2, n);
+        bad[n / 2] ^= 1;
+        redisReply *r = redisCommand(c, "SET %s %b", key, bad, n);
+        PD_CHECK(r && r->type == REDIS_REPLY_STATUS);
+        if (r) freeReplyObject(r);
+        free(bad);
+        PD_CHECK_EQ(pd_kvt_store_get(w2, h2, buf, n, &got), PD_ERR_NOTFOUND);
+        r = redisCommand(c, "EXISTS %s", key);
+        PD_CHECK(r && r->type == REDIS_REPLY_INTEGER && r->integer == 0);
+        if (r) freeReplyObject(r);
+        redisFree(c);
+    }
+    pd_kvt_store_stats st;
+    pd_kvt_store_stats_get(w2, &st);
+    PD_CHECK_EQ(st.bad_pages, 1);
+    PD_CHECK_EQ(st.hits, 1);
+    PD_CHECK_EQ(st.misses, 2);
+
+    // Redis goes away mid-run: operations miss / fail (never hang past the timeout), counted.
+    stop_redis(pid);
+    PD_CHECK_EQ(pd_kvt_store_get(w1, h1, buf, n, &got), PD_ERR_NOTFOUND);
+    PD_CHECK_EQ(pd_kvt_store_put(w1, h2, p2, n), PD_ERR_IO);
+    for (int i = 0; i < 20; i++) PD_CHECK_EQ(pd_kvt_store_get(w1, h1, buf, n, &got), PD_ERR_NOTFOUND);
+    PD_CHECK(pd_kvt_redis_down_misses(w1) >= 22);
+    pd_kvt_store_stats_get(w1, &st);
+    PD_CHECK_EQ(st.put_failures, 1);
+    PD_CHECK_EQ(st.misses, 21);
+
+    // Back on the same port: the store reconnects by itself (bounded wait: 15 s).
+    pid = start_redis(port);
+    PD_REQUIRE(pid > 0);
+    bool back = false;
+    for (int i = 0; i < 150 && !back; i++) {
+        back = pd_kvt_store_put(w1, h1, p1, n) == PD_OK;
+        if (!back) usleep(100000);
+    }
+    PD_CHECK(back);
+    // Worker 2's old connection died with the server: its first call notices, then it comes back.
+    bool got_it = false;
+    for (int i = 0; i < 150 && !got_it; i++) {
+        got_it = pd_kvt_store_get(w2, h1, buf, n, &got) == PD_OK;
+        if (!got_it) usleep(100000);
+    }
+    PD_CHECK(got_it && memcmp(buf, p1, n) == 0);
+
+    stop_redis(pid);
+    pd_kvt_store_free(w1);
+    pd_kvt_store_free(w2);
+    pd_kvt_store_free(w3);
+    free(p1);
+    free(p2);
+    free(buf);
+}
+
+static void on_loaded(void *ud, uint64_t req_id, int n_loaded, int64_t load_us) {
+    (void)req_id;
+    (void)load_us;
+    *(int *)ud = n_loaded;
+}
+
+// Two workers (two tier chains: DRAM + the Redis pool): what worker 1 offloads, worker 2 finds by
+// hash and loads (bf16 pages); with Redis killed, worker 2's load is a counted miss and returns.
+PD_TEST(redis_two_workers_share_prefix_then_redis_dies) {
+    if (system("command -v redis-server >/dev/null 2>&1") != 0) PD_SKIP("redis-server not installed");
+    int port = free_port();
+    PD_REQUIRE(port > 0);
+    pid_t pid = start_redis(port);
+    PD_REQUIRE(pid > 0);
+    char url[64];
+    snprintf(url, sizeof url, "redis://127.0.0.1:%d", port);
+    pd_err err = {0};
+    pd_kvt_tiers *w[2];
+    size_t f32b = pd_kvt_page_bytes(&G, PD_KVT_F32);
+    for (int i = 0; i < 2; i++) {
+        pd_kvt_store_params dp = {.geom = G, .fingerprint = 5, .capacity = f32b * 64, .policy = PD_KVT_S3FIFO};
+        pd_kvt_tiers_params tp = {.geom = G, .fingerprint = 5, .dtype = PD_KVT_BF16, .n_stores = 2};
+        tp.stores[0] = pd_kvt_dram_new(&dp, &err);
+        tp.stores[1] = pd_kvt_redis_new(&dp, url, &err);
+        PD_REQUIRE(tp.stores[0] && tp.stores[1]);
+        w[i] = pd_kvt_tiers_new(&tp, &err);
+        PD_REQUIRE(w[i]);
+    }
+    enum { NB = 4 };
+    static float data[NB][2][2][64], out[NB][2][2][64];
+    pd_hash128 hs[NB], parent = pd_hash_root(0);
+    for (int b = 0; b < NB; b++) {
+        int32_t toks[4] = {7 * b, 1, 2, 3};
+        hs[b] = pd_hash_block(&parent, toks, 4);
+        for (int l = 0; l < 2; l++)
+            for (int i = 0; i < 64; i++) {
+                data[b][l][0][i] = (float)(b + 1) * (float)(i % 9 - 4) / 3.0f;
+                data[b][l][1][i] = (float)(l - b) + (float)i / 50.0f;
+            }
+        const float *k[2] = {data[b][0][0], data[b][1][0]}, *v[2] = {data[b][0][1], data[b][1][1]};
+        PD_CHECK_EQ(pd_kvt_tiers_offload(w[0], hs[b], parent, k, v), PD_OK);
+        parent = hs[b];
+    }
+    PD_CHECK(pd_kvt_tiers_flush(w[0], 10000));
+    int tier_of[NB];
+    PD_CHECK_EQ(pd_kvt_tiers_match(w[1], hs, NB, tier_of, NULL), NB);
+    for (int b = 0; b < NB; b++) PD_CHECK_EQ(tier_of[b], 1);  // from the pool, not its own DRAM
+    float *kr[NB][2], *vr[NB][2];
+    float *const *dk[NB], *const *dv[NB];
+    for (int b = 0; b < NB; b++) {
+        for (int l = 0; l < 2; l++) {
+            kr[b][l] = out[b][l][0];
+            vr[b][l] = out[b][l][1];
+        }
+        dk[b] = kr[b];
+        dv[b] = vr[b];
+    }
+    int n_loaded = -1;
+    PD_CHECK_EQ(pd_kvt_tiers_load(w[1], 1, hs, NB, dk, dv, on_loaded, &n_loaded), PD_OK);
+    PD_CHECK(pd_kvt_tiers_flush(w[1], 10000));
+    PD_CHECK_EQ(n_loaded, NB);
+    double worst = 0;
+    for (int b = 0; b < NB; b++)
+        for (int l = 0; l < 2; l++)
+            for (int kv = 0; kv < 2; kv++)
+                for (int i = 0; i < 64; i++) {
+                    double a = data[b][l][kv][i], e = fabs(a - out[b][l][kv][i]);
+                    if (e > fabs(a) / 128 + 1e-7 && e > worst) worst = e;
+                }
+    PD_CHECK_MSG(worst == 0, "bf16 round trip off by %g", worst);
+    pd_kvt_tiers_stats st;
+    pd_kvt_tiers_stats_get(w[1], &st);
+    PD_CHECK_EQ(st.promotions, NB);  // now in worker 2's DRAM
+    PD_CHECK_EQ(st.tier[1].store.hits, NB);
+
+    // Redis dies: a block only the pool had is a miss; the load completes (0 blocks).
+    stop_redis(pid);
+    pd_hash128 lost = pd_hash_block(&hs[NB - 1], (const int32_t[]){9, 9, 9, 9}, 4);
+    n_loaded = -1;
+    PD_CHECK_EQ(pd_kvt_tiers_load(w[1], 2, &lost, 1, dk, dv, on_loaded, &n_loaded), PD_OK);
+    PD_CHECK(pd_kvt_tiers_flush(w[1], 10000));
+    PD_CHECK_EQ(n_loaded, 0);
+    // Its own DRAM still serves what it promoted.
+    PD_CHECK_EQ(pd_kvt_tiers_match(w[1], hs, NB, tier_of, NULL), NB);
+    PD_CHECK_EQ(tier_of[0], 0);
+    pd_kvt_tiers_free(w[0]);
+    pd_kvt_tiers_free(w[1]);
+}
