@@ -12,6 +12,7 @@
 #include <string.h>
 
 #include "api/api_impl.h"
+#include "base/buf.h"
 
 pd_api_tool_format pd_api_tool_format_detect(const char *src) {
     if (!src || !strstr(src, "tools")) return PD_API_TOOLS_FALLBACK;
@@ -26,16 +27,11 @@ static const char *args_key(pd_api_tool_format f) { return f == PD_API_TOOLS_LLA
 // ---- the prompt for templates without tool support -------------------------------------------------
 
 static pd_status append(char **buf, size_t *len, size_t *cap, const char *s, size_t n) {
-    if (*len + n + 1 > *cap) {
-        size_t nc = (*len + n + 1) * 2;
-        char *nb = pd_realloc(*buf, nc);
-        if (!nb) return PD_ERR_NOMEM;
-        *buf = nb;
-        *cap = nc;
-    }
-    memcpy(*buf + *len, s, n);
-    *len += n;
-    (*buf)[*len] = 0;
+    pd_buf b = {*buf, *len, *cap};  // the triple keeps pd_buf's invariant (cap >= len + 1 once allocated)
+    if (pd_buf_append(&b, s, n)) return PD_ERR_NOMEM;
+    *buf = b.p;
+    *len = b.len;
+    *cap = b.cap;
     return PD_OK;
 }
 #define APPEND(s) append(&buf, &len, &cap, (s), strlen(s))

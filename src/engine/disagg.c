@@ -27,6 +27,7 @@
 #include <string.h>
 #include <xxhash.h>
 
+#include "base/buf.h"
 #include "engine/engine_impl.h"
 #include "metrics/trace.h"
 
@@ -294,13 +295,8 @@ void pd_disagg_step_begin(pd_engine *e, const pd_step_plan *plan, pd_batch *batc
         if (!q || !q->is_export || q->is_aborted || q->save || s->pos_start + s->n_tokens != q->n_prompt) continue;
         int first_block = q->export_start / bs;
         if (s->n_blocks < first_block + q->n_dst_blocks) continue;  // (the export then checks and fails)
-        if (e->n_saves == e->cap_saves) {
-            int nc = e->cap_saves ? 2 * e->cap_saves : 16;
-            ereq **ns = pd_realloc(e->saves, sizeof *ns * (size_t)nc);
-            if (!ns) break;  // those requests save everything at the end instead
-            e->saves = ns;
-            e->cap_saves = nc;
-        }
+        if (PD_ARRAY_RESERVE(e->saves, e->cap_saves, (size_t)e->n_saves + 1))
+            break;  // those requests save everything at the end instead
         q->save = pd_kvconn_save_begin(e->kc, q->conn_id, q->peer_req_id, s->block_ids + first_block, q->dst_blocks,
                                        q->n_dst_blocks, q->export_start, q->n_prompt);
         if (q->save) e->saves[e->n_saves++] = q;

@@ -77,7 +77,8 @@ struct pd_engine {
     // disaggregation
     pd_kvconn *kc;        // the KV connector (decode or prefill role); NULL colocated
     ereq **saves;         // prefill role: requests whose save runs in the current step
-    int n_saves, cap_saves;
+    int n_saves;
+    size_t cap_saves;
     uint64_t next_internal_id;
     bool last_step_empty;  // the last schedule produced nothing to run
     pd_wire_kv_log *kv_log;  // KV events for routers; guarded by q.mu

@@ -28,6 +28,7 @@
 //
 // Verify steps run eagerly (the decode CUDA graphs are one token per sequence); the draft model's
 // single-token forwards use its own decode graphs when the backend has them.
+#include <limits.h>
 #include <omp.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -130,19 +131,19 @@ static bool reserve_logits(espec *S, int n) {  // n rows of V floats
 
 static bool reserve_seqs(espec *S, int n) {
     if (n <= S->cap_seqs) return true;
-    int nc = PD_MAX(n, S->cap_seqs * 2);
-    void **arrs[] = {(void **)&S->kmax, (void **)&S->kch, (void **)&S->sidx, (void **)&S->row0, (void **)&S->alpha};
-    size_t elem[] = {sizeof(int), sizeof(int), sizeof(int), sizeof(int), sizeof(double)};
+    // The per-seq arrays share cap_seqs: each grows from the same capacity to the same new one (on
+    // failure those already grown keep it: harmless, as in engine.c's step buffers).
+    void *arrs[] = {&S->kmax, &S->kch, &S->sidx, &S->row0, &S->alpha, &S->results};
+    size_t elem[] = {sizeof(int), sizeof(int), sizeof(int), sizeof(int), sizeof(double),
+                     sizeof(pd_sample_result) * (size_t)(S->K + 1)};
+    size_t cap = 0;
     for (size_t i = 0; i < PD_ARRAY_LEN(arrs); i++) {
-        void *np = pd_realloc(*arrs[i], elem[i] * (size_t)nc);
-        if (!np) return false;
-        *arrs[i] = np;
+        cap = (size_t)S->cap_seqs;
+        if (pd_array_reserve(arrs[i], elem[i], &cap, (size_t)n)) return false;
     }
-    pd_sample_result *r = pd_realloc(S->results, sizeof(pd_sample_result) * (size_t)nc * (size_t)(S->K + 1));
-    if (!r) return false;
-    S->results = r;
-    S->cap_res_seqs = nc;
-    S->cap_seqs = nc;
+    int c = cap > INT_MAX ? INT_MAX : (int)cap;  // under-stating a capacity is safe
+    S->cap_res_seqs = c;
+    S->cap_seqs = c;
     return true;
 }
 

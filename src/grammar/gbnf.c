@@ -5,11 +5,13 @@
 // generated rules of UTF-8 byte sequences. Then: every referenced rule must be defined, `root`
 // must exist, left recursion is refused, and the rules are flattened into elements.
 #include <ctype.h>
+#include <limits.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "base/buf.h"
 #include "grammar/grammar_impl.h"
 
 #define MAX_REPEAT 10000
@@ -45,12 +47,9 @@ typedef struct parser {
 
 static bool grow(void **a, int *cap, int need, size_t elem) {
     if (need <= *cap) return true;
-    int nc = *cap ? *cap * 2 : 8;
-    while (nc < need) nc *= 2;
-    void *na = pd_realloc(*a, (size_t)nc * elem);
-    if (!na) return false;
-    *a = na;
-    *cap = nc;
+    size_t c = (size_t)*cap;  // the shared checked growth rule; counts here are ints
+    if (need < 0 || pd_array_reserve(a, elem, &c, (size_t)need)) return false;
+    *cap = c > INT_MAX ? INT_MAX : (int)c;  // under-stating a capacity is safe
     return true;
 }
 

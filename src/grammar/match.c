@@ -13,6 +13,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "base/buf.h"
+#include "base/map.h"
 #include "grammar/grammar_impl.h"
 
 #define NIL (-1)
@@ -130,59 +132,49 @@ typedef struct snode {
 
 typedef struct sarena {
     snode *n;
-    int len, cap;
-    int32_t *ht;  // open addressing: node index + 1, 0 = empty
-    int htcap;
-    bool failed;  // out of memory: results are incomplete
+    int len;
+    size_t cap;
+    pd_map index;  // {pos, parent} -> node index (base/map.h); initialised on the first intern
+    bool failed;   // out of memory: results are incomplete
 } sarena;
 
-static uint32_t node_hash(int32_t pos, int32_t parent) {
-    uint64_t h = ((uint64_t)(uint32_t)pos << 32 | (uint32_t)parent) * 0x9e3779b97f4a7c15ull;
-    return (uint32_t)(h >> 32);
-}
+typedef struct snode_key {
+    int32_t pos, parent;
+} snode_key;
+typedef struct sindex_entry {
+    snode_key key;
+    int32_t node;
+} sindex_entry;
 
-static bool arena_rehash(sarena *a, int cap) {
-    int32_t *ht = pd_calloc((size_t)cap, sizeof(int32_t));
-    if (!ht) return false;
-    for (int i = 0; i < a->len; i++) {
-        uint32_t h = node_hash(a->n[i].pos, a->n[i].parent) & (uint32_t)(cap - 1);
-        while (ht[h]) h = (h + 1) & (uint32_t)(cap - 1);
-        ht[h] = i + 1;
-    }
-    pd_free(a->ht);
-    a->ht = ht;
-    a->htcap = cap;
-    return true;
-}
+static uint64_t node_hash(snode_key k) { return pd_map_mix64((uint64_t)(uint32_t)k.pos << 32 | (uint32_t)k.parent); }
 
 static int32_t intern(sarena *a, int32_t pos, int32_t parent) {
-    if ((a->len + 1) * 2 > a->htcap && !arena_rehash(a, a->htcap ? a->htcap * 2 : 256)) {
+    if (!a->index.stride &&
+        pd_map_init(&a->index, &(pd_map_params){.entry_size = sizeof(sindex_entry), .key_size = sizeof(snode_key)})) {
         a->failed = true;
         return NIL;
     }
-    uint32_t mask = (uint32_t)(a->htcap - 1), h = node_hash(pos, parent) & mask;
-    for (; a->ht[h]; h = (h + 1) & mask) {
-        snode *s = &a->n[a->ht[h] - 1];
-        if (s->pos == pos && s->parent == parent) return a->ht[h] - 1;
+    snode_key k = {pos, parent};
+    uint64_t h = node_hash(k);
+    const sindex_entry *f = pd_map_find(&a->index, h, &k);
+    if (f) return f->node;
+    if (PD_ARRAY_RESERVE(a->n, a->cap, (size_t)a->len + 1)) {
+        a->failed = true;
+        return NIL;
     }
-    if (a->len == a->cap) {
-        int nc = a->cap ? a->cap * 2 : 256;
-        snode *nn = pd_realloc(a->n, sizeof(snode) * (size_t)nc);
-        if (!nn) {
-            a->failed = true;
-            return NIL;
-        }
-        a->n = nn;
-        a->cap = nc;
+    sindex_entry *e = pd_map_put(&a->index, h, &k, NULL);
+    if (!e) {
+        a->failed = true;
+        return NIL;
     }
+    e->node = a->len;
     a->n[a->len] = (snode){pos, parent};
-    a->ht[h] = a->len + 1;
     return a->len++;
 }
 
 static void arena_fini(sarena *a) {
     pd_free(a->n);
-    pd_free(a->ht);
+    pd_map_fini(&a->index);
     memset(a, 0, sizeof *a);
 }
 
@@ -190,21 +182,16 @@ static void arena_fini(sarena *a) {
 
 typedef struct sstate {
     int32_t *tops;
-    int n, cap;
+    int n;
+    size_t cap;
     bool accepting;   // a path reached NIL (the sentence can end here)
     bool hit_bottom;  // a path reached BOTTOM (left the precomputed position's rule)
 } sstate;
 
 static void state_add(sarena *a, sstate *s, int32_t node) {
-    if (s->n == s->cap) {
-        int nc = s->cap ? s->cap * 2 : 16;
-        int32_t *nt = pd_realloc(s->tops, sizeof(int32_t) * (size_t)nc);
-        if (!nt) {
-            a->failed = true;
-            return;
-        }
-        s->tops = nt;
-        s->cap = nc;
+    if (PD_ARRAY_RESERVE(s->tops, s->cap, (size_t)s->n + 1)) {
+        a->failed = true;
+        return;
     }
     s->tops[s->n++] = node;
 }
@@ -274,14 +261,8 @@ static void advance(const pd_grammar *g, sarena *a, const int32_t *tops, int n, 
 
 static void set_bit(uint32_t *m, int32_t t) { m[t >> 5] |= 1u << (t & 31); }
 
-static bool unc_push(gpos_cache *pc, int *cap, int32_t t) {
-    if (pc->n_unc == *cap) {
-        int nc = *cap ? *cap * 2 : 64;
-        int32_t *nu = pd_realloc(pc->unc, sizeof(int32_t) * (size_t)nc);
-        if (!nu) return false;
-        pc->unc = nu;
-        *cap = nc;
-    }
+static bool unc_push(gpos_cache *pc, size_t *cap, int32_t t) {
+    if (PD_ARRAY_RESERVE(pc->unc, *cap, (size_t)pc->n_unc + 1)) return false;
     pc->unc[pc->n_unc++] = t;
     return true;
 }
@@ -290,7 +271,8 @@ static gpos_cache *precompute(const pd_grammar *g, int32_t pos) {
     const pd_grammar_vocab *v = g->vocab;
     gpos_cache *pc = pd_calloc(1, sizeof *pc);
     sarena a = {0};
-    int D = v->max_len + 1, cap_unc = 0;
+    int D = v->max_len + 1;
+    size_t cap_unc = 0;
     sstate *st = pd_calloc((size_t)D, sizeof *st);
     bool *unc_below = pd_calloc((size_t)D, sizeof(bool));  // U: left the rule at a shorter prefix
     bool ok = pc && st && unc_below && (pc->acc = pd_calloc((size_t)v->words, sizeof(uint32_t)));

@@ -12,6 +12,7 @@
 #include <stdio.h>
 #include <string.h>
 
+#include "base/buf.h"
 #include "grammar/grammar.h"
 
 typedef struct sbuf {
@@ -22,19 +23,14 @@ typedef struct sbuf {
 
 static void sb_putn(sbuf *b, const char *s, size_t n) {
     if (b->failed) return;
-    if (b->len + n + 1 > b->cap) {
-        size_t nc = (b->len + n + 1) * 2 + 256;
-        char *ns = pd_realloc(b->s, nc);
-        if (!ns) {
-            b->failed = true;
-            return;
-        }
-        b->s = ns;
-        b->cap = nc;
+    pd_buf pb = {b->s, b->len, b->cap};  // same invariant: cap >= len + 1 once allocated
+    if (pd_buf_append(&pb, s, n)) {
+        b->failed = true;
+        return;
     }
-    memcpy(b->s + b->len, s, n);
-    b->len += n;
-    b->s[b->len] = 0;
+    b->s = pb.p;
+    b->len = pb.len;
+    b->cap = pb.cap;
 }
 static void sb_puts(sbuf *b, const char *s) { sb_putn(b, s, strlen(s)); }
 static void sb_printf(sbuf *b, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
@@ -115,7 +111,8 @@ typedef struct sc {
     bool failed;
     int n_rules;
     memo *refs;
-    int n_refs, cap_refs;
+    int n_refs;
+    size_t cap_refs;
     int depth;
 } sc;
 
@@ -203,13 +200,7 @@ static int resolve_ref(sc *c, const char *ref, const char *path) {
         if (!node) return fail(c, path, "$ref '%.100s' does not resolve", ref);
     }
     if (*p) return fail(c, path, "$ref '%.100s' does not resolve", ref);
-    if (c->n_refs == c->cap_refs) {
-        int nc = c->cap_refs ? c->cap_refs * 2 : 8;
-        memo *nm = pd_realloc(c->refs, sizeof(memo) * (size_t)nc);
-        if (!nm) return c->out.failed = true, -1;
-        c->refs = nm;
-        c->cap_refs = nc;
-    }
+    if (PD_ARRAY_RESERVE(c->refs, c->cap_refs, (size_t)c->n_refs + 1)) return c->out.failed = true, -1;
     int id = c->n_rules++;
     c->refs[c->n_refs].ref = pd_strdup(ref);
     if (!c->refs[c->n_refs].ref) return c->out.failed = true, -1;

@@ -35,7 +35,8 @@ typedef struct pd_cuda_backend {
     void *lt_ws;
     size_t lt_ws_bytes;
     pd_cuda_gemm_plan *plans;  // cached heuristics, one per (M, N, K, lda, flags)
-    int n_plans, cap_plans;
+    int n_plans;
+    size_t cap_plans;
     int gemv_max_m;            // M <= this uses the skinny GEMM kernel (0 disables)
     void *gemv_ws;             // its split-K partials + tile counters; zero between launches
     size_t gemv_ws_bytes;

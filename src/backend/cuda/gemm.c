@@ -22,6 +22,7 @@
 #include <string.h>
 
 #include "backend/cuda/cuda_impl.h"
+#include "base/buf.h"
 #include "kernels/add_bias.cuh"
 #include "kernels/gemv.cuh"
 
@@ -120,13 +121,8 @@ done:
 
 static pd_cuda_gemm_plan *gemm_plan_build(pd_cuda_backend *cb, const pd_matmul_params *p, int lda, int flags) {
     int M = p->M, N = p->N, K = p->K;
-    if (cb->n_plans == cb->cap_plans) {
-        int cap = cb->cap_plans ? cb->cap_plans * 2 : 16;
-        pd_cuda_gemm_plan *np = pd_realloc(cb->plans, sizeof *np * (size_t)cap);
-        PD_ASSERT(np);
-        cb->plans = np;
-        cb->cap_plans = cap;
-    }
+    pd_status grown = PD_ARRAY_RESERVE(cb->plans, cb->cap_plans, (size_t)cb->n_plans + 1);
+    PD_ASSERT(grown == PD_OK);
     pd_cuda_gemm_plan *pl = &cb->plans[cb->n_plans];
     *pl = (pd_cuda_gemm_plan){.M = M, .N = N, .K = K, .lda = lda, .flags = flags};
     cudaDataType_t dt = (flags & PD_GEMM_F32) ? CUDA_R_32F : CUDA_R_16BF;
