@@ -137,9 +137,13 @@ test: deps
 
 # ASan + UBSan over unit, golden, corpus replay and integration (the servers the scripts start are
 # the instrumented build/asan/pdserve). UBSan findings abort: a report is a failure.
+# UCX's libucm patches malloc/mmap at load time (for its registration cache); under a sanitizer's
+# own interceptors that crashed every TSan binary at exit (SIGSEGV, even with no UCX call). The
+# sanitizer tiers turn those hooks off; UCX works without them (no registration cache).
+SAN_UCX_ENV := UCX_MEM_MALLOC_HOOKS=no UCX_MEM_MMAP_HOOK_MODE=none UCX_MEM_EVENTS=no
 test-asan: deps
 	@$(MAKE) --no-print-directory BUILD=build/asan SAN=address,undefined CUDA=0 tests
-	@PD_TEST_TIME_SCALE=4 ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \
+	@$(SAN_UCX_ENV) PD_TEST_TIME_SCALE=4 ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \
 	  sh tools/run_tests.sh build/asan $(patsubst $(BUILD)/%,build/asan/%,$(TEST_BIN))
 
 # ThreadSanitizer over the tests that run threads: the engine thread, the KV transfer threads, the
@@ -153,7 +157,7 @@ TSAN_TESTS ?= unit/test_engine unit/test_disagg unit/test_api_server unit/test_a
 TSAN_SCRIPTS ?= test_disagg.sh test_router_fake.sh test_api.sh
 test-tsan: deps
 	@$(MAKE) --no-print-directory BUILD=build/tsan SAN=thread CUDA=0 $(addprefix build/tsan/tests/,$(TSAN_TESTS)) build/tsan/pdserve
-	@PD_TEST_TIME_SCALE=10 OMP_THREAD_LIMIT=1 TSAN_OPTIONS="suppressions=$(CURDIR)/tools/tsan.supp halt_on_error=1 exitcode=66 second_deadlock_stack=1" \
+	@$(SAN_UCX_ENV) PD_TEST_TIME_SCALE=10 OMP_THREAD_LIMIT=1 TSAN_OPTIONS="suppressions=$(CURDIR)/tools/tsan.supp halt_on_error=1 exitcode=66 second_deadlock_stack=1" \
 	  PD_INTEGRATION="$(TSAN_SCRIPTS)" sh tools/run_tests.sh build/tsan $(addprefix build/tsan/tests/,$(TSAN_TESTS))
 
 RUN_ARGS ?=
