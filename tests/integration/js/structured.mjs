@@ -13,7 +13,7 @@ import { ChatOpenAI } from '@langchain/openai';
 import { tool } from '@langchain/core/tools';
 
 const [base, model] = process.argv.slice(2);
-const client = new OpenAI({ baseURL: `${base}/v1`, apiKey: 'unused', maxRetries: 0, timeout: 120000 });
+const client = new OpenAI({ baseURL: `${base}/v1`, apiKey: 'unused', maxRetries: 0, timeout: 120000, fetch: globalThis.fetch });  // Node's fetch: see openai_client.mjs (node-fetch + Node 18)
 let n = 0;
 const check = (name, fn) => fn().then(() => { n++; console.log(`ok   ${name}`); });
 
@@ -149,7 +149,7 @@ await check('AI SDK: streamObject with a zod schema', async () => {
   assert.ok(partials > 0);
 });
 
-const llm = new ChatOpenAI({ model, apiKey: 'unused', configuration: { baseURL: `${base}/v1` }, maxTokens: 300,
+const llm = new ChatOpenAI({ model, apiKey: 'unused', configuration: { baseURL: `${base}/v1`, fetch: globalThis.fetch }, maxTokens: 300,
                              temperature: 0.7, maxRetries: 0 });
 
 await check('LangChain: withStructuredOutput (json schema and function calling)', async () => {
