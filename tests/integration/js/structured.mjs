@@ -11,6 +11,9 @@ import { generateObject, streamObject } from 'ai';
 import { createOpenAICompatible } from '@ai-sdk/openai-compatible';
 import { ChatOpenAI } from '@langchain/openai';
 import { tool } from '@langchain/core/tools';
+import { webcrypto } from 'node:crypto';
+// Node 18 (Debian 12) has no global Web Crypto; LangChain's langsmith calls crypto.getRandomValues.
+if (!globalThis.crypto) globalThis.crypto = webcrypto;
 
 const [base, model] = process.argv.slice(2);
 const client = new OpenAI({ baseURL: `${base}/v1`, apiKey: 'unused', maxRetries: 0, timeout: 120000, fetch: globalThis.fetch });  // Node's fetch: see openai_client.mjs (node-fetch + Node 18)
