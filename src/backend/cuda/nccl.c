@@ -75,6 +75,8 @@ static bool nccl_ready(pd_err *err) {
     return nccl.ok;
 }
 
+#define POST_MS 20000  // bound on enqueuing one send / receive (incl. connecting to the peer)
+
 typedef struct nccl_comm {
     pd_cuda_backend *cb;  // borrowed
     ncclComm_t comm;      // NULL once aborted
@@ -189,9 +191,22 @@ pd_status pd_cuda_comm_post(pd_backend *b, void *p, void *buf, size_t n, int pee
     }
     ncclResult_t r = is_send ? nccl.send(buf, n, ncclUint8, peer, c->comm, c->stream)
                              : nccl.recv(buf, n, ncclUint8, peer, c->comm, c->stream);
-    // ncclInProgress: enqueued asynchronously (non-blocking comm); pd_cuda_comm_wait completes it.
     if (r != ncclSuccess && r != ncclInProgress)
         return comm_fail(c, PD_ERR_DEVICE, err, "%s: %s", is_send ? "send" : "recv", nccl.error_string(r));
+    // ncclInProgress: the non-blocking comm is still enqueuing it (the first operation with a peer
+    // also connects to it). The next call on the comm must wait until that is done, so it is
+    // waited for here (bounded: a peer that never connects aborts the comm); the transfer itself
+    // is not (pd_cuda_comm_wait).
+    int64_t deadline = pd_time_us() + POST_MS * 1000;
+    while (r == ncclInProgress) {
+        ncclResult_t q = nccl.async_error(c->comm, &r);
+        if (q != ncclSuccess) r = q;
+        if (r != ncclSuccess && r != ncclInProgress)
+            return comm_fail(c, PD_ERR_DEVICE, err, "%s: %s", is_send ? "send" : "recv", nccl.error_string(r));
+        if (r == ncclInProgress && pd_time_us() > deadline)
+            return comm_fail(c, PD_ERR_TIMEOUT, err, "%s: not enqueued within %d ms", is_send ? "send" : "recv", POST_MS);
+        if (r == ncclInProgress) nap();
+    }
     return PD_OK;
 }
 
