@@ -37,25 +37,7 @@ for tr in tcp shm; do
 done
 
 # Corrupted transfers are detected and recomputed, never decoded from.
-dg_start_pair shm shm --debug-corrupt-kv 3
-python3 "$here/disagg_client.py" "$URL" "$TMP/prompts.json" "$TMP/corrupt.json" --concurrency 16 --max-tokens 24
-dg_compare "$TMP/corrupt.json" "corrupt" || pd_fail "corrupted transfers changed outputs"
-c=$(dg_metric "$URL" 'pdserve_kv_handoff_fallbacks_total.*reason="checksum"')
-[ "$c" -ge 1 ] || pd_fail "no checksum fallback counted"
-echo "corrupt: $c transfers caught by checksum"
-pd_stop decode_shm
-pd_stop prefill_shm
-
+dg_check_corrupt shm shm
 # kill -9 of the prefill worker while requests are in flight: every request still completes.
-dg_start_pair tcp tcp
-python3 "$here/disagg_client.py" "$URL" "$TMP/prompts.json" "$TMP/kill.json" --concurrency 32 --max-tokens 24 &
-cpid=$!
-pd_wait_for 30 sh -c "[ \$(curl -sf '$URL/metrics' | awk '/^pdserve_kv_handoffs_total/ {print \$2+0}') -ge 4 ]" ||
-  pd_fail "no handoff happened before the kill"
-kill -9 "$(cat "$TMP/prefill_tcp.pid")"
-wait $cpid
-dg_compare "$TMP/kill.json" "killed prefill" || pd_fail "requests failed or changed after the prefill worker died"
-d=$(dg_metric "$URL" 'pdserve_kv_handoff_fallbacks_total.*reason="(worker_died|timeout|unavailable)"')
-echo "killed prefill: every request completed; $d prompts fell back to local prefill"
-pd_stop decode_tcp
+dg_check_kill tcp tcp
 echo "test_disagg: all checks passed"

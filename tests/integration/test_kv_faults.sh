@@ -95,14 +95,18 @@ echo "cycles: $((h1 - h0)) handoffs after $CYCLES cycles ($(metric "$URL_pf" '^p
 # ---- 5: a slow-reading peer -----------------------------------------------------------------------
 # Baseline: the worst /metrics latency of the prefill worker while it computes the same client load
 # without a slow reader (what this shared, maybe loaded, box gives a busy worker).
+worst_metrics() {  # the slowest of 30 GETs of the prefill worker's /metrics, 0.2 s apart (seconds)
+  w=0
+  for i in $(seq 1 30); do
+    t=$(curl -s -o /dev/null -w '%{time_total}' "$URL_pf/metrics")
+    w=$(python3 -c "print(max($w, $t))")
+    sleep 0.2
+  done
+  echo "$w"
+}
 python3 "$here/disagg_client.py" "$URL_dec" "$TMP/prompts.json" "$TMP/base.json" --concurrency 8 --max-tokens 16 &
 cpid=$!
-base=0
-for i in $(seq 1 30); do
-  t=$(curl -s -o /dev/null -w '%{time_total}' "$URL_pf/metrics")
-  base=$(python3 -c "print(max($base, $t))")
-  sleep 0.2
-done
+base=$(worst_metrics)
 wait $cpid || pd_fail "baseline client run failed"
 h1=$(metric "$URL_dec" '^pdserve_kv_handoffs_total')
 $PEER slow_reader 127.0.0.1 "$KVPORT" "$TMP/token" 25 >"$TMP/slow.out" 2>&1 &
@@ -110,12 +114,7 @@ spid=$!
 pd_wait_for 20 grep -q 'not reading' "$TMP/slow.out" || pd_fail "slow reader did not start: $(cat "$TMP/slow.out")"
 python3 "$here/disagg_client.py" "$URL_dec" "$TMP/prompts.json" "$TMP/slow.json" --concurrency 8 --max-tokens 16 &
 cpid=$!
-worst=0
-for i in $(seq 1 30); do
-  t=$(curl -s -o /dev/null -w '%{time_total}' "$URL_pf/metrics")
-  worst=$(python3 -c "print(max($worst, $t))")
-  sleep 0.2
-done
+worst=$(worst_metrics)
 wait $cpid || pd_fail "client run during the slow reader failed"
 compare "$TMP/slow.json" "during a slow reader" || pd_fail "outputs differ during a slow reader"
 h2=$(metric "$URL_dec" '^pdserve_kv_handoffs_total')

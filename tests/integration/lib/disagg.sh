@@ -18,6 +18,13 @@
 #                                 connected (pdserve_kv_prefill_workers_healthy 1)
 #   dg_start_pair NAME TRANSPORT [PREFILL FLAGS]
 #                                 prefill_NAME + decode_NAME (TRANSPORT), connected; $URL = decode
+# The two checks every transport's test runs (the prompts in $TMP/prompts.json, the reference in
+# $TMP/ref.json, 24 tokens each, tests/integration/disagg_client.py from $here):
+#   dg_check_corrupt NAME TRANSPORT  a pair whose prefill worker corrupts every 3rd transfer
+#                                 (--debug-corrupt-kv 3): outputs identical, >= 1 fallback counted
+#                                 with reason "checksum" (never decoded from corrupted KV)
+#   dg_check_kill NAME TRANSPORT  kill -9 of the prefill worker after >= 4 handoffs, 32 requests in
+#                                 flight: every request completes with identical output
 
 dg_prompts() {
   out=$1 n=$2 seed=$3; shift 3
@@ -86,4 +93,31 @@ dg_start_pair() {
   dg_start_prefill "prefill_$dg_p" "$@"
   dg_start_decode "decode_$dg_p" "$dg_t"
   dg_wait_connected "$URL"
+}
+
+dg_check_corrupt() {
+  dg_start_pair "$1" "$2" --debug-corrupt-kv 3
+  python3 "$here/disagg_client.py" "$URL" "$TMP/prompts.json" "$TMP/corrupt_$1.json" --concurrency 16 --max-tokens 24
+  dg_compare "$TMP/corrupt_$1.json" "corrupt ($2)" || pd_fail "corrupted transfers changed outputs ($2)"
+  dg_c=$(dg_metric "$URL" 'pdserve_kv_handoff_fallbacks_total.*reason="checksum"')
+  [ "$dg_c" -ge 1 ] || pd_fail "no checksum fallback counted ($2)"
+  echo "corrupt ($2): $dg_c transfers caught by checksum"
+  pd_stop "decode_$1"
+  pd_stop "prefill_$1"
+}
+
+dg_check_kill() {
+  dg_start_pair "$1" "$2"
+  python3 "$here/disagg_client.py" "$URL" "$TMP/prompts.json" "$TMP/kill_$1.json" --concurrency 32 --max-tokens 24 &
+  dg_cpid=$!
+  pd_wait_for 30 sh -c "[ \$(curl -sf '$URL/metrics' | awk '/^pdserve_kv_handoffs_total/ {print \$2+0}') -ge 4 ]" ||
+    pd_fail "no handoff happened before the kill ($2)"
+  kill -9 "$(cat "$TMP/prefill_$1.pid")"
+  rm -f "$TMP/prefill_$1.pid"
+  wait $dg_cpid
+  dg_compare "$TMP/kill_$1.json" "killed prefill ($2)" ||
+    pd_fail "requests failed or changed after the prefill worker died ($2)"
+  dg_d=$(dg_metric "$URL" 'pdserve_kv_handoff_fallbacks_total.*reason="(worker_died|timeout|unavailable)"')
+  echo "killed prefill ($2): every request completed; $dg_d prompts fell back to local prefill"
+  pd_stop "decode_$1"
 }
