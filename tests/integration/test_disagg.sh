@@ -18,9 +18,7 @@ here=$(cd "$(dirname "$0")" && pwd)
 dg_prompts "$TMP/prompts.json" 64 7 3 17 64 90 150 250
 dg_token  # the KV connections' shared secret (the workers refuse to start without one)
 
-pd_start both --num-kv-blocks 2048
-python3 "$here/disagg_client.py" "$URL_both" "$TMP/prompts.json" "$TMP/ref.json" --concurrency 16 --max-tokens 24 ||
-  pd_fail "reference run failed"
+dg_reference both 16 24 --num-kv-blocks 2048
 
 for tr in tcp shm; do
   dg_start_pair $tr $tr

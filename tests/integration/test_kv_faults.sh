@@ -58,9 +58,7 @@ start_decode() {  # start_decode TRANSPORT (a fresh name each time)
 wait_connected() { dg_wait_connected "$URL_dec"; }
 shm_before=$(ls /dev/shm 2>/dev/null | grep -c pdserve)
 
-pd_start both --num-kv-blocks 2048
-python3 "$here/disagg_client.py" "$URL_both" "$TMP/prompts.json" "$TMP/ref.json" --concurrency 8 --max-tokens 16 ||
-  pd_fail "reference run failed"
+dg_reference both 8 16 --num-kv-blocks 2048
 
 # ---- 1-3: attacks on a live prefill worker (its decode worker keeps serving) ----------------------
 start_prefill pf

@@ -18,9 +18,7 @@ DRAFT="$shared/kjv-llama-1m"
 dg_prompts "$TMP/prompts.json" 32 11 3 17 40 90 150
 DG_REF_WHAT="speculation off"  # (dg_compare's reference: $TMP/ref.json)
 
-pd_start ref --num-kv-blocks 1024
-python3 "$here/disagg_client.py" "$URL" "$TMP/prompts.json" "$TMP/ref.json" --concurrency 8 --max-tokens 24 ||
-  pd_fail "reference run failed"
+dg_reference ref 8 24 --num-kv-blocks 1024
 pd_stop ref
 
 run_method() {  # run_method NAME METHOD MUST_DRAFT(0|1) FLAGS...

@@ -8,6 +8,9 @@
 #   dg_metric URL NAME_REGEX      sum of the /metrics samples whose name (+ labels) matches
 #   dg_compare OUT.json LABEL     OUT's texts equal $DG_REF's (default $TMP/ref.json), no request
 #                                 failed; DG_REF_WHAT names the reference in messages ("colocated")
+#   dg_reference NAME CONCURRENCY MAX_TOKENS FLAGS...
+#                                 starts server NAME (`serve` FLAGS), runs the prompts through it
+#                                 (greedy) into $TMP/ref.json; the server keeps running
 #   dg_start_prefill NAME [FLAGS] a prefill worker (--kv-port 0, 2048 blocks, the token); sets
 #                                 $KV (host:port), $KVPORT and $URL
 #   dg_start_decode NAME TRANSPORT [FLAGS]
@@ -63,6 +66,13 @@ if bad:
     sys.exit("FAIL %s: %d of %d outputs differ from %s (first: %d)" % (label, len(bad), len(ref["texts"]), what, bad[0]))
 print("ok   %s: %d outputs identical to %s" % (label, len(ref["texts"]), what))
 PY
+}
+
+dg_reference() {
+  dg_n=$1 dg_cc=$2 dg_mt=$3; shift 3
+  pd_start "$dg_n" "$@"
+  python3 "$here/disagg_client.py" "$URL" "$TMP/prompts.json" "$TMP/ref.json" --concurrency "$dg_cc" \
+    --max-tokens "$dg_mt" || pd_fail "reference run failed"
 }
 
 dg_start_prefill() {
