@@ -28,7 +28,7 @@ struct pd_kvconn_save {
     void **dk, **dv;            // direct transports: the peer's layer bases (n_layers each), lazily;
                                 // nccl: the staging slab's (layer l's set when it is gathered)
     pd_buffer *stage;           // nccl: this save's staging (n_layers one-layer slabs), from the pool
-    size_t stage_bytes;
+    size_t stage_bytes;         // its real size
     int32_t *dst_slab;          // nccl: 0 .. n_blocks-1 (slab block i = the request's i-th block)
     int n_sends;                // nccl: layer sends posted and not yet waited for
     bool is_xfer_pending;       // transfer-stream work may still write sums / the peer's pool
@@ -103,9 +103,9 @@ pd_status kvc_direct_export(pd_kvconn *c, pd_buffer_handle *h, pd_err *err);
 
 // nccl.c, exposed for tests (tests/unit/test_kvconn_nccl.c).
 // A buffer of at least bytes: the smallest free one that fits, else a fresh allocation (a free one
-// too small is released). NULL when out of memory.
-pd_buffer *kvc_stage_take(pd_backend *b, kvc_stage_pool *pool, size_t bytes);
-// Back to the pool (bytes: its size); a full pool keeps the largest buffers.
+// too small is released); *cap: its real size. NULL when out of memory.
+pd_buffer *kvc_stage_take(pd_backend *b, kvc_stage_pool *pool, size_t bytes, size_t *cap);
+// Back to the pool (bytes: its real size, *cap of the take); a full pool keeps the largest buffers.
 void kvc_stage_give(kvc_stage_pool *pool, pd_buffer *buf, size_t bytes);
 void kvc_stage_fini(kvc_stage_pool *pool);
 uint64_t kvc_nccl_layer_bytes(const pd_kvconn *c, const pd_kvconn_save *s);

@@ -18,7 +18,7 @@
 
 #include <string.h>
 
-pd_buffer *kvc_stage_take(pd_backend *b, kvc_stage_pool *pool, size_t bytes) {
+pd_buffer *kvc_stage_take(pd_backend *b, kvc_stage_pool *pool, size_t bytes, size_t *cap) {
     int best = -1;  // the smallest free buffer that is large enough, else the largest (grown)
     for (int i = 0; i < pool->n_free; i++) {
         size_t sz = pool->sizes[i];
@@ -38,7 +38,9 @@ pd_buffer *kvc_stage_take(pd_backend *b, kvc_stage_pool *pool, size_t bytes) {
     if (have < bytes) {
         pd_buffer_free(buf);  // (a growing buffer keeps nothing: a fresh allocation)
         buf = pd_buffer_alloc(b, bytes);
+        have = bytes;
     }
+    *cap = buf ? have : 0;
     return buf;
 }
 
@@ -100,15 +102,15 @@ void kvc_nccl_gather(pd_kvconn *c, pd_kvconn_save *s, int l, void *slab) {
 static bool nccl_save_prepare(pd_kvconn *c, pd_kvconn_save *s) {
     if (s->stage) return true;
     int L = c->p.cache.n_layers;
-    s->stage_bytes = (size_t)kvc_nccl_layer_bytes(c, s) * (size_t)L;
+    size_t need = (size_t)kvc_nccl_layer_bytes(c, s) * (size_t)L;
     s->dk = pd_calloc((size_t)L, sizeof(void *));
     s->dv = pd_calloc((size_t)L, sizeof(void *));
     s->dst_slab = pd_malloc(sizeof(int32_t) * (size_t)s->n_blocks);
-    if (s->dk && s->dv && s->dst_slab) s->stage = kvc_stage_take(c->p.backend, &c->nccl_stage, s->stage_bytes);
+    if (s->dk && s->dv && s->dst_slab) s->stage = kvc_stage_take(c->p.backend, &c->nccl_stage, need, &s->stage_bytes);
     if (!s->stage) {
         s->st = PD_ERR_NOMEM;
         PD_LOG_W("kvconn: request %llu: no device memory for a %zu-byte nccl staging slab",
-                 (unsigned long long)s->peer_req_id, s->stage_bytes);
+                 (unsigned long long)s->peer_req_id, need);
         return false;
     }
     for (int i = 0; i < s->n_blocks; i++) s->dst_slab[i] = i;

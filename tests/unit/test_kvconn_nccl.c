@@ -113,32 +113,42 @@ PD_TEST(nccl_stage_pool_reuses_and_bounds) {
     pd_backend *b = pd_backend_new("cpu", 0, &err);
     PD_REQUIRE(b);
     kvc_stage_pool pool = {0};
-    pd_buffer *a = kvc_stage_take(b, &pool, 1000);
-    pd_buffer *c2 = kvc_stage_take(b, &pool, 4000);
+    size_t cap = 0;
+    pd_buffer *a = kvc_stage_take(b, &pool, 1000, &cap);
+    PD_CHECK(cap == 1000);
+    pd_buffer *c2 = kvc_stage_take(b, &pool, 4000, &cap);
     PD_REQUIRE(a && c2 && a != c2);
     kvc_stage_give(&pool, a, 1000);
     kvc_stage_give(&pool, c2, 4000);
     PD_CHECK_EQ(pool.n_free, 2);
     // the smallest buffer that fits is reused (no allocation)
-    PD_CHECK(kvc_stage_take(b, &pool, 900) == a);
+    PD_CHECK(kvc_stage_take(b, &pool, 900, &cap) == a);
+    PD_CHECK(cap == 1000);  // its real size, given back with it
     PD_CHECK_EQ(pool.n_free, 1);
-    PD_CHECK(kvc_stage_take(b, &pool, 3000) == c2);
+    PD_CHECK(kvc_stage_take(b, &pool, 3000, &cap) == c2);
+    PD_CHECK(cap == 4000);
     PD_CHECK_EQ(pool.n_free, 0);
     kvc_stage_give(&pool, a, 1000);
     kvc_stage_give(&pool, c2, 4000);
     // too large for any: one free buffer is replaced by a fresh one of the size asked
-    pd_buffer *big = kvc_stage_take(b, &pool, 10000);
+    pd_buffer *big = kvc_stage_take(b, &pool, 10000, &cap);
     PD_REQUIRE(big);
+    PD_CHECK(cap == 10000);
     PD_CHECK_EQ(pool.n_free, 1);
     memset(pd_buffer_ptr(big), 1, 10000);  // (ASan: really that large)
     kvc_stage_give(&pool, big, 10000);
     // a full pool keeps the largest buffers
     pd_buffer *x[KVC_STAGE_POOL_MAX + 1];
-    for (int i = 0; i <= KVC_STAGE_POOL_MAX; i++) x[i] = kvc_stage_take(b, &pool, (size_t)(100 + i));
+    size_t caps[KVC_STAGE_POOL_MAX + 1], smallest = SIZE_MAX;
+    for (int i = 0; i <= KVC_STAGE_POOL_MAX; i++) {
+        x[i] = kvc_stage_take(b, &pool, (size_t)(100 + i), &caps[i]);
+        PD_REQUIRE(x[i] && caps[i] >= (size_t)(100 + i));
+        smallest = PD_MIN(smallest, caps[i]);
+    }
     PD_CHECK_EQ(pool.n_free, 0);
-    for (int i = 0; i <= KVC_STAGE_POOL_MAX; i++) kvc_stage_give(&pool, x[i], (size_t)(100 + i));
+    for (int i = 0; i <= KVC_STAGE_POOL_MAX; i++) kvc_stage_give(&pool, x[i], caps[i]);
     PD_CHECK_EQ(pool.n_free, KVC_STAGE_POOL_MAX);
-    for (int i = 0; i < pool.n_free; i++) PD_CHECK(pool.sizes[i] != 100);  // the smallest was dropped
+    for (int i = 0; i < pool.n_free; i++) PD_CHECK(pool.sizes[i] > smallest);  // the smallest was dropped
     kvc_stage_fini(&pool);
     PD_CHECK_EQ(pool.n_free, 0);
     pd_backend_free(b);
