@@ -304,10 +304,14 @@ void pd_comm_free(pd_comm *c) {
 }
 
 pd_status pd_comm_send(pd_comm *c, const void *buf, size_t n, int peer, pd_err *err) {
-    return c->b->iface->comm_post(c->b, c->impl, (void *)buf, n, peer, true, err);
+    return c->b->iface->comm_post(c->b, c->impl, (void *)buf, n, peer, PD_COMM_OP_SEND, err);
+}
+pd_status pd_comm_send_after_xfer(pd_comm *c, const void *buf, size_t n, int peer, pd_err *err) {
+    int op = c->b->iface->kv_copy_xfer ? PD_COMM_OP_SEND_XFER : PD_COMM_OP_SEND;
+    return c->b->iface->comm_post(c->b, c->impl, (void *)buf, n, peer, op, err);
 }
 pd_status pd_comm_recv(pd_comm *c, void *buf, size_t n, int peer, pd_err *err) {
-    return c->b->iface->comm_post(c->b, c->impl, buf, n, peer, false, err);
+    return c->b->iface->comm_post(c->b, c->impl, buf, n, peer, PD_COMM_OP_RECV, err);
 }
 void pd_comm_kv_copy(pd_comm *c, const pd_kv_copy_params *p) { c->b->iface->comm_kv_copy(c->b, c->impl, p); }
 pd_status pd_comm_wait(pd_comm *c, int timeout_ms, pd_err *err) {

@@ -369,6 +369,10 @@ void pd_comm_free(pd_comm *c);  // aborts what is still in flight; NULL is a no-
 // Posts a send (receive) of n bytes of device memory to (from) rank peer. A send first waits, on the
 // device, for the work already enqueued on the backend's stream (which produced its data).
 pd_status pd_comm_send(pd_comm *c, const void *buf, size_t n, int peer, pd_err *err);
+// A send ordered instead after the work already enqueued on the backend's transfer stream
+// (pd_op_kv_copy_xfer gathered its data there, after a pd_backend_xfer_mark): layer l of a KV
+// export leaves while layer l+1 computes. Backends without a transfer stream: as pd_comm_send.
+pd_status pd_comm_send_after_xfer(pd_comm *c, const void *buf, size_t n, int peer, pd_err *err);
 pd_status pd_comm_recv(pd_comm *c, void *buf, size_t n, int peer, pd_err *err);
 // pd_op_kv_copy on the comm's stream, ordered after its receives (scatters a received slab).
 void pd_comm_kv_copy(pd_comm *c, const pd_kv_copy_params *p);

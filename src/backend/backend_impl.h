@@ -4,6 +4,8 @@
 #pragma once
 #include "backend/backend.h"
 
+enum { PD_COMM_OP_RECV = 0, PD_COMM_OP_SEND = 1, PD_COMM_OP_SEND_XFER = 2 };  // comm_post
+
 typedef struct pd_backend_iface {
     int api_version;  // PD_BACKEND_API_VERSION
     const char *name;
@@ -52,7 +54,9 @@ typedef struct pd_backend_iface {
     pd_status (*comm_id_new)(pd_backend *b, pd_comm_id *out, pd_err *err);
     void *(*comm_new)(pd_backend *b, const pd_comm_id *id, int n_ranks, int rank, int timeout_ms, pd_err *err);
     void (*comm_free)(pd_backend *b, void *c);
-    pd_status (*comm_post)(pd_backend *b, void *c, void *buf, size_t n, int peer, bool is_send, pd_err *err);
+    // op: PD_COMM_OP_RECV, PD_COMM_OP_SEND (after the backend's stream), PD_COMM_OP_SEND_XFER (after
+    // its transfer stream)
+    pd_status (*comm_post)(pd_backend *b, void *c, void *buf, size_t n, int peer, int op, pd_err *err);
     void (*comm_kv_copy)(pd_backend *b, void *c, const pd_kv_copy_params *p);
     pd_status (*comm_wait)(pd_backend *b, void *c, int timeout_ms, pd_err *err);
 } pd_backend_iface;

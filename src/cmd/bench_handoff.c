@@ -14,10 +14,11 @@
 //     prefill engine's kv_export_copy_us_total delta (cuda-ipc: the engine thread's time to
 //     enqueue each layer's copy + checksum on the backend's transfer stream plus the wait for
 //     that stream after the forward pass — with layer-wise overlap (the default; PD_KV_OVERLAP=0
-//     turns it off) most copies ran during the forward pass and are not in it; nccl (--transport nccl): the KV_NCCL announcement +
-//     ncclSend of the request's slab until complete, i.e. until the decode side has received it —
-//     the local gather into the staging slab and the decode side's scatter are not in it, they
-//     are in the handoff and TTFT columns), and the resulting GB/s;
+//     turns it off) most copies ran during the forward pass and are not in it; nccl (--transport nccl): layer-wise like cuda-ipc —
+//     the engine thread's time to enqueue each layer's gather + checksum, announce it and post its
+//     ncclSend, plus the wait after the forward pass for the transfer stream and for the sends to
+//     complete (the decode side received them); with PD_KV_OVERLAP=0 every layer ships after the
+//     forward pass and all of it is in the copy time), and the resulting GB/s;
 //   * the decode side's handoff time (PREFILL_REQ sent → KV verified, kv_handoff_us_total delta);
 //   * TTFT disaggregated: submit → first TOKEN event on the decode engine.
 // Then the child quits, the decode engine is freed, and a colocated (BOTH-role) engine on device A

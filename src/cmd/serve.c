@@ -105,6 +105,7 @@ static void serve_usage(bool is_run) {
            "                                required for --role prefill and --role decode\n"
            "  --debug-corrupt-kv N          test hook: corrupt every Nth KV transfer (prefill role)\n"
            "  --debug-kv-pause STEP         test hook: stop at hello_ack|mid_slab|before_done (prefill role)\n"
+           "  --debug-refuse-kv-pool        test hook: refuse every decode worker's KV pool (prefill role)\n"
            "speculative decoding (roles both and decode; exact: greedy output is unchanged):\n"
            "  --speculative-method M        none (default), draft, ngram (prompt lookup) or lookahead (Jacobi + n-gram pool)\n"
            "  --speculative-model DIR       draft model (same tokenizer as --model); implies --speculative-method draft\n"
@@ -123,7 +124,7 @@ static int parse_flags(int argc, char **argv, serve_opts *o) {
     enum { O_MODEL = 1, O_HOST, O_PORT, O_DEV, O_BS, O_NB, O_KVMEM, O_SEQS, O_TOKS, O_NOPC, O_NOCP, O_POL, O_MML,
            O_NAME, O_LF, O_WAIT, O_BODY, O_EXIT, O_ROLE, O_KVHOST, O_KVPORT, O_PREFILL, O_KVTR, O_DMIN, O_DTO,
            O_CORRUPT, O_ROUTER, O_RTOKEN, O_ADV, O_SPEC_MODEL, O_SPEC_K, O_SPEC_METHOD, O_SPEC_FIXED, O_LA_W, O_LA_N,
-           O_NGRAM_MAX, O_THREADS, O_SDT, O_MAXCONN, O_KATO, O_HDRTO, O_TRACE, O_AUTH, O_KVPAUSE, O_KVDT, O_HELP };
+           O_NGRAM_MAX, O_THREADS, O_SDT, O_MAXCONN, O_KATO, O_HDRTO, O_TRACE, O_AUTH, O_KVPAUSE, O_KVDT, O_REFUSE, O_HELP };
     static const struct option opts[] = {
         {"model", required_argument, 0, O_MODEL}, {"host", required_argument, 0, O_HOST},
         {"port", required_argument, 0, O_PORT}, {"device", required_argument, 0, O_DEV},
@@ -148,6 +149,7 @@ static int parse_flags(int argc, char **argv, serve_opts *o) {
         {"ngram-max", required_argument, 0, O_NGRAM_MAX},
         {"threads", required_argument, 0, O_THREADS}, {"shutdown-timeout", required_argument, 0, O_SDT},
         {"auth-token-file", required_argument, 0, O_AUTH}, {"debug-kv-pause", required_argument, 0, O_KVPAUSE},
+        {"debug-refuse-kv-pool", no_argument, 0, O_REFUSE},
         {"kv-cache-dtype", required_argument, 0, O_KVDT},
         {"help", no_argument, 0, O_HELP}, {0, 0, 0, 0}};
     const char *cmd = o->is_run ? "run" : "serve";
@@ -240,6 +242,7 @@ static int parse_flags(int argc, char **argv, serve_opts *o) {
         case O_RTOKEN: o->router_token_file = optarg; break;
         case O_ADV: o->advertise_url = optarg; break;
         case O_AUTH: o->auth_token_file = optarg; break;
+        case O_REFUSE: o->ep.debug_refuse_kv_pools = true; break;
         case O_KVPAUSE:
             if (strcmp(optarg, "hello_ack") && strcmp(optarg, "mid_slab") && strcmp(optarg, "before_done"))
                 return pd_cmd_usage_error(cmd, "--debug-kv-pause must be hello_ack, mid_slab or before_done");

@@ -32,7 +32,7 @@
 #include "metrics/trace.h"
 
 const char *pd_fallback_reason_name(pd_fallback_reason r) {
-    static const char *n[] = {"unavailable", "timeout", "worker_died", "checksum", "error"};
+    static const char *n[] = {"unavailable", "timeout", "worker_died", "checksum", "error", "pool_refused"};
     return r < PD_FALLBACK_N ? n[r] : "unknown";
 }
 
@@ -84,6 +84,7 @@ pd_status pd_disagg_init(pd_engine *e, pd_err *err) {
                            .host = p->kv_host, .port = p->kv_port, .secret = p->kv_secret, .fp = fingerprint(e),
                            .backend = e->backend, .timeout_ms = p->disagg_timeout_ms,
                            .corrupt_every = p->debug_corrupt_every, .debug_pause = p->debug_kv_pause,
+                           .debug_refuse_pools = p->debug_refuse_kv_pools,
                            .on_event = on_kv_event, .ud = e};
     if (!p->kv_secret)
         return pd_err_set(err, PD_ERR_INVALID, "the %s role needs --auth-token-file (the KV connections authenticate)",
@@ -193,8 +194,9 @@ static void handle_load_done(pd_engine *e, pd_kvconn_event *ev) {
     }
     if (ev->status != PD_OK) {
         pd_fallback_reason why = ev->status == PD_ERR_TIMEOUT ? PD_FALLBACK_TIMEOUT
-                                 : ev->status == PD_ERR_CLOSED ? PD_FALLBACK_WORKER_DIED
-                                                               : PD_FALLBACK_ERROR;
+                                 : ev->status == PD_ERR_CLOSED      ? PD_FALLBACK_WORKER_DIED
+                                 : ev->status == PD_ERR_UNSUPPORTED ? PD_FALLBACK_POOL_REFUSED
+                                                                    : PD_FALLBACK_ERROR;
         fallback(e, q, why, ev->reason);
         return;
     }

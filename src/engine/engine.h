@@ -59,6 +59,7 @@ typedef struct pd_engine_params {
     int debug_corrupt_every;      // test hook (--debug-hooks): corrupt every Nth KV transfer
     int debug_export_delay_ms;    // test hook: a slow prefill worker (sleeps before each KV export)
     int debug_fail_step_every;    // test hook: every Nth step fails as if out of memory
+    bool debug_refuse_kv_pools;   // test hook (prefill): refuse every decode worker's KV pool
     const char *debug_kv_pause;   // test hook: stop (until killed) at "hello_ack" | "mid_slab" | "before_done"
     const char *kv_secret;        // shared secret of the KV connections (required for the prefill
                                   // role and for a decode role with prefill workers)
@@ -184,7 +185,8 @@ typedef enum pd_fallback_reason {
     PD_FALLBACK_WORKER_DIED = 2,  // the prefill worker's connection was lost
     PD_FALLBACK_CHECKSUM = 3,     // KV arrived but failed verification (never decoded from)
     PD_FALLBACK_ERROR = 4,        // the prefill worker reported an error
-    PD_FALLBACK_N = 5,
+    PD_FALLBACK_POOL_REFUSED = 5, // the prefill worker refused our KV pool (it could not map or check it)
+    PD_FALLBACK_N = 6,
 } pd_fallback_reason;
 const char *pd_fallback_reason_name(pd_fallback_reason r);
 // Speculative method names by pd_engine_stats.spec_method / event spec_method index ("none",

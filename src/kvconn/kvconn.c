@@ -122,6 +122,7 @@ pd_kvconn *pd_kvconn_new(const pd_kvconn_params *p, pd_err *err) {
     return c;
 fail:
     kvc_ucx.fini(c);
+    kvc_nccl.fini(c);
     pd_free(c);
     return NULL;
 }
@@ -135,7 +136,8 @@ void pd_kvconn_free(pd_kvconn *c) {
         const kvc_transport *t = pp->conn_id ? kvc_transport_find(pp->transport) : NULL;
         if (t && t->detach) t->detach(c, pp);
     }
-    kvc_ucx.fini(c);  // the only transport with connector-wide state (both roles)
+    kvc_ucx.fini(c);   // the transports with connector-wide state (both roles)
+    kvc_nccl.fini(c);
     pd_free(c);
 }
 
@@ -237,10 +239,15 @@ void pd_kvconn_peer_up(pd_kvconn *c, pd_kvconn_event *ev) {
     pd_err err = {0};
     int fd = ph->fd;
     ph->fd = -1;  // the transport takes it
-    if (!t || (t->attach && t->attach(c, p, &ph->hello, fd, &err))) {
-        if (!t && fd >= 0) close(fd);
+    bool refuse = !t || c->p.debug_refuse_pools;
+    if (refuse) {
+        if (fd >= 0) close(fd);
+        pd_err_set(&err, PD_ERR_PROTO, "%s", t ? "refused by the debug_refuse_pools test hook" : "unknown transport");
+    }
+    if (refuse || (t->attach && t->attach(c, p, &ph->hello, fd, &err))) {
         __atomic_add_fetch(&c->peers_refused, 1, __ATOMIC_RELAXED);
-        PD_LOG_W("kvconn: refusing decode worker %d's KV pool: %s", ev->peer, err.msg[0] ? err.msg : "unknown transport");
+        snprintf(p->refused, sizeof p->refused, "decode pool refused: %.130s", err.msg[0] ? err.msg : "unknown");
+        PD_LOG_W("kvconn: refusing decode worker %d's KV pool: %s", ev->peer, err.msg[0] ? err.msg : "unknown");
         return;
     }
     p->is_ready = true;
@@ -274,6 +281,11 @@ void pd_kvconn_send_fail(pd_kvconn *c, int peer, uint64_t peer_req_id, const cha
     __atomic_add_fetch(&c->saves_failed, 1, __ATOMIC_RELAXED);
     pd_kvw_msg m = {.type = PD_KVW_PREFILL_FAIL};
     m.u.fail.req_id = peer_req_id;
+    kvc_peer *p = kvc_peer_of(c, peer);
+    if (p && p->refused[0]) {  // its pool was refused: the decode side counts that apart
+        m.u.fail.code = PD_KVW_FAIL_POOL_REFUSED;
+        why = p->refused;
+    }
     snprintf(m.u.fail.reason, sizeof m.u.fail.reason, "%.200s", why);
     pd_xfer_server_send(c->xs, peer, &m, NULL);
 }
@@ -294,6 +306,7 @@ pd_kvconn_save *pd_kvconn_save_begin(pd_kvconn *c, int peer, uint64_t peer_req_i
     }
     int bs = c->p.cache.block_size;
     s->peer = p;
+    s->t = p ? kvc_transport_find(p->transport) : NULL;
     s->conn_id = peer;
     s->peer_req_id = peer_req_id;
     s->n_blocks = n_blocks;
@@ -357,6 +370,7 @@ pd_status pd_kvconn_save_end(pd_kvconn *c, pd_kvconn_save *s, const pd_kvconn_fi
 
 void pd_kvconn_save_fail(pd_kvconn *c, pd_kvconn_save *s, const char *why, bool tell_peer) {
     if (!s) return;
+    if (s->t && s->t->save_free) s->t->save_free(c, s);  // (nccl: its sends are done or aborted first)
     if (s->is_xfer_pending) pd_backend_xfer_sync(c->p.backend);  // nothing may still write s->sums
     if (why && tell_peer) pd_kvconn_send_fail(c, s->conn_id, s->peer_req_id, why);  // (counted there)
     else if (why) __atomic_add_fetch(&c->saves_failed, 1, __ATOMIC_RELAXED);

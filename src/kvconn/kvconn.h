@@ -22,7 +22,7 @@
 //
 // Transports (src/kvconn/<name>.c, one file each, listed in registry.c): tcp (KV rows inline,
 // layer-wise), shm (direct writes into the decode pool, a memfd passed over a unix socket),
-// cuda-ipc (direct device writes), nccl (one slab per request through a communicator). A new
+// cuda-ipc (direct device writes), nccl (one slab per layer through a communicator). A new
 // transport is one new file implementing kvc_transport (kvconn_impl.h) plus a registry entry.
 //
 // Guarantees: the engine thread does no socket I/O (sends are queued, see xfer); no lock is held
@@ -42,7 +42,8 @@ extern "C" {
 typedef struct pd_kvconn pd_kvconn;
 
 typedef enum pd_kvconn_event_kind {
-    PD_KVCONN_EV_LOAD_DONE = 1,     // decode: a load ended (status PD_OK: verify it; else a failure)
+    PD_KVCONN_EV_LOAD_DONE = 1,     // decode: a load ended (status PD_OK: verify it; else a failure;
+                                    // PD_ERR_UNSUPPORTED: the prefill worker refused our pool)
     PD_KVCONN_EV_PEER_UP = 2,       // prefill: a decode worker connected (hand to pd_kvconn_peer_up)
     PD_KVCONN_EV_SAVE_REQUEST = 3,  // prefill: compute and save this prompt's KV (req)
     PD_KVCONN_EV_CANCEL = 4,        // prefill: the decode worker cancelled req_id
@@ -53,7 +54,8 @@ typedef struct pd_kvconn_event {
     pd_kvconn_event_kind kind;
     int peer;                  // prefill: the decode connection; decode: the prefill worker index
     uint64_t req_id;           // LOAD_DONE: ours; SAVE_REQUEST / CANCEL: the peer's
-    pd_status status;          // LOAD_DONE: PD_OK, PD_ERR_CLOSED, PD_ERR_TIMEOUT, PD_ERR_PROTO, PD_ERR_INVALID
+    pd_status status;          // LOAD_DONE: PD_OK, PD_ERR_CLOSED, PD_ERR_TIMEOUT, PD_ERR_PROTO, PD_ERR_INVALID,
+                               // PD_ERR_UNSUPPORTED (our pool was refused)
     char reason[160];          // LOAD_DONE when not OK
     pd_kvw_prefill_done done;  // LOAD_DONE ok: first token, logprobs, checksums, n_draws
     pd_kvw_prefill_req req;    // SAVE_REQUEST: tokens / dst_blocks point into owned
@@ -90,6 +92,7 @@ typedef struct pd_kvconn_params {
     int timeout_ms;                      // a load slower than this is cancelled (default 30000)
     int corrupt_every;                   // test hook: corrupt every Nth save (0: off)
     const char *debug_pause;             // test hook (prefill): "hello_ack" | "mid_slab" | "before_done"
+    bool debug_refuse_pools;             // test hook (prefill): refuse every decode pool (as if it did not check out)
     pd_kvconn_event_fn on_event;
     void *ud;
 } pd_kvconn_params;
@@ -160,7 +163,9 @@ pd_kvconn_save *pd_kvconn_save_begin(pd_kvconn *c, int peer, uint64_t peer_req_i
 // Layer `layer` of the step is computed: ship it if the transport is layer-wise (engine thread;
 // tcp copies the rows into a queued slab and returns: the send runs while the next layer computes).
 // cuda-ipc (and shm) enqueue layer l's copy and checksum on the backend's transfer stream after
-// an event on the compute stream (pd_backend_xfer_mark), checking the fence first. Call
+// an event on the compute stream (pd_backend_xfer_mark), checking the fence first; nccl enqueues
+// there the gather into a one-layer slab and its checksum, then announces the layer and posts
+// its send on the communicator's stream, ordered after the transfer stream. Call
 // pd_kvconn_layer_begin once per layer before the step's saves (it arms that mark).
 // PD_KV_OVERLAP=0 in the environment turns layer-wise shipping off (everything ships at the end).
 void pd_kvconn_layer_begin(pd_kvconn *c, int layer);

@@ -12,22 +12,39 @@ typedef struct kvc_peer {  // prefill role: one decode connection
     pd_buffer_handle handle;
     void *base;            // direct transports: the mapped pool
     void *tpriv;           // the transport's own per-peer state (ucx: endpoint, rkey)
+    char refused[160];     // why its pool was refused ("" unless refused): every request of the
+                           // connection then fails with PD_KVW_FAIL_POOL_REFUSED and this text
 } kvc_peer;
 
 struct pd_kvconn_save {
     kvc_peer *peer;        // borrowed (valid while the connection's PEER_DOWN is not handled)
+    const struct kvc_transport *t;  // the peer's transport when the save began (NULL: none)
     int conn_id;
     uint64_t peer_req_id;
     int n_blocks, start_pos, n_tokens;
     int32_t *src, *dst, *rows;  // owned (n_blocks each)
     uint64_t *sums;             // owned (n_layers): per-layer checksums of the source slab
     int n_layers_saved;         // layers shipped so far (layer-wise transports)
-    void **dk, **dv;            // direct transports: the peer's layer bases (n_layers each), lazily
+    void **dk, **dv;            // direct transports: the peer's layer bases (n_layers each), lazily;
+                                // nccl: the staging slab's (layer l's set when it is gathered)
+    pd_buffer *stage;           // nccl: this save's staging (n_layers one-layer slabs), from the pool
+    size_t stage_bytes;         // its real size
+    int32_t *dst_slab;          // nccl: 0 .. n_blocks-1 (slab block i = the request's i-th block)
+    int n_sends;                // nccl: layer sends posted and not yet waited for
     bool is_xfer_pending;       // transfer-stream work may still write sums / the peer's pool
     bool is_corrupt;            // test hook: flip one bit of this save's KV
     pd_status st;               // first failure
     int64_t copy_us;
 };
+
+// nccl.c: a small pool of device staging buffers (engine thread), so a save does not allocate
+// (and a growing buffer does not free, which synchronises the device) on every request.
+#define KVC_STAGE_POOL_MAX 4
+typedef struct kvc_stage_pool {
+    pd_buffer *free[KVC_STAGE_POOL_MAX];
+    size_t sizes[KVC_STAGE_POOL_MAX];
+    int n_free;
+} kvc_stage_pool;
 
 typedef struct kvc_transport {
     pd_kvw_transport id;
@@ -43,6 +60,9 @@ typedef struct kvc_transport {
     // shipped (save_rest); must leave s->sums[l] set for each layer it shipped.
     void (*save_layer)(pd_kvconn *c, pd_kvconn_save *s, int layer);
     pd_status (*save_rest)(pd_kvconn *c, pd_kvconn_save *s);
+    // optional: the save ends (after save_rest, or failed): release the transport's per-save state
+    // once nothing can still read it (nccl: waits for posted sends, gives back the staging).
+    void (*save_free)(pd_kvconn *c, pd_kvconn_save *s);
     // decode role (optional): the HELLO handle bytes, after export_pool (ucx: address + rkey)
     pd_status (*hello_blob)(pd_kvconn *c, uint8_t *blob, uint32_t *len, pd_err *err);
     void (*fini)(pd_kvconn *c);  // optional: frees c->tstate (both roles; after the session layer stopped)
@@ -60,6 +80,7 @@ struct pd_kvconn {
     int64_t peers_refused, saves_layerwise, saves_failed;  // engine thread; read racily by stats
     void *tstate;                      // the transport's own connector state (ucx: context, worker)
     int64_t ema_load_us;               // decode: recent load time per token, in ns (match cost)
+    kvc_stage_pool nccl_stage;         // prefill (nccl): free staging slabs (engine thread)
 };
 
 // registry.c
@@ -79,3 +100,18 @@ pd_status kvc_direct_save_rest(pd_kvconn *c, pd_kvconn_save *s);
 pd_status kvc_direct_attach(pd_kvconn *c, kvc_peer *p, const pd_kvw_hello *h, int fd, const char *kind, pd_err *err);
 void kvc_direct_detach(pd_kvconn *c, kvc_peer *p);
 pd_status kvc_direct_export(pd_kvconn *c, pd_buffer_handle *h, pd_err *err);
+
+// nccl.c, exposed for tests (tests/unit/test_kvconn_nccl.c).
+// A buffer of at least bytes: the smallest free one that fits, else a fresh allocation (a free one
+// too small is released); *cap: its real size. NULL when out of memory.
+pd_buffer *kvc_stage_take(pd_backend *b, kvc_stage_pool *pool, size_t bytes, size_t *cap);
+// Back to the pool (bytes: its real size, *cap of the take); a full pool keeps the largest buffers.
+void kvc_stage_give(kvc_stage_pool *pool, pd_buffer *buf, size_t bytes);
+void kvc_stage_fini(kvc_stage_pool *pool);
+uint64_t kvc_nccl_layer_bytes(const pd_kvconn *c, const pd_kvconn_save *s);
+// The KV_NCCL announcement of layer l of s.
+void kvc_nccl_header(const pd_kvconn *c, const pd_kvconn_save *s, int l, pd_kvw_kv_nccl *h);
+// Enqueues, on the backend's transfer stream, the gather of layer l of s into the one-layer slab at
+// slab (s->dk, s->dv: n_layers entries; s->dst_slab: 0 .. n_blocks-1) and the layer's checksum
+// into s->sums[l] (filled at pd_backend_xfer_sync).
+void kvc_nccl_gather(pd_kvconn *c, pd_kvconn_save *s, int l, void *slab);

@@ -29,21 +29,23 @@ const char *pd_kvw_fingerprint_diff(const pd_kvw_fingerprint *a, const pd_kvw_fi
 }
 
 bool pd_kvw_kv_nccl_valid(const pd_kvw_kv_nccl *s) {
-    if (s->n_layers <= 0 || s->n_layers > PD_KVW_MAX_LAYERS || s->n_blocks <= 0 || s->block_size <= 0 ||
+    if (s->n_layers <= 0 || s->n_layers > PD_KVW_MAX_LAYERS || s->layer < 0 || s->layer >= s->n_layers ||
+        s->n_blocks <= 0 || s->block_size <= 0 ||
         s->block_size > 4096 || s->n_rows_last <= 0 || s->n_rows_last > s->block_size || s->row_bytes == 0 ||
         s->row_bytes % 8 || s->row_bytes > (1u << 20))
         return false;
-    // n_layers * 2 * n_blocks * block_size * row_bytes, without overflow, within the payload cap
-    uint64_t rows = (uint64_t)s->n_layers * 2u * (uint64_t)s->n_blocks * (uint64_t)s->block_size;  // < 2^53
+    // 2 * n_blocks * block_size * row_bytes, without overflow, within the payload cap
+    uint64_t rows = 2u * (uint64_t)s->n_blocks * (uint64_t)s->block_size;  // < 2^44
     return rows <= PD_KVW_MAX_PAYLOAD / s->row_bytes && rows * s->row_bytes == s->bytes;
 }
 
-void pd_kvw_kv_nccl_layers(const pd_kvw_kv_nccl *s, void *base, void **k, void **v) {
-    size_t stride = (size_t)s->n_blocks * (size_t)s->block_size * (size_t)s->row_bytes;  // one of K or V
-    for (int l = 0; l < s->n_layers; l++) {
-        k[l] = (char *)base + (size_t)(2 * l) * stride;
-        v[l] = (char *)base + (size_t)(2 * l + 1) * stride;
-    }
+uint64_t pd_kvw_kv_nccl_layer_bytes(int n_blocks, int block_size, uint64_t row_bytes) {
+    return 2u * (uint64_t)n_blocks * (uint64_t)block_size * row_bytes;
+}
+
+void pd_kvw_kv_nccl_split(const pd_kvw_kv_nccl *s, void *base, void **k, void **v) {
+    *k = base;
+    *v = (char *)base + (size_t)s->n_blocks * (size_t)s->block_size * (size_t)s->row_bytes;
 }
 
 // ---- writer ------------------------------------------------------------------------------------
@@ -129,7 +131,8 @@ static void put_body(pd_kvw_buf *b, const pd_kvw_msg *m) {
     }
     case PD_KVW_KV_NCCL: {
         const pd_kvw_kv_nccl *s = &m->u.kv_nccl;
-        put_u64(b, s->req_id), put_i32(b, s->n_layers), put_i32(b, s->n_blocks), put_i32(b, s->block_size);
+        put_u64(b, s->req_id), put_i32(b, s->layer), put_i32(b, s->n_layers), put_i32(b, s->n_blocks);
+        put_i32(b, s->block_size);
         put_i32(b, s->n_rows_last), put_u64(b, s->row_bytes), put_u64(b, s->bytes);
         break;
     }
@@ -146,6 +149,7 @@ static void put_body(pd_kvw_buf *b, const pd_kvw_msg *m) {
     }
     case PD_KVW_PREFILL_FAIL:
         put_u64(b, m->u.fail.req_id);
+        put_u32(b, m->u.fail.code);
         put_str(b, m->u.fail.reason, sizeof m->u.fail.reason);
         break;
     case PD_KVW_PING:
@@ -247,9 +251,9 @@ uint32_t pd_kvw_max_body(pd_kvw_type t) {
     case PD_KVW_HELLO_ACK: return 4 + 44 + 4 + 256;
     case PD_KVW_PREFILL_REQ: return PD_KVW_MAX_BODY;  // tokens + blocks: bounded by the body cap
     case PD_KVW_KV_SLAB: return 28;
-    case PD_KVW_KV_NCCL: return 40;
+    case PD_KVW_KV_NCCL: return 44;
     case PD_KVW_PREFILL_DONE: return 20 + 8 * PD_KVW_MAX_TOP + 4 + 8 * PD_KVW_MAX_LAYERS + 28;
-    case PD_KVW_PREFILL_FAIL: return 12 + 256;
+    case PD_KVW_PREFILL_FAIL: return 16 + 256;
     case PD_KVW_PING:
     case PD_KVW_PONG:
     case PD_KVW_CANCEL: return 8;
@@ -345,7 +349,8 @@ static pd_status decode_body(rd *r, pd_kvw_msg *m, uint64_t payload_len, const u
     }
     case PD_KVW_KV_NCCL: {
         pd_kvw_kv_nccl *s = &m->u.kv_nccl;
-        s->req_id = get_u64(r), s->n_layers = get_i32(r), s->n_blocks = get_i32(r), s->block_size = get_i32(r);
+        s->req_id = get_u64(r), s->layer = get_i32(r), s->n_layers = get_i32(r), s->n_blocks = get_i32(r);
+        s->block_size = get_i32(r);
         s->n_rows_last = get_i32(r), s->row_bytes = get_u64(r), s->bytes = get_u64(r);
         if (r->bad) break;
         if (!pd_kvw_kv_nccl_valid(s)) return pd_err_set(err, PD_ERR_PROTO, "KV_NCCL: bad geometry");
@@ -367,6 +372,8 @@ static pd_status decode_body(rd *r, pd_kvw_msg *m, uint64_t payload_len, const u
     }
     case PD_KVW_PREFILL_FAIL:
         m->u.fail.req_id = get_u64(r);
+        m->u.fail.code = get_u32(r);
+        if (m->u.fail.code > PD_KVW_FAIL_POOL_REFUSED) m->u.fail.code = PD_KVW_FAIL_ERROR;  // unknown: a plain error
         get_str(r, m->u.fail.reason, sizeof m->u.fail.reason);
         break;
     case PD_KVW_PING:

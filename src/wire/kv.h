@@ -22,7 +22,8 @@ extern "C" {
 #endif
 
 #define PD_KVW_MAGIC 0x564B4450u
-#define PD_KVW_VERSION 3  // 3: HMAC authentication first, per-type frame caps, PREFILL_DONE n_draws
+#define PD_KVW_VERSION 4  // 4: KV_NCCL announces one layer (layer-wise nccl transport), PREFILL_FAIL code
+                          // 3: HMAC authentication first, per-type frame caps, PREFILL_DONE n_draws
                           // 2: the nccl transport (HELLO carries an NCCL unique id; KV_NCCL)
 #define PD_KVW_HDR 24
 #define PD_KVW_MAX_BODY (16u << 20)
@@ -110,13 +111,15 @@ typedef struct pd_kvw_kv_slab {
     uint64_t payload_len;
 } pd_kvw_kv_slab;
 
-// nccl transport: announces the next slab on the connection's communicator. The slab is the
-// request's blocks laid out like a cache of n_blocks blocks: (n_layers, 2 [K, V], n_blocks,
-// block_size, row_bytes), block i = the request's i-th destination block, rows past n_rows_last in
-// the last block are padding. bytes = n_layers * 2 * n_blocks * block_size * row_bytes; the
-// receiver posts its receive of exactly that many bytes, in announcement order.
+// nccl transport: announces the next slab on the connection's communicator: layer `layer` (of the
+// request's n_layers) of the request's blocks, laid out like one layer of a cache of n_blocks
+// blocks: (2 [K, V], n_blocks, block_size, row_bytes), block i = the request's i-th destination
+// block, rows past n_rows_last in the last block are padding. bytes = 2 * n_blocks * block_size *
+// row_bytes; the receiver posts its receive of exactly that many bytes, in announcement order.
+// A request's layers come in order 0 .. n_layers-1 (other requests' layers may come between).
 typedef struct pd_kvw_kv_nccl {
     uint64_t req_id;
+    int32_t layer;
     int32_t n_layers, n_blocks, block_size, n_rows_last;
     uint64_t row_bytes;
     uint64_t bytes;
@@ -137,6 +140,12 @@ typedef struct pd_kvw_prefill_done {
     int64_t queue_us, compute_us;           // the prefill worker's own queue and compute time (TTFT breakdown)
 } pd_kvw_prefill_done;
 
+// Why a PREFILL_FAIL (its code; the reason text is for people).
+typedef enum pd_kvw_fail_code {
+    PD_KVW_FAIL_ERROR = 0,         // the request could not be prefilled or exported (any other cause)
+    PD_KVW_FAIL_POOL_REFUSED = 1,  // the prefill worker refused this connection's decode pool
+} pd_kvw_fail_code;
+
 typedef struct pd_kvw_auth {
     uint8_t nonce[PD_KVW_NONCE];  // CHALLENGE: server nonce; PROOF: client nonce; OK: unused
     uint8_t mac[PD_KVW_MAC];      // PROOF, OK
@@ -152,7 +161,7 @@ typedef struct pd_kvw_msg {
         pd_kvw_kv_slab kv_slab;
         pd_kvw_kv_nccl kv_nccl;
         pd_kvw_prefill_done done;
-        struct { uint64_t req_id; char reason[256]; } fail;
+        struct { uint64_t req_id; uint32_t code; char reason[256]; } fail;  // code: pd_kvw_fail_code
         struct { uint64_t nonce; } ping;
         struct { uint64_t req_id; } cancel;
     } u;
@@ -190,11 +199,14 @@ pd_kvw_type pd_kvw_peek_type(const uint8_t *hdr);
 // The protocol's cap on a type's body (bytes); 0 for an unknown type. A receiver refuses a header
 // announcing more before reading (or allocating for) the body.
 uint32_t pd_kvw_max_body(pd_kvw_type t);
-// KV_NCCL geometry check (the decoder applies it): positive sizes, n_rows_last <= block_size,
-// row_bytes a multiple of 8, and bytes exactly the slab size (no overflow, <= PD_KVW_MAX_PAYLOAD).
+// KV_NCCL geometry check (the decoder applies it): positive sizes, 0 <= layer < n_layers,
+// n_rows_last <= block_size, row_bytes a multiple of 8, and bytes exactly one layer's slab size
+// (no overflow, <= PD_KVW_MAX_PAYLOAD).
 bool pd_kvw_kv_nccl_valid(const pd_kvw_kv_nccl *s);
-// Where layer l's K and V rows start in a KV_NCCL slab at base: k[l], v[l] for l < n_layers.
-void pd_kvw_kv_nccl_layers(const pd_kvw_kv_nccl *s, void *base, void **k, void **v);
+// One layer's slab size: 2 * n_blocks * block_size * row_bytes.
+uint64_t pd_kvw_kv_nccl_layer_bytes(int n_blocks, int block_size, uint64_t row_bytes);
+// Where the K and V rows start in a KV_NCCL slab at base: *k = base, *v = base + bytes / 2.
+void pd_kvw_kv_nccl_split(const pd_kvw_kv_nccl *s, void *base, void **k, void **v);
 
 #ifdef __cplusplus
 }

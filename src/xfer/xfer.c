@@ -348,7 +348,7 @@ typedef struct inflight {
     int32_t start_pos, n_tokens;
     int32_t *dst_blocks;     // owned (tcp: where slabs land)
     int32_t n_dst_blocks;
-    int32_t n_landed;        // tcp: slabs landed
+    int32_t n_landed;        // tcp, nccl: layers landed
 } inflight;
 
 typedef struct worker {
@@ -471,9 +471,12 @@ static const char *land_slab(worker *w, int fd, const pd_kvw_kv_slab *s) {
     return NULL;
 }
 
-// nccl transport: receives the announced slab (always: the communicator's order must stay in step
-// with the sender) and scatters it into the request's blocks if they are still reserved for it.
-// Returns NULL, or why the connection must be dropped.
+// nccl transport: receives the announced layer (always: the communicator's order must stay in step
+// with the sender) and scatters it into that layer of the request's blocks if they are still
+// reserved for it and it is the request's next layer. Both are waited for (bounded by the load
+// timeout: a peer that does not send aborts the communicator) before the next frame is read, so
+// one staging slab of one layer serves every announcement. Returns NULL, or why the connection
+// must be dropped.
 static const char *land_nccl(worker *w, const pd_kvw_kv_nccl *s) {
     pd_xfer_client *c = w->c;
     const pd_xfer_pool *pool = &c->p.pool;
@@ -488,9 +491,9 @@ static const char *land_nccl(worker *w, const pd_kvw_kv_nccl *s) {
         PD_LOG_W("xfer: %s", err.msg);
         return "nccl transfer failed";
     }
-    int nb = s->n_blocks, L = s->n_layers, bs = s->block_size;
+    int nb = s->n_blocks, L = s->n_layers, bs = s->block_size, l = s->layer;
     int32_t *idx = pd_malloc(sizeof(int32_t) * 3 * (size_t)nb);  // src blocks, dst blocks, rows
-    void **ptrs = pd_malloc(sizeof(void *) * 2 * (size_t)L);
+    void **ptrs = pd_calloc(2 * (size_t)L, sizeof(void *));        // slab K, V bases (layer l only)
     if (!idx || !ptrs) {
         pd_free(idx);
         pd_free(ptrs);
@@ -503,23 +506,28 @@ static const char *land_nccl(worker *w, const pd_kvw_kv_nccl *s) {
         if (f->req_id != s->req_id || f->timed_out) continue;
         found = true;
         int rows = (nb - 1) * bs + s->n_rows_last;
-        geom_ok = nb == f->n_dst_blocks && rows == f->n_tokens - f->start_pos;
+        geom_ok = nb == f->n_dst_blocks && rows == f->n_tokens - f->start_pos && l == f->n_landed;
         for (int b = 0; b < nb && geom_ok; b++)
             idx[b] = b, idx[nb + b] = f->dst_blocks[b], idx[2 * nb + b] = b == nb - 1 ? s->n_rows_last : bs;
     }
     pthread_mutex_unlock(&w->mu);
     const char *why = NULL;
     if (found && !geom_ok) {
-        why = "KV_NCCL slab does not match its request";
+        why = "KV_NCCL slab does not match its request (geometry or layer order)";
     } else if (found) {
-        pd_kvw_kv_nccl_layers(s, stg, ptrs, ptrs + L);
+        pd_kvw_kv_nccl_split(s, stg, &ptrs[l], &ptrs[L + l]);
         pd_kv_copy_params kp = {.src_k = ptrs, .src_v = ptrs + L, .dst_k = pool->k, .dst_v = pool->v, .src_blocks = idx,
-                                .dst_blocks = idx + nb, .n_rows = idx + 2 * nb, .n_blocks = nb, .layer_begin = 0,
-                                .layer_end = L, .block_size = bs, .row_bytes = (size_t)s->row_bytes};
+                                .dst_blocks = idx + nb, .n_rows = idx + 2 * nb, .n_blocks = nb, .layer_begin = l,
+                                .layer_end = l + 1, .block_size = bs, .row_bytes = (size_t)s->row_bytes};
         pd_comm_kv_copy(w->comm, &kp);
         if (pd_comm_wait(w->comm, c->p.timeout_ms, &err)) {
             PD_LOG_W("xfer: %s", err.msg);
             why = "nccl scatter failed";
+        } else {
+            pthread_mutex_lock(&w->mu);  // layer l is in place (pd_xfer_client_layers_landed)
+            for (int i = 0; i < w->n_inf; i++)
+                if (w->inf[i].req_id == s->req_id) w->inf[i].n_landed++;
+            pthread_mutex_unlock(&w->mu);
         }
     }
     pd_free(idx);
@@ -546,12 +554,16 @@ static const char *handle_client_msg(worker *w, int fd, const pd_kvw_msg *m, int
         // A timed-out request ends here: the worker is done with its blocks, the engine may reuse them.
         if (f.timed_out) emit_result(w->c, w->idx, id, PD_ERR_TIMEOUT, "prefill timed out", NULL);
         else if (m->type == PD_KVW_PREFILL_DONE) emit_result(w->c, w->idx, id, PD_OK, NULL, &m->u.done);
+        else if (m->u.fail.code == PD_KVW_FAIL_POOL_REFUSED) emit_result(w->c, w->idx, id, PD_ERR_UNSUPPORTED, m->u.fail.reason, NULL);
         else emit_result(w->c, w->idx, id, PD_ERR_INVALID, m->u.fail.reason, NULL);
         break;
     }
-    case PD_KVW_KV_NCCL:
+    case PD_KVW_KV_NCCL: {
         if (w->c->p.transport != PD_KVW_TRANSPORT_NCCL) return "KV_NCCL on a connection that is not nccl";
-        return land_nccl(w, &m->u.kv_nccl);
+        const char *why = land_nccl(w, &m->u.kv_nccl);
+        if (!why) *last_pong = pd_time_us();  // the peer took part in a transfer: it is alive (the
+        return why;                           // wait may have outlasted the heartbeat window)
+    }
     default: return "unexpected message";
     }
     return NULL;
@@ -916,9 +928,8 @@ typedef struct sconn {
     int alive;           // atomic: 1 until the connection ends (direct writers check it per layer)
     bool done;           // the thread has finished (guarded by s->mu); the slot can be reaped
     // nccl transport
-    pthread_mutex_t kv_mu;  // guards comm and staging; held for a whole slab send
+    pthread_mutex_t kv_mu;  // guards comm; held for a post or a (bounded) wait
     pd_comm *comm;          // rank 1 of this connection's communicator
-    pd_buffer *staging;     // the slab being sent (device), grown as needed
 } sconn;
 
 struct pd_xfer_server {
@@ -1067,11 +1078,9 @@ static void *sconn_main(void *arg) {
     __atomic_store_n(&k->alive, 0, __ATOMIC_RELEASE);
     shutdown(k->fd, SHUT_RDWR);
     outq_stop(&k->q);  // drops what was queued
-    pthread_mutex_lock(&k->kv_mu);  // waits for a slab send in progress (bounded by its timeout)
-    pd_comm_free(k->comm);
+    pthread_mutex_lock(&k->kv_mu);  // waits for a wait in progress (bounded by its timeout)
+    pd_comm_free(k->comm);          // aborts sends still in flight: their staging is free again
     k->comm = NULL;
-    pd_buffer_free(k->staging);
-    k->staging = NULL;
     pthread_mutex_unlock(&k->kv_mu);
     if (announced) {
         pd_xfer_event ev = {.kind = PD_XFER_EV_CLOSED, .conn_id = k->id, .fd = -1};
@@ -1268,34 +1277,43 @@ pd_status pd_xfer_server_send(pd_xfer_server *s, int conn_id, const pd_kvw_msg *
     return st;
 }
 
-pd_status pd_xfer_server_send_nccl(pd_xfer_server *s, int conn_id, const pd_kvw_kv_nccl *slab, pd_xfer_fill_fn fill,
-                                   void *ud, int timeout_ms, pd_err *err) {
+// Locks the connection's communicator (kv_mu): the connection cannot be freed while it is held.
+static sconn *nccl_conn_lock(pd_xfer_server *s, int conn_id, pd_err *err) {
     pthread_mutex_lock(&s->mu);
     sconn *k = conn_get(s, conn_id);
-    if (k) pthread_mutex_lock(&k->kv_mu);  // the connection cannot be freed while kv_mu is held
+    if (k) pthread_mutex_lock(&k->kv_mu);
     pthread_mutex_unlock(&s->mu);
-    if (!k) return pd_err_set(err, PD_ERR_CLOSED, "no decode worker %d", conn_id);
-    pd_status st = PD_OK;
-    if (!k->comm) {
-        st = pd_err_set(err, PD_ERR_CLOSED, "decode worker %d has no communicator", conn_id);
-        goto out;
+    if (!k) pd_err_set(err, PD_ERR_CLOSED, "no decode worker %d", conn_id);
+    else if (!k->comm) {
+        pthread_mutex_unlock(&k->kv_mu);
+        pd_err_set(err, PD_ERR_CLOSED, "decode worker %d has no communicator", conn_id);
+        return NULL;
     }
-    if (!pd_buffer_reserve(s->p.backend, &k->staging, (size_t)slab->bytes)) {
-        st = pd_err_set(err, PD_ERR_NOMEM, "no device memory for a %llu-byte slab", (unsigned long long)slab->bytes);
-        goto out;
-    }
-    fill(ud, pd_buffer_ptr(k->staging));
+    return k;
+}
+
+pd_status pd_xfer_server_nccl_post(pd_xfer_server *s, int conn_id, const pd_kvw_kv_nccl *hdr, const void *dev,
+                                   pd_err *err) {
+    sconn *k = nccl_conn_lock(s, conn_id, err);
+    if (!k) return PD_ERR_CLOSED;
     pd_kvw_msg m = {.type = PD_KVW_KV_NCCL};
-    m.u.kv_nccl = *slab;
-    st = outq_push(&k->q, &m, NULL);
+    m.u.kv_nccl = *hdr;
+    pd_status st = outq_push(&k->q, &m, NULL);  // the announcement, then the send: same order on both
     if (st) {
         pd_err_set(err, st, "decode worker %d is gone", conn_id);
-        goto out;
+    } else {
+        st = pd_comm_send_after_xfer(k->comm, dev, (size_t)hdr->bytes, 0, err);
+        if (st) shutdown(k->fd, SHUT_RDWR);  // the communicator is aborted: end the connection
     }
-    st = pd_comm_send(k->comm, pd_buffer_ptr(k->staging), (size_t)slab->bytes, 0, err);
-    if (!st) st = pd_comm_wait(k->comm, timeout_ms, err);
+    pthread_mutex_unlock(&k->kv_mu);
+    return st;
+}
+
+pd_status pd_xfer_server_nccl_wait(pd_xfer_server *s, int conn_id, int timeout_ms, pd_err *err) {
+    sconn *k = nccl_conn_lock(s, conn_id, err);
+    if (!k) return PD_ERR_CLOSED;
+    pd_status st = pd_comm_wait(k->comm, timeout_ms, err);
     if (st) shutdown(k->fd, SHUT_RDWR);  // the communicator is aborted: end the connection
-out:
     pthread_mutex_unlock(&k->kv_mu);
     return st;
 }

@@ -133,7 +133,8 @@ pd_status pd_xfer_client_prefill(pd_xfer_client *c, const pd_kvw_prefill_req *re
 // already written, or a failure): only then are the destination blocks safe to reuse.
 void pd_xfer_client_cancel(pd_xfer_client *c, uint64_t req_id);
 int pd_xfer_client_n_healthy(pd_xfer_client *c);
-// tcp: KV_SLAB layers landed so far for an in-flight request; -1 if it is not in flight.
+// tcp, nccl: layers landed so far for an in-flight request (KV_SLAB / KV_NCCL layers in place); -1 if
+// it is not in flight.
 int pd_xfer_client_layers_landed(pd_xfer_client *c, uint64_t req_id);
 
 // ---- prefill side ------------------------------------------------------------------------------
@@ -163,16 +164,18 @@ void pd_xfer_server_counters(pd_xfer_server *s, pd_xfer_counters *out);
 pd_status pd_xfer_server_send(pd_xfer_server *s, int conn_id, const pd_kvw_msg *m, void *payload);
 // Whether the connection still exists (direct writers check before each layer). Any thread.
 bool pd_xfer_server_conn_alive(pd_xfer_server *s, int conn_id);
-// nccl transport: fill(ud, dev) writes the slab (slab->bytes, layout in wire/kv.h) into the
-// connection's device staging buffer on the backend's stream; then the slab is announced
-// (KV_NCCL) and sent through the connection's communicator. Returns when the peer has it
-// (PD_OK), or fails: PD_ERR_CLOSED (no such connection / communicator), PD_ERR_NOMEM, or a
-// transfer that failed or took longer than timeout_ms — then the communicator is aborted and the
-// connection closed (the decode worker reconnects with a new one). Engine thread; one at a time
-// per connection.
-typedef void (*pd_xfer_fill_fn)(void *ud, void *dev);
-pd_status pd_xfer_server_send_nccl(pd_xfer_server *s, int conn_id, const pd_kvw_kv_nccl *slab, pd_xfer_fill_fn fill,
-                                   void *ud, int timeout_ms, pd_err *err);
+// nccl transport, layer-wise. nccl_post announces one layer's slab (KV_NCCL, hdr; layout in
+// wire/kv.h) and posts its send of hdr->bytes at dev (device memory) on the connection's
+// communicator, ordered after the work on the backend's transfer stream (the gather that filled
+// dev), and returns without waiting for the peer. nccl_wait waits until every send posted on the
+// connection has completed (the peer received it). Both: PD_ERR_CLOSED if there is no such
+// connection or communicator; a post that fails, or a wait that fails or takes longer than
+// timeout_ms, aborts the communicator and closes the connection (the decode worker reconnects
+// with a new one; pd_comm_free on close ends every send still in flight, so its device memory is
+// free again). Engine thread: announcements and sends keep the same order on a connection.
+pd_status pd_xfer_server_nccl_post(pd_xfer_server *s, int conn_id, const pd_kvw_kv_nccl *hdr, const void *dev,
+                                   pd_err *err);
+pd_status pd_xfer_server_nccl_wait(pd_xfer_server *s, int conn_id, int timeout_ms, pd_err *err);
 
 #ifdef __cplusplus
 }

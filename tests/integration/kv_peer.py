@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """kv_peer.py — a hostile or misbehaving peer on a prefill worker's KV port (docs/kv-wire-format.md,
-version 3), for tests/integration/test_kv_faults.sh. Each subcommand runs one attack or fault and
+version 4), for tests/integration/test_kv_faults.sh. Each subcommand runs one attack or fault and
 prints one line; it exits 1 when the worker behaved wrongly (answered something it must not, or
 accepted what it must refuse).
 
@@ -14,7 +14,7 @@ import struct
 import sys
 import time
 
-MAGIC, VERSION = 0x564B4450, 3
+MAGIC, VERSION = 0x564B4450, 4
 HELLO, HELLO_ACK, PREFILL_REQ, KV_SLAB, DONE, FAIL, PING, PONG, CANCEL, KV_NCCL = range(1, 11)
 CHALLENGE, PROOF, AUTH_OK = 11, 12, 13
 TCP, SHM = 1, 2
@@ -199,6 +199,7 @@ def a_garbage(host, port, key, args):
     rnd = os.urandom
     cases = [lambda: rnd(64), lambda: rnd(4096),
              lambda: frame(PROOF, rnd(64), version=2),                     # old version
+             lambda: frame(PROOF, rnd(64), version=3),                     # the previous version
              lambda: frame(PROOF, b"", body_len=16 << 20),                 # a 16 MiB body announced
              lambda: frame(PROOF, rnd(64), payload_len=1 << 34),           # a 16 GiB payload announced
              lambda: frame(PROOF, rnd(64), crc=1),                         # bad checksum
@@ -246,8 +247,10 @@ def a_big_pool(host, port, key, _args):
         while f and f[0] == PONG:
             f = recv_frame(s, 10)
         check(f and f[0] == FAIL, "block 999,999 of an unmapped pool was not refused (%r)" % (f[0] if f else None))
-        reason = f[1][12:].decode(errors="replace")
-        check("not mapped" in reason or "out of range" in reason, "unexpected reason " + reason)
+        code = struct.unpack_from("<I", f[1], 8)[0]  # req_id u64, code u32, reason (u32 length + bytes)
+        reason = f[1][16:].decode(errors="replace")
+        check(code == 1, "a refused pool's failure does not say so (code %d)" % code)
+        check("pool refused" in reason, "unexpected reason " + reason)
         s.close()
     os.close(fd)
     print("big_pool: both announcements refused; block 999,999 failed with '%s'" % reason)

@@ -8,7 +8,8 @@
 #      payloads, unknown types, bad versions): the connection closes, the worker lives
 #   3. an shm pool announced as 1,000,000 blocks backed by a 4 KB memfd, then block 999,999:
 #      refused; tcp blocks outside the announced pool, token ids outside the vocabulary: refused
-#   4. 10,000 connect/close cycles, then a handoff that must succeed
+#   4. 10,000 connect/close cycles (PD_KV_FAULT_CYCLES; the TSan tier runs fewer), then a handoff
+#      that must succeed
 #   5. a slow-reading peer: /metrics of the prefill worker answers in < 100 ms throughout, the
 #      real decode worker's handoffs go on, and the stalled connection is dropped (counted)
 #   6. kill -9 of the prefill worker at each protocol step (before HELLO_ACK, mid-slab, before
@@ -17,42 +18,25 @@
 #   8. a seeded (temperature 1) request gives the same text handed off as colocated
 #   9. no /dev/shm object appears (pools are memfds), and the router refuses unauthenticated
 #      register / deregister, also under `pdserve run`
+#  10. a decode pool the prefill worker refuses (--debug-refuse-kv-pool): outputs still right, each
+#      prompt counted as a fallback with reason pool_refused (run before 9)
 . "$(dirname "$0")/lib/server.sh"
 pd_setup
 command -v python3 >/dev/null || pd_fail "python3 is needed"
 here=$(cd "$(dirname "$0")" && pwd)
 PEER="python3 $here/kv_peer.py"
-(umask 077; head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \n' >"$TMP/token")
+. "$(dirname "$0")/lib/disagg.sh"
+dg_token
+dg_prompts "$TMP/prompts.json" 24 13 17 64 150 250
+# The connect/close cycles of case 4: 10,000 in the plain tier; the TSan tier (make test-tsan)
+# sets PD_KV_FAULT_CYCLES lower to fit CI's budget (each cycle is a full authenticated handshake,
+# ~20x slower under TSan) — the slot recycling it checks is the same at any count above the 256
+# slots, which a run of 1,000 passes ~4 times.
+CYCLES=${PD_KV_FAULT_CYCLES:-10000}
+[ "$CYCLES" -gt 256 ] || pd_fail "PD_KV_FAULT_CYCLES must exceed the 256 connection slots ($CYCLES)"
 
-python3 - "$TMP/prompts.json" "${PD_MODELS_DIR:-$repo/../shared/models}" <<'PY'
-import json, os, random, sys
-out, shared = sys.argv[1:3]
-g = os.path.join(shared, "golden", "kjv-llama-6m.json")
-prompts = [p["prompt_ids"] for p in json.load(open(g))["prompts"]] if os.path.exists(g) else []
-base = prompts[3] if len(prompts) > 3 else list(range(10, 310))
-rng = random.Random(13)
-while len(prompts) < 24:
-    n = rng.choice([17, 64, 150, 250])
-    s = rng.randrange(0, max(1, len(base) - n))
-    prompts.append(base[s:s + n])
-json.dump(prompts, open(out, "w"))
-PY
-
-metric() {  # metric URL NAME_REGEX: sums the matching samples
-  curl -sf "$1/metrics" | awk -v re="$2" '$1 ~ re {s += $2} END {print s + 0}'
-}
-compare() {  # compare OUT.json LABEL
-  python3 - "$TMP/ref.json" "$1" "$2" <<'PY' || exit 1
-import json, sys
-ref, got, label = json.load(open(sys.argv[1])), json.load(open(sys.argv[2])), sys.argv[3]
-if got["errors"]:
-    sys.exit("FAIL %s: %d requests failed: %s" % (label, got["errors"], got["error_list"]))
-bad = [i for i, (a, b) in enumerate(zip(ref["texts"], got["texts"])) if a != b]
-if bad:
-    sys.exit("FAIL %s: %d of %d outputs differ from colocated (first: %d)" % (label, len(bad), len(ref["texts"]), bad[0]))
-print("%s: %d outputs identical to colocated" % (label, len(ref["texts"])))
-PY
-}
+metric() { dg_metric "$@"; }
+compare() { dg_compare "$@"; }
 run_clients() {  # run_clients OUT LABEL: the prompts through the decode worker, compared
   python3 "$here/disagg_client.py" "$URL_dec" "$TMP/prompts.json" "$TMP/$1.json" --concurrency 8 --max-tokens 16 ||
     pd_fail "$2: client run failed"
@@ -63,30 +47,18 @@ pool_full() {
   pd_wait_for 20 sh -c "[ \$(curl -sf '$URL_dec/metrics' | awk '/^pdserve_kv_blocks_used / {print \$2+0}') = 0 ]" ||
     pd_fail "$1: the decode worker's KV pool is not back to full"
 }
-start_prefill() {  # start_prefill NAME [flags]
-  n=$1; shift
-  pd_start "$n" --role prefill --kv-port 0 --num-kv-blocks 2048 --auth-token-file "$TMP/token" "$@"
-  KV=$(grep -o 'KV port [0-9.]*:[0-9]*' "$TMP/$n.out" | head -1 | awk '{print $3}')
-  [ -n "$KV" ] || pd_fail "$n did not print its KV port"
-  KVPORT=${KV##*:}
-}
+start_prefill() { dg_start_prefill "$@"; }  # start_prefill NAME [flags]: sets KV, KVPORT, URL
 n_dec=0
-start_decode() {  # start_decode TRANSPORT (a fresh name each time: pd_start may read a reused .out
-  n_dec=$((n_dec + 1))  # before the new process truncated it, and take the old URL)
+start_decode() {  # start_decode TRANSPORT (a fresh name each time)
+  n_dec=$((n_dec + 1))
   DEC=dec$n_dec
-  pd_start $DEC --role decode --prefill "$KV" --kv-transport "$1" --disagg-min-tokens 1 --disagg-timeout-ms 20000 \
-    --num-kv-blocks 1024 --auth-token-file "$TMP/token"
+  DG_DECODE_BLOCKS=1024 dg_start_decode $DEC "$1"
   URL_dec=$URL
 }
-wait_connected() {
-  pd_wait_for 30 sh -c "curl -sf '$URL_dec/metrics' | grep -q '^pdserve_kv_prefill_workers_healthy 1'" ||
-    pd_fail "the decode worker never connected"
-}
+wait_connected() { dg_wait_connected "$URL_dec"; }
 shm_before=$(ls /dev/shm 2>/dev/null | grep -c pdserve)
 
-pd_start both --num-kv-blocks 2048
-python3 "$here/disagg_client.py" "$URL_both" "$TMP/prompts.json" "$TMP/ref.json" --concurrency 8 --max-tokens 16 ||
-  pd_fail "reference run failed"
+dg_reference both 8 16 --num-kv-blocks 2048
 
 # ---- 1-3: attacks on a live prefill worker (its decode worker keeps serving) ----------------------
 start_prefill pf
@@ -111,24 +83,28 @@ h0=$(metric "$URL_dec" '^pdserve_kv_handoffs_total')
 [ "$h0" -ge 24 ] || pd_fail "handoffs did not happen after the attacks ($h0)"
 
 # ---- 4: 10,000 connect/close cycles, then a handoff -----------------------------------------------
-$PEER cycles 127.0.0.1 "$KVPORT" "$TMP/token" 10000 || pd_fail "connect/close cycles"
+$PEER cycles 127.0.0.1 "$KVPORT" "$TMP/token" "$CYCLES" || pd_fail "connect/close cycles"
 curl -sf "$URL_pf/health" >/dev/null || pd_fail "the prefill worker died after the cycles"
-run_clients cycles "after 10000 cycles"
+run_clients cycles "after $CYCLES cycles"
 h1=$(metric "$URL_dec" '^pdserve_kv_handoffs_total')
-[ "$h1" -ge $((h0 + 24)) ] || pd_fail "no handoff after 10000 connect/close cycles ($h0 -> $h1)"
-echo "cycles: $((h1 - h0)) handoffs after 10000 cycles ($(metric "$URL_pf" '^pdserve_kv_connections_accepted_total') connections accepted)"
+[ "$h1" -ge $((h0 + 24)) ] || pd_fail "no handoff after $CYCLES connect/close cycles ($h0 -> $h1)"
+echo "cycles: $((h1 - h0)) handoffs after $CYCLES cycles ($(metric "$URL_pf" '^pdserve_kv_connections_accepted_total') connections accepted)"
 
 # ---- 5: a slow-reading peer -----------------------------------------------------------------------
 # Baseline: the worst /metrics latency of the prefill worker while it computes the same client load
 # without a slow reader (what this shared, maybe loaded, box gives a busy worker).
+worst_metrics() {  # the slowest of 30 GETs of the prefill worker's /metrics, 0.2 s apart (seconds)
+  w=0
+  for i in $(seq 1 30); do
+    t=$(curl -s -o /dev/null -w '%{time_total}' "$URL_pf/metrics")
+    w=$(python3 -c "print(max($w, $t))")
+    sleep 0.2
+  done
+  echo "$w"
+}
 python3 "$here/disagg_client.py" "$URL_dec" "$TMP/prompts.json" "$TMP/base.json" --concurrency 8 --max-tokens 16 &
 cpid=$!
-base=0
-for i in $(seq 1 30); do
-  t=$(curl -s -o /dev/null -w '%{time_total}' "$URL_pf/metrics")
-  base=$(python3 -c "print(max($base, $t))")
-  sleep 0.2
-done
+base=$(worst_metrics)
 wait $cpid || pd_fail "baseline client run failed"
 h1=$(metric "$URL_dec" '^pdserve_kv_handoffs_total')
 $PEER slow_reader 127.0.0.1 "$KVPORT" "$TMP/token" 25 >"$TMP/slow.out" 2>&1 &
@@ -136,12 +112,7 @@ spid=$!
 pd_wait_for 20 grep -q 'not reading' "$TMP/slow.out" || pd_fail "slow reader did not start: $(cat "$TMP/slow.out")"
 python3 "$here/disagg_client.py" "$URL_dec" "$TMP/prompts.json" "$TMP/slow.json" --concurrency 8 --max-tokens 16 &
 cpid=$!
-worst=0
-for i in $(seq 1 30); do
-  t=$(curl -s -o /dev/null -w '%{time_total}' "$URL_pf/metrics")
-  worst=$(python3 -c "print(max($worst, $t))")
-  sleep 0.2
-done
+worst=$(worst_metrics)
 wait $cpid || pd_fail "client run during the slow reader failed"
 compare "$TMP/slow.json" "during a slow reader" || pd_fail "outputs differ during a slow reader"
 h2=$(metric "$URL_dec" '^pdserve_kv_handoffs_total')
@@ -218,6 +189,21 @@ print("seeded: identical handed off and colocated")
 PY
 pd_stop $DEC
 pd_stop pf2
+
+# ---- 10: a decode pool the prefill worker refuses: every prompt prefilled locally, counted ------
+start_prefill pf3 --debug-refuse-kv-pool
+URL_pf3=$URL
+start_decode shm
+wait_connected
+run_clients refused "refused decode pool"
+f=$(metric "$URL_dec" 'pdserve_kv_handoff_fallbacks_total.*reason="pool_refused"')
+e=$(metric "$URL_dec" 'pdserve_kv_handoff_fallbacks_total.*reason="error"')
+r=$(metric "$URL_pf3" '^pdserve_kv_peers_refused_total')
+[ "$f" -ge 24 ] && [ "$e" -eq 0 ] && [ "$r" -ge 1 ] ||
+  pd_fail "refused pool: fallbacks pool_refused $f (24 expected), error $e, pools refused $r"
+echo "refused pool: $f prompts prefilled locally, counted as reason=\"pool_refused\""
+pd_stop $DEC
+pd_stop pf3
 
 # ---- 9: no /dev/shm objects; router registration needs the secret ---------------------------------
 shm_after=$(ls /dev/shm 2>/dev/null | grep -c pdserve)

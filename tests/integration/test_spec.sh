@@ -13,39 +13,12 @@ shared="${PD_MODELS_DIR:-$repo/../shared/models}"
 DRAFT="$shared/kjv-llama-1m"
 [ -e "$DRAFT/config.json" ] || pd_fail "draft model kjv-llama-1m not found in $shared"
 
-python3 - "$TMP/prompts.json" "$shared" <<'PY'
-import json, random, sys, os
-out, shared = sys.argv[1:3]
-prompts = [p["prompt_ids"] for p in json.load(open(os.path.join(shared, "golden", "kjv-llama-6m.json")))["prompts"]]
-base = prompts[3]
-rng = random.Random(11)
-while len(prompts) < 32:
-    n = rng.choice([3, 17, 40, 90, 150])
-    s = rng.randrange(0, max(1, len(base) - n))
-    prompts.append(base[s:s + n])
-json.dump(prompts, open(out, "w"))
-PY
+. "$(dirname "$0")/lib/disagg.sh"
+[ -e "$shared/golden/kjv-llama-6m.json" ] || pd_fail "golden prompts of kjv-llama-6m not found in $shared"
+dg_prompts "$TMP/prompts.json" 32 11 3 17 40 90 150
+DG_REF_WHAT="speculation off"  # (dg_compare's reference: $TMP/ref.json)
 
-metric() {  # metric URL NAME_REGEX: sums the matching samples
-  curl -sf "$1/metrics" | awk -v re="$2" '$1 ~ re {s += $2} END {print s + 0}'
-}
-
-compare() {  # compare OUT.json LABEL
-  python3 - "$TMP/ref.json" "$1" "$2" <<'PY' || exit 1
-import json, sys
-ref, got, label = json.load(open(sys.argv[1])), json.load(open(sys.argv[2])), sys.argv[3]
-if got["errors"]:
-    sys.exit("FAIL %s: %d requests failed: %s" % (label, got["errors"], got["error_list"]))
-bad = [i for i, (a, b) in enumerate(zip(ref["texts"], got["texts"])) if a != b]
-if bad:
-    sys.exit("FAIL %s: %d of %d outputs differ from speculation off (first: %d)" % (label, len(bad), len(ref["texts"]), bad[0]))
-print("ok   %s: %d outputs identical to speculation off" % (label, len(ref["texts"])))
-PY
-}
-
-pd_start ref --num-kv-blocks 1024
-python3 "$here/disagg_client.py" "$URL" "$TMP/prompts.json" "$TMP/ref.json" --concurrency 8 --max-tokens 24 ||
-  pd_fail "reference run failed"
+dg_reference ref 8 24 --num-kv-blocks 1024
 pd_stop ref
 
 run_method() {  # run_method NAME METHOD MUST_DRAFT(0|1) FLAGS...
@@ -53,9 +26,9 @@ run_method() {  # run_method NAME METHOD MUST_DRAFT(0|1) FLAGS...
   pd_start "$name" --num-kv-blocks 1024 --speculative-method "$m" "$@"
   python3 "$here/disagg_client.py" "$URL" "$TMP/prompts.json" "$TMP/$name.json" --concurrency 8 --max-tokens 24 ||
     pd_fail "$name run failed"
-  compare "$TMP/$name.json" "$name" || pd_fail "$name: outputs differ"
-  d=$(metric "$URL" "^pdserve_spec_draft_tokens_total\\{method=\"$m\"\\}")
-  a=$(metric "$URL" "^pdserve_spec_accepted_tokens_total\\{method=\"$m\"\\}")
+  dg_compare "$TMP/$name.json" "$name" || pd_fail "$name: outputs differ"
+  d=$(dg_metric "$URL" "^pdserve_spec_draft_tokens_total\\{method=\"$m\"\\}")
+  a=$(dg_metric "$URL" "^pdserve_spec_accepted_tokens_total\\{method=\"$m\"\\}")
   echo "     $name: $d draft tokens verified, $a accepted"
   [ "$must" = 0 ] || [ "$d" -gt 0 ] || pd_fail "$name: /metrics shows no draft tokens"
   [ "$a" -le "$d" ] || pd_fail "$name: more accepted than drafted"
@@ -118,10 +91,10 @@ DURL=$(grep -o 'decode worker http://[0-9.]*:[0-9]*' "$TMP/run.out" | head -1 | 
 [ -n "$RURL" ] && [ -n "$DURL" ] || pd_fail "pdserve run printed no router / decode URL: $(cat "$TMP/run.out")"
 python3 "$here/disagg_client.py" "$RURL" "$TMP/prompts.json" "$TMP/run.json" --concurrency 8 --max-tokens 24 ||
   pd_fail "pdserve run: requests failed"
-compare "$TMP/run.json" "pdserve run (disaggregated, draft)" || pd_fail "pdserve run: outputs differ"
-h=$(metric "$DURL" '^pdserve_kv_handoffs_total')
-d=$(metric "$DURL" '^pdserve_spec_draft_tokens_total\{method="draft"\}')
-a=$(metric "$DURL" '^pdserve_spec_accepted_tokens_total\{method="draft"\}')
+dg_compare "$TMP/run.json" "pdserve run (disaggregated, draft)" || pd_fail "pdserve run: outputs differ"
+h=$(dg_metric "$DURL" '^pdserve_kv_handoffs_total')
+d=$(dg_metric "$DURL" '^pdserve_spec_draft_tokens_total\{method="draft"\}')
+a=$(dg_metric "$DURL" '^pdserve_spec_accepted_tokens_total\{method="draft"\}')
 echo "     decode worker: $h handoffs, $d draft tokens verified, $a accepted"
 [ "$h" -gt 0 ] || pd_fail "pdserve run: no KV handoffs"
 [ "$d" -gt 0 ] && [ "$a" -gt 0 ] || pd_fail "pdserve run: the decode worker did not speculate ($d drafted, $a accepted)"

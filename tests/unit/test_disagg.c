@@ -463,6 +463,44 @@ PD_TEST(disagg_seeded_sampling_same_as_local) {
     json_decref(g);
 }
 
+// A decode pool that the prefill worker refuses (test hook: as if it did not check out) is counted
+// apart: the prefill worker counts the refused pool, every handoff on that connection gets
+// PREFILL_FAIL with the pool-refused code at once, and the decode worker prefills locally (outputs
+// still right) counting each as a fallback with reason pool_refused — not as a generic error.
+PD_TEST(disagg_refused_pool_counted_as_fallback) {
+    json_t *g = golden();
+    char dir[512];
+    snprintf(dir, sizeof dir, "%s/kjv-llama-6m", pd_test_models_dir());
+    pd_engine_params pp = pd_engine_params_default();
+    pp.model_dir = dir, pp.device = "cpu", pp.n_blocks = 256, pp.role = PD_ROLE_PREFILL;
+    pp.kv_transport = PD_KVW_TRANSPORT_SHM, pp.kv_secret = SECRET, pp.debug_refuse_kv_pools = true;
+    pd_err err = {0};
+    pd_engine *pf = pd_engine_new(&pp, &err);
+    PD_REQUIRE(pf);
+    PD_CHECK_EQ(pd_engine_start(pf), PD_OK);
+    char addr[64];
+    snprintf(addr, sizeof addr, "127.0.0.1:%d", pd_engine_kv_port(pf));
+    pd_engine *d = mk(PD_ROLE_DECODE, PD_KVW_TRANSPORT_SHM, addr, 0);
+    wait_healthy(d);
+    outs o;
+    run(d, g, &o);
+    check(g, &o, "refused decode pool");
+    pd_engine_stats st;
+    pd_engine_stats_get(d, &st);
+    PD_CHECK_EQ(st.n_kv_fallbacks[PD_FALLBACK_POOL_REFUSED], 6);
+    PD_CHECK_EQ(st.n_kv_fallbacks[PD_FALLBACK_ERROR], 0);
+    PD_CHECK_EQ(st.n_kv_fallbacks[PD_FALLBACK_TIMEOUT], 0);
+    PD_CHECK_EQ(st.n_kv_handoffs, 0);
+    PD_CHECK_STR(pd_fallback_reason_name(PD_FALLBACK_POOL_REFUSED), "pool_refused");
+    pd_engine_stats ps;
+    pd_engine_stats_get(pf, &ps);
+    PD_CHECK(ps.n_kv_peers_refused >= 1);
+    PD_CHECK_EQ(ps.n_blocks_used, 0);
+    pd_engine_free(d);
+    pd_engine_free(pf);
+    json_decref(g);
+}
+
 // A prefill step that fails (out of memory: test hook) tells the decode worker at once
 // (PREFILL_FAIL): its requests fall back right away, not after the 20 s handoff timeout, and their
 // outputs are still right. Colocated, a failed step fails its requests with an error event: no

@@ -70,6 +70,15 @@ PD_TEST(kvw_roundtrip_all_types) {
     snprintf(m.u.fail.reason, sizeof m.u.fail.reason, "no room");
     o = roundtrip(&m, &b);
     PD_CHECK_STR(o.u.fail.reason, "no room");
+    PD_CHECK_EQ(o.u.fail.code, PD_KVW_FAIL_ERROR);
+    // v4: the code travels (a refused decode pool is told apart); an unknown code reads as an error
+    m.u.fail.code = PD_KVW_FAIL_POOL_REFUSED;
+    o = roundtrip(&m, &b);
+    PD_CHECK_EQ(o.u.fail.code, PD_KVW_FAIL_POOL_REFUSED);
+    PD_CHECK_STR(o.u.fail.reason, "no room");
+    m.u.fail.code = 77;
+    o = roundtrip(&m, &b);
+    PD_CHECK_EQ(o.u.fail.code, PD_KVW_FAIL_ERROR);
     pd_kvw_buf_fini(&b);
 }
 
@@ -120,44 +129,53 @@ PD_TEST(kvw_nccl_hello_and_slab_roundtrip) {
     PD_CHECK(!memcmp(o.u.hello.handle, m.u.hello.handle, 128));
     PD_CHECK_STR(pd_kvw_transport_name(PD_KVW_TRANSPORT_NCCL), "nccl");
 
-    // Llama-3-8B shape, 7500 tokens: 32 layers x 2 x 469 blocks x 16 rows x 2048 bytes.
+    // Llama-3-8B shape, 7500 tokens, layer 31 of 32: 2 x 469 blocks x 16 rows x 2048 bytes.
     m = (pd_kvw_msg){.type = PD_KVW_KV_NCCL};
-    m.u.kv_nccl = (pd_kvw_kv_nccl){.req_id = 0x1122334455667788ull, .n_layers = 32, .n_blocks = 469, .block_size = 16,
-                                   .n_rows_last = 12, .row_bytes = 2048};
-    m.u.kv_nccl.bytes = 32ull * 2 * 469 * 16 * 2048;
+    m.u.kv_nccl = (pd_kvw_kv_nccl){.req_id = 0x1122334455667788ull, .layer = 31, .n_layers = 32, .n_blocks = 469,
+                                   .block_size = 16, .n_rows_last = 12, .row_bytes = 2048};
+    m.u.kv_nccl.bytes = 2ull * 469 * 16 * 2048;
+    PD_CHECK(m.u.kv_nccl.bytes == pd_kvw_kv_nccl_layer_bytes(469, 16, 2048));
     PD_CHECK(pd_kvw_kv_nccl_valid(&m.u.kv_nccl));
     o = roundtrip(&m, &b);
     PD_CHECK_EQ(o.type, PD_KVW_KV_NCCL);
     PD_CHECK(o.u.kv_nccl.req_id == 0x1122334455667788ull);
+    PD_CHECK_EQ(o.u.kv_nccl.layer, 31);
     PD_CHECK_EQ(o.u.kv_nccl.n_layers, 32);
     PD_CHECK_EQ(o.u.kv_nccl.n_blocks, 469);
     PD_CHECK_EQ(o.u.kv_nccl.block_size, 16);
     PD_CHECK_EQ(o.u.kv_nccl.n_rows_last, 12);
     PD_CHECK_EQ(o.u.kv_nccl.row_bytes, 2048);
-    PD_CHECK(o.u.kv_nccl.bytes == 32ull * 2 * 469 * 16 * 2048);
+    PD_CHECK(o.u.kv_nccl.bytes == 2ull * 469 * 16 * 2048);
+    PD_CHECK_EQ(b.len, (size_t)PD_KVW_HDR + pd_kvw_max_body(PD_KVW_KV_NCCL));  // 44-byte body (v4)
     pd_kvw_buf_fini(&b);
 }
 
-// Re-encodes a KV_NCCL frame with one field changed; the decoder must refuse it.
-// The slab layout both sides address: (layer, K|V, block, row), so layer l's K starts at
-// 2 l * stride and its V at (2 l + 1) * stride, stride = n_blocks * block_size * row_bytes, and the
-// last V region ends exactly at bytes.
+// The one-layer slab layout both sides address: (K|V, block, row), so K starts at the base and V at
+// stride = n_blocks * block_size * row_bytes, and the V region ends exactly at bytes. Every layer
+// index of the request is valid; one past the last is not.
 PD_TEST(kvw_nccl_slab_layers) {
-    pd_kvw_kv_nccl s = {.n_layers = 3, .n_blocks = 5, .block_size = 16, .n_rows_last = 7, .row_bytes = 64};
-    s.bytes = 3ull * 2 * 5 * 16 * 64;
-    PD_REQUIRE(pd_kvw_kv_nccl_valid(&s));
+    pd_kvw_kv_nccl s = {.layer = 0, .n_layers = 3, .n_blocks = 5, .block_size = 16, .n_rows_last = 7, .row_bytes = 64};
+    s.bytes = 2ull * 5 * 16 * 64;
+    for (int l = 0; l < 3; l++) {
+        s.layer = l;
+        PD_CHECK(pd_kvw_kv_nccl_valid(&s));
+    }
     char *base = pd_malloc(s.bytes);
     PD_REQUIRE(base);
-    void *k[3], *v[3];
-    pd_kvw_kv_nccl_layers(&s, base, k, v);
+    void *k, *v;
+    pd_kvw_kv_nccl_split(&s, base, &k, &v);
     size_t stride = 5 * 16 * 64;
-    for (int l = 0; l < 3; l++) {
-        PD_CHECK((char *)k[l] - base == (ptrdiff_t)(2 * l * stride));
-        PD_CHECK((char *)v[l] - base == (ptrdiff_t)((2 * l + 1) * stride));
-    }
-    PD_CHECK((char *)v[2] - base + (ptrdiff_t)stride == (ptrdiff_t)s.bytes);
+    PD_CHECK((char *)k == base);
+    PD_CHECK((char *)v - base == (ptrdiff_t)stride);
+    PD_CHECK((char *)v - base + (ptrdiff_t)stride == (ptrdiff_t)s.bytes);
     pd_free(base);
+    s.layer = 3;
+    PD_CHECK(!pd_kvw_kv_nccl_valid(&s));
+    s.layer = -1;
+    PD_CHECK(!pd_kvw_kv_nccl_valid(&s));
 }
+
+// Re-encodes a KV_NCCL frame with one field changed; the decoder must refuse it.
 
 static void nccl_refused(pd_kvw_kv_nccl s, const char *what) {
     pd_kvw_buf b = {0};
@@ -173,8 +191,9 @@ static void nccl_refused(pd_kvw_kv_nccl s, const char *what) {
 }
 
 PD_TEST(kvw_nccl_bad_lengths_refused) {
-    pd_kvw_kv_nccl ok = {.req_id = 1, .n_layers = 2, .n_blocks = 3, .block_size = 16, .n_rows_last = 16, .row_bytes = 64};
-    ok.bytes = 2ull * 2 * 3 * 16 * 64;
+    pd_kvw_kv_nccl ok = {.req_id = 1, .layer = 1, .n_layers = 2, .n_blocks = 3, .block_size = 16, .n_rows_last = 16,
+                         .row_bytes = 64};
+    ok.bytes = 2ull * 3 * 16 * 64;
     PD_CHECK(pd_kvw_kv_nccl_valid(&ok));
     pd_kvw_kv_nccl s = ok;
     s.bytes += 1;
@@ -187,13 +206,19 @@ PD_TEST(kvw_nccl_bad_lengths_refused) {
     nccl_refused(s, "n_rows_last 0");
     s = ok, s.n_blocks = -3, s.bytes = 0;
     nccl_refused(s, "negative n_blocks");
-    s = ok, s.row_bytes = 60, s.bytes = 2ull * 2 * 3 * 16 * 60;
+    s = ok, s.row_bytes = 60, s.bytes = 2ull * 3 * 16 * 60;
     nccl_refused(s, "row_bytes not a multiple of 8");
     s = ok, s.n_layers = PD_KVW_MAX_LAYERS + 1;
     nccl_refused(s, "too many layers");
+    s = ok, s.layer = 2;
+    nccl_refused(s, "a layer past the request's layers");
+    s = ok, s.layer = -1;
+    nccl_refused(s, "a negative layer");
+    s = ok, s.bytes = 2ull * 2 * 3 * 16 * 64;
+    nccl_refused(s, "a whole-request slab (version 3's size)");
     // a size that overflows 64 bits when multiplied out
     s = ok, s.n_layers = 512, s.n_blocks = 0x7fffffff, s.block_size = 4096, s.n_rows_last = 1, s.row_bytes = 1u << 20;
-    s.bytes = (uint64_t)512 * 2 * 0x7fffffffull * 4096 * (1u << 20);  // wraps
+    s.layer = 0, s.bytes = (uint64_t)2 * 0x7fffffffull * 4096 * (1u << 20);  // wraps
     nccl_refused(s, "an overflowing size");
 
     // A truncated body (the frame says fewer bytes than the fields need) is refused, not read past.
@@ -274,5 +299,9 @@ PD_TEST(kvw_v3_auth_frames_and_caps) {
     PD_CHECK(pd_kvw_peek_len(b.data) == 0);
     PD_CHECK_EQ(pd_kvw_decode(b.data, b.len, &o, &used, &err), PD_ERR_PROTO);
     PD_CHECK_CONTAINS(err.msg, "unsupported version 2");
+    // and so is a version-3 peer (whole-request KV_NCCL slabs)
+    b.data[4] = 3;
+    PD_CHECK_EQ(pd_kvw_decode(b.data, b.len, &o, &used, &err), PD_ERR_PROTO);
+    PD_CHECK_CONTAINS(err.msg, "unsupported version 3");
     pd_kvw_buf_fini(&b);
 }

@@ -87,6 +87,7 @@ void pd_cuda_kv_copy_xfer(pd_backend *b, const pd_kv_copy_params *p);
 void pd_cuda_kv_checksum_xfer(pd_backend *b, const pd_kv_checksum_params *p);
 void pd_cuda_xfer_sync(pd_backend *b);
 void pd_cuda_xfer_fini(pd_cuda_backend *cb);
+cudaStream_t pd_cuda_xfer_stream(pd_cuda_backend *cb);  // made on first use
 
 // sample.c
 void pd_cuda_sample_op(pd_backend *b, const pd_sample_params *p);

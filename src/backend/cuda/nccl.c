@@ -9,7 +9,8 @@
 //     every wait polls ncclCommGetAsyncError and cudaStreamQuery against a deadline, so a dead or
 //     hung peer ends in ncclCommAbort (which also ends NCCL kernels waiting for it), never in a hang.
 //   * Each comm owns a stream on the backend's device. A send is ordered after the work already on
-//     the backend's stream through an event (its data was produced there); receives and the scatter
+//     the backend's stream through an event (its data was produced there), or after the transfer
+//     stream's (pd_comm_send_after_xfer: a layer gathered there); receives and the scatter
 //     (kv_copy, with descriptors staged in the comm's own scratch) never touch the backend's stream,
 //     so the compute stream never waits for the other side's progress.
 #include <dlfcn.h>
@@ -73,6 +74,8 @@ static bool nccl_ready(pd_err *err) {
     if (!nccl.ok) pd_err_set(err, PD_ERR_UNSUPPORTED, "nccl transport unavailable: %s", nccl.why);
     return nccl.ok;
 }
+
+#define POST_MS 20000  // bound on enqueuing one send / receive (incl. connecting to the peer)
 
 typedef struct nccl_comm {
     pd_cuda_backend *cb;  // borrowed
@@ -176,19 +179,34 @@ void *pd_cuda_comm_new(pd_backend *b, const pd_comm_id *id, int n_ranks, int ran
     return c;
 }
 
-pd_status pd_cuda_comm_post(pd_backend *b, void *p, void *buf, size_t n, int peer, bool is_send, pd_err *err) {
+pd_status pd_cuda_comm_post(pd_backend *b, void *p, void *buf, size_t n, int peer, int op, pd_err *err) {
     nccl_comm *c = p;
     if (!c->comm) return pd_err_set(err, PD_ERR_DEVICE, "nccl: the communicator was aborted");
     pd_cuda_bind(c->cb);
-    if (is_send) {
-        PD_CUDA_CHECK(cudaEventRecord(c->ev, c->cb->stream));
+    bool is_send = op != PD_COMM_OP_RECV;
+    if (is_send) {  // after the stream that produced the data (the compute or the transfer stream)
+        cudaStream_t after = op == PD_COMM_OP_SEND_XFER ? pd_cuda_xfer_stream(c->cb) : c->cb->stream;
+        PD_CUDA_CHECK(cudaEventRecord(c->ev, after));
         PD_CUDA_CHECK(cudaStreamWaitEvent(c->stream, c->ev, 0));
     }
     ncclResult_t r = is_send ? nccl.send(buf, n, ncclUint8, peer, c->comm, c->stream)
                              : nccl.recv(buf, n, ncclUint8, peer, c->comm, c->stream);
-    // ncclInProgress: enqueued asynchronously (non-blocking comm); pd_cuda_comm_wait completes it.
     if (r != ncclSuccess && r != ncclInProgress)
         return comm_fail(c, PD_ERR_DEVICE, err, "%s: %s", is_send ? "send" : "recv", nccl.error_string(r));
+    // ncclInProgress: the non-blocking comm is still enqueuing it (the first operation with a peer
+    // also connects to it). The next call on the comm must wait until that is done, so it is
+    // waited for here (bounded: a peer that never connects aborts the comm); the transfer itself
+    // is not (pd_cuda_comm_wait).
+    int64_t deadline = pd_time_us() + POST_MS * 1000;
+    while (r == ncclInProgress) {
+        ncclResult_t q = nccl.async_error(c->comm, &r);
+        if (q != ncclSuccess) r = q;
+        if (r != ncclSuccess && r != ncclInProgress)
+            return comm_fail(c, PD_ERR_DEVICE, err, "%s: %s", is_send ? "send" : "recv", nccl.error_string(r));
+        if (r == ncclInProgress && pd_time_us() > deadline)
+            return comm_fail(c, PD_ERR_TIMEOUT, err, "%s: not enqueued within %d ms", is_send ? "send" : "recv", POST_MS);
+        if (r == ncclInProgress) nap();
+    }
     return PD_OK;
 }
 

@@ -139,6 +139,8 @@ void pd_cuda_xfer_sync(pd_backend *b) {
     if (cb->xfer) xfer_drain(cb->xfer);
 }
 
+cudaStream_t pd_cuda_xfer_stream(pd_cuda_backend *cb) { return xfer_of(cb)->stream; }
+
 void pd_cuda_xfer_fini(pd_cuda_backend *cb) {
     pd_cuda_xfer *x = cb->xfer;
     if (!x) return;
