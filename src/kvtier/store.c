@@ -56,7 +56,8 @@ struct pd_kvt_store {
     int port;
     redisContext *rc;
     int64_t retry_at_ms, backoff_ms;
-    int64_t reconnects, down_misses;
+    int64_t reconnects, down_misses, auth_failures;
+    char *secret;
 };
 
 static uint64_t hkey(pd_hash128 h) {
@@ -128,6 +129,7 @@ void pd_kvt_store_free(pd_kvt_store *s) {
     if (s->ring_ok) io_uring_queue_exit(&s->ring);
     if (s->rc) redisFree(s->rc);
     free(s->host);
+    free(s->secret);
     free(s->dir);
     pthread_mutex_destroy(&s->mu);
     free(s);
@@ -290,6 +292,18 @@ static bool redis_up(pd_kvt_store *s) {
         redis_drop(s);
         return false;
     }
+    if (s->secret) {  // the pool moves KV: only workers that hold the shared secret may use it
+        const char *argv[] = {"AUTH", s->secret};
+        size_t lens[] = {4, strlen(s->secret)};
+        redisReply *r = redisCommandArgv(s->rc, 2, argv, lens);
+        bool ok = r && r->type == REDIS_REPLY_STATUS && !s->rc->err;
+        if (r) freeReplyObject(r);
+        if (!ok) {
+            s->auth_failures++;
+            redis_drop(s);
+            return false;
+        }
+    }
     s->reconnects++;
     s->backoff_ms = 0;
     return true;
@@ -388,14 +402,22 @@ pd_kvt_store *pd_kvt_redis_new(const pd_kvt_store_params *p, const char *url, pd
     if (!s) return NULL;
     s->host = strndup(hp, (size_t)(colon - hp));
     s->port = (int)port;
+    s->secret = p->secret ? strdup(p->secret) : NULL;
     snprintf(s->name, sizeof s->name, "redis");
-    if (!s->host) {
+    if (!s->host || (p->secret && !s->secret)) {
         pd_kvt_store_free(s);
         pd_err_set(err, PD_ERR_NOMEM, "kvtier: out of memory");
         return NULL;
     }
     redis_up(s);  // a server down at start is not an error: it is retried with backoff
     return s;
+}
+
+int64_t pd_kvt_redis_auth_failures(pd_kvt_store *s) {
+    pthread_mutex_lock(&s->mu);
+    int64_t r = s->auth_failures;
+    pthread_mutex_unlock(&s->mu);
+    return r;
 }
 
 int64_t pd_kvt_redis_down_misses(pd_kvt_store *s) {
@@ -578,6 +600,14 @@ bool pd_kvt_store_seen_before(pd_kvt_store *s, pd_hash128 key) {
 bool pd_kvt_store_contains(pd_kvt_store *s, pd_hash128 key) {
     pthread_mutex_lock(&s->mu);
     bool r = s->kind == 3 ? redis_exists(s, key) : pd_kvt_policy_contains(s->pol, key);
+    pthread_mutex_unlock(&s->mu);
+    return r;
+}
+
+int pd_kvt_store_probe(pd_kvt_store *s, pd_hash128 key) {
+    if (s->kind == 3) return -1;              // a network round trip: the tier thread finds out
+    if (pthread_mutex_trylock(&s->mu)) return -1;  // busy with I/O: do not wait for it
+    int r = pd_kvt_policy_contains(s->pol, key) ? 1 : 0;
     pthread_mutex_unlock(&s->mu);
     return r;
 }

@@ -30,10 +30,12 @@ struct pd_kvt_tiers {
     pthread_t thread;
     pthread_mutex_t mu;
     pthread_cond_t cv, idle_cv;
-    job *head, *tail;
+    job *head, *tail;          // offloads, FIFO
+    job *lhead, *ltail;        // loads, FIFO: served before any offload (a request waits on them)
     int n_queued_offloads;
     bool busy, stop;
     pd_kvt_tiers_stats st;     // guarded by mu
+    pd_kvt_store_stats snap[PD_KVT_MAX_TIERS];  // the stores' stats as of the last job, guarded by mu
     double bw_bytes_per_us[PD_KVT_MAX_TIERS];  // measured load bandwidth (EMA), guarded by mu
     uint8_t *page;             // tier thread scratch
     size_t page_cap;
@@ -45,8 +47,9 @@ static int64_t now_us(void) {
     return (int64_t)ts.tv_sec * 1000000 + ts.tv_nsec / 1000;
 }
 
+// Host DRAM keeps pages exact (f32); disk and Redis use the configured dtype.
 static pd_kvt_dtype tier_dtype(const pd_kvt_tiers *t, int i) {
-    return i == 0 ? PD_KVT_F32 : t->p.dtype;
+    return !strcmp(pd_kvt_store_name(t->p.stores[i]), "dram") ? PD_KVT_F32 : t->p.dtype;
 }
 
 static void put_tier(pd_kvt_tiers *t, int i, pd_hash128 h, pd_hash128 parent, const float *const *k,
@@ -138,19 +141,36 @@ static void run_load(pd_kvt_tiers *t, job *j) {
     j->done(j->ud, j->req_id, n_ok, dt);
 }
 
+// The stores' counters, read on the tier thread (a store's lock may be held across its I/O) and
+// published under mu, so that a stats reader (the engine thread) never waits on a tier.
+static void snapshot(pd_kvt_tiers *t) {
+    pd_kvt_store_stats s[PD_KVT_MAX_TIERS];
+    for (int i = 0; i < t->p.n_stores; i++) pd_kvt_store_stats_get(t->p.stores[i], &s[i]);
+    pthread_mutex_lock(&t->mu);
+    memcpy(t->snap, s, sizeof s);
+    pthread_mutex_unlock(&t->mu);
+}
+
 static void *tier_main(void *arg) {
     pd_kvt_tiers *t = arg;
     pthread_mutex_lock(&t->mu);
     for (;;) {
-        while (!t->head && !t->stop) {
+        while (!t->head && !t->lhead && !t->stop) {
             t->busy = false;
             pthread_cond_broadcast(&t->idle_cv);
             pthread_cond_wait(&t->cv, &t->mu);
         }
-        if (!t->head && t->stop) break;
-        job *j = t->head;
-        t->head = j->next;
-        if (!t->head) t->tail = NULL;
+        if (!t->head && !t->lhead && t->stop) break;
+        job *j;
+        if (t->lhead) {
+            j = t->lhead;
+            t->lhead = j->next;
+            if (!t->lhead) t->ltail = NULL;
+        } else {
+            j = t->head;
+            t->head = j->next;
+            if (!t->head) t->tail = NULL;
+        }
         if (j->kind == 1) t->n_queued_offloads--;
         t->busy = true;
         pthread_mutex_unlock(&t->mu);
@@ -159,6 +179,7 @@ static void *tier_main(void *arg) {
         free(j->rows);
         free(j->hashes);
         free(j);
+        snapshot(t);
         pthread_mutex_lock(&t->mu);
     }
     t->busy = false;
@@ -194,6 +215,7 @@ pd_kvt_tiers *pd_kvt_tiers_new(const pd_kvt_tiers_params *p, pd_err *err) {
     t->st.n_tiers = p->n_stores;
     for (int i = 0; i < p->n_stores; i++)
         snprintf(t->st.tier[i].name, sizeof t->st.tier[i].name, "%s", pd_kvt_store_name(p->stores[i]));
+    snapshot(t);
     if (!t->page || pthread_create(&t->thread, NULL, tier_main, t)) {
         free(t->page);
         free(t);
@@ -220,9 +242,10 @@ void pd_kvt_tiers_free(pd_kvt_tiers *t) {
 
 static void enqueue(pd_kvt_tiers *t, job *j) {
     j->next = NULL;
-    if (t->tail) t->tail->next = j;
-    else t->head = j;
-    t->tail = j;
+    job **head = j->kind == 2 ? &t->lhead : &t->head, **tail = j->kind == 2 ? &t->ltail : &t->tail;
+    if (*tail) (*tail)->next = j;
+    else *head = j;
+    *tail = j;
     t->busy = true;
     pthread_cond_signal(&t->cv);
 }
@@ -276,6 +299,35 @@ int pd_kvt_tiers_match(pd_kvt_tiers *t, const pd_hash128 *hashes, int n, int *ti
     return m;
 }
 
+int pd_kvt_tiers_probe(pd_kvt_tiers *t, const pd_hash128 *hashes, int n, int *n_sure, double *cost_us) {
+    int m = 0, sure = 0;
+    double cost = 0;
+    for (; m < n; m++) {
+        int found = -1;
+        bool maybe = false;
+        for (int i = 0; i < t->p.n_stores && found < 0; i++) {
+            int r = pd_kvt_store_probe(t->p.stores[i], hashes[m]);
+            if (r > 0) found = i;
+            else if (r < 0 && !maybe) {
+                maybe = true;
+                found = -2 - i;  // the first tier that may hold it
+            }
+            if (maybe) break;
+        }
+        if (found == -1) break;
+        int tier = found >= 0 ? found : -2 - found;
+        if (found >= 0 && sure == m) sure++;
+        pthread_mutex_lock(&t->mu);
+        double bw = t->bw_bytes_per_us[tier];
+        pthread_mutex_unlock(&t->mu);
+        size_t bytes = pd_kvt_page_bytes(&t->p.geom, tier_dtype(t, tier));
+        cost += bw > 0 ? (double)bytes / bw : 100.0;
+    }
+    if (n_sure) *n_sure = sure;
+    if (cost_us) *cost_us = cost;
+    return m;
+}
+
 pd_status pd_kvt_tiers_load(pd_kvt_tiers *t, uint64_t req_id, const pd_hash128 *hashes, int n,
                             float *const *const *dst_k, float *const *const *dst_v, pd_kvt_load_fn done, void *ud) {
     if (n < 0 || !done || (n > 0 && (!hashes || !dst_k || !dst_v))) return PD_ERR_INVALID;
@@ -311,9 +363,9 @@ bool pd_kvt_tiers_flush(pd_kvt_tiers *t, int timeout_ms) {
         dl.tv_nsec -= 1000000000;
     }
     pthread_mutex_lock(&t->mu);
-    while ((t->head || t->busy) && pthread_cond_timedwait(&t->idle_cv, &t->mu, &dl) == 0) {
+    while ((t->head || t->lhead || t->busy) && pthread_cond_timedwait(&t->idle_cv, &t->mu, &dl) == 0) {
     }
-    bool idle = !t->head && !t->busy;
+    bool idle = !t->head && !t->lhead && !t->busy;
     pthread_mutex_unlock(&t->mu);
     return idle;
 }
@@ -321,6 +373,6 @@ bool pd_kvt_tiers_flush(pd_kvt_tiers *t, int timeout_ms) {
 void pd_kvt_tiers_stats_get(pd_kvt_tiers *t, pd_kvt_tiers_stats *out) {
     pthread_mutex_lock(&t->mu);
     *out = t->st;
+    for (int i = 0; i < t->p.n_stores; i++) out->tier[i].store = t->snap[i];
     pthread_mutex_unlock(&t->mu);
-    for (int i = 0; i < t->p.n_stores; i++) pd_kvt_store_stats_get(t->p.stores[i], &out->tier[i].store);
 }
