@@ -856,6 +856,14 @@ pd_status pd_engine_state(pd_engine *e, uint64_t since, int max_events, pd_wire_
     l->n_kv_local_short = s->n_kv_local_short;
     l->n_kv_exports = s->n_kv_exports;
     l->n_kv_export_bytes = s->n_kv_export_bytes;
+    l->n_tiers = PD_MIN(s->n_tiers, PD_WIRE_MAX_TIERS);
+    for (int i = 0; i < l->n_tiers; i++) {
+        snprintf(l->tier_names[i], sizeof l->tier_names[i], "%s", s->tiers[i].name);
+        l->tier_hits[i] = s->tiers[i].hits;
+        l->tier_misses[i] = s->tiers[i].misses;
+    }
+    l->n_tier_hit_tokens = s->n_tier_hit_tokens;
+    l->tier_load_us = s->tier_load_us_total;
     pd_status st = pd_wire_kv_log_read(e->kv_log, since, max_events, out);
     pthread_mutex_unlock(&e->q.mu);
     return st;

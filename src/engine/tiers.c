@@ -138,6 +138,21 @@ void pd_tiers_drain_kv_events(pd_engine *e) {
         }
         pthread_mutex_unlock(&e->q.mu);
     }
+    if (!e->tiers) return;
+    // The tiers' own changes (written, evicted), so a router can price a tier hit at its load time.
+    pd_kvconn_tier_event tev[256];
+    int bs = e->params.block_size;
+    while ((n_kev = pd_kvconn_tiers_events_drain(e->tiers, tev, 256)) > 0) {
+        pthread_mutex_lock(&e->q.mu);
+        for (int i = 0; i < n_kev; i++) {
+            pd_wire_tier t = tev[i].kind == PD_KVCONN_TIER_DRAM   ? PD_WIRE_TIER_DRAM
+                             : tev[i].kind == PD_KVCONN_TIER_DISK ? PD_WIRE_TIER_DISK
+                                                                  : PD_WIRE_TIER_REMOTE;
+            pd_wire_kv_log_push_tier(e->kv_log, tev[i].is_stored ? PD_WIRE_KV_STORED : PD_WIRE_KV_REMOVED, t, tev[i].hash,
+                                     tev[i].parent, bs);
+        }
+        pthread_mutex_unlock(&e->q.mu);
+    }
 }
 
 void pd_tiers_stats(pd_engine *e, pd_engine_stats *o) {

@@ -243,6 +243,14 @@ int pd_kvconn_tiers_match(pd_kvconn_tiers *c, const pd_hash128 *hashes, int n, i
 pd_status pd_kvconn_tiers_start_load(pd_kvconn_tiers *c, uint64_t req_id, const pd_hash128 *hashes,
                                      const int32_t *dst_blocks, int n);
 void pd_kvconn_tiers_stats_get(pd_kvconn_tiers *c, pd_kvconn_tiers_stats *out);
+// What the tiers now hold, for routers: a page written to / evicted from a tier.
+typedef enum pd_kvconn_tier_kind { PD_KVCONN_TIER_DRAM = 1, PD_KVCONN_TIER_DISK = 2, PD_KVCONN_TIER_REDIS = 3 } pd_kvconn_tier_kind;
+typedef struct pd_kvconn_tier_event {
+    pd_kvconn_tier_kind kind;
+    bool is_stored;            // else evicted
+    pd_hash128 hash, parent;
+} pd_kvconn_tier_event;
+int pd_kvconn_tiers_events_drain(pd_kvconn_tiers *c, pd_kvconn_tier_event *out, int n_max);
 bool pd_kvconn_tiers_flush(pd_kvconn_tiers *c, int timeout_ms);  // tests: every queued job ran
 
 #ifdef __cplusplus

@@ -223,3 +223,16 @@ void pd_kvconn_tiers_stats_get(pd_kvconn_tiers *c, pd_kvconn_tiers_stats *out) {
 bool pd_kvconn_tiers_flush(pd_kvconn_tiers *c, int timeout_ms) {
     return pd_kvt_tiers_flush(c->t, timeout_ms);
 }
+
+int pd_kvconn_tiers_events_drain(pd_kvconn_tiers *c, pd_kvconn_tier_event *out, int n_max) {
+    pd_kvt_event ev[256];
+    int n = pd_kvt_tiers_events_drain(c->t, ev, n_max < 256 ? n_max : 256);
+    for (int i = 0; i < n; i++) {
+        const char *nm = pd_kvt_tiers_name(c->t, ev[i].tier);
+        out[i] = (pd_kvconn_tier_event){.kind = !strcmp(nm, "dram")   ? PD_KVCONN_TIER_DRAM
+                                                : !strcmp(nm, "disk") ? PD_KVCONN_TIER_DISK
+                                                                      : PD_KVCONN_TIER_REDIS,
+                                        .is_stored = ev[i].is_stored, .hash = ev[i].hash, .parent = ev[i].parent};
+    }
+    return n;
+}

@@ -146,6 +146,8 @@ bool pd_kvt_store_contains(pd_kvt_store *s, pd_hash128 key);
 // Without waiting (the engine thread): 1 held, 0 absent, -1 unknown (Redis: a round trip; a local
 // store busy with I/O).
 int pd_kvt_store_probe(pd_kvt_store *s, pd_hash128 key);
+// Called (under the store's lock, from inside a put) for every key the store evicts.
+void pd_kvt_store_set_evict_hook(pd_kvt_store *s, void (*fn)(void *ud, pd_hash128 key), void *ud);
 void pd_kvt_store_stats_get(pd_kvt_store *s, pd_kvt_store_stats *out);
 // Disk: files refused at start because they belong to another model (left in place, not indexed).
 int64_t pd_kvt_disk_refused(pd_kvt_store *s);
@@ -212,6 +214,7 @@ typedef struct pd_kvt_tiers_stats {
     pd_kvt_tier_stats tier[PD_KVT_MAX_TIERS];
     int64_t offloads_queued, offloads_dropped, offloads_done, admitted_lower, refused_lower;
     int64_t loads, load_blocks, load_misses, promotions;
+    int64_t events_dropped;
 } pd_kvt_tiers_stats;
 
 pd_kvt_tiers *pd_kvt_tiers_new(const pd_kvt_tiers_params *p, pd_err *err);
@@ -230,6 +233,16 @@ int pd_kvt_tiers_probe(pd_kvt_tiers *t, const pd_hash128 *hashes, int n, int *n_
 // until done). PD_OK: done is called exactly once.
 pd_status pd_kvt_tiers_load(pd_kvt_tiers *t, uint64_t req_id, const pd_hash128 *hashes, int n,
                             float *const *const *dst_k, float *const *const *dst_v, pd_kvt_load_fn done, void *ud);
+// What the tiers now hold, for routers (the engine forwards them as KV events with the tier):
+// STORED when a page was written to tier `tier`, REMOVED when that tier evicted it. A bounded
+// ring (4096); on overflow the oldest are dropped and counted in events_dropped.
+typedef struct pd_kvt_event {
+    int tier;          // index into the chain
+    bool is_stored;    // else removed
+    pd_hash128 hash, parent;
+} pd_kvt_event;
+int pd_kvt_tiers_events_drain(pd_kvt_tiers *t, pd_kvt_event *out, int n_max);
+const char *pd_kvt_tiers_name(pd_kvt_tiers *t, int tier);  // "dram", "disk", "redis"
 // Waits (bounded by timeout_ms) until every queued job ran. true when idle. Tests and shutdown.
 bool pd_kvt_tiers_flush(pd_kvt_tiers *t, int timeout_ms);
 // Never waits on a store: the stores' counters are as of the tier thread's last job.

@@ -58,6 +58,8 @@ struct pd_kvt_store {
     int64_t retry_at_ms, backoff_ms;
     int64_t reconnects, down_misses, auth_failures;
     char *secret;
+    void (*evict_hook)(void *ud, pd_hash128 key);  // pd_kvt_store_set_evict_hook
+    void *evict_ud;
 };
 
 static uint64_t hkey(pd_hash128 h) {
@@ -75,6 +77,7 @@ static void disk_path(const pd_kvt_store *s, pd_hash128 h, char *out, size_t n) 
 static void on_evict(void *ud, pd_hash128 key, uint64_t bytes) {
     pd_kvt_store *s = ud;
     s->st.evictions++;
+    if (s->evict_hook) s->evict_hook(s->evict_ud, key);
     if (s->kind == 1) {
         dram_entry *e = pd_map_find(&s->pages, hkey(key), &key);
         if (e) {
@@ -602,6 +605,13 @@ bool pd_kvt_store_contains(pd_kvt_store *s, pd_hash128 key) {
     bool r = s->kind == 3 ? redis_exists(s, key) : pd_kvt_policy_contains(s->pol, key);
     pthread_mutex_unlock(&s->mu);
     return r;
+}
+
+void pd_kvt_store_set_evict_hook(pd_kvt_store *s, void (*fn)(void *ud, pd_hash128 key), void *ud) {
+    pthread_mutex_lock(&s->mu);
+    s->evict_hook = fn;
+    s->evict_ud = ud;
+    pthread_mutex_unlock(&s->mu);
 }
 
 int pd_kvt_store_probe(pd_kvt_store *s, pd_hash128 key) {

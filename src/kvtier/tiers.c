@@ -1,12 +1,15 @@
 // tiers.c — the tier chain: one thread runs offloads (encode + write-back) and loads (read,
 // verify, decode, promote); the engine thread only queues and matches. See kvtier.h.
 #include <pthread.h>
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
 
 #include "kvtier/kvtier.h"
+
+#define EV_CAP 4096
 
 typedef struct job {
     struct job *next;
@@ -39,7 +42,14 @@ struct pd_kvt_tiers {
     double bw_bytes_per_us[PD_KVT_MAX_TIERS];  // measured load bandwidth (EMA), guarded by mu
     uint8_t *page;             // tier thread scratch
     size_t page_cap;
+    pd_kvt_event ev[EV_CAP];   // ring of tier events, guarded by ev_mu (taken inside store locks)
+    int ev_head, ev_n;
+    int64_t ev_dropped;
+    pthread_mutex_t ev_mu;
+    int evict_tier[PD_KVT_MAX_TIERS];  // the evict hooks' user data: tier indexes
 };
+
+
 
 static int64_t now_us(void) {
     struct timespec ts;
@@ -52,12 +62,24 @@ static pd_kvt_dtype tier_dtype(const pd_kvt_tiers *t, int i) {
     return !strcmp(pd_kvt_store_name(t->p.stores[i]), "dram") ? PD_KVT_F32 : t->p.dtype;
 }
 
+static void push_event(pd_kvt_tiers *t, int tier, bool stored, pd_hash128 h, pd_hash128 parent) {
+    pthread_mutex_lock(&t->ev_mu);
+    if (t->ev_n == EV_CAP) {  // drop the oldest
+        t->ev_head = (t->ev_head + 1) % EV_CAP;
+        t->ev_n--;
+        t->ev_dropped++;
+    }
+    t->ev[(t->ev_head + t->ev_n) % EV_CAP] = (pd_kvt_event){.tier = tier, .is_stored = stored, .hash = h, .parent = parent};
+    t->ev_n++;
+    pthread_mutex_unlock(&t->ev_mu);
+}
+
 static void put_tier(pd_kvt_tiers *t, int i, pd_hash128 h, pd_hash128 parent, const float *const *k,
                      const float *const *v) {
     size_t n = pd_kvt_page_bytes(&t->p.geom, tier_dtype(t, i));
     if (pd_kvt_page_encode(&t->p.geom, tier_dtype(t, i), t->p.fingerprint, h, parent, k, v, t->page, n) != PD_OK)
         return;
-    pd_kvt_store_put(t->p.stores[i], h, t->page, n);
+    if (pd_kvt_store_put(t->p.stores[i], h, t->page, n) == PD_OK) push_event(t, i, true, h, parent);
 }
 
 static void run_offload(pd_kvt_tiers *t, job *j) {
@@ -188,6 +210,13 @@ static void *tier_main(void *arg) {
     return NULL;
 }
 
+static void on_store_evict(void *ud, pd_hash128 key) {
+    int *tier = ud;
+    // ud points at t->evict_tier[i]: step back to t.
+    pd_kvt_tiers *t = (pd_kvt_tiers *)((char *)(tier - *tier) - offsetof(pd_kvt_tiers, evict_tier));
+    push_event(t, *tier, false, key, (pd_hash128){0});
+}
+
 pd_kvt_tiers *pd_kvt_tiers_new(const pd_kvt_tiers_params *p, pd_err *err) {
     if (!p || p->n_stores < 1 || p->n_stores > PD_KVT_MAX_TIERS || !pd_kvt_page_bytes(&p->geom, p->dtype) ||
         p->geom.n_layers > 4096) {
@@ -210,6 +239,11 @@ pd_kvt_tiers *pd_kvt_tiers_new(const pd_kvt_tiers_params *p, pd_err *err) {
     t->page_cap = pd_kvt_page_bytes(&p->geom, PD_KVT_F32);  // the largest dtype
     t->page = malloc(t->page_cap);
     pthread_mutex_init(&t->mu, NULL);
+    pthread_mutex_init(&t->ev_mu, NULL);
+    for (int i = 0; i < p->n_stores; i++) {
+        t->evict_tier[i] = i;
+        pd_kvt_store_set_evict_hook(p->stores[i], on_store_evict, &t->evict_tier[i]);
+    }
     pthread_cond_init(&t->cv, NULL);
     pthread_cond_init(&t->idle_cv, NULL);
     t->st.n_tiers = p->n_stores;
@@ -234,6 +268,7 @@ void pd_kvt_tiers_free(pd_kvt_tiers *t) {
     pthread_join(t->thread, NULL);
     for (int i = 0; i < t->p.n_stores; i++) pd_kvt_store_free(t->p.stores[i]);
     pthread_mutex_destroy(&t->mu);
+    pthread_mutex_destroy(&t->ev_mu);
     pthread_cond_destroy(&t->cv);
     pthread_cond_destroy(&t->idle_cv);
     free(t->page);
@@ -353,6 +388,20 @@ pd_status pd_kvt_tiers_load(pd_kvt_tiers *t, uint64_t req_id, const pd_hash128 *
     return PD_OK;
 }
 
+int pd_kvt_tiers_events_drain(pd_kvt_tiers *t, pd_kvt_event *out, int n_max) {
+    pthread_mutex_lock(&t->ev_mu);
+    int n = t->ev_n < n_max ? t->ev_n : n_max;
+    for (int i = 0; i < n; i++) out[i] = t->ev[(t->ev_head + i) % EV_CAP];
+    t->ev_head = (t->ev_head + n) % EV_CAP;
+    t->ev_n -= n;
+    pthread_mutex_unlock(&t->ev_mu);
+    return n;
+}
+
+const char *pd_kvt_tiers_name(pd_kvt_tiers *t, int tier) {
+    return tier >= 0 && tier < t->p.n_stores ? pd_kvt_store_name(t->p.stores[tier]) : "?";
+}
+
 bool pd_kvt_tiers_flush(pd_kvt_tiers *t, int timeout_ms) {
     struct timespec dl;
     clock_gettime(CLOCK_REALTIME, &dl);
@@ -375,4 +424,7 @@ void pd_kvt_tiers_stats_get(pd_kvt_tiers *t, pd_kvt_tiers_stats *out) {
     *out = t->st;
     for (int i = 0; i < t->p.n_stores; i++) out->tier[i].store = t->snap[i];
     pthread_mutex_unlock(&t->mu);
+    pthread_mutex_lock(&t->ev_mu);
+    out->events_dropped = t->ev_dropped;
+    pthread_mutex_unlock(&t->ev_mu);
 }

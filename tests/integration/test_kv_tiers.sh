@@ -196,6 +196,17 @@ cb=$(metric "$URL_B" '^pdserve_prefill_tokens_computed_total')
 tb=$(metric "$URL_B" '^pdserve_kv_tier_hit_tokens_total')
 [ "$tb" -eq 160 ] && [ "$cb" -eq 40 ] || pd_fail "worker B: $tb tokens from the pool, $cb computed (want 160, 40)"
 echo "pool: worker B loaded $tb prompt tokens computed by worker A and computed only $cb"
+# The router sees the tiers: KV events with a tier feed its index, /status.json lists them.
+"$PD_BIN" router --host 127.0.0.1 --port 0 --worker "$URL_A" --worker "$URL_B" --auth-token-file "$TMP/token" \
+  --routing kv >"$TMP/router.out" 2>"$TMP/router.err" &
+echo $! >"$TMP/router.pid"
+pd_wait_for 20 grep -q 'http://' "$TMP/router.out" || { cat "$TMP/router.err" >&2; pd_fail "router did not start"; }
+RURL=$(grep -o 'http://[0-9.]*:[0-9]*' "$TMP/router.out" | head -1)
+pd_wait_for 20 sh -c "curl -sf '$RURL/status.json' | grep -q '\"tier_hit_tokens\":160'" || pd_fail "router /status.json shows no KV tiers"
+curl -sf "$RURL/status.json" | grep -q '"name":"redis"' || pd_fail "router /status.json does not name the Redis tier"
+curl -sf "$RURL/status" | grep -q 'redis' || pd_fail "router /status page does not show the tiers"
+kill "$(cat "$TMP/router.pid")"; wait "$(cat "$TMP/router.pid")" 2>/dev/null; rm -f "$TMP/router.pid"
+echo "router: /status shows the workers' KV tiers"
 pd_stop wa
 pd_stop wb
 kill_redis
