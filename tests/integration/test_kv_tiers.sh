@@ -196,6 +196,24 @@ cb=$(metric "$URL_B" '^pdserve_prefill_tokens_computed_total')
 tb=$(metric "$URL_B" '^pdserve_kv_tier_hit_tokens_total')
 [ "$tb" -eq 160 ] && [ "$cb" -eq 40 ] || pd_fail "worker B: $tb tokens from the pool, $cb computed (want 160, 40)"
 echo "pool: worker B loaded $tb prompt tokens computed by worker A and computed only $cb"
+# A prefill worker consults the pool before computing: a decode worker hands the same prompt to a
+# prefill worker on the pool, which loads the 192 tokens workers A and B wrote there (A: 10 blocks,
+# B: the 2 full blocks of its new part) and computes the last 8.
+pd_start pw --role prefill --kv-port 0 --num-kv-blocks 64 --auth-token-file "$TMP/token" --kv-remote "redis://127.0.0.1:$RPORT"
+URL_P=$URL
+kv=$(grep -o 'KV port [0-9.]*:[0-9]*' "$TMP/pw.out" | head -1 | awk '{print $3}')
+[ -n "$kv" ] || pd_fail "the prefill worker did not print its KV port"
+pd_start dw --role decode --prefill "$kv" --disagg-min-tokens 1 --num-kv-blocks 64 --auth-token-file "$TMP/token"
+pd_wait_for 30 sh -c "curl -sf '$URL/metrics' | grep -q '^pdserve_kv_prefill_workers_healthy 1'" || pd_fail "decode worker never connected"
+run "$URL" "$TMP/shared_more.json" "$TMP/dw.json" "disaggregated"
+same "$TMP/ref_more.json" "$TMP/dw.json" "prefill worker with the pool"
+[ "$(metric "$URL" '^pdserve_kv_handoffs_total')" -eq 1 ] || pd_fail "the prompt was not handed off"
+cp=$(metric "$URL_P" '^pdserve_prefill_tokens_computed_total')
+tp=$(metric "$URL_P" '^pdserve_kv_tier_hit_tokens_total')
+[ "$tp" -eq 192 ] && [ "$cp" -eq 8 ] || pd_fail "prefill worker: $tp tokens from the pool, $cp computed (want 192, 8)"
+echo "pool: the prefill worker loaded $tp tokens from the pool and computed $cp"
+pd_stop dw
+pd_stop pw
 # The router sees the tiers: KV events with a tier feed its index, /status.json lists them.
 "$PD_BIN" router --host 127.0.0.1 --port 0 --worker "$URL_A" --worker "$URL_B" --auth-token-file "$TMP/token" \
   --routing kv >"$TMP/router.out" 2>"$TMP/router.err" &
