@@ -81,7 +81,7 @@ static void on_evict(void *ud, pd_hash128 key, uint64_t bytes) {
     if (s->kind == 1) {
         dram_entry *e = pd_map_find(&s->pages, hkey(key), &key);
         if (e) {
-            free(e->page);
+            pd_free(e->page);
             pd_map_del_entry(&s->pages, e);
         }
     } else {
@@ -96,7 +96,7 @@ static pd_kvt_store *store_new(int kind, const pd_kvt_store_params *p, pd_err *e
         pd_err_set(err, PD_ERR_INVALID, "kvtier: bad store parameters (capacity %" PRIu64 ")", p ? p->capacity : 0);
         return NULL;
     }
-    pd_kvt_store *s = calloc(1, sizeof *s);
+    pd_kvt_store *s = pd_calloc(1, sizeof *s);
     if (!s) {
         pd_err_set(err, PD_ERR_NOMEM, "kvtier: out of memory");
         return NULL;
@@ -125,17 +125,17 @@ void pd_kvt_store_free(pd_kvt_store *s) {
     if (!s) return;
     for (size_t i = 0; i < s->pages.cap; i++) {
         dram_entry *e = pd_map_slot(&s->pages, i);
-        if (e) free(e->page);
+        if (e) pd_free(e->page);
     }
     pd_map_fini(&s->pages);
     pd_kvt_policy_free(s->pol);
     if (s->ring_ok) io_uring_queue_exit(&s->ring);
     if (s->rc) redisFree(s->rc);
-    free(s->host);
-    free(s->secret);
-    free(s->dir);
+    pd_free(s->host);
+    pd_free(s->secret);
+    pd_free(s->dir);
     pthread_mutex_destroy(&s->mu);
-    free(s);
+    pd_free(s);
 }
 
 const char *pd_kvt_store_name(const pd_kvt_store *s) {
@@ -236,7 +236,7 @@ static void disk_scan(pd_kvt_store *s) {
         }
         (void)pd_kvt_policy_put(s->pol, h, (uint64_t)sb.st_size);
     }
-    free(hdr);
+    free(hdr);  // posix_memalign (O_DIRECT alignment): libc free
     closedir(d);
 }
 
@@ -251,7 +251,7 @@ pd_kvt_store *pd_kvt_disk_new(const pd_kvt_store_params *p, pd_err *err) {
     }
     pd_kvt_store *s = store_new(2, p, err);
     if (!s) return NULL;
-    s->dir = strdup(p->dir);
+    s->dir = pd_strdup(p->dir);
     s->direct = true;
     int r = io_uring_queue_init(8, &s->ring, 0);
     if (r < 0 || !s->dir) {
@@ -403,9 +403,9 @@ pd_kvt_store *pd_kvt_redis_new(const pd_kvt_store_params *p, const char *url, pd
     if (!q.capacity) q.capacity = 1;  // Redis owns capacity; the local policy is unused
     pd_kvt_store *s = store_new(3, &q, err);
     if (!s) return NULL;
-    s->host = strndup(hp, (size_t)(colon - hp));
+    s->host = pd_strndup(hp, (size_t)(colon - hp));
     s->port = (int)port;
-    s->secret = p->secret ? strdup(p->secret) : NULL;
+    s->secret = p->secret ? pd_strdup(p->secret) : NULL;
     snprintf(s->name, sizeof s->name, "redis");
     if (!s->host || (p->secret && !s->secret)) {
         pd_kvt_store_free(s);
@@ -445,7 +445,7 @@ pd_status pd_kvt_store_put(pd_kvt_store *s, pd_hash128 key, const void *page, si
     }
     if (pd_kvt_policy_contains(s->pol, key)) goto out;  // content-addressed: same key, same page
     if (s->kind == 1) {
-        void *copy = malloc(len);
+        void *copy = pd_malloc(len);
         if (!copy) {
             st = PD_ERR_NOMEM;
             goto fail;
@@ -453,12 +453,12 @@ pd_status pd_kvt_store_put(pd_kvt_store *s, pd_hash128 key, const void *page, si
         memcpy(copy, page, len);
         st = pd_kvt_policy_put(s->pol, key, len);
         if (st != PD_OK) {
-            free(copy);
+            pd_free(copy);
             goto fail;
         }
         dram_entry *e = pd_map_put(&s->pages, hkey(key), &key, NULL);
         if (!e) {
-            free(copy);
+            pd_free(copy);
             pd_kvt_policy_remove(s->pol, key);
             st = PD_ERR_NOMEM;
             goto fail;
@@ -573,7 +573,7 @@ check:
         if (s->kind == 1) {
             dram_entry *e = pd_map_find(&s->pages, hkey(key), &key);
             if (e) {
-                free(e->page);
+                pd_free(e->page);
                 pd_map_del_entry(&s->pages, e);
             }
         } else {

@@ -198,9 +198,9 @@ static void *tier_main(void *arg) {
         pthread_mutex_unlock(&t->mu);
         if (j->kind == 1) run_offload(t, j);
         else run_load(t, j);
-        free(j->rows);
-        free(j->hashes);
-        free(j);
+        pd_free(j->rows);
+        pd_free(j->hashes);
+        pd_free(j);
         snapshot(t);
         pthread_mutex_lock(&t->mu);
     }
@@ -228,7 +228,7 @@ pd_kvt_tiers *pd_kvt_tiers_new(const pd_kvt_tiers_params *p, pd_err *err) {
             pd_err_set(err, PD_ERR_INVALID, "kvtier: tier %d has no store", i);
             return NULL;
         }
-    pd_kvt_tiers *t = calloc(1, sizeof *t);
+    pd_kvt_tiers *t = pd_calloc(1, sizeof *t);
     if (!t) {
         pd_err_set(err, PD_ERR_NOMEM, "kvtier: out of memory");
         return NULL;
@@ -237,7 +237,7 @@ pd_kvt_tiers *pd_kvt_tiers_new(const pd_kvt_tiers_params *p, pd_err *err) {
     if (t->p.queue_max <= 0) t->p.queue_max = 1024;
     t->block_floats = (size_t)p->geom.block_size * (size_t)p->geom.n_kv_heads * (size_t)p->geom.head_dim;
     t->page_cap = pd_kvt_page_bytes(&p->geom, PD_KVT_F32);  // the largest dtype
-    t->page = malloc(t->page_cap);
+    t->page = pd_malloc(t->page_cap);
     pthread_mutex_init(&t->mu, NULL);
     pthread_mutex_init(&t->ev_mu, NULL);
     for (int i = 0; i < p->n_stores; i++) {
@@ -251,8 +251,8 @@ pd_kvt_tiers *pd_kvt_tiers_new(const pd_kvt_tiers_params *p, pd_err *err) {
         snprintf(t->st.tier[i].name, sizeof t->st.tier[i].name, "%s", pd_kvt_store_name(p->stores[i]));
     snapshot(t);
     if (!t->page || pthread_create(&t->thread, NULL, tier_main, t)) {
-        free(t->page);
-        free(t);
+        pd_free(t->page);
+        pd_free(t);
         pd_err_set(err, PD_ERR_NOMEM, "kvtier: cannot start the tier thread");
         return NULL;
     }
@@ -271,8 +271,8 @@ void pd_kvt_tiers_free(pd_kvt_tiers *t) {
     pthread_mutex_destroy(&t->ev_mu);
     pthread_cond_destroy(&t->cv);
     pthread_cond_destroy(&t->idle_cv);
-    free(t->page);
-    free(t);
+    pd_free(t->page);
+    pd_free(t);
 }
 
 static void enqueue(pd_kvt_tiers *t, job *j) {
@@ -292,11 +292,11 @@ pd_status pd_kvt_tiers_offload(pd_kvt_tiers *t, pd_hash128 hash, pd_hash128 pare
     if (full) t->st.offloads_dropped++;
     pthread_mutex_unlock(&t->mu);
     if (full) return PD_NOSPACE;
-    job *j = calloc(1, sizeof *j);
+    job *j = pd_calloc(1, sizeof *j);
     size_t L = (size_t)t->p.geom.n_layers;
-    float *rows = j ? malloc(L * 2 * t->block_floats * sizeof(float)) : NULL;
+    float *rows = j ? pd_malloc(L * 2 * t->block_floats * sizeof(float)) : NULL;
     if (!rows) {
-        free(j);
+        pd_free(j);
         return PD_ERR_NOMEM;
     }
     for (size_t l = 0; l < L; l++) {
@@ -366,11 +366,11 @@ int pd_kvt_tiers_probe(pd_kvt_tiers *t, const pd_hash128 *hashes, int n, int *n_
 pd_status pd_kvt_tiers_load(pd_kvt_tiers *t, uint64_t req_id, const pd_hash128 *hashes, int n,
                             float *const *const *dst_k, float *const *const *dst_v, pd_kvt_load_fn done, void *ud) {
     if (n < 0 || !done || (n > 0 && (!hashes || !dst_k || !dst_v))) return PD_ERR_INVALID;
-    job *j = calloc(1, sizeof *j);
-    pd_hash128 *hs = j && n ? malloc((size_t)n * sizeof *hs) : NULL;
+    job *j = pd_calloc(1, sizeof *j);
+    pd_hash128 *hs = j && n ? pd_malloc((size_t)n * sizeof *hs) : NULL;
     if (!j || (n && !hs)) {
-        free(j);
-        free(hs);
+        pd_free(j);
+        pd_free(hs);
         return PD_ERR_NOMEM;
     }
     if (n) memcpy(hs, hashes, (size_t)n * sizeof *hs);
