@@ -49,7 +49,8 @@ pd_status pd_tiers_init(pd_engine *e, pd_kvw_fingerprint fp, pd_err *err) {
         size_t n = strlen(names);
         snprintf(names + n, sizeof names - n, "%s%s", i ? " > " : "", ts.tier[i].name);
     }
-    PD_LOG_I("engine: KV tiers %s (disk/remote pages %s)", names, ts.dtype);
+    PD_LOG_I("engine: KV tiers %s (DRAM pages in %s host memory; disk/remote pages %s)", names,
+             ts.dram_pinned ? "pinned" : "plain", ts.dtype);
     return PD_OK;
 }
 

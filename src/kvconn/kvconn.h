@@ -227,6 +227,7 @@ typedef struct pd_kvconn_tiers_stats {
     int64_t offloads_queued, offloads_dropped, offloads_done;
     int64_t loads, load_blocks, load_misses, promotions;
     char dtype[8];
+    bool dram_pinned;          // the DRAM tier's pages are page-locked host memory (CUDA)
 } pd_kvconn_tiers_stats;
 
 // The 64-bit model fingerprint that tier pages and Redis keys carry.

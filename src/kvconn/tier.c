@@ -6,10 +6,14 @@
 // decodes straight into the blocks the scheduler reserved for it (LOADING_TIER: nothing else reads
 // or writes them until the TIER_LOADED event is handled on the engine thread).
 //
+// The DRAM tier's pages live in one host allocation from the backend interface
+// (pd_backend_host_alloc: pinned on CUDA, plain on the CPU backend), cut into page slots.
+//
 // Pool memory: the cache must be host-resident f32 rows (the cpu backend): its blocks are the
 // pages' own layout (block_size rows of n_kv_heads x head_dim floats per layer, K then V). A device
 // cache (CUDA, bf16) would need a pinned staging copy on a transfer stream: refused with a clear
 // error until that path exists.
+#include <pthread.h>
 #include <stdio.h>
 #include <string.h>
 #include <xxhash.h>
@@ -17,8 +21,70 @@
 #include "kvconn/kvconn.h"
 #include "kvtier/kvtier.h"
 
+// The DRAM tier's page memory: one allocation from the backend (pinned host memory on CUDA, plain
+// on the CPU backend) cut into fixed slots of one page each (every DRAM page has the same size:
+// f32, one geometry). One slot more than the capacity holds: a put allocates its copy before the
+// policy evicts to make room.
+typedef struct page_arena {
+    pd_backend *backend;
+    uint8_t *base;
+    size_t slot, n_slots;
+    int32_t *free_list;  // stack of free slot indexes
+    size_t n_free;
+    pthread_mutex_t mu;
+} page_arena;
+
+static void *arena_alloc(void *ud, size_t n) {
+    page_arena *a = ud;
+    void *p = NULL;
+    pthread_mutex_lock(&a->mu);
+    if (n <= a->slot && a->n_free > 0) p = a->base + (size_t)a->free_list[--a->n_free] * a->slot;
+    pthread_mutex_unlock(&a->mu);
+    return p;
+}
+
+static void arena_free(void *ud, void *p) {
+    page_arena *a = ud;
+    size_t i = (size_t)((uint8_t *)p - a->base) / a->slot;
+    PD_ASSERT((uint8_t *)p >= a->base && i < a->n_slots && (uint8_t *)p == a->base + i * a->slot);
+    pthread_mutex_lock(&a->mu);
+    PD_ASSERT(a->n_free < a->n_slots);
+    a->free_list[a->n_free++] = (int32_t)i;
+    pthread_mutex_unlock(&a->mu);
+}
+
+static void arena_fini(page_arena *a) {
+    if (!a->base) return;
+    pd_backend_host_free(a->backend, a->base);
+    pd_free(a->free_list);
+    pthread_mutex_destroy(&a->mu);
+    a->base = NULL;
+}
+
+static pd_status arena_init(page_arena *a, pd_backend *b, size_t slot, uint64_t capacity, pd_err *err) {
+    a->backend = b;
+    a->slot = slot;
+    a->n_slots = (size_t)(capacity / slot) + 1;
+    if (a->n_slots > INT32_MAX || a->n_slots > SIZE_MAX / slot)
+        return pd_err_set(err, PD_ERR_INVALID, "--kv-offload-dram: %llu bytes is too large", (unsigned long long)capacity);
+    a->base = pd_backend_host_alloc(b, a->n_slots * slot);
+    a->free_list = pd_malloc(a->n_slots * sizeof *a->free_list);
+    if (!a->base || !a->free_list) {
+        pd_backend_host_free(b, a->base);
+        pd_free(a->free_list);
+        a->base = NULL;
+        return pd_err_set(err, PD_ERR_NOMEM, "--kv-offload-dram: cannot allocate %zu bytes of %s host memory",
+                          a->n_slots * slot, pd_backend_host_is_pinned(b) ? "pinned" : "");
+    }
+    for (size_t i = 0; i < a->n_slots; i++) a->free_list[i] = (int32_t)(a->n_slots - 1 - i);
+    a->n_free = a->n_slots;
+    pthread_mutex_init(&a->mu, NULL);
+    return PD_OK;
+}
+
 struct pd_kvconn_tiers {
     pd_kvconn_tier_params p;
+    page_arena arena;     // the DRAM tier's pages
     pd_kvt_tiers *t;
     pd_kvt_geom geom;
     size_t block_bytes;   // one block, one layer, K or V
@@ -90,8 +156,18 @@ pd_kvconn_tiers *pd_kvconn_tiers_new(const pd_kvconn_tier_params *p, pd_err *err
                               .queue_max = p->queue_max};
     pd_kvt_store_params sp = {.geom = c->geom, .fingerprint = tp.fingerprint, .policy = PD_KVT_S3FIFO};
     if (p->dram_bytes) {
+        if (arena_init(&c->arena, p->backend, pd_kvt_page_bytes(&c->geom, PD_KVT_F32), p->dram_bytes, err)) {
+            pd_free(c);
+            return NULL;
+        }
         sp.capacity = p->dram_bytes;
+        sp.page_alloc = arena_alloc;
+        sp.page_free = arena_free;
+        sp.page_ud = &c->arena;
         if (!(tp.stores[tp.n_stores++] = pd_kvt_dram_new(&sp, err))) goto fail;
+        sp.page_alloc = NULL;
+        sp.page_free = NULL;
+        sp.page_ud = NULL;
     }
     if (p->disk_dir) {
         sp.capacity = p->disk_bytes;
@@ -113,13 +189,15 @@ fail:
     tp.n_stores--;  // the failed one is NULL
 fail_stores:
     for (int i = 0; i < tp.n_stores; i++) pd_kvt_store_free(tp.stores[i]);
+    arena_fini(&c->arena);
     pd_free(c);
     return NULL;
 }
 
 void pd_kvconn_tiers_free(pd_kvconn_tiers *c) {
     if (!c) return;
-    pd_kvt_tiers_free(c->t);  // runs what is queued (loads end with their event), joins
+    pd_kvt_tiers_free(c->t);  // runs what is queued (loads end with their event), joins; frees the stores
+    arena_fini(&c->arena);    // after the DRAM store gave its pages back
     pd_free(c);
 }
 
@@ -218,6 +296,7 @@ void pd_kvconn_tiers_stats_get(pd_kvconn_tiers *c, pd_kvconn_tiers_stats *out) {
     out->load_misses = s.load_misses;
     out->promotions = s.promotions;
     snprintf(out->dtype, sizeof out->dtype, "%s", pd_kvt_dtype_name(c->dtype));
+    out->dram_pinned = c->arena.base && pd_backend_host_is_pinned(c->p.backend);
 }
 
 bool pd_kvconn_tiers_flush(pd_kvconn_tiers *c, int timeout_ms) {

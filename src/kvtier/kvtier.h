@@ -130,6 +130,11 @@ typedef struct pd_kvt_store_params {
     pd_kvt_policy_kind policy;
     const char *dir;          // disk: the directory (created if missing)
     const char *secret;       // Redis: sent with AUTH after every connect (copied); NULL: none
+    // DRAM: where page copies live (e.g. pinned host memory from the backend); NULL: pd_malloc.
+    // Called under the store's lock. page_alloc may return NULL (the put fails, counted).
+    void *(*page_alloc)(void *ud, size_t n);
+    void (*page_free)(void *ud, void *p);
+    void *page_ud;
 } pd_kvt_store_params;
 
 pd_kvt_store *pd_kvt_dram_new(const pd_kvt_store_params *p, pd_err *err);

@@ -74,6 +74,16 @@ static void disk_path(const pd_kvt_store *s, pd_hash128 h, char *out, size_t n) 
     snprintf(out, n, "%s/%016" PRIx64 "%016" PRIx64 ".kvp", s->dir, h.hi, h.lo);
 }
 
+static void *page_alloc(pd_kvt_store *s, size_t n) {
+    return s->p.page_alloc ? s->p.page_alloc(s->p.page_ud, n) : pd_malloc(n);
+}
+
+static void page_free(pd_kvt_store *s, void *p) {
+    if (!p) return;
+    if (s->p.page_free) s->p.page_free(s->p.page_ud, p);
+    else pd_free(p);
+}
+
 static void on_evict(void *ud, pd_hash128 key, uint64_t bytes) {
     pd_kvt_store *s = ud;
     s->st.evictions++;
@@ -81,7 +91,7 @@ static void on_evict(void *ud, pd_hash128 key, uint64_t bytes) {
     if (s->kind == 1) {
         dram_entry *e = pd_map_find(&s->pages, hkey(key), &key);
         if (e) {
-            pd_free(e->page);
+            page_free(s, e->page);
             pd_map_del_entry(&s->pages, e);
         }
     } else {
@@ -125,7 +135,7 @@ void pd_kvt_store_free(pd_kvt_store *s) {
     if (!s) return;
     for (size_t i = 0; i < s->pages.cap; i++) {
         dram_entry *e = pd_map_slot(&s->pages, i);
-        if (e) pd_free(e->page);
+        if (e) page_free(s, e->page);
     }
     pd_map_fini(&s->pages);
     pd_kvt_policy_free(s->pol);
@@ -445,7 +455,7 @@ pd_status pd_kvt_store_put(pd_kvt_store *s, pd_hash128 key, const void *page, si
     }
     if (pd_kvt_policy_contains(s->pol, key)) goto out;  // content-addressed: same key, same page
     if (s->kind == 1) {
-        void *copy = pd_malloc(len);
+        void *copy = page_alloc(s, len);
         if (!copy) {
             st = PD_ERR_NOMEM;
             goto fail;
@@ -453,12 +463,12 @@ pd_status pd_kvt_store_put(pd_kvt_store *s, pd_hash128 key, const void *page, si
         memcpy(copy, page, len);
         st = pd_kvt_policy_put(s->pol, key, len);
         if (st != PD_OK) {
-            pd_free(copy);
+            page_free(s, copy);
             goto fail;
         }
         dram_entry *e = pd_map_put(&s->pages, hkey(key), &key, NULL);
         if (!e) {
-            pd_free(copy);
+            page_free(s, copy);
             pd_kvt_policy_remove(s->pol, key);
             st = PD_ERR_NOMEM;
             goto fail;
@@ -573,7 +583,7 @@ check:
         if (s->kind == 1) {
             dram_entry *e = pd_map_find(&s->pages, hkey(key), &key);
             if (e) {
-                pd_free(e->page);
+                page_free(s, e->page);
                 pd_map_del_entry(&s->pages, e);
             }
         } else {
