@@ -80,6 +80,10 @@ typedef enum pd_kvt_bad {
 // expect_hash NULL: any hash. info (may be NULL) receives the header.
 pd_kvt_bad pd_kvt_page_check(const void *page, size_t len, uint64_t fingerprint, const pd_kvt_geom *g,
                              const pd_hash128 *expect_hash, pd_kvt_page_info *info);
+// The header alone (len >= PD_KVT_HDR_BYTES; nothing past it is read): identity and declared
+// length, no checksum. The disk tier's index rebuild reads only each file's first block.
+pd_kvt_bad pd_kvt_page_check_header(const void *page, size_t len, uint64_t fingerprint, const pd_kvt_geom *g,
+                                    const pd_hash128 *expect_hash, pd_kvt_page_info *info);
 // pd_kvt_page_check, then decodes into k[l], v[l] (same layout as encode). Writes nothing unless
 // the page is accepted.
 pd_kvt_bad pd_kvt_page_decode(const void *page, size_t len, uint64_t fingerprint, const pd_kvt_geom *g,

@@ -224,17 +224,13 @@ static void disk_scan(pd_kvt_store *s) {
         ssize_t r = pread(fd, hdr, DISK_ALIGN, 0);  // one aligned read of the header block
         close(fd);
         if (r < PD_KVT_HDR_BYTES) continue;
-        // Header-only check: feed a length that matches the header's own claim so that only the
-        // identity fields are judged here; the checksum is verified when the page is read.
         pd_kvt_page_info in;
         const uint8_t *b = hdr;
         uint64_t pb = 0;
         for (int i = 0; i < 8; i++) pb |= (uint64_t)b[72 + i] << (8 * i);
-        bool foreign = true;
-        if (pb < (1ull << 40)) {
-            pd_kvt_bad bad = pd_kvt_page_check(hdr, PD_KVT_HDR_BYTES + pb, s->p.fingerprint, &s->p.geom, &h, &in);
-            foreign = bad == PD_KVT_BAD_FOREIGN;
-        }
+        // The header only: hdr holds one 4 KiB block, the page is longer (its checksum is checked
+        // when the page is read).
+        bool foreign = pd_kvt_page_check_header(hdr, DISK_ALIGN, s->p.fingerprint, &s->p.geom, &h, &in) == PD_KVT_BAD_FOREIGN;
         if (foreign) {
             s->refused_foreign++;
             continue;
