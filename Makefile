@@ -151,10 +151,11 @@ test-asan: deps
 # so OMP_THREAD_LIMIT=1 runs every OpenMP region on its calling thread; tools/tsan.supp holds the
 # (commented, narrow) suppressions. TSan reports make the process exit 66: a report is a failure.
 TSAN_TESTS ?= unit/test_engine unit/test_disagg unit/test_api_server unit/test_api_prep unit/test_http \
-              unit/test_http_client unit/test_router_core unit/test_router_wire
+              unit/test_http_client unit/test_router_core unit/test_router_wire unit/test_kvtier unit/test_kvtier_redis
 # engine + xfer threads (disagg), router, API + engine under load (test_api.sh: ~7 min under TSan).
 # test_shutdown.sh is left to the other tiers: ~2 min normally, too slow for CI's budget under TSan.
-TSAN_SCRIPTS ?= test_disagg.sh test_router_fake.sh test_api.sh
+# test_kv_tiers.sh: the engine, tier and xfer threads with real tiers (~80 s under TSan).
+TSAN_SCRIPTS ?= test_disagg.sh test_router_fake.sh test_api.sh test_kv_tiers.sh
 test-tsan: deps
 	@$(MAKE) --no-print-directory BUILD=build/tsan SAN=thread CUDA=0 $(addprefix build/tsan/tests/,$(TSAN_TESTS)) build/tsan/pdserve
 	@$(SAN_UCX_ENV) PD_TEST_TIME_SCALE=10 OMP_THREAD_LIMIT=1 TSAN_OPTIONS="suppressions=$(CURDIR)/tools/tsan.supp halt_on_error=1 exitcode=66 second_deadlock_stack=1" \
