@@ -74,7 +74,7 @@ static pd_status arena_init(page_arena *a, pd_backend *b, size_t slot, uint64_t 
         pd_free(a->free_list);
         a->base = NULL;
         return pd_err_set(err, PD_ERR_NOMEM, "--kv-offload-dram: cannot allocate %zu bytes of %s host memory",
-                          a->n_slots * slot, pd_backend_host_is_pinned(b) ? "pinned" : "");
+                          a->n_slots * slot, pd_backend_host_is_pinned(b) ? "pinned" : "plain");
     }
     for (size_t i = 0; i < a->n_slots; i++) a->free_list[i] = (int32_t)(a->n_slots - 1 - i);
     a->n_free = a->n_slots;
