@@ -12,11 +12,18 @@ MODEL=$repo/models/kjv-llama-6m
 [ -e "$MODEL/config.json" ] || MODEL=$repo/../shared/models/kjv-llama-6m
 export OMP_NUM_THREADS=1 OMP_WAIT_POLICY=passive
 T=$(mktemp -d)
-trap 'for f in "$T"/*.pid; do [ -e "$f" ] && kill "$(cat "$f")" 2>/dev/null; done; sleep 0.5; rm -rf "$T"' EXIT
+cleanup() {
+  for f in "$T"/*.pid; do
+    if [ -e "$f" ]; then kill "$(cat "$f")" 2>/dev/null || true; fi
+  done
+  sleep 0.5
+  rm -rf "$T"
+}
+trap cleanup EXIT INT TERM
 head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \n' >"$T/token"; chmod 600 "$T/token"
 RPORT=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
 redis-server --port "$RPORT" --bind 127.0.0.1 --save '' --appendonly no --requirepass "$(cat "$T/token")" >/dev/null 2>&1 &
-echo $! >"$T/redis.pid"
+echo $! >"$T/redis-server.pid"
 sleep 0.5
 
 start() {  # start NAME FLAGS...: sets URL
@@ -62,5 +69,6 @@ start off;   measure "tiers off (recompute)" 0; stop off
 start dram --kv-offload-dram 64M; measure "DRAM tier" 1; stop dram
 start disk --kv-offload-disk "$T/disk" --kv-offload-disk-size 256M; measure "disk tier (fills it)" 1; stop disk
 start disk2 --kv-offload-disk "$T/disk" --kv-offload-disk-size 256M; measure "disk tier (after a restart)" 0; stop disk2
-start redis --kv-remote "redis://127.0.0.1:$RPORT"; measure "Redis pool" 1; stop redis
-start redis2 --kv-remote "redis://127.0.0.1:$RPORT" --kv-offload-dtype int8; measure "Redis pool, int8 pages" 1; stop redis2
+start pool --kv-remote "redis://127.0.0.1:$RPORT"; measure "Redis pool" 1; stop pool
+start pool2 --kv-remote "redis://127.0.0.1:$RPORT" --kv-offload-dtype int8; measure "Redis pool, int8 pages" 1; stop pool2
+kill "$(cat "$T/redis-server.pid")"; wait "$(cat "$T/redis-server.pid")" 2>/dev/null || true; rm -f "$T/redis-server.pid"
