@@ -151,12 +151,13 @@ test-asan: deps
 # so OMP_THREAD_LIMIT=1 runs every OpenMP region on its calling thread; tools/tsan.supp holds the
 # (commented, narrow) suppressions. TSan reports make the process exit 66: a report is a failure.
 TSAN_TESTS ?= unit/test_engine unit/test_disagg unit/test_api_server unit/test_api_prep unit/test_http \
-              unit/test_http_client unit/test_router_core unit/test_router_wire
+              unit/test_http_client unit/test_router_core unit/test_router_wire unit/test_kvtier unit/test_kvtier_redis
 # engine + xfer threads (disagg), router, API + engine under load (test_api.sh: ~7 min under TSan).
 # test_kv_faults.sh (issue 13's fault suite): 4.0 min under TSan on the 2-core VM (load ~1) with
 # 1,000 connect/close cycles (PD_KV_FAULT_CYCLES below; the plain tier runs the full 10,000, ~2 min).
 # test_shutdown.sh: 4.9 min under TSan on the same VM at load 7-9 (~2 min plain).
-TSAN_SCRIPTS ?= test_disagg.sh test_router_fake.sh test_api.sh test_kv_faults.sh test_shutdown.sh
+# test_kv_tiers.sh: the engine, tier and xfer threads with real tiers (~80 s under TSan).
+TSAN_SCRIPTS ?= test_disagg.sh test_router_fake.sh test_api.sh test_kv_faults.sh test_shutdown.sh test_kv_tiers.sh
 test-tsan: deps
 	@$(MAKE) --no-print-directory BUILD=build/tsan SAN=thread CUDA=0 $(addprefix build/tsan/tests/,$(TSAN_TESTS)) build/tsan/pdserve
 	@$(SAN_UCX_ENV) PD_TEST_TIME_SCALE=10 OMP_THREAD_LIMIT=1 TSAN_OPTIONS="suppressions=$(CURDIR)/tools/tsan.supp halt_on_error=1 exitcode=66 second_deadlock_stack=1" \

@@ -14,7 +14,7 @@ allowed() {
     sched) echo "base kv sched" ;;
     spec) echo "base spec" ;;
     xfer) echo "base wire net backend kv xfer" ;;
-    kvconn) echo "base wire net backend kv xfer kvconn" ;;
+    kvconn) echo "base wire net backend kv kvtier xfer kvconn" ;;
     http) echo "base net http" ;;
     engine) echo "base model sched kv kvconn backend metrics tok wire net spec engine" ;;
     api) echo "base http tok engine metrics net grammar api" ;;

@@ -97,6 +97,13 @@ typedef struct api_metrics {
     pd_metric *spec_drafted[PD_ENGINE_SPEC_N], *spec_accepted[PD_ENGINE_SPEC_N], *spec_emitted[PD_ENGINE_SPEC_N];
     pd_metric *spec_steps[PD_ENGINE_SPEC_N], *spec_rate[PD_ENGINE_SPEC_N], *spec_mal[PD_ENGINE_SPEC_N];
     pd_metric *masks, *mask_seconds;
+    // KV tiers (registered on first sight: the engine says which tiers it has)
+    bool has_tier_metrics;
+    pd_metric *tier_c[PD_ENGINE_MAX_TIERS][7];  // hits misses puts evictions bad_pages bytes_in bytes_out
+    pd_metric *tier_g[PD_ENGINE_MAX_TIERS][3];  // bytes_used capacity items
+    pd_metric *tier_load[PD_ENGINE_MAX_TIERS];  // load latency histogram (per block)
+    int64_t tier_hist_seen[PD_ENGINE_MAX_TIERS][24];
+    pd_metric *tier_hit_tokens, *tier_offloads, *tier_offloads_dropped, *tier_promotions;
 } api_metrics;
 
 #define API_GCACHE_N 32

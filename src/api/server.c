@@ -286,6 +286,65 @@ static const char *const KVCONN_METRICS[8][2] = {
     {"pdserve_kv_saves_failed_total", "KV prefill requests refused or failed (PREFILL_FAIL sent)."},
 };
 
+// The KV tiers' metrics, one series per tier (label tier="dram|disk|redis").
+static const char *const TIER_COUNTERS[7][2] = {
+    {"pdserve_kv_tier_hits_total", "Block lookups a KV tier served."},
+    {"pdserve_kv_tier_misses_total", "Block lookups a KV tier could not serve (absent, bad page, or the tier down)."},
+    {"pdserve_kv_tier_puts_total", "Blocks written to a KV tier."},
+    {"pdserve_kv_tier_evictions_total", "Blocks a KV tier evicted to respect its capacity."},
+    {"pdserve_kv_tier_bad_pages_total", "Pages a KV tier refused on read (checksum, truncated, foreign): recomputed."},
+    {"pdserve_kv_tier_bytes_in_total", "Bytes written to a KV tier."},
+    {"pdserve_kv_tier_bytes_out_total", "Bytes read back from a KV tier."},
+};
+static const char *const TIER_GAUGES[3][2] = {
+    {"pdserve_kv_tier_bytes_used", "Bytes a KV tier holds (Redis: 0, its memory is the server's)."},
+    {"pdserve_kv_tier_capacity_bytes", "A KV tier's byte capacity."},
+    {"pdserve_kv_tier_blocks", "Blocks a KV tier holds."},
+};
+static const double TIER_LOAD_BOUNDS[] = {1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1};
+
+static void refresh_tier_metrics(pd_api *a, const pd_engine_stats *s) {
+    api_metrics *x = &a->m;
+    if (s->n_tiers <= 0) return;
+    if (!x->has_tier_metrics) {
+        pd_metrics *m = a->metrics;
+        for (int t = 0; t < s->n_tiers; t++) {
+            char l[48];
+            snprintf(l, sizeof l, "tier=\"%s\"", s->tiers[t].name);
+            for (int i = 0; i < 7; i++) x->tier_c[t][i] = pd_metrics_counter(m, TIER_COUNTERS[i][0], t ? "" : TIER_COUNTERS[i][1], l, NULL);
+            for (int i = 0; i < 3; i++) x->tier_g[t][i] = pd_metrics_gauge(m, TIER_GAUGES[i][0], t ? "" : TIER_GAUGES[i][1], l, NULL);
+            x->tier_load[t] = pd_metrics_histogram(m, "pdserve_kv_tier_load_seconds",
+                                                   t ? "" : "Time to read, verify and decode one block from a KV tier.", l,
+                                                   TIER_LOAD_BOUNDS, (int)PD_ARRAY_LEN(TIER_LOAD_BOUNDS), NULL);
+        }
+        x->tier_hit_tokens = pd_metrics_counter(m, "pdserve_kv_tier_hit_tokens_total",
+                                                "Prompt tokens loaded from a KV tier instead of computed.", NULL, NULL);
+        x->tier_offloads = pd_metrics_counter(m, "pdserve_kv_tier_offloads_total", "Blocks offered to the KV tiers (write-back).", NULL, NULL);
+        x->tier_offloads_dropped = pd_metrics_counter(m, "pdserve_kv_tier_offloads_dropped_total",
+                                                      "Blocks not offloaded: the tier queue was full.", NULL, NULL);
+        x->tier_promotions = pd_metrics_counter(m, "pdserve_kv_tier_promotions_total",
+                                                "Blocks loaded from a lower tier and copied into host DRAM.", NULL, NULL);
+        x->has_tier_metrics = true;
+    }
+    for (int t = 0; t < s->n_tiers; t++) {
+        const pd_engine_tier_stats *ts = &s->tiers[t];
+        int64_t c[7] = {ts->hits, ts->misses, ts->puts, ts->evictions, ts->bad_pages, ts->bytes_in, ts->bytes_out};
+        for (int i = 0; i < 7; i++)
+            if (x->tier_c[t][i]) mirror(x->tier_c[t][i], (double)c[i]);
+        double g[3] = {(double)ts->bytes_used, (double)ts->capacity, (double)ts->n_items};
+        for (int i = 0; i < 3; i++)
+            if (x->tier_g[t][i]) pd_metric_set(x->tier_g[t][i], g[i]);
+        // Bucket i holds loads of [2^(i-1), 2^i) us: observed at 1.5 x 2^(i-1) us.
+        for (int i = 0; i < 24 && x->tier_load[t]; i++)
+            for (; x->tier_hist_seen[t][i] < ts->load_hist[i]; x->tier_hist_seen[t][i]++)
+                pd_metric_observe(x->tier_load[t], i ? 1.5e-6 * (double)(1 << (i - 1)) : 5e-7);
+    }
+    if (x->tier_hit_tokens) mirror(x->tier_hit_tokens, (double)s->n_tier_hit_tokens);
+    if (x->tier_offloads) mirror(x->tier_offloads, (double)s->tier_offloads);
+    if (x->tier_offloads_dropped) mirror(x->tier_offloads_dropped, (double)s->tier_offloads_dropped);
+    if (x->tier_promotions) mirror(x->tier_promotions, (double)s->tier_promotions);
+}
+
 static void refresh_engine_metrics(pd_api *a) {
     pd_engine_stats s;
     memset(&s, 0, sizeof s);
@@ -331,6 +390,7 @@ static void refresh_engine_metrics(pd_api *a) {
     pd_api_mask_stats(&mask_s, &n_masks);
     mirror(a->m.masks, n_masks);
     mirror(a->m.mask_seconds, mask_s);
+    refresh_tier_metrics(a, &s);
 }
 
 static void h_metrics(pd_http_req *r, void *ud) {

@@ -157,6 +157,19 @@ void pd_op_kv_copy(pd_backend *b, const pd_kv_copy_params *p) {
         }
 }
 
+void *pd_backend_host_alloc(pd_backend *b, size_t n) {
+    if (!n) return NULL;
+    return b->iface->host_alloc ? b->iface->host_alloc(b, n) : pd_malloc(n);
+}
+
+void pd_backend_host_free(pd_backend *b, void *p) {
+    if (!p) return;
+    if (b->iface->host_free) b->iface->host_free(b, p);
+    else pd_free(p);
+}
+
+bool pd_backend_host_is_pinned(pd_backend *b) { return b->iface->host_alloc != NULL; }
+
 bool pd_backend_has_xfer_stream(pd_backend *b) { return b->iface->kv_copy_xfer != NULL; }
 
 void pd_backend_xfer_mark(pd_backend *b) {

@@ -289,6 +289,13 @@ pd_status pd_buffer_export(pd_buffer *buf, pd_buffer_handle *out);
 void *pd_backend_import(pd_backend *b, const pd_buffer_handle *h, pd_err *err);
 void pd_backend_unimport(pd_backend *b, void *ptr, const pd_buffer_handle *h);
 
+// Host memory for staging and for host-side KV tiers: page-locked (pinned) on CUDA, so copies to
+// and from it run at full DMA bandwidth; plain memory on the CPU backend. NULL on failure. Any
+// thread. pd_backend_host_is_pinned says which.
+void *pd_backend_host_alloc(pd_backend *b, size_t n_bytes);
+void pd_backend_host_free(pd_backend *b, void *p);  // NULL is a no-op
+bool pd_backend_host_is_pinned(pd_backend *b);
+
 // Host <-> device copies. upload is ordered on the backend stream (host memory must stay valid
 // until the next sync); download synchronizes.
 void pd_backend_upload(pd_backend *b, void *dst_dev, const void *src_host, size_t n_bytes);

@@ -59,6 +59,9 @@ typedef struct pd_backend_iface {
     pd_status (*comm_post)(pd_backend *b, void *c, void *buf, size_t n, int peer, int op, pd_err *err);
     void (*comm_kv_copy)(pd_backend *b, void *c, const pd_kv_copy_params *p);
     pd_status (*comm_wait)(pd_backend *b, void *c, int timeout_ms, pd_err *err);
+    // (optional) host memory the device can DMA from / to (CUDA: pinned). NULL: plain pd_malloc.
+    void *(*host_alloc)(pd_backend *b, size_t n_bytes);
+    void (*host_free)(pd_backend *b, void *p);
 } pd_backend_iface;
 
 struct pd_backend {

@@ -106,6 +106,12 @@ static void serve_usage(bool is_run) {
            "  --debug-corrupt-kv N          test hook: corrupt every Nth KV transfer (prefill role)\n"
            "  --debug-kv-pause STEP         test hook: stop at hello_ack|mid_slab|before_done (prefill role)\n"
            "  --debug-refuse-kv-pool        test hook: refuse every decode worker's KV pool (prefill role)\n"
+           "KV tiers below the device pool (docs/design.md \"KV tiers\"; cpu backend for now):\n"
+           "  --kv-offload-dram SIZE        host DRAM tier: full blocks are written back here\n"
+           "  --kv-offload-disk DIR         local disk tier (io_uring, O_DIRECT); persists across restarts\n"
+           "  --kv-offload-disk-size SIZE   its capacity (required with --kv-offload-disk)\n"
+           "  --kv-remote redis://HOST:PORT a Redis KV pool shared by every worker of the model\n"
+           "  --kv-offload-dtype bf16|fp8|int8|f32  disk and Redis pages (default f32: lossless; per-head scales)\n"
            "speculative decoding (roles both and decode; exact: greedy output is unchanged):\n"
            "  --speculative-method M        none (default), draft, ngram (prompt lookup) or lookahead (Jacobi + n-gram pool)\n"
            "  --speculative-model DIR       draft model (same tokenizer as --model); implies --speculative-method draft\n"
@@ -124,7 +130,8 @@ static int parse_flags(int argc, char **argv, serve_opts *o) {
     enum { O_MODEL = 1, O_HOST, O_PORT, O_DEV, O_BS, O_NB, O_KVMEM, O_SEQS, O_TOKS, O_NOPC, O_NOCP, O_POL, O_MML,
            O_NAME, O_LF, O_WAIT, O_BODY, O_EXIT, O_ROLE, O_KVHOST, O_KVPORT, O_PREFILL, O_KVTR, O_DMIN, O_DTO,
            O_CORRUPT, O_ROUTER, O_RTOKEN, O_ADV, O_SPEC_MODEL, O_SPEC_K, O_SPEC_METHOD, O_SPEC_FIXED, O_LA_W, O_LA_N,
-           O_NGRAM_MAX, O_THREADS, O_SDT, O_MAXCONN, O_KATO, O_HDRTO, O_TRACE, O_AUTH, O_KVPAUSE, O_KVDT, O_REFUSE, O_HELP };
+           O_NGRAM_MAX, O_THREADS, O_SDT, O_MAXCONN, O_KATO, O_HDRTO, O_TRACE, O_AUTH, O_KVPAUSE, O_KVDT,
+           O_OFF_DRAM, O_OFF_DISK, O_OFF_DISK_SIZE, O_OFF_REMOTE, O_OFF_DTYPE, O_REFUSE, O_HELP };
     static const struct option opts[] = {
         {"model", required_argument, 0, O_MODEL}, {"host", required_argument, 0, O_HOST},
         {"port", required_argument, 0, O_PORT}, {"device", required_argument, 0, O_DEV},
@@ -151,6 +158,9 @@ static int parse_flags(int argc, char **argv, serve_opts *o) {
         {"auth-token-file", required_argument, 0, O_AUTH}, {"debug-kv-pause", required_argument, 0, O_KVPAUSE},
         {"debug-refuse-kv-pool", no_argument, 0, O_REFUSE},
         {"kv-cache-dtype", required_argument, 0, O_KVDT},
+        {"kv-offload-dram", required_argument, 0, O_OFF_DRAM}, {"kv-offload-disk", required_argument, 0, O_OFF_DISK},
+        {"kv-offload-disk-size", required_argument, 0, O_OFF_DISK_SIZE}, {"kv-remote", required_argument, 0, O_OFF_REMOTE},
+        {"kv-offload-dtype", required_argument, 0, O_OFF_DTYPE},
         {"help", no_argument, 0, O_HELP}, {0, 0, 0, 0}};
     const char *cmd = o->is_run ? "run" : "serve";
     long v;
@@ -290,6 +300,33 @@ static int parse_flags(int argc, char **argv, serve_opts *o) {
             if (!pd_kv_dtype_parse(optarg, &o->ep.kv_cache_dtype))
                 return pd_cmd_usage_error(cmd, "--kv-cache-dtype is auto or fp8, not '%s'", optarg);
             break;
+        case O_OFF_DRAM:
+            if (!parse_bytes(optarg, &bytes) || !bytes) return pd_cmd_usage_error(cmd, "bad --kv-offload-dram '%s' (a size: 512M, 4G)", optarg);
+            o->ep.kv_offload_dram_bytes = bytes;
+            break;
+        case O_OFF_DISK:
+            if (!*optarg) return pd_cmd_usage_error(cmd, "--kv-offload-disk wants a directory");
+            o->ep.kv_offload_disk_dir = optarg;
+            break;
+        case O_OFF_DISK_SIZE:
+            if (!parse_bytes(optarg, &bytes) || !bytes)
+                return pd_cmd_usage_error(cmd, "bad --kv-offload-disk-size '%s' (a size: 512M, 4G)", optarg);
+            o->ep.kv_offload_disk_bytes = bytes;
+            break;
+        case O_OFF_REMOTE: {
+            const char *hp = strncmp(optarg, "redis://", 8) ? NULL : optarg + 8;
+            const char *colon = hp ? strrchr(hp, ':') : NULL;
+            long port = 0;
+            if (!colon || colon == hp || !pd_cmd_parse_int(colon + 1, &port) || port < 1 || port > 65535)
+                return pd_cmd_usage_error(cmd, "--kv-remote wants redis://HOST:PORT, got '%s'", optarg);
+            o->ep.kv_remote_url = optarg;
+            break;
+        }
+        case O_OFF_DTYPE:
+            if (strcmp(optarg, "bf16") && strcmp(optarg, "fp8") && strcmp(optarg, "int8") && strcmp(optarg, "f32"))
+                return pd_cmd_usage_error(cmd, "--kv-offload-dtype must be bf16, fp8, int8 or f32, not '%s'", optarg);
+            o->ep.kv_offload_dtype = optarg;
+            break;
         case O_HELP: serve_usage(o->is_run); return 0;
         default: return 2;
         }
@@ -299,6 +336,10 @@ static int parse_flags(int argc, char **argv, serve_opts *o) {
         return pd_cmd_usage_error(cmd, "--role decode needs at least one --prefill HOST:PORT");
     if (o->ep.role != PD_ROLE_DECODE && o->ep.n_prefill_addrs)
         return pd_cmd_usage_error(cmd, "--prefill only applies to --role decode");
+    if (!o->ep.kv_offload_disk_dir != !o->ep.kv_offload_disk_bytes)
+        return pd_cmd_usage_error(cmd, "--kv-offload-disk DIR and --kv-offload-disk-size SIZE go together");
+    if (o->ep.kv_offload_dtype && !o->ep.kv_offload_disk_dir && !o->ep.kv_remote_url)
+        return pd_cmd_usage_error(cmd, "--kv-offload-dtype applies to the disk and remote tiers (--kv-offload-disk, --kv-remote)");
     if (o->ep.spec_model_dir && !o->spec_method_set) o->ep.spec_method = PD_SPEC_DRAFT;
     if (o->ep.spec_model_dir && o->ep.spec_method != PD_SPEC_DRAFT)
         return pd_cmd_usage_error(cmd, "--speculative-model only applies to --speculative-method draft");

@@ -40,7 +40,7 @@ int pd_engine_kv_port(const pd_engine *e) { return e->kc ? pd_kvconn_port(e->kc)
 int pd_engine_n_prefill_healthy(pd_engine *e) { return e->kc ? pd_kvconn_n_healthy(e->kc) : 0; }
 pd_kvw_transport pd_engine_kv_transport(const pd_engine *e) { return e->params.kv_transport; }
 
-static pd_kvw_fingerprint fingerprint(pd_engine *e) {
+pd_kvw_fingerprint pd_disagg_fingerprint(pd_engine *e) {
     const pd_model_config *c = pd_model_get_config(e->model);
     pd_kvw_fingerprint f = {.arch = (uint32_t)c->arch, .n_layers = (uint32_t)c->n_layers, .n_heads = (uint32_t)c->n_heads,
                             .n_kv_heads = (uint32_t)c->n_kv_heads, .head_dim = (uint32_t)c->head_dim,
@@ -81,7 +81,7 @@ pd_status pd_disagg_init(pd_engine *e, pd_err *err) {
     bool decode = p->role == PD_ROLE_DECODE && p->n_prefill_addrs > 0;
     if (!decode && p->role != PD_ROLE_PREFILL) return PD_OK;
     pd_kvconn_params kp = {.role = decode ? PD_KVCONN_DECODE : PD_KVCONN_PREFILL, .transport = p->kv_transport,
-                           .host = p->kv_host, .port = p->kv_port, .secret = p->kv_secret, .fp = fingerprint(e),
+                           .host = p->kv_host, .port = p->kv_port, .secret = p->kv_secret, .fp = pd_disagg_fingerprint(e),
                            .backend = e->backend, .timeout_ms = p->disagg_timeout_ms,
                            .corrupt_every = p->debug_corrupt_every, .debug_pause = p->debug_kv_pause,
                            .debug_refuse_pools = p->debug_refuse_kv_pools,
@@ -256,11 +256,15 @@ static void handle_save_request(pd_engine *e, pd_kvconn_event *ev) {
     uint64_t id = e->next_internal_id++;
     pd_sched_req_params srp = {.req_id = id, .prompt = r->tokens, .n_prompt = r->n_tokens, .max_tokens = 1,
                                .ignore_eos = true, .is_hold_blocks = true};
+    // The KV pool: a prefix some worker computed (Redis, or this worker's own DRAM / disk) is
+    // loaded, not computed again.
+    if (q) srp.n_tier_tokens = pd_tiers_req_init(e, q, r->tokens, r->n_tokens);
     pd_err err = {0};
     if (!q || !q->sampler || !q->dst_blocks || pd_engine_req_reserve(e) || pd_sched_add(e->sched, &srp, pd_time_us(), &err)) {
         if (q) {
             pd_sampler_free(q->sampler);
             pd_free(q->dst_blocks);
+            pd_tiers_req_fini(q);
             pd_free(q);
         }
         return pd_kvconn_send_fail(e->kc, ev->peer, r->req_id, err.msg[0] ? err.msg : "out of memory");
@@ -393,6 +397,7 @@ void pd_disagg_abort(pd_engine *e, ereq *q) {
 void pd_disagg_handle(pd_engine *e, pd_kvconn_event *ev) {
     switch (ev->kind) {
     case PD_KVCONN_EV_LOAD_DONE: handle_load_done(e, ev); break;
+    case PD_KVCONN_EV_TIER_LOADED: pd_tiers_handle(e, ev); break;  // (engine.c routes it there first)
     case PD_KVCONN_EV_PEER_UP: pd_kvconn_peer_up(e->kc, ev); break;
     case PD_KVCONN_EV_SAVE_REQUEST: handle_save_request(e, ev); break;
     case PD_KVCONN_EV_CANCEL:

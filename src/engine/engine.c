@@ -55,6 +55,7 @@ static void req_remove(pd_engine *e, uint64_t id) {
     pd_sampler_free(r->sampler);
     pd_engine_spec_req_fini(r);
     pd_disagg_req_fini(r);
+    pd_tiers_req_fini(r);
     pd_free(r);
 }
 ereq *pd_engine_req_find(pd_engine *e, uint64_t id) { return req_find(e, id); }
@@ -209,6 +210,8 @@ pd_engine *pd_engine_new(const pd_engine_params *p, pd_err *err) {
         PD_LOG_I("engine: captured %d decode graphs in %.1f s", n_graphs, (double)(pd_time_us() - t_warm) / 1e6);
     if (pd_engine_spec_warmup(e, err)) goto fail;
     if (pd_disagg_init(e, err)) goto fail;
+    if (pd_tiers_init(e, pd_disagg_fingerprint(e), err)) goto fail;
+    e->params.kv_offload_disk_dir = e->params.kv_remote_url = e->params.kv_offload_dtype = NULL;  // borrowed
     e->params.kv_secret = NULL;  // the connector copied it; this copy was borrowed for the call
     PD_LOG_I("engine: %s on %s, %d KV blocks of %d tokens (%.1f MiB), max_model_len %d", e->model_name,
              pd_backend_name(e->backend), n_blocks, e->params.block_size,
@@ -314,8 +317,10 @@ static void handle_submit(pd_engine *e, pd_cmd *c) {
     // A constrained request (logit bias, token mask) samples its first token here: a prefill
     // worker would sample it without the constraint.
     sp.is_remote_prefill = e->params.role == PD_ROLE_DECODE && !has_ctl && pd_disagg_want_remote(e, r->prompt, r->n_prompt);
+    if (q && q->sampler && !sp.is_remote_prefill) sp.n_tier_tokens = pd_tiers_req_init(e, q, r->prompt, r->n_prompt);
     if (!q || !q->sampler || pd_engine_req_reserve(e) || pd_sched_add(e->sched, &sp, r->arrival_us, &err)) {
         if (q) pd_sampler_free(q->sampler);
+        if (q) pd_tiers_req_fini(q);
         pd_free(q);
         PD_LOG_W("engine: request %llu rejected: %s", (unsigned long long)r->id, err.msg[0] ? err.msg : "out of memory");
         pd_engine_emit_finished(e, r->id, PD_ENGINE_FINISH_ERROR, r->n_prompt, 0, 0);
@@ -328,6 +333,7 @@ static void handle_submit(pd_engine *e, pd_cmd *c) {
         pd_sched_abort(e->sched, r->id);
         pd_engine_spec_req_fini(q);
         pd_sampler_free(q->sampler);
+        pd_tiers_req_fini(q);
         pd_free(q);
         PD_LOG_W("engine: request %llu rejected: out of memory", (unsigned long long)r->id);
         pd_engine_emit_finished(e, r->id, PD_ENGINE_FINISH_ERROR, r->n_prompt, 0, 0);
@@ -353,6 +359,8 @@ static void handle_cmds(pd_engine *e, pd_cmd *c) {
         pd_cmd *n = c->next;
         if (c->kind == PD_CMD_SUBMIT) {
             handle_submit(e, c);
+        } else if (c->kind == PD_CMD_XFER && c->kev->kind == PD_KVCONN_EV_TIER_LOADED) {
+            pd_tiers_handle(e, c->kev);
         } else if (c->kind == PD_CMD_XFER) {
             pd_disagg_handle(e, c->kev);
         } else if (req_find(e, c->id) && !req_find(e, c->id)->is_aborted) {
@@ -360,6 +368,9 @@ static void handle_cmds(pd_engine *e, pd_cmd *c) {
             int n_prompt = r->n_prompt;
             if (r->is_loading || r->is_export) {
                 pd_disagg_abort(e, r);  // keeps the request until its transfer ends
+            } else if (r->is_tier_loading) {
+                pd_sched_abort(e->sched, c->id);  // its blocks stay until the load ends
+                r->is_aborted = true;             // removed by pd_tiers_handle
             } else {
                 pd_sched_abort(e->sched, c->id);
                 req_remove(e, c->id);
@@ -642,16 +653,10 @@ static void publish_stats(pd_engine *e) {
     pd_kv_stats ks;
     pd_sched_stats_get(e->sched, &ss);
     pd_kv_stats_get(e->kv, &ks);
-    pd_kv_event kev[256];
-    int n_kev;
+    pd_tiers_drain_kv_events(e);
+    pd_engine_stats tst = {0};
+    pd_tiers_stats(e, &tst);  // (tier locks: outside q.mu)
     pthread_mutex_lock(&e->q.mu);
-    while ((n_kev = pd_kv_events_drain(e->kv, kev, 256)) > 0)
-        for (int i = 0; i < n_kev; i++) {
-            pd_wire_kv_event_type t = kev[i].type == PD_KV_EVENT_STORED    ? PD_WIRE_KV_STORED
-                                      : kev[i].type == PD_KV_EVENT_REMOVED ? PD_WIRE_KV_REMOVED
-                                                                           : PD_WIRE_KV_ALL_CLEARED;
-            pd_wire_kv_log_push(e->kv_log, t, kev[i].hash, kev[i].parent_hash, kev[i].n_tokens);
-        }
     pd_engine_stats *o = &e->q.stats;
     o->n_running = ss.n_running;
     o->n_waiting = ss.n_waiting;
@@ -688,6 +693,13 @@ static void publish_stats(pd_engine *e) {
         o->n_kv_saves_failed = ks2.saves_failed;
     }
     pd_engine_spec_stats(e, o);
+    o->n_tiers = tst.n_tiers;
+    memcpy(o->tiers, tst.tiers, sizeof o->tiers);
+    memcpy(o->tier_dtype, tst.tier_dtype, sizeof o->tier_dtype);
+    o->tier_offloads = tst.tier_offloads, o->tier_offloads_dropped = tst.tier_offloads_dropped;
+    o->tier_loads = tst.tier_loads, o->tier_load_blocks = tst.tier_load_blocks, o->tier_promotions = tst.tier_promotions;
+    o->n_tier_hit_tokens = tst.n_tier_hit_tokens, o->n_tier_loads_done = tst.n_tier_loads_done;
+    o->tier_load_us_total = tst.tier_load_us_total;
     pthread_mutex_unlock(&e->q.mu);
 }
 
@@ -711,10 +723,12 @@ static void measure_step(pd_engine *e, const pd_step_plan *plan, int64_t us) {
 static void engine_step(pd_engine *e) {
     pd_step_plan plan;
     int64_t t0 = pd_time_us();
+    pd_tiers_drain_kv_events(e);  // blocks cached by commands, before schedule may reuse them
     pd_sched_schedule(e->sched, t0, &plan);
     if (plan.n_finished) pd_engine_push_sched_events(e, NULL, NULL, plan.finished, plan.n_finished);
     if (plan.n_kv_loads) pd_disagg_start_loads(e, &plan);
-    e->last_step_empty = plan.n_seqs == 0 && plan.n_kv_loads == 0;
+    if (plan.n_tier_loads) pd_tiers_start_loads(e, &plan);
+    e->last_step_empty = plan.n_seqs == 0 && plan.n_kv_loads == 0 && plan.n_tier_loads == 0;
     if (plan.n_seqs == 0) return;
     bool was_spec = false;
     pd_status st = run_plan(e, &plan, &was_spec);
@@ -744,6 +758,7 @@ static void engine_step(pd_engine *e) {
     int32_t n_ev = 0;
     st = pd_sched_update(e->sched, &plan, outs, pd_time_us(), &ev, &n_ev);
     PD_ASSERT(st == PD_OK);
+    pd_tiers_drain_kv_events(e);  // the step's new full blocks go to the tiers (write-back)
     measure_step(e, &plan, pd_time_us() - t0);
     pd_engine_spec_after_update(e, &plan, pd_time_us() - t0, was_spec);
     pd_engine_push_sched_events(e, &plan, e->sb.results, ev, n_ev);
@@ -783,6 +798,7 @@ void pd_engine_free(pd_engine *e) {
         pthread_join(e->thread, NULL);
     }
     pd_disagg_fini(e);  // joins the xfer threads, which push into the queue
+    pd_tiers_fini(e);   // runs queued tier work (loads write into the cache), joins
     for (size_t i = 0; i < e->reqs.cap; i++)
         for (ereq *q; (q = pd_engine_req_at(e, i));) {  // a delete may shift another entry into slot i
             uint64_t id = q->id;
@@ -840,6 +856,14 @@ pd_status pd_engine_state(pd_engine *e, uint64_t since, int max_events, pd_wire_
     l->n_kv_local_short = s->n_kv_local_short;
     l->n_kv_exports = s->n_kv_exports;
     l->n_kv_export_bytes = s->n_kv_export_bytes;
+    l->n_tiers = PD_MIN(s->n_tiers, PD_WIRE_MAX_TIERS);
+    for (int i = 0; i < l->n_tiers; i++) {
+        snprintf(l->tier_names[i], sizeof l->tier_names[i], "%s", s->tiers[i].name);
+        l->tier_hits[i] = s->tiers[i].hits;
+        l->tier_misses[i] = s->tiers[i].misses;
+    }
+    l->n_tier_hit_tokens = s->n_tier_hit_tokens;
+    l->tier_load_us = s->tier_load_us_total;
     pd_status st = pd_wire_kv_log_read(e->kv_log, since, max_events, out);
     pthread_mutex_unlock(&e->q.mu);
     return st;

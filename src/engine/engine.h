@@ -92,6 +92,12 @@ typedef struct pd_engine_params {
     int spec_lookahead_w, spec_lookahead_n;  // lookahead: window width, n-gram size (default 8, 4)
     bool spec_fixed;              // true: always speculate k (no adaptive length); default false
     int n_threads;                // OpenMP threads of the engine (CPU compute); 0 = OpenMP's default
+    // KV tiers below the device pool (docs/design.md "KV tiers"); all off by default
+    uint64_t kv_offload_dram_bytes;   // --kv-offload-dram SIZE: host DRAM tier
+    const char *kv_offload_disk_dir;  // --kv-offload-disk DIR (borrowed for the call)
+    uint64_t kv_offload_disk_bytes;   // --kv-offload-disk-size SIZE
+    const char *kv_remote_url;        // --kv-remote redis://HOST:PORT: the pool shared by workers
+    const char *kv_offload_dtype;     // --kv-offload-dtype: disk / Redis pages (NULL: f32, lossless)
 } pd_engine_params;
 pd_engine_params pd_engine_params_default(void);
 
@@ -194,6 +200,14 @@ const char *pd_fallback_reason_name(pd_fallback_reason r);
 #define PD_ENGINE_SPEC_N 4
 const char *pd_engine_spec_method_name(int m);
 
+#define PD_ENGINE_MAX_TIERS 3
+typedef struct pd_engine_tier_stats {
+    char name[16];              // "dram", "disk", "redis"
+    int64_t hits, misses, puts, put_failures, evictions, bad_pages, bytes_in, bytes_out, n_items;
+    uint64_t bytes_used, capacity;
+    int64_t load_hist[24];      // block loads served by this tier: bucket i < 2^i us
+} pd_engine_tier_stats;
+
 typedef struct pd_engine_stats {
     int n_running, n_waiting;
     int n_blocks_total, n_blocks_free, n_blocks_used, n_blocks_cached;
@@ -225,6 +239,13 @@ typedef struct pd_engine_stats {
     // tokens emitted by verify steps (accepted + the target's own), sequence-steps that verified
     int spec_method;
     int64_t spec_drafted[4], spec_accepted[4], spec_emitted[4], spec_steps[4];
+    // KV tiers (n_tiers 0 when off)
+    int n_tiers;
+    pd_engine_tier_stats tiers[PD_ENGINE_MAX_TIERS];
+    char tier_dtype[8];
+    int64_t tier_offloads, tier_offloads_dropped, tier_loads, tier_load_blocks, tier_promotions;
+    int64_t n_tier_hit_tokens;                 // prompt tokens loaded from a tier instead of computed
+    int64_t n_tier_loads_done, tier_load_us_total;
 } pd_engine_stats;
 void pd_engine_stats_get(pd_engine *e, pd_engine_stats *out);
 

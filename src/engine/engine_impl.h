@@ -37,6 +37,12 @@ typedef struct ereq {
     int32_t n_dst_blocks;
     pd_kvconn_save *save;  // the save in progress (its last prompt chunk is in the current step)
     struct sreq *spec;    // owned: speculative decoding state (engine/spec.c), NULL when off
+    // KV tiers (engine/tiers.c)
+    pd_hash128 *tier_hashes;  // owned: the prompt's chained block hashes (n_tier_hashes full blocks)
+    int n_tier_hashes;
+    bool is_tier_loading;     // a tier load is in flight (its blocks are reserved)
+    int64_t tier_t0_us;
+    int n_tier_loaded;        // prompt tokens loaded from tiers
 } ereq;
 
 typedef struct step_bufs {
@@ -89,6 +95,8 @@ struct pd_engine {
     int64_t export_bytes, export_copy_us;  // prefill role: direct-write KV copies (bytes, time)
     void **layer_k, **layer_v;  // (n_layers) this engine's cache layer bases (owned arrays)
     struct espec *spec;         // owned: speculative decoding (engine/spec.c), NULL when off
+    pd_kvconn_tiers *tiers;     // the KV tiers below the pool (engine/tiers.c), NULL when off
+    int64_t n_tier_hit_tokens, n_tier_loads_done, tier_load_us;
 };
 
 
@@ -123,6 +131,18 @@ void pd_disagg_export(pd_engine *e, ereq *q, const pd_sched_event *ev, const pd_
 // An abort of a request that is loading (decode) or exporting (prefill).
 void pd_disagg_abort(pd_engine *e, ereq *q);
 void pd_disagg_req_fini(ereq *q);  // frees the disaggregation fields
+
+// tiers.c — the KV tiers below the device pool (NULL e->tiers: every call is a no-op / 0).
+pd_status pd_tiers_init(pd_engine *e, pd_kvw_fingerprint fp, pd_err *err);  // after the cache exists
+void pd_tiers_fini(pd_engine *e);                   // before the cache and the queue go
+void pd_tiers_req_fini(ereq *q);
+// Computes the prompt's block hashes into q and probes the tiers: the n_tier_tokens to submit.
+int32_t pd_tiers_req_init(pd_engine *e, ereq *q, const int32_t *prompt, int n_prompt);
+void pd_tiers_start_loads(pd_engine *e, const pd_step_plan *plan);
+void pd_tiers_handle(pd_engine *e, pd_kvconn_event *ev);  // TIER_LOADED, on the engine thread
+void pd_tiers_drain_kv_events(pd_engine *e);  // offload newly cached blocks; router's KV log
+void pd_tiers_stats(pd_engine *e, pd_engine_stats *o);
+pd_kvw_fingerprint pd_disagg_fingerprint(pd_engine *e);
 
 // spec.c — speculative decoding in the step loop (NULL e->spec: every call is a no-op / false).
 pd_status pd_engine_spec_load(pd_engine *e, pd_err *err);  // after the target loads: checks, draft weights

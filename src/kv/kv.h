@@ -140,6 +140,8 @@ typedef struct pd_kv_event {
     int32_t n_tokens;         // STORED: tokens in the block (block_size)
     pd_hash128 hash;          // STORED, REMOVED
     pd_hash128 parent_hash;   // STORED: the chain parent (pd_hash_root(key) for a first block)
+    int32_t block_id;         // STORED: the block now holding it (its content is valid until the
+                              // block is next allocated: the engine offloads it to a KV tier)
 } pd_kv_event;
 
 // Moves up to n_max pending events, oldest first, into out. Returns how many were written.

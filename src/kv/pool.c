@@ -48,7 +48,7 @@ void pd_kv_pool_cache(pd_kv_mgr *m, int32_t id, pd_hash128 hash, pd_hash128 pare
     b->parent_gen = parent_gen;
     pd_kv_prefix_insert(&m->prefix, hash, id);
     pd_kv_event ev = {.type = PD_KV_EVENT_STORED, .n_tokens = bs, .hash = hash,
-                      .parent_hash = parent_hash};
+                      .parent_hash = parent_hash, .block_id = id};
     pd_kv_pool_emit(m, &ev);
 }
 

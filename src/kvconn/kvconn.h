@@ -31,6 +31,7 @@
 #pragma once
 #include "backend/backend.h"
 #include "base/base.h"
+#include "base/hash.h"
 #include "wire/kv.h"
 
 #ifdef __cplusplus
@@ -48,6 +49,7 @@ typedef enum pd_kvconn_event_kind {
     PD_KVCONN_EV_SAVE_REQUEST = 3,  // prefill: compute and save this prompt's KV (req)
     PD_KVCONN_EV_CANCEL = 4,        // prefill: the decode worker cancelled req_id
     PD_KVCONN_EV_PEER_DOWN = 5,     // prefill: the decode worker went away (hand to pd_kvconn_peer_down)
+    PD_KVCONN_EV_TIER_LOADED = 6,   // tiers: a load ended, n_blocks leading blocks are in place
 } pd_kvconn_event_kind;
 
 typedef struct pd_kvconn_event {
@@ -61,6 +63,8 @@ typedef struct pd_kvconn_event {
     pd_kvw_prefill_req req;    // SAVE_REQUEST: tokens / dst_blocks point into owned
     int32_t *owned;
     void *priv;                // PEER_UP: connector-private (owned)
+    int n_blocks;              // TIER_LOADED: leading blocks loaded (0 .. asked)
+    int64_t load_us;           // TIER_LOADED: time on the tier thread
 } pd_kvconn_event;
 void pd_kvconn_event_fini(pd_kvconn_event *ev);
 
@@ -186,6 +190,74 @@ pd_status pd_kvconn_save_end(pd_kvconn *c, pd_kvconn_save *s, const pd_kvconn_fi
 // The save cannot complete (step failed, request aborted): PREFILL_FAIL now (unless the peer is
 // gone or cancelled: silent is fine), frees s.
 void pd_kvconn_save_fail(pd_kvconn *c, pd_kvconn_save *s, const char *why, bool tell_peer);
+
+// ---- KV tiers below the device pool (kvconn/tier.c over kvtier/) ------------------------------
+// Host DRAM (--kv-offload-dram), local disk (--kv-offload-disk, persists across restarts) and a
+// Redis pool shared by every worker of the model (--kv-remote), fastest first. Write-back: a block
+// that became full and cached in the device pool is offered (pd_kvconn_tiers_save copies its rows
+// and returns; encoding and writes run on the tier thread). Lookup by the chained block hash
+// (pd_kvconn_tiers_match never waits: no Redis round trip on the caller's thread); a load decodes
+// into reserved blocks on the tier thread and ends with one TIER_LOADED event (on_event, from the
+// tier thread). A corrupted, truncated or foreign page is a miss: the load stops before it.
+#define PD_KVCONN_MAX_TIERS 3
+typedef struct pd_kvconn_tiers pd_kvconn_tiers;
+
+typedef struct pd_kvconn_tier_params {
+    uint64_t dram_bytes;       // 0: no DRAM tier
+    const char *disk_dir;      // NULL: no disk tier (borrowed for the call)
+    uint64_t disk_bytes;       // required with disk_dir
+    const char *remote_url;    // "redis://HOST:PORT" or NULL
+    const char *secret;        // required with remote_url: the Redis AUTH password (borrowed)
+    const char *dtype;         // disk / Redis pages: "bf16" | "fp8" | "int8" | "f32"; NULL: f32 (lossless)
+    int queue_max;             // pending offloads before new ones are dropped (0: 1024)
+    pd_kvw_fingerprint fp;     // pages of another model are refused
+    pd_backend *backend;       // borrowed
+    pd_kvconn_cache cache;     // the pool the blocks live in
+    pd_kvconn_event_fn on_event;
+    void *ud;
+} pd_kvconn_tier_params;
+
+typedef struct pd_kvconn_tier_stat {
+    char name[16];             // "dram", "disk", "redis"
+    int64_t hits, misses, puts, put_failures, evictions, bad_pages;
+    int64_t bytes_in, bytes_out;  // written to the tier / read back from it
+    uint64_t bytes_used, capacity;
+    int64_t n_items;
+    int64_t load_hist[24];     // block loads served, by latency: bucket i < 2^i us
+} pd_kvconn_tier_stat;
+
+typedef struct pd_kvconn_tiers_stats {
+    int n_tiers;
+    pd_kvconn_tier_stat tier[PD_KVCONN_MAX_TIERS];
+    int64_t offloads_queued, offloads_dropped, offloads_done;
+    int64_t loads, load_blocks, load_misses, promotions;
+    char dtype[8];
+    bool dram_pinned;          // the DRAM tier's pages are page-locked host memory (CUDA)
+} pd_kvconn_tiers_stats;
+
+// The 64-bit model fingerprint that tier pages and Redis keys carry.
+uint64_t pd_kvconn_fingerprint64(const pd_kvw_fingerprint *f);
+pd_kvconn_tiers *pd_kvconn_tiers_new(const pd_kvconn_tier_params *p, pd_err *err);
+void pd_kvconn_tiers_free(pd_kvconn_tiers *c);  // runs queued work (each load's event comes), joins
+// A block became full and cached: offer it to the tiers (rows copied before return).
+void pd_kvconn_tiers_save(pd_kvconn_tiers *c, int32_t block_id, pd_hash128 hash, pd_hash128 parent);
+// Leading blocks of hashes[0..n) some tier holds or may hold (Redis is asked by the load itself);
+// *n_sure: leading blocks known held; *cost_us: the predicted load time (measured bandwidth).
+int pd_kvconn_tiers_match(pd_kvconn_tiers *c, const pd_hash128 *hashes, int n, int *n_sure, double *cost_us);
+// Loads blocks hashes[0..n) into our blocks dst_blocks[0..n), which nothing else may touch until
+// the TIER_LOADED event. PD_OK: exactly one event follows. PD_ERR_INVALID: a block outside the pool.
+pd_status pd_kvconn_tiers_start_load(pd_kvconn_tiers *c, uint64_t req_id, const pd_hash128 *hashes,
+                                     const int32_t *dst_blocks, int n);
+void pd_kvconn_tiers_stats_get(pd_kvconn_tiers *c, pd_kvconn_tiers_stats *out);
+// What the tiers now hold, for routers: a page written to / evicted from a tier.
+typedef enum pd_kvconn_tier_kind { PD_KVCONN_TIER_DRAM = 1, PD_KVCONN_TIER_DISK = 2, PD_KVCONN_TIER_REDIS = 3 } pd_kvconn_tier_kind;
+typedef struct pd_kvconn_tier_event {
+    pd_kvconn_tier_kind kind;
+    bool is_stored;            // else evicted
+    pd_hash128 hash, parent;
+} pd_kvconn_tier_event;
+int pd_kvconn_tiers_events_drain(pd_kvconn_tiers *c, pd_kvconn_tier_event *out, int n_max);
+bool pd_kvconn_tiers_flush(pd_kvconn_tiers *c, int timeout_ms);  // tests: every queued job ran
 
 #ifdef __cplusplus
 }

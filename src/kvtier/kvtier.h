@@ -80,6 +80,10 @@ typedef enum pd_kvt_bad {
 // expect_hash NULL: any hash. info (may be NULL) receives the header.
 pd_kvt_bad pd_kvt_page_check(const void *page, size_t len, uint64_t fingerprint, const pd_kvt_geom *g,
                              const pd_hash128 *expect_hash, pd_kvt_page_info *info);
+// The header alone (len >= PD_KVT_HDR_BYTES; nothing past it is read): identity and declared
+// length, no checksum. The disk tier's index rebuild reads only each file's first block.
+pd_kvt_bad pd_kvt_page_check_header(const void *page, size_t len, uint64_t fingerprint, const pd_kvt_geom *g,
+                                    const pd_hash128 *expect_hash, pd_kvt_page_info *info);
 // pd_kvt_page_check, then decodes into k[l], v[l] (same layout as encode). Writes nothing unless
 // the page is accepted.
 pd_kvt_bad pd_kvt_page_decode(const void *page, size_t len, uint64_t fingerprint, const pd_kvt_geom *g,
@@ -129,6 +133,12 @@ typedef struct pd_kvt_store_params {
     uint64_t capacity;        // bytes (exact)
     pd_kvt_policy_kind policy;
     const char *dir;          // disk: the directory (created if missing)
+    const char *secret;       // Redis: sent with AUTH after every connect (copied); NULL: none
+    // DRAM: where page copies live (e.g. pinned host memory from the backend); NULL: pd_malloc.
+    // Called under the store's lock. page_alloc may return NULL (the put fails, counted).
+    void *(*page_alloc)(void *ud, size_t n);
+    void (*page_free)(void *ud, void *p);
+    void *page_ud;
 } pd_kvt_store_params;
 
 pd_kvt_store *pd_kvt_dram_new(const pd_kvt_store_params *p, pd_err *err);
@@ -142,6 +152,11 @@ pd_status pd_kvt_store_put(pd_kvt_store *s, pd_hash128 key, const void *page, si
 // or the stored bytes failed pd_kvt_page_check — then the entry is dropped and bad_pages counted).
 pd_status pd_kvt_store_get(pd_kvt_store *s, pd_hash128 key, void *buf, size_t cap, size_t *len);
 bool pd_kvt_store_contains(pd_kvt_store *s, pd_hash128 key);
+// Without waiting (the engine thread): 1 held, 0 absent, -1 unknown (Redis: a round trip; a local
+// store busy with I/O).
+int pd_kvt_store_probe(pd_kvt_store *s, pd_hash128 key);
+// Called (under the store's lock, from inside a put) for every key the store evicts.
+void pd_kvt_store_set_evict_hook(pd_kvt_store *s, void (*fn)(void *ud, pd_hash128 key), void *ud);
 void pd_kvt_store_stats_get(pd_kvt_store *s, pd_kvt_store_stats *out);
 // Disk: files refused at start because they belong to another model (left in place, not indexed).
 int64_t pd_kvt_disk_refused(pd_kvt_store *s);
@@ -150,6 +165,8 @@ int64_t pd_kvt_disk_refused(pd_kvt_store *s);
 // that is down (at start or later) is not an error: operations miss / fail fast and reconnects are
 // tried with exponential backoff (100 ms .. 5 s).
 pd_kvt_store *pd_kvt_redis_new(const pd_kvt_store_params *p, const char *url, pd_err *err);
+// Connections refused by the server's AUTH (a wrong or missing secret).
+int64_t pd_kvt_redis_auth_failures(pd_kvt_store *s);
 // Operations that found the server down or lost the connection.
 int64_t pd_kvt_redis_down_misses(pd_kvt_store *s);
 
@@ -177,7 +194,7 @@ bool pd_kvt_store_seen_before(pd_kvt_store *s, pd_hash128 key);
 //             or the ghost list), or at once for Redis.
 //   match     how many leading blocks of a prompt (by chained hash) some tier holds, and the
 //             predicted load time from the measured per-tier load bandwidth.
-//   load      on the tier thread: each block from the fastest tier holding it, verified (a bad
+//   load      on the tier thread, ahead of every queued offload: each block from the fastest tier holding it, verified (a bad
 //             page is a miss and the load stops there), decoded into the caller's block rows;
 //             a lower-tier hit is promoted to tier 0. Completion through a callback (tier thread).
 #define PD_KVT_MAX_TIERS 3
@@ -206,6 +223,7 @@ typedef struct pd_kvt_tiers_stats {
     pd_kvt_tier_stats tier[PD_KVT_MAX_TIERS];
     int64_t offloads_queued, offloads_dropped, offloads_done, admitted_lower, refused_lower;
     int64_t loads, load_blocks, load_misses, promotions;
+    int64_t events_dropped;
 } pd_kvt_tiers_stats;
 
 pd_kvt_tiers *pd_kvt_tiers_new(const pd_kvt_tiers_params *p, pd_err *err);
@@ -216,12 +234,27 @@ pd_status pd_kvt_tiers_offload(pd_kvt_tiers *t, pd_hash128 hash, pd_hash128 pare
 // Leading blocks of hashes[0..n) held by some tier (checks existence only). tier_of (may be NULL):
 // per block, which tier would serve it. cost_us (may be NULL): predicted load time.
 int pd_kvt_tiers_match(pd_kvt_tiers *t, const pd_hash128 *hashes, int n, int *tier_of, double *cost_us);
+// Like match, but never waits (no Redis round trip, no lock held by I/O): leading blocks that some
+// tier holds or may hold (pd_kvt_store_probe -1 counts as "may"); *n_sure (may be NULL): of those,
+// the leading ones known to be held. The load finds out about the rest.
+int pd_kvt_tiers_probe(pd_kvt_tiers *t, const pd_hash128 *hashes, int n, int *n_sure, double *cost_us);
 // Queues a load of blocks hashes[0..n) into dst_k[i][l], dst_v[i][l] (arrays and rows borrowed
 // until done). PD_OK: done is called exactly once.
 pd_status pd_kvt_tiers_load(pd_kvt_tiers *t, uint64_t req_id, const pd_hash128 *hashes, int n,
                             float *const *const *dst_k, float *const *const *dst_v, pd_kvt_load_fn done, void *ud);
+// What the tiers now hold, for routers (the engine forwards them as KV events with the tier):
+// STORED when a page was written to tier `tier`, REMOVED when that tier evicted it. A bounded
+// ring (4096); on overflow the oldest are dropped and counted in events_dropped.
+typedef struct pd_kvt_event {
+    int tier;          // index into the chain
+    bool is_stored;    // else removed
+    pd_hash128 hash, parent;
+} pd_kvt_event;
+int pd_kvt_tiers_events_drain(pd_kvt_tiers *t, pd_kvt_event *out, int n_max);
+const char *pd_kvt_tiers_name(pd_kvt_tiers *t, int tier);  // "dram", "disk", "redis"
 // Waits (bounded by timeout_ms) until every queued job ran. true when idle. Tests and shutdown.
 bool pd_kvt_tiers_flush(pd_kvt_tiers *t, int timeout_ms);
+// Never waits on a store: the stores' counters are as of the tier thread's last job.
 void pd_kvt_tiers_stats_get(pd_kvt_tiers *t, pd_kvt_tiers_stats *out);
 
 #ifdef __cplusplus

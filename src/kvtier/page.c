@@ -236,31 +236,52 @@ pd_status pd_kvt_page_encode(const pd_kvt_geom *g, pd_kvt_dtype d, uint64_t fing
     return PD_OK;
 }
 
+// The header alone (the first PD_KVT_HDR_BYTES of page): magic, version, geometry, fingerprint,
+// expected hash; fills *in. Reads nothing past the header.
+static pd_kvt_bad header_check(const uint8_t *h, uint64_t fingerprint, const pd_kvt_geom *g, const pd_hash128 *expect_hash,
+                               pd_kvt_page_info *in, size_t *want) {
+    if (get32(h) != PD_KVT_PAGE_MAGIC || get32(h + 4) != PD_KVT_PAGE_VERSION) return PD_KVT_BAD_FOREIGN;
+    in->dtype = (pd_kvt_dtype)get32(h + 8);
+    in->geom.n_layers = (int)get32(h + 12);
+    in->geom.n_kv_heads = (int)get32(h + 16);
+    in->geom.head_dim = (int)get32(h + 20);
+    in->geom.block_size = (int)get32(h + 24);
+    in->fingerprint = get64(h + 32);
+    in->hash.lo = get64(h + 40);
+    in->hash.hi = get64(h + 48);
+    in->parent.lo = get64(h + 56);
+    in->parent.hi = get64(h + 64);
+    in->payload_bytes = get64(h + 72);
+    *want = payload_bytes(&in->geom, in->dtype);
+    if (!*want) return PD_KVT_BAD_FOREIGN;
+    if (in->fingerprint != fingerprint) return PD_KVT_BAD_FOREIGN;
+    if (g && (g->n_layers != in->geom.n_layers || g->n_kv_heads != in->geom.n_kv_heads ||
+              g->head_dim != in->geom.head_dim || g->block_size != in->geom.block_size))
+        return PD_KVT_BAD_FOREIGN;
+    if (expect_hash && !pd_hash128_eq(*expect_hash, in->hash)) return PD_KVT_BAD_FOREIGN;
+    if (in->payload_bytes != *want) return PD_KVT_BAD_TRUNCATED;
+    return PD_KVT_PAGE_OK;
+}
+
+pd_kvt_bad pd_kvt_page_check_header(const void *page, size_t len, uint64_t fingerprint, const pd_kvt_geom *g,
+                                    const pd_hash128 *expect_hash, pd_kvt_page_info *info) {
+    if (!page || len < PD_KVT_HDR_BYTES) return PD_KVT_BAD_TRUNCATED;
+    pd_kvt_page_info in;
+    size_t want;
+    pd_kvt_bad bad = header_check(page, fingerprint, g, expect_hash, &in, &want);
+    if (bad == PD_KVT_PAGE_OK && info) *info = in;
+    return bad;
+}
+
 pd_kvt_bad pd_kvt_page_check(const void *page, size_t len, uint64_t fingerprint, const pd_kvt_geom *g,
                              const pd_hash128 *expect_hash, pd_kvt_page_info *info) {
     const uint8_t *h = page;
     if (!page || len < PD_KVT_HDR_BYTES) return PD_KVT_BAD_TRUNCATED;
-    if (get32(h) != PD_KVT_PAGE_MAGIC || get32(h + 4) != PD_KVT_PAGE_VERSION) return PD_KVT_BAD_FOREIGN;
     pd_kvt_page_info in;
-    in.dtype = (pd_kvt_dtype)get32(h + 8);
-    in.geom.n_layers = (int)get32(h + 12);
-    in.geom.n_kv_heads = (int)get32(h + 16);
-    in.geom.head_dim = (int)get32(h + 20);
-    in.geom.block_size = (int)get32(h + 24);
-    in.fingerprint = get64(h + 32);
-    in.hash.lo = get64(h + 40);
-    in.hash.hi = get64(h + 48);
-    in.parent.lo = get64(h + 56);
-    in.parent.hi = get64(h + 64);
-    in.payload_bytes = get64(h + 72);
-    size_t want = payload_bytes(&in.geom, in.dtype);
-    if (!want) return PD_KVT_BAD_FOREIGN;
-    if (in.fingerprint != fingerprint) return PD_KVT_BAD_FOREIGN;
-    if (g && (g->n_layers != in.geom.n_layers || g->n_kv_heads != in.geom.n_kv_heads ||
-              g->head_dim != in.geom.head_dim || g->block_size != in.geom.block_size))
-        return PD_KVT_BAD_FOREIGN;
-    if (expect_hash && !pd_hash128_eq(*expect_hash, in.hash)) return PD_KVT_BAD_FOREIGN;
-    if (in.payload_bytes != want || len != PD_KVT_HDR_BYTES + want) return PD_KVT_BAD_TRUNCATED;
+    size_t want;
+    pd_kvt_bad bad = header_check(h, fingerprint, g, expect_hash, &in, &want);
+    if (bad) return bad;
+    if (len != PD_KVT_HDR_BYTES + want) return PD_KVT_BAD_TRUNCATED;
     XXH3_state_t st;
     XXH3_64bits_reset(&st);
     XXH3_64bits_update(&st, h, 88);

@@ -14,6 +14,7 @@
 #include <string.h>
 
 #include "base/map.h"
+#include "base/buf.h"
 #include "kvtier/kvtier.h"
 
 enum { Q_SMALL = 0, Q_MAIN = 1 };
@@ -61,7 +62,7 @@ static uint64_t hkey(pd_hash128 h) {
 
 pd_kvt_policy *pd_kvt_policy_new(pd_kvt_policy_kind kind, uint64_t capacity, pd_kvt_evict_fn on_evict, void *ud) {
     if ((kind != PD_KVT_LRU && kind != PD_KVT_S3FIFO) || capacity == 0) return NULL;
-    pd_kvt_policy *p = calloc(1, sizeof *p);
+    pd_kvt_policy *p = pd_calloc(1, sizeof *p);
     if (!p) return NULL;
     p->kind = kind;
     p->capacity = capacity;
@@ -72,7 +73,7 @@ pd_kvt_policy *pd_kvt_policy_new(pd_kvt_policy_kind kind, uint64_t capacity, pd_
     pd_map_params mp = {.entry_size = sizeof(idx_entry), .key_size = sizeof(pd_hash128)};
     pd_map_params gp = {.entry_size = sizeof(ghost_entry), .key_size = sizeof(pd_hash128)};
     if (pd_map_init(&p->index, &mp) != PD_OK || pd_map_init(&p->ghost, &gp) != PD_OK) {
-        free(p);
+        pd_free(p);
         return NULL;
     }
     p->st.capacity = capacity;
@@ -83,9 +84,9 @@ void pd_kvt_policy_free(pd_kvt_policy *p) {
     if (!p) return;
     pd_map_fini(&p->index);
     pd_map_fini(&p->ghost);
-    free(p->nodes);
-    free(p->ring);
-    free(p);
+    pd_free(p->nodes);
+    pd_free(p->ring);
+    pd_free(p);
 }
 
 static void unlink_node(pd_kvt_policy *p, int32_t i) {
@@ -117,11 +118,11 @@ static void ghost_add(pd_kvt_policy *p, pd_hash128 key) {
     if (p->ring_cap < want) {
         // Grow: keep the newest entries (re-lay them at their seq % new_cap).
         uint64_t nc = want * 2;
-        pd_hash128 *r = calloc(nc, sizeof *r);
+        pd_hash128 *r = pd_calloc(nc, sizeof *r);
         if (!r) return;
         uint64_t lo = p->ring_seq > p->ring_cap ? p->ring_seq - p->ring_cap : 0;
         for (uint64_t s = lo; s < p->ring_seq; s++) r[s % nc] = p->ring[s % p->ring_cap];
-        free(p->ring);
+        pd_free(p->ring);
         p->ring = r;
         p->ring_cap = nc;
     }
@@ -235,11 +236,9 @@ pd_status pd_kvt_policy_put(pd_kvt_policy *p, pd_hash128 key, uint64_t bytes) {
         p->free_head = p->nodes[i].next;
     } else {
         if (p->n_nodes == p->cap_nodes) {
-            int32_t nc = p->cap_nodes ? p->cap_nodes * 2 : 64;
-            node *nn = realloc(p->nodes, (size_t)nc * sizeof *nn);
-            if (!nn) return PD_ERR_NOMEM;
-            p->nodes = nn;
-            p->cap_nodes = nc;
+            size_t cap = (size_t)p->cap_nodes;
+            if (PD_ARRAY_RESERVE(p->nodes, cap, (size_t)p->n_nodes + 1) || cap > INT32_MAX) return PD_ERR_NOMEM;
+            p->cap_nodes = (int32_t)cap;
         }
         i = p->n_nodes++;
     }

@@ -56,7 +56,10 @@ struct pd_kvt_store {
     int port;
     redisContext *rc;
     int64_t retry_at_ms, backoff_ms;
-    int64_t reconnects, down_misses;
+    int64_t reconnects, down_misses, auth_failures;
+    char *secret;
+    void (*evict_hook)(void *ud, pd_hash128 key);  // pd_kvt_store_set_evict_hook
+    void *evict_ud;
 };
 
 static uint64_t hkey(pd_hash128 h) {
@@ -71,13 +74,24 @@ static void disk_path(const pd_kvt_store *s, pd_hash128 h, char *out, size_t n) 
     snprintf(out, n, "%s/%016" PRIx64 "%016" PRIx64 ".kvp", s->dir, h.hi, h.lo);
 }
 
+static void *page_alloc(pd_kvt_store *s, size_t n) {
+    return s->p.page_alloc ? s->p.page_alloc(s->p.page_ud, n) : pd_malloc(n);
+}
+
+static void page_free(pd_kvt_store *s, void *p) {
+    if (!p) return;
+    if (s->p.page_free) s->p.page_free(s->p.page_ud, p);
+    else pd_free(p);
+}
+
 static void on_evict(void *ud, pd_hash128 key, uint64_t bytes) {
     pd_kvt_store *s = ud;
     s->st.evictions++;
+    if (s->evict_hook) s->evict_hook(s->evict_ud, key);
     if (s->kind == 1) {
         dram_entry *e = pd_map_find(&s->pages, hkey(key), &key);
         if (e) {
-            free(e->page);
+            page_free(s, e->page);
             pd_map_del_entry(&s->pages, e);
         }
     } else {
@@ -92,7 +106,7 @@ static pd_kvt_store *store_new(int kind, const pd_kvt_store_params *p, pd_err *e
         pd_err_set(err, PD_ERR_INVALID, "kvtier: bad store parameters (capacity %" PRIu64 ")", p ? p->capacity : 0);
         return NULL;
     }
-    pd_kvt_store *s = calloc(1, sizeof *s);
+    pd_kvt_store *s = pd_calloc(1, sizeof *s);
     if (!s) {
         pd_err_set(err, PD_ERR_NOMEM, "kvtier: out of memory");
         return NULL;
@@ -121,16 +135,17 @@ void pd_kvt_store_free(pd_kvt_store *s) {
     if (!s) return;
     for (size_t i = 0; i < s->pages.cap; i++) {
         dram_entry *e = pd_map_slot(&s->pages, i);
-        if (e) free(e->page);
+        if (e) page_free(s, e->page);
     }
     pd_map_fini(&s->pages);
     pd_kvt_policy_free(s->pol);
     if (s->ring_ok) io_uring_queue_exit(&s->ring);
     if (s->rc) redisFree(s->rc);
-    free(s->host);
-    free(s->dir);
+    pd_free(s->host);
+    pd_free(s->secret);
+    pd_free(s->dir);
     pthread_mutex_destroy(&s->mu);
-    free(s);
+    pd_free(s);
 }
 
 const char *pd_kvt_store_name(const pd_kvt_store *s) {
@@ -209,17 +224,13 @@ static void disk_scan(pd_kvt_store *s) {
         ssize_t r = pread(fd, hdr, DISK_ALIGN, 0);  // one aligned read of the header block
         close(fd);
         if (r < PD_KVT_HDR_BYTES) continue;
-        // Header-only check: feed a length that matches the header's own claim so that only the
-        // identity fields are judged here; the checksum is verified when the page is read.
         pd_kvt_page_info in;
         const uint8_t *b = hdr;
         uint64_t pb = 0;
         for (int i = 0; i < 8; i++) pb |= (uint64_t)b[72 + i] << (8 * i);
-        bool foreign = true;
-        if (pb < (1ull << 40)) {
-            pd_kvt_bad bad = pd_kvt_page_check(hdr, PD_KVT_HDR_BYTES + pb, s->p.fingerprint, &s->p.geom, &h, &in);
-            foreign = bad == PD_KVT_BAD_FOREIGN;
-        }
+        // The header only: hdr holds one 4 KiB block, the page is longer (its checksum is checked
+        // when the page is read).
+        bool foreign = pd_kvt_page_check_header(hdr, DISK_ALIGN, s->p.fingerprint, &s->p.geom, &h, &in) == PD_KVT_BAD_FOREIGN;
         if (foreign) {
             s->refused_foreign++;
             continue;
@@ -231,7 +242,7 @@ static void disk_scan(pd_kvt_store *s) {
         }
         (void)pd_kvt_policy_put(s->pol, h, (uint64_t)sb.st_size);
     }
-    free(hdr);
+    free(hdr);  // posix_memalign (O_DIRECT alignment): libc free
     closedir(d);
 }
 
@@ -246,7 +257,7 @@ pd_kvt_store *pd_kvt_disk_new(const pd_kvt_store_params *p, pd_err *err) {
     }
     pd_kvt_store *s = store_new(2, p, err);
     if (!s) return NULL;
-    s->dir = strdup(p->dir);
+    s->dir = pd_strdup(p->dir);
     s->direct = true;
     int r = io_uring_queue_init(8, &s->ring, 0);
     if (r < 0 || !s->dir) {
@@ -289,6 +300,18 @@ static bool redis_up(pd_kvt_store *s) {
     if (!s->rc || s->rc->err || redisSetTimeout(s->rc, tv) != REDIS_OK) {
         redis_drop(s);
         return false;
+    }
+    if (s->secret) {  // the pool moves KV: only workers that hold the shared secret may use it
+        const char *argv[] = {"AUTH", s->secret};
+        size_t lens[] = {4, strlen(s->secret)};
+        redisReply *r = redisCommandArgv(s->rc, 2, argv, lens);
+        bool ok = r && r->type == REDIS_REPLY_STATUS && !s->rc->err;
+        if (r) freeReplyObject(r);
+        if (!ok) {
+            s->auth_failures++;
+            redis_drop(s);
+            return false;
+        }
     }
     s->reconnects++;
     s->backoff_ms = 0;
@@ -386,16 +409,24 @@ pd_kvt_store *pd_kvt_redis_new(const pd_kvt_store_params *p, const char *url, pd
     if (!q.capacity) q.capacity = 1;  // Redis owns capacity; the local policy is unused
     pd_kvt_store *s = store_new(3, &q, err);
     if (!s) return NULL;
-    s->host = strndup(hp, (size_t)(colon - hp));
+    s->host = pd_strndup(hp, (size_t)(colon - hp));
     s->port = (int)port;
+    s->secret = p->secret ? pd_strdup(p->secret) : NULL;
     snprintf(s->name, sizeof s->name, "redis");
-    if (!s->host) {
+    if (!s->host || (p->secret && !s->secret)) {
         pd_kvt_store_free(s);
         pd_err_set(err, PD_ERR_NOMEM, "kvtier: out of memory");
         return NULL;
     }
     redis_up(s);  // a server down at start is not an error: it is retried with backoff
     return s;
+}
+
+int64_t pd_kvt_redis_auth_failures(pd_kvt_store *s) {
+    pthread_mutex_lock(&s->mu);
+    int64_t r = s->auth_failures;
+    pthread_mutex_unlock(&s->mu);
+    return r;
 }
 
 int64_t pd_kvt_redis_down_misses(pd_kvt_store *s) {
@@ -420,7 +451,7 @@ pd_status pd_kvt_store_put(pd_kvt_store *s, pd_hash128 key, const void *page, si
     }
     if (pd_kvt_policy_contains(s->pol, key)) goto out;  // content-addressed: same key, same page
     if (s->kind == 1) {
-        void *copy = malloc(len);
+        void *copy = page_alloc(s, len);
         if (!copy) {
             st = PD_ERR_NOMEM;
             goto fail;
@@ -428,12 +459,12 @@ pd_status pd_kvt_store_put(pd_kvt_store *s, pd_hash128 key, const void *page, si
         memcpy(copy, page, len);
         st = pd_kvt_policy_put(s->pol, key, len);
         if (st != PD_OK) {
-            free(copy);
+            page_free(s, copy);
             goto fail;
         }
         dram_entry *e = pd_map_put(&s->pages, hkey(key), &key, NULL);
         if (!e) {
-            free(copy);
+            page_free(s, copy);
             pd_kvt_policy_remove(s->pol, key);
             st = PD_ERR_NOMEM;
             goto fail;
@@ -548,7 +579,7 @@ check:
         if (s->kind == 1) {
             dram_entry *e = pd_map_find(&s->pages, hkey(key), &key);
             if (e) {
-                free(e->page);
+                page_free(s, e->page);
                 pd_map_del_entry(&s->pages, e);
             }
         } else {
@@ -578,6 +609,21 @@ bool pd_kvt_store_seen_before(pd_kvt_store *s, pd_hash128 key) {
 bool pd_kvt_store_contains(pd_kvt_store *s, pd_hash128 key) {
     pthread_mutex_lock(&s->mu);
     bool r = s->kind == 3 ? redis_exists(s, key) : pd_kvt_policy_contains(s->pol, key);
+    pthread_mutex_unlock(&s->mu);
+    return r;
+}
+
+void pd_kvt_store_set_evict_hook(pd_kvt_store *s, void (*fn)(void *ud, pd_hash128 key), void *ud) {
+    pthread_mutex_lock(&s->mu);
+    s->evict_hook = fn;
+    s->evict_ud = ud;
+    pthread_mutex_unlock(&s->mu);
+}
+
+int pd_kvt_store_probe(pd_kvt_store *s, pd_hash128 key) {
+    if (s->kind == 3) return -1;              // a network round trip: the tier thread finds out
+    if (pthread_mutex_trylock(&s->mu)) return -1;  // busy with I/O: do not wait for it
+    int r = pd_kvt_policy_contains(s->pol, key) ? 1 : 0;
     pthread_mutex_unlock(&s->mu);
     return r;
 }

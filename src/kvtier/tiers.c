@@ -1,12 +1,15 @@
 // tiers.c — the tier chain: one thread runs offloads (encode + write-back) and loads (read,
 // verify, decode, promote); the engine thread only queues and matches. See kvtier.h.
 #include <pthread.h>
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
 
 #include "kvtier/kvtier.h"
+
+#define EV_CAP 4096
 
 typedef struct job {
     struct job *next;
@@ -30,14 +33,23 @@ struct pd_kvt_tiers {
     pthread_t thread;
     pthread_mutex_t mu;
     pthread_cond_t cv, idle_cv;
-    job *head, *tail;
+    job *head, *tail;          // offloads, FIFO
+    job *lhead, *ltail;        // loads, FIFO: served before any offload (a request waits on them)
     int n_queued_offloads;
     bool busy, stop;
     pd_kvt_tiers_stats st;     // guarded by mu
+    pd_kvt_store_stats snap[PD_KVT_MAX_TIERS];  // the stores' stats as of the last job, guarded by mu
     double bw_bytes_per_us[PD_KVT_MAX_TIERS];  // measured load bandwidth (EMA), guarded by mu
     uint8_t *page;             // tier thread scratch
     size_t page_cap;
+    pd_kvt_event ev[EV_CAP];   // ring of tier events, guarded by ev_mu (taken inside store locks)
+    int ev_head, ev_n;
+    int64_t ev_dropped;
+    pthread_mutex_t ev_mu;
+    int evict_tier[PD_KVT_MAX_TIERS];  // the evict hooks' user data: tier indexes
 };
+
+
 
 static int64_t now_us(void) {
     struct timespec ts;
@@ -45,8 +57,21 @@ static int64_t now_us(void) {
     return (int64_t)ts.tv_sec * 1000000 + ts.tv_nsec / 1000;
 }
 
+// Host DRAM keeps pages exact (f32); disk and Redis use the configured dtype.
 static pd_kvt_dtype tier_dtype(const pd_kvt_tiers *t, int i) {
-    return i == 0 ? PD_KVT_F32 : t->p.dtype;
+    return !strcmp(pd_kvt_store_name(t->p.stores[i]), "dram") ? PD_KVT_F32 : t->p.dtype;
+}
+
+static void push_event(pd_kvt_tiers *t, int tier, bool stored, pd_hash128 h, pd_hash128 parent) {
+    pthread_mutex_lock(&t->ev_mu);
+    if (t->ev_n == EV_CAP) {  // drop the oldest
+        t->ev_head = (t->ev_head + 1) % EV_CAP;
+        t->ev_n--;
+        t->ev_dropped++;
+    }
+    t->ev[(t->ev_head + t->ev_n) % EV_CAP] = (pd_kvt_event){.tier = tier, .is_stored = stored, .hash = h, .parent = parent};
+    t->ev_n++;
+    pthread_mutex_unlock(&t->ev_mu);
 }
 
 static void put_tier(pd_kvt_tiers *t, int i, pd_hash128 h, pd_hash128 parent, const float *const *k,
@@ -54,7 +79,7 @@ static void put_tier(pd_kvt_tiers *t, int i, pd_hash128 h, pd_hash128 parent, co
     size_t n = pd_kvt_page_bytes(&t->p.geom, tier_dtype(t, i));
     if (pd_kvt_page_encode(&t->p.geom, tier_dtype(t, i), t->p.fingerprint, h, parent, k, v, t->page, n) != PD_OK)
         return;
-    pd_kvt_store_put(t->p.stores[i], h, t->page, n);
+    if (pd_kvt_store_put(t->p.stores[i], h, t->page, n) == PD_OK) push_event(t, i, true, h, parent);
 }
 
 static void run_offload(pd_kvt_tiers *t, job *j) {
@@ -138,33 +163,58 @@ static void run_load(pd_kvt_tiers *t, job *j) {
     j->done(j->ud, j->req_id, n_ok, dt);
 }
 
+// The stores' counters, read on the tier thread (a store's lock may be held across its I/O) and
+// published under mu, so that a stats reader (the engine thread) never waits on a tier.
+static void snapshot(pd_kvt_tiers *t) {
+    pd_kvt_store_stats s[PD_KVT_MAX_TIERS];
+    for (int i = 0; i < t->p.n_stores; i++) pd_kvt_store_stats_get(t->p.stores[i], &s[i]);
+    pthread_mutex_lock(&t->mu);
+    memcpy(t->snap, s, sizeof s);
+    pthread_mutex_unlock(&t->mu);
+}
+
 static void *tier_main(void *arg) {
     pd_kvt_tiers *t = arg;
     pthread_mutex_lock(&t->mu);
     for (;;) {
-        while (!t->head && !t->stop) {
+        while (!t->head && !t->lhead && !t->stop) {
             t->busy = false;
             pthread_cond_broadcast(&t->idle_cv);
             pthread_cond_wait(&t->cv, &t->mu);
         }
-        if (!t->head && t->stop) break;
-        job *j = t->head;
-        t->head = j->next;
-        if (!t->head) t->tail = NULL;
+        if (!t->head && !t->lhead && t->stop) break;
+        job *j;
+        if (t->lhead) {
+            j = t->lhead;
+            t->lhead = j->next;
+            if (!t->lhead) t->ltail = NULL;
+        } else {
+            j = t->head;
+            t->head = j->next;
+            if (!t->head) t->tail = NULL;
+        }
         if (j->kind == 1) t->n_queued_offloads--;
         t->busy = true;
         pthread_mutex_unlock(&t->mu);
         if (j->kind == 1) run_offload(t, j);
         else run_load(t, j);
-        free(j->rows);
-        free(j->hashes);
-        free(j);
+        pd_free(j->rows);
+        pd_free(j->hashes);
+        pd_free(j);
+        snapshot(t);
         pthread_mutex_lock(&t->mu);
     }
     t->busy = false;
     pthread_cond_broadcast(&t->idle_cv);
     pthread_mutex_unlock(&t->mu);
     return NULL;
+}
+
+static void on_store_evict(void *ud, pd_hash128 key) {
+    int *tier = ud;
+    // ud points at t->evict_tier[i]: step back to t.
+    pd_kvt_tiers *t = (pd_kvt_tiers *)((char *)(tier - *tier) - offsetof(pd_kvt_tiers, evict_tier));
+    push_event(t, *tier, false, key, (pd_hash128){0});
 }
 
 pd_kvt_tiers *pd_kvt_tiers_new(const pd_kvt_tiers_params *p, pd_err *err) {
@@ -178,7 +228,7 @@ pd_kvt_tiers *pd_kvt_tiers_new(const pd_kvt_tiers_params *p, pd_err *err) {
             pd_err_set(err, PD_ERR_INVALID, "kvtier: tier %d has no store", i);
             return NULL;
         }
-    pd_kvt_tiers *t = calloc(1, sizeof *t);
+    pd_kvt_tiers *t = pd_calloc(1, sizeof *t);
     if (!t) {
         pd_err_set(err, PD_ERR_NOMEM, "kvtier: out of memory");
         return NULL;
@@ -187,16 +237,22 @@ pd_kvt_tiers *pd_kvt_tiers_new(const pd_kvt_tiers_params *p, pd_err *err) {
     if (t->p.queue_max <= 0) t->p.queue_max = 1024;
     t->block_floats = (size_t)p->geom.block_size * (size_t)p->geom.n_kv_heads * (size_t)p->geom.head_dim;
     t->page_cap = pd_kvt_page_bytes(&p->geom, PD_KVT_F32);  // the largest dtype
-    t->page = malloc(t->page_cap);
+    t->page = pd_malloc(t->page_cap);
     pthread_mutex_init(&t->mu, NULL);
+    pthread_mutex_init(&t->ev_mu, NULL);
+    for (int i = 0; i < p->n_stores; i++) {
+        t->evict_tier[i] = i;
+        pd_kvt_store_set_evict_hook(p->stores[i], on_store_evict, &t->evict_tier[i]);
+    }
     pthread_cond_init(&t->cv, NULL);
     pthread_cond_init(&t->idle_cv, NULL);
     t->st.n_tiers = p->n_stores;
     for (int i = 0; i < p->n_stores; i++)
         snprintf(t->st.tier[i].name, sizeof t->st.tier[i].name, "%s", pd_kvt_store_name(p->stores[i]));
+    snapshot(t);
     if (!t->page || pthread_create(&t->thread, NULL, tier_main, t)) {
-        free(t->page);
-        free(t);
+        pd_free(t->page);
+        pd_free(t);
         pd_err_set(err, PD_ERR_NOMEM, "kvtier: cannot start the tier thread");
         return NULL;
     }
@@ -212,17 +268,19 @@ void pd_kvt_tiers_free(pd_kvt_tiers *t) {
     pthread_join(t->thread, NULL);
     for (int i = 0; i < t->p.n_stores; i++) pd_kvt_store_free(t->p.stores[i]);
     pthread_mutex_destroy(&t->mu);
+    pthread_mutex_destroy(&t->ev_mu);
     pthread_cond_destroy(&t->cv);
     pthread_cond_destroy(&t->idle_cv);
-    free(t->page);
-    free(t);
+    pd_free(t->page);
+    pd_free(t);
 }
 
 static void enqueue(pd_kvt_tiers *t, job *j) {
     j->next = NULL;
-    if (t->tail) t->tail->next = j;
-    else t->head = j;
-    t->tail = j;
+    job **head = j->kind == 2 ? &t->lhead : &t->head, **tail = j->kind == 2 ? &t->ltail : &t->tail;
+    if (*tail) (*tail)->next = j;
+    else *head = j;
+    *tail = j;
     t->busy = true;
     pthread_cond_signal(&t->cv);
 }
@@ -234,11 +292,11 @@ pd_status pd_kvt_tiers_offload(pd_kvt_tiers *t, pd_hash128 hash, pd_hash128 pare
     if (full) t->st.offloads_dropped++;
     pthread_mutex_unlock(&t->mu);
     if (full) return PD_NOSPACE;
-    job *j = calloc(1, sizeof *j);
+    job *j = pd_calloc(1, sizeof *j);
     size_t L = (size_t)t->p.geom.n_layers;
-    float *rows = j ? malloc(L * 2 * t->block_floats * sizeof(float)) : NULL;
+    float *rows = j ? pd_malloc(L * 2 * t->block_floats * sizeof(float)) : NULL;
     if (!rows) {
-        free(j);
+        pd_free(j);
         return PD_ERR_NOMEM;
     }
     for (size_t l = 0; l < L; l++) {
@@ -276,14 +334,43 @@ int pd_kvt_tiers_match(pd_kvt_tiers *t, const pd_hash128 *hashes, int n, int *ti
     return m;
 }
 
+int pd_kvt_tiers_probe(pd_kvt_tiers *t, const pd_hash128 *hashes, int n, int *n_sure, double *cost_us) {
+    int m = 0, sure = 0;
+    double cost = 0;
+    for (; m < n; m++) {
+        int found = -1;
+        bool maybe = false;
+        for (int i = 0; i < t->p.n_stores && found < 0; i++) {
+            int r = pd_kvt_store_probe(t->p.stores[i], hashes[m]);
+            if (r > 0) found = i;
+            else if (r < 0 && !maybe) {
+                maybe = true;
+                found = -2 - i;  // the first tier that may hold it
+            }
+            if (maybe) break;
+        }
+        if (found == -1) break;
+        int tier = found >= 0 ? found : -2 - found;
+        if (found >= 0 && sure == m) sure++;
+        pthread_mutex_lock(&t->mu);
+        double bw = t->bw_bytes_per_us[tier];
+        pthread_mutex_unlock(&t->mu);
+        size_t bytes = pd_kvt_page_bytes(&t->p.geom, tier_dtype(t, tier));
+        cost += bw > 0 ? (double)bytes / bw : 100.0;
+    }
+    if (n_sure) *n_sure = sure;
+    if (cost_us) *cost_us = cost;
+    return m;
+}
+
 pd_status pd_kvt_tiers_load(pd_kvt_tiers *t, uint64_t req_id, const pd_hash128 *hashes, int n,
                             float *const *const *dst_k, float *const *const *dst_v, pd_kvt_load_fn done, void *ud) {
     if (n < 0 || !done || (n > 0 && (!hashes || !dst_k || !dst_v))) return PD_ERR_INVALID;
-    job *j = calloc(1, sizeof *j);
-    pd_hash128 *hs = j && n ? malloc((size_t)n * sizeof *hs) : NULL;
+    job *j = pd_calloc(1, sizeof *j);
+    pd_hash128 *hs = j && n ? pd_malloc((size_t)n * sizeof *hs) : NULL;
     if (!j || (n && !hs)) {
-        free(j);
-        free(hs);
+        pd_free(j);
+        pd_free(hs);
         return PD_ERR_NOMEM;
     }
     if (n) memcpy(hs, hashes, (size_t)n * sizeof *hs);
@@ -301,6 +388,20 @@ pd_status pd_kvt_tiers_load(pd_kvt_tiers *t, uint64_t req_id, const pd_hash128 *
     return PD_OK;
 }
 
+int pd_kvt_tiers_events_drain(pd_kvt_tiers *t, pd_kvt_event *out, int n_max) {
+    pthread_mutex_lock(&t->ev_mu);
+    int n = t->ev_n < n_max ? t->ev_n : n_max;
+    for (int i = 0; i < n; i++) out[i] = t->ev[(t->ev_head + i) % EV_CAP];
+    t->ev_head = (t->ev_head + n) % EV_CAP;
+    t->ev_n -= n;
+    pthread_mutex_unlock(&t->ev_mu);
+    return n;
+}
+
+const char *pd_kvt_tiers_name(pd_kvt_tiers *t, int tier) {
+    return tier >= 0 && tier < t->p.n_stores ? pd_kvt_store_name(t->p.stores[tier]) : "?";
+}
+
 bool pd_kvt_tiers_flush(pd_kvt_tiers *t, int timeout_ms) {
     struct timespec dl;
     clock_gettime(CLOCK_REALTIME, &dl);
@@ -311,9 +412,9 @@ bool pd_kvt_tiers_flush(pd_kvt_tiers *t, int timeout_ms) {
         dl.tv_nsec -= 1000000000;
     }
     pthread_mutex_lock(&t->mu);
-    while ((t->head || t->busy) && pthread_cond_timedwait(&t->idle_cv, &t->mu, &dl) == 0) {
+    while ((t->head || t->lhead || t->busy) && pthread_cond_timedwait(&t->idle_cv, &t->mu, &dl) == 0) {
     }
-    bool idle = !t->head && !t->busy;
+    bool idle = !t->head && !t->lhead && !t->busy;
     pthread_mutex_unlock(&t->mu);
     return idle;
 }
@@ -321,6 +422,9 @@ bool pd_kvt_tiers_flush(pd_kvt_tiers *t, int timeout_ms) {
 void pd_kvt_tiers_stats_get(pd_kvt_tiers *t, pd_kvt_tiers_stats *out) {
     pthread_mutex_lock(&t->mu);
     *out = t->st;
+    for (int i = 0; i < t->p.n_stores; i++) out->tier[i].store = t->snap[i];
     pthread_mutex_unlock(&t->mu);
-    for (int i = 0; i < t->p.n_stores; i++) pd_kvt_store_stats_get(t->p.stores[i], &out->tier[i].store);
+    pthread_mutex_lock(&t->ev_mu);
+    out->events_dropped = t->ev_dropped;
+    pthread_mutex_unlock(&t->ev_mu);
 }

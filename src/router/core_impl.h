@@ -35,6 +35,15 @@ int64_t pd_router_prefix_n_entries(const pd_router_prefix *p);
 void pd_router_prefix_match(const pd_router_prefix *p, const pd_hash128 *hashes, int n,
                             uint64_t workers, int32_t out_n_blocks[64]);
 
+// KV tiers below a worker's device pool (KV events with a "tier"): worker w holds h in tier
+// `tier` (pd_wire_tier 1..3); removed when that tier evicts it. A block may be in several tiers.
+pd_status pd_router_prefix_add_tier(pd_router_prefix *p, pd_hash128 h, int w, int tier);
+void pd_router_prefix_remove_tier(pd_router_prefix *p, pd_hash128 h, int w, int tier);
+uint64_t pd_router_prefix_get_tiers(const pd_router_prefix *p, pd_hash128 h);  // workers with h in a tier
+// Like pd_router_prefix_match, counting a block held in the device pool or in any tier.
+void pd_router_prefix_match_tiers(const pd_router_prefix *p, const pd_hash128 *hashes, int n, uint64_t workers,
+                                  int32_t out_n_blocks[64]);
+
 // Chained block hashes of the full blocks of tokens (as kv/ computes them for extra_key 0).
 // out: (n_tokens / block_size) hashes, caller-provided. Returns the count.
 int pd_router_hash_prompt(const int32_t *tokens, int n_tokens, int block_size, pd_hash128 *out);
@@ -45,6 +54,8 @@ typedef struct pd_router_cand {
     int idx;                       // worker slot
     int32_t n_prompt_tokens;       // this request's prompt
     int32_t n_hit_tokens;          // of it, predicted cached on this worker
+    int32_t n_tier_hit_tokens;     // after those, predicted in one of its KV tiers (loaded, not computed)
+    double tier_us_per_token;      // its measured tier load time per token; <= 0 = unknown
     int32_t n_running, n_waiting;  // last load report
     int64_t n_queued_prefill_tokens;  // prefill work ahead of us (max of report and own tracking)
     int32_t n_inflight;            // requests the router has in flight there
@@ -70,7 +81,9 @@ int64_t pd_router_worker_capacity(int32_t max_seqs, int32_t max_waiting, int ove
 bool pd_router_has_room(const pd_router_cand *c);
 
 // Cost weights, in "prefill-token equivalents". Defaults (pd_router_cost_params_default):
-//   cost = w_prefill × (uncached prompt tokens + queued prefill tokens)
+//   cost = w_prefill × (uncached prompt tokens + queued prefill tokens + tier-hit tokens × r)
+//        (r = the tier load time of a token / its prefill time, at most 1; 1 when unmeasured:
+//         a tier hit is priced at its load time, never as free as a device hit)
 //        + w_run × running + w_wait × waiting + w_inflight × router in-flight
 //        + (kv_free_frac < kv_low_frac ? kv_low_penalty : 0)
 typedef struct pd_router_cost_params {

@@ -21,9 +21,17 @@ pd_router_cost_params pd_router_cost_params_default(void) {
     return p;
 }
 
+// A tier-hit token in prefill-token equivalents: its measured load time over its prefill time.
+static double tier_ratio(const pd_router_cand *c) {
+    if (c->tier_us_per_token <= 0 || c->prefill_tokens_per_s <= 0) return 1.0;
+    double r = c->tier_us_per_token * c->prefill_tokens_per_s / 1e6;
+    return r < 1.0 ? r : 1.0;
+}
+
 double pd_router_cost(const pd_router_cost_params *p, const pd_router_cand *c) {
     int32_t hit = p->use_prefix ? PD_MIN(c->n_hit_tokens, c->n_prompt_tokens) : 0;
-    double uncached = (double)(c->n_prompt_tokens - hit);
+    int32_t tier = p->use_prefix ? PD_MAX(0, PD_MIN(c->n_tier_hit_tokens, c->n_prompt_tokens - hit)) : 0;
+    double uncached = (double)(c->n_prompt_tokens - hit - tier) + (double)tier * tier_ratio(c);
     double cost = p->w_prefill * (uncached + (double)c->n_queued_prefill_tokens) +
                   p->w_run * c->n_running + p->w_wait * c->n_waiting +
                   p->w_inflight * c->n_inflight;
@@ -49,7 +57,9 @@ int pd_router_pick(const pd_router_cost_params *p, const pd_router_cand *cands, 
 double pd_router_predict_ttft_ms(const pd_router_cand *c) {
     double rate = c->prefill_tokens_per_s > 0 ? c->prefill_tokens_per_s : 1.0;
     double step = c->decode_step_ms > 0 ? c->decode_step_ms : 0;
-    double own = (double)(c->n_prompt_tokens - PD_MIN(c->n_hit_tokens, c->n_prompt_tokens));
+    int32_t hit = PD_MIN(c->n_hit_tokens, c->n_prompt_tokens);
+    int32_t tier = PD_MAX(0, PD_MIN(c->n_tier_hit_tokens, c->n_prompt_tokens - hit));
+    double own = (double)(c->n_prompt_tokens - hit - tier) + (double)tier * tier_ratio(c);
     int run = c->n_running > 0 ? c->n_running : 1;
     double step_joined = step * (double)(c->n_running + 1) / (double)run;
     double model = ((double)c->n_queued_prefill_tokens + own) / rate * 1000.0 + step_joined * (1.0 + c->n_waiting);

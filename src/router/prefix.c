@@ -15,8 +15,10 @@
 
 typedef struct entry {
     pd_hash128 h;
-    uint64_t mask;  // never 0: an entry whose last worker leaves is deleted
-} entry;
+    uint64_t mask;       // workers whose device pool holds it
+    uint64_t tier_mask;  // workers with it in a KV tier below the pool: OR of tmask
+    uint64_t tmask[3];   // per tier (pd_wire_tier 1..3): workers with it there
+} entry;                 // never both masks 0: an entry whose last worker leaves is deleted
 
 struct pd_router_prefix {
     pd_map map;  // of entry
@@ -58,13 +60,38 @@ void pd_router_prefix_remove(pd_router_prefix *p, pd_hash128 h, int w) {
     entry *e = pd_map_find(&p->map, h.lo, &h);
     if (!e) return;
     e->mask &= ~(1ull << w);
-    if (!e->mask) pd_map_del_entry(&p->map, e);
+    if (!e->mask && !e->tier_mask) pd_map_del_entry(&p->map, e);
+}
+
+pd_status pd_router_prefix_add_tier(pd_router_prefix *p, pd_hash128 h, int w, int tier) {
+    PD_ASSERT(w >= 0 && w < 64 && tier >= 1 && tier <= 3);
+    entry *e = pd_map_find(&p->map, h.lo, &h);
+    if (!e) {
+        if ((int64_t)pd_map_len(&p->map) >= p->max_entries) return PD_NOSPACE;
+        e = pd_map_put(&p->map, h.lo, &h, NULL);
+        if (!e) return PD_ERR_NOMEM;
+    }
+    e->tmask[tier - 1] |= 1ull << w;
+    e->tier_mask |= 1ull << w;
+    return PD_OK;
+}
+
+void pd_router_prefix_remove_tier(pd_router_prefix *p, pd_hash128 h, int w, int tier) {
+    PD_ASSERT(w >= 0 && w < 64 && tier >= 1 && tier <= 3);
+    entry *e = pd_map_find(&p->map, h.lo, &h);
+    if (!e) return;
+    e->tmask[tier - 1] &= ~(1ull << w);
+    e->tier_mask = e->tmask[0] | e->tmask[1] | e->tmask[2];
+    if (!e->mask && !e->tier_mask) pd_map_del_entry(&p->map, e);
 }
 
 static bool clear_bit(void *ent, void *ctx) {
     entry *e = ent;
-    e->mask &= ~*(const uint64_t *)ctx;
-    return e->mask == 0;
+    uint64_t bit = *(const uint64_t *)ctx;
+    e->mask &= ~bit;
+    for (int t = 0; t < 3; t++) e->tmask[t] &= ~bit;
+    e->tier_mask &= ~bit;
+    return e->mask == 0 && e->tier_mask == 0;
 }
 
 void pd_router_prefix_clear_worker(pd_router_prefix *p, int w) {
@@ -75,6 +102,22 @@ void pd_router_prefix_clear_worker(pd_router_prefix *p, int w) {
 uint64_t pd_router_prefix_get(const pd_router_prefix *p, pd_hash128 h) {
     const entry *e = pd_map_find(&p->map, h.lo, &h);
     return e ? e->mask : 0;
+}
+
+uint64_t pd_router_prefix_get_tiers(const pd_router_prefix *p, pd_hash128 h) {
+    const entry *e = pd_map_find(&p->map, h.lo, &h);
+    return e ? e->tier_mask : 0;
+}
+
+void pd_router_prefix_match_tiers(const pd_router_prefix *p, const pd_hash128 *hashes, int n, uint64_t workers,
+                                  int32_t out_n_blocks[64]) {
+    memset(out_n_blocks, 0, 64 * sizeof *out_n_blocks);
+    uint64_t alive = workers;
+    for (int i = 0; i < n && alive; i++) {
+        const entry *e = pd_map_find(&p->map, hashes[i].lo, &hashes[i]);
+        alive &= e ? (e->mask | e->tier_mask) : 0;
+        for (uint64_t a = alive; a; a &= a - 1) out_n_blocks[__builtin_ctzll(a)] = i + 1;
+    }
 }
 
 int64_t pd_router_prefix_n_entries(const pd_router_prefix *p) { return (int64_t)pd_map_len(&p->map); }

@@ -583,7 +583,7 @@ static void queued_by_worker(const pd_router *r, int64_t now_us, int64_t out[PD_
 // *n_full: healthy decode-capable workers left out because they were full.
 static int build_cands(rt_job *j, pd_router_cand *cands, int *n_full) {
     pd_router *r = j->rt;
-    int32_t hit_blocks[64] = {0};
+    int32_t hit_blocks[64] = {0}, any_blocks[64] = {0};
     int64_t queued[PD_ROUTER_MAX_WORKERS];
     queued_by_worker(r, pd_time_us(), queued);
     int32_t bs_done = 0;
@@ -602,12 +602,16 @@ static int build_cands(rt_job *j, pd_router_cand *cands, int *n_full) {
             for (int k = 0; k < PD_ROUTER_MAX_WORKERS; k++)
                 if (r->workers[k].is_used && r->workers[k].block_size == bs_done) same_bs |= 1ull << k;
             pd_router_prefix_match(r->prefix, hashes, nh, same_bs, hit_blocks);
+            pd_router_prefix_match_tiers(r->prefix, hashes, nh, same_bs, any_blocks);
         }
         pd_router_cand *c = &cands[n++];
         memset(c, 0, sizeof *c);
         c->idx = i;
         c->n_prompt_tokens = j->n_prompt;
         c->n_hit_tokens = j->has_ids ? hit_blocks[i] * w->block_size : 0;
+        c->n_tier_hit_tokens = j->has_ids ? PD_MAX(0, any_blocks[i] - hit_blocks[i]) * w->block_size : 0;
+        c->tier_us_per_token =
+            w->load.n_tier_hit_tokens > 0 ? (double)w->load.tier_load_us / (double)w->load.n_tier_hit_tokens : 0;
         c->n_running = w->has_state ? w->load.n_running : w->n_inflight;
         c->n_waiting = w->load.n_waiting;
         c->n_queued_prefill_tokens = PD_MAX(w->load.n_waiting_prefill_tokens, queued[i]);

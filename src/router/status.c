@@ -105,6 +105,17 @@ static json_t *workers_json(const pd_router *r) {
         json_object_set_new(o, "exports", json_integer(l->n_kv_exports));
         json_object_set_new(o, "export_bytes", json_integer(l->n_kv_export_bytes));
         json_object_set_new(o, "fallbacks", json_integer(sum_fallbacks(l)));
+        if (l->n_tiers > 0) {  // KV tiers below the worker's device pool
+            json_t *t = json_array();
+            for (int k = 0; t && k < l->n_tiers; k++)
+                json_array_append_new(t, json_pack("{s:s, s:I, s:I}", "name", l->tier_names[k], "hits",
+                                                   (json_int_t)l->tier_hits[k], "misses", (json_int_t)l->tier_misses[k]));
+            if (t) json_object_set_new(o, "kv_tiers", t);
+            json_object_set_new(o, "tier_hit_tokens", json_integer(l->n_tier_hit_tokens));
+            json_object_set_new(o, "tier_load_us_per_token",
+                                l->n_tier_hit_tokens > 0 ? json_real((double)l->tier_load_us / (double)l->n_tier_hit_tokens)
+                                                         : json_null());
+        }
         json_array_append_new(a, o);
     }
     return a;
@@ -304,7 +315,7 @@ void rt_handle_status_html(pd_http_req *req, void *ud) {
     sb_printf(&b, "<div class=\"row\"><div><h2>Decode workers</h2><table id=\"decode\"><thead><tr><th class=\"l\">url</th>"
                   "<th class=\"l\">role</th><th class=\"l\">state</th><th>running</th><th>waiting</th><th>in flight</th>"
                   "<th>capacity</th><th>KV blocks used</th><th>prefix hits</th><th>routed</th><th>KV handoffs in</th>"
-                  "<th>local (short)</th><th>fallbacks</th></tr></thead><tbody>");
+                  "<th>local (short)</th><th>fallbacks</th><th class=\"l\">KV tiers (hits/misses)</th></tr></thead><tbody>");
     for (int pass = 0; pass < 2; pass++) {
         if (pass == 1)
             sb_printf(&b, "</tbody></table></div><div><h2>Prefill workers</h2><table id=\"prefill\"><thead><tr>"
@@ -317,14 +328,20 @@ void rt_handle_status_html(pd_http_req *req, void *ud) {
             esc(url, sizeof url, w->url);
             const pd_wire_load *l = &w->load;
             double hit = l->n_prefix_query_tokens > 0 ? 100.0 * (double)l->n_prefix_hit_tokens / (double)l->n_prefix_query_tokens : 0;
+            char tiers[160] = "none";
+            for (int k = 0, at = 0; k < l->n_tiers && at < (int)sizeof tiers; k++)
+                at += snprintf(tiers + at, sizeof tiers - (size_t)at, "%s%s %lld/%lld", k ? ", " : "", l->tier_names[k],
+                               (long long)l->tier_hits[k], (long long)l->tier_misses[k]);
+            char tiers_esc[sizeof tiers * 6];
+            esc(tiers_esc, sizeof tiers_esc, tiers);
             if (pass == 0)
                 sb_printf(&b, "<tr><td class=\"l\">%s</td><td class=\"l\">%s</td><td class=\"l %s\">%s</td><td>%d</td><td>%d</td>"
                               "<td>%d</td><td>%lld</td><td>%d/%d</td><td>%.1f%%</td><td>%lld</td><td>%lld</td><td>%lld</td>"
-                              "<td>%lld</td></tr>",
+                              "<td>%lld</td><td class=\"l\">%s</td></tr>",
                           url, pd_wire_role_str(w->role), w->is_healthy ? "up" : "down", worker_state(w), (int)l->n_running,
                           (int)l->n_waiting, w->n_inflight, (long long)rt_worker_capacity(r, w), (int)l->n_kv_blocks_used,
                           (int)l->n_kv_blocks_total, hit, (long long)w->n_routed, (long long)l->n_kv_handoffs,
-                          (long long)l->n_kv_local_short, (long long)sum_fallbacks(l));
+                          (long long)l->n_kv_local_short, (long long)sum_fallbacks(l), tiers_esc);
             else
                 sb_printf(&b, "<tr><td class=\"l\">%s</td><td class=\"l %s\">%s</td><td>%d</td><td>%d</td><td>%lld</td>"
                               "<td>%.3f</td><td>%.0f</td></tr>",

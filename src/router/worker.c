@@ -150,9 +150,17 @@ void rt_worker_note_failure(pd_router *r, int w_idx, bool is_hard) {
 static void apply_events(pd_router *r, rt_worker *w, const pd_wire_state *s) {
     for (int32_t i = 0; i < s->n_events; i++) {
         const pd_wire_kv_event *e = &s->events[i];
+        bool tier = e->tier > PD_WIRE_TIER_DEVICE && e->tier < PD_WIRE_N_TIERS;
+        if (e->tier >= PD_WIRE_N_TIERS && e->type != PD_WIRE_KV_ALL_CLEARED) continue;  // a tier we do not know
         switch (e->type) {
-            case PD_WIRE_KV_STORED: (void)pd_router_prefix_add(r->prefix, e->hash, w->idx); break;
-            case PD_WIRE_KV_REMOVED: pd_router_prefix_remove(r->prefix, e->hash, w->idx); break;
+            case PD_WIRE_KV_STORED:
+                if (tier) (void)pd_router_prefix_add_tier(r->prefix, e->hash, w->idx, (int)e->tier);
+                else (void)pd_router_prefix_add(r->prefix, e->hash, w->idx);
+                break;
+            case PD_WIRE_KV_REMOVED:
+                if (tier) pd_router_prefix_remove_tier(r->prefix, e->hash, w->idx, (int)e->tier);
+                else pd_router_prefix_remove(r->prefix, e->hash, w->idx);
+                break;
             default: pd_router_prefix_clear_worker(r->prefix, w->idx); break;
         }
     }

@@ -6,7 +6,7 @@
 //     within max_len and max_tokens) and it has a token left to compute;
 //     a waiting one holds no blocks and has nothing computed;
 //   * the id map holds exactly the queued requests;
-//   * LOADING_KV and HELD requests are counted, keep their blocks, and only loading ones a seat;
+//   * LOADING_KV, LOADING_TIER (whole blocks [n_computed, tier_end), tier_end < n_tokens) and HELD requests are counted, keep their blocks, and only loading ones a seat;
 //   * each block's ref count equals the number of block tables holding it (the scheduler is the
 //     pool's only user), and pd_kv_check passes.
 #include "sched/sched_impl.h"
@@ -28,10 +28,16 @@ static pd_status check_running(const pd_sched *s, pd_err *err) {
     }
     for (int32_t i = 0; i < s->n_running; i++) {
         const pd_sched_req *r = s->running[i];
-        bool loading = r->state == PD_SCHED_LOADING_KV;
+        bool loading = pd_sched_state_is_loading(r->state);
         if ((r->state != PD_SCHED_RUNNING && !loading) || r->is_aborted)
             FAIL("request %llu in running has state %d", (unsigned long long)r->id, r->state);
-        if (loading && (r->n_scheduled || r->kv.n_blocks < pd_kv_n_blocks_for(s->kv, r->n_tokens)))
+        int32_t load_end = r->state == PD_SCHED_LOADING_TIER ? r->tier_end : r->n_tokens;
+        if (r->state == PD_SCHED_LOADING_TIER &&
+            (r->tier_end <= r->n_computed || r->tier_end >= r->n_tokens || r->tier_end % pd_kv_block_size(s->kv) ||
+             r->n_computed % pd_kv_block_size(s->kv)))
+            FAIL("tier-loading request %llu: positions %d .. %d of %d", (unsigned long long)r->id, r->n_computed,
+                 r->tier_end, r->n_tokens);
+        if (loading && (r->n_scheduled || r->kv.n_blocks < pd_kv_n_blocks_for(s->kv, load_end)))
             FAIL("loading request %llu: scheduled %d, %d blocks", (unsigned long long)r->id,
                  r->n_scheduled, r->kv.n_blocks);
         if (i > 0 && !pd_sched_req_before(s->running[i - 1], r)) FAIL("running queue out of order at %d", i);
@@ -71,21 +77,23 @@ static pd_status check_waiting(const pd_sched *s, pd_err *err) {
     if (s->reqs.n != s->n_waiting + s->n_running + s->n_loading_aborted + s->n_held)
         FAIL("map holds %d requests, queues %d + %d + detached %d + %d", s->reqs.n, s->n_waiting,
              s->n_running, s->n_loading_aborted, s->n_held);
-    int32_t n_held = 0, n_aborted = 0, n_loading = 0;
+    int32_t n_held = 0, n_aborted = 0, n_loading = 0, n_tier = 0;
     for (size_t i = 0; i < pd_sched_reqmap_cap(&s->reqs); i++) {
         const pd_sched_req *r = pd_sched_reqmap_at(&s->reqs, i);
         if (!r) continue;
         if (pd_sched_reqmap_find(&s->reqs, r->id) != r) FAIL("map entry %llu unreachable", (unsigned long long)r->id);
         if (r->state == PD_SCHED_FINISHED) FAIL("finished request %llu in the map", (unsigned long long)r->id);
         n_held += r->state == PD_SCHED_HELD;
-        n_loading += r->state == PD_SCHED_LOADING_KV;
-        n_aborted += r->state == PD_SCHED_LOADING_KV && r->is_aborted;
+        n_loading += pd_sched_state_is_loading(r->state);
+        n_tier += r->state == PD_SCHED_LOADING_TIER;
+        n_aborted += pd_sched_state_is_loading(r->state) && r->is_aborted;
         if ((r->state == PD_SCHED_HELD || r->is_aborted) && r->slot != -1)
             FAIL("detached request %llu keeps slot %d", (unsigned long long)r->id, r->slot);
     }
     if (n_held != s->n_held || n_aborted != s->n_loading_aborted || n_loading != s->n_loading)
         FAIL("held %d / %d, loading %d / %d, aborted while loading %d / %d", n_held, s->n_held,
              n_loading, s->n_loading, n_aborted, s->n_loading_aborted);
+    if (n_tier != s->stats.n_tier_loading) FAIL("loading from a tier %d / %d", n_tier, s->stats.n_tier_loading);
     return PD_OK;
 }
 

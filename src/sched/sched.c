@@ -63,9 +63,12 @@ pd_sched *pd_sched_new(const pd_sched_params *p, pd_kv_mgr *kv, pd_err *err) {
     s->zombies = pd_calloc(n, sizeof *s->zombies);
     s->plan_loads = pd_calloc(n, sizeof *s->plan_loads);
     s->loads = pd_calloc(n, sizeof *s->loads);
+    s->plan_tier_loads = pd_calloc(n, sizeof *s->plan_tier_loads);
+    s->tier_reqs = pd_calloc(n, sizeof *s->tier_reqs);
     s->events = pd_calloc(n * (size_t)(1 + p->max_lookahead_slots), sizeof *s->events);
     if (!s->running || !s->free_slots || !s->scheduled || !s->plan_seqs || !s->preempted_ids ||
-        !s->plan_finished || !s->zombies || !s->events || !s->plan_loads || !s->loads)
+        !s->plan_finished || !s->zombies || !s->events || !s->plan_loads || !s->loads ||
+        !s->plan_tier_loads || !s->tier_reqs)
         goto nomem;
     if (pd_sched_reqmap_init(&s->reqs) != PD_OK) goto nomem;
     // Slot stack: pop gives 0 first.
@@ -105,6 +108,8 @@ void pd_sched_free(pd_sched *s) {
     pd_free(s->events);
     pd_free(s->plan_loads);
     pd_free(s->loads);
+    pd_free(s->plan_tier_loads);
+    pd_free(s->tier_reqs);
     pd_free(s);
 }
 
@@ -173,6 +178,7 @@ pd_status pd_sched_add(pd_sched *s, const pd_sched_req_params *rp, int64_t now_u
     r->slot = -1;
     r->is_remote_prefill = rp->is_remote_prefill;
     r->is_hold_blocks = rp->is_hold_blocks;
+    r->n_tier_tokens = rp->is_remote_prefill ? 0 : PD_MAX(rp->n_tier_tokens, 0);
     pd_kv_seq_init(&r->kv, rp->cache_key);
     pd_sched_reqmap_insert(&s->reqs, r);
     pd_sched_waiting_insert(s, r);
@@ -267,7 +273,8 @@ void pd_sched_req_hold(pd_sched *s, pd_sched_req *r, pd_sched_event *ev) {
 void pd_sched_req_drop(pd_sched *s, pd_sched_req *r) {
     if (r->state == PD_SCHED_HELD) s->n_held--;
     else {
-        PD_ASSERT(r->state == PD_SCHED_LOADING_KV && r->is_aborted);
+        PD_ASSERT(pd_sched_state_is_loading(r->state) && r->is_aborted);
+        s->stats.n_tier_loading -= r->state == PD_SCHED_LOADING_TIER;
         s->n_loading_aborted--;
         s->n_loading--;
     }
@@ -312,7 +319,7 @@ pd_status pd_sched_abort(pd_sched *s, uint64_t req_id) {
     if (!r) return PD_ERR_NOTFOUND;
     if (r->state == PD_SCHED_HELD) {
         pd_sched_req_drop(s, r);  // the transfer is off: same as a release
-    } else if (r->state == PD_SCHED_LOADING_KV) {
+    } else if (pd_sched_state_is_loading(r->state)) {
         if (r->is_aborted) return PD_ERR_NOTFOUND;
         // NOTE: the blocks stay until pd_sched_kv_loaded: a transfer may still be writing them.
         pd_sched_running_remove(s, r);

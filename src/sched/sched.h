@@ -36,6 +36,14 @@
 //        ── pd_sched_kv_loaded(!ok) ──► RUNNING from the prefix-cache hit: recompute locally.
 //        An abort while LOADING_KV frees the slot but keeps the blocks until kv_loaded is called
 //        (a transfer may still be writing them).
+//   tier side, n_tier_tokens > the prefix-cache hit (KV that left the device pool for a tier
+//        below it, kvtier/): WAITING ── admitted: blocks for positions [hit, tier_end), a seat, no
+//        token budget ──► LOADING_TIER (plan->tier_loads asks the engine to load those blocks)
+//        ── pd_sched_tier_loaded(n) ──► RUNNING with n more tokens computed (0..all of them: a
+//        tier may have lost blocks since); the loaded blocks join the prefix cache. An abort while
+//        LOADING_TIER behaves as one while LOADING_KV (blocks kept until pd_sched_tier_loaded).
+//        tier_end = min(n_tier_tokens, the last whole block before the last token): at least one
+//        token is always computed (the logits need a forward).
 //   prefill side, is_hold_blocks: on finish the request leaves RUNNING for HELD, keeping its
 //        blocks (listed in its finished event) until pd_sched_release, once the KV was sent.
 //
@@ -108,6 +116,9 @@ typedef struct pd_sched_req_params {
     uint64_t cache_key;        // prefix-cache separation (LoRA id, cache salt); 0 = none
     bool is_remote_prefill;    // decode side: the prompt's KV and first token come from elsewhere
     bool is_hold_blocks;       // prefill side: keep the blocks after finish until pd_sched_release
+    int32_t n_tier_tokens;     // leading prompt tokens whose KV a tier below the device pool may
+                               // hold (a multiple of the block size; 0: none). Ignored with
+                               // is_remote_prefill.
 } pd_sched_req_params;
 
 // Queues a request (WAITING).
@@ -177,6 +188,9 @@ typedef struct pd_step_plan {
     const pd_sched_event *finished;   // (n_finished) report them like pd_sched_update's events
     int32_t n_kv_loads;               // remote-prefill requests admitted by this step
     const pd_step_kv_load *kv_loads;  // (n_kv_loads)
+    int32_t n_tier_loads;             // requests admitted to LOADING_TIER by this step: load
+    const pd_step_kv_load *tier_loads;  // positions n_tokens_local .. n_tokens - 1 (whole blocks)
+                                      //   into block_ids, then call pd_sched_tier_loaded
 } pd_step_plan;
 
 // Builds the next step. Never fails: an empty plan means no work (or none possible right now).
@@ -234,6 +248,16 @@ pd_status pd_sched_update(pd_sched *s, const pd_step_plan *plan, const pd_step_o
 pd_status pd_sched_kv_loaded(pd_sched *s, uint64_t req_id, bool ok, int32_t first_token,
                              pd_sched_event *ev);
 
+// Ends a tier load listed in a plan's tier_loads: n_loaded tokens from its n_tokens_local on are in
+// its blocks (a multiple of the block size, 0 .. n_tokens - n_tokens_local; a tier stops at its
+// first missing block). The request runs on from there (its next chunk computes the rest); the
+// loaded full blocks join the prefix cache.
+//   PD_OK
+//   PD_ERR_CLOSED    the request was aborted while loading: its blocks are freed now
+//   PD_ERR_NOTFOUND  no request with this id is loading from a tier
+//   PD_ERR_INVALID   n_loaded out of range or not block-aligned (nothing changed)
+pd_status pd_sched_tier_loaded(pd_sched *s, uint64_t req_id, int32_t n_loaded);
+
 // Frees the blocks of a finished is_hold_blocks request (its KV has been sent). PD_OK, or
 // PD_ERR_NOTFOUND if no request with this id is held.
 pd_status pd_sched_release(pd_sched *s, uint64_t req_id);
@@ -246,7 +270,9 @@ typedef struct pd_sched_stats {
     int64_t n_preemptions;
     int64_t n_finished;          // by update or schedule (not aborts)
     int64_t n_aborted;
-    int32_t n_loading;           // remote-prefill requests waiting for their KV (incl. aborted)
+    int32_t n_loading;           // remote-prefill and tier requests waiting for their KV (incl. aborted)
+    int32_t n_tier_loading;      // of which loading from a tier
+    int64_t n_tier_loads;        // tier loads started (lifetime)
     int32_t n_held;              // finished requests holding blocks for a transfer
 } pd_sched_stats;
 

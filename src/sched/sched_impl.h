@@ -18,7 +18,14 @@ typedef enum pd_sched_state {
     PD_SCHED_FINISHED = 3,   // aborted while in the outstanding plan; freed at the next update
     PD_SCHED_LOADING_KV = 4, // remote prefill: blocks and slot held, waiting for pd_sched_kv_loaded
     PD_SCHED_HELD = 5,       // finished, blocks kept for a transfer until pd_sched_release
+    PD_SCHED_LOADING_TIER = 6,  // loading from a KV tier: blocks and slot held, waiting for
+                                // pd_sched_tier_loaded (no token budget, not a preemption victim)
 } pd_sched_state;
+
+// A request whose blocks a load may be writing (remote prefill or a tier).
+static inline bool pd_sched_state_is_loading(pd_sched_state st) {
+    return st == PD_SCHED_LOADING_KV || st == PD_SCHED_LOADING_TIER;
+}
 
 typedef struct pd_sched_req {
     uint64_t id;
@@ -44,7 +51,9 @@ typedef struct pd_sched_req {
     bool is_dequeued;           // scratch: leaves the waiting queue at the end of admission
     bool is_remote_prefill;     // the prompt's KV is still to be loaded from a prefill worker
     bool is_hold_blocks;        // on finish: HELD instead of freeing the blocks
-    bool is_aborted;            // LOADING_KV only: aborted, slot gone, blocks kept for the load
+    int32_t n_tier_tokens;      // leading prompt tokens a tier may hold (pd_sched_req_params)
+    int32_t tier_end;           // LOADING_TIER: the load covers positions [n_computed, tier_end)
+    bool is_aborted;            // LOADING_KV / LOADING_TIER only: aborted, slot gone, blocks kept for the load
     pd_kv_seq kv;
 } pd_sched_req;
 
@@ -93,7 +102,10 @@ struct pd_sched {
     pd_step_kv_load *plan_loads;  // owned; (max_num_seqs)
     pd_sched_req **loads;         // owned; (max_num_seqs) requests behind plan_loads
     int32_t n_plan_loads;
-    int32_t n_loading;            // LOADING_KV requests (in running, or aborted: detached)
+    pd_step_kv_load *plan_tier_loads;  // owned; (max_num_seqs)
+    pd_sched_req **tier_reqs;          // owned; (max_num_seqs) requests behind plan_tier_loads
+    int32_t n_plan_tier_loads;
+    int32_t n_loading;            // LOADING_KV and LOADING_TIER requests (in running, or aborted: detached)
     int32_t n_loading_aborted;    // detached: in the map only, blocks kept until kv_loaded
     int32_t n_held;               // detached: HELD requests
     pd_sched_req **zombies;       // owned; (max_num_seqs) aborted while in the plan

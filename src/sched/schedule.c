@@ -8,7 +8,8 @@
 //   admit_waiting     new and preempted requests in policy order, while budget, seats and blocks
 //                     last; skipped in a step that had to preempt (there is no room anyway).
 //                     A remote-prefill request takes a seat and blocks but no budget: it goes
-//                     to LOADING_KV and into plan->kv_loads
+//                     to LOADING_KV and into plan->kv_loads; a request a tier holds more of
+//                     than the prefix cache does, likewise to LOADING_TIER and plan->tier_loads
 //   emit_plan         fill the pd_step_plan from the scheduled requests
 //
 // Token budget: each scheduled request costs the tokens it computes (1 for a decode). Seats: at
@@ -141,6 +142,26 @@ static admit_result admit_remote(pd_sched *s, pd_sched_req *r, int32_t hit) {
     return ADMIT_OK;
 }
 
+// Tier load: blocks for positions [hit, tier_end) and a seat, no token budget; the engine loads
+// them from a tier below the device pool.
+static admit_result admit_tier(pd_sched *s, pd_sched_req *r, int32_t hit, int32_t tier_end) {
+    if (pd_kv_alloc_slots(s->kv, &r->kv, hit, tier_end - hit) != PD_OK) {
+        pd_kv_free_request(s->kv, &r->kv);
+        return ADMIT_BLOCKED;
+    }
+    if (r->n_cached_tokens < 0) r->n_cached_tokens = hit;
+    r->n_computed = hit;
+    r->tier_end = tier_end;
+    r->is_dequeued = true;
+    pd_sched_running_insert(s, r);
+    r->state = PD_SCHED_LOADING_TIER;
+    s->n_loading++;
+    s->stats.n_tier_loading++;
+    s->stats.n_tier_loads++;
+    s->tier_reqs[s->n_plan_tier_loads++] = r;
+    return ADMIT_OK;
+}
+
 static admit_result try_admit(pd_sched *s, pd_sched_req *r, int32_t *budget, int32_t *n_sched) {
     if (r->n_tokens > s->max_len) {  // more KV than the whole pool (or model) can hold
         finish_error(s, r);
@@ -150,6 +171,12 @@ static admit_result try_admit(pd_sched *s, pd_sched_req *r, int32_t *budget, int
     if (pd_kv_get_computed_blocks(s->kv, &r->kv, r->tokens, r->n_tokens, &hit) != PD_OK)
         return ADMIT_BLOCKED;
     if (r->is_remote_prefill) return admit_remote(s, r, hit);
+    // A tier holds more of the prompt than the device pool: load it (whole blocks, and never the
+    // last token: the logits need a forward).
+    int32_t bs = pd_kv_block_size(s->kv);
+    int32_t tier_end = PD_MIN(r->n_tier_tokens, r->n_prompt);
+    tier_end = PD_MIN(tier_end, (r->n_tokens - 1) / bs * bs) / bs * bs;
+    if (tier_end > hit) return admit_tier(s, r, hit, tier_end);
     int32_t remaining = r->n_tokens - hit, n_new = PD_MIN(remaining, *budget);
     if (!s->params.enable_chunked_prefill) {
         if (remaining > s->params.max_num_batched_tokens) {  // a preempted request grown too long
@@ -259,6 +286,19 @@ static void emit_plan(pd_sched *s, int32_t n_sched, int32_t n_preempted, pd_step
     }
     out->n_kv_loads = s->n_plan_loads;
     out->kv_loads = s->plan_loads;
+    for (int32_t i = 0; i < s->n_plan_tier_loads; i++) {
+        pd_sched_req *r = s->tier_reqs[i];
+        s->plan_tier_loads[i] = (pd_step_kv_load){
+            .req_id = r->id,
+            .slot = r->slot,
+            .n_tokens_local = r->n_computed,
+            .n_tokens = r->tier_end,
+            .block_ids = r->kv.block_ids,
+            .n_blocks = pd_kv_n_blocks_for(s->kv, r->tier_end),
+        };
+    }
+    out->n_tier_loads = s->n_plan_tier_loads;
+    out->tier_loads = s->plan_tier_loads;
 }
 
 void pd_sched_schedule(pd_sched *s, int64_t now_us, pd_step_plan *out) {
@@ -267,6 +307,7 @@ void pd_sched_schedule(pd_sched *s, int64_t now_us, pd_step_plan *out) {
     s->has_plan = true;
     s->n_plan_finished = 0;
     s->n_plan_loads = 0;
+    s->n_plan_tier_loads = 0;
     int32_t budget = s->params.max_num_batched_tokens, n_sched = 0, n_preempted = 0;
     grow_running(s, true, &budget, &n_sched, &n_preempted);
     if (s->params.max_lookahead_slots > 0) grow_lookahead(s, n_sched, &budget);

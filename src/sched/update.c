@@ -154,3 +154,21 @@ pd_status pd_sched_kv_loaded(pd_sched *s, uint64_t req_id, bool ok, int32_t firs
     end_if_finished(s, r, ev);
     return PD_OK;
 }
+
+pd_status pd_sched_tier_loaded(pd_sched *s, uint64_t req_id, int32_t n_loaded) {
+    pd_sched_req *r = pd_sched_reqmap_find(&s->reqs, req_id);
+    if (!r || r->state != PD_SCHED_LOADING_TIER) return PD_ERR_NOTFOUND;
+    if (n_loaded < 0 || n_loaded > r->tier_end - r->n_computed || n_loaded % pd_kv_block_size(s->kv))
+        return PD_ERR_INVALID;
+    if (r->is_aborted) {
+        pd_sched_req_drop(s, r);
+        return PD_ERR_CLOSED;
+    }
+    s->n_loading--;
+    s->stats.n_tier_loading--;
+    r->state = PD_SCHED_RUNNING;
+    r->n_computed += n_loaded;
+    // The loaded blocks are computed KV like any other: later prompts hit them in the device pool.
+    (void)pd_kv_cache_full_blocks(s->kv, &r->kv, r->tokens, r->n_computed);
+    return PD_OK;
+}

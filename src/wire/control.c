@@ -203,6 +203,25 @@ const char *const pd_wire_fallback_names[PD_WIRE_N_FALLBACKS] = {"unavailable", 
                                                                 "checksum", "error"};
 const char *const pd_wire_ttft_part_names[PD_WIRE_N_TTFT_PARTS] = {"queue", "prefill", "transfer", "first_decode"};
 
+const char *const pd_wire_tier_names[PD_WIRE_N_TIERS] = {"device", "dram", "disk", "redis"};
+
+pd_wire_tier pd_wire_tier_parse(const char *s) {
+    if (!s) return PD_WIRE_TIER_DEVICE;
+    for (int i = 1; i < PD_WIRE_N_TIERS; i++)
+        if (!strcmp(s, pd_wire_tier_names[i])) return (pd_wire_tier)i;
+    return PD_WIRE_N_TIERS;
+}
+
+static json_t *tiers_to_json(const pd_wire_load *l) {
+    json_t *list = json_array();
+    for (int i = 0; list && i < l->n_tiers && i < PD_WIRE_MAX_TIERS; i++)
+        json_array_append_new(list, json_pack("{s:s, s:I, s:I}", "name", l->tier_names[i], "hits", (json_int_t)l->tier_hits[i],
+                                              "misses", (json_int_t)l->tier_misses[i]));
+    return list ? json_pack("{s:o, s:I, s:I}", "list", list, "hit_tokens", (json_int_t)l->n_tier_hit_tokens, "load_us",
+                            (json_int_t)l->tier_load_us)
+                : NULL;
+}
+
 static json_t *load_extra_to_json(const pd_wire_load *l, json_t *o) {
     json_t *fb = json_object();
     for (int i = 0; fb && i < PD_WIRE_N_FALLBACKS; i++)
@@ -224,6 +243,10 @@ static json_t *load_extra_to_json(const pd_wire_load *l, json_t *o) {
         json_object_set_new(o, "ttft", t)) {
         json_decref(o);
         return NULL;  // set_new stole d and t
+    }
+    if (l->n_tiers > 0 && json_object_set_new(o, "tiers", tiers_to_json(l))) {
+        json_decref(o);
+        return NULL;
     }
     return o;
 }
@@ -271,6 +294,20 @@ static void load_from_json(json_t *o, pd_wire_load *l) {
         json_t *fb = json_object_get(d, "fallbacks");
         for (int i = 0; i < PD_WIRE_N_FALLBACKS; i++) l->n_kv_fallbacks[i] = get_int(fb, pd_wire_fallback_names[i], 0);
     }
+    json_t *tr = json_object_get(o, "tiers");
+    if (json_is_object(tr)) {
+        json_t *list = json_object_get(tr, "list");
+        for (size_t i = 0; json_is_array(list) && i < json_array_size(list) && i < PD_WIRE_MAX_TIERS; i++) {
+            json_t *x = json_array_get(list, i);
+            const char *nm = json_string_value(json_object_get(x, "name"));
+            snprintf(l->tier_names[i], sizeof l->tier_names[i], "%s", nm ? nm : "?");
+            l->tier_hits[i] = get_int(x, "hits", 0);
+            l->tier_misses[i] = get_int(x, "misses", 0);
+            l->n_tiers = (int32_t)i + 1;
+        }
+        l->n_tier_hit_tokens = get_int(tr, "hit_tokens", 0);
+        l->tier_load_us = get_int(tr, "load_us", 0);
+    }
     json_t *t = json_object_get(o, "ttft");
     if (json_is_object(t)) {
         l->n_ttft = get_int(t, "n", 0);
@@ -290,15 +327,25 @@ static json_t *event_to_json(const pd_wire_kv_event *e) {
     if (!name) name = "all_cleared";  // unknown type: the safe interpretation for a consumer
     pd_wire_hash_to_hex(e->hash, h);
     pd_wire_hash_to_hex(e->parent_hash, p);
+    json_t *o;
     switch (e->type) {
         case PD_WIRE_KV_STORED:
-            return json_pack("{s:I, s:s, s:s, s:s, s:i}", "seq", (json_int_t)e->seq, "type", name,
-                             "hash", h, "parent", p, "n_tokens", (int)e->n_tokens);
+            o = json_pack("{s:I, s:s, s:s, s:s, s:i}", "seq", (json_int_t)e->seq, "type", name, "hash", h, "parent", p,
+                          "n_tokens", (int)e->n_tokens);
+            break;
         case PD_WIRE_KV_REMOVED:
-            return json_pack("{s:I, s:s, s:s}", "seq", (json_int_t)e->seq, "type", name, "hash", h);
+            o = json_pack("{s:I, s:s, s:s}", "seq", (json_int_t)e->seq, "type", name, "hash", h);
+            break;
         default:
             return json_pack("{s:I, s:s}", "seq", (json_int_t)e->seq, "type", name);
     }
+    // A block in a tier below the device pool says which (absent: the device pool itself).
+    if (o && e->tier > PD_WIRE_TIER_DEVICE && e->tier < PD_WIRE_N_TIERS &&
+        json_object_set_new(o, "tier", json_string(pd_wire_tier_names[e->tier]))) {
+        json_decref(o);
+        return NULL;
+    }
+    return o;
 }
 
 json_t *pd_wire_state_to_json(const pd_wire_state *s) {
@@ -339,6 +386,7 @@ static pd_status event_from_json(json_t *o, pd_wire_kv_event *e, int32_t idx, pd
     e->seq = (uint64_t)get_int(o, "seq", 0);
     const char *t = json_string_value(json_object_get(o, "type"));
     if (!t) return pd_err_set(err, PD_ERR_PROTO, "state: event %d has no type", idx);
+    e->tier = pd_wire_tier_parse(json_string_value(json_object_get(o, "tier")));
     if (!strcmp(t, "stored")) {
         e->type = PD_WIRE_KV_STORED;
         e->n_tokens = clamp_i32(get_int(o, "n_tokens", 0));
@@ -438,9 +486,15 @@ void pd_wire_kv_log_free(pd_wire_kv_log *l) {
 
 uint64_t pd_wire_kv_log_push(pd_wire_kv_log *l, pd_wire_kv_event_type type, pd_hash128 hash,
                              pd_hash128 parent_hash, int32_t n_tokens) {
+    return pd_wire_kv_log_push_tier(l, type, PD_WIRE_TIER_DEVICE, hash, parent_hash, n_tokens);
+}
+
+uint64_t pd_wire_kv_log_push_tier(pd_wire_kv_log *l, pd_wire_kv_event_type type, pd_wire_tier tier, pd_hash128 hash,
+                                  pd_hash128 parent_hash, int32_t n_tokens) {
     pd_wire_kv_event *e = &l->ring[l->seq_next % (uint64_t)l->capacity];
     e->seq = l->seq_next;
     e->type = type;
+    e->tier = tier;
     e->hash = hash;
     e->parent_hash = parent_hash;
     e->n_tokens = n_tokens;

@@ -105,6 +105,7 @@ pd_status pd_wire_deregister_decode(const char *buf, size_t len, char *out_url, 
 // ---- LOAD report -------------------------------------------------------------------------------------
 #define PD_WIRE_N_FALLBACKS 5
 #define PD_WIRE_N_TTFT_PARTS 4
+#define PD_WIRE_MAX_TIERS 3
 typedef struct pd_wire_load {
     int32_t n_running;               // requests in the running batch
     int32_t n_waiting;               // requests queued, not yet started
@@ -132,6 +133,12 @@ typedef struct pd_wire_load {
     // time-to-first-token breakdown, cumulative over first tokens ("ttft" object, milliseconds)
     int64_t n_ttft;                  // first tokens counted
     double ttft_ms_sum[PD_WIRE_N_TTFT_PARTS];  // queue, prefill, transfer, first_decode
+    // KV tiers below the device pool ("tiers" object; absent / n_tiers 0 without)
+    int32_t n_tiers;
+    char tier_names[PD_WIRE_MAX_TIERS][8];   // fastest first: "dram", "disk", "redis"
+    int64_t tier_hits[PD_WIRE_MAX_TIERS], tier_misses[PD_WIRE_MAX_TIERS];
+    int64_t n_tier_hit_tokens;       // cumulative prompt tokens loaded from tiers instead of computed
+    int64_t tier_load_us;            // cumulative time of those loads (start → in the blocks)
 } pd_wire_load;
 
 // Fallback reasons in "disagg.fallbacks" (same order as the engine's pd_fallback_reason).
@@ -150,9 +157,22 @@ typedef enum pd_wire_kv_event_type {
     PD_WIRE_KV_ALL_CLEARED = 3,  // "all_cleared"
 } pd_wire_kv_event_type;
 
+// Where a STORED / REMOVED block lives ("tier" in the event; absent = the device pool).
+typedef enum pd_wire_tier {
+    PD_WIRE_TIER_DEVICE = 0,
+    PD_WIRE_TIER_DRAM = 1,
+    PD_WIRE_TIER_DISK = 2,
+    PD_WIRE_TIER_REMOTE = 3,  // the Redis pool shared by workers
+    PD_WIRE_N_TIERS = 4,
+} pd_wire_tier;
+extern const char *const pd_wire_tier_names[PD_WIRE_N_TIERS];  // "device", "dram", "disk", "redis"
+// NULL (no "tier"): PD_WIRE_TIER_DEVICE; a name from the future: PD_WIRE_N_TIERS (consumers skip it)
+pd_wire_tier pd_wire_tier_parse(const char *s);
+
 typedef struct pd_wire_kv_event {
     uint64_t seq;
     pd_wire_kv_event_type type;
+    pd_wire_tier tier;       // STORED, REMOVED: which tier of the worker holds / dropped it
     int32_t n_tokens;        // STORED
     pd_hash128 hash;         // STORED, REMOVED
     pd_hash128 parent_hash;  // STORED
@@ -195,6 +215,9 @@ void pd_wire_kv_log_free(pd_wire_kv_log *l);  // NULL is a no-op
 // Appends one event and gives it the next seq (returned).
 uint64_t pd_wire_kv_log_push(pd_wire_kv_log *l, pd_wire_kv_event_type type, pd_hash128 hash,
                              pd_hash128 parent_hash, int32_t n_tokens);
+// The same for a block in a KV tier below the device pool.
+uint64_t pd_wire_kv_log_push_tier(pd_wire_kv_log *l, pd_wire_kv_event_type type, pd_wire_tier tier, pd_hash128 hash,
+                                  pd_hash128 parent_hash, int32_t n_tokens);
 // Fills s->events / n_events / seq_next / is_reset for a poll with `since`, copying at most n_max
 // events (the oldest first; if more remain, seq_next points at the first one not copied, so the
 // next poll continues). s->events is allocated (pd_malloc) and owned by s: release it with

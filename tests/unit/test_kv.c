@@ -314,6 +314,8 @@ PD_TEST(partial_block_never_cached) {
     PD_CHECK_EQ(pd_kv_cache_full_blocks(m, &a, toks, 16), PD_ERR_INVALID);  // table too short
     pd_kv_event ev[16];
     PD_CHECK_EQ(pd_kv_events_drain(m, ev, 16), 2);
+    PD_CHECK_EQ(ev[0].block_id, a.block_ids[0]);  // STORED names the block (tier offload reads it)
+    PD_CHECK_EQ(ev[1].block_id, a.block_ids[1]);
     seq_done(m, &a);
     pd_kv_stats_get(m, &st);
     PD_CHECK_EQ(st.n_cached, 2);

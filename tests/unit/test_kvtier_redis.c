@@ -268,3 +268,70 @@ PD_TEST(redis_two_workers_share_prefix_then_redis_dies) {
     pd_kvt_tiers_free(w[0]);
     pd_kvt_tiers_free(w[1]);
 }
+
+// The pool moves KV: a server with requirepass takes only workers that prove the shared secret.
+// A wrong or missing secret: every put fails and every get misses (counted), nothing is stored.
+PD_TEST(redis_auth_secret) {
+    if (system("command -v redis-server >/dev/null 2>&1") != 0) PD_SKIP("redis-server not installed");
+    int port = free_port();
+    PD_REQUIRE(port > 0);
+    pid_t pid = fork();
+    if (pid == 0) {
+        char ps[16];
+        snprintf(ps, sizeof ps, "%d", port);
+        int devnull = open("/dev/null", O_WRONLY);
+        if (devnull >= 0) {
+            dup2(devnull, 1);
+            dup2(devnull, 2);
+        }
+        execlp("redis-server", "redis-server", "--port", ps, "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+               "--requirepass", "0123456789abcdef-shared", (char *)NULL);
+        _exit(127);
+    }
+    PD_REQUIRE(pid > 0);
+    bool up = false;
+    for (int i = 0; i < 200 && !up; i++) {  // bounded: 10 s; an unauthenticated PING is refused
+        struct timeval tv = {0, 100000};
+        redisContext *c = redisConnectWithTimeout("127.0.0.1", port, tv);
+        if (c && !c->err) {
+            redisReply *r = redisCommand(c, "PING");
+            up = r != NULL;
+            if (r) freeReplyObject(r);
+        }
+        if (c) redisFree(c);
+        if (!up) usleep(50000);
+    }
+    PD_REQUIRE(up);
+    char url[64];
+    snprintf(url, sizeof url, "redis://127.0.0.1:%d", port);
+    pd_err err = {0};
+    pd_kvt_store_params sp = {.geom = G, .fingerprint = 0xabcdef, .secret = "0123456789abcdef-shared"};
+    pd_kvt_store *good = pd_kvt_redis_new(&sp, url, &err);
+    sp.secret = "not-the-secret";
+    pd_kvt_store *wrong = pd_kvt_redis_new(&sp, url, &err);
+    sp.secret = NULL;
+    pd_kvt_store *none = pd_kvt_redis_new(&sp, url, &err);
+    PD_REQUIRE(good && wrong && none);
+    size_t n, got = 0;
+    pd_hash128 h = {31, 32}, h2 = {41, 42};
+    uint8_t *p = mkpage(0xabcdef, h, 0.5f, &n), *p2 = mkpage(0xabcdef, h2, 0.25f, &n);
+    uint8_t *buf = malloc(n);
+    PD_CHECK_EQ(pd_kvt_store_put(wrong, h, p, n), PD_ERR_IO);
+    PD_CHECK(pd_kvt_redis_auth_failures(wrong) >= 1);
+    PD_CHECK_EQ(pd_kvt_store_put(none, h2, p2, n), PD_ERR_IO);  // NOAUTH
+    PD_CHECK_EQ(pd_kvt_store_put(good, h, p, n), PD_OK);
+    PD_CHECK_EQ(pd_kvt_store_get(good, h, buf, n, &got), PD_OK);
+    PD_CHECK(got == n && memcmp(buf, p, n) == 0);
+    PD_CHECK_EQ(pd_kvt_store_get(wrong, h, buf, n, &got), PD_ERR_NOTFOUND);
+    PD_CHECK_EQ(pd_kvt_store_get(none, h, buf, n, &got), PD_ERR_NOTFOUND);
+    PD_CHECK(!pd_kvt_store_contains(good, h2));  // the unauthenticated put stored nothing
+    PD_CHECK_EQ(pd_kvt_redis_auth_failures(good), 0);
+    pd_kvt_store_free(good);
+    pd_kvt_store_free(wrong);
+    pd_kvt_store_free(none);
+    free(p);
+    free(p2);
+    free(buf);
+    kill(pid, SIGKILL);
+    waitpid(pid, NULL, 0);
+}

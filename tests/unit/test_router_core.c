@@ -271,3 +271,66 @@ PD_TEST(token_bucket) {
     PD_CHECK(!pd_router_bucket_take(&b, 2, 3, t + 100000000));
     PD_CHECK(pd_router_bucket_take(&b, 0, 0, t));  // unlimited
 }
+
+// KV tiers below a worker's pool: a block in a tier extends the worker's match (tiers only add
+// to the device hit), is dropped when that tier evicts it (not when another tier or the device
+// pool does), and the cost prices those tokens at the measured load time.
+PD_TEST(prefix_tiers_and_cost) {
+    pd_router_prefix *p = pd_router_prefix_new(1000);
+    PD_REQUIRE(p);
+    pd_hash128 h[4];
+    int32_t tk[64];
+    for (int i = 0; i < 64; i++) tk[i] = i + 7;
+    PD_CHECK_EQ(pd_router_hash_prompt(tk, 64, 16, h), 4);
+    PD_CHECK_EQ(pd_router_prefix_add(p, h[0], 1), PD_OK);        // device: block 0
+    for (int i = 0; i < 3; i++) PD_CHECK_EQ(pd_router_prefix_add_tier(p, h[i], 1, 1), PD_OK);  // dram: 0..2
+    PD_CHECK_EQ(pd_router_prefix_add_tier(p, h[2], 1, 2), PD_OK);  // and block 2 on disk too
+    PD_CHECK_EQ(pd_router_prefix_add_tier(p, h[0], 2, 3), PD_OK);  // worker 2: block 0 in Redis
+    int32_t dev[64], any[64];
+    pd_router_prefix_match(p, h, 4, ~0ull, dev);
+    pd_router_prefix_match_tiers(p, h, 4, ~0ull, any);
+    PD_CHECK_EQ(dev[1], 1);
+    PD_CHECK_EQ(any[1], 3);
+    PD_CHECK_EQ(dev[2], 0);
+    PD_CHECK_EQ(any[2], 1);
+    pd_router_prefix_remove_tier(p, h[2], 1, 1);  // DRAM evicted block 2: still on disk
+    pd_router_prefix_match_tiers(p, h, 4, ~0ull, any);
+    PD_CHECK_EQ(any[1], 3);
+    pd_router_prefix_remove_tier(p, h[2], 1, 2);  // and the disk: gone
+    pd_router_prefix_match_tiers(p, h, 4, ~0ull, any);
+    PD_CHECK_EQ(any[1], 2);
+    pd_router_prefix_remove(p, h[0], 1);  // the device pool evicted block 0: the tier still has it
+    pd_router_prefix_match_tiers(p, h, 4, ~0ull, any);
+    PD_CHECK_EQ(any[1], 2);
+    PD_CHECK_EQ(pd_router_prefix_get(p, h[0]), 0);
+    PD_CHECK_EQ(pd_router_prefix_get_tiers(p, h[0]), (1ull << 1) | (1ull << 2));
+    pd_router_prefix_clear_worker(p, 1);
+    pd_router_prefix_clear_worker(p, 2);
+    PD_CHECK_EQ(pd_router_prefix_n_entries(p), 0);  // nothing left: every entry deleted
+    pd_router_prefix_free(p);
+
+    // Cost: 512 prompt tokens, 128 on the device, 256 in a tier. Prefill at 10,000 tokens/s (100
+    // us a token), loads at 10 us a token: a tier token costs 0.1 of a computed one.
+    pd_router_cost_params cp = pd_router_cost_params_default();
+    pd_router_cand c = {.n_prompt_tokens = 512, .n_hit_tokens = 128, .n_tier_hit_tokens = 256,
+                        .kv_free_frac = 1, .prefill_tokens_per_s = 10000, .tier_us_per_token = 10};
+    PD_CHECK_NEAR(pd_router_cost(&cp, &c), 128 + 256 * 0.1, 1e-9);
+    c.tier_us_per_token = 0;  // unmeasured: priced as computing, never free
+    PD_CHECK_NEAR(pd_router_cost(&cp, &c), 384, 1e-9);
+    c.tier_us_per_token = 500;  // slower than computing: capped at computing
+    PD_CHECK_NEAR(pd_router_cost(&cp, &c), 384, 1e-9);
+    c.tier_us_per_token = 10;
+    c.n_tier_hit_tokens = 1000;  // longer than the rest of the prompt: clamped
+    PD_CHECK_NEAR(pd_router_cost(&cp, &c), 384 * 0.1, 1e-9);
+    // A worker with the prefix in DRAM beats one that must compute it, but not one holding it on
+    // the device.
+    pd_router_cand w[3] = {
+        {.idx = 0, .n_prompt_tokens = 512, .kv_free_frac = 1, .prefill_tokens_per_s = 10000},
+        {.idx = 1, .n_prompt_tokens = 512, .n_tier_hit_tokens = 496, .kv_free_frac = 1, .prefill_tokens_per_s = 10000,
+         .tier_us_per_token = 10},
+        {.idx = 2, .n_prompt_tokens = 512, .n_hit_tokens = 496, .kv_free_frac = 1, .prefill_tokens_per_s = 10000},
+    };
+    PD_CHECK_EQ(pd_router_pick(&cp, w, 2, 0), 1);
+    PD_CHECK_EQ(pd_router_pick(&cp, w, 3, 0), 2);
+    PD_CHECK(pd_router_predict_ttft_ms(&w[1]) < pd_router_predict_ttft_ms(&w[0]));
+}

@@ -258,3 +258,43 @@ PD_TEST(token_ids_decode) {
         PD_CHECK(ids == NULL);
     }
 }
+
+// KV events of blocks in a tier below the device pool carry "tier"; the load reports the tiers.
+PD_TEST(state_tiers_roundtrip) {
+    pd_wire_kv_event ev[3] = {
+        {.seq = 1, .type = PD_WIRE_KV_STORED, .tier = PD_WIRE_TIER_DISK, .n_tokens = 16, .hash = {1, 2}, .parent_hash = {3, 4}},
+        {.seq = 2, .type = PD_WIRE_KV_REMOVED, .tier = PD_WIRE_TIER_DRAM, .hash = {5, 6}},
+        {.seq = 3, .type = PD_WIRE_KV_STORED, .n_tokens = 16, .hash = {7, 8}, .parent_hash = {1, 2}},
+    };
+    pd_wire_state s = {.role = PD_WIRE_ROLE_BOTH, .block_size = 16, .seq_next = 4, .events = ev, .n_events = 3};
+    s.load = pd_wire_load_default();
+    s.load.n_tiers = 2;
+    snprintf(s.load.tier_names[0], 8, "dram");
+    snprintf(s.load.tier_names[1], 8, "redis");
+    s.load.tier_hits[1] = 77;
+    s.load.tier_misses[0] = 5;
+    s.load.n_tier_hit_tokens = 1600;
+    s.load.tier_load_us = 12345;
+    char *txt = NULL;
+    size_t len = 0;
+    PD_REQUIRE(pd_wire_state_encode(&s, &txt, &len) == PD_OK);
+    PD_CHECK_CONTAINS(txt, "\"tier\":\"disk\"");
+    pd_wire_state d;
+    pd_err err = {0};
+    PD_CHECK_EQ(pd_wire_state_decode(txt, len, &d, &err), PD_OK);
+    pd_free(txt);
+    PD_REQUIRE(d.n_events == 3);
+    PD_CHECK_EQ(d.events[0].tier, PD_WIRE_TIER_DISK);
+    PD_CHECK_EQ(d.events[1].tier, PD_WIRE_TIER_DRAM);
+    PD_CHECK_EQ(d.events[2].tier, PD_WIRE_TIER_DEVICE);
+    PD_CHECK_EQ(d.load.n_tiers, 2);
+    PD_CHECK_STR(d.load.tier_names[1], "redis");
+    PD_CHECK_EQ(d.load.tier_hits[1], 77);
+    PD_CHECK_EQ(d.load.tier_misses[0], 5);
+    PD_CHECK_EQ(d.load.n_tier_hit_tokens, 1600);
+    PD_CHECK_EQ(d.load.tier_load_us, 12345);
+    pd_wire_state_fini(&d);
+    // A tier name from the future is no known tier (the router skips the event: never a wrong bit).
+    PD_CHECK_EQ(pd_wire_tier_parse("nvme-of"), PD_WIRE_N_TIERS);
+    PD_CHECK_EQ(pd_wire_tier_parse(NULL), PD_WIRE_TIER_DEVICE);
+}

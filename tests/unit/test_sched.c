@@ -47,6 +47,14 @@ typedef struct fe {
     pd_rng *load_rng;       // when set, loads finish at random times and fail 20% of the time
     bool is_load_failing;   // without load_rng: every load fails (fallback to recompute)
     int32_t n_loads_done, n_loads_failed, n_released;
+    // Tier loads in flight: the "tier" writes the prompt's KV of whole blocks, all of them or a
+    // leading part (tier_rng: random timing and length; else all at once, tier_lose_all: none).
+    pd_step_kv_load tloads[FE_MAX_REQS];
+    int32_t n_tloads;
+    pd_rng *tier_rng;
+    bool is_tier_losing;
+    bool is_tier_paused;    // tier loads stay in flight
+    int32_t n_tier_done, n_tier_partial, n_tier_tokens_loaded;
     uint64_t held[FE_MAX_REQS];  // finished is_hold_blocks requests, released next step
     int32_t n_held;
     // Speculation: when set, every lookahead slot gets a draft token (right with probability
@@ -170,6 +178,43 @@ static void fe_service_loads(fe *e) {
     e->n_loads = n;
 }
 
+// Finishes tier loads: the "tier" writes the KV of a leading run of the asked blocks.
+static void fe_service_tier_loads(fe *e) {
+    int32_t n = 0;
+    for (int32_t i = 0; i < e->n_tloads; i++) {
+        pd_step_kv_load *l = &e->tloads[i];
+        if (e->is_tier_paused || (e->tier_rng && pd_rng_uniform(e->tier_rng) < 0.5)) {
+            e->tloads[n++] = *l;  // still loading
+            continue;
+        }
+        fe_req *q = &e->r[l->req_id];
+        int32_t nb = (l->n_tokens - l->n_tokens_local) / e->bs;
+        PD_CHECK(nb >= 1 && l->n_tokens_local % e->bs == 0 && l->n_tokens % e->bs == 0);
+        PD_CHECK(l->n_tokens < q->n_prompt + FE_MAX_OUT);
+        PD_CHECK(l->n_blocks * e->bs >= l->n_tokens);
+        int32_t got = e->tier_rng ? (int32_t)(pd_rng_next(e->tier_rng) % (uint64_t)(nb + 1)) : e->is_tier_losing ? 0 : nb;
+        for (int32_t p = l->n_tokens_local; p < l->n_tokens_local + got * e->bs && !q->aborted; p++) {
+            int32_t b = l->block_ids[p / e->bs];
+            PD_CHECK_EQ(pd_kv_block_ref(e->kv, b), 1);
+            PD_REQUIRE(p < q->n_prompt);
+            e->shadow[b][p % e->bs] = q->prompt[p];
+        }
+        PD_CHECK_EQ(pd_sched_tier_loaded(e->s, l->req_id, got * e->bs + 1), PD_ERR_INVALID);  // not block-aligned
+        PD_CHECK_EQ(pd_sched_tier_loaded(e->s, l->req_id, (nb + 1) * e->bs), PD_ERR_INVALID);  // beyond the load
+        pd_status st = pd_sched_tier_loaded(e->s, l->req_id, got * e->bs);
+        if (q->aborted) {
+            PD_CHECK_EQ(st, PD_ERR_CLOSED);
+            continue;
+        }
+        PD_CHECK_EQ(st, PD_OK);
+        PD_CHECK_EQ(pd_sched_tier_loaded(e->s, l->req_id, 0), PD_ERR_NOTFOUND);
+        e->n_tier_done++;
+        e->n_tier_partial += got < nb;
+        e->n_tier_tokens_loaded += got * e->bs;
+    }
+    e->n_tloads = n;
+}
+
 // One step: schedule, check the plan, run the fake forward, update. Returns the plan's n_seqs.
 static int32_t fe_step(fe *e) {
     pd_step_plan plan;
@@ -255,6 +300,8 @@ static int32_t fe_step(fe *e) {
     e->n_held = 0;
     for (int32_t i = 0; i < plan.n_kv_loads; i++) e->loads[e->n_loads++] = plan.kv_loads[i];
     fe_service_loads(e);
+    for (int32_t i = 0; i < plan.n_tier_loads; i++) e->tloads[e->n_tloads++] = plan.tier_loads[i];
+    fe_service_tier_loads(e);
     pd_err err = {0};
     pd_status st = pd_sched_check(e->s, &err);
     PD_CHECK_MSG(st == PD_OK, "step %lld: %s", (long long)e->step, err.msg);
@@ -886,6 +933,137 @@ PD_TEST(remote_prefill_decode_side) {
     fe_free(e);
 }
 
+// Tier loads (KV that left the device pool for DRAM / disk / Redis): LOADING_TIER takes a seat and
+// blocks but no budget, is never a preemption victim, keeps its blocks through an abort until the
+// load ends, and runs on from whatever part of the blocks the tier delivered.
+PD_TEST(tier_load_state) {
+    pd_sched_params sp = sp_make(4, 64);
+    fe *e = fe_new(64, 4, &sp);
+    int32_t p[22];
+    fill(p, 22, 300);
+    // The tier claims 24 tokens, more than the prompt can load (the last token is computed):
+    // the load covers positions [0, 20).
+    pd_sched_req_params rp = {.req_id = 1, .prompt = p, .n_prompt = 22, .max_tokens = 5, .n_tier_tokens = 24};
+    PD_CHECK_EQ(fe_add_rp(e, &rp), PD_OK);
+    pd_step_plan plan;
+    pd_sched_schedule(e->s, 0, &plan);
+    PD_CHECK_EQ(plan.n_seqs, 0);
+    PD_CHECK_EQ(plan.n_kv_loads, 0);
+    PD_REQUIRE(plan.n_tier_loads == 1);
+    PD_CHECK_EQ(plan.tier_loads[0].n_tokens_local, 0);
+    PD_CHECK_EQ(plan.tier_loads[0].n_tokens, 20);
+    PD_CHECK_EQ(plan.tier_loads[0].n_blocks, 5);
+    pd_sched_stats st;
+    pd_sched_stats_get(e->s, &st);
+    PD_CHECK_EQ(st.n_loading, 1);
+    PD_CHECK_EQ(st.n_tier_loading, 1);
+    PD_CHECK_EQ(st.n_running, 1);
+    PD_CHECK_EQ(pd_kv_n_used(e->kv), 5);
+    const pd_sched_event *ev;
+    int32_t n_ev;
+    PD_CHECK_EQ(pd_sched_update(e->s, &plan, NULL, 0, &ev, &n_ev), PD_OK);
+    pd_err err = {0};
+    PD_CHECK_MSG(pd_sched_check(e->s, &err) == PD_OK, "%s", err.msg);
+    PD_CHECK_EQ(pd_sched_kv_loaded(e->s, 1, true, 5, &(pd_sched_event){0}), PD_ERR_NOTFOUND);  // not a remote load
+    // Aborted while loading: seat gone now, blocks when the load ends.
+    PD_CHECK_EQ(pd_sched_abort(e->s, 1), PD_OK);
+    PD_CHECK_EQ(pd_sched_abort(e->s, 1), PD_ERR_NOTFOUND);
+    PD_CHECK_EQ(pd_kv_n_used(e->kv), 5);
+    PD_CHECK(pd_sched_has_work(e->s));
+    PD_CHECK_MSG(pd_sched_check(e->s, &err) == PD_OK, "%s", err.msg);
+    PD_CHECK_EQ(pd_sched_tier_loaded(e->s, 1, 8), PD_ERR_CLOSED);
+    PD_CHECK_EQ(pd_kv_n_used(e->kv), 0);
+    PD_CHECK(!pd_sched_has_work(e->s));
+    // Through the harness: the whole load lands, the request computes only the rest.
+    memset(&e->r[1], 0, sizeof e->r[1]);
+    PD_CHECK_EQ(fe_add_rp(e, &rp), PD_OK);
+    fe_step(e);
+    PD_CHECK_EQ(e->n_tier_done, 1);
+    PD_CHECK_EQ(e->n_tier_tokens_loaded, 20);
+    fe_step(e);
+    PD_REQUIRE(e->last_plan.n_seqs == 1);
+    PD_CHECK_EQ(e->last_plan.seqs[0].pos_start, 20);  // only the 2 uncached tokens
+    PD_CHECK_EQ(e->last_plan.seqs[0].n_tokens, 2);
+    fe_run(e, 50);
+    expect_ref(e, 1, p, 22, 5);
+    // The loaded blocks joined the prefix cache: the same prompt now hits the device pool (no
+    // tier load: the tier holds nothing beyond the hit).
+    rp.req_id = 2;
+    PD_CHECK_EQ(fe_add_rp(e, &rp), PD_OK);
+    fe_step(e);
+    PD_CHECK_EQ(e->last_plan.n_tier_loads, 0);
+    fe_run(e, 50);
+    expect_ref(e, 2, p, 22, 5);
+    PD_CHECK_EQ(e->r[2].n_cached, 20);
+    // A tier that lost everything: the request computes its whole prompt, output unchanged.
+    int32_t p2[30];
+    fill(p2, 30, 301);
+    e->is_tier_losing = true;
+    rp = (pd_sched_req_params){.req_id = 3, .prompt = p2, .n_prompt = 30, .max_tokens = 3, .n_tier_tokens = 28};
+    PD_CHECK_EQ(fe_add_rp(e, &rp), PD_OK);
+    fe_step(e);
+    PD_CHECK_EQ(e->n_tier_done, 2);
+    fe_step(e);
+    PD_REQUIRE(e->last_plan.n_seqs == 1);
+    PD_CHECK_EQ(e->last_plan.seqs[0].pos_start, 0);
+    fe_run(e, 50);
+    expect_ref(e, 3, p2, 30, 3);
+    // A one-token prompt and a tier claim of less than the hit: no tier load.
+    rp = (pd_sched_req_params){.req_id = 4, .prompt = p, .n_prompt = 1, .max_tokens = 2, .n_tier_tokens = 4};
+    PD_CHECK_EQ(fe_add_rp(e, &rp), PD_OK);
+    fe_step(e);
+    PD_CHECK_EQ(e->last_plan.n_tier_loads, 0);
+    fe_run(e, 50);
+    rp = (pd_sched_req_params){.req_id = 5, .prompt = p, .n_prompt = 22, .max_tokens = 2, .n_tier_tokens = 8};
+    PD_CHECK_EQ(fe_add_rp(e, &rp), PD_OK);
+    fe_step(e);
+    PD_CHECK_EQ(e->last_plan.n_tier_loads, 0);  // the device pool already holds 20
+    fe_run(e, 50);
+    expect_ref(e, 5, p, 22, 2);
+    // A remote-prefill request ignores the tier.
+    rp = (pd_sched_req_params){.req_id = 6, .prompt = p2, .n_prompt = 30, .max_tokens = 2, .n_tier_tokens = 28,
+                               .is_remote_prefill = true};
+    e->is_tier_losing = false;
+    PD_CHECK_EQ(fe_add_rp(e, &rp), PD_OK);
+    fe_step(e);
+    PD_CHECK_EQ(e->last_plan.n_tier_loads, 0);
+    fe_run(e, 50);
+    PD_CHECK_EQ(pd_kv_n_free(e->kv), 64);
+    fe_free(e);
+}
+
+// While a tier load runs, other requests keep stepping, and a loading request is no preemption
+// victim even when the pool runs dry.
+PD_TEST(tier_load_others_step) {
+    pd_sched_params sp = sp_make(4, 64);
+    fe *e = fe_new(12, 4, &sp);
+    int32_t a[9], b[26];
+    fill(a, 9, 310);
+    fill(b, 26, 311);
+    PD_CHECK_EQ(fe_add(e, 1, a, 9, 12), PD_OK);
+    fe_step(e);
+    pd_sched_req_params rp = {.req_id = 2, .prompt = b, .n_prompt = 26, .max_tokens = 4, .n_tier_tokens = 24};
+    PD_CHECK_EQ(fe_add_rp(e, &rp), PD_OK);
+    e->is_tier_paused = true;
+    fe_step(e);
+    PD_REQUIRE(e->last_plan.n_tier_loads == 1);
+    PD_CHECK_EQ(e->last_plan.n_seqs, 1);  // request 1 decodes in the same step
+    for (int i = 0; i < 6; i++) {
+        int32_t n0 = e->r[1].n_out;
+        fe_step(e);
+        PD_CHECK(e->r[1].n_out > n0);  // request 1 keeps going (never preempted for the loader)
+        pd_sched_stats st;
+        pd_sched_stats_get(e->s, &st);
+        PD_CHECK_EQ(st.n_tier_loading, 1);
+    }
+    e->is_tier_paused = false;
+    fe_run(e, 100);
+    PD_CHECK(e->r[1].finished);
+    expect_ref(e, 2, b, 26, 4);
+    PD_CHECK_EQ(pd_kv_n_free(e->kv), 12);
+    fe_free(e);
+}
+
 PD_TEST(remote_prefill_failure_recomputes) {
     pd_sched_params sp = sp_make(4, 8);
     fe *e = fe_new(64, 4, &sp);
@@ -982,6 +1160,7 @@ static void prop_sched_spec(uint64_t seed, pd_sched_policy policy, bool chunked,
     pd_rng_seed(&loads, seed + 2000);
     e->mid_abort_rng = &mid;
     e->load_rng = &loads;
+    e->tier_rng = &loads;
     pd_rng spec;
     pd_rng_seed(&spec, seed + 3000);
     if (lookahead > 0) {
@@ -1002,12 +1181,14 @@ static void prop_sched_spec(uint64_t seed, pd_sched_policy policy, bool chunked,
             for (int i = 0; i < q->n; i++) q->prompt[i] = i < n_shared ? shared[i] : 1 + (int32_t)(pd_rng_next(&rng) % 97);
             q->max_tokens = 1 + (int32_t)(pd_rng_next(&rng) % 20);
             q->stop = 1 + (int32_t)(pd_rng_next(&rng) % 97);
-            uint64_t kind = pd_rng_next(&rng) % 8;  // 1 in 8 remote prefill, 1 in 8 held
+            uint64_t kind = pd_rng_next(&rng) % 8;  // 1 in 8 remote prefill, 1 in 8 held, 2 in 8 tier
+            int32_t n_tier = (kind == 2 || kind == 3) ? (int32_t)(pd_rng_next(&rng) % (uint64_t)(q->n / 4 + 2)) * 4 : 0;
             pd_sched_req_params rp = {.req_id = next, .prompt = q->prompt, .n_prompt = q->n,
                                       .max_tokens = q->max_tokens,
                                       .priority = (int32_t)(pd_rng_next(&rng) % 3),
                                       .stop_ids = &q->stop, .n_stop_ids = 1,
-                                      .is_remote_prefill = kind == 0, .is_hold_blocks = kind == 1};
+                                      .is_remote_prefill = kind == 0, .is_hold_blocks = kind == 1,
+                                      .n_tier_tokens = n_tier};
             pd_status s = fe_add_rp(e, &rp);
             PD_CHECK_EQ(s, PD_OK);
             if (lookahead > 0) PD_CHECK_EQ(pd_sched_set_lookahead(e->s, next, (int32_t)(pd_rng_next(&spec) % (uint64_t)(lookahead + 2))), PD_OK);
@@ -1054,8 +1235,11 @@ static void prop_sched_spec(uint64_t seed, pd_sched_policy policy, bool chunked,
     PD_CHECK(e->n_mid_aborts > 0);
     PD_CHECK(e->n_loads_done > 5 && e->n_loads_failed > 0 && e->n_released > 5);
     PD_CHECK_EQ(e->n_loads, 0);
+    PD_CHECK_EQ(e->n_tloads, 0);
+    PD_CHECK(e->n_tier_done > 5 && e->n_tier_partial > 0 && e->n_tier_tokens_loaded > 0);
     PD_CHECK_EQ(st.n_held, 0);
     PD_CHECK_EQ(st.n_loading, 0);
+    PD_CHECK_EQ(st.n_tier_loading, 0);
     fe_free(e);
 }
 

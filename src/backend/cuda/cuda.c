@@ -92,6 +92,18 @@ static void cuda_download(pd_backend *b, void *dst, const void *src, size_t n) {
     PD_CUDA_CHECK(cudaStreamSynchronize(cb->stream));
 }
 
+// Pinned host memory (page-locked, portable across devices): staging and the host DRAM KV tier.
+static void *cuda_host_alloc(pd_backend *b, size_t n) {
+    pd_cuda_bind(pd_cuda_backend_of(b));
+    void *p = NULL;
+    return cudaHostAlloc(&p, n, cudaHostAllocPortable) == cudaSuccess ? p : NULL;
+}
+
+static void cuda_host_free(pd_backend *b, void *p) {
+    pd_cuda_bind(pd_cuda_backend_of(b));
+    PD_CUDA_CHECK(cudaFreeHost(p));
+}
+
 static void cuda_memset(pd_backend *b, void *dst, int v, size_t n) {
     pd_cuda_bind(pd_cuda_backend_of(b));
     PD_CUDA_CHECK(cudaMemsetAsync(dst, v, n, pd_cuda_backend_of(b)->stream));
@@ -521,6 +533,8 @@ static const pd_backend_iface cuda_iface = {
     .dev_free = cuda_dev_free,
     .upload = cuda_upload,
     .download = cuda_download,
+    .host_alloc = cuda_host_alloc,
+    .host_free = cuda_host_free,
     .memset = cuda_memset,
     .sync = cuda_sync,
     .embed = cuda_embed,
