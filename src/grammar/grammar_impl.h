@@ -42,6 +42,11 @@ struct pd_grammar {
     int n_rules, root;
     pthread_mutex_t mu;
     gpos_cache **cache;  // n_elems, filled lazily under mu
+    // The bytes that may follow each rule anywhere in the grammar (FOLLOW1), and the rule of each
+    // element: tokens that leave a position's rule with a byte that cannot follow it are rejected
+    // by the per-position precomputation instead of left uncertain (match.c). Under mu, lazily.
+    gclass *follow;     // n_rules
+    int32_t *rule_of;   // n_elems
     // Per-stack results of the uncertain tokens (match.c): the stack's positions, top first ->
     // the uncertain tokens it accepts. Filled lazily under mu, bounded (GRAMMAR_UCACHE_*).
     pd_map ucache;

@@ -267,6 +267,84 @@ static bool unc_push(gpos_cache *pc, size_t *cap, int32_t t) {
     return true;
 }
 
+// ---- FOLLOW1 of each rule ----------------------------------------------------------------------------
+// Textbook nullable / FIRST1 / FOLLOW1 fixpoints over the flat grammar. A token whose walk leaves
+// the rule of the position being precomputed (the BOTTOM sentinel) with more bytes to go can only
+// be accepted if its next byte may follow that rule in some context: FOLLOW1 is a superset of what
+// any real stack below allows, so a token rejected by it is rejected by every stack.
+static void gclass_or(gclass *a, const gclass *b, bool *changed) {
+    for (int i = 0; i < 4; i++) {
+        uint64_t x = a->w[i] | b->w[i];
+        if (x != a->w[i]) a->w[i] = x, *changed = true;
+    }
+}
+
+// FIRST1 of the elements from p to the alternative's END into *first; returns whether they are
+// nullable (may consume nothing).
+static bool seq_first(const pd_grammar *g, const gclass *first_r, const bool *nullable, int32_t p, gclass *first) {
+    for (;; p++) {
+        const gelem *e = &g->elems[p];
+        if (e->type == GE_END) return true;
+        bool ch = false;
+        if (e->type == GE_CLASS) {
+            gclass_or(first, &g->classes[e->v], &ch);
+            return false;
+        }
+        gclass_or(first, &first_r[e->v], &ch);
+        if (!nullable[e->v]) return false;
+    }
+}
+
+static bool compute_follow(pd_grammar *g) {
+    int R = g->n_rules;
+    bool *nullable = pd_calloc((size_t)R, sizeof(bool));
+    gclass *first = pd_calloc((size_t)R, sizeof(gclass));
+    g->follow = pd_calloc((size_t)R, sizeof(gclass));
+    g->rule_of = pd_malloc(sizeof(int32_t) * (size_t)g->n_elems);
+    if (!nullable || !first || !g->follow || !g->rule_of) {
+        pd_free(nullable);
+        pd_free(first);
+        pd_free(g->follow);
+        pd_free(g->rule_of);
+        g->follow = NULL;
+        g->rule_of = NULL;
+        return false;
+    }
+    for (int i = 0; i < g->n_elems; i++) g->rule_of[i] = -1;
+    for (int r = 0; r < R; r++)
+        for (int k = g->alt_begin[r]; k < g->alt_begin[r + 1]; k++) {
+            int32_t p = g->alts[k];
+            for (; g->elems[p].type != GE_END; p++) g->rule_of[p] = r;
+            g->rule_of[p] = r;
+        }
+    for (bool changed = true; changed;) {  // nullable and FIRST1
+        changed = false;
+        for (int r = 0; r < R; r++)
+            for (int k = g->alt_begin[r]; k < g->alt_begin[r + 1]; k++) {
+                gclass f = first[r];
+                bool nul = seq_first(g, first, nullable, g->alts[k], &f);
+                gclass_or(&first[r], &f, &changed);
+                if (nul && !nullable[r]) nullable[r] = changed = true;
+            }
+    }
+    for (bool changed = true; changed;) {  // FOLLOW1
+        changed = false;
+        for (int q = 0; q < R; q++)
+            for (int k = g->alt_begin[q]; k < g->alt_begin[q + 1]; k++)
+                for (int32_t p = g->alts[k]; g->elems[p].type != GE_END; p++) {
+                    if (g->elems[p].type != GE_RULE) continue;
+                    int r = g->elems[p].v;
+                    gclass f = {{0}};
+                    bool nul = seq_first(g, first, nullable, p + 1, &f);
+                    gclass_or(&g->follow[r], &f, &changed);
+                    if (nul) gclass_or(&g->follow[r], &g->follow[q], &changed);
+                }
+    }
+    pd_free(nullable);
+    pd_free(first);
+    return true;
+}
+
 static gpos_cache *precompute(const pd_grammar *g, int32_t pos) {
     const pd_grammar_vocab *v = g->vocab;
     gpos_cache *pc = pd_calloc(1, sizeof *pc);
@@ -276,6 +354,9 @@ static gpos_cache *precompute(const pd_grammar *g, int32_t pos) {
     sstate *st = pd_calloc((size_t)D, sizeof *st);
     bool *unc_below = pd_calloc((size_t)D, sizeof(bool));  // U: left the rule at a shorter prefix
     bool ok = pc && st && unc_below && (pc->acc = pd_calloc((size_t)v->words, sizeof(uint32_t)));
+    // bytes that may come after the position's rule (without FOLLOW1, after OOM: any byte)
+    static const gclass k_any = {{~0ull, ~0ull, ~0ull, ~0ull}};
+    const gclass *fol = g->follow && g->rule_of[pos] >= 0 ? &g->follow[g->rule_of[pos]] : &k_any;
     if (ok) {
         int32_t x = intern(&a, pos, BOTTOM);
         state_add(&a, &st[0], x);
@@ -284,7 +365,8 @@ static gpos_cache *precompute(const pd_grammar *g, int32_t pos) {
             int d = nd->depth;
             sstate *s = &st[d];
             advance(g, &a, st[d - 1].tops, st[d - 1].n, nd->byte, s);
-            bool u = d > 1 && (unc_below[d - 1] || st[d - 1].hit_bottom);
+            // uncertain: a path left the rule at a shorter prefix with a byte that may follow it
+            bool u = d > 1 && (unc_below[d - 1] || (st[d - 1].hit_bottom && gclass_has(fol, nd->byte)));
             unc_below[d] = u;
             bool acc = s->n > 0 || s->hit_bottom;
             for (int k = 0; k < nd->tok_n; k++) {
@@ -296,9 +378,14 @@ static gpos_cache *precompute(const pd_grammar *g, int32_t pos) {
                 i++;
                 continue;
             }
-            if (u || s->hit_bottom)  // every longer token left the rule: the real stack decides
+            // every longer token left the rule: the real stack decides, unless the byte after
+            // the rule's end cannot follow the rule anywhere
+            if (u || s->hit_bottom)
                 for (int j = i + 1; j < nd->end && ok; j++)
-                    for (int k = 0; k < v->nodes[j].tok_n && ok; k++) ok = unc_push(pc, &cap_unc, v->ids[v->nodes[j].tok_begin + k]);
+                    for (int k = 0; k < v->nodes[j].tok_n && ok; k++) {
+                        int32_t t = v->ids[v->nodes[j].tok_begin + k];
+                        if (u || gclass_has(fol, (uint8_t)v->bytes[t][d])) ok = unc_push(pc, &cap_unc, t);
+                    }
             i = nd->end;
         }
     }
@@ -322,6 +409,7 @@ static const gpos_cache *pos_cache(pd_grammar *g, int32_t pos) {
     pthread_mutex_lock(&g->mu);
     pc = g->cache[pos];
     if (!pc) {
+        if (!g->follow) (void)compute_follow(g);  // without it (OOM) every leaving token stays uncertain
         pc = precompute(g, pos);
         if (pc) __atomic_store_n(&g->cache[pos], pc, __ATOMIC_RELEASE);
     }
@@ -380,6 +468,8 @@ static void ucache_free(pd_grammar *g) {
 static void scache_free(pd_grammar *g);
 
 void pd_grammar_cache_free(pd_grammar *g) {
+    pd_free(g->follow);
+    pd_free(g->rule_of);
     ucache_free(g);
     scache_free(g);
     for (int i = 0; i < g->n_elems; i++) {
