@@ -578,6 +578,7 @@ struct http_gate {
     uint64_t n_discarded;
     bool busy;     // the gate is editing a buffer (its own edits re-enter its callbacks)
     bool refused;  // evhttp's error reply was replaced; input is discarded
+    bool shut;     // the reply is written and the socket shut down for writing
 };
 
 static void note_status(pd_http_server *s, int status);
@@ -662,6 +663,14 @@ static void gate_refuse(http_gate *g, struct evbuffer *out, size_t start, int st
 
 static void gate_on_output(struct evbuffer *out, const struct evbuffer_cb_info *info, void *arg) {
     http_gate *g = arg;
+    if (g->refused && !g->shut && info->n_deleted && !evbuffer_get_length(out)) {
+        // Our reply is written: end the connection's sending side. evhttp frees the connection
+        // itself after an error page, except on a CONNECT request, which it would keep alive.
+        evutil_socket_t fd = bufferevent_getfd(g->bev);
+        if (fd >= 0) shutdown(fd, SHUT_WR);
+        g->shut = true;
+        return;
+    }
     if (g->busy || g->refused || !info->n_added || g->s->n_writing > 0) return;
     // evhttp wrote on its own: the new bytes (at the end) start a status line.
     // A socket bufferevent keeps its output's front frozen except while it writes: thaw it to

@@ -122,6 +122,23 @@ def raw(url):
         st, h, b = read_response(s)
         s.close()
         check_json_error(what, st, h, b, want, code)
+    # CONNECT (not allowed): 501, and the connection is closed although libevent keeps CONNECT
+    # connections alive.
+    s = connect(url)
+    s.sendall(b"CONNECT example.com:443 HTTP/1.1\r\nHost: example.com:443\r\n\r\n")
+    st, h, b = read_response(s)
+    check_json_error("CONNECT", st, h, b, 501, "method_not_implemented")
+    s.settimeout(5)
+    try:
+        rest = s.recv(1024)
+    except socket.timeout:
+        fail("CONNECT: the connection stayed open after the 501")
+    except ConnectionResetError:
+        rest = b""
+    if rest:
+        fail("CONNECT: bytes after the 501: %r" % rest[:200])
+    s.close()
+    print("ok   CONNECT: the connection is closed after the reply")
     # Content-Length over the limit with Expect: 100-continue: refused before the body is sent.
     s = connect(url)
     s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: h\r\nContent-Type: application/json\r\n"
