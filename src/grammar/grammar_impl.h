@@ -6,6 +6,7 @@
 #pragma once
 #include <pthread.h>
 
+#include "base/map.h"
 #include "grammar/grammar.h"
 
 enum { GE_END = 0, GE_CLASS = 1, GE_RULE = 2 };
@@ -41,6 +42,20 @@ struct pd_grammar {
     int n_rules, root;
     pthread_mutex_t mu;
     gpos_cache **cache;  // n_elems, filled lazily under mu
+    // The bytes that may follow each rule anywhere in the grammar (FOLLOW1), and the rule of each
+    // element: tokens that leave a position's rule with a byte that cannot follow it are rejected
+    // by the per-position precomputation instead of left uncertain (match.c). Under mu, lazily.
+    gclass *follow;     // n_rules
+    int32_t *rule_of;   // n_elems
+    // Per-stack results of the uncertain tokens (match.c): the stack's positions, top first ->
+    // the uncertain tokens it accepts. Filled lazily under mu, bounded (GRAMMAR_UCACHE_*).
+    pd_map ucache;
+    bool has_ucache;
+    size_t ucache_n_toks;
+    // Whole masks per state (a set of stacks), bounded by GRAMMAR_SCACHE_BYTES (match.c).
+    pd_map scache;
+    bool has_scache;
+    size_t scache_bytes;
 };
 
 void pd_grammar_cache_free(pd_grammar *g);

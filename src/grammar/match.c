@@ -267,6 +267,84 @@ static bool unc_push(gpos_cache *pc, size_t *cap, int32_t t) {
     return true;
 }
 
+// ---- FOLLOW1 of each rule ----------------------------------------------------------------------------
+// Textbook nullable / FIRST1 / FOLLOW1 fixpoints over the flat grammar. A token whose walk leaves
+// the rule of the position being precomputed (the BOTTOM sentinel) with more bytes to go can only
+// be accepted if its next byte may follow that rule in some context: FOLLOW1 is a superset of what
+// any real stack below allows, so a token rejected by it is rejected by every stack.
+static void gclass_or(gclass *a, const gclass *b, bool *changed) {
+    for (int i = 0; i < 4; i++) {
+        uint64_t x = a->w[i] | b->w[i];
+        if (x != a->w[i]) a->w[i] = x, *changed = true;
+    }
+}
+
+// FIRST1 of the elements from p to the alternative's END into *first; returns whether they are
+// nullable (may consume nothing).
+static bool seq_first(const pd_grammar *g, const gclass *first_r, const bool *nullable, int32_t p, gclass *first) {
+    for (;; p++) {
+        const gelem *e = &g->elems[p];
+        if (e->type == GE_END) return true;
+        bool ch = false;
+        if (e->type == GE_CLASS) {
+            gclass_or(first, &g->classes[e->v], &ch);
+            return false;
+        }
+        gclass_or(first, &first_r[e->v], &ch);
+        if (!nullable[e->v]) return false;
+    }
+}
+
+static bool compute_follow(pd_grammar *g) {
+    int R = g->n_rules;
+    bool *nullable = pd_calloc((size_t)R, sizeof(bool));
+    gclass *first = pd_calloc((size_t)R, sizeof(gclass));
+    g->follow = pd_calloc((size_t)R, sizeof(gclass));
+    g->rule_of = pd_malloc(sizeof(int32_t) * (size_t)g->n_elems);
+    if (!nullable || !first || !g->follow || !g->rule_of) {
+        pd_free(nullable);
+        pd_free(first);
+        pd_free(g->follow);
+        pd_free(g->rule_of);
+        g->follow = NULL;
+        g->rule_of = NULL;
+        return false;
+    }
+    for (int i = 0; i < g->n_elems; i++) g->rule_of[i] = -1;
+    for (int r = 0; r < R; r++)
+        for (int k = g->alt_begin[r]; k < g->alt_begin[r + 1]; k++) {
+            int32_t p = g->alts[k];
+            for (; g->elems[p].type != GE_END; p++) g->rule_of[p] = r;
+            g->rule_of[p] = r;
+        }
+    for (bool changed = true; changed;) {  // nullable and FIRST1
+        changed = false;
+        for (int r = 0; r < R; r++)
+            for (int k = g->alt_begin[r]; k < g->alt_begin[r + 1]; k++) {
+                gclass f = first[r];
+                bool nul = seq_first(g, first, nullable, g->alts[k], &f);
+                gclass_or(&first[r], &f, &changed);
+                if (nul && !nullable[r]) nullable[r] = changed = true;
+            }
+    }
+    for (bool changed = true; changed;) {  // FOLLOW1
+        changed = false;
+        for (int q = 0; q < R; q++)
+            for (int k = g->alt_begin[q]; k < g->alt_begin[q + 1]; k++)
+                for (int32_t p = g->alts[k]; g->elems[p].type != GE_END; p++) {
+                    if (g->elems[p].type != GE_RULE) continue;
+                    int r = g->elems[p].v;
+                    gclass f = {{0}};
+                    bool nul = seq_first(g, first, nullable, p + 1, &f);
+                    gclass_or(&g->follow[r], &f, &changed);
+                    if (nul) gclass_or(&g->follow[r], &g->follow[q], &changed);
+                }
+    }
+    pd_free(nullable);
+    pd_free(first);
+    return true;
+}
+
 static gpos_cache *precompute(const pd_grammar *g, int32_t pos) {
     const pd_grammar_vocab *v = g->vocab;
     gpos_cache *pc = pd_calloc(1, sizeof *pc);
@@ -276,6 +354,9 @@ static gpos_cache *precompute(const pd_grammar *g, int32_t pos) {
     sstate *st = pd_calloc((size_t)D, sizeof *st);
     bool *unc_below = pd_calloc((size_t)D, sizeof(bool));  // U: left the rule at a shorter prefix
     bool ok = pc && st && unc_below && (pc->acc = pd_calloc((size_t)v->words, sizeof(uint32_t)));
+    // bytes that may come after the position's rule (without FOLLOW1, after OOM: any byte)
+    static const gclass k_any = {{~0ull, ~0ull, ~0ull, ~0ull}};
+    const gclass *fol = g->follow && g->rule_of[pos] >= 0 ? &g->follow[g->rule_of[pos]] : &k_any;
     if (ok) {
         int32_t x = intern(&a, pos, BOTTOM);
         state_add(&a, &st[0], x);
@@ -284,7 +365,8 @@ static gpos_cache *precompute(const pd_grammar *g, int32_t pos) {
             int d = nd->depth;
             sstate *s = &st[d];
             advance(g, &a, st[d - 1].tops, st[d - 1].n, nd->byte, s);
-            bool u = d > 1 && (unc_below[d - 1] || st[d - 1].hit_bottom);
+            // uncertain: a path left the rule at a shorter prefix with a byte that may follow it
+            bool u = d > 1 && (unc_below[d - 1] || (st[d - 1].hit_bottom && gclass_has(fol, nd->byte)));
             unc_below[d] = u;
             bool acc = s->n > 0 || s->hit_bottom;
             for (int k = 0; k < nd->tok_n; k++) {
@@ -296,9 +378,14 @@ static gpos_cache *precompute(const pd_grammar *g, int32_t pos) {
                 i++;
                 continue;
             }
-            if (u || s->hit_bottom)  // every longer token left the rule: the real stack decides
+            // every longer token left the rule: the real stack decides, unless the byte after
+            // the rule's end cannot follow the rule anywhere
+            if (u || s->hit_bottom)
                 for (int j = i + 1; j < nd->end && ok; j++)
-                    for (int k = 0; k < v->nodes[j].tok_n && ok; k++) ok = unc_push(pc, &cap_unc, v->ids[v->nodes[j].tok_begin + k]);
+                    for (int k = 0; k < v->nodes[j].tok_n && ok; k++) {
+                        int32_t t = v->ids[v->nodes[j].tok_begin + k];
+                        if (u || gclass_has(fol, (uint8_t)v->bytes[t][d])) ok = unc_push(pc, &cap_unc, t);
+                    }
             i = nd->end;
         }
     }
@@ -322,6 +409,7 @@ static const gpos_cache *pos_cache(pd_grammar *g, int32_t pos) {
     pthread_mutex_lock(&g->mu);
     pc = g->cache[pos];
     if (!pc) {
+        if (!g->follow) (void)compute_follow(g);  // without it (OOM) every leaving token stays uncertain
         pc = precompute(g, pos);
         if (pc) __atomic_store_n(&g->cache[pos], pc, __ATOMIC_RELEASE);
     }
@@ -329,7 +417,61 @@ static const gpos_cache *pos_cache(pd_grammar *g, int32_t pos) {
     return pc;
 }
 
+// ---- per-stack cache of the uncertain tokens ------------------------------------------------------
+// The uncertain tokens of a position are checked against the real stack below it, and that check
+// depends only on the stack's positions (top to root). The same stacks come back step after step
+// (every token inside a JSON string is under the same stack) and across the sequences that share a
+// grammar, so the accepted ones are cached per stack in the grammar: a step then costs the OR of
+// the cached per-position masks and a few bits, not a walk. Bounded: stacks deeper than
+// GRAMMAR_UCACHE_DEPTH (deep recursion) are not cached; past GRAMMAR_UCACHE_ENTRIES stacks or
+// GRAMMAR_UCACHE_TOKS tokens in all, new results are computed each time and not kept.
+#define GRAMMAR_UCACHE_DEPTH 64
+#define GRAMMAR_UCACHE_ENTRIES 16384
+#define GRAMMAR_UCACHE_TOKS (4u << 20)
+
+typedef struct ucache_key {
+    const int32_t *pos;
+    int n;
+} ucache_key;
+
+typedef struct ucache_entry {
+    int32_t *pos;   // n positions, top first
+    int32_t *toks;  // n_toks accepted uncertain tokens
+    int n, n_toks;
+} ucache_entry;
+
+static bool ucache_eq(const void *entry, const void *key, void *ctx) {
+    PD_UNUSED(ctx);
+    const ucache_entry *e = entry;
+    const ucache_key *k = key;
+    return e->n == k->n && !memcmp(e->pos, k->pos, sizeof(int32_t) * (size_t)k->n);
+}
+
+static uint64_t ucache_hash(const int32_t *pos, int n) {
+    uint64_t h = 0x9e3779b97f4a7c15ull ^ (uint64_t)n;
+    for (int i = 0; i < n; i++) h = pd_map_mix64(h ^ (uint32_t)pos[i]);
+    return h;
+}
+
+static void ucache_free(pd_grammar *g) {
+    if (!g->has_ucache) return;
+    for (size_t i = 0; i < g->ucache.cap; i++) {
+        ucache_entry *e = pd_map_slot(&g->ucache, i);
+        if (!e) continue;
+        pd_free(e->pos);
+        pd_free(e->toks);
+    }
+    pd_map_fini(&g->ucache);
+    g->has_ucache = false;
+}
+
+static void scache_free(pd_grammar *g);
+
 void pd_grammar_cache_free(pd_grammar *g) {
+    pd_free(g->follow);
+    pd_free(g->rule_of);
+    ucache_free(g);
+    scache_free(g);
     for (int i = 0; i < g->n_elems; i++) {
         if (!g->cache[i]) continue;
         pd_free(g->cache[i]->acc);
@@ -349,6 +491,10 @@ struct pd_grammar_matcher {
     int32_t *end_ids;
     int n_end;
     bool ended;  // an end token was accepted
+    int32_t *ulist;  // the accepted uncertain tokens of one check (cap_ulist)
+    size_t cap_ulist;
+    int32_t *kbuf;   // the state's key (state_key)
+    size_t cap_kbuf;
 };
 
 static void state_copy(sarena *a, sstate *dst, const sstate *src) {
@@ -387,6 +533,8 @@ void pd_grammar_matcher_free(pd_grammar_matcher *m) {
     for (int d = 0; m->dst && d <= m->g->vocab->max_len; d++) pd_free(m->dst[d].tops);
     pd_free(m->dst);
     pd_free(m->end_ids);
+    pd_free(m->ulist);
+    pd_free(m->kbuf);
     pd_grammar_unref(m->g);
     pd_free(m);
 }
@@ -417,8 +565,10 @@ static bool is_end(const pd_grammar_matcher *m, int32_t t) {
 // Sets the uncertain tokens of pc that the real stack `top` accepts. The list is in trie order, so
 // consecutive tokens share prefixes: the states per depth are reused up to the common prefix, and
 // once a prefix dies every following token that starts with it is skipped without work.
-static void check_uncertain(pd_grammar_matcher *m, int32_t top, const gpos_cache *pc, uint32_t *mask) {
+static void check_uncertain(pd_grammar_matcher *m, int32_t top, const gpos_cache *pc, uint32_t *mask,
+                            int32_t *out, int *n_out) {
     const pd_grammar_vocab *v = m->g->vocab;
+    *n_out = 0;
     if (!pc->n_unc) return;
     if (!m->dst && !(m->dst = pd_calloc((size_t)v->max_len + 1, sizeof(sstate)))) return;
     sstate *st = m->dst;
@@ -433,7 +583,7 @@ static void check_uncertain(pd_grammar_matcher *m, int32_t top, const gpos_cache
         int n = v->lens[t], l = 0;
         while (l < n && l < plen && b[l] == pb[l]) l++;
         if (l == n && n == plen) {  // the same bytes as the previous token
-            if (prev_ok) set_bit(mask, t);
+            if (prev_ok) set_bit(mask, t), out[(*n_out)++] = t;
             continue;
         }
         prev_ok = false;
@@ -454,28 +604,214 @@ static void check_uncertain(pd_grammar_matcher *m, int32_t top, const gpos_cache
             if (d == n) ok = true;
         }
         if (valid == n && dead == INT32_MAX && n > 0) ok = st[n].n > 0 || st[n].accepting;
-        if (ok) set_bit(mask, t);
+        if (ok) set_bit(mask, t), out[(*n_out)++] = t;
         prev_ok = ok;
         if (m->a.failed) return;
     }
 }
 
+// Sets the uncertain tokens of pc that the stack `top` accepts, from the grammar's per-stack cache
+// or by check_uncertain (whose result is then cached).
+static bool uncertain_mask(pd_grammar_matcher *m, int32_t top, const gpos_cache *pc, uint32_t *mask) {
+    pd_grammar *g = m->g;
+    if (!pc->n_unc) return true;
+    int32_t key[GRAMMAR_UCACHE_DEPTH];
+    int n = 0;
+    int32_t x = top;
+    for (; x != NIL && n < GRAMMAR_UCACHE_DEPTH; x = m->a.n[x].parent) key[n++] = m->a.n[x].pos;
+    bool cacheable = x == NIL;
+    ucache_key k = {key, n};
+    uint64_t h = cacheable ? ucache_hash(key, n) : 0;
+    if (cacheable) {
+        const int32_t *toks = NULL;
+        int n_toks = 0;
+        pthread_mutex_lock(&g->mu);
+        const ucache_entry *e = g->has_ucache ? pd_map_find(&g->ucache, h, &k) : NULL;
+        if (e) toks = e->toks, n_toks = e->n_toks;  // immutable once stored, freed with g
+        pthread_mutex_unlock(&g->mu);
+        if (e) {
+            for (int i = 0; i < n_toks; i++) set_bit(mask, toks[i]);
+            return true;
+        }
+    }
+    if (m->cap_ulist < (size_t)pc->n_unc) {
+        pd_free(m->ulist);
+        m->cap_ulist = 0;
+        if (!(m->ulist = pd_malloc(sizeof(int32_t) * (size_t)pc->n_unc))) return false;  // fewer tokens, never a wrong one
+        m->cap_ulist = (size_t)pc->n_unc;
+    }
+    int n_acc = 0;
+    check_uncertain(m, top, pc, mask, m->ulist, &n_acc);
+    if (m->a.failed) return false;
+    if (!cacheable) return true;
+    pthread_mutex_lock(&g->mu);
+    if (!g->has_ucache) {
+        pd_map_params mp = {.entry_size = sizeof(ucache_entry), .eq = ucache_eq};
+        g->has_ucache = pd_map_init(&g->ucache, &mp) == PD_OK;
+    }
+    if (g->has_ucache && pd_map_len(&g->ucache) < GRAMMAR_UCACHE_ENTRIES &&
+        g->ucache_n_toks + (size_t)n_acc <= GRAMMAR_UCACHE_TOKS && !pd_map_find(&g->ucache, h, &k)) {
+        int32_t *pos = pd_malloc(sizeof(int32_t) * (size_t)n);
+        int32_t *toks = pd_malloc(sizeof(int32_t) * (size_t)(n_acc > 0 ? n_acc : 1));
+        ucache_entry *e = pos && toks ? pd_map_put(&g->ucache, h, &k, NULL) : NULL;
+        if (e) {
+            memcpy(pos, key, sizeof(int32_t) * (size_t)n);
+            memcpy(toks, m->ulist, sizeof(int32_t) * (size_t)n_acc);
+            *e = (ucache_entry){pos, toks, n, n_acc};
+            g->ucache_n_toks += (size_t)n_acc;
+        } else {
+            pd_free(pos);
+            pd_free(toks);
+        }
+    }
+    pthread_mutex_unlock(&g->mu);
+    return true;
+}
+
+// ---- per-state cache of whole masks ---------------------------------------------------------------
+// A matcher's state is a set of stacks; the grammar's part of its mask (everything but the end
+// tokens, which depend on the matcher's end ids and on whether the state accepts) depends only on
+// those stacks' positions. Steady decoding revisits few states (inside a string, between members,
+// inside a number), so the whole mask of a state is cached in the grammar and a step becomes one
+// copy of the mask. The key is the state's stacks, each as its positions top first, in a canonical
+// order (sorted). Bounded by GRAMMAR_SCACHE_BYTES of masks per grammar (the first states seen are
+// kept); states with a stack deeper than GRAMMAR_UCACHE_DEPTH are not cached.
+#define GRAMMAR_SCACHE_BYTES ((size_t)8 << 20)
+
+typedef struct scache_entry {
+    int32_t *key;
+    uint32_t *mask;  // vocab words
+    int n_key, n_allowed;
+} scache_entry;
+
+static bool scache_eq(const void *entry, const void *key, void *ctx) {
+    PD_UNUSED(ctx);
+    const scache_entry *e = entry;
+    const ucache_key *k = key;
+    return e->n_key == k->n && !memcmp(e->key, k->pos, sizeof(int32_t) * (size_t)k->n);
+}
+
+static void scache_free(pd_grammar *g) {
+    if (!g->has_scache) return;
+    for (size_t i = 0; i < g->scache.cap; i++) {
+        scache_entry *e = pd_map_slot(&g->scache, i);
+        if (!e) continue;
+        pd_free(e->key);
+        pd_free(e->mask);
+    }
+    pd_map_fini(&g->scache);
+    g->has_scache = false;
+}
+
+// Compares two stacks (chains of positions in kbuf: length, then positions).
+static int chain_cmp(const int32_t *a, const int32_t *b) {
+    int n = PD_MIN(a[0], b[0]);
+    for (int i = 1; i <= n; i++)
+        if (a[i] != b[i]) return a[i] < b[i] ? -1 : 1;
+    return a[0] < b[0] ? -1 : a[0] > b[0];
+}
+
+// The state's key in m->kbuf[0 .. return): its stacks, each as (length, positions top first),
+// sorted. -1 when a stack is too deep to key (or out of memory).
+static int state_key(pd_grammar_matcher *m) {
+    int n_tops = m->cur.n;
+    size_t need = (size_t)n_tops * (GRAMMAR_UCACHE_DEPTH + 1) * 2 + (size_t)n_tops;
+    if (m->cap_kbuf < need) {
+        pd_free(m->kbuf);
+        m->cap_kbuf = 0;
+        if (!(m->kbuf = pd_malloc(sizeof(int32_t) * need))) return -1;
+        m->cap_kbuf = need;
+    }
+    // chains at kbuf[half ..], their offsets after them; the sorted key is written at kbuf[0 ..]
+    int32_t *chains = m->kbuf + (size_t)n_tops * (GRAMMAR_UCACHE_DEPTH + 1);
+    int32_t *off = m->kbuf + (size_t)n_tops * (GRAMMAR_UCACHE_DEPTH + 1) * 2;
+    int len = 0;
+    for (int i = 0; i < n_tops; i++) {
+        off[i] = len;
+        int32_t *c = chains + len, n = 0, x = m->cur.tops[i];
+        for (; x != NIL && n < GRAMMAR_UCACHE_DEPTH; x = m->a.n[x].parent) c[1 + n++] = m->a.n[x].pos;
+        if (x != NIL) return -1;
+        c[0] = n;
+        len += n + 1;
+    }
+    for (int i = 1; i < n_tops; i++)  // insertion sort of the offsets by chain (a state has few stacks)
+        for (int j = i; j > 0 && chain_cmp(chains + off[j - 1], chains + off[j]) > 0; j--) {
+            int32_t t = off[j];
+            off[j] = off[j - 1];
+            off[j - 1] = t;
+        }
+    int k = 0;
+    for (int i = 0; i < n_tops; i++) {
+        const int32_t *c = chains + off[i];
+        memcpy(m->kbuf + k, c, sizeof(int32_t) * (size_t)(c[0] + 1));
+        k += c[0] + 1;
+    }
+    return k;
+}
+
 int pd_grammar_matcher_fill_mask(pd_grammar_matcher *m, uint32_t *mask) {
-    const pd_grammar_vocab *v = m->g->vocab;
-    memset(mask, 0, sizeof(uint32_t) * (size_t)v->words);
+    pd_grammar *g = m->g;
+    const pd_grammar_vocab *v = g->vocab;
+    size_t bytes = sizeof(uint32_t) * (size_t)v->words;
     int n_allowed = 0;
-    if (!m->ended) {
-        for (int i = 0; i < m->cur.n; i++) {
-            int32_t top = m->cur.tops[i];
-            const gpos_cache *pc = pos_cache(m->g, m->a.n[top].pos);
-            if (!pc) continue;  // out of memory: fewer tokens allowed, never a wrong one
-            for (int w = 0; w < v->words; w++) mask[w] |= pc->acc[w];
-            check_uncertain(m, top, pc, mask);
+    if (m->ended) {
+        memset(mask, 0, bytes);
+    } else {
+        int nk = state_key(m);
+        ucache_key k = {m->kbuf, nk};
+        uint64_t h = nk >= 0 ? ucache_hash(m->kbuf, nk) : 0;
+        const scache_entry *e = NULL;
+        if (nk >= 0) {
+            pthread_mutex_lock(&g->mu);
+            e = g->has_scache ? pd_map_find(&g->scache, h, &k) : NULL;
+            const uint32_t *cached = e ? e->mask : NULL;  // immutable once stored, freed with g
+            if (e) n_allowed = e->n_allowed;
+            pthread_mutex_unlock(&g->mu);
+            if (cached) memcpy(mask, cached, bytes);
+        }
+        if (!e) {
+            memset(mask, 0, bytes);
+            bool whole = true;
+            for (int i = 0; i < m->cur.n; i++) {
+                int32_t top = m->cur.tops[i];
+                const gpos_cache *pc = pos_cache(g, m->a.n[top].pos);
+                if (!pc) {  // out of memory: fewer tokens allowed, never a wrong one
+                    whole = false;
+                    continue;
+                }
+                for (int w = 0; w < v->words; w++) mask[w] |= pc->acc[w];
+                whole = uncertain_mask(m, top, pc, mask) && whole;
+            }
+            for (int w = 0; w < v->words; w++) n_allowed += __builtin_popcount(mask[w]);
+            if (whole && nk >= 0) {
+                pthread_mutex_lock(&g->mu);
+                if (!g->has_scache) {
+                    pd_map_params mp = {.entry_size = sizeof(scache_entry), .eq = scache_eq};
+                    g->has_scache = pd_map_init(&g->scache, &mp) == PD_OK;
+                }
+                if (g->has_scache && g->scache_bytes + bytes <= GRAMMAR_SCACHE_BYTES && !pd_map_find(&g->scache, h, &k)) {
+                    int32_t *key = pd_malloc(sizeof(int32_t) * (size_t)(nk > 0 ? nk : 1));
+                    uint32_t *copy = pd_malloc(bytes);
+                    scache_entry *ne = key && copy ? pd_map_put(&g->scache, h, &k, NULL) : NULL;
+                    if (ne) {
+                        memcpy(key, m->kbuf, sizeof(int32_t) * (size_t)nk);
+                        memcpy(copy, mask, bytes);
+                        *ne = (scache_entry){key, copy, nk, n_allowed};
+                        g->scache_bytes += bytes;
+                    } else {
+                        pd_free(key);
+                        pd_free(copy);
+                    }
+                }
+                pthread_mutex_unlock(&g->mu);
+            }
         }
         if (m->cur.accepting)
-            for (int i = 0; i < m->n_end; i++) set_bit(mask, m->end_ids[i]);
+            for (int i = 0; i < m->n_end; i++) {
+                int32_t t = m->end_ids[i];
+                if (!((mask[t >> 5] >> (t & 31)) & 1)) set_bit(mask, t), n_allowed++;
+            }
     }
-    for (int w = 0; w < v->words; w++) n_allowed += __builtin_popcount(mask[w]);
     if (!n_allowed)  // stuck (the vocabulary cannot spell what is required): let the sequence end
         for (int i = 0; i < m->n_end; i++) set_bit(mask, m->end_ids[i]), n_allowed = 0;
     return n_allowed;

@@ -18,10 +18,15 @@
 //   with pd_http_req_set_close_cb runs once; r is freed right after it returns and must not be
 //   used again. A handler that holds r must therefore set a close callback.
 //
-// Body limit: bodies up to max_body_bytes reach the handler; bigger ones get a JSON 413. libevent
-// itself is told to refuse bodies beyond 2 * max_body_bytes + 64 KiB before buffering them (its own
-// 413 with an HTML body), so a huge upload cannot exhaust memory.
-// The request line and headers are limited to 64 KiB (libevent refuses more).
+// Body limit: bodies up to max_body_bytes reach the handler; bigger ones get a JSON 413, with or
+// without Content-Length (chunked). libevent stops reading a body at the limit, so a huge upload
+// cannot exhaust memory; what the client still sends after the refusal is read and discarded
+// (lingering close) so that it reads the reply.
+// The request line and headers are limited to 64 KiB (more: a JSON 400).
+// Every error libevent 2.1 answers by itself (400 malformed request or headers too large, 413,
+// 417 unsupported Expect, 501 unknown method) is rewritten into the same OpenAI-shaped JSON error
+// ("error": {"message", "type", "param", "code"}) with its status and "Connection: close" (see
+// "the error gate" in server.c). Timeouts close the connection without a reply.
 //
 // Connections (like nginx): the server raises its RLIMIT_NOFILE soft limit to the hard one and,
 // unless max_connections says otherwise, allows that limit minus an eighth (at least 64) in

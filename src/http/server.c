@@ -40,8 +40,11 @@
 // One accepted connection (see "connection accounting" below). Indexed by its fd in
 // pd_http_server.conns once the fd is known; the bufferevent holds an extra reference of ours so
 // that the fd stays open (and its number ours) until we release it.
+typedef struct http_gate http_gate;
+
 typedef struct http_conn {
     struct bufferevent *bev;   // NULL = slot unused
+    http_gate *gate;           // the connection's error gate (NULL only after OOM)
     int64_t t_idle_us;         // accepted, or its last request ended
     int64_t t_input_us;        // when the sweep first saw bytes of a request; 0 = none
     int n_busy;                // requests of this connection held by handlers
@@ -50,6 +53,7 @@ typedef struct http_conn {
 
 typedef struct http_pending {
     struct bufferevent *bev;
+    http_gate *gate;
     bool refuse;               // over max_connections with nothing idle: shut it down at once
 } http_pending;
 
@@ -94,6 +98,7 @@ struct pd_http_server {
     pd_http_server *next_server;      // the listener registry (on_accept_error)
     bool is_draining;         // pd_http_server_drain: POSTs get 503, replies close the connection
     int retry_after_s;
+    int n_writing;            // > 0 while our own code writes a reply (see the error gate)
     // While draining: connections whose request ended, until libevent frees them (their close
     // callback is on_flush_close) or a new request on them gets a wrapper (see flush_untrack).
     struct evhttp_connection **flushing;
@@ -270,7 +275,9 @@ void pd_http_reply(pd_http_req *r, int status, const char *content_type, const c
         if (buf && len) evbuffer_add(buf, body, len);
         if (content_type)
             evhttp_add_header(evhttp_request_get_output_headers(ev), "Content-Type", content_type);
+        s->n_writing++;
         evhttp_send_reply(ev, status, pd_http_status_reason(status), buf);
+        s->n_writing--;
         if (buf) evbuffer_free(buf);
     }
     note_status(s, status);
@@ -342,7 +349,9 @@ void pd_http_sse_begin(pd_http_req *r) {
     struct evkeyvalq *h = evhttp_request_get_output_headers(r->ev);
     evhttp_add_header(h, "Content-Type", "text/event-stream; charset=utf-8");
     evhttp_add_header(h, "Cache-Control", "no-cache");
+    r->srv->n_writing++;
     evhttp_send_reply_start(r->ev, 200, "OK");
+    r->srv->n_writing--;
     note_status(r->srv, 200);
 }
 
@@ -350,7 +359,11 @@ void pd_http_sse_send(pd_http_req *r, const char *data, size_t len) {
     if (!r->ev) return;
     struct evbuffer *buf = evbuffer_new();
     if (!buf) return;
-    if (pd_http_sse_frame(buf, data, len) == 0) evhttp_send_reply_chunk(r->ev, buf);
+    if (pd_http_sse_frame(buf, data, len) == 0) {
+        r->srv->n_writing++;
+        evhttp_send_reply_chunk(r->ev, buf);
+        r->srv->n_writing--;
+    }
     evbuffer_free(buf);
 }
 
@@ -365,7 +378,9 @@ void pd_http_sse_end(pd_http_req *r, bool send_done) {
     if (r->evcon) evhttp_connection_set_closecb(r->evcon, NULL, NULL);
     if (r->ev) {
         if (send_done) pd_http_sse_send(r, "[DONE]", 6);
+        r->srv->n_writing++;
         evhttp_send_reply_end(r->ev);
+        r->srv->n_writing--;
     }
     req_end(r);
 }
@@ -444,7 +459,9 @@ static void reply_raw(pd_http_server *s, struct evhttp_request *ev, int status, 
         snprintf(ra, sizeof ra, "%d", retry_after_s);
         evhttp_add_header(h, "Retry-After", ra);
     }
+    s->n_writing++;
     evhttp_send_reply(ev, status, pd_http_status_reason(status), buf);
+    s->n_writing--;
     if (buf) evbuffer_free(buf);
     free(txt);
     json_decref(o);
@@ -506,7 +523,7 @@ static void on_request(struct evhttp_request *ev, void *arg) {
     if (n > s->max_body_bytes) {
         snprintf(msg, sizeof msg, "request body too large: %zu bytes (limit %zu)", n,
                  s->max_body_bytes);
-        reply_raw_error(s, ev, 413, msg, NULL);
+        reply_raw(s, ev, 413, "invalid_request_error", msg, NULL, "request_too_large", 0);
         return;
     }
     pd_http_req *r = req_new(s, ev, path);
@@ -523,6 +540,182 @@ static void on_request(struct evhttp_request *ev, void *arg) {
         s->in_handler = NULL;
         req_watch(r);
     }
+}
+
+// ---- the error gate ----------------------------------------------------------------------------
+// libevent 2.1 answers some requests itself, before any callback of ours runs, with an HTML page:
+// 400 (a malformed request line, header or Content-Length; a request line or headers over the
+// header limit), 413 (a body over evhttp's max_body_size, by Content-Length or while reading a
+// chunked body; a malformed chunk), 417 (an Expect other than 100-continue) and 501 (a method it
+// does not know or we do not allow). 2.1 has no hook for those replies (evhttp_set_errorcb and
+// evhttp_set_newreqcb came in 2.2), but every connection's bufferevent is ours (evhttp_set_bevcb),
+// so each gets a gate:
+//   * a callback on the bufferevent's output buffer sees every byte queued for the client. Our
+//     own replies are written with n_writing raised; bytes evhttp queues on its own are its 100
+//     Continue (passed through) or the start of an error reply ("HTTP/1.1 413 ..."): the gate
+//     drops them, queues the same status with an OpenAI-shaped JSON body and "Connection: close"
+//     in their place, and freezes the buffer's end so the rest of evhttp's page (headers, HTML)
+//     is refused. evhttp then writes our bytes, frees the connection (its page said close) and
+//     shuts the socket down for writing;
+//   * from then on the input is discarded as it arrives (a callback on the input buffer), so an
+//     upload that goes on after the refusal costs no memory and the client, which may still be
+//     sending, reads the reply instead of a reset. The socket is closed by the sweep once the
+//     client has closed its side, has sent nothing for HTTP_LINGER_IDLE_US, or after
+//     HTTP_LINGER_MAX_US (nginx's lingering_timeout / lingering_time);
+//   * evhttp's max_body_size is the body limit itself, so it stops reading a body at the limit
+//     (by Content-Length before the body, chunked as soon as the sizes add up past it): a refused
+//     body is never held beyond the limit plus one chunk of at most the limit.
+// Timeouts send no reply (evhttp and the sweep close the connection), so they need no JSON.
+#define HTTP_LINGER_IDLE_US (2 * 1000000)
+#define HTTP_LINGER_MAX_US (10 * 1000000)
+#define HTTP_MAX_HEADERS (64 << 10)
+
+struct http_gate {
+    pd_http_server *s;
+    struct bufferevent *bev;
+    struct evbuffer_cb_entry *out_cb, *in_cb;
+    int64_t t_refused_us, t_last_input_us;
+    uint64_t n_discarded;
+    bool busy;     // the gate is editing a buffer (its own edits re-enter its callbacks)
+    bool refused;  // evhttp's error reply was replaced; input is discarded
+    bool shut;     // the reply is written and the socket shut down for writing
+};
+
+static void note_status(pd_http_server *s, int status);
+
+static void gate_on_input(struct evbuffer *in, const struct evbuffer_cb_info *info, void *arg) {
+    http_gate *g = arg;
+    if (g->busy || !info->n_added) return;
+    g->busy = true;
+    size_t n = evbuffer_get_length(in);
+    g->n_discarded += n;
+    g->t_last_input_us = pd_time_us();
+    evbuffer_drain(in, n);
+    g->busy = false;
+}
+
+// The JSON error that replaces evhttp's page for status.
+static json_t *gate_error_body(const pd_http_server *s, int status) {
+    char msg[256];
+    const char *code;
+    switch (status) {
+    case 400:
+        snprintf(msg, sizeof msg, "malformed HTTP request (request line, a header or Content-Length), or request "
+                 "line and headers over %d KiB", HTTP_MAX_HEADERS >> 10);
+        code = "bad_request";
+        break;
+    case 413:
+        snprintf(msg, sizeof msg, "request body too large (limit %zu bytes), or a malformed chunked body",
+                 s->max_body_bytes);
+        code = "request_too_large";
+        break;
+    case 417:
+        snprintf(msg, sizeof msg, "unsupported Expect header (only 100-continue is supported)");
+        code = "expectation_failed";
+        break;
+    case 501:
+        snprintf(msg, sizeof msg, "method not implemented (allowed: GET, HEAD, POST, PUT, DELETE, OPTIONS, PATCH)");
+        code = "method_not_implemented";
+        break;
+    default:
+        snprintf(msg, sizeof msg, "HTTP error %d", status);
+        code = "http_error";
+        break;
+    }
+    return pd_http_error_body(status >= 500 && status != 501 ? "server_error" : "invalid_request_error", msg, NULL,
+                              code);
+}
+
+static void gate_refuse(http_gate *g, struct evbuffer *out, size_t start, int status) {
+    pd_http_server *s = g->s;
+    g->busy = true;
+    // Drop evhttp's bytes, keep what was queued before them (an unsent 100 Continue).
+    if (start == 0) {
+        evbuffer_drain(out, evbuffer_get_length(out));
+    } else {
+        struct evbuffer *keep = evbuffer_new();
+        if (keep) evbuffer_remove_buffer(out, keep, start);
+        evbuffer_drain(out, evbuffer_get_length(out));
+        if (keep) {
+            evbuffer_add_buffer(out, keep);
+            evbuffer_free(keep);
+        }
+    }
+    json_t *o = gate_error_body(s, status);
+    char *txt = o ? json_dumps(o, JSON_COMPACT | JSON_PRESERVE_ORDER) : NULL;
+    const char *body = txt ? txt : "{}";
+    evbuffer_add_printf(out, "HTTP/1.1 %d %s\r\nContent-Type: application/json\r\nContent-Length: %zu\r\n"
+                        "Connection: close\r\n\r\n%s", status, pd_http_status_reason(status), strlen(body), body);
+    free(txt);
+    json_decref(o);
+    evbuffer_freeze(out, 0);  // the rest of evhttp's reply is refused
+    // Discard the input from now on (whatever evhttp had buffered of the request too).
+    struct evbuffer *in = bufferevent_get_input(g->bev);
+    g->n_discarded += evbuffer_get_length(in);
+    evbuffer_drain(in, evbuffer_get_length(in));
+    g->in_cb = evbuffer_add_cb(in, gate_on_input, g);
+    g->refused = true;
+    g->t_refused_us = g->t_last_input_us = pd_time_us();
+    g->busy = false;
+    PD_LOG_D("http: refused a request with %d (JSON error in place of libevent's page)", status);
+    note_status(s, status);
+}
+
+static void gate_on_output(struct evbuffer *out, const struct evbuffer_cb_info *info, void *arg) {
+    http_gate *g = arg;
+    if (g->refused && !g->shut && info->n_deleted && !evbuffer_get_length(out)) {
+        // Our reply is written: end the connection's sending side. evhttp frees the connection
+        // itself after an error page, except on a CONNECT request, which it would keep alive.
+        evutil_socket_t fd = bufferevent_getfd(g->bev);
+        if (fd >= 0) shutdown(fd, SHUT_WR);
+        g->shut = true;
+        return;
+    }
+    if (g->busy || g->refused || !info->n_added || g->s->n_writing > 0) return;
+    // evhttp wrote on its own: the new bytes (at the end) start a status line.
+    // A socket bufferevent keeps its output's front frozen except while it writes: thaw it to
+    // read and edit (nothing is written meanwhile: this runs inside evhttp's evbuffer_add).
+    evbuffer_unfreeze(out, 1);
+    size_t len = evbuffer_get_length(out);
+    size_t start = len >= info->n_added ? len - info->n_added : 0;
+    char head[24] = "";
+    struct evbuffer_ptr at;
+    if (evbuffer_ptr_set(out, &at, start, EVBUFFER_PTR_SET) == 0) {
+        ev_ssize_t k = evbuffer_copyout_from(out, &at, head, PD_MIN(sizeof head - 1, (size_t)info->n_added));
+        head[k > 0 ? k : 0] = 0;
+    }
+    int major = 0, minor = 0, status = 0;
+    if (sscanf(head, "HTTP/%d.%d %d", &major, &minor, &status) != 3 || status < 100 || status > 599) status = 500;
+    if (status != 100) gate_refuse(g, out, start, status);  // 100 Continue: interim, passed on
+    evbuffer_freeze(out, 1);
+}
+
+static http_gate *gate_new(pd_http_server *s, struct bufferevent *bev) {
+    http_gate *g = pd_calloc(1, sizeof *g);
+    if (!g) return NULL;
+    g->s = s;
+    g->bev = bev;
+    g->out_cb = evbuffer_add_cb(bufferevent_get_output(bev), gate_on_output, g);
+    if (!g->out_cb) {
+        pd_free(g);
+        return NULL;
+    }
+    return g;
+}
+
+// Before the bufferevent is released.
+static void gate_free(http_gate *g) {
+    if (!g) return;
+    if (g->out_cb) evbuffer_remove_cb_entry(bufferevent_get_output(g->bev), g->out_cb);
+    if (g->in_cb) evbuffer_remove_cb_entry(bufferevent_get_input(g->bev), g->in_cb);
+    pd_free(g);
+}
+
+// A refused connection evhttp has freed stays open while the client may still be sending.
+static bool gate_lingers(const http_gate *g, int64_t now) {
+    if (!g || !g->refused) return false;
+    if (!(bufferevent_get_enabled(g->bev) & EV_READ)) return false;  // EOF or an error: done
+    return now - g->t_last_input_us < HTTP_LINGER_IDLE_US && now - g->t_refused_us < HTTP_LINGER_MAX_US;
 }
 
 // ---- connection accounting ---------------------------------------------------------------------
@@ -580,9 +773,11 @@ static void conns_resolve(pd_http_server *s) {
         if (c && !c->bev) {
             memset(c, 0, sizeof *c);
             c->bev = bev;
+            c->gate = s->pending[i].gate;
             c->t_idle_us = pd_time_us();
             if (s->pending[i].refuse) conn_shed(s, c);
         } else if (fd < 0 && bev_is_freed(bev)) {  // evhttp gave up before setting the fd
+            gate_free(s->pending[i].gate);
             bufferevent_decref(bev);
             s->n_conns--;
         } else {
@@ -593,6 +788,7 @@ static void conns_resolve(pd_http_server *s) {
 }
 
 static void conn_release(pd_http_server *s, http_conn *c) {
+    gate_free(c->gate);
     bufferevent_decref(c->bev);  // closes the fd
     if (c->is_shed) {
         int fd = (int)(c - s->conns);
@@ -608,9 +804,10 @@ static void conn_release(pd_http_server *s, http_conn *c) {
 
 // Releases the fds of shed connections evhttp has freed already (cheap: only those are looked at).
 static void conns_release_shed(pd_http_server *s) {
+    int64_t now = pd_time_us();
     for (int i = s->n_shedding - 1; i >= 0; i--) {
         http_conn *c = &s->conns[s->shed_fds[i]];
-        if (c->bev && bev_is_freed(c->bev)) conn_release(s, c);
+        if (c->bev && bev_is_freed(c->bev) && !gate_lingers(c->gate, now)) conn_release(s, c);
     }
 }
 
@@ -655,9 +852,10 @@ static int conns_shed_idle(pd_http_server *s, int n) {
 
 // Releases every connection evhttp has freed (one pass over the table).
 static void conns_release_freed(pd_http_server *s) {
+    int64_t now = pd_time_us();
     for (int fd = 0; fd < s->n_conn_slots; fd++) {
         http_conn *c = &s->conns[fd];
-        if (c->bev && bev_is_freed(c->bev)) conn_release(s, c);
+        if (c->bev && bev_is_freed(c->bev) && !gate_lingers(c->gate, now)) conn_release(s, c);
     }
 }
 
@@ -667,7 +865,7 @@ static void conns_sweep(pd_http_server *s, int64_t now) {
         http_conn *c = &s->conns[fd];
         if (!c->bev) continue;
         if (bev_is_freed(c->bev)) {
-            conn_release(s, c);
+            if (!gate_lingers(c->gate, now)) conn_release(s, c);
             continue;
         }
         if (c->n_busy > 0 || c->is_shed) continue;
@@ -703,7 +901,7 @@ static struct bufferevent *on_new_conn(struct event_base *base, void *arg) {
     if (s->n_conns - s->n_shedding + 1 > s->max_connections) conns_release_freed(s);  // closed by their clients
     bool refuse = s->n_conns - s->n_shedding + 1 > s->max_connections && conns_shed_idle(s, shed_batch(s)) == 0;
     bufferevent_incref(bev);
-    s->pending[s->n_pending++] = (http_pending){bev, refuse};
+    s->pending[s->n_pending++] = (http_pending){bev, gate_new(s, bev), refuse};
     s->backoff_ms = 0;  // accept() works again
     s->n_conns++;
     // evhttp sets the fd when we return; a refused connection is shut down right after
@@ -838,9 +1036,15 @@ static void conns_fini(pd_http_server *s) {
     if (s->sweep) event_free(s->sweep);
     if (s->resume) event_free(s->resume);
     if (s->kick) event_free(s->kick);
-    for (int i = 0; i < s->n_pending; i++) bufferevent_decref(s->pending[i].bev);
+    for (int i = 0; i < s->n_pending; i++) {
+        gate_free(s->pending[i].gate);
+        bufferevent_decref(s->pending[i].bev);
+    }
     for (int fd = 0; fd < s->n_conn_slots; fd++)
-        if (s->conns[fd].bev) bufferevent_decref(s->conns[fd].bev);
+        if (s->conns[fd].bev) {
+            gate_free(s->conns[fd].gate);
+            bufferevent_decref(s->conns[fd].bev);
+        }
     pd_free(s->pending);
     pd_free(s->conns);
     pd_free(s->shed_fds);
@@ -893,10 +1097,9 @@ pd_http_server *pd_http_server_new(struct event_base *base, const pd_http_params
         pd_err_set(err, PD_ERR_NOMEM, "http: evhttp_new failed");
         goto fail;
     }
-    size_t hard = s->max_body_bytes > ((size_t)1 << 40) ? s->max_body_bytes
-                                                          : 2 * s->max_body_bytes + (64u << 10);
-    evhttp_set_max_body_size(s->http, (ev_ssize_t)hard);
-    evhttp_set_max_headers_size(s->http, 64 << 10);  // request line + headers
+    // evhttp stops reading a body at the limit; its 413 becomes JSON in the error gate
+    evhttp_set_max_body_size(s->http, (ev_ssize_t)PD_MIN(s->max_body_bytes, (size_t)INT64_MAX));
+    evhttp_set_max_headers_size(s->http, HTTP_MAX_HEADERS);  // request line + headers
     evhttp_set_timeout(s->http, p->timeout_s > 0 ? p->timeout_s : 60);
     evhttp_set_bevcb(s->http, on_new_conn, s);
     evhttp_set_allowed_methods(s->http, EVHTTP_REQ_GET | EVHTTP_REQ_POST | EVHTTP_REQ_HEAD |
@@ -960,7 +1163,9 @@ void pd_http_server_end_all(pd_http_server *s, const char *msg) {
             json_t *e = pd_http_error_body("server_error", msg, NULL, "shutdown");
             if (r->is_streaming) {
                 if (e) pd_http_sse_send_json(r, e);
+                s->n_writing++;
                 evhttp_send_reply_end(r->ev);  // no [DONE]: the stream is incomplete
+                s->n_writing--;
             } else {
                 char *txt = e ? json_dumps(e, JSON_COMPACT | JSON_PRESERVE_ORDER) : NULL;
                 struct evbuffer *buf = evbuffer_new();
@@ -971,7 +1176,9 @@ void pd_http_server_end_all(pd_http_server *s, const char *msg) {
                 evhttp_add_header(h, "Content-Type", "application/json");
                 evhttp_add_header(h, "Retry-After", ra);
                 evhttp_add_header(h, "Connection", "close");
+                s->n_writing++;
                 evhttp_send_reply(r->ev, 503, pd_http_status_reason(503), buf);
+                s->n_writing--;
                 if (buf) evbuffer_free(buf);
                 free(txt);
                 note_status(s, 503);

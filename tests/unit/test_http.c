@@ -249,19 +249,35 @@ PD_TEST(server_routes_and_errors) {
     PD_CHECK_CONTAINS(r, "X-Echo-Type: x/y");
     PD_CHECK_CONTAINS(r, "\r\n\r\nhello");
     pd_free(r);
-    // Over the limit (1024) but under libevent's hard limit: JSON 413 from us.
+    // Over the limit (1024): libevent refuses it before the handler; the error gate makes its
+    // reply a JSON 413 (by Content-Length, and chunked).
     char big[4096];
     int n = snprintf(big, sizeof big, "POST /echo HTTP/1.0\r\nContent-Length: 2000\r\n\r\n");
     memset(big + n, 'x', 2000);
     big[n + 2000] = 0;
     r = roundtrip(&f, big);
-    PD_CHECK_CONTAINS(r, "HTTP/1.0 413");
-    PD_CHECK_CONTAINS(r, "request body too large: 2000 bytes (limit 1024)");
+    PD_CHECK_CONTAINS(r, "HTTP/1.1 413 Payload Too Large\r\nContent-Type: application/json\r\n");
+    PD_CHECK_CONTAINS(r, "\r\n\r\n{\"error\":{\"message\":\"request body too large (limit 1024 bytes)");
+    PD_CHECK_CONTAINS(r, "\"code\":\"request_too_large\"}}");
+    PD_CHECK(strstr(r, "<HTML>") == NULL);
+    pd_free(r);
+    n = snprintf(big, sizeof big, "POST /echo HTTP/1.1\r\nHost: h\r\nTransfer-Encoding: chunked\r\n\r\n");
+    for (int i = 0; i < 5; i++) n += snprintf(big + n, sizeof big - (size_t)n, "190\r\n%0400d\r\n", 0);
+    snprintf(big + n, sizeof big - (size_t)n, "0\r\n\r\n");
+    r = roundtrip(&f, big);
+    PD_CHECK_CONTAINS(r, "HTTP/1.1 413 Payload Too Large\r\nContent-Type: application/json\r\n");
+    PD_CHECK_CONTAINS(r, "\"code\":\"request_too_large\"}}");
+    pd_free(r);
+    // A method libevent does not know: its 501, as JSON.
+    r = roundtrip(&f, "FOO /echo HTTP/1.0\r\n\r\n");
+    PD_CHECK_CONTAINS(r, "HTTP/1.1 501 Not Implemented\r\nContent-Type: application/json\r\n");
+    PD_CHECK_CONTAINS(r, "\"code\":\"method_not_implemented\"}}");
     pd_free(r);
     PD_CHECK_EQ(f.n_responses[200], 3);
     PD_CHECK_EQ(f.n_responses[404], 1);
     PD_CHECK_EQ(f.n_responses[405], 2);
-    PD_CHECK_EQ(f.n_responses[413], 1);
+    PD_CHECK_EQ(f.n_responses[413], 2);
+    PD_CHECK_EQ(f.n_responses[501], 1);
     PD_CHECK_EQ(pd_http_server_n_active(f.srv), 0);
     fx_fini(&f);
 }
@@ -287,7 +303,9 @@ PD_TEST(server_rejects_huge_headers) {
     memset(req + k, 'a', n);
     strcpy(req + k + n, "\r\n\r\n");
     char *r = roundtrip(&f, req);
-    PD_CHECK(strstr(r, "200 OK") == NULL);  // refused (or the connection dropped), never served
+    PD_CHECK(strstr(r, "200 OK") == NULL);  // refused, never served: a JSON 400
+    PD_CHECK_CONTAINS(r, "HTTP/1.1 400 Bad Request\r\nContent-Type: application/json\r\n");
+    PD_CHECK_CONTAINS(r, "\"code\":\"bad_request\"}}");
     pd_free(r);
     pd_free(req);
     r = roundtrip(&f, "GET /hello HTTP/1.0\r\n\r\n");  // and the server goes on
