@@ -263,8 +263,22 @@ int pd_cmd_bench_spec(int argc, char **argv) {
     if (!o.method) return pd_cmd_usage_error("bench-spec", "--speculative-method is required");
     if (o.method == PD_SPEC_DRAFT && !o.draft) return pd_cmd_usage_error("bench-spec", "draft needs --speculative-model DIR");
     if (!o.golden == !o.random_len) return pd_cmd_usage_error("bench-spec", "give one of --golden FILE and --random-prompt L");
-    bool modes[3] = {strstr(o.modes, "off") != NULL, strstr(o.modes, "adaptive") != NULL, strstr(o.modes, "fixed") != NULL};
-    if (!modes[0]) return pd_cmd_usage_error("bench-spec", "--modes must include off (the baseline)");
+    // Modes in the order given, repeats allowed (a second "off" shows the drift between engines);
+    // the first must be off: the baseline of the speedups.
+    int modes[16], n_modes = 0;
+    {
+        char *dup = pd_strdup(o.modes), *save = NULL;
+        for (char *t = strtok_r(dup, ",", &save); t && n_modes < 16; t = strtok_r(NULL, ",", &save)) {
+            int m = !strcmp(t, "off") ? 0 : !strcmp(t, "adaptive") ? 1 : !strcmp(t, "fixed") ? 2 : -1;
+            if (m < 0) {
+                pd_free(dup);
+                return pd_cmd_usage_error("bench-spec", "--modes: off, adaptive or fixed, not '%s'", t);
+            }
+            modes[n_modes++] = m;
+        }
+        pd_free(dup);
+    }
+    if (n_modes == 0 || modes[0] != 0) return pd_cmd_usage_error("bench-spec", "--modes must start with off (the baseline)");
     prompts P = {0};
     if (o.golden) {
         if (!load_golden(&P, o.golden, o.golden_key)) return 1;
@@ -290,8 +304,9 @@ int pd_cmd_bench_spec(int argc, char **argv) {
     double base[16] = {0};
     int32_t *base_out[16] = {0};
     int rc = 0;
-    for (int mode = 0; mode < 3 && !rc; mode++) {
-        if (!modes[mode]) continue;
+    for (int mi = 0; mi < n_modes && !rc; mi++) {
+        int mode = modes[mi];
+        bool first = mi == 0;
         pd_engine *e = make_engine(&o, mode == 0 ? 0 : o.method, mode == 2);
         if (!e) {
             rc = 1;
@@ -317,7 +332,7 @@ int pd_cmd_bench_spec(int argc, char **argv) {
             }
             const char *mname = mode == 0 ? "off" : mode == 1 ? "adaptive" : "fixed";
             int n_same = -1;
-            if (mode == 0) {
+            if (first) {
                 base[bi] = best;
                 base_out[bi] = res.out;
             } else if (base_out[bi]) {
@@ -338,7 +353,7 @@ int pd_cmd_bench_spec(int argc, char **argv) {
                                                  "tok_s", best, "speedup", base[bi] > 0 ? best / base[bi] : 0.0, "acceptance", acc,
                                                  "tokens_per_verify", mal, "drafted", (json_int_t)keep.drafted, "accepted",
                                                  (json_int_t)keep.accepted, "tokens", (json_int_t)keep.n_tokens, "same_as_off", n_same));
-            if (mode != 0) pd_free(res.out);
+            if (!first) pd_free(res.out);
         }
         pd_engine_free(e);
     }

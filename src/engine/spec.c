@@ -47,6 +47,7 @@
 
 #define CATCHUP_MAX 512  // draft catch-up tokens per sequence per step
 #define PROBE_EVERY 16   // adaptive: a request whose estimate says "don't" still drafts 1 token now and then
+#define PROBE_SHARE 0.01 // ... at most this share of the step time spent on probes (the period grows)
 
 typedef struct sreq {
     int32_t *toks;  // owned: prompt + outputs
@@ -95,6 +96,13 @@ typedef struct espec {
     size_t cap_drows;
     int64_t verify_us, verify_n, draft_us, draft_n;  // time in verify / draft forwards (bench-spec)
     bool dev_sample;  // the backend samples on the device (and PD_DEVICE_SAMPLING is not 0)
+    // this step, for the cost model: the verify step's padded tokens, time in draft forwards
+    int last_vtok;
+    int64_t step_draft_us;
+    int64_t next_probe, probe_rot;  // adaptive: the next probe step, which sequence probes
+    int64_t next_win_probe;         // lookahead: the next step a window rides along as a probe
+    double la_yield;  // lookahead: accepted tokens per Jacobi window token spent (EMA)
+    int64_t la_win_tokens;  // window tokens verified this step
     int cap_res_seqs;
     int *kmax, *kch, *sidx, *row0;  // per plan seq
     double *alpha;
@@ -225,6 +233,7 @@ pd_status pd_engine_spec_load(pd_engine *e, pd_err *err) {
         return pd_err_set(err, PD_ERR_INVALID, "lookahead: window 1..%d, n-gram size 2..%d", PD_SPEC_MAX_W, PD_SPEC_MAX_N);
     if (S->method == PD_SPEC_LOOKAHEAD) S->K = PD_MIN(S->K, S->N - 1);  // one n-gram's continuation
     S->adaptive = !p->spec_fixed;
+    S->la_yield = 0.1;  // optimistic until measured: the window must run to fill the pool at all
     S->V = pd_model_get_config(e->model)->vocab_size;
     pd_spec_cost_init(&S->cost, 0);
     if (S->method == PD_SPEC_DRAFT) {
@@ -396,7 +405,7 @@ static pd_status run_draft(pd_engine *e, const pd_step_plan *plan, sreq **srs) {
             }
         }
         pd_batch batch = bb_batch(b);
-        int64_t t0 = pd_time_us();
+        int64_t t0 = pd_time_us();  // (the batch building above is host work of the draft too: small)
         pd_status st;
         if (dev && b->nl > 0) {
             const float *dl = NULL;
@@ -414,8 +423,11 @@ static pd_status run_draft(pd_engine *e, const pd_step_plan *plan, sreq **srs) {
             if (st) return st;
         }
         int64_t dt = pd_time_us() - t0;
-        if (j > 0) pd_spec_cost_observe_draft(&S->cost, (double)dt);
+        // Every forward that drafts counts, the first too (its catch-up is a cost of drafting):
+        // a model that only ever drafts 1 token must still learn what a draft costs.
+        if (b->nl > 0) pd_spec_cost_observe_draft(&S->cost, (double)dt);
         S->draft_us += dt;
+        S->step_draft_us += dt;
         S->draft_n++;
         for (int i = 0; i < plan->n_seqs; i++) {
             sreq *sr = srs[i];
@@ -437,6 +449,9 @@ static pd_status run_draft(pd_engine *e, const pd_step_plan *plan, sreq **srs) {
 // Proposals without a draft model, up to kmax[i] tokens; sets kmax[i] to what is available.
 static void propose_free(pd_engine *e, const pd_step_plan *plan, sreq **srs) {
     espec *S = e->spec;
+    // Prompt lookup scans each history (microseconds per sequence): in parallel for big batches.
+    int n_threads = plan->n_seqs >= 16 ? PD_MIN(plan->n_seqs / 8, S->n_scratch) : 1;
+#pragma omp parallel for schedule(dynamic, 4) num_threads(n_threads)
     for (int i = 0; i < plan->n_seqs; i++) {
         sreq *sr = srs[i];
         if (!sr || S->kmax[i] <= 0) continue;
@@ -495,13 +510,27 @@ static void choose_lengths(pd_engine *e, const pd_step_plan *plan, sreq **srs) {
     if (!kout) return;
     pad_ctx pc = pad_of(e, plan);
     pd_spec_choose_padded(&S->cost, n_base, n, S->alpha, km, S->method == PD_SPEC_DRAFT, pad_tokens, &pc, kout);
+    int any_k = 0;
     for (int j = 0; j < n; j++) {
         int i = S->sidx[j];
         kk[i] = kout[j];
-        // Probe now and then: an estimate that says "never" would never be revised. All sequences
-        // probe in the same step: a probe's cost (a draft forward for the whole batch, a padded
-        // verify step) is paid once per PROBE_EVERY steps, not by every step.
-        if (kk[i] == 0 && S->n_steps % PROBE_EVERY == 0) kk[i] = 1;
+        any_k |= kk[i] > 0;
+    }
+    // Probe now and then: an estimate that says "never" would never be revised. One sequence
+    // (in turn) drafts 1 token, at most every PROBE_EVERY steps, and less often when a probe is
+    // dear (a draft forward with its catch-up, a padded verify step): probes cost at most
+    // PROBE_SHARE of the time. Free when other sequences draft anyway (the step verifies already).
+    if (S->n_steps >= S->next_probe || any_k) {
+        int j = (int)(S->probe_rot++ % n), i = S->sidx[j];
+        if (kk[i] == 0) kk[i] = 1;
+        if (!any_k) {
+            double c0 = pd_spec_cost_predict(&S->cost, pad_tokens(&pc, 0, n_base));
+            double c1 = pd_spec_cost_predict(&S->cost, pad_tokens(&pc, 1, n_base + 1));
+            double dc = c1 - c0 + (S->method == PD_SPEC_DRAFT && S->cost.draft_us > 0 ? 2 * S->cost.draft_us : 0);
+            double period = dc / (PROBE_SHARE * (c0 > 1 ? c0 : 1));
+            period = period < PROBE_EVERY ? PROBE_EVERY : period > 4096 ? 4096 : period;
+            S->next_probe = S->n_steps + (int64_t)period;
+        }
     }
     if (kout != tmp) pd_free(kout);
 }
@@ -592,7 +621,7 @@ static pd_status verify(pd_engine *e, const pd_step_plan *plan, sreq **srs) {
     int64_t dt = pd_time_us() - t0;
     int vmax_q = 1;
     for (int i = 0; i < b->ns; i++) vmax_q = PD_MAX(vmax_q, b->qi[i + 1] - b->qi[i]);
-    pd_spec_cost_observe(&S->cost, pd_model_step_tokens(e->model, b->ns, vmax_q, b->nt), (double)dt);
+    S->last_vtok = pd_model_step_tokens(e->model, b->ns, vmax_q, b->nt);  // observed with the whole step's time
     S->verify_us += dt;
     S->verify_n++;
     int K1 = S->K + 1;
@@ -649,6 +678,9 @@ pd_status pd_engine_spec_run_plan(pd_engine *e, const pd_step_plan *plan, bool *
     *handled = false;
     if (!S) return PD_OK;
     S->last_valid = false;
+    S->last_vtok = 0;
+    S->step_draft_us = 0;
+    S->la_win_tokens = 0;
     if (!reserve_seqs(S, plan->n_seqs)) return PD_ERR_NOMEM;
     sreq *tmp[256], **srs = plan->n_seqs <= 256 ? tmp : pd_malloc(sizeof(sreq *) * (size_t)plan->n_seqs);
     if (!srs) return PD_ERR_NOMEM;
@@ -686,21 +718,39 @@ pd_status pd_engine_spec_run_plan(pd_engine *e, const pd_step_plan *plan, bool *
         if (srs[i] && S->method != PD_SPEC_DRAFT) srs[i]->k = S->kch[i];
     }
     if (S->method == PD_SPEC_LOOKAHEAD) {
-        // The Jacobi window rides along while it is cheap: W extra tokens per sequence must cost
-        // under 10% of the step (always, with fixed lengths).
+        // The Jacobi window rides along while it pays: W extra tokens per sequence add dt to a
+        // step of cost C; they are worth the accepted tokens they bring (la_yield per window token,
+        // measured) against the n tokens the step yields anyway: ride iff yield * n_win * W / n >
+        // dt / C (always with fixed lengths; and now and then, so that the yield is measured).
         int n_base = plan->n_tokens, n_win = 0;
         for (int i = 0; i < plan->n_seqs; i++) n_base -= plan->seqs[i].n_lookahead;
         for (int i = 0; i < plan->n_seqs; i++) n_win += srs[i] && is_decode(&plan->seqs[i], srs[i]) && plan->seqs[i].n_lookahead > 0;
         pad_ctx pc = pad_of(e, plan);
         int kmx = 0;
         for (int i = 0; i < plan->n_seqs; i++) kmx = PD_MAX(kmx, srs[i] ? srs[i]->k : 0);
-        bool cheap = !S->adaptive || pd_spec_cost_predict(&S->cost, pad_tokens(&pc, kmx + S->W, n_base + n_win * S->W)) <=
-                                         1.1 * pd_spec_cost_predict(&S->cost, pad_tokens(&pc, kmx, n_base));
+        double cw = pd_spec_cost_predict(&S->cost, pad_tokens(&pc, kmx + S->W, n_base + n_win * S->W));
+        double c0 = pd_spec_cost_predict(&S->cost, pad_tokens(&pc, kmx, n_base));
+        double rel = (cw - c0) / (c0 > 1 ? c0 : 1);
+        bool cheap = !S->adaptive || (n_win > 0 && S->la_yield * n_win * S->W / PD_MAX(plan->n_seqs, 1) > rel);
+        // Else a probe now and then (the yield must stay measured): one sequence's window, at
+        // most PROBE_SHARE of the time (its cost is that of one window: rel / n_win).
+        int only = -1;
+        if (!cheap && n_win > 0 && S->n_steps >= S->next_win_probe) {
+            int pick = (int)(S->probe_rot++ % n_win), c = 0;
+            for (int i = 0; i < plan->n_seqs && only < 0; i++)
+                if (srs[i] && is_decode(&plan->seqs[i], srs[i]) && plan->seqs[i].n_lookahead > 0 && c++ == pick) only = i;
+            double c1 = pd_spec_cost_predict(&S->cost, pad_tokens(&pc, kmx + S->W, n_base + S->W));
+            double period = (c1 - c0) / (PROBE_SHARE * (c0 > 1 ? c0 : 1));
+            period = period < PROBE_EVERY ? PROBE_EVERY : period > 4096 ? 4096 : period;
+            S->next_win_probe = S->n_steps + (int64_t)period;
+            cheap = only >= 0;
+        }
         for (int i = 0; cheap && i < plan->n_seqs; i++) {
             sreq *sr = srs[i];
-            if (!sr || !is_decode(&plan->seqs[i], sr)) continue;
+            if (!sr || !is_decode(&plan->seqs[i], sr) || (only >= 0 && i != only)) continue;
             if (plan->seqs[i].n_lookahead - sr->k >= S->W) sr->w = S->W;
             any |= sr->w > 0;
+            S->la_win_tokens += sr->w;
         }
     }
     pd_status st = PD_OK;
@@ -713,6 +763,12 @@ pd_status pd_engine_spec_run_plan(pd_engine *e, const pd_step_plan *plan, bool *
     if (st) goto out;
     *handled = true;
     S->last_valid = true;
+    if (S->method == PD_SPEC_LOOKAHEAD && S->la_win_tokens > 0) {
+        int64_t acc = 0;
+        for (int i = 0; i < plan->n_seqs; i++)
+            if (srs[i] && srs[i]->k > 0) acc += e->sb.outputs[i].n_accepted;
+        S->la_yield = 0.9 * S->la_yield + 0.1 * (double)acc / (double)S->la_win_tokens;
+    }
     for (int i = 0; i < plan->n_seqs; i++) {
         sreq *sr = srs[i];
         if (!sr || sr->k == 0) continue;
@@ -741,11 +797,16 @@ void pd_engine_spec_push_token(ereq *q, int32_t token) {
 void pd_engine_spec_after_update(pd_engine *e, const pd_step_plan *plan, int64_t step_us, bool was_spec) {
     espec *S = e->spec;
     if (!S) return;
-    if (!was_spec) {
+    // Whole steps (scheduling, forward, sampling, update) on both sides, the draft's forwards
+    // apart (they are the draft's cost): plain steps at their real (padded) tokens, verify steps
+    // at the verify forward's.
+    int vt = S->last_vtok;
+    if (!was_spec || vt <= 0) {
         int mq = 1, nt = 0;  // real tokens: plan->n_tokens counts granted lookahead slots too
         for (int i = 0; i < plan->n_seqs; i++) mq = PD_MAX(mq, plan->seqs[i].n_tokens), nt += plan->seqs[i].n_tokens;
-        pd_spec_cost_observe(&S->cost, pd_model_step_tokens(e->model, plan->n_seqs, mq, nt), (double)step_us);
+        vt = pd_model_step_tokens(e->model, plan->n_seqs, mq, nt);
     }
+    pd_spec_cost_observe(&S->cost, vt, (double)(step_us - S->step_draft_us));
     // Next step's lookahead asks: what was chosen now, plus one to let it grow (and 1 when it was
     // 0, for the probes); the Jacobi window always (only budget: unused slots cost no compute).
     int extra = S->method == PD_SPEC_LOOKAHEAD ? S->W : 0;
