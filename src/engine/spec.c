@@ -63,6 +63,7 @@ typedef struct sreq {
     int64_t n_drafted, n_accepted, n_steps;
     // this step
     int k, w;  // drafts proposed, window tokens appended
+    int last_k;  // drafts of its last step (-1: none yet)
     int32_t draft[PD_SPEC_MAX_K];
     int32_t accepted[PD_SPEC_MAX_K];
     float *q;  // (k, V) draft distributions (random sampling with a draft model); into espec.qbuf
@@ -318,6 +319,7 @@ pd_status pd_engine_spec_req_init(pd_engine *e, ereq *q, const pd_engine_request
     if (!sr) return PD_ERR_NOMEM;
     q->spec = sr;
     sr->draft_pos = -1;
+    sr->last_k = -1;
     sr->n_prompt = r->n_prompt;
     sr->is_random = r->sampling.temperature > 0;
     sr->fixed_k = sr->is_random && r->sampling.has_seed;
@@ -449,9 +451,6 @@ static pd_status run_draft(pd_engine *e, const pd_step_plan *plan, sreq **srs) {
 // Proposals without a draft model, up to kmax[i] tokens; sets kmax[i] to what is available.
 static void propose_free(pd_engine *e, const pd_step_plan *plan, sreq **srs) {
     espec *S = e->spec;
-    // Prompt lookup scans each history (microseconds per sequence): in parallel for big batches.
-    int n_threads = plan->n_seqs >= 16 ? PD_MIN(plan->n_seqs / 8, S->n_scratch) : 1;
-#pragma omp parallel for schedule(dynamic, 4) num_threads(n_threads)
     for (int i = 0; i < plan->n_seqs; i++) {
         sreq *sr = srs[i];
         if (!sr || S->kmax[i] <= 0) continue;
@@ -709,6 +708,11 @@ pd_status pd_engine_spec_run_plan(pd_engine *e, const pd_step_plan *plan, bool *
             draft_work = true;  // too far behind: catch up first (chunked), draft later
             room = 0;
         }
+        // Adaptive: a sequence that chose no draft last step proposes (a prompt-lookup scan, a
+        // pool probe: microseconds each, a step of a small model is ~100 us) only on probe steps.
+        if (S->adaptive && !sr->fixed_k && S->method != PD_SPEC_DRAFT && sr->last_k == 0 && S->n_steps < S->next_probe &&
+            S->n_steps > 0)
+            room = 0;
         S->kmax[i] = room;
     }
     if (S->method == PD_SPEC_NGRAM || S->method == PD_SPEC_LOOKAHEAD) propose_free(e, plan, srs);
@@ -716,6 +720,7 @@ pd_status pd_engine_spec_run_plan(pd_engine *e, const pd_step_plan *plan, bool *
     for (int i = 0; i < plan->n_seqs; i++) {
         any |= S->kch[i] > 0;
         if (srs[i] && S->method != PD_SPEC_DRAFT) srs[i]->k = S->kch[i];
+        if (srs[i] && is_decode(&plan->seqs[i], srs[i])) srs[i]->last_k = S->kch[i];
     }
     if (S->method == PD_SPEC_LOOKAHEAD) {
         // The Jacobi window rides along while it pays: W extra tokens per sequence add dt to a
