@@ -95,7 +95,7 @@ typedef struct espec {
     pd_sample_row *drows;  // device argmax (greedy fast path): (cap_drows) rows and results
     pd_sample_out *douts;
     size_t cap_drows;
-    int64_t verify_us, verify_n, draft_us, draft_n;  // time in verify / draft forwards (bench-spec)
+    int64_t verify_us, verify_n, draft_us, draft_n;  // time in verify / draft forwards (diagnostics, gdb)
     bool dev_sample;  // the backend samples on the device (and PD_DEVICE_SAMPLING is not 0)
     // this step, for the cost model: the verify step's padded tokens, time in draft forwards
     int last_vtok;
