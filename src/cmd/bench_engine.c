@@ -198,30 +198,47 @@ static double time_step(bench_ctx *b, int n_seqs, int q_len, int ctx, int reps) 
     return time_step_rows(b, n_seqs, q_len, ctx, reps, false);
 }
 
-static void run_verify(bench_ctx *b, int batch_ctx, int max_q) {
+// d: a draft model's bench (NULL: none); its 1-token step is timed at each batch size too.
+static void run_verify(bench_ctx *b, bench_ctx *d, int batch_ctx, int max_q) {
     int batches[] = {1, 8, 32, 64};
+    // Verify steps of up to max_q tokens per sequence run from CUDA graphs, as in the engine
+    // (PD_CUDA_GRAPHS=0: eagerly); each (batch, tokens) shape is captured in the untimed steps.
+    pd_model_set_graph_q(b->m, max_q);
     if (!cache_resize(b, 64L * ((batch_ctx + b->block_size - 1) / b->block_size))) return;
+    if (d && !cache_resize(d, 64L * ((batch_ctx + d->block_size - 1) / d->block_size))) d = NULL;
     double alphas[] = {0.5, 0.6, 0.7, 0.8, 0.9};
     json_t *arr = json_array();
     for (int bi = 0; bi < 4; bi++) {
         int B = batches[bi];
-        double t[17] = {0};
+        double t[17] = {0}, td = NAN;
         for (int q = 1; q <= max_q; q++) {
             t[q] = time_step_rows(b, B, q, batch_ctx, 10, true);
             printf("%-22s batch=%-3d ctx=%-5d tokens/seq=%d %10.3f ms  (%.2fx the 1-token step)\n", "verify step", B, batch_ctx, q,
                    t[q] * 1e3, t[q] / t[1]);
             json_array_append_new(arr, json_pack("{s:i, s:i, s:i, s:f}", "batch", B, "ctx", batch_ctx, "tokens_per_seq", q, "ms", t[q] * 1e3));
         }
+        if (d) {
+            td = time_step_rows(d, B, 1, batch_ctx, 10, false);
+            printf("%-22s batch=%-3d ctx=%-5d %10.3f ms  (%.3fx the target's 1-token step)\n", "draft step", B, batch_ctx, td * 1e3,
+                   td / t[1]);
+            json_array_append_new(arr, json_pack("{s:i, s:i, s:f, s:f}", "batch", B, "ctx", batch_ctx, "draft_ms", td * 1e3,
+                                                 "draft_ratio", td / t[1]));
+        }
         for (size_t ai = 0; ai < PD_ARRAY_LEN(alphas); ai++) {
-            double a = alphas[ai], best = 1;
-            int best_k = 0;
-            for (int k = 1; k + 1 <= max_q; k++) {
-                double E = (1 - pow(a, k + 1)) / (1 - a);
-                double sp = E * t[1] / (t[k + 1] + k * t[1] / 10.0);
-                if (sp > best) best = sp, best_k = k;
+            // cost of k drafts: k / 10 plain steps (the 1/10-size draft), or k measured draft steps
+            for (int model = 0; model < (d ? 2 : 1); model++) {
+                double a = alphas[ai], best = 1, dc = model == 0 ? t[1] / 10.0 : td;
+                int best_k = 0;
+                for (int k = 1; k + 1 <= max_q; k++) {
+                    double E = (1 - pow(a, k + 1)) / (1 - a);
+                    double sp = E * t[1] / (t[k + 1] + k * dc);
+                    if (sp > best) best = sp, best_k = k;
+                }
+                printf("%-22s batch=%-3d acceptance %.1f: best k=%d drafts, implied speedup %.2fx (%s)\n", "", B, a, best_k, best,
+                       model == 0 ? "draft = 1/10 of a step" : "measured draft step");
+                json_array_append_new(arr, json_pack("{s:i, s:f, s:i, s:f, s:s}", "batch", B, "acceptance", a, "best_k", best_k,
+                                                     "speedup", best, "draft_cost", model == 0 ? "tenth" : "measured"));
             }
-            printf("%-22s batch=%-3d acceptance %.1f: best k=%d drafts, implied speedup %.2fx (1/10-size draft)\n", "", B, a, best_k, best);
-            json_array_append_new(arr, json_pack("{s:i, s:f, s:i, s:f}", "batch", B, "acceptance", a, "best_k", best_k, "speedup", best));
         }
     }
     json_object_set_new(b->out, "verify", arr);
@@ -302,8 +319,9 @@ int pd_cmd_bench_engine(int argc, char **argv) {
                                          {"datasheet-tflops", required_argument, 0, 't'},
                                          {"batches", required_argument, 0, 'b'},
                                          {"verify-tokens", required_argument, 0, 'v'},
+                                         {"draft-model", required_argument, 0, 'D'},
                                          {"help", no_argument, 0, 'h'},          {0, 0, 0, 0}};
-    const char *model = NULL, *json_path = NULL, *device = "auto";
+    const char *model = NULL, *json_path = NULL, *device = "auto", *draft_dir = NULL;
     bool dummy = false, single = true, batched = true, prefill = true;
     long batch_ctx = 512, verify_tokens = 0;
     int ctxs[BENCH_MAX_CTX] = {128, 4096, 8192, 32768}, n_ctx = 4;
@@ -321,6 +339,7 @@ int pd_cmd_bench_engine(int argc, char **argv) {
             dummy = !strcmp(optarg, "dummy");
             break;
         case 'j': json_path = optarg; break;
+        case 'D': draft_dir = optarg; break;
         case 'd': device = optarg; break;
         case 'c':
             if (!pd_cmd_parse_int(optarg, &batch_ctx) || batch_ctx < 1 || batch_ctx > 1 << 20)
@@ -375,14 +394,16 @@ int pd_cmd_bench_engine(int argc, char **argv) {
                    "                            [--kv-cache-dtype auto|fp8] [--datasheet-gbs X] [--datasheet-tflops X]\n"
                    "                            [--json FILE]\n"
                    "  --verify-tokens N   speculative verify steps of 1..N tokens per sequence at batch 1/8/32/64\n"
-                   "                      (--only verify runs just those)\n");
+                   "                      (--only verify runs just those)\n"
+                   "  --draft-model DIR   with --verify-tokens: also time this draft's 1-token step (same load format)\n"
+                   "                      and give the implied speedup with it\n");
             return 0;
         default: return 2;
         }
     }
     if (!model) return pd_cmd_usage_error("bench-engine", "--model DIR is required");
     pd_err err = {0};
-    bench_ctx b = {.block_size = 16};
+    bench_ctx b = {.block_size = 16}, d = {.block_size = 16};
     b.be = pd_backend_new(device, 0, &err);
     if (!b.be) {
         fprintf(stderr, "pdserve bench-engine: %s\n", err.msg);
@@ -431,7 +452,23 @@ int pd_cmd_bench_engine(int argc, char **argv) {
                       b.ds_bytes_s * 1e-9, "datasheet_tflops", b.ds_flop_s * 1e-12, "weight_gb",
                       (double)pd_model_weight_bytes(b.m) * 1e-9, "kv_bytes_per_token", kv_bytes_per_token(&b), "results");
     run_benchmarks(&b, ctxs, n_ctx, batches, n_batches, (int)batch_ctx, single, batched, prefill);
-    if (verify_tokens > 0) run_verify(&b, (int)batch_ctx, (int)verify_tokens);
+    d.be = b.be;
+    if (verify_tokens > 0 && draft_dir) {
+        pd_model_params dp = mp;
+        dp.dir = draft_dir;
+        dp.seed = 2;
+        d.m = pd_model_load(&dp, &err);
+        if (!d.m) {
+            fprintf(stderr, "pdserve bench-engine: draft: %s\n", err.msg);
+            goto done;
+        }
+        d.c = pd_model_get_config(d.m);
+        printf("draft %s: %d layers, D=%d, weights %.2f GB (%.2f GB read per token, %.3f of the target's)\n", draft_dir,
+               d.c->n_layers, d.c->hidden_size, (double)pd_model_weight_bytes(d.m) * 1e-9,
+               (double)pd_model_weight_bytes_read(d.m, 1) * 1e-9,
+               (double)pd_model_weight_bytes_read(d.m, 1) / (double)pd_model_weight_bytes_read(b.m, 1));
+    }
+    if (verify_tokens > 0) run_verify(&b, d.m ? &d : NULL, (int)batch_ctx, (int)verify_tokens);
     else if (!single && !batched && !prefill) fprintf(stderr, "bench-engine: --only verify needs --verify-tokens N\n");
     if (json_path && json_dump_file(b.out, json_path, JSON_INDENT(2)) != 0) {
         fprintf(stderr, "pdserve bench-engine: cannot write %s\n", json_path);
@@ -440,6 +477,8 @@ int pd_cmd_bench_engine(int argc, char **argv) {
     rc = 0;
 done:
     json_decref(b.out);
+    if (d.kc) pd_model_cache_free(d.kc);
+    if (d.m) pd_model_free(d.m);
     pd_model_cache_free(b.kc);
     pd_model_free(b.m);
     pd_backend_free(b.be);

@@ -14,6 +14,7 @@ int pd_cmd_run(int argc, char **argv);
 int pd_cmd_serve(int argc, char **argv);
 int pd_cmd_router(int argc, char **argv);
 int pd_cmd_bench_engine(int argc, char **argv);
+int pd_cmd_bench_spec(int argc, char **argv);
 int pd_cmd_bench_handoff(int argc, char **argv);
 int pd_cmd_bench(int argc, char **argv);
 

@@ -16,6 +16,7 @@ static const subcmd CMDS[] = {
     {"generate", pd_cmd_generate, "generate text from a prompt (offline, no server)"},
     {"tokenize", pd_cmd_tokenize, "print the token ids of a text as JSON"},
     {"bench-engine", pd_cmd_bench_engine, "time decode/prefill against the card's bandwidth and GEMM floors"},
+    {"bench-spec", pd_cmd_bench_spec, "end-to-end decode speed with speculative decoding off / adaptive / fixed, by batch"},
     {"bench-handoff", pd_cmd_bench_handoff, "time the disaggregated prefill->decode KV handoff (two processes/GPUs)"},
     {"model-info", pd_cmd_model_info, "print architecture, parameter count, dtype, KV bytes per token"},
     {"serve", pd_cmd_serve, "start the OpenAI-compatible HTTP server"},

@@ -26,8 +26,15 @@
 // locally after the handoff: the catch-up span covers the prompt, chunked (CATCHUP_MAX) so that it
 // never stalls a step.
 //
-// Verify steps run eagerly (the decode CUDA graphs are one token per sequence); the draft model's
-// single-token forwards use its own decode graphs when the backend has them.
+// CUDA graphs: verify steps (1 + k (+ W) query tokens per sequence) run from the target's verify
+// graphs (pd_model_set_graph_q: each sequence padded to a query bucket, captured at warm-up with
+// the decode graphs); the draft model's single-token forwards from its decode graphs, and its
+// forward 1 (a catch-up of 1-2 tokens in steady state) from its Q = 2 graphs.
+//
+// Greedy requests without penalties, biases or masks (the common case) are checked on the device
+// when the backend samples there: the target's (and the draft's) logits stay on the device and
+// only the argmax tokens (and requested logprobs) come back (pd_op_sample, the plain path's op),
+// instead of k + 1 rows of vocabulary floats per sequence and step. Same tokens as the host rule.
 #include <limits.h>
 #include <omp.h>
 #include <stdio.h>
@@ -40,6 +47,7 @@
 
 #define CATCHUP_MAX 512  // draft catch-up tokens per sequence per step
 #define PROBE_EVERY 16   // adaptive: a request whose estimate says "don't" still drafts 1 token now and then
+#define PROBE_SHARE 0.01 // ... at most this share of the step time spent on probes (the period grows)
 
 typedef struct sreq {
     int32_t *toks;  // owned: prompt + outputs
@@ -55,6 +63,7 @@ typedef struct sreq {
     int64_t n_drafted, n_accepted, n_steps;
     // this step
     int k, w;  // drafts proposed, window tokens appended
+    int last_k;  // drafts of its last step (-1: none yet)
     int32_t draft[PD_SPEC_MAX_K];
     int32_t accepted[PD_SPEC_MAX_K];
     float *q;  // (k, V) draft distributions (random sampling with a draft model); into espec.qbuf
@@ -83,6 +92,18 @@ typedef struct espec {
     float *qbuf;  // (cap_q, V)
     size_t cap_q;
     pd_sample_result *results;  // (cap_res_seqs, K + 1)
+    pd_sample_row *drows;  // device argmax (greedy fast path): (cap_drows) rows and results
+    pd_sample_out *douts;
+    size_t cap_drows;
+    int64_t verify_us, verify_n, draft_us, draft_n;  // time in verify / draft forwards (diagnostics, gdb)
+    bool dev_sample;  // the backend samples on the device (and PD_DEVICE_SAMPLING is not 0)
+    // this step, for the cost model: the verify step's padded tokens, time in draft forwards
+    int last_vtok;
+    int64_t step_draft_us;
+    int64_t next_probe, probe_rot;  // adaptive: the next probe step, which sequence probes
+    int64_t next_win_probe;         // lookahead: the next step a window rides along as a probe
+    double la_yield;  // lookahead: accepted tokens per Jacobi window token spent (EMA)
+    int64_t la_win_tokens;  // window tokens verified this step
     int cap_res_seqs;
     int *kmax, *kch, *sidx, *row0;  // per plan seq
     double *alpha;
@@ -153,6 +174,20 @@ static bool sreq_push(sreq *r, int32_t t) {
     return true;
 }
 
+// A request the device may check: greedy, no penalty, bias or mask (its rows are plain argmaxes).
+static bool dev_greedy(const pd_sampler *s) {
+    return pd_sampler_is_greedy(s) && pd_sampler_n_pens(s) == 0 && !pd_sampler_has_mask(s);
+}
+
+static bool reserve_drows(espec *S, int n) {
+    size_t cap = S->cap_drows;
+    if (PD_ARRAY_RESERVE(S->drows, cap, (size_t)n)) return false;
+    cap = S->cap_drows;
+    if (PD_ARRAY_RESERVE(S->douts, cap, (size_t)n)) return false;
+    S->cap_drows = cap;
+    return true;
+}
+
 // ---- set-up ----------------------------------------------------------------------------------------
 
 // The draft must tokenize exactly as the target: same vocabulary size, same token for every id.
@@ -199,6 +234,7 @@ pd_status pd_engine_spec_load(pd_engine *e, pd_err *err) {
         return pd_err_set(err, PD_ERR_INVALID, "lookahead: window 1..%d, n-gram size 2..%d", PD_SPEC_MAX_W, PD_SPEC_MAX_N);
     if (S->method == PD_SPEC_LOOKAHEAD) S->K = PD_MIN(S->K, S->N - 1);  // one n-gram's continuation
     S->adaptive = !p->spec_fixed;
+    S->la_yield = 0.1;  // optimistic until measured: the window must run to fill the pool at all
     S->V = pd_model_get_config(e->model)->vocab_size;
     pd_spec_cost_init(&S->cost, 0);
     if (S->method == PD_SPEC_DRAFT) {
@@ -237,6 +273,12 @@ pd_status pd_engine_spec_init(pd_engine *e, pd_sched_params *sp, pd_err *err) {
     }
     // Lookahead slots: drafts, plus the Jacobi window for lookahead decoding.
     sp->max_lookahead_slots = S->K + (S->method == PD_SPEC_LOOKAHEAD ? S->W : 0);
+    // Verify steps as graphs (captured by the engine's warm-up, which runs after this); the draft's
+    // forward 1 catches up 1-2 tokens per sequence in steady state.
+    pd_model_set_graph_q(e->model, 1 + sp->max_lookahead_slots);
+    if (S->draft) pd_model_set_graph_q(S->draft, 2);
+    const char *ds = getenv("PD_DEVICE_SAMPLING");
+    S->dev_sample = pd_backend_has_sample(e->backend) && !(ds && !strcmp(ds, "0"));
     S->n_scratch = omp_get_max_threads();
     S->scratch = pd_malloc(sizeof(float) * (size_t)S->n_scratch * (size_t)S->V);
     if (!S->scratch) return pd_err_set(err, PD_ERR_NOMEM, "out of memory");
@@ -264,7 +306,7 @@ void pd_engine_spec_fini(pd_engine *e) {
     pd_model_free(S->draft);
     bbuild *b = &S->bb;
     pd_free(b->tok), pd_free(b->qi), pd_free(b->kvl), pd_free(b->bti), pd_free(b->bt), pd_free(b->lr);
-    pd_free(S->logits), pd_free(S->scratch), pd_free(S->qbuf), pd_free(S->results);
+    pd_free(S->logits), pd_free(S->scratch), pd_free(S->qbuf), pd_free(S->results), pd_free(S->drows), pd_free(S->douts);
     pd_free(S->kmax), pd_free(S->kch), pd_free(S->sidx), pd_free(S->row0), pd_free(S->alpha);
     pd_free(S);
     e->spec = NULL;
@@ -277,6 +319,7 @@ pd_status pd_engine_spec_req_init(pd_engine *e, ereq *q, const pd_engine_request
     if (!sr) return PD_ERR_NOMEM;
     q->spec = sr;
     sr->draft_pos = -1;
+    sr->last_k = -1;
     sr->n_prompt = r->n_prompt;
     sr->is_random = r->sampling.temperature > 0;
     sr->fixed_k = sr->is_random && r->sampling.has_seed;
@@ -341,42 +384,63 @@ static pd_status run_draft(pd_engine *e, const pd_step_plan *plan, sreq **srs) {
     }
     if (b->ns == 0) return PD_OK;
     if (n_rand > 0 && pd_array_reserve(&S->qbuf, sizeof(float) * (size_t)V, &S->cap_q, (size_t)n_rand)) return PD_ERR_NOMEM;
-    if (!reserve_logits(S, PD_MAX(b->nl, 1))) return PD_ERR_NOMEM;
-    pd_batch batch = bb_batch(b);
-    pd_status st = pd_model_forward(S->draft, S->dcache, &batch, S->logits);
-    if (st) return st;
+    // Greedy drafts of requests the device may check: argmax on the device, no logits download.
+    bool dev = S->dev_sample;
+    for (int i = 0; dev && i < plan->n_seqs; i++)
+        if (srs[i] && S->kch[i] > 0) dev = dev_greedy(pd_engine_req_find(e, plan->seqs[i].req_id)->sampler);
     int qoff = 0;
     for (int i = 0; i < plan->n_seqs; i++) {
         sreq *sr = srs[i];
         if (!sr || S->kch[i] <= 0) continue;
-        ereq *r = pd_engine_req_find(e, plan->seqs[i].req_id);
         sr->q = sr->is_random ? S->qbuf + (size_t)qoff * (size_t)V : NULL;
         if (sr->is_random) qoff += S->kch[i];
-        float *qrow = sr->q ? sr->q : S->scratch;
-        sr->draft[0] = pd_sampler_draft(r->sampler, S->logits + (size_t)S->row0[i] * (size_t)V, 0, qrow);
-        sr->k = 1;
-        sr->draft_pos = plan->seqs[i].pos_start + 1;
     }
-    for (int j = 1; j < max_k; j++) {
-        bb_reset(b);
-        for (int i = 0; i < plan->n_seqs; i++) {
-            sreq *sr = srs[i];
-            if (!sr || S->kch[i] <= j) continue;
-            const pd_step_seq *s = &plan->seqs[i];
-            if (!bb_add(b, &sr->draft[j - 1], 1, s->pos_start + j, s->block_ids, S->bs, 1)) return PD_ERR_NOMEM;
-            S->row0[i] = b->nl - 1;
+    for (int j = 0; j < PD_MAX(max_k, 1); j++) {
+        if (j > 0) {
+            bb_reset(b);
+            for (int i = 0; i < plan->n_seqs; i++) {
+                sreq *sr = srs[i];
+                if (!sr || S->kch[i] <= j) continue;
+                const pd_step_seq *s = &plan->seqs[i];
+                if (!bb_add(b, &sr->draft[j - 1], 1, s->pos_start + j, s->block_ids, S->bs, 1)) return PD_ERR_NOMEM;
+                S->row0[i] = b->nl - 1;
+            }
         }
-        batch = bb_batch(b);
-        int64_t t0 = pd_time_us();
-        st = pd_model_forward(S->draft, S->dcache, &batch, S->logits);
-        if (st) return st;
-        pd_spec_cost_observe_draft(&S->cost, (double)(pd_time_us() - t0));
+        pd_batch batch = bb_batch(b);
+        int64_t t0 = pd_time_us();  // (the batch building above is host work of the draft too: small)
+        pd_status st;
+        if (dev && b->nl > 0) {
+            const float *dl = NULL;
+            st = pd_model_forward_dev(S->draft, S->dcache, &batch, &dl);
+            if (st) return st;
+            if (!reserve_drows(S, b->nl)) return PD_ERR_NOMEM;
+            for (int r = 0; r < b->nl; r++)
+                S->drows[r] = (pd_sample_row){.temperature = 0, .top_p = 1.0f, .repetition_penalty = 1.0f, .n_logprobs = -1,
+                                              .mask_row = -1};
+            pd_sample_params sp = {.logits = (float *)dl, .n_rows = b->nl, .vocab = V, .rows = S->drows, .out = S->douts};
+            pd_op_sample(e->backend, &sp);
+        } else {
+            if (!reserve_logits(S, PD_MAX(b->nl, 1))) return PD_ERR_NOMEM;
+            st = pd_model_forward(S->draft, S->dcache, &batch, S->logits);
+            if (st) return st;
+        }
+        int64_t dt = pd_time_us() - t0;
+        // Every forward that drafts counts, the first too (its catch-up is a cost of drafting):
+        // a model that only ever drafts 1 token must still learn what a draft costs.
+        if (b->nl > 0) pd_spec_cost_observe_draft(&S->cost, (double)dt);
+        S->draft_us += dt;
+        S->step_draft_us += dt;
+        S->draft_n++;
         for (int i = 0; i < plan->n_seqs; i++) {
             sreq *sr = srs[i];
             if (!sr || S->kch[i] <= j) continue;
             ereq *r = pd_engine_req_find(e, plan->seqs[i].req_id);
-            float *qrow = sr->q ? sr->q + (size_t)j * (size_t)V : S->scratch;
-            sr->draft[j] = pd_sampler_draft(r->sampler, S->logits + (size_t)S->row0[i] * (size_t)V, j, qrow);
+            if (dev) {
+                sr->draft[j] = S->douts[S->row0[i]].token;
+            } else {
+                float *qrow = sr->q ? sr->q + (size_t)j * (size_t)V : S->scratch;
+                sr->draft[j] = pd_sampler_draft(r->sampler, S->logits + (size_t)S->row0[i] * (size_t)V, j, qrow);
+            }
             sr->k = j + 1;
             sr->draft_pos = plan->seqs[i].pos_start + j + 1;
         }
@@ -397,6 +461,25 @@ static void propose_free(pd_engine *e, const pd_step_plan *plan, sreq **srs) {
             m = pd_spec_pool_propose(sr->pool, sr->toks[sr->n - 1], S->kmax[i], sr->draft);
         S->kmax[i] = m;
     }
+}
+
+// The step's padded size for the cost model (pd_spec_pad_fn): all of the plan's sequences, the
+// longest query being the drafts' (1 + max_k) or another sequence's (a prefill chunk).
+typedef struct pad_ctx {
+    pd_model *m;
+    int n_seqs, base_max_q;
+} pad_ctx;
+
+static int pad_tokens(void *ud, int max_k, int n_tokens) {
+    const pad_ctx *p = ud;
+    return pd_model_step_tokens(p->m, p->n_seqs, PD_MAX(p->base_max_q, 1 + max_k), n_tokens);
+}
+
+static pad_ctx pad_of(pd_engine *e, const pd_step_plan *plan) {
+    pad_ctx p = {.m = e->model, .n_seqs = plan->n_seqs, .base_max_q = 1};
+    for (int i = 0; i < plan->n_seqs; i++)
+        p.base_max_q = PD_MAX(p.base_max_q, plan->seqs[i].n_tokens);  // decodes: 1 (lookahead slots are not tokens)
+    return p;
 }
 
 // Chooses each speculating sequence's length in S->kch from S->kmax.
@@ -424,14 +507,60 @@ static void choose_lengths(pd_engine *e, const pd_step_plan *plan, sreq **srs) {
     int *kout = n <= 256 ? tmp : NULL;
     if (!kout) kout = pd_malloc(sizeof(int) * (size_t)n);
     if (!kout) return;
-    pd_spec_choose(&S->cost, n_base, n, S->alpha, km, S->method == PD_SPEC_DRAFT, kout);
+    pad_ctx pc = pad_of(e, plan);
+    pd_spec_choose_padded(&S->cost, n_base, n, S->alpha, km, S->method == PD_SPEC_DRAFT, pad_tokens, &pc, kout);
+    int any_k = 0;
     for (int j = 0; j < n; j++) {
         int i = S->sidx[j];
         kk[i] = kout[j];
-        // Probe now and then: an estimate that says "never" would never be revised.
-        if (kk[i] == 0 && (S->n_steps + (int64_t)plan->seqs[i].slot) % PROBE_EVERY == 0) kk[i] = 1;
+        any_k |= kk[i] > 0;
+    }
+    // Probe now and then: an estimate that says "never" would never be revised. One sequence
+    // (in turn) drafts 1 token, at most every PROBE_EVERY steps, and less often when a probe is
+    // dear (a draft forward with its catch-up, a padded verify step): probes cost at most
+    // PROBE_SHARE of the time. Free when other sequences draft anyway (the step verifies already).
+    if (S->n_steps >= S->next_probe || any_k) {
+        int j = (int)(S->probe_rot++ % n), i = S->sidx[j];
+        if (kk[i] == 0) kk[i] = 1;
+        if (!any_k) {
+            double c0 = pd_spec_cost_predict(&S->cost, pad_tokens(&pc, 0, n_base));
+            double c1 = pd_spec_cost_predict(&S->cost, pad_tokens(&pc, 1, n_base + 1));
+            double dc = c1 - c0 + (S->method == PD_SPEC_DRAFT && S->cost.draft_us > 0 ? 2 * S->cost.draft_us : 0);
+            double period = dc / (PROBE_SHARE * (c0 > 1 ? c0 : 1));
+            period = period < PROBE_EVERY ? PROBE_EVERY : period > 4096 ? 4096 : period;
+            S->next_probe = S->n_steps + (int64_t)period;
+        }
     }
     if (kout != tmp) pd_free(kout);
+}
+
+// The greedy rule over the device's argmaxes: row j is the target's token after the accepted
+// drafts 0 .. j-1; accept draft j iff it equals that token (pd_sampler_verify, greedy).
+static void verify_dev(espec *S, ereq *r, sreq *sr, const pd_sample_out *o, pd_step_output *out, pd_sample_result *res_out,
+                       pd_sample_result *res) {
+    (void)S;
+    int32_t tok = -1;
+    if (!sr || sr->k + sr->w == 0) {
+        tok = pd_sampler_import_result(r->sampler, &o[0], res_out);
+        pd_sampler_accept(r->sampler, tok);
+        res[0] = *res_out;
+        *out = (pd_step_output){.token = tok};
+        return;
+    }
+    int na = 0;
+    for (int j = 0; j <= sr->k; j++) {
+        tok = pd_sampler_import_result(r->sampler, &o[j], &res[j]);
+        pd_sampler_accept(r->sampler, tok);
+        if (j == sr->k || tok != sr->draft[j]) break;
+        sr->accepted[na++] = tok;
+    }
+    *out = (pd_step_output){.token = tok, .n_accepted = na, .accepted = sr->accepted};
+    *res_out = res[na];
+    if (sr->w) {
+        int32_t pred[PD_SPEC_MAX_W];
+        for (int j = 0; j < sr->w; j++) pred[j] = o[sr->k + j].token;
+        pd_spec_jacobi_step(&sr->jac, pred, sr->pool);
+    }
 }
 
 static pd_status verify(pd_engine *e, const pd_step_plan *plan, sreq **srs) {
@@ -462,12 +591,38 @@ static pd_status verify(pd_engine *e, const pd_step_plan *plan, sreq **srs) {
             S->row0[i] = s->needs_logits ? b->nl - 1 : -1;
         }
     }
-    if (!reserve_logits(S, PD_MAX(b->nl, 1))) return PD_ERR_NOMEM;
     pd_batch batch = bb_batch(b);
+    // Every row greedy without penalties, biases or masks: the device takes the argmaxes (and
+    // logprobs), as the plain path's device sampling does; else the rows come to the host.
+    bool dev = S->dev_sample && b->nl > 0;
+    for (int i = 0; dev && i < plan->n_seqs; i++)
+        if (S->row0[i] >= 0) dev = dev_greedy(pd_engine_req_find(e, plan->seqs[i].req_id)->sampler);
     int64_t t0 = pd_time_us();
-    pd_status st = pd_model_forward(e->model, e->cache, &batch, S->logits);
-    if (st) return st;
-    pd_spec_cost_observe(&S->cost, b->nt, (double)(pd_time_us() - t0));
+    pd_status st;
+    if (dev) {
+        const float *dl = NULL;
+        st = pd_model_forward_dev(e->model, e->cache, &batch, &dl);
+        if (st) return st;
+        if (!reserve_drows(S, b->nl)) return PD_ERR_NOMEM;
+        for (int i = 0; i < plan->n_seqs; i++) {
+            if (S->row0[i] < 0) continue;
+            ereq *r = pd_engine_req_find(e, plan->seqs[i].req_id);
+            int nr = srs[i] && srs[i]->k + srs[i]->w > 0 ? 1 + srs[i]->k + (srs[i]->w ? srs[i]->w - 1 : 0) : 1;
+            for (int j = 0; j < nr; j++) pd_sampler_export_row(r->sampler, 0, &S->drows[S->row0[i] + j], NULL);
+        }
+        pd_sample_params sp = {.logits = (float *)dl, .n_rows = b->nl, .vocab = V, .rows = S->drows, .out = S->douts};
+        pd_op_sample(e->backend, &sp);
+    } else {
+        if (!reserve_logits(S, PD_MAX(b->nl, 1))) return PD_ERR_NOMEM;
+        st = pd_model_forward(e->model, e->cache, &batch, S->logits);
+        if (st) return st;
+    }
+    int64_t dt = pd_time_us() - t0;
+    int vmax_q = 1;
+    for (int i = 0; i < b->ns; i++) vmax_q = PD_MAX(vmax_q, b->qi[i + 1] - b->qi[i]);
+    S->last_vtok = pd_model_step_tokens(e->model, b->ns, vmax_q, b->nt);  // observed with the whole step's time
+    S->verify_us += dt;
+    S->verify_n++;
     int K1 = S->K + 1;
     int n_threads = plan->n_seqs >= 4 && V >= 16384 ? PD_MIN(plan->n_seqs, S->n_scratch) : 1;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(n_threads)
@@ -476,6 +631,11 @@ static pd_status verify(pd_engine *e, const pd_step_plan *plan, sreq **srs) {
         if (S->row0[i] < 0) continue;
         ereq *r = pd_engine_req_find(e, s->req_id);
         sreq *sr = srs[i];
+        if (dev) {
+            verify_dev(S, r, sr, S->douts + S->row0[i], &sb->outputs[i], &sb->results[i],
+                       S->results + (size_t)i * (size_t)K1);
+            continue;
+        }
         float *row = S->logits + (size_t)S->row0[i] * (size_t)V;
         if (!sr || sr->k + sr->w == 0) {
             sb->outputs[i].token = pd_sampler_sample(r->sampler, row, &sb->results[i]);
@@ -517,6 +677,9 @@ pd_status pd_engine_spec_run_plan(pd_engine *e, const pd_step_plan *plan, bool *
     *handled = false;
     if (!S) return PD_OK;
     S->last_valid = false;
+    S->last_vtok = 0;
+    S->step_draft_us = 0;
+    S->la_win_tokens = 0;
     if (!reserve_seqs(S, plan->n_seqs)) return PD_ERR_NOMEM;
     sreq *tmp[256], **srs = plan->n_seqs <= 256 ? tmp : pd_malloc(sizeof(sreq *) * (size_t)plan->n_seqs);
     if (!srs) return PD_ERR_NOMEM;
@@ -545,6 +708,11 @@ pd_status pd_engine_spec_run_plan(pd_engine *e, const pd_step_plan *plan, bool *
             draft_work = true;  // too far behind: catch up first (chunked), draft later
             room = 0;
         }
+        // Adaptive: a sequence that chose no draft last step proposes (a prompt-lookup scan, a
+        // pool probe: microseconds each, a step of a small model is ~100 us) only on probe steps.
+        if (S->adaptive && !sr->fixed_k && S->method != PD_SPEC_DRAFT && sr->last_k == 0 && S->n_steps < S->next_probe &&
+            S->n_steps > 0)
+            room = 0;
         S->kmax[i] = room;
     }
     if (S->method == PD_SPEC_NGRAM || S->method == PD_SPEC_LOOKAHEAD) propose_free(e, plan, srs);
@@ -552,19 +720,42 @@ pd_status pd_engine_spec_run_plan(pd_engine *e, const pd_step_plan *plan, bool *
     for (int i = 0; i < plan->n_seqs; i++) {
         any |= S->kch[i] > 0;
         if (srs[i] && S->method != PD_SPEC_DRAFT) srs[i]->k = S->kch[i];
+        if (srs[i] && is_decode(&plan->seqs[i], srs[i])) srs[i]->last_k = S->kch[i];
     }
     if (S->method == PD_SPEC_LOOKAHEAD) {
-        // The Jacobi window rides along while it is cheap: W extra tokens per sequence must cost
-        // under 10% of the step (always, with fixed lengths).
+        // The Jacobi window rides along while it pays: W extra tokens per sequence add dt to a
+        // step of cost C; they are worth the accepted tokens they bring (la_yield per window token,
+        // measured) against the n tokens the step yields anyway: ride iff yield * n_win * W / n >
+        // dt / C (always with fixed lengths; and now and then, so that the yield is measured).
         int n_base = plan->n_tokens, n_win = 0;
         for (int i = 0; i < plan->n_seqs; i++) n_base -= plan->seqs[i].n_lookahead;
         for (int i = 0; i < plan->n_seqs; i++) n_win += srs[i] && is_decode(&plan->seqs[i], srs[i]) && plan->seqs[i].n_lookahead > 0;
-        bool cheap = !S->adaptive || pd_spec_cost_predict(&S->cost, n_base + n_win * S->W) <= 1.1 * pd_spec_cost_predict(&S->cost, n_base);
+        pad_ctx pc = pad_of(e, plan);
+        int kmx = 0;
+        for (int i = 0; i < plan->n_seqs; i++) kmx = PD_MAX(kmx, srs[i] ? srs[i]->k : 0);
+        double cw = pd_spec_cost_predict(&S->cost, pad_tokens(&pc, kmx + S->W, n_base + n_win * S->W));
+        double c0 = pd_spec_cost_predict(&S->cost, pad_tokens(&pc, kmx, n_base));
+        double rel = (cw - c0) / (c0 > 1 ? c0 : 1);
+        bool cheap = !S->adaptive || (n_win > 0 && S->la_yield * n_win * S->W / PD_MAX(plan->n_seqs, 1) > rel);
+        // Else a probe now and then (the yield must stay measured): one sequence's window, at
+        // most PROBE_SHARE of the time (its cost is that of one window: rel / n_win).
+        int only = -1;
+        if (!cheap && n_win > 0 && S->n_steps >= S->next_win_probe) {
+            int pick = (int)(S->probe_rot++ % n_win), c = 0;
+            for (int i = 0; i < plan->n_seqs && only < 0; i++)
+                if (srs[i] && is_decode(&plan->seqs[i], srs[i]) && plan->seqs[i].n_lookahead > 0 && c++ == pick) only = i;
+            double c1 = pd_spec_cost_predict(&S->cost, pad_tokens(&pc, kmx + S->W, n_base + S->W));
+            double period = (c1 - c0) / (PROBE_SHARE * (c0 > 1 ? c0 : 1));
+            period = period < PROBE_EVERY ? PROBE_EVERY : period > 4096 ? 4096 : period;
+            S->next_win_probe = S->n_steps + (int64_t)period;
+            cheap = only >= 0;
+        }
         for (int i = 0; cheap && i < plan->n_seqs; i++) {
             sreq *sr = srs[i];
-            if (!sr || !is_decode(&plan->seqs[i], sr)) continue;
+            if (!sr || !is_decode(&plan->seqs[i], sr) || (only >= 0 && i != only)) continue;
             if (plan->seqs[i].n_lookahead - sr->k >= S->W) sr->w = S->W;
             any |= sr->w > 0;
+            S->la_win_tokens += sr->w;
         }
     }
     pd_status st = PD_OK;
@@ -577,6 +768,12 @@ pd_status pd_engine_spec_run_plan(pd_engine *e, const pd_step_plan *plan, bool *
     if (st) goto out;
     *handled = true;
     S->last_valid = true;
+    if (S->method == PD_SPEC_LOOKAHEAD && S->la_win_tokens > 0) {
+        int64_t acc = 0;
+        for (int i = 0; i < plan->n_seqs; i++)
+            if (srs[i] && srs[i]->k > 0) acc += e->sb.outputs[i].n_accepted;
+        S->la_yield = 0.9 * S->la_yield + 0.1 * (double)acc / (double)S->la_win_tokens;
+    }
     for (int i = 0; i < plan->n_seqs; i++) {
         sreq *sr = srs[i];
         if (!sr || sr->k == 0) continue;
@@ -605,7 +802,16 @@ void pd_engine_spec_push_token(ereq *q, int32_t token) {
 void pd_engine_spec_after_update(pd_engine *e, const pd_step_plan *plan, int64_t step_us, bool was_spec) {
     espec *S = e->spec;
     if (!S) return;
-    if (!was_spec) pd_spec_cost_observe(&S->cost, plan->n_tokens, (double)step_us);
+    // Whole steps (scheduling, forward, sampling, update) on both sides, the draft's forwards
+    // apart (they are the draft's cost): plain steps at their real (padded) tokens, verify steps
+    // at the verify forward's.
+    int vt = S->last_vtok;
+    if (!was_spec || vt <= 0) {
+        int mq = 1, nt = 0;  // real tokens: plan->n_tokens counts granted lookahead slots too
+        for (int i = 0; i < plan->n_seqs; i++) mq = PD_MAX(mq, plan->seqs[i].n_tokens), nt += plan->seqs[i].n_tokens;
+        vt = pd_model_step_tokens(e->model, plan->n_seqs, mq, nt);
+    }
+    pd_spec_cost_observe(&S->cost, vt, (double)(step_us - S->step_draft_us));
     // Next step's lookahead asks: what was chosen now, plus one to let it grow (and 1 when it was
     // 0, for the probes); the Jacobi window always (only budget: unused slots cost no compute).
     int extra = S->method == PD_SPEC_LOOKAHEAD ? S->W : 0;

@@ -6,7 +6,8 @@
 // host-to-device transfer besides the logits coming back.
 //
 // Decode steps run as CUDA graphs where the backend has them (pd_backend_has_graphs; off with
-// PD_CUDA_GRAPHS=0): a step whose every sequence has one query token is padded to a batch bucket
+// PD_CUDA_GRAPHS=0); so do speculative verify steps (a few query tokens per sequence) once
+// pd_model_set_graph_q allowed them: see graph_step, pad_batch. A step whose every sequence has one query token is padded to a batch bucket
 // B (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256) and a context bound kv_cap (256, 384,
 // 512, 768, 1024, ...: powers of two and their 1.5x), and its metadata is packed in a layout
 // fixed by (B, kv_cap) into the bucket's own device buffer. Padding sequences hold one token
@@ -28,6 +29,10 @@
 // Offsets (in int32 elements) of each array inside the packed metadata.
 typedef struct meta_layout {
     size_t tokens, positions, slots, token_seq, q_indptr, kv_lens, bt_indptr, bt_indices, logit_rows, total;
+    // Verify graphs: attention sees every token as a sequence of its own (one query token, context
+    // through its position, the page table of its sequence), so the decode attention kernel (KV
+    // read once per KV head for the whole GQA group) serves verify steps; n_pseudo 0: not used.
+    size_t n_pseudo, p_q_indptr, p_kv_lens, p_bt_indptr, p_token_seq;
 } meta_layout;
 
 // Packs the arrays back to back: T tokens, S sequences, n_bt page-table entries, n_logits rows.
@@ -43,6 +48,8 @@ static meta_layout layout_for(size_t T, size_t S, size_t n_bt, size_t n_logits) 
     l.bt_indptr = o; o += S + 1;
     l.bt_indices = o; o += n_bt;
     l.logit_rows = o; o += n_logits;
+    l.n_pseudo = 0;
+    l.p_q_indptr = l.p_kv_lens = l.p_bt_indptr = l.p_token_seq = o;
     l.total = o;
     return l;
 }
@@ -151,11 +158,15 @@ static void run_layer(pd_model *m, pd_model_cache *kc, int li, int T, const int3
                                            .k_cache = pd_model_cache_k(kc, li), .v_cache = pd_model_cache_v(kc, li),
                                            .n_tokens = T, .n_heads = H, .n_kv_heads = Hkv, .head_dim = hd,
                                            .attn_scaling = 1.0f, .kv_dtype = m->kv_dtype});
+    bool ps = l->n_pseudo > 0;
+    if (ps) n_seqs = (int)l->n_pseudo, max_q = 1;
     pd_op_attention(be, &(pd_attention_params){.q = wp(ws->qkv), .k_cache = pd_model_cache_k(kc, li),
                                                .v_cache = pd_model_cache_v(kc, li), .out = wp(ws->attn),
-                                               .q_indptr = dmeta + l->q_indptr, .kv_lens = dmeta + l->kv_lens,
-                                               .bt_indptr = dmeta + l->bt_indptr, .bt_indices = dmeta + l->bt_indices,
-                                               .token_seq = dmeta + l->token_seq, .n_tokens = T, .n_seqs = n_seqs,
+                                               .q_indptr = dmeta + (ps ? l->p_q_indptr : l->q_indptr),
+                                               .kv_lens = dmeta + (ps ? l->p_kv_lens : l->kv_lens),
+                                               .bt_indptr = dmeta + (ps ? l->p_bt_indptr : l->bt_indptr),
+                                               .bt_indices = dmeta + l->bt_indices,
+                                               .token_seq = dmeta + (ps ? l->p_token_seq : l->token_seq), .n_tokens = T, .n_seqs = n_seqs,
                                                .n_heads = H, .n_kv_heads = Hkv, .head_dim = hd,
                                                .block_size = kc->block_size, .q_stride = nqkv, .max_q_len = max_q,
                                                .max_kv_len = max_kv, .scale = 1.0f / sqrtf((float)hd),
@@ -203,6 +214,10 @@ static void run_step(pd_model *m, pd_model_cache *kc, const int32_t *dmeta, cons
 // ---- decode graphs -----------------------------------------------------------------------------
 
 static const int GRAPH_BUCKETS[] = {1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256};
+// Query tokens per sequence of a verify graph (the last token + k drafts, + a Jacobi window).
+static const int Q_BUCKETS[] = {1, 2, 3, 5, 9, 13, 17};
+#define VERIFY_MAX_B 64         // verify graphs up to this batch bucket
+#define VERIFY_MAX_TOKENS 512   // and this many padded tokens (B * Q): beyond, steps are compute-bound
 
 static bool graphs_on(pd_model *m) {
     if (m->ws.graphs_mode == 0) {
@@ -222,9 +237,32 @@ static int kv_bucket(int kv) {
     return p;
 }
 
-// The metadata layout of a padded decode step: B rows, bt_cap page-table entries.
-static meta_layout layout_fixed(int B, int bt_cap) {
-    return layout_for((size_t)B, (size_t)B, (size_t)bt_cap, (size_t)B);
+static int q_bucket(int q) {
+    for (size_t i = 0; i < PD_ARRAY_LEN(Q_BUCKETS); i++)
+        if (Q_BUCKETS[i] >= q) return Q_BUCKETS[i];
+    return 0;
+}
+
+void pd_model_set_graph_q(pd_model *m, int max_q) {
+    int last = Q_BUCKETS[PD_ARRAY_LEN(Q_BUCKETS) - 1];
+    m->ws.graph_q_max = max_q <= 1 ? 1 : q_bucket(PD_MIN(max_q, last));
+}
+
+// The metadata layout of a padded step: B sequences of Q rows, bt_cap page-table entries, logits
+// at every row.
+static meta_layout layout_fixed(int B, int Q, int bt_cap) {
+    size_t T = (size_t)B * (size_t)Q;
+    meta_layout l = layout_for(T, (size_t)B, (size_t)bt_cap, T);
+    if (Q > 1) {  // the per-token view of attention (see meta_layout)
+        size_t o = l.total;
+        l.n_pseudo = T;
+        l.p_q_indptr = o; o += T + 1;
+        l.p_kv_lens = o; o += T;
+        l.p_bt_indptr = o; o += T + 1;
+        l.p_token_seq = o; o += T;
+        l.total = o;
+    }
+    return l;
 }
 
 static void graph_entry_free(pd_model *m, pd_graph_entry *ge) {
@@ -242,11 +280,13 @@ void pd_model_graphs_free(pd_model *m) {
 }
 
 // The bucket's entry, created (evicting the least recently used one when full) if needed.
-static pd_graph_entry *graph_entry_get(pd_model *m, const void *kc_base, int B, int kv_cap, int bt_cap, size_t n_meta) {
+static pd_graph_entry *graph_entry_get(pd_model *m, const void *kc_base, int B, int Q, int kv_cap, int bt_cap,
+                                       size_t n_meta) {
     pd_model_ws *ws = &m->ws;
     pd_graph_entry *ge = NULL;
     for (int i = 0; i < ws->n_graphs && !ge; i++)
-        if (ws->graphs[i].B == B && ws->graphs[i].kv_cap == kv_cap && ws->graphs[i].kc_base == kc_base) ge = &ws->graphs[i];
+        if (ws->graphs[i].B == B && ws->graphs[i].Q == Q && ws->graphs[i].kv_cap == kv_cap && ws->graphs[i].kc_base == kc_base)
+            ge = &ws->graphs[i];
     if (!ge) {
         if (ws->n_graphs < PD_MODEL_MAX_GRAPHS) {
             ge = &ws->graphs[ws->n_graphs++];
@@ -256,7 +296,7 @@ static pd_graph_entry *graph_entry_get(pd_model *m, const void *kc_base, int B, 
                 if (ws->graphs[i].last_use < ge->last_use) ge = &ws->graphs[i];
             graph_entry_free(m, ge);
         }
-        *ge = (pd_graph_entry){.B = B, .kv_cap = kv_cap, .bt_cap = bt_cap, .kc_base = kc_base};
+        *ge = (pd_graph_entry){.B = B, .Q = Q, .kv_cap = kv_cap, .bt_cap = bt_cap, .kc_base = kc_base};
         ge->meta = pd_buffer_alloc(m->backend, n_meta * sizeof(int32_t));
         if (!ge->meta) {
             *ge = ws->graphs[--ws->n_graphs];  // drop it again (the last entry moves here)
@@ -267,58 +307,105 @@ static pd_graph_entry *graph_entry_get(pd_model *m, const void *kc_base, int B, 
     return ge;
 }
 
-// Builds the padded batch (B sequences of one token) in ws->pad_host. Each real sequence keeps
-// only the ceil(kv / bs) blocks attention reads. false when out of host memory.
-static bool pad_batch(pd_model *m, const pd_batch *b, int B, int bs, pd_batch *pb) {
-    int n = b->n_seqs, n_bt = 0;
-    for (int s = 0; s < n; s++) n_bt += PD_MIN(b->bt_indptr[s + 1] - b->bt_indptr[s], (b->kv_lens[s] + bs - 1) / bs);
-    int need = B + (B + 1) + B + (B + 1) + n_bt + (B - n) + B;
+// Builds the padded batch (B sequences of Q tokens) in ws->pad_host. A real sequence of q <= Q
+// tokens gets Q - q padding tokens (id 0) after its own, so its context grows by Q - q positions
+// that no real row attends to (causal); it keeps only the blocks attention reads, and block 0
+// stands in for blocks the padding positions lack. The requested logit rows are mapped to their
+// padded rows, in order (logits rows 0 .. n_logits - 1 are the caller's). Returns 0, 1 when out
+// of host memory, 2 when the batch does not fit the layout (the eager path reports it).
+static int pad_batch(pd_model *m, const pd_batch *b, int B, int Q, int bs, pd_batch *pb) {
+    int n = b->n_seqs, n_bt = 0, T = B * Q;
+    for (int s = 0; s < n; s++) {
+        int q = b->q_indptr[s + 1] - b->q_indptr[s];
+        n_bt += (b->kv_lens[s] + Q - q + bs - 1) / bs;
+    }
+    n_bt += (B - n) * ((Q + bs - 1) / bs);
+    size_t need = (size_t)T + (size_t)(B + 1) + (size_t)B + (size_t)(B + 1) + (size_t)n_bt + (size_t)T;
     pd_model_ws *ws = &m->ws;
-    if (PD_ARRAY_RESERVE(ws->pad_host, ws->cap_pad, (size_t)need) != PD_OK) return false;
-    int32_t *tok = ws->pad_host, *qi = tok + B, *kvl = qi + B + 1, *bti = kvl + B, *bt = bti + B + 1;
-    int32_t *lr = bt + n_bt + (B - n);
+    if (PD_ARRAY_RESERVE(ws->pad_host, ws->cap_pad, need) != PD_OK) return 1;
+    int32_t *tok = ws->pad_host, *qi = tok + T, *kvl = qi + B + 1, *bti = kvl + B, *bt = bti + B + 1;
+    int32_t *lr = bt + n_bt;
     int k = 0;
     bti[0] = 0;
     for (int s = 0; s < B; s++) {
-        qi[s] = s;
+        qi[s] = s * Q;
         if (s < n) {
-            tok[s] = b->tokens[s];
-            kvl[s] = b->kv_lens[s];
-            int nb = PD_MIN(b->bt_indptr[s + 1] - b->bt_indptr[s], (b->kv_lens[s] + bs - 1) / bs);
+            int q0 = b->q_indptr[s], q = b->q_indptr[s + 1] - q0;
+            for (int i = 0; i < Q; i++) tok[s * Q + i] = i < q ? b->tokens[q0 + i] : 0;
+            kvl[s] = b->kv_lens[s] + Q - q;
+            int need_b = (kvl[s] + bs - 1) / bs, have = b->bt_indptr[s + 1] - b->bt_indptr[s];
+            int nb = PD_MIN(have, need_b);
             memcpy(bt + k, b->bt_indices + b->bt_indptr[s], sizeof(int32_t) * (size_t)nb);
-            k += nb;
-        } else {  // padding: token 0 at position 0 over block 0 (its slot is set to -1 later)
-            tok[s] = 0;
-            kvl[s] = 1;
-            bt[k++] = 0;
+            for (int j = nb; j < need_b; j++) bt[k + j] = 0;
+            k += need_b;
+        } else {  // padding: Q tokens 0 at positions 0 .. Q - 1 over block 0 (slots set to -1 later)
+            for (int i = 0; i < Q; i++) tok[s * Q + i] = 0;
+            kvl[s] = Q;
+            for (int j = 0; j < (Q + bs - 1) / bs; j++) bt[k++] = 0;
         }
         bti[s + 1] = k;
-        lr[s] = s < b->n_logits ? b->logit_rows[s] : 0;
     }
-    qi[B] = B;
-    *pb = (pd_batch){.n_tokens = B, .tokens = tok, .n_seqs = B, .q_indptr = qi, .kv_lens = kvl, .bt_indptr = bti,
-                     .bt_indices = bt, .n_logits = B, .logit_rows = lr};
-    return true;
+    qi[B] = T;
+    int s = 0;
+    for (int i = 0; i < T; i++) {
+        if (i >= b->n_logits) {
+            lr[i] = 0;
+            continue;
+        }
+        int t = b->logit_rows[i];
+        if (t < 0 || t >= b->n_tokens) return 2;
+        if (t < b->q_indptr[s] || t >= b->q_indptr[s + 1]) {  // rows usually ascend: search only when not
+            int lo = 0, hi = n - 1;
+            while (lo < hi) {
+                int mid = (lo + hi + 1) / 2;
+                if (b->q_indptr[mid] <= t) lo = mid;
+                else hi = mid - 1;
+            }
+            s = lo;
+        }
+        lr[i] = s * Q + (t - b->q_indptr[s]);
+    }
+    *pb = (pd_batch){.n_tokens = T, .tokens = tok, .n_seqs = B, .q_indptr = qi, .kv_lens = kvl, .bt_indptr = bti,
+                     .bt_indices = bt, .n_logits = T, .logit_rows = lr};
+    return 0;
 }
 
-// One padded decode step of the real sequences in b (possibly none: a warm-up) through the (B,
+// One padded step of the real sequences in b (possibly none: a warm-up) through the (B, Q,
 // kv_cap) bucket's graph: launched when captured; otherwise run eagerly the first time (it sizes
 // cuBLASLt plans and scratch, which must not grow during capture) and captured the second time.
 // *handled false: no room for the bucket (the caller runs the step eagerly).
-static pd_status graph_step(pd_model *m, pd_model_cache *kc, const pd_batch *b, int B, int kv_cap, bool *handled) {
-    int n = b->n_seqs, bs = kc->block_size, bt_cap = B * ((kv_cap + bs - 1) / bs);
-    meta_layout l = layout_fixed(B, bt_cap);
+static pd_status graph_step(pd_model *m, pd_model_cache *kc, const pd_batch *b, int B, int Q, int kv_cap, bool *handled) {
+    int n = b->n_seqs, bs = kc->block_size, bt_cap = B * ((kv_cap + bs - 1) / bs), T = B * Q;
+    meta_layout l = layout_fixed(B, Q, bt_cap);
     pd_batch pb;
     *handled = false;
-    if (!pad_batch(m, b, B, bs, &pb)) return PD_ERR_NOMEM;
-    pd_status st = ws_reserve(m, B, B, l.total);
+    int pr = pad_batch(m, b, B, Q, bs, &pb);
+    if (pr == 1) return PD_ERR_NOMEM;
+    if (pr == 2) return PD_OK;
+    pd_status st = ws_reserve(m, T, T, l.total);
     if (st) return st;
     int max_q, mkv;
     st = pack_meta(m, kc, &pb, &l, &max_q, &mkv);
     *handled = true;
     if (st) return st;
-    for (int s = n; s < B; s++) m->ws.meta_host[l.slots + (size_t)s] = -1;
-    pd_graph_entry *ge = graph_entry_get(m, pd_buffer_ptr(kc->buf), B, kv_cap, bt_cap, l.total);
+    // Padding rows write no KV: every row of a padding sequence, and a real sequence's tail.
+    int32_t *h = m->ws.meta_host;
+    for (int s = 0; s < B; s++) {
+        int q = s < n ? b->q_indptr[s + 1] - b->q_indptr[s] : 0;
+        for (int i = q; i < Q; i++) h[l.slots + (size_t)(s * Q + i)] = -1;
+    }
+    for (size_t t = 0; t < l.n_pseudo; t++) {  // token t: one query at its position, over its sequence's blocks
+        h[l.p_q_indptr + t] = (int32_t)t;
+        h[l.p_kv_lens + t] = h[l.positions + t] + 1;
+        h[l.p_bt_indptr + t] = h[l.bt_indptr + (size_t)h[l.token_seq + t]];
+        h[l.p_token_seq + t] = (int32_t)t;
+    }
+    if (l.n_pseudo) {
+        h[l.p_q_indptr + l.n_pseudo] = (int32_t)l.n_pseudo;
+        h[l.p_bt_indptr + l.n_pseudo] = h[l.bt_indptr + (size_t)B];
+    }
+    // The fixed layout's unused page-table tail (fewer blocks than bt_cap) is never read.
+    pd_graph_entry *ge = graph_entry_get(m, pd_buffer_ptr(kc->buf), B, Q, kv_cap, bt_cap, l.total);
     if (!ge) {
         *handled = false;  // no room for the bucket's metadata: eager
         return PD_OK;
@@ -332,20 +419,20 @@ static pd_status graph_step(pd_model *m, pd_model_cache *kc, const pd_batch *b, 
     }
     if (ge->g) return PD_OK;
     if (!ge->is_warm || ge->is_eager_only) {
-        run_step(m, kc, dmeta, &l, B, B, B, 1, kv_cap, NULL);
+        run_step(m, kc, dmeta, &l, T, B, T, Q, kv_cap, NULL);
         ge->is_warm = true;
         return PD_OK;
     }
     pd_backend_graph_begin(be);
-    run_step(m, kc, dmeta, &l, B, B, B, 1, kv_cap, NULL);
+    run_step(m, kc, dmeta, &l, T, B, T, Q, kv_cap, NULL);
     ge->g = pd_backend_graph_end(be);
     ge->ws_gen = m->ws.gen;
     if (ge->g && pd_backend_graph_launch(be, ge->g)) return PD_OK;
-    PD_LOG_W("model: decode graph for batch %d, context %d unavailable; running it eagerly", B, kv_cap);
+    PD_LOG_W("model: graph for batch %d x %d tokens, context %d unavailable; running it eagerly", B, Q, kv_cap);
     pd_backend_graph_free(be, ge->g);
     ge->g = NULL;
     ge->is_eager_only = true;
-    run_step(m, kc, dmeta, &l, B, B, B, 1, kv_cap, NULL);
+    run_step(m, kc, dmeta, &l, T, B, T, Q, kv_cap, NULL);
     return PD_OK;
 }
 
@@ -355,21 +442,40 @@ static int graph_bucket(int n) {
     return 0;
 }
 
-// A decode step through the bucket's graph. *handled false: not a graph step (run it eagerly).
+// Whether (B, Q) steps run as graphs: decode steps up to the largest batch bucket; steps of
+// several tokens per sequence only where pd_model_set_graph_q allowed them, and small.
+static bool graph_shape_ok(const pd_model *m, int B, int Q) {
+    if (!B || !Q) return false;
+    if (Q == 1) return true;
+    return Q <= m->ws.graph_q_max && B <= VERIFY_MAX_B && B * Q <= VERIFY_MAX_TOKENS;
+}
+
+int pd_model_step_tokens(pd_model *m, int n_seqs, int max_q, int n_tokens) {
+    if (n_seqs < 1 || max_q < 1 || !graphs_on(m)) return n_tokens;
+    int B = graph_bucket(n_seqs), Q = q_bucket(max_q);
+    return graph_shape_ok(m, B, Q) ? B * Q : n_tokens;
+}
+
+// A decode or verify step through the bucket's graph. *handled false: not a graph step (run it
+// eagerly).
 static pd_status forward_graph(pd_model *m, pd_model_cache *kc, const pd_batch *b, bool *handled) {
     *handled = false;
-    int n = b->n_seqs, B = graph_bucket(n), max_kv = 0;
-    if (b->n_tokens != n || b->n_logits <= 0) return PD_OK;
-    if (!B || b->bt_indptr[0] != 0) return PD_OK;
-    int bs = kc->block_size;
-    for (int s = 0; s <= n; s++)
-        if (b->q_indptr[s] != s) return PD_OK;  // some sequence has more than one query token
+    int n = b->n_seqs, B = graph_bucket(n), max_q = 0;
+    if (b->n_logits <= 0 || b->bt_indptr[0] != 0 || b->q_indptr[0] != 0 || b->q_indptr[n] != b->n_tokens) return PD_OK;
     for (int s = 0; s < n; s++) {
-        int nb = b->bt_indptr[s + 1] - b->bt_indptr[s];
-        if (b->kv_lens[s] < 1 || nb < 0 || (int64_t)nb * bs < b->kv_lens[s]) return PD_OK;  // eager path reports it
-        max_kv = PD_MAX(max_kv, b->kv_lens[s]);
+        int q = b->q_indptr[s + 1] - b->q_indptr[s];
+        if (q < 1) return PD_OK;
+        max_q = PD_MAX(max_q, q);
     }
-    return graph_step(m, kc, b, B, kv_bucket(max_kv), handled);
+    int Q = q_bucket(max_q);
+    if (!graph_shape_ok(m, B, Q)) return PD_OK;
+    int bs = kc->block_size, max_kv = 0;
+    for (int s = 0; s < n; s++) {
+        int nb = b->bt_indptr[s + 1] - b->bt_indptr[s], q = b->q_indptr[s + 1] - b->q_indptr[s];
+        if (b->kv_lens[s] < q || nb < 0 || (int64_t)nb * bs < b->kv_lens[s]) return PD_OK;  // eager path reports it
+        max_kv = PD_MAX(max_kv, b->kv_lens[s] + Q - q);
+    }
+    return graph_step(m, kc, b, B, Q, kv_bucket(max_kv), handled);
 }
 
 pd_status pd_model_warmup(pd_model *m, pd_model_cache *kc, int max_tokens, int max_seqs, int max_len, int *n_graphs) {
@@ -377,27 +483,39 @@ pd_status pd_model_warmup(pd_model *m, pd_model_cache *kc, int max_tokens, int m
     if (kc->model != m || max_tokens < 1 || max_seqs < 0 || max_len < 1) return PD_ERR_INVALID;
     int b_max = max_seqs > 0 && graphs_on(m) ? graph_bucket(PD_MIN(max_seqs, GRAPH_BUCKETS[PD_ARRAY_LEN(GRAPH_BUCKETS) - 1])) : 0;
     if (!b_max) return PD_OK;  // no graphs: the workspace may as well grow with the steps
-    // The activations for the largest step first: growing them later would make every graph stale.
-    pd_status st = ws_reserve(m, PD_MAX(max_tokens, b_max), PD_MAX(max_seqs, b_max), 0);
-    if (st) return st;
-    int n_b = 0, n_kv = 0, kvs[32];
+    int n_b = 0, n_kv = 0, kvs[32], n_q = 0, t_max = b_max;
     for (size_t i = 0; i < PD_ARRAY_LEN(GRAPH_BUCKETS) && GRAPH_BUCKETS[i] <= b_max; i++) n_b++;
+    for (size_t j = 0; j < PD_ARRAY_LEN(Q_BUCKETS) && Q_BUCKETS[j] <= PD_MAX(m->ws.graph_q_max, 1); j++) n_q++;
+    for (int i = 0; i < n_b; i++)
+        for (int j = 1; j < n_q; j++)
+            if (graph_shape_ok(m, GRAPH_BUCKETS[i], Q_BUCKETS[j])) t_max = PD_MAX(t_max, GRAPH_BUCKETS[i] * Q_BUCKETS[j]);
+    // The activations and logits for the largest step first: growing them later would make every
+    // graph stale.
+    pd_status st = ws_reserve(m, PD_MAX(max_tokens, t_max), PD_MAX(max_seqs, t_max), 0);
+    if (st) return st;
     for (int kv = 1; n_kv < (int)PD_ARRAY_LEN(kvs); kv = kvs[n_kv - 1] + 1) {
         kvs[n_kv++] = kv_bucket(kv);
         if (kvs[n_kv - 1] >= max_len) break;
     }
-    n_kv = PD_MIN(n_kv, PD_MODEL_MAX_GRAPHS / n_b);  // the shortest contexts when the table is short
-    // Largest first, so the attention scratch is sized once (growing it would also stale graphs).
+    int n_shapes = 0;
+    for (int i = 0; i < n_b; i++)
+        for (int j = 0; j < n_q; j++) n_shapes += graph_shape_ok(m, GRAPH_BUCKETS[i], Q_BUCKETS[j]);
+    n_kv = PD_MIN(n_kv, PD_MODEL_MAX_GRAPHS / n_shapes);  // the shortest contexts when the table is short
+    // Two passes: every shape runs eagerly once (sizing cuBLASLt plans and the backend's scratch
+    // to the largest need: the attention scratch depends on the sequences and the context, and
+    // growing it later would stale every graph), then every shape is captured. Largest first.
     int32_t zero = 0;
     pd_batch none = {.q_indptr = &zero, .bt_indptr = &zero};  // no real sequence: all rows padding
-    for (int i = n_b - 1; i >= 0; i--)
-        for (int k = n_kv - 1; k >= 0; k--)
-            for (int rep = 0; rep < 2; rep++) {  // eager warm-up, then capture
-                bool handled;
-                st = graph_step(m, kc, &none, GRAPH_BUCKETS[i], kvs[k], &handled);
-                if (st) return st;
-                if (!handled) break;
-                if (rep == 1 && n_graphs) (*n_graphs)++;
+    for (int pass = 0; pass < 2; pass++)
+        for (int j = 0; j < n_q; j++)
+            for (int i = n_b - 1; i >= 0; i--) {
+                if (!graph_shape_ok(m, GRAPH_BUCKETS[i], Q_BUCKETS[j])) continue;
+                for (int k = n_kv - 1; k >= 0; k--) {
+                    bool handled;
+                    st = graph_step(m, kc, &none, GRAPH_BUCKETS[i], Q_BUCKETS[j], kvs[k], &handled);
+                    if (st) return st;
+                    if (handled && pass == 1 && n_graphs) (*n_graphs)++;
+                }
             }
     pd_backend_sync(m->backend);
     return PD_OK;

@@ -106,6 +106,17 @@ pd_status pd_model_forward_dev(pd_model *m, pd_model_cache *c, const pd_batch *b
 // Nothing to do without graphs or with max_seqs 0 (a prefill worker). Writes no KV (every warm-up
 // row is padding). *n_graphs: graphs captured.
 pd_status pd_model_warmup(pd_model *m, pd_model_cache *c, int max_tokens, int max_seqs, int max_len, int *n_graphs);
+// Lets steps of up to max_q query tokens per sequence (speculative verify steps: the last token and
+// the drafts; a draft model's catch-up) run as graphs too: each sequence is padded to a query
+// bucket Q (2, 3, 5, 9, 13, 17) and the batch to a batch bucket of at most 64 sequences and 512
+// padded tokens (larger steps are compute-bound: eager). Call it before pd_model_warmup, which
+// then captures those buckets as well and sizes the workspace for them. max_q <= 1: decode only
+// (the default).
+void pd_model_set_graph_q(pd_model *m, int max_q);
+// The tokens a step of n_seqs sequences, the longest with max_q query tokens, n_tokens in all,
+// really computes: the padded size (batch bucket x query bucket) when it would run as a graph,
+// else n_tokens. What a step-cost model should be fed (speculative decoding's adaptive length).
+int pd_model_step_tokens(pd_model *m, int n_seqs, int max_q, int n_tokens);
 
 #ifdef __cplusplus
 }

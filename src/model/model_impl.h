@@ -15,20 +15,21 @@ typedef struct pd_layer_weights {
     pd_buffer *bdown;      // (D) or NULL
 } pd_layer_weights;
 
-// One captured decode step (forward.c, CUDA graphs): B padded sequences of one token each, context
-// at most kv_cap, on one KV cache. The graph bakes in the workspace and cache pointers, and reads
+// One captured decode or verify step (forward.c, CUDA graphs): B padded sequences of Q query tokens
+// each (Q 1: a decode step; Q > 1: a speculative verify step, or a draft's catch-up), context at
+// most kv_cap, on one KV cache. The graph bakes in the workspace and cache pointers, and reads
 // its metadata from its own device buffer, refreshed before every launch.
 typedef struct pd_graph_entry {
-    int B, kv_cap, bt_cap;
+    int B, Q, kv_cap, bt_cap;
     const void *kc_base;  // pd_buffer_ptr of the cache the graph writes (identity of the cache)
     uint64_t ws_gen;      // pd_model_ws.gen when captured
     pd_graph *g;          // NULL until captured: the first step of a bucket runs eagerly (warm-up)
-    pd_buffer *meta;      // (fixed layout of B, bt_cap) i32
+    pd_buffer *meta;      // (fixed layout of B, Q, bt_cap) i32
     bool is_warm;         // ran eagerly once with these bounds: device scratch is sized
     bool is_eager_only;   // capture failed once: this bucket stays eager
     uint64_t last_use;
 } pd_graph_entry;
-#define PD_MODEL_MAX_GRAPHS 256
+#define PD_MODEL_MAX_GRAPHS 1024
 
 // Forward workspace, grown on demand. Activations in act dtype.
 typedef struct pd_model_ws {
@@ -48,6 +49,7 @@ typedef struct pd_model_ws {
     uint64_t gen;        // bumped whenever an activation / logits buffer moves (graphs go stale)
     // decode graphs
     int graphs_mode;     // 0 undecided, 1 on, 2 off (no backend support, or PD_CUDA_GRAPHS=0)
+    int graph_q_max;     // steps of up to this many query tokens per sequence may run as graphs (0/1: decode only)
     pd_graph_entry graphs[PD_MODEL_MAX_GRAPHS];
     int n_graphs;
     uint64_t use_clock;

@@ -207,29 +207,63 @@ double pd_spec_cost_predict(const pd_spec_cost *c, int n_tokens) {
 
 int pd_spec_choose(const pd_spec_cost *c, int n_base, int n_seqs, const double *alpha, const int *k_max,
                    bool uses_draft, int *k) {
+    return pd_spec_choose_padded(c, n_base, n_seqs, alpha, k_max, uses_draft, NULL, NULL, k);
+}
+
+int pd_spec_choose_padded(const pd_spec_cost *c, int n_base, int n_seqs, const double *alpha, const int *k_max,
+                          bool uses_draft, pd_spec_pad_fn pad, void *ud, int *k) {
     double draft_us = uses_draft ? (c->draft_us > 0 ? c->draft_us : 0) : 0;
     int sum_k = 0, max_k = 0;
     double tokens = n_seqs;  // each speculating sequence yields its target token anyway
     for (int i = 0; i < n_seqs; i++) k[i] = 0;
-    double cost = pd_spec_cost_predict(c, n_base);
+    double cost = pd_spec_cost_predict(c, pad ? pad(ud, 0, n_base) : n_base);
+    // With padding: the best point of the greedy path (its length in added tokens).
+    double best_rate = tokens / cost;
+    int best_len = 0, len = 0;
+    int order_stack[512], *order = NULL;  // which sequence each step of the path grew (replayed up to best_len)
+    if (pad) {
+        int total = 0;
+        for (int i = 0; i < n_seqs; i++) total += k_max[i] > 0 ? k_max[i] : 0;
+        order = total <= 512 ? order_stack : pd_malloc(sizeof(int) * (size_t)total);
+        if (!order) return 0;  // out of memory: no speculation this step
+    }
+    // g[i]: sequence i's next marginal gain alpha^(k+1), updated by one product per step (this
+    // loop runs up to sum(k_max) times over n_seqs sequences: no pow() in it).
+    double g_stack[256], *g = n_seqs <= 256 ? g_stack : pd_malloc(sizeof(double) * (size_t)n_seqs);
+    if (!g) {
+        if (order && order != order_stack) pd_free(order);
+        return 0;
+    }
+    for (int i = 0; i < n_seqs; i++) g[i] = alpha[i] > 0 ? alpha[i] : 0;
     for (;;) {
         // The sequence with the largest marginal gain alpha^(k+1).
         int best = -1;
         double gain = 0;
-        for (int i = 0; i < n_seqs; i++) {
-            if (k[i] >= k_max[i]) continue;
-            double g = pow(alpha[i], k[i] + 1);
-            if (g > gain) gain = g, best = i;
-        }
-        if (best < 0 || gain <= 0) break;
-        int nk = k[best] + 1;
-        double ncost = pd_spec_cost_predict(c, n_base + sum_k + 1) + (nk > max_k ? nk : max_k) * draft_us;
-        if ((tokens + gain) / ncost <= tokens / cost) break;  // does not pay: neither will the rest
+        for (int i = 0; i < n_seqs; i++)
+            if (k[i] < k_max[i] && g[i] > gain) gain = g[i], best = i;
+        // Below 0.005 expected tokens a draft cannot pay for anything (the path stops there).
+        if (best < 0 || gain <= (pad ? 0.005 : 0)) break;
+        g[best] *= alpha[best];
+        int nk = k[best] + 1, nmax = nk > max_k ? nk : max_k;
+        int n_tok = n_base + sum_k + 1;
+        double ncost = pd_spec_cost_predict(c, pad ? pad(ud, nmax, n_tok) : n_tok) + nmax * draft_us;
+        if (!pad && (tokens + gain) / ncost <= tokens / cost) break;  // does not pay: neither will the rest
         k[best] = nk;
         sum_k++;
-        if (nk > max_k) max_k = nk;
+        max_k = nmax;
         tokens += gain;
         cost = ncost;
+        if (pad) {
+            order[len++] = best;
+            if (tokens / cost > best_rate) best_rate = tokens / cost, best_len = len;
+        }
+    }
+    if (g != g_stack) pd_free(g);
+    if (pad) {  // back to the best point of the path
+        for (int i = 0; i < n_seqs; i++) k[i] = 0;
+        for (int j = 0; j < best_len; j++) k[order[j]]++;
+        sum_k = best_len;
+        if (order != order_stack) pd_free(order);
     }
     return sum_k;
 }

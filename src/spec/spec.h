@@ -101,6 +101,16 @@ double pd_spec_cost_predict(const pd_spec_cost *c, int n_tokens);
 // number of draft forwards); a token is added only if it raises tokens/time. Returns sum k.
 int pd_spec_choose(const pd_spec_cost *c, int n_base, int n_seqs, const double *alpha, const int *k_max,
                    bool uses_draft, int *k);
+// The tokens a step really computes: a step run as a padded graph costs its padded size (every
+// sequence padded to 1 + the longest draft's query bucket, the batch to its bucket), not its real
+// tokens. pad(ud, max_k, n_tokens) gives that count for a step whose longest draft is max_k and
+// whose real tokens are n_tokens; cost observations must use the same count.
+typedef int (*pd_spec_pad_fn)(void *ud, int max_k, int n_tokens);
+// pd_spec_choose with the step's cost at pad(...) tokens. The cost is then a step function of the
+// longest draft, so the greedy path is followed to its end (every k_max used) and the best
+// tokens/time point on it is kept, rather than stopping at the first token that does not pay.
+int pd_spec_choose_padded(const pd_spec_cost *c, int n_base, int n_seqs, const double *alpha, const int *k_max,
+                          bool uses_draft, pd_spec_pad_fn pad, void *ud, int *k);
 
 #ifdef __cplusplus
 }

@@ -1,0 +1,64 @@
+#!/bin/sh
+# test_bench_spec.sh — `pdserve bench-spec` end to end on the CPU (the tool docs/benchmarks.md's
+# GPU speculation figures come from):
+#   1. the kjv pair (kjv-llama-1m drafting for kjv-llama-6m) on the golden file's
+#      speculative_acceptance prompts, batches 1 and 3, modes off, adaptive, fixed, off: every line
+#      reported, the fixed run drafted and accepted tokens, and every speculative run's greedy
+#      output is byte-identical to speculation off ("same as off N/N": fp32 on the CPU is exact)
+#   2. ngram on a repeated prompt: drafted, accepted, identical; the JSON report has every run
+#   3. bad input is refused with a message naming it
+here=$(cd "$(dirname "$0")" && pwd)
+. "$here/lib/server.sh"
+pd_setup
+pd_need python3
+MD=$(dirname "$MODEL")
+G="$MD/golden/kjv-llama-6m.json"
+[ -e "$G" ] || G="${PD_MODELS_DIR:-$repo/../shared/models}/golden/kjv-llama-6m.json"
+[ -e "$G" ] || pd_fail "golden/kjv-llama-6m.json not found"
+GD=$(dirname "$G")
+DRAFT="$GD/../kjv-llama-1m"
+[ -e "$DRAFT/config.json" ] || DRAFT="${PD_MODELS_DIR:-$repo/../shared/models}/kjv-llama-1m"
+[ -e "$DRAFT/config.json" ] || pd_fail "model kjv-llama-1m not found"
+
+# ---- 1. the kjv pair ---------------------------------------------------------------------------------
+timeout 300 "$PD_BIN" bench-spec --model "$MODEL" --device cpu --speculative-method draft --speculative-model "$DRAFT" \
+  --golden "$G" --golden-key speculative_acceptance --batches 1,3 --max-tokens 24 --modes off,adaptive,fixed,off \
+  --json "$TMP/draft.json" >"$TMP/draft.out" 2>"$TMP/draft.err" || pd_fail "bench-spec draft: $(tail -5 "$TMP/draft.err")"
+n=$(grep -c ' batch=' "$TMP/draft.out")
+[ "$(grep ' batch=' "$TMP/draft.out" | grep -c 'same as')" -eq 6 ] || pd_fail "bench-spec draft: no comparison with off"
+[ "$n" -eq 8 ] || pd_fail "bench-spec draft: $n result lines, want 8: $(cat "$TMP/draft.out")"
+grep ' batch=' "$TMP/draft.out" | grep 'same as' | while read -r line; do
+  echo "$line" | grep -Eq 'same as off ([0-9]+)/\1$' || { echo "FAIL: output differs from speculation off: $line" >&2; exit 1; }
+done || exit 1
+fixed1=$(grep ' fixed ' "$TMP/draft.out" | grep 'batch=1 ')
+echo "$fixed1" | grep -Eq 'drafted [1-9]' || pd_fail "fixed k drafted nothing: $fixed1"
+echo "$fixed1" | grep -Eq 'acceptance 0\.[0-9]*[1-9]' || pd_fail "fixed k accepted nothing: $fixed1"
+
+# ---- 2. ngram on a repetitive prompt, the JSON report ------------------------------------------------
+timeout 300 "$PD_BIN" bench-spec --model "$MODEL" --device cpu --speculative-method ngram --golden "$G" --repeat 3 \
+  --batches 2 --max-tokens 24 --modes off,fixed --json "$TMP/ngram.json" >"$TMP/ngram.out" 2>"$TMP/ngram.err" ||
+  pd_fail "bench-spec ngram: $(tail -5 "$TMP/ngram.err")"
+python3 - "$TMP/draft.json" "$TMP/ngram.json" <<'EOF' || pd_fail "bench-spec JSON reports"
+import json, sys
+d = json.load(open(sys.argv[1]))
+assert d["method"] == "draft" and len(d["results"]) == 8, d
+for r in d["results"]:
+    assert r["tok_s"] > 0 and r["tokens"] > 0, r
+    if r["mode"] != "off" or r["same_as_off"] >= 0:
+        assert r["same_as_off"] == r["batch"] or r["same_as_off"] == -1, r
+g = json.load(open(sys.argv[2]))
+f = [r for r in g["results"] if r["mode"] == "fixed"][0]
+assert f["drafted"] > 0 and f["accepted"] > 0 and f["same_as_off"] == 2, f
+assert f["tokens_per_verify"] > 1.0, f
+EOF
+
+# ---- 3. refusals -------------------------------------------------------------------------------------
+"$PD_BIN" bench-spec --model "$MODEL" --device cpu --speculative-method draft --golden "$G" >"$TMP/r1" 2>&1 &&
+  pd_fail "draft without --speculative-model accepted"
+grep -q 'speculative-model' "$TMP/r1" || pd_fail "refusal does not name --speculative-model: $(cat "$TMP/r1")"
+"$PD_BIN" bench-spec --model "$MODEL" --device cpu --speculative-method ngram --golden "$G" --modes adaptive,off >"$TMP/r2" 2>&1 &&
+  pd_fail "--modes not starting with off accepted"
+grep -q 'modes' "$TMP/r2" || pd_fail "refusal does not name --modes: $(cat "$TMP/r2")"
+"$PD_BIN" bench-spec --model "$MODEL" --device cpu --speculative-method ngram --golden "$G" --frobnicate 1 >"$TMP/r3" 2>&1 &&
+  pd_fail "unknown option accepted"
+echo "PASS test_bench_spec: $(grep ' fixed .*batch=1 ' "$TMP/draft.out" | sed 's/  */ /g')"
