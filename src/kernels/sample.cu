@@ -59,7 +59,7 @@ namespace cg = cooperative_groups;
 
 struct k_smem {
     double hist[NHIST][RADIX];
-    double tot[RADIX];       // this CTA's digit totals (read by the cluster)
+    double tot[2][RADIX];    // this CTA's digit totals (read by the cluster), by pass parity
     double gtot[RADIX];      // the row's digit totals (rank order)
     double red_d[NWARP];
     float red_f[NWARP];
@@ -320,7 +320,8 @@ template <int CL> static __device__ void clu_lse(float m, double s, k_smem &S, f
 // with W(key > K) < want <= W(key >= K), W the summed weight; when rounding leaves want above the
 // total, the smallest key with weight. *above = W(key > K), *eq = W(key == K). Each CTA histograms
 // its chunk; the cluster's histograms are summed in rank order, so every CTA selects the same K.
-template <int CL, class F>
+// UNIT: every accepted element weighs 1 (counts).
+template <int CL, bool UNIT, class F>
 static __device__ uint32_t radix_select(chunk_t C, double want, F f, k_smem &S, double *above_out, double *eq_out) {
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     uint32_t prefix = 0, mask = 0;
@@ -329,30 +330,49 @@ static __device__ uint32_t radix_select(chunk_t C, double want, F f, k_smem &S, 
         for (int j = threadIdx.x; j < NHIST * RADIX; j += NT) (&S.hist[0][0])[j] = 0.0;
         __syncthreads();
         double *h = S.hist[warp >> 1];
-        for (int i = C.beg + threadIdx.x; i < C.end; i += NT) {
-            uint32_t key;
-            double w;
-            if (f(i, &key, &w) && w > 0 && (key & mask) == prefix) atomicAdd(&h[(key >> shift) & 255u], w);
+        // Warp-aggregated: the lanes of a warp with the same digit add once (real logits cluster
+        // in a few high digits, and same-address double atomics in shared memory serialise).
+        for (int i0 = C.beg + (threadIdx.x & ~31); i0 < C.end; i0 += NT) {  // warp-uniform trip count
+            int i = i0 + lane;
+            uint32_t key = 0;
+            double w = 0;
+            bool ok = i < C.end && f(i, &key, &w) && w > 0 && (key & mask) == prefix;
+            unsigned okm = __ballot_sync(FULL, ok);
+            if (ok) {
+                int dig = (int)((key >> shift) & 255u);
+                unsigned grp = __match_any_sync(okm, dig);
+                int leader = __ffs(grp) - 1;
+                if (UNIT) {
+                    if (lane == leader) atomicAdd(&h[dig], (double)__popc(grp));
+                } else if (grp == (1u << lane)) {
+                    atomicAdd(&h[dig], w);
+                } else {
+                    double s = 0;  // the group's weights in lane order
+                    for (unsigned m = grp; m; m &= m - 1) s += __shfl_sync(grp, w, __ffs(m) - 1);
+                    if (lane == leader) atomicAdd(&h[dig], s);
+                }
+            }
         }
         __syncthreads();
+        int par = (shift >> 3) & 1;  // tot alternates between passes (every select starts at 1, ends at 0)
         if (threadIdx.x < RADIX) {
             double t = 0;
             for (int c = 0; c < NHIST; c++) t += S.hist[c][threadIdx.x];
-            S.tot[threadIdx.x] = t;
+            S.tot[par][threadIdx.x] = t;
             if constexpr (CL == 1) S.gtot[threadIdx.x] = t;
         }
         if constexpr (CL > 1) {
+            // One cluster barrier a pass: a CTA rewrites tot[par] two passes later, after the next
+            // pass's barrier, which every CTA reaches only once it has read this pass's tot[par].
             cg::cluster_group cl = cg::this_cluster();
             cl.sync();
             if (threadIdx.x < RADIX) {
                 double t = 0;
-                for (int r = 0; r < CL; r++) t += cl.map_shared_rank(&S, r)->tot[threadIdx.x];
+                for (int r = 0; r < CL; r++) t += cl.map_shared_rank(&S, r)->tot[par][threadIdx.x];
                 S.gtot[threadIdx.x] = t;
             }
-            cl.sync();  // also: nobody rewrites tot before every CTA has read it
-        } else {
-            __syncthreads();
         }
+        __syncthreads();
         if (warp == 0) {
             // Lane L holds digits 255 - 8L - j (j = 0..7): lanes in descending digit order.
             double w8[8], chunk = 0;
@@ -413,7 +433,7 @@ template <int CL> static __device__ float raw_logprobs(const float *x, chunk_t C
     n = min(n, V);
     if (n <= 0) return lse;
     double above, eq;
-    uint32_t K = radix_select<CL>(C, (double)n, [&](int i, uint32_t *k, double *w) { *k = fkey(x[i]); *w = 1.0; return true; },
+    uint32_t K = radix_select<CL, true>(C, (double)n, [&](int i, uint32_t *k, double *w) { *k = fkey(x[i]); *w = 1.0; return true; },
                                   S, &above, &eq);
     int need_ties = n - (int)above, tot, n_eq = 0, all_eq;
     for (int i = C.beg + threadIdx.x; i < C.end; i += NT) n_eq += fkey(x[i]) == K;
@@ -508,7 +528,7 @@ static __device__ cut_t truncate(const float *x, const uint32_t *M, chunk_t C, c
     int n_tie_k = 0;
     if (R.top_k > 0) {
         double above, eq;
-        Kk = radix_select<CL>(C, (double)R.top_k,
+        Kk = radix_select<CL, true>(C, (double)R.top_k,
                               [&](int i, uint32_t *k, double *w) { *k = fkey(__fmul_rn(lg(x, M, i), it)); *w = 1.0; return true; },
                               S, &above, &eq);
         n_tie_k = R.top_k - (int)above;
@@ -525,7 +545,7 @@ static __device__ cut_t truncate(const float *x, const uint32_t *M, chunk_t C, c
         tot = clu_sum_d<CL>(tot, S);
         double want = (double)R.top_p * tot, above, eq;
         bool has_k = R.top_k > 0;
-        uint32_t Kp = radix_select<CL>(C, want,
+        uint32_t Kp = radix_select<CL, false>(C, want,
                                        [&](int i, uint32_t *k, double *w) {
                                            float l = __fmul_rn(lg(x, M, i), it);
                                            *k = fkey(l);
