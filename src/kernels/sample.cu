@@ -330,27 +330,28 @@ static __device__ uint32_t radix_select(chunk_t C, double want, F f, k_smem &S, 
         for (int j = threadIdx.x; j < NHIST * RADIX; j += NT) (&S.hist[0][0])[j] = 0.0;
         __syncthreads();
         double *h = S.hist[warp >> 1];
-        // Warp-aggregated: the lanes of a warp with the same digit add once (real logits cluster
-        // in a few high digits, and same-address double atomics in shared memory serialise).
-        for (int i0 = C.beg + (threadIdx.x & ~31); i0 < C.end; i0 += NT) {  // warp-uniform trip count
-            int i = i0 + lane;
-            uint32_t key = 0;
-            double w = 0;
-            bool ok = i < C.end && f(i, &key, &w) && w > 0 && (key & mask) == prefix;
-            unsigned okm = __ballot_sync(FULL, ok);
-            if (ok) {
-                int dig = (int)((key >> shift) & 255u);
-                unsigned grp = __match_any_sync(okm, dig);
-                int leader = __ffs(grp) - 1;
-                if (UNIT) {
-                    if (lane == leader) atomicAdd(&h[dig], (double)__popc(grp));
-                } else if (grp == (1u << lane)) {
-                    atomicAdd(&h[dig], w);
-                } else {
-                    double s = 0;  // the group's weights in lane order
-                    for (unsigned m = grp; m; m &= m - 1) s += __shfl_sync(grp, w, __ffs(m) - 1);
-                    if (lane == leader) atomicAdd(&h[dig], s);
+        if constexpr (UNIT) {
+            // Counts, warp-aggregated: the lanes of a warp with the same digit add once (real logits
+            // cluster in a few high digits, and same-address double atomics in shared memory
+            // serialise). Masses are added one by one: summing a group through shuffles measured
+            // slower than the contended atomics (op_bench sample, top-p at batch 64 / 256).
+            for (int i0 = C.beg + (threadIdx.x & ~31); i0 < C.end; i0 += NT) {  // warp-uniform trip count
+                int i = i0 + lane;
+                uint32_t key = 0;
+                double w = 0;
+                bool ok = i < C.end && f(i, &key, &w) && w > 0 && (key & mask) == prefix;
+                unsigned okm = __ballot_sync(FULL, ok);
+                if (ok) {
+                    int dig = (int)((key >> shift) & 255u);
+                    unsigned grp = __match_any_sync(okm, dig);
+                    if (lane == __ffs(grp) - 1) atomicAdd(&h[dig], (double)__popc(grp));
                 }
+            }
+        } else {
+            for (int i = C.beg + threadIdx.x; i < C.end; i += NT) {
+                uint32_t key;
+                double w;
+                if (f(i, &key, &w) && w > 0 && (key & mask) == prefix) atomicAdd(&h[(key >> shift) & 255u], w);
             }
         }
         __syncthreads();
@@ -777,7 +778,10 @@ extern "C" void pd_cuda_sample(const pd_sample_kparams *p, cudaStream_t s) {
     int cl = env_cluster(), lg = 0;
     if (cl == 0) {  // the largest cluster with every row's cluster resident at once, >= 1024 ids a CTA
         cl = 1;
-        while (lg < 4 && p->n_rows <= di->max_clusters[lg + 1] && p->vocab >= cl * 2 * NT) cl *= 2, lg++;
+        // Greedy only: one pass, where a cluster's barriers and launch cost more than they save from
+        // 9 rows on (op_bench sample: V = 128256, 64 rows, 23 us one CTA a row, 32 us two).
+        while (lg < 4 && p->n_rows <= di->max_clusters[lg + 1] && p->vocab >= cl * 2 * NT && !(p->all_greedy && p->n_rows > 8))
+            cl *= 2, lg++;
     } else {
         while ((1 << lg) < cl) lg++;
         if (di->max_clusters[lg] <= 0) cl = 1;  // this device has no such cluster
