@@ -3,8 +3,9 @@
 // raw logits; greedy ties to the lowest id.
 //
 // A row is sampled by a thread-block cluster of CL CTAs of 1024 threads (CL = 1, 2, 4, 8 or 16,
-// chosen per launch so that n_rows * CL fills the SMs: one sequence gets 16 SMs, 64 rows get 2,
-// 256 rows get one CTA each). CTA `rank` of the cluster owns the contiguous id range
+// chosen per launch: the largest whose clusters for every row can be resident at once, so on an
+// H100 one sequence gets 16 SMs, 64 rows get 2, 256 rows one CTA each; greedy-only launches of
+// more than 8 rows keep one CTA a row). CTA `rank` of the cluster owns the contiguous id range
 // [rank * V / CL, (rank + 1) * V / CL) of the row, so the id order of the row is (rank, then id
 // inside the chunk). Every pass reads only the CTA's own chunk (re-read from L2 rather than
 // sorted); every reduction is a block reduction followed by an exchange through distributed
