@@ -2,34 +2,52 @@
 // (src/model/sample.c): penalties → temperature → top-k → top-p → min-p → draw; logprobs of the
 // raw logits; greedy ties to the lowest id.
 //
-// One CTA of 1024 threads per row; the row (up to ~152k floats) is re-read from L2 by each pass
-// instead of being sorted. Passes, each skipped when the row does not need it:
+// A row is sampled by a thread-block cluster of CL CTAs of 1024 threads (CL = 1, 2, 4, 8 or 16,
+// chosen per launch: the largest whose clusters for every row can be resident at once, so on an
+// H100 one sequence gets 16 SMs, 64 rows get 2, 256 rows one CTA each; greedy-only launches of
+// more than 8 rows keep one CTA a row). CTA `rank` of the cluster owns the contiguous id range
+// [rank * V / CL, (rank + 1) * V / CL) of the row, so the id order of the row is (rank, then id
+// inside the chunk). Every pass reads only the CTA's own chunk (re-read from L2 rather than
+// sorted); every reduction is a block reduction followed by an exchange through distributed
+// shared memory (each CTA publishes its partial value, every CTA reads all CL partials and
+// combines them in rank order, so all CTAs of a row compute the same value and take the same
+// decisions). Passes, each skipped when the row does not need it:
 //
 //   A  raw log-sum-exp (online max + sum)          logprobs
 //      radix select of the N-th largest raw logit  top-N logprobs, then an ordered gather
-//   B  penalties and logit bias in place (sparse entries; the overwritten values are saved in
-//      pen_raw). A row with a token mask reads every disallowed token as -inf in C (lg()), so the
-//      mask is never written into the logits.
-//   C  greedy: block argmax.  Random: max of l = x * (1/T), then
+//   B  penalties and logit bias in place (sparse entries; each CTA applies those of its chunk; the
+//      overwritten values are saved in pen_raw). A row with a token mask reads every disallowed
+//      token as -inf in C (lg()), so the mask is never written into the logits.
+//   C  greedy: argmax.  Random: max of l = x * (1/T), then
 //      top-k: radix select of the k-th largest l (counts)
 //      top-p: radix select by probability mass (restricted to the top-k set)
 //      min-p: a value threshold, mx + log(min_p)
-//      S: the surviving mass; draw: u * S located by a block-wide inclusive scan in id order
+//      S: the surviving mass (per chunk, then an exclusive scan over the cluster); draw: u * S
+//      located in the one chunk whose mass range holds it, by a block-wide inclusive scan in id
+//      order
 //   D  penalties undone (pen_raw), the token's raw logprob
 //
 // Every truncation keeps a prefix of the order (value desc, id asc), so the survivors are "key >
-// Kc, plus the first jc tokens (by id) whose key equals Kc". The radix select works on the 32-bit
-// order-preserving key of the float, 8 bits a pass (4 passes), with per-warp-pair shared-memory
-// histograms (double weights: counts, or exp masses), so that the clustered high digits of real
-// logits do not serialise on one address. Element
-// arithmetic matches the CPU bit for bit where it can (no FMA contraction: __fmul_rn / __fadd_rn;
-// exp computed in double and rounded to float like glibc's expf; 1/T and logf(min_p) come from
-// the host), so seeded draws agree except when u*S lands within rounding of a boundary.
+// Kc, plus the first jc tokens (by id) whose key equals Kc" (tie ranks: an exclusive scan of the
+// per-chunk tie counts over the cluster, then over the threads). The radix select works on the
+// 32-bit order-preserving key of the float, 8 bits a pass (4 passes), with per-warp-pair
+// shared-memory histograms (double weights: counts, or exp masses), so that the clustered high
+// digits of real logits do not serialise on one address; the CL histograms of a row are summed in
+// rank order. Element arithmetic matches the CPU bit for bit where it can (no FMA contraction:
+// __fmul_rn / __fadd_rn; exp computed in double and rounded to float like glibc's expf; 1/T and
+// logf(min_p) come from the host), so seeded draws agree except when u*S lands within rounding of
+// a boundary (the sums are in double in another order than the CPU's).
+//
+// PD_CUDA_SAMPLE_CLUSTER=1|2|4|8|16 forces the cluster size (1: one CTA per row, the previous
+// kernel's layout).
+#include <cooperative_groups.h>
 #include <math.h>
 
 #include "kernels/common.cuh"
 #include "kernels/sample.cuh"
 #include "kernels/sample_rng.h"
+
+namespace cg = cooperative_groups;
 
 #define NT 1024
 #define NWARP (NT / 32)
@@ -38,15 +56,23 @@
 #define ITEMS 4             // consecutive elements per thread in the ordered (id-order) passes
 #define TILE (NT * ITEMS)
 #define FULL 0xffffffffu
+#define CLMAX 16
 
 struct k_smem {
     double hist[NHIST][RADIX];
-    double tot[RADIX];
+    double tot[2][RADIX];    // this CTA's digit totals (read by the cluster), by pass parity
+    double gtot[RADIX];      // the row's digit totals (rank order)
     double red_d[NWARP];
     float red_f[NWARP];
     int red_i[NWARP];
     double scan_d[NWARP];
     int scan_i[NWARP];
+    double pub_d;            // this CTA's partial, published for the cluster
+    float pub_f;
+    int pub_i[2];
+    double gat_d[CLMAX];     // every CTA's partial, by rank
+    float gat_f[CLMAX];
+    int gat_i[2][CLMAX];
     int sel_digit;
     double sel_above, sel_eq;
     int token, last_keep, n_top;
@@ -54,6 +80,10 @@ struct k_smem {
     float top_vals[PD_SAMPLE_KMAX_TOP];
 };
 
+// The CTA's share of its row.
+struct chunk_t {
+    int beg, end, rank;
+};
 // ---- element helpers ---------------------------------------------------------------------------
 
 // Order-preserving key: a > b as floats <=> key(a) > key(b) (both zeros map to +0).
@@ -100,26 +130,6 @@ static __device__ float blk_max_f(float v, k_smem &S) {
     v = S.red_f[lane];
     for (int o = 16; o; o >>= 1) v = fmaxf(v, __shfl_xor_sync(FULL, v, o));
     return v;
-}
-
-// Argmax with the lowest index on ties.
-static __device__ int blk_argmax(float v, int i, k_smem &S) {
-    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    for (int o = 16; o; o >>= 1) {
-        float ov = __shfl_xor_sync(FULL, v, o);
-        int oi = __shfl_xor_sync(FULL, i, o);
-        if (ov > v || (ov == v && oi < i)) v = ov, i = oi;
-    }
-    __syncthreads();
-    if (lane == 0) S.red_f[warp] = v, S.red_i[warp] = i;
-    __syncthreads();
-    v = S.red_f[lane], i = S.red_i[lane];
-    for (int o = 16; o; o >>= 1) {
-        float ov = __shfl_xor_sync(FULL, v, o);
-        int oi = __shfl_xor_sync(FULL, i, o);
-        if (ov > v || (ov == v && oi < i)) v = ov, i = oi;
-    }
-    return i;
 }
 
 // Online softmax statistics: (max, sum of exp(x - max)) over the block.
@@ -194,13 +204,126 @@ static __device__ double blk_excl_scan_d(double v, k_smem &S, double *total) {
     return S.scan_d[warp] + ex;
 }
 
+// ---- cluster exchange ---------------------------------------------------------------------------
+
+// Every thread calls. Thread 0 has set S.pub_*; afterwards S.gat_*[r] holds rank r's values, for
+// every thread. The second barrier keeps a CTA from overwriting pub_* (or exiting) while another
+// still reads it.
+template <int CL> static __device__ __forceinline__ void xchg(k_smem &S) {
+    if constexpr (CL == 1) {
+        __syncthreads();
+        if (threadIdx.x == 0) S.gat_d[0] = S.pub_d, S.gat_f[0] = S.pub_f, S.gat_i[0][0] = S.pub_i[0], S.gat_i[1][0] = S.pub_i[1];
+        __syncthreads();
+    } else {
+        cg::cluster_group cl = cg::this_cluster();
+        cl.sync();
+        if (threadIdx.x < CL) {
+            const k_smem *R = cl.map_shared_rank(&S, threadIdx.x);
+            S.gat_d[threadIdx.x] = R->pub_d, S.gat_f[threadIdx.x] = R->pub_f;
+            S.gat_i[0][threadIdx.x] = R->pub_i[0], S.gat_i[1][threadIdx.x] = R->pub_i[1];
+        }
+        cl.sync();
+    }
+}
+
+template <int CL> static __device__ double clu_sum_d(double v, k_smem &S) {
+    v = blk_sum_d(v, S);
+    if (threadIdx.x == 0) S.pub_d = v;
+    xchg<CL>(S);
+    double t = 0;
+    for (int r = 0; r < CL; r++) t += S.gat_d[r];
+    return t;
+}
+
+// Exclusive scan over the cluster of one value per CTA (v: the same in every thread of the CTA).
+template <int CL> static __device__ double clu_scan_d(double v, int rank, k_smem &S, double *total) {
+    if (threadIdx.x == 0) S.pub_d = v;
+    xchg<CL>(S);
+    double t = 0, before = 0;
+    for (int r = 0; r < CL; r++) {
+        if (r == rank) before = t;
+        t += S.gat_d[r];
+    }
+    *total = t;
+    return before;
+}
+
+template <int CL> static __device__ int clu_scan_i(int v, int rank, k_smem &S, int *total) {
+    if (threadIdx.x == 0) S.pub_i[0] = v;
+    xchg<CL>(S);
+    int t = 0, before = 0;
+    for (int r = 0; r < CL; r++) {
+        if (r == rank) before = t;
+        t += S.gat_i[0][r];
+    }
+    *total = t;
+    return before;
+}
+
+template <int CL> static __device__ float clu_max_f(float v, k_smem &S) {
+    v = blk_max_f(v, S);
+    if (threadIdx.x == 0) S.pub_f = v;
+    xchg<CL>(S);
+    float m = -INFINITY;
+    for (int r = 0; r < CL; r++) m = fmaxf(m, S.gat_f[r]);
+    return m;
+}
+
+// Argmax with the lowest index on ties; (v, i): this thread's best.
+template <int CL> static __device__ int clu_argmax(float v, int i, k_smem &S) {
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    for (int o = 16; o; o >>= 1) {
+        float ov = __shfl_xor_sync(FULL, v, o);
+        int oi = __shfl_xor_sync(FULL, i, o);
+        if (ov > v || (ov == v && oi < i)) v = ov, i = oi;
+    }
+    __syncthreads();
+    if (lane == 0) S.red_f[warp] = v, S.red_i[warp] = i;
+    __syncthreads();
+    v = S.red_f[lane], i = S.red_i[lane];
+    for (int o = 16; o; o >>= 1) {
+        float ov = __shfl_xor_sync(FULL, v, o);
+        int oi = __shfl_xor_sync(FULL, i, o);
+        if (ov > v || (ov == v && oi < i)) v = ov, i = oi;
+    }
+    if (threadIdx.x == 0) S.pub_f = v, S.pub_i[0] = i;
+    xchg<CL>(S);
+    float bv = S.gat_f[0];
+    int bi = S.gat_i[0][0];
+    for (int r = 1; r < CL; r++) {
+        float ov = S.gat_f[r];
+        int oi = S.gat_i[0][r];
+        if (ov > bv || (ov == bv && oi < bi)) bv = ov, bi = oi;
+    }
+    return bi;
+}
+
+// Online softmax statistics (max, sum of exp(x - max)) over the row.
+template <int CL> static __device__ void clu_lse(float m, double s, k_smem &S, float *m_out, double *s_out) {
+    blk_lse(m, s, S, &m, &s);
+    if (threadIdx.x == 0) S.pub_f = m, S.pub_d = s;
+    xchg<CL>(S);
+    m = S.gat_f[0], s = S.gat_d[0];
+    for (int r = 1; r < CL; r++) {
+        float om = S.gat_f[r];
+        double os = S.gat_d[r];
+        float nm = fmaxf(m, om);
+        double a = m == -INFINITY ? 0.0 : s * exp((double)m - (double)nm);
+        double b = om == -INFINITY ? 0.0 : os * exp((double)om - (double)nm);
+        m = nm, s = a + b;
+    }
+    *m_out = m, *s_out = s;
+}
+
 // ---- radix select ------------------------------------------------------------------------------
 
-// Over the elements f accepts (f(i, &key, &w) -> bool, weight w >= 0), finds the key K with
-// W(key > K) < want <= W(key >= K), W the summed weight; when rounding leaves want above the
-// total, the smallest key with weight. *above = W(key > K), *eq = W(key == K).
-template <class F>
-static __device__ uint32_t radix_select(int V, double want, F f, k_smem &S, double *above_out, double *eq_out) {
+// Over the elements of the row f accepts (f(i, &key, &w) -> bool, weight w >= 0), finds the key K
+// with W(key > K) < want <= W(key >= K), W the summed weight; when rounding leaves want above the
+// total, the smallest key with weight. *above = W(key > K), *eq = W(key == K). Each CTA histograms
+// its chunk; the cluster's histograms are summed in rank order, so every CTA selects the same K.
+// UNIT: every accepted element weighs 1 (counts).
+template <int CL, bool UNIT, class F>
+static __device__ uint32_t radix_select(chunk_t C, double want, F f, k_smem &S, double *above_out, double *eq_out) {
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     uint32_t prefix = 0, mask = 0;
     double above = 0, eq = 0;
@@ -208,22 +331,54 @@ static __device__ uint32_t radix_select(int V, double want, F f, k_smem &S, doub
         for (int j = threadIdx.x; j < NHIST * RADIX; j += NT) (&S.hist[0][0])[j] = 0.0;
         __syncthreads();
         double *h = S.hist[warp >> 1];
-        for (int i = threadIdx.x; i < V; i += NT) {
-            uint32_t key;
-            double w;
-            if (f(i, &key, &w) && w > 0 && (key & mask) == prefix) atomicAdd(&h[(key >> shift) & 255u], w);
+        if constexpr (UNIT) {
+            // Counts, warp-aggregated: the lanes of a warp with the same digit add once (real logits
+            // cluster in a few high digits, and same-address double atomics in shared memory
+            // serialise). Masses are added one by one: summing a group through shuffles measured
+            // slower than the contended atomics (op_bench sample, top-p at batch 64 / 256).
+            for (int i0 = C.beg + (threadIdx.x & ~31); i0 < C.end; i0 += NT) {  // warp-uniform trip count
+                int i = i0 + lane;
+                uint32_t key = 0;
+                double w = 0;
+                bool ok = i < C.end && f(i, &key, &w) && w > 0 && (key & mask) == prefix;
+                unsigned okm = __ballot_sync(FULL, ok);
+                if (ok) {
+                    int dig = (int)((key >> shift) & 255u);
+                    unsigned grp = __match_any_sync(okm, dig);
+                    if (lane == __ffs(grp) - 1) atomicAdd(&h[dig], (double)__popc(grp));
+                }
+            }
+        } else {
+            for (int i = C.beg + threadIdx.x; i < C.end; i += NT) {
+                uint32_t key;
+                double w;
+                if (f(i, &key, &w) && w > 0 && (key & mask) == prefix) atomicAdd(&h[(key >> shift) & 255u], w);
+            }
         }
         __syncthreads();
+        int par = (shift >> 3) & 1;  // tot alternates between passes (every select starts at 1, ends at 0)
         if (threadIdx.x < RADIX) {
             double t = 0;
             for (int c = 0; c < NHIST; c++) t += S.hist[c][threadIdx.x];
-            S.tot[threadIdx.x] = t;
+            S.tot[par][threadIdx.x] = t;
+            if constexpr (CL == 1) S.gtot[threadIdx.x] = t;
+        }
+        if constexpr (CL > 1) {
+            // One cluster barrier a pass: a CTA rewrites tot[par] two passes later, after the next
+            // pass's barrier, which every CTA reaches only once it has read this pass's tot[par].
+            cg::cluster_group cl = cg::this_cluster();
+            cl.sync();
+            if (threadIdx.x < RADIX) {
+                double t = 0;
+                for (int r = 0; r < CL; r++) t += cl.map_shared_rank(&S, r)->tot[par][threadIdx.x];
+                S.gtot[threadIdx.x] = t;
+            }
         }
         __syncthreads();
         if (warp == 0) {
             // Lane L holds digits 255 - 8L - j (j = 0..7): lanes in descending digit order.
             double w8[8], chunk = 0;
-            for (int j = 0; j < 8; j++) chunk += (w8[j] = S.tot[255 - 8 * lane - j]);
+            for (int j = 0; j < 8; j++) chunk += (w8[j] = S.gtot[255 - 8 * lane - j]);
             double incl = chunk;
             for (int o = 1; o < 32; o <<= 1) {
                 double t = __shfl_up_sync(FULL, incl, o);
@@ -264,31 +419,34 @@ static __device__ uint32_t radix_select(int V, double want, F f, k_smem &S, doub
 // ---- the kernel --------------------------------------------------------------------------------
 
 // Raw logprob statistics of row x: the log-sum-exp and, when n > 0, the top n (value desc, id asc)
-// into S.top_ids / S.top_vals (S.n_top of them).
-static __device__ float raw_logprobs(const float *x, int V, int n, k_smem &S) {
+// into S.top_ids / S.top_vals (S.n_top of them) of the cluster's rank 0 (the other ranks hold
+// their chunk's share only).
+template <int CL> static __device__ float raw_logprobs(const float *x, chunk_t C, int V, int n, k_smem &S) {
     float m = -INFINITY;
     double s = 0;
-    for (int i = threadIdx.x; i < V; i += NT) {
+    for (int i = C.beg + threadIdx.x; i < C.end; i += NT) {
         float v = x[i];
         if (v > m) s = (m == -INFINITY ? 0.0 : s * exp((double)m - (double)v)) + 1.0, m = v;
         else if (v > -INFINITY) s += exp((double)__fsub_rn(v, m));
     }
-    blk_lse(m, s, S, &m, &s);
+    clu_lse<CL>(m, s, S, &m, &s);
     float lse = __fadd_rn(m, (float)log(s));
     if (threadIdx.x == 0) S.n_top = 0;
     n = min(n, V);
     if (n <= 0) return lse;
     double above, eq;
-    uint32_t K = radix_select(V, (double)n, [&](int i, uint32_t *k, double *w) { *k = fkey(x[i]); *w = 1.0; return true; },
-                              S, &above, &eq);
-    int need_ties = n - (int)above, tie_carry = 0, tot;
-    for (int base = 0; base < V; base += TILE) {
-        int i0 = base + threadIdx.x * ITEMS, n_eq = 0;
-        for (int j = 0; j < ITEMS; j++) n_eq += i0 + j < V && fkey(x[i0 + j]) == K;
-        int rank = blk_excl_scan_i(n_eq, S, &tot) + tie_carry;
+    uint32_t K = radix_select<CL, true>(C, (double)n, [&](int i, uint32_t *k, double *w) { *k = fkey(x[i]); *w = 1.0; return true; },
+                                  S, &above, &eq);
+    int need_ties = n - (int)above, tot, n_eq = 0, all_eq;
+    for (int i = C.beg + threadIdx.x; i < C.end; i += NT) n_eq += fkey(x[i]) == K;
+    int tie_carry = clu_scan_i<CL>(blk_sum_i(n_eq, S), C.rank, S, &all_eq);
+    for (int base = C.beg; base < C.end; base += TILE) {
+        int i0 = base + threadIdx.x * ITEMS, ne = 0;
+        for (int j = 0; j < ITEMS; j++) ne += i0 + j < C.end && fkey(x[i0 + j]) == K;
+        int rank = blk_excl_scan_i(ne, S, &tot) + tie_carry;
         for (int j = 0; j < ITEMS; j++) {
             int i = i0 + j;
-            if (i >= V) break;
+            if (i >= C.end) break;
             uint32_t k = fkey(x[i]);
             bool take = k > K || (k == K && rank++ < need_ties);
             if (take) {
@@ -297,6 +455,20 @@ static __device__ float raw_logprobs(const float *x, int V, int n, k_smem &S) {
             }
         }
         tie_carry += tot;
+    }
+    if constexpr (CL > 1) {  // rank 0 collects the other chunks' picks
+        cg::cluster_group cl = cg::this_cluster();
+        cl.sync();
+        if (C.rank == 0 && threadIdx.x == 0) {
+            int c = min(S.n_top, PD_SAMPLE_KMAX_TOP);
+            for (int r = 1; r < CL; r++) {
+                const k_smem *R = cl.map_shared_rank(&S, r);
+                int nr = min(R->n_top, PD_SAMPLE_KMAX_TOP);
+                for (int j = 0; j < nr && c < PD_SAMPLE_KMAX_TOP; j++, c++) S.top_ids[c] = R->top_ids[j], S.top_vals[c] = R->top_vals[j];
+            }
+            S.n_top = c;
+        }
+        cl.sync();  // the other ranks keep their lists until rank 0 has read them
     }
     __syncthreads();
     if (threadIdx.x == 0) {  // n <= 20: insertion sort by (value desc, id asc)
@@ -314,12 +486,14 @@ static __device__ float raw_logprobs(const float *x, int V, int n, k_smem &S) {
     return lse;
 }
 
-// Applies (undo = false) or removes (undo = true) the row's penalties in place.
-static __device__ void penalties(float *x, const pd_sample_krow &R, const pd_sample_kpen *pens, float *pen_raw,
+// Applies (undo = false) or removes (undo = true) the row's penalties in place, for the tokens of
+// this CTA's chunk.
+static __device__ void penalties(float *x, chunk_t C, const pd_sample_krow &R, const pd_sample_kpen *pens, float *pen_raw,
                                  bool undo) {
     bool rep = R.repetition != 1.0f, pf = R.presence != 0.0f || R.frequency != 0.0f;
     for (int e = threadIdx.x; e < R.n_pens; e += NT) {
         pd_sample_kpen P = pens[R.pen_begin + e];
+        if (P.token < C.beg || P.token >= C.end) continue;
         if (undo) {
             x[P.token] = pen_raw[R.pen_begin + e];
             continue;
@@ -347,8 +521,8 @@ struct cut_t {
 };
 
 // Top-k, then top-p (over the top-k set). mx: max of l.
-static __device__ cut_t truncate(const float *x, const uint32_t *M, int V, const pd_sample_krow &R, float mx,
-                                 k_smem &S) {
+template <int CL>
+static __device__ cut_t truncate(const float *x, const uint32_t *M, chunk_t C, const pd_sample_krow &R, float mx, k_smem &S) {
     float it = R.inv_temp;
     cut_t c = {0u, INT_MAX, -INFINITY};
     uint32_t Kk = 0;
@@ -356,32 +530,32 @@ static __device__ cut_t truncate(const float *x, const uint32_t *M, int V, const
     int n_tie_k = 0;
     if (R.top_k > 0) {
         double above, eq;
-        Kk = radix_select(V, (double)R.top_k,
-                          [&](int i, uint32_t *k, double *w) { *k = fkey(__fmul_rn(lg(x, M, i), it)); *w = 1.0; return true; },
-                          S, &above, &eq);
+        Kk = radix_select<CL, true>(C, (double)R.top_k,
+                              [&](int i, uint32_t *k, double *w) { *k = fkey(__fmul_rn(lg(x, M, i), it)); *w = 1.0; return true; },
+                              S, &above, &eq);
         n_tie_k = R.top_k - (int)above;
         frac = (double)n_tie_k / eq;
         c.Kc = Kk, c.jc = n_tie_k;
     }
     if (R.top_p < 1.0f) {
         double tot = 0;
-        for (int i = threadIdx.x; i < V; i += NT) {
+        for (int i = C.beg + threadIdx.x; i < C.end; i += NT) {
             float l = __fmul_rn(lg(x, M, i), it);
             uint32_t k = fkey(l);
             if (k >= Kk) tot += (double)elem_e(l, mx) * (k == Kk && R.top_k > 0 ? frac : 1.0);
         }
-        tot = blk_sum_d(tot, S);
+        tot = clu_sum_d<CL>(tot, S);
         double want = (double)R.top_p * tot, above, eq;
         bool has_k = R.top_k > 0;
-        uint32_t Kp = radix_select(V, want,
-                                   [&](int i, uint32_t *k, double *w) {
-                                       float l = __fmul_rn(lg(x, M, i), it);
-                                       *k = fkey(l);
-                                       if (has_k && *k < Kk) return false;
-                                       *w = (double)elem_e(l, mx) * (has_k && *k == Kk ? frac : 1.0);
-                                       return true;
-                                   },
-                                   S, &above, &eq);
+        uint32_t Kp = radix_select<CL, false>(C, want,
+                                       [&](int i, uint32_t *k, double *w) {
+                                           float l = __fmul_rn(lg(x, M, i), it);
+                                           *k = fkey(l);
+                                           if (has_k && *k < Kk) return false;
+                                           *w = (double)elem_e(l, mx) * (has_k && *k == Kk ? frac : 1.0);
+                                           return true;
+                                       },
+                                       S, &above, &eq);
         double e1 = (double)elem_e(fval(Kp), mx);
         int avail = e1 > 0 ? (int)llrint(eq / e1) : 0, j = avail;  // ties at Kp inside the candidate set
         if (e1 > 0 && want > above) {
@@ -395,14 +569,65 @@ static __device__ cut_t truncate(const float *x, const uint32_t *M, int V, const
     return c;
 }
 
+// One id-ordered pass over the chunk: the surviving weights, tile by tile (ties at Kc ranked from
+// tie_base). Returns the chunk's surviving mass and sets S.last_keep (the largest surviving id seen,
+// -1: none); FIND: also the first token whose running mass (from carry0) exceeds r, into S.token
+// (INT_MAX: none), stopping there.
+template <bool FIND>
+static __device__ double survivors(const float *x, const uint32_t *M, chunk_t C, float it, float mx, cut_t c,
+                                   bool partial, int tie_base, double carry0, double r, k_smem &S) {
+    double carry = carry0, tot;
+    int tie_carry = tie_base, ttot;
+    if (threadIdx.x == 0) S.token = INT_MAX, S.last_keep = -1;
+    __syncthreads();
+    for (int base = C.beg; base < C.end; base += TILE) {
+        int i0 = base + threadIdx.x * ITEMS, rank = 0;
+        float l[ITEMS];
+        uint32_t k[ITEMS];
+        for (int j = 0; j < ITEMS; j++) {
+            l[j] = i0 + j < C.end ? __fmul_rn(lg(x, M, i0 + j), it) : -INFINITY;
+            k[j] = fkey(l[j]);
+        }
+        if (partial) {
+            int n = 0;
+            for (int j = 0; j < ITEMS; j++) n += i0 + j < C.end && k[j] == c.Kc;
+            rank = blk_excl_scan_i(n, S, &ttot) + tie_carry;
+            tie_carry += ttot;
+        }
+        double w[ITEMS], tw = 0;
+        int last = -1;
+        for (int j = 0; j < ITEMS; j++) {
+            bool keep = i0 + j < C.end && (k[j] > c.Kc || (k[j] == c.Kc && rank++ < c.jc)) && l[j] >= c.thresh;
+            w[j] = keep ? (double)elem_e(l[j], mx) : 0.0;
+            tw += w[j];
+            if (keep) last = i0 + j;
+        }
+        double acc = blk_excl_scan_d(tw, S, &tot) + carry;
+        if (last >= 0) atomicMax(&S.last_keep, last);
+        if (FIND) {
+            for (int j = 0; j < ITEMS; j++) {
+                double prev = acc;
+                acc += w[j];
+                if (w[j] > 0 && r < acc && r >= prev) atomicMin(&S.token, i0 + j);
+            }
+            __syncthreads();
+            if (S.token != INT_MAX) break;
+        }
+        carry += tot;
+    }
+    __syncthreads();
+    return carry - carry0;
+}
+
 // Draws from the surviving set: the first token (id order) whose running mass exceeds u * S.
-static __device__ int draw(const float *x, const uint32_t *M, int V, const pd_sample_krow &R, float mx, cut_t c,
+template <int CL>
+static __device__ int draw(const float *x, const uint32_t *M, chunk_t C, const pd_sample_krow &R, float mx, cut_t c,
                            k_smem &S) {
     float it = R.inv_temp;
-    // S: surviving mass = mass(key > Kc, l >= thresh) + the kept ties' mass.
-    double m = 0;
+    // this chunk's ties at Kc and its mass above Kc; the ties of the chunks before it, the row's
     int n_eq = 0;
-    for (int i = threadIdx.x; i < V; i += NT) {
+    double m = 0;
+    for (int i = C.beg + threadIdx.x; i < C.end; i += NT) {
         float l = __fmul_rn(lg(x, M, i), it);
         uint32_t k = fkey(l);
         if (k > c.Kc && l >= c.thresh) m += (double)elem_e(l, mx);
@@ -410,77 +635,67 @@ static __device__ int draw(const float *x, const uint32_t *M, int V, const pd_sa
     }
     m = blk_sum_d(m, S);
     n_eq = blk_sum_i(n_eq, S);
-    float lc = fval(c.Kc);
-    if (n_eq > 0 && lc >= c.thresh) m += (double)min(n_eq, c.jc) * (double)elem_e(lc, mx);
-    double r = pd_sample_uniform_of(R.seed, R.draw_idx) * m, carry = 0, tot;
-    bool partial = c.jc < n_eq;
-    int tie_carry = 0, ttot;
-    if (threadIdx.x == 0) S.token = INT_MAX, S.last_keep = -1;
-    __syncthreads();
-    for (int base = 0; base < V; base += TILE) {
-        int i0 = base + threadIdx.x * ITEMS, rank = 0;
-        float l[ITEMS];
-        uint32_t k[ITEMS];
-        for (int j = 0; j < ITEMS; j++) {
-            l[j] = i0 + j < V ? __fmul_rn(lg(x, M, i0 + j), it) : -INFINITY;
-            k[j] = fkey(l[j]);
-        }
-        if (partial) {
-            int n = 0;
-            for (int j = 0; j < ITEMS; j++) n += i0 + j < V && k[j] == c.Kc;
-            rank = blk_excl_scan_i(n, S, &ttot) + tie_carry;
-            tie_carry += ttot;
-        }
-        double w[ITEMS], tw = 0;
-        int last = -1;
-        for (int j = 0; j < ITEMS; j++) {
-            bool keep = i0 + j < V && (k[j] > c.Kc || (k[j] == c.Kc && rank++ < c.jc)) && l[j] >= c.thresh;
-            w[j] = keep ? (double)elem_e(l[j], mx) : 0.0;
-            tw += w[j];
-            if (keep) last = i0 + j;
-        }
-        double acc = blk_excl_scan_d(tw, S, &tot) + carry;
-        for (int j = 0; j < ITEMS; j++) {
-            double prev = acc;
-            acc += w[j];
-            if (w[j] > 0 && r < acc && r >= prev) atomicMin(&S.token, i0 + j);
-        }
-        if (last >= 0) atomicMax(&S.last_keep, last);
-        __syncthreads();
-        if (S.token != INT_MAX) break;
-        carry += tot;
+    int all_eq, tie_base = clu_scan_i<CL>(n_eq, C.rank, S, &all_eq);
+    bool partial = c.jc < all_eq;
+    // the chunk's surviving mass W (every tie kept: m plus the ties; else an ordered pass)
+    double W;
+    if (!partial) {
+        float lc = fval(c.Kc);
+        W = m + (n_eq > 0 && lc >= c.thresh ? (double)n_eq * (double)elem_e(lc, mx) : 0.0);
+    } else {
+        W = survivors<false>(x, M, C, it, mx, c, partial, tie_base, 0.0, 0.0, S);
     }
-    int t = S.token != INT_MAX ? S.token : S.last_keep;
-    return t < 0 ? 0 : t;
+    double total, before = clu_scan_d<CL>(W, C.rank, S, &total);
+    int last_nz = -1;  // the last chunk with survivors: it answers when u * S rounds past the end
+    for (int q = 0; q < CL; q++)
+        if (S.gat_d[q] > 0) last_nz = q;
+    double r = pd_sample_uniform_of(R.seed, R.draw_idx) * total;
+    int token = INT_MAX;
+    if (W > 0 && r >= before && (r < before + W || C.rank == last_nz)) {  // CTA-uniform
+        survivors<true>(x, M, C, it, mx, c, partial, tie_base, before, r, S);
+        token = S.token != INT_MAX ? S.token : S.last_keep;
+    }
+    if (threadIdx.x == 0) S.pub_i[0] = token;
+    xchg<CL>(S);
+    int t = INT_MAX;
+    for (int q = 0; q < CL; q++) t = min(t, S.gat_i[0][q]);
+    return t == INT_MAX || t < 0 ? 0 : t;
 }
 
-static __global__ void __launch_bounds__(NT) k_sample(pd_sample_kparams p) {
+template <int CL> static __global__ void __launch_bounds__(NT) k_sample(pd_sample_kparams p) {
     __shared__ k_smem S;
-    int row = blockIdx.x, V = p.vocab;
+    int row = blockIdx.x / CL, V = p.vocab;
+    chunk_t C;
+    C.rank = (int)(blockIdx.x % CL);
+    C.beg = (int)((int64_t)V * C.rank / CL), C.end = (int)((int64_t)V * (C.rank + 1) / CL);
     const pd_sample_krow R = p.rows[row];
     float *x = p.logits + (size_t)row * (size_t)V;
     const uint32_t *M = R.mask_row >= 0 ? p.masks + (size_t)R.mask_row * (size_t)p.mask_words : nullptr;
     float lse = 0;
-    if (R.n_logprobs >= 0) lse = raw_logprobs(x, V, R.n_logprobs, S);
-    if (R.n_pens > 0) penalties(x, R, p.pens, p.pen_raw, false);
+    if (R.n_logprobs >= 0) lse = raw_logprobs<CL>(x, C, V, R.n_logprobs, S);
+    if (R.n_pens > 0) penalties(x, C, R, p.pens, p.pen_raw, false);
     int token;
     if (R.is_greedy) {
         float bv = -INFINITY;
-        int bi = 0;
-        for (int i = threadIdx.x; i < V; i += NT) {
+        int bi = C.beg;
+        for (int i = C.beg + threadIdx.x; i < C.end; i += NT) {
             float v = lg(x, M, i);
             if (v > bv) bv = v, bi = i;  // ascending i: the first maximum of this thread
         }
-        token = blk_argmax(bv, bi, S);
+        token = clu_argmax<CL>(bv, bi, S);
     } else {
         float mx = -INFINITY;
-        for (int i = threadIdx.x; i < V; i += NT) mx = fmaxf(mx, __fmul_rn(lg(x, M, i), R.inv_temp));
-        mx = blk_max_f(mx, S);
-        cut_t c = truncate(x, M, V, R, mx, S);
-        token = draw(x, M, V, R, mx, c, S);
+        for (int i = C.beg + threadIdx.x; i < C.end; i += NT) mx = fmaxf(mx, __fmul_rn(lg(x, M, i), R.inv_temp));
+        mx = clu_max_f<CL>(mx, S);
+        cut_t c = truncate<CL>(x, M, C, R, mx, S);
+        token = draw<CL>(x, M, C, R, mx, c, S);
     }
-    if (R.n_pens > 0) penalties(x, R, p.pens, p.pen_raw, true);
-    if (threadIdx.x == 0) {
+    if (R.n_pens > 0) penalties(x, C, R, p.pens, p.pen_raw, true);
+    if constexpr (CL > 1) {  // the undone penalties of every chunk, before rank 0 reads x[token]
+        __threadfence();
+        cg::this_cluster().sync();
+    }
+    if (C.rank == 0 && threadIdx.x == 0) {
         pd_sample_kout *o = &p.out[row];
         o->token = token;
         o->logprob = R.n_logprobs >= 0 ? __fsub_rn(x[token], lse) : 0.0f;
@@ -489,7 +704,99 @@ static __global__ void __launch_bounds__(NT) k_sample(pd_sample_kparams p) {
     }
 }
 
+// ---- launch ------------------------------------------------------------------------------------
+
+template <int CL> static cudaError_t launch(const pd_sample_kparams *p, cudaStream_t s) {
+    if constexpr (CL == 1) {
+        k_sample<1><<<p->n_rows, NT, 0, s>>>(*p);
+        return cudaGetLastError();
+    } else {
+        cudaLaunchConfig_t cfg = {};
+        cfg.gridDim = dim3((unsigned)p->n_rows * CL);
+        cfg.blockDim = dim3(NT);
+        cfg.stream = s;
+        cudaLaunchAttribute at[1];
+        at[0].id = cudaLaunchAttributeClusterDimension;
+        at[0].val.clusterDim.x = CL, at[0].val.clusterDim.y = 1, at[0].val.clusterDim.z = 1;
+        cfg.attrs = at, cfg.numAttrs = 1;
+        return cudaLaunchKernelEx(&cfg, k_sample<CL>, *p);
+    }
+}
+
+// Per device: how many clusters of each size (index log2 CL) can be resident at once (0: none).
+struct dev_info {
+    int ready, n_sm, max_clusters[5];
+};
+static dev_info g_dev[64];
+
+template <int CL> static int clusters_resident(void) {
+    if constexpr (CL == 16) {
+        if (cudaFuncSetAttribute(k_sample<16>, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) != cudaSuccess) return 0;
+    }
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = dim3(CL);
+    cfg.blockDim = dim3(NT);
+    cudaLaunchAttribute at[1];
+    at[0].id = cudaLaunchAttributeClusterDimension;
+    at[0].val.clusterDim.x = CL, at[0].val.clusterDim.y = 1, at[0].val.clusterDim.z = 1;
+    cfg.attrs = at, cfg.numAttrs = 1;
+    int n = 0;
+    if (cudaOccupancyMaxActiveClusters(&n, k_sample<CL>, &cfg) != cudaSuccess) n = 0;
+    return n;
+}
+
+static const dev_info *dev_of(void) {
+    int d = 0;
+    if (cudaGetDevice(&d) != cudaSuccess || d < 0 || d >= 64) d = 0;
+    dev_info *di = &g_dev[d];
+    if (__atomic_load_n(&di->ready, __ATOMIC_ACQUIRE)) return di;
+    int n_sm = 1, major = 0;
+    cudaDeviceGetAttribute(&n_sm, cudaDevAttrMultiProcessorCount, d);
+    cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, d);
+    di->n_sm = n_sm > 0 ? n_sm : 1;
+    di->max_clusters[0] = di->n_sm;
+    if (major >= 9) {
+        di->max_clusters[1] = clusters_resident<2>();
+        di->max_clusters[2] = clusters_resident<4>();
+        di->max_clusters[3] = clusters_resident<8>();
+        di->max_clusters[4] = clusters_resident<16>();
+    }
+    (void)cudaGetLastError();  // a refused query leaves no sticky error
+    __atomic_store_n(&di->ready, 1, __ATOMIC_RELEASE);
+    return di;
+}
+
+// Read at every call (cheap next to the launch), so that a test can try every cluster size.
+static int env_cluster(void) {
+    const char *e = getenv("PD_CUDA_SAMPLE_CLUSTER");
+    int c = e ? atoi(e) : 0;
+    return c == 1 || c == 2 || c == 4 || c == 8 || c == 16 ? c : 0;
+}
+
 extern "C" void pd_cuda_sample(const pd_sample_kparams *p, cudaStream_t s) {
     if (p->n_rows <= 0) return;
-    k_sample<<<p->n_rows, NT, 0, s>>>(*p);
+    const dev_info *di = dev_of();
+    int cl = env_cluster(), lg = 0;
+    if (cl == 0) {  // the largest cluster with every row's cluster resident at once, >= 1024 ids a CTA
+        cl = 1;
+        // Greedy only: one pass, where a cluster's barriers and launch cost more than they save from
+        // 9 rows on (op_bench sample: V = 128256, 64 rows, 23 us one CTA a row, 32 us two).
+        while (lg < 4 && p->n_rows <= di->max_clusters[lg + 1] && p->vocab >= cl * 2 * NT && !(p->all_greedy && p->n_rows > 8))
+            cl *= 2, lg++;
+    } else {
+        while ((1 << lg) < cl) lg++;
+        if (di->max_clusters[lg] <= 0) cl = 1;  // this device has no such cluster
+    }
+    cudaError_t e;
+    switch (cl) {
+    case 16: e = launch<16>(p, s); break;
+    case 8: e = launch<8>(p, s); break;
+    case 4: e = launch<4>(p, s); break;
+    case 2: e = launch<2>(p, s); break;
+    default: e = launch<1>(p, s); break;
+    }
+    if (e != cudaSuccess && cl > 1) {  // a cluster the device refused: one CTA per row
+        (void)cudaGetLastError();
+        (void)launch<1>(p, s);
+    }
 }

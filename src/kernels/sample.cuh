@@ -48,8 +48,10 @@ typedef struct pd_sample_kparams {
     pd_sample_kout *out;           // (n_rows)
     const uint32_t *masks;         // (n_masks, mask_words) allowed-token bits; read, never written
     int n_rows, vocab, mask_words;
+    int all_greedy;                // every row greedy (one pass: clusters only pay below 9 rows)
 } pd_sample_kparams;
-// One CTA per row; no host synchronisation (graph-capturable).
+// One thread-block cluster of 1-16 CTAs per row (sized to the batch; PD_CUDA_SAMPLE_CLUSTER forces
+// it); no host synchronisation (graph-capturable).
 void pd_cuda_sample(const pd_sample_kparams *p, cudaStream_t s);
 
 #ifdef __cplusplus

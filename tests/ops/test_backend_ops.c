@@ -1300,6 +1300,20 @@ PD_TEST(test_cuda_sample) {
     for (int v = 0; v < 2; v++)
         for (int r = 0; r < 3; r++)
             for (int bf = 0; bf < 2; bf++) sample_case(&c, vocabs[v], rows[r], bf, r * 3 + bf, rows[r] == 64 ? 2 : 4);
+    // Small batches run a cluster of up to 16 CTAs per row: every configuration at batch 2 (row 1
+    // with logit biases and a token mask) and at batch 8, for the vocabularies of Llama-2 (32000),
+    // Llama-3 (128256) and Qwen2 (152064); then every cluster size forced (PD_CUDA_SAMPLE_CLUSTER).
+    int big[] = {32000, 128256, 152064};
+    for (int v = 0; v < 3; v++) {
+        for (int k = 0; k < N_SAMPLE_CFG; k++) sample_case(&c, big[v], 2, (k + v) & 1, k, 2);
+        sample_case(&c, big[v], 8, v & 1, v, 2);
+    }
+    static const char *cls[] = {"1", "2", "4", "8", "16"};
+    for (int q = 0; q < 5; q++) {
+        setenv("PD_CUDA_SAMPLE_CLUSTER", cls[q], 1);
+        for (int k = 0; k < N_SAMPLE_CFG; k += 2) sample_case(&c, 128256, 3, (k / 2) & 1, k + q, 1);
+    }
+    unsetenv("PD_CUDA_SAMPLE_CLUSTER");
     sample_timing(&c);
     ctx_fini(&c);
 }

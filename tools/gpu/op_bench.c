@@ -4,7 +4,10 @@
 // around N back-to-back launches followed by a sync; weights rotate over several copies so
 // that L2 does not serve them (back-to-back launches overlap through PDL where the kernel uses
 // it, as they do inside a decode step). Build: tools/gpu/build.sh; run on the GPU machine.
-// Usage: op_bench [copy] [peak] [gemm] [prefill] [attn]  (no argument: all sections).
+// sample: pd_op_sample (rows' parameters up, kernel, results down, sync: the whole op as the engine
+// calls it) at batch 1 / 8 / 64 / 256 for three vocabularies and five configurations; the first
+// line (V = 1024, greedy, batch 1) is the op's fixed cost.
+// Usage: op_bench [copy] [peak] [gemm] [prefill] [attn] [sample]  (no argument: all sections).
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -98,6 +101,54 @@ static void attn_setup(at_arg *a, int n_seqs, int q_len, int kv_len, int H, int 
     free(qi); free(kl); free(bi); free(bt); free(ts);
 }
 
+typedef struct sm_arg { pd_sample_params p; pd_sample_row rows[256]; pd_sample_out out[256]; } sm_arg;
+static void sm_op(pd_backend *b, void *arg, int rep) {
+    sm_arg *s = arg;
+    for (int r = 0; r < s->p.n_rows; r++) s->rows[r].draw_idx = (uint64_t)rep;  // a new draw each call
+    pd_op_sample(b, &s->p);
+}
+
+// Logits like a model's: normal(0, 2.5), with a few tokens lifted (a peaked head), f32 on the device.
+static float *sample_logits(int n_rows, int V) {
+    size_t n = (size_t)n_rows * V;
+    float *d = alloc(n * 4);
+    pd_op_fill_normal(g_b, d, PD_DTYPE_F32, n, 11, 0.0f, 2.5f);
+    float *h = malloc(n * 4);
+    pd_backend_download(g_b, h, d, n * 4);
+    for (int r = 0; r < n_rows; r++)
+        for (int j = 0; j < 8; j++) h[(size_t)r * V + (size_t)(j * 7919 + r * 31) % V] += 12.0f - j;
+    pd_backend_upload(g_b, d, h, n * 4);
+    pd_backend_sync(g_b);
+    free(h);
+    return d;
+}
+
+static void bench_sample(void) {
+    static sm_arg s;
+    struct { const char *name; float t; int k; float p; } cfg[] = {
+        {"greedy", 0.0f, 0, 1.0f}, {"temperature 0.8", 0.8f, 0, 1.0f}, {"top-k 40", 1.0f, 40, 1.0f},
+        {"top-p 0.9", 1.0f, 0, 0.9f}, {"top-k 40 + top-p 0.95", 1.0f, 40, 0.95f}};
+    int vocabs[] = {32000, 128256, 152064}, batches[] = {1, 8, 64, 256};
+    float *small = sample_logits(1, 1024);
+    for (int r = 0; r < 256; r++)
+        s.rows[r] = (pd_sample_row){.temperature = 0, .top_p = 1.0f, .repetition_penalty = 1.0f, .seed = 1234 + r,
+                                    .n_logprobs = -1, .mask_row = -1};
+    s.p = (pd_sample_params){.logits = small, .n_rows = 1, .vocab = 1024, .rows = s.rows, .out = s.out};
+    printf("sample V=1024   B=1   %-22s %9.1f us/call (the op's fixed cost)\n", "greedy", time_us(g_b, sm_op, &s, 200));
+    for (int v = 0; v < 3; v++) {
+        float *lg = sample_logits(256, vocabs[v]);
+        for (int bi = 0; bi < 4; bi++)
+            for (size_t c = 0; c < sizeof cfg / sizeof cfg[0]; c++) {
+                for (int r = 0; r < batches[bi]; r++)
+                    s.rows[r].temperature = cfg[c].t, s.rows[r].top_k = cfg[c].k, s.rows[r].top_p = cfg[c].p;
+                s.p = (pd_sample_params){.logits = lg, .n_rows = batches[bi], .vocab = vocabs[v], .rows = s.rows, .out = s.out};
+                double us = time_us(g_b, sm_op, &s, batches[bi] >= 64 ? 20 : 100);
+                printf("sample V=%-6d B=%-3d %-22s %9.1f us/call %8.2f us/row\n", vocabs[v], batches[bi], cfg[c].name, us,
+                       us / batches[bi]);
+            }
+    }
+}
+
 int main(int argc, char **argv) {
     pd_err err = {0};
     g_argc = argc, g_argv = argv;
@@ -172,5 +223,6 @@ int main(int argc, char **argv) {
             printf("attn decode %s B=%-4d ctx=%-6d %9.1f us  %6.0f GB/s (KV bytes read)\n", f8 ? "fp8 " : "bf16",
                    dec[i][0], dec[i][1], us, bytes / (us * 1e3));
         }
+    if (want("sample")) bench_sample();
     return 0;
 }

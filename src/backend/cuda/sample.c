@@ -92,7 +92,11 @@ void pd_cuda_sample_op(pd_backend *b, const pd_sample_params *p) {
     pd_sample_krow *hrows = (pd_sample_krow *)h;
     pd_sample_kpen *hpens = (pd_sample_kpen *)(h + rows_b);
     pd_sample_kout *houts = (pd_sample_kout *)(h + send_b);
-    for (int r = 0; r < p->n_rows; r++) hrows[r] = krow_of(&p->rows[r], p->vocab, p->n_pens, n_masks);
+    int all_greedy = 1;
+    for (int r = 0; r < p->n_rows; r++) {
+        hrows[r] = krow_of(&p->rows[r], p->vocab, p->n_pens, n_masks);
+        all_greedy &= hrows[r].is_greedy;
+    }
     for (int i = 0; i < p->n_pens; i++) {
         PD_ASSERT(p->pens[i].token >= 0 && p->pens[i].token < p->vocab);
         hpens[i] = (pd_sample_kpen){.token = p->pens[i].token, .count = p->pens[i].count, .is_seen = p->pens[i].is_seen,
@@ -104,7 +108,7 @@ void pd_cuda_sample_op(pd_backend *b, const pd_sample_params *p) {
                            .pens = (const pd_sample_kpen *)(d + rows_b), .pen_raw = (float *)(d + send_b),
                            .out = (pd_sample_kout *)(d + send_b + raw_b), .n_rows = p->n_rows,
                            .vocab = p->vocab, .masks = n_masks ? (const uint32_t *)(d + rows_b + pens_b) : NULL,
-                           .mask_words = p->mask_words};
+                           .mask_words = p->mask_words, .all_greedy = all_greedy};
     pd_cuda_sample(&k, cb->stream);
     PD_CUDA_CHECK_LAUNCH();
     PD_CUDA_CHECK(cudaMemcpyAsync(houts, k.out, sizeof(pd_sample_kout) * (size_t)p->n_rows, cudaMemcpyDeviceToHost,
