@@ -299,7 +299,9 @@ void pd_spec_shapes_observe(pd_spec_shapes *t, uint32_t key, double us) {
         t->key[s] = key;
         t->n[s] = 0;
     }
-    t->us[s] = t->n[s] ? (float)((1 - SHAPE_EMA) * t->us[s] + SHAPE_EMA * us) : (float)us;
+    // The first step of a shape is not its cost (a graph's first launch uploads it; an eager
+    // step of a new size plans its GEMMs: up to 100x a plain step): the second one replaces it.
+    t->us[s] = t->n[s] >= 2 ? (float)((1 - SHAPE_EMA) * t->us[s] + SHAPE_EMA * us) : (float)us;
     t->n[s]++;
     t->last[s] = ++t->clock;
 }
@@ -308,5 +310,5 @@ double pd_spec_shapes_get(const pd_spec_shapes *t, uint32_t key) {
     if (!key) return -1;
     bool found;
     int s = shape_slot(t, key, &found);
-    return found && t->n[s] ? t->us[s] : -1;
+    return found && t->n[s] >= 2 ? t->us[s] : -1;
 }

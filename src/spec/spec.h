@@ -128,7 +128,8 @@ typedef struct pd_spec_shapes {
 } pd_spec_shapes;
 void pd_spec_shapes_init(pd_spec_shapes *t);
 void pd_spec_shapes_observe(pd_spec_shapes *t, uint32_t key, double us);
-// The shape's time (us), or -1 when not measured.
+// The shape's time (us), or -1 when not measured: a shape counts from its second step on (the
+// first one's time is dropped: first launches and first eager runs cost far more).
 double pd_spec_shapes_get(const pd_spec_shapes *t, uint32_t key);
 
 #ifdef __cplusplus

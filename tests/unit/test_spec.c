@@ -137,7 +137,9 @@ PD_TEST(measured_step_shapes) {
     PD_CHECK(pd_spec_shapes_get(&t, 7) < 0);  // not measured
     PD_CHECK(pd_spec_shapes_get(&t, 0) < 0);  // 0 is no key
     pd_spec_shapes_observe(&t, 0, 100);       // ignored
-    pd_spec_shapes_observe(&t, 7, 100);
+    pd_spec_shapes_observe(&t, 7, 5000);  // a first step: not a measurement yet
+    PD_CHECK(pd_spec_shapes_get(&t, 7) < 0);
+    pd_spec_shapes_observe(&t, 7, 100);  // the second replaces it
     PD_CHECK_NEAR(pd_spec_shapes_get(&t, 7), 100, 1e-3);
     pd_spec_shapes_observe(&t, 7, 200);  // EMA: 0.8 old + 0.2 new
     PD_CHECK_NEAR(pd_spec_shapes_get(&t, 7), 120, 1e-3);
@@ -145,11 +147,12 @@ PD_TEST(measured_step_shapes) {
     PD_CHECK_NEAR(pd_spec_shapes_get(&t, 7), 120, 1e-3);
     // Many keys: every one kept while the table has room; beyond, the least recently observed of a
     // probe window is replaced, and the most recent ones stay.
+    for (uint32_t k = 1; k <= 200; k++) pd_spec_shapes_observe(&t, k << 20 | k, 1e6);
     for (uint32_t k = 1; k <= 200; k++) pd_spec_shapes_observe(&t, k << 20 | k, (double)k);
     int kept = 0;
     for (uint32_t k = 1; k <= 200; k++) kept += pd_spec_shapes_get(&t, k << 20 | k) == (double)k;
     PD_CHECK(kept >= 150);
-    for (uint32_t k = 1000; k < 3000; k++) pd_spec_shapes_observe(&t, k, 1);
+    for (uint32_t k = 1000; k < 3000; k++) pd_spec_shapes_observe(&t, k, 1), pd_spec_shapes_observe(&t, k, 1);
     PD_CHECK_NEAR(pd_spec_shapes_get(&t, 2999), 1, 1e-6);
     // The chooser with measured costs: at alpha 0.5, one drafting sequence of 64 pays for neither
     // a verify step measured at 3x a plain step nor one at 1.05x (0.5 more tokens of 64); a
