@@ -45,6 +45,8 @@
 #include "engine/engine_impl.h"
 #include "spec/spec.h"
 
+#define SHAPE_MAX_Q 32           // step shapes kept for steps of up to this many query tokens per sequence
+#define SHAPE_EAGER (1u << 31)   // the key of an eager step's shape
 #define CATCHUP_MAX 512  // draft catch-up tokens per sequence per step
 #define PROBE_EVERY 16   // adaptive: a request whose estimate says "don't" still drafts 1 token now and then
 #define PROBE_SHARE 0.01 // ... at most this share of the step time spent on probes (the period grows)
@@ -64,6 +66,7 @@ typedef struct sreq {
     // this step
     int k, w;  // drafts proposed, window tokens appended
     int last_k;  // drafts of its last step (-1: none yet)
+    int la_want;  // lookahead slots last asked of the scheduler (-1: not yet)
     int32_t draft[PD_SPEC_MAX_K];
     int32_t accepted[PD_SPEC_MAX_K];
     float *q;  // (k, V) draft distributions (random sampling with a draft model); into espec.qbuf
@@ -83,6 +86,10 @@ typedef struct espec {
     pd_model *draft;
     pd_model_cache *dcache;
     pd_spec_cost cost;
+    pd_spec_cost cost_eager;  // the same for steps that run eagerly (cost holds graph steps'; no graphs: unused)
+    pd_spec_shapes shapes;  // measured whole-step times per step shape (graphs on: what the policy compares)
+    uint32_t last_vkey;     // the verify step's shape key (0: none this step)
+    bool last_vgraph;       // the verify step ran as a graph
     int64_t n_steps;
     bbuild bb;
     float *logits;  // host (cap_logits, V)
@@ -96,6 +103,9 @@ typedef struct espec {
     pd_sample_out *douts;
     size_t cap_drows;
     int64_t verify_us, verify_n, draft_us, draft_n;  // time in verify / draft forwards (diagnostics, gdb)
+    // diagnostics (PD_SPEC_STATS=1 logs them when the engine stops): probe steps, window steps and
+    // probes, host time in the hooks besides the forwards, plain steps and their time
+    int64_t n_probes, n_win_steps, n_win_probes, hook_us, hook_plain_us, plain_n, plain_us;
     bool dev_sample;  // the backend samples on the device (and PD_DEVICE_SAMPLING is not 0)
     // this step, for the cost model: the verify step's padded tokens, time in draft forwards
     int last_vtok;
@@ -107,6 +117,8 @@ typedef struct espec {
     int cap_res_seqs;
     int *kmax, *kch, *sidx, *row0;  // per plan seq
     double *alpha;
+    sreq **srs;  // per plan seq: the step's speculating requests (NULL: plain), for after_update
+    int srs_n;   // plan seqs srs describes (0: none: the step failed)
     int cap_seqs;
     bool last_valid;  // results describe the last step
     int64_t drafted[PD_SPEC_N], accepted[PD_SPEC_N], emitted[PD_SPEC_N], steps[PD_SPEC_N];
@@ -154,8 +166,8 @@ static bool reserve_seqs(espec *S, int n) {
     if (n <= S->cap_seqs) return true;
     // The per-seq arrays share cap_seqs: each grows from the same capacity to the same new one (on
     // failure those already grown keep it: harmless, as in engine.c's step buffers).
-    void *arrs[] = {&S->kmax, &S->kch, &S->sidx, &S->row0, &S->alpha, &S->results};
-    size_t elem[] = {sizeof(int), sizeof(int), sizeof(int), sizeof(int), sizeof(double),
+    void *arrs[] = {&S->kmax, &S->kch, &S->sidx, &S->row0, &S->alpha, &S->srs, &S->results};
+    size_t elem[] = {sizeof(int), sizeof(int), sizeof(int), sizeof(int), sizeof(double), sizeof(sreq *),
                      sizeof(pd_sample_result) * (size_t)(S->K + 1)};
     size_t cap = 0;
     for (size_t i = 0; i < PD_ARRAY_LEN(arrs); i++) {
@@ -237,6 +249,8 @@ pd_status pd_engine_spec_load(pd_engine *e, pd_err *err) {
     S->la_yield = 0.1;  // optimistic until measured: the window must run to fill the pool at all
     S->V = pd_model_get_config(e->model)->vocab_size;
     pd_spec_cost_init(&S->cost, 0);
+    pd_spec_cost_init(&S->cost_eager, 0);
+    pd_spec_shapes_init(&S->shapes);
     if (S->method == PD_SPEC_DRAFT) {
         if (!p->spec_model_dir) return pd_err_set(err, PD_ERR_INVALID, "--speculative-method draft needs --speculative-model DIR");
         pd_status st = check_tokenizers(e->tok, p->spec_model_dir, err);
@@ -302,12 +316,28 @@ pd_status pd_engine_spec_warmup(pd_engine *e, pd_err *err) {
 void pd_engine_spec_fini(pd_engine *e) {
     espec *S = e->spec;
     if (!S) return;
+    const char *dbg = getenv("PD_SPEC_STATS");
+    if (dbg && strcmp(dbg, "0")) {
+        PD_LOG_I("spec stats: %lld steps, %lld verify (%.1f us each, forward), %lld plain (%.1f us each, whole step), "
+                 "%lld probes, %lld window steps, %lld window probes; host time in the hooks besides forwards: %.2f us per "
+                 "plain step, %.1f us per verify step",
+                 (long long)S->n_steps, (long long)S->verify_n, S->verify_n ? (double)S->verify_us / (double)S->verify_n : 0,
+                 (long long)S->plain_n, S->plain_n ? (double)S->plain_us / (double)S->plain_n : 0, (long long)S->n_probes,
+                 (long long)S->n_win_steps, (long long)S->n_win_probes,
+                 S->plain_n ? (double)S->hook_plain_us / (double)S->plain_n : 0,
+                 S->verify_n ? (double)S->hook_us / (double)S->verify_n : 0);
+        for (int i = 0; i < PD_SPEC_SHAPES; i++)
+            if (S->shapes.key[i])
+                PD_LOG_I("spec stats: shape batch %u x %s%u tokens: %.1f us (%u steps)", (S->shapes.key[i] & ~SHAPE_EAGER) >> 20,
+                         S->shapes.key[i] & SHAPE_EAGER ? "eager <= " : "", S->shapes.key[i] & ((1u << 20) - 1),
+                         (double)S->shapes.us[i], S->shapes.n[i]);
+    }
     pd_model_cache_free(S->dcache);
     pd_model_free(S->draft);
     bbuild *b = &S->bb;
     pd_free(b->tok), pd_free(b->qi), pd_free(b->kvl), pd_free(b->bti), pd_free(b->bt), pd_free(b->lr);
     pd_free(S->logits), pd_free(S->scratch), pd_free(S->qbuf), pd_free(S->results), pd_free(S->drows), pd_free(S->douts);
-    pd_free(S->kmax), pd_free(S->kch), pd_free(S->sidx), pd_free(S->row0), pd_free(S->alpha);
+    pd_free(S->kmax), pd_free(S->kch), pd_free(S->sidx), pd_free(S->row0), pd_free(S->alpha), pd_free(S->srs);
     pd_free(S);
     e->spec = NULL;
 }
@@ -320,6 +350,7 @@ pd_status pd_engine_spec_req_init(pd_engine *e, ereq *q, const pd_engine_request
     q->spec = sr;
     sr->draft_pos = -1;
     sr->last_k = -1;
+    sr->la_want = -1;
     sr->n_prompt = r->n_prompt;
     sr->is_random = r->sampling.temperature > 0;
     sr->fixed_k = sr->is_random && r->sampling.has_seed;
@@ -463,20 +494,53 @@ static void propose_free(pd_engine *e, const pd_step_plan *plan, sreq **srs) {
     }
 }
 
-// The step's padded size for the cost model (pd_spec_pad_fn): all of the plan's sequences, the
-// longest query being the drafts' (1 + max_k) or another sequence's (a prefill chunk).
+// Whether a step of n_seqs sequences, the longest of max_q tokens, runs as a graph
+// (pd_model_step_tokens gives a graph step's padded size, else the tokens passed: here 0).
+static bool step_is_graph(pd_model *m, int n_seqs, int max_q) { return pd_model_step_tokens(m, n_seqs, max_q, 0) > 0; }
+
+// A step's shape for the measured-cost table, for steps of up to SHAPE_MAX_Q query tokens per
+// sequence (decodes and verify steps) on a model with graphs (0: not kept: a step with a long
+// prefill chunk, or no graphs at all, where a step's cost follows its tokens and the line is
+// enough). A graph step: its batch bucket and padded tokens B x Q. An eager step: the batch
+// bucket and its tokens rounded up to 1, 2, 3, 4, 6, 8, 12, ... (powers of two and their 1.5x),
+// flagged apart from graphs: eager steps of similar size share an entry, so one measurement
+// covers them (an eager verify step of a small model costs several plain steps, and the first of
+// each size far more: cuBLASLt plans for new shapes).
+static uint32_t shape_key(pd_model *m, int n_seqs, int max_q, int n_tokens) {
+    if (n_seqs < 1 || max_q < 1 || max_q > SHAPE_MAX_Q || !step_is_graph(m, 1, 1)) return 0;
+    int B = pd_model_step_tokens(m, n_seqs, 1, n_seqs), T = pd_model_step_tokens(m, n_seqs, max_q, n_tokens);
+    if (B < 1 || B >= (1 << 11) || T < 1 || T >= (1 << 19)) return 0;
+    uint32_t eager = 0;
+    if (!step_is_graph(m, n_seqs, max_q)) {
+        int r = 1;
+        while (r < T) r = (r & (r - 1)) ? (r / 3) * 4 : (r >= 2 ? r + r / 2 : 2);  // 2^k -> 1.5 * 2^k -> 2^(k+1)
+        T = r, eager = SHAPE_EAGER;
+    }
+    return eager | (uint32_t)B << 20 | (uint32_t)T;
+}
+
+// The step's cost for the policy (pd_spec_step_cost_fn): all of the plan's sequences, the longest
+// query being the drafts' (1 + max_k) or another sequence's (a prefill chunk). Measured when this
+// shape was timed before; else the line at the padded size, the graph steps' line or the eager
+// steps' (an eager step of 72 tokens costs several graph steps of 64 on a small model): both are
+// optimistic for a shape never run, so it gets tried once, and then it is measured.
 typedef struct pad_ctx {
+    espec *S;
     pd_model *m;
     int n_seqs, base_max_q;
 } pad_ctx;
 
-static int pad_tokens(void *ud, int max_k, int n_tokens) {
+static double step_cost(void *ud, int max_k, int n_tokens) {
     const pad_ctx *p = ud;
-    return pd_model_step_tokens(p->m, p->n_seqs, PD_MAX(p->base_max_q, 1 + max_k), n_tokens);
+    int q = PD_MAX(p->base_max_q, 1 + max_k);
+    double us = pd_spec_shapes_get(&p->S->shapes, shape_key(p->m, p->n_seqs, q, n_tokens));
+    if (us > 0) return us;
+    int T = pd_model_step_tokens(p->m, p->n_seqs, q, n_tokens);
+    return pd_spec_cost_predict(step_is_graph(p->m, p->n_seqs, q) ? &p->S->cost : &p->S->cost_eager, T);
 }
 
 static pad_ctx pad_of(pd_engine *e, const pd_step_plan *plan) {
-    pad_ctx p = {.m = e->model, .n_seqs = plan->n_seqs, .base_max_q = 1};
+    pad_ctx p = {.S = e->spec, .m = e->model, .n_seqs = plan->n_seqs, .base_max_q = 1};
     for (int i = 0; i < plan->n_seqs; i++)
         p.base_max_q = PD_MAX(p.base_max_q, plan->seqs[i].n_tokens);  // decodes: 1 (lookahead slots are not tokens)
     return p;
@@ -508,7 +572,7 @@ static void choose_lengths(pd_engine *e, const pd_step_plan *plan, sreq **srs) {
     if (!kout) kout = pd_malloc(sizeof(int) * (size_t)n);
     if (!kout) return;
     pad_ctx pc = pad_of(e, plan);
-    pd_spec_choose_padded(&S->cost, n_base, n, S->alpha, km, S->method == PD_SPEC_DRAFT, pad_tokens, &pc, kout);
+    pd_spec_choose_padded(&S->cost, n_base, n, S->alpha, km, S->method == PD_SPEC_DRAFT, step_cost, &pc, kout);
     int any_k = 0;
     for (int j = 0; j < n; j++) {
         int i = S->sidx[j];
@@ -523,12 +587,12 @@ static void choose_lengths(pd_engine *e, const pd_step_plan *plan, sreq **srs) {
         int j = (int)(S->probe_rot++ % n), i = S->sidx[j];
         if (kk[i] == 0) kk[i] = 1;
         if (!any_k) {
-            double c0 = pd_spec_cost_predict(&S->cost, pad_tokens(&pc, 0, n_base));
-            double c1 = pd_spec_cost_predict(&S->cost, pad_tokens(&pc, 1, n_base + 1));
+            double c0 = step_cost(&pc, 0, n_base), c1 = step_cost(&pc, 1, n_base + 1);
             double dc = c1 - c0 + (S->method == PD_SPEC_DRAFT && S->cost.draft_us > 0 ? 2 * S->cost.draft_us : 0);
             double period = dc / (PROBE_SHARE * (c0 > 1 ? c0 : 1));
             period = period < PROBE_EVERY ? PROBE_EVERY : period > 4096 ? 4096 : period;
             S->next_probe = S->n_steps + (int64_t)period;
+            S->n_probes++;
         }
     }
     if (kout != tmp) pd_free(kout);
@@ -621,6 +685,8 @@ static pd_status verify(pd_engine *e, const pd_step_plan *plan, sreq **srs) {
     int vmax_q = 1;
     for (int i = 0; i < b->ns; i++) vmax_q = PD_MAX(vmax_q, b->qi[i + 1] - b->qi[i]);
     S->last_vtok = pd_model_step_tokens(e->model, b->ns, vmax_q, b->nt);  // observed with the whole step's time
+    S->last_vkey = shape_key(e->model, b->ns, vmax_q, b->nt);
+    S->last_vgraph = step_is_graph(e->model, b->ns, vmax_q);
     S->verify_us += dt;
     S->verify_n++;
     int K1 = S->K + 1;
@@ -672,17 +738,31 @@ static pd_status verify(pd_engine *e, const pd_step_plan *plan, sreq **srs) {
     return PD_OK;
 }
 
+static pd_status run_plan(pd_engine *e, const pd_step_plan *plan, bool *handled);
+
 pd_status pd_engine_spec_run_plan(pd_engine *e, const pd_step_plan *plan, bool *handled) {
     espec *S = e->spec;
     *handled = false;
     if (!S) return PD_OK;
+    int64_t t0 = pd_time_us(), v0 = S->verify_us, d0 = S->draft_us;
+    pd_status st = run_plan(e, plan, handled);
+    int64_t us = pd_time_us() - t0 - (S->verify_us - v0) - (S->draft_us - d0);
+    if (*handled) S->hook_us += us;
+    else S->hook_plain_us += us;
+    return st;
+}
+
+static pd_status run_plan(pd_engine *e, const pd_step_plan *plan, bool *handled) {
+    espec *S = e->spec;
     S->last_valid = false;
     S->last_vtok = 0;
+    S->last_vkey = 0;
+    S->last_vgraph = false;
     S->step_draft_us = 0;
     S->la_win_tokens = 0;
+    S->srs_n = 0;
     if (!reserve_seqs(S, plan->n_seqs)) return PD_ERR_NOMEM;
-    sreq *tmp[256], **srs = plan->n_seqs <= 256 ? tmp : pd_malloc(sizeof(sreq *) * (size_t)plan->n_seqs);
-    if (!srs) return PD_ERR_NOMEM;
+    sreq **srs = S->srs;
     bool any = false, draft_work = false;
     for (int i = 0; i < plan->n_seqs; i++) {
         const pd_step_seq *s = &plan->seqs[i];
@@ -733,8 +813,7 @@ pd_status pd_engine_spec_run_plan(pd_engine *e, const pd_step_plan *plan, bool *
         pad_ctx pc = pad_of(e, plan);
         int kmx = 0;
         for (int i = 0; i < plan->n_seqs; i++) kmx = PD_MAX(kmx, srs[i] ? srs[i]->k : 0);
-        double cw = pd_spec_cost_predict(&S->cost, pad_tokens(&pc, kmx + S->W, n_base + n_win * S->W));
-        double c0 = pd_spec_cost_predict(&S->cost, pad_tokens(&pc, kmx, n_base));
+        double cw = step_cost(&pc, kmx + S->W, n_base + n_win * S->W), c0 = step_cost(&pc, kmx, n_base);
         double rel = (cw - c0) / (c0 > 1 ? c0 : 1);
         bool cheap = !S->adaptive || (n_win > 0 && S->la_yield * n_win * S->W / PD_MAX(plan->n_seqs, 1) > rel);
         // Else a probe now and then (the yield must stay measured): one sequence's window, at
@@ -744,10 +823,11 @@ pd_status pd_engine_spec_run_plan(pd_engine *e, const pd_step_plan *plan, bool *
             int pick = (int)(S->probe_rot++ % n_win), c = 0;
             for (int i = 0; i < plan->n_seqs && only < 0; i++)
                 if (srs[i] && is_decode(&plan->seqs[i], srs[i]) && plan->seqs[i].n_lookahead > 0 && c++ == pick) only = i;
-            double c1 = pd_spec_cost_predict(&S->cost, pad_tokens(&pc, kmx + S->W, n_base + S->W));
+            double c1 = step_cost(&pc, kmx + S->W, n_base + S->W);
             double period = (c1 - c0) / (PROBE_SHARE * (c0 > 1 ? c0 : 1));
             period = period < PROBE_EVERY ? PROBE_EVERY : period > 4096 ? 4096 : period;
             S->next_win_probe = S->n_steps + (int64_t)period;
+            S->n_win_probes += only >= 0;
             cheap = only >= 0;
         }
         for (int i = 0; cheap && i < plan->n_seqs; i++) {
@@ -757,6 +837,7 @@ pd_status pd_engine_spec_run_plan(pd_engine *e, const pd_step_plan *plan, bool *
             any |= sr->w > 0;
             S->la_win_tokens += sr->w;
         }
+        S->n_win_steps += S->la_win_tokens > 0;
     }
     pd_status st = PD_OK;
     if (S->draft && (any || draft_work)) {
@@ -791,7 +872,7 @@ pd_status pd_engine_spec_run_plan(pd_engine *e, const pd_step_plan *plan, bool *
     }
 out:
     S->n_steps++;
-    if (srs != tmp) pd_free(srs);
+    S->srs_n = st ? 0 : plan->n_seqs;  // after_update's view of this step
     return st;
 }
 
@@ -802,26 +883,36 @@ void pd_engine_spec_push_token(ereq *q, int32_t token) {
 void pd_engine_spec_after_update(pd_engine *e, const pd_step_plan *plan, int64_t step_us, bool was_spec) {
     espec *S = e->spec;
     if (!S) return;
+    int64_t t0 = pd_time_us();
     // Whole steps (scheduling, forward, sampling, update) on both sides, the draft's forwards
     // apart (they are the draft's cost): plain steps at their real (padded) tokens, verify steps
     // at the verify forward's.
     int vt = S->last_vtok;
+    uint32_t key = S->last_vkey;
+    bool graph = S->last_vgraph;
     if (!was_spec || vt <= 0) {
         int mq = 1, nt = 0;  // real tokens: plan->n_tokens counts granted lookahead slots too
         for (int i = 0; i < plan->n_seqs; i++) mq = PD_MAX(mq, plan->seqs[i].n_tokens), nt += plan->seqs[i].n_tokens;
         vt = pd_model_step_tokens(e->model, plan->n_seqs, mq, nt);
+        key = shape_key(e->model, plan->n_seqs, mq, nt);
+        graph = step_is_graph(e->model, plan->n_seqs, mq);
     }
-    pd_spec_cost_observe(&S->cost, vt, (double)(step_us - S->step_draft_us));
+    double us = (double)(step_us - S->step_draft_us);
+    pd_spec_cost_observe(graph ? &S->cost : &S->cost_eager, vt, us);
+    pd_spec_shapes_observe(&S->shapes, key, us);
     // Next step's lookahead asks: what was chosen now, plus one to let it grow (and 1 when it was
     // 0, for the probes); the Jacobi window always (only budget: unused slots cost no compute).
+    // Asked only when it changes: a step that drafts nothing does O(1) here per sequence.
     int extra = S->method == PD_SPEC_LOOKAHEAD ? S->W : 0;
-    for (int i = 0; i < plan->n_seqs && S->adaptive; i++) {
-        ereq *r = pd_engine_req_find(e, plan->seqs[i].req_id);
-        if (!r || !r->spec || r->spec->fixed_k || !is_decode(&plan->seqs[i], r->spec) || plan->seqs[i].n_lookahead <= 0)
-            continue;
-        int want = PD_MIN(S->K, S->kch[i] + 1);
-        (void)pd_sched_set_lookahead(e->sched, r->id, want + extra);
+    for (int i = 0; i < plan->n_seqs && i < S->srs_n && S->adaptive; i++) {
+        sreq *sr = S->srs[i];
+        if (!sr || sr->fixed_k || !is_decode(&plan->seqs[i], sr) || plan->seqs[i].n_lookahead <= 0) continue;
+        int want = PD_MIN(S->K, S->kch[i] + 1) + extra;
+        if (want == sr->la_want) continue;
+        if (pd_sched_set_lookahead(e->sched, plan->seqs[i].req_id, want) == PD_OK) sr->la_want = want;
     }
+    if (!was_spec) S->plain_n++, S->plain_us += step_us, S->hook_plain_us += pd_time_us() - t0;
+    else S->hook_us += pd_time_us() - t0;
 }
 
 const char *pd_engine_spec_method_name(int m) { return pd_spec_method_name((pd_spec_method)m); }

@@ -211,12 +211,12 @@ int pd_spec_choose(const pd_spec_cost *c, int n_base, int n_seqs, const double *
 }
 
 int pd_spec_choose_padded(const pd_spec_cost *c, int n_base, int n_seqs, const double *alpha, const int *k_max,
-                          bool uses_draft, pd_spec_pad_fn pad, void *ud, int *k) {
+                          bool uses_draft, pd_spec_step_cost_fn pad, void *ud, int *k) {
     double draft_us = uses_draft ? (c->draft_us > 0 ? c->draft_us : 0) : 0;
     int sum_k = 0, max_k = 0;
     double tokens = n_seqs;  // each speculating sequence yields its target token anyway
     for (int i = 0; i < n_seqs; i++) k[i] = 0;
-    double cost = pd_spec_cost_predict(c, pad ? pad(ud, 0, n_base) : n_base);
+    double cost = pad ? pad(ud, 0, n_base) : pd_spec_cost_predict(c, n_base);
     // With padding: the best point of the greedy path (its length in added tokens).
     double best_rate = tokens / cost;
     int best_len = 0, len = 0;
@@ -246,7 +246,7 @@ int pd_spec_choose_padded(const pd_spec_cost *c, int n_base, int n_seqs, const d
         g[best] *= alpha[best];
         int nk = k[best] + 1, nmax = nk > max_k ? nk : max_k;
         int n_tok = n_base + sum_k + 1;
-        double ncost = pd_spec_cost_predict(c, pad ? pad(ud, nmax, n_tok) : n_tok) + nmax * draft_us;
+        double ncost = (pad ? pad(ud, nmax, n_tok) : pd_spec_cost_predict(c, n_tok)) + nmax * draft_us;
         if (!pad && (tokens + gain) / ncost <= tokens / cost) break;  // does not pay: neither will the rest
         k[best] = nk;
         sum_k++;
@@ -266,4 +266,49 @@ int pd_spec_choose_padded(const pd_spec_cost *c, int n_base, int n_seqs, const d
         if (order != order_stack) pd_free(order);
     }
     return sum_k;
+}
+
+// ---- measured step times per shape -----------------------------------------------------------
+
+#define SHAPE_PROBE 8
+#define SHAPE_EMA 0.2
+
+void pd_spec_shapes_init(pd_spec_shapes *t) { memset(t, 0, sizeof *t); }
+
+static int shape_slot(const pd_spec_shapes *t, uint32_t key, bool *found) {
+    uint32_t h = (key * 2654435761u) >> 24;  // 8 bits: PD_SPEC_SHAPES = 256
+    int empty = -1, oldest = -1;
+    for (int i = 0; i < SHAPE_PROBE; i++) {
+        int s = (int)((h + (uint32_t)i) & (PD_SPEC_SHAPES - 1));
+        if (t->key[s] == key) {
+            *found = true;
+            return s;
+        }
+        if (!t->key[s] && empty < 0) empty = s;
+        if (t->key[s] && (oldest < 0 || t->last[s] < t->last[oldest])) oldest = s;
+    }
+    *found = false;
+    return empty >= 0 ? empty : oldest;
+}
+
+void pd_spec_shapes_observe(pd_spec_shapes *t, uint32_t key, double us) {
+    if (!key || !(us > 0)) return;
+    bool found;
+    int s = shape_slot(t, key, &found);
+    if (!found) {
+        t->key[s] = key;
+        t->n[s] = 0;
+    }
+    // The first step of a shape is not its cost (a graph's first launch uploads it; an eager
+    // step of a new size plans its GEMMs: up to 100x a plain step): the second one replaces it.
+    t->us[s] = t->n[s] >= 2 ? (float)((1 - SHAPE_EMA) * t->us[s] + SHAPE_EMA * us) : (float)us;
+    t->n[s]++;
+    t->last[s] = ++t->clock;
+}
+
+double pd_spec_shapes_get(const pd_spec_shapes *t, uint32_t key) {
+    if (!key) return -1;
+    bool found;
+    int s = shape_slot(t, key, &found);
+    return found && t->n[s] >= 2 ? t->us[s] : -1;
 }

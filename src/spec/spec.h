@@ -101,16 +101,36 @@ double pd_spec_cost_predict(const pd_spec_cost *c, int n_tokens);
 // number of draft forwards); a token is added only if it raises tokens/time. Returns sum k.
 int pd_spec_choose(const pd_spec_cost *c, int n_base, int n_seqs, const double *alpha, const int *k_max,
                    bool uses_draft, int *k);
-// The tokens a step really computes: a step run as a padded graph costs its padded size (every
-// sequence padded to 1 + the longest draft's query bucket, the batch to its bucket), not its real
-// tokens. pad(ud, max_k, n_tokens) gives that count for a step whose longest draft is max_k and
-// whose real tokens are n_tokens; cost observations must use the same count.
-typedef int (*pd_spec_pad_fn)(void *ud, int max_k, int n_tokens);
-// pd_spec_choose with the step's cost at pad(...) tokens. The cost is then a step function of the
+// The cost of a step whose longest draft is max_k and whose real tokens are n_tokens, in
+// microseconds: a step run as a padded graph costs its padded shape (every sequence padded to 1 +
+// the longest draft's query bucket, the batch to its bucket), not its real tokens, and a shape may
+// run eagerly (far dearer than its tokens say). The engine answers from measured step times per
+// shape (pd_spec_shapes), falling back to the linear model for shapes not measured yet.
+typedef double (*pd_spec_step_cost_fn)(void *ud, int max_k, int n_tokens);
+// pd_spec_choose with the step's cost from cost(...). The cost is then a step function of the
 // longest draft, so the greedy path is followed to its end (every k_max used) and the best
 // tokens/time point on it is kept, rather than stopping at the first token that does not pay.
 int pd_spec_choose_padded(const pd_spec_cost *c, int n_base, int n_seqs, const double *alpha, const int *k_max,
-                          bool uses_draft, pd_spec_pad_fn pad, void *ud, int *k);
+                          bool uses_draft, pd_spec_step_cost_fn cost, void *ud, int *k);
+
+// ---- measured step times per shape -----------------------------------------------------------
+// A small cache of step times (EMA, microseconds) keyed by a step's shape (the engine's key: the
+// batch bucket and the padded tokens; 0 is not a key). A step that drafts nothing must cost what a
+// plain step costs: the policy compares shapes it has timed, not a line through every step (a
+// line fitted mostly to prefill chunks and plain decodes misjudges a padded verify graph or an
+// eager step by several times on a small, launch-bound model).
+#define PD_SPEC_SHAPES 256
+typedef struct pd_spec_shapes {
+    uint32_t key[PD_SPEC_SHAPES];  // 0: empty
+    float us[PD_SPEC_SHAPES];
+    uint32_t n[PD_SPEC_SHAPES];     // observations
+    uint32_t clock, last[PD_SPEC_SHAPES];  // least recently observed is replaced when the probe is full
+} pd_spec_shapes;
+void pd_spec_shapes_init(pd_spec_shapes *t);
+void pd_spec_shapes_observe(pd_spec_shapes *t, uint32_t key, double us);
+// The shape's time (us), or -1 when not measured: a shape counts from its second step on (the
+// first one's time is dropped: first launches and first eager runs cost far more).
+double pd_spec_shapes_get(const pd_spec_shapes *t, uint32_t key);
 
 #ifdef __cplusplus
 }

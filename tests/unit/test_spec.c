@@ -124,6 +124,51 @@ PD_TEST(cost_model_and_choice) {
     PD_CHECK(pd_spec_choose(&c, 1, 1, a1, km1, true, k1) >= 3);
 }
 
+// A step costs 100 us with no drafts, p[0] with a draft of 1 token, p[1] with longer ones.
+static double cost_of(void *ud, int max_k, int n_tokens) {
+    (void)n_tokens;
+    const double *p = ud;
+    return max_k == 0 ? 100 : max_k == 1 ? p[0] : p[1];
+}
+
+PD_TEST(measured_step_shapes) {
+    pd_spec_shapes t;
+    pd_spec_shapes_init(&t);
+    PD_CHECK(pd_spec_shapes_get(&t, 7) < 0);  // not measured
+    PD_CHECK(pd_spec_shapes_get(&t, 0) < 0);  // 0 is no key
+    pd_spec_shapes_observe(&t, 0, 100);       // ignored
+    pd_spec_shapes_observe(&t, 7, 5000);  // a first step: not a measurement yet
+    PD_CHECK(pd_spec_shapes_get(&t, 7) < 0);
+    pd_spec_shapes_observe(&t, 7, 100);  // the second replaces it
+    PD_CHECK_NEAR(pd_spec_shapes_get(&t, 7), 100, 1e-3);
+    pd_spec_shapes_observe(&t, 7, 200);  // EMA: 0.8 old + 0.2 new
+    PD_CHECK_NEAR(pd_spec_shapes_get(&t, 7), 120, 1e-3);
+    pd_spec_shapes_observe(&t, 7, -5);  // not a time
+    PD_CHECK_NEAR(pd_spec_shapes_get(&t, 7), 120, 1e-3);
+    // Many keys: every one kept while the table has room; beyond, the least recently observed of a
+    // probe window is replaced, and the most recent ones stay.
+    for (uint32_t k = 1; k <= 200; k++) pd_spec_shapes_observe(&t, k << 20 | k, 1e6);
+    for (uint32_t k = 1; k <= 200; k++) pd_spec_shapes_observe(&t, k << 20 | k, (double)k);
+    int kept = 0;
+    for (uint32_t k = 1; k <= 200; k++) kept += pd_spec_shapes_get(&t, k << 20 | k) == (double)k;
+    PD_CHECK(kept >= 150);
+    for (uint32_t k = 1000; k < 3000; k++) pd_spec_shapes_observe(&t, k, 1), pd_spec_shapes_observe(&t, k, 1);
+    PD_CHECK_NEAR(pd_spec_shapes_get(&t, 2999), 1, 1e-6);
+    // The chooser with measured costs: at alpha 0.5, one drafting sequence of 64 pays for neither
+    // a verify step measured at 3x a plain step nor one at 1.05x (0.5 more tokens of 64); a
+    // single sequence pays for the cheap one, not for the dear one.
+    pd_spec_cost c;
+    pd_spec_cost_init(&c, 100);
+    double alpha[64];
+    int km[64], k[64];
+    for (int i = 0; i < 64; i++) alpha[i] = i == 0 ? 0.5 : 0, km[i] = i == 0 ? 4 : 0;
+    double dear[2] = {300, 300}, cheap[2] = {105, 105};
+    PD_CHECK_EQ(pd_spec_choose_padded(&c, 64, 64, alpha, km, false, cost_of, dear, k), 0);
+    PD_CHECK_EQ(pd_spec_choose_padded(&c, 64, 64, alpha, km, false, cost_of, cheap, k), 0);
+    PD_CHECK(pd_spec_choose_padded(&c, 1, 1, alpha, km, false, cost_of, cheap, k) >= 1);
+    PD_CHECK_EQ(pd_spec_choose_padded(&c, 1, 1, alpha, km, false, cost_of, dear, k), 0);
+}
+
 PD_TEST(method_names) {
     pd_spec_method m;
     PD_CHECK_EQ(pd_spec_method_parse("lookahead", &m), PD_OK);
