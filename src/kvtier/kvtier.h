@@ -231,6 +231,13 @@ void pd_kvt_tiers_free(pd_kvt_tiers *t);  // drains queued work, joins the threa
 // k[l], v[l]: the block's rows in layer l (copied before return).
 pd_status pd_kvt_tiers_offload(pd_kvt_tiers *t, pd_hash128 hash, pd_hash128 parent, const float *const *k,
                                const float *const *v);
+// Like offload, for rows that are not host floats yet (a device cache's staged bf16 copy): on the
+// tier thread, fill(ud, rows) writes the block's rows (per layer, K then V, block_size rows of
+// n_kv_heads*head_dim floats each) and returns true, or false to drop it (counted). fill is called
+// exactly once when PD_OK is returned (rows NULL: out of memory, release only), never otherwise.
+typedef bool (*pd_kvt_fill_fn)(void *ud, float *rows);
+pd_status pd_kvt_tiers_offload_fill(pd_kvt_tiers *t, pd_hash128 hash, pd_hash128 parent, pd_kvt_fill_fn fill,
+                                    void *ud);
 // Leading blocks of hashes[0..n) held by some tier (checks existence only). tier_of (may be NULL):
 // per block, which tier would serve it. cost_us (may be NULL): predicted load time.
 int pd_kvt_tiers_match(pd_kvt_tiers *t, const pd_hash128 *hashes, int n, int *tier_of, double *cost_us);
@@ -242,6 +249,12 @@ int pd_kvt_tiers_probe(pd_kvt_tiers *t, const pd_hash128 *hashes, int n, int *n_
 // until done). PD_OK: done is called exactly once.
 pd_status pd_kvt_tiers_load(pd_kvt_tiers *t, uint64_t req_id, const pd_hash128 *hashes, int n,
                             float *const *const *dst_k, float *const *const *dst_v, pd_kvt_load_fn done, void *ud);
+// Like load; block_done(ud, b) (may be NULL) runs on the tier thread as soon as block b is in
+// dst_k[b] / dst_v[b] (so those rows may be one scratch block reused for every b).
+typedef void (*pd_kvt_block_fn)(void *ud, int b);
+pd_status pd_kvt_tiers_load_ex(pd_kvt_tiers *t, uint64_t req_id, const pd_hash128 *hashes, int n,
+                               float *const *const *dst_k, float *const *const *dst_v, pd_kvt_block_fn block_done,
+                               pd_kvt_load_fn done, void *ud);
 // What the tiers now hold, for routers (the engine forwards them as KV events with the tier):
 // STORED when a page was written to tier `tier`, REMOVED when that tier evicted it. A bounded
 // ring (4096); on overflow the oldest are dropped and counted in events_dropped.

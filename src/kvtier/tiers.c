@@ -17,6 +17,8 @@ typedef struct job {
     // offload
     pd_hash128 hash, parent;
     float *rows;  // (n_layers * 2 * block rows)
+    pd_kvt_fill_fn fill;  // offload_fill: fills rows on the tier thread
+    void *fill_ud;
     // load
     uint64_t req_id;
     pd_hash128 *hashes;
@@ -24,6 +26,7 @@ typedef struct job {
     float *const *const *dst_k;
     float *const *const *dst_v;
     pd_kvt_load_fn done;
+    pd_kvt_block_fn block_done;  // (may be NULL) after each block is in dst
     void *ud;
 } job;
 
@@ -84,6 +87,17 @@ static void put_tier(pd_kvt_tiers *t, int i, pd_hash128 h, pd_hash128 parent, co
 
 static void run_offload(pd_kvt_tiers *t, job *j) {
     int L = t->p.geom.n_layers;
+    if (j->fill) {  // staged rows (a device cache): converted here, off the engine thread
+        j->rows = pd_malloc((size_t)L * 2 * t->block_floats * sizeof(float));
+        bool ok = j->rows && j->fill(j->fill_ud, j->rows);
+        if (!j->rows) j->fill(j->fill_ud, NULL);  // releases its staging all the same
+        if (!ok) {
+            pthread_mutex_lock(&t->mu);
+            t->st.offloads_dropped++;
+            pthread_mutex_unlock(&t->mu);
+            return;
+        }
+    }
     const float *k[4096], *v[4096];
     for (int l = 0; l < L; l++) {
         k[l] = j->rows + (size_t)(2 * l) * t->block_floats;
@@ -150,6 +164,7 @@ static void run_load(pd_kvt_tiers *t, job *j) {
                 t->st.promotions++;
                 pthread_mutex_unlock(&t->mu);
             }
+            if (j->block_done) j->block_done(j->ud, b);
         }
         if (!ok) break;  // the chain stops at the first block no tier can give
         n_ok++;
@@ -315,6 +330,28 @@ pd_status pd_kvt_tiers_offload(pd_kvt_tiers *t, pd_hash128 hash, pd_hash128 pare
     return PD_OK;
 }
 
+pd_status pd_kvt_tiers_offload_fill(pd_kvt_tiers *t, pd_hash128 hash, pd_hash128 parent, pd_kvt_fill_fn fill,
+                                    void *ud) {
+    pthread_mutex_lock(&t->mu);
+    bool full = t->n_queued_offloads >= t->p.queue_max;
+    if (full) t->st.offloads_dropped++;
+    pthread_mutex_unlock(&t->mu);
+    if (full) return PD_NOSPACE;
+    job *j = pd_calloc(1, sizeof *j);
+    if (!j) return PD_ERR_NOMEM;
+    j->kind = 1;
+    j->hash = hash;
+    j->parent = parent;
+    j->fill = fill;
+    j->fill_ud = ud;
+    pthread_mutex_lock(&t->mu);
+    t->n_queued_offloads++;
+    t->st.offloads_queued++;
+    enqueue(t, j);
+    pthread_mutex_unlock(&t->mu);
+    return PD_OK;
+}
+
 int pd_kvt_tiers_match(pd_kvt_tiers *t, const pd_hash128 *hashes, int n, int *tier_of, double *cost_us) {
     int m = 0;
     double cost = 0;
@@ -365,6 +402,12 @@ int pd_kvt_tiers_probe(pd_kvt_tiers *t, const pd_hash128 *hashes, int n, int *n_
 
 pd_status pd_kvt_tiers_load(pd_kvt_tiers *t, uint64_t req_id, const pd_hash128 *hashes, int n,
                             float *const *const *dst_k, float *const *const *dst_v, pd_kvt_load_fn done, void *ud) {
+    return pd_kvt_tiers_load_ex(t, req_id, hashes, n, dst_k, dst_v, NULL, done, ud);
+}
+
+pd_status pd_kvt_tiers_load_ex(pd_kvt_tiers *t, uint64_t req_id, const pd_hash128 *hashes, int n,
+                               float *const *const *dst_k, float *const *const *dst_v, pd_kvt_block_fn block_done,
+                               pd_kvt_load_fn done, void *ud) {
     if (n < 0 || !done || (n > 0 && (!hashes || !dst_k || !dst_v))) return PD_ERR_INVALID;
     job *j = pd_calloc(1, sizeof *j);
     pd_hash128 *hs = j && n ? pd_malloc((size_t)n * sizeof *hs) : NULL;
@@ -381,6 +424,7 @@ pd_status pd_kvt_tiers_load(pd_kvt_tiers *t, uint64_t req_id, const pd_hash128 *
     j->dst_k = dst_k;
     j->dst_v = dst_v;
     j->done = done;
+    j->block_done = block_done;
     j->ud = ud;
     pthread_mutex_lock(&t->mu);
     enqueue(t, j);
