@@ -144,8 +144,8 @@ static void run_load(pd_kvt_tiers *t, job *j) {
             if (pd_kvt_page_decode(t->page, len, t->p.fingerprint, &t->p.geom, h, k, v) != PD_KVT_PAGE_OK) continue;
             ok = true;
             int64_t dt = now_us() - tb;
-            pd_kvt_page_info info;
-            pd_kvt_page_check(t->page, len, t->p.fingerprint, &t->p.geom, &h, &info);
+            pd_kvt_page_info info = {0};
+            if (i > 0) pd_kvt_page_check_header(t->page, len, t->p.fingerprint, &t->p.geom, &h, &info);  // the parent, to promote
             pthread_mutex_lock(&t->mu);
             int bucket = 0;
             while (bucket < 23 && ((int64_t)1 << bucket) <= dt) bucket++;
