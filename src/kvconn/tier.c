@@ -38,7 +38,7 @@
 
 // The DRAM tier's page memory: one allocation from the backend (pinned host memory on CUDA, plain
 // on the CPU backend) cut into fixed slots of one page each (every DRAM page has the same size:
-// f32, one geometry). One slot more than the capacity holds: a put allocates its copy before the
+// one dtype, one geometry). One slot more than the capacity holds: a put allocates its copy before the
 // policy evicts to make room.
 typedef struct page_arena {
     pd_backend *backend;
@@ -384,11 +384,14 @@ pd_kvconn_tiers *pd_kvconn_tiers_new(const pd_kvconn_tier_params *p, pd_err *err
         pd_free(c);
         return NULL;
     }
+    // The DRAM tier keeps pages exact: f32 for an f32 cache, bf16 (half the bytes) for a bf16 one.
     pd_kvt_tiers_params tp = {.geom = c->geom, .fingerprint = pd_kvconn_fingerprint64(&p->fp), .dtype = dt,
-                              .queue_max = p->queue_max};
+                              .dram_dtype = is_bf16 ? PD_KVT_BF16 : PD_KVT_F32, .queue_max = p->queue_max};
     pd_kvt_store_params sp = {.geom = c->geom, .fingerprint = tp.fingerprint, .policy = PD_KVT_S3FIFO};
     if (p->dram_bytes) {
-        if (arena_init(&c->arena, p->backend, pd_kvt_page_bytes(&c->geom, PD_KVT_F32), p->dram_bytes, err)) {
+        if (arena_init(&c->arena, p->backend, pd_kvt_page_bytes(&c->geom, tp.dram_dtype ? tp.dram_dtype : PD_KVT_F32),
+                       p->dram_bytes, err)) {
+            stage_fini(c);
             pd_free(c);
             return NULL;
         }

@@ -204,6 +204,7 @@ typedef struct pd_kvt_tiers_params {
     pd_kvt_geom geom;
     uint64_t fingerprint;
     pd_kvt_dtype dtype;                    // lower tiers (disk, Redis); tier 0 keeps f32
+    pd_kvt_dtype dram_dtype;               // the DRAM tier's pages: 0 = f32; bf16 is exact for a bf16 cache
     pd_kvt_store *stores[PD_KVT_MAX_TIERS];  // owned from here on
     int n_stores;
     int queue_max;                         // pending offloads (default 1024)

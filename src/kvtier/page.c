@@ -43,6 +43,9 @@ static size_t elem_bytes(pd_kvt_dtype d) {
     return 0;
 }
 
+// Pages at least this big are encoded / decoded by several threads (OpenMP).
+#define PAGE_PARALLEL_BYTES ((size_t)1 << 20)
+
 static bool geom_ok(const pd_kvt_geom *g) {
     return g && g->n_layers > 0 && g->n_layers <= 4096 && g->n_kv_heads > 0 && g->n_kv_heads <= 1024 &&
            g->head_dim > 0 && g->head_dim <= 4096 && g->block_size > 0 && g->block_size <= 4096;
@@ -222,12 +225,17 @@ pd_status pd_kvt_page_encode(const pd_kvt_geom *g, pd_kvt_dtype d, uint64_t fing
     uint8_t *p = h + PD_KVT_HDR_BYTES;
     size_t row = (size_t)g->n_kv_heads * (size_t)g->head_dim;
     for (int l = 0; l < g->n_layers; l++)
-        for (int kv = 0; kv < 2; kv++) {
-            const float *base = kv ? v[l] : k[l];
-            if (!base) return PD_ERR_INVALID;
-            for (int hh = 0; hh < g->n_kv_heads; hh++)
-                p = encode_head(d, base + (size_t)hh * g->head_dim, g->block_size, g->head_dim, row, p);
-        }
+        if (!k[l] || !v[l]) return PD_ERR_INVALID;
+    // Every (layer, K/V, head) segment has the same size: encoded in parallel when the page is big
+    // (a Llama-3-8B block is 1M values; the tier thread is what offloads and loads wait on).
+    size_t seg = 4 + (size_t)g->block_size * (size_t)g->head_dim * elem_bytes(d);
+    int n_seg = g->n_layers * 2 * g->n_kv_heads;
+#pragma omp parallel for schedule(static) if (pb >= PAGE_PARALLEL_BYTES)
+    for (int s = 0; s < n_seg; s++) {
+        int l = s / (2 * g->n_kv_heads), kv = (s / g->n_kv_heads) % 2, hh = s % g->n_kv_heads;
+        const float *base = kv ? v[l] : k[l];
+        encode_head(d, base + (size_t)hh * g->head_dim, g->block_size, g->head_dim, row, p + (size_t)s * seg);
+    }
     XXH3_state_t st;
     XXH3_64bits_reset(&st);
     XXH3_64bits_update(&st, h, 88);
@@ -299,11 +307,13 @@ pd_kvt_bad pd_kvt_page_decode(const void *page, size_t len, uint64_t fingerprint
     const uint8_t *p = (const uint8_t *)page + PD_KVT_HDR_BYTES;
     const pd_kvt_geom *gg = &in.geom;
     size_t row = (size_t)gg->n_kv_heads * (size_t)gg->head_dim;
-    for (int l = 0; l < gg->n_layers; l++)
-        for (int kv = 0; kv < 2; kv++) {
-            float *base = kv ? v[l] : k[l];
-            for (int hh = 0; hh < gg->n_kv_heads; hh++)
-                p = decode_head(in.dtype, p, gg->block_size, gg->head_dim, row, base + (size_t)hh * gg->head_dim);
-        }
+    size_t seg = 4 + (size_t)gg->block_size * (size_t)gg->head_dim * elem_bytes(in.dtype);
+    int n_seg = gg->n_layers * 2 * gg->n_kv_heads;
+#pragma omp parallel for schedule(static) if (in.payload_bytes >= PAGE_PARALLEL_BYTES)
+    for (int s = 0; s < n_seg; s++) {
+        int l = s / (2 * gg->n_kv_heads), kv = (s / gg->n_kv_heads) % 2, hh = s % gg->n_kv_heads;
+        float *base = kv ? v[l] : k[l];
+        decode_head(in.dtype, p + (size_t)s * seg, gg->block_size, gg->head_dim, row, base + (size_t)hh * gg->head_dim);
+    }
     return PD_KVT_PAGE_OK;
 }

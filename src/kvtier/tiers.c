@@ -62,7 +62,8 @@ static int64_t now_us(void) {
 
 // Host DRAM keeps pages exact (f32); disk and Redis use the configured dtype.
 static pd_kvt_dtype tier_dtype(const pd_kvt_tiers *t, int i) {
-    return !strcmp(pd_kvt_store_name(t->p.stores[i]), "dram") ? PD_KVT_F32 : t->p.dtype;
+    if (!strcmp(pd_kvt_store_name(t->p.stores[i]), "dram")) return t->p.dram_dtype ? t->p.dram_dtype : PD_KVT_F32;
+    return t->p.dtype;
 }
 
 static void push_event(pd_kvt_tiers *t, int tier, bool stored, pd_hash128 h, pd_hash128 parent) {
