@@ -130,6 +130,8 @@ struct pd_kvconn_tiers {
     int n_fly, cap_fly;
     int64_t staged_drops;   // saves dropped for want of a slot
     int64_t load_cuts;      // loads cut short for want of slots
+    int64_t staged_resident;  // saves skipped: the (DRAM-only) chain already held the block
+    int n_tiers;
     page_arena arena;     // the DRAM tier's pages
     pd_kvt_tiers *t;
     pd_kvt_geom geom;
@@ -281,6 +283,13 @@ static void start_saves(pd_kvconn_tiers *c) {
     int32_t src[1024], dst[1024], rows[1024];
     pending_save ps[1024];
     for (int i = 0; i < c->n_pend; i++) {
+        // A DRAM-only chain that already holds the block (it was just loaded from there): nothing
+        // to write. (With lower tiers the second sighting is what admits a block to them: offered.)
+        int sure = 0;
+        if (c->n_tiers == 1 && c->arena.base && pd_kvt_tiers_probe(c->t, &c->pend[i].hash, 1, &sure, NULL) == 1 && sure == 1) {
+            c->staged_resident++;
+            continue;
+        }
         int s = n < 1024 ? slot_get(&c->st) : -1;
         if (s < 0) {
             c->staged_drops++;
@@ -416,6 +425,7 @@ pd_kvconn_tiers *pd_kvconn_tiers_new(const pd_kvconn_tier_params *p, pd_err *err
         if (!(tp.stores[tp.n_stores++] = pd_kvt_redis_new(&sp, p->remote_url, err))) goto fail;
         snprintf(c->remote, sizeof c->remote, "%s", p->remote_url);
     }
+    c->n_tiers = tp.n_stores;
     c->t = pd_kvt_tiers_new(&tp, err);
     if (!c->t) goto fail_stores;
     c->p.disk_dir = c->p.remote_url = c->p.dtype = c->p.secret = NULL;  // borrowed for the call
