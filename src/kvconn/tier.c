@@ -146,6 +146,8 @@ typedef struct tier_load {  // one load in flight: the destination row pointers 
     int n;
     int32_t *slots, *dst;    // staged: (n) the slots and the reserved blocks
     float *scratch;          // staged: one block of f32 rows (every dk[i] / dv[i] points here)
+    uint16_t ***bk, ***bv;   // staged bf16: (n) per block, the slot's K / V rows of each layer
+    uint16_t **brows;        // (2 * n * n_layers) the pointer storage behind bk / bv
     float ***dk, ***dv;      // (n) blocks x (n_layers) rows
     float **rows;            // (2 * n * n_layers) the pointer storage behind dk / dv
 } tier_load;
@@ -158,6 +160,9 @@ static void tier_load_free(tier_load *l) {
     pd_free(l->slots);
     pd_free(l->dst);
     pd_free(l->scratch);
+    pd_free(l->bk);
+    pd_free(l->bv);
+    pd_free(l->brows);
     pd_free(l);
 }
 
@@ -216,11 +221,9 @@ static void stage_fini(pd_kvconn_tiers *c) {
 }
 
 // Slot rows <-> f32 block rows (per layer K then V, block_floats each).
-// (On the tier thread; the 2 x n_layers slabs are converted in parallel: a Llama-3-8B block is 1M
-// values, and the tier thread is what a load waits on.)
+// (On the tier thread. A bf16 cache's offloads skip slot_to_f32: on_save_release.)
 static void slot_to_f32(pd_kvconn_tiers *c, int slot, float *rows) {
     size_t nf = c->block_bytes / (c->st.is_bf16 ? 2 : 4);
-#pragma omp parallel for schedule(static) if (c->st.is_bf16 && c->geom.n_layers >= 8)
     for (int lk = 0; lk < 2 * c->geom.n_layers; lk++) {
         int l = lk / 2, kv = lk % 2;
             const uint8_t *src = (const uint8_t *)(kv ? c->st.v[l] : c->st.k[l]) + (size_t)slot * c->block_bytes;
@@ -236,7 +239,6 @@ static void slot_to_f32(pd_kvconn_tiers *c, int slot, float *rows) {
 
 static void f32_to_slot(pd_kvconn_tiers *c, const float *rows, int slot) {
     size_t nf = c->block_bytes / (c->st.is_bf16 ? 2 : 4);
-#pragma omp parallel for schedule(static) if (c->st.is_bf16 && c->geom.n_layers >= 8)
     for (int lk = 0; lk < 2 * c->geom.n_layers; lk++) {
         int l = lk / 2, kv = lk % 2;
             uint8_t *dst = (uint8_t *)(kv ? c->st.v[l] : c->st.k[l]) + (size_t)slot * c->block_bytes;
@@ -254,6 +256,43 @@ typedef struct save_fill {
     pd_kvconn_tiers *c;
     int slot;
 } save_fill;
+
+// A bf16 cache's save: the tier thread encodes bf16 pages straight from the slot's rows
+// (pd_kvt_tiers_offload_bf16), then frees the slot here.
+typedef struct save_bf16 {
+    pd_kvconn_tiers *c;
+    int slot;
+    const uint16_t **rows;  // (2 * n_layers): K of each layer, then V of each layer
+} save_bf16;
+
+static void on_save_release(void *ud) {
+    save_bf16 *f = ud;
+    slot_put(&f->c->st, f->slot);
+    pd_free(f->rows);
+    pd_free(f);
+}
+
+static pd_status offload_slot_bf16(pd_kvconn_tiers *c, const inflight *x) {
+    int L = c->geom.n_layers;
+    save_bf16 *f = pd_malloc(sizeof *f);
+    const uint16_t **rows = pd_malloc(sizeof *rows * 2 * (size_t)L);
+    if (!f || !rows) {
+        pd_free(f);
+        pd_free(rows);
+        return PD_ERR_NOMEM;
+    }
+    for (int l = 0; l < L; l++) {
+        rows[l] = (const uint16_t *)((const uint8_t *)c->st.k[l] + (size_t)x->slot * c->block_bytes);
+        rows[L + l] = (const uint16_t *)((const uint8_t *)c->st.v[l] + (size_t)x->slot * c->block_bytes);
+    }
+    *f = (save_bf16){.c = c, .slot = x->slot, .rows = rows};
+    pd_status st = pd_kvt_tiers_offload_bf16(c->t, x->hash, x->parent, rows, rows + L, on_save_release, f);
+    if (st != PD_OK) {
+        pd_free(rows);
+        pd_free(f);
+    }
+    return st;
+}
 
 // On the tier thread: the slot's copy has finished (its fence was reached).
 static bool on_save_fill(void *ud, float *rows) {
@@ -322,6 +361,10 @@ void pd_kvconn_tiers_poll(pd_kvconn_tiers *c) {
         inflight *x = &c->fly[k++];
         if (!x->is_save) {
             slot_put(&c->st, x->slot);
+            continue;
+        }
+        if (c->st.is_bf16) {
+            if (offload_slot_bf16(c, x) != PD_OK) slot_put(&c->st, x->slot);  // queue full (counted) or no memory
             continue;
         }
         save_fill *f = pd_malloc(sizeof *f);
@@ -502,10 +545,11 @@ static void on_loaded(void *ud, uint64_t req_id, int n_loaded, int64_t load_us) 
     c->p.on_event(c->p.ud, ev);
 }
 
-// On the tier thread: block b was decoded into the scratch block; into its slot.
-static void on_block_loaded(void *ud, int b) {
+// On the tier thread: block b is in its slot already (a bf16 page into a bf16 cache's slot), or in
+// the f32 scratch block: into its slot.
+static void on_block_loaded(void *ud, int b, bool in_bf16) {
     tier_load *l = ud;
-    f32_to_slot(l->c, l->scratch, l->slots[b]);
+    if (!in_bf16) f32_to_slot(l->c, l->scratch, l->slots[b]);
 }
 
 static pd_status start_load_staged(pd_kvconn_tiers *c, uint64_t req_id, const pd_hash128 *hashes,
@@ -544,8 +588,27 @@ static pd_status start_load_staged(pd_kvconn_tiers *c, uint64_t req_id, const pd
         return PD_NOSPACE;
     }
     l->n = m;
+    if (c->st.is_bf16) {  // bf16 pages go straight into the slots
+        l->bk = pd_calloc((size_t)m, sizeof *l->bk);
+        l->bv = pd_calloc((size_t)m, sizeof *l->bv);
+        l->brows = pd_calloc((size_t)m * 2 * (size_t)L, sizeof *l->brows);
+        if (!l->bk || !l->bv || !l->brows) {
+            for (int i = 0; i < m; i++) slot_put(&c->st, l->slots[i]);
+            tier_load_free(l);
+            return PD_ERR_NOMEM;
+        }
+        for (int i = 0; i < m; i++) {
+            l->bk[i] = l->brows + (size_t)(2 * i) * (size_t)L;
+            l->bv[i] = l->brows + (size_t)(2 * i + 1) * (size_t)L;
+            for (int j = 0; j < L; j++) {
+                l->bk[i][j] = (uint16_t *)((uint8_t *)c->st.k[j] + (size_t)l->slots[i] * c->block_bytes);
+                l->bv[i][j] = (uint16_t *)((uint8_t *)c->st.v[j] + (size_t)l->slots[i] * c->block_bytes);
+            }
+        }
+    }
     pd_status st = pd_kvt_tiers_load_ex(c->t, req_id, hashes, m, (float *const *const *)l->dk,
-                                        (float *const *const *)l->dv, on_block_loaded, on_loaded, l);
+                                        (float *const *const *)l->dv, (uint16_t *const *const *)l->bk,
+                                        (uint16_t *const *const *)l->bv, on_block_loaded, on_loaded, l);
     if (st != PD_OK) {
         for (int i = 0; i < m; i++) slot_put(&c->st, l->slots[i]);
         tier_load_free(l);

@@ -19,6 +19,8 @@ typedef struct job {
     float *rows;  // (n_layers * 2 * block rows)
     pd_kvt_fill_fn fill;  // offload_fill: fills rows on the tier thread
     void *fill_ud;
+    const uint16_t *const *bk, *const *bv;  // offload_bf16: the borrowed bf16 rows
+    void (*release)(void *ud);
     // load
     uint64_t req_id;
     pd_hash128 *hashes;
@@ -27,6 +29,8 @@ typedef struct job {
     float *const *const *dst_v;
     pd_kvt_load_fn done;
     pd_kvt_block_fn block_done;  // (may be NULL) after each block is in dst
+    uint16_t *const *const *dst_bk;  // (may be NULL) bf16 destinations: bf16 pages go there directly
+    uint16_t *const *const *dst_bv;
     void *ud;
 } job;
 
@@ -86,8 +90,63 @@ static void put_tier(pd_kvt_tiers *t, int i, pd_hash128 h, pd_hash128 parent, co
     if (pd_kvt_store_put(t->p.stores[i], h, t->page, n) == PD_OK) push_event(t, i, true, h, parent);
 }
 
+// A block given as bf16 rows: bf16 tiers get their page straight from them; the others from an
+// f32 copy, made once if needed.
+static bool put_tier_bf16(pd_kvt_tiers *t, int i, job *j) {
+    int L = t->p.geom.n_layers;
+    if (tier_dtype(t, i) == PD_KVT_BF16) {
+        size_t n = pd_kvt_page_bytes(&t->p.geom, PD_KVT_BF16);
+        if (pd_kvt_page_encode_bf16(&t->p.geom, t->p.fingerprint, j->hash, j->parent, j->bk, j->bv, t->page, n) != PD_OK)
+            return true;
+        if (pd_kvt_store_put(t->p.stores[i], j->hash, t->page, n) == PD_OK) push_event(t, i, true, j->hash, j->parent);
+        return true;
+    }
+    if (!j->rows) {
+        j->rows = pd_malloc((size_t)L * 2 * t->block_floats * sizeof(float));
+        if (!j->rows) return false;
+        for (int l = 0; l < L; l++)
+            for (int kv = 0; kv < 2; kv++) {
+                const uint16_t *src = kv ? j->bv[l] : j->bk[l];
+                float *dst = j->rows + (size_t)(2 * l + kv) * t->block_floats;
+                for (size_t e = 0; e < t->block_floats; e++) dst[e] = pd_bf16_to_f32(src[e]);
+            }
+    }
+    const float *k[4096], *v[4096];
+    for (int l = 0; l < L; l++) {
+        k[l] = j->rows + (size_t)(2 * l) * t->block_floats;
+        v[l] = j->rows + (size_t)(2 * l + 1) * t->block_floats;
+    }
+    put_tier(t, i, j->hash, j->parent, k, v);
+    return true;
+}
+
+static void run_offload_bf16(pd_kvt_tiers *t, job *j) {
+    bool seen = pd_kvt_store_seen_before(t->p.stores[0], j->hash);
+    put_tier_bf16(t, 0, j);
+    int64_t adm = 0, ref = 0;
+    for (int i = 1; i < t->p.n_stores; i++) {
+        bool is_pool = !strcmp(pd_kvt_store_name(t->p.stores[i]), "redis");
+        if (!seen && !is_pool) {
+            ref++;
+            continue;
+        }
+        if (pd_kvt_store_contains(t->p.stores[i], j->hash)) continue;
+        if (put_tier_bf16(t, i, j)) adm++;
+    }
+    j->release(j->fill_ud);
+    pthread_mutex_lock(&t->mu);
+    t->st.offloads_done++;
+    t->st.admitted_lower += adm;
+    t->st.refused_lower += ref;
+    pthread_mutex_unlock(&t->mu);
+}
+
 static void run_offload(pd_kvt_tiers *t, job *j) {
     int L = t->p.geom.n_layers;
+    if (j->bk) {
+        run_offload_bf16(t, j);
+        return;
+    }
     if (j->fill) {  // staged rows (a device cache): converted here, off the engine thread
         j->rows = pd_malloc((size_t)L * 2 * t->block_floats * sizeof(float));
         bool ok = j->rows && j->fill(j->fill_ud, j->rows);
@@ -142,7 +201,18 @@ static void run_load(pd_kvt_tiers *t, job *j) {
                 k[l] = j->dst_k[b][l];
                 v[l] = j->dst_v[b][l];
             }
-            if (pd_kvt_page_decode(t->page, len, t->p.fingerprint, &t->p.geom, h, k, v) != PD_KVT_PAGE_OK) continue;
+            // A bf16 page into bf16 destinations: copied as is (no float round trip), when a
+            // promotion (to tier 0) can be written from bf16 rows too.
+            pd_kvt_page_info hi = {0};
+            bool direct = j->dst_bk && (i == 0 || tier_dtype(t, 0) == PD_KVT_BF16) &&
+                          pd_kvt_page_check_header(t->page, len, t->p.fingerprint, &t->p.geom, &h, &hi) == PD_KVT_PAGE_OK &&
+                          hi.dtype == PD_KVT_BF16;
+            if (direct) {
+                if (pd_kvt_page_decode_bf16(t->page, len, t->p.fingerprint, &t->p.geom, h, j->dst_bk[b], j->dst_bv[b]) !=
+                    PD_KVT_PAGE_OK)
+                    continue;
+            } else if (pd_kvt_page_decode(t->page, len, t->p.fingerprint, &t->p.geom, h, k, v) != PD_KVT_PAGE_OK)
+                continue;
             ok = true;
             int64_t dt = now_us() - tb;
             pd_kvt_page_info info = {0};
@@ -154,7 +224,17 @@ static void run_load(pd_kvt_tiers *t, job *j) {
             double bw = (double)len / (double)(dt > 0 ? dt : 1);
             t->bw_bytes_per_us[i] = t->bw_bytes_per_us[i] > 0 ? 0.8 * t->bw_bytes_per_us[i] + 0.2 * bw : bw;
             pthread_mutex_unlock(&t->mu);
-            if (i > 0) {  // promote: the next load of this block comes from DRAM
+            if (i > 0 && direct) {  // promote from the bf16 rows (tier 0 keeps bf16 pages)
+                size_t pn = pd_kvt_page_bytes(&t->p.geom, PD_KVT_BF16);
+                if (pd_kvt_page_encode_bf16(&t->p.geom, t->p.fingerprint, h, info.parent,
+                                            (const uint16_t *const *)j->dst_bk[b], (const uint16_t *const *)j->dst_bv[b],
+                                            t->page, pn) == PD_OK &&
+                    pd_kvt_store_put(t->p.stores[0], h, t->page, pn) == PD_OK)
+                    push_event(t, 0, true, h, info.parent);
+                pthread_mutex_lock(&t->mu);
+                t->st.promotions++;
+                pthread_mutex_unlock(&t->mu);
+            } else if (i > 0) {  // promote: the next load of this block comes from DRAM
                 const float *ck[4096], *cv[4096];
                 for (int l = 0; l < L; l++) {
                     ck[l] = k[l];
@@ -165,7 +245,7 @@ static void run_load(pd_kvt_tiers *t, job *j) {
                 t->st.promotions++;
                 pthread_mutex_unlock(&t->mu);
             }
-            if (j->block_done) j->block_done(j->ud, b);
+            if (j->block_done) j->block_done(j->ud, b, direct);
         }
         if (!ok) break;  // the chain stops at the first block no tier can give
         n_ok++;
@@ -353,6 +433,31 @@ pd_status pd_kvt_tiers_offload_fill(pd_kvt_tiers *t, pd_hash128 hash, pd_hash128
     return PD_OK;
 }
 
+pd_status pd_kvt_tiers_offload_bf16(pd_kvt_tiers *t, pd_hash128 hash, pd_hash128 parent, const uint16_t *const *k,
+                                    const uint16_t *const *v, void (*release)(void *ud), void *ud) {
+    if (!k || !v || !release) return PD_ERR_INVALID;
+    pthread_mutex_lock(&t->mu);
+    bool full = t->n_queued_offloads >= t->p.queue_max;
+    if (full) t->st.offloads_dropped++;
+    pthread_mutex_unlock(&t->mu);
+    if (full) return PD_NOSPACE;
+    job *j = pd_calloc(1, sizeof *j);
+    if (!j) return PD_ERR_NOMEM;
+    j->kind = 1;
+    j->hash = hash;
+    j->parent = parent;
+    j->bk = k;
+    j->bv = v;
+    j->release = release;
+    j->fill_ud = ud;
+    pthread_mutex_lock(&t->mu);
+    t->n_queued_offloads++;
+    t->st.offloads_queued++;
+    enqueue(t, j);
+    pthread_mutex_unlock(&t->mu);
+    return PD_OK;
+}
+
 int pd_kvt_tiers_match(pd_kvt_tiers *t, const pd_hash128 *hashes, int n, int *tier_of, double *cost_us) {
     int m = 0;
     double cost = 0;
@@ -403,12 +508,14 @@ int pd_kvt_tiers_probe(pd_kvt_tiers *t, const pd_hash128 *hashes, int n, int *n_
 
 pd_status pd_kvt_tiers_load(pd_kvt_tiers *t, uint64_t req_id, const pd_hash128 *hashes, int n,
                             float *const *const *dst_k, float *const *const *dst_v, pd_kvt_load_fn done, void *ud) {
-    return pd_kvt_tiers_load_ex(t, req_id, hashes, n, dst_k, dst_v, NULL, done, ud);
+    return pd_kvt_tiers_load_ex(t, req_id, hashes, n, dst_k, dst_v, NULL, NULL, NULL, done, ud);
 }
 
 pd_status pd_kvt_tiers_load_ex(pd_kvt_tiers *t, uint64_t req_id, const pd_hash128 *hashes, int n,
-                               float *const *const *dst_k, float *const *const *dst_v, pd_kvt_block_fn block_done,
-                               pd_kvt_load_fn done, void *ud) {
+                               float *const *const *dst_k, float *const *const *dst_v, uint16_t *const *const *dst_bk,
+                               uint16_t *const *const *dst_bv, pd_kvt_block_fn block_done, pd_kvt_load_fn done,
+                               void *ud) {
+    if (!dst_bk != !dst_bv) return PD_ERR_INVALID;
     if (n < 0 || !done || (n > 0 && (!hashes || !dst_k || !dst_v))) return PD_ERR_INVALID;
     job *j = pd_calloc(1, sizeof *j);
     pd_hash128 *hs = j && n ? pd_malloc((size_t)n * sizeof *hs) : NULL;
@@ -426,6 +533,8 @@ pd_status pd_kvt_tiers_load_ex(pd_kvt_tiers *t, uint64_t req_id, const pd_hash12
     j->dst_v = dst_v;
     j->done = done;
     j->block_done = block_done;
+    j->dst_bk = dst_bk;
+    j->dst_bv = dst_bv;
     j->ud = ud;
     pthread_mutex_lock(&t->mu);
     enqueue(t, j);
