@@ -193,7 +193,7 @@ bool pd_kvt_store_seen_before(pd_kvt_store *s, pd_hash128 key);
 
 // ---- tiers: the chain below the device pool ----------------------------------------------------
 // The scheduler side and the worker side of a tier connector, over up to PD_KVT_MAX_TIERS stores
-// ordered fastest first (DRAM, disk, Redis). One tier thread runs every offload and load; callers
+// ordered fastest first (DRAM, disk, Redis). Tier worker threads (n_threads, default one) run every offload and load; callers
 // (the engine thread) only queue work and read results: they never wait on a tier.
 //
 //   offload   a block completed or evicted in the device pool: its rows are copied into the job
@@ -207,6 +207,7 @@ bool pd_kvt_store_seen_before(pd_kvt_store *s, pd_hash128 key);
 //             page is a miss and the load stops there), decoded into the caller's block rows;
 //             a lower-tier hit is promoted to tier 0. Completion through a callback (tier thread).
 #define PD_KVT_MAX_TIERS 3
+#define PD_KVT_MAX_WORKERS 8
 typedef struct pd_kvt_tiers pd_kvt_tiers;
 
 typedef struct pd_kvt_tiers_params {
@@ -217,6 +218,8 @@ typedef struct pd_kvt_tiers_params {
     pd_kvt_store *stores[PD_KVT_MAX_TIERS];  // owned from here on
     int n_stores;
     int queue_max;                         // pending offloads (default 1024)
+    int n_threads;                         // tier workers running jobs in parallel (0: 1; at most
+                                           // PD_KVT_MAX_WORKERS); loads still go before offloads
 } pd_kvt_tiers_params;
 
 // done: n_loaded leading blocks are in place (0..n); called on the tier thread.

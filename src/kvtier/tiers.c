@@ -37,7 +37,9 @@ typedef struct job {
 struct pd_kvt_tiers {
     pd_kvt_tiers_params p;
     size_t block_floats;  // per layer per K or V
-    pthread_t thread;
+    pthread_t threads[PD_KVT_MAX_WORKERS];
+    int n_threads;
+    int n_running;             // jobs in progress (guarded by mu)
     pthread_mutex_t mu;
     pthread_cond_t cv, idle_cv;
     job *head, *tail;          // offloads, FIFO
@@ -47,7 +49,7 @@ struct pd_kvt_tiers {
     pd_kvt_tiers_stats st;     // guarded by mu
     pd_kvt_store_stats snap[PD_KVT_MAX_TIERS];  // the stores' stats as of the last job, guarded by mu
     double bw_bytes_per_us[PD_KVT_MAX_TIERS];  // measured load bandwidth (EMA), guarded by mu
-    uint8_t *page;             // tier thread scratch
+    uint8_t *pages[PD_KVT_MAX_WORKERS];  // each worker's scratch
     size_t page_cap;
     pd_kvt_event ev[EV_CAP];   // ring of tier events, guarded by ev_mu (taken inside store locks)
     int ev_head, ev_n;
@@ -57,6 +59,9 @@ struct pd_kvt_tiers {
 };
 
 
+
+// The calling tier worker's page scratch (t->page_cap bytes; set at the worker's start).
+static _Thread_local uint8_t *tl_page;
 
 static int64_t now_us(void) {
     struct timespec ts;
@@ -85,9 +90,9 @@ static void push_event(pd_kvt_tiers *t, int tier, bool stored, pd_hash128 h, pd_
 static void put_tier(pd_kvt_tiers *t, int i, pd_hash128 h, pd_hash128 parent, const float *const *k,
                      const float *const *v) {
     size_t n = pd_kvt_page_bytes(&t->p.geom, tier_dtype(t, i));
-    if (pd_kvt_page_encode(&t->p.geom, tier_dtype(t, i), t->p.fingerprint, h, parent, k, v, t->page, n) != PD_OK)
+    if (pd_kvt_page_encode(&t->p.geom, tier_dtype(t, i), t->p.fingerprint, h, parent, k, v, tl_page, n) != PD_OK)
         return;
-    if (pd_kvt_store_put(t->p.stores[i], h, t->page, n) == PD_OK) push_event(t, i, true, h, parent);
+    if (pd_kvt_store_put(t->p.stores[i], h, tl_page, n) == PD_OK) push_event(t, i, true, h, parent);
 }
 
 // A block given as bf16 rows: bf16 tiers get their page straight from them; the others from an
@@ -96,9 +101,9 @@ static bool put_tier_bf16(pd_kvt_tiers *t, int i, job *j) {
     int L = t->p.geom.n_layers;
     if (tier_dtype(t, i) == PD_KVT_BF16) {
         size_t n = pd_kvt_page_bytes(&t->p.geom, PD_KVT_BF16);
-        if (pd_kvt_page_encode_bf16(&t->p.geom, t->p.fingerprint, j->hash, j->parent, j->bk, j->bv, t->page, n) != PD_OK)
+        if (pd_kvt_page_encode_bf16(&t->p.geom, t->p.fingerprint, j->hash, j->parent, j->bk, j->bv, tl_page, n) != PD_OK)
             return true;
-        if (pd_kvt_store_put(t->p.stores[i], j->hash, t->page, n) == PD_OK) push_event(t, i, true, j->hash, j->parent);
+        if (pd_kvt_store_put(t->p.stores[i], j->hash, tl_page, n) == PD_OK) push_event(t, i, true, j->hash, j->parent);
         return true;
     }
     if (!j->rows) {
@@ -195,7 +200,7 @@ static void run_load(pd_kvt_tiers *t, job *j) {
         for (int i = 0; i < t->p.n_stores && !ok; i++) {
             int64_t tb = now_us();
             size_t len = 0;
-            if (pd_kvt_store_get(t->p.stores[i], h, t->page, t->page_cap, &len) != PD_OK) continue;
+            if (pd_kvt_store_get(t->p.stores[i], h, tl_page, t->page_cap, &len) != PD_OK) continue;
             float *k[4096], *v[4096];
             for (int l = 0; l < L; l++) {
                 k[l] = j->dst_k[b][l];
@@ -205,18 +210,18 @@ static void run_load(pd_kvt_tiers *t, job *j) {
             // promotion (to tier 0) can be written from bf16 rows too.
             pd_kvt_page_info hi = {0};
             bool direct = j->dst_bk && (i == 0 || tier_dtype(t, 0) == PD_KVT_BF16) &&
-                          pd_kvt_page_check_header(t->page, len, t->p.fingerprint, &t->p.geom, &h, &hi) == PD_KVT_PAGE_OK &&
+                          pd_kvt_page_check_header(tl_page, len, t->p.fingerprint, &t->p.geom, &h, &hi) == PD_KVT_PAGE_OK &&
                           hi.dtype == PD_KVT_BF16;
             if (direct) {
-                if (pd_kvt_page_decode_bf16(t->page, len, t->p.fingerprint, &t->p.geom, h, j->dst_bk[b], j->dst_bv[b]) !=
+                if (pd_kvt_page_decode_bf16(tl_page, len, t->p.fingerprint, &t->p.geom, h, j->dst_bk[b], j->dst_bv[b]) !=
                     PD_KVT_PAGE_OK)
                     continue;
-            } else if (pd_kvt_page_decode(t->page, len, t->p.fingerprint, &t->p.geom, h, k, v) != PD_KVT_PAGE_OK)
+            } else if (pd_kvt_page_decode(tl_page, len, t->p.fingerprint, &t->p.geom, h, k, v) != PD_KVT_PAGE_OK)
                 continue;
             ok = true;
             int64_t dt = now_us() - tb;
             pd_kvt_page_info info = {0};
-            if (i > 0) pd_kvt_page_check_header(t->page, len, t->p.fingerprint, &t->p.geom, &h, &info);  // the parent, to promote
+            if (i > 0) pd_kvt_page_check_header(tl_page, len, t->p.fingerprint, &t->p.geom, &h, &info);  // the parent, to promote
             pthread_mutex_lock(&t->mu);
             int bucket = 0;
             while (bucket < 23 && ((int64_t)1 << bucket) <= dt) bucket++;
@@ -228,8 +233,8 @@ static void run_load(pd_kvt_tiers *t, job *j) {
                 size_t pn = pd_kvt_page_bytes(&t->p.geom, PD_KVT_BF16);
                 if (pd_kvt_page_encode_bf16(&t->p.geom, t->p.fingerprint, h, info.parent,
                                             (const uint16_t *const *)j->dst_bk[b], (const uint16_t *const *)j->dst_bv[b],
-                                            t->page, pn) == PD_OK &&
-                    pd_kvt_store_put(t->p.stores[0], h, t->page, pn) == PD_OK)
+                                            tl_page, pn) == PD_OK &&
+                    pd_kvt_store_put(t->p.stores[0], h, tl_page, pn) == PD_OK)
                     push_event(t, 0, true, h, info.parent);
                 pthread_mutex_lock(&t->mu);
                 t->st.promotions++;
@@ -269,13 +274,24 @@ static void snapshot(pd_kvt_tiers *t) {
     pthread_mutex_unlock(&t->mu);
 }
 
+typedef struct worker_arg {
+    pd_kvt_tiers *t;
+    int index;
+} worker_arg;
+
+// A tier worker: loads first (a request waits on them), then offloads. Several workers run jobs in
+// parallel (stores are thread-safe; each worker has its own page scratch).
 static void *tier_main(void *arg) {
-    pd_kvt_tiers *t = arg;
+    pd_kvt_tiers *t = ((worker_arg *)arg)->t;
+    tl_page = t->pages[((worker_arg *)arg)->index];
+    pd_free(arg);
     pthread_mutex_lock(&t->mu);
     for (;;) {
         while (!t->head && !t->lhead && !t->stop) {
-            t->busy = false;
-            pthread_cond_broadcast(&t->idle_cv);
+            if (!t->n_running) {
+                t->busy = false;
+                pthread_cond_broadcast(&t->idle_cv);
+            }
             pthread_cond_wait(&t->cv, &t->mu);
         }
         if (!t->head && !t->lhead && t->stop) break;
@@ -291,6 +307,7 @@ static void *tier_main(void *arg) {
         }
         if (j->kind == 1) t->n_queued_offloads--;
         t->busy = true;
+        t->n_running++;
         pthread_mutex_unlock(&t->mu);
         if (j->kind == 1) run_offload(t, j);
         else run_load(t, j);
@@ -299,9 +316,12 @@ static void *tier_main(void *arg) {
         pd_free(j);
         snapshot(t);
         pthread_mutex_lock(&t->mu);
+        t->n_running--;
     }
-    t->busy = false;
-    pthread_cond_broadcast(&t->idle_cv);
+    if (!t->n_running) {
+        t->busy = false;
+        pthread_cond_broadcast(&t->idle_cv);
+    }
     pthread_mutex_unlock(&t->mu);
     return NULL;
 }
@@ -333,7 +353,9 @@ pd_kvt_tiers *pd_kvt_tiers_new(const pd_kvt_tiers_params *p, pd_err *err) {
     if (t->p.queue_max <= 0) t->p.queue_max = 1024;
     t->block_floats = (size_t)p->geom.block_size * (size_t)p->geom.n_kv_heads * (size_t)p->geom.head_dim;
     t->page_cap = pd_kvt_page_bytes(&p->geom, PD_KVT_F32);  // the largest dtype
-    t->page = pd_malloc(t->page_cap);
+    t->n_threads = p->n_threads <= 0 ? 1 : p->n_threads > PD_KVT_MAX_WORKERS ? PD_KVT_MAX_WORKERS : p->n_threads;
+    bool pages_ok = true;
+    for (int w = 0; w < t->n_threads; w++) pages_ok = (t->pages[w] = pd_malloc(t->page_cap)) && pages_ok;
     pthread_mutex_init(&t->mu, NULL);
     pthread_mutex_init(&t->ev_mu, NULL);
     for (int i = 0; i < p->n_stores; i++) {
@@ -346,10 +368,24 @@ pd_kvt_tiers *pd_kvt_tiers_new(const pd_kvt_tiers_params *p, pd_err *err) {
     for (int i = 0; i < p->n_stores; i++)
         snprintf(t->st.tier[i].name, sizeof t->st.tier[i].name, "%s", pd_kvt_store_name(p->stores[i]));
     snapshot(t);
-    if (!t->page || pthread_create(&t->thread, NULL, tier_main, t)) {
-        pd_free(t->page);
+    int started = 0;
+    for (; pages_ok && started < t->n_threads; started++) {
+        worker_arg *wa = pd_malloc(sizeof *wa);
+        if (wa) *wa = (worker_arg){.t = t, .index = started};
+        if (!wa || pthread_create(&t->threads[started], NULL, tier_main, wa)) {
+            pd_free(wa);
+            break;
+        }
+    }
+    if (started < t->n_threads) {
+        pthread_mutex_lock(&t->mu);
+        t->stop = true;
+        pthread_cond_broadcast(&t->cv);
+        pthread_mutex_unlock(&t->mu);
+        for (int w = 0; w < started; w++) pthread_join(t->threads[w], NULL);
+        for (int w = 0; w < t->n_threads; w++) pd_free(t->pages[w]);
         pd_free(t);
-        pd_err_set(err, PD_ERR_NOMEM, "kvtier: cannot start the tier thread");
+        pd_err_set(err, PD_ERR_NOMEM, "kvtier: cannot start the tier threads");
         return NULL;
     }
     return t;
@@ -359,15 +395,15 @@ void pd_kvt_tiers_free(pd_kvt_tiers *t) {
     if (!t) return;
     pthread_mutex_lock(&t->mu);
     t->stop = true;
-    pthread_cond_signal(&t->cv);
+    pthread_cond_broadcast(&t->cv);
     pthread_mutex_unlock(&t->mu);
-    pthread_join(t->thread, NULL);
+    for (int w = 0; w < t->n_threads; w++) pthread_join(t->threads[w], NULL);
     for (int i = 0; i < t->p.n_stores; i++) pd_kvt_store_free(t->p.stores[i]);
     pthread_mutex_destroy(&t->mu);
     pthread_mutex_destroy(&t->ev_mu);
     pthread_cond_destroy(&t->cv);
     pthread_cond_destroy(&t->idle_cv);
-    pd_free(t->page);
+    for (int w = 0; w < t->n_threads; w++) pd_free(t->pages[w]);
     pd_free(t);
 }
 
@@ -566,9 +602,9 @@ bool pd_kvt_tiers_flush(pd_kvt_tiers *t, int timeout_ms) {
         dl.tv_nsec -= 1000000000;
     }
     pthread_mutex_lock(&t->mu);
-    while ((t->head || t->lhead || t->busy) && pthread_cond_timedwait(&t->idle_cv, &t->mu, &dl) == 0) {
+    while ((t->head || t->lhead || t->busy || t->n_running) && pthread_cond_timedwait(&t->idle_cv, &t->mu, &dl) == 0) {
     }
-    bool idle = !t->head && !t->lhead && !t->busy;
+    bool idle = !t->head && !t->lhead && !t->busy && !t->n_running;
     pthread_mutex_unlock(&t->mu);
     return idle;
 }

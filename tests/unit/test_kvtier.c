@@ -591,6 +591,7 @@ PD_TEST(page_encode_bf16_rows_equals_float_encode) {
 }
 
 static void count_release(void *ud) { (*(int *)ud)++; }
+static void count_release_atomic(void *ud) { __atomic_add_fetch((int *)ud, 1, __ATOMIC_SEQ_CST); }
 
 PD_TEST(tiers_offload_bf16_rows_dram_bf16_and_disk_f32) {
     char dir[] = "/tmp/pd_kvtier_XXXXXX";
@@ -647,4 +648,56 @@ PD_TEST(tiers_offload_bf16_rows_dram_bf16_and_disk_f32) {
     pd_kvt_tiers_free(t);
     PD_CHECK_EQ(released, 2);
     rm_dir(dir);
+}
+
+// Several tier workers: 40 blocks offloaded at once, every one stored once and loaded back exact,
+// loads and offloads interleaved (TSan runs this too).
+PD_TEST(tiers_several_workers_offload_and_load) {
+    pd_err err = {0};
+    pd_kvt_store_params dp = sparams(pd_kvt_page_bytes(&G, PD_KVT_BF16) * 64, 77, NULL);
+    pd_kvt_tiers_params tp = {.geom = G, .fingerprint = 77, .dtype = PD_KVT_F32, .dram_dtype = PD_KVT_BF16,
+                              .n_stores = 1, .n_threads = 3};
+    tp.stores[0] = pd_kvt_dram_new(&dp, &err);
+    PD_REQUIRE(tp.stores[0]);
+    pd_kvt_tiers *t = pd_kvt_tiers_new(&tp, &err);
+    PD_REQUIRE(t);
+    enum { N = 40 };
+    static blockdata f[N];
+    static uint16_t bk[N][2][BLK], bv[N][2][BLK];
+    const uint16_t *k[N][2], *v[N][2];
+    pd_hash128 hs[N];
+    int released = 0;
+    for (int i = 0; i < N; i++) {
+        blockdata b;
+        fill(&b, 1.5f);
+        to_bf16_block(&b, bk[i], bv[i], &f[i]);
+        k[i][0] = bk[i][0], k[i][1] = bk[i][1], v[i][0] = bv[i][0], v[i][1] = bv[i][1];
+        hs[i] = (pd_hash128){(uint64_t)i + 1, 1234};
+    }
+    // (released is bumped from several workers: count under a lock-free add)
+    for (int i = 0; i < N; i++)
+        PD_CHECK_EQ(pd_kvt_tiers_offload_bf16(t, hs[i], pd_hash_root(0), k[i], v[i], count_release_atomic, &released), PD_OK);
+    PD_CHECK(pd_kvt_tiers_flush(t, 20000));
+    PD_CHECK_EQ(__atomic_load_n(&released, __ATOMIC_SEQ_CST), N);
+    pd_kvt_tiers_stats st;
+    pd_kvt_tiers_stats_get(t, &st);
+    PD_CHECK_EQ(st.offloads_done, N);
+    PD_CHECK_EQ(st.tier[0].store.n_items, N);
+    static blockdata o[N];
+    float *ok[N][2], *ov[N][2];
+    float *const *dk[N], *const *dv[N];
+    for (int i = 0; i < N; i++) {
+        ok[i][0] = o[i].k[0], ok[i][1] = o[i].k[1], ov[i][0] = o[i].v[0], ov[i][1] = o[i].v[1];
+        dk[i] = ok[i], dv[i] = ov[i];
+    }
+    load_result r[4] = {{0}};
+    for (int q = 0; q < 4; q++)  // four loads of 10 blocks each, possibly on different workers
+        PD_CHECK_EQ(pd_kvt_tiers_load(t, (uint64_t)q, hs + 10 * q, 10, dk + 10 * q, dv + 10 * q, on_loaded, &r[q]), PD_OK);
+    PD_CHECK(pd_kvt_tiers_flush(t, 20000));
+    for (int q = 0; q < 4; q++) {
+        PD_CHECK_EQ(r[q].calls, 1);
+        PD_CHECK_EQ(r[q].n_loaded, 10);
+    }
+    for (int i = 0; i < N; i++) PD_CHECK(memcmp(&o[i], &f[i], sizeof f[i]) == 0);
+    pd_kvt_tiers_free(t);
 }
