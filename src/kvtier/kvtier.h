@@ -20,8 +20,8 @@
 //           (pd_kvt_redis_new: the cluster pool shared by every worker; reconnect with backoff).
 //
 // Thread safety: a policy is not thread-safe (its store's lock guards it); stores are.
-// Layering: kvtier includes base only; the engine-side tier connector is not built yet (see
-// docs/design.md).
+// Layering: kvtier includes base only; the engine reaches it through the tier connector
+// (kvconn/tier.c, docs/design.md "KV tiers").
 #pragma once
 #include <stddef.h>
 #include <stdint.h>
