@@ -35,6 +35,7 @@
 #include <xxhash.h>
 
 #include "kvconn/kvconn.h"
+#include "kvconn/kvconn_impl.h"
 #include "kvtier/kvtier.h"
 
 // The DRAM tier's page memory: one allocation from the backend (pinned host memory on CUDA, plain
@@ -166,6 +167,8 @@ static void tier_load_free(tier_load *l) {
     pd_free(l->brows);
     pd_free(l);
 }
+
+void kvc_tier_load_free(void *l) { tier_load_free(l); }
 
 // ---- staging slots ----
 static size_t block_bytes_all(const pd_kvconn_tiers *c) { return 2 * (size_t)c->geom.n_layers * c->block_bytes; }
