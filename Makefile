@@ -151,7 +151,8 @@ test-asan: deps
 # so OMP_THREAD_LIMIT=1 runs every OpenMP region on its calling thread; tools/tsan.supp holds the
 # (commented, narrow) suppressions. TSan reports make the process exit 66: a report is a failure.
 TSAN_TESTS ?= unit/test_engine unit/test_disagg unit/test_api_server unit/test_api_prep unit/test_http \
-              unit/test_http_client unit/test_router_core unit/test_router_wire unit/test_kvtier unit/test_kvtier_redis
+              unit/test_http_client unit/test_router_core unit/test_router_wire unit/test_kvtier unit/test_kvtier_redis \
+              unit/test_kvconn_tiers
 # engine + xfer threads (disagg), router, API + engine under load (test_api.sh: ~7 min under TSan).
 # test_kv_faults.sh (issue 13's fault suite): 4.0 min under TSan on the 2-core VM (load ~1) with
 # 1,000 connect/close cycles (PD_KV_FAULT_CYCLES below; the plain tier runs the full 10,000, ~2 min).

@@ -324,6 +324,10 @@ static void refresh_tier_metrics(pd_api *a, const pd_engine_stats *s) {
                                                       "Blocks not offloaded: the tier queue was full.", NULL, NULL);
         x->tier_promotions = pd_metrics_counter(m, "pdserve_kv_tier_promotions_total",
                                                 "Blocks loaded from a lower tier and copied into host DRAM.", NULL, NULL);
+        x->tier_load_wall = pd_metrics_counter(m, "pdserve_kv_tier_load_wall_seconds_total",
+                                               "Seconds of tier loads, each from its start to the blocks being ready "
+                                               "(summed over loads; with pdserve_kv_tier_hit_tokens_total: the load bandwidth).",
+                                               NULL, NULL);
         x->has_tier_metrics = true;
     }
     for (int t = 0; t < s->n_tiers; t++) {
@@ -343,6 +347,7 @@ static void refresh_tier_metrics(pd_api *a, const pd_engine_stats *s) {
     if (x->tier_offloads) mirror(x->tier_offloads, (double)s->tier_offloads);
     if (x->tier_offloads_dropped) mirror(x->tier_offloads_dropped, (double)s->tier_offloads_dropped);
     if (x->tier_promotions) mirror(x->tier_promotions, (double)s->tier_promotions);
+    if (x->tier_load_wall) mirror(x->tier_load_wall, (double)s->tier_load_us_total * 1e-6);
 }
 
 static void refresh_engine_metrics(pd_api *a) {

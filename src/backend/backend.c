@@ -191,6 +191,12 @@ void pd_backend_xfer_sync(pd_backend *b) {
     else pd_backend_sync(b);
 }
 
+uint64_t pd_backend_xfer_fence(pd_backend *b) { return b->iface->xfer_fence ? b->iface->xfer_fence(b) : 0; }
+
+bool pd_backend_xfer_fence_done(pd_backend *b, uint64_t fence) {
+    return b->iface->xfer_fence_done ? b->iface->xfer_fence_done(b, fence) : true;
+}
+
 // Generic checksum: bring each run to the host (free on the CPU backend, where download is a
 // memcpy) and hash it there.
 void pd_op_kv_checksum(pd_backend *b, const pd_kv_checksum_params *p) {

@@ -331,6 +331,14 @@ void pd_backend_xfer_mark(pd_backend *b);
 void pd_op_kv_copy_xfer(pd_backend *b, const pd_kv_copy_params *p);
 void pd_op_kv_checksum_xfer(pd_backend *b, const pd_kv_checksum_params *p);
 void pd_backend_xfer_sync(pd_backend *b);
+// A fence on the transfer stream (the KV tiers' staging copies): everything enqueued there so far
+// (pd_op_kv_copy_xfer) completes before any op enqueued on the compute stream after this call
+// (a device-side wait: the host does not block), so a block copied out may be reused, and a block
+// copied in may be read, by the next step. Returns an id for pd_backend_xfer_fence_done, which
+// says without waiting whether those copies finished (their host memory may then be reused).
+// Backends without a transfer stream copy synchronously: every fence is done at once.
+uint64_t pd_backend_xfer_fence(pd_backend *b);
+bool pd_backend_xfer_fence_done(pd_backend *b, uint64_t fence);
 // Device sampling (optional): NULL in the vtable means the caller samples on the host (download
 // the logits, src/model/sample.c). pd_op_sample synchronises: p->out is filled on return.
 bool pd_backend_has_sample(pd_backend *b);

@@ -42,6 +42,9 @@ typedef struct pd_backend_iface {
     void (*kv_copy_xfer)(pd_backend *b, const pd_kv_copy_params *p);
     void (*kv_checksum_xfer)(pd_backend *b, const pd_kv_checksum_params *p);
     void (*xfer_sync)(pd_backend *b);
+    // (optional) NULL: fences are done at once (pd_backend_xfer_fence).
+    uint64_t (*xfer_fence)(pd_backend *b);
+    bool (*xfer_fence_done)(pd_backend *b, uint64_t fence);
     void (*fill_normal)(pd_backend *b, void *dst, pd_dtype dtype, size_t n, uint64_t seed, float mean, float std);
     // (optional) graphs: NULL means every op runs eagerly. See pd_backend_graph_begin.
     void (*graph_begin)(pd_backend *b);

@@ -106,7 +106,7 @@ static void serve_usage(bool is_run) {
            "  --debug-corrupt-kv N          test hook: corrupt every Nth KV transfer (prefill role)\n"
            "  --debug-kv-pause STEP         test hook: stop at hello_ack|mid_slab|before_done (prefill role)\n"
            "  --debug-refuse-kv-pool        test hook: refuse every decode worker's KV pool (prefill role)\n"
-           "KV tiers below the device pool (docs/design.md \"KV tiers\"; cpu backend for now):\n"
+           "KV tiers below the device pool (docs/design.md \"KV tiers\"; cpu and cuda backends):\n"
            "  --kv-offload-dram SIZE        host DRAM tier: full blocks are written back here\n"
            "  --kv-offload-disk DIR         local disk tier (io_uring, O_DIRECT); persists across restarts\n"
            "  --kv-offload-disk-size SIZE   its capacity (required with --kv-offload-disk)\n"

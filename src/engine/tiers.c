@@ -10,7 +10,9 @@
 //             prompt's chained block hashes are probed without waiting (no Redis round trip here);
 //             the scheduler loads the blocks beyond the device prefix hit (LOADING_TIER).
 //   load      plan->tier_loads ─► pd_kvconn_tiers_start_load (decodes into the reserved blocks on
-//             the tier thread) ─► TIER_LOADED event ─► pd_sched_tier_loaded(n): the request runs
+//             the tier thread; a device cache: into pinned staging, uploaded on the transfer stream
+//             by pd_kvconn_tiers_loaded, ordered before the next step's compute) ─► TIER_LOADED
+//             event ─► pd_sched_tier_loaded(n): the request runs
 //             on from what arrived (a tier that lost a block, or a corrupted page, loads less and
 //             the rest is computed). Other requests keep stepping meanwhile.
 #include <string.h>
@@ -49,8 +51,10 @@ pd_status pd_tiers_init(pd_engine *e, pd_kvw_fingerprint fp, pd_err *err) {
         size_t n = strlen(names);
         snprintf(names + n, sizeof names - n, "%s%s", i ? " > " : "", ts.tier[i].name);
     }
-    PD_LOG_I("engine: KV tiers %s (DRAM pages in %s host memory; disk/remote pages %s)", names,
-             ts.dram_pinned ? "pinned" : "plain", ts.dtype);
+    PD_LOG_I("engine: KV tiers %s (DRAM pages in %s host memory; disk/remote pages %s; %s)", names,
+             ts.dram_pinned ? "pinned" : "plain", ts.dtype,
+             ts.staging_slots ? "device cache: staged through pinned slots on the transfer stream" : "host cache: direct");
+    if (ts.staging_slots) PD_LOG_I("engine: KV tier staging: %d block slots", ts.staging_slots);
     return PD_OK;
 }
 
@@ -103,6 +107,7 @@ void pd_tiers_start_loads(pd_engine *e, const pd_step_plan *plan) {
 // A load ended (engine thread).
 void pd_tiers_handle(pd_engine *e, pd_kvconn_event *ev) {
     int bs = e->params.block_size;
+    pd_kvconn_tiers_loaded(e->tiers, ev);  // a device cache: the upload is enqueued before any next step
     ereq *q = pd_engine_req_find(e, ev->req_id);
     pd_status st = pd_sched_tier_loaded(e->sched, ev->req_id, ev->n_blocks * bs);
     if (st == PD_ERR_INVALID) st = pd_sched_tier_loaded(e->sched, ev->req_id, 0);  // never more than asked
@@ -130,6 +135,7 @@ void pd_tiers_drain_kv_events(pd_engine *e) {
         if (e->tiers)
             for (int i = 0; i < n_kev; i++)
                 if (kev[i].type == PD_KV_EVENT_STORED) pd_kvconn_tiers_save(e->tiers, kev[i].block_id, kev[i].hash, kev[i].parent_hash);
+        if (e->tiers) pd_kvconn_tiers_poll(e->tiers);  // a device cache: one copy for the batch, before any reuse
         pthread_mutex_lock(&e->q.mu);
         for (int i = 0; i < n_kev; i++) {
             pd_wire_kv_event_type t = kev[i].type == PD_KV_EVENT_STORED    ? PD_WIRE_KV_STORED
@@ -140,6 +146,7 @@ void pd_tiers_drain_kv_events(pd_engine *e) {
         pthread_mutex_unlock(&e->q.mu);
     }
     if (!e->tiers) return;
+    pd_kvconn_tiers_poll(e->tiers);  // copies that finished go to the tier thread
     // The tiers' own changes (written, evicted), so a router can price a tier hit at its load time.
     pd_kvconn_tier_event tev[256];
     int bs = e->params.block_size;

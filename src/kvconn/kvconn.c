@@ -17,6 +17,8 @@ typedef struct peer_hello {  // PEER_UP's private part
 void pd_kvconn_event_fini(pd_kvconn_event *ev) {
     pd_free(ev->owned);
     ev->owned = NULL;
+    if (ev->tier_load) kvc_tier_load_free(ev->tier_load);  // never handled (pd_kvconn_tiers_loaded clears it)
+    ev->tier_load = NULL;
     if (ev->priv) {
         peer_hello *ph = ev->priv;
         if (ph->fd >= 0) close(ph->fd);

@@ -65,6 +65,7 @@ typedef struct pd_kvconn_event {
     void *priv;                // PEER_UP: connector-private (owned)
     int n_blocks;              // TIER_LOADED: leading blocks loaded (0 .. asked)
     int64_t load_us;           // TIER_LOADED: time on the tier thread
+    void *tier_load;           // TIER_LOADED: the connector's load (pd_kvconn_tiers_loaded ends it)
 } pd_kvconn_event;
 void pd_kvconn_event_fini(pd_kvconn_event *ev);
 
@@ -233,13 +234,17 @@ typedef struct pd_kvconn_tiers_stats {
     int64_t loads, load_blocks, load_misses, promotions;
     char dtype[8];
     bool dram_pinned;          // the DRAM tier's pages are page-locked host memory (CUDA)
+    int staging_slots;         // a device cache: pinned staging slots (0: the direct host path)
+    int64_t load_cuts;         // loads cut short for want of a free staging slot
 } pd_kvconn_tiers_stats;
 
 // The 64-bit model fingerprint that tier pages and Redis keys carry.
 uint64_t pd_kvconn_fingerprint64(const pd_kvw_fingerprint *f);
 pd_kvconn_tiers *pd_kvconn_tiers_new(const pd_kvconn_tier_params *p, pd_err *err);
 void pd_kvconn_tiers_free(pd_kvconn_tiers *c);  // runs queued work (each load's event comes), joins
-// A block became full and cached: offer it to the tiers (rows copied before return).
+// A block became full and cached: offer it to the tiers (a host-resident cache: rows copied before
+// return; a device cache: queued for the next pd_kvconn_tiers_poll, which must come before the
+// block can be reallocated).
 void pd_kvconn_tiers_save(pd_kvconn_tiers *c, int32_t block_id, pd_hash128 hash, pd_hash128 parent);
 // Leading blocks of hashes[0..n) some tier holds or may hold (Redis is asked by the load itself);
 // *n_sure: leading blocks known held; *cost_us: the predicted load time (measured bandwidth).
@@ -248,6 +253,14 @@ int pd_kvconn_tiers_match(pd_kvconn_tiers *c, const pd_hash128 *hashes, int n, i
 // the TIER_LOADED event. PD_OK: exactly one event follows. PD_ERR_INVALID: a block outside the pool.
 pd_status pd_kvconn_tiers_start_load(pd_kvconn_tiers *c, uint64_t req_id, const pd_hash128 *hashes,
                                      const int32_t *dst_blocks, int n);
+// The engine thread, on a TIER_LOADED event, before it lets the request read the blocks: a device
+// cache gets the staged rows uploaded on the transfer stream (ordered before the next step's
+// compute; the host does not wait). Always call it once per TIER_LOADED event.
+void pd_kvconn_tiers_loaded(pd_kvconn_tiers *c, pd_kvconn_event *ev);
+// The engine thread, after a batch of pd_kvconn_tiers_save calls (and at any time): starts the
+// device-to-host copies of the blocks saved since (one batched copy) and hands the copies that
+// finished to the tier thread. Never waits. A host-resident cache needs nothing: a no-op.
+void pd_kvconn_tiers_poll(pd_kvconn_tiers *c);
 void pd_kvconn_tiers_stats_get(pd_kvconn_tiers *c, pd_kvconn_tiers_stats *out);
 // What the tiers now hold, for routers: a page written to / evicted from a tier.
 typedef enum pd_kvconn_tier_kind { PD_KVCONN_TIER_DRAM = 1, PD_KVCONN_TIER_DISK = 2, PD_KVCONN_TIER_REDIS = 3 } pd_kvconn_tier_kind;

@@ -115,3 +115,6 @@ void kvc_nccl_header(const pd_kvconn *c, const pd_kvconn_save *s, int l, pd_kvw_
 // slab (s->dk, s->dv: n_layers entries; s->dst_slab: 0 .. n_blocks-1) and the layer's checksum
 // into s->sums[l] (filled at pd_backend_xfer_sync).
 void kvc_nccl_gather(pd_kvconn *c, pd_kvconn_save *s, int l, void *slab);
+// tier.c: frees a TIER_LOADED event's load (pd_kvconn_event_fini, for an event the engine never
+// handled, e.g. at shutdown); its staging slots are not touched (the connector may be gone).
+void kvc_tier_load_free(void *l);

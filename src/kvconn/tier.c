@@ -9,21 +9,38 @@
 // The DRAM tier's pages live in one host allocation from the backend interface
 // (pd_backend_host_alloc: pinned on CUDA, plain on the CPU backend), cut into page slots.
 //
-// Pool memory: the cache must be host-resident f32 rows (the cpu backend): its blocks are the
-// pages' own layout (block_size rows of n_kv_heads x head_dim floats per layer, K then V). A device
-// cache (CUDA, bf16) would need a pinned staging copy on a transfer stream: refused with a clear
-// error until that path exists.
+// Pool memory, two paths:
+//   direct   a host-resident f32 cache (the cpu backend): its blocks are the pages' own layout
+//            (block_size rows of n_kv_heads x head_dim floats per layer, K then V); offload copies
+//            the rows into the job, loads decode straight into the reserved blocks.
+//   staged   a device cache (CUDA, bf16; or f32 with PDSERVE_KV_TIER_STAGING=1, the test hook that
+//            runs this path on the cpu backend): a ring of block slots in pinned host memory laid
+//            out like a cache (per layer K and V bases, slot = block index), moved by
+//            pd_op_kv_copy_xfer on the backend's transfer stream. Offload: the blocks saved by one
+//            drain go in ONE copy (every layer, every block) device -> slots, then a fence
+//            (pd_backend_xfer_fence: the compute stream waits for the copy on the device, so the
+//            blocks may be reused at once); pd_kvconn_tiers_poll hands the finished slots to the
+//            tier thread, which converts bf16 -> f32, encodes and writes, then frees the slot.
+//            Load: the tier thread decodes each block into an f32 scratch block and converts it
+//            into a slot; at TIER_LOADED the engine thread enqueues ONE copy slots -> reserved
+//            blocks and a fence (the next step's compute runs after it; the host never waits),
+//            and the slots are freed when the fence is reached. No slot free: the save is
+//            dropped (counted) / the load is cut to the slots there are (the rest is computed).
+//            An fp8 KV cache is refused (its rows carry their own scales; no page codec for them).
 #include <pthread.h>
 #include <stdio.h>
+#include <stdlib.h>
+#include <unistd.h>
 #include <string.h>
 #include <xxhash.h>
 
 #include "kvconn/kvconn.h"
+#include "kvconn/kvconn_impl.h"
 #include "kvtier/kvtier.h"
 
 // The DRAM tier's page memory: one allocation from the backend (pinned host memory on CUDA, plain
 // on the CPU backend) cut into fixed slots of one page each (every DRAM page has the same size:
-// f32, one geometry). One slot more than the capacity holds: a put allocates its copy before the
+// one dtype, one geometry). One slot more than the capacity holds: a put allocates its copy before the
 // policy evicts to make room.
 typedef struct page_arena {
     pd_backend *backend;
@@ -82,8 +99,41 @@ static pd_status arena_init(page_arena *a, pd_backend *b, size_t slot, uint64_t 
     return PD_OK;
 }
 
+// Pinned staging for a device cache (the staged path): n_slots block slots, laid out like a cache.
+typedef struct stage {
+    uint8_t *base;
+    int n_slots;
+    void **k, **v;          // (n_layers) layer bases: k[l] = base + 2l * n_slots * block_bytes
+    bool is_bf16;           // the cache's element type (else f32)
+    int32_t *free_list;
+    int n_free;
+    pthread_mutex_t mu;     // slots are freed on the tier thread too
+} stage;
+
+typedef struct pending_save {  // saved since the last poll (engine thread)
+    int32_t block;
+    pd_hash128 hash, parent;
+} pending_save;
+
+typedef struct inflight {  // a slot whose copy is enqueued, by fence (engine thread)
+    uint64_t fence;
+    int32_t slot;
+    bool is_save;           // true: hand to the tier thread; false: a load's slot, free it
+    pd_hash128 hash, parent;
+} inflight;
+
 struct pd_kvconn_tiers {
     pd_kvconn_tier_params p;
+    bool is_staged;
+    stage st;
+    pending_save *pend;
+    int n_pend, cap_pend;
+    inflight *fly;          // FIFO (fences complete in order)
+    int n_fly, cap_fly;
+    int64_t staged_drops;   // saves dropped for want of a slot
+    int64_t load_cuts;      // loads cut short for want of slots
+    int64_t staged_resident;  // saves skipped: the (DRAM-only) chain already held the block
+    int n_tiers;
     page_arena arena;     // the DRAM tier's pages
     pd_kvt_tiers *t;
     pd_kvt_geom geom;
@@ -96,6 +146,10 @@ struct pd_kvconn_tiers {
 typedef struct tier_load {  // one load in flight: the destination row pointers (owned)
     pd_kvconn_tiers *c;
     int n;
+    int32_t *slots, *dst;    // staged: (n) the slots and the reserved blocks
+    float *scratch;          // staged: one block of f32 rows (every dk[i] / dv[i] points here)
+    uint16_t ***bk, ***bv;   // staged bf16: (n) per block, the slot's K / V rows of each layer
+    uint16_t **brows;        // (2 * n * n_layers) the pointer storage behind bk / bv
     float ***dk, ***dv;      // (n) blocks x (n_layers) rows
     float **rows;            // (2 * n * n_layers) the pointer storage behind dk / dv
 } tier_load;
@@ -105,7 +159,227 @@ static void tier_load_free(tier_load *l) {
     pd_free(l->dk);
     pd_free(l->dv);
     pd_free(l->rows);
+    pd_free(l->slots);
+    pd_free(l->dst);
+    pd_free(l->scratch);
+    pd_free(l->bk);
+    pd_free(l->bv);
+    pd_free(l->brows);
     pd_free(l);
+}
+
+void kvc_tier_load_free(void *l) { tier_load_free(l); }
+
+// ---- staging slots ----
+static size_t block_bytes_all(const pd_kvconn_tiers *c) { return 2 * (size_t)c->geom.n_layers * c->block_bytes; }
+
+static int slot_get(stage *s) {
+    pthread_mutex_lock(&s->mu);
+    int i = s->n_free > 0 ? s->free_list[--s->n_free] : -1;
+    pthread_mutex_unlock(&s->mu);
+    return i;
+}
+
+static void slot_put(stage *s, int i) {
+    pthread_mutex_lock(&s->mu);
+    PD_ASSERT(i >= 0 && i < s->n_slots && s->n_free < s->n_slots);
+    s->free_list[s->n_free++] = i;
+    pthread_mutex_unlock(&s->mu);
+}
+
+static pd_status stage_init(pd_kvconn_tiers *c, pd_err *err) {
+    stage *s = &c->st;
+    size_t per = block_bytes_all(c);
+    // 1 GiB of pinned staging, 64 .. 1024 slots (a 2000-token prompt of Llama-3-8B is 125 blocks).
+    size_t n = ((size_t)1 << 30) / per;
+    n = n < 64 ? 64 : n > 1024 ? 1024 : n;
+    s->n_slots = (int)n;
+    int L = c->geom.n_layers;
+    s->base = pd_backend_host_alloc(c->p.backend, n * per);
+    s->k = pd_calloc((size_t)L, sizeof *s->k);
+    s->v = pd_calloc((size_t)L, sizeof *s->v);
+    s->free_list = pd_malloc(n * sizeof *s->free_list);
+    if (!s->base || !s->k || !s->v || !s->free_list) {
+        pd_backend_host_free(c->p.backend, s->base);
+        pd_free(s->k), pd_free(s->v), pd_free(s->free_list);
+        memset(s, 0, sizeof *s);
+        return pd_err_set(err, PD_ERR_NOMEM, "kv tiers: cannot allocate %zu bytes of host staging", n * per);
+    }
+    for (int l = 0; l < L; l++) {
+        s->k[l] = s->base + (size_t)(2 * l) * n * c->block_bytes;
+        s->v[l] = s->base + (size_t)(2 * l + 1) * n * c->block_bytes;
+    }
+    for (size_t i = 0; i < n; i++) s->free_list[i] = (int32_t)(n - 1 - i);
+    s->n_free = (int)n;
+    pthread_mutex_init(&s->mu, NULL);
+    return PD_OK;
+}
+
+static void stage_fini(pd_kvconn_tiers *c) {
+    stage *s = &c->st;
+    if (!s->base) return;
+    pd_backend_host_free(c->p.backend, s->base);
+    pd_free(s->k), pd_free(s->v), pd_free(s->free_list);
+    pthread_mutex_destroy(&s->mu);
+    memset(s, 0, sizeof *s);
+}
+
+// Slot rows <-> f32 block rows (per layer K then V, block_floats each).
+// (On the tier thread. A bf16 cache's offloads skip slot_to_f32: on_save_release.)
+static void slot_to_f32(pd_kvconn_tiers *c, int slot, float *rows) {
+    size_t nf = c->block_bytes / (c->st.is_bf16 ? 2 : 4);
+    for (int lk = 0; lk < 2 * c->geom.n_layers; lk++) {
+        int l = lk / 2, kv = lk % 2;
+            const uint8_t *src = (const uint8_t *)(kv ? c->st.v[l] : c->st.k[l]) + (size_t)slot * c->block_bytes;
+            float *dst = rows + (size_t)(2 * l + kv) * nf;
+            if (!c->st.is_bf16) {
+                memcpy(dst, src, c->block_bytes);
+                continue;
+            }
+            const uint16_t *h = (const uint16_t *)src;
+            for (size_t i = 0; i < nf; i++) dst[i] = pd_bf16_to_f32(h[i]);
+        }
+}
+
+static void f32_to_slot(pd_kvconn_tiers *c, const float *rows, int slot) {
+    size_t nf = c->block_bytes / (c->st.is_bf16 ? 2 : 4);
+    for (int lk = 0; lk < 2 * c->geom.n_layers; lk++) {
+        int l = lk / 2, kv = lk % 2;
+            uint8_t *dst = (uint8_t *)(kv ? c->st.v[l] : c->st.k[l]) + (size_t)slot * c->block_bytes;
+            const float *src = rows + (size_t)(2 * l + kv) * nf;
+            if (!c->st.is_bf16) {
+                memcpy(dst, src, c->block_bytes);
+                continue;
+            }
+            uint16_t *h = (uint16_t *)dst;
+            for (size_t i = 0; i < nf; i++) h[i] = pd_f32_to_bf16(src[i]);
+        }
+}
+
+typedef struct save_fill {
+    pd_kvconn_tiers *c;
+    int slot;
+} save_fill;
+
+// A bf16 cache's save: the tier thread encodes bf16 pages straight from the slot's rows
+// (pd_kvt_tiers_offload_bf16), then frees the slot here.
+typedef struct save_bf16 {
+    pd_kvconn_tiers *c;
+    int slot;
+    const uint16_t **rows;  // (2 * n_layers): K of each layer, then V of each layer
+} save_bf16;
+
+static void on_save_release(void *ud) {
+    save_bf16 *f = ud;
+    slot_put(&f->c->st, f->slot);
+    pd_free(f->rows);
+    pd_free(f);
+}
+
+static pd_status offload_slot_bf16(pd_kvconn_tiers *c, const inflight *x) {
+    int L = c->geom.n_layers;
+    save_bf16 *f = pd_malloc(sizeof *f);
+    const uint16_t **rows = pd_malloc(sizeof *rows * 2 * (size_t)L);
+    if (!f || !rows) {
+        pd_free(f);
+        pd_free(rows);
+        return PD_ERR_NOMEM;
+    }
+    for (int l = 0; l < L; l++) {
+        rows[l] = (const uint16_t *)((const uint8_t *)c->st.k[l] + (size_t)x->slot * c->block_bytes);
+        rows[L + l] = (const uint16_t *)((const uint8_t *)c->st.v[l] + (size_t)x->slot * c->block_bytes);
+    }
+    *f = (save_bf16){.c = c, .slot = x->slot, .rows = rows};
+    pd_status st = pd_kvt_tiers_offload_bf16(c->t, x->hash, x->parent, rows, rows + L, on_save_release, f);
+    if (st != PD_OK) {
+        pd_free(rows);
+        pd_free(f);
+    }
+    return st;
+}
+
+// On the tier thread: the slot's copy has finished (its fence was reached).
+static bool on_save_fill(void *ud, float *rows) {
+    save_fill *f = ud;
+    if (rows) slot_to_f32(f->c, f->slot, rows);
+    slot_put(&f->c->st, f->slot);
+    pd_free(f);
+    return rows != NULL;
+}
+
+static bool fly_push(pd_kvconn_tiers *c, inflight x) {
+    if (c->n_fly == c->cap_fly) {
+        int cap = c->cap_fly ? 2 * c->cap_fly : 256;
+        inflight *n = pd_realloc(c->fly, sizeof *n * (size_t)cap);
+        if (!n) return false;
+        c->fly = n;
+        c->cap_fly = cap;
+    }
+    c->fly[c->n_fly++] = x;
+    return true;
+}
+
+// The saves queued since the last poll: one copy device -> slots, then a fence.
+static void start_saves(pd_kvconn_tiers *c) {
+    if (!c->n_pend) return;
+    int n = 0;
+    int32_t src[1024], dst[1024], rows[1024];
+    pending_save ps[1024];
+    for (int i = 0; i < c->n_pend; i++) {
+        // A DRAM-only chain that already holds the block (it was just loaded from there): nothing
+        // to write. (With lower tiers the second sighting is what admits a block to them: offered.)
+        int sure = 0;
+        if (c->n_tiers == 1 && c->arena.base && pd_kvt_tiers_probe(c->t, &c->pend[i].hash, 1, &sure, NULL) == 1 && sure == 1) {
+            c->staged_resident++;
+            continue;
+        }
+        int s = n < 1024 ? slot_get(&c->st) : -1;
+        if (s < 0) {
+            c->staged_drops++;
+            continue;
+        }
+        src[n] = c->pend[i].block, dst[n] = s, rows[n] = c->p.cache.block_size, ps[n] = c->pend[i];
+        n++;
+    }
+    c->n_pend = 0;
+    if (!n) return;
+    pd_backend_xfer_mark(c->p.backend);  // after the compute that wrote the blocks
+    pd_kv_copy_params kp = {.src_k = c->p.cache.k, .src_v = c->p.cache.v, .dst_k = c->st.k, .dst_v = c->st.v,
+                            .src_blocks = src, .dst_blocks = dst, .n_rows = rows, .n_blocks = n, .layer_begin = 0,
+                            .layer_end = c->geom.n_layers, .block_size = c->p.cache.block_size,
+                            .row_bytes = c->p.cache.row_bytes};
+    pd_op_kv_copy_xfer(c->p.backend, &kp);
+    uint64_t f = pd_backend_xfer_fence(c->p.backend);
+    for (int i = 0; i < n; i++)
+        if (!fly_push(c, (inflight){.fence = f, .slot = dst[i], .is_save = true, .hash = ps[i].hash, .parent = ps[i].parent})) {
+            slot_put(&c->st, dst[i]);  // (the copy into it is harmless: nothing reads it)
+            c->staged_drops++;
+        }
+}
+
+void pd_kvconn_tiers_poll(pd_kvconn_tiers *c) {
+    if (!c || !c->is_staged) return;
+    start_saves(c);
+    int k = 0;
+    while (k < c->n_fly && pd_backend_xfer_fence_done(c->p.backend, c->fly[k].fence)) {
+        inflight *x = &c->fly[k++];
+        if (!x->is_save) {
+            slot_put(&c->st, x->slot);
+            continue;
+        }
+        if (c->st.is_bf16) {
+            if (offload_slot_bf16(c, x) != PD_OK) slot_put(&c->st, x->slot);  // queue full (counted) or no memory
+            continue;
+        }
+        save_fill *f = pd_malloc(sizeof *f);
+        if (f) *f = (save_fill){.c = c, .slot = x->slot};
+        if (!f || pd_kvt_tiers_offload_fill(c->t, x->hash, x->parent, on_save_fill, f) != PD_OK) {
+            pd_free(f);  // queue full (counted there) or out of memory
+            slot_put(&c->st, x->slot);
+        }
+    }
+    if (k) memmove(c->fly, c->fly + k, sizeof *c->fly * (size_t)(c->n_fly - k));
+    c->n_fly -= k;
 }
 
 uint64_t pd_kvconn_fingerprint64(const pd_kvw_fingerprint *f) {
@@ -119,13 +393,21 @@ pd_kvconn_tiers *pd_kvconn_tiers_new(const pd_kvconn_tier_params *p, pd_err *err
         pd_err_set(err, PD_ERR_INVALID, "kv tiers: no tier configured");
         return NULL;
     }
-    size_t row_f32 = (size_t)p->fp.n_kv_heads * p->fp.head_dim * sizeof(float);
-    if (!p->backend || strcmp(pd_backend_name(p->backend), "cpu") || p->cache.row_bytes != row_f32 ||
-        p->fp.kv_dtype != PD_DTYPE_F32) {
+    size_t row_el = (size_t)p->fp.n_kv_heads * p->fp.head_dim;
+    if (!p->backend || p->cache.n_layers <= 0 || p->cache.n_layers > 4096 || p->cache.n_layers != (int)p->fp.n_layers) {
+        pd_err_set(err, PD_ERR_INVALID, "kv tiers: no backend or a bad layer count");
+        return NULL;
+    }
+    bool is_cpu = !strcmp(pd_backend_name(p->backend), "cpu");
+    bool is_f32 = p->fp.kv_dtype == PD_DTYPE_F32 && p->cache.row_bytes == row_el * 4;
+    bool is_bf16 = p->fp.kv_dtype == PD_DTYPE_BF16 && p->cache.row_bytes == row_el * 2;
+    const char *force = getenv("PDSERVE_KV_TIER_STAGING");  // test hook: the staged path on the cpu backend
+    bool staged = !is_cpu || (force && !strcmp(force, "1"));
+    if (!(is_cpu && !staged ? is_f32 : (is_f32 || is_bf16))) {
         pd_err_set(err, PD_ERR_UNSUPPORTED,
-                   "--kv-offload-* / --kv-remote need a host-resident f32 KV cache (the cpu backend, --kv-cache-dtype auto); "
-                   "this build has no device staging path for the %s backend yet",
-                   p->backend ? pd_backend_name(p->backend) : "?");
+                   "--kv-offload-* / --kv-remote need a KV cache of the activation dtype (--kv-cache-dtype auto: f32 on "
+                   "cpu, bf16 on cuda); the %s backend's cache here has %zu-byte rows of dtype %s",
+                   pd_backend_name(p->backend), p->cache.row_bytes, pd_dtype_name((pd_dtype)p->fp.kv_dtype));
         return NULL;
     }
     if (p->remote_url && (!p->secret || !*p->secret)) {
@@ -152,11 +434,24 @@ pd_kvconn_tiers *pd_kvconn_tiers_new(const pd_kvconn_tier_params *p, pd_err *err
     c->geom = (pd_kvt_geom){.n_layers = (int)p->fp.n_layers, .n_kv_heads = (int)p->fp.n_kv_heads,
                             .head_dim = (int)p->fp.head_dim, .block_size = p->cache.block_size};
     c->block_bytes = (size_t)p->cache.block_size * p->cache.row_bytes;
+    c->is_staged = staged;
+    c->st.is_bf16 = is_bf16;
+    if (staged && stage_init(c, err)) {
+        pd_free(c);
+        return NULL;
+    }
+    // The DRAM tier keeps pages exact: f32 for an f32 cache, bf16 (half the bytes) for a bf16 one.
     pd_kvt_tiers_params tp = {.geom = c->geom, .fingerprint = pd_kvconn_fingerprint64(&p->fp), .dtype = dt,
-                              .queue_max = p->queue_max};
+                              .dram_dtype = is_bf16 ? PD_KVT_BF16 : PD_KVT_F32, .queue_max = p->queue_max};
+    // Tier workers: a GPU's prefill completes ~2000 Llama-3-8B blocks a second and one worker
+    // encodes ~1000; on a host with cores to spare several run in parallel (loads first).
+    long ncpu = sysconf(_SC_NPROCESSORS_ONLN);
+    tp.n_threads = ncpu >= 16 ? 4 : ncpu >= 8 ? 2 : 1;
     pd_kvt_store_params sp = {.geom = c->geom, .fingerprint = tp.fingerprint, .policy = PD_KVT_S3FIFO};
     if (p->dram_bytes) {
-        if (arena_init(&c->arena, p->backend, pd_kvt_page_bytes(&c->geom, PD_KVT_F32), p->dram_bytes, err)) {
+        if (arena_init(&c->arena, p->backend, pd_kvt_page_bytes(&c->geom, tp.dram_dtype ? tp.dram_dtype : PD_KVT_F32),
+                       p->dram_bytes, err)) {
+            stage_fini(c);
             pd_free(c);
             return NULL;
         }
@@ -181,6 +476,7 @@ pd_kvconn_tiers *pd_kvconn_tiers_new(const pd_kvconn_tier_params *p, pd_err *err
         if (!(tp.stores[tp.n_stores++] = pd_kvt_redis_new(&sp, p->remote_url, err))) goto fail;
         snprintf(c->remote, sizeof c->remote, "%s", p->remote_url);
     }
+    c->n_tiers = tp.n_stores;
     c->t = pd_kvt_tiers_new(&tp, err);
     if (!c->t) goto fail_stores;
     c->p.disk_dir = c->p.remote_url = c->p.dtype = c->p.secret = NULL;  // borrowed for the call
@@ -190,14 +486,22 @@ fail:
 fail_stores:
     for (int i = 0; i < tp.n_stores; i++) pd_kvt_store_free(tp.stores[i]);
     arena_fini(&c->arena);
+    stage_fini(c);
     pd_free(c);
     return NULL;
 }
 
 void pd_kvconn_tiers_free(pd_kvconn_tiers *c) {
     if (!c) return;
+    if (c->is_staged) {
+        pd_backend_xfer_sync(c->p.backend);  // every staged copy finished: hand the saves over
+        pd_kvconn_tiers_poll(c);
+    }
     pd_kvt_tiers_free(c->t);  // runs what is queued (loads end with their event), joins; frees the stores
     arena_fini(&c->arena);    // after the DRAM store gave its pages back
+    stage_fini(c);            // (load events still queued for the engine keep their tier_load: freed there)
+    pd_free(c->pend);
+    pd_free(c->fly);
     pd_free(c);
 }
 
@@ -207,6 +511,20 @@ static float *block_row(pd_kvconn_tiers *c, void *layer_base, int32_t block) {
 
 void pd_kvconn_tiers_save(pd_kvconn_tiers *c, int32_t block_id, pd_hash128 hash, pd_hash128 parent) {
     if (block_id < 0 || block_id >= c->p.cache.n_blocks) return;
+    if (c->is_staged) {  // copied at the next poll (the engine polls right after its saves)
+        if (c->n_pend == c->cap_pend) {
+            int cap = c->cap_pend ? 2 * c->cap_pend : 256;
+            pending_save *n = pd_realloc(c->pend, sizeof *n * (size_t)cap);
+            if (!n) {
+                c->staged_drops++;
+                return;
+            }
+            c->pend = n;
+            c->cap_pend = cap;
+        }
+        c->pend[c->n_pend++] = (pending_save){.block = block_id, .hash = hash, .parent = parent};
+        return;
+    }
     const float *k[4096], *v[4096];
     for (int l = 0; l < c->geom.n_layers; l++) {
         k[l] = block_row(c, c->p.cache.k[l], block_id);
@@ -223,7 +541,6 @@ int pd_kvconn_tiers_match(pd_kvconn_tiers *c, const pd_hash128 *hashes, int n, i
 static void on_loaded(void *ud, uint64_t req_id, int n_loaded, int64_t load_us) {
     tier_load *l = ud;
     pd_kvconn_tiers *c = l->c;
-    tier_load_free(l);
     pd_kvconn_event *ev = pd_calloc(1, sizeof *ev);
     for (int i = 0; i < 100 && !ev; i++) ev = pd_calloc(1, sizeof *ev);  // the blocks wait for it
     PD_ASSERT(ev);
@@ -232,7 +549,110 @@ static void on_loaded(void *ud, uint64_t req_id, int n_loaded, int64_t load_us) 
     ev->status = PD_OK;
     ev->n_blocks = n_loaded;
     ev->load_us = load_us;
+    ev->tier_load = l;  // pd_kvconn_tiers_loaded (engine thread) uploads the slots and frees it
     c->p.on_event(c->p.ud, ev);
+}
+
+// On the tier thread: block b is in its slot already (a bf16 page into a bf16 cache's slot), or in
+// the f32 scratch block: into its slot.
+static void on_block_loaded(void *ud, int b, bool in_bf16) {
+    tier_load *l = ud;
+    if (!in_bf16) f32_to_slot(l->c, l->scratch, l->slots[b]);
+}
+
+static pd_status start_load_staged(pd_kvconn_tiers *c, uint64_t req_id, const pd_hash128 *hashes,
+                                   const int32_t *dst_blocks, int n) {
+    int L = c->geom.n_layers;
+    size_t nf = c->block_bytes / (c->st.is_bf16 ? 2 : 4);
+    tier_load *l = pd_calloc(1, sizeof *l);
+    if (!l) return PD_ERR_NOMEM;
+    l->c = c;
+    l->slots = pd_malloc(sizeof *l->slots * (size_t)n);
+    l->dst = pd_malloc(sizeof *l->dst * (size_t)n);
+    l->scratch = pd_malloc(sizeof(float) * nf * 2 * (size_t)L);
+    l->dk = pd_calloc((size_t)n, sizeof *l->dk);
+    l->dv = pd_calloc((size_t)n, sizeof *l->dv);
+    l->rows = pd_calloc(2 * (size_t)L, sizeof *l->rows);
+    if (!l->slots || !l->dst || !l->scratch || !l->dk || !l->dv || !l->rows) {
+        tier_load_free(l);
+        return PD_ERR_NOMEM;
+    }
+    for (int j = 0; j < L; j++) {  // dk[b][j] / dv[b][j]: the scratch block's K / V rows of layer j
+        l->rows[j] = l->scratch + (size_t)(2 * j) * nf;
+        l->rows[L + j] = l->scratch + (size_t)(2 * j + 1) * nf;
+    }
+    int m = 0;
+    for (; m < n; m++) {  // the leading blocks there are slots for; the rest is computed
+        int s = slot_get(&c->st);
+        if (s < 0) break;
+        l->slots[m] = s;
+        l->dst[m] = dst_blocks[m];
+        l->dk[m] = l->rows;
+        l->dv[m] = l->rows + L;
+    }
+    if (m < n) c->load_cuts++;
+    if (!m) {
+        tier_load_free(l);
+        return PD_NOSPACE;
+    }
+    l->n = m;
+    if (c->st.is_bf16) {  // bf16 pages go straight into the slots
+        l->bk = pd_calloc((size_t)m, sizeof *l->bk);
+        l->bv = pd_calloc((size_t)m, sizeof *l->bv);
+        l->brows = pd_calloc((size_t)m * 2 * (size_t)L, sizeof *l->brows);
+        if (!l->bk || !l->bv || !l->brows) {
+            for (int i = 0; i < m; i++) slot_put(&c->st, l->slots[i]);
+            tier_load_free(l);
+            return PD_ERR_NOMEM;
+        }
+        for (int i = 0; i < m; i++) {
+            l->bk[i] = l->brows + (size_t)(2 * i) * (size_t)L;
+            l->bv[i] = l->brows + (size_t)(2 * i + 1) * (size_t)L;
+            for (int j = 0; j < L; j++) {
+                l->bk[i][j] = (uint16_t *)((uint8_t *)c->st.k[j] + (size_t)l->slots[i] * c->block_bytes);
+                l->bv[i][j] = (uint16_t *)((uint8_t *)c->st.v[j] + (size_t)l->slots[i] * c->block_bytes);
+            }
+        }
+    }
+    pd_status st = pd_kvt_tiers_load_ex(c->t, req_id, hashes, m, (float *const *const *)l->dk,
+                                        (float *const *const *)l->dv, (uint16_t *const *const *)l->bk,
+                                        (uint16_t *const *const *)l->bv, on_block_loaded, on_loaded, l);
+    if (st != PD_OK) {
+        for (int i = 0; i < m; i++) slot_put(&c->st, l->slots[i]);
+        tier_load_free(l);
+    }
+    return st;
+}
+
+void pd_kvconn_tiers_loaded(pd_kvconn_tiers *c, pd_kvconn_event *ev) {
+    tier_load *l = ev->tier_load;
+    ev->tier_load = NULL;
+    if (!l) return;
+    if (!c || !c->is_staged) {
+        tier_load_free(l);
+        return;
+    }
+    int n = ev->n_blocks < l->n ? ev->n_blocks : l->n;
+    uint64_t f = 0;
+    if (n > 0) {  // one copy slots -> the reserved blocks, before the next step's compute
+        int32_t *rows = pd_malloc(sizeof *rows * (size_t)n);
+        PD_ASSERT(rows);
+        for (int i = 0; i < n; i++) rows[i] = c->p.cache.block_size;
+        pd_backend_xfer_mark(c->p.backend);  // (after whatever compute last used the blocks)
+        pd_kv_copy_params kp = {.src_k = c->st.k, .src_v = c->st.v, .dst_k = c->p.cache.k, .dst_v = c->p.cache.v,
+                                .src_blocks = l->slots, .dst_blocks = l->dst, .n_rows = rows, .n_blocks = n,
+                                .layer_begin = 0, .layer_end = c->geom.n_layers, .block_size = c->p.cache.block_size,
+                                .row_bytes = c->p.cache.row_bytes};
+        pd_op_kv_copy_xfer(c->p.backend, &kp);
+        f = pd_backend_xfer_fence(c->p.backend);
+        pd_free(rows);
+    }
+    for (int i = 0; i < l->n; i++) {
+        if (i < n && fly_push(c, (inflight){.fence = f, .slot = l->slots[i], .is_save = false})) continue;
+        if (i < n) pd_backend_xfer_sync(c->p.backend);  // (out of memory: wait, then free)
+        slot_put(&c->st, l->slots[i]);
+    }
+    tier_load_free(l);
 }
 
 pd_status pd_kvconn_tiers_start_load(pd_kvconn_tiers *c, uint64_t req_id, const pd_hash128 *hashes,
@@ -241,6 +661,7 @@ pd_status pd_kvconn_tiers_start_load(pd_kvconn_tiers *c, uint64_t req_id, const 
     for (int i = 0; i < n; i++)
         if (dst_blocks[i] < 0 || dst_blocks[i] >= c->p.cache.n_blocks) return PD_ERR_INVALID;
     int L = c->geom.n_layers;
+    if (c->is_staged) return start_load_staged(c, req_id, hashes, dst_blocks, n);
     tier_load *l = pd_calloc(1, sizeof *l);
     if (!l) return PD_ERR_NOMEM;
     l->c = c;
@@ -289,7 +710,7 @@ void pd_kvconn_tiers_stats_get(pd_kvconn_tiers *c, pd_kvconn_tiers_stats *out) {
         memcpy(o->load_hist, t->load_hist, sizeof o->load_hist);
     }
     out->offloads_queued = s.offloads_queued;
-    out->offloads_dropped = s.offloads_dropped;
+    out->offloads_dropped = s.offloads_dropped + c->staged_drops;
     out->offloads_done = s.offloads_done;
     out->loads = s.loads;
     out->load_blocks = s.load_blocks;
@@ -297,9 +718,15 @@ void pd_kvconn_tiers_stats_get(pd_kvconn_tiers *c, pd_kvconn_tiers_stats *out) {
     out->promotions = s.promotions;
     snprintf(out->dtype, sizeof out->dtype, "%s", pd_kvt_dtype_name(c->dtype));
     out->dram_pinned = c->arena.base && pd_backend_host_is_pinned(c->p.backend);
+    out->staging_slots = c->is_staged ? c->st.n_slots : 0;
+    out->load_cuts = c->load_cuts;
 }
 
 bool pd_kvconn_tiers_flush(pd_kvconn_tiers *c, int timeout_ms) {
+    if (c->is_staged) {
+        pd_backend_xfer_sync(c->p.backend);
+        pd_kvconn_tiers_poll(c);
+    }
     return pd_kvt_tiers_flush(c->t, timeout_ms);
 }
 

@@ -20,8 +20,8 @@
 //           (pd_kvt_redis_new: the cluster pool shared by every worker; reconnect with backoff).
 //
 // Thread safety: a policy is not thread-safe (its store's lock guards it); stores are.
-// Layering: kvtier includes base only; the engine-side tier connector is not built yet (see
-// docs/design.md).
+// Layering: kvtier includes base only; the engine reaches it through the tier connector
+// (kvconn/tier.c, docs/design.md "KV tiers").
 #pragma once
 #include <stddef.h>
 #include <stdint.h>
@@ -69,6 +69,11 @@ pd_status pd_kvt_page_encode(const pd_kvt_geom *g, pd_kvt_dtype d, uint64_t fing
                              pd_hash128 parent, const float *const *k, const float *const *v, void *out,
                              size_t out_len);
 
+// A bf16 page straight from bf16 rows (a bf16 device cache's staged block), without an f32 round
+// trip: byte for byte the page pd_kvt_page_encode(PD_KVT_BF16) makes from those values as floats.
+pd_status pd_kvt_page_encode_bf16(const pd_kvt_geom *g, uint64_t fingerprint, pd_hash128 hash, pd_hash128 parent,
+                                  const uint16_t *const *k, const uint16_t *const *v, void *out, size_t out_len);
+
 // Why a page was refused (counted per tier).
 typedef enum pd_kvt_bad {
     PD_KVT_PAGE_OK = 0,
@@ -88,6 +93,10 @@ pd_kvt_bad pd_kvt_page_check_header(const void *page, size_t len, uint64_t finge
 // the page is accepted.
 pd_kvt_bad pd_kvt_page_decode(const void *page, size_t len, uint64_t fingerprint, const pd_kvt_geom *g,
                               pd_hash128 expect_hash, float *const *k, float *const *v);
+// A bf16 page into bf16 rows (k[l], v[l] as for pd_kvt_page_encode_bf16), no float round trip;
+// the same checks as pd_kvt_page_decode, and PD_KVT_BAD_FOREIGN for a page of another dtype.
+pd_kvt_bad pd_kvt_page_decode_bf16(const void *page, size_t len, uint64_t fingerprint, const pd_kvt_geom *g,
+                                   pd_hash128 expect_hash, uint16_t *const *k, uint16_t *const *v);
 
 // ---- policy ---------------------------------------------------------------------------------------
 typedef enum pd_kvt_policy_kind { PD_KVT_LRU = 1, PD_KVT_S3FIFO = 2 } pd_kvt_policy_kind;
@@ -184,7 +193,7 @@ bool pd_kvt_store_seen_before(pd_kvt_store *s, pd_hash128 key);
 
 // ---- tiers: the chain below the device pool ----------------------------------------------------
 // The scheduler side and the worker side of a tier connector, over up to PD_KVT_MAX_TIERS stores
-// ordered fastest first (DRAM, disk, Redis). One tier thread runs every offload and load; callers
+// ordered fastest first (DRAM, disk, Redis). Tier worker threads (n_threads, default one) run every offload and load; callers
 // (the engine thread) only queue work and read results: they never wait on a tier.
 //
 //   offload   a block completed or evicted in the device pool: its rows are copied into the job
@@ -198,15 +207,19 @@ bool pd_kvt_store_seen_before(pd_kvt_store *s, pd_hash128 key);
 //             page is a miss and the load stops there), decoded into the caller's block rows;
 //             a lower-tier hit is promoted to tier 0. Completion through a callback (tier thread).
 #define PD_KVT_MAX_TIERS 3
+#define PD_KVT_MAX_WORKERS 8
 typedef struct pd_kvt_tiers pd_kvt_tiers;
 
 typedef struct pd_kvt_tiers_params {
     pd_kvt_geom geom;
     uint64_t fingerprint;
     pd_kvt_dtype dtype;                    // lower tiers (disk, Redis); tier 0 keeps f32
+    pd_kvt_dtype dram_dtype;               // the DRAM tier's pages: 0 = f32; bf16 is exact for a bf16 cache
     pd_kvt_store *stores[PD_KVT_MAX_TIERS];  // owned from here on
     int n_stores;
     int queue_max;                         // pending offloads (default 1024)
+    int n_threads;                         // tier workers running jobs in parallel (0: 1; at most
+                                           // PD_KVT_MAX_WORKERS); loads still go before offloads
 } pd_kvt_tiers_params;
 
 // done: n_loaded leading blocks are in place (0..n); called on the tier thread.
@@ -231,6 +244,19 @@ void pd_kvt_tiers_free(pd_kvt_tiers *t);  // drains queued work, joins the threa
 // k[l], v[l]: the block's rows in layer l (copied before return).
 pd_status pd_kvt_tiers_offload(pd_kvt_tiers *t, pd_hash128 hash, pd_hash128 parent, const float *const *k,
                                const float *const *v);
+// Like offload, for rows that are not host floats yet (a device cache's staged bf16 copy): on the
+// tier thread, fill(ud, rows) writes the block's rows (per layer, K then V, block_size rows of
+// n_kv_heads*head_dim floats each) and returns true, or false to drop it (counted). fill is called
+// exactly once when PD_OK is returned (rows NULL: out of memory, release only), never otherwise.
+typedef bool (*pd_kvt_fill_fn)(void *ud, float *rows);
+pd_status pd_kvt_tiers_offload_fill(pd_kvt_tiers *t, pd_hash128 hash, pd_hash128 parent, pd_kvt_fill_fn fill,
+                                    void *ud);
+// Like offload, for a block held as bf16 rows (k[l], v[l]: block_size rows of n_kv_heads*head_dim
+// bf16 values; the arrays and rows borrowed until release(ud), which the tier thread calls exactly
+// once when PD_OK is returned, never otherwise). Tiers with bf16 pages are written straight from
+// them (pd_kvt_page_encode_bf16); others from an f32 copy made on the tier thread.
+pd_status pd_kvt_tiers_offload_bf16(pd_kvt_tiers *t, pd_hash128 hash, pd_hash128 parent, const uint16_t *const *k,
+                                    const uint16_t *const *v, void (*release)(void *ud), void *ud);
 // Leading blocks of hashes[0..n) held by some tier (checks existence only). tier_of (may be NULL):
 // per block, which tier would serve it. cost_us (may be NULL): predicted load time.
 int pd_kvt_tiers_match(pd_kvt_tiers *t, const pd_hash128 *hashes, int n, int *tier_of, double *cost_us);
@@ -242,6 +268,15 @@ int pd_kvt_tiers_probe(pd_kvt_tiers *t, const pd_hash128 *hashes, int n, int *n_
 // until done). PD_OK: done is called exactly once.
 pd_status pd_kvt_tiers_load(pd_kvt_tiers *t, uint64_t req_id, const pd_hash128 *hashes, int n,
                             float *const *const *dst_k, float *const *const *dst_v, pd_kvt_load_fn done, void *ud);
+// Like load; block_done(ud, b, in_bf16) (may be NULL) runs on the tier thread as soon as block b
+// is in place: in dst_bk[b] / dst_bv[b] (bf16 rows, in_bf16 true: a bf16 page, copied without a
+// float round trip; only when dst_bk is given) or else in dst_k[b] / dst_v[b] (floats; those rows
+// may be one scratch block reused for every b).
+typedef void (*pd_kvt_block_fn)(void *ud, int b, bool in_bf16);
+pd_status pd_kvt_tiers_load_ex(pd_kvt_tiers *t, uint64_t req_id, const pd_hash128 *hashes, int n,
+                               float *const *const *dst_k, float *const *const *dst_v, uint16_t *const *const *dst_bk,
+                               uint16_t *const *const *dst_bv, pd_kvt_block_fn block_done, pd_kvt_load_fn done,
+                               void *ud);
 // What the tiers now hold, for routers (the engine forwards them as KV events with the tier):
 // STORED when a page was written to tier `tier`, REMOVED when that tier evicted it. A bounded
 // ring (4096); on overflow the oldest are dropped and counted in events_dropped.

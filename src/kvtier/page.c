@@ -199,12 +199,76 @@ static const uint8_t *decode_head(pd_kvt_dtype d, const uint8_t *src, int bs, in
     return src;
 }
 
+static void write_header(uint8_t *h, const pd_kvt_geom *g, pd_kvt_dtype d, uint64_t fingerprint, pd_hash128 hash,
+                         pd_hash128 parent, size_t pb);
+static void write_checksum(uint8_t *h, size_t pb) {
+    XXH3_state_t st;
+    XXH3_64bits_reset(&st);
+    XXH3_64bits_update(&st, h, 88);
+    XXH3_64bits_update(&st, h + PD_KVT_HDR_BYTES, pb);
+    put64(h + 88, XXH3_64bits_digest(&st));
+}
+
+pd_status pd_kvt_page_encode_bf16(const pd_kvt_geom *g, uint64_t fingerprint, pd_hash128 hash, pd_hash128 parent,
+                                  const uint16_t *const *k, const uint16_t *const *v, void *out, size_t out_len) {
+    size_t pb = payload_bytes(g, PD_KVT_BF16);
+    if (!pb || !k || !v || !out || out_len != PD_KVT_HDR_BYTES + pb) return PD_ERR_INVALID;
+    for (int l = 0; l < g->n_layers; l++)
+        if (!k[l] || !v[l]) return PD_ERR_INVALID;
+    uint8_t *h = out;
+    write_header(h, g, PD_KVT_BF16, fingerprint, hash, parent, pb);
+    uint8_t *p = h + PD_KVT_HDR_BYTES;
+    size_t row = (size_t)g->n_kv_heads * (size_t)g->head_dim, hb = (size_t)g->head_dim * 2;
+    float one = 1.0f;  // a bf16 page's scale (as encode_head writes it)
+    uint32_t one_u;
+    memcpy(&one_u, &one, 4);
+    for (int l = 0; l < g->n_layers; l++)
+        for (int kv = 0; kv < 2; kv++)
+            for (int hh = 0; hh < g->n_kv_heads; hh++) {
+                const uint16_t *src = (kv ? v[l] : k[l]) + (size_t)hh * (size_t)g->head_dim;
+                put32(p, one_u);
+                p += 4;
+                for (int t = 0; t < g->block_size; t++, p += hb) {
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+                    memcpy(p, src + (size_t)t * row, hb);  // the page's little-endian bf16, as is
+#else
+                    for (int i = 0; i < g->head_dim; i++) {
+                        uint16_t x = src[(size_t)t * row + (size_t)i];
+                        p[2 * i] = (uint8_t)x, p[2 * i + 1] = (uint8_t)(x >> 8);
+                    }
+#endif
+                }
+            }
+    write_checksum(h, pb);
+    return PD_OK;
+}
+
 pd_status pd_kvt_page_encode(const pd_kvt_geom *g, pd_kvt_dtype d, uint64_t fingerprint, pd_hash128 hash,
                              pd_hash128 parent, const float *const *k, const float *const *v, void *out,
                              size_t out_len) {
     size_t pb = payload_bytes(g, d);
     if (!pb || !k || !v || !out || out_len != PD_KVT_HDR_BYTES + pb) return PD_ERR_INVALID;
     uint8_t *h = out;
+    write_header(h, g, d, fingerprint, hash, parent, pb);
+    uint8_t *p = h + PD_KVT_HDR_BYTES;
+    size_t row = (size_t)g->n_kv_heads * (size_t)g->head_dim;
+    for (int l = 0; l < g->n_layers; l++)
+        if (!k[l] || !v[l]) return PD_ERR_INVALID;
+    // Every (layer, K/V, head) segment has the same size. (Serial: an OpenMP version was slower on
+    // the GPU host, whose cores the engine, HTTP and client threads keep busy.)
+    size_t seg = 4 + (size_t)g->block_size * (size_t)g->head_dim * elem_bytes(d);
+    int n_seg = g->n_layers * 2 * g->n_kv_heads;
+    for (int s = 0; s < n_seg; s++) {
+        int l = s / (2 * g->n_kv_heads), kv = (s / g->n_kv_heads) % 2, hh = s % g->n_kv_heads;
+        const float *base = kv ? v[l] : k[l];
+        encode_head(d, base + (size_t)hh * g->head_dim, g->block_size, g->head_dim, row, p + (size_t)s * seg);
+    }
+    write_checksum(h, pb);
+    return PD_OK;
+}
+
+static void write_header(uint8_t *h, const pd_kvt_geom *g, pd_kvt_dtype d, uint64_t fingerprint, pd_hash128 hash,
+                         pd_hash128 parent, size_t pb) {
     memset(h, 0, PD_KVT_HDR_BYTES);
     put32(h + 0, PD_KVT_PAGE_MAGIC);
     put32(h + 4, PD_KVT_PAGE_VERSION);
@@ -219,21 +283,6 @@ pd_status pd_kvt_page_encode(const pd_kvt_geom *g, pd_kvt_dtype d, uint64_t fing
     put64(h + 56, parent.lo);
     put64(h + 64, parent.hi);
     put64(h + 72, (uint64_t)pb);
-    uint8_t *p = h + PD_KVT_HDR_BYTES;
-    size_t row = (size_t)g->n_kv_heads * (size_t)g->head_dim;
-    for (int l = 0; l < g->n_layers; l++)
-        for (int kv = 0; kv < 2; kv++) {
-            const float *base = kv ? v[l] : k[l];
-            if (!base) return PD_ERR_INVALID;
-            for (int hh = 0; hh < g->n_kv_heads; hh++)
-                p = encode_head(d, base + (size_t)hh * g->head_dim, g->block_size, g->head_dim, row, p);
-        }
-    XXH3_state_t st;
-    XXH3_64bits_reset(&st);
-    XXH3_64bits_update(&st, h, 88);
-    XXH3_64bits_update(&st, h + PD_KVT_HDR_BYTES, pb);
-    put64(h + 88, XXH3_64bits_digest(&st));
-    return PD_OK;
 }
 
 // The header alone (the first PD_KVT_HDR_BYTES of page): magic, version, geometry, fingerprint,
@@ -291,6 +340,31 @@ pd_kvt_bad pd_kvt_page_check(const void *page, size_t len, uint64_t fingerprint,
     return PD_KVT_PAGE_OK;
 }
 
+pd_kvt_bad pd_kvt_page_decode_bf16(const void *page, size_t len, uint64_t fingerprint, const pd_kvt_geom *g,
+                                   pd_hash128 expect_hash, uint16_t *const *k, uint16_t *const *v) {
+    pd_kvt_page_info in;
+    pd_kvt_bad bad = pd_kvt_page_check(page, len, fingerprint, g, &expect_hash, &in);
+    if (bad) return bad;
+    if (in.dtype != PD_KVT_BF16) return PD_KVT_BAD_FOREIGN;  // (the caller decodes it to floats instead)
+    const uint8_t *p = (const uint8_t *)page + PD_KVT_HDR_BYTES;
+    const pd_kvt_geom *gg = &in.geom;
+    size_t row = (size_t)gg->n_kv_heads * (size_t)gg->head_dim, hb = (size_t)gg->head_dim * 2;
+    for (int l = 0; l < gg->n_layers; l++)
+        for (int kv = 0; kv < 2; kv++)
+            for (int hh = 0; hh < gg->n_kv_heads; hh++) {
+                uint16_t *dst = (kv ? v[l] : k[l]) + (size_t)hh * (size_t)gg->head_dim;
+                p += 4;  // the scale: a bf16 page's values are not scaled (decode_head ignores it too)
+                for (int t = 0; t < gg->block_size; t++, p += hb) {
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+                    memcpy(dst + (size_t)t * row, p, hb);
+#else
+                    for (int i = 0; i < gg->head_dim; i++) dst[(size_t)t * row + (size_t)i] = (uint16_t)(p[2 * i] | (p[2 * i + 1] << 8));
+#endif
+                }
+            }
+    return PD_KVT_PAGE_OK;
+}
+
 pd_kvt_bad pd_kvt_page_decode(const void *page, size_t len, uint64_t fingerprint, const pd_kvt_geom *g,
                               pd_hash128 expect_hash, float *const *k, float *const *v) {
     pd_kvt_page_info in;
@@ -299,11 +373,12 @@ pd_kvt_bad pd_kvt_page_decode(const void *page, size_t len, uint64_t fingerprint
     const uint8_t *p = (const uint8_t *)page + PD_KVT_HDR_BYTES;
     const pd_kvt_geom *gg = &in.geom;
     size_t row = (size_t)gg->n_kv_heads * (size_t)gg->head_dim;
-    for (int l = 0; l < gg->n_layers; l++)
-        for (int kv = 0; kv < 2; kv++) {
-            float *base = kv ? v[l] : k[l];
-            for (int hh = 0; hh < gg->n_kv_heads; hh++)
-                p = decode_head(in.dtype, p, gg->block_size, gg->head_dim, row, base + (size_t)hh * gg->head_dim);
-        }
+    size_t seg = 4 + (size_t)gg->block_size * (size_t)gg->head_dim * elem_bytes(in.dtype);
+    int n_seg = gg->n_layers * 2 * gg->n_kv_heads;
+    for (int s = 0; s < n_seg; s++) {
+        int l = s / (2 * gg->n_kv_heads), kv = (s / gg->n_kv_heads) % 2, hh = s % gg->n_kv_heads;
+        float *base = kv ? v[l] : k[l];
+        decode_head(in.dtype, p + (size_t)s * seg, gg->block_size, gg->head_dim, row, base + (size_t)hh * gg->head_dim);
+    }
     return PD_KVT_PAGE_OK;
 }

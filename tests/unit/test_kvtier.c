@@ -557,3 +557,147 @@ PD_TEST(store_disk_restart_large_pages) {
     snprintf(cmd, sizeof cmd, "rm -rf %s", dir);
     PD_CHECK_EQ(system(cmd), 0);
 }
+
+// ---- bf16 rows (a bf16 device cache's staged block) ---------------------------------------------
+static void to_bf16_block(const blockdata *b, uint16_t k[2][BLK], uint16_t v[2][BLK], blockdata *as_f32) {
+    for (int l = 0; l < 2; l++)
+        for (int i = 0; i < BLK; i++) {
+            k[l][i] = pd_f32_to_bf16(b->k[l][i]);
+            v[l][i] = pd_f32_to_bf16(b->v[l][i]);
+            as_f32->k[l][i] = pd_bf16_to_f32(k[l][i]);
+            as_f32->v[l][i] = pd_bf16_to_f32(v[l][i]);
+        }
+}
+
+PD_TEST(page_encode_bf16_rows_equals_float_encode) {
+    pd_hash128 h = pd_hash_block(NULL, (const int32_t[]){5, 6, 7, 8}, 4), parent = pd_hash_root(0);
+    for (int rep = 0; rep < 20; rep++) {
+        blockdata b, f, out;
+        fill(&b, rep ? 3.0f : 0.0f);
+        uint16_t bk[2][BLK], bv[2][BLK];
+        to_bf16_block(&b, bk, bv, &f);
+        uint8_t *ref;
+        size_t n = encode(PD_KVT_BF16, 99, h, parent, &f, &ref);
+        uint8_t *got = malloc(n);
+        const uint16_t *k[2] = {bk[0], bk[1]}, *v[2] = {bv[0], bv[1]};
+        PD_CHECK_EQ(pd_kvt_page_encode_bf16(&G, 99, h, parent, k, v, got, n), PD_OK);
+        PD_CHECK(memcmp(ref, got, n) == 0);  // byte for byte, checksum included
+        PD_CHECK_EQ(decode(got, n, 99, h, &out), PD_KVT_PAGE_OK);
+        PD_CHECK(memcmp(&out, &f, sizeof f) == 0);  // exact: bf16 values survive a bf16 page
+        PD_CHECK_EQ(pd_kvt_page_encode_bf16(&G, 99, h, parent, k, v, got, n - 1), PD_ERR_INVALID);
+        free(ref);
+        free(got);
+    }
+}
+
+static void count_release(void *ud) { (*(int *)ud)++; }
+static void count_release_atomic(void *ud) { __atomic_add_fetch((int *)ud, 1, __ATOMIC_SEQ_CST); }
+
+PD_TEST(tiers_offload_bf16_rows_dram_bf16_and_disk_f32) {
+    char dir[] = "/tmp/pd_kvtier_XXXXXX";
+    PD_REQUIRE(mkdtemp(dir));
+    pd_err err = {0};
+    // DRAM keeps bf16 pages (written straight from the rows); the disk tier f32 (from a copy).
+    pd_kvt_store_params dp = sparams(pd_kvt_page_bytes(&G, PD_KVT_BF16) * 8, 77, NULL);
+    pd_kvt_store_params kp = sparams(4096 * 100, 77, dir);
+    pd_kvt_tiers_params tp = {.geom = G, .fingerprint = 77, .dtype = PD_KVT_F32, .dram_dtype = PD_KVT_BF16, .n_stores = 2};
+    tp.stores[0] = pd_kvt_dram_new(&dp, &err);
+    tp.stores[1] = pd_kvt_disk_new(&kp, &err);
+    PD_REQUIRE(tp.stores[0] && tp.stores[1]);
+    pd_kvt_tiers *t = pd_kvt_tiers_new(&tp, &err);
+    PD_REQUIRE(t);
+    blockdata b, f;
+    fill(&b, 2.0f);
+    uint16_t bk[2][BLK], bv[2][BLK];
+    to_bf16_block(&b, bk, bv, &f);
+    const uint16_t *k[2] = {bk[0], bk[1]}, *v[2] = {bv[0], bv[1]};
+    pd_hash128 h = pd_hash_block(NULL, (const int32_t[]){9, 9, 9, 9}, 4), parent = pd_hash_root(0);
+    int released = 0;
+    PD_CHECK_EQ(pd_kvt_tiers_offload_bf16(t, h, parent, k, v, count_release, &released), PD_OK);
+    PD_CHECK(pd_kvt_tiers_flush(t, 10000));
+    PD_CHECK_EQ(released, 1);
+    PD_CHECK_EQ(pd_kvt_tiers_offload_bf16(t, h, parent, k, v, count_release, &released), PD_OK);  // 2nd sighting: disk too
+    PD_CHECK(pd_kvt_tiers_flush(t, 10000));
+    PD_CHECK_EQ(released, 2);
+    pd_kvt_tiers_stats st;
+    pd_kvt_tiers_stats_get(t, &st);
+    PD_CHECK_EQ(st.tier[0].store.n_items, 1);
+    PD_CHECK_EQ(st.tier[1].store.n_items, 1);
+    PD_CHECK_EQ(st.tier[0].store.bytes_used, pd_kvt_page_bytes(&G, PD_KVT_BF16));
+    PD_CHECK(st.tier[1].store.bytes_used >= pd_kvt_page_bytes(&G, PD_KVT_F32));  // (disk: 4 KiB aligned)
+    // Loaded back from DRAM: exactly the bf16 values.
+    blockdata o;
+    memset(&o, 0, sizeof o);
+    float *ok[2] = {o.k[0], o.k[1]}, *ov[2] = {o.v[0], o.v[1]};
+    float *const *dk[1] = {ok}, *const *dv[1] = {ov};
+    load_result r = {0};
+    PD_CHECK_EQ(pd_kvt_tiers_load(t, 1, &h, 1, dk, dv, on_loaded, &r), PD_OK);
+    PD_CHECK(pd_kvt_tiers_flush(t, 10000));
+    PD_CHECK_EQ(r.calls, 1);
+    PD_CHECK_EQ(r.n_loaded, 1);
+    PD_CHECK(memcmp(&o, &f, sizeof f) == 0);
+    // And from disk (its f32 page, made from the same values) once DRAM has lost it.
+    size_t got = 0;
+    uint8_t *page = malloc(pd_kvt_page_bytes(&G, PD_KVT_F32));
+    PD_CHECK_EQ(pd_kvt_store_get(tp.stores[1], h, page, pd_kvt_page_bytes(&G, PD_KVT_F32), &got), PD_OK);
+    memset(&o, 0, sizeof o);
+    PD_CHECK_EQ(pd_kvt_page_decode(page, got, 77, &G, h, ok, ov), PD_KVT_PAGE_OK);
+    PD_CHECK(memcmp(&o, &f, sizeof f) == 0);
+    free(page);
+    PD_CHECK_EQ(pd_kvt_tiers_offload_bf16(t, h, parent, NULL, v, count_release, &released), PD_ERR_INVALID);
+    pd_kvt_tiers_free(t);
+    PD_CHECK_EQ(released, 2);
+    rm_dir(dir);
+}
+
+// Several tier workers: 40 blocks offloaded at once, every one stored once and loaded back exact,
+// loads and offloads interleaved (TSan runs this too).
+PD_TEST(tiers_several_workers_offload_and_load) {
+    pd_err err = {0};
+    pd_kvt_store_params dp = sparams(pd_kvt_page_bytes(&G, PD_KVT_BF16) * 64, 77, NULL);
+    pd_kvt_tiers_params tp = {.geom = G, .fingerprint = 77, .dtype = PD_KVT_F32, .dram_dtype = PD_KVT_BF16,
+                              .n_stores = 1, .n_threads = 3};
+    tp.stores[0] = pd_kvt_dram_new(&dp, &err);
+    PD_REQUIRE(tp.stores[0]);
+    pd_kvt_tiers *t = pd_kvt_tiers_new(&tp, &err);
+    PD_REQUIRE(t);
+    enum { N = 40 };
+    static blockdata f[N];
+    static uint16_t bk[N][2][BLK], bv[N][2][BLK];
+    const uint16_t *k[N][2], *v[N][2];
+    pd_hash128 hs[N];
+    int released = 0;
+    for (int i = 0; i < N; i++) {
+        blockdata b;
+        fill(&b, 1.5f);
+        to_bf16_block(&b, bk[i], bv[i], &f[i]);
+        k[i][0] = bk[i][0], k[i][1] = bk[i][1], v[i][0] = bv[i][0], v[i][1] = bv[i][1];
+        hs[i] = (pd_hash128){(uint64_t)i + 1, 1234};
+    }
+    // (released is bumped from several workers: count under a lock-free add)
+    for (int i = 0; i < N; i++)
+        PD_CHECK_EQ(pd_kvt_tiers_offload_bf16(t, hs[i], pd_hash_root(0), k[i], v[i], count_release_atomic, &released), PD_OK);
+    PD_CHECK(pd_kvt_tiers_flush(t, 20000));
+    PD_CHECK_EQ(__atomic_load_n(&released, __ATOMIC_SEQ_CST), N);
+    pd_kvt_tiers_stats st;
+    pd_kvt_tiers_stats_get(t, &st);
+    PD_CHECK_EQ(st.offloads_done, N);
+    PD_CHECK_EQ(st.tier[0].store.n_items, N);
+    static blockdata o[N];
+    float *ok[N][2], *ov[N][2];
+    float *const *dk[N], *const *dv[N];
+    for (int i = 0; i < N; i++) {
+        ok[i][0] = o[i].k[0], ok[i][1] = o[i].k[1], ov[i][0] = o[i].v[0], ov[i][1] = o[i].v[1];
+        dk[i] = ok[i], dv[i] = ov[i];
+    }
+    load_result r[4] = {{0}};
+    for (int q = 0; q < 4; q++)  // four loads of 10 blocks each, possibly on different workers
+        PD_CHECK_EQ(pd_kvt_tiers_load(t, (uint64_t)q, hs + 10 * q, 10, dk + 10 * q, dv + 10 * q, on_loaded, &r[q]), PD_OK);
+    PD_CHECK(pd_kvt_tiers_flush(t, 20000));
+    for (int q = 0; q < 4; q++) {
+        PD_CHECK_EQ(r[q].calls, 1);
+        PD_CHECK_EQ(r[q].n_loaded, 10);
+    }
+    for (int i = 0; i < N; i++) PD_CHECK(memcmp(&o[i], &f[i], sizeof f[i]) == 0);
+    pd_kvt_tiers_free(t);
+}

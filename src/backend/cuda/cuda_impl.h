@@ -86,6 +86,8 @@ void pd_cuda_xfer_mark(pd_backend *b);
 void pd_cuda_kv_copy_xfer(pd_backend *b, const pd_kv_copy_params *p);
 void pd_cuda_kv_checksum_xfer(pd_backend *b, const pd_kv_checksum_params *p);
 void pd_cuda_xfer_sync(pd_backend *b);
+uint64_t pd_cuda_xfer_fence(pd_backend *b);
+bool pd_cuda_xfer_fence_done(pd_backend *b, uint64_t fence);
 void pd_cuda_xfer_fini(pd_cuda_backend *cb);
 cudaStream_t pd_cuda_xfer_stream(pd_cuda_backend *cb);  // made on first use
 

@@ -9,6 +9,7 @@
 //     before the stream has consumed it. Growing drains the stream first.
 //   * Checksums are computed into the device buffer and copied back into the pinned one; the
 //     caller's sums are filled from there at xfer_sync (the pending list).
+#include <stdatomic.h>
 #include <string.h>
 #include "backend/cuda/cuda_impl.h"
 #include "kernels/kv_xfer.cuh"
@@ -22,6 +23,9 @@ typedef struct xfer_pending {
 struct pd_cuda_xfer {
     cudaStream_t stream;
     cudaEvent_t ev[2];
+    cudaEvent_t fence_ev;              // pd_cuda_xfer_fence: the compute stream waits on it
+    uint64_t n_fences;                 // issued (host thread)
+    _Atomic uint64_t n_fences_done;    // bumped by a host function on the transfer stream, in order
     uint64_t n_marks;
     char *host, *dev;  // pinned staging and its device mirror, cap bytes each
     size_t cap, used;
@@ -44,6 +48,7 @@ static pd_cuda_xfer *xfer_of(pd_cuda_backend *cb) {
     PD_ASSERT(x);
     PD_CUDA_CHECK(cudaStreamCreateWithFlags(&x->stream, cudaStreamNonBlocking));
     for (int i = 0; i < 2; i++) PD_CUDA_CHECK(cudaEventCreateWithFlags(&x->ev[i], cudaEventDisableTiming));
+    PD_CUDA_CHECK(cudaEventCreateWithFlags(&x->fence_ev, cudaEventDisableTiming));
     cb->xfer = x;
     return x;
 }
@@ -139,6 +144,25 @@ void pd_cuda_xfer_sync(pd_backend *b) {
     if (cb->xfer) xfer_drain(cb->xfer);
 }
 
+static void CUDART_CB fence_reached(void *ud) {
+    pd_cuda_xfer *x = ud;
+    atomic_fetch_add(&x->n_fences_done, 1);  // the stream runs host functions in order
+}
+
+uint64_t pd_cuda_xfer_fence(pd_backend *b) {
+    pd_cuda_backend *cb = pd_cuda_backend_of(b);
+    pd_cuda_xfer *x = xfer_of(cb);
+    PD_CUDA_CHECK(cudaEventRecord(x->fence_ev, x->stream));
+    PD_CUDA_CHECK(cudaStreamWaitEvent(cb->stream, x->fence_ev, 0));  // later compute runs after the copies
+    PD_CUDA_CHECK(cudaLaunchHostFunc(x->stream, fence_reached, x));
+    return ++x->n_fences;
+}
+
+bool pd_cuda_xfer_fence_done(pd_backend *b, uint64_t fence) {
+    pd_cuda_xfer *x = pd_cuda_backend_of(b)->xfer;
+    return !x || atomic_load(&x->n_fences_done) >= fence;
+}
+
 cudaStream_t pd_cuda_xfer_stream(pd_cuda_backend *cb) { return xfer_of(cb)->stream; }
 
 void pd_cuda_xfer_fini(pd_cuda_backend *cb) {
@@ -146,6 +170,7 @@ void pd_cuda_xfer_fini(pd_cuda_backend *cb) {
     if (!x) return;
     cudaStreamSynchronize(x->stream);
     for (int i = 0; i < 2; i++) cudaEventDestroy(x->ev[i]);
+    cudaEventDestroy(x->fence_ev);
     cudaStreamDestroy(x->stream);
     if (x->host) cudaFreeHost(x->host);
     if (x->dev) cudaFree(x->dev);
