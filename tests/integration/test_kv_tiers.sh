@@ -189,7 +189,7 @@ URL_A=$URL
 pd_start wb $POOL --kv-remote "redis://127.0.0.1:$RPORT"
 URL_B=$URL
 run "$URL_A" "$TMP/shared.json" "$TMP/wa.json" "worker A"
-pd_wait_for 20 sh -c "[ \$(curl -sf '$URL_A/metrics' | awk '/^pdserve_kv_tier_puts_total/ {s+=\$2} END {print s+0}') -ge 10 ]" ||
+pd_wait_for 60 sh -c "[ \$(curl -sf '$URL_A/metrics' | awk '/^pdserve_kv_tier_puts_total/ {s+=\$2} END {print s+0}') -ge 10 ]" ||
   pd_fail "worker A never wrote its prefix to Redis"
 run "$URL_B" "$TMP/shared_more.json" "$TMP/wb.json" "worker B"
 same "$TMP/ref_more.json" "$TMP/wb.json" "worker B with worker A's prefix"
