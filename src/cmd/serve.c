@@ -24,6 +24,7 @@
 #include "http/client.h"
 #include "spec/spec.h"
 #include "wire/control.h"
+#include "control/control.h"
 #include "xfer/auth.h"
 
 typedef struct serve_opts {
@@ -40,6 +41,8 @@ typedef struct serve_opts {
     const char *trace_dir;        // --trace-dir: Chrome trace files of request spans (metrics/trace.h)
     bool spec_method_set;         // --speculative-method was given
     int shutdown_timeout_s;       // --shutdown-timeout
+    const char *control_url;      // --control nats://HOST:PORT: presence + KV events over NATS
+    int control_heartbeat_ms;     // --control-heartbeat-ms (default 200)
 } serve_opts;
 
 // "123", "64k", "512M", "2G" (binary multiples; an optional trailing "B"/"iB"). false on error.
@@ -101,6 +104,9 @@ static void serve_usage(bool is_run) {
            "  --kv-transport tcp|shm|cuda-ipc|nccl|ucx  decode role (default shm on cpu, cuda-ipc on cuda)\n"
            "  --disagg-min-tokens N         prefill locally below N uncached prompt tokens (default 64)\n"
            "  --disagg-timeout-ms N         fall back to local prefill after N ms (default 30000)\n"
+           "  --disagg-link-aware on|off    decide local vs remote prefill with the link model (default on):\n"
+           "                                predicted local prefill (step-time model) against queue + remote\n"
+           "                                prefill + transfer over each prefill link (measured)\n"
            "  --auth-token-file F           shared secret (mode 0600) every KV connection proves (HMAC);\n"
            "                                required for --role prefill and --role decode\n"
            "  --debug-corrupt-kv N          test hook: corrupt every Nth KV transfer (prefill role)\n"
@@ -115,7 +121,12 @@ static void serve_usage(bool is_run) {
            "router registration:\n"
            "  --router URL                  register with the router at URL (re-sent every 10 s; deregistered at exit)\n"
            "  --router-token-file F         bearer token for the router's /internal/register\n"
-           "  --advertise-url URL           the URL the router should use (default http://HOST:PORT)\n");
+           "  --advertise-url URL           the URL the router should use (default http://HOST:PORT)\n"
+           "cluster mode:\n"
+           "  --control nats://HOST:PORT    publish presence (role, capacity, load, KV events, link model) on NATS\n"
+           "                                every heartbeat instead of being polled; the connection presents the\n"
+           "                                --auth-token-file token (required)\n"
+           "  --control-heartbeat-ms N      presence period (default 200)\n");
 }
 
 // Parses argv into o. Returns -1 on success, else the exit code (0 for --help).
@@ -123,7 +134,8 @@ static int parse_flags(int argc, char **argv, serve_opts *o) {
     enum { O_MODEL = 1, O_HOST, O_PORT, O_DEV, O_BS, O_NB, O_KVMEM, O_SEQS, O_TOKS, O_NOPC, O_NOCP, O_POL, O_MML,
            O_NAME, O_LF, O_WAIT, O_BODY, O_EXIT, O_ROLE, O_KVHOST, O_KVPORT, O_PREFILL, O_KVTR, O_DMIN, O_DTO,
            O_CORRUPT, O_ROUTER, O_RTOKEN, O_ADV, O_SPEC_MODEL, O_SPEC_K, O_SPEC_METHOD, O_SPEC_FIXED, O_LA_W, O_LA_N,
-           O_NGRAM_MAX, O_THREADS, O_SDT, O_MAXCONN, O_KATO, O_HDRTO, O_TRACE, O_AUTH, O_KVPAUSE, O_KVDT, O_HELP };
+           O_NGRAM_MAX, O_THREADS, O_SDT, O_MAXCONN, O_KATO, O_HDRTO, O_TRACE, O_AUTH, O_KVPAUSE, O_KVDT, O_CTL, O_CTLHB,
+           O_LINK, O_HELP };
     static const struct option opts[] = {
         {"model", required_argument, 0, O_MODEL}, {"host", required_argument, 0, O_HOST},
         {"port", required_argument, 0, O_PORT}, {"device", required_argument, 0, O_DEV},
@@ -148,7 +160,8 @@ static int parse_flags(int argc, char **argv, serve_opts *o) {
         {"ngram-max", required_argument, 0, O_NGRAM_MAX},
         {"threads", required_argument, 0, O_THREADS}, {"shutdown-timeout", required_argument, 0, O_SDT},
         {"auth-token-file", required_argument, 0, O_AUTH}, {"debug-kv-pause", required_argument, 0, O_KVPAUSE},
-        {"kv-cache-dtype", required_argument, 0, O_KVDT},
+        {"kv-cache-dtype", required_argument, 0, O_KVDT}, {"control", required_argument, 0, O_CTL},
+        {"control-heartbeat-ms", required_argument, 0, O_CTLHB}, {"disagg-link-aware", required_argument, 0, O_LINK},
         {"help", no_argument, 0, O_HELP}, {0, 0, 0, 0}};
     const char *cmd = o->is_run ? "run" : "serve";
     long v;
@@ -240,6 +253,19 @@ static int parse_flags(int argc, char **argv, serve_opts *o) {
         case O_RTOKEN: o->router_token_file = optarg; break;
         case O_ADV: o->advertise_url = optarg; break;
         case O_AUTH: o->auth_token_file = optarg; break;
+        case O_CTL:
+            if (strncmp(optarg, "nats://", 7)) return pd_cmd_usage_error(cmd, "--control must be nats://HOST:PORT");
+            o->control_url = optarg;
+            break;
+        case O_CTLHB:
+            if (!pd_cmd_parse_int(optarg, &v) || v < 10 || v > 60000)
+                return pd_cmd_usage_error(cmd, "--control-heartbeat-ms must be 10..60000");
+            o->control_heartbeat_ms = (int)v;
+            break;
+        case O_LINK:
+            if (strcmp(optarg, "on") && strcmp(optarg, "off")) return pd_cmd_usage_error(cmd, "--disagg-link-aware must be on or off");
+            o->ep.disagg_link_aware = !strcmp(optarg, "on");
+            break;
         case O_KVPAUSE:
             if (strcmp(optarg, "hello_ack") && strcmp(optarg, "mid_slab") && strcmp(optarg, "before_done"))
                 return pd_cmd_usage_error(cmd, "--debug-kv-pause must be hello_ack, mid_slab or before_done");
@@ -317,6 +343,7 @@ typedef struct serve_ctx {
     struct evhttp_connection *client;  // `run`: the sample request's connection
     pd_engine *engine;
     struct reg_ctx *reg;               // router registration, or NULL
+    struct ctl_ctx *ctl;               // NATS presence (cluster mode), or NULL
 } serve_ctx;
 
 static void print_sample_answer(serve_ctx *s, struct evhttp_request *req) {
@@ -509,12 +536,127 @@ static void reg_stop(reg_ctx *g) {
     memset(g, 0, sizeof *g);
 }
 
+// ---- cluster mode: presence over NATS (control/control.h) -------------------------------------------
+// Every heartbeat: PUBLISH pdserve.presence.<role>.<instance> = our STATE (load, the KV events since
+// the previous presence, the link model) + "url", "since", "heartbeat_ms". Requests on
+// pdserve.resync.<instance> ("since=N") are answered with the STATE since N (a router that missed a
+// presence). Draining: one presence with "leaving": true.
+typedef struct ctl_ctx {
+    serve_ctx *s;
+    pd_ctl *ctl;
+    struct event *timer, *ev_inbox;
+    char url[PD_WIRE_URL_MAX];
+    char subj[96], resync_subj[96];
+    uint64_t seq_next;          // the next event to publish
+    bool has_left;
+} ctl_ctx;
+
+static void advertised_url(serve_ctx *s, char *out, size_t n) {
+    serve_opts *o = s->o;
+    if (o->advertise_url) {
+        snprintf(out, n, "%s", o->advertise_url);
+    } else {
+        const char *h = o->ap.host && strcmp(o->ap.host, "0.0.0.0") ? o->ap.host : "127.0.0.1";
+        snprintf(out, n, "http://%s:%d", h, pd_api_port(s->api));
+    }
+}
+
+static void ctl_publish(ctl_ctx *g, bool leaving) {
+    uint64_t since = g->seq_next;
+    json_t *o = pd_api_state_json(g->s->api, since, 4096);
+    if (!o) return;
+    json_object_set_new(o, "url", json_string(g->url));
+    json_object_set_new(o, "since", json_integer((json_int_t)since));
+    json_object_set_new(o, "heartbeat_ms", json_integer(g->s->o->control_heartbeat_ms));
+    if (leaving) json_object_set_new(o, "leaving", json_true());
+    json_t *sn = json_object_get(json_object_get(o, "events"), "seq_next");
+    char *txt = json_dumps(o, JSON_COMPACT);
+    json_decref(o);
+    if (txt && pd_ctl_publish(g->ctl, g->subj, NULL, txt, (int)strlen(txt)) == PD_OK && json_is_integer(sn))
+        g->seq_next = (uint64_t)json_integer_value(sn);
+    free(txt);
+}
+
+static void on_ctl_timer(evutil_socket_t fd, short what, void *arg) {
+    PD_UNUSED(fd);
+    PD_UNUSED(what);
+    ctl_ctx *g = arg;
+    if (!g->has_left) ctl_publish(g, false);
+}
+
+static void on_ctl_inbox(evutil_socket_t fd, short what, void *arg) {
+    PD_UNUSED(fd);
+    PD_UNUSED(what);
+    ctl_ctx *g = arg;
+    pd_ctl_msg *list = pd_ctl_inbox_take(g->ctl);
+    for (pd_ctl_msg *m = list; m; m = m->next) {
+        if (strcmp(m->subject, g->resync_subj) || !m->reply) continue;  // ($pd.conn: libnats reconnects)
+        char *end = NULL;
+        unsigned long long since = strncmp(m->data, "since=", 6) ? 0 : strtoull(m->data + 6, &end, 10);
+        if (!end || *end) continue;  // malformed: no answer
+        json_t *o = pd_api_state_json(g->s->api, since, 1 << 16);
+        char *txt = o ? json_dumps(o, JSON_COMPACT) : NULL;
+        json_decref(o);
+        if (txt) pd_ctl_publish(g->ctl, m->reply, NULL, txt, (int)strlen(txt));
+        free(txt);
+    }
+    pd_ctl_msg_free(list);
+}
+
+// false (with a message) when NATS cannot be reached or refuses us: the worker does not start.
+static bool ctl_start(ctl_ctx *g, serve_ctx *s, const char *token) {
+    memset(g, 0, sizeof *g);
+    g->s = s;
+    serve_opts *o = s->o;
+    if (!token) {
+        fprintf(stderr, "pdserve: --control needs --auth-token-file (the NATS connection authenticates)\n");
+        return false;
+    }
+    if (o->control_heartbeat_ms <= 0) o->control_heartbeat_ms = 200;
+    advertised_url(s, g->url, sizeof g->url);
+    json_t *st = pd_api_state_json(s->api, 0, 0);
+    const char *inst = st ? json_string_value(json_object_get(st, "instance")) : NULL;
+    const char *role = st ? json_string_value(json_object_get(st, "role")) : NULL;
+    snprintf(g->subj, sizeof g->subj, "%s.%s.%s", PD_CTL_SUBJ_PRESENCE, role ? role : "both", inst ? inst : "0");
+    snprintf(g->resync_subj, sizeof g->resync_subj, "%s.%s", PD_CTL_SUBJ_RESYNC, inst ? inst : "0");
+    json_decref(st);
+    char name[PD_WIRE_URL_MAX + 32];
+    snprintf(name, sizeof name, "pdserve-%s-%s", pd_engine_role_name(o->ep.role), g->url);
+    pd_ctl_params cp = {.url = o->control_url, .token = token, .name = name};
+    pd_err err = {0};
+    if (!(g->ctl = pd_ctl_connect(&cp, &err)) || pd_ctl_subscribe(g->ctl, g->resync_subj, &err)) {
+        fprintf(stderr, "pdserve: control plane: %s\n", err.msg);
+        return false;
+    }
+    g->timer = event_new(s->base, -1, EV_PERSIST, on_ctl_timer, g);
+    g->ev_inbox = event_new(s->base, pd_ctl_inbox_fd(g->ctl), EV_READ | EV_PERSIST, on_ctl_inbox, g);
+    struct timeval tv = {o->control_heartbeat_ms / 1000, (o->control_heartbeat_ms % 1000) * 1000};
+    if (!g->timer || !g->ev_inbox || event_add(g->timer, &tv) || event_add(g->ev_inbox, NULL)) return false;
+    ctl_publish(g, false);
+    fprintf(stderr, "pdserve: control plane: presence on %s every %d ms\n", g->subj, o->control_heartbeat_ms);
+    return true;
+}
+
+static void ctl_leave(ctl_ctx *g) {
+    if (!g->ctl || g->has_left) return;
+    ctl_publish(g, true);
+    g->has_left = true;
+}
+
+static void ctl_stop(ctl_ctx *g) {
+    if (g->timer) event_free(g->timer);
+    if (g->ev_inbox) event_free(g->ev_inbox);
+    pd_ctl_free(g->ctl);
+    memset(g, 0, sizeof *g);
+}
+
 // ---- graceful shutdown (shutdown.c drives these) -------------------------------------------------
 
 static void sd_drain(void *ud) {
     serve_ctx *s = ud;
     pd_api_drain(s->api, 1);
     if (s->reg) reg_leave(s->reg);
+    if (s->ctl) ctl_leave(s->ctl);
 }
 
 static bool sd_is_drained(void *ud) {
@@ -545,20 +687,22 @@ static int serve_main(serve_opts *o) {
     o->ep.kv_secret = secret;
     fprintf(stderr, "pdserve: loading %s\n", o->ep.model_dir);
     pd_engine *e = pd_engine_new(&o->ep, &err);
-    o->ep.kv_secret = NULL;
-    pd_free(secret);  // the connector keeps its own copy
+    o->ep.kv_secret = NULL;  // the connector keeps its own copy; ours is the NATS token (--control)
     if (!e) {
         fprintf(stderr, "pdserve: %s\n", err.msg);
+        pd_free(secret);
         return 1;
     }
     if (pd_engine_start(e)) {
         fprintf(stderr, "pdserve: cannot start the engine thread\n");
         pd_engine_free(e);
+        pd_free(secret);
         return 1;
     }
     int rc = 1;
     serve_ctx s = {.o = o, .engine = e};
     reg_ctx reg = {0};
+    ctl_ctx ctl = {0};
     pd_cmd_shutdown sd = {0};
     s.base = event_base_new();
     if (!s.base) goto done;
@@ -587,10 +731,16 @@ static int serve_main(serve_opts *o) {
         if (!reg_start(&reg, &s)) goto done;
         s.reg = &reg;
     }
+    if (o->control_url) {
+        if (!ctl_start(&ctl, &s, secret)) goto done;
+        s.ctl = &ctl;
+    }
     event_base_dispatch(s.base);
     rc = 0;
 done:
     if (o->router_url) reg_stop(&reg);
+    ctl_stop(&ctl);
+    pd_free(secret);
     if (s.client) evhttp_connection_free(s.client);
     pd_cmd_shutdown_fini(&sd);
     pd_api_free(s.api);

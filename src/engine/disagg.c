@@ -119,7 +119,26 @@ void pd_disagg_req_fini(ereq *q) {
     q->prompt = q->load_blocks = q->dst_blocks = NULL;
 }
 
-bool pd_disagg_want_remote(pd_engine *e, const int32_t *prompt, int n_prompt) {
+// The link-aware model (wire/link.h) as this decode worker sees it now. Any thread.
+void pd_engine_disagg_model(pd_engine *e, pd_disagg_model *m) {
+    memset(m, 0, sizeof *m);
+    m->local_a_us = m->local_b_us = -1;
+    pthread_mutex_lock(&e->q.mu);
+    double a, b;
+    if (pd_link_fit_get(&e->step_fit, &a, &b)) m->local_a_us = a, m->local_b_us = b;
+    int64_t running = e->n_running_now;
+    pthread_mutex_unlock(&e->q.mu);
+    m->chunk_tokens = e->params.enable_chunked_prefill ? e->params.max_num_batched_tokens : 0;
+    m->local_queue_tokens = running;  // each local step also carries the running decode rows
+    m->min_tokens = e->params.disagg_min_tokens;
+    if (e->kc && e->params.role == PD_ROLE_DECODE) {
+        m->bytes_per_token = pd_kvconn_bytes_per_token(e->kc);
+        m->n_links = pd_kvconn_links(e->kc, m->links, PD_LINK_MAX);
+    }
+}
+
+bool pd_disagg_want_remote(pd_engine *e, const int32_t *prompt, int n_prompt, int *worker) {
+    *worker = -1;
     if (!e->kc || e->params.role != PD_ROLE_DECODE) return false;
     pd_kv_seq tmp;
     pd_kv_seq_init(&tmp, 0);
@@ -127,7 +146,8 @@ bool pd_disagg_want_remote(pd_engine *e, const int32_t *prompt, int n_prompt) {
     pd_kv_seq_fini(&tmp);
     pd_kvconn_match m;
     pd_kvconn_match_tokens(e->kc, n_prompt, hit < 0 ? 0 : hit, &m);
-    if (n_prompt - (hit < 0 ? 0 : hit) < e->params.disagg_min_tokens) {
+    int n_uncached = n_prompt - (hit < 0 ? 0 : hit);
+    if (n_uncached < e->params.disagg_min_tokens) {
         e->n_local_short++;
         return false;
     }
@@ -135,7 +155,25 @@ bool pd_disagg_want_remote(pd_engine *e, const int32_t *prompt, int n_prompt) {
         e->n_fallbacks[PD_FALLBACK_UNAVAILABLE]++;
         return false;
     }
-    return true;
+    // Link-aware: predicted local prefill (the step-time model) against the best link's queue +
+    // remote prefill + transfer. Until both sides are measured the length threshold alone decides.
+    if (!e->params.disagg_link_aware) return true;
+    pd_disagg_model dm;
+    pd_engine_disagg_model(e, &dm);
+    double remote_us = -1, local_us = pd_disagg_local_us(&dm, m.n_tokens);
+    int best = pd_disagg_best_link(&dm, m.n_tokens, &remote_us);
+    if (local_us < 0 || best < 0) return true;
+    if (remote_us < local_us) {
+        *worker = best;
+        e->n_decide_remote++;
+        PD_LOG_D("engine: %d tokens: remote over %s (%.0f us) beats local (%.0f us)", m.n_tokens, dm.links[best].peer,
+                 remote_us, local_us);
+        return true;
+    }
+    e->n_decide_local++;
+    PD_LOG_D("engine: %d tokens: local (%.0f us) beats remote over %s (%.0f us)", m.n_tokens, local_us,
+             dm.links[best].peer, remote_us);
+    return false;
 }
 
 // ---- decode side -------------------------------------------------------------------------------
@@ -180,6 +218,7 @@ void pd_disagg_start_loads(pd_engine *e, const pd_step_plan *plan) {
                                          .repetition_penalty = sp->repetition_penalty, .top_k = sp->top_k,
                                          .n_logprobs = sp->n_logprobs, .seed = sp->seed, .has_seed = sp->has_seed}};
         l.traceparent = q->traceparent;
+        l.worker = q->kv_worker;
         if (pd_kvconn_start_load(e->kc, &l) != PD_OK) fallback(e, q, PD_FALLBACK_UNAVAILABLE, NULL);
     }
 }

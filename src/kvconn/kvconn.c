@@ -166,13 +166,23 @@ void pd_kvconn_match_tokens(pd_kvconn *c, int n_prompt, int n_local_hit, pd_kvco
     out->cost_us = (double)ns_per_tok / 1000.0 * out->n_tokens;
 }
 
+int pd_kvconn_links(pd_kvconn *c, pd_link_stats *out, int max) {
+    return c->xc ? pd_xfer_client_links(c->xc, out, max) : 0;
+}
+
+double pd_kvconn_bytes_per_token(const pd_kvconn *c) {
+    return 2.0 * c->p.cache.n_layers * (double)c->p.cache.row_bytes;
+}
+
 // ---- decode role -------------------------------------------------------------------------------
 pd_status pd_kvconn_start_load(pd_kvconn *c, const pd_kvconn_load *l) {
     if (!c->xc) return PD_NOSPACE;
     pd_kvw_prefill_req r = {.req_id = l->req_id, .start_pos = l->start_pos, .n_tokens = l->n_tokens, .tokens = l->tokens,
                             .n_dst_blocks = l->n_dst_blocks, .dst_blocks = l->dst_blocks, .sampling = l->sampling};
     if (l->traceparent) snprintf(r.traceparent, sizeof r.traceparent, "%s", l->traceparent);
-    return pd_xfer_client_prefill(c->xc, &r);
+    pd_status st = pd_xfer_client_prefill_on(c->xc, l->worker, &r);
+    if (st == PD_NOSPACE && l->worker >= 0) st = pd_xfer_client_prefill_on(c->xc, -1, &r);  // the chosen one filled up
+    return st;
 }
 
 bool pd_kvconn_load_verify(pd_kvconn *c, const pd_kvconn_event *ev, const int32_t *dst_blocks, int n_dst_blocks,

@@ -32,6 +32,7 @@
 #include "backend/backend.h"
 #include "base/base.h"
 #include "wire/kv.h"
+#include "wire/link.h"
 
 #ifdef __cplusplus
 extern "C" {
@@ -116,6 +117,12 @@ typedef struct pd_kvconn_match {
 } pd_kvconn_match;
 // n_local_hit: prompt tokens already cached locally. Never blocks.
 void pd_kvconn_match_tokens(pd_kvconn *c, int n_prompt, int n_local_hit, pd_kvconn_match *out);
+// Link-aware disaggregation (wire/link.h): each prefill worker's link as measured (probe at
+// connect, heartbeats, real transfers) and its compute model, in worker order (decode role; 0
+// otherwise). Never blocks for long (per-worker mutexes).
+int pd_kvconn_links(pd_kvconn *c, pd_link_stats *out, int max);
+// KV bytes one prompt token moves.
+double pd_kvconn_bytes_per_token(const pd_kvconn *c);
 
 // ---- worker side, decode role ------------------------------------------------------------------
 typedef struct pd_kvconn_load {
@@ -127,6 +134,7 @@ typedef struct pd_kvconn_load {
     int n_dst_blocks;
     pd_kvw_sampling sampling;   // the first token is drawn remotely with the same sampler state
     const char *traceparent;    // NULL / "" or the request's W3C traceparent (the prefill worker's spans)
+    int worker;                 // the prefill worker to use (the link model's choice); -1: least loaded
 } pd_kvconn_load;
 // PD_OK: exactly one LOAD_DONE event follows. PD_NOSPACE: no worker now (prefill locally).
 // PD_ERR_INVALID: a block id outside our pool. Queues only.

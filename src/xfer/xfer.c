@@ -2,6 +2,7 @@
 // reader and one writer thread per connection: the handoff carries few, large messages per
 // request, so an event loop would buy nothing here.
 #include "xfer/xfer.h"
+#include "wire/link.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -349,6 +350,7 @@ typedef struct inflight {
     int32_t *dst_blocks;     // owned (tcp: where slabs land)
     int32_t n_dst_blocks;
     int32_t n_landed;        // tcp: slabs landed
+    int64_t t_sent_us;       // queued (the link model's transfer samples)
 } inflight;
 
 typedef struct worker {
@@ -367,6 +369,11 @@ typedef struct worker {
     pd_comm *comm;       // this connection's communicator (rank 0)
     pd_buffer *staging;  // receive slab, grown as needed
     uint8_t *discard;    // scratch for slab bytes that are not ours to land
+    // the link model (under mu): probe at connect, pings, real transfers (wire/link.h)
+    double rtt_us;           // EMA of ping round trips; -1 unknown
+    pd_link_fit xfer_fit;    // transfer µs over bytes: a = latency, b = 1 / bandwidth
+    pd_link_fit compute_fit; // the worker's compute µs over prompt tokens
+    int64_t n_probes, n_transfers;
 } worker;
 
 struct pd_xfer_client {
@@ -531,7 +538,16 @@ static const char *land_nccl(worker *w, const pd_kvw_kv_nccl *s) {
 static const char *handle_client_msg(worker *w, int fd, const pd_kvw_msg *m, int64_t *last_pong) {
     inflight f;
     switch (m->type) {
-    case PD_KVW_PONG: *last_pong = pd_time_us(); break;
+    case PD_KVW_PONG: {
+        int64_t now = pd_time_us(), rtt = now - (int64_t)m->u.ping.nonce;
+        *last_pong = now;
+        if (rtt >= 0 && rtt < 10000000) {
+            pthread_mutex_lock(&w->mu);
+            w->rtt_us = w->rtt_us < 0 ? (double)rtt : 0.8 * w->rtt_us + 0.2 * (double)rtt;
+            pthread_mutex_unlock(&w->mu);
+        }
+        break;
+    }
     case PD_KVW_KV_SLAB:
         if (w->c->p.transport != PD_KVW_TRANSPORT_TCP) return "KV_SLAB on a connection that is not tcp";
         return land_slab(w, fd, &m->u.kv_slab);
@@ -540,6 +556,16 @@ static const char *handle_client_msg(worker *w, int fd, const pd_kvw_msg *m, int
         uint64_t id = m->type == PD_KVW_PREFILL_DONE ? m->u.done.req_id : m->u.fail.req_id;
         pthread_mutex_lock(&w->mu);
         bool had = take_inflight(w, id, &f);
+        if (had && m->type == PD_KVW_PREFILL_DONE && !f.timed_out && f.n_tokens > f.start_pos) {
+            // The link model's real samples: the worker's own compute time per prompt, and what
+            // is left of request → DONE after its queue and compute: the transfer (and latency).
+            const pd_kvw_prefill_done *d = &m->u.done;
+            double total = (double)(pd_time_us() - f.t_sent_us), xfer_us = total - (double)d->queue_us - (double)d->compute_us;
+            double bytes = 2.0 * w->c->p.pool.n_layers * (double)w->c->p.pool.row_bytes * (f.n_tokens - f.start_pos);
+            if (d->compute_us > 0) pd_link_fit_add(&w->compute_fit, (double)(f.n_tokens - f.start_pos), (double)d->compute_us, 0.2);
+            if (xfer_us >= 0 && bytes > 0) pd_link_fit_add(&w->xfer_fit, bytes, xfer_us, 0.2);
+            w->n_transfers++;
+        }
         pthread_mutex_unlock(&w->mu);
         if (!had) break;  // a late duplicate
         pd_free(f.dst_blocks);
@@ -555,6 +581,40 @@ static const char *handle_client_msg(worker *w, int fd, const pd_kvw_msg *m, int
     default: return "unexpected message";
     }
     return NULL;
+}
+
+// The link probe at connect (after authentication): PROBE_SIZES answers of growing size, each
+// timed from our request to its last byte. They seed the link model's transfer fit (latency and
+// bandwidth); real transfers refine it. Best effort: a failed probe only leaves the model unknown.
+#define N_PROBES 3
+static const uint32_t PROBE_SIZES[N_PROBES] = {4096, 256 << 10, 1 << 20};
+
+static bool link_probe(worker *w, int fd, uint8_t **buf, size_t *cap) {
+    double us[N_PROBES];
+    for (int i = 0; i < N_PROBES; i++) {
+        pd_kvw_msg q = {.type = PD_KVW_PROBE}, m;
+        int64_t t0 = pd_time_us();
+        q.u.probe.nonce = (uint64_t)t0;
+        q.u.probe.bytes = PROBE_SIZES[i];
+        pd_err err = {0};
+        if (send_now(fd, &q, -1)) return false;
+        if (recv_frame(fd, buf, cap, &m, 1u << PD_KVW_PROBE_DATA, pd_kvw_max_body(PD_KVW_PROBE_DATA),
+                       pd_time_us() + 5000000, NULL, &err) ||
+            m.u.probe.nonce != q.u.probe.nonce || m.u.probe.bytes != q.u.probe.bytes) {
+            PD_LOG_W("xfer: link probe to %s failed: %s", w->addr, err.msg[0] ? err.msg : "wrong answer");
+            return false;
+        }
+        us[i] = (double)(pd_time_us() - t0);
+    }
+    pthread_mutex_lock(&w->mu);
+    w->rtt_us = w->rtt_us < 0 ? us[0] : 0.5 * w->rtt_us + 0.5 * us[0];
+    for (int i = 0; i < N_PROBES; i++) pd_link_fit_add(&w->xfer_fit, (double)PROBE_SIZES[i], us[i], 0.2);
+    w->n_probes++;
+    double a = 0, b = 0;
+    bool ok = pd_link_fit_get(&w->xfer_fit, &a, &b);
+    pthread_mutex_unlock(&w->mu);
+    PD_LOG_I("xfer: link to %s: rtt %.0f us, %.1f MB/s (probe)", w->addr, us[0], ok && b > 0 ? 1.0 / b : -1.0);
+    return true;
 }
 
 static bool handshake(worker *w, int fd) {
@@ -626,6 +686,10 @@ static bool handshake(worker *w, int fd) {
         if (!w->comm) PD_LOG_W("xfer: nccl bootstrap with %s failed: %s", w->addr, err.msg);
         ok = w->comm != NULL;
     }
+    // The link probe (the prefill worker answers once its loop runs: after HELLO_ACK, and for nccl
+    // after it joined the communicator).
+    if (ok && !link_probe(w, fd, &buf, &cap))
+        PD_LOG_W("xfer: %s: no link probe; the link model waits for real transfers", w->addr);
 out:
     if (!ok && err.msg[0]) PD_LOG_D("xfer: handshake with %s: %s", w->addr, err.msg);
     pd_free(buf);
@@ -801,6 +865,7 @@ pd_xfer_client *pd_xfer_client_new(const pd_xfer_client_params *p, pd_err *err) 
         w->c = c;
         w->idx = i;
         w->peer_pidfd = -1;
+        w->rtt_us = -1;
         snprintf(w->addr, sizeof w->addr, "%s", p->addrs[i]);
         c->p.addrs[i] = w->addr;
         pthread_mutex_init(&w->mu, NULL);
@@ -853,12 +918,17 @@ int pd_xfer_client_layers_landed(pd_xfer_client *c, uint64_t req_id) {
 }
 
 pd_status pd_xfer_client_prefill(pd_xfer_client *c, const pd_kvw_prefill_req *req) {
+    return pd_xfer_client_prefill_on(c, -1, req);
+}
+
+pd_status pd_xfer_client_prefill_on(pd_xfer_client *c, int worker_idx, const pd_kvw_prefill_req *req) {
     for (int i = 0; i < req->n_dst_blocks; i++)
         if (req->dst_blocks[i] < 0 || req->dst_blocks[i] >= c->p.pool.n_blocks) return PD_ERR_INVALID;
-    // Least in-flight healthy worker; a worker at max_inflight is saturated.
+    // The chosen worker, else the least in-flight healthy one; a worker at max_inflight is saturated.
     worker *best = NULL;
     int best_n = 1 << 30;
     for (int i = 0; i < c->p.n_workers; i++) {
+        if (worker_idx >= 0 && i != worker_idx) continue;
         worker *w = &c->workers[i];
         pthread_mutex_lock(&w->mu);
         if (w->healthy && w->n_inf < c->p.max_inflight && w->n_inf < best_n) {
@@ -868,7 +938,7 @@ pd_status pd_xfer_client_prefill(pd_xfer_client *c, const pd_kvw_prefill_req *re
         pthread_mutex_unlock(&w->mu);
     }
     if (!best) return PD_NOSPACE;
-    inflight f = {.req_id = req->req_id, .deadline_us = pd_time_us() + (int64_t)c->p.timeout_ms * 1000,
+    inflight f = {.req_id = req->req_id, .deadline_us = pd_time_us() + (int64_t)c->p.timeout_ms * 1000, .t_sent_us = pd_time_us(),
                   .start_pos = req->start_pos, .n_tokens = req->n_tokens, .n_dst_blocks = req->n_dst_blocks};
     f.dst_blocks = pd_malloc(sizeof(int32_t) * (size_t)(req->n_dst_blocks + 1));
     if (!f.dst_blocks) return PD_ERR_NOMEM;
@@ -1032,7 +1102,7 @@ static void *sconn_main(void *arg) {
     if (hello_ok) hello_ok = outq_start(&k->q);
     int64_t last_rx = pd_time_us();
     while (hello_ok && !__atomic_load_n(&s->stop, __ATOMIC_ACQUIRE)) {
-        uint32_t allow = 1u << PD_KVW_PING | 1u << PD_KVW_PREFILL_REQ | 1u << PD_KVW_CANCEL;
+        uint32_t allow = 1u << PD_KVW_PING | 1u << PD_KVW_PREFILL_REQ | 1u << PD_KVW_CANCEL | 1u << PD_KVW_PROBE;
         pd_status st = recv_frame(k->fd, &buf, &cap, &m, allow, PD_KVW_MAX_BODY, pd_time_us() + 100000, NULL, &err);
         if (st == PD_ERR_TIMEOUT) {
             if (pd_time_us() - last_rx > SERVER_IDLE_MS * 1000ll) break;
@@ -1050,6 +1120,10 @@ static void *sconn_main(void *arg) {
             pd_kvw_msg pong = {.type = PD_KVW_PONG};
             pong.u.ping.nonce = m.u.ping.nonce;
             outq_push(&k->q, &pong, NULL);
+        } else if (m.type == PD_KVW_PROBE) {  // link probe: the same bytes a KV transfer would cross
+            pd_kvw_msg pd = {.type = PD_KVW_PROBE_DATA};
+            pd.u.probe = m.u.probe;
+            outq_push(&k->q, &pd, NULL);
         } else if (m.type == PD_KVW_PREFILL_REQ) {
             pd_xfer_event ev = {.kind = PD_XFER_EV_REQUEST, .conn_id = k->id, .req_id = m.u.prefill_req.req_id,
                                 .req = m.u.prefill_req, .fd = -1};
@@ -1298,4 +1372,32 @@ pd_status pd_xfer_server_send_nccl(pd_xfer_server *s, int conn_id, const pd_kvw_
 out:
     pthread_mutex_unlock(&k->kv_mu);
     return st;
+}
+
+int pd_xfer_client_links(pd_xfer_client *c, pd_link_stats *out, int max) {
+    int n = 0;
+    for (int i = 0; i < c->p.n_workers && n < max; i++) {
+        worker *w = &c->workers[i];
+        pd_link_stats *l = &out[n++];
+        memset(l, 0, sizeof *l);
+        snprintf(l->peer, sizeof l->peer, "%s", w->addr);
+        pthread_mutex_lock(&w->mu);
+        l->is_healthy = w->healthy;
+        l->rtt_us = w->rtt_us;
+        double a, b;
+        l->bw_bytes_per_s = pd_link_fit_get(&w->xfer_fit, &a, &b) && b > 0 ? 1e6 / b : -1;
+        if (l->bw_bytes_per_s > 0 && l->rtt_us < 0) l->rtt_us = a;
+        l->remote_a_us = l->remote_b_us = -1;
+        if (pd_link_fit_get(&w->compute_fit, &a, &b)) l->remote_a_us = a, l->remote_b_us = b;
+        // Our prefill work queued there: every in-flight request's predicted compute (unknown
+        // compute model: tokens are summed and priced by the caller's fallback, here 0).
+        double q = 0;
+        for (int k = 0; k < w->n_inf; k++)
+            if (l->remote_b_us >= 0) q += l->remote_a_us + l->remote_b_us * (w->inf[k].n_tokens - w->inf[k].start_pos);
+        l->queue_us = q;
+        l->n_probes = w->n_probes;
+        l->n_transfers = w->n_transfers;
+        pthread_mutex_unlock(&w->mu);
+    }
+    return n;
 }

@@ -129,6 +129,11 @@ void pd_xfer_client_counters(pd_xfer_client *c, pd_xfer_counters *out);
 //   PD_OK       sent; exactly one RESULT event will follow
 //   PD_NOSPACE  no worker is connected, or all are saturated (prefill locally instead)
 pd_status pd_xfer_client_prefill(pd_xfer_client *c, const pd_kvw_prefill_req *req);
+// The same, to worker worker_idx (-1: the least loaded). PD_NOSPACE if that one is unhealthy or saturated.
+pd_status pd_xfer_client_prefill_on(pd_xfer_client *c, int worker_idx, const pd_kvw_prefill_req *req);
+// The link model's numbers per prefill worker (wire/link.h), in worker order. Returns the count.
+struct pd_link_stats;
+int pd_xfer_client_links(pd_xfer_client *c, struct pd_link_stats *out, int max);
 // Asks the worker to drop a request. Its RESULT still comes (FAIL "cancelled", or DONE if the KV was
 // already written, or a failure): only then are the destination blocks safe to reuse.
 void pd_xfer_client_cancel(pd_xfer_client *c, uint64_t req_id);
