@@ -43,6 +43,7 @@ typedef struct serve_opts {
     int shutdown_timeout_s;       // --shutdown-timeout
     const char *control_url;      // --control nats://HOST:PORT: presence + KV events over NATS
     int control_heartbeat_ms;     // --control-heartbeat-ms (default 200)
+    bool link_aware_set;          // --disagg-link-aware given (else: on with --control, off without)
 } serve_opts;
 
 // "123", "64k", "512M", "2G" (binary multiples; an optional trailing "B"/"iB"). false on error.
@@ -104,7 +105,8 @@ static void serve_usage(bool is_run) {
            "  --kv-transport tcp|shm|cuda-ipc|nccl|ucx  decode role (default shm on cpu, cuda-ipc on cuda)\n"
            "  --disagg-min-tokens N         prefill locally below N uncached prompt tokens (default 64)\n"
            "  --disagg-timeout-ms N         fall back to local prefill after N ms (default 30000)\n"
-           "  --disagg-link-aware on|off    decide local vs remote prefill with the link model (default on):\n"
+           "  --disagg-link-aware on|off    decide local vs remote prefill with the link model (default: on\n"
+           "                                with --control, off without: the length threshold alone):\n"
            "                                predicted local prefill (step-time model) against queue + remote\n"
            "                                prefill + transfer over each prefill link (measured)\n"
            "  --auth-token-file F           shared secret (mode 0600) every KV connection proves (HMAC);\n"
@@ -265,6 +267,7 @@ static int parse_flags(int argc, char **argv, serve_opts *o) {
         case O_LINK:
             if (strcmp(optarg, "on") && strcmp(optarg, "off")) return pd_cmd_usage_error(cmd, "--disagg-link-aware must be on or off");
             o->ep.disagg_link_aware = !strcmp(optarg, "on");
+            o->link_aware_set = true;
             break;
         case O_KVPAUSE:
             if (strcmp(optarg, "hello_ack") && strcmp(optarg, "mid_slab") && strcmp(optarg, "before_done"))
@@ -761,6 +764,7 @@ static int serve_or_run(int argc, char **argv, bool is_run) {
     o.shutdown_timeout_s = PD_CMD_SHUTDOWN_TIMEOUT_S;
     int rc = parse_flags(argc, argv, &o);
     if (rc >= 0) return rc;
+    if (!o.link_aware_set) o.ep.disagg_link_aware = o.control_url != NULL;  // cluster mode decides by the links
     return serve_main(&o);
 }
 

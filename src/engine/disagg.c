@@ -156,13 +156,19 @@ bool pd_disagg_want_remote(pd_engine *e, const int32_t *prompt, int n_prompt, in
         return false;
     }
     // Link-aware: predicted local prefill (the step-time model) against the best link's queue +
-    // remote prefill + transfer. Until both sides are measured the length threshold alone decides.
+    // remote prefill + transfer. Until the local step-time model is measured (two distinct prefill
+    // step sizes), prefill locally: that is what measures it. No link measured yet: hand off (the
+    // transfer measures the link).
     if (!e->params.disagg_link_aware) return true;
     pd_disagg_model dm;
     pd_engine_disagg_model(e, &dm);
     double remote_us = -1, local_us = pd_disagg_local_us(&dm, m.n_tokens);
     int best = pd_disagg_best_link(&dm, m.n_tokens, &remote_us);
-    if (local_us < 0 || best < 0) return true;
+    if (local_us < 0) {
+        e->n_decide_local++;
+        return false;
+    }
+    if (best < 0) return true;
     if (remote_us < local_us) {
         *worker = best;
         e->n_decide_remote++;

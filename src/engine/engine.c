@@ -34,7 +34,7 @@ pd_engine_params pd_engine_params_default(void) {
     p.enable_chunked_prefill = true;
     p.max_waiting = 4096;
     p.disagg_min_tokens = 64;
-    p.disagg_link_aware = true;
+    p.disagg_link_aware = false;
     p.disagg_timeout_ms = 30000;
     return p;
 }
@@ -704,9 +704,14 @@ static void measure_step(pd_engine *e, const pd_step_plan *plan, int64_t us) {
     int n_tok = 0;
     for (int i = 0; i < plan->n_seqs; i++) n_tok += plan->seqs[i].n_tokens;
     pthread_mutex_lock(&e->q.mu);
-    // The step-time model (wire/link.h): every step, decode rows and prefill chunks alike.
-    if (n_tok > 0 && us > 0) pd_link_fit_add(&e->step_fit, (double)n_tok, (double)us, 0.05);
+    // The step-time model (wire/link.h): steps that carry prefill work, over all their tokens
+    // (decode rows included). Decode-only steps stay out: their cost is attention over context,
+    // not tokens, and they would swamp the fit the local/remote prefill decision needs.
+    if (n_prefill > 0 && us > 0) pd_link_fit_add(&e->step_fit, (double)n_tok, (double)us, 0.1);
     e->n_running_now = plan->n_seqs;
+    double fa, fb;
+    if (e->kc && e->params.role == PD_ROLE_PREFILL && pd_link_fit_get(&e->step_fit, &fa, &fb))  // for decode workers' link models
+        pd_kvconn_set_step_model(e->kc, fa, fb, e->params.enable_chunked_prefill ? e->params.max_num_batched_tokens : 0);
     if (n_prefill > 0 && us > 0) {
         double tps = (double)n_prefill * 1e6 / (double)us;
         e->ema_prefill_tps = e->ema_prefill_tps < 0 ? tps : (1 - a) * e->ema_prefill_tps + a * tps;

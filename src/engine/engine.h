@@ -54,7 +54,8 @@ typedef struct pd_engine_params {
     pd_kvw_transport kv_transport;  // default shm on cpu, cuda-ipc on cuda
     int disagg_min_tokens;        // prefill locally when fewer uncached prompt tokens (default 64)
     int disagg_timeout_ms;        // a handoff slower than this falls back (default 30000)
-    bool disagg_link_aware;       // decide local vs remote with the link model (wire/link.h; default true)
+    bool disagg_link_aware;       // decide local vs remote with the link model (wire/link.h; default false:
+                                  // the length threshold alone; `serve --control` turns it on)
     // prefill role
     const char *kv_host;          // bind address of the KV port (default 127.0.0.1)
     int kv_port;                  // 0 = any free port (pd_engine_kv_port tells)

@@ -170,6 +170,10 @@ int pd_kvconn_links(pd_kvconn *c, pd_link_stats *out, int max) {
     return c->xc ? pd_xfer_client_links(c->xc, out, max) : 0;
 }
 
+void pd_kvconn_set_step_model(pd_kvconn *c, double a_us, double b_us, int chunk_tokens) {
+    if (c->xs) pd_xfer_server_set_step_model(c->xs, a_us, b_us, chunk_tokens);
+}
+
 double pd_kvconn_bytes_per_token(const pd_kvconn *c) {
     return 2.0 * c->p.cache.n_layers * (double)c->p.cache.row_bytes;
 }

@@ -121,6 +121,9 @@ void pd_kvconn_match_tokens(pd_kvconn *c, int n_prompt, int n_local_hit, pd_kvco
 // connect, heartbeats, real transfers) and its compute model, in worker order (decode role; 0
 // otherwise). Never blocks for long (per-worker mutexes).
 int pd_kvconn_links(pd_kvconn *c, pd_link_stats *out, int max);
+// Prefill role: this engine's step-time model and prefill budget, sent to decode workers with every
+// link-probe answer. Any thread.
+void pd_kvconn_set_step_model(pd_kvconn *c, double a_us, double b_us, int chunk_tokens);
 // KV bytes one prompt token moves.
 double pd_kvconn_bytes_per_token(const pd_kvconn *c);
 

@@ -156,7 +156,15 @@ static void put_body(pd_kvw_buf *b, const pd_kvw_msg *m) {
         put_u64(b, m->u.probe.nonce);
         put_u32(b, m->u.probe.bytes);
         if (m->type == PD_KVW_PROBE_DATA)
-            for (uint32_t i = 0; i < m->u.probe.bytes && i <= PD_KVW_PROBE_MAX && !b->oom; i += 4) put_u32(b, 0x5a5a5a5au);
+            put_f32(b, m->u.probe.step_a_us), put_f32(b, m->u.probe.step_b_us), put_u32(b, m->u.probe.chunk_tokens);
+        if (m->type == PD_KVW_PROBE_DATA && m->u.probe.bytes <= PD_KVW_PROBE_MAX && !b->oom) {  // filler
+            if (PD_ARRAY_RESERVE(b->data, b->cap, b->len + m->u.probe.bytes)) {
+                b->oom = true;
+            } else {
+                memset(b->data + b->len, 0x5a, m->u.probe.bytes);
+                b->len += m->u.probe.bytes;
+            }
+        }
         break;
     case PD_KVW_AUTH_CHALLENGE: put(b, m->u.auth.nonce, PD_KVW_NONCE); break;
     case PD_KVW_AUTH_PROOF:
@@ -261,7 +269,7 @@ uint32_t pd_kvw_max_body(pd_kvw_type t) {
     case PD_KVW_PONG:
     case PD_KVW_CANCEL: return 8;
     case PD_KVW_PROBE: return 12;
-    case PD_KVW_PROBE_DATA: return 12 + PD_KVW_PROBE_MAX;
+    case PD_KVW_PROBE_DATA: return 24 + PD_KVW_PROBE_MAX;
     case PD_KVW_AUTH_CHALLENGE: return PD_KVW_NONCE;
     case PD_KVW_AUTH_PROOF: return PD_KVW_NONCE + PD_KVW_MAC;
     case PD_KVW_AUTH_OK: return PD_KVW_MAC;
@@ -386,7 +394,11 @@ static pd_status decode_body(rd *r, pd_kvw_msg *m, uint64_t payload_len, const u
         m->u.probe.nonce = get_u64(r);
         m->u.probe.bytes = get_u32(r);
         if (m->u.probe.bytes > PD_KVW_PROBE_MAX || m->u.probe.bytes % 4) return pd_err_set(err, PD_ERR_PROTO, "PROBE: bad size");
-        if (m->type == PD_KVW_PROBE_DATA) take(r, m->u.probe.bytes);
+        if (m->type == PD_KVW_PROBE_DATA) {
+            m->u.probe.step_a_us = get_f32(r), m->u.probe.step_b_us = get_f32(r), m->u.probe.chunk_tokens = get_u32(r);
+            if (!(m->u.probe.step_a_us < 1e9f) || !(m->u.probe.step_b_us < 1e9f)) m->u.probe.step_a_us = m->u.probe.step_b_us = -1;
+            take(r, m->u.probe.bytes);
+        }
         break;
     case PD_KVW_AUTH_CHALLENGE:
     case PD_KVW_AUTH_PROOF:

@@ -158,7 +158,14 @@ typedef struct pd_kvw_msg {
         struct { uint64_t req_id; char reason[256]; } fail;
         struct { uint64_t nonce; } ping;
         struct { uint64_t req_id; } cancel;
-        struct { uint64_t nonce; uint32_t bytes; } probe;  // PROBE and PROBE_DATA (the filler is not kept)
+        struct {
+            uint64_t nonce;
+            uint32_t bytes;
+            // PROBE_DATA: the prefill worker's measured step-time model (µs per step, per token;
+            // < 0 unknown) and its prefill budget per step, for the decode side's link model
+            float step_a_us, step_b_us;
+            uint32_t chunk_tokens;
+        } probe;  // PROBE and PROBE_DATA (the filler is not kept)
     } u;
     // The decoder copies variable arrays here when the frame's alignment is not suitable; owned by
     // the message, freed by pd_kvw_msg_fini.

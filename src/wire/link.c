@@ -41,9 +41,11 @@ double pd_disagg_remote_us(const pd_disagg_model *m, int link, int64_t n) {
     const pd_link_stats *l = &m->links[link];
     double ra = l->remote_a_us, rb = l->remote_b_us;
     if (ra < 0 || rb < 0) ra = m->local_a_us, rb = m->local_b_us;  // not measured yet: same model
+    int64_t steps = l->remote_chunk > 0 ? (n + l->remote_chunk - 1) / l->remote_chunk : 1;
     if (ra < 0 || rb < 0 || l->rtt_us < 0 || !(l->bw_bytes_per_s > 0)) return -1;
-    return (l->queue_us > 0 ? l->queue_us : 0) + ra + (double)n * rb + l->rtt_us +
-           (double)n * m->bytes_per_token / l->bw_bytes_per_s * 1e6;
+    double f = l->xfer_factor >= 0 ? l->xfer_factor : 1.0;
+    return (l->queue_us > 0 ? l->queue_us : 0) + (double)(steps > 0 ? steps : 1) * ra + (double)n * rb + l->rtt_us +
+           f * (double)n * m->bytes_per_token / l->bw_bytes_per_s * 1e6;
 }
 
 int pd_disagg_best_link(const pd_disagg_model *m, int64_t n, double *out_us) {
@@ -90,7 +92,9 @@ json_t *pd_disagg_model_to_json(const pd_disagg_model *m, int64_t max_tokens) {
         json_object_set_new(o, "bw_bytes_per_s", num(l->bw_bytes_per_s));
         json_object_set_new(o, "remote_a_us", num(l->remote_a_us));
         json_object_set_new(o, "remote_b_us", num(l->remote_b_us));
+        json_object_set_new(o, "remote_chunk", json_integer(l->remote_chunk));
         json_object_set_new(o, "queue_us", num(l->queue_us));
+        json_object_set_new(o, "xfer_factor", num(l->xfer_factor));
         json_object_set_new(o, "probes", json_integer(l->n_probes));
         json_object_set_new(o, "transfers", json_integer(l->n_transfers));
         json_object_set_new(o, "flip_tokens", json_integer(pd_disagg_flip_tokens(m, i, max_tokens)));
@@ -141,7 +145,10 @@ pd_status pd_disagg_model_from_json(const json_t *o, pd_disagg_model *out) {
         s->bw_bytes_per_s = getnum(l, "bw_bytes_per_s");
         s->remote_a_us = getnum(l, "remote_a_us");
         s->remote_b_us = getnum(l, "remote_b_us");
+        double rc = getnum(l, "remote_chunk");
+        s->remote_chunk = rc > 0 && rc < 1e9 ? (int32_t)rc : 0;
         s->queue_us = getnum(l, "queue_us");
+        s->xfer_factor = getnum(l, "xfer_factor");
         double np = getnum(l, "probes"), nt = getnum(l, "transfers");
         s->n_probes = np > 0 ? (int64_t)np : 0;
         s->n_transfers = nt > 0 ? (int64_t)nt : 0;

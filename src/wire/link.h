@@ -7,7 +7,12 @@
 //   local(n)   = steps(n) × local_a_us + (n + local_queue_tokens) × local_b_us
 // Remote prefill over link i (the prefill worker's measured compute model, the link's measured
 // latency and bandwidth, the work this decode worker has queued there):
-//   remote(n)  = queue_us + remote_a_us + n × remote_b_us + rtt_us + n × bytes_per_token / bw
+//   remote(n)  = queue_us + ceil(n / remote_chunk) × remote_a_us + n × remote_b_us + rtt_us
+//                + f × n × bytes_per_token / bw
+// bw and rtt come from the probe at connect (three sizes: latency and bandwidth) and the pings; f
+// from the real transfers (the part of the link time not hidden behind the prefill worker's compute
+// by layer-wise shipping; 1 until measured); the remote step-time model is the prefill worker's own
+// (it sends it with every probe answer), else its compute per prompt token in the real transfers.
 // The decode worker hands a prompt off when min_i remote_i(n) < local(n) (and it is at least
 // --disagg-min-tokens long). flip_tokens(i) is the smallest n for which remote_i wins (-1: none up
 // to max_tokens). Unknown numbers (< 0) make a prediction unknown (-1); the remote compute model
@@ -41,8 +46,11 @@ typedef struct pd_link_stats {     // one decode ↔ prefill pair, as the decode
     bool is_healthy;
     double rtt_us;                 // EMA of ping round trips (probe at connect + heartbeats); < 0 unknown
     double bw_bytes_per_s;         // EMA: probe at connect, then real transfers; < 0 unknown
-    double remote_a_us, remote_b_us;  // the prefill worker's compute model (< 0 unknown)
+    double remote_a_us, remote_b_us;  // the prefill worker's step-time model (< 0 unknown)
+    int32_t remote_chunk;          // its prefill budget per step (0: unknown, one step)
     double queue_us;               // our prefill work queued there now, predicted
+    double xfer_factor;            // measured share of the link time left after compute (layer-wise
+                                   // overlap; EMA over real transfers); < 0 unknown (1 is used)
     int64_t n_probes, n_transfers; // samples behind the numbers
 } pd_link_stats;
 

@@ -371,9 +371,14 @@ typedef struct worker {
     uint8_t *discard;    // scratch for slab bytes that are not ours to land
     // the link model (under mu): probe at connect, pings, real transfers (wire/link.h)
     double rtt_us;           // EMA of ping round trips; -1 unknown
-    pd_link_fit xfer_fit;    // transfer µs over bytes: a = latency, b = 1 / bandwidth
-    pd_link_fit compute_fit; // the worker's compute µs over prompt tokens
+    pd_link_fit xfer_fit;    // the probe's transfer µs over bytes: a = latency, b = 1 / bandwidth
+    double xfer_factor;      // EMA over real transfers: their time after compute / the probe's prediction; -1 unknown
+    double compute_us_tok;   // EMA of the worker's compute µs per prompt token (real transfers); -1 unknown
+    double remote_a_us, remote_b_us;  // the worker's own step-time model (PROBE_DATA); < 0 unknown
+    uint32_t remote_chunk;
     int64_t n_probes, n_transfers;
+    int64_t t_probe_us;      // the last probe round sent (I/O thread)
+    uint64_t probe_cum;      // bytes of the current round answered so far (answers come in order)
 } worker;
 
 struct pd_xfer_client {
@@ -534,6 +539,10 @@ static const char *land_nccl(worker *w, const pd_kvw_kv_nccl *s) {
     return why;
 }
 
+#define N_PROBES 3
+static const uint32_t PROBE_SIZES[N_PROBES] = {4096, 256 << 10, 1 << 20};
+#define REPROBE_MS 5000  // re-probe an idle link this often (~1.3 MiB: about 2% of 100 Mbit/s)
+
 // Returns NULL, or why the connection must be dropped.
 static const char *handle_client_msg(worker *w, int fd, const pd_kvw_msg *m, int64_t *last_pong) {
     inflight f;
@@ -548,6 +557,16 @@ static const char *handle_client_msg(worker *w, int fd, const pd_kvw_msg *m, int
         }
         break;
     }
+    case PD_KVW_PROBE_DATA: {  // a re-probe round's answer: (bytes of the round so far, time since sent)
+        int64_t el = pd_time_us() - (int64_t)m->u.probe.nonce;
+        pthread_mutex_lock(&w->mu);
+        w->probe_cum += m->u.probe.bytes;
+        w->remote_a_us = m->u.probe.step_a_us, w->remote_b_us = m->u.probe.step_b_us, w->remote_chunk = m->u.probe.chunk_tokens;
+        if (el > 0 && el < 60000000) pd_link_fit_add(&w->xfer_fit, (double)w->probe_cum, (double)el, 0.1);
+        if (m->u.probe.bytes == PROBE_SIZES[N_PROBES - 1]) w->n_probes++;
+        pthread_mutex_unlock(&w->mu);
+        break;
+    }
     case PD_KVW_KV_SLAB:
         if (w->c->p.transport != PD_KVW_TRANSPORT_TCP) return "KV_SLAB on a connection that is not tcp";
         return land_slab(w, fd, &m->u.kv_slab);
@@ -559,11 +578,21 @@ static const char *handle_client_msg(worker *w, int fd, const pd_kvw_msg *m, int
         if (had && m->type == PD_KVW_PREFILL_DONE && !f.timed_out && f.n_tokens > f.start_pos) {
             // The link model's real samples: the worker's own compute time per prompt, and what
             // is left of request → DONE after its queue and compute: the transfer (and latency).
+            // Layer-wise transports hide part of the transfer behind compute: what is left after
+            // compute, over what the probe predicts for these bytes, scales the transfer term.
             const pd_kvw_prefill_done *d = &m->u.done;
+            int n_tok = f.n_tokens - f.start_pos;
             double total = (double)(pd_time_us() - f.t_sent_us), xfer_us = total - (double)d->queue_us - (double)d->compute_us;
-            double bytes = 2.0 * w->c->p.pool.n_layers * (double)w->c->p.pool.row_bytes * (f.n_tokens - f.start_pos);
-            if (d->compute_us > 0) pd_link_fit_add(&w->compute_fit, (double)(f.n_tokens - f.start_pos), (double)d->compute_us, 0.2);
-            if (xfer_us >= 0 && bytes > 0) pd_link_fit_add(&w->xfer_fit, bytes, xfer_us, 0.2);
+            double bytes = 2.0 * w->c->p.pool.n_layers * (double)w->c->p.pool.row_bytes * n_tok;
+            if (d->compute_us > 0) {
+                double v = (double)d->compute_us / n_tok;
+                w->compute_us_tok = w->compute_us_tok < 0 ? v : 0.7 * w->compute_us_tok + 0.3 * v;
+            }
+            double pa, pb;
+            if (pd_link_fit_get(&w->xfer_fit, &pa, &pb) && pa + pb * bytes > 0) {
+                double r = PD_MAX(0.0, PD_MIN(2.0, xfer_us / (pa + pb * bytes)));
+                w->xfer_factor = w->xfer_factor < 0 ? r : 0.7 * w->xfer_factor + 0.3 * r;
+            }
             w->n_transfers++;
         }
         pthread_mutex_unlock(&w->mu);
@@ -586,9 +615,6 @@ static const char *handle_client_msg(worker *w, int fd, const pd_kvw_msg *m, int
 // The link probe at connect (after authentication): PROBE_SIZES answers of growing size, each
 // timed from our request to its last byte. They seed the link model's transfer fit (latency and
 // bandwidth); real transfers refine it. Best effort: a failed probe only leaves the model unknown.
-#define N_PROBES 3
-static const uint32_t PROBE_SIZES[N_PROBES] = {4096, 256 << 10, 1 << 20};
-
 static bool link_probe(worker *w, int fd, uint8_t **buf, size_t *cap) {
     double us[N_PROBES];
     for (int i = 0; i < N_PROBES; i++) {
@@ -605,11 +631,15 @@ static bool link_probe(worker *w, int fd, uint8_t **buf, size_t *cap) {
             return false;
         }
         us[i] = (double)(pd_time_us() - t0);
+        pthread_mutex_lock(&w->mu);
+        w->remote_a_us = m.u.probe.step_a_us, w->remote_b_us = m.u.probe.step_b_us, w->remote_chunk = m.u.probe.chunk_tokens;
+        pthread_mutex_unlock(&w->mu);
     }
     pthread_mutex_lock(&w->mu);
     w->rtt_us = w->rtt_us < 0 ? us[0] : 0.5 * w->rtt_us + 0.5 * us[0];
     for (int i = 0; i < N_PROBES; i++) pd_link_fit_add(&w->xfer_fit, (double)PROBE_SIZES[i], us[i], 0.2);
     w->n_probes++;
+    w->t_probe_us = pd_time_us();
     double a = 0, b = 0;
     bool ok = pd_link_fit_get(&w->xfer_fit, &a, &b);
     pthread_mutex_unlock(&w->mu);
@@ -778,8 +808,8 @@ static void *worker_main(void *arg) {
             pd_kvw_msg m;
             pd_err err = {0};
             uint32_t allow = 1u << PD_KVW_PONG | 1u << PD_KVW_KV_SLAB | 1u << PD_KVW_PREFILL_DONE |
-                             1u << PD_KVW_PREFILL_FAIL | 1u << PD_KVW_KV_NCCL;
-            pd_status st = recv_frame(fd, &buf, &cap, &m, allow, pd_kvw_max_body(PD_KVW_PREFILL_DONE),
+                             1u << PD_KVW_PREFILL_FAIL | 1u << PD_KVW_KV_NCCL | 1u << PD_KVW_PROBE_DATA;
+            pd_status st = recv_frame(fd, &buf, &cap, &m, allow, pd_kvw_max_body(PD_KVW_PROBE_DATA),
                                       pd_time_us() + 50000, NULL, &err);
             if (st && st != PD_ERR_TIMEOUT) {
                 if (st == PD_ERR_PROTO) {
@@ -799,6 +829,21 @@ static void *worker_main(void *arg) {
                 }
             }
             int64_t now = pd_time_us();
+            pthread_mutex_lock(&w->mu);
+            bool idle = w->n_inf == 0;
+            pthread_mutex_unlock(&w->mu);
+            if (idle && now - w->t_probe_us >= REPROBE_MS * 1000ll) {  // one round, sent back to back
+                w->t_probe_us = now;
+                pthread_mutex_lock(&w->mu);
+                w->probe_cum = 0;
+                pthread_mutex_unlock(&w->mu);
+                for (int i = 0; i < N_PROBES; i++) {
+                    pd_kvw_msg pr = {.type = PD_KVW_PROBE};
+                    pr.u.probe.nonce = (uint64_t)now;
+                    pr.u.probe.bytes = PROBE_SIZES[i];
+                    if (outq_push(&w->q, &pr, NULL)) break;
+                }
+            }
             if (now - last_ping >= (int64_t)c->p.ping_ms * 1000) {
                 pd_kvw_msg ping = {.type = PD_KVW_PING};
                 ping.u.ping.nonce = (uint64_t)now;
@@ -865,7 +910,7 @@ pd_xfer_client *pd_xfer_client_new(const pd_xfer_client_params *p, pd_err *err) 
         w->c = c;
         w->idx = i;
         w->peer_pidfd = -1;
-        w->rtt_us = -1;
+        w->rtt_us = w->xfer_factor = w->compute_us_tok = w->remote_a_us = w->remote_b_us = -1;
         snprintf(w->addr, sizeof w->addr, "%s", p->addrs[i]);
         c->p.addrs[i] = w->addr;
         pthread_mutex_init(&w->mu, NULL);
@@ -1001,6 +1046,9 @@ struct pd_xfer_server {
     uint32_t gen[PD_XFER_MAX_CONNS];
     pd_xfer_counters ctr;
     int stop;  // atomic
+    float step_a_us, step_b_us;  // the prefill engine's step-time model (atomics via mu_model)
+    uint32_t chunk_tokens;
+    pthread_mutex_t mu_model;
 };
 
 void pd_xfer_server_counters(pd_xfer_server *s, pd_xfer_counters *out) { counters_get(&s->ctr, out); }
@@ -1123,6 +1171,10 @@ static void *sconn_main(void *arg) {
         } else if (m.type == PD_KVW_PROBE) {  // link probe: the same bytes a KV transfer would cross
             pd_kvw_msg pd = {.type = PD_KVW_PROBE_DATA};
             pd.u.probe = m.u.probe;
+            pthread_mutex_lock(&s->mu_model);
+            pd.u.probe.step_a_us = s->step_a_us, pd.u.probe.step_b_us = s->step_b_us;
+            pd.u.probe.chunk_tokens = s->chunk_tokens;
+            pthread_mutex_unlock(&s->mu_model);
             outq_push(&k->q, &pd, NULL);
         } else if (m.type == PD_KVW_PREFILL_REQ) {
             pd_xfer_event ev = {.kind = PD_XFER_EV_REQUEST, .conn_id = k->id, .req_id = m.u.prefill_req.req_id,
@@ -1252,6 +1304,8 @@ pd_xfer_server *pd_xfer_server_new(const pd_xfer_server_params *p, pd_err *err) 
     if (s->p.stall_ms <= 0) s->p.stall_ms = 10000;
     s->lfd = s->ufd = -1;
     pthread_mutex_init(&s->mu, NULL);
+    pthread_mutex_init(&s->mu_model, NULL);
+    s->step_a_us = s->step_b_us = -1;
     const char *host = p->host && *p->host ? p->host : "127.0.0.1";
     char port[16];
     snprintf(port, sizeof port, "%d", p->port);
@@ -1388,16 +1442,31 @@ int pd_xfer_client_links(pd_xfer_client *c, pd_link_stats *out, int max) {
         l->bw_bytes_per_s = pd_link_fit_get(&w->xfer_fit, &a, &b) && b > 0 ? 1e6 / b : -1;
         if (l->bw_bytes_per_s > 0 && l->rtt_us < 0) l->rtt_us = a;
         l->remote_a_us = l->remote_b_us = -1;
-        if (pd_link_fit_get(&w->compute_fit, &a, &b)) l->remote_a_us = a, l->remote_b_us = b;
+        // The worker's own step-time model (sent with each probe answer); else what its compute
+        // per prompt token was in the real transfers (which counts batch-mates' work too).
+        if (w->remote_a_us >= 0 && w->remote_b_us >= 0) {
+            l->remote_a_us = w->remote_a_us, l->remote_b_us = w->remote_b_us, l->remote_chunk = (int32_t)w->remote_chunk;
+        } else if (w->compute_us_tok >= 0) {
+            l->remote_a_us = 0, l->remote_b_us = w->compute_us_tok;
+        }
+        l->xfer_factor = w->xfer_factor;
         // Our prefill work queued there: every in-flight request's predicted compute (unknown
         // compute model: tokens are summed and priced by the caller's fallback, here 0).
         double q = 0;
         for (int k = 0; k < w->n_inf; k++)
             if (l->remote_b_us >= 0) q += l->remote_a_us + l->remote_b_us * (w->inf[k].n_tokens - w->inf[k].start_pos);
+        (void)0;
         l->queue_us = q;
         l->n_probes = w->n_probes;
         l->n_transfers = w->n_transfers;
         pthread_mutex_unlock(&w->mu);
     }
     return n;
+}
+
+void pd_xfer_server_set_step_model(pd_xfer_server *s, double a_us, double b_us, int chunk_tokens) {
+    pthread_mutex_lock(&s->mu_model);
+    s->step_a_us = (float)a_us, s->step_b_us = (float)b_us;
+    s->chunk_tokens = chunk_tokens > 0 ? (uint32_t)chunk_tokens : 0;
+    pthread_mutex_unlock(&s->mu_model);
 }

@@ -166,6 +166,10 @@ void pd_xfer_server_counters(pd_xfer_server *s, pd_xfer_counters *out);
 // the connection is gone, PD_NOSPACE if its queue is over max_queued_bytes (a slow reader).
 // Connection ids are slot | generation << 8: an id of a closed connection never reaches a new one.
 pd_status pd_xfer_server_send(pd_xfer_server *s, int conn_id, const pd_kvw_msg *m, void *payload);
+// The prefill engine's measured step-time model (µs per step and per token; < 0 unknown) and its
+// prefill budget per step: sent to decode workers with every link-probe answer (PROBE_DATA), so
+// their link model predicts remote prefill time with it. Any thread.
+void pd_xfer_server_set_step_model(pd_xfer_server *s, double a_us, double b_us, int chunk_tokens);
 // Whether the connection still exists (direct writers check before each layer). Any thread.
 bool pd_xfer_server_conn_alive(pd_xfer_server *s, int conn_id);
 // nccl transport: fill(ud, dev) writes the slab (slab->bytes, layout in wire/kv.h) into the

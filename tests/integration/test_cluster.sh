@@ -1,0 +1,343 @@
+#!/bin/sh
+# test_cluster.sh — cluster mode on one machine (issue 16 item 5). Seven network namespaces: six
+# "hosts" (nats-server, the router, two prefill workers, two decode workers) on a bridge in a
+# seventh (the switch), each joined by a veth pair. Prefill host p1's link is unshaped (veth, GB/s),
+# p2's is shaped to 100 Mbit/s each way with tc tbf (this kernel has no netem, fq or etf: no qdisc
+# that adds delay is available, checked below, so the links differ in bandwidth only). Decode
+# worker d1 uses the tcp connector, d2 ucx (UCX_TLS=tcp,self); both dial p1 and p2.
+#
+#   1. NATS authenticates: nats-server runs with a token; a worker presenting another token is
+#      refused ("Authorization Violation") and does not start.
+#   2. The router finds all four workers through their NATS presence (no --worker flags, no HTTP
+#      polls); 24 greedy requests through the router, then the same prompts straight to d1 (tcp)
+#      and d2 (ucx): every output identical to a colocated server; handoffs happened on both.
+#   3. The link model: the bandwidth each decode worker measured on the p2 link is that of the
+#      shaping (within a factor of 2 of 12.5 MB/s) and far above it on p1; the prompt length from
+#      which a handoff wins (flip_tokens) is finite on p1 and none (or larger) on p2; prompts on
+#      both sides of the flip are decided as the model predicts (the prediction recomputed here,
+#      in Python, from the numbers the worker publishes).
+#   4. nats-server is killed mid-load: in-flight requests complete, new ones are routed on the last
+#      known state (no worker expires while NATS is down), the router reconnects when it returns
+#      and presences flow again.
+#   5. Prefill worker p1 is killed under load: nothing is lost (every request completes with the
+#      colocated output), and the decode workers' decisions follow the remaining (slow) link: a
+#      prompt p1's link would have handed off is now prefilled locally, as the p2 model predicts.
+# Every loop is bounded; every namespace, veth, bridge and process made here is removed on exit.
+# Needs root, network namespaces and nats-server; exits 77 (skipped) with the reason otherwise.
+here=$(cd "$(dirname "$0")" && pwd)
+. "$here/lib/server.sh"
+pd_setup
+pd_need python3 nats-server
+command -v ip >/dev/null || { echo "skipped: no ip command (iproute2)"; exit 77; }
+command -v tc >/dev/null || { echo "skipped: no tc command (iproute2)"; exit 77; }
+[ "$(id -u)" = 0 ] || { echo "skipped: network namespaces need root"; exit 77; }
+T0=$(date +%s)
+P="pdc$$"
+SW="${P}sw"
+HOSTS="nats rt p1 p2 d1 d2"
+ip netns add "$SW" 2>"$TMP/netns.err" || { echo "skipped: cannot create a network namespace: $(cat "$TMP/netns.err")"; exit 77; }
+cleanup_ns() {
+  pd_cleanup
+  for h in $HOSTS; do  # anything still running in our namespaces (by pid), then the namespace
+    for p in $(ip netns pids "$P$h" 2>/dev/null); do kill -9 "$p" 2>/dev/null; done
+    ip netns del "$P$h" 2>/dev/null
+  done
+  ip netns del "$SW" 2>/dev/null
+}
+trap 'cleanup_ns' EXIT
+ip -n "$SW" link add br0 type bridge || pd_fail "bridge"
+ip -n "$SW" link set br0 up
+sub=$(( ($$ % 200) + 20 ))
+i=1
+for h in $HOSTS; do
+  ns="$P$h"
+  ip netns add "$ns" || pd_fail "namespace $ns"
+  ip link add "${P}$i" type veth peer name "${P}s$i" || pd_fail "veth $i"
+  ip link set "${P}$i" netns "$ns" && ip link set "${P}s$i" netns "$SW" || pd_fail "moving veth $i"
+  ip -n "$ns" link set "${P}$i" name eth0
+  ip -n "$ns" addr add "10.232.$sub.$i/24" dev eth0 || pd_fail "address of $h"
+  ip -n "$ns" link set lo up && ip -n "$ns" link set eth0 up
+  ip -n "$SW" link set "${P}s$i" master br0 && ip -n "$SW" link set "${P}s$i" up
+  eval "IP_$h=10.232.$sub.$i; PORT_$h=${P}s$i"
+  i=$((i+1))
+done
+# Delay: netem is what adds it; check the kernel again (and the other qdiscs that could).
+delay=none
+for q in "netem delay 2ms" "etf clockid CLOCK_TAI delta 2000000"; do
+  ip netns exec "${P}nats" tc qdisc add dev lo root $q 2>/dev/null && { delay="$q"; ip netns exec "${P}nats" tc qdisc del dev lo root; break; }
+done
+# p2's link: 100 Mbit/s each way (its egress and the switch port's egress towards it).
+ip netns exec "${P}p2" tc qdisc add dev eth0 root tbf rate 100mbit burst 32kb latency 100ms &&
+  ip netns exec "$SW" tc qdisc add dev "$PORT_p2" root tbf rate 100mbit burst 32kb latency 100ms ||
+  pd_fail "tc tbf refused: cannot shape the slow link"
+if [ "$delay" = none ]; then
+  echo "links: p1 unshaped (veth), p2 100 Mbit/s each way (tc tbf); no delay qdisc in this kernel (netem, etf refused)"
+else
+  echo "links: p1 unshaped, p2 100 Mbit/s (tbf); a delay qdisc exists ($delay) but is not used"
+fi
+inns() { h=$1; shift; ip netns exec "$P$h" "$@"; }
+inns d1 python3 -c "
+import socket, sys
+s = socket.socket(); s.settimeout(3)
+try: s.connect(('$IP_p2', 9))
+except ConnectionRefusedError: sys.exit(0)
+except OSError as e: sys.exit(str(e))
+" || pd_fail "the hosts cannot reach each other over the bridge"
+
+(umask 077; head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \n' >"$TMP/token"
+ head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \n' >"$TMP/wrong")
+cat >"$TMP/nats.conf" <<EOF
+listen: $IP_nats:4222
+authorization { token: "$(cat "$TMP/token")" }
+jetstream { store_dir: "$TMP/js", max_memory_store: 64MB, max_file_store: 256MB }
+EOF
+chmod 600 "$TMP/nats.conf"
+nats_start() {
+  ip netns exec "${P}nats" nats-server -c "$TMP/nats.conf" >>"$TMP/nats.log" 2>&1 &  # (ip execs: $! is the server)
+  echo $! >"$TMP/nats.pid"
+  pd_wait_for 20 grep -q "Server is ready" "$TMP/nats.log" || { cat "$TMP/nats.log" >&2; pd_fail "nats-server did not start"; }
+}
+nats_start
+NATS="nats://$IP_nats:4222"
+
+# ---- prompts and the colocated reference ----
+python3 - "$TMP" <<'PY'
+import json, random, sys
+tmp = sys.argv[1]
+rng = random.Random(16)
+prompts = [[rng.randrange(10, 4000) for _ in range(rng.choice([20, 48, 96, 160, 260, 400]))] for _ in range(24)]
+json.dump(prompts, open(tmp + "/prompts.json", "w"))
+json.dump(prompts[:12], open(tmp + "/prompts_a.json", "w"))
+json.dump(prompts[12:], open(tmp + "/prompts_b.json", "w"))
+PY
+pd_start both --num-kv-blocks 2048
+python3 "$here/disagg_client.py" "$URL_both" "$TMP/prompts.json" "$TMP/ref.json" --concurrency 8 --max-tokens 16 ||
+  pd_fail "reference run failed"
+for h in a b; do python3 - "$TMP" $h <<'PY'
+import json, sys
+tmp, h = sys.argv[1:3]
+ref = json.load(open(tmp + "/ref.json"))
+part = ref["texts"][:12] if h == "a" else ref["texts"][12:]
+json.dump({"texts": part, "errors": 0, "error_list": []}, open(tmp + "/ref_%s.json" % h, "w"))
+PY
+done
+pd_stop both
+
+# ---- the cluster ----
+start() {  # start NAME HOST pdserve-args...
+  name=$1; h=$2; shift 2
+  ip netns exec "$P$h" "$PD_BIN" "$@" >"$TMP/$name.out" 2>"$TMP/$name.err" &
+  echo $! >"$TMP/$name.pid"
+}
+url_of() { grep -o 'http://[0-9.]*:[0-9]*' "$TMP/$1.out" | head -1; }
+wait_up() {  # wait_up NAME HOST
+  pd_wait_for 60 grep -q 'http://' "$TMP/$1.out" || { cat "$TMP/$1.err" >&2; pd_fail "$1 did not start"; }
+  u=$(url_of "$1")
+  pd_wait_for 30 inns "$2" curl -sf "$u/health" || pd_fail "$1: /health never answered"
+}
+COMMON="--model $MODEL --port 18000 --auth-token-file $TMP/token --control $NATS --control-heartbeat-ms 100"
+
+# 1. a worker with the wrong NATS token is refused
+ip netns exec "${P}p1" "$PD_BIN" serve --model "$MODEL" --host "$IP_p1" --port 18000 --role prefill --kv-host "$IP_p1" --kv-port 19000 \
+  --auth-token-file "$TMP/wrong" --control "$NATS" >"$TMP/intruder.out" 2>"$TMP/intruder.err" &
+ipid=$!
+echo $ipid >"$TMP/intruder.pid"
+k=0; while kill -0 $ipid 2>/dev/null && [ $k -lt 300 ]; do sleep 0.1; k=$((k+1)); done
+kill -0 $ipid 2>/dev/null && pd_fail "a worker with the wrong NATS token kept running"
+wait $ipid; irc=$?
+rm -f "$TMP/intruder.pid"
+[ $irc -ne 0 ] || pd_fail "a worker with the wrong NATS token exited 0"
+grep -qi "authorization" "$TMP/intruder.err" || { cat "$TMP/intruder.err" >&2; pd_fail "the refusal does not name authorization"; }
+echo "1. NATS refused the worker with the wrong token: $(grep -io 'nats.*authorization[a-z ]*' "$TMP/intruder.err" | head -1)"
+
+for h in p1 p2; do
+  eval ip=\$IP_$h
+  start $h $h serve $COMMON --host "$ip" --role prefill --kv-host "$ip" --kv-port 19000 --num-kv-blocks 2048
+done
+export UCX_TLS=tcp,self
+for h in d1 d2; do
+  eval ip=\$IP_$h
+  tr=tcp; [ $h = d2 ] && tr=ucx
+  # Tiny prefill chunks (8 tokens a step, to protect running streams' inter-token latency) make
+  # local prefill cost a step's fixed time every 8 tokens: the model then finds a handoff over the
+  # fast link worth it from some prompt length on, and never over the 100 Mbit/s one.
+  start $h $h serve $COMMON --host "$ip" --role decode --prefill "$IP_p1:19000" --prefill "$IP_p2:19000" \
+    --kv-transport $tr --disagg-min-tokens 16 --max-num-batched-tokens 8 --num-kv-blocks 2048 --disagg-timeout-ms 60000
+done
+for h in p1 p2 d1 d2; do wait_up $h $h; done
+start router rt router --host "$IP_rt" --port 18080 --auth-token-file "$TMP/token" --control "$NATS" --heartbeat-ms 100 \
+  --control-expire-ms 1500
+pd_wait_for 30 grep -q 'http://' "$TMP/router.out" "$TMP/router.err" || { cat "$TMP/router.err" >&2; pd_fail "router did not start"; }
+R="http://$IP_rt:18080"
+status() { inns rt curl -sf "$R/status.json"; }
+n_up() { status | python3 -c "import json,sys; d=json.load(sys.stdin); print(sum(1 for w in d['workers'] if w['state']=='up' and w['via']=='nats'))"; }
+ctl() { status | python3 -c "import json,sys; print(json.load(sys.stdin)['control']['$1'])"; }
+all4() { [ "$(n_up)" = 4 ]; }
+pd_wait_for 30 all4 ||
+  { status >&2; pd_fail "the router did not find the 4 workers through NATS"; }
+for h in d1 d2; do
+  u=$(url_of $h)
+  pd_wait_for 30 sh -c "ip netns exec $P$h curl -sf '$u/metrics' | grep -q '^pdserve_kv_prefill_workers_healthy 2'" ||
+    pd_fail "$h did not connect to both prefill workers"
+done
+echo "   router: 4 workers found through NATS presence ($(( $(date +%s) - T0 )) s)"
+
+metric() {  # metric HOST NAME_REGEX
+  u=$(url_of $1)
+  inns "$1" curl -sf "$u/metrics" | awk -v re="$2" '$1 ~ re {s += $2} END {print s + 0}'
+}
+compare() {  # compare REF GOT LABEL
+  python3 - "$1" "$2" "$3" <<'PY'
+import json, sys
+ref, got, label = json.load(open(sys.argv[1])), json.load(open(sys.argv[2])), sys.argv[3]
+if got["errors"]:
+    sys.exit("FAIL %s: %d requests failed: %s" % (label, got["errors"], got["error_list"][:3]))
+bad = [i for i, (a, b) in enumerate(zip(ref["texts"], got["texts"])) if a != b]
+if bad or len(ref["texts"]) != len(got["texts"]):
+    sys.exit("FAIL %s: %d of %d outputs differ (first: %s)" % (label, len(bad), len(ref["texts"]), bad[:1]))
+print("   %s: %d outputs identical to colocated" % (label, len(ref["texts"])))
+PY
+}
+
+# 2. outputs through the router, then straight to each decode worker
+inns rt python3 "$here/disagg_client.py" "$R" "$TMP/prompts.json" "$TMP/via_router.json" --concurrency 6 --max-tokens 16 ||
+  pd_fail "run through the router failed"
+compare "$TMP/ref.json" "$TMP/via_router.json" "2. via the router (NATS-routed)" || pd_fail "router outputs differ"
+for h in d1 d2; do
+  u=$(url_of $h)
+  inns $h python3 "$here/disagg_client.py" "$u" "$TMP/prompts.json" "$TMP/$h.json" --concurrency 6 --max-tokens 16 ||
+    pd_fail "run on $h failed"
+  tr=tcp; [ $h = d2 ] && tr=ucx
+  compare "$TMP/ref.json" "$TMP/$h.json" "   $h ($tr)" || pd_fail "$h outputs differ"
+  ho=$(metric $h '^pdserve_kv_handoffs_total'); fb=$(metric $h '^pdserve_kv_handoff_fallbacks_total')
+  [ "$ho" -ge 1 ] || pd_fail "$h ($tr): no prompt was handed off"
+  [ "$fb" -eq 0 ] || pd_fail "$h ($tr): $fb handoffs failed"
+  echo "   $h ($tr): $ho handoffs, $(metric $h '^pdserve_kv_handoff_bytes_total') KV bytes, 0 fallbacks"
+done
+
+# 3. the link model and the decision flip
+model() { u=$(url_of $1); inns "$1" curl -sf "$u/internal/state" > "$TMP/state_$1.json"; }
+PREDICT="$TMP/predict.py"
+cat >"$PREDICT" <<'PY'
+# The link-aware rule (wire/link.h), recomputed from the numbers the worker publishes.
+import json, math, sys
+def local_us(m, n):
+    if m["local_a_us"] < 0 or m["local_b_us"] < 0: return None
+    tok = n + max(0, m["local_queue_tokens"])
+    chunk = m["chunk_tokens"] if m["chunk_tokens"] > 0 else tok
+    return math.ceil(tok / chunk) * m["local_a_us"] + tok * m["local_b_us"]
+def remote_us(m, l, n):
+    ra, rb = l["remote_a_us"], l["remote_b_us"]
+    if ra < 0 or rb < 0: ra, rb = m["local_a_us"], m["local_b_us"]
+    if ra < 0 or rb < 0 or l["rtt_us"] < 0 or l["bw_bytes_per_s"] <= 0: return None
+    f = l["xfer_factor"] if l["xfer_factor"] >= 0 else 1.0
+    steps = math.ceil(n / l["remote_chunk"]) if l["remote_chunk"] > 0 else 1
+    return max(0, l["queue_us"]) + max(1, steps) * ra + n * rb + l["rtt_us"] + f * n * m["bytes_per_token"] / l["bw_bytes_per_s"] * 1e6
+def decide(m, n):  # "remote" / "local" / None (model unknown: the length threshold decides)
+    if n < m["min_tokens"]: return "short"
+    lo = local_us(m, n)
+    rs = [r for r in (remote_us(m, l, n) for l in m["links"] if l["healthy"]) if r is not None]
+    if lo is None or not rs: return None
+    return "remote" if min(rs) < lo else "local"
+def flip(m, l, hi):
+    for n in range(max(1, m["min_tokens"]), hi + 1):
+        lo, r = local_us(m, n), remote_us(m, l, n)
+        if lo is None or r is None: return -1
+        if r < lo: return n
+    return -1
+if __name__ == "__main__":
+    st = json.load(open(sys.argv[1])); m = st["disagg_model"]
+    if sys.argv[2] == "decide": print(decide(m, int(sys.argv[3])))
+    elif sys.argv[2] == "flip": print(flip(m, m["links"][int(sys.argv[3])], 2000))
+    elif sys.argv[2] == "bw": print(int(m["links"][int(sys.argv[3])]["bw_bytes_per_s"]))
+    elif sys.argv[2] == "srvflip": print(m["links"][int(sys.argv[3])]["flip_tokens"])
+    elif sys.argv[2] == "show":
+        for l in m["links"]: print("     %s: rtt %.0f us, %.1f MB/s, transfer factor %.2f, remote %.0f us/step + %.1f us/token, probes %d, transfers %d" % (l["peer"], l["rtt_us"], l["bw_bytes_per_s"] / 1e6, l["xfer_factor"], l["remote_a_us"], l["remote_b_us"], l["probes"], l["transfers"]))
+        print("     local: %.0f us/step + %.1f us/token, chunk %d" % (m["local_a_us"], m["local_b_us"], m["chunk_tokens"]))
+PY
+ask() {  # ask HOST N_TOKENS SEED: one greedy completion of a fresh random prompt (no prefix hit)
+  u=$(url_of $1)
+  body=$(python3 -c "import json,random; r=random.Random($3); print(json.dumps({'prompt':[r.randrange(10,4000) for _ in range($2)],'max_tokens':2,'temperature':0}))")
+  inns "$1" curl -sf -m 120 "$u/v1/completions" -H 'Content-Type: application/json' -d "$body" >/dev/null
+}
+seed=1000
+for h in d1 d2; do
+  # A few fresh prompts of several lengths so the step-time fit and the remote compute fits settle.
+  for n in 24 200 60 400 120; do seed=$((seed+1)); ask $h $n $seed || pd_fail "$h: warm-up request failed"; done
+  # and at least two probe rounds per link (the one at connect ran while four workers were loading)
+  probed() { model $1; python3 -c "import json,sys; m=json.load(open('$TMP/state_$1.json'))['disagg_model']; sys.exit(0 if all(l['probes'] >= 2 for l in m['links']) else 1)"; }
+  pd_wait_for 20 probed $h || pd_fail "$h: links were not re-probed"
+  model $h
+  bw1=$(python3 "$PREDICT" "$TMP/state_$h.json" bw 0); bw2=$(python3 "$PREDICT" "$TMP/state_$h.json" bw 1)
+  f1=$(python3 "$PREDICT" "$TMP/state_$h.json" flip 0); f2=$(python3 "$PREDICT" "$TMP/state_$h.json" flip 1)
+  s1=$(python3 "$PREDICT" "$TMP/state_$h.json" srvflip 0)
+  python3 "$PREDICT" "$TMP/state_$h.json" show
+  echo "3. $h: p1 link $((bw1 / 1000000)) MB/s, flip at $f1 tokens (worker says $s1); p2 link $((bw2 / 1000000)) MB/s, flip at $f2"
+  [ "$bw2" -gt 4000000 ] && [ "$bw2" -lt 25000000 ] || pd_fail "$h: p2 link measured $bw2 B/s, not ~12.5 MB/s (100 Mbit/s)"
+  [ "$bw1" -gt $((bw2 * 4)) ] || pd_fail "$h: p1 link ($bw1 B/s) not clearly faster than p2 ($bw2 B/s)"
+  [ "$f1" -gt 0 ] || { cat "$TMP/state_$h.json" >&2; pd_fail "$h: no prompt length hands off over the fast link"; }
+  [ "$f2" -eq -1 ] || [ "$f2" -gt "$f1" ] || pd_fail "$h: the slow link flips ($f2) before the fast one ($f1)"
+  # Prompts on both sides of the flip: the worker's decision must be the model's.
+  for n in $(( f1 / 2 )) $(( f1 * 3 )); do
+    [ $n -ge 16 ] && [ $n -le 1800 ] || continue
+    model $h
+    want=$(python3 "$PREDICT" "$TMP/state_$h.json" decide $n)
+    l0=$(metric $h 'pdserve_disagg_decisions_total.*local'); r0=$(metric $h 'pdserve_disagg_decisions_total.*remote')
+    seed=$((seed+1)); ask $h $n $seed || pd_fail "$h: request of $n tokens failed"
+    l1=$(metric $h 'pdserve_disagg_decisions_total.*local'); r1=$(metric $h 'pdserve_disagg_decisions_total.*remote')
+    got=none; [ $((l1 - l0)) = 1 ] && got=local; [ $((r1 - r0)) = 1 ] && got=remote
+    echo "   $h: $n tokens: model says $want, worker decided $got"
+    [ "$want" = "$got" ] || pd_fail "$h: $n-token prompt decided $got, the model predicts $want"
+  done
+done
+
+# 4. nats-server killed mid-load
+inns rt python3 "$here/disagg_client.py" "$R" "$TMP/prompts_a.json" "$TMP/inflight.json" --concurrency 4 --max-tokens 16 &
+cpid=$!
+sleep 0.5
+pres0=$(ctl presences)
+kill -9 "$(cat "$TMP/nats.pid")"; wait "$(cat "$TMP/nats.pid")" 2>/dev/null; rm -f "$TMP/nats.pid"
+down() { [ "$(ctl connected)" = False ]; }
+up() { [ "$(ctl connected)" = True ]; }
+pd_wait_for 15 down ||
+  pd_fail "the router did not notice NATS going away"
+wait $cpid || pd_fail "in-flight requests failed while NATS went down"
+compare "$TMP/ref_a.json" "$TMP/inflight.json" "4. in flight while nats-server died" || pd_fail "in-flight outputs differ"
+sleep 2  # longer than --control-expire-ms: nobody may expire while NATS is down
+[ "$(n_up)" = 4 ] || { status >&2; pd_fail "workers left rotation while NATS was down"; }
+inns rt python3 "$here/disagg_client.py" "$R" "$TMP/prompts_b.json" "$TMP/while_down.json" --concurrency 4 --max-tokens 16 ||
+  pd_fail "new requests failed while NATS was down"
+compare "$TMP/ref_b.json" "$TMP/while_down.json" "   new requests while NATS is down (last known state)" || pd_fail "outputs differ"
+nats_start
+pd_wait_for 20 up ||
+  pd_fail "the router did not reconnect to NATS"
+resumed() { [ "$(ctl presences)" -gt $((pres0 + 40)) ]; }
+pd_wait_for 10 resumed ||
+  pd_fail "presences did not resume after NATS came back"
+echo "   NATS back: router reconnected ($(status | python3 -c "import json,sys; c=json.load(sys.stdin)['control']; print('reconnects', c['reconnects'], 'presences', c['presences'])")), $(n_up) workers up"
+
+# 5. prefill worker p1 killed under load
+inns rt python3 "$here/disagg_client.py" "$R" "$TMP/prompts.json" "$TMP/p1dead.json" --concurrency 6 --max-tokens 16 &
+cpid=$!
+sleep 1
+kill -9 "$(cat "$TMP/p1.pid")"; rm -f "$TMP/p1.pid"
+wait $cpid || pd_fail "requests failed when p1 died"
+compare "$TMP/ref.json" "$TMP/p1dead.json" "5. under load while p1 was killed: nothing lost" || pd_fail "outputs differ after p1 died"
+one_prefill() { [ "$(status | python3 -c "import json,sys; print([w['state'] for w in json.load(sys.stdin)['workers'] if w['role']=='prefill'].count('up'))")" = 1 ]; }
+pd_wait_for 10 one_prefill ||
+  pd_fail "the router kept p1 in rotation after its presence stopped"
+for h in d1; do
+  u=$(url_of $h)
+  pd_wait_for 10 sh -c "ip netns exec $P$h curl -sf '$u/metrics' | grep -q '^pdserve_kv_prefill_workers_healthy 1'" || pd_fail "$h still counts p1 healthy"
+  n=$(( f1 * 3 )); [ $n -le 1800 ] || n=1800
+  model $h
+  want=$(python3 "$PREDICT" "$TMP/state_$h.json" decide $n)
+  l0=$(metric $h 'pdserve_disagg_decisions_total.*local'); r0=$(metric $h 'pdserve_disagg_decisions_total.*remote')
+  seed=$((seed+1)); ask $h $n $seed || pd_fail "$h: request failed after p1 died"
+  l1=$(metric $h 'pdserve_disagg_decisions_total.*local'); r1=$(metric $h 'pdserve_disagg_decisions_total.*remote')
+  got=none; [ $((l1 - l0)) = 1 ] && got=local; [ $((r1 - r0)) = 1 ] && got=remote
+  echo "   $h with only the slow link left: $n tokens: model says $want, worker decided $got"
+  [ "$want" = "$got" ] || pd_fail "$h: decided $got, the model predicts $want"
+  [ "$got" = local ] || pd_fail "$h: a $n-token prompt was handed off over the 100 Mbit/s link"
+done
+echo "PASS test_cluster ($(( $(date +%s) - T0 )) s)"
