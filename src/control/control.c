@@ -173,6 +173,25 @@ pd_status pd_ctl_publish(pd_ctl *c, const char *subject, const char *reply, cons
     return s == NATS_OK ? PD_OK : PD_ERR_IO;
 }
 
+pd_status pd_ctl_request(pd_ctl *c, const char *subject, const void *data, int len, int timeout_ms, char **reply) {
+    *reply = NULL;
+    natsMsg *m = NULL;
+    natsStatus s = natsConnection_Request(&m, c->nc, subject, data, len, timeout_ms);
+    if (s != NATS_OK) {
+        natsMsg_Destroy(m);
+        return s == NATS_NO_RESPONDERS ? PD_ERR_NOTFOUND : s == NATS_TIMEOUT ? PD_ERR_TIMEOUT : PD_ERR_IO;
+    }
+    int n = natsMsg_GetDataLength(m);
+    char *r = pd_malloc((size_t)n + 1);
+    if (r) {
+        if (n) memcpy(r, natsMsg_GetData(m), (size_t)n);
+        r[n] = 0;
+    }
+    natsMsg_Destroy(m);
+    *reply = r;
+    return r ? PD_OK : PD_ERR_NOMEM;
+}
+
 pd_status pd_ctl_subscribe(pd_ctl *c, const char *subject, pd_err *err) {
     if (c->n_subs >= MAX_SUBS) return pd_err_set(err, PD_ERR_INVALID, "control: too many subscriptions");
     natsStatus s = natsConnection_Subscribe(&c->subs[c->n_subs], c->nc, subject, on_msg, c);
@@ -258,6 +277,11 @@ void pd_ctl_jobq_free(pd_ctl_jobq *q) {
     if (q->sub) natsSubscription_Destroy(q->sub);  // not Unsubscribe: that would delete the durable
     jsCtx_Destroy(q->js);
     pd_free(q);
+}
+
+pd_status pd_ctl_jobq_push_async(pd_ctl_jobq *q, const void *data, int len) {
+    natsStatus s = js_PublishAsync(q->js, PD_CTL_JOBS_SUBJECT, data, len, NULL);
+    return s == NATS_OK ? PD_OK : PD_ERR_IO;
 }
 
 pd_status pd_ctl_jobq_push(pd_ctl_jobq *q, const void *data, int len, pd_err *err) {

@@ -68,6 +68,9 @@ void pd_ctl_stats_get(pd_ctl *c, pd_ctl_stats *out);
 // reply may be NULL. Fails (PD_ERR_IO) only when libnats refuses (closed connection, buffer full
 // while reconnecting). Any thread.
 pd_status pd_ctl_publish(pd_ctl *c, const char *subject, const char *reply, const void *data, int len);
+// Request-reply, blocking up to timeout_ms (call on a thread that may block). *reply (pd_malloc'd,
+// NUL-terminated) on PD_OK; PD_ERR_NOTFOUND: no responder on subject; PD_ERR_TIMEOUT; PD_ERR_IO.
+pd_status pd_ctl_request(pd_ctl *c, const char *subject, const void *data, int len, int timeout_ms, char **reply);
 // Messages on subject (wildcards allowed) go to the inbox. PD_OK or PD_ERR_IO.
 pd_status pd_ctl_subscribe(pd_ctl *c, const char *subject, pd_err *err);
 
@@ -92,6 +95,8 @@ typedef struct pd_ctl_job pd_ctl_job;
 // (ack_wait_ms: redelivery after this long without an ack; max_deliver: give up after so many).
 pd_ctl_jobq *pd_ctl_jobq_new(pd_ctl *c, bool is_consumer, int ack_wait_ms, int max_deliver, pd_err *err);
 void pd_ctl_jobq_free(pd_ctl_jobq *q);
+// Stores a job without waiting (JetStream acks asynchronously; libnats buffers). PD_OK or PD_ERR_IO.
+pd_status pd_ctl_jobq_push_async(pd_ctl_jobq *q, const void *data, int len);
 // Stores a job (waits for JetStream's ack, at most 2 s). PD_OK or PD_ERR_IO with err.
 pd_status pd_ctl_jobq_push(pd_ctl_jobq *q, const void *data, int len, pd_err *err);
 // Blocks up to timeout_ms for at most n jobs; returns how many were written to out (0 on timeout

@@ -84,7 +84,8 @@ pd_status pd_disagg_init(pd_engine *e, pd_err *err) {
                            .host = p->kv_host, .port = p->kv_port, .secret = p->kv_secret, .fp = fingerprint(e),
                            .backend = e->backend, .timeout_ms = p->disagg_timeout_ms,
                            .corrupt_every = p->debug_corrupt_every, .debug_pause = p->debug_kv_pause,
-                           .on_event = on_kv_event, .ud = e};
+                           .on_event = on_kv_event, .ud = e, .on_enqueue = p->on_prefill_enqueue,
+                           .enqueue_ud = p->prefill_enqueue_ud};
     if (!p->kv_secret)
         return pd_err_set(err, PD_ERR_INVALID, "the %s role needs --auth-token-file (the KV connections authenticate)",
                           decode ? "decode" : "prefill");
@@ -137,8 +138,12 @@ void pd_engine_disagg_model(pd_engine *e, pd_disagg_model *m) {
     }
 }
 
+pd_status pd_engine_prefill_claim(pd_engine *e, uint64_t req_id, const char *worker_addr) {
+    return e->kc ? pd_kvconn_claim(e->kc, req_id, worker_addr) : PD_ERR_NOTFOUND;
+}
+
 bool pd_disagg_want_remote(pd_engine *e, const int32_t *prompt, int n_prompt, int *worker) {
-    *worker = -1;
+    *worker = e->params.on_prefill_enqueue ? PD_KVCONN_QUEUE : -1;
     if (!e->kc || e->params.role != PD_ROLE_DECODE) return false;
     pd_kv_seq tmp;
     pd_kv_seq_init(&tmp, 0);
@@ -170,7 +175,7 @@ bool pd_disagg_want_remote(pd_engine *e, const int32_t *prompt, int n_prompt, in
     }
     if (best < 0) return true;
     if (remote_us < local_us) {
-        *worker = best;
+        if (!e->params.on_prefill_enqueue) *worker = best;  // (queued: whoever claims it)
         e->n_decide_remote++;
         PD_LOG_D("engine: %d tokens: remote over %s (%.0f us) beats local (%.0f us)", m.n_tokens, dm.links[best].peer,
                  remote_us, local_us);

@@ -93,6 +93,10 @@ typedef struct pd_kvconn_params {
     const char *debug_pause;             // test hook (prefill): "hello_ack" | "mid_slab" | "before_done"
     pd_kvconn_event_fn on_event;
     void *ud;
+    // decode role, cluster mode: loads with worker PD_KVCONN_QUEUE go to the prefill work queue;
+    // this publishes the job (called on the engine thread; must not block). NULL: no queue.
+    void (*on_enqueue)(void *ud, uint64_t req_id, int n_tokens);
+    void *enqueue_ud;
 } pd_kvconn_params;
 
 pd_kvconn *pd_kvconn_new(const pd_kvconn_params *p, pd_err *err);
@@ -137,8 +141,14 @@ typedef struct pd_kvconn_load {
     int n_dst_blocks;
     pd_kvw_sampling sampling;   // the first token is drawn remotely with the same sampler state
     const char *traceparent;    // NULL / "" or the request's W3C traceparent (the prefill worker's spans)
-    int worker;                 // the prefill worker to use (the link model's choice); -1: least loaded
+    int worker;                 // the prefill worker to use (the link model's choice); -1: least loaded;
+                                // PD_KVCONN_QUEUE: the work queue (whichever prefill worker claims it)
 } pd_kvconn_load;
+#define PD_KVCONN_QUEUE (-2)
+// Cluster mode: the prefill worker at KV address worker_addr claims queued load req_id (its
+// PREFILL_REQ is sent to it now). PD_OK, PD_ERR_NOTFOUND (no longer queued), PD_NOSPACE (not
+// connected to that worker). Any thread.
+pd_status pd_kvconn_claim(pd_kvconn *c, uint64_t req_id, const char *worker_addr);
 // PD_OK: exactly one LOAD_DONE event follows. PD_NOSPACE: no worker now (prefill locally).
 // PD_ERR_INVALID: a block id outside our pool. Queues only.
 pd_status pd_kvconn_start_load(pd_kvconn *c, const pd_kvconn_load *l);

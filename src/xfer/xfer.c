@@ -381,10 +381,22 @@ typedef struct worker {
     uint64_t probe_cum;      // bytes of the current round answered so far (answers come in order)
 } worker;
 
+typedef struct queued {     // a request waiting in the work queue for a prefill worker's claim
+    pd_kvw_prefill_req req;    // tokens / dst_blocks point into owned
+    int32_t *owned;
+    int64_t deadline_us;
+} queued;
+
 struct pd_xfer_client {
     pd_xfer_client_params p;
     char *secret;
     worker workers[PD_XFER_MAX_WORKERS];
+    pthread_mutex_t qmu;       // guards queue (never held across I/O or a callback)
+    queued *queue;
+    int n_queue;
+    size_t cap_queue;
+    pthread_t q_thread;        // expires unclaimed requests (only with on_enqueue)
+    bool has_q_thread;
     pd_xfer_counters ctr;
     int stop;  // atomic
 };
@@ -879,6 +891,8 @@ static void *worker_main(void *arg) {
     return NULL;
 }
 
+static void *queue_main(void *arg);
+
 pd_xfer_client *pd_xfer_client_new(const pd_xfer_client_params *p, pd_err *err) {
     if (p->n_workers <= 0 || p->n_workers > PD_XFER_MAX_WORKERS || !p->on_event) {
         pd_err_set(err, PD_ERR_INVALID, "xfer client: 1..%d prefill workers and a callback are needed", PD_XFER_MAX_WORKERS);
@@ -905,6 +919,16 @@ pd_xfer_client *pd_xfer_client_new(const pd_xfer_client_params *p, pd_err *err) 
     if (c->p.max_inflight <= 0) c->p.max_inflight = 64;
     if (c->p.cancel_grace_ms <= 0) c->p.cancel_grace_ms = 10000;
     if (c->p.fence_ms <= 0) c->p.fence_ms = 2000;
+    pthread_mutex_init(&c->qmu, NULL);
+    if (c->p.on_enqueue) {
+        if (pthread_create(&c->q_thread, NULL, queue_main, c)) {
+            pd_free(c->secret);
+            pd_free(c);
+            pd_err_set(err, PD_ERR_IO, "cannot start the xfer queue thread");
+            return NULL;
+        }
+        c->has_q_thread = true;
+    }
     for (int i = 0; i < p->n_workers; i++) {
         worker *w = &c->workers[i];
         w->c = c;
@@ -927,6 +951,11 @@ pd_xfer_client *pd_xfer_client_new(const pd_xfer_client_params *p, pd_err *err) 
 void pd_xfer_client_free(pd_xfer_client *c) {
     if (!c) return;
     __atomic_store_n(&c->stop, 1, __ATOMIC_RELEASE);
+    if (c->has_q_thread) pthread_join(c->q_thread, NULL);
+    for (int i = 0; i < c->n_queue; i++) pd_free(c->queue[i].owned);
+    pd_free(c->queue);
+    c->queue = NULL;
+    c->n_queue = 0;
     for (int i = 0; i < c->p.n_workers; i++) {
         worker *w = &c->workers[i];
         pthread_join(w->thread, NULL);
@@ -966,23 +995,8 @@ pd_status pd_xfer_client_prefill(pd_xfer_client *c, const pd_kvw_prefill_req *re
     return pd_xfer_client_prefill_on(c, -1, req);
 }
 
-pd_status pd_xfer_client_prefill_on(pd_xfer_client *c, int worker_idx, const pd_kvw_prefill_req *req) {
-    for (int i = 0; i < req->n_dst_blocks; i++)
-        if (req->dst_blocks[i] < 0 || req->dst_blocks[i] >= c->p.pool.n_blocks) return PD_ERR_INVALID;
-    // The chosen worker, else the least in-flight healthy one; a worker at max_inflight is saturated.
-    worker *best = NULL;
-    int best_n = 1 << 30;
-    for (int i = 0; i < c->p.n_workers; i++) {
-        if (worker_idx >= 0 && i != worker_idx) continue;
-        worker *w = &c->workers[i];
-        pthread_mutex_lock(&w->mu);
-        if (w->healthy && w->n_inf < c->p.max_inflight && w->n_inf < best_n) {
-            best = w;
-            best_n = w->n_inf;
-        }
-        pthread_mutex_unlock(&w->mu);
-    }
-    if (!best) return PD_NOSPACE;
+// Registers req on w and queues its PREFILL_REQ. PD_OK or PD_NOSPACE (w not connected) / NOMEM.
+static pd_status send_to(pd_xfer_client *c, worker *best, const pd_kvw_prefill_req *req) {
     inflight f = {.req_id = req->req_id, .deadline_us = pd_time_us() + (int64_t)c->p.timeout_ms * 1000, .t_sent_us = pd_time_us(),
                   .start_pos = req->start_pos, .n_tokens = req->n_tokens, .n_dst_blocks = req->n_dst_blocks};
     f.dst_blocks = pd_malloc(sizeof(int32_t) * (size_t)(req->n_dst_blocks + 1));
@@ -1004,7 +1018,117 @@ pd_status pd_xfer_client_prefill_on(pd_xfer_client *c, int worker_idx, const pd_
     return st == PD_OK ? PD_OK : PD_NOSPACE;
 }
 
+static pd_status enqueue(pd_xfer_client *c, const pd_kvw_prefill_req *req) {
+    if (!c->p.on_enqueue) return PD_NOSPACE;
+    size_t n = (size_t)req->n_tokens + (size_t)req->n_dst_blocks;
+    queued q = {.req = *req, .deadline_us = pd_time_us() + (int64_t)c->p.timeout_ms * 1000};
+    q.owned = pd_malloc(sizeof(int32_t) * (n + 1));
+    if (!q.owned) return PD_NOSPACE;
+    memcpy(q.owned, req->tokens, sizeof(int32_t) * (size_t)req->n_tokens);
+    memcpy(q.owned + req->n_tokens, req->dst_blocks, sizeof(int32_t) * (size_t)req->n_dst_blocks);
+    q.req.tokens = q.owned;
+    q.req.dst_blocks = q.owned + req->n_tokens;
+    pthread_mutex_lock(&c->qmu);
+    bool ok = !PD_ARRAY_RESERVE(c->queue, c->cap_queue, (size_t)c->n_queue + 1);
+    if (ok) c->queue[c->n_queue++] = q;
+    pthread_mutex_unlock(&c->qmu);
+    if (!ok) {
+        pd_free(q.owned);
+        return PD_NOSPACE;
+    }
+    c->p.on_enqueue(c->p.enqueue_ud, req->req_id, req->n_tokens - req->start_pos);
+    return PD_OK;
+}
+
+// Removes queued req_id (caller holds qmu); true with *out filled if it was there.
+static bool take_queued(pd_xfer_client *c, uint64_t req_id, queued *out) {
+    for (int i = 0; i < c->n_queue; i++)
+        if (c->queue[i].req.req_id == req_id) {
+            *out = c->queue[i];
+            c->queue[i] = c->queue[--c->n_queue];
+            return true;
+        }
+    return false;
+}
+
+pd_status pd_xfer_client_claim(pd_xfer_client *c, uint64_t req_id, const char *worker_addr) {
+    worker *w = NULL;
+    for (int i = 0; i < c->p.n_workers && !w; i++)
+        if (!strcmp(c->workers[i].addr, worker_addr)) w = &c->workers[i];
+    if (!w) return PD_NOSPACE;
+    queued q;
+    pthread_mutex_lock(&c->qmu);
+    bool had = take_queued(c, req_id, &q);
+    pthread_mutex_unlock(&c->qmu);
+    if (!had) return PD_ERR_NOTFOUND;
+    pd_status st = send_to(c, w, &q.req);
+    if (st != PD_OK) {  // back into the queue (another worker may claim it), unless OOM
+        pthread_mutex_lock(&c->qmu);
+        bool ok = !PD_ARRAY_RESERVE(c->queue, c->cap_queue, (size_t)c->n_queue + 1);
+        if (ok) c->queue[c->n_queue++] = q;
+        pthread_mutex_unlock(&c->qmu);
+        if (!ok) {
+            pd_free(q.owned);
+            emit_result(c, -1, req_id, PD_ERR_INVALID, "out of memory", NULL);
+        }
+        return PD_NOSPACE;
+    }
+    pd_free(q.owned);
+    return PD_OK;
+}
+
+// Expires queued requests nobody claimed (nothing was written to their blocks: safe to reuse).
+static void *queue_main(void *arg) {
+    pd_xfer_client *c = arg;
+    while (!__atomic_load_n(&c->stop, __ATOMIC_ACQUIRE)) {
+        poll(NULL, 0, 50);
+        int64_t now = pd_time_us();
+        for (;;) {
+            queued q;
+            bool found = false;
+            pthread_mutex_lock(&c->qmu);
+            for (int i = 0; i < c->n_queue && !found; i++)
+                if (c->queue[i].deadline_us < now) found = take_queued(c, c->queue[i].req.req_id, &q);
+            pthread_mutex_unlock(&c->qmu);
+            if (!found) break;
+            pd_free(q.owned);
+            emit_result(c, -1, q.req.req_id, PD_ERR_TIMEOUT, "no prefill worker claimed the queued job in time", NULL);
+        }
+    }
+    return NULL;
+}
+
+pd_status pd_xfer_client_prefill_on(pd_xfer_client *c, int worker_idx, const pd_kvw_prefill_req *req) {
+    for (int i = 0; i < req->n_dst_blocks; i++)
+        if (req->dst_blocks[i] < 0 || req->dst_blocks[i] >= c->p.pool.n_blocks) return PD_ERR_INVALID;
+    if (worker_idx == PD_XFER_QUEUE) return enqueue(c, req);
+    // The chosen worker, else the least in-flight healthy one; a worker at max_inflight is saturated.
+    worker *best = NULL;
+    int best_n = 1 << 30;
+    for (int i = 0; i < c->p.n_workers; i++) {
+        if (worker_idx >= 0 && i != worker_idx) continue;
+        worker *w = &c->workers[i];
+        pthread_mutex_lock(&w->mu);
+        if (w->healthy && w->n_inf < c->p.max_inflight && w->n_inf < best_n) {
+            best = w;
+            best_n = w->n_inf;
+        }
+        pthread_mutex_unlock(&w->mu);
+    }
+    if (!best) return PD_NOSPACE;
+    return send_to(c, best, req);
+}
+
 void pd_xfer_client_cancel(pd_xfer_client *c, uint64_t req_id) {
+    queued q;
+    pthread_mutex_lock(&c->qmu);
+    bool was_queued = take_queued(c, req_id, &q);
+    pthread_mutex_unlock(&c->qmu);
+    if (was_queued) {  // never sent: nobody writes its blocks
+        pd_free(q.owned);
+        emit_result(c, -1, req_id, PD_ERR_INVALID, "cancelled", NULL);
+        return;
+    }
     for (int i = 0; i < c->p.n_workers; i++) {
         worker *w = &c->workers[i];
         pthread_mutex_lock(&w->mu);
@@ -1439,7 +1563,11 @@ int pd_xfer_client_links(pd_xfer_client *c, pd_link_stats *out, int max) {
         l->is_healthy = w->healthy;
         l->rtt_us = w->rtt_us;
         double a, b;
-        l->bw_bytes_per_s = pd_link_fit_get(&w->xfer_fit, &a, &b) && b > 0 ? 1e6 / b : -1;
+        bool fit = pd_link_fit_get(&w->xfer_fit, &a, &b);
+        l->bw_bytes_per_s = fit && b > 0 ? 1e6 / b : -1;
+        // Too fast for the probe sizes to tell (the slope is lost in the noise): their average
+        // throughput, a lower bound.
+        if (l->bw_bytes_per_s < 0 && w->xfer_fit.n > 0 && w->xfer_fit.sy > 0) l->bw_bytes_per_s = w->xfer_fit.sx / w->xfer_fit.sy * 1e6;
         if (l->bw_bytes_per_s > 0 && l->rtt_us < 0) l->rtt_us = a;
         l->remote_a_us = l->remote_b_us = -1;
         // The worker's own step-time model (sent with each probe answer); else what its compute

@@ -367,4 +367,32 @@ for h in d1 d2; do
 done
 echo "   decisions checked against the model: $n_local local, $n_remote remote"
 [ $n_local -ge 1 ] && [ $n_remote -ge 1 ] || pd_fail "the checks saw only one kind of decision ($n_local local, $n_remote remote)"
+
+# 6. the JetStream prefill work queue: decode d1 enqueues, prefill workers pull, claim and ack; p1
+#    holds the job it fetched (a test hook) and is killed holding it: JetStream redelivers the job
+#    to p2, which claims it; nothing is lost and every prompt is still prefilled remotely.
+for h in d1 d2 p2; do pd_stop $h; done
+start p1 p1 serve $COMMON --host "$IP_p1" --role prefill --kv-host "$IP_p1" --kv-port 19000 --num-kv-blocks 2048 \
+  --prefill-queue --debug-prefill-job-hold-ms 30000
+start p2 p2 serve $COMMON --host "$IP_p2" --role prefill --kv-host "$IP_p2" --kv-port 19000 --num-kv-blocks 2048 --prefill-queue
+wait_up p1 p1; wait_up p2 p2
+start d1 d1 serve $COMMON --host "$IP_d1" --role decode --prefill "$IP_p1:19000" --prefill "$IP_p2:19000" --kv-transport tcp \
+  --disagg-min-tokens 16 --num-kv-blocks 2048 --disagg-timeout-ms 60000 --disagg-link-aware off --prefill-queue
+wait_up d1 d1
+u=$(url_of d1)
+pd_wait_for 30 sh -c "ip netns exec ${P}d1 curl -sf '$u/metrics' | grep -q '^pdserve_kv_prefill_workers_healthy 2'" || pd_fail "d1 did not connect"
+h0=$(metric d1 '^pdserve_kv_handoffs_total')
+inns d1 python3 "$here/disagg_client.py" "$u" "$TMP/prompts_a.json" "$TMP/queued.json" --concurrency 4 --max-tokens 16 &
+cpid=$!
+pd_wait_for 60 grep -q "fetched; holding" "$TMP/p1.err" || pd_fail "p1 never fetched a job"
+held=$(grep -o 'job [0-9a-f]*/[0-9]* fetched' "$TMP/p1.err" | head -1 | awk '{print $2}')
+kill -9 "$(cat "$TMP/p1.pid")"; rm -f "$TMP/p1.pid"
+echo "6. p1 killed holding queued job $held"
+wait $cpid || pd_fail "queued requests failed"
+compare "$TMP/ref_a.json" "$TMP/queued.json" "   through the JetStream queue, p1 killed holding a job" || pd_fail "queued outputs differ"
+grep -q "job $held redelivered" "$TMP/p2.err" || { cat "$TMP/p2.err" >&2; pd_fail "job $held was not redelivered to p2"; }
+grep -q "job $held claimed" "$TMP/p2.err" || pd_fail "p2 did not claim the redelivered job $held"
+h1=$(metric d1 '^pdserve_kv_handoffs_total'); fb=$(metric d1 '^pdserve_kv_handoff_fallbacks_total')
+echo "   job $held redelivered to p2 and claimed; $((h1 - h0)) of 12 prompts handed off through the queue, $fb fallbacks"
+[ $((h1 - h0)) -eq 12 ] && [ "$fb" -eq 0 ] || pd_fail "expected 12 handoffs and no fallback, got $((h1 - h0)) and $fb"
 echo "PASS test_cluster ($(( $(date +%s) - T0 )) s)"
