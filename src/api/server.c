@@ -234,7 +234,8 @@ json_t *pd_api_state_json(pd_api *a, uint64_t since, int max_events) {
     if (o && role != PD_WIRE_ROLE_PREFILL) {  // the link-aware model (wire/link.h), for routers
         pd_disagg_model m;
         pd_engine_disagg_model(a->engine, &m);
-        json_t *d = pd_disagg_model_to_json(&m, a->max_model_len);
+        // (flip points searched up to 64k tokens: the scan runs on the loop, every presence)
+        json_t *d = pd_disagg_model_to_json(&m, PD_MIN(a->max_model_len, 1 << 16));
         if (d) json_object_set_new(o, "disagg_model", d);
     }
     return o;
@@ -323,7 +324,7 @@ static void link_metrics(pd_api *a) {
                    l->peer, l->bw_bytes_per_s);
         link_gauge(a, "pdserve_kv_link_flip_tokens",
                    "Shortest prompt the model hands off over this link (-1: none up to the context length).", l->peer,
-                   (double)pd_disagg_flip_tokens(&m, i, a->max_model_len));
+                   (double)pd_disagg_flip_tokens(&m, i, PD_MIN(a->max_model_len, 1 << 16)));
         link_gauge(a, "pdserve_kv_link_remote_prefill_seconds_per_token",
                    "The prefill worker's measured compute per prompt token (-1e-6: unknown).", l->peer, l->remote_b_us / 1e6);
     }

@@ -11,6 +11,8 @@
 
 #define MAX_SUBS 8
 
+static int n_live;  // atomic: pd_ctl objects alive; the last one out releases libnats' global state
+
 struct pd_ctl {
     natsConnection *nc;
     natsOptions *opts;
@@ -133,6 +135,7 @@ pd_ctl *pd_ctl_connect(const pd_ctl_params *p, pd_err *err) {
         return NULL;
     }
     c->connected = 1;
+    __atomic_add_fetch(&n_live, 1, __ATOMIC_ACQ_REL);
     PD_LOG_I("control: connected to NATS %s", p->url);
     return c;
 }
@@ -152,7 +155,11 @@ void pd_ctl_free(pd_ctl *c) {
     pd_ctl_msg_free(c->head);
     if (c->efd >= 0) close(c->efd);
     pthread_mutex_destroy(&c->mu);
+    bool was_live = c->connected || c->st.disconnects;
     pd_free(c);
+    // libnats keeps library-wide threads and state until nats_Close (the leak checker would see
+    // them at exit): released when the last connection goes (nats_Open runs again on next use).
+    if (was_live && __atomic_sub_fetch(&n_live, 1, __ATOMIC_ACQ_REL) == 0) nats_CloseAndWait(1000);
 }
 
 bool pd_ctl_is_connected(pd_ctl *c) { return __atomic_load_n(&c->connected, __ATOMIC_ACQUIRE); }

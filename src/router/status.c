@@ -107,7 +107,7 @@ static json_t *workers_json(const pd_router *r) {
         json_object_set_new(o, "fallbacks", json_integer(sum_fallbacks(l)));
         json_object_set_new(o, "via", json_string(w->is_nats ? "nats" : "http"));
         if (w->has_model) {  // the decode worker's link-aware model, as its last state said (wire/link.h)
-            json_t *dm = pd_disagg_model_to_json(&w->model_dm, 1 << 20);
+            json_t *dm = pd_disagg_model_to_json(&w->model_dm, 1 << 15);  // (flip points searched up to 32k tokens)
             if (dm) json_object_set_new(o, "disagg_model", dm);
         }
         json_array_append_new(a, o);

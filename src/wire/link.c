@@ -19,7 +19,12 @@ bool pd_link_fit_get(const pd_link_fit *f, double *a, double *b) {
     if (f->n < 2 || f->w <= 0) return false;
     double mx = f->sx / f->w, my = f->sy / f->w;
     double var = f->sxx / f->w - mx * mx, cov = f->sxy / f->w - mx * my;
-    if (!(var > 1e-9 * (1.0 + mx * mx))) return false;  // one x only: a and b are not separable
+    if (!(var > 1e-9 * (1.0 + mx * mx))) {  // one x only: a and b are not separable; proportional
+        if (!(mx > 0) || my < 0) return false;  // (exact at that x, which is where a chunked worker runs)
+        *a = 0;
+        *b = my / mx;
+        return true;
+    }
     double bb = cov / var, aa = my - bb * mx;
     if (bb < 0) bb = 0, aa = my;       // noise: time never falls with more tokens
     if (aa < 0) aa = 0, bb = mx > 0 ? my / mx : 0;

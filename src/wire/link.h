@@ -35,7 +35,8 @@ typedef struct pd_link_fit {
     int64_t n;
 } pd_link_fit;
 void pd_link_fit_add(pd_link_fit *f, double x, double y, double alpha);
-// false while the samples cannot separate a from b (fewer than 2 distinct x). a >= 0, b >= 0.
+// false with fewer than 2 samples. With a single x value seen, a = 0 and b = mean y / x (exact at
+// that x: a worker whose steps all carry the same number of tokens). a >= 0, b >= 0.
 bool pd_link_fit_get(const pd_link_fit *f, double *a, double *b);
 
 #define PD_LINK_MAX 16

@@ -27,13 +27,14 @@ static pd_disagg_model model(void) {
     return m;
 }
 
-PD_TEST(fit_recovers_a_line_and_refuses_one_point) {
+PD_TEST(fit_recovers_a_line_and_refuses_one_sample) {
     pd_link_fit f = {0};
     double a = -1, b = -1;
     pd_link_fit_add(&f, 8, 2000 + 8 * 100, 0.1);
     PD_CHECK(!pd_link_fit_get(&f, &a, &b));  // one sample
     pd_link_fit_add(&f, 8, 2000 + 8 * 100, 0.1);
-    PD_CHECK(!pd_link_fit_get(&f, &a, &b));  // one x value
+    PD_CHECK(pd_link_fit_get(&f, &a, &b));  // one x value: proportional, exact there
+    PD_CHECK(a == 0 && fabs(b * 8 - 2800) < 1e-6);
     for (int i = 0; i < 50; i++) pd_link_fit_add(&f, 1 + i % 9, 2000 + (1 + i % 9) * 100, 0.1);
     PD_CHECK(pd_link_fit_get(&f, &a, &b));
     PD_CHECK(fabs(a - 2000) < 1e-6 && fabs(b - 100) < 1e-6);
