@@ -701,8 +701,13 @@ static void *fetch_main(void *arg) {
             fprintf(stderr, "pdserve: prefill job %s/%llu claimed\n", dec, id);
             pd_ctl_job_ack(job);
         } else if ((rs == PD_OK && !strcmp(reply, "gone")) || rs == PD_ERR_NOTFOUND || nd >= 5) {
-            pd_ctl_job_ack(job);  // done elsewhere, timed out, or its decode worker is gone: nothing to do
+            // served already (a claim whose answer came too late), timed out, or its decode worker
+            // is gone: nothing to do
+            fprintf(stderr, "pdserve: prefill job %s/%llu not queued any more: acked\n", dec, id);
+            pd_ctl_job_ack(job);
         } else {
+            fprintf(stderr, "pdserve: prefill job %s/%llu: %s: nak (redelivered)\n", dec, id,
+                    rs == PD_OK ? reply : pd_status_str(rs));
             pd_ctl_job_nak(job);  // busy (no connection to us yet) or no answer: redeliver
         }
         pd_free(reply);

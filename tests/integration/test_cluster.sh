@@ -300,6 +300,10 @@ decide_one() {  # decide_one HOST N: sends a fresh N-token prompt; fails unless 
   eval "n_$got=\$((n_$got + 1))"
 }
 check_decisions() {  # check_decisions HOST FLIP
+  # The step-time model is an EMA over the worker's own prefill steps, so after a loaded phase it
+  # remembers the load: a few short prompts (below --disagg-min-tokens: always local) refresh it at
+  # idle first. The verdicts are then about the links, not about what ran a minute ago.
+  for k in 1 2 3 4 5 6 7 8; do seed=$((seed+1)); ask $1 12 $seed || pd_fail "$1: short prompt failed"; done
   if [ "$2" -gt 0 ]; then lens="$(( $2 / 2 )) $(( $2 * 3 ))"; else lens="24 1500"; fi
   for n in $lens; do
     [ $n -ge 16 ] || n=16
@@ -397,8 +401,9 @@ echo "6. p1 killed holding queued job $held"
 wait $cpid || pd_fail "queued requests failed"
 compare "$TMP/ref_a.json" "$TMP/queued.json" "   through the JetStream queue, p1 killed holding a job" || pd_fail "queued outputs differ"
 grep -q "job $held redelivered" "$TMP/p2.err" || { cat "$TMP/p2.err" >&2; pd_fail "job $held was not redelivered to p2"; }
-grep -q "job $held claimed" "$TMP/p2.err" || pd_fail "p2 did not claim the redelivered job $held"
+# p2 claims it (or, when a claim's answer came late under load, finds it served by its earlier claim)
+grep -Eq "job $held (claimed|not queued any more)" "$TMP/p2.err" || { cat "$TMP/p2.err" >&2; pd_fail "p2 did not take the redelivered job $held"; }
 h1=$(metric d1 '^pdserve_kv_handoffs_total'); fb=$(metric d1 '^pdserve_kv_handoff_fallbacks_total')
-echo "   job $held redelivered to p2 and claimed; $((h1 - h0)) of 12 prompts handed off through the queue, $fb fallbacks"
+echo "   job $held redelivered to p2 and taken; $((h1 - h0)) of 12 prompts handed off through the queue, $fb fallbacks"
 [ $((h1 - h0)) -eq 12 ] && [ "$fb" -eq 0 ] || pd_fail "expected 12 handoffs and no fallback, got $((h1 - h0)) and $fb"
 echo "PASS test_cluster ($(( $(date +%s) - T0 )) s)"
