@@ -832,7 +832,11 @@ static void *worker_main(void *arg) {
                 break;
             }
             if (st == PD_OK) {
+                // Anything the worker sends proves it alive: on a slow link its PONGs queue behind
+                // KV slabs and probe answers for seconds (25 Mbit/s, a few MB in flight), which
+                // must not read as "stopped answering heartbeats".
                 const char *drop = handle_client_msg(w, fd, &m, &last_pong);
+                last_pong = pd_time_us();  // (after: a slab's payload may take a while to read)
                 pd_kvw_msg_fini(&m);
                 if (drop) {
                     why = drop, why_st = PD_ERR_PROTO;
