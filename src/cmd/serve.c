@@ -598,10 +598,11 @@ static void ctl_publish(ctl_ctx *g, bool leaving) {
     json_object_set_new(o, "heartbeat_ms", json_integer(g->s->o->control_heartbeat_ms));
     if (leaving) json_object_set_new(o, "leaving", json_true());
     json_t *sn = json_object_get(json_object_get(o, "events"), "seq_next");
+    bool has_next = json_is_integer(sn);
+    uint64_t next = has_next ? (uint64_t)json_integer_value(sn) : 0;  // (read before o is freed)
     char *txt = json_dumps(o, JSON_COMPACT);
     json_decref(o);
-    if (txt && pd_ctl_publish(g->ctl, g->subj, NULL, txt, (int)strlen(txt)) == PD_OK && json_is_integer(sn))
-        g->seq_next = (uint64_t)json_integer_value(sn);
+    if (txt && pd_ctl_publish(g->ctl, g->subj, NULL, txt, (int)strlen(txt)) == PD_OK && has_next) g->seq_next = next;
     free(txt);
 }
 

@@ -7,6 +7,7 @@
 #include <stdio.h>
 #include <string.h>
 #include <sys/eventfd.h>
+#include <time.h>
 #include <unistd.h>
 
 #define MAX_SUBS 8
@@ -23,6 +24,8 @@ struct pd_ctl {
     pd_ctl_msg *head, *tail;
     int connected;             // atomic
     pd_ctl_stats st;           // atomics
+    pthread_cond_t closed_cv;  // libnats' closed callback came (guarded by mu): the last callback
+    bool is_closed;
 };
 
 static void bump(int64_t *v) { __atomic_add_fetch(v, 1, __ATOMIC_RELAXED); }
@@ -86,6 +89,17 @@ static void on_disconnected(natsConnection *nc, void *closure) {
     }
 }
 
+// The last callback libnats makes for a connection (after any disconnected one, on the same
+// callback thread): only then may pd_ctl_free release what the callbacks use.
+static void on_closed(natsConnection *nc, void *closure) {
+    (void)nc;
+    pd_ctl *c = closure;
+    pthread_mutex_lock(&c->mu);
+    c->is_closed = true;
+    pthread_cond_broadcast(&c->closed_cv);
+    pthread_mutex_unlock(&c->mu);
+}
+
 static void on_reconnected(natsConnection *nc, void *closure) {
     (void)nc;
     pd_ctl *c = closure;
@@ -112,6 +126,7 @@ pd_ctl *pd_ctl_connect(const pd_ctl_params *p, pd_err *err) {
     }
     c->efd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
     pthread_mutex_init(&c->mu, NULL);
+    pthread_cond_init(&c->closed_cv, NULL);
     natsStatus s = c->efd < 0 ? NATS_SYS_ERROR : natsOptions_Create(&c->opts);
     if (s == NATS_OK) s = natsOptions_SetServers(c->opts, (const char *[]){p->url}, 1);
     if (s == NATS_OK) s = natsOptions_SetToken(c->opts, p->token);
@@ -125,6 +140,7 @@ pd_ctl *pd_ctl_connect(const pd_ctl_params *p, pd_err *err) {
     if (s == NATS_OK) s = natsOptions_SetMaxPingsOut(c->opts, 2);
     if (s == NATS_OK) s = natsOptions_SetDisconnectedCB(c->opts, on_disconnected, c);
     if (s == NATS_OK) s = natsOptions_SetReconnectedCB(c->opts, on_reconnected, c);
+    if (s == NATS_OK) s = natsOptions_SetClosedCB(c->opts, on_closed, c);
     if (s == NATS_OK) s = natsConnection_Connect(&c->nc, c->opts);
     if (s != NATS_OK) {
         natsStatus ls;
@@ -146,15 +162,30 @@ void pd_ctl_free(pd_ctl *c) {
         natsSubscription_Unsubscribe(c->subs[i]);
         natsSubscription_Destroy(c->subs[i]);
     }
+    bool callbacks_done = true;
     if (c->nc) {
         natsConnection_FlushTimeout(c->nc, 500);
         natsConnection_Close(c->nc);
+        // libnats calls the disconnected and closed callbacks asynchronously after Close: wait
+        // for the closed one (the last) before freeing what they touch (bounded: 3 s).
+        struct timespec dl;
+        clock_gettime(CLOCK_REALTIME, &dl);
+        dl.tv_sec += 3;
+        pthread_mutex_lock(&c->mu);
+        while (!c->is_closed && pthread_cond_timedwait(&c->closed_cv, &c->mu, &dl) == 0) {}
+        callbacks_done = c->is_closed;
+        pthread_mutex_unlock(&c->mu);
         natsConnection_Destroy(c->nc);
+    }
+    if (!callbacks_done) {  // never seen: leave c to a late callback rather than free it under one
+        PD_LOG_W("control: NATS did not confirm the close in 3 s");
+        return;
     }
     natsOptions_Destroy(c->opts);
     pd_ctl_msg_free(c->head);
     if (c->efd >= 0) close(c->efd);
     pthread_mutex_destroy(&c->mu);
+    pthread_cond_destroy(&c->closed_cv);
     bool was_live = c->connected || c->st.disconnects;
     pd_free(c);
     // libnats keeps library-wide threads and state until nats_Close (the leak checker would see
