@@ -43,6 +43,7 @@ cleanup_ns() {
     ip netns del "$P$h" 2>/dev/null
   done
   ip netns del "$SW" 2>/dev/null
+  [ -n "${PD_KEEP_TMP:-}" ] || rm -rf "$TMP"  # again: a server killed above may have written to it
 }
 trap 'cleanup_ns' EXIT
 ip -n "$SW" link add br0 type bridge || pd_fail "bridge"
