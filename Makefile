@@ -41,7 +41,7 @@ endif
 # Libraries, by pkg-config module (tools/deps.sh installs their Debian packages). Flags come from
 # pkg-config only: openblas.pc points at Debian's openblas-pthread include directory, whose cblas.h
 # declares openblas_set_num_threads (a reference-BLAS cblas.h does not).
-PKGS     := jansson libpcre2-8 libevent libevent_pthreads libxxhash openblas libutf8proc libcrypto liburing hiredis ucx
+PKGS     := jansson libpcre2-8 libevent libevent_pthreads libxxhash openblas libutf8proc libcrypto liburing hiredis ucx libnats
 PKG_CFLAGS := $(shell pkg-config --cflags $(PKGS) 2>/dev/null)
 PKG_LIBS   := $(shell pkg-config --libs $(PKGS) 2>/dev/null)
 CFLAGS_BASE := -std=c11 -D_GNU_SOURCE -Wall -Wextra -Wshadow -Wno-unused-parameter -fPIC -pthread -fopenmp \

@@ -16,9 +16,10 @@ allowed() {
     xfer) echo "base wire net backend kv xfer" ;;
     kvconn) echo "base wire net backend kv kvtier xfer kvconn" ;;
     http) echo "base net http" ;;
+    control) echo "base control" ;;
     engine) echo "base model sched kv kvconn backend metrics tok wire net spec engine" ;;
     api) echo "base http tok engine metrics net grammar api" ;;
-    router) echo "base http net wire metrics router" ;;
+    router) echo "base http net wire metrics control router" ;;
     bench) echo "base http net metrics bench" ;;
     cmd) echo "*" ;;
     *) echo "*" ;;
@@ -37,6 +38,11 @@ done
 # transport file, the connector's internals or the session layer (xfer/, excluded above).
 if grep -nE '^#include "kvconn/' src/engine/*.c src/engine/*.h | grep -v '"kvconn/kvconn.h"' | grep .; then
   echo "layering: the engine includes a KV transport or connector internals (only kvconn/kvconn.h is allowed)"; bad=1
+fi
+# libnats belongs to the control plane alone (control/): the router and the serve command reach NATS
+# through control/control.h only.
+if grep -rln '<nats/\|<nats\.h>' src | grep -v '^src/control/' | grep .; then
+  echo "layering: a NATS header included outside src/control/"; bad=1
 fi
 # PD_USE_CUDA belongs to the backend registry alone.
 if grep -rl 'PD_USE_CUDA' src | grep -v 'src/backend/registry.c' | grep -q .; then

@@ -175,6 +175,29 @@ def main():
                         err(d, "container %s: `pdserve %s --help` knows no flag %s" % (cname, args[0], a))
         pod_ports[name] = (labels, ports, grace)
 
+    # StatefulSets (NATS): selector, image, probes and ports; their pods may back Services.
+    for name, d in by_kind.get("StatefulSet", {}).items():
+        spec = d.get("spec") or {}
+        tpl = spec.get("template") or {}
+        labels = (tpl.get("metadata") or {}).get("labels") or {}
+        if not subset((spec.get("selector") or {}).get("matchLabels"), labels):
+            err(d, "selector.matchLabels does not match the pod template's labels")
+        ports = set()
+        for c in (tpl.get("spec") or {}).get("containers") or []:
+            if not c.get("image"):
+                err(d, "container %s has no image" % c.get("name"))
+            for p in c.get("ports") or []:
+                ports.add(p.get("name"))
+                ports.add(p.get("containerPort"))
+            for probe in ("readinessProbe", "livenessProbe"):
+                if not c.get(probe):
+                    err(d, "container %s has no %s" % (c.get("name"), probe))
+            for e in c.get("env") or []:
+                ref = ((e.get("valueFrom") or {}).get("secretKeyRef") or {}).get("name")
+                if ref and ref not in secrets:
+                    err(d, "env %s: Secret %s is not in the render" % (e.get("name"), ref))
+        pod_ports[name] = (labels, ports, None)
+
     def svc_port(host, port):
         s = services.get(host.split(".")[0])
         return s is not None and any(str(p.get("port")) == str(port) for p in (s.get("spec") or {}).get("ports") or [])
@@ -183,7 +206,7 @@ def main():
         sel = (s.get("spec") or {}).get("selector")
         hits = [dn for dn, (labels, _, _) in pod_ports.items() if subset(sel, labels)]
         if not hits:
-            err(s, "selector %s matches no Deployment's pods" % sel)
+            err(s, "selector %s matches no Deployment's or StatefulSet's pods" % sel)
         for p in (s.get("spec") or {}).get("ports") or []:
             tp = p.get("targetPort", p.get("port"))
             for dn in hits:
@@ -198,6 +221,11 @@ def main():
                     host, _, port = args[i + 1].rpartition(":")
                     if not svc_port(host, port):
                         err(d, "--prefill %s names no Service port" % args[i + 1])
+            ctl = flag(args, "--control")
+            if ctl:
+                m = re.match(r"nats://([^:/]+):(\d+)$", ctl)
+                if not m or not svc_port(m.group(1), m.group(2)):
+                    err(d, "--control %s names no Service port" % ctl)
             r = flag(args, "--router")
             if r:
                 m = re.match(r"https?://([^:/]+):(\d+)", r)

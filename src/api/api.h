@@ -237,6 +237,10 @@ bool pd_api_is_drained(pd_api *a);
 void pd_api_end_all(pd_api *a, const char *msg);
 // In-flight HTTP requests (jobs) and live engine requests.
 int pd_api_n_jobs(const pd_api *a);
+// The STATE message of GET /internal/state (wire/control.h) plus, on a decode worker, its
+// "disagg_model" (wire/link.h): what the router polls or the NATS presence carries. New reference
+// (NULL on OOM). Loop thread.
+json_t *pd_api_state_json(pd_api *a, uint64_t since, int max_events);
 int pd_api_n_engine_requests(const pd_api *a);
 
 #ifdef __cplusplus

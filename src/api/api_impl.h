@@ -91,6 +91,7 @@ typedef struct api_metrics {
     pd_metric *jobs;
     pd_metric *handoffs, *fallbacks[PD_FALLBACK_N], *local_short, *handoff_bytes, *handoff_seconds;
     pd_metric *exports, *export_bytes, *export_copy_seconds, *prefill_healthy;
+    pd_metric *decide_local, *decide_remote, *local_a, *local_b;  // link-aware disaggregation
     pd_metric *kvconn[8];  // the KV connector's counters (server.c KVCONN_METRICS)
     pd_metric *ttft_part[PD_WIRE_N_TTFT_PARTS][2];  // [part][local, remote]
     // speculative decoding, by method (index 1.. of PD_ENGINE_SPEC_N; 0 unused)

@@ -223,6 +223,24 @@ static void tokenize_prepared(api_prep_job *pj, void *ud) {
 
 static void h_tokenize(pd_http_req *r, void *ud) { submit_prep(r, ud, PD_API_COMPLETION, true, tokenize_prepared); }
 
+json_t *pd_api_state_json(pd_api *a, uint64_t since, int max_events) {
+    pd_wire_state st;
+    pd_status s = pd_engine_state(a->engine, since, max_events, &st);
+    st.load.n_ttft = a->n_ttft;
+    for (int i = 0; i < PD_WIRE_N_TTFT_PARTS; i++) st.load.ttft_ms_sum[i] = a->ttft_ms_sum[i];
+    json_t *o = s == PD_OK ? pd_wire_state_to_json(&st) : NULL;
+    pd_wire_role role = st.role;
+    pd_wire_state_fini(&st);
+    if (o && role != PD_WIRE_ROLE_PREFILL) {  // the link-aware model (wire/link.h), for routers
+        pd_disagg_model m;
+        pd_engine_disagg_model(a->engine, &m);
+        // (flip points searched up to 64k tokens: the scan runs on the loop, every presence)
+        json_t *d = pd_disagg_model_to_json(&m, PD_MIN(a->max_model_len, 1 << 16));
+        if (d) json_object_set_new(o, "disagg_model", d);
+    }
+    return o;
+}
+
 // GET /internal/state?since=N (for the router): load report + KV events (wire/control.h STATE).
 static void h_state(pd_http_req *r, void *ud) {
     pd_api *a = ud;
@@ -233,17 +251,12 @@ static void h_state(pd_http_req *r, void *ud) {
         pd_http_reply_error(r, 400, "invalid_request_error", "'since' must be a non-negative integer", "since", NULL);
         return;
     }
-    pd_wire_state st;
-    char *txt = NULL;
-    size_t n = 0;
-    pd_status s = pd_engine_state(a->engine, (uint64_t)since, 4096, &st);
-    st.load.n_ttft = a->n_ttft;
-    for (int i = 0; i < PD_WIRE_N_TTFT_PARTS; i++) st.load.ttft_ms_sum[i] = a->ttft_ms_sum[i];
-    if (s == PD_OK) s = pd_wire_state_encode(&st, &txt, &n);
-    pd_wire_state_fini(&st);
-    if (s) pd_http_reply_error(r, 500, "server_error", "out of memory", NULL, NULL);
-    else pd_http_reply(r, 200, "application/json", txt, n);
-    pd_free(txt);
+    json_t *o = pd_api_state_json(a, (uint64_t)since, 4096);
+    char *txt = o ? json_dumps(o, JSON_COMPACT) : NULL;
+    json_decref(o);
+    if (!txt) pd_http_reply_error(r, 500, "server_error", "out of memory", NULL, NULL);
+    else pd_http_reply(r, 200, "application/json", txt, strlen(txt));
+    free(txt);
 }
 static void h_chat(pd_http_req *r, void *ud) { handle_generate(r, ud, PD_API_CHAT); }
 
@@ -350,6 +363,37 @@ static void refresh_tier_metrics(pd_api *a, const pd_engine_stats *s) {
     if (x->tier_load_wall) mirror(x->tier_load_wall, (double)s->tier_load_us_total * 1e-6);
 }
 
+// The link-aware model (wire/link.h): the local step-time model and, per prefill link, its
+// measured latency, bandwidth and the prompt length from which a handoff wins (gauges made on
+// first sight of a link).
+static void link_gauge(pd_api *a, const char *name, const char *help, const char *peer, double v) {
+    char l[PD_LINK_PEER_MAX + 16];
+    snprintf(l, sizeof l, "peer=\"%s\"", peer);
+    pd_metric *g = pd_metrics_find(a->metrics, name, l);
+    if (!g) g = pd_metrics_gauge(a->metrics, name, help, l, NULL);
+    if (g) pd_metric_set(g, v);
+}
+
+static void link_metrics(pd_api *a) {
+    pd_disagg_model m;
+    pd_engine_disagg_model(a->engine, &m);
+    pd_metric_set(a->m.local_a, m.local_a_us / 1e6);
+    pd_metric_set(a->m.local_b, m.local_b_us / 1e6);
+    for (int i = 0; i < m.n_links; i++) {
+        const pd_link_stats *l = &m.links[i];
+        link_gauge(a, "pdserve_kv_link_rtt_seconds", "Measured round trip to a prefill worker (-1e-6: unknown).", l->peer,
+                   l->rtt_us / 1e6);
+        link_gauge(a, "pdserve_kv_link_bandwidth_bytes_per_second",
+                   "Measured KV bandwidth from a prefill worker (probe at connect, then real transfers; -1 unknown).",
+                   l->peer, l->bw_bytes_per_s);
+        link_gauge(a, "pdserve_kv_link_flip_tokens",
+                   "Shortest prompt the model hands off over this link (-1: none up to the context length).", l->peer,
+                   (double)pd_disagg_flip_tokens(&m, i, PD_MIN(a->max_model_len, 1 << 16)));
+        link_gauge(a, "pdserve_kv_link_remote_prefill_seconds_per_token",
+                   "The prefill worker's measured compute per prompt token (-1e-6: unknown).", l->peer, l->remote_b_us / 1e6);
+    }
+}
+
 static void refresh_engine_metrics(pd_api *a) {
     pd_engine_stats s;
     memset(&s, 0, sizeof s);
@@ -380,6 +424,9 @@ static void refresh_engine_metrics(pd_api *a) {
     mirror(a->m.export_bytes, s.n_kv_export_bytes);
     mirror(a->m.export_copy_seconds, (double)s.kv_export_copy_us_total / 1e6);
     pd_metric_set(a->m.prefill_healthy, pd_engine_n_prefill_healthy(a->engine));
+    mirror(a->m.decide_local, s.n_disagg_decide_local);
+    mirror(a->m.decide_remote, s.n_disagg_decide_remote);
+    link_metrics(a);
     int64_t kvc[8] = {s.n_kv_auth_failures, s.n_kv_proto_errors, s.n_kv_conns_accepted, s.n_kv_slow_peer_drops,
                       s.n_kv_fenced, s.n_kv_peers_refused, s.n_kv_saves_layerwise, s.n_kv_saves_failed};
     for (int i = 0; i < 8; i++) mirror(a->m.kvconn[i], (double)kvc[i]);
@@ -482,6 +529,11 @@ static pd_status register_metrics(pd_api *a, pd_err *err) {
     C(export_bytes, "pdserve_kv_export_bytes_total", "KV bytes this prefill worker wrote into decode pools.", NULL);
     C(export_copy_seconds, "pdserve_kv_export_copy_seconds_total", "Time spent copying exported KV, summed.", NULL);
     G(prefill_healthy, "pdserve_kv_prefill_workers_healthy", "Prefill workers this decode worker is connected to.");
+    C(decide_local, "pdserve_disagg_decisions_total", "Link-aware local/remote prefill decisions (prompts above --disagg-min-tokens).",
+      "decision=\"local\"");
+    C(decide_remote, "pdserve_disagg_decisions_total", "", "decision=\"remote\"");
+    G(local_a, "pdserve_disagg_local_step_seconds", "The step-time model's fixed cost per step (-1e-6: unknown).");
+    G(local_b, "pdserve_disagg_local_token_seconds", "The step-time model's cost per token (-1e-6: unknown).");
     for (int i = 0; i < 8; i++) C(kvconn[i], KVCONN_METRICS[i][0], KVCONN_METRICS[i][1], NULL);
     // Speculative decoding, by method (zero without it).
     for (int k = 1; k < PD_ENGINE_SPEC_N; k++) {

@@ -33,6 +33,10 @@ static void usage(void) {
            "  --slo-tpot-ms N          default TPOT SLO for admission (0 = none)\n"
            "  --qos-config FILE        QoS classes and API keys (JSON, see docs/router.md)\n"
            "  --heartbeat-ms N         worker poll period (default 200)\n"
+           "  --control nats://H:P     cluster mode: workers come from their NATS presence (subscribed, not\n"
+           "                           polled); the NATS connection presents the --auth-token-file token\n"
+           "  --control-expire-ms N    cluster mode: a worker without presence for N ms leaves rotation\n"
+           "                           (default 4 heartbeats; never while NATS itself is down)\n"
            "  --max-connections N      open client connections at most (default: fd limit less 1/8);\n"
            "                           at the limit the longest-idle ones are closed\n"
            "  --keepalive-timeout S    close idle keep-alive connections after S s (default 30)\n"
@@ -52,7 +56,7 @@ static int add_url(const char **arr, int *n, const char *url) {
 // Returns -1 on success, else the exit code.
 static int parse_flags(int argc, char **argv, router_opts *o) {
     enum { O_HOST = 1, O_PORT, O_W, O_P, O_D, O_TOK, O_ROUT, O_TTFT, O_TPOT, O_QOS, O_HB, O_SDT, O_MAXCONN, O_KATO,
-           O_HDRTO, O_BODY, O_TRACE, O_HELP };
+           O_HDRTO, O_BODY, O_TRACE, O_CTL, O_CTLEXP, O_HELP };
     static const struct option opts[] = {
         {"host", required_argument, 0, O_HOST}, {"port", required_argument, 0, O_PORT},
         {"worker", required_argument, 0, O_W}, {"prefill", required_argument, 0, O_P},
@@ -62,7 +66,8 @@ static int parse_flags(int argc, char **argv, router_opts *o) {
         {"heartbeat-ms", required_argument, 0, O_HB}, {"max-connections", required_argument, 0, O_MAXCONN},
         {"keepalive-timeout", required_argument, 0, O_KATO}, {"header-timeout", required_argument, 0, O_HDRTO},
         {"max-body-bytes", required_argument, 0, O_BODY}, {"trace-dir", required_argument, 0, O_TRACE},
-        {"shutdown-timeout", required_argument, 0, O_SDT},
+        {"shutdown-timeout", required_argument, 0, O_SDT}, {"control", required_argument, 0, O_CTL},
+        {"control-expire-ms", required_argument, 0, O_CTLEXP},
         {"help", no_argument, 0, O_HELP}, {0, 0, 0, 0}};
     long v;
     double d;
@@ -109,6 +114,15 @@ static int parse_flags(int argc, char **argv, router_opts *o) {
             else o->p.max_body_bytes = (size_t)v;
             break;
         case O_TRACE: o->trace_dir = optarg; break;
+        case O_CTL:
+            if (strncmp(optarg, "nats://", 7)) return pd_cmd_usage_error("router", "--control must be nats://HOST:PORT");
+            o->p.control_url = optarg;
+            break;
+        case O_CTLEXP:
+            if (!pd_cmd_parse_int(optarg, &v) || v < 10 || v > 600000)
+                return pd_cmd_usage_error("router", "--control-expire-ms must be 10..600000");
+            o->p.control_expire_ms = (int)v;
+            break;
         case O_SDT:
             if (!pd_cmd_parse_int(optarg, &v) || v < 0 || v > 86400)
                 return pd_cmd_usage_error("router", "--shutdown-timeout must be 0..86400 seconds");

@@ -12,6 +12,8 @@
 #include <event2/http.h>
 #include <getopt.h>
 #include <jansson.h>
+#include <poll.h>
+#include <pthread.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -24,6 +26,7 @@
 #include "http/client.h"
 #include "spec/spec.h"
 #include "wire/control.h"
+#include "control/control.h"
 #include "xfer/auth.h"
 
 typedef struct serve_opts {
@@ -40,6 +43,11 @@ typedef struct serve_opts {
     const char *trace_dir;        // --trace-dir: Chrome trace files of request spans (metrics/trace.h)
     bool spec_method_set;         // --speculative-method was given
     int shutdown_timeout_s;       // --shutdown-timeout
+    const char *control_url;      // --control nats://HOST:PORT: presence + KV events over NATS
+    int control_heartbeat_ms;     // --control-heartbeat-ms (default 200)
+    bool link_aware_set;          // --disagg-link-aware given (else: on with --control, off without)
+    bool prefill_queue;           // --prefill-queue: remote prefills through the JetStream work queue
+    int debug_job_hold_ms;        // test hook: a prefill worker holds each fetched job this long before claiming it
 } serve_opts;
 
 // "123", "64k", "512M", "2G" (binary multiples; an optional trailing "B"/"iB"). false on error.
@@ -101,6 +109,10 @@ static void serve_usage(bool is_run) {
            "  --kv-transport tcp|shm|cuda-ipc|nccl|ucx  decode role (default shm on cpu, cuda-ipc on cuda)\n"
            "  --disagg-min-tokens N         prefill locally below N uncached prompt tokens (default 64)\n"
            "  --disagg-timeout-ms N         fall back to local prefill after N ms (default 30000)\n"
+           "  --disagg-link-aware on|off    decide local vs remote prefill with the link model (default: on\n"
+           "                                with --control, off without: the length threshold alone):\n"
+           "                                predicted local prefill (step-time model) against queue + remote\n"
+           "                                prefill + transfer over each prefill link (measured)\n"
            "  --auth-token-file F           shared secret (mode 0600) every KV connection proves (HMAC);\n"
            "                                required for --role prefill and --role decode\n"
            "  --debug-corrupt-kv N          test hook: corrupt every Nth KV transfer (prefill role)\n"
@@ -122,7 +134,16 @@ static void serve_usage(bool is_run) {
            "router registration:\n"
            "  --router URL                  register with the router at URL (re-sent every 10 s; deregistered at exit)\n"
            "  --router-token-file F         bearer token for the router's /internal/register\n"
-           "  --advertise-url URL           the URL the router should use (default http://HOST:PORT)\n");
+           "  --advertise-url URL           the URL the router should use (default http://HOST:PORT)\n"
+           "cluster mode:\n"
+           "  --control nats://HOST:PORT    publish presence (role, capacity, load, KV events, link model) on NATS\n"
+           "                                every heartbeat instead of being polled; the connection presents the\n"
+           "                                --auth-token-file token (required)\n"
+           "  --control-heartbeat-ms N      presence period (default 200)\n"
+           "  --prefill-queue               with --control: decode workers enqueue remote prefills on the JetStream\n"
+           "                                work queue (stream PDSERVE_PREFILL), prefill workers pull, claim and ack;\n"
+           "                                a job its prefill worker did not ack is redelivered (nats-server -js)\n"
+           "  --debug-prefill-job-hold-ms N test hook (prefill role): hold each fetched job N ms before claiming it\n");
 }
 
 // Parses argv into o. Returns -1 on success, else the exit code (0 for --help).
@@ -131,7 +152,8 @@ static int parse_flags(int argc, char **argv, serve_opts *o) {
            O_NAME, O_LF, O_WAIT, O_BODY, O_EXIT, O_ROLE, O_KVHOST, O_KVPORT, O_PREFILL, O_KVTR, O_DMIN, O_DTO,
            O_CORRUPT, O_ROUTER, O_RTOKEN, O_ADV, O_SPEC_MODEL, O_SPEC_K, O_SPEC_METHOD, O_SPEC_FIXED, O_LA_W, O_LA_N,
            O_NGRAM_MAX, O_THREADS, O_SDT, O_MAXCONN, O_KATO, O_HDRTO, O_TRACE, O_AUTH, O_KVPAUSE, O_KVDT,
-           O_OFF_DRAM, O_OFF_DISK, O_OFF_DISK_SIZE, O_OFF_REMOTE, O_OFF_DTYPE, O_REFUSE, O_HELP };
+           O_OFF_DRAM, O_OFF_DISK, O_OFF_DISK_SIZE, O_OFF_REMOTE, O_OFF_DTYPE, O_REFUSE, O_CTL, O_CTLHB,
+           O_LINK, O_PQ, O_JOBHOLD, O_HELP };
     static const struct option opts[] = {
         {"model", required_argument, 0, O_MODEL}, {"host", required_argument, 0, O_HOST},
         {"port", required_argument, 0, O_PORT}, {"device", required_argument, 0, O_DEV},
@@ -161,6 +183,9 @@ static int parse_flags(int argc, char **argv, serve_opts *o) {
         {"kv-offload-dram", required_argument, 0, O_OFF_DRAM}, {"kv-offload-disk", required_argument, 0, O_OFF_DISK},
         {"kv-offload-disk-size", required_argument, 0, O_OFF_DISK_SIZE}, {"kv-remote", required_argument, 0, O_OFF_REMOTE},
         {"kv-offload-dtype", required_argument, 0, O_OFF_DTYPE},
+        {"control", required_argument, 0, O_CTL},
+        {"control-heartbeat-ms", required_argument, 0, O_CTLHB}, {"disagg-link-aware", required_argument, 0, O_LINK},
+        {"prefill-queue", no_argument, 0, O_PQ}, {"debug-prefill-job-hold-ms", required_argument, 0, O_JOBHOLD},
         {"help", no_argument, 0, O_HELP}, {0, 0, 0, 0}};
     const char *cmd = o->is_run ? "run" : "serve";
     long v;
@@ -253,6 +278,26 @@ static int parse_flags(int argc, char **argv, serve_opts *o) {
         case O_ADV: o->advertise_url = optarg; break;
         case O_AUTH: o->auth_token_file = optarg; break;
         case O_REFUSE: o->ep.debug_refuse_kv_pools = true; break;
+        case O_CTL:
+            if (strncmp(optarg, "nats://", 7)) return pd_cmd_usage_error(cmd, "--control must be nats://HOST:PORT");
+            o->control_url = optarg;
+            break;
+        case O_CTLHB:
+            if (!pd_cmd_parse_int(optarg, &v) || v < 10 || v > 60000)
+                return pd_cmd_usage_error(cmd, "--control-heartbeat-ms must be 10..60000");
+            o->control_heartbeat_ms = (int)v;
+            break;
+        case O_PQ: o->prefill_queue = true; break;
+        case O_JOBHOLD:
+            if (!pd_cmd_parse_int(optarg, &v) || v < 0 || v > 600000)
+                return pd_cmd_usage_error(cmd, "--debug-prefill-job-hold-ms must be 0..600000");
+            o->debug_job_hold_ms = (int)v;
+            break;
+        case O_LINK:
+            if (strcmp(optarg, "on") && strcmp(optarg, "off")) return pd_cmd_usage_error(cmd, "--disagg-link-aware must be on or off");
+            o->ep.disagg_link_aware = !strcmp(optarg, "on");
+            o->link_aware_set = true;
+            break;
         case O_KVPAUSE:
             if (strcmp(optarg, "hello_ack") && strcmp(optarg, "mid_slab") && strcmp(optarg, "before_done"))
                 return pd_cmd_usage_error(cmd, "--debug-kv-pause must be hello_ack, mid_slab or before_done");
@@ -361,6 +406,7 @@ typedef struct serve_ctx {
     struct evhttp_connection *client;  // `run`: the sample request's connection
     pd_engine *engine;
     struct reg_ctx *reg;               // router registration, or NULL
+    struct ctl_ctx *ctl;               // NATS presence (cluster mode), or NULL
 } serve_ctx;
 
 static void print_sample_answer(serve_ctx *s, struct evhttp_request *req) {
@@ -553,12 +599,256 @@ static void reg_stop(reg_ctx *g) {
     memset(g, 0, sizeof *g);
 }
 
+// ---- cluster mode: presence over NATS (control/control.h) -------------------------------------------
+// Every heartbeat: PUBLISH pdserve.presence.<role>.<instance> = our STATE (load, the KV events since
+// the previous presence, the link model) + "url", "since", "heartbeat_ms". Requests on
+// pdserve.resync.<instance> ("since=N") are answered with the STATE since N (a router that missed a
+// presence). Draining: one presence with "leaving": true.
+typedef struct ctl_ctx {
+    serve_ctx *s;
+    pd_ctl *ctl;
+    struct event *timer, *ev_inbox;
+    char url[PD_WIRE_URL_MAX];
+    char subj[96], resync_subj[96];
+    uint64_t seq_next;          // the next event to publish
+    bool has_left;
+    // the prefill work queue (--prefill-queue)
+    pd_ctl_jobq *jobq;
+    char instance[24];          // ours (decode: the jobs name it; claims come on pdserve.claim.<instance>)
+    char claim_subj[96];
+    char kv_addr[300];          // prefill: our KV address as decode workers dial it
+    pthread_t fetch_thread;
+    bool has_fetch_thread;
+    int stop;                   // atomic
+} ctl_ctx;
+
+static void advertised_url(serve_ctx *s, char *out, size_t n) {
+    serve_opts *o = s->o;
+    if (o->advertise_url) {
+        snprintf(out, n, "%s", o->advertise_url);
+    } else {
+        const char *h = o->ap.host && strcmp(o->ap.host, "0.0.0.0") ? o->ap.host : "127.0.0.1";
+        snprintf(out, n, "http://%s:%d", h, pd_api_port(s->api));
+    }
+}
+
+static void on_claim(ctl_ctx *g, const pd_ctl_msg *m);
+
+static void ctl_publish(ctl_ctx *g, bool leaving) {
+    uint64_t since = g->seq_next;
+    json_t *o = pd_api_state_json(g->s->api, since, 4096);
+    if (!o) return;
+    json_object_set_new(o, "url", json_string(g->url));
+    json_object_set_new(o, "since", json_integer((json_int_t)since));
+    json_object_set_new(o, "heartbeat_ms", json_integer(g->s->o->control_heartbeat_ms));
+    if (leaving) json_object_set_new(o, "leaving", json_true());
+    json_t *sn = json_object_get(json_object_get(o, "events"), "seq_next");
+    bool has_next = json_is_integer(sn);
+    uint64_t next = has_next ? (uint64_t)json_integer_value(sn) : 0;  // (read before o is freed)
+    char *txt = json_dumps(o, JSON_COMPACT);
+    json_decref(o);
+    if (txt && pd_ctl_publish(g->ctl, g->subj, NULL, txt, (int)strlen(txt)) == PD_OK && has_next) g->seq_next = next;
+    free(txt);
+}
+
+static void on_ctl_timer(evutil_socket_t fd, short what, void *arg) {
+    PD_UNUSED(fd);
+    PD_UNUSED(what);
+    ctl_ctx *g = arg;
+    if (!g->has_left) ctl_publish(g, false);
+}
+
+static void on_ctl_inbox(evutil_socket_t fd, short what, void *arg) {
+    PD_UNUSED(fd);
+    PD_UNUSED(what);
+    ctl_ctx *g = arg;
+    pd_ctl_msg *list = pd_ctl_inbox_take(g->ctl);
+    for (pd_ctl_msg *m = list; m; m = m->next) {
+        if (m->reply && !strcmp(m->subject, g->claim_subj)) {
+            on_claim(g, m);
+            continue;
+        }
+        if (strcmp(m->subject, g->resync_subj) || !m->reply) continue;  // ($pd.conn: libnats reconnects)
+        char *end = NULL;
+        unsigned long long since = strncmp(m->data, "since=", 6) ? 0 : strtoull(m->data + 6, &end, 10);
+        if (!end || *end) continue;  // malformed: no answer
+        json_t *o = pd_api_state_json(g->s->api, since, 1 << 16);
+        char *txt = o ? json_dumps(o, JSON_COMPACT) : NULL;
+        json_decref(o);
+        if (txt) pd_ctl_publish(g->ctl, m->reply, NULL, txt, (int)strlen(txt));
+        free(txt);
+    }
+    pd_ctl_msg_free(list);
+}
+
+// ---- the prefill work queue (JetStream; --prefill-queue) ------------------------------------------
+// decode: the engine queued a remote prefill: publish the job {"decode": <instance>, "req": id}
+// (asynchronously: the engine thread does not wait for JetStream's ack).
+static void on_prefill_enqueue(void *ud, uint64_t req_id, int n_tokens) {
+    ctl_ctx *g = ud;
+    char job[128];
+    int n = snprintf(job, sizeof job, "{\"decode\":\"%s\",\"req\":%llu,\"tokens\":%d}", g->instance,
+                     (unsigned long long)req_id, n_tokens);
+    if (!g->jobq || pd_ctl_jobq_push_async(g->jobq, job, n) != PD_OK)
+        PD_LOG_W("control: cannot queue prefill job %llu (it falls back when its deadline passes)", (unsigned long long)req_id);
+}
+
+// decode: a prefill worker claims a job: "req=<id> kv=<host:port>" → "ok" | "gone" | "busy".
+static void on_claim(ctl_ctx *g, const pd_ctl_msg *m) {
+    unsigned long long id = 0;
+    char kv[300] = "";
+    const char *ans = "bad";
+    if (sscanf(m->data, "req=%llu kv=%299s", &id, kv) == 2) {
+        pd_status st = pd_engine_prefill_claim(g->s->engine, id, kv);
+        ans = st == PD_OK ? "ok" : st == PD_ERR_NOTFOUND ? "gone" : "busy";
+    }
+    pd_ctl_publish(g->ctl, m->reply, NULL, ans, (int)strlen(ans));
+}
+
+// prefill: pull one job at a time while our own queue is empty, claim it from its decode worker
+// (which then sends the PREFILL_REQ over our authenticated KV connection), ack it. A job we fetch
+// and die holding is redelivered by JetStream after its ack wait to another prefill worker.
+static void *fetch_main(void *arg) {
+    ctl_ctx *g = arg;
+    while (!__atomic_load_n(&g->stop, __ATOMIC_ACQUIRE)) {
+        pd_engine_stats st;
+        memset(&st, 0, sizeof st);
+        pd_engine_stats_get(g->s->engine, &st);
+        if (st.n_waiting > 0) {  // busy: leave the jobs to idle workers
+            poll(NULL, 0, 20);
+            continue;
+        }
+        pd_ctl_job *job = NULL;
+        if (pd_ctl_jobq_fetch(g->jobq, &job, 1, 500) != 1) continue;
+        int len = 0;
+        const char *d = pd_ctl_job_data(job, &len);
+        json_t *o = json_loadb(d, (size_t)len, 0, NULL);
+        const char *dec = o ? json_string_value(json_object_get(o, "decode")) : NULL;
+        json_t *rq = o ? json_object_get(o, "req") : NULL;
+        int64_t nd = pd_ctl_job_n_delivered(job);
+        if (!dec || !json_is_integer(rq) || strlen(dec) > 32) {
+            PD_LOG_W("control: malformed prefill job dropped");
+            pd_ctl_job_ack(job);
+            json_decref(o);
+            continue;
+        }
+        unsigned long long id = (unsigned long long)json_integer_value(rq);
+        if (nd > 1) fprintf(stderr, "pdserve: prefill job %s/%llu redelivered (delivery %lld)\n", dec, id, (long long)nd);
+        if (g->s->o->debug_job_hold_ms > 0)
+            fprintf(stderr, "pdserve: prefill job %s/%llu fetched; holding it %d ms (test hook)\n", dec, id, g->s->o->debug_job_hold_ms);
+        for (int t = 0; t < g->s->o->debug_job_hold_ms / 10 && !__atomic_load_n(&g->stop, __ATOMIC_ACQUIRE); t++)
+            poll(NULL, 0, 10);  // test hook: a worker that dies holding a job
+        char subj[96], body[400];
+        snprintf(subj, sizeof subj, "pdserve.claim.%s", dec);
+        int n = snprintf(body, sizeof body, "req=%llu kv=%s", id, g->kv_addr);
+        char *reply = NULL;
+        pd_status rs = pd_ctl_request(g->ctl, subj, body, n, 2000, &reply);
+        if (rs == PD_OK && !strcmp(reply, "ok")) {
+            fprintf(stderr, "pdserve: prefill job %s/%llu claimed\n", dec, id);
+            pd_ctl_job_ack(job);
+        } else if ((rs == PD_OK && !strcmp(reply, "gone")) || rs == PD_ERR_NOTFOUND || nd >= 5) {
+            // served already (a claim whose answer came too late), timed out, or its decode worker
+            // is gone: nothing to do
+            fprintf(stderr, "pdserve: prefill job %s/%llu not queued any more: acked\n", dec, id);
+            pd_ctl_job_ack(job);
+        } else {
+            fprintf(stderr, "pdserve: prefill job %s/%llu: %s: nak (redelivered)\n", dec, id,
+                    rs == PD_OK ? reply : pd_status_str(rs));
+            pd_ctl_job_nak(job);  // busy (no connection to us yet) or no answer: redeliver
+        }
+        pd_free(reply);
+        json_decref(o);
+    }
+    return NULL;
+}
+
+// Connects before the engine exists (a decode engine's first queued job needs the queue).
+static bool ctl_connect(ctl_ctx *g, serve_opts *o, const char *token) {
+    memset(g, 0, sizeof *g);
+    if (!token) {
+        fprintf(stderr, "pdserve: --control needs --auth-token-file (the NATS connection authenticates)\n");
+        return false;
+    }
+    char name[64];
+    snprintf(name, sizeof name, "pdserve-%s", pd_engine_role_name(o->ep.role));
+    pd_ctl_params cp = {.url = o->control_url, .token = token, .name = name};
+    pd_err err = {0};
+    if (!(g->ctl = pd_ctl_connect(&cp, &err))) {
+        fprintf(stderr, "pdserve: control plane: %s\n", err.msg);
+        return false;
+    }
+    if (o->prefill_queue) {
+        g->jobq = pd_ctl_jobq_new(g->ctl, o->ep.role == PD_ROLE_PREFILL, 2000, 10, &err);
+        if (!g->jobq) {
+            fprintf(stderr, "pdserve: control plane: %s\n", err.msg);
+            return false;
+        }
+        if (o->ep.role == PD_ROLE_DECODE) {
+            o->ep.on_prefill_enqueue = on_prefill_enqueue;
+            o->ep.prefill_enqueue_ud = g;
+        }
+    }
+    return true;
+}
+
+// false (with a message) when NATS cannot be reached or refuses us: the worker does not start.
+static bool ctl_start(ctl_ctx *g, serve_ctx *s) {
+    g->s = s;
+    serve_opts *o = s->o;
+    if (o->control_heartbeat_ms <= 0) o->control_heartbeat_ms = 200;
+    advertised_url(s, g->url, sizeof g->url);
+    json_t *st = pd_api_state_json(s->api, 0, 0);
+    const char *inst = st ? json_string_value(json_object_get(st, "instance")) : NULL;
+    const char *role = st ? json_string_value(json_object_get(st, "role")) : NULL;
+    snprintf(g->instance, sizeof g->instance, "%s", inst ? inst : "0");
+    snprintf(g->subj, sizeof g->subj, "%s.%s.%s", PD_CTL_SUBJ_PRESENCE, role ? role : "both", g->instance);
+    snprintf(g->resync_subj, sizeof g->resync_subj, "%s.%s", PD_CTL_SUBJ_RESYNC, g->instance);
+    snprintf(g->claim_subj, sizeof g->claim_subj, "pdserve.claim.%s", g->instance);
+    json_decref(st);
+    pd_err err = {0};
+    if (pd_ctl_subscribe(g->ctl, g->resync_subj, &err) ||
+        (g->jobq && o->ep.role == PD_ROLE_DECODE && pd_ctl_subscribe(g->ctl, g->claim_subj, &err))) {
+        fprintf(stderr, "pdserve: control plane: %s\n", err.msg);
+        return false;
+    }
+    g->timer = event_new(s->base, -1, EV_PERSIST, on_ctl_timer, g);
+    g->ev_inbox = event_new(s->base, pd_ctl_inbox_fd(g->ctl), EV_READ | EV_PERSIST, on_ctl_inbox, g);
+    struct timeval tv = {o->control_heartbeat_ms / 1000, (o->control_heartbeat_ms % 1000) * 1000};
+    if (!g->timer || !g->ev_inbox || event_add(g->timer, &tv) || event_add(g->ev_inbox, NULL)) return false;
+    if (g->jobq && o->ep.role == PD_ROLE_PREFILL) {
+        snprintf(g->kv_addr, sizeof g->kv_addr, "%s:%d", o->ep.kv_host ? o->ep.kv_host : "127.0.0.1", pd_engine_kv_port(s->engine));
+        if (pthread_create(&g->fetch_thread, NULL, fetch_main, g)) return false;
+        g->has_fetch_thread = true;
+        fprintf(stderr, "pdserve: control plane: pulling prefill jobs from JetStream as %s\n", g->kv_addr);
+    }
+    ctl_publish(g, false);
+    fprintf(stderr, "pdserve: control plane: presence on %s every %d ms\n", g->subj, o->control_heartbeat_ms);
+    return true;
+}
+
+static void ctl_leave(ctl_ctx *g) {
+    if (!g->ctl || g->has_left) return;
+    ctl_publish(g, true);
+    g->has_left = true;
+}
+
+static void ctl_stop(ctl_ctx *g) {
+    __atomic_store_n(&g->stop, 1, __ATOMIC_RELEASE);
+    if (g->has_fetch_thread) pthread_join(g->fetch_thread, NULL);  // (a fetch waits 500 ms at most)
+    pd_ctl_jobq_free(g->jobq);
+    if (g->timer) event_free(g->timer);
+    if (g->ev_inbox) event_free(g->ev_inbox);
+    pd_ctl_free(g->ctl);
+    memset(g, 0, sizeof *g);
+}
+
 // ---- graceful shutdown (shutdown.c drives these) -------------------------------------------------
 
 static void sd_drain(void *ud) {
     serve_ctx *s = ud;
     pd_api_drain(s->api, 1);
     if (s->reg) reg_leave(s->reg);
+    if (s->ctl) ctl_leave(s->ctl);
 }
 
 static bool sd_is_drained(void *ud) {
@@ -587,17 +877,26 @@ static int serve_main(serve_opts *o) {
         return 1;
     }
     o->ep.kv_secret = secret;
+    ctl_ctx ctl = {0};
+    if (o->control_url && !ctl_connect(&ctl, o, secret)) {
+        ctl_stop(&ctl);
+        pd_free(secret);
+        return 1;
+    }
     fprintf(stderr, "pdserve: loading %s\n", o->ep.model_dir);
     pd_engine *e = pd_engine_new(&o->ep, &err);
-    o->ep.kv_secret = NULL;
-    pd_free(secret);  // the connector keeps its own copy
+    o->ep.kv_secret = NULL;  // the connector keeps its own copy; ours is the NATS token (--control)
     if (!e) {
         fprintf(stderr, "pdserve: %s\n", err.msg);
+        ctl_stop(&ctl);
+        pd_free(secret);
         return 1;
     }
     if (pd_engine_start(e)) {
         fprintf(stderr, "pdserve: cannot start the engine thread\n");
         pd_engine_free(e);
+        ctl_stop(&ctl);
+        pd_free(secret);
         return 1;
     }
     int rc = 1;
@@ -631,10 +930,16 @@ static int serve_main(serve_opts *o) {
         if (!reg_start(&reg, &s)) goto done;
         s.reg = &reg;
     }
+    if (o->control_url) {
+        if (!ctl_start(&ctl, &s)) goto done;
+        s.ctl = &ctl;
+    }
     event_base_dispatch(s.base);
     rc = 0;
 done:
     if (o->router_url) reg_stop(&reg);
+    ctl_stop(&ctl);
+    pd_free(secret);
     if (s.client) evhttp_connection_free(s.client);
     pd_cmd_shutdown_fini(&sd);
     pd_api_free(s.api);
@@ -655,6 +960,9 @@ static int serve_or_run(int argc, char **argv, bool is_run) {
     o.shutdown_timeout_s = PD_CMD_SHUTDOWN_TIMEOUT_S;
     int rc = parse_flags(argc, argv, &o);
     if (rc >= 0) return rc;
+    if (!o.link_aware_set) o.ep.disagg_link_aware = o.control_url != NULL;  // cluster mode decides by the links
+    if (o.prefill_queue && (!o.control_url || o.ep.role == PD_ROLE_BOTH))
+        return pd_cmd_usage_error("serve", "--prefill-queue needs --control and --role prefill or decode");
     return serve_main(&o);
 }
 

@@ -85,7 +85,8 @@ pd_status pd_disagg_init(pd_engine *e, pd_err *err) {
                            .backend = e->backend, .timeout_ms = p->disagg_timeout_ms,
                            .corrupt_every = p->debug_corrupt_every, .debug_pause = p->debug_kv_pause,
                            .debug_refuse_pools = p->debug_refuse_kv_pools,
-                           .on_event = on_kv_event, .ud = e};
+                           .on_event = on_kv_event, .ud = e, .on_enqueue = p->on_prefill_enqueue,
+                           .enqueue_ud = p->prefill_enqueue_ud};
     if (!p->kv_secret)
         return pd_err_set(err, PD_ERR_INVALID, "the %s role needs --auth-token-file (the KV connections authenticate)",
                           decode ? "decode" : "prefill");
@@ -120,7 +121,30 @@ void pd_disagg_req_fini(ereq *q) {
     q->prompt = q->load_blocks = q->dst_blocks = NULL;
 }
 
-bool pd_disagg_want_remote(pd_engine *e, const int32_t *prompt, int n_prompt) {
+// The link-aware model (wire/link.h) as this decode worker sees it now. Any thread.
+void pd_engine_disagg_model(pd_engine *e, pd_disagg_model *m) {
+    memset(m, 0, sizeof *m);
+    m->local_a_us = m->local_b_us = -1;
+    pthread_mutex_lock(&e->q.mu);
+    double a, b;
+    if (pd_link_fit_get(&e->step_fit, &a, &b)) m->local_a_us = a, m->local_b_us = b;
+    int64_t running = e->n_running_now;
+    pthread_mutex_unlock(&e->q.mu);
+    m->chunk_tokens = e->params.enable_chunked_prefill ? e->params.max_num_batched_tokens : 0;
+    m->local_queue_tokens = running;  // each local step also carries the running decode rows
+    m->min_tokens = e->params.disagg_min_tokens;
+    if (e->kc && e->params.role == PD_ROLE_DECODE) {
+        m->bytes_per_token = pd_kvconn_bytes_per_token(e->kc);
+        m->n_links = pd_kvconn_links(e->kc, m->links, PD_LINK_MAX);
+    }
+}
+
+pd_status pd_engine_prefill_claim(pd_engine *e, uint64_t req_id, const char *worker_addr) {
+    return e->kc ? pd_kvconn_claim(e->kc, req_id, worker_addr) : PD_ERR_NOTFOUND;
+}
+
+bool pd_disagg_want_remote(pd_engine *e, const int32_t *prompt, int n_prompt, int *worker) {
+    *worker = e->params.on_prefill_enqueue ? PD_KVCONN_QUEUE : -1;
     if (!e->kc || e->params.role != PD_ROLE_DECODE) return false;
     pd_kv_seq tmp;
     pd_kv_seq_init(&tmp, 0);
@@ -128,7 +152,8 @@ bool pd_disagg_want_remote(pd_engine *e, const int32_t *prompt, int n_prompt) {
     pd_kv_seq_fini(&tmp);
     pd_kvconn_match m;
     pd_kvconn_match_tokens(e->kc, n_prompt, hit < 0 ? 0 : hit, &m);
-    if (n_prompt - (hit < 0 ? 0 : hit) < e->params.disagg_min_tokens) {
+    int n_uncached = n_prompt - (hit < 0 ? 0 : hit);
+    if (n_uncached < e->params.disagg_min_tokens) {
         e->n_local_short++;
         return false;
     }
@@ -136,7 +161,31 @@ bool pd_disagg_want_remote(pd_engine *e, const int32_t *prompt, int n_prompt) {
         e->n_fallbacks[PD_FALLBACK_UNAVAILABLE]++;
         return false;
     }
-    return true;
+    // Link-aware: predicted local prefill (the step-time model) against the best link's queue +
+    // remote prefill + transfer. Until the local step-time model is measured (two distinct prefill
+    // step sizes), prefill locally: that is what measures it. No link measured yet: hand off (the
+    // transfer measures the link).
+    if (!e->params.disagg_link_aware) return true;
+    pd_disagg_model dm;
+    pd_engine_disagg_model(e, &dm);
+    double remote_us = -1, local_us = pd_disagg_local_us(&dm, m.n_tokens);
+    int best = pd_disagg_best_link(&dm, m.n_tokens, &remote_us);
+    if (local_us < 0) {
+        e->n_decide_local++;
+        return false;
+    }
+    if (best < 0) return true;
+    if (remote_us < local_us) {
+        if (!e->params.on_prefill_enqueue) *worker = best;  // (queued: whoever claims it)
+        e->n_decide_remote++;
+        PD_LOG_D("engine: %d tokens: remote over %s (%.0f us) beats local (%.0f us)", m.n_tokens, dm.links[best].peer,
+                 remote_us, local_us);
+        return true;
+    }
+    e->n_decide_local++;
+    PD_LOG_D("engine: %d tokens: local (%.0f us) beats remote over %s (%.0f us)", m.n_tokens, local_us,
+             dm.links[best].peer, remote_us);
+    return false;
 }
 
 // ---- decode side -------------------------------------------------------------------------------
@@ -181,6 +230,7 @@ void pd_disagg_start_loads(pd_engine *e, const pd_step_plan *plan) {
                                          .repetition_penalty = sp->repetition_penalty, .top_k = sp->top_k,
                                          .n_logprobs = sp->n_logprobs, .seed = sp->seed, .has_seed = sp->has_seed}};
         l.traceparent = q->traceparent;
+        l.worker = q->kv_worker;
         if (pd_kvconn_start_load(e->kc, &l) != PD_OK) fallback(e, q, PD_FALLBACK_UNAVAILABLE, NULL);
     }
 }

@@ -34,6 +34,7 @@ pd_engine_params pd_engine_params_default(void) {
     p.enable_chunked_prefill = true;
     p.max_waiting = 4096;
     p.disagg_min_tokens = 64;
+    p.disagg_link_aware = false;
     p.disagg_timeout_ms = 30000;
     return p;
 }
@@ -224,7 +225,6 @@ fail:
 
 const pd_tok *pd_engine_tok(const pd_engine *e) { return e->tok; }
 const pd_model_config *pd_engine_config(const pd_engine *e) { return pd_model_get_config(e->model); }
-int pd_engine_max_model_len(const pd_engine *e) { return e->max_model_len; }
 const char *pd_engine_model_name(const pd_engine *e) { return e->model_name; }
 int pd_engine_event_fd(const pd_engine *e) { return e->q.efd; }
 int pd_engine_poll(pd_engine *e, pd_engine_event *out, int max) { return pd_queue_poll_events(&e->q, out, max); }
@@ -316,7 +316,9 @@ static void handle_submit(pd_engine *e, pd_cmd *c) {
                               .n_eos_ids = cfg->n_eos, .ignore_eos = r->ignore_eos, .priority = r->priority};
     // A constrained request (logit bias, token mask) samples its first token here: a prefill
     // worker would sample it without the constraint.
-    sp.is_remote_prefill = e->params.role == PD_ROLE_DECODE && !has_ctl && pd_disagg_want_remote(e, r->prompt, r->n_prompt);
+    int kv_worker = -1;
+    sp.is_remote_prefill = e->params.role == PD_ROLE_DECODE && !has_ctl && pd_disagg_want_remote(e, r->prompt, r->n_prompt, &kv_worker);
+    if (q) q->kv_worker = kv_worker;
     if (q && q->sampler && !sp.is_remote_prefill) sp.n_tier_tokens = pd_tiers_req_init(e, q, r->prompt, r->n_prompt);
     if (!q || !q->sampler || pd_engine_req_reserve(e) || pd_sched_add(e->sched, &sp, r->arrival_us, &err)) {
         if (q) pd_sampler_free(q->sampler);
@@ -675,6 +677,8 @@ static void publish_stats(pd_engine *e) {
     o->n_kv_handoffs = e->n_handoffs;
     memcpy(o->n_kv_fallbacks, e->n_fallbacks, sizeof o->n_kv_fallbacks);
     o->n_kv_local_short = e->n_local_short;
+    o->n_disagg_decide_local = e->n_decide_local;
+    o->n_disagg_decide_remote = e->n_decide_remote;
     o->n_kv_handoff_bytes = e->handoff_bytes;
     o->kv_handoff_us_total = e->handoff_us;
     o->n_kv_exports = e->n_exports;
@@ -709,7 +713,17 @@ static void measure_step(pd_engine *e, const pd_step_plan *plan, int64_t us) {
     for (int i = 0; i < plan->n_seqs; i++)
         if (plan->seqs[i].n_tokens > 1 || !plan->seqs[i].needs_logits) n_prefill += plan->seqs[i].n_tokens;
     double a = 0.2;
+    int n_tok = 0;
+    for (int i = 0; i < plan->n_seqs; i++) n_tok += plan->seqs[i].n_tokens;
     pthread_mutex_lock(&e->q.mu);
+    // The step-time model (wire/link.h): steps that carry prefill work, over all their tokens
+    // (decode rows included). Decode-only steps stay out: their cost is attention over context,
+    // not tokens, and they would swamp the fit the local/remote prefill decision needs.
+    if (n_prefill > 0 && us > 0) pd_link_fit_add(&e->step_fit, (double)n_tok, (double)us, 0.1);
+    e->n_running_now = plan->n_seqs;
+    double fa, fb;
+    if (e->kc && e->params.role == PD_ROLE_PREFILL && pd_link_fit_get(&e->step_fit, &fa, &fb))  // for decode workers' link models
+        pd_kvconn_set_step_model(e->kc, fa, fb, e->params.enable_chunked_prefill ? e->params.max_num_batched_tokens : 0);
     if (n_prefill > 0 && us > 0) {
         double tps = (double)n_prefill * 1e6 / (double)us;
         e->ema_prefill_tps = e->ema_prefill_tps < 0 ? tps : (1 - a) * e->ema_prefill_tps + a * tps;
@@ -868,3 +882,5 @@ pd_status pd_engine_state(pd_engine *e, uint64_t since, int max_events, pd_wire_
     pthread_mutex_unlock(&e->q.mu);
     return st;
 }
+
+int pd_engine_max_model_len(const pd_engine *e) { return e->max_model_len; }

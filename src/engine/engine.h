@@ -22,6 +22,7 @@
 #include "tok/tok.h"
 #include "wire/control.h"
 #include "wire/kv.h"
+#include "wire/link.h"
 
 #ifdef __cplusplus
 extern "C" {
@@ -53,6 +54,13 @@ typedef struct pd_engine_params {
     pd_kvw_transport kv_transport;  // default shm on cpu, cuda-ipc on cuda
     int disagg_min_tokens;        // prefill locally when fewer uncached prompt tokens (default 64)
     int disagg_timeout_ms;        // a handoff slower than this falls back (default 30000)
+    // cluster mode's prefill work queue (decode role): remote prefills are queued for whichever
+    // prefill worker claims them (pd_engine_prefill_claim) instead of sent to one; on_prefill_enqueue
+    // publishes the job (engine thread; must not block). NULL: off.
+    void (*on_prefill_enqueue)(void *ud, uint64_t req_id, int n_tokens);
+    void *prefill_enqueue_ud;
+    bool disagg_link_aware;       // decide local vs remote with the link model (wire/link.h; default false:
+                                  // the length threshold alone; `serve --control` turns it on)
     // prefill role
     const char *kv_host;          // bind address of the KV port (default 127.0.0.1)
     int kv_port;                  // 0 = any free port (pd_engine_kv_port tells)
@@ -222,6 +230,7 @@ typedef struct pd_engine_stats {
     int64_t n_kv_local_short;                  // prompts prefilled locally because they were short
     int64_t n_kv_handoff_bytes;
     int64_t kv_handoff_us_total;               // request sent → KV verified, summed
+    int64_t n_disagg_decide_local, n_disagg_decide_remote;  // link-aware decisions (above min tokens)
     // prefill role
     int64_t n_kv_exports;
     int64_t n_kv_export_bytes;                 // KV bytes written into decode pools (cuda-ipc / shm)
@@ -254,6 +263,14 @@ void pd_engine_stats_get(pd_engine *e, pd_engine_stats *out);
 // sequence numbers >= since, at most max_events. out->events is owned by out
 // (pd_wire_state_fini). Any thread. PD_OK or PD_ERR_NOMEM.
 pd_status pd_engine_state(pd_engine *e, uint64_t since, int max_events, pd_wire_state *out);
+
+// The link-aware disaggregation model (wire/link.h) of a decode worker now: its step-time model
+// and each prefill link's measured latency, bandwidth and compute model. Any thread.
+void pd_engine_disagg_model(pd_engine *e, pd_disagg_model *out);
+// Cluster mode (decode role): the prefill worker whose KV address is worker_addr claims queued
+// request req_id. PD_OK (its PREFILL_REQ is on the way), PD_ERR_NOTFOUND (not queued any more),
+// PD_NOSPACE (not connected to that worker). Any thread.
+pd_status pd_engine_prefill_claim(pd_engine *e, uint64_t req_id, const char *worker_addr);
 
 #ifdef __cplusplus
 }

@@ -27,6 +27,7 @@ typedef struct ereq {
     // TTFT breakdown (pd_engine_event) and tracing
     int64_t t_arrival_us, t_sched_us, t_kv_ready_us, remote_queue_us, remote_compute_us;
     bool is_first_sent, is_kv_remote;
+    int kv_worker;        // decode: the prefill worker the link model chose (-1: least loaded)
     char traceparent[56];
     // prefill role: this request computes KV for a decode worker
     bool is_export;
@@ -90,6 +91,9 @@ struct pd_engine {
     pd_wire_kv_log *kv_log;  // KV events for routers; guarded by q.mu
     uint64_t instance;       // random per process (routers detect restarts)
     double ema_prefill_tps, ema_decode_ms;  // guarded by q.mu when read
+    pd_link_fit step_fit;   // step µs over tokens in the step (the local step-time model); q.mu
+    int64_t n_decide_local, n_decide_remote;  // link-aware decisions (decode role), engine thread
+    int64_t n_running_now;  // requests running at the last step (the model's rows per step)
     int64_t n_debug_steps;  // debug_fail_step_every
     int64_t n_exports, n_handoffs, n_fallbacks[PD_FALLBACK_N], n_local_short, handoff_bytes, handoff_us;
     int64_t export_bytes, export_copy_us;  // prefill role: direct-write KV copies (bytes, time)
@@ -118,7 +122,8 @@ void pd_engine_push_sched_events(pd_engine *e, const pd_step_plan *plan, const p
 // disagg.c
 pd_status pd_disagg_init(pd_engine *e, pd_err *err);  // after the model and cache exist
 void pd_disagg_fini(pd_engine *e);
-bool pd_disagg_want_remote(pd_engine *e, const int32_t *prompt, int n_prompt);
+// *worker: the prefill worker the link model chose (-1: the least loaded).
+bool pd_disagg_want_remote(pd_engine *e, const int32_t *prompt, int n_prompt, int *worker);
 void pd_disagg_start_loads(pd_engine *e, const pd_step_plan *plan);
 void pd_disagg_handle(pd_engine *e, pd_kvconn_event *ev);  // a connector event, on the engine thread
 // Prefill role, before a step runs: starts the saves of requests whose last prompt chunk is in the

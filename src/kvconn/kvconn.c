@@ -104,7 +104,8 @@ pd_kvconn *pd_kvconn_new(const pd_kvconn_params *p, pd_err *err) {
             goto fail;
         }
         pd_xfer_client_params cp = {.n_workers = p->n_workers, .transport = p->transport, .fp = p->fp, .secret = p->secret,
-                                    .backend = p->backend, .timeout_ms = p->timeout_ms, .on_event = on_xfer_event, .ud = c};
+                                    .backend = p->backend, .timeout_ms = p->timeout_ms, .on_event = on_xfer_event, .ud = c,
+                                    .on_enqueue = p->on_enqueue, .enqueue_ud = p->enqueue_ud};
         for (int i = 0; i < p->n_workers && i < PD_XFER_MAX_WORKERS; i++) cp.addrs[i] = p->addrs[i];
         if (c->t->export_pool && c->t->export_pool(c, &cp.pool_handle, err)) goto fail;
         if (c->t->hello_blob && c->t->hello_blob(c, cp.hello_blob, &cp.hello_blob_len, err)) goto fail;
@@ -170,13 +171,31 @@ void pd_kvconn_match_tokens(pd_kvconn *c, int n_prompt, int n_local_hit, pd_kvco
     out->cost_us = (double)ns_per_tok / 1000.0 * out->n_tokens;
 }
 
+pd_status pd_kvconn_claim(pd_kvconn *c, uint64_t req_id, const char *worker_addr) {
+    return c->xc ? pd_xfer_client_claim(c->xc, req_id, worker_addr) : PD_ERR_NOTFOUND;
+}
+
+int pd_kvconn_links(pd_kvconn *c, pd_link_stats *out, int max) {
+    return c->xc ? pd_xfer_client_links(c->xc, out, max) : 0;
+}
+
+void pd_kvconn_set_step_model(pd_kvconn *c, double a_us, double b_us, int chunk_tokens) {
+    if (c->xs) pd_xfer_server_set_step_model(c->xs, a_us, b_us, chunk_tokens);
+}
+
+double pd_kvconn_bytes_per_token(const pd_kvconn *c) {
+    return 2.0 * c->p.cache.n_layers * (double)c->p.cache.row_bytes;
+}
+
 // ---- decode role -------------------------------------------------------------------------------
 pd_status pd_kvconn_start_load(pd_kvconn *c, const pd_kvconn_load *l) {
     if (!c->xc) return PD_NOSPACE;
     pd_kvw_prefill_req r = {.req_id = l->req_id, .start_pos = l->start_pos, .n_tokens = l->n_tokens, .tokens = l->tokens,
                             .n_dst_blocks = l->n_dst_blocks, .dst_blocks = l->dst_blocks, .sampling = l->sampling};
     if (l->traceparent) snprintf(r.traceparent, sizeof r.traceparent, "%s", l->traceparent);
-    return pd_xfer_client_prefill(c->xc, &r);
+    pd_status st = pd_xfer_client_prefill_on(c->xc, l->worker == PD_KVCONN_QUEUE ? PD_XFER_QUEUE : l->worker, &r);
+    if (st == PD_NOSPACE && l->worker >= 0) st = pd_xfer_client_prefill_on(c->xc, -1, &r);  // the chosen one filled up
+    return st;
 }
 
 bool pd_kvconn_load_verify(pd_kvconn *c, const pd_kvconn_event *ev, const int32_t *dst_blocks, int n_dst_blocks,

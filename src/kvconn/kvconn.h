@@ -33,6 +33,7 @@
 #include "base/base.h"
 #include "base/hash.h"
 #include "wire/kv.h"
+#include "wire/link.h"
 
 #ifdef __cplusplus
 extern "C" {
@@ -100,6 +101,10 @@ typedef struct pd_kvconn_params {
     bool debug_refuse_pools;             // test hook (prefill): refuse every decode pool (as if it did not check out)
     pd_kvconn_event_fn on_event;
     void *ud;
+    // decode role, cluster mode: loads with worker PD_KVCONN_QUEUE go to the prefill work queue;
+    // this publishes the job (called on the engine thread; must not block). NULL: no queue.
+    void (*on_enqueue)(void *ud, uint64_t req_id, int n_tokens);
+    void *enqueue_ud;
 } pd_kvconn_params;
 
 pd_kvconn *pd_kvconn_new(const pd_kvconn_params *p, pd_err *err);
@@ -124,6 +129,15 @@ typedef struct pd_kvconn_match {
 } pd_kvconn_match;
 // n_local_hit: prompt tokens already cached locally. Never blocks.
 void pd_kvconn_match_tokens(pd_kvconn *c, int n_prompt, int n_local_hit, pd_kvconn_match *out);
+// Link-aware disaggregation (wire/link.h): each prefill worker's link as measured (probe at
+// connect, heartbeats, real transfers) and its compute model, in worker order (decode role; 0
+// otherwise). Never blocks for long (per-worker mutexes).
+int pd_kvconn_links(pd_kvconn *c, pd_link_stats *out, int max);
+// Prefill role: this engine's step-time model and prefill budget, sent to decode workers with every
+// link-probe answer. Any thread.
+void pd_kvconn_set_step_model(pd_kvconn *c, double a_us, double b_us, int chunk_tokens);
+// KV bytes one prompt token moves.
+double pd_kvconn_bytes_per_token(const pd_kvconn *c);
 
 // ---- worker side, decode role ------------------------------------------------------------------
 typedef struct pd_kvconn_load {
@@ -135,7 +149,14 @@ typedef struct pd_kvconn_load {
     int n_dst_blocks;
     pd_kvw_sampling sampling;   // the first token is drawn remotely with the same sampler state
     const char *traceparent;    // NULL / "" or the request's W3C traceparent (the prefill worker's spans)
+    int worker;                 // the prefill worker to use (the link model's choice); -1: least loaded;
+                                // PD_KVCONN_QUEUE: the work queue (whichever prefill worker claims it)
 } pd_kvconn_load;
+#define PD_KVCONN_QUEUE (-2)
+// Cluster mode: the prefill worker at KV address worker_addr claims queued load req_id (its
+// PREFILL_REQ is sent to it now). PD_OK, PD_ERR_NOTFOUND (no longer queued), PD_NOSPACE (not
+// connected to that worker). Any thread.
+pd_status pd_kvconn_claim(pd_kvconn *c, uint64_t req_id, const char *worker_addr);
 // PD_OK: exactly one LOAD_DONE event follows. PD_NOSPACE: no worker now (prefill locally).
 // PD_ERR_INVALID: a block id outside our pool. Queues only.
 pd_status pd_kvconn_start_load(pd_kvconn *c, const pd_kvconn_load *l);

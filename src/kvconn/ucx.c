@@ -86,7 +86,7 @@ static void ucx_fini(pd_kvconn *c) {
     ucx_state *u = c->tstate;
     if (!u) return;
     if (u->has_thread) {
-        u->stop = 1;
+        __atomic_store_n(&u->stop, 1, __ATOMIC_RELEASE);  // (the progress thread reads it atomically)
         ucp_worker_signal(u->worker);
         pthread_join(u->progress, NULL);
     }

@@ -67,6 +67,12 @@ typedef struct pd_router_cand {
     int32_t n_foreign;             // requests there that are not the router's (from the last report)
     int32_t n_kv_blocks_total;     // 0 = unknown
     int32_t n_blocks_needed;       // this request's KV blocks at most (prompt + max tokens)
+    // The worker's link-aware model (wire/link.h, decode workers in disaggregated mode): its
+    // predicted prefill time for this request's uncached tokens, local or handed off, whichever
+    // the worker would choose. When present it replaces uncached / prefill rate in the TTFT model
+    // and, converted at the worker's prefill rate, the uncached-token term of the cost.
+    bool has_prefill_pred;
+    double prefill_pred_ms;
 } pd_router_cand;
 
 // A worker's admission capacity in concurrent requests, from what it reports: its running-batch

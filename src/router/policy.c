@@ -32,6 +32,8 @@ double pd_router_cost(const pd_router_cost_params *p, const pd_router_cand *c) {
     int32_t hit = p->use_prefix ? PD_MIN(c->n_hit_tokens, c->n_prompt_tokens) : 0;
     int32_t tier = p->use_prefix ? PD_MAX(0, PD_MIN(c->n_tier_hit_tokens, c->n_prompt_tokens - hit)) : 0;
     double uncached = (double)(c->n_prompt_tokens - hit - tier) + (double)tier * tier_ratio(c);
+    if (c->has_prefill_pred && p->use_prefix && c->prefill_tokens_per_s > 0)
+        uncached = c->prefill_pred_ms / 1000.0 * c->prefill_tokens_per_s;  // link-aware: in token equivalents
     double cost = p->w_prefill * (uncached + (double)c->n_queued_prefill_tokens) +
                   p->w_run * c->n_running + p->w_wait * c->n_waiting +
                   p->w_inflight * c->n_inflight;
@@ -62,7 +64,8 @@ double pd_router_predict_ttft_ms(const pd_router_cand *c) {
     double own = (double)(c->n_prompt_tokens - hit - tier) + (double)tier * tier_ratio(c);
     int run = c->n_running > 0 ? c->n_running : 1;
     double step_joined = step * (double)(c->n_running + 1) / (double)run;
-    double model = ((double)c->n_queued_prefill_tokens + own) / rate * 1000.0 + step_joined * (1.0 + c->n_waiting);
+    double own_ms = c->has_prefill_pred ? c->prefill_pred_ms : own / rate * 1000.0;
+    double model = (double)c->n_queued_prefill_tokens / rate * 1000.0 + own_ms + step_joined * (1.0 + c->n_waiting);
     // NOTE: the router's own observation wins when it has one: the worker's rates are averages
     // over the steps it last ran, so they go stale on an idle worker and carry no batch size.
     if (c->ttft_ms_per_inflight > 0) return c->ttft_ms_per_inflight * (double)(c->n_inflight + 1);

@@ -626,6 +626,10 @@ static int build_cands(rt_job *j, pd_router_cand *cands, int *n_full) {
         c->n_kv_blocks_total = w->load.n_kv_blocks_total;
         int64_t need = (int64_t)j->n_prompt + (j->max_tokens > 0 ? j->max_tokens : 0);
         c->n_blocks_needed = (int32_t)PD_MIN((need + w->block_size - 1) / PD_MAX(1, w->block_size), INT32_MAX);
+        if (w->has_model && j->has_ids) {  // the worker's own local-versus-remote model (wire/link.h)
+            double us = pd_disagg_predict_us(&w->model_dm, c->n_prompt_tokens - PD_MIN(c->n_hit_tokens, c->n_prompt_tokens), NULL);
+            if (us >= 0) c->has_prefill_pred = true, c->prefill_pred_ms = us / 1000.0;
+        }
         if (!pd_router_has_room(c)) {  // full: not a candidate
             n--;
             (*n_full)++;

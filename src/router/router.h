@@ -70,6 +70,9 @@ typedef struct pd_router_params {
     int keepalive_timeout_s;        // 0 = default (30)
     int header_timeout_s;           // 0 = default (60)
     size_t max_body_bytes;          // 0 = default (8 MiB)
+    const char *control_url;        // cluster mode: "nats://HOST:PORT" (workers from NATS presence; auth_token
+                                    // is the NATS token); NULL = HTTP polling only
+    int control_expire_ms;          // cluster mode: a worker without presence this long leaves rotation (0: 4 heartbeats)
 } pd_router_params;
 pd_router_params pd_router_params_default(void);
 

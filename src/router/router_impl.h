@@ -19,6 +19,7 @@
 #include "router/core_impl.h"
 #include "router/router.h"
 #include "wire/control.h"
+#include "wire/link.h"
 
 struct event;
 
@@ -53,6 +54,12 @@ typedef struct rt_worker {
     pd_wire_load prev_load;     // the previous report (rates on /status are deltas of counters)
     int inflight_at_poll;       // n_inflight when the current poll was sent
     int n_foreign;              // requests the worker reported beyond ours (other clients), last poll
+    // cluster mode (--control nats://): found and refreshed by NATS presence, never polled
+    bool is_nats;
+    int64_t t_last_presence_us;
+    int64_t t_resync_us;        // a resync request is out (0: none)
+    bool has_model;             // model_dm holds the worker's link-aware model (decode workers)
+    pd_disagg_model model_dm;
 } rt_worker;
 
 typedef struct rt_class_metrics {
@@ -113,6 +120,7 @@ struct pd_router {
         *m_workers_healthy, *m_poll_failures, *m_queue, *m_tokenize_failures, *m_kv_events;
     pd_metric *m_ttft_part[RT_N_TTFT_PARTS];  // pdserve_router_ttft_part_seconds{part=...}
     rt_sample history[RT_HISTORY_S];
+    struct rt_nats *nats;         // cluster mode (router/nats.c); NULL = HTTP polling only
 };
 
 // ---- worker.c ----
@@ -122,6 +130,21 @@ int rt_worker_add(pd_router *r, const char *url, pd_wire_role role, const char *
 // Removes a registered worker by URL. PD_OK or PD_ERR_NOTFOUND.
 pd_status rt_worker_remove(pd_router *r, const char *url);
 pd_status rt_heartbeat_start(pd_router *r);
+void rt_worker_set_healthy(pd_router *r, rt_worker *w, bool ok);
+// Applies a STATE document (poll reply, NATS presence, resync reply); true = a presence's events
+// did not continue from where we are (ask for a resync from w->seq_next).
+bool rt_worker_apply_state(pd_router *r, rt_worker *w, const char *buf, size_t len, bool is_presence, uint64_t since);
+
+// ---- nats.c (cluster mode) ----
+// Connects to NATS (token auth), subscribes to presence, starts the expiry timer. PD_OK or err.
+pd_status rt_nats_start(pd_router *r, const char *url, const char *token, int expire_ms, pd_err *err);
+void rt_nats_stop(pd_router *r);
+// For /metrics and /status: connected, disconnects, reconnects, presences applied, resyncs, expiries.
+typedef struct rt_nats_info {
+    bool is_on, is_connected;
+    int64_t disconnects, reconnects, presences, resyncs, expired;
+} rt_nats_info;
+void rt_nats_info_get(pd_router *r, rt_nats_info *out);
 void rt_heartbeat_stop(pd_router *r);
 // A proxied request could not reach worker w: count a failure (takes it out of rotation at once
 // when connect failed: `is_hard`).

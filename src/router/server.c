@@ -146,6 +146,20 @@ static void h_metrics(pd_http_req *req, void *ud) {
     pd_router *r = ud;
     char *txt = NULL;
     size_t len = 0;
+    rt_nats_info ni;
+    rt_nats_info_get(r, &ni);
+    if (ni.is_on) {  // cluster mode: the NATS connection (gauges made on first use)
+        static const char *const names[] = {"pdserve_router_nats_connected", "pdserve_router_nats_disconnects",
+                                            "pdserve_router_nats_reconnects", "pdserve_router_nats_presences",
+                                            "pdserve_router_nats_resyncs", "pdserve_router_nats_expired_workers"};
+        double v[] = {ni.is_connected, (double)ni.disconnects, (double)ni.reconnects, (double)ni.presences,
+                      (double)ni.resyncs, (double)ni.expired};
+        for (int i = 0; i < 6; i++) {
+            pd_metric *g = pd_metrics_find(r->metrics, names[i], NULL);
+            if (!g) g = pd_metrics_gauge(r->metrics, names[i], "NATS control plane (cluster mode); counts since start", NULL, NULL);
+            if (g) pd_metric_set(g, v[i]);
+        }
+    }
     if (pd_metrics_render(r->metrics, &txt, &len) != PD_OK)
         return pd_http_reply_error(req, 500, "server_error", "out of memory", NULL, NULL);
     pd_http_reply(req, 200, "text/plain; version=0.0.4", txt, len);
@@ -278,6 +292,13 @@ pd_router *pd_router_new(struct event_base *base, const pd_router_params *p, pd_
     if (!(r->http = pd_http_server_new(base, &hp, err))) goto fail;
     if (add_routes(r) != PD_OK) goto nomem;
     if (rt_heartbeat_start(r) != PD_OK) goto nomem;
+    if (p->control_url) {
+        if (!r->auth_token) {
+            pd_err_set(err, PD_ERR_INVALID, "router: --control needs --auth-token-file (the NATS connection authenticates)");
+            goto fail;
+        }
+        if (rt_nats_start(r, p->control_url, r->auth_token, p->control_expire_ms, err) != PD_OK) goto fail;
+    }
     pd_metric_set(r->m_workers_healthy, rt_n_healthy(r));
     if (!r->auth_token) PD_LOG_W("router: no --auth-token-file: worker registration is disabled");
     return r;
@@ -290,6 +311,7 @@ fail:
 
 void pd_router_free(pd_router *r) {
     if (!r) return;
+    rt_nats_stop(r);
     rt_heartbeat_stop(r);
     pd_http_server_free(r->http);  // close callbacks free the jobs of connected clients
     rt_jobs_free_all(r);

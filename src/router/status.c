@@ -116,6 +116,11 @@ static json_t *workers_json(const pd_router *r) {
                                 l->n_tier_hit_tokens > 0 ? json_real((double)l->tier_load_us / (double)l->n_tier_hit_tokens)
                                                          : json_null());
         }
+        json_object_set_new(o, "via", json_string(w->is_nats ? "nats" : "http"));
+        if (w->has_model) {  // the decode worker's link-aware model, as its last state said (wire/link.h)
+            json_t *dm = pd_disagg_model_to_json(&w->model_dm, 1 << 15);  // (flip points searched up to 32k tokens)
+            if (dm) json_object_set_new(o, "disagg_model", dm);
+        }
         json_array_append_new(a, o);
     }
     return a;
@@ -195,6 +200,12 @@ void rt_handle_status_json(pd_http_req *req, void *ud) {
                           "fallback_reasons", fbn, "workers", workers_json(r), "rejections", rejections_json(r),
                           "fallbacks", fallbacks_json(r), "history", history_json(r));
     if (!o) return pd_http_reply_error(req, 500, "server_error", "out of memory", NULL, NULL);
+    rt_nats_info ni;
+    rt_nats_info_get(r, &ni);
+    json_t *nj = json_pack("{s:b, s:b, s:I, s:I, s:I, s:I, s:I}", "on", ni.is_on, "connected", ni.is_connected, "disconnects",
+                           (json_int_t)ni.disconnects, "reconnects", (json_int_t)ni.reconnects, "presences",
+                           (json_int_t)ni.presences, "resyncs", (json_int_t)ni.resyncs, "expired", (json_int_t)ni.expired);
+    if (nj) json_object_set_new(o, "control", nj);
     pd_http_reply_json(req, 200, o);
     json_decref(o);
 }

@@ -133,7 +133,7 @@ pd_status rt_worker_remove(pd_router *r, const char *url) {
     return PD_ERR_NOTFOUND;
 }
 
-static void set_healthy(pd_router *r, rt_worker *w, bool ok) {
+void rt_worker_set_healthy(pd_router *r, rt_worker *w, bool ok) {
     if (w->is_healthy != ok)
         PD_LOG_I("router: worker %s is %s", w->url, ok ? "back in rotation" : "out of rotation");
     w->is_healthy = ok;
@@ -144,7 +144,7 @@ void rt_worker_note_failure(pd_router *r, int w_idx, bool is_hard) {
     rt_worker *w = &r->workers[w_idx];
     if (!w->is_used) return;
     w->n_failed++;
-    if (is_hard) set_healthy(r, w, false);
+    if (is_hard) rt_worker_set_healthy(r, w, false);
 }
 
 static void apply_events(pd_router *r, rt_worker *w, const pd_wire_state *s) {
@@ -167,28 +167,33 @@ static void apply_events(pd_router *r, rt_worker *w, const pd_wire_state *s) {
     pd_metric_inc(r->m_kv_events, s->n_events);
 }
 
-static void poll_ok(pd_router *r, rt_worker *w, int http_status) {
-    w->n_poll_failures = 0;
-    w->t_last_ok_us = pd_time_us();
-    set_healthy(r, w, true);
-    if (http_status != 200) return;  // alive, but no state endpoint (yet)
+// One STATE (a poll's reply, a NATS presence or a resync reply). is_presence: the events listed
+// continue from `since` (the worker's previous presence): if that is not where we are, nothing of
+// the list is applied and the caller asks for a resync (returns true). The load is applied anyway.
+bool rt_worker_apply_state(pd_router *r, rt_worker *w, const char *buf, size_t len, bool is_presence, uint64_t since) {
     pd_wire_state s;
     pd_err err = {0};
-    if (pd_wire_state_decode(w->poll_buf ? w->poll_buf : "", w->poll_len, &s, &err) != PD_OK) {
-        PD_LOG_W("router: %s/internal/state: %s", w->url, err.msg);
+    if (pd_wire_state_decode(buf, len, &s, &err) != PD_OK) {
+        PD_LOG_W("router: %s state: %s", w->url, err.msg);
         pd_wire_state_fini(&s);
-        return;
+        return false;
     }
-    if (!w->has_state || s.instance != w->instance || s.is_reset) {
-        pd_router_prefix_clear_worker(r->prefix, w->idx);
-        if (w->has_state && s.instance != w->instance)
-            PD_LOG_I("router: worker %s restarted (new instance)", w->url);
+    bool gap = false;
+    bool same = w->has_state && s.instance == w->instance;
+    if (is_presence && !s.is_reset && (!same || since != w->seq_next)) {
+        gap = true;  // missed a presence (or a new worker / router): events from w->seq_next via resync
+    } else {
+        if (!same || s.is_reset) {
+            pd_router_prefix_clear_worker(r->prefix, w->idx);
+            if (w->has_state && s.instance != w->instance) PD_LOG_I("router: worker %s restarted (new instance)", w->url);
+        }
+        apply_events(r, w, &s);
+        w->seq_next = s.seq_next;
     }
-    apply_events(r, w, &s);
-    if (w->has_state && s.instance == w->instance) rt_history_disagg(r, &s.load, &w->load);
+    if (same) rt_history_disagg(r, &s.load, &w->load);
+    if (!same && gap) w->seq_next = 0;  // a new instance: everything it still holds
     w->has_state = true;
     w->instance = s.instance;
-    w->seq_next = s.seq_next;
     w->prev_load = w->load;
     w->load = s.load;
     // Load that is not ours (other routers, direct clients): what the worker reports beyond the
@@ -198,6 +203,20 @@ static void poll_ok(pd_router *r, rt_worker *w, int http_status) {
     if (s.block_size > 0) w->block_size = s.block_size;
     if (s.model[0]) snprintf(w->model, sizeof w->model, "%s", s.model);
     pd_wire_state_fini(&s);
+    // The decode worker's link-aware model (wire/link.h): the router predicts its prefill time with it.
+    json_t *o = json_loadb(buf, len, 0, NULL);
+    json_t *dm = o ? json_object_get(o, "disagg_model") : NULL;
+    w->has_model = dm && pd_disagg_model_from_json(dm, &w->model_dm) == PD_OK;
+    json_decref(o);
+    return gap;
+}
+
+static void poll_ok(pd_router *r, rt_worker *w, int http_status) {
+    w->n_poll_failures = 0;
+    w->t_last_ok_us = pd_time_us();
+    rt_worker_set_healthy(r, w, true);
+    if (http_status != 200) return;  // alive, but no state endpoint (yet)
+    rt_worker_apply_state(r, w, w->poll_buf ? w->poll_buf : "", w->poll_len, false, 0);
 }
 
 static void on_poll_body(pd_http_client_call *call, const char *data, size_t len, void *ud) {
@@ -221,7 +240,7 @@ static void on_poll_done(pd_http_client_call *call, pd_status st, int http_statu
         w->n_poll_failures++;
         pd_metric_inc(r->m_poll_failures, 1);
         PD_LOG_D("router: poll %s failed (%d in a row): %s", w->url, w->n_poll_failures, msg);
-        if (w->n_poll_failures >= r->n_poll_failures_down) set_healthy(r, w, false);
+        if (w->n_poll_failures >= r->n_poll_failures_down) rt_worker_set_healthy(r, w, false);
     }
 }
 
@@ -246,7 +265,7 @@ static void on_heartbeat(evutil_socket_t fd, short what, void *arg) {
     pd_router *r = arg;
     for (int i = 0; i < PD_ROUTER_MAX_WORKERS; i++) {
         rt_worker *w = &r->workers[i];
-        if (w->is_used && !w->is_polling) poll_worker(r, w);
+        if (w->is_used && !w->is_polling && !w->is_nats) poll_worker(r, w);
     }
     int queued = 0;
     for (int i = 0; i < r->qos.n_classes; i++) queued += r->inflight_by_class[i];

@@ -155,6 +155,21 @@ static void put_body(pd_kvw_buf *b, const pd_kvw_msg *m) {
     case PD_KVW_PING:
     case PD_KVW_PONG: put_u64(b, m->u.ping.nonce); break;
     case PD_KVW_CANCEL: put_u64(b, m->u.cancel.req_id); break;
+    case PD_KVW_PROBE:
+    case PD_KVW_PROBE_DATA:
+        put_u64(b, m->u.probe.nonce);
+        put_u32(b, m->u.probe.bytes);
+        if (m->type == PD_KVW_PROBE_DATA)
+            put_f32(b, m->u.probe.step_a_us), put_f32(b, m->u.probe.step_b_us), put_u32(b, m->u.probe.chunk_tokens);
+        if (m->type == PD_KVW_PROBE_DATA && m->u.probe.bytes <= PD_KVW_PROBE_MAX && !b->oom) {  // filler
+            if (PD_ARRAY_RESERVE(b->data, b->cap, b->len + m->u.probe.bytes)) {
+                b->oom = true;
+            } else {
+                memset(b->data + b->len, 0x5a, m->u.probe.bytes);
+                b->len += m->u.probe.bytes;
+            }
+        }
+        break;
     case PD_KVW_AUTH_CHALLENGE: put(b, m->u.auth.nonce, PD_KVW_NONCE); break;
     case PD_KVW_AUTH_PROOF:
         put(b, m->u.auth.nonce, PD_KVW_NONCE);
@@ -257,6 +272,8 @@ uint32_t pd_kvw_max_body(pd_kvw_type t) {
     case PD_KVW_PING:
     case PD_KVW_PONG:
     case PD_KVW_CANCEL: return 8;
+    case PD_KVW_PROBE: return 12;
+    case PD_KVW_PROBE_DATA: return 24 + PD_KVW_PROBE_MAX;
     case PD_KVW_AUTH_CHALLENGE: return PD_KVW_NONCE;
     case PD_KVW_AUTH_PROOF: return PD_KVW_NONCE + PD_KVW_MAC;
     case PD_KVW_AUTH_OK: return PD_KVW_MAC;
@@ -379,6 +396,17 @@ static pd_status decode_body(rd *r, pd_kvw_msg *m, uint64_t payload_len, const u
     case PD_KVW_PING:
     case PD_KVW_PONG: m->u.ping.nonce = get_u64(r); break;
     case PD_KVW_CANCEL: m->u.cancel.req_id = get_u64(r); break;
+    case PD_KVW_PROBE:
+    case PD_KVW_PROBE_DATA:
+        m->u.probe.nonce = get_u64(r);
+        m->u.probe.bytes = get_u32(r);
+        if (m->u.probe.bytes > PD_KVW_PROBE_MAX || m->u.probe.bytes % 4) return pd_err_set(err, PD_ERR_PROTO, "PROBE: bad size");
+        if (m->type == PD_KVW_PROBE_DATA) {
+            m->u.probe.step_a_us = get_f32(r), m->u.probe.step_b_us = get_f32(r), m->u.probe.chunk_tokens = get_u32(r);
+            if (!(m->u.probe.step_a_us < 1e9f) || !(m->u.probe.step_b_us < 1e9f)) m->u.probe.step_a_us = m->u.probe.step_b_us = -1;
+            take(r, m->u.probe.bytes);
+        }
+        break;
     case PD_KVW_AUTH_CHALLENGE:
     case PD_KVW_AUTH_PROOF:
     case PD_KVW_AUTH_OK: {

@@ -45,8 +45,11 @@ typedef enum pd_kvw_type {
     PD_KVW_AUTH_CHALLENGE = 11,  // prefill → decode, first frame: the server's nonce
     PD_KVW_AUTH_PROOF = 12,      // decode → prefill: client nonce + HMAC proof of the shared secret
     PD_KVW_AUTH_OK = 13,         // prefill → decode: the server's HMAC proof (mutual authentication)
+    PD_KVW_PROBE = 14,           // decode → prefill: link probe, "send me `bytes` bytes" (≤ PD_KVW_PROBE_MAX)
+    PD_KVW_PROBE_DATA = 15,      // prefill → decode: the probe's answer: nonce, bytes, then that many filler bytes
 } pd_kvw_type;
 
+#define PD_KVW_PROBE_MAX (4u << 20)
 #define PD_KVW_NONCE 32  // bytes of an auth nonce
 #define PD_KVW_MAC 32    // HMAC-SHA256
 
@@ -164,6 +167,14 @@ typedef struct pd_kvw_msg {
         struct { uint64_t req_id; uint32_t code; char reason[256]; } fail;  // code: pd_kvw_fail_code
         struct { uint64_t nonce; } ping;
         struct { uint64_t req_id; } cancel;
+        struct {
+            uint64_t nonce;
+            uint32_t bytes;
+            // PROBE_DATA: the prefill worker's measured step-time model (µs per step, per token;
+            // < 0 unknown) and its prefill budget per step, for the decode side's link model
+            float step_a_us, step_b_us;
+            uint32_t chunk_tokens;
+        } probe;  // PROBE and PROBE_DATA (the filler is not kept)
     } u;
     // The decoder copies variable arrays here when the frame's alignment is not suitable; owned by
     // the message, freed by pd_kvw_msg_fini.

@@ -2,6 +2,7 @@
 // reader and one writer thread per connection: the handoff carries few, large messages per
 // request, so an event loop would buy nothing here.
 #include "xfer/xfer.h"
+#include "wire/link.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -349,6 +350,7 @@ typedef struct inflight {
     int32_t *dst_blocks;     // owned (tcp: where slabs land)
     int32_t n_dst_blocks;
     int32_t n_landed;        // tcp, nccl: layers landed
+    int64_t t_sent_us;       // queued (the link model's transfer samples)
 } inflight;
 
 typedef struct worker {
@@ -367,12 +369,34 @@ typedef struct worker {
     pd_comm *comm;       // this connection's communicator (rank 0)
     pd_buffer *staging;  // receive slab, grown as needed
     uint8_t *discard;    // scratch for slab bytes that are not ours to land
+    // the link model (under mu): probe at connect, pings, real transfers (wire/link.h)
+    double rtt_us;           // EMA of ping round trips; -1 unknown
+    pd_link_fit xfer_fit;    // the probe's transfer µs over bytes: a = latency, b = 1 / bandwidth
+    double xfer_factor;      // EMA over real transfers: their time after compute / the probe's prediction; -1 unknown
+    double compute_us_tok;   // EMA of the worker's compute µs per prompt token (real transfers); -1 unknown
+    double remote_a_us, remote_b_us;  // the worker's own step-time model (PROBE_DATA); < 0 unknown
+    uint32_t remote_chunk;
+    int64_t n_probes, n_transfers;
+    int64_t t_probe_us;      // the last probe round sent (I/O thread)
+    uint64_t probe_cum;      // bytes of the current round answered so far (answers come in order)
 } worker;
+
+typedef struct queued {     // a request waiting in the work queue for a prefill worker's claim
+    pd_kvw_prefill_req req;    // tokens / dst_blocks point into owned
+    int32_t *owned;
+    int64_t deadline_us;
+} queued;
 
 struct pd_xfer_client {
     pd_xfer_client_params p;
     char *secret;
     worker workers[PD_XFER_MAX_WORKERS];
+    pthread_mutex_t qmu;       // guards queue (never held across I/O or a callback)
+    queued *queue;
+    int n_queue;
+    size_t cap_queue;
+    pthread_t q_thread;        // expires unclaimed requests (only with on_enqueue)
+    bool has_q_thread;
     pd_xfer_counters ctr;
     int stop;  // atomic
 };
@@ -535,11 +559,34 @@ static const char *land_nccl(worker *w, const pd_kvw_kv_nccl *s) {
     return why;
 }
 
+#define N_PROBES 3
+static const uint32_t PROBE_SIZES[N_PROBES] = {4096, 256 << 10, 1 << 20};
+#define REPROBE_MS 5000  // re-probe an idle link this often (~1.3 MiB: about 2% of 100 Mbit/s)
+
 // Returns NULL, or why the connection must be dropped.
 static const char *handle_client_msg(worker *w, int fd, const pd_kvw_msg *m, int64_t *last_pong) {
     inflight f;
     switch (m->type) {
-    case PD_KVW_PONG: *last_pong = pd_time_us(); break;
+    case PD_KVW_PONG: {
+        int64_t now = pd_time_us(), rtt = now - (int64_t)m->u.ping.nonce;
+        *last_pong = now;
+        if (rtt >= 0 && rtt < 10000000) {
+            pthread_mutex_lock(&w->mu);
+            w->rtt_us = w->rtt_us < 0 ? (double)rtt : 0.8 * w->rtt_us + 0.2 * (double)rtt;
+            pthread_mutex_unlock(&w->mu);
+        }
+        break;
+    }
+    case PD_KVW_PROBE_DATA: {  // a re-probe round's answer: (bytes of the round so far, time since sent)
+        int64_t el = pd_time_us() - (int64_t)m->u.probe.nonce;
+        pthread_mutex_lock(&w->mu);
+        w->probe_cum += m->u.probe.bytes;
+        w->remote_a_us = m->u.probe.step_a_us, w->remote_b_us = m->u.probe.step_b_us, w->remote_chunk = m->u.probe.chunk_tokens;
+        if (el > 0 && el < 60000000) pd_link_fit_add(&w->xfer_fit, (double)w->probe_cum, (double)el, 0.1);
+        if (m->u.probe.bytes == PROBE_SIZES[N_PROBES - 1]) w->n_probes++;
+        pthread_mutex_unlock(&w->mu);
+        break;
+    }
     case PD_KVW_KV_SLAB:
         if (w->c->p.transport != PD_KVW_TRANSPORT_TCP) return "KV_SLAB on a connection that is not tcp";
         return land_slab(w, fd, &m->u.kv_slab);
@@ -548,6 +595,26 @@ static const char *handle_client_msg(worker *w, int fd, const pd_kvw_msg *m, int
         uint64_t id = m->type == PD_KVW_PREFILL_DONE ? m->u.done.req_id : m->u.fail.req_id;
         pthread_mutex_lock(&w->mu);
         bool had = take_inflight(w, id, &f);
+        if (had && m->type == PD_KVW_PREFILL_DONE && !f.timed_out && f.n_tokens > f.start_pos) {
+            // The link model's real samples: the worker's own compute time per prompt, and what
+            // is left of request → DONE after its queue and compute: the transfer (and latency).
+            // Layer-wise transports hide part of the transfer behind compute: what is left after
+            // compute, over what the probe predicts for these bytes, scales the transfer term.
+            const pd_kvw_prefill_done *d = &m->u.done;
+            int n_tok = f.n_tokens - f.start_pos;
+            double total = (double)(pd_time_us() - f.t_sent_us), xfer_us = total - (double)d->queue_us - (double)d->compute_us;
+            double bytes = 2.0 * w->c->p.pool.n_layers * (double)w->c->p.pool.row_bytes * n_tok;
+            if (d->compute_us > 0) {
+                double v = (double)d->compute_us / n_tok;
+                w->compute_us_tok = w->compute_us_tok < 0 ? v : 0.7 * w->compute_us_tok + 0.3 * v;
+            }
+            double pa, pb;
+            if (pd_link_fit_get(&w->xfer_fit, &pa, &pb) && pa + pb * bytes > 0) {
+                double r = PD_MAX(0.0, PD_MIN(2.0, xfer_us / (pa + pb * bytes)));
+                w->xfer_factor = w->xfer_factor < 0 ? r : 0.7 * w->xfer_factor + 0.3 * r;
+            }
+            w->n_transfers++;
+        }
         pthread_mutex_unlock(&w->mu);
         if (!had) break;  // a late duplicate
         pd_free(f.dst_blocks);
@@ -567,6 +634,41 @@ static const char *handle_client_msg(worker *w, int fd, const pd_kvw_msg *m, int
     default: return "unexpected message";
     }
     return NULL;
+}
+
+// The link probe at connect (after authentication): PROBE_SIZES answers of growing size, each
+// timed from our request to its last byte. They seed the link model's transfer fit (latency and
+// bandwidth); real transfers refine it. Best effort: a failed probe only leaves the model unknown.
+static bool link_probe(worker *w, int fd, uint8_t **buf, size_t *cap) {
+    double us[N_PROBES];
+    for (int i = 0; i < N_PROBES; i++) {
+        pd_kvw_msg q = {.type = PD_KVW_PROBE}, m;
+        int64_t t0 = pd_time_us();
+        q.u.probe.nonce = (uint64_t)t0;
+        q.u.probe.bytes = PROBE_SIZES[i];
+        pd_err err = {0};
+        if (send_now(fd, &q, -1)) return false;
+        if (recv_frame(fd, buf, cap, &m, 1u << PD_KVW_PROBE_DATA, pd_kvw_max_body(PD_KVW_PROBE_DATA),
+                       pd_time_us() + 5000000, NULL, &err) ||
+            m.u.probe.nonce != q.u.probe.nonce || m.u.probe.bytes != q.u.probe.bytes) {
+            PD_LOG_W("xfer: link probe to %s failed: %s", w->addr, err.msg[0] ? err.msg : "wrong answer");
+            return false;
+        }
+        us[i] = (double)(pd_time_us() - t0);
+        pthread_mutex_lock(&w->mu);
+        w->remote_a_us = m.u.probe.step_a_us, w->remote_b_us = m.u.probe.step_b_us, w->remote_chunk = m.u.probe.chunk_tokens;
+        pthread_mutex_unlock(&w->mu);
+    }
+    pthread_mutex_lock(&w->mu);
+    w->rtt_us = w->rtt_us < 0 ? us[0] : 0.5 * w->rtt_us + 0.5 * us[0];
+    for (int i = 0; i < N_PROBES; i++) pd_link_fit_add(&w->xfer_fit, (double)PROBE_SIZES[i], us[i], 0.2);
+    w->n_probes++;
+    w->t_probe_us = pd_time_us();
+    double a = 0, b = 0;
+    bool ok = pd_link_fit_get(&w->xfer_fit, &a, &b);
+    pthread_mutex_unlock(&w->mu);
+    PD_LOG_I("xfer: link to %s: rtt %.0f us, %.1f MB/s (probe)", w->addr, us[0], ok && b > 0 ? 1.0 / b : -1.0);
+    return true;
 }
 
 static bool handshake(worker *w, int fd) {
@@ -638,6 +740,10 @@ static bool handshake(worker *w, int fd) {
         if (!w->comm) PD_LOG_W("xfer: nccl bootstrap with %s failed: %s", w->addr, err.msg);
         ok = w->comm != NULL;
     }
+    // The link probe (the prefill worker answers once its loop runs: after HELLO_ACK, and for nccl
+    // after it joined the communicator).
+    if (ok && !link_probe(w, fd, &buf, &cap))
+        PD_LOG_W("xfer: %s: no link probe; the link model waits for real transfers", w->addr);
 out:
     if (!ok && err.msg[0]) PD_LOG_D("xfer: handshake with %s: %s", w->addr, err.msg);
     pd_free(buf);
@@ -726,8 +832,8 @@ static void *worker_main(void *arg) {
             pd_kvw_msg m;
             pd_err err = {0};
             uint32_t allow = 1u << PD_KVW_PONG | 1u << PD_KVW_KV_SLAB | 1u << PD_KVW_PREFILL_DONE |
-                             1u << PD_KVW_PREFILL_FAIL | 1u << PD_KVW_KV_NCCL;
-            pd_status st = recv_frame(fd, &buf, &cap, &m, allow, pd_kvw_max_body(PD_KVW_PREFILL_DONE),
+                             1u << PD_KVW_PREFILL_FAIL | 1u << PD_KVW_KV_NCCL | 1u << PD_KVW_PROBE_DATA;
+            pd_status st = recv_frame(fd, &buf, &cap, &m, allow, pd_kvw_max_body(PD_KVW_PROBE_DATA),
                                       pd_time_us() + 50000, NULL, &err);
             if (st && st != PD_ERR_TIMEOUT) {
                 if (st == PD_ERR_PROTO) {
@@ -738,7 +844,11 @@ static void *worker_main(void *arg) {
                 break;
             }
             if (st == PD_OK) {
+                // Anything the worker sends proves it alive: on a slow link its PONGs queue behind
+                // KV slabs and probe answers for seconds (25 Mbit/s, a few MB in flight), which
+                // must not read as "stopped answering heartbeats".
                 const char *drop = handle_client_msg(w, fd, &m, &last_pong);
+                last_pong = pd_time_us();  // (after: a slab's payload may take a while to read)
                 pd_kvw_msg_fini(&m);
                 if (drop) {
                     why = drop, why_st = PD_ERR_PROTO;
@@ -747,6 +857,21 @@ static void *worker_main(void *arg) {
                 }
             }
             int64_t now = pd_time_us();
+            pthread_mutex_lock(&w->mu);
+            bool idle = w->n_inf == 0;
+            pthread_mutex_unlock(&w->mu);
+            if (idle && now - w->t_probe_us >= REPROBE_MS * 1000ll) {  // one round, sent back to back
+                w->t_probe_us = now;
+                pthread_mutex_lock(&w->mu);
+                w->probe_cum = 0;
+                pthread_mutex_unlock(&w->mu);
+                for (int i = 0; i < N_PROBES; i++) {
+                    pd_kvw_msg pr = {.type = PD_KVW_PROBE};
+                    pr.u.probe.nonce = (uint64_t)now;
+                    pr.u.probe.bytes = PROBE_SIZES[i];
+                    if (outq_push(&w->q, &pr, NULL)) break;
+                }
+            }
             if (now - last_ping >= (int64_t)c->p.ping_ms * 1000) {
                 pd_kvw_msg ping = {.type = PD_KVW_PING};
                 ping.u.ping.nonce = (uint64_t)now;
@@ -782,6 +907,8 @@ static void *worker_main(void *arg) {
     return NULL;
 }
 
+static void *queue_main(void *arg);
+
 pd_xfer_client *pd_xfer_client_new(const pd_xfer_client_params *p, pd_err *err) {
     if (p->n_workers <= 0 || p->n_workers > PD_XFER_MAX_WORKERS || !p->on_event) {
         pd_err_set(err, PD_ERR_INVALID, "xfer client: 1..%d prefill workers and a callback are needed", PD_XFER_MAX_WORKERS);
@@ -808,11 +935,22 @@ pd_xfer_client *pd_xfer_client_new(const pd_xfer_client_params *p, pd_err *err) 
     if (c->p.max_inflight <= 0) c->p.max_inflight = 64;
     if (c->p.cancel_grace_ms <= 0) c->p.cancel_grace_ms = 10000;
     if (c->p.fence_ms <= 0) c->p.fence_ms = 2000;
+    pthread_mutex_init(&c->qmu, NULL);
+    if (c->p.on_enqueue) {
+        if (pthread_create(&c->q_thread, NULL, queue_main, c)) {
+            pd_free(c->secret);
+            pd_free(c);
+            pd_err_set(err, PD_ERR_IO, "cannot start the xfer queue thread");
+            return NULL;
+        }
+        c->has_q_thread = true;
+    }
     for (int i = 0; i < p->n_workers; i++) {
         worker *w = &c->workers[i];
         w->c = c;
         w->idx = i;
         w->peer_pidfd = -1;
+        w->rtt_us = w->xfer_factor = w->compute_us_tok = w->remote_a_us = w->remote_b_us = -1;
         snprintf(w->addr, sizeof w->addr, "%s", p->addrs[i]);
         c->p.addrs[i] = w->addr;
         pthread_mutex_init(&w->mu, NULL);
@@ -829,6 +967,11 @@ pd_xfer_client *pd_xfer_client_new(const pd_xfer_client_params *p, pd_err *err) 
 void pd_xfer_client_free(pd_xfer_client *c) {
     if (!c) return;
     __atomic_store_n(&c->stop, 1, __ATOMIC_RELEASE);
+    if (c->has_q_thread) pthread_join(c->q_thread, NULL);
+    for (int i = 0; i < c->n_queue; i++) pd_free(c->queue[i].owned);
+    pd_free(c->queue);
+    c->queue = NULL;
+    c->n_queue = 0;
     for (int i = 0; i < c->p.n_workers; i++) {
         worker *w = &c->workers[i];
         pthread_join(w->thread, NULL);
@@ -865,22 +1008,12 @@ int pd_xfer_client_layers_landed(pd_xfer_client *c, uint64_t req_id) {
 }
 
 pd_status pd_xfer_client_prefill(pd_xfer_client *c, const pd_kvw_prefill_req *req) {
-    for (int i = 0; i < req->n_dst_blocks; i++)
-        if (req->dst_blocks[i] < 0 || req->dst_blocks[i] >= c->p.pool.n_blocks) return PD_ERR_INVALID;
-    // Least in-flight healthy worker; a worker at max_inflight is saturated.
-    worker *best = NULL;
-    int best_n = 1 << 30;
-    for (int i = 0; i < c->p.n_workers; i++) {
-        worker *w = &c->workers[i];
-        pthread_mutex_lock(&w->mu);
-        if (w->healthy && w->n_inf < c->p.max_inflight && w->n_inf < best_n) {
-            best = w;
-            best_n = w->n_inf;
-        }
-        pthread_mutex_unlock(&w->mu);
-    }
-    if (!best) return PD_NOSPACE;
-    inflight f = {.req_id = req->req_id, .deadline_us = pd_time_us() + (int64_t)c->p.timeout_ms * 1000,
+    return pd_xfer_client_prefill_on(c, -1, req);
+}
+
+// Registers req on w and queues its PREFILL_REQ. PD_OK or PD_NOSPACE (w not connected) / NOMEM.
+static pd_status send_to(pd_xfer_client *c, worker *best, const pd_kvw_prefill_req *req) {
+    inflight f = {.req_id = req->req_id, .deadline_us = pd_time_us() + (int64_t)c->p.timeout_ms * 1000, .t_sent_us = pd_time_us(),
                   .start_pos = req->start_pos, .n_tokens = req->n_tokens, .n_dst_blocks = req->n_dst_blocks};
     f.dst_blocks = pd_malloc(sizeof(int32_t) * (size_t)(req->n_dst_blocks + 1));
     if (!f.dst_blocks) return PD_ERR_NOMEM;
@@ -901,7 +1034,117 @@ pd_status pd_xfer_client_prefill(pd_xfer_client *c, const pd_kvw_prefill_req *re
     return st == PD_OK ? PD_OK : PD_NOSPACE;
 }
 
+static pd_status enqueue(pd_xfer_client *c, const pd_kvw_prefill_req *req) {
+    if (!c->p.on_enqueue) return PD_NOSPACE;
+    size_t n = (size_t)req->n_tokens + (size_t)req->n_dst_blocks;
+    queued q = {.req = *req, .deadline_us = pd_time_us() + (int64_t)c->p.timeout_ms * 1000};
+    q.owned = pd_malloc(sizeof(int32_t) * (n + 1));
+    if (!q.owned) return PD_NOSPACE;
+    memcpy(q.owned, req->tokens, sizeof(int32_t) * (size_t)req->n_tokens);
+    memcpy(q.owned + req->n_tokens, req->dst_blocks, sizeof(int32_t) * (size_t)req->n_dst_blocks);
+    q.req.tokens = q.owned;
+    q.req.dst_blocks = q.owned + req->n_tokens;
+    pthread_mutex_lock(&c->qmu);
+    bool ok = !PD_ARRAY_RESERVE(c->queue, c->cap_queue, (size_t)c->n_queue + 1);
+    if (ok) c->queue[c->n_queue++] = q;
+    pthread_mutex_unlock(&c->qmu);
+    if (!ok) {
+        pd_free(q.owned);
+        return PD_NOSPACE;
+    }
+    c->p.on_enqueue(c->p.enqueue_ud, req->req_id, req->n_tokens - req->start_pos);
+    return PD_OK;
+}
+
+// Removes queued req_id (caller holds qmu); true with *out filled if it was there.
+static bool take_queued(pd_xfer_client *c, uint64_t req_id, queued *out) {
+    for (int i = 0; i < c->n_queue; i++)
+        if (c->queue[i].req.req_id == req_id) {
+            *out = c->queue[i];
+            c->queue[i] = c->queue[--c->n_queue];
+            return true;
+        }
+    return false;
+}
+
+pd_status pd_xfer_client_claim(pd_xfer_client *c, uint64_t req_id, const char *worker_addr) {
+    worker *w = NULL;
+    for (int i = 0; i < c->p.n_workers && !w; i++)
+        if (!strcmp(c->workers[i].addr, worker_addr)) w = &c->workers[i];
+    if (!w) return PD_NOSPACE;
+    queued q;
+    pthread_mutex_lock(&c->qmu);
+    bool had = take_queued(c, req_id, &q);
+    pthread_mutex_unlock(&c->qmu);
+    if (!had) return PD_ERR_NOTFOUND;
+    pd_status st = send_to(c, w, &q.req);
+    if (st != PD_OK) {  // back into the queue (another worker may claim it), unless OOM
+        pthread_mutex_lock(&c->qmu);
+        bool ok = !PD_ARRAY_RESERVE(c->queue, c->cap_queue, (size_t)c->n_queue + 1);
+        if (ok) c->queue[c->n_queue++] = q;
+        pthread_mutex_unlock(&c->qmu);
+        if (!ok) {
+            pd_free(q.owned);
+            emit_result(c, -1, req_id, PD_ERR_INVALID, "out of memory", NULL);
+        }
+        return PD_NOSPACE;
+    }
+    pd_free(q.owned);
+    return PD_OK;
+}
+
+// Expires queued requests nobody claimed (nothing was written to their blocks: safe to reuse).
+static void *queue_main(void *arg) {
+    pd_xfer_client *c = arg;
+    while (!__atomic_load_n(&c->stop, __ATOMIC_ACQUIRE)) {
+        poll(NULL, 0, 50);
+        int64_t now = pd_time_us();
+        for (;;) {
+            queued q;
+            bool found = false;
+            pthread_mutex_lock(&c->qmu);
+            for (int i = 0; i < c->n_queue && !found; i++)
+                if (c->queue[i].deadline_us < now) found = take_queued(c, c->queue[i].req.req_id, &q);
+            pthread_mutex_unlock(&c->qmu);
+            if (!found) break;
+            pd_free(q.owned);
+            emit_result(c, -1, q.req.req_id, PD_ERR_TIMEOUT, "no prefill worker claimed the queued job in time", NULL);
+        }
+    }
+    return NULL;
+}
+
+pd_status pd_xfer_client_prefill_on(pd_xfer_client *c, int worker_idx, const pd_kvw_prefill_req *req) {
+    for (int i = 0; i < req->n_dst_blocks; i++)
+        if (req->dst_blocks[i] < 0 || req->dst_blocks[i] >= c->p.pool.n_blocks) return PD_ERR_INVALID;
+    if (worker_idx == PD_XFER_QUEUE) return enqueue(c, req);
+    // The chosen worker, else the least in-flight healthy one; a worker at max_inflight is saturated.
+    worker *best = NULL;
+    int best_n = 1 << 30;
+    for (int i = 0; i < c->p.n_workers; i++) {
+        if (worker_idx >= 0 && i != worker_idx) continue;
+        worker *w = &c->workers[i];
+        pthread_mutex_lock(&w->mu);
+        if (w->healthy && w->n_inf < c->p.max_inflight && w->n_inf < best_n) {
+            best = w;
+            best_n = w->n_inf;
+        }
+        pthread_mutex_unlock(&w->mu);
+    }
+    if (!best) return PD_NOSPACE;
+    return send_to(c, best, req);
+}
+
 void pd_xfer_client_cancel(pd_xfer_client *c, uint64_t req_id) {
+    queued q;
+    pthread_mutex_lock(&c->qmu);
+    bool was_queued = take_queued(c, req_id, &q);
+    pthread_mutex_unlock(&c->qmu);
+    if (was_queued) {  // never sent: nobody writes its blocks
+        pd_free(q.owned);
+        emit_result(c, -1, req_id, PD_ERR_INVALID, "cancelled", NULL);
+        return;
+    }
     for (int i = 0; i < c->p.n_workers; i++) {
         worker *w = &c->workers[i];
         pthread_mutex_lock(&w->mu);
@@ -942,6 +1185,9 @@ struct pd_xfer_server {
     uint32_t gen[PD_XFER_MAX_CONNS];
     pd_xfer_counters ctr;
     int stop;  // atomic
+    float step_a_us, step_b_us;  // the prefill engine's step-time model (atomics via mu_model)
+    uint32_t chunk_tokens;
+    pthread_mutex_t mu_model;
 };
 
 void pd_xfer_server_counters(pd_xfer_server *s, pd_xfer_counters *out) { counters_get(&s->ctr, out); }
@@ -1043,7 +1289,7 @@ static void *sconn_main(void *arg) {
     if (hello_ok) hello_ok = outq_start(&k->q);
     int64_t last_rx = pd_time_us();
     while (hello_ok && !__atomic_load_n(&s->stop, __ATOMIC_ACQUIRE)) {
-        uint32_t allow = 1u << PD_KVW_PING | 1u << PD_KVW_PREFILL_REQ | 1u << PD_KVW_CANCEL;
+        uint32_t allow = 1u << PD_KVW_PING | 1u << PD_KVW_PREFILL_REQ | 1u << PD_KVW_CANCEL | 1u << PD_KVW_PROBE;
         pd_status st = recv_frame(k->fd, &buf, &cap, &m, allow, PD_KVW_MAX_BODY, pd_time_us() + 100000, NULL, &err);
         if (st == PD_ERR_TIMEOUT) {
             if (pd_time_us() - last_rx > SERVER_IDLE_MS * 1000ll) break;
@@ -1061,6 +1307,14 @@ static void *sconn_main(void *arg) {
             pd_kvw_msg pong = {.type = PD_KVW_PONG};
             pong.u.ping.nonce = m.u.ping.nonce;
             outq_push(&k->q, &pong, NULL);
+        } else if (m.type == PD_KVW_PROBE) {  // link probe: the same bytes a KV transfer would cross
+            pd_kvw_msg pd = {.type = PD_KVW_PROBE_DATA};
+            pd.u.probe = m.u.probe;
+            pthread_mutex_lock(&s->mu_model);
+            pd.u.probe.step_a_us = s->step_a_us, pd.u.probe.step_b_us = s->step_b_us;
+            pd.u.probe.chunk_tokens = s->chunk_tokens;
+            pthread_mutex_unlock(&s->mu_model);
+            outq_push(&k->q, &pd, NULL);
         } else if (m.type == PD_KVW_PREFILL_REQ) {
             pd_xfer_event ev = {.kind = PD_XFER_EV_REQUEST, .conn_id = k->id, .req_id = m.u.prefill_req.req_id,
                                 .req = m.u.prefill_req, .fd = -1};
@@ -1187,6 +1441,8 @@ pd_xfer_server *pd_xfer_server_new(const pd_xfer_server_params *p, pd_err *err) 
     if (s->p.stall_ms <= 0) s->p.stall_ms = 10000;
     s->lfd = s->ufd = -1;
     pthread_mutex_init(&s->mu, NULL);
+    pthread_mutex_init(&s->mu_model, NULL);
+    s->step_a_us = s->step_b_us = -1;
     const char *host = p->host && *p->host ? p->host : "127.0.0.1";
     char port[16];
     snprintf(port, sizeof port, "%d", p->port);
@@ -1316,4 +1572,51 @@ pd_status pd_xfer_server_nccl_wait(pd_xfer_server *s, int conn_id, int timeout_m
     if (st) shutdown(k->fd, SHUT_RDWR);  // the communicator is aborted: end the connection
     pthread_mutex_unlock(&k->kv_mu);
     return st;
+}
+
+int pd_xfer_client_links(pd_xfer_client *c, pd_link_stats *out, int max) {
+    int n = 0;
+    for (int i = 0; i < c->p.n_workers && n < max; i++) {
+        worker *w = &c->workers[i];
+        pd_link_stats *l = &out[n++];
+        memset(l, 0, sizeof *l);
+        snprintf(l->peer, sizeof l->peer, "%s", w->addr);
+        pthread_mutex_lock(&w->mu);
+        l->is_healthy = w->healthy;
+        l->rtt_us = w->rtt_us;
+        double a, b;
+        bool fit = pd_link_fit_get(&w->xfer_fit, &a, &b);
+        l->bw_bytes_per_s = fit && b > 0 ? 1e6 / b : -1;
+        // Too fast for the probe sizes to tell (the slope is lost in the noise): their average
+        // throughput, a lower bound.
+        if (l->bw_bytes_per_s < 0 && w->xfer_fit.n > 0 && w->xfer_fit.sy > 0) l->bw_bytes_per_s = w->xfer_fit.sx / w->xfer_fit.sy * 1e6;
+        if (l->bw_bytes_per_s > 0 && l->rtt_us < 0) l->rtt_us = a;
+        l->remote_a_us = l->remote_b_us = -1;
+        // The worker's own step-time model (sent with each probe answer); else what its compute
+        // per prompt token was in the real transfers (which counts batch-mates' work too).
+        if (w->remote_a_us >= 0 && w->remote_b_us >= 0) {
+            l->remote_a_us = w->remote_a_us, l->remote_b_us = w->remote_b_us, l->remote_chunk = (int32_t)w->remote_chunk;
+        } else if (w->compute_us_tok >= 0) {
+            l->remote_a_us = 0, l->remote_b_us = w->compute_us_tok;
+        }
+        l->xfer_factor = w->xfer_factor;
+        // Our prefill work queued there: every in-flight request's predicted compute (unknown
+        // compute model: tokens are summed and priced by the caller's fallback, here 0).
+        double q = 0;
+        for (int k = 0; k < w->n_inf; k++)
+            if (l->remote_b_us >= 0) q += l->remote_a_us + l->remote_b_us * (w->inf[k].n_tokens - w->inf[k].start_pos);
+        (void)0;
+        l->queue_us = q;
+        l->n_probes = w->n_probes;
+        l->n_transfers = w->n_transfers;
+        pthread_mutex_unlock(&w->mu);
+    }
+    return n;
+}
+
+void pd_xfer_server_set_step_model(pd_xfer_server *s, double a_us, double b_us, int chunk_tokens) {
+    pthread_mutex_lock(&s->mu_model);
+    s->step_a_us = (float)a_us, s->step_b_us = (float)b_us;
+    s->chunk_tokens = chunk_tokens > 0 ? (uint32_t)chunk_tokens : 0;
+    pthread_mutex_unlock(&s->mu_model);
 }

@@ -118,6 +118,10 @@ typedef struct pd_xfer_client_params {
                                              // (or until the peer exited) before its blocks return (2000)
     pd_xfer_event_fn on_event;
     void *ud;
+    // Cluster mode's prefill work queue (PD_XFER_QUEUE below): called (on the caller's thread, no
+    // lock held) when a request is queued, to publish the job. NULL: no queueing.
+    void (*on_enqueue)(void *ud, uint64_t req_id, int n_tokens);
+    void *enqueue_ud;
 } pd_xfer_client_params;
 
 typedef struct pd_xfer_client pd_xfer_client;
@@ -129,9 +133,23 @@ void pd_xfer_client_counters(pd_xfer_client *c, pd_xfer_counters *out);
 //   PD_OK       sent; exactly one RESULT event will follow
 //   PD_NOSPACE  no worker is connected, or all are saturated (prefill locally instead)
 pd_status pd_xfer_client_prefill(pd_xfer_client *c, const pd_kvw_prefill_req *req);
+// The same, to worker worker_idx (-1: the least loaded). PD_NOSPACE if that one is unhealthy or saturated.
+// worker_idx PD_XFER_QUEUE: queued for whichever prefill worker claims it (cluster mode's work
+// queue): registered without a worker (its blocks stay reserved), on_enqueue publishes the job,
+// and pd_xfer_client_claim later sends the PREFILL_REQ to the claimer; unclaimed at its deadline
+// it ends with a timeout RESULT (nobody wrote its blocks). Exactly one RESULT follows either way.
+pd_status pd_xfer_client_prefill_on(pd_xfer_client *c, int worker_idx, const pd_kvw_prefill_req *req);
+// The link model's numbers per prefill worker (wire/link.h), in worker order. Returns the count.
+struct pd_link_stats;
+int pd_xfer_client_links(pd_xfer_client *c, struct pd_link_stats *out, int max);
 // Asks the worker to drop a request. Its RESULT still comes (FAIL "cancelled", or DONE if the KV was
 // already written, or a failure): only then are the destination blocks safe to reuse.
 void pd_xfer_client_cancel(pd_xfer_client *c, uint64_t req_id);
+#define PD_XFER_QUEUE (-2)
+// A prefill worker (by the KV address we dial, "host:port") claims queued request req_id: the
+// PREFILL_REQ goes to it now. PD_OK; PD_ERR_NOTFOUND (not queued: answered, timed out, cancelled);
+// PD_NOSPACE (we have no healthy connection to that worker: let another one take it). Any thread.
+pd_status pd_xfer_client_claim(pd_xfer_client *c, uint64_t req_id, const char *worker_addr);
 int pd_xfer_client_n_healthy(pd_xfer_client *c);
 // tcp, nccl: layers landed so far for an in-flight request (KV_SLAB / KV_NCCL layers in place); -1 if
 // it is not in flight.
@@ -162,6 +180,10 @@ void pd_xfer_server_counters(pd_xfer_server *s, pd_xfer_counters *out);
 // the connection is gone, PD_NOSPACE if its queue is over max_queued_bytes (a slow reader).
 // Connection ids are slot | generation << 8: an id of a closed connection never reaches a new one.
 pd_status pd_xfer_server_send(pd_xfer_server *s, int conn_id, const pd_kvw_msg *m, void *payload);
+// The prefill engine's measured step-time model (µs per step and per token; < 0 unknown) and its
+// prefill budget per step: sent to decode workers with every link-probe answer (PROBE_DATA), so
+// their link model predicts remote prefill time with it. Any thread.
+void pd_xfer_server_set_step_model(pd_xfer_server *s, double a_us, double b_us, int chunk_tokens);
 // Whether the connection still exists (direct writers check before each layer). Any thread.
 bool pd_xfer_server_conn_alive(pd_xfer_server *s, int conn_id);
 // nccl transport, layer-wise. nccl_post announces one layer's slab (KV_NCCL, hdr; layout in

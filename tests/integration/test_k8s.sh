@@ -61,4 +61,6 @@ mutate target-port    'O("Service", "pdserve-prefill-kv")["spec"]["ports"][0]["t
 mutate hpa-target     'O("HorizontalPodAutoscaler", "pdserve-decode")["spec"]["scaleTargetRef"]["name"] = "pdserve-dec"'
 mutate no-auth        'a = C("pdserve-prefill")["args"]; i = a.index("--auth-token-file"); del a[i:i + 2]'
 mutate pdb            'O("PodDisruptionBudget", "pdserve-router")["spec"]["minAvailable"] = 2'
+mutate nats-url       'a = C("pdserve-router")["args"]; a[a.index("--control") + 1] = "nats://pdserve-nat:4222"'
+mutate nats-secret    'O("StatefulSet", "pdserve-nats")["spec"]["template"]["spec"]["containers"][0]["env"][0]["valueFrom"]["secretKeyRef"]["name"] = "nope"'
 echo "PASS test_k8s"
