@@ -1034,6 +1034,15 @@ static pd_status send_to(pd_xfer_client *c, worker *best, const pd_kvw_prefill_r
     return st == PD_OK ? PD_OK : PD_NOSPACE;
 }
 
+// Appends q to the queue of jobs waiting for a claim; false when out of memory.
+static bool put_queued(pd_xfer_client *c, const queued *q) {
+    pthread_mutex_lock(&c->qmu);
+    bool ok = !PD_ARRAY_RESERVE(c->queue, c->cap_queue, (size_t)c->n_queue + 1);
+    if (ok) c->queue[c->n_queue++] = *q;
+    pthread_mutex_unlock(&c->qmu);
+    return ok;
+}
+
 static pd_status enqueue(pd_xfer_client *c, const pd_kvw_prefill_req *req) {
     if (!c->p.on_enqueue) return PD_NOSPACE;
     size_t n = (size_t)req->n_tokens + (size_t)req->n_dst_blocks;
@@ -1044,11 +1053,7 @@ static pd_status enqueue(pd_xfer_client *c, const pd_kvw_prefill_req *req) {
     memcpy(q.owned + req->n_tokens, req->dst_blocks, sizeof(int32_t) * (size_t)req->n_dst_blocks);
     q.req.tokens = q.owned;
     q.req.dst_blocks = q.owned + req->n_tokens;
-    pthread_mutex_lock(&c->qmu);
-    bool ok = !PD_ARRAY_RESERVE(c->queue, c->cap_queue, (size_t)c->n_queue + 1);
-    if (ok) c->queue[c->n_queue++] = q;
-    pthread_mutex_unlock(&c->qmu);
-    if (!ok) {
+    if (!put_queued(c, &q)) {
         pd_free(q.owned);
         return PD_NOSPACE;
     }
@@ -1079,11 +1084,7 @@ pd_status pd_xfer_client_claim(pd_xfer_client *c, uint64_t req_id, const char *w
     if (!had) return PD_ERR_NOTFOUND;
     pd_status st = send_to(c, w, &q.req);
     if (st != PD_OK) {  // back into the queue (another worker may claim it), unless OOM
-        pthread_mutex_lock(&c->qmu);
-        bool ok = !PD_ARRAY_RESERVE(c->queue, c->cap_queue, (size_t)c->n_queue + 1);
-        if (ok) c->queue[c->n_queue++] = q;
-        pthread_mutex_unlock(&c->qmu);
-        if (!ok) {
+        if (!put_queued(c, &q)) {
             pd_free(q.owned);
             emit_result(c, -1, req_id, PD_ERR_INVALID, "out of memory", NULL);
         }
