@@ -144,6 +144,8 @@ typedef struct hot {
     pd_kvt_policy *pol;
     pthread_mutex_t mu;     // slots are unpinned on tier workers too
     int64_t hits, misses, puts, evictions, bytes_in, bytes_out, offloads, loads, load_blocks, drops;
+    int n_lower_pinned, max_lower_pinned;  // slots pinned by lower-tier writes, and the cap on them
+    int64_t lower_skipped;  // lower-tier writes not offered: that cap reached (the slots go to saves)
     int64_t load_hist[24];
     double us_per_block;    // measured (enqueue -> fence reached), EWMA
     pd_kvconn_tier_event ev[4096];
@@ -429,6 +431,7 @@ static void hot_lower_release(void *ud) {
     hot_lower *x = ud;
     hot *h = (&x->c->hot);
     pthread_mutex_lock(&h->mu);
+    h->n_lower_pinned--;
     hot_release_locked(h, x->slot);
     pthread_mutex_unlock(&h->mu);
     pd_free(x->rows);
@@ -454,6 +457,10 @@ static void hot_offer_lower(pd_kvconn_tiers *c, int slot, uint32_t only) {
     hot *h = (&c->hot);
     int L = c->geom.n_layers;
     size_t bb = c->block_bytes;
+    if (h->n_lower_pinned >= h->max_lower_pinned) {  // disk behind: DRAM's own saves come first
+        h->lower_skipped++;
+        return;
+    }
     hot_lower *x = pd_malloc(sizeof *x);
     if (!x) return;
     *x = (hot_lower){.c = c, .slot = slot};
@@ -478,7 +485,8 @@ static void hot_offer_lower(pd_kvconn_tiers *c, int slot, uint32_t only) {
         h->s[slot].refs--;
         pd_free(x->rows);
         pd_free(x);
-    }
+    } else
+        h->n_lower_pinned++;
 }
 
 // Called by the policy (inside pd_kvt_policy_put, under h->mu) for every page it pushes out.
@@ -508,8 +516,10 @@ static pd_status hot_init(pd_kvconn_tiers *c, uint64_t bytes, pd_err *err) {
                                    (unsigned long long)bytes, per);
     if (cap > (1u << 26)) return pd_err_set(err, PD_ERR_INVALID, "--kv-offload-dram: %llu bytes is too large",
                                             (unsigned long long)bytes);
-    // Headroom beyond the capacity for copies in flight and pages pinned by lower-tier encodes.
-    uint64_t head = cap / 8 < 16 ? 16 : cap / 8 > 1024 ? 1024 : cap / 8;
+    // Headroom beyond the capacity for copies in flight (one drain can save hundreds of blocks)
+    // and pages pinned by lower-tier writes (at most a quarter of it).
+    uint64_t head = cap / 4 < 64 ? 64 : cap / 4 > 1024 ? 1024 : cap / 4;
+    h->max_lower_pinned = (int)(head / 4);
     h->cap_blocks = (int)cap;
     h->n_slots = (int)(cap + head);
     uint32_t m = 1;
@@ -894,9 +904,10 @@ void pd_kvconn_tiers_free(pd_kvconn_tiers *c) {
     if (c->use_hot) {
         hot *h = &c->hot;
         PD_LOG_I("kv tiers: DRAM (pages = staged rows): %lld pages written, %lld saves of held blocks skipped, %lld "
-                 "dropped (no free slot), %lld evicted; %lld loads, %lld blocks, %lld hit / %lld missed; %.1f us a "
-                 "block enqueue -> fence seen",
+                 "dropped (no free slot), %lld evicted, %lld not written below (writes behind); %lld loads, %lld "
+                 "blocks, %lld hit / %lld missed; %.1f us a block enqueue -> fence seen",
                  (long long)h->puts, (long long)c->staged_resident, (long long)h->drops, (long long)h->evictions,
+                 (long long)h->lower_skipped,
                  (long long)h->loads, (long long)h->load_blocks, (long long)h->hits, (long long)h->misses,
                  h->us_per_block);
     }
