@@ -27,6 +27,11 @@
 //            and the slots are freed when the fence is reached. No slot free: the save is
 //            dropped (counted) / the load is cut to the slots there are (the rest is computed).
 //            An fp8 KV cache is refused (its rows carry their own scales; no page codec for them).
+//   hot      a device cache with --kv-offload-dram (the default; PDSERVE_KV_TIER_HOT=0: off): the
+//            DRAM tier is not in the chain but here, its pages being slots laid out like the cache
+//            (see "the DRAM tier of a device cache" below): saves go device -> DRAM slots in the
+//            one copy and DRAM hits come back in one copy per request on the engine thread; the
+//            staging slots above serve only disk / Redis loads (and every save when hot is off).
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
