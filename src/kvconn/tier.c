@@ -27,6 +27,11 @@
 //            and the slots are freed when the fence is reached. No slot free: the save is
 //            dropped (counted) / the load is cut to the slots there are (the rest is computed).
 //            An fp8 KV cache is refused (its rows carry their own scales; no page codec for them).
+//   hot      a device cache with --kv-offload-dram (the default; PDSERVE_KV_TIER_HOT=0: off): the
+//            DRAM tier is not in the chain but here, its pages being slots laid out like the cache
+//            (see "the DRAM tier of a device cache" below): saves go device -> DRAM slots in the
+//            one copy and DRAM hits come back in one copy per request on the engine thread; the
+//            staging slots above serve only disk / Redis loads (and every save when hot is off).
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -110,6 +115,100 @@ typedef struct stage {
     pthread_mutex_t mu;     // slots are freed on the tier thread too
 } stage;
 
+// ---- the DRAM tier of a device cache ("hot"): pages that ARE the staged device-layout rows ----
+// A device cache with --kv-offload-dram keeps its DRAM tier here, not in the kvtier chain: one
+// pinned allocation laid out like a cache (per layer K and V bases, slot = block index), so
+//   offload  = the one batched device -> slot copy (pd_op_kv_copy_xfer on the transfer stream);
+//              at its fence the slot becomes the page (no encode, no memcpy, no tier worker);
+//   load     = one batched slot -> reserved blocks copy per request on the transfer stream,
+//              enqueued on the engine thread at start_load (no decode, no staging slot);
+//   lower    = disk / Redis (the kvtier chain) are fed from these pages by the tier workers
+//              (encode there, off the hot path): at a DRAM eviction (write-back, a victim cache),
+//              or at once when Redis (the cluster pool) is in the chain. A page being encoded is
+//              pinned (refs) and its slot freed when the last user lets go.
+// The pages are process-private pinned memory: no checksum (disk and Redis pages keep theirs).
+// Policy: S3-FIFO over block hashes (kvtier's policy), capacity = the configured bytes / page.
+// PDSERVE_KV_TIER_HOT=0 turns it off (the DRAM tier goes back into the chain: encoded pages).
+enum { HOT_FREE = 0, HOT_FILLING = 1, HOT_RESIDENT = 2, HOT_EVICTED = 3 };
+
+typedef struct hot_slot {
+    pd_hash128 hash, parent;
+    int32_t refs;           // copies enqueued from it, lower-tier encodes of it
+    uint8_t state;
+} hot_slot;
+
+typedef struct hot {
+    uint8_t *base;
+    int n_slots, cap_blocks;  // slots (capacity + headroom for copies in flight), policy capacity
+    void **k, **v;          // (n_layers) layer bases
+    hot_slot *s;
+    int32_t *free_list;
+    int n_free;
+    int32_t *map;           // open addressing, linear probing: hash -> slot (-1 empty)
+    uint32_t map_mask;
+    pd_kvt_policy *pol;
+    pthread_mutex_t mu;     // slots are unpinned on tier workers too
+    int64_t hits, misses, puts, evictions, bytes_in, bytes_out, offloads, loads, load_blocks, drops;
+    int n_lower_pinned, max_lower_pinned;  // slots pinned by lower-tier writes, and the cap on them
+    int64_t lower_skipped;  // lower-tier writes not offered: that cap reached (the slots go to saves)
+    int64_t load_hist[24];
+    double us_per_block;    // measured (enqueue -> fence reached), EWMA
+    pd_kvconn_tier_event ev[4096];
+    int ev_head, ev_n;
+} hot;
+
+static uint32_t hot_h(const hot *h, pd_hash128 k) { return (uint32_t)(k.lo ^ (k.hi * 0x9E3779B97F4A7C15ull)) & h->map_mask; }
+
+static int hot_find(const hot *h, pd_hash128 k) {
+    for (uint32_t i = hot_h(h, k);; i = (i + 1) & h->map_mask) {
+        int32_t s = h->map[i];
+        if (s < 0) return -1;
+        if (h->s[s].hash.lo == k.lo && h->s[s].hash.hi == k.hi) return s;
+    }
+}
+
+static void hot_map_add(hot *h, int slot) {
+    uint32_t i = hot_h(h, h->s[slot].hash);
+    while (h->map[i] >= 0) i = (i + 1) & h->map_mask;
+    h->map[i] = slot;
+}
+
+static void hot_map_del(hot *h, int slot) {  // backward-shift deletion
+    uint32_t i = hot_h(h, h->s[slot].hash);
+    while (h->map[i] != slot) i = (i + 1) & h->map_mask;
+    for (uint32_t j = i;;) {
+        h->map[i] = -1;
+        for (;;) {
+            j = (j + 1) & h->map_mask;
+            if (h->map[j] < 0) return;
+            uint32_t home = hot_h(h, h->s[h->map[j]].hash);
+            // j's entry may move to i when its home is not cyclically in (i, j]
+            if (i <= j ? (home <= i || home > j) : (home <= i && home > j)) break;
+        }
+        h->map[i] = h->map[j];
+        i = j;
+    }
+}
+
+static void hot_event(hot *h, bool stored, pd_hash128 hash, pd_hash128 parent) {
+    if (h->ev_n == 4096) {
+        h->ev_head = (h->ev_head + 1) % 4096;
+        h->ev_n--;
+    }
+    h->ev[(h->ev_head + h->ev_n) % 4096] = (pd_kvconn_tier_event){.kind = PD_KVCONN_TIER_DRAM, .is_stored = stored,
+                                                                 .hash = hash, .parent = parent};
+    h->ev_n++;
+}
+
+static void hot_release_locked(hot *h, int slot) {
+    PD_ASSERT(h->s[slot].refs > 0);
+    if (--h->s[slot].refs == 0 && h->s[slot].state == HOT_EVICTED) {
+        h->s[slot].state = HOT_FREE;
+        h->free_list[h->n_free++] = slot;
+    }
+}
+
+
 typedef struct pending_save {  // saved since the last poll (engine thread)
     int32_t block;
     pd_hash128 hash, parent;
@@ -119,8 +218,12 @@ typedef struct inflight {  // a slot whose copy is enqueued, by fence (engine th
     uint64_t fence;
     int32_t slot;
     bool is_save;           // true: hand to the tier thread; false: a load's slot, free it
+    uint8_t kind;           // FLY_STAGE (a staging slot, as is_save says) or a hot slot's save / load
+    int n_load;             // FLY_HOT_LOAD, first block of a load: its block count and enqueue time
+    int64_t t0;
     pd_hash128 hash, parent;
 } inflight;
+enum { FLY_STAGE = 0, FLY_HOT_SAVE = 1, FLY_HOT_LOAD = 2 };
 
 struct pd_kvconn_tiers {
     pd_kvconn_tier_params p;
@@ -134,8 +237,11 @@ struct pd_kvconn_tiers {
     int64_t load_cuts;      // loads cut short for want of slots
     int64_t staged_resident;  // saves skipped: the (DRAM-only) chain already held the block
     int n_tiers;
-    page_arena arena;     // the DRAM tier's pages
-    pd_kvt_tiers *t;
+    page_arena arena;     // the DRAM tier's pages (the chain's DRAM store: host cache, or hot off)
+    hot hot;              // a device cache's DRAM tier (use_hot): pages = staged rows
+    bool use_hot;
+    uint32_t hot_lower_on_evict, hot_lower_at_insert;  // chain tiers fed from DRAM (bit i: chain tier i)
+    pd_kvt_tiers *t;      // the kvtier chain; NULL when hot is the only tier
     pd_kvt_geom geom;
     size_t block_bytes;   // one block, one layer, K or V
     char remote[128];     // the Redis URL (for /status), "" without
@@ -146,6 +252,7 @@ struct pd_kvconn_tiers {
 typedef struct tier_load {  // one load in flight: the destination row pointers (owned)
     pd_kvconn_tiers *c;
     int n;
+    int n_pre;               // leading blocks already uploaded from the hot DRAM tier
     int32_t *slots, *dst;    // staged: (n) the slots and the reserved blocks
     float *scratch;          // staged: one block of f32 rows (every dk[i] / dv[i] points here)
     uint16_t ***bk, ***bv;   // staged bf16: (n) per block, the slot's K / V rows of each layer
@@ -319,9 +426,288 @@ static bool fly_push(pd_kvconn_tiers *c, inflight x) {
     return true;
 }
 
+typedef struct hot_lower {  // a page being written to the lower tiers by a tier worker
+    pd_kvconn_tiers *c;
+    int slot;
+    const uint16_t **rows;  // bf16: (2 * n_layers) K of each layer, then V
+} hot_lower;
+
+static void hot_lower_release(void *ud) {
+    hot_lower *x = ud;
+    hot *h = (&x->c->hot);
+    pthread_mutex_lock(&h->mu);
+    h->n_lower_pinned--;
+    hot_release_locked(h, x->slot);
+    pthread_mutex_unlock(&h->mu);
+    pd_free(x->rows);
+    pd_free(x);
+}
+
+static bool hot_lower_fill(void *ud, float *rows) {  // an f32 cache (the cpu test hook): copy out
+    hot_lower *x = ud;
+    if (rows) {
+        size_t bb = x->c->block_bytes;
+        hot *h = (&x->c->hot);
+        for (int l = 0; l < x->c->geom.n_layers; l++) {
+            memcpy((uint8_t *)rows + (size_t)(2 * l) * bb, (uint8_t *)h->k[l] + (size_t)x->slot * bb, bb);
+            memcpy((uint8_t *)rows + (size_t)(2 * l + 1) * bb, (uint8_t *)h->v[l] + (size_t)x->slot * bb, bb);
+        }
+    }
+    hot_lower_release(x);
+    return rows != NULL;
+}
+
+// Under h->mu: hand slot's page to the lower tiers (pinned until a tier worker is done with it).
+static void hot_offer_lower(pd_kvconn_tiers *c, int slot, uint32_t only) {
+    hot *h = (&c->hot);
+    int L = c->geom.n_layers;
+    size_t bb = c->block_bytes;
+    if (h->n_lower_pinned >= h->max_lower_pinned) {  // disk behind: DRAM's own saves come first
+        h->lower_skipped++;
+        return;
+    }
+    hot_lower *x = pd_malloc(sizeof *x);
+    if (!x) return;
+    *x = (hot_lower){.c = c, .slot = slot};
+    h->s[slot].refs++;
+    pd_status st;
+    if (c->st.is_bf16) {
+        x->rows = pd_malloc(sizeof *x->rows * 2 * (size_t)L);
+        if (!x->rows) {
+            h->s[slot].refs--;
+            pd_free(x);
+            return;
+        }
+        for (int l = 0; l < L; l++) {
+            x->rows[l] = (const uint16_t *)((const uint8_t *)h->k[l] + (size_t)slot * bb);
+            x->rows[L + l] = (const uint16_t *)((const uint8_t *)h->v[l] + (size_t)slot * bb);
+        }
+        st = pd_kvt_tiers_offload_bf16_to(c->t, only, h->s[slot].hash, h->s[slot].parent, x->rows, x->rows + L,
+                                       hot_lower_release, x);
+    } else
+        st = pd_kvt_tiers_offload_fill_to(c->t, only, h->s[slot].hash, h->s[slot].parent, hot_lower_fill, x);
+    if (st != PD_OK) {  // queue full (counted by the chain) or no memory
+        h->s[slot].refs--;
+        pd_free(x->rows);
+        pd_free(x);
+    } else
+        h->n_lower_pinned++;
+}
+
+// Called by the policy (inside pd_kvt_policy_put, under h->mu) for every page it pushes out.
+static void hot_on_evict(void *ud, pd_hash128 key, uint64_t bytes) {
+    (void)bytes;
+    pd_kvconn_tiers *c = ud;
+    hot *h = (&c->hot);
+    int s = hot_find(h, key);
+    if (s < 0) return;
+    hot_map_del(h, s);
+    h->s[s].state = HOT_EVICTED;
+    h->evictions++;
+    hot_event(h, false, h->s[s].hash, h->s[s].parent);
+    if (c->hot_lower_on_evict) hot_offer_lower(c, s, c->hot_lower_on_evict);  // write-back to disk
+    if (h->s[s].refs == 0) {
+        h->s[s].state = HOT_FREE;
+        h->free_list[h->n_free++] = s;
+    }
+}
+
+static pd_status hot_init(pd_kvconn_tiers *c, uint64_t bytes, pd_err *err) {
+    hot *h = &c->hot;
+    int L = c->geom.n_layers;
+    size_t per = block_bytes_all(c);
+    uint64_t cap = bytes / per;
+    if (cap < 1) return pd_err_set(err, PD_ERR_INVALID, "--kv-offload-dram: %llu bytes hold no %zu-byte block",
+                                   (unsigned long long)bytes, per);
+    if (cap > (1u << 26)) return pd_err_set(err, PD_ERR_INVALID, "--kv-offload-dram: %llu bytes is too large",
+                                            (unsigned long long)bytes);
+    // Headroom beyond the capacity for copies in flight (one drain can save hundreds of blocks)
+    // and pages pinned by lower-tier writes (at most a quarter of it).
+    uint64_t head = cap / 4 < 64 ? 64 : cap / 4 > 1024 ? 1024 : cap / 4;
+    h->max_lower_pinned = (int)(head / 4);
+    h->cap_blocks = (int)cap;
+    h->n_slots = (int)(cap + head);
+    uint32_t m = 1;
+    while (m < 2u * (uint32_t)h->n_slots) m <<= 1;
+    h->map_mask = m - 1;
+    h->base = pd_backend_host_alloc(c->p.backend, (size_t)h->n_slots * per);
+    h->k = pd_calloc((size_t)L, sizeof *h->k);
+    h->v = pd_calloc((size_t)L, sizeof *h->v);
+    h->s = pd_calloc((size_t)h->n_slots, sizeof *h->s);
+    h->free_list = pd_malloc(sizeof *h->free_list * (size_t)h->n_slots);
+    h->map = pd_malloc(sizeof *h->map * (size_t)m);
+    h->pol = pd_kvt_policy_new(PD_KVT_S3FIFO, cap, hot_on_evict, c);
+    if (!h->base || !h->k || !h->v || !h->s || !h->free_list || !h->map || !h->pol) {
+        pd_backend_host_free(c->p.backend, h->base);
+        pd_free(h->k), pd_free(h->v), pd_free(h->s), pd_free(h->free_list), pd_free(h->map);
+        pd_kvt_policy_free(h->pol);
+        memset(h, 0, sizeof *h);
+        return pd_err_set(err, PD_ERR_NOMEM, "--kv-offload-dram: cannot allocate %zu bytes of %s host memory",
+                          (size_t)(cap + head) * per, pd_backend_host_is_pinned(c->p.backend) ? "pinned" : "plain");
+    }
+    for (int l = 0; l < L; l++) {
+        h->k[l] = h->base + (size_t)(2 * l) * (size_t)h->n_slots * c->block_bytes;
+        h->v[l] = h->base + (size_t)(2 * l + 1) * (size_t)h->n_slots * c->block_bytes;
+    }
+    for (int i = 0; i < h->n_slots; i++) h->free_list[i] = h->n_slots - 1 - i;
+    h->n_free = h->n_slots;
+    memset(h->map, 0xff, sizeof *h->map * (size_t)m);
+    pthread_mutex_init(&h->mu, NULL);
+    return PD_OK;
+}
+
+static void hot_fini(pd_kvconn_tiers *c) {
+    hot *h = &c->hot;
+    if (!h->base) return;
+    pd_backend_host_free(c->p.backend, h->base);
+    pd_free(h->k), pd_free(h->v), pd_free(h->s), pd_free(h->free_list), pd_free(h->map);
+    pd_kvt_policy_free(h->pol);
+    pthread_mutex_destroy(&h->mu);
+    memset(h, 0, sizeof *h);
+}
+
+// Leading blocks of hashes[0..n) whose pages are in (RESIDENT), under h->mu.
+static int hot_lead_locked(hot *h, const pd_hash128 *hashes, int n) {
+    int k = 0;
+    for (; k < n; k++) {
+        int s = hot_find(h, hashes[k]);
+        if (s < 0 || h->s[s].state != HOT_RESIDENT) break;
+    }
+    return k;
+}
+
+static void hot_save_done(pd_kvconn_tiers *c, int s);
+
+// The saves of one drain: device -> free slots in ONE copy, a fence; resident at the fence.
+static void hot_start_saves(pd_kvconn_tiers *c) {
+    hot *h = &c->hot;
+    int n = 0;
+    int32_t src[1024], dst[1024], rows[1024];
+    pthread_mutex_lock(&h->mu);
+    for (int i = 0; i < c->n_pend; i++) {
+        int s = hot_find(h, c->pend[i].hash);
+        if (s >= 0) {  // held already (or on its way): a reuse, nothing to copy
+            if (h->s[s].state == HOT_RESIDENT) (void)pd_kvt_policy_get(h->pol, c->pend[i].hash);
+            c->staged_resident++;
+            continue;
+        }
+        if (n == 1024 || h->n_free == 0) {
+            h->drops++;
+            continue;
+        }
+        s = h->free_list[--h->n_free];
+        h->s[s] = (hot_slot){.hash = c->pend[i].hash, .parent = c->pend[i].parent, .state = HOT_FILLING};
+        hot_map_add(h, s);
+        src[n] = c->pend[i].block, dst[n] = s, rows[n] = c->p.cache.block_size;
+        n++;
+    }
+    pthread_mutex_unlock(&h->mu);
+    c->n_pend = 0;
+    if (!n) return;
+    pd_backend_xfer_mark(c->p.backend);  // after the compute that wrote the blocks
+    pd_kv_copy_params kp = {.src_k = c->p.cache.k, .src_v = c->p.cache.v, .dst_k = h->k, .dst_v = h->v,
+                            .src_blocks = src, .dst_blocks = dst, .n_rows = rows, .n_blocks = n, .layer_begin = 0,
+                            .layer_end = c->geom.n_layers, .block_size = c->p.cache.block_size,
+                            .row_bytes = c->p.cache.row_bytes};
+    pd_op_kv_copy_xfer(c->p.backend, &kp);
+    uint64_t f = pd_backend_xfer_fence(c->p.backend);
+    for (int i = 0; i < n; i++)
+        if (!fly_push(c, (inflight){.fence = f, .slot = dst[i], .kind = FLY_HOT_SAVE})) {
+            pd_backend_xfer_sync(c->p.backend);  // (out of memory: wait for the copy, then take it in)
+            hot_save_done(c, dst[i]);
+        }
+}
+
+// A save's copy finished: the slot is the page now.
+static void hot_save_done(pd_kvconn_tiers *c, int s) {
+    hot *h = &c->hot;
+    pthread_mutex_lock(&h->mu);
+    h->s[s].state = HOT_RESIDENT;
+    h->s[s].refs++;  // (the policy may evict it at once: then freed below, not inside put)
+    pd_status st = pd_kvt_policy_put(h->pol, h->s[s].hash, 1);
+    if (st == PD_OK) {
+        h->puts++;
+        h->offloads++;
+        h->bytes_in += (int64_t)block_bytes_all(c);
+        hot_event(h, true, h->s[s].hash, h->s[s].parent);
+        if (c->hot_lower_at_insert) hot_offer_lower(c, s, c->hot_lower_at_insert);  // the pool: every block, now
+    } else {
+        hot_map_del(h, s);
+        h->s[s].state = HOT_EVICTED;
+        h->drops++;
+    }
+    hot_release_locked(h, s);
+    pthread_mutex_unlock(&h->mu);
+}
+
+// A load's leading blocks held here: pinned, then ONE copy slots -> the reserved blocks on the
+// transfer stream (ordered before the next step's compute by the fence). Returns how many.
+static int hot_start_load(pd_kvconn_tiers *c, const pd_hash128 *hashes, const int32_t *dst_blocks, int n) {
+    hot *h = &c->hot;
+    int32_t *slots = pd_malloc(sizeof *slots * (size_t)n), *rows = pd_malloc(sizeof *rows * (size_t)n);
+    if (!slots || !rows) {
+        pd_free(slots), pd_free(rows);
+        return 0;
+    }
+    pthread_mutex_lock(&h->mu);
+    int k = hot_lead_locked(h, hashes, n);
+    for (int i = 0; i < k; i++) {
+        slots[i] = hot_find(h, hashes[i]);
+        h->s[slots[i]].refs++;
+        (void)pd_kvt_policy_get(h->pol, hashes[i]);
+        rows[i] = c->p.cache.block_size;
+    }
+    h->hits += k;
+    h->misses += k < n ? 1 : 0;
+    if (k) {
+        h->loads++;
+        h->load_blocks += k;
+        h->bytes_out += (int64_t)k * (int64_t)block_bytes_all(c);
+    }
+    pthread_mutex_unlock(&h->mu);
+    if (k) {
+        pd_backend_xfer_mark(c->p.backend);  // (after whatever compute last used the blocks)
+        pd_kv_copy_params kp = {.src_k = h->k, .src_v = h->v, .dst_k = c->p.cache.k, .dst_v = c->p.cache.v,
+                                .src_blocks = slots, .dst_blocks = dst_blocks, .n_rows = rows, .n_blocks = k,
+                                .layer_begin = 0, .layer_end = c->geom.n_layers, .block_size = c->p.cache.block_size,
+                                .row_bytes = c->p.cache.row_bytes};
+        int64_t t0 = pd_time_us();
+        pd_op_kv_copy_xfer(c->p.backend, &kp);
+        uint64_t f = pd_backend_xfer_fence(c->p.backend);
+        for (int i = 0; i < k; i++)
+            if (!fly_push(c, (inflight){.fence = f, .slot = slots[i], .kind = FLY_HOT_LOAD, .t0 = i ? 0 : t0,
+                                        .n_load = i ? 0 : k})) {
+                pd_backend_xfer_sync(c->p.backend);
+                pthread_mutex_lock(&h->mu);
+                hot_release_locked(h, slots[i]);
+                pthread_mutex_unlock(&h->mu);
+            }
+    }
+    pd_free(slots), pd_free(rows);
+    return k;
+}
+
+static void hot_load_done(pd_kvconn_tiers *c, const inflight *x) {
+    hot *h = &c->hot;
+    pthread_mutex_lock(&h->mu);
+    if (x->t0) {  // the load's first block: its latency (enqueue -> fence reached, as polled)
+        double per = (double)(pd_time_us() - x->t0) / (double)(x->n_load > 0 ? x->n_load : 1);
+        h->us_per_block = h->us_per_block > 0 ? 0.8 * h->us_per_block + 0.2 * per : per;
+        int b = 0;
+        while (b < 23 && ((int64_t)1 << b) <= (int64_t)per) b++;
+        h->load_hist[b] += x->n_load;
+    }
+    hot_release_locked(h, x->slot);
+    pthread_mutex_unlock(&h->mu);
+}
+
 // The saves queued since the last poll: one copy device -> slots, then a fence.
 static void start_saves(pd_kvconn_tiers *c) {
     if (!c->n_pend) return;
+    if (c->use_hot) {
+        hot_start_saves(c);
+        return;
+    }
     int n = 0;
     int32_t src[1024], dst[1024], rows[1024];
     pending_save ps[1024];
@@ -363,6 +749,14 @@ void pd_kvconn_tiers_poll(pd_kvconn_tiers *c) {
     int k = 0;
     while (k < c->n_fly && pd_backend_xfer_fence_done(c->p.backend, c->fly[k].fence)) {
         inflight *x = &c->fly[k++];
+        if (x->kind == FLY_HOT_SAVE) {
+            hot_save_done(c, x->slot);
+            continue;
+        }
+        if (x->kind == FLY_HOT_LOAD) {
+            hot_load_done(c, x);
+            continue;
+        }
         if (!x->is_save) {
             slot_put(&c->st, x->slot);
             continue;
@@ -448,7 +842,19 @@ pd_kvconn_tiers *pd_kvconn_tiers_new(const pd_kvconn_tier_params *p, pd_err *err
     long ncpu = sysconf(_SC_NPROCESSORS_ONLN);
     tp.n_threads = ncpu >= 16 ? 4 : ncpu >= 8 ? 2 : 1;
     pd_kvt_store_params sp = {.geom = c->geom, .fingerprint = tp.fingerprint, .policy = PD_KVT_S3FIFO};
-    if (p->dram_bytes) {
+    const char *hot_env = getenv("PDSERVE_KV_TIER_HOT");  // "0": a device cache's DRAM tier in the chain
+    c->use_hot = staged && p->dram_bytes && !(hot_env && !strcmp(hot_env, "0"));
+    if (c->use_hot) {
+        if (hot_init(c, p->dram_bytes, err)) {
+            stage_fini(c);
+            pd_free(c);
+            return NULL;
+        }
+        // The chain below is [disk][redis]: the disk gets DRAM's victims (write-back), Redis (the
+        // cluster pool) every block as soon as DRAM holds it.
+        c->hot_lower_on_evict = p->disk_dir ? 1u : 0u;
+        c->hot_lower_at_insert = p->remote_url ? 1u << (p->disk_dir ? 1 : 0) : 0u;
+    } else if (p->dram_bytes) {
         if (arena_init(&c->arena, p->backend, pd_kvt_page_bytes(&c->geom, tp.dram_dtype ? tp.dram_dtype : PD_KVT_F32),
                        p->dram_bytes, err)) {
             stage_fini(c);
@@ -476,9 +882,11 @@ pd_kvconn_tiers *pd_kvconn_tiers_new(const pd_kvconn_tier_params *p, pd_err *err
         if (!(tp.stores[tp.n_stores++] = pd_kvt_redis_new(&sp, p->remote_url, err))) goto fail;
         snprintf(c->remote, sizeof c->remote, "%s", p->remote_url);
     }
-    c->n_tiers = tp.n_stores;
-    c->t = pd_kvt_tiers_new(&tp, err);
-    if (!c->t) goto fail_stores;
+    c->n_tiers = tp.n_stores + (c->use_hot ? 1 : 0);
+    if (tp.n_stores > 0) {
+        c->t = pd_kvt_tiers_new(&tp, err);
+        if (!c->t) goto fail_stores;
+    }
     c->p.disk_dir = c->p.remote_url = c->p.dtype = c->p.secret = NULL;  // borrowed for the call
     return c;
 fail:
@@ -486,6 +894,7 @@ fail:
 fail_stores:
     for (int i = 0; i < tp.n_stores; i++) pd_kvt_store_free(tp.stores[i]);
     arena_fini(&c->arena);
+    hot_fini(c);
     stage_fini(c);
     pd_free(c);
     return NULL;
@@ -497,8 +906,19 @@ void pd_kvconn_tiers_free(pd_kvconn_tiers *c) {
         pd_backend_xfer_sync(c->p.backend);  // every staged copy finished: hand the saves over
         pd_kvconn_tiers_poll(c);
     }
-    pd_kvt_tiers_free(c->t);  // runs what is queued (loads end with their event), joins; frees the stores
+    if (c->use_hot) {
+        hot *h = &c->hot;
+        PD_LOG_I("kv tiers: DRAM (pages = staged rows): %lld pages written, %lld saves of held blocks skipped, %lld "
+                 "dropped (no free slot), %lld evicted, %lld not written below (writes behind); %lld loads, %lld "
+                 "blocks, %lld hit / %lld missed; %.1f us a block enqueue -> fence seen",
+                 (long long)h->puts, (long long)c->staged_resident, (long long)h->drops, (long long)h->evictions,
+                 (long long)h->lower_skipped,
+                 (long long)h->loads, (long long)h->load_blocks, (long long)h->hits, (long long)h->misses,
+                 h->us_per_block);
+    }
+    if (c->t) pd_kvt_tiers_free(c->t);  // runs what is queued (loads end with their event), joins; frees the stores
     arena_fini(&c->arena);    // after the DRAM store gave its pages back
+    hot_fini(c);              // after the tier workers let go of its pages
     stage_fini(c);            // (load events still queued for the engine keep their tier_load: freed there)
     pd_free(c->pend);
     pd_free(c->fly);
@@ -534,7 +954,17 @@ void pd_kvconn_tiers_save(pd_kvconn_tiers *c, int32_t block_id, pd_hash128 hash,
 }
 
 int pd_kvconn_tiers_match(pd_kvconn_tiers *c, const pd_hash128 *hashes, int n, int *n_sure, double *cost_us) {
-    return pd_kvt_tiers_probe(c->t, hashes, n, n_sure, cost_us);
+    if (!c->use_hot) return pd_kvt_tiers_probe(c->t, hashes, n, n_sure, cost_us);
+    pthread_mutex_lock(&c->hot.mu);
+    int k = hot_lead_locked(&c->hot, hashes, n);
+    double us = c->hot.us_per_block * k;
+    pthread_mutex_unlock(&c->hot.mu);
+    int sure = 0, m = 0;
+    double cost = 0;
+    if (k < n && c->t) m = pd_kvt_tiers_probe(c->t, hashes + k, n - k, &sure, &cost);
+    if (n_sure) *n_sure = k + (k < n ? sure : 0);
+    if (cost_us) *cost_us = us + cost;
+    return k + m;
 }
 
 // On the tier thread: the load ended; hand it to the engine as an event.
@@ -547,7 +977,7 @@ static void on_loaded(void *ud, uint64_t req_id, int n_loaded, int64_t load_us) 
     ev->kind = PD_KVCONN_EV_TIER_LOADED;
     ev->req_id = req_id;
     ev->status = PD_OK;
-    ev->n_blocks = n_loaded;
+    ev->n_blocks = l->n_pre + n_loaded;
     ev->load_us = load_us;
     ev->tier_load = l;  // pd_kvconn_tiers_loaded (engine thread) uploads the slots and frees it
     c->p.on_event(c->p.ud, ev);
@@ -561,12 +991,13 @@ static void on_block_loaded(void *ud, int b, bool in_bf16) {
 }
 
 static pd_status start_load_staged(pd_kvconn_tiers *c, uint64_t req_id, const pd_hash128 *hashes,
-                                   const int32_t *dst_blocks, int n) {
+                                   const int32_t *dst_blocks, int n, int n_pre) {
     int L = c->geom.n_layers;
     size_t nf = c->block_bytes / (c->st.is_bf16 ? 2 : 4);
     tier_load *l = pd_calloc(1, sizeof *l);
     if (!l) return PD_ERR_NOMEM;
     l->c = c;
+    l->n_pre = n_pre;
     l->slots = pd_malloc(sizeof *l->slots * (size_t)n);
     l->dst = pd_malloc(sizeof *l->dst * (size_t)n);
     l->scratch = pd_malloc(sizeof(float) * nf * 2 * (size_t)L);
@@ -632,7 +1063,8 @@ void pd_kvconn_tiers_loaded(pd_kvconn_tiers *c, pd_kvconn_event *ev) {
         tier_load_free(l);
         return;
     }
-    int n = ev->n_blocks < l->n ? ev->n_blocks : l->n;
+    int n = ev->n_blocks - l->n_pre < l->n ? ev->n_blocks - l->n_pre : l->n;
+    if (n < 0) n = 0;
     uint64_t f = 0;
     if (n > 0) {  // one copy slots -> the reserved blocks, before the next step's compute
         int32_t *rows = pd_malloc(sizeof *rows * (size_t)n);
@@ -661,7 +1093,21 @@ pd_status pd_kvconn_tiers_start_load(pd_kvconn_tiers *c, uint64_t req_id, const 
     for (int i = 0; i < n; i++)
         if (dst_blocks[i] < 0 || dst_blocks[i] >= c->p.cache.n_blocks) return PD_ERR_INVALID;
     int L = c->geom.n_layers;
-    if (c->is_staged) return start_load_staged(c, req_id, hashes, dst_blocks, n);
+    if (c->use_hot) {
+        // The leading blocks DRAM holds: uploaded now (one copy); the rest from the lower tiers.
+        int k = hot_start_load(c, hashes, dst_blocks, n);
+        pd_status st = k < n && c->t ? start_load_staged(c, req_id, hashes + k, dst_blocks + k, n - k, k) : PD_NOSPACE;
+        if (st == PD_OK) return PD_OK;
+        if (k == 0) return st == PD_NOSPACE ? PD_NOSPACE : st;
+        tier_load *l = pd_calloc(1, sizeof *l);  // the event for the DRAM part alone
+        while (!l) l = pd_calloc(1, sizeof *l);  // (the blocks are being written: it must come)
+        l->c = c;
+        l->n_pre = k;
+        double us = c->hot.us_per_block * k;
+        on_loaded(l, req_id, 0, (int64_t)us);
+        return PD_OK;
+    }
+    if (c->is_staged) return start_load_staged(c, req_id, hashes, dst_blocks, n, 0);
     tier_load *l = pd_calloc(1, sizeof *l);
     if (!l) return PD_ERR_NOMEM;
     l->c = c;
@@ -688,12 +1134,13 @@ pd_status pd_kvconn_tiers_start_load(pd_kvconn_tiers *c, uint64_t req_id, const 
 }
 
 void pd_kvconn_tiers_stats_get(pd_kvconn_tiers *c, pd_kvconn_tiers_stats *out) {
-    pd_kvt_tiers_stats s;
-    pd_kvt_tiers_stats_get(c->t, &s);
+    pd_kvt_tiers_stats s = {0};
+    if (c->t) pd_kvt_tiers_stats_get(c->t, &s);
     memset(out, 0, sizeof *out);
-    out->n_tiers = s.n_tiers;
-    for (int i = 0; i < s.n_tiers && i < PD_KVCONN_MAX_TIERS; i++) {
-        pd_kvconn_tier_stat *o = &out->tier[i];
+    int h0 = c->use_hot ? 1 : 0;  // the hot DRAM tier comes first
+    out->n_tiers = s.n_tiers + h0;
+    for (int i = 0; i < s.n_tiers && i + h0 < PD_KVCONN_MAX_TIERS; i++) {
+        pd_kvconn_tier_stat *o = &out->tier[i + h0];
         const pd_kvt_tier_stats *t = &s.tier[i];
         snprintf(o->name, sizeof o->name, "%s", t->name);
         o->hits = t->store.hits;
@@ -720,6 +1167,31 @@ void pd_kvconn_tiers_stats_get(pd_kvconn_tiers *c, pd_kvconn_tiers_stats *out) {
     out->dram_pinned = c->arena.base && pd_backend_host_is_pinned(c->p.backend);
     out->staging_slots = c->is_staged ? c->st.n_slots : 0;
     out->load_cuts = c->load_cuts;
+    if (c->use_hot) {
+        hot *h = &c->hot;
+        pd_kvconn_tier_stat *o = &out->tier[0];
+        pd_kvt_policy_stats ps;
+        pthread_mutex_lock(&h->mu);
+        pd_kvt_policy_stats_get(h->pol, &ps);
+        snprintf(o->name, sizeof o->name, "dram");
+        o->hits = h->hits;
+        o->misses = h->misses;
+        o->puts = h->puts;
+        o->evictions = h->evictions;
+        o->bytes_in = h->bytes_in;
+        o->bytes_out = h->bytes_out;
+        o->n_items = ps.n_items;
+        o->bytes_used = (uint64_t)ps.n_items * block_bytes_all(c);
+        o->capacity = (uint64_t)h->cap_blocks * block_bytes_all(c);
+        memcpy(o->load_hist, h->load_hist, sizeof o->load_hist);
+        out->offloads_queued += h->offloads + h->drops;
+        out->offloads_done += h->offloads;
+        out->offloads_dropped += h->drops;
+        out->loads += h->loads;
+        out->load_blocks += h->load_blocks;
+        pthread_mutex_unlock(&h->mu);
+        out->dram_pinned = pd_backend_host_is_pinned(c->p.backend);
+    }
 }
 
 bool pd_kvconn_tiers_flush(pd_kvconn_tiers *c, int timeout_ms) {
@@ -727,10 +1199,23 @@ bool pd_kvconn_tiers_flush(pd_kvconn_tiers *c, int timeout_ms) {
         pd_backend_xfer_sync(c->p.backend);
         pd_kvconn_tiers_poll(c);
     }
-    return pd_kvt_tiers_flush(c->t, timeout_ms);
+    return c->t ? pd_kvt_tiers_flush(c->t, timeout_ms) : true;
 }
 
 int pd_kvconn_tiers_events_drain(pd_kvconn_tiers *c, pd_kvconn_tier_event *out, int n_max) {
+    int n0 = 0;
+    if (c->use_hot) {  // the DRAM tier's own events first
+        pthread_mutex_lock(&c->hot.mu);
+        while (n0 < n_max && c->hot.ev_n > 0) {
+            out[n0++] = c->hot.ev[c->hot.ev_head];
+            c->hot.ev_head = (c->hot.ev_head + 1) % 4096;
+            c->hot.ev_n--;
+        }
+        pthread_mutex_unlock(&c->hot.mu);
+        if (n0 == n_max || !c->t) return n0;
+        out += n0;
+        n_max -= n0;
+    }
     pd_kvt_event ev[256];
     int n = pd_kvt_tiers_events_drain(c->t, ev, n_max < 256 ? n_max : 256);
     for (int i = 0; i < n; i++) {
@@ -740,5 +1225,5 @@ int pd_kvconn_tiers_events_drain(pd_kvconn_tiers *c, pd_kvconn_tier_event *out, 
                                                                       : PD_KVCONN_TIER_REDIS,
                                         .is_stored = ev[i].is_stored, .hash = ev[i].hash, .parent = ev[i].parent};
     }
-    return n;
+    return n0 + n;
 }

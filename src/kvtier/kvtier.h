@@ -257,6 +257,15 @@ pd_status pd_kvt_tiers_offload_fill(pd_kvt_tiers *t, pd_hash128 hash, pd_hash128
 // them (pd_kvt_page_encode_bf16); others from an f32 copy made on the tier thread.
 pd_status pd_kvt_tiers_offload_bf16(pd_kvt_tiers *t, pd_hash128 hash, pd_hash128 parent, const uint16_t *const *k,
                                     const uint16_t *const *v, void (*release)(void *ud), void *ud);
+// Like offload_fill / offload_bf16, written to exactly the tiers of mask `only` (bit i: tier i;
+// nonzero, no bit at or past n_stores) that do not hold the block yet, without the admission
+// test: a tier above the chain that keeps its own pages (kvconn/tier.c's DRAM tier of a device
+// cache) feeds the disk with its victims and Redis with every block.
+pd_status pd_kvt_tiers_offload_fill_to(pd_kvt_tiers *t, uint32_t only, pd_hash128 hash, pd_hash128 parent,
+                                       pd_kvt_fill_fn fill, void *ud);
+pd_status pd_kvt_tiers_offload_bf16_to(pd_kvt_tiers *t, uint32_t only, pd_hash128 hash, pd_hash128 parent,
+                                       const uint16_t *const *k, const uint16_t *const *v, void (*release)(void *ud),
+                                       void *ud);
 // Leading blocks of hashes[0..n) held by some tier (checks existence only). tier_of (may be NULL):
 // per block, which tier would serve it. cost_us (may be NULL): predicted load time.
 int pd_kvt_tiers_match(pd_kvt_tiers *t, const pd_hash128 *hashes, int n, int *tier_of, double *cost_us);

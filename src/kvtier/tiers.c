@@ -21,6 +21,7 @@ typedef struct job {
     void *fill_ud;
     const uint16_t *const *bk, *const *bv;  // offload_bf16: the borrowed bf16 rows
     void (*release)(void *ud);
+    uint32_t only;  // offload: nonzero = exactly these tiers (bit i: tier i), no admission test
     // load
     uint64_t req_id;
     pd_hash128 *hashes;
@@ -126,10 +127,11 @@ static bool put_tier_bf16(pd_kvt_tiers *t, int i, job *j) {
 }
 
 static void run_offload_bf16(pd_kvt_tiers *t, job *j) {
-    bool seen = pd_kvt_store_seen_before(t->p.stores[0], j->hash);
-    put_tier_bf16(t, 0, j);
+    bool seen = j->only || pd_kvt_store_seen_before(t->p.stores[0], j->hash);
+    if (!j->only) put_tier_bf16(t, 0, j);
     int64_t adm = 0, ref = 0;
-    for (int i = 1; i < t->p.n_stores; i++) {
+    for (int i = j->only ? 0 : 1; i < t->p.n_stores; i++) {
+        if (j->only && !(j->only & (1u << i))) continue;
         bool is_pool = !strcmp(pd_kvt_store_name(t->p.stores[i]), "redis");
         if (!seen && !is_pool) {
             ref++;
@@ -170,10 +172,11 @@ static void run_offload(pd_kvt_tiers *t, job *j) {
     }
     // Admission to lower tiers: the block was seen before by tier 0 (second sighting, or its
     // ghost list remembers it); Redis, the shared pool, takes every block.
-    bool seen = pd_kvt_store_seen_before(t->p.stores[0], j->hash);
-    put_tier(t, 0, j->hash, j->parent, k, v);
+    bool seen = j->only || pd_kvt_store_seen_before(t->p.stores[0], j->hash);
+    if (!j->only) put_tier(t, 0, j->hash, j->parent, k, v);
     int64_t adm = 0, ref = 0;
-    for (int i = 1; i < t->p.n_stores; i++) {
+    for (int i = j->only ? 0 : 1; i < t->p.n_stores; i++) {
+        if (j->only && !(j->only & (1u << i))) continue;
         bool is_pool = !strcmp(pd_kvt_store_name(t->p.stores[i]), "redis");
         if (!seen && !is_pool) {
             ref++;
@@ -449,6 +452,12 @@ pd_status pd_kvt_tiers_offload(pd_kvt_tiers *t, pd_hash128 hash, pd_hash128 pare
 
 pd_status pd_kvt_tiers_offload_fill(pd_kvt_tiers *t, pd_hash128 hash, pd_hash128 parent, pd_kvt_fill_fn fill,
                                     void *ud) {
+    return pd_kvt_tiers_offload_fill_to(t, 0, hash, parent, fill, ud);
+}
+
+pd_status pd_kvt_tiers_offload_fill_to(pd_kvt_tiers *t, uint32_t only, pd_hash128 hash, pd_hash128 parent,
+                                       pd_kvt_fill_fn fill, void *ud) {
+    if (!fill || only >> t->p.n_stores) return PD_ERR_INVALID;
     pthread_mutex_lock(&t->mu);
     bool full = t->n_queued_offloads >= t->p.queue_max;
     if (full) t->st.offloads_dropped++;
@@ -461,6 +470,7 @@ pd_status pd_kvt_tiers_offload_fill(pd_kvt_tiers *t, pd_hash128 hash, pd_hash128
     j->parent = parent;
     j->fill = fill;
     j->fill_ud = ud;
+    j->only = only;
     pthread_mutex_lock(&t->mu);
     t->n_queued_offloads++;
     t->st.offloads_queued++;
@@ -471,7 +481,13 @@ pd_status pd_kvt_tiers_offload_fill(pd_kvt_tiers *t, pd_hash128 hash, pd_hash128
 
 pd_status pd_kvt_tiers_offload_bf16(pd_kvt_tiers *t, pd_hash128 hash, pd_hash128 parent, const uint16_t *const *k,
                                     const uint16_t *const *v, void (*release)(void *ud), void *ud) {
-    if (!k || !v || !release) return PD_ERR_INVALID;
+    return pd_kvt_tiers_offload_bf16_to(t, 0, hash, parent, k, v, release, ud);
+}
+
+pd_status pd_kvt_tiers_offload_bf16_to(pd_kvt_tiers *t, uint32_t only, pd_hash128 hash, pd_hash128 parent,
+                                       const uint16_t *const *k, const uint16_t *const *v, void (*release)(void *ud),
+                                       void *ud) {
+    if (!k || !v || !release || only >> t->p.n_stores) return PD_ERR_INVALID;
     pthread_mutex_lock(&t->mu);
     bool full = t->n_queued_offloads >= t->p.queue_max;
     if (full) t->st.offloads_dropped++;
@@ -486,6 +502,7 @@ pd_status pd_kvt_tiers_offload_bf16(pd_kvt_tiers *t, pd_hash128 hash, pd_hash128
     j->bv = v;
     j->release = release;
     j->fill_ud = ud;
+    j->only = only;
     pthread_mutex_lock(&t->mu);
     t->n_queued_offloads++;
     t->st.offloads_queued++;

@@ -134,3 +134,125 @@ PD_TEST(staged_refuses_an_fp8_cache) {
     pd_backend_free(be);
     unsetenv("PDSERVE_KV_TIER_STAGING");
 }
+
+// The DRAM tier of a device cache is "hot" (kvconn/tier.c): its pages are the staged rows
+// themselves. PDSERVE_KV_TIER_HOT=0 puts it back into the kvtier chain (encoded bf16 pages).
+PD_TEST(staged_bf16_cache_dram_in_chain_when_hot_off) {
+    setenv("PDSERVE_KV_TIER_HOT", "0", 1);
+    roundtrip("dram in the chain (hot off)", 1 << 20, NULL, NULL);
+    unsetenv("PDSERVE_KV_TIER_HOT");
+}
+
+// A small hot DRAM tier (4 blocks) over a disk tier: 12 blocks saved in 3 drains; DRAM keeps at
+// most 4 and writes every page it evicts back to disk (pinned while a tier worker encodes it,
+// freed after). Every block then loads back bit-exact from whichever tier holds it; repeated
+// saves of a held block copy nothing.
+PD_TEST(staged_hot_dram_writes_back_to_disk) {
+    setenv("PDSERVE_KV_TIER_STAGING", "1", 1);
+    enum { NP = 16, NS = 12 };
+    char dir[] = "/tmp/pd_kvconn_hot_XXXXXX";
+    PD_REQUIRE(mkdtemp(dir));
+    pd_backend *be = pd_backend_cpu_new(1);
+    PD_REQUIRE(be);
+    void *k[L], *v[L];
+    for (int l = 0; l < L; l++) {
+        k[l] = calloc(NP, BLKB);
+        v[l] = calloc(NP, BLKB);
+        uint16_t *kk = k[l], *vv = v[l];
+        for (size_t i = 0; i < NP * BLKB / 2; i++) {
+            kk[i] = pd_f32_to_bf16((float)((int)(rand() % 20001) - 10000) * 1e-3f);
+            vv[i] = pd_f32_to_bf16((float)((int)(rand() % 20001) - 10000) * 7e-4f);
+        }
+    }
+    evbox box = {.mu = PTHREAD_MUTEX_INITIALIZER};
+    size_t per = 2 * (size_t)L * BLKB;
+    pd_kvconn_tier_params p = {.dram_bytes = 4 * per, .disk_dir = dir, .disk_bytes = 1 << 20, .dtype = "bf16",
+                               .backend = be, .on_event = on_event, .ud = &box};
+    p.fp = (pd_kvw_fingerprint){.arch = 1, .n_layers = L, .n_heads = 4, .n_kv_heads = H, .head_dim = D, .hidden = 64,
+                                .vocab = 100, .kv_dtype = PD_DTYPE_BF16, .block_size = BS, .weights_hash = 42};
+    p.cache = (pd_kvconn_cache){.n_layers = L, .n_blocks = NP, .block_size = BS, .row_bytes = ROWB, .k = k, .v = v};
+    pd_err err = {0};
+    pd_kvconn_tiers *c = pd_kvconn_tiers_new(&p, &err);
+    PD_REQUIRE(c);
+    pd_hash128 hs[NS], par[NS];
+    pd_hash128 prev = pd_hash_root(0);
+    for (int b = 0; b < NS; b++) {
+        int32_t toks[BS] = {b, b + 1, b + 2, b + 3};
+        hs[b] = pd_hash_block(b ? &prev : NULL, toks, BS);
+        par[b] = prev;
+        prev = hs[b];
+    }
+    for (int d = 0; d < 3; d++) {
+        for (int b = 4 * d; b < 4 * d + 4; b++) pd_kvconn_tiers_save(c, b, hs[b], par[b]);
+        pd_kvconn_tiers_poll(c);  // (the cpu backend's copies are done at once: resident here)
+        pd_kvconn_tiers_poll(c);
+    }
+    pd_kvconn_tiers_save(c, 11, hs[11], par[11]);  // held: nothing copied
+    pd_kvconn_tiers_poll(c);
+    PD_CHECK(pd_kvconn_tiers_flush(c, 10000));
+    pd_kvconn_tiers_stats st;
+    pd_kvconn_tiers_stats_get(c, &st);
+    PD_REQUIRE(st.n_tiers == 2);
+    PD_CHECK(strcmp(st.tier[0].name, "dram") == 0 && strcmp(st.tier[1].name, "disk") == 0);
+    PD_CHECK_EQ(st.tier[0].puts, NS);
+    PD_CHECK(st.tier[0].n_items <= 4);
+    PD_CHECK_EQ(st.tier[0].evictions, NS - st.tier[0].n_items);
+    PD_CHECK_EQ(st.tier[1].puts, st.tier[0].evictions);  // every victim written back
+    PD_CHECK_EQ(st.offloads_dropped, 0);
+    int n_stored = 0, n_removed = 0;
+    pd_kvconn_tier_event tev[64];
+    int ne;
+    while ((ne = pd_kvconn_tiers_events_drain(c, tev, 64)) > 0)
+        for (int i = 0; i < ne; i++) {
+            if (tev[i].kind == PD_KVCONN_TIER_DRAM) *(tev[i].is_stored ? &n_stored : &n_removed) += 1;
+        }
+    PD_CHECK_EQ(n_stored, NS);
+    PD_CHECK_EQ(n_removed, st.tier[0].evictions);
+    // Every block, one load each, into block 12 + b % 4: bit-exact from DRAM or disk.
+    for (int b = 0; b < NS; b++) {
+        PD_CHECK_EQ(pd_kvconn_tiers_match(c, &hs[b], 1, NULL, NULL), 1);
+        int32_t dst = 12 + b % 4;
+        PD_REQUIRE(pd_kvconn_tiers_start_load(c, 100 + (uint64_t)b, &hs[b], &dst, 1) == PD_OK);
+        pd_kvconn_event *ev = wait_event(&box);
+        PD_REQUIRE(ev);
+        PD_CHECK_EQ(ev->n_blocks, 1);
+        pd_kvconn_tiers_loaded(c, ev);
+        pd_kvconn_event_fini(ev);
+        pd_free(ev);
+        pd_kvconn_tiers_poll(c);
+        for (int l = 0; l < L; l++) {
+            PD_CHECK(memcmp((char *)k[l] + (size_t)b * BLKB, (char *)k[l] + (size_t)dst * BLKB, BLKB) == 0);
+            PD_CHECK(memcmp((char *)v[l] + (size_t)b * BLKB, (char *)v[l] + (size_t)dst * BLKB, BLKB) == 0);
+        }
+    }
+    // The whole chain: DRAM's leading blocks, then the disk's, in one load.
+    int m = pd_kvconn_tiers_match(c, hs, NS, NULL, NULL);
+    PD_CHECK(m >= 1);
+    int32_t dst4[4] = {12, 13, 14, 15};
+    int nl = m < 4 ? m : 4;
+    PD_REQUIRE(pd_kvconn_tiers_start_load(c, 200, hs, dst4, nl) == PD_OK);
+    pd_kvconn_event *ev = wait_event(&box);
+    PD_REQUIRE(ev);
+    PD_CHECK_EQ(ev->n_blocks, nl);
+    pd_kvconn_tiers_loaded(c, ev);
+    pd_kvconn_event_fini(ev);
+    pd_free(ev);
+    pd_kvconn_tiers_poll(c);
+    for (int b = 0; b < nl; b++)
+        for (int l = 0; l < L; l++) {
+            PD_CHECK(memcmp((char *)k[l] + (size_t)b * BLKB, (char *)k[l] + (size_t)dst4[b] * BLKB, BLKB) == 0);
+            PD_CHECK(memcmp((char *)v[l] + (size_t)b * BLKB, (char *)v[l] + (size_t)dst4[b] * BLKB, BLKB) == 0);
+        }
+    pd_kvconn_tiers_stats_get(c, &st);
+    printf("  hot DRAM (4 blocks) + disk: %lld DRAM evictions written back, %lld DRAM hits, %lld disk hits; "
+           "a %d-block chain matched\n",
+           (long long)st.tier[0].evictions, (long long)st.tier[0].hits, (long long)st.tier[1].hits, m);
+    PD_CHECK(st.tier[0].hits > 0 && st.tier[1].hits > 0);
+    pd_kvconn_tiers_free(c);
+    for (int l = 0; l < L; l++) free(k[l]), free(v[l]);
+    pd_backend_free(be);
+    char cmd[64];
+    snprintf(cmd, sizeof cmd, "rm -rf %s", dir);
+    PD_CHECK_EQ(system(cmd), 0);
+    unsetenv("PDSERVE_KV_TIER_STAGING");
+}
