@@ -101,6 +101,8 @@ struct pd_engine {
     struct espec *spec;         // owned: speculative decoding (engine/spec.c), NULL when off
     pd_kvconn_tiers *tiers;     // the KV tiers below the pool (engine/tiers.c), NULL when off
     int64_t n_tier_hit_tokens, n_tier_loads_done, tier_load_us;
+    bool tier_same_step;      // hot DRAM loads end inside the admitting step (PDSERVE_KV_TIER_SAMESTEP=0: off)
+    int64_t n_tier_loads_now; // of n_tier_loads_done: ended inside the admitting step
 };
 
 
@@ -143,7 +145,7 @@ void pd_tiers_fini(pd_engine *e);                   // before the cache and the 
 void pd_tiers_req_fini(ereq *q);
 // Computes the prompt's block hashes into q and probes the tiers: the n_tier_tokens to submit.
 int32_t pd_tiers_req_init(pd_engine *e, ereq *q, const int32_t *prompt, int n_prompt);
-void pd_tiers_start_loads(pd_engine *e, const pd_step_plan *plan);
+void pd_tiers_start_loads(pd_engine *e, pd_step_plan *plan);
 void pd_tiers_handle(pd_engine *e, pd_kvconn_event *ev);  // TIER_LOADED, on the engine thread
 void pd_tiers_drain_kv_events(pd_engine *e);  // offload newly cached blocks; router's KV log
 void pd_tiers_stats(pd_engine *e, pd_engine_stats *o);

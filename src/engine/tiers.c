@@ -15,6 +15,13 @@
 //             event ─► pd_sched_tier_loaded(n): the request runs
 //             on from what arrived (a tier that lost a block, or a corrupted page, loads less and
 //             the rest is computed). Other requests keep stepping meanwhile.
+//   same step when the hot DRAM tier (a device cache) holds every block of a load, it ends inside
+//             the step that admitted it: pd_kvconn_tiers_load_now enqueues the one copy with a
+//             fence this step's compute waits on, and pd_sched_tier_loaded_now puts the request
+//             into the step's plan from the loaded position on, like a device prefix-cache hit
+//             (no extra step in LOADING_TIER; PDSERVE_KV_TIER_SAMESTEP=0: off). A load that
+//             found nothing to load is computed in that step too.
+#include <stdlib.h>
 #include <string.h>
 
 #include "engine/engine_impl.h"
@@ -44,6 +51,8 @@ pd_status pd_tiers_init(pd_engine *e, pd_kvw_fingerprint fp, pd_err *err) {
                                  .k = e->layer_k, .v = e->layer_v, .buffer = pd_model_cache_buffer(e->cache)};
     e->tiers = pd_kvconn_tiers_new(&tp, err);
     if (!e->tiers) return err ? err->status : PD_ERR_INVALID;
+    const char *ss = getenv("PDSERVE_KV_TIER_SAMESTEP");  // "0": every load ends in a later step
+    e->tier_same_step = !(ss && !strcmp(ss, "0"));
     pd_kvconn_tiers_stats ts;
     pd_kvconn_tiers_stats_get(e->tiers, &ts);
     char names[64] = "";
@@ -59,6 +68,9 @@ pd_status pd_tiers_init(pd_engine *e, pd_kvw_fingerprint fp, pd_err *err) {
 }
 
 void pd_tiers_fini(pd_engine *e) {
+    if (e->tiers)
+        PD_LOG_I("engine: KV tier loads: %lld done, %lld of them inside the admitting step (hot DRAM), %lld tokens",
+                 (long long)e->n_tier_loads_done, (long long)e->n_tier_loads_now, (long long)e->n_tier_hit_tokens);
     pd_kvconn_tiers_free(e->tiers);  // loads still queued write into the cache: before it goes
     e->tiers = NULL;
 }
@@ -85,22 +97,39 @@ int32_t pd_tiers_req_init(pd_engine *e, ereq *q, const int32_t *prompt, int n_pr
     return pd_kvconn_tiers_match(e->tiers, q->tier_hashes, nb, NULL, NULL) * bs;
 }
 
-void pd_tiers_start_loads(pd_engine *e, const pd_step_plan *plan) {
+void pd_tiers_start_loads(pd_engine *e, pd_step_plan *plan) {
     int bs = e->params.block_size;
     for (int i = 0; i < plan->n_tier_loads; i++) {
         const pd_step_kv_load *l = &plan->tier_loads[i];
-        ereq *q = pd_engine_req_find(e, l->req_id);
+        uint64_t id = l->req_id;
+        ereq *q = pd_engine_req_find(e, id);
         int first = l->n_tokens_local / bs, nb = l->n_tokens / bs - first;
         pd_status st = PD_ERR_INVALID;
-        if (q && q->tier_hashes && l->n_tokens / bs <= q->n_tier_hashes && nb > 0)
-            st = pd_kvconn_tiers_start_load(e->tiers, l->req_id, q->tier_hashes + first, l->block_ids + first, nb);
+        bool ok = q && q->tier_hashes && l->n_tokens / bs <= q->n_tier_hashes && nb > 0;
+        int64_t t0 = pd_time_us();
+        // The hot DRAM tier holds it all: one copy enqueued now, before this step's compute (the
+        // fence), and the request computes its remaining tokens in this very step.
+        if (ok && e->tier_same_step &&
+            pd_kvconn_tiers_load_now(e->tiers, q->tier_hashes + first, l->block_ids + first, nb) == nb) {
+            PD_ASSERT(pd_sched_tier_loaded_now(e->sched, plan, id, nb * bs) == PD_OK);  // (l may be stale now)
+            if (!q->t_sched_us) q->t_sched_us = t0;
+            e->n_tier_loads_done++;
+            e->n_tier_loads_now++;
+            e->n_tier_hit_tokens += (int64_t)nb * bs;
+            e->tier_load_us += pd_time_us() - t0;
+            q->n_tier_loaded += nb * bs;
+            continue;
+        }
+        if (ok) st = pd_kvconn_tiers_start_load(e->tiers, id, q->tier_hashes + first, l->block_ids + first, nb);
         if (st == PD_OK) {
             q->is_tier_loading = true;
-            q->tier_t0_us = pd_time_us();
+            q->tier_t0_us = t0;
             if (!q->t_sched_us) q->t_sched_us = q->tier_t0_us;
             continue;
         }
-        PD_ASSERT(pd_sched_tier_loaded(e->sched, l->req_id, 0) == PD_OK);  // computed instead
+        // Nothing to load after all: computed instead (in this step where the hot path is on).
+        if (e->tier_same_step) PD_ASSERT(pd_sched_tier_loaded_now(e->sched, plan, id, 0) == PD_OK);
+        else PD_ASSERT(pd_sched_tier_loaded(e->sched, id, 0) == PD_OK);
     }
 }
 

@@ -274,6 +274,12 @@ int pd_kvconn_tiers_match(pd_kvconn_tiers *c, const pd_hash128 *hashes, int n, i
 // the TIER_LOADED event. PD_OK: exactly one event follows. PD_ERR_INVALID: a block outside the pool.
 pd_status pd_kvconn_tiers_start_load(pd_kvconn_tiers *c, uint64_t req_id, const pd_hash128 *hashes,
                                      const int32_t *dst_blocks, int n);
+// The same, completed at once when the hot DRAM tier (a device cache's pinned device-layout pages)
+// holds every one of the n blocks: ONE copy pages -> dst_blocks is enqueued on the transfer stream
+// with a fence that compute enqueued after this call waits on (the host does not wait); returns
+// n and no event follows. Otherwise returns 0 and nothing happened (no hot tier, a block not held
+// there, a block outside the pool): use pd_kvconn_tiers_start_load.
+int pd_kvconn_tiers_load_now(pd_kvconn_tiers *c, const pd_hash128 *hashes, const int32_t *dst_blocks, int n);
 // The engine thread, on a TIER_LOADED event, before it lets the request read the blocks: a device
 // cache gets the staged rows uploaded on the transfer stream (ordered before the next step's
 // compute; the host does not wait). Always call it once per TIER_LOADED event.

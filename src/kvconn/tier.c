@@ -641,8 +641,9 @@ static void hot_save_done(pd_kvconn_tiers *c, int s) {
 }
 
 // A load's leading blocks held here: pinned, then ONE copy slots -> the reserved blocks on the
-// transfer stream (ordered before the next step's compute by the fence). Returns how many.
-static int hot_start_load(pd_kvconn_tiers *c, const pd_hash128 *hashes, const int32_t *dst_blocks, int n) {
+// transfer stream (ordered before the next step's compute by the fence). Returns how many; with
+// all: n, or 0 (nothing done) unless every block is held.
+static int hot_start_load(pd_kvconn_tiers *c, const pd_hash128 *hashes, const int32_t *dst_blocks, int n, bool all) {
     hot *h = &c->hot;
     int32_t *slots = pd_malloc(sizeof *slots * (size_t)n), *rows = pd_malloc(sizeof *rows * (size_t)n);
     if (!slots || !rows) {
@@ -651,6 +652,11 @@ static int hot_start_load(pd_kvconn_tiers *c, const pd_hash128 *hashes, const in
     }
     pthread_mutex_lock(&h->mu);
     int k = hot_lead_locked(h, hashes, n);
+    if (all && k < n) {
+        pthread_mutex_unlock(&h->mu);
+        pd_free(slots), pd_free(rows);
+        return 0;
+    }
     for (int i = 0; i < k; i++) {
         slots[i] = hot_find(h, hashes[i]);
         h->s[slots[i]].refs++;
@@ -1095,7 +1101,7 @@ pd_status pd_kvconn_tiers_start_load(pd_kvconn_tiers *c, uint64_t req_id, const 
     int L = c->geom.n_layers;
     if (c->use_hot) {
         // The leading blocks DRAM holds: uploaded now (one copy); the rest from the lower tiers.
-        int k = hot_start_load(c, hashes, dst_blocks, n);
+        int k = hot_start_load(c, hashes, dst_blocks, n, false);
         pd_status st = k < n && c->t ? start_load_staged(c, req_id, hashes + k, dst_blocks + k, n - k, k) : PD_NOSPACE;
         if (st == PD_OK) return PD_OK;
         if (k == 0) return st == PD_NOSPACE ? PD_NOSPACE : st;
@@ -1131,6 +1137,13 @@ pd_status pd_kvconn_tiers_start_load(pd_kvconn_tiers *c, uint64_t req_id, const 
                                      (float *const *const *)l->dv, on_loaded, l);
     if (st != PD_OK) tier_load_free(l);
     return st;
+}
+
+int pd_kvconn_tiers_load_now(pd_kvconn_tiers *c, const pd_hash128 *hashes, const int32_t *dst_blocks, int n) {
+    if (!c->use_hot || n <= 0) return 0;
+    for (int i = 0; i < n; i++)
+        if (dst_blocks[i] < 0 || dst_blocks[i] >= c->p.cache.n_blocks) return 0;
+    return hot_start_load(c, hashes, dst_blocks, n, true);
 }
 
 void pd_kvconn_tiers_stats_get(pd_kvconn_tiers *c, pd_kvconn_tiers_stats *out) {

@@ -258,6 +258,16 @@ pd_status pd_sched_kv_loaded(pd_sched *s, uint64_t req_id, bool ok, int32_t firs
 //   PD_ERR_INVALID   n_loaded out of range or not block-aligned (nothing changed)
 pd_status pd_sched_tier_loaded(pd_sched *s, uint64_t req_id, int32_t n_loaded);
 
+// The same, for a tier load the engine completed within this step (the KV tiers' hot DRAM: the
+// copy is enqueued on the transfer stream with a fence the step's compute waits on), called after
+// pd_sched_schedule and before the plan is run: the request also joins this plan like a request
+// admitted with a prefix-cache hit of n_tokens_local + n_loaded tokens, computing its next tokens
+// within the budget the step left (never preempting; no budget, blocks or chunk fits: it runs
+// from the next step). plan->seqs / n_seqs / n_tokens grow by it; the tier_loads entry's
+// block_ids may no longer be read (the request's block table may have grown).
+//   as pd_sched_tier_loaded, and PD_ERR_INVALID for a plan that is not the outstanding one
+pd_status pd_sched_tier_loaded_now(pd_sched *s, pd_step_plan *plan, uint64_t req_id, int32_t n_loaded);
+
 // Frees the blocks of a finished is_hold_blocks request (its KV has been sent). PD_OK, or
 // PD_ERR_NOTFOUND if no request with this id is held.
 pd_status pd_sched_release(pd_sched *s, uint64_t req_id);

@@ -105,6 +105,8 @@ struct pd_sched {
     pd_step_kv_load *plan_tier_loads;  // owned; (max_num_seqs)
     pd_sched_req **tier_reqs;          // owned; (max_num_seqs) requests behind plan_tier_loads
     int32_t n_plan_tier_loads;
+    int32_t plan_n_sched;         // the outstanding plan: requests in scheduled[] / plan_seqs[]
+    int32_t plan_budget;          //   and the token budget it left (pd_sched_tier_loaded_now)
     int32_t n_loading;            // LOADING_KV and LOADING_TIER requests (in running, or aborted: detached)
     int32_t n_loading_aborted;    // detached: in the map only, blocks kept until kv_loaded
     int32_t n_held;               // detached: HELD requests
@@ -136,3 +138,6 @@ void pd_sched_req_drop(pd_sched *s, pd_sched_req *r);
 void pd_sched_req_preempt(pd_sched *s, pd_sched_req *r);
 // Ends the outstanding plan (applied or abandoned): clears every n_scheduled, frees the zombies.
 void pd_sched_plan_release(pd_sched *s);
+// ---- schedule.c ----------------------------------------------------------------------------------
+// Adds r (RUNNING, unscheduled) to the outstanding plan within the budget it left, if it fits.
+void pd_sched_join_plan(pd_sched *s, pd_sched_req *r, pd_step_plan *out);

@@ -314,5 +314,30 @@ void pd_sched_schedule(pd_sched *s, int64_t now_us, pd_step_plan *out) {
     grow_running(s, false, &budget, &n_sched, &n_preempted);
     if (n_preempted == 0) admit_waiting(s, now_us, &budget, &n_sched);
     emit_plan(s, n_sched, n_preempted, out);
+    s->plan_n_sched = n_sched;
+    s->plan_budget = budget;
     if (n_sched > 0) s->stats.n_steps++;
+}
+
+// A tier load ended inside the step (pd_sched_tier_loaded_now): r (RUNNING, not scheduled) takes
+// its next tokens in the outstanding plan, as try_admit would give them, without preempting.
+void pd_sched_join_plan(pd_sched *s, pd_sched_req *r, pd_step_plan *out) {
+    int32_t remaining = r->n_tokens - r->n_computed, n_new = PD_MIN(remaining, s->plan_budget);
+    if (PD_NEVER(remaining <= 0)) return;
+    if (!s->params.enable_chunked_prefill) {
+        if (remaining > s->plan_budget) return;
+    } else if (remaining > 1 && s->params.max_prefill_chunk > 0) {
+        n_new = PD_MIN(n_new, s->params.max_prefill_chunk);
+    }
+    if (n_new <= 0 || pd_kv_alloc_slots(s->kv, &r->kv, r->n_computed, n_new) != PD_OK) return;
+    int32_t n_sched = s->plan_n_sched;
+    mark_scheduled(s, r, n_new, &s->plan_budget, &n_sched);
+    s->plan_n_sched = n_sched;
+    pd_step_seq *e = &s->plan_seqs[n_sched - 1];
+    *e = (pd_step_seq){.req_id = r->id, .slot = r->slot, .pos_start = r->n_computed, .n_tokens = n_new,
+                       .tokens = r->tokens + r->n_computed, .needs_logits = r->n_computed + n_new == r->n_tokens,
+                       .block_ids = r->kv.block_ids, .n_blocks = r->kv.n_blocks, .n_lookahead = 0};
+    if (out->n_seqs == 0) s->stats.n_steps++;
+    out->n_seqs = n_sched;
+    out->n_tokens += n_new;
 }

@@ -172,3 +172,13 @@ pd_status pd_sched_tier_loaded(pd_sched *s, uint64_t req_id, int32_t n_loaded) {
     (void)pd_kv_cache_full_blocks(s->kv, &r->kv, r->tokens, r->n_computed);
     return PD_OK;
 }
+
+pd_status pd_sched_tier_loaded_now(pd_sched *s, pd_step_plan *plan, uint64_t req_id, int32_t n_loaded) {
+    if (!s->has_plan || !plan || plan->step_id != s->step_id || plan->seqs != s->plan_seqs) return PD_ERR_INVALID;
+    pd_status st = pd_sched_tier_loaded(s, req_id, n_loaded);
+    if (st != PD_OK) return st;
+    pd_sched_req *r = pd_sched_reqmap_find(&s->reqs, req_id);
+    if (PD_NEVER(!r || r->state != PD_SCHED_RUNNING)) return PD_OK;
+    pd_sched_join_plan(s, r, plan);
+    return PD_OK;
+}

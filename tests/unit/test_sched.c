@@ -54,6 +54,9 @@ typedef struct fe {
     pd_rng *tier_rng;
     bool is_tier_losing;
     bool is_tier_paused;    // tier loads stay in flight
+    bool is_tier_now;       // tier loads end inside their step (pd_sched_tier_loaded_now: hot DRAM)
+    pd_rng *tier_now_rng;   // when set, half of them do
+    int32_t n_tier_now, n_tier_now_joined;
     int32_t n_tier_done, n_tier_partial, n_tier_tokens_loaded;
     uint64_t held[FE_MAX_REQS];  // finished is_hold_blocks requests, released next step
     int32_t n_held;
@@ -178,6 +181,48 @@ static void fe_service_loads(fe *e) {
     e->n_loads = n;
 }
 
+// The "tier" writes the KV of the first got blocks of a tier load.
+static void fe_tier_write(fe *e, const pd_step_kv_load *l, int32_t got) {
+    fe_req *q = &e->r[l->req_id];
+    for (int32_t p = l->n_tokens_local; p < l->n_tokens_local + got * e->bs && !q->aborted; p++) {
+        int32_t b = l->block_ids[p / e->bs];
+        PD_CHECK_EQ(pd_kv_block_ref(e->kv, b), 1);
+        PD_REQUIRE(p < q->n_prompt);
+        e->shadow[b][p % e->bs] = q->prompt[p];
+    }
+}
+
+// Tier loads that end inside their step (hot DRAM): written now, the request joins the plan.
+static void fe_tier_loads_now(fe *e, pd_step_plan *plan) {
+    for (int32_t i = 0; i < plan->n_tier_loads; i++) {
+        pd_step_kv_load l = plan->tier_loads[i];
+        if (!(e->tier_now_rng ? pd_rng_uniform(e->tier_now_rng) < 0.5 : e->is_tier_now)) {
+            e->tloads[e->n_tloads++] = l;
+            continue;
+        }
+        int32_t nb = (l.n_tokens - l.n_tokens_local) / e->bs;
+        pd_rng *g = e->tier_now_rng ? e->tier_now_rng : e->tier_rng;
+        int32_t got = g ? (int32_t)(pd_rng_next(g) % (uint64_t)(nb + 1)) : e->is_tier_losing ? 0 : nb;
+        fe_tier_write(e, &l, got);
+        int32_t n0 = plan->n_seqs, t0 = plan->n_tokens;
+        PD_CHECK_EQ(pd_sched_tier_loaded_now(e->s, plan, l.req_id, got * e->bs + 1), PD_ERR_INVALID);
+        PD_CHECK_EQ(pd_sched_tier_loaded_now(e->s, plan, l.req_id, got * e->bs), PD_OK);
+        PD_CHECK_EQ(pd_sched_tier_loaded_now(e->s, plan, l.req_id, 0), PD_ERR_NOTFOUND);
+        PD_CHECK(plan->n_seqs == n0 || plan->n_seqs == n0 + 1);
+        if (plan->n_seqs == n0 + 1) {
+            const pd_step_seq *q = &plan->seqs[n0];
+            PD_CHECK_EQ(q->req_id, l.req_id);
+            PD_CHECK_EQ(q->pos_start, l.n_tokens_local + got * e->bs);
+            PD_CHECK_EQ(plan->n_tokens, t0 + q->n_tokens);
+            e->n_tier_now_joined++;
+        }
+        e->n_tier_now++;
+        e->n_tier_done++;
+        e->n_tier_partial += got < nb;
+        e->n_tier_tokens_loaded += got * e->bs;
+    }
+}
+
 // Finishes tier loads: the "tier" writes the KV of a leading run of the asked blocks.
 static void fe_service_tier_loads(fe *e) {
     int32_t n = 0;
@@ -193,12 +238,7 @@ static void fe_service_tier_loads(fe *e) {
         PD_CHECK(l->n_tokens < q->n_prompt + FE_MAX_OUT);
         PD_CHECK(l->n_blocks * e->bs >= l->n_tokens);
         int32_t got = e->tier_rng ? (int32_t)(pd_rng_next(e->tier_rng) % (uint64_t)(nb + 1)) : e->is_tier_losing ? 0 : nb;
-        for (int32_t p = l->n_tokens_local; p < l->n_tokens_local + got * e->bs && !q->aborted; p++) {
-            int32_t b = l->block_ids[p / e->bs];
-            PD_CHECK_EQ(pd_kv_block_ref(e->kv, b), 1);
-            PD_REQUIRE(p < q->n_prompt);
-            e->shadow[b][p % e->bs] = q->prompt[p];
-        }
+        fe_tier_write(e, l, got);
         PD_CHECK_EQ(pd_sched_tier_loaded(e->s, l->req_id, got * e->bs + 1), PD_ERR_INVALID);  // not block-aligned
         PD_CHECK_EQ(pd_sched_tier_loaded(e->s, l->req_id, (nb + 1) * e->bs), PD_ERR_INVALID);  // beyond the load
         pd_status st = pd_sched_tier_loaded(e->s, l->req_id, got * e->bs);
@@ -219,6 +259,7 @@ static void fe_service_tier_loads(fe *e) {
 static int32_t fe_step(fe *e) {
     pd_step_plan plan;
     pd_sched_schedule(e->s, e->now_us, &plan);
+    fe_tier_loads_now(e, &plan);  // before the forward, as the engine does
     e->last_plan = plan;
     PD_CHECK(plan.n_tokens <= e->sp.max_num_batched_tokens);
     PD_CHECK(plan.n_seqs <= e->sp.max_num_seqs);
@@ -300,8 +341,7 @@ static int32_t fe_step(fe *e) {
     e->n_held = 0;
     for (int32_t i = 0; i < plan.n_kv_loads; i++) e->loads[e->n_loads++] = plan.kv_loads[i];
     fe_service_loads(e);
-    for (int32_t i = 0; i < plan.n_tier_loads; i++) e->tloads[e->n_tloads++] = plan.tier_loads[i];
-    fe_service_tier_loads(e);
+    fe_service_tier_loads(e);  // the ones fe_tier_loads_now queued
     pd_err err = {0};
     pd_status st = pd_sched_check(e->s, &err);
     PD_CHECK_MSG(st == PD_OK, "step %lld: %s", (long long)e->step, err.msg);
@@ -1032,6 +1072,90 @@ PD_TEST(tier_load_state) {
     fe_free(e);
 }
 
+// A tier load that ends inside its step (the hot DRAM tier: the copy is enqueued before the step's
+// compute): the request joins that same plan from the loaded position on, like a prefix-cache
+// hit; no budget left / a partial load / chunking work as at admission.
+PD_TEST(tier_load_now) {
+    pd_sched_params sp = sp_make(4, 64);
+    fe *e = fe_new(64, 4, &sp);
+    int32_t p[22];
+    fill(p, 22, 310);
+    pd_sched_req_params rp = {.req_id = 1, .prompt = p, .n_prompt = 22, .max_tokens = 5, .n_tier_tokens = 24};
+    PD_CHECK_EQ(fe_add_rp(e, &rp), PD_OK);
+    pd_step_plan plan;
+    pd_sched_schedule(e->s, 0, &plan);
+    PD_REQUIRE(plan.n_tier_loads == 1 && plan.n_seqs == 0);
+    pd_step_plan stale = plan;
+    stale.step_id--;
+    PD_CHECK_EQ(pd_sched_tier_loaded_now(e->s, &stale, 1, 20), PD_ERR_INVALID);  // not the outstanding plan
+    PD_CHECK_EQ(pd_sched_tier_loaded_now(e->s, &plan, 1, 24), PD_ERR_INVALID);   // beyond the load
+    fe_tier_write(e, &plan.tier_loads[0], 5);
+    PD_CHECK_EQ(pd_sched_tier_loaded_now(e->s, &plan, 1, 20), PD_OK);
+    PD_REQUIRE(plan.n_seqs == 1);
+    PD_CHECK_EQ(plan.seqs[0].req_id, 1);
+    PD_CHECK_EQ(plan.seqs[0].pos_start, 20);
+    PD_CHECK_EQ(plan.seqs[0].n_tokens, 2);
+    PD_CHECK(plan.seqs[0].needs_logits);
+    PD_CHECK_EQ(plan.n_tokens, 2);
+    PD_CHECK_EQ(pd_sched_tier_loaded(e->s, 1, 0), PD_ERR_NOTFOUND);
+    pd_sched_stats st;
+    pd_sched_stats_get(e->s, &st);
+    PD_CHECK_EQ(st.n_loading, 0);
+    PD_CHECK_EQ(st.n_tier_loading, 0);
+    pd_err err = {0};
+    PD_CHECK_MSG(pd_sched_check(e->s, &err) == PD_OK, "%s", err.msg);
+    // (the plan is abandoned: the next schedule drops it and plans those 2 tokens again)
+    // Through the harness: the whole load lands in the step that admits it; the first token comes
+    // from that step, and the output is the reference.
+    e->is_tier_now = true;
+    fe_run(e, 50);
+    expect_ref(e, 1, p, 22, 5);
+    int32_t p2[40];
+    fill(p2, 40, 311);
+    rp = (pd_sched_req_params){.req_id = 2, .prompt = p2, .n_prompt = 40, .max_tokens = 3, .n_tier_tokens = 40};
+    PD_CHECK_EQ(fe_add_rp(e, &rp), PD_OK);
+    PD_CHECK_EQ(fe_step(e), 1);
+    PD_CHECK_EQ(e->n_tier_now, 1);
+    PD_CHECK_EQ(e->last_plan.seqs[0].pos_start, 36);
+    PD_CHECK_EQ(e->last_plan.seqs[0].n_tokens, 4);
+    PD_CHECK_EQ(e->r[2].n_out, 1);  // its first token in the admitting step
+    fe_run(e, 50);
+    expect_ref(e, 2, p2, 40, 3);
+    // A tier that lost everything: computed from the hit, still in the same step.
+    int32_t p3[30];
+    fill(p3, 30, 312);
+    e->is_tier_losing = true;
+    rp = (pd_sched_req_params){.req_id = 3, .prompt = p3, .n_prompt = 30, .max_tokens = 2, .n_tier_tokens = 28};
+    PD_CHECK_EQ(fe_add_rp(e, &rp), PD_OK);
+    PD_CHECK_EQ(fe_step(e), 1);
+    PD_CHECK_EQ(e->last_plan.seqs[0].pos_start, 0);
+    PD_CHECK_EQ(e->last_plan.seqs[0].n_tokens, 30);
+    fe_run(e, 50);
+    expect_ref(e, 3, p3, 30, 2);
+    e->is_tier_losing = false;
+    // One token of budget left in the step (a 63-token prompt took the rest): the loaded request
+    // computes a one-token chunk in it, the last token next step.
+    int32_t p4[63], p5[30];
+    fill(p4, 63, 313);
+    fill(p5, 30, 314);
+    rp = (pd_sched_req_params){.req_id = 4, .prompt = p4, .n_prompt = 63, .max_tokens = 2};
+    PD_CHECK_EQ(fe_add_rp(e, &rp), PD_OK);
+    rp = (pd_sched_req_params){.req_id = 5, .prompt = p5, .n_prompt = 30, .max_tokens = 2, .n_tier_tokens = 28};
+    PD_CHECK_EQ(fe_add_rp(e, &rp), PD_OK);
+    PD_CHECK_EQ(fe_step(e), 2);
+    PD_CHECK_EQ(e->last_plan.n_tier_loads, 1);
+    PD_CHECK_EQ(e->last_plan.seqs[1].req_id, 5);
+    PD_CHECK_EQ(e->last_plan.seqs[1].pos_start, 28);
+    PD_CHECK_EQ(e->last_plan.seqs[1].n_tokens, 1);
+    PD_CHECK(!e->last_plan.seqs[1].needs_logits);
+    PD_CHECK_EQ(e->last_plan.n_tokens, 64);
+    fe_run(e, 50);
+    expect_ref(e, 4, p4, 63, 2);
+    expect_ref(e, 5, p5, 30, 2);
+    PD_CHECK(!pd_sched_has_work(e->s));
+    fe_free(e);
+}
+
 // While a tier load runs, other requests keep stepping, and a loading request is no preemption
 // victim even when the pool runs dry.
 PD_TEST(tier_load_others_step) {
@@ -1161,6 +1285,9 @@ static void prop_sched_spec(uint64_t seed, pd_sched_policy policy, bool chunked,
     e->mid_abort_rng = &mid;
     e->load_rng = &loads;
     e->tier_rng = &loads;
+    pd_rng tnow;
+    pd_rng_seed(&tnow, seed + 4000);
+    e->tier_now_rng = &tnow;
     pd_rng spec;
     pd_rng_seed(&spec, seed + 3000);
     if (lookahead > 0) {
@@ -1237,6 +1364,7 @@ static void prop_sched_spec(uint64_t seed, pd_sched_policy policy, bool chunked,
     PD_CHECK_EQ(e->n_loads, 0);
     PD_CHECK_EQ(e->n_tloads, 0);
     PD_CHECK(e->n_tier_done > 5 && e->n_tier_partial > 0 && e->n_tier_tokens_loaded > 0);
+    PD_CHECK(e->n_tier_now > 0 && e->n_tier_now_joined > 0);
     PD_CHECK_EQ(st.n_held, 0);
     PD_CHECK_EQ(st.n_loading, 0);
     PD_CHECK_EQ(st.n_tier_loading, 0);
