@@ -420,13 +420,27 @@ static void enqueue(pd_kvt_tiers *t, job *j) {
     pthread_cond_signal(&t->cv);
 }
 
-pd_status pd_kvt_tiers_offload(pd_kvt_tiers *t, pd_hash128 hash, pd_hash128 parent, const float *const *k,
-                               const float *const *v) {
+// Write-back admission: false (and one more drop counted) when the offload queue is full.
+static bool offload_queue_full(pd_kvt_tiers *t) {
     pthread_mutex_lock(&t->mu);
     bool full = t->n_queued_offloads >= t->p.queue_max;
     if (full) t->st.offloads_dropped++;
     pthread_mutex_unlock(&t->mu);
-    if (full) return PD_NOSPACE;
+    return full;
+}
+
+// Queues offload job j for the tier workers.
+static void offload_submit(pd_kvt_tiers *t, job *j) {
+    pthread_mutex_lock(&t->mu);
+    t->n_queued_offloads++;
+    t->st.offloads_queued++;
+    enqueue(t, j);
+    pthread_mutex_unlock(&t->mu);
+}
+
+pd_status pd_kvt_tiers_offload(pd_kvt_tiers *t, pd_hash128 hash, pd_hash128 parent, const float *const *k,
+                               const float *const *v) {
+    if (offload_queue_full(t)) return PD_NOSPACE;
     job *j = pd_calloc(1, sizeof *j);
     size_t L = (size_t)t->p.geom.n_layers;
     float *rows = j ? pd_malloc(L * 2 * t->block_floats * sizeof(float)) : NULL;
@@ -442,11 +456,7 @@ pd_status pd_kvt_tiers_offload(pd_kvt_tiers *t, pd_hash128 hash, pd_hash128 pare
     j->hash = hash;
     j->parent = parent;
     j->rows = rows;
-    pthread_mutex_lock(&t->mu);
-    t->n_queued_offloads++;
-    t->st.offloads_queued++;
-    enqueue(t, j);
-    pthread_mutex_unlock(&t->mu);
+    offload_submit(t, j);
     return PD_OK;
 }
 
@@ -458,11 +468,7 @@ pd_status pd_kvt_tiers_offload_fill(pd_kvt_tiers *t, pd_hash128 hash, pd_hash128
 pd_status pd_kvt_tiers_offload_fill_to(pd_kvt_tiers *t, uint32_t only, pd_hash128 hash, pd_hash128 parent,
                                        pd_kvt_fill_fn fill, void *ud) {
     if (!fill || only >> t->p.n_stores) return PD_ERR_INVALID;
-    pthread_mutex_lock(&t->mu);
-    bool full = t->n_queued_offloads >= t->p.queue_max;
-    if (full) t->st.offloads_dropped++;
-    pthread_mutex_unlock(&t->mu);
-    if (full) return PD_NOSPACE;
+    if (offload_queue_full(t)) return PD_NOSPACE;
     job *j = pd_calloc(1, sizeof *j);
     if (!j) return PD_ERR_NOMEM;
     j->kind = 1;
@@ -471,11 +477,7 @@ pd_status pd_kvt_tiers_offload_fill_to(pd_kvt_tiers *t, uint32_t only, pd_hash12
     j->fill = fill;
     j->fill_ud = ud;
     j->only = only;
-    pthread_mutex_lock(&t->mu);
-    t->n_queued_offloads++;
-    t->st.offloads_queued++;
-    enqueue(t, j);
-    pthread_mutex_unlock(&t->mu);
+    offload_submit(t, j);
     return PD_OK;
 }
 
@@ -488,11 +490,7 @@ pd_status pd_kvt_tiers_offload_bf16_to(pd_kvt_tiers *t, uint32_t only, pd_hash12
                                        const uint16_t *const *k, const uint16_t *const *v, void (*release)(void *ud),
                                        void *ud) {
     if (!k || !v || !release || only >> t->p.n_stores) return PD_ERR_INVALID;
-    pthread_mutex_lock(&t->mu);
-    bool full = t->n_queued_offloads >= t->p.queue_max;
-    if (full) t->st.offloads_dropped++;
-    pthread_mutex_unlock(&t->mu);
-    if (full) return PD_NOSPACE;
+    if (offload_queue_full(t)) return PD_NOSPACE;
     job *j = pd_calloc(1, sizeof *j);
     if (!j) return PD_ERR_NOMEM;
     j->kind = 1;
@@ -503,11 +501,7 @@ pd_status pd_kvt_tiers_offload_bf16_to(pd_kvt_tiers *t, uint32_t only, pd_hash12
     j->release = release;
     j->fill_ud = ud;
     j->only = only;
-    pthread_mutex_lock(&t->mu);
-    t->n_queued_offloads++;
-    t->st.offloads_queued++;
-    enqueue(t, j);
-    pthread_mutex_unlock(&t->mu);
+    offload_submit(t, j);
     return PD_OK;
 }
 
