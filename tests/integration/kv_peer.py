@@ -17,6 +17,7 @@ import time
 MAGIC, VERSION = 0x564B4450, 4
 HELLO, HELLO_ACK, PREFILL_REQ, KV_SLAB, DONE, FAIL, PING, PONG, CANCEL, KV_NCCL = range(1, 11)
 CHALLENGE, PROOF, AUTH_OK = 11, 12, 13
+PROBE, PROBE_DATA = 14, 15
 TCP, SHM = 1, 2
 M32 = 0xFFFFFFFF
 
@@ -308,8 +309,54 @@ def a_slow_reader(host, port, key, args):
     s.close()
 
 
+def a_probe(host, port, key, _args):
+    """Link probes (wire v4, PROBE / PROBE_DATA): no answer before authentication, nor before
+    HELLO; after HELLO a size over 4 MiB or not a multiple of 4 closes the connection without a
+    PROBE_DATA; a good probe is answered with its nonce and exactly the bytes asked for."""
+    body = lambda nonce, n: struct.pack("<QI", nonce, n)
+    s = dial(host, port)
+    recv_frame(s)
+    s.sendall(frame(PROBE, body(1, 4096)))
+    check(closed_without_answer(s), "a PROBE before authentication got an answer")
+    s.close()
+    s = dial(host, port)
+    authenticate(s, key)
+    s.sendall(frame(PROBE, body(2, 4096)))
+    f = recv_frame(s, 8)
+    check(f is None or f[0] != PROBE_DATA, "a PROBE before HELLO was answered")
+    s.close()
+    fp = learn_fp(host, port, key)
+    for n in [(4 << 20) + 4, 4094, 0xFFFFFFFC]:
+        s = dial(host, port)
+        authenticate(s, key)
+        s.sendall(hello(fp, TCP, 64))
+        f = recv_frame(s)
+        check(f is not None and f[0] == HELLO_ACK, "HELLO refused")
+        s.sendall(frame(PROBE, body(3, n)))
+        for _ in range(50):  # whatever comes (a PONG), never a PROBE_DATA, then the close
+            f = recv_frame(s, 8)
+            if f is None:
+                break
+            check(f[0] != PROBE_DATA, "a PROBE of %d bytes was answered" % n)
+        check(f is None, "the connection stayed open after a PROBE of %d bytes" % n)
+        s.close()
+    s = dial(host, port)
+    authenticate(s, key)
+    s.sendall(hello(fp, TCP, 64))
+    recv_frame(s)
+    s.sendall(frame(PROBE, body(4, 65536)))
+    f = recv_frame(s, 8)
+    while f is not None and f[0] != PROBE_DATA:
+        f = recv_frame(s, 8)
+    check(f is not None and struct.unpack_from("<QI", f[1]) == (4, 65536) and len(f[1]) + len(f[2]) == 24 + 65536,
+          "a good PROBE was not answered with its nonce and 65536 bytes")
+    s.close()
+    print("probe: refused before auth and HELLO, bad sizes close the connection, a good probe answered")
+
+
 ATTACKS = {"unauth_hello": a_unauth_hello, "bad_proof": a_bad_proof, "garbage": a_garbage, "big_pool": a_big_pool,
-           "block_range": a_block_range, "cycles": a_cycles, "slow_reader": a_slow_reader}
+           "block_range": a_block_range, "cycles": a_cycles, "slow_reader": a_slow_reader,
+           "probe": a_probe}
 
 if __name__ == "__main__":
     if len(sys.argv) < 4 or sys.argv[1] not in ATTACKS:

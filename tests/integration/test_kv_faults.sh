@@ -4,7 +4,8 @@
 # the decode worker's outputs are identical to a colocated server's, its KV pool is back to full
 # (pdserve_kv_blocks_used 0) and the counters say what happened.
 #   1. unauthenticated HELLO (zero fingerprint), wrong / replayed proofs: closed, nothing learned
-#   2. garbage and crafted frames before and after authentication (oversized bodies, 16 GiB
+#   2. garbage and crafted frames before and after authentication, link probes (PROBE: none before
+#      HELLO, sizes over 4 MiB or unaligned close the connection) (oversized bodies, 16 GiB
 #      payloads, unknown types, bad versions): the connection closes, the worker lives
 #   3. an shm pool announced as 1,000,000 blocks backed by a 4 KB memfd, then block 999,999:
 #      refused; tcp blocks outside the announced pool, token ids outside the vocabulary: refused
@@ -68,6 +69,7 @@ wait_connected
 $PEER unauth_hello 127.0.0.1 "$KVPORT" || pd_fail "unauthenticated HELLO"
 $PEER bad_proof 127.0.0.1 "$KVPORT" "$TMP/token" || pd_fail "bad proofs"
 $PEER garbage 127.0.0.1 "$KVPORT" "$TMP/token" 40 || pd_fail "garbage frames"
+$PEER probe 127.0.0.1 "$KVPORT" "$TMP/token" || pd_fail "link probes"
 $PEER big_pool 127.0.0.1 "$KVPORT" "$TMP/token" || pd_fail "oversized shm pool"
 $PEER block_range 127.0.0.1 "$KVPORT" "$TMP/token" || pd_fail "block range"
 curl -sf "$URL_pf/health" >/dev/null || pd_fail "the prefill worker died under attack"
