@@ -294,6 +294,16 @@ static void slot_put(stage *s, int i) {
     pthread_mutex_unlock(&s->mu);
 }
 
+// A pinned slot arena laid out like the device cache (layer-major: K of every slot, then V): the
+// per-layer bases into base, and every slot on the free list.
+static void slots_layout(const pd_kvconn_tiers *c, uint8_t *base, size_t n, void **k, void **v, int32_t *free_list) {
+    for (int l = 0; l < c->geom.n_layers; l++) {
+        k[l] = base + (size_t)(2 * l) * n * c->block_bytes;
+        v[l] = base + (size_t)(2 * l + 1) * n * c->block_bytes;
+    }
+    for (size_t i = 0; i < n; i++) free_list[i] = (int32_t)(n - 1 - i);
+}
+
 static pd_status stage_init(pd_kvconn_tiers *c, pd_err *err) {
     stage *s = &c->st;
     size_t per = block_bytes_all(c);
@@ -312,11 +322,7 @@ static pd_status stage_init(pd_kvconn_tiers *c, pd_err *err) {
         memset(s, 0, sizeof *s);
         return pd_err_set(err, PD_ERR_NOMEM, "kv tiers: cannot allocate %zu bytes of host staging", n * per);
     }
-    for (int l = 0; l < L; l++) {
-        s->k[l] = s->base + (size_t)(2 * l) * n * c->block_bytes;
-        s->v[l] = s->base + (size_t)(2 * l + 1) * n * c->block_bytes;
-    }
-    for (size_t i = 0; i < n; i++) s->free_list[i] = (int32_t)(n - 1 - i);
+    slots_layout(c, s->base, n, s->k, s->v, s->free_list);
     s->n_free = (int)n;
     pthread_mutex_init(&s->mu, NULL);
     return PD_OK;
@@ -545,11 +551,7 @@ static pd_status hot_init(pd_kvconn_tiers *c, uint64_t bytes, pd_err *err) {
         return pd_err_set(err, PD_ERR_NOMEM, "--kv-offload-dram: cannot allocate %zu bytes of %s host memory",
                           (size_t)(cap + head) * per, pd_backend_host_is_pinned(c->p.backend) ? "pinned" : "plain");
     }
-    for (int l = 0; l < L; l++) {
-        h->k[l] = h->base + (size_t)(2 * l) * (size_t)h->n_slots * c->block_bytes;
-        h->v[l] = h->base + (size_t)(2 * l + 1) * (size_t)h->n_slots * c->block_bytes;
-    }
-    for (int i = 0; i < h->n_slots; i++) h->free_list[i] = h->n_slots - 1 - i;
+    slots_layout(c, h->base, (size_t)h->n_slots, h->k, h->v, h->free_list);
     h->n_free = h->n_slots;
     memset(h->map, 0xff, sizeof *h->map * (size_t)m);
     pthread_mutex_init(&h->mu, NULL);

@@ -34,9 +34,10 @@ bool pd_kvw_kv_nccl_valid(const pd_kvw_kv_nccl *s) {
         s->block_size > 4096 || s->n_rows_last <= 0 || s->n_rows_last > s->block_size || s->row_bytes == 0 ||
         s->row_bytes % 8 || s->row_bytes > (1u << 20))
         return false;
-    // 2 * n_blocks * block_size * row_bytes, without overflow, within the payload cap
-    uint64_t rows = 2u * (uint64_t)s->n_blocks * (uint64_t)s->block_size;  // < 2^44
-    return rows <= PD_KVW_MAX_PAYLOAD / s->row_bytes && rows * s->row_bytes == s->bytes;
+    // one layer's slab, within the payload cap (2 * n_blocks * block_size < 2^44: no overflow)
+    uint64_t rows = 2u * (uint64_t)s->n_blocks * (uint64_t)s->block_size;
+    return rows <= PD_KVW_MAX_PAYLOAD / s->row_bytes &&
+           pd_kvw_kv_nccl_layer_bytes(s->n_blocks, s->block_size, s->row_bytes) == s->bytes;
 }
 
 uint64_t pd_kvw_kv_nccl_layer_bytes(int n_blocks, int block_size, uint64_t row_bytes) {
