@@ -65,6 +65,7 @@ def main():
     lock = threading.Lock()
     nxt = [0]
     results = []  # (conversation, turn, prompt_len, ttft_ms)
+    parts = []  # (turn, queue_ms, prefill_ms, first_decode_ms, cached_tokens): the server's TTFT breakdown
     errors = []
     outputs = {}  # "conversation.turn" -> the greedy token's text (compared across configurations)
     t_start = time.perf_counter()
@@ -74,7 +75,7 @@ def main():
         hist = list(system)
         for t in range(a.turns):
             prompt = hist + [r.randrange(10, a.vocab) for _ in range(a.user)]
-            body = json.dumps({"prompt": prompt, "max_tokens": 1, "temperature": 0}).encode()
+            body = json.dumps({"prompt": prompt, "max_tokens": 1, "temperature": 0, "timings": True}).encode()
             t0 = time.perf_counter()
             try:
                 resp = json.loads(urllib.request.urlopen(urllib.request.Request(a.url + "/v1/completions", data=body,
@@ -87,6 +88,11 @@ def main():
             with lock:
                 results.append((cid, t, len(prompt), ms))
                 outputs["%d.%d" % (cid, t)] = resp["choices"][0]["text"]
+                u = resp.get("usage") or {}
+                b = u.get("ttft_breakdown") or {}
+                if b:
+                    parts.append((t, b.get("queue_ms", 0.0), b.get("prefill_ms", 0.0), b.get("first_decode_ms", 0.0),
+                                  (u.get("prompt_tokens_details") or {}).get("cached_tokens", 0)))
             hist = prompt + [r.randrange(10, a.vocab) for _ in range(a.assistant)]
 
     def worker():
@@ -111,6 +117,11 @@ def main():
     later = [r[3] for r in results if r[1] >= 1]
     hit = d.get("pdserve_kv_tier_hit_tokens_total", 0.0)
     wall_load = d.get("pdserve_kv_tier_load_wall_seconds_total", 0.0)
+    steps = d.get("pdserve_engine_steps_total", 0.0)
+    def part(i, sel):
+        xs = [p[i] for p in parts if sel(p)]
+        return {"p50": pct(xs, 50), "p90": pct(xs, 90), "mean": statistics.mean(xs) if xs else float("nan")}
+    breakdown = {name: part(i, lambda p: p[0] >= 1) for i, name in ((1, "queue_ms"), (2, "prefill_ms"), (3, "first_decode_ms"))}
     rep = {
         "label": a.label, "conversations_started": nxt[0], "conversations_finished": done_conv,
         "requests": len(results), "errors": len(errors), "wall_s": round(wall, 1),
@@ -120,6 +131,8 @@ def main():
         "prompt_tokens": d.get("pdserve_prompt_tokens_total", 0.0),
         "prompt_tokens_computed": d.get("pdserve_prefill_tokens_computed_total", 0.0),
         "tier_hit_tokens": hit,
+        "engine_steps": steps, "ms_per_step": wall * 1000 / steps if steps else float("nan"),
+        "ttft_breakdown_turns_ge2": breakdown,
         "tier_load_wall_s": wall_load,
         "tier_hits": {k: v for k, v in d.items() if k.startswith("pdserve_kv_tier_hits_total")},
         "tier_bytes_out": d.get("pdserve_kv_tier_bytes_out_total", 0.0),
@@ -136,6 +149,9 @@ def main():
           (a.label, done_conv, a.conversations, len(results), len(errors), wall, rep["ttft_ms"]["p50"],
            rep["ttft_ms"]["p90"], rep["ttft_ms"]["p99"], rep["ttft_ms_turns_ge2"]["p50"], rep["prompt_tokens"],
            rep["prompt_tokens_computed"], hit, wall_load))
+    print("%-14s turns>=2 breakdown p50/p90/mean ms: queue %.1f/%.1f/%.1f prefill %.1f/%.1f/%.1f first-decode %.1f/%.1f/%.1f | "
+          "%d steps, %.1f ms a step" % ((a.label,) + tuple(breakdown[k][q] for k in ("queue_ms", "prefill_ms", "first_decode_ms")
+                                                          for q in ("p50", "p90", "mean")) + (steps, rep["ms_per_step"])))
     sys.stdout.flush()
 
 

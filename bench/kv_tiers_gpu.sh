@@ -7,16 +7,19 @@
 # and, in the same run, the host->device / device->host bandwidths and the tiers' own staging copy
 # (tier_bw) and the disk's O_DIRECT read / write bandwidth (dd). DIR: a folder holding pdserve,
 # tier_bw, kv_tiers_chat.py, lib/, llama-3-8b/ (config + any tokenizer) (default: this script's).
-# Env: BLOCKS, DEADLINE (s per config, default 90), CONV (200), DRAM (16G), DRAM2 (2G), DISK (24G).
+# Env: BLOCKS, DEADLINE (s per config, default 90), CONV (200), DRAM (16G), DRAM2 (2G), DISK (24G),
+# CASES (the configurations run, default "off dram dram_disk"), ARGS (more serve flags for every
+# configuration, e.g. "--policy fcfs"), BW=0 (skip the bandwidth measurements).
 set -u
 OUT=$1
 D=${2:-$(cd "$(dirname "$0")" && pwd)}
 export LD_LIBRARY_PATH="$D/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 BLOCKS=${BLOCKS:-384}; DEADLINE=${DEADLINE:-90}; CONV=${CONV:-200}
-DRAM=${DRAM:-16G}; DRAM2=${DRAM2:-2G}; DISK=${DISK:-24G}
+DRAM=${DRAM:-16G}; DRAM2=${DRAM2:-2G}; DISK=${DISK:-24G}; CASES=${CASES:-off dram dram_disk}; ARGS=${ARGS:-}; BW=${BW:-1}
 W=$(mktemp -d /tmp/kvtiers.XXXXXX)
 mkdir -p "$OUT"
 head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \n' >"$W/tok"; chmod 600 "$W/tok"
+if [ "$BW" != 0 ]; then
 nvidia-smi --query-gpu=name,memory.total,pcie.link.gen.current,pcie.link.width.current --format=csv >"$OUT/bw.txt" 2>&1
 "$D/tier_bw" 256 >>"$OUT/bw.txt" 2>&1
 # disk: 2 GiB written and read back with O_DIRECT, 2 MiB blocks (a bf16 page of this model)
@@ -27,11 +30,12 @@ sync; echo 3 >/proc/sys/vm/drop_caches 2>/dev/null
 dd if="$W/dd" of=/dev/null bs=2M iflag=direct 2>&1 | tail -1 | sed 's/^/disk read O_DIRECT 2M: /' >>"$OUT/bw.txt"
 rm -f "$W/src" "$W/dd"
 cat "$OUT/bw.txt"
+fi
 
 run_cfg() {  # run_cfg LABEL FLAGS...
   label=$1; shift
   "$D/pdserve" serve --model "$D/llama-3-8b" --load-format dummy --port 0 --num-kv-blocks "$BLOCKS" \
-    --auth-token-file "$W/tok" "$@" >"$W/$label.out" 2>"$W/serve_$label.log" &
+    --auth-token-file "$W/tok" $ARGS "$@" >"$W/$label.out" 2>"$W/serve_$label.log" &
   pid=$!
   i=0; URL=
   while [ $i -lt 1200 ]; do
@@ -43,16 +47,21 @@ run_cfg() {  # run_cfg LABEL FLAGS...
   if [ -n "$URL" ] && curl -sf "$URL/health" >/dev/null 2>&1; then
     python3 "$D/kv_tiers_chat.py" "$URL" "$label" "$OUT/chat_$label.json" --conversations "$CONV" --turns 8 \
       --concurrency 16 --system 256 --user 96 --assistant 32 --vocab 4000 --deadline "$DEADLINE" 2>&1 | tee -a "$OUT/summary.txt"
-    curl -sf "$URL/metrics" | grep -E '^pdserve_(kv_tier|prompt_tokens|prefill_tokens)' >"$W/m_$label.txt"
+    curl -sf "$URL/metrics" | grep -E '^pdserve_(kv_tier|prompt_tokens|prefill_tokens|engine_steps)' >"$W/m_$label.txt"
   else
     echo "$label: the server did not come up" | tee -a "$OUT/summary.txt"
   fi
   kill $pid 2>/dev/null; wait $pid 2>/dev/null
   { echo "== $label"; grep -v "^pdserve debug" "$W/serve_$label.log" | tail -12; } >>"$OUT/serve_tail.txt"
 }
-run_cfg off
-run_cfg dram --kv-offload-dram "$DRAM"
-run_cfg dram_disk --kv-offload-dram "$DRAM2" --kv-offload-disk "$W/disk" --kv-offload-disk-size "$DISK" --kv-offload-dtype bf16
+for c in $CASES; do
+  case $c in
+    off) run_cfg off ;;
+    dram) run_cfg dram --kv-offload-dram "$DRAM" ;;
+    dram_disk) run_cfg dram_disk --kv-offload-dram "$DRAM2" --kv-offload-disk "$W/disk" --kv-offload-disk-size "$DISK" --kv-offload-dtype bf16 ;;
+    *) echo "unknown case $c (off, dram, dram_disk)" | tee -a "$OUT/summary.txt" ;;
+  esac
+done
 for f in "$W"/m_*.txt; do echo "== $f"; cat "$f"; done >"$OUT/metrics.txt" 2>/dev/null
 # the greedy first tokens, configuration against tiers off (dram: lossless f32 pages; disk: bf16 pages)
 python3 - "$OUT" <<'PY' | tee -a "$OUT/summary.txt"

@@ -32,7 +32,7 @@ typedef struct pd_engine pd_engine;
 
 typedef enum pd_sched_policy_kind {
     PD_POLICY_FCFS = 0,      // first come, first served (priority still orders first)
-    PD_POLICY_SRPT = 1,      // shortest remaining (uncached) prefill first, with aging
+    PD_POLICY_SRPT = 1,      // shortest remaining prefill first (device prefix and tier hits cost nothing), with aging
 } pd_sched_policy_kind;
 
 // Disaggregation roles: BOTH serves requests start to end (colocated). DECODE owns requests and

@@ -77,7 +77,7 @@ const char *pd_finish_reason_str(pd_finish_reason r);  // "stop", "length", "abo
 
 typedef enum pd_sched_policy {
     PD_SCHED_FCFS = 0,  // arrival order
-    PD_SCHED_SRPT = 1,  // fewest uncached prompt tokens first (prefix-aware), with aging
+    PD_SCHED_SRPT = 1,  // fewest prompt tokens left to compute first (prefix- and tier-aware), with aging
 } pd_sched_policy;
 
 typedef struct pd_sched_params {

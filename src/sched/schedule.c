@@ -162,6 +162,14 @@ static admit_result admit_tier(pd_sched *s, pd_sched_req *r, int32_t hit, int32_
     return ADMIT_OK;
 }
 
+// Where a tier load of r would end: the leading prompt tokens a tier holds, in whole blocks, never
+// the last token (the logits need a forward). 0: nothing to load.
+static int32_t tier_end_of(const pd_sched *s, const pd_sched_req *r) {
+    int32_t bs = pd_kv_block_size(s->kv);
+    int32_t tier_end = PD_MIN(r->n_tier_tokens, r->n_prompt);
+    return PD_MIN(tier_end, (r->n_tokens - 1) / bs * bs) / bs * bs;
+}
+
 static admit_result try_admit(pd_sched *s, pd_sched_req *r, int32_t *budget, int32_t *n_sched) {
     if (r->n_tokens > s->max_len) {  // more KV than the whole pool (or model) can hold
         finish_error(s, r);
@@ -173,9 +181,7 @@ static admit_result try_admit(pd_sched *s, pd_sched_req *r, int32_t *budget, int
     if (r->is_remote_prefill) return admit_remote(s, r, hit);
     // A tier holds more of the prompt than the device pool: load it (whole blocks, and never the
     // last token: the logits need a forward).
-    int32_t bs = pd_kv_block_size(s->kv);
-    int32_t tier_end = PD_MIN(r->n_tier_tokens, r->n_prompt);
-    tier_end = PD_MIN(tier_end, (r->n_tokens - 1) / bs * bs) / bs * bs;
+    int32_t tier_end = tier_end_of(s, r);
     if (tier_end > hit) return admit_tier(s, r, hit, tier_end);
     int32_t remaining = r->n_tokens - hit, n_new = PD_MIN(remaining, *budget);
     if (!s->params.enable_chunked_prefill) {
@@ -207,7 +213,9 @@ static int srpt_cmp(const void *pa, const void *pb) {
 }
 
 // SRPT order into s->order: priority desc, then starved requests (waited >= srpt_starvation_us)
-// in arrival order, then fewest uncached tokens (prefix-aware: cached blocks cost nothing).
+// in arrival order, then fewest tokens left to compute: prefix-aware (cached blocks cost nothing)
+// and tier-aware (blocks a tier below the device pool holds are loaded, not computed: a turn of a
+// chat whose history is in host DRAM costs its new tokens only).
 static void srpt_order(pd_sched *s, int64_t now_us) {
     for (int32_t i = 0; i < s->n_waiting; i++) {
         pd_sched_req *r = s->waiting[i];
@@ -217,7 +225,7 @@ static void srpt_order(pd_sched *s, int64_t now_us) {
             continue;
         }
         int32_t hit = pd_kv_peek_computed(s->kv, &r->kv, r->tokens, r->n_tokens);
-        r->srpt_key = r->n_tokens - PD_MAX(hit, 0);
+        r->srpt_key = r->n_tokens - PD_MAX(PD_MAX(hit, 0), tier_end_of(s, r));
     }
     qsort(s->order, (size_t)s->n_waiting, sizeof *s->order, srpt_cmp);
 }

@@ -671,6 +671,71 @@ PD_TEST(srpt_is_prefix_aware) {
     fe_free(e);
 }
 
+// SRPT counts what a tier below the device pool holds as loaded, not computed: a long prompt whose
+// history a tier holds goes before a shorter uncached one (FCFS: arrival order), and its load ends
+// in the admitting step like a prefix hit.
+PD_TEST(srpt_is_tier_aware) {
+    for (int srpt = 0; srpt < 2; srpt++) {
+        pd_sched_params sp = sp_make(1, 1000);
+        sp.policy = srpt ? PD_SCHED_SRPT : PD_SCHED_FCFS;
+        fe *e = fe_new(256, 4, &sp);
+        e->is_tier_now = true;
+        int32_t a[68], y[20];
+        fill(a, 68, 42);
+        fill(y, 20, 43);
+        PD_CHECK_EQ(fe_add(e, 2, y, 20, 1), PD_OK);  // 20 tokens to compute, arrives first
+        pd_sched_req_params rp = {.req_id = 3, .prompt = a, .n_prompt = 68, .max_tokens = 1, .n_tier_tokens = 64};
+        PD_CHECK_EQ(fe_add_rp(e, &rp), PD_OK);  // 68 tokens, 64 of them in a tier: 4 to compute
+        fe_step(e);
+        PD_REQUIRE(e->last_plan.n_seqs == 1);
+        PD_CHECK_EQ(e->last_plan.seqs[0].req_id, srpt ? 3u : 2u);
+        if (srpt) {
+            PD_CHECK_EQ(e->last_plan.seqs[0].pos_start, 64);  // loaded in this step, 4 computed
+            PD_CHECK_EQ(e->n_tier_now, 1);
+            PD_CHECK(e->r[3].finished);  // its first (only) token from the admitting step
+        }
+        fe_run(e, 20);
+        expect_ref(e, 2, y, 20, 1);
+        expect_ref(e, 3, a, 68, 1);
+        fe_free(e);
+    }
+}
+
+// Tier hits never starve a long uncached prompt: a stream of requests that are cheap because a tier
+// holds them overtakes it only until it has waited srpt_starvation_us (20 steps here).
+PD_TEST(srpt_tier_hits_then_ages) {
+    for (int aging = 0; aging < 2; aging++) {
+        pd_sched_params sp = sp_make(1, 1000);
+        sp.policy = PD_SCHED_SRPT;
+        sp.srpt_starvation_us = aging ? 20000 : INT64_MAX / 2;
+        fe *e = fe_new(256, 4, &sp);
+        e->is_tier_now = true;
+        int32_t big[100], hot[120];
+        fill(big, 100, 500);  // (no hot prompt below equals it: fill's seeds differ mod 1000)
+        PD_CHECK_EQ(fe_add(e, 1, big, 100, 1), PD_OK);
+        uint64_t next = 2;
+        for (int st = 0; st < 60 && !pd_test_failed_; st++) {
+            fill(hot, 120, 1000 + (int32_t)next);  // longer than big, but a tier holds all but 4
+            pd_sched_req_params rp = {.req_id = next, .prompt = hot, .n_prompt = 120, .max_tokens = 1,
+                                      .n_tier_tokens = 116};
+            PD_CHECK_EQ(fe_add_rp(e, &rp), PD_OK);
+            next++;
+            fe_step(e);
+            if (st == 0) PD_CHECK_EQ(e->last_plan.seqs[0].req_id, 2u);  // the tier hit first
+        }
+        if (aging) {
+            PD_CHECK(e->r[1].finished);
+            PD_CHECK(e->r[1].finish_step >= 19 && e->r[1].finish_step <= 22);
+            expect_ref(e, 1, big, 100, 1);
+        } else {
+            PD_CHECK(!e->r[1].finished);
+        }
+        fe_run(e, 200);
+        for (uint64_t id = 2; id < next && !pd_test_failed_; id++) PD_CHECK(e->r[id].finished);
+        fe_free(e);
+    }
+}
+
 // ---- prefix cache, preemption, stops, aborts -----------------------------------------------------
 
 PD_TEST(cached_tokens_reported) {
@@ -1402,6 +1467,81 @@ PD_TEST(property_srpt) {
     for (uint64_t seed = 11; seed <= 16 && !pd_test_failed_; seed++) prop_sched(seed, PD_SCHED_SRPT, true, true);
     PD_CHECK(prop_preemptions > 0);
     PD_CHECK(prop_aborts > 0);
+}
+// The step each request of the last plan was first admitted in (computed, or a tier load started).
+static void note_admitted(const fe *e, int64_t *admit) {
+    const pd_step_plan *pl = &e->last_plan;
+    for (int32_t i = 0; i < pl->n_seqs; i++)
+        if (admit[pl->seqs[i].req_id] < 0) admit[pl->seqs[i].req_id] = e->step - 1;
+    for (int32_t i = 0; i < pl->n_tier_loads; i++)
+        if (admit[pl->tier_loads[i].req_id] < 0) admit[pl->tier_loads[i].req_id] = e->step - 1;
+}
+
+// SRPT's no-starvation bound with tier hits in the mix: random arrivals, four in five cheap because a
+// tier holds most of the prompt (loaded in the admitting step), the rest computed whole. Once a
+// request has waited srpt_starvation_us (S steps) it is served in arrival order, so it waits at most
+// S + (Q + 1) * D + 1 steps: Q requests were waiting before it when it arrived, and each request in
+// the seat ahead of it keeps it at most D = max_tokens steps (one seat, no preemption: the pool
+// holds every live request). And the tier hits do go first: on average they wait less.
+PD_TEST(property_srpt_tier_no_starvation) {
+    for (uint64_t seed = 51; seed <= 56 && !pd_test_failed_; seed++) {
+        pd_rng rng;
+        pd_rng_seed(&rng, seed);
+        pd_sched_params sp = sp_make(1, 64);
+        sp.policy = PD_SCHED_SRPT;
+        sp.srpt_starvation_us = 20000;  // 20 steps of the harness (1 ms each)
+        const int64_t S = 20, D = 3;
+        fe *e = fe_new(256, 4, &sp);
+        e->is_tier_now = true;
+        static preq_info info[FE_MAX_REQS];
+        static int64_t arrive[FE_MAX_REQS], admit[FE_MAX_REQS], queued[FE_MAX_REQS];
+        static bool is_hit[FE_MAX_REQS];
+        uint64_t next = 1;
+        int64_t n_late = 0;
+        for (int st = 0; st < 400 && !pd_test_failed_; st++) {
+            if (next < FE_MAX_REQS && pd_rng_uniform(&rng) < 0.45) {
+                preq_info *q = &info[next];
+                is_hit[next] = pd_rng_uniform(&rng) < 0.8;
+                q->n = is_hit[next] ? 8 + (int32_t)(pd_rng_next(&rng) % 33) : 20 + (int32_t)(pd_rng_next(&rng) % 21);
+                for (int i = 0; i < q->n; i++) q->prompt[i] = 1 + (int32_t)(pd_rng_next(&rng) % 97);
+                q->max_tokens = 1 + (int32_t)(pd_rng_next(&rng) % D);
+                q->stop = 0;  // (tokens are 1..97: never stops early)
+                int32_t waiting = 0;
+                for (uint64_t id = 1; id < next; id++) waiting += admit[id] < 0;
+                pd_sched_req_params rp = {.req_id = next, .prompt = q->prompt, .n_prompt = q->n,
+                                          .max_tokens = q->max_tokens, .stop_ids = &q->stop, .n_stop_ids = 1,
+                                          .n_tier_tokens = is_hit[next] ? q->n / 4 * 4 : 0};
+                PD_CHECK_EQ(fe_add_rp(e, &rp), PD_OK);
+                arrive[next] = e->step, admit[next] = -1, queued[next] = waiting;
+                next++;
+            }
+            fe_step(e);
+            note_admitted(e, admit);
+        }
+        for (int st = 0; st < 2000 && pd_sched_has_work(e->s) && !pd_test_failed_; st++) {
+            fe_step(e);
+            note_admitted(e, admit);
+        }
+        int64_t hit_wait = 0, miss_wait = 0, n_hit = 0, n_miss = 0;
+        for (uint64_t id = 1; id < next && !pd_test_failed_; id++) {
+            preq_info *q = &info[id];
+            PD_REQUIRE(admit[id] >= 0);
+            int64_t wait = admit[id] - arrive[id];
+            PD_CHECK_MSG(wait <= S + (queued[id] + 1) * D + 1, "seed %llu request %llu waited %lld steps (%lld ahead)",
+                         (unsigned long long)seed, (unsigned long long)id, (long long)wait, (long long)queued[id]);
+            n_late += wait > S;
+            if (is_hit[id]) hit_wait += wait, n_hit++;
+            else miss_wait += wait, n_miss++;
+            expect_ref(e, id, q->prompt, q->n, q->max_tokens);
+        }
+        PD_CHECK(n_hit > 50 && n_miss > 10);
+        PD_CHECK(hit_wait * n_miss < miss_wait * n_hit);  // mean wait: tier hits first
+        if (getenv("PD_TEST_VERBOSE"))
+            fprintf(stderr, "  seed %llu: %llu requests, mean wait hit %.2f / computed %.2f steps, %lld past S\n",
+                    (unsigned long long)seed, (unsigned long long)(next - 1), (double)hit_wait / (double)n_hit,
+                    (double)miss_wait / (double)n_miss, (long long)n_late);
+        fe_free(e);
+    }
 }
 PD_TEST(property_no_chunking) {
     prop_preemptions = prop_aborts = 0;
