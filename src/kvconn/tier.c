@@ -965,6 +965,11 @@ int pd_kvconn_tiers_match(pd_kvconn_tiers *c, const pd_hash128 *hashes, int n, i
     if (!c->use_hot) return pd_kvt_tiers_probe(c->t, hashes, n, n_sure, cost_us);
     pthread_mutex_lock(&c->hot.mu);
     int k = hot_lead_locked(&c->hot, hashes, n);
+    // A prompt asking for these blocks is a reuse of each one, whichever tier ends up serving it:
+    // the policy hears of it here. Else a prefix the device pool keeps serving (a shared system
+    // prompt, the latest turns of a chat) is never hit in DRAM, ages out of S3-FIFO's small queue,
+    // and every chain through it is lost (a match starts at the root), however hot its descendants.
+    for (int i = 0; i < k; i++) (void)pd_kvt_policy_get(c->hot.pol, hashes[i]);
     double us = c->hot.us_per_block * k;
     pthread_mutex_unlock(&c->hot.mu);
     int sure = 0, m = 0;

@@ -297,3 +297,52 @@ PD_TEST(staged_hot_dram_writes_back_to_disk) {
     PD_CHECK_EQ(system(cmd), 0);
     unsetenv("PDSERVE_KV_TIER_STAGING");
 }
+
+// The hot DRAM tier hears of every reuse a match reports, not only of its own loads: a root block
+// that requests keep asking for (served by the device pool, so never loaded from DRAM) stays while
+// blocks nobody asks for again are evicted around it (S3-FIFO would drop it first: it is the oldest,
+// never hit). Without that, every chain through the root would be lost to a match.
+PD_TEST(staged_hot_dram_match_counts_as_reuse) {
+    setenv("PDSERVE_KV_TIER_STAGING", "1", 1);
+    enum { NP = 8, NX = 12 };
+    pd_backend *be = pd_backend_cpu_new(1);
+    PD_REQUIRE(be);
+    void *k[L], *v[L];
+    for (int l = 0; l < L; l++) k[l] = calloc(NP, BLKB), v[l] = calloc(NP, BLKB);
+    evbox box = {.mu = PTHREAD_MUTEX_INITIALIZER};
+    size_t per = 2 * (size_t)L * BLKB;
+    pd_kvconn_tier_params p = {.dram_bytes = 4 * per, .backend = be, .on_event = on_event, .ud = &box};
+    p.fp = (pd_kvw_fingerprint){.arch = 1, .n_layers = L, .n_heads = 4, .n_kv_heads = H, .head_dim = D, .hidden = 64,
+                                .vocab = 100, .kv_dtype = PD_DTYPE_BF16, .block_size = BS, .weights_hash = 42};
+    p.cache = (pd_kvconn_cache){.n_layers = L, .n_blocks = NP, .block_size = BS, .row_bytes = ROWB, .k = k, .v = v};
+    pd_err err = {0};
+    pd_kvconn_tiers *c = pd_kvconn_tiers_new(&p, &err);
+    PD_REQUIRE(c);
+    pd_hash128 root = pd_hash_root(0), asked, unasked, x[NX];
+    asked = pd_hash_block(NULL, (int32_t[BS]){1, 2, 3, 4}, BS);
+    unasked = pd_hash_block(NULL, (int32_t[BS]){5, 6, 7, 8}, BS);
+    pd_kvconn_tiers_save(c, 0, asked, root);
+    pd_kvconn_tiers_save(c, 1, unasked, root);
+    pd_kvconn_tiers_poll(c);
+    pd_kvconn_tiers_poll(c);
+    pd_kvconn_tiers_stats st;
+    pd_kvconn_tiers_stats_get(c, &st);
+    PD_CHECK_EQ(st.tier[0].n_items, 2);  // both held (not matched: a match is a reuse)
+    for (int i = 0; i < NX; i++) {  // new blocks, each followed by a request that reuses "asked"
+        x[i] = pd_hash_block(NULL, (int32_t[BS]){100 + i, 0, 0, 0}, BS);
+        pd_kvconn_tiers_save(c, 2 + i % 6, x[i], root);
+        pd_kvconn_tiers_poll(c);
+        pd_kvconn_tiers_poll(c);
+        PD_CHECK_EQ(pd_kvconn_tiers_match(c, &asked, 1, NULL, NULL), 1);
+    }
+    PD_CHECK_EQ(pd_kvconn_tiers_match(c, &unasked, 1, NULL, NULL), 0);  // never asked for: gone
+    pd_kvconn_tiers_stats_get(c, &st);
+    PD_CHECK(st.tier[0].n_items <= 4);
+    PD_CHECK_EQ(st.tier[0].evictions, NX + 2 - st.tier[0].n_items);
+    printf("  hot DRAM (4 blocks): a block asked for by every request survived %d newer ones (%lld evictions)\n", NX,
+           (long long)st.tier[0].evictions);
+    pd_kvconn_tiers_free(c);
+    for (int l = 0; l < L; l++) free(k[l]), free(v[l]);
+    pd_backend_free(be);
+    unsetenv("PDSERVE_KV_TIER_STAGING");
+}
