@@ -161,8 +161,8 @@ pd_status pd_kvt_store_put(pd_kvt_store *s, pd_hash128 key, const void *page, si
 // or the stored bytes failed pd_kvt_page_check — then the entry is dropped and bad_pages counted).
 pd_status pd_kvt_store_get(pd_kvt_store *s, pd_hash128 key, void *buf, size_t cap, size_t *len);
 bool pd_kvt_store_contains(pd_kvt_store *s, pd_hash128 key);
-// Without waiting (the engine thread): 1 held, 0 absent, -1 unknown (Redis: a round trip; a local
-// store busy with I/O).
+// Without waiting on I/O (the engine thread): 1 held, 0 absent, -1 unknown (Redis: a round trip).
+// A local store answers from its index, whose lock is never held across the store's reads/writes.
 int pd_kvt_store_probe(pd_kvt_store *s, pd_hash128 key);
 // Called (under the store's lock, from inside a put) for every key the store evicts.
 void pd_kvt_store_set_evict_hook(pd_kvt_store *s, void (*fn)(void *ud, pd_hash128 key), void *ud);

@@ -42,7 +42,9 @@ struct pd_kvt_store {
     int kind;  // 1 dram, 2 disk
     char name[48];
     pd_kvt_store_params p;
-    pthread_mutex_t mu;
+    pthread_mutex_t mu;   // the store: held across its I/O
+    pthread_mutex_t imu;  // the index (pol): taken inside mu for each policy call, never across I/O,
+                          // so a probe answers while the store reads or writes
     pd_kvt_policy *pol;
     pd_kvt_store_stats st;
     pd_map pages;  // dram: key -> page
@@ -101,6 +103,31 @@ static void on_evict(void *ud, pd_hash128 key, uint64_t bytes) {
     }
 }
 
+// The policy (the store's index) under imu; callers hold mu too, except pd_kvt_store_probe.
+static bool pol_contains(pd_kvt_store *s, pd_hash128 key) {
+    pthread_mutex_lock(&s->imu);
+    bool r = pd_kvt_policy_contains(s->pol, key);
+    pthread_mutex_unlock(&s->imu);
+    return r;
+}
+static bool pol_get(pd_kvt_store *s, pd_hash128 key) {
+    pthread_mutex_lock(&s->imu);
+    bool r = pd_kvt_policy_get(s->pol, key);
+    pthread_mutex_unlock(&s->imu);
+    return r;
+}
+static pd_status pol_put(pd_kvt_store *s, pd_hash128 key, uint64_t bytes) {  // (evictions: on_evict, under both)
+    pthread_mutex_lock(&s->imu);
+    pd_status r = pd_kvt_policy_put(s->pol, key, bytes);
+    pthread_mutex_unlock(&s->imu);
+    return r;
+}
+static void pol_remove(pd_kvt_store *s, pd_hash128 key) {
+    pthread_mutex_lock(&s->imu);
+    (void)pd_kvt_policy_remove(s->pol, key);
+    pthread_mutex_unlock(&s->imu);
+}
+
 static pd_kvt_store *store_new(int kind, const pd_kvt_store_params *p, pd_err *err) {
     if (!p || p->capacity == 0 || !pd_kvt_page_bytes(&p->geom, PD_KVT_F32)) {
         pd_err_set(err, PD_ERR_INVALID, "kvtier: bad store parameters (capacity %" PRIu64 ")", p ? p->capacity : 0);
@@ -115,6 +142,7 @@ static pd_kvt_store *store_new(int kind, const pd_kvt_store_params *p, pd_err *e
     s->p = *p;
     s->p.dir = NULL;
     pthread_mutex_init(&s->mu, NULL);
+    pthread_mutex_init(&s->imu, NULL);
     s->pol = pd_kvt_policy_new(p->policy ? p->policy : PD_KVT_S3FIFO, p->capacity, on_evict, s);
     pd_map_params mp = {.entry_size = sizeof(dram_entry), .key_size = sizeof(pd_hash128)};
     if (!s->pol || pd_map_init(&s->pages, &mp) != PD_OK) {
@@ -145,6 +173,7 @@ void pd_kvt_store_free(pd_kvt_store *s) {
     pd_free(s->secret);
     pd_free(s->dir);
     pthread_mutex_destroy(&s->mu);
+    pthread_mutex_destroy(&s->imu);
     pd_free(s);
 }
 
@@ -240,7 +269,7 @@ static void disk_scan(pd_kvt_store *s) {
             s->st.bad_pages++;
             continue;
         }
-        (void)pd_kvt_policy_put(s->pol, h, (uint64_t)sb.st_size);
+        (void)pol_put(s, h, (uint64_t)sb.st_size);
     }
     free(hdr);  // posix_memalign (O_DIRECT alignment): libc free
     closedir(d);
@@ -449,7 +478,7 @@ pd_status pd_kvt_store_put(pd_kvt_store *s, pd_hash128 key, const void *page, si
         s->st.bytes_in += (int64_t)len;
         goto out;
     }
-    if (pd_kvt_policy_contains(s->pol, key)) goto out;  // content-addressed: same key, same page
+    if (pol_contains(s, key)) goto out;  // content-addressed: same key, same page
     if (s->kind == 1) {
         void *copy = page_alloc(s, len);
         if (!copy) {
@@ -457,7 +486,7 @@ pd_status pd_kvt_store_put(pd_kvt_store *s, pd_hash128 key, const void *page, si
             goto fail;
         }
         memcpy(copy, page, len);
-        st = pd_kvt_policy_put(s->pol, key, len);
+        st = pol_put(s, key, len);
         if (st != PD_OK) {
             page_free(s, copy);
             goto fail;
@@ -465,7 +494,7 @@ pd_status pd_kvt_store_put(pd_kvt_store *s, pd_hash128 key, const void *page, si
         dram_entry *e = pd_map_put(&s->pages, hkey(key), &key, NULL);
         if (!e) {
             page_free(s, copy);
-            pd_kvt_policy_remove(s->pol, key);
+            pol_remove(s, key);
             st = PD_ERR_NOMEM;
             goto fail;
         }
@@ -486,7 +515,7 @@ pd_status pd_kvt_store_put(pd_kvt_store *s, pd_hash128 key, const void *page, si
         memset((char *)buf + len, 0, al - len);
         // Make room first (the policy unlinks evicted files), then write under a temporary name
         // and rename, so that a crash never leaves a half-written page under a valid name.
-        st = pd_kvt_policy_put(s->pol, key, al);
+        st = pol_put(s, key, al);
         if (st != PD_OK) {
             free(buf);
             goto fail;
@@ -500,7 +529,7 @@ pd_status pd_kvt_store_put(pd_kvt_store *s, pd_hash128 key, const void *page, si
         free(buf);
         if (r < 0 || rename(tmp, path)) {
             unlink(tmp);
-            pd_kvt_policy_remove(s->pol, key);
+            pol_remove(s, key);
             st = PD_ERR_IO;
             goto fail;
         }
@@ -526,7 +555,7 @@ pd_status pd_kvt_store_get(pd_kvt_store *s, pd_hash128 key, void *buf, size_t ca
         }
         goto check;
     }
-    if (!pd_kvt_policy_get(s->pol, key)) {
+    if (!pol_get(s, key)) {
         s->st.misses++;
         goto out;
     }
@@ -562,7 +591,7 @@ pd_status pd_kvt_store_get(pd_kvt_store *s, pd_hash128 key, void *buf, size_t ca
         if (!ok) {  // unreadable or truncated: a miss, the entry goes
             s->st.misses++;
             s->st.bad_pages++;
-            pd_kvt_policy_remove(s->pol, key);
+            pol_remove(s, key);
             unlink(path);
             goto out;
         }
@@ -575,7 +604,7 @@ check:
             redis_del(s, key);
             goto out;
         }
-        pd_kvt_policy_remove(s->pol, key);
+        pol_remove(s, key);
         if (s->kind == 1) {
             dram_entry *e = pd_map_find(&s->pages, hkey(key), &key);
             if (e) {
@@ -601,14 +630,16 @@ out:
 bool pd_kvt_store_seen_before(pd_kvt_store *s, pd_hash128 key) {
     if (s->kind == 3) return true;
     pthread_mutex_lock(&s->mu);
+    pthread_mutex_lock(&s->imu);
     bool r = pd_kvt_policy_seen_before(s->pol, key);
+    pthread_mutex_unlock(&s->imu);
     pthread_mutex_unlock(&s->mu);
     return r;
 }
 
 bool pd_kvt_store_contains(pd_kvt_store *s, pd_hash128 key) {
     pthread_mutex_lock(&s->mu);
-    bool r = s->kind == 3 ? redis_exists(s, key) : pd_kvt_policy_contains(s->pol, key);
+    bool r = s->kind == 3 ? redis_exists(s, key) : pol_contains(s, key);
     pthread_mutex_unlock(&s->mu);
     return r;
 }
@@ -621,11 +652,11 @@ void pd_kvt_store_set_evict_hook(pd_kvt_store *s, void (*fn)(void *ud, pd_hash12
 }
 
 int pd_kvt_store_probe(pd_kvt_store *s, pd_hash128 key) {
-    if (s->kind == 3) return -1;              // a network round trip: the tier thread finds out
-    if (pthread_mutex_trylock(&s->mu)) return -1;  // busy with I/O: do not wait for it
-    int r = pd_kvt_policy_contains(s->pol, key) ? 1 : 0;
-    pthread_mutex_unlock(&s->mu);
-    return r;
+    if (s->kind == 3) return -1;  // a network round trip: the tier thread finds out
+    // The index alone (imu is never held across I/O): a store busy writing still answers. (It used
+    // to answer "unknown" while busy, and a chain of unknowns matched whole prompts a busy disk did
+    // not hold: the request waited for a load that found nothing.)
+    return pol_contains(s, key) ? 1 : 0;
 }
 
 void pd_kvt_store_stats_get(pd_kvt_store *s, pd_kvt_store_stats *out) {
@@ -633,7 +664,9 @@ void pd_kvt_store_stats_get(pd_kvt_store *s, pd_kvt_store_stats *out) {
     *out = s->st;
     if (s->kind != 3) {
         pd_kvt_policy_stats ps;
+        pthread_mutex_lock(&s->imu);
         pd_kvt_policy_stats_get(s->pol, &ps);
+        pthread_mutex_unlock(&s->imu);
         out->bytes_used = ps.bytes_used;
         out->n_items = ps.n_items;
         out->capacity = ps.capacity;
