@@ -112,6 +112,14 @@ static json_t *workers_json(const pd_router *r) {
                                                    (json_int_t)l->tier_hits[k], "misses", (json_int_t)l->tier_misses[k]));
             if (t) json_object_set_new(o, "kv_tiers", t);
             json_object_set_new(o, "tier_hit_tokens", json_integer(l->n_tier_hit_tokens));
+            // What the router's prefix index lists for this worker, per place (KV events, incl. the
+            // removals Redis's keyspace notifications report).
+            int64_t nb[4];
+            if (r->prefix) pd_router_prefix_count(r->prefix, i, nb);
+            else memset(nb, 0, sizeof nb);
+            json_object_set_new(o, "prefix_blocks", json_pack("{s:I, s:I, s:I, s:I}", "device", (json_int_t)nb[0], "dram",
+                                                              (json_int_t)nb[1], "disk", (json_int_t)nb[2], "redis",
+                                                              (json_int_t)nb[3]));
             json_object_set_new(o, "tier_load_us_per_token",
                                 l->n_tier_hit_tokens > 0 ? json_real((double)l->tier_load_us / (double)l->n_tier_hit_tokens)
                                                          : json_null());
