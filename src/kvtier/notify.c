@@ -137,6 +137,10 @@ static bool ensure_config(pd_kvt_notify *n, redisContext *c) {
     const char *get[] = {"CONFIG", "GET", "notify-keyspace-events"};
     redisReply *r = cmd(c, 3, get);
     if (!r) return false;
+    if (r->type == REDIS_REPLY_ERROR && (!strncmp(r->str, "NOAUTH", 6) || !strncmp(r->str, "WRONGPASS", 9))) {
+        freeReplyObject(r);  // not let in (no or a wrong secret): not a CONFIG refusal; retried with backoff
+        return false;
+    }
     char cur[64] = "";
     bool known = r->type == REDIS_REPLY_ARRAY && r->elements == 2 && r->element[1]->type == REDIS_REPLY_STRING &&
                  r->element[1]->len < sizeof cur;
