@@ -519,7 +519,10 @@ PD_TEST(redis_notify_live) {
     rcmd(c, "SET %b x", key, strlen(key));
     rcmd(c, "DEL %b", key, strlen(key));
     PD_CHECK(wait_until(heard_del, &one));
-    PD_CHECK(g_heard.last.hi == 0x22 && g_heard.last.lo == 0x21);
+    pthread_mutex_lock(&g_heard.mu);
+    pd_hash128 last = g_heard.last;
+    pthread_mutex_unlock(&g_heard.mu);
+    PD_CHECK(last.hi == 0x22 && last.lo == 0x21);
     // Another model's key is not even sent (the pattern has our fingerprint); a bad one of ours is
     // heard and counted.
     snprintf(key, sizeof key, "pdkv:%016llx:%016llx%016llx", 0x123ull, 1ull, 2ull);
