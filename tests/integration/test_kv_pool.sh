@@ -7,6 +7,7 @@
 #      ids), whose output equals an uninterrupted run and which loads the prompt and the generated
 #      blocks the dead worker wrote back from the pool: it computes only the tail (< 2 blocks + the
 #      partial one) of the 164-token continuation;
+#      the same for a chat stream (the router's token ids of the chat template + generated ids);
 #   2. disaggregated: router + a prefill worker + 2 decode workers, all on the pool. The decode
 #      worker streaming is SIGKILLed; the other decode worker hands the continuation to the prefill
 #      worker, which finds the prompt in its device cache and the dead decode worker's generated
@@ -56,47 +57,61 @@ d = sys.argv[1]
 rng = random.Random(1414)
 json.dump([rng.randrange(10, 4000) for _ in range(64)], open(d + "/p.json", "w"))   # 4 blocks
 json.dump([[rng.randrange(10, 4000) for _ in range(96)] for _ in range(40)], open(d + "/many.json", "w"))
+json.dump([{"role": "system", "content": "You are a scribe of the old books, and you answer in their words."},
+           {"role": "user", "content": "Tell of the beginning of all things, of the waters and the light, and of the days."}],
+          open(d + "/m.json", "w"))
 PY
 
 POOL="--num-kv-blocks 128 --auth-token-file $TMP/token"
-MAXT=300
+MAXT=400
 KILL_AFTER=100
 # ---- reference: the uninterrupted greedy run, tiers off ----
 pd_start ref $POOL
 curl -sf "$URL/v1/completions" -d "{\"prompt\":$(cat "$TMP/p.json"),\"max_tokens\":$MAXT,\"temperature\":0,\"ignore_eos\":true}" \
   >"$TMP/ref.json" || pd_fail "reference run failed"
+curl -sf "$URL/v1/chat/completions" -d "{\"messages\":$(cat "$TMP/m.json"),\"max_tokens\":$MAXT,\"temperature\":0,\"ignore_eos\":true}" \
+  >"$TMP/ref_chat.json" || pd_fail "reference chat run failed"
 pd_stop ref
 
-failover() {  # failover LABEL WORKER=PID... → $TMP/LABEL.json; checks the output
+failover() {  # failover LABEL [--chat] WORKER=PID... → $TMP/LABEL.json; checks the output
   label=$1; shift
+  ref=ref req=p chat=""
+  [ "$1" = --chat ] && { ref=ref_chat req=m chat=--chat; shift; }
   wargs=""
   for w in "$@"; do wargs="$wargs --worker $w"; done
   # shellcheck disable=SC2086
-  python3 "$here/kv_failover_client.py" "$RURL" "$TMP/p.json" "$TMP/$label.json" --max-tokens $MAXT \
-    --kill-after $KILL_AFTER $wargs || pd_fail "$label: client failed"
-  python3 - "$TMP/ref.json" "$TMP/$label.json" "$label" <<'PY' || exit 1
+  # Killed once it wrote back every block filled by the first KILL_AFTER tokens (write-back is
+  # asynchronous; on a loaded machine it may trail the stream by several blocks).
+  plen=$(python3 -c "import json,sys; print(json.load(open(sys.argv[1]))['usage']['prompt_tokens'])" "$TMP/$ref.json")
+  python3 "$here/kv_failover_client.py" "$RURL" "$TMP/$req.json" "$TMP/$label.json" --max-tokens $MAXT \
+    --kill-after $KILL_AFTER --wait-puts $(((plen + KILL_AFTER) / 16)) $chat $wargs || pd_fail "$label: client failed"
+  python3 - "$TMP/$ref.json" "$TMP/$label.json" "$label" <<'PY' || exit 1
 import json, sys
 ref, got, label = json.load(open(sys.argv[1])), json.load(open(sys.argv[2])), sys.argv[3]
 if got["errors"] or not got["done"]:
     sys.exit("FAIL %s: errors %s, done %s" % (label, got["errors"], got["done"]))
 if not got["killed"]:
     sys.exit("FAIL %s: no worker was killed" % label)
-if got["text"] != ref["choices"][0]["text"] or len(got["token_ids"]) != ref["usage"]["completion_tokens"]:
+want = ref["choices"][0]["message"]["content"] if "message" in ref["choices"][0] else ref["choices"][0]["text"]
+if got["text"] != want or len(got["token_ids"]) != ref["usage"]["completion_tokens"]:
     sys.exit("FAIL %s: the output after failover differs from the uninterrupted run" % label)
 print("%s: killed %s after %d tokens; %d tokens, output identical" % (label, got["killed"], got["ids_at_kill"], len(got["token_ids"])))
 PY
   KILLED=$(python3 -c "import json,sys; print(json.load(open(sys.argv[1]))['killed'])" "$TMP/$label.json")
   AT=$(python3 -c "import json,sys; print(json.load(open(sys.argv[1]))['ids_at_kill'])" "$TMP/$label.json")
 }
-# The continuation's prompt: 64 + AT tokens; its full blocks, less the 4 of the original prompt.
-check_pool_load() {  # check_pool_load LABEL URL COMPUTED_BEFORE DEVICE_HIT
-  label=$1 u=$2 c0=$3 dev=$4
-  cont=$((64 + AT))
+# The continuation's prompt (prompt + the tokens the router relayed: AT or a few more) as the new
+# worker counted it; of its full blocks, DEVICE_HIT tokens were in the device cache.
+check_pool_load() {  # check_pool_load LABEL URL DEVICE_HIT [COMPUTED_BEFORE PROMPT_BEFORE TIER_TOKENS_BEFORE]
+  label=$1 u=$2 dev=$3
+  cont=$(($(metric "$u" '^pdserve_prompt_tokens_total') - ${5:-0}))
+  [ "$cont" -ge $((AT + 16)) ] || pd_fail "$label: a continuation of $cont tokens after $AT generated"
   full=$((cont / 16 * 16))
-  tok=$(metric "$u" '^pdserve_kv_tier_hit_tokens_total')
-  comp=$(($(metric "$u" '^pdserve_prefill_tokens_computed_total') - c0))
+  tok=$(($(metric "$u" '^pdserve_kv_tier_hit_tokens_total') - ${6:-0}))
+  comp=$(($(metric "$u" '^pdserve_prefill_tokens_computed_total') - ${4:-0}))
   echo "$label: continuation of $cont tokens: $dev from the device cache, $tok from the pool, $comp computed"
-  # Blocks written back asynchronously just before the kill may be lost with the worker: at most 2.
+  # The blocks written back after the kill point (a few more tokens were generated) may be lost
+  # with the worker: at most 2.
   [ "$tok" -ge $((full - dev - 32)) ] || pd_fail "$label: only $tok tokens from the pool (want >= $((full - dev - 32)))"
   [ $((dev + tok + comp)) -eq "$cont" ] || pd_fail "$label: $dev + $tok + $comp != $cont"
   [ "$comp" -le $((cont - full + 32)) ] || pd_fail "$label: $comp of $cont tokens computed"
@@ -109,10 +124,19 @@ pd_start B $POOL --kv-remote "redis://127.0.0.1:$RPORT"
 router_start "$URL_A" "$URL_B"
 failover colocated "$URL_A=$(cat "$TMP/A.pid")" "$URL_B=$(cat "$TMP/B.pid")"
 [ "$KILLED" = "$URL_A" ] && { rm -f "$TMP/A.pid"; LIVE=$URL_B; } || { rm -f "$TMP/B.pid"; LIVE=$URL_A; }
-check_pool_load "1. colocated" "$LIVE" 0 0
+check_pool_load "1. colocated" "$LIVE" 0
 router_stop
-[ -e "$TMP/A.pid" ] && pd_stop A
-[ -e "$TMP/B.pid" ] && pd_stop B
+# A chat stream: the router tokenizes the chat (the template's ids) and continues it as ids.
+pd_start C $POOL --kv-remote "redis://127.0.0.1:$RPORT"
+[ -e "$TMP/A.pid" ] && { X=A; URL_X=$URL_A; } || { X=B; URL_X=$URL_B; }
+cx=$(metric "$URL_X" '^pdserve_prefill_tokens_computed_total') tx=$(metric "$URL_X" '^pdserve_kv_tier_hit_tokens_total')
+px=$(metric "$URL_X" '^pdserve_prompt_tokens_total')
+router_start "$URL_X" "$URL_C"
+failover colocated_chat --chat "$URL_X=$(cat "$TMP/$X.pid")" "$URL_C=$(cat "$TMP/C.pid")"
+if [ "$KILLED" = "$URL_X" ]; then rm -f "$TMP/$X.pid"; check_pool_load "1. chat" "$URL_C" 0
+else rm -f "$TMP/C.pid"; check_pool_load "1. chat" "$URL_X" 0 "$cx" "$px" "$tx"; fi
+router_stop
+for n in A B C; do [ -e "$TMP/$n.pid" ] && pd_stop $n; done
 kill_redis
 
 # ---- 2. disaggregated: a decode worker dies ----
@@ -130,7 +154,7 @@ failover disaggregated "$URL_D1=$(cat "$TMP/D1.pid")" "$URL_D2=$(cat "$TMP/D2.pi
 [ "$KILLED" = "$URL_D1" ] && { rm -f "$TMP/D1.pid"; LIVE=$URL_D2; } || { rm -f "$TMP/D2.pid"; LIVE=$URL_D1; }
 [ "$(metric "$LIVE" '^pdserve_kv_handoffs_total')" -eq 1 ] || pd_fail "2. the continuation was not handed to the prefill worker"
 # The prefill worker computed the 64-token prompt once; its device cache still holds those 4 blocks.
-check_pool_load "2. disaggregated (prefill worker)" "$URL_P" 64 64
+check_pool_load "2. disaggregated (prefill worker)" "$URL_P" 64 64 64
 router_stop
 [ -e "$TMP/D1.pid" ] && pd_stop D1
 [ -e "$TMP/D2.pid" ] && pd_stop D2
