@@ -104,15 +104,14 @@ uint64_t pd_router_prefix_get(const pd_router_prefix *p, pd_hash128 h) {
     return e ? e->mask : 0;
 }
 
-void pd_router_prefix_count(const pd_router_prefix *p, int w, int64_t out[4]) {
-    PD_ASSERT(w >= 0 && w < 64);
-    memset(out, 0, 4 * sizeof out[0]);
-    uint64_t bit = 1ull << w;
+void pd_router_prefix_count(const pd_router_prefix *p, int64_t out[64][4]) {
+    memset(out, 0, 64 * sizeof out[0]);
     for (size_t i = 0; i < p->map.cap; i++) {
         const entry *e = pd_map_slot(&p->map, i);
         if (!e) continue;
-        out[0] += (e->mask & bit) != 0;
-        for (int t = 0; t < 3; t++) out[t + 1] += (e->tmask[t] & bit) != 0;
+        uint64_t m[4] = {e->mask, e->tmask[0], e->tmask[1], e->tmask[2]};
+        for (int k = 0; k < 4; k++)
+            for (uint64_t b = m[k]; b; b &= b - 1) out[__builtin_ctzll(b)][k]++;
     }
 }
 
