@@ -158,7 +158,9 @@ TSAN_TESTS ?= unit/test_engine unit/test_disagg unit/test_api_server unit/test_a
 # 1,000 connect/close cycles (PD_KV_FAULT_CYCLES below; the plain tier runs the full 10,000, ~2 min).
 # test_shutdown.sh: 4.9 min under TSan on the same VM at load 7-9 (~2 min plain).
 # test_kv_tiers.sh: the engine, tier and xfer threads with real tiers (~80 s under TSan).
-TSAN_SCRIPTS ?= test_disagg.sh test_router_fake.sh test_api.sh test_kv_faults.sh test_shutdown.sh test_kv_tiers.sh
+# test_kv_pool.sh: Redis's keyspace-notification thread, failover onto the pool (~40-70 s under TSan).
+TSAN_SCRIPTS ?= test_disagg.sh test_router_fake.sh test_api.sh test_kv_faults.sh test_shutdown.sh test_kv_tiers.sh \
+                test_kv_pool.sh
 test-tsan: deps
 	@$(MAKE) --no-print-directory BUILD=build/tsan SAN=thread CUDA=0 $(addprefix build/tsan/tests/,$(TSAN_TESTS)) build/tsan/pdserve
 	@$(SAN_UCX_ENV) PD_TEST_TIME_SCALE=10 OMP_THREAD_LIMIT=1 TSAN_OPTIONS="suppressions=$(CURDIR)/tools/tsan.supp halt_on_error=1 exitcode=66 second_deadlock_stack=1" \

@@ -105,6 +105,7 @@ typedef struct api_metrics {
     pd_metric *tier_load[PD_ENGINE_MAX_TIERS];  // load latency histogram (per block)
     int64_t tier_hist_seen[PD_ENGINE_MAX_TIERS][24];
     pd_metric *tier_hit_tokens, *tier_offloads, *tier_offloads_dropped, *tier_promotions, *tier_load_wall;
+    pd_metric *tier_remote_notify[5];  // the Redis tier's keyspace notifications (engine.h order)
 } api_metrics;
 
 #define API_GCACHE_N 32

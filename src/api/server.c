@@ -341,6 +341,22 @@ static void refresh_tier_metrics(pd_api *a, const pd_engine_stats *s) {
                                                "Seconds of tier loads, each from its start to the blocks being ready "
                                                "(summed over loads; with pdserve_kv_tier_hit_tokens_total: the load bandwidth).",
                                                NULL, NULL);
+        bool has_redis = false;
+        for (int t = 0; t < s->n_tiers; t++) has_redis = has_redis || !strcmp(s->tiers[t].name, "redis");
+        static const char *const k_removed[3] = {"reason=\"evicted\"", "reason=\"expired\"", "reason=\"deleted\""};
+        for (int i = 0; i < 3 && has_redis; i++)
+            x->tier_remote_notify[i] =
+                pd_metrics_counter(m, "pdserve_kv_tier_redis_removed_total",
+                                   i ? "" : "Pool pages Redis removed itself (keyspace notifications), reported to routers.",
+                                   k_removed[i], NULL);
+        if (has_redis) {
+            x->tier_remote_notify[3] = pd_metrics_counter(
+                m, "pdserve_kv_tier_redis_notifications_ignored_total",
+                "Redis notification messages ignored: malformed, another model's key, a bad hash, oversized.", NULL, NULL);
+            x->tier_remote_notify[4] = pd_metrics_counter(
+                m, "pdserve_kv_tier_redis_notify_config_refused_total",
+                "CONFIG SET notify-keyspace-events refused by the Redis server (evictions then go unreported).", NULL, NULL);
+        }
         x->has_tier_metrics = true;
     }
     for (int t = 0; t < s->n_tiers; t++) {
@@ -361,6 +377,8 @@ static void refresh_tier_metrics(pd_api *a, const pd_engine_stats *s) {
     if (x->tier_offloads_dropped) mirror(x->tier_offloads_dropped, (double)s->tier_offloads_dropped);
     if (x->tier_promotions) mirror(x->tier_promotions, (double)s->tier_promotions);
     if (x->tier_load_wall) mirror(x->tier_load_wall, (double)s->tier_load_us_total * 1e-6);
+    for (int i = 0; i < 5; i++)
+        if (x->tier_remote_notify[i]) mirror(x->tier_remote_notify[i], (double)s->tier_remote_notify[i]);
 }
 
 // The link-aware model (wire/link.h): the local step-time model and, per prefill link, its

@@ -704,6 +704,7 @@ static void publish_stats(pd_engine *e) {
     o->tier_loads = tst.tier_loads, o->tier_load_blocks = tst.tier_load_blocks, o->tier_promotions = tst.tier_promotions;
     o->n_tier_hit_tokens = tst.n_tier_hit_tokens, o->n_tier_loads_done = tst.n_tier_loads_done;
     o->tier_load_us_total = tst.tier_load_us_total;
+    memcpy(o->tier_remote_notify, tst.tier_remote_notify, sizeof o->tier_remote_notify);
     pthread_mutex_unlock(&e->q.mu);
 }
 
@@ -782,9 +783,10 @@ static void *engine_main(void *arg) {
     pd_engine *e = arg;
     if (e->params.n_threads > 0) omp_set_num_threads(e->params.n_threads);  // per-thread setting
     for (;;) {
-        // No work: sleep until a command. Work that cannot progress (KV loads in flight, nothing
-        // schedulable): sleep briefly, or until a command (an xfer result) arrives.
-        int64_t wait_us = !pd_sched_has_work(e->sched) ? -1 : e->last_step_empty ? 2000 : 0;
+        // No work: sleep until a command (with KV tiers, at most 100 ms: the tiers' own events, such
+        // as Redis evicting pages by itself, reach routers while idle too). Work that cannot
+        // progress (KV loads in flight, nothing schedulable): sleep briefly, or until a command.
+        int64_t wait_us = !pd_sched_has_work(e->sched) ? (e->tiers ? 100000 : -1) : e->last_step_empty ? 2000 : 0;
         bool stopping;
         pd_cmd *c = pd_queue_pop_cmds(&e->q, wait_us, &stopping);
         if (stopping) {

@@ -255,6 +255,8 @@ typedef struct pd_engine_stats {
     int64_t tier_offloads, tier_offloads_dropped, tier_loads, tier_load_blocks, tier_promotions;
     int64_t n_tier_hit_tokens;                 // prompt tokens loaded from a tier instead of computed
     int64_t n_tier_loads_done, tier_load_us_total;
+    int64_t tier_remote_notify[5];             // Redis keyspace notifications: evicted, expired, deleted,
+                                               // ignored (malformed / foreign), CONFIG SET refused
 } pd_engine_stats;
 void pd_engine_stats_get(pd_engine *e, pd_engine_stats *out);
 

@@ -214,5 +214,7 @@ void pd_tiers_stats(pd_engine *e, pd_engine_stats *o) {
     o->tier_loads = ts.loads;
     o->tier_load_blocks = ts.load_blocks;
     o->tier_promotions = ts.promotions;
+    _Static_assert(sizeof o->tier_remote_notify == sizeof ts.remote_notify, "notify counters");
+    memcpy(o->tier_remote_notify, ts.remote_notify, sizeof o->tier_remote_notify);
     memcpy(o->tier_dtype, ts.dtype, sizeof o->tier_dtype);
 }

@@ -248,6 +248,8 @@ typedef struct pd_kvconn_tier_stat {
     int64_t load_hist[24];     // block loads served, by latency: bucket i < 2^i us
 } pd_kvconn_tier_stat;
 
+enum { PD_KVCONN_NOTIFY_EVICTED, PD_KVCONN_NOTIFY_EXPIRED, PD_KVCONN_NOTIFY_DELETED, PD_KVCONN_NOTIFY_IGNORED,
+       PD_KVCONN_NOTIFY_CONFIG_REFUSED, PD_KVCONN_NOTIFY_N };
 typedef struct pd_kvconn_tiers_stats {
     int n_tiers;
     pd_kvconn_tier_stat tier[PD_KVCONN_MAX_TIERS];
@@ -257,6 +259,9 @@ typedef struct pd_kvconn_tiers_stats {
     bool dram_pinned;          // the DRAM tier's pages are page-locked host memory (CUDA)
     int staging_slots;         // a device cache: pinned staging slots (0: the direct host path)
     int64_t load_cuts;         // loads cut short for want of a free staging slot
+    // The Redis tier's keyspace notifications (kvtier/notify.c): keys removed by the server
+    // (evicted, expired, deleted), messages ignored (malformed / foreign), CONFIG SET refusals.
+    int64_t remote_notify[PD_KVCONN_NOTIFY_N];
 } pd_kvconn_tiers_stats;
 
 // The 64-bit model fingerprint that tier pages and Redis keys carry.

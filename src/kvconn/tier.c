@@ -1187,6 +1187,9 @@ void pd_kvconn_tiers_stats_get(pd_kvconn_tiers *c, pd_kvconn_tiers_stats *out) {
     out->dram_pinned = c->arena.base && pd_backend_host_is_pinned(c->p.backend);
     out->staging_slots = c->is_staged ? c->st.n_slots : 0;
     out->load_cuts = c->load_cuts;
+    int64_t rn[PD_KVCONN_NOTIFY_N] = {s.remote_notify.evicted, s.remote_notify.expired, s.remote_notify.deleted,
+                                      s.remote_notify.ignored, s.remote_notify.config_refused};
+    memcpy(out->remote_notify, rn, sizeof rn);
     if (c->use_hot) {
         hot *h = &c->hot;
         pd_kvconn_tier_stat *o = &out->tier[0];

@@ -179,6 +179,44 @@ int64_t pd_kvt_redis_auth_failures(pd_kvt_store *s);
 // Operations that found the server down or lost the connection.
 int64_t pd_kvt_redis_down_misses(pd_kvt_store *s);
 
+// ---- Redis keyspace notifications (notify.c): what the server removes by itself ---------------------
+// One thread per Redis store on a second connection, authenticated like the first, subscribed to
+// __keyspace@0__:pdkv:<fingerprint>:* (docs/design.md "KV tiers"). Needs notify-keyspace-events with
+// K, e, x, g (or KA): CONFIG SET is tried once per connection when missing; refused: one warning,
+// counted. Reconnects with backoff (100 ms .. 5 s).
+typedef enum pd_kvt_notify_kind {
+    PD_KVT_NOTIFY_BAD = -1,     // not a well-formed notification of one of our keys (counted, ignored)
+    PD_KVT_NOTIFY_OTHER = 0,    // our key, an event that does not remove it ("set", ...): ignored
+    PD_KVT_NOTIFY_EVICTED = 1,  // maxmemory policy
+    PD_KVT_NOTIFY_EXPIRED = 2,  // a TTL
+    PD_KVT_NOTIFY_DEL = 3,      // DEL / UNLINK / RENAME away
+} pd_kvt_notify_kind;
+#define PD_KVT_NOTIFY_MAX_CHANNEL 128
+// A keyspace message: channel "__keyspace@<db>__:pdkv:<fp 16 hex>:<hash 32 hex>" (lower-case hex,
+// exactly; fp must equal fingerprint), event the payload. *hash (may be NULL) is set for every kind
+// but BAD. Lengths are checked before anything is read (channel <= 128 bytes, event <= 32).
+pd_kvt_notify_kind pd_kvt_notify_parse(const char *channel, size_t clen, const char *event, size_t elen,
+                                       uint64_t fingerprint, pd_hash128 *hash);
+// Whether a notify-keyspace-events value delivers what we need; merge: flags plus what is missing.
+bool pd_kvt_notify_flags_ok(const char *flags);
+void pd_kvt_notify_flags_merge(const char *flags, char *out, size_t n);
+
+typedef struct pd_kvt_notify_stats {
+    int64_t evicted, expired, deleted;  // removals heard, by kind
+    int64_t ignored;                    // malformed / foreign / oversized messages
+    int64_t config_refused;             // CONFIG SET notify-keyspace-events refused by the server
+    int64_t subscribes, drops;          // subscriptions made, connections lost
+} pd_kvt_notify_stats;
+typedef struct pd_kvt_notify pd_kvt_notify;
+// fn(ud, hash, kind) runs on the notification thread for every removal of one of our keys.
+typedef void (*pd_kvt_removed_fn)(void *ud, pd_hash128 hash, pd_kvt_notify_kind kind);
+pd_kvt_notify *pd_kvt_notify_start(const char *host, int port, const char *secret, uint64_t fingerprint,
+                                   pd_kvt_removed_fn fn, void *ud, pd_err *err);
+void pd_kvt_notify_stop(pd_kvt_notify *n);  // joins the thread; NULL: no-op
+void pd_kvt_notify_stats_get(pd_kvt_notify *n, pd_kvt_notify_stats *out);  // lock-free; NULL: zeros
+// The Redis store's notification counters (zeros for other stores). Lock-free.
+void pd_kvt_redis_notify_stats(pd_kvt_store *s, pd_kvt_notify_stats *out);
+
 #ifdef __cplusplus
 }
 #endif
@@ -237,6 +275,7 @@ typedef struct pd_kvt_tiers_stats {
     int64_t offloads_queued, offloads_dropped, offloads_done, admitted_lower, refused_lower;
     int64_t loads, load_blocks, load_misses, promotions;
     int64_t events_dropped;
+    pd_kvt_notify_stats remote_notify;  // the Redis tier's keyspace notifications (zeros without one)
 } pd_kvt_tiers_stats;
 
 pd_kvt_tiers *pd_kvt_tiers_new(const pd_kvt_tiers_params *p, pd_err *err);

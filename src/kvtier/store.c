@@ -60,6 +60,7 @@ struct pd_kvt_store {
     int64_t retry_at_ms, backoff_ms;
     int64_t reconnects, down_misses, auth_failures;
     char *secret;
+    pd_kvt_notify *notify;  // what the server evicts itself (notify.c)
     void (*evict_hook)(void *ud, pd_hash128 key);  // pd_kvt_store_set_evict_hook
     void *evict_ud;
 };
@@ -161,6 +162,7 @@ pd_kvt_store *pd_kvt_dram_new(const pd_kvt_store_params *p, pd_err *err) {
 
 void pd_kvt_store_free(pd_kvt_store *s) {
     if (!s) return;
+    pd_kvt_notify_stop(s->notify);  // first: its callback takes the store's lock
     for (size_t i = 0; i < s->pages.cap; i++) {
         dram_entry *e = pd_map_slot(&s->pages, i);
         if (e) page_free(s, e->page);
@@ -419,6 +421,15 @@ static bool redis_exists(pd_kvt_store *s, pd_hash128 key) {
     return e;
 }
 
+// On the notification thread: one of our keys is gone from Redis (evicted, expired, deleted).
+static void redis_removed(void *ud, pd_hash128 key, pd_kvt_notify_kind kind) {
+    pd_kvt_store *s = ud;
+    (void)kind;
+    pthread_mutex_lock(&s->mu);  // the hook is called under the store's lock, as from a put
+    if (s->evict_hook) s->evict_hook(s->evict_ud, key);
+    pthread_mutex_unlock(&s->mu);
+}
+
 pd_kvt_store *pd_kvt_redis_new(const pd_kvt_store_params *p, const char *url, pd_err *err) {
     // redis://HOST:PORT
     const char *pre = "redis://";
@@ -448,7 +459,16 @@ pd_kvt_store *pd_kvt_redis_new(const pd_kvt_store_params *p, const char *url, pd
         return NULL;
     }
     redis_up(s);  // a server down at start is not an error: it is retried with backoff
+    // Keys the server removes itself (maxmemory, TTL, DEL) reach the evict hook: routers drop them.
+    if (!(s->notify = pd_kvt_notify_start(s->host, s->port, s->secret, s->p.fingerprint, redis_removed, s, err))) {
+        pd_kvt_store_free(s);
+        return NULL;
+    }
     return s;
+}
+
+void pd_kvt_redis_notify_stats(pd_kvt_store *s, pd_kvt_notify_stats *out) {
+    pd_kvt_notify_stats_get(s && s->kind == 3 ? s->notify : NULL, out);
 }
 
 int64_t pd_kvt_redis_auth_failures(pd_kvt_store *s) {
@@ -662,7 +682,11 @@ int pd_kvt_store_probe(pd_kvt_store *s, pd_hash128 key) {
 void pd_kvt_store_stats_get(pd_kvt_store *s, pd_kvt_store_stats *out) {
     pthread_mutex_lock(&s->mu);
     *out = s->st;
-    if (s->kind != 3) {
+    if (s->kind == 3) {  // Redis evicts by itself: what the notifications told us
+        pd_kvt_notify_stats ns;
+        pd_kvt_notify_stats_get(s->notify, &ns);
+        out->evictions = ns.evicted + ns.expired;
+    } else {
         pd_kvt_policy_stats ps;
         pthread_mutex_lock(&s->imu);
         pd_kvt_policy_stats_get(s->pol, &ps);

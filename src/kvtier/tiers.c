@@ -625,6 +625,12 @@ void pd_kvt_tiers_stats_get(pd_kvt_tiers *t, pd_kvt_tiers_stats *out) {
     *out = t->st;
     for (int i = 0; i < t->p.n_stores; i++) out->tier[i].store = t->snap[i];
     pthread_mutex_unlock(&t->mu);
+    // Redis's own evictions arrive on their thread, not with a tier job: read them now (lock-free).
+    for (int i = 0; i < t->p.n_stores; i++)
+        if (!strcmp(pd_kvt_store_name(t->p.stores[i]), "redis")) {
+            pd_kvt_redis_notify_stats(t->p.stores[i], &out->remote_notify);
+            out->tier[i].store.evictions = out->remote_notify.evicted + out->remote_notify.expired;
+        }
     pthread_mutex_lock(&t->ev_mu);
     out->events_dropped = t->ev_dropped;
     pthread_mutex_unlock(&t->ev_mu);

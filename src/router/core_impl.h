@@ -40,6 +40,10 @@ void pd_router_prefix_match(const pd_router_prefix *p, const pd_hash128 *hashes,
 pd_status pd_router_prefix_add_tier(pd_router_prefix *p, pd_hash128 h, int w, int tier);
 void pd_router_prefix_remove_tier(pd_router_prefix *p, pd_hash128 h, int w, int tier);
 uint64_t pd_router_prefix_get_tiers(const pd_router_prefix *p, pd_hash128 h);  // workers with h in a tier
+// Blocks the index lists per worker slot w: out[w][0] in its device pool, out[w][t] in tier t
+// (pd_wire_tier 1..3: dram, disk, redis). One walk of the whole index (for /status.json, not
+// for routing).
+void pd_router_prefix_count(const pd_router_prefix *p, int64_t out[64][4]);
 // Like pd_router_prefix_match, counting a block held in the device pool or in any tier.
 void pd_router_prefix_match_tiers(const pd_router_prefix *p, const pd_hash128 *hashes, int n, uint64_t workers,
                                   int32_t out_n_blocks[64]);

@@ -104,6 +104,17 @@ uint64_t pd_router_prefix_get(const pd_router_prefix *p, pd_hash128 h) {
     return e ? e->mask : 0;
 }
 
+void pd_router_prefix_count(const pd_router_prefix *p, int64_t out[64][4]) {
+    memset(out, 0, 64 * sizeof out[0]);
+    for (size_t i = 0; i < p->map.cap; i++) {
+        const entry *e = pd_map_slot(&p->map, i);
+        if (!e) continue;
+        uint64_t m[4] = {e->mask, e->tmask[0], e->tmask[1], e->tmask[2]};
+        for (int k = 0; k < 4; k++)
+            for (uint64_t b = m[k]; b; b &= b - 1) out[__builtin_ctzll(b)][k]++;
+    }
+}
+
 uint64_t pd_router_prefix_get_tiers(const pd_router_prefix *p, pd_hash128 h) {
     const entry *e = pd_map_find(&p->map, h.lo, &h);
     return e ? e->tier_mask : 0;

@@ -79,6 +79,10 @@ static int64_t sum_fallbacks(const pd_wire_load *l) {
 }
 
 static json_t *workers_json(const pd_router *r) {
+    _Static_assert(PD_ROUTER_MAX_WORKERS <= 64, "a worker slot is a prefix-index bit");
+    int64_t counts[64][4];  // per worker slot: blocks the prefix index lists (device, dram, disk, redis)
+    if (r->prefix) pd_router_prefix_count(r->prefix, counts);
+    else memset(counts, 0, sizeof counts);
     json_t *a = json_array();
     for (int i = 0; a && i < PD_ROUTER_MAX_WORKERS; i++) {
         const rt_worker *w = &r->workers[i];
@@ -112,6 +116,12 @@ static json_t *workers_json(const pd_router *r) {
                                                    (json_int_t)l->tier_hits[k], "misses", (json_int_t)l->tier_misses[k]));
             if (t) json_object_set_new(o, "kv_tiers", t);
             json_object_set_new(o, "tier_hit_tokens", json_integer(l->n_tier_hit_tokens));
+            // What the router's prefix index lists for this worker, per place (KV events, incl. the
+            // removals Redis's keyspace notifications report).
+            const int64_t *nb = counts[i];
+            json_object_set_new(o, "prefix_blocks", json_pack("{s:I, s:I, s:I, s:I}", "device", (json_int_t)nb[0], "dram",
+                                                              (json_int_t)nb[1], "disk", (json_int_t)nb[2], "redis",
+                                                              (json_int_t)nb[3]));
             json_object_set_new(o, "tier_load_us_per_token",
                                 l->n_tier_hit_tokens > 0 ? json_real((double)l->tier_load_us / (double)l->n_tier_hit_tokens)
                                                          : json_null());

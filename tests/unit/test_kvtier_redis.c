@@ -8,6 +8,7 @@
 #include <fcntl.h>
 #include <hiredis/hiredis.h>
 #include <netinet/in.h>
+#include <pthread.h>
 #include <signal.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
@@ -334,4 +335,268 @@ PD_TEST(redis_auth_secret) {
     free(buf);
     kill(pid, SIGKILL);
     waitpid(pid, NULL, 0);
+}
+
+// ---- keyspace notifications (kvtier/notify.c) -------------------------------------------------------
+PD_TEST(redis_notify_parse) {
+    const uint64_t fp = 0xabcdef;
+    char ch[256];
+    pd_hash128 h = {0};
+#define P(chan, ev) pd_kvt_notify_parse((chan), strlen(chan), (ev), strlen(ev), fp, &h)
+    snprintf(ch, sizeof ch, "__keyspace@0__:pdkv:%016llx:%016llx%016llx", 0xabcdefull, 0x22ull, 0x21ull);
+    PD_CHECK_EQ(P(ch, "evicted"), PD_KVT_NOTIFY_EVICTED);
+    PD_CHECK(h.hi == 0x22 && h.lo == 0x21);
+    PD_CHECK_EQ(P(ch, "expired"), PD_KVT_NOTIFY_EXPIRED);
+    PD_CHECK_EQ(P(ch, "del"), PD_KVT_NOTIFY_DEL);
+    PD_CHECK_EQ(P(ch, "rename_from"), PD_KVT_NOTIFY_DEL);
+    PD_CHECK_EQ(P(ch, "set"), PD_KVT_NOTIFY_OTHER);      // ours, not a removal
+    PD_CHECK_EQ(P(ch, "evictedX"), PD_KVT_NOTIFY_OTHER);
+    PD_CHECK_EQ(P(ch, ""), PD_KVT_NOTIFY_OTHER);
+    PD_CHECK_EQ(P(ch, "evicted_evicted_evicted_evicted_x"), PD_KVT_NOTIFY_BAD);  // event > 32 bytes
+    snprintf(ch, sizeof ch, "__keyspace@15__:pdkv:%016llx:%032d", 0xabcdefull, 7);
+    PD_CHECK_EQ(P(ch, "del"), PD_KVT_NOTIFY_DEL);          // another database number: still our key
+    PD_CHECK(h.hi == 0 && h.lo == 7);
+    const char *bad[] = {
+        "__keyspace@0__:pdkv:0000000000abcdef:0000000000000022000000000000002",    // 31 hex digits
+        "__keyspace@0__:pdkv:0000000000abcdef:00000000000000220000000000000021a",  // 33
+        "__keyspace@0__:pdkv:0000000000abcdef:000000000000002200000000000000zz",   // not hex
+        "__keyspace@0__:pdkv:0000000000abcdef:00000000000000220000000000000A21",   // upper case
+        "__keyspace@0__:pdkv:0000000000000123:00000000000000220000000000000021",   // another model
+        "__keyspace@0__:pdkv:0000000000abcdef-00000000000000220000000000000021",   // separator
+        "__keyspace@0__:pdkv:abcdef:00000000000000220000000000000021",             // short fp
+        "__keyspace@__:pdkv:0000000000abcdef:00000000000000220000000000000021",    // no db
+        "__keyspace@x__:pdkv:0000000000abcdef:00000000000000220000000000000021",
+        "__keyevent@0__:pdkv:0000000000abcdef:00000000000000220000000000000021",   // not keyspace
+        "__keyspace@0__:lmc:0000000000abcdef:00000000000000220000000000000021",    // not our prefix
+        "__keyspace@0__:pdkv:0000000000abcdef:",
+        "__keyspace@0__:",
+        "__keyspace@",
+        "",
+    };
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        if (P(bad[i], "del") != PD_KVT_NOTIFY_BAD) fprintf(stderr, "accepted: %s\n", bad[i]);
+        PD_CHECK_EQ(P(bad[i], "del"), PD_KVT_NOTIFY_BAD);
+    }
+    // Lengths are checked before content: a huge channel, a channel with a NUL inside.
+    char *huge = malloc(1 << 20);
+    memset(huge, 'a', 1 << 20);
+    memcpy(huge, "__keyspace@0__:pdkv:", 20);
+    PD_CHECK_EQ(pd_kvt_notify_parse(huge, 1 << 20, "del", 3, fp, &h), PD_KVT_NOTIFY_BAD);
+    free(huge);
+    snprintf(ch, sizeof ch, "__keyspace@0__:pdkv:%016llx:%016llx%016llx", 0xabcdefull, 0x22ull, 0x21ull);
+    ch[30] = 0;
+    PD_CHECK_EQ(pd_kvt_notify_parse(ch, 69, "del", 3, fp, &h), PD_KVT_NOTIFY_BAD);
+    PD_CHECK_EQ(pd_kvt_notify_parse(NULL, 0, "del", 3, fp, &h), PD_KVT_NOTIFY_BAD);
+#undef P
+    // Flags: K plus e, x, g (A covers them); merge adds what is missing, keeps the rest.
+    PD_CHECK(pd_kvt_notify_flags_ok("KEA") && pd_kvt_notify_flags_ok("Kgxe") && pd_kvt_notify_flags_ok("AK"));
+    PD_CHECK(!pd_kvt_notify_flags_ok("") && !pd_kvt_notify_flags_ok("EA") && !pd_kvt_notify_flags_ok("Kgx") &&
+             !pd_kvt_notify_flags_ok(NULL));
+    char m[32];
+    pd_kvt_notify_flags_merge("", m, sizeof m);
+    PD_CHECK(!strcmp(m, "Kexg") && pd_kvt_notify_flags_ok(m));
+    pd_kvt_notify_flags_merge("E$", m, sizeof m);
+    PD_CHECK(!strcmp(m, "E$Kexg"));
+    pd_kvt_notify_flags_merge("EA", m, sizeof m);
+    PD_CHECK(!strcmp(m, "EAK"));
+}
+
+static pid_t start_redis_args(int port, const char *const *extra) {
+    pid_t pid = fork();
+    if (pid == 0) {
+        char ps[16];
+        snprintf(ps, sizeof ps, "%d", port);
+        const char *argv[24] = {"redis-server", "--port", ps, "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"};
+        int n = 9;
+        for (int i = 0; extra && extra[i] && n < 23; i++) argv[n++] = extra[i];
+        argv[n] = NULL;
+        int devnull = open("/dev/null", O_WRONLY);
+        if (devnull >= 0) {
+            dup2(devnull, 1);
+            dup2(devnull, 2);
+        }
+        execvp("redis-server", (char *const *)argv);
+        _exit(127);
+    }
+    for (int i = 0; pid > 0 && i < 200; i++) {  // bounded: 10 s
+        struct timeval tv = {0, 100000};
+        redisContext *c = redisConnectWithTimeout("127.0.0.1", port, tv);
+        bool ok = false;
+        if (c && !c->err) {
+            redisReply *r = redisCommand(c, "PING");
+            ok = r && r->type == REDIS_REPLY_STATUS;
+            if (r) freeReplyObject(r);
+        }
+        if (c) redisFree(c);
+        if (ok) return pid;
+        usleep(50000);
+    }
+    if (pid > 0) stop_redis(pid);
+    return -1;
+}
+
+typedef struct heard {
+    pthread_mutex_t mu;
+    int n[4];
+    pd_hash128 last;
+} heard;
+
+static void on_heard(void *ud, pd_hash128 h, pd_kvt_notify_kind k) {
+    heard *x = ud;
+    pthread_mutex_lock(&x->mu);
+    if (k >= 0 && k < 4) x->n[k]++;
+    x->last = h;
+    pthread_mutex_unlock(&x->mu);
+}
+
+static int heard_n(heard *x, int k) {
+    pthread_mutex_lock(&x->mu);
+    int n = x->n[k];
+    pthread_mutex_unlock(&x->mu);
+    return n;
+}
+
+static bool wait_until(bool (*cond)(void *), void *ud) {
+    for (int i = 0; i < 200; i++) {  // bounded: 10 s
+        if (cond(ud)) return true;
+        usleep(50000);
+    }
+    return false;
+}
+
+static pd_kvt_notify *g_n;
+static bool subscribed(void *ud) {
+    pd_kvt_notify_stats s;
+    pd_kvt_notify_stats_get(g_n, &s);
+    return s.subscribes >= *(int *)ud;
+}
+static bool refused(void *ud) {
+    pd_kvt_notify_stats s;
+    pd_kvt_notify_stats_get(g_n, &s);
+    return s.config_refused >= 1 && s.subscribes >= 1;
+}
+static heard g_heard = {.mu = PTHREAD_MUTEX_INITIALIZER};
+static bool heard_del(void *ud) { return heard_n(&g_heard, PD_KVT_NOTIFY_DEL) >= *(int *)ud; }
+static bool heard_evicted(void *ud) { return heard_n(&g_heard, PD_KVT_NOTIFY_EVICTED) >= *(int *)ud; }
+static bool ignored_n(void *ud) {
+    pd_kvt_notify_stats s;
+    pd_kvt_notify_stats_get(g_n, &s);
+    return s.ignored >= *(int *)ud;
+}
+
+static void rcmd(redisContext *c, const char *fmt, const char *a, size_t alen) {
+    redisReply *r = a ? redisCommand(c, fmt, a, alen) : redisCommand(c, fmt);
+    if (r) freeReplyObject(r);
+}
+
+// A server without notifications: the subscriber turns them on (CONFIG SET, keeping what was
+// there), hears DEL and maxmemory evictions of our keys with their hashes, ignores other keys,
+// reconnects after the server restarts. A server that refuses CONFIG: counted, no crash.
+PD_TEST(redis_notify_live) {
+    if (system("command -v redis-server >/dev/null 2>&1") != 0) PD_SKIP("redis-server not installed");
+    int port = free_port();
+    PD_REQUIRE(port > 0);
+    const char *extra[] = {"--notify-keyspace-events", "E$", NULL};
+    pid_t pid = start_redis_args(port, extra);
+    PD_REQUIRE(pid > 0);
+    const uint64_t fp = 0xabcdef;
+    pd_err err = {0};
+    g_n = pd_kvt_notify_start("127.0.0.1", port, NULL, fp, on_heard, &g_heard, &err);
+    PD_REQUIRE(g_n);
+    int one = 1;
+    PD_REQUIRE(wait_until(subscribed, &one));
+    struct timeval tv = {1, 0};
+    redisContext *c = redisConnectWithTimeout("127.0.0.1", port, tv);
+    PD_REQUIRE(c && !c->err);
+    redisReply *r = redisCommand(c, "CONFIG GET notify-keyspace-events");
+    PD_REQUIRE(r && r->type == REDIS_REPLY_ARRAY && r->elements == 2);
+    PD_CHECK(pd_kvt_notify_flags_ok(r->element[1]->str));
+    PD_CHECK(strchr(r->element[1]->str, '$') != NULL);  // what was there is kept
+    freeReplyObject(r);
+
+    char key[96];
+    snprintf(key, sizeof key, "pdkv:%016llx:%016llx%016llx", 0xabcdefull, 0x22ull, 0x21ull);
+    rcmd(c, "SET %b x", key, strlen(key));
+    rcmd(c, "DEL %b", key, strlen(key));
+    PD_CHECK(wait_until(heard_del, &one));
+    pthread_mutex_lock(&g_heard.mu);
+    pd_hash128 last = g_heard.last;
+    pthread_mutex_unlock(&g_heard.mu);
+    PD_CHECK(last.hi == 0x22 && last.lo == 0x21);
+    // Another model's key is not even sent (the pattern has our fingerprint); a bad one of ours is
+    // heard and counted.
+    snprintf(key, sizeof key, "pdkv:%016llx:%016llx%016llx", 0x123ull, 1ull, 2ull);
+    rcmd(c, "SET %b x", key, strlen(key));
+    rcmd(c, "DEL %b", key, strlen(key));
+    snprintf(key, sizeof key, "pdkv:%016llx:nothex", 0xabcdefull);
+    rcmd(c, "SET %b x", key, strlen(key));
+    rcmd(c, "DEL %b", key, strlen(key));
+    int two = 2;
+    PD_CHECK(wait_until(ignored_n, &two));
+    PD_CHECK_EQ(heard_n(&g_heard, PD_KVT_NOTIFY_DEL), 1);
+
+    // maxmemory evictions: 64 KiB values under a 2 MB cap over the server's own use.
+    r = redisCommand(c, "INFO memory");
+    long long used = 0;
+    if (r && r->type == REDIS_REPLY_STRING) {
+        const char *u = strstr(r->str, "used_memory:");
+        if (u) used = atoll(u + 12);
+    }
+    if (r) freeReplyObject(r);
+    PD_REQUIRE(used > 0);
+    char mm[32];
+    snprintf(mm, sizeof mm, "%lld", used + (2ll << 20));
+    rcmd(c, "CONFIG SET maxmemory-policy allkeys-lru", NULL, 0);
+    r = redisCommand(c, "CONFIG SET maxmemory %s", mm);
+    PD_REQUIRE(r && r->type == REDIS_REPLY_STATUS);
+    freeReplyObject(r);
+    char *val = calloc(1, 65536);
+    for (int i = 0; i < 64; i++) {
+        snprintf(key, sizeof key, "pdkv:%016llx:%032x", 0xabcdefull, i);
+        r = redisCommand(c, "SET %s %b", key, val, (size_t)65536);
+        if (r) freeReplyObject(r);
+    }
+    free(val);
+    r = redisCommand(c, "INFO stats");
+    long long evicted = 0;
+    if (r && r->type == REDIS_REPLY_STRING) {
+        const char *u = strstr(r->str, "evicted_keys:");
+        if (u) evicted = atoll(u + 13);
+    }
+    if (r) freeReplyObject(r);
+    PD_CHECK(evicted >= 16);
+    int ev = (int)evicted;
+    PD_CHECK(wait_until(heard_evicted, &ev));
+    PD_CHECK_EQ(heard_n(&g_heard, PD_KVT_NOTIFY_EVICTED), ev);
+    redisFree(c);
+
+    // The server restarts (notifications off again): the subscriber reconnects and turns them on.
+    stop_redis(pid);
+    pid = start_redis_args(port, NULL);
+    PD_REQUIRE(pid > 0);
+    PD_CHECK(wait_until(subscribed, &two));
+    c = redisConnectWithTimeout("127.0.0.1", port, tv);
+    PD_REQUIRE(c && !c->err);
+    snprintf(key, sizeof key, "pdkv:%016llx:%032x", 0xabcdefull, 99);
+    rcmd(c, "SET %b x", key, strlen(key));
+    rcmd(c, "DEL %b", key, strlen(key));
+    PD_CHECK(wait_until(heard_del, &two));
+    redisFree(c);
+    pd_kvt_notify_stats st;
+    pd_kvt_notify_stats_get(g_n, &st);
+    PD_CHECK_EQ(st.config_refused, 0);
+    PD_CHECK(st.drops >= 1);
+    pd_kvt_notify_stop(g_n);
+    stop_redis(pid);
+
+    // CONFIG renamed away (a managed Redis): refused, counted; still subscribed.
+    const char *noconf[] = {"--rename-command", "CONFIG", "", NULL};
+    pid = start_redis_args(port, noconf);
+    PD_REQUIRE(pid > 0);
+    g_n = pd_kvt_notify_start("127.0.0.1", port, NULL, fp, on_heard, &g_heard, &err);
+    PD_REQUIRE(g_n);
+    PD_CHECK(wait_until(refused, NULL));
+    pd_kvt_notify_stop(g_n);
+    g_n = NULL;
+    stop_redis(pid);
 }

@@ -293,6 +293,15 @@ PD_TEST(prefix_tiers_and_cost) {
     PD_CHECK_EQ(any[1], 3);
     PD_CHECK_EQ(dev[2], 0);
     PD_CHECK_EQ(any[2], 1);
+    static int64_t cnt[64][4];
+    pd_router_prefix_count(p, cnt);  // what /status.json shows per worker
+    PD_CHECK(cnt[1][0] == 1 && cnt[1][1] == 3 && cnt[1][2] == 1 && cnt[1][3] == 0);
+    PD_CHECK(cnt[2][0] == 0 && cnt[2][1] == 0 && cnt[2][2] == 0 && cnt[2][3] == 1);
+    PD_CHECK(cnt[0][0] + cnt[0][1] + cnt[0][2] + cnt[0][3] + cnt[63][0] == 0);
+    pd_router_prefix_remove_tier(p, h[0], 2, 3);  // Redis evicted it (keyspace notification)
+    pd_router_prefix_count(p, cnt);
+    PD_CHECK(cnt[2][3] == 0 && cnt[1][1] == 3);
+    PD_CHECK_EQ(pd_router_prefix_add_tier(p, h[0], 2, 3), PD_OK);
     pd_router_prefix_remove_tier(p, h[2], 1, 1);  // DRAM evicted block 2: still on disk
     pd_router_prefix_match_tiers(p, h, 4, ~0ull, any);
     PD_CHECK_EQ(any[1], 3);
