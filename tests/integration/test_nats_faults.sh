@@ -159,7 +159,7 @@ grep -q "NATS messages without a valid signature" "$TMP/p1.err" && grep -q "NATS
 echo "     prefill worker: $(grep -c 'malformed prefill job dropped' "$TMP/p1.err") malformed jobs dropped;" \
   "$(grep 'without a valid signature' "$TMP/p1.err" | tail -1 | grep -o '[0-9]* NATS' | head -1) unsigned dropped"
 for f in rt p1 d1; do
-  if grep -E "AddressSanitizer|runtime error|Assertion" "$TMP/$f.err"; then pd_fail "$f: sanitizer or assertion report"; fi
+  if grep -E "AddressSanitizer|ThreadSanitizer|runtime error|Assertion" "$TMP/$f.err"; then pd_fail "$f: sanitizer or assertion report"; fi
 done
 for n in rt d1 p1; do kill -TERM "$(cat "$TMP/$n.pid")"; done
 for n in rt d1 p1; do
