@@ -60,6 +60,7 @@ if timeout 60 "$PD_BIN" serve --model "$MODEL" --port 0 --role decode --prefill 
   pd_fail "a worker with the wrong token started"
 fi
 grep -q "Authorization Violation" "$TMP/wrong.err" || { cat "$TMP/wrong.err" >&2; pd_fail "the wrong token's refusal is not named"; }
+if grep -E "Sanitizer|runtime error" "$TMP/wrong.err"; then pd_fail "the refused worker: sanitizer report on its way out"; fi
 echo "ok   1. a worker with the wrong token is refused by nats-server and exits"
 
 # ---- the cluster ----
@@ -193,6 +194,7 @@ refused() {  # refused LABEL ARGS...: the worker must not start, and say why
     pd_fail "a worker with $what started"
   fi
   grep -Eq "$REASON" "$TMP/nk.err" || { cat "$TMP/nk.err" >&2; pd_fail "a worker with $what: the reason is not named"; }
+  if grep -E "Sanitizer|runtime error" "$TMP/nk.err"; then pd_fail "a worker with $what: sanitizer report on its way out"; fi
   echo "ok   9. a worker with $what is not admitted ($(grep -Eo "$REASON" "$TMP/nk.err" | head -1))"
 }
 REASON="Authorization Violation"
@@ -215,4 +217,6 @@ pd_wait_for 30 sh -c "curl -sf '$URL_rt2/health' | grep -q '\"decode_workers_hea
 python3 "$here/disagg_client.py" "$URL_rt2" "$TMP/prompts.json" "$TMP/nkey.json" --concurrency 8 --max-tokens 16 ||
   pd_fail "requests through the nkey cluster failed"
 dg_compare "$TMP/nkey.json" "9. nkey-authenticated router + worker" || pd_fail "nkey cluster outputs differ"
+pd_stop nkw
+pd_stop rt2
 echo "PASS test_nats_faults ($(( $(date +%s) - T0 )) s)"
