@@ -292,6 +292,25 @@ def main():
         nc.pub(m[0], json.dumps(body).encode(), headers=m[2])
         nc.flush()
         print("ok   the captured presence replayed 3 times, then tampered into a \"leaving\"")
+        # Signed and next in line (pseq + 1, since = where the router is): hostile KV events and
+        # load for the real decode worker. Applied — a secret holder can do that — but bounded:
+        # counts clamp at 0, and the real worker's next presence no longer continues from the
+        # router's event number, so the router resyncs and the worker's full state replaces it.
+        body = json.loads(m[3])
+        nxt = body["events"]["seq_next"]
+        evs = [{"seq": nxt + i, "type": "stored", "hash": "%032x" % (0xbad0000 + i), "parent": "0" * 32, "n_tokens": -7}
+               for i in range(3000)]
+        evs += [{"seq": nxt + 3000, "type": "stored", "hash": "%032x" % 1, "parent": "0" * 32, "tier": "tape"},
+                {"seq": nxt + 3001, "type": "from_the_future"}]
+        body.update({"pseq": body["pseq"] + 1, "since": nxt, "events": {"reset": False, "seq_next": nxt + 3002, "list": evs}})
+        body["load"].update({"running": -1000000, "waiting": -5, "max_seqs": -1, "kv_blocks_free": 2**62,
+                             "prefill_tokens_per_s": 1e308, "decode_step_ms": -1e308})
+        body["disagg_model"] = {"local_a_us": 1e308, "local_b_us": -1, "chunk_tokens": 1e300,
+                                "links": [{"peer": "x" * 500, "probes": 1e300, "transfers": -1e300, "bw_bytes_per_s": 0}] * 100}
+        data = json.dumps(body).encode()
+        nc.pub(m[0], data, headers=signed(secret, m[0], data))
+        nc.flush()
+        print("ok   a signed presence with 3002 hostile KV events and out-of-range load / link model published")
         return
 
     if a.phase == "resync":

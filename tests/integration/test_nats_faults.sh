@@ -14,7 +14,9 @@
 #      spoofed instance ids (a fake id at the real url; the real id at a fake url, also "leaving"),
 #      a fake worker at a dead address, negative and huge load numbers
 #   4. 2000 distinct fake workers (the 64-slot table): none admitted, the real two stay
-#   5. a real presence captured and replayed, and tampered into a "leaving": refused
+#   5. a real presence captured and replayed, and tampered into a "leaving": refused; then a
+#      signed one with 3002 hostile KV events and out-of-range load: applied but bounded (no
+#      negative load), and the router resyncs with the real worker
 #   6. resync requests: unsigned (no answer), malformed (no answer), a burst (rate-limited)
 #   7. claims from addresses the decode worker does not dial (refused: nothing is sent there),
 #      malformed claims, an unsigned claim (no answer)
@@ -133,11 +135,16 @@ nf=$(( $(rejected verify_failed) - v0 + $(rejected pending_full) - f0 )); nb=$((
 echo "     router: $nb unsigned dropped, $nf signed fakes refused (address check / too many at once); $(grep -c 'refused' "$TMP/rt.err") log lines in all"
 
 # ---- 5. replay ----
-r0=$(rejected replayed)
+r0=$(rejected replayed); y0=$(rmetric pdserve_router_nats_resyncs)
 $PEER replay $PA || pd_fail "replay phase"
-check "5. replayed presences"
+check "5. replayed presences, hostile KV events"
 [ $(( $(rejected replayed) - r0 )) -ge 3 ] || pd_fail "the replays were not refused ($(( $(rejected replayed) - r0 )))"
-echo "     router: $(( $(rejected replayed) - r0 )) replays refused"
+[ $(( $(rmetric pdserve_router_nats_resyncs) - y0 )) -ge 1 ] || pd_fail "the router did not resync after the hostile events"
+curl -sf "$URL_rt/status.json" | python3 -c '
+import json, sys
+for w in json.load(sys.stdin)["workers"]:
+    assert w["running"] >= 0 and w["waiting"] >= 0, w' || pd_fail "a negative load reached the router's table"
+echo "     router: $(( $(rejected replayed) - r0 )) replays refused; resynced after the hostile events; no negative load"
 
 # ---- 6. resync ----
 $PEER resync $PA || pd_fail "resync phase"
