@@ -10,6 +10,7 @@ struct event;
 int pd_cmd_tokenize(int argc, char **argv);
 int pd_cmd_generate(int argc, char **argv);
 int pd_cmd_model_info(int argc, char **argv);
+int pd_cmd_nkey_gen(int argc, char **argv);
 int pd_cmd_run(int argc, char **argv);
 int pd_cmd_serve(int argc, char **argv);
 int pd_cmd_router(int argc, char **argv);

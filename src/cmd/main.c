@@ -22,6 +22,7 @@ static const subcmd CMDS[] = {
     {"serve", pd_cmd_serve, "start the OpenAI-compatible HTTP server"},
     {"router", pd_cmd_router, "OpenAI-compatible router over a pool of pdserve workers (KV-aware, SLO admission)"},
     {"run", pd_cmd_run, "prefill + decode workers + router for the bundled model on port 8000, supervised; a sample request"},
+    {"nkey-gen", pd_cmd_nkey_gen, "make a NATS nkey user key pair (seed file + public key) for --control-nkey-seed"},
     {"bench", pd_cmd_bench, "benchmark an OpenAI-compatible server (latency, throughput, goodput; JSON/HTML reports)"},
 };
 

@@ -35,6 +35,8 @@ static void usage(void) {
            "  --heartbeat-ms N         worker poll period (default 200)\n"
            "  --control nats://H:P     cluster mode: workers come from their NATS presence (subscribed, not\n"
            "                           polled); the NATS connection presents the --auth-token-file token\n"
+           "  --control-nkey-seed F    cluster mode: authenticate to NATS with this nkey user seed (pdserve\n"
+           "                           nkey-gen) instead of the token; messages stay signed with the token\n"
            "  --control-expire-ms N    cluster mode: a worker without presence for N ms leaves rotation\n"
            "                           (default 4 heartbeats; never while NATS itself is down)\n"
            "  --max-connections N      open client connections at most (default: fd limit less 1/8);\n"
@@ -56,7 +58,7 @@ static int add_url(const char **arr, int *n, const char *url) {
 // Returns -1 on success, else the exit code.
 static int parse_flags(int argc, char **argv, router_opts *o) {
     enum { O_HOST = 1, O_PORT, O_W, O_P, O_D, O_TOK, O_ROUT, O_TTFT, O_TPOT, O_QOS, O_HB, O_SDT, O_MAXCONN, O_KATO,
-           O_HDRTO, O_BODY, O_TRACE, O_CTL, O_CTLEXP, O_HELP };
+           O_HDRTO, O_BODY, O_TRACE, O_CTL, O_CTLEXP, O_CTLNKEY, O_HELP };
     static const struct option opts[] = {
         {"host", required_argument, 0, O_HOST}, {"port", required_argument, 0, O_PORT},
         {"worker", required_argument, 0, O_W}, {"prefill", required_argument, 0, O_P},
@@ -67,7 +69,7 @@ static int parse_flags(int argc, char **argv, router_opts *o) {
         {"keepalive-timeout", required_argument, 0, O_KATO}, {"header-timeout", required_argument, 0, O_HDRTO},
         {"max-body-bytes", required_argument, 0, O_BODY}, {"trace-dir", required_argument, 0, O_TRACE},
         {"shutdown-timeout", required_argument, 0, O_SDT}, {"control", required_argument, 0, O_CTL},
-        {"control-expire-ms", required_argument, 0, O_CTLEXP},
+        {"control-expire-ms", required_argument, 0, O_CTLEXP}, {"control-nkey-seed", required_argument, 0, O_CTLNKEY},
         {"help", no_argument, 0, O_HELP}, {0, 0, 0, 0}};
     long v;
     double d;
@@ -118,6 +120,7 @@ static int parse_flags(int argc, char **argv, router_opts *o) {
             if (strncmp(optarg, "nats://", 7)) return pd_cmd_usage_error("router", "--control must be nats://HOST:PORT");
             o->p.control_url = optarg;
             break;
+        case O_CTLNKEY: o->p.control_nkey_seed = optarg; break;
         case O_CTLEXP:
             if (!pd_cmd_parse_int(optarg, &v) || v < 10 || v > 600000)
                 return pd_cmd_usage_error("router", "--control-expire-ms must be 10..600000");

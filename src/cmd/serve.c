@@ -15,6 +15,7 @@
 #include <poll.h>
 #include <pthread.h>
 #include <signal.h>
+#include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -44,6 +45,7 @@ typedef struct serve_opts {
     bool spec_method_set;         // --speculative-method was given
     int shutdown_timeout_s;       // --shutdown-timeout
     const char *control_url;      // --control nats://HOST:PORT: presence + KV events over NATS
+    const char *control_nkey_seed;  // --control-nkey-seed FILE: NATS nkey auth instead of the token
     int control_heartbeat_ms;     // --control-heartbeat-ms (default 200)
     bool link_aware_set;          // --disagg-link-aware given (else: on with --control, off without)
     bool prefill_queue;           // --prefill-queue: remote prefills through the JetStream work queue
@@ -138,7 +140,9 @@ static void serve_usage(bool is_run) {
            "cluster mode:\n"
            "  --control nats://HOST:PORT    publish presence (role, capacity, load, KV events, link model) on NATS\n"
            "                                every heartbeat instead of being polled; the connection presents the\n"
-           "                                --auth-token-file token (required)\n"
+           "                                --auth-token-file token (required: it also signs every message)\n"
+           "  --control-nkey-seed FILE      authenticate to NATS with this nkey user seed (pdserve nkey-gen; the\n"
+           "                                server lists its public key) instead of presenting the token\n"
            "  --control-heartbeat-ms N      presence period (default 200)\n"
            "  --prefill-queue               with --control: decode workers enqueue remote prefills on the JetStream\n"
            "                                work queue (stream PDSERVE_PREFILL), prefill workers pull, claim and ack;\n"
@@ -152,7 +156,7 @@ static int parse_flags(int argc, char **argv, serve_opts *o) {
            O_NAME, O_LF, O_WAIT, O_BODY, O_EXIT, O_ROLE, O_KVHOST, O_KVPORT, O_PREFILL, O_KVTR, O_DMIN, O_DTO,
            O_CORRUPT, O_ROUTER, O_RTOKEN, O_ADV, O_SPEC_MODEL, O_SPEC_K, O_SPEC_METHOD, O_SPEC_FIXED, O_LA_W, O_LA_N,
            O_NGRAM_MAX, O_THREADS, O_SDT, O_MAXCONN, O_KATO, O_HDRTO, O_TRACE, O_AUTH, O_KVPAUSE, O_KVDT,
-           O_OFF_DRAM, O_OFF_DISK, O_OFF_DISK_SIZE, O_OFF_REMOTE, O_OFF_DTYPE, O_REFUSE, O_CTL, O_CTLHB,
+           O_OFF_DRAM, O_OFF_DISK, O_OFF_DISK_SIZE, O_OFF_REMOTE, O_OFF_DTYPE, O_REFUSE, O_CTL, O_CTLHB, O_CTLNKEY,
            O_LINK, O_PQ, O_JOBHOLD, O_HELP };
     static const struct option opts[] = {
         {"model", required_argument, 0, O_MODEL}, {"host", required_argument, 0, O_HOST},
@@ -183,7 +187,7 @@ static int parse_flags(int argc, char **argv, serve_opts *o) {
         {"kv-offload-dram", required_argument, 0, O_OFF_DRAM}, {"kv-offload-disk", required_argument, 0, O_OFF_DISK},
         {"kv-offload-disk-size", required_argument, 0, O_OFF_DISK_SIZE}, {"kv-remote", required_argument, 0, O_OFF_REMOTE},
         {"kv-offload-dtype", required_argument, 0, O_OFF_DTYPE},
-        {"control", required_argument, 0, O_CTL},
+        {"control", required_argument, 0, O_CTL}, {"control-nkey-seed", required_argument, 0, O_CTLNKEY},
         {"control-heartbeat-ms", required_argument, 0, O_CTLHB}, {"disagg-link-aware", required_argument, 0, O_LINK},
         {"prefill-queue", no_argument, 0, O_PQ}, {"debug-prefill-job-hold-ms", required_argument, 0, O_JOBHOLD},
         {"help", no_argument, 0, O_HELP}, {0, 0, 0, 0}};
@@ -282,6 +286,7 @@ static int parse_flags(int argc, char **argv, serve_opts *o) {
             if (strncmp(optarg, "nats://", 7)) return pd_cmd_usage_error(cmd, "--control must be nats://HOST:PORT");
             o->control_url = optarg;
             break;
+        case O_CTLNKEY: o->control_nkey_seed = optarg; break;
         case O_CTLHB:
             if (!pd_cmd_parse_int(optarg, &v) || v < 10 || v > 60000)
                 return pd_cmd_usage_error(cmd, "--control-heartbeat-ms must be 10..60000");
@@ -604,6 +609,8 @@ static void reg_stop(reg_ctx *g) {
 // the previous presence, the link model) + "url", "since", "heartbeat_ms". Requests on
 // pdserve.resync.<instance> ("since=N") are answered with the STATE since N (a router that missed a
 // presence). Draining: one presence with "leaving": true.
+#define RESYNC_PER_S 20
+
 typedef struct ctl_ctx {
     serve_ctx *s;
     pd_ctl *ctl;
@@ -611,7 +618,14 @@ typedef struct ctl_ctx {
     char url[PD_WIRE_URL_MAX];
     char subj[96], resync_subj[96];
     uint64_t seq_next;          // the next event to publish
+    int64_t pseq;               // presences published (each carries the next: the router drops replays)
     bool has_left;
+    // refusals (logged at most once a second a kind): claims from an address we do not dial or
+    // malformed, resync requests malformed or over the rate limit
+    int64_t n_claims_refused, n_resyncs_refused, t_claim_log_us, t_resync_log_us;
+    int64_t t_resync_window_us;
+    int n_resync_window;
+    int64_t n_bad_logged, t_bad_log_us;  // unsigned / over-cap drops last logged
     // the prefill work queue (--prefill-queue)
     pd_ctl_jobq *jobq;
     char instance[24];          // ours (decode: the jobs name it; claims come on pdserve.claim.<instance>)
@@ -641,6 +655,7 @@ static void ctl_publish(ctl_ctx *g, bool leaving) {
     json_object_set_new(o, "url", json_string(g->url));
     json_object_set_new(o, "since", json_integer((json_int_t)since));
     json_object_set_new(o, "heartbeat_ms", json_integer(g->s->o->control_heartbeat_ms));
+    json_object_set_new(o, "pseq", json_integer((json_int_t)++g->pseq));
     if (leaving) json_object_set_new(o, "leaving", json_true());
     json_t *sn = json_object_get(json_object_get(o, "events"), "seq_next");
     bool has_next = json_is_integer(sn);
@@ -656,6 +671,15 @@ static void on_ctl_timer(evutil_socket_t fd, short what, void *arg) {
     PD_UNUSED(what);
     ctl_ctx *g = arg;
     if (!g->has_left) ctl_publish(g, false);
+    pd_ctl_stats st;
+    pd_ctl_stats_get(g->ctl, &st);
+    int64_t now = pd_time_us();
+    if (st.bad_mac + st.inbox_full > g->n_bad_logged && now - g->t_bad_log_us > 1000000) {  // at most once a second
+        PD_LOG_W("control: %lld NATS messages without a valid signature and %lld over the inbox cap dropped so far",
+                 (long long)st.bad_mac, (long long)st.inbox_full);
+        g->n_bad_logged = st.bad_mac + st.inbox_full;
+        g->t_bad_log_us = now;
+    }
 }
 
 static void on_ctl_inbox(evutil_socket_t fd, short what, void *arg) {
@@ -669,9 +693,28 @@ static void on_ctl_inbox(evutil_socket_t fd, short what, void *arg) {
             continue;
         }
         if (strcmp(m->subject, g->resync_subj) || !m->reply) continue;  // ($pd.conn: libnats reconnects)
+        // "since=N" (N a decimal count); answered at most RESYNC_PER_S times a second: each answer
+        // is up to 64k events, and a router asks at most once a second per worker
         char *end = NULL;
-        unsigned long long since = strncmp(m->data, "since=", 6) ? 0 : strtoull(m->data + 6, &end, 10);
-        if (!end || *end) continue;  // malformed: no answer
+        unsigned long long since = 0;
+        bool ok = !strncmp(m->data, "since=", 6) && m->data[6] >= '0' && m->data[6] <= '9' && m->len < 32;
+        errno = 0;
+        if (ok) since = strtoull(m->data + 6, &end, 10);
+        ok = ok && end && !*end && errno != ERANGE;
+        int64_t now = pd_time_us();
+        if (now - g->t_resync_window_us > 1000000) {
+            g->t_resync_window_us = now;
+            g->n_resync_window = 0;
+        }
+        if (!ok || ++g->n_resync_window > RESYNC_PER_S) {
+            g->n_resyncs_refused++;
+            if (now - g->t_resync_log_us > 1000000) {
+                g->t_resync_log_us = now;
+                PD_LOG_W("control: resync request refused (%s; %lld refused so far)", ok ? "over the rate limit" : "malformed",
+                         (long long)g->n_resyncs_refused);
+            }
+            continue;
+        }
         json_t *o = pd_api_state_json(g->s->api, since, 1 << 16);
         char *txt = o ? json_dumps(o, JSON_COMPACT) : NULL;
         json_decref(o);
@@ -693,14 +736,34 @@ static void on_prefill_enqueue(void *ud, uint64_t req_id, int n_tokens) {
         PD_LOG_W("control: cannot queue prefill job %llu (it falls back when its deadline passes)", (unsigned long long)req_id);
 }
 
-// decode: a prefill worker claims a job: "req=<id> kv=<host:port>" → "ok" | "gone" | "busy".
+// decode: a prefill worker claims a job: "req=<id> kv=<host:port>" → "ok" | "gone" | "busy" |
+// "refused". Only an address this worker dials itself (--prefill) is ever sent the request:
+// anything else is refused and logged (the job stays queued for a real prefill worker).
 static void on_claim(ctl_ctx *g, const pd_ctl_msg *m) {
+    // (parsed by hand: sscanf's %llu is undefined on overflow)
     unsigned long long id = 0;
-    char kv[300] = "";
-    const char *ans = "bad";
-    if (sscanf(m->data, "req=%llu kv=%299s", &id, kv) == 2) {
-        pd_status st = pd_engine_prefill_claim(g->s->engine, id, kv);
-        ans = st == PD_OK ? "ok" : st == PD_ERR_NOTFOUND ? "gone" : "busy";
+    const char *ans = "bad", *kv = NULL;
+    char *end = NULL;
+    pd_status st = PD_ERR_PROTO;
+    errno = 0;
+    if (m->len < 340 && !strncmp(m->data, "req=", 4) && m->data[4] >= '0' && m->data[4] <= '9') {
+        id = strtoull(m->data + 4, &end, 10);
+        if (errno != ERANGE && !strncmp(end, " kv=", 4)) kv = end + 4;
+    }
+    bool kv_ok = kv && *kv;
+    for (const char *p = kv; kv_ok && *p; p++) kv_ok = *p > ' ' && *p < 127;  // host:port, no spaces or controls
+    if (kv_ok && strlen(kv) < 300) {
+        st = pd_engine_prefill_claim(g->s->engine, id, kv);
+        ans = st == PD_OK ? "ok" : st == PD_ERR_NOTFOUND ? "gone" : st == PD_ERR_INVALID ? "refused" : "busy";
+    }
+    if (st == PD_ERR_PROTO || st == PD_ERR_INVALID) {
+        g->n_claims_refused++;
+        int64_t now = pd_time_us();
+        if (now - g->t_claim_log_us > 1000000) {
+            g->t_claim_log_us = now;
+            PD_LOG_W("control: prefill claim refused: %s (%lld refused so far)",
+                     st == PD_ERR_PROTO ? "malformed" : "an address this worker does not dial", (long long)g->n_claims_refused);
+        }
     }
     pd_ctl_publish(g->ctl, m->reply, NULL, ans, (int)strlen(ans));
 }
@@ -726,7 +789,10 @@ static void *fetch_main(void *arg) {
         const char *dec = o ? json_string_value(json_object_get(o, "decode")) : NULL;
         json_t *rq = o ? json_object_get(o, "req") : NULL;
         int64_t nd = pd_ctl_job_n_delivered(job);
-        if (!dec || !json_is_integer(rq) || strlen(dec) > 32) {
+        size_t dl = dec ? strlen(dec) : 0;
+        bool dec_ok = dl == 16;  // an instance id: 16 hex digits (it becomes part of a subject)
+        for (size_t i = 0; dec_ok && i < dl; i++) dec_ok = (dec[i] >= '0' && dec[i] <= '9') || (dec[i] >= 'a' && dec[i] <= 'f');
+        if (!dec_ok || !json_is_integer(rq) || json_integer_value(rq) < 0) {
             PD_LOG_W("control: malformed prefill job dropped");
             pd_ctl_job_ack(job);
             json_decref(o);
@@ -771,7 +837,8 @@ static bool ctl_connect(ctl_ctx *g, serve_opts *o, const char *token) {
     }
     char name[64];
     snprintf(name, sizeof name, "pdserve-%s", pd_engine_role_name(o->ep.role));
-    pd_ctl_params cp = {.url = o->control_url, .token = token, .name = name};
+    pd_ctl_params cp = {.url = o->control_url, .token = token, .nkey_seed_file = o->control_nkey_seed, .sign_key = token,
+                        .name = name};
     pd_err err = {0};
     if (!(g->ctl = pd_ctl_connect(&cp, &err))) {
         fprintf(stderr, "pdserve: control plane: %s\n", err.msg);

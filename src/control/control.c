@@ -1,7 +1,11 @@
 // control.c — the NATS connection, its inbox and the JetStream work queue (see control.h).
 #include "control/control.h"
+#include "control/nkey.h"
 
 #include <nats/nats.h>
+#include <openssl/crypto.h>
+#include <openssl/evp.h>
+#include <openssl/params.h>
 #include <poll.h>
 #include <pthread.h>
 #include <stdio.h>
@@ -22,6 +26,8 @@ struct pd_ctl {
     int efd;                   // eventfd: inbox not empty
     pthread_mutex_t mu;        // guards head/tail
     pd_ctl_msg *head, *tail;
+    size_t inbox_bytes, inbox_n;  // backlog (guarded by mu)
+    char *sign_key;            // the shared secret (pd_malloc'd)
     int connected;             // atomic
     pd_ctl_stats st;           // atomics
     pthread_cond_t closed_cv;  // libnats' closed callback came (guarded by mu): the last callback
@@ -29,6 +35,47 @@ struct pd_ctl {
 };
 
 static void bump(int64_t *v) { __atomic_add_fetch(v, 1, __ATOMIC_RELAXED); }
+
+// Pd-Mac: hex HMAC-SHA256(key, "pdctl1" NUL subject NUL payload).
+static bool mac_hex(const char *key, const char *subject, const void *data, int len, char out[65]) {
+    uint8_t mac[32];
+    size_t n = 0;
+    bool ok = false;
+    EVP_MAC *hmac = EVP_MAC_fetch(NULL, "HMAC", NULL);
+    EVP_MAC_CTX *h = hmac ? EVP_MAC_CTX_new(hmac) : NULL;
+    OSSL_PARAM prm[] = {OSSL_PARAM_construct_utf8_string("digest", (char *)"SHA256", 0), OSSL_PARAM_construct_end()};
+    if (h && EVP_MAC_init(h, (const uint8_t *)key, strlen(key), prm) == 1 &&
+        EVP_MAC_update(h, (const uint8_t *)"pdctl1", 7) == 1 &&
+        EVP_MAC_update(h, (const uint8_t *)subject, strlen(subject) + 1) == 1 &&
+        (len <= 0 || EVP_MAC_update(h, data, (size_t)len) == 1) && EVP_MAC_final(h, mac, &n, sizeof mac) == 1 && n == 32)
+        ok = true;
+    EVP_MAC_CTX_free(h);
+    EVP_MAC_free(hmac);
+    for (int i = 0; ok && i < 32; i++) snprintf(out + 2 * i, 3, "%02x", mac[i]);
+    return ok;
+}
+
+// Whether m (as received) carries a valid Pd-Mac for its subject and payload.
+static bool msg_verify(pd_ctl *c, natsMsg *m) {
+    const char *got = NULL;
+    if (natsMsgHeader_Get(m, PD_CTL_MAC_HEADER, &got) != NATS_OK || !got || strlen(got) != 64) return false;
+    char want[65];
+    if (!mac_hex(c->sign_key, natsMsg_GetSubject(m), natsMsg_GetData(m), natsMsg_GetDataLength(m), want)) return false;
+    return CRYPTO_memcmp(want, got, 64) == 0;
+}
+
+// A message to publish, signed. NULL on failure.
+static natsMsg *signed_msg(pd_ctl *c, const char *subject, const char *reply, const void *data, int len) {
+    natsMsg *m = NULL;
+    char mac[65];
+    if (!mac_hex(c->sign_key, subject, data, len, mac)) return NULL;
+    if (natsMsg_Create(&m, subject, reply, data, len) != NATS_OK) return NULL;
+    if (natsMsgHeader_Set(m, PD_CTL_MAC_HEADER, mac) != NATS_OK) {
+        natsMsg_Destroy(m);
+        return NULL;
+    }
+    return m;
+}
 
 void pd_ctl_msg_free(pd_ctl_msg *m) {
     while (m) {
@@ -62,10 +109,20 @@ static void inbox_push(pd_ctl *c, const char *subject, const char *reply, const 
     if (len) memcpy(m->data, data, (size_t)len);
     m->data[len] = 0;
     pthread_mutex_lock(&c->mu);
-    if (c->tail) c->tail->next = m;
-    else c->head = m;
-    c->tail = m;
+    bool full = c->inbox_n >= PD_CTL_INBOX_MAX_MSGS || c->inbox_bytes + (size_t)len > PD_CTL_INBOX_MAX_BYTES;
+    if (!full) {
+        if (c->tail) c->tail->next = m;
+        else c->head = m;
+        c->tail = m;
+        c->inbox_n++;
+        c->inbox_bytes += (size_t)len;
+    }
     pthread_mutex_unlock(&c->mu);
+    if (full) {  // a flood faster than the consumer drains: drop the newest (counted)
+        pd_ctl_msg_free(m);
+        bump(&c->st.inbox_full);
+        return;
+    }
     bump(&c->st.received);
     uint64_t one = 1;
     ssize_t w = write(c->efd, &one, sizeof one);
@@ -75,7 +132,9 @@ static void inbox_push(pd_ctl *c, const char *subject, const char *reply, const 
 static void on_msg(natsConnection *nc, natsSubscription *sub, natsMsg *msg, void *closure) {
     (void)nc, (void)sub;
     pd_ctl *c = closure;
-    inbox_push(c, natsMsg_GetSubject(msg), natsMsg_GetReply(msg), natsMsg_GetData(msg), natsMsg_GetDataLength(msg));
+    if (natsMsg_GetDataLength(msg) > (int)PD_CTL_MAX_MSG) bump(&c->st.dropped);  // (not worth a MAC)
+    else if (!msg_verify(c, msg)) bump(&c->st.bad_mac);
+    else inbox_push(c, natsMsg_GetSubject(msg), natsMsg_GetReply(msg), natsMsg_GetData(msg), natsMsg_GetDataLength(msg));
     natsMsg_Destroy(msg);
 }
 
@@ -115,10 +174,13 @@ pd_ctl *pd_ctl_connect(const pd_ctl_params *p, pd_err *err) {
         pd_err_set(err, PD_ERR_INVALID, "--control must be nats://HOST:PORT (got '%s')", p->url ? p->url : "");
         return NULL;
     }
-    if (!p->token || !*p->token) {
+    if (!p->sign_key || !*p->sign_key || ((!p->token || !*p->token) && !p->nkey_seed_file)) {
         pd_err_set(err, PD_ERR_INVALID, "the NATS control plane authenticates: --control needs --auth-token-file");
         return NULL;
     }
+    char seed[PD_NKEY_SEED_LEN + 1], pub[PD_NKEY_PUB_LEN + 1];
+    if (p->nkey_seed_file && pd_nkey_read_seed_file(p->nkey_seed_file, seed, pub, err) != PD_OK) return NULL;
+    OPENSSL_cleanse(seed, sizeof seed);  // (libnats reads the file itself, when it signs)
     pd_ctl *c = pd_calloc(1, sizeof *c);
     if (!c) {
         pd_err_set(err, PD_ERR_NOMEM, "out of memory");
@@ -127,9 +189,11 @@ pd_ctl *pd_ctl_connect(const pd_ctl_params *p, pd_err *err) {
     c->efd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
     pthread_mutex_init(&c->mu, NULL);
     pthread_cond_init(&c->closed_cv, NULL);
-    natsStatus s = c->efd < 0 ? NATS_SYS_ERROR : natsOptions_Create(&c->opts);
+    c->sign_key = pd_strdup(p->sign_key);
+    natsStatus s = c->efd < 0 || !c->sign_key ? NATS_SYS_ERROR : natsOptions_Create(&c->opts);
     if (s == NATS_OK) s = natsOptions_SetServers(c->opts, (const char *[]){p->url}, 1);
-    if (s == NATS_OK) s = natsOptions_SetToken(c->opts, p->token);
+    if (s == NATS_OK && p->nkey_seed_file) s = natsOptions_SetNKeyFromSeed(c->opts, pub, p->nkey_seed_file);
+    else if (s == NATS_OK) s = natsOptions_SetToken(c->opts, p->token);
     if (s == NATS_OK && p->name) s = natsOptions_SetName(c->opts, p->name);
     if (s == NATS_OK) s = natsOptions_SetTimeout(c->opts, p->connect_timeout_ms > 0 ? p->connect_timeout_ms : 2000);
     if (s == NATS_OK) s = natsOptions_SetAllowReconnect(c->opts, true);
@@ -152,7 +216,7 @@ pd_ctl *pd_ctl_connect(const pd_ctl_params *p, pd_err *err) {
     }
     c->connected = 1;
     __atomic_add_fetch(&n_live, 1, __ATOMIC_ACQ_REL);
-    PD_LOG_I("control: connected to NATS %s", p->url);
+    PD_LOG_I("control: connected to NATS %s (%s)", p->url, p->nkey_seed_file ? "nkey" : "token");
     return c;
 }
 
@@ -183,6 +247,8 @@ void pd_ctl_free(pd_ctl *c) {
     }
     natsOptions_Destroy(c->opts);
     pd_ctl_msg_free(c->head);
+    if (c->sign_key) OPENSSL_cleanse(c->sign_key, strlen(c->sign_key));
+    pd_free(c->sign_key);
     if (c->efd >= 0) close(c->efd);
     pthread_mutex_destroy(&c->mu);
     pthread_cond_destroy(&c->closed_cv);
@@ -202,22 +268,31 @@ void pd_ctl_stats_get(pd_ctl *c, pd_ctl_stats *out) {
     out->publish_failures = __atomic_load_n(&c->st.publish_failures, __ATOMIC_RELAXED);
     out->received = __atomic_load_n(&c->st.received, __ATOMIC_RELAXED);
     out->dropped = __atomic_load_n(&c->st.dropped, __ATOMIC_RELAXED);
+    out->bad_mac = __atomic_load_n(&c->st.bad_mac, __ATOMIC_RELAXED);
+    out->inbox_full = __atomic_load_n(&c->st.inbox_full, __ATOMIC_RELAXED);
 }
 
 pd_status pd_ctl_publish(pd_ctl *c, const char *subject, const char *reply, const void *data, int len) {
-    natsStatus s = reply ? natsConnection_PublishRequest(c->nc, subject, reply, data, len)
-                         : natsConnection_Publish(c->nc, subject, data, len);
+    natsMsg *m = signed_msg(c, subject, reply, data, len);
+    natsStatus s = m ? natsConnection_PublishMsg(c->nc, m) : NATS_NO_MEMORY;
+    natsMsg_Destroy(m);
     bump(s == NATS_OK ? &c->st.published : &c->st.publish_failures);
     return s == NATS_OK ? PD_OK : PD_ERR_IO;
 }
 
 pd_status pd_ctl_request(pd_ctl *c, const char *subject, const void *data, int len, int timeout_ms, char **reply) {
     *reply = NULL;
-    natsMsg *m = NULL;
-    natsStatus s = natsConnection_Request(&m, c->nc, subject, data, len, timeout_ms);
+    natsMsg *m = NULL, *rq = signed_msg(c, subject, NULL, data, len);
+    natsStatus s = rq ? natsConnection_RequestMsg(&m, c->nc, rq, timeout_ms) : NATS_NO_MEMORY;
+    natsMsg_Destroy(rq);
     if (s != NATS_OK) {
         natsMsg_Destroy(m);
         return s == NATS_NO_RESPONDERS ? PD_ERR_NOTFOUND : s == NATS_TIMEOUT ? PD_ERR_TIMEOUT : PD_ERR_IO;
+    }
+    if (!msg_verify(c, m)) {  // an answer anyone could have sent (the reply inbox is no secret)
+        bump(&c->st.bad_mac);
+        natsMsg_Destroy(m);
+        return PD_ERR_PROTO;
     }
     int n = natsMsg_GetDataLength(m);
     char *r = pd_malloc((size_t)n + 1);
@@ -250,6 +325,7 @@ pd_ctl_msg *pd_ctl_inbox_take(pd_ctl *c) {
     pthread_mutex_lock(&c->mu);
     pd_ctl_msg *m = c->head;
     c->head = c->tail = NULL;
+    c->inbox_n = c->inbox_bytes = 0;
     pthread_mutex_unlock(&c->mu);
     return m;
 }
@@ -318,7 +394,9 @@ void pd_ctl_jobq_free(pd_ctl_jobq *q) {
 }
 
 pd_status pd_ctl_jobq_push_async(pd_ctl_jobq *q, const void *data, int len) {
-    natsStatus s = js_PublishAsync(q->js, PD_CTL_JOBS_SUBJECT, data, len, NULL);
+    natsMsg *m = signed_msg(q->c, PD_CTL_JOBS_SUBJECT, NULL, data, len);
+    natsStatus s = m ? js_PublishMsgAsync(q->js, &m, NULL) : NATS_NO_MEMORY;  // (takes m on success)
+    natsMsg_Destroy(m);
     return s == NATS_OK ? PD_OK : PD_ERR_IO;
 }
 
@@ -327,7 +405,9 @@ pd_status pd_ctl_jobq_push(pd_ctl_jobq *q, const void *data, int len, pd_err *er
     jsPubOptions po;
     jsPubOptions_Init(&po);
     po.MaxWait = 2000;
-    natsStatus s = js_Publish(NULL, q->js, PD_CTL_JOBS_SUBJECT, data, len, &po, &je);
+    natsMsg *m = signed_msg(q->c, PD_CTL_JOBS_SUBJECT, NULL, data, len);
+    natsStatus s = m ? js_PublishMsg(NULL, q->js, m, &po, &je) : NATS_NO_MEMORY;
+    natsMsg_Destroy(m);
     if (s != NATS_OK) return pd_err_set(err, PD_ERR_IO, "JetStream publish: %s (code %d)", natsStatus_GetText(s), (int)je);
     return PD_OK;
 }
@@ -344,6 +424,11 @@ int pd_ctl_jobq_fetch(pd_ctl_jobq *q, pd_ctl_job **out, int n, int timeout_ms) {
     }
     int k = 0;
     for (int i = 0; i < list.Count; i++) {
+        if (!msg_verify(q->c, list.Msgs[i])) {  // not from a pdserve worker: done with it, never handed out
+            bump(&q->c->st.bad_mac);
+            natsMsg_Ack(list.Msgs[i], NULL);
+            continue;
+        }
         pd_ctl_job *j = k < n ? pd_malloc(sizeof *j) : NULL;
         if (!j) continue;  // left unacked: redelivered after ack_wait
         j->m = list.Msgs[i];

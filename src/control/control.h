@@ -11,9 +11,18 @@
 //     decode workers push, prefill workers fetch and ack; a job not acked within ack_wait (its
 //     prefill worker died) is redelivered to another one.
 //
-// Authentication: the connection presents a token (the worker's --auth-token-file contents);
-// nats-server is run with `authorization { token: ... }` so a client without it is refused
-// ("Authorization Violation"), and pd_ctl_connect fails with that text.
+// Authentication, two layers:
+//   * the NATS connection presents a token (the worker's --auth-token-file contents; nats-server
+//     runs with `authorization { token: ... }`) or, with nkey_seed_file, signs the server's nonce
+//     with an ed25519 nkey (nats-server lists the user's public key; control/nkey.h makes pairs):
+//     a client without it is refused ("Authorization Violation") and pd_ctl_connect fails;
+//   * every message pdserve publishes (presence, resync and its answer, claims and their answers,
+//     prefill jobs) carries a NATS header Pd-Mac = hex HMAC-SHA256(sign_key, "pdctl1" NUL subject
+//     NUL payload), sign_key being the KV shared secret. A message without a valid one never
+//     reaches the inbox, a request's reply or a fetched job (counted in bad_mac): holding NATS
+//     credentials (an nkey handed to a monitoring tool, say) is not enough to speak for a worker.
+//     The MAC binds the subject, not the time: replays are the consumer's business (presences
+//     carry a per-instance counter, "pseq", the router keeps the highest).
 //
 // Reconnection: libnats reconnects forever (reconnect wait reconnect_wait_ms, buffered publishes
 // while down); the consumer learns of "down" and "up" through the inbox (PD_CTL_SUBJ_CONN).
@@ -39,12 +48,17 @@ extern "C" {
 #define PD_CTL_JOBS_STREAM "PDSERVE_PREFILL"
 #define PD_CTL_JOBS_SUBJECT "pdserve.prefill.jobs"
 #define PD_CTL_MAX_MSG (4u << 20)                 // inbox messages over this are dropped (counted)
+#define PD_CTL_INBOX_MAX_BYTES (64u << 20)        // inbox backlog cap: beyond it messages are dropped
+#define PD_CTL_INBOX_MAX_MSGS 65536               // (counted in inbox_full) until the consumer drains
+#define PD_CTL_MAC_HEADER "Pd-Mac"
 
 typedef struct pd_ctl pd_ctl;
 
 typedef struct pd_ctl_params {
     const char *url;          // "nats://host:port" (a comma-separated list is allowed)
-    const char *token;        // NATS token (required: the control plane always authenticates)
+    const char *token;        // NATS token; or
+    const char *nkey_seed_file;  // an nkey user seed file (control/nkey.h): authenticates instead
+    const char *sign_key;     // the shared secret every message is signed and checked with (required)
     const char *name;         // connection name shown by the server (may be NULL)
     int reconnect_wait_ms;    // default 250
     int connect_timeout_ms;   // default 2000
@@ -61,6 +75,8 @@ typedef struct pd_ctl_stats {
     int64_t disconnects, reconnects;      // connection losses and recoveries since connect
     int64_t published, publish_failures;  // pd_ctl_publish calls
     int64_t received, dropped;            // inbox messages (dropped: over PD_CTL_MAX_MSG or OOM)
+    int64_t bad_mac;                      // messages, replies and jobs without a valid Pd-Mac: dropped
+    int64_t inbox_full;                   // dropped: the inbox backlog was at its cap
 } pd_ctl_stats;
 void pd_ctl_stats_get(pd_ctl *c, pd_ctl_stats *out);
 
@@ -100,7 +116,8 @@ pd_status pd_ctl_jobq_push_async(pd_ctl_jobq *q, const void *data, int len);
 // Stores a job (waits for JetStream's ack, at most 2 s). PD_OK or PD_ERR_IO with err.
 pd_status pd_ctl_jobq_push(pd_ctl_jobq *q, const void *data, int len, pd_err *err);
 // Blocks up to timeout_ms for at most n jobs; returns how many were written to out (0 on timeout
-// or while disconnected). Consumer only.
+// or while disconnected). A job without a valid Pd-Mac is acked (dropped) and counted in bad_mac.
+// Consumer only.
 int pd_ctl_jobq_fetch(pd_ctl_jobq *q, pd_ctl_job **out, int n, int timeout_ms);
 const char *pd_ctl_job_data(const pd_ctl_job *j, int *len);
 int64_t pd_ctl_job_n_delivered(const pd_ctl_job *j);  // 1 on first delivery

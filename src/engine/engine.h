@@ -271,7 +271,8 @@ pd_status pd_engine_state(pd_engine *e, uint64_t since, int max_events, pd_wire_
 void pd_engine_disagg_model(pd_engine *e, pd_disagg_model *out);
 // Cluster mode (decode role): the prefill worker whose KV address is worker_addr claims queued
 // request req_id. PD_OK (its PREFILL_REQ is on the way), PD_ERR_NOTFOUND (not queued any more),
-// PD_NOSPACE (not connected to that worker). Any thread.
+// PD_NOSPACE (not connected to that worker), PD_ERR_INVALID (not a worker we dial: nothing sent).
+// Any thread.
 pd_status pd_engine_prefill_claim(pd_engine *e, uint64_t req_id, const char *worker_addr);
 
 #ifdef __cplusplus

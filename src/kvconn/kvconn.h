@@ -155,7 +155,7 @@ typedef struct pd_kvconn_load {
 #define PD_KVCONN_QUEUE (-2)
 // Cluster mode: the prefill worker at KV address worker_addr claims queued load req_id (its
 // PREFILL_REQ is sent to it now). PD_OK, PD_ERR_NOTFOUND (no longer queued), PD_NOSPACE (not
-// connected to that worker). Any thread.
+// connected to that worker), PD_ERR_INVALID (none of the workers we dial). Any thread.
 pd_status pd_kvconn_claim(pd_kvconn *c, uint64_t req_id, const char *worker_addr);
 // PD_OK: exactly one LOAD_DONE event follows. PD_NOSPACE: no worker now (prefill locally).
 // PD_ERR_INVALID: a block id outside our pool. Queues only.

@@ -72,6 +72,7 @@ typedef struct pd_router_params {
     size_t max_body_bytes;          // 0 = default (8 MiB)
     const char *control_url;        // cluster mode: "nats://HOST:PORT" (workers from NATS presence; auth_token
                                     // is the NATS token); NULL = HTTP polling only
+    const char *control_nkey_seed;  // cluster mode: authenticate to NATS with this nkey seed file, not the token
     int control_expire_ms;          // cluster mode: a worker without presence this long leaves rotation (0: 4 heartbeats)
 } pd_router_params;
 pd_router_params pd_router_params_default(void);

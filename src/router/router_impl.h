@@ -58,6 +58,7 @@ typedef struct rt_worker {
     bool is_nats;
     int64_t t_last_presence_us;
     int64_t t_resync_us;        // a resync request is out (0: none)
+    int64_t pseq;               // the highest presence counter applied (older ones are replays)
     bool has_model;             // model_dm holds the worker's link-aware model (decode workers)
     pd_disagg_model model_dm;
 } rt_worker;
@@ -136,13 +137,22 @@ void rt_worker_set_healthy(pd_router *r, rt_worker *w, bool ok);
 bool rt_worker_apply_state(pd_router *r, rt_worker *w, const char *buf, size_t len, bool is_presence, uint64_t since);
 
 // ---- nats.c (cluster mode) ----
-// Connects to NATS (token auth), subscribes to presence, starts the expiry timer. PD_OK or err.
-pd_status rt_nats_start(pd_router *r, const char *url, const char *token, int expire_ms, pd_err *err);
+// Connects to NATS (token auth, or the nkey seed file when nkey_seed_file is not NULL; messages are
+// signed and checked with token, the shared secret), subscribes to presence, starts the expiry
+// timer. PD_OK or err.
+pd_status rt_nats_start(pd_router *r, const char *url, const char *token, const char *nkey_seed_file, int expire_ms,
+                        pd_err *err);
 void rt_nats_stop(pd_router *r);
 // For /metrics and /status: connected, disconnects, reconnects, presences applied, resyncs, expiries.
+// rejected[RT_NATS_N_REJECTS]: messages refused, by reason (rt_nats_reject_names); bad_mac and
+// inbox_full: dropped by the connection before any parsing (control/control.h).
+#define RT_NATS_N_REJECTS 9
+extern const char *const rt_nats_reject_names[RT_NATS_N_REJECTS];
 typedef struct rt_nats_info {
     bool is_on, is_connected;
     int64_t disconnects, reconnects, presences, resyncs, expired;
+    int64_t rejected[RT_NATS_N_REJECTS];
+    int64_t bad_mac, inbox_full, verified;
 } rt_nats_info;
 void rt_nats_info_get(pd_router *r, rt_nats_info *out);
 void rt_heartbeat_stop(pd_router *r);

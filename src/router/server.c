@@ -151,13 +151,25 @@ static void h_metrics(pd_http_req *req, void *ud) {
     if (ni.is_on) {  // cluster mode: the NATS connection (gauges made on first use)
         static const char *const names[] = {"pdserve_router_nats_connected", "pdserve_router_nats_disconnects",
                                             "pdserve_router_nats_reconnects", "pdserve_router_nats_presences",
-                                            "pdserve_router_nats_resyncs", "pdserve_router_nats_expired_workers"};
+                                            "pdserve_router_nats_resyncs", "pdserve_router_nats_expired_workers",
+                                            "pdserve_router_nats_bad_mac", "pdserve_router_nats_inbox_full",
+                                            "pdserve_router_nats_workers_verified"};
         double v[] = {ni.is_connected, (double)ni.disconnects, (double)ni.reconnects, (double)ni.presences,
-                      (double)ni.resyncs, (double)ni.expired};
-        for (int i = 0; i < 6; i++) {
+                      (double)ni.resyncs, (double)ni.expired, (double)ni.bad_mac, (double)ni.inbox_full,
+                      (double)ni.verified};
+        for (int i = 0; i < 9; i++) {
             pd_metric *g = pd_metrics_find(r->metrics, names[i], NULL);
             if (!g) g = pd_metrics_gauge(r->metrics, names[i], "NATS control plane (cluster mode); counts since start", NULL, NULL);
             if (g) pd_metric_set(g, v[i]);
+        }
+        for (int i = 0; i < RT_NATS_N_REJECTS; i++) {
+            char l[64];
+            snprintf(l, sizeof l, "reason=\"%s\"", rt_nats_reject_names[i]);
+            pd_metric *g = pd_metrics_find(r->metrics, "pdserve_router_nats_rejected_total", l);
+            if (!g)
+                g = pd_metrics_gauge(r->metrics, "pdserve_router_nats_rejected_total",
+                                     "NATS messages refused by the router, by reason (cluster mode; since start)", l, NULL);
+            if (g) pd_metric_set(g, (double)ni.rejected[i]);
         }
     }
     if (pd_metrics_render(r->metrics, &txt, &len) != PD_OK)
@@ -297,7 +309,7 @@ pd_router *pd_router_new(struct event_base *base, const pd_router_params *p, pd_
             pd_err_set(err, PD_ERR_INVALID, "router: --control needs --auth-token-file (the NATS connection authenticates)");
             goto fail;
         }
-        if (rt_nats_start(r, p->control_url, r->auth_token, p->control_expire_ms, err) != PD_OK) goto fail;
+        if (rt_nats_start(r, p->control_url, r->auth_token, p->control_nkey_seed, p->control_expire_ms, err) != PD_OK) goto fail;
     }
     pd_metric_set(r->m_workers_healthy, rt_n_healthy(r));
     if (!r->auth_token) PD_LOG_W("router: no --auth-token-file: worker registration is disabled");

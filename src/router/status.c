@@ -215,6 +215,14 @@ void rt_handle_status_json(pd_http_req *req, void *ud) {
     json_t *nj = json_pack("{s:b, s:b, s:I, s:I, s:I, s:I, s:I}", "on", ni.is_on, "connected", ni.is_connected, "disconnects",
                            (json_int_t)ni.disconnects, "reconnects", (json_int_t)ni.reconnects, "presences",
                            (json_int_t)ni.presences, "resyncs", (json_int_t)ni.resyncs, "expired", (json_int_t)ni.expired);
+    json_t *rj = nj ? json_object() : NULL;
+    for (int i = 0; rj && i < RT_NATS_N_REJECTS; i++) json_object_set_new(rj, rt_nats_reject_names[i], json_integer(ni.rejected[i]));
+    if (rj) {
+        json_object_set_new(nj, "rejected", rj);
+        json_object_set_new(nj, "bad_mac", json_integer(ni.bad_mac));
+        json_object_set_new(nj, "inbox_full", json_integer(ni.inbox_full));
+        json_object_set_new(nj, "verified", json_integer(ni.verified));
+    }
     if (nj) json_object_set_new(o, "control", nj);
     pd_http_reply_json(req, 200, o);
     json_decref(o);

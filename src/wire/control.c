@@ -103,9 +103,16 @@ static bool get_str(json_t *o, const char *key, char *out, size_t cap, bool requ
 static int64_t get_int(json_t *o, const char *key, int64_t dflt) {
     json_t *x = json_object_get(o, key);
     if (json_is_integer(x)) return (int64_t)json_integer_value(x);
-    if (json_is_real(x)) return (int64_t)json_real_value(x);
+    if (json_is_real(x)) {  // (a double outside int64 is undefined to cast: clamp first)
+        double d = json_real_value(x);
+        return d != d ? dflt : d >= 9.2e18 ? INT64_MAX : d <= -9.2e18 ? INT64_MIN : (int64_t)d;
+    }
     return dflt;
 }
+
+// Counters and sizes a worker reports: never negative (a hostile or broken report of -5 running
+// requests must not make a worker look emptier than empty).
+static int64_t get_count(json_t *o, const char *key) { return PD_MAX(0, get_int(o, key, 0)); }
 
 static double get_num(json_t *o, const char *key, double dflt) {
     json_t *x = json_object_get(o, key);
@@ -267,32 +274,34 @@ static json_t *load_to_json(const pd_wire_load *l) {
 static void load_from_json(json_t *o, pd_wire_load *l) {
     *l = pd_wire_load_default();
     if (!json_is_object(o)) return;
-    l->n_running = clamp_i32(get_int(o, "running", 0));
-    l->n_waiting = clamp_i32(get_int(o, "waiting", 0));
-    l->n_waiting_prefill_tokens = get_int(o, "waiting_prefill_tokens", 0);
-    l->n_kv_blocks_total = clamp_i32(get_int(o, "kv_blocks_total", 0));
-    l->n_kv_blocks_free = clamp_i32(get_int(o, "kv_blocks_free", 0));
-    l->n_kv_blocks_used = clamp_i32(get_int(o, "kv_blocks_used", 0));
-    l->n_kv_blocks_cached = clamp_i32(get_int(o, "kv_blocks_cached", 0));
+    l->n_running = clamp_i32(get_count(o, "running"));
+    l->n_waiting = clamp_i32(get_count(o, "waiting"));
+    l->n_waiting_prefill_tokens = get_count(o, "waiting_prefill_tokens");
+    l->n_kv_blocks_total = clamp_i32(get_count(o, "kv_blocks_total"));
+    l->n_kv_blocks_free = clamp_i32(get_count(o, "kv_blocks_free"));
+    l->n_kv_blocks_used = clamp_i32(get_count(o, "kv_blocks_used"));
+    l->n_kv_blocks_cached = clamp_i32(get_count(o, "kv_blocks_cached"));
     l->prefill_tokens_per_s = get_num(o, "prefill_tokens_per_s", -1);
     l->decode_step_ms = get_num(o, "decode_step_ms", -1);
-    l->n_prefix_query_tokens = get_int(o, "prefix_query_tokens", 0);
-    l->n_prefix_hit_tokens = get_int(o, "prefix_hit_tokens", 0);
-    l->n_requests_finished = get_int(o, "requests_finished", 0);
-    l->n_max_seqs = clamp_i32(get_int(o, "max_seqs", 0));
-    l->n_max_waiting = clamp_i32(get_int(o, "max_waiting", 0));
+    if (!(l->prefill_tokens_per_s >= 0 && l->prefill_tokens_per_s < 1e12)) l->prefill_tokens_per_s = -1;  // unknown
+    if (!(l->decode_step_ms >= 0 && l->decode_step_ms < 1e9)) l->decode_step_ms = -1;
+    l->n_prefix_query_tokens = get_count(o, "prefix_query_tokens");
+    l->n_prefix_hit_tokens = get_count(o, "prefix_hit_tokens");
+    l->n_requests_finished = get_count(o, "requests_finished");
+    l->n_max_seqs = clamp_i32(get_count(o, "max_seqs"));
+    l->n_max_waiting = clamp_i32(get_count(o, "max_waiting"));
     if (l->n_max_seqs < 0) l->n_max_seqs = 0;
     if (l->n_max_waiting < 0) l->n_max_waiting = 0;
     json_t *d = json_object_get(o, "disagg");
     if (json_is_object(d)) {
-        l->n_kv_handoffs = get_int(d, "handoffs", 0);
-        l->n_kv_handoff_bytes = get_int(d, "handoff_bytes", 0);
-        l->kv_handoff_us = get_int(d, "handoff_us", 0);
-        l->n_kv_local_short = get_int(d, "local_short", 0);
-        l->n_kv_exports = get_int(d, "exports", 0);
-        l->n_kv_export_bytes = get_int(d, "export_bytes", 0);
+        l->n_kv_handoffs = get_count(d, "handoffs");
+        l->n_kv_handoff_bytes = get_count(d, "handoff_bytes");
+        l->kv_handoff_us = get_count(d, "handoff_us");
+        l->n_kv_local_short = get_count(d, "local_short");
+        l->n_kv_exports = get_count(d, "exports");
+        l->n_kv_export_bytes = get_count(d, "export_bytes");
         json_t *fb = json_object_get(d, "fallbacks");
-        for (int i = 0; i < PD_WIRE_N_FALLBACKS; i++) l->n_kv_fallbacks[i] = get_int(fb, pd_wire_fallback_names[i], 0);
+        for (int i = 0; i < PD_WIRE_N_FALLBACKS; i++) l->n_kv_fallbacks[i] = get_count(fb, pd_wire_fallback_names[i]);
     }
     json_t *tr = json_object_get(o, "tiers");
     if (json_is_object(tr)) {
@@ -301,16 +310,16 @@ static void load_from_json(json_t *o, pd_wire_load *l) {
             json_t *x = json_array_get(list, i);
             const char *nm = json_string_value(json_object_get(x, "name"));
             snprintf(l->tier_names[i], sizeof l->tier_names[i], "%s", nm ? nm : "?");
-            l->tier_hits[i] = get_int(x, "hits", 0);
-            l->tier_misses[i] = get_int(x, "misses", 0);
+            l->tier_hits[i] = get_count(x, "hits");
+            l->tier_misses[i] = get_count(x, "misses");
             l->n_tiers = (int32_t)i + 1;
         }
-        l->n_tier_hit_tokens = get_int(tr, "hit_tokens", 0);
-        l->tier_load_us = get_int(tr, "load_us", 0);
+        l->n_tier_hit_tokens = get_count(tr, "hit_tokens");
+        l->tier_load_us = get_count(tr, "load_us");
     }
     json_t *t = json_object_get(o, "ttft");
     if (json_is_object(t)) {
-        l->n_ttft = get_int(t, "n", 0);
+        l->n_ttft = get_count(t, "n");
         for (int i = 0; i < PD_WIRE_N_TTFT_PARTS; i++) {
             char k[32];
             snprintf(k, sizeof k, "%s_ms", pd_wire_ttft_part_names[i]);

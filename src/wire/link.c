@@ -155,8 +155,8 @@ pd_status pd_disagg_model_from_json(const json_t *o, pd_disagg_model *out) {
         s->queue_us = getnum(l, "queue_us");
         s->xfer_factor = getnum(l, "xfer_factor");
         double np = getnum(l, "probes"), nt = getnum(l, "transfers");
-        s->n_probes = np > 0 ? (int64_t)np : 0;
-        s->n_transfers = nt > 0 ? (int64_t)nt : 0;
+        s->n_probes = np > 0 && np < 1e15 ? (int64_t)np : 0;  // (a double beyond int64 is undefined to cast)
+        s->n_transfers = nt > 0 && nt < 1e15 ? (int64_t)nt : 0;
     }
     return PD_OK;
 }

@@ -1076,7 +1076,7 @@ pd_status pd_xfer_client_claim(pd_xfer_client *c, uint64_t req_id, const char *w
     worker *w = NULL;
     for (int i = 0; i < c->p.n_workers && !w; i++)
         if (!strcmp(c->workers[i].addr, worker_addr)) w = &c->workers[i];
-    if (!w) return PD_NOSPACE;
+    if (!w) return PD_ERR_INVALID;  // not a worker we dial: never sent anything
     queued q;
     pthread_mutex_lock(&c->qmu);
     bool had = take_queued(c, req_id, &q);

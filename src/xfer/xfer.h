@@ -148,7 +148,8 @@ void pd_xfer_client_cancel(pd_xfer_client *c, uint64_t req_id);
 #define PD_XFER_QUEUE (-2)
 // A prefill worker (by the KV address we dial, "host:port") claims queued request req_id: the
 // PREFILL_REQ goes to it now. PD_OK; PD_ERR_NOTFOUND (not queued: answered, timed out, cancelled);
-// PD_NOSPACE (we have no healthy connection to that worker: let another one take it). Any thread.
+// PD_NOSPACE (we have no healthy connection to that worker: let another one take it); PD_ERR_INVALID
+// (worker_addr is none of the workers we dial: nothing is sent, the request stays queued). Any thread.
 pd_status pd_xfer_client_claim(pd_xfer_client *c, uint64_t req_id, const char *worker_addr);
 int pd_xfer_client_n_healthy(pd_xfer_client *c);
 // tcp, nccl: layers landed so far for an in-flight request (KV_SLAB / KV_NCCL layers in place); -1 if
