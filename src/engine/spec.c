@@ -112,6 +112,10 @@ typedef struct espec {
     int64_t step_draft_us;
     int64_t next_probe, probe_rot;  // adaptive: the next probe step, which sequence probes
     int64_t next_win_probe;         // lookahead: the next step a window rides along as a probe
+    pd_spec_backoff probe_bo, win_bo;  // probe periods grow while probes fail (spec.h)
+    int probe_pick;  // this step: the idle sequence (plan index) whose proposal is looked up for the probe, -1: none
+    int probe_i;     // this step: the sequence (plan index) that drafts as a probe, -1: none
+    int64_t n_probe_ok;  // probes with a draft accepted (diagnostics)
     double la_yield;  // lookahead: accepted tokens per Jacobi window token spent (EMA)
     int64_t la_win_tokens;  // window tokens verified this step
     int cap_res_seqs;
@@ -251,6 +255,8 @@ pd_status pd_engine_spec_load(pd_engine *e, pd_err *err) {
     pd_spec_cost_init(&S->cost, 0);
     pd_spec_cost_init(&S->cost_eager, 0);
     pd_spec_shapes_init(&S->shapes);
+    pd_spec_backoff_init(&S->probe_bo);
+    pd_spec_backoff_init(&S->win_bo);
     if (S->method == PD_SPEC_DRAFT) {
         if (!p->spec_model_dir) return pd_err_set(err, PD_ERR_INVALID, "--speculative-method draft needs --speculative-model DIR");
         pd_status st = check_tokenizers(e->tok, p->spec_model_dir, err);
@@ -319,11 +325,11 @@ void pd_engine_spec_fini(pd_engine *e) {
     const char *dbg = getenv("PD_SPEC_STATS");
     if (dbg && strcmp(dbg, "0")) {
         PD_LOG_I("spec stats: %lld steps, %lld verify (%.1f us each, forward), %lld plain (%.1f us each, whole step), "
-                 "%lld probes, %lld window steps, %lld window probes; host time in the hooks besides forwards: %.2f us per "
-                 "plain step, %.1f us per verify step",
+                 "%lld probes (%lld accepted a draft; backoff x%u), %lld window steps, %lld window probes (backoff x%u); "
+                 "host time in the hooks besides forwards: %.2f us per plain step, %.1f us per verify step",
                  (long long)S->n_steps, (long long)S->verify_n, S->verify_n ? (double)S->verify_us / (double)S->verify_n : 0,
                  (long long)S->plain_n, S->plain_n ? (double)S->plain_us / (double)S->plain_n : 0, (long long)S->n_probes,
-                 (long long)S->n_win_steps, (long long)S->n_win_probes,
+                 (long long)S->n_probe_ok, S->probe_bo.mult, (long long)S->n_win_steps, (long long)S->n_win_probes, S->win_bo.mult,
                  S->plain_n ? (double)S->hook_plain_us / (double)S->plain_n : 0,
                  S->verify_n ? (double)S->hook_us / (double)S->verify_n : 0);
         for (int i = 0; i < PD_SPEC_SHAPES; i++)
@@ -546,6 +552,12 @@ static pad_ctx pad_of(pd_engine *e, const pd_step_plan *plan) {
     return p;
 }
 
+// What a probe's verdict depends on: the step's batch bucket (its size where steps are not padded).
+static uint32_t batch_key(pd_model *m, int n_seqs) {
+    int b = pd_model_step_tokens(m, n_seqs, 1, n_seqs);
+    return (uint32_t)(b > 0 ? b : n_seqs);
+}
+
 // Chooses each speculating sequence's length in S->kch from S->kmax.
 static void choose_lengths(pd_engine *e, const pd_step_plan *plan, sreq **srs) {
     espec *S = e->spec;
@@ -583,15 +595,21 @@ static void choose_lengths(pd_engine *e, const pd_step_plan *plan, sreq **srs) {
     // (in turn) drafts 1 token, at most every PROBE_EVERY steps, and less often when a probe is
     // dear (a draft forward with its catch-up, a padded verify step): probes cost at most
     // PROBE_SHARE of the time. Free when other sequences draft anyway (the step verifies already).
+    // The probing sequence: the idle one whose proposal run_plan looked up for this probe (draft-free
+    // methods), else the next in turn. While probes draw no accepted token the period doubles
+    // (pd_spec_backoff: reset by a success or a new batch bucket).
     if (S->n_steps >= S->next_probe || any_k) {
-        int j = (int)(S->probe_rot++ % n), i = S->sidx[j];
-        if (kk[i] == 0) kk[i] = 1;
+        int i = S->probe_pick >= 0 && S->kmax[S->probe_pick] > 0 ? S->probe_pick : S->sidx[(int)(S->probe_rot++ % n)];
+        if (kk[i] == 0) {
+            kk[i] = 1;
+            if (!any_k) S->probe_i = i;
+        }
         if (!any_k) {
             double c0 = step_cost(&pc, 0, n_base), c1 = step_cost(&pc, 1, n_base + 1);
             double dc = c1 - c0 + (S->method == PD_SPEC_DRAFT && S->cost.draft_us > 0 ? 2 * S->cost.draft_us : 0);
             double period = dc / (PROBE_SHARE * (c0 > 1 ? c0 : 1));
             period = period < PROBE_EVERY ? PROBE_EVERY : period > 4096 ? 4096 : period;
-            S->next_probe = S->n_steps + (int64_t)period;
+            S->next_probe = S->n_steps + pd_spec_backoff_period(&S->probe_bo, batch_key(e->model, plan->n_seqs), period);
             S->n_probes++;
         }
     }
@@ -761,9 +779,11 @@ static pd_status run_plan(pd_engine *e, const pd_step_plan *plan, bool *handled)
     S->step_draft_us = 0;
     S->la_win_tokens = 0;
     S->srs_n = 0;
+    S->probe_pick = S->probe_i = -1;
     if (!reserve_seqs(S, plan->n_seqs)) return PD_ERR_NOMEM;
     sreq **srs = S->srs;
     bool any = false, draft_work = false;
+    int n_idle = 0;
     for (int i = 0; i < plan->n_seqs; i++) {
         const pd_step_seq *s = &plan->seqs[i];
         ereq *r = pd_engine_req_find(e, s->req_id);
@@ -788,12 +808,23 @@ static pd_status run_plan(pd_engine *e, const pd_step_plan *plan, bool *handled)
             draft_work = true;  // too far behind: catch up first (chunked), draft later
             room = 0;
         }
-        // Adaptive: a sequence that chose no draft last step proposes (a prompt-lookup scan, a
-        // pool probe: microseconds each, a step of a small model is ~100 us) only on probe steps.
-        if (S->adaptive && !sr->fixed_k && S->method != PD_SPEC_DRAFT && sr->last_k == 0 && S->n_steps < S->next_probe &&
-            S->n_steps > 0)
-            room = 0;
+        // Adaptive: a sequence that chose no draft last step looks for a proposal (a prompt-lookup
+        // scan, a pool probe: up to tens of microseconds at a long context, where a step of a small
+        // model is ~100-300 us) only when it is the one probe of a probe step, picked below.
+        if (S->adaptive && !sr->fixed_k && S->method != PD_SPEC_DRAFT && sr->last_k == 0 && S->n_steps > 0 && room > 0) {
+            S->kmax[i] = -room;  // idle: a probe candidate
+            n_idle++;
+            continue;
+        }
         S->kmax[i] = room;
+    }
+    if (n_idle) {  // one idle sequence in turn on a probe step, none otherwise
+        int pick = S->n_steps >= S->next_probe ? (int)(S->probe_rot++ % n_idle) : -1;
+        for (int i = 0, c = 0; i < plan->n_seqs; i++)
+            if (S->kmax[i] < 0) {
+                if (c++ == pick) S->kmax[i] = -S->kmax[i], S->probe_pick = i;
+                else S->kmax[i] = 0;
+            }
     }
     if (S->method == PD_SPEC_NGRAM || S->method == PD_SPEC_LOOKAHEAD) propose_free(e, plan, srs);
     choose_lengths(e, plan, srs);
@@ -819,6 +850,9 @@ static pd_status run_plan(pd_engine *e, const pd_step_plan *plan, bool *handled)
         // Else a probe now and then (the yield must stay measured): one sequence's window, at
         // most PROBE_SHARE of the time (its cost is that of one window: rel / n_win).
         int only = -1;
+        // While windows do not pay, each window probe doubles the period to the next one
+        // (pd_spec_backoff); a step where they pay, or a new batch bucket, resets it.
+        if (cheap && S->adaptive) pd_spec_backoff_result(&S->win_bo, true);
         if (!cheap && n_win > 0 && S->n_steps >= S->next_win_probe) {
             int pick = (int)(S->probe_rot++ % n_win), c = 0;
             for (int i = 0; i < plan->n_seqs && only < 0; i++)
@@ -826,7 +860,8 @@ static pd_status run_plan(pd_engine *e, const pd_step_plan *plan, bool *handled)
             double c1 = step_cost(&pc, kmx + S->W, n_base + S->W);
             double period = (c1 - c0) / (PROBE_SHARE * (c0 > 1 ? c0 : 1));
             period = period < PROBE_EVERY ? PROBE_EVERY : period > 4096 ? 4096 : period;
-            S->next_win_probe = S->n_steps + (int64_t)period;
+            S->next_win_probe = S->n_steps + pd_spec_backoff_period(&S->win_bo, batch_key(e->model, plan->n_seqs), period);
+            pd_spec_backoff_result(&S->win_bo, false);
             S->n_win_probes += only >= 0;
             cheap = only >= 0;
         }
@@ -854,6 +889,12 @@ static pd_status run_plan(pd_engine *e, const pd_step_plan *plan, bool *handled)
         for (int i = 0; i < plan->n_seqs; i++)
             if (srs[i] && srs[i]->k > 0) acc += e->sb.outputs[i].n_accepted;
         S->la_yield = 0.9 * S->la_yield + 0.1 * (double)acc / (double)S->la_win_tokens;
+    }
+    if (S->probe_i >= 0) {
+        bool ok = e->sb.outputs[S->probe_i].n_accepted > 0;
+        pd_spec_backoff_result(&S->probe_bo, ok);
+        S->n_probe_ok += ok;
+        if (ok) S->next_probe = S->n_steps + 1;  // a success: the next idle sequence probes next step
     }
     for (int i = 0; i < plan->n_seqs; i++) {
         sreq *sr = srs[i];

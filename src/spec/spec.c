@@ -312,3 +312,19 @@ double pd_spec_shapes_get(const pd_spec_shapes *t, uint32_t key) {
     int s = shape_slot(t, key, &found);
     return found && t->n[s] >= 2 ? t->us[s] : -1;
 }
+
+// ---- probe backoff ----------------------------------------------------------------------------
+
+void pd_spec_backoff_init(pd_spec_backoff *b) { b->mult = 1, b->key = 0; }
+
+int64_t pd_spec_backoff_period(pd_spec_backoff *b, uint32_t key, double base) {
+    if (key != b->key) b->key = key, b->mult = 1;
+    if (!(base >= PD_SPEC_PERIOD_MIN)) base = PD_SPEC_PERIOD_MIN;  // (also NaN)
+    double p = base * (double)b->mult;
+    return p > PD_SPEC_PERIOD_MAX ? PD_SPEC_PERIOD_MAX : (int64_t)p;
+}
+
+void pd_spec_backoff_result(pd_spec_backoff *b, bool success) {
+    if (success) b->mult = 1;
+    else if (b->mult < PD_SPEC_BACKOFF_MAX) b->mult *= 2;
+}

@@ -132,6 +132,26 @@ void pd_spec_shapes_observe(pd_spec_shapes *t, uint32_t key, double us);
 // first one's time is dropped: first launches and first eager runs cost far more).
 double pd_spec_shapes_get(const pd_spec_shapes *t, uint32_t key);
 
+// ---- probe backoff ------------------------------------------------------------------------------
+// Probes keep a "does not pay" estimate alive (a sequence drafts a token now and then although the
+// policy says no). While probes keep failing (nothing accepted, or the lookahead window still does
+// not pay), their period doubles, up to PD_SPEC_BACKOFF_MAX times the base period; a success
+// resets it, and so does a change of what the probe's worth depends on (the key: the engine passes
+// the step's batch bucket), where the old verdict no longer holds.
+#define PD_SPEC_BACKOFF_MAX 256
+#define PD_SPEC_PERIOD_MIN 16
+#define PD_SPEC_PERIOD_MAX 16384
+typedef struct pd_spec_backoff {
+    uint32_t mult;  // 1, 2, 4, ... PD_SPEC_BACKOFF_MAX
+    uint32_t key;
+} pd_spec_backoff;
+void pd_spec_backoff_init(pd_spec_backoff *b);
+// Steps until the next probe: base (steps, the probe's own price rule) clamped to at least
+// PD_SPEC_PERIOD_MIN, times the backoff, at most PD_SPEC_PERIOD_MAX. A key other than the last
+// one resets the backoff first.
+int64_t pd_spec_backoff_period(pd_spec_backoff *b, uint32_t key, double base);
+void pd_spec_backoff_result(pd_spec_backoff *b, bool success);
+
 #ifdef __cplusplus
 }
 #endif

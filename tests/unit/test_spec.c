@@ -169,6 +169,30 @@ PD_TEST(measured_step_shapes) {
     PD_CHECK_EQ(pd_spec_choose_padded(&c, 1, 1, alpha, km, false, cost_of, dear, k), 0);
 }
 
+PD_TEST(probe_backoff) {
+    pd_spec_backoff b;
+    pd_spec_backoff_init(&b);
+    PD_CHECK_EQ(pd_spec_backoff_period(&b, 64, 5), PD_SPEC_PERIOD_MIN);  // at least the minimum
+    PD_CHECK_EQ(pd_spec_backoff_period(&b, 64, 20.5), 20);
+    // Failures double the period, up to PD_SPEC_BACKOFF_MAX x, never past PD_SPEC_PERIOD_MAX.
+    for (int i = 1; i <= 3; i++) {
+        pd_spec_backoff_result(&b, false);
+        PD_CHECK_EQ(pd_spec_backoff_period(&b, 64, 20), 20 << i);
+    }
+    for (int i = 0; i < 40; i++) pd_spec_backoff_result(&b, false);
+    PD_CHECK_EQ(b.mult, PD_SPEC_BACKOFF_MAX);
+    PD_CHECK_EQ(pd_spec_backoff_period(&b, 64, 16), 16 * PD_SPEC_BACKOFF_MAX);
+    PD_CHECK_EQ(pd_spec_backoff_period(&b, 64, 4096), PD_SPEC_PERIOD_MAX);
+    // A success resets it; so does a new key (another batch bucket).
+    pd_spec_backoff_result(&b, true);
+    PD_CHECK_EQ(pd_spec_backoff_period(&b, 64, 20), 20);
+    pd_spec_backoff_result(&b, false);
+    pd_spec_backoff_result(&b, false);
+    PD_CHECK_EQ(pd_spec_backoff_period(&b, 64, 20), 80);
+    PD_CHECK_EQ(pd_spec_backoff_period(&b, 32, 20), 20);
+    PD_CHECK_EQ(pd_spec_backoff_period(&b, 32, 0.0 / 0.0), PD_SPEC_PERIOD_MIN);  // NaN: the minimum
+}
+
 PD_TEST(method_names) {
     pd_spec_method m;
     PD_CHECK_EQ(pd_spec_method_parse("lookahead", &m), PD_OK);
