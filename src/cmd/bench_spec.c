@@ -249,9 +249,9 @@ static void describe_outputs(const int32_t *out, int B, int T, json_t *js) {
 static bool run_group(const opts *o, const prompts *P, eng *G, int n, int bi, const eng *baseline, int32_t *scratch_out,
                       int32_t **base_out) {
     int B = o->batches[bi];
-    for (int j = 0; j < n; j++) {
+    for (int j = 0; j < n; j++) {  // (at most 128 tokens: the policy's step shapes get measured)
         result w = {.out = scratch_out};
-        if (!run_batch(G[j].e, P, B, o->max_tokens, &w)) return false;
+        if (!run_batch(G[j].e, P, B, PD_MIN(o->max_tokens, 128), &w)) return false;
     }
     for (int rep = 0; rep < o->reps; rep++)
         for (int jj = 0; jj < n; jj++) {

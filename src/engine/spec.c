@@ -115,7 +115,8 @@ typedef struct espec {
     pd_spec_backoff probe_bo, win_bo;  // probe periods grow while probes fail (spec.h)
     int probe_pick;  // this step: the idle sequence (plan index) whose proposal is looked up for the probe, -1: none
     int probe_i;     // this step: the sequence (plan index) that drafts as a probe, -1: none
-    int64_t n_probe_ok;  // probes with a draft accepted (diagnostics)
+    uint64_t probe_wait_id;  // the request of the last probe, until the next step judges it (0: none)
+    int64_t n_probe_ok;  // probes after which the policy chose to draft (diagnostics)
     double la_yield;  // lookahead: accepted tokens per Jacobi window token spent (EMA)
     int64_t la_win_tokens;  // window tokens verified this step
     int cap_res_seqs;
@@ -575,7 +576,10 @@ static void choose_lengths(pd_engine *e, const pd_step_plan *plan, sreq **srs) {
         S->alpha[n] = pd_spec_accept_alpha(&sr->acc);
         n++;
     }
-    if (n == 0) return;
+    if (n == 0) {
+        if (S->probe_wait_id) pd_spec_backoff_result(&S->probe_bo, false), S->probe_wait_id = 0;  // no proposal: no draft
+        return;
+    }
     // Compact arrays for pd_spec_choose (kmax / alpha by position in sidx).
     int *km = S->row0, *kk = S->kch + 0;  // row0 is free until the draft runs
     for (int j = 0; j < n; j++) km[j] = S->kmax[S->sidx[j]];
@@ -586,17 +590,27 @@ static void choose_lengths(pd_engine *e, const pd_step_plan *plan, sreq **srs) {
     pad_ctx pc = pad_of(e, plan);
     pd_spec_choose_padded(&S->cost, n_base, n, S->alpha, km, S->method == PD_SPEC_DRAFT, step_cost, &pc, kout);
     int any_k = 0;
+    bool probe_ok = false;
     for (int j = 0; j < n; j++) {
         int i = S->sidx[j];
         kk[i] = kout[j];
         any_k |= kk[i] > 0;
+        probe_ok |= kk[i] > 0 && plan->seqs[i].req_id == S->probe_wait_id;
+    }
+    // The last probe succeeded iff its sequence now drafts by the policy's own choice (its accepted
+    // probe raised the estimate enough); else probes back off (an accepted draft that still does
+    // not pay at this batch is a failure too: the probe changed nothing).
+    if (S->probe_wait_id) {
+        pd_spec_backoff_result(&S->probe_bo, probe_ok);
+        S->n_probe_ok += probe_ok;
+        S->probe_wait_id = 0;
     }
     // Probe now and then: an estimate that says "never" would never be revised. One sequence
     // (in turn) drafts 1 token, at most every PROBE_EVERY steps, and less often when a probe is
     // dear (a draft forward with its catch-up, a padded verify step): probes cost at most
     // PROBE_SHARE of the time. Free when other sequences draft anyway (the step verifies already).
     // The probing sequence: the idle one whose proposal run_plan looked up for this probe (draft-free
-    // methods), else the next in turn. While probes draw no accepted token the period doubles
+    // methods), else the next in turn. While probes change nothing the period doubles
     // (pd_spec_backoff: reset by a success or a new batch bucket).
     if (S->n_steps >= S->next_probe || any_k) {
         int i = S->probe_pick >= 0 && S->kmax[S->probe_pick] > 0 ? S->probe_pick : S->sidx[(int)(S->probe_rot++ % n)];
@@ -890,12 +904,7 @@ static pd_status run_plan(pd_engine *e, const pd_step_plan *plan, bool *handled)
             if (srs[i] && srs[i]->k > 0) acc += e->sb.outputs[i].n_accepted;
         S->la_yield = 0.9 * S->la_yield + 0.1 * (double)acc / (double)S->la_win_tokens;
     }
-    if (S->probe_i >= 0) {
-        bool ok = e->sb.outputs[S->probe_i].n_accepted > 0;
-        pd_spec_backoff_result(&S->probe_bo, ok);
-        S->n_probe_ok += ok;
-        if (ok) S->next_probe = S->n_steps + 1;  // a success: the next idle sequence probes next step
-    }
+    if (S->probe_i >= 0) S->probe_wait_id = plan->seqs[S->probe_i].req_id;  // judged by the next step's choice
     for (int i = 0; i < plan->n_seqs; i++) {
         sreq *sr = srs[i];
         if (!sr || sr->k == 0) continue;

@@ -7,7 +7,7 @@
 # of the lead's checkout: stripped pdserve + test_gpu_spec, lib/ (= /work/devlibs/lib), models/
 # (golden/kjv-llama-6m.json, kjv-llama-1m, l8b = bench/configs/llama-3-8b + the kjv tokenizer;
 # kjv-llama-6m linked to the tracked copy at run time). Env: PARTS (tests kjv l8b), REPS, L8B_MODES,
-# L8B_TOKENS.
+# L8B_TOKENS, L8B_BATCHES, L8B_REPS, KJV_METHODS. Logs come back as all.tar.xz.
 set -u
 out=$1; mkdir -p "$out"
 cd "$(dirname "$0")"
@@ -29,13 +29,15 @@ case " $PARTS " in *" tests "*)
   timeout 60 ./test_gpu_spec > "$out/tests.log" 2>&1; echo "test_gpu_spec rc=$? ($(( $(date +%s) - t0 )) s): $(tail -1 "$out/tests.log")";;
 esac
 case " $PARTS " in *" kjv "*)
-  for m in ngram lookahead; do
+  for m in ${KJV_METHODS:-ngram lookahead}; do
     run kjv_$m 40 --model models/kjv-llama-6m --speculative-method $m --golden $G --repeat 4 --max-tokens 128 \
       --batches 1,8,32,64 --reps ${REPS:-7} --modes off,adaptive,off,adaptive,off
   done;;
 esac
 case " $PARTS " in *" l8b "*)
   run l8b 100 --model models/l8b --load-format dummy --random-prompt 32 --random-prompts 8 --max-tokens ${L8B_TOKENS:-128} \
-    --batches 1,8 --reps 3 --modes ${L8B_MODES:-off,ngram:adaptive,ngram:fixed,lookahead:adaptive};;
+    --batches ${L8B_BATCHES:-1,8} --reps ${L8B_REPS:-3} --modes ${L8B_MODES:-off,ngram:adaptive,ngram:fixed,lookahead:adaptive};;
 esac
+[ -e "$out/tests.log" ] && echo "test_gpu_spec: $(tail -1 "$out/tests.log")"
+(cd "$out" && tar cJf all.tar.xz --exclude all.tar.xz . && find . -type f ! -name all.tar.xz -delete)
 echo "total $(( $(date +%s) - t0 )) s"
