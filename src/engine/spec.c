@@ -562,9 +562,10 @@ static uint32_t batch_key(pd_model *m, int n_seqs) {
 // Chooses each speculating sequence's length in S->kch from S->kmax.
 static void choose_lengths(pd_engine *e, const pd_step_plan *plan, sreq **srs) {
     espec *S = e->spec;
-    int n = 0, n_base = 0;
+    int n = 0, n_base = 0, n_yield = 0;  // n_yield: sequences that get a token this step anyway
     for (int i = 0; i < plan->n_seqs; i++) {
         n_base += plan->seqs[i].n_tokens;
+        n_yield += plan->seqs[i].needs_logits;
         S->kch[i] = 0;
         sreq *sr = srs[i];
         if (!sr || S->kmax[i] <= 0) continue;
@@ -588,7 +589,7 @@ static void choose_lengths(pd_engine *e, const pd_step_plan *plan, sreq **srs) {
     if (!kout) kout = pd_malloc(sizeof(int) * (size_t)n);
     if (!kout) return;
     pad_ctx pc = pad_of(e, plan);
-    pd_spec_choose_padded(&S->cost, n_base, n, S->alpha, km, S->method == PD_SPEC_DRAFT, step_cost, &pc, kout);
+    pd_spec_choose_padded(&S->cost, n_base, n, n_yield, S->alpha, km, S->method == PD_SPEC_DRAFT, step_cost, &pc, kout);
     int any_k = 0;
     bool probe_ok = false;
     for (int j = 0; j < n; j++) {

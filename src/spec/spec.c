@@ -207,14 +207,14 @@ double pd_spec_cost_predict(const pd_spec_cost *c, int n_tokens) {
 
 int pd_spec_choose(const pd_spec_cost *c, int n_base, int n_seqs, const double *alpha, const int *k_max,
                    bool uses_draft, int *k) {
-    return pd_spec_choose_padded(c, n_base, n_seqs, alpha, k_max, uses_draft, NULL, NULL, k);
+    return pd_spec_choose_padded(c, n_base, n_seqs, n_seqs, alpha, k_max, uses_draft, NULL, NULL, k);
 }
 
-int pd_spec_choose_padded(const pd_spec_cost *c, int n_base, int n_seqs, const double *alpha, const int *k_max,
+int pd_spec_choose_padded(const pd_spec_cost *c, int n_base, int n_seqs, int n_yield, const double *alpha, const int *k_max,
                           bool uses_draft, pd_spec_step_cost_fn pad, void *ud, int *k) {
     double draft_us = uses_draft ? (c->draft_us > 0 ? c->draft_us : 0) : 0;
     int sum_k = 0, max_k = 0;
-    double tokens = n_seqs;  // each speculating sequence yields its target token anyway
+    double tokens = n_yield > n_seqs ? n_yield : n_seqs;  // every sequence yields its target token anyway
     for (int i = 0; i < n_seqs; i++) k[i] = 0;
     double cost = pad ? pad(ud, 0, n_base) : pd_spec_cost_predict(c, n_base);
     // With padding: the best point of the greedy path (its length in added tokens).

@@ -110,7 +110,11 @@ typedef double (*pd_spec_step_cost_fn)(void *ud, int max_k, int n_tokens);
 // pd_spec_choose with the step's cost from cost(...). The cost is then a step function of the
 // longest draft, so the greedy path is followed to its end (every k_max used) and the best
 // tokens/time point on it is kept, rather than stopping at the first token that does not pay.
-int pd_spec_choose_padded(const pd_spec_cost *c, int n_base, int n_seqs, const double *alpha, const int *k_max,
+// n_yield: the tokens the step yields without any draft — one per sequence that gets a token, the
+// plain decodes among them, not only the n_seqs that may speculate (values below n_seqs count as
+// n_seqs). Drafts are weighed against the whole step's yield: a few candidates in a batch of 64
+// gain a few tokens on 64, not on their own count.
+int pd_spec_choose_padded(const pd_spec_cost *c, int n_base, int n_seqs, int n_yield, const double *alpha, const int *k_max,
                           bool uses_draft, pd_spec_step_cost_fn cost, void *ud, int *k);
 
 // ---- measured step times per shape -----------------------------------------------------------
