@@ -51,7 +51,9 @@
 #define PROBE_EVERY 16   // adaptive: a request whose estimate says "don't" still drafts 1 token now and then
 #define PROBE_SHARE 0.01 // ... at most this share of the step time spent on probes (the period grows)
 
+struct espec;
 typedef struct sreq {
+    struct espec *owner;  // the engine's speculation state (its count of busy requests)
     int32_t *toks;  // owned: prompt + outputs
     int n;
     size_t cap;
@@ -117,6 +119,12 @@ typedef struct espec {
     int probe_i;     // this step: the sequence (plan index) that drafts as a probe, -1: none
     uint64_t probe_wait_id;  // the request of the last probe, until the next step judges it (0: none)
     int64_t n_probe_ok;  // probes after which the policy chose to draft (diagnostics)
+    // Idle fast path (adaptive, draft-free): with no request busy (every live one chose no draft
+    // on its last decode step), no probe due and, for lookahead, the window's last verdict "does
+    // not pay" at the same batch, a step has nothing to look at: run_plan returns at once.
+    int n_busy;        // live requests whose last_k != 0 (-1: not decoded yet counts as busy)
+    int win_quiet_n;   // lookahead: the batch size of the last step whose window did not ride (-1: it rode)
+    int64_t n_fast;    // steps that took the fast path (diagnostics)
     double la_yield;  // lookahead: accepted tokens per Jacobi window token spent (EMA)
     int64_t la_win_tokens;  // window tokens verified this step
     int cap_res_seqs;
@@ -183,6 +191,17 @@ static bool reserve_seqs(espec *S, int n) {
     S->cap_res_seqs = c;
     S->cap_seqs = c;
     return true;
+}
+
+// Busy: it drafted on its last decode step, has not decoded yet (-1), or drafts at a fixed length
+// (a seeded sampled request looks for proposals every step).
+static bool is_busy(const sreq *sr, int last_k) { return last_k != 0 || sr->fixed_k; }
+
+// A request's drafts on its last decode step, keeping the engine's count of busy requests.
+static void set_last_k(sreq *sr, int k) {
+    bool was = is_busy(sr, sr->last_k), now = is_busy(sr, k);
+    if (was != now) sr->owner->n_busy += now ? 1 : -1;
+    sr->last_k = k;
 }
 
 static bool sreq_push(sreq *r, int32_t t) {
@@ -258,6 +277,7 @@ pd_status pd_engine_spec_load(pd_engine *e, pd_err *err) {
     pd_spec_shapes_init(&S->shapes);
     pd_spec_backoff_init(&S->probe_bo);
     pd_spec_backoff_init(&S->win_bo);
+    S->win_quiet_n = -1;
     if (S->method == PD_SPEC_DRAFT) {
         if (!p->spec_model_dir) return pd_err_set(err, PD_ERR_INVALID, "--speculative-method draft needs --speculative-model DIR");
         pd_status st = check_tokenizers(e->tok, p->spec_model_dir, err);
@@ -327,12 +347,12 @@ void pd_engine_spec_fini(pd_engine *e) {
     if (dbg && strcmp(dbg, "0")) {
         PD_LOG_I("spec stats: %lld steps, %lld verify (%.1f us each, forward), %lld plain (%.1f us each, whole step), "
                  "%lld probes (%lld accepted a draft; backoff x%u), %lld window steps, %lld window probes (backoff x%u); "
-                 "host time in the hooks besides forwards: %.2f us per plain step, %.1f us per verify step",
+                 "host time in the hooks besides forwards: %.2f us per plain step, %.1f us per verify step; %lld idle fast-path steps",
                  (long long)S->n_steps, (long long)S->verify_n, S->verify_n ? (double)S->verify_us / (double)S->verify_n : 0,
                  (long long)S->plain_n, S->plain_n ? (double)S->plain_us / (double)S->plain_n : 0, (long long)S->n_probes,
                  (long long)S->n_probe_ok, S->probe_bo.mult, (long long)S->n_win_steps, (long long)S->n_win_probes, S->win_bo.mult,
                  S->plain_n ? (double)S->hook_plain_us / (double)S->plain_n : 0,
-                 S->verify_n ? (double)S->hook_us / (double)S->verify_n : 0);
+                 S->verify_n ? (double)S->hook_us / (double)S->verify_n : 0, (long long)S->n_fast);
         for (int i = 0; i < PD_SPEC_SHAPES; i++)
             if (S->shapes.key[i])
                 PD_LOG_I("spec stats: shape batch %u x %s%u tokens: %.1f us (%u steps)", (S->shapes.key[i] & ~SHAPE_EAGER) >> 20,
@@ -356,7 +376,9 @@ pd_status pd_engine_spec_req_init(pd_engine *e, ereq *q, const pd_engine_request
     if (!sr) return PD_ERR_NOMEM;
     q->spec = sr;
     sr->draft_pos = -1;
-    sr->last_k = -1;
+    sr->owner = S;
+    sr->last_k = -1;  // busy until its first decode step chose
+    S->n_busy++;
     sr->la_want = -1;
     sr->n_prompt = r->n_prompt;
     sr->is_random = r->sampling.temperature > 0;
@@ -377,6 +399,7 @@ pd_status pd_engine_spec_req_init(pd_engine *e, ereq *q, const pd_engine_request
 void pd_engine_spec_req_fini(ereq *q) {
     sreq *sr = q->spec;
     if (!sr) return;
+    if (sr->owner && is_busy(sr, sr->last_k)) sr->owner->n_busy--;
     pd_free(sr->toks);
     pd_spec_pool_free(sr->pool);
     pd_free(sr);
@@ -795,6 +818,12 @@ static pd_status run_plan(pd_engine *e, const pd_step_plan *plan, bool *handled)
     S->la_win_tokens = 0;
     S->srs_n = 0;
     S->probe_pick = S->probe_i = -1;
+    if (S->adaptive && S->method != PD_SPEC_DRAFT && S->n_busy == 0 && S->n_steps > 0 && S->n_steps < S->next_probe &&
+        (S->method != PD_SPEC_LOOKAHEAD || (S->win_quiet_n == plan->n_seqs && S->n_steps < S->next_win_probe))) {
+        S->n_fast++;  // the idle fast path: a plain step, as without speculation
+        S->n_steps++;
+        return PD_OK;
+    }
     if (!reserve_seqs(S, plan->n_seqs)) return PD_ERR_NOMEM;
     sreq **srs = S->srs;
     bool any = false, draft_work = false;
@@ -846,7 +875,7 @@ static pd_status run_plan(pd_engine *e, const pd_step_plan *plan, bool *handled)
     for (int i = 0; i < plan->n_seqs; i++) {
         any |= S->kch[i] > 0;
         if (srs[i] && S->method != PD_SPEC_DRAFT) srs[i]->k = S->kch[i];
-        if (srs[i] && is_decode(&plan->seqs[i], srs[i])) srs[i]->last_k = S->kch[i];
+        if (srs[i] && is_decode(&plan->seqs[i], srs[i])) set_last_k(srs[i], S->kch[i]);
     }
     if (S->method == PD_SPEC_LOOKAHEAD) {
         // The Jacobi window rides along while it pays: W extra tokens per sequence add dt to a
@@ -865,6 +894,7 @@ static pd_status run_plan(pd_engine *e, const pd_step_plan *plan, bool *handled)
         // Else a probe now and then (the yield must stay measured): one sequence's window, at
         // most PROBE_SHARE of the time (its cost is that of one window: rel / n_win).
         int only = -1;
+        bool quiet = S->adaptive && !cheap;
         // While windows do not pay, each window probe doubles the period to the next one
         // (pd_spec_backoff); a step where they pay, or a new batch bucket, resets it.
         if (cheap && S->adaptive) pd_spec_backoff_result(&S->win_bo, true);
@@ -880,6 +910,7 @@ static pd_status run_plan(pd_engine *e, const pd_step_plan *plan, bool *handled)
             S->n_win_probes += only >= 0;
             cheap = only >= 0;
         }
+        S->win_quiet_n = quiet && only < 0 ? plan->n_seqs : -1;
         for (int i = 0; cheap && i < plan->n_seqs; i++) {
             sreq *sr = srs[i];
             if (!sr || !is_decode(&plan->seqs[i], sr) || (only >= 0 && i != only)) continue;
