@@ -144,6 +144,7 @@ typedef struct opts {
     const char *model, *draft, *golden, *golden_key, *device, *json_path;
     bool dummy, sequential;
     int method, k, repeat, random_len, random_n, max_tokens, max_model_len, reps;
+    int kv_len;  // the longest prompt + max_tokens: the positions a request can hold
     int batches[16], n_batches;
     const char *modes;  // "off,adaptive,fixed" (or METHOD:adaptive, METHOD:fixed)
 } opts;
@@ -176,8 +177,10 @@ static pd_engine *make_engine(const opts *o, int spec_method, bool fixed) {
     for (int i = 0; i < o->n_batches; i++) bmax = PD_MAX(bmax, o->batches[i]);
     p.max_num_seqs = bmax;
     // Engines live side by side (interleaved runs): each holds the KV its largest batch needs
-    // (full contexts and a block of headroom each), not a share of free memory.
-    p.n_blocks = bmax * ((o->max_model_len + 15) / 16 + 2) + 16;
+    // (the longest prompt + max_tokens + lookahead slots, two blocks of headroom each), not a share
+    // of free memory (four Llama-3-8B engines with 1024-token pools for 64 requests did not fit
+    // an 80 GB card).
+    p.n_blocks = bmax * ((o->kv_len + PD_SPEC_MAX_K + PD_SPEC_MAX_W + 15) / 16 + 2) + 16;
     p.block_size = 16;
     p.spec_method = spec_method;
     p.spec_model_dir = spec_method == PD_SPEC_DRAFT ? o->draft : NULL;
@@ -497,6 +500,7 @@ int pd_cmd_bench_spec(int argc, char **argv) {
     int max_len = 0;
     for (int i = 0; i < P.n; i++) max_len = PD_MAX(max_len, P.len[i]);
     if (max_len + o.max_tokens + 32 > o.max_model_len) o.max_model_len = max_len + o.max_tokens + 32;
+    o.kv_len = max_len + o.max_tokens;
     int bmax = 1;
     for (int i = 0; i < o.n_batches; i++) bmax = PD_MAX(bmax, o.batches[i]);
     printf("bench-spec: %s, %s, k=%d, %d prompt(s) of up to %d tokens, %d new tokens per request, %d engines %s, %d reps\n",
