@@ -50,6 +50,7 @@
 #define CATCHUP_MAX 512  // draft catch-up tokens per sequence per step
 #define PROBE_EVERY 16   // adaptive: a request whose estimate says "don't" still drafts 1 token now and then
 #define PROBE_SHARE 0.01 // ... at most this share of the step time spent on probes (the period grows)
+#define PROBE_RETRY 4    // a due probe whose sequence had no proposal: the next sequence tries this many steps later
 
 struct espec;
 typedef struct sreq {
@@ -602,6 +603,11 @@ static void choose_lengths(pd_engine *e, const pd_step_plan *plan, sreq **srs) {
     }
     if (n == 0) {
         if (S->probe_wait_id) pd_spec_backoff_result(&S->probe_bo, false), S->probe_wait_id = 0;  // no proposal: no draft
+        // A probe was due but the sequence whose turn it was has nothing to propose (an empty
+        // lookahead pool, no n-gram match): the next one tries PROBE_RETRY steps later, not on
+        // every step (which kept the idle fast path off for lookahead engines, whose pools are
+        // mostly empty while windows do not run).
+        if (S->probe_pick >= 0 && S->n_steps >= S->next_probe) S->next_probe = S->n_steps + PROBE_RETRY;
         return;
     }
     // Compact arrays for pd_spec_choose (kmax / alpha by position in sidx).
