@@ -326,10 +326,10 @@ static void report_batch(const opts *o, eng *G, int n_eng, int bi, json_t *arr, 
         eng *g = &G[j];
         if (g->method == PD_SPEC_NONE) continue;
         double ratio = pm > 0 ? median_of(g->tok_s[bi], R) / pm : 0;
-        const char *verdict = ratio >= lo / pm ? "in band" : "BELOW band";
-        printf("; %s %s %.3fx (%s)", eng_method(g, o), eng_mode(g), ratio, verdict);
-        json_array_append_new(modes, json_pack("{s:s, s:s, s:i, s:f, s:b}", "method", eng_method(g, o), "mode", eng_mode(g), "engine",
-                                               j, "ratio", ratio, "in_band", ratio >= lo / pm));
+        bool below = ratio < lo / pm, above = ratio > hi / pm;
+        printf("; %s %s %.3fx (%s)", eng_method(g, o), eng_mode(g), ratio, below ? "BELOW band" : above ? "above band" : "in band");
+        json_array_append_new(modes, json_pack("{s:s, s:s, s:i, s:f, s:b, s:b}", "method", eng_method(g, o), "mode", eng_mode(g),
+                                               "engine", j, "ratio", ratio, "below_band", below, "above_band", above));
     }
     printf("\n");
     fflush(stdout);
