@@ -142,11 +142,30 @@ static bool run_batch(pd_engine *e, const prompts *P, int B, int max_tokens, res
 
 typedef struct opts {
     const char *model, *draft, *golden, *golden_key, *device, *json_path;
-    bool dummy;
-    int method, k, repeat, random_len, max_tokens, max_model_len, reps;
+    bool dummy, sequential;
+    int method, k, repeat, random_len, random_n, max_tokens, max_model_len, reps;
+    int kv_len;  // the longest prompt + max_tokens: the positions a request can hold
     int batches[16], n_batches;
-    const char *modes;  // "off,adaptive,fixed"
+    const char *modes;  // "off,adaptive,fixed" (or METHOD:adaptive, METHOD:fixed)
 } opts;
+
+#define MAX_ENGINES 8
+#define MAX_REPS 20
+
+// One engine of the comparison: its mode and what each timed run measured.
+typedef struct eng {
+    int method;  // PD_SPEC_NONE: off
+    bool fixed;
+    pd_engine *e;
+    double tok_s[16][MAX_REPS];   // [batch][rep]
+    int64_t drafted[16], accepted[16], emitted[16], steps[16], tokens[16];  // over the timed reps
+    int n_same[16];               // requests of its first timed run equal to the baseline's (-1: not compared)
+} eng;
+
+static const char *eng_mode(const eng *g) { return g->method == PD_SPEC_NONE ? "off" : g->fixed ? "fixed" : "adaptive"; }
+static const char *eng_method(const eng *g, const opts *o) {
+    return g->method || o->method ? pd_spec_method_name((pd_spec_method)(g->method ? g->method : o->method)) : "-";
+}
 
 static pd_engine *make_engine(const opts *o, int spec_method, bool fixed) {
     pd_engine_params p = pd_engine_params_default();
@@ -157,6 +176,12 @@ static pd_engine *make_engine(const opts *o, int spec_method, bool fixed) {
     int bmax = 1;
     for (int i = 0; i < o->n_batches; i++) bmax = PD_MAX(bmax, o->batches[i]);
     p.max_num_seqs = bmax;
+    // Engines live side by side (interleaved runs): each holds the KV its largest batch needs
+    // (the longest prompt + max_tokens + lookahead slots, two blocks of headroom each), not a share
+    // of free memory (four Llama-3-8B engines with 1024-token pools for 64 requests did not fit
+    // an 80 GB card).
+    p.n_blocks = bmax * ((o->kv_len + PD_SPEC_MAX_K + PD_SPEC_MAX_W + 15) / 16 + 2) + 16;
+    p.block_size = 16;
     p.spec_method = spec_method;
     p.spec_model_dir = spec_method == PD_SPEC_DRAFT ? o->draft : NULL;
     p.spec_k = o->k;
@@ -177,18 +202,155 @@ static pd_engine *make_engine(const opts *o, int spec_method, bool fixed) {
     return e;
 }
 
+static int cmp_double(const void *a, const void *b) {
+    double x = *(const double *)a, y = *(const double *)b;
+    return x < y ? -1 : x > y;
+}
+
+static double median_of(const double *v, int n) {
+    double t[MAX_BATCH + MAX_ENGINES * MAX_REPS];
+    if (n <= 0 || n > (int)PD_ARRAY_LEN(t)) return 0;
+    memcpy(t, v, sizeof(double) * (size_t)n);
+    qsort(t, (size_t)n, sizeof(double), cmp_double);
+    return n % 2 ? t[n / 2] : 0.5 * (t[n / 2 - 1] + t[n / 2]);
+}
+
+// The workload as the plain engine decodes it: how many outputs end in a cycle (their second half
+// repeats with a period <= 64), the median period and where the cycle starts (what prompt lookup
+// can predict on random-weight models, whose greedy output falls into loops).
+static void describe_outputs(const int32_t *out, int B, int T, json_t *js) {
+    int n_cyc = 0, per[MAX_BATCH], from[MAX_BATCH];
+    for (int i = 0; i < B; i++) {
+        const int32_t *o = out + (size_t)i * T;
+        int p = 0;
+        for (int c = 1; c <= 64 && c <= T / 2 && !p; c++) {
+            bool ok = true;
+            for (int t = T / 2; t < T && ok; t++) ok = o[t] == o[t - c];
+            if (ok) p = c;
+        }
+        if (!p) continue;
+        int t0 = T / 2;  // the cycle goes back as far as o[t] == o[t - p] holds
+        while (t0 - 1 - p >= 0 && o[t0 - 1] == o[t0 - 1 - p]) t0--;
+        per[n_cyc] = p, from[n_cyc++] = PD_MAX(t0 - p, 0);
+    }
+    double dp[MAX_BATCH], df[MAX_BATCH];
+    for (int i = 0; i < n_cyc; i++) dp[i] = per[i], df[i] = from[i];
+    double mp = n_cyc ? median_of(dp, n_cyc) : 0,
+           mf = n_cyc ? median_of(df, n_cyc) : 0;
+    printf("workload B=%d: %d/%d plain outputs end in a cycle", B, n_cyc, B);
+    if (n_cyc) printf(" (median period %.0f tokens, from token %.0f of %d)", mp, mf, T);
+    printf("\n");
+    json_object_set_new(js, "outputs_cyclic", json_integer(n_cyc));
+    json_object_set_new(js, "cycle_period_median", json_real(mp));
+    json_object_set_new(js, "cycle_start_median", json_real(mf));
+}
+
+// Timed runs of one batch size over a group of engines that are alive together: each engine gets
+// the same untimed warm-up run at this size, then reps rounds in which every engine runs once, the
+// order rotated by one each round (A B C, B C A, C A B, ...): no engine is always first, and drift
+// over time (clocks, heat, the host) falls on every mode alike.
+static bool run_group(const opts *o, const prompts *P, eng *G, int n, int bi, const eng *baseline, int32_t *scratch_out,
+                      int32_t **base_out) {
+    int B = o->batches[bi];
+    for (int j = 0; j < n; j++) {  // (at most 128 tokens: the policy's step shapes get measured)
+        result w = {.out = scratch_out};
+        if (!run_batch(G[j].e, P, B, PD_MIN(o->max_tokens, 128), &w)) return false;
+    }
+    for (int rep = 0; rep < o->reps; rep++)
+        for (int jj = 0; jj < n; jj++) {
+            eng *g = &G[(rep + jj) % n];
+            result r = {.out = scratch_out};
+            if (!run_batch(g->e, P, B, o->max_tokens, &r)) return false;
+            g->tok_s[bi][rep] = r.tok_s;
+            g->drafted[bi] += r.drafted, g->accepted[bi] += r.accepted, g->emitted[bi] += r.emitted;
+            g->steps[bi] += r.steps, g->tokens[bi] += r.n_tokens;
+            size_t sz = sizeof(int32_t) * (size_t)B * (size_t)o->max_tokens;
+            if (rep == 0 && !*base_out && g == baseline) {
+                *base_out = pd_malloc(sz);
+                if (!*base_out) return false;
+                memcpy(*base_out, r.out, sz);
+            }
+            if (rep == 0 && g != baseline) {
+                // The baseline runs first in round 0 (interleaved) or alone before (sequential).
+                g->n_same[bi] = 0;
+                for (int i = 0; *base_out && i < B; i++)
+                    g->n_same[bi] += !memcmp(r.out + (size_t)i * o->max_tokens, *base_out + (size_t)i * o->max_tokens,
+                                             sizeof(int32_t) * (size_t)o->max_tokens);
+            }
+        }
+    return true;
+}
+
+// Prints (and adds to arr) one batch size's results: per engine the median of its runs and their
+// range, the ratio to the plain engines' median (all runs of every off engine pooled), and the
+// plain engines' own spread (their noise band): a speculative engine whose median ratio falls
+// below the band's low edge is slower than off by more than plain engines differ among themselves.
+static void report_batch(const opts *o, eng *G, int n_eng, int bi, json_t *arr, json_t *sums) {
+    int B = o->batches[bi], R = o->reps;
+    double plain[MAX_ENGINES * MAX_REPS];
+    int n_plain = 0, n_plain_eng = 0;
+    for (int j = 0; j < n_eng; j++)
+        if (G[j].method == PD_SPEC_NONE) {
+            n_plain_eng++;
+            for (int r = 0; r < R; r++) plain[n_plain++] = G[j].tok_s[bi][r];
+        }
+    double pm = median_of(plain, n_plain), lo = 1e300, hi = 0;
+    for (int i = 0; i < n_plain; i++) lo = PD_MIN(lo, plain[i]), hi = PD_MAX(hi, plain[i]);
+    json_t *sum = json_pack("{s:i, s:f, s:f, s:f, s:i, s:i}", "batch", B, "plain_median_tok_s", pm, "plain_band_lo",
+                            pm > 0 ? lo / pm : 0.0, "plain_band_hi", pm > 0 ? hi / pm : 0.0, "plain_runs", n_plain,
+                            "plain_engines", n_plain_eng);
+    for (int j = 0; j < n_eng; j++) {
+        eng *g = &G[j];
+        double med = median_of(g->tok_s[bi], R), mn = 1e300, mx = 0;
+        for (int r = 0; r < R; r++) mn = PD_MIN(mn, g->tok_s[bi][r]), mx = PD_MAX(mx, g->tok_s[bi][r]);
+        double acc = g->drafted[bi] ? (double)g->accepted[bi] / (double)g->drafted[bi] : 0;
+        double mal = g->steps[bi] ? (double)g->emitted[bi] / (double)g->steps[bi] : 0;
+        double ratio = pm > 0 ? med / pm : 0;
+        printf("%-10s %-8s batch=%-3d %9.1f tok/s [%.1f..%.1f] %5.2fx off  acceptance %.3f  tokens/verify %.2f  drafted %lld",
+               eng_method(g, o), eng_mode(g), B, med, mn, mx, ratio, acc, mal, (long long)(g->drafted[bi] / R));
+        if (g->n_same[bi] >= 0) printf("  same as off %d/%d", g->n_same[bi], B);
+        printf("\n");
+        json_t *runs = json_array();
+        for (int r = 0; r < R; r++) json_array_append_new(runs, json_real(g->tok_s[bi][r]));
+        json_array_append_new(arr, json_pack("{s:s, s:s, s:i, s:i, s:f, s:f, s:f, s:o, s:f, s:f, s:f, s:I, s:I, s:I, s:i}",
+                                             "mode", eng_mode(g), "method", eng_method(g, o), "engine", j, "batch", B, "tok_s",
+                                             med, "tok_s_min", mn, "tok_s_max", mx, "runs", runs, "speedup", ratio, "acceptance",
+                                             acc, "tokens_per_verify", mal, "drafted", (json_int_t)(g->drafted[bi] / R), "accepted",
+                                             (json_int_t)(g->accepted[bi] / R), "tokens", (json_int_t)(g->tokens[bi] / R),
+                                             "same_as_off", g->n_same[bi]));
+    }
+    printf("summary B=%d: plain %.1f tok/s (median of %d runs, %d engine%s), band [%.3f, %.3f]", B, pm, n_plain, n_plain_eng,
+           n_plain_eng == 1 ? "" : "s", pm > 0 ? lo / pm : 0, pm > 0 ? hi / pm : 0);
+    json_t *modes = json_array();
+    for (int j = 0; j < n_eng; j++) {
+        eng *g = &G[j];
+        if (g->method == PD_SPEC_NONE) continue;
+        double ratio = pm > 0 ? median_of(g->tok_s[bi], R) / pm : 0;
+        bool below = ratio < lo / pm, above = ratio > hi / pm;
+        printf("; %s %s %.3fx (%s)", eng_method(g, o), eng_mode(g), ratio, below ? "BELOW band" : above ? "above band" : "in band");
+        json_array_append_new(modes, json_pack("{s:s, s:s, s:i, s:f, s:b, s:b}", "method", eng_method(g, o), "mode", eng_mode(g),
+                                               "engine", j, "ratio", ratio, "below_band", below, "above_band", above));
+    }
+    printf("\n");
+    fflush(stdout);
+    json_object_set_new(sum, "speculative", modes);
+    json_array_append_new(sums, sum);
+}
+
 int pd_cmd_bench_spec(int argc, char **argv) {
     static const struct option lo[] = {{"model", required_argument, 0, 'm'},       {"load-format", required_argument, 0, 'l'},
                                        {"device", required_argument, 0, 'd'},      {"speculative-method", required_argument, 0, 's'},
                                        {"speculative-model", required_argument, 0, 'D'}, {"num-speculative-tokens", required_argument, 0, 'k'},
                                        {"golden", required_argument, 0, 'g'},      {"golden-key", required_argument, 0, 'G'},
                                        {"repeat", required_argument, 0, 'r'},      {"random-prompt", required_argument, 0, 'R'},
+                                       {"random-prompts", required_argument, 0, 'N'},
                                        {"max-tokens", required_argument, 0, 't'},  {"batches", required_argument, 0, 'b'},
                                        {"modes", required_argument, 0, 'M'},       {"max-model-len", required_argument, 0, 'L'},
                                        {"reps", required_argument, 0, 'p'},        {"json", required_argument, 0, 'j'},
+                                       {"sequential", no_argument, 0, 'S'},
                                        {"help", no_argument, 0, 'h'},              {0, 0, 0, 0}};
-    opts o = {.device = "auto", .golden_key = "prompts", .k = 4, .repeat = 1, .max_tokens = 128, .max_model_len = 1024,
-              .reps = 1, .modes = "off,adaptive,fixed", .batches = {1, 8, 32, 64}, .n_batches = 4};
+    opts o = {.device = "auto", .golden_key = "prompts", .k = 4, .repeat = 1, .random_n = 1, .max_tokens = 128,
+              .max_model_len = 1024, .reps = 3, .modes = "off,adaptive,fixed", .batches = {1, 8, 32, 64}, .n_batches = 4};
     int c;
     long v;
     optind = 1;
@@ -221,6 +383,10 @@ int pd_cmd_bench_spec(int argc, char **argv) {
             if (!pd_cmd_parse_int(optarg, &v) || v < 1 || v > 65536) return pd_cmd_usage_error("bench-spec", "--random-prompt must be 1..65536");
             o.random_len = (int)v;
             break;
+        case 'N':
+            if (!pd_cmd_parse_int(optarg, &v) || v < 1 || v > MAX_PROMPTS) return pd_cmd_usage_error("bench-spec", "--random-prompts must be 1..%d", MAX_PROMPTS);
+            o.random_n = (int)v;
+            break;
         case 't':
             if (!pd_cmd_parse_int(optarg, &v) || v < 2 || v > 65536) return pd_cmd_usage_error("bench-spec", "--max-tokens must be 2..65536");
             o.max_tokens = (int)v;
@@ -230,7 +396,7 @@ int pd_cmd_bench_spec(int argc, char **argv) {
             o.max_model_len = (int)v;
             break;
         case 'p':
-            if (!pd_cmd_parse_int(optarg, &v) || v < 1 || v > 20) return pd_cmd_usage_error("bench-spec", "--reps must be 1..20");
+            if (!pd_cmd_parse_int(optarg, &v) || v < 1 || v > MAX_REPS) return pd_cmd_usage_error("bench-spec", "--reps must be 1..%d", MAX_REPS);
             o.reps = (int)v;
             break;
         case 'b': {
@@ -248,118 +414,142 @@ int pd_cmd_bench_spec(int argc, char **argv) {
         }
         case 'M': o.modes = optarg; break;
         case 'j': o.json_path = optarg; break;
+        case 'S': o.sequential = true; break;
         case 'h':
             printf("usage: pdserve bench-spec --model DIR [--load-format dummy|auto] [--device cpu|cuda]\n"
-                   "         --speculative-method draft|ngram|lookahead [--speculative-model DIR] [--num-speculative-tokens K]\n"
-                   "         (--golden FILE [--golden-key prompts|speculative_acceptance] | --random-prompt L) [--repeat N]\n"
-                   "         [--max-tokens N] [--batches 1,8,32,64] [--modes off,adaptive,fixed] [--max-model-len N]\n"
-                   "         [--reps N] [--json FILE]\n");
+                   "         [--speculative-method draft|ngram|lookahead] [--speculative-model DIR] [--num-speculative-tokens K]\n"
+                   "         (--golden FILE [--golden-key prompts|speculative_acceptance] | --random-prompt L [--random-prompts N])\n"
+                   "         [--repeat N] [--max-tokens N] [--batches 1,8,32,64] [--modes off,adaptive,fixed] [--max-model-len N]\n"
+                   "         [--reps N] [--sequential] [--json FILE]\n"
+                   "  --modes: off, adaptive, fixed (the --speculative-method), or METHOD:adaptive / METHOD:fixed; repeats\n"
+                   "           allowed; the first is off. Engines live side by side and run interleaved (rotated order each\n"
+                   "           rep, same warm-up); --sequential builds, runs and frees them one at a time instead.\n");
             return 0;
         default: return pd_cmd_usage_error("bench-spec", "unknown option (see --help)");
         }
     }
     if (optind < argc) return pd_cmd_usage_error("bench-spec", "unexpected argument '%s'", argv[optind]);
     if (!o.model) return pd_cmd_usage_error("bench-spec", "--model DIR is required");
-    if (!o.method) return pd_cmd_usage_error("bench-spec", "--speculative-method is required");
-    if (o.method == PD_SPEC_DRAFT && !o.draft) return pd_cmd_usage_error("bench-spec", "draft needs --speculative-model DIR");
     if (!o.golden == !o.random_len) return pd_cmd_usage_error("bench-spec", "give one of --golden FILE and --random-prompt L");
-    // Modes in the order given, repeats allowed (a second "off" shows the drift between engines);
-    // the first must be off: the baseline of the speedups.
-    int modes[16], n_modes = 0;
+    if (o.random_n > 1 && !o.random_len) return pd_cmd_usage_error("bench-spec", "--random-prompts needs --random-prompt L");
+    // Modes in the order given, repeats allowed (several plain engines give the noise band); the
+    // first must be off: the baseline outputs are compared with.
+    eng G[MAX_ENGINES];
+    memset(G, 0, sizeof G);
+    int n_eng = 0;
     {
         char *dup = pd_strdup(o.modes), *save = NULL;
-        for (char *t = strtok_r(dup, ",", &save); t && n_modes < 16; t = strtok_r(NULL, ",", &save)) {
-            int m = !strcmp(t, "off") ? 0 : !strcmp(t, "adaptive") ? 1 : !strcmp(t, "fixed") ? 2 : -1;
-            if (m < 0) {
-                pd_free(dup);
-                return pd_cmd_usage_error("bench-spec", "--modes: off, adaptive or fixed, not '%s'", t);
+        const char *bad = NULL;
+        for (char *t = strtok_r(dup, ",", &save); t; t = strtok_r(NULL, ",", &save)) {
+            if (n_eng >= MAX_ENGINES) {
+                bad = "more than 8 modes";
+                break;
             }
-            modes[n_modes++] = m;
+            eng *g = &G[n_eng];
+            char *colon = strchr(t, ':');
+            int method = o.method;
+            if (colon) {
+                *colon = 0;
+                pd_spec_method m;
+                if (pd_spec_method_parse(t, &m) || m == PD_SPEC_NONE) {
+                    bad = t;
+                    break;
+                }
+                method = (int)m;
+                t = colon + 1;
+            }
+            if (!strcmp(t, "off") && !colon) g->method = PD_SPEC_NONE;
+            else if (!strcmp(t, "adaptive") || !strcmp(t, "fixed")) g->method = method, g->fixed = !strcmp(t, "fixed");
+            else {
+                bad = t;
+                break;
+            }
+            if (g->method == PD_SPEC_NONE && strcmp(t, "off")) {
+                pd_free(dup);
+                return pd_cmd_usage_error("bench-spec", "--modes: '%s' needs --speculative-method or METHOD:%s", t, t);
+            }
+            if (g->method == PD_SPEC_DRAFT && !o.draft) {
+                pd_free(dup);
+                return pd_cmd_usage_error("bench-spec", "draft needs --speculative-model DIR");
+            }
+            for (int b = 0; b < 16; b++) g->n_same[b] = -1;
+            n_eng++;
         }
         pd_free(dup);
+        if (bad) return pd_cmd_usage_error("bench-spec", "--modes: off, adaptive, fixed or METHOD:adaptive|fixed (8 at most), not '%s'", bad);
     }
-    if (n_modes == 0 || modes[0] != 0) return pd_cmd_usage_error("bench-spec", "--modes must start with off (the baseline)");
+    if (o.method == PD_SPEC_DRAFT && !o.draft) return pd_cmd_usage_error("bench-spec", "draft needs --speculative-model DIR");
+    if (n_eng == 0 || G[0].method != PD_SPEC_NONE) return pd_cmd_usage_error("bench-spec", "--modes must start with off (the baseline)");
+    bool any_spec = false;
+    for (int j = 0; j < n_eng; j++) any_spec |= G[j].method != PD_SPEC_NONE;
+    if (!any_spec && !o.method) return pd_cmd_usage_error("bench-spec", "--speculative-method is required");
     prompts P = {0};
     if (o.golden) {
         if (!load_golden(&P, o.golden, o.golden_key)) return 1;
     } else {
         pd_rng r;
         pd_rng_seed(&r, 17);
-        P.n = 1;
-        P.len[0] = o.random_len;
-        P.ids[0] = pd_malloc(sizeof(int32_t) * (size_t)o.random_len);
-        for (int i = 0; i < o.random_len; i++) P.ids[0][i] = 1 + (int32_t)(pd_rng_next(&r) % 4000);
+        for (int k = 0; k < o.random_n; k++) {
+            P.len[k] = o.random_len;
+            P.ids[k] = pd_malloc(sizeof(int32_t) * (size_t)o.random_len);
+            for (int i = 0; i < o.random_len; i++) P.ids[k][i] = 1 + (int32_t)(pd_rng_next(&r) % 4000);
+            P.n++;
+        }
     }
     repeat_prompts(&P, o.repeat);
     int max_len = 0;
     for (int i = 0; i < P.n; i++) max_len = PD_MAX(max_len, P.len[i]);
     if (max_len + o.max_tokens + 32 > o.max_model_len) o.max_model_len = max_len + o.max_tokens + 32;
-    printf("bench-spec: %s, %s, k=%d, %d prompt(s) of up to %d tokens, %d new tokens per request\n", o.model,
-           pd_spec_method_name((pd_spec_method)o.method), o.k, P.n, max_len, o.max_tokens);
-    json_t *out = json_object(), *arr = json_array();
+    o.kv_len = max_len + o.max_tokens;
+    int bmax = 1;
+    for (int i = 0; i < o.n_batches; i++) bmax = PD_MAX(bmax, o.batches[i]);
+    printf("bench-spec: %s, %s, k=%d, %d prompt(s) of up to %d tokens, %d new tokens per request, %d engines %s, %d reps\n",
+           o.model, o.method ? pd_spec_method_name((pd_spec_method)o.method) : "(per mode)", o.k, P.n, max_len, o.max_tokens,
+           n_eng, o.sequential ? "one at a time" : "interleaved", o.reps);
+    json_t *out = json_object(), *arr = json_array(), *sums = json_array(), *wl = json_array();
     json_object_set_new(out, "model", json_string(o.model));
     json_object_set_new(out, "method", json_string(pd_spec_method_name((pd_spec_method)o.method)));
     json_object_set_new(out, "k", json_integer(o.k));
+    json_object_set_new(out, "reps", json_integer(o.reps));
+    json_object_set_new(out, "interleaved", json_boolean(!o.sequential));
     json_object_set_new(out, "results", arr);
-    double base[16] = {0};
+    json_object_set_new(out, "summary", sums);
+    json_object_set_new(out, "workload", wl);
     int32_t *base_out[16] = {0};
-    int rc = 0;
-    for (int mi = 0; mi < n_modes && !rc; mi++) {
-        int mode = modes[mi];
-        bool first = mi == 0;
-        pd_engine *e = make_engine(&o, mode == 0 ? 0 : o.method, mode == 2);
-        if (!e) {
-            rc = 1;
-            break;
-        }
-        result warm = {.out = pd_malloc(sizeof(int32_t) * (size_t)o.max_tokens)};
-        (void)run_batch(e, &P, 1, PD_MIN(o.max_tokens, 16), &warm);  // first steps: cuBLASLt plans, allocations
-        pd_free(warm.out);
-        for (int bi = 0; bi < o.n_batches && !rc; bi++) {
-            int B = o.batches[bi];
-            double best = 0;
-            result res = {.out = pd_malloc(sizeof(int32_t) * (size_t)B * (size_t)o.max_tokens)}, keep = {0};
-            for (int rep = 0; rep < o.reps; rep++) {
-                if (!run_batch(e, &P, B, o.max_tokens, &res)) {
-                    rc = 1;
-                    break;
-                }
-                if (res.tok_s > best) best = res.tok_s, keep = res;
-            }
-            if (rc) {
-                pd_free(res.out);
+    int32_t *scratch = pd_malloc(sizeof(int32_t) * (size_t)bmax * (size_t)o.max_tokens);
+    int rc = scratch ? 0 : 1;
+    // Interleaved: every engine built first (each warmed the same way: its warm-up graphs, one short
+    // batch-1 run), then batch by batch the rotated rounds. Sequential: one engine at a time.
+    int n_groups = o.sequential ? n_eng : 1;
+    for (int gi = 0; gi < n_groups && !rc; gi++) {
+        eng *grp = o.sequential ? &G[gi] : G;
+        int n = o.sequential ? 1 : n_eng;
+        for (int j = 0; j < n && !rc; j++) {
+            grp[j].e = make_engine(&o, grp[j].method, grp[j].fixed);
+            if (!grp[j].e) {
+                rc = 1;
                 break;
             }
-            const char *mname = mode == 0 ? "off" : mode == 1 ? "adaptive" : "fixed";
-            int n_same = -1;
-            if (first) {
-                base[bi] = best;
-                base_out[bi] = res.out;
-            } else if (base_out[bi]) {
-                n_same = 0;
-                for (int i = 0; i < B; i++)
-                    n_same += !memcmp(res.out + (size_t)i * o.max_tokens, base_out[bi] + (size_t)i * o.max_tokens,
-                                      sizeof(int32_t) * (size_t)o.max_tokens);
-            }
-            double acc = keep.drafted ? (double)keep.accepted / (double)keep.drafted : 0;
-            double mal = keep.steps ? (double)keep.emitted / (double)keep.steps : 0;
-            printf("%-10s %-8s batch=%-3d %9.1f tok/s  %5.2fx off  acceptance %.3f  tokens/verify %.2f  drafted %lld",
-                   pd_spec_method_name((pd_spec_method)o.method), mname, B, best, base[bi] > 0 ? best / base[bi] : 0, acc, mal,
-                   (long long)keep.drafted);
-            if (n_same >= 0) printf("  same as off %d/%d", n_same, B);
-            printf("\n");
-            fflush(stdout);
-            json_array_append_new(arr, json_pack("{s:s, s:i, s:f, s:f, s:f, s:f, s:I, s:I, s:I, s:i}", "mode", mname, "batch", B,
-                                                 "tok_s", best, "speedup", base[bi] > 0 ? best / base[bi] : 0.0, "acceptance", acc,
-                                                 "tokens_per_verify", mal, "drafted", (json_int_t)keep.drafted, "accepted",
-                                                 (json_int_t)keep.accepted, "tokens", (json_int_t)keep.n_tokens, "same_as_off", n_same));
-            if (!first) pd_free(res.out);
+            result warm = {.out = scratch};
+            (void)run_batch(grp[j].e, &P, 1, PD_MIN(o.max_tokens, 16), &warm);  // first steps: cuBLASLt plans, allocations
         }
-        pd_engine_free(e);
+        for (int bi = 0; bi < o.n_batches && !rc; bi++)
+            if (!run_group(&o, &P, grp, n, bi, &G[0], scratch, &base_out[bi])) rc = 1;
+        for (int j = 0; j < n; j++)
+            if (grp[j].e) pd_engine_free(grp[j].e), grp[j].e = NULL;
+    }
+    for (int bi = 0; bi < o.n_batches && !rc; bi++) {
+        report_batch(&o, G, n_eng, bi, arr, sums);
+        if (base_out[bi]) {
+            json_t *w = json_pack("{s:i}", "batch", o.batches[bi]);
+            describe_outputs(base_out[bi], o.batches[bi], o.max_tokens, w);
+            json_array_append_new(wl, w);
+        }
     }
     for (int bi = 0; bi < 16; bi++) pd_free(base_out[bi]);
+    pd_free(scratch);
     for (int i = 0; i < P.n; i++) pd_free(P.ids[i]);
-    if (o.json_path && json_dump_file(out, o.json_path, JSON_INDENT(1))) {
+    if (!rc && o.json_path && json_dump_file(out, o.json_path, JSON_INDENT(1))) {
         fprintf(stderr, "bench-spec: cannot write %s\n", o.json_path);
         rc = 1;
     }

@@ -50,8 +50,11 @@
 #define CATCHUP_MAX 512  // draft catch-up tokens per sequence per step
 #define PROBE_EVERY 16   // adaptive: a request whose estimate says "don't" still drafts 1 token now and then
 #define PROBE_SHARE 0.01 // ... at most this share of the step time spent on probes (the period grows)
+#define PROBE_RETRY 4    // a due probe whose sequence had no proposal: the next sequence tries this many steps later
 
+struct espec;
 typedef struct sreq {
+    struct espec *owner;  // the engine's speculation state (its count of busy requests)
     int32_t *toks;  // owned: prompt + outputs
     int n;
     size_t cap;
@@ -112,6 +115,17 @@ typedef struct espec {
     int64_t step_draft_us;
     int64_t next_probe, probe_rot;  // adaptive: the next probe step, which sequence probes
     int64_t next_win_probe;         // lookahead: the next step a window rides along as a probe
+    pd_spec_backoff probe_bo, win_bo;  // probe periods grow while probes fail (spec.h)
+    int probe_pick;  // this step: the idle sequence (plan index) whose proposal is looked up for the probe, -1: none
+    int probe_i;     // this step: the sequence (plan index) that drafts as a probe, -1: none
+    uint64_t probe_wait_id;  // the request of the last probe, until the next step judges it (0: none)
+    int64_t n_probe_ok;  // probes after which the policy chose to draft (diagnostics)
+    // Idle fast path (adaptive, draft-free): with no request busy (every live one chose no draft
+    // on its last decode step), no probe due and, for lookahead, the window's last verdict "does
+    // not pay" at the same batch, a step has nothing to look at: run_plan returns at once.
+    int n_busy;        // live requests whose last_k != 0 (-1: not decoded yet counts as busy)
+    int win_quiet_n;   // lookahead: the batch size of the last step whose window did not ride (-1: it rode)
+    int64_t n_fast;    // steps that took the fast path (diagnostics)
     double la_yield;  // lookahead: accepted tokens per Jacobi window token spent (EMA)
     int64_t la_win_tokens;  // window tokens verified this step
     int cap_res_seqs;
@@ -178,6 +192,17 @@ static bool reserve_seqs(espec *S, int n) {
     S->cap_res_seqs = c;
     S->cap_seqs = c;
     return true;
+}
+
+// Busy: it drafted on its last decode step, has not decoded yet (-1), or drafts at a fixed length
+// (a seeded sampled request looks for proposals every step).
+static bool is_busy(const sreq *sr, int last_k) { return last_k != 0 || sr->fixed_k; }
+
+// A request's drafts on its last decode step, keeping the engine's count of busy requests.
+static void set_last_k(sreq *sr, int k) {
+    bool was = is_busy(sr, sr->last_k), now = is_busy(sr, k);
+    if (was != now) sr->owner->n_busy += now ? 1 : -1;
+    sr->last_k = k;
 }
 
 static bool sreq_push(sreq *r, int32_t t) {
@@ -251,6 +276,9 @@ pd_status pd_engine_spec_load(pd_engine *e, pd_err *err) {
     pd_spec_cost_init(&S->cost, 0);
     pd_spec_cost_init(&S->cost_eager, 0);
     pd_spec_shapes_init(&S->shapes);
+    pd_spec_backoff_init(&S->probe_bo);
+    pd_spec_backoff_init(&S->win_bo);
+    S->win_quiet_n = -1;
     if (S->method == PD_SPEC_DRAFT) {
         if (!p->spec_model_dir) return pd_err_set(err, PD_ERR_INVALID, "--speculative-method draft needs --speculative-model DIR");
         pd_status st = check_tokenizers(e->tok, p->spec_model_dir, err);
@@ -319,13 +347,13 @@ void pd_engine_spec_fini(pd_engine *e) {
     const char *dbg = getenv("PD_SPEC_STATS");
     if (dbg && strcmp(dbg, "0")) {
         PD_LOG_I("spec stats: %lld steps, %lld verify (%.1f us each, forward), %lld plain (%.1f us each, whole step), "
-                 "%lld probes, %lld window steps, %lld window probes; host time in the hooks besides forwards: %.2f us per "
-                 "plain step, %.1f us per verify step",
+                 "%lld probes (%lld accepted a draft; backoff x%u), %lld window steps, %lld window probes (backoff x%u); "
+                 "host time in the hooks besides forwards: %.2f us per plain step, %.1f us per verify step; %lld idle fast-path steps",
                  (long long)S->n_steps, (long long)S->verify_n, S->verify_n ? (double)S->verify_us / (double)S->verify_n : 0,
                  (long long)S->plain_n, S->plain_n ? (double)S->plain_us / (double)S->plain_n : 0, (long long)S->n_probes,
-                 (long long)S->n_win_steps, (long long)S->n_win_probes,
+                 (long long)S->n_probe_ok, S->probe_bo.mult, (long long)S->n_win_steps, (long long)S->n_win_probes, S->win_bo.mult,
                  S->plain_n ? (double)S->hook_plain_us / (double)S->plain_n : 0,
-                 S->verify_n ? (double)S->hook_us / (double)S->verify_n : 0);
+                 S->verify_n ? (double)S->hook_us / (double)S->verify_n : 0, (long long)S->n_fast);
         for (int i = 0; i < PD_SPEC_SHAPES; i++)
             if (S->shapes.key[i])
                 PD_LOG_I("spec stats: shape batch %u x %s%u tokens: %.1f us (%u steps)", (S->shapes.key[i] & ~SHAPE_EAGER) >> 20,
@@ -349,7 +377,9 @@ pd_status pd_engine_spec_req_init(pd_engine *e, ereq *q, const pd_engine_request
     if (!sr) return PD_ERR_NOMEM;
     q->spec = sr;
     sr->draft_pos = -1;
-    sr->last_k = -1;
+    sr->owner = S;
+    sr->last_k = -1;  // busy until its first decode step chose
+    S->n_busy++;
     sr->la_want = -1;
     sr->n_prompt = r->n_prompt;
     sr->is_random = r->sampling.temperature > 0;
@@ -370,6 +400,7 @@ pd_status pd_engine_spec_req_init(pd_engine *e, ereq *q, const pd_engine_request
 void pd_engine_spec_req_fini(ereq *q) {
     sreq *sr = q->spec;
     if (!sr) return;
+    if (sr->owner && is_busy(sr, sr->last_k)) sr->owner->n_busy--;
     pd_free(sr->toks);
     pd_spec_pool_free(sr->pool);
     pd_free(sr);
@@ -546,12 +577,19 @@ static pad_ctx pad_of(pd_engine *e, const pd_step_plan *plan) {
     return p;
 }
 
+// What a probe's verdict depends on: the step's batch bucket (its size where steps are not padded).
+static uint32_t batch_key(pd_model *m, int n_seqs) {
+    int b = pd_model_step_tokens(m, n_seqs, 1, n_seqs);
+    return (uint32_t)(b > 0 ? b : n_seqs);
+}
+
 // Chooses each speculating sequence's length in S->kch from S->kmax.
 static void choose_lengths(pd_engine *e, const pd_step_plan *plan, sreq **srs) {
     espec *S = e->spec;
-    int n = 0, n_base = 0;
+    int n = 0, n_base = 0, n_yield = 0;  // n_yield: sequences that get a token this step anyway
     for (int i = 0; i < plan->n_seqs; i++) {
         n_base += plan->seqs[i].n_tokens;
+        n_yield += plan->seqs[i].needs_logits;
         S->kch[i] = 0;
         sreq *sr = srs[i];
         if (!sr || S->kmax[i] <= 0) continue;
@@ -563,7 +601,15 @@ static void choose_lengths(pd_engine *e, const pd_step_plan *plan, sreq **srs) {
         S->alpha[n] = pd_spec_accept_alpha(&sr->acc);
         n++;
     }
-    if (n == 0) return;
+    if (n == 0) {
+        if (S->probe_wait_id) pd_spec_backoff_result(&S->probe_bo, false), S->probe_wait_id = 0;  // no proposal: no draft
+        // A probe was due but the sequence whose turn it was has nothing to propose (an empty
+        // lookahead pool, no n-gram match): the next one tries PROBE_RETRY steps later, not on
+        // every step (which kept the idle fast path off for lookahead engines, whose pools are
+        // mostly empty while windows do not run).
+        if (S->probe_pick >= 0 && S->n_steps >= S->next_probe) S->next_probe = S->n_steps + PROBE_RETRY;
+        return;
+    }
     // Compact arrays for pd_spec_choose (kmax / alpha by position in sidx).
     int *km = S->row0, *kk = S->kch + 0;  // row0 is free until the draft runs
     for (int j = 0; j < n; j++) km[j] = S->kmax[S->sidx[j]];
@@ -572,26 +618,42 @@ static void choose_lengths(pd_engine *e, const pd_step_plan *plan, sreq **srs) {
     if (!kout) kout = pd_malloc(sizeof(int) * (size_t)n);
     if (!kout) return;
     pad_ctx pc = pad_of(e, plan);
-    pd_spec_choose_padded(&S->cost, n_base, n, S->alpha, km, S->method == PD_SPEC_DRAFT, step_cost, &pc, kout);
+    pd_spec_choose_padded(&S->cost, n_base, n, n_yield, S->alpha, km, S->method == PD_SPEC_DRAFT, step_cost, &pc, kout);
     int any_k = 0;
+    bool probe_ok = false;
     for (int j = 0; j < n; j++) {
         int i = S->sidx[j];
         kk[i] = kout[j];
         any_k |= kk[i] > 0;
+        probe_ok |= kk[i] > 0 && plan->seqs[i].req_id == S->probe_wait_id;
+    }
+    // The last probe succeeded iff its sequence now drafts by the policy's own choice (its accepted
+    // probe raised the estimate enough); else probes back off (an accepted draft that still does
+    // not pay at this batch is a failure too: the probe changed nothing).
+    if (S->probe_wait_id) {
+        pd_spec_backoff_result(&S->probe_bo, probe_ok);
+        S->n_probe_ok += probe_ok;
+        S->probe_wait_id = 0;
     }
     // Probe now and then: an estimate that says "never" would never be revised. One sequence
     // (in turn) drafts 1 token, at most every PROBE_EVERY steps, and less often when a probe is
     // dear (a draft forward with its catch-up, a padded verify step): probes cost at most
     // PROBE_SHARE of the time. Free when other sequences draft anyway (the step verifies already).
+    // The probing sequence: the idle one whose proposal run_plan looked up for this probe (draft-free
+    // methods), else the next in turn. While probes change nothing the period doubles
+    // (pd_spec_backoff: reset by a success or a new batch bucket).
     if (S->n_steps >= S->next_probe || any_k) {
-        int j = (int)(S->probe_rot++ % n), i = S->sidx[j];
-        if (kk[i] == 0) kk[i] = 1;
+        int i = S->probe_pick >= 0 && S->kmax[S->probe_pick] > 0 ? S->probe_pick : S->sidx[(int)(S->probe_rot++ % n)];
+        if (kk[i] == 0) {
+            kk[i] = 1;
+            if (!any_k) S->probe_i = i;
+        }
         if (!any_k) {
             double c0 = step_cost(&pc, 0, n_base), c1 = step_cost(&pc, 1, n_base + 1);
             double dc = c1 - c0 + (S->method == PD_SPEC_DRAFT && S->cost.draft_us > 0 ? 2 * S->cost.draft_us : 0);
             double period = dc / (PROBE_SHARE * (c0 > 1 ? c0 : 1));
             period = period < PROBE_EVERY ? PROBE_EVERY : period > 4096 ? 4096 : period;
-            S->next_probe = S->n_steps + (int64_t)period;
+            S->next_probe = S->n_steps + pd_spec_backoff_period(&S->probe_bo, batch_key(e->model, plan->n_seqs), period);
             S->n_probes++;
         }
     }
@@ -761,9 +823,17 @@ static pd_status run_plan(pd_engine *e, const pd_step_plan *plan, bool *handled)
     S->step_draft_us = 0;
     S->la_win_tokens = 0;
     S->srs_n = 0;
+    S->probe_pick = S->probe_i = -1;
+    if (S->adaptive && S->method != PD_SPEC_DRAFT && S->n_busy == 0 && S->n_steps > 0 && S->n_steps < S->next_probe &&
+        (S->method != PD_SPEC_LOOKAHEAD || (S->win_quiet_n == plan->n_seqs && S->n_steps < S->next_win_probe))) {
+        S->n_fast++;  // the idle fast path: a plain step, as without speculation
+        S->n_steps++;
+        return PD_OK;
+    }
     if (!reserve_seqs(S, plan->n_seqs)) return PD_ERR_NOMEM;
     sreq **srs = S->srs;
     bool any = false, draft_work = false;
+    int n_idle = 0;
     for (int i = 0; i < plan->n_seqs; i++) {
         const pd_step_seq *s = &plan->seqs[i];
         ereq *r = pd_engine_req_find(e, s->req_id);
@@ -788,19 +858,30 @@ static pd_status run_plan(pd_engine *e, const pd_step_plan *plan, bool *handled)
             draft_work = true;  // too far behind: catch up first (chunked), draft later
             room = 0;
         }
-        // Adaptive: a sequence that chose no draft last step proposes (a prompt-lookup scan, a
-        // pool probe: microseconds each, a step of a small model is ~100 us) only on probe steps.
-        if (S->adaptive && !sr->fixed_k && S->method != PD_SPEC_DRAFT && sr->last_k == 0 && S->n_steps < S->next_probe &&
-            S->n_steps > 0)
-            room = 0;
+        // Adaptive: a sequence that chose no draft last step looks for a proposal (a prompt-lookup
+        // scan, a pool probe: up to tens of microseconds at a long context, where a step of a small
+        // model is ~100-300 us) only when it is the one probe of a probe step, picked below.
+        if (S->adaptive && !sr->fixed_k && S->method != PD_SPEC_DRAFT && sr->last_k == 0 && S->n_steps > 0 && room > 0) {
+            S->kmax[i] = -room;  // idle: a probe candidate
+            n_idle++;
+            continue;
+        }
         S->kmax[i] = room;
+    }
+    if (n_idle) {  // one idle sequence in turn on a probe step, none otherwise
+        int pick = S->n_steps >= S->next_probe ? (int)(S->probe_rot++ % n_idle) : -1;
+        for (int i = 0, c = 0; i < plan->n_seqs; i++)
+            if (S->kmax[i] < 0) {
+                if (c++ == pick) S->kmax[i] = -S->kmax[i], S->probe_pick = i;
+                else S->kmax[i] = 0;
+            }
     }
     if (S->method == PD_SPEC_NGRAM || S->method == PD_SPEC_LOOKAHEAD) propose_free(e, plan, srs);
     choose_lengths(e, plan, srs);
     for (int i = 0; i < plan->n_seqs; i++) {
         any |= S->kch[i] > 0;
         if (srs[i] && S->method != PD_SPEC_DRAFT) srs[i]->k = S->kch[i];
-        if (srs[i] && is_decode(&plan->seqs[i], srs[i])) srs[i]->last_k = S->kch[i];
+        if (srs[i] && is_decode(&plan->seqs[i], srs[i])) set_last_k(srs[i], S->kch[i]);
     }
     if (S->method == PD_SPEC_LOOKAHEAD) {
         // The Jacobi window rides along while it pays: W extra tokens per sequence add dt to a
@@ -819,6 +900,10 @@ static pd_status run_plan(pd_engine *e, const pd_step_plan *plan, bool *handled)
         // Else a probe now and then (the yield must stay measured): one sequence's window, at
         // most PROBE_SHARE of the time (its cost is that of one window: rel / n_win).
         int only = -1;
+        bool quiet = S->adaptive && !cheap;
+        // While windows do not pay, each window probe doubles the period to the next one
+        // (pd_spec_backoff); a step where they pay, or a new batch bucket, resets it.
+        if (cheap && S->adaptive) pd_spec_backoff_result(&S->win_bo, true);
         if (!cheap && n_win > 0 && S->n_steps >= S->next_win_probe) {
             int pick = (int)(S->probe_rot++ % n_win), c = 0;
             for (int i = 0; i < plan->n_seqs && only < 0; i++)
@@ -826,10 +911,12 @@ static pd_status run_plan(pd_engine *e, const pd_step_plan *plan, bool *handled)
             double c1 = step_cost(&pc, kmx + S->W, n_base + S->W);
             double period = (c1 - c0) / (PROBE_SHARE * (c0 > 1 ? c0 : 1));
             period = period < PROBE_EVERY ? PROBE_EVERY : period > 4096 ? 4096 : period;
-            S->next_win_probe = S->n_steps + (int64_t)period;
+            S->next_win_probe = S->n_steps + pd_spec_backoff_period(&S->win_bo, batch_key(e->model, plan->n_seqs), period);
+            pd_spec_backoff_result(&S->win_bo, false);
             S->n_win_probes += only >= 0;
             cheap = only >= 0;
         }
+        S->win_quiet_n = quiet && only < 0 ? plan->n_seqs : -1;
         for (int i = 0; cheap && i < plan->n_seqs; i++) {
             sreq *sr = srs[i];
             if (!sr || !is_decode(&plan->seqs[i], sr) || (only >= 0 && i != only)) continue;
@@ -855,6 +942,7 @@ static pd_status run_plan(pd_engine *e, const pd_step_plan *plan, bool *handled)
             if (srs[i] && srs[i]->k > 0) acc += e->sb.outputs[i].n_accepted;
         S->la_yield = 0.9 * S->la_yield + 0.1 * (double)acc / (double)S->la_win_tokens;
     }
+    if (S->probe_i >= 0) S->probe_wait_id = plan->seqs[S->probe_i].req_id;  // judged by the next step's choice
     for (int i = 0; i < plan->n_seqs; i++) {
         sreq *sr = srs[i];
         if (!sr || sr->k == 0) continue;

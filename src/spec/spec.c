@@ -207,14 +207,14 @@ double pd_spec_cost_predict(const pd_spec_cost *c, int n_tokens) {
 
 int pd_spec_choose(const pd_spec_cost *c, int n_base, int n_seqs, const double *alpha, const int *k_max,
                    bool uses_draft, int *k) {
-    return pd_spec_choose_padded(c, n_base, n_seqs, alpha, k_max, uses_draft, NULL, NULL, k);
+    return pd_spec_choose_padded(c, n_base, n_seqs, n_seqs, alpha, k_max, uses_draft, NULL, NULL, k);
 }
 
-int pd_spec_choose_padded(const pd_spec_cost *c, int n_base, int n_seqs, const double *alpha, const int *k_max,
+int pd_spec_choose_padded(const pd_spec_cost *c, int n_base, int n_seqs, int n_yield, const double *alpha, const int *k_max,
                           bool uses_draft, pd_spec_step_cost_fn pad, void *ud, int *k) {
     double draft_us = uses_draft ? (c->draft_us > 0 ? c->draft_us : 0) : 0;
     int sum_k = 0, max_k = 0;
-    double tokens = n_seqs;  // each speculating sequence yields its target token anyway
+    double tokens = n_yield > n_seqs ? n_yield : n_seqs;  // every sequence yields its target token anyway
     for (int i = 0; i < n_seqs; i++) k[i] = 0;
     double cost = pad ? pad(ud, 0, n_base) : pd_spec_cost_predict(c, n_base);
     // With padding: the best point of the greedy path (its length in added tokens).
@@ -311,4 +311,20 @@ double pd_spec_shapes_get(const pd_spec_shapes *t, uint32_t key) {
     bool found;
     int s = shape_slot(t, key, &found);
     return found && t->n[s] >= 2 ? t->us[s] : -1;
+}
+
+// ---- probe backoff ----------------------------------------------------------------------------
+
+void pd_spec_backoff_init(pd_spec_backoff *b) { b->mult = 1, b->key = 0; }
+
+int64_t pd_spec_backoff_period(pd_spec_backoff *b, uint32_t key, double base) {
+    if (key != b->key) b->key = key, b->mult = 1;
+    if (!(base >= PD_SPEC_PERIOD_MIN)) base = PD_SPEC_PERIOD_MIN;  // (also NaN)
+    double p = base * (double)b->mult;
+    return p > PD_SPEC_PERIOD_MAX ? PD_SPEC_PERIOD_MAX : (int64_t)p;
+}
+
+void pd_spec_backoff_result(pd_spec_backoff *b, bool success) {
+    if (success) b->mult = 1;
+    else if (b->mult < PD_SPEC_BACKOFF_MAX) b->mult *= 2;
 }

@@ -110,7 +110,11 @@ typedef double (*pd_spec_step_cost_fn)(void *ud, int max_k, int n_tokens);
 // pd_spec_choose with the step's cost from cost(...). The cost is then a step function of the
 // longest draft, so the greedy path is followed to its end (every k_max used) and the best
 // tokens/time point on it is kept, rather than stopping at the first token that does not pay.
-int pd_spec_choose_padded(const pd_spec_cost *c, int n_base, int n_seqs, const double *alpha, const int *k_max,
+// n_yield: the tokens the step yields without any draft — one per sequence that gets a token, the
+// plain decodes among them, not only the n_seqs that may speculate (values below n_seqs count as
+// n_seqs). Drafts are weighed against the whole step's yield: a few candidates in a batch of 64
+// gain a few tokens on 64, not on their own count.
+int pd_spec_choose_padded(const pd_spec_cost *c, int n_base, int n_seqs, int n_yield, const double *alpha, const int *k_max,
                           bool uses_draft, pd_spec_step_cost_fn cost, void *ud, int *k);
 
 // ---- measured step times per shape -----------------------------------------------------------
@@ -131,6 +135,26 @@ void pd_spec_shapes_observe(pd_spec_shapes *t, uint32_t key, double us);
 // The shape's time (us), or -1 when not measured: a shape counts from its second step on (the
 // first one's time is dropped: first launches and first eager runs cost far more).
 double pd_spec_shapes_get(const pd_spec_shapes *t, uint32_t key);
+
+// ---- probe backoff ------------------------------------------------------------------------------
+// Probes keep a "does not pay" estimate alive (a sequence drafts a token now and then although the
+// policy says no). While probes keep failing (nothing accepted, or the lookahead window still does
+// not pay), their period doubles, up to PD_SPEC_BACKOFF_MAX times the base period; a success
+// resets it, and so does a change of what the probe's worth depends on (the key: the engine passes
+// the step's batch bucket), where the old verdict no longer holds.
+#define PD_SPEC_BACKOFF_MAX 256
+#define PD_SPEC_PERIOD_MIN 16
+#define PD_SPEC_PERIOD_MAX 16384
+typedef struct pd_spec_backoff {
+    uint32_t mult;  // 1, 2, 4, ... PD_SPEC_BACKOFF_MAX
+    uint32_t key;
+} pd_spec_backoff;
+void pd_spec_backoff_init(pd_spec_backoff *b);
+// Steps until the next probe: base (steps, the probe's own price rule) clamped to at least
+// PD_SPEC_PERIOD_MIN, times the backoff, at most PD_SPEC_PERIOD_MAX. A key other than the last
+// one resets the backoff first.
+int64_t pd_spec_backoff_period(pd_spec_backoff *b, uint32_t key, double base);
+void pd_spec_backoff_result(pd_spec_backoff *b, bool success);
 
 #ifdef __cplusplus
 }

@@ -5,7 +5,9 @@
 #      speculative_acceptance prompts, batches 1 and 3, modes off, adaptive, fixed, off: every line
 #      reported, the fixed run drafted and accepted tokens, and every speculative run's greedy
 #      output is byte-identical to speculation off ("same as off N/N": fp32 on the CPU is exact)
-#   2. ngram on a repeated prompt: drafted, accepted, identical; the JSON report has every run
+#   2. ngram on a repeated prompt: drafted, accepted, identical; the JSON report has every run;
+#      the interleaved protocol (METHOD:mode, two plain engines, 2 rounds): runs, median within
+#      its range, the plain engines' pooled band, the summary
 #   3. bad input is refused with a message naming it
 here=$(cd "$(dirname "$0")" && pwd)
 . "$here/lib/server.sh"
@@ -52,6 +54,28 @@ assert f["drafted"] > 0 and f["accepted"] > 0 and f["same_as_off"] == 2, f
 assert f["tokens_per_verify"] > 1.0, f
 EOF
 
+# ---- 2b. the interleaved protocol: METHOD:mode, two plain engines, rounds, median, band ------------
+timeout 300 "$PD_BIN" bench-spec --model "$MODEL" --device cpu --golden "$G" --repeat 2 --batches 2 --max-tokens 12 \
+  --modes off,ngram:fixed,off --reps 2 --json "$TMP/il.json" >"$TMP/il.out" 2>"$TMP/il.err" ||
+  pd_fail "bench-spec interleaved: $(tail -5 "$TMP/il.err")"
+grep -q '^summary B=2: plain .*band \[.*ngram fixed' "$TMP/il.out" || pd_fail "no summary line: $(cat "$TMP/il.out")"
+python3 - "$TMP/il.json" <<'EOF2' || pd_fail "bench-spec interleaved JSON"
+import json, sys
+d = json.load(open(sys.argv[1]))
+assert d["interleaved"] and d["reps"] == 2, d
+assert [r["mode"] for r in d["results"]] == ["off", "fixed", "off"], d["results"]
+for r in d["results"]:
+    assert len(r["runs"]) == 2 and r["tok_s_min"] <= r["tok_s"] <= r["tok_s_max"], r
+f = d["results"][1]
+assert f["method"] == "ngram" and f["drafted"] > 0 and f["same_as_off"] == 2, f
+s = d["summary"][0]
+assert s["batch"] == 2 and s["plain_runs"] == 4 and s["plain_engines"] == 2, s
+assert s["plain_band_lo"] <= 1.0 <= s["plain_band_hi"], s
+sp = s["speculative"][0]
+assert sp["method"] == "ngram" and sp["mode"] == "fixed" and abs(sp["ratio"] - f["speedup"]) < 1e-9, sp
+assert d["workload"][0]["batch"] == 2, d["workload"]
+EOF2
+
 # ---- 3. refusals -------------------------------------------------------------------------------------
 "$PD_BIN" bench-spec --model "$MODEL" --device cpu --speculative-method draft --golden "$G" >"$TMP/r1" 2>&1 &&
   pd_fail "draft without --speculative-model accepted"
@@ -61,4 +85,10 @@ grep -q 'speculative-model' "$TMP/r1" || pd_fail "refusal does not name --specul
 grep -q 'modes' "$TMP/r2" || pd_fail "refusal does not name --modes: $(cat "$TMP/r2")"
 "$PD_BIN" bench-spec --model "$MODEL" --device cpu --speculative-method ngram --golden "$G" --frobnicate 1 >"$TMP/r3" 2>&1 &&
   pd_fail "unknown option accepted"
+"$PD_BIN" bench-spec --model "$MODEL" --device cpu --golden "$G" --modes off,bogus:adaptive >"$TMP/r4" 2>&1 &&
+  pd_fail "--modes with an unknown method accepted"
+grep -q 'bogus' "$TMP/r4" || pd_fail "refusal does not name the bad mode: $(cat "$TMP/r4")"
+"$PD_BIN" bench-spec --model "$MODEL" --device cpu --golden "$G" --modes off,adaptive >"$TMP/r5" 2>&1 &&
+  pd_fail "adaptive without a method accepted"
+grep -q 'speculative-method' "$TMP/r5" || pd_fail "refusal does not name --speculative-method: $(cat "$TMP/r5")"
 echo "PASS test_bench_spec: $(grep ' fixed .*batch=1 ' "$TMP/draft.out" | sed 's/  */ /g')"

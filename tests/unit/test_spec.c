@@ -163,10 +163,41 @@ PD_TEST(measured_step_shapes) {
     int km[64], k[64];
     for (int i = 0; i < 64; i++) alpha[i] = i == 0 ? 0.5 : 0, km[i] = i == 0 ? 4 : 0;
     double dear[2] = {300, 300}, cheap[2] = {105, 105};
-    PD_CHECK_EQ(pd_spec_choose_padded(&c, 64, 64, alpha, km, false, cost_of, dear, k), 0);
-    PD_CHECK_EQ(pd_spec_choose_padded(&c, 64, 64, alpha, km, false, cost_of, cheap, k), 0);
-    PD_CHECK(pd_spec_choose_padded(&c, 1, 1, alpha, km, false, cost_of, cheap, k) >= 1);
-    PD_CHECK_EQ(pd_spec_choose_padded(&c, 1, 1, alpha, km, false, cost_of, dear, k), 0);
+    PD_CHECK_EQ(pd_spec_choose_padded(&c, 64, 64, 64, alpha, km, false, cost_of, dear, k), 0);
+    PD_CHECK_EQ(pd_spec_choose_padded(&c, 64, 64, 64, alpha, km, false, cost_of, cheap, k), 0);
+    PD_CHECK(pd_spec_choose_padded(&c, 1, 1, 1, alpha, km, false, cost_of, cheap, k) >= 1);
+    PD_CHECK_EQ(pd_spec_choose_padded(&c, 1, 1, 1, alpha, km, false, cost_of, dear, k), 0);
+    // One candidate in a step of 64 decodes: its drafts are weighed against the 64 tokens the step
+    // yields anyway, so a verify step at 1.3x does not pay (weighed against its own 1 token, 1 +
+    // 0.94 expected tokens would have looked worth 1.3x); at 1.005x a token at 0.5 still pays.
+    double mid[2] = {130, 130}, flat[2] = {100.5, 100.5};
+    PD_CHECK(pd_spec_choose_padded(&c, 64, 1, 1, alpha, km, false, cost_of, mid, k) >= 1);  // the old weighing
+    PD_CHECK_EQ(pd_spec_choose_padded(&c, 64, 1, 64, alpha, km, false, cost_of, mid, k), 0);
+    PD_CHECK(pd_spec_choose_padded(&c, 64, 1, 64, alpha, km, false, cost_of, flat, k) >= 1);
+}
+
+PD_TEST(probe_backoff) {
+    pd_spec_backoff b;
+    pd_spec_backoff_init(&b);
+    PD_CHECK_EQ(pd_spec_backoff_period(&b, 64, 5), PD_SPEC_PERIOD_MIN);  // at least the minimum
+    PD_CHECK_EQ(pd_spec_backoff_period(&b, 64, 20.5), 20);
+    // Failures double the period, up to PD_SPEC_BACKOFF_MAX x, never past PD_SPEC_PERIOD_MAX.
+    for (int i = 1; i <= 3; i++) {
+        pd_spec_backoff_result(&b, false);
+        PD_CHECK_EQ(pd_spec_backoff_period(&b, 64, 20), 20 << i);
+    }
+    for (int i = 0; i < 40; i++) pd_spec_backoff_result(&b, false);
+    PD_CHECK_EQ(b.mult, PD_SPEC_BACKOFF_MAX);
+    PD_CHECK_EQ(pd_spec_backoff_period(&b, 64, 16), 16 * PD_SPEC_BACKOFF_MAX);
+    PD_CHECK_EQ(pd_spec_backoff_period(&b, 64, 4096), PD_SPEC_PERIOD_MAX);
+    // A success resets it; so does a new key (another batch bucket).
+    pd_spec_backoff_result(&b, true);
+    PD_CHECK_EQ(pd_spec_backoff_period(&b, 64, 20), 20);
+    pd_spec_backoff_result(&b, false);
+    pd_spec_backoff_result(&b, false);
+    PD_CHECK_EQ(pd_spec_backoff_period(&b, 64, 20), 80);
+    PD_CHECK_EQ(pd_spec_backoff_period(&b, 32, 20), 20);
+    PD_CHECK_EQ(pd_spec_backoff_period(&b, 32, 0.0 / 0.0), PD_SPEC_PERIOD_MIN);  // NaN: the minimum
 }
 
 PD_TEST(method_names) {
