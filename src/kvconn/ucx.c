@@ -9,11 +9,21 @@
 // completion before PREFILL_DONE leaves, with the same per-layer checksums of the source rows as
 // the direct transports (the decode side verifies over its own blocks). The same code runs over
 // whatever UCX selects: tcp or shared memory here (UCX_TLS=tcp,self or sm,self), RDMA or
-// cuda_ipc/cuda_copy on clusters. The decode side progresses its UCX worker on its own thread
+// cuda_ipc/cuda_copy on GPUs. The decode side progresses its UCX worker on its own thread
 // (the puts land there with software transports such as tcp).
 //
-// Limits: the HELLO handle is 256 bytes, enough for tcp/sm/self addresses (~100-250 bytes), not
-// for every RDMA address; UCX's own endpoints (e.g. its tcp sockets) do not authenticate — the
+// GPU pools (CUDA backend): both pools are registered with memory type CUDA — the decode
+// worker's whole device pool as the one remote region, the prefill worker's whole device KV
+// cache as the source region (its memh rides with every put, so UCX neither detects nor
+// registers per put). The prefill side waits for its compute stream before the first put (UCX
+// copies on its own CUDA streams). This needs a UCX built with CUDA (libuct_cuda / libucm_cuda:
+// NVIDIA's HPC-X or DOCA ucx-cuda packages, conda-forge's ucx; tools/gpu/ucx_cuda.sh builds the
+// modules for Debian's libucx0 1.13.1): with Debian's libucx0 alone, registering a device pool
+// fails with a clear error. Between two processes on one GPU (or GPUs with peer access) UCX picks
+// cuda_ipc (UCX_TLS=cuda_ipc,cuda_copy,sm,self).
+//
+// Limits: the HELLO handle is PD_KVW_HANDLE_MAX (1024) bytes, enough for tcp/sm/self/cuda
+// addresses plus a cuda_ipc rkey (~120 bytes); UCX's own endpoints (e.g. its tcp sockets) do not authenticate — the
 // rkey and address are only ever sent over the authenticated connection, but a host that can reach
 // the UCX port is trusted as far as UCX's transports trust it.
 #include <poll.h>
@@ -36,6 +46,9 @@ typedef struct ucx_blob_hdr {  // 24 bytes, then the worker address, then the pa
 typedef struct ucx_state {
     ucp_context_h ctx;
     ucp_worker_h worker;
+    ucs_memory_type_t mem_type;  // of our KV pool: host (cpu backend) or CUDA
+    // prefill role: our KV cache, registered once (the source of every put)
+    ucp_mem_h src_memh;
     // decode role
     ucp_mem_h memh;
     void *pool;
@@ -48,7 +61,7 @@ typedef struct ucx_state {
 typedef struct ucx_peer {
     ucp_ep_h ep;
     ucp_rkey_h rkey;
-    uint64_t remote_base;
+    uint64_t remote_base, remote_bytes;  // the registered region the peer announced
     volatile int failed;  // the endpoint reported an error
 } ucx_peer;
 
@@ -73,6 +86,7 @@ static ucx_state *state_new(pd_kvconn *c, pd_err *err) {
     ucp_worker_params_t wp = {.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE, .thread_mode = UCS_THREAD_MODE_SINGLE};
     s = ucp_worker_create(u->ctx, &wp, &u->worker);
     if (s != UCS_OK) goto bad;
+    u->mem_type = c->p.backend && strcmp(pd_backend_name(c->p.backend), "cpu") ? UCS_MEMORY_TYPE_CUDA : UCS_MEMORY_TYPE_HOST;
     c->tstate = u;
     return u;
 bad:
@@ -91,6 +105,7 @@ static void ucx_fini(pd_kvconn *c) {
         pthread_join(u->progress, NULL);
     }
     if (u->memh) ucp_mem_unmap(u->ctx, u->memh);
+    if (u->src_memh) ucp_mem_unmap(u->ctx, u->src_memh);
     ucp_worker_destroy(u->worker);
     ucp_cleanup(u->ctx);
     pd_free(u);
@@ -118,25 +133,50 @@ static void *progress_main(void *arg) {
     return NULL;
 }
 
-// Decode role: the pool must be one region laid out as kvc_pool_bytes says (K0 V0 K1 V1 ...).
-static pd_status ucx_export(pd_kvconn *c, pd_buffer_handle *h, pd_err *err) {
-    (void)h;
+// Both roles: our KV cache must be one region laid out as kvc_pool_bytes says (K0 V0 K1 V1 ...).
+static pd_status pool_region(pd_kvconn *c, void **base, size_t *n, pd_err *err) {
     const pd_kvconn_cache *k = &c->p.cache;
     size_t stride = (size_t)k->n_blocks * (size_t)k->block_size * k->row_bytes;
-    char *base = k->k[0];
+    char *b = k->k[0];
     for (int l = 0; l < k->n_layers; l++)
-        if ((char *)k->k[l] != base + (size_t)(2 * l) * stride || (char *)k->v[l] != base + (size_t)(2 * l + 1) * stride)
+        if ((char *)k->k[l] != b + (size_t)(2 * l) * stride || (char *)k->v[l] != b + (size_t)(2 * l + 1) * stride)
             return pd_err_set(err, PD_ERR_UNSUPPORTED, "ucx: the KV pool is not one contiguous region");
+    *base = b;
+    *n = kvc_pool_bytes(c, k->n_blocks);
+    return PD_OK;
+}
+
+static pd_status mem_map(ucx_state *u, void *base, size_t n, ucp_mem_h *memh, const char *what, pd_err *err) {
+    *memh = NULL;
+    ucp_context_attr_t ca = {.field_mask = UCP_ATTR_FIELD_MEMORY_TYPES};
+    ucs_status_t s = ucp_context_query(u->ctx, &ca);
+    if (u->mem_type == UCS_MEMORY_TYPE_CUDA && (s != UCS_OK || !(ca.memory_types & UCS_BIT(UCS_MEMORY_TYPE_CUDA))))
+        return pd_err_set(err, PD_ERR_UNSUPPORTED, "ucx: %s is device memory and this UCX has no CUDA transports "
+                          "(libuct_cuda: install a CUDA-enabled UCX, or point UCX_MODULE_DIR at the modules "
+                          "tools/gpu/ucx_cuda.sh builds) or UCX_TLS leaves them out (cuda_ipc,cuda_copy)", what);
+    ucp_mem_map_params_t mp = {.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH |
+                                             UCP_MEM_MAP_PARAM_FIELD_MEMORY_TYPE,
+                               .address = base, .length = n, .memory_type = u->mem_type};
+    s = ucp_mem_map(u->ctx, &mp, memh);
+    if (s == UCS_OK) return PD_OK;
+    *memh = NULL;
+    return pd_err_set(err, PD_ERR_IO, "ucx: registering %s (%zu bytes, %s memory): %s", what, n,
+                      u->mem_type == UCS_MEMORY_TYPE_CUDA ? "device" : "host", ucs_status_string(s));
+}
+
+// Decode role: the whole pool is the one registered region peers put into.
+static pd_status ucx_export(pd_kvconn *c, pd_buffer_handle *h, pd_err *err) {
+    (void)h;
+    void *base;
+    size_t n;
+    pd_status st = pool_region(c, &base, &n, err);
+    if (st) return st;
     ucx_state *u = state_new(c, err);
     if (!u) return err ? err->status : PD_ERR_IO;
     u->pool = base;
-    u->pool_bytes = kvc_pool_bytes(c, k->n_blocks);
-    ucp_mem_map_params_t mp = {.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH,
-                               .address = u->pool, .length = u->pool_bytes};
-    ucs_status_t s = ucp_mem_map(u->ctx, &mp, &u->memh);
-    if (s != UCS_OK) return ucx_fail(err, "registering the KV pool", s);
-    return PD_OK;  // the progress thread starts in ucx_hello_blob, once the worker's address is out
-
+    u->pool_bytes = n;
+    return mem_map(u, base, n, &u->memh, "the KV pool", err);
+    // the progress thread starts in ucx_hello_blob, once the worker's address is out
 }
 
 static pd_status ucx_hello_blob(pd_kvconn *c, uint8_t *blob, uint32_t *len, pd_err *err) {
@@ -149,9 +189,9 @@ static pd_status ucx_hello_blob(pd_kvconn *c, uint8_t *blob, uint32_t *len, pd_e
     s = ucp_rkey_pack(u->ctx, u->memh, &rkey, &rlen);
     pd_status st = PD_OK;
     if (s != UCS_OK) st = ucx_fail(err, "packing the pool's rkey", s);
-    else if (sizeof(ucx_blob_hdr) + alen + rlen > 256)
-        st = pd_err_set(err, PD_ERR_UNSUPPORTED, "ucx: address (%zu bytes) and rkey (%zu) do not fit the HELLO handle; "
-                        "narrow UCX_TLS", alen, rlen);
+    else if (sizeof(ucx_blob_hdr) + alen + rlen > PD_KVW_HANDLE_MAX)
+        st = pd_err_set(err, PD_ERR_UNSUPPORTED, "ucx: address (%zu bytes) and rkey (%zu) do not fit the HELLO handle "
+                        "(%d bytes); narrow UCX_TLS", alen, rlen, PD_KVW_HANDLE_MAX);
     else {
         ucx_blob_hdr hd = {.magic = UCX_MAGIC, .addr_len = (uint16_t)alen, .rkey_len = (uint16_t)rlen,
                            .remote_base = (uint64_t)(uintptr_t)u->pool, .n_bytes = u->pool_bytes};
@@ -217,10 +257,18 @@ static pd_status ucx_attach(pd_kvconn *c, kvc_peer *p, const pd_kvw_hello *h, in
     if (hd.remote_base + hd.n_bytes < hd.remote_base) return pd_err_set(err, PD_ERR_PROTO, "ucx: pool wraps around");
     ucx_state *u = state_new(c, err);
     if (!u) return err ? err->status : PD_ERR_IO;
+    if (!u->src_memh) {  // our KV cache, registered once for every peer (device memory: cuda_ipc's source)
+        void *base;
+        size_t n;
+        pd_status st = pool_region(c, &base, &n, err);
+        if (!st) st = mem_map(u, base, n, &u->src_memh, "the prefill KV cache", err);
+        if (st) return st;
+    }
     ucx_peer *q = pd_calloc(1, sizeof *q);
     if (!q) return pd_err_set(err, PD_ERR_NOMEM, "out of memory");
     p->tpriv = q;
     q->remote_base = hd.remote_base;
+    q->remote_bytes = hd.n_bytes;
     ucp_ep_params_t ep = {.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
                                         UCP_EP_PARAM_FIELD_ERR_HANDLER,
                           .address = (const ucp_address_t *)(h->handle + sizeof hd),
@@ -241,9 +289,13 @@ static pd_status ucx_attach(pd_kvconn *c, kvc_peer *p, const pd_kvw_hello *h, in
     return PD_OK;
 }
 
-static void *put(ucx_peer *q, const void *src, size_t n, uint64_t dst) {
-    ucp_request_param_t rp = {0};
-    return ucp_put_nbx(q->ep, src, n, dst, q->rkey, &rp);
+// One put of n bytes from our registered cache to offset off of the peer's region, checked against
+// the region the peer announced (the block ids were checked against its pool already).
+static void *put(const ucx_state *u, ucx_peer *q, const void *src, size_t n, uint64_t off) {
+    if (off > q->remote_bytes || n > q->remote_bytes - off) return UCS_STATUS_PTR(UCS_ERR_INVALID_PARAM);
+    ucp_request_param_t rp = {.op_attr_mask = UCP_OP_ATTR_FIELD_MEMH | UCP_OP_ATTR_FIELD_MEMORY_TYPE,
+                              .memh = u->src_memh, .memory_type = u->mem_type};
+    return ucp_put_nbx(q->ep, src, n, q->remote_base + off, q->rkey, &rp);
 }
 
 static pd_status ucx_save_rest(pd_kvconn *c, pd_kvconn_save *s) {
@@ -256,6 +308,20 @@ static pd_status ucx_save_rest(pd_kvconn *c, pd_kvconn_save *s) {
     size_t bb = k->row_bytes * (size_t)bs, stride = (size_t)p->n_blocks * bb;
     int64_t t0 = pd_time_us(), deadline = t0 + (int64_t)c->p.timeout_ms * 1000;
     pd_status st = PD_OK;
+    // The forward pass wrote the rows on the compute stream; UCX's copies run on its own streams.
+    if (u->mem_type == UCS_MEMORY_TYPE_CUDA) pd_backend_sync(c->p.backend);
+    // Test hook: one flipped bit in the last layer's V rows, put with the rest and restored after
+    // the flush, before the checksums (the decode side must catch it).
+    char *corrupt_at = s->is_corrupt ? (char *)k->v[L - 1] + (size_t)s->src[0] * bb : NULL;
+    uint8_t corrupt_orig = 0;
+    if (corrupt_at) {
+        uint8_t x;
+        pd_backend_download(c->p.backend, &x, corrupt_at, 1);
+        corrupt_orig = x;
+        x ^= 0x40;
+        pd_backend_upload(c->p.backend, corrupt_at, &x, 1);
+        pd_backend_sync(c->p.backend);
+    }
     for (int l = l0; l < L && st == PD_OK; l++) {
         if (!pd_xfer_server_conn_alive(c->xs, s->conn_id) || __atomic_load_n(&q->failed, __ATOMIC_ACQUIRE)) {
             st = PD_ERR_CLOSED;
@@ -263,13 +329,13 @@ static pd_status ucx_save_rest(pd_kvconn *c, pd_kvconn_save *s) {
         }
         for (int kv = 0; kv < 2 && st == PD_OK; kv++) {
             const char *src = kv ? k->v[l] : k->k[l];
-            uint64_t dbase = q->remote_base + (uint64_t)(2 * l + kv) * stride;
+            uint64_t dbase = (uint64_t)(2 * l + kv) * stride;  // offset in the peer's region
             // Runs of blocks consecutive on both sides, full except possibly the last: one put each.
             for (int i = 0; i < s->n_blocks && st == PD_OK;) {
                 int j = i;
                 while (j + 1 < s->n_blocks && s->rows[j] == bs && s->src[j + 1] == s->src[j] + 1 && s->dst[j + 1] == s->dst[j] + 1) j++;
                 size_t n = (size_t)(j - i) * bb + (size_t)s->rows[j] * k->row_bytes;
-                void *r = put(q, src + (size_t)s->src[i] * bb, n, dbase + (uint64_t)s->dst[i] * bb);
+                void *r = put(u, q, src + (size_t)s->src[i] * bb, n, dbase + (uint64_t)s->dst[i] * bb);
                 if (UCS_PTR_IS_ERR(r)) st = PD_ERR_IO;
                 else if (r) ucp_request_free(r);  // completes in the background; the flush waits for it
                 i = j + 1;
@@ -278,18 +344,17 @@ static pd_status ucx_save_rest(pd_kvconn *c, pd_kvconn_save *s) {
         ucp_worker_progress(u->worker);
         if (l == L / 2) kvc_debug_pause(c, "mid_slab");
     }
-    if (st == PD_OK && s->is_corrupt) {  // test hook: one flipped bit in the last layer's V rows, remotely
-        uint8_t x = *((const uint8_t *)k->v[L - 1] + (size_t)s->src[0] * bb) ^ 0x40;
-        void *r = put(q, &x, 1, q->remote_base + (uint64_t)(2 * L - 1) * stride + (uint64_t)s->dst[0] * bb);
-        if (wait_req(u, r, deadline) != UCS_OK) st = PD_ERR_IO;
-    }
-    if (st == PD_OK) {  // remote completion of every put before PREFILL_DONE leaves
+    {  // remote completion of every put posted (also after a failure: nothing may still read our rows)
         ucp_request_param_t rp = {0};
-        ucs_status_t us = wait_req(u, ucp_ep_flush_nbx(q->ep, &rp), deadline);
-        if (us != UCS_OK || __atomic_load_n(&q->failed, __ATOMIC_ACQUIRE)) {
+        ucs_status_t us = wait_req(u, ucp_ep_flush_nbx(q->ep, &rp), st == PD_OK ? deadline : pd_time_us() + 2000000);
+        if (st == PD_OK && (us != UCS_OK || __atomic_load_n(&q->failed, __ATOMIC_ACQUIRE))) {
             PD_LOG_W("kvconn: request %llu: ucx flush failed: %s", (unsigned long long)s->peer_req_id, ucs_status_string(us));
             st = us == UCS_INPROGRESS ? PD_ERR_TIMEOUT : PD_ERR_IO;
         }
+    }
+    if (corrupt_at) {
+        pd_backend_upload(c->p.backend, corrupt_at, &corrupt_orig, 1);
+        pd_backend_sync(c->p.backend);
     }
     if (st == PD_OK) {
         pd_kv_checksum_params cp = {.k = k->k, .v = k->v, .blocks = s->src, .n_rows = s->rows, .n_blocks = s->n_blocks,
@@ -305,7 +370,6 @@ static pd_status ucx_save_rest(pd_kvconn *c, pd_kvconn_save *s) {
 const kvc_transport kvc_ucx = {
     .id = PD_KVW_TRANSPORT_UCX,
     .name = "ucx",
-    .needs_host_pool = true,  // puts from/to host pointers until device memory is registered (cuda_copy)
     .export_pool = ucx_export,
     .hello_blob = ucx_hello_blob,
     .attach = ucx_attach,

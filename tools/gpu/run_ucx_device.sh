@@ -1,0 +1,64 @@
+#!/bin/sh
+# One device-tool call for the ucx connector on one GPU (issue 16): two processes on device 0.
+# Stage here with tools/gpu/stage_ucx.sh (binaries, Debian's UCX + the CUDA modules of
+# tools/gpu/ucx_cuda.sh, models) into build/gpu-ucxgpu of the lead's checkout, carry it, then
+#   sh build/gpu-ucxgpu/run.sh "$OUT" [STEPS]
+# Steps (default "info perf copy ident bench"): info — ucx_info lists cuda_copy / cuda_ipc;
+# perf — ucx_perftest ucp_put_bw device → device between two processes (UCX's own rate);
+# copy — the device's own copy rate (torch, D2D, same process); ident — tools/gpu/test_disagg_gpu.sh
+# with ucx, prefill and decode on cuda:0 (outputs identical to colocated, corrupted slabs caught);
+# bench — pdserve bench-handoff, Llama-3-8B shape, ucx then cuda-ipc, devices 0,0.
+G=${G:-build/gpu-ucxgpu}
+O=${1:-${OUT:-out}}
+STEPS=${2:-info perf copy ident bench}
+mkdir -p "$O" /tmp/pdit
+export LD_LIBRARY_PATH=$PWD/$G/lib:/usr/local/nvidia/lib64:/usr/local/nvidia/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+export UCX_MODULE_DIR=$PWD/$G/lib/ucx-modules UCX_TLS=${UCX_TLS:-cuda_ipc,cuda_copy,sm,self}
+export UCX_WARN_UNUSED_ENV_VARS=n
+nvidia-smi -L
+has() { case " $STEPS " in *" $1 "*) return 0 ;; esac; return 1; }
+if has info; then
+  $G/bin/ucx_info -v | head -3
+  timeout 20 $G/bin/ucx_info -d >"$O/ucx_info.log" 2>&1
+  echo "ucx_info rc=$?"; grep -E "Transport:|Memory domain:|memory types" "$O/ucx_info.log" | sort | uniq -c | head -20
+fi
+if has perf; then
+  for sz in 67108864 1073741824; do
+    timeout 25 $G/bin/ucx_perftest -t ucp_put_bw -m cuda,cuda -s $sz -n 20 -w 3 -p 13377 >"$O/perf_srv_$sz.log" 2>&1 &
+    sleep 1
+    timeout 20 $G/bin/ucx_perftest 127.0.0.1 -t ucp_put_bw -m cuda,cuda -s $sz -n 20 -w 3 -p 13377 >"$O/perf_$sz.log" 2>&1
+    echo "ucx_perftest put_bw cuda->cuda $sz B rc=$?"; tail -3 "$O/perf_$sz.log"
+    wait
+  done
+fi
+if has copy; then
+  timeout 40 python3 - <<'PY' 2>&1 | tee "$O/copy.log"
+import torch, time
+for mb in (64, 256, 1024):
+    n = mb << 20
+    a = torch.empty(n, dtype=torch.uint8, device="cuda"); b = torch.empty_like(a)
+    for _ in range(3): b.copy_(a)
+    torch.cuda.synchronize(); t = time.perf_counter()
+    for _ in range(20): b.copy_(a)
+    torch.cuda.synchronize(); dt = (time.perf_counter() - t) / 20
+    print("device copy %5d MiB: %.3f ms, %.0f GB/s (bytes copied; x2 read+write)" % (mb, dt * 1e3, n / dt / 1e9))
+PY
+fi
+if has ident; then
+  cp $G/tools/gpu/test_disagg_gpu.sh tools/gpu/test_disagg_gpu.sh  # this branch's version (ucx corrupt mode)
+  TMPDIR=/tmp/pdit PD_KEEP_TMP=1 PD_BIN=$PWD/$G/bin/pdserve PD_MODELS_DIR=$PWD/$G/models PD_DEV_PREFILL=cuda:0 \
+    PD_DEV_DECODE=cuda:0 PD_GPU_TRANSPORTS=ucx PD_GPU_MODELS=kjv-llama-6m \
+    timeout "${IDENT_S:-60}" sh tools/gpu/test_disagg_gpu.sh >"$O/identical.log" 2>&1
+  echo "identical rc=$?" >>"$O/identical.log"
+  grep -E "PASS|FAIL|INFO|rc=|warn|error|ucx" "$O/identical.log" | head -40
+  tar czf "$O/identical_tmp.tgz" -C /tmp pdit 2>/dev/null
+fi
+if has bench; then
+  for tr in ${BENCH_TRANSPORTS:-ucx cuda-ipc}; do
+    timeout "${BENCH_S:-35}" $G/bin/pdserve bench-handoff --model bench/configs/llama-3-8b --load-format dummy \
+      --tokenizer $G/models/kjv-llama-6m --tokens 512,2048 --ttft-tokens 8192 --devices 0,0 --reps "${REPS:-5}" \
+      --transport "$tr" --kv-cache-gib 8 --json "$O/handoff_$tr.json" >"$O/handoff_$tr.log" 2>&1
+    echo "bench-handoff $tr rc=$?"
+    grep -v '^pdserve info' "$O/handoff_$tr.log" | tail -12
+  done
+fi
