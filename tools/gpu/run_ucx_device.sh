@@ -24,15 +24,15 @@ if has info; then
 fi
 if has perf; then
   for sz in 67108864 1073741824; do
-    timeout 25 $G/bin/ucx_perftest -t ucp_put_bw -m cuda,cuda -s $sz -n 20 -w 3 -p 13377 >"$O/perf_srv_$sz.log" 2>&1 &
+    timeout 15 $G/bin/ucx_perftest -t ucp_put_bw -m cuda,cuda -s $sz -n 10 -w 2 -p 13377 >"$O/perf_srv_$sz.log" 2>&1 &
     sleep 1
-    timeout 20 $G/bin/ucx_perftest 127.0.0.1 -t ucp_put_bw -m cuda,cuda -s $sz -n 20 -w 3 -p 13377 >"$O/perf_$sz.log" 2>&1
+    timeout 12 $G/bin/ucx_perftest 127.0.0.1 -t ucp_put_bw -m cuda,cuda -s $sz -n 10 -w 2 -p 13377 >"$O/perf_$sz.log" 2>&1
     echo "ucx_perftest put_bw cuda->cuda $sz B rc=$?"; tail -3 "$O/perf_$sz.log"
     wait
   done
 fi
 if has copy; then
-  timeout 40 python3 - <<'PY' 2>&1 | tee "$O/copy.log"
+  timeout 25 python3 - <<'PY' 2>&1 | tee "$O/copy.log"
 import torch, time
 for mb in (64, 256, 1024):
     n = mb << 20
