@@ -9,9 +9,11 @@
 # with ucx, prefill and decode on cuda:0 (outputs identical to colocated, corrupted slabs caught);
 # bench — pdserve bench-handoff, Llama-3-8B shape, ucx then cuda-ipc, devices 0,0.
 G=${G:-build/gpu-ucxgpu}
-O=${1:-${OUT:-out}}
+OUT_DIR=${1:-${OUT:-out}}
 STEPS=${2:-info perf copy ident bench}
-mkdir -p "$O" /tmp/pdit
+O=/tmp/ucxrun  # logs; after each step they are packed into OUT_DIR/logs.tgz (the tool returns 8 files at most)
+mkdir -p "$OUT_DIR" "$O" /tmp/pdit
+pack() { tar czf "$OUT_DIR/logs.tgz" -C /tmp ucxrun pdit 2>/dev/null; }
 export LD_LIBRARY_PATH=$PWD/$G/lib:/usr/local/nvidia/lib64:/usr/local/nvidia/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 export UCX_MODULE_DIR=$PWD/$G/lib/ucx-modules UCX_TLS=${UCX_TLS:-cuda_ipc,cuda_copy,sm,self}
 export UCX_WARN_UNUSED_ENV_VARS=n
@@ -21,6 +23,7 @@ if has info; then
   $G/bin/ucx_info -v | head -3
   timeout 20 $G/bin/ucx_info -d >"$O/ucx_info.log" 2>&1
   echo "ucx_info rc=$?"; grep -E "Transport:|Memory domain:|memory types" "$O/ucx_info.log" | sort | uniq -c | head -20
+  pack
 fi
 if has perf; then
   for sz in 67108864 1073741824; do
@@ -30,6 +33,7 @@ if has perf; then
     echo "ucx_perftest put_bw cuda->cuda $sz B rc=$?"; tail -3 "$O/perf_$sz.log"
     wait
   done
+  pack
 fi
 if has copy; then
   timeout 25 python3 - <<'PY' 2>&1 | tee "$O/copy.log"
@@ -43,6 +47,7 @@ for mb in (64, 256, 1024):
     torch.cuda.synchronize(); dt = (time.perf_counter() - t) / 20
     print("device copy %5d MiB: %.3f ms, %.0f GB/s (bytes copied; x2 read+write)" % (mb, dt * 1e3, n / dt / 1e9))
 PY
+  pack
 fi
 if has ident; then
   cp $G/tools/gpu/test_disagg_gpu.sh tools/gpu/test_disagg_gpu.sh  # this branch's version (ucx corrupt mode)
@@ -51,7 +56,7 @@ if has ident; then
     timeout "${IDENT_S:-60}" sh tools/gpu/test_disagg_gpu.sh >"$O/identical.log" 2>&1
   echo "identical rc=$?" >>"$O/identical.log"
   grep -E "PASS|FAIL|INFO|rc=|warn|error|ucx" "$O/identical.log" | head -40
-  tar czf "$O/identical_tmp.tgz" -C /tmp pdit 2>/dev/null
+  pack
 fi
 if has bench; then
   for tr in ${BENCH_TRANSPORTS:-ucx cuda-ipc}; do
@@ -60,5 +65,6 @@ if has bench; then
       --transport "$tr" --kv-cache-gib 8 --json "$O/handoff_$tr.json" >"$O/handoff_$tr.log" 2>&1
     echo "bench-handoff $tr rc=$?"
     grep -v '^pdserve info' "$O/handoff_$tr.log" | tail -12
+    pack
   done
 fi
