@@ -35,6 +35,7 @@ libucx-dev           UCX transport
 autoconf             tools/gpu/ucx_cuda.sh (UCX's CUDA modules from Debian's ucx source: autogen.sh)
 automake             tools/gpu/ucx_cuda.sh
 libtool              tools/gpu/ucx_cuda.sh
+libnuma-dev          tools/gpu/ucx_cuda.sh (libucs with numa, as Debian's)
 libnats-dev          NATS client
 nats-server          NATS tests
 libssl-dev           libcrypto (HMAC, auth)

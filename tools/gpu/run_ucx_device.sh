@@ -15,14 +15,15 @@ O=/tmp/ucxrun  # logs; after each step they are packed into OUT_DIR/logs.tgz (th
 mkdir -p "$OUT_DIR" "$O" /tmp/pdit
 pack() { tar czf "$OUT_DIR/logs.tgz" -C /tmp ucxrun pdit 2>/dev/null; }
 export LD_LIBRARY_PATH=$PWD/$G/lib:/usr/local/nvidia/lib64:/usr/local/nvidia/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
-export UCX_MODULE_DIR=$PWD/$G/lib/ucx-modules UCX_TLS=${UCX_TLS:-cuda_ipc,cuda_copy,sm,self}
+export UCX_TLS=${UCX_TLS:-cuda_ipc,cuda_copy,sm,self}  # (the modules: lib/ucx beside libucs.so.0)
 export UCX_WARN_UNUSED_ENV_VARS=n
 nvidia-smi -L
 has() { case " $STEPS " in *" $1 "*) return 0 ;; esac; return 1; }
 if has info; then
   $G/bin/ucx_info -v | head -3
-  timeout 20 $G/bin/ucx_info -d >"$O/ucx_info.log" 2>&1
-  echo "ucx_info rc=$?"; grep -E "Transport:|Memory domain:|memory types" "$O/ucx_info.log" | sort | uniq -c | head -20
+  ldd $G/lib/ucx/libuct_cuda.so.0 | grep -E "not found|nvidia-ml|libcuda"
+  UCX_LOG_LEVEL=debug timeout 20 $G/bin/ucx_info -d >"$O/ucx_info.log" 2>&1
+  echo "ucx_info rc=$?"; grep -E "Transport:|Memory domain:|memory types|dlopen|cuda" "$O/ucx_info.log" | sort | uniq -c | head -24
   pack
 fi
 if has perf; then
