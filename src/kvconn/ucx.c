@@ -18,9 +18,10 @@
 // registers per put). The prefill side waits for its compute stream before the first put (UCX
 // copies on its own CUDA streams). This needs a UCX built with CUDA (libuct_cuda / libucm_cuda:
 // NVIDIA's HPC-X or DOCA ucx-cuda packages, conda-forge's ucx; tools/gpu/ucx_cuda.sh builds the
-// modules for Debian's libucx0 1.13.1): with Debian's libucx0 alone, registering a device pool
-// fails with a clear error. Between two processes on one GPU (or GPUs with peer access) UCX picks
-// cuda_ipc (UCX_TLS=cuda_ipc,cuda_copy,sm,self).
+// UCX 1.13.1 from Debian's source with CUDA): with Debian's libucx0 alone, registering a device
+// pool fails with a clear error. Even with CUDA transports, UCX 1.13 cannot put into another
+// process's device memory (see device_rma_ok), so device pools are refused unless
+// PD_UCX_DEVICE_RMA=1 vouches for the UCX in use (untested: no such UCX here).
 //
 // Limits: the HELLO handle is PD_KVW_HANDLE_MAX (1024) bytes, enough for tcp/sm/self/cuda
 // addresses plus a cuda_ipc rkey (~120 bytes); UCX's own endpoints (e.g. its tcp sockets) do not authenticate — the
@@ -28,6 +29,7 @@
 // the UCX port is trusted as far as UCX's transports trust it.
 #include <poll.h>
 #include <pthread.h>
+#include <stdlib.h>
 #include <string.h>
 #include <time.h>
 #include <unistd.h>
@@ -47,6 +49,7 @@ typedef struct ucx_state {
     ucp_context_h ctx;
     ucp_worker_h worker;
     ucs_memory_type_t mem_type;  // of our KV pool: host (cpu backend) or CUDA
+    pd_backend *backend;
     // prefill role: our KV cache, registered once (the source of every put)
     ucp_mem_h src_memh;
     // decode role
@@ -86,6 +89,7 @@ static ucx_state *state_new(pd_kvconn *c, pd_err *err) {
     ucp_worker_params_t wp = {.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE, .thread_mode = UCS_THREAD_MODE_SINGLE};
     s = ucp_worker_create(u->ctx, &wp, &u->worker);
     if (s != UCS_OK) goto bad;
+    u->backend = c->p.backend;
     u->mem_type = c->p.backend && strcmp(pd_backend_name(c->p.backend), "cpu") ? UCS_MEMORY_TYPE_CUDA : UCS_MEMORY_TYPE_HOST;
     c->tstate = u;
     return u;
@@ -146,6 +150,22 @@ static pd_status pool_region(pd_kvconn *c, void **base, size_t *n, pd_err *err) 
     return PD_OK;
 }
 
+// Device pools: whether this UCX is trusted to put device memory into another process's device
+// memory. UCX 1.13 (Debian's) is not: its RMA lanes must offer put_short / put_bcopy / get_bcopy,
+// which cuda_ipc lacks (put/get zcopy only), so no RMA lane serves CUDA memory and UCP emulates
+// the puts over active messages with CPU copies of the device pointers — a SIGSEGV (seen on an
+// H100 with ucx_perftest ucp_put_bw -m cuda,cuda: uct_mm_ep_am_bcopy under ucp_put_nbx). So device
+// pools are refused unless PD_UCX_DEVICE_RMA=1 asserts a UCX whose puts reach device memory over
+// zcopy lanes (cuda_ipc, GPUDirect RDMA) — not available here, so that path is untested on GPUs.
+static pd_status device_rma_ok(pd_err *err) {
+    const char *e = getenv("PD_UCX_DEVICE_RMA");
+    if (e && !strcmp(e, "1")) return PD_OK;
+    return pd_err_set(err, PD_ERR_UNSUPPORTED, "ucx: UCX %s cannot put into another process's device memory (its RMA "
+                      "lanes need put_short/bcopy, which cuda_ipc lacks; UCP would emulate the puts with CPU copies "
+                      "of device pointers); use --kv-transport cuda-ipc or nccl on GPUs, or PD_UCX_DEVICE_RMA=1 with "
+                      "a UCX whose puts use cuda_ipc / GPUDirect zcopy lanes (untested)", ucp_get_version_string());
+}
+
 static pd_status mem_map(ucx_state *u, void *base, size_t n, ucp_mem_h *memh, const char *what, pd_err *err) {
     *memh = NULL;
     ucp_context_attr_t ca = {.field_mask = UCP_ATTR_FIELD_MEMORY_TYPES};
@@ -154,6 +174,14 @@ static pd_status mem_map(ucx_state *u, void *base, size_t n, ucp_mem_h *memh, co
         return pd_err_set(err, PD_ERR_UNSUPPORTED, "ucx: %s is device memory and this UCX has no CUDA transports "
                           "(libuct_cuda: install a CUDA-enabled UCX, or point UCX_MODULE_DIR at the modules "
                           "tools/gpu/ucx_cuda.sh builds) or UCX_TLS leaves them out (cuda_ipc,cuda_copy)", what);
+    if (u->mem_type == UCS_MEMORY_TYPE_CUDA) {
+        pd_status st = device_rma_ok(err);
+        if (st) return st;
+        // UCX's cuda memory domains use the driver API's current context: bind the backend's device
+        // (its primary context) to this thread first (a prefill engine thread meets its first
+        // decode worker before its first CUDA call).
+        pd_backend_sync(u->backend);
+    }
     ucp_mem_map_params_t mp = {.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH |
                                              UCP_MEM_MAP_PARAM_FIELD_MEMORY_TYPE,
                                .address = base, .length = n, .memory_type = u->mem_type};

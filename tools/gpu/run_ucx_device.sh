@@ -7,7 +7,11 @@
 # perf — ucx_perftest ucp_put_bw device → device between two processes (UCX's own rate);
 # copy — the device's own copy rate (torch, D2D, same process); ident — tools/gpu/test_disagg_gpu.sh
 # with ucx, prefill and decode on cuda:0 (outputs identical to colocated, corrupted slabs caught);
-# bench — pdserve bench-handoff, Llama-3-8B shape, ucx then cuda-ipc, devices 0,0.
+# bench — pdserve bench-handoff, Llama-3-8B shape, ucx then cuda-ipc, devices 0,0;
+# perfinfo — ucx_perftest put device → device with UCX_LOG_LEVEL=info (the lanes UCP picked), old
+# and new protocols (UCX_PROTO_ENABLE=n/y); refuse — bench-handoff ucx as shipped (the decode worker
+# must refuse its device pool with a clear error); optin — the same with PD_UCX_DEVICE_RMA=1 and
+# UCX_LOG_LEVEL=info, one 512-token handoff (what UCX 1.13 really does with the puts).
 G=${G:-build/gpu-ucxgpu}
 OUT_DIR=${1:-${OUT:-out}}
 STEPS=${2:-info perf copy ident bench}
@@ -68,4 +72,32 @@ if has bench; then
     grep -v '^pdserve info' "$O/handoff_$tr.log" | tail -12
     pack
   done
+fi
+if has perfinfo; then
+  for pe in n y; do
+    UCX_PROTO_ENABLE=$pe UCX_LOG_LEVEL=info timeout 12 $G/bin/ucx_perftest -t ucp_put_bw -m cuda,cuda -s 67108864 -n 5 \
+      -p 13378 >"$O/perfinfo_srv_$pe.log" 2>&1 &
+    sleep 1
+    UCX_PROTO_ENABLE=$pe UCX_LOG_LEVEL=info timeout 10 $G/bin/ucx_perftest 127.0.0.1 -t ucp_put_bw -m cuda,cuda \
+      -s 67108864 -n 5 -p 13378 >"$O/perfinfo_$pe.log" 2>&1
+    echo "ucx_perftest UCX_PROTO_ENABLE=$pe rc=$?"
+    grep -E "ep_cfg|rma|Segmentation|backtrace|ERROR|bcopy|zcopy|MB/s|^ *[0-9]" "$O/perfinfo_$pe.log" | head -12
+    wait
+  done
+  pack
+fi
+if has refuse; then
+  timeout 30 $G/bin/pdserve bench-handoff --model bench/configs/llama-3-8b --load-format dummy \
+    --tokenizer $G/models/kjv-llama-6m --tokens 512 --ttft-tokens 512 --devices 0,0 --reps 1 --transport ucx \
+    --kv-cache-gib 8 >"$O/refuse.log" 2>&1
+  echo "bench-handoff ucx (as shipped) rc=$?"; grep -v '^pdserve info' "$O/refuse.log" | tail -4
+  pack
+fi
+if has optin; then
+  PD_UCX_DEVICE_RMA=1 UCX_LOG_LEVEL=info timeout 40 $G/bin/pdserve bench-handoff --model bench/configs/llama-3-8b \
+    --load-format dummy --tokenizer $G/models/kjv-llama-6m --tokens 512 --ttft-tokens 512 --devices 0,0 --reps 1 \
+    --transport ucx --kv-cache-gib 8 >"$O/optin.log" 2>&1
+  echo "bench-handoff ucx PD_UCX_DEVICE_RMA=1 rc=$?"
+  grep -E "ep_cfg|Segmentation|signal|backtrace| [0-9]+  .*lib|fell back|fallback|KV copy|TTFT|ucx" "$O/optin.log" | head -30
+  pack
 fi
