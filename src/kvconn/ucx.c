@@ -24,9 +24,9 @@
 // PD_UCX_DEVICE_RMA=1 vouches for the UCX in use (untested: no such UCX here).
 //
 // Limits: the HELLO handle is PD_KVW_HANDLE_MAX (1024) bytes, enough for tcp/sm/self/cuda
-// addresses plus a cuda_ipc rkey (~120 bytes); UCX's own endpoints (e.g. its tcp sockets) do not authenticate — the
-// rkey and address are only ever sent over the authenticated connection, but a host that can reach
-// the UCX port is trusted as far as UCX's transports trust it.
+// addresses plus a cuda_ipc rkey (~120 bytes); UCX's own endpoints (e.g. its tcp sockets) do not
+// authenticate — the rkey and address are only ever sent over the authenticated connection, but a
+// host that can reach the UCX port is trusted as far as UCX's transports trust it.
 #include <poll.h>
 #include <pthread.h>
 #include <stdlib.h>
@@ -152,11 +152,15 @@ static pd_status pool_region(pd_kvconn *c, void **base, size_t *n, pd_err *err) 
 
 // Device pools: whether this UCX is trusted to put device memory into another process's device
 // memory. UCX 1.13 (Debian's) is not: its RMA lanes must offer put_short / put_bcopy / get_bcopy,
-// which cuda_ipc lacks (put/get zcopy only), so no RMA lane serves CUDA memory and UCP emulates
-// the puts over active messages with CPU copies of the device pointers — a SIGSEGV (seen on an
-// H100 with ucx_perftest ucp_put_bw -m cuda,cuda: uct_mm_ep_am_bcopy under ucp_put_nbx). So device
-// pools are refused unless PD_UCX_DEVICE_RMA=1 asserts a UCX whose puts reach device memory over
-// zcopy lanes (cuda_ipc, GPUDirect RDMA) — not available here, so that path is untested on GPUs.
+// which cuda_ipc lacks (put/get zcopy only), so no RMA lane serves CUDA memory (ep_cfg
+// "rma(sysv/memory posix/memory)"). Measured on an H100 with ucx_perftest ucp_put_bw -m cuda,cuda
+// between two processes: the default protocols emulate the puts over active messages with CPU
+// copies of the device pointers — SIGSEGV in uct_mm_ep_am_bcopy under ucp_put_nbx; with
+// UCX_PROTO_ENABLE=y the puts complete at 97 MB/s (64 MiB puts), four orders of magnitude below
+// the cuda-ipc connector. So device pools are refused unless PD_UCX_DEVICE_RMA=1 asserts a UCX
+// whose puts reach device memory over zcopy lanes (cuda_ipc, GPUDirect RDMA): none is available
+// here, so that path is unverified on GPUs (an opt-in run with UCX_TLS=cuda_ipc,cuda_copy,sm,self
+// stopped earlier: the endpoint was "unreachable" in peer error mode, as sm,self is on the CPU).
 static pd_status device_rma_ok(pd_err *err) {
     const char *e = getenv("PD_UCX_DEVICE_RMA");
     if (e && !strcmp(e, "1")) return PD_OK;
