@@ -1,6 +1,6 @@
 #!/bin/sh
 # One device-tool call for the ucx connector on one GPU (issue 16): two processes on device 0.
-# Stage here with tools/gpu/stage_ucx.sh (binaries, Debian's UCX + the CUDA modules of
+# Stage here with tools/gpu/stage_ucx.sh (binaries, the CUDA-enabled UCX 1.13.1 of
 # tools/gpu/ucx_cuda.sh, models) into build/gpu-ucxgpu of the lead's checkout, carry it, then
 #   sh build/gpu-ucxgpu/run.sh "$OUT" [STEPS]
 # Steps (default "info perf copy ident bench"): info — ucx_info lists cuda_copy / cuda_ipc;
