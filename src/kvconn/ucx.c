@@ -17,7 +17,7 @@
 // cache as the source region (its memh rides with every put, so UCX neither detects nor
 // registers per put). The prefill side waits for its compute stream before the first put (UCX
 // copies on its own CUDA streams). This needs a UCX built with CUDA (libuct_cuda / libucm_cuda:
-// NVIDIA's HPC-X or DOCA ucx-cuda packages, conda-forge's ucx; tools/gpu/ucx_cuda.sh builds the
+// NVIDIA's HPC-X or DOCA ucx-cuda packages, conda-forge's ucx; tools/gpu/ucx_cuda.sh builds
 // UCX 1.13.1 from Debian's source with CUDA): with Debian's libucx0 alone, registering a device
 // pool fails with a clear error. Even with CUDA transports, UCX 1.13 cannot put into another
 // process's device memory (see device_rma_ok), so device pools are refused unless
@@ -176,8 +176,8 @@ static pd_status mem_map(ucx_state *u, void *base, size_t n, ucp_mem_h *memh, co
     ucs_status_t s = ucp_context_query(u->ctx, &ca);
     if (u->mem_type == UCS_MEMORY_TYPE_CUDA && (s != UCS_OK || !(ca.memory_types & UCS_BIT(UCS_MEMORY_TYPE_CUDA))))
         return pd_err_set(err, PD_ERR_UNSUPPORTED, "ucx: %s is device memory and this UCX has no CUDA transports "
-                          "(libuct_cuda: install a CUDA-enabled UCX, or point UCX_MODULE_DIR at the modules "
-                          "tools/gpu/ucx_cuda.sh builds) or UCX_TLS leaves them out (cuda_ipc,cuda_copy)", what);
+                          "(libuct_cuda: install a CUDA-enabled UCX, e.g. the one tools/gpu/ucx_cuda.sh builds, "
+                          "through LD_LIBRARY_PATH) or UCX_TLS leaves them out (cuda_ipc,cuda_copy)", what);
     if (u->mem_type == UCS_MEMORY_TYPE_CUDA) {
         pd_status st = device_rma_ok(err);
         if (st) return st;
