@@ -63,6 +63,15 @@ typedef struct kvc_transport {
     // optional: the save ends (after save_rest, or failed): release the transport's per-save state
     // once nothing can still read it (nccl: waits for posted sends, gives back the staging).
     void (*save_free)(pd_kvconn *c, pd_kvconn_save *s);
+    // decode role (optional, two-sided transports): before a load's request goes out, post the
+    // receives of its KV into our blocks (l->dst_blocks; checked against the pool first). Not
+    // PD_OK: no request is sent (PD_ERR_INVALID: a block outside the pool; else prefill locally).
+    pd_status (*load_post)(pd_kvconn *c, const pd_kvconn_load *l);
+    // decode role (optional, with load_post): the load's RESULT, on the session's I/O thread before
+    // the event goes out: waits (bounded) for the posted receives, checks every length, or cancels
+    // them when the load failed; may turn ev->status into a failure (with ev->reason). After it,
+    // nothing of this load writes our pool any more.
+    void (*load_end)(pd_kvconn *c, uint64_t req_id, pd_status *status, char *reason, size_t reason_len);
     // decode role (optional): the HELLO handle bytes, after export_pool (ucx: address + rkey)
     pd_status (*hello_blob)(pd_kvconn *c, uint8_t *blob, uint32_t *len, pd_err *err);
     void (*fini)(pd_kvconn *c);  // optional: frees c->tstate (both roles; after the session layer stopped)

@@ -1,8 +1,13 @@
 #!/bin/sh
-# test_disagg_ucx.sh — the ucx KV transport (--kv-transport ucx, libucx) on loopback (CPU): a
-# prefill worker puts the KV straight into the decode worker's UCX-registered pool. Checks, against
-# a colocated `--role both` server, for UCX_TLS=tcp,self and UCX_TLS=tcp,sm,self (sm alone
-# cannot reach the other process in our containers: "Destination is unreachable"):
+# test_disagg_ucx.sh — the ucx KV transport (--kv-transport ucx, libucx) on loopback (CPU), both
+# data paths: put (the prefill worker puts the KV straight into the decode worker's UCX-registered
+# pool; the default for host pools) and tag (PD_UCX_PATH=tag: the decode worker posts one tagged
+# receive per layer, K|V and block run into its pool, the prefill worker sends them; the default
+# for device pools, so it runs here on the CPU too). Checks, against a colocated `--role both`
+# server, for put over UCX_TLS=tcp,self and tcp,sm,self, tag over tcp,self and over sm,self with
+# UCX_POSIX_ERROR_HANDLING=y (UCX 1.13's shared-memory transports report no peer failure unless
+# told to, and our endpoints ask for peer error handling: sm,self alone is "Destination is
+# unreachable"):
 #   1. greedy outputs are identical for the golden prompts and 64 concurrent mixed-length requests,
 #      /metrics shows >= 64 handoffs and no fallback;
 #   2. a corrupted transfer (--debug-corrupt-kv: one flipped bit put remotely) is caught by the
@@ -21,9 +26,10 @@ dg_token  # the KV connections' shared secret (the workers refuse to start witho
 
 dg_reference both 16 24 --num-kv-blocks 2048
 
-for tls in tcp,self tcp,sm,self; do
-  export UCX_TLS=$tls
-  tr=ucx_$(echo $tls | tr , _)
+for run in put:tcp,self put:tcp,sm,self tag:tcp,self tag:sm,self; do
+  export PD_UCX_PATH=${run%%:*} UCX_TLS=${run#*:} UCX_POSIX_ERROR_HANDLING=n UCX_SYSV_ERROR_HANDLING=n
+  [ "$UCX_TLS" = sm,self ] && export UCX_POSIX_ERROR_HANDLING=y UCX_SYSV_ERROR_HANDLING=y
+  tr=ucx_${PD_UCX_PATH}_$(echo $UCX_TLS | tr , _)
   dg_start_pair $tr ucx
   python3 "$here/disagg_client.py" "$URL" "$TMP/prompts.json" "$TMP/$tr.json" --concurrency 16 --max-tokens 24 ||
     pd_fail "$tr run failed"
@@ -37,8 +43,10 @@ for tls in tcp,self tcp,sm,self; do
   pd_stop decode_$tr
   pd_stop prefill_$tr
 done
-export UCX_TLS=tcp,self
-
-dg_check_corrupt ucx_corrupt ucx
-dg_check_kill ucx_kill ucx
+export UCX_TLS=tcp,self UCX_POSIX_ERROR_HANDLING=n UCX_SYSV_ERROR_HANDLING=n
+for path in put tag; do
+  export PD_UCX_PATH=$path
+  dg_check_corrupt ucx_corrupt_$path ucx
+  dg_check_kill ucx_kill_$path ucx
+done
 echo "PASS test_disagg_ucx"

@@ -24,7 +24,7 @@ cp "$repo/build/gpu/bin/pdserve" "$U/bin/ucx_info" "$U/bin/ucx_perftest" "$DEST/
 cp -r "$repo/../shared/models/kjv-llama-6m" "$DEST/models/"
 mkdir -p "$DEST/models/golden" && cp "$repo/../shared/models/golden/kjv-llama-6m.json" "$DEST/models/golden/"
 cp "$repo/tools/gpu/test_disagg_gpu.sh" "$DEST/tools/gpu/"
-cp "$repo/tools/gpu/run_ucx_device.sh" "$DEST/run.sh"
+cp "$repo/tools/gpu/${RUN_SCRIPT:-run_ucx_device.sh}" "$DEST/run.sh"
 miss=$(LD_LIBRARY_PATH=$DEST/lib ldd "$DEST/bin/pdserve" "$DEST/bin/ucx_info" "$DEST"/lib/ucx/lib*cuda.so.0 |
   grep "not found" | grep -v -e libcuda.so.1 -e libnvidia-ml.so.1 | sort -u || true)
 [ -z "$miss" ] || { echo "stage_ucx: missing libraries: $miss" >&2; exit 1; }

@@ -16,9 +16,9 @@
 #      differently shaped computation may round differently; the two setups hit different caches);
 #   3. nccl and ucx with --debug-corrupt-kv 3 (one sequence per step): the corrupted slabs are caught
 #      by the checksum (fallbacks with reason "checksum" > 0) and the completions are still identical.
-# ucx (PD_GPU_TRANSPORTS=ucx) needs, in both servers' environment, a CUDA-enabled UCX that can put
-# into another process's device memory and PD_UCX_DEVICE_RMA=1; UCX 1.13 (tools/gpu/ucx_cuda.sh)
-# cannot, and the decode worker then refuses to start (docs/benchmarks.md, "UCX on one GPU").
+# ucx (PD_GPU_TRANSPORTS=ucx) needs, in both servers' environment, a CUDA-enabled UCX (e.g. UCX
+# 1.13.1 from tools/gpu/ucx_cuda.sh through LD_LIBRARY_PATH) and UCX_TLS=cuda_ipc,cuda_copy,tcp,self:
+# device pools take the two-sided tag path (src/kvconn/ucx.c; docs/benchmarks.md, "UCX on one GPU").
 # Prints one PASS/FAIL (or INFO) line per check and exits 1 on any FAIL.
 #   usage: tools/gpu/test_disagg_gpu.sh
 #   env:   PD_BIN (default build/pdserve), PD_MODELS_DIR (default ../shared/models),
