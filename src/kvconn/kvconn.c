@@ -362,9 +362,13 @@ void pd_kvconn_layer_begin(pd_kvconn *c, int layer) {
     c->is_mark_due = true;
 }
 
+static bool is_layerwise(const kvc_transport *t, pd_kvconn *c, pd_kvconn_save *s) {
+    return t->layerwise ? t->layerwise(c, s) : t->is_layerwise;
+}
+
 void pd_kvconn_save_layer(pd_kvconn *c, pd_kvconn_save *s, int layer) {
     const kvc_transport *t = save_transport(c, s);
-    if (!t || s->st || !t->is_layerwise || c->is_overlap_off || layer != s->n_layers_saved) return;
+    if (!t || s->st || !is_layerwise(t, c, s) || c->is_overlap_off || layer != s->n_layers_saved) return;
     t->save_layer(c, s, layer);
     if (!s->st) s->n_layers_saved = layer + 1;
 }
@@ -375,7 +379,7 @@ pd_status pd_kvconn_save_end(pd_kvconn *c, pd_kvconn_save *s, const pd_kvconn_fi
     pd_status st = t ? s->st : PD_ERR_CLOSED;
     bool was_layerwise = s->n_layers_saved == L;
     if (st == PD_OK) st = t->save_rest(c, s);  // (ships what is left; direct: waits for the transfer stream)
-    if (st == PD_OK && t->is_layerwise && was_layerwise) __atomic_add_fetch(&c->saves_layerwise, 1, __ATOMIC_RELAXED);
+    if (st == PD_OK && is_layerwise(t, c, s) && was_layerwise) __atomic_add_fetch(&c->saves_layerwise, 1, __ATOMIC_RELAXED);
     if (copy_us) *copy_us = s->copy_us;
     if (st) {
         pd_kvconn_save_fail(c, s, "KV export failed", true);

@@ -33,11 +33,12 @@ struct pd_kvconn_save {
     int n_sends;                // nccl: layer sends posted and not yet waited for
     bool is_xfer_pending;       // transfer-stream work may still write sums / the peer's pool
     bool is_corrupt;            // test hook: flip one bit of this save's KV
+    void *tsave;                // the transport's own per-save state (ucx tag path: posted sends), freed by save_free
     pd_status st;               // first failure
     int64_t copy_us;
 };
 
-// nccl.c: a small pool of device staging buffers (engine thread), so a save does not allocate
+// nccl.c (also ucx.c's gathers): a small pool of device staging buffers (engine thread), so a save does not allocate
 // (and a growing buffer does not free, which synchronises the device) on every request.
 #define KVC_STAGE_POOL_MAX 4
 typedef struct kvc_stage_pool {
@@ -50,6 +51,8 @@ typedef struct kvc_transport {
     pd_kvw_transport id;
     const char *name;
     bool is_layerwise;   // save_layer ships layers during the forward pass
+    // optional: decides is_layerwise per save (ucx: its tag path ships layer-wise, its put path not)
+    bool (*layerwise)(pd_kvconn *c, pd_kvconn_save *s);
     bool needs_host_pool;  // tcp: the decode side's I/O thread writes the pool with the CPU
     // decode role: describe our pool to peers (fills *h); NULL: nothing to export.
     pd_status (*export_pool)(pd_kvconn *c, pd_buffer_handle *h, pd_err *err);

@@ -102,6 +102,11 @@ typedef struct ucx_state {
     ucx_rx *rx;
     int n_rx;               // loads with receives posted (atomic; the progress thread spins while > 0)
     int64_t n_stale;        // messages no receive matched, dropped (atomic)
+    int64_t n_gathers;      // prefill role: tag saves sent from a staging copy
+    bool is_gather_forced;  // test hook (prefill role): PD_UCX_FORCE_GATHER=1 sends every tag save from staging
+    int debug_length;       // test hook (prefill role): PD_UCX_DEBUG_LENGTH=short|long (-1|1): every 3rd tag
+                            // save sends its first message one row short / long (the decode side must refuse it)
+    int64_t n_tag_saves;
     uint8_t scratch[8];     // where those are "received" (0 bytes)
 } ucx_state;
 
@@ -157,6 +162,10 @@ static ucx_state *state_new(pd_kvconn *c, pd_err *err) {
         return NULL;
     }
     pthread_mutex_init(&u->rx_mu, NULL);
+    const char *fg = getenv("PD_UCX_FORCE_GATHER");
+    u->is_gather_forced = fg && !strcmp(fg, "1");
+    const char *dl = getenv("PD_UCX_DEBUG_LENGTH");
+    u->debug_length = dl && !strcmp(dl, "short") ? -1 : dl && !strcmp(dl, "long") ? 1 : 0;
     u->backend = c->p.backend;
     u->mem_type = c->p.backend && strcmp(pd_backend_name(c->p.backend), "cpu") ? UCS_MEMORY_TYPE_CUDA : UCS_MEMORY_TYPE_HOST;
     c->tstate = u;
@@ -606,18 +615,143 @@ static int sends_wait(ucx_state *u, ucx_peer *q, void **reqs, int n, int64_t dea
     return left;
 }
 
+// Prefill role, tag path: one save's sends.
+typedef struct ucx_tx {
+    void **reqs;          // (cap) posted sends not yet ended
+    int n_req, cap, n_runs;
+    int layers_sent;      // layers [0, layers_sent) are posted
+    bool gather;          // a run's source blocks are not consecutive: everything goes from a staging copy
+    int debug_length;     // test hook: the first message is this many rows longer (PD_UCX_DEBUG_LENGTH)
+    pd_buffer *stage;
+    size_t stage_cap;
+    char *sbase;          // the staging copy (gather), block i of the request at i: K0 V0 K1 V1 ...
+} ucx_tx;
+
+static ucx_tx *tx_of(pd_kvconn *c, pd_kvconn_save *s) {
+    if (s->tsave) return s->tsave;
+    const pd_kvconn_cache *k = &c->p.cache;
+    int L = k->n_layers, nb = s->n_blocks;
+    if (L >= UCX_MAX_LAYERS || nb <= 0 || nb >= UCX_MAX_RUNS) return NULL;
+    ucx_tx *tx = pd_calloc(1, sizeof *tx);
+    if (!tx) return NULL;
+    for (int i = 0; i < nb;) {  // runs as the decode side cut them
+        int j = run_end(s->dst, s->rows, nb, k->block_size, i);
+        for (int m = i; m < j; m++) tx->gather |= s->src[m + 1] != s->src[m] + 1;
+        tx->n_runs++;
+        i = j + 1;
+    }
+    ucx_state *u = c->tstate;
+    if (u->is_gather_forced) tx->gather = true;
+    if (u->debug_length && ++u->n_tag_saves % 3 == 0) tx->debug_length = u->debug_length;
+    tx->cap = 2 * L * tx->n_runs;
+    tx->reqs = pd_calloc((size_t)tx->cap, sizeof(void *));
+    if (!tx->reqs) {
+        pd_free(tx);
+        return NULL;
+    }
+    s->tsave = tx;
+    return tx;
+}
+
+// Posts the sends of layers [tx->layers_sent, l_end), checking the connection before each layer
+// (the fence: a writer whose connection ended stops there). Their rows must be computed.
+static pd_status tx_send_layers(pd_kvconn *c, pd_kvconn_save *s, ucx_state *u, ucx_peer *q, ucx_tx *tx, int l_end) {
+    const pd_kvconn_cache *k = &c->p.cache;
+    int bs = k->block_size, nb = s->n_blocks;
+    size_t bb = k->row_bytes * (size_t)bs, lbytes = (size_t)nb * bb;
+    for (int ly = tx->layers_sent; ly < l_end; ly++) {
+        if (!q->ep || !pd_xfer_server_conn_alive(c->xs, s->conn_id) || __atomic_load_n(&q->failed, __ATOMIC_ACQUIRE))
+            return PD_ERR_CLOSED;
+        for (int kv = 0; kv < 2; kv++) {
+            const char *src = kv ? k->v[ly] : k->k[ly];
+            int run = 0;
+            for (int i = 0; i < nb; run++) {
+                int j = run_end(s->dst, s->rows, nb, bs, i);
+                size_t n = (size_t)(j - i) * bb + (size_t)s->rows[j] * k->row_bytes;
+                if (tx->debug_length && ly == 0 && kv == 0 && run == 0 && n > k->row_bytes)  // (K0 is followed by V0:
+                    n = tx->debug_length > 0 ? n + k->row_bytes : n - k->row_bytes;          // one more row is readable)
+                const char *from = tx->sbase ? tx->sbase + (size_t)(2 * ly + kv) * lbytes + (size_t)i * bb
+                                             : src + (size_t)s->src[i] * bb;
+                ucp_request_param_t rp = {.op_attr_mask = UCP_OP_ATTR_FIELD_MEMORY_TYPE | (tx->sbase ? 0 : UCP_OP_ATTR_FIELD_MEMH),
+                                          .memh = u->src_memh, .memory_type = u->mem_type};
+                void *r = ucp_tag_send_nbx(q->ep, from, n, kv_tag(s->peer_req_id, ly, kv, run), &rp);
+                if (UCS_PTR_IS_ERR(r)) {
+                    PD_LOG_W("kvconn: request %llu: ucx send: %s", (unsigned long long)s->peer_req_id,
+                             ucs_status_string(UCS_PTR_STATUS(r)));
+                    return PD_ERR_IO;
+                }
+                if (r) tx->reqs[tx->n_req++] = r;
+                i = j + 1;
+            }
+        }
+        tx->layers_sent = ly + 1;
+        ucp_worker_progress(u->worker);
+        if (ly == k->n_layers / 2) kvc_debug_pause(c, "mid_slab");
+    }
+    return PD_OK;
+}
+
+// Waits for every posted send of the save (rendezvous: the peer's get of our rows is done) until
+// deadline_us; a peer that does not take them in time is cut off.
+static pd_status tx_wait(ucx_state *u, ucx_peer *q, ucx_tx *tx, uint64_t req_id, int64_t deadline_us) {
+    if (!tx->n_req) return PD_OK;
+    ucs_status_t us = UCS_OK;
+    int left = sends_wait(u, q, tx->reqs, tx->n_req, deadline_us, &us);
+    pd_status st = PD_OK;
+    if (left) {
+        PD_LOG_W("kvconn: request %llu: %d of %d ucx sends not taken in time: cutting the decode worker off",
+                 (unsigned long long)req_id, left, tx->n_req);
+        cut_off(u, q);
+        sends_wait(u, q, tx->reqs, tx->n_req, pd_time_us() + 2000000, &us);
+        for (int i = 0; i < tx->n_req; i++)
+            if (tx->reqs[i]) ucp_request_free(tx->reqs[i]);
+        st = PD_ERR_TIMEOUT;
+    } else if (us != UCS_OK) {
+        PD_LOG_W("kvconn: request %llu: ucx send failed: %s", (unsigned long long)req_id, ucs_status_string(us));
+        st = PD_ERR_IO;
+    }
+    tx->n_req = 0;
+    return st;
+}
+
+static bool ucx_layerwise(pd_kvconn *c, pd_kvconn_save *s) {
+    const ucx_peer *q = s->peer ? s->peer->tpriv : NULL;
+    return q && q->is_tag;
+}
+
+// Tag path, layer l's hook (engine thread; l's KV write is enqueued on the compute stream): the
+// mark waits until layer l-1's compute is done (bounded run-ahead, backend.h), so layers < l are
+// sent now and travel while the forward pass goes on. A save that needs a gather sends at the end.
+static void ucx_save_layer(pd_kvconn *c, pd_kvconn_save *s, int l) {
+    ucx_state *u = c->tstate;
+    ucx_peer *q = s->peer->tpriv;
+    ucx_tx *tx = tx_of(c, s);
+    if (!tx) {
+        s->st = PD_ERR_NOMEM;
+        return;
+    }
+    if (tx->gather) return;
+    if (c->is_mark_due) {
+        pd_backend_xfer_mark(c->p.backend);
+        c->is_mark_due = false;
+    }
+    int64_t t0 = pd_time_us();
+    s->st = tx_send_layers(c, s, u, q, tx, l);
+    s->copy_us += pd_time_us() - t0;
+}
+
 static pd_status tag_save_rest(pd_kvconn *c, pd_kvconn_save *s, ucx_state *u, ucx_peer *q) {
     const pd_kvconn_cache *k = &c->p.cache;
-    int L = k->n_layers, bs = k->block_size, nb = s->n_blocks, l0 = s->n_layers_saved;
+    int L = k->n_layers, bs = k->block_size, nb = s->n_blocks;
     size_t bb = k->row_bytes * (size_t)bs, lbytes = (size_t)nb * bb;
     int64_t t0 = pd_time_us(), deadline = t0 + (int64_t)c->p.timeout_ms * 1000;
-    if (L >= UCX_MAX_LAYERS || nb >= UCX_MAX_RUNS || l0 != 0) return PD_ERR_UNSUPPORTED;
-    if (!q->ep || __atomic_load_n(&q->failed, __ATOMIC_ACQUIRE)) return PD_ERR_CLOSED;
+    ucx_tx *tx = tx_of(c, s);
+    if (!tx) return PD_ERR_NOMEM;
     // The forward pass wrote the rows on the compute stream; UCX's copies run on its own streams.
-    if (u->mem_type == UCS_MEMORY_TYPE_CUDA) pd_backend_sync(c->p.backend);
+    pd_backend_sync(c->p.backend);
     char *corrupt_at = s->is_corrupt ? (char *)k->v[L - 1] + (size_t)s->src[0] * bb : NULL;
     uint8_t corrupt_orig = 0;
-    if (corrupt_at) {  // test hook: one flipped bit in the last layer's V rows, restored after the sends
+    if (corrupt_at) {  // test hook: one flipped bit in the last layer's V rows (sent here), restored after
         uint8_t x;
         pd_backend_download(c->p.backend, &x, corrupt_at, 1);
         corrupt_orig = x;
@@ -625,29 +759,21 @@ static pd_status tag_save_rest(pd_kvconn *c, pd_kvconn_save *s, ucx_state *u, uc
         pd_backend_upload(c->p.backend, corrupt_at, &x, 1);
         pd_backend_sync(c->p.backend);
     }
-    // Runs as the decode side cut them; one whose source blocks are not consecutive needs a gather.
-    int n_runs = 0;
-    bool gather = false;
-    for (int i = 0; i < nb;) {
-        int j = run_end(s->dst, s->rows, nb, bs, i);
-        for (int m = i; m < j; m++) gather |= s->src[m + 1] != s->src[m] + 1;
-        n_runs++;
-        i = j + 1;
-    }
     pd_status st = PD_OK;
-    pd_buffer *stage = NULL;
-    size_t stage_cap = 0;
-    char *sbase = NULL;
-    if (gather) {  // the request's rows into a staging copy, block i at i (K0 V0 K1 V1 ...)
-        stage = kvc_stage_take(c->p.backend, &c->nccl_stage, 2 * (size_t)L * lbytes, &stage_cap);
+    if (tx->gather) {  // the request's rows into a staging copy, then every run from there
+        int64_t n_g = __atomic_add_fetch(&u->n_gathers, 1, __ATOMIC_RELAXED);
+        if (n_g <= 4 || (n_g & (n_g - 1)) == 0)
+            PD_LOG_I("kvconn: request %llu: source blocks not consecutive, sent from a staging copy (%lld such saves)",
+                     (unsigned long long)s->peer_req_id, (long long)n_g);
+        tx->stage = kvc_stage_take(c->p.backend, &c->nccl_stage, 2 * (size_t)L * lbytes, &tx->stage_cap);
         void **dk = pd_malloc(sizeof(void *) * (size_t)L), **dv = pd_malloc(sizeof(void *) * (size_t)L);
         int32_t *idx = pd_malloc(sizeof(int32_t) * (size_t)nb);
-        if (!stage || !dk || !dv || !idx) st = PD_ERR_NOMEM;
+        if (!tx->stage || !dk || !dv || !idx) st = PD_ERR_NOMEM;
         else {
-            sbase = pd_buffer_ptr(stage);
+            tx->sbase = pd_buffer_ptr(tx->stage);
             for (int ly = 0; ly < L; ly++) {
-                dk[ly] = sbase + (size_t)(2 * ly) * lbytes;
-                dv[ly] = sbase + (size_t)(2 * ly + 1) * lbytes;
+                dk[ly] = tx->sbase + (size_t)(2 * ly) * lbytes;
+                dv[ly] = tx->sbase + (size_t)(2 * ly + 1) * lbytes;
             }
             for (int i = 0; i < nb; i++) idx[i] = i;
             pd_kv_copy_params kp = {.src_k = k->k, .src_v = k->v, .dst_k = dk, .dst_v = dv, .src_blocks = s->src,
@@ -660,53 +786,9 @@ static pd_status tag_save_rest(pd_kvconn *c, pd_kvconn_save *s, ucx_state *u, uc
         pd_free(dv);
         pd_free(idx);
     }
-    void **reqs = st ? NULL : pd_calloc((size_t)(2 * L * n_runs), sizeof(void *));
-    if (!st && !reqs) st = PD_ERR_NOMEM;
-    int n_req = 0;
-    for (int ly = 0; ly < L && st == PD_OK; ly++) {
-        if (!pd_xfer_server_conn_alive(c->xs, s->conn_id) || __atomic_load_n(&q->failed, __ATOMIC_ACQUIRE)) {
-            st = PD_ERR_CLOSED;  // the fence: a writer whose connection ended stops here
-            break;
-        }
-        for (int kv = 0; kv < 2 && st == PD_OK; kv++) {
-            const char *src = kv ? k->v[ly] : k->k[ly];
-            int run = 0;
-            for (int i = 0; i < nb && st == PD_OK; run++) {
-                int j = run_end(s->dst, s->rows, nb, bs, i);
-                size_t n = (size_t)(j - i) * bb + (size_t)s->rows[j] * k->row_bytes;
-                const char *from = sbase ? sbase + (size_t)(2 * ly + kv) * lbytes + (size_t)i * bb : src + (size_t)s->src[i] * bb;
-                ucp_request_param_t rp = {.op_attr_mask = UCP_OP_ATTR_FIELD_MEMORY_TYPE | (sbase ? 0 : UCP_OP_ATTR_FIELD_MEMH),
-                                          .memh = u->src_memh, .memory_type = u->mem_type};
-                void *r = ucp_tag_send_nbx(q->ep, from, n, kv_tag(s->peer_req_id, ly, kv, run), &rp);
-                if (UCS_PTR_IS_ERR(r)) {
-                    PD_LOG_W("kvconn: request %llu: ucx send: %s", (unsigned long long)s->peer_req_id,
-                             ucs_status_string(UCS_PTR_STATUS(r)));
-                    st = PD_ERR_IO;
-                } else if (r) reqs[n_req++] = r;
-                i = j + 1;
-            }
-        }
-        ucp_worker_progress(u->worker);
-        if (ly == L / 2) kvc_debug_pause(c, "mid_slab");
-    }
-    if (n_req) {  // every send ends (rendezvous: the peer's get of our rows is done) before DONE
-        ucs_status_t us = UCS_OK;
-        int left = sends_wait(u, q, reqs, n_req, st == PD_OK ? deadline : pd_time_us() + 2000000, &us);
-        if (left) {
-            PD_LOG_W("kvconn: request %llu: %d of %d ucx sends not taken in time: cutting the decode worker off",
-                     (unsigned long long)s->peer_req_id, left, n_req);
-            cut_off(u, q);
-            sends_wait(u, q, reqs, n_req, pd_time_us() + 2000000, &us);
-            for (int i = 0; i < n_req; i++)
-                if (reqs[i]) ucp_request_free(reqs[i]);
-            if (st == PD_OK) st = PD_ERR_TIMEOUT;
-        } else if (us != UCS_OK && st == PD_OK) {
-            PD_LOG_W("kvconn: request %llu: ucx send failed: %s", (unsigned long long)s->peer_req_id, ucs_status_string(us));
-            st = PD_ERR_IO;
-        }
-    }
-    pd_free(reqs);
-    if (stage) kvc_stage_give(&c->nccl_stage, stage, stage_cap);
+    if (st == PD_OK) st = tx_send_layers(c, s, u, q, tx, L);
+    pd_status ws = tx_wait(u, q, tx, s->peer_req_id, st == PD_OK ? deadline : pd_time_us() + 2000000);
+    if (st == PD_OK) st = ws;
     if (corrupt_at) {
         pd_backend_upload(c->p.backend, corrupt_at, &corrupt_orig, 1);
         pd_backend_sync(c->p.backend);
@@ -720,6 +802,20 @@ static pd_status tag_save_rest(pd_kvconn *c, pd_kvconn_save *s, ucx_state *u, uc
     }
     s->copy_us += pd_time_us() - t0;
     return st;
+}
+
+// The save ends (done or failed): sends still posted (a step that failed after layer-wise sends)
+// end first, or the peer is cut off, so nothing reads our rows or the staging copy afterwards.
+static void ucx_save_free(pd_kvconn *c, pd_kvconn_save *s) {
+    ucx_tx *tx = s->tsave;
+    if (!tx) return;
+    ucx_state *u = c->tstate;
+    ucx_peer *q = s->peer ? s->peer->tpriv : NULL;
+    if (tx->n_req && u && q) tx_wait(u, q, tx, s->peer_req_id, pd_time_us() + 2000000);
+    if (tx->stage) kvc_stage_give(&c->nccl_stage, tx->stage, tx->stage_cap);
+    pd_free(tx->reqs);
+    pd_free(tx);
+    s->tsave = NULL;
 }
 
 static pd_status ucx_save_rest(pd_kvconn *c, pd_kvconn_save *s) {
@@ -799,7 +895,10 @@ const kvc_transport kvc_ucx = {
     .hello_blob = ucx_hello_blob,
     .attach = ucx_attach,
     .detach = ucx_detach,
+    .layerwise = ucx_layerwise,
+    .save_layer = ucx_save_layer,
     .save_rest = ucx_save_rest,
+    .save_free = ucx_save_free,
     .load_post = ucx_load_post,
     .load_end = ucx_load_end,
     .fini = ucx_fini,
