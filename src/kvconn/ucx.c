@@ -810,8 +810,12 @@ static void ucx_save_free(pd_kvconn *c, pd_kvconn_save *s) {
     ucx_tx *tx = s->tsave;
     if (!tx) return;
     ucx_state *u = c->tstate;
-    ucx_peer *q = s->peer ? s->peer->tpriv : NULL;
+    kvc_peer *p = kvc_peer_of(c, s->conn_id);
+    ucx_peer *q = p && p == s->peer ? p->tpriv : NULL;
     if (tx->n_req && u && q) tx_wait(u, q, tx, s->peer_req_id, pd_time_us() + 2000000);
+    else  // the peer is gone: detaching it force-closed its endpoint, which ended these sends
+        for (int i = 0; i < tx->n_req; i++)
+            if (tx->reqs[i]) ucp_request_free(tx->reqs[i]);
     if (tx->stage) kvc_stage_give(&c->nccl_stage, tx->stage, tx->stage_cap);
     pd_free(tx->reqs);
     pd_free(tx);
