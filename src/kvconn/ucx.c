@@ -16,10 +16,12 @@
 // the decode worker posts one ucp_tag_recv_nbx per layer, K and V, and contiguous run of its
 // destination blocks (full blocks, consecutive ids; the last may be partial), straight into its
 // registered pool (memh), under a tag of (request id, layer, K|V, run) with a full mask, so no
-// message can land in another request's or layer's buffer. The prefill worker, once its compute
-// stream is done, sends each run with ucp_tag_send_nbx from its registered KV cache (memh); a run
-// whose source blocks are not consecutive is sent from a device staging copy of the request
-// (gathered on the transfer stream). It waits for every send (bounded by the load timeout; a
+// message can land in another request's or layer's buffer. The prefill worker sends each run with
+// ucp_tag_send_nbx from its registered KV cache (memh), layer-wise: at layer l's hook the transfer
+// mark has waited for layer l-1's compute, so layers < l go out while the forward pass goes on,
+// the rest after it. A save with a run whose source blocks are not consecutive sends everything at
+// the end from a device staging copy of the request (gathered with one kv copy). It waits for
+// every send (bounded by the load timeout; a
 // peer that does not take them in time is cut off: its endpoint is force-closed, so nothing reads
 // our rows afterwards, and its later requests fail over to local prefill until it reconnects),
 // then PREFILL_DONE leaves with the same per-layer checksums of the source rows as every
