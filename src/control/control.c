@@ -28,6 +28,7 @@ struct pd_ctl {
     pd_ctl_msg *head, *tail;
     size_t inbox_bytes, inbox_n;  // backlog (guarded by mu)
     char *sign_key;            // the shared secret (pd_malloc'd)
+    EVP_MAC *hmac;             // fetched once at connect (thread-safe to share; a context per MAC)
     int connected;             // atomic
     pd_ctl_stats st;           // atomics
     pthread_cond_t closed_cv;  // libnats' closed callback came (guarded by mu): the last callback
@@ -37,11 +38,10 @@ struct pd_ctl {
 static void bump(int64_t *v) { __atomic_add_fetch(v, 1, __ATOMIC_RELAXED); }
 
 // Pd-Mac: hex HMAC-SHA256(key, "pdctl1" NUL subject NUL payload).
-static bool mac_hex(const char *key, const char *subject, const void *data, int len, char out[65]) {
+static bool mac_hex(EVP_MAC *hmac, const char *key, const char *subject, const void *data, int len, char out[65]) {
     uint8_t mac[32];
     size_t n = 0;
     bool ok = false;
-    EVP_MAC *hmac = EVP_MAC_fetch(NULL, "HMAC", NULL);
     EVP_MAC_CTX *h = hmac ? EVP_MAC_CTX_new(hmac) : NULL;
     OSSL_PARAM prm[] = {OSSL_PARAM_construct_utf8_string("digest", (char *)"SHA256", 0), OSSL_PARAM_construct_end()};
     if (h && EVP_MAC_init(h, (const uint8_t *)key, strlen(key), prm) == 1 &&
@@ -50,7 +50,6 @@ static bool mac_hex(const char *key, const char *subject, const void *data, int 
         (len <= 0 || EVP_MAC_update(h, data, (size_t)len) == 1) && EVP_MAC_final(h, mac, &n, sizeof mac) == 1 && n == 32)
         ok = true;
     EVP_MAC_CTX_free(h);
-    EVP_MAC_free(hmac);
     for (int i = 0; ok && i < 32; i++) snprintf(out + 2 * i, 3, "%02x", mac[i]);
     return ok;
 }
@@ -60,7 +59,8 @@ static bool msg_verify(pd_ctl *c, natsMsg *m) {
     const char *got = NULL;
     if (natsMsgHeader_Get(m, PD_CTL_MAC_HEADER, &got) != NATS_OK || !got || strlen(got) != 64) return false;
     char want[65];
-    if (!mac_hex(c->sign_key, natsMsg_GetSubject(m), natsMsg_GetData(m), natsMsg_GetDataLength(m), want)) return false;
+    if (!mac_hex(c->hmac, c->sign_key, natsMsg_GetSubject(m), natsMsg_GetData(m), natsMsg_GetDataLength(m), want))
+        return false;
     return CRYPTO_memcmp(want, got, 64) == 0;
 }
 
@@ -68,7 +68,7 @@ static bool msg_verify(pd_ctl *c, natsMsg *m) {
 static natsMsg *signed_msg(pd_ctl *c, const char *subject, const char *reply, const void *data, int len) {
     natsMsg *m = NULL;
     char mac[65];
-    if (!mac_hex(c->sign_key, subject, data, len, mac)) return NULL;
+    if (!mac_hex(c->hmac, c->sign_key, subject, data, len, mac)) return NULL;
     if (natsMsg_Create(&m, subject, reply, data, len) != NATS_OK) return NULL;
     if (natsMsgHeader_Set(m, PD_CTL_MAC_HEADER, mac) != NATS_OK) {
         natsMsg_Destroy(m);
@@ -190,7 +190,8 @@ pd_ctl *pd_ctl_connect(const pd_ctl_params *p, pd_err *err) {
     pthread_mutex_init(&c->mu, NULL);
     pthread_cond_init(&c->closed_cv, NULL);
     c->sign_key = pd_strdup(p->sign_key);
-    natsStatus s = c->efd < 0 || !c->sign_key ? NATS_SYS_ERROR : natsOptions_Create(&c->opts);
+    c->hmac = EVP_MAC_fetch(NULL, "HMAC", NULL);
+    natsStatus s = c->efd < 0 || !c->sign_key || !c->hmac ? NATS_SYS_ERROR : natsOptions_Create(&c->opts);
     if (s == NATS_OK) s = natsOptions_SetServers(c->opts, (const char *[]){p->url}, 1);
     if (s == NATS_OK && p->nkey_seed_file) s = natsOptions_SetNKeyFromSeed(c->opts, pub, p->nkey_seed_file);
     else if (s == NATS_OK) s = natsOptions_SetToken(c->opts, p->token);
@@ -249,6 +250,7 @@ void pd_ctl_free(pd_ctl *c) {
     pd_ctl_msg_free(c->head);
     if (c->sign_key) OPENSSL_cleanse(c->sign_key, strlen(c->sign_key));
     pd_free(c->sign_key);
+    EVP_MAC_free(c->hmac);
     if (c->efd >= 0) close(c->efd);
     pthread_mutex_destroy(&c->mu);
     pthread_cond_destroy(&c->closed_cv);

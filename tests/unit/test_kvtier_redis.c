@@ -33,22 +33,29 @@ static int free_port(void) {
     return port;
 }
 
-static pid_t start_redis(int port) {
+static void stop_redis(pid_t pid) {
+    kill(pid, SIGKILL);
+    waitpid(pid, NULL, 0);
+}
+
+static pid_t start_redis_args(int port, const char *const *extra) {
     pid_t pid = fork();
     if (pid == 0) {
         char ps[16];
         snprintf(ps, sizeof ps, "%d", port);
+        const char *argv[24] = {"redis-server", "--port", ps, "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"};
+        int n = 9;
+        for (int i = 0; extra && extra[i] && n < 23; i++) argv[n++] = extra[i];
+        argv[n] = NULL;
         int devnull = open("/dev/null", O_WRONLY);
         if (devnull >= 0) {
             dup2(devnull, 1);
             dup2(devnull, 2);
         }
-        execlp("redis-server", "redis-server", "--port", ps, "--bind", "127.0.0.1", "--save", "",
-               "--appendonly", "no", (char *)NULL);
+        execvp("redis-server", (char *const *)argv);
         _exit(127);
     }
-    // Wait (bounded: 10 s) until it answers PING.
-    for (int i = 0; i < 200; i++) {
+    for (int i = 0; pid > 0 && i < 200; i++) {  // bounded: 10 s
         struct timeval tv = {0, 100000};
         redisContext *c = redisConnectWithTimeout("127.0.0.1", port, tv);
         bool ok = false;
@@ -61,15 +68,11 @@ static pid_t start_redis(int port) {
         if (ok) return pid;
         usleep(50000);
     }
-    kill(pid, SIGKILL);
-    waitpid(pid, NULL, 0);
+    if (pid > 0) stop_redis(pid);
     return -1;
 }
 
-static void stop_redis(pid_t pid) {
-    kill(pid, SIGKILL);
-    waitpid(pid, NULL, 0);
-}
+static pid_t start_redis(int port) { return start_redis_args(port, NULL); }
 
 static uint8_t *mkpage(uint64_t fp, pd_hash128 h, float seed, size_t *n) {
     static float kk[2][4 * 16], vv[2][4 * 16];
@@ -399,40 +402,6 @@ PD_TEST(redis_notify_parse) {
     PD_CHECK(!strcmp(m, "E$Kexg"));
     pd_kvt_notify_flags_merge("EA", m, sizeof m);
     PD_CHECK(!strcmp(m, "EAK"));
-}
-
-static pid_t start_redis_args(int port, const char *const *extra) {
-    pid_t pid = fork();
-    if (pid == 0) {
-        char ps[16];
-        snprintf(ps, sizeof ps, "%d", port);
-        const char *argv[24] = {"redis-server", "--port", ps, "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"};
-        int n = 9;
-        for (int i = 0; extra && extra[i] && n < 23; i++) argv[n++] = extra[i];
-        argv[n] = NULL;
-        int devnull = open("/dev/null", O_WRONLY);
-        if (devnull >= 0) {
-            dup2(devnull, 1);
-            dup2(devnull, 2);
-        }
-        execvp("redis-server", (char *const *)argv);
-        _exit(127);
-    }
-    for (int i = 0; pid > 0 && i < 200; i++) {  // bounded: 10 s
-        struct timeval tv = {0, 100000};
-        redisContext *c = redisConnectWithTimeout("127.0.0.1", port, tv);
-        bool ok = false;
-        if (c && !c->err) {
-            redisReply *r = redisCommand(c, "PING");
-            ok = r && r->type == REDIS_REPLY_STATUS;
-            if (r) freeReplyObject(r);
-        }
-        if (c) redisFree(c);
-        if (ok) return pid;
-        usleep(50000);
-    }
-    if (pid > 0) stop_redis(pid);
-    return -1;
 }
 
 typedef struct heard {
