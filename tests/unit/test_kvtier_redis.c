@@ -1,15 +1,19 @@
 // test_kvtier_redis.c — the Redis tier against a real redis-server started here on a free loopback
 // port (killed at the end): two stores (two workers) share pages, a corrupted value is a miss and
 // is deleted, the server killed mid-run → gets miss and puts fail at once (counted), and once it is
-// back the store reconnects by itself (backoff).
+// back the store reconnects by itself (backoff); the keyspace-notification subscriber against a real
+// server and against a hostile fake one (garbage, foreign keys, an oversized reply, a close mid-message).
 #include "test.h"
 
 #include <arpa/inet.h>
 #include <fcntl.h>
 #include <hiredis/hiredis.h>
+#include <inttypes.h>
 #include <netinet/in.h>
+#include <poll.h>
 #include <pthread.h>
 #include <signal.h>
+#include <string.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <time.h>
@@ -568,4 +572,148 @@ PD_TEST(redis_notify_live) {
     pd_kvt_notify_stop(g_n);
     g_n = NULL;
     stop_redis(pid);
+}
+
+// ---- a hostile or broken Redis: the subscriber's fault cases -------------------------------------------
+// A fake server on a loopback port answers the subscriber's handshake (CONFIG GET, PSUBSCRIBE) and
+// then pushes, on its first connection: a notification of another model's key, one with a hash that
+// is not hex, a 3-element array, a 4-element array with an integer, a good "evicted", then a bulk
+// string announced at 5 MB and fed past the 1 MiB cap (the connection must be dropped); on its
+// second connection (the reconnect): a good "del", then half a message and a close (a peer dying
+// mid-message). Exactly the two good ones may reach the callback, with their hashes.
+typedef struct fake_redis {
+    int lfd;
+    uint64_t fp;
+    pd_hash128 h1, h2;
+    bool ok;  // the script ran to its end
+} fake_redis;
+
+static bool fr_wait_for(int fd, const char *needle) {  // reads until needle was seen (bounded: 5 s)
+    char buf[4096];
+    size_t n = 0;
+    for (int i = 0; i < 100; i++) {
+        struct pollfd p = {.fd = fd, .events = POLLIN};
+        if (poll(&p, 1, 50) <= 0) continue;
+        ssize_t r = recv(fd, buf + n, sizeof buf - 1 - n, 0);
+        if (r <= 0) return false;
+        n += (size_t)r;
+        buf[n] = 0;
+        if (strstr(buf, needle)) return true;
+        if (n == sizeof buf - 1) n = 0;
+    }
+    return false;
+}
+
+static bool fr_send(int fd, const char *s, size_t n) {
+    while (n) {
+        ssize_t w = send(fd, s, n, MSG_NOSIGNAL);
+        if (w <= 0) return false;
+        s += w, n -= (size_t)w;
+    }
+    return true;
+}
+static bool fr_puts(int fd, const char *s) { return fr_send(fd, s, strlen(s)); }
+
+static bool fr_bulk(char *out, size_t cap, const char *s) {
+    size_t o = strlen(out);
+    return (size_t)snprintf(out + o, cap - o, "$%zu\r\n%s\r\n", strlen(s), s) < cap - o;
+}
+
+static bool fr_pmessage(int fd, const char *channel, const char *event) {
+    char m[512] = "*4\r\n";
+    return fr_bulk(m, sizeof m, "pmessage") && fr_bulk(m, sizeof m, "__keyspace@0__:pdkv:*") &&
+           fr_bulk(m, sizeof m, channel) && fr_bulk(m, sizeof m, event) && fr_puts(fd, m);
+}
+
+static int fr_accept_handshake(fake_redis *f) {
+    struct pollfd p = {.fd = f->lfd, .events = POLLIN};
+    if (poll(&p, 1, 5000) <= 0) return -1;
+    int fd = accept(f->lfd, NULL, NULL);
+    if (fd < 0) return -1;
+    bool ok = fr_wait_for(fd, "notify-keyspace-events") &&
+              fr_puts(fd, "*2\r\n$22\r\nnotify-keyspace-events\r\n$3\r\nKEA\r\n") && fr_wait_for(fd, "PSUBSCRIBE") &&
+              fr_puts(fd, "*3\r\n$10\r\npsubscribe\r\n$21\r\n__keyspace@0__:pdkv:*\r\n:1\r\n");
+    if (!ok) close(fd);
+    return ok ? fd : -1;
+}
+
+static void fr_channel(char *out, size_t n, uint64_t fp, pd_hash128 h) {
+    snprintf(out, n, "__keyspace@0__:pdkv:%016" PRIx64 ":%016" PRIx64 "%016" PRIx64, fp, h.hi, h.lo);
+}
+
+static void *fake_redis_main(void *arg) {
+    fake_redis *f = arg;
+    char ch[160];
+    int fd = fr_accept_handshake(f);
+    if (fd < 0) return NULL;
+    bool ok = true;
+    fr_channel(ch, sizeof ch, f->fp + 1, f->h1);  // another model's key
+    ok = ok && fr_pmessage(fd, ch, "evicted");
+    fr_channel(ch, sizeof ch, f->fp, f->h1);
+    ch[strlen(ch) - 1] = 'g';  // not hex
+    ok = ok && fr_pmessage(fd, ch, "evicted");
+    ok = ok && fr_puts(fd, "*3\r\n$8\r\npmessage\r\n$1\r\na\r\n$1\r\nb\r\n");
+    ok = ok && fr_puts(fd, "*4\r\n$8\r\npmessage\r\n$1\r\na\r\n:7\r\n$7\r\nevicted\r\n");
+    fr_channel(ch, sizeof ch, f->fp, f->h1);
+    ok = ok && fr_pmessage(fd, ch, "evicted");
+    ok = ok && fr_puts(fd, "$5000000\r\n");
+    static char junk[64 << 10];
+    memset(junk, 'a', sizeof junk);
+    for (int i = 0; ok && i < 24; i++) ok = fr_send(fd, junk, sizeof junk);  // 1.5 MiB: past the cap
+    // The subscriber drops the connection (a send may fail once it has); wait for it to go.
+    for (int i = 0; i < 100; i++) {
+        char b[256];
+        struct pollfd p = {.fd = fd, .events = POLLIN};
+        if (poll(&p, 1, 50) > 0 && recv(fd, b, sizeof b, 0) <= 0) break;
+    }
+    close(fd);
+    fd = fr_accept_handshake(f);
+    if (fd < 0) return NULL;
+    fr_channel(ch, sizeof ch, f->fp, f->h2);
+    ok = fr_pmessage(fd, ch, "del") && fr_puts(fd, "*4\r\n$8\r\npmessage\r\n$3\r\nab");
+    usleep(200000);
+    close(fd);  // mid-message
+    f->ok = ok;
+    return NULL;
+}
+
+static heard g_fake_heard = {.mu = PTHREAD_MUTEX_INITIALIZER};
+static bool fake_drops2(void *ud) {
+    (void)ud;
+    pd_kvt_notify_stats s;
+    pd_kvt_notify_stats_get(g_n, &s);
+    return s.drops >= 2 && heard_n(&g_fake_heard, PD_KVT_NOTIFY_DEL) >= 1;
+}
+
+PD_TEST(redis_notify_hostile_server) {
+    fake_redis f = {.fp = 0x5eed, .h1 = {.lo = 0x1111, .hi = 0x2222}, .h2 = {.lo = 0x3333, .hi = 0x4444}};
+    f.lfd = socket(AF_INET, SOCK_STREAM, 0);
+    struct sockaddr_in a = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+    socklen_t l = sizeof a;
+    PD_REQUIRE(f.lfd >= 0 && !bind(f.lfd, (struct sockaddr *)&a, sizeof a) && !listen(f.lfd, 4) &&
+               !getsockname(f.lfd, (struct sockaddr *)&a, &l));
+    pthread_t th;
+    PD_REQUIRE(!pthread_create(&th, NULL, fake_redis_main, &f));
+    pd_err err = {0};
+    g_n = pd_kvt_notify_start("127.0.0.1", ntohs(a.sin_port), NULL, f.fp, on_heard, &g_fake_heard, &err);
+    PD_REQUIRE(g_n);
+    PD_CHECK(wait_until(fake_drops2, NULL));
+    pthread_join(th, NULL);
+    PD_CHECK(f.ok);
+    pd_kvt_notify_stats st;
+    pd_kvt_notify_stats_get(g_n, &st);
+    pd_kvt_notify_stop(g_n);
+    g_n = NULL;
+    close(f.lfd);
+    // Exactly the two good notifications reached the callback, with their hashes.
+    PD_CHECK_EQ(heard_n(&g_fake_heard, PD_KVT_NOTIFY_EVICTED), 1);
+    PD_CHECK_EQ(heard_n(&g_fake_heard, PD_KVT_NOTIFY_DEL), 1);
+    PD_CHECK_EQ(heard_n(&g_fake_heard, PD_KVT_NOTIFY_EXPIRED), 0);
+    PD_CHECK_EQ(st.evicted, 1);
+    PD_CHECK_EQ(st.deleted, 1);
+    PD_CHECK(g_fake_heard.last.lo == f.h2.lo && g_fake_heard.last.hi == f.h2.hi);
+    // foreign key, bad hash, 3 elements, integer element, the oversized reply: each ignored
+    PD_CHECK(st.ignored >= 5);
+    PD_CHECK(st.drops >= 2);       // the oversized reply, the close mid-message
+    PD_CHECK(st.subscribes >= 2);  // reconnected in between
 }
