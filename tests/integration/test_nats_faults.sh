@@ -135,10 +135,15 @@ nf=$(( $(rejected verify_failed) - v0 + $(rejected pending_full) - f0 )); nb=$((
 echo "     router: $nb unsigned dropped, $nf signed fakes refused (address check / too many at once); $(grep -c 'refused' "$TMP/rt.err") log lines in all"
 
 # ---- 5. replay ----
+# The router keeps one resync per worker outstanding for 1 s (ask_resync): let any from earlier
+# phases lapse, so the hostile events' resync is asked for and counted.
+sleep 1.2
 r0=$(rejected replayed); y0=$(rmetric pdserve_router_nats_resyncs)
 $PEER replay $PA || pd_fail "replay phase"
 check "5. replayed presences, hostile KV events"
 [ $(( $(rejected replayed) - r0 )) -ge 3 ] || pd_fail "the replays were not refused ($(( $(rejected replayed) - r0 )))"
+i=0
+while [ $(( $(rmetric pdserve_router_nats_resyncs) - y0 )) -lt 1 ] && [ $i -lt 50 ]; do sleep 0.1; i=$((i + 1)); done  # bounded: 5 s
 [ $(( $(rmetric pdserve_router_nats_resyncs) - y0 )) -ge 1 ] || pd_fail "the router did not resync after the hostile events"
 curl -sf "$URL_rt/status.json" | python3 -c '
 import json, sys
