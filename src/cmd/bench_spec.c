@@ -465,8 +465,9 @@ int pd_cmd_bench_spec(int argc, char **argv) {
                 break;
             }
             if (g->method == PD_SPEC_NONE && strcmp(t, "off")) {
-                pd_free(dup);
-                return pd_cmd_usage_error("bench-spec", "--modes: '%s' needs --speculative-method or METHOD:%s", t, t);
+                int rc = pd_cmd_usage_error("bench-spec", "--modes: '%s' needs --speculative-method or METHOD:%s", t, t);
+                pd_free(dup); /* t points into dup */
+                return rc;
             }
             if (g->method == PD_SPEC_DRAFT && !o.draft) {
                 pd_free(dup);
@@ -475,8 +476,10 @@ int pd_cmd_bench_spec(int argc, char **argv) {
             for (int b = 0; b < 16; b++) g->n_same[b] = -1;
             n_eng++;
         }
-        pd_free(dup);
-        if (bad) return pd_cmd_usage_error("bench-spec", "--modes: off, adaptive, fixed or METHOD:adaptive|fixed (8 at most), not '%s'", bad);
+        int rc = 0;
+        if (bad) rc = pd_cmd_usage_error("bench-spec", "--modes: off, adaptive, fixed or METHOD:adaptive|fixed (8 at most), not '%s'", bad);
+        pd_free(dup); /* bad points into dup */
+        if (bad) return rc;
     }
     if (o.method == PD_SPEC_DRAFT && !o.draft) return pd_cmd_usage_error("bench-spec", "draft needs --speculative-model DIR");
     if (n_eng == 0 || G[0].method != PD_SPEC_NONE) return pd_cmd_usage_error("bench-spec", "--modes must start with off (the baseline)");
