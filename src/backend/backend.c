@@ -197,6 +197,20 @@ bool pd_backend_xfer_fence_done(pd_backend *b, uint64_t fence) {
     return b->iface->xfer_fence_done ? b->iface->xfer_fence_done(b, fence) : true;
 }
 
+void pd_backend_xfer_layer_ready(pd_backend *b, int layer) {
+    PD_ASSERT(layer >= 0);
+    if (b->iface->xfer_layer_ready) b->iface->xfer_layer_ready(b, layer);
+}
+
+void pd_backend_xfer_layer_wait(pd_backend *b, int layer) {
+    PD_ASSERT(layer >= 0);
+    if (b->iface->xfer_layer_wait) b->iface->xfer_layer_wait(b, layer);
+}
+
+uint64_t pd_backend_xfer_fence_host(pd_backend *b) {
+    return b->iface->xfer_fence_host ? b->iface->xfer_fence_host(b) : pd_backend_xfer_fence(b);
+}
+
 // Generic checksum: bring each run to the host (free on the CPU backend, where download is a
 // memcpy) and hash it there.
 void pd_op_kv_checksum(pd_backend *b, const pd_kv_checksum_params *p) {

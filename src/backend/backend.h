@@ -339,6 +339,20 @@ void pd_backend_xfer_sync(pd_backend *b);
 // Backends without a transfer stream copy synchronously: every fence is done at once.
 uint64_t pd_backend_xfer_fence(pd_backend *b);
 bool pd_backend_xfer_fence_done(pd_backend *b, uint64_t fence);
+// Layer fences (the KV tiers' layer-wise loads: layer l's copy overlaps the compute of the layers
+// before it). pd_backend_xfer_layer_ready(b, l): the copies enqueued on the transfer stream so far
+// are what layer l of the coming compute needs (CUDA: an event of layer l recorded on the transfer
+// stream). pd_backend_xfer_layer_wait(b, l): compute enqueued on the compute stream after this call
+// waits (on the device) for layer l's latest ready mark; call it before layer l's ops read the
+// blocks (pd_batch.before_layer). Neither makes the compute wait for anything else, so a caller
+// that marks layers must make the compute wait for every one of them (or fence) before it reads
+// the copied blocks. pd_backend_xfer_fence_host: a fence id for pd_backend_xfer_fence_done (the
+// host learns when the copies so far finished) that the compute stream does NOT wait on. Backends
+// without a transfer stream copy synchronously: ready / wait do nothing, fences are done at once;
+// one with a transfer stream but no layer fences: fence_host is pd_backend_xfer_fence.
+void pd_backend_xfer_layer_ready(pd_backend *b, int layer);
+void pd_backend_xfer_layer_wait(pd_backend *b, int layer);
+uint64_t pd_backend_xfer_fence_host(pd_backend *b);
 // Device sampling (optional): NULL in the vtable means the caller samples on the host (download
 // the logits, src/model/sample.c). pd_op_sample synchronises: p->out is filled on return.
 bool pd_backend_has_sample(pd_backend *b);

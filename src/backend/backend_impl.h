@@ -45,6 +45,12 @@ typedef struct pd_backend_iface {
     // (optional) NULL: fences are done at once (pd_backend_xfer_fence).
     uint64_t (*xfer_fence)(pd_backend *b);
     bool (*xfer_fence_done)(pd_backend *b, uint64_t fence);
+    // (optional, with xfer_fence) layer fences: NULL means pd_backend_xfer_layer_ready does
+    // nothing, pd_backend_xfer_layer_wait does nothing and pd_backend_xfer_fence_host is
+    // pd_backend_xfer_fence (the compute waits for everything: correct, no overlap).
+    void (*xfer_layer_ready)(pd_backend *b, int layer);
+    void (*xfer_layer_wait)(pd_backend *b, int layer);
+    uint64_t (*xfer_fence_host)(pd_backend *b);
     void (*fill_normal)(pd_backend *b, void *dst, pd_dtype dtype, size_t n, uint64_t seed, float mean, float std);
     // (optional) graphs: NULL means every op runs eagerly. See pd_backend_graph_begin.
     void (*graph_begin)(pd_backend *b);

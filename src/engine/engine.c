@@ -510,6 +510,7 @@ static pd_status run_plan(pd_engine *e, const pd_step_plan *plan, bool *was_spec
     if (st) return st;
     // Speculative decoding (engine/spec.c) runs steps with drafts itself; the rest run below.
     *was_spec = false;
+    if (e->spec) pd_tiers_step_begin(e, NULL);  // its forwards take no layer hook: tier copies fenced
     st = pd_engine_spec_run_plan(e, plan, was_spec);
     if (st) return st;
     if (*was_spec) goto account;
@@ -534,6 +535,7 @@ static pd_status run_plan(pd_engine *e, const pd_step_plan *plan, bool *was_spec
                       .kv_lens = b->kv_lens, .bt_indptr = b->bt_indptr, .bt_indices = b->bt_indices, .n_logits = nl,
                       .logit_rows = b->logit_rows};
     pd_disagg_step_begin(e, plan, &batch);  // prefill role: layer-wise KV saves ride on the forward pass
+    pd_tiers_step_begin(e, &batch);  // same-step tier loads: layer l's copy before layer l's compute
     st = use_device_sampling(e) ? sample_on_device(e, plan, &batch) : sample_on_host(e, plan, &batch);
     if (st) return st;
 account:
@@ -744,9 +746,13 @@ static void engine_step(pd_engine *e) {
     if (plan.n_kv_loads) pd_disagg_start_loads(e, &plan);
     if (plan.n_tier_loads) pd_tiers_start_loads(e, &plan);
     e->last_step_empty = plan.n_seqs == 0 && plan.n_kv_loads == 0 && plan.n_tier_loads == 0;
-    if (plan.n_seqs == 0) return;
+    if (plan.n_seqs == 0) {
+        pd_tiers_step_end(e);
+        return;
+    }
     bool was_spec = false;
     pd_status st = run_plan(e, &plan, &was_spec);
+    pd_tiers_step_end(e);  // (a failed or hookless step: the tier copies get a fence)
     e->n_saves = 0;  // the layer hook ran during the forward pass only
     pd_step_output *outs = e->sb.outputs;
     if (st) {

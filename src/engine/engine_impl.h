@@ -146,6 +146,12 @@ void pd_tiers_req_fini(ereq *q);
 // Computes the prompt's block hashes into q and probes the tiers: the n_tier_tokens to submit.
 int32_t pd_tiers_req_init(pd_engine *e, ereq *q, const int32_t *prompt, int n_prompt);
 void pd_tiers_start_loads(pd_engine *e, pd_step_plan *plan);
+// Before the step's compute: the step's same-step tier copies go on the transfer stream. batch:
+// layer-wise, batch->before_layer makes each layer wait for its copy; NULL (a step that runs
+// without the hook): one copy, fenced. After the compute was enqueued (or the step failed or had
+// no sequences): pd_tiers_step_end closes it.
+void pd_tiers_step_begin(pd_engine *e, pd_batch *batch);
+void pd_tiers_step_end(pd_engine *e);
 void pd_tiers_handle(pd_engine *e, pd_kvconn_event *ev);  // TIER_LOADED, on the engine thread
 void pd_tiers_drain_kv_events(pd_engine *e);  // offload newly cached blocks; router's KV log
 void pd_tiers_stats(pd_engine *e, pd_engine_stats *o);

@@ -20,7 +20,11 @@
 //             fence this step's compute waits on, and pd_sched_tier_loaded_now puts the request
 //             into the step's plan from the loaded position on, like a device prefix-cache hit
 //             (no extra step in LOADING_TIER; PDSERVE_KV_TIER_SAMESTEP=0: off). A load that
-//             found nothing to load is computed in that step too.
+//             found nothing to load is computed in that step too. The step's copies go out
+//             together at pd_tiers_step_begin, layer by layer: the compute of layer l waits (on
+//             the device, pd_batch.before_layer) for layer l's copy only, so the copy of later
+//             layers overlaps the compute of earlier ones (PDSERVE_KV_TIER_LAYERWISE=0: one copy
+//             and a fence per load, enqueued at the schedule).
 #include <stdlib.h>
 #include <string.h>
 
@@ -131,6 +135,23 @@ void pd_tiers_start_loads(pd_engine *e, pd_step_plan *plan) {
         if (e->tier_same_step) PD_ASSERT(pd_sched_tier_loaded_now(e->sched, plan, id, 0) == PD_OK);
         else PD_ASSERT(pd_sched_tier_loaded(e->sched, id, 0) == PD_OK);
     }
+}
+
+static void before_layer(void *ud, int layer) {
+    pd_engine *e = ud;
+    pd_kvconn_tiers_layer_wait(e->tiers, layer);
+}
+
+void pd_tiers_step_begin(pd_engine *e, pd_batch *batch) {
+    if (!e->tiers) return;
+    if (pd_kvconn_tiers_load_now_commit(e->tiers, batch != NULL) > 0) {
+        batch->before_layer = before_layer;
+        batch->before_layer_ud = e;
+    }
+}
+
+void pd_tiers_step_end(pd_engine *e) {
+    if (e->tiers) pd_kvconn_tiers_step_end(e->tiers);
 }
 
 // A load ended (engine thread).

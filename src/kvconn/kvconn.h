@@ -259,6 +259,9 @@ typedef struct pd_kvconn_tiers_stats {
     bool dram_pinned;          // the DRAM tier's pages are page-locked host memory (CUDA)
     int staging_slots;         // a device cache: pinned staging slots (0: the direct host path)
     int64_t load_cuts;         // loads cut short for want of a free staging slot
+    // Same-step loads' commits (pd_kvconn_tiers_load_now_commit), those copied layer by layer,
+    // and layer-wise ones whose layers were not all waited for (fenced at the step's end).
+    int64_t samestep_commits, samestep_layerwise, samestep_fenced;
     // The Redis tier's keyspace notifications (kvtier/notify.c): keys removed by the server
     // (evicted, expired, deleted), messages ignored (malformed / foreign), CONFIG SET refusals.
     int64_t remote_notify[PD_KVCONN_NOTIFY_N];
@@ -279,12 +282,27 @@ int pd_kvconn_tiers_match(pd_kvconn_tiers *c, const pd_hash128 *hashes, int n, i
 // the TIER_LOADED event. PD_OK: exactly one event follows. PD_ERR_INVALID: a block outside the pool.
 pd_status pd_kvconn_tiers_start_load(pd_kvconn_tiers *c, uint64_t req_id, const pd_hash128 *hashes,
                                      const int32_t *dst_blocks, int n);
-// The same, completed at once when the hot DRAM tier (a device cache's pinned device-layout pages)
-// holds every one of the n blocks: ONE copy pages -> dst_blocks is enqueued on the transfer stream
-// with a fence that compute enqueued after this call waits on (the host does not wait); returns
-// n and no event follows. Otherwise returns 0 and nothing happened (no hot tier, a block not held
-// there, a block outside the pool): use pd_kvconn_tiers_start_load.
+// The same, completed within the step when the hot DRAM tier (a device cache's pinned device-layout
+// pages) holds every one of the n blocks: the pages are pinned and their copy pages -> dst_blocks
+// queued; returns n and no event follows. Otherwise returns 0 and nothing happened (no hot tier, a
+// block not held there, a block outside the pool): use pd_kvconn_tiers_start_load. The queued
+// copies are enqueued on the transfer stream by pd_kvconn_tiers_load_now_commit, which must come
+// before the step's compute (PDSERVE_KV_TIER_LAYERWISE=0: enqueued here at once, one copy and a
+// fence per load, as a commit with layerwise false).
 int pd_kvconn_tiers_load_now(pd_kvconn_tiers *c, const pd_hash128 *hashes, const int32_t *dst_blocks, int n);
+// The engine thread, before the step's compute is enqueued: the copies pd_kvconn_tiers_load_now
+// queued, every load of the step together. layerwise: one copy per group of layers, each layer
+// marked ready on the transfer stream (pd_backend_xfer_layer_ready); returns the number of layers
+// the compute must then wait for, each through pd_kvconn_tiers_layer_wait(c, l) before layer l's
+// ops (pd_batch.before_layer), so the copy of later layers overlaps the compute of earlier ones.
+// Not layerwise (a step that runs without that hook, e.g. speculative decoding's): one copy and a
+// fence every later compute waits on; returns 0. Returns 0 too when nothing was queued.
+int pd_kvconn_tiers_load_now_commit(pd_kvconn_tiers *c, bool layerwise);
+void pd_kvconn_tiers_layer_wait(pd_kvconn_tiers *c, int layer);
+// The engine thread, after the step's compute was enqueued (whether it ran or failed): copies
+// still queued are committed with a fence, and a layer-wise commit whose layers were not all
+// waited for in order gets a fence (compute enqueued later runs after every copy).
+void pd_kvconn_tiers_step_end(pd_kvconn_tiers *c);
 // The engine thread, on a TIER_LOADED event, before it lets the request read the blocks: a device
 // cache gets the staged rows uploaded on the transfer stream (ordered before the next step's
 // compute; the host does not wait). Always call it once per TIER_LOADED event.

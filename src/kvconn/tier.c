@@ -225,8 +225,20 @@ typedef struct inflight {  // a slot whose copy is enqueued, by fence (engine th
 } inflight;
 enum { FLY_STAGE = 0, FLY_HOT_SAVE = 1, FLY_HOT_LOAD = 2 };
 
+typedef struct lw_copy {  // a same-step load's block, queued for pd_kvconn_tiers_load_now_commit
+    int32_t slot, dst;
+    int n_load;             // the load's first block: its block count and queue time (else 0)
+    int64_t t0;
+} lw_copy;
+
 struct pd_kvconn_tiers {
     pd_kvconn_tier_params p;
+    // Same-step loads (pd_kvconn_tiers_load_now): pinned there, copied at the step's commit.
+    int lw_group;           // layers a copy covers at a layer-wise commit (PDSERVE_KV_TIER_LAYERWISE)
+    lw_copy *lw;
+    int n_lw, cap_lw;
+    int lw_marked, lw_waited;  // layers of the last layer-wise commit, and how many were waited for
+    int64_t lw_commits, lw_layered, lw_fallbacks;  // commits, of them layer-wise, and fenced at step end
     bool is_staged;
     stage st;
     pending_save *pend;
@@ -642,15 +654,39 @@ static void hot_save_done(pd_kvconn_tiers *c, int s) {
     pthread_mutex_unlock(&h->mu);
 }
 
+static bool lw_push(pd_kvconn_tiers *c, lw_copy x) {
+    if (c->n_lw == c->cap_lw) {
+        int cap = c->cap_lw ? 2 * c->cap_lw : 256;
+        lw_copy *n = pd_realloc(c->lw, sizeof *n * (size_t)cap);
+        if (!n) return false;
+        c->lw = n;
+        c->cap_lw = cap;
+    }
+    c->lw[c->n_lw++] = x;
+    return true;
+}
+
 // A load's leading blocks held here: pinned, then ONE copy slots -> the reserved blocks on the
 // transfer stream (ordered before the next step's compute by the fence). Returns how many; with
-// all: n, or 0 (nothing done) unless every block is held.
-static int hot_start_load(pd_kvconn_tiers *c, const pd_hash128 *hashes, const int32_t *dst_blocks, int n, bool all) {
+// all: n, or 0 (nothing done) unless every block is held. queue (with all): pinned and queued for
+// pd_kvconn_tiers_load_now_commit instead of copied now.
+static int hot_start_load(pd_kvconn_tiers *c, const pd_hash128 *hashes, const int32_t *dst_blocks, int n, bool all,
+                          bool queue) {
     hot *h = &c->hot;
     int32_t *slots = pd_malloc(sizeof *slots * (size_t)n), *rows = pd_malloc(sizeof *rows * (size_t)n);
     if (!slots || !rows) {
         pd_free(slots), pd_free(rows);
         return 0;
+    }
+    if (queue && c->n_lw + n > c->cap_lw) {  // room first: a queued block must not fail later
+        int cap = PD_MAX(c->n_lw + n, c->cap_lw ? 2 * c->cap_lw : 256);
+        lw_copy *nl = pd_realloc(c->lw, sizeof *nl * (size_t)cap);
+        if (!nl) {
+            pd_free(slots), pd_free(rows);
+            return 0;
+        }
+        c->lw = nl;
+        c->cap_lw = cap;
     }
     pthread_mutex_lock(&h->mu);
     int k = hot_lead_locked(h, hashes, n);
@@ -673,7 +709,11 @@ static int hot_start_load(pd_kvconn_tiers *c, const pd_hash128 *hashes, const in
         h->bytes_out += (int64_t)k * (int64_t)block_bytes_all(c);
     }
     pthread_mutex_unlock(&h->mu);
-    if (k) {
+    if (k && queue) {
+        int64_t t0 = pd_time_us();
+        for (int i = 0; i < k; i++)
+            PD_ASSERT(lw_push(c, (lw_copy){.slot = slots[i], .dst = dst_blocks[i], .n_load = i ? 0 : k, .t0 = i ? 0 : t0}));
+    } else if (k) {
         pd_backend_xfer_mark(c->p.backend);  // (after whatever compute last used the blocks)
         pd_kv_copy_params kp = {.src_k = h->k, .src_v = h->v, .dst_k = c->p.cache.k, .dst_v = c->p.cache.v,
                                 .src_blocks = slots, .dst_blocks = dst_blocks, .n_rows = rows, .n_blocks = k,
@@ -858,6 +898,22 @@ pd_kvconn_tiers *pd_kvconn_tiers_new(const pd_kvconn_tier_params *p, pd_err *err
             pd_free(c);
             return NULL;
         }
+        // Same-step loads copy layer group by layer group (the compute of layer l waits for its
+        // group only): PDSERVE_KV_TIER_LAYERWISE=N layers a copy (default 1), 0: one copy, one fence.
+        const char *lw_env = getenv("PDSERVE_KV_TIER_LAYERWISE");
+        c->lw_group = 1;
+        if (lw_env && *lw_env) {
+            char *end;
+            long g = strtol(lw_env, &end, 10);
+            if (*end || g < 0 || g > 4096) {
+                pd_err_set(err, PD_ERR_INVALID, "PDSERVE_KV_TIER_LAYERWISE=%s: want 0 (off) or layers a copy", lw_env);
+                hot_fini(c);
+                stage_fini(c);
+                pd_free(c);
+                return NULL;
+            }
+            c->lw_group = (int)g;
+        }
         // The chain below is [disk][redis]: the disk gets DRAM's victims (write-back), Redis (the
         // cluster pool) every block as soon as DRAM holds it.
         c->hot_lower_on_evict = p->disk_dir ? 1u : 0u;
@@ -910,6 +966,7 @@ fail_stores:
 
 void pd_kvconn_tiers_free(pd_kvconn_tiers *c) {
     if (!c) return;
+    pd_kvconn_tiers_step_end(c);  // same-step loads still queued: copied (their pages unpinned below)
     if (c->is_staged) {
         pd_backend_xfer_sync(c->p.backend);  // every staged copy finished: hand the saves over
         pd_kvconn_tiers_poll(c);
@@ -918,11 +975,13 @@ void pd_kvconn_tiers_free(pd_kvconn_tiers *c) {
         hot *h = &c->hot;
         PD_LOG_I("kv tiers: DRAM (pages = staged rows): %lld pages written, %lld saves of held blocks skipped, %lld "
                  "dropped (no free slot), %lld evicted, %lld not written below (writes behind); %lld loads, %lld "
-                 "blocks, %lld hit / %lld missed; %.1f us a block enqueue -> fence seen",
+                 "blocks, %lld hit / %lld missed; %.1f us a block enqueue -> fence seen; same-step copies: %lld "
+                 "commits, %lld layer-wise (%d layers a copy), %lld fenced at the step's end",
                  (long long)h->puts, (long long)c->staged_resident, (long long)h->drops, (long long)h->evictions,
                  (long long)h->lower_skipped,
                  (long long)h->loads, (long long)h->load_blocks, (long long)h->hits, (long long)h->misses,
-                 h->us_per_block);
+                 h->us_per_block, (long long)c->lw_commits, (long long)c->lw_layered, c->lw_group,
+                 (long long)c->lw_fallbacks);
     }
     if (c->t) pd_kvt_tiers_free(c->t);  // runs what is queued (loads end with their event), joins; frees the stores
     arena_fini(&c->arena);    // after the DRAM store gave its pages back
@@ -930,6 +989,7 @@ void pd_kvconn_tiers_free(pd_kvconn_tiers *c) {
     stage_fini(c);            // (load events still queued for the engine keep their tier_load: freed there)
     pd_free(c->pend);
     pd_free(c->fly);
+    pd_free(c->lw);
     pd_free(c);
 }
 
@@ -1108,7 +1168,7 @@ pd_status pd_kvconn_tiers_start_load(pd_kvconn_tiers *c, uint64_t req_id, const 
     int L = c->geom.n_layers;
     if (c->use_hot) {
         // The leading blocks DRAM holds: uploaded now (one copy); the rest from the lower tiers.
-        int k = hot_start_load(c, hashes, dst_blocks, n, false);
+        int k = hot_start_load(c, hashes, dst_blocks, n, false, false);
         pd_status st = k < n && c->t ? start_load_staged(c, req_id, hashes + k, dst_blocks + k, n - k, k) : PD_NOSPACE;
         if (st == PD_OK) return PD_OK;
         if (k == 0) return st == PD_NOSPACE ? PD_NOSPACE : st;
@@ -1150,7 +1210,79 @@ int pd_kvconn_tiers_load_now(pd_kvconn_tiers *c, const pd_hash128 *hashes, const
     if (!c->use_hot || n <= 0) return 0;
     for (int i = 0; i < n; i++)
         if (dst_blocks[i] < 0 || dst_blocks[i] >= c->p.cache.n_blocks) return 0;
-    return hot_start_load(c, hashes, dst_blocks, n, true);
+    return hot_start_load(c, hashes, dst_blocks, n, true, c->lw_group > 0);
+}
+
+int pd_kvconn_tiers_load_now_commit(pd_kvconn_tiers *c, bool layerwise) {
+    if (!c || c->n_lw == 0) return 0;
+    PD_ASSERT(c->lw_marked == c->lw_waited);  // the last layer-wise commit was closed (step_end)
+    int n = c->n_lw, L = c->geom.n_layers, bs = c->p.cache.block_size;
+    int32_t *src = pd_malloc(sizeof *src * (size_t)n), *dst = pd_malloc(sizeof *dst * (size_t)n);
+    int32_t *rows = pd_malloc(sizeof *rows * (size_t)n);
+    while (!src || !dst || !rows) {  // (the pages are pinned and the blocks promised: it must happen)
+        pd_free(src), pd_free(dst), pd_free(rows);
+        src = pd_malloc(sizeof *src * (size_t)n), dst = pd_malloc(sizeof *dst * (size_t)n);
+        rows = pd_malloc(sizeof *rows * (size_t)n);
+    }
+    for (int i = 0; i < n; i++) src[i] = c->lw[i].slot, dst[i] = c->lw[i].dst, rows[i] = bs;
+    hot *h = &c->hot;
+    pd_kv_copy_params kp = {.src_k = h->k, .src_v = h->v, .dst_k = c->p.cache.k, .dst_v = c->p.cache.v,
+                            .src_blocks = src, .dst_blocks = dst, .n_rows = rows, .n_blocks = n,
+                            .block_size = bs, .row_bytes = c->p.cache.row_bytes};
+    pd_backend_xfer_mark(c->p.backend);  // (after whatever compute last used the blocks)
+    uint64_t f;
+    int marked = 0;
+    if (layerwise) {
+        // Layer group by layer group, each marked ready: the compute of layer l waits only for
+        // the copies up to l's group (pd_kvconn_tiers_layer_wait), the rest overlaps it.
+        int g = PD_MAX(c->lw_group, 1);
+        for (int l0 = 0; l0 < L; l0 += g) {
+            kp.layer_begin = l0;
+            kp.layer_end = PD_MIN(l0 + g, L);
+            pd_op_kv_copy_xfer(c->p.backend, &kp);
+            for (int l = l0; l < kp.layer_end; l++) pd_backend_xfer_layer_ready(c->p.backend, l);
+        }
+        f = pd_backend_xfer_fence_host(c->p.backend);  // the pages' pins end when the host sees it
+        marked = L;
+        c->lw_layered++;
+    } else {
+        kp.layer_begin = 0;
+        kp.layer_end = L;
+        pd_op_kv_copy_xfer(c->p.backend, &kp);
+        f = pd_backend_xfer_fence(c->p.backend);  // compute enqueued from now on runs after it
+    }
+    c->lw_commits++;
+    c->lw_marked = marked;
+    c->lw_waited = 0;
+    for (int i = 0; i < n; i++)
+        if (!fly_push(c, (inflight){.fence = f, .slot = c->lw[i].slot, .kind = FLY_HOT_LOAD, .t0 = c->lw[i].t0,
+                                    .n_load = c->lw[i].n_load})) {
+            pd_backend_xfer_sync(c->p.backend);
+            pthread_mutex_lock(&h->mu);
+            hot_release_locked(h, c->lw[i].slot);
+            pthread_mutex_unlock(&h->mu);
+        }
+    c->n_lw = 0;
+    pd_free(src), pd_free(dst), pd_free(rows);
+    return marked;
+}
+
+void pd_kvconn_tiers_layer_wait(pd_kvconn_tiers *c, int layer) {
+    if (!c || layer < 0 || layer >= c->lw_marked) return;
+    pd_backend_xfer_layer_wait(c->p.backend, layer);
+    if (layer == c->lw_waited) c->lw_waited++;  // layers waited for in order, from 0
+}
+
+void pd_kvconn_tiers_step_end(pd_kvconn_tiers *c) {
+    if (!c) return;
+    pd_kvconn_tiers_load_now_commit(c, false);  // queued and never committed: copied, fenced
+    if (c->lw_waited < c->lw_marked) {
+        // A layer-wise commit whose layers the compute did not all wait for (the step failed, or
+        // ran without the hook): whatever compute comes next runs after every copy.
+        (void)pd_backend_xfer_fence(c->p.backend);
+        c->lw_fallbacks++;
+    }
+    c->lw_marked = c->lw_waited = 0;
 }
 
 void pd_kvconn_tiers_stats_get(pd_kvconn_tiers *c, pd_kvconn_tiers_stats *out) {
@@ -1187,6 +1319,9 @@ void pd_kvconn_tiers_stats_get(pd_kvconn_tiers *c, pd_kvconn_tiers_stats *out) {
     out->dram_pinned = c->arena.base && pd_backend_host_is_pinned(c->p.backend);
     out->staging_slots = c->is_staged ? c->st.n_slots : 0;
     out->load_cuts = c->load_cuts;
+    out->samestep_commits = c->lw_commits;
+    out->samestep_layerwise = c->lw_layered;
+    out->samestep_fenced = c->lw_fallbacks;
     int64_t rn[PD_KVCONN_NOTIFY_N] = {s.remote_notify.evicted, s.remote_notify.expired, s.remote_notify.deleted,
                                       s.remote_notify.ignored, s.remote_notify.config_refused};
     memcpy(out->remote_notify, rn, sizeof rn);

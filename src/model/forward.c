@@ -192,6 +192,7 @@ static void run_step(pd_model *m, pd_model_cache *kc, const int32_t *dmeta, cons
     pd_op_embed(be, &(pd_embed_params){.ids = dmeta + l->tokens, .table = wp(m->embed), .out = wp(ws->x), .n_tokens = T,
                                        .dim = D, .vocab = c->vocab_size});
     for (int li = 0; li < c->n_layers; li++) {
+        if (hook && hook->before_layer) hook->before_layer(hook->before_layer_ud, li);
         run_layer(m, kc, li, T, dmeta, l, n_seqs, max_q, max_kv);
         if (hook && hook->on_layer) hook->on_layer(hook->on_layer_ud, li);
     }
@@ -524,7 +525,7 @@ pd_status pd_model_warmup(pd_model *m, pd_model_cache *kc, int max_tokens, int m
 pd_status pd_model_forward_dev(pd_model *m, pd_model_cache *kc, const pd_batch *b, const float **logits_dev) {
     if (b->n_tokens <= 0 || b->n_seqs <= 0 || b->n_logits < 0 || b->n_logits > b->n_tokens || kc->model != m)
         return PD_ERR_INVALID;
-    if (graphs_on(m) && !b->on_layer) {
+    if (graphs_on(m) && !b->on_layer && !b->before_layer) {
         bool handled;
         pd_status st = forward_graph(m, kc, b, &handled);
         if (handled || st) {

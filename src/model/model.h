@@ -90,6 +90,11 @@ typedef struct pd_batch {
     // with a hook never runs as a captured graph.
     void (*on_layer)(void *ud, int layer);
     void *on_layer_ud;
+    // Optional "layer start" hook: called on the calling thread before layer l's ops are issued
+    // (the KV tiers' layer-wise loads make the compute wait there for layer l's copy). A step with
+    // a hook never runs as a captured graph.
+    void (*before_layer)(void *ud, int layer);
+    void *before_layer_ud;
 } pd_batch;
 
 // Runs the step. logits: host (n_logits, vocab) f32, may be NULL when n_logits == 0.

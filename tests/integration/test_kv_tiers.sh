@@ -126,9 +126,29 @@ echo "hits: dram $h_dram disk $h_disk redis $h_redis; tokens: prompt $prompt com
 [ "$hit_tok" -ge $((prompt / 3)) ] || pd_fail "the tiers served only $hit_tok of $prompt prompt tokens"
 grep -q 'pdserve_kv_tier_load_seconds_count{tier="disk"}' "$TMP/t1.metrics" || pd_fail "no load-latency histogram"
 pd_stop t1
+if [ "${PDSERVE_KV_TIER_STAGING:-0}" = 1 ]; then
+  # The device-cache path: whole DRAM hits end in their admitting step, their copies go out layer
+  # by layer and every step's compute waited for each layer before it (none fenced at step end).
+  lw=$(grep -o 'same-step copies: [0-9]* commits, [0-9]* layer-wise ([0-9]* layers a copy), [0-9]* fenced' "$TMP/t1.err")
+  echo "$lw"
+  set -- $(echo "$lw" | tr -cs '0-9' ' ')
+  [ "${1:-0}" -gt 0 ] && [ "${2:-0}" = "$1" ] && [ "${4:-1}" = 0 ] ||
+    pd_fail "want every same-step commit layer-wise and none fenced at the step's end: '$lw'"
+fi
 
 # ---- 2. restart with the disk tier: the first repeated prompt is a disk hit ----
-pd_start t2 $POOL --kv-offload-disk "$TMP/disk" --kv-offload-disk-size 30M
+# Write-back is best effort: under load the victims DRAM evicts faster than the disk writes are
+# skipped (counted), so which of t1's pages reached the disk depends on the machine's load. The
+# pages the restart reads are written by a server with the disk tier alone, and the restart waits,
+# through the disk tier's put counter, until every full block of the prompt is on disk.
+pd_start t2w $POOL --kv-offload-disk "$TMP/disk2" --kv-offload-disk-size 30M
+run "$URL" "$TMP/first.json" "$TMP/t2w.json" "restart: the pages written"
+same "$TMP/ref.json" "$TMP/t2w.json" "disk tier alone, first prompt"
+disk_puts() { curl -sf "$URL/metrics" | awk '$1 == "pdserve_kv_tier_puts_total{tier=\"disk\"}" {print $2 + 0}'; }
+disk_puts_at_least() { [ "$(disk_puts)" -ge "$1" ]; }
+pd_wait_for 30 disk_puts_at_least 6 || pd_fail "the disk tier wrote $(disk_puts) of the prompt's 6 blocks"
+pd_stop t2w
+pd_start t2 $POOL --kv-offload-disk "$TMP/disk2" --kv-offload-disk-size 30M
 run "$URL" "$TMP/first.json" "$TMP/t2.json" "restart"
 same "$TMP/ref.json" "$TMP/t2.json" "after a restart, first prompt"
 h=$(metric "$URL" '^pdserve_kv_tier_hits_total')

@@ -132,6 +132,18 @@ static void roundtrip(const char *label, uint64_t dram, const char *disk_dir, co
     PD_CHECK_EQ(pd_kvconn_tiers_load_now(c, hs4, dst4, 4), 0);
     PD_CHECK_EQ(pd_kvconn_tiers_load_now(c, hs, bad, 3), 0);  // a block outside the pool
     PD_CHECK_EQ(pd_kvconn_tiers_load_now(c, hs, dst4, 3), hot);
+    // Layer-wise (the default): queued, copied at the step's commit, one layer at a time.
+    const char *lw_env = getenv("PDSERVE_KV_TIER_LAYERWISE");
+    bool lw = hot && !(lw_env && !strcmp(lw_env, "0"));
+    if (lw) {
+        uint8_t zero[BLKB];
+        memset(zero, 0, sizeof zero);
+        PD_CHECK(memcmp((char *)k[0] + (size_t)dst4[0] * BLKB, zero, BLKB) == 0);  // not copied yet
+    }
+    PD_CHECK_EQ(pd_kvconn_tiers_load_now_commit(c, true), lw ? L : 0);
+    for (int l = 0; l < L; l++) pd_kvconn_tiers_layer_wait(c, l);
+    pd_kvconn_tiers_step_end(c);
+    PD_CHECK_EQ(pd_kvconn_tiers_load_now_commit(c, true), 0);  // nothing queued any more
     pd_kvconn_tiers_poll(c);
     for (int b = 0; b < hot; b++)
         for (int l = 0; l < L; l++) {
@@ -141,6 +153,31 @@ static void roundtrip(const char *label, uint64_t dram, const char *disk_dir, co
     PD_CHECK(wait_event_brief(&box) == NULL);  // no event for a load ended at once
     pd_kvconn_tiers_stats_get(c, &st);
     PD_CHECK_EQ(st.load_blocks, 3 + hot);
+    PD_CHECK_EQ(st.samestep_layerwise, lw ? 1 : 0);
+    PD_CHECK_EQ(st.samestep_fenced, 0);
+    if (hot) {
+        // A layer-wise commit the compute did not wait for in full (a step that failed after layer
+        // 0): fenced at the step's end. A hookless step (layerwise false): one copy, one fence.
+        PD_CHECK_EQ(pd_kvconn_tiers_load_now(c, hs, dst4, 3), 3);
+        PD_CHECK_EQ(pd_kvconn_tiers_load_now_commit(c, true), lw ? L : 0);
+        pd_kvconn_tiers_layer_wait(c, 0);
+        pd_kvconn_tiers_layer_wait(c, L - 1);  // (out of order: not counted)
+        pd_kvconn_tiers_step_end(c);
+        PD_CHECK_EQ(pd_kvconn_tiers_load_now(c, hs, dst4 + 1, 3), 3);
+        PD_CHECK_EQ(pd_kvconn_tiers_load_now_commit(c, false), 0);
+        pd_kvconn_tiers_step_end(c);
+        PD_CHECK_EQ(pd_kvconn_tiers_load_now(c, hs, dst4, 3), 3);  // never committed: at step end
+        pd_kvconn_tiers_step_end(c);
+        pd_kvconn_tiers_poll(c);
+        for (int b = 0; b < 3; b++)
+            for (int l = 0; l < L; l++)
+                PD_CHECK(memcmp((char *)v[l] + (size_t)b * BLKB, (char *)v[l] + (size_t)dst4[b] * BLKB, BLKB) == 0);
+        pd_kvconn_tiers_stats_get(c, &st);
+        PD_CHECK_EQ(st.samestep_commits, lw ? 4 : 0);
+        PD_CHECK_EQ(st.samestep_layerwise, lw ? 2 : 0);
+        PD_CHECK_EQ(st.samestep_fenced, lw && L > 1 ? 1 : 0);
+        PD_CHECK_EQ(st.load_blocks, 3 + 4 * hot);
+    }
     printf("  %s: 3 blocks saved and loaded back bit-exact (%d staging slots), %d loaded within the step\n", label,
            st.staging_slots, hot);
     pd_kvconn_tiers_free(c);
@@ -345,4 +382,30 @@ PD_TEST(staged_hot_dram_match_counts_as_reuse) {
     for (int l = 0; l < L; l++) free(k[l]), free(v[l]);
     pd_backend_free(be);
     unsetenv("PDSERVE_KV_TIER_STAGING");
+}
+
+PD_TEST(staged_hot_dram_load_now_layer_groups_and_off) {
+    // Same-step loads copied 2 layers at a time, and with the layer-wise path off (one copy and
+    // one fence per load at load_now): the same bit-exact blocks either way.
+    setenv("PDSERVE_KV_TIER_LAYERWISE", "2", 1);
+    roundtrip("dram, 2 layers a copy", 1 << 20, NULL, NULL);
+    setenv("PDSERVE_KV_TIER_LAYERWISE", "0", 1);
+    roundtrip("dram, layer-wise off", 1 << 20, NULL, NULL);
+    // A value that is not a layer count is refused, not ignored.
+    setenv("PDSERVE_KV_TIER_LAYERWISE", "fast", 1);
+    setenv("PDSERVE_KV_TIER_STAGING", "1", 1);
+    pd_backend *be = pd_backend_cpu_new(1);
+    PD_REQUIRE(be);
+    void *k[L] = {0}, *v[L] = {0};
+    pd_kvconn_tier_params p = {.dram_bytes = 1 << 20, .backend = be, .on_event = on_event};
+    p.fp = (pd_kvw_fingerprint){.arch = 1, .n_layers = L, .n_heads = 4, .n_kv_heads = H, .head_dim = D, .hidden = 64,
+                                .vocab = 100, .kv_dtype = PD_DTYPE_BF16, .block_size = BS, .weights_hash = 42};
+    p.cache = (pd_kvconn_cache){.n_layers = L, .n_blocks = NB, .block_size = BS, .row_bytes = ROWB, .k = k, .v = v};
+    pd_err err = {0};
+    PD_CHECK(pd_kvconn_tiers_new(&p, &err) == NULL);
+    PD_CHECK_EQ(err.status, PD_ERR_INVALID);
+    PD_CHECK(strstr(err.msg, "PDSERVE_KV_TIER_LAYERWISE") != NULL);
+    pd_backend_free(be);
+    unsetenv("PDSERVE_KV_TIER_STAGING");
+    unsetenv("PDSERVE_KV_TIER_LAYERWISE");
 }

@@ -88,6 +88,9 @@ void pd_cuda_kv_checksum_xfer(pd_backend *b, const pd_kv_checksum_params *p);
 void pd_cuda_xfer_sync(pd_backend *b);
 uint64_t pd_cuda_xfer_fence(pd_backend *b);
 bool pd_cuda_xfer_fence_done(pd_backend *b, uint64_t fence);
+void pd_cuda_xfer_layer_ready(pd_backend *b, int layer);
+void pd_cuda_xfer_layer_wait(pd_backend *b, int layer);
+uint64_t pd_cuda_xfer_fence_host(pd_backend *b);
 void pd_cuda_xfer_fini(pd_cuda_backend *cb);
 cudaStream_t pd_cuda_xfer_stream(pd_cuda_backend *cb);  // made on first use
 

@@ -27,6 +27,8 @@ struct pd_cuda_xfer {
     uint64_t n_fences;                 // issued (host thread)
     _Atomic uint64_t n_fences_done;    // bumped by a host function on the transfer stream, in order
     uint64_t n_marks;
+    cudaEvent_t *layer_ev;             // pd_cuda_xfer_layer_ready: (n_layer_ev) one per layer
+    int n_layer_ev;
     char *host, *dev;  // pinned staging and its device mirror, cap bytes each
     size_t cap, used;
     xfer_pending *pending;
@@ -163,6 +165,35 @@ bool pd_cuda_xfer_fence_done(pd_backend *b, uint64_t fence) {
     return !x || atomic_load(&x->n_fences_done) >= fence;
 }
 
+void pd_cuda_xfer_layer_ready(pd_backend *b, int layer) {
+    pd_cuda_backend *cb = pd_cuda_backend_of(b);
+    pd_cuda_xfer *x = xfer_of(cb);
+    if (layer >= x->n_layer_ev) {
+        int n = PD_MAX(layer + 1, 2 * x->n_layer_ev);
+        cudaEvent_t *ev = pd_realloc(x->layer_ev, sizeof *ev * (size_t)n);
+        PD_ASSERT(ev);
+        for (int i = x->n_layer_ev; i < n; i++) PD_CUDA_CHECK(cudaEventCreateWithFlags(&ev[i], cudaEventDisableTiming));
+        x->layer_ev = ev;
+        x->n_layer_ev = n;
+    }
+    PD_CUDA_CHECK(cudaEventRecord(x->layer_ev[layer], x->stream));
+}
+
+void pd_cuda_xfer_layer_wait(pd_backend *b, int layer) {
+    pd_cuda_backend *cb = pd_cuda_backend_of(b);
+    pd_cuda_xfer *x = cb->xfer;
+    if (!x || layer >= x->n_layer_ev) return;  // never marked: nothing to wait for
+    pd_cuda_bind(cb);
+    PD_CUDA_CHECK(cudaStreamWaitEvent(cb->stream, x->layer_ev[layer], 0));
+}
+
+uint64_t pd_cuda_xfer_fence_host(pd_backend *b) {
+    pd_cuda_backend *cb = pd_cuda_backend_of(b);
+    pd_cuda_xfer *x = xfer_of(cb);
+    PD_CUDA_CHECK(cudaLaunchHostFunc(x->stream, fence_reached, x));  // the compute stream does not wait
+    return ++x->n_fences;
+}
+
 cudaStream_t pd_cuda_xfer_stream(pd_cuda_backend *cb) { return xfer_of(cb)->stream; }
 
 void pd_cuda_xfer_fini(pd_cuda_backend *cb) {
@@ -171,6 +202,8 @@ void pd_cuda_xfer_fini(pd_cuda_backend *cb) {
     cudaStreamSynchronize(x->stream);
     for (int i = 0; i < 2; i++) cudaEventDestroy(x->ev[i]);
     cudaEventDestroy(x->fence_ev);
+    for (int i = 0; i < x->n_layer_ev; i++) cudaEventDestroy(x->layer_ev[i]);
+    pd_free(x->layer_ev);
     cudaStreamDestroy(x->stream);
     if (x->host) cudaFreeHost(x->host);
     if (x->dev) cudaFree(x->dev);
