@@ -42,6 +42,7 @@
 // kernel's layout).
 #include <cooperative_groups.h>
 #include <math.h>
+#include <string.h>
 
 #include "kernels/common.cuh"
 #include "kernels/sample.cuh"
@@ -575,7 +576,7 @@ static __device__ cut_t truncate(const float *x, const uint32_t *M, chunk_t C, c
 // (INT_MAX: none), stopping there.
 template <bool FIND>
 static __device__ double survivors(const float *x, const uint32_t *M, chunk_t C, float it, float mx, cut_t c,
-                                   bool partial, int tie_base, double carry0, double r, k_smem &S) {
+                                   bool partial, int tie_base, double carry0, double r, k_smem &S, const float *E) {
     double carry = carry0, tot;
     int tie_carry = tie_base, ttot;
     if (threadIdx.x == 0) S.token = INT_MAX, S.last_keep = -1;
@@ -598,7 +599,7 @@ static __device__ double survivors(const float *x, const uint32_t *M, chunk_t C,
         int last = -1;
         for (int j = 0; j < ITEMS; j++) {
             bool keep = i0 + j < C.end && (k[j] > c.Kc || (k[j] == c.Kc && rank++ < c.jc)) && l[j] >= c.thresh;
-            w[j] = keep ? (double)elem_e(l[j], mx) : 0.0;
+            w[j] = keep ? (double)(E ? E[i0 + j - C.beg] : elem_e(l[j], mx)) : 0.0;
             tw += w[j];
             if (keep) last = i0 + j;
         }
@@ -620,9 +621,10 @@ static __device__ double survivors(const float *x, const uint32_t *M, chunk_t C,
 }
 
 // Draws from the surviving set: the first token (id order) whose running mass exceeds u * S.
+// E: this chunk's exp(l - mx) weights, cached by the candidate-set pass (NULL: computed here).
 template <int CL>
 static __device__ int draw(const float *x, const uint32_t *M, chunk_t C, const pd_sample_krow &R, float mx, cut_t c,
-                           k_smem &S) {
+                           k_smem &S, const float *E) {
     float it = R.inv_temp;
     // this chunk's ties at Kc and its mass above Kc; the ties of the chunks before it, the row's
     int n_eq = 0;
@@ -630,7 +632,7 @@ static __device__ int draw(const float *x, const uint32_t *M, chunk_t C, const p
     for (int i = C.beg + threadIdx.x; i < C.end; i += NT) {
         float l = __fmul_rn(lg(x, M, i), it);
         uint32_t k = fkey(l);
-        if (k > c.Kc && l >= c.thresh) m += (double)elem_e(l, mx);
+        if (k > c.Kc && l >= c.thresh) m += (double)(E ? E[i - C.beg] : elem_e(l, mx));
         n_eq += k == c.Kc;
     }
     m = blk_sum_d(m, S);
@@ -643,7 +645,7 @@ static __device__ int draw(const float *x, const uint32_t *M, chunk_t C, const p
         float lc = fval(c.Kc);
         W = m + (n_eq > 0 && lc >= c.thresh ? (double)n_eq * (double)elem_e(lc, mx) : 0.0);
     } else {
-        W = survivors<false>(x, M, C, it, mx, c, partial, tie_base, 0.0, 0.0, S);
+        W = survivors<false>(x, M, C, it, mx, c, partial, tie_base, 0.0, 0.0, S, E);
     }
     double total, before = clu_scan_d<CL>(W, C.rank, S, &total);
     int last_nz = -1;  // the last chunk with survivors: it answers when u * S rounds past the end
@@ -652,7 +654,7 @@ static __device__ int draw(const float *x, const uint32_t *M, chunk_t C, const p
     double r = pd_sample_uniform_of(R.seed, R.draw_idx) * total;
     int token = INT_MAX;
     if (W > 0 && r >= before && (r < before + W || C.rank == last_nz)) {  // CTA-uniform
-        survivors<true>(x, M, C, it, mx, c, partial, tie_base, before, r, S);
+        survivors<true>(x, M, C, it, mx, c, partial, tie_base, before, r, S, E);
         token = S.token != INT_MAX ? S.token : S.last_keep;
     }
     if (threadIdx.x == 0) S.pub_i[0] = token;
@@ -662,13 +664,210 @@ static __device__ int draw(const float *x, const uint32_t *M, chunk_t C, const p
     return t == INT_MAX || t < 0 ? 0 : t;
 }
 
-template <int CL> static __global__ void __launch_bounds__(NT) k_sample(pd_sample_kparams p) {
+// ---- the candidate-set path (top-k, top-p, the exp cache) -----------------------------------------
+//
+// One pass over the chunk computes every element's weight exp(l - mx) (kept in the CTA's cache
+// when the chunk fits) and a histogram of its bin, fbin(l) = (mx - l) * BSCALE truncated (1/64 of a
+// logit a bin, bin 0 at the max; the last bin takes everything lower): counts for top-k, counts
+// and masses for top-p. The cluster's histograms are summed in rank order (one exchange). Since
+// fbin is monotone in l, the k largest (value desc, id asc) lie in the bins up to the first whose
+// running count reaches k, and the top-p cut lies inside the first bin whose running mass reaches
+// top_p * total, everything in the bins before it surviving. Those candidates (top-k: every bin up
+// to the boundary; top-p: the boundary bin) are compacted once, in id order, into every CTA's
+// shared memory (at most CAND; more falls back to the radix passes, the same for every CTA),
+// ranked exactly by (key desc, id asc), and cut there: so the truncation is the definition's, not
+// an approximation. Top-k then draws over the compacted set (one block scan, every CTA alike);
+// top-p draws over the row (draw() with the cached weights), its survivors being "key > Kc plus the
+// first jc ties at Kc", as the radix path defines them.
+#define NB 1024          // histogram bins (== NT: one bin a thread in the scans)
+#define BSCALE 64.0f     // bins a logit (range: 16 logits below the max)
+#define CAND 1024        // candidate capacity (== NT: one candidate a thread)
+#define ECACHE_MAX 24576 // largest chunk (floats) whose weights are cached: 96 KiB
+
+struct k_fast {          // dynamic shared memory, before the weight cache
+    double bm[NB];       // this CTA's bin masses and counts, read by the cluster
+    int bc[NB];
+    uint32_t ck[CAND];   // the candidates in id order: key, id, weight
+    int ci[CAND];
+    float ce[CAND];
+    float se[CAND];      // weights by rank
+    int first, last, key, n, off;
+    double above;
+};
+
+static __device__ __forceinline__ int fbin(float l, float mx) {
+    float d = __fmul_rn(__fsub_rn(mx, l), BSCALE);
+    return d < (float)(NB - 1) ? (int)d : NB - 1;  // -inf and NaN: the last bin
+}
+
+// The row's token by the candidate-set path, or -1 (every CTA alike) when the candidates overflow
+// CAND and the radix path must run. mx: max of l, finite.
+template <int CL>
+static __device__ int fast_random(const float *x, const uint32_t *M, chunk_t C, const pd_sample_krow &R, float mx,
+                                  k_smem &S, k_fast &F, float *E) {
+    const float it = R.inv_temp;
+    const bool has_k = R.top_k > 0, has_p = R.top_p < 1.0f;
+    cut_t cut = {0u, INT_MAX, R.log_min_p > -INFINITY ? __fadd_rn(mx, R.log_min_p) : -INFINITY};
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, t = threadIdx.x;
+    double *hm = &S.hist[0][0];                       // 2 copies (warp parity) of the bin masses
+    int *hc = (int *)(&S.hist[0][0] + 2 * NB);        // and of the counts
+    const bool hist = has_k || has_p;
+    if (hist) {
+        for (int j = t; j < 2 * NB; j += NT) hm[j] = 0.0, hc[j] = 0;
+        __syncthreads();
+    }
+    for (int i0 = C.beg + (t & ~31); i0 < C.end; i0 += NT) {  // warp-uniform trip count
+        int i = i0 + lane;
+        bool in = i < C.end;
+        float l = in ? __fmul_rn(lg(x, M, i), it) : -INFINITY;
+        float e = in ? elem_e(l, mx) : 0.0f;
+        if (E && in) E[i - C.beg] = e;
+        if (hist) {
+            int b = fbin(l, mx);
+            unsigned okm = __ballot_sync(FULL, in);
+            if (in) {
+                unsigned grp = __match_any_sync(okm, b);
+                if (lane == __ffs(grp) - 1) atomicAdd(&hc[(warp & 1) * NB + b], __popc(grp));
+                if (!has_k && e > 0.0f) atomicAdd(&hm[(warp & 1) * NB + b], (double)e);
+            }
+        }
+    }
+    if (!hist) {  // temperature / min-p only: the draw over the row, weights from the cache
+        __syncthreads();
+        return draw<CL>(x, M, C, R, mx, cut, S, E);
+    }
+    __syncthreads();
+    F.bm[t] = hm[t] + hm[NB + t], F.bc[t] = hc[t] + hc[NB + t];
+    if (t == 0) F.first = INT_MAX, F.last = -1;
+    double gm = 0;  // bin t of the row (rank order: the same sums in every CTA)
+    int gc = 0, below = 0;
+    if constexpr (CL == 1) {
+        __syncthreads();
+        gm = F.bm[t], gc = F.bc[t];
+    } else {
+        cg::cluster_group cl = cg::this_cluster();
+        cl.sync();
+        for (int r = 0; r < CL; r++) {
+            const k_fast *Fr = cl.map_shared_rank(&F, r);
+            gm += Fr->bm[t];
+            int c = Fr->bc[t];
+            gc += c;
+            if (r < C.rank) below += c;
+        }
+    }
+    // the boundary bin b: the first whose running count reaches k (top-k) or whose running mass
+    // reaches top_p * total (top-p; rounding leaving it short: the last bin with mass)
+    int n_tot, cnt_before = blk_excl_scan_i(gc, S, &n_tot);
+    double want = 0, m_tot = 0, m_before = 0;
+    if (has_k) {
+        if (cnt_before + gc >= R.top_k && cnt_before < R.top_k) F.first = t;
+    } else {
+        m_before = blk_excl_scan_d(gm, S, &m_tot);
+        want = (double)R.top_p * m_tot;
+        if (gm > 0 && m_before + gm >= want) atomicMin(&F.first, t);
+        if (gm > 0) atomicMax(&F.last, t);
+    }
+    __syncthreads();
+    int b = F.first != INT_MAX ? F.first : F.last;
+    if (b < 0) b = NB - 1;  // no mass at all: overflows below, the radix path decides
+    if (t == b) F.n = has_k ? cnt_before + gc : gc, F.off = below, F.above = m_before;
+    __syncthreads();
+    const int n = F.n, lo_bin = has_k ? 0 : b;
+    int off = has_k ? blk_sum_i(t <= b ? below : 0, S) : F.off;
+    const double above = F.above;
+    if (n > CAND || (!has_k && m_tot <= 0)) {  // the same in every CTA
+        if constexpr (CL > 1) cg::this_cluster().sync();  // the bins stay readable until all have read them
+        return -1;
+    }
+    // compaction: this chunk's candidates, in id order, into every CTA at [off, off + its count)
+    int carry = off, ttot;
+    for (int base = C.beg; base < C.end; base += TILE) {
+        int i0 = base + t * ITEMS, nl = 0;
+        float l[ITEMS];
+        bool cd[ITEMS];
+        for (int j = 0; j < ITEMS; j++) {
+            bool in = i0 + j < C.end;
+            l[j] = in ? __fmul_rn(lg(x, M, i0 + j), it) : -INFINITY;
+            int bb = fbin(l[j], mx);
+            cd[j] = in && bb >= lo_bin && bb <= b;
+            nl += cd[j];
+        }
+        int pos = blk_excl_scan_i(nl, S, &ttot) + carry;
+        carry += ttot;
+        for (int j = 0; j < ITEMS; j++) {
+            if (!cd[j] || pos >= CAND) continue;  // (pos < CAND: the counts above guarantee it)
+            int i = i0 + j;
+            uint32_t key = fkey(l[j]);
+            float e = E ? E[i - C.beg] : elem_e(l[j], mx);
+            if constexpr (CL == 1) {
+                F.ck[pos] = key, F.ci[pos] = i, F.ce[pos] = e;
+            } else {
+                cg::cluster_group cl = cg::this_cluster();
+                for (int r = 0; r < CL; r++) {
+                    k_fast *Fr = cl.map_shared_rank(&F, r);
+                    Fr->ck[pos] = key, Fr->ci[pos] = i, Fr->ce[pos] = e;
+                }
+            }
+            pos++;
+        }
+    }
+    if constexpr (CL == 1) __syncthreads();
+    else cg::this_cluster().sync();
+    // exact rank of candidate t by (key desc, id asc); the array is in id order
+    uint32_t kt = t < n ? F.ck[t] : 0u;
+    int rank = 0;
+    if (t < n)
+        for (int j = 0; j < n; j++) {
+            uint32_t kj = F.ck[j];
+            rank += kj > kt || (kj == kt && j < t);
+        }
+    float et = t < n ? F.ce[t] : 0.0f;
+    if (t < n) F.se[rank] = et;
+    if (t == 0) F.first = INT_MAX, F.last = -1;
+    __syncthreads();
+    // the cut: the last surviving rank P (top-k: k - 1; top-p: where the running mass reaches want)
+    int lim = has_k ? R.top_k : n;  // ranks the top-p pass walks
+    int P = lim - 1;
+    if (has_p) {
+        double w = t < lim ? (double)F.se[t] : 0.0, tot, ex = blk_excl_scan_d(w, S, &tot);
+        double base = has_k ? 0.0 : above;
+        if (has_k) want = (double)R.top_p * tot;  // top-p over the top-k set's mass
+        if (w > 0 && base + ex + w >= want) atomicMin(&F.first, t);
+        if (w > 0) atomicMax(&F.last, t);
+        __syncthreads();
+        P = F.first != INT_MAX ? F.first : (F.last >= 0 ? F.last : 0);
+        __syncthreads();
+        if (t == 0) F.first = INT_MAX, F.last = -1;
+    }
+    if (!has_k) {  // top-p alone: the cut as (Kc, jc) for the draw over the row
+        if (t < n && rank == P) F.key = (int)kt;
+        __syncthreads();
+        uint32_t Kc = (uint32_t)F.key;
+        cut.Kc = Kc;
+        cut.jc = blk_sum_i(t < n && kt == Kc && rank <= P ? 1 : 0, S);
+        return draw<CL>(x, M, C, R, mx, cut, S, E);
+    }
+    // top-k (and top-p inside it): survivors rank <= P and l >= thresh; draw in id order
+    bool keep = t < n && rank <= P && fval(kt) >= cut.thresh;
+    double w = keep ? (double)et : 0.0, tot, ex = blk_excl_scan_d(w, S, &tot);
+    double r = pd_sample_uniform_of(R.seed, R.draw_idx) * tot;
+    if (w > 0 && r < ex + w) atomicMin(&F.first, t);
+    if (keep) atomicMax(&F.last, t);
+    __syncthreads();
+    int pos = F.first != INT_MAX ? F.first : F.last;
+    return pos >= 0 ? F.ci[pos] : 0;
+}
+
+static_assert(NB == NT && CAND == NT, "the candidate-set scans take one bin / candidate a thread");
+
+template <int CL> static __global__ void __launch_bounds__(NT) k_sample(const __grid_constant__ pd_sample_kparams p) {
     __shared__ k_smem S;
+    extern __shared__ __align__(16) unsigned char dyn_smem[];  // [k_fast | weight cache] when p.fast
     int row = blockIdx.x / CL, V = p.vocab;
     chunk_t C;
     C.rank = (int)(blockIdx.x % CL);
     C.beg = (int)((int64_t)V * C.rank / CL), C.end = (int)((int64_t)V * (C.rank + 1) / CL);
-    const pd_sample_krow R = p.rows[row];
+    const pd_sample_krow R = p.rows ? p.rows[row] : p.rows_inline[row];
     float *x = p.logits + (size_t)row * (size_t)V;
     const uint32_t *M = R.mask_row >= 0 ? p.masks + (size_t)R.mask_row * (size_t)p.mask_words : nullptr;
     float lse = 0;
@@ -687,8 +886,15 @@ template <int CL> static __global__ void __launch_bounds__(NT) k_sample(pd_sampl
         float mx = -INFINITY;
         for (int i = C.beg + threadIdx.x; i < C.end; i += NT) mx = fmaxf(mx, __fmul_rn(lg(x, M, i), R.inv_temp));
         mx = clu_max_f<CL>(mx, S);
-        cut_t c = truncate<CL>(x, M, C, R, mx, S);
-        token = draw<CL>(x, M, C, R, mx, c, S);
+        token = -1;
+        if (p.fast && isfinite(mx)) {
+            float *E = p.ecache > 0 && C.end - C.beg <= p.ecache ? (float *)(dyn_smem + sizeof(k_fast)) : nullptr;
+            token = fast_random<CL>(x, M, C, R, mx, S, *(k_fast *)dyn_smem, E);
+        }
+        if (token < 0) {  // the radix passes: fast path off, no finite max, or too many candidates
+            cut_t c = truncate<CL>(x, M, C, R, mx, S);
+            token = draw<CL>(x, M, C, R, mx, c, S, nullptr);
+        }
     }
     if (R.n_pens > 0) penalties(x, C, R, p.pens, p.pen_raw, true);
     if constexpr (CL > 1) {  // the undone penalties of every chunk, before rank 0 reads x[token]
@@ -706,14 +912,19 @@ template <int CL> static __global__ void __launch_bounds__(NT) k_sample(pd_sampl
 
 // ---- launch ------------------------------------------------------------------------------------
 
+// Dynamic shared memory: the candidate-set arrays, then the weight cache (ecache floats).
+static size_t dyn_bytes(const pd_sample_kparams *p) { return p->fast ? sizeof(k_fast) + sizeof(float) * (size_t)p->ecache : 0; }
+#define DYN_MAX (sizeof(k_fast) + sizeof(float) * ECACHE_MAX)
+
 template <int CL> static cudaError_t launch(const pd_sample_kparams *p, cudaStream_t s) {
     if constexpr (CL == 1) {
-        k_sample<1><<<p->n_rows, NT, 0, s>>>(*p);
+        k_sample<1><<<p->n_rows, NT, dyn_bytes(p), s>>>(*p);
         return cudaGetLastError();
     } else {
         cudaLaunchConfig_t cfg = {};
         cfg.gridDim = dim3((unsigned)p->n_rows * CL);
         cfg.blockDim = dim3(NT);
+        cfg.dynamicSmemBytes = dyn_bytes(p);
         cfg.stream = s;
         cudaLaunchAttribute at[1];
         at[0].id = cudaLaunchAttributeClusterDimension;
@@ -725,17 +936,22 @@ template <int CL> static cudaError_t launch(const pd_sample_kparams *p, cudaStre
 
 // Per device: how many clusters of each size (index log2 CL) can be resident at once (0: none).
 struct dev_info {
-    int ready, n_sm, max_clusters[5];
+    int ready, n_sm, max_clusters[5], dyn_ok;  // dyn_ok: k_sample<1> takes DYN_MAX (else no fast path)
 };
 static dev_info g_dev[64];
 
+// Also lets every launch of k_sample<CL> take DYN_MAX bytes of dynamic shared memory; the count
+// assumes that much (one 1024-thread CTA an SM either way: the registers allow no second).
 template <int CL> static int clusters_resident(void) {
+    if (cudaFuncSetAttribute(k_sample<CL>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)DYN_MAX) != cudaSuccess) return 0;
+    if constexpr (CL == 1) return 1;
     if constexpr (CL == 16) {
         if (cudaFuncSetAttribute(k_sample<16>, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) != cudaSuccess) return 0;
     }
     cudaLaunchConfig_t cfg = {};
     cfg.gridDim = dim3(CL);
     cfg.blockDim = dim3(NT);
+    cfg.dynamicSmemBytes = DYN_MAX;
     cudaLaunchAttribute at[1];
     at[0].id = cudaLaunchAttributeClusterDimension;
     at[0].val.clusterDim.x = CL, at[0].val.clusterDim.y = 1, at[0].val.clusterDim.z = 1;
@@ -755,6 +971,7 @@ static const dev_info *dev_of(void) {
     cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, d);
     di->n_sm = n_sm > 0 ? n_sm : 1;
     di->max_clusters[0] = di->n_sm;
+    di->dyn_ok = clusters_resident<1>();
     if (major >= 9) {
         di->max_clusters[1] = clusters_resident<2>();
         di->max_clusters[2] = clusters_resident<4>();
@@ -773,9 +990,16 @@ static int env_cluster(void) {
     return c == 1 || c == 2 || c == 4 || c == 8 || c == 16 ? c : 0;
 }
 
-extern "C" void pd_cuda_sample(const pd_sample_kparams *p, cudaStream_t s) {
-    if (p->n_rows <= 0) return;
+// PD_CUDA_SAMPLE_FAST=0: the radix passes only (the previous kernel's path), for A/B runs and tests.
+static int env_fast(void) {
+    const char *e = getenv("PD_CUDA_SAMPLE_FAST");
+    return !(e && !strcmp(e, "0"));
+}
+
+extern "C" void pd_cuda_sample(const pd_sample_kparams *p_in, cudaStream_t s) {
+    if (p_in->n_rows <= 0) return;
     const dev_info *di = dev_of();
+    pd_sample_kparams q = *p_in, *p = &q;
     int cl = env_cluster(), lg = 0;
     if (cl == 0) {  // the largest cluster with every row's cluster resident at once, >= 1024 ids a CTA
         cl = 1;
@@ -787,6 +1011,11 @@ extern "C" void pd_cuda_sample(const pd_sample_kparams *p, cudaStream_t s) {
         while ((1 << lg) < cl) lg++;
         if (di->max_clusters[lg] <= 0) cl = 1;  // this device has no such cluster
     }
+    // The candidate-set path for rows that draw (greedy-only launches never use it); each CTA
+    // caches its chunk's weights when the chunk fits in ECACHE_MAX floats.
+    int chunk = (int)(((int64_t)p->vocab + cl - 1) / cl);
+    p->fast = env_fast() && !p->all_greedy && di->dyn_ok;
+    p->ecache = p->fast && chunk <= ECACHE_MAX ? chunk : 0;
     cudaError_t e;
     switch (cl) {
     case 16: e = launch<16>(p, s); break;
@@ -797,6 +1026,7 @@ extern "C" void pd_cuda_sample(const pd_sample_kparams *p, cudaStream_t s) {
     }
     if (e != cudaSuccess && cl > 1) {  // a cluster the device refused: one CTA per row
         (void)cudaGetLastError();
+        p->ecache = p->fast && p->vocab <= ECACHE_MAX ? p->vocab : 0;
         (void)launch<1>(p, s);
     }
 }
