@@ -50,8 +50,10 @@ typedef struct pd_sample_kparams {
     const uint32_t *masks;         // (n_masks, mask_words) allowed-token bits; read, never written
     int n_rows, vocab, mask_words;
     int all_greedy;                // every row greedy (one pass: clusters only pay below 9 rows)
+    int any_trunc;                 // some row has top-k or top-p (the candidate-set kernel)
     // Set by pd_cuda_sample, not by its caller (whatever the caller leaves there is overwritten):
     int fast;                      // candidate-set path on (PD_CUDA_SAMPLE_FAST=0: the radix passes only)
+    int topp_min_cl;               // top-p rows without top-k use it from this cluster size on
     int ecache;                    // capacity (floats) of each CTA's cache of exp(l - max); 0: none
     pd_sample_krow rows_inline[PD_SAMPLE_KINLINE];  // when rows == NULL (n_rows <= PD_SAMPLE_KINLINE)
 } pd_sample_kparams;

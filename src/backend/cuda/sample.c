@@ -100,10 +100,11 @@ void pd_cuda_sample_op(pd_backend *b, const pd_sample_params *p) {
     pd_sample_krow *hrows = (pd_sample_krow *)h;
     pd_sample_kpen *hpens = (pd_sample_kpen *)(h + rows_b);
     pd_sample_kout *houts = (pd_sample_kout *)(h + send_b);
-    int all_greedy = 1;
+    int all_greedy = 1, any_trunc = 0;
     for (int r = 0; r < p->n_rows; r++) {
         hrows[r] = krow_of(&p->rows[r], p->vocab, p->n_pens, n_masks);
         all_greedy &= hrows[r].is_greedy;
+        any_trunc |= !hrows[r].is_greedy && (hrows[r].top_k > 0 || hrows[r].top_p < 1.0f);
     }
     for (int i = 0; i < p->n_pens; i++) {
         PD_ASSERT(p->pens[i].token >= 0 && p->pens[i].token < p->vocab);
@@ -121,7 +122,7 @@ void pd_cuda_sample_op(pd_backend *b, const pd_sample_params *p) {
                                          : (pd_sample_kout *)(d + send_b + raw_b),
                            .n_rows = p->n_rows, .vocab = p->vocab,
                            .masks = n_masks ? (const uint32_t *)(d + rows_b + pens_b) : NULL,
-                           .mask_words = p->mask_words, .all_greedy = all_greedy};
+                           .mask_words = p->mask_words, .all_greedy = all_greedy, .any_trunc = any_trunc};
     if (inline_rows) memcpy(k.rows_inline, hrows, sizeof(pd_sample_krow) * (size_t)p->n_rows);
     pd_cuda_sample(&k, cb->stream);
     PD_CUDA_CHECK_LAUNCH();
