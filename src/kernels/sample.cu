@@ -574,7 +574,8 @@ static __device__ cut_t truncate(const float *x, const uint32_t *M, chunk_t C, c
 // tie_base). Returns the chunk's surviving mass and sets S.last_keep (the largest surviving id seen,
 // -1: none); FIND: also the first token whose running mass (from carry0) exceeds r, into S.token
 // (INT_MAX: none), stopping there.
-template <bool FIND>
+// CACHED: the weights come from E (this chunk's exp(l - mx), cached by the candidate-set pass).
+template <bool FIND, bool CACHED>
 static __device__ double survivors(const float *x, const uint32_t *M, chunk_t C, float it, float mx, cut_t c,
                                    bool partial, int tie_base, double carry0, double r, k_smem &S, const float *E) {
     double carry = carry0, tot;
@@ -599,7 +600,7 @@ static __device__ double survivors(const float *x, const uint32_t *M, chunk_t C,
         int last = -1;
         for (int j = 0; j < ITEMS; j++) {
             bool keep = i0 + j < C.end && (k[j] > c.Kc || (k[j] == c.Kc && rank++ < c.jc)) && l[j] >= c.thresh;
-            w[j] = keep ? (double)(E ? E[i0 + j - C.beg] : elem_e(l[j], mx)) : 0.0;
+            w[j] = keep ? (double)(CACHED ? E[i0 + j - C.beg] : elem_e(l[j], mx)) : 0.0;
             tw += w[j];
             if (keep) last = i0 + j;
         }
@@ -621,10 +622,9 @@ static __device__ double survivors(const float *x, const uint32_t *M, chunk_t C,
 }
 
 // Draws from the surviving set: the first token (id order) whose running mass exceeds u * S.
-// E: this chunk's exp(l - mx) weights, cached by the candidate-set pass (NULL: computed here).
 template <int CL>
 static __device__ int draw(const float *x, const uint32_t *M, chunk_t C, const pd_sample_krow &R, float mx, cut_t c,
-                           k_smem &S, const float *E) {
+                           k_smem &S) {
     float it = R.inv_temp;
     // this chunk's ties at Kc and its mass above Kc; the ties of the chunks before it, the row's
     int n_eq = 0;
@@ -632,7 +632,7 @@ static __device__ int draw(const float *x, const uint32_t *M, chunk_t C, const p
     for (int i = C.beg + threadIdx.x; i < C.end; i += NT) {
         float l = __fmul_rn(lg(x, M, i), it);
         uint32_t k = fkey(l);
-        if (k > c.Kc && l >= c.thresh) m += (double)(E ? E[i - C.beg] : elem_e(l, mx));
+        if (k > c.Kc && l >= c.thresh) m += (double)elem_e(l, mx);
         n_eq += k == c.Kc;
     }
     m = blk_sum_d(m, S);
@@ -645,7 +645,7 @@ static __device__ int draw(const float *x, const uint32_t *M, chunk_t C, const p
         float lc = fval(c.Kc);
         W = m + (n_eq > 0 && lc >= c.thresh ? (double)n_eq * (double)elem_e(lc, mx) : 0.0);
     } else {
-        W = survivors<false>(x, M, C, it, mx, c, partial, tie_base, 0.0, 0.0, S, E);
+        W = survivors<false, false>(x, M, C, it, mx, c, partial, tie_base, 0.0, 0.0, S, nullptr);
     }
     double total, before = clu_scan_d<CL>(W, C.rank, S, &total);
     int last_nz = -1;  // the last chunk with survivors: it answers when u * S rounds past the end
@@ -654,7 +654,7 @@ static __device__ int draw(const float *x, const uint32_t *M, chunk_t C, const p
     double r = pd_sample_uniform_of(R.seed, R.draw_idx) * total;
     int token = INT_MAX;
     if (W > 0 && r >= before && (r < before + W || C.rank == last_nz)) {  // CTA-uniform
-        survivors<true>(x, M, C, it, mx, c, partial, tie_base, before, r, S, E);
+        survivors<true, false>(x, M, C, it, mx, c, partial, tie_base, before, r, S, nullptr);
         token = S.token != INT_MAX ? S.token : S.last_keep;
     }
     if (threadIdx.x == 0) S.pub_i[0] = token;
@@ -905,7 +905,8 @@ static __device__ int fast_random(const float *x, const uint32_t *M, chunk_t C, 
     }
     double r = pd_sample_uniform_of(R.seed, R.draw_idx) * sum;
     if (W > 0 && r >= before && (r < before + W || C.rank == last_nz)) {  // CTA-uniform: one CTA
-        survivors<true>(x, M, C, it, mx, cut, cut.jc < all_eq, tie_base, before, r, S, E);
+        if (E) survivors<true, true>(x, M, C, it, mx, cut, cut.jc < all_eq, tie_base, before, r, S, E);
+        else survivors<true, false>(x, M, C, it, mx, cut, cut.jc < all_eq, tie_base, before, r, S, nullptr);
         if (t == 0) {
             int tok = S.token != INT_MAX ? S.token : S.last_keep;
             tok = tok < 0 ? 0 : tok;
@@ -918,18 +919,32 @@ static __device__ int fast_random(const float *x, const uint32_t *M, chunk_t C, 
 
 static_assert(NB == NT && CAND == NT, "the candidate-set scans take one bin / candidate a thread");
 
-// FAST: the candidate-set path for the rows that truncate (top-k; top-p from clusters of
-// p.topp_min_cl CTAs); a separate instance, so that launches without truncating rows (greedy,
-// temperature, min-p) run the previous kernel's code as it was compiled.
+// Row r of the launch's own parameters, read at constant offsets (a run-time index into a kernel
+// parameter would copy the whole parameter block to local memory).
+static_assert(PD_SAMPLE_KINLINE == 8, "inline_row() lists every slot");
+static __device__ __forceinline__ pd_sample_krow inline_row(const pd_sample_kinline &in, int r) {
+    switch (r) {
+    case 0: return in.rows[0];
+    case 1: return in.rows[1];
+    case 2: return in.rows[2];
+    case 3: return in.rows[3];
+    case 4: return in.rows[4];
+    case 5: return in.rows[5];
+    case 6: return in.rows[6];
+    default: return in.rows[7];
+    }
+}
+
+// One row by the cluster (the kernels' body). FAST: the candidate-set path for the rows that
+// truncate (top-k; top-p from clusters of p.topp_min_cl CTAs); a separate instance, so that
+// launches without truncating rows (greedy, temperature, min-p) run the previous kernel's code.
 template <int CL, bool FAST>
-static __global__ void __launch_bounds__(NT) k_sample(const __grid_constant__ pd_sample_kparams p) {
-    __shared__ k_smem S;
-    extern __shared__ __align__(16) unsigned char dyn_smem[];  // FAST: [k_fast | weight cache]
-    int row = blockIdx.x / CL, V = p.vocab;
+static __device__ __forceinline__ void sample_row(const pd_sample_kparams p, const pd_sample_krow R, int row, k_smem &S,
+                                                  unsigned char *dyn_smem) {
+    int V = p.vocab;
     chunk_t C;
     C.rank = (int)(blockIdx.x % CL);
     C.beg = (int)((int64_t)V * C.rank / CL), C.end = (int)((int64_t)V * (C.rank + 1) / CL);
-    const pd_sample_krow R = p.rows ? p.rows[row] : p.rows_inline[row];
     float *x = p.logits + (size_t)row * (size_t)V;
     const uint32_t *M = R.mask_row >= 0 ? p.masks + (size_t)R.mask_row * (size_t)p.mask_words : nullptr;
     float lse = 0;
@@ -957,7 +972,7 @@ static __global__ void __launch_bounds__(NT) k_sample(const __grid_constant__ pd
         }
         if (token == -1) {  // the radix passes: not a fast row, no finite max, or too many candidates
             cut_t c = truncate<CL>(x, M, C, R, mx, S);
-            token = draw<CL>(x, M, C, R, mx, c, S, nullptr);
+            token = draw<CL>(x, M, C, R, mx, c, S);
         }
     }
     if (R.n_pens > 0) penalties(x, C, R, p.pens, p.pen_raw, true);
@@ -977,15 +992,37 @@ static __global__ void __launch_bounds__(NT) k_sample(const __grid_constant__ pd
     }
 }
 
+// The rows in device (or mapped) memory, p.rows.
+template <int CL, bool FAST> static __global__ void __launch_bounds__(NT) k_sample(const pd_sample_kparams p) {
+    __shared__ k_smem S;
+    extern __shared__ __align__(16) unsigned char dyn_smem[];  // FAST: [k_fast | weight cache]
+    int row = blockIdx.x / CL;
+    sample_row<CL, FAST>(p, p.rows[row], row, S, dyn_smem);
+}
+
+// The rows in the launch's own parameters (no copy before the launch). A kernel of its own: a
+// 592-byte parameter block in k_sample changed the code generated for the whole kernel (PTX of the
+// plain instance no longer the previous kernel's; greedy / temperature launches of 64-256 rows
+// measured 15-50 us slower, op_bench sample, tools/gpu/NOTES.md).
+template <int CL, bool FAST>
+static __global__ void __launch_bounds__(NT) k_sample_inl(const pd_sample_kparams p, const pd_sample_kinline in) {
+    __shared__ k_smem S;
+    extern __shared__ __align__(16) unsigned char dyn_smem[];
+    int row = blockIdx.x / CL;
+    sample_row<CL, FAST>(p, inline_row(in, row), row, S, dyn_smem);
+}
+
 // ---- launch ------------------------------------------------------------------------------------
 
 // Dynamic shared memory of a FAST launch: the candidate-set arrays, then the weight cache.
 #define DYN_MAX (sizeof(k_fast) + sizeof(float) * ECACHE_MAX)
 
-template <int CL, bool FAST> static cudaError_t launch_as(const pd_sample_kparams *p, cudaStream_t s) {
+template <int CL, bool FAST, bool INL>
+static cudaError_t launch_as(const pd_sample_kparams *p, const pd_sample_kinline *in, cudaStream_t s) {
     size_t dyn = FAST ? sizeof(k_fast) + sizeof(float) * (size_t)p->ecache : 0;
     if constexpr (CL == 1) {
-        k_sample<1, FAST><<<p->n_rows, NT, dyn, s>>>(*p);
+        if constexpr (INL) k_sample_inl<1, FAST><<<p->n_rows, NT, dyn, s>>>(*p, *in);
+        else k_sample<1, FAST><<<p->n_rows, NT, dyn, s>>>(*p);
         return cudaGetLastError();
     } else {
         cudaLaunchConfig_t cfg = {};
@@ -997,11 +1034,13 @@ template <int CL, bool FAST> static cudaError_t launch_as(const pd_sample_kparam
         at[0].id = cudaLaunchAttributeClusterDimension;
         at[0].val.clusterDim.x = CL, at[0].val.clusterDim.y = 1, at[0].val.clusterDim.z = 1;
         cfg.attrs = at, cfg.numAttrs = 1;
-        return cudaLaunchKernelEx(&cfg, k_sample<CL, FAST>, *p);
+        if constexpr (INL) return cudaLaunchKernelEx(&cfg, k_sample_inl<CL, FAST>, *p, *in);
+        else return cudaLaunchKernelEx(&cfg, k_sample<CL, FAST>, *p);
     }
 }
-template <int CL> static cudaError_t launch(const pd_sample_kparams *p, cudaStream_t s) {
-    return p->fast ? launch_as<CL, true>(p, s) : launch_as<CL, false>(p, s);
+template <int CL> static cudaError_t launch(const pd_sample_kparams *p, const pd_sample_kinline *in, cudaStream_t s) {
+    if (p->rows) return p->fast ? launch_as<CL, true, false>(p, in, s) : launch_as<CL, false, false>(p, in, s);
+    return p->fast ? launch_as<CL, true, true>(p, in, s) : launch_as<CL, false, true>(p, in, s);
 }
 
 // Per device: how many clusters of each size (index log2 CL) can be resident at once (0: none).
@@ -1014,15 +1053,19 @@ static dev_info g_dev[64];
 // second, so the FAST instance's shared memory changes nothing). Also lets the FAST instance take
 // DYN_MAX bytes of dynamic shared memory (*fast_ok cleared when the device refuses).
 template <int CL> static int clusters_resident(int *fast_ok) {
-    if (cudaFuncSetAttribute(k_sample<CL, true>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)DYN_MAX) != cudaSuccess)
+    if (cudaFuncSetAttribute(k_sample<CL, true>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)DYN_MAX) != cudaSuccess ||
+        cudaFuncSetAttribute(k_sample_inl<CL, true>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)DYN_MAX) != cudaSuccess)
         *fast_ok = 0;
     if constexpr (CL == 1) {
         return 1;
     } else {
         if constexpr (CL == 16) {
-            if (cudaFuncSetAttribute(k_sample<16, true>, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) != cudaSuccess)
+            cudaFuncAttribute np = cudaFuncAttributeNonPortableClusterSizeAllowed;
+            if (cudaFuncSetAttribute(k_sample<16, true>, np, 1) != cudaSuccess ||
+                cudaFuncSetAttribute(k_sample_inl<16, true>, np, 1) != cudaSuccess)
                 *fast_ok = 0;
-            if (cudaFuncSetAttribute(k_sample<16, false>, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) != cudaSuccess)
+            if (cudaFuncSetAttribute(k_sample<16, false>, np, 1) != cudaSuccess ||
+                cudaFuncSetAttribute(k_sample_inl<16, false>, np, 1) != cudaSuccess)
                 return 0;
         }
         cudaLaunchConfig_t cfg = {};
@@ -1083,7 +1126,7 @@ static int env_topp_min_cl(void) {
     return c >= 1 && c <= 32 ? c : TOPP_MIN_CL;
 }
 
-extern "C" void pd_cuda_sample(const pd_sample_kparams *p_in, cudaStream_t s) {
+extern "C" void pd_cuda_sample(const pd_sample_kparams *p_in, const pd_sample_kinline *in, cudaStream_t s) {
     if (p_in->n_rows <= 0) return;
     const dev_info *di = dev_of();
     pd_sample_kparams q = *p_in, *p = &q;
@@ -1106,15 +1149,15 @@ extern "C" void pd_cuda_sample(const pd_sample_kparams *p_in, cudaStream_t s) {
     p->ecache = p->fast && chunk <= ECACHE_MAX ? chunk : 0;
     cudaError_t e;
     switch (cl) {
-    case 16: e = launch<16>(p, s); break;
-    case 8: e = launch<8>(p, s); break;
-    case 4: e = launch<4>(p, s); break;
-    case 2: e = launch<2>(p, s); break;
-    default: e = launch<1>(p, s); break;
+    case 16: e = launch<16>(p, in, s); break;
+    case 8: e = launch<8>(p, in, s); break;
+    case 4: e = launch<4>(p, in, s); break;
+    case 2: e = launch<2>(p, in, s); break;
+    default: e = launch<1>(p, in, s); break;
     }
     if (e != cudaSuccess && cl > 1) {  // a cluster the device refused: one CTA per row
         (void)cudaGetLastError();
         p->ecache = p->fast && p->vocab <= ECACHE_MAX ? p->vocab : 0;
-        (void)launch<1>(p, s);
+        (void)launch<1>(p, in, s);
     }
 }

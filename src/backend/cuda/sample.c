@@ -123,8 +123,9 @@ void pd_cuda_sample_op(pd_backend *b, const pd_sample_params *p) {
                            .n_rows = p->n_rows, .vocab = p->vocab,
                            .masks = n_masks ? (const uint32_t *)(d + rows_b + pens_b) : NULL,
                            .mask_words = p->mask_words, .all_greedy = all_greedy, .any_trunc = any_trunc};
-    if (inline_rows) memcpy(k.rows_inline, hrows, sizeof(pd_sample_krow) * (size_t)p->n_rows);
-    pd_cuda_sample(&k, cb->stream);
+    pd_sample_kinline in;
+    if (inline_rows) memcpy(in.rows, hrows, sizeof(pd_sample_krow) * (size_t)p->n_rows);
+    pd_cuda_sample(&k, inline_rows ? &in : NULL, cb->stream);
     PD_CUDA_CHECK_LAUNCH();
     if (!direct)
         PD_CUDA_CHECK(cudaMemcpyAsync(houts, k.out, sizeof(pd_sample_kout) * (size_t)p->n_rows, cudaMemcpyDeviceToHost,
