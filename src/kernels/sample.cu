@@ -38,8 +38,18 @@
 // logf(min_p) come from the host), so seeded draws agree except when u*S lands within rounding of
 // a boundary (the sums are in double in another order than the CPU's).
 //
+// Launches with a top-k or top-p row run the FAST instance, which truncates those rows by the
+// candidate-set path (see "the candidate-set path" below: one histogram pass relative to the max,
+// <= 1024 candidates compacted and ranked exactly, no radix passes), falling back to the passes
+// above when the candidates overflow; other launches (greedy, temperature, min-p) run the plain
+// instance, the previous kernel's code. Small batches (<= PD_SAMPLE_KINLINE rows without penalties
+// or masks) take their rows from the launch's parameters (k_sample_inl), and the shim has the
+// results written straight into mapped pinned memory: no copy either way.
+//
 // PD_CUDA_SAMPLE_CLUSTER=1|2|4|8|16 forces the cluster size (1: one CTA per row, the previous
-// kernel's layout).
+// kernel's layout). PD_CUDA_SAMPLE_FAST=0: the radix passes only. PD_CUDA_SAMPLE_TOPP_MIN_CL=N:
+// top-p rows without top-k take the candidate-set path only from clusters of N CTAs (default 1:
+// always; 32: never).
 #include <cooperative_groups.h>
 #include <math.h>
 #include <string.h>

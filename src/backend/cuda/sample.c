@@ -124,7 +124,10 @@ void pd_cuda_sample_op(pd_backend *b, const pd_sample_params *p) {
                            .masks = n_masks ? (const uint32_t *)(d + rows_b + pens_b) : NULL,
                            .mask_words = p->mask_words, .all_greedy = all_greedy, .any_trunc = any_trunc};
     pd_sample_kinline in;
-    if (inline_rows) memcpy(in.rows, hrows, sizeof(pd_sample_krow) * (size_t)p->n_rows);
+    if (inline_rows) {
+        memset(&in, 0, sizeof in);  // the slots past n_rows are never read, but travel
+        memcpy(in.rows, hrows, sizeof(pd_sample_krow) * (size_t)p->n_rows);
+    }
     pd_cuda_sample(&k, inline_rows ? &in : NULL, cb->stream);
     PD_CUDA_CHECK_LAUNCH();
     if (!direct)
