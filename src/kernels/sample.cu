@@ -38,10 +38,21 @@
 // logf(min_p) come from the host), so seeded draws agree except when u*S lands within rounding of
 // a boundary (the sums are in double in another order than the CPU's).
 //
+// Launches with a top-k or top-p row run the FAST instance, which truncates those rows by the
+// candidate-set path (see "the candidate-set path" below: one histogram pass relative to the max,
+// <= 1024 candidates compacted and ranked exactly, no radix passes), falling back to the passes
+// above when the candidates overflow; other launches (greedy, temperature, min-p) run the plain
+// instance, the previous kernel's code. Small batches (<= PD_SAMPLE_KINLINE rows without penalties
+// or masks) take their rows from the launch's parameters (k_sample_inl), and the shim has the
+// results written straight into mapped pinned memory: no copy either way.
+//
 // PD_CUDA_SAMPLE_CLUSTER=1|2|4|8|16 forces the cluster size (1: one CTA per row, the previous
-// kernel's layout).
+// kernel's layout). PD_CUDA_SAMPLE_FAST=0: the radix passes only. PD_CUDA_SAMPLE_TOPP_MIN_CL=N:
+// top-p rows without top-k take the candidate-set path only from clusters of N CTAs (default 1:
+// always; 32: never).
 #include <cooperative_groups.h>
 #include <math.h>
+#include <string.h>
 
 #include "kernels/common.cuh"
 #include "kernels/sample.cuh"
@@ -573,9 +584,10 @@ static __device__ cut_t truncate(const float *x, const uint32_t *M, chunk_t C, c
 // tie_base). Returns the chunk's surviving mass and sets S.last_keep (the largest surviving id seen,
 // -1: none); FIND: also the first token whose running mass (from carry0) exceeds r, into S.token
 // (INT_MAX: none), stopping there.
-template <bool FIND>
+// CACHED: the weights come from E (this chunk's exp(l - mx), cached by the candidate-set pass).
+template <bool FIND, bool CACHED>
 static __device__ double survivors(const float *x, const uint32_t *M, chunk_t C, float it, float mx, cut_t c,
-                                   bool partial, int tie_base, double carry0, double r, k_smem &S) {
+                                   bool partial, int tie_base, double carry0, double r, k_smem &S, const float *E) {
     double carry = carry0, tot;
     int tie_carry = tie_base, ttot;
     if (threadIdx.x == 0) S.token = INT_MAX, S.last_keep = -1;
@@ -598,7 +610,7 @@ static __device__ double survivors(const float *x, const uint32_t *M, chunk_t C,
         int last = -1;
         for (int j = 0; j < ITEMS; j++) {
             bool keep = i0 + j < C.end && (k[j] > c.Kc || (k[j] == c.Kc && rank++ < c.jc)) && l[j] >= c.thresh;
-            w[j] = keep ? (double)elem_e(l[j], mx) : 0.0;
+            w[j] = keep ? (double)(CACHED ? E[i0 + j - C.beg] : elem_e(l[j], mx)) : 0.0;
             tw += w[j];
             if (keep) last = i0 + j;
         }
@@ -643,7 +655,7 @@ static __device__ int draw(const float *x, const uint32_t *M, chunk_t C, const p
         float lc = fval(c.Kc);
         W = m + (n_eq > 0 && lc >= c.thresh ? (double)n_eq * (double)elem_e(lc, mx) : 0.0);
     } else {
-        W = survivors<false>(x, M, C, it, mx, c, partial, tie_base, 0.0, 0.0, S);
+        W = survivors<false, false>(x, M, C, it, mx, c, partial, tie_base, 0.0, 0.0, S, nullptr);
     }
     double total, before = clu_scan_d<CL>(W, C.rank, S, &total);
     int last_nz = -1;  // the last chunk with survivors: it answers when u * S rounds past the end
@@ -652,7 +664,7 @@ static __device__ int draw(const float *x, const uint32_t *M, chunk_t C, const p
     double r = pd_sample_uniform_of(R.seed, R.draw_idx) * total;
     int token = INT_MAX;
     if (W > 0 && r >= before && (r < before + W || C.rank == last_nz)) {  // CTA-uniform
-        survivors<true>(x, M, C, it, mx, c, partial, tie_base, before, r, S);
+        survivors<true, false>(x, M, C, it, mx, c, partial, tie_base, before, r, S, nullptr);
         token = S.token != INT_MAX ? S.token : S.last_keep;
     }
     if (threadIdx.x == 0) S.pub_i[0] = token;
@@ -662,13 +674,287 @@ static __device__ int draw(const float *x, const uint32_t *M, chunk_t C, const p
     return t == INT_MAX || t < 0 ? 0 : t;
 }
 
-template <int CL> static __global__ void __launch_bounds__(NT) k_sample(pd_sample_kparams p) {
-    __shared__ k_smem S;
-    int row = blockIdx.x / CL, V = p.vocab;
+// ---- the candidate-set path (top-k, top-p) -------------------------------------------------------
+//
+// One pass over the chunk histograms every element's bin, fbin(l) = (mx - l) * BSCALE truncated
+// (1/64 of a logit a bin, bin 0 at the max; the last bin takes everything lower): counts, plus for
+// top-p the weights exp(l - mx) (kept in the CTA's cache when the chunk fits), their exact sum in
+// double, and approximate per-bin masses (float shared-memory atomics: the last, crowded bin gets
+// none). The cluster's histograms are summed in rank order (one exchange). Since fbin is monotone
+// in l, the k largest (value desc, id asc) lie in the bins up to the first whose running count
+// reaches k, and the top-p cut lies in the bin whose running mass reaches top_p * total. Those
+// candidates (top-k: every bin up to the boundary; top-p: the boundary bin) are compacted once, in
+// id order, into every CTA's shared memory (at most CAND; more falls back to the radix passes),
+// ranked exactly by (key desc, id asc), and cut there, so the truncation is the definition's. For
+// top-p the mass above the bin is summed exactly (double) during the compaction, and a bin chosen
+// wrongly by the approximate masses is detected (the cut must fall inside it) and sends the row to
+// the radix passes too; every such decision is the same in every CTA of the row. Top-k then draws
+// over the compacted set (one block scan, every CTA alike). Top-p draws over the row: each chunk's
+// surviving mass is its mass above the bin plus its compacted survivors, and the one chunk holding
+// u * S walks its elements in id order (survivors()) and hands the token to rank 0.
+#define NB 1024          // histogram bins (== NT: one bin a thread in the scans)
+#define BSCALE 64.0f     // bins a logit (range: 16 logits below the max)
+#define CAND 1024        // candidate capacity (== NT: one candidate a thread)
+#define ECACHE_MAX 24576 // largest chunk (floats) whose weights are cached: 96 KiB
+#define TOK_LATER (-2)   // fast_random: the token reaches rank 0's F.tok by the final cluster barrier
+
+struct k_fast {          // dynamic shared memory, before the weight cache
+    double bm[NB];       // this CTA's bin masses and counts, read by the cluster
+    int bc[NB];
+    uint32_t ck[CAND];   // the candidates in id order: key, id, weight
+    int ci[CAND];
+    float ce[CAND];
+    float se[CAND];      // weights by rank; later the surviving weights in id order
+    double wr[CLMAX];    // top-p: every chunk's surviving mass
+    double ctot, abv, abvm;  // this CTA's total weight, weight above the bin (all / >= the min-p threshold)
+    int first, last, key, n, off, tok;
+};
+
+static __device__ __forceinline__ int fbin(float l, float mx) {
+    float d = __fmul_rn(__fsub_rn(mx, l), BSCALE);
+    return d < (float)(NB - 1) ? (int)d : NB - 1;  // -inf and NaN: the last bin
+}
+
+// Leaves the radix passes to decide the row (every CTA of the cluster returns here alike). The
+// cluster barrier keeps each CTA's published values readable until every CTA is past them.
+template <int CL> static __device__ int fast_give_up(void) {
+    if constexpr (CL > 1) cg::this_cluster().sync();
+    return -1;
+}
+
+// The row's token by the candidate-set path; -1 (every CTA alike) when the radix passes must decide
+// it; TOK_LATER when the token reaches rank 0's F.tok before the kernel's final cluster barrier.
+// mx: max of l, finite. E: the weight cache (NULL: none).
+template <int CL>
+static __device__ int fast_random(const float *x, const uint32_t *M, chunk_t C, const pd_sample_krow &R, float mx,
+                                  k_smem &S, k_fast &F, float *E, int V) {
+    const float it = R.inv_temp;
+    const bool has_k = R.top_k > 0;  // else top-p alone
+    const float thresh = R.log_min_p > -INFINITY ? __fadd_rn(mx, R.log_min_p) : -INFINITY;
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, t = threadIdx.x;
+    if (has_k) E = nullptr;                         // top-k weighs its candidates only
+    float *hm = (float *)&S.hist[0][0];             // 2 copies (warp parity) of the bin masses
+    int *hc = (int *)(hm + 2 * NB);                 // and of the counts
+    for (int j = t; j < 2 * NB; j += NT) hm[j] = 0.0f, hc[j] = 0;
+    __syncthreads();
+    double tsum = 0;
+    for (int i0 = C.beg + (t & ~31); i0 < C.end; i0 += NT) {  // warp-uniform trip count
+        int i = i0 + lane;
+        bool in = i < C.end;
+        float l = in ? __fmul_rn(lg(x, M, i), it) : -INFINITY;
+        int b = fbin(l, mx);
+        unsigned okm = __ballot_sync(FULL, in);
+        if (in) {
+            unsigned grp = __match_any_sync(okm, b);
+            if (lane == __ffs(grp) - 1) atomicAdd(&hc[(warp & 1) * NB + b], __popc(grp));
+            if (!has_k) {
+                float e = elem_e(l, mx);
+                if (E) E[i - C.beg] = e;
+                tsum += (double)e;
+                if (b < NB - 1 && e > 0.0f) atomicAdd(&hm[(warp & 1) * NB + b], e);
+            }
+        }
+    }
+    __syncthreads();
+    F.bm[t] = (double)hm[t] + (double)hm[NB + t], F.bc[t] = hc[t] + hc[NB + t];
+    if (!has_k) tsum = blk_sum_d(tsum, S);
+    if (t == 0) F.ctot = tsum, F.first = INT_MAX, F.last = -1;
+    double gm = 0, total = 0;  // bin t of the row, the row's weight (rank order: the same in every CTA)
+    int gc = 0, below = 0;
+    if constexpr (CL == 1) {
+        __syncthreads();
+        gm = F.bm[t], gc = F.bc[t], total = F.ctot;
+    } else {
+        cg::cluster_group cl = cg::this_cluster();
+        cl.sync();
+        for (int r = 0; r < CL; r++) {
+            const k_fast *Fr = cl.map_shared_rank(&F, r);
+            gm += Fr->bm[t];
+            int c = Fr->bc[t];
+            gc += c;
+            if (r < C.rank) below += c;
+            total += Fr->ctot;
+        }
+    }
+    // the boundary bin b: the first whose running count reaches k (top-k), or whose approximate
+    // running mass reaches top_p * total (top-p; checked exactly below)
+    int n_tot, cnt_before = blk_excl_scan_i(gc, S, &n_tot);
+    double want = (double)R.top_p * total, m_tot;
+    if (has_k) {
+        if (cnt_before + gc >= R.top_k && cnt_before < R.top_k) F.first = t;
+    } else {
+        double m_before = blk_excl_scan_d(gm, S, &m_tot);
+        if (gm > 0 && m_before + gm >= want && t < NB - 1) atomicMin(&F.first, t);
+    }
+    __syncthreads();
+    const int b = F.first;
+    if (b == INT_MAX) return fast_give_up<CL>();
+    if (t == b) F.n = has_k ? cnt_before + gc : gc, F.off = below;
+    __syncthreads();
+    const int n = F.n, lo_bin = has_k ? 0 : b;
+    if (n > CAND || n <= 0) return fast_give_up<CL>();
+    int off = has_k ? blk_sum_i(t <= b ? below : 0, S) : F.off;
+    // compaction: this chunk's candidates, in id order, into every CTA at [off, off + its count);
+    // top-p: this chunk's weight above the bin, all of it and that at or above the min-p threshold
+    int carry = off, ttot;
+    double abv = 0, abvm = 0;
+    for (int base = C.beg; base < C.end; base += TILE) {
+        int i0 = base + t * ITEMS, nl = 0;
+        float l[ITEMS];
+        bool cd[ITEMS];
+        for (int j = 0; j < ITEMS; j++) {
+            bool in = i0 + j < C.end;
+            l[j] = in ? __fmul_rn(lg(x, M, i0 + j), it) : -INFINITY;
+            int bb = fbin(l[j], mx);
+            cd[j] = in && bb >= lo_bin && bb <= b;
+            nl += cd[j];
+            if (!has_k && in && bb < b) {
+                double e = (double)(E ? E[i0 + j - C.beg] : elem_e(l[j], mx));
+                abv += e;
+                if (l[j] >= thresh) abvm += e;
+            }
+        }
+        int pos = blk_excl_scan_i(nl, S, &ttot) + carry;
+        carry += ttot;
+        for (int j = 0; j < ITEMS; j++) {
+            if (!cd[j] || pos >= CAND) continue;  // (pos < CAND: the counts above guarantee it)
+            int i = i0 + j;
+            uint32_t key = fkey(l[j]);
+            float e = E ? E[i - C.beg] : elem_e(l[j], mx);
+            if constexpr (CL == 1) {
+                F.ck[pos] = key, F.ci[pos] = i, F.ce[pos] = e;
+            } else {
+                cg::cluster_group cl = cg::this_cluster();
+                for (int r = 0; r < CL; r++) {
+                    k_fast *Fr = cl.map_shared_rank(&F, r);
+                    Fr->ck[pos] = key, Fr->ci[pos] = i, Fr->ce[pos] = e;
+                }
+            }
+            pos++;
+        }
+    }
+    if (!has_k) {
+        abv = blk_sum_d(abv, S);
+        abvm = blk_sum_d(abvm, S);
+        if (t == 0) F.abv = abv, F.abvm = abvm;
+    }
+    double above = 0;
+    if constexpr (CL == 1) {
+        __syncthreads();
+        above = F.abv;
+        if (t == 0) F.wr[0] = F.abvm;
+    } else {
+        cg::cluster_group cl = cg::this_cluster();
+        cl.sync();
+        if (!has_k) {
+            for (int r = 0; r < CL; r++) above += cl.map_shared_rank(&F, r)->abv;
+            if (t < CL) F.wr[t] = cl.map_shared_rank(&F, t)->abvm;
+        }
+    }
+    // exact rank of candidate t by (key desc, id asc); the array is in id order
+    uint32_t kt = t < n ? F.ck[t] : 0u;
+    int rank = 0;
+    if (t < n)
+        for (int j = 0; j < n; j++) {
+            uint32_t kj = F.ck[j];
+            rank += kj > kt || (kj == kt && j < t);
+        }
+    float et = t < n ? F.ce[t] : 0.0f;
+    if (t < n) F.se[rank] = et;
+    if (t == 0) F.first = INT_MAX, F.last = -1;
+    __syncthreads();
+    // the cut: the last surviving rank P (top-k: k - 1; top-p: where the running mass reaches want)
+    const int lim = has_k ? R.top_k : n;  // the ranks the top-p walk covers
+    int P = lim - 1;
+    if (R.top_p < 1.0f) {
+        double w = t < lim ? (double)F.se[t] : 0.0, tot, ex = blk_excl_scan_d(w, S, &tot);
+        if (has_k) want = (double)R.top_p * tot;  // top-p over the top-k set's mass
+        else if (!(above < want && want <= above + tot)) return fast_give_up<CL>();  // the bin was wrong
+        double base = has_k ? 0.0 : above;
+        if (w > 0 && base + ex + w >= want) atomicMin(&F.first, t);
+        if (w > 0) atomicMax(&F.last, t);
+        __syncthreads();
+        P = F.first != INT_MAX ? F.first : (F.last >= 0 ? F.last : 0);
+        __syncthreads();
+        if (t == 0) F.first = INT_MAX, F.last = -1;
+    }
+    const bool keep = t < n && rank <= P && fval(kt) >= thresh;
+    if (has_k) {  // survivors: rank <= P and l >= thresh; the draw in id order, every CTA alike
+        double w = keep ? (double)et : 0.0, tot, ex = blk_excl_scan_d(w, S, &tot);
+        double r = pd_sample_uniform_of(R.seed, R.draw_idx) * tot;
+        if (w > 0 && r < ex + w) atomicMin(&F.first, t);
+        if (keep) atomicMax(&F.last, t);
+        __syncthreads();
+        int pos = F.first != INT_MAX ? F.first : F.last;
+        return pos >= 0 ? F.ci[pos] : 0;
+    }
+    // top-p alone: the cut as (Kc, jc) for the ordered walk; each chunk's surviving mass
+    if (t < n && rank == P) F.key = (int)kt;
+    if (t < n) F.se[t] = keep ? et : 0.0f;  // (F.se by rank is no longer read)
+    __syncthreads();
+    const uint32_t Kc = (uint32_t)F.key;
+    cut_t cut = {Kc, 0, thresh};
+    cut.jc = blk_sum_i(t < n && kt == Kc && rank <= P ? 1 : 0, S);
+    int all_eq = blk_sum_i(t < n && kt == Kc ? 1 : 0, S);
+    int tie_base = blk_sum_i(t < n && kt == Kc && F.ci[t] < C.beg ? 1 : 0, S);
+    if (warp < CL) {  // warp r: chunk r's compacted survivors, summed in a fixed order
+        int lo = (int)((int64_t)V * warp / CL), hi = (int)((int64_t)V * (warp + 1) / CL);
+        double s = 0;
+        for (int j = lane; j < n; j += 32)
+            if (F.ci[j] >= lo && F.ci[j] < hi) s += (double)F.se[j];
+        for (int o = 16; o; o >>= 1) s += __shfl_xor_sync(FULL, s, o);
+        if (lane == 0) F.wr[warp] += s;
+    }
+    __syncthreads();
+    double before = 0, W = 0, sum = 0;
+    int last_nz = -1;  // the last chunk with survivors: it answers when u * S rounds past the end
+    for (int q = 0; q < CL; q++) {
+        if (q == C.rank) before = sum, W = F.wr[q];
+        sum += F.wr[q];
+        if (F.wr[q] > 0) last_nz = q;
+    }
+    double r = pd_sample_uniform_of(R.seed, R.draw_idx) * sum;
+    if (W > 0 && r >= before && (r < before + W || C.rank == last_nz)) {  // CTA-uniform: one CTA
+        if (E) survivors<true, true>(x, M, C, it, mx, cut, cut.jc < all_eq, tie_base, before, r, S, E);
+        else survivors<true, false>(x, M, C, it, mx, cut, cut.jc < all_eq, tie_base, before, r, S, nullptr);
+        if (t == 0) {
+            int tok = S.token != INT_MAX ? S.token : S.last_keep;
+            tok = tok < 0 ? 0 : tok;
+            if constexpr (CL == 1) F.tok = tok;
+            else cg::this_cluster().map_shared_rank(&F, 0)->tok = tok;
+        }
+    }
+    return TOK_LATER;
+}
+
+static_assert(NB == NT && CAND == NT, "the candidate-set scans take one bin / candidate a thread");
+
+// Row r of the launch's own parameters, read at constant offsets (a run-time index into a kernel
+// parameter would copy the whole parameter block to local memory).
+static_assert(PD_SAMPLE_KINLINE == 8, "inline_row() lists every slot");
+static __device__ __forceinline__ pd_sample_krow inline_row(const pd_sample_kinline &in, int r) {
+    switch (r) {
+    case 0: return in.rows[0];
+    case 1: return in.rows[1];
+    case 2: return in.rows[2];
+    case 3: return in.rows[3];
+    case 4: return in.rows[4];
+    case 5: return in.rows[5];
+    case 6: return in.rows[6];
+    default: return in.rows[7];
+    }
+}
+
+// One row by the cluster (the kernels' body). FAST: the candidate-set path for the rows that
+// truncate (top-k; top-p from clusters of p.topp_min_cl CTAs); a separate instance, so that
+// launches without truncating rows (greedy, temperature, min-p) run the previous kernel's code.
+template <int CL, bool FAST>
+static __device__ __forceinline__ void sample_row(const pd_sample_kparams p, const pd_sample_krow R, int row, k_smem &S,
+                                                  unsigned char *dyn_smem) {
+    int V = p.vocab;
     chunk_t C;
     C.rank = (int)(blockIdx.x % CL);
     C.beg = (int)((int64_t)V * C.rank / CL), C.end = (int)((int64_t)V * (C.rank + 1) / CL);
-    const pd_sample_krow R = p.rows[row];
     float *x = p.logits + (size_t)row * (size_t)V;
     const uint32_t *M = R.mask_row >= 0 ? p.masks + (size_t)R.mask_row * (size_t)p.mask_words : nullptr;
     float lse = 0;
@@ -687,8 +973,17 @@ template <int CL> static __global__ void __launch_bounds__(NT) k_sample(pd_sampl
         float mx = -INFINITY;
         for (int i = C.beg + threadIdx.x; i < C.end; i += NT) mx = fmaxf(mx, __fmul_rn(lg(x, M, i), R.inv_temp));
         mx = clu_max_f<CL>(mx, S);
-        cut_t c = truncate<CL>(x, M, C, R, mx, S);
-        token = draw<CL>(x, M, C, R, mx, c, S);
+        token = -1;
+        if constexpr (FAST) {
+            if ((R.top_k > 0 || (R.top_p < 1.0f && CL >= p.topp_min_cl)) && isfinite(mx)) {
+                float *E = p.ecache > 0 && C.end - C.beg <= p.ecache ? (float *)(dyn_smem + sizeof(k_fast)) : nullptr;
+                token = fast_random<CL>(x, M, C, R, mx, S, *(k_fast *)dyn_smem, E, V);
+            }
+        }
+        if (token == -1) {  // the radix passes: not a fast row, no finite max, or too many candidates
+            cut_t c = truncate<CL>(x, M, C, R, mx, S);
+            token = draw<CL>(x, M, C, R, mx, c, S);
+        }
     }
     if (R.n_pens > 0) penalties(x, C, R, p.pens, p.pen_raw, true);
     if constexpr (CL > 1) {  // the undone penalties of every chunk, before rank 0 reads x[token]
@@ -696,6 +991,9 @@ template <int CL> static __global__ void __launch_bounds__(NT) k_sample(pd_sampl
         cg::this_cluster().sync();
     }
     if (C.rank == 0 && threadIdx.x == 0) {
+        if constexpr (FAST) {
+            if (token == TOK_LATER) token = ((const k_fast *)dyn_smem)->tok;
+        }
         pd_sample_kout *o = &p.out[row];
         o->token = token;
         o->logprob = R.n_logprobs >= 0 ? __fsub_rn(x[token], lse) : 0.0f;
@@ -704,45 +1002,93 @@ template <int CL> static __global__ void __launch_bounds__(NT) k_sample(pd_sampl
     }
 }
 
+// The rows in device (or mapped) memory, p.rows.
+template <int CL, bool FAST> static __global__ void __launch_bounds__(NT) k_sample(const pd_sample_kparams p) {
+    __shared__ k_smem S;
+    extern __shared__ __align__(16) unsigned char dyn_smem[];  // FAST: [k_fast | weight cache]
+    int row = blockIdx.x / CL;
+    sample_row<CL, FAST>(p, p.rows[row], row, S, dyn_smem);
+}
+
+// The rows in the launch's own parameters (no copy before the launch). A kernel of its own: a
+// 592-byte parameter block in k_sample changed the code generated for the whole kernel (PTX of the
+// plain instance no longer the previous kernel's; greedy / temperature launches of 64-256 rows
+// measured 15-50 us slower, op_bench sample, tools/gpu/NOTES.md).
+template <int CL, bool FAST>
+static __global__ void __launch_bounds__(NT) k_sample_inl(const pd_sample_kparams p, const pd_sample_kinline in) {
+    __shared__ k_smem S;
+    extern __shared__ __align__(16) unsigned char dyn_smem[];
+    int row = blockIdx.x / CL;
+    sample_row<CL, FAST>(p, inline_row(in, row), row, S, dyn_smem);
+}
+
 // ---- launch ------------------------------------------------------------------------------------
 
-template <int CL> static cudaError_t launch(const pd_sample_kparams *p, cudaStream_t s) {
+// Dynamic shared memory of a FAST launch: the candidate-set arrays, then the weight cache.
+#define DYN_MAX (sizeof(k_fast) + sizeof(float) * ECACHE_MAX)
+
+template <int CL, bool FAST, bool INL>
+static cudaError_t launch_as(const pd_sample_kparams *p, const pd_sample_kinline *in, cudaStream_t s) {
+    size_t dyn = FAST ? sizeof(k_fast) + sizeof(float) * (size_t)p->ecache : 0;
     if constexpr (CL == 1) {
-        k_sample<1><<<p->n_rows, NT, 0, s>>>(*p);
+        if constexpr (INL) k_sample_inl<1, FAST><<<p->n_rows, NT, dyn, s>>>(*p, *in);
+        else k_sample<1, FAST><<<p->n_rows, NT, dyn, s>>>(*p);
         return cudaGetLastError();
     } else {
         cudaLaunchConfig_t cfg = {};
         cfg.gridDim = dim3((unsigned)p->n_rows * CL);
         cfg.blockDim = dim3(NT);
+        cfg.dynamicSmemBytes = dyn;
         cfg.stream = s;
         cudaLaunchAttribute at[1];
         at[0].id = cudaLaunchAttributeClusterDimension;
         at[0].val.clusterDim.x = CL, at[0].val.clusterDim.y = 1, at[0].val.clusterDim.z = 1;
         cfg.attrs = at, cfg.numAttrs = 1;
-        return cudaLaunchKernelEx(&cfg, k_sample<CL>, *p);
+        if constexpr (INL) return cudaLaunchKernelEx(&cfg, k_sample_inl<CL, FAST>, *p, *in);
+        else return cudaLaunchKernelEx(&cfg, k_sample<CL, FAST>, *p);
     }
+}
+template <int CL> static cudaError_t launch(const pd_sample_kparams *p, const pd_sample_kinline *in, cudaStream_t s) {
+    if (p->rows) return p->fast ? launch_as<CL, true, false>(p, in, s) : launch_as<CL, false, false>(p, in, s);
+    return p->fast ? launch_as<CL, true, true>(p, in, s) : launch_as<CL, false, true>(p, in, s);
 }
 
 // Per device: how many clusters of each size (index log2 CL) can be resident at once (0: none).
 struct dev_info {
-    int ready, n_sm, max_clusters[5];
+    int ready, n_sm, max_clusters[5], fast_ok;  // fast_ok: every FAST instance takes DYN_MAX
 };
 static dev_info g_dev[64];
 
-template <int CL> static int clusters_resident(void) {
-    if constexpr (CL == 16) {
-        if (cudaFuncSetAttribute(k_sample<16>, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) != cudaSuccess) return 0;
+// Counted for the plain instance (one 1024-thread CTA an SM either way: the registers allow no
+// second, so the FAST instance's shared memory changes nothing). Also lets the FAST instance take
+// DYN_MAX bytes of dynamic shared memory (*fast_ok cleared when the device refuses).
+template <int CL> static int clusters_resident(int *fast_ok) {
+    if (cudaFuncSetAttribute(k_sample<CL, true>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)DYN_MAX) != cudaSuccess ||
+        cudaFuncSetAttribute(k_sample_inl<CL, true>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)DYN_MAX) != cudaSuccess)
+        *fast_ok = 0;
+    if constexpr (CL == 1) {
+        return 1;
+    } else {
+        if constexpr (CL == 16) {
+            cudaFuncAttribute np = cudaFuncAttributeNonPortableClusterSizeAllowed;
+            if (cudaFuncSetAttribute(k_sample<16, true>, np, 1) != cudaSuccess ||
+                cudaFuncSetAttribute(k_sample_inl<16, true>, np, 1) != cudaSuccess)
+                *fast_ok = 0;
+            if (cudaFuncSetAttribute(k_sample<16, false>, np, 1) != cudaSuccess ||
+                cudaFuncSetAttribute(k_sample_inl<16, false>, np, 1) != cudaSuccess)
+                return 0;
+        }
+        cudaLaunchConfig_t cfg = {};
+        cfg.gridDim = dim3(CL);
+        cfg.blockDim = dim3(NT);
+        cudaLaunchAttribute at[1];
+        at[0].id = cudaLaunchAttributeClusterDimension;
+        at[0].val.clusterDim.x = CL, at[0].val.clusterDim.y = 1, at[0].val.clusterDim.z = 1;
+        cfg.attrs = at, cfg.numAttrs = 1;
+        int n = 0;
+        if (cudaOccupancyMaxActiveClusters(&n, k_sample<CL, false>, &cfg) != cudaSuccess) n = 0;
+        return n;
     }
-    cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = dim3(CL);
-    cfg.blockDim = dim3(NT);
-    cudaLaunchAttribute at[1];
-    at[0].id = cudaLaunchAttributeClusterDimension;
-    at[0].val.clusterDim.x = CL, at[0].val.clusterDim.y = 1, at[0].val.clusterDim.z = 1;
-    cfg.attrs = at, cfg.numAttrs = 1;
-    int n = 0;
-    if (cudaOccupancyMaxActiveClusters(&n, k_sample<CL>, &cfg) != cudaSuccess) n = 0;
-    return n;
 }
 
 static const dev_info *dev_of(void) {
@@ -755,11 +1101,13 @@ static const dev_info *dev_of(void) {
     cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, d);
     di->n_sm = n_sm > 0 ? n_sm : 1;
     di->max_clusters[0] = di->n_sm;
+    di->fast_ok = 1;
+    (void)clusters_resident<1>(&di->fast_ok);
     if (major >= 9) {
-        di->max_clusters[1] = clusters_resident<2>();
-        di->max_clusters[2] = clusters_resident<4>();
-        di->max_clusters[3] = clusters_resident<8>();
-        di->max_clusters[4] = clusters_resident<16>();
+        di->max_clusters[1] = clusters_resident<2>(&di->fast_ok);
+        di->max_clusters[2] = clusters_resident<4>(&di->fast_ok);
+        di->max_clusters[3] = clusters_resident<8>(&di->fast_ok);
+        di->max_clusters[4] = clusters_resident<16>(&di->fast_ok);
     }
     (void)cudaGetLastError();  // a refused query leaves no sticky error
     __atomic_store_n(&di->ready, 1, __ATOMIC_RELEASE);
@@ -773,9 +1121,25 @@ static int env_cluster(void) {
     return c == 1 || c == 2 || c == 4 || c == 8 || c == 16 ? c : 0;
 }
 
-extern "C" void pd_cuda_sample(const pd_sample_kparams *p, cudaStream_t s) {
-    if (p->n_rows <= 0) return;
+// PD_CUDA_SAMPLE_FAST=0: the radix passes only (the previous kernel's path), for A/B runs and tests.
+static int env_fast(void) {
+    const char *e = getenv("PD_CUDA_SAMPLE_FAST");
+    return !(e && !strcmp(e, "0"));
+}
+
+// Rows with top-p and no top-k take the candidate-set path from this cluster size on (smaller
+// clusters, i.e. larger batches: the radix passes). PD_CUDA_SAMPLE_TOPP_MIN_CL=1..32 overrides.
+#define TOPP_MIN_CL 1
+static int env_topp_min_cl(void) {
+    const char *e = getenv("PD_CUDA_SAMPLE_TOPP_MIN_CL");
+    int c = e ? atoi(e) : 0;
+    return c >= 1 && c <= 32 ? c : TOPP_MIN_CL;
+}
+
+extern "C" void pd_cuda_sample(const pd_sample_kparams *p_in, const pd_sample_kinline *in, cudaStream_t s) {
+    if (p_in->n_rows <= 0) return;
     const dev_info *di = dev_of();
+    pd_sample_kparams q = *p_in, *p = &q;
     int cl = env_cluster(), lg = 0;
     if (cl == 0) {  // the largest cluster with every row's cluster resident at once, >= 1024 ids a CTA
         cl = 1;
@@ -787,16 +1151,23 @@ extern "C" void pd_cuda_sample(const pd_sample_kparams *p, cudaStream_t s) {
         while ((1 << lg) < cl) lg++;
         if (di->max_clusters[lg] <= 0) cl = 1;  // this device has no such cluster
     }
+    // The FAST instance when some row truncates (top-k / top-p); each CTA caches its chunk's
+    // weights (top-p rows) when the chunk fits in ECACHE_MAX floats.
+    int chunk = (int)(((int64_t)p->vocab + cl - 1) / cl);
+    p->fast = env_fast() && p->any_trunc && di->fast_ok;
+    p->topp_min_cl = env_topp_min_cl();
+    p->ecache = p->fast && chunk <= ECACHE_MAX ? chunk : 0;
     cudaError_t e;
     switch (cl) {
-    case 16: e = launch<16>(p, s); break;
-    case 8: e = launch<8>(p, s); break;
-    case 4: e = launch<4>(p, s); break;
-    case 2: e = launch<2>(p, s); break;
-    default: e = launch<1>(p, s); break;
+    case 16: e = launch<16>(p, in, s); break;
+    case 8: e = launch<8>(p, in, s); break;
+    case 4: e = launch<4>(p, in, s); break;
+    case 2: e = launch<2>(p, in, s); break;
+    default: e = launch<1>(p, in, s); break;
     }
     if (e != cudaSuccess && cl > 1) {  // a cluster the device refused: one CTA per row
         (void)cudaGetLastError();
-        (void)launch<1>(p, s);
+        p->ecache = p->fast && p->vocab <= ECACHE_MAX ? p->vocab : 0;
+        (void)launch<1>(p, in, s);
     }
 }

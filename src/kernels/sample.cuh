@@ -13,6 +13,7 @@ extern "C" {
 
 #define PD_SAMPLE_KMAX_TOP 20
 #define PD_SAMPLE_KMAX_VOCAB (1 << 30)
+#define PD_SAMPLE_KINLINE 8   // rows carried in the launch's parameters (no copy) up to this batch
 
 typedef struct pd_sample_krow {
     float inv_temp;       // 1 / temperature; unused when is_greedy
@@ -42,17 +43,28 @@ typedef struct pd_sample_kout {
 
 typedef struct pd_sample_kparams {
     float *logits;                 // (n_rows, vocab) f32: penalties applied in place, then restored
-    const pd_sample_krow *rows;    // (n_rows)
+    const pd_sample_krow *rows;    // (n_rows); NULL: the rows are pd_cuda_sample's `in`
     const pd_sample_kpen *pens;    // (n_pens total), row r's at [pen_begin, pen_begin + n_pens)
     float *pen_raw;                // (n_pens total) scratch: the logits the penalties overwrote
-    pd_sample_kout *out;           // (n_rows)
+    pd_sample_kout *out;           // (n_rows); may be mapped pinned host memory (written directly)
     const uint32_t *masks;         // (n_masks, mask_words) allowed-token bits; read, never written
     int n_rows, vocab, mask_words;
     int all_greedy;                // every row greedy (one pass: clusters only pay below 9 rows)
+    int any_trunc;                 // some row has top-k or top-p (the candidate-set kernel)
+    // Set by pd_cuda_sample, not by its caller (whatever the caller leaves there is overwritten):
+    int fast;                      // candidate-set path on (PD_CUDA_SAMPLE_FAST=0: the radix passes only)
+    int topp_min_cl;               // top-p rows without top-k use it from this cluster size on
+    int ecache;                    // capacity (floats) of each CTA's cache of exp(l - max); 0: none
 } pd_sample_kparams;
+
+// Up to PD_SAMPLE_KINLINE rows passed in the launch's parameters (no copy to the device first).
+typedef struct pd_sample_kinline {
+    pd_sample_krow rows[PD_SAMPLE_KINLINE];
+} pd_sample_kinline;
 // One thread-block cluster of 1-16 CTAs per row (sized to the batch; PD_CUDA_SAMPLE_CLUSTER forces
 // it); no host synchronisation (graph-capturable).
-void pd_cuda_sample(const pd_sample_kparams *p, cudaStream_t s);
+// in: the rows when p->rows is NULL (p->n_rows <= PD_SAMPLE_KINLINE); else unused (may be NULL).
+void pd_cuda_sample(const pd_sample_kparams *p, const pd_sample_kinline *in, cudaStream_t s);
 
 #ifdef __cplusplus
 }

@@ -1069,7 +1069,7 @@ PD_TEST(test_cpu_attention_paging_invariance) {
 // which makes exact ties common (greedy ties, top-k / top-p cuts inside a run of equal values).
 // Every third row also has logit biases (including -100 bans) and every sixth a token mask: the
 // drawn token is never banned or masked, on either side.
-#define N_SAMPLE_CFG 10
+#define N_SAMPLE_CFG 12
 static pd_sampling_params sample_cfg(int k, uint64_t seed) {
     pd_sampling_params p = pd_sampling_params_default();
     p.seed = seed, p.has_seed = true;
@@ -1085,6 +1085,10 @@ static pd_sampling_params sample_cfg(int k, uint64_t seed) {
     case 7: p.repetition_penalty = 1.3f, p.presence_penalty = -0.5f, p.frequency_penalty = 0.4f, p.top_p = 0.95f,
             p.n_logprobs = 20; break;
     case 8: p.temperature = 0.9f, p.n_logprobs = 0; break;
+    // more top-k candidates than the device's candidate set holds, and a flat row whose top-p
+    // boundary bin overflows it: both take the radix passes (src/kernels/sample.cu)
+    case 10: p.top_k = 3000, p.top_p = 0.97f; break;
+    case 11: p.temperature = 8.0f, p.top_p = 0.9f; break;
     default: p.top_k = 1, p.temperature = 1.5f; break;
     }
     return p;
@@ -1314,6 +1318,15 @@ PD_TEST(test_cuda_sample) {
         for (int k = 0; k < N_SAMPLE_CFG; k += 2) sample_case(&c, 128256, 3, (k / 2) & 1, k + q, 1);
     }
     unsetenv("PD_CUDA_SAMPLE_CLUSTER");
+    // The radix passes alone (PD_CUDA_SAMPLE_FAST=0), and the copies both ways instead of rows in
+    // the launch's parameters and results written to mapped memory (PD_CUDA_SAMPLE_DIRECT=0).
+    static const char *knobs[][2] = {{"PD_CUDA_SAMPLE_FAST", "0"}, {"PD_CUDA_SAMPLE_DIRECT", "0"}};
+    for (int q = 0; q < 2; q++) {
+        setenv(knobs[q][0], knobs[q][1], 1);
+        for (int k = 0; k < N_SAMPLE_CFG; k++) sample_case(&c, 128256, 2, k & 1, k + 7 * q, 1);
+        sample_case(&c, 32000, 8, q, q, 1);
+        unsetenv(knobs[q][0]);
+    }
     sample_timing(&c);
     ctx_fini(&c);
 }

@@ -1,12 +1,18 @@
 // sample.c — the CUDA shim of pd_op_sample (kernel: src/kernels/sample.cu).
 //
 // Per call: the rows' parameters (normalised here: 1/temperature, logf(min_p), top_k clamped to
-// "off"), the penalty / logit-bias entries and the token masks of constrained rows are packed into a pinned staging buffer and sent in one
-// host-to-device copy; one kernel launch samples every row; one device-to-host copy brings back
-// the n_rows results, and the stream is synchronised. The staging buffers (pinned host, device)
-// belong to the backend and only grow; they are never used inside a captured graph, so growing
-// them does not bump the backend's scratch generation.
+// "off"), the penalty / logit-bias entries and the token masks of constrained rows are packed into
+// a pinned staging buffer; one kernel launch samples every row and writes the n_rows results
+// straight into that (mapped) pinned buffer; the stream is synchronised. Up to PD_SAMPLE_KINLINE
+// rows without penalties or masks travel in the launch's own parameters, so such a call (every
+// plain decode step of a small batch) is one launch and one synchronisation: no copy either way.
+// Otherwise rows, penalties and masks go up in one host-to-device copy before the launch.
+// PD_CUDA_SAMPLE_DIRECT=0 restores the copies both ways (rows up, results down), for A/B runs.
+// The staging buffers (pinned host, device) belong to the backend and only grow; they are never
+// used inside a captured graph, so growing them does not bump the backend's scratch generation.
 #include <math.h>
+#include <stdbool.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "backend/cuda/cuda_impl.h"
@@ -16,7 +22,8 @@ _Static_assert(PD_SAMPLE_KMAX_TOP == PD_SAMPLE_MAX_TOP, "kernel and backend top-
 _Static_assert(sizeof(pd_sample_kout) == sizeof(pd_sample_out), "pd_sample_kout and pd_sample_out differ");
 
 struct pd_cuda_sampler {
-    void *host;  // pinned: [krows | kpens | masks] to send, [kouts] received
+    void *host;  // pinned, mapped: [krows | kpens | masks] to send, [kouts] received
+    void *host_dev;  // the device's address of host (the kernel writes the results there)
     size_t host_bytes;
     void *dev;   // [krows | kpens | masks | pen_raw | kouts]
     size_t dev_bytes;
@@ -45,7 +52,8 @@ static pd_cuda_sampler *sampler_reserve(pd_cuda_backend *cb, size_t host_need, s
         if (s->host) PD_CUDA_CHECK(cudaFreeHost(s->host));
         s->host = NULL;
         size_t n = host_need + host_need / 2;
-        PD_CUDA_CHECK(cudaHostAlloc(&s->host, n, cudaHostAllocDefault));
+        PD_CUDA_CHECK(cudaHostAlloc(&s->host, n, cudaHostAllocMapped));
+        PD_CUDA_CHECK(cudaHostGetDevicePointer(&s->host_dev, s->host, 0));
         s->host_bytes = n;
     }
     pd_cuda_scratch_reserve(cb, &s->dev, &s->dev_bytes, dev_need, false);  // never in a graph
@@ -92,10 +100,11 @@ void pd_cuda_sample_op(pd_backend *b, const pd_sample_params *p) {
     pd_sample_krow *hrows = (pd_sample_krow *)h;
     pd_sample_kpen *hpens = (pd_sample_kpen *)(h + rows_b);
     pd_sample_kout *houts = (pd_sample_kout *)(h + send_b);
-    int all_greedy = 1;
+    int all_greedy = 1, any_trunc = 0;
     for (int r = 0; r < p->n_rows; r++) {
         hrows[r] = krow_of(&p->rows[r], p->vocab, p->n_pens, n_masks);
         all_greedy &= hrows[r].is_greedy;
+        any_trunc |= !hrows[r].is_greedy && (hrows[r].top_k > 0 || hrows[r].top_p < 1.0f);
     }
     for (int i = 0; i < p->n_pens; i++) {
         PD_ASSERT(p->pens[i].token >= 0 && p->pens[i].token < p->vocab);
@@ -103,16 +112,27 @@ void pd_cuda_sample_op(pd_backend *b, const pd_sample_params *p) {
                                     .bias = p->pens[i].bias};
     }
     if (n_masks) memcpy(h + rows_b + pens_b, p->masks, sizeof(uint32_t) * (size_t)n_masks * (size_t)p->mask_words);
-    PD_CUDA_CHECK(cudaMemcpyAsync(d, h, send_b, cudaMemcpyHostToDevice, cb->stream));
-    pd_sample_kparams k = {.logits = p->logits, .rows = (const pd_sample_krow *)d,
+    const char *env = getenv("PD_CUDA_SAMPLE_DIRECT");  // read per call: tests and A/B runs flip it
+    bool direct = !(env && !strcmp(env, "0"));
+    bool inline_rows = direct && p->n_pens == 0 && n_masks == 0 && p->n_rows <= PD_SAMPLE_KINLINE;
+    if (!inline_rows) PD_CUDA_CHECK(cudaMemcpyAsync(d, h, send_b, cudaMemcpyHostToDevice, cb->stream));
+    pd_sample_kparams k = {.logits = p->logits, .rows = inline_rows ? NULL : (const pd_sample_krow *)d,
                            .pens = (const pd_sample_kpen *)(d + rows_b), .pen_raw = (float *)(d + send_b),
-                           .out = (pd_sample_kout *)(d + send_b + raw_b), .n_rows = p->n_rows,
-                           .vocab = p->vocab, .masks = n_masks ? (const uint32_t *)(d + rows_b + pens_b) : NULL,
-                           .mask_words = p->mask_words, .all_greedy = all_greedy};
-    pd_cuda_sample(&k, cb->stream);
+                           .out = direct ? (pd_sample_kout *)((char *)s->host_dev + send_b)
+                                         : (pd_sample_kout *)(d + send_b + raw_b),
+                           .n_rows = p->n_rows, .vocab = p->vocab,
+                           .masks = n_masks ? (const uint32_t *)(d + rows_b + pens_b) : NULL,
+                           .mask_words = p->mask_words, .all_greedy = all_greedy, .any_trunc = any_trunc};
+    pd_sample_kinline in;
+    if (inline_rows) {
+        memset(&in, 0, sizeof in);  // the slots past n_rows are never read, but travel
+        memcpy(in.rows, hrows, sizeof(pd_sample_krow) * (size_t)p->n_rows);
+    }
+    pd_cuda_sample(&k, inline_rows ? &in : NULL, cb->stream);
     PD_CUDA_CHECK_LAUNCH();
-    PD_CUDA_CHECK(cudaMemcpyAsync(houts, k.out, sizeof(pd_sample_kout) * (size_t)p->n_rows, cudaMemcpyDeviceToHost,
-                                  cb->stream));
+    if (!direct)
+        PD_CUDA_CHECK(cudaMemcpyAsync(houts, k.out, sizeof(pd_sample_kout) * (size_t)p->n_rows, cudaMemcpyDeviceToHost,
+                                      cb->stream));
     PD_CUDA_CHECK(cudaStreamSynchronize(cb->stream));
     for (int r = 0; r < p->n_rows; r++) {
         pd_sample_out *o = &p->out[r];
