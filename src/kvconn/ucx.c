@@ -101,6 +101,7 @@ typedef struct ucx_state {
     volatile int stop;
     bool is_tag;            // decode role: our data path is two-sided
     pthread_mutex_t rx_mu;  // guards rx (engine thread posts, I/O thread completes)
+    pthread_mutex_t wk_mu;  // held around every progress of the worker and every receive cancel (wk_progress)
     ucx_rx *rx;
     int n_rx;               // loads with receives posted (atomic; the progress thread spins while > 0)
     int64_t n_stale;        // messages no receive matched, dropped (atomic)
@@ -164,6 +165,7 @@ static ucx_state *state_new(pd_kvconn *c, pd_err *err) {
         return NULL;
     }
     pthread_mutex_init(&u->rx_mu, NULL);
+    pthread_mutex_init(&u->wk_mu, NULL);
     const char *fg = getenv("PD_UCX_FORCE_GATHER");
     u->is_gather_forced = fg && !strcmp(fg, "1");
     const char *dl = getenv("PD_UCX_DEBUG_LENGTH");
@@ -179,16 +181,41 @@ bad:
     return NULL;
 }
 
+// Every progress of our worker, on any thread (the progress thread, the I/O thread in load_end, the
+// engine thread when a post fails), goes through wk_mu, and so does every cancel (rx_cancel).
+// UCX 1.13's ucp_request_cancel tests the request's COMPLETED flag *before* it takes the worker's
+// lock, then, under the lock, removes the request from the expected queue and asserts
+// (ucp_tag_exp_remove, tag_match.c:92, "!(req->flags & UCP_REQUEST_FLAG_COMPLETED)") if it was
+// no longer there. A receive whose message another thread's ucp_worker_progress completed in
+// between (typically while the cancel waited for the lock that progress held) aborted the whole
+// process: the decode worker died and every client connection with it, whenever a failed load's
+// other receives were cancelled while their messages still arrived (test_disagg_ucx's
+// ucx_len_short / ucx_len_long cases: 4 runs of 10 failed, on the ucxtag branch as on the merged
+// tree). Under wk_mu nothing completes a receive between our test and the cancel: receives
+// complete only in progress (UCX's async thread queues its events for the next progress).
+static unsigned wk_progress(ucx_state *u) {
+    pthread_mutex_lock(&u->wk_mu);
+    unsigned n = ucp_worker_progress(u->worker);
+    pthread_mutex_unlock(&u->wk_mu);
+    return n;
+}
+
+static void rx_cancel(ucx_state *u, void *r) {
+    pthread_mutex_lock(&u->wk_mu);
+    if (ucp_request_check_status(r) == UCS_INPROGRESS) ucp_request_cancel(u->worker, r);
+    pthread_mutex_unlock(&u->wk_mu);
+}
+
 // Cancels the receives of rx still in progress and waits for them until deadline_us (a receive
 // whose rendezvous get already runs completes first); frees them. Returns how many had not ended.
 static int rx_drain(ucx_state *u, ucx_rx *rx, int64_t deadline_us) {
     for (int i = 0; i < rx->n; i++)
-        if (rx->reqs[i] && ucp_request_check_status(rx->reqs[i]) == UCS_INPROGRESS) ucp_request_cancel(u->worker, rx->reqs[i]);
+        if (rx->reqs[i]) rx_cancel(u, rx->reqs[i]);
     int left = 0;
     for (int i = 0; i < rx->n; i++) {
         if (!rx->reqs[i]) continue;
         while (ucp_request_check_status(rx->reqs[i]) == UCS_INPROGRESS && pd_time_us() < deadline_us)
-            ucp_worker_progress(u->worker);
+            wk_progress(u);
         if (ucp_request_check_status(rx->reqs[i]) == UCS_INPROGRESS) left++;
         ucp_request_free(rx->reqs[i]);  // (one still in progress is released when it completes)
         rx->reqs[i] = NULL;
@@ -218,6 +245,7 @@ static void ucx_fini(pd_kvconn *c) {
         rx_free(rx);
     }
     pthread_mutex_destroy(&u->rx_mu);
+    pthread_mutex_destroy(&u->wk_mu);
     if (u->memh) ucp_mem_unmap(u->ctx, u->memh);
     if (u->src_memh) ucp_mem_unmap(u->ctx, u->src_memh);
     ucp_worker_destroy(u->worker);
@@ -251,10 +279,12 @@ static void *progress_main(void *arg) {
     int efd = -1;
     if (ucp_worker_get_efd(u->worker, &efd) != UCS_OK) efd = -1;
     while (!__atomic_load_n(&u->stop, __ATOMIC_ACQUIRE)) {
-        while (ucp_worker_progress(u->worker)) {
+        while (wk_progress(u)) {
         }
         if (u->is_tag) {
+            pthread_mutex_lock(&u->wk_mu);
             drop_stale(u);
+            pthread_mutex_unlock(&u->wk_mu);
             if (__atomic_load_n(&u->n_rx, __ATOMIC_ACQUIRE) > 0) {  // receives posted: poll, do not sleep
                 sched_yield();
                 continue;
@@ -265,7 +295,9 @@ static void *progress_main(void *arg) {
             nanosleep(&ts, NULL);
             continue;
         }
+        pthread_mutex_lock(&u->wk_mu);  // (arm may run missed async events)
         ucs_status_t s = ucp_worker_arm(u->worker);
+        pthread_mutex_unlock(&u->wk_mu);
         if (s == UCS_ERR_BUSY) continue;
         struct pollfd pf = {.fd = efd, .events = POLLIN};
         poll(&pf, 1, 100);
@@ -375,7 +407,8 @@ static pd_status ucx_hello_blob(pd_kvconn *c, uint8_t *blob, uint32_t *len, pd_e
     }
     if (rkey) ucp_rkey_buffer_release(rkey);
     ucp_worker_release_address(u->worker, addr);
-    // From here on the worker belongs to the progress thread (UCS_THREAD_MODE_SINGLE).
+    // From here on the progress thread progresses the worker too (UCS_THREAD_MODE_MULTI; every progress
+    // and cancel under wk_mu).
     if (st == PD_OK && !u->has_thread) {
         if (pthread_create(&u->progress, NULL, progress_main, u)) return pd_err_set(err, PD_ERR_IO, "ucx: no progress thread");
         u->has_thread = true;
@@ -395,7 +428,7 @@ static ucs_status_t wait_req(ucx_state *u, void *req, int64_t deadline_us) {
     if (UCS_PTR_IS_ERR(req)) return UCS_PTR_STATUS(req);
     ucs_status_t s;
     while ((s = ucp_request_check_status(req)) == UCS_INPROGRESS) {
-        ucp_worker_progress(u->worker);
+        wk_progress(u);
         if (pd_time_us() > deadline_us) break;
     }
     ucp_request_free(req);
@@ -567,7 +600,7 @@ static void ucx_load_end(pd_kvconn *c, uint64_t req_id, pd_status *status, char 
             ucp_tag_recv_info_t info = {0};
             ucs_status_t s;
             while ((s = ucp_tag_recv_request_test(rx->reqs[i], &info)) == UCS_INPROGRESS && pd_time_us() < deadline)
-                ucp_worker_progress(u->worker);
+                wk_progress(u);
             if (s == UCS_OK && info.length == rx->want[i]) continue;
             // message i: layer i / (2 runs), K|V — i follows the posting order (layer, kv, run)
             *status = s == UCS_INPROGRESS ? PD_ERR_TIMEOUT : PD_ERR_PROTO;
@@ -599,7 +632,7 @@ static void cut_off(ucx_state *u, ucx_peer *q) {
 static int sends_wait(ucx_state *u, ucx_peer *q, void **reqs, int n, int64_t deadline_us, ucs_status_t *st) {
     int left = n;
     while (left > 0) {
-        ucp_worker_progress(u->worker);
+        wk_progress(u);
         left = 0;
         for (int i = 0; i < n; i++) {
             if (!reqs[i]) continue;
@@ -687,7 +720,7 @@ static pd_status tx_send_layers(pd_kvconn *c, pd_kvconn_save *s, ucx_state *u, u
             }
         }
         tx->layers_sent = ly + 1;
-        ucp_worker_progress(u->worker);
+        wk_progress(u);
         if (ly == k->n_layers / 2) kvc_debug_pause(c, "mid_slab");
     }
     return PD_OK;
@@ -868,7 +901,7 @@ static pd_status ucx_save_rest(pd_kvconn *c, pd_kvconn_save *s) {
                 i = j + 1;
             }
         }
-        ucp_worker_progress(u->worker);
+        wk_progress(u);
         if (l == L / 2) kvc_debug_pause(c, "mid_slab");
     }
     {  // remote completion of every put posted (also after a failure: nothing may still read our rows)

@@ -59,7 +59,10 @@ for path in put tag; do
 done
 # 4. tag path, a message one row short / one row long (PD_UCX_DEBUG_LENGTH, every 3rd save): the
 #    decode worker checks each receive against what it posted, fails that load (fallback "error",
-#    prefilled locally) and every output is still identical.
+#    prefilled locally) and every output is still identical. The failed load's other receives are
+#    cancelled while their messages still arrive: before the decode worker serialized its cancels
+#    with its progress (ucx.c, wk_mu), UCX 1.13 aborted it here in about 4 runs of 10 (an assertion
+#    in ucp_tag_exp_remove; every client saw "Remote end closed connection"). It must outlive each case.
 export PD_UCX_PATH=tag
 for len in short long; do
   export PD_UCX_DEBUG_LENGTH=$len
@@ -67,6 +70,10 @@ for len in short long; do
   dg_start_pair $tr ucx
   python3 "$here/disagg_client.py" "$URL" "$TMP/prompts.json" "$TMP/$tr.json" --concurrency 16 --max-tokens 24 ||
     pd_fail "$tr run failed"
+  if ! kill -0 "$(cat "$TMP/decode_$tr.pid")" 2>/dev/null || grep -q 'Assertion' "$TMP/decode_$tr.err"; then
+    tail -20 "$TMP/decode_$tr.err" >&2
+    pd_fail "$tr: the decode worker died (above: the end of its log)"
+  fi
   dg_compare "$TMP/$tr.json" "$tr" || pd_fail "$tr outputs differ"
   e=$(dg_metric "$URL" 'pdserve_kv_handoff_fallbacks_total.*reason="error"')
   f=$(dg_metric "$URL" '^pdserve_kv_handoff_fallbacks_total')
