@@ -192,7 +192,8 @@ bad:
 // other receives were cancelled while their messages still arrived (test_disagg_ucx's
 // ucx_len_short / ucx_len_long cases: 4 runs of 10 failed, on the ucxtag branch as on the merged
 // tree). Under wk_mu nothing completes a receive between our test and the cancel: receives
-// complete only in progress (UCX's async thread queues its events for the next progress).
+// complete in progress (UCX 1.13's async thread, as we read it, only schedules work for the next
+// progress; the tag cases have run 30+ times clean since, ASan and TSan included).
 static unsigned wk_progress(ucx_state *u) {
     pthread_mutex_lock(&u->wk_mu);
     unsigned n = ucp_worker_progress(u->worker);
