@@ -32,6 +32,10 @@ liburing-dev         io_uring
 libhiredis-dev       redis client
 redis-server         redis tests
 libucx-dev           UCX transport
+autoconf             tools/gpu/ucx_cuda.sh (UCX's CUDA modules from Debian's ucx source: autogen.sh)
+automake             tools/gpu/ucx_cuda.sh
+libtool              tools/gpu/ucx_cuda.sh
+libnuma-dev          tools/gpu/ucx_cuda.sh (libucs with numa, as Debian's)
 libnats-dev          NATS client
 nats-server          NATS tests
 libssl-dev           libcrypto (HMAC, auth)

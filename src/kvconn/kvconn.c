@@ -43,6 +43,8 @@ static void on_xfer_event(void *ud, pd_xfer_event *x) {
         ev->status = x->status;
         memcpy(ev->reason, x->reason, sizeof ev->reason);
         ev->done = x->done;
+        // two-sided transports: the posted receives complete (checked) or are cancelled first
+        if (c->t && c->t->load_end) c->t->load_end(c, x->req_id, &ev->status, ev->reason, sizeof ev->reason);
         break;
     case PD_XFER_EV_HELLO: {
         ev->kind = PD_KVCONN_EV_PEER_UP;
@@ -193,8 +195,17 @@ pd_status pd_kvconn_start_load(pd_kvconn *c, const pd_kvconn_load *l) {
     pd_kvw_prefill_req r = {.req_id = l->req_id, .start_pos = l->start_pos, .n_tokens = l->n_tokens, .tokens = l->tokens,
                             .n_dst_blocks = l->n_dst_blocks, .dst_blocks = l->dst_blocks, .sampling = l->sampling};
     if (l->traceparent) snprintf(r.traceparent, sizeof r.traceparent, "%s", l->traceparent);
+    if (c->t->load_post) {  // two-sided (ucx on device pools): the receives are posted before the request leaves
+        pd_status st = c->t->load_post(c, l);
+        if (st) return st == PD_ERR_INVALID ? st : PD_NOSPACE;
+    }
     pd_status st = pd_xfer_client_prefill_on(c->xc, l->worker == PD_KVCONN_QUEUE ? PD_XFER_QUEUE : l->worker, &r);
     if (st == PD_NOSPACE && l->worker >= 0) st = pd_xfer_client_prefill_on(c->xc, -1, &r);  // the chosen one filled up
+    if (st && c->t->load_end) {  // not sent: no RESULT will come, take the receives back now
+        pd_status cs = st;
+        char why[64];
+        c->t->load_end(c, l->req_id, &cs, why, sizeof why);
+    }
     return st;
 }
 
@@ -351,9 +362,13 @@ void pd_kvconn_layer_begin(pd_kvconn *c, int layer) {
     c->is_mark_due = true;
 }
 
+static bool is_layerwise(const kvc_transport *t, pd_kvconn *c, pd_kvconn_save *s) {
+    return t->layerwise ? t->layerwise(c, s) : t->is_layerwise;
+}
+
 void pd_kvconn_save_layer(pd_kvconn *c, pd_kvconn_save *s, int layer) {
     const kvc_transport *t = save_transport(c, s);
-    if (!t || s->st || !t->is_layerwise || c->is_overlap_off || layer != s->n_layers_saved) return;
+    if (!t || s->st || !is_layerwise(t, c, s) || c->is_overlap_off || layer != s->n_layers_saved) return;
     t->save_layer(c, s, layer);
     if (!s->st) s->n_layers_saved = layer + 1;
 }
@@ -364,7 +379,7 @@ pd_status pd_kvconn_save_end(pd_kvconn *c, pd_kvconn_save *s, const pd_kvconn_fi
     pd_status st = t ? s->st : PD_ERR_CLOSED;
     bool was_layerwise = s->n_layers_saved == L;
     if (st == PD_OK) st = t->save_rest(c, s);  // (ships what is left; direct: waits for the transfer stream)
-    if (st == PD_OK && t->is_layerwise && was_layerwise) __atomic_add_fetch(&c->saves_layerwise, 1, __ATOMIC_RELAXED);
+    if (st == PD_OK && is_layerwise(t, c, s) && was_layerwise) __atomic_add_fetch(&c->saves_layerwise, 1, __ATOMIC_RELAXED);
     if (copy_us) *copy_us = s->copy_us;
     if (st) {
         pd_kvconn_save_fail(c, s, "KV export failed", true);

@@ -33,11 +33,12 @@ struct pd_kvconn_save {
     int n_sends;                // nccl: layer sends posted and not yet waited for
     bool is_xfer_pending;       // transfer-stream work may still write sums / the peer's pool
     bool is_corrupt;            // test hook: flip one bit of this save's KV
+    void *tsave;                // the transport's own per-save state (ucx tag path: posted sends), freed by save_free
     pd_status st;               // first failure
     int64_t copy_us;
 };
 
-// nccl.c: a small pool of device staging buffers (engine thread), so a save does not allocate
+// nccl.c (also ucx.c's gathers): a small pool of device staging buffers (engine thread), so a save does not allocate
 // (and a growing buffer does not free, which synchronises the device) on every request.
 #define KVC_STAGE_POOL_MAX 4
 typedef struct kvc_stage_pool {
@@ -50,6 +51,8 @@ typedef struct kvc_transport {
     pd_kvw_transport id;
     const char *name;
     bool is_layerwise;   // save_layer ships layers during the forward pass
+    // optional: decides is_layerwise per save (ucx: its tag path ships layer-wise, its put path not)
+    bool (*layerwise)(pd_kvconn *c, pd_kvconn_save *s);
     bool needs_host_pool;  // tcp: the decode side's I/O thread writes the pool with the CPU
     // decode role: describe our pool to peers (fills *h); NULL: nothing to export.
     pd_status (*export_pool)(pd_kvconn *c, pd_buffer_handle *h, pd_err *err);
@@ -63,6 +66,15 @@ typedef struct kvc_transport {
     // optional: the save ends (after save_rest, or failed): release the transport's per-save state
     // once nothing can still read it (nccl: waits for posted sends, gives back the staging).
     void (*save_free)(pd_kvconn *c, pd_kvconn_save *s);
+    // decode role (optional, two-sided transports): before a load's request goes out, post the
+    // receives of its KV into our blocks (l->dst_blocks; checked against the pool first). Not
+    // PD_OK: no request is sent (PD_ERR_INVALID: a block outside the pool; else prefill locally).
+    pd_status (*load_post)(pd_kvconn *c, const pd_kvconn_load *l);
+    // decode role (optional, with load_post): the load's RESULT, on the session's I/O thread before
+    // the event goes out: waits (bounded) for the posted receives, checks every length, or cancels
+    // them when the load failed; may turn ev->status into a failure (with ev->reason). After it,
+    // nothing of this load writes our pool any more.
+    void (*load_end)(pd_kvconn *c, uint64_t req_id, pd_status *status, char *reason, size_t reason_len);
     // decode role (optional): the HELLO handle bytes, after export_pool (ucx: address + rkey)
     pd_status (*hello_blob)(pd_kvconn *c, uint8_t *blob, uint32_t *len, pd_err *err);
     void (*fini)(pd_kvconn *c);  // optional: frees c->tstate (both roles; after the session layer stopped)

@@ -263,7 +263,7 @@ static const int32_t *get_i32s(rd *r, int32_t n, pd_kvw_msg *m) {
 
 uint32_t pd_kvw_max_body(pd_kvw_type t) {
     switch (t) {
-    case PD_KVW_HELLO: return 60 + 16 + 256;
+    case PD_KVW_HELLO: return 60 + 16 + PD_KVW_HANDLE_MAX;
     case PD_KVW_HELLO_ACK: return 4 + 44 + 4 + 256;
     case PD_KVW_PREFILL_REQ: return PD_KVW_MAX_BODY;  // tokens + blocks: bounded by the body cap
     case PD_KVW_KV_SLAB: return 28;

@@ -72,11 +72,14 @@ typedef struct pd_kvw_fingerprint {
 // Empty string if equal, else names the first field that differs (static buffer per thread).
 const char *pd_kvw_fingerprint_diff(const pd_kvw_fingerprint *a, const pd_kvw_fingerprint *b);
 
+#define PD_KVW_HANDLE_MAX 1024  // HELLO's handle: a pd_buffer_handle, an NCCL id, or UCX address + rkey
+
 typedef struct pd_kvw_hello {
     pd_kvw_fingerprint fp;
     uint32_t transport;          // pd_kvw_transport
     uint32_t pool_n_blocks;      // decode pool size (direct transports)
-    uint8_t handle[256];         // pd_buffer_handle bytes (shm, cuda-ipc) or the NCCL unique id (nccl)
+    uint8_t handle[PD_KVW_HANDLE_MAX];  // pd_buffer_handle bytes (shm, cuda-ipc), the NCCL unique id (nccl),
+                                        // or the UCX worker address + rkey (ucx)
     uint32_t handle_len;
 } pd_kvw_hello;
 

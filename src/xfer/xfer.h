@@ -105,7 +105,7 @@ typedef struct pd_xfer_client_params {
     pd_kvw_fingerprint fp;
     const char *secret;                      // shared secret (copied); required
     pd_buffer_handle pool_handle;            // shm / cuda-ipc: the exported decode pool (shm: .fd)
-    uint8_t hello_blob[256];                 // ucx: the HELLO handle bytes (worker address, rkey, pool)
+    uint8_t hello_blob[PD_KVW_HANDLE_MAX];   // ucx: the HELLO handle bytes (worker address, rkey, pool)
     uint32_t hello_blob_len;
     pd_xfer_pool pool;                       // tcp, nccl: where slabs land (nccl: device pointers)
     pd_backend *backend;                     // nccl: the decode pool's backend (borrowed)

@@ -1,7 +1,10 @@
 #!/bin/sh
 # test_multihost.sh — disaggregation across "hosts" on one machine: two network namespaces (a
 # prefill host and a decode host) joined by a veth pair, shaped with tc (100 Mbit/s each way, +2 ms
-# with netem where the kernel has it). For the tcp and the ucx (UCX_TLS=tcp,self) connectors: a prefill worker in one
+# with netem where the kernel has it; checked again in session 8: this machine's kernel, 6.18.44,
+# is built with CONFIG_NET_SCH_NETEM, _FQ and _ETF unset and without loadable modules (no
+# /lib/modules, no modprobe), so `tc qdisc add ... netem delay 2ms` fails with "Specified qdisc
+# kind is unknown" and the link is tbf-shaped to 100 Mbit/s without added delay). For the tcp and the ucx (UCX_TLS=tcp,self) connectors: a prefill worker in one
 # namespace, a decode worker in the other, 24 greedy requests (golden prompts + mixed lengths) sent
 # from the decode host: outputs identical to a colocated server, every prompt handed off, none
 # recomputed. Needs root and network namespaces; exits 77 (skipped) with the reason otherwise.

@@ -116,6 +116,30 @@ PD_TEST(kvw_slab_payload_and_corruption) {
     pd_kvw_buf_fini(&b);
 }
 
+// ucx: HELLO carries the UCX worker address + packed rkey (with cuda_ipc ~250-400 bytes): up to
+// PD_KVW_HANDLE_MAX round-trips, a handle_len field one over it is refused, not truncated.
+PD_TEST(kvw_ucx_hello_handle_max) {
+    pd_kvw_buf b = {0};
+    pd_kvw_msg m = {.type = PD_KVW_HELLO};
+    m.u.hello.transport = PD_KVW_TRANSPORT_UCX;
+    m.u.hello.pool_n_blocks = 123;
+    m.u.hello.handle_len = PD_KVW_HANDLE_MAX;
+    for (int i = 0; i < PD_KVW_HANDLE_MAX; i++) m.u.hello.handle[i] = (uint8_t)(i * 13 + 5);
+    pd_kvw_msg o = roundtrip(&m, &b);
+    PD_CHECK_EQ(o.u.hello.handle_len, PD_KVW_HANDLE_MAX);
+    PD_CHECK(!memcmp(o.u.hello.handle, m.u.hello.handle, PD_KVW_HANDLE_MAX));
+    // A sender claiming one byte more (the encoder writes the field as given, and the bytes it has):
+    // the receiver refuses the frame instead of reading past the handle.
+    m.u.hello.handle_len = PD_KVW_HANDLE_MAX + 1;
+    pd_kvw_buf_reset(&b);
+    PD_CHECK_EQ(pd_kvw_encode(&b, &m), PD_OK);
+    pd_err err = {0};
+    size_t used;
+    PD_CHECK_EQ(pd_kvw_decode(b.data, b.len, &o, &used, &err), PD_ERR_PROTO);
+    PD_CHECK(strstr(err.msg, "HELLO: handle too long") != NULL);
+    pd_kvw_buf_fini(&b);
+}
+
 PD_TEST(kvw_nccl_hello_and_slab_roundtrip) {
     pd_kvw_buf b = {0};
     pd_kvw_msg m = {.type = PD_KVW_HELLO};

@@ -14,8 +14,11 @@
 #      colocated server itself differs between batched and one-at-a-time runs, printed as a control.
 #      (The same holds for prefix-cache hits: a prompt whose first blocks were cached by an earlier,
 #      differently shaped computation may round differently; the two setups hit different caches);
-#   3. nccl with --debug-corrupt-kv 3 (one sequence per step): the corrupted slabs are caught by the
-#      checksum (fallbacks with reason "checksum" > 0) and the completions are still identical.
+#   3. nccl and ucx with --debug-corrupt-kv 3 (one sequence per step): the corrupted slabs are caught
+#      by the checksum (fallbacks with reason "checksum" > 0) and the completions are still identical.
+# ucx (PD_GPU_TRANSPORTS=ucx) needs, in both servers' environment, a CUDA-enabled UCX (e.g. UCX
+# 1.13.1 from tools/gpu/ucx_cuda.sh through LD_LIBRARY_PATH) and UCX_TLS=cuda_ipc,cuda_copy,tcp,self:
+# device pools take the two-sided tag path (src/kvconn/ucx.c; docs/benchmarks.md, "UCX on one GPU").
 # Prints one PASS/FAIL (or INFO) line per check and exits 1 on any FAIL.
 #   usage: tools/gpu/test_disagg_gpu.sh
 #   env:   PD_BIN (default build/pdserve), PD_MODELS_DIR (default ../shared/models),
@@ -101,7 +104,7 @@ PY
   compare "$TMP/$m.ref.seq.mixed.out" "$TMP/$m.ref.batch.mixed.out" "$m control: colocated batched vs one-sequence steps" info
   for tr in ${PD_GPU_TRANSPORTS:-cuda-ipc nccl}; do
     for mode in seq batch corrupt; do
-      [ $mode = corrupt ] && [ $tr != nccl ] && continue
+      [ $mode = corrupt ] && [ $tr != nccl ] && [ $tr != ucx ] && continue
       flags=$seq_flags extra="" label="$m $tr" ref=seq
       [ $mode = batch ] && flags=$batch_flags label="$m $tr batched" ref=batch
       [ $mode = corrupt ] && extra="--debug-corrupt-kv 3" label="$m $tr corrupted-slabs"
