@@ -144,6 +144,8 @@ typedef struct opts {
     const char *model, *draft, *golden, *golden_key, *device, *json_path;
     bool dummy, sequential;
     int method, k, repeat, random_len, random_n, max_tokens, max_model_len, reps;
+    int dummy_layers, draft_layers, scale_from;  // the controlled-acceptance fixture (0: off)
+    float scale_eps;
     int kv_len;  // the longest prompt + max_tokens: the positions a request can hold
     int batches[16], n_batches;
     const char *modes;  // "off,adaptive,fixed" (or METHOD:adaptive, METHOD:fixed)
@@ -172,6 +174,9 @@ static pd_engine *make_engine(const opts *o, int spec_method, bool fixed) {
     p.model_dir = o->model;
     p.device = o->device;
     p.dummy_weights = o->dummy;
+    p.dummy_num_layers = o->dummy_layers;
+    p.dummy_scale_from = o->scale_from;
+    p.dummy_scale_eps = o->scale_eps;
     p.max_model_len = o->max_model_len;
     int bmax = 1;
     for (int i = 0; i < o->n_batches; i++) bmax = PD_MAX(bmax, o->batches[i]);
@@ -186,6 +191,7 @@ static pd_engine *make_engine(const opts *o, int spec_method, bool fixed) {
     p.spec_model_dir = spec_method == PD_SPEC_DRAFT ? o->draft : NULL;
     p.spec_k = o->k;
     p.spec_fixed = fixed;
+    p.spec_dummy_num_layers = spec_method == PD_SPEC_DRAFT ? o->draft_layers : 0;
     pd_err err = {0};
     int64_t t0 = pd_time_us();
     pd_engine *e = pd_engine_new(&p, &err);
@@ -348,6 +354,9 @@ int pd_cmd_bench_spec(int argc, char **argv) {
                                        {"modes", required_argument, 0, 'M'},       {"max-model-len", required_argument, 0, 'L'},
                                        {"reps", required_argument, 0, 'p'},        {"json", required_argument, 0, 'j'},
                                        {"sequential", no_argument, 0, 'S'},
+                                       {"dummy-num-layers", required_argument, 0, 'Y'},
+                                       {"dummy-residual-scale", required_argument, 0, 'E'},
+                                       {"speculative-dummy-layers", required_argument, 0, 'K'},
                                        {"help", no_argument, 0, 'h'},              {0, 0, 0, 0}};
     opts o = {.device = "auto", .golden_key = "prompts", .k = 4, .repeat = 1, .random_n = 1, .max_tokens = 128,
               .max_model_len = 1024, .reps = 3, .modes = "off,adaptive,fixed", .batches = {1, 8, 32, 64}, .n_batches = 4};
@@ -415,21 +424,53 @@ int pd_cmd_bench_spec(int argc, char **argv) {
         case 'M': o.modes = optarg; break;
         case 'j': o.json_path = optarg; break;
         case 'S': o.sequential = true; break;
+        case 'Y':
+            if (!pd_cmd_parse_int(optarg, &v) || v < 1 || v > 4096) return pd_cmd_usage_error("bench-spec", "--dummy-num-layers must be 1..4096");
+            o.dummy_layers = (int)v;
+            break;
+        case 'K':
+            if (!pd_cmd_parse_int(optarg, &v) || v < 1 || v > 4096) return pd_cmd_usage_error("bench-spec", "--speculative-dummy-layers must be 1..4096");
+            o.draft_layers = (int)v;
+            break;
+        case 'E': {
+            char *colon = strchr(optarg, ':'), *end = NULL;
+            if (!colon) return pd_cmd_usage_error("bench-spec", "--dummy-residual-scale is FROM_LAYER:EPS (e.g. 1:0.05)");
+            *colon = 0;
+            bool ok = pd_cmd_parse_int(optarg, &v) && v >= 1 && v <= 4096;
+            *colon = ':';
+            double eps = strtod(colon + 1, &end);
+            if (!ok || end == colon + 1 || *end || !(eps >= 0.0 && eps <= 1.0))
+                return pd_cmd_usage_error("bench-spec", "--dummy-residual-scale is FROM_LAYER:EPS, FROM_LAYER >= 1, 0 <= EPS <= 1 (got '%s')", optarg);
+            o.scale_from = (int)v;
+            o.scale_eps = (float)eps;
+            break;
+        }
         case 'h':
             printf("usage: pdserve bench-spec --model DIR [--load-format dummy|auto] [--device cpu|cuda]\n"
                    "         [--speculative-method draft|ngram|lookahead] [--speculative-model DIR] [--num-speculative-tokens K]\n"
                    "         (--golden FILE [--golden-key prompts|speculative_acceptance] | --random-prompt L [--random-prompts N])\n"
                    "         [--repeat N] [--max-tokens N] [--batches 1,8,32,64] [--modes off,adaptive,fixed] [--max-model-len N]\n"
                    "         [--reps N] [--sequential] [--json FILE]\n"
+                   "         [--dummy-residual-scale FROM:EPS] [--dummy-num-layers K] [--speculative-dummy-layers K]\n"
                    "  --modes: off, adaptive, fixed (the --speculative-method), or METHOD:adaptive / METHOD:fixed; repeats\n"
                    "           allowed; the first is off. Engines live side by side and run interleaved (rotated order each\n"
-                   "           rep, same warm-up); --sequential builds, runs and frees them one at a time instead.\n");
+                   "           rep, same warm-up); --sequential builds, runs and frees them one at a time instead.\n"
+                   "  Benchmark fixture, --load-format dummy only (docs/benchmarks.md, 'controlled acceptance'):\n"
+                   "  --dummy-residual-scale FROM:EPS  the target's layers FROM.. write into the residual stream scaled\n"
+                   "           by EPS (their o_proj and down_proj scaled at load; every weight is still read)\n"
+                   "  --speculative-dummy-layers K  the draft (--speculative-model, usually the target's folder) is cut\n"
+                   "           to its first K layers with the target's seed: the same embeddings, layers, norm, lm_head\n"
+                   "  --dummy-num-layers K  the target itself cut to its first K layers (same seeding)\n");
             return 0;
         default: return pd_cmd_usage_error("bench-spec", "unknown option (see --help)");
         }
     }
     if (optind < argc) return pd_cmd_usage_error("bench-spec", "unexpected argument '%s'", argv[optind]);
     if (!o.model) return pd_cmd_usage_error("bench-spec", "--model DIR is required");
+    if ((o.dummy_layers || o.draft_layers || o.scale_from) && !o.dummy)
+        return pd_cmd_usage_error("bench-spec", "--dummy-residual-scale, --dummy-num-layers and --speculative-dummy-layers need --load-format dummy");
+    if (o.draft_layers && !o.draft)
+        return pd_cmd_usage_error("bench-spec", "--speculative-dummy-layers needs --speculative-model DIR (the target's folder)");
     if (!o.golden == !o.random_len) return pd_cmd_usage_error("bench-spec", "give one of --golden FILE and --random-prompt L");
     if (o.random_n > 1 && !o.random_len) return pd_cmd_usage_error("bench-spec", "--random-prompts needs --random-prompt L");
     // Modes in the order given, repeats allowed (several plain engines give the noise band); the
