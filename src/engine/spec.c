@@ -352,6 +352,8 @@ void pd_engine_spec_fini(pd_engine *e) {
     if (!S) return;
     const char *dbg = getenv("PD_SPEC_STATS");
     if (dbg && strcmp(dbg, "0")) {
+        PD_LOG_I("spec stats: %lld draft forwards (%.1f us each)", (long long)S->draft_n,
+                 S->draft_n ? (double)S->draft_us / (double)S->draft_n : 0);
         PD_LOG_I("spec stats: %lld steps, %lld verify (%.1f us each, forward), %lld plain (%.1f us each, whole step), "
                  "%lld probes (%lld accepted a draft; backoff x%u), %lld window steps, %lld window probes (backoff x%u); "
                  "host time in the hooks besides forwards: %.2f us per plain step, %.1f us per verify step; %lld idle fast-path steps",
