@@ -162,6 +162,8 @@ typedef struct eng {
     double tok_s[16][MAX_REPS];   // [batch][rep]
     int64_t drafted[16], accepted[16], emitted[16], steps[16], tokens[16];  // over the timed reps
     int n_same[16];               // requests of its first timed run equal to the baseline's (-1: not compared)
+    int diff_min[16];             // of the others: the earliest first differing token, and the mean
+    double diff_mean[16];
 } eng;
 
 static const char *eng_mode(const eng *g) { return g->method == PD_SPEC_NONE ? "off" : g->fixed ? "fixed" : "adaptive"; }
@@ -279,9 +281,21 @@ static bool run_group(const opts *o, const prompts *P, eng *G, int n, int bi, co
             if (rep == 0 && g != baseline) {
                 // The baseline runs first in round 0 (interleaved) or alone before (sequential).
                 g->n_same[bi] = 0;
-                for (int i = 0; *base_out && i < B; i++)
-                    g->n_same[bi] += !memcmp(r.out + (size_t)i * o->max_tokens, *base_out + (size_t)i * o->max_tokens,
-                                             sizeof(int32_t) * (size_t)o->max_tokens);
+                g->diff_min[bi] = -1;
+                g->diff_mean[bi] = 0;
+                int n_diff = 0;
+                for (int i = 0; *base_out && i < B; i++) {
+                    const int32_t *a = r.out + (size_t)i * o->max_tokens, *b = *base_out + (size_t)i * o->max_tokens;
+                    int t = 0;
+                    while (t < o->max_tokens && a[t] == b[t]) t++;
+                    if (t == o->max_tokens) {
+                        g->n_same[bi]++;
+                        continue;
+                    }
+                    g->diff_min[bi] = n_diff++ ? PD_MIN(g->diff_min[bi], t) : t;
+                    g->diff_mean[bi] += t;
+                }
+                if (n_diff) g->diff_mean[bi] /= n_diff;
             }
         }
     return true;
@@ -315,6 +329,8 @@ static void report_batch(const opts *o, eng *G, int n_eng, int bi, json_t *arr, 
         printf("%-10s %-8s batch=%-3d %9.1f tok/s [%.1f..%.1f] %5.2fx off  acceptance %.3f  tokens/verify %.2f  drafted %lld",
                eng_method(g, o), eng_mode(g), B, med, mn, mx, ratio, acc, mal, (long long)(g->drafted[bi] / R));
         if (g->n_same[bi] >= 0) printf("  same as off %d/%d", g->n_same[bi], B);
+        if (g->n_same[bi] >= 0 && g->diff_min[bi] >= 0)
+            printf(" (the others from token %d, mean %.0f)", g->diff_min[bi], g->diff_mean[bi]);
         printf("\n");
         json_t *runs = json_array();
         for (int r = 0; r < R; r++) json_array_append_new(runs, json_real(g->tok_s[bi][r]));
@@ -324,6 +340,11 @@ static void report_batch(const opts *o, eng *G, int n_eng, int bi, json_t *arr, 
                                              acc, "tokens_per_verify", mal, "drafted", (json_int_t)(g->drafted[bi] / R), "accepted",
                                              (json_int_t)(g->accepted[bi] / R), "tokens", (json_int_t)(g->tokens[bi] / R),
                                              "same_as_off", g->n_same[bi]));
+        if (g->n_same[bi] >= 0 && g->diff_min[bi] >= 0) {
+            json_t *last = json_array_get(arr, json_array_size(arr) - 1);
+            json_object_set_new(last, "first_diff_min", json_integer(g->diff_min[bi]));
+            json_object_set_new(last, "first_diff_mean", json_real(g->diff_mean[bi]));
+        }
     }
     printf("summary B=%d: plain %.1f tok/s (median of %d runs, %d engine%s), band [%.3f, %.3f]", B, pm, n_plain, n_plain_eng,
            n_plain_eng == 1 ? "" : "s", pm > 0 ? lo / pm : 0, pm > 0 ? hi / pm : 0);

@@ -7,7 +7,8 @@
 # Run from build/gpu-spec8b/ of the lead's checkout: stripped pdserve, lib/ (= /work/devlibs/lib),
 # models/l8b. Parts (env PARTS): sweep (per-token acceptance vs EPS at k = 1, batch 8), main (the
 # interleaved comparison at the EPS interpolated for acceptance TARGET_A, or EPS if set), l8b64
-# (ngram / lookahead adaptive vs off at batch 32, 64). Logs come back as all.tar.xz.
+# (ngram / lookahead adaptive vs off at batch 32, 64), eps2 (more EPS:K points at batch 1), draft64
+# (the draft fixture at batch 32, 64). Logs come back as all.tar.xz.
 set -u
 out=$1; mkdir -p "$out"
 cd "$(dirname "$0")"
@@ -60,9 +61,20 @@ case " $PARTS " in *" main2 "*)
   run main2 50 $FIX --dummy-residual-scale 1:$E $W --num-speculative-tokens ${K:-4} --max-tokens ${TOKENS:-128} \
       --batches 1 --reps ${REPS:-3} --modes off,adaptive,fixed;;
 esac
+case " $PARTS " in *" eps2 "*)  # more acceptance points at batch 1: EPS:K pairs
+  for ek in ${EPS_K:-0.0382:4 0.0045:7}; do
+    e=${ek%:*}; k=${ek#*:}
+    run eps_$e 30 $FIX --dummy-residual-scale 1:$e $W --num-speculative-tokens $k --max-tokens ${TOKENS:-128} \
+        --batches 1 --reps ${REPS:-3} --modes off,adaptive,fixed
+  done;;
+esac
+case " $PARTS " in *" draft64 "*)
+  run draft64 35 $FIX --dummy-residual-scale 1:${EPS:-0.023113} $W --num-speculative-tokens 4 --max-tokens 64 \
+      --batches 32,64 --reps 3 --modes off,adaptive,fixed;;
+esac
 case " $PARTS " in *" l8b64 "*)
   run l8b64 60 --model $M --load-format dummy $W --repeat 1 --max-tokens 64 --batches 32,64 --reps 3 \
       --modes off,ngram:adaptive,lookahead:adaptive,off;;
 esac
-(cd "$out" && tar cJf all.tar.xz --exclude all.tar.xz . && find . -type f ! -name all.tar.xz -delete)
+tar cJf /tmp/spec8b-all.tar.xz -C "$out" . && rm -f "$out"/* && mv /tmp/spec8b-all.tar.xz "$out/all.tar.xz"
 echo "total $(( $(date +%s) - t0 )) s"
