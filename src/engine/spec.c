@@ -254,7 +254,8 @@ static pd_status check_tokenizers(const pd_tok *t, const char *draft_dir, pd_err
 pd_status pd_engine_spec_load(pd_engine *e, pd_err *err) {
     const pd_engine_params *p = &e->params;
     if (p->spec_dummy_num_layers && (p->spec_method != PD_SPEC_DRAFT || !p->dummy_weights))
-        return pd_err_set(err, PD_ERR_INVALID, "--speculative-dummy-layers is a benchmark fixture for --speculative-method draft with --load-format dummy");
+        return pd_err_set(err, PD_ERR_INVALID,
+                          "--speculative-dummy-layers is a benchmark fixture for --speculative-method draft with --load-format dummy");
     if (p->spec_method == PD_SPEC_NONE || p->role == PD_ROLE_PREFILL) return PD_OK;
     if (p->spec_method < 0 || p->spec_method >= PD_SPEC_N)
         return pd_err_set(err, PD_ERR_INVALID, "unknown speculative method %d", p->spec_method);

@@ -169,7 +169,8 @@ static pd_status load_all(loader *L, int n_full) {
 static pd_status check_fixture(const pd_model_params *p, int n_layers, pd_err *err) {
     if (!p->dummy_num_layers && !p->dummy_scale_from) return PD_OK;
     if (!p->dummy)
-        return pd_err_set(err, PD_ERR_INVALID, "--dummy-num-layers and --dummy-residual-scale are benchmark fixtures: they need --load-format dummy");
+        return pd_err_set(err, PD_ERR_INVALID,
+                          "--dummy-num-layers and --dummy-residual-scale are benchmark fixtures: they need --load-format dummy");
     if (p->dummy_num_layers < 0 || p->dummy_num_layers > n_layers)
         return pd_err_set(err, PD_ERR_INVALID, "--dummy-num-layers %d: the config has %d layers (1..%d)", p->dummy_num_layers, n_layers,
                           n_layers);
