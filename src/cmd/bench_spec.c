@@ -144,6 +144,8 @@ typedef struct opts {
     const char *model, *draft, *golden, *golden_key, *device, *json_path;
     bool dummy, sequential;
     int method, k, repeat, random_len, random_n, max_tokens, max_model_len, reps;
+    int dummy_layers, draft_layers, scale_from;  // the controlled-acceptance fixture (0: off)
+    float scale_eps;
     int kv_len;  // the longest prompt + max_tokens: the positions a request can hold
     int batches[16], n_batches;
     const char *modes;  // "off,adaptive,fixed" (or METHOD:adaptive, METHOD:fixed)
@@ -160,6 +162,8 @@ typedef struct eng {
     double tok_s[16][MAX_REPS];   // [batch][rep]
     int64_t drafted[16], accepted[16], emitted[16], steps[16], tokens[16];  // over the timed reps
     int n_same[16];               // requests of its first timed run equal to the baseline's (-1: not compared)
+    int diff_min[16];             // of the others: the earliest first differing token, and the mean
+    double diff_mean[16];
 } eng;
 
 static const char *eng_mode(const eng *g) { return g->method == PD_SPEC_NONE ? "off" : g->fixed ? "fixed" : "adaptive"; }
@@ -172,6 +176,9 @@ static pd_engine *make_engine(const opts *o, int spec_method, bool fixed) {
     p.model_dir = o->model;
     p.device = o->device;
     p.dummy_weights = o->dummy;
+    p.dummy_num_layers = o->dummy_layers;
+    p.dummy_scale_from = o->scale_from;
+    p.dummy_scale_eps = o->scale_eps;
     p.max_model_len = o->max_model_len;
     int bmax = 1;
     for (int i = 0; i < o->n_batches; i++) bmax = PD_MAX(bmax, o->batches[i]);
@@ -186,6 +193,7 @@ static pd_engine *make_engine(const opts *o, int spec_method, bool fixed) {
     p.spec_model_dir = spec_method == PD_SPEC_DRAFT ? o->draft : NULL;
     p.spec_k = o->k;
     p.spec_fixed = fixed;
+    p.spec_dummy_num_layers = spec_method == PD_SPEC_DRAFT ? o->draft_layers : 0;
     pd_err err = {0};
     int64_t t0 = pd_time_us();
     pd_engine *e = pd_engine_new(&p, &err);
@@ -273,9 +281,21 @@ static bool run_group(const opts *o, const prompts *P, eng *G, int n, int bi, co
             if (rep == 0 && g != baseline) {
                 // The baseline runs first in round 0 (interleaved) or alone before (sequential).
                 g->n_same[bi] = 0;
-                for (int i = 0; *base_out && i < B; i++)
-                    g->n_same[bi] += !memcmp(r.out + (size_t)i * o->max_tokens, *base_out + (size_t)i * o->max_tokens,
-                                             sizeof(int32_t) * (size_t)o->max_tokens);
+                g->diff_min[bi] = -1;
+                g->diff_mean[bi] = 0;
+                int n_diff = 0;
+                for (int i = 0; *base_out && i < B; i++) {
+                    const int32_t *a = r.out + (size_t)i * o->max_tokens, *b = *base_out + (size_t)i * o->max_tokens;
+                    int t = 0;
+                    while (t < o->max_tokens && a[t] == b[t]) t++;
+                    if (t == o->max_tokens) {
+                        g->n_same[bi]++;
+                        continue;
+                    }
+                    g->diff_min[bi] = n_diff++ ? PD_MIN(g->diff_min[bi], t) : t;
+                    g->diff_mean[bi] += t;
+                }
+                if (n_diff) g->diff_mean[bi] /= n_diff;
             }
         }
     return true;
@@ -309,6 +329,8 @@ static void report_batch(const opts *o, eng *G, int n_eng, int bi, json_t *arr, 
         printf("%-10s %-8s batch=%-3d %9.1f tok/s [%.1f..%.1f] %5.2fx off  acceptance %.3f  tokens/verify %.2f  drafted %lld",
                eng_method(g, o), eng_mode(g), B, med, mn, mx, ratio, acc, mal, (long long)(g->drafted[bi] / R));
         if (g->n_same[bi] >= 0) printf("  same as off %d/%d", g->n_same[bi], B);
+        if (g->n_same[bi] >= 0 && g->diff_min[bi] >= 0)
+            printf(" (the others from token %d, mean %.0f)", g->diff_min[bi], g->diff_mean[bi]);
         printf("\n");
         json_t *runs = json_array();
         for (int r = 0; r < R; r++) json_array_append_new(runs, json_real(g->tok_s[bi][r]));
@@ -318,6 +340,11 @@ static void report_batch(const opts *o, eng *G, int n_eng, int bi, json_t *arr, 
                                              acc, "tokens_per_verify", mal, "drafted", (json_int_t)(g->drafted[bi] / R), "accepted",
                                              (json_int_t)(g->accepted[bi] / R), "tokens", (json_int_t)(g->tokens[bi] / R),
                                              "same_as_off", g->n_same[bi]));
+        if (g->n_same[bi] >= 0 && g->diff_min[bi] >= 0) {
+            json_t *last = json_array_get(arr, json_array_size(arr) - 1);
+            json_object_set_new(last, "first_diff_min", json_integer(g->diff_min[bi]));
+            json_object_set_new(last, "first_diff_mean", json_real(g->diff_mean[bi]));
+        }
     }
     printf("summary B=%d: plain %.1f tok/s (median of %d runs, %d engine%s), band [%.3f, %.3f]", B, pm, n_plain, n_plain_eng,
            n_plain_eng == 1 ? "" : "s", pm > 0 ? lo / pm : 0, pm > 0 ? hi / pm : 0);
@@ -348,6 +375,9 @@ int pd_cmd_bench_spec(int argc, char **argv) {
                                        {"modes", required_argument, 0, 'M'},       {"max-model-len", required_argument, 0, 'L'},
                                        {"reps", required_argument, 0, 'p'},        {"json", required_argument, 0, 'j'},
                                        {"sequential", no_argument, 0, 'S'},
+                                       {"dummy-num-layers", required_argument, 0, 'Y'},
+                                       {"dummy-residual-scale", required_argument, 0, 'E'},
+                                       {"speculative-dummy-layers", required_argument, 0, 'K'},
                                        {"help", no_argument, 0, 'h'},              {0, 0, 0, 0}};
     opts o = {.device = "auto", .golden_key = "prompts", .k = 4, .repeat = 1, .random_n = 1, .max_tokens = 128,
               .max_model_len = 1024, .reps = 3, .modes = "off,adaptive,fixed", .batches = {1, 8, 32, 64}, .n_batches = 4};
@@ -415,21 +445,53 @@ int pd_cmd_bench_spec(int argc, char **argv) {
         case 'M': o.modes = optarg; break;
         case 'j': o.json_path = optarg; break;
         case 'S': o.sequential = true; break;
+        case 'Y':
+            if (!pd_cmd_parse_int(optarg, &v) || v < 1 || v > 4096) return pd_cmd_usage_error("bench-spec", "--dummy-num-layers must be 1..4096");
+            o.dummy_layers = (int)v;
+            break;
+        case 'K':
+            if (!pd_cmd_parse_int(optarg, &v) || v < 1 || v > 4096) return pd_cmd_usage_error("bench-spec", "--speculative-dummy-layers must be 1..4096");
+            o.draft_layers = (int)v;
+            break;
+        case 'E': {
+            char *colon = strchr(optarg, ':'), *end = NULL;
+            if (!colon) return pd_cmd_usage_error("bench-spec", "--dummy-residual-scale is FROM_LAYER:EPS (e.g. 1:0.05)");
+            *colon = 0;
+            bool ok = pd_cmd_parse_int(optarg, &v) && v >= 1 && v <= 4096;
+            *colon = ':';
+            double eps = strtod(colon + 1, &end);
+            if (!ok || end == colon + 1 || *end || !(eps >= 0.0 && eps <= 1.0))
+                return pd_cmd_usage_error("bench-spec", "--dummy-residual-scale is FROM_LAYER:EPS, FROM_LAYER >= 1, 0 <= EPS <= 1 (got '%s')", optarg);
+            o.scale_from = (int)v;
+            o.scale_eps = (float)eps;
+            break;
+        }
         case 'h':
             printf("usage: pdserve bench-spec --model DIR [--load-format dummy|auto] [--device cpu|cuda]\n"
                    "         [--speculative-method draft|ngram|lookahead] [--speculative-model DIR] [--num-speculative-tokens K]\n"
                    "         (--golden FILE [--golden-key prompts|speculative_acceptance] | --random-prompt L [--random-prompts N])\n"
                    "         [--repeat N] [--max-tokens N] [--batches 1,8,32,64] [--modes off,adaptive,fixed] [--max-model-len N]\n"
                    "         [--reps N] [--sequential] [--json FILE]\n"
+                   "         [--dummy-residual-scale FROM:EPS] [--dummy-num-layers K] [--speculative-dummy-layers K]\n"
                    "  --modes: off, adaptive, fixed (the --speculative-method), or METHOD:adaptive / METHOD:fixed; repeats\n"
                    "           allowed; the first is off. Engines live side by side and run interleaved (rotated order each\n"
-                   "           rep, same warm-up); --sequential builds, runs and frees them one at a time instead.\n");
+                   "           rep, same warm-up); --sequential builds, runs and frees them one at a time instead.\n"
+                   "  Benchmark fixture, --load-format dummy only (docs/benchmarks.md, 'controlled acceptance'):\n"
+                   "  --dummy-residual-scale FROM:EPS  the target's layers FROM.. write into the residual stream scaled\n"
+                   "           by EPS (their o_proj and down_proj scaled at load; every weight is still read)\n"
+                   "  --speculative-dummy-layers K  the draft (--speculative-model, usually the target's folder) is cut\n"
+                   "           to its first K layers with the target's seed: the same embeddings, layers, norm, lm_head\n"
+                   "  --dummy-num-layers K  the target itself cut to its first K layers (same seeding)\n");
             return 0;
         default: return pd_cmd_usage_error("bench-spec", "unknown option (see --help)");
         }
     }
     if (optind < argc) return pd_cmd_usage_error("bench-spec", "unexpected argument '%s'", argv[optind]);
     if (!o.model) return pd_cmd_usage_error("bench-spec", "--model DIR is required");
+    if ((o.dummy_layers || o.draft_layers || o.scale_from) && !o.dummy)
+        return pd_cmd_usage_error("bench-spec", "--dummy-residual-scale, --dummy-num-layers and --speculative-dummy-layers need --load-format dummy");
+    if (o.draft_layers && !o.draft)
+        return pd_cmd_usage_error("bench-spec", "--speculative-dummy-layers needs --speculative-model DIR (the target's folder)");
     if (!o.golden == !o.random_len) return pd_cmd_usage_error("bench-spec", "give one of --golden FILE and --random-prompt L");
     if (o.random_n > 1 && !o.random_len) return pd_cmd_usage_error("bench-spec", "--random-prompts needs --random-prompt L");
     // Modes in the order given, repeats allowed (several plain engines give the noise band); the

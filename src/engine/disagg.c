@@ -51,6 +51,7 @@ pd_kvw_fingerprint pd_disagg_fingerprint(pd_engine *e) {
     // Hashed as explicit doubles (no struct padding in the hash input).
     double meta[] = {c->rope_theta, c->rope_factor, c->rms_norm_eps, c->intermediate_size, c->max_position_embeddings,
                      (double)c->rope_type, c->tie_word_embeddings, c->attention_bias, e->params.dummy_weights,
+                     e->params.dummy_scale_from, e->params.dummy_scale_eps,
                      (double)(pd_model_weight_bytes(e->model) / pd_dtype_size(pd_backend_weight_dtype(e->backend)))};
     f.weights_hash = XXH3_64bits(&meta, sizeof meta);
     return f;

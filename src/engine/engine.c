@@ -144,6 +144,9 @@ pd_engine *pd_engine_new(const pd_engine_params *p, pd_err *err) {
     mp.dir = p->model_dir;
     mp.backend = e->backend;
     mp.dummy = p->dummy_weights;
+    mp.dummy_num_layers = p->dummy_num_layers;
+    mp.dummy_scale_from = p->dummy_scale_from;
+    mp.dummy_scale_eps = p->dummy_scale_eps;
     mp.kv_dtype = p->kv_cache_dtype;
     e->model = pd_model_load(&mp, err);
     if (!e->model) goto fail;

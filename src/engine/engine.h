@@ -76,6 +76,12 @@ typedef struct pd_engine_params {
     const char *device;           // "cpu", "cuda", "auto" (default)
     int device_id;
     bool dummy_weights;           // --load-format dummy
+    // benchmark fixture (dummy weights only; model.h pd_model_params): the target keeps its first
+    // dummy_num_layers layers (0: all); layers dummy_scale_from.. write into the residual stream
+    // scaled by dummy_scale_eps (--dummy-residual-scale FROM:EPS; 0: off)
+    int dummy_num_layers;
+    int dummy_scale_from;
+    float dummy_scale_eps;
     int block_size;               // tokens per KV block (default 16)
     pd_kv_dtype kv_cache_dtype;   // --kv-cache-dtype: PD_KV_ACT (default) or PD_KV_FP8 (E4M3, per-head scales)
     int n_blocks;                 // KV blocks; 0 = sized from kv_cache_bytes or memory_utilization
@@ -99,6 +105,10 @@ typedef struct pd_engine_params {
     int spec_ngram_min, spec_ngram_max;  // ngram: match lengths tried (default 1..3)
     int spec_lookahead_w, spec_lookahead_n;  // lookahead: window width, n-gram size (default 8, 4)
     bool spec_fixed;              // true: always speculate k (no adaptive length); default false
+    int spec_dummy_num_layers;    // draft, dummy weights: the draft is spec_model_dir's config cut to
+                                  // its first K layers with the target's seed, so it shares the
+                                  // target's embeddings, first K layers, final norm and lm_head
+                                  // (--speculative-dummy-layers K); 0: an independent draft (seed 7)
     int n_threads;                // OpenMP threads of the engine (CPU compute); 0 = OpenMP's default
     // KV tiers below the device pool (docs/design.md "KV tiers"); all off by default
     uint64_t kv_offload_dram_bytes;   // --kv-offload-dram SIZE: host DRAM tier

@@ -253,6 +253,9 @@ static pd_status check_tokenizers(const pd_tok *t, const char *draft_dir, pd_err
 
 pd_status pd_engine_spec_load(pd_engine *e, pd_err *err) {
     const pd_engine_params *p = &e->params;
+    if (p->spec_dummy_num_layers && (p->spec_method != PD_SPEC_DRAFT || !p->dummy_weights))
+        return pd_err_set(err, PD_ERR_INVALID,
+                          "--speculative-dummy-layers is a benchmark fixture for --speculative-method draft with --load-format dummy");
     if (p->spec_method == PD_SPEC_NONE || p->role == PD_ROLE_PREFILL) return PD_OK;
     if (p->spec_method < 0 || p->spec_method >= PD_SPEC_N)
         return pd_err_set(err, PD_ERR_INVALID, "unknown speculative method %d", p->spec_method);
@@ -288,6 +291,10 @@ pd_status pd_engine_spec_load(pd_engine *e, pd_err *err) {
         mp.backend = e->backend;
         mp.dummy = p->dummy_weights;
         mp.seed = 7;
+        if (p->spec_dummy_num_layers) {  // the fixture: the target's seed, its first K layers
+            mp.seed = pd_model_params_default().seed;
+            mp.dummy_num_layers = p->spec_dummy_num_layers;
+        }
         S->draft = pd_model_load(&mp, err);
         if (!S->draft) return PD_ERR_INVALID;
         if (pd_model_get_config(S->draft)->vocab_size != S->V)
@@ -346,6 +353,8 @@ void pd_engine_spec_fini(pd_engine *e) {
     if (!S) return;
     const char *dbg = getenv("PD_SPEC_STATS");
     if (dbg && strcmp(dbg, "0")) {
+        PD_LOG_I("spec stats: %lld draft forwards (%.1f us each)", (long long)S->draft_n,
+                 S->draft_n ? (double)S->draft_us / (double)S->draft_n : 0);
         PD_LOG_I("spec stats: %lld steps, %lld verify (%.1f us each, forward), %lld plain (%.1f us each, whole step), "
                  "%lld probes (%lld accepted a draft; backoff x%u), %lld window steps, %lld window probes (backoff x%u); "
                  "host time in the hooks besides forwards: %.2f us per plain step, %.1f us per verify step; %lld idle fast-path steps",

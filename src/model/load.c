@@ -23,6 +23,7 @@ typedef struct loader {
     void *stage;  // host staging buffer (owned)
     size_t stage_cap;
     uint64_t dummy_seed;
+    float out_scale;  // dummy: the factor on the current layer's residual writes (o_proj, down_proj)
     pd_err *err;
 } loader;
 
@@ -107,11 +108,12 @@ static pd_status load_layer(loader *L, int i) {
         TRY(load_into(L, w->bqkv, (size_t)nq, NAME("self_attn.k_proj.bias"), nkv, 0, 0, sd));
         TRY(load_into(L, w->bqkv, (size_t)(nq + nkv), NAME("self_attn.v_proj.bias"), nkv, 0, 0, sd));
     }
+    float so = sd * L->out_scale;  // 1 unless --dummy-residual-scale covers this layer
     ALLOC(w->wo, (size_t)(D * nq), "wo");
-    TRY(load_into(L, w->wo, 0, NAME("self_attn.o_proj.weight"), D, nq, 0, sd));
+    TRY(load_into(L, w->wo, 0, NAME("self_attn.o_proj.weight"), D, nq, 0, so));
     if (c->attention_bias && c->arch != PD_ARCH_QWEN2) {  // Qwen2's o_proj has no bias
         ALLOC(w->bo, (size_t)D, "bo");
-        TRY(load_into(L, w->bo, 0, NAME("self_attn.o_proj.bias"), D, 0, 0, sd));
+        TRY(load_into(L, w->bo, 0, NAME("self_attn.o_proj.bias"), D, 0, 0, so));
     }
     ALLOC(w->mlp_norm, (size_t)D, "mlp_norm");
     TRY(load_into(L, w->mlp_norm, 0, NAME("post_attention_layernorm.weight"), D, 0, 1.0f, 0.0f));
@@ -119,25 +121,35 @@ static pd_status load_layer(loader *L, int i) {
     TRY(load_into(L, w->wgu, 0, NAME("mlp.gate_proj.weight"), F, D, 0, sd));
     TRY(load_into(L, w->wgu, (size_t)(F * D), NAME("mlp.up_proj.weight"), F, D, 0, sd));
     ALLOC(w->wdown, (size_t)(D * F), "wdown");
-    TRY(load_into(L, w->wdown, 0, NAME("mlp.down_proj.weight"), D, F, 0, sd));
+    TRY(load_into(L, w->wdown, 0, NAME("mlp.down_proj.weight"), D, F, 0, so));
     if (c->mlp_bias) {
         ALLOC(w->bgu, (size_t)(2 * F), "bgu");
         TRY(load_into(L, w->bgu, 0, NAME("mlp.gate_proj.bias"), F, 0, 0, sd));
         TRY(load_into(L, w->bgu, (size_t)F, NAME("mlp.up_proj.bias"), F, 0, 0, sd));
         ALLOC(w->bdown, (size_t)D, "bdown");
-        TRY(load_into(L, w->bdown, 0, NAME("mlp.down_proj.bias"), D, 0, 0, sd));
+        TRY(load_into(L, w->bdown, 0, NAME("mlp.down_proj.bias"), D, 0, 0, so));
     }
 #undef NAME
     return PD_OK;
 }
 
-static pd_status load_all(loader *L) {
+// n_full: the config's layer count; m->cfg.n_layers may be fewer (dummy_num_layers), in which case
+// the seeds the dropped layers would have used are skipped, so the final norm and lm_head get the
+// same seeds (hence values) as in the full model. Every layer draws the same number of seeds.
+static pd_status load_all(loader *L, int n_full) {
     pd_model *m = L->m;
     const pd_model_config *c = &m->cfg;
     int64_t D = c->hidden_size, V = c->vocab_size;
     ALLOC(m->embed, (size_t)(V * D), "embed_tokens");
     TRY(load_into(L, m->embed, 0, "model.embed_tokens.weight", V, D, 0, 1.0f));
-    for (int i = 0; i < c->n_layers; i++) TRY(load_layer(L, i));
+    uint64_t per_layer = 0;
+    for (int i = 0; i < c->n_layers; i++) {
+        uint64_t s0 = L->dummy_seed;
+        L->out_scale = L->p->dummy_scale_from > 0 && i >= L->p->dummy_scale_from ? L->p->dummy_scale_eps : 1.0f;
+        TRY(load_layer(L, i));
+        per_layer = L->dummy_seed - s0;
+    }
+    L->dummy_seed += per_layer * (uint64_t)(n_full - c->n_layers);
     ALLOC(m->final_norm, (size_t)D, "norm");
     TRY(load_into(L, m->final_norm, 0, "model.norm.weight", D, 0, 1.0f, 0.0f));
     if (!c->tie_word_embeddings) {
@@ -150,6 +162,24 @@ static pd_status load_all(loader *L) {
     pd_model_config_inv_freq(c, inv);
     pd_backend_upload(m->backend, pd_buffer_ptr(m->inv_freq), inv, sizeof(float) * (size_t)(c->head_dim / 2));
     pd_backend_sync(m->backend);
+    return PD_OK;
+}
+
+// The benchmark fixture's knobs (model.h): dummy weights only, and within the config's shape.
+static pd_status check_fixture(const pd_model_params *p, int n_layers, pd_err *err) {
+    if (!p->dummy_num_layers && !p->dummy_scale_from) return PD_OK;
+    if (!p->dummy)
+        return pd_err_set(err, PD_ERR_INVALID,
+                          "--dummy-num-layers and --dummy-residual-scale are benchmark fixtures: they need --load-format dummy");
+    if (p->dummy_num_layers < 0 || p->dummy_num_layers > n_layers)
+        return pd_err_set(err, PD_ERR_INVALID, "--dummy-num-layers %d: the config has %d layers (1..%d)", p->dummy_num_layers, n_layers,
+                          n_layers);
+    int n = p->dummy_num_layers > 0 ? p->dummy_num_layers : n_layers;
+    if (p->dummy_scale_from && (p->dummy_scale_from < 1 || p->dummy_scale_from >= n))
+        return pd_err_set(err, PD_ERR_INVALID, "--dummy-residual-scale FROM:EPS: FROM %d must be 1..%d (the model has %d layers)",
+                          p->dummy_scale_from, n - 1, n);
+    if (p->dummy_scale_from && !(p->dummy_scale_eps >= 0.0f && p->dummy_scale_eps <= 1.0f))
+        return pd_err_set(err, PD_ERR_INVALID, "--dummy-residual-scale FROM:EPS: EPS %g must be in [0, 1]", (double)p->dummy_scale_eps);
     return PD_OK;
 }
 
@@ -166,6 +196,9 @@ pd_model *pd_model_load(const pd_model_params *p, pd_err *err) {
     m->adt = pd_backend_act_dtype(p->backend);
     m->kv_dtype = p->kv_dtype;
     if (pd_model_config_load(p->dir, &m->cfg, err)) goto fail;
+    int n_full = m->cfg.n_layers;
+    if (check_fixture(p, n_full, err)) goto fail;
+    if (p->dummy_num_layers > 0) m->cfg.n_layers = p->dummy_num_layers;
     m->kv_row_bytes = pd_kv_row_bytes(p->backend, m->kv_dtype, m->cfg.n_kv_heads, m->cfg.head_dim);
     if (m->kv_dtype == PD_KV_FP8 && m->cfg.head_dim % 16) {
         pd_err_set(err, PD_ERR_UNSUPPORTED, "--kv-cache-dtype fp8 needs head_dim %% 16 == 0 (head_dim %d)", m->cfg.head_dim);
@@ -186,7 +219,7 @@ pd_model *pd_model_load(const pd_model_params *p, pd_err *err) {
     L.p = p;
     L.err = err;
     L.dummy_seed = p->seed;
-    if (load_all(&L)) goto fail;
+    if (load_all(&L, n_full)) goto fail;
     pd_free(L.stage);
     pd_st_free(st);  // weights were copied/converted; the mapping can go
     return m;

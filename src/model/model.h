@@ -40,6 +40,16 @@ typedef struct pd_model_params {
     pd_model_progress_fn progress;  // (optional) called while weights load
     void *progress_ud;
     pd_kv_dtype kv_dtype;     // the KV caches' format (--kv-cache-dtype): PD_KV_ACT or PD_KV_FP8
+    // Benchmark fixtures, dummy weights only (refused otherwise), for a draft/target pair with a
+    // controlled acceptance (docs/benchmarks.md "a controlled-acceptance fixture"):
+    // dummy_num_layers K > 0 keeps the config's first K layers and skips the seeds of the others,
+    // so every kept tensor (embeddings, layers 0..K-1, final norm, lm_head) equals the full model's
+    // of the same seed. dummy_scale_from F > 0 scales the tensors that write into the residual
+    // stream (o_proj, down_proj and their biases) of layers F.. by dummy_scale_eps (0..1): the
+    // weights are still all there and all read, only their values shrink.
+    int dummy_num_layers;
+    int dummy_scale_from;
+    float dummy_scale_eps;
 } pd_model_params;
 pd_model_params pd_model_params_default(void);
 

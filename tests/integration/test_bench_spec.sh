@@ -9,6 +9,10 @@
 #      the interleaved protocol (METHOD:mode, two plain engines, 2 rounds): runs, median within
 #      its range, the plain engines' pooled band, the summary
 #   3. bad input is refused with a message naming it
+#   4. the controlled-acceptance fixture (dummy weights): a target whose layers 1.. write into the
+#      residual stream scaled by 0, drafted by its own first layer (same seed), accepts every draft
+#      and matches plain decoding; unscaled, the same pair disagrees; its flags are refused outside
+#      --load-format dummy and outside the config's shape
 here=$(cd "$(dirname "$0")" && pwd)
 . "$here/lib/server.sh"
 pd_setup
@@ -91,4 +95,42 @@ grep -q 'bogus' "$TMP/r4" || pd_fail "refusal does not name the bad mode: $(cat 
 "$PD_BIN" bench-spec --model "$MODEL" --device cpu --golden "$G" --modes off,adaptive >"$TMP/r5" 2>&1 &&
   pd_fail "adaptive without a method accepted"
 grep -q 'speculative-method' "$TMP/r5" || pd_fail "refusal does not name --speculative-method: $(cat "$TMP/r5")"
-echo "PASS test_bench_spec: $(grep ' fixed .*batch=1 ' "$TMP/draft.out" | sed 's/  */ /g')"
+
+# ---- 4. the controlled-acceptance fixture ------------------------------------------------------------
+FX="$TMP/fixture"
+mkdir -p "$FX"
+cp "$MODEL"/tokenizer.json "$MODEL"/tokenizer_config.json "$FX"/
+cat >"$FX/config.json" <<'EOF3'
+{"architectures":["LlamaForCausalLM"],"hidden_size":512,"intermediate_size":1024,"num_hidden_layers":4,
+ "num_attention_heads":8,"num_key_value_heads":2,"vocab_size":4096,"rms_norm_eps":1e-5,"rope_theta":10000.0,
+ "tie_word_embeddings":false,"max_position_embeddings":512}
+EOF3
+fixture() {  # EPS, output name
+  timeout 300 "$PD_BIN" bench-spec --model "$FX" --device cpu --load-format dummy --speculative-method draft \
+    --speculative-model "$FX" --speculative-dummy-layers 1 --dummy-residual-scale "1:$1" --random-prompt 12 \
+    --random-prompts 3 --max-tokens 20 --batches 3 --reps 1 --modes off,fixed >"$TMP/$2.out" 2>"$TMP/$2.err" ||
+    pd_fail "bench-spec fixture eps $1: $(tail -5 "$TMP/$2.err")"
+  grep ' fixed .*batch=3 ' "$TMP/$2.out" || pd_fail "bench-spec fixture eps $1: no result: $(cat "$TMP/$2.out")"
+}
+l=$(fixture 0 fx0)
+echo "$l" | grep -q 'acceptance 1.000  tokens/verify [45]\.' || pd_fail "fixture eps 0 did not accept every draft: $l"
+echo "$l" | grep -q 'same as off 3/3' || pd_fail "fixture eps 0 differs from plain decoding: $l"
+l=$(fixture 1 fx1)
+echo "$l" | grep -q 'acceptance 1.000' && pd_fail "fixture eps 1 (unscaled) still accepts every draft: $l"
+echo "$l" | grep -q 'same as off 3/3' || pd_fail "fixture eps 1 differs from plain decoding: $l"
+refuse() {  # expected message, args...
+  want=$1; shift
+  "$PD_BIN" bench-spec --model "$FX" --device cpu --random-prompt 8 --max-tokens 4 --batches 1 --reps 1 --speculative-method ngram --modes off "$@" >"$TMP/rf" 2>&1 &&
+    pd_fail "accepted: $*"
+  grep -q -- "$want" "$TMP/rf" || pd_fail "refusal of '$*' does not say '$want': $(cat "$TMP/rf")"
+}
+refuse 'need --load-format dummy' --dummy-residual-scale 1:0.1
+refuse 'need --load-format dummy' --speculative-method draft --speculative-model "$FX" --speculative-dummy-layers 1
+refuse 'FROM_LAYER:EPS' --load-format dummy --dummy-residual-scale 1
+refuse 'FROM_LAYER:EPS' --load-format dummy --dummy-residual-scale 1:2
+refuse 'FROM_LAYER:EPS' --load-format dummy --dummy-residual-scale 0:0.5
+refuse 'FROM 4 must be 1..3' --load-format dummy --dummy-residual-scale 4:0.5
+refuse 'needs --speculative-model' --load-format dummy --speculative-method draft --speculative-dummy-layers 1
+refuse 'the config has 4 layers' --load-format dummy --speculative-method draft --speculative-model "$FX" \
+  --speculative-dummy-layers 5 --modes off,fixed
+echo "PASS test_bench_spec: $(grep ' fixed .*batch=1 ' "$TMP/draft.out" | sed 's/  */ /g'); fixture acceptance at eps 0 / 1: $(cat "$TMP/fx0.out" "$TMP/fx1.out" | grep ' fixed ' | grep -o 'acceptance [0-9.]*' | sed 's/acceptance //' | tr '\n' ' ')"

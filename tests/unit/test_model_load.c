@@ -4,6 +4,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "model/generate.h"
 #include "model/model.h"
 #include "model/safetensors.h"
 #include "test.h"
@@ -233,4 +234,112 @@ PD_TEST(half_conversions) {
     PD_CHECK_EQ(pd_f32_to_f16(65504.0f), 0x7bff);
     PD_CHECK_EQ(pd_f32_to_f16(-2.0f), 0xc000);
     for (int h = 0; h < 0x7c00; h += 7) PD_CHECK_EQ(pd_f32_to_f16(pd_f16_to_f32((uint16_t)h)), h);
+}
+
+// The controlled-acceptance fixture (--dummy-residual-scale, --dummy-num-layers): a dummy target
+// whose layers 1.. write into the residual stream scaled by 0 is, token for token, the same model
+// cut to its first layer — which only holds if the cut model's seeds (embeddings, layer 0, final
+// norm, lm_head) are the full model's. Both with and without biases (a layer's seed count differs).
+static const char *CFG_FIX[] = {
+    "{\"architectures\":[\"LlamaForCausalLM\"],\"hidden_size\":512,\"intermediate_size\":1536,\"num_hidden_layers\":4,"
+    "\"num_attention_heads\":4,\"num_key_value_heads\":2,\"vocab_size\":256,\"rms_norm_eps\":1e-5,\"rope_theta\":10000.0,"
+    "\"tie_word_embeddings\":false,\"max_position_embeddings\":128}",
+    "{\"architectures\":[\"LlamaForCausalLM\"],\"hidden_size\":512,\"intermediate_size\":1536,\"num_hidden_layers\":3,"
+    "\"num_attention_heads\":4,\"num_key_value_heads\":2,\"vocab_size\":256,\"rms_norm_eps\":1e-5,\"rope_theta\":10000.0,"
+    "\"attention_bias\":true,\"mlp_bias\":true,\"tie_word_embeddings\":false,\"max_position_embeddings\":128}",
+};
+
+#define FIX_N 24
+// Greedy tokens of a dummy model from `dir` (seed, cut to n_layers if > 0, layers from.. scaled by eps).
+static pd_status fix_gen(const char *dir, uint64_t seed, int n_layers, int from, float eps, int32_t *out, pd_err *err) {
+    pd_backend *be = pd_backend_cpu_new(1);
+    pd_model_params p = pd_model_params_default();
+    p.dir = dir;
+    p.backend = be;
+    p.dummy = true;
+    p.seed = seed;
+    p.dummy_num_layers = n_layers;
+    p.dummy_scale_from = from;
+    p.dummy_scale_eps = eps;
+    pd_model *m = pd_model_load(&p, err);
+    pd_status st = PD_ERR_INVALID;
+    if (m) {
+        static const int32_t prompt[] = {3, 17, 200, 45, 9, 88};
+        pd_gen_seq s = {.prompt = prompt, .n_prompt = 6, .max_tokens = FIX_N, .ignore_eos = true,
+                        .sampling = pd_sampling_params_default(), .out_ids = out};
+        s.sampling.temperature = 0;
+        pd_gen_params gp = pd_gen_params_default();
+        st = pd_generate(m, &s, 1, &gp, err);
+        if (!st && s.n_out != FIX_N) st = PD_ERR_INVALID;
+    }
+    pd_model_free(m);
+    pd_backend_free(be);
+    return st;
+}
+
+PD_TEST(dummy_fixture_truncated_draft_equals_scaled_target) {
+    for (size_t c = 0; c < PD_ARRAY_LEN(CFG_FIX); c++) {
+        const char *d = mktmp();
+        write_file(d, "config.json", CFG_FIX[c], strlen(CFG_FIX[c]));
+        pd_err err = {0};
+        int32_t target[FIX_N], draft[FIX_N], plain[FIX_N], other[FIX_N];
+        PD_CHECK_MSG(fix_gen(d, 1234, 0, 1, 0.0f, target, &err) == PD_OK, "target: %s", err.msg);
+        PD_CHECK_MSG(fix_gen(d, 1234, 1, 0, 0.0f, draft, &err) == PD_OK, "draft: %s", err.msg);
+        PD_CHECK_MSG(fix_gen(d, 1234, 0, 0, 0.0f, plain, &err) == PD_OK, "plain: %s", err.msg);
+        PD_CHECK_MSG(fix_gen(d, 1235, 1, 0, 0.0f, other, &err) == PD_OK, "other seed: %s", err.msg);
+        int same = 0, same_plain = 0, same_other = 0, distinct = 0;
+        for (int i = 0; i < FIX_N; i++) {
+            same += target[i] == draft[i];
+            same_plain += plain[i] == draft[i];
+            same_other += other[i] == target[i];
+            distinct += i == 0 || target[i] != target[i - 1];
+        }
+        PD_CHECK_MSG(same == FIX_N, "config %zu: the cut draft matches the eps=0 target on %d of %d tokens", c, same, FIX_N);
+        // Not vacuous: the unscaled model, and the cut model of another seed, are other models.
+        PD_CHECK_MSG(same_plain < FIX_N / 2, "config %zu: the unscaled target matches the draft on %d of %d", c, same_plain, FIX_N);
+        PD_CHECK_MSG(same_other < FIX_N / 2, "config %zu: another seed matches on %d of %d", c, same_other, FIX_N);
+        PD_CHECK_MSG(distinct > 4, "config %zu: the output is degenerate (%d changes)", c, distinct);
+        // eps = 1 is the unscaled model exactly; a cut to all layers is the model itself.
+        int32_t one[FIX_N], all[FIX_N];
+        PD_CHECK_EQ(fix_gen(d, 1234, 0, 1, 1.0f, one, &err), PD_OK);
+        int n_layers = c == 0 ? 4 : 3;
+        PD_CHECK_EQ(fix_gen(d, 1234, n_layers, 0, 0.0f, all, &err), PD_OK);
+        PD_CHECK(!memcmp(one, plain, sizeof one));
+        PD_CHECK(!memcmp(all, plain, sizeof all));
+        rm_dir(d);
+    }
+}
+
+// The knobs are benchmark fixtures: refused on real weights and outside the config's shape.
+PD_TEST(dummy_fixture_refusals) {
+    const char *d = mktmp();
+    write_file(d, "config.json", CFG_FIX[0], strlen(CFG_FIX[0]));
+    pd_backend *be = pd_backend_cpu_new(1);
+    struct { bool dummy; int n, from; float eps; const char *msg; } cases[] = {
+        {false, 1, 0, 0, "need --load-format dummy"},
+        {false, 0, 1, 0.5f, "need --load-format dummy"},
+        {true, 5, 0, 0, "--dummy-num-layers 5: the config has 4 layers"},
+        {true, -1, 0, 0, "--dummy-num-layers -1"},
+        {true, 0, 4, 0.5f, "FROM 4 must be 1..3"},
+        {true, 2, 2, 0.5f, "FROM 2 must be 1..1"},
+        {true, 0, -2, 0.5f, "FROM -2 must be"},
+        {true, 0, 1, 1.5f, "EPS 1.5 must be in [0, 1]"},
+        {true, 0, 1, -0.1f, "must be in [0, 1]"},
+    };
+    for (size_t i = 0; i < PD_ARRAY_LEN(cases); i++) {
+        pd_model_params p = pd_model_params_default();
+        p.dir = d;
+        p.backend = be;
+        p.dummy = cases[i].dummy;
+        p.dummy_num_layers = cases[i].n;
+        p.dummy_scale_from = cases[i].from;
+        p.dummy_scale_eps = cases[i].eps;
+        pd_err err = {0};
+        pd_model *m = pd_model_load(&p, &err);
+        PD_CHECK_MSG(m == NULL, "case %zu loaded", i);
+        pd_model_free(m);
+        PD_CHECK_CONTAINS(err.msg, cases[i].msg);
+    }
+    pd_backend_free(be);
+    rm_dir(d);
 }
