@@ -51,6 +51,7 @@
 #define PROBE_EVERY 16   // adaptive: a request whose estimate says "don't" still drafts 1 token now and then
 #define PROBE_SHARE 0.01 // ... at most this share of the step time spent on probes (the period grows)
 #define PROBE_RETRY 4    // a due probe whose sequence had no proposal: the next sequence tries this many steps later
+#define DRAFT_LOG_MAX 64 // PD_SPEC_STATS: transient draft forwards logged as they happen, per engine
 
 struct espec;
 typedef struct sreq {
@@ -91,6 +92,11 @@ typedef struct espec {
     pd_spec_cost cost;
     pd_spec_cost cost_eager;  // the same for steps that run eagerly (cost holds graph steps'; no graphs: unused)
     pd_spec_shapes shapes;  // measured whole-step times per step shape (graphs on: what the policy compares)
+    pd_spec_dcost dcost;    // the draft's steady forwards per shape (draft_key): what drafting is priced at
+    // diagnostics (PD_SPEC_STATS): steady and transient draft forwards, the largest transient, and
+    // how many transients were logged (the first DRAFT_LOG_MAX)
+    int64_t dsteady_n, dsteady_us, dtrans_n, dtrans_us, dtrans_max;
+    int n_dtrans_logged;
     uint32_t last_vkey;     // the verify step's shape key (0: none this step)
     bool last_vgraph;       // the verify step ran as a graph
     int64_t n_steps;
@@ -110,6 +116,7 @@ typedef struct espec {
     // probes, host time in the hooks besides the forwards, plain steps and their time
     int64_t n_probes, n_win_steps, n_win_probes, hook_us, hook_plain_us, plain_n, plain_us;
     bool dev_sample;  // the backend samples on the device (and PD_DEVICE_SAMPLING is not 0)
+    bool stats;       // PD_SPEC_STATS set (not 0): log diagnostics
     // this step, for the cost model: the verify step's padded tokens, time in draft forwards
     int last_vtok;
     int64_t step_draft_us;
@@ -279,6 +286,9 @@ pd_status pd_engine_spec_load(pd_engine *e, pd_err *err) {
     pd_spec_cost_init(&S->cost, 0);
     pd_spec_cost_init(&S->cost_eager, 0);
     pd_spec_shapes_init(&S->shapes);
+    pd_spec_dcost_init(&S->dcost);
+    const char *dbg = getenv("PD_SPEC_STATS");
+    S->stats = dbg && strcmp(dbg, "0");
     pd_spec_backoff_init(&S->probe_bo);
     pd_spec_backoff_init(&S->win_bo);
     S->win_quiet_n = -1;
@@ -351,10 +361,19 @@ pd_status pd_engine_spec_warmup(pd_engine *e, pd_err *err) {
 void pd_engine_spec_fini(pd_engine *e) {
     espec *S = e->spec;
     if (!S) return;
-    const char *dbg = getenv("PD_SPEC_STATS");
-    if (dbg && strcmp(dbg, "0")) {
+    if (S->stats) {
         PD_LOG_I("spec stats: %lld draft forwards (%.1f us each)", (long long)S->draft_n,
                  S->draft_n ? (double)S->draft_us / (double)S->draft_n : 0);
+        if (S->draft)
+            PD_LOG_I("spec stats: draft forwards: %lld steady (%.1f us each), %lld transient (%.1f us each, largest %lld us); "
+                     "steady estimate %.1f us, the all-forwards EMA %.1f us",
+                     (long long)S->dsteady_n, S->dsteady_n ? (double)S->dsteady_us / (double)S->dsteady_n : 0,
+                     (long long)S->dtrans_n, S->dtrans_n ? (double)S->dtrans_us / (double)S->dtrans_n : 0,
+                     (long long)S->dtrans_max, S->dcost.any_us, S->cost.draft_us);
+        for (int i = 0; S->draft && i < PD_SPEC_SHAPES; i++)
+            if (S->dcost.t.key[i])
+                PD_LOG_I("spec stats: draft shape batch %u, %u tokens per row: %.1f us (%u forwards)", S->dcost.t.key[i] >> 20,
+                         S->dcost.t.key[i] & ((1u << 20) - 1), (double)S->dcost.t.us[i], S->dcost.t.n[i]);
         PD_LOG_I("spec stats: %lld steps, %lld verify (%.1f us each, forward), %lld plain (%.1f us each, whole step), "
                  "%lld probes (%lld accepted a draft; backoff x%u), %lld window steps, %lld window probes (backoff x%u); "
                  "host time in the hooks besides forwards: %.2f us per plain step, %.1f us per verify step; %lld idle fast-path steps",
@@ -422,12 +441,60 @@ static bool is_decode(const pd_step_seq *s, const sreq *sr) {
     return s->needs_logits && s->n_tokens == 1 && sr && s->pos_start == sr->n - 1;
 }
 
+// The key of a draft forward's shape in S->dcost: its batch bucket (the draft's graph bucket, else
+// its rows) and query length q (1: forwards 2..k; 2: forward 1's steady catch-up of the last token
+// and, after a fully accepted step, the bonus token).
+static uint32_t draft_key(pd_model *draft, int n_seqs, int q) {
+    int B = pd_model_step_tokens(draft, n_seqs, 1, n_seqs);
+    if (B < 1) B = n_seqs;
+    return B < 1 || B >= (1 << 11) ? 0 : (uint32_t)B << 20 | (uint32_t)q;
+}
+
+// One draft forward of b (its longest row max_q tokens) took dt. Steady forwards (every row 1-2
+// tokens, every row with logits) price drafting; transients (a catch-up after idle steps, prefill
+// chunks mirrored, on the GPU an eager forward) do not: they come once, and up to tens of times
+// dearer (spec.h pd_spec_dcost). Every forward still counts in the old all-forwards EMA
+// (S->cost.draft_us, PD_SPEC_STATS only), to show what it would have priced.
+static void draft_observe(espec *S, const bbuild *b, int max_q, int64_t dt) {
+    pd_spec_cost_observe_draft(&S->cost, (double)dt);
+    bool steady = max_q <= 2 && b->nl == b->ns;
+    if (steady) {
+        uint32_t key = draft_key(S->draft, b->ns, max_q);
+        if (S->stats && S->n_dtrans_logged < DRAFT_LOG_MAX && pd_spec_shapes_get_n(&S->dcost.t, key) == 0) {
+            S->n_dtrans_logged++;  // the shape's first forward (a graph's first launch): not a sample
+            PD_LOG_I("spec stats: first draft forward of shape batch %u, %d tokens per row at step %lld: %lld us "
+                     "(steady estimate %.1f us; the all-forwards EMA now %.1f us)",
+                     key >> 20, max_q, (long long)S->n_steps, (long long)dt, S->dcost.any_us, S->cost.draft_us);
+        }
+        pd_spec_dcost_observe(&S->dcost, key, (double)dt);
+        S->dsteady_n++, S->dsteady_us += dt;
+        return;
+    }
+    S->dtrans_n++, S->dtrans_us += dt;
+    S->dtrans_max = PD_MAX(S->dtrans_max, dt);
+    if (S->stats && S->n_dtrans_logged < DRAFT_LOG_MAX) {
+        S->n_dtrans_logged++;
+        PD_LOG_I("spec stats: transient draft forward at step %lld: %d rows, %d tokens (longest %d), %d logits: %lld us "
+                 "(steady estimate %.1f us; the all-forwards EMA now %.1f us)",
+                 (long long)S->n_steps, b->ns, b->nt, max_q, b->nl, (long long)dt, S->dcost.any_us, S->cost.draft_us);
+    }
+}
+
+// What drafting costs in a step of n drafting sequences (the candidates: an upper bound).
+static pd_spec_draft_price draft_price(const espec *S, int n) {
+    pd_spec_draft_price p = {pd_spec_dcost_get(&S->dcost, draft_key(S->draft, n, 2)),
+                             pd_spec_dcost_get(&S->dcost, draft_key(S->draft, n, 1))};
+    if (p.first_us < 0) p.first_us = 0;  // nothing measured yet: drafting runs and gets measured
+    if (p.next_us < 0) p.next_us = 0;
+    return p;
+}
+
 // Draft forwards: catch-up (and mirrored prefill chunks) + draft token 1, then one token per
 // forward. Fills sr->draft[0..k) (and q rows for random sampling). On error drafts nothing.
 static pd_status run_draft(pd_engine *e, const pd_step_plan *plan, sreq **srs) {
     espec *S = e->spec;
     bbuild *b = &S->bb;
-    int V = S->V, max_k = 0, n_rand = 0;
+    int V = S->V, max_k = 0, n_rand = 0, max_q = 1;  // max_q: forward 1's longest row
     bb_reset(b);
     for (int i = 0; i < plan->n_seqs; i++) {
         const pd_step_seq *s = &plan->seqs[i];
@@ -438,6 +505,7 @@ static pd_status run_draft(pd_engine *e, const pd_step_plan *plan, sreq **srs) {
         if (S->kch[i] > 0) {
             // Catch-up through the last real token; its logits give draft 1.
             if (!bb_add(b, sr->toks + from, end - from, from, s->block_ids, S->bs, 1)) return PD_ERR_NOMEM;
+            max_q = PD_MAX(max_q, end - from);
             S->row0[i] = b->nl - 1;
             max_k = PD_MAX(max_k, S->kch[i]);
             if (sr->is_random) n_rand += S->kch[i];
@@ -449,6 +517,7 @@ static pd_status run_draft(pd_engine *e, const pd_step_plan *plan, sreq **srs) {
             S->row0[i] = -1;
             if (lim > 0) {
                 if (!bb_add(b, sr->toks + from, lim, from, s->block_ids, S->bs, 0)) return PD_ERR_NOMEM;
+                max_q = PD_MAX(max_q, lim);
                 sr->draft_pos = from + lim;
             }
         }
@@ -496,9 +565,7 @@ static pd_status run_draft(pd_engine *e, const pd_step_plan *plan, sreq **srs) {
             if (st) return st;
         }
         int64_t dt = pd_time_us() - t0;
-        // Every forward that drafts counts, the first too (its catch-up is a cost of drafting):
-        // a model that only ever drafts 1 token must still learn what a draft costs.
-        if (b->nl > 0) pd_spec_cost_observe_draft(&S->cost, (double)dt);
+        if (b->nl > 0) draft_observe(S, b, j == 0 ? max_q : 1, dt);
         S->draft_us += dt;
         S->step_draft_us += dt;
         S->draft_n++;
@@ -627,7 +694,9 @@ static void choose_lengths(pd_engine *e, const pd_step_plan *plan, sreq **srs) {
     if (!kout) kout = pd_malloc(sizeof(int) * (size_t)n);
     if (!kout) return;
     pad_ctx pc = pad_of(e, plan);
-    pd_spec_choose_padded(&S->cost, n_base, n, n_yield, S->alpha, km, S->method == PD_SPEC_DRAFT, step_cost, &pc, kout);
+    pd_spec_draft_price dp = S->method == PD_SPEC_DRAFT ? draft_price(S, n) : (pd_spec_draft_price){0, 0};
+    pd_spec_choose_padded(&S->cost, n_base, n, n_yield, S->alpha, km, S->method == PD_SPEC_DRAFT ? &dp : NULL, step_cost, &pc,
+                          kout);
     int any_k = 0;
     bool probe_ok = false;
     for (int j = 0; j < n; j++) {
@@ -659,7 +728,9 @@ static void choose_lengths(pd_engine *e, const pd_step_plan *plan, sreq **srs) {
         }
         if (!any_k) {
             double c0 = step_cost(&pc, 0, n_base), c1 = step_cost(&pc, 1, n_base + 1);
-            double dc = c1 - c0 + (S->method == PD_SPEC_DRAFT && S->cost.draft_us > 0 ? 2 * S->cost.draft_us : 0);
+            // A probe's draft: one sequence, its catch-up (a transient after idle steps) and one token.
+            pd_spec_draft_price p1 = S->method == PD_SPEC_DRAFT ? draft_price(S, 1) : (pd_spec_draft_price){0, 0};
+            double dc = c1 - c0 + 2 * p1.first_us;
             double period = dc / (PROBE_SHARE * (c0 > 1 ? c0 : 1));
             period = period < PROBE_EVERY ? PROBE_EVERY : period > 4096 ? 4096 : period;
             S->next_probe = S->n_steps + pd_spec_backoff_period(&S->probe_bo, batch_key(e->model, plan->n_seqs), period);

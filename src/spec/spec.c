@@ -207,12 +207,14 @@ double pd_spec_cost_predict(const pd_spec_cost *c, int n_tokens) {
 
 int pd_spec_choose(const pd_spec_cost *c, int n_base, int n_seqs, const double *alpha, const int *k_max,
                    bool uses_draft, int *k) {
-    return pd_spec_choose_padded(c, n_base, n_seqs, n_seqs, alpha, k_max, uses_draft, NULL, NULL, k);
+    double d = c->draft_us > 0 ? c->draft_us : 0;
+    pd_spec_draft_price dp = {d, d};
+    return pd_spec_choose_padded(c, n_base, n_seqs, n_seqs, alpha, k_max, uses_draft ? &dp : NULL, NULL, NULL, k);
 }
 
 int pd_spec_choose_padded(const pd_spec_cost *c, int n_base, int n_seqs, int n_yield, const double *alpha, const int *k_max,
-                          bool uses_draft, pd_spec_step_cost_fn pad, void *ud, int *k) {
-    double draft_us = uses_draft ? (c->draft_us > 0 ? c->draft_us : 0) : 0;
+                          const pd_spec_draft_price *draft, pd_spec_step_cost_fn pad, void *ud, int *k) {
+    double d1 = draft && draft->first_us > 0 ? draft->first_us : 0, dn = draft && draft->next_us > 0 ? draft->next_us : 0;
     int sum_k = 0, max_k = 0;
     double tokens = n_yield > n_seqs ? n_yield : n_seqs;  // every sequence yields its target token anyway
     for (int i = 0; i < n_seqs; i++) k[i] = 0;
@@ -246,7 +248,7 @@ int pd_spec_choose_padded(const pd_spec_cost *c, int n_base, int n_seqs, int n_y
         g[best] *= alpha[best];
         int nk = k[best] + 1, nmax = nk > max_k ? nk : max_k;
         int n_tok = n_base + sum_k + 1;
-        double ncost = (pad ? pad(ud, nmax, n_tok) : pd_spec_cost_predict(c, n_tok)) + nmax * draft_us;
+        double ncost = (pad ? pad(ud, nmax, n_tok) : pd_spec_cost_predict(c, n_tok)) + d1 + (nmax - 1) * dn;
         if (!pad && (tokens + gain) / ncost <= tokens / cost) break;  // does not pay: neither will the rest
         k[best] = nk;
         sum_k++;
@@ -306,11 +308,48 @@ void pd_spec_shapes_observe(pd_spec_shapes *t, uint32_t key, double us) {
     t->last[s] = ++t->clock;
 }
 
+uint32_t pd_spec_shapes_get_n(const pd_spec_shapes *t, uint32_t key) {
+    if (!key) return 0;
+    bool found;
+    int s = shape_slot(t, key, &found);
+    return found ? t->n[s] : 0;
+}
+
 double pd_spec_shapes_get(const pd_spec_shapes *t, uint32_t key) {
     if (!key) return -1;
     bool found;
     int s = shape_slot(t, key, &found);
     return found && t->n[s] >= 2 ? t->us[s] : -1;
+}
+
+// ---- the draft model's forward cost, per shape ------------------------------------------------
+
+void pd_spec_dcost_init(pd_spec_dcost *d) {
+    pd_spec_shapes_init(&d->t);
+    d->any_us = -1;
+    d->n_obs = 0;
+}
+
+static double clip_to(double us, double est) {
+    if (!(est > 0)) return us;
+    return us > PD_SPEC_DCOST_CLIP * est ? PD_SPEC_DCOST_CLIP * est : us < est / PD_SPEC_DCOST_CLIP ? est / PD_SPEC_DCOST_CLIP : us;
+}
+
+void pd_spec_dcost_observe(pd_spec_dcost *d, uint32_t key, double us) {
+    if (!key || !(us > 0)) return;
+    double est = pd_spec_shapes_get(&d->t, key);  // -1 until the shape's second forward
+    bool counted = est > 0 || pd_spec_shapes_get_n(&d->t, key) >= 1;  // the shape's first forward is not a sample
+    pd_spec_shapes_observe(&d->t, key, clip_to(us, est));
+    if (counted) {
+        double v = clip_to(us, d->any_us);
+        d->any_us = d->any_us > 0 ? 0.8 * d->any_us + 0.2 * v : v;
+    }
+    d->n_obs++;
+}
+
+double pd_spec_dcost_get(const pd_spec_dcost *d, uint32_t key) {
+    double us = pd_spec_shapes_get(&d->t, key);
+    return us > 0 ? us : d->any_us;
 }
 
 // ---- probe backoff ----------------------------------------------------------------------------

@@ -114,8 +114,14 @@ typedef double (*pd_spec_step_cost_fn)(void *ud, int max_k, int n_tokens);
 // plain decodes among them, not only the n_seqs that may speculate (values below n_seqs count as
 // n_seqs). Drafts are weighed against the whole step's yield: a few candidates in a batch of 64
 // gain a few tokens on 64, not on their own count.
+// draft: the price of the draft model's forwards at this step (NULL for the draft-free methods): a
+// step whose longest draft is m runs forward 1 (catch-up + draft token 1) and m - 1 single-token
+// forwards, first_us + (m - 1) * next_us.
+typedef struct pd_spec_draft_price {
+    double first_us, next_us;
+} pd_spec_draft_price;
 int pd_spec_choose_padded(const pd_spec_cost *c, int n_base, int n_seqs, int n_yield, const double *alpha, const int *k_max,
-                          bool uses_draft, pd_spec_step_cost_fn cost, void *ud, int *k);
+                          const pd_spec_draft_price *draft, pd_spec_step_cost_fn cost, void *ud, int *k);
 
 // ---- measured step times per shape -----------------------------------------------------------
 // A small cache of step times (EMA, microseconds) keyed by a step's shape (the engine's key: the
@@ -135,6 +141,32 @@ void pd_spec_shapes_observe(pd_spec_shapes *t, uint32_t key, double us);
 // The shape's time (us), or -1 when not measured: a shape counts from its second step on (the
 // first one's time is dropped: first launches and first eager runs cost far more).
 double pd_spec_shapes_get(const pd_spec_shapes *t, uint32_t key);
+// Observations of the shape so far (0: unknown).
+uint32_t pd_spec_shapes_get_n(const pd_spec_shapes *t, uint32_t key);
+
+// ---- the draft model's forward cost, per shape ---------------------------------------------------
+// What a draft forward costs depends on its batch (the rows of its lm_head GEMM) and far more on
+// whether it is a steady-state one (every row 1 or 2 tokens with logits: the draft's catch-up in a
+// step after a drafting step, and forwards 2..k; graph replays on the GPU) or a transient one (a
+// catch-up over many tokens after idle steps, prefill chunks mirrored in the same forward, a
+// graph's first launch, an eager shape's first run): the transients cost up to tens of steady
+// forwards and come once. The policy prices drafting from steady forwards only (the engine passes
+// nothing else), per shape (the engine's key: batch bucket and query length), the first forward of
+// each shape dropped (pd_spec_shapes' rule) and every later sample clipped to
+// [PD_SPEC_DCOST_CLIP^-1, PD_SPEC_DCOST_CLIP] x the shape's estimate, so one outlier moves it by at
+// most 20% (0.8 + 0.2 x 2) while a real change is followed within a few forwards. A shape not
+// measured yet is priced at the estimate over every shape (an EMA of the same clipped samples): the
+// optimistic side, so drafting runs there and gets measured.
+#define PD_SPEC_DCOST_CLIP 2.0
+typedef struct pd_spec_dcost {
+    pd_spec_shapes t;
+    double any_us;  // every shape's steady forwards (EMA, clipped), < 0 until measured
+    int64_t n_obs;
+} pd_spec_dcost;
+void pd_spec_dcost_init(pd_spec_dcost *d);
+void pd_spec_dcost_observe(pd_spec_dcost *d, uint32_t key, double us);
+// The shape's estimate, else any_us, else -1 (nothing measured).
+double pd_spec_dcost_get(const pd_spec_dcost *d, uint32_t key);
 
 // ---- probe backoff ------------------------------------------------------------------------------
 // Probes keep a "does not pay" estimate alive (a sequence drafts a token now and then although the
