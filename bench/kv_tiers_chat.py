@@ -18,7 +18,9 @@ import statistics
 import sys
 import threading
 import time
+import urllib.parse
 import urllib.request
+import http.client
 
 
 def metrics(url):
@@ -57,6 +59,9 @@ def main():
     ap.add_argument("--vocab", type=int, default=128000)
     ap.add_argument("--deadline", type=float, default=1e9, help="seconds: no new conversation after this")
     ap.add_argument("--seed", type=int, default=14)
+    ap.add_argument("--keepalive", action="store_true",
+                    help="each client thread keeps one HTTP/1.1 connection open (as vLLM's benchmark_serving does "
+                         "with aiohttp) instead of a new connection per request")
     a = ap.parse_args()
 
     rng = random.Random(a.seed)
@@ -65,10 +70,37 @@ def main():
     lock = threading.Lock()
     nxt = [0]
     results = []  # (conversation, turn, prompt_len, ttft_ms)
-    parts = []  # (turn, queue_ms, prefill_ms, first_decode_ms, cached_tokens): the server's TTFT breakdown
+    parts = []  # (turn, queue_ms, prefill_ms, first_decode_ms, cached_tokens, ttft_ms): the server's TTFT breakdown
     errors = []
     outputs = {}  # "conversation.turn" -> the greedy token's text (compared across configurations)
     t_start = time.perf_counter()
+
+    u = urllib.parse.urlsplit(a.url)
+    local = threading.local()
+
+    def post(body):
+        if not a.keepalive:
+            return urllib.request.urlopen(urllib.request.Request(a.url + "/v1/completions", data=body,
+                                          headers={"Content-Type": "application/json"}), timeout=300).read()
+        for attempt in (0, 1):  # one reconnect: the server may close an idle kept-alive connection
+            c = getattr(local, "conn", None)
+            if c is None:
+                c = local.conn = http.client.HTTPConnection(u.hostname, u.port, timeout=300)
+            try:
+                c.request("POST", "/v1/completions", body=body, headers={"Content-Type": "application/json"})
+                resp = c.getresponse()
+                data = resp.read()
+                if resp.status != 200:
+                    raise RuntimeError("HTTP %d: %s" % (resp.status, data[:200]))
+                if resp.getheader("Connection", "").lower() == "close":
+                    c.close()
+                    local.conn = None
+                return data
+            except (http.client.HTTPException, ConnectionError, OSError):
+                c.close()
+                local.conn = None
+                if attempt:
+                    raise
 
     def conversation(cid):
         r = random.Random(a.seed * 1000003 + cid)
@@ -78,8 +110,7 @@ def main():
             body = json.dumps({"prompt": prompt, "max_tokens": 1, "temperature": 0, "timings": True}).encode()
             t0 = time.perf_counter()
             try:
-                resp = json.loads(urllib.request.urlopen(urllib.request.Request(a.url + "/v1/completions", data=body,
-                                       headers={"Content-Type": "application/json"}), timeout=300).read())
+                resp = json.loads(post(body))
             except Exception as e:  # counted, reported
                 with lock:
                     errors.append(str(e))
@@ -88,11 +119,11 @@ def main():
             with lock:
                 results.append((cid, t, len(prompt), ms))
                 outputs["%d.%d" % (cid, t)] = resp["choices"][0]["text"]
-                u = resp.get("usage") or {}
-                b = u.get("ttft_breakdown") or {}
+                us = resp.get("usage") or {}
+                b = us.get("ttft_breakdown") or {}
                 if b:
                     parts.append((t, b.get("queue_ms", 0.0), b.get("prefill_ms", 0.0), b.get("first_decode_ms", 0.0),
-                                  (u.get("prompt_tokens_details") or {}).get("cached_tokens", 0)))
+                                  (us.get("prompt_tokens_details") or {}).get("cached_tokens", 0), b.get("ttft_ms", 0.0)))
             hist = prompt + [r.randrange(10, a.vocab) for _ in range(a.assistant)]
 
     def worker():
@@ -122,6 +153,7 @@ def main():
         xs = [p[i] for p in parts if sel(p)]
         return {"p50": pct(xs, 50), "p90": pct(xs, 90), "mean": statistics.mean(xs) if xs else float("nan")}
     breakdown = {name: part(i, lambda p: p[0] >= 1) for i, name in ((1, "queue_ms"), (2, "prefill_ms"), (3, "first_decode_ms"))}
+    server_ttft = part(5, lambda p: True)  # the server's own TTFT (arrival -> first token handed to HTTP), all turns
     rep = {
         "label": a.label, "conversations_started": nxt[0], "conversations_finished": done_conv,
         "requests": len(results), "errors": len(errors), "wall_s": round(wall, 1),
@@ -133,6 +165,7 @@ def main():
         "tier_hit_tokens": hit,
         "engine_steps": steps, "ms_per_step": wall * 1000 / steps if steps else float("nan"),
         "ttft_breakdown_turns_ge2": breakdown,
+        "server_ttft_ms": server_ttft,
         "tier_load_wall_s": wall_load,
         "tier_hits": {k: v for k, v in d.items() if k.startswith("pdserve_kv_tier_hits_total")},
         "tier_bytes_out": d.get("pdserve_kv_tier_bytes_out_total", 0.0),
@@ -152,6 +185,8 @@ def main():
     print("%-14s turns>=2 breakdown p50/p90/mean ms: queue %.1f/%.1f/%.1f prefill %.1f/%.1f/%.1f first-decode %.1f/%.1f/%.1f | "
           "%d steps, %.1f ms a step" % ((a.label,) + tuple(breakdown[k][q] for k in ("queue_ms", "prefill_ms", "first_decode_ms")
                                                           for q in ("p50", "p90", "mean")) + (steps, rep["ms_per_step"])))
+    print("%-14s server-side TTFT (arrival -> first token handed to the HTTP loop) p50 %.1f p90 %.1f mean %.1f ms%s" %
+          (a.label, server_ttft["p50"], server_ttft["p90"], server_ttft["mean"], " (keep-alive client)" if a.keepalive else ""))
     sys.stdout.flush()
 
 

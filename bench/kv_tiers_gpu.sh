@@ -9,7 +9,8 @@
 # tier_bw, kv_tiers_chat.py, lib/, llama-3-8b/ (config + any tokenizer) (default: this script's).
 # Env: BLOCKS, DEADLINE (s per config, default 90), CONV (200), DRAM (16G), DRAM2 (2G), DISK (24G),
 # CASES (the configurations run, default "off dram dram_disk"), ARGS (more serve flags for every
-# configuration, e.g. "--policy fcfs"), BW=0 (skip the bandwidth measurements).
+# configuration, e.g. "--policy fcfs"), CHAT_ARGS (more flags for bench/kv_tiers_chat.py, e.g.
+# --keepalive: one kept-alive connection per client thread), BW=0 (skip the bandwidth measurements).
 set -u
 OUT=$1
 D=${2:-$(cd "$(dirname "$0")" && pwd)}
@@ -46,7 +47,7 @@ run_cfg() {  # run_cfg LABEL FLAGS...
   done
   if [ -n "$URL" ] && curl -sf "$URL/health" >/dev/null 2>&1; then
     python3 "$D/kv_tiers_chat.py" "$URL" "$label" "$OUT/chat_$label.json" --conversations "$CONV" --turns 8 \
-      --concurrency 16 --system 256 --user 96 --assistant 32 --vocab 4000 --deadline "$DEADLINE" 2>&1 | tee -a "$OUT/summary.txt"
+      --concurrency 16 --system 256 --user 96 --assistant 32 --vocab 4000 --deadline "$DEADLINE" ${CHAT_ARGS:-} 2>&1 | tee -a "$OUT/summary.txt"
     curl -sf "$URL/metrics" | grep -E '^pdserve_(kv_tier|prompt_tokens|prefill_tokens|engine_steps)' >"$W/m_$label.txt"
   else
     echo "$label: the server did not come up" | tee -a "$OUT/summary.txt"

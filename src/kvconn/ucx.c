@@ -776,6 +776,18 @@ static void ucx_save_layer(pd_kvconn *c, pd_kvconn_save *s, int l) {
     s->copy_us += pd_time_us() - t0;
 }
 
+// The corrupted-handoff test hook (kvconn params corrupt_every): flips one bit of the byte at
+// `at` in the sender's device or host cache and returns its old value (restored after the send).
+static uint8_t flip_test_bit(pd_kvconn *c, char *at) {
+    uint8_t x, orig;
+    pd_backend_download(c->p.backend, &x, at, 1);
+    orig = x;
+    x ^= 0x40;
+    pd_backend_upload(c->p.backend, at, &x, 1);
+    pd_backend_sync(c->p.backend);
+    return orig;
+}
+
 static pd_status tag_save_rest(pd_kvconn *c, pd_kvconn_save *s, ucx_state *u, ucx_peer *q) {
     const pd_kvconn_cache *k = &c->p.cache;
     int L = k->n_layers, bs = k->block_size, nb = s->n_blocks;
@@ -785,16 +797,9 @@ static pd_status tag_save_rest(pd_kvconn *c, pd_kvconn_save *s, ucx_state *u, uc
     if (!tx) return PD_ERR_NOMEM;
     // The forward pass wrote the rows on the compute stream; UCX's copies run on its own streams.
     pd_backend_sync(c->p.backend);
+    // test hook: one flipped bit in the last layer's V rows (sent here), restored after
     char *corrupt_at = s->is_corrupt ? (char *)k->v[L - 1] + (size_t)s->src[0] * bb : NULL;
-    uint8_t corrupt_orig = 0;
-    if (corrupt_at) {  // test hook: one flipped bit in the last layer's V rows (sent here), restored after
-        uint8_t x;
-        pd_backend_download(c->p.backend, &x, corrupt_at, 1);
-        corrupt_orig = x;
-        x ^= 0x40;
-        pd_backend_upload(c->p.backend, corrupt_at, &x, 1);
-        pd_backend_sync(c->p.backend);
-    }
+    uint8_t corrupt_orig = corrupt_at ? flip_test_bit(c, corrupt_at) : 0;
     pd_status st = PD_OK;
     if (tx->gather) {  // the request's rows into a staging copy, then every run from there
         int64_t n_g = __atomic_add_fetch(&u->n_gathers, 1, __ATOMIC_RELAXED);
@@ -874,15 +879,7 @@ static pd_status ucx_save_rest(pd_kvconn *c, pd_kvconn_save *s) {
     // Test hook: one flipped bit in the last layer's V rows, put with the rest and restored after
     // the flush, before the checksums (the decode side must catch it).
     char *corrupt_at = s->is_corrupt ? (char *)k->v[L - 1] + (size_t)s->src[0] * bb : NULL;
-    uint8_t corrupt_orig = 0;
-    if (corrupt_at) {
-        uint8_t x;
-        pd_backend_download(c->p.backend, &x, corrupt_at, 1);
-        corrupt_orig = x;
-        x ^= 0x40;
-        pd_backend_upload(c->p.backend, corrupt_at, &x, 1);
-        pd_backend_sync(c->p.backend);
-    }
+    uint8_t corrupt_orig = corrupt_at ? flip_test_bit(c, corrupt_at) : 0;
     for (int l = l0; l < L && st == PD_OK; l++) {
         if (!pd_xfer_server_conn_alive(c->xs, s->conn_id) || __atomic_load_n(&q->failed, __ATOMIC_ACQUIRE)) {
             st = PD_ERR_CLOSED;
