@@ -106,11 +106,14 @@ cat >"$FX/config.json" <<'EOF3'
  "tie_word_embeddings":false,"max_position_embeddings":512}
 EOF3
 fixture() {  # EPS, output name
-  timeout 300 "$PD_BIN" bench-spec --model "$FX" --device cpu --load-format dummy --speculative-method draft \
+  PD_SPEC_STATS=1 timeout 300 "$PD_BIN" bench-spec --model "$FX" --device cpu --load-format dummy --speculative-method draft \
     --speculative-model "$FX" --speculative-dummy-layers 1 --dummy-residual-scale "1:$1" --random-prompt 12 \
     --random-prompts 3 --max-tokens 20 --batches 3 --reps 1 --modes off,fixed >"$TMP/$2.out" 2>"$TMP/$2.err" ||
     pd_fail "bench-spec fixture eps $1: $(tail -5 "$TMP/$2.err")"
   grep ' fixed .*batch=3 ' "$TMP/$2.out" || pd_fail "bench-spec fixture eps $1: no result: $(cat "$TMP/$2.out")"
+  # The draft's price comes from its steady forwards (1-2 tokens a row): they must reach it.
+  grep -Eq 'spec stats: draft forwards: [1-9][0-9]* steady .*steady estimate [1-9]' "$TMP/$2.err" ||
+    pd_fail "bench-spec fixture eps $1: no steady draft forward priced: $(grep 'spec stats' "$TMP/$2.err" | head -3)"
 }
 l=$(fixture 0 fx0)
 echo "$l" | grep -q 'acceptance 1.000  tokens/verify [45]\.' || pd_fail "fixture eps 0 did not accept every draft: $l"

@@ -222,6 +222,23 @@ PD_TEST(h100_costs_draft_at_batch_64) {
     PD_CHECK_EQ(h100_choose(64, 0.73, 4300, &mk), 0);
 }
 
+PD_TEST(draft_price_first_and_later_forwards) {
+    // Flat verify steps at batch 1 (100 us at any k), alpha 0.9, k up to 4. A step with longest
+    // draft m pays forward 1 + (m - 1) later forwards: when only forward 1 is dear, every draft
+    // after the first is nearly free and the longest one is taken; when the later ones are dear,
+    // the first draft still pays (it costs little) and the path stops sooner.
+    pd_spec_cost c;
+    pd_spec_cost_init(&c, 100);
+    double alpha[1] = {0.9}, flat[2] = {100, 100};
+    int km[1] = {4}, k[1];
+    pd_spec_draft_price first_dear = {60, 1}, later_dear = {1, 60};
+    PD_CHECK_EQ(pd_spec_choose_padded(&c, 1, 1, 1, alpha, km, &first_dear, cost_of, flat, k), 4);
+    int n = pd_spec_choose_padded(&c, 1, 1, 1, alpha, km, &later_dear, cost_of, flat, k);
+    PD_CHECK(n >= 1 && n < 4);
+    // No draft model (NULL): the drafts cost only their verify step.
+    PD_CHECK_EQ(pd_spec_choose_padded(&c, 1, 1, 1, alpha, km, NULL, cost_of, flat, k), 4);
+}
+
 PD_TEST(draft_cost_ignores_transients) {
     // The draft's forwards as the engine reports them: steady ones per shape (batch bucket << 20 |
     // query length). Batch 32 first: 650 us forwards (the first of each shape dropped).
