@@ -25,6 +25,7 @@
 #include "base/buf.h"
 #include "kernels/add_bias.cuh"
 #include "kernels/gemv.cuh"
+#include "kernels/skinny.cuh"
 
 #define PD_CUDA_LT_WS_BYTES (32u << 20)
 #define PD_GEMM_TUNE_MIN_M 32  // default tuning range: PD_GEMM_TUNE_MIN_M <= M <= PD_GEMM_TUNE_MAX_M
@@ -53,6 +54,22 @@ void pd_cuda_gemm_init(pd_cuda_backend *cb) {
     cb->gemv_max_m = 0;
     const char *e = getenv("PD_CUDA_GEMV_MAX_M");  // tuning knob for measurements
     if (e && *e) cb->gemv_max_m = atoi(e);
+    // The row-streaming skinny kernel (kernels/skinny.cu) for M <= 8: PD_CUDA_SKINNY=0 off, 1 (the
+    // default) where it measured faster than cuBLASLt (skinny_wanted), 2 for every supported call
+    // (tests, op_bench); PD_CUDA_SKINNY_ROWS=2 selects 2 weight rows per block (measurements).
+    cb->skinny = 1;
+    e = getenv("PD_CUDA_SKINNY");
+    if (e && *e) cb->skinny = atoi(e);
+    cb->skinny_rows = 4;
+    e = getenv("PD_CUDA_SKINNY_ROWS");
+    if (e && *e) cb->skinny_rows = atoi(e) == 2 ? 2 : 4;
+}
+
+// Whether the skinny kernel takes this call (see pd_cuda_gemm_init for the modes).
+static bool skinny_wanted(const pd_cuda_backend *cb, const pd_matmul_params *p, int lda) {
+    if (cb->skinny <= 0 || !pd_cuda_skinny_supported(p->M, p->K, lda, p->a, p->w)) return false;
+    if (cb->skinny >= 2) return true;
+    return p->N >= 2048 && p->K >= 2048;
 }
 
 void pd_cuda_gemm_fini(pd_cuda_backend *cb) {
@@ -186,6 +203,14 @@ void pd_cuda_gemm_matmul(pd_backend *b, const pd_matmul_params *p) {
                              .K = p->K, .lda = lda, .accumulate = p->accumulate, .out_f32 = p->out_f32,
                              .workspace = cb->gemv_ws};
         pd_cuda_gemv(&k, cb->stream);
+        PD_CUDA_CHECK_LAUNCH();
+        return;
+    }
+    if (skinny_wanted(cb, p, lda)) {
+        pd_skinny_kparams k = {.a = p->a, .w = p->w, .bias = p->bias, .out = p->out, .M = p->M, .N = p->N,
+                               .K = p->K, .lda = lda, .accumulate = p->accumulate, .out_f32 = p->out_f32,
+                               .rows = cb->skinny_rows};
+        pd_cuda_skinny(&k, cb->stream);
         PD_CUDA_CHECK_LAUNCH();
         return;
     }
