@@ -37,7 +37,7 @@ B="--model bench/configs/llama-3-8b --load-format dummy --only single --ctx 128,
 i=0
 while [ $i -lt "$REPS" ]; do
   for s in 0 1; do
-    PD_CUDA_SKINNY=$s timeout 60 $G/pdserve bench-engine $B > "$out/eng_s${s}_$i.txt" 2>&1
+    PD_CUDA_SKINNY=$s timeout ${ENG_T:-60} $G/pdserve bench-engine $B > "$out/eng_s${s}_$i.txt" 2>&1
     echo "bench-engine SKINNY=$s run $i rc=$? ($(( $(date +%s) - t0 )) s)"
     grep -E "^device|^decode|error" "$out/eng_s${s}_$i.txt" | cut -c1-170
   done
