@@ -11,8 +11,9 @@
 // blocks, not a partial wave of big ones — no split-K and no workspace.
 // The M activation rows are read through L1 (__ldg; every block of an SM reads the same rows) and
 // unpacked to f32 once per chunk for all R rows; f32 FMAs on CUDA cores (M x R accumulators per
-// thread), then a warp-shuffle reduction and a 4-warp reduction through shared memory; threads
-// 0 .. R*M-1 add bias / the previous output and store.
+// thread), then a recursive-halving warp reduction (31 shuffles for 32 sums, not 160) and a
+// 4-warp reduction through shared memory; threads 0 .. R*M-1 add bias / the previous output and
+// store.
 // PDL: the first batch of weight loads is issued before pd_k_pdl_wait() (weights are never
 // written by a kernel), so it overlaps the previous kernel's tail.
 #include "kernels/common.cuh"
@@ -46,6 +47,32 @@ static __device__ __forceinline__ void pd_k_sk_load(uint4 (&wv)[U][R], const uin
         for (int r = 0; r < R; r++)
             wv[u][r] = c + u * PD_K_SK_THREADS < chunks ? pd_k_ld_stream(wr[r] + c + u * PD_K_SK_THREADS)
                                                         : make_uint4(0, 0, 0, 0);
+}
+
+// Smallest power of two >= x (x <= 32).
+#define PD_K_SK_P2(x) ((x) <= 1 ? 1 : (x) <= 2 ? 2 : (x) <= 4 ? 4 : (x) <= 8 ? 8 : (x) <= 16 ? 16 : 32)
+
+// Sums each of the P values v[0..P-1] over the warp with P - 1 + log2(32 / P) shuffles instead of
+// 5 P (recursive halving: at each step a lane keeps one half of its values, sends the other half
+// to its partner and adds what it receives). Returns the index of the value whose sum the lane
+// holds in v[0] (lane >> (5 - log2 P)), or -1 for the lanes that hold a duplicate.
+template <int P>
+static __device__ __forceinline__ int pd_k_sk_warp_reduce(float (&v)[P], int lane) {
+    constexpr int lg = P >= 32 ? 5 : P >= 16 ? 4 : P >= 8 ? 3 : P >= 4 ? 2 : P >= 2 ? 1 : 0;
+#pragma unroll
+    for (int st = 0; st < lg; st++) {  // step st: partner lane ^ (16 >> st), P >> (st + 1) sums each way
+        const int half = P >> (st + 1), off = 16 >> st;
+        const bool up = lane & off;
+#pragma unroll
+        for (int i = 0; i < P / 2; i++)
+            if (i < half) {
+                float send = up ? v[i] : v[i + half], keep = up ? v[i + half] : v[i];
+                v[i] = keep + __shfl_xor_sync(0xffffffffu, send, off);
+            }
+    }
+#pragma unroll
+    for (int off = 16 >> lg; off >= 1; off /= 2) v[0] += __shfl_xor_sync(0xffffffffu, v[0], off);
+    return (lane & (32 / P - 1)) ? -1 : lane >> (5 - lg);
 }
 
 template <int M, int R>
@@ -96,13 +123,11 @@ static __global__ void __launch_bounds__(PD_K_SK_THREADS) k_skinny(pd_k_skinny_a
 
     __shared__ float red[PD_K_SK_THREADS / 32][R * M];
     const int lane = tid & 31, warp = tid >> 5;
+    float v[PD_K_SK_P2(R * M)];
 #pragma unroll
-    for (int r = 0; r < R; r++)
-#pragma unroll
-        for (int m = 0; m < M; m++) {
-            float v = pd_k_warp_sum(acc[r][m]);
-            if (lane == 0) red[warp][r * M + m] = v;
-        }
+    for (int i = 0; i < PD_K_SK_P2(R * M); i++) v[i] = i < R * M ? acc[i / M][i % M] : 0.f;
+    int idx = pd_k_sk_warp_reduce<PD_K_SK_P2(R * M)>(v, lane);
+    if (idx >= 0 && idx < R * M) red[warp][idx] = v[0];
     __syncthreads();
     if (tid < R * M) {
         int r = tid / M, m = tid - r * M, n = row0 + r;
