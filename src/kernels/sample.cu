@@ -60,6 +60,38 @@
 
 namespace cg = cooperative_groups;
 
+// Phase timing, compiled only into tools/gpu/sample_prof.cu (PD_SAMPLE_PROF): thread 0 of the
+// launch's first CTA adds the SM clocks since its previous mark to slot k (reset by the harness).
+#ifdef PD_SAMPLE_PROF
+__device__ long long g_sprof[32];
+__shared__ long long s_sprof[32], s_sprof_last;  // (kept in shared memory: a mark costs no global round trip)
+#define SPROF_ON (blockIdx.x == 0 && threadIdx.x == 0)
+#define SPROF_START() \
+    do { \
+        if (SPROF_ON) { \
+            for (int k_ = 0; k_ < 32; k_++) s_sprof[k_] = 0; \
+            s_sprof_last = clock64(); \
+        } \
+    } while (0)
+#define SPROF(k) \
+    do { \
+        if (SPROF_ON) { \
+            long long now_ = clock64(); \
+            s_sprof[k] += now_ - s_sprof_last; \
+            s_sprof_last = now_; \
+        } \
+    } while (0)
+#define SPROF_FLUSH() \
+    do { \
+        if (SPROF_ON) \
+            for (int k_ = 0; k_ < 32; k_++) g_sprof[k_] += s_sprof[k_]; \
+    } while (0)
+#else
+#define SPROF_START() do { } while (0)
+#define SPROF(k) do { } while (0)
+#define SPROF_FLUSH() do { } while (0)
+#endif
+
 #define NT 1024
 #define NWARP (NT / 32)
 #define RADIX 256
@@ -708,6 +740,7 @@ struct k_fast {          // dynamic shared memory, before the weight cache
     double wr[CLMAX];    // top-p: every chunk's surviving mass
     double ctot, abv, abvm;  // this CTA's total weight, weight above the bin (all / >= the min-p threshold)
     int first, last, key, n, off, tok;
+    int rk[CAND];        // one-read top-p path: each candidate's rank, by position (id order)
 };
 
 static __device__ __forceinline__ int fbin(float l, float mx) {
@@ -788,6 +821,7 @@ static __device__ int fast_random(const float *x, const uint32_t *M, chunk_t C, 
     }
     __syncthreads();
     const int b = F.first;
+    SPROF(1);
     if (b == INT_MAX) return fast_give_up<CL>();
     if (t == b) F.n = has_k ? cnt_before + gc : gc, F.off = below;
     __syncthreads();
@@ -851,6 +885,7 @@ static __device__ int fast_random(const float *x, const uint32_t *M, chunk_t C, 
             if (t < CL) F.wr[t] = cl.map_shared_rank(&F, t)->abvm;
         }
     }
+    SPROF(2);
     // exact rank of candidate t by (key desc, id asc); the array is in id order
     uint32_t kt = t < n ? F.ck[t] : 0u;
     int rank = 0;
@@ -863,6 +898,7 @@ static __device__ int fast_random(const float *x, const uint32_t *M, chunk_t C, 
     if (t < n) F.se[rank] = et;
     if (t == 0) F.first = INT_MAX, F.last = -1;
     __syncthreads();
+    SPROF(3);
     // the cut: the last surviving rank P (top-k: k - 1; top-p: where the running mass reaches want)
     const int lim = has_k ? R.top_k : n;  // the ranks the top-p walk covers
     int P = lim - 1;
@@ -879,6 +915,7 @@ static __device__ int fast_random(const float *x, const uint32_t *M, chunk_t C, 
         if (t == 0) F.first = INT_MAX, F.last = -1;
     }
     const bool keep = t < n && rank <= P && fval(kt) >= thresh;
+    SPROF(4);
     if (has_k) {  // survivors: rank <= P and l >= thresh; the draw in id order, every CTA alike
         double w = keep ? (double)et : 0.0, tot, ex = blk_excl_scan_d(w, S, &tot);
         double r = pd_sample_uniform_of(R.seed, R.draw_idx) * tot;
@@ -886,6 +923,7 @@ static __device__ int fast_random(const float *x, const uint32_t *M, chunk_t C, 
         if (keep) atomicMax(&F.last, t);
         __syncthreads();
         int pos = F.first != INT_MAX ? F.first : F.last;
+        SPROF(6);
         return pos >= 0 ? F.ci[pos] : 0;
     }
     // top-p alone: the cut as (Kc, jc) for the ordered walk; each chunk's surviving mass
@@ -924,6 +962,257 @@ static __device__ int fast_random(const float *x, const uint32_t *M, chunk_t C, 
             else cg::this_cluster().map_shared_rank(&F, 0)->tok = tok;
         }
     }
+    SPROF(5);
+    return TOK_LATER;
+}
+
+// ---- the one-read top-p path (top-p without top-k, min-p allowed) --------------------------------
+//
+// For rows whose chunk fits in shared memory twice (TP_MAX floats: every CTA of a cluster of 8 or
+// 16, i.e. batches up to about 16). The chunk is read from global memory once, with every load of
+// a thread issued before the first is used, and kept in shared memory: the logits l, then their
+// weights exp(l - mx). After that, each thread owns Q = ceil(chunk / NT) consecutive ids (the
+// shared arrays are skewed by one float every 32, so that those strided reads hit distinct banks),
+// which gives one id-ordered block scan where the candidate-set path above needs one per tile:
+//   1  load, l = x * (1/T) (mask applied), max over the cluster
+//   2  e = exp(l - mx); bin counts and approximate bin masses (as above); the exact total; the
+//      boundary bin b from the cluster's histogram (approximate masses: checked exactly in 4)
+//   3  bin b's elements compacted in id order into every CTA (at most CAND, else the radix passes);
+//      each thread's exact mass above bin b, all of it and the part at or above the min-p threshold
+//   4  candidates ranked exactly by (key desc, id asc); the cut rank P where the running mass (from
+//      the exact mass above b) reaches top_p * total; b must hold the cut, else the radix passes
+//   5  each chunk's surviving mass (above b with min-p, plus its surviving candidates)
+//   6  the one CTA whose mass range holds u * S: one block scan of the threads' surviving masses in
+//      id order, and the one thread whose range holds it walks its Q ids
+// The survivors are the definition's (every element above b, the ranks <= P of b, min-p applied),
+// so only the draw's double sums differ in order from the CPU's.
+// PD_CUDA_SAMPLE_TOPP2=0 turns it off (the candidate-set path above decides those rows, as before).
+#define TP_MAX 16384                          // largest chunk of the one-read path
+#define TP_PAD(n) ((n) + ((n) >> 5) + 1)      // floats of one skewed array of n
+#define TP_FLOATS (2 * TP_PAD(TP_MAX))        // the two arrays (l, e), after k_fast
+static __device__ __forceinline__ int tp_sk(int i) { return i + (i >> 5); }
+
+// Two block sums at once (every thread gets both).
+static __device__ void blk_sum_d2(double &a, double &b, k_smem &S) {
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    for (int o = 16; o; o >>= 1) a += __shfl_xor_sync(FULL, a, o), b += __shfl_xor_sync(FULL, b, o);
+    __syncthreads();
+    if (lane == 0) S.red_d[warp] = a, S.scan_d[warp] = b;
+    __syncthreads();
+    a = S.red_d[lane], b = S.scan_d[lane];
+    for (int o = 16; o; o >>= 1) a += __shfl_xor_sync(FULL, a, o), b += __shfl_xor_sync(FULL, b, o);
+}
+
+// The row's token (TOK_LATER: it reaches rank 0's F.tok by the kernel's final cluster barrier), or
+// -1 (every CTA alike) when the generic flow (max pass, candidate set / radix passes) must decide.
+// A: 2 * TP_PAD(chunk) floats of dynamic shared memory.
+template <int CL>
+static __device__ int topp_row(const float *x, const uint32_t *M, chunk_t C, const pd_sample_krow &R, k_smem &S,
+                               k_fast &F, float *A, int V) {
+    const float it = R.inv_temp;
+    const int t = threadIdx.x, lane = t & 31, warp = t >> 5, n_el = C.end - C.beg;
+    float *L = A, *E = A + TP_PAD(n_el);
+    // 1: one read of the chunk (8 loads in flight a thread), the max
+    float m = -INFINITY;
+    for (int base = 0; base < n_el; base += 8 * NT) {
+        float v[8];
+#pragma unroll
+        for (int j = 0; j < 8; j++) {
+            int i = base + j * NT + t;
+            v[j] = i < n_el ? __fmul_rn(lg(x, M, C.beg + i), it) : -INFINITY;
+        }
+#pragma unroll
+        for (int j = 0; j < 8; j++) {
+            int i = base + j * NT + t;
+            if (i < n_el) L[tp_sk(i)] = v[j];
+            m = fmaxf(m, v[j]);
+        }
+    }
+    const float mx = clu_max_f<CL>(m, S);  // (its barriers also publish L to the block)
+    SPROF(8);
+    if (!isfinite(mx)) return fast_give_up<CL>();
+    const float thresh = R.log_min_p > -INFINITY ? __fadd_rn(mx, R.log_min_p) : -INFINITY;
+    const int Q = (n_el + NT - 1) / NT, s0 = min(t * Q, n_el), s1 = min(s0 + Q, n_el);
+    // 2: weights, histogram (2 copies by warp parity), exact total
+    float *hm = (float *)&S.hist[0][0];
+    int *hc = (int *)(hm + 2 * NB);
+    for (int j = t; j < 2 * NB; j += NT) hm[j] = 0.0f, hc[j] = 0;
+    __syncthreads();
+    double tsum = 0;
+    for (int j = 0; j < Q; j++) {  // warp-uniform trip count
+        int i = s0 + j;
+        bool in = i < s1;
+        float l = in ? L[tp_sk(i)] : -INFINITY;
+        int b = fbin(l, mx);
+        unsigned okm = __ballot_sync(FULL, in);
+        if (in) {
+            unsigned grp = __match_any_sync(okm, b);
+            if (lane == __ffs(grp) - 1) atomicAdd(&hc[(warp & 1) * NB + b], __popc(grp));
+            float e = elem_e(l, mx);
+            E[tp_sk(i)] = e;
+            tsum += (double)e;
+            if (b < NB - 1 && e > 0.0f) atomicAdd(&hm[(warp & 1) * NB + b], e);
+        }
+    }
+    __syncthreads();
+    F.bm[t] = (double)hm[t] + (double)hm[NB + t], F.bc[t] = hc[t] + hc[NB + t];
+    tsum = blk_sum_d(tsum, S);
+    if (t == 0) F.ctot = tsum, F.first = INT_MAX, F.last = -1, F.tok = 0;  // (F.tok: before any remote write)
+    double gm = 0, total = 0;  // bin t of the row, the row's weight (rank order: the same in every CTA)
+    int gc = 0, below = 0;
+    if constexpr (CL == 1) {
+        __syncthreads();
+        gm = F.bm[t], gc = F.bc[t], total = F.ctot;
+    } else {
+        cg::cluster_group cl = cg::this_cluster();
+        cl.sync();
+        for (int r = 0; r < CL; r++) {
+            const k_fast *Fr = cl.map_shared_rank(&F, r);
+            gm += Fr->bm[t];
+            int c = Fr->bc[t];
+            gc += c;
+            if (r < C.rank) below += c;
+            total += Fr->ctot;
+        }
+    }
+    const double want = (double)R.top_p * total;
+    double m_tot, m_before = blk_excl_scan_d(gm, S, &m_tot);
+    if (gm > 0 && m_before + gm >= want && t < NB - 1) atomicMin(&F.first, t);
+    __syncthreads();
+    const int b = F.first;
+    SPROF(9);
+    if (b == INT_MAX) return fast_give_up<CL>();
+    if (t == b) F.n = gc, F.off = below;
+    __syncthreads();
+    const int n = F.n;
+    if (n > CAND || n <= 0) return fast_give_up<CL>();
+    // 3: compaction of bin b (id order) into every CTA; the thread's mass above b
+    int nl = 0;
+    double abv = 0, abvm = 0;
+    for (int i = s0; i < s1; i++) {
+        float l = L[tp_sk(i)];
+        int bb = fbin(l, mx);
+        nl += bb == b;
+        if (bb < b) {
+            double e = (double)E[tp_sk(i)];
+            abv += e;
+            if (l >= thresh) abvm += e;
+        }
+    }
+    int ttot;
+    const int pos0 = blk_excl_scan_i(nl, S, &ttot) + F.off;
+    if (nl > 0) {
+        int pos = pos0;
+        for (int i = s0; i < s1 && pos < CAND; i++) {
+            float l = L[tp_sk(i)];
+            if (fbin(l, mx) != b) continue;
+            uint32_t key = fkey(l);
+            float e = E[tp_sk(i)];
+            if constexpr (CL == 1) {
+                F.ck[pos] = key, F.ci[pos] = C.beg + i, F.ce[pos] = e;
+            } else {
+                cg::cluster_group cl = cg::this_cluster();
+                for (int r = 0; r < CL; r++) {
+                    k_fast *Fr = cl.map_shared_rank(&F, r);
+                    Fr->ck[pos] = key, Fr->ci[pos] = C.beg + i, Fr->ce[pos] = e;
+                }
+            }
+            pos++;
+        }
+    }
+    blk_sum_d2(abv, abvm, S);
+    if (t == 0) F.abv = abv, F.abvm = abvm;
+    double above = 0;
+    if constexpr (CL == 1) {
+        __syncthreads();
+        above = F.abv;
+        if (t == 0) F.wr[0] = F.abvm;
+    } else {
+        cg::cluster_group cl = cg::this_cluster();
+        cl.sync();
+        for (int r = 0; r < CL; r++) above += cl.map_shared_rank(&F, r)->abv;
+        if (t < CL) F.wr[t] = cl.map_shared_rank(&F, t)->abvm;
+    }
+    SPROF(10);
+    // 4: exact ranks (the array is in id order), the cut rank P
+    uint32_t kt = t < n ? F.ck[t] : 0u;
+    int rank = 0;
+    if (t < n)
+        for (int j = 0; j < n; j++) {
+            uint32_t kj = F.ck[j];
+            rank += kj > kt || (kj == kt && j < t);
+        }
+    if (t < n) F.se[rank] = F.ce[t], F.rk[t] = rank;
+    if (t == 0) F.first = INT_MAX, F.last = -1;
+    __syncthreads();
+    {
+        double w = t < n ? (double)F.se[t] : 0.0, tot, ex = blk_excl_scan_d(w, S, &tot);
+        if (!(above < want && want <= above + tot)) return fast_give_up<CL>();  // the bin was wrong
+        if (w > 0 && above + ex + w >= want) atomicMin(&F.first, t);
+        if (w > 0) atomicMax(&F.last, t);
+    }
+    __syncthreads();
+    const int P = F.first != INT_MAX ? F.first : (F.last >= 0 ? F.last : 0);
+    SPROF(11);
+    // 5: the surviving candidates (by position) and every chunk's surviving mass
+    if (t < n) F.se[t] = F.rk[t] <= P && fval(kt) >= thresh ? F.ce[t] : 0.0f;  // (F.se by rank: read above)
+    __syncthreads();
+    if (warp < CL) {  // warp r: chunk r's surviving candidates, summed in a fixed order
+        int lo = (int)((int64_t)V * warp / CL), hi = (int)((int64_t)V * (warp + 1) / CL);
+        double s = 0;
+        for (int j = lane; j < n; j += 32)
+            if (F.ci[j] >= lo && F.ci[j] < hi) s += (double)F.se[j];
+        for (int o = 16; o; o >>= 1) s += __shfl_xor_sync(FULL, s, o);
+        if (lane == 0) F.wr[warp] += s;
+    }
+    __syncthreads();
+    double before = 0, W = 0, sum = 0;
+    int last_nz = -1;  // the last chunk with survivors: it answers when u * S rounds past the end
+    for (int q = 0; q < CL; q++) {
+        if (q == C.rank) before = sum, W = F.wr[q];
+        sum += F.wr[q];
+        if (F.wr[q] > 0) last_nz = q;
+    }
+    SPROF(12);
+    const double r = pd_sample_uniform_of(R.seed, R.draw_idx) * sum;
+    if (W > 0 && r >= before && (r < before + W || C.rank == last_nz)) {  // CTA-uniform: one CTA
+        // 6: the threads' surviving masses in id order (one scan), then one thread's walk
+        if (t == 0) S.token = INT_MAX, S.last_keep = -1;
+        double tw = 0;
+        int last = -1;
+        for (int i = s0, pos = pos0; i < s1; i++) {
+            float l = L[tp_sk(i)];
+            int bb = fbin(l, mx);
+            float w = bb < b ? (l >= thresh ? E[tp_sk(i)] : 0.0f) : bb == b ? F.se[pos++] : 0.0f;
+            tw += (double)w;
+            if (w > 0) last = C.beg + i;
+        }
+        double tot, ex = blk_excl_scan_d(tw, S, &tot) + before;  // (its barriers order S.token's reset)
+        if (last >= 0) atomicMax(&S.last_keep, last);
+        if (tw > 0 && r >= ex && r < ex + tw) {
+            double acc = ex;
+            int tok = last;  // rounding: r inside the thread's range but past its running sum
+            for (int i = s0, pos = pos0; i < s1; i++) {
+                float l = L[tp_sk(i)];
+                int bb = fbin(l, mx);
+                float w = bb < b ? (l >= thresh ? E[tp_sk(i)] : 0.0f) : bb == b ? F.se[pos++] : 0.0f;
+                acc += (double)w;
+                if (w > 0 && r < acc) {
+                    tok = C.beg + i;
+                    break;
+                }
+            }
+            atomicMin(&S.token, tok);
+        }
+        __syncthreads();
+        if (t == 0) {
+            int tok = S.token != INT_MAX ? S.token : S.last_keep;
+            tok = tok < 0 ? 0 : tok;
+            if constexpr (CL == 1) F.tok = tok;
+            else cg::this_cluster().map_shared_rank(&F, 0)->tok = tok;
+        }
+    }
+    SPROF(13);
     return TOK_LATER;
 }
 
@@ -951,6 +1240,7 @@ static __device__ __forceinline__ pd_sample_krow inline_row(const pd_sample_kinl
 template <int CL, bool FAST>
 static __device__ __forceinline__ void sample_row(const pd_sample_kparams p, const pd_sample_krow R, int row, k_smem &S,
                                                   unsigned char *dyn_smem) {
+    SPROF_START();
     int V = p.vocab;
     chunk_t C;
     C.rank = (int)(blockIdx.x % CL);
@@ -970,12 +1260,23 @@ static __device__ __forceinline__ void sample_row(const pd_sample_kparams p, con
         }
         token = clu_argmax<CL>(bv, bi, S);
     } else {
-        float mx = -INFINITY;
-        for (int i = C.beg + threadIdx.x; i < C.end; i += NT) mx = fmaxf(mx, __fmul_rn(lg(x, M, i), R.inv_temp));
-        mx = clu_max_f<CL>(mx, S);
         token = -1;
+        bool tp_tried = false;  // the one-read top-p path gave up: straight to the radix passes
         if constexpr (FAST) {
-            if ((R.top_k > 0 || (R.top_p < 1.0f && CL >= p.topp_min_cl)) && isfinite(mx)) {
+            if ((p.fast & PD_SAMPLE_FAST_TOPP2) && R.top_k == 0 && R.top_p < 1.0f && CL >= p.topp_min_cl &&
+                2 * TP_PAD(C.end - C.beg) <= p.ecache) {
+                token = topp_row<CL>(x, M, C, R, S, *(k_fast *)dyn_smem, (float *)(dyn_smem + sizeof(k_fast)), V);
+                tp_tried = true;
+            }
+        }
+        float mx = -INFINITY;
+        if (token == -1) {
+            for (int i = C.beg + threadIdx.x; i < C.end; i += NT) mx = fmaxf(mx, __fmul_rn(lg(x, M, i), R.inv_temp));
+            mx = clu_max_f<CL>(mx, S);
+            SPROF(0);
+        }
+        if constexpr (FAST) {
+            if (token == -1 && (R.top_k > 0 || (R.top_p < 1.0f && CL >= p.topp_min_cl && !tp_tried)) && isfinite(mx)) {
                 float *E = p.ecache > 0 && C.end - C.beg <= p.ecache ? (float *)(dyn_smem + sizeof(k_fast)) : nullptr;
                 token = fast_random<CL>(x, M, C, R, mx, S, *(k_fast *)dyn_smem, E, V);
             }
@@ -983,6 +1284,7 @@ static __device__ __forceinline__ void sample_row(const pd_sample_kparams p, con
         if (token == -1) {  // the radix passes: not a fast row, no finite max, or too many candidates
             cut_t c = truncate<CL>(x, M, C, R, mx, S);
             token = draw<CL>(x, M, C, R, mx, c, S);
+            SPROF(7);
         }
     }
     if (R.n_pens > 0) penalties(x, C, R, p.pens, p.pen_raw, true);
@@ -990,6 +1292,7 @@ static __device__ __forceinline__ void sample_row(const pd_sample_kparams p, con
         __threadfence();
         cg::this_cluster().sync();
     }
+    SPROF(15);
     if (C.rank == 0 && threadIdx.x == 0) {
         if constexpr (FAST) {
             if (token == TOK_LATER) token = ((const k_fast *)dyn_smem)->tok;
@@ -1000,6 +1303,7 @@ static __device__ __forceinline__ void sample_row(const pd_sample_kparams p, con
         o->n_top = R.n_logprobs > 0 ? S.n_top : 0;
         for (int j = 0; j < o->n_top; j++) o->top_ids[j] = S.top_ids[j], o->top_logprobs[j] = __fsub_rn(S.top_vals[j], lse);
     }
+    SPROF_FLUSH();
 }
 
 // The rows in device (or mapped) memory, p.rows.
@@ -1025,7 +1329,7 @@ static __global__ void __launch_bounds__(NT) k_sample_inl(const pd_sample_kparam
 // ---- launch ------------------------------------------------------------------------------------
 
 // Dynamic shared memory of a FAST launch: the candidate-set arrays, then the weight cache.
-#define DYN_MAX (sizeof(k_fast) + sizeof(float) * ECACHE_MAX)
+#define DYN_MAX (sizeof(k_fast) + sizeof(float) * (ECACHE_MAX > TP_FLOATS ? ECACHE_MAX : TP_FLOATS))
 
 template <int CL, bool FAST, bool INL>
 static cudaError_t launch_as(const pd_sample_kparams *p, const pd_sample_kinline *in, cudaStream_t s) {
@@ -1127,6 +1431,13 @@ static int env_fast(void) {
     return !(e && !strcmp(e, "0"));
 }
 
+// PD_CUDA_SAMPLE_TOPP2=0: top-p rows without top-k skip the one-read path (the candidate-set path
+// of session 8 decides them), for A/B runs and tests.
+static int env_topp2(void) {
+    const char *e = getenv("PD_CUDA_SAMPLE_TOPP2");
+    return !(e && !strcmp(e, "0"));
+}
+
 // Rows with top-p and no top-k take the candidate-set path from this cluster size on (smaller
 // clusters, i.e. larger batches: the radix passes). PD_CUDA_SAMPLE_TOPP_MIN_CL=1..32 overrides.
 #define TOPP_MIN_CL 1
@@ -1157,6 +1468,10 @@ extern "C" void pd_cuda_sample(const pd_sample_kparams *p_in, const pd_sample_ki
     p->fast = env_fast() && p->any_trunc && di->fast_ok;
     p->topp_min_cl = env_topp_min_cl();
     p->ecache = p->fast && chunk <= ECACHE_MAX ? chunk : 0;
+    if (p->fast && env_topp2() && chunk <= TP_MAX) {  // the one-read top-p path: room for l and e
+        p->fast |= PD_SAMPLE_FAST_TOPP2;
+        if (p->ecache < 2 * TP_PAD(chunk)) p->ecache = 2 * TP_PAD(chunk);
+    }
     cudaError_t e;
     switch (cl) {
     case 16: e = launch<16>(p, in, s); break;
@@ -1167,6 +1482,7 @@ extern "C" void pd_cuda_sample(const pd_sample_kparams *p_in, const pd_sample_ki
     }
     if (e != cudaSuccess && cl > 1) {  // a cluster the device refused: one CTA per row
         (void)cudaGetLastError();
+        p->fast &= ~PD_SAMPLE_FAST_TOPP2;  // (a chunk of the whole vocabulary: the cache only)
         p->ecache = p->fast && p->vocab <= ECACHE_MAX ? p->vocab : 0;
         (void)launch<1>(p, in, s);
     }
