@@ -728,6 +728,7 @@ static __device__ int draw(const float *x, const uint32_t *M, chunk_t C, const p
 #define BSCALE 64.0f     // bins a logit (range: 16 logits below the max)
 #define CAND 1024        // candidate capacity (== NT: one candidate a thread)
 #define ECACHE_MAX 24576 // largest chunk (floats) whose weights are cached: 96 KiB
+#define NSB 32           // the two-level gather: NB / NSB super-bins of NSB bins (one a warp)
 #define TOK_LATER (-2)   // fast_random: the token reaches rank 0's F.tok by the final cluster barrier
 
 struct k_fast {          // dynamic shared memory, before the weight cache
@@ -741,6 +742,12 @@ struct k_fast {          // dynamic shared memory, before the weight cache
     double ctot, abv, abvm;  // this CTA's total weight, weight above the bin (all / >= the min-p threshold)
     int first, last, key, n, off, tok;
     int rk[CAND];        // one-read top-p path: each candidate's rank, by position (id order)
+    float pmx;           // one-read top-p path: this CTA's max, read by the cluster
+    float rpmx[CLMAX];   // ... every CTA's, by rank
+    double rabv[CLMAX];  // every CTA's weight above the bin, by rank
+    // the two-level gather (boundary()): super-bins of NSB bins, published and gathered
+    double sbm[NSB], gsm[NSB], gfm[NSB], rtot[CLMAX], sbm0;
+    int sbc[NSB], gsc[NSB], gfc[NSB], rsc[CLMAX][NSB], rfc[CLMAX][NSB], sb, sbc0;
 };
 
 static __device__ __forceinline__ int fbin(float l, float mx) {
@@ -755,12 +762,168 @@ template <int CL> static __device__ int fast_give_up(void) {
     return -1;
 }
 
+// This CTA's histogram (2 copies by warp parity) into F.bm / F.bc, and its super-bins (warp w sums
+// bins w * NSB .. w * NSB + NSB - 1, its own lanes' bins) into F.sbm / F.sbc.
+static_assert(NB == NSB * NWARP, "a super-bin a warp");
+static __device__ __forceinline__ void publish_bins(k_fast &F, const float *hm, const int *hc) {
+    int t = threadIdx.x, lane = t & 31, warp = t >> 5;
+    double v = (double)hm[t] + (double)hm[NB + t];
+    int c = hc[t] + hc[NB + t];
+    F.bm[t] = v, F.bc[t] = c;
+    for (int o = 16; o; o >>= 1) v += __shfl_xor_sync(FULL, v, o), c += __shfl_xor_sync(FULL, c, o);
+    if (lane == 0) F.sbm[warp] = v, F.sbc[warp] = c;
+}
+
+// The boundary bin of a row from its cluster's histograms. Every CTA has published its bin masses
+// and counts (F.bm, F.bc), their sums over each run of NSB bins (F.sbm, F.sbc: super-bins) and its
+// total weight F.ctot, and set F.first = INT_MAX; this makes them visible (the cluster barrier) and
+// finds b: top-k (has_k), the first bin whose running count reaches k; top-p, the first bin below
+// the last whose approximate running mass reaches top_p * total. Sets F.first = b (INT_MAX: none),
+// F.n (the candidates: top-k, every bin up to b; top-p, bin b) and F.off (those of the chunks
+// before this CTA's); returns the row's total weight (rank order: the same in every CTA).
+// two_level: each CTA reads the CL ranks' NSB super-bins, then the NSB bins of the super-bin that
+// holds the cut (2 * NSB * CL remote values a CTA); otherwise every thread reads its bin of every
+// rank (NB * CL remote values, ~28 us of a 16-CTA cluster on an H100: session 9, sample_prof).
+// Every decision is the same in every CTA of the row.
+template <int CL>
+static __device__ double boundary(k_fast &F, k_smem &S, int rank, bool has_k, int top_k, float top_p, bool two_level) {
+    const int t = threadIdx.x, lane = t & 31, warp = t >> 5;
+    if (CL > 1 && two_level) {
+        cg::cluster_group cl = cg::this_cluster();
+        cl.sync();
+        // coarse: warp s reads super-bin s of rank `lane`
+        double v = 0;
+        int c = 0;
+        if (lane < CL) {
+            const k_fast *Fr = cl.map_shared_rank(&F, lane);
+            v = Fr->sbm[warp], c = Fr->sbc[warp];
+            F.rsc[lane][warp] = c;
+        }
+        if (t < CL) F.rtot[t] = cl.map_shared_rank(&F, t)->ctot;
+        for (int o = 16; o; o >>= 1) v += __shfl_xor_sync(FULL, v, o), c += __shfl_xor_sync(FULL, c, o);
+        if (lane == 0) F.gsm[warp] = v, F.gsc[warp] = c;
+        __syncthreads();
+        double total = 0;
+        for (int r = 0; r < CL; r++) total += F.rtot[r];
+        const double want = (double)top_p * total;
+        if (warp == 0) {  // lane s: super-bin s
+            double m = F.gsm[lane], im = m;
+            int cc = F.gsc[lane], ic = cc;
+            for (int o = 1; o < 32; o <<= 1) {
+                double tm = __shfl_up_sync(FULL, im, o);
+                int tc = __shfl_up_sync(FULL, ic, o);
+                if (lane >= o) im += tm, ic += tc;
+            }
+            double em = __shfl_up_sync(FULL, im, 1);
+            int ec = __shfl_up_sync(FULL, ic, 1);
+            if (lane == 0) em = 0, ec = 0;
+            bool hit = has_k ? ec < top_k && ec + cc >= top_k : m > 0 && em + m >= want;
+            unsigned hb = __ballot_sync(FULL, hit);
+            int sb = hb ? __ffs(hb) - 1 : -1;
+            if (lane == 0) F.sb = sb;
+            if (lane == sb) F.sbm0 = em, F.sbc0 = ec;
+        }
+        __syncthreads();
+        const int sb = F.sb;
+        if (sb < 0) {  // (CTA-uniform)
+            if (t == 0) F.first = INT_MAX;
+            __syncthreads();
+            return total;
+        }
+        // fine: warp w reads bin sb * NSB + w of rank `lane`
+        v = 0, c = 0;
+        if (lane < CL) {
+            const k_fast *Fr = cl.map_shared_rank(&F, lane);
+            v = Fr->bm[sb * NSB + warp], c = Fr->bc[sb * NSB + warp];
+            F.rfc[lane][warp] = c;
+        }
+        for (int o = 16; o; o >>= 1) v += __shfl_xor_sync(FULL, v, o), c += __shfl_xor_sync(FULL, c, o);
+        if (lane == 0) F.gfm[warp] = v, F.gfc[warp] = c;
+        __syncthreads();
+        if (warp == 0) {  // lane w: bin sb * NSB + w
+            double m = F.gfm[lane], im = m;
+            int cc = F.gfc[lane], ic = cc;
+            for (int o = 1; o < 32; o <<= 1) {
+                double tm = __shfl_up_sync(FULL, im, o);
+                int tc = __shfl_up_sync(FULL, ic, o);
+                if (lane >= o) im += tm, ic += tc;
+            }
+            double em = __shfl_up_sync(FULL, im, 1);
+            int ec = __shfl_up_sync(FULL, ic, 1);
+            if (lane == 0) em = 0, ec = 0;
+            em += F.sbm0, ec += F.sbc0;
+            int bin = sb * NSB + lane;
+            // (rounding can leave no bin of the super-bin reaching want: no b, the radix passes)
+            bool hit = has_k ? ec < top_k && ec + cc >= top_k : m > 0 && em + m >= want && bin < NB - 1;
+            unsigned hb = __ballot_sync(FULL, hit);
+            int w = hb ? __ffs(hb) - 1 : -1;
+            int n = __shfl_sync(FULL, has_k ? ec + cc : cc, w < 0 ? 0 : w);
+            // the candidates of rank `lane` (top-k: every bin up to b; top-p: bin b), summed over the
+            // ranks before this CTA's
+            int mine = 0;
+            if (w >= 0 && lane < CL) {
+                if (has_k) {
+                    for (int q = 0; q < sb; q++) mine += F.rsc[lane][q];
+                    for (int q = 0; q <= w; q++) mine += F.rfc[lane][q];
+                } else {
+                    mine = F.rfc[lane][w];
+                }
+            }
+            int off = 0;
+            for (int r = 0; r < CL; r++) {
+                int x = __shfl_sync(FULL, mine, r);
+                if (r < rank) off += x;
+            }
+            if (lane == 0) F.first = w < 0 ? INT_MAX : bin - lane + w, F.n = n, F.off = off;
+        }
+        __syncthreads();
+        return total;
+    }
+    // the full gather: every thread its bin of every rank
+    double gm = 0, total = 0;
+    int gc = 0, below = 0;
+    if constexpr (CL == 1) {
+        __syncthreads();
+        gm = F.bm[t], gc = F.bc[t], total = F.ctot;
+    } else {
+        cg::cluster_group cl = cg::this_cluster();
+        cl.sync();
+        for (int r = 0; r < CL; r++) {
+            const k_fast *Fr = cl.map_shared_rank(&F, r);
+            gm += Fr->bm[t];
+            int c = Fr->bc[t];
+            gc += c;
+            if (r < rank) below += c;
+            total += Fr->ctot;
+        }
+    }
+    int n_tot, cnt_before = blk_excl_scan_i(gc, S, &n_tot);
+    double want = (double)top_p * total, m_tot;
+    if (has_k) {
+        if (cnt_before + gc >= top_k && cnt_before < top_k) F.first = t;
+    } else {
+        double m_before = blk_excl_scan_d(gm, S, &m_tot);
+        if (gm > 0 && m_before + gm >= want && t < NB - 1) atomicMin(&F.first, t);
+    }
+    __syncthreads();
+    const int b = F.first;
+    if (b != INT_MAX) {
+        if (t == b) F.n = has_k ? cnt_before + gc : gc, F.off = below;
+        if (has_k) {
+            int off = blk_sum_i(t <= b ? below : 0, S);
+            if (t == 0) F.off = off;
+        }
+    }
+    __syncthreads();
+    return total;
+}
+
 // The row's token by the candidate-set path; -1 (every CTA alike) when the radix passes must decide
 // it; TOK_LATER when the token reaches rank 0's F.tok before the kernel's final cluster barrier.
 // mx: max of l, finite. E: the weight cache (NULL: none).
 template <int CL>
 static __device__ int fast_random(const float *x, const uint32_t *M, chunk_t C, const pd_sample_krow &R, float mx,
-                                  k_smem &S, k_fast &F, float *E, int V) {
+                                  k_smem &S, k_fast &F, float *E, int V, bool two_level) {
     const float it = R.inv_temp;
     const bool has_k = R.top_k > 0;  // else top-p alone
     const float thresh = R.log_min_p > -INFINITY ? __fadd_rn(mx, R.log_min_p) : -INFINITY;
@@ -789,45 +952,19 @@ static __device__ int fast_random(const float *x, const uint32_t *M, chunk_t C, 
         }
     }
     __syncthreads();
-    F.bm[t] = (double)hm[t] + (double)hm[NB + t], F.bc[t] = hc[t] + hc[NB + t];
+    publish_bins(F, hm, hc);
     if (!has_k) tsum = blk_sum_d(tsum, S);
     if (t == 0) F.ctot = tsum, F.first = INT_MAX, F.last = -1;
-    double gm = 0, total = 0;  // bin t of the row, the row's weight (rank order: the same in every CTA)
-    int gc = 0, below = 0;
-    if constexpr (CL == 1) {
-        __syncthreads();
-        gm = F.bm[t], gc = F.bc[t], total = F.ctot;
-    } else {
-        cg::cluster_group cl = cg::this_cluster();
-        cl.sync();
-        for (int r = 0; r < CL; r++) {
-            const k_fast *Fr = cl.map_shared_rank(&F, r);
-            gm += Fr->bm[t];
-            int c = Fr->bc[t];
-            gc += c;
-            if (r < C.rank) below += c;
-            total += Fr->ctot;
-        }
-    }
     // the boundary bin b: the first whose running count reaches k (top-k), or whose approximate
     // running mass reaches top_p * total (top-p; checked exactly below)
-    int n_tot, cnt_before = blk_excl_scan_i(gc, S, &n_tot);
-    double want = (double)R.top_p * total, m_tot;
-    if (has_k) {
-        if (cnt_before + gc >= R.top_k && cnt_before < R.top_k) F.first = t;
-    } else {
-        double m_before = blk_excl_scan_d(gm, S, &m_tot);
-        if (gm > 0 && m_before + gm >= want && t < NB - 1) atomicMin(&F.first, t);
-    }
-    __syncthreads();
+    const double total = boundary<CL>(F, S, C.rank, has_k, R.top_k, R.top_p, two_level);
+    double want = (double)R.top_p * total;  // (top-k + top-p: over the top-k set's mass, below)
     const int b = F.first;
     SPROF(1);
     if (b == INT_MAX) return fast_give_up<CL>();
-    if (t == b) F.n = has_k ? cnt_before + gc : gc, F.off = below;
-    __syncthreads();
     const int n = F.n, lo_bin = has_k ? 0 : b;
     if (n > CAND || n <= 0) return fast_give_up<CL>();
-    int off = has_k ? blk_sum_i(t <= b ? below : 0, S) : F.off;
+    const int off = F.off;
     // compaction: this chunk's candidates, in id order, into every CTA at [off, off + its count);
     // top-p: this chunk's weight above the bin, all of it and that at or above the min-p threshold
     int carry = off, ttot;
@@ -880,7 +1017,11 @@ static __device__ int fast_random(const float *x, const uint32_t *M, chunk_t C, 
     } else {
         cg::cluster_group cl = cg::this_cluster();
         cl.sync();
-        if (!has_k) {
+        if (!has_k && two_level) {  // CL remote reads, not NT * CL
+            if (t < CL) F.rabv[t] = cl.map_shared_rank(&F, t)->abv, F.wr[t] = cl.map_shared_rank(&F, t)->abvm;
+            __syncthreads();
+            for (int r = 0; r < CL; r++) above += F.rabv[r];
+        } else if (!has_k) {
             for (int r = 0; r < CL; r++) above += cl.map_shared_rank(&F, r)->abv;
             if (t < CL) F.wr[t] = cl.map_shared_rank(&F, t)->abvm;
         }
@@ -1008,7 +1149,7 @@ static __device__ void blk_sum_d2(double &a, double &b, k_smem &S) {
 // A: 2 * TP_PAD(chunk) floats of dynamic shared memory.
 template <int CL>
 static __device__ int topp_row(const float *x, const uint32_t *M, chunk_t C, const pd_sample_krow &R, k_smem &S,
-                               k_fast &F, float *A, int V) {
+                               k_fast &F, float *A, int V, bool two_level) {
     const float it = R.inv_temp;
     const int t = threadIdx.x, lane = t & 31, warp = t >> 5, n_el = C.end - C.beg;
     float *L = A, *E = A + TP_PAD(n_el);
@@ -1028,7 +1169,17 @@ static __device__ int topp_row(const float *x, const uint32_t *M, chunk_t C, con
             m = fmaxf(m, v[j]);
         }
     }
-    const float mx = clu_max_f<CL>(m, S);  // (its barriers also publish L to the block)
+    // the row's max: one cluster barrier (F.pmx is written once a launch; later barriers keep it
+    // readable until every CTA has read it)
+    float mx = blk_max_f(m, S);  // (its barriers also publish L to the block)
+    if constexpr (CL > 1) {
+        if (t == 0) F.pmx = mx;
+        cg::cluster_group cl = cg::this_cluster();
+        cl.sync();
+        if (t < CL) F.rpmx[t] = cl.map_shared_rank(&F, t)->pmx;
+        __syncthreads();
+        for (int r = 0; r < CL; r++) mx = fmaxf(mx, F.rpmx[r]);
+    }
     SPROF(8);
     if (!isfinite(mx)) return fast_give_up<CL>();
     const float thresh = R.log_min_p > -INFINITY ? __fadd_rn(mx, R.log_min_p) : -INFINITY;
@@ -1055,35 +1206,14 @@ static __device__ int topp_row(const float *x, const uint32_t *M, chunk_t C, con
         }
     }
     __syncthreads();
-    F.bm[t] = (double)hm[t] + (double)hm[NB + t], F.bc[t] = hc[t] + hc[NB + t];
+    publish_bins(F, hm, hc);
     tsum = blk_sum_d(tsum, S);
     if (t == 0) F.ctot = tsum, F.first = INT_MAX, F.last = -1, F.tok = 0;  // (F.tok: before any remote write)
-    double gm = 0, total = 0;  // bin t of the row, the row's weight (rank order: the same in every CTA)
-    int gc = 0, below = 0;
-    if constexpr (CL == 1) {
-        __syncthreads();
-        gm = F.bm[t], gc = F.bc[t], total = F.ctot;
-    } else {
-        cg::cluster_group cl = cg::this_cluster();
-        cl.sync();
-        for (int r = 0; r < CL; r++) {
-            const k_fast *Fr = cl.map_shared_rank(&F, r);
-            gm += Fr->bm[t];
-            int c = Fr->bc[t];
-            gc += c;
-            if (r < C.rank) below += c;
-            total += Fr->ctot;
-        }
-    }
+    const double total = boundary<CL>(F, S, C.rank, false, 0, R.top_p, two_level);
     const double want = (double)R.top_p * total;
-    double m_tot, m_before = blk_excl_scan_d(gm, S, &m_tot);
-    if (gm > 0 && m_before + gm >= want && t < NB - 1) atomicMin(&F.first, t);
-    __syncthreads();
     const int b = F.first;
     SPROF(9);
     if (b == INT_MAX) return fast_give_up<CL>();
-    if (t == b) F.n = gc, F.off = below;
-    __syncthreads();
     const int n = F.n;
     if (n > CAND || n <= 0) return fast_give_up<CL>();
     // 3: compaction of bin b (id order) into every CTA; the thread's mass above b
@@ -1130,8 +1260,9 @@ static __device__ int topp_row(const float *x, const uint32_t *M, chunk_t C, con
     } else {
         cg::cluster_group cl = cg::this_cluster();
         cl.sync();
-        for (int r = 0; r < CL; r++) above += cl.map_shared_rank(&F, r)->abv;
-        if (t < CL) F.wr[t] = cl.map_shared_rank(&F, t)->abvm;
+        if (t < CL) F.rabv[t] = cl.map_shared_rank(&F, t)->abv, F.wr[t] = cl.map_shared_rank(&F, t)->abvm;
+        __syncthreads();
+        for (int r = 0; r < CL; r++) above += F.rabv[r];
     }
     SPROF(10);
     // 4: exact ranks (the array is in id order), the cut rank P
@@ -1265,7 +1396,8 @@ static __device__ __forceinline__ void sample_row(const pd_sample_kparams p, con
         if constexpr (FAST) {
             if ((p.fast & PD_SAMPLE_FAST_TOPP2) && R.top_k == 0 && R.top_p < 1.0f && CL >= p.topp_min_cl &&
                 2 * TP_PAD(C.end - C.beg) <= p.ecache) {
-                token = topp_row<CL>(x, M, C, R, S, *(k_fast *)dyn_smem, (float *)(dyn_smem + sizeof(k_fast)), V);
+                token = topp_row<CL>(x, M, C, R, S, *(k_fast *)dyn_smem, (float *)(dyn_smem + sizeof(k_fast)), V,
+                                     p.fast & PD_SAMPLE_FAST_GATHER2);
                 tp_tried = true;
             }
         }
@@ -1278,7 +1410,7 @@ static __device__ __forceinline__ void sample_row(const pd_sample_kparams p, con
         if constexpr (FAST) {
             if (token == -1 && (R.top_k > 0 || (R.top_p < 1.0f && CL >= p.topp_min_cl && !tp_tried)) && isfinite(mx)) {
                 float *E = p.ecache > 0 && C.end - C.beg <= p.ecache ? (float *)(dyn_smem + sizeof(k_fast)) : nullptr;
-                token = fast_random<CL>(x, M, C, R, mx, S, *(k_fast *)dyn_smem, E, V);
+                token = fast_random<CL>(x, M, C, R, mx, S, *(k_fast *)dyn_smem, E, V, p.fast & PD_SAMPLE_FAST_GATHER2);
             }
         }
         if (token == -1) {  // the radix passes: not a fast row, no finite max, or too many candidates
@@ -1298,10 +1430,14 @@ static __device__ __forceinline__ void sample_row(const pd_sample_kparams p, con
             if (token == TOK_LATER) token = ((const k_fast *)dyn_smem)->tok;
         }
         pd_sample_kout *o = &p.out[row];
-        o->token = token;
+        int n_top = R.n_logprobs > 0 ? S.n_top : 0;
         o->logprob = R.n_logprobs >= 0 ? __fsub_rn(x[token], lse) : 0.0f;
-        o->n_top = R.n_logprobs > 0 ? S.n_top : 0;
-        for (int j = 0; j < o->n_top; j++) o->top_ids[j] = S.top_ids[j], o->top_logprobs[j] = __fsub_rn(S.top_vals[j], lse);
+        o->n_top = n_top;
+        for (int j = 0; j < n_top; j++) o->top_ids[j] = S.top_ids[j], o->top_logprobs[j] = __fsub_rn(S.top_vals[j], lse);
+        // the token last, after the rest is visible to the host: the shim may poll it in mapped
+        // memory (PD_SAMPLE_PENDING until then) instead of waiting for the stream
+        __threadfence_system();
+        *(volatile int32_t *)&o->token = token;
     }
     SPROF_FLUSH();
 }
@@ -1330,6 +1466,7 @@ static __global__ void __launch_bounds__(NT) k_sample_inl(const pd_sample_kparam
 
 // Dynamic shared memory of a FAST launch: the candidate-set arrays, then the weight cache.
 #define DYN_MAX (sizeof(k_fast) + sizeof(float) * (ECACHE_MAX > TP_FLOATS ? ECACHE_MAX : TP_FLOATS))
+static_assert(DYN_MAX + sizeof(k_smem) <= 227 * 1024, "the FAST instance's shared memory exceeds an sm_90 CTA's");
 
 template <int CL, bool FAST, bool INL>
 static cudaError_t launch_as(const pd_sample_kparams *p, const pd_sample_kinline *in, cudaStream_t s) {
@@ -1431,6 +1568,13 @@ static int env_fast(void) {
     return !(e && !strcmp(e, "0"));
 }
 
+// PD_CUDA_SAMPLE_GATHER=0: every CTA of a cluster reads every bin of every CTA's histogram (the
+// session-8 gather) instead of the two-level gather (boundary()), for A/B runs and tests.
+static int env_gather2(void) {
+    const char *e = getenv("PD_CUDA_SAMPLE_GATHER");
+    return !(e && !strcmp(e, "0"));
+}
+
 // PD_CUDA_SAMPLE_TOPP2=0: top-p rows without top-k skip the one-read path (the candidate-set path
 // of session 8 decides them), for A/B runs and tests.
 static int env_topp2(void) {
@@ -1468,6 +1612,7 @@ extern "C" void pd_cuda_sample(const pd_sample_kparams *p_in, const pd_sample_ki
     p->fast = env_fast() && p->any_trunc && di->fast_ok;
     p->topp_min_cl = env_topp_min_cl();
     p->ecache = p->fast && chunk <= ECACHE_MAX ? chunk : 0;
+    if (p->fast && env_gather2()) p->fast |= PD_SAMPLE_FAST_GATHER2;
     if (p->fast && env_topp2() && chunk <= TP_MAX) {  // the one-read top-p path: room for l and e
         p->fast |= PD_SAMPLE_FAST_TOPP2;
         if (p->ecache < 2 * TP_PAD(chunk)) p->ecache = 2 * TP_PAD(chunk);

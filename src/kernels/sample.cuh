@@ -14,6 +14,8 @@ extern "C" {
 #define PD_SAMPLE_KMAX_TOP 20
 #define PD_SAMPLE_KMAX_VOCAB (1 << 30)
 #define PD_SAMPLE_FAST_TOPP2 2 // pd_sample_kparams.fast: top-p rows without top-k read their chunk once
+#define PD_SAMPLE_FAST_GATHER2 4 // pd_sample_kparams.fast: the two-level histogram gather
+#define PD_SAMPLE_PENDING INT32_MIN // pd_sample_kout.token until the kernel has written the row (written last)
 #define PD_SAMPLE_KINLINE 8   // rows carried in the launch's parameters (no copy) up to this batch
 
 typedef struct pd_sample_krow {

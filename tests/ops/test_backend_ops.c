@@ -1356,10 +1356,13 @@ PD_TEST(test_cuda_sample) {
         for (int k = 0; k < N_SAMPLE_CFG; k += 2) sample_case(&c, 128256, 3, (k / 2) & 1, k + q, 1);
     }
     unsetenv("PD_CUDA_SAMPLE_CLUSTER");
-    // The radix passes alone (PD_CUDA_SAMPLE_FAST=0), and the copies both ways instead of rows in
-    // the launch's parameters and results written to mapped memory (PD_CUDA_SAMPLE_DIRECT=0).
-    static const char *knobs[][2] = {{"PD_CUDA_SAMPLE_FAST", "0"}, {"PD_CUDA_SAMPLE_DIRECT", "0"}};
-    for (int q = 0; q < 2; q++) {
+    // The radix passes alone (PD_CUDA_SAMPLE_FAST=0), the copies both ways instead of rows in the
+    // launch's parameters and results written to mapped memory (PD_CUDA_SAMPLE_DIRECT=0), and a
+    // stream synchronize instead of polling the mapped results (PD_CUDA_SAMPLE_POLL=0), and every
+    // CTA of a cluster reading every bin of the others' histograms (PD_CUDA_SAMPLE_GATHER=0).
+    static const char *knobs[][2] = {{"PD_CUDA_SAMPLE_FAST", "0"}, {"PD_CUDA_SAMPLE_DIRECT", "0"}, {"PD_CUDA_SAMPLE_POLL", "0"},
+                                     {"PD_CUDA_SAMPLE_GATHER", "0"}};
+    for (int q = 0; q < 4; q++) {
         setenv(knobs[q][0], knobs[q][1], 1);
         for (int k = 0; k < N_SAMPLE_CFG; k++) sample_case(&c, 128256, 2, k & 1, k + 7 * q, 1);
         sample_case(&c, 32000, 8, q, q, 1);

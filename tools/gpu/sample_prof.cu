@@ -44,6 +44,7 @@ struct pcase {
     const char *name;
     float t, p, min_p;
     int k, topp2;  // topp2: PD_CUDA_SAMPLE_TOPP2 (1 on, 0 off)
+    const char *gather, *cl;  // PD_CUDA_SAMPLE_GATHER, PD_CUDA_SAMPLE_CLUSTER ("0": the launch's choice)
 };
 
 int main(int argc, char **argv) {
@@ -69,16 +70,20 @@ int main(int argc, char **argv) {
     int khz = 0;
     CK(cudaDeviceGetAttribute(&khz, cudaDevAttrClockRate, 0));
     static const pcase cases[] = {
-        {"greedy", 0, 1, 0, 0, 1},
-        {"temperature 0.8", 0.8f, 1, 0, 0, 1},
-        {"top-k 40", 1, 1, 0, 40, 1},
-        {"top-k 40 + top-p 0.95", 1, 0.95f, 0, 40, 1},
-        {"top-p 0.9 cand-set (TOPP2=0)", 1, 0.9f, 0, 0, 0},
-        {"top-p 0.9 one-read", 1, 0.9f, 0, 0, 1},
-        {"top-p 0.95 cand-set (TOPP2=0)", 1, 0.95f, 0, 0, 0},
-        {"top-p 0.95 one-read", 1, 0.95f, 0, 0, 1},
-        {"top-p 0.9 + min-p 0.05 cand-set", 1, 0.9f, 0.05f, 0, 0},
-        {"top-p 0.9 + min-p 0.05 one-read", 1, 0.9f, 0.05f, 0, 1},
+        {"greedy", 0, 1, 0, 0, 1, "1", "0"},
+        {"temperature 0.8", 0.8f, 1, 0, 0, 1, "1", "0"},
+        {"top-k 40, full gather (GATHER=0)", 1, 1, 0, 40, 1, "0", "0"},
+        {"top-k 40", 1, 1, 0, 40, 1, "1", "0"},
+        {"top-k 40 + top-p 0.95", 1, 0.95f, 0, 40, 1, "1", "0"},
+        {"top-p 0.9 session 8 (TOPP2=0 GATHER=0)", 1, 0.9f, 0, 0, 0, "0", "0"},
+        {"top-p 0.9 cand-set (TOPP2=0)", 1, 0.9f, 0, 0, 0, "1", "0"},
+        {"top-p 0.9 one-read", 1, 0.9f, 0, 0, 1, "1", "0"},
+        {"top-p 0.9 one-read, full gather", 1, 0.9f, 0, 0, 1, "0", "0"},
+        {"top-p 0.95 cand-set (TOPP2=0)", 1, 0.95f, 0, 0, 0, "1", "0"},
+        {"top-p 0.95 one-read", 1, 0.95f, 0, 0, 1, "1", "0"},
+        {"top-p 0.9 + min-p 0.05 cand-set", 1, 0.9f, 0.05f, 0, 0, "1", "0"},
+        {"top-p 0.9 + min-p 0.05 one-read", 1, 0.9f, 0.05f, 0, 1, "1", "0"},
+        {"top-p 0.9 one-read, cluster 8", 1, 0.9f, 0, 0, 1, "1", "8"},
     };
     int ncase = (int)(sizeof cases / sizeof cases[0]);
     static int toks[16][512];
@@ -87,6 +92,8 @@ int main(int argc, char **argv) {
     for (int c = 0; c < ncase; c++) {
         const pcase *pc = &cases[c];
         setenv("PD_CUDA_SAMPLE_TOPP2", pc->topp2 ? "1" : "0", 1);
+        setenv("PD_CUDA_SAMPLE_CLUSTER", pc->cl, 1);
+        setenv("PD_CUDA_SAMPLE_GATHER", pc->gather, 1);
         pd_sample_kinline in;
         memset(&in, 0, sizeof in);
         for (int r = 0; r < B; r++) {
@@ -136,12 +143,13 @@ int main(int argc, char **argv) {
                 printf(" %d:%.2f", k, u);
             }
         printf(" | sum %.2f\n", tot);
-        if (pc->topp2 && c > 0 && cases[c - 1].p == pc->p && cases[c - 1].min_p == pc->min_p && cases[c - 1].k == pc->k &&
-            !cases[c - 1].topp2) {
-            int diff = 0;
-            for (int it = 0; it < N; it++) diff += toks[c][it] != toks[c - 1][it];
-            printf("%-34s tokens differing from the candidate-set path: %d of %d\n", "", diff, N);
-        }
+        for (int q = 0; q < c; q++)
+            if (cases[q].t == pc->t && cases[q].p == pc->p && cases[q].min_p == pc->min_p && cases[q].k == pc->k && pc->t != 0) {
+                int diff = 0;
+                for (int it = 0; it < N; it++) diff += toks[c][it] != toks[q][it];
+                printf("%-34s tokens differing from \"%s\": %d of %d\n", "", cases[q].name, diff, N);
+                break;
+            }
     }
     return 0;
 }
