@@ -46,10 +46,16 @@
 // or masks) take their rows from the launch's parameters (k_sample_inl), and the shim has the
 // results written straight into mapped pinned memory: no copy either way.
 //
+// Top-p rows without top-k whose chunk fits shared memory twice (clusters of 8-16 CTAs) take the
+// one-read path instead (topp_row: the chunk read once, one id-ordered scan for the draw). The
+// boundary bin comes from the cluster's histograms in two levels (boundary(): super-bins, then the
+// bins of one super-bin), not every CTA reading every bin of every other CTA.
+//
 // PD_CUDA_SAMPLE_CLUSTER=1|2|4|8|16 forces the cluster size (1: one CTA per row, the previous
 // kernel's layout). PD_CUDA_SAMPLE_FAST=0: the radix passes only. PD_CUDA_SAMPLE_TOPP_MIN_CL=N:
 // top-p rows without top-k take the candidate-set path only from clusters of N CTAs (default 1:
-// always; 32: never).
+// always; 32: never). PD_CUDA_SAMPLE_TOPP2=0: no one-read path. PD_CUDA_SAMPLE_GATHER=0: the full
+// gather (session 8). Measured: docs/benchmarks.md, "Sampler: top-p alone at batch 1".
 #include <cooperative_groups.h>
 #include <math.h>
 #include <string.h>
