@@ -46,10 +46,16 @@
 // or masks) take their rows from the launch's parameters (k_sample_inl), and the shim has the
 // results written straight into mapped pinned memory: no copy either way.
 //
+// Top-p rows without top-k whose chunk fits shared memory twice (clusters of 8-16 CTAs) take the
+// one-read path instead (topp_row: the chunk read once, one id-ordered scan for the draw). The
+// boundary bin comes from the cluster's histograms in two levels (boundary(): super-bins, then the
+// bins of one super-bin), not every CTA reading every bin of every other CTA.
+//
 // PD_CUDA_SAMPLE_CLUSTER=1|2|4|8|16 forces the cluster size (1: one CTA per row, the previous
 // kernel's layout). PD_CUDA_SAMPLE_FAST=0: the radix passes only. PD_CUDA_SAMPLE_TOPP_MIN_CL=N:
 // top-p rows without top-k take the candidate-set path only from clusters of N CTAs (default 1:
-// always; 32: never).
+// always; 32: never). PD_CUDA_SAMPLE_TOPP2=0: no one-read path. PD_CUDA_SAMPLE_GATHER=0: the full
+// gather (session 8). Measured: docs/benchmarks.md, "Sampler: top-p alone at batch 1".
 #include <cooperative_groups.h>
 #include <math.h>
 #include <string.h>
@@ -59,6 +65,38 @@
 #include "kernels/sample_rng.h"
 
 namespace cg = cooperative_groups;
+
+// Phase timing, compiled only into tools/gpu/sample_prof.cu (PD_SAMPLE_PROF): thread 0 of the
+// launch's first CTA adds the SM clocks since its previous mark to slot k (reset by the harness).
+#ifdef PD_SAMPLE_PROF
+__device__ long long g_sprof[32];
+__shared__ long long s_sprof[32], s_sprof_last;  // (kept in shared memory: a mark costs no global round trip)
+#define SPROF_ON (blockIdx.x == 0 && threadIdx.x == 0)
+#define SPROF_START() \
+    do { \
+        if (SPROF_ON) { \
+            for (int k_ = 0; k_ < 32; k_++) s_sprof[k_] = 0; \
+            s_sprof_last = clock64(); \
+        } \
+    } while (0)
+#define SPROF(k) \
+    do { \
+        if (SPROF_ON) { \
+            long long now_ = clock64(); \
+            s_sprof[k] += now_ - s_sprof_last; \
+            s_sprof_last = now_; \
+        } \
+    } while (0)
+#define SPROF_FLUSH() \
+    do { \
+        if (SPROF_ON) \
+            for (int k_ = 0; k_ < 32; k_++) g_sprof[k_] += s_sprof[k_]; \
+    } while (0)
+#else
+#define SPROF_START() do { } while (0)
+#define SPROF(k) do { } while (0)
+#define SPROF_FLUSH() do { } while (0)
+#endif
 
 #define NT 1024
 #define NWARP (NT / 32)
@@ -696,6 +734,7 @@ static __device__ int draw(const float *x, const uint32_t *M, chunk_t C, const p
 #define BSCALE 64.0f     // bins a logit (range: 16 logits below the max)
 #define CAND 1024        // candidate capacity (== NT: one candidate a thread)
 #define ECACHE_MAX 24576 // largest chunk (floats) whose weights are cached: 96 KiB
+#define NSB 32           // the two-level gather: NB / NSB super-bins of NSB bins (one a warp)
 #define TOK_LATER (-2)   // fast_random: the token reaches rank 0's F.tok by the final cluster barrier
 
 struct k_fast {          // dynamic shared memory, before the weight cache
@@ -708,6 +747,13 @@ struct k_fast {          // dynamic shared memory, before the weight cache
     double wr[CLMAX];    // top-p: every chunk's surviving mass
     double ctot, abv, abvm;  // this CTA's total weight, weight above the bin (all / >= the min-p threshold)
     int first, last, key, n, off, tok;
+    int rk[CAND];        // one-read top-p path: each candidate's rank, by position (id order)
+    float pmx;           // one-read top-p path: this CTA's max, read by the cluster
+    float rpmx[CLMAX];   // ... every CTA's, by rank
+    double rabv[CLMAX];  // every CTA's weight above the bin, by rank
+    // the two-level gather (boundary()): super-bins of NSB bins, published and gathered
+    double sbm[NSB], gsm[NSB], gfm[NSB], rtot[CLMAX], sbm0;
+    int sbc[NSB], gsc[NSB], gfc[NSB], rsc[CLMAX][NSB], rfc[CLMAX][NSB], sb, sbc0;
 };
 
 static __device__ __forceinline__ int fbin(float l, float mx) {
@@ -722,12 +768,168 @@ template <int CL> static __device__ int fast_give_up(void) {
     return -1;
 }
 
+// This CTA's histogram (2 copies by warp parity) into F.bm / F.bc, and its super-bins (warp w sums
+// bins w * NSB .. w * NSB + NSB - 1, its own lanes' bins) into F.sbm / F.sbc.
+static_assert(NB == NSB * NWARP, "a super-bin a warp");
+static __device__ __forceinline__ void publish_bins(k_fast &F, const float *hm, const int *hc) {
+    int t = threadIdx.x, lane = t & 31, warp = t >> 5;
+    double v = (double)hm[t] + (double)hm[NB + t];
+    int c = hc[t] + hc[NB + t];
+    F.bm[t] = v, F.bc[t] = c;
+    for (int o = 16; o; o >>= 1) v += __shfl_xor_sync(FULL, v, o), c += __shfl_xor_sync(FULL, c, o);
+    if (lane == 0) F.sbm[warp] = v, F.sbc[warp] = c;
+}
+
+// The boundary bin of a row from its cluster's histograms. Every CTA has published its bin masses
+// and counts (F.bm, F.bc), their sums over each run of NSB bins (F.sbm, F.sbc: super-bins) and its
+// total weight F.ctot, and set F.first = INT_MAX; this makes them visible (the cluster barrier) and
+// finds b: top-k (has_k), the first bin whose running count reaches k; top-p, the first bin below
+// the last whose approximate running mass reaches top_p * total. Sets F.first = b (INT_MAX: none),
+// F.n (the candidates: top-k, every bin up to b; top-p, bin b) and F.off (those of the chunks
+// before this CTA's); returns the row's total weight (rank order: the same in every CTA).
+// two_level: each CTA reads the CL ranks' NSB super-bins, then the NSB bins of the super-bin that
+// holds the cut (2 * NSB * CL remote values a CTA); otherwise every thread reads its bin of every
+// rank (NB * CL remote values, ~28 us of a 16-CTA cluster on an H100: session 9, sample_prof).
+// Every decision is the same in every CTA of the row.
+template <int CL>
+static __device__ double boundary(k_fast &F, k_smem &S, int rank, bool has_k, int top_k, float top_p, bool two_level) {
+    const int t = threadIdx.x, lane = t & 31, warp = t >> 5;
+    if (CL > 1 && two_level) {
+        cg::cluster_group cl = cg::this_cluster();
+        cl.sync();
+        // coarse: warp s reads super-bin s of rank `lane`
+        double v = 0;
+        int c = 0;
+        if (lane < CL) {
+            const k_fast *Fr = cl.map_shared_rank(&F, lane);
+            v = Fr->sbm[warp], c = Fr->sbc[warp];
+            F.rsc[lane][warp] = c;
+        }
+        if (t < CL) F.rtot[t] = cl.map_shared_rank(&F, t)->ctot;
+        for (int o = 16; o; o >>= 1) v += __shfl_xor_sync(FULL, v, o), c += __shfl_xor_sync(FULL, c, o);
+        if (lane == 0) F.gsm[warp] = v, F.gsc[warp] = c;
+        __syncthreads();
+        double total = 0;
+        for (int r = 0; r < CL; r++) total += F.rtot[r];
+        const double want = (double)top_p * total;
+        if (warp == 0) {  // lane s: super-bin s
+            double m = F.gsm[lane], im = m;
+            int cc = F.gsc[lane], ic = cc;
+            for (int o = 1; o < 32; o <<= 1) {
+                double tm = __shfl_up_sync(FULL, im, o);
+                int tc = __shfl_up_sync(FULL, ic, o);
+                if (lane >= o) im += tm, ic += tc;
+            }
+            double em = __shfl_up_sync(FULL, im, 1);
+            int ec = __shfl_up_sync(FULL, ic, 1);
+            if (lane == 0) em = 0, ec = 0;
+            bool hit = has_k ? ec < top_k && ec + cc >= top_k : m > 0 && em + m >= want;
+            unsigned hb = __ballot_sync(FULL, hit);
+            int sb = hb ? __ffs(hb) - 1 : -1;
+            if (lane == 0) F.sb = sb;
+            if (lane == sb) F.sbm0 = em, F.sbc0 = ec;
+        }
+        __syncthreads();
+        const int sb = F.sb;
+        if (sb < 0) {  // (CTA-uniform)
+            if (t == 0) F.first = INT_MAX;
+            __syncthreads();
+            return total;
+        }
+        // fine: warp w reads bin sb * NSB + w of rank `lane`
+        v = 0, c = 0;
+        if (lane < CL) {
+            const k_fast *Fr = cl.map_shared_rank(&F, lane);
+            v = Fr->bm[sb * NSB + warp], c = Fr->bc[sb * NSB + warp];
+            F.rfc[lane][warp] = c;
+        }
+        for (int o = 16; o; o >>= 1) v += __shfl_xor_sync(FULL, v, o), c += __shfl_xor_sync(FULL, c, o);
+        if (lane == 0) F.gfm[warp] = v, F.gfc[warp] = c;
+        __syncthreads();
+        if (warp == 0) {  // lane w: bin sb * NSB + w
+            double m = F.gfm[lane], im = m;
+            int cc = F.gfc[lane], ic = cc;
+            for (int o = 1; o < 32; o <<= 1) {
+                double tm = __shfl_up_sync(FULL, im, o);
+                int tc = __shfl_up_sync(FULL, ic, o);
+                if (lane >= o) im += tm, ic += tc;
+            }
+            double em = __shfl_up_sync(FULL, im, 1);
+            int ec = __shfl_up_sync(FULL, ic, 1);
+            if (lane == 0) em = 0, ec = 0;
+            em += F.sbm0, ec += F.sbc0;
+            int bin = sb * NSB + lane;
+            // (rounding can leave no bin of the super-bin reaching want: no b, the radix passes)
+            bool hit = has_k ? ec < top_k && ec + cc >= top_k : m > 0 && em + m >= want && bin < NB - 1;
+            unsigned hb = __ballot_sync(FULL, hit);
+            int w = hb ? __ffs(hb) - 1 : -1;
+            int n = __shfl_sync(FULL, has_k ? ec + cc : cc, w < 0 ? 0 : w);
+            // the candidates of rank `lane` (top-k: every bin up to b; top-p: bin b), summed over the
+            // ranks before this CTA's
+            int mine = 0;
+            if (w >= 0 && lane < CL) {
+                if (has_k) {
+                    for (int q = 0; q < sb; q++) mine += F.rsc[lane][q];
+                    for (int q = 0; q <= w; q++) mine += F.rfc[lane][q];
+                } else {
+                    mine = F.rfc[lane][w];
+                }
+            }
+            int off = 0;
+            for (int r = 0; r < CL; r++) {
+                int x = __shfl_sync(FULL, mine, r);
+                if (r < rank) off += x;
+            }
+            if (lane == 0) F.first = w < 0 ? INT_MAX : bin - lane + w, F.n = n, F.off = off;
+        }
+        __syncthreads();
+        return total;
+    }
+    // the full gather: every thread its bin of every rank
+    double gm = 0, total = 0;
+    int gc = 0, below = 0;
+    if constexpr (CL == 1) {
+        __syncthreads();
+        gm = F.bm[t], gc = F.bc[t], total = F.ctot;
+    } else {
+        cg::cluster_group cl = cg::this_cluster();
+        cl.sync();
+        for (int r = 0; r < CL; r++) {
+            const k_fast *Fr = cl.map_shared_rank(&F, r);
+            gm += Fr->bm[t];
+            int c = Fr->bc[t];
+            gc += c;
+            if (r < rank) below += c;
+            total += Fr->ctot;
+        }
+    }
+    int n_tot, cnt_before = blk_excl_scan_i(gc, S, &n_tot);
+    double want = (double)top_p * total, m_tot;
+    if (has_k) {
+        if (cnt_before + gc >= top_k && cnt_before < top_k) F.first = t;
+    } else {
+        double m_before = blk_excl_scan_d(gm, S, &m_tot);
+        if (gm > 0 && m_before + gm >= want && t < NB - 1) atomicMin(&F.first, t);
+    }
+    __syncthreads();
+    const int b = F.first;
+    if (b != INT_MAX) {
+        if (t == b) F.n = has_k ? cnt_before + gc : gc, F.off = below;
+        if (has_k) {
+            int off = blk_sum_i(t <= b ? below : 0, S);
+            if (t == 0) F.off = off;
+        }
+    }
+    __syncthreads();
+    return total;
+}
+
 // The row's token by the candidate-set path; -1 (every CTA alike) when the radix passes must decide
 // it; TOK_LATER when the token reaches rank 0's F.tok before the kernel's final cluster barrier.
 // mx: max of l, finite. E: the weight cache (NULL: none).
 template <int CL>
 static __device__ int fast_random(const float *x, const uint32_t *M, chunk_t C, const pd_sample_krow &R, float mx,
-                                  k_smem &S, k_fast &F, float *E, int V) {
+                                  k_smem &S, k_fast &F, float *E, int V, bool two_level) {
     const float it = R.inv_temp;
     const bool has_k = R.top_k > 0;  // else top-p alone
     const float thresh = R.log_min_p > -INFINITY ? __fadd_rn(mx, R.log_min_p) : -INFINITY;
@@ -756,44 +958,19 @@ static __device__ int fast_random(const float *x, const uint32_t *M, chunk_t C, 
         }
     }
     __syncthreads();
-    F.bm[t] = (double)hm[t] + (double)hm[NB + t], F.bc[t] = hc[t] + hc[NB + t];
+    publish_bins(F, hm, hc);
     if (!has_k) tsum = blk_sum_d(tsum, S);
     if (t == 0) F.ctot = tsum, F.first = INT_MAX, F.last = -1;
-    double gm = 0, total = 0;  // bin t of the row, the row's weight (rank order: the same in every CTA)
-    int gc = 0, below = 0;
-    if constexpr (CL == 1) {
-        __syncthreads();
-        gm = F.bm[t], gc = F.bc[t], total = F.ctot;
-    } else {
-        cg::cluster_group cl = cg::this_cluster();
-        cl.sync();
-        for (int r = 0; r < CL; r++) {
-            const k_fast *Fr = cl.map_shared_rank(&F, r);
-            gm += Fr->bm[t];
-            int c = Fr->bc[t];
-            gc += c;
-            if (r < C.rank) below += c;
-            total += Fr->ctot;
-        }
-    }
     // the boundary bin b: the first whose running count reaches k (top-k), or whose approximate
     // running mass reaches top_p * total (top-p; checked exactly below)
-    int n_tot, cnt_before = blk_excl_scan_i(gc, S, &n_tot);
-    double want = (double)R.top_p * total, m_tot;
-    if (has_k) {
-        if (cnt_before + gc >= R.top_k && cnt_before < R.top_k) F.first = t;
-    } else {
-        double m_before = blk_excl_scan_d(gm, S, &m_tot);
-        if (gm > 0 && m_before + gm >= want && t < NB - 1) atomicMin(&F.first, t);
-    }
-    __syncthreads();
+    const double total = boundary<CL>(F, S, C.rank, has_k, R.top_k, R.top_p, two_level);
+    double want = (double)R.top_p * total;  // (top-k + top-p: over the top-k set's mass, below)
     const int b = F.first;
+    SPROF(1);
     if (b == INT_MAX) return fast_give_up<CL>();
-    if (t == b) F.n = has_k ? cnt_before + gc : gc, F.off = below;
-    __syncthreads();
     const int n = F.n, lo_bin = has_k ? 0 : b;
     if (n > CAND || n <= 0) return fast_give_up<CL>();
-    int off = has_k ? blk_sum_i(t <= b ? below : 0, S) : F.off;
+    const int off = F.off;
     // compaction: this chunk's candidates, in id order, into every CTA at [off, off + its count);
     // top-p: this chunk's weight above the bin, all of it and that at or above the min-p threshold
     int carry = off, ttot;
@@ -846,11 +1023,16 @@ static __device__ int fast_random(const float *x, const uint32_t *M, chunk_t C, 
     } else {
         cg::cluster_group cl = cg::this_cluster();
         cl.sync();
-        if (!has_k) {
+        if (!has_k && two_level) {  // CL remote reads, not NT * CL
+            if (t < CL) F.rabv[t] = cl.map_shared_rank(&F, t)->abv, F.wr[t] = cl.map_shared_rank(&F, t)->abvm;
+            __syncthreads();
+            for (int r = 0; r < CL; r++) above += F.rabv[r];
+        } else if (!has_k) {
             for (int r = 0; r < CL; r++) above += cl.map_shared_rank(&F, r)->abv;
             if (t < CL) F.wr[t] = cl.map_shared_rank(&F, t)->abvm;
         }
     }
+    SPROF(2);
     // exact rank of candidate t by (key desc, id asc); the array is in id order
     uint32_t kt = t < n ? F.ck[t] : 0u;
     int rank = 0;
@@ -863,6 +1045,7 @@ static __device__ int fast_random(const float *x, const uint32_t *M, chunk_t C, 
     if (t < n) F.se[rank] = et;
     if (t == 0) F.first = INT_MAX, F.last = -1;
     __syncthreads();
+    SPROF(3);
     // the cut: the last surviving rank P (top-k: k - 1; top-p: where the running mass reaches want)
     const int lim = has_k ? R.top_k : n;  // the ranks the top-p walk covers
     int P = lim - 1;
@@ -879,6 +1062,7 @@ static __device__ int fast_random(const float *x, const uint32_t *M, chunk_t C, 
         if (t == 0) F.first = INT_MAX, F.last = -1;
     }
     const bool keep = t < n && rank <= P && fval(kt) >= thresh;
+    SPROF(4);
     if (has_k) {  // survivors: rank <= P and l >= thresh; the draw in id order, every CTA alike
         double w = keep ? (double)et : 0.0, tot, ex = blk_excl_scan_d(w, S, &tot);
         double r = pd_sample_uniform_of(R.seed, R.draw_idx) * tot;
@@ -886,6 +1070,7 @@ static __device__ int fast_random(const float *x, const uint32_t *M, chunk_t C, 
         if (keep) atomicMax(&F.last, t);
         __syncthreads();
         int pos = F.first != INT_MAX ? F.first : F.last;
+        SPROF(6);
         return pos >= 0 ? F.ci[pos] : 0;
     }
     // top-p alone: the cut as (Kc, jc) for the ordered walk; each chunk's surviving mass
@@ -924,6 +1109,247 @@ static __device__ int fast_random(const float *x, const uint32_t *M, chunk_t C, 
             else cg::this_cluster().map_shared_rank(&F, 0)->tok = tok;
         }
     }
+    SPROF(5);
+    return TOK_LATER;
+}
+
+// ---- the one-read top-p path (top-p without top-k, min-p allowed) --------------------------------
+//
+// For rows whose chunk fits in shared memory twice (TP_MAX floats: every CTA of a cluster of 8 or
+// 16, i.e. batches up to about 16). The chunk is read from global memory once, with every load of
+// a thread issued before the first is used, and kept in shared memory: the logits l, then their
+// weights exp(l - mx). After that, each thread owns Q = ceil(chunk / NT) consecutive ids (the
+// shared arrays are skewed by one float every 32, so that those strided reads hit distinct banks),
+// which gives one id-ordered block scan where the candidate-set path above needs one per tile:
+//   1  load, l = x * (1/T) (mask applied), max over the cluster
+//   2  e = exp(l - mx); bin counts and approximate bin masses (as above); the exact total; the
+//      boundary bin b from the cluster's histogram (approximate masses: checked exactly in 4)
+//   3  bin b's elements compacted in id order into every CTA (at most CAND, else the radix passes);
+//      each thread's exact mass above bin b, all of it and the part at or above the min-p threshold
+//   4  candidates ranked exactly by (key desc, id asc); the cut rank P where the running mass (from
+//      the exact mass above b) reaches top_p * total; b must hold the cut, else the radix passes
+//   5  each chunk's surviving mass (above b with min-p, plus its surviving candidates)
+//   6  the one CTA whose mass range holds u * S: one block scan of the threads' surviving masses in
+//      id order, and the one thread whose range holds it walks its Q ids
+// The survivors are the definition's (every element above b, the ranks <= P of b, min-p applied),
+// so only the draw's double sums differ in order from the CPU's.
+// PD_CUDA_SAMPLE_TOPP2=0 turns it off (the candidate-set path above decides those rows, as before).
+#define TP_MAX 16384                          // largest chunk of the one-read path
+#define TP_PAD(n) ((n) + ((n) >> 5) + 1)      // floats of one skewed array of n
+#define TP_FLOATS (2 * TP_PAD(TP_MAX))        // the two arrays (l, e), after k_fast
+static __device__ __forceinline__ int tp_sk(int i) { return i + (i >> 5); }
+
+// Two block sums at once (every thread gets both).
+static __device__ void blk_sum_d2(double &a, double &b, k_smem &S) {
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    for (int o = 16; o; o >>= 1) a += __shfl_xor_sync(FULL, a, o), b += __shfl_xor_sync(FULL, b, o);
+    __syncthreads();
+    if (lane == 0) S.red_d[warp] = a, S.scan_d[warp] = b;
+    __syncthreads();
+    a = S.red_d[lane], b = S.scan_d[lane];
+    for (int o = 16; o; o >>= 1) a += __shfl_xor_sync(FULL, a, o), b += __shfl_xor_sync(FULL, b, o);
+}
+
+// The row's token (TOK_LATER: it reaches rank 0's F.tok by the kernel's final cluster barrier), or
+// -1 (every CTA alike) when the generic flow (max pass, candidate set / radix passes) must decide.
+// A: 2 * TP_PAD(chunk) floats of dynamic shared memory.
+template <int CL>
+static __device__ int topp_row(const float *x, const uint32_t *M, chunk_t C, const pd_sample_krow &R, k_smem &S,
+                               k_fast &F, float *A, int V, bool two_level) {
+    const float it = R.inv_temp;
+    const int t = threadIdx.x, lane = t & 31, warp = t >> 5, n_el = C.end - C.beg;
+    float *L = A, *E = A + TP_PAD(n_el);
+    // 1: one read of the chunk (8 loads in flight a thread), the max
+    float m = -INFINITY;
+    for (int base = 0; base < n_el; base += 8 * NT) {
+        float v[8];
+#pragma unroll
+        for (int j = 0; j < 8; j++) {
+            int i = base + j * NT + t;
+            v[j] = i < n_el ? __fmul_rn(lg(x, M, C.beg + i), it) : -INFINITY;
+        }
+#pragma unroll
+        for (int j = 0; j < 8; j++) {
+            int i = base + j * NT + t;
+            if (i < n_el) L[tp_sk(i)] = v[j];
+            m = fmaxf(m, v[j]);
+        }
+    }
+    // the row's max: one cluster barrier (F.pmx is written once a launch; later barriers keep it
+    // readable until every CTA has read it)
+    float mx = blk_max_f(m, S);  // (its barriers also publish L to the block)
+    if constexpr (CL > 1) {
+        if (t == 0) F.pmx = mx;
+        cg::cluster_group cl = cg::this_cluster();
+        cl.sync();
+        if (t < CL) F.rpmx[t] = cl.map_shared_rank(&F, t)->pmx;
+        __syncthreads();
+        for (int r = 0; r < CL; r++) mx = fmaxf(mx, F.rpmx[r]);
+    }
+    SPROF(8);
+    if (!isfinite(mx)) return fast_give_up<CL>();
+    const float thresh = R.log_min_p > -INFINITY ? __fadd_rn(mx, R.log_min_p) : -INFINITY;
+    const int Q = (n_el + NT - 1) / NT, s0 = min(t * Q, n_el), s1 = min(s0 + Q, n_el);
+    // 2: weights, histogram (2 copies by warp parity), exact total
+    float *hm = (float *)&S.hist[0][0];
+    int *hc = (int *)(hm + 2 * NB);
+    for (int j = t; j < 2 * NB; j += NT) hm[j] = 0.0f, hc[j] = 0;
+    __syncthreads();
+    double tsum = 0;
+    for (int j = 0; j < Q; j++) {  // warp-uniform trip count
+        int i = s0 + j;
+        bool in = i < s1;
+        float l = in ? L[tp_sk(i)] : -INFINITY;
+        int b = fbin(l, mx);
+        unsigned okm = __ballot_sync(FULL, in);
+        if (in) {
+            unsigned grp = __match_any_sync(okm, b);
+            if (lane == __ffs(grp) - 1) atomicAdd(&hc[(warp & 1) * NB + b], __popc(grp));
+            float e = elem_e(l, mx);
+            E[tp_sk(i)] = e;
+            tsum += (double)e;
+            if (b < NB - 1 && e > 0.0f) atomicAdd(&hm[(warp & 1) * NB + b], e);
+        }
+    }
+    __syncthreads();
+    publish_bins(F, hm, hc);
+    tsum = blk_sum_d(tsum, S);
+    if (t == 0) F.ctot = tsum, F.first = INT_MAX, F.last = -1, F.tok = 0;  // (F.tok: before any remote write)
+    const double total = boundary<CL>(F, S, C.rank, false, 0, R.top_p, two_level);
+    const double want = (double)R.top_p * total;
+    const int b = F.first;
+    SPROF(9);
+    if (b == INT_MAX) return fast_give_up<CL>();
+    const int n = F.n;
+    if (n > CAND || n <= 0) return fast_give_up<CL>();
+    // 3: compaction of bin b (id order) into every CTA; the thread's mass above b
+    int nl = 0;
+    double abv = 0, abvm = 0;
+    for (int i = s0; i < s1; i++) {
+        float l = L[tp_sk(i)];
+        int bb = fbin(l, mx);
+        nl += bb == b;
+        if (bb < b) {
+            double e = (double)E[tp_sk(i)];
+            abv += e;
+            if (l >= thresh) abvm += e;
+        }
+    }
+    int ttot;
+    const int pos0 = blk_excl_scan_i(nl, S, &ttot) + F.off;
+    if (nl > 0) {
+        int pos = pos0;
+        for (int i = s0; i < s1 && pos < CAND; i++) {
+            float l = L[tp_sk(i)];
+            if (fbin(l, mx) != b) continue;
+            uint32_t key = fkey(l);
+            float e = E[tp_sk(i)];
+            if constexpr (CL == 1) {
+                F.ck[pos] = key, F.ci[pos] = C.beg + i, F.ce[pos] = e;
+            } else {
+                cg::cluster_group cl = cg::this_cluster();
+                for (int r = 0; r < CL; r++) {
+                    k_fast *Fr = cl.map_shared_rank(&F, r);
+                    Fr->ck[pos] = key, Fr->ci[pos] = C.beg + i, Fr->ce[pos] = e;
+                }
+            }
+            pos++;
+        }
+    }
+    blk_sum_d2(abv, abvm, S);
+    if (t == 0) F.abv = abv, F.abvm = abvm;
+    double above = 0;
+    if constexpr (CL == 1) {
+        __syncthreads();
+        above = F.abv;
+        if (t == 0) F.wr[0] = F.abvm;
+    } else {
+        cg::cluster_group cl = cg::this_cluster();
+        cl.sync();
+        if (t < CL) F.rabv[t] = cl.map_shared_rank(&F, t)->abv, F.wr[t] = cl.map_shared_rank(&F, t)->abvm;
+        __syncthreads();
+        for (int r = 0; r < CL; r++) above += F.rabv[r];
+    }
+    SPROF(10);
+    // 4: exact ranks (the array is in id order), the cut rank P
+    uint32_t kt = t < n ? F.ck[t] : 0u;
+    int rank = 0;
+    if (t < n)
+        for (int j = 0; j < n; j++) {
+            uint32_t kj = F.ck[j];
+            rank += kj > kt || (kj == kt && j < t);
+        }
+    if (t < n) F.se[rank] = F.ce[t], F.rk[t] = rank;
+    if (t == 0) F.first = INT_MAX, F.last = -1;
+    __syncthreads();
+    {
+        double w = t < n ? (double)F.se[t] : 0.0, tot, ex = blk_excl_scan_d(w, S, &tot);
+        if (!(above < want && want <= above + tot)) return fast_give_up<CL>();  // the bin was wrong
+        if (w > 0 && above + ex + w >= want) atomicMin(&F.first, t);
+        if (w > 0) atomicMax(&F.last, t);
+    }
+    __syncthreads();
+    const int P = F.first != INT_MAX ? F.first : (F.last >= 0 ? F.last : 0);
+    SPROF(11);
+    // 5: the surviving candidates (by position) and every chunk's surviving mass
+    if (t < n) F.se[t] = F.rk[t] <= P && fval(kt) >= thresh ? F.ce[t] : 0.0f;  // (F.se by rank: read above)
+    __syncthreads();
+    if (warp < CL) {  // warp r: chunk r's surviving candidates, summed in a fixed order
+        int lo = (int)((int64_t)V * warp / CL), hi = (int)((int64_t)V * (warp + 1) / CL);
+        double s = 0;
+        for (int j = lane; j < n; j += 32)
+            if (F.ci[j] >= lo && F.ci[j] < hi) s += (double)F.se[j];
+        for (int o = 16; o; o >>= 1) s += __shfl_xor_sync(FULL, s, o);
+        if (lane == 0) F.wr[warp] += s;
+    }
+    __syncthreads();
+    double before = 0, W = 0, sum = 0;
+    int last_nz = -1;  // the last chunk with survivors: it answers when u * S rounds past the end
+    for (int q = 0; q < CL; q++) {
+        if (q == C.rank) before = sum, W = F.wr[q];
+        sum += F.wr[q];
+        if (F.wr[q] > 0) last_nz = q;
+    }
+    SPROF(12);
+    const double r = pd_sample_uniform_of(R.seed, R.draw_idx) * sum;
+    if (W > 0 && r >= before && (r < before + W || C.rank == last_nz)) {  // CTA-uniform: one CTA
+        // 6: the threads' surviving masses in id order (one scan), then one thread's walk
+        if (t == 0) S.token = INT_MAX, S.last_keep = -1;
+        double tw = 0;
+        int last = -1;
+        for (int i = s0, pos = pos0; i < s1; i++) {
+            float l = L[tp_sk(i)];
+            int bb = fbin(l, mx);
+            float w = bb < b ? (l >= thresh ? E[tp_sk(i)] : 0.0f) : bb == b ? F.se[pos++] : 0.0f;
+            tw += (double)w;
+            if (w > 0) last = C.beg + i;
+        }
+        double tot, ex = blk_excl_scan_d(tw, S, &tot) + before;  // (its barriers order S.token's reset)
+        if (last >= 0) atomicMax(&S.last_keep, last);
+        if (tw > 0 && r >= ex && r < ex + tw) {
+            double acc = ex;
+            int tok = last;  // rounding: r inside the thread's range but past its running sum
+            for (int i = s0, pos = pos0; i < s1; i++) {
+                float l = L[tp_sk(i)];
+                int bb = fbin(l, mx);
+                float w = bb < b ? (l >= thresh ? E[tp_sk(i)] : 0.0f) : bb == b ? F.se[pos++] : 0.0f;
+                acc += (double)w;
+                if (w > 0 && r < acc) {
+                    tok = C.beg + i;
+                    break;
+                }
+            }
+            atomicMin(&S.token, tok);
+        }
+        __syncthreads();
+        if (t == 0) {
+            int tok = S.token != INT_MAX ? S.token : S.last_keep;
+            tok = tok < 0 ? 0 : tok;
+            if constexpr (CL == 1) F.tok = tok;
+            else cg::this_cluster().map_shared_rank(&F, 0)->tok = tok;
+        }
+    }
+    SPROF(13);
     return TOK_LATER;
 }
 
@@ -951,6 +1377,7 @@ static __device__ __forceinline__ pd_sample_krow inline_row(const pd_sample_kinl
 template <int CL, bool FAST>
 static __device__ __forceinline__ void sample_row(const pd_sample_kparams p, const pd_sample_krow R, int row, k_smem &S,
                                                   unsigned char *dyn_smem) {
+    SPROF_START();
     int V = p.vocab;
     chunk_t C;
     C.rank = (int)(blockIdx.x % CL);
@@ -970,19 +1397,32 @@ static __device__ __forceinline__ void sample_row(const pd_sample_kparams p, con
         }
         token = clu_argmax<CL>(bv, bi, S);
     } else {
-        float mx = -INFINITY;
-        for (int i = C.beg + threadIdx.x; i < C.end; i += NT) mx = fmaxf(mx, __fmul_rn(lg(x, M, i), R.inv_temp));
-        mx = clu_max_f<CL>(mx, S);
         token = -1;
+        bool tp_tried = false;  // the one-read top-p path gave up: straight to the radix passes
         if constexpr (FAST) {
-            if ((R.top_k > 0 || (R.top_p < 1.0f && CL >= p.topp_min_cl)) && isfinite(mx)) {
+            if ((p.fast & PD_SAMPLE_FAST_TOPP2) && R.top_k == 0 && R.top_p < 1.0f && CL >= p.topp_min_cl &&
+                2 * TP_PAD(C.end - C.beg) <= p.ecache) {
+                token = topp_row<CL>(x, M, C, R, S, *(k_fast *)dyn_smem, (float *)(dyn_smem + sizeof(k_fast)), V,
+                                     p.fast & PD_SAMPLE_FAST_GATHER2);
+                tp_tried = true;
+            }
+        }
+        float mx = -INFINITY;
+        if (token == -1) {
+            for (int i = C.beg + threadIdx.x; i < C.end; i += NT) mx = fmaxf(mx, __fmul_rn(lg(x, M, i), R.inv_temp));
+            mx = clu_max_f<CL>(mx, S);
+            SPROF(0);
+        }
+        if constexpr (FAST) {
+            if (token == -1 && (R.top_k > 0 || (R.top_p < 1.0f && CL >= p.topp_min_cl && !tp_tried)) && isfinite(mx)) {
                 float *E = p.ecache > 0 && C.end - C.beg <= p.ecache ? (float *)(dyn_smem + sizeof(k_fast)) : nullptr;
-                token = fast_random<CL>(x, M, C, R, mx, S, *(k_fast *)dyn_smem, E, V);
+                token = fast_random<CL>(x, M, C, R, mx, S, *(k_fast *)dyn_smem, E, V, p.fast & PD_SAMPLE_FAST_GATHER2);
             }
         }
         if (token == -1) {  // the radix passes: not a fast row, no finite max, or too many candidates
             cut_t c = truncate<CL>(x, M, C, R, mx, S);
             token = draw<CL>(x, M, C, R, mx, c, S);
+            SPROF(7);
         }
     }
     if (R.n_pens > 0) penalties(x, C, R, p.pens, p.pen_raw, true);
@@ -990,16 +1430,22 @@ static __device__ __forceinline__ void sample_row(const pd_sample_kparams p, con
         __threadfence();
         cg::this_cluster().sync();
     }
+    SPROF(15);
     if (C.rank == 0 && threadIdx.x == 0) {
         if constexpr (FAST) {
             if (token == TOK_LATER) token = ((const k_fast *)dyn_smem)->tok;
         }
         pd_sample_kout *o = &p.out[row];
-        o->token = token;
+        int n_top = R.n_logprobs > 0 ? S.n_top : 0;
         o->logprob = R.n_logprobs >= 0 ? __fsub_rn(x[token], lse) : 0.0f;
-        o->n_top = R.n_logprobs > 0 ? S.n_top : 0;
-        for (int j = 0; j < o->n_top; j++) o->top_ids[j] = S.top_ids[j], o->top_logprobs[j] = __fsub_rn(S.top_vals[j], lse);
+        o->n_top = n_top;
+        for (int j = 0; j < n_top; j++) o->top_ids[j] = S.top_ids[j], o->top_logprobs[j] = __fsub_rn(S.top_vals[j], lse);
+        // the token last, after the rest is visible to the host: the shim may poll it in mapped
+        // memory (PD_SAMPLE_PENDING until then) instead of waiting for the stream
+        __threadfence_system();
+        *(volatile int32_t *)&o->token = token;
     }
+    SPROF_FLUSH();
 }
 
 // The rows in device (or mapped) memory, p.rows.
@@ -1025,7 +1471,8 @@ static __global__ void __launch_bounds__(NT) k_sample_inl(const pd_sample_kparam
 // ---- launch ------------------------------------------------------------------------------------
 
 // Dynamic shared memory of a FAST launch: the candidate-set arrays, then the weight cache.
-#define DYN_MAX (sizeof(k_fast) + sizeof(float) * ECACHE_MAX)
+#define DYN_MAX (sizeof(k_fast) + sizeof(float) * (ECACHE_MAX > TP_FLOATS ? ECACHE_MAX : TP_FLOATS))
+static_assert(DYN_MAX + sizeof(k_smem) <= 227 * 1024, "the FAST instance's shared memory exceeds an sm_90 CTA's");
 
 template <int CL, bool FAST, bool INL>
 static cudaError_t launch_as(const pd_sample_kparams *p, const pd_sample_kinline *in, cudaStream_t s) {
@@ -1127,6 +1574,20 @@ static int env_fast(void) {
     return !(e && !strcmp(e, "0"));
 }
 
+// PD_CUDA_SAMPLE_GATHER=0: every CTA of a cluster reads every bin of every CTA's histogram (the
+// session-8 gather) instead of the two-level gather (boundary()), for A/B runs and tests.
+static int env_gather2(void) {
+    const char *e = getenv("PD_CUDA_SAMPLE_GATHER");
+    return !(e && !strcmp(e, "0"));
+}
+
+// PD_CUDA_SAMPLE_TOPP2=0: top-p rows without top-k skip the one-read path (the candidate-set path
+// of session 8 decides them), for A/B runs and tests.
+static int env_topp2(void) {
+    const char *e = getenv("PD_CUDA_SAMPLE_TOPP2");
+    return !(e && !strcmp(e, "0"));
+}
+
 // Rows with top-p and no top-k take the candidate-set path from this cluster size on (smaller
 // clusters, i.e. larger batches: the radix passes). PD_CUDA_SAMPLE_TOPP_MIN_CL=1..32 overrides.
 #define TOPP_MIN_CL 1
@@ -1157,6 +1618,11 @@ extern "C" void pd_cuda_sample(const pd_sample_kparams *p_in, const pd_sample_ki
     p->fast = env_fast() && p->any_trunc && di->fast_ok;
     p->topp_min_cl = env_topp_min_cl();
     p->ecache = p->fast && chunk <= ECACHE_MAX ? chunk : 0;
+    if (p->fast && env_gather2()) p->fast |= PD_SAMPLE_FAST_GATHER2;
+    if (p->fast && env_topp2() && chunk <= TP_MAX) {  // the one-read top-p path: room for l and e
+        p->fast |= PD_SAMPLE_FAST_TOPP2;
+        if (p->ecache < 2 * TP_PAD(chunk)) p->ecache = 2 * TP_PAD(chunk);
+    }
     cudaError_t e;
     switch (cl) {
     case 16: e = launch<16>(p, in, s); break;
@@ -1167,6 +1633,7 @@ extern "C" void pd_cuda_sample(const pd_sample_kparams *p_in, const pd_sample_ki
     }
     if (e != cudaSuccess && cl > 1) {  // a cluster the device refused: one CTA per row
         (void)cudaGetLastError();
+        p->fast &= ~PD_SAMPLE_FAST_TOPP2;  // (a chunk of the whole vocabulary: the cache only)
         p->ecache = p->fast && p->vocab <= ECACHE_MAX ? p->vocab : 0;
         (void)launch<1>(p, in, s);
     }

@@ -13,6 +13,9 @@ extern "C" {
 
 #define PD_SAMPLE_KMAX_TOP 20
 #define PD_SAMPLE_KMAX_VOCAB (1 << 30)
+#define PD_SAMPLE_FAST_TOPP2 2 // pd_sample_kparams.fast: top-p rows without top-k read their chunk once
+#define PD_SAMPLE_FAST_GATHER2 4 // pd_sample_kparams.fast: the two-level histogram gather
+#define PD_SAMPLE_PENDING INT32_MIN // pd_sample_kout.token until the kernel has written the row (written last)
 #define PD_SAMPLE_KINLINE 8   // rows carried in the launch's parameters (no copy) up to this batch
 
 typedef struct pd_sample_krow {
@@ -52,7 +55,8 @@ typedef struct pd_sample_kparams {
     int all_greedy;                // every row greedy (one pass: clusters only pay below 9 rows)
     int any_trunc;                 // some row has top-k or top-p (the candidate-set kernel)
     // Set by pd_cuda_sample, not by its caller (whatever the caller leaves there is overwritten):
-    int fast;                      // candidate-set path on (PD_CUDA_SAMPLE_FAST=0: the radix passes only)
+    int fast;                      // candidate-set path on (PD_CUDA_SAMPLE_FAST=0: the radix passes only);
+                                   // | PD_SAMPLE_FAST_TOPP2: the one-read top-p path too
     int topp_min_cl;               // top-p rows without top-k use it from this cluster size on
     int ecache;                    // capacity (floats) of each CTA's cache of exp(l - max); 0: none
 } pd_sample_kparams;

@@ -1129,6 +1129,10 @@ static pd_sampling_params sample_cfg(int k, uint64_t seed) {
     // boundary bin overflows it: both take the radix passes (src/kernels/sample.cu)
     case 10: p.top_k = 3000, p.top_p = 0.97f; break;
     case 11: p.temperature = 8.0f, p.top_p = 0.9f; break;
+    // beyond N_SAMPLE_CFG (the distribution cases below name them): top-p alone, with min-p, colder
+    case 12: p.top_p = 0.95f; break;
+    case 13: p.top_p = 0.9f, p.min_p = 0.05f; break;
+    case 14: p.temperature = 0.6f, p.top_p = 0.5f; break;
     default: p.top_k = 1, p.temperature = 1.5f; break;
     }
     return p;
@@ -1229,13 +1233,42 @@ static void sample_on_gpu(ctx *c, pd_sampler **s, int n_rows, int V, float *dev,
     pd_op_sample(c->gpu, &sp);
 }
 
-static void sample_case(ctx *c, int V, int n_rows, bool bf16, int cfg_off, int n_steps) {
+// Row distributions of the sampler cases. The one-read top-p path and the candidate set take the
+// boundary bin (1/64 of a logit) of the nucleus when it holds <= 1024 tokens and fall back to the
+// radix passes otherwise: these rows put the cut inside runs of equal and one-ulp-apart values,
+// make the nucleus most of the vocabulary, or one token.
+enum {
+    DIST_NORMAL,  // 3 * normal(0, 1)
+    DIST_TIES,    // 3 * normal rounded to 1/8, half of them one ulp up: exact and near ties everywhere
+    DIST_FLAT,    // 0.02 * normal: the nucleus holds about 90% of the vocabulary
+    DIST_HEAD,    // one token with about half the mass, a nearly flat tail: the cut deep in the tail
+    DIST_SPIKE,   // one token 40 above a normal row: a nucleus of one
+};
+static float dist_logit(ctx *c, int dist, size_t i, int V) {
+    int id = (int)(i % (size_t)V);
+    float v = pd_rng_normal(&c->rng);
+    switch (dist) {
+    case DIST_TIES: {
+        float q = roundf(3.0f * v * 8.0f) / 8.0f;
+        return pd_rng_next(&c->rng) & 1 ? nextafterf(q, INFINITY) : q;
+    }
+    case DIST_FLAT: return 0.02f * v;
+    case DIST_HEAD: return id == 17 ? logf((float)V) : 0.01f * v;
+    case DIST_SPIKE: return id == 5 ? 40.0f : 3.0f * v;
+    default: return 3.0f * v;
+    }
+}
+
+// cfgs (n_cfgs of them; NULL: every one of the first N_SAMPLE_CFG): row r takes cfgs[(r + cfg_off) % n_cfgs].
+static void sample_case_ex(ctx *c, int V, int n_rows, bool bf16, int cfg_off, int n_steps, int dist, const int *cfgs,
+                           int n_cfgs) {
     pd_sampler *cs[64], *gs[64];
     pd_sampling_params ps[64];
     pd_sample_ctl *ctls[64] = {0};
     PD_ASSERT(n_rows <= 64);
     for (int r = 0; r < n_rows; r++) {
-        ps[r] = sample_cfg((r + cfg_off) % N_SAMPLE_CFG, 1000003ull * (uint64_t)(r + 1) + (uint64_t)cfg_off);
+        int k = cfgs ? cfgs[(r + cfg_off) % n_cfgs] : (r + cfg_off) % N_SAMPLE_CFG;
+        ps[r] = sample_cfg(k, 1000003ull * (uint64_t)(r + 1) + (uint64_t)cfg_off);
         cs[r] = pd_sampler_new(&ps[r], V);
         gs[r] = pd_sampler_new(&ps[r], V);
         if (r % 3 == 1) {  // logit bias, and a token mask on every other such row
@@ -1261,7 +1294,7 @@ static void sample_case(ctx *c, int V, int n_rows, bool bf16, int cfg_off, int n
     int n_bad = 0;
     for (int step = 0; step < n_steps; step++) {
         for (size_t i = 0; i < n; i++) {
-            float v = 3.0f * pd_rng_normal(&c->rng);
+            float v = dist_logit(c, dist, i, V);
             h[i] = bf16 ? pd_bf16_to_f32(pd_f32_to_bf16(v)) : v;
         }
         pd_backend_upload(c->gpu, pd_buffer_ptr(buf), h, sizeof(float) * n);
@@ -1279,8 +1312,8 @@ static void sample_case(ctx *c, int V, int n_rows, bool bf16, int cfg_off, int n
             PD_CHECK_MSG(!banned_or_masked(ctls[r], tc) && !banned_or_masked(ctls[r], tg),
                          "row %d drew a banned or masked token (cpu %d gpu %d)", r, tc, tg);
             if (tc != tg && n_bad++ < 8)
-                PD_FAIL_("V=%d rows=%d bf16=%d step %d row %d (T=%g k=%d p=%g min_p=%g pen=%g/%g/%g): cpu %d gpu %d", V,
-                         n_rows, bf16, step, r, p->temperature, p->top_k, p->top_p, p->min_p, p->presence_penalty,
+                PD_FAIL_("V=%d rows=%d bf16=%d dist %d step %d row %d (T=%g k=%d p=%g min_p=%g pen=%g/%g/%g): cpu %d gpu %d",
+                         V, n_rows, bf16, dist, step, r, p->temperature, p->top_k, p->top_p, p->min_p, p->presence_penalty,
                          p->frequency_penalty, p->repetition_penalty, tc, tg);
             if (p->n_logprobs < 0) continue;
             PD_CHECK_NEAR(rg.logprob, rc.logprob, 1e-4);
@@ -1291,10 +1324,15 @@ static void sample_case(ctx *c, int V, int n_rows, bool bf16, int cfg_off, int n
             }
         }
     }
-    PD_CHECK_MSG(n_bad == 0, "V=%d rows=%d bf16=%d: %d of %d tokens differ", V, n_rows, bf16, n_bad, n_rows * n_steps);
+    PD_CHECK_MSG(n_bad == 0, "V=%d rows=%d bf16=%d dist %d: %d of %d tokens differ", V, n_rows, bf16, dist, n_bad,
+                 n_rows * n_steps);
     for (int r = 0; r < n_rows; r++) pd_sampler_free(cs[r]), pd_sampler_free(gs[r]), pd_sample_ctl_free(ctls[r]);
     pd_buffer_free(buf);
     pd_free(h), pd_free(back), pd_free(row), pd_free(sb.rows), pd_free(sb.outs), pd_free(sb.pens), pd_free(sb.masks);
+}
+
+static void sample_case(ctx *c, int V, int n_rows, bool bf16, int cfg_off, int n_steps) {
+    sample_case_ex(c, V, n_rows, bf16, cfg_off, n_steps, DIST_NORMAL, NULL, 0);
 }
 
 // Host-timed op calls (upload of the rows, kernel, download, sync) for 64 rows of V = 151936.
@@ -1358,15 +1396,38 @@ PD_TEST(test_cuda_sample) {
         for (int k = 0; k < N_SAMPLE_CFG; k += 2) sample_case(&c, 128256, 3, (k / 2) & 1, k + q, 1);
     }
     unsetenv("PD_CUDA_SAMPLE_CLUSTER");
-    // The radix passes alone (PD_CUDA_SAMPLE_FAST=0), and the copies both ways instead of rows in
-    // the launch's parameters and results written to mapped memory (PD_CUDA_SAMPLE_DIRECT=0).
-    static const char *knobs[][2] = {{"PD_CUDA_SAMPLE_FAST", "0"}, {"PD_CUDA_SAMPLE_DIRECT", "0"}};
-    for (int q = 0; q < 2; q++) {
+    // The radix passes alone (PD_CUDA_SAMPLE_FAST=0), the copies both ways instead of rows in the
+    // launch's parameters and results written to mapped memory (PD_CUDA_SAMPLE_DIRECT=0), and a
+    // stream synchronize instead of polling the mapped results (PD_CUDA_SAMPLE_POLL=0), and every
+    // CTA of a cluster reading every bin of the others' histograms (PD_CUDA_SAMPLE_GATHER=0).
+    static const char *knobs[][2] = {{"PD_CUDA_SAMPLE_FAST", "0"}, {"PD_CUDA_SAMPLE_DIRECT", "0"}, {"PD_CUDA_SAMPLE_POLL", "0"},
+                                     {"PD_CUDA_SAMPLE_GATHER", "0"}};
+    for (int q = 0; q < 4; q++) {
         setenv(knobs[q][0], knobs[q][1], 1);
         for (int k = 0; k < N_SAMPLE_CFG; k++) sample_case(&c, 128256, 2, k & 1, k + 7 * q, 1);
         sample_case(&c, 32000, 8, q, q, 1);
         unsetenv(knobs[q][0]);
     }
+    // Top-p rows on hard distributions (ties, flat, head + flat tail, spike) at batch 1, 3 and 8 (one
+    // cluster of 16 or 8 CTAs a row: the one-read top-p path), each with the one-read path off
+    // (PD_CUDA_SAMPLE_TOPP2=0: the candidate-set path) and with every cluster size forced.
+    static const int tp_cfgs[] = {3, 12, 13, 14, 5, 11, 1};
+    int n_tp = (int)(sizeof tp_cfgs / sizeof tp_cfgs[0]);
+    for (int q = 0; q < 2; q++) {
+        if (q) setenv("PD_CUDA_SAMPLE_TOPP2", "0", 1);
+        for (int d = 0; d <= DIST_SPIKE; d++)
+            for (int v = 0; v < 3; v++) {
+                for (int k = 0; k < n_tp; k++) sample_case_ex(&c, big[v], 1, (d + k) & 1 && d != DIST_FLAT, k, 1, d, tp_cfgs, n_tp);
+                sample_case_ex(&c, big[v], 3, d & 1, d + v, 1, d, tp_cfgs, n_tp);
+                sample_case_ex(&c, big[v], 8, 0, d, 1, d, tp_cfgs, n_tp);
+            }
+        unsetenv("PD_CUDA_SAMPLE_TOPP2");
+    }
+    for (int q = 0; q < 5; q++) {
+        setenv("PD_CUDA_SAMPLE_CLUSTER", cls[q], 1);
+        for (int d = 0; d <= DIST_SPIKE; d++) sample_case_ex(&c, 128256, n_tp, d & 1 && d != DIST_FLAT, q, 1, d, tp_cfgs, n_tp);
+    }
+    unsetenv("PD_CUDA_SAMPLE_CLUSTER");
     sample_timing(&c);
     ctx_fini(&c);
 }

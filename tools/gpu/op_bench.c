@@ -128,9 +128,10 @@ static float *sample_logits(int n_rows, int V) {
 
 static void bench_sample(void) {
     static sm_arg s;
-    struct { const char *name; float t; int k; float p; } cfg[] = {
-        {"greedy", 0.0f, 0, 1.0f}, {"temperature 0.8", 0.8f, 0, 1.0f}, {"top-k 40", 1.0f, 40, 1.0f},
-        {"top-p 0.9", 1.0f, 0, 0.9f}, {"top-k 40 + top-p 0.95", 1.0f, 40, 0.95f}};
+    struct { const char *name; float t; int k; float p, min_p; } cfg[] = {
+        {"greedy", 0.0f, 0, 1.0f, 0}, {"temperature 0.8", 0.8f, 0, 1.0f, 0}, {"top-k 40", 1.0f, 40, 1.0f, 0},
+        {"top-p 0.9", 1.0f, 0, 0.9f, 0}, {"top-k 40 + top-p 0.95", 1.0f, 40, 0.95f, 0}, {"top-p 0.95", 1.0f, 0, 0.95f, 0},
+        {"top-p 0.9 + min-p 0.05", 1.0f, 0, 0.9f, 0.05f}, {"min-p 0.05", 1.0f, 0, 1.0f, 0.05f}};
     int vocabs[] = {32000, 128256, 152064}, batches[] = {1, 8, 64, 256};
     float *small = sample_logits(1, 1024);
     for (int r = 0; r < 256; r++)
@@ -143,7 +144,8 @@ static void bench_sample(void) {
         for (int bi = 0; bi < 4; bi++)
             for (size_t c = 0; c < sizeof cfg / sizeof cfg[0]; c++) {
                 for (int r = 0; r < batches[bi]; r++)
-                    s.rows[r].temperature = cfg[c].t, s.rows[r].top_k = cfg[c].k, s.rows[r].top_p = cfg[c].p;
+                    s.rows[r].temperature = cfg[c].t, s.rows[r].top_k = cfg[c].k, s.rows[r].top_p = cfg[c].p,
+                    s.rows[r].min_p = cfg[c].min_p;
                 s.p = (pd_sample_params){.logits = lg, .n_rows = batches[bi], .vocab = vocabs[v], .rows = s.rows, .out = s.out};
                 double us = time_us(g_b, sm_op, &s, batches[bi] >= 64 ? 20 : 100);
                 printf("sample V=%-6d B=%-3d %-22s %9.1f us/call %8.2f us/row\n", vocabs[v], batches[bi], cfg[c].name, us,

@@ -8,6 +8,11 @@
 // plain decode step of a small batch) is one launch and one synchronisation: no copy either way.
 // Otherwise rows, penalties and masks go up in one host-to-device copy before the launch.
 // PD_CUDA_SAMPLE_DIRECT=0 restores the copies both ways (rows up, results down), for A/B runs.
+// With results in mapped memory, the shim waits for them rather than for the stream: the kernel
+// writes each row's token last (after a system fence; PD_SAMPLE_PENDING until then) and the host
+// spins on those tokens, checking the stream now and then (a failed or finished kernel without
+// results is an error, never a hang). The kernel may still be retiring when the op returns; work
+// queued after it on the stream is ordered as before. PD_CUDA_SAMPLE_POLL=0: stream synchronize.
 // The staging buffers (pinned host, device) belong to the backend and only grow; they are never
 // used inside a captured graph, so growing them does not bump the backend's scratch generation.
 #include <math.h>
@@ -49,6 +54,7 @@ static pd_cuda_sampler *sampler_reserve(pd_cuda_backend *cb, size_t host_need, s
     }
     pd_cuda_sampler *s = cb->sampler;
     if (host_need > s->host_bytes) {
+        PD_CUDA_CHECK(cudaStreamSynchronize(cb->stream));  // a polled call's kernel may still be retiring
         if (s->host) PD_CUDA_CHECK(cudaFreeHost(s->host));
         s->host = NULL;
         size_t n = host_need + host_need / 2;
@@ -80,6 +86,24 @@ static pd_sample_krow krow_of(const pd_sample_row *r, int vocab, int n_pens, int
     k.seed = r->seed;
     k.draw_idx = r->draw_idx;
     return k;
+}
+
+// Waits until the kernel has written every row's token into mapped memory (see the top).
+static void wait_results(pd_cuda_backend *cb, pd_sample_kout *outs, int n_rows) {
+    for (uint64_t spin = 0;; spin++) {
+        int r = 0;
+        while (r < n_rows && __atomic_load_n(&outs[r].token, __ATOMIC_ACQUIRE) != PD_SAMPLE_PENDING) r++;
+        if (r == n_rows) return;
+        if ((spin & 255) == 255) {  // every ~256 looks: has the kernel ended (or failed) without them?
+            cudaError_t e = cudaStreamQuery(cb->stream);
+            if (e == cudaErrorNotReady) continue;
+            PD_CUDA_CHECK(e);
+            for (r = 0; r < n_rows; r++)
+                if (__atomic_load_n(&outs[r].token, __ATOMIC_ACQUIRE) == PD_SAMPLE_PENDING)
+                    pd_abort(__FILE__, __LINE__, __func__, "the sampling kernel ended without writing every row");
+            return;
+        }
+    }
 }
 
 void pd_cuda_sample_op(pd_backend *b, const pd_sample_params *p) {
@@ -123,6 +147,10 @@ void pd_cuda_sample_op(pd_backend *b, const pd_sample_params *p) {
                            .n_rows = p->n_rows, .vocab = p->vocab,
                            .masks = n_masks ? (const uint32_t *)(d + rows_b + pens_b) : NULL,
                            .mask_words = p->mask_words, .all_greedy = all_greedy, .any_trunc = any_trunc};
+    env = getenv("PD_CUDA_SAMPLE_POLL");
+    bool poll = direct && !(env && !strcmp(env, "0"));
+    if (poll)
+        for (int r = 0; r < p->n_rows; r++) __atomic_store_n(&houts[r].token, PD_SAMPLE_PENDING, __ATOMIC_RELAXED);
     pd_sample_kinline in;
     if (inline_rows) {
         memset(&in, 0, sizeof in);  // the slots past n_rows are never read, but travel
@@ -133,7 +161,8 @@ void pd_cuda_sample_op(pd_backend *b, const pd_sample_params *p) {
     if (!direct)
         PD_CUDA_CHECK(cudaMemcpyAsync(houts, k.out, sizeof(pd_sample_kout) * (size_t)p->n_rows, cudaMemcpyDeviceToHost,
                                       cb->stream));
-    PD_CUDA_CHECK(cudaStreamSynchronize(cb->stream));
+    if (poll) wait_results(cb, houts, p->n_rows);
+    else PD_CUDA_CHECK(cudaStreamSynchronize(cb->stream));
     for (int r = 0; r < p->n_rows; r++) {
         pd_sample_out *o = &p->out[r];
         o->token = houts[r].token;
