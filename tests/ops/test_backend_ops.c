@@ -325,12 +325,15 @@ PD_TEST(test_cuda_matmul) {
     if (!ctx_init(&c, 5)) PD_SKIP("%s: no CUDA device", __func__);
     // Both GEMM paths: c.gpu uses the skinny decode kernel for M <= 16, a second backend cuBLASLt
     // for every M (whichever the default is).
+    // (the row-streaming skinny kernel off in both: test_cuda_skinny covers it)
     setenv("PD_CUDA_GEMV_MAX_M", "0", 1);
+    setenv("PD_CUDA_SKINNY", "0", 1);
     pd_err err = {0};
     pd_backend *lt_only = pd_backend_new("cuda", 0, &err);
     setenv("PD_CUDA_GEMV_MAX_M", "16", 1);
     pd_backend *gemv_on = pd_backend_new("cuda", 0, &err);
     unsetenv("PD_CUDA_GEMV_MAX_M");
+    unsetenv("PD_CUDA_SKINNY");
     PD_REQUIRE(lt_only && gemv_on);
     pd_backend *dflt = c.gpu;
     c.gpu = gemv_on;  // compare() reads through c.gpu: the backend under test
@@ -357,6 +360,43 @@ PD_TEST(test_cuda_matmul) {
     c.gpu = dflt;
     pd_backend_free(lt_only);
     pd_backend_free(gemv_on);
+    ctx_fini(&c);
+}
+
+// The row-streaming skinny kernel (PD_CUDA_SKINNY=2: every supported call, whatever the per-shape
+// rule picks) against the CPU reference: M = 1..8 over random shapes (K % 8 == 0, N from 1, row
+// strides > K, every flag), decode-sized shapes with K-chunk tails, and a PDL chain.
+PD_TEST(test_cuda_skinny) {
+    ctx c;
+    if (!ctx_init(&c, 17)) PD_SKIP("%s: no CUDA device", __func__);
+    setenv("PD_CUDA_SKINNY", "2", 1);
+    pd_err err = {0};
+    pd_backend *sk = pd_backend_new("cuda", 0, &err);
+    setenv("PD_CUDA_SKINNY_ROWS", "2", 1);
+    pd_backend *sk2 = pd_backend_new("cuda", 0, &err);
+    unsetenv("PD_CUDA_SKINNY_ROWS");
+    unsetenv("PD_CUDA_SKINNY");
+    PD_REQUIRE(sk && sk2);
+    pd_backend *dflt = c.gpu;
+    for (int v = 0; v < 2; v++) {
+        c.gpu = v ? sk2 : sk;  // compare() reads through c.gpu
+        for (int M = 1; M <= 8; M++)
+            for (int i = 0; i < 6; i++) {
+                int N = 1 + (int)(pd_rng_next(&c.rng) % (i < 3 ? 40 : 1500));
+                int K = 8 * (1 + (int)(pd_rng_next(&c.rng) % (i < 3 ? 40 : 700)));
+                int lda = K + (i % 3 == 2 ? 8 * (1 + (int)(pd_rng_next(&c.rng) % 4)) : 0);
+                int flags = (int)(pd_rng_next(&c.rng) % 8);
+                matmul_case(&c, c.gpu, M, N, K, lda, flags & 1, flags & 2, flags & 4);
+            }
+        int big[][2] = {{4096, 4096}, {1027, 14336}, {6144, 4104}};
+        for (int M = 1; M <= 8; M += v ? 7 : 3)
+            for (int s = 0; s < 3; s++) matmul_case(&c, c.gpu, M, big[s][0], big[s][1], big[s][1], s == 1, s == 2, M == 4);
+        matmul_chain_case(&c, 1, 2048, 1024, 512);
+        matmul_chain_case(&c, 8, 4096, 4096, 96);
+    }
+    c.gpu = dflt;
+    pd_backend_free(sk);
+    pd_backend_free(sk2);
     ctx_fini(&c);
 }
 

@@ -7,7 +7,10 @@
 // sample: pd_op_sample (rows' parameters up, kernel, results down, sync: the whole op as the engine
 // calls it) at batch 1 / 8 / 64 / 256 for three vocabularies and five configurations; the first
 // line (V = 1024, greedy, batch 1) is the op's fixed cost.
-// Usage: op_bench [copy] [peak] [gemm] [prefill] [attn] [sample]  (no argument: all sections).
+// gemv: the decode GEMM shapes at M = 1, 2, 4, 8, cuBLASLt (PD_CUDA_SKINNY=0) against the
+// row-streaming skinny kernel (PD_CUDA_SKINNY=2), GB/s of weight bytes and % of the copy rate
+// measured in the same run (the copy section runs first when gemv is asked for).
+// Usage: op_bench [copy] [peak] [gemm] [gemv] [prefill] [attn] [sample]  (no argument: all sections).
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -153,17 +156,21 @@ int main(int argc, char **argv) {
     pd_err err = {0};
     g_argc = argc, g_argv = argv;
     setenv("PD_CUDA_GEMV_MAX_M", "0", 1);  // g_b: cuBLASLt for every M
+    setenv("PD_CUDA_SKINNY", "0", 1);
     g_b = pd_backend_new("cuda", 0, &err);
-    setenv("PD_CUDA_GEMV_MAX_M", "16", 1);  // lt: the skinny kernel for M <= 16
+    setenv("PD_CUDA_GEMV_MAX_M", "16", 1);  // lt: the stream-K gemv kernel for M <= 16
     pd_backend *lt = pd_backend_new("cuda", 0, &err);
-    if (!g_b || !lt) { fprintf(stderr, "no cuda: %s\n", err.msg); return 1; }
-    double us;
-    if (want("copy")) {
+    setenv("PD_CUDA_GEMV_MAX_M", "0", 1);
+    setenv("PD_CUDA_SKINNY", "2", 1);  // sk: the row-streaming skinny kernel for every M <= 8
+    pd_backend *sk = pd_backend_new("cuda", 0, &err);
+    if (!g_b || !lt || !sk) { fprintf(stderr, "no cuda: %s\n", err.msg); return 1; }
+    double us, copy_gbs = NAN;
+    if (want("copy") || want("gemv")) {
         cp_arg cp = {.bytes = (size_t)1 << 30};
         cp.base = alloc(4 * cp.bytes);
         pd_op_fill_normal(g_b, cp.base, PD_DTYPE_F32, cp.bytes, 1, 0.0f, 1.0f);
         us = time_us(g_b, cp_op, &cp, 10);
-        double copy_gbs = 2.0 * 2.0 * cp.bytes / (us * 1e3);  // 2 copies x (read + write)
+        copy_gbs = 2.0 * 2.0 * cp.bytes / (us * 1e3);  // 2 copies x (read + write)
         printf("copy 1GiB x2 (kernel)      %9.1f us  %7.0f GB/s (read+write)\n", us, copy_gbs);
     }
     if (want("peak")) {
@@ -197,6 +204,24 @@ int main(int argc, char **argv) {
         double t = time_us(g_b, mm_op, &m, 10);
         printf("%-8s M=8192 prefill            cublasLt %8.1f us  %6.1f TFLOP/s\n", names[s], t,
                2.0 * 8192 * N * K / (t * 1e6));
+    }
+    for (size_t s = 0; s < 5 && want("gemv"); s++) {
+        int N = shapes[s][0], K = shapes[s][1], gm[] = {1, 2, 4, 8};
+        mm_arg m = {.N = N, .K = K};
+        m.a = rnd((size_t)8 * K);
+        int nw = (size_t)N * K * 2 > (64u << 20) ? 2 : NW;
+        for (int i = 0; i < NW; i++) m.w[i] = i < nw ? rnd((size_t)N * K) : m.w[i % nw];
+        m.out = alloc((size_t)8 * N * 2);
+        double bytes = (double)N * K * 2;
+        for (int mi = 0; mi < 4; mi++) {
+            m.M = gm[mi];
+            int reps = bytes > 5e8 ? 20 : 100;
+            double t_l = time_us(g_b, mm_op, &m, reps), t_s = time_us(sk, mm_op, &m, reps);
+            double g_l = bytes / (t_l * 1e3), g_s = bytes / (t_s * 1e3);
+            printf("gemv %-8s M=%d N=%-6d K=%-5d  cublasLt %7.1f us %5.0f GB/s %3.0f%%  skinny %7.1f us %5.0f GB/s %3.0f%%  "
+                   "(%.2fx; %% of copy %.0f GB/s)\n", names[s], m.M, N, K, t_l, g_l, 100 * g_l / copy_gbs, t_s, g_s,
+                   100 * g_s / copy_gbs, t_l / t_s, copy_gbs);
+        }
     }
     // attention: Llama-3-8B heads
     int H = 32, Hkv = 8, hd = 128;

@@ -40,6 +40,8 @@ typedef struct pd_cuda_backend {
     int gemv_max_m;            // M <= this uses the skinny GEMM kernel (0 disables)
     void *gemv_ws;             // its split-K partials + tile counters; zero between launches
     size_t gemv_ws_bytes;
+    int skinny;                // kernels/skinny.cu for M <= 8: 0 off, 1 per measured rule, 2 always
+    int skinny_rows;           // its weight rows per block (2 or 4)
     // attention split-K partials; grows outside graph capture only
     float *attn_ws;
     size_t attn_ws_bytes;

@@ -1,6 +1,8 @@
 // gemm.c — pd_op_matmul on CUDA: out (M, N) = a (M, K) . w(N, K)^T [+ bias] [+ out].
 //
-// Two paths, picked per shape:
+// Three paths, picked per shape:
+//   * M <= 8 with PD_CUDA_SKINNY=1/2 (off by default, see pd_cuda_gemm_init): the row-streaming
+//     skinny kernel in kernels/skinny.cu (no workspace, PDL, weights prefetched before the wait);
 //   * M <= gemv_max_m (decode; off by default, see pd_cuda_gemm_init): the skinny tensor-core
 //     kernel in kernels/gemv.cu, which streams the weight once over a stream-K split and is
 //     launched with PDL (its weight loads start during the previous kernel); its split-K scratch
@@ -25,6 +27,7 @@
 #include "base/buf.h"
 #include "kernels/add_bias.cuh"
 #include "kernels/gemv.cuh"
+#include "kernels/skinny.cuh"
 
 #define PD_CUDA_LT_WS_BYTES (32u << 20)
 #define PD_GEMM_TUNE_MIN_M 32  // default tuning range: PD_GEMM_TUNE_MIN_M <= M <= PD_GEMM_TUNE_MAX_M
@@ -53,6 +56,26 @@ void pd_cuda_gemm_init(pd_cuda_backend *cb) {
     cb->gemv_max_m = 0;
     const char *e = getenv("PD_CUDA_GEMV_MAX_M");  // tuning knob for measurements
     if (e && *e) cb->gemv_max_m = atoi(e);
+    // The row-streaming skinny kernel (kernels/skinny.cu) for M <= 8: PD_CUDA_SKINNY=0 off (the
+    // default: the kernel has not run on a card yet, so nothing says it beats cuBLASLt), 1 the
+    // per-shape rule of skinny_wanted, 2 every supported call (tests, op_bench);
+    // PD_CUDA_SKINNY_ROWS=2 selects 2 weight rows per block instead of 4 (measurements).
+    cb->skinny = 0;
+    e = getenv("PD_CUDA_SKINNY");
+    if (e && *e) cb->skinny = atoi(e);
+    cb->skinny_rows = 4;
+    e = getenv("PD_CUDA_SKINNY_ROWS");
+    if (e && *e) cb->skinny_rows = atoi(e) == 2 ? 2 : 4;
+}
+
+// Whether the skinny kernel takes this call (see pd_cuda_gemm_init for the modes). Mode 1's rule
+// is the candidate to measure, not a measured one: decode-sized weights (N, K >= 2048: grids of
+// >= 512 blocks, every SM streaming); small N gives too few blocks without a split-K, which this
+// kernel does not have. To be replaced by the per-(shape, M) winners of `op_bench gemv`.
+static bool skinny_wanted(const pd_cuda_backend *cb, const pd_matmul_params *p, int lda) {
+    if (cb->skinny <= 0 || !pd_cuda_skinny_supported(p->M, p->K, lda, p->a, p->w)) return false;
+    if (cb->skinny >= 2) return true;
+    return p->N >= 2048 && p->K >= 2048;
 }
 
 void pd_cuda_gemm_fini(pd_cuda_backend *cb) {
@@ -186,6 +209,14 @@ void pd_cuda_gemm_matmul(pd_backend *b, const pd_matmul_params *p) {
                              .K = p->K, .lda = lda, .accumulate = p->accumulate, .out_f32 = p->out_f32,
                              .workspace = cb->gemv_ws};
         pd_cuda_gemv(&k, cb->stream);
+        PD_CUDA_CHECK_LAUNCH();
+        return;
+    }
+    if (skinny_wanted(cb, p, lda)) {
+        pd_skinny_kparams k = {.a = p->a, .w = p->w, .bias = p->bias, .out = p->out, .M = p->M, .N = p->N,
+                               .K = p->K, .lda = lda, .accumulate = p->accumulate, .out_f32 = p->out_f32,
+                               .rows = cb->skinny_rows};
+        pd_cuda_skinny(&k, cb->stream);
         PD_CUDA_CHECK_LAUNCH();
         return;
     }

@@ -1,0 +1,181 @@
+// skinny.cu — row-streaming skinny GEMM for decode (M <= 8): out (M, N) = a (M, K) . w(N, K)^T,
+// bound by streaming the weight once from HBM.
+//
+// One thread block of 128 threads owns R consecutive weight rows (R = 4 by default) and the whole
+// K: thread t reads 16-byte chunks t, t + 128, ... of each of its rows (a warp reads 512
+// contiguous bytes of a row per load), U = 16 / R chunks per row per batch, so every thread has 16
+// independent 16-byte weight loads (256 bytes) in flight before it does any arithmetic. The loads
+// are ld.global.nc.L1::no_allocate (read once: they would only evict the activations from L1).
+// For K = 4096 one batch is the block's whole tile (R x 8 KB); grids of N / R blocks (1024 for
+// N = 4096, 32064 for the lm_head) are scheduled dynamically, so the last wave is a few small
+// blocks, not a partial wave of big ones — no split-K and no workspace.
+// The M activation rows are read through L1 (__ldg; every block of an SM reads the same rows) and
+// unpacked to f32 once per chunk for all R rows; f32 FMAs on CUDA cores (M x R accumulators per
+// thread), then a recursive-halving warp reduction (31 shuffles for 32 sums, not 160) and a
+// 4-warp reduction through shared memory; threads 0 .. R*M-1 add bias / the previous output and
+// store.
+// PDL: the first batch of weight loads is issued before pd_k_pdl_wait() (weights are never
+// written by a kernel), so it overlaps the previous kernel's tail.
+#include "kernels/common.cuh"
+#include "kernels/skinny.cuh"
+
+#define PD_K_SK_THREADS 128
+#define PD_K_SK_LOADS 16  // 16-byte weight loads in flight per thread (R rows x U chunks)
+
+typedef struct pd_k_skinny_args {
+    const __nv_bfloat16 *a, *w, *bias;
+    void *out;
+    int M, N, K, lda, accumulate, out_f32;
+} pd_k_skinny_args;
+
+// 16-byte streaming load of read-only data: not kept in L1, L2 fetches 256-byte sectors.
+static __device__ __forceinline__ uint4 pd_k_ld_stream(const uint4 *p) {
+    uint4 v;
+    asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "l"(p));
+    return v;
+}
+
+// Weight chunks c + u * 128 (u < U) of the R rows; chunks past the row's end read as zero.
+template <int R, int U>
+static __device__ __forceinline__ void pd_k_sk_load(uint4 (&wv)[U][R], const uint4 *const (&wr)[R], int c,
+                                                    int chunks) {
+#pragma unroll
+    for (int u = 0; u < U; u++)
+#pragma unroll
+        for (int r = 0; r < R; r++)
+            wv[u][r] = c + u * PD_K_SK_THREADS < chunks ? pd_k_ld_stream(wr[r] + c + u * PD_K_SK_THREADS)
+                                                        : make_uint4(0, 0, 0, 0);
+}
+
+// Smallest power of two >= x (x <= 32).
+#define PD_K_SK_P2(x) ((x) <= 1 ? 1 : (x) <= 2 ? 2 : (x) <= 4 ? 4 : (x) <= 8 ? 8 : (x) <= 16 ? 16 : 32)
+
+// Sums each of the P values v[0..P-1] over the warp with P - 1 + log2(32 / P) shuffles instead of
+// 5 P (recursive halving: at each step a lane keeps one half of its values, sends the other half
+// to its partner and adds what it receives). Returns the index of the value whose sum the lane
+// holds in v[0] (lane >> (5 - log2 P)), or -1 for the lanes that hold a duplicate.
+template <int P>
+static __device__ __forceinline__ int pd_k_sk_warp_reduce(float (&v)[P], int lane) {
+    constexpr int lg = P >= 32 ? 5 : P >= 16 ? 4 : P >= 8 ? 3 : P >= 4 ? 2 : P >= 2 ? 1 : 0;
+#pragma unroll
+    for (int st = 0; st < lg; st++) {  // step st: partner lane ^ (16 >> st), P >> (st + 1) sums each way
+        const int half = P >> (st + 1), off = 16 >> st;
+        const bool up = lane & off;
+#pragma unroll
+        for (int i = 0; i < P / 2; i++)
+            if (i < half) {
+                float send = up ? v[i] : v[i + half], keep = up ? v[i + half] : v[i];
+                v[i] = keep + __shfl_xor_sync(0xffffffffu, send, off);
+            }
+    }
+#pragma unroll
+    for (int off = 16 >> lg; off >= 1; off /= 2) v[0] += __shfl_xor_sync(0xffffffffu, v[0], off);
+    return (lane & (32 / P - 1)) ? -1 : lane >> (5 - lg);
+}
+
+template <int M, int R>
+static __global__ void __launch_bounds__(PD_K_SK_THREADS) k_skinny(pd_k_skinny_args p) {
+    constexpr int U = PD_K_SK_LOADS / R;
+    pd_k_pdl_trigger();
+    const int tid = threadIdx.x, row0 = blockIdx.x * R, chunks = p.K >> 3;
+    const uint4 *wr[R];
+#pragma unroll
+    for (int r = 0; r < R; r++) {  // rows past N repeat the last row; their sums are not stored
+        int n = min(row0 + r, p.N - 1);
+        wr[r] = (const uint4 *)(p.w + (size_t)n * p.K);
+    }
+    uint4 wv[U][R];
+    pd_k_sk_load<R, U>(wv, wr, tid, chunks);
+    pd_k_pdl_wait();  // the activations (and out) belong to earlier kernels
+
+    const uint4 *ar[M];
+#pragma unroll
+    for (int m = 0; m < M; m++) ar[m] = (const uint4 *)(p.a + (size_t)m * p.lda);
+    float acc[R][M];
+#pragma unroll
+    for (int r = 0; r < R; r++)
+#pragma unroll
+        for (int m = 0; m < M; m++) acc[r][m] = 0.f;
+    for (int c = tid;;) {
+#pragma unroll
+        for (int u = 0; u < U; u++) {
+            int cu = c + u * PD_K_SK_THREADS;
+            if (cu >= chunks) break;
+            float wf[R][8];
+#pragma unroll
+            for (int r = 0; r < R; r++) pd_k_unpack8(wv[u][r], wf[r]);
+#pragma unroll
+            for (int m = 0; m < M; m++) {
+                float af[8];
+                pd_k_unpack8(__ldg(ar[m] + cu), af);
+#pragma unroll
+                for (int r = 0; r < R; r++)
+#pragma unroll
+                    for (int j = 0; j < 8; j++) acc[r][m] = fmaf(wf[r][j], af[j], acc[r][m]);
+            }
+        }
+        c += U * PD_K_SK_THREADS;
+        if (c >= chunks) break;
+        pd_k_sk_load<R, U>(wv, wr, c, chunks);
+    }
+
+    __shared__ float red[PD_K_SK_THREADS / 32][R * M];
+    const int lane = tid & 31, warp = tid >> 5;
+    float v[PD_K_SK_P2(R * M)];
+#pragma unroll
+    for (int i = 0; i < PD_K_SK_P2(R * M); i++) v[i] = i < R * M ? acc[i / M][i % M] : 0.f;
+    int idx = pd_k_sk_warp_reduce<PD_K_SK_P2(R * M)>(v, lane);
+    if (idx >= 0 && idx < R * M) red[warp][idx] = v[0];
+    __syncthreads();
+    if (tid < R * M) {
+        int r = tid / M, m = tid - r * M, n = row0 + r;
+        if (n < p.N) {
+            float v = 0.f;
+#pragma unroll
+            for (int i = 0; i < PD_K_SK_THREADS / 32; i++) v += red[i][tid];
+            if (p.bias) v += __bfloat162float(p.bias[n]);
+            size_t o = (size_t)m * p.N + n;
+            if (p.out_f32) {
+                float *of = (float *)p.out;
+                of[o] = p.accumulate ? of[o] + v : v;
+            } else {
+                __nv_bfloat16 *ob = (__nv_bfloat16 *)p.out;
+                ob[o] = __float2bfloat16(p.accumulate ? __bfloat162float(ob[o]) + v : v);
+            }
+        }
+    }
+}
+
+extern "C" int pd_cuda_skinny_supported(int M, int K, int lda, const void *a, const void *w) {
+    return M >= 1 && M <= PD_SKINNY_MAX_M && K > 0 && K % 8 == 0 && lda % 8 == 0 && ((uintptr_t)a & 15) == 0 &&
+           ((uintptr_t)w & 15) == 0;
+}
+
+template <int R>
+static void pd_k_skinny_launch_r(const pd_k_skinny_args &a, cudaStream_t s) {
+    dim3 grid((unsigned)((a.N + R - 1) / R)), block(PD_K_SK_THREADS);
+    switch (a.M) {
+    case 1: pd_k_launch(k_skinny<1, R>, grid, block, 0, s, a); break;
+    case 2: pd_k_launch(k_skinny<2, R>, grid, block, 0, s, a); break;
+    case 3: pd_k_launch(k_skinny<3, R>, grid, block, 0, s, a); break;
+    case 4: pd_k_launch(k_skinny<4, R>, grid, block, 0, s, a); break;
+    case 5: pd_k_launch(k_skinny<5, R>, grid, block, 0, s, a); break;
+    case 6: pd_k_launch(k_skinny<6, R>, grid, block, 0, s, a); break;
+    case 7: pd_k_launch(k_skinny<7, R>, grid, block, 0, s, a); break;
+    default: pd_k_launch(k_skinny<8, R>, grid, block, 0, s, a); break;
+    }
+}
+
+extern "C" void pd_cuda_skinny(const pd_skinny_kparams *p, cudaStream_t s) {
+    pd_k_skinny_args a;
+    a.a = (const __nv_bfloat16 *)p->a;
+    a.w = (const __nv_bfloat16 *)p->w;
+    a.bias = (const __nv_bfloat16 *)p->bias;
+    a.out = p->out;
+    a.M = p->M, a.N = p->N, a.K = p->K, a.lda = p->lda ? p->lda : p->K;
+    a.accumulate = p->accumulate, a.out_f32 = p->out_f32;
+    if (p->rows == 2) pd_k_skinny_launch_r<2>(a, s);
+    else pd_k_skinny_launch_r<4>(a, s);
+}

@@ -1,0 +1,32 @@
+// skinny.cuh — launcher of the row-streaming skinny GEMM for decode (M <= 8): out (M, N) =
+// a (M, K) . w^T (+bias) (+out). C-compatible: the CUDA backend shim (src/backend/cuda/gemm.c)
+// includes it. Pointers are device pointers; a, w and bias are bf16.
+#pragma once
+#include <cuda_runtime_api.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define PD_SKINNY_MAX_M 8
+
+typedef struct pd_skinny_kparams {
+    const void *a;     // (M, K) bf16, row stride lda (elements)
+    const void *w;     // (N, K) bf16, row-major (the backend's weight layout)
+    const void *bias;  // (N) bf16 or NULL
+    void *out;         // (M, N) bf16, or f32 if out_f32
+    int M, N, K, lda;
+    int accumulate, out_f32;
+    int rows;          // weight rows per thread block: 2 or 4 (0: the default, 4)
+} pd_skinny_kparams;
+
+// True when the kernel handles this call: 1 <= M <= 8, K and lda multiples of 8 and a, w 16-byte
+// aligned (every load is 16 bytes).
+int pd_cuda_skinny_supported(int M, int K, int lda, const void *a, const void *w);
+void pd_cuda_skinny(const pd_skinny_kparams *p, cudaStream_t s);
+
+#ifdef __cplusplus
+}
+#endif
