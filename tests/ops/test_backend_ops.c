@@ -363,24 +363,35 @@ PD_TEST(test_cuda_matmul) {
     ctx_fini(&c);
 }
 
-// The row-streaming skinny kernel (PD_CUDA_SKINNY=2: every supported call, whatever the per-shape
-// rule picks) against the CPU reference: M = 1..8 over random shapes (K % 8 == 0, N from 1, row
-// strides > K, every flag), decode-sized shapes with K-chunk tails, and a PDL chain.
+// The skinny kernels (PD_CUDA_SKINNY=2: every supported call, whatever the per-shape rule picks)
+// against the CPU reference: the row-streaming CUDA-core kernel (PD_CUDA_SKINNY_MMA=0, 4 and 2 rows
+// per block) at M = 1..8 and the tensor-core kernel (PD_CUDA_SKINNY_MMA=2, 16 and 32 rows per block)
+// at M = 1..16, over random shapes (K % 8 == 0, N from 1, row strides > K, every flag),
+// decode-sized shapes with K-chunk tails and N not a multiple of the block's rows, and PDL chains.
 PD_TEST(test_cuda_skinny) {
     ctx c;
     if (!ctx_init(&c, 17)) PD_SKIP("%s: no CUDA device", __func__);
+    struct { const char *mma, *rows, *mma_rows; int max_m; } var[] = {
+        {"0", NULL, NULL, 8}, {"0", "2", NULL, 8}, {"2", NULL, NULL, 16}, {"2", NULL, "32", 16}};
+    pd_backend *bs[PD_ARRAY_LEN(var)];
     setenv("PD_CUDA_SKINNY", "2", 1);
-    pd_err err = {0};
-    pd_backend *sk = pd_backend_new("cuda", 0, &err);
-    setenv("PD_CUDA_SKINNY_ROWS", "2", 1);
-    pd_backend *sk2 = pd_backend_new("cuda", 0, &err);
-    unsetenv("PD_CUDA_SKINNY_ROWS");
+    for (size_t v = 0; v < PD_ARRAY_LEN(var); v++) {
+        pd_err err = {0};
+        setenv("PD_CUDA_SKINNY_MMA", var[v].mma, 1);
+        if (var[v].rows) setenv("PD_CUDA_SKINNY_ROWS", var[v].rows, 1);
+        if (var[v].mma_rows) setenv("PD_CUDA_SKINNY_MMA_ROWS", var[v].mma_rows, 1);
+        bs[v] = pd_backend_new("cuda", 0, &err);
+        unsetenv("PD_CUDA_SKINNY_ROWS");
+        unsetenv("PD_CUDA_SKINNY_MMA_ROWS");
+        PD_REQUIRE(bs[v]);
+    }
+    unsetenv("PD_CUDA_SKINNY_MMA");
     unsetenv("PD_CUDA_SKINNY");
-    PD_REQUIRE(sk && sk2);
     pd_backend *dflt = c.gpu;
-    for (int v = 0; v < 2; v++) {
-        c.gpu = v ? sk2 : sk;  // compare() reads through c.gpu
-        for (int M = 1; M <= 8; M++)
+    for (size_t v = 0; v < PD_ARRAY_LEN(var); v++) {
+        c.gpu = bs[v];  // compare() reads through c.gpu
+        int max_m = var[v].max_m;
+        for (int M = 1; M <= max_m; M++)
             for (int i = 0; i < 6; i++) {
                 int N = 1 + (int)(pd_rng_next(&c.rng) % (i < 3 ? 40 : 1500));
                 int K = 8 * (1 + (int)(pd_rng_next(&c.rng) % (i < 3 ? 40 : 700)));
@@ -388,15 +399,16 @@ PD_TEST(test_cuda_skinny) {
                 int flags = (int)(pd_rng_next(&c.rng) % 8);
                 matmul_case(&c, c.gpu, M, N, K, lda, flags & 1, flags & 2, flags & 4);
             }
-        int big[][2] = {{4096, 4096}, {1027, 14336}, {6144, 4104}};
-        for (int M = 1; M <= 8; M += v ? 7 : 3)
-            for (int s = 0; s < 3; s++) matmul_case(&c, c.gpu, M, big[s][0], big[s][1], big[s][1], s == 1, s == 2, M == 4);
+        int big[][2] = {{4096, 4096}, {1027, 14336}, {6144, 4104}, {4104, 4096}};
+        for (int M = 1; M <= max_m; M += max_m == 16 ? 5 : v ? 7 : 3)  // 1 4 7 / 1 8 / 1 6 11 16
+            for (int s = 0; s < 4; s++)
+                matmul_case(&c, c.gpu, M, big[s][0], big[s][1], big[s][1], s == 1, s == 2, M == 4 || s == 3);
         matmul_chain_case(&c, 1, 2048, 1024, 512);
-        matmul_chain_case(&c, 8, 4096, 4096, 96);
+        matmul_chain_case(&c, max_m, 4096, 4096, 96);
+        if (max_m == 16) matmul_chain_case(&c, 9, 1024, 2048, 4096);
     }
     c.gpu = dflt;
-    pd_backend_free(sk);
-    pd_backend_free(sk2);
+    for (size_t v = 0; v < PD_ARRAY_LEN(var); v++) pd_backend_free(bs[v]);
     ctx_fini(&c);
 }
 

@@ -7,9 +7,10 @@
 // sample: pd_op_sample (rows' parameters up, kernel, results down, sync: the whole op as the engine
 // calls it) at batch 1 / 8 / 64 / 256 for three vocabularies and five configurations; the first
 // line (V = 1024, greedy, batch 1) is the op's fixed cost.
-// gemv: the decode GEMM shapes at M = 1, 2, 4, 8, cuBLASLt (PD_CUDA_SKINNY=0) against the
-// row-streaming skinny kernel (PD_CUDA_SKINNY=2), GB/s of weight bytes and % of the copy rate
-// measured in the same run (the copy section runs first when gemv is asked for).
+// gemv: the decode GEMM shapes at M = 1..9, 12, 16: cuBLASLt (PD_CUDA_SKINNY=0), the row-streaming
+// CUDA-core skinny kernel (PD_CUDA_SKINNY=2 PD_CUDA_SKINNY_MMA=0; M <= 8) and the tensor-core one
+// (PD_CUDA_SKINNY_MMA=2) with 16 and 32 weight rows per block: time and weight bytes as % of the
+// copy rate measured in the same run (the copy section runs first when gemv is asked for).
 // Usage: op_bench [copy] [peak] [gemm] [gemv] [prefill] [attn] [sample]  (no argument: all sections).
 #include <math.h>
 #include <stdio.h>
@@ -161,9 +162,16 @@ int main(int argc, char **argv) {
     setenv("PD_CUDA_GEMV_MAX_M", "16", 1);  // lt: the stream-K gemv kernel for M <= 16
     pd_backend *lt = pd_backend_new("cuda", 0, &err);
     setenv("PD_CUDA_GEMV_MAX_M", "0", 1);
-    setenv("PD_CUDA_SKINNY", "2", 1);  // sk: the row-streaming skinny kernel for every M <= 8
+    setenv("PD_CUDA_SKINNY", "2", 1);  // sk: the row-streaming (CUDA-core) skinny kernel for every M <= 8
+    setenv("PD_CUDA_SKINNY_MMA", "0", 1);
     pd_backend *sk = pd_backend_new("cuda", 0, &err);
-    if (!g_b || !lt || !sk) { fprintf(stderr, "no cuda: %s\n", err.msg); return 1; }
+    setenv("PD_CUDA_SKINNY_MMA", "2", 1);  // mma: the tensor-core skinny kernel for every M <= 16
+    pd_backend *mma = pd_backend_new("cuda", 0, &err);
+    setenv("PD_CUDA_SKINNY_MMA_ROWS", "32", 1);  // mma32: the same with 32 weight rows per block
+    pd_backend *mma32 = pd_backend_new("cuda", 0, &err);
+    unsetenv("PD_CUDA_SKINNY_MMA_ROWS");
+    unsetenv("PD_CUDA_SKINNY_MMA");
+    if (!g_b || !lt || !sk || !mma || !mma32) { fprintf(stderr, "no cuda: %s\n", err.msg); return 1; }
     double us, copy_gbs = NAN;
     if (want("copy") || want("gemv")) {
         cp_arg cp = {.bytes = (size_t)1 << 30};
@@ -206,21 +214,27 @@ int main(int argc, char **argv) {
                2.0 * 8192 * N * K / (t * 1e6));
     }
     for (size_t s = 0; s < 5 && want("gemv"); s++) {
-        int N = shapes[s][0], K = shapes[s][1], gm[] = {1, 2, 4, 8};
+        int N = shapes[s][0], K = shapes[s][1], gm[] = {1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 16};
         mm_arg m = {.N = N, .K = K};
-        m.a = rnd((size_t)8 * K);
+        m.a = rnd((size_t)16 * K);
         int nw = (size_t)N * K * 2 > (64u << 20) ? 2 : NW;
         for (int i = 0; i < NW; i++) m.w[i] = i < nw ? rnd((size_t)N * K) : m.w[i % nw];
-        m.out = alloc((size_t)8 * N * 2);
+        m.out = alloc((size_t)16 * N * 2);
         double bytes = (double)N * K * 2;
-        for (int mi = 0; mi < 4; mi++) {
+        for (size_t mi = 0; mi < sizeof gm / sizeof gm[0]; mi++) {
             m.M = gm[mi];
             int reps = bytes > 5e8 ? 20 : 100;
-            double t_l = time_us(g_b, mm_op, &m, reps), t_s = time_us(sk, mm_op, &m, reps);
-            double g_l = bytes / (t_l * 1e3), g_s = bytes / (t_s * 1e3);
-            printf("gemv %-8s M=%d N=%-6d K=%-5d  cublasLt %7.1f us %5.0f GB/s %3.0f%%  skinny %7.1f us %5.0f GB/s %3.0f%%  "
-                   "(%.2fx; %% of copy %.0f GB/s)\n", names[s], m.M, N, K, t_l, g_l, 100 * g_l / copy_gbs, t_s, g_s,
-                   100 * g_s / copy_gbs, t_l / t_s, copy_gbs);
+            // cuBLASLt, the CUDA-core kernel (M <= 8), the tensor-core kernel with 16 and 32 rows per block
+            double t[4] = {time_us(g_b, mm_op, &m, reps), m.M <= 8 ? time_us(sk, mm_op, &m, reps) : NAN,
+                           time_us(mma, mm_op, &m, reps), time_us(mma32, mm_op, &m, reps)};
+            const char *name[4] = {"cublasLt", "cores", "mma16", "mma32"};
+            int best = 0;
+            for (int k = 1; k < 4; k++)
+                if (t[k] < t[best]) best = k;  // NaN compares false: never the best
+            printf("gemv %-8s M=%-2d N=%-6d K=%-5d", names[s], m.M, N, K);
+            for (int k = 0; k < 4; k++)
+                printf("  %s %6.1f us %3.0f%%", name[k], t[k], 100 * bytes / (t[k] * 1e3) / copy_gbs);
+            printf("  best %s (%.2fx cublasLt; %% of copy %.0f GB/s)\n", name[best], t[0] / t[best], copy_gbs);
         }
     }
     // attention: Llama-3-8B heads

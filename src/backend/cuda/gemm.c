@@ -1,8 +1,10 @@
 // gemm.c — pd_op_matmul on CUDA: out (M, N) = a (M, K) . w(N, K)^T [+ bias] [+ out].
 //
-// Three paths, picked per shape:
-//   * M <= 8 with PD_CUDA_SKINNY=1/2 (off by default, see pd_cuda_gemm_init): the row-streaming
-//     skinny kernel in kernels/skinny.cu (no workspace, PDL, weights prefetched before the wait);
+// Four paths, picked per shape:
+//   * M <= 16 with PD_CUDA_SKINNY=1/2 (off by default, see pd_cuda_gemm_init): the skinny
+//     weight-streaming kernels (no workspace, PDL, weights prefetched before the wait), per M
+//     either kernels/skinny.cu (M <= 8, f32 FMAs on the CUDA cores) or kernels/skinny_mma.cu
+//     (M <= 16, tensor cores); see skinny_choice;
 //   * M <= gemv_max_m (decode; off by default, see pd_cuda_gemm_init): the skinny tensor-core
 //     kernel in kernels/gemv.cu, which streams the weight once over a stream-K split and is
 //     launched with PDL (its weight loads start during the previous kernel); its split-K scratch
@@ -28,6 +30,7 @@
 #include "kernels/add_bias.cuh"
 #include "kernels/gemv.cuh"
 #include "kernels/skinny.cuh"
+#include "kernels/skinny_mma.cuh"
 
 #define PD_CUDA_LT_WS_BYTES (32u << 20)
 #define PD_GEMM_TUNE_MIN_M 32  // default tuning range: PD_GEMM_TUNE_MIN_M <= M <= PD_GEMM_TUNE_MAX_M
@@ -45,6 +48,20 @@ struct pd_cuda_gemm_plan {
 
 enum { PD_GEMM_BIAS = 1, PD_GEMM_F32 = 2 };
 
+// Integer measurement knob `name`: dflt when unset or empty; anything but an integer in [lo, hi]
+// is a configuration error (not silently replaced by the default).
+static int env_int(const char *name, int dflt, int lo, int hi) {
+    const char *e = getenv(name);
+    if (!e || !*e) return dflt;
+    char *end = NULL;
+    long v = strtol(e, &end, 10);
+    if (*end || v < lo || v > hi) {
+        PD_LOG_E("%s=%s: expected an integer in [%d, %d]", name, e, lo, hi);
+        pd_abort(__FILE__, __LINE__, __func__, "bad CUDA GEMM knob in the environment");
+    }
+    return (int)v;
+}
+
 void pd_cuda_gemm_init(pd_cuda_backend *cb) {
     PD_CUBLAS_CHECK(cublasLtCreate(&cb->lt));
     cb->lt_ws_bytes = PD_CUDA_LT_WS_BYTES;
@@ -56,9 +73,9 @@ void pd_cuda_gemm_init(pd_cuda_backend *cb) {
     cb->gemv_max_m = 0;
     const char *e = getenv("PD_CUDA_GEMV_MAX_M");  // tuning knob for measurements
     if (e && *e) cb->gemv_max_m = atoi(e);
-    // The row-streaming skinny kernel (kernels/skinny.cu) for M <= 8: PD_CUDA_SKINNY=0 off (the
-    // default: the kernel has not run on a card yet, so nothing says it beats cuBLASLt), 1 the
-    // per-shape rule of skinny_wanted, 2 every supported call (tests, op_bench);
+    // The skinny kernels (kernels/skinny.cu, M <= 8; kernels/skinny_mma.cu, M <= 16):
+    // PD_CUDA_SKINNY=0 off (the default until the lead picks the measured rule), 1 the per-shape
+    // rule of skinny_choice, 2 every supported call (tests, op_bench);
     // PD_CUDA_SKINNY_ROWS=2 selects 2 weight rows per block instead of 4 (measurements).
     cb->skinny = 0;
     e = getenv("PD_CUDA_SKINNY");
@@ -66,16 +83,31 @@ void pd_cuda_gemm_init(pd_cuda_backend *cb) {
     cb->skinny_rows = 4;
     e = getenv("PD_CUDA_SKINNY_ROWS");
     if (e && *e) cb->skinny_rows = atoi(e) == 2 ? 2 : 4;
+    // Which of the two skinny kernels takes an M (when PD_CUDA_SKINNY picks the skinny path):
+    // PD_CUDA_SKINNY_MMA=0 the CUDA-core kernel only (M <= 8; larger M go to cuBLASLt), 1 (the
+    // default) the tensor-core kernel for M >= PD_CUDA_SKINNY_MMA_MIN_M (default 5: from there the
+    // CUDA-core kernel is issue-bound), 2 the tensor-core kernel for every M <= 16 (tests,
+    // op_bench). PD_CUDA_SKINNY_MMA_ROWS=32 gives it 32 weight rows per block instead of 16.
+    cb->skinny_mma = env_int("PD_CUDA_SKINNY_MMA", 1, 0, 2);
+    cb->skinny_mma_min_m = env_int("PD_CUDA_SKINNY_MMA_MIN_M", 5, 1, PD_SKINNY_MMA_MAX_M + 1);
+    cb->skinny_mma_rows = env_int("PD_CUDA_SKINNY_MMA_ROWS", 16, 16, 32);
+    if (cb->skinny_mma_rows != 16 && cb->skinny_mma_rows != 32)
+        pd_abort(__FILE__, __LINE__, __func__, "PD_CUDA_SKINNY_MMA_ROWS must be 16 or 32");
 }
 
-// Whether the skinny kernel takes this call (see pd_cuda_gemm_init for the modes). Mode 1's rule
-// is the candidate to measure, not a measured one: decode-sized weights (N, K >= 2048: grids of
-// >= 512 blocks, every SM streaming); small N gives too few blocks without a split-K, which this
-// kernel does not have. To be replaced by the per-(shape, M) winners of `op_bench gemv`.
-static bool skinny_wanted(const pd_cuda_backend *cb, const pd_matmul_params *p, int lda) {
-    if (cb->skinny <= 0 || !pd_cuda_skinny_supported(p->M, p->K, lda, p->a, p->w)) return false;
-    if (cb->skinny >= 2) return true;
-    return p->N >= 2048 && p->K >= 2048;
+enum { SKINNY_NONE, SKINNY_CORES, SKINNY_MMA };
+
+// Which skinny kernel takes this call, if any (see pd_cuda_gemm_init for the modes). Mode 1's
+// shape rule is the candidate to measure, not a measured one: decode-sized weights (N, K >= 2048:
+// grids of >= 128 blocks, every SM streaming); small N gives too few blocks without a split-K,
+// which neither kernel has. Then per M: the tensor-core kernel from skinny_mma_min_m up (or never,
+// or always: PD_CUDA_SKINNY_MMA), the CUDA-core kernel below; an M neither takes goes to cuBLASLt.
+static int skinny_choice(const pd_cuda_backend *cb, const pd_matmul_params *p, int lda) {
+    if (cb->skinny <= 0) return SKINNY_NONE;
+    if (cb->skinny == 1 && !(p->N >= 2048 && p->K >= 2048)) return SKINNY_NONE;
+    bool mma = cb->skinny_mma >= 2 || (cb->skinny_mma == 1 && p->M >= cb->skinny_mma_min_m);
+    if (mma) return pd_cuda_skinny_mma_supported(p->M, p->K, lda, p->a, p->w) ? SKINNY_MMA : SKINNY_NONE;
+    return pd_cuda_skinny_supported(p->M, p->K, lda, p->a, p->w) ? SKINNY_CORES : SKINNY_NONE;
 }
 
 void pd_cuda_gemm_fini(pd_cuda_backend *cb) {
@@ -212,7 +244,16 @@ void pd_cuda_gemm_matmul(pd_backend *b, const pd_matmul_params *p) {
         PD_CUDA_CHECK_LAUNCH();
         return;
     }
-    if (skinny_wanted(cb, p, lda)) {
+    int sk = skinny_choice(cb, p, lda);
+    if (sk == SKINNY_MMA) {
+        pd_skinny_mma_kparams k = {.a = p->a, .w = p->w, .bias = p->bias, .out = p->out, .M = p->M, .N = p->N,
+                                   .K = p->K, .lda = lda, .accumulate = p->accumulate, .out_f32 = p->out_f32,
+                                   .rows = cb->skinny_mma_rows};
+        pd_cuda_skinny_mma(&k, cb->stream);
+        PD_CUDA_CHECK_LAUNCH();
+        return;
+    }
+    if (sk == SKINNY_CORES) {
         pd_skinny_kparams k = {.a = p->a, .w = p->w, .bias = p->bias, .out = p->out, .M = p->M, .N = p->N,
                                .K = p->K, .lda = lda, .accumulate = p->accumulate, .out_f32 = p->out_f32,
                                .rows = cb->skinny_rows};
