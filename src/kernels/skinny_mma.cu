@@ -64,10 +64,42 @@ static __device__ __forceinline__ void pd_k_sm_load(uint4 (&wv)[U][T][2], const 
                                                             : make_uint4(0, 0, 0, 0);
 }
 
+// The MMAs of one batch: U steps from the warp's chunk cb (weights in wv, already loaded), the
+// activation chunks loaded here (through L1), zero past the end of K or for rows past M.
+template <int T, int NT, int U>
+static __device__ __forceinline__ void pd_k_sm_batch(float (&acc)[T][NT][4], const uint4 (&wv)[U][T][2],
+                                                     const uint4 *const (&ar)[NT], const bool (&a_on)[NT], int cb,
+                                                     int t, int chunks) {
+    uint4 av[U][NT];
+#pragma unroll
+    for (int u = 0; u < U; u++)
+#pragma unroll
+        for (int j = 0; j < NT; j++) {
+            int c = cb + t + u * PD_K_SM_STEP;
+            av[u][j] = a_on[j] && c < chunks ? __ldg(ar[j] + c) : make_uint4(0, 0, 0, 0);
+        }
+#pragma unroll
+    for (int u = 0; u < U; u++) {
+        if (cb + u * PD_K_SM_STEP >= chunks) break;  // warp-uniform; the lanes past the end hold zeros
+#pragma unroll
+        for (int i = 0; i < T; i++) {
+            const uint32_t a0[4] = {wv[u][i][0].x, wv[u][i][1].x, wv[u][i][0].y, wv[u][i][1].y};
+            const uint32_t a1[4] = {wv[u][i][0].z, wv[u][i][1].z, wv[u][i][0].w, wv[u][i][1].w};
+#pragma unroll
+            for (int j = 0; j < NT; j++) {
+                pd_k_mma_bf16(acc[i][j], a0, av[u][j].x, av[u][j].y);
+                pd_k_mma_bf16(acc[i][j], a1, av[u][j].z, av[u][j].w);
+            }
+        }
+    }
+}
+
 // T: 16-row tiles per block; NT: 8-column n-tiles (activation rows), 1 for M <= 8, 2 for M <= 16.
-template <int T, int NT>
+// PIPE: two register sets of half the loads each; the next batch's loads are issued before the
+// current batch's MMAs (loads always in flight), instead of one set refilled after them.
+template <int T, int NT, bool PIPE>
 static __global__ void __launch_bounds__(PD_K_SM_THREADS) k_skinny_mma(pd_k_skinny_mma_args p) {
-    constexpr int U = PD_K_SM_LOADS / (2 * T);
+    constexpr int U = PD_K_SM_LOADS / (2 * T) / (PIPE ? 2 : 1), BATCH = U * PD_K_SM_STEP;
     pd_k_pdl_trigger();
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
     const int row0 = blockIdx.x * 16 * T, chunks = p.K >> 3;
@@ -82,8 +114,9 @@ static __global__ void __launch_bounds__(PD_K_SM_THREADS) k_skinny_mma(pd_k_skin
     // cb: the warp's first chunk of the batch (warp-uniform: the loop's exits must be, every lane
     // of the warp runs each mma.sync); this lane's chunk is cb + t.
     int cb = warp * 4;
-    uint4 wv[U][T][2];
-    pd_k_sm_load<T, U>(wv, wr, cb + t, chunks);
+    uint4 wa[U][T][2], wb[U][T][2];
+    pd_k_sm_load<T, U>(wa, wr, cb + t, chunks);
+    if (PIPE && cb + BATCH < chunks) pd_k_sm_load<T, U>(wb, wr, cb + BATCH + t, chunks);
     pd_k_pdl_wait();  // the activations (and out) belong to earlier kernels
 
     const uint4 *ar[NT];
@@ -101,31 +134,19 @@ static __global__ void __launch_bounds__(PD_K_SM_THREADS) k_skinny_mma(pd_k_skin
 #pragma unroll
             for (int e = 0; e < 4; e++) acc[i][j][e] = 0.f;
     for (;;) {
-        uint4 av[U][NT];
-#pragma unroll
-        for (int u = 0; u < U; u++)
-#pragma unroll
-            for (int j = 0; j < NT; j++) {
-                int c = cb + t + u * PD_K_SM_STEP;
-                av[u][j] = a_on[j] && c < chunks ? __ldg(ar[j] + c) : make_uint4(0, 0, 0, 0);
-            }
-#pragma unroll
-        for (int u = 0; u < U; u++) {
-            if (cb + u * PD_K_SM_STEP >= chunks) break;  // warp-uniform; the lanes past the end hold zeros
-#pragma unroll
-            for (int i = 0; i < T; i++) {
-                const uint32_t a0[4] = {wv[u][i][0].x, wv[u][i][1].x, wv[u][i][0].y, wv[u][i][1].y};
-                const uint32_t a1[4] = {wv[u][i][0].z, wv[u][i][1].z, wv[u][i][0].w, wv[u][i][1].w};
-#pragma unroll
-                for (int j = 0; j < NT; j++) {
-                    pd_k_mma_bf16(acc[i][j], a0, av[u][j].x, av[u][j].y);
-                    pd_k_mma_bf16(acc[i][j], a1, av[u][j].z, av[u][j].w);
-                }
-            }
-        }
-        cb += U * PD_K_SM_STEP;
+        pd_k_sm_batch<T, NT, U>(acc, wa, ar, a_on, cb, t, chunks);
+        cb += BATCH;
         if (cb >= chunks) break;
-        pd_k_sm_load<T, U>(wv, wr, cb + t, chunks);
+        if (!PIPE) {
+            pd_k_sm_load<T, U>(wa, wr, cb + t, chunks);
+            continue;
+        }
+        // wb holds batch cb (loaded one batch ago); refill wa with batch cb + BATCH first
+        if (cb + BATCH < chunks) pd_k_sm_load<T, U>(wa, wr, cb + BATCH + t, chunks);
+        pd_k_sm_batch<T, NT, U>(acc, wb, ar, a_on, cb, t, chunks);
+        cb += BATCH;
+        if (cb >= chunks) break;
+        if (cb + BATCH < chunks) pd_k_sm_load<T, U>(wb, wr, cb + BATCH + t, chunks);
     }
 
     // acc[i][j]: (row 16 i + g, col 8 j + 2 t), (.., 2 t + 1), (row 16 i + g + 8, 2 t), (.., 2 t + 1).
@@ -161,11 +182,11 @@ extern "C" int pd_cuda_skinny_mma_supported(int M, int K, int lda, const void *a
            ((uintptr_t)w & 15) == 0;
 }
 
-template <int T>
+template <int T, bool PIPE>
 static void pd_k_skinny_mma_launch_t(const pd_k_skinny_mma_args &a, cudaStream_t s) {
     dim3 grid((unsigned)((a.N + 16 * T - 1) / (16 * T))), block(PD_K_SM_THREADS);
-    if (a.M <= 8) pd_k_launch(k_skinny_mma<T, 1>, grid, block, 0, s, a);
-    else pd_k_launch(k_skinny_mma<T, 2>, grid, block, 0, s, a);
+    if (a.M <= 8) pd_k_launch(k_skinny_mma<T, 1, PIPE>, grid, block, 0, s, a);
+    else pd_k_launch(k_skinny_mma<T, 2, PIPE>, grid, block, 0, s, a);
 }
 
 extern "C" void pd_cuda_skinny_mma(const pd_skinny_mma_kparams *p, cudaStream_t s) {
@@ -176,6 +197,6 @@ extern "C" void pd_cuda_skinny_mma(const pd_skinny_mma_kparams *p, cudaStream_t 
     a.out = p->out;
     a.M = p->M, a.N = p->N, a.K = p->K, a.lda = p->lda ? p->lda : p->K;
     a.accumulate = p->accumulate, a.out_f32 = p->out_f32;
-    if (p->rows == 32) pd_k_skinny_mma_launch_t<2>(a, s);
-    else pd_k_skinny_mma_launch_t<1>(a, s);
+    if (p->rows == 32) p->pipe ? pd_k_skinny_mma_launch_t<2, true>(a, s) : pd_k_skinny_mma_launch_t<2, false>(a, s);
+    else p->pipe ? pd_k_skinny_mma_launch_t<1, true>(a, s) : pd_k_skinny_mma_launch_t<1, false>(a, s);
 }

@@ -20,6 +20,7 @@ typedef struct pd_skinny_mma_kparams {
     int M, N, K, lda;
     int accumulate, out_f32;
     int rows;          // weight rows per thread block: 16 or 32 (0: the default, 16)
+    int pipe;          // 1: two register sets, the next batch's loads issued before this batch's MMAs
 } pd_skinny_mma_kparams;
 
 // True when the kernel handles this call: 1 <= M <= 16, K and lda multiples of 8 and a, w 16-byte

@@ -366,13 +366,14 @@ PD_TEST(test_cuda_matmul) {
 // The skinny kernels (PD_CUDA_SKINNY=2: every supported call, whatever the per-shape rule picks)
 // against the CPU reference: the row-streaming CUDA-core kernel (PD_CUDA_SKINNY_MMA=0, 4 and 2 rows
 // per block) at M = 1..8 and the tensor-core kernel (PD_CUDA_SKINNY_MMA=2, 16 and 32 rows per block)
-// at M = 1..16, over random shapes (K % 8 == 0, N from 1, row strides > K, every flag),
+// at M = 1..16, single- and double-buffered (PD_CUDA_SKINNY_MMA_PIPE=1), over random shapes (K % 8 == 0, N from 1, row strides > K, every flag),
 // decode-sized shapes with K-chunk tails and N not a multiple of the block's rows, and PDL chains.
 PD_TEST(test_cuda_skinny) {
     ctx c;
     if (!ctx_init(&c, 17)) PD_SKIP("%s: no CUDA device", __func__);
-    struct { const char *mma, *rows, *mma_rows; int max_m; } var[] = {
-        {"0", NULL, NULL, 8}, {"0", "2", NULL, 8}, {"2", NULL, NULL, 16}, {"2", NULL, "32", 16}};
+    struct { const char *mma, *rows, *mma_rows, *pipe; int max_m; } var[] = {
+        {"0", NULL, NULL, NULL, 8},  {"0", "2", NULL, NULL, 8}, {"2", NULL, NULL, NULL, 16},
+        {"2", NULL, "32", NULL, 16}, {"2", NULL, NULL, "1", 16}, {"2", NULL, "32", "1", 16}};
     pd_backend *bs[PD_ARRAY_LEN(var)];
     setenv("PD_CUDA_SKINNY", "2", 1);
     for (size_t v = 0; v < PD_ARRAY_LEN(var); v++) {
@@ -380,9 +381,11 @@ PD_TEST(test_cuda_skinny) {
         setenv("PD_CUDA_SKINNY_MMA", var[v].mma, 1);
         if (var[v].rows) setenv("PD_CUDA_SKINNY_ROWS", var[v].rows, 1);
         if (var[v].mma_rows) setenv("PD_CUDA_SKINNY_MMA_ROWS", var[v].mma_rows, 1);
+        if (var[v].pipe) setenv("PD_CUDA_SKINNY_MMA_PIPE", var[v].pipe, 1);
         bs[v] = pd_backend_new("cuda", 0, &err);
         unsetenv("PD_CUDA_SKINNY_ROWS");
         unsetenv("PD_CUDA_SKINNY_MMA_ROWS");
+        unsetenv("PD_CUDA_SKINNY_MMA_PIPE");
         PD_REQUIRE(bs[v]);
     }
     unsetenv("PD_CUDA_SKINNY_MMA");

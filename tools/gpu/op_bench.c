@@ -9,8 +9,9 @@
 // line (V = 1024, greedy, batch 1) is the op's fixed cost.
 // gemv: the decode GEMM shapes at M = 1..9, 12, 16: cuBLASLt (PD_CUDA_SKINNY=0), the row-streaming
 // CUDA-core skinny kernel (PD_CUDA_SKINNY=2 PD_CUDA_SKINNY_MMA=0; M <= 8) and the tensor-core one
-// (PD_CUDA_SKINNY_MMA=2) with 16 and 32 weight rows per block: time and weight bytes as % of the
-// copy rate measured in the same run (the copy section runs first when gemv is asked for).
+// (PD_CUDA_SKINNY_MMA=2) with 16 and 32 weight rows per block, single- and double-buffered
+// (PD_CUDA_SKINNY_MMA_PIPE=1: mma16p, mma32p): time and weight bytes as % of the copy rate measured
+// in the same run (the copy section runs first when gemv is asked for).
 // Usage: op_bench [copy] [peak] [gemm] [gemv] [prefill] [attn] [sample]  (no argument: all sections).
 #include <math.h>
 #include <stdio.h>
@@ -169,9 +170,13 @@ int main(int argc, char **argv) {
     pd_backend *mma = pd_backend_new("cuda", 0, &err);
     setenv("PD_CUDA_SKINNY_MMA_ROWS", "32", 1);  // mma32: the same with 32 weight rows per block
     pd_backend *mma32 = pd_backend_new("cuda", 0, &err);
+    setenv("PD_CUDA_SKINNY_MMA_PIPE", "1", 1);  // mma32p, mma16p: double-buffered weight loads
+    pd_backend *mma32p = pd_backend_new("cuda", 0, &err);
     unsetenv("PD_CUDA_SKINNY_MMA_ROWS");
+    pd_backend *mma16p = pd_backend_new("cuda", 0, &err);
+    unsetenv("PD_CUDA_SKINNY_MMA_PIPE");
     unsetenv("PD_CUDA_SKINNY_MMA");
-    if (!g_b || !lt || !sk || !mma || !mma32) { fprintf(stderr, "no cuda: %s\n", err.msg); return 1; }
+    if (!g_b || !lt || !sk || !mma || !mma32 || !mma32p || !mma16p) { fprintf(stderr, "no cuda: %s\n", err.msg); return 1; }
     double us, copy_gbs = NAN;
     if (want("copy") || want("gemv")) {
         cp_arg cp = {.bytes = (size_t)1 << 30};
@@ -224,16 +229,18 @@ int main(int argc, char **argv) {
         for (size_t mi = 0; mi < sizeof gm / sizeof gm[0]; mi++) {
             m.M = gm[mi];
             int reps = bytes > 5e8 ? 20 : 100;
-            // cuBLASLt, the CUDA-core kernel (M <= 8), the tensor-core kernel with 16 and 32 rows per block
-            double t[4] = {time_us(g_b, mm_op, &m, reps), m.M <= 8 ? time_us(sk, mm_op, &m, reps) : NAN,
-                           time_us(mma, mm_op, &m, reps), time_us(mma32, mm_op, &m, reps)};
-            const char *name[4] = {"cublasLt", "cores", "mma16", "mma32"};
+            // cuBLASLt, the CUDA-core kernel (M <= 8), the tensor-core kernel with 16 and 32 rows per
+            // block, single- and double-buffered
+            pd_backend *be[6] = {g_b, sk, mma, mma32, mma16p, mma32p};
+            const char *name[6] = {"cublasLt", "cores", "mma16", "mma32", "mma16p", "mma32p"};
+            double t[6];
             int best = 0;
-            for (int k = 1; k < 4; k++)
+            for (int k = 0; k < 6; k++) {
+                t[k] = k == 1 && m.M > 8 ? NAN : time_us(be[k], mm_op, &m, reps);
                 if (t[k] < t[best]) best = k;  // NaN compares false: never the best
+            }
             printf("gemv %-8s M=%-2d N=%-6d K=%-5d", names[s], m.M, N, K);
-            for (int k = 0; k < 4; k++)
-                printf("  %s %6.1f us %3.0f%%", name[k], t[k], 100 * bytes / (t[k] * 1e3) / copy_gbs);
+            for (int k = 0; k < 6; k++) printf("  %s %5.1f us %3.0f%%", name[k], t[k], 100 * bytes / (t[k] * 1e3) / copy_gbs);
             printf("  best %s (%.2fx cublasLt; %% of copy %.0f GB/s)\n", name[best], t[0] / t[best], copy_gbs);
         }
     }

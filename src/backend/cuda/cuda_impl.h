@@ -45,6 +45,7 @@ typedef struct pd_cuda_backend {
     int skinny_mma;            // kernels/skinny_mma.cu (M <= 16): 0 never, 1 for M >= skinny_mma_min_m, 2 always
     int skinny_mma_min_m;
     int skinny_mma_rows;       // its weight rows per block (16 or 32)
+    int skinny_mma_pipe;       // its double-buffered weight loads (0 or 1)
     // attention split-K partials; grows outside graph capture only
     float *attn_ws;
     size_t attn_ws_bytes;

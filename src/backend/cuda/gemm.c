@@ -87,12 +87,14 @@ void pd_cuda_gemm_init(pd_cuda_backend *cb) {
     // PD_CUDA_SKINNY_MMA=0 the CUDA-core kernel only (M <= 8; larger M go to cuBLASLt), 1 (the
     // default) the tensor-core kernel for M >= PD_CUDA_SKINNY_MMA_MIN_M (default 5: from there the
     // CUDA-core kernel is issue-bound), 2 the tensor-core kernel for every M <= 16 (tests,
-    // op_bench). PD_CUDA_SKINNY_MMA_ROWS=32 gives it 32 weight rows per block instead of 16.
+    // op_bench). PD_CUDA_SKINNY_MMA_ROWS=32 gives it 32 weight rows per block instead of 16,
+    // PD_CUDA_SKINNY_MMA_PIPE=1 double-buffered weight loads (measurements).
     cb->skinny_mma = env_int("PD_CUDA_SKINNY_MMA", 1, 0, 2);
     cb->skinny_mma_min_m = env_int("PD_CUDA_SKINNY_MMA_MIN_M", 5, 1, PD_SKINNY_MMA_MAX_M + 1);
     cb->skinny_mma_rows = env_int("PD_CUDA_SKINNY_MMA_ROWS", 16, 16, 32);
     if (cb->skinny_mma_rows != 16 && cb->skinny_mma_rows != 32)
         pd_abort(__FILE__, __LINE__, __func__, "PD_CUDA_SKINNY_MMA_ROWS must be 16 or 32");
+    cb->skinny_mma_pipe = env_int("PD_CUDA_SKINNY_MMA_PIPE", 0, 0, 1);
 }
 
 enum { SKINNY_NONE, SKINNY_CORES, SKINNY_MMA };
@@ -248,7 +250,7 @@ void pd_cuda_gemm_matmul(pd_backend *b, const pd_matmul_params *p) {
     if (sk == SKINNY_MMA) {
         pd_skinny_mma_kparams k = {.a = p->a, .w = p->w, .bias = p->bias, .out = p->out, .M = p->M, .N = p->N,
                                    .K = p->K, .lda = lda, .accumulate = p->accumulate, .out_f32 = p->out_f32,
-                                   .rows = cb->skinny_mma_rows};
+                                   .rows = cb->skinny_mma_rows, .pipe = cb->skinny_mma_pipe};
         pd_cuda_skinny_mma(&k, cb->stream);
         PD_CUDA_CHECK_LAUNCH();
         return;
