@@ -18,7 +18,7 @@ t0=$(date +%s); el() { echo "[$(( $(date +%s) - t0 )) s]"; }
 timeout 70 $G/test_backend_ops cuda_skinny > "$out/ops_cuda_skinny.log" 2>&1
 echo "test_backend_ops cuda_skinny rc=$? $(el)"; grep -E "FAIL|passed" "$out/ops_cuda_skinny.log" | head -6
 timeout 40 $G/op_bench gemv > "$out/gemv.txt" 2>&1; echo "op_bench gemv rc=$? $(el)"
-grep -E "^copy|^gemv" "$out/gemv.txt" | sed -E 's/^gemv //; s/ us/us/g; s/  +/ /g' | cut -c1-150
+grep -E "^copy|^gemv" "$out/gemv.txt" | sed -E 's/^gemv //; s/ us/us/g; s/  +/ /g' | cut -c1-240
 B="--model bench/configs/llama-3-8b --load-format dummy --only verify --verify-tokens 16"
 for v in 0:1 1:0 1:1 1:2; do
   s=${v%%:*}; m=${v#*:}
