@@ -363,55 +363,100 @@ PD_TEST(test_cuda_matmul) {
     ctx_fini(&c);
 }
 
-// The skinny kernels (PD_CUDA_SKINNY=2: every supported call, whatever the per-shape rule picks)
-// against the CPU reference: the row-streaming CUDA-core kernel (PD_CUDA_SKINNY_MMA=0, 4 and 2 rows
-// per block) at M = 1..8 and the tensor-core kernel (PD_CUDA_SKINNY_MMA=2, 16 and 32 rows per block)
-// at M = 1..16, single- and double-buffered (PD_CUDA_SKINNY_MMA_PIPE=1), over random shapes (K % 8 == 0, N from 1, row strides > K, every flag),
-// decode-sized shapes with K-chunk tails and N not a multiple of the block's rows, and PDL chains.
+// Backends with the given PD_CUDA_SKINNY* variables set (NULL: unset) for their creation.
+typedef struct skinny_var { const char *skinny, *mma, *rows, *mma_rows, *pipe; } skinny_var;
+static pd_backend *skinny_backend(const skinny_var *v) {
+    const char *names[] = {"PD_CUDA_SKINNY", "PD_CUDA_SKINNY_MMA", "PD_CUDA_SKINNY_ROWS", "PD_CUDA_SKINNY_MMA_ROWS",
+                           "PD_CUDA_SKINNY_MMA_PIPE"};
+    const char *vals[] = {v->skinny, v->mma, v->rows, v->mma_rows, v->pipe};
+    for (int i = 0; i < 5; i++)
+        if (vals[i]) setenv(names[i], vals[i], 1);
+    pd_err err = {0};
+    pd_backend *b = pd_backend_new("cuda", 0, &err);
+    for (int i = 0; i < 5; i++) unsetenv(names[i]);
+    return b;
+}
+
+// Random shapes (K % 8 == 0, N from 1, row strides > K, every flag) at M = ms[0..n_ms-1], `per_m`
+// cases each.
+static void skinny_random_cases(ctx *c, const int *ms, int n_ms, int per_m) {
+    for (int mi = 0; mi < n_ms; mi++)
+        for (int i = 0; i < per_m; i++) {
+            int N = 1 + (int)(pd_rng_next(&c->rng) % (i % 2 == 0 ? 40 : 1500));
+            int K = 8 * (1 + (int)(pd_rng_next(&c->rng) % (i % 2 == 0 ? 40 : 700)));
+            int lda = K + (i % 3 == 2 ? 8 * (1 + (int)(pd_rng_next(&c->rng) % 4)) : 0);
+            int flags = (int)(pd_rng_next(&c->rng) % 8);
+            matmul_case(c, c->gpu, ms[mi], N, K, lda, flags & 1, flags & 2, flags & 4);
+        }
+}
+
+// The row-streaming CUDA-core skinny kernel (PD_CUDA_SKINNY=2: every supported call, whatever the
+// per-shape rule picks; PD_CUDA_SKINNY_MMA=0: never the tensor-core kernel) against the CPU
+// reference: M = 1..8 over random shapes, decode-sized shapes with K-chunk tails, and a PDL chain,
+// with 4 and 2 weight rows per block.
 PD_TEST(test_cuda_skinny) {
     ctx c;
     if (!ctx_init(&c, 17)) PD_SKIP("%s: no CUDA device", __func__);
-    struct { const char *mma, *rows, *mma_rows, *pipe; int max_m; } var[] = {
-        {"0", NULL, NULL, NULL, 8},  {"0", "2", NULL, NULL, 8}, {"2", NULL, NULL, NULL, 16},
-        {"2", NULL, "32", NULL, 16}, {"2", NULL, NULL, "1", 16}, {"2", NULL, "32", "1", 16}};
-    pd_backend *bs[PD_ARRAY_LEN(var)];
-    setenv("PD_CUDA_SKINNY", "2", 1);
-    for (size_t v = 0; v < PD_ARRAY_LEN(var); v++) {
-        pd_err err = {0};
-        setenv("PD_CUDA_SKINNY_MMA", var[v].mma, 1);
-        if (var[v].rows) setenv("PD_CUDA_SKINNY_ROWS", var[v].rows, 1);
-        if (var[v].mma_rows) setenv("PD_CUDA_SKINNY_MMA_ROWS", var[v].mma_rows, 1);
-        if (var[v].pipe) setenv("PD_CUDA_SKINNY_MMA_PIPE", var[v].pipe, 1);
-        bs[v] = pd_backend_new("cuda", 0, &err);
-        unsetenv("PD_CUDA_SKINNY_ROWS");
-        unsetenv("PD_CUDA_SKINNY_MMA_ROWS");
-        unsetenv("PD_CUDA_SKINNY_MMA_PIPE");
-        PD_REQUIRE(bs[v]);
-    }
-    unsetenv("PD_CUDA_SKINNY_MMA");
-    unsetenv("PD_CUDA_SKINNY");
+    skinny_var var[] = {{"2", "0", NULL, NULL, NULL}, {"2", "0", "2", NULL, NULL}};
+    pd_backend *bs[2];
+    for (int v = 0; v < 2; v++) PD_REQUIRE((bs[v] = skinny_backend(&var[v])) != NULL);
     pd_backend *dflt = c.gpu;
-    for (size_t v = 0; v < PD_ARRAY_LEN(var); v++) {
+    int ms[] = {1, 2, 3, 4, 5, 6, 7, 8};
+    for (int v = 0; v < 2; v++) {
         c.gpu = bs[v];  // compare() reads through c.gpu
-        int max_m = var[v].max_m;
-        for (int M = 1; M <= max_m; M++)
-            for (int i = 0; i < 6; i++) {
-                int N = 1 + (int)(pd_rng_next(&c.rng) % (i < 3 ? 40 : 1500));
-                int K = 8 * (1 + (int)(pd_rng_next(&c.rng) % (i < 3 ? 40 : 700)));
-                int lda = K + (i % 3 == 2 ? 8 * (1 + (int)(pd_rng_next(&c.rng) % 4)) : 0);
-                int flags = (int)(pd_rng_next(&c.rng) % 8);
-                matmul_case(&c, c.gpu, M, N, K, lda, flags & 1, flags & 2, flags & 4);
-            }
-        int big[][2] = {{4096, 4096}, {1027, 14336}, {6144, 4104}, {4104, 4096}};
-        for (int M = 1; M <= max_m; M += max_m == 16 ? 5 : v ? 7 : 3)  // 1 4 7 / 1 8 / 1 6 11 16
-            for (int s = 0; s < 4; s++)
-                matmul_case(&c, c.gpu, M, big[s][0], big[s][1], big[s][1], s == 1, s == 2, M == 4 || s == 3);
+        skinny_random_cases(&c, ms, 8, 6);
+        int big[][2] = {{4096, 4096}, {1027, 14336}, {6144, 4104}};
+        for (int M = 1; M <= 8; M += v ? 7 : 3)
+            for (int s = 0; s < 3; s++) matmul_case(&c, c.gpu, M, big[s][0], big[s][1], big[s][1], s == 1, s == 2, M == 4);
         matmul_chain_case(&c, 1, 2048, 1024, 512);
-        matmul_chain_case(&c, max_m, 4096, 4096, 96);
-        if (max_m == 16) matmul_chain_case(&c, 9, 1024, 2048, 4096);
+        matmul_chain_case(&c, 8, 4096, 4096, 96);
     }
     c.gpu = dflt;
-    for (size_t v = 0; v < PD_ARRAY_LEN(var); v++) pd_backend_free(bs[v]);
+    for (int v = 0; v < 2; v++) pd_backend_free(bs[v]);
+    ctx_fini(&c);
+}
+
+// The tensor-core skinny kernel (PD_CUDA_SKINNY_MMA=2) against the CPU reference at M = 1..16:
+// 16 rows per block single-buffered over every M, then 32 rows and double-buffered loads
+// (PD_CUDA_SKINNY_MMA_ROWS=32, PD_CUDA_SKINNY_MMA_PIPE=1) at the n-tile edges (M = 1, 8, 9, 16);
+// random shapes, decode-sized shapes with K-chunk tails and N not a multiple of the block's rows,
+// PDL chains. Then the measured rule (PD_CUDA_SKINNY=1, PD_CUDA_SKINNY_MMA=1) on shapes that take
+// each of its branches (CUDA cores, tensor cores with and without double buffering, cuBLASLt).
+PD_TEST(test_cuda_skinny_mma) {
+    ctx c;
+    if (!ctx_init(&c, 23)) PD_SKIP("%s: no CUDA device", __func__);
+    skinny_var var[] = {{"2", "2", NULL, NULL, "0"}, {"2", "2", NULL, "32", "0"}, {"2", "2", NULL, NULL, "1"},
+                        {"2", "2", NULL, "32", "1"}, {"1", NULL, NULL, NULL, NULL}};
+    enum { NV = PD_ARRAY_LEN(var) };
+    pd_backend *bs[NV];
+    for (int v = 0; v < NV; v++) PD_REQUIRE((bs[v] = skinny_backend(&var[v])) != NULL);
+    pd_backend *dflt = c.gpu;
+    int all[16], edges[] = {1, 8, 9, 16};
+    for (int i = 0; i < 16; i++) all[i] = i + 1;
+    for (int v = 0; v < NV - 1; v++) {
+        c.gpu = bs[v];  // compare() reads through c.gpu
+        if (v == 0) skinny_random_cases(&c, all, 16, 3);
+        else skinny_random_cases(&c, edges, 4, 2);
+        if (v == 0) {
+            matmul_case(&c, c.gpu, 5, 4096, 4096, 4096, false, false, false);
+            matmul_case(&c, c.gpu, 5, 1027, 14336, 14336, true, false, false);
+            matmul_case(&c, c.gpu, 16, 6144, 4104, 4104, false, true, false);
+            matmul_case(&c, c.gpu, 16, 4104, 4096, 4096, false, false, true);
+            matmul_chain_case(&c, 1, 2048, 1024, 512);
+            matmul_chain_case(&c, 9, 1024, 2048, 4096);
+        }
+        matmul_case(&c, c.gpu, 9, 1027, 14336, 14336, v & 1, true, false);
+        matmul_case(&c, c.gpu, 12, 4104, 4096, 4096, true, false, true);
+        matmul_chain_case(&c, 16, 4096, 4096, 96);
+    }
+    c.gpu = bs[NV - 1];
+    int rule[][3] = {{4, 2048, 10240}, {5, 4096, 4096}, {6, 4096, 4096}, {7, 10240, 2048},
+                     {8, 10240, 2048}, {9, 2048, 10240}, {16, 4104, 2048}};
+    for (size_t i = 0; i < PD_ARRAY_LEN(rule); i++)
+        matmul_case(&c, c.gpu, rule[i][0], rule[i][1], rule[i][2], rule[i][2], i & 1, i & 2, i == 3);
+    matmul_chain_case(&c, 6, 4096, 4096, 2048);
+    c.gpu = dflt;
+    for (int v = 0; v < NV; v++) pd_backend_free(bs[v]);
     ctx_fini(&c);
 }
 

@@ -11,7 +11,8 @@
 // CUDA-core skinny kernel (PD_CUDA_SKINNY=2 PD_CUDA_SKINNY_MMA=0; M <= 8) and the tensor-core one
 // (PD_CUDA_SKINNY_MMA=2) with 16 and 32 weight rows per block, single- and double-buffered
 // (PD_CUDA_SKINNY_MMA_PIPE=1: mma16p, mma32p): time and weight bytes as % of the copy rate measured
-// in the same run (the copy section runs first when gemv is asked for).
+// in the same run (the copy section runs first when gemv is asked for), and "rule": PD_CUDA_SKINNY=1
+// (the measured per-(M, shape) choice of gemm.c, cuBLASLt where it picks no skinny kernel).
 // Usage: op_bench [copy] [peak] [gemm] [gemv] [prefill] [attn] [sample]  (no argument: all sections).
 #include <math.h>
 #include <stdio.h>
@@ -176,7 +177,10 @@ int main(int argc, char **argv) {
     pd_backend *mma16p = pd_backend_new("cuda", 0, &err);
     unsetenv("PD_CUDA_SKINNY_MMA_PIPE");
     unsetenv("PD_CUDA_SKINNY_MMA");
-    if (!g_b || !lt || !sk || !mma || !mma32 || !mma32p || !mma16p) { fprintf(stderr, "no cuda: %s\n", err.msg); return 1; }
+    setenv("PD_CUDA_SKINNY", "1", 1);  // rule: the measured per-(M, shape) rule (gemm.c skinny_rule)
+    pd_backend *rule = pd_backend_new("cuda", 0, &err);
+    setenv("PD_CUDA_SKINNY", "2", 1);
+    if (!g_b || !lt || !sk || !mma || !mma32 || !mma32p || !mma16p || !rule) { fprintf(stderr, "no cuda: %s\n", err.msg); return 1; }
     double us, copy_gbs = NAN;
     if (want("copy") || want("gemv")) {
         cp_arg cp = {.bytes = (size_t)1 << 30};
@@ -231,16 +235,16 @@ int main(int argc, char **argv) {
             int reps = bytes > 5e8 ? 20 : 100;
             // cuBLASLt, the CUDA-core kernel (M <= 8), the tensor-core kernel with 16 and 32 rows per
             // block, single- and double-buffered
-            pd_backend *be[6] = {g_b, sk, mma, mma32, mma16p, mma32p};
-            const char *name[6] = {"cublasLt", "cores", "mma16", "mma32", "mma16p", "mma32p"};
-            double t[6];
+            pd_backend *be[7] = {g_b, sk, mma, mma32, mma16p, mma32p, rule};
+            const char *name[7] = {"cublasLt", "cores", "mma16", "mma32", "mma16p", "mma32p", "rule"};
+            double t[7];
             int best = 0;
-            for (int k = 0; k < 6; k++) {
+            for (int k = 0; k < 7; k++) {
                 t[k] = k == 1 && m.M > 8 ? NAN : time_us(be[k], mm_op, &m, reps);
                 if (t[k] < t[best]) best = k;  // NaN compares false: never the best
             }
             printf("gemv %-8s M=%-2d N=%-6d K=%-5d", names[s], m.M, N, K);
-            for (int k = 0; k < 6; k++) printf("  %s %5.1f us %3.0f%%", name[k], t[k], 100 * bytes / (t[k] * 1e3) / copy_gbs);
+            for (int k = 0; k < 7; k++) printf("  %s %5.1f us %3.0f%%", name[k], t[k], 100 * bytes / (t[k] * 1e3) / copy_gbs);
             printf("  best %s (%.2fx cublasLt; %% of copy %.0f GB/s)\n", name[best], t[0] / t[best], copy_gbs);
         }
     }

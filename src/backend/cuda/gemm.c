@@ -83,33 +83,59 @@ void pd_cuda_gemm_init(pd_cuda_backend *cb) {
     cb->skinny_rows = 4;
     e = getenv("PD_CUDA_SKINNY_ROWS");
     if (e && *e) cb->skinny_rows = atoi(e) == 2 ? 2 : 4;
-    // Which of the two skinny kernels takes an M (when PD_CUDA_SKINNY picks the skinny path):
-    // PD_CUDA_SKINNY_MMA=0 the CUDA-core kernel only (M <= 8; larger M go to cuBLASLt), 1 (the
-    // default) the tensor-core kernel for M >= PD_CUDA_SKINNY_MMA_MIN_M (default 5: from there the
-    // CUDA-core kernel is issue-bound), 2 the tensor-core kernel for every M <= 16 (tests,
-    // op_bench). PD_CUDA_SKINNY_MMA_ROWS=32 gives it 32 weight rows per block instead of 16,
-    // PD_CUDA_SKINNY_MMA_PIPE=1 double-buffered weight loads (measurements).
+    // Which of the two skinny kernels takes an M (see skinny_choice): PD_CUDA_SKINNY_MMA=0 the
+    // CUDA-core kernel only (M <= 8; larger M go to cuBLASLt), 1 (the default) the measured per-(M,
+    // shape) rule, 2 the tensor-core kernel for every M <= 16 (tests, op_bench).
+    // PD_CUDA_SKINNY_MMA_ROWS=32 gives the tensor-core kernel 32 weight rows per block instead of
+    // 16; PD_CUDA_SKINNY_MMA_PIPE=0/1 forces its double-buffered weight loads off/on (default: the
+    // rule's choice). Measurement knobs.
     cb->skinny_mma = env_int("PD_CUDA_SKINNY_MMA", 1, 0, 2);
-    cb->skinny_mma_min_m = env_int("PD_CUDA_SKINNY_MMA_MIN_M", 5, 1, PD_SKINNY_MMA_MAX_M + 1);
     cb->skinny_mma_rows = env_int("PD_CUDA_SKINNY_MMA_ROWS", 16, 16, 32);
     if (cb->skinny_mma_rows != 16 && cb->skinny_mma_rows != 32)
         pd_abort(__FILE__, __LINE__, __func__, "PD_CUDA_SKINNY_MMA_ROWS must be 16 or 32");
-    cb->skinny_mma_pipe = env_int("PD_CUDA_SKINNY_MMA_PIPE", 0, 0, 1);
+    cb->skinny_mma_pipe = env_int("PD_CUDA_SKINNY_MMA_PIPE", -1, -1, 1);
 }
 
-enum { SKINNY_NONE, SKINNY_CORES, SKINNY_MMA };
+enum { SKINNY_NONE, SKINNY_CORES, SKINNY_MMA, SKINNY_MMA_PIPE };
 
-// Which skinny kernel takes this call, if any (see pd_cuda_gemm_init for the modes). Mode 1's
-// shape rule is the candidate to measure, not a measured one: decode-sized weights (N, K >= 2048:
-// grids of >= 128 blocks, every SM streaming); small N gives too few blocks without a split-K,
-// which neither kernel has. Then per M: the tensor-core kernel from skinny_mma_min_m up (or never,
-// or always: PD_CUDA_SKINNY_MMA), the CUDA-core kernel below; an M neither takes goes to cuBLASLt.
+// The measured rule (PD_CUDA_SKINNY=1, PD_CUDA_SKINNY_MMA=1) for N, K >= 2048, from `op_bench gemv`
+// on an H100 SXM (tools/gpu/NOTES.md, session 9 "mma"; Llama-3-8B shapes, times in us at M = 5 / 8 /
+// 9 for cuBLASLt, CUDA-core, tensor-core, tensor-core double-buffered):
+//   * long K (down, 4096 x 14336): the CUDA-core kernel to M = 4 (43.6 vs 44.8 at M = 4), then
+//     cuBLASLt (45.0 vs 45.9 / 46.3 / 49.4 at M = 5 / 8; 45.3 vs 53.0 / 51.4 at M = 9): 256
+//     blocks of 16 rows x 28 KB are too coarse for the tensor-core kernel;
+//   * M <= 5: the CUDA-core kernel (o: 14.6 vs 16.8 / 15.8 / 15.3; gate_up 78.1 vs 86.9 / 82.7;
+//     lm_head 334 vs 380 / 351);
+//   * N <= 8192 (qkv, o), M = 6..16: tensor cores, double-buffered (qkv 19.9-20.7 vs cuBLASLt
+//     22.1-22.3 and single-buffered 22.0-22.4; o 15.2-15.7 vs 16.6-16.8 and 15.8-18.3);
+//   * larger N (gate_up, lm_head): the CUDA-core kernel to M = 7 (gate_up 79.8 vs 83.4-87.1 at
+//     M = 7), then tensor cores single-buffered (lm_head 351.8-355.9 vs 380.8-383.4 at M = 8..16;
+//     gate_up ties cuBLASLt there: 83.8-85.6 vs 83.4-87.3).
+static int skinny_rule(int M, int N, int K) {
+    if (K > 8192) return M <= 4 ? SKINNY_CORES : SKINNY_NONE;
+    if (M <= 5) return SKINNY_CORES;
+    if (N <= 8192) return SKINNY_MMA_PIPE;
+    return M <= 7 ? SKINNY_CORES : SKINNY_MMA;
+}
+
+// Which skinny kernel takes this call, if any (see pd_cuda_gemm_init for the modes). Mode 1 first
+// asks for decode-sized weights (N, K >= 2048: grids of >= 128 blocks, every SM streaming; small N
+// gives too few blocks without a split-K, which neither kernel has), then follows skinny_rule
+// (PD_CUDA_SKINNY_MMA=1), the CUDA-core kernel to M = 8 (=0) or the tensor-core one (=2). Mode 2
+// takes every supported call: the CUDA-core kernel to M = 8 unless PD_CUDA_SKINNY_MMA=2, the
+// tensor-core kernel above. An M neither kernel takes goes to cuBLASLt.
 static int skinny_choice(const pd_cuda_backend *cb, const pd_matmul_params *p, int lda) {
-    if (cb->skinny <= 0) return SKINNY_NONE;
+    if (cb->skinny <= 0 || p->M > PD_SKINNY_MMA_MAX_M) return SKINNY_NONE;
     if (cb->skinny == 1 && !(p->N >= 2048 && p->K >= 2048)) return SKINNY_NONE;
-    bool mma = cb->skinny_mma >= 2 || (cb->skinny_mma == 1 && p->M >= cb->skinny_mma_min_m);
-    if (mma) return pd_cuda_skinny_mma_supported(p->M, p->K, lda, p->a, p->w) ? SKINNY_MMA : SKINNY_NONE;
-    return pd_cuda_skinny_supported(p->M, p->K, lda, p->a, p->w) ? SKINNY_CORES : SKINNY_NONE;
+    int k;
+    if (cb->skinny == 1 && cb->skinny_mma == 1) k = skinny_rule(p->M, p->N, p->K);
+    else if (cb->skinny_mma == 2 || (cb->skinny >= 2 && cb->skinny_mma == 1 && p->M > PD_SKINNY_MAX_M)) k = SKINNY_MMA;
+    else k = SKINNY_CORES;
+    if (k == SKINNY_NONE) return k;
+    if (k == SKINNY_CORES) return pd_cuda_skinny_supported(p->M, p->K, lda, p->a, p->w) ? k : SKINNY_NONE;
+    if (!pd_cuda_skinny_mma_supported(p->M, p->K, lda, p->a, p->w)) return SKINNY_NONE;
+    if (cb->skinny_mma_pipe >= 0) return cb->skinny_mma_pipe ? SKINNY_MMA_PIPE : SKINNY_MMA;
+    return k;
 }
 
 void pd_cuda_gemm_fini(pd_cuda_backend *cb) {
@@ -247,10 +273,10 @@ void pd_cuda_gemm_matmul(pd_backend *b, const pd_matmul_params *p) {
         return;
     }
     int sk = skinny_choice(cb, p, lda);
-    if (sk == SKINNY_MMA) {
+    if (sk == SKINNY_MMA || sk == SKINNY_MMA_PIPE) {
         pd_skinny_mma_kparams k = {.a = p->a, .w = p->w, .bias = p->bias, .out = p->out, .M = p->M, .N = p->N,
                                    .K = p->K, .lda = lda, .accumulate = p->accumulate, .out_f32 = p->out_f32,
-                                   .rows = cb->skinny_mma_rows, .pipe = cb->skinny_mma_pipe};
+                                   .rows = cb->skinny_mma_rows, .pipe = sk == SKINNY_MMA_PIPE};
         pd_cuda_skinny_mma(&k, cb->stream);
         PD_CUDA_CHECK_LAUNCH();
         return;
