@@ -14,8 +14,9 @@ G=${G:-build/gpu-mma}; out=$1; mkdir -p "$out"
 export LD_LIBRARY_PATH="$PWD/$G/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,driver_version --format=csv,noheader
 t0=$(date +%s); el() { echo "[$(( $(date +%s) - t0 )) s]"; }
+SB=; command -v stdbuf >/dev/null 2>&1 && SB="stdbuf -oL"  # line-buffered: a timeout keeps what ran
 late() { [ $(( $(date +%s) - t0 )) -gt "$1" ]; }
-timeout 35 stdbuf -oL $G/test_backend_ops cuda_skinny_mma > "$out/ops_cuda_skinny_mma.log" 2>&1
+timeout 35 $SB $G/test_backend_ops cuda_skinny_mma > "$out/ops_cuda_skinny_mma.log" 2>&1
 echo "test_backend_ops cuda_skinny_mma rc=$? $(el)"; grep -E "FAIL|passed|ok " "$out/ops_cuda_skinny_mma.log" | head -6
 timeout 15 $G/op_bench gemv > "$out/gemv.txt" 2>&1; echo "op_bench gemv rc=$? $(el)"
 grep -E "^copy|^gemv" "$out/gemv.txt" | sed -E 's/^gemv //; s/ us/us/g; s/  +/ /g; s/ \(.*//' | cut -c1-240
@@ -28,7 +29,7 @@ for v in 0:1 1:0 1:1; do
   for b in 1 8; do grep -E "^verify step +batch=$b " "$out/verify_s${s}_m$m.txt" | awk '{printf " %s", $6} END {print ""}'; done
 done
 if late 70; then echo "skipped cuda_skinny (time)"; else
-  timeout 18 stdbuf -oL $G/test_backend_ops cuda_skinny > "$out/ops_cuda_skinny.log" 2>&1
+  timeout 18 $SB $G/test_backend_ops cuda_skinny > "$out/ops_cuda_skinny.log" 2>&1
   echo "test_backend_ops cuda_skinny rc=$? $(el)"; grep -E "FAIL|passed" "$out/ops_cuda_skinny.log" | head -4
 fi
 echo "total $(el)"
