@@ -420,20 +420,21 @@ PD_TEST(test_cuda_skinny) {
 // 16 rows per block single-buffered over every M, then 32 rows and double-buffered loads
 // (PD_CUDA_SKINNY_MMA_ROWS=32, PD_CUDA_SKINNY_MMA_PIPE=1) at the n-tile edges (M = 1, 8, 9, 16);
 // random shapes, decode-sized shapes with K-chunk tails and N not a multiple of the block's rows,
-// PDL chains. Then the measured rule (PD_CUDA_SKINNY=1, PD_CUDA_SKINNY_MMA=1) on shapes that take
-// each of its branches (CUDA cores, tensor cores with and without double buffering, cuBLASLt).
+// PDL chains. Then the two measured rules (PD_CUDA_SKINNY=1 with PD_CUDA_SKINNY_MMA=3 and the
+// default 1) on shapes that take each of their branches (CUDA cores, tensor cores with and without
+// double buffering, cuBLASLt).
 PD_TEST(test_cuda_skinny_mma) {
     ctx c;
     if (!ctx_init(&c, 23)) PD_SKIP("%s: no CUDA device", __func__);
     skinny_var var[] = {{"2", "2", NULL, NULL, "0"}, {"2", "2", NULL, "32", "0"}, {"2", "2", NULL, NULL, "1"},
-                        {"2", "2", NULL, "32", "1"}, {"1", NULL, NULL, NULL, NULL}};
+                        {"2", "2", NULL, "32", "1"}, {"1", "3", NULL, NULL, NULL}, {"1", NULL, NULL, NULL, NULL}};
     enum { NV = PD_ARRAY_LEN(var) };
     pd_backend *bs[NV];
     for (int v = 0; v < NV; v++) PD_REQUIRE((bs[v] = skinny_backend(&var[v])) != NULL);
     pd_backend *dflt = c.gpu;
     int all[16], edges[] = {1, 8, 9, 16};
     for (int i = 0; i < 16; i++) all[i] = i + 1;
-    for (int v = 0; v < NV - 1; v++) {
+    for (int v = 0; v < NV - 2; v++) {
         c.gpu = bs[v];  // compare() reads through c.gpu
         if (v == 0) skinny_random_cases(&c, all, 16, 3);
         else skinny_random_cases(&c, edges, 4, 2);
@@ -449,12 +450,14 @@ PD_TEST(test_cuda_skinny_mma) {
         matmul_case(&c, c.gpu, 12, 4104, 4096, 4096, true, false, true);
         matmul_chain_case(&c, 16, 4096, 4096, 96);
     }
-    c.gpu = bs[NV - 1];
     int rule[][3] = {{4, 2048, 10240}, {5, 4096, 4096}, {6, 4096, 4096}, {7, 10240, 2048},
                      {8, 10240, 2048}, {9, 2048, 10240}, {16, 4104, 2048}};
-    for (size_t i = 0; i < PD_ARRAY_LEN(rule); i++)
-        matmul_case(&c, c.gpu, rule[i][0], rule[i][1], rule[i][2], rule[i][2], i & 1, i & 2, i == 3);
-    matmul_chain_case(&c, 6, 4096, 4096, 2048);
+    for (int v = NV - 2; v < NV; v++) {
+        c.gpu = bs[v];
+        for (size_t i = 0; i < PD_ARRAY_LEN(rule); i++)
+            matmul_case(&c, c.gpu, rule[i][0], rule[i][1], rule[i][2], rule[i][2], i & 1, i & 2, i == 3);
+        matmul_chain_case(&c, 6, 4096, 4096, 2048);
+    }
     c.gpu = dflt;
     for (int v = 0; v < NV; v++) pd_backend_free(bs[v]);
     ctx_fini(&c);

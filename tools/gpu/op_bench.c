@@ -12,7 +12,8 @@
 // (PD_CUDA_SKINNY_MMA=2) with 16 and 32 weight rows per block, single- and double-buffered
 // (PD_CUDA_SKINNY_MMA_PIPE=1: mma16p, mma32p): time and weight bytes as % of the copy rate measured
 // in the same run (the copy section runs first when gemv is asked for), and "rule": PD_CUDA_SKINNY=1
-// (the measured per-(M, shape) choice of gemm.c, cuBLASLt where it picks no skinny kernel).
+// (gemm.c's default rule, cuBLASLt where it picks no skinny kernel; PD_CUDA_SKINNY_MMA=3 in the
+// environment gives the per-shape rule with tensor cores in that column).
 // Usage: op_bench [copy] [peak] [gemm] [gemv] [prefill] [attn] [sample]  (no argument: all sections).
 #include <math.h>
 #include <stdio.h>
@@ -158,6 +159,9 @@ static void bench_sample(void) {
 int main(int argc, char **argv) {
     pd_err err = {0};
     g_argc = argc, g_argv = argv;
+    char rule_mma[16] = "";  // the caller's PD_CUDA_SKINNY_MMA, for the "rule" backend
+    const char *env_mma = getenv("PD_CUDA_SKINNY_MMA");
+    if (env_mma) snprintf(rule_mma, sizeof rule_mma, "%s", env_mma);
     setenv("PD_CUDA_GEMV_MAX_M", "0", 1);  // g_b: cuBLASLt for every M
     setenv("PD_CUDA_SKINNY", "0", 1);
     g_b = pd_backend_new("cuda", 0, &err);
@@ -177,8 +181,10 @@ int main(int argc, char **argv) {
     pd_backend *mma16p = pd_backend_new("cuda", 0, &err);
     unsetenv("PD_CUDA_SKINNY_MMA_PIPE");
     unsetenv("PD_CUDA_SKINNY_MMA");
-    setenv("PD_CUDA_SKINNY", "1", 1);  // rule: the measured per-(M, shape) rule (gemm.c skinny_rule)
+    setenv("PD_CUDA_SKINNY", "1", 1);  // rule: the default rule (gemm.c skinny_rule) or the caller's
+    if (*rule_mma) setenv("PD_CUDA_SKINNY_MMA", rule_mma, 1);
     pd_backend *rule = pd_backend_new("cuda", 0, &err);
+    unsetenv("PD_CUDA_SKINNY_MMA");
     setenv("PD_CUDA_SKINNY", "2", 1);
     if (!g_b || !lt || !sk || !mma || !mma32 || !mma32p || !mma16p || !rule) { fprintf(stderr, "no cuda: %s\n", err.msg); return 1; }
     double us, copy_gbs = NAN;

@@ -84,12 +84,13 @@ void pd_cuda_gemm_init(pd_cuda_backend *cb) {
     e = getenv("PD_CUDA_SKINNY_ROWS");
     if (e && *e) cb->skinny_rows = atoi(e) == 2 ? 2 : 4;
     // Which of the two skinny kernels takes an M (see skinny_choice): PD_CUDA_SKINNY_MMA=0 the
-    // CUDA-core kernel only (M <= 8; larger M go to cuBLASLt), 1 (the default) the measured per-(M,
-    // shape) rule, 2 the tensor-core kernel for every M <= 16 (tests, op_bench).
+    // CUDA-core kernel only (M <= 8; larger M go to cuBLASLt), 1 (the default) the rule measured end
+    // to end (CUDA cores to M = 5, no tensor cores), 2 the tensor-core kernel for every M <= 16
+    // (tests, op_bench), 3 op_bench's per-(M, shape) winners (tensor cores from M = 6).
     // PD_CUDA_SKINNY_MMA_ROWS=32 gives the tensor-core kernel 32 weight rows per block instead of
     // 16; PD_CUDA_SKINNY_MMA_PIPE=0/1 forces its double-buffered weight loads off/on (default: the
     // rule's choice). Measurement knobs.
-    cb->skinny_mma = env_int("PD_CUDA_SKINNY_MMA", 1, 0, 2);
+    cb->skinny_mma = env_int("PD_CUDA_SKINNY_MMA", 1, 0, 3);
     cb->skinny_mma_rows = env_int("PD_CUDA_SKINNY_MMA_ROWS", 16, 16, 32);
     if (cb->skinny_mma_rows != 16 && cb->skinny_mma_rows != 32)
         pd_abort(__FILE__, __LINE__, __func__, "PD_CUDA_SKINNY_MMA_ROWS must be 16 or 32");
@@ -98,20 +99,35 @@ void pd_cuda_gemm_init(pd_cuda_backend *cb) {
 
 enum { SKINNY_NONE, SKINNY_CORES, SKINNY_MMA, SKINNY_MMA_PIPE };
 
-// The measured rule (PD_CUDA_SKINNY=1, PD_CUDA_SKINNY_MMA=1) for N, K >= 2048, from `op_bench gemv`
-// on an H100 SXM (tools/gpu/NOTES.md, session 9 "mma"; Llama-3-8B shapes, times in us at M = 5 / 8 /
-// 9 for cuBLASLt, CUDA-core, tensor-core, tensor-core double-buffered):
-//   * long K (down, 4096 x 14336): the CUDA-core kernel to M = 4 (43.6 vs 44.8 at M = 4), then
-//     cuBLASLt (45.0 vs 45.9 / 46.3 / 49.4 at M = 5 / 8; 45.3 vs 53.0 / 51.4 at M = 9): 256
-//     blocks of 16 rows x 28 KB are too coarse for the tensor-core kernel;
-//   * M <= 5: the CUDA-core kernel (o: 14.6 vs 16.8 / 15.8 / 15.3; gate_up 78.1 vs 86.9 / 82.7;
-//     lm_head 334 vs 380 / 351);
-//   * N <= 8192 (qkv, o), M = 6..16: tensor cores, double-buffered (qkv 19.9-20.7 vs cuBLASLt
-//     22.1-22.3 and single-buffered 22.0-22.4; o 15.2-15.7 vs 16.6-16.8 and 15.8-18.3);
-//   * larger N (gate_up, lm_head): the CUDA-core kernel to M = 7 (gate_up 79.8 vs 83.4-87.1 at
-//     M = 7), then tensor cores single-buffered (lm_head 351.8-355.9 vs 380.8-383.4 at M = 8..16;
-//     gate_up ties cuBLASLt there: 83.8-85.6 vs 83.4-87.3).
+// Two rules for mode 1 (N, K >= 2048), both measured on an H100 SXM (tools/gpu/NOTES.md, session
+// 9 "mma": `op_bench gemv` per shape, `bench-engine --only verify` end to end, Llama-3-8B).
+//
+// skinny_rule_ops (PD_CUDA_SKINNY_MMA=3): the per-shape winners of op_bench, times in us at M = 5 /
+// 8 / 9 for cuBLASLt, CUDA-core, tensor-core, tensor-core double-buffered:
+//   * long K (down, 4096 x 14336): the CUDA-core kernel to M = 4 (43.4 vs 45.0), then cuBLASLt
+//     (45.2 vs 46.0 / 45.8 / 48.3 at M = 5; 45.5 vs 52.0 / 51.0 at M = 9): 256 blocks of 16 rows x
+//     28 KB are too coarse for the tensor-core kernel;
+//   * M <= 5: the CUDA-core kernel (o: 14.6 vs 16.8 / 15.9 / 15.3; lm_head 334 vs 380 / 350);
+//   * N <= 8192 (qkv, o), M = 6..16: tensor cores double-buffered (qkv 19.8-20.7 vs cuBLASLt
+//     22.3-22.5; o 15.3-15.8 vs 16.7-17.0);
+//   * larger N (gate_up, lm_head): the CUDA-core kernel to M = 7, then tensor cores single-buffered
+//     (lm_head 350.8-355.4 vs 378-380; gate_up ties cuBLASLt: 83.5-85.4 vs 83.7-87.1).
+// End to end it did not win where it uses tensor cores: verify steps at M = 9 (batch 1) 6.35-6.46 ms
+// vs 6.34-6.45 with cuBLASLt, M = 8 (batch 8) 6.480 vs 6.486, M = 16 (batch 8) 6.651 vs 6.540,
+// although op_bench's sums predicted 0.07-0.2 ms less (not understood; the same comparison for
+// the CUDA-core kernel at M = 1..8 and for tensor cores everywhere at M = 1 matched op_bench).
+//
+// skinny_rule (PD_CUDA_SKINNY_MMA=1, the default) keeps what won end to end: the CUDA-core kernel
+// to M = 5 (M = 4 for long K), cuBLASLt above. Verify steps at M = 5 (batch 1, 3-4 drafts):
+// 6.016-6.028 ms against 6.278-6.290 with cuBLASLt and 6.079-6.086 with the CUDA-core kernel on
+// every shape; at M = 8 the CUDA-core kernel was 0.5 ms slower than cuBLASLt (6.982 vs 6.486).
 static int skinny_rule(int M, int N, int K) {
+    (void)N;
+    if (K > 8192) return M <= 4 ? SKINNY_CORES : SKINNY_NONE;
+    return M <= 5 ? SKINNY_CORES : SKINNY_NONE;
+}
+
+static int skinny_rule_ops(int M, int N, int K) {
     if (K > 8192) return M <= 4 ? SKINNY_CORES : SKINNY_NONE;
     if (M <= 5) return SKINNY_CORES;
     if (N <= 8192) return SKINNY_MMA_PIPE;
@@ -120,16 +136,18 @@ static int skinny_rule(int M, int N, int K) {
 
 // Which skinny kernel takes this call, if any (see pd_cuda_gemm_init for the modes). Mode 1 first
 // asks for decode-sized weights (N, K >= 2048: grids of >= 128 blocks, every SM streaming; small N
-// gives too few blocks without a split-K, which neither kernel has), then follows skinny_rule
-// (PD_CUDA_SKINNY_MMA=1), the CUDA-core kernel to M = 8 (=0) or the tensor-core one (=2). Mode 2
-// takes every supported call: the CUDA-core kernel to M = 8 unless PD_CUDA_SKINNY_MMA=2, the
-// tensor-core kernel above. An M neither kernel takes goes to cuBLASLt.
+// gives too few blocks without a split-K, which neither kernel has), then follows
+// PD_CUDA_SKINNY_MMA: 0 the CUDA-core kernel to M = 8 (session 8), 1 skinny_rule, 2 the tensor-core
+// kernel, 3 skinny_rule_ops. Mode 2 takes every supported call: the CUDA-core kernel to M = 8 unless
+// PD_CUDA_SKINNY_MMA=2, the tensor-core kernel above (unless =0). An M no kernel takes goes to
+// cuBLASLt.
 static int skinny_choice(const pd_cuda_backend *cb, const pd_matmul_params *p, int lda) {
     if (cb->skinny <= 0 || p->M > PD_SKINNY_MMA_MAX_M) return SKINNY_NONE;
     if (cb->skinny == 1 && !(p->N >= 2048 && p->K >= 2048)) return SKINNY_NONE;
     int k;
     if (cb->skinny == 1 && cb->skinny_mma == 1) k = skinny_rule(p->M, p->N, p->K);
-    else if (cb->skinny_mma == 2 || (cb->skinny >= 2 && cb->skinny_mma == 1 && p->M > PD_SKINNY_MAX_M)) k = SKINNY_MMA;
+    else if (cb->skinny == 1 && cb->skinny_mma == 3) k = skinny_rule_ops(p->M, p->N, p->K);
+    else if (cb->skinny_mma == 2 || (cb->skinny >= 2 && cb->skinny_mma != 0 && p->M > PD_SKINNY_MAX_M)) k = SKINNY_MMA;
     else k = SKINNY_CORES;
     if (k == SKINNY_NONE) return k;
     if (k == SKINNY_CORES) return pd_cuda_skinny_supported(p->M, p->K, lda, p->a, p->w) ? k : SKINNY_NONE;
