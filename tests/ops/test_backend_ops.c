@@ -363,31 +363,48 @@ PD_TEST(test_cuda_matmul) {
     ctx_fini(&c);
 }
 
-// The row-streaming skinny kernel (PD_CUDA_SKINNY=2: every supported call, whatever the per-shape
-// rule picks) against the CPU reference: M = 1..8 over random shapes (K % 8 == 0, N from 1, row
-// strides > K, every flag), decode-sized shapes with K-chunk tails, and a PDL chain.
+// Backends with the given PD_CUDA_SKINNY* variables set (NULL: unset) for their creation.
+typedef struct skinny_var { const char *skinny, *mma, *rows, *mma_rows, *pipe; } skinny_var;
+static pd_backend *skinny_backend(const skinny_var *v) {
+    const char *names[] = {"PD_CUDA_SKINNY", "PD_CUDA_SKINNY_MMA", "PD_CUDA_SKINNY_ROWS", "PD_CUDA_SKINNY_MMA_ROWS",
+                           "PD_CUDA_SKINNY_MMA_PIPE"};
+    const char *vals[] = {v->skinny, v->mma, v->rows, v->mma_rows, v->pipe};
+    for (int i = 0; i < 5; i++)
+        if (vals[i]) setenv(names[i], vals[i], 1);
+    pd_err err = {0};
+    pd_backend *b = pd_backend_new("cuda", 0, &err);
+    for (int i = 0; i < 5; i++) unsetenv(names[i]);
+    return b;
+}
+
+// Random shapes (K % 8 == 0, N from 1, row strides > K, every flag) at M = ms[0..n_ms-1], `per_m`
+// cases each.
+static void skinny_random_cases(ctx *c, const int *ms, int n_ms, int per_m) {
+    for (int mi = 0; mi < n_ms; mi++)
+        for (int i = 0; i < per_m; i++) {
+            int N = 1 + (int)(pd_rng_next(&c->rng) % (i % 2 == 0 ? 40 : 1500));
+            int K = 8 * (1 + (int)(pd_rng_next(&c->rng) % (i % 2 == 0 ? 40 : 700)));
+            int lda = K + (i % 3 == 2 ? 8 * (1 + (int)(pd_rng_next(&c->rng) % 4)) : 0);
+            int flags = (int)(pd_rng_next(&c->rng) % 8);
+            matmul_case(c, c->gpu, ms[mi], N, K, lda, flags & 1, flags & 2, flags & 4);
+        }
+}
+
+// The row-streaming CUDA-core skinny kernel (PD_CUDA_SKINNY=2: every supported call, whatever the
+// per-shape rule picks; PD_CUDA_SKINNY_MMA=0: never the tensor-core kernel) against the CPU
+// reference: M = 1..8 over random shapes, decode-sized shapes with K-chunk tails, and a PDL chain,
+// with 4 and 2 weight rows per block.
 PD_TEST(test_cuda_skinny) {
     ctx c;
     if (!ctx_init(&c, 17)) PD_SKIP("%s: no CUDA device", __func__);
-    setenv("PD_CUDA_SKINNY", "2", 1);
-    pd_err err = {0};
-    pd_backend *sk = pd_backend_new("cuda", 0, &err);
-    setenv("PD_CUDA_SKINNY_ROWS", "2", 1);
-    pd_backend *sk2 = pd_backend_new("cuda", 0, &err);
-    unsetenv("PD_CUDA_SKINNY_ROWS");
-    unsetenv("PD_CUDA_SKINNY");
-    PD_REQUIRE(sk && sk2);
+    skinny_var var[] = {{"2", "0", NULL, NULL, NULL}, {"2", "0", "2", NULL, NULL}};
+    pd_backend *bs[2];
+    for (int v = 0; v < 2; v++) PD_REQUIRE((bs[v] = skinny_backend(&var[v])) != NULL);
     pd_backend *dflt = c.gpu;
+    int ms[] = {1, 2, 3, 4, 5, 6, 7, 8};
     for (int v = 0; v < 2; v++) {
-        c.gpu = v ? sk2 : sk;  // compare() reads through c.gpu
-        for (int M = 1; M <= 8; M++)
-            for (int i = 0; i < 6; i++) {
-                int N = 1 + (int)(pd_rng_next(&c.rng) % (i < 3 ? 40 : 1500));
-                int K = 8 * (1 + (int)(pd_rng_next(&c.rng) % (i < 3 ? 40 : 700)));
-                int lda = K + (i % 3 == 2 ? 8 * (1 + (int)(pd_rng_next(&c.rng) % 4)) : 0);
-                int flags = (int)(pd_rng_next(&c.rng) % 8);
-                matmul_case(&c, c.gpu, M, N, K, lda, flags & 1, flags & 2, flags & 4);
-            }
+        c.gpu = bs[v];  // compare() reads through c.gpu
+        skinny_random_cases(&c, ms, 8, 6);
         int big[][2] = {{4096, 4096}, {1027, 14336}, {6144, 4104}};
         for (int M = 1; M <= 8; M += v ? 7 : 3)
             for (int s = 0; s < 3; s++) matmul_case(&c, c.gpu, M, big[s][0], big[s][1], big[s][1], s == 1, s == 2, M == 4);
@@ -395,8 +412,54 @@ PD_TEST(test_cuda_skinny) {
         matmul_chain_case(&c, 8, 4096, 4096, 96);
     }
     c.gpu = dflt;
-    pd_backend_free(sk);
-    pd_backend_free(sk2);
+    for (int v = 0; v < 2; v++) pd_backend_free(bs[v]);
+    ctx_fini(&c);
+}
+
+// The tensor-core skinny kernel (PD_CUDA_SKINNY_MMA=2) against the CPU reference at M = 1..16:
+// 16 rows per block single-buffered over every M, then 32 rows and double-buffered loads
+// (PD_CUDA_SKINNY_MMA_ROWS=32, PD_CUDA_SKINNY_MMA_PIPE=1) at the n-tile edges (M = 1, 8, 9, 16);
+// random shapes, decode-sized shapes with K-chunk tails and N not a multiple of the block's rows,
+// PDL chains. Then the two measured rules (PD_CUDA_SKINNY=1 with PD_CUDA_SKINNY_MMA=3 and the
+// default 1) on shapes that take each of their branches (CUDA cores, tensor cores with and without
+// double buffering, cuBLASLt).
+PD_TEST(test_cuda_skinny_mma) {
+    ctx c;
+    if (!ctx_init(&c, 23)) PD_SKIP("%s: no CUDA device", __func__);
+    skinny_var var[] = {{"2", "2", NULL, NULL, "0"}, {"2", "2", NULL, "32", "0"}, {"2", "2", NULL, NULL, "1"},
+                        {"2", "2", NULL, "32", "1"}, {"1", "3", NULL, NULL, NULL}, {"1", NULL, NULL, NULL, NULL}};
+    enum { NV = PD_ARRAY_LEN(var) };
+    pd_backend *bs[NV];
+    for (int v = 0; v < NV; v++) PD_REQUIRE((bs[v] = skinny_backend(&var[v])) != NULL);
+    pd_backend *dflt = c.gpu;
+    int all[16], edges[] = {1, 8, 9, 16};
+    for (int i = 0; i < 16; i++) all[i] = i + 1;
+    for (int v = 0; v < NV - 2; v++) {
+        c.gpu = bs[v];  // compare() reads through c.gpu
+        if (v == 0) skinny_random_cases(&c, all, 16, 3);
+        else skinny_random_cases(&c, edges, 4, 2);
+        if (v == 0) {
+            matmul_case(&c, c.gpu, 5, 4096, 4096, 4096, false, false, false);
+            matmul_case(&c, c.gpu, 5, 1027, 14336, 14336, true, false, false);
+            matmul_case(&c, c.gpu, 16, 6144, 4104, 4104, false, true, false);
+            matmul_case(&c, c.gpu, 16, 4104, 4096, 4096, false, false, true);
+            matmul_chain_case(&c, 1, 2048, 1024, 512);
+            matmul_chain_case(&c, 9, 1024, 2048, 4096);
+        }
+        matmul_case(&c, c.gpu, 9, 1027, 14336, 14336, v & 1, true, false);
+        matmul_case(&c, c.gpu, 12, 4104, 4096, 4096, true, false, true);
+        matmul_chain_case(&c, 16, 4096, 4096, 96);
+    }
+    int rule[][3] = {{4, 2048, 10240}, {5, 4096, 4096}, {6, 4096, 4096}, {7, 10240, 2048},
+                     {8, 10240, 2048}, {9, 2048, 10240}, {16, 4104, 2048}};
+    for (int v = NV - 2; v < NV; v++) {
+        c.gpu = bs[v];
+        for (size_t i = 0; i < PD_ARRAY_LEN(rule); i++)
+            matmul_case(&c, c.gpu, rule[i][0], rule[i][1], rule[i][2], rule[i][2], i & 1, i & 2, i == 3);
+        matmul_chain_case(&c, 6, 4096, 4096, 2048);
+    }
+    c.gpu = dflt;
+    for (int v = 0; v < NV; v++) pd_backend_free(bs[v]);
     ctx_fini(&c);
 }
 

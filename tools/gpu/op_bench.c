@@ -7,9 +7,13 @@
 // sample: pd_op_sample (rows' parameters up, kernel, results down, sync: the whole op as the engine
 // calls it) at batch 1 / 8 / 64 / 256 for three vocabularies and five configurations; the first
 // line (V = 1024, greedy, batch 1) is the op's fixed cost.
-// gemv: the decode GEMM shapes at M = 1, 2, 4, 8, cuBLASLt (PD_CUDA_SKINNY=0) against the
-// row-streaming skinny kernel (PD_CUDA_SKINNY=2), GB/s of weight bytes and % of the copy rate
-// measured in the same run (the copy section runs first when gemv is asked for).
+// gemv: the decode GEMM shapes at M = 1..9, 12, 16: cuBLASLt (PD_CUDA_SKINNY=0), the row-streaming
+// CUDA-core skinny kernel (PD_CUDA_SKINNY=2 PD_CUDA_SKINNY_MMA=0; M <= 8) and the tensor-core one
+// (PD_CUDA_SKINNY_MMA=2) with 16 and 32 weight rows per block, single- and double-buffered
+// (PD_CUDA_SKINNY_MMA_PIPE=1: mma16p, mma32p): time and weight bytes as % of the copy rate measured
+// in the same run (the copy section runs first when gemv is asked for), and "rule": PD_CUDA_SKINNY=1
+// (gemm.c's default rule, cuBLASLt where it picks no skinny kernel; PD_CUDA_SKINNY_MMA=3 in the
+// environment gives the per-shape rule with tensor cores in that column).
 // Usage: op_bench [copy] [peak] [gemm] [gemv] [prefill] [attn] [sample]  (no argument: all sections).
 #include <math.h>
 #include <stdio.h>
@@ -157,15 +161,34 @@ static void bench_sample(void) {
 int main(int argc, char **argv) {
     pd_err err = {0};
     g_argc = argc, g_argv = argv;
+    char rule_mma[16] = "";  // the caller's PD_CUDA_SKINNY_MMA, for the "rule" backend
+    const char *env_mma = getenv("PD_CUDA_SKINNY_MMA");
+    if (env_mma) snprintf(rule_mma, sizeof rule_mma, "%s", env_mma);
     setenv("PD_CUDA_GEMV_MAX_M", "0", 1);  // g_b: cuBLASLt for every M
     setenv("PD_CUDA_SKINNY", "0", 1);
     g_b = pd_backend_new("cuda", 0, &err);
     setenv("PD_CUDA_GEMV_MAX_M", "16", 1);  // lt: the stream-K gemv kernel for M <= 16
     pd_backend *lt = pd_backend_new("cuda", 0, &err);
     setenv("PD_CUDA_GEMV_MAX_M", "0", 1);
-    setenv("PD_CUDA_SKINNY", "2", 1);  // sk: the row-streaming skinny kernel for every M <= 8
+    setenv("PD_CUDA_SKINNY", "2", 1);  // sk: the row-streaming (CUDA-core) skinny kernel for every M <= 8
+    setenv("PD_CUDA_SKINNY_MMA", "0", 1);
     pd_backend *sk = pd_backend_new("cuda", 0, &err);
-    if (!g_b || !lt || !sk) { fprintf(stderr, "no cuda: %s\n", err.msg); return 1; }
+    setenv("PD_CUDA_SKINNY_MMA", "2", 1);  // mma: the tensor-core skinny kernel for every M <= 16
+    pd_backend *mma = pd_backend_new("cuda", 0, &err);
+    setenv("PD_CUDA_SKINNY_MMA_ROWS", "32", 1);  // mma32: the same with 32 weight rows per block
+    pd_backend *mma32 = pd_backend_new("cuda", 0, &err);
+    setenv("PD_CUDA_SKINNY_MMA_PIPE", "1", 1);  // mma32p, mma16p: double-buffered weight loads
+    pd_backend *mma32p = pd_backend_new("cuda", 0, &err);
+    unsetenv("PD_CUDA_SKINNY_MMA_ROWS");
+    pd_backend *mma16p = pd_backend_new("cuda", 0, &err);
+    unsetenv("PD_CUDA_SKINNY_MMA_PIPE");
+    unsetenv("PD_CUDA_SKINNY_MMA");
+    setenv("PD_CUDA_SKINNY", "1", 1);  // rule: the default rule (gemm.c skinny_rule) or the caller's
+    if (*rule_mma) setenv("PD_CUDA_SKINNY_MMA", rule_mma, 1);
+    pd_backend *rule = pd_backend_new("cuda", 0, &err);
+    unsetenv("PD_CUDA_SKINNY_MMA");
+    setenv("PD_CUDA_SKINNY", "2", 1);
+    if (!g_b || !lt || !sk || !mma || !mma32 || !mma32p || !mma16p || !rule) { fprintf(stderr, "no cuda: %s\n", err.msg); return 1; }
     double us, copy_gbs = NAN;
     if (want("copy") || want("gemv")) {
         cp_arg cp = {.bytes = (size_t)1 << 30};
@@ -208,21 +231,29 @@ int main(int argc, char **argv) {
                2.0 * 8192 * N * K / (t * 1e6));
     }
     for (size_t s = 0; s < 5 && want("gemv"); s++) {
-        int N = shapes[s][0], K = shapes[s][1], gm[] = {1, 2, 4, 8};
+        int N = shapes[s][0], K = shapes[s][1], gm[] = {1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 16};
         mm_arg m = {.N = N, .K = K};
-        m.a = rnd((size_t)8 * K);
+        m.a = rnd((size_t)16 * K);
         int nw = (size_t)N * K * 2 > (64u << 20) ? 2 : NW;
         for (int i = 0; i < NW; i++) m.w[i] = i < nw ? rnd((size_t)N * K) : m.w[i % nw];
-        m.out = alloc((size_t)8 * N * 2);
+        m.out = alloc((size_t)16 * N * 2);
         double bytes = (double)N * K * 2;
-        for (int mi = 0; mi < 4; mi++) {
+        for (size_t mi = 0; mi < sizeof gm / sizeof gm[0]; mi++) {
             m.M = gm[mi];
             int reps = bytes > 5e8 ? 20 : 100;
-            double t_l = time_us(g_b, mm_op, &m, reps), t_s = time_us(sk, mm_op, &m, reps);
-            double g_l = bytes / (t_l * 1e3), g_s = bytes / (t_s * 1e3);
-            printf("gemv %-8s M=%d N=%-6d K=%-5d  cublasLt %7.1f us %5.0f GB/s %3.0f%%  skinny %7.1f us %5.0f GB/s %3.0f%%  "
-                   "(%.2fx; %% of copy %.0f GB/s)\n", names[s], m.M, N, K, t_l, g_l, 100 * g_l / copy_gbs, t_s, g_s,
-                   100 * g_s / copy_gbs, t_l / t_s, copy_gbs);
+            // cuBLASLt, the CUDA-core kernel (M <= 8), the tensor-core kernel with 16 and 32 rows per
+            // block, single- and double-buffered
+            pd_backend *be[7] = {g_b, sk, mma, mma32, mma16p, mma32p, rule};
+            const char *name[7] = {"cublasLt", "cores", "mma16", "mma32", "mma16p", "mma32p", "rule"};
+            double t[7];
+            int best = 0;
+            for (int k = 0; k < 7; k++) {
+                t[k] = k == 1 && m.M > 8 ? NAN : time_us(be[k], mm_op, &m, reps);
+                if (t[k] < t[best]) best = k;  // NaN compares false: never the best
+            }
+            printf("gemv %-8s M=%-2d N=%-6d K=%-5d", names[s], m.M, N, K);
+            for (int k = 0; k < 7; k++) printf("  %s %5.1f us %3.0f%%", name[k], t[k], 100 * bytes / (t[k] * 1e3) / copy_gbs);
+            printf("  best %s (%.2fx cublasLt; %% of copy %.0f GB/s)\n", name[best], t[0] / t[best], copy_gbs);
         }
     }
     // attention: Llama-3-8B heads

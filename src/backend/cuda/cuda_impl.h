@@ -40,8 +40,11 @@ typedef struct pd_cuda_backend {
     int gemv_max_m;            // M <= this uses the skinny GEMM kernel (0 disables)
     void *gemv_ws;             // its split-K partials + tile counters; zero between launches
     size_t gemv_ws_bytes;
-    int skinny;                // kernels/skinny.cu for M <= 8: 0 off, 1 per measured rule, 2 always
+    int skinny;                // skinny kernels for M <= 16: 0 off, 1 per shape rule, 2 always
     int skinny_rows;           // its weight rows per block (2 or 4)
+    int skinny_mma;            // kernels/skinny_mma.cu (M <= 16): 0 never, 1/3 the measured rules, 2 always
+    int skinny_mma_rows;       // its weight rows per block (16 or 32)
+    int skinny_mma_pipe;       // its double-buffered weight loads: -1 the rule's choice, 0 off, 1 on
     // attention split-K partials; grows outside graph capture only
     float *attn_ws;
     size_t attn_ws_bytes;

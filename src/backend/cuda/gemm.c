@@ -1,8 +1,10 @@
 // gemm.c — pd_op_matmul on CUDA: out (M, N) = a (M, K) . w(N, K)^T [+ bias] [+ out].
 //
-// Three paths, picked per shape:
-//   * M <= 5 on decode-sized weights (PD_CUDA_SKINNY=1, the default; see pd_cuda_gemm_init): the row-streaming
-//     skinny kernel in kernels/skinny.cu (no workspace, PDL, weights prefetched before the wait);
+// Four paths, picked per shape:
+//   * M <= 16 with PD_CUDA_SKINNY=1 (the default: the measured rule, see skinny_rule) or 2: the skinny
+//     weight-streaming kernels (no workspace, PDL, weights prefetched before the wait), per M
+//     either kernels/skinny.cu (M <= 8, f32 FMAs on the CUDA cores) or kernels/skinny_mma.cu
+//     (M <= 16, tensor cores); see skinny_choice;
 //   * M <= gemv_max_m (decode; off by default, see pd_cuda_gemm_init): the skinny tensor-core
 //     kernel in kernels/gemv.cu, which streams the weight once over a stream-K split and is
 //     launched with PDL (its weight loads start during the previous kernel); its split-K scratch
@@ -28,6 +30,7 @@
 #include "kernels/add_bias.cuh"
 #include "kernels/gemv.cuh"
 #include "kernels/skinny.cuh"
+#include "kernels/skinny_mma.cuh"
 
 #define PD_CUDA_LT_WS_BYTES (32u << 20)
 #define PD_GEMM_TUNE_MIN_M 32  // default tuning range: PD_GEMM_TUNE_MIN_M <= M <= PD_GEMM_TUNE_MAX_M
@@ -45,6 +48,20 @@ struct pd_cuda_gemm_plan {
 
 enum { PD_GEMM_BIAS = 1, PD_GEMM_F32 = 2 };
 
+// Integer measurement knob `name`: dflt when unset or empty; anything but an integer in [lo, hi]
+// is a configuration error (not silently replaced by the default).
+static int env_int(const char *name, int dflt, int lo, int hi) {
+    const char *e = getenv(name);
+    if (!e || !*e) return dflt;
+    char *end = NULL;
+    long v = strtol(e, &end, 10);
+    if (*end || v < lo || v > hi) {
+        PD_LOG_E("%s=%s: expected an integer in [%d, %d]", name, e, lo, hi);
+        pd_abort(__FILE__, __LINE__, __func__, "bad CUDA GEMM knob in the environment");
+    }
+    return (int)v;
+}
+
 void pd_cuda_gemm_init(pd_cuda_backend *cb) {
     PD_CUBLAS_CHECK(cublasLtCreate(&cb->lt));
     cb->lt_ws_bytes = PD_CUDA_LT_WS_BYTES;
@@ -56,8 +73,9 @@ void pd_cuda_gemm_init(pd_cuda_backend *cb) {
     cb->gemv_max_m = 0;
     const char *e = getenv("PD_CUDA_GEMV_MAX_M");  // tuning knob for measurements
     if (e && *e) cb->gemv_max_m = atoi(e);
-    // The row-streaming skinny kernel (kernels/skinny.cu): PD_CUDA_SKINNY=0 off, 1 the measured rule
-    // of skinny_wanted (the default), 2 every supported call (tests, op_bench);
+    // The skinny kernels (kernels/skinny.cu, M <= 8; kernels/skinny_mma.cu, M <= 16):
+    // PD_CUDA_SKINNY=0 off, 1 (the default) the measured per-shape rule of skinny_choice, 2 every
+    // supported call (tests, op_bench);
     // PD_CUDA_SKINNY_ROWS=2 selects 2 weight rows per block instead of 4 (measurements).
     cb->skinny = 1;
     e = getenv("PD_CUDA_SKINNY");
@@ -65,19 +83,77 @@ void pd_cuda_gemm_init(pd_cuda_backend *cb) {
     cb->skinny_rows = 4;
     e = getenv("PD_CUDA_SKINNY_ROWS");
     if (e && *e) cb->skinny_rows = atoi(e) == 2 ? 2 : 4;
+    // Which of the two skinny kernels takes an M (see skinny_choice): PD_CUDA_SKINNY_MMA=0 the
+    // CUDA-core kernel only (M <= 8; larger M go to cuBLASLt), 1 (the default) the rule measured end
+    // to end (CUDA cores to M = 5, no tensor cores), 2 the tensor-core kernel for every M <= 16
+    // (tests, op_bench), 3 op_bench's per-(M, shape) winners (tensor cores from M = 6).
+    // PD_CUDA_SKINNY_MMA_ROWS=32 gives the tensor-core kernel 32 weight rows per block instead of
+    // 16; PD_CUDA_SKINNY_MMA_PIPE=0/1 forces its double-buffered weight loads off/on (default: the
+    // rule's choice). Measurement knobs.
+    cb->skinny_mma = env_int("PD_CUDA_SKINNY_MMA", 1, 0, 3);
+    cb->skinny_mma_rows = env_int("PD_CUDA_SKINNY_MMA_ROWS", 16, 16, 32);
+    if (cb->skinny_mma_rows != 16 && cb->skinny_mma_rows != 32)
+        pd_abort(__FILE__, __LINE__, __func__, "PD_CUDA_SKINNY_MMA_ROWS must be 16 or 32");
+    cb->skinny_mma_pipe = env_int("PD_CUDA_SKINNY_MMA_PIPE", -1, -1, 1);
 }
 
-// Whether the skinny kernel takes this call (see pd_cuda_gemm_init for the modes). Mode 1's rule is
-// measured (H100, session 9, `op_bench gemv`, tools/gpu/NOTES.md): on every Llama-3-8B decode
-// weight (qkv, o, gate_up, down, lm_head) the kernel beats cuBLASLt at M = 1, 2, 4 (1.01-1.30x;
-// 86-111% of the copy rate at M = 1) and loses at M = 8 (0.81-0.94x: from M ~ 5 its f32 FMAs on
-// CUDA cores, not the weight stream, bound it); a 5-token verify step was 6.01 ms with it against
-// 6.36 ms without. So M <= 5, on decode-sized weights (N, K >= 2048: grids of >= 512 blocks,
-// every SM streaming; small N gives too few blocks without a split-K, which it does not have).
-static bool skinny_wanted(const pd_cuda_backend *cb, const pd_matmul_params *p, int lda) {
-    if (cb->skinny <= 0 || !pd_cuda_skinny_supported(p->M, p->K, lda, p->a, p->w)) return false;
-    if (cb->skinny >= 2) return true;
-    return p->M <= 5 && p->N >= 2048 && p->K >= 2048;
+enum { SKINNY_NONE, SKINNY_CORES, SKINNY_MMA, SKINNY_MMA_PIPE };
+
+// Two rules for mode 1 (N, K >= 2048), both measured on an H100 SXM (tools/gpu/NOTES.md, session
+// 9 "mma": `op_bench gemv` per shape, `bench-engine --only verify` end to end, Llama-3-8B).
+//
+// skinny_rule_ops (PD_CUDA_SKINNY_MMA=3): the per-shape winners of op_bench, times in us at M = 5 /
+// 8 / 9 for cuBLASLt, CUDA-core, tensor-core, tensor-core double-buffered:
+//   * long K (down, 4096 x 14336): the CUDA-core kernel to M = 4 (43.4 vs 45.0), then cuBLASLt
+//     (45.2 vs 46.0 / 45.8 / 48.3 at M = 5; 45.5 vs 52.0 / 51.0 at M = 9): 256 blocks of 16 rows x
+//     28 KB are too coarse for the tensor-core kernel;
+//   * M <= 5: the CUDA-core kernel (o: 14.6 vs 16.8 / 15.9 / 15.3; lm_head 334 vs 380 / 350);
+//   * N <= 8192 (qkv, o), M = 6..16: tensor cores double-buffered (qkv 19.8-20.7 vs cuBLASLt
+//     22.3-22.5; o 15.3-15.8 vs 16.7-17.0);
+//   * larger N (gate_up, lm_head): the CUDA-core kernel to M = 7, then tensor cores single-buffered
+//     (lm_head 350.8-355.4 vs 378-380; gate_up ties cuBLASLt: 83.5-85.4 vs 83.7-87.1).
+// End to end it did not win where it uses tensor cores: verify steps at M = 9 (batch 1) 6.35-6.46 ms
+// vs 6.34-6.45 with cuBLASLt, M = 8 (batch 8) 6.480 vs 6.486, M = 16 (batch 8) 6.651 vs 6.540,
+// although op_bench's sums predicted 0.07-0.2 ms less (not understood; the same comparison for
+// the CUDA-core kernel at M = 1..8 and for tensor cores everywhere at M = 1 matched op_bench).
+//
+// skinny_rule (PD_CUDA_SKINNY_MMA=1, the default) keeps what won end to end: the CUDA-core kernel
+// to M = 5 (M = 4 for long K), cuBLASLt above. Verify steps at M = 5 (batch 1, 3-4 drafts):
+// 6.016-6.028 ms against 6.278-6.290 with cuBLASLt and 6.079-6.086 with the CUDA-core kernel on
+// every shape; at M = 8 the CUDA-core kernel was 0.5 ms slower than cuBLASLt (6.982 vs 6.486).
+static int skinny_rule(int M, int N, int K) {
+    (void)N;
+    if (K > 8192) return M <= 4 ? SKINNY_CORES : SKINNY_NONE;
+    return M <= 5 ? SKINNY_CORES : SKINNY_NONE;
+}
+
+static int skinny_rule_ops(int M, int N, int K) {
+    if (K > 8192) return M <= 4 ? SKINNY_CORES : SKINNY_NONE;
+    if (M <= 5) return SKINNY_CORES;
+    if (N <= 8192) return SKINNY_MMA_PIPE;
+    return M <= 7 ? SKINNY_CORES : SKINNY_MMA;
+}
+
+// Which skinny kernel takes this call, if any (see pd_cuda_gemm_init for the modes). Mode 1 first
+// asks for decode-sized weights (N, K >= 2048: grids of >= 128 blocks, every SM streaming; small N
+// gives too few blocks without a split-K, which neither kernel has), then follows
+// PD_CUDA_SKINNY_MMA: 0 the CUDA-core kernel to M = 8 (session 8), 1 skinny_rule, 2 the tensor-core
+// kernel, 3 skinny_rule_ops. Mode 2 takes every supported call: the CUDA-core kernel to M = 8 unless
+// PD_CUDA_SKINNY_MMA=2, the tensor-core kernel above (unless =0). An M no kernel takes goes to
+// cuBLASLt.
+static int skinny_choice(const pd_cuda_backend *cb, const pd_matmul_params *p, int lda) {
+    if (cb->skinny <= 0 || p->M > PD_SKINNY_MMA_MAX_M) return SKINNY_NONE;
+    if (cb->skinny == 1 && !(p->N >= 2048 && p->K >= 2048)) return SKINNY_NONE;
+    int k;
+    if (cb->skinny == 1 && cb->skinny_mma == 1) k = skinny_rule(p->M, p->N, p->K);
+    else if (cb->skinny == 1 && cb->skinny_mma == 3) k = skinny_rule_ops(p->M, p->N, p->K);
+    else if (cb->skinny_mma == 2 || (cb->skinny >= 2 && cb->skinny_mma != 0 && p->M > PD_SKINNY_MAX_M)) k = SKINNY_MMA;
+    else k = SKINNY_CORES;
+    if (k == SKINNY_NONE) return k;
+    if (k == SKINNY_CORES) return pd_cuda_skinny_supported(p->M, p->K, lda, p->a, p->w) ? k : SKINNY_NONE;
+    if (!pd_cuda_skinny_mma_supported(p->M, p->K, lda, p->a, p->w)) return SKINNY_NONE;
+    if (cb->skinny_mma_pipe >= 0) return cb->skinny_mma_pipe ? SKINNY_MMA_PIPE : SKINNY_MMA;
+    return k;
 }
 
 void pd_cuda_gemm_fini(pd_cuda_backend *cb) {
@@ -214,7 +290,16 @@ void pd_cuda_gemm_matmul(pd_backend *b, const pd_matmul_params *p) {
         PD_CUDA_CHECK_LAUNCH();
         return;
     }
-    if (skinny_wanted(cb, p, lda)) {
+    int sk = skinny_choice(cb, p, lda);
+    if (sk == SKINNY_MMA || sk == SKINNY_MMA_PIPE) {
+        pd_skinny_mma_kparams k = {.a = p->a, .w = p->w, .bias = p->bias, .out = p->out, .M = p->M, .N = p->N,
+                                   .K = p->K, .lda = lda, .accumulate = p->accumulate, .out_f32 = p->out_f32,
+                                   .rows = cb->skinny_mma_rows, .pipe = sk == SKINNY_MMA_PIPE};
+        pd_cuda_skinny_mma(&k, cb->stream);
+        PD_CUDA_CHECK_LAUNCH();
+        return;
+    }
+    if (sk == SKINNY_CORES) {
         pd_skinny_kparams k = {.a = p->a, .w = p->w, .bias = p->bias, .out = p->out, .M = p->M, .N = p->N,
                                .K = p->K, .lda = lda, .accumulate = p->accumulate, .out_f32 = p->out_f32,
                                .rows = cb->skinny_rows};

@@ -1,0 +1,202 @@
+// skinny_mma.cu — tensor-core skinny GEMM for decode and speculative verify (M <= 16):
+// out (M, N) = a (M, K) . w(N, K)^T, bound by streaming the weight once from HBM.
+//
+// Why: the row-streaming kernel (skinny.cu) does M f32 FMAs plus the bf16 unpack per weight
+// element on the CUDA cores; from M ~ 5 it is issue-bound (at M = 8 it was slower than cuBLASLt on
+// every Llama-3-8B shape). Here the products run on the tensor cores, with A and B swapped: the
+// weight rows are the MMA's M side (mma.sync.m16n8k16 bf16 -> f32, 16 weight rows x 16 k per
+// instruction) and the M activation rows its n = 8 side (M = 9..16: two n-tiles), so one
+// instruction does 16 x 8 x 16 products and the per-element cost no longer grows with M.
+//
+// Fragments straight from the 16-byte loads (no shared memory, no ldmatrix): the sum over k does
+// not care in which order the 16 k of an MMA are paired, as long as A and B use the same order. Lane
+// (g = lane / 4, t = lane % 4) loads 16-byte chunk c (8 consecutive k) of weight rows g and g + 8 and
+// the same chunk of activation row g; its A registers for the first MMA are (row g k0 k1,
+// row g+8 k0 k1, row g k2 k3, row g+8 k2 k3) and its B registers (act k0 k1, act k2 k3); the second
+// MMA takes k4..k7 the same way. Every lane of a warp uses the same c for the same t, so the 16
+// logical k of an MMA are 16 distinct physical k and A and B agree on them.
+//
+// Tiling: a 128-thread block owns T x 16 consecutive weight rows (T = 1 or 2) and the whole K; its
+// 4 warps split K (warp w, step s, lane t: chunk (4 s + w) x 4 + t, so a step of the block reads
+// 256 contiguous bytes of each row). Every thread has 16 independent 16-byte
+// ld.global.nc.L1::no_allocate weight loads in flight per batch (U = 8 / T steps x T tiles x 2
+// rows); the first batch is issued before the PDL wait (weights are never written by a kernel).
+// Activations come through L1 (__ldg; every block of an SM reads the same rows), the zero rows
+// past M are not loaded. No split-K and no workspace: N = 4096 gives 256 blocks of 16 rows, which
+// are all resident at once (2 per SM, 8 SMs with 1: ~3% imbalance, not a second wave). The K
+// reduction across the 4 warps goes through shared memory at the end; threads then add bias /
+// the previous output and store (consecutive threads, consecutive output columns).
+#include "kernels/common.cuh"
+#include "kernels/skinny_mma.cuh"
+
+#define PD_K_SM_THREADS 128
+#define PD_K_SM_WARPS (PD_K_SM_THREADS / 32)
+#define PD_K_SM_STEP (PD_K_SM_WARPS * 4)  // chunks of a row one step of the block covers
+#define PD_K_SM_LOADS 16                   // 16-byte weight loads in flight per thread
+
+typedef struct pd_k_skinny_mma_args {
+    const __nv_bfloat16 *a, *w, *bias;
+    void *out;
+    int M, N, K, lda, accumulate, out_f32;
+} pd_k_skinny_mma_args;
+
+// 16-byte streaming load of read-only data: not kept in L1, L2 fetches 256-byte sectors.
+static __device__ __forceinline__ uint4 pd_k_sm_ld_stream(const uint4 *p) {
+    uint4 v;
+    asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "l"(p));
+    return v;
+}
+
+// The weight chunks c + u * STEP (u < U) of the 2 T rows of this lane; chunks past the row's end
+// read as zero.
+template <int T, int U>
+static __device__ __forceinline__ void pd_k_sm_load(uint4 (&wv)[U][T][2], const uint4 *const (&wr)[T][2], int c,
+                                                    int chunks) {
+#pragma unroll
+    for (int u = 0; u < U; u++)
+#pragma unroll
+        for (int i = 0; i < T; i++)
+#pragma unroll
+            for (int h = 0; h < 2; h++)
+                wv[u][i][h] = c + u * PD_K_SM_STEP < chunks ? pd_k_sm_ld_stream(wr[i][h] + c + u * PD_K_SM_STEP)
+                                                            : make_uint4(0, 0, 0, 0);
+}
+
+// The MMAs of one batch: U steps from the warp's chunk cb (weights in wv, already loaded), the
+// activation chunks loaded here (through L1), zero past the end of K or for rows past M.
+template <int T, int NT, int U>
+static __device__ __forceinline__ void pd_k_sm_batch(float (&acc)[T][NT][4], const uint4 (&wv)[U][T][2],
+                                                     const uint4 *const (&ar)[NT], const bool (&a_on)[NT], int cb,
+                                                     int t, int chunks) {
+    uint4 av[U][NT];
+#pragma unroll
+    for (int u = 0; u < U; u++)
+#pragma unroll
+        for (int j = 0; j < NT; j++) {
+            int c = cb + t + u * PD_K_SM_STEP;
+            av[u][j] = a_on[j] && c < chunks ? __ldg(ar[j] + c) : make_uint4(0, 0, 0, 0);
+        }
+#pragma unroll
+    for (int u = 0; u < U; u++) {
+        if (cb + u * PD_K_SM_STEP >= chunks) break;  // warp-uniform; the lanes past the end hold zeros
+#pragma unroll
+        for (int i = 0; i < T; i++) {
+            const uint32_t a0[4] = {wv[u][i][0].x, wv[u][i][1].x, wv[u][i][0].y, wv[u][i][1].y};
+            const uint32_t a1[4] = {wv[u][i][0].z, wv[u][i][1].z, wv[u][i][0].w, wv[u][i][1].w};
+#pragma unroll
+            for (int j = 0; j < NT; j++) {
+                pd_k_mma_bf16(acc[i][j], a0, av[u][j].x, av[u][j].y);
+                pd_k_mma_bf16(acc[i][j], a1, av[u][j].z, av[u][j].w);
+            }
+        }
+    }
+}
+
+// T: 16-row tiles per block; NT: 8-column n-tiles (activation rows), 1 for M <= 8, 2 for M <= 16.
+// PIPE: two register sets of half the loads each; the next batch's loads are issued before the
+// current batch's MMAs (loads always in flight), instead of one set refilled after them.
+template <int T, int NT, bool PIPE>
+static __global__ void __launch_bounds__(PD_K_SM_THREADS) k_skinny_mma(pd_k_skinny_mma_args p) {
+    constexpr int U = PD_K_SM_LOADS / (2 * T) / (PIPE ? 2 : 1), BATCH = U * PD_K_SM_STEP;
+    pd_k_pdl_trigger();
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
+    const int row0 = blockIdx.x * 16 * T, chunks = p.K >> 3;
+    const uint4 *wr[T][2];
+#pragma unroll
+    for (int i = 0; i < T; i++)
+#pragma unroll
+        for (int h = 0; h < 2; h++) {  // rows past N repeat the last row; their sums are not stored
+            int n = min(row0 + 16 * i + 8 * h + g, p.N - 1);
+            wr[i][h] = (const uint4 *)(p.w + (size_t)n * p.K);
+        }
+    // cb: the warp's first chunk of the batch (warp-uniform: the loop's exits must be, every lane
+    // of the warp runs each mma.sync); this lane's chunk is cb + t.
+    int cb = warp * 4;
+    uint4 wa[U][T][2], wb[U][T][2];
+    pd_k_sm_load<T, U>(wa, wr, cb + t, chunks);
+    if (PIPE && cb + BATCH < chunks) pd_k_sm_load<T, U>(wb, wr, cb + BATCH + t, chunks);
+    pd_k_pdl_wait();  // the activations (and out) belong to earlier kernels
+
+    const uint4 *ar[NT];
+    bool a_on[NT];
+#pragma unroll
+    for (int j = 0; j < NT; j++) {
+        a_on[j] = 8 * j + g < p.M;
+        ar[j] = (const uint4 *)(p.a + (size_t)(a_on[j] ? 8 * j + g : 0) * p.lda);
+    }
+    float acc[T][NT][4];
+#pragma unroll
+    for (int i = 0; i < T; i++)
+#pragma unroll
+        for (int j = 0; j < NT; j++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) acc[i][j][e] = 0.f;
+    for (;;) {
+        pd_k_sm_batch<T, NT, U>(acc, wa, ar, a_on, cb, t, chunks);
+        cb += BATCH;
+        if (cb >= chunks) break;
+        if (!PIPE) {
+            pd_k_sm_load<T, U>(wa, wr, cb + t, chunks);
+            continue;
+        }
+        // wb holds batch cb (loaded one batch ago); refill wa with batch cb + BATCH first
+        if (cb + BATCH < chunks) pd_k_sm_load<T, U>(wa, wr, cb + BATCH + t, chunks);
+        pd_k_sm_batch<T, NT, U>(acc, wb, ar, a_on, cb, t, chunks);
+        cb += BATCH;
+        if (cb >= chunks) break;
+        if (cb + BATCH < chunks) pd_k_sm_load<T, U>(wb, wr, cb + BATCH + t, chunks);
+    }
+
+    // acc[i][j]: (row 16 i + g, col 8 j + 2 t), (.., 2 t + 1), (row 16 i + g + 8, 2 t), (.., 2 t + 1).
+    constexpr int ROWS = 16 * T, COLS = 8 * NT;
+    __shared__ float red[PD_K_SM_WARPS][COLS][ROWS + 1];
+#pragma unroll
+    for (int i = 0; i < T; i++)
+#pragma unroll
+        for (int j = 0; j < NT; j++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) red[warp][8 * j + 2 * t + (e & 1)][16 * i + g + 8 * (e >> 1)] = acc[i][j][e];
+    __syncthreads();
+    for (int idx = tid; idx < ROWS * COLS; idx += PD_K_SM_THREADS) {
+        int m = idx / ROWS, r = idx - m * ROWS, n = row0 + r;
+        if (m >= p.M || n >= p.N) continue;
+        float v = 0.f;
+#pragma unroll
+        for (int w = 0; w < PD_K_SM_WARPS; w++) v += red[w][m][r];
+        if (p.bias) v += __bfloat162float(p.bias[n]);
+        size_t o = (size_t)m * p.N + n;
+        if (p.out_f32) {
+            float *of = (float *)p.out;
+            of[o] = p.accumulate ? of[o] + v : v;
+        } else {
+            __nv_bfloat16 *ob = (__nv_bfloat16 *)p.out;
+            ob[o] = __float2bfloat16(p.accumulate ? __bfloat162float(ob[o]) + v : v);
+        }
+    }
+}
+
+extern "C" int pd_cuda_skinny_mma_supported(int M, int K, int lda, const void *a, const void *w) {
+    return M >= 1 && M <= PD_SKINNY_MMA_MAX_M && K > 0 && K % 8 == 0 && lda % 8 == 0 && ((uintptr_t)a & 15) == 0 &&
+           ((uintptr_t)w & 15) == 0;
+}
+
+template <int T, bool PIPE>
+static void pd_k_skinny_mma_launch_t(const pd_k_skinny_mma_args &a, cudaStream_t s) {
+    dim3 grid((unsigned)((a.N + 16 * T - 1) / (16 * T))), block(PD_K_SM_THREADS);
+    if (a.M <= 8) pd_k_launch(k_skinny_mma<T, 1, PIPE>, grid, block, 0, s, a);
+    else pd_k_launch(k_skinny_mma<T, 2, PIPE>, grid, block, 0, s, a);
+}
+
+extern "C" void pd_cuda_skinny_mma(const pd_skinny_mma_kparams *p, cudaStream_t s) {
+    pd_k_skinny_mma_args a;
+    a.a = (const __nv_bfloat16 *)p->a;
+    a.w = (const __nv_bfloat16 *)p->w;
+    a.bias = (const __nv_bfloat16 *)p->bias;
+    a.out = p->out;
+    a.M = p->M, a.N = p->N, a.K = p->K, a.lda = p->lda ? p->lda : p->K;
+    a.accumulate = p->accumulate, a.out_f32 = p->out_f32;
+    if (p->rows == 32) p->pipe ? pd_k_skinny_mma_launch_t<2, true>(a, s) : pd_k_skinny_mma_launch_t<2, false>(a, s);
+    else p->pipe ? pd_k_skinny_mma_launch_t<1, true>(a, s) : pd_k_skinny_mma_launch_t<1, false>(a, s);
+}
