@@ -24,8 +24,10 @@
 
 typedef struct pd_k_skinny_args {
     const __nv_bfloat16 *a, *w, *bias;
+    const __nv_bfloat16 *norm_w;
     void *out;
-    int M, N, K, lda, accumulate, out_f32;
+    int M, N, K, lda, accumulate, out_f32, hf;
+    float eps;
 } pd_k_skinny_args;
 
 // 16-byte streaming load of read-only data: not kept in L1, L2 fetches 256-byte sectors.
@@ -75,15 +77,25 @@ static __device__ __forceinline__ int pd_k_sk_warp_reduce(float (&v)[P], int lan
     return (lane & (32 / P - 1)) ? -1 : lane >> (5 - lg);
 }
 
-template <int M, int R>
+enum { PD_K_SK_PLAIN = 0, PD_K_SK_RESIDUAL = 1, PD_K_SK_GLU = 2 };
+
+// NORM: the activation rows are RMS-normalised on the fly (each block recomputes the M sums of
+// squares from the rows it reads anyway; they are in L1/L2 after the first block): a_k =
+// bf16(g_k * bf16(x_k * inv)) as kernels/rmsnorm.cu stores them. EPI: PD_K_SK_PLAIN (bias,
+// accumulate, f32 out), PD_K_SK_RESIDUAL (out = bf16(out + bf16(v + bias))) or PD_K_SK_GLU (the
+// block's R rows are R/2 gate rows p.. and the matching up rows N + p..; out = bf16(bf16(silu(g)) *
+// u) of the rounded halves, as silu_mul.cu computes it from the stored gate_up).
+template <int M, int R, int NORM, int EPI>
 static __global__ void __launch_bounds__(PD_K_SK_THREADS) k_skinny(pd_k_skinny_args p) {
     constexpr int U = PD_K_SK_LOADS / R;
     pd_k_pdl_trigger();
-    const int tid = threadIdx.x, row0 = blockIdx.x * R, chunks = p.K >> 3;
+    const int tid = threadIdx.x, row0 = blockIdx.x * (EPI == PD_K_SK_GLU ? R / 2 : R), chunks = p.K >> 3;
     const uint4 *wr[R];
 #pragma unroll
     for (int r = 0; r < R; r++) {  // rows past N repeat the last row; their sums are not stored
-        int n = min(row0 + r, p.N - 1);
+        int n;
+        if (EPI == PD_K_SK_GLU) n = min(row0 + r % (R / 2), p.N - 1) + (r / (R / 2)) * p.N;
+        else n = min(row0 + r, p.N - 1);
         wr[r] = (const uint4 *)(p.w + (size_t)n * p.K);
     }
     uint4 wv[U][R];
@@ -93,6 +105,37 @@ static __global__ void __launch_bounds__(PD_K_SK_THREADS) k_skinny(pd_k_skinny_a
     const uint4 *ar[M];
 #pragma unroll
     for (int m = 0; m < M; m++) ar[m] = (const uint4 *)(p.a + (size_t)m * p.lda);
+    const int lane = tid & 31, warp = tid >> 5;
+    float inv[M];
+#pragma unroll
+    for (int m = 0; m < M; m++) inv[m] = 1.f;
+    if (NORM) {
+        __shared__ float ssr[PD_K_SK_THREADS / 32][M];
+        float ss[M];
+#pragma unroll
+        for (int m = 0; m < M; m++) ss[m] = 0.f;
+        for (int c = tid; c < chunks; c += PD_K_SK_THREADS)
+#pragma unroll
+            for (int m = 0; m < M; m++) {
+                float af[8];
+                pd_k_unpack8(__ldg(ar[m] + c), af);
+#pragma unroll
+                for (int j = 0; j < 8; j++) ss[m] = fmaf(af[j], af[j], ss[m]);
+            }
+#pragma unroll
+        for (int m = 0; m < M; m++) {
+            float v = pd_k_warp_sum(ss[m]);
+            if (lane == 0) ssr[warp][m] = v;
+        }
+        __syncthreads();
+#pragma unroll
+        for (int m = 0; m < M; m++) {
+            float v = 0.f;
+#pragma unroll
+            for (int i = 0; i < PD_K_SK_THREADS / 32; i++) v += ssr[i][m];
+            inv[m] = rsqrtf(v / (float)p.K + p.eps);
+        }
+    }
     float acc[R][M];
 #pragma unroll
     for (int r = 0; r < R; r++)
@@ -103,13 +146,21 @@ static __global__ void __launch_bounds__(PD_K_SK_THREADS) k_skinny(pd_k_skinny_a
         for (int u = 0; u < U; u++) {
             int cu = c + u * PD_K_SK_THREADS;
             if (cu >= chunks) break;
-            float wf[R][8];
+            float wf[R][8], gf[8];
 #pragma unroll
             for (int r = 0; r < R; r++) pd_k_unpack8(wv[u][r], wf[r]);
+            if (NORM) pd_k_unpack8(__ldg((const uint4 *)p.norm_w + cu), gf);
 #pragma unroll
             for (int m = 0; m < M; m++) {
                 float af[8];
                 pd_k_unpack8(__ldg(ar[m] + cu), af);
+                if (NORM) {
+#pragma unroll
+                    for (int j = 0; j < 8; j++) {
+                        float nv = af[j] * inv[m];
+                        af[j] = pd_k_bf16r(gf[j] * (p.hf ? pd_k_bf16r(nv) : nv));
+                    }
+                }
 #pragma unroll
                 for (int r = 0; r < R; r++)
 #pragma unroll
@@ -122,13 +173,27 @@ static __global__ void __launch_bounds__(PD_K_SK_THREADS) k_skinny(pd_k_skinny_a
     }
 
     __shared__ float red[PD_K_SK_THREADS / 32][R * M];
-    const int lane = tid & 31, warp = tid >> 5;
     float v[PD_K_SK_P2(R * M)];
 #pragma unroll
     for (int i = 0; i < PD_K_SK_P2(R * M); i++) v[i] = i < R * M ? acc[i / M][i % M] : 0.f;
     int idx = pd_k_sk_warp_reduce<PD_K_SK_P2(R * M)>(v, lane);
     if (idx >= 0 && idx < R * M) red[warp][idx] = v[0];
     __syncthreads();
+    if (EPI == PD_K_SK_GLU) {
+        if (tid < (R / 2) * M) {
+            int r = tid / M, m = tid - r * M, n = row0 + r;
+            if (n < p.N) {
+                float g = 0.f, u = 0.f;
+#pragma unroll
+                for (int i = 0; i < PD_K_SK_THREADS / 32; i++) g += red[i][tid], u += red[i][tid + (R / 2) * M];
+                if (p.bias) g += __bfloat162float(p.bias[n]), u += __bfloat162float(p.bias[p.N + n]);
+                g = pd_k_bf16r(g), u = pd_k_bf16r(u);  // the stored gate_up
+                float sg = pd_k_silu(g);
+                ((__nv_bfloat16 *)p.out)[(size_t)m * p.N + n] = __float2bfloat16((p.hf ? pd_k_bf16r(sg) : sg) * u);
+            }
+        }
+        return;
+    }
     if (tid < R * M) {
         int r = tid / M, m = tid - r * M, n = row0 + r;
         if (n < p.N) {
@@ -137,7 +202,10 @@ static __global__ void __launch_bounds__(PD_K_SK_THREADS) k_skinny(pd_k_skinny_a
             for (int i = 0; i < PD_K_SK_THREADS / 32; i++) v += red[i][tid];
             if (p.bias) v += __bfloat162float(p.bias[n]);
             size_t o = (size_t)m * p.N + n;
-            if (p.out_f32) {
+            if (EPI == PD_K_SK_RESIDUAL) {
+                __nv_bfloat16 *ob = (__nv_bfloat16 *)p.out;
+                ob[o] = __float2bfloat16(__bfloat162float(ob[o]) + pd_k_bf16r(v));
+            } else if (p.out_f32) {
                 float *of = (float *)p.out;
                 of[o] = p.accumulate ? of[o] + v : v;
             } else {
@@ -153,18 +221,19 @@ extern "C" int pd_cuda_skinny_supported(int M, int K, int lda, const void *a, co
            ((uintptr_t)w & 15) == 0;
 }
 
-template <int R>
+template <int R, int NORM, int EPI>
 static void pd_k_skinny_launch_r(const pd_k_skinny_args &a, cudaStream_t s) {
-    dim3 grid((unsigned)((a.N + R - 1) / R)), block(PD_K_SK_THREADS);
+    int rows = EPI == PD_K_SK_GLU ? R / 2 : R;
+    dim3 grid((unsigned)((a.N + rows - 1) / rows)), block(PD_K_SK_THREADS);
     switch (a.M) {
-    case 1: pd_k_launch(k_skinny<1, R>, grid, block, 0, s, a); break;
-    case 2: pd_k_launch(k_skinny<2, R>, grid, block, 0, s, a); break;
-    case 3: pd_k_launch(k_skinny<3, R>, grid, block, 0, s, a); break;
-    case 4: pd_k_launch(k_skinny<4, R>, grid, block, 0, s, a); break;
-    case 5: pd_k_launch(k_skinny<5, R>, grid, block, 0, s, a); break;
-    case 6: pd_k_launch(k_skinny<6, R>, grid, block, 0, s, a); break;
-    case 7: pd_k_launch(k_skinny<7, R>, grid, block, 0, s, a); break;
-    default: pd_k_launch(k_skinny<8, R>, grid, block, 0, s, a); break;
+    case 1: pd_k_launch(k_skinny<1, R, NORM, EPI>, grid, block, 0, s, a); break;
+    case 2: pd_k_launch(k_skinny<2, R, NORM, EPI>, grid, block, 0, s, a); break;
+    case 3: pd_k_launch(k_skinny<3, R, NORM, EPI>, grid, block, 0, s, a); break;
+    case 4: pd_k_launch(k_skinny<4, R, NORM, EPI>, grid, block, 0, s, a); break;
+    case 5: pd_k_launch(k_skinny<5, R, NORM, EPI>, grid, block, 0, s, a); break;
+    case 6: pd_k_launch(k_skinny<6, R, NORM, EPI>, grid, block, 0, s, a); break;
+    case 7: pd_k_launch(k_skinny<7, R, NORM, EPI>, grid, block, 0, s, a); break;
+    default: pd_k_launch(k_skinny<8, R, NORM, EPI>, grid, block, 0, s, a); break;
     }
 }
 
@@ -173,9 +242,18 @@ extern "C" void pd_cuda_skinny(const pd_skinny_kparams *p, cudaStream_t s) {
     a.a = (const __nv_bfloat16 *)p->a;
     a.w = (const __nv_bfloat16 *)p->w;
     a.bias = (const __nv_bfloat16 *)p->bias;
+    a.norm_w = (const __nv_bfloat16 *)p->norm_w;
     a.out = p->out;
     a.M = p->M, a.N = p->N, a.K = p->K, a.lda = p->lda ? p->lda : p->K;
     a.accumulate = p->accumulate, a.out_f32 = p->out_f32;
-    if (p->rows == 2) pd_k_skinny_launch_r<2>(a, s);
-    else pd_k_skinny_launch_r<4>(a, s);
+    a.hf = pd_k_hf_rounding(), a.eps = p->norm_eps;
+    // The fused forms: 4 rows per block (2 gate/up pairs with glu); only the instantiations the
+    // decode step uses (norm with plain (lm_head) or glu (gate_up) or plain (qkv); residual alone).
+    if (p->norm_w && p->glu) pd_k_skinny_launch_r<4, 1, PD_K_SK_GLU>(a, s);
+    else if (p->norm_w && !p->residual) pd_k_skinny_launch_r<4, 1, PD_K_SK_PLAIN>(a, s);
+    else if (p->norm_w) pd_k_skinny_launch_r<4, 1, PD_K_SK_RESIDUAL>(a, s);
+    else if (p->glu) pd_k_skinny_launch_r<4, 0, PD_K_SK_GLU>(a, s);
+    else if (p->residual) pd_k_skinny_launch_r<4, 0, PD_K_SK_RESIDUAL>(a, s);
+    else if (p->rows == 2) pd_k_skinny_launch_r<2, 0, PD_K_SK_PLAIN>(a, s);
+    else pd_k_skinny_launch_r<4, 0, PD_K_SK_PLAIN>(a, s);
 }

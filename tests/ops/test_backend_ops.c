@@ -400,6 +400,144 @@ PD_TEST(test_cuda_skinny) {
     ctx_fini(&c);
 }
 
+// ---- fused matmul forms (backend.h "Fused forms": norm_w, glu, residual) --------------------------
+
+enum { FZ_NORM = 1, FZ_GLU = 2, FZ_RES = 4, FZ_BIAS = 8, FZ_F32 = 16 };
+
+// One fused call on the CPU reference and on gpu; on gpu also the unfused op sequence it stands for
+// (rmsnorm, matmul into (M, 2N), silu_mul, rmsnorm's residual add), which the fused kernel must
+// match up to the GEMM's and the norm's summation order.
+static void fused_case(ctx *c, pd_backend *gpu, int M, int N, int K, int flags) {
+    bool norm = flags & FZ_NORM, glu = flags & FZ_GLU, res = flags & FZ_RES, bias = flags & FZ_BIAS, f32 = flags & FZ_F32;
+    int Nw = glu ? 2 * N : N;
+    float *a = rand_f32(c, (size_t)M * K, norm ? 3.0f : 1.0f), *g = rand_f32(c, K, 1.0f);
+    float *w = rand_f32(c, (size_t)Nw * K, 0.05f), *bv = rand_f32(c, Nw, 0.5f), *o0 = rand_f32(c, (size_t)M * N, 1.0f);
+    pd_backend *bs[2] = {c->cpu, gpu};
+    void *out[2];
+    for (int k = 0; k < 2; k++) {
+        pd_dtype odt = f32 ? PD_DTYPE_F32 : pd_backend_act_dtype(bs[k]);
+        out[k] = res ? dev_from_f32(c, bs[k], o0, (size_t)M * N, odt) : dev_out(c, bs[k], (size_t)M * N, odt);
+        pd_op_matmul(bs[k], &(pd_matmul_params){.a = dev_act(c, bs[k], a, (size_t)M * K),
+                                                .w = dev_from_f32(c, bs[k], w, (size_t)Nw * K, pd_backend_weight_dtype(bs[k])),
+                                                .bias = bias ? dev_from_f32(c, bs[k], bv, Nw, pd_backend_weight_dtype(bs[k])) : NULL,
+                                                .out = out[k], .M = M, .N = N, .K = K, .out_f32 = f32,
+                                                .norm_w = norm ? dev_from_f32(c, bs[k], g, K, pd_backend_weight_dtype(bs[k])) : NULL,
+                                                .norm_eps = 1e-5f, .glu = glu, .residual = res});
+    }
+    // The unfused sequence on the GPU.
+    pd_dtype adt = pd_backend_act_dtype(gpu), wdt = pd_backend_weight_dtype(gpu);
+    void *ad = dev_act(c, gpu, a, (size_t)M * K), *wd = dev_from_f32(c, gpu, w, (size_t)Nw * K, wdt);
+    void *bd = bias ? dev_from_f32(c, gpu, bv, Nw, wdt) : NULL, *xin = ad;
+    if (norm) {
+        xin = dev_out(c, gpu, (size_t)M * K, adt);
+        pd_op_rmsnorm(gpu, &(pd_rmsnorm_params){.x = ad, .w = dev_from_f32(c, gpu, g, K, wdt), .out = xin, .n_rows = M,
+                                                .dim = K, .eps = 1e-5f});
+    }
+    void *ref = res ? dev_from_f32(c, gpu, o0, (size_t)M * N, adt) : dev_out(c, gpu, (size_t)M * N, f32 ? PD_DTYPE_F32 : adt);
+    void *mm = glu || res ? dev_out(c, gpu, (size_t)M * Nw, adt) : ref;
+    pd_op_matmul(gpu, &(pd_matmul_params){.a = xin, .w = wd, .bias = bd, .out = mm, .M = M, .N = Nw, .K = K, .out_f32 = f32});
+    if (glu) pd_op_silu_mul(gpu, &(pd_silu_mul_params){.gu = mm, .out = ref, .n_rows = M, .F = N});
+    if (res) {  // ref += mm, rounded as rmsnorm's residual add (its normalised output is not used)
+        void *junk = dev_out(c, gpu, (size_t)M * N, adt);
+        float *ones = pd_malloc(sizeof(float) * (size_t)N);
+        for (int i = 0; i < N; i++) ones[i] = 1.0f;
+        pd_op_rmsnorm(gpu, &(pd_rmsnorm_params){.x = ref, .add = mm, .w = dev_from_f32(c, gpu, ones, N, wdt), .out = junk,
+                                                .n_rows = M, .dim = N, .eps = 1e-5f});
+        pd_free(ones);
+    }
+    pd_backend_sync(gpu);
+    char what[128];
+    snprintf(what, sizeof what, "fused M=%d N=%d K=%d norm=%d glu=%d res=%d bias=%d f32=%d", M, N, K, norm, glu, res,
+             bias, f32);
+    pd_backend *keep = c->gpu;
+    c->gpu = gpu;  // compare() reads through c->gpu
+    compare(c, out[1], out[0], (size_t)M * N, f32, f32 ? 1e-5 : glu ? 2 * NMSE_GEMM : NMSE_GEMM, what);
+    float *hf = to_host(gpu, out[1], (size_t)M * N, f32 ? PD_DTYPE_F32 : adt);
+    float *hu = to_host(gpu, ref, (size_t)M * N, f32 ? PD_DTYPE_F32 : adt);
+    double e = nmse(hf, hu, (size_t)M * N);
+    PD_CHECK_MSG(e <= NMSE_ELEM, "%s vs the unfused ops: nmse %.3g", what, e);
+    c->gpu = keep;
+    pd_free(hf), pd_free(hu);
+    pd_free(a), pd_free(g), pd_free(w), pd_free(bv), pd_free(o0);
+    ctx_release(c);
+}
+
+// The decode layer's fused tail with no sync between the kernels (PDL: each one's weight loads
+// start before its predecessor ends; its reads of x must not): x += o(attn); mlp = glu(norm(x));
+// x += down(mlp); logits = head(norm(x)), against the CPU.
+static void fused_chain_case(ctx *c, int M, int D, int F, int V) {
+    float *x0 = rand_f32(c, (size_t)M * D, 1.0f), *attn = rand_f32(c, (size_t)M * D, 1.0f);
+    float *wo = rand_f32(c, (size_t)D * D, 0.03f), *wgu = rand_f32(c, (size_t)2 * F * D, 0.03f);
+    float *wd = rand_f32(c, (size_t)D * F, 0.03f), *wh = rand_f32(c, (size_t)V * D, 0.03f);
+    float *g1 = rand_f32(c, D, 1.0f), *g2 = rand_f32(c, D, 1.0f);
+    pd_backend *bs[2] = {c->cpu, c->gpu};
+    void *x[2], *lg[2];
+    for (int k = 0; k < 2; k++) {
+        pd_backend *b = bs[k];
+        pd_dtype wdt = pd_backend_weight_dtype(b);
+        x[k] = dev_act(c, b, x0, (size_t)M * D);
+        void *mlp = dev_out(c, b, (size_t)M * F, pd_backend_act_dtype(b));
+        lg[k] = dev_out(c, b, (size_t)M * V, PD_DTYPE_F32);
+        pd_op_matmul(b, &(pd_matmul_params){.a = dev_act(c, b, attn, (size_t)M * D), .w = dev_from_f32(c, b, wo, (size_t)D * D, wdt),
+                                            .out = x[k], .M = M, .N = D, .K = D, .residual = true});
+        pd_op_matmul(b, &(pd_matmul_params){.a = x[k], .w = dev_from_f32(c, b, wgu, (size_t)2 * F * D, wdt), .out = mlp,
+                                            .M = M, .N = F, .K = D, .norm_w = dev_from_f32(c, b, g1, D, wdt),
+                                            .norm_eps = 1e-5f, .glu = true});
+        pd_op_matmul(b, &(pd_matmul_params){.a = mlp, .w = dev_from_f32(c, b, wd, (size_t)D * F, wdt), .out = x[k], .M = M,
+                                            .N = D, .K = F, .residual = true});
+        pd_op_matmul(b, &(pd_matmul_params){.a = x[k], .w = dev_from_f32(c, b, wh, (size_t)V * D, wdt), .out = lg[k],
+                                            .M = M, .N = V, .K = D, .out_f32 = true,
+                                            .norm_w = dev_from_f32(c, b, g2, D, wdt), .norm_eps = 1e-5f});
+    }
+    pd_backend_sync(c->gpu);
+    char what[96];
+    snprintf(what, sizeof what, "fused chain M=%d D=%d F=%d V=%d", M, D, F, V);
+    compare(c, x[1], x[0], (size_t)M * D, false, NMSE_GEMM, what);
+    compare(c, lg[1], lg[0], (size_t)M * V, true, 2 * NMSE_GEMM, what);
+    pd_free(x0), pd_free(attn), pd_free(wo), pd_free(wgu), pd_free(wd), pd_free(wh), pd_free(g1), pd_free(g2);
+    ctx_release(c);
+}
+
+static const int FUSED_FORMS[] = {FZ_NORM, FZ_NORM | FZ_F32, FZ_NORM | FZ_GLU, FZ_GLU, FZ_RES, FZ_NORM | FZ_RES};
+
+// Every fused form, M = 1..8 (the skinny kernel) and 9, 17 (the unfused fallback), random shapes
+// (odd N, K % 8 == 0; test_cuda_fused_odd_k has the rest), bias on and off; decode-sized shapes;
+// the layer chain.
+PD_TEST(test_cuda_matmul_fused) {
+    ctx c;
+    if (!ctx_init(&c, 18)) PD_SKIP("%s: no CUDA device", __func__);
+    int Ms[] = {1, 2, 3, 4, 5, 6, 7, 8, 9, 17};
+    for (size_t mi = 0; mi < PD_ARRAY_LEN(Ms); mi++)
+        for (size_t f = 0; f < PD_ARRAY_LEN(FUSED_FORMS); f++)
+            for (int i = 0; i < 2; i++) {
+                int M = Ms[mi], N = 1 + (int)(pd_rng_next(&c.rng) % 300);
+                int K = 8 * (1 + (int)(pd_rng_next(&c.rng) % (i ? 500 : 20)));
+                fused_case(&c, c.gpu, M, N, K, FUSED_FORMS[f] | (((int)f + i + M) % 2 ? FZ_BIAS : 0));
+            }
+    int dec[][3] = {{6144, 4096, FZ_NORM | FZ_BIAS}, {4096, 4096, FZ_RES}, {14336, 4096, FZ_NORM | FZ_GLU},
+                    {4096, 14336, FZ_RES | FZ_BIAS}, {32000, 4096, FZ_NORM | FZ_F32}};
+    for (int M = 1; M <= 8; M += 7)
+        for (size_t s = 0; s < PD_ARRAY_LEN(dec); s++) fused_case(&c, c.gpu, M, dec[s][0], dec[s][1], dec[s][2]);
+    fused_chain_case(&c, 1, 1024, 2816, 5000);
+    fused_chain_case(&c, 8, 2048, 1024, 999);
+    fused_chain_case(&c, 12, 256, 688, 300);
+    ctx_fini(&c);
+}
+
+// K not a multiple of 8 (odd and even): the skinny kernel does not take these, the unfused fallback
+// (rmsnorm / cuBLASLt / silu_mul through the backend's scratch) does.
+PD_TEST(test_cuda_fused_odd_k) {
+    ctx c;
+    if (!ctx_init(&c, 19)) PD_SKIP("%s: no CUDA device", __func__);
+    for (int M = 1; M <= 9; M += 4)
+        for (size_t f = 0; f < PD_ARRAY_LEN(FUSED_FORMS); f++) {
+            int N = 1 + (int)(pd_rng_next(&c.rng) % 200), K = 1 + 2 * (int)(pd_rng_next(&c.rng) % 150) + (int)(f % 2);
+            if (K % 8 == 0) K++;
+            fused_case(&c, c.gpu, M, N, K, FUSED_FORMS[f] | (f % 2 ? FZ_BIAS : 0));
+        }
+    ctx_fini(&c);
+}
+
 // ---- rope + paged KV write ---------------------------------------------------------------------
 
 static void *dev_bytes(ctx *c, pd_backend *b, const uint8_t *h, size_t n);

@@ -10,7 +10,8 @@
 // gemv: the decode GEMM shapes at M = 1, 2, 4, 8, cuBLASLt (PD_CUDA_SKINNY=0) against the
 // row-streaming skinny kernel (PD_CUDA_SKINNY=2), GB/s of weight bytes and % of the copy rate
 // measured in the same run (the copy section runs first when gemv is asked for).
-// Usage: op_bench [copy] [peak] [gemm] [gemv] [prefill] [attn] [sample]  (no argument: all sections).
+// fuse: one decode layer's GEMMs unfused (7 kernels) vs pd_op_matmul's fused forms (4 kernels).
+// Usage: op_bench [copy] [peak] [gemm] [gemv] [fuse] [prefill] [attn] [sample]  (no argument: all).
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -56,6 +57,36 @@ static void mm_op(pd_backend *b, void *arg, int rep) {
     mm_arg *m = arg;
     pd_matmul_params p = {.a = m->a, .w = m->w[rep % NW], .out = m->out, .M = m->M, .N = m->N, .K = m->K};
     pd_op_matmul(b, &p);
+}
+
+// fuse: the GEMM part of one Llama-3-8B decode layer (qkv, o, gate_up, down with their norms,
+// SwiGLU and residual adds), unfused (rmsnorm, qkv, o, rmsnorm, gate_up, silu_mul, down: 7
+// kernels) or through pd_op_matmul's fused forms (4 kernels), on the skinny backend; weights
+// alternate between two copies (> L2).
+typedef struct ly_arg {
+    void *x, *h, *qkv, *attn, *gu, *mlp, *g1, *g2, *wqkv[2], *wo[2], *wgu[2], *wd[2];
+    int M;
+    bool fused;
+} ly_arg;
+static void ly_op(pd_backend *b, void *arg, int rep) {
+    ly_arg *l = arg;
+    int i = rep % 2, M = l->M, D = 4096, F = 14336, NQ = 6144;
+    if (l->fused) {
+        pd_op_matmul(b, &(pd_matmul_params){.a = l->x, .w = l->wqkv[i], .out = l->qkv, .M = M, .N = NQ, .K = D,
+                                            .norm_w = l->g1, .norm_eps = 1e-5f});
+        pd_op_matmul(b, &(pd_matmul_params){.a = l->attn, .w = l->wo[i], .out = l->x, .M = M, .N = D, .K = D, .residual = true});
+        pd_op_matmul(b, &(pd_matmul_params){.a = l->x, .w = l->wgu[i], .out = l->mlp, .M = M, .N = F, .K = D,
+                                            .norm_w = l->g2, .norm_eps = 1e-5f, .glu = true});
+        pd_op_matmul(b, &(pd_matmul_params){.a = l->mlp, .w = l->wd[i], .out = l->x, .M = M, .N = D, .K = F, .residual = true});
+        return;
+    }
+    pd_op_rmsnorm(b, &(pd_rmsnorm_params){.x = l->x, .add = l->h, .w = l->g1, .out = l->h, .n_rows = M, .dim = D, .eps = 1e-5f});
+    pd_op_matmul(b, &(pd_matmul_params){.a = l->h, .w = l->wqkv[i], .out = l->qkv, .M = M, .N = NQ, .K = D});
+    pd_op_matmul(b, &(pd_matmul_params){.a = l->attn, .w = l->wo[i], .out = l->h, .M = M, .N = D, .K = D});
+    pd_op_rmsnorm(b, &(pd_rmsnorm_params){.x = l->x, .add = l->h, .w = l->g2, .out = l->h, .n_rows = M, .dim = D, .eps = 1e-5f});
+    pd_op_matmul(b, &(pd_matmul_params){.a = l->h, .w = l->wgu[i], .out = l->gu, .M = M, .N = 2 * F, .K = D});
+    pd_op_silu_mul(b, &(pd_silu_mul_params){.gu = l->gu, .out = l->mlp, .n_rows = M, .F = F});
+    pd_op_matmul(b, &(pd_matmul_params){.a = l->mlp, .w = l->wd[i], .out = l->h, .M = M, .N = D, .K = F});
 }
 
 typedef struct at_arg { pd_attention_params p; } at_arg;
@@ -165,7 +196,7 @@ int main(int argc, char **argv) {
     pd_backend *sk = pd_backend_new("cuda", 0, &err);
     if (!g_b || !lt || !sk) { fprintf(stderr, "no cuda: %s\n", err.msg); return 1; }
     double us, copy_gbs = NAN;
-    if (want("copy") || want("gemv")) {
+    if (want("copy") || want("gemv") || want("fuse")) {
         cp_arg cp = {.bytes = (size_t)1 << 30};
         cp.base = alloc(4 * cp.bytes);
         pd_op_fill_normal(g_b, cp.base, PD_DTYPE_F32, cp.bytes, 1, 0.0f, 1.0f);
@@ -221,6 +252,32 @@ int main(int argc, char **argv) {
             printf("gemv %-8s M=%d N=%-6d K=%-5d  cublasLt %7.1f us %5.0f GB/s %3.0f%%  skinny %7.1f us %5.0f GB/s %3.0f%%  "
                    "(%.2fx; %% of copy %.0f GB/s)\n", names[s], m.M, N, K, t_l, g_l, 100 * g_l / copy_gbs, t_s, g_s,
                    100 * g_s / copy_gbs, t_l / t_s, copy_gbs);
+        }
+    }
+    if (want("fuse")) {
+        ly_arg l = {0};
+        int D = 4096, F = 14336, NQ = 6144;
+        l.x = rnd((size_t)8 * D), l.h = rnd((size_t)8 * D), l.attn = rnd((size_t)8 * D);
+        l.qkv = alloc((size_t)8 * NQ * 2), l.gu = alloc((size_t)8 * 2 * F * 2), l.mlp = alloc((size_t)8 * F * 2);
+        l.g1 = alloc((size_t)D * 2), l.g2 = alloc((size_t)D * 2);
+        pd_op_fill_normal(g_b, l.g1, PD_DTYPE_BF16, D, 7, 1.0f, 0.1f);
+        pd_op_fill_normal(g_b, l.g2, PD_DTYPE_BF16, D, 8, 1.0f, 0.1f);
+        for (int i = 0; i < 2; i++) {
+            l.wqkv[i] = rnd((size_t)NQ * D), l.wo[i] = rnd((size_t)D * D);
+            l.wgu[i] = rnd((size_t)2 * F * D), l.wd[i] = rnd((size_t)D * F);
+        }
+        double bytes = 2.0 * ((double)NQ * D + (double)D * D + 2.0 * F * D + (double)D * F);
+        int fm[] = {1, 2, 4, 8};
+        for (int mi = 0; mi < 4; mi++) {
+            l.M = fm[mi];
+            l.fused = false;
+            double t_u = time_us(sk, ly_op, &l, 100);
+            l.fused = true;
+            double t_f = time_us(sk, ly_op, &l, 100);
+            double floor_us = isnan(copy_gbs) ? NAN : bytes / (copy_gbs * 1e3);
+            printf("fuse layer M=%d  unfused %7.1f us (7 kernels)  fused %7.1f us (4 kernels)  saved %5.1f us/layer "
+                   "= %5.3f ms/token (32 layers); weights %.0f MB, floor at the copy rate %.1f us (fused %.0f%%)\n",
+                   l.M, t_u, t_f, t_u - t_f, 32 * (t_u - t_f) / 1e3, bytes / 1e6, floor_us, 100 * floor_us / t_f);
         }
     }
     // attention: Llama-3-8B heads

@@ -42,6 +42,9 @@ typedef struct pd_cuda_backend {
     size_t gemv_ws_bytes;
     int skinny;                // kernels/skinny.cu for M <= 8: 0 off, 1 per measured rule, 2 always
     int skinny_rows;           // its weight rows per block (2 or 4)
+    int skinny_fuse;           // pd_backend_fuses_matmul for 1 <= M <= this (0: never; PD_CUDA_SKINNY_FUSE)
+    void *fuse_ws;             // the fused forms' unfused fallback (M > 8, unaligned): norm / gate_up
+    size_t fuse_ws_bytes;
     // attention split-K partials; grows outside graph capture only
     float *attn_ws;
     size_t attn_ws_bytes;
@@ -68,6 +71,7 @@ void pd_cuda_bind(pd_cuda_backend *cb);
 void pd_cuda_gemm_init(pd_cuda_backend *cb);
 void pd_cuda_gemm_fini(pd_cuda_backend *cb);
 void pd_cuda_gemm_matmul(pd_backend *b, const pd_matmul_params *p);
+bool pd_cuda_gemm_fuses(pd_backend *b, int M);
 // The host staging of a kv_copy (pd_malloc'ed; the caller uploads and frees it): 4 layer pointers
 // per layer (src_k, src_v, dst_k, dst_v), then one pd_kv_block_desc per block at *desc_off;
 // *n_bytes in all. Shared by the backend's kv_copy and the NCCL comm's scatter.

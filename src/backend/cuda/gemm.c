@@ -1,6 +1,7 @@
 // gemm.c — pd_op_matmul on CUDA: out (M, N) = a (M, K) . w(N, K)^T [+ bias] [+ out].
 //
-// Three paths, picked per shape:
+// The fused forms (norm_w, glu, residual: backend.h) go to fused_matmul. Three paths, picked per
+// shape:
 //   * M <= 8 with PD_CUDA_SKINNY=1/2 (off by default, see pd_cuda_gemm_init): the row-streaming
 //     skinny kernel in kernels/skinny.cu (no workspace, PDL, weights prefetched before the wait);
 //   * M <= gemv_max_m (decode; off by default, see pd_cuda_gemm_init): the skinny tensor-core
@@ -27,6 +28,8 @@
 #include "base/buf.h"
 #include "kernels/add_bias.cuh"
 #include "kernels/gemv.cuh"
+#include "kernels/rmsnorm.cuh"
+#include "kernels/silu_mul.cuh"
 #include "kernels/skinny.cuh"
 
 #define PD_CUDA_LT_WS_BYTES (32u << 20)
@@ -66,7 +69,20 @@ void pd_cuda_gemm_init(pd_cuda_backend *cb) {
     cb->skinny_rows = 4;
     e = getenv("PD_CUDA_SKINNY_ROWS");
     if (e && *e) cb->skinny_rows = atoi(e) == 2 ? 2 : 4;
+    // PD_CUDA_SKINNY_FUSE=1: decode steps of <= PD_CUDA_SKINNY_FUSE_MAX_M tokens (default 4: the
+    // skinny kernel beat cuBLASLt at M = 1, 2, 4 on every Llama-3-8B shape and lost at M = 8, H100,
+    // session 9 call A) use pd_op_matmul's fused forms: the norms, SwiGLU and residual adds folded
+    // into the skinny GEMMs, 3 fewer kernels per layer. Off by default until measured on a card
+    // (tools/gpu/NOTES.md). The fused forms themselves run on the skinny kernel whenever it
+    // supports the call, whatever this says.
+    cb->skinny_fuse = 0;
+    e = getenv("PD_CUDA_SKINNY_FUSE");
+    if (e && *e) cb->skinny_fuse = atoi(e) > 0 ? 4 : 0;
+    e = getenv("PD_CUDA_SKINNY_FUSE_MAX_M");
+    if (cb->skinny_fuse && e && *e) cb->skinny_fuse = PD_MAX(1, PD_MIN(atoi(e), PD_SKINNY_MAX_M));
 }
+
+bool pd_cuda_gemm_fuses(pd_backend *b, int M) { return M >= 1 && M <= pd_cuda_backend_of(b)->skinny_fuse; }
 
 // Whether the skinny kernel takes this call (see pd_cuda_gemm_init for the modes). Mode 1's rule
 // is the candidate to measure, not a measured one: decode-sized weights (N, K >= 2048: grids of
@@ -197,12 +213,55 @@ static pd_cuda_gemm_plan *gemm_plan_get(pd_cuda_backend *cb, const pd_matmul_par
     return gemm_plan_build(cb, p, lda, flags);
 }
 
+// The fused forms (backend.h): one skinny kernel when it supports the call; otherwise the unfused
+// sequence through cb->fuse_ws (rmsnorm into scratch, GEMM into (M, 2N) scratch then silu_mul;
+// residual as accumulate, whose sum is rounded once rather than after the branch: within a bf16
+// ulp of the fused kernel).
+static void fused_matmul(pd_backend *b, pd_cuda_backend *cb, const pd_matmul_params *p, int lda) {
+    bool nw_ok = !p->norm_w || ((uintptr_t)p->norm_w & 15) == 0;
+    if (nw_ok && pd_cuda_skinny_supported(p->M, p->K, lda, p->a, p->w)) {
+        pd_skinny_kparams k = {.a = p->a, .w = p->w, .bias = p->bias, .out = p->out, .M = p->M, .N = p->N,
+                               .K = p->K, .lda = lda, .accumulate = p->accumulate, .out_f32 = p->out_f32,
+                               .rows = 4, .norm_w = p->norm_w, .norm_eps = p->norm_eps, .glu = p->glu,
+                               .residual = p->residual};
+        pd_cuda_skinny(&k, cb->stream);
+        PD_CUDA_CHECK_LAUNCH();
+        return;
+    }
+    size_t normed = p->norm_w ? (size_t)p->M * (size_t)p->K * 2 : 0, gu = p->glu ? (size_t)p->M * 2 * (size_t)p->N * 2 : 0;
+    normed = (normed + 255) & ~(size_t)255;
+    pd_cuda_scratch_reserve(cb, &cb->fuse_ws, &cb->fuse_ws_bytes, normed + gu, true);
+    pd_matmul_params q = *p;
+    q.norm_w = NULL, q.glu = false, q.residual = false;
+    if (p->norm_w) {
+        pd_rmsnorm_kparams k = {.x = (void *)p->a, .w = p->norm_w, .out = cb->fuse_ws, .n_rows = p->M, .dim = p->K,
+                                .eps = p->norm_eps};
+        pd_cuda_rmsnorm(&k, cb->stream);
+        PD_CUDA_CHECK_LAUNCH();
+        q.a = cb->fuse_ws, q.lda = 0;
+    }
+    if (p->glu) {
+        q.out = (char *)cb->fuse_ws + normed, q.N = 2 * p->N;
+        pd_cuda_gemm_matmul(b, &q);
+        pd_silu_mul_kparams k = {.gu = q.out, .out = p->out, .n_rows = p->M, .F = p->N};
+        pd_cuda_silu_mul(&k, cb->stream);
+        PD_CUDA_CHECK_LAUNCH();
+    } else {
+        q.accumulate = p->accumulate || p->residual;
+        pd_cuda_gemm_matmul(b, &q);
+    }
+}
+
 void pd_cuda_gemm_matmul(pd_backend *b, const pd_matmul_params *p) {
     pd_cuda_bind(pd_cuda_backend_of(b));
     pd_cuda_backend *cb = pd_cuda_backend_of(b);
     int lda = p->lda ? p->lda : p->K;
     PD_ASSERT(p->M >= 0 && p->N > 0 && p->K > 0 && lda >= p->K);
     if (p->M == 0) return;
+    if (p->norm_w || p->glu || p->residual) {
+        fused_matmul(b, cb, p, lda);
+        return;
+    }
     if (p->M <= cb->gemv_max_m && pd_cuda_gemv_supported(p->M, p->K, lda)) {
         pd_cuda_scratch_reserve_zeroed(cb, &cb->gemv_ws, &cb->gemv_ws_bytes, pd_cuda_gemv_workspace_bytes(p->N));
         pd_gemv_kparams k = {.a = p->a, .w = p->w, .bias = p->bias, .out = p->out, .M = p->M, .N = p->N,
