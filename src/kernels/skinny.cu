@@ -28,6 +28,12 @@ typedef struct pd_k_skinny_args {
     void *out;
     int M, N, K, lda, accumulate, out_f32, hf;
     float eps;
+    // rope epilogue
+    const int32_t *positions, *slot_mapping;
+    const float *inv_freq;
+    __nv_bfloat16 *k_cache, *v_cache;
+    int H, Hkv, hd;
+    float attn_scaling;
 } pd_k_skinny_args;
 
 // 16-byte streaming load of read-only data: not kept in L1, L2 fetches 256-byte sectors.
@@ -77,24 +83,40 @@ static __device__ __forceinline__ int pd_k_sk_warp_reduce(float (&v)[P], int lan
     return (lane & (32 / P - 1)) ? -1 : lane >> (5 - lg);
 }
 
-enum { PD_K_SK_PLAIN = 0, PD_K_SK_RESIDUAL = 1, PD_K_SK_GLU = 2 };
+enum { PD_K_SK_PLAIN = 0, PD_K_SK_RESIDUAL = 1, PD_K_SK_GLU = 2, PD_K_SK_ROPE = 3 };
 
 // NORM: the activation rows are RMS-normalised on the fly (each block recomputes the M sums of
 // squares from the rows it reads anyway; they are in L1/L2 after the first block): a_k =
 // bf16(g_k * bf16(x_k * inv)) as kernels/rmsnorm.cu stores them. EPI: PD_K_SK_PLAIN (bias,
 // accumulate, f32 out), PD_K_SK_RESIDUAL (out = bf16(out + bf16(v + bias))) or PD_K_SK_GLU (the
 // block's R rows are R/2 gate rows p.. and the matching up rows N + p..; out = bf16(bf16(silu(g)) *
-// u) of the rounded halves, as silu_mul.cu computes it from the stored gate_up).
+// u) of the rounded halves, as silu_mul.cu computes it from the stored gate_up) or PD_K_SK_ROPE
+// (the qkv GEMM: the first (H + Hkv) hd / 4 blocks own two rotation pairs each, rows i, i + 1,
+// i + hd/2, i + hd/2 + 1 of one q / k head, and rotate them as rope_kv.cu does; the rest own 4
+// consecutive v rows; k and v go to the cache slot of each token, skipped where the slot is < 0).
 template <int M, int R, int NORM, int EPI>
 static __global__ void __launch_bounds__(PD_K_SK_THREADS) k_skinny(pd_k_skinny_args p) {
     constexpr int U = PD_K_SK_LOADS / R;
     pd_k_pdl_trigger();
-    const int tid = threadIdx.x, row0 = blockIdx.x * (EPI == PD_K_SK_GLU ? R / 2 : R), chunks = p.K >> 3;
+    const int tid = threadIdx.x, chunks = p.K >> 3;
+    int row0 = blockIdx.x * (EPI == PD_K_SK_GLU ? R / 2 : R);
+    // rope: a rotation block's first row (head h, pair index i0 < hd/2), or row0 of a v block
+    const int half = p.hd >> 1, rot_blocks = EPI == PD_K_SK_ROPE ? (p.H + p.Hkv) * half / 2 : 0;
+    const bool rot = EPI == PD_K_SK_ROPE && (int)blockIdx.x < rot_blocks;
+    if (EPI == PD_K_SK_ROPE) {
+        if (rot) {
+            int pr = 2 * blockIdx.x, h = pr / half;
+            row0 = h * p.hd + (pr - h * half);
+        } else {
+            row0 = (p.H + p.Hkv) * p.hd + ((int)blockIdx.x - rot_blocks) * R;
+        }
+    }
     const uint4 *wr[R];
 #pragma unroll
     for (int r = 0; r < R; r++) {  // rows past N repeat the last row; their sums are not stored
         int n;
         if (EPI == PD_K_SK_GLU) n = min(row0 + r % (R / 2), p.N - 1) + (r / (R / 2)) * p.N;
+        else if (EPI == PD_K_SK_ROPE && rot) n = row0 + r % (R / 2) + (r / (R / 2)) * half;
         else n = min(row0 + r, p.N - 1);
         wr[r] = (const uint4 *)(p.w + (size_t)n * p.K);
     }
@@ -194,6 +216,42 @@ static __global__ void __launch_bounds__(PD_K_SK_THREADS) k_skinny(pd_k_skinny_a
         }
         return;
     }
+    if (EPI == PD_K_SK_ROPE) {
+        const size_t row = (size_t)(p.H + 2 * p.Hkv) * p.hd, kvw = (size_t)p.Hkv * p.hd;
+        __nv_bfloat16 *qkv = (__nv_bfloat16 *)p.out;
+        if (rot && tid < (R / 2) * M) {  // pair j of token m: rows row0 + j and row0 + j + hd/2
+            int j = tid / M, m = tid - j * M, n0 = row0 + j, n1 = n0 + half, h = n0 / p.hd, i = n0 - h * p.hd;
+            float x0 = 0.f, x1 = 0.f;
+#pragma unroll
+            for (int w = 0; w < PD_K_SK_THREADS / 32; w++) x0 += red[w][tid], x1 += red[w][tid + (R / 2) * M];
+            if (p.bias) x0 += __bfloat162float(p.bias[n0]), x1 += __bfloat162float(p.bias[n1]);
+            float y0, y1;  // from the stored (rounded) q / k, as rope_kv.cu reads them
+            pd_k_rope_pair(pd_k_bf16r(x0), pd_k_bf16r(x1), (float)p.positions[m], p.inv_freq[i], p.attn_scaling, p.hf,
+                           &y0, &y1);
+            __nv_bfloat16 b0 = __float2bfloat16(y0), b1 = __float2bfloat16(y1);
+            qkv[(size_t)m * row + n0] = b0;
+            qkv[(size_t)m * row + n1] = b1;
+            int slot = p.slot_mapping[m];
+            if (h >= p.H && slot >= 0) {
+                __nv_bfloat16 *kd = p.k_cache + (size_t)slot * kvw + (size_t)(h - p.H) * p.hd;
+                kd[i] = b0;
+                kd[i + half] = b1;
+            }
+        } else if (!rot && tid < R * M) {
+            int r = tid / M, m = tid - r * M, n = row0 + r;
+            if (n < p.N) {
+                float v = 0.f;
+#pragma unroll
+                for (int w = 0; w < PD_K_SK_THREADS / 32; w++) v += red[w][tid];
+                if (p.bias) v += __bfloat162float(p.bias[n]);
+                __nv_bfloat16 bv = __float2bfloat16(v);
+                qkv[(size_t)m * row + n] = bv;
+                int slot = p.slot_mapping[m];
+                if (slot >= 0) p.v_cache[(size_t)slot * kvw + (size_t)(n - (p.H + p.Hkv) * p.hd)] = bv;
+            }
+        }
+        return;
+    }
     if (tid < R * M) {
         int r = tid / M, m = tid - r * M, n = row0 + r;
         if (n < p.N) {
@@ -224,7 +282,10 @@ extern "C" int pd_cuda_skinny_supported(int M, int K, int lda, const void *a, co
 template <int R, int NORM, int EPI>
 static void pd_k_skinny_launch_r(const pd_k_skinny_args &a, cudaStream_t s) {
     int rows = EPI == PD_K_SK_GLU ? R / 2 : R;
-    dim3 grid((unsigned)((a.N + rows - 1) / rows)), block(PD_K_SK_THREADS);
+    unsigned n_blocks = (unsigned)((a.N + rows - 1) / rows);
+    if (EPI == PD_K_SK_ROPE)  // rotation blocks (2 pairs each), then v blocks
+        n_blocks = (unsigned)((a.H + a.Hkv) * (a.hd / 2) / 2 + (a.Hkv * a.hd + R - 1) / R);
+    dim3 grid(n_blocks), block(PD_K_SK_THREADS);
     switch (a.M) {
     case 1: pd_k_launch(k_skinny<1, R, NORM, EPI>, grid, block, 0, s, a); break;
     case 2: pd_k_launch(k_skinny<2, R, NORM, EPI>, grid, block, 0, s, a); break;
@@ -247,6 +308,14 @@ extern "C" void pd_cuda_skinny(const pd_skinny_kparams *p, cudaStream_t s) {
     a.M = p->M, a.N = p->N, a.K = p->K, a.lda = p->lda ? p->lda : p->K;
     a.accumulate = p->accumulate, a.out_f32 = p->out_f32;
     a.hf = pd_k_hf_rounding(), a.eps = p->norm_eps;
+    a.positions = p->positions, a.slot_mapping = p->slot_mapping, a.inv_freq = p->inv_freq;
+    a.k_cache = (__nv_bfloat16 *)p->k_cache, a.v_cache = (__nv_bfloat16 *)p->v_cache;
+    a.H = p->n_heads, a.Hkv = p->n_kv_heads, a.hd = p->head_dim, a.attn_scaling = p->attn_scaling;
+    if (p->rope) {  // the qkv GEMM: with the attention norm (decode) or without
+        if (p->norm_w) pd_k_skinny_launch_r<4, 1, PD_K_SK_ROPE>(a, s);
+        else pd_k_skinny_launch_r<4, 0, PD_K_SK_ROPE>(a, s);
+        return;
+    }
     // The fused forms: 4 rows per block (2 gate/up pairs with glu); only the instantiations the
     // decode step uses (norm with plain (lm_head) or glu (gate_up) or plain (qkv); residual alone).
     if (p->norm_w && p->glu) pd_k_skinny_launch_r<4, 1, PD_K_SK_GLU>(a, s);

@@ -142,8 +142,9 @@ static void *wp(pd_buffer *b) { return b ? pd_buffer_ptr(b) : NULL; }
 // entry h holds the previous layer's MLP output (none for layer 0, whose x is the embedding).
 // fused (small decode steps where pd_backend_fuses_matmul): the same values through pd_op_matmul's
 // fused forms — the o and down GEMMs add their (rounded) output into x themselves, the qkv and
-// gate_up GEMMs normalise x as they read it, gate_up applies SwiGLU — so x is complete after every
-// layer and h is not used.
+// gate_up GEMMs normalise x as they read it, qkv applies RoPE and writes the KV cache, gate_up
+// applies SwiGLU — so x is complete after every layer and h is not used: 5 kernels per layer
+// (qkv, attention, o, gate_up, down) instead of 9.
 static void run_layer(pd_model *m, pd_model_cache *kc, int li, int T, const int32_t *dmeta, const meta_layout *l,
                       int n_seqs, int max_q, int max_kv, bool fused) {
     const pd_model_config *c = &m->cfg;
@@ -153,21 +154,21 @@ static void run_layer(pd_model *m, pd_model_cache *kc, int li, int T, const int3
     int D = c->hidden_size, F = c->intermediate_size, hd = c->head_dim, H = c->n_heads, Hkv = c->n_kv_heads;
     int nqkv = (H + 2 * Hkv) * hd;
 
-    if (fused) {  // x is the whole residual stream: the norm goes into the qkv GEMM
+    pd_rope_kv_params rope = {.qkv = wp(ws->qkv), .positions = dmeta + l->positions, .inv_freq = wp(m->inv_freq),
+                              .slot_mapping = dmeta + l->slots, .k_cache = pd_model_cache_k(kc, li),
+                              .v_cache = pd_model_cache_v(kc, li), .n_tokens = T, .n_heads = H, .n_kv_heads = Hkv,
+                              .head_dim = hd, .attn_scaling = 1.0f, .kv_dtype = m->kv_dtype};
+    if (fused) {  // x is the whole residual stream: the norm, RoPE and KV write go into the qkv GEMM
         pd_op_matmul(be, &(pd_matmul_params){.a = wp(ws->x), .w = wp(w->wqkv), .bias = wp(w->bqkv), .out = wp(ws->qkv),
                                              .M = T, .N = nqkv, .K = D, .norm_w = wp(w->attn_norm),
-                                             .norm_eps = c->rms_norm_eps});
+                                             .norm_eps = c->rms_norm_eps, .rope = &rope});
     } else {
         pd_op_rmsnorm(be, &(pd_rmsnorm_params){.x = wp(ws->x), .add = li > 0 ? wp(ws->h) : NULL, .w = wp(w->attn_norm),
                                                .out = wp(ws->h), .n_rows = T, .dim = D, .eps = c->rms_norm_eps});
         pd_op_matmul(be, &(pd_matmul_params){.a = wp(ws->h), .w = wp(w->wqkv), .bias = wp(w->bqkv), .out = wp(ws->qkv),
                                              .M = T, .N = nqkv, .K = D});
+        pd_op_rope_kv(be, &rope);
     }
-    pd_op_rope_kv(be, &(pd_rope_kv_params){.qkv = wp(ws->qkv), .positions = dmeta + l->positions,
-                                           .inv_freq = wp(m->inv_freq), .slot_mapping = dmeta + l->slots,
-                                           .k_cache = pd_model_cache_k(kc, li), .v_cache = pd_model_cache_v(kc, li),
-                                           .n_tokens = T, .n_heads = H, .n_kv_heads = Hkv, .head_dim = hd,
-                                           .attn_scaling = 1.0f, .kv_dtype = m->kv_dtype});
     bool ps = l->n_pseudo > 0;
     if (ps) n_seqs = (int)l->n_pseudo, max_q = 1;
     pd_op_attention(be, &(pd_attention_params){.q = wp(ws->qkv), .k_cache = pd_model_cache_k(kc, li),

@@ -524,6 +524,108 @@ PD_TEST(test_cuda_matmul_fused) {
     ctx_fini(&c);
 }
 
+static void *dev_bytes(ctx *c, pd_backend *b, const uint8_t *h, size_t n);
+static float *fp8_dequant(pd_backend *b, const void *d, size_t n_slots, int Hkv, int hd, size_t rb);
+
+// The qkv GEMM with RoPE and the KV write folded in (pd_matmul_params.rope, with or without the
+// attention norm): the qkv rows and both caches against the CPU (matmul then rope_kv) and against
+// the unfused GPU ops; some tokens have slot -1 (padding: no KV write). fp8: the fallback path.
+static void rope_fused_case(ctx *c, int M, int H, int Hkv, int hd, int K, bool norm, bool bias, pd_kv_dtype kvd) {
+    int row = (H + 2 * Hkv) * hd, n_slots = 64;
+    size_t rb = pd_kv_row_bytes(c->cpu, kvd, Hkv, hd), kvn = (size_t)n_slots * Hkv * hd;
+    float *a = rand_f32(c, (size_t)M * K, norm ? 3.0f : 1.0f), *g = rand_f32(c, K, 1.0f);
+    float *w = rand_f32(c, (size_t)row * K, 0.05f), *bv = rand_f32(c, row, 0.5f);
+    float *kc = rand_f32(c, kvn, 1.0f), *vc = rand_f32(c, kvn, 1.0f);
+    uint8_t *init8 = pd_malloc((size_t)n_slots * rb);
+    for (size_t i = 0; i < (size_t)n_slots * rb; i++) init8[i] = (uint8_t)(pd_rng_next(&c->rng) & 0x3f);
+    float inv_freq[128];
+    for (int i = 0; i < hd / 2; i++) inv_freq[i] = powf(500000.0f, -2.0f * i / hd);
+    int32_t pos[17], slots[17];
+    for (int i = 0; i < M; i++) {
+        pos[i] = (int32_t)(pd_rng_next(&c->rng) % 9000);
+        slots[i] = i % 3 == 2 ? -1 : (int32_t)((i * 37 + 5) % n_slots);
+    }
+    pd_backend *bs[3] = {c->cpu, c->gpu, c->gpu};  // the third run: the unfused GPU ops
+    void *q[3], *k_[3], *v_[3];
+    for (int k = 0; k < 3; k++) {
+        pd_backend *b = bs[k];
+        pd_dtype wdt = pd_backend_weight_dtype(b), adt = pd_backend_act_dtype(b);
+        q[k] = dev_out(c, b, (size_t)M * row, adt);
+        if (kvd == PD_KV_FP8) {
+            k_[k] = dev_bytes(c, b, init8, (size_t)n_slots * rb);
+            v_[k] = dev_bytes(c, b, init8, (size_t)n_slots * rb);
+        } else {
+            k_[k] = dev_act(c, b, kc, kvn);
+            v_[k] = dev_act(c, b, vc, kvn);
+        }
+        pd_rope_kv_params rp = {.qkv = q[k], .positions = dev_i32(c, b, pos, M),
+                                .inv_freq = dev_from_f32(c, b, inv_freq, hd / 2, PD_DTYPE_F32),
+                                .slot_mapping = dev_i32(c, b, slots, M), .k_cache = k_[k], .v_cache = v_[k],
+                                .n_tokens = M, .n_heads = H, .n_kv_heads = Hkv, .head_dim = hd, .attn_scaling = 1.0f,
+                                .kv_dtype = kvd};
+        void *ad = dev_act(c, b, a, (size_t)M * K), *gd = norm ? dev_from_f32(c, b, g, K, wdt) : NULL;
+        pd_matmul_params mp = {.a = ad, .w = dev_from_f32(c, b, w, (size_t)row * K, wdt),
+                               .bias = bias ? dev_from_f32(c, b, bv, row, wdt) : NULL, .out = q[k], .M = M, .N = row,
+                               .K = K, .norm_w = gd, .norm_eps = 1e-5f, .rope = &rp};
+        if (k < 2) {
+            pd_op_matmul(b, &mp);
+            continue;
+        }
+        if (norm) {
+            void *xn = dev_out(c, b, (size_t)M * K, adt);
+            pd_op_rmsnorm(b, &(pd_rmsnorm_params){.x = ad, .w = gd, .out = xn, .n_rows = M, .dim = K, .eps = 1e-5f});
+            mp.a = xn;
+        }
+        mp.norm_w = NULL, mp.rope = NULL;
+        pd_op_matmul(b, &mp);
+        pd_op_rope_kv(b, &rp);
+    }
+    pd_backend_sync(c->gpu);
+    char what[128];
+    snprintf(what, sizeof what, "fused rope M=%d H=%d Hkv=%d hd=%d K=%d norm=%d bias=%d kv=%s", M, H, Hkv, hd, K, norm,
+             bias, pd_kv_dtype_name(kvd));
+    compare(c, q[1], q[0], (size_t)M * row, false, NMSE_GEMM, what);
+    float *hf = to_host(c->gpu, q[1], (size_t)M * row, PD_DTYPE_BF16), *hu = to_host(c->gpu, q[2], (size_t)M * row, PD_DTYPE_BF16);
+    PD_CHECK_MSG(nmse(hf, hu, (size_t)M * row) <= NMSE_ELEM, "%s: qkv vs the unfused ops: nmse %.3g", what,
+                 nmse(hf, hu, (size_t)M * row));
+    pd_free(hf), pd_free(hu);
+    if (kvd == PD_KV_FP8) {
+        float *kg = fp8_dequant(c->gpu, k_[1], n_slots, Hkv, hd, rb), *kr = fp8_dequant(c->cpu, k_[0], n_slots, Hkv, hd, rb);
+        float *vg = fp8_dequant(c->gpu, v_[1], n_slots, Hkv, hd, rb), *vr = fp8_dequant(c->cpu, v_[0], n_slots, Hkv, hd, rb);
+        PD_CHECK_MSG(nmse(kg, kr, kvn) < 1e-3 && nmse(vg, vr, kvn) < 1e-3, "%s: fp8 caches: nmse k %.3g v %.3g", what,
+                     nmse(kg, kr, kvn), nmse(vg, vr, kvn));
+        pd_free(kg), pd_free(kr), pd_free(vg), pd_free(vr);
+    } else {
+        compare(c, k_[1], k_[0], kvn, false, NMSE_GEMM, what);
+        compare(c, v_[1], v_[0], kvn, false, NMSE_GEMM, what);
+        for (int t = 0; t < 2; t++) {  // the caches equal the unfused GPU ops' (padding slots untouched)
+            float *x = to_host(c->gpu, t ? v_[1] : k_[1], kvn, PD_DTYPE_BF16), *y = to_host(c->gpu, t ? v_[2] : k_[2], kvn, PD_DTYPE_BF16);
+            PD_CHECK_MSG(nmse(x, y, kvn) <= NMSE_ELEM, "%s: %s cache vs the unfused ops: nmse %.3g", what, t ? "v" : "k",
+                         nmse(x, y, kvn));
+            pd_free(x), pd_free(y);
+        }
+    }
+    pd_free(a), pd_free(g), pd_free(w), pd_free(bv), pd_free(kc), pd_free(vc), pd_free(init8);
+    ctx_release(c);
+}
+
+PD_TEST(test_cuda_matmul_fused_rope) {
+    ctx c;
+    if (!ctx_init(&c, 20)) PD_SKIP("%s: no CUDA device", __func__);
+    int cfg[][4] = {{4, 2, 64, 256}, {32, 8, 128, 4096}, {4, 1, 32, 200}, {8, 8, 64, 96}, {2, 1, 4, 40}};  // H, Hkv, hd, K
+    for (size_t ci = 0; ci < PD_ARRAY_LEN(cfg); ci++)
+        for (int M = 1; M <= 9; M++)
+            for (int nb = 0; nb < 4; nb++) {
+                if (cfg[ci][3] >= 4096 && M % 4 != 1) continue;  // the big shape: M = 1, 5, 9
+                rope_fused_case(&c, M, cfg[ci][0], cfg[ci][1], cfg[ci][2], cfg[ci][3], nb & 1, nb & 2, PD_KV_ACT);
+            }
+    rope_fused_case(&c, 3, 4, 2, 64, 256, true, true, PD_KV_FP8);
+    rope_fused_case(&c, 1, 32, 8, 128, 4096, true, false, PD_KV_FP8);
+    rope_fused_case(&c, 2, 4, 2, 64, 257, true, false, PD_KV_ACT);  // odd K: the fallback
+    rope_fused_case(&c, 2, 4, 1, 6, 64, false, true, PD_KV_ACT);    // head_dim % 4 != 0: the fallback
+    ctx_fini(&c);
+}
+
 // K not a multiple of 8 (odd and even): the skinny kernel does not take these, the unfused fallback
 // (rmsnorm / cuBLASLt / silu_mul through the backend's scratch) does.
 PD_TEST(test_cuda_fused_odd_k) {

@@ -10,7 +10,7 @@
 // gemv: the decode GEMM shapes at M = 1, 2, 4, 8, cuBLASLt (PD_CUDA_SKINNY=0) against the
 // row-streaming skinny kernel (PD_CUDA_SKINNY=2), GB/s of weight bytes and % of the copy rate
 // measured in the same run (the copy section runs first when gemv is asked for).
-// fuse: one decode layer's GEMMs unfused (7 kernels) vs pd_op_matmul's fused forms (4 kernels).
+// fuse: one decode layer minus attention unfused (8 kernels) vs pd_op_matmul's fused forms (4).
 // Usage: op_bench [copy] [peak] [gemm] [gemv] [fuse] [prefill] [attn] [sample]  (no argument: all).
 #include <math.h>
 #include <stdio.h>
@@ -59,21 +59,23 @@ static void mm_op(pd_backend *b, void *arg, int rep) {
     pd_op_matmul(b, &p);
 }
 
-// fuse: the GEMM part of one Llama-3-8B decode layer (qkv, o, gate_up, down with their norms,
-// SwiGLU and residual adds), unfused (rmsnorm, qkv, o, rmsnorm, gate_up, silu_mul, down: 7
-// kernels) or through pd_op_matmul's fused forms (4 kernels), on the skinny backend; weights
-// alternate between two copies (> L2).
+// fuse: one Llama-3-8B decode layer without its attention (qkv, o, gate_up, down with their norms,
+// RoPE + KV write, SwiGLU and residual adds), unfused (rmsnorm, qkv, rope_kv, o, rmsnorm, gate_up,
+// silu_mul, down: 8 kernels) or through pd_op_matmul's fused forms (4 kernels), on the skinny
+// backend (PD_CUDA_FUSE_ROPE=0: 5); weights alternate between two copies (> L2).
 typedef struct ly_arg {
     void *x, *h, *qkv, *attn, *gu, *mlp, *g1, *g2, *wqkv[2], *wo[2], *wgu[2], *wd[2];
+    pd_rope_kv_params rope;
     int M;
     bool fused;
 } ly_arg;
 static void ly_op(pd_backend *b, void *arg, int rep) {
     ly_arg *l = arg;
     int i = rep % 2, M = l->M, D = 4096, F = 14336, NQ = 6144;
+    l->rope.n_tokens = M;
     if (l->fused) {
         pd_op_matmul(b, &(pd_matmul_params){.a = l->x, .w = l->wqkv[i], .out = l->qkv, .M = M, .N = NQ, .K = D,
-                                            .norm_w = l->g1, .norm_eps = 1e-5f});
+                                            .norm_w = l->g1, .norm_eps = 1e-5f, .rope = &l->rope});
         pd_op_matmul(b, &(pd_matmul_params){.a = l->attn, .w = l->wo[i], .out = l->x, .M = M, .N = D, .K = D, .residual = true});
         pd_op_matmul(b, &(pd_matmul_params){.a = l->x, .w = l->wgu[i], .out = l->mlp, .M = M, .N = F, .K = D,
                                             .norm_w = l->g2, .norm_eps = 1e-5f, .glu = true});
@@ -82,6 +84,7 @@ static void ly_op(pd_backend *b, void *arg, int rep) {
     }
     pd_op_rmsnorm(b, &(pd_rmsnorm_params){.x = l->x, .add = l->h, .w = l->g1, .out = l->h, .n_rows = M, .dim = D, .eps = 1e-5f});
     pd_op_matmul(b, &(pd_matmul_params){.a = l->h, .w = l->wqkv[i], .out = l->qkv, .M = M, .N = NQ, .K = D});
+    pd_op_rope_kv(b, &l->rope);
     pd_op_matmul(b, &(pd_matmul_params){.a = l->attn, .w = l->wo[i], .out = l->h, .M = M, .N = D, .K = D});
     pd_op_rmsnorm(b, &(pd_rmsnorm_params){.x = l->x, .add = l->h, .w = l->g2, .out = l->h, .n_rows = M, .dim = D, .eps = 1e-5f});
     pd_op_matmul(b, &(pd_matmul_params){.a = l->h, .w = l->wgu[i], .out = l->gu, .M = M, .N = 2 * F, .K = D});
@@ -260,6 +263,18 @@ int main(int argc, char **argv) {
         l.x = rnd((size_t)8 * D), l.h = rnd((size_t)8 * D), l.attn = rnd((size_t)8 * D);
         l.qkv = alloc((size_t)8 * NQ * 2), l.gu = alloc((size_t)8 * 2 * F * 2), l.mlp = alloc((size_t)8 * F * 2);
         l.g1 = alloc((size_t)D * 2), l.g2 = alloc((size_t)D * 2);
+        int32_t meta[16];
+        for (int i = 0; i < 8; i++) meta[i] = 100 + i, meta[8 + i] = i;  // positions, slots
+        float inv_freq[64];
+        for (int i = 0; i < 64; i++) inv_freq[i] = powf(500000.0f, -i / 64.0f);
+        int32_t *dmeta = alloc(sizeof meta);
+        float *dinv = alloc(sizeof inv_freq);
+        pd_backend_upload(g_b, dmeta, meta, sizeof meta);
+        pd_backend_upload(g_b, dinv, inv_freq, sizeof inv_freq);
+        pd_backend_sync(g_b);
+        l.rope = (pd_rope_kv_params){.qkv = l.qkv, .positions = dmeta, .inv_freq = dinv, .slot_mapping = dmeta + 8,
+                                     .k_cache = alloc((size_t)8 * 1024 * 2), .v_cache = alloc((size_t)8 * 1024 * 2),
+                                     .n_heads = 32, .n_kv_heads = 8, .head_dim = 128, .attn_scaling = 1.0f};
         pd_op_fill_normal(g_b, l.g1, PD_DTYPE_BF16, D, 7, 1.0f, 0.1f);
         pd_op_fill_normal(g_b, l.g2, PD_DTYPE_BF16, D, 8, 1.0f, 0.1f);
         for (int i = 0; i < 2; i++) {
@@ -275,7 +290,7 @@ int main(int argc, char **argv) {
             l.fused = true;
             double t_f = time_us(sk, ly_op, &l, 100);
             double floor_us = isnan(copy_gbs) ? NAN : bytes / (copy_gbs * 1e3);
-            printf("fuse layer M=%d  unfused %7.1f us (7 kernels)  fused %7.1f us (4 kernels)  saved %5.1f us/layer "
+            printf("fuse layer M=%d  unfused %7.1f us (8 kernels)  fused %7.1f us (4 kernels)  saved %5.1f us/layer "
                    "= %5.3f ms/token (32 layers); weights %.0f MB, floor at the copy rate %.1f us (fused %.0f%%)\n",
                    l.M, t_u, t_f, t_u - t_f, 32 * (t_u - t_f) / 1e3, bytes / 1e6, floor_us, 100 * floor_us / t_f);
         }

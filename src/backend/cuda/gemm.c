@@ -1,6 +1,6 @@
 // gemm.c — pd_op_matmul on CUDA: out (M, N) = a (M, K) . w(N, K)^T [+ bias] [+ out].
 //
-// The fused forms (norm_w, glu, residual: backend.h) go to fused_matmul. Three paths, picked per
+// The fused forms (norm_w, glu, residual, rope: backend.h) go to fused_matmul. Three paths, picked per
 // shape:
 //   * M <= 8 with PD_CUDA_SKINNY=1/2 (off by default, see pd_cuda_gemm_init): the row-streaming
 //     skinny kernel in kernels/skinny.cu (no workspace, PDL, weights prefetched before the wait);
@@ -29,6 +29,7 @@
 #include "kernels/add_bias.cuh"
 #include "kernels/gemv.cuh"
 #include "kernels/rmsnorm.cuh"
+#include "kernels/rope_kv.cuh"
 #include "kernels/silu_mul.cuh"
 #include "kernels/skinny.cuh"
 
@@ -72,14 +73,16 @@ void pd_cuda_gemm_init(pd_cuda_backend *cb) {
     // PD_CUDA_SKINNY_FUSE=1: decode steps of <= PD_CUDA_SKINNY_FUSE_MAX_M tokens (default 4: the
     // skinny kernel beat cuBLASLt at M = 1, 2, 4 on every Llama-3-8B shape and lost at M = 8, H100,
     // session 9 call A) use pd_op_matmul's fused forms: the norms, SwiGLU and residual adds folded
-    // into the skinny GEMMs, 3 fewer kernels per layer. Off by default until measured on a card
-    // (tools/gpu/NOTES.md). The fused forms themselves run on the skinny kernel whenever it
-    // supports the call, whatever this says.
+    // into the skinny GEMMs, RoPE and the KV write into qkv's, 4 fewer kernels per layer. Off by
+    // default until measured on a card (tools/gpu/NOTES.md). The fused forms themselves run on the
+    // skinny kernel whenever it supports the call, whatever this says.
     cb->skinny_fuse = 0;
     e = getenv("PD_CUDA_SKINNY_FUSE");
     if (e && *e) cb->skinny_fuse = atoi(e) > 0 ? 4 : 0;
     e = getenv("PD_CUDA_SKINNY_FUSE_MAX_M");
     if (cb->skinny_fuse && e && *e) cb->skinny_fuse = PD_MAX(1, PD_MIN(atoi(e), PD_SKINNY_MAX_M));
+    e = getenv("PD_CUDA_FUSE_ROPE");  // 0: the rope_kv kernel after the fused qkv GEMM (measurements)
+    cb->fuse_rope = !(e && !strcmp(e, "0"));
 }
 
 bool pd_cuda_gemm_fuses(pd_backend *b, int M) { return M >= 1 && M <= pd_cuda_backend_of(b)->skinny_fuse; }
@@ -213,26 +216,47 @@ static pd_cuda_gemm_plan *gemm_plan_get(pd_cuda_backend *cb, const pd_matmul_par
     return gemm_plan_build(cb, p, lda, flags);
 }
 
-// The fused forms (backend.h): one skinny kernel when it supports the call; otherwise the unfused
-// sequence through cb->fuse_ws (rmsnorm into scratch, GEMM into (M, 2N) scratch then silu_mul;
-// residual as accumulate, whose sum is rounded once rather than after the branch: within a bf16
-// ulp of the fused kernel).
+// The fused forms (backend.h): one skinny kernel when it supports the call (rope in its epilogue
+// with a bf16 cache, head_dim % 4 == 0 and PD_CUDA_FUSE_ROPE not 0; else the rope_kv kernel after
+// it); otherwise the unfused sequence through cb->fuse_ws (rmsnorm into scratch,
+// GEMM into (M, 2N) scratch then silu_mul; residual as accumulate, whose sum is rounded once rather
+// than after the branch: within a bf16 ulp of the fused kernel; rope_kv after the GEMM).
+// pd_op_rope_kv's kernel, after the GEMM that wrote rp->qkv.
+static void rope_after(pd_backend *b, pd_cuda_backend *cb, const pd_rope_kv_params *rp) {
+    pd_rope_kv_kparams k = {.qkv = rp->qkv, .positions = rp->positions, .inv_freq = rp->inv_freq,
+                            .slot_mapping = rp->slot_mapping, .k_cache = rp->k_cache, .v_cache = rp->v_cache,
+                            .n_tokens = rp->n_tokens, .n_heads = rp->n_heads, .n_kv_heads = rp->n_kv_heads,
+                            .head_dim = rp->head_dim, .attn_scaling = rp->attn_scaling,
+                            .kv_fp8 = rp->kv_dtype == PD_KV_FP8,
+                            .row_bytes = pd_kv_row_bytes(b, rp->kv_dtype, rp->n_kv_heads, rp->head_dim)};
+    pd_cuda_rope_kv(&k, cb->stream);
+    PD_CUDA_CHECK_LAUNCH();
+}
+
 static void fused_matmul(pd_backend *b, pd_cuda_backend *cb, const pd_matmul_params *p, int lda) {
+    const pd_rope_kv_params *rp = p->rope;
     bool nw_ok = !p->norm_w || ((uintptr_t)p->norm_w & 15) == 0;
+    bool rope_in = rp && rp->kv_dtype == PD_KV_ACT && rp->head_dim % 4 == 0 && cb->fuse_rope;
     if (nw_ok && pd_cuda_skinny_supported(p->M, p->K, lda, p->a, p->w)) {
         pd_skinny_kparams k = {.a = p->a, .w = p->w, .bias = p->bias, .out = p->out, .M = p->M, .N = p->N,
                                .K = p->K, .lda = lda, .accumulate = p->accumulate, .out_f32 = p->out_f32,
                                .rows = 4, .norm_w = p->norm_w, .norm_eps = p->norm_eps, .glu = p->glu,
-                               .residual = p->residual};
+                               .residual = p->residual, .rope = rope_in};
+        if (rope_in) {
+            k.positions = rp->positions, k.slot_mapping = rp->slot_mapping, k.inv_freq = rp->inv_freq;
+            k.k_cache = rp->k_cache, k.v_cache = rp->v_cache, k.attn_scaling = rp->attn_scaling;
+            k.n_heads = rp->n_heads, k.n_kv_heads = rp->n_kv_heads, k.head_dim = rp->head_dim;
+        }
         pd_cuda_skinny(&k, cb->stream);
         PD_CUDA_CHECK_LAUNCH();
+        if (rp && !rope_in) rope_after(b, cb, rp);
         return;
     }
     size_t normed = p->norm_w ? (size_t)p->M * (size_t)p->K * 2 : 0, gu = p->glu ? (size_t)p->M * 2 * (size_t)p->N * 2 : 0;
     normed = (normed + 255) & ~(size_t)255;
     pd_cuda_scratch_reserve(cb, &cb->fuse_ws, &cb->fuse_ws_bytes, normed + gu, true);
     pd_matmul_params q = *p;
-    q.norm_w = NULL, q.glu = false, q.residual = false;
+    q.norm_w = NULL, q.glu = false, q.residual = false, q.rope = NULL;
     if (p->norm_w) {
         pd_rmsnorm_kparams k = {.x = (void *)p->a, .w = p->norm_w, .out = cb->fuse_ws, .n_rows = p->M, .dim = p->K,
                                 .eps = p->norm_eps};
@@ -250,6 +274,7 @@ static void fused_matmul(pd_backend *b, pd_cuda_backend *cb, const pd_matmul_par
         q.accumulate = p->accumulate || p->residual;
         pd_cuda_gemm_matmul(b, &q);
     }
+    if (rp) rope_after(b, cb, rp);
 }
 
 void pd_cuda_gemm_matmul(pd_backend *b, const pd_matmul_params *p) {
@@ -258,7 +283,7 @@ void pd_cuda_gemm_matmul(pd_backend *b, const pd_matmul_params *p) {
     int lda = p->lda ? p->lda : p->K;
     PD_ASSERT(p->M >= 0 && p->N > 0 && p->K > 0 && lda >= p->K);
     if (p->M == 0) return;
-    if (p->norm_w || p->glu || p->residual) {
+    if (p->norm_w || p->glu || p->residual || p->rope) {
         fused_matmul(b, cb, p, lda);
         return;
     }
