@@ -609,7 +609,7 @@ static void rope_fused_case(ctx *c, int M, int H, int Hkv, int hd, int K, bool n
     ctx_release(c);
 }
 
-PD_TEST(test_cuda_matmul_fused_rope) {
+PD_TEST(test_cuda_fused_rope) {
     ctx c;
     if (!ctx_init(&c, 20)) PD_SKIP("%s: no CUDA device", __func__);
     int cfg[][4] = {{4, 2, 64, 256}, {32, 8, 128, 4096}, {4, 1, 32, 200}, {8, 8, 64, 96}, {2, 1, 4, 40}};  // H, Hkv, hd, K
