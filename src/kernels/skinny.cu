@@ -169,19 +169,31 @@ static __global__ void __launch_bounds__(PD_K_SK_THREADS) k_skinny(pd_k_skinny_a
             int cu = c + u * PD_K_SK_THREADS;
             if (cu >= chunks) break;
             float wf[R][8], gf[8];
+            uint4 graw = make_uint4(0, 0, 0, 0);
 #pragma unroll
             for (int r = 0; r < R; r++) pd_k_unpack8(wv[u][r], wf[r]);
-            if (NORM) pd_k_unpack8(__ldg((const uint4 *)p.norm_w + cu), gf);
+            if (NORM) {
+                graw = __ldg((const uint4 *)p.norm_w + cu);
+                pd_k_unpack8(graw, gf);
+            }
 #pragma unroll
             for (int m = 0; m < M; m++) {
                 float af[8];
                 pd_k_unpack8(__ldg(ar[m] + cu), af);
-                if (NORM) {
+                if (NORM && p.hf) {  // bf16(g * bf16(x * inv)), two at a time: the bf16x2 product of
+                                     // two bf16 values is their exact product rounded once
+                    const uint32_t gw[4] = {graw.x, graw.y, graw.z, graw.w};
 #pragma unroll
-                    for (int j = 0; j < 8; j++) {
-                        float nv = af[j] * inv[m];
-                        af[j] = pd_k_bf16r(gf[j] * (p.hf ? pd_k_bf16r(nv) : nv));
+                    for (int i = 0; i < 4; i++) {
+                        __nv_bfloat162 nv = __floats2bfloat162_rn(af[2 * i] * inv[m], af[2 * i + 1] * inv[m]);
+                        __nv_bfloat162 pr = __hmul2(*reinterpret_cast<const __nv_bfloat162 *>(&gw[i]), nv);
+                        uint32_t pw = *reinterpret_cast<uint32_t *>(&pr);
+                        af[2 * i] = __uint_as_float(pw << 16);
+                        af[2 * i + 1] = __uint_as_float(pw & 0xffff0000u);
                     }
+                } else if (NORM) {
+#pragma unroll
+                    for (int j = 0; j < 8; j++) af[j] = pd_k_bf16r(gf[j] * (af[j] * inv[m]));
                 }
 #pragma unroll
                 for (int r = 0; r < R; r++)

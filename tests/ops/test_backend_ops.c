@@ -404,9 +404,16 @@ PD_TEST(test_cuda_skinny) {
 
 enum { FZ_NORM = 1, FZ_GLU = 2, FZ_RES = 4, FZ_BIAS = 8, FZ_F32 = 16 };
 
-// One fused call on the CPU reference and on gpu; on gpu also the unfused op sequence it stands for
-// (rmsnorm, matmul into (M, 2N), silu_mul, rmsnorm's residual add), which the fused kernel must
-// match up to the GEMM's and the norm's summation order.
+// The backend the unfused GPU sequence of fused_case runs on: PD_CUDA_SKINNY=2, so that where the
+// fused form is one skinny kernel its unfused sequence uses the same GEMM kernel (cuBLASLt sums in
+// another order and rounds its bias epilogue differently: NMSE up to 2.6e-5 against the fused
+// kernel on an H100, session 9).
+static pd_backend *g_unfused;
+
+// One fused call on the CPU reference and on gpu; on the GPU also the unfused op sequence it
+// stands for (rmsnorm, matmul into (M, 2N), silu_mul, rmsnorm's residual add), which the fused
+// skinny kernel must match up to the norm's summation order (NMSE_ELEM; where the call falls back
+// to cuBLASLt, whose residual add rounds the sum once, NMSE_ELEM_HF).
 static void fused_case(ctx *c, pd_backend *gpu, int M, int N, int K, int flags) {
     bool norm = flags & FZ_NORM, glu = flags & FZ_GLU, res = flags & FZ_RES, bias = flags & FZ_BIAS, f32 = flags & FZ_F32;
     int Nw = glu ? 2 * N : N;
@@ -425,6 +432,10 @@ static void fused_case(ctx *c, pd_backend *gpu, int M, int N, int K, int flags) 
                                                 .norm_eps = 1e-5f, .glu = glu, .residual = res});
     }
     // The unfused sequence on the GPU.
+    pd_backend *keep = c->gpu;
+    pd_backend_sync(gpu);
+    gpu = g_unfused ? g_unfused : gpu;
+    bool on_skinny = M <= 8 && K % 8 == 0;
     pd_dtype adt = pd_backend_act_dtype(gpu), wdt = pd_backend_weight_dtype(gpu);
     void *ad = dev_act(c, gpu, a, (size_t)M * K), *wd = dev_from_f32(c, gpu, w, (size_t)Nw * K, wdt);
     void *bd = bias ? dev_from_f32(c, gpu, bv, Nw, wdt) : NULL, *xin = ad;
@@ -449,13 +460,12 @@ static void fused_case(ctx *c, pd_backend *gpu, int M, int N, int K, int flags) 
     char what[128];
     snprintf(what, sizeof what, "fused M=%d N=%d K=%d norm=%d glu=%d res=%d bias=%d f32=%d", M, N, K, norm, glu, res,
              bias, f32);
-    pd_backend *keep = c->gpu;
     c->gpu = gpu;  // compare() reads through c->gpu
     compare(c, out[1], out[0], (size_t)M * N, f32, f32 ? 1e-5 : glu ? 2 * NMSE_GEMM : NMSE_GEMM, what);
     float *hf = to_host(gpu, out[1], (size_t)M * N, f32 ? PD_DTYPE_F32 : adt);
     float *hu = to_host(gpu, ref, (size_t)M * N, f32 ? PD_DTYPE_F32 : adt);
     double e = nmse(hf, hu, (size_t)M * N);
-    PD_CHECK_MSG(e <= NMSE_ELEM, "%s vs the unfused ops: nmse %.3g", what, e);
+    PD_CHECK_MSG(e <= (on_skinny ? NMSE_ELEM : NMSE_ELEM_HF), "%s vs the unfused ops: nmse %.3g", what, e);
     c->gpu = keep;
     pd_free(hf), pd_free(hu);
     pd_free(a), pd_free(g), pd_free(w), pd_free(bv), pd_free(o0);
@@ -503,9 +513,19 @@ static const int FUSED_FORMS[] = {FZ_NORM, FZ_NORM | FZ_F32, FZ_NORM | FZ_GLU, F
 // Every fused form, M = 1..8 (the skinny kernel) and 9, 17 (the unfused fallback), random shapes
 // (odd N, K % 8 == 0; test_cuda_fused_odd_k has the rest), bias on and off; decode-sized shapes;
 // the layer chain.
+static pd_backend *skinny_backend(void) {
+    setenv("PD_CUDA_SKINNY", "2", 1);
+    pd_err err = {0};
+    pd_backend *b = pd_backend_new("cuda", 0, &err);
+    unsetenv("PD_CUDA_SKINNY");
+    PD_ASSERT(b);
+    return b;
+}
+
 PD_TEST(test_cuda_matmul_fused) {
     ctx c;
     if (!ctx_init(&c, 18)) PD_SKIP("%s: no CUDA device", __func__);
+    g_unfused = skinny_backend();
     int Ms[] = {1, 2, 3, 4, 5, 6, 7, 8, 9, 17};
     for (size_t mi = 0; mi < PD_ARRAY_LEN(Ms); mi++)
         for (size_t f = 0; f < PD_ARRAY_LEN(FUSED_FORMS); f++)
@@ -514,13 +534,15 @@ PD_TEST(test_cuda_matmul_fused) {
                 int K = 8 * (1 + (int)(pd_rng_next(&c.rng) % (i ? 500 : 20)));
                 fused_case(&c, c.gpu, M, N, K, FUSED_FORMS[f] | (((int)f + i + M) % 2 ? FZ_BIAS : 0));
             }
-    int dec[][3] = {{6144, 4096, FZ_NORM | FZ_BIAS}, {4096, 4096, FZ_RES}, {14336, 4096, FZ_NORM | FZ_GLU},
-                    {4096, 14336, FZ_RES | FZ_BIAS}, {32000, 4096, FZ_NORM | FZ_F32}};
+    int dec[][3] = {{6144, 4096, FZ_NORM | FZ_BIAS}, {4096, 4096, FZ_RES}, {3584, 4096, FZ_NORM | FZ_GLU},
+                    {2048, 14336, FZ_RES | FZ_BIAS}, {9000, 4096, FZ_NORM | FZ_F32}};
     for (int M = 1; M <= 8; M += 7)
         for (size_t s = 0; s < PD_ARRAY_LEN(dec); s++) fused_case(&c, c.gpu, M, dec[s][0], dec[s][1], dec[s][2]);
     fused_chain_case(&c, 1, 1024, 2816, 5000);
     fused_chain_case(&c, 8, 2048, 1024, 999);
     fused_chain_case(&c, 12, 256, 688, 300);
+    pd_backend_free(g_unfused);
+    g_unfused = NULL;
     ctx_fini(&c);
 }
 
@@ -631,6 +653,7 @@ PD_TEST(test_cuda_fused_rope) {
 PD_TEST(test_cuda_fused_odd_k) {
     ctx c;
     if (!ctx_init(&c, 19)) PD_SKIP("%s: no CUDA device", __func__);
+    g_unfused = NULL;  // (no skinny kernel here: the fallback's GEMM is the default backend's)
     for (int M = 1; M <= 9; M += 4)
         for (size_t f = 0; f < PD_ARRAY_LEN(FUSED_FORMS); f++) {
             int N = 1 + (int)(pd_rng_next(&c.rng) % 200), K = 1 + 2 * (int)(pd_rng_next(&c.rng) % 150) + (int)(f % 2);

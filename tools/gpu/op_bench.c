@@ -282,17 +282,30 @@ int main(int argc, char **argv) {
             l.wgu[i] = rnd((size_t)2 * F * D), l.wd[i] = rnd((size_t)D * F);
         }
         double bytes = 2.0 * ((double)NQ * D + (double)D * D + 2.0 * F * D + (double)D * F);
+        // One part at a time left to its own kernel (PD_CUDA_FUSE_*=0 backends): what each fold saves.
+        const char *knob[] = {"PD_CUDA_FUSE_NORM", "PD_CUDA_FUSE_GLU", "PD_CUDA_FUSE_ROPE"};
+        pd_backend *part[3];
+        setenv("PD_CUDA_SKINNY", "2", 1);
+        for (int k = 0; k < 3; k++) {
+            setenv(knob[k], "0", 1);
+            part[k] = pd_backend_new("cuda", 0, &err);
+            unsetenv(knob[k]);
+            if (!part[k]) { fprintf(stderr, "no cuda: %s\n", err.msg); return 1; }
+        }
         int fm[] = {1, 2, 4, 8};
         for (int mi = 0; mi < 4; mi++) {
             l.M = fm[mi];
             l.fused = false;
             double t_u = time_us(sk, ly_op, &l, 100);
             l.fused = true;
-            double t_f = time_us(sk, ly_op, &l, 100);
+            double t_f = time_us(sk, ly_op, &l, 100), t_p[3];
+            for (int k = 0; k < 3; k++) t_p[k] = time_us(part[k], ly_op, &l, 100);
             double floor_us = isnan(copy_gbs) ? NAN : bytes / (copy_gbs * 1e3);
             printf("fuse layer M=%d  unfused %7.1f us (8 kernels)  fused %7.1f us (4 kernels)  saved %5.1f us/layer "
                    "= %5.3f ms/token (32 layers); weights %.0f MB, floor at the copy rate %.1f us (fused %.0f%%)\n",
                    l.M, t_u, t_f, t_u - t_f, 32 * (t_u - t_f) / 1e3, bytes / 1e6, floor_us, 100 * floor_us / t_f);
+            printf("fuse parts M=%d  fused but norm unfused %7.1f us, silu_mul unfused %7.1f us, rope unfused %7.1f us "
+                   "(each vs fused %.1f us)\n", l.M, t_p[0], t_p[1], t_p[2], t_f);
         }
     }
     // attention: Llama-3-8B heads

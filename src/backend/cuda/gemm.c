@@ -70,19 +70,28 @@ void pd_cuda_gemm_init(pd_cuda_backend *cb) {
     cb->skinny_rows = 4;
     e = getenv("PD_CUDA_SKINNY_ROWS");
     if (e && *e) cb->skinny_rows = atoi(e) == 2 ? 2 : 4;
-    // PD_CUDA_SKINNY_FUSE=1: decode steps of <= PD_CUDA_SKINNY_FUSE_MAX_M tokens (default 4: the
-    // skinny kernel beat cuBLASLt at M = 1, 2, 4 on every Llama-3-8B shape and lost at M = 8, H100,
-    // session 9 call A) use pd_op_matmul's fused forms: the norms, SwiGLU and residual adds folded
-    // into the skinny GEMMs, RoPE and the KV write into qkv's, 4 fewer kernels per layer. Off by
-    // default until measured on a card (tools/gpu/NOTES.md). The fused forms themselves run on the
-    // skinny kernel whenever it supports the call, whatever this says.
-    cb->skinny_fuse = 0;
+    // Fused decode layers (pd_backend_fuses_matmul; backend.h "Fused forms"): decode steps of
+    // M <= PD_CUDA_SKINNY_FUSE_MAX_M tokens (default 2) run their layers as 5 kernels, the norms,
+    // RoPE + KV write, SwiGLU and residual adds folded into skinny GEMMs. On by default;
+    // PD_CUDA_SKINNY_FUSE=0 turns it off. Measured on an H100 (session 9, tools/gpu/NOTES.md):
+    // Llama-3-8B single stream 5.39 ms vs 5.48-5.51 with the unfused skinny path at context 128
+    // (the gain is the RoPE + KV-write fold: without it 5.50); one layer's kernels (op_bench fuse)
+    // 154 vs 160 us at M = 1, 160 vs 164 at M = 2, but 206 vs 169 at M = 4 and 350 vs 202 at
+    // M = 8 (the on-the-fly norm and SwiGLU make the kernel issue-bound), hence the bound 2. The
+    // fused forms themselves run on the skinny kernel whenever it supports the call.
+    cb->skinny_fuse = 2;
     e = getenv("PD_CUDA_SKINNY_FUSE");
-    if (e && *e) cb->skinny_fuse = atoi(e) > 0 ? 4 : 0;
+    if (e && *e && atoi(e) <= 0) cb->skinny_fuse = 0;
     e = getenv("PD_CUDA_SKINNY_FUSE_MAX_M");
     if (cb->skinny_fuse && e && *e) cb->skinny_fuse = PD_MAX(1, PD_MIN(atoi(e), PD_SKINNY_MAX_M));
-    e = getenv("PD_CUDA_FUSE_ROPE");  // 0: the rope_kv kernel after the fused qkv GEMM (measurements)
+    // Measurement knobs, each 0 runs that part as its own kernel around the skinny GEMM:
+    // PD_CUDA_FUSE_ROPE (rope_kv), PD_CUDA_FUSE_NORM (rmsnorm), PD_CUDA_FUSE_GLU (silu_mul).
+    e = getenv("PD_CUDA_FUSE_ROPE");
     cb->fuse_rope = !(e && !strcmp(e, "0"));
+    e = getenv("PD_CUDA_FUSE_NORM");
+    cb->fuse_norm = !(e && !strcmp(e, "0"));
+    e = getenv("PD_CUDA_FUSE_GLU");
+    cb->fuse_glu = !(e && !strcmp(e, "0"));
 }
 
 bool pd_cuda_gemm_fuses(pd_backend *b, int M) { return M >= 1 && M <= pd_cuda_backend_of(b)->skinny_fuse; }
@@ -216,11 +225,6 @@ static pd_cuda_gemm_plan *gemm_plan_get(pd_cuda_backend *cb, const pd_matmul_par
     return gemm_plan_build(cb, p, lda, flags);
 }
 
-// The fused forms (backend.h): one skinny kernel when it supports the call (rope in its epilogue
-// with a bf16 cache, head_dim % 4 == 0 and PD_CUDA_FUSE_ROPE not 0; else the rope_kv kernel after
-// it); otherwise the unfused sequence through cb->fuse_ws (rmsnorm into scratch,
-// GEMM into (M, 2N) scratch then silu_mul; residual as accumulate, whose sum is rounded once rather
-// than after the branch: within a bf16 ulp of the fused kernel; rope_kv after the GEMM).
 // pd_op_rope_kv's kernel, after the GEMM that wrote rp->qkv.
 static void rope_after(pd_backend *b, pd_cuda_backend *cb, const pd_rope_kv_params *rp) {
     pd_rope_kv_kparams k = {.qkv = rp->qkv, .positions = rp->positions, .inv_freq = rp->inv_freq,
@@ -233,15 +237,38 @@ static void rope_after(pd_backend *b, pd_cuda_backend *cb, const pd_rope_kv_para
     PD_CUDA_CHECK_LAUNCH();
 }
 
+// The fused forms (backend.h): one skinny kernel when it supports the call (rope in its epilogue
+// with a bf16 cache and head_dim % 4 == 0); parts it does not do (the PD_CUDA_FUSE_* knobs, or no
+// skinny kernel: M > 8, K % 8 != 0) run as the unfused kernels through cb->fuse_ws: rmsnorm into
+// scratch, the GEMM into (M, 2N) scratch then silu_mul, rope_kv after; without the skinny kernel
+// the residual add is cuBLASLt's accumulate, whose sum is rounded once rather than after the
+// branch (within a bf16 ulp).
 static void fused_matmul(pd_backend *b, pd_cuda_backend *cb, const pd_matmul_params *p, int lda) {
     const pd_rope_kv_params *rp = p->rope;
     bool nw_ok = !p->norm_w || ((uintptr_t)p->norm_w & 15) == 0;
-    bool rope_in = rp && rp->kv_dtype == PD_KV_ACT && rp->head_dim % 4 == 0 && cb->fuse_rope;
-    if (nw_ok && pd_cuda_skinny_supported(p->M, p->K, lda, p->a, p->w)) {
-        pd_skinny_kparams k = {.a = p->a, .w = p->w, .bias = p->bias, .out = p->out, .M = p->M, .N = p->N,
-                               .K = p->K, .lda = lda, .accumulate = p->accumulate, .out_f32 = p->out_f32,
-                               .rows = 4, .norm_w = p->norm_w, .norm_eps = p->norm_eps, .glu = p->glu,
-                               .residual = p->residual, .rope = rope_in};
+    bool skinny = nw_ok && pd_cuda_skinny_supported(p->M, p->K, lda, p->a, p->w);
+    // What the skinny kernel does itself; the rest runs as the unfused kernels around it.
+    bool norm_in = skinny && p->norm_w && cb->fuse_norm, glu_in = skinny && p->glu && cb->fuse_glu;
+    bool rope_in = skinny && rp && rp->kv_dtype == PD_KV_ACT && rp->head_dim % 4 == 0 && cb->fuse_rope;
+    size_t normed = p->norm_w && !norm_in ? (size_t)p->M * (size_t)p->K * 2 : 0;
+    size_t gu = p->glu && !glu_in ? (size_t)p->M * 2 * (size_t)p->N * 2 : 0;
+    normed = (normed + 255) & ~(size_t)255;
+    if (normed + gu) pd_cuda_scratch_reserve(cb, &cb->fuse_ws, &cb->fuse_ws_bytes, normed + gu, true);
+    pd_matmul_params q = *p;  // the GEMM left after the unfused parts
+    q.norm_w = norm_in ? p->norm_w : NULL, q.glu = glu_in, q.rope = rope_in ? rp : NULL;
+    if (p->norm_w && !norm_in) {
+        pd_rmsnorm_kparams k = {.x = (void *)p->a, .w = p->norm_w, .out = cb->fuse_ws, .n_rows = p->M, .dim = p->K,
+                                .eps = p->norm_eps};
+        pd_cuda_rmsnorm(&k, cb->stream);
+        PD_CUDA_CHECK_LAUNCH();
+        q.a = cb->fuse_ws, q.lda = 0;
+    }
+    if (p->glu && !glu_in) q.out = (char *)cb->fuse_ws + normed, q.N = 2 * p->N;
+    if (skinny) {
+        pd_skinny_kparams k = {.a = q.a, .w = q.w, .bias = q.bias, .out = q.out, .M = q.M, .N = q.N, .K = q.K,
+                               .lda = q.lda ? q.lda : q.K, .accumulate = q.accumulate, .out_f32 = q.out_f32,
+                               .rows = 4, .norm_w = q.norm_w, .norm_eps = q.norm_eps, .glu = q.glu,
+                               .residual = q.residual, .rope = rope_in};
         if (rope_in) {
             k.positions = rp->positions, k.slot_mapping = rp->slot_mapping, k.inv_freq = rp->inv_freq;
             k.k_cache = rp->k_cache, k.v_cache = rp->v_cache, k.attn_scaling = rp->attn_scaling;
@@ -249,32 +276,17 @@ static void fused_matmul(pd_backend *b, pd_cuda_backend *cb, const pd_matmul_par
         }
         pd_cuda_skinny(&k, cb->stream);
         PD_CUDA_CHECK_LAUNCH();
-        if (rp && !rope_in) rope_after(b, cb, rp);
-        return;
-    }
-    size_t normed = p->norm_w ? (size_t)p->M * (size_t)p->K * 2 : 0, gu = p->glu ? (size_t)p->M * 2 * (size_t)p->N * 2 : 0;
-    normed = (normed + 255) & ~(size_t)255;
-    pd_cuda_scratch_reserve(cb, &cb->fuse_ws, &cb->fuse_ws_bytes, normed + gu, true);
-    pd_matmul_params q = *p;
-    q.norm_w = NULL, q.glu = false, q.residual = false, q.rope = NULL;
-    if (p->norm_w) {
-        pd_rmsnorm_kparams k = {.x = (void *)p->a, .w = p->norm_w, .out = cb->fuse_ws, .n_rows = p->M, .dim = p->K,
-                                .eps = p->norm_eps};
-        pd_cuda_rmsnorm(&k, cb->stream);
-        PD_CUDA_CHECK_LAUNCH();
-        q.a = cb->fuse_ws, q.lda = 0;
-    }
-    if (p->glu) {
-        q.out = (char *)cb->fuse_ws + normed, q.N = 2 * p->N;
+    } else {
+        // cuBLASLt / gemv: the residual add as accumulate (the sum rounded once)
+        q.accumulate = p->accumulate || p->residual, q.residual = false;
         pd_cuda_gemm_matmul(b, &q);
+    }
+    if (p->glu && !glu_in) {
         pd_silu_mul_kparams k = {.gu = q.out, .out = p->out, .n_rows = p->M, .F = p->N};
         pd_cuda_silu_mul(&k, cb->stream);
         PD_CUDA_CHECK_LAUNCH();
-    } else {
-        q.accumulate = p->accumulate || p->residual;
-        pd_cuda_gemm_matmul(b, &q);
     }
-    if (rp) rope_after(b, cb, rp);
+    if (rp && !rope_in) rope_after(b, cb, rp);
 }
 
 void pd_cuda_gemm_matmul(pd_backend *b, const pd_matmul_params *p) {
