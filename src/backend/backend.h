@@ -331,7 +331,7 @@ void pd_op_matmul(pd_backend *b, const pd_matmul_params *p);
 // Whether the backend runs pd_op_matmul's fused forms (norm_w, glu, residual, rope) as single kernels for
 // M rows, so that a step of M tokens should use them instead of separate rmsnorm / silu_mul ops
 // (every backend computes the fused forms; this says only where they are the faster sequence).
-// CUDA: M <= 2 (PD_CUDA_SKINNY_FUSE_MAX_M; PD_CUDA_SKINNY_FUSE=0: never); CPU: never.
+// CUDA: M <= 4 (PD_CUDA_SKINNY_FUSE_MAX_M; PD_CUDA_SKINNY_FUSE=0: never); CPU: never.
 bool pd_backend_fuses_matmul(pd_backend *b, int M);
 void pd_op_rope_kv(pd_backend *b, const pd_rope_kv_params *p);
 void pd_op_attention(pd_backend *b, const pd_attention_params *p);

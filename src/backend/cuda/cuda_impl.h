@@ -43,7 +43,8 @@ typedef struct pd_cuda_backend {
     int skinny;                // kernels/skinny.cu for M <= 8: 0 off, 1 per measured rule, 2 always
     int skinny_rows;           // its weight rows per block (2 or 4)
     int skinny_fuse;           // pd_backend_fuses_matmul for 1 <= M <= this (0: never; PD_CUDA_SKINNY_FUSE)
-    bool fuse_rope, fuse_norm, fuse_glu;  // parts the skinny kernel does itself (PD_CUDA_FUSE_*)
+    bool fuse_rope, fuse_glu;  // parts the skinny kernel does itself (PD_CUDA_FUSE_*)
+    int fuse_norm_max_m;       // and the norm for M <= this (PD_CUDA_FUSE_NORM_MAX_M)
     void *fuse_ws;             // the fused forms' unfused fallback (M > 8, unaligned): norm / gate_up
     size_t fuse_ws_bytes;
     // attention split-K partials; grows outside graph capture only

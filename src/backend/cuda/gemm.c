@@ -71,25 +71,30 @@ void pd_cuda_gemm_init(pd_cuda_backend *cb) {
     e = getenv("PD_CUDA_SKINNY_ROWS");
     if (e && *e) cb->skinny_rows = atoi(e) == 2 ? 2 : 4;
     // Fused decode layers (pd_backend_fuses_matmul; backend.h "Fused forms"): decode steps of
-    // M <= PD_CUDA_SKINNY_FUSE_MAX_M tokens (default 2) run their layers as 5 kernels, the norms,
-    // RoPE + KV write, SwiGLU and residual adds folded into skinny GEMMs. On by default;
-    // PD_CUDA_SKINNY_FUSE=0 turns it off. Measured on an H100 (session 9, tools/gpu/NOTES.md):
-    // Llama-3-8B single stream 5.39 ms vs 5.48-5.51 with the unfused skinny path at context 128
-    // (the gain is the RoPE + KV-write fold: without it 5.50); one layer's kernels (op_bench fuse)
-    // 154 vs 160 us at M = 1, 160 vs 164 at M = 2, but 206 vs 169 at M = 4 and 350 vs 202 at
-    // M = 8 (the on-the-fly norm and SwiGLU make the kernel issue-bound), hence the bound 2. The
-    // fused forms themselves run on the skinny kernel whenever it supports the call.
-    cb->skinny_fuse = 2;
+    // M <= PD_CUDA_SKINNY_FUSE_MAX_M tokens (default 4) run their layers as 5 kernels, RoPE + KV
+    // write, SwiGLU and residual adds folded into skinny GEMMs, and the norms too for M <=
+    // PD_CUDA_FUSE_NORM_MAX_M (default 2; above, the rmsnorm kernel runs before the GEMM). On by
+    // default; PD_CUDA_SKINNY_FUSE=0 turns it off. Measured on an H100 (session 9 calls fuse-1/2,
+    // tools/gpu/NOTES.md): Llama-3-8B single stream 5.34 ms vs 5.48 unfused (skinny) at context
+    // 128; one layer minus attention (op_bench fuse) unfused / fused / fused with the norm
+    // unfolded: M = 1 160.2 / 152.5 / 155.3 us, M = 2 164.0 / 157.6 / 158.9, M = 4 169.4 / 169.5 /
+    // 164.4, M = 8 201.5 / 274.2 / 202.2 (the norm computed on the fly makes the kernel issue-bound
+    // from 4 rows; at 8 the skinny kernel itself loses to cuBLASLt, gemv call A). The fused forms
+    // themselves run on the skinny kernel whenever it supports the call.
+    cb->skinny_fuse = 4;
     e = getenv("PD_CUDA_SKINNY_FUSE");
     if (e && *e && atoi(e) <= 0) cb->skinny_fuse = 0;
     e = getenv("PD_CUDA_SKINNY_FUSE_MAX_M");
     if (cb->skinny_fuse && e && *e) cb->skinny_fuse = PD_MAX(1, PD_MIN(atoi(e), PD_SKINNY_MAX_M));
+    cb->fuse_norm_max_m = 2;
+    e = getenv("PD_CUDA_FUSE_NORM_MAX_M");
+    if (e && *e) cb->fuse_norm_max_m = PD_MAX(0, PD_MIN(atoi(e), PD_SKINNY_MAX_M));
     // Measurement knobs, each 0 runs that part as its own kernel around the skinny GEMM:
     // PD_CUDA_FUSE_ROPE (rope_kv), PD_CUDA_FUSE_NORM (rmsnorm), PD_CUDA_FUSE_GLU (silu_mul).
     e = getenv("PD_CUDA_FUSE_ROPE");
     cb->fuse_rope = !(e && !strcmp(e, "0"));
     e = getenv("PD_CUDA_FUSE_NORM");
-    cb->fuse_norm = !(e && !strcmp(e, "0"));
+    if (e && !strcmp(e, "0")) cb->fuse_norm_max_m = 0;
     e = getenv("PD_CUDA_FUSE_GLU");
     cb->fuse_glu = !(e && !strcmp(e, "0"));
 }
@@ -248,7 +253,8 @@ static void fused_matmul(pd_backend *b, pd_cuda_backend *cb, const pd_matmul_par
     bool nw_ok = !p->norm_w || ((uintptr_t)p->norm_w & 15) == 0;
     bool skinny = nw_ok && pd_cuda_skinny_supported(p->M, p->K, lda, p->a, p->w);
     // What the skinny kernel does itself; the rest runs as the unfused kernels around it.
-    bool norm_in = skinny && p->norm_w && cb->fuse_norm, glu_in = skinny && p->glu && cb->fuse_glu;
+    bool norm_in = skinny && p->norm_w && p->M <= cb->fuse_norm_max_m;
+    bool glu_in = skinny && p->glu && cb->fuse_glu;
     bool rope_in = skinny && rp && rp->kv_dtype == PD_KV_ACT && rp->head_dim % 4 == 0 && cb->fuse_rope;
     size_t normed = p->norm_w && !norm_in ? (size_t)p->M * (size_t)p->K * 2 : 0;
     size_t gu = p->glu && !glu_in ? (size_t)p->M * 2 * (size_t)p->N * 2 : 0;
