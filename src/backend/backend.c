@@ -255,7 +255,16 @@ void pd_backend_bind_thread(pd_backend *b) {
 
 void pd_op_embed(pd_backend *b, const pd_embed_params *p) { b->iface->embed(b, p); }
 void pd_op_rmsnorm(pd_backend *b, const pd_rmsnorm_params *p) { b->iface->rmsnorm(b, p); }
-void pd_op_matmul(pd_backend *b, const pd_matmul_params *p) { b->iface->matmul(b, p); }
+void pd_op_matmul(pd_backend *b, const pd_matmul_params *p) {
+    PD_ASSERT(!p->glu || (!p->accumulate && !p->residual && !p->out_f32));
+    PD_ASSERT(!p->residual || (!p->accumulate && !p->out_f32));
+    PD_ASSERT(!p->norm_w || !p->lda || p->lda == p->K);
+    PD_ASSERT(!p->rope || (!p->glu && !p->residual && !p->accumulate && !p->out_f32 && p->rope->qkv == p->out &&
+                           p->rope->n_tokens == p->M &&
+                           p->N == (p->rope->n_heads + 2 * p->rope->n_kv_heads) * p->rope->head_dim));
+    b->iface->matmul(b, p);
+}
+bool pd_backend_fuses_matmul(pd_backend *b, int M) { return b->iface->fuses_matmul && b->iface->fuses_matmul(b, M); }
 void pd_op_rope_kv(pd_backend *b, const pd_rope_kv_params *p) { b->iface->rope_kv(b, p); }
 void pd_op_attention(pd_backend *b, const pd_attention_params *p) { b->iface->attention(b, p); }
 void pd_op_silu_mul(pd_backend *b, const pd_silu_mul_params *p) { b->iface->silu_mul(b, p); }

@@ -94,14 +94,35 @@ typedef struct pd_rmsnorm_params {
 // out (M, N) = a (M, K) · wᵀ  [+ bias]  [+ out if accumulate]. w is (N, K) row-major (a HF
 // Linear weight). a has row stride lda elements (>= K; 0 means K). out is act dtype unless
 // out_f32 (logits), in which case it is F32 on every backend.
+//
+// Fused forms (decode steps fold their norms, SwiGLU and residual adds into the GEMMs with them;
+// pd_backend_fuses_matmul says where a backend runs them as one kernel). Each gives the values the
+// unfused op sequence gives, rounding points included, up to the GEMM's summation order:
+//   norm_w != NULL: the activation is pd_op_rmsnorm of a's rows (no add; weight norm_w (K), eps
+//     norm_eps), not a itself. a is the raw residual stream (lda K or 0).
+//   glu: w is (2N, K) [gate rows | up rows] and bias (2N) or NULL; out (M, N) = silu(g) * u where
+//     g, u are the two halves of a . wT + bias, as pd_op_matmul into (M, 2N) then pd_op_silu_mul.
+//     Not with accumulate, residual or out_f32.
+//   residual: out += a . wT + bias, where in a 16-bit act dtype the branch is rounded before the
+//     sum and the sum rounded (pd_op_rmsnorm's add): the residual add after attention / MLP. Not
+//     with accumulate or out_f32.
+//   rope != NULL: out is the qkv rows of rope (rope->qkv == out, rope->n_tokens == M, N the qkv
+//     row width) and pd_op_rope_kv(rope) follows the GEMM: q and k rotated in out, k and v written
+//     to the cache. Not with glu, residual, accumulate or out_f32.
+typedef struct pd_rope_kv_params pd_rope_kv_params;
 typedef struct pd_matmul_params {
     const void *a;     // (M, K), act dtype, row stride lda
-    const void *w;     // (N, K), weight dtype
-    const void *bias;  // (N) or NULL, weight dtype
+    const void *w;     // (N, K), weight dtype ((2N, K) with glu)
+    const void *bias;  // (N) or NULL, weight dtype ((2N) with glu)
     void *out;         // (M, N), act dtype or F32 if out_f32
     int M, N, K, lda;
     bool accumulate;
     bool out_f32;
+    const void *norm_w;  // (K) weight dtype, or NULL: see "Fused forms"
+    float norm_eps;
+    bool glu;
+    bool residual;
+    const pd_rope_kv_params *rope;  // host struct, read during the call
 } pd_matmul_params;
 
 // RoPE (HF "rotate_half" layout: pairs (i, i + head_dim/2)) applied in place to the q and k parts
@@ -109,7 +130,7 @@ typedef struct pd_matmul_params {
 // 16-bit act dtype cos and sin are rounded to it and each product and the sum are rounded, as
 // transformers' apply_rotary_pos_emb computes them in bf16.
 // qkv row layout: [q (n_heads*head_dim) | k (n_kv_heads*head_dim) | v (n_kv_heads*head_dim)].
-typedef struct pd_rope_kv_params {
+struct pd_rope_kv_params {
     void *qkv;                   // (n_tokens, (n_heads + 2*n_kv_heads) * head_dim), act dtype
     const int32_t *positions;    // (n_tokens)
     const float *inv_freq;       // (head_dim/2), f32: frequencies incl. llama3/linear scaling
@@ -118,7 +139,7 @@ typedef struct pd_rope_kv_params {
     int n_tokens, n_heads, n_kv_heads, head_dim;
     float attn_scaling;          // multiplies cos/sin (1.0 for llama/qwen2)
     pd_kv_dtype kv_dtype;        // PD_KV_FP8: k and v are quantised as they are written
-} pd_rope_kv_params;
+};
 
 // Paged causal attention with GQA for a mixed batch (prefill chunks and decodes together).
 typedef struct pd_attention_params {
@@ -311,6 +332,11 @@ void pd_backend_bind_thread(pd_backend *b);
 void pd_op_embed(pd_backend *b, const pd_embed_params *p);
 void pd_op_rmsnorm(pd_backend *b, const pd_rmsnorm_params *p);
 void pd_op_matmul(pd_backend *b, const pd_matmul_params *p);
+// Whether the backend runs pd_op_matmul's fused forms (norm_w, glu, residual, rope) as single kernels for
+// M rows, so that a step of M tokens should use them instead of separate rmsnorm / silu_mul ops
+// (every backend computes the fused forms; this says only where they are the faster sequence).
+// CUDA: M <= 4 (PD_CUDA_SKINNY_FUSE_MAX_M; PD_CUDA_SKINNY_FUSE=0: never); CPU: never.
+bool pd_backend_fuses_matmul(pd_backend *b, int M);
 void pd_op_rope_kv(pd_backend *b, const pd_rope_kv_params *p);
 void pd_op_attention(pd_backend *b, const pd_attention_params *p);
 void pd_op_silu_mul(pd_backend *b, const pd_silu_mul_params *p);

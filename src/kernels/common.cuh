@@ -172,6 +172,9 @@ static inline int pd_k_hf_rounding() {
     return pd_k_env_on("PD_CUDA_HF_ROUNDING", &on);
 }
 
+// SiLU as the SwiGLU kernels compute it (silu_mul.cu and the skinny GEMM's glu epilogue).
+static __device__ __forceinline__ float pd_k_silu(float g) { return g / (1.0f + __expf(-g)); }
+
 // ---- RoPE ------------------------------------------------------------------------------------
 
 // sin/cos of angle a after reduction mod 2*pi, so that long positions keep full accuracy under

@@ -4,8 +4,6 @@
 #include "kernels/common.cuh"
 #include "kernels/silu_mul.cuh"
 
-static __device__ __forceinline__ float pd_k_silu(float g) { return g / (1.0f + __expf(-g)); }
-
 static __global__ void k_silu_mul_vec(const uint4 *gu, uint4 *out, int n_rows, int fv, int hf) {
     pd_k_pdl_trigger();
     pd_k_pdl_wait();

@@ -24,8 +24,16 @@
 
 typedef struct pd_k_skinny_args {
     const __nv_bfloat16 *a, *w, *bias;
+    const __nv_bfloat16 *norm_w;
     void *out;
-    int M, N, K, lda, accumulate, out_f32;
+    int M, N, K, lda, accumulate, out_f32, hf;
+    float eps;
+    // rope epilogue
+    const int32_t *positions, *slot_mapping;
+    const float *inv_freq;
+    __nv_bfloat16 *k_cache, *v_cache;
+    int H, Hkv, hd;
+    float attn_scaling;
 } pd_k_skinny_args;
 
 // 16-byte streaming load of read-only data: not kept in L1, L2 fetches 256-byte sectors.
@@ -75,15 +83,41 @@ static __device__ __forceinline__ int pd_k_sk_warp_reduce(float (&v)[P], int lan
     return (lane & (32 / P - 1)) ? -1 : lane >> (5 - lg);
 }
 
-template <int M, int R>
+enum { PD_K_SK_PLAIN = 0, PD_K_SK_RESIDUAL = 1, PD_K_SK_GLU = 2, PD_K_SK_ROPE = 3 };
+
+// NORM: the activation rows are RMS-normalised on the fly (each block recomputes the M sums of
+// squares from the rows it reads anyway; they are in L1/L2 after the first block): a_k =
+// bf16(g_k * bf16(x_k * inv)) as kernels/rmsnorm.cu stores them. EPI: PD_K_SK_PLAIN (bias,
+// accumulate, f32 out), PD_K_SK_RESIDUAL (out = bf16(out + bf16(v + bias))) or PD_K_SK_GLU (the
+// block's R rows are R/2 gate rows p.. and the matching up rows N + p..; out = bf16(bf16(silu(g)) *
+// u) of the rounded halves, as silu_mul.cu computes it from the stored gate_up) or PD_K_SK_ROPE
+// (the qkv GEMM: the first (H + Hkv) hd / 4 blocks own two rotation pairs each, rows i, i + 1,
+// i + hd/2, i + hd/2 + 1 of one q / k head, and rotate them as rope_kv.cu does; the rest own 4
+// consecutive v rows; k and v go to the cache slot of each token, skipped where the slot is < 0).
+template <int M, int R, int NORM, int EPI>
 static __global__ void __launch_bounds__(PD_K_SK_THREADS) k_skinny(pd_k_skinny_args p) {
     constexpr int U = PD_K_SK_LOADS / R;
     pd_k_pdl_trigger();
-    const int tid = threadIdx.x, row0 = blockIdx.x * R, chunks = p.K >> 3;
+    const int tid = threadIdx.x, chunks = p.K >> 3;
+    int row0 = blockIdx.x * (EPI == PD_K_SK_GLU ? R / 2 : R);
+    // rope: a rotation block's first row (head h, pair index i0 < hd/2), or row0 of a v block
+    const int half = p.hd >> 1, rot_blocks = EPI == PD_K_SK_ROPE ? (p.H + p.Hkv) * half / 2 : 0;
+    const bool rot = EPI == PD_K_SK_ROPE && (int)blockIdx.x < rot_blocks;
+    if (EPI == PD_K_SK_ROPE) {
+        if (rot) {
+            int pr = 2 * blockIdx.x, h = pr / half;
+            row0 = h * p.hd + (pr - h * half);
+        } else {
+            row0 = (p.H + p.Hkv) * p.hd + ((int)blockIdx.x - rot_blocks) * R;
+        }
+    }
     const uint4 *wr[R];
 #pragma unroll
     for (int r = 0; r < R; r++) {  // rows past N repeat the last row; their sums are not stored
-        int n = min(row0 + r, p.N - 1);
+        int n;
+        if (EPI == PD_K_SK_GLU) n = min(row0 + r % (R / 2), p.N - 1) + (r / (R / 2)) * p.N;
+        else if (EPI == PD_K_SK_ROPE && rot) n = row0 + r % (R / 2) + (r / (R / 2)) * half;
+        else n = min(row0 + r, p.N - 1);
         wr[r] = (const uint4 *)(p.w + (size_t)n * p.K);
     }
     uint4 wv[U][R];
@@ -93,6 +127,37 @@ static __global__ void __launch_bounds__(PD_K_SK_THREADS) k_skinny(pd_k_skinny_a
     const uint4 *ar[M];
 #pragma unroll
     for (int m = 0; m < M; m++) ar[m] = (const uint4 *)(p.a + (size_t)m * p.lda);
+    const int lane = tid & 31, warp = tid >> 5;
+    float inv[M];
+#pragma unroll
+    for (int m = 0; m < M; m++) inv[m] = 1.f;
+    if (NORM) {
+        __shared__ float ssr[PD_K_SK_THREADS / 32][M];
+        float ss[M];
+#pragma unroll
+        for (int m = 0; m < M; m++) ss[m] = 0.f;
+        for (int c = tid; c < chunks; c += PD_K_SK_THREADS)
+#pragma unroll
+            for (int m = 0; m < M; m++) {
+                float af[8];
+                pd_k_unpack8(__ldg(ar[m] + c), af);
+#pragma unroll
+                for (int j = 0; j < 8; j++) ss[m] = fmaf(af[j], af[j], ss[m]);
+            }
+#pragma unroll
+        for (int m = 0; m < M; m++) {
+            float v = pd_k_warp_sum(ss[m]);
+            if (lane == 0) ssr[warp][m] = v;
+        }
+        __syncthreads();
+#pragma unroll
+        for (int m = 0; m < M; m++) {
+            float v = 0.f;
+#pragma unroll
+            for (int i = 0; i < PD_K_SK_THREADS / 32; i++) v += ssr[i][m];
+            inv[m] = rsqrtf(v / (float)p.K + p.eps);
+        }
+    }
     float acc[R][M];
 #pragma unroll
     for (int r = 0; r < R; r++)
@@ -103,13 +168,33 @@ static __global__ void __launch_bounds__(PD_K_SK_THREADS) k_skinny(pd_k_skinny_a
         for (int u = 0; u < U; u++) {
             int cu = c + u * PD_K_SK_THREADS;
             if (cu >= chunks) break;
-            float wf[R][8];
+            float wf[R][8], gf[8];
+            uint4 graw = make_uint4(0, 0, 0, 0);
 #pragma unroll
             for (int r = 0; r < R; r++) pd_k_unpack8(wv[u][r], wf[r]);
+            if (NORM) {
+                graw = __ldg((const uint4 *)p.norm_w + cu);
+                pd_k_unpack8(graw, gf);
+            }
 #pragma unroll
             for (int m = 0; m < M; m++) {
                 float af[8];
                 pd_k_unpack8(__ldg(ar[m] + cu), af);
+                if (NORM && p.hf) {  // bf16(g * bf16(x * inv)), two at a time: the bf16x2 product of
+                                     // two bf16 values is their exact product rounded once
+                    const uint32_t gw[4] = {graw.x, graw.y, graw.z, graw.w};
+#pragma unroll
+                    for (int i = 0; i < 4; i++) {
+                        __nv_bfloat162 nv = __floats2bfloat162_rn(af[2 * i] * inv[m], af[2 * i + 1] * inv[m]);
+                        __nv_bfloat162 pr = __hmul2(*reinterpret_cast<const __nv_bfloat162 *>(&gw[i]), nv);
+                        uint32_t pw = *reinterpret_cast<uint32_t *>(&pr);
+                        af[2 * i] = __uint_as_float(pw << 16);
+                        af[2 * i + 1] = __uint_as_float(pw & 0xffff0000u);
+                    }
+                } else if (NORM) {
+#pragma unroll
+                    for (int j = 0; j < 8; j++) af[j] = pd_k_bf16r(gf[j] * (af[j] * inv[m]));
+                }
 #pragma unroll
                 for (int r = 0; r < R; r++)
 #pragma unroll
@@ -122,13 +207,63 @@ static __global__ void __launch_bounds__(PD_K_SK_THREADS) k_skinny(pd_k_skinny_a
     }
 
     __shared__ float red[PD_K_SK_THREADS / 32][R * M];
-    const int lane = tid & 31, warp = tid >> 5;
     float v[PD_K_SK_P2(R * M)];
 #pragma unroll
     for (int i = 0; i < PD_K_SK_P2(R * M); i++) v[i] = i < R * M ? acc[i / M][i % M] : 0.f;
     int idx = pd_k_sk_warp_reduce<PD_K_SK_P2(R * M)>(v, lane);
     if (idx >= 0 && idx < R * M) red[warp][idx] = v[0];
     __syncthreads();
+    if (EPI == PD_K_SK_GLU) {
+        if (tid < (R / 2) * M) {
+            int r = tid / M, m = tid - r * M, n = row0 + r;
+            if (n < p.N) {
+                float g = 0.f, u = 0.f;
+#pragma unroll
+                for (int i = 0; i < PD_K_SK_THREADS / 32; i++) g += red[i][tid], u += red[i][tid + (R / 2) * M];
+                if (p.bias) g += __bfloat162float(p.bias[n]), u += __bfloat162float(p.bias[p.N + n]);
+                g = pd_k_bf16r(g), u = pd_k_bf16r(u);  // the stored gate_up
+                float sg = pd_k_silu(g);
+                ((__nv_bfloat16 *)p.out)[(size_t)m * p.N + n] = __float2bfloat16((p.hf ? pd_k_bf16r(sg) : sg) * u);
+            }
+        }
+        return;
+    }
+    if (EPI == PD_K_SK_ROPE) {
+        const size_t row = (size_t)(p.H + 2 * p.Hkv) * p.hd, kvw = (size_t)p.Hkv * p.hd;
+        __nv_bfloat16 *qkv = (__nv_bfloat16 *)p.out;
+        if (rot && tid < (R / 2) * M) {  // pair j of token m: rows row0 + j and row0 + j + hd/2
+            int j = tid / M, m = tid - j * M, n0 = row0 + j, n1 = n0 + half, h = n0 / p.hd, i = n0 - h * p.hd;
+            float x0 = 0.f, x1 = 0.f;
+#pragma unroll
+            for (int w = 0; w < PD_K_SK_THREADS / 32; w++) x0 += red[w][tid], x1 += red[w][tid + (R / 2) * M];
+            if (p.bias) x0 += __bfloat162float(p.bias[n0]), x1 += __bfloat162float(p.bias[n1]);
+            float y0, y1;  // from the stored (rounded) q / k, as rope_kv.cu reads them
+            pd_k_rope_pair(pd_k_bf16r(x0), pd_k_bf16r(x1), (float)p.positions[m], p.inv_freq[i], p.attn_scaling, p.hf,
+                           &y0, &y1);
+            __nv_bfloat16 b0 = __float2bfloat16(y0), b1 = __float2bfloat16(y1);
+            qkv[(size_t)m * row + n0] = b0;
+            qkv[(size_t)m * row + n1] = b1;
+            int slot = p.slot_mapping[m];
+            if (h >= p.H && slot >= 0) {
+                __nv_bfloat16 *kd = p.k_cache + (size_t)slot * kvw + (size_t)(h - p.H) * p.hd;
+                kd[i] = b0;
+                kd[i + half] = b1;
+            }
+        } else if (!rot && tid < R * M) {
+            int r = tid / M, m = tid - r * M, n = row0 + r;
+            if (n < p.N) {
+                float v = 0.f;
+#pragma unroll
+                for (int w = 0; w < PD_K_SK_THREADS / 32; w++) v += red[w][tid];
+                if (p.bias) v += __bfloat162float(p.bias[n]);
+                __nv_bfloat16 bv = __float2bfloat16(v);
+                qkv[(size_t)m * row + n] = bv;
+                int slot = p.slot_mapping[m];
+                if (slot >= 0) p.v_cache[(size_t)slot * kvw + (size_t)(n - (p.H + p.Hkv) * p.hd)] = bv;
+            }
+        }
+        return;
+    }
     if (tid < R * M) {
         int r = tid / M, m = tid - r * M, n = row0 + r;
         if (n < p.N) {
@@ -137,7 +272,10 @@ static __global__ void __launch_bounds__(PD_K_SK_THREADS) k_skinny(pd_k_skinny_a
             for (int i = 0; i < PD_K_SK_THREADS / 32; i++) v += red[i][tid];
             if (p.bias) v += __bfloat162float(p.bias[n]);
             size_t o = (size_t)m * p.N + n;
-            if (p.out_f32) {
+            if (EPI == PD_K_SK_RESIDUAL) {
+                __nv_bfloat16 *ob = (__nv_bfloat16 *)p.out;
+                ob[o] = __float2bfloat16(__bfloat162float(ob[o]) + pd_k_bf16r(v));
+            } else if (p.out_f32) {
                 float *of = (float *)p.out;
                 of[o] = p.accumulate ? of[o] + v : v;
             } else {
@@ -153,18 +291,22 @@ extern "C" int pd_cuda_skinny_supported(int M, int K, int lda, const void *a, co
            ((uintptr_t)w & 15) == 0;
 }
 
-template <int R>
+template <int R, int NORM, int EPI>
 static void pd_k_skinny_launch_r(const pd_k_skinny_args &a, cudaStream_t s) {
-    dim3 grid((unsigned)((a.N + R - 1) / R)), block(PD_K_SK_THREADS);
+    int rows = EPI == PD_K_SK_GLU ? R / 2 : R;
+    unsigned n_blocks = (unsigned)((a.N + rows - 1) / rows);
+    if (EPI == PD_K_SK_ROPE)  // rotation blocks (2 pairs each), then v blocks
+        n_blocks = (unsigned)((a.H + a.Hkv) * (a.hd / 2) / 2 + (a.Hkv * a.hd + R - 1) / R);
+    dim3 grid(n_blocks), block(PD_K_SK_THREADS);
     switch (a.M) {
-    case 1: pd_k_launch(k_skinny<1, R>, grid, block, 0, s, a); break;
-    case 2: pd_k_launch(k_skinny<2, R>, grid, block, 0, s, a); break;
-    case 3: pd_k_launch(k_skinny<3, R>, grid, block, 0, s, a); break;
-    case 4: pd_k_launch(k_skinny<4, R>, grid, block, 0, s, a); break;
-    case 5: pd_k_launch(k_skinny<5, R>, grid, block, 0, s, a); break;
-    case 6: pd_k_launch(k_skinny<6, R>, grid, block, 0, s, a); break;
-    case 7: pd_k_launch(k_skinny<7, R>, grid, block, 0, s, a); break;
-    default: pd_k_launch(k_skinny<8, R>, grid, block, 0, s, a); break;
+    case 1: pd_k_launch(k_skinny<1, R, NORM, EPI>, grid, block, 0, s, a); break;
+    case 2: pd_k_launch(k_skinny<2, R, NORM, EPI>, grid, block, 0, s, a); break;
+    case 3: pd_k_launch(k_skinny<3, R, NORM, EPI>, grid, block, 0, s, a); break;
+    case 4: pd_k_launch(k_skinny<4, R, NORM, EPI>, grid, block, 0, s, a); break;
+    case 5: pd_k_launch(k_skinny<5, R, NORM, EPI>, grid, block, 0, s, a); break;
+    case 6: pd_k_launch(k_skinny<6, R, NORM, EPI>, grid, block, 0, s, a); break;
+    case 7: pd_k_launch(k_skinny<7, R, NORM, EPI>, grid, block, 0, s, a); break;
+    default: pd_k_launch(k_skinny<8, R, NORM, EPI>, grid, block, 0, s, a); break;
     }
 }
 
@@ -173,9 +315,26 @@ extern "C" void pd_cuda_skinny(const pd_skinny_kparams *p, cudaStream_t s) {
     a.a = (const __nv_bfloat16 *)p->a;
     a.w = (const __nv_bfloat16 *)p->w;
     a.bias = (const __nv_bfloat16 *)p->bias;
+    a.norm_w = (const __nv_bfloat16 *)p->norm_w;
     a.out = p->out;
     a.M = p->M, a.N = p->N, a.K = p->K, a.lda = p->lda ? p->lda : p->K;
     a.accumulate = p->accumulate, a.out_f32 = p->out_f32;
-    if (p->rows == 2) pd_k_skinny_launch_r<2>(a, s);
-    else pd_k_skinny_launch_r<4>(a, s);
+    a.hf = pd_k_hf_rounding(), a.eps = p->norm_eps;
+    a.positions = p->positions, a.slot_mapping = p->slot_mapping, a.inv_freq = p->inv_freq;
+    a.k_cache = (__nv_bfloat16 *)p->k_cache, a.v_cache = (__nv_bfloat16 *)p->v_cache;
+    a.H = p->n_heads, a.Hkv = p->n_kv_heads, a.hd = p->head_dim, a.attn_scaling = p->attn_scaling;
+    if (p->rope) {  // the qkv GEMM: with the attention norm (decode) or without
+        if (p->norm_w) pd_k_skinny_launch_r<4, 1, PD_K_SK_ROPE>(a, s);
+        else pd_k_skinny_launch_r<4, 0, PD_K_SK_ROPE>(a, s);
+        return;
+    }
+    // The fused forms: 4 rows per block (2 gate/up pairs with glu); only the instantiations the
+    // decode step uses (norm with plain (lm_head) or glu (gate_up) or plain (qkv); residual alone).
+    if (p->norm_w && p->glu) pd_k_skinny_launch_r<4, 1, PD_K_SK_GLU>(a, s);
+    else if (p->norm_w && !p->residual) pd_k_skinny_launch_r<4, 1, PD_K_SK_PLAIN>(a, s);
+    else if (p->norm_w) pd_k_skinny_launch_r<4, 1, PD_K_SK_RESIDUAL>(a, s);
+    else if (p->glu) pd_k_skinny_launch_r<4, 0, PD_K_SK_GLU>(a, s);
+    else if (p->residual) pd_k_skinny_launch_r<4, 0, PD_K_SK_RESIDUAL>(a, s);
+    else if (p->rows == 2) pd_k_skinny_launch_r<2, 0, PD_K_SK_PLAIN>(a, s);
+    else pd_k_skinny_launch_r<4, 0, PD_K_SK_PLAIN>(a, s);
 }

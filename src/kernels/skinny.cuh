@@ -1,5 +1,6 @@
 // skinny.cuh — launcher of the row-streaming skinny GEMM for decode (M <= 8): out (M, N) =
-// a (M, K) . w^T (+bias) (+out). C-compatible: the CUDA backend shim (src/backend/cuda/gemm.c)
+// a (M, K) . w^T (+bias) (+out), and its fused forms (RMSNorm prologue; SwiGLU, residual and
+// RoPE + KV-write epilogues). C-compatible: the CUDA backend shim (src/backend/cuda/gemm.c)
 // includes it. Pointers are device pointers; a, w and bias are bf16.
 #pragma once
 #include <cuda_runtime_api.h>
@@ -19,7 +20,22 @@ typedef struct pd_skinny_kparams {
     void *out;         // (M, N) bf16, or f32 if out_f32
     int M, N, K, lda;
     int accumulate, out_f32;
-    int rows;          // weight rows per thread block: 2 or 4 (0: the default, 4)
+    int rows;          // weight rows per thread block: 2 or 4 (0: the default, 4); 4 with the fused forms
+    // Fused forms (backend.h, pd_matmul_params): norm_w: the activation is rmsnorm(a) (weight
+    // norm_w, eps norm_eps; lda == K); glu: w is (2N, K), out (M, N) = silu(gate) * up; residual:
+    // out = bf16(out + bf16(a . w^T + bias)). glu and residual exclude accumulate and out_f32.
+    const void *norm_w;
+    float norm_eps;
+    int glu, residual;
+    // rope: out holds the qkv rows ((H + 2 Hkv) hd wide); q and k are rotated as kernels/rope_kv.cu
+    // does (bf16 cache only) and k, v written to the cache slots. The block layout pairs rows i
+    // and i + hd/2 of each q / k head, so head_dim % 4 == 0 is required.
+    int rope;
+    const int32_t *positions, *slot_mapping;
+    const float *inv_freq;
+    void *k_cache, *v_cache;
+    int n_heads, n_kv_heads, head_dim;
+    float attn_scaling;
 } pd_skinny_kparams;
 
 // True when the kernel handles this call: 1 <= M <= 8, K and lda multiples of 8 and a, w 16-byte

@@ -140,8 +140,13 @@ static void *wp(pd_buffer *b) { return b ? pd_buffer_ptr(b) : NULL; }
 // activation dtype, then normalised), not by the branch's GEMM: in bf16 this rounds the branch
 // output and then the sum, as transformers and vLLM do, so a bf16 model gives their numbers. On
 // entry h holds the previous layer's MLP output (none for layer 0, whose x is the embedding).
+// fused (small decode steps where pd_backend_fuses_matmul): the same values through pd_op_matmul's
+// fused forms — the o and down GEMMs add their (rounded) output into x themselves, the qkv and
+// gate_up GEMMs normalise x as they read it, qkv applies RoPE and writes the KV cache, gate_up
+// applies SwiGLU — so x is complete after every layer and h is not used: 5 kernels per layer
+// (qkv, attention, o, gate_up, down) instead of 9.
 static void run_layer(pd_model *m, pd_model_cache *kc, int li, int T, const int32_t *dmeta, const meta_layout *l,
-                      int n_seqs, int max_q, int max_kv) {
+                      int n_seqs, int max_q, int max_kv, bool fused) {
     const pd_model_config *c = &m->cfg;
     pd_backend *be = m->backend;
     pd_layer_weights *w = &m->layers[li];
@@ -149,15 +154,21 @@ static void run_layer(pd_model *m, pd_model_cache *kc, int li, int T, const int3
     int D = c->hidden_size, F = c->intermediate_size, hd = c->head_dim, H = c->n_heads, Hkv = c->n_kv_heads;
     int nqkv = (H + 2 * Hkv) * hd;
 
-    pd_op_rmsnorm(be, &(pd_rmsnorm_params){.x = wp(ws->x), .add = li > 0 ? wp(ws->h) : NULL, .w = wp(w->attn_norm),
-                                           .out = wp(ws->h), .n_rows = T, .dim = D, .eps = c->rms_norm_eps});
-    pd_op_matmul(be, &(pd_matmul_params){.a = wp(ws->h), .w = wp(w->wqkv), .bias = wp(w->bqkv), .out = wp(ws->qkv), .M = T,
-                                         .N = nqkv, .K = D});
-    pd_op_rope_kv(be, &(pd_rope_kv_params){.qkv = wp(ws->qkv), .positions = dmeta + l->positions,
-                                           .inv_freq = wp(m->inv_freq), .slot_mapping = dmeta + l->slots,
-                                           .k_cache = pd_model_cache_k(kc, li), .v_cache = pd_model_cache_v(kc, li),
-                                           .n_tokens = T, .n_heads = H, .n_kv_heads = Hkv, .head_dim = hd,
-                                           .attn_scaling = 1.0f, .kv_dtype = m->kv_dtype});
+    pd_rope_kv_params rope = {.qkv = wp(ws->qkv), .positions = dmeta + l->positions, .inv_freq = wp(m->inv_freq),
+                              .slot_mapping = dmeta + l->slots, .k_cache = pd_model_cache_k(kc, li),
+                              .v_cache = pd_model_cache_v(kc, li), .n_tokens = T, .n_heads = H, .n_kv_heads = Hkv,
+                              .head_dim = hd, .attn_scaling = 1.0f, .kv_dtype = m->kv_dtype};
+    if (fused) {  // x is the whole residual stream: the norm, RoPE and KV write go into the qkv GEMM
+        pd_op_matmul(be, &(pd_matmul_params){.a = wp(ws->x), .w = wp(w->wqkv), .bias = wp(w->bqkv), .out = wp(ws->qkv),
+                                             .M = T, .N = nqkv, .K = D, .norm_w = wp(w->attn_norm),
+                                             .norm_eps = c->rms_norm_eps, .rope = &rope});
+    } else {
+        pd_op_rmsnorm(be, &(pd_rmsnorm_params){.x = wp(ws->x), .add = li > 0 ? wp(ws->h) : NULL, .w = wp(w->attn_norm),
+                                               .out = wp(ws->h), .n_rows = T, .dim = D, .eps = c->rms_norm_eps});
+        pd_op_matmul(be, &(pd_matmul_params){.a = wp(ws->h), .w = wp(w->wqkv), .bias = wp(w->bqkv), .out = wp(ws->qkv),
+                                             .M = T, .N = nqkv, .K = D});
+        pd_op_rope_kv(be, &rope);
+    }
     bool ps = l->n_pseudo > 0;
     if (ps) n_seqs = (int)l->n_pseudo, max_q = 1;
     pd_op_attention(be, &(pd_attention_params){.q = wp(ws->qkv), .k_cache = pd_model_cache_k(kc, li),
@@ -171,6 +182,16 @@ static void run_layer(pd_model *m, pd_model_cache *kc, int li, int T, const int3
                                                .block_size = kc->block_size, .q_stride = nqkv, .max_q_len = max_q,
                                                .max_kv_len = max_kv, .scale = 1.0f / sqrtf((float)hd),
                                                .kv_dtype = m->kv_dtype});
+    if (fused) {  // x += o(attn); mlp = silu(gate) * up of norm(x); x += down(mlp)
+        pd_op_matmul(be, &(pd_matmul_params){.a = wp(ws->attn), .w = wp(w->wo), .bias = wp(w->bo), .out = wp(ws->x),
+                                             .M = T, .N = D, .K = H * hd, .residual = true});
+        pd_op_matmul(be, &(pd_matmul_params){.a = wp(ws->x), .w = wp(w->wgu), .bias = wp(w->bgu), .out = wp(ws->mlp),
+                                             .M = T, .N = F, .K = D, .norm_w = wp(w->mlp_norm),
+                                             .norm_eps = c->rms_norm_eps, .glu = true});
+        pd_op_matmul(be, &(pd_matmul_params){.a = wp(ws->mlp), .w = wp(w->wdown), .bias = wp(w->bdown), .out = wp(ws->x),
+                                             .M = T, .N = D, .K = F, .residual = true});
+        return;
+    }
     pd_op_matmul(be, &(pd_matmul_params){.a = wp(ws->attn), .w = wp(w->wo), .bias = wp(w->bo), .out = wp(ws->h), .M = T,
                                          .N = D, .K = H * hd});
     pd_op_rmsnorm(be, &(pd_rmsnorm_params){.x = wp(ws->x), .add = wp(ws->h), .w = wp(w->mlp_norm), .out = wp(ws->h),
@@ -182,6 +203,18 @@ static void run_layer(pd_model *m, pd_model_cache *kc, int li, int T, const int3
                                          .N = D, .K = F});
 }
 
+// Whether a step of T tokens uses the fused forms (run_layer): where the backend runs them as
+// single kernels; PD_MODEL_FUSE=1 forces them on any backend (tests: the CPU reference then checks
+// the fused wiring), =0 turns them off. Read once per model.
+static bool fuse_step(pd_model *m, int T) {
+    if (m->ws.fuse_mode == 0) {
+        const char *e = getenv("PD_MODEL_FUSE");
+        m->ws.fuse_mode = !e || !*e ? 1 : !strcmp(e, "0") ? 2 : 3;
+    }
+    if (m->ws.fuse_mode == 2) return false;
+    return m->ws.fuse_mode == 3 || pd_backend_fuses_matmul(m->backend, T);
+}
+
 // The whole op sequence of one step over packed metadata at dmeta (layout l).
 static void run_step(pd_model *m, pd_model_cache *kc, const int32_t *dmeta, const meta_layout *l, int T, int n_seqs,
                      int n_logits, int max_q, int max_kv, const pd_batch *hook) {
@@ -191,12 +224,20 @@ static void run_step(pd_model *m, pd_model_cache *kc, const int32_t *dmeta, cons
     int D = c->hidden_size;
     pd_op_embed(be, &(pd_embed_params){.ids = dmeta + l->tokens, .table = wp(m->embed), .out = wp(ws->x), .n_tokens = T,
                                        .dim = D, .vocab = c->vocab_size});
+    bool fused = fuse_step(m, T);
     for (int li = 0; li < c->n_layers; li++) {
         if (hook && hook->before_layer) hook->before_layer(hook->before_layer_ud, li);
-        run_layer(m, kc, li, T, dmeta, l, n_seqs, max_q, max_kv);
+        run_layer(m, kc, li, T, dmeta, l, n_seqs, max_q, max_kv, fused);
         if (hook && hook->on_layer) hook->on_layer(hook->on_layer_ud, li);
     }
-    if (n_logits > 0) {
+    if (n_logits > 0 && fused) {  // x is complete: the final norm goes into the lm_head GEMM
+        pd_buffer *head = m->lm_head ? m->lm_head : m->embed;
+        pd_op_get_rows(be, &(pd_get_rows_params){.x = wp(ws->x), .idx = dmeta + l->logit_rows, .out = wp(ws->sel),
+                                                 .n_rows = n_logits, .dim = D});
+        pd_op_matmul(be, &(pd_matmul_params){.a = wp(ws->sel), .w = wp(head), .out = wp(ws->logits), .M = n_logits,
+                                             .N = c->vocab_size, .K = D, .out_f32 = true, .norm_w = wp(m->final_norm),
+                                             .norm_eps = c->rms_norm_eps});
+    } else if (n_logits > 0) {
         // Only the logit rows: the last MLP output (in h) is added to them here, not to all of x.
         pd_buffer *head = m->lm_head ? m->lm_head : m->embed;
         pd_op_get_rows(be, &(pd_get_rows_params){.x = wp(ws->x), .idx = dmeta + l->logit_rows, .out = wp(ws->sel),

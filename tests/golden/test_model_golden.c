@@ -243,3 +243,16 @@ PD_TEST(text_continuations) {
         golden_close(&g);
     }
 }
+
+// The fused decode wiring (forward.c run_layer with pd_op_matmul's fused forms: the norms folded
+// into the qkv / gate_up / lm_head GEMMs, SwiGLU into gate_up, the residual adds into the o / down
+// GEMMs), forced on every step with PD_MODEL_FUSE=1: the same goldens, prefill and decode.
+PD_TEST(fused_forms_logits_and_greedy) {
+    setenv("PD_MODEL_FUSE", "1", 1);
+    for (size_t i = 0; i < PD_ARRAY_LEN(MODELS); i++) {
+        check_logits(MODELS[i]);
+        check_greedy(MODELS[i], 16, 512, true);
+    }
+    check_greedy("kjv-llama-6m", 8, 37, false);
+    unsetenv("PD_MODEL_FUSE");
+}

@@ -463,6 +463,269 @@ PD_TEST(test_cuda_skinny_mma) {
     ctx_fini(&c);
 }
 
+// ---- fused matmul forms (backend.h "Fused forms": norm_w, glu, residual) --------------------------
+
+enum { FZ_NORM = 1, FZ_GLU = 2, FZ_RES = 4, FZ_BIAS = 8, FZ_F32 = 16 };
+
+// The backend the unfused GPU sequence of fused_case runs on: PD_CUDA_SKINNY=2, so that where the
+// fused form is one skinny kernel its unfused sequence uses the same GEMM kernel (cuBLASLt sums in
+// another order and rounds its bias epilogue differently: NMSE up to 2.6e-5 against the fused
+// kernel on an H100, session 9).
+static pd_backend *g_unfused;
+
+// One fused call on the CPU reference and on gpu; on the GPU also the unfused op sequence it
+// stands for (rmsnorm, matmul into (M, 2N), silu_mul, rmsnorm's residual add), which the fused
+// skinny kernel must match up to the norm's summation order (NMSE_ELEM; where the call falls back
+// to cuBLASLt, whose residual add rounds the sum once, NMSE_ELEM_HF).
+static void fused_case(ctx *c, pd_backend *gpu, int M, int N, int K, int flags) {
+    bool norm = flags & FZ_NORM, glu = flags & FZ_GLU, res = flags & FZ_RES, bias = flags & FZ_BIAS, f32 = flags & FZ_F32;
+    int Nw = glu ? 2 * N : N;
+    float *a = rand_f32(c, (size_t)M * K, norm ? 3.0f : 1.0f), *g = rand_f32(c, K, 1.0f);
+    float *w = rand_f32(c, (size_t)Nw * K, 0.05f), *bv = rand_f32(c, Nw, 0.5f), *o0 = rand_f32(c, (size_t)M * N, 1.0f);
+    pd_backend *bs[2] = {c->cpu, gpu};
+    void *out[2];
+    for (int k = 0; k < 2; k++) {
+        pd_dtype odt = f32 ? PD_DTYPE_F32 : pd_backend_act_dtype(bs[k]);
+        out[k] = res ? dev_from_f32(c, bs[k], o0, (size_t)M * N, odt) : dev_out(c, bs[k], (size_t)M * N, odt);
+        pd_op_matmul(bs[k], &(pd_matmul_params){.a = dev_act(c, bs[k], a, (size_t)M * K),
+                                                .w = dev_from_f32(c, bs[k], w, (size_t)Nw * K, pd_backend_weight_dtype(bs[k])),
+                                                .bias = bias ? dev_from_f32(c, bs[k], bv, Nw, pd_backend_weight_dtype(bs[k])) : NULL,
+                                                .out = out[k], .M = M, .N = N, .K = K, .out_f32 = f32,
+                                                .norm_w = norm ? dev_from_f32(c, bs[k], g, K, pd_backend_weight_dtype(bs[k])) : NULL,
+                                                .norm_eps = 1e-5f, .glu = glu, .residual = res});
+    }
+    // The unfused sequence on the GPU.
+    pd_backend *keep = c->gpu;
+    pd_backend_sync(gpu);
+    gpu = g_unfused ? g_unfused : gpu;
+    bool on_skinny = M <= 8 && K % 8 == 0;
+    pd_dtype adt = pd_backend_act_dtype(gpu), wdt = pd_backend_weight_dtype(gpu);
+    void *ad = dev_act(c, gpu, a, (size_t)M * K), *wd = dev_from_f32(c, gpu, w, (size_t)Nw * K, wdt);
+    void *bd = bias ? dev_from_f32(c, gpu, bv, Nw, wdt) : NULL, *xin = ad;
+    if (norm) {
+        xin = dev_out(c, gpu, (size_t)M * K, adt);
+        pd_op_rmsnorm(gpu, &(pd_rmsnorm_params){.x = ad, .w = dev_from_f32(c, gpu, g, K, wdt), .out = xin, .n_rows = M,
+                                                .dim = K, .eps = 1e-5f});
+    }
+    void *ref = res ? dev_from_f32(c, gpu, o0, (size_t)M * N, adt) : dev_out(c, gpu, (size_t)M * N, f32 ? PD_DTYPE_F32 : adt);
+    void *mm = glu || res ? dev_out(c, gpu, (size_t)M * Nw, adt) : ref;
+    pd_op_matmul(gpu, &(pd_matmul_params){.a = xin, .w = wd, .bias = bd, .out = mm, .M = M, .N = Nw, .K = K, .out_f32 = f32});
+    if (glu) pd_op_silu_mul(gpu, &(pd_silu_mul_params){.gu = mm, .out = ref, .n_rows = M, .F = N});
+    if (res) {  // ref += mm, rounded as rmsnorm's residual add (its normalised output is not used)
+        void *junk = dev_out(c, gpu, (size_t)M * N, adt);
+        float *ones = pd_malloc(sizeof(float) * (size_t)N);
+        for (int i = 0; i < N; i++) ones[i] = 1.0f;
+        pd_op_rmsnorm(gpu, &(pd_rmsnorm_params){.x = ref, .add = mm, .w = dev_from_f32(c, gpu, ones, N, wdt), .out = junk,
+                                                .n_rows = M, .dim = N, .eps = 1e-5f});
+        pd_free(ones);
+    }
+    pd_backend_sync(gpu);
+    char what[128];
+    snprintf(what, sizeof what, "fused M=%d N=%d K=%d norm=%d glu=%d res=%d bias=%d f32=%d", M, N, K, norm, glu, res,
+             bias, f32);
+    c->gpu = gpu;  // compare() reads through c->gpu
+    compare(c, out[1], out[0], (size_t)M * N, f32, f32 ? 1e-5 : glu ? 2 * NMSE_GEMM : NMSE_GEMM, what);
+    float *hf = to_host(gpu, out[1], (size_t)M * N, f32 ? PD_DTYPE_F32 : adt);
+    float *hu = to_host(gpu, ref, (size_t)M * N, f32 ? PD_DTYPE_F32 : adt);
+    double e = nmse(hf, hu, (size_t)M * N);
+    PD_CHECK_MSG(e <= (on_skinny ? NMSE_ELEM : NMSE_ELEM_HF), "%s vs the unfused ops: nmse %.3g", what, e);
+    c->gpu = keep;
+    pd_free(hf), pd_free(hu);
+    pd_free(a), pd_free(g), pd_free(w), pd_free(bv), pd_free(o0);
+    ctx_release(c);
+}
+
+// The decode layer's fused tail with no sync between the kernels (PDL: each one's weight loads
+// start before its predecessor ends; its reads of x must not): x += o(attn); mlp = glu(norm(x));
+// x += down(mlp); logits = head(norm(x)), against the CPU.
+static void fused_chain_case(ctx *c, int M, int D, int F, int V) {
+    float *x0 = rand_f32(c, (size_t)M * D, 1.0f), *attn = rand_f32(c, (size_t)M * D, 1.0f);
+    float *wo = rand_f32(c, (size_t)D * D, 0.03f), *wgu = rand_f32(c, (size_t)2 * F * D, 0.03f);
+    float *wd = rand_f32(c, (size_t)D * F, 0.03f), *wh = rand_f32(c, (size_t)V * D, 0.03f);
+    float *g1 = rand_f32(c, D, 1.0f), *g2 = rand_f32(c, D, 1.0f);
+    pd_backend *bs[2] = {c->cpu, c->gpu};
+    void *x[2], *lg[2];
+    for (int k = 0; k < 2; k++) {
+        pd_backend *b = bs[k];
+        pd_dtype wdt = pd_backend_weight_dtype(b);
+        x[k] = dev_act(c, b, x0, (size_t)M * D);
+        void *mlp = dev_out(c, b, (size_t)M * F, pd_backend_act_dtype(b));
+        lg[k] = dev_out(c, b, (size_t)M * V, PD_DTYPE_F32);
+        pd_op_matmul(b, &(pd_matmul_params){.a = dev_act(c, b, attn, (size_t)M * D), .w = dev_from_f32(c, b, wo, (size_t)D * D, wdt),
+                                            .out = x[k], .M = M, .N = D, .K = D, .residual = true});
+        pd_op_matmul(b, &(pd_matmul_params){.a = x[k], .w = dev_from_f32(c, b, wgu, (size_t)2 * F * D, wdt), .out = mlp,
+                                            .M = M, .N = F, .K = D, .norm_w = dev_from_f32(c, b, g1, D, wdt),
+                                            .norm_eps = 1e-5f, .glu = true});
+        pd_op_matmul(b, &(pd_matmul_params){.a = mlp, .w = dev_from_f32(c, b, wd, (size_t)D * F, wdt), .out = x[k], .M = M,
+                                            .N = D, .K = F, .residual = true});
+        pd_op_matmul(b, &(pd_matmul_params){.a = x[k], .w = dev_from_f32(c, b, wh, (size_t)V * D, wdt), .out = lg[k],
+                                            .M = M, .N = V, .K = D, .out_f32 = true,
+                                            .norm_w = dev_from_f32(c, b, g2, D, wdt), .norm_eps = 1e-5f});
+    }
+    pd_backend_sync(c->gpu);
+    char what[96];
+    snprintf(what, sizeof what, "fused chain M=%d D=%d F=%d V=%d", M, D, F, V);
+    compare(c, x[1], x[0], (size_t)M * D, false, NMSE_GEMM, what);
+    compare(c, lg[1], lg[0], (size_t)M * V, true, 2 * NMSE_GEMM, what);
+    pd_free(x0), pd_free(attn), pd_free(wo), pd_free(wgu), pd_free(wd), pd_free(wh), pd_free(g1), pd_free(g2);
+    ctx_release(c);
+}
+
+static const int FUSED_FORMS[] = {FZ_NORM, FZ_NORM | FZ_F32, FZ_NORM | FZ_GLU, FZ_GLU, FZ_RES, FZ_NORM | FZ_RES};
+
+// Every fused form, M = 1..8 (the skinny kernel) and 9, 17 (the unfused fallback), random shapes
+// (odd N, K % 8 == 0; test_cuda_fused_odd_k has the rest), bias on and off; decode-sized shapes;
+// the layer chain.
+static pd_backend *skinny_backend(void) {
+    setenv("PD_CUDA_SKINNY", "2", 1);
+    pd_err err = {0};
+    pd_backend *b = pd_backend_new("cuda", 0, &err);
+    unsetenv("PD_CUDA_SKINNY");
+    PD_ASSERT(b);
+    return b;
+}
+
+PD_TEST(test_cuda_matmul_fused) {
+    ctx c;
+    if (!ctx_init(&c, 18)) PD_SKIP("%s: no CUDA device", __func__);
+    g_unfused = skinny_backend();
+    int Ms[] = {1, 2, 3, 4, 5, 6, 7, 8, 9, 17};
+    for (size_t mi = 0; mi < PD_ARRAY_LEN(Ms); mi++)
+        for (size_t f = 0; f < PD_ARRAY_LEN(FUSED_FORMS); f++)
+            for (int i = 0; i < 2; i++) {
+                int M = Ms[mi], N = 1 + (int)(pd_rng_next(&c.rng) % 300);
+                int K = 8 * (1 + (int)(pd_rng_next(&c.rng) % (i ? 500 : 20)));
+                fused_case(&c, c.gpu, M, N, K, FUSED_FORMS[f] | (((int)f + i + M) % 2 ? FZ_BIAS : 0));
+            }
+    int dec[][3] = {{6144, 4096, FZ_NORM | FZ_BIAS}, {4096, 4096, FZ_RES}, {3584, 4096, FZ_NORM | FZ_GLU},
+                    {2048, 14336, FZ_RES | FZ_BIAS}, {9000, 4096, FZ_NORM | FZ_F32}};
+    for (int M = 1; M <= 8; M += 7)
+        for (size_t s = 0; s < PD_ARRAY_LEN(dec); s++) fused_case(&c, c.gpu, M, dec[s][0], dec[s][1], dec[s][2]);
+    fused_chain_case(&c, 1, 1024, 2816, 5000);
+    fused_chain_case(&c, 8, 2048, 1024, 999);
+    fused_chain_case(&c, 12, 256, 688, 300);
+    pd_backend_free(g_unfused);
+    g_unfused = NULL;
+    ctx_fini(&c);
+}
+
+static void *dev_bytes(ctx *c, pd_backend *b, const uint8_t *h, size_t n);
+static float *fp8_dequant(pd_backend *b, const void *d, size_t n_slots, int Hkv, int hd, size_t rb);
+
+// The qkv GEMM with RoPE and the KV write folded in (pd_matmul_params.rope, with or without the
+// attention norm): the qkv rows and both caches against the CPU (matmul then rope_kv) and against
+// the unfused GPU ops; some tokens have slot -1 (padding: no KV write). fp8: the fallback path.
+static void rope_fused_case(ctx *c, int M, int H, int Hkv, int hd, int K, bool norm, bool bias, pd_kv_dtype kvd) {
+    int row = (H + 2 * Hkv) * hd, n_slots = 64;
+    size_t rb = pd_kv_row_bytes(c->cpu, kvd, Hkv, hd), kvn = (size_t)n_slots * Hkv * hd;
+    float *a = rand_f32(c, (size_t)M * K, norm ? 3.0f : 1.0f), *g = rand_f32(c, K, 1.0f);
+    float *w = rand_f32(c, (size_t)row * K, 0.05f), *bv = rand_f32(c, row, 0.5f);
+    float *kc = rand_f32(c, kvn, 1.0f), *vc = rand_f32(c, kvn, 1.0f);
+    uint8_t *init8 = pd_malloc((size_t)n_slots * rb);
+    for (size_t i = 0; i < (size_t)n_slots * rb; i++) init8[i] = (uint8_t)(pd_rng_next(&c->rng) & 0x3f);
+    float inv_freq[128];
+    for (int i = 0; i < hd / 2; i++) inv_freq[i] = powf(500000.0f, -2.0f * i / hd);
+    int32_t pos[17], slots[17];
+    for (int i = 0; i < M; i++) {
+        pos[i] = (int32_t)(pd_rng_next(&c->rng) % 9000);
+        slots[i] = i % 3 == 2 ? -1 : (int32_t)((i * 37 + 5) % n_slots);
+    }
+    pd_backend *bs[3] = {c->cpu, c->gpu, c->gpu};  // the third run: the unfused GPU ops
+    void *q[3], *k_[3], *v_[3];
+    for (int k = 0; k < 3; k++) {
+        pd_backend *b = bs[k];
+        pd_dtype wdt = pd_backend_weight_dtype(b), adt = pd_backend_act_dtype(b);
+        q[k] = dev_out(c, b, (size_t)M * row, adt);
+        if (kvd == PD_KV_FP8) {
+            k_[k] = dev_bytes(c, b, init8, (size_t)n_slots * rb);
+            v_[k] = dev_bytes(c, b, init8, (size_t)n_slots * rb);
+        } else {
+            k_[k] = dev_act(c, b, kc, kvn);
+            v_[k] = dev_act(c, b, vc, kvn);
+        }
+        pd_rope_kv_params rp = {.qkv = q[k], .positions = dev_i32(c, b, pos, M),
+                                .inv_freq = dev_from_f32(c, b, inv_freq, hd / 2, PD_DTYPE_F32),
+                                .slot_mapping = dev_i32(c, b, slots, M), .k_cache = k_[k], .v_cache = v_[k],
+                                .n_tokens = M, .n_heads = H, .n_kv_heads = Hkv, .head_dim = hd, .attn_scaling = 1.0f,
+                                .kv_dtype = kvd};
+        void *ad = dev_act(c, b, a, (size_t)M * K), *gd = norm ? dev_from_f32(c, b, g, K, wdt) : NULL;
+        pd_matmul_params mp = {.a = ad, .w = dev_from_f32(c, b, w, (size_t)row * K, wdt),
+                               .bias = bias ? dev_from_f32(c, b, bv, row, wdt) : NULL, .out = q[k], .M = M, .N = row,
+                               .K = K, .norm_w = gd, .norm_eps = 1e-5f, .rope = &rp};
+        if (k < 2) {
+            pd_op_matmul(b, &mp);
+            continue;
+        }
+        if (norm) {
+            void *xn = dev_out(c, b, (size_t)M * K, adt);
+            pd_op_rmsnorm(b, &(pd_rmsnorm_params){.x = ad, .w = gd, .out = xn, .n_rows = M, .dim = K, .eps = 1e-5f});
+            mp.a = xn;
+        }
+        mp.norm_w = NULL, mp.rope = NULL;
+        pd_op_matmul(b, &mp);
+        pd_op_rope_kv(b, &rp);
+    }
+    pd_backend_sync(c->gpu);
+    char what[128];
+    snprintf(what, sizeof what, "fused rope M=%d H=%d Hkv=%d hd=%d K=%d norm=%d bias=%d kv=%s", M, H, Hkv, hd, K, norm,
+             bias, pd_kv_dtype_name(kvd));
+    compare(c, q[1], q[0], (size_t)M * row, false, NMSE_GEMM, what);
+    float *hf = to_host(c->gpu, q[1], (size_t)M * row, PD_DTYPE_BF16), *hu = to_host(c->gpu, q[2], (size_t)M * row, PD_DTYPE_BF16);
+    PD_CHECK_MSG(nmse(hf, hu, (size_t)M * row) <= NMSE_ELEM, "%s: qkv vs the unfused ops: nmse %.3g", what,
+                 nmse(hf, hu, (size_t)M * row));
+    pd_free(hf), pd_free(hu);
+    if (kvd == PD_KV_FP8) {
+        float *kg = fp8_dequant(c->gpu, k_[1], n_slots, Hkv, hd, rb), *kr = fp8_dequant(c->cpu, k_[0], n_slots, Hkv, hd, rb);
+        float *vg = fp8_dequant(c->gpu, v_[1], n_slots, Hkv, hd, rb), *vr = fp8_dequant(c->cpu, v_[0], n_slots, Hkv, hd, rb);
+        PD_CHECK_MSG(nmse(kg, kr, kvn) < 1e-3 && nmse(vg, vr, kvn) < 1e-3, "%s: fp8 caches: nmse k %.3g v %.3g", what,
+                     nmse(kg, kr, kvn), nmse(vg, vr, kvn));
+        pd_free(kg), pd_free(kr), pd_free(vg), pd_free(vr);
+    } else {
+        compare(c, k_[1], k_[0], kvn, false, NMSE_GEMM, what);
+        compare(c, v_[1], v_[0], kvn, false, NMSE_GEMM, what);
+        for (int t = 0; t < 2; t++) {  // the caches equal the unfused GPU ops' (padding slots untouched)
+            float *x = to_host(c->gpu, t ? v_[1] : k_[1], kvn, PD_DTYPE_BF16), *y = to_host(c->gpu, t ? v_[2] : k_[2], kvn, PD_DTYPE_BF16);
+            PD_CHECK_MSG(nmse(x, y, kvn) <= NMSE_ELEM, "%s: %s cache vs the unfused ops: nmse %.3g", what, t ? "v" : "k",
+                         nmse(x, y, kvn));
+            pd_free(x), pd_free(y);
+        }
+    }
+    pd_free(a), pd_free(g), pd_free(w), pd_free(bv), pd_free(kc), pd_free(vc), pd_free(init8);
+    ctx_release(c);
+}
+
+PD_TEST(test_cuda_fused_rope) {
+    ctx c;
+    if (!ctx_init(&c, 20)) PD_SKIP("%s: no CUDA device", __func__);
+    int cfg[][4] = {{4, 2, 64, 256}, {32, 8, 128, 4096}, {4, 1, 32, 200}, {8, 8, 64, 96}, {2, 1, 4, 40}};  // H, Hkv, hd, K
+    for (size_t ci = 0; ci < PD_ARRAY_LEN(cfg); ci++)
+        for (int M = 1; M <= 9; M++)
+            for (int nb = 0; nb < 4; nb++) {
+                if (cfg[ci][3] >= 4096 && M % 4 != 1) continue;  // the big shape: M = 1, 5, 9
+                rope_fused_case(&c, M, cfg[ci][0], cfg[ci][1], cfg[ci][2], cfg[ci][3], nb & 1, nb & 2, PD_KV_ACT);
+            }
+    rope_fused_case(&c, 3, 4, 2, 64, 256, true, true, PD_KV_FP8);
+    rope_fused_case(&c, 1, 32, 8, 128, 4096, true, false, PD_KV_FP8);
+    rope_fused_case(&c, 2, 4, 2, 64, 257, true, false, PD_KV_ACT);  // odd K: the fallback
+    rope_fused_case(&c, 2, 4, 1, 6, 64, false, true, PD_KV_ACT);    // head_dim % 4 != 0: the fallback
+    ctx_fini(&c);
+}
+
+// K not a multiple of 8 (odd and even): the skinny kernel does not take these, the unfused fallback
+// (rmsnorm / cuBLASLt / silu_mul through the backend's scratch) does.
+PD_TEST(test_cuda_fused_odd_k) {
+    ctx c;
+    if (!ctx_init(&c, 19)) PD_SKIP("%s: no CUDA device", __func__);
+    g_unfused = NULL;  // (no skinny kernel here: the fallback's GEMM is the default backend's)
+    for (int M = 1; M <= 9; M += 4)
+        for (size_t f = 0; f < PD_ARRAY_LEN(FUSED_FORMS); f++) {
+            int N = 1 + (int)(pd_rng_next(&c.rng) % 200), K = 1 + 2 * (int)(pd_rng_next(&c.rng) % 150) + (int)(f % 2);
+            if (K % 8 == 0) K++;
+            fused_case(&c, c.gpu, M, N, K, FUSED_FORMS[f] | (f % 2 ? FZ_BIAS : 0));
+        }
+    ctx_fini(&c);
+}
+
 // ---- rope + paged KV write ---------------------------------------------------------------------
 
 static void *dev_bytes(ctx *c, pd_backend *b, const uint8_t *h, size_t n);

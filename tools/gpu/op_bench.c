@@ -14,7 +14,8 @@
 // in the same run (the copy section runs first when gemv is asked for), and "rule": PD_CUDA_SKINNY=1
 // (gemm.c's default rule, cuBLASLt where it picks no skinny kernel; PD_CUDA_SKINNY_MMA=3 in the
 // environment gives the per-shape rule with tensor cores in that column).
-// Usage: op_bench [copy] [peak] [gemm] [gemv] [prefill] [attn] [sample]  (no argument: all sections).
+// fuse: one decode layer minus attention unfused (8 kernels) vs pd_op_matmul's fused forms (4).
+// Usage: op_bench [copy] [peak] [gemm] [gemv] [fuse] [prefill] [attn] [sample]  (no argument: all).
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -60,6 +61,39 @@ static void mm_op(pd_backend *b, void *arg, int rep) {
     mm_arg *m = arg;
     pd_matmul_params p = {.a = m->a, .w = m->w[rep % NW], .out = m->out, .M = m->M, .N = m->N, .K = m->K};
     pd_op_matmul(b, &p);
+}
+
+// fuse: one Llama-3-8B decode layer without its attention (qkv, o, gate_up, down with their norms,
+// RoPE + KV write, SwiGLU and residual adds), unfused (rmsnorm, qkv, rope_kv, o, rmsnorm, gate_up,
+// silu_mul, down: 8 kernels) or through pd_op_matmul's fused forms (4 kernels), on the skinny
+// backend (PD_CUDA_FUSE_ROPE=0: 5); weights alternate between two copies (> L2).
+typedef struct ly_arg {
+    void *x, *h, *qkv, *attn, *gu, *mlp, *g1, *g2, *wqkv[2], *wo[2], *wgu[2], *wd[2];
+    pd_rope_kv_params rope;
+    int M;
+    bool fused;
+} ly_arg;
+static void ly_op(pd_backend *b, void *arg, int rep) {
+    ly_arg *l = arg;
+    int i = rep % 2, M = l->M, D = 4096, F = 14336, NQ = 6144;
+    l->rope.n_tokens = M;
+    if (l->fused) {
+        pd_op_matmul(b, &(pd_matmul_params){.a = l->x, .w = l->wqkv[i], .out = l->qkv, .M = M, .N = NQ, .K = D,
+                                            .norm_w = l->g1, .norm_eps = 1e-5f, .rope = &l->rope});
+        pd_op_matmul(b, &(pd_matmul_params){.a = l->attn, .w = l->wo[i], .out = l->x, .M = M, .N = D, .K = D, .residual = true});
+        pd_op_matmul(b, &(pd_matmul_params){.a = l->x, .w = l->wgu[i], .out = l->mlp, .M = M, .N = F, .K = D,
+                                            .norm_w = l->g2, .norm_eps = 1e-5f, .glu = true});
+        pd_op_matmul(b, &(pd_matmul_params){.a = l->mlp, .w = l->wd[i], .out = l->x, .M = M, .N = D, .K = F, .residual = true});
+        return;
+    }
+    pd_op_rmsnorm(b, &(pd_rmsnorm_params){.x = l->x, .add = l->h, .w = l->g1, .out = l->h, .n_rows = M, .dim = D, .eps = 1e-5f});
+    pd_op_matmul(b, &(pd_matmul_params){.a = l->h, .w = l->wqkv[i], .out = l->qkv, .M = M, .N = NQ, .K = D});
+    pd_op_rope_kv(b, &l->rope);
+    pd_op_matmul(b, &(pd_matmul_params){.a = l->attn, .w = l->wo[i], .out = l->h, .M = M, .N = D, .K = D});
+    pd_op_rmsnorm(b, &(pd_rmsnorm_params){.x = l->x, .add = l->h, .w = l->g2, .out = l->h, .n_rows = M, .dim = D, .eps = 1e-5f});
+    pd_op_matmul(b, &(pd_matmul_params){.a = l->h, .w = l->wgu[i], .out = l->gu, .M = M, .N = 2 * F, .K = D});
+    pd_op_silu_mul(b, &(pd_silu_mul_params){.gu = l->gu, .out = l->mlp, .n_rows = M, .F = F});
+    pd_op_matmul(b, &(pd_matmul_params){.a = l->mlp, .w = l->wd[i], .out = l->h, .M = M, .N = D, .K = F});
 }
 
 typedef struct at_arg { pd_attention_params p; } at_arg;
@@ -190,7 +224,7 @@ int main(int argc, char **argv) {
     setenv("PD_CUDA_SKINNY", "2", 1);
     if (!g_b || !lt || !sk || !mma || !mma32 || !mma32p || !mma16p || !rule) { fprintf(stderr, "no cuda: %s\n", err.msg); return 1; }
     double us, copy_gbs = NAN;
-    if (want("copy") || want("gemv")) {
+    if (want("copy") || want("gemv") || want("fuse")) {
         cp_arg cp = {.bytes = (size_t)1 << 30};
         cp.base = alloc(4 * cp.bytes);
         pd_op_fill_normal(g_b, cp.base, PD_DTYPE_F32, cp.bytes, 1, 0.0f, 1.0f);
@@ -254,6 +288,57 @@ int main(int argc, char **argv) {
             printf("gemv %-8s M=%-2d N=%-6d K=%-5d", names[s], m.M, N, K);
             for (int k = 0; k < 7; k++) printf("  %s %5.1f us %3.0f%%", name[k], t[k], 100 * bytes / (t[k] * 1e3) / copy_gbs);
             printf("  best %s (%.2fx cublasLt; %% of copy %.0f GB/s)\n", name[best], t[0] / t[best], copy_gbs);
+        }
+    }
+    if (want("fuse")) {
+        ly_arg l = {0};
+        int D = 4096, F = 14336, NQ = 6144;
+        l.x = rnd((size_t)8 * D), l.h = rnd((size_t)8 * D), l.attn = rnd((size_t)8 * D);
+        l.qkv = alloc((size_t)8 * NQ * 2), l.gu = alloc((size_t)8 * 2 * F * 2), l.mlp = alloc((size_t)8 * F * 2);
+        l.g1 = alloc((size_t)D * 2), l.g2 = alloc((size_t)D * 2);
+        int32_t meta[16];
+        for (int i = 0; i < 8; i++) meta[i] = 100 + i, meta[8 + i] = i;  // positions, slots
+        float inv_freq[64];
+        for (int i = 0; i < 64; i++) inv_freq[i] = powf(500000.0f, -i / 64.0f);
+        int32_t *dmeta = alloc(sizeof meta);
+        float *dinv = alloc(sizeof inv_freq);
+        pd_backend_upload(g_b, dmeta, meta, sizeof meta);
+        pd_backend_upload(g_b, dinv, inv_freq, sizeof inv_freq);
+        pd_backend_sync(g_b);
+        l.rope = (pd_rope_kv_params){.qkv = l.qkv, .positions = dmeta, .inv_freq = dinv, .slot_mapping = dmeta + 8,
+                                     .k_cache = alloc((size_t)8 * 1024 * 2), .v_cache = alloc((size_t)8 * 1024 * 2),
+                                     .n_heads = 32, .n_kv_heads = 8, .head_dim = 128, .attn_scaling = 1.0f};
+        pd_op_fill_normal(g_b, l.g1, PD_DTYPE_BF16, D, 7, 1.0f, 0.1f);
+        pd_op_fill_normal(g_b, l.g2, PD_DTYPE_BF16, D, 8, 1.0f, 0.1f);
+        for (int i = 0; i < 2; i++) {
+            l.wqkv[i] = rnd((size_t)NQ * D), l.wo[i] = rnd((size_t)D * D);
+            l.wgu[i] = rnd((size_t)2 * F * D), l.wd[i] = rnd((size_t)D * F);
+        }
+        double bytes = 2.0 * ((double)NQ * D + (double)D * D + 2.0 * F * D + (double)D * F);
+        // One part at a time left to its own kernel (PD_CUDA_FUSE_*=0 backends): what each fold saves.
+        const char *knob[] = {"PD_CUDA_FUSE_NORM", "PD_CUDA_FUSE_GLU", "PD_CUDA_FUSE_ROPE"};
+        pd_backend *part[3];
+        setenv("PD_CUDA_SKINNY", "2", 1);
+        for (int k = 0; k < 3; k++) {
+            setenv(knob[k], "0", 1);
+            part[k] = pd_backend_new("cuda", 0, &err);
+            unsetenv(knob[k]);
+            if (!part[k]) { fprintf(stderr, "no cuda: %s\n", err.msg); return 1; }
+        }
+        int fm[] = {1, 2, 4, 8};
+        for (int mi = 0; mi < 4; mi++) {
+            l.M = fm[mi];
+            l.fused = false;
+            double t_u = time_us(sk, ly_op, &l, 100);
+            l.fused = true;
+            double t_f = time_us(sk, ly_op, &l, 100), t_p[3];
+            for (int k = 0; k < 3; k++) t_p[k] = time_us(part[k], ly_op, &l, 100);
+            double floor_us = isnan(copy_gbs) ? NAN : bytes / (copy_gbs * 1e3);
+            printf("fuse layer M=%d  unfused %7.1f us (8 kernels)  fused %7.1f us (4 kernels)  saved %5.1f us/layer "
+                   "= %5.3f ms/token (32 layers); weights %.0f MB, floor at the copy rate %.1f us (fused %.0f%%)\n",
+                   l.M, t_u, t_f, t_u - t_f, 32 * (t_u - t_f) / 1e3, bytes / 1e6, floor_us, 100 * floor_us / t_f);
+            printf("fuse parts M=%d  fused but norm unfused %7.1f us, silu_mul unfused %7.1f us, rope unfused %7.1f us "
+                   "(each vs fused %.1f us)\n", l.M, t_p[0], t_p[1], t_p[2], t_f);
         }
     }
     // attention: Llama-3-8B heads

@@ -66,7 +66,45 @@ static void cpu_rmsnorm(pd_backend *b, const pd_rmsnorm_params *p) {
     }
 }
 
+static void cpu_gemm(const pd_matmul_params *p);
+static void cpu_silu_mul(pd_backend *b, const pd_silu_mul_params *p);
+static void cpu_rope_kv(pd_backend *b, const pd_rope_kv_params *p);
+
+// The fused forms (backend.h) as the unfused ops compute them: the norm into a temporary, the GEMM
+// into (M, 2N) then silu_mul for glu; the residual add is accumulate in f32; rope_kv after.
 static void cpu_matmul(pd_backend *b, const pd_matmul_params *p) {
+    if (!p->norm_w && !p->glu) {
+        pd_matmul_params q = *p;
+        q.accumulate = p->accumulate || p->residual;
+        cpu_gemm(&q);
+        if (p->rope) cpu_rope_kv(b, p->rope);
+        return;
+    }
+    pd_matmul_params q = *p;
+    float *normed = NULL, *gu = NULL;
+    if (p->norm_w) {
+        normed = pd_malloc(sizeof(float) * (size_t)p->M * (size_t)p->K);
+        PD_ASSERT(normed);
+        cpu_rmsnorm(b, &(pd_rmsnorm_params){.x = (void *)p->a, .w = p->norm_w, .out = normed, .n_rows = p->M,
+                                            .dim = p->K, .eps = p->norm_eps});
+        q.a = normed, q.lda = 0;
+    }
+    if (p->glu) {
+        gu = pd_malloc(sizeof(float) * (size_t)p->M * 2 * (size_t)p->N);
+        PD_ASSERT(gu);
+        q.out = gu, q.N = 2 * p->N;
+        cpu_gemm(&q);
+        cpu_silu_mul(b, &(pd_silu_mul_params){.gu = gu, .out = p->out, .n_rows = p->M, .F = p->N});
+    } else {
+        q.accumulate = p->accumulate || p->residual;
+        cpu_gemm(&q);
+        if (p->rope) cpu_rope_kv(b, p->rope);
+    }
+    pd_free(normed);
+    pd_free(gu);
+}
+
+static void cpu_gemm(const pd_matmul_params *p) {
     int lda = p->lda ? p->lda : p->K;
     float *out = p->out;
     const float *bias = p->bias;

@@ -47,6 +47,7 @@ static void cuda_free(pd_backend *b) {
     pd_cuda_sample_fini(cb);
     pd_cuda_xfer_fini(cb);
     if (cb->attn_ws) cudaFree(cb->attn_ws);
+    if (cb->fuse_ws) cudaFree(cb->fuse_ws);
     if (cb->attn_cnt) cudaFree(cb->attn_cnt);
     if (cb->gemv_ws) cudaFree(cb->gemv_ws);
     if (cb->cb_dev) cudaFree(cb->cb_dev);
@@ -544,6 +545,7 @@ static const pd_backend_iface cuda_iface = {
     .embed = cuda_embed,
     .rmsnorm = cuda_rmsnorm,
     .matmul = pd_cuda_gemm_matmul,
+    .fuses_matmul = pd_cuda_gemm_fuses,
     .rope_kv = cuda_rope_kv,
     .attention = cuda_attention,
     .silu_mul = cuda_silu_mul,

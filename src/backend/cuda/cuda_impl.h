@@ -45,6 +45,11 @@ typedef struct pd_cuda_backend {
     int skinny_mma;            // kernels/skinny_mma.cu (M <= 16): 0 never, 1/3 the measured rules, 2 always
     int skinny_mma_rows;       // its weight rows per block (16 or 32)
     int skinny_mma_pipe;       // its double-buffered weight loads: -1 the rule's choice, 0 off, 1 on
+    int skinny_fuse;           // pd_backend_fuses_matmul for 1 <= M <= this (0: never; PD_CUDA_SKINNY_FUSE)
+    bool fuse_rope, fuse_glu;  // parts the skinny kernel does itself (PD_CUDA_FUSE_*)
+    int fuse_norm_max_m;       // and the norm for M <= this (PD_CUDA_FUSE_NORM_MAX_M)
+    void *fuse_ws;             // the fused forms' unfused fallback (M > 8, unaligned): norm / gate_up
+    size_t fuse_ws_bytes;
     // attention split-K partials; grows outside graph capture only
     float *attn_ws;
     size_t attn_ws_bytes;
@@ -71,6 +76,7 @@ void pd_cuda_bind(pd_cuda_backend *cb);
 void pd_cuda_gemm_init(pd_cuda_backend *cb);
 void pd_cuda_gemm_fini(pd_cuda_backend *cb);
 void pd_cuda_gemm_matmul(pd_backend *b, const pd_matmul_params *p);
+bool pd_cuda_gemm_fuses(pd_backend *b, int M);
 // The host staging of a kv_copy (pd_malloc'ed; the caller uploads and frees it): 4 layer pointers
 // per layer (src_k, src_v, dst_k, dst_v), then one pd_kv_block_desc per block at *desc_off;
 // *n_bytes in all. Shared by the backend's kv_copy and the NCCL comm's scatter.

@@ -1,6 +1,7 @@
 // gemm.c — pd_op_matmul on CUDA: out (M, N) = a (M, K) . w(N, K)^T [+ bias] [+ out].
 //
-// Four paths, picked per shape:
+// The fused forms (norm_w, glu, residual, rope: backend.h) go to fused_matmul. Four paths, picked
+// per shape:
 //   * M <= 16 with PD_CUDA_SKINNY=1 (the default: the measured rule, see skinny_rule) or 2: the skinny
 //     weight-streaming kernels (no workspace, PDL, weights prefetched before the wait), per M
 //     either kernels/skinny.cu (M <= 8, f32 FMAs on the CUDA cores) or kernels/skinny_mma.cu
@@ -29,6 +30,9 @@
 #include "base/buf.h"
 #include "kernels/add_bias.cuh"
 #include "kernels/gemv.cuh"
+#include "kernels/rmsnorm.cuh"
+#include "kernels/rope_kv.cuh"
+#include "kernels/silu_mul.cuh"
 #include "kernels/skinny.cuh"
 #include "kernels/skinny_mma.cuh"
 
@@ -95,7 +99,40 @@ void pd_cuda_gemm_init(pd_cuda_backend *cb) {
     if (cb->skinny_mma_rows != 16 && cb->skinny_mma_rows != 32)
         pd_abort(__FILE__, __LINE__, __func__, "PD_CUDA_SKINNY_MMA_ROWS must be 16 or 32");
     cb->skinny_mma_pipe = env_int("PD_CUDA_SKINNY_MMA_PIPE", -1, -1, 1);
+    // Fused decode layers (pd_backend_fuses_matmul; backend.h "Fused forms"): decode steps of
+    // M <= PD_CUDA_SKINNY_FUSE_MAX_M tokens (default 4) run their layers as 5 kernels, RoPE + KV
+    // write, SwiGLU and residual adds folded into skinny GEMMs, and the norms too for M <=
+    // PD_CUDA_FUSE_NORM_MAX_M (default 2; above, the rmsnorm kernel runs before the GEMM). On by
+    // default; PD_CUDA_SKINNY_FUSE=0 turns it off. Measured on an H100 (session 9 calls fuse-1/2,
+    // tools/gpu/NOTES.md): Llama-3-8B single stream 5.34 ms vs 5.48 unfused (skinny) at context
+    // 128; one layer minus attention (op_bench fuse) unfused / fused / fused with the norm
+    // unfolded: M = 1 160.2 / 152.5 / 155.3 us, M = 2 164.0 / 157.6 / 158.9, M = 4 169.4 / 169.5 /
+    // 164.4, M = 8 201.5 / 274.2 / 202.2 (the norm computed on the fly makes the kernel issue-bound
+    // from 4 rows; at 8 the skinny kernel itself loses to cuBLASLt, gemv call A). The fused forms
+    // themselves run on the skinny kernel whenever it supports the call.
+    cb->skinny_fuse = 4;
+    e = getenv("PD_CUDA_SKINNY_FUSE");
+    if (e && *e && atoi(e) <= 0) cb->skinny_fuse = 0;
+    e = getenv("PD_CUDA_SKINNY_FUSE_MAX_M");
+    if (cb->skinny_fuse && e && *e) cb->skinny_fuse = PD_MAX(1, PD_MIN(atoi(e), PD_SKINNY_MAX_M));
+    cb->fuse_norm_max_m = 2;
+    e = getenv("PD_CUDA_FUSE_NORM_MAX_M");
+    if (e && *e) cb->fuse_norm_max_m = PD_MAX(0, PD_MIN(atoi(e), PD_SKINNY_MAX_M));
+    // Measurement knobs, each 0 runs that part as its own kernel around the skinny GEMM:
+    // PD_CUDA_FUSE_ROPE (rope_kv), PD_CUDA_FUSE_NORM (rmsnorm), PD_CUDA_FUSE_GLU (silu_mul).
+    e = getenv("PD_CUDA_FUSE_ROPE");
+    cb->fuse_rope = !(e && !strcmp(e, "0"));
+    e = getenv("PD_CUDA_FUSE_NORM");
+    if (e && !strcmp(e, "0")) cb->fuse_norm_max_m = 0;
+    e = getenv("PD_CUDA_FUSE_GLU");
+    cb->fuse_glu = !(e && !strcmp(e, "0"));
 }
+
+bool pd_cuda_gemm_fuses(pd_backend *b, int M) {  // (PD_CUDA_SKINNY=0: no skinny kernel, no fused forms)
+    const pd_cuda_backend *cb = pd_cuda_backend_of(b);
+    return cb->skinny > 0 && M >= 1 && M <= cb->skinny_fuse;
+}
+
 
 enum { SKINNY_NONE, SKINNY_CORES, SKINNY_MMA, SKINNY_MMA_PIPE };
 
@@ -275,12 +312,81 @@ static pd_cuda_gemm_plan *gemm_plan_get(pd_cuda_backend *cb, const pd_matmul_par
     return gemm_plan_build(cb, p, lda, flags);
 }
 
+// pd_op_rope_kv's kernel, after the GEMM that wrote rp->qkv.
+static void rope_after(pd_backend *b, pd_cuda_backend *cb, const pd_rope_kv_params *rp) {
+    pd_rope_kv_kparams k = {.qkv = rp->qkv, .positions = rp->positions, .inv_freq = rp->inv_freq,
+                            .slot_mapping = rp->slot_mapping, .k_cache = rp->k_cache, .v_cache = rp->v_cache,
+                            .n_tokens = rp->n_tokens, .n_heads = rp->n_heads, .n_kv_heads = rp->n_kv_heads,
+                            .head_dim = rp->head_dim, .attn_scaling = rp->attn_scaling,
+                            .kv_fp8 = rp->kv_dtype == PD_KV_FP8,
+                            .row_bytes = pd_kv_row_bytes(b, rp->kv_dtype, rp->n_kv_heads, rp->head_dim)};
+    pd_cuda_rope_kv(&k, cb->stream);
+    PD_CUDA_CHECK_LAUNCH();
+}
+
+// The fused forms (backend.h): one skinny kernel when it supports the call (rope in its epilogue
+// with a bf16 cache and head_dim % 4 == 0); parts it does not do (the PD_CUDA_FUSE_* knobs, or no
+// skinny kernel: M > 8, K % 8 != 0) run as the unfused kernels through cb->fuse_ws: rmsnorm into
+// scratch, the GEMM into (M, 2N) scratch then silu_mul, rope_kv after; without the skinny kernel
+// the residual add is cuBLASLt's accumulate, whose sum is rounded once rather than after the
+// branch (within a bf16 ulp).
+static void fused_matmul(pd_backend *b, pd_cuda_backend *cb, const pd_matmul_params *p, int lda) {
+    const pd_rope_kv_params *rp = p->rope;
+    bool nw_ok = !p->norm_w || ((uintptr_t)p->norm_w & 15) == 0;
+    bool skinny = nw_ok && pd_cuda_skinny_supported(p->M, p->K, lda, p->a, p->w);
+    // What the skinny kernel does itself; the rest runs as the unfused kernels around it.
+    bool norm_in = skinny && p->norm_w && p->M <= cb->fuse_norm_max_m;
+    bool glu_in = skinny && p->glu && cb->fuse_glu;
+    bool rope_in = skinny && rp && rp->kv_dtype == PD_KV_ACT && rp->head_dim % 4 == 0 && cb->fuse_rope;
+    size_t normed = p->norm_w && !norm_in ? (size_t)p->M * (size_t)p->K * 2 : 0;
+    size_t gu = p->glu && !glu_in ? (size_t)p->M * 2 * (size_t)p->N * 2 : 0;
+    normed = (normed + 255) & ~(size_t)255;
+    if (normed + gu) pd_cuda_scratch_reserve(cb, &cb->fuse_ws, &cb->fuse_ws_bytes, normed + gu, true);
+    pd_matmul_params q = *p;  // the GEMM left after the unfused parts
+    q.norm_w = norm_in ? p->norm_w : NULL, q.glu = glu_in, q.rope = rope_in ? rp : NULL;
+    if (p->norm_w && !norm_in) {
+        pd_rmsnorm_kparams k = {.x = (void *)p->a, .w = p->norm_w, .out = cb->fuse_ws, .n_rows = p->M, .dim = p->K,
+                                .eps = p->norm_eps};
+        pd_cuda_rmsnorm(&k, cb->stream);
+        PD_CUDA_CHECK_LAUNCH();
+        q.a = cb->fuse_ws, q.lda = 0;
+    }
+    if (p->glu && !glu_in) q.out = (char *)cb->fuse_ws + normed, q.N = 2 * p->N;
+    if (skinny) {
+        pd_skinny_kparams k = {.a = q.a, .w = q.w, .bias = q.bias, .out = q.out, .M = q.M, .N = q.N, .K = q.K,
+                               .lda = q.lda ? q.lda : q.K, .accumulate = q.accumulate, .out_f32 = q.out_f32,
+                               .rows = 4, .norm_w = q.norm_w, .norm_eps = q.norm_eps, .glu = q.glu,
+                               .residual = q.residual, .rope = rope_in};
+        if (rope_in) {
+            k.positions = rp->positions, k.slot_mapping = rp->slot_mapping, k.inv_freq = rp->inv_freq;
+            k.k_cache = rp->k_cache, k.v_cache = rp->v_cache, k.attn_scaling = rp->attn_scaling;
+            k.n_heads = rp->n_heads, k.n_kv_heads = rp->n_kv_heads, k.head_dim = rp->head_dim;
+        }
+        pd_cuda_skinny(&k, cb->stream);
+        PD_CUDA_CHECK_LAUNCH();
+    } else {
+        // cuBLASLt / gemv: the residual add as accumulate (the sum rounded once)
+        q.accumulate = p->accumulate || p->residual, q.residual = false;
+        pd_cuda_gemm_matmul(b, &q);
+    }
+    if (p->glu && !glu_in) {
+        pd_silu_mul_kparams k = {.gu = q.out, .out = p->out, .n_rows = p->M, .F = p->N};
+        pd_cuda_silu_mul(&k, cb->stream);
+        PD_CUDA_CHECK_LAUNCH();
+    }
+    if (rp && !rope_in) rope_after(b, cb, rp);
+}
+
 void pd_cuda_gemm_matmul(pd_backend *b, const pd_matmul_params *p) {
     pd_cuda_bind(pd_cuda_backend_of(b));
     pd_cuda_backend *cb = pd_cuda_backend_of(b);
     int lda = p->lda ? p->lda : p->K;
     PD_ASSERT(p->M >= 0 && p->N > 0 && p->K > 0 && lda >= p->K);
     if (p->M == 0) return;
+    if (p->norm_w || p->glu || p->residual || p->rope) {
+        fused_matmul(b, cb, p, lda);
+        return;
+    }
     if (p->M <= cb->gemv_max_m && pd_cuda_gemv_supported(p->M, p->K, lda)) {
         pd_cuda_scratch_reserve_zeroed(cb, &cb->gemv_ws, &cb->gemv_ws_bytes, pd_cuda_gemv_workspace_bytes(p->N));
         pd_gemv_kparams k = {.a = p->a, .w = p->w, .bias = p->bias, .out = p->out, .M = p->M, .N = p->N,
