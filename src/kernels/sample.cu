@@ -783,8 +783,9 @@ static __device__ __forceinline__ void publish_bins(k_fast &F, const float *hm, 
 // The boundary bin of a row from its cluster's histograms. Every CTA has published its bin masses
 // and counts (F.bm, F.bc), their sums over each run of NSB bins (F.sbm, F.sbc: super-bins) and its
 // total weight F.ctot, and set F.first = INT_MAX; this makes them visible (the cluster barrier) and
-// finds b: top-k (has_k), the first bin whose running count reaches k; top-p, the first bin below
-// the last whose approximate running mass reaches top_p * total. Sets F.first = b (INT_MAX: none),
+// finds b: top-k (has_k), the first bin whose running count reaches k; top-p, the first bin whose
+// approximate running mass reaches top_p * total, never the last (it holds everything 16 logits or
+// more below the max and carries no mass). Sets F.first = b (INT_MAX: none),
 // F.n (the candidates: top-k, every bin up to b; top-p, bin b) and F.off (those of the chunks
 // before this CTA's); returns the row's total weight (rank order: the same in every CTA).
 // two_level: each CTA reads the CL ranks' NSB super-bins, then the NSB bins of the super-bin that
