@@ -576,11 +576,10 @@ static const int FUSED_FORMS[] = {FZ_NORM, FZ_NORM | FZ_F32, FZ_NORM | FZ_GLU, F
 // Every fused form, M = 1..8 (the skinny kernel) and 9, 17 (the unfused fallback), random shapes
 // (odd N, K % 8 == 0; test_cuda_fused_odd_k has the rest), bias on and off; decode-sized shapes;
 // the layer chain.
-static pd_backend *skinny_backend(void) {
-    setenv("PD_CUDA_SKINNY", "2", 1);
-    pd_err err = {0};
-    pd_backend *b = pd_backend_new("cuda", 0, &err);
-    unsetenv("PD_CUDA_SKINNY");
+// The unfused reference: the CUDA-core skinny kernel on every call it supports (M <= 8) and
+// cuBLASLt above, as the fused forms' own fallback (PD_CUDA_SKINNY_MMA=0: no tensor-core kernel).
+static pd_backend *skinny_cores_backend(void) {
+    pd_backend *b = skinny_backend(&(skinny_var){.skinny = "2", .mma = "0"});
     PD_ASSERT(b);
     return b;
 }
@@ -588,7 +587,7 @@ static pd_backend *skinny_backend(void) {
 PD_TEST(test_cuda_matmul_fused) {
     ctx c;
     if (!ctx_init(&c, 18)) PD_SKIP("%s: no CUDA device", __func__);
-    g_unfused = skinny_backend();
+    g_unfused = skinny_cores_backend();
     int Ms[] = {1, 2, 3, 4, 5, 6, 7, 8, 9, 17};
     for (size_t mi = 0; mi < PD_ARRAY_LEN(Ms); mi++)
         for (size_t f = 0; f < PD_ARRAY_LEN(FUSED_FORMS); f++)
