@@ -249,6 +249,9 @@ void pd_backend_upload(pd_backend *b, void *d, const void *s, size_t n) { if (n)
 void pd_backend_download(pd_backend *b, void *d, const void *s, size_t n) { if (n) b->iface->download(b, d, s, n); }
 void pd_backend_memset(pd_backend *b, void *d, int v, size_t n) { if (n) b->iface->memset(b, d, v, n); }
 void pd_backend_sync(pd_backend *b) { b->iface->sync(b); }
+void pd_backend_bind_thread(pd_backend *b) {
+    if (b->iface->bind_thread) b->iface->bind_thread(b);
+}
 
 void pd_op_embed(pd_backend *b, const pd_embed_params *p) { b->iface->embed(b, p); }
 void pd_op_rmsnorm(pd_backend *b, const pd_rmsnorm_params *p) { b->iface->rmsnorm(b, p); }

@@ -323,6 +323,10 @@ void pd_backend_upload(pd_backend *b, void *dst_dev, const void *src_host, size_
 void pd_backend_download(pd_backend *b, void *dst_host, const void *src_dev, size_t n_bytes);
 void pd_backend_memset(pd_backend *b, void *dst_dev, int value, size_t n_bytes);
 void pd_backend_sync(pd_backend *b);
+// Makes this backend's device current in the calling thread without waiting for anything (CUDA: its
+// primary context), for libraries that use the driver API's current context on threads the backend
+// never ran on (UCX's cuda transports). Nothing on the CPU backend.
+void pd_backend_bind_thread(pd_backend *b);
 
 // Ops. Invalid parameters are invariant violations (asserted), not recoverable errors.
 void pd_op_embed(pd_backend *b, const pd_embed_params *p);

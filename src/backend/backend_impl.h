@@ -19,6 +19,7 @@ typedef struct pd_backend_iface {
     void (*download)(pd_backend *b, void *dst, const void *src, size_t n);
     void (*memset)(pd_backend *b, void *dst, int v, size_t n);
     void (*sync)(pd_backend *b);
+    void (*bind_thread)(pd_backend *b);  // optional (NULL: nothing to bind)
     void (*embed)(pd_backend *b, const pd_embed_params *p);
     void (*rmsnorm)(pd_backend *b, const pd_rmsnorm_params *p);
     void (*matmul)(pd_backend *b, const pd_matmul_params *p);

@@ -194,7 +194,18 @@ bad:
 // tree). Under wk_mu nothing completes a receive between our test and the cancel: receives
 // complete in progress (UCX 1.13's async thread, as we read it, only schedules work for the next
 // progress; the tag cases have run 30+ times clean since, ASan and TSan included).
+// UCX's cuda transports (cuda_ipc's handle cache, cuda_copy) call the driver API with the calling
+// thread's current context: with the prefill and decode pools on different GPUs, a thread that never
+// made the pool's device current failed every rendezvous get ("cuCtxGetDevice() failed: invalid
+// device context" in cuda_ipc_cache.c, the decode worker then aborted: H100 x2, session 9). So every
+// thread binds our backend's device (its primary context) before its UCX calls on a CUDA pool
+// (pd_backend_bind_thread: no wait, so it is safe while another thread captures a graph).
+static void ucx_bind(ucx_state *u) {  // (cheap when bound: the backend remembers the thread's device)
+    if (u->mem_type == UCS_MEMORY_TYPE_CUDA && u->backend) pd_backend_bind_thread(u->backend);
+}
+
 static unsigned wk_progress(ucx_state *u) {
+    ucx_bind(u);
     pthread_mutex_lock(&u->wk_mu);
     unsigned n = ucp_worker_progress(u->worker);
     pthread_mutex_unlock(&u->wk_mu);
@@ -202,6 +213,7 @@ static unsigned wk_progress(ucx_state *u) {
 }
 
 static void rx_cancel(ucx_state *u, void *r) {
+    ucx_bind(u);
     pthread_mutex_lock(&u->wk_mu);
     if (ucp_request_check_status(r) == UCS_INPROGRESS) ucp_request_cancel(u->worker, r);
     pthread_mutex_unlock(&u->wk_mu);
@@ -277,6 +289,7 @@ static void drop_stale(ucx_state *u) {
 // the tag path's rendezvous gets are driven by it.
 static void *progress_main(void *arg) {
     ucx_state *u = arg;
+    ucx_bind(u);
     int efd = -1;
     if (ucp_worker_get_efd(u->worker, &efd) != UCS_OK) efd = -1;
     while (!__atomic_load_n(&u->stop, __ATOMIC_ACQUIRE)) {
@@ -350,7 +363,7 @@ static pd_status mem_map(ucx_state *u, void *base, size_t n, ucp_mem_h *memh, co
         // UCX's cuda memory domains use the driver API's current context: bind the backend's device
         // (its primary context) to this thread first (a prefill engine thread meets its first
         // decode worker before its first CUDA call).
-        pd_backend_sync(u->backend);
+        ucx_bind(u);
     }
     ucp_mem_map_params_t mp = {.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH |
                                              UCP_MEM_MAP_PARAM_FIELD_MEMORY_TYPE,
@@ -487,6 +500,7 @@ static pd_status ucx_attach(pd_kvconn *c, kvc_peer *p, const pd_kvw_hello *h, in
                           .address = (const ucp_address_t *)(h->handle + sizeof hd),
                           .err_mode = UCP_ERR_HANDLING_MODE_PEER,
                           .err_handler = {.cb = ep_error, .arg = q}};
+    ucx_bind(u);
     ucs_status_t s = ucp_ep_create(u->worker, &ep, &q->ep);
     if (s != UCS_OK) {
         q->ep = NULL;
@@ -554,6 +568,7 @@ static pd_status ucx_load_post(pd_kvconn *c, const pd_kvconn_load *l) {
                 size_t n = (size_t)(j - i) * bb + (size_t)rows[j] * k->row_bytes;
                 ucp_request_param_t rp = {.op_attr_mask = UCP_OP_ATTR_FIELD_MEMH | UCP_OP_ATTR_FIELD_MEMORY_TYPE,
                                           .memh = u->memh, .memory_type = u->mem_type};
+                ucx_bind(u);
                 void *r = ucp_tag_recv_nbx(u->worker, base + (size_t)l->dst_blocks[i] * bb, n,
                                            kv_tag(l->req_id, ly, kv, run), ~(ucp_tag_t)0, &rp);
                 if (r == NULL || UCS_PTR_IS_ERR(r)) {
@@ -710,6 +725,7 @@ static pd_status tx_send_layers(pd_kvconn *c, pd_kvconn_save *s, ucx_state *u, u
                                              : src + (size_t)s->src[i] * bb;
                 ucp_request_param_t rp = {.op_attr_mask = UCP_OP_ATTR_FIELD_MEMORY_TYPE | (tx->sbase ? 0 : UCP_OP_ATTR_FIELD_MEMH),
                                           .memh = u->src_memh, .memory_type = u->mem_type};
+                ucx_bind(u);
                 void *r = ucp_tag_send_nbx(q->ep, from, n, kv_tag(s->peer_req_id, ly, kv, run), &rp);
                 if (UCS_PTR_IS_ERR(r)) {
                     PD_LOG_W("kvconn: request %llu: ucx send: %s", (unsigned long long)s->peer_req_id,

@@ -115,6 +115,9 @@ static void cuda_sync(pd_backend *b) {
     PD_CUDA_CHECK(cudaStreamSynchronize(pd_cuda_backend_of(b)->stream));
 }
 
+// cudaSetDevice initialises the device's primary context and makes it current (CUDA >= 12).
+static void cuda_bind_thread(pd_backend *b) { pd_cuda_bind(pd_cuda_backend_of(b)); }
+
 static void cuda_copy_d2d(pd_backend *b, void *dst, const void *src, size_t n) {
     pd_cuda_bind(pd_cuda_backend_of(b));
     PD_CUDA_CHECK(cudaMemcpyAsync(dst, src, n, cudaMemcpyDeviceToDevice, pd_cuda_backend_of(b)->stream));
@@ -538,6 +541,7 @@ static const pd_backend_iface cuda_iface = {
     .host_free = cuda_host_free,
     .memset = cuda_memset,
     .sync = cuda_sync,
+    .bind_thread = cuda_bind_thread,
     .embed = cuda_embed,
     .rmsnorm = cuda_rmsnorm,
     .matmul = pd_cuda_gemm_matmul,

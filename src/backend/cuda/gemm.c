@@ -1,8 +1,8 @@
 // gemm.c — pd_op_matmul on CUDA: out (M, N) = a (M, K) . w(N, K)^T [+ bias] [+ out].
 //
-// The fused forms (norm_w, glu, residual, rope: backend.h) go to fused_matmul. Three paths, picked per
-// shape:
-//   * M <= 8 with PD_CUDA_SKINNY=1/2 (off by default, see pd_cuda_gemm_init): the row-streaming
+// The fused forms (norm_w, glu, residual, rope: backend.h) go to fused_matmul. Three paths, picked
+// per shape:
+//   * M <= 5 on decode-sized weights (PD_CUDA_SKINNY=1, the default; see pd_cuda_gemm_init): the row-streaming
 //     skinny kernel in kernels/skinny.cu (no workspace, PDL, weights prefetched before the wait);
 //   * M <= gemv_max_m (decode; off by default, see pd_cuda_gemm_init): the skinny tensor-core
 //     kernel in kernels/gemv.cu, which streams the weight once over a stream-K split and is
@@ -60,11 +60,10 @@ void pd_cuda_gemm_init(pd_cuda_backend *cb) {
     cb->gemv_max_m = 0;
     const char *e = getenv("PD_CUDA_GEMV_MAX_M");  // tuning knob for measurements
     if (e && *e) cb->gemv_max_m = atoi(e);
-    // The row-streaming skinny kernel (kernels/skinny.cu) for M <= 8: PD_CUDA_SKINNY=0 off (the
-    // default: the kernel has not run on a card yet, so nothing says it beats cuBLASLt), 1 the
-    // per-shape rule of skinny_wanted, 2 every supported call (tests, op_bench);
+    // The row-streaming skinny kernel (kernels/skinny.cu): PD_CUDA_SKINNY=0 off, 1 the measured rule
+    // of skinny_wanted (the default), 2 every supported call (tests, op_bench);
     // PD_CUDA_SKINNY_ROWS=2 selects 2 weight rows per block instead of 4 (measurements).
-    cb->skinny = 0;
+    cb->skinny = 1;
     e = getenv("PD_CUDA_SKINNY");
     if (e && *e) cb->skinny = atoi(e);
     cb->skinny_rows = 4;
@@ -101,14 +100,17 @@ void pd_cuda_gemm_init(pd_cuda_backend *cb) {
 
 bool pd_cuda_gemm_fuses(pd_backend *b, int M) { return M >= 1 && M <= pd_cuda_backend_of(b)->skinny_fuse; }
 
-// Whether the skinny kernel takes this call (see pd_cuda_gemm_init for the modes). Mode 1's rule
-// is the candidate to measure, not a measured one: decode-sized weights (N, K >= 2048: grids of
-// >= 512 blocks, every SM streaming); small N gives too few blocks without a split-K, which this
-// kernel does not have. To be replaced by the per-(shape, M) winners of `op_bench gemv`.
+// Whether the skinny kernel takes this call (see pd_cuda_gemm_init for the modes). Mode 1's rule is
+// measured (H100, session 9, `op_bench gemv`, tools/gpu/NOTES.md): on every Llama-3-8B decode
+// weight (qkv, o, gate_up, down, lm_head) the kernel beats cuBLASLt at M = 1, 2, 4 (1.01-1.30x;
+// 86-111% of the copy rate at M = 1) and loses at M = 8 (0.81-0.94x: from M ~ 5 its f32 FMAs on
+// CUDA cores, not the weight stream, bound it); a 5-token verify step was 6.01 ms with it against
+// 6.36 ms without. So M <= 5, on decode-sized weights (N, K >= 2048: grids of >= 512 blocks,
+// every SM streaming; small N gives too few blocks without a split-K, which it does not have).
 static bool skinny_wanted(const pd_cuda_backend *cb, const pd_matmul_params *p, int lda) {
     if (cb->skinny <= 0 || !pd_cuda_skinny_supported(p->M, p->K, lda, p->a, p->w)) return false;
     if (cb->skinny >= 2) return true;
-    return p->N >= 2048 && p->K >= 2048;
+    return p->M <= 5 && p->N >= 2048 && p->K >= 2048;
 }
 
 void pd_cuda_gemm_fini(pd_cuda_backend *cb) {
