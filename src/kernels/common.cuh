@@ -27,6 +27,16 @@ struct pd_k_bf16x8 {
     uint4 u;
 };
 
+// 16-byte streaming load of read-only data (weights): not kept in L1, L2 fetches 256-byte sectors
+// (the skinny GEMM kernels).
+static __device__ __forceinline__ uint4 pd_k_ld_stream(const uint4 *p) {
+    uint4 v;
+    asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "l"(p));
+    return v;
+}
+
 static __device__ __forceinline__ void pd_k_unpack8(uint4 u, float f[8]) {
     const uint32_t w[4] = {u.x, u.y, u.z, u.w};
 #pragma unroll

@@ -36,15 +36,6 @@ typedef struct pd_k_skinny_args {
     float attn_scaling;
 } pd_k_skinny_args;
 
-// 16-byte streaming load of read-only data: not kept in L1, L2 fetches 256-byte sectors.
-static __device__ __forceinline__ uint4 pd_k_ld_stream(const uint4 *p) {
-    uint4 v;
-    asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-                 : "l"(p));
-    return v;
-}
-
 // Weight chunks c + u * 128 (u < U) of the R rows; chunks past the row's end read as zero.
 template <int R, int U>
 static __device__ __forceinline__ void pd_k_sk_load(uint4 (&wv)[U][R], const uint4 *const (&wr)[R], int c,

@@ -40,15 +40,6 @@ typedef struct pd_k_skinny_mma_args {
     int M, N, K, lda, accumulate, out_f32;
 } pd_k_skinny_mma_args;
 
-// 16-byte streaming load of read-only data: not kept in L1, L2 fetches 256-byte sectors.
-static __device__ __forceinline__ uint4 pd_k_sm_ld_stream(const uint4 *p) {
-    uint4 v;
-    asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-                 : "l"(p));
-    return v;
-}
-
 // The weight chunks c + u * STEP (u < U) of the 2 T rows of this lane; chunks past the row's end
 // read as zero.
 template <int T, int U>
@@ -60,7 +51,7 @@ static __device__ __forceinline__ void pd_k_sm_load(uint4 (&wv)[U][T][2], const 
         for (int i = 0; i < T; i++)
 #pragma unroll
             for (int h = 0; h < 2; h++)
-                wv[u][i][h] = c + u * PD_K_SM_STEP < chunks ? pd_k_sm_ld_stream(wr[i][h] + c + u * PD_K_SM_STEP)
+                wv[u][i][h] = c + u * PD_K_SM_STEP < chunks ? pd_k_ld_stream(wr[i][h] + c + u * PD_K_SM_STEP)
                                                             : make_uint4(0, 0, 0, 0);
 }
 
