@@ -928,31 +928,6 @@ static __device__ double boundary(k_fast &F, k_smem &S, int rank, bool has_k, in
 // The row's token by the candidate-set path; -1 (every CTA alike) when the radix passes must decide
 // it; TOK_LATER when the token reaches rank 0's F.tok before the kernel's final cluster barrier.
 // mx: max of l, finite. E: the weight cache (NULL: none).
-// Every chunk's surviving mass: F.wr[r] += the candidates' F.se that fall in chunk r (warp r sums
-// them in a fixed order, so every CTA gets the same doubles), then, from those, the mass of the
-// chunks before this CTA's (`before`), its own (`W`), the total (`sum`) and the last chunk with
-// survivors (`last_nz`: it answers when u * sum rounds past the end). Ends with the block in step.
-template <int CL>
-static __device__ void chunk_masses(k_fast &F, int n, int V, int rank, double *before, double *W, double *sum,
-                                    int *last_nz) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    if (warp < CL) {
-        int lo = (int)((int64_t)V * warp / CL), hi = (int)((int64_t)V * (warp + 1) / CL);
-        double s = 0;
-        for (int j = lane; j < n; j += 32)
-            if (F.ci[j] >= lo && F.ci[j] < hi) s += (double)F.se[j];
-        for (int o = 16; o; o >>= 1) s += __shfl_xor_sync(FULL, s, o);
-        if (lane == 0) F.wr[warp] += s;
-    }
-    __syncthreads();
-    *before = 0, *W = 0, *sum = 0, *last_nz = -1;
-    for (int q = 0; q < CL; q++) {
-        if (q == rank) *before = *sum, *W = F.wr[q];
-        *sum += F.wr[q];
-        if (F.wr[q] > 0) *last_nz = q;
-    }
-}
-
 template <int CL>
 static __device__ int fast_random(const float *x, const uint32_t *M, chunk_t C, const pd_sample_krow &R, float mx,
                                   k_smem &S, k_fast &F, float *E, int V, bool two_level) {
@@ -1108,9 +1083,22 @@ static __device__ int fast_random(const float *x, const uint32_t *M, chunk_t C, 
     cut.jc = blk_sum_i(t < n && kt == Kc && rank <= P ? 1 : 0, S);
     int all_eq = blk_sum_i(t < n && kt == Kc ? 1 : 0, S);
     int tie_base = blk_sum_i(t < n && kt == Kc && F.ci[t] < C.beg ? 1 : 0, S);
-    double before, W, sum;
-    int last_nz;
-    chunk_masses<CL>(F, n, V, C.rank, &before, &W, &sum, &last_nz);
+    if (warp < CL) {  // warp r: chunk r's compacted survivors, summed in a fixed order
+        int lo = (int)((int64_t)V * warp / CL), hi = (int)((int64_t)V * (warp + 1) / CL);
+        double s = 0;
+        for (int j = lane; j < n; j += 32)
+            if (F.ci[j] >= lo && F.ci[j] < hi) s += (double)F.se[j];
+        for (int o = 16; o; o >>= 1) s += __shfl_xor_sync(FULL, s, o);
+        if (lane == 0) F.wr[warp] += s;
+    }
+    __syncthreads();
+    double before = 0, W = 0, sum = 0;
+    int last_nz = -1;  // the last chunk with survivors: it answers when u * S rounds past the end
+    for (int q = 0; q < CL; q++) {
+        if (q == C.rank) before = sum, W = F.wr[q];
+        sum += F.wr[q];
+        if (F.wr[q] > 0) last_nz = q;
+    }
     double r = pd_sample_uniform_of(R.seed, R.draw_idx) * sum;
     if (W > 0 && r >= before && (r < before + W || C.rank == last_nz)) {  // CTA-uniform: one CTA
         if (E) survivors<true, true>(x, M, C, it, mx, cut, cut.jc < all_eq, tie_base, before, r, S, E);
@@ -1307,9 +1295,22 @@ static __device__ int topp_row(const float *x, const uint32_t *M, chunk_t C, con
     // 5: the surviving candidates (by position) and every chunk's surviving mass
     if (t < n) F.se[t] = F.rk[t] <= P && fval(kt) >= thresh ? F.ce[t] : 0.0f;  // (F.se by rank: read above)
     __syncthreads();
-    double before, W, sum;
-    int last_nz;
-    chunk_masses<CL>(F, n, V, C.rank, &before, &W, &sum, &last_nz);
+    if (warp < CL) {  // warp r: chunk r's surviving candidates, summed in a fixed order
+        int lo = (int)((int64_t)V * warp / CL), hi = (int)((int64_t)V * (warp + 1) / CL);
+        double s = 0;
+        for (int j = lane; j < n; j += 32)
+            if (F.ci[j] >= lo && F.ci[j] < hi) s += (double)F.se[j];
+        for (int o = 16; o; o >>= 1) s += __shfl_xor_sync(FULL, s, o);
+        if (lane == 0) F.wr[warp] += s;
+    }
+    __syncthreads();
+    double before = 0, W = 0, sum = 0;
+    int last_nz = -1;  // the last chunk with survivors: it answers when u * S rounds past the end
+    for (int q = 0; q < CL; q++) {
+        if (q == C.rank) before = sum, W = F.wr[q];
+        sum += F.wr[q];
+        if (F.wr[q] > 0) last_nz = q;
+    }
     SPROF(12);
     const double r = pd_sample_uniform_of(R.seed, R.draw_idx) * sum;
     if (W > 0 && r >= before && (r < before + W || C.rank == last_nz)) {  // CTA-uniform: one CTA
