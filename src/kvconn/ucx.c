@@ -556,6 +556,7 @@ static pd_status ucx_load_post(pd_kvconn *c, const pd_kvconn_load *l) {
     int n_runs = 0;
     for (int i = 0; i < nb; i = run_end(l->dst_blocks, rows, nb, bs, i) + 1) n_runs++;
     rx->req_id = l->req_id;
+    ucx_bind(u);  // (receives into a CUDA pool: this thread's context)
     rx->reqs = pd_calloc((size_t)(2 * L * n_runs), sizeof(void *));
     rx->want = pd_calloc((size_t)(2 * L * n_runs), sizeof(size_t));
     pd_status st = rx->reqs && rx->want ? PD_OK : PD_ERR_NOMEM;
@@ -568,7 +569,6 @@ static pd_status ucx_load_post(pd_kvconn *c, const pd_kvconn_load *l) {
                 size_t n = (size_t)(j - i) * bb + (size_t)rows[j] * k->row_bytes;
                 ucp_request_param_t rp = {.op_attr_mask = UCP_OP_ATTR_FIELD_MEMH | UCP_OP_ATTR_FIELD_MEMORY_TYPE,
                                           .memh = u->memh, .memory_type = u->mem_type};
-                ucx_bind(u);
                 void *r = ucp_tag_recv_nbx(u->worker, base + (size_t)l->dst_blocks[i] * bb, n,
                                            kv_tag(l->req_id, ly, kv, run), ~(ucp_tag_t)0, &rp);
                 if (r == NULL || UCS_PTR_IS_ERR(r)) {
@@ -710,6 +710,7 @@ static pd_status tx_send_layers(pd_kvconn *c, pd_kvconn_save *s, ucx_state *u, u
     const pd_kvconn_cache *k = &c->p.cache;
     int bs = k->block_size, nb = s->n_blocks;
     size_t bb = k->row_bytes * (size_t)bs, lbytes = (size_t)nb * bb;
+    ucx_bind(u);  // (sends from a CUDA pool: this thread's context)
     for (int ly = tx->layers_sent; ly < l_end; ly++) {
         if (!q->ep || !pd_xfer_server_conn_alive(c->xs, s->conn_id) || __atomic_load_n(&q->failed, __ATOMIC_ACQUIRE))
             return PD_ERR_CLOSED;
@@ -725,7 +726,6 @@ static pd_status tx_send_layers(pd_kvconn *c, pd_kvconn_save *s, ucx_state *u, u
                                              : src + (size_t)s->src[i] * bb;
                 ucp_request_param_t rp = {.op_attr_mask = UCP_OP_ATTR_FIELD_MEMORY_TYPE | (tx->sbase ? 0 : UCP_OP_ATTR_FIELD_MEMH),
                                           .memh = u->src_memh, .memory_type = u->mem_type};
-                ucx_bind(u);
                 void *r = ucp_tag_send_nbx(q->ep, from, n, kv_tag(s->peer_req_id, ly, kv, run), &rp);
                 if (UCS_PTR_IS_ERR(r)) {
                     PD_LOG_W("kvconn: request %llu: ucx send: %s", (unsigned long long)s->peer_req_id,

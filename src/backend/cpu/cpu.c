@@ -73,13 +73,6 @@ static void cpu_rope_kv(pd_backend *b, const pd_rope_kv_params *p);
 // The fused forms (backend.h) as the unfused ops compute them: the norm into a temporary, the GEMM
 // into (M, 2N) then silu_mul for glu; the residual add is accumulate in f32; rope_kv after.
 static void cpu_matmul(pd_backend *b, const pd_matmul_params *p) {
-    if (!p->norm_w && !p->glu) {
-        pd_matmul_params q = *p;
-        q.accumulate = p->accumulate || p->residual;
-        cpu_gemm(&q);
-        if (p->rope) cpu_rope_kv(b, p->rope);
-        return;
-    }
     pd_matmul_params q = *p;
     float *normed = NULL, *gu = NULL;
     if (p->norm_w) {

@@ -81,12 +81,9 @@ void pd_cuda_gemm_init(pd_cuda_backend *cb) {
     // PD_CUDA_SKINNY=0 off, 1 (the default) the measured per-shape rule of skinny_choice, 2 every
     // supported call (tests, op_bench);
     // PD_CUDA_SKINNY_ROWS=2 selects 2 weight rows per block instead of 4 (measurements).
-    cb->skinny = 1;
-    e = getenv("PD_CUDA_SKINNY");
-    if (e && *e) cb->skinny = atoi(e);
-    cb->skinny_rows = 4;
-    e = getenv("PD_CUDA_SKINNY_ROWS");
-    if (e && *e) cb->skinny_rows = atoi(e) == 2 ? 2 : 4;
+    cb->skinny = env_int("PD_CUDA_SKINNY", 1, 0, 2);
+    cb->skinny_rows = env_int("PD_CUDA_SKINNY_ROWS", 4, 2, 4);
+    if (cb->skinny_rows == 3) pd_abort(__FILE__, __LINE__, __func__, "PD_CUDA_SKINNY_ROWS must be 2 or 4");
     // Which of the two skinny kernels takes an M (see skinny_choice): PD_CUDA_SKINNY_MMA=0 the
     // CUDA-core kernel only (M <= 8; larger M go to cuBLASLt), 1 (the default) the rule measured end
     // to end (CUDA cores to M = 5, no tensor cores), 2 the tensor-core kernel for every M <= 16
@@ -110,29 +107,19 @@ void pd_cuda_gemm_init(pd_cuda_backend *cb) {
     // 164.4, M = 8 201.5 / 274.2 / 202.2 (the norm computed on the fly makes the kernel issue-bound
     // from 4 rows; at 8 the skinny kernel itself loses to cuBLASLt, gemv call A). The fused forms
     // themselves run on the skinny kernel whenever it supports the call.
-    cb->skinny_fuse = 4;
-    e = getenv("PD_CUDA_SKINNY_FUSE");
-    if (e && *e && atoi(e) <= 0) cb->skinny_fuse = 0;
-    e = getenv("PD_CUDA_SKINNY_FUSE_MAX_M");
-    if (cb->skinny_fuse && e && *e) cb->skinny_fuse = PD_MAX(1, PD_MIN(atoi(e), PD_SKINNY_MAX_M));
-    cb->fuse_norm_max_m = 2;
-    e = getenv("PD_CUDA_FUSE_NORM_MAX_M");
-    if (e && *e) cb->fuse_norm_max_m = PD_MAX(0, PD_MIN(atoi(e), PD_SKINNY_MAX_M));
+    cb->skinny_fuse = env_int("PD_CUDA_SKINNY_FUSE", 1, 0, 1) ? env_int("PD_CUDA_SKINNY_FUSE_MAX_M", 4, 1, PD_SKINNY_MAX_M) : 0;
+    cb->fuse_norm_max_m = env_int("PD_CUDA_FUSE_NORM_MAX_M", 2, 0, PD_SKINNY_MAX_M);
     // Measurement knobs, each 0 runs that part as its own kernel around the skinny GEMM:
     // PD_CUDA_FUSE_ROPE (rope_kv), PD_CUDA_FUSE_NORM (rmsnorm), PD_CUDA_FUSE_GLU (silu_mul).
-    e = getenv("PD_CUDA_FUSE_ROPE");
-    cb->fuse_rope = !(e && !strcmp(e, "0"));
-    e = getenv("PD_CUDA_FUSE_NORM");
-    if (e && !strcmp(e, "0")) cb->fuse_norm_max_m = 0;
-    e = getenv("PD_CUDA_FUSE_GLU");
-    cb->fuse_glu = !(e && !strcmp(e, "0"));
+    cb->fuse_rope = env_int("PD_CUDA_FUSE_ROPE", 1, 0, 1);
+    if (!env_int("PD_CUDA_FUSE_NORM", 1, 0, 1)) cb->fuse_norm_max_m = 0;
+    cb->fuse_glu = env_int("PD_CUDA_FUSE_GLU", 1, 0, 1);
 }
 
 bool pd_cuda_gemm_fuses(pd_backend *b, int M) {  // (PD_CUDA_SKINNY=0: no skinny kernel, no fused forms)
     const pd_cuda_backend *cb = pd_cuda_backend_of(b);
     return cb->skinny > 0 && M >= 1 && M <= cb->skinny_fuse;
 }
-
 
 enum { SKINNY_NONE, SKINNY_CORES, SKINNY_MMA, SKINNY_MMA_PIPE };
 
