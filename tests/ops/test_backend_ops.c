@@ -710,6 +710,64 @@ PD_TEST(test_cuda_fused_rope) {
     ctx_fini(&c);
 }
 
+// Backends for the fused forms on the tensor-core kernel: every call on skinny_mma.cu
+// (PD_CUDA_SKINNY=2 PD_CUDA_SKINNY_MMA=2), every fused form there from one row
+// (PD_CUDA_FUSE_MMA_MIN_M=1, _FORMS=15, up to 16 rows), pipe "0" / "1"; fused = false: the same without the
+// fused forms on it (the unfused reference: the same GEMM, so the same sums).
+static pd_backend *fused_mma_backend(const char *pipe, bool fused) {
+    if (fused)
+        setenv("PD_CUDA_FUSE_MMA_MIN_M", "1", 1), setenv("PD_CUDA_SKINNY_FUSE_MAX_M", "16", 1),
+            setenv("PD_CUDA_FUSE_MMA_FORMS", "15", 1);
+    pd_backend *b = skinny_backend(&(skinny_var){.skinny = "2", .mma = "2", .pipe = pipe});
+    unsetenv("PD_CUDA_FUSE_MMA_MIN_M"), unsetenv("PD_CUDA_SKINNY_FUSE_MAX_M"), unsetenv("PD_CUDA_FUSE_MMA_FORMS");
+    PD_ASSERT(b);
+    return b;
+}
+
+// Every fused form on the tensor-core kernel (verify steps: M = k + 1), M = 1..16, random shapes
+// (odd N), bias on and off, single- and double-buffered; decode-sized shapes; the layer chain;
+// the qkv GEMM with RoPE + KV write (head_dim % 16 == 0; head_dim 8: RoPE apart).
+PD_TEST(test_cuda_matmul_fused_mma) {
+    ctx c;
+    if (!ctx_init(&c, 24)) PD_SKIP("%s: no CUDA device", __func__);
+    pd_backend *dflt = c.gpu;
+    for (int pipe = 0; pipe < 2; pipe++) {
+        pd_backend *fm = fused_mma_backend(pipe ? "1" : "0", true);
+        g_unfused = fused_mma_backend(pipe ? "1" : "0", false);
+        int Ms[] = {1, 4, 5, 6, 7, 8, 9, 12, 16};
+        for (size_t mi = 0; mi < PD_ARRAY_LEN(Ms); mi++) {
+            if (pipe && Ms[mi] % 4 != 1) continue;
+            for (size_t f = 0; f < PD_ARRAY_LEN(FUSED_FORMS); f++)
+                for (int i = 0; i < 2; i++) {
+                    int M = Ms[mi], N = 1 + (int)(pd_rng_next(&c.rng) % 300);
+                    int K = 8 * (1 + (int)(pd_rng_next(&c.rng) % (i ? 500 : 20)));
+                    fused_case(&c, fm, M, N, K, FUSED_FORMS[f] | (((int)f + i + M) % 2 ? FZ_BIAS : 0));
+                }
+        }
+        int dec[][3] = {{6144, 4096, FZ_NORM | FZ_BIAS}, {4096, 4096, FZ_RES}, {3584, 4096, FZ_NORM | FZ_GLU},
+                        {2048, 14336, FZ_RES | FZ_BIAS}, {9000, 4096, FZ_NORM | FZ_F32}};
+        for (int M = 5; M <= 8; M += 3)
+            for (size_t s = 0; s < PD_ARRAY_LEN(dec); s++) fused_case(&c, fm, M, dec[s][0], dec[s][1], dec[s][2]);
+        c.gpu = fm;
+        fused_chain_case(&c, 5, 1024, 2816, 5000);
+        fused_chain_case(&c, 16, 256, 688, 300);
+        int cfg[][4] = {{4, 2, 64, 256}, {32, 8, 128, 4096}, {4, 1, 32, 200}, {8, 8, 64, 96}, {2, 1, 8, 64}};
+        for (size_t ci = 0; ci < PD_ARRAY_LEN(cfg); ci++)
+            for (int M = 1; M <= 16; M += pipe ? 4 : 1)
+                for (int nb = 0; nb < 4; nb++) {
+                    if (cfg[ci][3] >= 4096 && M % 4 != 1) continue;
+                    rope_fused_case(&c, M, cfg[ci][0], cfg[ci][1], cfg[ci][2], cfg[ci][3], nb & 1, nb & 2, PD_KV_ACT);
+                }
+        rope_fused_case(&c, 6, 4, 2, 64, 256, true, true, PD_KV_FP8);  // fp8 cache: RoPE apart
+        c.gpu = dflt;
+        pd_backend_free(fm);
+        pd_backend_free(g_unfused);
+        g_unfused = NULL;
+    }
+    ctx_fini(&c);
+}
+
+
 // K not a multiple of 8 (odd and even): the skinny kernel does not take these, the unfused fallback
 // (rmsnorm / cuBLASLt / silu_mul through the backend's scratch) does.
 PD_TEST(test_cuda_fused_odd_k) {

@@ -48,6 +48,8 @@ typedef struct pd_cuda_backend {
     int skinny_fuse;           // pd_backend_fuses_matmul for 1 <= M <= this (0: never; PD_CUDA_SKINNY_FUSE)
     bool fuse_rope, fuse_glu;  // parts the skinny kernel does itself (PD_CUDA_FUSE_*)
     int fuse_norm_max_m;       // and the norm for M <= this (PD_CUDA_FUSE_NORM_MAX_M)
+    int fuse_mma_min_m;        // fused forms on the tensor-core kernel for M >= this (0: never)
+    int fuse_mma_forms;        // which forms (gemm.c FUSE_MMA_*; all above 8 rows)
     void *fuse_ws;             // the fused forms' unfused fallback (M > 8, unaligned): norm / gate_up
     size_t fuse_ws_bytes;
     // attention split-K partials; grows outside graph capture only

@@ -107,13 +107,25 @@ void pd_cuda_gemm_init(pd_cuda_backend *cb) {
     // 164.4, M = 8 201.5 / 274.2 / 202.2 (the norm computed on the fly makes the kernel issue-bound
     // from 4 rows; at 8 the skinny kernel itself loses to cuBLASLt, gemv call A). The fused forms
     // themselves run on the skinny kernel whenever it supports the call.
-    cb->skinny_fuse = env_int("PD_CUDA_SKINNY_FUSE", 1, 0, 1) ? env_int("PD_CUDA_SKINNY_FUSE_MAX_M", 4, 1, PD_SKINNY_MAX_M) : 0;
+    // (above 8 rows, or 4 rows with the norm folded, without PD_CUDA_FUSE_MMA_MIN_M: the parts the
+    // CUDA-core kernel cannot take run unfused, correct but slower.)
+    cb->skinny_fuse = env_int("PD_CUDA_SKINNY_FUSE", 1, 0, 1) ? env_int("PD_CUDA_SKINNY_FUSE_MAX_M", 4, 1, PD_SKINNY_MMA_MAX_M) : 0;
     cb->fuse_norm_max_m = env_int("PD_CUDA_FUSE_NORM_MAX_M", 2, 0, PD_SKINNY_MAX_M);
     // Measurement knobs, each 0 runs that part as its own kernel around the skinny GEMM:
     // PD_CUDA_FUSE_ROPE (rope_kv), PD_CUDA_FUSE_NORM (rmsnorm), PD_CUDA_FUSE_GLU (silu_mul).
     cb->fuse_rope = env_int("PD_CUDA_FUSE_ROPE", 1, 0, 1);
     if (!env_int("PD_CUDA_FUSE_NORM", 1, 0, 1)) cb->fuse_norm_max_m = 0;
     cb->fuse_glu = env_int("PD_CUDA_FUSE_GLU", 1, 0, 1);
+    // Fused forms on the tensor-core kernel (kernels/skinny_mma.cu: its cost does not grow with M,
+    // the CUDA-core kernel's does): M >= PD_CUDA_FUSE_MMA_MIN_M (0: never) runs the fused GEMMs
+    // there, the norm as its own kernel before; up to M = 16, so PD_CUDA_SKINNY_FUSE_MAX_M may go to
+    // 16 with it. Speculative verify steps at batch 1 (M = k + 1).
+    cb->fuse_mma_min_m = env_int("PD_CUDA_FUSE_MMA_MIN_M", 0, 0, PD_SKINNY_MMA_MAX_M);
+    // Which fused forms go there (a mask of FUSE_MMA_*: 1 the qkv GEMM with RoPE, 2 residual (o,
+    // down), 4 SwiGLU (gate_up), 8 the rest (the lm_head with its norm); default 7: the lm_head
+    // stays on the CUDA-core kernel, which streams it faster to M = 7: 334 vs 350 us at M = 5, op_bench
+    // gemv, session 9). From 8 rows every form goes there (the CUDA-core kernel is issue-bound).
+    cb->fuse_mma_forms = env_int("PD_CUDA_FUSE_MMA_FORMS", 7, 0, 15);
 }
 
 bool pd_cuda_gemm_fuses(pd_backend *b, int M) {  // (PD_CUDA_SKINNY=0: no skinny kernel, no fused forms)
@@ -311,6 +323,8 @@ static void rope_after(pd_backend *b, pd_cuda_backend *cb, const pd_rope_kv_para
     PD_CUDA_CHECK_LAUNCH();
 }
 
+enum { FUSE_MMA_ROPE = 1, FUSE_MMA_RESIDUAL = 2, FUSE_MMA_GLU = 4, FUSE_MMA_OTHER = 8 };
+
 // The fused forms (backend.h): one skinny kernel when it supports the call (rope in its epilogue
 // with a bf16 cache and head_dim % 4 == 0); parts it does not do (the PD_CUDA_FUSE_* knobs, or no
 // skinny kernel: M > 8, K % 8 != 0) run as the unfused kernels through cb->fuse_ws: rmsnorm into
@@ -320,11 +334,16 @@ static void rope_after(pd_backend *b, pd_cuda_backend *cb, const pd_rope_kv_para
 static void fused_matmul(pd_backend *b, pd_cuda_backend *cb, const pd_matmul_params *p, int lda) {
     const pd_rope_kv_params *rp = p->rope;
     bool nw_ok = !p->norm_w || ((uintptr_t)p->norm_w & 15) == 0;
-    bool skinny = nw_ok && pd_cuda_skinny_supported(p->M, p->K, lda, p->a, p->w);
+    // The tensor-core kernel from fuse_mma_min_m rows (no norm prologue: the norm runs apart)
+    int form = rp ? FUSE_MMA_ROPE : p->residual ? FUSE_MMA_RESIDUAL : p->glu ? FUSE_MMA_GLU : FUSE_MMA_OTHER;
+    bool mma = cb->skinny > 0 && cb->fuse_mma_min_m > 0 && p->M >= cb->fuse_mma_min_m &&
+               ((cb->fuse_mma_forms & form) || p->M >= PD_SKINNY_MAX_M) &&
+               pd_cuda_skinny_mma_supported(p->M, p->K, lda, p->a, p->w) && !(p->residual && p->out_f32);
+    bool skinny = mma || (nw_ok && pd_cuda_skinny_supported(p->M, p->K, lda, p->a, p->w));
     // What the skinny kernel does itself; the rest runs as the unfused kernels around it.
-    bool norm_in = skinny && p->norm_w && p->M <= cb->fuse_norm_max_m;
+    bool norm_in = skinny && !mma && p->norm_w && p->M <= cb->fuse_norm_max_m;
     bool glu_in = skinny && p->glu && cb->fuse_glu;
-    bool rope_in = skinny && rp && rp->kv_dtype == PD_KV_ACT && rp->head_dim % 4 == 0 && cb->fuse_rope;
+    bool rope_in = skinny && rp && rp->kv_dtype == PD_KV_ACT && rp->head_dim % (mma ? 16 : 4) == 0 && cb->fuse_rope;
     size_t normed = p->norm_w && !norm_in ? (size_t)p->M * (size_t)p->K * 2 : 0;
     size_t gu = p->glu && !glu_in ? (size_t)p->M * 2 * (size_t)p->N * 2 : 0;
     normed = (normed + 255) & ~(size_t)255;
@@ -339,7 +358,19 @@ static void fused_matmul(pd_backend *b, pd_cuda_backend *cb, const pd_matmul_par
         q.a = cb->fuse_ws, q.lda = 0;
     }
     if (p->glu && !glu_in) q.out = (char *)cb->fuse_ws + normed, q.N = 2 * p->N;
-    if (skinny) {
+    if (mma) {
+        pd_skinny_mma_kparams k = {.a = q.a, .w = q.w, .bias = q.bias, .out = q.out, .M = q.M, .N = q.N, .K = q.K,
+                                   .lda = q.lda ? q.lda : q.K, .accumulate = q.accumulate, .out_f32 = q.out_f32,
+                                   .rows = 16, .pipe = cb->skinny_mma_pipe > 0, .glu = q.glu,
+                                   .residual = q.residual, .rope = rope_in};
+        if (rope_in) {
+            k.positions = rp->positions, k.slot_mapping = rp->slot_mapping, k.inv_freq = rp->inv_freq;
+            k.k_cache = rp->k_cache, k.v_cache = rp->v_cache, k.attn_scaling = rp->attn_scaling;
+            k.n_heads = rp->n_heads, k.n_kv_heads = rp->n_kv_heads, k.head_dim = rp->head_dim;
+        }
+        pd_cuda_skinny_mma(&k, cb->stream);
+        PD_CUDA_CHECK_LAUNCH();
+    } else if (skinny) {
         pd_skinny_kparams k = {.a = q.a, .w = q.w, .bias = q.bias, .out = q.out, .M = q.M, .N = q.N, .K = q.K,
                                .lda = q.lda ? q.lda : q.K, .accumulate = q.accumulate, .out_f32 = q.out_f32,
                                .rows = 4, .norm_w = q.norm_w, .norm_eps = q.norm_eps, .glu = q.glu,
