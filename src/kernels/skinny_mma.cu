@@ -101,9 +101,11 @@ static __device__ __forceinline__ void pd_k_sm_batch(float (&acc)[T][NT][4], con
 // gate rows p0 + g in the first half, the up rows N + p0 + g in the second, p0 = 8 blockIdx.x) or
 // ROPE (T = 1: the first (H + Hkv) hd / 16 blocks rotate rows i0 + g and i0 + hd/2 + g of one q / k
 // head, i0 a multiple of 8; the rest own 16 consecutive v rows).
-template <int T, int NT, bool PIPE, int EPI>
+// L: 16-byte weight loads in flight per thread (PD_K_SM_LOADS, or 32 (T = 1): twice the bytes in
+// flight per block, for grids too small to fill every SM with blocks: N = 4096 gives 256 blocks).
+template <int T, int NT, bool PIPE, int EPI, int L>
 static __global__ void __launch_bounds__(PD_K_SM_THREADS) k_skinny_mma(pd_k_skinny_mma_args p) {
-    constexpr int U = PD_K_SM_LOADS / (2 * T) / (PIPE ? 2 : 1), BATCH = U * PD_K_SM_STEP;
+    constexpr int U = L / (2 * T) / (PIPE ? 2 : 1), BATCH = U * PD_K_SM_STEP;
     static_assert(EPI == PD_K_SM_PLAIN || EPI == PD_K_SM_RESIDUAL || T == 1, "glu / rope blocks are one 16-row tile");
     pd_k_pdl_trigger();
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
@@ -240,20 +242,24 @@ extern "C" int pd_cuda_skinny_mma_supported(int M, int K, int lda, const void *a
            ((uintptr_t)w & 15) == 0;
 }
 
-template <int T, bool PIPE, int EPI>
+template <int T, bool PIPE, int EPI, int L>
 static void pd_k_skinny_mma_launch_t(const pd_k_skinny_mma_args &a, cudaStream_t s) {
     unsigned n_blocks = (unsigned)((a.N + 16 * T - 1) / (16 * T));
     if (EPI == PD_K_SM_GLU) n_blocks = (unsigned)((a.N + 7) / 8);
     if (EPI == PD_K_SM_ROPE)  // rotation blocks (8 pairs each), then v blocks
         n_blocks = (unsigned)((a.H + a.Hkv) * (a.hd / 2) / 8 + (a.Hkv * a.hd + 15) / 16);
     dim3 grid(n_blocks), block(PD_K_SM_THREADS);
-    if (a.M <= 8) pd_k_launch(k_skinny_mma<T, 1, PIPE, EPI>, grid, block, 0, s, a);
-    else pd_k_launch(k_skinny_mma<T, 2, PIPE, EPI>, grid, block, 0, s, a);
+    if (a.M <= 8) pd_k_launch(k_skinny_mma<T, 1, PIPE, EPI, L>, grid, block, 0, s, a);
+    else pd_k_launch(k_skinny_mma<T, 2, PIPE, EPI, PD_K_SM_LOADS>, grid, block, 0, s, a);  // (32: spills)
 }
 
+// One 16-row tile per block, single- or double-buffered; 32 loads in flight per thread only
+// single-buffered at M <= 8 (221-223 registers, no spills; double-buffered or at M > 8 it spills).
 template <int EPI>
-static void pd_k_skinny_mma_launch_e(const pd_k_skinny_mma_args &a, bool pipe, cudaStream_t s) {
-    pipe ? pd_k_skinny_mma_launch_t<1, true, EPI>(a, s) : pd_k_skinny_mma_launch_t<1, false, EPI>(a, s);
+static void pd_k_skinny_mma_launch_e(const pd_k_skinny_mma_args &a, bool pipe, int loads, cudaStream_t s) {
+    if (loads == 32 && !pipe && a.M <= 8) pd_k_skinny_mma_launch_t<1, false, EPI, 32>(a, s);
+    else if (pipe) pd_k_skinny_mma_launch_t<1, true, EPI, PD_K_SM_LOADS>(a, s);
+    else pd_k_skinny_mma_launch_t<1, false, EPI, PD_K_SM_LOADS>(a, s);
 }
 
 extern "C" void pd_cuda_skinny_mma(const pd_skinny_mma_kparams *p, cudaStream_t s) {
@@ -268,10 +274,11 @@ extern "C" void pd_cuda_skinny_mma(const pd_skinny_mma_kparams *p, cudaStream_t 
     a.positions = p->positions, a.slot_mapping = p->slot_mapping, a.inv_freq = p->inv_freq;
     a.k_cache = (__nv_bfloat16 *)p->k_cache, a.v_cache = (__nv_bfloat16 *)p->v_cache;
     a.H = p->n_heads, a.Hkv = p->n_kv_heads, a.hd = p->head_dim, a.attn_scaling = p->attn_scaling;
-    if (p->rope) pd_k_skinny_mma_launch_e<PD_K_SM_ROPE>(a, p->pipe, s);
-    else if (p->glu) pd_k_skinny_mma_launch_e<PD_K_SM_GLU>(a, p->pipe, s);
-    else if (p->residual) pd_k_skinny_mma_launch_e<PD_K_SM_RESIDUAL>(a, p->pipe, s);
+    if (p->rope) pd_k_skinny_mma_launch_e<PD_K_SM_ROPE>(a, p->pipe, p->loads, s);
+    else if (p->glu) pd_k_skinny_mma_launch_e<PD_K_SM_GLU>(a, p->pipe, p->loads, s);
+    else if (p->residual) pd_k_skinny_mma_launch_e<PD_K_SM_RESIDUAL>(a, p->pipe, p->loads, s);
     else if (p->rows == 32)
-        p->pipe ? pd_k_skinny_mma_launch_t<2, true, PD_K_SM_PLAIN>(a, s) : pd_k_skinny_mma_launch_t<2, false, PD_K_SM_PLAIN>(a, s);
-    else p->pipe ? pd_k_skinny_mma_launch_t<1, true, PD_K_SM_PLAIN>(a, s) : pd_k_skinny_mma_launch_t<1, false, PD_K_SM_PLAIN>(a, s);
+        p->pipe ? pd_k_skinny_mma_launch_t<2, true, PD_K_SM_PLAIN, PD_K_SM_LOADS>(a, s)
+                : pd_k_skinny_mma_launch_t<2, false, PD_K_SM_PLAIN, PD_K_SM_LOADS>(a, s);
+    else pd_k_skinny_mma_launch_e<PD_K_SM_PLAIN>(a, p->pipe, p->loads, s);
 }

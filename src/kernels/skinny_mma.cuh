@@ -21,6 +21,8 @@ typedef struct pd_skinny_mma_kparams {
     int accumulate, out_f32;
     int rows;          // weight rows per thread block: 16 or 32 (0: the default, 16)
     int pipe;          // 1: two register sets, the next batch's loads issued before this batch's MMAs
+    int loads;         // 16-byte weight loads in flight per thread: 16 (0: the default) or 32 (16 rows, M <= 8,
+                       // single-buffered only; else 16)
     // Fused epilogues (backend.h pd_matmul_params; the norm is not folded here: the caller
     // normalises first). 16 weight rows per block with any of them. glu: w is (2N, K), out (M, N)
     // = silu(gate) * up, a block's 16 rows are 8 gate rows and the matching 8 up rows; residual:

@@ -714,29 +714,33 @@ PD_TEST(test_cuda_fused_rope) {
 // (PD_CUDA_SKINNY=2 PD_CUDA_SKINNY_MMA=2), every fused form there from one row
 // (PD_CUDA_FUSE_MMA_MIN_M=1, _FORMS=15, up to 16 rows), pipe "0" / "1"; fused = false: the same without the
 // fused forms on it (the unfused reference: the same GEMM, so the same sums).
-static pd_backend *fused_mma_backend(const char *pipe, bool fused) {
+static pd_backend *fused_mma_backend(const char *pipe, bool loads32, bool fused) {
     if (fused)
         setenv("PD_CUDA_FUSE_MMA_MIN_M", "1", 1), setenv("PD_CUDA_SKINNY_FUSE_MAX_M", "16", 1),
             setenv("PD_CUDA_FUSE_MMA_FORMS", "15", 1);
+    if (loads32) setenv("PD_CUDA_SKINNY_MMA_LOADS", "32", 1);
     pd_backend *b = skinny_backend(&(skinny_var){.skinny = "2", .mma = "2", .pipe = pipe});
     unsetenv("PD_CUDA_FUSE_MMA_MIN_M"), unsetenv("PD_CUDA_SKINNY_FUSE_MAX_M"), unsetenv("PD_CUDA_FUSE_MMA_FORMS");
+    unsetenv("PD_CUDA_SKINNY_MMA_LOADS");
     PD_ASSERT(b);
     return b;
 }
 
 // Every fused form on the tensor-core kernel (verify steps: M = k + 1), M = 1..16, random shapes
-// (odd N), bias on and off, single- and double-buffered; decode-sized shapes; the layer chain;
+// (odd N), bias on and off, single- and double-buffered and with 32 loads in flight (plain GEMMs
+// included: the unfused reference runs on it); decode-sized shapes; the layer chain;
 // the qkv GEMM with RoPE + KV write (head_dim % 16 == 0; head_dim 8: RoPE apart).
 PD_TEST(test_cuda_matmul_fused_mma) {
     ctx c;
     if (!ctx_init(&c, 24)) PD_SKIP("%s: no CUDA device", __func__);
     pd_backend *dflt = c.gpu;
-    for (int pipe = 0; pipe < 2; pipe++) {
-        pd_backend *fm = fused_mma_backend(pipe ? "1" : "0", true);
-        g_unfused = fused_mma_backend(pipe ? "1" : "0", false);
+    for (int var = 0; var < 3; var++) {  // single-buffered, double-buffered, 32 loads in flight
+        int pipe = var == 1;
+        pd_backend *fm = fused_mma_backend(pipe ? "1" : "0", var == 2, true);
+        g_unfused = fused_mma_backend(pipe ? "1" : "0", var == 2, false);
         int Ms[] = {1, 4, 5, 6, 7, 8, 9, 12, 16};
         for (size_t mi = 0; mi < PD_ARRAY_LEN(Ms); mi++) {
-            if (pipe && Ms[mi] % 4 != 1) continue;
+            if (var && Ms[mi] % 4 != 1 && Ms[mi] != 8) continue;
             for (size_t f = 0; f < PD_ARRAY_LEN(FUSED_FORMS); f++)
                 for (int i = 0; i < 2; i++) {
                     int M = Ms[mi], N = 1 + (int)(pd_rng_next(&c.rng) % 300);
@@ -753,7 +757,7 @@ PD_TEST(test_cuda_matmul_fused_mma) {
         fused_chain_case(&c, 16, 256, 688, 300);
         int cfg[][4] = {{4, 2, 64, 256}, {32, 8, 128, 4096}, {4, 1, 32, 200}, {8, 8, 64, 96}, {2, 1, 8, 64}};
         for (size_t ci = 0; ci < PD_ARRAY_LEN(cfg); ci++)
-            for (int M = 1; M <= 16; M += pipe ? 4 : 1)
+            for (int M = 1; M <= 16; M += var ? 4 : 1)
                 for (int nb = 0; nb < 4; nb++) {
                     if (cfg[ci][3] >= 4096 && M % 4 != 1) continue;
                     rope_fused_case(&c, M, cfg[ci][0], cfg[ci][1], cfg[ci][2], cfg[ci][3], nb & 1, nb & 2, PD_KV_ACT);

@@ -45,6 +45,7 @@ typedef struct pd_cuda_backend {
     int skinny_mma;            // kernels/skinny_mma.cu (M <= 16): 0 never, 1/3 the measured rules, 2 always
     int skinny_mma_rows;       // its weight rows per block (16 or 32)
     int skinny_mma_pipe;       // its double-buffered weight loads: -1 the rule's choice, 0 off, 1 on
+    int skinny_mma_loads;      // its weight loads in flight per thread (16 or 32)
     int skinny_fuse;           // pd_backend_fuses_matmul for 1 <= M <= this (0: never; PD_CUDA_SKINNY_FUSE)
     bool fuse_rope, fuse_glu;  // parts the skinny kernel does itself (PD_CUDA_FUSE_*)
     int fuse_norm_max_m;       // and the norm for M <= this (PD_CUDA_FUSE_NORM_MAX_M)

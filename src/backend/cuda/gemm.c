@@ -96,6 +96,11 @@ void pd_cuda_gemm_init(pd_cuda_backend *cb) {
     if (cb->skinny_mma_rows != 16 && cb->skinny_mma_rows != 32)
         pd_abort(__FILE__, __LINE__, __func__, "PD_CUDA_SKINNY_MMA_ROWS must be 16 or 32");
     cb->skinny_mma_pipe = env_int("PD_CUDA_SKINNY_MMA_PIPE", -1, -1, 1);
+    // PD_CUDA_SKINNY_MMA_LOADS=32: 32 weight loads in flight per thread instead of 16 (16-row
+    // blocks; small grids: N = 4096 is 256 blocks, 2 per SM). Measurement knob.
+    cb->skinny_mma_loads = env_int("PD_CUDA_SKINNY_MMA_LOADS", 16, 16, 32);
+    if (cb->skinny_mma_loads != 16 && cb->skinny_mma_loads != 32)
+        pd_abort(__FILE__, __LINE__, __func__, "PD_CUDA_SKINNY_MMA_LOADS must be 16 or 32");
     // Fused decode layers (pd_backend_fuses_matmul; backend.h "Fused forms"): decode steps of
     // M <= PD_CUDA_SKINNY_FUSE_MAX_M tokens (default 4) run their layers as 5 kernels, RoPE + KV
     // write, SwiGLU and residual adds folded into skinny GEMMs, and the norms too for M <=
@@ -361,7 +366,7 @@ static void fused_matmul(pd_backend *b, pd_cuda_backend *cb, const pd_matmul_par
     if (mma) {
         pd_skinny_mma_kparams k = {.a = q.a, .w = q.w, .bias = q.bias, .out = q.out, .M = q.M, .N = q.N, .K = q.K,
                                    .lda = q.lda ? q.lda : q.K, .accumulate = q.accumulate, .out_f32 = q.out_f32,
-                                   .rows = 16, .pipe = cb->skinny_mma_pipe > 0, .glu = q.glu,
+                                   .rows = 16, .pipe = cb->skinny_mma_pipe > 0, .loads = cb->skinny_mma_loads, .glu = q.glu,
                                    .residual = q.residual, .rope = rope_in};
         if (rope_in) {
             k.positions = rp->positions, k.slot_mapping = rp->slot_mapping, k.inv_freq = rp->inv_freq;
@@ -418,7 +423,8 @@ void pd_cuda_gemm_matmul(pd_backend *b, const pd_matmul_params *p) {
     if (sk == SKINNY_MMA || sk == SKINNY_MMA_PIPE) {
         pd_skinny_mma_kparams k = {.a = p->a, .w = p->w, .bias = p->bias, .out = p->out, .M = p->M, .N = p->N,
                                    .K = p->K, .lda = lda, .accumulate = p->accumulate, .out_f32 = p->out_f32,
-                                   .rows = cb->skinny_mma_rows, .pipe = sk == SKINNY_MMA_PIPE};
+                                   .rows = cb->skinny_mma_rows, .pipe = sk == SKINNY_MMA_PIPE,
+                                   .loads = cb->skinny_mma_loads};
         pd_cuda_skinny_mma(&k, cb->stream);
         PD_CUDA_CHECK_LAUNCH();
         return;
