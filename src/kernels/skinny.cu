@@ -85,8 +85,10 @@ enum { PD_K_SK_PLAIN = 0, PD_K_SK_RESIDUAL = 1, PD_K_SK_GLU = 2, PD_K_SK_ROPE = 
 // (the qkv GEMM: the first (H + Hkv) hd / 4 blocks own two rotation pairs each, rows i, i + 1,
 // i + hd/2, i + hd/2 + 1 of one q / k head, and rotate them as rope_kv.cu does; the rest own 4
 // consecutive v rows; k and v go to the cache slot of each token, skipped where the slot is < 0).
-template <int M, int R, int NORM, int EPI>
-static __global__ void __launch_bounds__(PD_K_SK_THREADS) k_skinny(pd_k_skinny_args p) {
+// MB: the minimum blocks per SM asked of the compiler (1: no bound; 4 at M = 5: <= 128 registers,
+// 4 blocks of 32 KB of loads in flight per SM instead of 3 at its natural 130; no spills).
+template <int M, int R, int NORM, int EPI, int MB>
+static __global__ void __launch_bounds__(PD_K_SK_THREADS, MB) k_skinny(pd_k_skinny_args p) {
     constexpr int U = PD_K_SK_LOADS / R;
     pd_k_pdl_trigger();
     const int tid = threadIdx.x, chunks = p.K >> 3;
@@ -283,21 +285,24 @@ extern "C" int pd_cuda_skinny_supported(int M, int K, int lda, const void *a, co
 }
 
 template <int R, int NORM, int EPI>
-static void pd_k_skinny_launch_r(const pd_k_skinny_args &a, cudaStream_t s) {
+static void pd_k_skinny_launch_r(const pd_k_skinny_args &a, cudaStream_t s, bool occ4) {
     int rows = EPI == PD_K_SK_GLU ? R / 2 : R;
     unsigned n_blocks = (unsigned)((a.N + rows - 1) / rows);
     if (EPI == PD_K_SK_ROPE)  // rotation blocks (2 pairs each), then v blocks
         n_blocks = (unsigned)((a.H + a.Hkv) * (a.hd / 2) / 2 + (a.Hkv * a.hd + R - 1) / R);
     dim3 grid(n_blocks), block(PD_K_SK_THREADS);
     switch (a.M) {
-    case 1: pd_k_launch(k_skinny<1, R, NORM, EPI>, grid, block, 0, s, a); break;
-    case 2: pd_k_launch(k_skinny<2, R, NORM, EPI>, grid, block, 0, s, a); break;
-    case 3: pd_k_launch(k_skinny<3, R, NORM, EPI>, grid, block, 0, s, a); break;
-    case 4: pd_k_launch(k_skinny<4, R, NORM, EPI>, grid, block, 0, s, a); break;
-    case 5: pd_k_launch(k_skinny<5, R, NORM, EPI>, grid, block, 0, s, a); break;
-    case 6: pd_k_launch(k_skinny<6, R, NORM, EPI>, grid, block, 0, s, a); break;
-    case 7: pd_k_launch(k_skinny<7, R, NORM, EPI>, grid, block, 0, s, a); break;
-    default: pd_k_launch(k_skinny<8, R, NORM, EPI>, grid, block, 0, s, a); break;
+    case 1: pd_k_launch(k_skinny<1, R, NORM, EPI, 1>, grid, block, 0, s, a); break;
+    case 2: pd_k_launch(k_skinny<2, R, NORM, EPI, 1>, grid, block, 0, s, a); break;
+    case 3: pd_k_launch(k_skinny<3, R, NORM, EPI, 1>, grid, block, 0, s, a); break;
+    case 4: pd_k_launch(k_skinny<4, R, NORM, EPI, 1>, grid, block, 0, s, a); break;
+    case 5:
+        if (occ4) pd_k_launch(k_skinny<5, R, NORM, EPI, 4>, grid, block, 0, s, a);
+        else pd_k_launch(k_skinny<5, R, NORM, EPI, 1>, grid, block, 0, s, a);
+        break;
+    case 6: pd_k_launch(k_skinny<6, R, NORM, EPI, 1>, grid, block, 0, s, a); break;
+    case 7: pd_k_launch(k_skinny<7, R, NORM, EPI, 1>, grid, block, 0, s, a); break;
+    default: pd_k_launch(k_skinny<8, R, NORM, EPI, 1>, grid, block, 0, s, a); break;
     }
 }
 
@@ -314,18 +319,19 @@ extern "C" void pd_cuda_skinny(const pd_skinny_kparams *p, cudaStream_t s) {
     a.positions = p->positions, a.slot_mapping = p->slot_mapping, a.inv_freq = p->inv_freq;
     a.k_cache = (__nv_bfloat16 *)p->k_cache, a.v_cache = (__nv_bfloat16 *)p->v_cache;
     a.H = p->n_heads, a.Hkv = p->n_kv_heads, a.hd = p->head_dim, a.attn_scaling = p->attn_scaling;
+    const bool occ4 = p->occ4;
     if (p->rope) {  // the qkv GEMM: with the attention norm (decode) or without
-        if (p->norm_w) pd_k_skinny_launch_r<4, 1, PD_K_SK_ROPE>(a, s);
-        else pd_k_skinny_launch_r<4, 0, PD_K_SK_ROPE>(a, s);
+        if (p->norm_w) pd_k_skinny_launch_r<4, 1, PD_K_SK_ROPE>(a, s, occ4);
+        else pd_k_skinny_launch_r<4, 0, PD_K_SK_ROPE>(a, s, occ4);
         return;
     }
     // The fused forms: 4 rows per block (2 gate/up pairs with glu); only the instantiations the
     // decode step uses (norm with plain (lm_head) or glu (gate_up) or plain (qkv); residual alone).
-    if (p->norm_w && p->glu) pd_k_skinny_launch_r<4, 1, PD_K_SK_GLU>(a, s);
-    else if (p->norm_w && !p->residual) pd_k_skinny_launch_r<4, 1, PD_K_SK_PLAIN>(a, s);
-    else if (p->norm_w) pd_k_skinny_launch_r<4, 1, PD_K_SK_RESIDUAL>(a, s);
-    else if (p->glu) pd_k_skinny_launch_r<4, 0, PD_K_SK_GLU>(a, s);
-    else if (p->residual) pd_k_skinny_launch_r<4, 0, PD_K_SK_RESIDUAL>(a, s);
-    else if (p->rows == 2) pd_k_skinny_launch_r<2, 0, PD_K_SK_PLAIN>(a, s);
-    else pd_k_skinny_launch_r<4, 0, PD_K_SK_PLAIN>(a, s);
+    if (p->norm_w && p->glu) pd_k_skinny_launch_r<4, 1, PD_K_SK_GLU>(a, s, occ4);
+    else if (p->norm_w && !p->residual) pd_k_skinny_launch_r<4, 1, PD_K_SK_PLAIN>(a, s, occ4);
+    else if (p->norm_w) pd_k_skinny_launch_r<4, 1, PD_K_SK_RESIDUAL>(a, s, occ4);
+    else if (p->glu) pd_k_skinny_launch_r<4, 0, PD_K_SK_GLU>(a, s, occ4);
+    else if (p->residual) pd_k_skinny_launch_r<4, 0, PD_K_SK_RESIDUAL>(a, s, occ4);
+    else if (p->rows == 2) pd_k_skinny_launch_r<2, 0, PD_K_SK_PLAIN>(a, s, occ4);
+    else pd_k_skinny_launch_r<4, 0, PD_K_SK_PLAIN>(a, s, occ4);
 }

@@ -70,25 +70,33 @@ template <int T, int NT, int U>
 static __device__ __forceinline__ void pd_k_sm_batch(float (&acc)[T][NT][4], const uint4 (&wv)[U][T][2],
                                                      const uint4 *const (&ar)[NT], const bool (&a_on)[NT], int cb,
                                                      int t, int chunks) {
-    uint4 av[U][NT];
+    // The activation chunks in groups of AG steps (all U at once for 16 loads in flight; 4 at a
+    // time for 32, which would otherwise hold 64 more registers and fit fewer blocks per SM).
+    constexpr int AG = U > 8 ? 4 : U;
 #pragma unroll
-    for (int u = 0; u < U; u++)
+    for (int u0 = 0; u0 < U; u0 += AG) {
+        if (cb + u0 * PD_K_SM_STEP >= chunks) break;  // warp-uniform
+        uint4 av[AG][NT];
 #pragma unroll
-        for (int j = 0; j < NT; j++) {
-            int c = cb + t + u * PD_K_SM_STEP;
-            av[u][j] = a_on[j] && c < chunks ? __ldg(ar[j] + c) : make_uint4(0, 0, 0, 0);
-        }
-#pragma unroll
-    for (int u = 0; u < U; u++) {
-        if (cb + u * PD_K_SM_STEP >= chunks) break;  // warp-uniform; the lanes past the end hold zeros
-#pragma unroll
-        for (int i = 0; i < T; i++) {
-            const uint32_t a0[4] = {wv[u][i][0].x, wv[u][i][1].x, wv[u][i][0].y, wv[u][i][1].y};
-            const uint32_t a1[4] = {wv[u][i][0].z, wv[u][i][1].z, wv[u][i][0].w, wv[u][i][1].w};
+        for (int u = 0; u < AG; u++)
 #pragma unroll
             for (int j = 0; j < NT; j++) {
-                pd_k_mma_bf16(acc[i][j], a0, av[u][j].x, av[u][j].y);
-                pd_k_mma_bf16(acc[i][j], a1, av[u][j].z, av[u][j].w);
+                int c = cb + t + (u0 + u) * PD_K_SM_STEP;
+                av[u][j] = a_on[j] && c < chunks ? __ldg(ar[j] + c) : make_uint4(0, 0, 0, 0);
+            }
+#pragma unroll
+        for (int u = 0; u < AG; u++) {
+            if (cb + (u0 + u) * PD_K_SM_STEP >= chunks) break;  // warp-uniform; the lanes past the end hold zeros
+#pragma unroll
+            for (int i = 0; i < T; i++) {
+                const uint4 &w0 = wv[u0 + u][i][0], &w1 = wv[u0 + u][i][1];
+                const uint32_t a0[4] = {w0.x, w1.x, w0.y, w1.y};
+                const uint32_t a1[4] = {w0.z, w1.z, w0.w, w1.w};
+#pragma unroll
+                for (int j = 0; j < NT; j++) {
+                    pd_k_mma_bf16(acc[i][j], a0, av[u][j].x, av[u][j].y);
+                    pd_k_mma_bf16(acc[i][j], a1, av[u][j].z, av[u][j].w);
+                }
             }
         }
     }

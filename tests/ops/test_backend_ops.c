@@ -730,7 +730,7 @@ static pd_backend *fused_mma_backend(const char *pipe, bool loads32, bool fused)
 // (odd N), bias on and off, single- and double-buffered and with 32 loads in flight (plain GEMMs
 // included: the unfused reference runs on it); decode-sized shapes; the layer chain;
 // the qkv GEMM with RoPE + KV write (head_dim % 16 == 0; head_dim 8: RoPE apart).
-PD_TEST(test_cuda_matmul_fused_mma) {
+PD_TEST(test_cuda_matmul_fused_verify) {
     ctx c;
     if (!ctx_init(&c, 24)) PD_SKIP("%s: no CUDA device", __func__);
     pd_backend *dflt = c.gpu;
@@ -757,8 +757,9 @@ PD_TEST(test_cuda_matmul_fused_mma) {
         fused_chain_case(&c, 16, 256, 688, 300);
         int cfg[][4] = {{4, 2, 64, 256}, {32, 8, 128, 4096}, {4, 1, 32, 200}, {8, 8, 64, 96}, {2, 1, 8, 64}};
         for (size_t ci = 0; ci < PD_ARRAY_LEN(cfg); ci++)
-            for (int M = 1; M <= 16; M += var ? 4 : 1)
+            for (int M = 1; M <= 16; M += 1)
                 for (int nb = 0; nb < 4; nb++) {
+                    if (var && M != 5 && M != 8) continue;  // the other builds: the verify sizes
                     if (cfg[ci][3] >= 4096 && M % 4 != 1) continue;
                     rope_fused_case(&c, M, cfg[ci][0], cfg[ci][1], cfg[ci][2], cfg[ci][3], nb & 1, nb & 2, PD_KV_ACT);
                 }
@@ -768,6 +769,26 @@ PD_TEST(test_cuda_matmul_fused_mma) {
         pd_backend_free(g_unfused);
         g_unfused = NULL;
     }
+    // The CUDA-core kernel's 128-register build at M = 5 (PD_CUDA_SKINNY_OCC4=1): plain and fused.
+    setenv("PD_CUDA_SKINNY_OCC4", "1", 1);
+    pd_backend *o4 = skinny_backend(&(skinny_var){.skinny = "2", .mma = "0"});
+    unsetenv("PD_CUDA_SKINNY_OCC4");
+    PD_REQUIRE(o4 != NULL);
+    g_unfused = o4;
+    for (size_t f = 0; f < PD_ARRAY_LEN(FUSED_FORMS); f++)
+        for (int i = 0; i < 2; i++) {
+            int N = 1 + (int)(pd_rng_next(&c.rng) % 300), K = 8 * (1 + (int)(pd_rng_next(&c.rng) % (i ? 500 : 20)));
+            fused_case(&c, o4, 5, N, K, FUSED_FORMS[f] | (i ? FZ_BIAS : 0));
+        }
+    fused_case(&c, o4, 5, 3584, 4096, FZ_NORM | FZ_GLU);
+    fused_case(&c, o4, 5, 2048, 14336, FZ_RES | FZ_BIAS);
+    c.gpu = o4;
+    matmul_case(&c, o4, 5, 4096, 4096, 4096, false, false, false);
+    matmul_case(&c, o4, 5, 1027, 14336, 14336, true, false, false);
+    for (int nb = 0; nb < 4; nb++) rope_fused_case(&c, 5, 32, 8, 128, 4096, nb & 1, nb & 2, PD_KV_ACT);
+    c.gpu = dflt;
+    g_unfused = NULL;
+    pd_backend_free(o4);
     ctx_fini(&c);
 }
 

@@ -83,6 +83,9 @@ void pd_cuda_gemm_init(pd_cuda_backend *cb) {
     // PD_CUDA_SKINNY_ROWS=2 selects 2 weight rows per block instead of 4 (measurements).
     cb->skinny = env_int("PD_CUDA_SKINNY", 1, 0, 2);
     cb->skinny_rows = env_int("PD_CUDA_SKINNY_ROWS", 4, 2, 4);
+    // PD_CUDA_SKINNY_OCC4=1: at M = 5 the CUDA-core kernel's build bounded to 128 registers, 4
+    // blocks (128 KB of weight loads in flight) per SM instead of 3. Measurement knob.
+    cb->skinny_occ4 = env_int("PD_CUDA_SKINNY_OCC4", 0, 0, 1);
     if (cb->skinny_rows == 3) pd_abort(__FILE__, __LINE__, __func__, "PD_CUDA_SKINNY_ROWS must be 2 or 4");
     // Which of the two skinny kernels takes an M (see skinny_choice): PD_CUDA_SKINNY_MMA=0 the
     // CUDA-core kernel only (M <= 8; larger M go to cuBLASLt), 1 (the default) the rule measured end
@@ -378,7 +381,7 @@ static void fused_matmul(pd_backend *b, pd_cuda_backend *cb, const pd_matmul_par
     } else if (skinny) {
         pd_skinny_kparams k = {.a = q.a, .w = q.w, .bias = q.bias, .out = q.out, .M = q.M, .N = q.N, .K = q.K,
                                .lda = q.lda ? q.lda : q.K, .accumulate = q.accumulate, .out_f32 = q.out_f32,
-                               .rows = 4, .norm_w = q.norm_w, .norm_eps = q.norm_eps, .glu = q.glu,
+                               .rows = 4, .occ4 = cb->skinny_occ4, .norm_w = q.norm_w, .norm_eps = q.norm_eps, .glu = q.glu,
                                .residual = q.residual, .rope = rope_in};
         if (rope_in) {
             k.positions = rp->positions, k.slot_mapping = rp->slot_mapping, k.inv_freq = rp->inv_freq;
@@ -432,7 +435,7 @@ void pd_cuda_gemm_matmul(pd_backend *b, const pd_matmul_params *p) {
     if (sk == SKINNY_CORES) {
         pd_skinny_kparams k = {.a = p->a, .w = p->w, .bias = p->bias, .out = p->out, .M = p->M, .N = p->N,
                                .K = p->K, .lda = lda, .accumulate = p->accumulate, .out_f32 = p->out_f32,
-                               .rows = cb->skinny_rows};
+                               .rows = cb->skinny_rows, .occ4 = cb->skinny_occ4};
         pd_cuda_skinny(&k, cb->stream);
         PD_CUDA_CHECK_LAUNCH();
         return;
