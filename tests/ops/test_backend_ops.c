@@ -769,26 +769,34 @@ PD_TEST(test_cuda_matmul_fused_verify) {
         pd_backend_free(g_unfused);
         g_unfused = NULL;
     }
-    // The CUDA-core kernel's 128-register build at M = 5 (PD_CUDA_SKINNY_OCC4=1): plain and fused.
-    setenv("PD_CUDA_SKINNY_OCC4", "1", 1);
-    pd_backend *o4 = skinny_backend(&(skinny_var){.skinny = "2", .mma = "0"});
-    unsetenv("PD_CUDA_SKINNY_OCC4");
-    PD_REQUIRE(o4 != NULL);
-    g_unfused = o4;
-    for (size_t f = 0; f < PD_ARRAY_LEN(FUSED_FORMS); f++)
-        for (int i = 0; i < 2; i++) {
-            int N = 1 + (int)(pd_rng_next(&c.rng) % 300), K = 8 * (1 + (int)(pd_rng_next(&c.rng) % (i ? 500 : 20)));
-            fused_case(&c, o4, 5, N, K, FUSED_FORMS[f] | (i ? FZ_BIAS : 0));
-        }
-    fused_case(&c, o4, 5, 3584, 4096, FZ_NORM | FZ_GLU);
-    fused_case(&c, o4, 5, 2048, 14336, FZ_RES | FZ_BIAS);
-    c.gpu = o4;
-    matmul_case(&c, o4, 5, 4096, 4096, 4096, false, false, false);
-    matmul_case(&c, o4, 5, 1027, 14336, 14336, true, false, false);
-    for (int nb = 0; nb < 4; nb++) rope_fused_case(&c, 5, 32, 8, 128, 4096, nb & 1, nb & 2, PD_KV_ACT);
-    c.gpu = dflt;
-    g_unfused = NULL;
-    pd_backend_free(o4);
+    // The CUDA-core kernel's other builds: 128 registers at M = 5 (PD_CUDA_SKINNY_OCC4=1), weights
+    // through shared memory (PD_CUDA_SKINNY_ASYNC=1, every M): plain and fused.
+    const char *knob[2] = {"PD_CUDA_SKINNY_OCC4", "PD_CUDA_SKINNY_ASYNC"};
+    for (int v = 0; v < 2; v++) {
+        setenv(knob[v], "1", 1);
+        pd_backend *o4 = skinny_backend(&(skinny_var){.skinny = "2", .mma = "0"});
+        unsetenv(knob[v]);
+        PD_REQUIRE(o4 != NULL);
+        g_unfused = o4;
+        int ms[] = {1, 3, 5, 8};
+        for (size_t mi = v ? 0 : 2; mi < (v ? 4 : 3); mi++)
+            for (size_t f = 0; f < PD_ARRAY_LEN(FUSED_FORMS); f++)
+                for (int i = 0; i < 2; i++) {
+                    int N = 1 + (int)(pd_rng_next(&c.rng) % 300), K = 8 * (1 + (int)(pd_rng_next(&c.rng) % (i ? 500 : 20)));
+                    fused_case(&c, o4, ms[mi], N, K, FUSED_FORMS[f] | (i ? FZ_BIAS : 0));
+                }
+        fused_case(&c, o4, 5, 3584, 4096, FZ_NORM | FZ_GLU);
+        fused_case(&c, o4, 5, 2048, 14336, FZ_RES | FZ_BIAS);
+        c.gpu = o4;
+        matmul_case(&c, o4, 5, 4096, 4096, 4096, false, false, false);
+        matmul_case(&c, o4, 5, 1027, 14336, 14336, true, false, false);
+        if (v) matmul_case(&c, o4, 8, 1027, 4104, 4104, false, true, true);
+        for (int nb = 0; nb < 4; nb++) rope_fused_case(&c, 5, 32, 8, 128, 4096, nb & 1, nb & 2, PD_KV_ACT);
+        if (v) rope_fused_case(&c, 8, 4, 2, 64, 256, true, true, PD_KV_ACT);
+        c.gpu = dflt;
+        g_unfused = NULL;
+        pd_backend_free(o4);
+    }
     ctx_fini(&c);
 }
 

@@ -353,8 +353,11 @@ int main(int argc, char **argv) {
             setenv("PD_CUDA_SKINNY_OCC4", "1", 1);  // its 128-register build at M = 5
             pd_backend *fc4 = pd_backend_new("cuda", 0, &err);
             unsetenv("PD_CUDA_SKINNY_OCC4");
+            setenv("PD_CUDA_SKINNY_ASYNC", "1", 1);  // its weights through shared memory
+            pd_backend *fca = pd_backend_new("cuda", 0, &err);
+            unsetenv("PD_CUDA_SKINNY_ASYNC");
             unsetenv("PD_CUDA_SKINNY_MMA");
-            if (!fm1 || !fm2 || !fcn || !fmq || !fm3 || !fc4) { fprintf(stderr, "no cuda: %s\n", err.msg); return 1; }
+            if (!fm1 || !fm2 || !fcn || !fmq || !fm3 || !fc4 || !fca) { fprintf(stderr, "no cuda: %s\n", err.msg); return 1; }
             double floor_us = isnan(copy_gbs) ? NAN : bytes / (copy_gbs * 1e3);
             int vm[] = {1, 2, 4, 5, 6, 8, 9, 12, 16};
             for (int mi = 0; mi < 9; mi++) {
@@ -366,12 +369,13 @@ int main(int argc, char **argv) {
                 double t_c = l.M <= 8 ? time_us(sk, ly_op, &l, 100) : NAN;
                 double t_cn = l.M <= 8 ? time_us(fcn, ly_op, &l, 100) : NAN;
                 double t_c4 = l.M == 5 ? time_us(fc4, ly_op, &l, 100) : NAN;
+                double t_ca = l.M <= 8 ? time_us(fca, ly_op, &l, 100) : NAN;
                 double t_m1 = time_us(fm1, ly_op, &l, 100), t_m2 = time_us(fm2, ly_op, &l, 100);
                 double t_mq = time_us(fmq, ly_op, &l, 100), t_m3 = time_us(fm3, ly_op, &l, 100);
                 printf("fusev layer M=%-2d  unfused rule %6.1f us  unfused cublasLt %6.1f  fused cores %6.1f  fused cores "
-                       "norm-in %6.1f  fused cores occ4 %6.1f  fused mma %6.1f  fused mma pipe %6.1f  fused mma 32 loads "
-                       "%6.1f  qkv on mma pipe, rest cores %6.1f  (floor at the copy rate %.1f us)\n",
-                       l.M, t_r, t_lt, t_c, t_cn, t_c4, t_m1, t_m2, t_m3, t_mq, floor_us);
+                       "norm-in %6.1f  fused cores occ4 %6.1f  fused cores async %6.1f  fused mma %6.1f  fused mma pipe "
+                       "%6.1f  fused mma 32 loads %6.1f  qkv on mma pipe, rest cores %6.1f  (floor at the copy rate %.1f us)\n",
+                       l.M, t_r, t_lt, t_c, t_cn, t_c4, t_ca, t_m1, t_m2, t_m3, t_mq, floor_us);
             }
             if (!want("fuse")) goto fuse_done;
         }

@@ -86,6 +86,10 @@ void pd_cuda_gemm_init(pd_cuda_backend *cb) {
     // PD_CUDA_SKINNY_OCC4=1: at M = 5 the CUDA-core kernel's build bounded to 128 registers, 4
     // blocks (128 KB of weight loads in flight) per SM instead of 3. Measurement knob.
     cb->skinny_occ4 = env_int("PD_CUDA_SKINNY_OCC4", 0, 0, 1);
+    // PD_CUDA_SKINNY_ASYNC=1: the CUDA-core kernel copies its weights into shared memory with
+    // cp.async instead of loading them into registers (more blocks, so more bytes in flight, per SM
+    // at M >= 5). Measurement knob.
+    cb->skinny_async = env_int("PD_CUDA_SKINNY_ASYNC", 0, 0, 1);
     if (cb->skinny_rows == 3) pd_abort(__FILE__, __LINE__, __func__, "PD_CUDA_SKINNY_ROWS must be 2 or 4");
     // Which of the two skinny kernels takes an M (see skinny_choice): PD_CUDA_SKINNY_MMA=0 the
     // CUDA-core kernel only (M <= 8; larger M go to cuBLASLt), 1 (the default) the rule measured end
@@ -381,7 +385,7 @@ static void fused_matmul(pd_backend *b, pd_cuda_backend *cb, const pd_matmul_par
     } else if (skinny) {
         pd_skinny_kparams k = {.a = q.a, .w = q.w, .bias = q.bias, .out = q.out, .M = q.M, .N = q.N, .K = q.K,
                                .lda = q.lda ? q.lda : q.K, .accumulate = q.accumulate, .out_f32 = q.out_f32,
-                               .rows = 4, .occ4 = cb->skinny_occ4, .norm_w = q.norm_w, .norm_eps = q.norm_eps, .glu = q.glu,
+                               .rows = 4, .occ4 = cb->skinny_occ4, .async = cb->skinny_async, .norm_w = q.norm_w, .norm_eps = q.norm_eps, .glu = q.glu,
                                .residual = q.residual, .rope = rope_in};
         if (rope_in) {
             k.positions = rp->positions, k.slot_mapping = rp->slot_mapping, k.inv_freq = rp->inv_freq;
@@ -435,7 +439,8 @@ void pd_cuda_gemm_matmul(pd_backend *b, const pd_matmul_params *p) {
     if (sk == SKINNY_CORES) {
         pd_skinny_kparams k = {.a = p->a, .w = p->w, .bias = p->bias, .out = p->out, .M = p->M, .N = p->N,
                                .K = p->K, .lda = lda, .accumulate = p->accumulate, .out_f32 = p->out_f32,
-                               .rows = cb->skinny_rows, .occ4 = cb->skinny_occ4};
+                               .rows = cb->skinny_rows, .occ4 = cb->skinny_occ4,
+                               .async = cb->skinny_async};
         pd_cuda_skinny(&k, cb->stream);
         PD_CUDA_CHECK_LAUNCH();
         return;

@@ -15,7 +15,8 @@
 # PD_CUDA_SKINNY_FUSE_MAX_M=16); T5P = T5 double-buffered (PD_CUDA_SKINNY_MMA_PIPE=1); Q5 = only the
 # qkv GEMM there (double-buffered), the other fused forms on CUDA cores to M = 8; T5L = T5 with 32
 # weight loads in flight per thread (PD_CUDA_SKINNY_MMA_LOADS=32); C8O = C8 with the CUDA-core
-# kernel's 128-register build at M = 5 (PD_CUDA_SKINNY_OCC4=1: 4 blocks per SM instead of 3).
+# kernel's 128-register build at M = 5 (PD_CUDA_SKINNY_OCC4=1: 4 blocks per SM instead of 3); C8A =
+# C8 with the CUDA-core kernel's weights through shared memory (PD_CUDA_SKINNY_ASYNC=1).
 set -u
 OUT=$1; mkdir -p "$OUT"
 D=build/gpu-spec10
@@ -34,6 +35,7 @@ env_of() {
     T5P) echo "PD_CUDA_FUSE_MMA_MIN_M=5 PD_CUDA_SKINNY_FUSE_MAX_M=16 PD_CUDA_SKINNY_MMA_PIPE=1";;
     T1) echo "PD_CUDA_FUSE_MMA_MIN_M=1 PD_CUDA_SKINNY_FUSE_MAX_M=16";;
     C8O) echo "PD_CUDA_SKINNY_FUSE_MAX_M=8 PD_CUDA_SKINNY_OCC4=1";;
+    C8A) echo "PD_CUDA_SKINNY_FUSE_MAX_M=8 PD_CUDA_SKINNY_ASYNC=1";;
     T5L) echo "PD_CUDA_FUSE_MMA_MIN_M=5 PD_CUDA_SKINNY_FUSE_MAX_M=16 PD_CUDA_SKINNY_MMA_LOADS=32";;
     Q5) echo "PD_CUDA_FUSE_MMA_MIN_M=5 PD_CUDA_SKINNY_FUSE_MAX_M=16 PD_CUDA_FUSE_MMA_FORMS=1 PD_CUDA_SKINNY_MMA_PIPE=1";;
   esac
@@ -54,7 +56,7 @@ case " $PARTS " in *" fusev "*)
   echo "== fusev rc=$? ($(( $(date +%s) - t0 )) s)"; grep -E "copy|fusev" "$OUT/fusev.txt" | cut -c1-250;;
 esac
 case " $PARTS " in *" verify "*)
-  for v in ${VVARS:-V0 C8 C8O T5 T5P T5L Q5}; do
+  for v in ${VVARS:-V0 C8 C8O C8A T5 T5L Q5}; do
     [ "$(left)" -lt 10 ] && { echo "== verify $v skipped: budget"; continue; }
     env $(env_of $v) timeout $(lim 30) $D/pdserve bench-engine --model bench/configs/llama-3-8b --load-format dummy \
       --only verify --verify-tokens ${VQ:-9} --batches ${VB:-1,8} --json "$OUT/verify_$v.json" > "$OUT/verify_$v.txt" 2>&1
