@@ -43,6 +43,7 @@ typedef struct pd_cuda_backend {
     int skinny;                // skinny kernels for M <= 16: 0 off, 1 per shape rule, 2 always
     int skinny_rows;           // its weight rows per block (2 or 4)
     int skinny_occ4;           // M = 5: its 128-register build (4 blocks per SM)
+    int skinny_rule_max_m;     // the default rule's CUDA-core kernel up to this M (5)
     int skinny_async;          // its weights through shared memory (cp.async)
     int skinny_mma;            // kernels/skinny_mma.cu (M <= 16): 0 never, 1/3 the measured rules, 2 always
     int skinny_mma_rows;       // its weight rows per block (16 or 32)

@@ -86,6 +86,7 @@ void pd_cuda_gemm_init(pd_cuda_backend *cb) {
     // PD_CUDA_SKINNY_OCC4=1: at M = 5 the CUDA-core kernel's build bounded to 128 registers, 4
     // blocks (128 KB of weight loads in flight) per SM instead of 3. Measurement knob.
     cb->skinny_occ4 = env_int("PD_CUDA_SKINNY_OCC4", 0, 0, 1);
+    cb->skinny_rule_max_m = env_int("PD_CUDA_SKINNY_RULE_MAX_M", 5, 1, PD_SKINNY_MAX_M);  // skinny_rule's M cut
     // PD_CUDA_SKINNY_ASYNC=1: the CUDA-core kernel copies its weights into shared memory with
     // cp.async instead of loading them into registers (more blocks, so more bytes in flight, per SM
     // at M >= 5). Measurement knob.
@@ -169,10 +170,12 @@ enum { SKINNY_NONE, SKINNY_CORES, SKINNY_MMA, SKINNY_MMA_PIPE };
 // to M = 5 (M = 4 for long K), cuBLASLt above. Verify steps at M = 5 (batch 1, 3-4 drafts):
 // 6.016-6.028 ms against 6.278-6.290 with cuBLASLt and 6.079-6.086 with the CUDA-core kernel on
 // every shape; at M = 8 the CUDA-core kernel was 0.5 ms slower than cuBLASLt (6.982 vs 6.486).
-static int skinny_rule(int M, int N, int K) {
+// max_m: PD_CUDA_SKINNY_RULE_MAX_M (default 5; 4 sends M = 5 to cuBLASLt, which an H200 ran faster:
+// session 10 call 1, op_bench fusev 136.7 vs 140.5 us a layer at M = 5).
+static int skinny_rule(int M, int N, int K, int max_m) {
     (void)N;
-    if (K > 8192) return M <= 4 ? SKINNY_CORES : SKINNY_NONE;
-    return M <= 5 ? SKINNY_CORES : SKINNY_NONE;
+    if (K > 8192) return M <= PD_MIN(4, max_m) ? SKINNY_CORES : SKINNY_NONE;
+    return M <= max_m ? SKINNY_CORES : SKINNY_NONE;
 }
 
 static int skinny_rule_ops(int M, int N, int K) {
@@ -193,7 +196,7 @@ static int skinny_choice(const pd_cuda_backend *cb, const pd_matmul_params *p, i
     if (cb->skinny <= 0 || p->M > PD_SKINNY_MMA_MAX_M) return SKINNY_NONE;
     if (cb->skinny == 1 && !(p->N >= 2048 && p->K >= 2048)) return SKINNY_NONE;
     int k;
-    if (cb->skinny == 1 && cb->skinny_mma == 1) k = skinny_rule(p->M, p->N, p->K);
+    if (cb->skinny == 1 && cb->skinny_mma == 1) k = skinny_rule(p->M, p->N, p->K, cb->skinny_rule_max_m);
     else if (cb->skinny == 1 && cb->skinny_mma == 3) k = skinny_rule_ops(p->M, p->N, p->K);
     else if (cb->skinny_mma == 2 || (cb->skinny >= 2 && cb->skinny_mma != 0 && p->M > PD_SKINNY_MAX_M)) k = SKINNY_MMA;
     else k = SKINNY_CORES;

@@ -1,14 +1,17 @@
 #!/bin/sh
-# spec10 helper, session 10, run 2 (issue 15): the fixture end to end on the chosen default.
-# Run from the repo root of the lead's checkout: sh build/gpu-spec10/run.sh OUT_DIR (staged as run.sh).
-# Staged in build/gpu-spec10/: bins.tar.xz (pdserve, op_bench, test_backend_ops; stripped),
-# lib.tar.xz, models/l8b (bench/configs/llama-3-8b + the kjv tokenizer).
-# Variants (env switches, same binary): V0 = the binary's default; OLD = main's rule before this
-# branch (fused layer to M = 4 on CUDA cores, verify steps of 5 tokens unfused).
-# Parts: verify (bench-engine verify steps at batch 1, V0 and OLD), spec (the controlled-acceptance
-# fixture at batch 1: EPS x k, --modes off,adaptive,fixed,off, V0; one OLD point for the A/B),
-# batch (adaptive vs off at batch 8/32/64), free (ngram / lookahead at batch 1 on a repetitive
-# workload, acceptance and tokens/verify reported as measured).
+# spec10 helper, session 10, call 2 (issue 15). Run from the repo root of the lead's checkout:
+# sh build/gpu-spec10/run.sh OUT_DIR. Staged in build/gpu-spec10/: bins.tar.xz (pdserve, op_bench,
+# test_backend_ops; stripped), lib.tar.xz (the libs of /work/devlibs/lib they need), models/l8b
+# (bench/configs/llama-3-8b + the kjv tokenizer).
+# Parts (env PARTS): ops (the new builds' tests on the card, line-buffered), fusev (op_bench: one
+# layer minus attention at M = 1..16 per build), verify (bench-engine verify steps at batch 1 and 8
+# per variant), spec (the controlled-acceptance fixture at batch 1, --serial 4: 4 prompts decoded
+# alone in turn per timed run, so acceptance is over 4 requests, not one), batch (adaptive vs off at
+# batch 8 / 32 / 64), free (ngram / lookahead at batch 1 on a repeated random prompt).
+# Variants (env switches, same binary): V0 the default; L4 = the default rule with M = 5 on cuBLASLt
+# (PD_CUDA_SKINNY_RULE_MAX_M=4); T5 = fused forms on the tensor-core kernel from M = 5;
+# C8 / C8A / C8O = the CUDA-core fused layer to M = 8 (its register build / weights through shared
+# memory / 128-register build at M = 5).
 set -u
 OUT=$1; mkdir -p "$OUT"
 D=build/gpu-spec10
@@ -22,7 +25,11 @@ lim() { l=$(left); [ "$l" -lt "$1" ] && echo "$l" || echo "$1"; }
 env_of() {
   case $1 in
     V0) echo "";;
-    OLD) echo "PD_CUDA_FUSE_MMA_MIN_M=0 PD_CUDA_SKINNY_FUSE_MAX_M=4";;
+    L4) echo "PD_CUDA_SKINNY_RULE_MAX_M=4";;
+    T5) echo "PD_CUDA_FUSE_MMA_MIN_M=5 PD_CUDA_SKINNY_FUSE_MAX_M=16";;
+    C8) echo "PD_CUDA_SKINNY_FUSE_MAX_M=8";;
+    C8A) echo "PD_CUDA_SKINNY_FUSE_MAX_M=8 PD_CUDA_SKINNY_ASYNC=1";;
+    C8O) echo "PD_CUDA_SKINNY_FUSE_MAX_M=8 PD_CUDA_SKINNY_OCC4=1";;
   esac
 }
 M=$D/models/l8b
@@ -30,36 +37,57 @@ FIX="--model $M --load-format dummy --speculative-method draft --speculative-mod
 W="--random-prompt 32 --random-prompts 8"
 spec() {  # name variant limit args...
   n=$1; v=$2; l=$3; shift 3
-  [ "$(left)" -lt 12 ] && { echo "== $n skipped: budget"; return; }
+  [ "$(left)" -lt 15 ] && { echo "== $n skipped: budget"; return; }
   env $(env_of $v) timeout $(lim $l) $D/pdserve bench-spec --device cuda "$@" --json "$OUT/$n.json" > "$OUT/$n.txt" 2> "$OUT/$n.err"
   echo "== $n ($v) rc=$? ($(( $(date +%s) - t0 )) s)"
-  grep -E "batch=|summary|workload" "$OUT/$n.txt" | cut -c1-200
-  grep -E "spec stats: [0-9]+ steps|spec stats: shape batch 1 x [0-9]+ tokens|draft forwards: " "$OUT/$n.err" | sed 's/.*spec stats: //' | cut -c1-170 | head -8
+  grep -E "batch=|summary" "$OUT/$n.txt" | sed 's/ (the others.*//' | cut -c1-210
+  grep -E "spec stats: [0-9]+ steps|spec stats: shape batch 1 x [0-9]+ tokens|draft forwards: [0-9]" "$OUT/$n.err" | sed 's/.*spec stats: //' | cut -c1-120 | head -10
 }
-PARTS=${PARTS:-verify spec batch free}
+PARTS=${PARTS:-ops fusev verify spec batch free}
+case " $PARTS " in *" ops "*)
+  SB=; command -v stdbuf > /dev/null && SB="stdbuf -oL"
+  for t in cuda_verify_fused:45 cuda_matmul_fused:25; do
+    timeout $(lim ${t#*:}) $SB $D/test_backend_ops ${t%:*} > "$OUT/ops_${t%:*}.txt" 2>&1
+    echo "== ops ${t%:*} rc=$? ($(( $(date +%s) - t0 )) s)"; grep -E "^(ok|FAIL)|passed|check failed" "$OUT/ops_${t%:*}.txt" | head -8
+  done;;
+esac
+case " $PARTS " in *" fusev "*)
+  timeout $(lim 20) $D/op_bench fusev > "$OUT/fusev.txt" 2>&1
+  echo "== fusev rc=$? ($(( $(date +%s) - t0 )) s)"; grep -E "copy|fusev" "$OUT/fusev.txt" | sed 's/  (floor.*//' | cut -c1-330;;
+esac
 case " $PARTS " in *" verify "*)
-  for v in V0 OLD; do
-    env $(env_of $v) timeout $(lim 25) $D/pdserve bench-engine --model bench/configs/llama-3-8b --load-format dummy \
-      --only verify --verify-tokens 9 --batches 1 --json "$OUT/verify_$v.json" > "$OUT/verify_$v.txt" 2>&1
+  for v in ${VVARS:-V0 L4 T5 C8A C8O}; do
+    [ "$(left)" -lt 10 ] && { echo "== verify $v skipped: budget"; continue; }
+    env $(env_of $v) timeout $(lim 20) $D/pdserve bench-engine --model bench/configs/llama-3-8b --load-format dummy \
+      --only verify --verify-tokens 9 --batches 1,8 --json "$OUT/verify_$v.json" > "$OUT/verify_$v.txt" 2>&1
     echo "== verify $v rc=$? ($(( $(date +%s) - t0 )) s)"
-    grep -E "^verify step" "$OUT/verify_$v.txt" | awk '{print $5, $6}' | tr '\n' ';'; echo
+    grep -E "^verify step" "$OUT/verify_$v.txt" | awk '{print $3, $5, $6}' | sed 's/batch=//; s/tokens\/seq=/q/' | tr '\n' ';' | cut -c1-300; echo
   done;;
 esac
-case " $PARTS " in *" spec "*)
-  for vek in ${SPECS:-V0:0.027:4 OLD:0.027:4 V0:0.025:4 V0:0.029:4 V0:0.027:3 V0:0.027:5}; do
+BEST=V0
+best=$(for f in "$OUT"/verify_*.txt; do
+  [ -e "$f" ] || continue
+  awk -v v="$(basename "$f" .txt | sed 's/verify_//')" '/^verify step/ && /batch=1 / && /tokens\/seq=5 / { print $6, v }' "$f"
+done | sort -n | head -1 | awk '{print $2}')
+[ -n "$best" ] && BEST=$best
+echo "fastest 5-token verify step: $BEST"
+specs() {
+  for vek in "$@"; do
     v=${vek%%:*}; ek=${vek#*:}; e=${ek%:*}; k=${ek#*:}
-    spec spec_${v}_${e}_k$k $v 30 $FIX --dummy-residual-scale 1:$e $W --num-speculative-tokens $k --max-tokens 128 \
-      --batches 1 --reps 3 --modes off,adaptive,fixed,off
-  done;;
-esac
+    [ "$v" = BEST ] && v=$BEST
+    [ -e "$OUT/spec_${v}_${e}_k$k.txt" ] && continue  # (BEST = V0: done)
+    spec spec_${v}_${e}_k$k $v 40 $FIX --dummy-residual-scale 1:$e $W --num-speculative-tokens $k --max-tokens 128 \
+      --batches 1 --serial 4 --reps 2 --modes off,adaptive,fixed,off
+  done
+}
+case " $PARTS " in *" spec "*) specs ${SPECS:-V0:0.027:4 BEST:0.027:4 BEST:0.024:4 BEST:0.030:4};; esac
 case " $PARTS " in *" batch "*)
-  spec batch_V0 V0 45 $FIX --dummy-residual-scale 1:0.027 $W --num-speculative-tokens 4 --max-tokens 64 \
+  spec batch_V0 V0 40 $FIX --dummy-residual-scale 1:0.027 $W --num-speculative-tokens 4 --max-tokens 64 \
     --batches 8,32,64 --reps 3 --modes off,adaptive,off;;
 esac
+case " $PARTS " in *" spec "*) specs ${SPECS2:-BEST:0.027:3 BEST:0.027:5};; esac
 case " $PARTS " in *" free "*)
-  spec free_eps0 V0 35 --model $M --load-format dummy --dummy-residual-scale 1:0 --random-prompt 32 --random-prompts 8 --repeat 8 \
-    --num-speculative-tokens 4 --max-tokens 128 --batches 1 --reps 3 --modes off,ngram:adaptive,ngram:fixed,lookahead:adaptive,off
-  spec free_unscaled V0 35 --model $M --load-format dummy --random-prompt 32 --random-prompts 8 --repeat 8 \
-    --num-speculative-tokens 4 --max-tokens 128 --batches 1 --reps 3 --modes off,ngram:adaptive,ngram:fixed,lookahead:adaptive,off;;
+  spec free_eps0 V0 30 --model $M --load-format dummy --dummy-residual-scale 1:0 --random-prompt 32 --random-prompts 8 --repeat 8 \
+    --num-speculative-tokens 4 --max-tokens 128 --batches 1 --serial 4 --reps 2 --modes off,ngram:adaptive,ngram:fixed,lookahead:adaptive,off;;
 esac
 echo "total $(( $(date +%s) - t0 )) s"
