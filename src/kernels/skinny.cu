@@ -48,6 +48,21 @@ static __device__ __forceinline__ void pd_k_sk_load(uint4 (&wv)[U][R], const uin
                                                         : make_uint4(0, 0, 0, 0);
 }
 
+// The same chunks copied into shared memory with cp.async (slot (u R + r) 128 + tid; zero-filled
+// past the row's end), one commit group.
+template <int R, int U>
+static __device__ __forceinline__ void pd_k_sk_load_async(uint4 *wsm, const uint4 *const (&wr)[R], int tid, int c,
+                                                          int chunks) {
+#pragma unroll
+    for (int u = 0; u < U; u++)
+#pragma unroll
+        for (int r = 0; r < R; r++) {
+            bool ok = c + u * PD_K_SK_THREADS < chunks;
+            pd_k_cp_async16(&wsm[(u * R + r) * PD_K_SK_THREADS + tid], ok ? wr[r] + c + u * PD_K_SK_THREADS : wr[r], ok);
+        }
+    pd_k_cp_async_commit();
+}
+
 // Smallest power of two >= x (x <= 32).
 #define PD_K_SK_P2(x) ((x) <= 1 ? 1 : (x) <= 2 ? 2 : (x) <= 4 ? 4 : (x) <= 8 ? 8 : (x) <= 16 ? 16 : 32)
 
@@ -85,7 +100,8 @@ enum { PD_K_SK_PLAIN = 0, PD_K_SK_RESIDUAL = 1, PD_K_SK_GLU = 2, PD_K_SK_ROPE = 
 // (the qkv GEMM: the first (H + Hkv) hd / 4 blocks own two rotation pairs each, rows i, i + 1,
 // i + hd/2, i + hd/2 + 1 of one q / k head, and rotate them as rope_kv.cu does; the rest own 4
 // consecutive v rows; k and v go to the cache slot of each token, skipped where the slot is < 0).
-// Builds (VAR): PD_K_SK_REG, the weights loaded into registers; PD_K_SK_OCC4, the same bounded to
+// Builds (VAR; minBlocks 0 = no bound: an explicit 1 let the compiler take ~20 more registers,
+// 89 -> 110 at M = 1, one block fewer per SM): PD_K_SK_REG, the weights loaded into registers; PD_K_SK_OCC4, the same bounded to
 // 128 registers (M = 5: 4 blocks of 32 KB of loads in flight per SM instead of 3 at its natural
 // 130; no spills); PD_K_SK_ASYNC, the weights copied into shared memory with cp.async (each thread
 // reads back only the 16-byte slots it copied, so no barrier): the 64 registers the loads held are
@@ -93,7 +109,7 @@ enum { PD_K_SK_PLAIN = 0, PD_K_SK_RESIDUAL = 1, PD_K_SK_GLU = 2, PD_K_SK_ROPE = 
 // (3 at M = 5, 2 at M = 8), so more bytes are in flight per SM at M >= 5.
 enum { PD_K_SK_REG = 0, PD_K_SK_OCC4 = 1, PD_K_SK_ASYNC = 2 };
 template <int M, int R, int NORM, int EPI, int VAR>
-static __global__ void __launch_bounds__(PD_K_SK_THREADS, VAR == PD_K_SK_OCC4 ? 4 : 1) k_skinny(pd_k_skinny_args p) {
+static __global__ void __launch_bounds__(PD_K_SK_THREADS, VAR == PD_K_SK_OCC4 ? 4 : 0) k_skinny(pd_k_skinny_args p) {
     constexpr bool AS = VAR == PD_K_SK_ASYNC;
     constexpr int U = PD_K_SK_LOADS / R;
     pd_k_pdl_trigger();
@@ -121,21 +137,8 @@ static __global__ void __launch_bounds__(PD_K_SK_THREADS, VAR == PD_K_SK_OCC4 ? 
     }
     uint4 wv[AS ? 1 : U][AS ? 1 : R];
     __shared__ uint4 wsm[AS ? PD_K_SK_LOADS * PD_K_SK_THREADS : 1];  // slot (u R + r) 128 + tid
-    auto load = [&](int c0) {
-        if constexpr (AS) {
-#pragma unroll
-            for (int u = 0; u < U; u++)
-#pragma unroll
-                for (int r = 0; r < R; r++) {
-                    bool ok = c0 + u * PD_K_SK_THREADS < chunks;
-                    pd_k_cp_async16(&wsm[(u * R + r) * PD_K_SK_THREADS + tid], ok ? wr[r] + c0 + u * PD_K_SK_THREADS : wr[r], ok);
-                }
-            pd_k_cp_async_commit();
-        } else {
-            pd_k_sk_load<R, U>(reinterpret_cast<uint4(&)[U][R]>(wv), wr, c0, chunks);
-        }
-    };
-    load(tid);
+    if constexpr (AS) pd_k_sk_load_async<R, U>(wsm, wr, tid, tid, chunks);
+    else pd_k_sk_load<R, U>(wv, wr, tid, chunks);
     pd_k_pdl_wait();  // the activations (and out) belong to earlier kernels
 
     const uint4 *ar[M];
@@ -222,8 +225,12 @@ static __global__ void __launch_bounds__(PD_K_SK_THREADS, VAR == PD_K_SK_OCC4 ? 
         }
         c += U * PD_K_SK_THREADS;
         if (c >= chunks) break;
-        load(c);
-        if constexpr (AS) pd_k_cp_async_wait<0>();
+        if constexpr (AS) {
+            pd_k_sk_load_async<R, U>(wsm, wr, tid, c, chunks);
+            pd_k_cp_async_wait<0>();
+        } else {
+            pd_k_sk_load<R, U>(wv, wr, c, chunks);
+        }
     }
 
     __shared__ float red[PD_K_SK_THREADS / 32][R * M];
