@@ -84,12 +84,14 @@ void pd_cuda_gemm_init(pd_cuda_backend *cb) {
     cb->skinny = env_int("PD_CUDA_SKINNY", 1, 0, 2);
     cb->skinny_rows = env_int("PD_CUDA_SKINNY_ROWS", 4, 2, 4);
     // PD_CUDA_SKINNY_OCC4=1: at M = 5 the CUDA-core kernel's build bounded to 128 registers, 4
-    // blocks (128 KB of weight loads in flight) per SM instead of 3. Measurement knob.
+    // blocks (128 KB of weight loads in flight) per SM instead of 3. Measurement knob (H100: a fused
+    // layer at M = 5 171.4 vs 168.4 us: occupancy is not what limits it).
     cb->skinny_occ4 = env_int("PD_CUDA_SKINNY_OCC4", 0, 0, 1);
     cb->skinny_rule_max_m = env_int("PD_CUDA_SKINNY_RULE_MAX_M", 5, 1, PD_SKINNY_MAX_M);  // skinny_rule's M cut
     // PD_CUDA_SKINNY_ASYNC=1: the CUDA-core kernel copies its weights into shared memory with
     // cp.async instead of loading them into registers (more blocks, so more bytes in flight, per SM
-    // at M >= 5). Measurement knob.
+    // at M >= 5). Measurement knob (H100: slower at every M, 160.3 vs 152.3 us a layer at M = 1,
+    // 207.2 vs 168.4 at M = 5).
     cb->skinny_async = env_int("PD_CUDA_SKINNY_ASYNC", 0, 0, 1);
     if (cb->skinny_rows == 3) pd_abort(__FILE__, __LINE__, __func__, "PD_CUDA_SKINNY_ROWS must be 2 or 4");
     // Which of the two skinny kernels takes an M (see skinny_choice): PD_CUDA_SKINNY_MMA=0 the
@@ -105,7 +107,8 @@ void pd_cuda_gemm_init(pd_cuda_backend *cb) {
         pd_abort(__FILE__, __LINE__, __func__, "PD_CUDA_SKINNY_MMA_ROWS must be 16 or 32");
     cb->skinny_mma_pipe = env_int("PD_CUDA_SKINNY_MMA_PIPE", -1, -1, 1);
     // PD_CUDA_SKINNY_MMA_LOADS=32: 32 weight loads in flight per thread instead of 16 (16-row
-    // blocks; small grids: N = 4096 is 256 blocks, 2 per SM). Measurement knob.
+    // blocks; small grids: N = 4096 is 256 blocks, 2 per SM). Measurement knob (H100 and H200:
+    // slower to M = 8, level from 9).
     cb->skinny_mma_loads = env_int("PD_CUDA_SKINNY_MMA_LOADS", 16, 16, 32);
     if (cb->skinny_mma_loads != 16 && cb->skinny_mma_loads != 32)
         pd_abort(__FILE__, __LINE__, __func__, "PD_CUDA_SKINNY_MMA_LOADS must be 16 or 32");
@@ -132,7 +135,10 @@ void pd_cuda_gemm_init(pd_cuda_backend *cb) {
     // Fused forms on the tensor-core kernel (kernels/skinny_mma.cu: its cost does not grow with M,
     // the CUDA-core kernel's does): M >= PD_CUDA_FUSE_MMA_MIN_M (0: never) runs the fused GEMMs
     // there, the norm as its own kernel before; up to M = 16, so PD_CUDA_SKINNY_FUSE_MAX_M may go to
-    // 16 with it. Speculative verify steps at batch 1 (M = k + 1).
+    // 16 with it. Speculative verify steps at batch 1 (M = k + 1). Off by default: measured (session
+    // 10, docs/benchmarks.md) with MIN_M 5 / FUSE_MAX_M 16 on an H100, 0.2% off a 5-token verify
+    // step, 3.2% off a 9-token one, 2.6% off a batch-8 decode step (171 vs 187 us a layer at M = 8);
+    // on an H200 7-12% slower at M = 8-16 than cuBLASLt.
     cb->fuse_mma_min_m = env_int("PD_CUDA_FUSE_MMA_MIN_M", 0, 0, PD_SKINNY_MMA_MAX_M);
     // Which fused forms go there (a mask of FUSE_MMA_*: 1 the qkv GEMM with RoPE, 2 residual (o,
     // down), 4 SwiGLU (gate_up), 8 the rest (the lm_head with its norm); default 7: the lm_head
@@ -171,7 +177,8 @@ enum { SKINNY_NONE, SKINNY_CORES, SKINNY_MMA, SKINNY_MMA_PIPE };
 // 6.016-6.028 ms against 6.278-6.290 with cuBLASLt and 6.079-6.086 with the CUDA-core kernel on
 // every shape; at M = 8 the CUDA-core kernel was 0.5 ms slower than cuBLASLt (6.982 vs 6.486).
 // max_m: PD_CUDA_SKINNY_RULE_MAX_M (default 5; 4 sends M = 5 to cuBLASLt, which an H200 ran faster:
-// session 10 call 1, op_bench fusev 136.7 vs 140.5 us a layer at M = 5).
+// session 10 call 1, op_bench fusev 136.7 vs 140.5 us a layer at M = 5; an H100 slower: a 5-token
+// verify step 6.259 vs 6.037 ms, call 2).
 static int skinny_rule(int M, int N, int K, int max_m) {
     (void)N;
     if (K > 8192) return M <= PD_MIN(4, max_m) ? SKINNY_CORES : SKINNY_NONE;
