@@ -12,8 +12,9 @@ CFL="-std=c11 -D_GNU_SOURCE -O2 -g -Isrc -I/usr/local/cuda/include -fopenmp -pth
 LIBS="-ljansson -lpcre2-8 -levent -levent_pthreads -lxxhash -lopenblas -lm -lpthread -fopenmp \
   -L/usr/local/cuda/lib64 -Wl,-rpath,/usr/local/cuda/lib64 -lcublasLt -lcublas -lcudart_static -ldl -lrt -lstdc++"
 cc $CFL -o build/gpu/bin/op_bench tools/gpu/op_bench.c build/gpu/libpdserve.a $LIBS
+cc $CFL -o build/gpu/bin/fa3_probe tools/gpu/fa3_probe.c build/gpu/libpdserve.a $LIBS
 cp build/gpu/pdserve build/gpu/bin/pdserve
-strip -g build/gpu/bin/op_bench build/gpu/bin/pdserve build/gpu/tests/ops/test_backend_ops build/gpu/tests/golden/test_gpu_golden \
+strip -g build/gpu/bin/op_bench build/gpu/bin/fa3_probe build/gpu/bin/pdserve build/gpu/tests/ops/test_backend_ops build/gpu/tests/golden/test_gpu_golden \
   build/gpu/tests/golden/test_gpu_spec
 mkdir -p build/gpu/models
 for m in golden kjv-llama-6m kjv-llama-1m tiny-random-llama31 tiny-random-qwen2; do

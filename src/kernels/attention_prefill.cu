@@ -1,0 +1,366 @@
+// attention_prefill.cu — the sm_90a prefill attention kernel (FlashAttention-3 style): wgmma
+// tensor-core instructions, a warp-specialised producer/consumer pipeline on mbarriers, and
+// 128-byte-swizzled shared-memory tiles. Contract: attention.cuh (paged causal GQA attention over
+// a mixed batch); this kernel takes the sequences with q_len > 1 of a bf16 cache with head_dim 64
+// or 128, and pd_cuda_attn_prefill_fa3 says (by its return value) whether it launched, so the
+// caller falls back to k_attn_prefill (attention.cu) for anything else (fp8 caches, head_dim 32).
+//
+// Block = 3 warpgroups (384 threads) for one (sequence, 128-row query tile, query head):
+//   * warpgroup 0, the producer (setmaxnreg down to PD_FA_REG_P): cp.async of the Q tile and of
+//     the K/V tiles of BKV = 128 positions, gathered through the page table (one 16-byte chunk per
+//     thread and row piece, any block_size), into a ring of PD_FA_STAGES stages. Each thread
+//     waits for its own copies, issues fence.proxy.async (the tiles are read by wgmma through the
+//     async proxy) and arrives on the stage's "full" mbarrier (count 128); it refills a stage
+//     after both consumers arrived on its "empty" mbarrier (count 256).
+//   * warpgroups 1 and 2, the consumers (setmaxnreg up to PD_FA_REG_C): 64 query rows each.
+//     S = Q.K^T is wgmma m64n128k16 with both operands in shared memory (K-major descriptors);
+//     the online softmax runs on the accumulator registers (base-2 exponentials, scale * log2(e)
+//     folded into the scores, causal mask only on tiles that cross the diagonal, tiles past the
+//     diagonal skipped); P is rounded to bf16 in registers (the accumulator layout of S is the
+//     A-operand layout of the next wgmma) and O += P.V is wgmma m64nHDk16 with A from registers
+//     and V from shared memory as an N-major (transposed) operand.
+// Shared-memory tiles are rows of HD bf16 split into 64-element (128-byte) column blocks; a
+// column block holds 128 rows of 128 bytes, and 16-byte chunk c of row r sits at chunk
+// c ^ (r % 8) of its row (the 128-byte swizzle, which wgmma applies on address bits, so every
+// tile starts 1024-byte aligned). Q | K[STAGES] | V[STAGES] | mbarriers.
+//   HD=128: 32 KB per tile, 3 stages: 225 KB; HD=64: 16 KB per tile, 4 stages: 145 KB.
+// Grid: one block per (query tile, sequence, head) with the query tile slowest and reversed, so
+// the longest tiles (most K/V tiles under the causal mask) start first, and the heads sharing a
+// kv head are neighbours (their K/V tiles meet in L2).
+//
+// PD_CUDA_ATTN_PREFILL=0 selects k_attn_prefill everywhere (A/B knob). PD_CUDA_FA3_VN64=1 issues
+// the P.V product of head_dim 128 as two n64 wgmmas (one per column block) instead of one n128
+// (diagnostic / measurement knob).
+#include <math.h>
+
+#include "kernels/attention_prefill.cuh"
+#include "kernels/common.cuh"
+
+#define PD_FA_BQ 128
+#define PD_FA_BKV 128
+#define PD_FA_THREADS 384
+#define PD_FA_REG_P 56
+#define PD_FA_REG_C 224
+#define PD_FA_LOG2E 1.4426950408889634f
+#define PD_FA_STAGES(HD) ((HD) == 64 ? 4 : 3)
+
+template <int HD>
+struct pd_fa_cfg {
+    static constexpr int TILE = PD_FA_BKV * HD * 2;  // bytes of a Q, K or V tile (BQ == BKV)
+    static constexpr int CB = PD_FA_BKV * 128;       // bytes of one 64-element column block
+    static constexpr int ST = PD_FA_STAGES(HD);
+    static constexpr int SMEM = 1024 + TILE * (1 + 2 * ST) + 8 * (2 * ST + 1);
+};
+
+// ---- PTX wrappers (sm_90a) ---------------------------------------------------------------------
+
+static __device__ __forceinline__ void pd_fa_cp16(uint32_t dst, const void *src, bool valid) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0)
+                 : "memory");
+}
+static __device__ __forceinline__ void pd_fa_mbar_init(uint32_t bar, int count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+static __device__ __forceinline__ void pd_fa_mbar_arrive(uint32_t bar) {
+    asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.shared::cta.b64 st, [%0];\n}\n" ::"r"(bar) : "memory");
+}
+static __device__ __forceinline__ void pd_fa_mbar_wait(uint32_t bar, int parity) {
+    uint32_t done;
+    do {
+        asm volatile(
+            "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+            : "=r"(done)
+            : "r"(bar), "r"(parity)
+            : "memory");
+    } while (!done);
+}
+static __device__ __forceinline__ void pd_fa_fence_async() {
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+static __device__ __forceinline__ void pd_fa_wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+static __device__ __forceinline__ void pd_fa_wg_commit() {
+    asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+}
+template <int N>
+static __device__ __forceinline__ void pd_fa_wg_wait() {
+    asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+// Keeps the compiler from moving accumulator registers across the asynchronous wgmma window.
+template <int N>
+static __device__ __forceinline__ void pd_fa_pin(float *d) {
+#pragma unroll
+    for (int i = 0; i < N; i++) asm volatile("" : "+f"(d[i])::"memory");
+}
+
+// Shared-memory matrix descriptor, 128-byte swizzle: start address, leading and stride byte
+// offsets (16-byte units). K-major operands (Q, K): SBO = 1024 (8 rows of 128 bytes), LBO unused;
+// the k16 steps inside a column block advance the start by 32 bytes. N-major V: SBO = 1024 (8 kv
+// rows), LBO = the distance between 64-element column blocks.
+static __device__ __forceinline__ uint64_t pd_fa_desc(uint32_t addr, uint32_t lbo) {
+    return (uint64_t)((addr & 0x3FFFF) >> 4) | ((uint64_t)(lbo >> 4) << 16) | ((uint64_t)(1024 >> 4) << 32) |
+           (1ull << 62);
+}
+
+// Byte offset of 16-byte chunk c of row r in a swizzled tile of 128 rows.
+static __device__ __forceinline__ uint32_t pd_fa_swz(int r, int c) {
+    return (uint32_t)((c >> 3) * (PD_FA_BKV * 128) + r * 128 + (((c & 7) ^ (r & 7)) << 4));
+}
+
+// ---- wgmma (generated once: m64nNk16 bf16 -> f32) ---------------------------------------------
+// D[64 x 128] = (scale_d ? D : 0) + A * B; A and B from shared memory, both K-major.
+static __device__ __forceinline__ void pd_fa_wgmma_ss_n128(float *d, uint64_t da, uint64_t db, int scale_d) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63}, %64, %65, p, 1, 1, 0, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+        : "l"(da), "l"(db), "r"(scale_d));
+}
+
+// D[64 x 64] += A * B; A (64 x 16) from registers, B (16 x 64) from shared memory, N-major.
+static __device__ __forceinline__ void pd_fa_wgmma_rs_n64(float *d, const uint32_t *a, uint64_t db) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, {%32,%33,%34,%35}, %36, p, 1, 1, 1;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(1));
+}
+
+// D[64 x 128] += A * B; A (64 x 16) from registers, B (16 x 128) from shared memory, N-major.
+static __device__ __forceinline__ void pd_fa_wgmma_rs_n128(float *d, const uint32_t *a, uint64_t db) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63}, {%64,%65,%66,%67}, %68, p, 1, 1, 1;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(1));
+}
+
+
+// ---- the kernel --------------------------------------------------------------------------------
+
+template <int HD, bool VN64>
+static __global__ void __launch_bounds__(PD_FA_THREADS, 1)
+    k_attn_prefill_fa3(const __nv_bfloat16 *q, const __nv_bfloat16 *kc, const __nv_bfloat16 *vc, __nv_bfloat16 *out,
+                       const int32_t *q_indptr, const int32_t *kv_lens, const int32_t *bt_indptr,
+                       const int32_t *bt_indices, int n_q_tiles, int n_seqs, int H, int n_kv, int bs, int q_stride,
+                       float scale_log2) {
+    using C = pd_fa_cfg<HD>;
+    constexpr int ST = C::ST, CPR = HD / 8;
+    extern __shared__ unsigned char pd_fa_smem[];
+    const uint32_t base = (pd_k_smem_u32(pd_fa_smem) + 1023u) & ~1023u;
+    const uint32_t sq = base, sk = base + C::TILE, sv = sk + ST * C::TILE, bar = sv + ST * C::TILE;
+    // bar + 8 * i: full[i]; bar + 8 * (ST + i): empty[i]; bar + 16 * ST: the Q tile
+
+    int per_tile = n_seqs * H, b = blockIdx.x;
+    int qt = n_q_tiles - 1 - b / per_tile;  // longest tiles first
+    int s = (b % per_tile) / H, h = b % H;
+    int q_begin = q_indptr[s], q_len = q_indptr[s + 1] - q_begin;
+    if (q_len <= 1 || qt * PD_FA_BQ >= q_len) return;  // q_len == 1: the decode kernel's
+    int kv_len = kv_lens[s];
+    int row0 = qt * PD_FA_BQ, row_end = min(q_len, row0 + PD_FA_BQ);
+    int pos0 = kv_len - q_len + row0;       // position of tile row 0
+    int kv_end = kv_len - q_len + row_end;  // exclusive bound over the tile's rows
+    int n_tiles = (kv_end + PD_FA_BKV - 1) / PD_FA_BKV;
+    int kvh = h / (H / n_kv);
+    const int32_t *bt = bt_indices + bt_indptr[s];
+
+    if (threadIdx.x == 0) {
+        for (int i = 0; i < ST; i++) {
+            pd_fa_mbar_init(bar + 8 * i, 128);
+            pd_fa_mbar_init(bar + 8 * (ST + i), 256);
+        }
+        pd_fa_mbar_init(bar + 16 * ST, 128);
+    }
+    __syncthreads();
+    int wg = threadIdx.x >> 7, tw = threadIdx.x & 127;
+
+    if (wg == 0) {
+        // ---- producer ----
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(PD_FA_REG_P));
+        for (int i = tw; i < PD_FA_BQ * CPR; i += 128) {
+            int r = i / CPR, c = i % CPR;
+            bool ok = row0 + r < q_len;
+            const __nv_bfloat16 *src = q + (size_t)(q_begin + (ok ? row0 + r : 0)) * q_stride + (size_t)h * HD + c * 8;
+            pd_fa_cp16(sq + pd_fa_swz(r, c), src, ok);
+        }
+        pd_k_cp_async_commit();
+        for (int j = 0; j < n_tiles; j++) {
+            int st = j % ST, kv0 = j * PD_FA_BKV;
+            if (j >= ST) pd_fa_mbar_wait(bar + 8 * (ST + st), ((j / ST) - 1) & 1);
+            uint32_t dk = sk + st * C::TILE, dv = sv + st * C::TILE;
+            for (int i = tw; i < PD_FA_BKV * CPR; i += 128) {
+                int r = i / CPR, c = i % CPR, pos = kv0 + r;
+                bool ok = pos < kv_end;
+                size_t off = 0;
+                if (ok) off = ((size_t)(bt[pos / bs] * bs + pos % bs) * n_kv + kvh) * HD + c * 8;
+                uint32_t o = pd_fa_swz(r, c);
+                pd_fa_cp16(dk + o, kc + off, ok);
+                pd_fa_cp16(dv + o, vc + off, ok);
+            }
+            pd_k_cp_async_commit();
+            pd_k_cp_async_wait<1>();  // everything but tile j: the Q tile (j == 0) or tile j - 1
+            pd_fa_fence_async();
+            pd_fa_mbar_arrive(j == 0 ? bar + 16 * ST : bar + 8 * ((j - 1) % ST));
+        }
+        pd_k_cp_async_wait<0>();
+        pd_fa_fence_async();
+        pd_fa_mbar_arrive(bar + 8 * ((n_tiles - 1) % ST));
+        return;
+    }
+
+    // ---- consumers ----
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(PD_FA_REG_C));
+    int cw = wg - 1, warp = tw >> 5, lane = tw & 31, g = lane >> 2, t = lane & 3;
+    int wr = cw * 64 + warp * 16;  // the warp's first row in the tile
+    int qpos[2] = {pos0 + wr + g, pos0 + wr + g + 8};
+    bool live = row0 + cw * 64 < q_len;
+    int last_pos = pos0 + min(cw * 64 + 63, row_end - row0 - 1);  // the warpgroup's last row
+    float o[HD / 2];
+#pragma unroll
+    for (int i = 0; i < HD / 2; i++) o[i] = 0.f;
+    float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+    const uint32_t qa = sq + cw * 64 * 128;  // this warpgroup's 64 rows of Q
+
+    pd_fa_mbar_wait(bar + 16 * ST, 0);
+    for (int j = 0; j < n_tiles; j++) {
+        int st = j % ST, kv0 = j * PD_FA_BKV;
+        pd_fa_mbar_wait(bar + 8 * st, (j / ST) & 1);
+        if (live && kv0 <= last_pos) {  // warpgroup-uniform
+            const uint32_t kt = sk + st * C::TILE, vt = sv + st * C::TILE;
+            float sc[PD_FA_BKV / 2];
+            pd_fa_pin<PD_FA_BKV / 2>(sc);
+            pd_fa_wg_fence();
+#pragma unroll
+            for (int kk = 0; kk < HD / 16; kk++) {
+                uint32_t off = (kk >> 2) * C::CB + (kk & 3) * 32;
+                pd_fa_wgmma_ss_n128(sc, pd_fa_desc(qa + off, 16), pd_fa_desc(kt + off, 16), kk > 0);
+            }
+            pd_fa_wg_commit();
+            pd_fa_wg_wait<0>();
+            pd_fa_pin<PD_FA_BKV / 2>(sc);
+
+            // scale, mask, online softmax (row g: elements 0, 1 of each n8 chunk; row g + 8: 2, 3)
+            bool need_mask = kv0 + PD_FA_BKV - 1 > pos0 + wr;
+            float mx[2] = {m[0], m[1]};
+#pragma unroll
+            for (int nt = 0; nt < PD_FA_BKV / 8; nt++) {
+#pragma unroll
+                for (int i = 0; i < 4; i++) {
+                    float v = sc[nt * 4 + i] * scale_log2;
+                    if (need_mask && kv0 + nt * 8 + 2 * t + (i & 1) > qpos[i >> 1]) v = -INFINITY;
+                    sc[nt * 4 + i] = v;
+                    mx[i >> 1] = fmaxf(mx[i >> 1], v);
+                }
+            }
+            float corr[2];
+#pragma unroll
+            for (int r = 0; r < 2; r++) {
+                mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
+                mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
+                corr[r] = mx[r] == -INFINITY ? 1.f : exp2f(m[r] - mx[r]);
+                m[r] = mx[r];
+                l[r] *= corr[r];
+            }
+            float base_m[2] = {m[0] == -INFINITY ? 0.f : m[0], m[1] == -INFINITY ? 0.f : m[1]};
+            uint32_t pa[PD_FA_BKV / 16][4];
+#pragma unroll
+            for (int kk = 0; kk < PD_FA_BKV / 16; kk++) {
+                float p[8];
+#pragma unroll
+                for (int i = 0; i < 8; i++) {
+                    p[i] = exp2f(sc[kk * 8 + i] - base_m[(i >> 1) & 1]);
+                    l[(i >> 1) & 1] += p[i];
+                }
+                pa[kk][0] = pd_k_pack2(p[0], p[1]);  // row g, k 2t..
+                pa[kk][1] = pd_k_pack2(p[2], p[3]);  // row g + 8
+                pa[kk][2] = pd_k_pack2(p[4], p[5]);  // row g, k 2t + 8..
+                pa[kk][3] = pd_k_pack2(p[6], p[7]);  // row g + 8, k 2t + 8..
+            }
+#pragma unroll
+            for (int i = 0; i < HD / 8; i++) {
+                o[i * 4 + 0] *= corr[0];
+                o[i * 4 + 1] *= corr[0];
+                o[i * 4 + 2] *= corr[1];
+                o[i * 4 + 3] *= corr[1];
+            }
+            // O += P V
+            pd_fa_pin<HD / 2>(o);
+            pd_fa_wg_fence();
+#pragma unroll
+            for (int kk = 0; kk < PD_FA_BKV / 16; kk++) {
+                if constexpr (HD == 64) {
+                    pd_fa_wgmma_rs_n64(o, pa[kk], pd_fa_desc(vt + kk * 2048, C::CB));
+                } else if constexpr (VN64) {
+                    pd_fa_wgmma_rs_n64(o, pa[kk], pd_fa_desc(vt + kk * 2048, C::CB));
+                    pd_fa_wgmma_rs_n64(o + 32, pa[kk], pd_fa_desc(vt + C::CB + kk * 2048, C::CB));
+                } else {
+                    pd_fa_wgmma_rs_n128(o, pa[kk], pd_fa_desc(vt + kk * 2048, C::CB));
+                }
+            }
+            pd_fa_wg_commit();
+            pd_fa_wg_wait<0>();
+            pd_fa_pin<HD / 2>(o);
+        }
+        pd_fa_mbar_arrive(bar + 8 * (ST + st));
+    }
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
+        l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
+        l[r] = l[r] > 0.f ? 1.f / l[r] : 0.f;
+    }
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        int row = row0 + wr + g + r * 8;
+        if (row >= q_len) continue;
+        __nv_bfloat16 *dst = out + (size_t)(q_begin + row) * H * HD + (size_t)h * HD;
+#pragma unroll
+        for (int i = 0; i < HD / 8; i++)
+            *(uint32_t *)(dst + i * 8 + 2 * t) = pd_k_pack2(o[i * 4 + 2 * r] * l[r], o[i * 4 + 2 * r + 1] * l[r]);
+    }
+}
+
+// ---- launch ------------------------------------------------------------------------------------
+
+// PD_CUDA_ATTN_PREFILL=0: always the mma.sync kernel (A/B knob).
+static bool pd_fa_enabled() {
+    static int on = -1;
+    return pd_k_env_on("PD_CUDA_ATTN_PREFILL", &on);
+}
+// PD_CUDA_FA3_VN64=1: P.V of head_dim 128 as two n64 wgmmas (off unless "1").
+static bool pd_fa_vn64() {
+    static int on = -1;
+    if (on < 0) {
+        const char *e = getenv("PD_CUDA_FA3_VN64");
+        on = e && !strcmp(e, "1");
+    }
+    return on != 0;
+}
+
+template <int HD, bool VN64>
+static void pd_fa_launch(const pd_attention_kparams *p, cudaStream_t s) {
+    static bool attr_set = false;  // per instantiation; the first launch raises the smem limit
+    if (!attr_set) {
+        cudaFuncSetAttribute(k_attn_prefill_fa3<HD, VN64>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                             pd_fa_cfg<HD>::SMEM);
+        attr_set = true;
+    }
+    int n_q_tiles = (p->max_q_len + PD_FA_BQ - 1) / PD_FA_BQ;
+    dim3 grid((unsigned)(n_q_tiles * p->n_seqs * p->n_heads));
+    k_attn_prefill_fa3<HD, VN64><<<grid, PD_FA_THREADS, pd_fa_cfg<HD>::SMEM, s>>>(
+        (const __nv_bfloat16 *)p->q, (const __nv_bfloat16 *)p->k_cache, (const __nv_bfloat16 *)p->v_cache,
+        (__nv_bfloat16 *)p->out, p->q_indptr, p->kv_lens, p->bt_indptr, p->bt_indices, n_q_tiles, p->n_seqs,
+        p->n_heads, p->n_kv_heads, p->block_size, p->q_stride, p->scale * PD_FA_LOG2E);
+}
+
+extern "C" int pd_cuda_attn_prefill_fa3(const pd_attention_kparams *p, cudaStream_t s) {
+    if (!pd_fa_enabled() || p->kv_fp8 || p->max_q_len <= 1) return 0;
+    if ((long)((p->max_q_len + PD_FA_BQ - 1) / PD_FA_BQ) * p->n_seqs * p->n_heads > 0x7fffffffL) return 0;
+    switch (p->head_dim) {
+    case 64: pd_fa_launch<64, false>(p, s); return 1;
+    case 128:
+        if (pd_fa_vn64()) pd_fa_launch<128, true>(p, s);
+        else pd_fa_launch<128, false>(p, s);
+        return 1;
+    default: return 0;
+    }
+}
