@@ -85,6 +85,13 @@ template <int N>
 static __device__ __forceinline__ void pd_fa_wg_wait() {
     asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
 }
+// Named barriers 1 and 2 over the two consumer warpgroups (256 threads).
+static __device__ __forceinline__ void pd_fa_bar_sync(int id) {
+    asm volatile("bar.sync %0, 256;\n" ::"r"(id) : "memory");
+}
+static __device__ __forceinline__ void pd_fa_bar_arrive(int id) {
+    asm volatile("bar.arrive %0, 256;\n" ::"r"(id) : "memory");
+}
 // Keeps the compiler from moving accumulator registers across the asynchronous wgmma window.
 template <int N>
 static __device__ __forceinline__ void pd_fa_pin(float *d) {
@@ -137,7 +144,7 @@ static __device__ __forceinline__ void pd_fa_wgmma_rs_n128(float *d, const uint3
 
 // ---- the kernel --------------------------------------------------------------------------------
 
-template <int HD, bool VN64>
+template <int HD, bool VN64, bool PP>
 static __global__ void __launch_bounds__(PD_FA_THREADS, 1)
     k_attn_prefill_fa3(const __nv_bfloat16 *q, const __nv_bfloat16 *kc, const __nv_bfloat16 *vc, __nv_bfloat16 *out,
                        const int32_t *q_indptr, const int32_t *kv_lens, const int32_t *bt_indptr,
@@ -221,10 +228,19 @@ static __global__ void __launch_bounds__(PD_FA_THREADS, 1)
     const uint32_t qa = sq + cw * 64 * 128;  // this warpgroup's 64 rows of Q
 
     pd_fa_mbar_wait(bar + 16 * ST, 0);
+    // PP (ping-pong): the two consumers take turns issuing their S products (named barriers 1 and
+    // 2, 256 threads: one warpgroup syncs, the other arrives), so one's softmax overlaps the
+    // other's tensor-core work. Both run the handshake on every tile, computing or not, and the
+    // second skips its last arrive, so the counts match.
+    if (PP && cw == 1) pd_fa_bar_arrive(1);
     for (int j = 0; j < n_tiles; j++) {
         int st = j % ST, kv0 = j * PD_FA_BKV;
+        bool pass = PP && !(cw == 1 && j == n_tiles - 1);
         pd_fa_mbar_wait(bar + 8 * st, (j / ST) & 1);
-        if (live && kv0 <= last_pos) {  // warpgroup-uniform
+        if (PP) pd_fa_bar_sync(1 + cw);
+        if (!(live && kv0 <= last_pos)) {
+            if (pass) pd_fa_bar_arrive(2 - cw);
+        } else {  // warpgroup-uniform
             const uint32_t kt = sk + st * C::TILE, vt = sv + st * C::TILE;
             float sc[PD_FA_BKV / 2];
             pd_fa_pin<PD_FA_BKV / 2>(sc);
@@ -235,6 +251,7 @@ static __global__ void __launch_bounds__(PD_FA_THREADS, 1)
                 pd_fa_wgmma_ss_n128(sc, pd_fa_desc(qa + off, 16), pd_fa_desc(kt + off, 16), kk > 0);
             }
             pd_fa_wg_commit();
+            if (pass) pd_fa_bar_arrive(2 - cw);
             pd_fa_wg_wait<0>();
             pd_fa_pin<PD_FA_BKV / 2>(sc);
 
@@ -336,17 +353,27 @@ static bool pd_fa_vn64() {
     return on != 0;
 }
 
-template <int HD, bool VN64>
+// PD_CUDA_FA3_PP=1: the consumers' ping-pong schedule (off unless "1").
+static bool pd_fa_pp() {
+    static int on = -1;
+    if (on < 0) {
+        const char *e = getenv("PD_CUDA_FA3_PP");
+        on = e && !strcmp(e, "1");
+    }
+    return on != 0;
+}
+
+template <int HD, bool VN64, bool PP>
 static void pd_fa_launch(const pd_attention_kparams *p, cudaStream_t s) {
     static bool attr_set = false;  // per instantiation; the first launch raises the smem limit
     if (!attr_set) {
-        cudaFuncSetAttribute(k_attn_prefill_fa3<HD, VN64>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+        cudaFuncSetAttribute(k_attn_prefill_fa3<HD, VN64, PP>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                              pd_fa_cfg<HD>::SMEM);
         attr_set = true;
     }
     int n_q_tiles = (p->max_q_len + PD_FA_BQ - 1) / PD_FA_BQ;
     dim3 grid((unsigned)(n_q_tiles * p->n_seqs * p->n_heads));
-    k_attn_prefill_fa3<HD, VN64><<<grid, PD_FA_THREADS, pd_fa_cfg<HD>::SMEM, s>>>(
+    k_attn_prefill_fa3<HD, VN64, PP><<<grid, PD_FA_THREADS, pd_fa_cfg<HD>::SMEM, s>>>(
         (const __nv_bfloat16 *)p->q, (const __nv_bfloat16 *)p->k_cache, (const __nv_bfloat16 *)p->v_cache,
         (__nv_bfloat16 *)p->out, p->q_indptr, p->kv_lens, p->bt_indptr, p->bt_indices, n_q_tiles, p->n_seqs,
         p->n_heads, p->n_kv_heads, p->block_size, p->q_stride, p->scale * PD_FA_LOG2E);
@@ -355,11 +382,21 @@ static void pd_fa_launch(const pd_attention_kparams *p, cudaStream_t s) {
 extern "C" int pd_cuda_attn_prefill_fa3(const pd_attention_kparams *p, cudaStream_t s) {
     if (!pd_fa_enabled() || p->kv_fp8 || p->max_q_len <= 1) return 0;
     if ((long)((p->max_q_len + PD_FA_BQ - 1) / PD_FA_BQ) * p->n_seqs * p->n_heads > 0x7fffffffL) return 0;
+    bool pp = pd_fa_pp();
     switch (p->head_dim) {
-    case 64: pd_fa_launch<64, false>(p, s); return 1;
+    case 64:
+        if (pp) pd_fa_launch<64, false, true>(p, s);
+        else pd_fa_launch<64, false, false>(p, s);
+        return 1;
     case 128:
-        if (pd_fa_vn64()) pd_fa_launch<128, true>(p, s);
-        else pd_fa_launch<128, false>(p, s);
+        if (pd_fa_vn64()) {
+            if (pp) pd_fa_launch<128, true, true>(p, s);
+            else pd_fa_launch<128, true, false>(p, s);
+        } else if (pp) {
+            pd_fa_launch<128, false, true>(p, s);
+        } else {
+            pd_fa_launch<128, false, false>(p, s);
+        }
         return 1;
     default: return 0;
     }
