@@ -142,9 +142,103 @@ static __device__ __forceinline__ void pd_fa_wgmma_rs_n128(float *d, const uint3
 }
 
 
+// ---- consumer pieces ---------------------------------------------------------------------------
+
+#define PD_FA_VN64 1  // flags: P.V of head_dim 128 as two n64 wgmmas
+#define PD_FA_PP 2    // the consumers' ping-pong
+#define PD_FA_OVL 4   // S of tile j + 1 and P.V of tile j in flight together (intra-warpgroup overlap)
+
+// Issues S = Q.K^T (HD / 16 wgmmas, no commit). qa: this warpgroup's 64 Q rows; kt: the K tile.
+template <int HD>
+static __device__ __forceinline__ void pd_fa_issue_s(float *sc, uint32_t qa, uint32_t kt) {
+#pragma unroll
+    for (int kk = 0; kk < HD / 16; kk++) {
+        uint32_t off = (kk >> 2) * (PD_FA_BKV * 128) + (kk & 3) * 32;
+        pd_fa_wgmma_ss_n128(sc, pd_fa_desc(qa + off, 16), pd_fa_desc(kt + off, 16), kk > 0);
+    }
+}
+
+// Issues O += P.V (BKV / 16 k-steps, no commit).
+template <int HD, bool VN64>
+static __device__ __forceinline__ void pd_fa_issue_pv(float *o, const uint32_t (*pa)[4], uint32_t vt) {
+    constexpr uint32_t CB = PD_FA_BKV * 128;
+#pragma unroll
+    for (int kk = 0; kk < PD_FA_BKV / 16; kk++) {
+        if constexpr (HD == 64) {
+            pd_fa_wgmma_rs_n64(o, pa[kk], pd_fa_desc(vt + kk * 2048, CB));
+        } else if constexpr (VN64) {
+            pd_fa_wgmma_rs_n64(o, pa[kk], pd_fa_desc(vt + kk * 2048, CB));
+            pd_fa_wgmma_rs_n64(o + 32, pa[kk], pd_fa_desc(vt + CB + kk * 2048, CB));
+        } else {
+            pd_fa_wgmma_rs_n128(o, pa[kk], pd_fa_desc(vt + kk * 2048, CB));
+        }
+    }
+}
+
+// The online softmax of one S tile held in the wgmma accumulator layout (row g: elements 0, 1 of
+// each n8 chunk; row g + 8: elements 2, 3): scale to base 2, mask the positions after each row's
+// own (need_mask: the tile crosses the diagonal for this warp), update the running max m and sum
+// l, return the rescale factors of O in corr and P rounded to bf16 in the A-operand layout of
+// the P.V wgmma (which is the accumulator layout of S, two n8 chunks per k16 step).
+static __device__ __forceinline__ void pd_fa_softmax(float *sc, float *m, float *l, float *corr, uint32_t (*pa)[4],
+                                                     bool need_mask, int kv0, const int *qpos, int t,
+                                                     float scale_log2) {
+    float mx[2] = {m[0], m[1]};
+#pragma unroll
+    for (int nt = 0; nt < PD_FA_BKV / 8; nt++) {
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            float v = sc[nt * 4 + i] * scale_log2;
+            if (need_mask && kv0 + nt * 8 + 2 * t + (i & 1) > qpos[i >> 1]) v = -INFINITY;
+            sc[nt * 4 + i] = v;
+            mx[i >> 1] = fmaxf(mx[i >> 1], v);
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
+        mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
+        corr[r] = mx[r] == -INFINITY ? 1.f : exp2f(m[r] - mx[r]);
+        m[r] = mx[r];
+        l[r] *= corr[r];
+    }
+    float base_m[2] = {m[0] == -INFINITY ? 0.f : m[0], m[1] == -INFINITY ? 0.f : m[1]};
+#pragma unroll
+    for (int kk = 0; kk < PD_FA_BKV / 16; kk++) {
+        float p[8];
+#pragma unroll
+        for (int i = 0; i < 8; i++) {
+            p[i] = exp2f(sc[kk * 8 + i] - base_m[(i >> 1) & 1]);
+            l[(i >> 1) & 1] += p[i];
+        }
+        pa[kk][0] = pd_k_pack2(p[0], p[1]);  // row g, k 2t, 2t + 1
+        pa[kk][1] = pd_k_pack2(p[2], p[3]);  // row g + 8
+        pa[kk][2] = pd_k_pack2(p[4], p[5]);  // row g, k 2t + 8, 2t + 9
+        pa[kk][3] = pd_k_pack2(p[6], p[7]);  // row g + 8
+    }
+}
+
+template <int HD>
+static __device__ __forceinline__ void pd_fa_rescale(float *o, const float *corr) {
+#pragma unroll
+    for (int i = 0; i < HD / 8; i++) {
+        o[i * 4 + 0] *= corr[0];
+        o[i * 4 + 1] *= corr[0];
+        o[i * 4 + 2] *= corr[1];
+        o[i * 4 + 3] *= corr[1];
+    }
+}
+
+static __device__ __forceinline__ void pd_fa_pin_pa(uint32_t (*pa)[4]) {
+#pragma unroll
+    for (int kk = 0; kk < PD_FA_BKV / 16; kk++)
+#pragma unroll
+        for (int i = 0; i < 4; i++) asm volatile("" : "+r"(pa[kk][i])::"memory");
+}
+
 // ---- the kernel --------------------------------------------------------------------------------
 
-template <int HD, bool VN64, bool PP>
+template <int HD, int FL>
 static __global__ void __launch_bounds__(PD_FA_THREADS, 1)
     k_attn_prefill_fa3(const __nv_bfloat16 *q, const __nv_bfloat16 *kc, const __nv_bfloat16 *vc, __nv_bfloat16 *out,
                        const int32_t *q_indptr, const int32_t *kv_lens, const int32_t *bt_indptr,
@@ -152,6 +246,10 @@ static __global__ void __launch_bounds__(PD_FA_THREADS, 1)
                        float scale_log2) {
     using C = pd_fa_cfg<HD>;
     constexpr int ST = C::ST, CPR = HD / 8;
+    constexpr bool VN64 = FL & PD_FA_VN64, PP = FL & PD_FA_PP, OVL = FL & PD_FA_OVL;
+    // OVL keeps tile j - 1's stage until the P.V of iteration j; the producer publishes tile j only
+    // after issuing tile j + 1, whose stage is then tile j + 1 - ST's: free only if ST >= 3.
+    static_assert(!OVL || ST >= 3, "OVL needs 3 stages");
     extern __shared__ unsigned char pd_fa_smem[];
     const uint32_t base = (pd_k_smem_u32(pd_fa_smem) + 1023u) & ~1023u;
     const uint32_t sq = base, sk = base + C::TILE, sv = sk + ST * C::TILE, bar = sv + ST * C::TILE;
@@ -221,14 +319,18 @@ static __global__ void __launch_bounds__(PD_FA_THREADS, 1)
     int qpos[2] = {pos0 + wr + g, pos0 + wr + g + 8};
     bool live = row0 + cw * 64 < q_len;
     int last_pos = pos0 + min(cw * 64 + 63, row_end - row0 - 1);  // the warpgroup's last row
+    // Tiles [0, n_mine) hold positions at or before this warpgroup's last row; the rest are
+    // waited for and released untouched (the other warpgroup may need them).
+    int n_mine = live ? last_pos / PD_FA_BKV + 1 : 0;
     float o[HD / 2];
 #pragma unroll
     for (int i = 0; i < HD / 2; i++) o[i] = 0.f;
-    float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+    float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f}, corr[2];
     const uint32_t qa = sq + cw * 64 * 128;  // this warpgroup's 64 rows of Q
+    uint32_t pa[PD_FA_BKV / 16][4];
 
     pd_fa_mbar_wait(bar + 16 * ST, 0);
-    // PP (ping-pong): the two consumers take turns issuing their S products (named barriers 1 and
+    // PP (ping-pong): the two consumers take turns issuing their products (named barriers 1 and
     // 2, 256 threads: one warpgroup syncs, the other arrives), so one's softmax overlaps the
     // other's tensor-core work. Both run the handshake on every tile, computing or not, and the
     // second skips its last arrive, so the counts match.
@@ -238,86 +340,70 @@ static __global__ void __launch_bounds__(PD_FA_THREADS, 1)
         bool pass = PP && !(cw == 1 && j == n_tiles - 1);
         pd_fa_mbar_wait(bar + 8 * st, (j / ST) & 1);
         if (PP) pd_fa_bar_sync(1 + cw);
-        if (!(live && kv0 <= last_pos)) {
+        if (j >= n_mine) {  // warpgroup-uniform
             if (pass) pd_fa_bar_arrive(2 - cw);
-        } else {  // warpgroup-uniform
-            const uint32_t kt = sk + st * C::TILE, vt = sv + st * C::TILE;
-            float sc[PD_FA_BKV / 2];
-            pd_fa_pin<PD_FA_BKV / 2>(sc);
-            pd_fa_wg_fence();
-#pragma unroll
-            for (int kk = 0; kk < HD / 16; kk++) {
-                uint32_t off = (kk >> 2) * C::CB + (kk & 3) * 32;
-                pd_fa_wgmma_ss_n128(sc, pd_fa_desc(qa + off, 16), pd_fa_desc(kt + off, 16), kk > 0);
-            }
-            pd_fa_wg_commit();
-            if (pass) pd_fa_bar_arrive(2 - cw);
-            pd_fa_wg_wait<0>();
-            pd_fa_pin<PD_FA_BKV / 2>(sc);
-
-            // scale, mask, online softmax (row g: elements 0, 1 of each n8 chunk; row g + 8: 2, 3)
-            bool need_mask = kv0 + PD_FA_BKV - 1 > pos0 + wr;
-            float mx[2] = {m[0], m[1]};
-#pragma unroll
-            for (int nt = 0; nt < PD_FA_BKV / 8; nt++) {
-#pragma unroll
-                for (int i = 0; i < 4; i++) {
-                    float v = sc[nt * 4 + i] * scale_log2;
-                    if (need_mask && kv0 + nt * 8 + 2 * t + (i & 1) > qpos[i >> 1]) v = -INFINITY;
-                    sc[nt * 4 + i] = v;
-                    mx[i >> 1] = fmaxf(mx[i >> 1], v);
-                }
-            }
-            float corr[2];
-#pragma unroll
-            for (int r = 0; r < 2; r++) {
-                mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
-                mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
-                corr[r] = mx[r] == -INFINITY ? 1.f : exp2f(m[r] - mx[r]);
-                m[r] = mx[r];
-                l[r] *= corr[r];
-            }
-            float base_m[2] = {m[0] == -INFINITY ? 0.f : m[0], m[1] == -INFINITY ? 0.f : m[1]};
-            uint32_t pa[PD_FA_BKV / 16][4];
-#pragma unroll
-            for (int kk = 0; kk < PD_FA_BKV / 16; kk++) {
-                float p[8];
-#pragma unroll
-                for (int i = 0; i < 8; i++) {
-                    p[i] = exp2f(sc[kk * 8 + i] - base_m[(i >> 1) & 1]);
-                    l[(i >> 1) & 1] += p[i];
-                }
-                pa[kk][0] = pd_k_pack2(p[0], p[1]);  // row g, k 2t..
-                pa[kk][1] = pd_k_pack2(p[2], p[3]);  // row g + 8
-                pa[kk][2] = pd_k_pack2(p[4], p[5]);  // row g, k 2t + 8..
-                pa[kk][3] = pd_k_pack2(p[6], p[7]);  // row g + 8, k 2t + 8..
-            }
-#pragma unroll
-            for (int i = 0; i < HD / 8; i++) {
-                o[i * 4 + 0] *= corr[0];
-                o[i * 4 + 1] *= corr[0];
-                o[i * 4 + 2] *= corr[1];
-                o[i * 4 + 3] *= corr[1];
-            }
-            // O += P V
-            pd_fa_pin<HD / 2>(o);
-            pd_fa_wg_fence();
-#pragma unroll
-            for (int kk = 0; kk < PD_FA_BKV / 16; kk++) {
-                if constexpr (HD == 64) {
-                    pd_fa_wgmma_rs_n64(o, pa[kk], pd_fa_desc(vt + kk * 2048, C::CB));
-                } else if constexpr (VN64) {
-                    pd_fa_wgmma_rs_n64(o, pa[kk], pd_fa_desc(vt + kk * 2048, C::CB));
-                    pd_fa_wgmma_rs_n64(o + 32, pa[kk], pd_fa_desc(vt + C::CB + kk * 2048, C::CB));
-                } else {
-                    pd_fa_wgmma_rs_n128(o, pa[kk], pd_fa_desc(vt + kk * 2048, C::CB));
-                }
-            }
-            pd_fa_wg_commit();
-            pd_fa_wg_wait<0>();
-            pd_fa_pin<HD / 2>(o);
+            pd_fa_mbar_arrive(bar + 8 * (ST + st));
+            continue;
         }
-        pd_fa_mbar_arrive(bar + 8 * (ST + st));
+        const uint32_t kt = sk + st * C::TILE;
+        bool need_mask = kv0 + PD_FA_BKV - 1 > pos0 + wr;
+        float sc[PD_FA_BKV / 2];
+        if constexpr (OVL) {
+            // S_j and (j > 0) O += P_{j-1} V_{j-1} in flight together; the softmax of S_j runs
+            // while P.V still computes; O is rescaled once P.V is done.
+            pd_fa_pin<PD_FA_BKV / 2>(sc);
+            pd_fa_wg_fence();
+            pd_fa_issue_s<HD>(sc, qa, kt);
+            pd_fa_wg_commit();
+            if (j > 0) {
+                pd_fa_issue_pv<HD, VN64>(o, pa, sv + ((j - 1) % ST) * C::TILE);
+                pd_fa_wg_commit();
+            }
+            if (pass) pd_fa_bar_arrive(2 - cw);
+            if (j > 0) pd_fa_wg_wait<1>();
+            else pd_fa_wg_wait<0>();
+            pd_fa_pin<PD_FA_BKV / 2>(sc);
+            uint32_t pn[PD_FA_BKV / 16][4];
+            pd_fa_softmax(sc, m, l, corr, pn, need_mask, kv0, qpos, t, scale_log2);
+            if (j > 0) {
+                pd_fa_wg_wait<0>();
+                pd_fa_pin<HD / 2>(o);
+                pd_fa_pin_pa(pa);
+                pd_fa_mbar_arrive(bar + 8 * (ST + (j - 1) % ST));
+            }
+            pd_fa_rescale<HD>(o, corr);
+#pragma unroll
+            for (int kk = 0; kk < PD_FA_BKV / 16; kk++)
+#pragma unroll
+                for (int i = 0; i < 4; i++) pa[kk][i] = pn[kk][i];
+            if (j == n_mine - 1) {  // the last P.V
+                pd_fa_pin<HD / 2>(o);
+                pd_fa_wg_fence();
+                pd_fa_issue_pv<HD, VN64>(o, pa, sv + st * C::TILE);
+                pd_fa_wg_commit();
+                pd_fa_wg_wait<0>();
+                pd_fa_pin<HD / 2>(o);
+                pd_fa_pin_pa(pa);
+                pd_fa_mbar_arrive(bar + 8 * (ST + st));
+            }
+        } else {
+            pd_fa_pin<PD_FA_BKV / 2>(sc);
+            pd_fa_wg_fence();
+            pd_fa_issue_s<HD>(sc, qa, kt);
+            pd_fa_wg_commit();
+            if (pass) pd_fa_bar_arrive(2 - cw);
+            pd_fa_wg_wait<0>();
+            pd_fa_pin<PD_FA_BKV / 2>(sc);
+            pd_fa_softmax(sc, m, l, corr, pa, need_mask, kv0, qpos, t, scale_log2);
+            pd_fa_rescale<HD>(o, corr);
+            pd_fa_pin<HD / 2>(o);
+            pd_fa_wg_fence();
+            pd_fa_issue_pv<HD, VN64>(o, pa, sv + st * C::TILE);
+            pd_fa_wg_commit();
+            pd_fa_wg_wait<0>();
+            pd_fa_pin<HD / 2>(o);
+            pd_fa_mbar_arrive(bar + 8 * (ST + st));
+        }
     }
 #pragma unroll
     for (int r = 0; r < 2; r++) {
@@ -343,61 +429,53 @@ static bool pd_fa_enabled() {
     static int on = -1;
     return pd_k_env_on("PD_CUDA_ATTN_PREFILL", &on);
 }
-// PD_CUDA_FA3_VN64=1: P.V of head_dim 128 as two n64 wgmmas (off unless "1").
-static bool pd_fa_vn64() {
-    static int on = -1;
-    if (on < 0) {
-        const char *e = getenv("PD_CUDA_FA3_VN64");
-        on = e && !strcmp(e, "1");
+// Measurement knobs, read once: PD_CUDA_FA3_VN64, PD_CUDA_FA3_PP, PD_CUDA_FA3_OVL ("1" on, "0" off).
+static int pd_fa_flags() {
+    static int fl = -1;
+    if (fl < 0) {
+        const char *v = getenv("PD_CUDA_FA3_VN64"), *p = getenv("PD_CUDA_FA3_PP"), *o = getenv("PD_CUDA_FA3_OVL");
+        fl = (v && !strcmp(v, "1") ? PD_FA_VN64 : 0) | (p && !strcmp(p, "1") ? PD_FA_PP : 0) |
+             (o && !strcmp(o, "1") ? PD_FA_OVL : 0);
     }
-    return on != 0;
+    return fl;
 }
 
-// PD_CUDA_FA3_PP=1: the consumers' ping-pong schedule (off unless "1").
-static bool pd_fa_pp() {
-    static int on = -1;
-    if (on < 0) {
-        const char *e = getenv("PD_CUDA_FA3_PP");
-        on = e && !strcmp(e, "1");
-    }
-    return on != 0;
-}
-
-template <int HD, bool VN64, bool PP>
+template <int HD, int FL>
 static void pd_fa_launch(const pd_attention_kparams *p, cudaStream_t s) {
     static bool attr_set = false;  // per instantiation; the first launch raises the smem limit
     if (!attr_set) {
-        cudaFuncSetAttribute(k_attn_prefill_fa3<HD, VN64, PP>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+        cudaFuncSetAttribute(k_attn_prefill_fa3<HD, FL>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                              pd_fa_cfg<HD>::SMEM);
         attr_set = true;
     }
     int n_q_tiles = (p->max_q_len + PD_FA_BQ - 1) / PD_FA_BQ;
     dim3 grid((unsigned)(n_q_tiles * p->n_seqs * p->n_heads));
-    k_attn_prefill_fa3<HD, VN64, PP><<<grid, PD_FA_THREADS, pd_fa_cfg<HD>::SMEM, s>>>(
+    k_attn_prefill_fa3<HD, FL><<<grid, PD_FA_THREADS, pd_fa_cfg<HD>::SMEM, s>>>(
         (const __nv_bfloat16 *)p->q, (const __nv_bfloat16 *)p->k_cache, (const __nv_bfloat16 *)p->v_cache,
         (__nv_bfloat16 *)p->out, p->q_indptr, p->kv_lens, p->bt_indptr, p->bt_indices, n_q_tiles, p->n_seqs,
         p->n_heads, p->n_kv_heads, p->block_size, p->q_stride, p->scale * PD_FA_LOG2E);
 }
 
+template <int HD>
+static void pd_fa_dispatch(const pd_attention_kparams *p, cudaStream_t s, int fl) {
+    switch (fl & (HD == 64 ? ~PD_FA_VN64 : ~0)) {
+    case 0: pd_fa_launch<HD, 0>(p, s); break;
+    case PD_FA_PP: pd_fa_launch<HD, PD_FA_PP>(p, s); break;
+    case PD_FA_OVL: pd_fa_launch<HD, PD_FA_OVL>(p, s); break;
+    case PD_FA_PP | PD_FA_OVL: pd_fa_launch<HD, PD_FA_PP | PD_FA_OVL>(p, s); break;
+    case PD_FA_VN64: pd_fa_launch<HD, PD_FA_VN64>(p, s); break;
+    case PD_FA_VN64 | PD_FA_PP: pd_fa_launch<HD, PD_FA_VN64 | PD_FA_PP>(p, s); break;
+    case PD_FA_VN64 | PD_FA_OVL: pd_fa_launch<HD, PD_FA_VN64 | PD_FA_OVL>(p, s); break;
+    default: pd_fa_launch<HD, PD_FA_VN64 | PD_FA_PP | PD_FA_OVL>(p, s); break;
+    }
+}
+
 extern "C" int pd_cuda_attn_prefill_fa3(const pd_attention_kparams *p, cudaStream_t s) {
     if (!pd_fa_enabled() || p->kv_fp8 || p->max_q_len <= 1) return 0;
     if ((long)((p->max_q_len + PD_FA_BQ - 1) / PD_FA_BQ) * p->n_seqs * p->n_heads > 0x7fffffffL) return 0;
-    bool pp = pd_fa_pp();
     switch (p->head_dim) {
-    case 64:
-        if (pp) pd_fa_launch<64, false, true>(p, s);
-        else pd_fa_launch<64, false, false>(p, s);
-        return 1;
-    case 128:
-        if (pd_fa_vn64()) {
-            if (pp) pd_fa_launch<128, true, true>(p, s);
-            else pd_fa_launch<128, true, false>(p, s);
-        } else if (pp) {
-            pd_fa_launch<128, false, true>(p, s);
-        } else {
-            pd_fa_launch<128, false, false>(p, s);
-        }
-        return 1;
+    case 64: pd_fa_dispatch<64>(p, s, pd_fa_flags()); return 1;
+    case 128: pd_fa_dispatch<128>(p, s, pd_fa_flags()); return 1;
     default: return 0;
     }
 }
