@@ -43,6 +43,7 @@ typedef struct pcase {
     const char *name;
     int H, Hkv, hd, bs, n_seqs;
     int q_lens[4], kv_lens[4];
+    int mode;  // 0 random; 1 Q = 0 (S = 0: tests P.V and the mask alone); 2 V row j = e_(j mod hd) (O = P)
 } pcase;
 
 static int run_case(const pcase *c) {
@@ -60,8 +61,15 @@ static int run_case(const pcase *c) {
     for (int i = 0; i < n_bt; i++) bt[i] = (int32_t)(((int64_t)i * 7 + 1) % n_blocks);  // scattered, all distinct
     size_t kvn = (size_t)n_blocks * c->bs * Hkv * hd, qn = (size_t)n_tok * H * hd;
     uint16_t *q = malloc(2 * qn), *k = malloc(2 * kvn), *v = malloc(2 * kvn), *o = malloc(2 * qn);
-    for (size_t i = 0; i < qn; i++) q[i] = f2bf(urand() * 2.f);
+    for (size_t i = 0; i < qn; i++) q[i] = f2bf(c->mode == 1 ? 0.f : urand() * 2.f);
     for (size_t i = 0; i < kvn; i++) k[i] = f2bf(urand() * 2.f), v[i] = f2bf(urand());
+    if (c->mode == 2)  // logical position j of every sequence: V = e_(j mod hd)
+        for (int s = 0; s < c->n_seqs; s++)
+            for (int j = 0; j < c->kv_lens[s]; j++) {
+                size_t slot = (size_t)bt[bi[s] + j / c->bs] * c->bs + j % c->bs;
+                for (int kvh = 0; kvh < Hkv; kvh++)
+                    for (int e = 0; e < hd; e++) v[(slot * Hkv + kvh) * hd + e] = f2bf(e == j % hd ? 1.f : 0.f);
+            }
     void *dq, *dk, *dv, *dout;
     int32_t *dqi, *dkl, *dbi, *dbt;
     CK(cudaMalloc(&dq, 2 * qn));
@@ -141,8 +149,8 @@ static int run_case(const pcase *c) {
     }
     double nmse = sum_r2 > 0 ? sum_e2 / sum_r2 : 0;
     int ok = max_err < 0.03 && nmse < 1e-4;
-    printf("%-4s %-28s H=%d Hkv=%d hd=%d bs=%d seqs=%d: max abs err %.4g (token %d head %d dim %d) nmse %.3g\n",
-           ok ? "OK" : "FAIL", c->name, H, Hkv, hd, c->bs, c->n_seqs, max_err, bad_row, bad_h, bad_d, nmse);
+    printf("%-4s %-28s%s H=%d Hkv=%d hd=%d bs=%d seqs=%d: max abs err %.4g (token %d head %d dim %d) nmse %.3g\n",
+           ok ? "OK" : "FAIL", c->name, c->mode == 1 ? " [Q=0]" : c->mode == 2 ? " [V=I]" : "", H, Hkv, hd, c->bs, c->n_seqs, max_err, bad_row, bad_h, bad_d, nmse);
     if (!ok) {
         printf("  max error per 8 rows (down) x 8 dims (across), sequence 0 head 0, first 128 rows ('.' < 0.03, "
                "'x' NaN/huge):\n");
@@ -164,6 +172,10 @@ static int run_case(const pcase *c) {
 
 int main(void) {
     const pcase cases[] = {
+        {"one tile 128", 1, 1, 128, 16, 1, {128}, {128}, 1},
+        {"one tile 128", 1, 1, 64, 16, 1, {128}, {128}, 1},
+        {"one tile 128", 1, 1, 128, 16, 1, {128}, {128}, 2},
+        {"one tile 128", 1, 1, 64, 16, 1, {64}, {64}, 2},
         {"one tile 128", 1, 1, 128, 16, 1, {128}, {128}},
         {"one tile 128", 1, 1, 64, 16, 1, {128}, {128}},
         {"kv only 64 rows", 1, 1, 128, 16, 1, {64}, {64}},
