@@ -146,7 +146,10 @@ static __device__ __forceinline__ void pd_fa_wgmma_rs_n128(float *d, const uint3
 
 #define PD_FA_VN64 1  // flags: P.V of head_dim 128 as two n64 wgmmas
 #define PD_FA_PP 2    // the consumers' ping-pong
-#define PD_FA_OVL 4   // S of tile j + 1 and P.V of tile j in flight together (intra-warpgroup overlap)
+#define PD_FA_ROWP 4  // the first producer: one page-table load, then the copies, row after row
+// Diagnostics, compiled only with -DPD_FA3_DIAG (a separate op_bench build; the output is wrong):
+#define PD_FA_NOLOAD 8   // the producer copies no K/V (the consumers' speed alone)
+#define PD_FA_NOMATH 16  // the consumers compute nothing (the producer's speed alone)
 
 // Issues S = Q.K^T (HD / 16 wgmmas, no commit). qa: this warpgroup's 64 Q rows; kt: the K tile.
 template <int HD>
@@ -183,12 +186,14 @@ static __device__ __forceinline__ void pd_fa_issue_pv(float *o, const uint32_t (
 static __device__ __forceinline__ void pd_fa_softmax(float *sc, float *m, float *l, float *corr, uint32_t (*pa)[4],
                                                      bool need_mask, int kv0, const int *qpos, int t,
                                                      float scale_log2) {
-    float mx[2] = {m[0], m[1]};
+    // The max runs on the raw scores (scale_log2 > 0 keeps the order); m is in the scaled domain and
+    // each exponent is one FFMA: exp2(s * scale_log2 - m).
+    float mx[2] = {-INFINITY, -INFINITY};
 #pragma unroll
     for (int nt = 0; nt < PD_FA_BKV / 8; nt++) {
 #pragma unroll
         for (int i = 0; i < 4; i++) {
-            float v = sc[nt * 4 + i] * scale_log2;
+            float v = sc[nt * 4 + i];
             if (need_mask && kv0 + nt * 8 + 2 * t + (i & 1) > qpos[i >> 1]) v = -INFINITY;
             sc[nt * 4 + i] = v;
             mx[i >> 1] = fmaxf(mx[i >> 1], v);
@@ -198,17 +203,18 @@ static __device__ __forceinline__ void pd_fa_softmax(float *sc, float *m, float 
     for (int r = 0; r < 2; r++) {
         mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
         mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
-        corr[r] = mx[r] == -INFINITY ? 1.f : exp2f(m[r] - mx[r]);
-        m[r] = mx[r];
+        float mn = fmaxf(m[r], mx[r] * scale_log2);  // -inf only while every position so far is masked
+        corr[r] = mn == -INFINITY ? 1.f : exp2f(m[r] - mn);
+        m[r] = mn;
         l[r] *= corr[r];
     }
-    float base_m[2] = {m[0] == -INFINITY ? 0.f : m[0], m[1] == -INFINITY ? 0.f : m[1]};
+    float nb[2] = {m[0] == -INFINITY ? 0.f : -m[0], m[1] == -INFINITY ? 0.f : -m[1]};
 #pragma unroll
     for (int kk = 0; kk < PD_FA_BKV / 16; kk++) {
         float p[8];
 #pragma unroll
         for (int i = 0; i < 8; i++) {
-            p[i] = exp2f(sc[kk * 8 + i] - base_m[(i >> 1) & 1]);
+            p[i] = exp2f(fmaf(sc[kk * 8 + i], scale_log2, nb[(i >> 1) & 1]));
             l[(i >> 1) & 1] += p[i];
         }
         pa[kk][0] = pd_k_pack2(p[0], p[1]);  // row g, k 2t, 2t + 1
@@ -229,27 +235,18 @@ static __device__ __forceinline__ void pd_fa_rescale(float *o, const float *corr
     }
 }
 
-static __device__ __forceinline__ void pd_fa_pin_pa(uint32_t (*pa)[4]) {
-#pragma unroll
-    for (int kk = 0; kk < PD_FA_BKV / 16; kk++)
-#pragma unroll
-        for (int i = 0; i < 4; i++) asm volatile("" : "+r"(pa[kk][i])::"memory");
-}
-
 // ---- the kernel --------------------------------------------------------------------------------
 
 template <int HD, int FL>
 static __global__ void __launch_bounds__(PD_FA_THREADS, 1)
     k_attn_prefill_fa3(const __nv_bfloat16 *q, const __nv_bfloat16 *kc, const __nv_bfloat16 *vc, __nv_bfloat16 *out,
                        const int32_t *q_indptr, const int32_t *kv_lens, const int32_t *bt_indptr,
-                       const int32_t *bt_indices, int n_q_tiles, int n_seqs, int H, int n_kv, int bs, int q_stride,
-                       float scale_log2) {
+                       const int32_t *bt_indices, int n_q_tiles, int n_seqs, int H, int n_kv, int bs, int bs_shift,
+                       int q_stride, float scale_log2) {
     using C = pd_fa_cfg<HD>;
     constexpr int ST = C::ST, CPR = HD / 8;
-    constexpr bool VN64 = FL & PD_FA_VN64, PP = FL & PD_FA_PP, OVL = FL & PD_FA_OVL;
-    // OVL keeps tile j - 1's stage until the P.V of iteration j; the producer publishes tile j only
-    // after issuing tile j + 1, whose stage is then tile j + 1 - ST's: free only if ST >= 3.
-    static_assert(!OVL || ST >= 3, "OVL needs 3 stages");
+    constexpr bool VN64 = FL & PD_FA_VN64, PP = FL & PD_FA_PP, ROWP = FL & PD_FA_ROWP;
+    constexpr bool NOLOAD = FL & PD_FA_NOLOAD, NOMATH = FL & PD_FA_NOMATH;
     extern __shared__ unsigned char pd_fa_smem[];
     const uint32_t base = (pd_k_smem_u32(pd_fa_smem) + 1023u) & ~1023u;
     const uint32_t sq = base, sk = base + C::TILE, sv = sk + ST * C::TILE, bar = sv + ST * C::TILE;
@@ -288,18 +285,46 @@ static __global__ void __launch_bounds__(PD_FA_THREADS, 1)
             pd_fa_cp16(sq + pd_fa_swz(r, c), src, ok);
         }
         pd_k_cp_async_commit();
+        // Thread tw copies 16-byte chunk c = tw % CPR of rows tw / CPR + k * RS (k < RPT) of each
+        // tile. The page-table lookups of a tile are issued together (independent loads) before
+        // the wait for its stage, then the copies; ROWP: the first version, lookup and copies row
+        // after row (each copy waits for its lookup).
+        constexpr int RS = 128 / CPR, RPT = PD_FA_BKV / RS;
+        const int r0 = tw / CPR, c = tw % CPR;
+        const size_t kv_row = (size_t)n_kv * HD, kv_col = (size_t)kvh * HD + c * 8;
         for (int j = 0; j < n_tiles; j++) {
             int st = j % ST, kv0 = j * PD_FA_BKV;
-            if (j >= ST) pd_fa_mbar_wait(bar + 8 * (ST + st), ((j / ST) - 1) & 1);
             uint32_t dk = sk + st * C::TILE, dv = sv + st * C::TILE;
-            for (int i = tw; i < PD_FA_BKV * CPR; i += 128) {
-                int r = i / CPR, c = i % CPR, pos = kv0 + r;
-                bool ok = pos < kv_end;
-                size_t off = 0;
-                if (ok) off = ((size_t)(bt[pos / bs] * bs + pos % bs) * n_kv + kvh) * HD + c * 8;
-                uint32_t o = pd_fa_swz(r, c);
-                pd_fa_cp16(dk + o, kc + off, ok);
-                pd_fa_cp16(dv + o, vc + off, ok);
+            if constexpr (NOLOAD) {
+                if (j >= ST) pd_fa_mbar_wait(bar + 8 * (ST + st), ((j / ST) - 1) & 1);
+            } else if constexpr (ROWP) {
+                if (j >= ST) pd_fa_mbar_wait(bar + 8 * (ST + st), ((j / ST) - 1) & 1);
+                for (int i = tw; i < PD_FA_BKV * CPR; i += 128) {
+                    int r = i / CPR, cc = i % CPR, pos = kv0 + r;
+                    bool ok = pos < kv_end;
+                    size_t off = 0;
+                    if (ok) off = ((size_t)(bt[pos / bs] * bs + pos % bs) * n_kv + kvh) * HD + cc * 8;
+                    uint32_t o = pd_fa_swz(r, cc);
+                    pd_fa_cp16(dk + o, kc + off, ok);
+                    pd_fa_cp16(dv + o, vc + off, ok);
+                }
+            } else {
+                int slot[RPT];
+#pragma unroll
+                for (int k = 0; k < RPT; k++) {
+                    int pos = kv0 + r0 + k * RS;
+                    int pg = bs_shift >= 0 ? pos >> bs_shift : pos / bs, in = pos - pg * bs;
+                    slot[k] = pos < kv_end ? __ldg(bt + pg) * bs + in : -1;
+                }
+                if (j >= ST) pd_fa_mbar_wait(bar + 8 * (ST + st), ((j / ST) - 1) & 1);
+#pragma unroll
+                for (int k = 0; k < RPT; k++) {
+                    bool ok = slot[k] >= 0;
+                    size_t off = ok ? (size_t)slot[k] * kv_row + kv_col : 0;
+                    uint32_t o = pd_fa_swz(r0 + k * RS, c);
+                    pd_fa_cp16(dk + o, kc + off, ok);
+                    pd_fa_cp16(dv + o, vc + off, ok);
+                }
             }
             pd_k_cp_async_commit();
             pd_k_cp_async_wait<1>();  // everything but tile j: the Q tile (j == 0) or tile j - 1
@@ -340,7 +365,7 @@ static __global__ void __launch_bounds__(PD_FA_THREADS, 1)
         bool pass = PP && !(cw == 1 && j == n_tiles - 1);
         pd_fa_mbar_wait(bar + 8 * st, (j / ST) & 1);
         if (PP) pd_fa_bar_sync(1 + cw);
-        if (j >= n_mine) {  // warpgroup-uniform
+        if (NOMATH || j >= n_mine) {  // warpgroup-uniform
             if (pass) pd_fa_bar_arrive(2 - cw);
             pd_fa_mbar_arrive(bar + 8 * (ST + st));
             continue;
@@ -348,45 +373,7 @@ static __global__ void __launch_bounds__(PD_FA_THREADS, 1)
         const uint32_t kt = sk + st * C::TILE;
         bool need_mask = kv0 + PD_FA_BKV - 1 > pos0 + wr;
         float sc[PD_FA_BKV / 2];
-        if constexpr (OVL) {
-            // S_j and (j > 0) O += P_{j-1} V_{j-1} in flight together; the softmax of S_j runs
-            // while P.V still computes; O is rescaled once P.V is done.
-            pd_fa_pin<PD_FA_BKV / 2>(sc);
-            pd_fa_wg_fence();
-            pd_fa_issue_s<HD>(sc, qa, kt);
-            pd_fa_wg_commit();
-            if (j > 0) {
-                pd_fa_issue_pv<HD, VN64>(o, pa, sv + ((j - 1) % ST) * C::TILE);
-                pd_fa_wg_commit();
-            }
-            if (pass) pd_fa_bar_arrive(2 - cw);
-            if (j > 0) pd_fa_wg_wait<1>();
-            else pd_fa_wg_wait<0>();
-            pd_fa_pin<PD_FA_BKV / 2>(sc);
-            uint32_t pn[PD_FA_BKV / 16][4];
-            pd_fa_softmax(sc, m, l, corr, pn, need_mask, kv0, qpos, t, scale_log2);
-            if (j > 0) {
-                pd_fa_wg_wait<0>();
-                pd_fa_pin<HD / 2>(o);
-                pd_fa_pin_pa(pa);
-                pd_fa_mbar_arrive(bar + 8 * (ST + (j - 1) % ST));
-            }
-            pd_fa_rescale<HD>(o, corr);
-#pragma unroll
-            for (int kk = 0; kk < PD_FA_BKV / 16; kk++)
-#pragma unroll
-                for (int i = 0; i < 4; i++) pa[kk][i] = pn[kk][i];
-            if (j == n_mine - 1) {  // the last P.V
-                pd_fa_pin<HD / 2>(o);
-                pd_fa_wg_fence();
-                pd_fa_issue_pv<HD, VN64>(o, pa, sv + st * C::TILE);
-                pd_fa_wg_commit();
-                pd_fa_wg_wait<0>();
-                pd_fa_pin<HD / 2>(o);
-                pd_fa_pin_pa(pa);
-                pd_fa_mbar_arrive(bar + 8 * (ST + st));
-            }
-        } else {
+        {
             pd_fa_pin<PD_FA_BKV / 2>(sc);
             pd_fa_wg_fence();
             pd_fa_issue_s<HD>(sc, qa, kt);
@@ -429,13 +416,20 @@ static bool pd_fa_enabled() {
     static int on = -1;
     return pd_k_env_on("PD_CUDA_ATTN_PREFILL", &on);
 }
-// Measurement knobs, read once: PD_CUDA_FA3_VN64, PD_CUDA_FA3_PP, PD_CUDA_FA3_OVL ("1" on, "0" off).
+// Measurement knobs, read once: PD_CUDA_FA3_PP=0 (no ping-pong), PD_CUDA_FA3_VN64=0 (P.V of head_dim
+// 128 as one n128 wgmma), PD_CUDA_FA3_ROWP=1 (the first producer); with -DPD_FA3_DIAG also
+// PD_CUDA_FA3_DIAG=noload|nomath.
 static int pd_fa_flags() {
     static int fl = -1;
     if (fl < 0) {
-        const char *v = getenv("PD_CUDA_FA3_VN64"), *p = getenv("PD_CUDA_FA3_PP"), *o = getenv("PD_CUDA_FA3_OVL");
-        fl = (v && !strcmp(v, "1") ? PD_FA_VN64 : 0) | (p && !strcmp(p, "1") ? PD_FA_PP : 0) |
-             (o && !strcmp(o, "1") ? PD_FA_OVL : 0);
+        const char *v = getenv("PD_CUDA_FA3_VN64"), *p = getenv("PD_CUDA_FA3_PP"), *r = getenv("PD_CUDA_FA3_ROWP");
+        fl = (v && !strcmp(v, "0") ? 0 : PD_FA_VN64) | (p && !strcmp(p, "0") ? 0 : PD_FA_PP) |
+             (r && !strcmp(r, "1") ? PD_FA_ROWP : 0);
+#ifdef PD_FA3_DIAG
+        const char *d = getenv("PD_CUDA_FA3_DIAG");
+        if (d && !strcmp(d, "noload")) fl |= PD_FA_NOLOAD;
+        if (d && !strcmp(d, "nomath")) fl |= PD_FA_NOMATH;
+#endif
     }
     return fl;
 }
@@ -450,23 +444,41 @@ static void pd_fa_launch(const pd_attention_kparams *p, cudaStream_t s) {
     }
     int n_q_tiles = (p->max_q_len + PD_FA_BQ - 1) / PD_FA_BQ;
     dim3 grid((unsigned)(n_q_tiles * p->n_seqs * p->n_heads));
+    int bs_shift = -1;  // log2(block_size) when it is a power of two (shifts instead of divisions)
+    for (int i = 0; i < 31; i++)
+        if (p->block_size == 1 << i) bs_shift = i;
     k_attn_prefill_fa3<HD, FL><<<grid, PD_FA_THREADS, pd_fa_cfg<HD>::SMEM, s>>>(
         (const __nv_bfloat16 *)p->q, (const __nv_bfloat16 *)p->k_cache, (const __nv_bfloat16 *)p->v_cache,
         (__nv_bfloat16 *)p->out, p->q_indptr, p->kv_lens, p->bt_indptr, p->bt_indices, n_q_tiles, p->n_seqs,
-        p->n_heads, p->n_kv_heads, p->block_size, p->q_stride, p->scale * PD_FA_LOG2E);
+        p->n_heads, p->n_kv_heads, p->block_size, bs_shift, p->q_stride, p->scale * PD_FA_LOG2E);
 }
 
 template <int HD>
 static void pd_fa_dispatch(const pd_attention_kparams *p, cudaStream_t s, int fl) {
-    switch (fl & (HD == 64 ? ~PD_FA_VN64 : ~0)) {
+    if (HD == 64) fl &= ~PD_FA_VN64;  // one n64 wgmma either way
+    switch (fl) {
     case 0: pd_fa_launch<HD, 0>(p, s); break;
     case PD_FA_PP: pd_fa_launch<HD, PD_FA_PP>(p, s); break;
-    case PD_FA_OVL: pd_fa_launch<HD, PD_FA_OVL>(p, s); break;
-    case PD_FA_PP | PD_FA_OVL: pd_fa_launch<HD, PD_FA_PP | PD_FA_OVL>(p, s); break;
-    case PD_FA_VN64: pd_fa_launch<HD, PD_FA_VN64>(p, s); break;
-    case PD_FA_VN64 | PD_FA_PP: pd_fa_launch<HD, PD_FA_VN64 | PD_FA_PP>(p, s); break;
-    case PD_FA_VN64 | PD_FA_OVL: pd_fa_launch<HD, PD_FA_VN64 | PD_FA_OVL>(p, s); break;
-    default: pd_fa_launch<HD, PD_FA_VN64 | PD_FA_PP | PD_FA_OVL>(p, s); break;
+    case PD_FA_ROWP: pd_fa_launch<HD, PD_FA_ROWP>(p, s); break;
+    case PD_FA_PP | PD_FA_ROWP: pd_fa_launch<HD, PD_FA_PP | PD_FA_ROWP>(p, s); break;
+#ifdef PD_FA3_DIAG
+    case PD_FA_PP | PD_FA_VN64 | PD_FA_NOLOAD: pd_fa_launch<HD, PD_FA_PP | PD_FA_VN64 | PD_FA_NOLOAD>(p, s); break;
+    case PD_FA_PP | PD_FA_VN64 | PD_FA_NOMATH: pd_fa_launch<HD, PD_FA_PP | PD_FA_VN64 | PD_FA_NOMATH>(p, s); break;
+    case PD_FA_PP | PD_FA_NOLOAD: pd_fa_launch<HD, PD_FA_PP | PD_FA_NOLOAD>(p, s); break;
+    case PD_FA_PP | PD_FA_NOMATH: pd_fa_launch<HD, PD_FA_PP | PD_FA_NOMATH>(p, s); break;
+#endif
+    default:
+        if constexpr (HD == 128) {
+            switch (fl) {
+            case PD_FA_VN64: pd_fa_launch<HD, PD_FA_VN64>(p, s); return;
+            case PD_FA_VN64 | PD_FA_PP: pd_fa_launch<HD, PD_FA_VN64 | PD_FA_PP>(p, s); return;
+            case PD_FA_VN64 | PD_FA_ROWP: pd_fa_launch<HD, PD_FA_VN64 | PD_FA_ROWP>(p, s); return;
+            case PD_FA_VN64 | PD_FA_PP | PD_FA_ROWP: pd_fa_launch<HD, PD_FA_VN64 | PD_FA_PP | PD_FA_ROWP>(p, s); return;
+            default: break;
+            }
+        }
+        pd_fa_launch<HD, PD_FA_PP>(p, s);  // unreachable with the flags above
+        break;
     }
 }
 
