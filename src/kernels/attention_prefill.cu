@@ -31,6 +31,8 @@
 // PD_CUDA_ATTN_PREFILL=0 selects k_attn_prefill everywhere (A/B knob). PD_CUDA_FA3_VN64=1 issues
 // the P.V product of head_dim 128 as two n64 wgmmas (one per column block) instead of one n128
 // (diagnostic / measurement knob).
+#include <cuda.h>  // CUtensorMap (the encoder comes through the runtime's driver entry point)
+#include <cudaTypedefs.h>
 #include <math.h>
 
 #include "kernels/attention_prefill.cuh"
@@ -84,6 +86,20 @@ static __device__ __forceinline__ void pd_fa_wg_commit() {
 template <int N>
 static __device__ __forceinline__ void pd_fa_wg_wait() {
     asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+// Adds tx bytes the current phase of bar waits for (no arrival).
+static __device__ __forceinline__ void pd_fa_mbar_expect_tx(uint32_t bar, uint32_t bytes) {
+    asm volatile("mbarrier.expect_tx.relaxed.cta.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+// One TMA box (64 elements x 1 kv head x block_size slots, 128-byte swizzle) to shared memory, completing
+// its bytes on bar.
+static __device__ __forceinline__ void pd_fa_tma3(uint32_t dst, const CUtensorMap *tm, int c0, int c1, int c2,
+                                                  uint32_t bar) {
+    asm volatile(
+        "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], "
+        "[%5];\n" ::"r"(dst),
+        "l"((uint64_t)tm), "r"(c0), "r"(c1), "r"(c2), "r"(bar)
+        : "memory");
 }
 // Named barriers 1 and 2 over the two consumer warpgroups (256 threads).
 static __device__ __forceinline__ void pd_fa_bar_sync(int id) {
@@ -147,6 +163,7 @@ static __device__ __forceinline__ void pd_fa_wgmma_rs_n128(float *d, const uint3
 #define PD_FA_VN64 1  // flags: P.V of head_dim 128 as two n64 wgmmas
 #define PD_FA_PP 2    // the consumers' ping-pong
 #define PD_FA_ROWP 4  // the first producer: one page-table load, then the copies, row after row
+#define PD_FA_TMA 32  // whole pages by the tensor-memory accelerator (block_size 8..128 dividing 128)
 // Diagnostics, compiled only with -DPD_FA3_DIAG (a separate op_bench build; the output is wrong):
 #define PD_FA_NOLOAD 8   // the producer copies no K/V (the consumers' speed alone)
 #define PD_FA_NOMATH 16  // the consumers compute nothing (the producer's speed alone)
@@ -242,11 +259,12 @@ static __global__ void __launch_bounds__(PD_FA_THREADS, 1)
     k_attn_prefill_fa3(const __nv_bfloat16 *q, const __nv_bfloat16 *kc, const __nv_bfloat16 *vc, __nv_bfloat16 *out,
                        const int32_t *q_indptr, const int32_t *kv_lens, const int32_t *bt_indptr,
                        const int32_t *bt_indices, int n_q_tiles, int n_seqs, int H, int n_kv, int bs, int bs_shift,
-                       int q_stride, float scale_log2) {
+                       int q_stride, float scale_log2, const __grid_constant__ CUtensorMap tmk,
+                       const __grid_constant__ CUtensorMap tmv) {
     using C = pd_fa_cfg<HD>;
     constexpr int ST = C::ST, CPR = HD / 8;
     constexpr bool VN64 = FL & PD_FA_VN64, PP = FL & PD_FA_PP, ROWP = FL & PD_FA_ROWP;
-    constexpr bool NOLOAD = FL & PD_FA_NOLOAD, NOMATH = FL & PD_FA_NOMATH;
+    constexpr bool NOLOAD = FL & PD_FA_NOLOAD, NOMATH = FL & PD_FA_NOMATH, TMA = FL & PD_FA_TMA;
     extern __shared__ unsigned char pd_fa_smem[];
     const uint32_t base = (pd_k_smem_u32(pd_fa_smem) + 1023u) & ~1023u;
     const uint32_t sq = base, sk = base + C::TILE, sv = sk + ST * C::TILE, bar = sv + ST * C::TILE;
@@ -289,7 +307,7 @@ static __global__ void __launch_bounds__(PD_FA_THREADS, 1)
         // tile. The page-table lookups of a tile are issued together (independent loads) before
         // the wait for its stage, then the copies; ROWP: the first version, lookup and copies row
         // after row (each copy waits for its lookup).
-        constexpr int RS = 128 / CPR, RPT = PD_FA_BKV / RS;
+        constexpr int RS = 128 / CPR, RPT = PD_FA_BKV / RS, CB = HD / 64;
         const int r0 = tw / CPR, c = tw % CPR;
         const size_t kv_row = (size_t)n_kv * HD, kv_col = (size_t)kvh * HD + c * 8;
         for (int j = 0; j < n_tiles; j++) {
@@ -297,6 +315,40 @@ static __global__ void __launch_bounds__(PD_FA_THREADS, 1)
             uint32_t dk = sk + st * C::TILE, dv = sv + st * C::TILE;
             if constexpr (NOLOAD) {
                 if (j >= ST) pd_fa_mbar_wait(bar + 8 * (ST + st), ((j / ST) - 1) & 1);
+            } else if constexpr (TMA) {
+                // Pages wholly inside the cache rows of this sequence (< kv_len) come by TMA, one box
+                // per (page, 64-element column block) for K and V, issued by the first CB * pages
+                // threads; the rest (the page holding kv_len, if partial, and pages past it) by
+                // cp.async with zeros past kv_end, so the masked rows hold no stale NaN.
+                int pg0 = kv0 / bs, n_full = min(max(kv_len / bs - pg0, 0), PD_FA_BKV / bs);
+                int cp_from = kv0 + n_full * bs;
+                int pg = tw / CB, cb = tw % CB;
+                int page = tw < n_full * CB ? __ldg(bt + pg0 + pg) : 0;
+                int slot[RPT];
+#pragma unroll
+                for (int k = 0; k < RPT; k++) {
+                    int pos = kv0 + r0 + k * RS;
+                    int pgk = bs_shift >= 0 ? pos >> bs_shift : pos / bs, in = pos - pgk * bs;
+                    slot[k] = pos >= cp_from && pos < kv_end ? __ldg(bt + pgk) * bs + in : -1;
+                }
+                if (j >= ST) pd_fa_mbar_wait(bar + 8 * (ST + st), ((j / ST) - 1) & 1);
+                if (tw == 0 && n_full > 0)
+                    pd_fa_mbar_expect_tx(bar + 8 * st, (uint32_t)(n_full * bs * HD * 2 * 2));
+                __syncwarp();
+                if (tw < n_full * CB) {
+                    uint32_t o = (uint32_t)(cb * (PD_FA_BKV * 128) + pg * bs * 128);
+                    pd_fa_tma3(dk + o, &tmk, cb * 64, kvh, page * bs, bar + 8 * st);
+                    pd_fa_tma3(dv + o, &tmv, cb * 64, kvh, page * bs, bar + 8 * st);
+                }
+#pragma unroll
+                for (int k = 0; k < RPT; k++) {
+                    if (kv0 + r0 + k * RS < cp_from) continue;
+                    bool ok = slot[k] >= 0;
+                    size_t off = ok ? (size_t)slot[k] * kv_row + kv_col : 0;
+                    uint32_t o = pd_fa_swz(r0 + k * RS, c);
+                    pd_fa_cp16(dk + o, kc + off, ok);
+                    pd_fa_cp16(dv + o, vc + off, ok);
+                }
             } else if constexpr (ROWP) {
                 if (j >= ST) pd_fa_mbar_wait(bar + 8 * (ST + st), ((j / ST) - 1) & 1);
                 for (int i = tw; i < PD_FA_BKV * CPR; i += 128) {
@@ -417,14 +469,16 @@ static bool pd_fa_enabled() {
     return pd_k_env_on("PD_CUDA_ATTN_PREFILL", &on);
 }
 // Measurement knobs, read once: PD_CUDA_FA3_PP=0 (no ping-pong), PD_CUDA_FA3_VN64=0 (P.V of head_dim
-// 128 as one n128 wgmma), PD_CUDA_FA3_ROWP=1 (the first producer); with -DPD_FA3_DIAG also
+// 128 as one n128 wgmma), PD_CUDA_FA3_ROWP=1 (the first producer), PD_CUDA_FA3_TMA=1 (whole pages by TMA);
+// with -DPD_FA3_DIAG also
 // PD_CUDA_FA3_DIAG=noload|nomath.
 static int pd_fa_flags() {
     static int fl = -1;
     if (fl < 0) {
-        const char *v = getenv("PD_CUDA_FA3_VN64"), *p = getenv("PD_CUDA_FA3_PP"), *r = getenv("PD_CUDA_FA3_ROWP");
+        const char *v = getenv("PD_CUDA_FA3_VN64"), *p = getenv("PD_CUDA_FA3_PP"), *r = getenv("PD_CUDA_FA3_ROWP"),
+                   *t = getenv("PD_CUDA_FA3_TMA");
         fl = (v && !strcmp(v, "0") ? 0 : PD_FA_VN64) | (p && !strcmp(p, "0") ? 0 : PD_FA_PP) |
-             (r && !strcmp(r, "1") ? PD_FA_ROWP : 0);
+             (r && !strcmp(r, "1") ? PD_FA_ROWP : 0) | (t && !strcmp(t, "1") ? PD_FA_TMA : 0);
 #ifdef PD_FA3_DIAG
         const char *d = getenv("PD_CUDA_FA3_DIAG");
         if (d && !strcmp(d, "noload")) fl |= PD_FA_NOLOAD;
@@ -435,7 +489,7 @@ static int pd_fa_flags() {
 }
 
 template <int HD, int FL>
-static void pd_fa_launch(const pd_attention_kparams *p, cudaStream_t s) {
+static void pd_fa_launch(const pd_attention_kparams *p, cudaStream_t s, const CUtensorMap *tm) {
     static bool attr_set = false;  // per instantiation; the first launch raises the smem limit
     if (!attr_set) {
         cudaFuncSetAttribute(k_attn_prefill_fa3<HD, FL>, cudaFuncAttributeMaxDynamicSharedMemorySize,
@@ -450,44 +504,76 @@ static void pd_fa_launch(const pd_attention_kparams *p, cudaStream_t s) {
     k_attn_prefill_fa3<HD, FL><<<grid, PD_FA_THREADS, pd_fa_cfg<HD>::SMEM, s>>>(
         (const __nv_bfloat16 *)p->q, (const __nv_bfloat16 *)p->k_cache, (const __nv_bfloat16 *)p->v_cache,
         (__nv_bfloat16 *)p->out, p->q_indptr, p->kv_lens, p->bt_indptr, p->bt_indices, n_q_tiles, p->n_seqs,
-        p->n_heads, p->n_kv_heads, p->block_size, bs_shift, p->q_stride, p->scale * PD_FA_LOG2E);
+        p->n_heads, p->n_kv_heads, p->block_size, bs_shift, p->q_stride, p->scale * PD_FA_LOG2E, tm[0], tm[1]);
 }
 
-template <int HD>
-static void pd_fa_dispatch(const pd_attention_kparams *p, cudaStream_t s, int fl) {
-    if (HD == 64) fl &= ~PD_FA_VN64;  // one n64 wgmma either way
-    switch (fl) {
-    case 0: pd_fa_launch<HD, 0>(p, s); break;
-    case PD_FA_PP: pd_fa_launch<HD, PD_FA_PP>(p, s); break;
-    case PD_FA_ROWP: pd_fa_launch<HD, PD_FA_ROWP>(p, s); break;
-    case PD_FA_PP | PD_FA_ROWP: pd_fa_launch<HD, PD_FA_PP | PD_FA_ROWP>(p, s); break;
-#ifdef PD_FA3_DIAG
-    case PD_FA_PP | PD_FA_VN64 | PD_FA_NOLOAD: pd_fa_launch<HD, PD_FA_PP | PD_FA_VN64 | PD_FA_NOLOAD>(p, s); break;
-    case PD_FA_PP | PD_FA_VN64 | PD_FA_NOMATH: pd_fa_launch<HD, PD_FA_PP | PD_FA_VN64 | PD_FA_NOMATH>(p, s); break;
-    case PD_FA_PP | PD_FA_NOLOAD: pd_fa_launch<HD, PD_FA_PP | PD_FA_NOLOAD>(p, s); break;
-    case PD_FA_PP | PD_FA_NOMATH: pd_fa_launch<HD, PD_FA_PP | PD_FA_NOMATH>(p, s); break;
-#endif
-    default:
-        if constexpr (HD == 128) {
-            switch (fl) {
-            case PD_FA_VN64: pd_fa_launch<HD, PD_FA_VN64>(p, s); return;
-            case PD_FA_VN64 | PD_FA_PP: pd_fa_launch<HD, PD_FA_VN64 | PD_FA_PP>(p, s); return;
-            case PD_FA_VN64 | PD_FA_ROWP: pd_fa_launch<HD, PD_FA_VN64 | PD_FA_ROWP>(p, s); return;
-            case PD_FA_VN64 | PD_FA_PP | PD_FA_ROWP: pd_fa_launch<HD, PD_FA_VN64 | PD_FA_PP | PD_FA_ROWP>(p, s); return;
-            default: break;
-            }
-        }
-        pd_fa_launch<HD, PD_FA_PP>(p, s);  // unreachable with the flags above
-        break;
+// Tensor maps of the K and V caches for the TMA producer: (head_dim, n_kv, slots) bf16, boxes of 64 x 1 x
+// block_size with the 128-byte swizzle. The slot extent is a bound the page ids never reach (the
+// kernel only asks for pages of the table). False when the driver lacks the encoder or rejects the map.
+static bool pd_fa_tensor_maps(const pd_attention_kparams *p, CUtensorMap tm[2]) {
+    static PFN_cuTensorMapEncodeTiled_v12000 enc = NULL;
+    static int tried = 0;
+    if (!tried) {
+        void *fn = NULL;
+        cudaDriverEntryPointQueryResult q;
+        if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &q) ==
+                cudaSuccess &&
+            q == cudaDriverEntryPointSuccess)
+            enc = (PFN_cuTensorMapEncodeTiled_v12000)fn;
+        tried = 1;
     }
+    if (!enc) return false;
+    cuuint64_t dims[3] = {(cuuint64_t)p->head_dim, (cuuint64_t)p->n_kv_heads, (cuuint64_t)1 << 28};
+    cuuint64_t strides[2] = {(cuuint64_t)p->head_dim * 2, (cuuint64_t)p->n_kv_heads * p->head_dim * 2};
+    cuuint32_t box[3] = {64, 1, (cuuint32_t)p->block_size}, estr[3] = {1, 1, 1};
+    const void *ptr[2] = {p->k_cache, p->v_cache};
+    for (int i = 0; i < 2; i++)
+        if (enc(&tm[i], CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3, (void *)ptr[i], dims, strides, box, estr,
+                CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) != CUDA_SUCCESS)
+            return false;
+    return true;
+}
+
+#define PD_FA_CASE(F)                        \
+    if (fl == (F)) {                         \
+        pd_fa_launch<HD, (F)>(p, s, tm);     \
+        return;                              \
+    }
+
+// The instantiated flag sets; anything else runs the default (PP | VN64).
+template <int HD>
+static void pd_fa_dispatch(const pd_attention_kparams *p, cudaStream_t s, int fl, const CUtensorMap *tm) {
+    if (HD == 64) fl &= ~PD_FA_VN64;  // one n64 wgmma either way
+    constexpr int V = HD == 128 ? PD_FA_VN64 : 0;
+    PD_FA_CASE(PD_FA_PP | V)
+    PD_FA_CASE(PD_FA_PP | V | PD_FA_TMA)
+    PD_FA_CASE(PD_FA_PP | V | PD_FA_ROWP)
+    PD_FA_CASE(PD_FA_PP)
+    PD_FA_CASE(PD_FA_PP | PD_FA_TMA)
+    PD_FA_CASE(V)
+    PD_FA_CASE(0)
+#ifdef PD_FA3_DIAG
+    PD_FA_CASE(PD_FA_PP | V | PD_FA_NOLOAD)
+    PD_FA_CASE(PD_FA_PP | V | PD_FA_NOMATH)
+    PD_FA_CASE(PD_FA_PP | V | PD_FA_TMA | PD_FA_NOMATH)
+    PD_FA_CASE(PD_FA_PP | PD_FA_NOLOAD)
+#endif
+    pd_fa_launch<HD, PD_FA_PP | V>(p, s, tm);
 }
 
 extern "C" int pd_cuda_attn_prefill_fa3(const pd_attention_kparams *p, cudaStream_t s) {
     if (!pd_fa_enabled() || p->kv_fp8 || p->max_q_len <= 1) return 0;
+    if (p->head_dim != 64 && p->head_dim != 128) return 0;
     if ((long)((p->max_q_len + PD_FA_BQ - 1) / PD_FA_BQ) * p->n_seqs * p->n_heads > 0x7fffffffL) return 0;
-    switch (p->head_dim) {
-    case 64: pd_fa_dispatch<64>(p, s, pd_fa_flags()); return 1;
-    case 128: pd_fa_dispatch<128>(p, s, pd_fa_flags()); return 1;
-    default: return 0;
-    }
+    int fl = pd_fa_flags();
+    CUtensorMap tm[2];
+    memset(tm, 0, sizeof tm);
+    // TMA moves whole pages: block_size 8..128 dividing the 128-position tile (else cp.async only)
+    if ((fl & PD_FA_TMA) &&
+        !(p->block_size >= 8 && p->block_size <= 128 && 128 % p->block_size == 0 && pd_fa_tensor_maps(p, tm)))
+        fl &= ~PD_FA_TMA;
+    if (p->head_dim == 64) pd_fa_dispatch<64>(p, s, fl, tm);
+    else pd_fa_dispatch<128>(p, s, fl, tm);
+    return 1;
 }
