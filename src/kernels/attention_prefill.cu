@@ -7,18 +7,23 @@
 //
 // Block = 3 warpgroups (384 threads) for one (sequence, 128-row query tile, query head):
 //   * warpgroup 0, the producer (setmaxnreg down to PD_FA_REG_P): cp.async of the Q tile and of
-//     the K/V tiles of BKV = 128 positions, gathered through the page table (one 16-byte chunk per
-//     thread and row piece, any block_size), into a ring of PD_FA_STAGES stages. Each thread
-//     waits for its own copies, issues fence.proxy.async (the tiles are read by wgmma through the
-//     async proxy) and arrives on the stage's "full" mbarrier (count 128); it refills a stage
-//     after both consumers arrived on its "empty" mbarrier (count 256).
+//     the K/V tiles of BKV = 128 positions, gathered through the page table (16-byte chunks, any
+//     block_size; a tile's page-table lookups are issued together before its copies), into a ring
+//     of PD_FA_STAGES stages. Each thread waits for its own copies, issues fence.proxy.async (the
+//     tiles are read by wgmma through the async proxy) and arrives on the stage's "full" mbarrier
+//     (count 128), one tile behind its issue; it refills a stage after both consumers arrived on
+//     its "empty" mbarrier (count 256). PD_CUDA_FA3_TMA=1: whole pages come by TMA instead (one
+//     64 x 1 x block_size box per page, column block and cache, expect_tx on the same barrier).
 //   * warpgroups 1 and 2, the consumers (setmaxnreg up to PD_FA_REG_C): 64 query rows each.
 //     S = Q.K^T is wgmma m64n128k16 with both operands in shared memory (K-major descriptors);
 //     the online softmax runs on the accumulator registers (base-2 exponentials, scale * log2(e)
-//     folded into the scores, causal mask only on tiles that cross the diagonal, tiles past the
-//     diagonal skipped); P is rounded to bf16 in registers (the accumulator layout of S is the
-//     A-operand layout of the next wgmma) and O += P.V is wgmma m64nHDk16 with A from registers
-//     and V from shared memory as an N-major (transposed) operand.
+//     folded into one FFMA per score, causal mask only on tiles that cross the diagonal, tiles past
+//     the diagonal skipped); P is rounded to bf16 in registers (the accumulator layout of S is the
+//     A-operand layout of the next wgmma) and O += P.V is wgmma with A from registers and V from
+//     shared memory as an N-major (transposed) operand: two m64n64k16 per k-step at head_dim 128
+//     (measured faster than one m64n128k16; PD_CUDA_FA3_VN64=0 for the latter). The two consumers
+//     take turns issuing their S products (ping-pong on named barriers; PD_CUDA_FA3_PP=0: off), so
+//     one's softmax overlaps the other's tensor-core work.
 // Shared-memory tiles are rows of HD bf16 split into 64-element (128-byte) column blocks; a
 // column block holds 128 rows of 128 bytes, and 16-byte chunk c of row r sits at chunk
 // c ^ (r % 8) of its row (the 128-byte swizzle, which wgmma applies on address bits, so every
@@ -28,9 +33,8 @@
 // the longest tiles (most K/V tiles under the causal mask) start first, and the heads sharing a
 // kv head are neighbours (their K/V tiles meet in L2).
 //
-// PD_CUDA_ATTN_PREFILL=0 selects k_attn_prefill everywhere (A/B knob). PD_CUDA_FA3_VN64=1 issues
-// the P.V product of head_dim 128 as two n64 wgmmas (one per column block) instead of one n128
-// (diagnostic / measurement knob).
+// PD_CUDA_ATTN_PREFILL=0 selects k_attn_prefill everywhere (A/B knob); the PD_CUDA_FA3_* knobs are
+// listed at pd_fa_flags. Numbers: docs/benchmarks.md, tools/gpu/NOTES.md (session 10, "fa3").
 #include <cuda.h>  // CUtensorMap (the encoder comes through the runtime's driver entry point)
 #include <cudaTypedefs.h>
 #include <math.h>
