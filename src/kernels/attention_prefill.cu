@@ -38,6 +38,7 @@
 #include <cuda.h>  // CUtensorMap (the encoder comes through the runtime's driver entry point)
 #include <cudaTypedefs.h>
 #include <math.h>
+#include <stdio.h>
 
 #include "kernels/attention_prefill.cuh"
 #include "kernels/common.cuh"
@@ -472,24 +473,27 @@ static bool pd_fa_enabled() {
     static int on = -1;
     return pd_k_env_on("PD_CUDA_ATTN_PREFILL", &on);
 }
-// Measurement knobs, read once: PD_CUDA_FA3_PP=0 (no ping-pong), PD_CUDA_FA3_VN64=0 (P.V of head_dim
-// 128 as one n128 wgmma), PD_CUDA_FA3_ROWP=1 (the first producer), PD_CUDA_FA3_TMA=1 (whole pages by TMA);
-// with -DPD_FA3_DIAG also
-// PD_CUDA_FA3_DIAG=noload|nomath.
-static int pd_fa_flags() {
-    static int fl = -1;
-    if (fl < 0) {
-        const char *v = getenv("PD_CUDA_FA3_VN64"), *p = getenv("PD_CUDA_FA3_PP"), *r = getenv("PD_CUDA_FA3_ROWP"),
-                   *t = getenv("PD_CUDA_FA3_TMA");
-        fl = (v && !strcmp(v, "0") ? 0 : PD_FA_VN64) | (p && !strcmp(p, "0") ? 0 : PD_FA_PP) |
-             (r && !strcmp(r, "1") ? PD_FA_ROWP : 0) | (t && !strcmp(t, "1") ? PD_FA_TMA : 0);
+// The flag set for head_dim hd. Defaults from the H100 measurements (tools/gpu/NOTES.md, fa3-2): ping-pong
+// on at head_dim 128 (400 vs 395 TFLOP/s at 8k), off at 64 (300 vs 317-324); P.V as one wgmma per k-step.
+// Knobs, read once, "1" on / "0" off: PD_CUDA_FA3_PP (ping-pong), PD_CUDA_FA3_VN64 (P.V of head_dim 128 as two
+// n64 wgmmas), PD_CUDA_FA3_ROWP (the first producer), PD_CUDA_FA3_TMA (whole pages by TMA); with
+// -DPD_FA3_DIAG also PD_CUDA_FA3_DIAG=noload|nomath.
+static int pd_fa_env(const char *name) {  // 1, 0, or -1 when unset / neither
+    const char *e = getenv(name);
+    return e && !strcmp(e, "1") ? 1 : e && !strcmp(e, "0") ? 0 : -1;
+}
+static int pd_fa_flags(int hd) {
+    static int pp = -2, vn = -2, rowp = -2, tma = -2, diag = 0;
+    if (pp == -2) {
+        vn = pd_fa_env("PD_CUDA_FA3_VN64"), rowp = pd_fa_env("PD_CUDA_FA3_ROWP"), tma = pd_fa_env("PD_CUDA_FA3_TMA");
 #ifdef PD_FA3_DIAG
         const char *d = getenv("PD_CUDA_FA3_DIAG");
-        if (d && !strcmp(d, "noload")) fl |= PD_FA_NOLOAD;
-        if (d && !strcmp(d, "nomath")) fl |= PD_FA_NOMATH;
+        diag = d && !strcmp(d, "noload") ? PD_FA_NOLOAD : d && !strcmp(d, "nomath") ? PD_FA_NOMATH : 0;
 #endif
+        pp = pd_fa_env("PD_CUDA_FA3_PP");
     }
-    return fl;
+    return ((pp < 0 ? hd == 128 : pp) ? PD_FA_PP : 0) | (vn == 1 && hd == 128 ? PD_FA_VN64 : 0) |
+           (rowp == 1 ? PD_FA_ROWP : 0) | (tma == 1 ? PD_FA_TMA : 0) | diag;
 }
 
 template <int HD, int FL>
@@ -545,38 +549,48 @@ static bool pd_fa_tensor_maps(const pd_attention_kparams *p, CUtensorMap tm[2]) 
         return;                              \
     }
 
-// The instantiated flag sets; anything else runs the default (PP | VN64).
+// The instantiated flag sets; anything else runs the default.
 template <int HD>
 static void pd_fa_dispatch(const pd_attention_kparams *p, cudaStream_t s, int fl, const CUtensorMap *tm) {
-    if (HD == 64) fl &= ~PD_FA_VN64;  // one n64 wgmma either way
-    constexpr int V = HD == 128 ? PD_FA_VN64 : 0;
-    PD_FA_CASE(PD_FA_PP | V)
-    PD_FA_CASE(PD_FA_PP | V | PD_FA_TMA)
-    PD_FA_CASE(PD_FA_PP | V | PD_FA_ROWP)
     PD_FA_CASE(PD_FA_PP)
     PD_FA_CASE(PD_FA_PP | PD_FA_TMA)
-    PD_FA_CASE(V)
     PD_FA_CASE(0)
+    PD_FA_CASE(PD_FA_TMA)
+    PD_FA_CASE(PD_FA_ROWP)
+    PD_FA_CASE(PD_FA_PP | PD_FA_ROWP)
+    if constexpr (HD == 128) {
+        PD_FA_CASE(PD_FA_VN64)
+        PD_FA_CASE(PD_FA_VN64 | PD_FA_PP)
+    }
 #ifdef PD_FA3_DIAG
-    PD_FA_CASE(PD_FA_PP | V | PD_FA_NOLOAD)
-    PD_FA_CASE(PD_FA_PP | V | PD_FA_NOMATH)
-    PD_FA_CASE(PD_FA_PP | V | PD_FA_TMA | PD_FA_NOMATH)
     PD_FA_CASE(PD_FA_PP | PD_FA_NOLOAD)
+    PD_FA_CASE(PD_FA_PP | PD_FA_NOMATH)
+    PD_FA_CASE(PD_FA_PP | PD_FA_TMA | PD_FA_NOMATH)
+    PD_FA_CASE(PD_FA_NOLOAD)
+    PD_FA_CASE(PD_FA_NOMATH)
+    PD_FA_CASE(PD_FA_TMA | PD_FA_NOMATH)
 #endif
-    pd_fa_launch<HD, PD_FA_PP | V>(p, s, tm);
+    pd_fa_launch<HD, HD == 128 ? PD_FA_PP : 0>(p, s, tm);
 }
 
 extern "C" int pd_cuda_attn_prefill_fa3(const pd_attention_kparams *p, cudaStream_t s) {
     if (!pd_fa_enabled() || p->kv_fp8 || p->max_q_len <= 1) return 0;
     if (p->head_dim != 64 && p->head_dim != 128) return 0;
     if ((long)((p->max_q_len + PD_FA_BQ - 1) / PD_FA_BQ) * p->n_seqs * p->n_heads > 0x7fffffffL) return 0;
-    int fl = pd_fa_flags();
+    int fl = pd_fa_flags(p->head_dim);
     CUtensorMap tm[2];
     memset(tm, 0, sizeof tm);
     // TMA moves whole pages: block_size 8..128 dividing the 128-position tile (else cp.async only)
-    if ((fl & PD_FA_TMA) &&
-        !(p->block_size >= 8 && p->block_size <= 128 && 128 % p->block_size == 0 && pd_fa_tensor_maps(p, tm)))
-        fl &= ~PD_FA_TMA;
+    if (fl & PD_FA_TMA) {
+        bool bs_ok = p->block_size >= 8 && p->block_size <= 128 && 128 % p->block_size == 0;
+        if (bs_ok && !pd_fa_tensor_maps(p, tm)) {
+            static int warned = 0;
+            if (!warned) fprintf(stderr, "pdserve: PD_CUDA_FA3_TMA=1 but no tensor map could be made: cp.async only\n");
+            warned = 1;
+            bs_ok = false;
+        }
+        if (!bs_ok) fl &= ~PD_FA_TMA;
+    }
     if (p->head_dim == 64) pd_fa_dispatch<64>(p, s, fl, tm);
     else pd_fa_dispatch<128>(p, s, fl, tm);
     return 1;
