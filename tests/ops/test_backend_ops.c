@@ -1148,6 +1148,29 @@ PD_TEST(test_cuda_attention_prefill_mixed) {
     ctx_fini(&c);
 }
 
+// The prefill kernels' tiling (128 query rows, 64/128 K/V positions per tile, the causal diagonal,
+// pages gathered into tiles): long prompts, several query tiles per sequence, chunks after a cached
+// prefix, lengths that are not multiples of any tile or page, a batch of several prefills with a
+// decode among them, head_dim 64 and 128.
+PD_TEST(test_cuda_attention_prefill_tiles) {
+    ctx c;
+    if (!ctx_init(&c, 9)) PD_SKIP("%s: no CUDA device", __func__);
+    int hds[] = {128, 64}, bss[] = {16, 3};
+    for (size_t di = 0; di < PD_ARRAY_LEN(hds); di++) {
+        attn_case a = {.H = 4, .Hkv = 1, .hd = hds[di], .bs = 16, .n_seqs = 1, .q_lens = {1531}, .kv_lens = {1531}};
+        attn_check_both(&c, &a, "long prefill 1531");
+        for (size_t bi = 0; bi < PD_ARRAY_LEN(bss); bi++) {
+            attn_case m = {.H = 8, .Hkv = 2, .hd = hds[di], .bs = bss[bi], .n_seqs = 5,
+                           .q_lens = {300, 129, 1, 513, 127}, .kv_lens = {300, 1000, 40, 2001, 127}};
+            attn_check_both(&c, &m, "prefill batch with prefixes");
+        }
+        attn_case ch = {.H = 8, .Hkv = 8, .hd = hds[di], .bs = 16, .n_seqs = 2, .q_lens = {256, 255},
+                        .kv_lens = {256 + 768, 255 + 129}};
+        attn_check_both(&c, &ch, "chunked prefill after prefix");
+    }
+    ctx_fini(&c);
+}
+
 // ---- copy_blocks -------------------------------------------------------------------------------
 
 PD_TEST(test_cuda_copy_blocks) {
