@@ -710,6 +710,97 @@ PD_TEST(test_cuda_fused_rope) {
     ctx_fini(&c);
 }
 
+// Backends for the fused forms on the tensor-core kernel: every call on skinny_mma.cu
+// (PD_CUDA_SKINNY=2 PD_CUDA_SKINNY_MMA=2), every fused form there from one row
+// (PD_CUDA_FUSE_MMA_MIN_M=1, _FORMS=15, up to 16 rows), pipe "0" / "1"; fused = false: the same without the
+// fused forms on it (the unfused reference: the same GEMM, so the same sums).
+static pd_backend *fused_mma_backend(const char *pipe, bool loads32, bool fused) {
+    if (fused)
+        setenv("PD_CUDA_FUSE_MMA_MIN_M", "1", 1), setenv("PD_CUDA_SKINNY_FUSE_MAX_M", "16", 1),
+            setenv("PD_CUDA_FUSE_MMA_FORMS", "15", 1);
+    if (loads32) setenv("PD_CUDA_SKINNY_MMA_LOADS", "32", 1);
+    pd_backend *b = skinny_backend(&(skinny_var){.skinny = "2", .mma = "2", .pipe = pipe});
+    unsetenv("PD_CUDA_FUSE_MMA_MIN_M"), unsetenv("PD_CUDA_SKINNY_FUSE_MAX_M"), unsetenv("PD_CUDA_FUSE_MMA_FORMS");
+    unsetenv("PD_CUDA_SKINNY_MMA_LOADS");
+    PD_ASSERT(b);
+    return b;
+}
+
+// Every fused form on the tensor-core kernel (verify steps: M = k + 1), M = 1..16, random shapes
+// (odd N), bias on and off, single- and double-buffered and with 32 loads in flight (plain GEMMs
+// included: the unfused reference runs on it); decode-sized shapes; the layer chain;
+// the qkv GEMM with RoPE + KV write (head_dim % 16 == 0; head_dim 8: RoPE apart).
+PD_TEST(test_cuda_verify_fused) {
+    ctx c;
+    if (!ctx_init(&c, 24)) PD_SKIP("%s: no CUDA device", __func__);
+    pd_backend *dflt = c.gpu;
+    for (int var = 0; var < 3; var++) {  // single-buffered, double-buffered, 32 loads in flight
+        int pipe = var == 1;
+        pd_backend *fm = fused_mma_backend(pipe ? "1" : "0", var == 2, true);
+        g_unfused = fused_mma_backend(pipe ? "1" : "0", var == 2, false);
+        int Ms[] = {1, 4, 5, 6, 7, 8, 9, 12, 16};
+        for (size_t mi = 0; mi < PD_ARRAY_LEN(Ms); mi++) {
+            if (var && Ms[mi] % 4 != 1 && Ms[mi] != 8) continue;
+            for (size_t f = 0; f < PD_ARRAY_LEN(FUSED_FORMS); f++)
+                for (int i = 0; i < 2; i++) {
+                    int M = Ms[mi], N = 1 + (int)(pd_rng_next(&c.rng) % 300);
+                    int K = 8 * (1 + (int)(pd_rng_next(&c.rng) % (i ? 500 : 20)));
+                    fused_case(&c, fm, M, N, K, FUSED_FORMS[f] | (((int)f + i + M) % 2 ? FZ_BIAS : 0));
+                }
+        }
+        int dec[][3] = {{6144, 4096, FZ_NORM | FZ_BIAS}, {4096, 4096, FZ_RES}, {3584, 4096, FZ_NORM | FZ_GLU},
+                        {2048, 14336, FZ_RES | FZ_BIAS}, {9000, 4096, FZ_NORM | FZ_F32}};
+        for (int M = 5; M <= (var ? 5 : 8); M += 3)  // (the other builds: the verify size only)
+            for (size_t s = 0; s < PD_ARRAY_LEN(dec); s++) fused_case(&c, fm, M, dec[s][0], dec[s][1], dec[s][2]);
+        c.gpu = fm;
+        fused_chain_case(&c, 5, 1024, 2816, 5000);
+        if (!var) fused_chain_case(&c, 16, 256, 688, 300);
+        int cfg[][4] = {{4, 2, 64, 256}, {32, 8, 128, 4096}, {4, 1, 32, 200}, {8, 8, 64, 96}, {2, 1, 8, 64}};
+        for (size_t ci = 0; ci < PD_ARRAY_LEN(cfg); ci++)
+            for (int M = 1; M <= 16; M += 1)
+                for (int nb = 0; nb < 4; nb++) {
+                    if (var && (M != 5 || ci > 1)) continue;  // the other builds: the verify size
+                    if (cfg[ci][3] >= 4096 && (M % 4 != 1 || (M > 5 && nb % 2))) continue;
+                    rope_fused_case(&c, M, cfg[ci][0], cfg[ci][1], cfg[ci][2], cfg[ci][3], nb & 1, nb & 2, PD_KV_ACT);
+                }
+        rope_fused_case(&c, 6, 4, 2, 64, 256, true, true, PD_KV_FP8);  // fp8 cache: RoPE apart
+        c.gpu = dflt;
+        pd_backend_free(fm);
+        pd_backend_free(g_unfused);
+        g_unfused = NULL;
+    }
+    // The CUDA-core kernel's other builds: 128 registers at M = 5 (PD_CUDA_SKINNY_OCC4=1), weights
+    // through shared memory (PD_CUDA_SKINNY_ASYNC=1, every M): plain and fused.
+    const char *knob[2] = {"PD_CUDA_SKINNY_OCC4", "PD_CUDA_SKINNY_ASYNC"};
+    for (int v = 0; v < 2; v++) {
+        setenv(knob[v], "1", 1);
+        pd_backend *o4 = skinny_backend(&(skinny_var){.skinny = "2", .mma = "0"});
+        unsetenv(knob[v]);
+        PD_REQUIRE(o4 != NULL);
+        g_unfused = o4;
+        int ms[] = {1, 3, 5, 8};
+        for (size_t mi = v ? 0 : 2; mi < (v ? 4 : 3); mi++)
+            for (size_t f = 0; f < PD_ARRAY_LEN(FUSED_FORMS); f++)
+                for (int i = 0; i < 2; i++) {
+                    int N = 1 + (int)(pd_rng_next(&c.rng) % 300), K = 8 * (1 + (int)(pd_rng_next(&c.rng) % (i ? 500 : 20)));
+                    fused_case(&c, o4, ms[mi], N, K, FUSED_FORMS[f] | (i ? FZ_BIAS : 0));
+                }
+        fused_case(&c, o4, 5, 3584, 4096, FZ_NORM | FZ_GLU);
+        fused_case(&c, o4, 5, 2048, 14336, FZ_RES | FZ_BIAS);
+        c.gpu = o4;
+        matmul_case(&c, o4, 5, 4096, 4096, 4096, false, false, false);
+        matmul_case(&c, o4, 5, 1027, 14336, 14336, true, false, false);
+        if (v) matmul_case(&c, o4, 8, 1027, 4104, 4104, false, true, true);
+        for (int nb = 0; nb < 4; nb++) rope_fused_case(&c, 5, 32, 8, 128, 4096, nb & 1, nb & 2, PD_KV_ACT);
+        if (v) rope_fused_case(&c, 8, 4, 2, 64, 256, true, true, PD_KV_ACT);
+        c.gpu = dflt;
+        g_unfused = NULL;
+        pd_backend_free(o4);
+    }
+    ctx_fini(&c);
+}
+
+
 // K not a multiple of 8 (odd and even): the skinny kernel does not take these, the unfused fallback
 // (rmsnorm / cuBLASLt / silu_mul through the backend's scratch) does.
 PD_TEST(test_cuda_fused_odd_k) {
