@@ -39,7 +39,8 @@
 #define PD_CUDA_LT_WS_BYTES (32u << 20)
 #define PD_GEMM_TUNE_MIN_M 32  // default tuning range: PD_GEMM_TUNE_MIN_M <= M <= PD_GEMM_TUNE_MAX_M
 #define PD_GEMM_TUNE_MAX_M 64
-#define PD_GEMM_TUNE_ALGOS 8
+#define PD_GEMM_TUNE_ALGOS 8       // default candidates timed (PD_CUDA_GEMM_TUNE_ALGOS: 1..PD_GEMM_TUNE_ALGOS_MAX)
+#define PD_GEMM_TUNE_ALGOS_MAX 32
 #define PD_GEMM_TUNE_REPS 6
 #define PD_GEMM_FLUSH_BYTES (192u << 20)  // > L2 (50 MB on H100/H200) with margin
 
@@ -193,9 +194,17 @@ void pd_cuda_gemm_fini(pd_cuda_backend *cb) {
     if (cb->lt) cublasLtDestroy(cb->lt);
 }
 
+// Whether a plan of M rows is tuned: PD_CUDA_GEMM_TUNE unset PD_GEMM_TUNE_MIN_M <= M <= the tuning
+// bound, =1 every M up to the bound, =0 none. The bound is PD_CUDA_GEMM_TUNE_MAX_M (default
+// PD_GEMM_TUNE_MAX_M); PD_CUDA_GEMM_TUNE_ALGOS sets how many of the heuristic's candidates are timed.
 static bool tune_enabled(int M) {
+    if (M > env_int("PD_CUDA_GEMM_TUNE_MAX_M", PD_GEMM_TUNE_MAX_M, 1, 65536)) return false;
     const char *e = getenv("PD_CUDA_GEMM_TUNE");
     if (!e || !*e) return M >= PD_GEMM_TUNE_MIN_M;
+    if (strcmp(e, "0") && strcmp(e, "1")) {
+        PD_LOG_E("PD_CUDA_GEMM_TUNE=%s: expected 0 or 1", e);
+        pd_abort(__FILE__, __LINE__, __func__, "bad CUDA GEMM knob in the environment");
+    }
     return !strcmp(e, "1");
 }
 
@@ -273,13 +282,14 @@ static pd_cuda_gemm_plan *gemm_plan_build(pd_cuda_backend *cb, const pd_matmul_p
     PD_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &align, sizeof align));
     PD_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &align, sizeof align));
     PD_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &align, sizeof align));
-    cublasLtMatmulHeuristicResult_t res[PD_GEMM_TUNE_ALGOS];
+    cublasLtMatmulHeuristicResult_t res[PD_GEMM_TUNE_ALGOS_MAX];
     int n_res = 0;
     enum cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
     PD_CUDA_CHECK(cudaStreamIsCapturing(cb->stream, &cs));
-    bool tune = M <= PD_GEMM_TUNE_MAX_M && cs == cudaStreamCaptureStatusNone && tune_enabled(M);
+    bool tune = cs == cudaStreamCaptureStatusNone && tune_enabled(M);
+    int n_algos = env_int("PD_CUDA_GEMM_TUNE_ALGOS", PD_GEMM_TUNE_ALGOS, 1, PD_GEMM_TUNE_ALGOS_MAX);
     cublasStatus_t st = cublasLtMatmulAlgoGetHeuristic(cb->lt, pl->desc, pl->la, pl->lb, pl->lc, pl->lc, pref,
-                                                       tune ? PD_GEMM_TUNE_ALGOS : 1, res, &n_res);
+                                                       tune ? n_algos : 1, res, &n_res);
     cublasLtMatmulPreferenceDestroy(pref);
     if (st != CUBLAS_STATUS_SUCCESS || n_res == 0) {
         PD_LOG_E("cuBLASLt: no algorithm for M=%d N=%d K=%d lda=%d flags=%d (status %d)", M, N, K, lda, flags, (int)st);
