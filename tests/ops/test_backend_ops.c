@@ -326,10 +326,13 @@ PD_TEST(test_cuda_matmul) {
     // Both GEMM paths: c.gpu uses the skinny decode kernel for M <= 16, a second backend cuBLASLt
     // for every M (whichever the default is).
     // (the row-streaming skinny kernel off in both: test_cuda_skinny covers it)
+    // (the batched-decode GEMM off in lt_only: test_cuda_bgemm covers it)
     setenv("PD_CUDA_GEMV_MAX_M", "0", 1);
     setenv("PD_CUDA_SKINNY", "0", 1);
+    setenv("PD_CUDA_BGEMM", "0", 1);
     pd_err err = {0};
     pd_backend *lt_only = pd_backend_new("cuda", 0, &err);
+    unsetenv("PD_CUDA_BGEMM");
     setenv("PD_CUDA_GEMV_MAX_M", "16", 1);
     pd_backend *gemv_on = pd_backend_new("cuda", 0, &err);
     unsetenv("PD_CUDA_GEMV_MAX_M");
@@ -605,6 +608,43 @@ PD_TEST(test_cuda_matmul_fused) {
     fused_chain_case(&c, 12, 256, 688, 300);
     pd_backend_free(g_unfused);
     g_unfused = NULL;
+    ctx_fini(&c);
+}
+
+// The batched-decode GEMM (kernels/bgemm.cu, PD_CUDA_BGEMM=1) against the CPU reference: M = 17..64
+// on shapes with one tile, a partial last tile (N % 128 == 64), split-K (tiles < 2 x SMs: several
+// blocks per tile, partials in the scratch) and no split, every flag, lda > K; the glu form (SwiGLU
+// in the epilogue, with and without the norm before it) against the CPU and the unfused ops;
+// a PDL chain. Shapes alternate so that calls of other splits reuse the tile counters.
+PD_TEST(test_cuda_bgemm) {
+    ctx c;
+    if (!ctx_init(&c, 23)) PD_SKIP("%s: no CUDA device", __func__);
+    setenv("PD_CUDA_BGEMM", "1", 1);
+    pd_err err = {0};
+    pd_backend *bg = pd_backend_new("cuda", 0, &err);
+    unsetenv("PD_CUDA_BGEMM");
+    PD_REQUIRE(bg);
+    PD_CHECK(pd_backend_fuses_glu(bg, 17) && pd_backend_fuses_glu(bg, 64) && !pd_backend_fuses_glu(bg, 16) &&
+             !pd_backend_fuses_glu(bg, 65));
+    pd_backend *dflt = c.gpu;
+    c.gpu = bg;
+    int Ms[] = {17, 24, 40, 64}, NKs[][2] = {{64, 64}, {1984, 2048}, {512, 1024}, {6144, 4096}, {4096, 4096}, {4096, 14336},
+                                            {9024, 512}};
+    for (size_t mi = 0; mi < PD_ARRAY_LEN(Ms); mi++)
+        for (size_t nk = 0; nk < PD_ARRAY_LEN(NKs); nk++) {
+            int flags = (int)((mi + 3 * nk) % 8), M = Ms[mi], N = NKs[nk][0], K = NKs[nk][1];
+            matmul_case(&c, bg, M, N, K, nk % 3 == 1 ? K + 8 : K, flags & 1, flags & 2, flags & 4);
+        }
+    g_unfused = bg;
+    int glu[][3] = {{64, 64, FZ_GLU}, {3584, 4096, FZ_GLU}, {1792, 1024, FZ_NORM | FZ_GLU | FZ_BIAS}, {14336, 4096, FZ_GLU}};
+    for (size_t mi = 0; mi < PD_ARRAY_LEN(Ms); mi++)
+        for (size_t s = 0; s < PD_ARRAY_LEN(glu); s++)
+            if (mi == 3 || s < 3) fused_case(&c, bg, Ms[mi], glu[s][0], glu[s][1], glu[s][2]);
+    g_unfused = NULL;
+    matmul_chain_case(&c, 64, 2048, 1024, 512);
+    matmul_chain_case(&c, 33, 4096, 4096, 1024);
+    c.gpu = dflt;
+    pd_backend_free(bg);
     ctx_fini(&c);
 }
 

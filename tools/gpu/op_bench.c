@@ -171,8 +171,12 @@ static void st_layer(pd_backend *b, st_arg *l, int i) {
     if (k & (1u << ST_O)) pd_op_matmul(b, &(pd_matmul_params){.a = l->attn, .w = l->wo[i], .out = l->h, .M = M, .N = D, .K = D});
     if (k & (1u << ST_NORM2))
         pd_op_rmsnorm(b, &(pd_rmsnorm_params){.x = l->x, .add = l->h, .w = l->g2, .out = l->h, .n_rows = M, .dim = D, .eps = 1e-5f});
-    if (k & (1u << ST_GU)) pd_op_matmul(b, &(pd_matmul_params){.a = l->h, .w = l->wgu[i], .out = l->gu, .M = M, .N = 2 * F, .K = D});
-    if (k & (1u << ST_SILU)) pd_op_silu_mul(b, &(pd_silu_mul_params){.gu = l->gu, .out = l->mlp, .n_rows = M, .F = F});
+    bool glu = pd_backend_fuses_glu(b, M);  // as forward.c: gate_up + SwiGLU in one kernel (silu_mul not run)
+    if ((k & (1u << ST_GU)) && glu)
+        pd_op_matmul(b, &(pd_matmul_params){.a = l->h, .w = l->wgu[i], .out = l->mlp, .M = M, .N = F, .K = D, .glu = true});
+    if ((k & (1u << ST_GU)) && !glu)
+        pd_op_matmul(b, &(pd_matmul_params){.a = l->h, .w = l->wgu[i], .out = l->gu, .M = M, .N = 2 * F, .K = D});
+    if ((k & (1u << ST_SILU)) && !glu) pd_op_silu_mul(b, &(pd_silu_mul_params){.gu = l->gu, .out = l->mlp, .n_rows = M, .F = F});
     if (k & (1u << ST_DOWN)) pd_op_matmul(b, &(pd_matmul_params){.a = l->mlp, .w = l->wd[i], .out = l->h, .M = M, .N = D, .K = F});
 }
 #define ST_LAYERS 8
@@ -198,7 +202,7 @@ static void lmh_op(pd_backend *b, void *arg, int rep) {
     lmh_arg *m = arg;
     pd_op_matmul(b, &(pd_matmul_params){.a = m->a, .w = m->w, .out = m->out, .M = m->M, .N = 128256, .K = 4096, .out_f32 = true});
 }
-static void bench_step(double copy_gbs) {
+static void bench_step(double copy_gbs, pd_backend **bes, const char **be_names, int n_be) {
     int D = 4096, F = 14336, NQ = 6144, H = 32, Hkv = 8, hd = 128, bs = 16, ctx = 512, MAXM = 256;
     bool ncu = getenv("OPB_NCU") && !strcmp(getenv("OPB_NCU"), "1");
     static st_arg l;
@@ -243,38 +247,42 @@ static void bench_step(double copy_gbs) {
         pd_backend_sync(g_b);
         double kv_bytes = (double)M * ctx * Hkv * hd * 2 * 2;
         double floor_all = (w_bytes[ST_QKV] + w_bytes[ST_O] + w_bytes[ST_GU] + w_bytes[ST_DOWN] + kv_bytes) / (copy_gbs * 1e3);
-        if (ncu) {
-            l.mask = (1u << ST_N) - 1;
-            for (int r = 0; r < 3; r++) st_layer(g_b, &l, r % 2);
-            lm.M = M;
-            lmh_op(g_b, &lm, 0);
-            pd_backend_sync(g_b);
-            return;
-        }
-        int reps = 20;
-        l.mask = (1u << ST_N) - 1;
-        double t_all = st_time(g_b, &l, reps);
-        l.mask = (1u << ST_QKV) | (1u << ST_ATTN) | (1u << ST_O) | (1u << ST_GU) | (1u << ST_DOWN);
-        double t_big = st_time(g_b, &l, reps);
-        l.mask = (1u << ST_QKV) | (1u << ST_O) | (1u << ST_GU) | (1u << ST_DOWN);
-        double t_gemm = st_time(g_b, &l, reps);
-        printf("step M=%-3d ctx=%d  layer %7.1f us (floor %6.1f us at %.0f GB/s: %3.0f%%)  gemms+attn %7.1f us  gemms %7.1f us"
-               "  => small kernels %5.1f us/layer (%.3f ms/step), %.3f ms/step for 32 layers\n",
-               M, ctx, t_all, floor_all, copy_gbs, 100 * floor_all / t_all, t_big, t_gemm, t_all - t_big,
-               32 * (t_all - t_big) / 1e3, 32 * t_all / 1e3);
-        double sum = 0;
-        for (int o = 0; o < ST_N; o++) {
-            l.mask = 1u << o;
-            double t = st_time(g_b, &l, reps), by = o == ST_ATTN ? kv_bytes : w_bytes[o];
-            sum += t;
-            printf("step M=%-3d   %-10s alone %7.1f us", M, st_names[o], t);
-            if (by > 0) printf("  floor %6.1f us (%3.0f%% of copy, %5.0f GB/s)", by / (copy_gbs * 1e3), 100 * by / (copy_gbs * 1e3) / t, by / (t * 1e3));
-            printf("\n");
-        }
         lm.M = M;
-        double t_lm = time_us(g_b, lmh_op, &lm, 10), by_lm = 2.0 * 128256 * D;
-        printf("step M=%-3d   ops alone summed %7.1f us/layer (whole layer %7.1f); lm_head f32 %7.1f us (%3.0f%% of copy)\n", M, sum,
-               t_all, t_lm, 100 * by_lm / (copy_gbs * 1e3) / t_lm);
+        for (int bi = 0; bi < n_be; bi++) {
+            pd_backend *b = bes[bi];
+            const char *bn = be_names[bi];
+            if (ncu) {
+                l.mask = (1u << ST_N) - 1;
+                for (int r = 0; r < 3; r++) st_layer(b, &l, r % 2);
+                lmh_op(b, &lm, 0);
+                pd_backend_sync(b);
+                continue;
+            }
+            int reps = 20;
+            l.mask = (1u << ST_N) - 1;
+            double t_all = st_time(b, &l, reps);
+            l.mask = (1u << ST_QKV) | (1u << ST_ATTN) | (1u << ST_O) | (1u << ST_GU) | (1u << ST_DOWN);
+            double t_big = st_time(b, &l, reps);
+            l.mask = (1u << ST_QKV) | (1u << ST_O) | (1u << ST_GU) | (1u << ST_DOWN);
+            double t_gemm = st_time(b, &l, reps);
+            printf("step %-8s M=%-3d ctx=%d  layer %7.1f us (floor %6.1f us at %.0f GB/s: %3.0f%%)  gemms+attn %7.1f us  "
+                   "gemms %7.1f us  => small kernels %5.1f us/layer (%.3f ms/step), %.3f ms/step for 32 layers\n",
+                   bn, M, ctx, t_all, floor_all, copy_gbs, 100 * floor_all / t_all, t_big, t_gemm, t_all - t_big,
+                   32 * (t_all - t_big) / 1e3, 32 * t_all / 1e3);
+            double sum = 0;
+            for (int o = 0; o < ST_N; o++) {
+                l.mask = 1u << o;
+                if (o == ST_SILU && pd_backend_fuses_glu(b, M)) continue;  // inside gate_up
+                double t = st_time(b, &l, reps), by = o == ST_ATTN ? kv_bytes : w_bytes[o];
+                sum += t;
+                printf("step %-8s M=%-3d   %-10s alone %7.1f us", bn, M, st_names[o], t);
+                if (by > 0) printf("  floor %6.1f us (%3.0f%% of copy, %5.0f GB/s)", by / (copy_gbs * 1e3), 100 * by / (copy_gbs * 1e3) / t, by / (t * 1e3));
+                printf("\n");
+            }
+            double t_lm = time_us(b, lmh_op, &lm, 10), by_lm = 2.0 * 128256 * D;
+            printf("step %-8s M=%-3d   ops alone summed %7.1f us/layer (whole layer %7.1f); lm_head f32 %7.1f us (%3.0f%% of copy)\n",
+                   bn, M, sum, t_all, t_lm, 100 * by_lm / (copy_gbs * 1e3) / t_lm);
+        }
     }
 }
 
@@ -336,9 +344,15 @@ int main(int argc, char **argv) {
     char rule_mma[16] = "";  // the caller's PD_CUDA_SKINNY_MMA, for the "rule" backend
     const char *env_mma = getenv("PD_CUDA_SKINNY_MMA");
     if (env_mma) snprintf(rule_mma, sizeof rule_mma, "%s", env_mma);
+    const char *env_bg = getenv("PD_CUDA_BGEMM");  // the caller's: 0 leaves the batched-decode GEMM out
+    bool bg_on = !(env_bg && !strcmp(env_bg, "0"));
     setenv("PD_CUDA_GEMV_MAX_M", "0", 1);  // g_b: cuBLASLt for every M
     setenv("PD_CUDA_SKINNY", "0", 1);
+    setenv("PD_CUDA_BGEMM", "0", 1);
     g_b = pd_backend_new("cuda", 0, &err);
+    setenv("PD_CUDA_BGEMM", "1", 1);  // bg: the batched-decode GEMM for 17 <= M <= 64 (kernels/bgemm.cu)
+    pd_backend *bg = pd_backend_new("cuda", 0, &err);
+    setenv("PD_CUDA_BGEMM", "0", 1);  // every other backend: without it
     setenv("PD_CUDA_GEMV_MAX_M", "16", 1);  // lt: the stream-K gemv kernel for M <= 16
     pd_backend *lt = pd_backend_new("cuda", 0, &err);
     setenv("PD_CUDA_GEMV_MAX_M", "0", 1);
@@ -360,7 +374,8 @@ int main(int argc, char **argv) {
     pd_backend *rule = pd_backend_new("cuda", 0, &err);
     unsetenv("PD_CUDA_SKINNY_MMA");
     setenv("PD_CUDA_SKINNY", "2", 1);
-    if (!g_b || !lt || !sk || !mma || !mma32 || !mma32p || !mma16p || !rule) { fprintf(stderr, "no cuda: %s\n", err.msg); return 1; }
+    unsetenv("PD_CUDA_BGEMM");
+    if (!g_b || !bg || !lt || !sk || !mma || !mma32 || !mma32p || !mma16p || !rule) { fprintf(stderr, "no cuda: %s\n", err.msg); return 1; }
     double us, copy_gbs = NAN;
     if (want("copy") || want("gemv") || want("fuse") || want("step")) {
         cp_arg cp = {.bytes = (size_t)1 << 30};
@@ -393,8 +408,9 @@ int main(int argc, char **argv) {
             double bytes = (double)N * K * 2;
             double t_g = Ms[mi] <= 16 ? time_us(lt, mm_op, &m, 50) : NAN;
             double t_l = time_us(g_b, mm_op, &m, 50);
-            printf("%-8s M=%-4d N=%-6d K=%-5d  gemv %8.1f us (%5.0f GB/s)  cublasLt %8.1f us (%5.0f GB/s)\n", names[s],
-                   m.M, N, K, t_g, bytes / (t_g * 1e3), t_l, bytes / (t_l * 1e3));
+            double t_b = m.M >= 17 && m.M <= 64 ? time_us(bg, mm_op, &m, 50) : NAN;
+            printf("%-8s M=%-4d N=%-6d K=%-5d  gemv %8.1f us (%5.0f GB/s)  cublasLt %8.1f us (%5.0f GB/s)  bgemm %8.1f us (%5.0f GB/s)\n",
+                   names[s], m.M, N, K, t_g, bytes / (t_g * 1e3), t_l, bytes / (t_l * 1e3), t_b, bytes / (t_b * 1e3));
         }
         if (!want("prefill")) continue;
         m.M = 8192;
@@ -504,7 +520,11 @@ int main(int argc, char **argv) {
             printf("attn decode %s B=%-4d ctx=%-6d %9.1f us  %6.0f GB/s (KV bytes read)\n", f8 ? "fp8 " : "bf16",
                    dec[i][0], dec[i][1], us, bytes / (us * 1e3));
         }
-    if (want("step")) bench_step(copy_gbs);
+    if (want("step")) {  // cuBLASLt (+ silu_mul) first, then the batched-decode GEMM (PD_CUDA_BGEMM=0: only the first)
+        pd_backend *bes[2] = {g_b, bg};
+        const char *bn[2] = {"cublasLt", "bgemm"};
+        bench_step(copy_gbs, bes, bn, bg_on ? 2 : 1);
+    }
     if (want("sample")) bench_sample();
     return 0;
 }

@@ -29,6 +29,7 @@
 #include "backend/cuda/cuda_impl.h"
 #include "base/buf.h"
 #include "kernels/add_bias.cuh"
+#include "kernels/bgemm.cuh"
 #include "kernels/gemv.cuh"
 #include "kernels/rmsnorm.cuh"
 #include "kernels/rope_kv.cuh"
@@ -115,11 +116,29 @@ void pd_cuda_gemm_init(pd_cuda_backend *cb) {
     cb->fuse_rope = env_int("PD_CUDA_FUSE_ROPE", 1, 0, 1);
     if (!env_int("PD_CUDA_FUSE_NORM", 1, 0, 1)) cb->fuse_norm_max_m = 0;
     cb->fuse_glu = env_int("PD_CUDA_FUSE_GLU", 1, 0, 1);
+    // The batched-decode GEMM (kernels/bgemm.cu) for 17 <= M <= 64, with the SwiGLU in gate_up's
+    // epilogue (pd_backend_fuses_glu): PD_CUDA_BGEMM=1 (the default) on, 0 cuBLASLt + silu_mul.
+    cb->bgemm = env_int("PD_CUDA_BGEMM", 1, 0, 1);
 }
 
 bool pd_cuda_gemm_fuses(pd_backend *b, int M) {  // (PD_CUDA_SKINNY=0: no skinny kernel, no fused forms)
     const pd_cuda_backend *cb = pd_cuda_backend_of(b);
     return cb->skinny > 0 && M >= 1 && M <= cb->skinny_fuse;
+}
+
+bool pd_cuda_gemm_fuses_glu(pd_backend *b, int M) {
+    const pd_cuda_backend *cb = pd_cuda_backend_of(b);
+    return cb->bgemm > 0 && M >= PD_BGEMM_MIN_M && M <= PD_BGEMM_MAX_M;
+}
+
+// The batched-decode GEMM on q (plain or glu; the caller checked pd_cuda_bgemm_supported).
+static void bgemm_run(pd_cuda_backend *cb, const pd_matmul_params *q, int lda) {
+    pd_cuda_scratch_reserve_zeroed(cb, &cb->bgemm_ws, &cb->bgemm_ws_bytes, pd_cuda_bgemm_workspace_bytes(q->N, q->glu));
+    pd_bgemm_kparams k = {.a = q->a, .w = q->w, .bias = q->bias, .out = q->out, .M = q->M, .N = q->N, .K = q->K,
+                          .lda = lda, .accumulate = q->accumulate, .out_f32 = q->out_f32, .glu = q->glu,
+                          .ws = cb->bgemm_ws};
+    pd_cuda_bgemm(&k, cb->stream);
+    PD_CUDA_CHECK_LAUNCH();
 }
 
 enum { SKINNY_NONE, SKINNY_CORES, SKINNY_MMA, SKINNY_MMA_PIPE };
@@ -333,7 +352,12 @@ static void fused_matmul(pd_backend *b, pd_cuda_backend *cb, const pd_matmul_par
     bool skinny = nw_ok && pd_cuda_skinny_supported(p->M, p->K, lda, p->a, p->w);
     // What the skinny kernel does itself; the rest runs as the unfused kernels around it.
     bool norm_in = skinny && p->norm_w && p->M <= cb->fuse_norm_max_m;
-    bool glu_in = skinny && p->glu && cb->fuse_glu;
+    // SwiGLU in the batched-decode GEMM's epilogue (after the unfused norm, if any: its output is
+    // the aligned scratch, lda K)
+    bool bg_glu = !skinny && p->glu && cb->bgemm &&
+                  pd_cuda_bgemm_supported(p->M, p->N, p->K, p->norm_w ? p->K : lda, 1, p->out_f32,
+                                          p->norm_w ? NULL : p->a, p->w, 0);
+    bool glu_in = (skinny && p->glu && cb->fuse_glu) || bg_glu;
     bool rope_in = skinny && rp && rp->kv_dtype == PD_KV_ACT && rp->head_dim % 4 == 0 && cb->fuse_rope;
     size_t normed = p->norm_w && !norm_in ? (size_t)p->M * (size_t)p->K * 2 : 0;
     size_t gu = p->glu && !glu_in ? (size_t)p->M * 2 * (size_t)p->N * 2 : 0;
@@ -362,9 +386,10 @@ static void fused_matmul(pd_backend *b, pd_cuda_backend *cb, const pd_matmul_par
         pd_cuda_skinny(&k, cb->stream);
         PD_CUDA_CHECK_LAUNCH();
     } else {
-        // cuBLASLt / gemv: the residual add as accumulate (the sum rounded once)
+        // cuBLASLt / gemv / bgemm: the residual add as accumulate (the sum rounded once)
         q.accumulate = p->accumulate || p->residual, q.residual = false;
-        pd_cuda_gemm_matmul(b, &q);
+        if (bg_glu) bgemm_run(cb, &q, q.lda ? q.lda : q.K);
+        else pd_cuda_gemm_matmul(b, &q);
     }
     if (p->glu && !glu_in) {
         pd_silu_mul_kparams k = {.gu = q.out, .out = p->out, .n_rows = p->M, .F = p->N};
@@ -391,6 +416,10 @@ void pd_cuda_gemm_matmul(pd_backend *b, const pd_matmul_params *p) {
                              .workspace = cb->gemv_ws};
         pd_cuda_gemv(&k, cb->stream);
         PD_CUDA_CHECK_LAUNCH();
+        return;
+    }
+    if (cb->bgemm && pd_cuda_bgemm_supported(p->M, p->N, p->K, lda, 0, p->out_f32, p->a, p->w, 0)) {
+        bgemm_run(cb, p, lda);
         return;
     }
     int sk = skinny_choice(cb, p, lda);
