@@ -337,11 +337,13 @@ void pd_op_matmul(pd_backend *b, const pd_matmul_params *p);
 // (every backend computes the fused forms; this says only where they are the faster sequence).
 // CUDA: M <= 4 (PD_CUDA_SKINNY_FUSE_MAX_M; PD_CUDA_SKINNY_FUSE=0: never); CPU: never.
 bool pd_backend_fuses_matmul(pd_backend *b, int M);
-// Whether pd_op_matmul's glu form alone (gate_up GEMM + SwiGLU, no other fused part) runs as one
-// kernel for M rows where the other fused forms do not (pd_backend_fuses_matmul false): the model
-// then asks for it instead of the GEMM + pd_op_silu_mul pair. CUDA: 17 <= M <= 64 (the
-// batched-decode GEMM, kernels/bgemm.cu; PD_CUDA_BGEMM=0: never); CPU: never.
-bool pd_backend_fuses_glu(pd_backend *b, int M);
+// Whether pd_op_matmul's glu and rope forms on their own (without norm_w or residual) run as one
+// kernel each for M rows where the whole set of fused forms does not pay (pd_backend_fuses_matmul
+// false): the model then asks for them instead of the GEMM + pd_op_silu_mul and GEMM +
+// pd_op_rope_kv pairs, and keeps its rmsnorm kernels. CUDA: 17 <= M <= 64 (the batched-decode GEMM,
+// kernels/bgemm.cu; PD_CUDA_BGEMM=0: never; rope there only for head_dim 128 and a bf16 cache,
+// else rope_kv runs after the GEMM); CPU: never.
+bool pd_backend_fuses_epilogues(pd_backend *b, int M);
 void pd_op_rope_kv(pd_backend *b, const pd_rope_kv_params *p);
 void pd_op_attention(pd_backend *b, const pd_attention_params *p);
 void pd_op_silu_mul(pd_backend *b, const pd_silu_mul_params *p);

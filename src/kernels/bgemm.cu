@@ -19,7 +19,9 @@
 //     epilogue;
 //   * epilogue: through shared memory, so that consecutive threads store consecutive columns: + bias,
 //     + out (accumulate), bf16 or f32; glu: g, u rounded to bf16 (the stored gate_up of the unfused
-//     sequence), out = bf16(bf16(silu(g)) * u) as silu_mul.cu computes it.
+//     sequence), out = bf16(bf16(silu(g)) * u) as silu_mul.cu computes it; rope (qkv, head_dim 128:
+//     a tile is one head): q and k rotated from their rounded values as rope_kv.cu does, k and v
+//     written to the bf16 cache, so no rope_kv kernel follows.
 // Numerics: f32 accumulation over k in a different order than cuBLASLt (within the GEMM's rounding).
 #include "kernels/bgemm.cuh"
 #include "kernels/common.cuh"
@@ -44,6 +46,11 @@ typedef struct bg_args {
     float *part;  // (splits, tiles, BG_BM, BG_BW) f32 partial tiles
     int *cnt;     // (tiles) blocks of the tile done so far
     int M, N, K, lda, accumulate, out_f32, glu, hf, tiles, splits, kt_per;
+    int rope, H, Hkv;  // rope: tile h is head h (q heads, k heads, v heads)
+    const int32_t *positions, *slot_mapping;
+    const float *inv_freq;
+    __nv_bfloat16 *k_cache, *v_cache;
+    float attn_scaling;
 } bg_args;
 
 static __device__ __forceinline__ uint32_t bg_swz(int row, int ch) { return (uint32_t)(row * 128 + ((ch ^ (row & 7)) << 4)); }
@@ -162,6 +169,41 @@ static __global__ void __launch_bounds__(BG_THREADS, 2) k_bgemm(bg_args p) {
         if (tid == 0) p.cnt[tile] = 0;  // ready for the next launch
         __syncthreads();
     }
+    if (p.rope) {  // one head per tile (head_dim == BG_BW); q, k rotated from their stored (rounded) values
+        const int half = BG_BW / 2, h = tile;
+        const size_t row = (size_t)p.N, kvw = (size_t)p.Hkv * BG_BW;
+        __nv_bfloat16 *qkv = (__nv_bfloat16 *)p.out;
+        if (h < p.H + p.Hkv) {
+            for (int idx = tid; idx < half * M; idx += BG_THREADS) {
+                int m = idx / half, i = idx - m * half, n0 = h * BG_BW + i, n1 = n0 + half;
+                float x0 = red[i * BG_RED_LD + m], x1 = red[(i + half) * BG_RED_LD + m];
+                if (p.bias) x0 += __bfloat162float(p.bias[n0]), x1 += __bfloat162float(p.bias[n1]);
+                float y0, y1;
+                pd_k_rope_pair(pd_k_bf16r(x0), pd_k_bf16r(x1), (float)p.positions[m], p.inv_freq[i], p.attn_scaling, p.hf,
+                               &y0, &y1);
+                __nv_bfloat16 b0 = __float2bfloat16(y0), b1 = __float2bfloat16(y1);
+                qkv[(size_t)m * row + n0] = b0;
+                qkv[(size_t)m * row + n1] = b1;
+                int slot = p.slot_mapping[m];
+                if (h >= p.H && slot >= 0) {
+                    __nv_bfloat16 *kd = p.k_cache + (size_t)slot * kvw + (size_t)(h - p.H) * BG_BW;
+                    kd[i] = b0;
+                    kd[i + half] = b1;
+                }
+            }
+        } else {
+            for (int idx = tid; idx < BG_BW * M; idx += BG_THREADS) {
+                int m = idx / BG_BW, r = idx - m * BG_BW, n = h * BG_BW + r;
+                float v = red[r * BG_RED_LD + m];
+                if (p.bias) v += __bfloat162float(p.bias[n]);
+                __nv_bfloat16 bv = __float2bfloat16(v);
+                qkv[(size_t)m * row + n] = bv;
+                int slot = p.slot_mapping[m];
+                if (slot >= 0) p.v_cache[(size_t)slot * kvw + (size_t)(h - p.H - p.Hkv) * BG_BW + r] = bv;
+            }
+        }
+        return;
+    }
     if (p.glu) {
         const int half = BG_BW / 2;
         for (int idx = tid; idx < half * M; idx += BG_THREADS) {
@@ -209,6 +251,10 @@ extern "C" int pd_cuda_bgemm_supported(int M, int N, int K, int lda, int glu, in
            ((uintptr_t)w & 15) == 0;
 }
 
+extern "C" int pd_cuda_bgemm_rope_supported(int N, int n_heads, int n_kv_heads, int head_dim) {
+    return head_dim == BG_BW && n_heads > 0 && n_kv_heads > 0 && N == (n_heads + 2 * n_kv_heads) * head_dim;
+}
+
 extern "C" size_t pd_cuda_bgemm_workspace_bytes(int N, int glu) {
     // sized for the largest split count of any K: the partials of one wave of blocks
     size_t tiles = (size_t)bg_tiles(N, glu), slots = 2 * (size_t)pd_k_num_sms();
@@ -232,6 +278,9 @@ extern "C" void pd_cuda_bgemm(const pd_bgemm_kparams *p, cudaStream_t s) {
     a.out = p->out;
     a.M = p->M, a.N = p->N, a.K = p->K, a.lda = p->lda ? p->lda : p->K;
     a.accumulate = p->accumulate, a.out_f32 = p->out_f32, a.glu = p->glu, a.hf = pd_k_hf_rounding();
+    a.rope = p->rope, a.H = p->n_heads, a.Hkv = p->n_kv_heads;
+    a.positions = p->positions, a.slot_mapping = p->slot_mapping, a.inv_freq = p->inv_freq;
+    a.k_cache = (__nv_bfloat16 *)p->k_cache, a.v_cache = (__nv_bfloat16 *)p->v_cache, a.attn_scaling = p->attn_scaling;
     a.tiles = bg_tiles(p->N, p->glu);
     a.splits = bg_splits(p->N, p->K, p->glu);
     int kt = p->K / BG_BK;

@@ -22,6 +22,15 @@ typedef struct pd_bgemm_kparams {
     int M, N, K, lda;
     int accumulate, out_f32;
     int glu;           // out = bf16(silu(g)) * u of g = a.w[:N]^T + bias[:N], u = a.w[N:]^T + bias[N:]
+    // rope (head_dim 128, a bf16 cache): out is the qkv rows (N = (n_heads + 2 n_kv_heads) * 128); the
+    // epilogue rotates q and k as rope_kv.cu does and writes k and v to the cache at slot_mapping
+    // (< 0: no write)
+    int rope;
+    const int32_t *positions, *slot_mapping;
+    const float *inv_freq;
+    void *k_cache, *v_cache;
+    int n_heads, n_kv_heads;
+    float attn_scaling;
     void *ws;          // split-K scratch of pd_cuda_bgemm_workspace_bytes(N, glu), zero between launches
 } pd_bgemm_kparams;
 
@@ -29,6 +38,8 @@ typedef struct pd_bgemm_kparams {
 // any_m), K a multiple of 64, lda of 8, N (the output width) of 64, no f32 output with glu, a and w
 // 16-byte aligned.
 int pd_cuda_bgemm_supported(int M, int N, int K, int lda, int glu, int out_f32, const void *a, const void *w, int any_m);
+// True when the rope epilogue handles this qkv layout (head_dim 128: one head per 128-row tile).
+int pd_cuda_bgemm_rope_supported(int N, int n_heads, int n_kv_heads, int head_dim);
 // Bytes of split-K scratch (f32 partial sums + tile counters) a call of this N needs.
 size_t pd_cuda_bgemm_workspace_bytes(int N, int glu);
 void pd_cuda_bgemm(const pd_bgemm_kparams *p, cudaStream_t s);

@@ -165,13 +165,16 @@ static void st_layer(pd_backend *b, st_arg *l, int i) {
     unsigned k = l->mask;
     if (k & (1u << ST_NORM1))
         pd_op_rmsnorm(b, &(pd_rmsnorm_params){.x = l->x, .add = l->h, .w = l->g1, .out = l->h, .n_rows = M, .dim = D, .eps = 1e-5f});
-    if (k & (1u << ST_QKV)) pd_op_matmul(b, &(pd_matmul_params){.a = l->h, .w = l->wqkv[i], .out = l->qkv, .M = M, .N = NQ, .K = D});
-    if (k & (1u << ST_ROPE)) pd_op_rope_kv(b, &l->rope[i]);
+    bool epi = pd_backend_fuses_epilogues(b, M);  // as forward.c: RoPE + KV write in qkv, SwiGLU in gate_up
+    if (k & (1u << ST_QKV))
+        pd_op_matmul(b, &(pd_matmul_params){.a = l->h, .w = l->wqkv[i], .out = l->qkv, .M = M, .N = NQ, .K = D,
+                                            .rope = epi ? &l->rope[i] : NULL});
+    if ((k & (1u << ST_ROPE)) && !epi) pd_op_rope_kv(b, &l->rope[i]);
     if (k & (1u << ST_ATTN)) pd_op_attention(b, &l->at[i]);
     if (k & (1u << ST_O)) pd_op_matmul(b, &(pd_matmul_params){.a = l->attn, .w = l->wo[i], .out = l->h, .M = M, .N = D, .K = D});
     if (k & (1u << ST_NORM2))
         pd_op_rmsnorm(b, &(pd_rmsnorm_params){.x = l->x, .add = l->h, .w = l->g2, .out = l->h, .n_rows = M, .dim = D, .eps = 1e-5f});
-    bool glu = pd_backend_fuses_glu(b, M);  // as forward.c: gate_up + SwiGLU in one kernel (silu_mul not run)
+    bool glu = epi;
     if ((k & (1u << ST_GU)) && glu)
         pd_op_matmul(b, &(pd_matmul_params){.a = l->h, .w = l->wgu[i], .out = l->mlp, .M = M, .N = F, .K = D, .glu = true});
     if ((k & (1u << ST_GU)) && !glu)
@@ -272,7 +275,7 @@ static void bench_step(double copy_gbs, pd_backend **bes, const char **be_names,
             double sum = 0;
             for (int o = 0; o < ST_N; o++) {
                 l.mask = 1u << o;
-                if (o == ST_SILU && pd_backend_fuses_glu(b, M)) continue;  // inside gate_up
+                if ((o == ST_SILU || o == ST_ROPE) && pd_backend_fuses_epilogues(b, M)) continue;  // inside gate_up / qkv
                 double t = st_time(b, &l, reps), by = o == ST_ATTN ? kv_bytes : w_bytes[o];
                 sum += t;
                 printf("step %-8s M=%-3d   %-10s alone %7.1f us", bn, M, st_names[o], t);

@@ -80,7 +80,7 @@ void pd_cuda_gemm_init(pd_cuda_backend *cb);
 void pd_cuda_gemm_fini(pd_cuda_backend *cb);
 void pd_cuda_gemm_matmul(pd_backend *b, const pd_matmul_params *p);
 bool pd_cuda_gemm_fuses(pd_backend *b, int M);
-bool pd_cuda_gemm_fuses_glu(pd_backend *b, int M);
+bool pd_cuda_gemm_fuses_epilogues(pd_backend *b, int M);
 // The host staging of a kv_copy (pd_malloc'ed; the caller uploads and frees it): 4 layer pointers
 // per layer (src_k, src_v, dst_k, dst_v), then one pd_kv_block_desc per block at *desc_off;
 // *n_bytes in all. Shared by the backend's kv_copy and the NCCL comm's scatter.

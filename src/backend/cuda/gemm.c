@@ -117,7 +117,9 @@ void pd_cuda_gemm_init(pd_cuda_backend *cb) {
     if (!env_int("PD_CUDA_FUSE_NORM", 1, 0, 1)) cb->fuse_norm_max_m = 0;
     cb->fuse_glu = env_int("PD_CUDA_FUSE_GLU", 1, 0, 1);
     // The batched-decode GEMM (kernels/bgemm.cu) for 17 <= M <= 64, with the SwiGLU in gate_up's
-    // epilogue (pd_backend_fuses_glu): PD_CUDA_BGEMM=1 (the default) on, 0 cuBLASLt + silu_mul.
+    // epilogue and RoPE + KV write in qkv's (pd_backend_fuses_epilogues): PD_CUDA_BGEMM=1 (the
+    // default) on, 0 cuBLASLt + silu_mul + rope_kv (the session-9 path). PD_CUDA_FUSE_ROPE=0 keeps
+    // rope_kv a kernel of its own here too.
     cb->bgemm = env_int("PD_CUDA_BGEMM", 1, 0, 1);
 }
 
@@ -126,7 +128,7 @@ bool pd_cuda_gemm_fuses(pd_backend *b, int M) {  // (PD_CUDA_SKINNY=0: no skinny
     return cb->skinny > 0 && M >= 1 && M <= cb->skinny_fuse;
 }
 
-bool pd_cuda_gemm_fuses_glu(pd_backend *b, int M) {
+bool pd_cuda_gemm_fuses_epilogues(pd_backend *b, int M) {
     const pd_cuda_backend *cb = pd_cuda_backend_of(b);
     return cb->bgemm > 0 && M >= PD_BGEMM_MIN_M && M <= PD_BGEMM_MAX_M;
 }
@@ -137,6 +139,12 @@ static void bgemm_run(pd_cuda_backend *cb, const pd_matmul_params *q, int lda) {
     pd_bgemm_kparams k = {.a = q->a, .w = q->w, .bias = q->bias, .out = q->out, .M = q->M, .N = q->N, .K = q->K,
                           .lda = lda, .accumulate = q->accumulate, .out_f32 = q->out_f32, .glu = q->glu,
                           .ws = cb->bgemm_ws};
+    if (q->rope) {
+        const pd_rope_kv_params *rp = q->rope;
+        k.rope = 1, k.positions = rp->positions, k.slot_mapping = rp->slot_mapping, k.inv_freq = rp->inv_freq;
+        k.k_cache = rp->k_cache, k.v_cache = rp->v_cache, k.n_heads = rp->n_heads, k.n_kv_heads = rp->n_kv_heads;
+        k.attn_scaling = rp->attn_scaling;
+    }
     pd_cuda_bgemm(&k, cb->stream);
     PD_CUDA_CHECK_LAUNCH();
 }
@@ -358,7 +366,12 @@ static void fused_matmul(pd_backend *b, pd_cuda_backend *cb, const pd_matmul_par
                   pd_cuda_bgemm_supported(p->M, p->N, p->K, p->norm_w ? p->K : lda, 1, p->out_f32,
                                           p->norm_w ? NULL : p->a, p->w, 0);
     bool glu_in = (skinny && p->glu && cb->fuse_glu) || bg_glu;
-    bool rope_in = skinny && rp && rp->kv_dtype == PD_KV_ACT && rp->head_dim % 4 == 0 && cb->fuse_rope;
+    // RoPE + KV write in the batched-decode GEMM's epilogue (head_dim 128, bf16 cache)
+    bool bg_rope = !skinny && rp && !p->glu && cb->bgemm && cb->fuse_rope && rp->kv_dtype == PD_KV_ACT &&
+                   pd_cuda_bgemm_rope_supported(p->N, rp->n_heads, rp->n_kv_heads, rp->head_dim) &&
+                   pd_cuda_bgemm_supported(p->M, p->N, p->K, p->norm_w ? p->K : lda, 0, p->out_f32,
+                                           p->norm_w ? NULL : p->a, p->w, 0);
+    bool rope_in = (skinny && rp && rp->kv_dtype == PD_KV_ACT && rp->head_dim % 4 == 0 && cb->fuse_rope) || bg_rope;
     size_t normed = p->norm_w && !norm_in ? (size_t)p->M * (size_t)p->K * 2 : 0;
     size_t gu = p->glu && !glu_in ? (size_t)p->M * 2 * (size_t)p->N * 2 : 0;
     normed = (normed + 255) & ~(size_t)255;
@@ -388,7 +401,7 @@ static void fused_matmul(pd_backend *b, pd_cuda_backend *cb, const pd_matmul_par
     } else {
         // cuBLASLt / gemv / bgemm: the residual add as accumulate (the sum rounded once)
         q.accumulate = p->accumulate || p->residual, q.residual = false;
-        if (bg_glu) bgemm_run(cb, &q, q.lda ? q.lda : q.K);
+        if (bg_glu || bg_rope) bgemm_run(cb, &q, q.lda ? q.lda : q.K);
         else pd_cuda_gemm_matmul(b, &q);
     }
     if (p->glu && !glu_in) {
