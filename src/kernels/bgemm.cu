@@ -13,7 +13,8 @@
 //     conflict-free); the first 3 stages' weight copies are issued before the PDL wait (weights are
 //     never written by a kernel), so they overlap the previous kernel's tail;
 //   * split-K when the weight has too few 128-row tiles to fill the card (o, down, qkv at 8B
-//     shapes): splits = floor(2 x SMs / tiles) blocks per tile (2 blocks fit on an SM), each
+//     shapes): splits = floor(2 x SMs / tiles) blocks per tile (2 blocks fit on an SM;
+//     PD_CUDA_BGEMM_PER_SM=1 sizes for one), each
 //     writes its f32 partial tile to the scratch (no atomics: deterministic), the last block of a
 //     tile (a counter per tile, reset by that block) adds the partials in split order and runs the
 //     epilogue;
@@ -235,10 +236,11 @@ static __global__ void __launch_bounds__(BG_THREADS, 2) k_bgemm(bg_args p) {
 
 static int bg_tiles(int N, int glu) { return glu ? (N + BG_BW / 2 - 1) / (BG_BW / 2) : (N + BG_BW - 1) / BG_BW; }
 
-// Blocks per tile: as many as keep the grid within one wave of 2 blocks per SM, and >= STAGES
-// k-slices per block.
-static int bg_splits(int N, int K, int glu) {
-    int tiles = bg_tiles(N, glu), slots = 2 * pd_k_num_sms(), kt = K / BG_BK;
+// Blocks per tile: as many as keep the grid within one wave of per_sm blocks per SM (2 fit), and
+// >= STAGES k-slices per block.
+static int bg_per_sm(int per_sm) { return per_sm == 1 ? 1 : 2; }
+static int bg_splits(int N, int K, int glu, int per_sm) {
+    int tiles = bg_tiles(N, glu), slots = bg_per_sm(per_sm) * pd_k_num_sms(), kt = K / BG_BK;
     int s = slots / tiles;
     if (s > kt / BG_STAGES) s = kt / BG_STAGES;
     return s < 1 ? 1 : s;
@@ -255,9 +257,9 @@ extern "C" int pd_cuda_bgemm_rope_supported(int N, int n_heads, int n_kv_heads, 
     return head_dim == BG_BW && n_heads > 0 && n_kv_heads > 0 && N == (n_heads + 2 * n_kv_heads) * head_dim;
 }
 
-extern "C" size_t pd_cuda_bgemm_workspace_bytes(int N, int glu) {
+extern "C" size_t pd_cuda_bgemm_workspace_bytes(int N, int glu, int per_sm) {
     // sized for the largest split count of any K: the partials of one wave of blocks
-    size_t tiles = (size_t)bg_tiles(N, glu), slots = 2 * (size_t)pd_k_num_sms();
+    size_t tiles = (size_t)bg_tiles(N, glu), slots = (size_t)bg_per_sm(per_sm) * (size_t)pd_k_num_sms();
     size_t splits = slots / tiles > 1 ? slots / tiles : 1;
     if (splits == 1) return 0;
     return BG_CNT_BYTES + splits * tiles * BG_TILE_F32 * sizeof(float);
@@ -282,7 +284,7 @@ extern "C" void pd_cuda_bgemm(const pd_bgemm_kparams *p, cudaStream_t s) {
     a.positions = p->positions, a.slot_mapping = p->slot_mapping, a.inv_freq = p->inv_freq;
     a.k_cache = (__nv_bfloat16 *)p->k_cache, a.v_cache = (__nv_bfloat16 *)p->v_cache, a.attn_scaling = p->attn_scaling;
     a.tiles = bg_tiles(p->N, p->glu);
-    a.splits = bg_splits(p->N, p->K, p->glu);
+    a.splits = bg_splits(p->N, p->K, p->glu, p->per_sm);
     int kt = p->K / BG_BK;
     a.kt_per = (kt + a.splits - 1) / a.splits;
     a.splits = (kt + a.kt_per - 1) / a.kt_per;  // no empty split

@@ -31,7 +31,8 @@ typedef struct pd_bgemm_kparams {
     void *k_cache, *v_cache;
     int n_heads, n_kv_heads;
     float attn_scaling;
-    void *ws;          // split-K scratch of pd_cuda_bgemm_workspace_bytes(N, glu), zero between launches
+    int per_sm;        // split-K sizing: blocks per SM the grid aims at (1 or 2; 0: 2)
+    void *ws;          // split-K scratch of pd_cuda_bgemm_workspace_bytes(N, glu, per_sm), zero between launches
 } pd_bgemm_kparams;
 
 // True when the kernel handles this call: PD_BGEMM_MIN_M <= M <= PD_BGEMM_MAX_M (M >= 1 when
@@ -41,7 +42,7 @@ int pd_cuda_bgemm_supported(int M, int N, int K, int lda, int glu, int out_f32, 
 // True when the rope epilogue handles this qkv layout (head_dim 128: one head per 128-row tile).
 int pd_cuda_bgemm_rope_supported(int N, int n_heads, int n_kv_heads, int head_dim);
 // Bytes of split-K scratch (f32 partial sums + tile counters) a call of this N needs.
-size_t pd_cuda_bgemm_workspace_bytes(int N, int glu);
+size_t pd_cuda_bgemm_workspace_bytes(int N, int glu, int per_sm);
 void pd_cuda_bgemm(const pd_bgemm_kparams *p, cudaStream_t s);
 
 #ifdef __cplusplus

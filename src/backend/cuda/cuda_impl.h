@@ -51,6 +51,7 @@ typedef struct pd_cuda_backend {
     void *fuse_ws;             // the fused forms' unfused fallback (M > 8, unaligned): norm / gate_up
     size_t fuse_ws_bytes;
     int bgemm;                 // kernels/bgemm.cu for 17 <= M <= 64: 0 off, 1 on (PD_CUDA_BGEMM)
+    int bgemm_per_sm;          // its split-K sizing: blocks per SM aimed at (PD_CUDA_BGEMM_PER_SM)
     void *bgemm_ws;            // its split-K partials + tile counters; counters zero between launches
     size_t bgemm_ws_bytes;
     // attention split-K partials; grows outside graph capture only

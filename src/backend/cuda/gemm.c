@@ -121,6 +121,7 @@ void pd_cuda_gemm_init(pd_cuda_backend *cb) {
     // default) on, 0 cuBLASLt + silu_mul + rope_kv (the session-9 path). PD_CUDA_FUSE_ROPE=0 keeps
     // rope_kv a kernel of its own here too.
     cb->bgemm = env_int("PD_CUDA_BGEMM", 1, 0, 1);
+    cb->bgemm_per_sm = env_int("PD_CUDA_BGEMM_PER_SM", 2, 1, 2);  // its split-K sizing (measurements)
 }
 
 bool pd_cuda_gemm_fuses(pd_backend *b, int M) {  // (PD_CUDA_SKINNY=0: no skinny kernel, no fused forms)
@@ -135,10 +136,11 @@ bool pd_cuda_gemm_fuses_epilogues(pd_backend *b, int M) {
 
 // The batched-decode GEMM on q (plain or glu; the caller checked pd_cuda_bgemm_supported).
 static void bgemm_run(pd_cuda_backend *cb, const pd_matmul_params *q, int lda) {
-    pd_cuda_scratch_reserve_zeroed(cb, &cb->bgemm_ws, &cb->bgemm_ws_bytes, pd_cuda_bgemm_workspace_bytes(q->N, q->glu));
+    pd_cuda_scratch_reserve_zeroed(cb, &cb->bgemm_ws, &cb->bgemm_ws_bytes,
+                                   pd_cuda_bgemm_workspace_bytes(q->N, q->glu, cb->bgemm_per_sm));
     pd_bgemm_kparams k = {.a = q->a, .w = q->w, .bias = q->bias, .out = q->out, .M = q->M, .N = q->N, .K = q->K,
                           .lda = lda, .accumulate = q->accumulate, .out_f32 = q->out_f32, .glu = q->glu,
-                          .ws = cb->bgemm_ws};
+                          .per_sm = cb->bgemm_per_sm, .ws = cb->bgemm_ws};
     if (q->rope) {
         const pd_rope_kv_params *rp = q->rope;
         k.rope = 1, k.positions = rp->positions, k.slot_mapping = rp->slot_mapping, k.inv_freq = rp->inv_freq;
