@@ -10,8 +10,9 @@
 //     activation rows its n side (8 tiles of 8);
 //   * k runs through a 4-stage cp.async ring of 64-k slices in shared memory (16 KB of weight + 8
 //     KB of activations a stage, 128-byte rows XOR-swizzled by 16-byte chunk so that ldmatrix is
-//     conflict-free); the first 3 stages' weight copies are issued before the PDL wait (weights are
-//     never written by a kernel), so they overlap the previous kernel's tail;
+//     conflict-free; PD_CUDA_BGEMM_STAGES=8: 8 stages, one block per SM); the first 3 stages' weight
+//     copies are issued before the PDL wait (weights are never written by a kernel), so they
+//     overlap the previous kernel's tail;
 //   * split-K when the weight has too few 128-row tiles to fill the card (o, down, qkv at 8B
 //     shapes): splits = floor(2 x SMs / tiles) blocks per tile (2 blocks fit on an SM;
 //     PD_CUDA_BGEMM_PER_SM=1 sizes for one), each
@@ -31,11 +32,12 @@
 #define BG_BW 128  // weight rows per block
 #define BG_BM 64   // activation rows (M padded)
 #define BG_BK 64   // k per stage (128-byte rows)
-#define BG_STAGES 4
+#define BG_MIN_KT 4  // k-slices per block at least (split-K sizing)
 #define BG_W_BYTES (BG_BW * BG_BK * 2)
 #define BG_A_BYTES (BG_BM * BG_BK * 2)
 #define BG_STAGE_BYTES (BG_W_BYTES + BG_A_BYTES)
-#define BG_SMEM (BG_STAGES * BG_STAGE_BYTES)  // 96 KB: two blocks per SM
+// ST stages: 4 (96 KB of shared memory: two blocks per SM) or 8 (192 KB: one block per SM, 7
+// slices of weight in flight instead of 2 x 3)
 #define BG_RED_LD (BG_BM + 1)                  // f32 tile [BG_BW][BG_RED_LD] in the epilogue
 #define BG_TILE_F32 (BG_BW * BG_BM)            // one partial tile in the scratch
 #define BG_CNT_BYTES 4096                      // the scratch starts with the tile counters (splits > 1:
@@ -83,7 +85,8 @@ static __device__ __forceinline__ void bg_load_a(const bg_args &p, char *as, int
     }
 }
 
-static __global__ void __launch_bounds__(BG_THREADS, 2) k_bgemm(bg_args p) {
+template <int ST>
+static __global__ void __launch_bounds__(BG_THREADS, ST <= 4 ? 2 : 1) k_bgemm(bg_args p) {
     extern __shared__ __align__(128) char smem[];
     pd_k_pdl_trigger();
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t4 = lane & 3;
@@ -91,13 +94,13 @@ static __global__ void __launch_bounds__(BG_THREADS, 2) k_bgemm(bg_args p) {
     const int kt_total = p.K / BG_BK, kt0 = split * p.kt_per, kt1 = min(kt0 + p.kt_per, kt_total), nk = kt1 - kt0;
     // Weights of the first stages before the wait; one commit group per stage.
 #pragma unroll
-    for (int s = 0; s < BG_STAGES - 1; s++) {
+    for (int s = 0; s < ST - 1; s++) {
         if (s < nk) bg_load_w(p, smem + s * BG_STAGE_BYTES, tile, kt0 + s, tid);
         pd_k_cp_async_commit();
     }
     pd_k_pdl_wait();  // activations and out belong to earlier kernels
 #pragma unroll
-    for (int s = 0; s < BG_STAGES - 1; s++) {
+    for (int s = 0; s < ST - 1; s++) {
         if (s < nk) bg_load_a(p, smem + s * BG_STAGE_BYTES + BG_W_BYTES, kt0 + s, tid);
         pd_k_cp_async_commit();
     }
@@ -110,18 +113,18 @@ static __global__ void __launch_bounds__(BG_THREADS, 2) k_bgemm(bg_args p) {
     for (int i = 0; i < nk; i++) {
         // Groups so far: 2 (STAGES - 1) + i; stage i's weights and activations are in the oldest
         // 2 (STAGES - 1) + i - (STAGES - 2) groups.
-        pd_k_cp_async_wait<BG_STAGES - 2>();
+        pd_k_cp_async_wait<ST - 2>();
         __syncthreads();
         {  // refill the stage consumed in the previous iteration
-            int s = i + BG_STAGES - 1;
-            char *st = smem + (s % BG_STAGES) * BG_STAGE_BYTES;
+            int s = i + ST - 1;
+            char *st = smem + (s % ST) * BG_STAGE_BYTES;
             if (s < nk) {
                 bg_load_w(p, st, tile, kt0 + s, tid);
                 bg_load_a(p, st + BG_W_BYTES, kt0 + s, tid);
             }
             pd_k_cp_async_commit();
         }
-        const char *ws = smem + (i % BG_STAGES) * BG_STAGE_BYTES, *as = ws + BG_W_BYTES;
+        const char *ws = smem + (i % ST) * BG_STAGE_BYTES, *as = ws + BG_W_BYTES;
 #pragma unroll
         for (int kk = 0; kk < BG_BK / 16; kk++) {
             uint32_t af[4];
@@ -161,11 +164,23 @@ static __global__ void __launch_bounds__(BG_THREADS, 2) k_bgemm(bg_args p) {
         __syncthreads();
         if (!s_last) return;
         __threadfence();
-        for (int idx = tid; idx < BG_BW * M; idx += BG_THREADS) {
-            int m = idx / BG_BW, r = idx - m * BG_BW;
-            float v = 0.f;
-            for (int s = 0; s < p.splits; s++) v += __ldcg(p.part + ((size_t)s * p.tiles + tile) * BG_TILE_F32 + m * BG_BW + r);
-            red[r * BG_RED_LD + m] = v;
+        // every element of the thread (<= 32) loaded at once per split: one L2 latency per split
+        constexpr int U = BG_BW * BG_BM / BG_THREADS;
+        float v[U];
+#pragma unroll
+        for (int u = 0; u < U; u++) v[u] = 0.f;
+        for (int s = 0; s < p.splits; s++) {
+            const float *src = p.part + ((size_t)s * p.tiles + tile) * BG_TILE_F32;
+#pragma unroll
+            for (int u = 0; u < U; u++) {
+                int idx = tid + u * BG_THREADS;
+                if (idx < BG_BW * M) v[u] += __ldcg(src + idx);
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < U; u++) {
+            int idx = tid + u * BG_THREADS, m = idx / BG_BW, r = idx - m * BG_BW;
+            if (idx < BG_BW * M) red[r * BG_RED_LD + m] = v[u];
         }
         if (tid == 0) p.cnt[tile] = 0;  // ready for the next launch
         __syncthreads();
@@ -236,13 +251,13 @@ static __global__ void __launch_bounds__(BG_THREADS, 2) k_bgemm(bg_args p) {
 
 static int bg_tiles(int N, int glu) { return glu ? (N + BG_BW / 2 - 1) / (BG_BW / 2) : (N + BG_BW - 1) / BG_BW; }
 
-// Blocks per tile: as many as keep the grid within one wave of per_sm blocks per SM (2 fit), and
-// >= STAGES k-slices per block.
+// Blocks per tile: as many as keep the grid within one wave of per_sm blocks per SM (2 fit with 4
+// stages, 1 with 8), and >= BG_MIN_KT k-slices per block.
 static int bg_per_sm(int per_sm) { return per_sm == 1 ? 1 : 2; }
 static int bg_splits(int N, int K, int glu, int per_sm) {
     int tiles = bg_tiles(N, glu), slots = bg_per_sm(per_sm) * pd_k_num_sms(), kt = K / BG_BK;
     int s = slots / tiles;
-    if (s > kt / BG_STAGES) s = kt / BG_STAGES;
+    if (s > kt / BG_MIN_KT) s = kt / BG_MIN_KT;
     return s < 1 ? 1 : s;
 }
 
@@ -270,9 +285,11 @@ extern "C" void pd_cuda_bgemm(const pd_bgemm_kparams *p, cudaStream_t s) {
     int dev = 0;
     cudaGetDevice(&dev);
     if (dev < 0 || dev >= 64 || !attr_set[dev]) {
-        cudaFuncSetAttribute(k_bgemm, cudaFuncAttributeMaxDynamicSharedMemorySize, BG_SMEM);
+        cudaFuncSetAttribute(k_bgemm<4>, cudaFuncAttributeMaxDynamicSharedMemorySize, 4 * BG_STAGE_BYTES);
+        cudaFuncSetAttribute(k_bgemm<8>, cudaFuncAttributeMaxDynamicSharedMemorySize, 8 * BG_STAGE_BYTES);
         if (dev >= 0 && dev < 64) attr_set[dev] = true;
     }
+    bool deep = p->stages == 8;
     bg_args a;
     a.a = (const __nv_bfloat16 *)p->a;
     a.w = (const __nv_bfloat16 *)p->w;
@@ -284,11 +301,13 @@ extern "C" void pd_cuda_bgemm(const pd_bgemm_kparams *p, cudaStream_t s) {
     a.positions = p->positions, a.slot_mapping = p->slot_mapping, a.inv_freq = p->inv_freq;
     a.k_cache = (__nv_bfloat16 *)p->k_cache, a.v_cache = (__nv_bfloat16 *)p->v_cache, a.attn_scaling = p->attn_scaling;
     a.tiles = bg_tiles(p->N, p->glu);
-    a.splits = bg_splits(p->N, p->K, p->glu, p->per_sm);
+    a.splits = bg_splits(p->N, p->K, p->glu, deep ? 1 : p->per_sm);
     int kt = p->K / BG_BK;
     a.kt_per = (kt + a.splits - 1) / a.splits;
     a.splits = (kt + a.kt_per - 1) / a.kt_per;  // no empty split
     a.cnt = (int *)p->ws;
     a.part = (float *)((char *)p->ws + BG_CNT_BYTES);
-    pd_k_launch(k_bgemm, dim3((unsigned)a.tiles, (unsigned)a.splits), dim3(BG_THREADS), (size_t)BG_SMEM, s, a);
+    dim3 grid((unsigned)a.tiles, (unsigned)a.splits);
+    if (deep) pd_k_launch(k_bgemm<8>, grid, dim3(BG_THREADS), (size_t)(8 * BG_STAGE_BYTES), s, a);
+    else pd_k_launch(k_bgemm<4>, grid, dim3(BG_THREADS), (size_t)(4 * BG_STAGE_BYTES), s, a);
 }

@@ -32,6 +32,7 @@ typedef struct pd_bgemm_kparams {
     int n_heads, n_kv_heads;
     float attn_scaling;
     int per_sm;        // split-K sizing: blocks per SM the grid aims at (1 or 2; 0: 2)
+    int stages;        // cp.async ring depth: 4 (0: 4; two blocks per SM) or 8 (one block per SM, per_sm 1)
     void *ws;          // split-K scratch of pd_cuda_bgemm_workspace_bytes(N, glu, per_sm), zero between launches
 } pd_bgemm_kparams;
 
@@ -42,7 +43,7 @@ int pd_cuda_bgemm_supported(int M, int N, int K, int lda, int glu, int out_f32, 
 // True when the rope epilogue handles this qkv layout (head_dim 128: one head per 128-row tile).
 int pd_cuda_bgemm_rope_supported(int N, int n_heads, int n_kv_heads, int head_dim);
 // Bytes of split-K scratch (f32 partial sums + tile counters) a call of this N needs.
-size_t pd_cuda_bgemm_workspace_bytes(int N, int glu, int per_sm);
+size_t pd_cuda_bgemm_workspace_bytes(int N, int glu, int per_sm);  // (per_sm 2 covers 1)
 void pd_cuda_bgemm(const pd_bgemm_kparams *p, cudaStream_t s);
 
 #ifdef __cplusplus

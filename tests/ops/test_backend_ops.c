@@ -750,6 +750,22 @@ PD_TEST(test_cuda_bgemm) {
     rope_fused_case(&c, 24, 4, 2, 64, 256, false, true, PD_KV_ACT);  // head_dim 64: rope_kv after the GEMM
     matmul_chain_case(&c, 64, 2048, 1024, 512);
     matmul_chain_case(&c, 33, 4096, 4096, 1024);
+    // the 8-stage ring (one block per SM, its own split sizing)
+    setenv("PD_CUDA_BGEMM", "1", 1);
+    setenv("PD_CUDA_BGEMM_STAGES", "8", 1);
+    pd_backend *bg8 = pd_backend_new("cuda", 0, &err);
+    unsetenv("PD_CUDA_BGEMM_STAGES");
+    unsetenv("PD_CUDA_BGEMM");
+    PD_REQUIRE(bg8);
+    c.gpu = bg8;
+    for (size_t nk = 0; nk < PD_ARRAY_LEN(NKs); nk++)
+        matmul_case(&c, bg8, nk % 2 ? 64 : 29, NKs[nk][0], NKs[nk][1], NKs[nk][1], nk & 1, nk & 2, nk == 6);
+    g_unfused = bg8;
+    fused_case(&c, bg8, 64, 3584, 4096, FZ_GLU);
+    g_unfused = NULL;
+    rope_fused_case(&c, 48, 32, 8, 128, 4096, true, true, PD_KV_ACT);
+    matmul_chain_case(&c, 64, 2048, 1024, 512);
+    pd_backend_free(bg8);
     c.gpu = dflt;
     pd_backend_free(bg);
     ctx_fini(&c);

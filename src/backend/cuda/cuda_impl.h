@@ -52,6 +52,7 @@ typedef struct pd_cuda_backend {
     size_t fuse_ws_bytes;
     int bgemm;                 // kernels/bgemm.cu for 17 <= M <= 64: 0 off, 1 on (PD_CUDA_BGEMM)
     int bgemm_per_sm;          // its split-K sizing: blocks per SM aimed at (PD_CUDA_BGEMM_PER_SM)
+    int bgemm_stages;          // its cp.async ring depth, 4 or 8 (PD_CUDA_BGEMM_STAGES)
     void *bgemm_ws;            // its split-K partials + tile counters; counters zero between launches
     size_t bgemm_ws_bytes;
     // attention split-K partials; grows outside graph capture only

@@ -117,11 +117,16 @@ void pd_cuda_gemm_init(pd_cuda_backend *cb) {
     if (!env_int("PD_CUDA_FUSE_NORM", 1, 0, 1)) cb->fuse_norm_max_m = 0;
     cb->fuse_glu = env_int("PD_CUDA_FUSE_GLU", 1, 0, 1);
     // The batched-decode GEMM (kernels/bgemm.cu) for 17 <= M <= 64, with the SwiGLU in gate_up's
-    // epilogue and RoPE + KV write in qkv's (pd_backend_fuses_epilogues): PD_CUDA_BGEMM=1 (the
-    // default) on, 0 cuBLASLt + silu_mul + rope_kv (the session-9 path). PD_CUDA_FUSE_ROPE=0 keeps
-    // rope_kv a kernel of its own here too.
-    cb->bgemm = env_int("PD_CUDA_BGEMM", 1, 0, 1);
+    // epilogue and RoPE + KV write in qkv's (pd_backend_fuses_epilogues): PD_CUDA_BGEMM=1 on, 0 (the
+    // default) cuBLASLt + silu_mul + rope_kv. Off because it measured slower than cuBLASLt
+    // (session 10, H200: batch-64 decode step 8.26 vs 5.86 ms; qkv 43 vs 16 us, gate_up + SwiGLU
+    // 72 vs 59 + 2.5 us: the mma.sync + cp.async main loop streams at ~81% of the copy rate at
+    // best, cuBLASLt's TMA + wgmma kernels at 99%; see tools/gpu/NOTES.md session 10).
+    // PD_CUDA_FUSE_ROPE=0 keeps rope_kv a kernel of its own here too.
+    cb->bgemm = env_int("PD_CUDA_BGEMM", 0, 0, 1);
     cb->bgemm_per_sm = env_int("PD_CUDA_BGEMM_PER_SM", 2, 1, 2);  // its split-K sizing (measurements)
+    cb->bgemm_stages = env_int("PD_CUDA_BGEMM_STAGES", 4, 4, 8);   // its ring depth: 4 or 8 (measurements)
+    if (cb->bgemm_stages != 4 && cb->bgemm_stages != 8) pd_abort(__FILE__, __LINE__, __func__, "PD_CUDA_BGEMM_STAGES must be 4 or 8");
 }
 
 bool pd_cuda_gemm_fuses(pd_backend *b, int M) {  // (PD_CUDA_SKINNY=0: no skinny kernel, no fused forms)
@@ -137,10 +142,10 @@ bool pd_cuda_gemm_fuses_epilogues(pd_backend *b, int M) {
 // The batched-decode GEMM on q (plain or glu; the caller checked pd_cuda_bgemm_supported).
 static void bgemm_run(pd_cuda_backend *cb, const pd_matmul_params *q, int lda) {
     pd_cuda_scratch_reserve_zeroed(cb, &cb->bgemm_ws, &cb->bgemm_ws_bytes,
-                                   pd_cuda_bgemm_workspace_bytes(q->N, q->glu, cb->bgemm_per_sm));
+                                   pd_cuda_bgemm_workspace_bytes(q->N, q->glu, 2));
     pd_bgemm_kparams k = {.a = q->a, .w = q->w, .bias = q->bias, .out = q->out, .M = q->M, .N = q->N, .K = q->K,
                           .lda = lda, .accumulate = q->accumulate, .out_f32 = q->out_f32, .glu = q->glu,
-                          .per_sm = cb->bgemm_per_sm, .ws = cb->bgemm_ws};
+                          .per_sm = cb->bgemm_per_sm, .stages = cb->bgemm_stages, .ws = cb->bgemm_ws};
     if (q->rope) {
         const pd_rope_kv_params *rp = q->rope;
         k.rope = 1, k.positions = rp->positions, k.slot_mapping = rp->slot_mapping, k.inv_freq = rp->inv_freq;
