@@ -132,6 +132,8 @@ typedef struct pd_matmul_params {
 // qkv row layout: [q (n_heads*head_dim) | k (n_kv_heads*head_dim) | v (n_kv_heads*head_dim)].
 struct pd_rope_kv_params {
     void *qkv;                   // (n_tokens, (n_heads + 2*n_kv_heads) * head_dim), act dtype
+    // positions, inv_freq and slot_mapping are host-uploaded and never written by a kernel (the
+    // CUDA kernel reads them before its PDL wait, as decode attention reads its batch metadata)
     const int32_t *positions;    // (n_tokens)
     const float *inv_freq;       // (head_dim/2), f32: frequencies incl. llama3/linear scaling
     const int32_t *slot_mapping; // (n_tokens): block_id * block_size + offset; < 0: padding, no KV write

@@ -3,7 +3,7 @@
 //   x += add (written back, bf16);  out = bf16(w * bf16(x * rsqrt(mean(x^2) + eps)))
 // The inner rounding is transformers' (LlamaRMSNorm casts the normalised row to the input dtype
 // before the weight multiplies it); PD_CUDA_HF_ROUNDING=0 leaves it out. Launched with PDL
-// (common.cuh).
+// (common.cuh); the norm weight (never written by a kernel) is loaded before the wait.
 #include "kernels/common.cuh"
 #include "kernels/rmsnorm.cuh"
 
@@ -17,6 +17,12 @@ static __global__ void k_rmsnorm_vec(uint4 *x, const uint4 *add, const uint4 *w,
     uint4 *xr = x + (size_t)r * nv;
     float v[PD_K_RMS_MAX_VEC][8];
     float ss = 0.0f;
+    uint4 wv[PD_K_RMS_MAX_VEC];  // the norm weight (never written by a kernel): loaded before the wait
+#pragma unroll
+    for (int j = 0; j < PD_K_RMS_MAX_VEC; j++) {
+        int i = threadIdx.x + j * blockDim.x;
+        wv[j] = i < nv ? w[i] : make_uint4(0, 0, 0, 0);
+    }
     pd_k_pdl_wait();
 #pragma unroll
     for (int j = 0; j < PD_K_RMS_MAX_VEC; j++) {
@@ -43,7 +49,7 @@ static __global__ void k_rmsnorm_vec(uint4 *x, const uint4 *add, const uint4 *w,
         int i = threadIdx.x + j * blockDim.x;
         if (i < nv) {
             float ww[8], o[8];
-            pd_k_unpack8(w[i], ww);
+            pd_k_unpack8(wv[j], ww);
 #pragma unroll
             for (int k = 0; k < 8; k++) o[k] = ww[k] * (hf ? pd_k_bf16r(v[j][k] * inv) : v[j][k] * inv);
             out[(size_t)r * nv + i] = pd_k_pack8(o);

@@ -16,19 +16,23 @@ static __global__ void k_rope_kv(__nv_bfloat16 *qkv, const int32_t *positions, c
                                  const int32_t *slot_mapping, __nv_bfloat16 *kc, __nv_bfloat16 *vc, int H,
                                  int Hkv, int hd, float attn_scaling, int hf, int hpb) {
     pd_k_pdl_trigger();
-    pd_k_pdl_wait();
+    // positions, slot_mapping (uploaded by the host before the step, never written by a kernel) and
+    // the frequencies are read, and this thread's first angle computed, before the wait
     int t = blockIdx.x, half = hd / 2, h0 = blockIdx.y * hpb, h1 = min(h0 + hpb, H + Hkv);
+    float pos = (float)positions[t];
+    int slot = slot_mapping[t], i0 = threadIdx.x % half;
+    float sn0, cs0;
+    pd_k_rope_cs(pos, inv_freq[i0], attn_scaling, hf, &sn0, &cs0);
+    pd_k_pdl_wait();
     size_t row = (size_t)(H + 2 * Hkv) * hd;
     __nv_bfloat16 *r = qkv + (size_t)t * row;
-    float pos = (float)positions[t];
-    int slot = slot_mapping[t];
     size_t kvw = (size_t)Hkv * hd;
     for (int j = threadIdx.x; j < (h1 - h0) * half; j += blockDim.x) {
         int h = h0 + j / half, i = j % half;
         __nv_bfloat16 *v = r + (size_t)h * hd;
-        float f0, f1;
-        pd_k_rope_pair(__bfloat162float(v[i]), __bfloat162float(v[i + half]), pos, inv_freq[i], attn_scaling, hf,
-                       &f0, &f1);
+        float f0, f1, sn = sn0, cs = cs0;
+        if (i != i0) pd_k_rope_cs(pos, inv_freq[i], attn_scaling, hf, &sn, &cs);  // (blockDim % half != 0)
+        pd_k_rope_apply(__bfloat162float(v[i]), __bfloat162float(v[i + half]), sn, cs, hf, &f0, &f1);
         __nv_bfloat16 y0 = __float2bfloat16(f0), y1 = __float2bfloat16(f1);
         v[i] = y0;
         v[i + half] = y1;
