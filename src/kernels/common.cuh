@@ -151,6 +151,13 @@ static inline bool pd_k_pdl_enabled() {
     return pd_k_env_on("PD_CUDA_PDL", &on);
 }
 
+// Whether rmsnorm and rope_kv read what no kernel writes (the norm weight; positions, slots and
+// frequencies) before their PDL wait; PD_CUDA_EARLY_LOADS=0: after it (measurements).
+static inline int pd_k_early_loads() {
+    static int on = -1;
+    return pd_k_env_on("PD_CUDA_EARLY_LOADS", &on);
+}
+
 // Launches kern<<<grid, block, smem, s>>>(args...) with the programmatic-stream-serialization
 // attribute when PDL is on. Errors surface through cudaGetLastError (the caller checks).
 template <typename... KArgs, typename... Args>

@@ -14,11 +14,12 @@
 // card); block y = 0 also copies v.
 static __global__ void k_rope_kv(__nv_bfloat16 *qkv, const int32_t *positions, const float *inv_freq,
                                  const int32_t *slot_mapping, __nv_bfloat16 *kc, __nv_bfloat16 *vc, int H,
-                                 int Hkv, int hd, float attn_scaling, int hf, int hpb) {
+                                 int Hkv, int hd, float attn_scaling, int hf, int hpb, int early) {
     pd_k_pdl_trigger();
     // positions, slot_mapping (uploaded by the host before the step, never written by a kernel) and
     // the frequencies are read, and this thread's first angle computed, before the wait
     int t = blockIdx.x, half = hd / 2, h0 = blockIdx.y * hpb, h1 = min(h0 + hpb, H + Hkv);
+    if (!early) pd_k_pdl_wait();
     float pos = (float)positions[t];
     int slot = slot_mapping[t], i0 = threadIdx.x % half;
     float sn0, cs0;
@@ -116,5 +117,5 @@ extern "C" void pd_cuda_rope_kv(const pd_rope_kv_kparams *p, cudaStream_t s) {
     int gy = (n_rot + hpb - 1) / hpb;
     pd_k_launch(k_rope_kv, dim3(p->n_tokens, gy), dim3(threads), 0, s, (__nv_bfloat16 *)p->qkv, p->positions,
                 p->inv_freq, p->slot_mapping, (__nv_bfloat16 *)p->k_cache, (__nv_bfloat16 *)p->v_cache, p->n_heads,
-                p->n_kv_heads, p->head_dim, p->attn_scaling, pd_k_hf_rounding(), hpb);
+                p->n_kv_heads, p->head_dim, p->attn_scaling, pd_k_hf_rounding(), hpb, pd_k_early_loads());
 }
