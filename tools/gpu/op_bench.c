@@ -150,7 +150,8 @@ static void attn_setup(at_arg *a, int n_seqs, int q_len, int kv_len, int H, int 
 // tuning), then launched back to back: us per layer for the whole sequence, for the GEMMs +
 // attention only (what the small kernels cost in the pipeline), and for each op alone, each next to
 // its floor (weight + KV bytes at the copy rate); then lm_head (f32 logits for all M rows).
-// OPB_NCU=1: M = 64 only, 3 eager layers + lm_head and exit (for ncu's per-kernel listing).
+// OPB_NCU=1: M = 64 only, 3 eager layers + lm_head and exit (for ncu's per-kernel listing);
+// OPB_STEP_M=m: that M only.
 enum { ST_NORM1, ST_QKV, ST_ROPE, ST_ATTN, ST_O, ST_NORM2, ST_GU, ST_SILU, ST_DOWN, ST_N };
 static const char *st_names[ST_N] = {"rmsnorm1", "qkv", "rope_kv", "attention", "o", "rmsnorm2", "gate_up", "silu_mul", "down"};
 typedef struct st_arg {
@@ -208,6 +209,7 @@ static void lmh_op(pd_backend *b, void *arg, int rep) {
 static void bench_step(double copy_gbs, pd_backend **bes, const char **be_names, int n_be) {
     int D = 4096, F = 14336, NQ = 6144, H = 32, Hkv = 8, hd = 128, bs = 16, ctx = 512, MAXM = 256;
     bool ncu = getenv("OPB_NCU") && !strcmp(getenv("OPB_NCU"), "1");
+    int only_m = getenv("OPB_STEP_M") ? atoi(getenv("OPB_STEP_M")) : 0;  // one M only (0: all)
     static st_arg l;
     l.x = rnd((size_t)MAXM * D), l.h = rnd((size_t)MAXM * D), l.attn = alloc((size_t)MAXM * D * 2);
     l.qkv = rnd((size_t)MAXM * NQ), l.gu = alloc((size_t)MAXM * 2 * F * 2), l.mlp = alloc((size_t)MAXM * F * 2);
@@ -227,7 +229,7 @@ static void bench_step(double copy_gbs, pd_backend **bes, const char **be_names,
     int Ms[] = {32, 64, 128, 256};
     for (size_t mi = 0; mi < sizeof Ms / sizeof Ms[0]; mi++) {
         int M = Ms[mi];
-        if (ncu && M != 64) continue;
+        if ((ncu && M != 64) || (only_m && M != only_m)) continue;
         l.M = M;
         int bps = ctx / bs, n_blocks = M * bps;
         int32_t *meta = malloc(sizeof(int32_t) * 2 * (size_t)M);  // positions, slots
