@@ -15,13 +15,16 @@
 //     so cuBLASLt sees A = w (K x N, ld K, transposed), B = a (K x M, ld lda), D = out (N x M, ld N).
 // The descriptors and the heuristic's algorithm are cached per (M, N, K, lda, flags): building
 // them costs tens of microseconds, a lookup is a short linear scan (a model has ~10 shapes).
-// Decode shapes with 32 <= M <= 64 (batched decode) are tuned once when their plan is built: up
-// to 8 of the heuristic's candidates are timed with cudaEvents on the call's own operands (output
+// Decode shapes with 32 <= M <= 128 (batched decode) are tuned once when their plan is built: up
+// to 32 of the heuristic's candidates are timed with cudaEvents on the call's own operands (output
 // to a scratch buffer, L2 flushed before each rep, so a weight that fits in L2 is not timed hot)
-// and the fastest is kept; a few milliseconds per shape on its first call, never during graph
+// and the fastest is kept; tens of milliseconds per shape on its first call, never during graph
 // capture (the eager warm-up step builds every plan first). On an H200 this took Llama-3-8B
 // batch-64 decode from 6.34 to 6.23 ms; for M < 32 the heuristic's first choice was as good
-// (tools/gpu/NOTES.md). PD_CUDA_GEMM_TUNE=1 tunes every M <= 64, =0 none.
+// (tools/gpu/NOTES.md). Session 10 (H100, call b64-2) widened it from M <= 64 and 8 candidates to
+// M <= 128 and 32: batch 128 9.68 vs 9.91-10.04 ms, batch 64 7.76 vs 7.79-7.86, others level.
+// PD_CUDA_GEMM_TUNE=1 tunes every M up to the bound, =0 none; PD_CUDA_GEMM_TUNE_MAX_M and
+// PD_CUDA_GEMM_TUNE_ALGOS set the bound and the candidate count.
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -39,8 +42,8 @@
 
 #define PD_CUDA_LT_WS_BYTES (32u << 20)
 #define PD_GEMM_TUNE_MIN_M 32  // default tuning range: PD_GEMM_TUNE_MIN_M <= M <= PD_GEMM_TUNE_MAX_M
-#define PD_GEMM_TUNE_MAX_M 64
-#define PD_GEMM_TUNE_ALGOS 8       // default candidates timed (PD_CUDA_GEMM_TUNE_ALGOS: 1..PD_GEMM_TUNE_ALGOS_MAX)
+#define PD_GEMM_TUNE_MAX_M 128
+#define PD_GEMM_TUNE_ALGOS 32      // default candidates timed (PD_CUDA_GEMM_TUNE_ALGOS: 1..PD_GEMM_TUNE_ALGOS_MAX)
 #define PD_GEMM_TUNE_ALGOS_MAX 32
 #define PD_GEMM_TUNE_REPS 6
 #define PD_GEMM_FLUSH_BYTES (192u << 20)  // > L2 (50 MB on H100/H200) with margin
