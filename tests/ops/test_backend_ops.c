@@ -1209,6 +1209,29 @@ PD_TEST(test_cuda_attention_prefill_mixed) {
     ctx_fini(&c);
 }
 
+// The prefill kernels' tiling (128 query rows, 64/128 K/V positions per tile, the causal diagonal,
+// pages gathered into tiles): long prompts, several query tiles per sequence, chunks after a cached
+// prefix, lengths that are not multiples of any tile or page, a batch of several prefills with a
+// decode among them, head_dim 64 and 128.
+PD_TEST(test_cuda_attention_prefill_tiles) {
+    ctx c;
+    if (!ctx_init(&c, 9)) PD_SKIP("%s: no CUDA device", __func__);
+    int hds[] = {128, 64}, bss[] = {16, 3};
+    for (size_t di = 0; di < PD_ARRAY_LEN(hds); di++) {
+        attn_case a = {.H = 4, .Hkv = 1, .hd = hds[di], .bs = 16, .n_seqs = 1, .q_lens = {1531}, .kv_lens = {1531}};
+        attn_check_both(&c, &a, "long prefill 1531");
+        for (size_t bi = 0; bi < PD_ARRAY_LEN(bss); bi++) {
+            attn_case m = {.H = 8, .Hkv = 2, .hd = hds[di], .bs = bss[bi], .n_seqs = 5,
+                           .q_lens = {300, 129, 1, 513, 127}, .kv_lens = {300, 1000, 40, 2001, 127}};
+            attn_check_both(&c, &m, "prefill batch with prefixes");
+        }
+        attn_case ch = {.H = 8, .Hkv = 8, .hd = hds[di], .bs = 16, .n_seqs = 2, .q_lens = {256, 255},
+                        .kv_lens = {256 + 768, 255 + 129}};
+        attn_check_both(&c, &ch, "chunked prefill after prefix");
+    }
+    ctx_fini(&c);
+}
+
 // ---- copy_blocks -------------------------------------------------------------------------------
 
 PD_TEST(test_cuda_copy_blocks) {
@@ -1424,6 +1447,86 @@ PD_TEST(test_cuda_kv_xfer_stream) {
         ctx_release(&c);
     }
     ctx_fini(&c);
+}
+
+// The transfer stream with host memory on one side (the KV tiers' pinned DRAM pages): pinned
+// host -> device, then device -> pinned host, for each PD_CUDA_KV_DMA mode (0, the default: the
+// kv_copy kernel; 1: the copy engines for these copies; 2: the copy engines for every copy).
+// Extra cases put runs of blocks contiguous on both sides (merged into one copy per layer and
+// K/V) next to breaks of the run: a partial block inside, an index step on one side only.
+PD_TEST(test_cuda_kv_xfer_host) {
+    static const kv_case RUNS[] = {
+        {2, 12, 16, 0, 2, 6, 2048, {2, 3, 4, 7, 8, 11}, {5, 6, 7, 0, 9, 10}, {16, 16, 16, 16, 7, 16}},
+        {3, 10, 4, 1, 3, 5, 24, {0, 1, 2, 3, 9}, {4, 5, 6, 7, 0}, {4, 4, 2, 4, 3}},
+    };
+    for (int mode = 0; mode <= 2; mode++) {
+        char mv[2] = {(char)('0' + mode), 0};
+        setenv("PD_CUDA_KV_DMA", mv, 1);
+        ctx c;
+        if (!ctx_init(&c, 25)) {
+            unsetenv("PD_CUDA_KV_DMA");
+            PD_SKIP("%s: no CUDA device", __func__);
+        }
+        for (size_t ci = 0; ci < PD_ARRAY_LEN(KV_CASES) + PD_ARRAY_LEN(RUNS); ci++) {
+            const kv_case *k = ci < PD_ARRAY_LEN(KV_CASES) ? &KV_CASES[ci] : &RUNS[ci - PD_ARRAY_LEN(KV_CASES)];
+            size_t layer = (size_t)k->n_blocks * (size_t)k->bs * k->row_bytes, bb = (size_t)k->bs * k->row_bytes;
+            void *hs[2][8], *hb[2][8], *dd[2][8];
+            uint8_t *want[2][8], *want_back[2][8];
+            for (int l = 0; l < k->n_layers; l++)
+                for (int kv = 0; kv < 2; kv++) {
+                    uint8_t *src = rand_bytes(&c, layer, 0, true), *dst = rand_bytes(&c, layer, 0, true);
+                    hs[kv][l] = pd_backend_host_alloc(c.gpu, layer);
+                    hb[kv][l] = pd_backend_host_alloc(c.gpu, layer);
+                    PD_REQUIRE(hs[kv][l] && hb[kv][l]);
+                    memcpy(hs[kv][l], src, layer);
+                    memset(hb[kv][l], 0x3c, layer);
+                    dd[kv][l] = dev_bytes(&c, c.gpu, dst, layer);
+                    want[kv][l] = dst;  // the device rows after the load
+                    want_back[kv][l] = pd_malloc(layer);
+                    memset(want_back[kv][l], 0x3c, layer);
+                    if (l >= k->layer_begin && l < k->layer_end)
+                        for (int i = 0; i < k->nb; i++)
+                            memcpy(dst + (size_t)k->dst[i] * bb, src + (size_t)k->src[i] * bb,
+                                   (size_t)k->rows[i] * k->row_bytes);
+                    pd_free(src);
+                }
+            // the save: the same listed rows back from the device into the second host set
+            for (int l = k->layer_begin; l < k->layer_end; l++)
+                for (int kv = 0; kv < 2; kv++)
+                    for (int i = 0; i < k->nb; i++)
+                        memcpy(want_back[kv][l] + (size_t)k->src[i] * bb, want[kv][l] + (size_t)k->dst[i] * bb,
+                               (size_t)k->rows[i] * k->row_bytes);
+            pd_backend_xfer_mark(c.gpu);
+            pd_kv_copy_params p = {.src_k = hs[0], .src_v = hs[1], .dst_k = dd[0], .dst_v = dd[1], .src_blocks = k->src,
+                                   .dst_blocks = k->dst, .n_rows = k->rows, .n_blocks = k->nb,
+                                   .layer_begin = k->layer_begin, .layer_end = k->layer_end, .block_size = k->bs,
+                                   .row_bytes = k->row_bytes};
+            pd_op_kv_copy_xfer(c.gpu, &p);
+            pd_kv_copy_params back = p;
+            back.src_k = dd[0], back.src_v = dd[1], back.dst_k = hb[0], back.dst_v = hb[1];
+            back.src_blocks = k->dst, back.dst_blocks = k->src;
+            pd_op_kv_copy_xfer(c.gpu, &back);
+            pd_backend_xfer_sync(c.gpu);
+            pd_backend_sync(c.gpu);
+            uint8_t *got = pd_malloc(layer);
+            for (int l = 0; l < k->n_layers; l++)
+                for (int kv = 0; kv < 2; kv++) {
+                    pd_backend_download(c.gpu, got, dd[kv][l], layer);
+                    PD_CHECK_MSG(!memcmp(got, want[kv][l], layer), "dma %d case %zu layer %d %s: load differs", mode, ci,
+                                 l, kv ? "V" : "K");
+                    PD_CHECK_MSG(!memcmp(hb[kv][l], want_back[kv][l], layer), "dma %d case %zu layer %d %s: save differs",
+                                 mode, ci, l, kv ? "V" : "K");
+                    pd_backend_host_free(c.gpu, hs[kv][l]);
+                    pd_backend_host_free(c.gpu, hb[kv][l]);
+                    pd_free(want[kv][l]);
+                    pd_free(want_back[kv][l]);
+                }
+            pd_free(got);
+            ctx_release(&c);
+        }
+        ctx_fini(&c);
+    }
+    unsetenv("PD_CUDA_KV_DMA");
 }
 
 // An exported pool describes itself; opening our own handle fails cleanly (CUDA IPC handles can

@@ -16,7 +16,8 @@
 // environment gives the per-shape rule with tensor cores in that column).
 // fuse: one decode layer minus attention unfused (8 kernels) vs pd_op_matmul's fused forms (4).
 // step: one batched decode layer (M = 32..256, context 512) as a graph, whole and op by op (bench_step).
-// Usage: op_bench [copy] [peak] [gemm] [gemv] [fuse] [prefill] [attn] [step] [sample]  (no argument: all).
+// Usage: op_bench [copy] [peak] [gemm] [gemv] [fuse] [prefill] [attnpre] [attn] [step] [sample]  (no argument:
+// all; attnpre: prefill attention alone, bf16, head_dim 128 and 64, one and four sequences).
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -504,7 +505,7 @@ int main(int argc, char **argv) {
     int H = 32, Hkv = 8, hd = 128;
     int pre[] = {512, 2048, 8192};
     for (int f8 = 0; f8 < 2; f8++)
-        for (int i = 0; i < 3 && want("prefill"); i++) {
+        for (int i = 0; i < 3 && (want("prefill") || (want("attnpre") && !f8)); i++) {
             at_arg a;
             attn_setup(&a, 1, pre[i], pre[i], H, Hkv, hd, 16, f8);
             us = time_us(g_b, at_op, &a, pre[i] == 8192 ? 5 : 20);
@@ -512,6 +513,16 @@ int main(int argc, char **argv) {
             printf("attn prefill %s L=%-5d    %9.1f us  %6.1f TFLOP/s (causal flops)\n", f8 ? "fp8 " : "bf16", pre[i], us,
                    fl / (us * 1e6));
         }
+    // attnpre: also head_dim 64 (32 heads, 8 kv heads) and 4 prompts of 2048 in one batch
+    for (int i = 0; i < 2 && want("attnpre"); i++) {
+        at_arg a;
+        int n_seqs = i ? 4 : 1, L = i ? 2048 : 8192, d = i ? 128 : 64;
+        attn_setup(&a, n_seqs, L, L, H, Hkv, d, 16, false);
+        us = time_us(g_b, at_op, &a, 5);
+        double fl = 4.0 * H * d * (double)L * L / 2 * n_seqs;
+        printf("attn prefill bf16 hd=%d %dx L=%-5d %9.1f us  %6.1f TFLOP/s (causal flops)\n", d, n_seqs, L, us,
+               fl / (us * 1e6));
+    }
     int dec[][2] = {{1, 128}, {1, 4096}, {1, 8192}, {1, 32768}, {64, 128}, {64, 512}, {64, 4096}, {256, 1024},
                     {8, 32768}, {32, 32768}};
     for (int i = 0; i < 10 && want("attn"); i++)
