@@ -265,6 +265,7 @@ void pd_op_matmul(pd_backend *b, const pd_matmul_params *p) {
     b->iface->matmul(b, p);
 }
 bool pd_backend_fuses_matmul(pd_backend *b, int M) { return b->iface->fuses_matmul && b->iface->fuses_matmul(b, M); }
+bool pd_backend_fuses_epilogues(pd_backend *b, int M) { return b->iface->fuses_epilogues && b->iface->fuses_epilogues(b, M); }
 void pd_op_rope_kv(pd_backend *b, const pd_rope_kv_params *p) { b->iface->rope_kv(b, p); }
 void pd_op_attention(pd_backend *b, const pd_attention_params *p) { b->iface->attention(b, p); }
 void pd_op_silu_mul(pd_backend *b, const pd_silu_mul_params *p) { b->iface->silu_mul(b, p); }

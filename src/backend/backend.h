@@ -132,6 +132,8 @@ typedef struct pd_matmul_params {
 // qkv row layout: [q (n_heads*head_dim) | k (n_kv_heads*head_dim) | v (n_kv_heads*head_dim)].
 struct pd_rope_kv_params {
     void *qkv;                   // (n_tokens, (n_heads + 2*n_kv_heads) * head_dim), act dtype
+    // positions, inv_freq and slot_mapping are host-uploaded and never written by a kernel (the
+    // CUDA kernel reads them before its PDL wait, as decode attention reads its batch metadata)
     const int32_t *positions;    // (n_tokens)
     const float *inv_freq;       // (head_dim/2), f32: frequencies incl. llama3/linear scaling
     const int32_t *slot_mapping; // (n_tokens): block_id * block_size + offset; < 0: padding, no KV write
@@ -337,6 +339,13 @@ void pd_op_matmul(pd_backend *b, const pd_matmul_params *p);
 // (every backend computes the fused forms; this says only where they are the faster sequence).
 // CUDA: M <= 4 (PD_CUDA_SKINNY_FUSE_MAX_M; PD_CUDA_SKINNY_FUSE=0: never); CPU: never.
 bool pd_backend_fuses_matmul(pd_backend *b, int M);
+// Whether pd_op_matmul's glu and rope forms on their own (without norm_w or residual) run as one
+// kernel each for M rows where the whole set of fused forms does not pay (pd_backend_fuses_matmul
+// false): the model then asks for them instead of the GEMM + pd_op_silu_mul and GEMM +
+// pd_op_rope_kv pairs, and keeps its rmsnorm kernels. CUDA: 17 <= M <= 64 (the batched-decode GEMM,
+// kernels/bgemm.cu; PD_CUDA_BGEMM=0: never; rope there only for head_dim 128 and a bf16 cache,
+// else rope_kv runs after the GEMM); CPU: never.
+bool pd_backend_fuses_epilogues(pd_backend *b, int M);
 void pd_op_rope_kv(pd_backend *b, const pd_rope_kv_params *p);
 void pd_op_attention(pd_backend *b, const pd_attention_params *p);
 void pd_op_silu_mul(pd_backend *b, const pd_silu_mul_params *p);

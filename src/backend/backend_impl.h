@@ -24,6 +24,7 @@ typedef struct pd_backend_iface {
     void (*rmsnorm)(pd_backend *b, const pd_rmsnorm_params *p);
     void (*matmul)(pd_backend *b, const pd_matmul_params *p);
     bool (*fuses_matmul)(pd_backend *b, int M);  // (optional) NULL: never (pd_backend_fuses_matmul)
+    bool (*fuses_epilogues)(pd_backend *b, int M);  // (optional) NULL: never (pd_backend_fuses_epilogues)
     void (*rope_kv)(pd_backend *b, const pd_rope_kv_params *p);
     void (*attention)(pd_backend *b, const pd_attention_params *p);
     void (*silu_mul)(pd_backend *b, const pd_silu_mul_params *p);

@@ -151,6 +151,13 @@ static inline bool pd_k_pdl_enabled() {
     return pd_k_env_on("PD_CUDA_PDL", &on);
 }
 
+// Whether rmsnorm and rope_kv read what no kernel writes (the norm weight; positions, slots and
+// frequencies) before their PDL wait; PD_CUDA_EARLY_LOADS=0: after it (measurements).
+static inline int pd_k_early_loads() {
+    static int on = -1;
+    return pd_k_env_on("PD_CUDA_EARLY_LOADS", &on);
+}
+
 // Launches kern<<<grid, block, smem, s>>>(args...) with the programmatic-stream-serialization
 // attribute when PDL is on. Errors surface through cudaGetLastError (the caller checks).
 template <typename... KArgs, typename... Args>
@@ -201,21 +208,33 @@ static __device__ __forceinline__ void pd_k_sincos(float a, float *s, float *c) 
 // (the angle pos * inv_freq in fp32, as transformers computes it). hf: cos and sin rounded to bf16
 // and each product and the sum rounded, as transformers' apply_rotary_pos_emb does in bf16 (the
 // caller rounds the results when it stores them).
-static __device__ __forceinline__ void pd_k_rope_pair(float x0, float x1, float pos, float inv_freq, float scaling,
-                                                      int hf, float *y0, float *y1) {
-    float sn, cs;
-    pd_k_sincos(pos * inv_freq, &sn, &cs);
-    cs *= scaling;
-    sn *= scaling;
+// In two halves (rope_kv.cu computes the angle's sin and cos before its PDL wait): the scaled
+// (hf: rounded) sin and cos, then the rotation.
+static __device__ __forceinline__ void pd_k_rope_cs(float pos, float inv_freq, float scaling, int hf, float *sn,
+                                                    float *cs) {
+    pd_k_sincos(pos * inv_freq, sn, cs);
+    *cs *= scaling;
+    *sn *= scaling;
     if (hf) {
-        cs = pd_k_bf16r(cs);
-        sn = pd_k_bf16r(sn);
+        *cs = pd_k_bf16r(*cs);
+        *sn = pd_k_bf16r(*sn);
+    }
+}
+static __device__ __forceinline__ void pd_k_rope_apply(float x0, float x1, float sn, float cs, int hf, float *y0,
+                                                       float *y1) {
+    if (hf) {
         *y0 = pd_k_bf16r(x0 * cs) - pd_k_bf16r(x1 * sn);
         *y1 = pd_k_bf16r(x1 * cs) + pd_k_bf16r(x0 * sn);
     } else {
         *y0 = x0 * cs - x1 * sn;
         *y1 = x1 * cs + x0 * sn;
     }
+}
+static __device__ __forceinline__ void pd_k_rope_pair(float x0, float x1, float pos, float inv_freq, float scaling,
+                                                      int hf, float *y0, float *y1) {
+    float sn, cs;
+    pd_k_rope_cs(pos, inv_freq, scaling, hf, &sn, &cs);
+    pd_k_rope_apply(x0, x1, sn, cs, hf, y0, y1);
 }
 
 // SMs of the current device (cached per device id; grid sizing of the persistent-style kernels).

@@ -3,20 +3,27 @@
 //   x += add (written back, bf16);  out = bf16(w * bf16(x * rsqrt(mean(x^2) + eps)))
 // The inner rounding is transformers' (LlamaRMSNorm casts the normalised row to the input dtype
 // before the weight multiplies it); PD_CUDA_HF_ROUNDING=0 leaves it out. Launched with PDL
-// (common.cuh).
+// (common.cuh); the norm weight (never written by a kernel) is loaded before the wait.
 #include "kernels/common.cuh"
 #include "kernels/rmsnorm.cuh"
 
 #define PD_K_RMS_MAX_VEC 8  // vectors of 8 per thread kept in registers: dim <= 8*8*blockDim
 
 static __global__ void k_rmsnorm_vec(uint4 *x, const uint4 *add, const uint4 *w, uint4 *out, int nv, float eps,
-                                     int hf) {
+                                     int hf, int early) {
     __shared__ float red[32];
     pd_k_pdl_trigger();
     int r = blockIdx.x;
     uint4 *xr = x + (size_t)r * nv;
     float v[PD_K_RMS_MAX_VEC][8];
     float ss = 0.0f;
+    uint4 wv[PD_K_RMS_MAX_VEC];  // the norm weight (never written by a kernel): loaded before the wait
+    if (!early) pd_k_pdl_wait();
+#pragma unroll
+    for (int j = 0; j < PD_K_RMS_MAX_VEC; j++) {
+        int i = threadIdx.x + j * blockDim.x;
+        wv[j] = i < nv ? w[i] : make_uint4(0, 0, 0, 0);
+    }
     pd_k_pdl_wait();
 #pragma unroll
     for (int j = 0; j < PD_K_RMS_MAX_VEC; j++) {
@@ -43,7 +50,7 @@ static __global__ void k_rmsnorm_vec(uint4 *x, const uint4 *add, const uint4 *w,
         int i = threadIdx.x + j * blockDim.x;
         if (i < nv) {
             float ww[8], o[8];
-            pd_k_unpack8(w[i], ww);
+            pd_k_unpack8(wv[j], ww);
 #pragma unroll
             for (int k = 0; k < 8; k++) o[k] = ww[k] * (hf ? pd_k_bf16r(v[j][k] * inv) : v[j][k] * inv);
             out[(size_t)r * nv + i] = pd_k_pack8(o);
@@ -84,7 +91,7 @@ extern "C" void pd_cuda_rmsnorm(const pd_rmsnorm_kparams *p, cudaStream_t s) {
         while (threads < 1024 && (threads < nv / PD_K_RMS_MAX_VEC || threads * 2 <= nv) && threads < 256) threads *= 2;
         while (threads * PD_K_RMS_MAX_VEC < nv) threads *= 2;
         pd_k_launch(k_rmsnorm_vec, dim3(p->n_rows), dim3(threads), 0, s, (uint4 *)p->x, (const uint4 *)p->add,
-                    (const uint4 *)p->w, (uint4 *)p->out, nv, p->eps, pd_k_hf_rounding());
+                    (const uint4 *)p->w, (uint4 *)p->out, nv, p->eps, pd_k_hf_rounding(), pd_k_early_loads());
     } else {
         pd_k_launch(k_rmsnorm_scalar, dim3(p->n_rows), dim3(256), 0, s, (__nv_bfloat16 *)p->x,
                     (const __nv_bfloat16 *)p->add, (const __nv_bfloat16 *)p->w, (__nv_bfloat16 *)p->out, p->dim,

@@ -2,29 +2,38 @@
 // qkv row, in place, then k and v of the token go to its paged-cache slot. One block per token:
 // thread j handles rotation pair j of the (n_heads + n_kv_heads) * hd/2 pairs, then the v copy.
 // The rotation is pd_k_rope_pair (common.cuh): transformers' bf16 rounding points unless
-// PD_CUDA_HF_ROUNDING=0. Launched with PDL.
+// PD_CUDA_HF_ROUNDING=0. Launched with PDL. The bf16 kernel splits a token's heads over several
+// blocks (k_rope_kv).
 #include <cuda_fp8.h>
 
 #include "kernels/common.cuh"
 #include "kernels/rope_kv.cuh"
 
+// Block (t, y) rotates heads [y * hpb, (y + 1) * hpb) of token t (hpb: heads per block; the
+// launcher splits a token's heads over gridDim.y blocks so that a small batch still fills the
+// card); block y = 0 also copies v.
 static __global__ void k_rope_kv(__nv_bfloat16 *qkv, const int32_t *positions, const float *inv_freq,
                                  const int32_t *slot_mapping, __nv_bfloat16 *kc, __nv_bfloat16 *vc, int H,
-                                 int Hkv, int hd, float attn_scaling, int hf) {
+                                 int Hkv, int hd, float attn_scaling, int hf, int hpb, int early) {
     pd_k_pdl_trigger();
+    // positions, slot_mapping (uploaded by the host before the step, never written by a kernel) and
+    // the frequencies are read, and this thread's first angle computed, before the wait
+    int t = blockIdx.x, half = hd / 2, h0 = blockIdx.y * hpb, h1 = min(h0 + hpb, H + Hkv);
+    if (!early) pd_k_pdl_wait();
+    float pos = (float)positions[t];
+    int slot = slot_mapping[t], i0 = threadIdx.x % half;
+    float sn0, cs0;
+    pd_k_rope_cs(pos, inv_freq[i0], attn_scaling, hf, &sn0, &cs0);
     pd_k_pdl_wait();
-    int t = blockIdx.x, half = hd / 2;
     size_t row = (size_t)(H + 2 * Hkv) * hd;
     __nv_bfloat16 *r = qkv + (size_t)t * row;
-    float pos = (float)positions[t];
-    int slot = slot_mapping[t];
     size_t kvw = (size_t)Hkv * hd;
-    for (int j = threadIdx.x; j < (H + Hkv) * half; j += blockDim.x) {
-        int h = j / half, i = j % half;
+    for (int j = threadIdx.x; j < (h1 - h0) * half; j += blockDim.x) {
+        int h = h0 + j / half, i = j % half;
         __nv_bfloat16 *v = r + (size_t)h * hd;
-        float f0, f1;
-        pd_k_rope_pair(__bfloat162float(v[i]), __bfloat162float(v[i + half]), pos, inv_freq[i], attn_scaling, hf,
-                       &f0, &f1);
+        float f0, f1, sn = sn0, cs = cs0;
+        if (i != i0) pd_k_rope_cs(pos, inv_freq[i], attn_scaling, hf, &sn, &cs);  // (blockDim % half != 0)
+        pd_k_rope_apply(__bfloat162float(v[i]), __bfloat162float(v[i + half]), sn, cs, hf, &f0, &f1);
         __nv_bfloat16 y0 = __float2bfloat16(f0), y1 = __float2bfloat16(f1);
         v[i] = y0;
         v[i + half] = y1;
@@ -34,7 +43,7 @@ static __global__ void k_rope_kv(__nv_bfloat16 *qkv, const int32_t *positions, c
             kd[i + half] = y1;
         }
     }
-    if (slot >= 0) {
+    if (slot >= 0 && blockIdx.y == 0) {
         const __nv_bfloat16 *vs = r + (size_t)(H + Hkv) * hd;
         __nv_bfloat16 *vd = vc + (size_t)slot * kvw;
         if (kvw % 8 == 0) {
@@ -99,7 +108,14 @@ extern "C" void pd_cuda_rope_kv(const pd_rope_kv_kparams *p, cudaStream_t s) {
                     p->n_kv_heads, p->head_dim, p->attn_scaling, pd_k_hf_rounding(), p->row_bytes);
         return;
     }
-    pd_k_launch(k_rope_kv, dim3(p->n_tokens), dim3(threads), 0, s, (__nv_bfloat16 *)p->qkv, p->positions,
+    // Heads split over blocks (PD_CUDA_ROPE_SPLIT=0: one block per token, every head): one pass of
+    // the block's threads per block, so a 64-token batch runs 320 short blocks instead of 64 that
+    // loop 5 times (Llama-3-8B: 40 rotated heads of 64 pairs).
+    static int split_on = -1;
+    int n_rot = p->n_heads + p->n_kv_heads, half = p->head_dim / 2;
+    int hpb = pd_k_env_on("PD_CUDA_ROPE_SPLIT", &split_on) && half > 0 ? (threads / half > 0 ? threads / half : 1) : n_rot;
+    int gy = (n_rot + hpb - 1) / hpb;
+    pd_k_launch(k_rope_kv, dim3(p->n_tokens, gy), dim3(threads), 0, s, (__nv_bfloat16 *)p->qkv, p->positions,
                 p->inv_freq, p->slot_mapping, (__nv_bfloat16 *)p->k_cache, (__nv_bfloat16 *)p->v_cache, p->n_heads,
-                p->n_kv_heads, p->head_dim, p->attn_scaling, pd_k_hf_rounding());
+                p->n_kv_heads, p->head_dim, p->attn_scaling, pd_k_hf_rounding(), hpb, pd_k_early_loads());
 }

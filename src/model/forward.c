@@ -165,9 +165,10 @@ static void run_layer(pd_model *m, pd_model_cache *kc, int li, int T, const int3
     } else {
         pd_op_rmsnorm(be, &(pd_rmsnorm_params){.x = wp(ws->x), .add = li > 0 ? wp(ws->h) : NULL, .w = wp(w->attn_norm),
                                                .out = wp(ws->h), .n_rows = T, .dim = D, .eps = c->rms_norm_eps});
+        bool epi = pd_backend_fuses_epilogues(be, T);  // RoPE + KV write in the qkv GEMM (batched decode on CUDA)
         pd_op_matmul(be, &(pd_matmul_params){.a = wp(ws->h), .w = wp(w->wqkv), .bias = wp(w->bqkv), .out = wp(ws->qkv),
-                                             .M = T, .N = nqkv, .K = D});
-        pd_op_rope_kv(be, &rope);
+                                             .M = T, .N = nqkv, .K = D, .rope = epi ? &rope : NULL});
+        if (!epi) pd_op_rope_kv(be, &rope);
     }
     bool ps = l->n_pseudo > 0;
     if (ps) n_seqs = (int)l->n_pseudo, max_q = 1;
@@ -196,9 +197,14 @@ static void run_layer(pd_model *m, pd_model_cache *kc, int li, int T, const int3
                                          .N = D, .K = H * hd});
     pd_op_rmsnorm(be, &(pd_rmsnorm_params){.x = wp(ws->x), .add = wp(ws->h), .w = wp(w->mlp_norm), .out = wp(ws->h),
                                            .n_rows = T, .dim = D, .eps = c->rms_norm_eps});
-    pd_op_matmul(be, &(pd_matmul_params){.a = wp(ws->h), .w = wp(w->wgu), .bias = wp(w->bgu), .out = wp(ws->gu), .M = T,
-                                         .N = 2 * F, .K = D});
-    pd_op_silu_mul(be, &(pd_silu_mul_params){.gu = wp(ws->gu), .out = wp(ws->mlp), .n_rows = T, .F = F});
+    if (pd_backend_fuses_epilogues(be, T)) {  // gate_up and SwiGLU as one kernel
+        pd_op_matmul(be, &(pd_matmul_params){.a = wp(ws->h), .w = wp(w->wgu), .bias = wp(w->bgu), .out = wp(ws->mlp),
+                                             .M = T, .N = F, .K = D, .glu = true});
+    } else {
+        pd_op_matmul(be, &(pd_matmul_params){.a = wp(ws->h), .w = wp(w->wgu), .bias = wp(w->bgu), .out = wp(ws->gu),
+                                             .M = T, .N = 2 * F, .K = D});
+        pd_op_silu_mul(be, &(pd_silu_mul_params){.gu = wp(ws->gu), .out = wp(ws->mlp), .n_rows = T, .F = F});
+    }
     pd_op_matmul(be, &(pd_matmul_params){.a = wp(ws->mlp), .w = wp(w->wdown), .bias = wp(w->bdown), .out = wp(ws->h), .M = T,
                                          .N = D, .K = F});
 }

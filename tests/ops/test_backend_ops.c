@@ -326,10 +326,13 @@ PD_TEST(test_cuda_matmul) {
     // Both GEMM paths: c.gpu uses the skinny decode kernel for M <= 16, a second backend cuBLASLt
     // for every M (whichever the default is).
     // (the row-streaming skinny kernel off in both: test_cuda_skinny covers it)
+    // (the batched-decode GEMM off in lt_only: test_cuda_bgemm covers it)
     setenv("PD_CUDA_GEMV_MAX_M", "0", 1);
     setenv("PD_CUDA_SKINNY", "0", 1);
+    setenv("PD_CUDA_BGEMM", "0", 1);
     pd_err err = {0};
     pd_backend *lt_only = pd_backend_new("cuda", 0, &err);
+    unsetenv("PD_CUDA_BGEMM");
     setenv("PD_CUDA_GEMV_MAX_M", "16", 1);
     pd_backend *gemv_on = pd_backend_new("cuda", 0, &err);
     unsetenv("PD_CUDA_GEMV_MAX_M");
@@ -624,7 +627,8 @@ static void rope_fused_case(ctx *c, int M, int H, int Hkv, int hd, int K, bool n
     for (size_t i = 0; i < (size_t)n_slots * rb; i++) init8[i] = (uint8_t)(pd_rng_next(&c->rng) & 0x3f);
     float inv_freq[128];
     for (int i = 0; i < hd / 2; i++) inv_freq[i] = powf(500000.0f, -2.0f * i / hd);
-    int32_t pos[17], slots[17];
+    int32_t pos[64], slots[64];
+    PD_ASSERT(M <= 64);
     for (int i = 0; i < M; i++) {
         pos[i] = (int32_t)(pd_rng_next(&c->rng) % 9000);
         slots[i] = i % 3 == 2 ? -1 : (int32_t)((i * 37 + 5) % n_slots);
@@ -800,6 +804,63 @@ PD_TEST(test_cuda_verify_fused) {
     ctx_fini(&c);
 }
 
+
+// The batched-decode GEMM (kernels/bgemm.cu, PD_CUDA_BGEMM=1) against the CPU reference: M = 17..64
+// on shapes with one tile, a partial last tile (N % 128 == 64), split-K (tiles < 2 x SMs: several
+// blocks per tile, partials in the scratch) and no split, every flag, lda > K; the glu form (SwiGLU
+// in the epilogue, with and without the norm before it) and the rope form (RoPE + KV write in the
+// epilogue) against the CPU and the unfused ops; a PDL chain. Shapes alternate so that calls of other splits reuse the tile counters.
+PD_TEST(test_cuda_bgemm) {
+    ctx c;
+    if (!ctx_init(&c, 23)) PD_SKIP("%s: no CUDA device", __func__);
+    setenv("PD_CUDA_BGEMM", "1", 1);
+    pd_err err = {0};
+    pd_backend *bg = pd_backend_new("cuda", 0, &err);
+    unsetenv("PD_CUDA_BGEMM");
+    PD_REQUIRE(bg);
+    PD_CHECK(pd_backend_fuses_epilogues(bg, 17) && pd_backend_fuses_epilogues(bg, 64) && !pd_backend_fuses_epilogues(bg, 16) &&
+             !pd_backend_fuses_epilogues(bg, 65));
+    pd_backend *dflt = c.gpu;
+    c.gpu = bg;
+    int Ms[] = {17, 24, 40, 64}, NKs[][2] = {{64, 64}, {1984, 2048}, {512, 1024}, {6144, 4096}, {4096, 4096}, {4096, 14336},
+                                            {9024, 512}};
+    for (size_t mi = 0; mi < PD_ARRAY_LEN(Ms); mi++)
+        for (size_t nk = 0; nk < PD_ARRAY_LEN(NKs); nk++) {
+            int flags = (int)((mi + 3 * nk) % 8), M = Ms[mi], N = NKs[nk][0], K = NKs[nk][1];
+            matmul_case(&c, bg, M, N, K, nk % 3 == 1 ? K + 8 : K, flags & 1, flags & 2, flags & 4);
+        }
+    g_unfused = bg;
+    int glu[][3] = {{64, 64, FZ_GLU}, {3584, 4096, FZ_GLU}, {1792, 1024, FZ_NORM | FZ_GLU | FZ_BIAS}, {14336, 4096, FZ_GLU}};
+    for (size_t mi = 0; mi < PD_ARRAY_LEN(Ms); mi++)
+        for (size_t s = 0; s < PD_ARRAY_LEN(glu); s++)
+            if (mi == 3 || s < 3) fused_case(&c, bg, Ms[mi], glu[s][0], glu[s][1], glu[s][2]);
+    g_unfused = NULL;
+    for (int M = 17; M <= 64; M += 23)  // qkv with RoPE + KV write in the epilogue (head_dim 128), fp8: rope_kv after
+        for (int nb = 0; nb < 4; nb++) rope_fused_case(&c, M, nb < 2 ? 32 : 4, nb < 2 ? 8 : 2, 128, nb < 2 ? 4096 : 512, nb & 1, nb & 2, PD_KV_ACT);
+    rope_fused_case(&c, 64, 32, 8, 128, 4096, true, false, PD_KV_FP8);
+    rope_fused_case(&c, 24, 4, 2, 64, 256, false, true, PD_KV_ACT);  // head_dim 64: rope_kv after the GEMM
+    matmul_chain_case(&c, 64, 2048, 1024, 512);
+    matmul_chain_case(&c, 33, 4096, 4096, 1024);
+    // the 8-stage ring (one block per SM, its own split sizing)
+    setenv("PD_CUDA_BGEMM", "1", 1);
+    setenv("PD_CUDA_BGEMM_STAGES", "8", 1);
+    pd_backend *bg8 = pd_backend_new("cuda", 0, &err);
+    unsetenv("PD_CUDA_BGEMM_STAGES");
+    unsetenv("PD_CUDA_BGEMM");
+    PD_REQUIRE(bg8);
+    c.gpu = bg8;
+    for (size_t nk = 0; nk < PD_ARRAY_LEN(NKs); nk++)
+        matmul_case(&c, bg8, nk % 2 ? 64 : 29, NKs[nk][0], NKs[nk][1], NKs[nk][1], nk & 1, nk & 2, nk == 6);
+    g_unfused = bg8;
+    fused_case(&c, bg8, 64, 3584, 4096, FZ_GLU);
+    g_unfused = NULL;
+    rope_fused_case(&c, 48, 32, 8, 128, 4096, true, true, PD_KV_ACT);
+    matmul_chain_case(&c, 64, 2048, 1024, 512);
+    pd_backend_free(bg8);
+    c.gpu = dflt;
+    pd_backend_free(bg);
+    ctx_fini(&c);
+}
 
 // K not a multiple of 8 (odd and even): the skinny kernel does not take these, the unfused fallback
 // (rmsnorm / cuBLASLt / silu_mul through the backend's scratch) does.

@@ -18,7 +18,8 @@
 // fusev: the same layer at verify sizes (M = 1..16): unfused (default rule; cuBLASLt), fused on the
 // CUDA-core kernel (M <= 8), fused on the tensor-core kernel (PD_CUDA_FUSE_MMA_MIN_M), single- and
 // double-buffered.
-// Usage: op_bench [copy] [peak] [gemm] [gemv] [fuse] [fusev] [prefill] [attnpre] [attn] [sample]  (no argument:
+// step: one batched decode layer (M = 32..256, context 512) as a graph, whole and op by op (bench_step).
+// Usage: op_bench [copy] [peak] [gemm] [gemv] [fuse] [fusev] [prefill] [attnpre] [attn] [step] [sample]  (no argument:
 // all; attnpre: prefill attention alone, bf16, head_dim 128 and 64, one and four sequences).
 #include <math.h>
 #include <stdio.h>
@@ -146,6 +147,154 @@ static void attn_setup(at_arg *a, int n_seqs, int q_len, int kv_len, int H, int 
     free(qi); free(kl); free(bi); free(bt); free(ts);
 }
 
+// step: one Llama-3-8B decode layer at batch M (32, 64, 128, 256; context 512) as forward.c runs it
+// above the fused range: rmsnorm (+ residual add), qkv, rope_kv, attention, o, rmsnorm, gate_up,
+// silu_mul, down (9 kernels, cuBLASLt GEMMs). Each variant is captured as a CUDA graph of 8 layers
+// (weights and KV caches alternate between 2 copies, > L2) after one eager run (cuBLASLt plans and
+// tuning), then launched back to back: us per layer for the whole sequence, for the GEMMs +
+// attention only (what the small kernels cost in the pipeline), and for each op alone, each next to
+// its floor (weight + KV bytes at the copy rate); then lm_head (f32 logits for all M rows).
+// OPB_NCU=1: M = 64 only, 3 eager layers + lm_head and exit (for ncu's per-kernel listing);
+// OPB_STEP_M=m: that M only.
+enum { ST_NORM1, ST_QKV, ST_ROPE, ST_ATTN, ST_O, ST_NORM2, ST_GU, ST_SILU, ST_DOWN, ST_N };
+static const char *st_names[ST_N] = {"rmsnorm1", "qkv", "rope_kv", "attention", "o", "rmsnorm2", "gate_up", "silu_mul", "down"};
+typedef struct st_arg {
+    void *x, *h, *qkv, *attn, *gu, *mlp, *g1, *g2, *wqkv[2], *wo[2], *wgu[2], *wd[2];
+    pd_rope_kv_params rope[2];
+    pd_attention_params at[2];
+    int M;
+    unsigned mask;
+} st_arg;
+static void st_layer(pd_backend *b, st_arg *l, int i) {
+    int M = l->M, D = 4096, F = 14336, NQ = 6144;
+    unsigned k = l->mask;
+    if (k & (1u << ST_NORM1))
+        pd_op_rmsnorm(b, &(pd_rmsnorm_params){.x = l->x, .add = l->h, .w = l->g1, .out = l->h, .n_rows = M, .dim = D, .eps = 1e-5f});
+    bool epi = pd_backend_fuses_epilogues(b, M);  // as forward.c: RoPE + KV write in qkv, SwiGLU in gate_up
+    if (k & (1u << ST_QKV))
+        pd_op_matmul(b, &(pd_matmul_params){.a = l->h, .w = l->wqkv[i], .out = l->qkv, .M = M, .N = NQ, .K = D,
+                                            .rope = epi ? &l->rope[i] : NULL});
+    if ((k & (1u << ST_ROPE)) && !epi) pd_op_rope_kv(b, &l->rope[i]);
+    if (k & (1u << ST_ATTN)) pd_op_attention(b, &l->at[i]);
+    if (k & (1u << ST_O)) pd_op_matmul(b, &(pd_matmul_params){.a = l->attn, .w = l->wo[i], .out = l->h, .M = M, .N = D, .K = D});
+    if (k & (1u << ST_NORM2))
+        pd_op_rmsnorm(b, &(pd_rmsnorm_params){.x = l->x, .add = l->h, .w = l->g2, .out = l->h, .n_rows = M, .dim = D, .eps = 1e-5f});
+    bool glu = epi;
+    if ((k & (1u << ST_GU)) && glu)
+        pd_op_matmul(b, &(pd_matmul_params){.a = l->h, .w = l->wgu[i], .out = l->mlp, .M = M, .N = F, .K = D, .glu = true});
+    if ((k & (1u << ST_GU)) && !glu)
+        pd_op_matmul(b, &(pd_matmul_params){.a = l->h, .w = l->wgu[i], .out = l->gu, .M = M, .N = 2 * F, .K = D});
+    if ((k & (1u << ST_SILU)) && !glu) pd_op_silu_mul(b, &(pd_silu_mul_params){.gu = l->gu, .out = l->mlp, .n_rows = M, .F = F});
+    if (k & (1u << ST_DOWN)) pd_op_matmul(b, &(pd_matmul_params){.a = l->mlp, .w = l->wd[i], .out = l->h, .M = M, .N = D, .K = F});
+}
+#define ST_LAYERS 8
+// us per layer of the ops in l->mask: a graph of ST_LAYERS layers launched `reps` times.
+static double st_time(pd_backend *b, st_arg *l, int reps) {
+    st_layer(b, l, 0), st_layer(b, l, 1);  // eager: plans, tuning, scratch
+    pd_backend_sync(b);
+    pd_backend_graph_begin(b);
+    for (int i = 0; i < ST_LAYERS; i++) st_layer(b, l, i % 2);
+    pd_graph *g = pd_backend_graph_end(b);
+    if (!g) { fprintf(stderr, "step: capture failed\n"); exit(1); }
+    for (int i = 0; i < 2; i++) pd_backend_graph_launch(b, g);
+    pd_backend_sync(b);
+    int64_t t0 = pd_time_us();
+    for (int i = 0; i < reps; i++) pd_backend_graph_launch(b, g);
+    pd_backend_sync(b);
+    double us = (double)(pd_time_us() - t0) / reps / ST_LAYERS;
+    pd_backend_graph_free(b, g);
+    return us;
+}
+typedef struct lmh_arg { void *a, *w, *out; int M; } lmh_arg;
+static void lmh_op(pd_backend *b, void *arg, int rep) {
+    lmh_arg *m = arg;
+    pd_op_matmul(b, &(pd_matmul_params){.a = m->a, .w = m->w, .out = m->out, .M = m->M, .N = 128256, .K = 4096, .out_f32 = true});
+}
+static void bench_step(double copy_gbs, pd_backend **bes, const char **be_names, int n_be) {
+    int D = 4096, F = 14336, NQ = 6144, H = 32, Hkv = 8, hd = 128, bs = 16, ctx = 512, MAXM = 256;
+    bool ncu = getenv("OPB_NCU") && !strcmp(getenv("OPB_NCU"), "1");
+    int only_m = getenv("OPB_STEP_M") ? atoi(getenv("OPB_STEP_M")) : 0;  // one M only (0: all)
+    static st_arg l;
+    l.x = rnd((size_t)MAXM * D), l.h = rnd((size_t)MAXM * D), l.attn = alloc((size_t)MAXM * D * 2);
+    l.qkv = rnd((size_t)MAXM * NQ), l.gu = alloc((size_t)MAXM * 2 * F * 2), l.mlp = alloc((size_t)MAXM * F * 2);
+    l.g1 = alloc((size_t)D * 2), l.g2 = alloc((size_t)D * 2);
+    pd_op_fill_normal(g_b, l.g1, PD_DTYPE_BF16, D, 7, 1.0f, 0.1f);
+    pd_op_fill_normal(g_b, l.g2, PD_DTYPE_BF16, D, 8, 1.0f, 0.1f);
+    for (int i = 0; i < 2; i++) {
+        l.wqkv[i] = rnd((size_t)NQ * D), l.wo[i] = rnd((size_t)D * D);
+        l.wgu[i] = rnd((size_t)2 * F * D), l.wd[i] = rnd((size_t)D * F);
+    }
+    float inv_freq[64];
+    for (int i = 0; i < 64; i++) inv_freq[i] = powf(500000.0f, -i / 64.0f);
+    float *dinv = alloc(sizeof inv_freq);
+    pd_backend_upload(g_b, dinv, inv_freq, sizeof inv_freq);
+    lmh_arg lm = {.a = l.x, .w = rnd((size_t)128256 * D), .out = alloc((size_t)MAXM * 128256 * 4)};
+    double w_bytes[ST_N] = {0, 2.0 * NQ * D, 0, 0, 2.0 * D * D, 0, 2.0 * 2 * F * D, 0, 2.0 * D * F};
+    int Ms[] = {32, 64, 128, 256};
+    for (size_t mi = 0; mi < sizeof Ms / sizeof Ms[0]; mi++) {
+        int M = Ms[mi];
+        if ((ncu && M != 64) || (only_m && M != only_m)) continue;
+        l.M = M;
+        int bps = ctx / bs, n_blocks = M * bps;
+        int32_t *meta = malloc(sizeof(int32_t) * 2 * (size_t)M);  // positions, slots
+        for (int s = 0; s < M; s++) {
+            int blk = (int)(((int64_t)(s * bps + (ctx - 1) / bs) * 7919) % n_blocks);  // attn_setup's page table
+            meta[s] = ctx - 1, meta[M + s] = blk * bs + (ctx - 1) % bs;
+        }
+        int32_t *dmeta = alloc(sizeof(int32_t) * 2 * (size_t)M);
+        pd_backend_upload(g_b, dmeta, meta, sizeof(int32_t) * 2 * (size_t)M);
+        free(meta);
+        for (int i = 0; i < 2; i++) {
+            at_arg a;
+            attn_setup(&a, M, 1, ctx, H, Hkv, hd, bs, false);
+            l.at[i] = a.p;
+            l.at[i].q = l.qkv, l.at[i].q_stride = NQ, l.at[i].out = l.attn;
+            l.rope[i] = (pd_rope_kv_params){.qkv = l.qkv, .positions = dmeta, .inv_freq = dinv, .slot_mapping = dmeta + M,
+                                            .k_cache = (void *)a.p.k_cache, .v_cache = (void *)a.p.v_cache, .n_tokens = M,
+                                            .n_heads = H, .n_kv_heads = Hkv, .head_dim = hd, .attn_scaling = 1.0f};
+        }
+        pd_backend_sync(g_b);
+        double kv_bytes = (double)M * ctx * Hkv * hd * 2 * 2;
+        double floor_all = (w_bytes[ST_QKV] + w_bytes[ST_O] + w_bytes[ST_GU] + w_bytes[ST_DOWN] + kv_bytes) / (copy_gbs * 1e3);
+        lm.M = M;
+        for (int bi = 0; bi < n_be; bi++) {
+            pd_backend *b = bes[bi];
+            const char *bn = be_names[bi];
+            if (ncu) {
+                l.mask = (1u << ST_N) - 1;
+                for (int r = 0; r < 3; r++) st_layer(b, &l, r % 2);
+                lmh_op(b, &lm, 0);
+                pd_backend_sync(b);
+                continue;
+            }
+            int reps = 20;
+            l.mask = (1u << ST_N) - 1;
+            double t_all = st_time(b, &l, reps);
+            l.mask = (1u << ST_QKV) | (1u << ST_ATTN) | (1u << ST_O) | (1u << ST_GU) | (1u << ST_DOWN);
+            double t_big = st_time(b, &l, reps);
+            l.mask = (1u << ST_QKV) | (1u << ST_O) | (1u << ST_GU) | (1u << ST_DOWN);
+            double t_gemm = st_time(b, &l, reps);
+            printf("step %-8s M=%-3d ctx=%d  layer %7.1f us (floor %6.1f us at %.0f GB/s: %3.0f%%)  gemms+attn %7.1f us  "
+                   "gemms %7.1f us  => small kernels %5.1f us/layer (%.3f ms/step), %.3f ms/step for 32 layers\n",
+                   bn, M, ctx, t_all, floor_all, copy_gbs, 100 * floor_all / t_all, t_big, t_gemm, t_all - t_big,
+                   32 * (t_all - t_big) / 1e3, 32 * t_all / 1e3);
+            double sum = 0;
+            for (int o = 0; o < ST_N; o++) {
+                l.mask = 1u << o;
+                if ((o == ST_SILU || o == ST_ROPE) && pd_backend_fuses_epilogues(b, M)) continue;  // inside gate_up / qkv
+                double t = st_time(b, &l, reps), by = o == ST_ATTN ? kv_bytes : w_bytes[o];
+                sum += t;
+                printf("step %-8s M=%-3d   %-10s alone %7.1f us", bn, M, st_names[o], t);
+                if (by > 0) printf("  floor %6.1f us (%3.0f%% of copy, %5.0f GB/s)", by / (copy_gbs * 1e3), 100 * by / (copy_gbs * 1e3) / t, by / (t * 1e3));
+                printf("\n");
+            }
+            double t_lm = time_us(b, lmh_op, &lm, 10), by_lm = 2.0 * 128256 * D;
+            printf("step %-8s M=%-3d   ops alone summed %7.1f us/layer (whole layer %7.1f); lm_head f32 %7.1f us (%3.0f%% of copy)\n",
+                   bn, M, sum, t_all, t_lm, 100 * by_lm / (copy_gbs * 1e3) / t_lm);
+        }
+    }
+}
+
 typedef struct sm_arg { pd_sample_params p; pd_sample_row rows[256]; pd_sample_out out[256]; } sm_arg;
 static void sm_op(pd_backend *b, void *arg, int rep) {
     sm_arg *s = arg;
@@ -199,12 +348,20 @@ static void bench_sample(void) {
 int main(int argc, char **argv) {
     pd_err err = {0};
     g_argc = argc, g_argv = argv;
+    const char *lvl = getenv("PDSERVE_LOG");  // debug: cuBLASLt's tuning choices
+    if (lvl && !strcmp(lvl, "debug")) pd_log_set_level(PD_LOG_DEBUG);
     char rule_mma[16] = "";  // the caller's PD_CUDA_SKINNY_MMA, for the "rule" backend
     const char *env_mma = getenv("PD_CUDA_SKINNY_MMA");
     if (env_mma) snprintf(rule_mma, sizeof rule_mma, "%s", env_mma);
+    const char *env_bg = getenv("PD_CUDA_BGEMM");  // the caller's: 0 leaves the batched-decode GEMM out
+    bool bg_on = !(env_bg && !strcmp(env_bg, "0"));
     setenv("PD_CUDA_GEMV_MAX_M", "0", 1);  // g_b: cuBLASLt for every M
     setenv("PD_CUDA_SKINNY", "0", 1);
+    setenv("PD_CUDA_BGEMM", "0", 1);
     g_b = pd_backend_new("cuda", 0, &err);
+    setenv("PD_CUDA_BGEMM", "1", 1);  // bg: the batched-decode GEMM for 17 <= M <= 64 (kernels/bgemm.cu)
+    pd_backend *bg = pd_backend_new("cuda", 0, &err);
+    setenv("PD_CUDA_BGEMM", "0", 1);  // every other backend: without it
     setenv("PD_CUDA_GEMV_MAX_M", "16", 1);  // lt: the stream-K gemv kernel for M <= 16
     pd_backend *lt = pd_backend_new("cuda", 0, &err);
     setenv("PD_CUDA_GEMV_MAX_M", "0", 1);
@@ -226,9 +383,10 @@ int main(int argc, char **argv) {
     pd_backend *rule = pd_backend_new("cuda", 0, &err);
     unsetenv("PD_CUDA_SKINNY_MMA");
     setenv("PD_CUDA_SKINNY", "2", 1);
-    if (!g_b || !lt || !sk || !mma || !mma32 || !mma32p || !mma16p || !rule) { fprintf(stderr, "no cuda: %s\n", err.msg); return 1; }
+    unsetenv("PD_CUDA_BGEMM");
+    if (!g_b || !bg || !lt || !sk || !mma || !mma32 || !mma32p || !mma16p || !rule) { fprintf(stderr, "no cuda: %s\n", err.msg); return 1; }
     double us, copy_gbs = NAN;
-    if (want("copy") || want("gemv") || want("fuse") || want("fusev")) {
+    if (want("copy") || want("gemv") || want("fuse") || want("fusev") || want("step")) {
         cp_arg cp = {.bytes = (size_t)1 << 30};
         cp.base = alloc(4 * cp.bytes);
         pd_op_fill_normal(g_b, cp.base, PD_DTYPE_F32, cp.bytes, 1, 0.0f, 1.0f);
@@ -259,8 +417,9 @@ int main(int argc, char **argv) {
             double bytes = (double)N * K * 2;
             double t_g = Ms[mi] <= 16 ? time_us(lt, mm_op, &m, 50) : NAN;
             double t_l = time_us(g_b, mm_op, &m, 50);
-            printf("%-8s M=%-4d N=%-6d K=%-5d  gemv %8.1f us (%5.0f GB/s)  cublasLt %8.1f us (%5.0f GB/s)\n", names[s],
-                   m.M, N, K, t_g, bytes / (t_g * 1e3), t_l, bytes / (t_l * 1e3));
+            double t_b = m.M >= 17 && m.M <= 64 ? time_us(bg, mm_op, &m, 50) : NAN;
+            printf("%-8s M=%-4d N=%-6d K=%-5d  gemv %8.1f us (%5.0f GB/s)  cublasLt %8.1f us (%5.0f GB/s)  bgemm %8.1f us (%5.0f GB/s)\n",
+                   names[s], m.M, N, K, t_g, bytes / (t_g * 1e3), t_l, bytes / (t_l * 1e3), t_b, bytes / (t_b * 1e3));
         }
         if (!want("prefill")) continue;
         m.M = 8192;
@@ -432,6 +591,11 @@ fuse_done:
             printf("attn decode %s B=%-4d ctx=%-6d %9.1f us  %6.0f GB/s (KV bytes read)\n", f8 ? "fp8 " : "bf16",
                    dec[i][0], dec[i][1], us, bytes / (us * 1e3));
         }
+    if (want("step")) {  // cuBLASLt (+ silu_mul) first, then the batched-decode GEMM (PD_CUDA_BGEMM=0: only the first)
+        pd_backend *bes[2] = {g_b, bg};
+        const char *bn[2] = {"cublasLt", "bgemm"};
+        bench_step(copy_gbs, bes, bn, bg_on ? 2 : 1);
+    }
     if (want("sample")) bench_sample();
     return 0;
 }

@@ -50,6 +50,7 @@ static void cuda_free(pd_backend *b) {
     if (cb->fuse_ws) cudaFree(cb->fuse_ws);
     if (cb->attn_cnt) cudaFree(cb->attn_cnt);
     if (cb->gemv_ws) cudaFree(cb->gemv_ws);
+    if (cb->bgemm_ws) cudaFree(cb->bgemm_ws);
     if (cb->cb_dev) cudaFree(cb->cb_dev);
     if (cb->kv_dev) cudaFree(cb->kv_dev);
     if (cb->stream) cudaStreamDestroy(cb->stream);
@@ -546,6 +547,7 @@ static const pd_backend_iface cuda_iface = {
     .rmsnorm = cuda_rmsnorm,
     .matmul = pd_cuda_gemm_matmul,
     .fuses_matmul = pd_cuda_gemm_fuses,
+    .fuses_epilogues = pd_cuda_gemm_fuses_epilogues,
     .rope_kv = cuda_rope_kv,
     .attention = cuda_attention,
     .silu_mul = cuda_silu_mul,

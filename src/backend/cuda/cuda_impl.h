@@ -56,6 +56,11 @@ typedef struct pd_cuda_backend {
     int fuse_mma_forms;        // which forms (gemm.c FUSE_MMA_*; all above 8 rows)
     void *fuse_ws;             // the fused forms' unfused fallback (M > 8, unaligned): norm / gate_up
     size_t fuse_ws_bytes;
+    int bgemm;                 // kernels/bgemm.cu for 17 <= M <= 64: 0 off, 1 on (PD_CUDA_BGEMM)
+    int bgemm_per_sm;          // its split-K sizing: blocks per SM aimed at (PD_CUDA_BGEMM_PER_SM)
+    int bgemm_stages;          // its cp.async ring depth, 4 or 8 (PD_CUDA_BGEMM_STAGES)
+    void *bgemm_ws;            // its split-K partials + tile counters; counters zero between launches
+    size_t bgemm_ws_bytes;
     // attention split-K partials; grows outside graph capture only
     float *attn_ws;
     size_t attn_ws_bytes;
@@ -83,6 +88,7 @@ void pd_cuda_gemm_init(pd_cuda_backend *cb);
 void pd_cuda_gemm_fini(pd_cuda_backend *cb);
 void pd_cuda_gemm_matmul(pd_backend *b, const pd_matmul_params *p);
 bool pd_cuda_gemm_fuses(pd_backend *b, int M);
+bool pd_cuda_gemm_fuses_epilogues(pd_backend *b, int M);
 // The host staging of a kv_copy (pd_malloc'ed; the caller uploads and frees it): 4 layer pointers
 // per layer (src_k, src_v, dst_k, dst_v), then one pd_kv_block_desc per block at *desc_off;
 // *n_bytes in all. Shared by the backend's kv_copy and the NCCL comm's scatter.

@@ -15,13 +15,16 @@
 //     so cuBLASLt sees A = w (K x N, ld K, transposed), B = a (K x M, ld lda), D = out (N x M, ld N).
 // The descriptors and the heuristic's algorithm are cached per (M, N, K, lda, flags): building
 // them costs tens of microseconds, a lookup is a short linear scan (a model has ~10 shapes).
-// Decode shapes with 32 <= M <= 64 (batched decode) are tuned once when their plan is built: up
-// to 8 of the heuristic's candidates are timed with cudaEvents on the call's own operands (output
+// Decode shapes with 32 <= M <= 128 (batched decode) are tuned once when their plan is built: up
+// to 32 of the heuristic's candidates are timed with cudaEvents on the call's own operands (output
 // to a scratch buffer, L2 flushed before each rep, so a weight that fits in L2 is not timed hot)
-// and the fastest is kept; a few milliseconds per shape on its first call, never during graph
+// and the fastest is kept; tens of milliseconds per shape on its first call, never during graph
 // capture (the eager warm-up step builds every plan first). On an H200 this took Llama-3-8B
 // batch-64 decode from 6.34 to 6.23 ms; for M < 32 the heuristic's first choice was as good
-// (tools/gpu/NOTES.md). PD_CUDA_GEMM_TUNE=1 tunes every M <= 64, =0 none.
+// (tools/gpu/NOTES.md). Session 10 (H100, call b64-2) widened it from M <= 64 and 8 candidates to
+// M <= 128 and 32: batch 128 9.68 vs 9.91-10.04 ms, batch 64 7.76 vs 7.79-7.86, others level.
+// PD_CUDA_GEMM_TUNE=1 tunes every M up to the bound, =0 none; PD_CUDA_GEMM_TUNE_MAX_M and
+// PD_CUDA_GEMM_TUNE_ALGOS set the bound and the candidate count.
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -29,6 +32,7 @@
 #include "backend/cuda/cuda_impl.h"
 #include "base/buf.h"
 #include "kernels/add_bias.cuh"
+#include "kernels/bgemm.cuh"
 #include "kernels/gemv.cuh"
 #include "kernels/rmsnorm.cuh"
 #include "kernels/rope_kv.cuh"
@@ -38,8 +42,9 @@
 
 #define PD_CUDA_LT_WS_BYTES (32u << 20)
 #define PD_GEMM_TUNE_MIN_M 32  // default tuning range: PD_GEMM_TUNE_MIN_M <= M <= PD_GEMM_TUNE_MAX_M
-#define PD_GEMM_TUNE_MAX_M 64
-#define PD_GEMM_TUNE_ALGOS 8
+#define PD_GEMM_TUNE_MAX_M 128
+#define PD_GEMM_TUNE_ALGOS 32      // default candidates timed (PD_CUDA_GEMM_TUNE_ALGOS: 1..PD_GEMM_TUNE_ALGOS_MAX)
+#define PD_GEMM_TUNE_ALGOS_MAX 32
 #define PD_GEMM_TUNE_REPS 6
 #define PD_GEMM_FLUSH_BYTES (192u << 20)  // > L2 (50 MB on H100/H200) with margin
 
@@ -145,11 +150,44 @@ void pd_cuda_gemm_init(pd_cuda_backend *cb) {
     // stays on the CUDA-core kernel, which streams it faster to M = 7: 334 vs 350 us at M = 5, op_bench
     // gemv, session 9). From 8 rows every form goes there (the CUDA-core kernel is issue-bound).
     cb->fuse_mma_forms = env_int("PD_CUDA_FUSE_MMA_FORMS", 7, 0, 15);
+    // The batched-decode GEMM (kernels/bgemm.cu) for 17 <= M <= 64, with the SwiGLU in gate_up's
+    // epilogue and RoPE + KV write in qkv's (pd_backend_fuses_epilogues): PD_CUDA_BGEMM=1 on, 0 (the
+    // default) cuBLASLt + silu_mul + rope_kv. Off because it measured slower than cuBLASLt
+    // (session 10, H200: batch-64 decode step 8.26 vs 5.86 ms; qkv 43 vs 16 us, gate_up + SwiGLU
+    // 72 vs 59 + 2.5 us: the mma.sync + cp.async main loop streams at ~81% of the copy rate at
+    // best, cuBLASLt's TMA + wgmma kernels at 99%; see tools/gpu/NOTES.md session 10).
+    // PD_CUDA_FUSE_ROPE=0 keeps rope_kv a kernel of its own here too.
+    cb->bgemm = env_int("PD_CUDA_BGEMM", 0, 0, 1);
+    cb->bgemm_per_sm = env_int("PD_CUDA_BGEMM_PER_SM", 2, 1, 2);  // its split-K sizing (measurements)
+    cb->bgemm_stages = env_int("PD_CUDA_BGEMM_STAGES", 4, 4, 8);   // its ring depth: 4 or 8 (measurements)
+    if (cb->bgemm_stages != 4 && cb->bgemm_stages != 8) pd_abort(__FILE__, __LINE__, __func__, "PD_CUDA_BGEMM_STAGES must be 4 or 8");
 }
 
 bool pd_cuda_gemm_fuses(pd_backend *b, int M) {  // (PD_CUDA_SKINNY=0: no skinny kernel, no fused forms)
     const pd_cuda_backend *cb = pd_cuda_backend_of(b);
     return cb->skinny > 0 && M >= 1 && M <= cb->skinny_fuse;
+}
+
+bool pd_cuda_gemm_fuses_epilogues(pd_backend *b, int M) {
+    const pd_cuda_backend *cb = pd_cuda_backend_of(b);
+    return cb->bgemm > 0 && M >= PD_BGEMM_MIN_M && M <= PD_BGEMM_MAX_M;
+}
+
+// The batched-decode GEMM on q (plain or glu; the caller checked pd_cuda_bgemm_supported).
+static void bgemm_run(pd_cuda_backend *cb, const pd_matmul_params *q, int lda) {
+    pd_cuda_scratch_reserve_zeroed(cb, &cb->bgemm_ws, &cb->bgemm_ws_bytes,
+                                   pd_cuda_bgemm_workspace_bytes(q->N, q->glu, 2));
+    pd_bgemm_kparams k = {.a = q->a, .w = q->w, .bias = q->bias, .out = q->out, .M = q->M, .N = q->N, .K = q->K,
+                          .lda = lda, .accumulate = q->accumulate, .out_f32 = q->out_f32, .glu = q->glu,
+                          .per_sm = cb->bgemm_per_sm, .stages = cb->bgemm_stages, .ws = cb->bgemm_ws};
+    if (q->rope) {
+        const pd_rope_kv_params *rp = q->rope;
+        k.rope = 1, k.positions = rp->positions, k.slot_mapping = rp->slot_mapping, k.inv_freq = rp->inv_freq;
+        k.k_cache = rp->k_cache, k.v_cache = rp->v_cache, k.n_heads = rp->n_heads, k.n_kv_heads = rp->n_kv_heads;
+        k.attn_scaling = rp->attn_scaling;
+    }
+    pd_cuda_bgemm(&k, cb->stream);
+    PD_CUDA_CHECK_LAUNCH();
 }
 
 enum { SKINNY_NONE, SKINNY_CORES, SKINNY_MMA, SKINNY_MMA_PIPE };
@@ -227,9 +265,17 @@ void pd_cuda_gemm_fini(pd_cuda_backend *cb) {
     if (cb->lt) cublasLtDestroy(cb->lt);
 }
 
+// Whether a plan of M rows is tuned: PD_CUDA_GEMM_TUNE unset PD_GEMM_TUNE_MIN_M <= M <= the tuning
+// bound, =1 every M up to the bound, =0 none. The bound is PD_CUDA_GEMM_TUNE_MAX_M (default
+// PD_GEMM_TUNE_MAX_M); PD_CUDA_GEMM_TUNE_ALGOS sets how many of the heuristic's candidates are timed.
 static bool tune_enabled(int M) {
+    if (M > env_int("PD_CUDA_GEMM_TUNE_MAX_M", PD_GEMM_TUNE_MAX_M, 1, 65536)) return false;
     const char *e = getenv("PD_CUDA_GEMM_TUNE");
     if (!e || !*e) return M >= PD_GEMM_TUNE_MIN_M;
+    if (strcmp(e, "0") && strcmp(e, "1")) {
+        PD_LOG_E("PD_CUDA_GEMM_TUNE=%s: expected 0 or 1", e);
+        pd_abort(__FILE__, __LINE__, __func__, "bad CUDA GEMM knob in the environment");
+    }
     return !strcmp(e, "1");
 }
 
@@ -307,13 +353,14 @@ static pd_cuda_gemm_plan *gemm_plan_build(pd_cuda_backend *cb, const pd_matmul_p
     PD_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &align, sizeof align));
     PD_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &align, sizeof align));
     PD_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &align, sizeof align));
-    cublasLtMatmulHeuristicResult_t res[PD_GEMM_TUNE_ALGOS];
+    cublasLtMatmulHeuristicResult_t res[PD_GEMM_TUNE_ALGOS_MAX];
     int n_res = 0;
     enum cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
     PD_CUDA_CHECK(cudaStreamIsCapturing(cb->stream, &cs));
-    bool tune = M <= PD_GEMM_TUNE_MAX_M && cs == cudaStreamCaptureStatusNone && tune_enabled(M);
+    bool tune = cs == cudaStreamCaptureStatusNone && tune_enabled(M);
+    int n_algos = env_int("PD_CUDA_GEMM_TUNE_ALGOS", PD_GEMM_TUNE_ALGOS, 1, PD_GEMM_TUNE_ALGOS_MAX);
     cublasStatus_t st = cublasLtMatmulAlgoGetHeuristic(cb->lt, pl->desc, pl->la, pl->lb, pl->lc, pl->lc, pref,
-                                                       tune ? PD_GEMM_TUNE_ALGOS : 1, res, &n_res);
+                                                       tune ? n_algos : 1, res, &n_res);
     cublasLtMatmulPreferenceDestroy(pref);
     if (st != CUBLAS_STATUS_SUCCESS || n_res == 0) {
         PD_LOG_E("cuBLASLt: no algorithm for M=%d N=%d K=%d lda=%d flags=%d (status %d)", M, N, K, lda, flags, (int)st);
@@ -364,8 +411,19 @@ static void fused_matmul(pd_backend *b, pd_cuda_backend *cb, const pd_matmul_par
     bool skinny = mma || (nw_ok && pd_cuda_skinny_supported(p->M, p->K, lda, p->a, p->w));
     // What the skinny kernel does itself; the rest runs as the unfused kernels around it.
     bool norm_in = skinny && !mma && p->norm_w && p->M <= cb->fuse_norm_max_m;
-    bool glu_in = skinny && p->glu && cb->fuse_glu;
-    bool rope_in = skinny && rp && rp->kv_dtype == PD_KV_ACT && rp->head_dim % (mma ? 16 : 4) == 0 && cb->fuse_rope;
+    // SwiGLU in the batched-decode GEMM's epilogue (after the unfused norm, if any: its output is
+    // the aligned scratch, lda K)
+    bool bg_glu = !skinny && p->glu && cb->bgemm &&
+                  pd_cuda_bgemm_supported(p->M, p->N, p->K, p->norm_w ? p->K : lda, 1, p->out_f32,
+                                          p->norm_w ? NULL : p->a, p->w, 0);
+    bool glu_in = (skinny && p->glu && cb->fuse_glu) || bg_glu;
+    // RoPE + KV write in the batched-decode GEMM's epilogue (head_dim 128, bf16 cache)
+    bool bg_rope = !skinny && rp && !p->glu && cb->bgemm && cb->fuse_rope && rp->kv_dtype == PD_KV_ACT &&
+                   pd_cuda_bgemm_rope_supported(p->N, rp->n_heads, rp->n_kv_heads, rp->head_dim) &&
+                   pd_cuda_bgemm_supported(p->M, p->N, p->K, p->norm_w ? p->K : lda, 0, p->out_f32,
+                                           p->norm_w ? NULL : p->a, p->w, 0);
+    bool rope_in = (skinny && rp && rp->kv_dtype == PD_KV_ACT && rp->head_dim % (mma ? 16 : 4) == 0 && cb->fuse_rope) ||
+                   bg_rope;
     size_t normed = p->norm_w && !norm_in ? (size_t)p->M * (size_t)p->K * 2 : 0;
     size_t gu = p->glu && !glu_in ? (size_t)p->M * 2 * (size_t)p->N * 2 : 0;
     normed = (normed + 255) & ~(size_t)255;
@@ -405,9 +463,10 @@ static void fused_matmul(pd_backend *b, pd_cuda_backend *cb, const pd_matmul_par
         pd_cuda_skinny(&k, cb->stream);
         PD_CUDA_CHECK_LAUNCH();
     } else {
-        // cuBLASLt / gemv: the residual add as accumulate (the sum rounded once)
+        // cuBLASLt / gemv / bgemm: the residual add as accumulate (the sum rounded once)
         q.accumulate = p->accumulate || p->residual, q.residual = false;
-        pd_cuda_gemm_matmul(b, &q);
+        if (bg_glu || bg_rope) bgemm_run(cb, &q, q.lda ? q.lda : q.K);
+        else pd_cuda_gemm_matmul(b, &q);
     }
     if (p->glu && !glu_in) {
         pd_silu_mul_kparams k = {.gu = q.out, .out = p->out, .n_rows = p->M, .F = p->N};
@@ -434,6 +493,10 @@ void pd_cuda_gemm_matmul(pd_backend *b, const pd_matmul_params *p) {
                              .workspace = cb->gemv_ws};
         pd_cuda_gemv(&k, cb->stream);
         PD_CUDA_CHECK_LAUNCH();
+        return;
+    }
+    if (cb->bgemm && pd_cuda_bgemm_supported(p->M, p->N, p->K, lda, 0, p->out_f32, p->a, p->w, 0)) {
+        bgemm_run(cb, p, lda);
         return;
     }
     int sk = skinny_choice(cb, p, lda);
