@@ -31,6 +31,7 @@
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
 #include <math.h>
+#include <stdio.h>
 
 #include "kernels/attention.cuh"
 #include "kernels/common.cuh"
@@ -894,6 +895,240 @@ static __global__ void __launch_bounds__(W * 32, W == 4 ? 2 : 1)
     pd_k_dec_finish<HD, GM, W, W == 8>(red, out, ws, cnt, q_begin, s, kvh, G, H, split, n_sp, n_splits);
 }
 
+// ---- fp8 decode, streaming version -------------------------------------------------------------
+//
+// k_attn_decode_f8s<HD, GM, W, DEPTH>: k_attn_decode_tc_f8's grid, partitions, load layout and
+// outputs, with the e4m3 bytes fed to the tensor cores at one instruction per two elements:
+// cvt.rn.f16x2.e4m3x2 is exact, and the mma runs in f16 (f32 accumulate) instead of bf16, so
+//   * S = Q.K^T: Q is converted to f16 once, times a power of two (2^(13 - e), e = exponent of the
+//     head's max |q|, so |q| < 2^14 and no bf16 value of q loses a bit unless it is 2^-28 below the
+//     max); the power of two and the per-token K scale are applied to the score in f32 (one multiply
+//     per score, folded with scale*log2(e));
+//   * O += P.V: the reduction axis is the token, so each lane needs two tokens of one dim in a
+//     register. The raw bytes are transposed before widening: movmatrix on 16-bit units (two dims of
+//     one token) gives lane (g, t) the units of tokens 2t and 2t + 1 of one dim pair, a byte permute
+//     interleaves them, and two cvts give the two dims' B fragments. That is half the movmatrix work
+//     of the bf16-widened layout and no f32 round trip. P must be f16, and the per-token V scale
+//     goes into P: the weights exp2(s + log2(vs) - m2) with their own running max m2 (so the largest
+//     is 1 and f16's range is never an issue, whatever the scales), while l keeps the usual running
+//     max m; at the end the accumulator moves to m's frame (times exp2(m2 - m)).
+//   * DEPTH steps of raw loads are in flight ahead of the step being computed (DEPTH + 1 register
+//     buffers, the loop unrolled over them so the buffers stay registers with no copies).
+// PD_CUDA_ATTN_F8S=0: the previous kernel (k_attn_decode_tc_f8); PD_CUDA_ATTN_F8DEPTH=1|2.
+// Lane (g, t) ends with, for chunk c, word w, half e of the transposed units, accumulator
+// o[c][w][e][0..1] = dims c*64 + t*16 + 4w + e and c*64 + t*16 + 4w + 2 + e of head g.
+
+static __device__ __forceinline__ uint32_t pd_k_e4m3x2_f16x2(uint32_t v) {  // low 16 bits
+    uint32_t d;
+    asm("{\n.reg .b16 lo, hi;\nmov.b32 {lo, hi}, %1;\ncvt.rn.f16x2.e4m3x2 %0, lo;\n}\n" : "=r"(d) : "r"(v));
+    return d;
+}
+static __device__ __forceinline__ uint32_t pd_k_e4m3x2_f16x2_hi(uint32_t v) {  // high 16 bits
+    uint32_t d;
+    asm("{\n.reg .b16 lo, hi;\nmov.b32 {lo, hi}, %1;\ncvt.rn.f16x2.e4m3x2 %0, hi;\n}\n" : "=r"(d) : "r"(v));
+    return d;
+}
+static __device__ __forceinline__ uint32_t pd_k_prmt(uint32_t a, uint32_t sel) {
+    uint32_t d;
+    asm("prmt.b32 %0, %1, 0, %2;\n" : "=r"(d) : "r"(a), "r"(sel));
+    return d;
+}
+static __device__ __forceinline__ uint32_t pd_k_pack2_f16(float a, float b) {
+    __half2 h = __floats2half2_rn(a, b);  // .x = a (low half)
+    return *reinterpret_cast<uint32_t *>(&h);
+}
+// d (16x8 f32) += a (16x16 f16, row) * b (16x8 f16, col)
+static __device__ __forceinline__ void pd_k_mma_f16(float d[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                                    uint32_t b0, uint32_t b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// One step of 16 tokens (base .. base + 15) for this warp from the raw bytes in r (see above).
+template <int HD>
+static __device__ __forceinline__ void pd_k_f8s_step(const uint32_t (&qh)[HD / 64][8], const pd_k_f8_step_regs<HD> &r,
+                                                     float (&o)[HD / 64][4][4], float (&m)[2], float (&m2)[2],
+                                                     float (&l)[2], int base, int k_end, int g, const float (&sl)[2]) {
+    constexpr int NC = HD / 64;
+    // S^T (rows = tokens g, g + 8; cols = heads): two accumulators (even and odd words) to halve
+    // the mma dependency chain
+    float sa[2][4];
+#pragma unroll
+    for (int a = 0; a < 2; a++) sa[a][0] = sa[a][1] = sa[a][2] = sa[a][3] = 0.f;
+#pragma unroll
+    for (int c = 0; c < NC; c++)
+#pragma unroll
+        for (int w = 0; w < 4; w++) {
+            uint32_t k0 = pd_k_u4_get(r.k[0][c], w), k1 = pd_k_u4_get(r.k[1][c], w);
+            pd_k_mma_f16(sa[w & 1], pd_k_e4m3x2_f16x2(k0), pd_k_e4m3x2_f16x2(k1), pd_k_e4m3x2_f16x2_hi(k0),
+                         pd_k_e4m3x2_f16x2_hi(k1), qh[c][2 * w], qh[c][2 * w + 1]);
+        }
+    // p[j]: token (j >> 1) * 8 + g (this lane's own loads, so its own scales), head 2t + (j & 1)
+    bool ok[2] = {base + g < k_end, base + 8 + g < k_end};
+    float p[4], q2[4], mx[2], mx2[2], lv[2] = {__log2f(r.vs[0]), __log2f(r.vs[1])};  // vs = 0: -inf
+#pragma unroll
+    for (int j = 0; j < 4; j++) {
+        p[j] = ok[j >> 1] ? (sa[0][j] + sa[1][j]) * (sl[j & 1] * r.ks[j >> 1]) : -INFINITY;
+        q2[j] = p[j] + lv[j >> 1];
+    }
+#pragma unroll
+    for (int e = 0; e < 2; e++) {
+        mx[e] = fmaxf(p[e], p[e + 2]);
+        mx2[e] = fmaxf(q2[e], q2[e + 2]);
+#pragma unroll
+        for (int x = 4; x < 32; x <<= 1) {
+            mx[e] = fmaxf(mx[e], __shfl_xor_sync(0xffffffffu, mx[e], x));
+            mx2[e] = fmaxf(mx2[e], __shfl_xor_sync(0xffffffffu, mx2[e], x));
+        }
+    }
+    float corr2[2];
+#pragma unroll
+    for (int e = 0; e < 2; e++) {
+        float mn = fmaxf(m[e], mx[e]);  // finite: token `base` is valid for every head
+        l[e] = l[e] * exp2f(m[e] - mn) + exp2f(p[e] - mn) + exp2f(p[e + 2] - mn);  // m = -inf / p = -inf -> 0
+        m[e] = mn;
+        float mn2 = fmaxf(m2[e], mx2[e]);
+        corr2[e] = mn2 == -INFINITY ? 1.f : exp2f(m2[e] - mn2);
+        q2[e] = mn2 == -INFINITY ? 0.f : exp2f(q2[e] - mn2);
+        q2[e + 2] = mn2 == -INFINITY ? 0.f : exp2f(q2[e + 2] - mn2);
+        m2[e] = mn2;
+    }
+#pragma unroll
+    for (int c = 0; c < NC; c++)
+#pragma unroll
+        for (int w = 0; w < 4; w++) {
+            o[c][w][0] *= corr2[0];
+            o[c][w][1] *= corr2[1];
+            o[c][w][2] *= corr2[0];
+            o[c][w][3] *= corr2[1];
+        }
+    // P^T as the B operand: lane (g, t) needs tokens 2t, 2t + 1 (and + 8) of head g
+    uint32_t pb0 = pd_k_movmatrix_trans(pd_k_pack2_f16(q2[0], q2[1]));
+    uint32_t pb1 = pd_k_movmatrix_trans(pd_k_pack2_f16(q2[2], q2[3]));
+#pragma unroll
+    for (int c = 0; c < NC; c++)
+#pragma unroll
+        for (int w = 0; w < 4; w++) {
+            // units (2 dims of one token) -> tokens 2t, 2t + 1 of one dim pair -> bytes (tok 2t, tok 2t + 1) per dim
+            uint32_t t0 = pd_k_prmt(pd_k_movmatrix_trans(pd_k_u4_get(r.v[0][c], w)), 0x3120u);
+            uint32_t t1 = pd_k_prmt(pd_k_movmatrix_trans(pd_k_u4_get(r.v[1][c], w)), 0x3120u);
+            pd_k_mma_f16(o[c][w], pd_k_e4m3x2_f16x2(t0), pd_k_e4m3x2_f16x2_hi(t0), pd_k_e4m3x2_f16x2(t1),
+                         pd_k_e4m3x2_f16x2_hi(t1), pb0, pb1);
+        }
+}
+
+template <int HD, int GM, int W, int DEPTH>
+static __global__ void __launch_bounds__(W * 32, W == 4 ? 2 : 1)
+    k_attn_decode_f8s(const __nv_bfloat16 *q, const void *kc_, const void *vc_, __nv_bfloat16 *out,
+                      const int32_t *q_indptr, const int32_t *kv_lens, const int32_t *bt_indptr,
+                      const int32_t *bt_indices, int H, int n_kv, int bs, int q_stride, float scale_log2, int part,
+                      int n_splits, float *ws, int *cnt, size_t rb) {
+    constexpr int NC = HD / 64, STEP = W * 16;
+    __shared__ float red[W][GM][HD + 2];
+    const uint8_t *kc = (const uint8_t *)kc_, *vc = (const uint8_t *)vc_;
+    pd_k_pdl_trigger();
+    int split = blockIdx.x, kvh = blockIdx.y, s = blockIdx.z;
+    int q_begin = q_indptr[s], q_len = q_indptr[s + 1] - q_begin;
+    int kv_len = kv_lens[s];
+    const int32_t *bt = bt_indices + bt_indptr[s];
+    int k_begin = split * part, k_end = min(kv_len, k_begin + part);
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+    bool live = q_len == 1 && k_begin < kv_len;
+    int first = k_begin + warp * 16;
+    int slot[DEPTH][2];
+#pragma unroll
+    for (int d = 0; d < DEPTH; d++)
+#pragma unroll
+        for (int hh = 0; hh < 2; hh++)
+            slot[d][hh] = live ? pd_k_dec_slot(bt, first + d * STEP + hh * 8 + g, k_end, bs) : -1;
+    pd_k_pdl_wait();
+    if (!live) return;
+    int n_sp = (kv_len + part - 1) / part;
+    int G = H / n_kv;
+
+    pd_k_f8_step_regs<HD> buf[DEPTH + 1];
+#pragma unroll
+    for (int d = 0; d < DEPTH; d++) pd_k_f8_load<HD>(buf[d], kc, vc, slot[d], n_kv, kvh, t, rb);
+
+    // Q of head g at the load layout's dims, as f16 times a power of two
+    uint32_t qh[NC][8];
+    float qmax = 0.f;
+    uint4 qr[NC][2];
+#pragma unroll
+    for (int c = 0; c < NC; c++)
+#pragma unroll
+        for (int h2 = 0; h2 < 2; h2++) {
+            qr[c][h2] = g < G ? *(const uint4 *)(q + (size_t)q_begin * q_stride + (size_t)(kvh * G + g) * HD + c * 64 +
+                                                 t * 16 + h2 * 8)
+                              : make_uint4(0, 0, 0, 0);
+            float f[8];
+            pd_k_unpack8(qr[c][h2], f);
+#pragma unroll
+            for (int i = 0; i < 8; i++) qmax = fmaxf(qmax, fabsf(f[i]));
+        }
+    qmax = fmaxf(qmax, __shfl_xor_sync(0xffffffffu, qmax, 1));
+    qmax = fmaxf(qmax, __shfl_xor_sync(0xffffffffu, qmax, 2));
+    // |q| < 2^(ex + 1) -> times 2^(13 - ex); qmax = 0 (or not finite): times 1
+    int ex = (int)((__float_as_uint(qmax) >> 23) & 0xff) - 127;
+    int k2 = qmax > 0.f && ex < 128 ? min(max(13 - ex, -126), 127) : 0;
+    float qmul = __uint_as_float((uint32_t)(k2 + 127) << 23);
+    float slg = scale_log2 * __uint_as_float((uint32_t)(127 - k2) << 23);
+#pragma unroll
+    for (int c = 0; c < NC; c++)
+#pragma unroll
+        for (int h2 = 0; h2 < 2; h2++) {
+            float f[8];
+            pd_k_unpack8(qr[c][h2], f);
+#pragma unroll
+            for (int i = 0; i < 4; i++) qh[c][h2 * 4 + i] = pd_k_pack2_f16(f[2 * i] * qmul, f[2 * i + 1] * qmul);
+        }
+    // this lane's score columns are heads 2t and 2t + 1
+    const float sl[2] = {__shfl_sync(0xffffffffu, slg, 8 * t), __shfl_sync(0xffffffffu, slg, 8 * t + 4)};
+    float o[NC][4][4];
+#pragma unroll
+    for (int c = 0; c < NC; c++)
+#pragma unroll
+        for (int w = 0; w < 4; w++) o[c][w][0] = o[c][w][1] = o[c][w][2] = o[c][w][3] = 0.f;
+    float m[2] = {-INFINITY, -INFINITY}, m2[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+
+    for (int b0 = first; b0 < k_end; b0 += (DEPTH + 1) * STEP) {
+#pragma unroll
+        for (int u = 0; u <= DEPTH; u++) {
+            int base = b0 + u * STEP;
+            if (base >= k_end) break;
+            int ns[2] = {pd_k_dec_slot(bt, base + DEPTH * STEP + g, k_end, bs),
+                         pd_k_dec_slot(bt, base + DEPTH * STEP + 8 + g, k_end, bs)};
+            pd_k_f8_load<HD>(buf[(u + DEPTH) % (DEPTH + 1)], kc, vc, ns, n_kv, kvh, t, rb);
+            pd_k_f8s_step<HD>(qh, buf[u], o, m, m2, l, base, k_end, g, sl);
+        }
+    }
+#pragma unroll
+    for (int e = 0; e < 2; e++) {
+#pragma unroll
+        for (int x = 4; x < 32; x <<= 1) l[e] += __shfl_xor_sync(0xffffffffu, l[e], x);
+        int h = 2 * t + e;
+        if (h >= G) continue;
+        float f2 = m2[e] == -INFINITY ? 0.f : exp2f(m2[e] - m[e]);  // the accumulator in m's frame
+#pragma unroll
+        for (int c = 0; c < NC; c++)
+#pragma unroll
+            for (int w = 0; w < 4; w++) {
+                int d = c * 64 + (g >> 1) * 16 + 4 * w + 2 * (g & 1);
+                red[warp][h][d] = o[c][w][e] * f2;
+                red[warp][h][d + 1] = o[c][w][2 + e] * f2;
+            }
+        if (g == 0) {
+            red[warp][h][HD] = m[e];
+            red[warp][h][HD + 1] = l[e];
+        }
+    }
+    __syncthreads();
+    pd_k_dec_finish<HD, GM, W, W == 8>(red, out, ws, cnt, q_begin, s, kvh, G, H, split, n_sp, n_splits);
+}
+
 template <int HD>
 static __global__ void k_attn_combine(__nv_bfloat16 *out, const int32_t *q_indptr, const int32_t *kv_lens, int H,
                                       int part, int n_splits, const float *ws) {
@@ -969,6 +1204,28 @@ static bool pd_k_attn_pipe_enabled() {
     return pd_k_env_on("PD_CUDA_ATTN_PIPE", &on);
 }
 
+// PD_CUDA_ATTN_F8S=0: the fp8 cache decodes with k_attn_decode_tc_f8 instead of the streaming
+// k_attn_decode_f8s (measurement knob); PD_CUDA_ATTN_F8DEPTH=1|2: the steps of loads that kernel
+// keeps in flight ahead of the one it computes (default 2; anything else is an error at first use).
+static bool pd_k_attn_f8s_enabled() {
+    static int on = -1;
+    return pd_k_env_on("PD_CUDA_ATTN_F8S", &on);
+}
+
+static int pd_k_attn_f8_depth() {
+    static int d = -1;
+    if (d < 0) {
+        const char *e = getenv("PD_CUDA_ATTN_F8DEPTH");
+        if (!e || !*e) d = 2;
+        else if (!strcmp(e, "1") || !strcmp(e, "2")) d = e[0] - '0';
+        else {
+            fprintf(stderr, "pdserve: PD_CUDA_ATTN_F8DEPTH=%s: expected 1 or 2\n", e);
+            abort();
+        }
+    }
+    return d;
+}
+
 // PD_CUDA_ATTN_FOLD=0: split partials are always merged by k_attn_combine (measurement knob).
 static bool pd_k_attn_fold_enabled() {
     static int on = -1;
@@ -987,7 +1244,10 @@ static void pd_k_attn_launch_decode(const pd_attention_kparams *p, cudaStream_t 
                  const int32_t *, const int32_t *, int, int, int, int, float, int, int, float *, int *, size_t) =
         k_attn_decode<HD, GM, F8>;
     if constexpr (HD >= 64) {
-        if (F8) kern = wide ? k_attn_decode_tc_f8<HD, GM, 8> : tc ? k_attn_decode_tc_f8<HD, GM, 4> : kern;
+        if (F8 && tc && pd_k_attn_f8s_enabled()) {
+            if (pd_k_attn_f8_depth() == 1) kern = wide ? k_attn_decode_f8s<HD, GM, 8, 1> : k_attn_decode_f8s<HD, GM, 4, 1>;
+            else kern = wide ? k_attn_decode_f8s<HD, GM, 8, 2> : k_attn_decode_f8s<HD, GM, 4, 2>;
+        } else if (F8) kern = wide ? k_attn_decode_tc_f8<HD, GM, 8> : tc ? k_attn_decode_tc_f8<HD, GM, 4> : kern;
         else if (pd_k_attn_pipe_enabled())
             kern = wide ? k_attn_decode_tc<HD, GM, 8, true> : tc ? k_attn_decode_tc<HD, GM, 4, true> : kern;
         else kern = wide ? k_attn_decode_tc<HD, GM, 8, false> : tc ? k_attn_decode_tc<HD, GM, 4, false> : kern;

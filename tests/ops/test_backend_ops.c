@@ -996,6 +996,11 @@ typedef struct attn_case {
     int n_seqs;
     int q_lens[24], kv_lens[24];
     bool fp8;  // the caches hold fp8 rows (the same bytes on both backends)
+    // > 0: every V head row is scaled by 2^u, u uniform in [-spread, spread] (K: [-spread/4,
+    // spread/4]), and about one in
+    // 16 V head rows is all zero (fp8 scale 0): per-token scales far apart (the streaming fp8
+    // decode kernel weights P by V's scale in a frame of its own)
+    int spread;
 } attn_case;
 
 // Builds the batch (blocks drawn from a shuffled pool, so pages are scattered), runs it on
@@ -1040,6 +1045,16 @@ static void *attn_run(ctx *c, pd_backend *b, const attn_case *ac, uint64_t seed,
             for (size_t e = 0; e < kvw; e++) {
                 kc[slot * kvw + e] = pd_bf16_to_f32(pd_f32_to_bf16(pd_rng_normal(&c->rng)));
                 vc[slot * kvw + e] = pd_bf16_to_f32(pd_f32_to_bf16(pd_rng_normal(&c->rng)));
+            }
+            for (int h = 0; ac->spread > 0 && h < ac->Hkv; h++) {
+                int sk = ac->spread / 4;  // K: a milder spread (the scores stay a softmax, not an argmax)
+                float fk = ldexpf(1.0f, (int)(pd_rng_next(&c->rng) % (uint64_t)(2 * sk + 1)) - sk);
+                float fv = ldexpf(1.0f, (int)(pd_rng_next(&c->rng) % (uint64_t)(2 * ac->spread + 1)) - ac->spread);
+                if (pd_rng_next(&c->rng) % 16 == 0) fv = 0.0f;
+                for (int e = 0; e < ac->hd; e++) {
+                    kc[slot * kvw + (size_t)h * ac->hd + e] *= fk;
+                    vc[slot * kvw + (size_t)h * ac->hd + e] *= fv;
+                }
             }
         }
     }
@@ -1119,6 +1134,33 @@ PD_TEST(test_cuda_attention_decode) {
                              .q_lens = {1}, .kv_lens = {hi == 0 ? 9000 : 2047}};
             attn_check_both(&c, &one, "decode x1 long");
         }
+    ctx_fini(&c);
+}
+
+// Long contexts and batches of them at the decode kernels' partition boundaries: one stream at 32k
+// (one-wave split, in-place merge), a batch of long odd lengths (4-warp blocks, combine kernel),
+// and the same with per-token K/V scales 2^±12 apart and all-zero V rows (fp8 weighting frame).
+PD_TEST(test_cuda_attention_decode_long) {
+    ctx c;
+    if (!ctx_init(&c, 11)) PD_SKIP("%s: no CUDA device", __func__);
+    int heads[][3] = {{32, 8, 128}, {8, 1, 64}, {16, 2, 128}, {8, 4, 32}};
+    for (size_t hi = 0; hi < PD_ARRAY_LEN(heads); hi++) {
+        attn_case one = {.H = heads[hi][0], .Hkv = heads[hi][1], .hd = heads[hi][2], .bs = 16, .n_seqs = 1,
+                         .q_lens = {1}, .kv_lens = {hi == 0 ? 32768 : 20001}};
+        attn_check_both(&c, &one, "decode x1 32k");
+        attn_case b = {.H = heads[hi][0], .Hkv = heads[hi][1], .hd = heads[hi][2], .bs = hi == 3 ? 7 : 16,
+                       .n_seqs = 9, .q_lens = {1, 1, 1, 1, 1, 1, 1, 1, 1},
+                       .kv_lens = {8191, 1, 4099, 12345, 33, 8192, 16, 6001, 17}};
+        attn_check_both(&c, &b, "decode x9 long");
+        attn_case sp = b;
+        sp.spread = 12;
+        sp.kv_lens[2] = 3000;
+        attn_check_both(&c, &sp, "decode x9 spread scales");
+        attn_case sp1 = one;
+        sp1.spread = 20;
+        sp1.kv_lens[0] = 5003;
+        attn_check_both(&c, &sp1, "decode x1 spread scales");
+    }
     ctx_fini(&c);
 }
 
