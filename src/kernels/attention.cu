@@ -1129,6 +1129,180 @@ static __global__ void __launch_bounds__(W * 32, W == 4 ? 2 : 1)
     pd_k_dec_finish<HD, GM, W, W == 8>(red, out, ws, cnt, q_begin, s, kvh, G, H, split, n_sp, n_splits);
 }
 
+// ---- bf16 decode in the transposed form --------------------------------------------------------
+//
+// k_attn_decode_bt<HD, GM, W, DEPTH>: k_attn_decode_tc's grid, partitions and load layout (lane
+// (g, t): tokens g and g + 8, dims i*32 + t*8 .. +8 for i < HD/32), computed the way
+// k_attn_decode_f8s computes: S^T = K.Q^T (rows = the 16 tokens, cols = the heads) and O^T +=
+// V^T.P^T (rows = 16 dims, cols = the heads), so no mma row is padding: 8 + 8 mma per step at
+// HD 128 instead of 16 + 16, and half the accumulator registers, which pay for the next DEPTH
+// steps' K and V in flight (the pipelined tc kernel holds only the next K). V^T's fragments are
+// movmatrix of the loaded registers as is (a bf16 unit is one dim); P^T is two movmatrix of the
+// packed weights. PD_CUDA_ATTN_BT=1 selects it (measurement knob until measured better).
+// Lane (g, t) ends with o[i][rp][0..3] = O^T[dim i*32 + (g >> 1)*8 + 4rp + (g & 1) (+ 2 for
+// [2], [3])][head 2t ([0], [2]) or 2t + 1 ([1], [3])].
+template <int HD>
+struct pd_k_bt_step_regs {
+    uint4 k[2][HD / 32], v[2][HD / 32];
+};
+
+template <int HD>
+static __device__ __forceinline__ void pd_k_bt_load(pd_k_bt_step_regs<HD> &r, const __nv_bfloat16 *kc,
+                                                    const __nv_bfloat16 *vc, const int (&slot)[2], int n_kv, int kvh,
+                                                    int t) {
+#pragma unroll
+    for (int hh = 0; hh < 2; hh++) {
+        if (slot[hh] >= 0) {
+            size_t off = ((size_t)slot[hh] * n_kv + kvh) * HD + t * 8;
+#pragma unroll
+            for (int i = 0; i < HD / 32; i++) {
+                r.k[hh][i] = __ldg((const uint4 *)(kc + off + i * 32));
+                r.v[hh][i] = __ldg((const uint4 *)(vc + off + i * 32));
+            }
+        } else {
+#pragma unroll
+            for (int i = 0; i < HD / 32; i++) r.k[hh][i] = r.v[hh][i] = make_uint4(0, 0, 0, 0);
+        }
+    }
+}
+
+template <int HD>
+static __device__ __forceinline__ void pd_k_bt_step(const uint4 (&qf)[HD / 32], const pd_k_bt_step_regs<HD> &r,
+                                                    float (&o)[HD / 32][2][4], float (&m)[2], float (&l)[2], int base,
+                                                    int k_end, int g, float scale_log2) {
+    constexpr int NI = HD / 32;
+    float sa[2][4];
+#pragma unroll
+    for (int a = 0; a < 2; a++) sa[a][0] = sa[a][1] = sa[a][2] = sa[a][3] = 0.f;
+#pragma unroll
+    for (int i = 0; i < NI; i++)
+#pragma unroll
+        for (int h2 = 0; h2 < 2; h2++) {
+            uint32_t a[4] = {pd_k_u4_get(r.k[0][i], 2 * h2), pd_k_u4_get(r.k[1][i], 2 * h2),
+                             pd_k_u4_get(r.k[0][i], 2 * h2 + 1), pd_k_u4_get(r.k[1][i], 2 * h2 + 1)};
+            pd_k_mma_bf16(sa[h2], a, pd_k_u4_get(qf[i], 2 * h2), pd_k_u4_get(qf[i], 2 * h2 + 1));
+        }
+    bool ok[2] = {base + g < k_end, base + 8 + g < k_end};
+    float p[4], mx[2];
+#pragma unroll
+    for (int j = 0; j < 4; j++) p[j] = ok[j >> 1] ? (sa[0][j] + sa[1][j]) * scale_log2 : -INFINITY;
+#pragma unroll
+    for (int e = 0; e < 2; e++) {
+        mx[e] = fmaxf(p[e], p[e + 2]);
+#pragma unroll
+        for (int x = 4; x < 32; x <<= 1) mx[e] = fmaxf(mx[e], __shfl_xor_sync(0xffffffffu, mx[e], x));
+    }
+    float corr[2];
+#pragma unroll
+    for (int e = 0; e < 2; e++) {
+        float mn = fmaxf(m[e], mx[e]);  // finite: token `base` is valid for every head
+        corr[e] = exp2f(m[e] - mn);     // m = -inf -> 0
+        p[e] = exp2f(p[e] - mn);        // -inf -> 0
+        p[e + 2] = exp2f(p[e + 2] - mn);
+        l[e] = l[e] * corr[e] + p[e] + p[e + 2];
+        m[e] = mn;
+    }
+#pragma unroll
+    for (int i = 0; i < NI; i++)
+#pragma unroll
+        for (int rp = 0; rp < 2; rp++) {
+            o[i][rp][0] *= corr[0];
+            o[i][rp][1] *= corr[1];
+            o[i][rp][2] *= corr[0];
+            o[i][rp][3] *= corr[1];
+        }
+    uint32_t pb0 = pd_k_movmatrix_trans(pd_k_pack2(p[0], p[1]));
+    uint32_t pb1 = pd_k_movmatrix_trans(pd_k_pack2(p[2], p[3]));
+#pragma unroll
+    for (int i = 0; i < NI; i++)
+#pragma unroll
+        for (int rp = 0; rp < 2; rp++) {
+            uint32_t a[4] = {pd_k_movmatrix_trans(pd_k_u4_get(r.v[0][i], 2 * rp)),
+                             pd_k_movmatrix_trans(pd_k_u4_get(r.v[0][i], 2 * rp + 1)),
+                             pd_k_movmatrix_trans(pd_k_u4_get(r.v[1][i], 2 * rp)),
+                             pd_k_movmatrix_trans(pd_k_u4_get(r.v[1][i], 2 * rp + 1))};
+            pd_k_mma_bf16(o[i][rp], a, pb0, pb1);
+        }
+}
+
+template <int HD, int GM, int W, int DEPTH>
+static __global__ void __launch_bounds__(W * 32, W == 4 ? 2 : 1)
+    k_attn_decode_bt(const __nv_bfloat16 *q, const void *kc_, const void *vc_, __nv_bfloat16 *out,
+                     const int32_t *q_indptr, const int32_t *kv_lens, const int32_t *bt_indptr,
+                     const int32_t *bt_indices, int H, int n_kv, int bs, int q_stride, float scale_log2, int part,
+                     int n_splits, float *ws, int *cnt, size_t rb) {
+    constexpr int NI = HD / 32, STEP = W * 16;
+    __shared__ float red[W][GM][HD + 2];
+    const __nv_bfloat16 *kc = (const __nv_bfloat16 *)kc_, *vc = (const __nv_bfloat16 *)vc_;
+    pd_k_pdl_trigger();
+    int split = blockIdx.x, kvh = blockIdx.y, s = blockIdx.z;
+    int q_begin = q_indptr[s], q_len = q_indptr[s + 1] - q_begin;
+    int kv_len = kv_lens[s];
+    const int32_t *bt = bt_indices + bt_indptr[s];
+    int k_begin = split * part, k_end = min(kv_len, k_begin + part);
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+    bool live = q_len == 1 && k_begin < kv_len;
+    int first = k_begin + warp * 16;
+    int slot[DEPTH][2];
+#pragma unroll
+    for (int d = 0; d < DEPTH; d++)
+#pragma unroll
+        for (int hh = 0; hh < 2; hh++)
+            slot[d][hh] = live ? pd_k_dec_slot(bt, first + d * STEP + hh * 8 + g, k_end, bs) : -1;
+    pd_k_pdl_wait();
+    if (!live) return;
+    int n_sp = (kv_len + part - 1) / part;
+    int G = H / n_kv;
+
+    pd_k_bt_step_regs<HD> buf[DEPTH + 1];
+#pragma unroll
+    for (int d = 0; d < DEPTH; d++) pd_k_bt_load<HD>(buf[d], kc, vc, slot[d], n_kv, kvh, t);
+    uint4 qf[NI];
+#pragma unroll
+    for (int i = 0; i < NI; i++)
+        qf[i] = g < G ? *(const uint4 *)(q + (size_t)q_begin * q_stride + (size_t)(kvh * G + g) * HD + i * 32 + t * 8)
+                      : make_uint4(0, 0, 0, 0);
+    float o[NI][2][4];
+#pragma unroll
+    for (int i = 0; i < NI; i++)
+#pragma unroll
+        for (int rp = 0; rp < 2; rp++) o[i][rp][0] = o[i][rp][1] = o[i][rp][2] = o[i][rp][3] = 0.f;
+    float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+
+    for (int b0 = first; b0 < k_end; b0 += (DEPTH + 1) * STEP) {
+#pragma unroll
+        for (int u = 0; u <= DEPTH; u++) {
+            int base = b0 + u * STEP;
+            if (base >= k_end) break;
+            int ns[2] = {pd_k_dec_slot(bt, base + DEPTH * STEP + g, k_end, bs),
+                         pd_k_dec_slot(bt, base + DEPTH * STEP + 8 + g, k_end, bs)};
+            pd_k_bt_load<HD>(buf[(u + DEPTH) % (DEPTH + 1)], kc, vc, ns, n_kv, kvh, t);
+            pd_k_bt_step<HD>(qf, buf[u], o, m, l, base, k_end, g, scale_log2);
+        }
+    }
+#pragma unroll
+    for (int e = 0; e < 2; e++) {
+#pragma unroll
+        for (int x = 4; x < 32; x <<= 1) l[e] += __shfl_xor_sync(0xffffffffu, l[e], x);
+        int h = 2 * t + e;
+        if (h >= G) continue;
+#pragma unroll
+        for (int i = 0; i < NI; i++)
+#pragma unroll
+            for (int rp = 0; rp < 2; rp++) {
+                int d = i * 32 + (g >> 1) * 8 + 4 * rp + (g & 1);
+                red[warp][h][d] = o[i][rp][e];
+                red[warp][h][d + 2] = o[i][rp][2 + e];
+            }
+        if (g == 0) {
+            red[warp][h][HD] = m[e];
+            red[warp][h][HD + 1] = l[e];
+        }
+    }
+    __syncthreads();
+    pd_k_dec_finish<HD, GM, W, W == 8>(red, out, ws, cnt, q_begin, s, kvh, G, H, split, n_sp, n_splits);
+}
+
 template <int HD>
 static __global__ void k_attn_combine(__nv_bfloat16 *out, const int32_t *q_indptr, const int32_t *kv_lens, int H,
                                       int part, int n_splits, const float *ws) {
@@ -1226,6 +1400,16 @@ static int pd_k_attn_f8_depth() {
     return d;
 }
 
+// PD_CUDA_ATTN_BT=1: the bf16 cache decodes with k_attn_decode_bt (measurement knob; off unless "1").
+static bool pd_k_attn_bt_enabled() {
+    static int on = -1;
+    if (on < 0) {
+        const char *e = getenv("PD_CUDA_ATTN_BT");
+        on = e && !strcmp(e, "1");
+    }
+    return on != 0;
+}
+
 // PD_CUDA_ATTN_FOLD=0: split partials are always merged by k_attn_combine (measurement knob).
 static bool pd_k_attn_fold_enabled() {
     static int on = -1;
@@ -1248,6 +1432,8 @@ static void pd_k_attn_launch_decode(const pd_attention_kparams *p, cudaStream_t 
             if (pd_k_attn_f8_depth() == 1) kern = wide ? k_attn_decode_f8s<HD, GM, 8, 1> : k_attn_decode_f8s<HD, GM, 4, 1>;
             else kern = wide ? k_attn_decode_f8s<HD, GM, 8, 2> : k_attn_decode_f8s<HD, GM, 4, 2>;
         } else if (F8) kern = wide ? k_attn_decode_tc_f8<HD, GM, 8> : tc ? k_attn_decode_tc_f8<HD, GM, 4> : kern;
+        else if (tc && pd_k_attn_bt_enabled())
+            kern = wide ? k_attn_decode_bt<HD, GM, 8, 1> : k_attn_decode_bt<HD, GM, 4, 1>;
         else if (pd_k_attn_pipe_enabled())
             kern = wide ? k_attn_decode_tc<HD, GM, 8, true> : tc ? k_attn_decode_tc<HD, GM, 4, true> : kern;
         else kern = wide ? k_attn_decode_tc<HD, GM, 8, false> : tc ? k_attn_decode_tc<HD, GM, 4, false> : kern;
