@@ -608,8 +608,12 @@ static __device__ __forceinline__ uint32_t pd_k_u4_get(const uint4 &u, int r) {
 }
 
 // Cache slot of token pos (through the page table), or -1 past k_end.
+// Block sizes that are powers of two (all the engine uses) take shifts instead of an integer
+// division (a uniform branch; the division is ~20 instructions, twice per step and warp).
 static __device__ __forceinline__ int pd_k_dec_slot(const int32_t *bt, int pos, int k_end, int bs) {
-    return pos < k_end ? bt[pos / bs] * bs + pos % bs : -1;
+    if (pos >= k_end) return -1;
+    if ((bs & (bs - 1)) == 0) return bt[pos >> (__ffs(bs) - 1)] * bs + (pos & (bs - 1));
+    return bt[pos / bs] * bs + pos % bs;
 }
 
 // One step of 16 tokens (base .. base + 15) for this warp: S = Q.K^T on tensor cores, online
@@ -914,7 +918,7 @@ static __global__ void __launch_bounds__(W * 32, W == 4 ? 2 : 1)
 //     max m; at the end the accumulator moves to m's frame (times exp2(m2 - m)).
 //   * DEPTH steps of raw loads are in flight ahead of the step being computed (DEPTH + 1 register
 //     buffers, the loop unrolled over them so the buffers stay registers with no copies).
-// PD_CUDA_ATTN_F8S=0: the previous kernel (k_attn_decode_tc_f8); PD_CUDA_ATTN_F8DEPTH=1|2.
+// PD_CUDA_ATTN_F8S=0: the previous kernel (k_attn_decode_tc_f8); PD_CUDA_ATTN_F8DEPTH=1|2|3.
 // Lane (g, t) ends with, for chunk c, word w, half e of the transposed units, accumulator
 // o[c][w][e][0..1] = dims c*64 + t*16 + 4w + e and c*64 + t*16 + 4w + 2 + e of head g.
 
@@ -985,6 +989,7 @@ static __device__ __forceinline__ void pd_k_f8s_step(const uint32_t (&qh)[HD / 6
         }
     }
     float corr2[2];
+    bool moved = false;
 #pragma unroll
     for (int e = 0; e < 2; e++) {
         float mn = fmaxf(m[e], mx[e]);  // finite: token `base` is valid for every head
@@ -994,17 +999,20 @@ static __device__ __forceinline__ void pd_k_f8s_step(const uint32_t (&qh)[HD / 6
         corr2[e] = mn2 == -INFINITY ? 1.f : exp2f(m2[e] - mn2);
         q2[e] = mn2 == -INFINITY ? 0.f : exp2f(q2[e] - mn2);
         q2[e + 2] = mn2 == -INFINITY ? 0.f : exp2f(q2[e + 2] - mn2);
+        moved |= mn2 != m2[e];
         m2[e] = mn2;
     }
+    if (__any_sync(0xffffffffu, moved)) {  // most steps of a long context leave every frame where it was
 #pragma unroll
-    for (int c = 0; c < NC; c++)
+        for (int c = 0; c < NC; c++)
 #pragma unroll
-        for (int w = 0; w < 4; w++) {
-            o[c][w][0] *= corr2[0];
-            o[c][w][1] *= corr2[1];
-            o[c][w][2] *= corr2[0];
-            o[c][w][3] *= corr2[1];
-        }
+            for (int w = 0; w < 4; w++) {
+                o[c][w][0] *= corr2[0];
+                o[c][w][1] *= corr2[1];
+                o[c][w][2] *= corr2[0];
+                o[c][w][3] *= corr2[1];
+            }
+    }
     // P^T as the B operand: lane (g, t) needs tokens 2t, 2t + 1 (and + 8) of head g
     uint32_t pb0 = pd_k_movmatrix_trans(pd_k_pack2_f16(q2[0], q2[1]));
     uint32_t pb1 = pd_k_movmatrix_trans(pd_k_pack2_f16(q2[2], q2[3]));
@@ -1134,7 +1142,7 @@ static __global__ void __launch_bounds__(W * 32, W == 4 ? 2 : 1)
 // flight at ~140 registers: each warp owns a ring of D + 1 stages (lane-major: a lane copies and
 // later reads back only its own 16-byte chunks and scales, so no barrier is needed between the
 // lanes), step u + D is issued into the stage step u - 1 used (its values were consumed by that
-// step's mma, so the shared reads completed). PD_CUDA_ATTN_F8DEPTH=3|4 selects it.
+// step's mma, so the shared reads completed). PD_CUDA_ATTN_F8DEPTH=4 selects it (D = 4).
 template <int HD>
 struct pd_k_f8a_stage {
     uint4 k[2][HD / 64][32], v[2][HD / 64][32];
@@ -1302,7 +1310,9 @@ static __global__ void __launch_bounds__(W * 32, W == 4 ? 2 : 1)
 // HD 128 instead of 16 + 16, and half the accumulator registers, which pay for the next DEPTH
 // steps' K and V in flight (the pipelined tc kernel holds only the next K). V^T's fragments are
 // movmatrix of the loaded registers as is (a bf16 unit is one dim); P^T is two movmatrix of the
-// packed weights. PD_CUDA_ATTN_BT=1 selects it (measurement knob until measured better).
+// packed weights. The default for the bf16 cache at head_dim 64/128 (PD_CUDA_ATTN_BT=0: k_attn_decode_tc):
+// on an H200 it took B=1 ctx 32768 from 43.6 to 39.8 us, B=8 ctx 32768 from 297 to 261 us, B=64 ctx
+// 4096 from 294 to 244 us, B=256 ctx 1024 from 302 to 253 us (docs/benchmarks.md).
 // Lane (g, t) ends with o[i][rp][0..3] = O^T[dim i*32 + (g >> 1)*8 + 4rp + (g & 1) (+ 2 for
 // [2], [3])][head 2t ([0], [2]) or 2t + 1 ([1], [3])].
 template <int HD>
@@ -1357,6 +1367,7 @@ static __device__ __forceinline__ void pd_k_bt_step(const uint4 (&qf)[HD / 32], 
         for (int x = 4; x < 32; x <<= 1) mx[e] = fmaxf(mx[e], __shfl_xor_sync(0xffffffffu, mx[e], x));
     }
     float corr[2];
+    bool moved = false;
 #pragma unroll
     for (int e = 0; e < 2; e++) {
         float mn = fmaxf(m[e], mx[e]);  // finite: token `base` is valid for every head
@@ -1364,17 +1375,20 @@ static __device__ __forceinline__ void pd_k_bt_step(const uint4 (&qf)[HD / 32], 
         p[e] = exp2f(p[e] - mn);        // -inf -> 0
         p[e + 2] = exp2f(p[e + 2] - mn);
         l[e] = l[e] * corr[e] + p[e] + p[e + 2];
+        moved |= mn != m[e];
         m[e] = mn;
     }
+    if (__any_sync(0xffffffffu, moved)) {  // most steps of a long context leave every max where it was
 #pragma unroll
-    for (int i = 0; i < NI; i++)
+        for (int i = 0; i < NI; i++)
 #pragma unroll
-        for (int rp = 0; rp < 2; rp++) {
-            o[i][rp][0] *= corr[0];
-            o[i][rp][1] *= corr[1];
-            o[i][rp][2] *= corr[0];
-            o[i][rp][3] *= corr[1];
-        }
+            for (int rp = 0; rp < 2; rp++) {
+                o[i][rp][0] *= corr[0];
+                o[i][rp][1] *= corr[1];
+                o[i][rp][2] *= corr[0];
+                o[i][rp][3] *= corr[1];
+            }
+    }
     uint32_t pb0 = pd_k_movmatrix_trans(pd_k_pack2(p[0], p[1]));
     uint32_t pb1 = pd_k_movmatrix_trans(pd_k_pack2(p[2], p[3]));
 #pragma unroll
@@ -1544,7 +1558,7 @@ static bool pd_k_attn_pipe_enabled() {
 
 // PD_CUDA_ATTN_F8S=0: the fp8 cache decodes with k_attn_decode_tc_f8 instead of the streaming
 // k_attn_decode_f8s (measurement knob); PD_CUDA_ATTN_F8DEPTH=1..4: the steps of loads kept in flight
-// ahead of the one computed, 1-2 in registers (k_attn_decode_f8s), 3-4 through a shared-memory ring
+// ahead of the one computed, 1-3 in registers (k_attn_decode_f8s), 4 through a shared-memory ring
 // (k_attn_decode_f8a); default 2; anything else is an error at first use.
 static bool pd_k_attn_f8s_enabled() {
     static int on = -1;
@@ -1565,14 +1579,11 @@ static int pd_k_attn_f8_depth() {
     return d;
 }
 
-// PD_CUDA_ATTN_BT=1: the bf16 cache decodes with k_attn_decode_bt (measurement knob; off unless "1").
+// PD_CUDA_ATTN_BT=0: the bf16 cache decodes with k_attn_decode_tc (PD_CUDA_ATTN_PIPE applies) instead
+// of k_attn_decode_bt (measurement knob).
 static bool pd_k_attn_bt_enabled() {
     static int on = -1;
-    if (on < 0) {
-        const char *e = getenv("PD_CUDA_ATTN_BT");
-        on = e && !strcmp(e, "1");
-    }
-    return on != 0;
+    return pd_k_env_on("PD_CUDA_ATTN_BT", &on);
 }
 
 // PD_CUDA_ATTN_FOLD=0: split partials are always merged by k_attn_combine (measurement knob).
@@ -1611,9 +1622,9 @@ static void pd_k_attn_launch_decode(const pd_attention_kparams *p, cudaStream_t 
             int d = pd_k_attn_f8_depth();
             if (d == 1) kern = wide ? k_attn_decode_f8s<HD, GM, 8, 1> : k_attn_decode_f8s<HD, GM, 4, 1>;
             else if (d == 2) kern = wide ? k_attn_decode_f8s<HD, GM, 8, 2> : k_attn_decode_f8s<HD, GM, 4, 2>;
-            else if (d == 3) kern = wide ? k_attn_decode_f8a<HD, GM, 8, 3> : k_attn_decode_f8a<HD, GM, 4, 3>;
+            else if (d == 3) kern = wide ? k_attn_decode_f8s<HD, GM, 8, 3> : k_attn_decode_f8s<HD, GM, 4, 3>;
             else kern = wide ? k_attn_decode_f8a<HD, GM, 8, 4> : k_attn_decode_f8a<HD, GM, 4, 4>;
-            if (d >= 3) {  // the cp.async ring: (d + 1) stages per warp
+            if (d == 4) {  // the cp.async ring: (d + 1) stages per warp
                 smem = (size_t)(wide ? 8 : 4) * (d + 1) * sizeof(pd_k_f8a_stage<HD>);
                 pd_k_smem_attr(kern, smem);
             }
