@@ -22,11 +22,14 @@
 // graph still pays on the critical path of every decode step. Only the one-wave (8-warp)
 // instantiations carry the merge code: in the 4-warp ones it raised register spills and cost
 // ~2% at batch 32-128. PD_CUDA_ATTN_FOLD=0 always launches the combine kernel (measurement knob).
-// k_attn_decode_tc (below) keeps this grid, partitioning and workspace but runs on mma.sync; it is
-// the default for head_dim 64/128 (PD_CUDA_ATTN_TC=0 picks this one). The decode and combine
-// kernels are launched with PDL (common.cuh). The bf16 tensor-core kernel loads the next step's K
-// during this step's math (PD_CUDA_ATTN_PIPE=0: off); k_attn_decode_tc_f8 is its fp8-cache twin
-// (fully pipelined); the prefill kernel and the CUDA-core decode kernel take F8 as a template flag.
+// The tensor-core kernels (below) keep this grid, partitioning and workspace but run on mma.sync;
+// they are the default for head_dim 64/128 (PD_CUDA_ATTN_TC=0 picks this one): k_attn_decode_bt
+// for the bf16 cache and k_attn_decode_f8s for the fp8 cache, both in the transposed form (S^T =
+// K.Q^T, O^T += V^T.P^T: tokens and dims fill the mma rows, not the <= 8 heads) with the next
+// steps' K and V in flight in registers. k_attn_decode_tc (PD_CUDA_ATTN_BT=0) and its fp8 twin
+// k_attn_decode_tc_f8 (PD_CUDA_ATTN_F8S=0) are the previous ones, kept as measurement baselines.
+// The decode and combine kernels are launched with PDL (common.cuh); the prefill kernel and the
+// CUDA-core decode kernel take F8 as a template flag.
 // Partition sizing (pd_k_dec_part) aims at one wave; see there.
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
