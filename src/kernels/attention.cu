@@ -1055,6 +1055,10 @@ static __global__ void __launch_bounds__(W * 32, W == 4 ? 2 : 1)
 #pragma unroll
         for (int hh = 0; hh < 2; hh++)
             slot[d][hh] = live ? pd_k_dec_slot(bt, first + d * STEP + hh * 8 + g, k_end, bs) : -1;
+    // the slots of the step loaded next; in the loop, each step looks up the one after (a lookup's
+    // latency then never delays the loads it feeds)
+    int nx[2] = {live ? pd_k_dec_slot(bt, first + DEPTH * STEP + g, k_end, bs) : -1,
+                 live ? pd_k_dec_slot(bt, first + DEPTH * STEP + 8 + g, k_end, bs) : -1};
     pd_k_pdl_wait();
     if (!live) return;
     int n_sp = (kv_len + part - 1) / part;
@@ -1110,8 +1114,9 @@ static __global__ void __launch_bounds__(W * 32, W == 4 ? 2 : 1)
         for (int u = 0; u <= DEPTH; u++) {
             int base = b0 + u * STEP;
             if (base >= k_end) break;
-            int ns[2] = {pd_k_dec_slot(bt, base + DEPTH * STEP + g, k_end, bs),
-                         pd_k_dec_slot(bt, base + DEPTH * STEP + 8 + g, k_end, bs)};
+            int ns[2] = {nx[0], nx[1]};
+            nx[0] = pd_k_dec_slot(bt, base + (DEPTH + 1) * STEP + g, k_end, bs);
+            nx[1] = pd_k_dec_slot(bt, base + (DEPTH + 1) * STEP + 8 + g, k_end, bs);
             pd_k_f8_load<HD>(buf[(u + DEPTH) % (DEPTH + 1)], kc, vc, ns, n_kv, kvh, t, rb);
             pd_k_f8s_step<HD>(qh, buf[u], o, m, m2, l, base, k_end, g, sl);
         }
@@ -1219,6 +1224,10 @@ static __global__ void __launch_bounds__(W * 32, W == 4 ? 2 : 1)
 #pragma unroll
         for (int hh = 0; hh < 2; hh++)
             slot[d][hh] = live ? pd_k_dec_slot(bt, first + d * STEP + hh * 8 + g, k_end, bs) : -1;
+    // the slots of the step loaded next; in the loop, each step looks up the one after (a lookup's
+    // latency then never delays the loads it feeds)
+    int nx[2] = {live ? pd_k_dec_slot(bt, first + D * STEP + g, k_end, bs) : -1,
+                 live ? pd_k_dec_slot(bt, first + D * STEP + 8 + g, k_end, bs) : -1};
     pd_k_pdl_wait();
     if (!live) return;
     int n_sp = (kv_len + part - 1) / part;
@@ -1273,8 +1282,9 @@ static __global__ void __launch_bounds__(W * 32, W == 4 ? 2 : 1)
             asm volatile("cp.async.wait_group %0;\n" ::"n"(D - 1) : "memory");  // this step's group
             pd_k_f8_step_regs<HD> r;
             pd_k_f8a_read<HD>(r, ring + u, lane);
-            int ns[2] = {pd_k_dec_slot(bt, base + D * STEP + g, k_end, bs),
-                         pd_k_dec_slot(bt, base + D * STEP + 8 + g, k_end, bs)};
+            int ns[2] = {nx[0], nx[1]};
+            nx[0] = pd_k_dec_slot(bt, base + (D + 1) * STEP + g, k_end, bs);
+            nx[1] = pd_k_dec_slot(bt, base + (D + 1) * STEP + 8 + g, k_end, bs);
             pd_k_f8a_issue<HD>(ring + (u + D) % S, kc, vc, ns, n_kv, kvh, t, lane, rb);
             pd_k_f8s_step<HD>(qh, r, o, m, m2, l, base, k_end, g, sl);
         }
@@ -1430,6 +1440,10 @@ static __global__ void __launch_bounds__(W * 32, W == 4 ? 2 : 1)
 #pragma unroll
         for (int hh = 0; hh < 2; hh++)
             slot[d][hh] = live ? pd_k_dec_slot(bt, first + d * STEP + hh * 8 + g, k_end, bs) : -1;
+    // the slots of the step loaded next; in the loop, each step looks up the one after (a lookup's
+    // latency then never delays the loads it feeds)
+    int nx[2] = {live ? pd_k_dec_slot(bt, first + DEPTH * STEP + g, k_end, bs) : -1,
+                 live ? pd_k_dec_slot(bt, first + DEPTH * STEP + 8 + g, k_end, bs) : -1};
     pd_k_pdl_wait();
     if (!live) return;
     int n_sp = (kv_len + part - 1) / part;
@@ -1455,8 +1469,9 @@ static __global__ void __launch_bounds__(W * 32, W == 4 ? 2 : 1)
         for (int u = 0; u <= DEPTH; u++) {
             int base = b0 + u * STEP;
             if (base >= k_end) break;
-            int ns[2] = {pd_k_dec_slot(bt, base + DEPTH * STEP + g, k_end, bs),
-                         pd_k_dec_slot(bt, base + DEPTH * STEP + 8 + g, k_end, bs)};
+            int ns[2] = {nx[0], nx[1]};
+            nx[0] = pd_k_dec_slot(bt, base + (DEPTH + 1) * STEP + g, k_end, bs);
+            nx[1] = pd_k_dec_slot(bt, base + (DEPTH + 1) * STEP + 8 + g, k_end, bs);
             pd_k_bt_load<HD>(buf[(u + DEPTH) % (DEPTH + 1)], kc, vc, ns, n_kv, kvh, t);
             pd_k_bt_step<HD>(qf, buf[u], o, m, l, base, k_end, g, scale_log2);
         }
