@@ -954,54 +954,69 @@ static __device__ __forceinline__ void pd_k_mma_f16(float d[4], uint32_t a0, uin
         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
-// One step of 16 tokens (base .. base + 15) for this warp from the raw bytes in r (see above).
-template <int HD>
-static __device__ __forceinline__ void pd_k_f8s_step(const uint32_t (&qh)[HD / 64][8], const pd_k_f8_step_regs<HD> &r,
+// One step of T2 tiles of 16 tokens (tile i: base + 16i .. + 15) for this warp from the raw bytes
+// in r[i] (see above); the tiles share one softmax update (one max reduction and one rescale).
+template <int HD, int T2>
+static __device__ __forceinline__ void pd_k_f8s_step(const uint32_t (&qh)[HD / 64][8],
+                                                     const pd_k_f8_step_regs<HD> *const (&r)[T2],
                                                      float (&o)[HD / 64][4][4], float (&m)[2], float (&m2)[2],
                                                      float (&l)[2], int base, int k_end, int g, const float (&sl)[2]) {
     constexpr int NC = HD / 64;
-    // S^T (rows = tokens g, g + 8; cols = heads): two accumulators (even and odd words) to halve
-    // the mma dependency chain
-    float sa[2][4];
+    // S^T (rows = tokens g, g + 8; cols = heads): two accumulators per tile (even and odd words) to
+    // halve the mma dependency chain
+    float sa[T2][2][4];
 #pragma unroll
-    for (int a = 0; a < 2; a++) sa[a][0] = sa[a][1] = sa[a][2] = sa[a][3] = 0.f;
+    for (int i = 0; i < T2; i++)
+#pragma unroll
+        for (int a = 0; a < 2; a++) sa[i][a][0] = sa[i][a][1] = sa[i][a][2] = sa[i][a][3] = 0.f;
 #pragma unroll
     for (int c = 0; c < NC; c++)
 #pragma unroll
-        for (int w = 0; w < 4; w++) {
-            uint32_t k0 = pd_k_u4_get(r.k[0][c], w), k1 = pd_k_u4_get(r.k[1][c], w);
-            pd_k_mma_f16(sa[w & 1], pd_k_e4m3x2_f16x2(k0), pd_k_e4m3x2_f16x2(k1), pd_k_e4m3x2_f16x2_hi(k0),
-                         pd_k_e4m3x2_f16x2_hi(k1), qh[c][2 * w], qh[c][2 * w + 1]);
-        }
-    // p[j]: token (j >> 1) * 8 + g (this lane's own loads, so its own scales), head 2t + (j & 1)
-    bool ok[2] = {base + g < k_end, base + 8 + g < k_end};
-    float p[4], q2[4], mx[2], mx2[2], lv[2] = {__log2f(r.vs[0]), __log2f(r.vs[1])};  // vs = 0: -inf
+        for (int w = 0; w < 4; w++)
 #pragma unroll
-    for (int j = 0; j < 4; j++) {
-        p[j] = ok[j >> 1] ? (sa[0][j] + sa[1][j]) * (sl[j & 1] * r.ks[j >> 1]) : -INFINITY;
-        q2[j] = p[j] + lv[j >> 1];
+            for (int i = 0; i < T2; i++) {
+                uint32_t k0 = pd_k_u4_get(r[i]->k[0][c], w), k1 = pd_k_u4_get(r[i]->k[1][c], w);
+                pd_k_mma_f16(sa[i][w & 1], pd_k_e4m3x2_f16x2(k0), pd_k_e4m3x2_f16x2(k1), pd_k_e4m3x2_f16x2_hi(k0),
+                             pd_k_e4m3x2_f16x2_hi(k1), qh[c][2 * w], qh[c][2 * w + 1]);
+            }
+    // p[i][j]: token 16i + (j >> 1) * 8 + g (this lane's own loads, so its own scales), head 2t + (j & 1)
+    float p[T2][4], q2[T2][4], mx[2] = {-INFINITY, -INFINITY}, mx2[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+    for (int i = 0; i < T2; i++) {
+        bool ok[2] = {base + 16 * i + g < k_end, base + 16 * i + 8 + g < k_end};
+        float lv[2] = {__log2f(r[i]->vs[0]), __log2f(r[i]->vs[1])};  // vs = 0: -inf
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+            p[i][j] = ok[j >> 1] ? (sa[i][0][j] + sa[i][1][j]) * (sl[j & 1] * r[i]->ks[j >> 1]) : -INFINITY;
+            q2[i][j] = p[i][j] + lv[j >> 1];
+            mx[j & 1] = fmaxf(mx[j & 1], p[i][j]);
+            mx2[j & 1] = fmaxf(mx2[j & 1], q2[i][j]);
+        }
     }
 #pragma unroll
-    for (int e = 0; e < 2; e++) {
-        mx[e] = fmaxf(p[e], p[e + 2]);
-        mx2[e] = fmaxf(q2[e], q2[e + 2]);
+    for (int e = 0; e < 2; e++)
 #pragma unroll
         for (int x = 4; x < 32; x <<= 1) {
             mx[e] = fmaxf(mx[e], __shfl_xor_sync(0xffffffffu, mx[e], x));
             mx2[e] = fmaxf(mx2[e], __shfl_xor_sync(0xffffffffu, mx2[e], x));
         }
-    }
     float corr2[2];
     bool moved = false;
 #pragma unroll
     for (int e = 0; e < 2; e++) {
         float mn = fmaxf(m[e], mx[e]);  // finite: token `base` is valid for every head
-        l[e] = l[e] * exp2f(m[e] - mn) + exp2f(p[e] - mn) + exp2f(p[e + 2] - mn);  // m = -inf / p = -inf -> 0
+        float ps = 0.f;
+#pragma unroll
+        for (int i = 0; i < T2; i++) ps += exp2f(p[i][e] - mn) + exp2f(p[i][e + 2] - mn);  // p = -inf -> 0
+        l[e] = l[e] * exp2f(m[e] - mn) + ps;  // m = -inf -> 0
         m[e] = mn;
         float mn2 = fmaxf(m2[e], mx2[e]);
         corr2[e] = mn2 == -INFINITY ? 1.f : exp2f(m2[e] - mn2);
-        q2[e] = mn2 == -INFINITY ? 0.f : exp2f(q2[e] - mn2);
-        q2[e + 2] = mn2 == -INFINITY ? 0.f : exp2f(q2[e + 2] - mn2);
+#pragma unroll
+        for (int i = 0; i < T2; i++) {
+            q2[i][e] = mn2 == -INFINITY ? 0.f : exp2f(q2[i][e] - mn2);
+            q2[i][e + 2] = mn2 == -INFINITY ? 0.f : exp2f(q2[i][e + 2] - mn2);
+        }
         moved |= mn2 != m2[e];
         m2[e] = mn2;
     }
@@ -1016,28 +1031,31 @@ static __device__ __forceinline__ void pd_k_f8s_step(const uint32_t (&qh)[HD / 6
                 o[c][w][3] *= corr2[1];
             }
     }
-    // P^T as the B operand: lane (g, t) needs tokens 2t, 2t + 1 (and + 8) of head g
-    uint32_t pb0 = pd_k_movmatrix_trans(pd_k_pack2_f16(q2[0], q2[1]));
-    uint32_t pb1 = pd_k_movmatrix_trans(pd_k_pack2_f16(q2[2], q2[3]));
 #pragma unroll
-    for (int c = 0; c < NC; c++)
+    for (int i = 0; i < T2; i++) {
+        // P^T as the B operand: lane (g, t) needs tokens 2t, 2t + 1 (and + 8) of head g
+        uint32_t pb0 = pd_k_movmatrix_trans(pd_k_pack2_f16(q2[i][0], q2[i][1]));
+        uint32_t pb1 = pd_k_movmatrix_trans(pd_k_pack2_f16(q2[i][2], q2[i][3]));
 #pragma unroll
-        for (int w = 0; w < 4; w++) {
-            // units (2 dims of one token) -> tokens 2t, 2t + 1 of one dim pair -> bytes (tok 2t, tok 2t + 1) per dim
-            uint32_t t0 = pd_k_prmt(pd_k_movmatrix_trans(pd_k_u4_get(r.v[0][c], w)), 0x3120u);
-            uint32_t t1 = pd_k_prmt(pd_k_movmatrix_trans(pd_k_u4_get(r.v[1][c], w)), 0x3120u);
-            pd_k_mma_f16(o[c][w], pd_k_e4m3x2_f16x2(t0), pd_k_e4m3x2_f16x2_hi(t0), pd_k_e4m3x2_f16x2(t1),
-                         pd_k_e4m3x2_f16x2_hi(t1), pb0, pb1);
-        }
+        for (int c = 0; c < NC; c++)
+#pragma unroll
+            for (int w = 0; w < 4; w++) {
+                // units (2 dims of one token) -> tokens 2t, 2t + 1 of one dim pair -> bytes (tok 2t, tok 2t + 1) per dim
+                uint32_t t0 = pd_k_prmt(pd_k_movmatrix_trans(pd_k_u4_get(r[i]->v[0][c], w)), 0x3120u);
+                uint32_t t1 = pd_k_prmt(pd_k_movmatrix_trans(pd_k_u4_get(r[i]->v[1][c], w)), 0x3120u);
+                pd_k_mma_f16(o[c][w], pd_k_e4m3x2_f16x2(t0), pd_k_e4m3x2_f16x2_hi(t0), pd_k_e4m3x2_f16x2(t1),
+                             pd_k_e4m3x2_f16x2_hi(t1), pb0, pb1);
+            }
+    }
 }
 
-template <int HD, int GM, int W, int DEPTH>
+template <int HD, int GM, int W, int DEPTH, int T2>
 static __global__ void __launch_bounds__(W * 32, W == 4 ? 2 : 1)
     k_attn_decode_f8s(const __nv_bfloat16 *q, const void *kc_, const void *vc_, __nv_bfloat16 *out,
                       const int32_t *q_indptr, const int32_t *kv_lens, const int32_t *bt_indptr,
                       const int32_t *bt_indices, int H, int n_kv, int bs, int q_stride, float scale_log2, int part,
                       int n_splits, float *ws, int *cnt, size_t rb) {
-    constexpr int NC = HD / 64, STEP = W * 16;
+    constexpr int NC = HD / 64, STEP = W * 16 * T2;  // a warp's step: T2 tiles of 16 tokens
     __shared__ float red[W][GM][HD + 2];
     const uint8_t *kc = (const uint8_t *)kc_, *vc = (const uint8_t *)vc_;
     pd_k_pdl_trigger();
@@ -1048,25 +1066,29 @@ static __global__ void __launch_bounds__(W * 32, W == 4 ? 2 : 1)
     int k_begin = split * part, k_end = min(kv_len, k_begin + part);
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
     bool live = q_len == 1 && k_begin < kv_len;
-    int first = k_begin + warp * 16;
-    int slot[DEPTH][2];
+    int first = k_begin + warp * 16 * T2;
+    // slots of the first DEPTH steps, then (nx) of the step loaded next; in the loop each step looks
+    // up the one after, so a lookup's latency never delays the loads it feeds
+    int slot[DEPTH][T2][2], nx[T2][2];
 #pragma unroll
-    for (int d = 0; d < DEPTH; d++)
+    for (int i = 0; i < T2; i++)
 #pragma unroll
-        for (int hh = 0; hh < 2; hh++)
-            slot[d][hh] = live ? pd_k_dec_slot(bt, first + d * STEP + hh * 8 + g, k_end, bs) : -1;
-    // the slots of the step loaded next; in the loop, each step looks up the one after (a lookup's
-    // latency then never delays the loads it feeds)
-    int nx[2] = {live ? pd_k_dec_slot(bt, first + DEPTH * STEP + g, k_end, bs) : -1,
-                 live ? pd_k_dec_slot(bt, first + DEPTH * STEP + 8 + g, k_end, bs) : -1};
+        for (int hh = 0; hh < 2; hh++) {
+#pragma unroll
+            for (int d = 0; d < DEPTH; d++)
+                slot[d][i][hh] = live ? pd_k_dec_slot(bt, first + d * STEP + 16 * i + hh * 8 + g, k_end, bs) : -1;
+            nx[i][hh] = live ? pd_k_dec_slot(bt, first + DEPTH * STEP + 16 * i + hh * 8 + g, k_end, bs) : -1;
+        }
     pd_k_pdl_wait();
     if (!live) return;
     int n_sp = (kv_len + part - 1) / part;
     int G = H / n_kv;
 
-    pd_k_f8_step_regs<HD> buf[DEPTH + 1];
+    pd_k_f8_step_regs<HD> buf[DEPTH + 1][T2];
 #pragma unroll
-    for (int d = 0; d < DEPTH; d++) pd_k_f8_load<HD>(buf[d], kc, vc, slot[d], n_kv, kvh, t, rb);
+    for (int d = 0; d < DEPTH; d++)
+#pragma unroll
+        for (int i = 0; i < T2; i++) pd_k_f8_load<HD>(buf[d][i], kc, vc, slot[d][i], n_kv, kvh, t, rb);
 
     // Q of head g at the load layout's dims, as f16 times a power of two
     uint32_t qh[NC][8];
@@ -1114,11 +1136,17 @@ static __global__ void __launch_bounds__(W * 32, W == 4 ? 2 : 1)
         for (int u = 0; u <= DEPTH; u++) {
             int base = b0 + u * STEP;
             if (base >= k_end) break;
-            int ns[2] = {nx[0], nx[1]};
-            nx[0] = pd_k_dec_slot(bt, base + (DEPTH + 1) * STEP + g, k_end, bs);
-            nx[1] = pd_k_dec_slot(bt, base + (DEPTH + 1) * STEP + 8 + g, k_end, bs);
-            pd_k_f8_load<HD>(buf[(u + DEPTH) % (DEPTH + 1)], kc, vc, ns, n_kv, kvh, t, rb);
-            pd_k_f8s_step<HD>(qh, buf[u], o, m, m2, l, base, k_end, g, sl);
+#pragma unroll
+            for (int i = 0; i < T2; i++) {
+                int ns[2] = {nx[i][0], nx[i][1]};
+                nx[i][0] = pd_k_dec_slot(bt, base + (DEPTH + 1) * STEP + 16 * i + g, k_end, bs);
+                nx[i][1] = pd_k_dec_slot(bt, base + (DEPTH + 1) * STEP + 16 * i + 8 + g, k_end, bs);
+                pd_k_f8_load<HD>(buf[(u + DEPTH) % (DEPTH + 1)][i], kc, vc, ns, n_kv, kvh, t, rb);
+            }
+            const pd_k_f8_step_regs<HD> *rr[T2];
+#pragma unroll
+            for (int i = 0; i < T2; i++) rr[i] = &buf[u][i];
+            pd_k_f8s_step<HD, T2>(qh, rr, o, m, m2, l, base, k_end, g, sl);
         }
     }
 #pragma unroll
@@ -1286,7 +1314,8 @@ static __global__ void __launch_bounds__(W * 32, W == 4 ? 2 : 1)
             nx[0] = pd_k_dec_slot(bt, base + (D + 1) * STEP + g, k_end, bs);
             nx[1] = pd_k_dec_slot(bt, base + (D + 1) * STEP + 8 + g, k_end, bs);
             pd_k_f8a_issue<HD>(ring + (u + D) % S, kc, vc, ns, n_kv, kvh, t, lane, rb);
-            pd_k_f8s_step<HD>(qh, r, o, m, m2, l, base, k_end, g, sl);
+            const pd_k_f8_step_regs<HD> *rr[1] = {&r};
+            pd_k_f8s_step<HD, 1>(qh, rr, o, m, m2, l, base, k_end, g, sl);
         }
     }
     asm volatile("cp.async.wait_all;\n" ::: "memory");  // nothing in flight into the ring at exit
@@ -1575,9 +1604,10 @@ static bool pd_k_attn_pipe_enabled() {
 }
 
 // PD_CUDA_ATTN_F8S=0: the fp8 cache decodes with k_attn_decode_tc_f8 instead of the streaming
-// k_attn_decode_f8s (measurement knob); PD_CUDA_ATTN_F8DEPTH=1..4: the steps of loads kept in flight
+// k_attn_decode_f8s (measurement knob); PD_CUDA_ATTN_F8DEPTH=1..5: the steps of loads kept in flight
 // ahead of the one computed, 1-3 in registers (k_attn_decode_f8s), 4 through a shared-memory ring
-// (k_attn_decode_f8a); default 2; anything else is an error at first use.
+// (k_attn_decode_f8a); 5: f8s with steps of two 16-token tiles (one softmax update per 32 tokens),
+// one step ahead; default 2; anything else is an error at first use.
 static bool pd_k_attn_f8s_enabled() {
     static int on = -1;
     return pd_k_env_on("PD_CUDA_ATTN_F8S", &on);
@@ -1588,9 +1618,9 @@ static int pd_k_attn_f8_depth() {
     if (d < 0) {
         const char *e = getenv("PD_CUDA_ATTN_F8DEPTH");
         if (!e || !*e) d = 2;
-        else if (strlen(e) == 1 && e[0] >= '1' && e[0] <= '4') d = e[0] - '0';
+        else if (strlen(e) == 1 && e[0] >= '1' && e[0] <= '5') d = e[0] - '0';
         else {
-            fprintf(stderr, "pdserve: PD_CUDA_ATTN_F8DEPTH=%s: expected 1, 2, 3 or 4\n", e);
+            fprintf(stderr, "pdserve: PD_CUDA_ATTN_F8DEPTH=%s: expected 1 to 5\n", e);
             abort();
         }
     }
@@ -1638,10 +1668,11 @@ static void pd_k_attn_launch_decode(const pd_attention_kparams *p, cudaStream_t 
     if constexpr (HD >= 64) {
         if (F8 && tc && pd_k_attn_f8s_enabled()) {
             int d = pd_k_attn_f8_depth();
-            if (d == 1) kern = wide ? k_attn_decode_f8s<HD, GM, 8, 1> : k_attn_decode_f8s<HD, GM, 4, 1>;
-            else if (d == 2) kern = wide ? k_attn_decode_f8s<HD, GM, 8, 2> : k_attn_decode_f8s<HD, GM, 4, 2>;
-            else if (d == 3) kern = wide ? k_attn_decode_f8s<HD, GM, 8, 3> : k_attn_decode_f8s<HD, GM, 4, 3>;
-            else kern = wide ? k_attn_decode_f8a<HD, GM, 8, 4> : k_attn_decode_f8a<HD, GM, 4, 4>;
+            if (d == 1) kern = wide ? k_attn_decode_f8s<HD, GM, 8, 1, 1> : k_attn_decode_f8s<HD, GM, 4, 1, 1>;
+            else if (d == 2) kern = wide ? k_attn_decode_f8s<HD, GM, 8, 2, 1> : k_attn_decode_f8s<HD, GM, 4, 2, 1>;
+            else if (d == 3) kern = wide ? k_attn_decode_f8s<HD, GM, 8, 3, 1> : k_attn_decode_f8s<HD, GM, 4, 3, 1>;
+            else if (d == 4) kern = wide ? k_attn_decode_f8a<HD, GM, 8, 4> : k_attn_decode_f8a<HD, GM, 4, 4>;
+            else kern = wide ? k_attn_decode_f8s<HD, GM, 8, 1, 2> : k_attn_decode_f8s<HD, GM, 4, 1, 2>;
             if (d == 4) {  // the cp.async ring: (d + 1) stages per warp
                 smem = (size_t)(wide ? 8 : 4) * (d + 1) * sizeof(pd_k_f8a_stage<HD>);
                 pd_k_smem_attr(kern, smem);
