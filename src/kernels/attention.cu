@@ -904,26 +904,31 @@ static __global__ void __launch_bounds__(W * 32, W == 4 ? 2 : 1)
 
 // ---- fp8 decode, streaming version -------------------------------------------------------------
 //
-// k_attn_decode_f8s<HD, GM, W, DEPTH>: k_attn_decode_tc_f8's grid, partitions, load layout and
-// outputs, with the e4m3 bytes fed to the tensor cores at one instruction per two elements:
-// cvt.rn.f16x2.e4m3x2 is exact, and the mma runs in f16 (f32 accumulate) instead of bf16, so
-//   * S = Q.K^T: Q is converted to f16 once, times a power of two (2^(13 - e), e = exponent of the
-//     head's max |q|, so |q| < 2^14 and no bf16 value of q loses a bit unless it is 2^-28 below the
-//     max); the power of two and the per-token K scale are applied to the score in f32 (one multiply
-//     per score, folded with scale*log2(e));
-//   * O += P.V: the reduction axis is the token, so each lane needs two tokens of one dim in a
-//     register. The raw bytes are transposed before widening: movmatrix on 16-bit units (two dims of
-//     one token) gives lane (g, t) the units of tokens 2t and 2t + 1 of one dim pair, a byte permute
-//     interleaves them, and two cvts give the two dims' B fragments. That is half the movmatrix work
-//     of the bf16-widened layout and no f32 round trip. P must be f16, and the per-token V scale
-//     goes into P: the weights exp2(s + log2(vs) - m2) with their own running max m2 (so the largest
-//     is 1 and f16's range is never an issue, whatever the scales), while l keeps the usual running
-//     max m; at the end the accumulator moves to m's frame (times exp2(m2 - m)).
-//   * DEPTH steps of raw loads are in flight ahead of the step being computed (DEPTH + 1 register
-//     buffers, the loop unrolled over them so the buffers stay registers with no copies).
-// PD_CUDA_ATTN_F8S=0: the previous kernel (k_attn_decode_tc_f8); PD_CUDA_ATTN_F8DEPTH=1|2|3.
-// Lane (g, t) ends with, for chunk c, word w, half e of the transposed units, accumulator
-// o[c][w][e][0..1] = dims c*64 + t*16 + 4w + e and c*64 + t*16 + 4w + 2 + e of head g.
+// k_attn_decode_f8s<HD, GM, W, DEPTH, T2>: k_attn_decode_tc_f8's grid, partitions, load layout
+// (lane (g, t): tokens g and g + 8 of each 16-token tile, bytes c*64 + t*16 .. +16 of the head for
+// c < HD/64) and outputs, computed in the transposed form (S^T = K.Q^T with the 16 tokens as mma
+// rows and the heads as the n8 columns, O^T += V^T.P^T with 16 dims as rows: no padding rows), with
+// the e4m3 bytes fed to the tensor cores at one instruction per two elements: cvt.rn.f16x2.e4m3x2
+// is exact, and the mma runs in f16 (f32 accumulate) instead of bf16 (widening to bf16 took four), so
+//   * S^T: Q is converted to f16 once, times a power of two (2^(13 - e), e = exponent of the head's
+//     max |q|, so |q| < 2^14 and no bf16 value of q loses a bit unless it is 2^-28 below the max);
+//     the power of two and the per-token K scale are applied to the score in f32 (one multiply per
+//     score, folded with scale*log2(e)); a lane's score rows are its own loaded tokens, so it
+//     holds their scales;
+//   * O^T: the reduction axis is the token, so each lane needs two tokens of one dim in a register.
+//     The raw bytes are transposed before widening: movmatrix on 16-bit units (two dims of one
+//     token) gives lane (g, t) the units of tokens 2t and 2t + 1 of one dim pair, a byte permute
+//     interleaves them, and two cvts give the two dims' A fragments (rows g and g + 8). P^T (the B
+//     operand) is two movmatrix of the packed weights. P must be f16, and the per-token V scale goes
+//     into P: the weights exp2(s + log2(vs) - m2) with their own running max m2 (so the largest is 1
+//     and f16's range is never an issue, whatever the scales), while l keeps the usual running max
+//     m; at the end the accumulator moves to m's frame (times exp2(m2 - m));
+//   * a warp's step is T2 tiles of 16 tokens sharing one softmax update (max reductions and the
+//     accumulator rescale, skipped when no max moved), and the next DEPTH steps' raw bytes are in
+//     flight (DEPTH + 1 register buffers, the loop unrolled over them so they stay registers).
+// PD_CUDA_ATTN_F8S=0: the previous kernel (k_attn_decode_tc_f8); PD_CUDA_ATTN_F8TILES=1|2 (below).
+// Lane (g, t) ends with o[c][w][0..3] = O^T[dim c*64 + (g >> 1)*16 + 4w + 2(g & 1) (+ 1 for [2],
+// [3])][head 2t ([0], [2]) or 2t + 1 ([1], [3])].
 
 static __device__ __forceinline__ uint32_t pd_k_e4m3x2_f16x2(uint32_t v) {  // low 16 bits
     uint32_t d;
@@ -1156,176 +1161,6 @@ static __global__ void __launch_bounds__(W * 32, W == 4 ? 2 : 1)
         int h = 2 * t + e;
         if (h >= G) continue;
         float f2 = m2[e] == -INFINITY ? 0.f : exp2f(m2[e] - m[e]);  // the accumulator in m's frame
-#pragma unroll
-        for (int c = 0; c < NC; c++)
-#pragma unroll
-            for (int w = 0; w < 4; w++) {
-                int d = c * 64 + (g >> 1) * 16 + 4 * w + 2 * (g & 1);
-                red[warp][h][d] = o[c][w][e] * f2;
-                red[warp][h][d + 1] = o[c][w][2 + e] * f2;
-            }
-        if (g == 0) {
-            red[warp][h][HD] = m[e];
-            red[warp][h][HD + 1] = l[e];
-        }
-    }
-    __syncthreads();
-    pd_k_dec_finish<HD, GM, W, W == 8>(red, out, ws, cnt, q_begin, s, kvh, G, H, split, n_sp, n_splits);
-}
-
-// k_attn_decode_f8a<HD, GM, W, D>: k_attn_decode_f8s with the raw bytes staged through shared
-// memory by cp.async instead of held in registers, so D steps (4 KB each per warp at HD 128) are in
-// flight at ~140 registers: each warp owns a ring of D + 1 stages (lane-major: a lane copies and
-// later reads back only its own 16-byte chunks and scales, so no barrier is needed between the
-// lanes), step u + D is issued into the stage step u - 1 used (its values were consumed by that
-// step's mma, so the shared reads completed). PD_CUDA_ATTN_F8DEPTH=4 selects it (D = 4).
-template <int HD>
-struct pd_k_f8a_stage {
-    uint4 k[2][HD / 64][32], v[2][HD / 64][32];
-    float ks[2][32], vs[2][32];
-};
-
-static __device__ __forceinline__ void pd_k_cp_async4(void *smem, const void *gmem, bool valid) {
-    int n = valid ? 4 : 0;
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(pd_k_smem_u32(smem)), "l"(gmem), "r"(n)
-                 : "memory");
-}
-
-template <int HD>
-static __device__ __forceinline__ void pd_k_f8a_issue(pd_k_f8a_stage<HD> *st, const uint8_t *kc, const uint8_t *vc,
-                                                      const int (&slot)[2], int n_kv, int kvh, int t, int lane,
-                                                      size_t rb) {
-#pragma unroll
-    for (int hh = 0; hh < 2; hh++) {
-        bool ok = slot[hh] >= 0;
-        size_t off = ok ? (size_t)slot[hh] * rb : 0;
-        const uint8_t *kr = kc + off, *vr = vc + off;
-#pragma unroll
-        for (int c = 0; c < HD / 64; c++) {
-            pd_k_cp_async16(&st->k[hh][c][lane], kr + (size_t)kvh * HD + c * 64 + t * 16, ok);
-            pd_k_cp_async16(&st->v[hh][c][lane], vr + (size_t)kvh * HD + c * 64 + t * 16, ok);
-        }
-        pd_k_cp_async4(&st->ks[hh][lane], kr + (size_t)n_kv * HD + 4 * kvh, ok);
-        pd_k_cp_async4(&st->vs[hh][lane], vr + (size_t)n_kv * HD + 4 * kvh, ok);
-    }
-    asm volatile("cp.async.commit_group;\n" ::: "memory");
-}
-
-template <int HD>
-static __device__ __forceinline__ void pd_k_f8a_read(pd_k_f8_step_regs<HD> &r, const pd_k_f8a_stage<HD> *st,
-                                                     int lane) {
-#pragma unroll
-    for (int hh = 0; hh < 2; hh++) {
-#pragma unroll
-        for (int c = 0; c < HD / 64; c++) {
-            r.k[hh][c] = st->k[hh][c][lane];
-            r.v[hh][c] = st->v[hh][c][lane];
-        }
-        r.ks[hh] = st->ks[hh][lane];
-        r.vs[hh] = st->vs[hh][lane];
-    }
-}
-
-template <int HD, int GM, int W, int D>
-static __global__ void __launch_bounds__(W * 32, W == 4 ? 2 : 1)
-    k_attn_decode_f8a(const __nv_bfloat16 *q, const void *kc_, const void *vc_, __nv_bfloat16 *out,
-                      const int32_t *q_indptr, const int32_t *kv_lens, const int32_t *bt_indptr,
-                      const int32_t *bt_indices, int H, int n_kv, int bs, int q_stride, float scale_log2, int part,
-                      int n_splits, float *ws, int *cnt, size_t rb) {
-    constexpr int NC = HD / 64, STEP = W * 16, S = D + 1;
-    __shared__ float red[W][GM][HD + 2];
-    extern __shared__ __align__(16) unsigned char pd_k_smem[];
-    const uint8_t *kc = (const uint8_t *)kc_, *vc = (const uint8_t *)vc_;
-    pd_k_pdl_trigger();
-    int split = blockIdx.x, kvh = blockIdx.y, s = blockIdx.z;
-    int q_begin = q_indptr[s], q_len = q_indptr[s + 1] - q_begin;
-    int kv_len = kv_lens[s];
-    const int32_t *bt = bt_indices + bt_indptr[s];
-    int k_begin = split * part, k_end = min(kv_len, k_begin + part);
-    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
-    pd_k_f8a_stage<HD> *ring = (pd_k_f8a_stage<HD> *)pd_k_smem + warp * S;
-    bool live = q_len == 1 && k_begin < kv_len;
-    int first = k_begin + warp * 16;
-    int slot[D][2];
-#pragma unroll
-    for (int d = 0; d < D; d++)
-#pragma unroll
-        for (int hh = 0; hh < 2; hh++)
-            slot[d][hh] = live ? pd_k_dec_slot(bt, first + d * STEP + hh * 8 + g, k_end, bs) : -1;
-    // the slots of the step loaded next; in the loop, each step looks up the one after (a lookup's
-    // latency then never delays the loads it feeds)
-    int nx[2] = {live ? pd_k_dec_slot(bt, first + D * STEP + g, k_end, bs) : -1,
-                 live ? pd_k_dec_slot(bt, first + D * STEP + 8 + g, k_end, bs) : -1};
-    pd_k_pdl_wait();
-    if (!live) return;
-    int n_sp = (kv_len + part - 1) / part;
-    int G = H / n_kv;
-
-#pragma unroll
-    for (int d = 0; d < D; d++) pd_k_f8a_issue<HD>(ring + d, kc, vc, slot[d], n_kv, kvh, t, lane, rb);
-
-    uint32_t qh[NC][8];
-    float qmax = 0.f;
-    uint4 qr[NC][2];
-#pragma unroll
-    for (int c = 0; c < NC; c++)
-#pragma unroll
-        for (int h2 = 0; h2 < 2; h2++) {
-            qr[c][h2] = g < G ? *(const uint4 *)(q + (size_t)q_begin * q_stride + (size_t)(kvh * G + g) * HD + c * 64 +
-                                                 t * 16 + h2 * 8)
-                              : make_uint4(0, 0, 0, 0);
-            float f[8];
-            pd_k_unpack8(qr[c][h2], f);
-#pragma unroll
-            for (int i = 0; i < 8; i++) qmax = fmaxf(qmax, fabsf(f[i]));
-        }
-    qmax = fmaxf(qmax, __shfl_xor_sync(0xffffffffu, qmax, 1));
-    qmax = fmaxf(qmax, __shfl_xor_sync(0xffffffffu, qmax, 2));
-    int ex = (int)((__float_as_uint(qmax) >> 23) & 0xff) - 127;
-    int k2 = qmax > 0.f && ex < 128 ? min(max(13 - ex, -126), 127) : 0;
-    float qmul = __uint_as_float((uint32_t)(k2 + 127) << 23);
-    float slg = scale_log2 * __uint_as_float((uint32_t)(127 - k2) << 23);
-#pragma unroll
-    for (int c = 0; c < NC; c++)
-#pragma unroll
-        for (int h2 = 0; h2 < 2; h2++) {
-            float f[8];
-            pd_k_unpack8(qr[c][h2], f);
-#pragma unroll
-            for (int i = 0; i < 4; i++) qh[c][h2 * 4 + i] = pd_k_pack2_f16(f[2 * i] * qmul, f[2 * i + 1] * qmul);
-        }
-    const float sl[2] = {__shfl_sync(0xffffffffu, slg, 8 * t), __shfl_sync(0xffffffffu, slg, 8 * t + 4)};
-    float o[NC][4][4];
-#pragma unroll
-    for (int c = 0; c < NC; c++)
-#pragma unroll
-        for (int w = 0; w < 4; w++) o[c][w][0] = o[c][w][1] = o[c][w][2] = o[c][w][3] = 0.f;
-    float m[2] = {-INFINITY, -INFINITY}, m2[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
-
-    for (int b0 = first; b0 < k_end; b0 += S * STEP) {
-#pragma unroll
-        for (int u = 0; u < S; u++) {
-            int base = b0 + u * STEP;
-            if (base >= k_end) break;
-            asm volatile("cp.async.wait_group %0;\n" ::"n"(D - 1) : "memory");  // this step's group
-            pd_k_f8_step_regs<HD> r;
-            pd_k_f8a_read<HD>(r, ring + u, lane);
-            int ns[2] = {nx[0], nx[1]};
-            nx[0] = pd_k_dec_slot(bt, base + (D + 1) * STEP + g, k_end, bs);
-            nx[1] = pd_k_dec_slot(bt, base + (D + 1) * STEP + 8 + g, k_end, bs);
-            pd_k_f8a_issue<HD>(ring + (u + D) % S, kc, vc, ns, n_kv, kvh, t, lane, rb);
-            const pd_k_f8_step_regs<HD> *rr[1] = {&r};
-            pd_k_f8s_step<HD, 1>(qh, rr, o, m, m2, l, base, k_end, g, sl);
-        }
-    }
-    asm volatile("cp.async.wait_all;\n" ::: "memory");  // nothing in flight into the ring at exit
-#pragma unroll
-    for (int e = 0; e < 2; e++) {
-#pragma unroll
-        for (int x = 4; x < 32; x <<= 1) l[e] += __shfl_xor_sync(0xffffffffu, l[e], x);
-        int h = 2 * t + e;
-        if (h >= G) continue;
-        float f2 = m2[e] == -INFINITY ? 0.f : exp2f(m2[e] - m[e]);
 #pragma unroll
         for (int c = 0; c < NC; c++)
 #pragma unroll
@@ -1604,27 +1439,28 @@ static bool pd_k_attn_pipe_enabled() {
 }
 
 // PD_CUDA_ATTN_F8S=0: the fp8 cache decodes with k_attn_decode_tc_f8 instead of the streaming
-// k_attn_decode_f8s (measurement knob); PD_CUDA_ATTN_F8DEPTH=1..5: the steps of loads kept in flight
-// ahead of the one computed, 1-3 in registers (k_attn_decode_f8s), 4 through a shared-memory ring
-// (k_attn_decode_f8a); 5: f8s with steps of two 16-token tiles (one softmax update per 32 tokens),
-// one step ahead; default 2; anything else is an error at first use.
+// k_attn_decode_f8s (measurement knob). PD_CUDA_ATTN_F8TILES=1|2: f8s steps of one 16-token tile
+// with two steps of loads in flight, or (default) of two tiles sharing one softmax update with one
+// step in flight; anything else is an error at first use. Measured on an H100 (docs/benchmarks.md):
+// two tiles were best or level at every case but B=64 ctx 128; one tile with 1 or 3 steps in flight
+// and a per-warp cp.async ring in shared memory (4 steps in flight at 140 registers) were slower.
 static bool pd_k_attn_f8s_enabled() {
     static int on = -1;
     return pd_k_env_on("PD_CUDA_ATTN_F8S", &on);
 }
 
-static int pd_k_attn_f8_depth() {
-    static int d = -1;
-    if (d < 0) {
-        const char *e = getenv("PD_CUDA_ATTN_F8DEPTH");
-        if (!e || !*e) d = 2;
-        else if (strlen(e) == 1 && e[0] >= '1' && e[0] <= '5') d = e[0] - '0';
+static int pd_k_attn_f8_tiles() {
+    static int n = -1;
+    if (n < 0) {
+        const char *e = getenv("PD_CUDA_ATTN_F8TILES");
+        if (!e || !*e) n = 2;
+        else if (!strcmp(e, "1") || !strcmp(e, "2")) n = e[0] - '0';
         else {
-            fprintf(stderr, "pdserve: PD_CUDA_ATTN_F8DEPTH=%s: expected 1 to 5\n", e);
+            fprintf(stderr, "pdserve: PD_CUDA_ATTN_F8TILES=%s: expected 1 or 2\n", e);
             abort();
         }
     }
-    return d;
+    return n;
 }
 
 // PD_CUDA_ATTN_BT=0: the bf16 cache decodes with k_attn_decode_tc (PD_CUDA_ATTN_PIPE applies) instead
@@ -1644,17 +1480,6 @@ typedef void (*pd_k_dec_kern)(const __nv_bfloat16 *, const void *, const void *,
                               const int32_t *, const int32_t *, const int32_t *, int, int, int, int, float, int, int,
                               float *, int *, size_t);
 
-// Raises kern's dynamic shared memory limit to `bytes` the first time it is launched with them
-// (a small table of the kernels seen; a failure surfaces at the launch, through cudaGetLastError).
-static void pd_k_smem_attr(pd_k_dec_kern kern, size_t bytes) {
-    static pd_k_dec_kern seen[64];
-    static size_t n_seen;
-    for (size_t i = 0; i < n_seen; i++)
-        if (seen[i] == kern) return;
-    cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes);
-    if (n_seen < 64) seen[n_seen++] = kern;
-}
-
 template <int HD, int GM, bool F8>
 static void pd_k_attn_launch_decode(const pd_attention_kparams *p, cudaStream_t s, int part, int n_splits) {
     dim3 grid(n_splits, p->n_kv_heads, p->n_seqs);
@@ -1664,19 +1489,10 @@ static void pd_k_attn_launch_decode(const pd_attention_kparams *p, cudaStream_t 
     bool wide = tc && blocks <= pd_k_num_sms();
     bool fold = n_splits > 1 && wide && pd_k_attn_fold_enabled();  // only the 8-warp kernels merge
     pd_k_dec_kern kern = k_attn_decode<HD, GM, F8>;
-    size_t smem = 0;
     if constexpr (HD >= 64) {
         if (F8 && tc && pd_k_attn_f8s_enabled()) {
-            int d = pd_k_attn_f8_depth();
-            if (d == 1) kern = wide ? k_attn_decode_f8s<HD, GM, 8, 1, 1> : k_attn_decode_f8s<HD, GM, 4, 1, 1>;
-            else if (d == 2) kern = wide ? k_attn_decode_f8s<HD, GM, 8, 2, 1> : k_attn_decode_f8s<HD, GM, 4, 2, 1>;
-            else if (d == 3) kern = wide ? k_attn_decode_f8s<HD, GM, 8, 3, 1> : k_attn_decode_f8s<HD, GM, 4, 3, 1>;
-            else if (d == 4) kern = wide ? k_attn_decode_f8a<HD, GM, 8, 4> : k_attn_decode_f8a<HD, GM, 4, 4>;
-            else kern = wide ? k_attn_decode_f8s<HD, GM, 8, 1, 2> : k_attn_decode_f8s<HD, GM, 4, 1, 2>;
-            if (d == 4) {  // the cp.async ring: (d + 1) stages per warp
-                smem = (size_t)(wide ? 8 : 4) * (d + 1) * sizeof(pd_k_f8a_stage<HD>);
-                pd_k_smem_attr(kern, smem);
-            }
+            if (pd_k_attn_f8_tiles() == 2) kern = wide ? k_attn_decode_f8s<HD, GM, 8, 1, 2> : k_attn_decode_f8s<HD, GM, 4, 1, 2>;
+            else kern = wide ? k_attn_decode_f8s<HD, GM, 8, 2, 1> : k_attn_decode_f8s<HD, GM, 4, 2, 1>;
         } else if (F8) kern = wide ? k_attn_decode_tc_f8<HD, GM, 8> : tc ? k_attn_decode_tc_f8<HD, GM, 4> : kern;
         else if (tc && pd_k_attn_bt_enabled())
             kern = wide ? k_attn_decode_bt<HD, GM, 8, 1> : k_attn_decode_bt<HD, GM, 4, 1>;
@@ -1684,7 +1500,7 @@ static void pd_k_attn_launch_decode(const pd_attention_kparams *p, cudaStream_t 
             kern = wide ? k_attn_decode_tc<HD, GM, 8, true> : tc ? k_attn_decode_tc<HD, GM, 4, true> : kern;
         else kern = wide ? k_attn_decode_tc<HD, GM, 8, false> : tc ? k_attn_decode_tc<HD, GM, 4, false> : kern;
     }
-    pd_k_launch(kern, grid, dim3((wide ? 8 : 4) * 32), smem, s, (const __nv_bfloat16 *)p->q, p->k_cache, p->v_cache,
+    pd_k_launch(kern, grid, dim3((wide ? 8 : 4) * 32), 0, s, (const __nv_bfloat16 *)p->q, p->k_cache, p->v_cache,
                 (__nv_bfloat16 *)p->out, p->q_indptr, p->kv_lens, p->bt_indptr, p->bt_indices, p->n_heads,
                 p->n_kv_heads, p->block_size, p->q_stride, p->scale * PD_K_LOG2E, part, n_splits, p->workspace,
                 fold ? p->counters : (int *)0, p->row_bytes);

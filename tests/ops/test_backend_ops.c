@@ -996,8 +996,8 @@ typedef struct attn_case {
     int n_seqs;
     int q_lens[24], kv_lens[24];
     bool fp8;  // the caches hold fp8 rows (the same bytes on both backends)
-    // > 0: every V head row is scaled by 2^u, u uniform in [-spread, spread] (K: [-spread/4,
-    // spread/4]), and about one in
+    // > 0: every V head row is scaled by 2^u, u uniform in [-spread, spread] (K: [-min(spread/4, 2),
+    // min(spread/4, 2)]), and about one in
     // 16 V head rows is all zero (fp8 scale 0): per-token scales far apart (the streaming fp8
     // decode kernel weights P by V's scale in a frame of its own)
     int spread;
@@ -1047,7 +1047,7 @@ static void *attn_run(ctx *c, pd_backend *b, const attn_case *ac, uint64_t seed,
                 vc[slot * kvw + e] = pd_bf16_to_f32(pd_f32_to_bf16(pd_rng_normal(&c->rng)));
             }
             for (int h = 0; ac->spread > 0 && h < ac->Hkv; h++) {
-                int sk = ac->spread / 4;  // K: a milder spread (the scores stay a softmax, not an argmax)
+                int sk = ac->spread / 4 < 2 ? ac->spread / 4 : 2;  // K: at most 2^±2 (scores stay a softmax)
                 float fk = ldexpf(1.0f, (int)(pd_rng_next(&c->rng) % (uint64_t)(2 * sk + 1)) - sk);
                 float fv = ldexpf(1.0f, (int)(pd_rng_next(&c->rng) % (uint64_t)(2 * ac->spread + 1)) - ac->spread);
                 if (pd_rng_next(&c->rng) % 16 == 0) fv = 0.0f;
@@ -1098,13 +1098,20 @@ static void attn_check(ctx *c, const attn_case *ac, const char *name) {
     ctx_release(c);
 }
 
-// Every attention case again on fp8 caches (GPU vs CPU on the same fp8 bytes), plus the cost of
-// fp8 itself: the CPU result on the fp8 cache vs the CPU result on the unquantised values.
-static void attn_check_both(ctx *c, const attn_case *ac, const char *name) {
+// The case on bf16 caches and again on fp8 caches (GPU vs CPU on the same fp8 bytes).
+static void attn_check_gpu(ctx *c, const attn_case *ac, const char *name) {
     attn_check(c, ac, name);
     attn_case f = *ac;
     f.fp8 = true;
     attn_check(c, &f, name);
+}
+
+// attn_check_gpu plus the cost of fp8 itself: the CPU result on the fp8 cache vs the CPU result on
+// the unquantised values.
+static void attn_check_both(ctx *c, const attn_case *ac, const char *name) {
+    attn_check_gpu(c, ac, name);
+    attn_case f = *ac;
+    f.fp8 = true;
     int n_tok = 0;
     size_t n = 0;
     for (int s = 0; s < ac->n_seqs; s++) n += (size_t)ac->q_lens[s] * ac->H * ac->hd;
@@ -1137,33 +1144,27 @@ PD_TEST(test_cuda_attention_decode) {
     ctx_fini(&c);
 }
 
-// Long contexts and batches of them at the decode kernels' partition boundaries: one stream at 32k
-// (one-wave split into the most partitions, in-place merge), a batch of long odd lengths (4-warp
-// blocks, combine kernel; the Llama-3-8B heads at a quarter of the lengths), and the same with
-// per-token K/V scales 2^±12 apart and all-zero V rows (the fp8 kernels' weighting frame). Few kv
-// heads at the longest lengths: the CPU reference and the random fill dominate the test's time.
+// Long contexts and batches of them at the decode kernels' partition boundaries, bf16 and fp8
+// caches (GPU vs CPU; the cost of fp8 itself is checked on the short cases above): one stream at
+// 32k (one-wave split into the most partitions, in-place merge), batches of long odd lengths
+// (4-warp blocks, combine kernel; the Llama-3-8B heads at an eighth of the lengths), and cases with
+// per-token V scales up to 2^±20 apart, K scales 2^±2, and all-zero V rows (the fp8 kernel's
+// weighting frame). Few kv heads at the longest lengths: the CPU reference and the random fill
+// dominate the test's time.
 PD_TEST(test_cuda_attention_decode_long) {
     ctx c;
     if (!ctx_init(&c, 11)) PD_SKIP("%s: no CUDA device", __func__);
-    int heads[][4] = {{8, 1, 128, 1}, {16, 2, 64, 1}, {12, 4, 32, 1}, {32, 8, 128, 4}};  // H, Hkv, hd, length divisor
-    for (size_t hi = 0; hi < PD_ARRAY_LEN(heads); hi++) {
-        int H = heads[hi][0], Hkv = heads[hi][1], hd = heads[hi][2], dv = heads[hi][3];
-        attn_case one = {.H = H, .Hkv = Hkv, .hd = hd, .bs = 16, .n_seqs = 1, .q_lens = {1},
-                         .kv_lens = {(hi == 0 ? 32768 : 20001) / dv}};
-        attn_check_both(&c, &one, "decode x1 long");
-        attn_case b = {.H = H, .Hkv = Hkv, .hd = hd, .bs = hi == 2 ? 7 : 16, .n_seqs = 9,
-                       .q_lens = {1, 1, 1, 1, 1, 1, 1, 1, 1}};
-        int lens[9] = {8191, 1, 4099, 12345, 33, 8192, 16, 6001, 17};
-        for (int i = 0; i < 9; i++) b.kv_lens[i] = lens[i] / dv > 0 ? lens[i] / dv : 1;
-        attn_check_both(&c, &b, "decode x9 long");
-        attn_case sp = b;
-        sp.spread = 12;
-        sp.kv_lens[2] = 3000 / dv;
-        attn_check_both(&c, &sp, "decode x9 spread scales");
-        attn_case sp1 = one;
-        sp1.spread = 20;
-        sp1.kv_lens[0] = 5003;
-        attn_check_both(&c, &sp1, "decode x1 spread scales");
+    int lens[9] = {8191, 1, 4099, 12345, 33, 8192, 16, 6001, 17};
+    attn_case one = {.H = 8, .Hkv = 1, .hd = 128, .bs = 16, .n_seqs = 1, .q_lens = {1}, .kv_lens = {32768}};
+    attn_check_gpu(&c, &one, "decode x1 32k");
+    attn_case sp1 = {.H = 16, .Hkv = 2, .hd = 64, .bs = 16, .n_seqs = 1, .q_lens = {1}, .kv_lens = {20001}, .spread = 20};
+    attn_check_gpu(&c, &sp1, "decode x1 spread scales");
+    int cfg[][5] = {{8, 1, 128, 2, 12}, {16, 2, 64, 2, 0}, {32, 8, 128, 8, 12}};  // H, Hkv, hd, length divisor, spread
+    for (size_t ci = 0; ci < PD_ARRAY_LEN(cfg); ci++) {
+        attn_case b = {.H = cfg[ci][0], .Hkv = cfg[ci][1], .hd = cfg[ci][2], .bs = 16, .n_seqs = 9,
+                       .q_lens = {1, 1, 1, 1, 1, 1, 1, 1, 1}, .spread = cfg[ci][4]};
+        for (int i = 0; i < 9; i++) b.kv_lens[i] = lens[i] / cfg[ci][3] > 0 ? lens[i] / cfg[ci][3] : 1;
+        attn_check_gpu(&c, &b, b.spread ? "decode x9 long, spread scales" : "decode x9 long");
     }
     ctx_fini(&c);
 }
