@@ -199,8 +199,15 @@ static double time_step(bench_ctx *b, int n_seqs, int q_len, int ctx, int reps) 
 }
 
 // d: a draft model's bench (NULL: none); its 1-token step is timed at each batch size too.
-static void run_verify(bench_ctx *b, bench_ctx *d, int batch_ctx, int max_q) {
-    int batches[] = {1, 8, 32, 64};
+#define BENCH_MAX_CTX 16
+
+// vb: the batch sizes (n_vb of them; NULL: 1, 8, 32, 64).
+static void run_verify(bench_ctx *b, bench_ctx *d, int batch_ctx, int max_q, const int *vb, int n_vb) {
+    int batches[BENCH_MAX_CTX] = {1, 8, 32, 64}, n_b = 4;
+    if (vb) {
+        n_b = n_vb;
+        for (int i = 0; i < n_vb; i++) batches[i] = vb[i];
+    }
     // Verify steps of up to max_q tokens per sequence run from CUDA graphs, as in the engine
     // (PD_CUDA_GRAPHS=0: eagerly); each (batch, tokens) shape is captured in the untimed steps.
     pd_model_set_graph_q(b->m, max_q);
@@ -208,7 +215,7 @@ static void run_verify(bench_ctx *b, bench_ctx *d, int batch_ctx, int max_q) {
     if (d && !cache_resize(d, 64L * ((batch_ctx + d->block_size - 1) / d->block_size))) d = NULL;
     double alphas[] = {0.5, 0.6, 0.7, 0.8, 0.9};
     json_t *arr = json_array();
-    for (int bi = 0; bi < 4; bi++) {
+    for (int bi = 0; bi < n_b; bi++) {
         int B = batches[bi];
         double t[17] = {0}, td = NAN;
         for (int q = 1; q <= max_q; q++) {
@@ -268,7 +275,6 @@ static void report(bench_ctx *b, const char *kind, const char *label, int batch,
     json_array_append_new(json_object_get(b->out, "results"), r);
 }
 
-#define BENCH_MAX_CTX 16
 
 static void run_benchmarks(bench_ctx *b, const int *ctxs, int n_ctx, const int *batches, int n_batches,
                            int batch_ctx, bool single, bool batched, bool prefill) {
@@ -326,6 +332,7 @@ int pd_cmd_bench_engine(int argc, char **argv) {
     long batch_ctx = 512, verify_tokens = 0;
     int ctxs[BENCH_MAX_CTX] = {128, 4096, 8192, 32768}, n_ctx = 4;
     int batches[BENCH_MAX_CTX] = {1, 8, 32, 64, 128, 256}, n_batches = 6;
+    bool batches_set = false;  // --batches given: also the verify steps' batch sizes (at most 64)
     pd_kv_dtype kv_dtype = PD_KV_ACT;
     double ds_gbs = 0, ds_tflops = 0;
     int c;
@@ -359,6 +366,7 @@ int pd_cmd_bench_engine(int argc, char **argv) {
             break;
         case 'x':
         case 'b': {
+            if (c == 'b') batches_set = true;
             int *dst = c == 'x' ? ctxs : batches, *n = c == 'x' ? &n_ctx : &n_batches;
             *n = 0;
             char *save = NULL, *list = strdup(optarg);
@@ -394,6 +402,7 @@ int pd_cmd_bench_engine(int argc, char **argv) {
                    "                            [--kv-cache-dtype auto|fp8] [--datasheet-gbs X] [--datasheet-tflops X]\n"
                    "                            [--json FILE]\n"
                    "  --verify-tokens N   speculative verify steps of 1..N tokens per sequence at batch 1/8/32/64\n"
+                   "                      (or at the --batches given, each at most 64)\n"
                    "                      (--only verify runs just those)\n"
                    "  --draft-model DIR   with --verify-tokens: also time this draft's 1-token step (same load format)\n"
                    "                      and give the implied speedup with it\n");
@@ -402,6 +411,8 @@ int pd_cmd_bench_engine(int argc, char **argv) {
         }
     }
     if (!model) return pd_cmd_usage_error("bench-engine", "--model DIR is required");
+    for (int i = 0; verify_tokens > 0 && batches_set && i < n_batches; i++)
+        if (batches[i] > 64) return pd_cmd_usage_error("bench-engine", "--batches with --verify-tokens: each at most 64");
     pd_err err = {0};
     bench_ctx b = {.block_size = 16}, d = {.block_size = 16};
     b.be = pd_backend_new(device, 0, &err);
@@ -468,7 +479,7 @@ int pd_cmd_bench_engine(int argc, char **argv) {
                (double)pd_model_weight_bytes_read(d.m, 1) * 1e-9,
                (double)pd_model_weight_bytes_read(d.m, 1) / (double)pd_model_weight_bytes_read(b.m, 1));
     }
-    if (verify_tokens > 0) run_verify(&b, d.m ? &d : NULL, (int)batch_ctx, (int)verify_tokens);
+    if (verify_tokens > 0) run_verify(&b, d.m ? &d : NULL, (int)batch_ctx, (int)verify_tokens, batches_set ? batches : NULL, n_batches);
     else if (!single && !batched && !prefill) fprintf(stderr, "bench-engine: --only verify needs --verify-tokens N\n");
     if (json_path && json_dump_file(b.out, json_path, JSON_INDENT(2)) != 0) {
         fprintf(stderr, "pdserve bench-engine: cannot write %s\n", json_path);

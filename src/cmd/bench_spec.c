@@ -83,7 +83,8 @@ static void repeat_prompts(prompts *P, int r) {
 }
 
 // Runs B requests on the engine; fills res (out: B x max_tokens tokens).
-static bool run_batch(pd_engine *e, const prompts *P, int B, int max_tokens, result *res) {
+// B requests at once on prompts first, first + 1, ... (cycling).
+static bool run_batch(pd_engine *e, const prompts *P, int B, int first, int max_tokens, result *res) {
     pd_engine_stats s0, s1;
     pd_engine_stats_get(e, &s0);
     int64_t first_max = 0, last = 0, t0 = pd_time_us(), toks_after = 0;  // tokens after the last first token
@@ -91,7 +92,8 @@ static bool run_batch(pd_engine *e, const prompts *P, int B, int max_tokens, res
     bool got_first[MAX_BATCH] = {0};
     pd_err err = {0};
     for (int i = 0; i < B; i++) {
-        pd_engine_request q = {.id = (uint64_t)i + 1000, .prompt = P->ids[i % P->n], .n_prompt = P->len[i % P->n],
+        int pi = (first + i) % P->n;
+        pd_engine_request q = {.id = (uint64_t)i + 1000, .prompt = P->ids[pi], .n_prompt = P->len[pi],
                                .max_tokens = max_tokens, .ignore_eos = true, .sampling = pd_sampling_params_default()};
         q.sampling.temperature = 0;
         if (pd_engine_submit(e, &q, &err) != PD_OK) {
@@ -140,10 +142,26 @@ static bool run_batch(pd_engine *e, const prompts *P, int B, int max_tokens, res
     return true;
 }
 
+// --serial S: one timed run is S batches of B requests one after another, on prompts 0 .. S B - 1
+// (cycling): at batch 1, S prompts decoded alone in turn. Tokens, time and counters are summed; the
+// outputs of all S B requests are compared with off.
+static bool run_serial(pd_engine *e, const prompts *P, int B, int serial, int max_tokens, result *res) {
+    result sum = {.out = res->out};
+    for (int si = 0; si < serial; si++) {
+        result r = {.out = res->out + (size_t)si * (size_t)B * (size_t)max_tokens};
+        if (!run_batch(e, P, B, si * B, max_tokens, &r)) return false;
+        sum.n_tokens += r.n_tokens, sum.wall_s += r.wall_s, sum.drafted += r.drafted, sum.accepted += r.accepted;
+        sum.emitted += r.emitted, sum.steps += r.steps;
+    }
+    sum.tok_s = sum.wall_s > 0 ? (double)sum.n_tokens / sum.wall_s : 0;
+    *res = sum;
+    return true;
+}
+
 typedef struct opts {
     const char *model, *draft, *golden, *golden_key, *device, *json_path;
     bool dummy, sequential;
-    int method, k, repeat, random_len, random_n, max_tokens, max_model_len, reps;
+    int method, k, repeat, random_len, random_n, max_tokens, max_model_len, reps, serial;
     int dummy_layers, draft_layers, scale_from;  // the controlled-acceptance fixture (0: off)
     float scale_eps;
     int kv_len;  // the longest prompt + max_tokens: the positions a request can hold
@@ -262,17 +280,17 @@ static bool run_group(const opts *o, const prompts *P, eng *G, int n, int bi, co
     int B = o->batches[bi];
     for (int j = 0; j < n; j++) {  // (at most 128 tokens: the policy's step shapes get measured)
         result w = {.out = scratch_out};
-        if (!run_batch(G[j].e, P, B, PD_MIN(o->max_tokens, 128), &w)) return false;
+        if (!run_batch(G[j].e, P, B, 0, PD_MIN(o->max_tokens, 128), &w)) return false;
     }
     for (int rep = 0; rep < o->reps; rep++)
         for (int jj = 0; jj < n; jj++) {
             eng *g = &G[(rep + jj) % n];
             result r = {.out = scratch_out};
-            if (!run_batch(g->e, P, B, o->max_tokens, &r)) return false;
+            if (!run_serial(g->e, P, B, o->serial, o->max_tokens, &r)) return false;
             g->tok_s[bi][rep] = r.tok_s;
             g->drafted[bi] += r.drafted, g->accepted[bi] += r.accepted, g->emitted[bi] += r.emitted;
             g->steps[bi] += r.steps, g->tokens[bi] += r.n_tokens;
-            size_t sz = sizeof(int32_t) * (size_t)B * (size_t)o->max_tokens;
+            size_t sz = sizeof(int32_t) * (size_t)B * (size_t)o->serial * (size_t)o->max_tokens;
             if (rep == 0 && !*base_out && g == baseline) {
                 *base_out = pd_malloc(sz);
                 if (!*base_out) return false;
@@ -284,7 +302,7 @@ static bool run_group(const opts *o, const prompts *P, eng *G, int n, int bi, co
                 g->diff_min[bi] = -1;
                 g->diff_mean[bi] = 0;
                 int n_diff = 0;
-                for (int i = 0; *base_out && i < B; i++) {
+                for (int i = 0; *base_out && i < B * o->serial; i++) {
                     const int32_t *a = r.out + (size_t)i * o->max_tokens, *b = *base_out + (size_t)i * o->max_tokens;
                     int t = 0;
                     while (t < o->max_tokens && a[t] == b[t]) t++;
@@ -299,6 +317,18 @@ static bool run_group(const opts *o, const prompts *P, eng *G, int n, int bi, co
             }
         }
     return true;
+}
+
+// The a in [0, 1] with 1 + a + ... + a^k = e (bisection; e clamped to [1, k + 1]).
+static double implied_alpha(double e, int k) {
+    double lo = 0, hi = 1;
+    for (int it = 0; it < 60; it++) {
+        double a = 0.5 * (lo + hi), t = 1, p = 1;
+        for (int j = 1; j <= k; j++) p *= a, t += p;
+        if (t < e) lo = a;
+        else hi = a;
+    }
+    return 0.5 * (lo + hi);
 }
 
 // Prints (and adds to arr) one batch size's results: per engine the median of its runs and their
@@ -328,7 +358,11 @@ static void report_batch(const opts *o, eng *G, int n_eng, int bi, json_t *arr, 
         double ratio = pm > 0 ? med / pm : 0;
         printf("%-10s %-8s batch=%-3d %9.1f tok/s [%.1f..%.1f] %5.2fx off  acceptance %.3f  tokens/verify %.2f  drafted %lld",
                eng_method(g, o), eng_mode(g), B, med, mn, mx, ratio, acc, mal, (long long)(g->drafted[bi] / R));
-        if (g->n_same[bi] >= 0) printf("  same as off %d/%d", g->n_same[bi], B);
+        // fixed k: the per-token acceptance a of a geometric model that yields these tokens per
+        // verify step, E(k) = (1 - a^(k+1)) / (1 - a) (every verify step drafts k for every sequence)
+        double ia = g->fixed && mal > 0 ? implied_alpha(mal, o->k) : -1;
+        if (ia >= 0) printf("  implied a %.3f", ia);
+        if (g->n_same[bi] >= 0) printf("  same as off %d/%d", g->n_same[bi], B * o->serial);
         if (g->n_same[bi] >= 0 && g->diff_min[bi] >= 0)
             printf(" (the others from token %d, mean %.0f)", g->diff_min[bi], g->diff_mean[bi]);
         printf("\n");
@@ -340,6 +374,7 @@ static void report_batch(const opts *o, eng *G, int n_eng, int bi, json_t *arr, 
                                              acc, "tokens_per_verify", mal, "drafted", (json_int_t)(g->drafted[bi] / R), "accepted",
                                              (json_int_t)(g->accepted[bi] / R), "tokens", (json_int_t)(g->tokens[bi] / R),
                                              "same_as_off", g->n_same[bi]));
+        if (ia >= 0) json_object_set_new(json_array_get(arr, json_array_size(arr) - 1), "implied_a", json_real(ia));
         if (g->n_same[bi] >= 0 && g->diff_min[bi] >= 0) {
             json_t *last = json_array_get(arr, json_array_size(arr) - 1);
             json_object_set_new(last, "first_diff_min", json_integer(g->diff_min[bi]));
@@ -375,12 +410,14 @@ int pd_cmd_bench_spec(int argc, char **argv) {
                                        {"modes", required_argument, 0, 'M'},       {"max-model-len", required_argument, 0, 'L'},
                                        {"reps", required_argument, 0, 'p'},        {"json", required_argument, 0, 'j'},
                                        {"sequential", no_argument, 0, 'S'},
+                                       {"serial", required_argument, 0, 'Q'},
                                        {"dummy-num-layers", required_argument, 0, 'Y'},
                                        {"dummy-residual-scale", required_argument, 0, 'E'},
                                        {"speculative-dummy-layers", required_argument, 0, 'K'},
                                        {"help", no_argument, 0, 'h'},              {0, 0, 0, 0}};
     opts o = {.device = "auto", .golden_key = "prompts", .k = 4, .repeat = 1, .random_n = 1, .max_tokens = 128,
-              .max_model_len = 1024, .reps = 3, .modes = "off,adaptive,fixed", .batches = {1, 8, 32, 64}, .n_batches = 4};
+              .max_model_len = 1024, .reps = 3, .serial = 1, .modes = "off,adaptive,fixed", .batches = {1, 8, 32, 64},
+              .n_batches = 4};
     int c;
     long v;
     optind = 1;
@@ -445,6 +482,10 @@ int pd_cmd_bench_spec(int argc, char **argv) {
         case 'M': o.modes = optarg; break;
         case 'j': o.json_path = optarg; break;
         case 'S': o.sequential = true; break;
+        case 'Q':
+            if (!pd_cmd_parse_int(optarg, &v) || v < 1 || v > 64) return pd_cmd_usage_error("bench-spec", "--serial must be 1..64");
+            o.serial = (int)v;
+            break;
         case 'Y':
             if (!pd_cmd_parse_int(optarg, &v) || v < 1 || v > 4096) return pd_cmd_usage_error("bench-spec", "--dummy-num-layers must be 1..4096");
             o.dummy_layers = (int)v;
@@ -471,11 +512,13 @@ int pd_cmd_bench_spec(int argc, char **argv) {
                    "         [--speculative-method draft|ngram|lookahead] [--speculative-model DIR] [--num-speculative-tokens K]\n"
                    "         (--golden FILE [--golden-key prompts|speculative_acceptance] | --random-prompt L [--random-prompts N])\n"
                    "         [--repeat N] [--max-tokens N] [--batches 1,8,32,64] [--modes off,adaptive,fixed] [--max-model-len N]\n"
-                   "         [--reps N] [--sequential] [--json FILE]\n"
+                   "         [--reps N] [--sequential] [--serial S] [--json FILE]\n"
                    "         [--dummy-residual-scale FROM:EPS] [--dummy-num-layers K] [--speculative-dummy-layers K]\n"
                    "  --modes: off, adaptive, fixed (the --speculative-method), or METHOD:adaptive / METHOD:fixed; repeats\n"
                    "           allowed; the first is off. Engines live side by side and run interleaved (rotated order each\n"
                    "           rep, same warm-up); --sequential builds, runs and frees them one at a time instead.\n"
+                   "  --serial S: a timed run is S batches one after another on the next prompts (batch 1: S prompts\n"
+                   "           decoded alone in turn, so acceptance and speed are over S requests, not one)\n"
                    "  Benchmark fixture, --load-format dummy only (docs/benchmarks.md, 'controlled acceptance'):\n"
                    "  --dummy-residual-scale FROM:EPS  the target's layers FROM.. write into the residual stream scaled\n"
                    "           by EPS (their o_proj and down_proj scaled at load; every weight is still read)\n"
@@ -581,7 +624,7 @@ int pd_cmd_bench_spec(int argc, char **argv) {
     json_object_set_new(out, "summary", sums);
     json_object_set_new(out, "workload", wl);
     int32_t *base_out[16] = {0};
-    int32_t *scratch = pd_malloc(sizeof(int32_t) * (size_t)bmax * (size_t)o.max_tokens);
+    int32_t *scratch = pd_malloc(sizeof(int32_t) * (size_t)bmax * (size_t)o.serial * (size_t)o.max_tokens);
     int rc = scratch ? 0 : 1;
     // Interleaved: every engine built first (each warmed the same way: its warm-up graphs, one short
     // batch-1 run), then batch by batch the rotated rounds. Sequential: one engine at a time.
@@ -596,7 +639,7 @@ int pd_cmd_bench_spec(int argc, char **argv) {
                 break;
             }
             result warm = {.out = scratch};
-            (void)run_batch(grp[j].e, &P, 1, PD_MIN(o.max_tokens, 16), &warm);  // first steps: cuBLASLt plans, allocations
+            (void)run_batch(grp[j].e, &P, 1, 0, PD_MIN(o.max_tokens, 16), &warm);  // first steps: cuBLASLt plans, allocations
         }
         for (int bi = 0; bi < o.n_batches && !rc; bi++)
             if (!run_group(&o, &P, grp, n, bi, &G[0], scratch, &base_out[bi])) rc = 1;
@@ -607,7 +650,7 @@ int pd_cmd_bench_spec(int argc, char **argv) {
         report_batch(&o, G, n_eng, bi, arr, sums);
         if (base_out[bi]) {
             json_t *w = json_pack("{s:i}", "batch", o.batches[bi]);
-            describe_outputs(base_out[bi], o.batches[bi], o.max_tokens, w);
+            describe_outputs(base_out[bi], o.batches[bi] * o.serial, o.max_tokens, w);
             json_array_append_new(wl, w);
         }
     }

@@ -37,6 +37,7 @@
 #include <stdio.h>
 
 #include "kernels/attention.cuh"
+#include "kernels/attention_prefill.cuh"
 #include "kernels/common.cuh"
 
 #define PD_K_ATT_BQ 128
@@ -1410,6 +1411,7 @@ extern "C" size_t pd_cuda_attention_counter_bytes(int n_seqs, int n_kv_heads, in
 
 template <int HD, bool F8>
 static void pd_k_attn_launch_prefill(const pd_attention_kparams *p, cudaStream_t s) {
+    if (pd_cuda_attn_prefill_fa3(p, s)) return;  // sm_90a wgmma kernel (attention_prefill.cu) when it covers p
     int n_q_tiles = (p->max_q_len + PD_K_ATT_BQ - 1) / PD_K_ATT_BQ;
     size_t smem = (size_t)(PD_K_ATT_BQ + 4 * PD_K_ATT_BKV_OF(HD)) * (HD + 8) * 2;
     static bool attr_set = false;  // per instantiation; the first launch raises the smem limit

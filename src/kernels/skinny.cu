@@ -48,6 +48,21 @@ static __device__ __forceinline__ void pd_k_sk_load(uint4 (&wv)[U][R], const uin
                                                         : make_uint4(0, 0, 0, 0);
 }
 
+// The same chunks copied into shared memory with cp.async (slot (u R + r) 128 + tid; zero-filled
+// past the row's end), one commit group.
+template <int R, int U>
+static __device__ __forceinline__ void pd_k_sk_load_async(uint4 *wsm, const uint4 *const (&wr)[R], int tid, int c,
+                                                          int chunks) {
+#pragma unroll
+    for (int u = 0; u < U; u++)
+#pragma unroll
+        for (int r = 0; r < R; r++) {
+            bool ok = c + u * PD_K_SK_THREADS < chunks;
+            pd_k_cp_async16(&wsm[(u * R + r) * PD_K_SK_THREADS + tid], ok ? wr[r] + c + u * PD_K_SK_THREADS : wr[r], ok);
+        }
+    pd_k_cp_async_commit();
+}
+
 // Smallest power of two >= x (x <= 32).
 #define PD_K_SK_P2(x) ((x) <= 1 ? 1 : (x) <= 2 ? 2 : (x) <= 4 ? 4 : (x) <= 8 ? 8 : (x) <= 16 ? 16 : 32)
 
@@ -85,8 +100,17 @@ enum { PD_K_SK_PLAIN = 0, PD_K_SK_RESIDUAL = 1, PD_K_SK_GLU = 2, PD_K_SK_ROPE = 
 // (the qkv GEMM: the first (H + Hkv) hd / 4 blocks own two rotation pairs each, rows i, i + 1,
 // i + hd/2, i + hd/2 + 1 of one q / k head, and rotate them as rope_kv.cu does; the rest own 4
 // consecutive v rows; k and v go to the cache slot of each token, skipped where the slot is < 0).
-template <int M, int R, int NORM, int EPI>
-static __global__ void __launch_bounds__(PD_K_SK_THREADS) k_skinny(pd_k_skinny_args p) {
+// Builds (VAR; minBlocks 0 = no bound: an explicit 1 let the compiler take ~20 more registers,
+// 89 -> 110 at M = 1, one block fewer per SM): PD_K_SK_REG, the weights loaded into registers; PD_K_SK_OCC4, the same bounded to
+// 128 registers (M = 5: 4 blocks of 32 KB of loads in flight per SM instead of 3 at its natural
+// 130; no spills); PD_K_SK_ASYNC, the weights copied into shared memory with cp.async (each thread
+// reads back only the 16-byte slots it copied, so no barrier): the 64 registers the loads held are
+// free, and the blocks per SM are bounded by shared memory (32 KB each: 6) rather than registers
+// (3 at M = 5, 2 at M = 8), so more bytes are in flight per SM at M >= 5.
+enum { PD_K_SK_REG = 0, PD_K_SK_OCC4 = 1, PD_K_SK_ASYNC = 2 };
+template <int M, int R, int NORM, int EPI, int VAR>
+static __global__ void __launch_bounds__(PD_K_SK_THREADS, VAR == PD_K_SK_OCC4 ? 4 : 0) k_skinny(pd_k_skinny_args p) {
+    constexpr bool AS = VAR == PD_K_SK_ASYNC;
     constexpr int U = PD_K_SK_LOADS / R;
     pd_k_pdl_trigger();
     const int tid = threadIdx.x, chunks = p.K >> 3;
@@ -111,8 +135,10 @@ static __global__ void __launch_bounds__(PD_K_SK_THREADS) k_skinny(pd_k_skinny_a
         else n = min(row0 + r, p.N - 1);
         wr[r] = (const uint4 *)(p.w + (size_t)n * p.K);
     }
-    uint4 wv[U][R];
-    pd_k_sk_load<R, U>(wv, wr, tid, chunks);
+    uint4 wv[AS ? 1 : U][AS ? 1 : R];
+    __shared__ uint4 wsm[AS ? PD_K_SK_LOADS * PD_K_SK_THREADS : 1];  // slot (u R + r) 128 + tid
+    if constexpr (AS) pd_k_sk_load_async<R, U>(wsm, wr, tid, tid, chunks);
+    else pd_k_sk_load<R, U>(wv, wr, tid, chunks);
     pd_k_pdl_wait();  // the activations (and out) belong to earlier kernels
 
     const uint4 *ar[M];
@@ -154,15 +180,20 @@ static __global__ void __launch_bounds__(PD_K_SK_THREADS) k_skinny(pd_k_skinny_a
     for (int r = 0; r < R; r++)
 #pragma unroll
         for (int m = 0; m < M; m++) acc[r][m] = 0.f;
+    if constexpr (AS) pd_k_cp_async_wait<0>();
+    constexpr int UNR = AS ? 1 : U;  // (unrolled, the shared-memory reads would all be hoisted into registers)
     for (int c = tid;;) {
-#pragma unroll
+#pragma unroll UNR
         for (int u = 0; u < U; u++) {
             int cu = c + u * PD_K_SK_THREADS;
             if (cu >= chunks) break;
             float wf[R][8], gf[8];
             uint4 graw = make_uint4(0, 0, 0, 0);
 #pragma unroll
-            for (int r = 0; r < R; r++) pd_k_unpack8(wv[u][r], wf[r]);
+            for (int r = 0; r < R; r++) {
+                if constexpr (AS) pd_k_unpack8(wsm[(u * R + r) * PD_K_SK_THREADS + tid], wf[r]);
+                else pd_k_unpack8(wv[u][r], wf[r]);
+            }
             if (NORM) {
                 graw = __ldg((const uint4 *)p.norm_w + cu);
                 pd_k_unpack8(graw, gf);
@@ -194,7 +225,12 @@ static __global__ void __launch_bounds__(PD_K_SK_THREADS) k_skinny(pd_k_skinny_a
         }
         c += U * PD_K_SK_THREADS;
         if (c >= chunks) break;
-        pd_k_sk_load<R, U>(wv, wr, c, chunks);
+        if constexpr (AS) {
+            pd_k_sk_load_async<R, U>(wsm, wr, tid, c, chunks);
+            pd_k_cp_async_wait<0>();
+        } else {
+            pd_k_sk_load<R, U>(wv, wr, c, chunks);
+        }
     }
 
     __shared__ float red[PD_K_SK_THREADS / 32][R * M];
@@ -282,23 +318,31 @@ extern "C" int pd_cuda_skinny_supported(int M, int K, int lda, const void *a, co
            ((uintptr_t)w & 15) == 0;
 }
 
+template <int R, int NORM, int EPI, int VAR>
+static void pd_k_skinny_launch_v(const pd_k_skinny_args &a, cudaStream_t s, dim3 grid, dim3 block) {
+    switch (a.M) {
+    case 1: pd_k_launch(k_skinny<1, R, NORM, EPI, VAR>, grid, block, 0, s, a); break;
+    case 2: pd_k_launch(k_skinny<2, R, NORM, EPI, VAR>, grid, block, 0, s, a); break;
+    case 3: pd_k_launch(k_skinny<3, R, NORM, EPI, VAR>, grid, block, 0, s, a); break;
+    case 4: pd_k_launch(k_skinny<4, R, NORM, EPI, VAR>, grid, block, 0, s, a); break;
+    case 5: pd_k_launch(k_skinny<5, R, NORM, EPI, VAR>, grid, block, 0, s, a); break;
+    case 6: pd_k_launch(k_skinny<6, R, NORM, EPI, VAR>, grid, block, 0, s, a); break;
+    case 7: pd_k_launch(k_skinny<7, R, NORM, EPI, VAR>, grid, block, 0, s, a); break;
+    default: pd_k_launch(k_skinny<8, R, NORM, EPI, VAR>, grid, block, 0, s, a); break;
+    }
+}
+
+// var: PD_K_SK_REG, PD_K_SK_OCC4 (M = 5 only; other M take the register build) or PD_K_SK_ASYNC.
 template <int R, int NORM, int EPI>
-static void pd_k_skinny_launch_r(const pd_k_skinny_args &a, cudaStream_t s) {
+static void pd_k_skinny_launch_r(const pd_k_skinny_args &a, cudaStream_t s, int var) {
     int rows = EPI == PD_K_SK_GLU ? R / 2 : R;
     unsigned n_blocks = (unsigned)((a.N + rows - 1) / rows);
     if (EPI == PD_K_SK_ROPE)  // rotation blocks (2 pairs each), then v blocks
         n_blocks = (unsigned)((a.H + a.Hkv) * (a.hd / 2) / 2 + (a.Hkv * a.hd + R - 1) / R);
     dim3 grid(n_blocks), block(PD_K_SK_THREADS);
-    switch (a.M) {
-    case 1: pd_k_launch(k_skinny<1, R, NORM, EPI>, grid, block, 0, s, a); break;
-    case 2: pd_k_launch(k_skinny<2, R, NORM, EPI>, grid, block, 0, s, a); break;
-    case 3: pd_k_launch(k_skinny<3, R, NORM, EPI>, grid, block, 0, s, a); break;
-    case 4: pd_k_launch(k_skinny<4, R, NORM, EPI>, grid, block, 0, s, a); break;
-    case 5: pd_k_launch(k_skinny<5, R, NORM, EPI>, grid, block, 0, s, a); break;
-    case 6: pd_k_launch(k_skinny<6, R, NORM, EPI>, grid, block, 0, s, a); break;
-    case 7: pd_k_launch(k_skinny<7, R, NORM, EPI>, grid, block, 0, s, a); break;
-    default: pd_k_launch(k_skinny<8, R, NORM, EPI>, grid, block, 0, s, a); break;
-    }
+    if (var == PD_K_SK_ASYNC) pd_k_skinny_launch_v<R, NORM, EPI, PD_K_SK_ASYNC>(a, s, grid, block);
+    else if (var == PD_K_SK_OCC4 && a.M == 5) pd_k_launch(k_skinny<5, R, NORM, EPI, PD_K_SK_OCC4>, grid, block, 0, s, a);
+    else pd_k_skinny_launch_v<R, NORM, EPI, PD_K_SK_REG>(a, s, grid, block);
 }
 
 extern "C" void pd_cuda_skinny(const pd_skinny_kparams *p, cudaStream_t s) {
@@ -314,18 +358,19 @@ extern "C" void pd_cuda_skinny(const pd_skinny_kparams *p, cudaStream_t s) {
     a.positions = p->positions, a.slot_mapping = p->slot_mapping, a.inv_freq = p->inv_freq;
     a.k_cache = (__nv_bfloat16 *)p->k_cache, a.v_cache = (__nv_bfloat16 *)p->v_cache;
     a.H = p->n_heads, a.Hkv = p->n_kv_heads, a.hd = p->head_dim, a.attn_scaling = p->attn_scaling;
+    const int var = p->async ? PD_K_SK_ASYNC : p->occ4 ? PD_K_SK_OCC4 : PD_K_SK_REG;
     if (p->rope) {  // the qkv GEMM: with the attention norm (decode) or without
-        if (p->norm_w) pd_k_skinny_launch_r<4, 1, PD_K_SK_ROPE>(a, s);
-        else pd_k_skinny_launch_r<4, 0, PD_K_SK_ROPE>(a, s);
+        if (p->norm_w) pd_k_skinny_launch_r<4, 1, PD_K_SK_ROPE>(a, s, var);
+        else pd_k_skinny_launch_r<4, 0, PD_K_SK_ROPE>(a, s, var);
         return;
     }
     // The fused forms: 4 rows per block (2 gate/up pairs with glu); only the instantiations the
     // decode step uses (norm with plain (lm_head) or glu (gate_up) or plain (qkv); residual alone).
-    if (p->norm_w && p->glu) pd_k_skinny_launch_r<4, 1, PD_K_SK_GLU>(a, s);
-    else if (p->norm_w && !p->residual) pd_k_skinny_launch_r<4, 1, PD_K_SK_PLAIN>(a, s);
-    else if (p->norm_w) pd_k_skinny_launch_r<4, 1, PD_K_SK_RESIDUAL>(a, s);
-    else if (p->glu) pd_k_skinny_launch_r<4, 0, PD_K_SK_GLU>(a, s);
-    else if (p->residual) pd_k_skinny_launch_r<4, 0, PD_K_SK_RESIDUAL>(a, s);
-    else if (p->rows == 2) pd_k_skinny_launch_r<2, 0, PD_K_SK_PLAIN>(a, s);
-    else pd_k_skinny_launch_r<4, 0, PD_K_SK_PLAIN>(a, s);
+    if (p->norm_w && p->glu) pd_k_skinny_launch_r<4, 1, PD_K_SK_GLU>(a, s, var);
+    else if (p->norm_w && !p->residual) pd_k_skinny_launch_r<4, 1, PD_K_SK_PLAIN>(a, s, var);
+    else if (p->norm_w) pd_k_skinny_launch_r<4, 1, PD_K_SK_RESIDUAL>(a, s, var);
+    else if (p->glu) pd_k_skinny_launch_r<4, 0, PD_K_SK_GLU>(a, s, var);
+    else if (p->residual) pd_k_skinny_launch_r<4, 0, PD_K_SK_RESIDUAL>(a, s, var);
+    else if (p->rows == 2) pd_k_skinny_launch_r<2, 0, PD_K_SK_PLAIN>(a, s, var);
+    else pd_k_skinny_launch_r<4, 0, PD_K_SK_PLAIN>(a, s, var);
 }

@@ -37,8 +37,17 @@
 typedef struct pd_k_skinny_mma_args {
     const __nv_bfloat16 *a, *w, *bias;
     void *out;
-    int M, N, K, lda, accumulate, out_f32;
+    int M, N, K, lda, accumulate, out_f32, hf;
+    // rope epilogue
+    const int32_t *positions, *slot_mapping;
+    const float *inv_freq;
+    __nv_bfloat16 *k_cache, *v_cache;
+    int H, Hkv, hd;
+    float attn_scaling;
 } pd_k_skinny_mma_args;
+
+// Epilogues (skinny_mma.cuh): plain (bias, accumulate, f32 out), residual, glu, rope.
+enum { PD_K_SM_PLAIN = 0, PD_K_SM_RESIDUAL = 1, PD_K_SM_GLU = 2, PD_K_SM_ROPE = 3 };
 
 // The weight chunks c + u * STEP (u < U) of the 2 T rows of this lane; chunks past the row's end
 // read as zero.
@@ -61,25 +70,33 @@ template <int T, int NT, int U>
 static __device__ __forceinline__ void pd_k_sm_batch(float (&acc)[T][NT][4], const uint4 (&wv)[U][T][2],
                                                      const uint4 *const (&ar)[NT], const bool (&a_on)[NT], int cb,
                                                      int t, int chunks) {
-    uint4 av[U][NT];
+    // The activation chunks in groups of AG steps (all U at once for 16 loads in flight; 4 at a
+    // time for 32, which would otherwise hold 64 more registers and fit fewer blocks per SM).
+    constexpr int AG = U > 8 ? 4 : U;
 #pragma unroll
-    for (int u = 0; u < U; u++)
+    for (int u0 = 0; u0 < U; u0 += AG) {
+        if (cb + u0 * PD_K_SM_STEP >= chunks) break;  // warp-uniform
+        uint4 av[AG][NT];
 #pragma unroll
-        for (int j = 0; j < NT; j++) {
-            int c = cb + t + u * PD_K_SM_STEP;
-            av[u][j] = a_on[j] && c < chunks ? __ldg(ar[j] + c) : make_uint4(0, 0, 0, 0);
-        }
-#pragma unroll
-    for (int u = 0; u < U; u++) {
-        if (cb + u * PD_K_SM_STEP >= chunks) break;  // warp-uniform; the lanes past the end hold zeros
-#pragma unroll
-        for (int i = 0; i < T; i++) {
-            const uint32_t a0[4] = {wv[u][i][0].x, wv[u][i][1].x, wv[u][i][0].y, wv[u][i][1].y};
-            const uint32_t a1[4] = {wv[u][i][0].z, wv[u][i][1].z, wv[u][i][0].w, wv[u][i][1].w};
+        for (int u = 0; u < AG; u++)
 #pragma unroll
             for (int j = 0; j < NT; j++) {
-                pd_k_mma_bf16(acc[i][j], a0, av[u][j].x, av[u][j].y);
-                pd_k_mma_bf16(acc[i][j], a1, av[u][j].z, av[u][j].w);
+                int c = cb + t + (u0 + u) * PD_K_SM_STEP;
+                av[u][j] = a_on[j] && c < chunks ? __ldg(ar[j] + c) : make_uint4(0, 0, 0, 0);
+            }
+#pragma unroll
+        for (int u = 0; u < AG; u++) {
+            if (cb + (u0 + u) * PD_K_SM_STEP >= chunks) break;  // warp-uniform; the lanes past the end hold zeros
+#pragma unroll
+            for (int i = 0; i < T; i++) {
+                const uint4 &w0 = wv[u0 + u][i][0], &w1 = wv[u0 + u][i][1];
+                const uint32_t a0[4] = {w0.x, w1.x, w0.y, w1.y};
+                const uint32_t a1[4] = {w0.z, w1.z, w0.w, w1.w};
+#pragma unroll
+                for (int j = 0; j < NT; j++) {
+                    pd_k_mma_bf16(acc[i][j], a0, av[u][j].x, av[u][j].y);
+                    pd_k_mma_bf16(acc[i][j], a1, av[u][j].z, av[u][j].w);
+                }
             }
         }
     }
@@ -88,18 +105,39 @@ static __device__ __forceinline__ void pd_k_sm_batch(float (&acc)[T][NT][4], con
 // T: 16-row tiles per block; NT: 8-column n-tiles (activation rows), 1 for M <= 8, 2 for M <= 16.
 // PIPE: two register sets of half the loads each; the next batch's loads are issued before the
 // current batch's MMAs (loads always in flight), instead of one set refilled after them.
-template <int T, int NT, bool PIPE>
+// EPI: PD_K_SM_PLAIN / RESIDUAL (tile i, half h: weight rows row0 + 16 i + 8 h + g), GLU (T = 1:
+// gate rows p0 + g in the first half, the up rows N + p0 + g in the second, p0 = 8 blockIdx.x) or
+// ROPE (T = 1: the first (H + Hkv) hd / 16 blocks rotate rows i0 + g and i0 + hd/2 + g of one q / k
+// head, i0 a multiple of 8; the rest own 16 consecutive v rows).
+// L: 16-byte weight loads in flight per thread (PD_K_SM_LOADS, or 32 (T = 1): twice the bytes in
+// flight per block, for grids too small to fill every SM with blocks: N = 4096 gives 256 blocks).
+template <int T, int NT, bool PIPE, int EPI, int L>
 static __global__ void __launch_bounds__(PD_K_SM_THREADS) k_skinny_mma(pd_k_skinny_mma_args p) {
-    constexpr int U = PD_K_SM_LOADS / (2 * T) / (PIPE ? 2 : 1), BATCH = U * PD_K_SM_STEP;
+    constexpr int U = L / (2 * T) / (PIPE ? 2 : 1), BATCH = U * PD_K_SM_STEP;
+    static_assert(EPI == PD_K_SM_PLAIN || EPI == PD_K_SM_RESIDUAL || T == 1, "glu / rope blocks are one 16-row tile");
     pd_k_pdl_trigger();
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
-    const int row0 = blockIdx.x * 16 * T, chunks = p.K >> 3;
+    const int chunks = p.K >> 3, half = p.hd >> 1;
+    int row0 = blockIdx.x * (EPI == PD_K_SM_GLU ? 8 : 16 * T);
+    const int rot_blocks = EPI == PD_K_SM_ROPE ? (p.H + p.Hkv) * half / 8 : 0;
+    const bool rot = EPI == PD_K_SM_ROPE && (int)blockIdx.x < rot_blocks;
+    if (EPI == PD_K_SM_ROPE) {
+        if (rot) {  // head hh, pairs i0 .. i0 + 7
+            int per = half / 8, hh = (int)blockIdx.x / per;
+            row0 = hh * p.hd + ((int)blockIdx.x - hh * per) * 8;
+        } else {
+            row0 = (p.H + p.Hkv) * p.hd + ((int)blockIdx.x - rot_blocks) * 16;
+        }
+    }
     const uint4 *wr[T][2];
 #pragma unroll
     for (int i = 0; i < T; i++)
 #pragma unroll
         for (int h = 0; h < 2; h++) {  // rows past N repeat the last row; their sums are not stored
-            int n = min(row0 + 16 * i + 8 * h + g, p.N - 1);
+            int n;
+            if (EPI == PD_K_SM_GLU) n = min(row0 + g, p.N - 1) + h * p.N;
+            else if (EPI == PD_K_SM_ROPE && rot) n = row0 + g + h * half;
+            else n = min(row0 + 16 * i + 8 * h + g, p.N - 1);
             wr[i][h] = (const uint4 *)(p.w + (size_t)n * p.K);
         }
     // cb: the warp's first chunk of the batch (warp-uniform: the loop's exits must be, every lane
@@ -150,6 +188,37 @@ static __global__ void __launch_bounds__(PD_K_SM_THREADS) k_skinny_mma(pd_k_skin
 #pragma unroll
             for (int e = 0; e < 4; e++) red[warp][8 * j + 2 * t + (e & 1)][16 * i + g + 8 * (e >> 1)] = acc[i][j][e];
     __syncthreads();
+    if (EPI == PD_K_SM_GLU || (EPI == PD_K_SM_ROPE && rot)) {  // pairs: row j with row j + 8
+        for (int idx = tid; idx < 8 * COLS; idx += PD_K_SM_THREADS) {
+            int m = idx >> 3, j = idx & 7, n0 = row0 + j;
+            if (m >= p.M || (EPI == PD_K_SM_GLU && n0 >= p.N)) continue;
+            float x0 = 0.f, x1 = 0.f;
+#pragma unroll
+            for (int w = 0; w < PD_K_SM_WARPS; w++) x0 += red[w][m][j], x1 += red[w][m][j + 8];
+            if (EPI == PD_K_SM_GLU) {
+                if (p.bias) x0 += __bfloat162float(p.bias[n0]), x1 += __bfloat162float(p.bias[p.N + n0]);
+                float gt = pd_k_bf16r(x0), up = pd_k_bf16r(x1), sg = pd_k_silu(gt);  // the stored gate_up
+                ((__nv_bfloat16 *)p.out)[(size_t)m * p.N + n0] = __float2bfloat16((p.hf ? pd_k_bf16r(sg) : sg) * up);
+                continue;
+            }
+            int n1 = n0 + half, h = n0 / p.hd, i = n0 - h * p.hd;
+            if (p.bias) x0 += __bfloat162float(p.bias[n0]), x1 += __bfloat162float(p.bias[n1]);
+            float y0, y1;  // from the stored (rounded) q / k, as rope_kv.cu reads them
+            pd_k_rope_pair(pd_k_bf16r(x0), pd_k_bf16r(x1), (float)p.positions[m], p.inv_freq[i], p.attn_scaling, p.hf,
+                           &y0, &y1);
+            __nv_bfloat16 b0 = __float2bfloat16(y0), b1 = __float2bfloat16(y1);
+            __nv_bfloat16 *qkv = (__nv_bfloat16 *)p.out + (size_t)m * p.N;
+            qkv[n0] = b0;
+            qkv[n1] = b1;
+            int slot = p.slot_mapping[m];
+            if (h >= p.H && slot >= 0) {
+                __nv_bfloat16 *kd = p.k_cache + (size_t)slot * p.Hkv * p.hd + (size_t)(h - p.H) * p.hd;
+                kd[i] = b0;
+                kd[i + half] = b1;
+            }
+        }
+        return;
+    }
     for (int idx = tid; idx < ROWS * COLS; idx += PD_K_SM_THREADS) {
         int m = idx / ROWS, r = idx - m * ROWS, n = row0 + r;
         if (m >= p.M || n >= p.N) continue;
@@ -158,7 +227,15 @@ static __global__ void __launch_bounds__(PD_K_SM_THREADS) k_skinny_mma(pd_k_skin
         for (int w = 0; w < PD_K_SM_WARPS; w++) v += red[w][m][r];
         if (p.bias) v += __bfloat162float(p.bias[n]);
         size_t o = (size_t)m * p.N + n;
-        if (p.out_f32) {
+        if (EPI == PD_K_SM_ROPE) {  // a v row: qkv and the cache
+            __nv_bfloat16 bv = __float2bfloat16(v);
+            ((__nv_bfloat16 *)p.out)[o] = bv;
+            int slot = p.slot_mapping[m];
+            if (slot >= 0) p.v_cache[(size_t)slot * p.Hkv * p.hd + (size_t)(n - (p.H + p.Hkv) * p.hd)] = bv;
+        } else if (EPI == PD_K_SM_RESIDUAL) {
+            __nv_bfloat16 *ob = (__nv_bfloat16 *)p.out;
+            ob[o] = __float2bfloat16(__bfloat162float(ob[o]) + pd_k_bf16r(v));
+        } else if (p.out_f32) {
             float *of = (float *)p.out;
             of[o] = p.accumulate ? of[o] + v : v;
         } else {
@@ -173,11 +250,24 @@ extern "C" int pd_cuda_skinny_mma_supported(int M, int K, int lda, const void *a
            ((uintptr_t)w & 15) == 0;
 }
 
-template <int T, bool PIPE>
+template <int T, bool PIPE, int EPI, int L>
 static void pd_k_skinny_mma_launch_t(const pd_k_skinny_mma_args &a, cudaStream_t s) {
-    dim3 grid((unsigned)((a.N + 16 * T - 1) / (16 * T))), block(PD_K_SM_THREADS);
-    if (a.M <= 8) pd_k_launch(k_skinny_mma<T, 1, PIPE>, grid, block, 0, s, a);
-    else pd_k_launch(k_skinny_mma<T, 2, PIPE>, grid, block, 0, s, a);
+    unsigned n_blocks = (unsigned)((a.N + 16 * T - 1) / (16 * T));
+    if (EPI == PD_K_SM_GLU) n_blocks = (unsigned)((a.N + 7) / 8);
+    if (EPI == PD_K_SM_ROPE)  // rotation blocks (8 pairs each), then v blocks
+        n_blocks = (unsigned)((a.H + a.Hkv) * (a.hd / 2) / 8 + (a.Hkv * a.hd + 15) / 16);
+    dim3 grid(n_blocks), block(PD_K_SM_THREADS);
+    if (a.M <= 8) pd_k_launch(k_skinny_mma<T, 1, PIPE, EPI, L>, grid, block, 0, s, a);
+    else pd_k_launch(k_skinny_mma<T, 2, PIPE, EPI, PD_K_SM_LOADS>, grid, block, 0, s, a);  // (32: spills)
+}
+
+// One 16-row tile per block, single- or double-buffered; 32 loads in flight per thread only
+// single-buffered at M <= 8 (221-223 registers, no spills; double-buffered or at M > 8 it spills).
+template <int EPI>
+static void pd_k_skinny_mma_launch_e(const pd_k_skinny_mma_args &a, bool pipe, int loads, cudaStream_t s) {
+    if (loads == 32 && !pipe && a.M <= 8) pd_k_skinny_mma_launch_t<1, false, EPI, 32>(a, s);
+    else if (pipe) pd_k_skinny_mma_launch_t<1, true, EPI, PD_K_SM_LOADS>(a, s);
+    else pd_k_skinny_mma_launch_t<1, false, EPI, PD_K_SM_LOADS>(a, s);
 }
 
 extern "C" void pd_cuda_skinny_mma(const pd_skinny_mma_kparams *p, cudaStream_t s) {
@@ -188,6 +278,15 @@ extern "C" void pd_cuda_skinny_mma(const pd_skinny_mma_kparams *p, cudaStream_t 
     a.out = p->out;
     a.M = p->M, a.N = p->N, a.K = p->K, a.lda = p->lda ? p->lda : p->K;
     a.accumulate = p->accumulate, a.out_f32 = p->out_f32;
-    if (p->rows == 32) p->pipe ? pd_k_skinny_mma_launch_t<2, true>(a, s) : pd_k_skinny_mma_launch_t<2, false>(a, s);
-    else p->pipe ? pd_k_skinny_mma_launch_t<1, true>(a, s) : pd_k_skinny_mma_launch_t<1, false>(a, s);
+    a.hf = pd_k_hf_rounding();
+    a.positions = p->positions, a.slot_mapping = p->slot_mapping, a.inv_freq = p->inv_freq;
+    a.k_cache = (__nv_bfloat16 *)p->k_cache, a.v_cache = (__nv_bfloat16 *)p->v_cache;
+    a.H = p->n_heads, a.Hkv = p->n_kv_heads, a.hd = p->head_dim, a.attn_scaling = p->attn_scaling;
+    if (p->rope) pd_k_skinny_mma_launch_e<PD_K_SM_ROPE>(a, p->pipe, p->loads, s);
+    else if (p->glu) pd_k_skinny_mma_launch_e<PD_K_SM_GLU>(a, p->pipe, p->loads, s);
+    else if (p->residual) pd_k_skinny_mma_launch_e<PD_K_SM_RESIDUAL>(a, p->pipe, p->loads, s);
+    else if (p->rows == 32)
+        p->pipe ? pd_k_skinny_mma_launch_t<2, true, PD_K_SM_PLAIN, PD_K_SM_LOADS>(a, s)
+                : pd_k_skinny_mma_launch_t<2, false, PD_K_SM_PLAIN, PD_K_SM_LOADS>(a, s);
+    else pd_k_skinny_mma_launch_e<PD_K_SM_PLAIN>(a, p->pipe, p->loads, s);
 }

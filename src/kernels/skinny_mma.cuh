@@ -21,6 +21,21 @@ typedef struct pd_skinny_mma_kparams {
     int accumulate, out_f32;
     int rows;          // weight rows per thread block: 16 or 32 (0: the default, 16)
     int pipe;          // 1: two register sets, the next batch's loads issued before this batch's MMAs
+    int loads;         // 16-byte weight loads in flight per thread: 16 (0: the default) or 32 (16 rows, M <= 8,
+                       // single-buffered only; else 16)
+    // Fused epilogues (backend.h pd_matmul_params; the norm is not folded here: the caller
+    // normalises first). 16 weight rows per block with any of them. glu: w is (2N, K), out (M, N)
+    // = silu(gate) * up, a block's 16 rows are 8 gate rows and the matching 8 up rows; residual:
+    // out = bf16(out + bf16(a . w^T + bias)); rope: out holds the qkv rows ((H + 2 Hkv) hd wide),
+    // q and k rotated as kernels/rope_kv.cu does and k, v written to the (bf16) cache slots; a
+    // rotation block's 16 rows are rows i0..i0+7 and i0+hd/2..i0+hd/2+7 of one q / k head, so
+    // head_dim % 16 == 0 is required. glu and residual exclude accumulate and out_f32.
+    int glu, residual, rope;
+    const int32_t *positions, *slot_mapping;
+    const float *inv_freq;
+    void *k_cache, *v_cache;
+    int n_heads, n_kv_heads, head_dim;
+    float attn_scaling;
 } pd_skinny_mma_kparams;
 
 // True when the kernel handles this call: 1 <= M <= 16, K and lda multiples of 8 and a, w 16-byte

@@ -145,18 +145,38 @@ void pd_spec_jacobi_step(pd_spec_jacobi *j, const int32_t *pred, pd_spec_pool *p
 
 // ---- adaptive length -----------------------------------------------------------------------------
 
-#define ACCEPT_DECAY 0.9
 #define ACCEPT_PRIOR_WEIGHT 2.0
 
 void pd_spec_accept_init(pd_spec_accept *a, double prior_alpha) {
-    a->s = ACCEPT_PRIOR_WEIGHT * prior_alpha;
-    a->f = ACCEPT_PRIOR_WEIGHT * (1 - prior_alpha);
+    a->s = a->ss = ACCEPT_PRIOR_WEIGHT * prior_alpha;
+    a->f = a->fs = ACCEPT_PRIOR_WEIGHT * (1 - prior_alpha);
+}
+
+// Whether the short memory's estimate is inconsistent with the long one's: |as - al| > z standard
+// errors of a proportion estimated from the short memory's observations (at least one).
+static bool accept_changed(const pd_spec_accept *a) {
+    double tl = a->s + a->f, ts = a->ss + a->fs;
+    if (tl <= 0 || ts <= 0) return false;
+    double al = a->s / tl, as = a->ss / ts, var = al * (1 - al);
+    double d = as - al, n = ts > 1 ? ts : 1;
+    // var floored at one observation's worth of either outcome: an estimate at 0 or 1 must not
+    // make every later difference infinitely significant.
+    double vf = 1.0 / (n + 1);
+    if (var < vf * (1 - vf)) var = vf * (1 - vf);
+    return d * d * n > PD_SPEC_ACCEPT_Z * PD_SPEC_ACCEPT_Z * var;
 }
 
 void pd_spec_accept_update(pd_spec_accept *a, int n_drafted, int n_accepted) {
     if (n_drafted <= 0) return;
-    a->s = ACCEPT_DECAY * a->s + n_accepted;
-    a->f = ACCEPT_DECAY * a->f + (n_accepted < n_drafted ? 1 : 0);
+    double fail = n_accepted < n_drafted ? 1 : 0;
+    a->s = PD_SPEC_ACCEPT_DECAY_LONG * a->s + n_accepted;
+    a->f = PD_SPEC_ACCEPT_DECAY_LONG * a->f + fail;
+    a->ss = PD_SPEC_ACCEPT_DECAY_SHORT * a->ss + n_accepted;
+    a->fs = PD_SPEC_ACCEPT_DECAY_SHORT * a->fs + fail;
+    if (accept_changed(a)) {  // a real change: restart from the recent steps' estimate, lightly held
+        double ts = a->ss + a->fs, w = ts < PD_SPEC_ACCEPT_RESTART_W ? ts : PD_SPEC_ACCEPT_RESTART_W;
+        a->s = w * a->ss / ts, a->f = w * a->fs / ts;
+    }
 }
 
 double pd_spec_accept_alpha(const pd_spec_accept *a) {

@@ -71,10 +71,26 @@ void pd_spec_jacobi_step(pd_spec_jacobi *j, const int32_t *pred, pd_spec_pool *p
 
 // ---- adaptive length (DISCO-like) ----------------------------------------------------------------
 // Per-request acceptance: the per-token acceptance probability alpha of a geometric model (each
-// draft accepted with alpha given the previous were), estimated with exponential forgetting:
-// successes = accepted drafts, failures = rejections.
+// draft accepted with alpha given the previous were), successes = accepted drafts, failures =
+// rejections, counted with exponential forgetting on two time scales. The estimate is the long
+// one (PD_SPEC_ACCEPT_DECAY_LONG: ~50 verify steps, ~100 observations at alpha 0.7 and k = 4; its
+// noise, ~0.04, barely moves the cost model's best k) as long as the recent steps (the short one,
+// PD_SPEC_ACCEPT_DECAY_SHORT: ~10 steps) are consistent with it: when they are not — the short
+// estimate differs by more than PD_SPEC_ACCEPT_Z standard errors of its own count, a real change
+// of the acceptance rate rather than a run of rejections that independent tokens produce — the
+// long one restarts at the short one's estimate with the weight of PD_SPEC_ACCEPT_RESTART_W
+// observations (the pre-change steps the short memory still holds must not linger in the long
+// one). Simulated (tests/unit/test_spec.c): at a steady 0.7, k = 4, ~1 restart in 3000 steps, the
+// estimate within 0.58-0.78 (the short memory alone: 0.43-0.89); a change 0.7 -> 0.2 followed in
+// 11-19 steps. (A short memory alone, as before session 10, drafted k = 2 after ordinary runs of
+// rejections at a steady alpha 0.7.)
+#define PD_SPEC_ACCEPT_DECAY_LONG 0.98
+#define PD_SPEC_ACCEPT_DECAY_SHORT 0.9
+#define PD_SPEC_ACCEPT_Z 2.0
+#define PD_SPEC_ACCEPT_RESTART_W 4.0
 typedef struct pd_spec_accept {
-    double s, f;
+    double s, f;    // long memory
+    double ss, fs;  // short memory
 } pd_spec_accept;
 void pd_spec_accept_init(pd_spec_accept *a, double prior_alpha);
 void pd_spec_accept_update(pd_spec_accept *a, int n_drafted, int n_accepted);

@@ -5,6 +5,8 @@
 #      speculative_acceptance prompts, batches 1 and 3, modes off, adaptive, fixed, off: every line
 #      reported, the fixed run drafted and accepted tokens, and every speculative run's greedy
 #      output is byte-identical to speculation off ("same as off N/N": fp32 on the CPU is exact)
+#      (and the fixed run's implied per-token acceptance gives its tokens per verify step); --serial:
+#      batch 1 over several prompts in turn, every output compared, tokens summed; --serial 0 refused
 #   2. ngram on a repeated prompt: drafted, accepted, identical; the JSON report has every run;
 #      the interleaved protocol (METHOD:mode, two plain engines, 2 rounds): runs, median within
 #      its range, the plain engines' pooled band, the summary
@@ -39,6 +41,27 @@ done || exit 1
 fixed1=$(grep ' fixed ' "$TMP/draft.out" | grep 'batch=1 ')
 echo "$fixed1" | grep -Eq 'drafted [1-9]' || pd_fail "fixed k drafted nothing: $fixed1"
 echo "$fixed1" | grep -Eq 'acceptance 0\.[0-9]*[1-9]' || pd_fail "fixed k accepted nothing: $fixed1"
+
+fixed1a=$(echo "$fixed1" | sed -E 's/.*tokens\/verify ([0-9.]+).*implied a ([0-9.]+).*/\1 \2/')
+python3 - $fixed1a <<'EOF' || pd_fail "implied a does not give the tokens per verify step (k = 4): $fixed1"
+import sys
+e, a = float(sys.argv[1]), float(sys.argv[2])
+assert 0 < a < 1 and abs(sum(a ** j for j in range(5)) - e) < 0.006, (e, a)
+EOF
+
+# ---- 1b. --serial: batch 1 over 3 prompts in turn, every output compared --------------------------------
+timeout 300 "$PD_BIN" bench-spec --model "$MODEL" --device cpu --speculative-method draft --speculative-model "$DRAFT" \
+  --golden "$G" --golden-key speculative_acceptance --batches 1 --serial 3 --reps 1 --max-tokens 16 --modes off,fixed \
+  --json "$TMP/serial.json" >"$TMP/serial.out" 2>"$TMP/serial.err" || pd_fail "bench-spec --serial: $(tail -5 "$TMP/serial.err")"
+grep ' fixed ' "$TMP/serial.out" | grep -q 'same as off 3/3' || pd_fail "bench-spec --serial 3: $(cat "$TMP/serial.out")"
+python3 - "$TMP/serial.json" <<'EOF' || pd_fail "bench-spec --serial: tokens of 3 requests"
+import json, sys
+d = json.load(open(sys.argv[1]))
+for r in d["results"]:
+    assert r["tokens"] == 3 * 15, r  # 16 tokens each, the first one (prefill) not counted
+EOF
+"$PD_BIN" bench-spec --model "$MODEL" --golden "$G" --serial 0 >/dev/null 2>"$TMP/bad.err" && pd_fail "--serial 0 accepted"
+grep -q "serial" "$TMP/bad.err" || pd_fail "--serial 0: no message naming it"
 
 # ---- 2. ngram on a repetitive prompt, the JSON report ------------------------------------------------
 timeout 300 "$PD_BIN" bench-spec --model "$MODEL" --device cpu --speculative-method ngram --golden "$G" --repeat 3 \

@@ -710,6 +710,97 @@ PD_TEST(test_cuda_fused_rope) {
     ctx_fini(&c);
 }
 
+// Backends for the fused forms on the tensor-core kernel: every call on skinny_mma.cu
+// (PD_CUDA_SKINNY=2 PD_CUDA_SKINNY_MMA=2), every fused form there from one row
+// (PD_CUDA_FUSE_MMA_MIN_M=1, _FORMS=15, up to 16 rows), pipe "0" / "1"; fused = false: the same without the
+// fused forms on it (the unfused reference: the same GEMM, so the same sums).
+static pd_backend *fused_mma_backend(const char *pipe, bool loads32, bool fused) {
+    if (fused)
+        setenv("PD_CUDA_FUSE_MMA_MIN_M", "1", 1), setenv("PD_CUDA_SKINNY_FUSE_MAX_M", "16", 1),
+            setenv("PD_CUDA_FUSE_MMA_FORMS", "15", 1);
+    if (loads32) setenv("PD_CUDA_SKINNY_MMA_LOADS", "32", 1);
+    pd_backend *b = skinny_backend(&(skinny_var){.skinny = "2", .mma = "2", .pipe = pipe});
+    unsetenv("PD_CUDA_FUSE_MMA_MIN_M"), unsetenv("PD_CUDA_SKINNY_FUSE_MAX_M"), unsetenv("PD_CUDA_FUSE_MMA_FORMS");
+    unsetenv("PD_CUDA_SKINNY_MMA_LOADS");
+    PD_ASSERT(b);
+    return b;
+}
+
+// Every fused form on the tensor-core kernel (verify steps: M = k + 1), M = 1..16, random shapes
+// (odd N), bias on and off, single- and double-buffered and with 32 loads in flight (plain GEMMs
+// included: the unfused reference runs on it); decode-sized shapes; the layer chain;
+// the qkv GEMM with RoPE + KV write (head_dim % 16 == 0; head_dim 8: RoPE apart).
+PD_TEST(test_cuda_verify_fused) {
+    ctx c;
+    if (!ctx_init(&c, 24)) PD_SKIP("%s: no CUDA device", __func__);
+    pd_backend *dflt = c.gpu;
+    for (int var = 0; var < 3; var++) {  // single-buffered, double-buffered, 32 loads in flight
+        int pipe = var == 1;
+        pd_backend *fm = fused_mma_backend(pipe ? "1" : "0", var == 2, true);
+        g_unfused = fused_mma_backend(pipe ? "1" : "0", var == 2, false);
+        int Ms[] = {1, 4, 5, 6, 7, 8, 9, 12, 16};
+        for (size_t mi = 0; mi < PD_ARRAY_LEN(Ms); mi++) {
+            if (var && Ms[mi] % 4 != 1 && Ms[mi] != 8) continue;
+            for (size_t f = 0; f < PD_ARRAY_LEN(FUSED_FORMS); f++)
+                for (int i = 0; i < 2; i++) {
+                    int M = Ms[mi], N = 1 + (int)(pd_rng_next(&c.rng) % 300);
+                    int K = 8 * (1 + (int)(pd_rng_next(&c.rng) % (i ? 500 : 20)));
+                    fused_case(&c, fm, M, N, K, FUSED_FORMS[f] | (((int)f + i + M) % 2 ? FZ_BIAS : 0));
+                }
+        }
+        int dec[][3] = {{6144, 4096, FZ_NORM | FZ_BIAS}, {4096, 4096, FZ_RES}, {3584, 4096, FZ_NORM | FZ_GLU},
+                        {2048, 14336, FZ_RES | FZ_BIAS}, {9000, 4096, FZ_NORM | FZ_F32}};
+        for (int M = 5; M <= (var ? 5 : 8); M += 3)  // (the other builds: the verify size only)
+            for (size_t s = 0; s < PD_ARRAY_LEN(dec); s++) fused_case(&c, fm, M, dec[s][0], dec[s][1], dec[s][2]);
+        c.gpu = fm;
+        fused_chain_case(&c, 5, 1024, 2816, 5000);
+        if (!var) fused_chain_case(&c, 16, 256, 688, 300);
+        int cfg[][4] = {{4, 2, 64, 256}, {32, 8, 128, 4096}, {4, 1, 32, 200}, {8, 8, 64, 96}, {2, 1, 8, 64}};
+        for (size_t ci = 0; ci < PD_ARRAY_LEN(cfg); ci++)
+            for (int M = 1; M <= 16; M += 1)
+                for (int nb = 0; nb < 4; nb++) {
+                    if (var && (M != 5 || ci > 1)) continue;  // the other builds: the verify size
+                    if (cfg[ci][3] >= 4096 && (M % 4 != 1 || (M > 5 && nb % 2))) continue;
+                    rope_fused_case(&c, M, cfg[ci][0], cfg[ci][1], cfg[ci][2], cfg[ci][3], nb & 1, nb & 2, PD_KV_ACT);
+                }
+        rope_fused_case(&c, 6, 4, 2, 64, 256, true, true, PD_KV_FP8);  // fp8 cache: RoPE apart
+        c.gpu = dflt;
+        pd_backend_free(fm);
+        pd_backend_free(g_unfused);
+        g_unfused = NULL;
+    }
+    // The CUDA-core kernel's other builds: 128 registers at M = 5 (PD_CUDA_SKINNY_OCC4=1), weights
+    // through shared memory (PD_CUDA_SKINNY_ASYNC=1, every M): plain and fused.
+    const char *knob[2] = {"PD_CUDA_SKINNY_OCC4", "PD_CUDA_SKINNY_ASYNC"};
+    for (int v = 0; v < 2; v++) {
+        setenv(knob[v], "1", 1);
+        pd_backend *o4 = skinny_backend(&(skinny_var){.skinny = "2", .mma = "0"});
+        unsetenv(knob[v]);
+        PD_REQUIRE(o4 != NULL);
+        g_unfused = o4;
+        int ms[] = {1, 3, 5, 8};
+        for (size_t mi = v ? 0 : 2; mi < (v ? 4 : 3); mi++)
+            for (size_t f = 0; f < PD_ARRAY_LEN(FUSED_FORMS); f++)
+                for (int i = 0; i < 2; i++) {
+                    int N = 1 + (int)(pd_rng_next(&c.rng) % 300), K = 8 * (1 + (int)(pd_rng_next(&c.rng) % (i ? 500 : 20)));
+                    fused_case(&c, o4, ms[mi], N, K, FUSED_FORMS[f] | (i ? FZ_BIAS : 0));
+                }
+        fused_case(&c, o4, 5, 3584, 4096, FZ_NORM | FZ_GLU);
+        fused_case(&c, o4, 5, 2048, 14336, FZ_RES | FZ_BIAS);
+        c.gpu = o4;
+        matmul_case(&c, o4, 5, 4096, 4096, 4096, false, false, false);
+        matmul_case(&c, o4, 5, 1027, 14336, 14336, true, false, false);
+        if (v) matmul_case(&c, o4, 8, 1027, 4104, 4104, false, true, true);
+        for (int nb = 0; nb < 4; nb++) rope_fused_case(&c, 5, 32, 8, 128, 4096, nb & 1, nb & 2, PD_KV_ACT);
+        if (v) rope_fused_case(&c, 8, 4, 2, 64, 256, true, true, PD_KV_ACT);
+        c.gpu = dflt;
+        g_unfused = NULL;
+        pd_backend_free(o4);
+    }
+    ctx_fini(&c);
+}
+
+
 // K not a multiple of 8 (odd and even): the skinny kernel does not take these, the unfused fallback
 // (rmsnorm / cuBLASLt / silu_mul through the backend's scratch) does.
 PD_TEST(test_cuda_fused_odd_k) {
@@ -1195,6 +1286,29 @@ PD_TEST(test_cuda_attention_prefill_mixed) {
     ctx_fini(&c);
 }
 
+// The prefill kernels' tiling (128 query rows, 64/128 K/V positions per tile, the causal diagonal,
+// pages gathered into tiles): long prompts, several query tiles per sequence, chunks after a cached
+// prefix, lengths that are not multiples of any tile or page, a batch of several prefills with a
+// decode among them, head_dim 64 and 128.
+PD_TEST(test_cuda_attention_prefill_tiles) {
+    ctx c;
+    if (!ctx_init(&c, 9)) PD_SKIP("%s: no CUDA device", __func__);
+    int hds[] = {128, 64}, bss[] = {16, 3};
+    for (size_t di = 0; di < PD_ARRAY_LEN(hds); di++) {
+        attn_case a = {.H = 4, .Hkv = 1, .hd = hds[di], .bs = 16, .n_seqs = 1, .q_lens = {1531}, .kv_lens = {1531}};
+        attn_check_both(&c, &a, "long prefill 1531");
+        for (size_t bi = 0; bi < PD_ARRAY_LEN(bss); bi++) {
+            attn_case m = {.H = 8, .Hkv = 2, .hd = hds[di], .bs = bss[bi], .n_seqs = 5,
+                           .q_lens = {300, 129, 1, 513, 127}, .kv_lens = {300, 1000, 40, 2001, 127}};
+            attn_check_both(&c, &m, "prefill batch with prefixes");
+        }
+        attn_case ch = {.H = 8, .Hkv = 8, .hd = hds[di], .bs = 16, .n_seqs = 2, .q_lens = {256, 255},
+                        .kv_lens = {256 + 768, 255 + 129}};
+        attn_check_both(&c, &ch, "chunked prefill after prefix");
+    }
+    ctx_fini(&c);
+}
+
 // ---- copy_blocks -------------------------------------------------------------------------------
 
 PD_TEST(test_cuda_copy_blocks) {
@@ -1410,6 +1524,86 @@ PD_TEST(test_cuda_kv_xfer_stream) {
         ctx_release(&c);
     }
     ctx_fini(&c);
+}
+
+// The transfer stream with host memory on one side (the KV tiers' pinned DRAM pages): pinned
+// host -> device, then device -> pinned host, for each PD_CUDA_KV_DMA mode (0, the default: the
+// kv_copy kernel; 1: the copy engines for these copies; 2: the copy engines for every copy).
+// Extra cases put runs of blocks contiguous on both sides (merged into one copy per layer and
+// K/V) next to breaks of the run: a partial block inside, an index step on one side only.
+PD_TEST(test_cuda_kv_xfer_host) {
+    static const kv_case RUNS[] = {
+        {2, 12, 16, 0, 2, 6, 2048, {2, 3, 4, 7, 8, 11}, {5, 6, 7, 0, 9, 10}, {16, 16, 16, 16, 7, 16}},
+        {3, 10, 4, 1, 3, 5, 24, {0, 1, 2, 3, 9}, {4, 5, 6, 7, 0}, {4, 4, 2, 4, 3}},
+    };
+    for (int mode = 0; mode <= 2; mode++) {
+        char mv[2] = {(char)('0' + mode), 0};
+        setenv("PD_CUDA_KV_DMA", mv, 1);
+        ctx c;
+        if (!ctx_init(&c, 25)) {
+            unsetenv("PD_CUDA_KV_DMA");
+            PD_SKIP("%s: no CUDA device", __func__);
+        }
+        for (size_t ci = 0; ci < PD_ARRAY_LEN(KV_CASES) + PD_ARRAY_LEN(RUNS); ci++) {
+            const kv_case *k = ci < PD_ARRAY_LEN(KV_CASES) ? &KV_CASES[ci] : &RUNS[ci - PD_ARRAY_LEN(KV_CASES)];
+            size_t layer = (size_t)k->n_blocks * (size_t)k->bs * k->row_bytes, bb = (size_t)k->bs * k->row_bytes;
+            void *hs[2][8], *hb[2][8], *dd[2][8];
+            uint8_t *want[2][8], *want_back[2][8];
+            for (int l = 0; l < k->n_layers; l++)
+                for (int kv = 0; kv < 2; kv++) {
+                    uint8_t *src = rand_bytes(&c, layer, 0, true), *dst = rand_bytes(&c, layer, 0, true);
+                    hs[kv][l] = pd_backend_host_alloc(c.gpu, layer);
+                    hb[kv][l] = pd_backend_host_alloc(c.gpu, layer);
+                    PD_REQUIRE(hs[kv][l] && hb[kv][l]);
+                    memcpy(hs[kv][l], src, layer);
+                    memset(hb[kv][l], 0x3c, layer);
+                    dd[kv][l] = dev_bytes(&c, c.gpu, dst, layer);
+                    want[kv][l] = dst;  // the device rows after the load
+                    want_back[kv][l] = pd_malloc(layer);
+                    memset(want_back[kv][l], 0x3c, layer);
+                    if (l >= k->layer_begin && l < k->layer_end)
+                        for (int i = 0; i < k->nb; i++)
+                            memcpy(dst + (size_t)k->dst[i] * bb, src + (size_t)k->src[i] * bb,
+                                   (size_t)k->rows[i] * k->row_bytes);
+                    pd_free(src);
+                }
+            // the save: the same listed rows back from the device into the second host set
+            for (int l = k->layer_begin; l < k->layer_end; l++)
+                for (int kv = 0; kv < 2; kv++)
+                    for (int i = 0; i < k->nb; i++)
+                        memcpy(want_back[kv][l] + (size_t)k->src[i] * bb, want[kv][l] + (size_t)k->dst[i] * bb,
+                               (size_t)k->rows[i] * k->row_bytes);
+            pd_backend_xfer_mark(c.gpu);
+            pd_kv_copy_params p = {.src_k = hs[0], .src_v = hs[1], .dst_k = dd[0], .dst_v = dd[1], .src_blocks = k->src,
+                                   .dst_blocks = k->dst, .n_rows = k->rows, .n_blocks = k->nb,
+                                   .layer_begin = k->layer_begin, .layer_end = k->layer_end, .block_size = k->bs,
+                                   .row_bytes = k->row_bytes};
+            pd_op_kv_copy_xfer(c.gpu, &p);
+            pd_kv_copy_params back = p;
+            back.src_k = dd[0], back.src_v = dd[1], back.dst_k = hb[0], back.dst_v = hb[1];
+            back.src_blocks = k->dst, back.dst_blocks = k->src;
+            pd_op_kv_copy_xfer(c.gpu, &back);
+            pd_backend_xfer_sync(c.gpu);
+            pd_backend_sync(c.gpu);
+            uint8_t *got = pd_malloc(layer);
+            for (int l = 0; l < k->n_layers; l++)
+                for (int kv = 0; kv < 2; kv++) {
+                    pd_backend_download(c.gpu, got, dd[kv][l], layer);
+                    PD_CHECK_MSG(!memcmp(got, want[kv][l], layer), "dma %d case %zu layer %d %s: load differs", mode, ci,
+                                 l, kv ? "V" : "K");
+                    PD_CHECK_MSG(!memcmp(hb[kv][l], want_back[kv][l], layer), "dma %d case %zu layer %d %s: save differs",
+                                 mode, ci, l, kv ? "V" : "K");
+                    pd_backend_host_free(c.gpu, hs[kv][l]);
+                    pd_backend_host_free(c.gpu, hb[kv][l]);
+                    pd_free(want[kv][l]);
+                    pd_free(want_back[kv][l]);
+                }
+            pd_free(got);
+            ctx_release(&c);
+        }
+        ctx_fini(&c);
+    }
+    unsetenv("PD_CUDA_KV_DMA");
 }
 
 // An exported pool describes itself; opening our own handle fails cleanly (CUDA IPC handles can

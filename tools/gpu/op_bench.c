@@ -15,7 +15,11 @@
 // (gemm.c's default rule, cuBLASLt where it picks no skinny kernel; PD_CUDA_SKINNY_MMA=3 in the
 // environment gives the per-shape rule with tensor cores in that column).
 // fuse: one decode layer minus attention unfused (8 kernels) vs pd_op_matmul's fused forms (4).
-// Usage: op_bench [copy] [peak] [gemm] [gemv] [fuse] [prefill] [attn] [sample]  (no argument: all).
+// fusev: the same layer at verify sizes (M = 1..16): unfused (default rule; cuBLASLt), fused on the
+// CUDA-core kernel (M <= 8), fused on the tensor-core kernel (PD_CUDA_FUSE_MMA_MIN_M), single- and
+// double-buffered.
+// Usage: op_bench [copy] [peak] [gemm] [gemv] [fuse] [fusev] [prefill] [attnpre] [attn] [sample]  (no argument:
+// all; attnpre: prefill attention alone, bf16, head_dim 128 and 64, one and four sequences).
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -238,7 +242,7 @@ int main(int argc, char **argv) {
     setenv("PD_CUDA_SKINNY", "2", 1);
     if (!g_b || !lt || !sk || !mma || !mma32 || !mma32p || !mma16p || !rule) { fprintf(stderr, "no cuda: %s\n", err.msg); return 1; }
     double us, copy_gbs = NAN;
-    if (want("copy") || want("gemv") || want("fuse")) {
+    if (want("copy") || want("gemv") || want("fuse") || want("fusev")) {
         cp_arg cp = {.bytes = (size_t)1 << 30};
         cp.base = alloc(4 * cp.bytes);
         pd_op_fill_normal(g_b, cp.base, PD_DTYPE_F32, cp.bytes, 1, 0.0f, 1.0f);
@@ -304,14 +308,14 @@ int main(int argc, char **argv) {
             printf("  best %s (%.2fx cublasLt; %% of copy %.0f GB/s)\n", name[best], t[0] / t[best], copy_gbs);
         }
     }
-    if (want("fuse")) {
+    if (want("fuse") || want("fusev")) {
         ly_arg l = {0};
         int D = 4096, F = 14336, NQ = 6144;
-        l.x = rnd((size_t)8 * D), l.h = rnd((size_t)8 * D), l.attn = rnd((size_t)8 * D);
-        l.qkv = alloc((size_t)8 * NQ * 2), l.gu = alloc((size_t)8 * 2 * F * 2), l.mlp = alloc((size_t)8 * F * 2);
+        l.x = rnd((size_t)16 * D), l.h = rnd((size_t)16 * D), l.attn = rnd((size_t)16 * D);
+        l.qkv = alloc((size_t)16 * NQ * 2), l.gu = alloc((size_t)16 * 2 * F * 2), l.mlp = alloc((size_t)16 * F * 2);
         l.g1 = alloc((size_t)D * 2), l.g2 = alloc((size_t)D * 2);
-        int32_t meta[16];
-        for (int i = 0; i < 8; i++) meta[i] = 100 + i, meta[8 + i] = i;  // positions, slots
+        int32_t meta[32];
+        for (int i = 0; i < 16; i++) meta[i] = 100 + i, meta[16 + i] = i;  // positions, slots
         float inv_freq[64];
         for (int i = 0; i < 64; i++) inv_freq[i] = powf(500000.0f, -i / 64.0f);
         int32_t *dmeta = alloc(sizeof meta);
@@ -319,8 +323,8 @@ int main(int argc, char **argv) {
         pd_backend_upload(g_b, dmeta, meta, sizeof meta);
         pd_backend_upload(g_b, dinv, inv_freq, sizeof inv_freq);
         pd_backend_sync(g_b);
-        l.rope = (pd_rope_kv_params){.qkv = l.qkv, .positions = dmeta, .inv_freq = dinv, .slot_mapping = dmeta + 8,
-                                     .k_cache = alloc((size_t)8 * 1024 * 2), .v_cache = alloc((size_t)8 * 1024 * 2),
+        l.rope = (pd_rope_kv_params){.qkv = l.qkv, .positions = dmeta, .inv_freq = dinv, .slot_mapping = dmeta + 16,
+                                     .k_cache = alloc((size_t)16 * 1024 * 2), .v_cache = alloc((size_t)16 * 1024 * 2),
                                      .n_heads = 32, .n_kv_heads = 8, .head_dim = 128, .attn_scaling = 1.0f};
         pd_op_fill_normal(g_b, l.g1, PD_DTYPE_BF16, D, 7, 1.0f, 0.1f);
         pd_op_fill_normal(g_b, l.g2, PD_DTYPE_BF16, D, 8, 1.0f, 0.1f);
@@ -339,6 +343,57 @@ int main(int argc, char **argv) {
             unsetenv(knob[k]);
             if (!part[k]) { fprintf(stderr, "no cuda: %s\n", err.msg); return 1; }
         }
+        // fusev: verify-sized steps (M = k + 1 at batch 1): the default unfused path (rule), the
+        // CUDA-core fused layer, and the fused forms on the tensor-core kernel, single- and
+        // double-buffered (PD_CUDA_FUSE_MMA_MIN_M=1 [PD_CUDA_SKINNY_MMA_PIPE=1]).
+        if (want("fusev")) {
+            setenv("PD_CUDA_SKINNY", "1", 1);
+            setenv("PD_CUDA_FUSE_MMA_MIN_M", "1", 1);
+            pd_backend *fm1 = pd_backend_new("cuda", 0, &err);
+            setenv("PD_CUDA_SKINNY_MMA_PIPE", "1", 1);
+            pd_backend *fm2 = pd_backend_new("cuda", 0, &err);
+            setenv("PD_CUDA_FUSE_MMA_FORMS", "1", 1);  // the qkv GEMM alone there (pipe), the rest on CUDA cores
+            pd_backend *fmq = pd_backend_new("cuda", 0, &err);
+            unsetenv("PD_CUDA_FUSE_MMA_FORMS");
+            unsetenv("PD_CUDA_SKINNY_MMA_PIPE");
+            setenv("PD_CUDA_SKINNY_MMA_LOADS", "32", 1);  // single-buffered, 32 loads in flight per thread
+            pd_backend *fm3 = pd_backend_new("cuda", 0, &err);
+            unsetenv("PD_CUDA_SKINNY_MMA_LOADS");
+            unsetenv("PD_CUDA_FUSE_MMA_MIN_M");
+            setenv("PD_CUDA_SKINNY", "2", 1);
+            setenv("PD_CUDA_SKINNY_MMA", "0", 1);
+            setenv("PD_CUDA_FUSE_NORM_MAX_M", "8", 1);  // the CUDA-core kernel with the norm folded
+            pd_backend *fcn = pd_backend_new("cuda", 0, &err);
+            unsetenv("PD_CUDA_FUSE_NORM_MAX_M");
+            setenv("PD_CUDA_SKINNY_OCC4", "1", 1);  // its 128-register build at M = 5
+            pd_backend *fc4 = pd_backend_new("cuda", 0, &err);
+            unsetenv("PD_CUDA_SKINNY_OCC4");
+            setenv("PD_CUDA_SKINNY_ASYNC", "1", 1);  // its weights through shared memory
+            pd_backend *fca = pd_backend_new("cuda", 0, &err);
+            unsetenv("PD_CUDA_SKINNY_ASYNC");
+            unsetenv("PD_CUDA_SKINNY_MMA");
+            if (!fm1 || !fm2 || !fcn || !fmq || !fm3 || !fc4 || !fca) { fprintf(stderr, "no cuda: %s\n", err.msg); return 1; }
+            double floor_us = isnan(copy_gbs) ? NAN : bytes / (copy_gbs * 1e3);
+            int vm[] = {1, 2, 4, 5, 6, 8, 9, 12, 16};
+            for (int mi = 0; mi < 9; mi++) {
+                l.M = vm[mi];
+                l.fused = false;
+                double t_r = time_us(rule, ly_op, &l, 100);
+                double t_lt = time_us(g_b, ly_op, &l, 100);
+                l.fused = true;
+                double t_c = l.M <= 8 ? time_us(sk, ly_op, &l, 100) : NAN;
+                double t_cn = l.M <= 8 ? time_us(fcn, ly_op, &l, 100) : NAN;
+                double t_c4 = l.M == 5 ? time_us(fc4, ly_op, &l, 100) : NAN;
+                double t_ca = l.M <= 8 ? time_us(fca, ly_op, &l, 100) : NAN;
+                double t_m1 = time_us(fm1, ly_op, &l, 100), t_m2 = time_us(fm2, ly_op, &l, 100);
+                double t_mq = time_us(fmq, ly_op, &l, 100), t_m3 = time_us(fm3, ly_op, &l, 100);
+                printf("fusev layer M=%-2d  unfused rule %6.1f us  unfused cublasLt %6.1f  fused cores %6.1f  fused cores "
+                       "norm-in %6.1f  fused cores occ4 %6.1f  fused cores async %6.1f  fused mma %6.1f  fused mma pipe "
+                       "%6.1f  fused mma 32 loads %6.1f  qkv on mma pipe, rest cores %6.1f  (floor at the copy rate %.1f us)\n",
+                       l.M, t_r, t_lt, t_c, t_cn, t_c4, t_ca, t_m1, t_m2, t_m3, t_mq, floor_us);
+            }
+            if (!want("fuse")) goto fuse_done;
+        }
         int fm[] = {1, 2, 4, 8};
         for (int mi = 0; mi < 4; mi++) {
             l.M = fm[mi];
@@ -355,11 +410,12 @@ int main(int argc, char **argv) {
                    "(each vs fused %.1f us)\n", l.M, t_p[0], t_p[1], t_p[2], t_f);
         }
     }
+fuse_done:
     // attention: Llama-3-8B heads
     int H = 32, Hkv = 8, hd = 128;
     int pre[] = {512, 2048, 8192};
     for (int f8 = 0; f8 < 2; f8++)
-        for (int i = 0; i < 3 && want("prefill"); i++) {
+        for (int i = 0; i < 3 && (want("prefill") || (want("attnpre") && !f8)); i++) {
             at_arg a;
             attn_setup(&a, 1, pre[i], pre[i], H, Hkv, hd, 16, f8);
             us = time_us(g_b, at_op, &a, pre[i] == 8192 ? 5 : 20);
@@ -367,6 +423,16 @@ int main(int argc, char **argv) {
             printf("attn prefill %s L=%-5d    %9.1f us  %6.1f TFLOP/s (causal flops)\n", f8 ? "fp8 " : "bf16", pre[i], us,
                    fl / (us * 1e6));
         }
+    // attnpre: also head_dim 64 (32 heads, 8 kv heads) and 4 prompts of 2048 in one batch
+    for (int i = 0; i < 2 && want("attnpre"); i++) {
+        at_arg a;
+        int n_seqs = i ? 4 : 1, L = i ? 2048 : 8192, d = i ? 128 : 64;
+        attn_setup(&a, n_seqs, L, L, H, Hkv, d, 16, false);
+        us = time_us(g_b, at_op, &a, 5);
+        double fl = 4.0 * H * d * (double)L * L / 2 * n_seqs;
+        printf("attn prefill bf16 hd=%d %dx L=%-5d %9.1f us  %6.1f TFLOP/s (causal flops)\n", d, n_seqs, L, us,
+               fl / (us * 1e6));
+    }
     int dec[16][2] = {{1, 128}, {1, 4096}, {1, 8192}, {1, 32768}, {64, 128}, {64, 512}, {64, 4096}, {256, 1024},
                       {8, 32768}, {32, 32768}};
     int n_dec = 10;

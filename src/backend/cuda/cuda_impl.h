@@ -42,12 +42,18 @@ typedef struct pd_cuda_backend {
     size_t gemv_ws_bytes;
     int skinny;                // skinny kernels for M <= 16: 0 off, 1 per shape rule, 2 always
     int skinny_rows;           // its weight rows per block (2 or 4)
+    int skinny_occ4;           // M = 5: its 128-register build (4 blocks per SM)
+    int skinny_rule_max_m;     // the default rule's CUDA-core kernel up to this M (5)
+    int skinny_async;          // its weights through shared memory (cp.async)
     int skinny_mma;            // kernels/skinny_mma.cu (M <= 16): 0 never, 1/3 the measured rules, 2 always
     int skinny_mma_rows;       // its weight rows per block (16 or 32)
     int skinny_mma_pipe;       // its double-buffered weight loads: -1 the rule's choice, 0 off, 1 on
+    int skinny_mma_loads;      // its weight loads in flight per thread (16 or 32)
     int skinny_fuse;           // pd_backend_fuses_matmul for 1 <= M <= this (0: never; PD_CUDA_SKINNY_FUSE)
     bool fuse_rope, fuse_glu;  // parts the skinny kernel does itself (PD_CUDA_FUSE_*)
     int fuse_norm_max_m;       // and the norm for M <= this (PD_CUDA_FUSE_NORM_MAX_M)
+    int fuse_mma_min_m;        // fused forms on the tensor-core kernel for M >= this (0: never)
+    int fuse_mma_forms;        // which forms (gemm.c FUSE_MMA_*; all above 8 rows)
     void *fuse_ws;             // the fused forms' unfused fallback (M > 8, unaligned): norm / gate_up
     size_t fuse_ws_bytes;
     // attention split-K partials; grows outside graph capture only

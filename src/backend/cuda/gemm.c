@@ -83,6 +83,16 @@ void pd_cuda_gemm_init(pd_cuda_backend *cb) {
     // PD_CUDA_SKINNY_ROWS=2 selects 2 weight rows per block instead of 4 (measurements).
     cb->skinny = env_int("PD_CUDA_SKINNY", 1, 0, 2);
     cb->skinny_rows = env_int("PD_CUDA_SKINNY_ROWS", 4, 2, 4);
+    // PD_CUDA_SKINNY_OCC4=1: at M = 5 the CUDA-core kernel's build bounded to 128 registers, 4
+    // blocks (128 KB of weight loads in flight) per SM instead of 3. Measurement knob (H100: a fused
+    // layer at M = 5 171.4 vs 168.4 us: occupancy is not what limits it).
+    cb->skinny_occ4 = env_int("PD_CUDA_SKINNY_OCC4", 0, 0, 1);
+    cb->skinny_rule_max_m = env_int("PD_CUDA_SKINNY_RULE_MAX_M", 5, 1, PD_SKINNY_MAX_M);  // skinny_rule's M cut
+    // PD_CUDA_SKINNY_ASYNC=1: the CUDA-core kernel copies its weights into shared memory with
+    // cp.async instead of loading them into registers (more blocks, so more bytes in flight, per SM
+    // at M >= 5). Measurement knob (H100: slower at every M, 160.3 vs 152.3 us a layer at M = 1,
+    // 207.2 vs 168.4 at M = 5).
+    cb->skinny_async = env_int("PD_CUDA_SKINNY_ASYNC", 0, 0, 1);
     if (cb->skinny_rows == 3) pd_abort(__FILE__, __LINE__, __func__, "PD_CUDA_SKINNY_ROWS must be 2 or 4");
     // Which of the two skinny kernels takes an M (see skinny_choice): PD_CUDA_SKINNY_MMA=0 the
     // CUDA-core kernel only (M <= 8; larger M go to cuBLASLt), 1 (the default) the rule measured end
@@ -96,6 +106,12 @@ void pd_cuda_gemm_init(pd_cuda_backend *cb) {
     if (cb->skinny_mma_rows != 16 && cb->skinny_mma_rows != 32)
         pd_abort(__FILE__, __LINE__, __func__, "PD_CUDA_SKINNY_MMA_ROWS must be 16 or 32");
     cb->skinny_mma_pipe = env_int("PD_CUDA_SKINNY_MMA_PIPE", -1, -1, 1);
+    // PD_CUDA_SKINNY_MMA_LOADS=32: 32 weight loads in flight per thread instead of 16 (16-row
+    // blocks; small grids: N = 4096 is 256 blocks, 2 per SM). Measurement knob (H100 and H200:
+    // slower to M = 8, level from 9).
+    cb->skinny_mma_loads = env_int("PD_CUDA_SKINNY_MMA_LOADS", 16, 16, 32);
+    if (cb->skinny_mma_loads != 16 && cb->skinny_mma_loads != 32)
+        pd_abort(__FILE__, __LINE__, __func__, "PD_CUDA_SKINNY_MMA_LOADS must be 16 or 32");
     // Fused decode layers (pd_backend_fuses_matmul; backend.h "Fused forms"): decode steps of
     // M <= PD_CUDA_SKINNY_FUSE_MAX_M tokens (default 4) run their layers as 5 kernels, RoPE + KV
     // write, SwiGLU and residual adds folded into skinny GEMMs, and the norms too for M <=
@@ -107,13 +123,28 @@ void pd_cuda_gemm_init(pd_cuda_backend *cb) {
     // 164.4, M = 8 201.5 / 274.2 / 202.2 (the norm computed on the fly makes the kernel issue-bound
     // from 4 rows; at 8 the skinny kernel itself loses to cuBLASLt, gemv call A). The fused forms
     // themselves run on the skinny kernel whenever it supports the call.
-    cb->skinny_fuse = env_int("PD_CUDA_SKINNY_FUSE", 1, 0, 1) ? env_int("PD_CUDA_SKINNY_FUSE_MAX_M", 4, 1, PD_SKINNY_MAX_M) : 0;
+    // (above 8 rows, or 4 rows with the norm folded, without PD_CUDA_FUSE_MMA_MIN_M: the parts the
+    // CUDA-core kernel cannot take run unfused, correct but slower.)
+    cb->skinny_fuse = env_int("PD_CUDA_SKINNY_FUSE", 1, 0, 1) ? env_int("PD_CUDA_SKINNY_FUSE_MAX_M", 4, 1, PD_SKINNY_MMA_MAX_M) : 0;
     cb->fuse_norm_max_m = env_int("PD_CUDA_FUSE_NORM_MAX_M", 2, 0, PD_SKINNY_MAX_M);
     // Measurement knobs, each 0 runs that part as its own kernel around the skinny GEMM:
     // PD_CUDA_FUSE_ROPE (rope_kv), PD_CUDA_FUSE_NORM (rmsnorm), PD_CUDA_FUSE_GLU (silu_mul).
     cb->fuse_rope = env_int("PD_CUDA_FUSE_ROPE", 1, 0, 1);
     if (!env_int("PD_CUDA_FUSE_NORM", 1, 0, 1)) cb->fuse_norm_max_m = 0;
     cb->fuse_glu = env_int("PD_CUDA_FUSE_GLU", 1, 0, 1);
+    // Fused forms on the tensor-core kernel (kernels/skinny_mma.cu: its cost does not grow with M,
+    // the CUDA-core kernel's does): M >= PD_CUDA_FUSE_MMA_MIN_M (0: never) runs the fused GEMMs
+    // there, the norm as its own kernel before; up to M = 16, so PD_CUDA_SKINNY_FUSE_MAX_M may go to
+    // 16 with it. Speculative verify steps at batch 1 (M = k + 1). Off by default: measured (session
+    // 10, docs/benchmarks.md) with MIN_M 5 / FUSE_MAX_M 16 on an H100, 0.2% off a 5-token verify
+    // step, 3.2% off a 9-token one, 2.6% off a batch-8 decode step (171 vs 187 us a layer at M = 8);
+    // on an H200 7-12% slower at M = 8-16 than cuBLASLt.
+    cb->fuse_mma_min_m = env_int("PD_CUDA_FUSE_MMA_MIN_M", 0, 0, PD_SKINNY_MMA_MAX_M);
+    // Which fused forms go there (a mask of FUSE_MMA_*: 1 the qkv GEMM with RoPE, 2 residual (o,
+    // down), 4 SwiGLU (gate_up), 8 the rest (the lm_head with its norm); default 7: the lm_head
+    // stays on the CUDA-core kernel, which streams it faster to M = 7: 334 vs 350 us at M = 5, op_bench
+    // gemv, session 9). From 8 rows every form goes there (the CUDA-core kernel is issue-bound).
+    cb->fuse_mma_forms = env_int("PD_CUDA_FUSE_MMA_FORMS", 7, 0, 15);
 }
 
 bool pd_cuda_gemm_fuses(pd_backend *b, int M) {  // (PD_CUDA_SKINNY=0: no skinny kernel, no fused forms)
@@ -145,10 +176,13 @@ enum { SKINNY_NONE, SKINNY_CORES, SKINNY_MMA, SKINNY_MMA_PIPE };
 // to M = 5 (M = 4 for long K), cuBLASLt above. Verify steps at M = 5 (batch 1, 3-4 drafts):
 // 6.016-6.028 ms against 6.278-6.290 with cuBLASLt and 6.079-6.086 with the CUDA-core kernel on
 // every shape; at M = 8 the CUDA-core kernel was 0.5 ms slower than cuBLASLt (6.982 vs 6.486).
-static int skinny_rule(int M, int N, int K) {
+// max_m: PD_CUDA_SKINNY_RULE_MAX_M (default 5; 4 sends M = 5 to cuBLASLt, which an H200 ran faster:
+// session 10 call 1, op_bench fusev 136.7 vs 140.5 us a layer at M = 5; an H100 slower: a 5-token
+// verify step 6.259 vs 6.037 ms, call 2).
+static int skinny_rule(int M, int N, int K, int max_m) {
     (void)N;
-    if (K > 8192) return M <= 4 ? SKINNY_CORES : SKINNY_NONE;
-    return M <= 5 ? SKINNY_CORES : SKINNY_NONE;
+    if (K > 8192) return M <= PD_MIN(4, max_m) ? SKINNY_CORES : SKINNY_NONE;
+    return M <= max_m ? SKINNY_CORES : SKINNY_NONE;
 }
 
 static int skinny_rule_ops(int M, int N, int K) {
@@ -169,7 +203,7 @@ static int skinny_choice(const pd_cuda_backend *cb, const pd_matmul_params *p, i
     if (cb->skinny <= 0 || p->M > PD_SKINNY_MMA_MAX_M) return SKINNY_NONE;
     if (cb->skinny == 1 && !(p->N >= 2048 && p->K >= 2048)) return SKINNY_NONE;
     int k;
-    if (cb->skinny == 1 && cb->skinny_mma == 1) k = skinny_rule(p->M, p->N, p->K);
+    if (cb->skinny == 1 && cb->skinny_mma == 1) k = skinny_rule(p->M, p->N, p->K, cb->skinny_rule_max_m);
     else if (cb->skinny == 1 && cb->skinny_mma == 3) k = skinny_rule_ops(p->M, p->N, p->K);
     else if (cb->skinny_mma == 2 || (cb->skinny >= 2 && cb->skinny_mma != 0 && p->M > PD_SKINNY_MAX_M)) k = SKINNY_MMA;
     else k = SKINNY_CORES;
@@ -311,6 +345,8 @@ static void rope_after(pd_backend *b, pd_cuda_backend *cb, const pd_rope_kv_para
     PD_CUDA_CHECK_LAUNCH();
 }
 
+enum { FUSE_MMA_ROPE = 1, FUSE_MMA_RESIDUAL = 2, FUSE_MMA_GLU = 4, FUSE_MMA_OTHER = 8 };
+
 // The fused forms (backend.h): one skinny kernel when it supports the call (rope in its epilogue
 // with a bf16 cache and head_dim % 4 == 0); parts it does not do (the PD_CUDA_FUSE_* knobs, or no
 // skinny kernel: M > 8, K % 8 != 0) run as the unfused kernels through cb->fuse_ws: rmsnorm into
@@ -320,11 +356,16 @@ static void rope_after(pd_backend *b, pd_cuda_backend *cb, const pd_rope_kv_para
 static void fused_matmul(pd_backend *b, pd_cuda_backend *cb, const pd_matmul_params *p, int lda) {
     const pd_rope_kv_params *rp = p->rope;
     bool nw_ok = !p->norm_w || ((uintptr_t)p->norm_w & 15) == 0;
-    bool skinny = nw_ok && pd_cuda_skinny_supported(p->M, p->K, lda, p->a, p->w);
+    // The tensor-core kernel from fuse_mma_min_m rows (no norm prologue: the norm runs apart)
+    int form = rp ? FUSE_MMA_ROPE : p->residual ? FUSE_MMA_RESIDUAL : p->glu ? FUSE_MMA_GLU : FUSE_MMA_OTHER;
+    bool mma = cb->skinny > 0 && cb->fuse_mma_min_m > 0 && p->M >= cb->fuse_mma_min_m &&
+               ((cb->fuse_mma_forms & form) || p->M >= PD_SKINNY_MAX_M) &&
+               pd_cuda_skinny_mma_supported(p->M, p->K, lda, p->a, p->w) && !(p->residual && p->out_f32);
+    bool skinny = mma || (nw_ok && pd_cuda_skinny_supported(p->M, p->K, lda, p->a, p->w));
     // What the skinny kernel does itself; the rest runs as the unfused kernels around it.
-    bool norm_in = skinny && p->norm_w && p->M <= cb->fuse_norm_max_m;
+    bool norm_in = skinny && !mma && p->norm_w && p->M <= cb->fuse_norm_max_m;
     bool glu_in = skinny && p->glu && cb->fuse_glu;
-    bool rope_in = skinny && rp && rp->kv_dtype == PD_KV_ACT && rp->head_dim % 4 == 0 && cb->fuse_rope;
+    bool rope_in = skinny && rp && rp->kv_dtype == PD_KV_ACT && rp->head_dim % (mma ? 16 : 4) == 0 && cb->fuse_rope;
     size_t normed = p->norm_w && !norm_in ? (size_t)p->M * (size_t)p->K * 2 : 0;
     size_t gu = p->glu && !glu_in ? (size_t)p->M * 2 * (size_t)p->N * 2 : 0;
     normed = (normed + 255) & ~(size_t)255;
@@ -339,10 +380,22 @@ static void fused_matmul(pd_backend *b, pd_cuda_backend *cb, const pd_matmul_par
         q.a = cb->fuse_ws, q.lda = 0;
     }
     if (p->glu && !glu_in) q.out = (char *)cb->fuse_ws + normed, q.N = 2 * p->N;
-    if (skinny) {
+    if (mma) {
+        pd_skinny_mma_kparams k = {.a = q.a, .w = q.w, .bias = q.bias, .out = q.out, .M = q.M, .N = q.N, .K = q.K,
+                                   .lda = q.lda ? q.lda : q.K, .accumulate = q.accumulate, .out_f32 = q.out_f32,
+                                   .rows = 16, .pipe = cb->skinny_mma_pipe > 0, .loads = cb->skinny_mma_loads, .glu = q.glu,
+                                   .residual = q.residual, .rope = rope_in};
+        if (rope_in) {
+            k.positions = rp->positions, k.slot_mapping = rp->slot_mapping, k.inv_freq = rp->inv_freq;
+            k.k_cache = rp->k_cache, k.v_cache = rp->v_cache, k.attn_scaling = rp->attn_scaling;
+            k.n_heads = rp->n_heads, k.n_kv_heads = rp->n_kv_heads, k.head_dim = rp->head_dim;
+        }
+        pd_cuda_skinny_mma(&k, cb->stream);
+        PD_CUDA_CHECK_LAUNCH();
+    } else if (skinny) {
         pd_skinny_kparams k = {.a = q.a, .w = q.w, .bias = q.bias, .out = q.out, .M = q.M, .N = q.N, .K = q.K,
                                .lda = q.lda ? q.lda : q.K, .accumulate = q.accumulate, .out_f32 = q.out_f32,
-                               .rows = 4, .norm_w = q.norm_w, .norm_eps = q.norm_eps, .glu = q.glu,
+                               .rows = 4, .occ4 = cb->skinny_occ4, .async = cb->skinny_async, .norm_w = q.norm_w, .norm_eps = q.norm_eps, .glu = q.glu,
                                .residual = q.residual, .rope = rope_in};
         if (rope_in) {
             k.positions = rp->positions, k.slot_mapping = rp->slot_mapping, k.inv_freq = rp->inv_freq;
@@ -387,7 +440,8 @@ void pd_cuda_gemm_matmul(pd_backend *b, const pd_matmul_params *p) {
     if (sk == SKINNY_MMA || sk == SKINNY_MMA_PIPE) {
         pd_skinny_mma_kparams k = {.a = p->a, .w = p->w, .bias = p->bias, .out = p->out, .M = p->M, .N = p->N,
                                    .K = p->K, .lda = lda, .accumulate = p->accumulate, .out_f32 = p->out_f32,
-                                   .rows = cb->skinny_mma_rows, .pipe = sk == SKINNY_MMA_PIPE};
+                                   .rows = cb->skinny_mma_rows, .pipe = sk == SKINNY_MMA_PIPE,
+                                   .loads = cb->skinny_mma_loads};
         pd_cuda_skinny_mma(&k, cb->stream);
         PD_CUDA_CHECK_LAUNCH();
         return;
@@ -395,7 +449,8 @@ void pd_cuda_gemm_matmul(pd_backend *b, const pd_matmul_params *p) {
     if (sk == SKINNY_CORES) {
         pd_skinny_kparams k = {.a = p->a, .w = p->w, .bias = p->bias, .out = p->out, .M = p->M, .N = p->N,
                                .K = p->K, .lda = lda, .accumulate = p->accumulate, .out_f32 = p->out_f32,
-                               .rows = cb->skinny_rows};
+                               .rows = cb->skinny_rows, .occ4 = cb->skinny_occ4,
+                               .async = cb->skinny_async};
         pd_cuda_skinny(&k, cb->stream);
         PD_CUDA_CHECK_LAUNCH();
         return;

@@ -9,7 +9,15 @@
 //     before the stream has consumed it. Growing drains the stream first.
 //   * Checksums are computed into the device buffer and copied back into the pinned one; the
 //     caller's sums are filled from there at xfer_sync (the pending list).
+//   * PD_CUDA_KV_DMA=1: a copy with host memory on one side (the KV tiers' pinned DRAM pages,
+//     either direction) goes to the copy engines, one cudaMemcpyBatchAsync of every (layer, K/V,
+//     run of blocks contiguous on both sides), instead of the kv_copy kernel, which holds SM slots
+//     for the whole PCIe transfer beside the compute stream's GEMMs; 2: every copy (measurement).
+//     Off by default (0): on an H100 the copy engines move scattered 32 KiB block rows at ~34 GB/s
+//     against the kernel's ~51 GB/s (host->device 55 GB/s), and the tier benchmark's steps were no
+//     shorter with them (docs/benchmarks.md, KV tiers, session 10).
 #include <stdatomic.h>
+#include <stdlib.h>
 #include <string.h>
 #include "backend/cuda/cuda_impl.h"
 #include "kernels/kv_xfer.cuh"
@@ -33,6 +41,10 @@ struct pd_cuda_xfer {
     size_t cap, used;
     xfer_pending *pending;
     int n_pending, cap_pending;
+    int dma;                           // PD_CUDA_KV_DMA (see the head of this file)
+    void **dma_dst;                    // cudaMemcpyBatchAsync's host arrays, grown as needed
+    const void **dma_src;
+    size_t *dma_size, dma_cap;
 };
 
 static void xfer_drain(pd_cuda_xfer *x) {
@@ -51,8 +63,77 @@ static pd_cuda_xfer *xfer_of(pd_cuda_backend *cb) {
     PD_CUDA_CHECK(cudaStreamCreateWithFlags(&x->stream, cudaStreamNonBlocking));
     for (int i = 0; i < 2; i++) PD_CUDA_CHECK(cudaEventCreateWithFlags(&x->ev[i], cudaEventDisableTiming));
     PD_CUDA_CHECK(cudaEventCreateWithFlags(&x->fence_ev, cudaEventDisableTiming));
+    x->dma = 0;
+    const char *e = getenv("PD_CUDA_KV_DMA");
+    if (e && *e) {
+        if (strcmp(e, "0") && strcmp(e, "1") && strcmp(e, "2")) {
+            PD_LOG_E("PD_CUDA_KV_DMA=%s: expected 0, 1 or 2", e);
+            pd_abort(__FILE__, __LINE__, __func__, "bad CUDA knob in the environment");
+        }
+        x->dma = e[0] - '0';
+    }
     cb->xfer = x;
     return x;
+}
+
+// True when p points into host memory CUDA knows (pinned or registered): a copy from or to it
+// crosses PCIe.
+static bool xfer_is_host(const void *p) {
+    struct cudaPointerAttributes a;
+    if (cudaPointerGetAttributes(&a, p) != cudaSuccess) {
+        (void)cudaGetLastError();
+        return false;
+    }
+    return a.type == cudaMemoryTypeHost;
+}
+
+// The copy on the copy engines (see the head of this file). Blocks listed one after another whose
+// source and destination indexes both step by one, every one but the last full, make one run: one
+// copy per (layer, K/V, run).
+static void xfer_dma(pd_cuda_xfer *x, const pd_kv_copy_params *p) {
+    int nl = p->layer_end - p->layer_begin;
+    size_t block_bytes = p->row_bytes * (size_t)p->block_size;
+    size_t need = 2 * (size_t)nl * (size_t)p->n_blocks;
+    if (need > x->dma_cap) {
+        size_t cap = PD_MAX(need, 2 * x->dma_cap);
+        pd_free(x->dma_dst);
+        pd_free((void *)x->dma_src);
+        pd_free(x->dma_size);
+        x->dma_dst = pd_malloc(sizeof(void *) * cap);
+        x->dma_src = pd_malloc(sizeof(void *) * cap);
+        x->dma_size = pd_malloc(sizeof(size_t) * cap);
+        PD_ASSERT(x->dma_dst && x->dma_src && x->dma_size);
+        x->dma_cap = cap;
+    }
+    size_t n = 0;
+    for (int i = 0; i < p->n_blocks;) {
+        int j = i;  // the run is [i, j]
+        PD_ASSERT(p->n_rows[i] >= 0 && p->n_rows[i] <= p->block_size);
+        while (j + 1 < p->n_blocks && p->n_rows[j] == p->block_size && p->src_blocks[j + 1] == p->src_blocks[j] + 1 &&
+               p->dst_blocks[j + 1] == p->dst_blocks[j] + 1) {
+            j++;
+            PD_ASSERT(p->n_rows[j] >= 0 && p->n_rows[j] <= p->block_size);
+        }
+        size_t bytes = (size_t)(j - i) * block_bytes + (size_t)p->n_rows[j] * p->row_bytes;
+        if (bytes > 0) {
+            size_t so = (size_t)p->src_blocks[i] * block_bytes, d_o = (size_t)p->dst_blocks[i] * block_bytes;
+            for (int l = p->layer_begin; l < p->layer_end; l++) {
+                x->dma_src[n] = (const char *)p->src_k[l] + so, x->dma_dst[n] = (char *)p->dst_k[l] + d_o;
+                x->dma_size[n++] = bytes;
+                x->dma_src[n] = (const char *)p->src_v[l] + so, x->dma_dst[n] = (char *)p->dst_v[l] + d_o;
+                x->dma_size[n++] = bytes;
+            }
+        }
+        i = j + 1;
+    }
+    if (n == 0) return;
+    struct cudaMemcpyAttributes attr;
+    memset(&attr, 0, sizeof attr);
+    attr.srcAccessOrder = cudaMemcpySrcAccessOrderStream;  // sources written by earlier stream work
+    attr.flags = cudaMemcpyFlagPreferOverlapWithCompute;
+    size_t attr_idx = 0;
+    PD_CUDA_CHECK(cudaMemcpyBatchAsync(x->dma_dst, (const void *const *)x->dma_src, x->dma_size, n, &attr, &attr_idx,
+                                       1, x->stream));
 }
 
 // n bytes (16-aligned) of staging: host and device addresses at the same offset.
@@ -92,6 +173,10 @@ void pd_cuda_kv_copy_xfer(pd_backend *b, const pd_kv_copy_params *p) {
     pd_cuda_xfer *x = xfer_of(cb);
     int nl = p->layer_end - p->layer_begin;
     if (p->n_blocks <= 0 || nl <= 0) return;
+    if (x->dma == 2 || (x->dma == 1 && (xfer_is_host(p->src_k[p->layer_begin]) || xfer_is_host(p->dst_k[p->layer_begin])))) {
+        xfer_dma(x, p);
+        return;
+    }
     size_t off, n;
     char *host = pd_cuda_kv_copy_pack(p, &off, &n);
     size_t at = xfer_alloc(x, n);
@@ -208,6 +293,9 @@ void pd_cuda_xfer_fini(pd_cuda_backend *cb) {
     if (x->host) cudaFreeHost(x->host);
     if (x->dev) cudaFree(x->dev);
     pd_free(x->pending);
+    pd_free(x->dma_dst);
+    pd_free((void *)x->dma_src);
+    pd_free(x->dma_size);
     pd_free(x);
     cb->xfer = NULL;
 }

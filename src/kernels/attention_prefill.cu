@@ -1,0 +1,599 @@
+// attention_prefill.cu — the sm_90a prefill attention kernel (FlashAttention-3 style): wgmma
+// tensor-core instructions, a warp-specialised producer/consumer pipeline on mbarriers, and
+// 128-byte-swizzled shared-memory tiles. Contract: attention.cuh (paged causal GQA attention over
+// a mixed batch); this kernel takes the sequences with q_len > 1 of a bf16 cache with head_dim 64
+// or 128, and pd_cuda_attn_prefill_fa3 says (by its return value) whether it launched, so the
+// caller falls back to k_attn_prefill (attention.cu) for anything else (fp8 caches, head_dim 32).
+//
+// Block = 3 warpgroups (384 threads) for one (sequence, 128-row query tile, query head):
+//   * warpgroup 0, the producer (setmaxnreg down to PD_FA_REG_P): cp.async of the Q tile and of
+//     the K/V tiles of BKV = 128 positions, gathered through the page table (16-byte chunks, any
+//     block_size; a tile's page-table lookups are issued together before its copies), into a ring
+//     of PD_FA_STAGES stages. Each thread waits for its own copies, issues fence.proxy.async (the
+//     tiles are read by wgmma through the async proxy) and arrives on the stage's "full" mbarrier
+//     (count 128), one tile behind its issue; it refills a stage after both consumers arrived on
+//     its "empty" mbarrier (count 256). PD_CUDA_FA3_TMA=1: whole pages come by TMA instead (one
+//     64 x 1 x block_size box per page, column block and cache, expect_tx on the same barrier);
+//     correct, but slower on an H100 (343 vs 396 TFLOP/s at 8k: 32 small boxes per 64 KB tile), so
+//     it stays opt-in.
+//   * warpgroups 1 and 2, the consumers (setmaxnreg up to PD_FA_REG_C): 64 query rows each.
+//     S = Q.K^T is wgmma m64n128k16 with both operands in shared memory (K-major descriptors);
+//     the online softmax runs on the accumulator registers (base-2 exponentials, scale * log2(e)
+//     folded into one FFMA per score, causal mask only on tiles that cross the diagonal, tiles past
+//     the diagonal skipped); P is rounded to bf16 in registers (the accumulator layout of S is the
+//     A-operand layout of the next wgmma) and O += P.V is wgmma with A from registers and V from
+//     shared memory as an N-major (transposed) operand: two m64n64k16 per k-step at head_dim 128
+//     (measured faster than one m64n128k16; PD_CUDA_FA3_VN64=0 for the latter). The two consumers
+//     take turns issuing their S products (ping-pong on named barriers; PD_CUDA_FA3_PP=0: off), so
+//     one's softmax overlaps the other's tensor-core work.
+// Shared-memory tiles are rows of HD bf16 split into 64-element (128-byte) column blocks; a
+// column block holds 128 rows of 128 bytes, and 16-byte chunk c of row r sits at chunk
+// c ^ (r % 8) of its row (the 128-byte swizzle, which wgmma applies on address bits, so every
+// tile starts 1024-byte aligned). Q | K[STAGES] | V[STAGES] | mbarriers.
+//   HD=128: 32 KB per tile, 3 stages: 225 KB; HD=64: 16 KB per tile, 4 stages: 145 KB.
+// Grid: one block per (query tile, sequence, head) with the query tile slowest and reversed, so
+// the longest tiles (most K/V tiles under the causal mask) start first, and the heads sharing a
+// kv head are neighbours (their K/V tiles meet in L2).
+//
+// PD_CUDA_ATTN_PREFILL=0 selects k_attn_prefill everywhere (A/B knob); the PD_CUDA_FA3_* knobs are
+// listed at pd_fa_flags. Numbers: docs/benchmarks.md, tools/gpu/NOTES.md (session 10, "fa3").
+#include <cuda.h>  // CUtensorMap (the encoder comes through the runtime's driver entry point)
+#include <cudaTypedefs.h>
+#include <math.h>
+#include <stdio.h>
+
+#include "kernels/attention_prefill.cuh"
+#include "kernels/common.cuh"
+
+#define PD_FA_BQ 128
+#define PD_FA_BKV 128
+#define PD_FA_THREADS 384
+#define PD_FA_REG_P 56
+#define PD_FA_REG_C 224
+#define PD_FA_LOG2E 1.4426950408889634f
+#define PD_FA_STAGES(HD) ((HD) == 64 ? 4 : 3)
+
+template <int HD>
+struct pd_fa_cfg {
+    static constexpr int TILE = PD_FA_BKV * HD * 2;  // bytes of a Q, K or V tile (BQ == BKV)
+    static constexpr int CB = PD_FA_BKV * 128;       // bytes of one 64-element column block
+    static constexpr int ST = PD_FA_STAGES(HD);
+    static constexpr int SMEM = 1024 + TILE * (1 + 2 * ST) + 8 * (2 * ST + 1);
+};
+
+// ---- PTX wrappers (sm_90a) ---------------------------------------------------------------------
+
+static __device__ __forceinline__ void pd_fa_cp16(uint32_t dst, const void *src, bool valid) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0)
+                 : "memory");
+}
+static __device__ __forceinline__ void pd_fa_mbar_init(uint32_t bar, int count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+static __device__ __forceinline__ void pd_fa_mbar_arrive(uint32_t bar) {
+    asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.shared::cta.b64 st, [%0];\n}\n" ::"r"(bar) : "memory");
+}
+static __device__ __forceinline__ void pd_fa_mbar_wait(uint32_t bar, int parity) {
+    uint32_t done;
+    do {
+        asm volatile(
+            "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+            : "=r"(done)
+            : "r"(bar), "r"(parity)
+            : "memory");
+    } while (!done);
+}
+static __device__ __forceinline__ void pd_fa_fence_async() {
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+static __device__ __forceinline__ void pd_fa_wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+static __device__ __forceinline__ void pd_fa_wg_commit() {
+    asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+}
+template <int N>
+static __device__ __forceinline__ void pd_fa_wg_wait() {
+    asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+// Adds tx bytes the current phase of bar waits for (no arrival).
+static __device__ __forceinline__ void pd_fa_mbar_expect_tx(uint32_t bar, uint32_t bytes) {
+    asm volatile("mbarrier.expect_tx.relaxed.cta.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+// One TMA box (64 elements x 1 kv head x block_size slots, 128-byte swizzle) to shared memory, completing
+// its bytes on bar.
+static __device__ __forceinline__ void pd_fa_tma3(uint32_t dst, const CUtensorMap *tm, int c0, int c1, int c2,
+                                                  uint32_t bar) {
+    asm volatile(
+        "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], "
+        "[%5];\n" ::"r"(dst),
+        "l"((uint64_t)tm), "r"(c0), "r"(c1), "r"(c2), "r"(bar)
+        : "memory");
+}
+// Named barriers 1 and 2 over the two consumer warpgroups (256 threads).
+static __device__ __forceinline__ void pd_fa_bar_sync(int id) {
+    asm volatile("bar.sync %0, 256;\n" ::"r"(id) : "memory");
+}
+static __device__ __forceinline__ void pd_fa_bar_arrive(int id) {
+    asm volatile("bar.arrive %0, 256;\n" ::"r"(id) : "memory");
+}
+// Keeps the compiler from moving accumulator registers across the asynchronous wgmma window.
+template <int N>
+static __device__ __forceinline__ void pd_fa_pin(float *d) {
+#pragma unroll
+    for (int i = 0; i < N; i++) asm volatile("" : "+f"(d[i])::"memory");
+}
+
+// Shared-memory matrix descriptor, 128-byte swizzle: start address, leading and stride byte
+// offsets (16-byte units). K-major operands (Q, K): SBO = 1024 (8 rows of 128 bytes), LBO unused;
+// the k16 steps inside a column block advance the start by 32 bytes. N-major V: SBO = 1024 (8 kv
+// rows), LBO = the distance between 64-element column blocks.
+static __device__ __forceinline__ uint64_t pd_fa_desc(uint32_t addr, uint32_t lbo) {
+    return (uint64_t)((addr & 0x3FFFF) >> 4) | ((uint64_t)(lbo >> 4) << 16) | ((uint64_t)(1024 >> 4) << 32) |
+           (1ull << 62);
+}
+
+// Byte offset of 16-byte chunk c of row r in a swizzled tile of 128 rows.
+static __device__ __forceinline__ uint32_t pd_fa_swz(int r, int c) {
+    return (uint32_t)((c >> 3) * (PD_FA_BKV * 128) + r * 128 + (((c & 7) ^ (r & 7)) << 4));
+}
+
+// ---- wgmma (generated once: m64nNk16 bf16 -> f32) ---------------------------------------------
+// D[64 x 128] = (scale_d ? D : 0) + A * B; A and B from shared memory, both K-major.
+static __device__ __forceinline__ void pd_fa_wgmma_ss_n128(float *d, uint64_t da, uint64_t db, int scale_d) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63}, %64, %65, p, 1, 1, 0, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+        : "l"(da), "l"(db), "r"(scale_d));
+}
+
+// D[64 x 64] += A * B; A (64 x 16) from registers, B (16 x 64) from shared memory, N-major.
+static __device__ __forceinline__ void pd_fa_wgmma_rs_n64(float *d, const uint32_t *a, uint64_t db) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, {%32,%33,%34,%35}, %36, p, 1, 1, 1;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(1));
+}
+
+// D[64 x 128] += A * B; A (64 x 16) from registers, B (16 x 128) from shared memory, N-major.
+static __device__ __forceinline__ void pd_fa_wgmma_rs_n128(float *d, const uint32_t *a, uint64_t db) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63}, {%64,%65,%66,%67}, %68, p, 1, 1, 1;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(1));
+}
+
+
+// ---- consumer pieces ---------------------------------------------------------------------------
+
+#define PD_FA_VN64 1  // flags: P.V of head_dim 128 as two n64 wgmmas
+#define PD_FA_PP 2    // the consumers' ping-pong
+#define PD_FA_ROWP 4  // the first producer: one page-table load, then the copies, row after row
+#define PD_FA_TMA 32  // whole pages by the tensor-memory accelerator (block_size 8..128 dividing 128)
+// Diagnostics, compiled only with -DPD_FA3_DIAG (a separate op_bench build; the output is wrong):
+#define PD_FA_NOLOAD 8   // the producer copies no K/V (the consumers' speed alone)
+#define PD_FA_NOMATH 16  // the consumers compute nothing (the producer's speed alone)
+
+// Issues S = Q.K^T (HD / 16 wgmmas, no commit). qa: this warpgroup's 64 Q rows; kt: the K tile.
+template <int HD>
+static __device__ __forceinline__ void pd_fa_issue_s(float *sc, uint32_t qa, uint32_t kt) {
+#pragma unroll
+    for (int kk = 0; kk < HD / 16; kk++) {
+        uint32_t off = (kk >> 2) * (PD_FA_BKV * 128) + (kk & 3) * 32;
+        pd_fa_wgmma_ss_n128(sc, pd_fa_desc(qa + off, 16), pd_fa_desc(kt + off, 16), kk > 0);
+    }
+}
+
+// Issues O += P.V (BKV / 16 k-steps, no commit).
+template <int HD, bool VN64>
+static __device__ __forceinline__ void pd_fa_issue_pv(float *o, const uint32_t (*pa)[4], uint32_t vt) {
+    constexpr uint32_t CB = PD_FA_BKV * 128;
+#pragma unroll
+    for (int kk = 0; kk < PD_FA_BKV / 16; kk++) {
+        if constexpr (HD == 64) {
+            pd_fa_wgmma_rs_n64(o, pa[kk], pd_fa_desc(vt + kk * 2048, CB));
+        } else if constexpr (VN64) {
+            pd_fa_wgmma_rs_n64(o, pa[kk], pd_fa_desc(vt + kk * 2048, CB));
+            pd_fa_wgmma_rs_n64(o + 32, pa[kk], pd_fa_desc(vt + CB + kk * 2048, CB));
+        } else {
+            pd_fa_wgmma_rs_n128(o, pa[kk], pd_fa_desc(vt + kk * 2048, CB));
+        }
+    }
+}
+
+// The online softmax of one S tile held in the wgmma accumulator layout (row g: elements 0, 1 of
+// each n8 chunk; row g + 8: elements 2, 3): scale to base 2, mask the positions after each row's
+// own (need_mask: the tile crosses the diagonal for this warp), update the running max m and sum
+// l, return the rescale factors of O in corr and P rounded to bf16 in the A-operand layout of
+// the P.V wgmma (which is the accumulator layout of S, two n8 chunks per k16 step).
+static __device__ __forceinline__ void pd_fa_softmax(float *sc, float *m, float *l, float *corr, uint32_t (*pa)[4],
+                                                     bool need_mask, int kv0, const int *qpos, int t,
+                                                     float scale_log2) {
+    // The max runs on the raw scores (scale_log2 > 0 keeps the order); m is in the scaled domain and
+    // each exponent is one FFMA: exp2(s * scale_log2 - m).
+    float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+    for (int nt = 0; nt < PD_FA_BKV / 8; nt++) {
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            float v = sc[nt * 4 + i];
+            if (need_mask && kv0 + nt * 8 + 2 * t + (i & 1) > qpos[i >> 1]) v = -INFINITY;
+            sc[nt * 4 + i] = v;
+            mx[i >> 1] = fmaxf(mx[i >> 1], v);
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
+        mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
+        float mn = fmaxf(m[r], mx[r] * scale_log2);  // -inf only while every position so far is masked
+        corr[r] = mn == -INFINITY ? 1.f : exp2f(m[r] - mn);
+        m[r] = mn;
+        l[r] *= corr[r];
+    }
+    float nb[2] = {m[0] == -INFINITY ? 0.f : -m[0], m[1] == -INFINITY ? 0.f : -m[1]};
+#pragma unroll
+    for (int kk = 0; kk < PD_FA_BKV / 16; kk++) {
+        float p[8];
+#pragma unroll
+        for (int i = 0; i < 8; i++) {
+            p[i] = exp2f(fmaf(sc[kk * 8 + i], scale_log2, nb[(i >> 1) & 1]));
+            l[(i >> 1) & 1] += p[i];
+        }
+        pa[kk][0] = pd_k_pack2(p[0], p[1]);  // row g, k 2t, 2t + 1
+        pa[kk][1] = pd_k_pack2(p[2], p[3]);  // row g + 8
+        pa[kk][2] = pd_k_pack2(p[4], p[5]);  // row g, k 2t + 8, 2t + 9
+        pa[kk][3] = pd_k_pack2(p[6], p[7]);  // row g + 8
+    }
+}
+
+template <int HD>
+static __device__ __forceinline__ void pd_fa_rescale(float *o, const float *corr) {
+#pragma unroll
+    for (int i = 0; i < HD / 8; i++) {
+        o[i * 4 + 0] *= corr[0];
+        o[i * 4 + 1] *= corr[0];
+        o[i * 4 + 2] *= corr[1];
+        o[i * 4 + 3] *= corr[1];
+    }
+}
+
+// ---- the kernel --------------------------------------------------------------------------------
+
+template <int HD, int FL>
+static __global__ void __launch_bounds__(PD_FA_THREADS, 1)
+    k_attn_prefill_fa3(const __nv_bfloat16 *q, const __nv_bfloat16 *kc, const __nv_bfloat16 *vc, __nv_bfloat16 *out,
+                       const int32_t *q_indptr, const int32_t *kv_lens, const int32_t *bt_indptr,
+                       const int32_t *bt_indices, int n_q_tiles, int n_seqs, int H, int n_kv, int bs, int bs_shift,
+                       int q_stride, float scale_log2, const __grid_constant__ CUtensorMap tmk,
+                       const __grid_constant__ CUtensorMap tmv) {
+    using C = pd_fa_cfg<HD>;
+    constexpr int ST = C::ST, CPR = HD / 8;
+    constexpr bool VN64 = FL & PD_FA_VN64, PP = FL & PD_FA_PP, ROWP = FL & PD_FA_ROWP;
+    constexpr bool NOLOAD = FL & PD_FA_NOLOAD, NOMATH = FL & PD_FA_NOMATH, TMA = FL & PD_FA_TMA;
+    extern __shared__ unsigned char pd_fa_smem[];
+    const uint32_t base = (pd_k_smem_u32(pd_fa_smem) + 1023u) & ~1023u;
+    const uint32_t sq = base, sk = base + C::TILE, sv = sk + ST * C::TILE, bar = sv + ST * C::TILE;
+    // bar + 8 * i: full[i]; bar + 8 * (ST + i): empty[i]; bar + 16 * ST: the Q tile
+
+    int per_tile = n_seqs * H, b = blockIdx.x;
+    int qt = n_q_tiles - 1 - b / per_tile;  // longest tiles first
+    int s = (b % per_tile) / H, h = b % H;
+    int q_begin = q_indptr[s], q_len = q_indptr[s + 1] - q_begin;
+    if (q_len <= 1 || qt * PD_FA_BQ >= q_len) return;  // q_len == 1: the decode kernel's
+    int kv_len = kv_lens[s];
+    int row0 = qt * PD_FA_BQ, row_end = min(q_len, row0 + PD_FA_BQ);
+    int pos0 = kv_len - q_len + row0;       // position of tile row 0
+    int kv_end = kv_len - q_len + row_end;  // exclusive bound over the tile's rows
+    int n_tiles = (kv_end + PD_FA_BKV - 1) / PD_FA_BKV;
+    int kvh = h / (H / n_kv);
+    const int32_t *bt = bt_indices + bt_indptr[s];
+
+    if (threadIdx.x == 0) {
+        for (int i = 0; i < ST; i++) {
+            pd_fa_mbar_init(bar + 8 * i, 128);
+            pd_fa_mbar_init(bar + 8 * (ST + i), 256);
+        }
+        pd_fa_mbar_init(bar + 16 * ST, 128);
+    }
+    __syncthreads();
+    int wg = threadIdx.x >> 7, tw = threadIdx.x & 127;
+
+    if (wg == 0) {
+        // ---- producer ----
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(PD_FA_REG_P));
+        for (int i = tw; i < PD_FA_BQ * CPR; i += 128) {
+            int r = i / CPR, c = i % CPR;
+            bool ok = row0 + r < q_len;
+            const __nv_bfloat16 *src = q + (size_t)(q_begin + (ok ? row0 + r : 0)) * q_stride + (size_t)h * HD + c * 8;
+            pd_fa_cp16(sq + pd_fa_swz(r, c), src, ok);
+        }
+        pd_k_cp_async_commit();
+        // Thread tw copies 16-byte chunk c = tw % CPR of rows tw / CPR + k * RS (k < RPT) of each
+        // tile. The page-table lookups of a tile are issued together (independent loads) before
+        // the wait for its stage, then the copies; ROWP: the first version, lookup and copies row
+        // after row (each copy waits for its lookup).
+        constexpr int RS = 128 / CPR, RPT = PD_FA_BKV / RS, CB = HD / 64;
+        const int r0 = tw / CPR, c = tw % CPR;
+        const size_t kv_row = (size_t)n_kv * HD, kv_col = (size_t)kvh * HD + c * 8;
+        for (int j = 0; j < n_tiles; j++) {
+            int st = j % ST, kv0 = j * PD_FA_BKV;
+            uint32_t dk = sk + st * C::TILE, dv = sv + st * C::TILE;
+            if constexpr (NOLOAD) {
+                if (j >= ST) pd_fa_mbar_wait(bar + 8 * (ST + st), ((j / ST) - 1) & 1);
+            } else if constexpr (TMA) {
+                // Pages wholly inside the cache rows of this sequence (< kv_len) come by TMA, one box
+                // per (page, 64-element column block) for K and V, issued by the first CB * pages
+                // threads; the rest (the page holding kv_len, if partial, and pages past it) by
+                // cp.async with zeros past kv_end, so the masked rows hold no stale NaN.
+                int pg0 = kv0 / bs, n_full = min(max(kv_len / bs - pg0, 0), PD_FA_BKV / bs);
+                int cp_from = kv0 + n_full * bs;
+                int pg = tw / CB, cb = tw % CB;
+                int page = tw < n_full * CB ? __ldg(bt + pg0 + pg) : 0;
+                int slot[RPT];
+#pragma unroll
+                for (int k = 0; k < RPT; k++) {
+                    int pos = kv0 + r0 + k * RS;
+                    int pgk = bs_shift >= 0 ? pos >> bs_shift : pos / bs, in = pos - pgk * bs;
+                    slot[k] = pos >= cp_from && pos < kv_end ? __ldg(bt + pgk) * bs + in : -1;
+                }
+                if (j >= ST) pd_fa_mbar_wait(bar + 8 * (ST + st), ((j / ST) - 1) & 1);
+                if (tw == 0 && n_full > 0)
+                    pd_fa_mbar_expect_tx(bar + 8 * st, (uint32_t)(n_full * bs * HD * 2 * 2));
+                __syncwarp();
+                if (tw < n_full * CB) {
+                    uint32_t o = (uint32_t)(cb * (PD_FA_BKV * 128) + pg * bs * 128);
+                    pd_fa_tma3(dk + o, &tmk, cb * 64, kvh, page * bs, bar + 8 * st);
+                    pd_fa_tma3(dv + o, &tmv, cb * 64, kvh, page * bs, bar + 8 * st);
+                }
+#pragma unroll
+                for (int k = 0; k < RPT; k++) {
+                    if (kv0 + r0 + k * RS < cp_from) continue;
+                    bool ok = slot[k] >= 0;
+                    size_t off = ok ? (size_t)slot[k] * kv_row + kv_col : 0;
+                    uint32_t o = pd_fa_swz(r0 + k * RS, c);
+                    pd_fa_cp16(dk + o, kc + off, ok);
+                    pd_fa_cp16(dv + o, vc + off, ok);
+                }
+            } else if constexpr (ROWP) {
+                if (j >= ST) pd_fa_mbar_wait(bar + 8 * (ST + st), ((j / ST) - 1) & 1);
+                for (int i = tw; i < PD_FA_BKV * CPR; i += 128) {
+                    int r = i / CPR, cc = i % CPR, pos = kv0 + r;
+                    bool ok = pos < kv_end;
+                    size_t off = 0;
+                    if (ok) off = ((size_t)(bt[pos / bs] * bs + pos % bs) * n_kv + kvh) * HD + cc * 8;
+                    uint32_t o = pd_fa_swz(r, cc);
+                    pd_fa_cp16(dk + o, kc + off, ok);
+                    pd_fa_cp16(dv + o, vc + off, ok);
+                }
+            } else {
+                int slot[RPT];
+#pragma unroll
+                for (int k = 0; k < RPT; k++) {
+                    int pos = kv0 + r0 + k * RS;
+                    int pg = bs_shift >= 0 ? pos >> bs_shift : pos / bs, in = pos - pg * bs;
+                    slot[k] = pos < kv_end ? __ldg(bt + pg) * bs + in : -1;
+                }
+                if (j >= ST) pd_fa_mbar_wait(bar + 8 * (ST + st), ((j / ST) - 1) & 1);
+#pragma unroll
+                for (int k = 0; k < RPT; k++) {
+                    bool ok = slot[k] >= 0;
+                    size_t off = ok ? (size_t)slot[k] * kv_row + kv_col : 0;
+                    uint32_t o = pd_fa_swz(r0 + k * RS, c);
+                    pd_fa_cp16(dk + o, kc + off, ok);
+                    pd_fa_cp16(dv + o, vc + off, ok);
+                }
+            }
+            pd_k_cp_async_commit();
+            pd_k_cp_async_wait<1>();  // everything but tile j: the Q tile (j == 0) or tile j - 1
+            pd_fa_fence_async();
+            pd_fa_mbar_arrive(j == 0 ? bar + 16 * ST : bar + 8 * ((j - 1) % ST));
+        }
+        pd_k_cp_async_wait<0>();
+        pd_fa_fence_async();
+        pd_fa_mbar_arrive(bar + 8 * ((n_tiles - 1) % ST));
+        return;
+    }
+
+    // ---- consumers ----
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(PD_FA_REG_C));
+    int cw = wg - 1, warp = tw >> 5, lane = tw & 31, g = lane >> 2, t = lane & 3;
+    int wr = cw * 64 + warp * 16;  // the warp's first row in the tile
+    int qpos[2] = {pos0 + wr + g, pos0 + wr + g + 8};
+    bool live = row0 + cw * 64 < q_len;
+    int last_pos = pos0 + min(cw * 64 + 63, row_end - row0 - 1);  // the warpgroup's last row
+    // Tiles [0, n_mine) hold positions at or before this warpgroup's last row; the rest are
+    // waited for and released untouched (the other warpgroup may need them).
+    int n_mine = live ? last_pos / PD_FA_BKV + 1 : 0;
+    float o[HD / 2];
+#pragma unroll
+    for (int i = 0; i < HD / 2; i++) o[i] = 0.f;
+    float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f}, corr[2];
+    const uint32_t qa = sq + cw * 64 * 128;  // this warpgroup's 64 rows of Q
+    uint32_t pa[PD_FA_BKV / 16][4];
+
+    pd_fa_mbar_wait(bar + 16 * ST, 0);
+    // PP (ping-pong): the two consumers take turns issuing their products (named barriers 1 and
+    // 2, 256 threads: one warpgroup syncs, the other arrives), so one's softmax overlaps the
+    // other's tensor-core work. Both run the handshake on every tile, computing or not, and the
+    // second skips its last arrive, so the counts match.
+    if (PP && cw == 1) pd_fa_bar_arrive(1);
+    for (int j = 0; j < n_tiles; j++) {
+        int st = j % ST, kv0 = j * PD_FA_BKV;
+        bool pass = PP && !(cw == 1 && j == n_tiles - 1);
+        pd_fa_mbar_wait(bar + 8 * st, (j / ST) & 1);
+        if (PP) pd_fa_bar_sync(1 + cw);
+        if (NOMATH || j >= n_mine) {  // warpgroup-uniform
+            if (pass) pd_fa_bar_arrive(2 - cw);
+            pd_fa_mbar_arrive(bar + 8 * (ST + st));
+            continue;
+        }
+        const uint32_t kt = sk + st * C::TILE;
+        bool need_mask = kv0 + PD_FA_BKV - 1 > pos0 + wr;
+        float sc[PD_FA_BKV / 2];
+        {
+            pd_fa_pin<PD_FA_BKV / 2>(sc);
+            pd_fa_wg_fence();
+            pd_fa_issue_s<HD>(sc, qa, kt);
+            pd_fa_wg_commit();
+            if (pass) pd_fa_bar_arrive(2 - cw);
+            pd_fa_wg_wait<0>();
+            pd_fa_pin<PD_FA_BKV / 2>(sc);
+            pd_fa_softmax(sc, m, l, corr, pa, need_mask, kv0, qpos, t, scale_log2);
+            pd_fa_rescale<HD>(o, corr);
+            pd_fa_pin<HD / 2>(o);
+            pd_fa_wg_fence();
+            pd_fa_issue_pv<HD, VN64>(o, pa, sv + st * C::TILE);
+            pd_fa_wg_commit();
+            pd_fa_wg_wait<0>();
+            pd_fa_pin<HD / 2>(o);
+            pd_fa_mbar_arrive(bar + 8 * (ST + st));
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
+        l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
+        l[r] = l[r] > 0.f ? 1.f / l[r] : 0.f;
+    }
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        int row = row0 + wr + g + r * 8;
+        if (row >= q_len) continue;
+        __nv_bfloat16 *dst = out + (size_t)(q_begin + row) * H * HD + (size_t)h * HD;
+#pragma unroll
+        for (int i = 0; i < HD / 8; i++)
+            *(uint32_t *)(dst + i * 8 + 2 * t) = pd_k_pack2(o[i * 4 + 2 * r] * l[r], o[i * 4 + 2 * r + 1] * l[r]);
+    }
+}
+
+// ---- launch ------------------------------------------------------------------------------------
+
+// PD_CUDA_ATTN_PREFILL=0: always the mma.sync kernel (A/B knob).
+static bool pd_fa_enabled() {
+    static int on = -1;
+    return pd_k_env_on("PD_CUDA_ATTN_PREFILL", &on);
+}
+// The flag set for head_dim hd. Defaults from the H100 measurements (tools/gpu/NOTES.md, fa3-2): ping-pong
+// on at head_dim 128 (400 vs 395 TFLOP/s at 8k), off at 64 (300 vs 317-324); P.V as one wgmma per k-step.
+// Knobs, read once, "1" on / "0" off: PD_CUDA_FA3_PP (ping-pong), PD_CUDA_FA3_VN64 (P.V of head_dim 128 as two
+// n64 wgmmas), PD_CUDA_FA3_ROWP (the first producer), PD_CUDA_FA3_TMA (whole pages by TMA); with
+// -DPD_FA3_DIAG also PD_CUDA_FA3_DIAG=noload|nomath.
+static int pd_fa_env(const char *name) {  // 1, 0, or -1 when unset / neither
+    const char *e = getenv(name);
+    return e && !strcmp(e, "1") ? 1 : e && !strcmp(e, "0") ? 0 : -1;
+}
+static int pd_fa_flags(int hd) {
+    static int pp = -2, vn = -2, rowp = -2, tma = -2, diag = 0;
+    if (pp == -2) {
+        vn = pd_fa_env("PD_CUDA_FA3_VN64"), rowp = pd_fa_env("PD_CUDA_FA3_ROWP"), tma = pd_fa_env("PD_CUDA_FA3_TMA");
+#ifdef PD_FA3_DIAG
+        const char *d = getenv("PD_CUDA_FA3_DIAG");
+        diag = d && !strcmp(d, "noload") ? PD_FA_NOLOAD : d && !strcmp(d, "nomath") ? PD_FA_NOMATH : 0;
+#endif
+        pp = pd_fa_env("PD_CUDA_FA3_PP");
+    }
+    return ((pp < 0 ? hd == 128 : pp) ? PD_FA_PP : 0) | (vn == 1 && hd == 128 ? PD_FA_VN64 : 0) |
+           (rowp == 1 ? PD_FA_ROWP : 0) | (tma == 1 ? PD_FA_TMA : 0) | diag;
+}
+
+template <int HD, int FL>
+static void pd_fa_launch(const pd_attention_kparams *p, cudaStream_t s, const CUtensorMap *tm) {
+    static bool attr_set = false;  // per instantiation; the first launch raises the smem limit
+    if (!attr_set) {
+        cudaFuncSetAttribute(k_attn_prefill_fa3<HD, FL>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                             pd_fa_cfg<HD>::SMEM);
+        attr_set = true;
+    }
+    int n_q_tiles = (p->max_q_len + PD_FA_BQ - 1) / PD_FA_BQ;
+    dim3 grid((unsigned)(n_q_tiles * p->n_seqs * p->n_heads));
+    int bs_shift = -1;  // log2(block_size) when it is a power of two (shifts instead of divisions)
+    for (int i = 0; i < 31; i++)
+        if (p->block_size == 1 << i) bs_shift = i;
+    k_attn_prefill_fa3<HD, FL><<<grid, PD_FA_THREADS, pd_fa_cfg<HD>::SMEM, s>>>(
+        (const __nv_bfloat16 *)p->q, (const __nv_bfloat16 *)p->k_cache, (const __nv_bfloat16 *)p->v_cache,
+        (__nv_bfloat16 *)p->out, p->q_indptr, p->kv_lens, p->bt_indptr, p->bt_indices, n_q_tiles, p->n_seqs,
+        p->n_heads, p->n_kv_heads, p->block_size, bs_shift, p->q_stride, p->scale * PD_FA_LOG2E, tm[0], tm[1]);
+}
+
+// Tensor maps of the K and V caches for the TMA producer: (head_dim, n_kv, slots) bf16, boxes of 64 x 1 x
+// block_size with the 128-byte swizzle. The slot extent is a bound the page ids never reach (the
+// kernel only asks for pages of the table). False when the driver lacks the encoder or rejects the map.
+static bool pd_fa_tensor_maps(const pd_attention_kparams *p, CUtensorMap tm[2]) {
+    static PFN_cuTensorMapEncodeTiled_v12000 enc = NULL;
+    static int tried = 0;
+    if (!tried) {
+        void *fn = NULL;
+        cudaDriverEntryPointQueryResult q;
+        if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &q) ==
+                cudaSuccess &&
+            q == cudaDriverEntryPointSuccess)
+            enc = (PFN_cuTensorMapEncodeTiled_v12000)fn;
+        tried = 1;
+    }
+    if (!enc) return false;
+    cuuint64_t dims[3] = {(cuuint64_t)p->head_dim, (cuuint64_t)p->n_kv_heads, (cuuint64_t)1 << 28};
+    cuuint64_t strides[2] = {(cuuint64_t)p->head_dim * 2, (cuuint64_t)p->n_kv_heads * p->head_dim * 2};
+    cuuint32_t box[3] = {64, 1, (cuuint32_t)p->block_size}, estr[3] = {1, 1, 1};
+    const void *ptr[2] = {p->k_cache, p->v_cache};
+    for (int i = 0; i < 2; i++)
+        if (enc(&tm[i], CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3, (void *)ptr[i], dims, strides, box, estr,
+                CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) != CUDA_SUCCESS)
+            return false;
+    return true;
+}
+
+#define PD_FA_CASE(F)                        \
+    if (fl == (F)) {                         \
+        pd_fa_launch<HD, (F)>(p, s, tm);     \
+        return;                              \
+    }
+
+// The instantiated flag sets; anything else runs the default.
+template <int HD>
+static void pd_fa_dispatch(const pd_attention_kparams *p, cudaStream_t s, int fl, const CUtensorMap *tm) {
+    PD_FA_CASE(PD_FA_PP)
+    PD_FA_CASE(PD_FA_PP | PD_FA_TMA)
+    PD_FA_CASE(0)
+    PD_FA_CASE(PD_FA_TMA)
+    PD_FA_CASE(PD_FA_ROWP)
+    PD_FA_CASE(PD_FA_PP | PD_FA_ROWP)
+    if constexpr (HD == 128) {
+        PD_FA_CASE(PD_FA_VN64)
+        PD_FA_CASE(PD_FA_VN64 | PD_FA_PP)
+    }
+#ifdef PD_FA3_DIAG
+    PD_FA_CASE(PD_FA_PP | PD_FA_NOLOAD)
+    PD_FA_CASE(PD_FA_PP | PD_FA_NOMATH)
+    PD_FA_CASE(PD_FA_PP | PD_FA_TMA | PD_FA_NOMATH)
+    PD_FA_CASE(PD_FA_NOLOAD)
+    PD_FA_CASE(PD_FA_NOMATH)
+    PD_FA_CASE(PD_FA_TMA | PD_FA_NOMATH)
+#endif
+    pd_fa_launch<HD, HD == 128 ? PD_FA_PP : 0>(p, s, tm);
+}
+
+extern "C" int pd_cuda_attn_prefill_fa3(const pd_attention_kparams *p, cudaStream_t s) {
+    if (!pd_fa_enabled() || p->kv_fp8 || p->max_q_len <= 1) return 0;
+    if (p->head_dim != 64 && p->head_dim != 128) return 0;
+    if ((long)((p->max_q_len + PD_FA_BQ - 1) / PD_FA_BQ) * p->n_seqs * p->n_heads > 0x7fffffffL) return 0;
+    int fl = pd_fa_flags(p->head_dim);
+    CUtensorMap tm[2];
+    memset(tm, 0, sizeof tm);
+    // TMA moves whole pages: block_size 8..128 dividing the 128-position tile (else cp.async only)
+    if (fl & PD_FA_TMA) {
+        bool bs_ok = p->block_size >= 8 && p->block_size <= 128 && 128 % p->block_size == 0;
+        if (bs_ok && !pd_fa_tensor_maps(p, tm)) {
+            static int warned = 0;
+            if (!warned) fprintf(stderr, "pdserve: PD_CUDA_FA3_TMA=1 but no tensor map could be made: cp.async only\n");
+            warned = 1;
+            bs_ok = false;
+        }
+        if (!bs_ok) fl &= ~PD_FA_TMA;
+    }
+    if (p->head_dim == 64) pd_fa_dispatch<64>(p, s, fl, tm);
+    else pd_fa_dispatch<128>(p, s, fl, tm);
+    return 1;
+}
