@@ -22,15 +22,19 @@
 // graph still pays on the critical path of every decode step. Only the one-wave (8-warp)
 // instantiations carry the merge code: in the 4-warp ones it raised register spills and cost
 // ~2% at batch 32-128. PD_CUDA_ATTN_FOLD=0 always launches the combine kernel (measurement knob).
-// k_attn_decode_tc (below) keeps this grid, partitioning and workspace but runs on mma.sync; it is
-// the default for head_dim 64/128 (PD_CUDA_ATTN_TC=0 picks this one). The decode and combine
-// kernels are launched with PDL (common.cuh). The bf16 tensor-core kernel loads the next step's K
-// during this step's math (PD_CUDA_ATTN_PIPE=0: off); k_attn_decode_tc_f8 is its fp8-cache twin
-// (fully pipelined); the prefill kernel and the CUDA-core decode kernel take F8 as a template flag.
+// The tensor-core kernels (below) keep this grid, partitioning and workspace but run on mma.sync;
+// they are the default for head_dim 64/128 (PD_CUDA_ATTN_TC=0 picks this one): k_attn_decode_bt
+// for the bf16 cache and k_attn_decode_f8s for the fp8 cache, both in the transposed form (S^T =
+// K.Q^T, O^T += V^T.P^T: tokens and dims fill the mma rows, not the <= 8 heads) with the next
+// steps' K and V in flight in registers. k_attn_decode_tc (PD_CUDA_ATTN_BT=0) and its fp8 twin
+// k_attn_decode_tc_f8 (PD_CUDA_ATTN_F8S=0) are the previous ones, kept as measurement baselines.
+// The decode and combine kernels are launched with PDL (common.cuh); the prefill kernel and the
+// CUDA-core decode kernel take F8 as a template flag.
 // Partition sizing (pd_k_dec_part) aims at one wave; see there.
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
 #include <math.h>
+#include <stdio.h>
 
 #include "kernels/attention.cuh"
 #include "kernels/attention_prefill.cuh"
@@ -608,8 +612,12 @@ static __device__ __forceinline__ uint32_t pd_k_u4_get(const uint4 &u, int r) {
 }
 
 // Cache slot of token pos (through the page table), or -1 past k_end.
+// Block sizes that are powers of two (all the engine uses) take shifts instead of an integer
+// division (a uniform branch; the division is ~20 instructions, twice per step and warp).
 static __device__ __forceinline__ int pd_k_dec_slot(const int32_t *bt, int pos, int k_end, int bs) {
-    return pos < k_end ? bt[pos / bs] * bs + pos % bs : -1;
+    if (pos >= k_end) return -1;
+    if ((bs & (bs - 1)) == 0) return bt[pos >> (__ffs(bs) - 1)] * bs + (pos & (bs - 1));
+    return bt[pos / bs] * bs + pos % bs;
 }
 
 // One step of 16 tokens (base .. base + 15) for this warp: S = Q.K^T on tensor cores, online
@@ -895,6 +903,467 @@ static __global__ void __launch_bounds__(W * 32, W == 4 ? 2 : 1)
     pd_k_dec_finish<HD, GM, W, W == 8>(red, out, ws, cnt, q_begin, s, kvh, G, H, split, n_sp, n_splits);
 }
 
+// ---- fp8 decode, streaming version -------------------------------------------------------------
+//
+// k_attn_decode_f8s<HD, GM, W, DEPTH, T2>: k_attn_decode_tc_f8's grid, partitions, load layout
+// (lane (g, t): tokens g and g + 8 of each 16-token tile, bytes c*64 + t*16 .. +16 of the head for
+// c < HD/64) and outputs, computed in the transposed form (S^T = K.Q^T with the 16 tokens as mma
+// rows and the heads as the n8 columns, O^T += V^T.P^T with 16 dims as rows: no padding rows), with
+// the e4m3 bytes fed to the tensor cores at one instruction per two elements: cvt.rn.f16x2.e4m3x2
+// is exact, and the mma runs in f16 (f32 accumulate) instead of bf16 (widening to bf16 took four), so
+//   * S^T: Q is converted to f16 once, times a power of two (2^(13 - e), e = exponent of the head's
+//     max |q|, so |q| < 2^14 and no bf16 value of q loses a bit unless it is 2^-28 below the max);
+//     the power of two and the per-token K scale are applied to the score in f32 (one multiply per
+//     score, folded with scale*log2(e)); a lane's score rows are its own loaded tokens, so it
+//     holds their scales;
+//   * O^T: the reduction axis is the token, so each lane needs two tokens of one dim in a register.
+//     The raw bytes are transposed before widening: movmatrix on 16-bit units (two dims of one
+//     token) gives lane (g, t) the units of tokens 2t and 2t + 1 of one dim pair, a byte permute
+//     interleaves them, and two cvts give the two dims' A fragments (rows g and g + 8). P^T (the B
+//     operand) is two movmatrix of the packed weights. P must be f16, and the per-token V scale goes
+//     into P: the weights exp2(s + log2(vs) - m2) with their own running max m2 (so the largest is 1
+//     and f16's range is never an issue, whatever the scales), while l keeps the usual running max
+//     m; at the end the accumulator moves to m's frame (times exp2(m2 - m));
+//   * a warp's step is T2 tiles of 16 tokens sharing one softmax update (max reductions and the
+//     accumulator rescale, skipped when no max moved), and the next DEPTH steps' raw bytes are in
+//     flight (DEPTH + 1 register buffers, the loop unrolled over them so they stay registers).
+// PD_CUDA_ATTN_F8S=0: the previous kernel (k_attn_decode_tc_f8); PD_CUDA_ATTN_F8TILES=1|2 (below).
+// Lane (g, t) ends with o[c][w][0..3] = O^T[dim c*64 + (g >> 1)*16 + 4w + 2(g & 1) (+ 1 for [2],
+// [3])][head 2t ([0], [2]) or 2t + 1 ([1], [3])].
+
+static __device__ __forceinline__ uint32_t pd_k_e4m3x2_f16x2(uint32_t v) {  // low 16 bits
+    uint32_t d;
+    asm("{\n.reg .b16 lo, hi;\nmov.b32 {lo, hi}, %1;\ncvt.rn.f16x2.e4m3x2 %0, lo;\n}\n" : "=r"(d) : "r"(v));
+    return d;
+}
+static __device__ __forceinline__ uint32_t pd_k_e4m3x2_f16x2_hi(uint32_t v) {  // high 16 bits
+    uint32_t d;
+    asm("{\n.reg .b16 lo, hi;\nmov.b32 {lo, hi}, %1;\ncvt.rn.f16x2.e4m3x2 %0, hi;\n}\n" : "=r"(d) : "r"(v));
+    return d;
+}
+static __device__ __forceinline__ uint32_t pd_k_prmt(uint32_t a, uint32_t sel) {
+    uint32_t d;
+    asm("prmt.b32 %0, %1, 0, %2;\n" : "=r"(d) : "r"(a), "r"(sel));
+    return d;
+}
+static __device__ __forceinline__ uint32_t pd_k_pack2_f16(float a, float b) {
+    __half2 h = __floats2half2_rn(a, b);  // .x = a (low half)
+    return *reinterpret_cast<uint32_t *>(&h);
+}
+// d (16x8 f32) += a (16x16 f16, row) * b (16x8 f16, col)
+static __device__ __forceinline__ void pd_k_mma_f16(float d[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                                    uint32_t b0, uint32_t b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// One step of T2 tiles of 16 tokens (tile i: base + 16i .. + 15) for this warp from the raw bytes
+// in r[i] (see above); the tiles share one softmax update (one max reduction and one rescale).
+template <int HD, int T2>
+static __device__ __forceinline__ void pd_k_f8s_step(const uint32_t (&qh)[HD / 64][8],
+                                                     const pd_k_f8_step_regs<HD> *const (&r)[T2],
+                                                     float (&o)[HD / 64][4][4], float (&m)[2], float (&m2)[2],
+                                                     float (&l)[2], int base, int k_end, int g, const float (&sl)[2]) {
+    constexpr int NC = HD / 64;
+    // S^T (rows = tokens g, g + 8; cols = heads): two accumulators per tile (even and odd words) to
+    // halve the mma dependency chain
+    float sa[T2][2][4];
+#pragma unroll
+    for (int i = 0; i < T2; i++)
+#pragma unroll
+        for (int a = 0; a < 2; a++) sa[i][a][0] = sa[i][a][1] = sa[i][a][2] = sa[i][a][3] = 0.f;
+#pragma unroll
+    for (int c = 0; c < NC; c++)
+#pragma unroll
+        for (int w = 0; w < 4; w++)
+#pragma unroll
+            for (int i = 0; i < T2; i++) {
+                uint32_t k0 = pd_k_u4_get(r[i]->k[0][c], w), k1 = pd_k_u4_get(r[i]->k[1][c], w);
+                pd_k_mma_f16(sa[i][w & 1], pd_k_e4m3x2_f16x2(k0), pd_k_e4m3x2_f16x2(k1), pd_k_e4m3x2_f16x2_hi(k0),
+                             pd_k_e4m3x2_f16x2_hi(k1), qh[c][2 * w], qh[c][2 * w + 1]);
+            }
+    // p[i][j]: token 16i + (j >> 1) * 8 + g (this lane's own loads, so its own scales), head 2t + (j & 1)
+    float p[T2][4], q2[T2][4], mx[2] = {-INFINITY, -INFINITY}, mx2[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+    for (int i = 0; i < T2; i++) {
+        bool ok[2] = {base + 16 * i + g < k_end, base + 16 * i + 8 + g < k_end};
+        float lv[2] = {__log2f(r[i]->vs[0]), __log2f(r[i]->vs[1])};  // vs = 0: -inf
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+            p[i][j] = ok[j >> 1] ? (sa[i][0][j] + sa[i][1][j]) * (sl[j & 1] * r[i]->ks[j >> 1]) : -INFINITY;
+            q2[i][j] = p[i][j] + lv[j >> 1];
+            mx[j & 1] = fmaxf(mx[j & 1], p[i][j]);
+            mx2[j & 1] = fmaxf(mx2[j & 1], q2[i][j]);
+        }
+    }
+#pragma unroll
+    for (int e = 0; e < 2; e++)
+#pragma unroll
+        for (int x = 4; x < 32; x <<= 1) {
+            mx[e] = fmaxf(mx[e], __shfl_xor_sync(0xffffffffu, mx[e], x));
+            mx2[e] = fmaxf(mx2[e], __shfl_xor_sync(0xffffffffu, mx2[e], x));
+        }
+    float corr2[2];
+    bool moved = false;
+#pragma unroll
+    for (int e = 0; e < 2; e++) {
+        float mn = fmaxf(m[e], mx[e]);  // finite: token `base` is valid for every head
+        float ps = 0.f;
+#pragma unroll
+        for (int i = 0; i < T2; i++) ps += exp2f(p[i][e] - mn) + exp2f(p[i][e + 2] - mn);  // p = -inf -> 0
+        l[e] = l[e] * exp2f(m[e] - mn) + ps;  // m = -inf -> 0
+        m[e] = mn;
+        float mn2 = fmaxf(m2[e], mx2[e]);
+        corr2[e] = mn2 == -INFINITY ? 1.f : exp2f(m2[e] - mn2);
+#pragma unroll
+        for (int i = 0; i < T2; i++) {
+            q2[i][e] = mn2 == -INFINITY ? 0.f : exp2f(q2[i][e] - mn2);
+            q2[i][e + 2] = mn2 == -INFINITY ? 0.f : exp2f(q2[i][e + 2] - mn2);
+        }
+        moved |= mn2 != m2[e];
+        m2[e] = mn2;
+    }
+    if (__any_sync(0xffffffffu, moved)) {  // most steps of a long context leave every frame where it was
+#pragma unroll
+        for (int c = 0; c < NC; c++)
+#pragma unroll
+            for (int w = 0; w < 4; w++) {
+                o[c][w][0] *= corr2[0];
+                o[c][w][1] *= corr2[1];
+                o[c][w][2] *= corr2[0];
+                o[c][w][3] *= corr2[1];
+            }
+    }
+#pragma unroll
+    for (int i = 0; i < T2; i++) {
+        // P^T as the B operand: lane (g, t) needs tokens 2t, 2t + 1 (and + 8) of head g
+        uint32_t pb0 = pd_k_movmatrix_trans(pd_k_pack2_f16(q2[i][0], q2[i][1]));
+        uint32_t pb1 = pd_k_movmatrix_trans(pd_k_pack2_f16(q2[i][2], q2[i][3]));
+#pragma unroll
+        for (int c = 0; c < NC; c++)
+#pragma unroll
+            for (int w = 0; w < 4; w++) {
+                // units (2 dims of one token) -> tokens 2t, 2t + 1 of one dim pair -> bytes (tok 2t, tok 2t + 1) per dim
+                uint32_t t0 = pd_k_prmt(pd_k_movmatrix_trans(pd_k_u4_get(r[i]->v[0][c], w)), 0x3120u);
+                uint32_t t1 = pd_k_prmt(pd_k_movmatrix_trans(pd_k_u4_get(r[i]->v[1][c], w)), 0x3120u);
+                pd_k_mma_f16(o[c][w], pd_k_e4m3x2_f16x2(t0), pd_k_e4m3x2_f16x2_hi(t0), pd_k_e4m3x2_f16x2(t1),
+                             pd_k_e4m3x2_f16x2_hi(t1), pb0, pb1);
+            }
+    }
+}
+
+template <int HD, int GM, int W, int DEPTH, int T2>
+static __global__ void __launch_bounds__(W * 32, W == 4 ? 2 : 1)
+    k_attn_decode_f8s(const __nv_bfloat16 *q, const void *kc_, const void *vc_, __nv_bfloat16 *out,
+                      const int32_t *q_indptr, const int32_t *kv_lens, const int32_t *bt_indptr,
+                      const int32_t *bt_indices, int H, int n_kv, int bs, int q_stride, float scale_log2, int part,
+                      int n_splits, float *ws, int *cnt, size_t rb) {
+    constexpr int NC = HD / 64, STEP = W * 16 * T2;  // a warp's step: T2 tiles of 16 tokens
+    __shared__ float red[W][GM][HD + 2];
+    const uint8_t *kc = (const uint8_t *)kc_, *vc = (const uint8_t *)vc_;
+    pd_k_pdl_trigger();
+    int split = blockIdx.x, kvh = blockIdx.y, s = blockIdx.z;
+    int q_begin = q_indptr[s], q_len = q_indptr[s + 1] - q_begin;
+    int kv_len = kv_lens[s];
+    const int32_t *bt = bt_indices + bt_indptr[s];
+    int k_begin = split * part, k_end = min(kv_len, k_begin + part);
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+    bool live = q_len == 1 && k_begin < kv_len;
+    int first = k_begin + warp * 16 * T2;
+    // slots of the first DEPTH steps, then (nx) of the step loaded next; in the loop each step looks
+    // up the one after, so a lookup's latency never delays the loads it feeds
+    int slot[DEPTH][T2][2], nx[T2][2];
+#pragma unroll
+    for (int i = 0; i < T2; i++)
+#pragma unroll
+        for (int hh = 0; hh < 2; hh++) {
+#pragma unroll
+            for (int d = 0; d < DEPTH; d++)
+                slot[d][i][hh] = live ? pd_k_dec_slot(bt, first + d * STEP + 16 * i + hh * 8 + g, k_end, bs) : -1;
+            nx[i][hh] = live ? pd_k_dec_slot(bt, first + DEPTH * STEP + 16 * i + hh * 8 + g, k_end, bs) : -1;
+        }
+    pd_k_pdl_wait();
+    if (!live) return;
+    int n_sp = (kv_len + part - 1) / part;
+    int G = H / n_kv;
+
+    pd_k_f8_step_regs<HD> buf[DEPTH + 1][T2];
+#pragma unroll
+    for (int d = 0; d < DEPTH; d++)
+#pragma unroll
+        for (int i = 0; i < T2; i++) pd_k_f8_load<HD>(buf[d][i], kc, vc, slot[d][i], n_kv, kvh, t, rb);
+
+    // Q of head g at the load layout's dims, as f16 times a power of two
+    uint32_t qh[NC][8];
+    float qmax = 0.f;
+    uint4 qr[NC][2];
+#pragma unroll
+    for (int c = 0; c < NC; c++)
+#pragma unroll
+        for (int h2 = 0; h2 < 2; h2++) {
+            qr[c][h2] = g < G ? *(const uint4 *)(q + (size_t)q_begin * q_stride + (size_t)(kvh * G + g) * HD + c * 64 +
+                                                 t * 16 + h2 * 8)
+                              : make_uint4(0, 0, 0, 0);
+            float f[8];
+            pd_k_unpack8(qr[c][h2], f);
+#pragma unroll
+            for (int i = 0; i < 8; i++) qmax = fmaxf(qmax, fabsf(f[i]));
+        }
+    qmax = fmaxf(qmax, __shfl_xor_sync(0xffffffffu, qmax, 1));
+    qmax = fmaxf(qmax, __shfl_xor_sync(0xffffffffu, qmax, 2));
+    // |q| < 2^(ex + 1) -> times 2^(13 - ex); qmax = 0 (or not finite): times 1
+    int ex = (int)((__float_as_uint(qmax) >> 23) & 0xff) - 127;
+    int k2 = qmax > 0.f && ex < 128 ? min(max(13 - ex, -126), 127) : 0;
+    float qmul = __uint_as_float((uint32_t)(k2 + 127) << 23);
+    float slg = scale_log2 * __uint_as_float((uint32_t)(127 - k2) << 23);
+#pragma unroll
+    for (int c = 0; c < NC; c++)
+#pragma unroll
+        for (int h2 = 0; h2 < 2; h2++) {
+            float f[8];
+            pd_k_unpack8(qr[c][h2], f);
+#pragma unroll
+            for (int i = 0; i < 4; i++) qh[c][h2 * 4 + i] = pd_k_pack2_f16(f[2 * i] * qmul, f[2 * i + 1] * qmul);
+        }
+    // this lane's score columns are heads 2t and 2t + 1
+    const float sl[2] = {__shfl_sync(0xffffffffu, slg, 8 * t), __shfl_sync(0xffffffffu, slg, 8 * t + 4)};
+    float o[NC][4][4];
+#pragma unroll
+    for (int c = 0; c < NC; c++)
+#pragma unroll
+        for (int w = 0; w < 4; w++) o[c][w][0] = o[c][w][1] = o[c][w][2] = o[c][w][3] = 0.f;
+    float m[2] = {-INFINITY, -INFINITY}, m2[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+
+    for (int b0 = first; b0 < k_end; b0 += (DEPTH + 1) * STEP) {
+#pragma unroll
+        for (int u = 0; u <= DEPTH; u++) {
+            int base = b0 + u * STEP;
+            if (base >= k_end) break;
+#pragma unroll
+            for (int i = 0; i < T2; i++) {
+                int ns[2] = {nx[i][0], nx[i][1]};
+                nx[i][0] = pd_k_dec_slot(bt, base + (DEPTH + 1) * STEP + 16 * i + g, k_end, bs);
+                nx[i][1] = pd_k_dec_slot(bt, base + (DEPTH + 1) * STEP + 16 * i + 8 + g, k_end, bs);
+                pd_k_f8_load<HD>(buf[(u + DEPTH) % (DEPTH + 1)][i], kc, vc, ns, n_kv, kvh, t, rb);
+            }
+            const pd_k_f8_step_regs<HD> *rr[T2];
+#pragma unroll
+            for (int i = 0; i < T2; i++) rr[i] = &buf[u][i];
+            pd_k_f8s_step<HD, T2>(qh, rr, o, m, m2, l, base, k_end, g, sl);
+        }
+    }
+#pragma unroll
+    for (int e = 0; e < 2; e++) {
+#pragma unroll
+        for (int x = 4; x < 32; x <<= 1) l[e] += __shfl_xor_sync(0xffffffffu, l[e], x);
+        int h = 2 * t + e;
+        if (h >= G) continue;
+        float f2 = m2[e] == -INFINITY ? 0.f : exp2f(m2[e] - m[e]);  // the accumulator in m's frame
+#pragma unroll
+        for (int c = 0; c < NC; c++)
+#pragma unroll
+            for (int w = 0; w < 4; w++) {
+                int d = c * 64 + (g >> 1) * 16 + 4 * w + 2 * (g & 1);
+                red[warp][h][d] = o[c][w][e] * f2;
+                red[warp][h][d + 1] = o[c][w][2 + e] * f2;
+            }
+        if (g == 0) {
+            red[warp][h][HD] = m[e];
+            red[warp][h][HD + 1] = l[e];
+        }
+    }
+    __syncthreads();
+    pd_k_dec_finish<HD, GM, W, W == 8>(red, out, ws, cnt, q_begin, s, kvh, G, H, split, n_sp, n_splits);
+}
+
+// ---- bf16 decode in the transposed form --------------------------------------------------------
+//
+// k_attn_decode_bt<HD, GM, W, DEPTH>: k_attn_decode_tc's grid, partitions and load layout (lane
+// (g, t): tokens g and g + 8, dims i*32 + t*8 .. +8 for i < HD/32), computed the way
+// k_attn_decode_f8s computes: S^T = K.Q^T (rows = the 16 tokens, cols = the heads) and O^T +=
+// V^T.P^T (rows = 16 dims, cols = the heads), so no mma row is padding: 8 + 8 mma per step at
+// HD 128 instead of 16 + 16, and half the accumulator registers, which pay for the next DEPTH
+// steps' K and V in flight (the pipelined tc kernel holds only the next K). V^T's fragments are
+// movmatrix of the loaded registers as is (a bf16 unit is one dim); P^T is two movmatrix of the
+// packed weights. The default for the bf16 cache at head_dim 64/128 (PD_CUDA_ATTN_BT=0: k_attn_decode_tc):
+// on an H200 it took B=1 ctx 32768 from 43.6 to 39.8 us, B=8 ctx 32768 from 297 to 261 us, B=64 ctx
+// 4096 from 294 to 244 us, B=256 ctx 1024 from 302 to 253 us (docs/benchmarks.md).
+// Lane (g, t) ends with o[i][rp][0..3] = O^T[dim i*32 + (g >> 1)*8 + 4rp + (g & 1) (+ 2 for
+// [2], [3])][head 2t ([0], [2]) or 2t + 1 ([1], [3])].
+template <int HD>
+struct pd_k_bt_step_regs {
+    uint4 k[2][HD / 32], v[2][HD / 32];
+};
+
+template <int HD>
+static __device__ __forceinline__ void pd_k_bt_load(pd_k_bt_step_regs<HD> &r, const __nv_bfloat16 *kc,
+                                                    const __nv_bfloat16 *vc, const int (&slot)[2], int n_kv, int kvh,
+                                                    int t) {
+#pragma unroll
+    for (int hh = 0; hh < 2; hh++) {
+        if (slot[hh] >= 0) {
+            size_t off = ((size_t)slot[hh] * n_kv + kvh) * HD + t * 8;
+#pragma unroll
+            for (int i = 0; i < HD / 32; i++) {
+                r.k[hh][i] = __ldg((const uint4 *)(kc + off + i * 32));
+                r.v[hh][i] = __ldg((const uint4 *)(vc + off + i * 32));
+            }
+        } else {
+#pragma unroll
+            for (int i = 0; i < HD / 32; i++) r.k[hh][i] = r.v[hh][i] = make_uint4(0, 0, 0, 0);
+        }
+    }
+}
+
+template <int HD>
+static __device__ __forceinline__ void pd_k_bt_step(const uint4 (&qf)[HD / 32], const pd_k_bt_step_regs<HD> &r,
+                                                    float (&o)[HD / 32][2][4], float (&m)[2], float (&l)[2], int base,
+                                                    int k_end, int g, float scale_log2) {
+    constexpr int NI = HD / 32;
+    float sa[2][4];
+#pragma unroll
+    for (int a = 0; a < 2; a++) sa[a][0] = sa[a][1] = sa[a][2] = sa[a][3] = 0.f;
+#pragma unroll
+    for (int i = 0; i < NI; i++)
+#pragma unroll
+        for (int h2 = 0; h2 < 2; h2++) {
+            uint32_t a[4] = {pd_k_u4_get(r.k[0][i], 2 * h2), pd_k_u4_get(r.k[1][i], 2 * h2),
+                             pd_k_u4_get(r.k[0][i], 2 * h2 + 1), pd_k_u4_get(r.k[1][i], 2 * h2 + 1)};
+            pd_k_mma_bf16(sa[h2], a, pd_k_u4_get(qf[i], 2 * h2), pd_k_u4_get(qf[i], 2 * h2 + 1));
+        }
+    bool ok[2] = {base + g < k_end, base + 8 + g < k_end};
+    float p[4], mx[2];
+#pragma unroll
+    for (int j = 0; j < 4; j++) p[j] = ok[j >> 1] ? (sa[0][j] + sa[1][j]) * scale_log2 : -INFINITY;
+#pragma unroll
+    for (int e = 0; e < 2; e++) {
+        mx[e] = fmaxf(p[e], p[e + 2]);
+#pragma unroll
+        for (int x = 4; x < 32; x <<= 1) mx[e] = fmaxf(mx[e], __shfl_xor_sync(0xffffffffu, mx[e], x));
+    }
+    float corr[2];
+    bool moved = false;
+#pragma unroll
+    for (int e = 0; e < 2; e++) {
+        float mn = fmaxf(m[e], mx[e]);  // finite: token `base` is valid for every head
+        corr[e] = exp2f(m[e] - mn);     // m = -inf -> 0
+        p[e] = exp2f(p[e] - mn);        // -inf -> 0
+        p[e + 2] = exp2f(p[e + 2] - mn);
+        l[e] = l[e] * corr[e] + p[e] + p[e + 2];
+        moved |= mn != m[e];
+        m[e] = mn;
+    }
+    if (__any_sync(0xffffffffu, moved)) {  // most steps of a long context leave every max where it was
+#pragma unroll
+        for (int i = 0; i < NI; i++)
+#pragma unroll
+            for (int rp = 0; rp < 2; rp++) {
+                o[i][rp][0] *= corr[0];
+                o[i][rp][1] *= corr[1];
+                o[i][rp][2] *= corr[0];
+                o[i][rp][3] *= corr[1];
+            }
+    }
+    uint32_t pb0 = pd_k_movmatrix_trans(pd_k_pack2(p[0], p[1]));
+    uint32_t pb1 = pd_k_movmatrix_trans(pd_k_pack2(p[2], p[3]));
+#pragma unroll
+    for (int i = 0; i < NI; i++)
+#pragma unroll
+        for (int rp = 0; rp < 2; rp++) {
+            uint32_t a[4] = {pd_k_movmatrix_trans(pd_k_u4_get(r.v[0][i], 2 * rp)),
+                             pd_k_movmatrix_trans(pd_k_u4_get(r.v[0][i], 2 * rp + 1)),
+                             pd_k_movmatrix_trans(pd_k_u4_get(r.v[1][i], 2 * rp)),
+                             pd_k_movmatrix_trans(pd_k_u4_get(r.v[1][i], 2 * rp + 1))};
+            pd_k_mma_bf16(o[i][rp], a, pb0, pb1);
+        }
+}
+
+template <int HD, int GM, int W, int DEPTH>
+static __global__ void __launch_bounds__(W * 32, W == 4 ? 2 : 1)
+    k_attn_decode_bt(const __nv_bfloat16 *q, const void *kc_, const void *vc_, __nv_bfloat16 *out,
+                     const int32_t *q_indptr, const int32_t *kv_lens, const int32_t *bt_indptr,
+                     const int32_t *bt_indices, int H, int n_kv, int bs, int q_stride, float scale_log2, int part,
+                     int n_splits, float *ws, int *cnt, size_t rb) {
+    constexpr int NI = HD / 32, STEP = W * 16;
+    __shared__ float red[W][GM][HD + 2];
+    const __nv_bfloat16 *kc = (const __nv_bfloat16 *)kc_, *vc = (const __nv_bfloat16 *)vc_;
+    pd_k_pdl_trigger();
+    int split = blockIdx.x, kvh = blockIdx.y, s = blockIdx.z;
+    int q_begin = q_indptr[s], q_len = q_indptr[s + 1] - q_begin;
+    int kv_len = kv_lens[s];
+    const int32_t *bt = bt_indices + bt_indptr[s];
+    int k_begin = split * part, k_end = min(kv_len, k_begin + part);
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+    bool live = q_len == 1 && k_begin < kv_len;
+    int first = k_begin + warp * 16;
+    int slot[DEPTH][2];
+#pragma unroll
+    for (int d = 0; d < DEPTH; d++)
+#pragma unroll
+        for (int hh = 0; hh < 2; hh++)
+            slot[d][hh] = live ? pd_k_dec_slot(bt, first + d * STEP + hh * 8 + g, k_end, bs) : -1;
+    // the slots of the step loaded next; in the loop, each step looks up the one after (a lookup's
+    // latency then never delays the loads it feeds)
+    int nx[2] = {live ? pd_k_dec_slot(bt, first + DEPTH * STEP + g, k_end, bs) : -1,
+                 live ? pd_k_dec_slot(bt, first + DEPTH * STEP + 8 + g, k_end, bs) : -1};
+    pd_k_pdl_wait();
+    if (!live) return;
+    int n_sp = (kv_len + part - 1) / part;
+    int G = H / n_kv;
+
+    pd_k_bt_step_regs<HD> buf[DEPTH + 1];
+#pragma unroll
+    for (int d = 0; d < DEPTH; d++) pd_k_bt_load<HD>(buf[d], kc, vc, slot[d], n_kv, kvh, t);
+    uint4 qf[NI];
+#pragma unroll
+    for (int i = 0; i < NI; i++)
+        qf[i] = g < G ? *(const uint4 *)(q + (size_t)q_begin * q_stride + (size_t)(kvh * G + g) * HD + i * 32 + t * 8)
+                      : make_uint4(0, 0, 0, 0);
+    float o[NI][2][4];
+#pragma unroll
+    for (int i = 0; i < NI; i++)
+#pragma unroll
+        for (int rp = 0; rp < 2; rp++) o[i][rp][0] = o[i][rp][1] = o[i][rp][2] = o[i][rp][3] = 0.f;
+    float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+
+    for (int b0 = first; b0 < k_end; b0 += (DEPTH + 1) * STEP) {
+#pragma unroll
+        for (int u = 0; u <= DEPTH; u++) {
+            int base = b0 + u * STEP;
+            if (base >= k_end) break;
+            int ns[2] = {nx[0], nx[1]};
+            nx[0] = pd_k_dec_slot(bt, base + (DEPTH + 1) * STEP + g, k_end, bs);
+            nx[1] = pd_k_dec_slot(bt, base + (DEPTH + 1) * STEP + 8 + g, k_end, bs);
+            pd_k_bt_load<HD>(buf[(u + DEPTH) % (DEPTH + 1)], kc, vc, ns, n_kv, kvh, t);
+            pd_k_bt_step<HD>(qf, buf[u], o, m, l, base, k_end, g, scale_log2);
+        }
+    }
+#pragma unroll
+    for (int e = 0; e < 2; e++) {
+#pragma unroll
+        for (int x = 4; x < 32; x <<= 1) l[e] += __shfl_xor_sync(0xffffffffu, l[e], x);
+        int h = 2 * t + e;
+        if (h >= G) continue;
+#pragma unroll
+        for (int i = 0; i < NI; i++)
+#pragma unroll
+            for (int rp = 0; rp < 2; rp++) {
+                int d = i * 32 + (g >> 1) * 8 + 4 * rp + (g & 1);
+                red[warp][h][d] = o[i][rp][e];
+                red[warp][h][d + 2] = o[i][rp][2 + e];
+            }
+        if (g == 0) {
+            red[warp][h][HD] = m[e];
+            red[warp][h][HD + 1] = l[e];
+        }
+    }
+    __syncthreads();
+    pd_k_dec_finish<HD, GM, W, W == 8>(red, out, ws, cnt, q_begin, s, kvh, G, H, split, n_sp, n_splits);
+}
+
 template <int HD>
 static __global__ void k_attn_combine(__nv_bfloat16 *out, const int32_t *q_indptr, const int32_t *kv_lens, int H,
                                       int part, int n_splits, const float *ws) {
@@ -971,11 +1440,47 @@ static bool pd_k_attn_pipe_enabled() {
     return pd_k_env_on("PD_CUDA_ATTN_PIPE", &on);
 }
 
+// PD_CUDA_ATTN_F8S=0: the fp8 cache decodes with k_attn_decode_tc_f8 instead of the streaming
+// k_attn_decode_f8s (measurement knob). PD_CUDA_ATTN_F8TILES=1|2: f8s steps of one 16-token tile
+// with two steps of loads in flight, or (default) of two tiles sharing one softmax update with one
+// step in flight; anything else is an error at first use. Measured on an H100 (docs/benchmarks.md):
+// two tiles were best or level at every case but B=64 ctx 128; one tile with 1 or 3 steps in flight
+// and a per-warp cp.async ring in shared memory (4 steps in flight at 140 registers) were slower.
+static bool pd_k_attn_f8s_enabled() {
+    static int on = -1;
+    return pd_k_env_on("PD_CUDA_ATTN_F8S", &on);
+}
+
+static int pd_k_attn_f8_tiles() {
+    static int n = -1;
+    if (n < 0) {
+        const char *e = getenv("PD_CUDA_ATTN_F8TILES");
+        if (!e || !*e) n = 2;
+        else if (!strcmp(e, "1") || !strcmp(e, "2")) n = e[0] - '0';
+        else {
+            fprintf(stderr, "pdserve: PD_CUDA_ATTN_F8TILES=%s: expected 1 or 2\n", e);
+            abort();
+        }
+    }
+    return n;
+}
+
+// PD_CUDA_ATTN_BT=0: the bf16 cache decodes with k_attn_decode_tc (PD_CUDA_ATTN_PIPE applies) instead
+// of k_attn_decode_bt (measurement knob).
+static bool pd_k_attn_bt_enabled() {
+    static int on = -1;
+    return pd_k_env_on("PD_CUDA_ATTN_BT", &on);
+}
+
 // PD_CUDA_ATTN_FOLD=0: split partials are always merged by k_attn_combine (measurement knob).
 static bool pd_k_attn_fold_enabled() {
     static int on = -1;
     return pd_k_env_on("PD_CUDA_ATTN_FOLD", &on);
 }
+
+typedef void (*pd_k_dec_kern)(const __nv_bfloat16 *, const void *, const void *, __nv_bfloat16 *, const int32_t *,
+                              const int32_t *, const int32_t *, const int32_t *, int, int, int, int, float, int, int,
+                              float *, int *, size_t);
 
 template <int HD, int GM, bool F8>
 static void pd_k_attn_launch_decode(const pd_attention_kparams *p, cudaStream_t s, int part, int n_splits) {
@@ -985,11 +1490,14 @@ static void pd_k_attn_launch_decode(const pd_attention_kparams *p, cudaStream_t 
     long blocks = (long)n_splits * p->n_kv_heads * p->n_seqs;
     bool wide = tc && blocks <= pd_k_num_sms();
     bool fold = n_splits > 1 && wide && pd_k_attn_fold_enabled();  // only the 8-warp kernels merge
-    void (*kern)(const __nv_bfloat16 *, const void *, const void *, __nv_bfloat16 *, const int32_t *, const int32_t *,
-                 const int32_t *, const int32_t *, int, int, int, int, float, int, int, float *, int *, size_t) =
-        k_attn_decode<HD, GM, F8>;
+    pd_k_dec_kern kern = k_attn_decode<HD, GM, F8>;
     if constexpr (HD >= 64) {
-        if (F8) kern = wide ? k_attn_decode_tc_f8<HD, GM, 8> : tc ? k_attn_decode_tc_f8<HD, GM, 4> : kern;
+        if (F8 && tc && pd_k_attn_f8s_enabled()) {
+            if (pd_k_attn_f8_tiles() == 2) kern = wide ? k_attn_decode_f8s<HD, GM, 8, 1, 2> : k_attn_decode_f8s<HD, GM, 4, 1, 2>;
+            else kern = wide ? k_attn_decode_f8s<HD, GM, 8, 2, 1> : k_attn_decode_f8s<HD, GM, 4, 2, 1>;
+        } else if (F8) kern = wide ? k_attn_decode_tc_f8<HD, GM, 8> : tc ? k_attn_decode_tc_f8<HD, GM, 4> : kern;
+        else if (tc && pd_k_attn_bt_enabled())
+            kern = wide ? k_attn_decode_bt<HD, GM, 8, 1> : k_attn_decode_bt<HD, GM, 4, 1>;
         else if (pd_k_attn_pipe_enabled())
             kern = wide ? k_attn_decode_tc<HD, GM, 8, true> : tc ? k_attn_decode_tc<HD, GM, 4, true> : kern;
         else kern = wide ? k_attn_decode_tc<HD, GM, 8, false> : tc ? k_attn_decode_tc<HD, GM, 4, false> : kern;

@@ -1148,6 +1148,11 @@ typedef struct attn_case {
     int n_seqs;
     int q_lens[24], kv_lens[24];
     bool fp8;  // the caches hold fp8 rows (the same bytes on both backends)
+    // > 0: every V head row is scaled by 2^u, u uniform in [-spread, spread] (K: [-min(spread/4, 2),
+    // min(spread/4, 2)]), and about one in
+    // 16 V head rows is all zero (fp8 scale 0): per-token scales far apart (the streaming fp8
+    // decode kernel weights P by V's scale in a frame of its own)
+    int spread;
 } attn_case;
 
 // Builds the batch (blocks drawn from a shuffled pool, so pages are scattered), runs it on
@@ -1193,6 +1198,16 @@ static void *attn_run(ctx *c, pd_backend *b, const attn_case *ac, uint64_t seed,
                 kc[slot * kvw + e] = pd_bf16_to_f32(pd_f32_to_bf16(pd_rng_normal(&c->rng)));
                 vc[slot * kvw + e] = pd_bf16_to_f32(pd_f32_to_bf16(pd_rng_normal(&c->rng)));
             }
+            for (int h = 0; ac->spread > 0 && h < ac->Hkv; h++) {
+                int sk = ac->spread / 4 < 2 ? ac->spread / 4 : 2;  // K: at most 2^±2 (scores stay a softmax)
+                float fk = ldexpf(1.0f, (int)(pd_rng_next(&c->rng) % (uint64_t)(2 * sk + 1)) - sk);
+                float fv = ldexpf(1.0f, (int)(pd_rng_next(&c->rng) % (uint64_t)(2 * ac->spread + 1)) - ac->spread);
+                if (pd_rng_next(&c->rng) % 16 == 0) fv = 0.0f;
+                for (int e = 0; e < ac->hd; e++) {
+                    kc[slot * kvw + (size_t)h * ac->hd + e] *= fk;
+                    vc[slot * kvw + (size_t)h * ac->hd + e] *= fv;
+                }
+            }
         }
     }
     c->rng = save;
@@ -1235,13 +1250,20 @@ static void attn_check(ctx *c, const attn_case *ac, const char *name) {
     ctx_release(c);
 }
 
-// Every attention case again on fp8 caches (GPU vs CPU on the same fp8 bytes), plus the cost of
-// fp8 itself: the CPU result on the fp8 cache vs the CPU result on the unquantised values.
-static void attn_check_both(ctx *c, const attn_case *ac, const char *name) {
+// The case on bf16 caches and again on fp8 caches (GPU vs CPU on the same fp8 bytes).
+static void attn_check_gpu(ctx *c, const attn_case *ac, const char *name) {
     attn_check(c, ac, name);
     attn_case f = *ac;
     f.fp8 = true;
     attn_check(c, &f, name);
+}
+
+// attn_check_gpu plus the cost of fp8 itself: the CPU result on the fp8 cache vs the CPU result on
+// the unquantised values.
+static void attn_check_both(ctx *c, const attn_case *ac, const char *name) {
+    attn_check_gpu(c, ac, name);
+    attn_case f = *ac;
+    f.fp8 = true;
     int n_tok = 0;
     size_t n = 0;
     for (int s = 0; s < ac->n_seqs; s++) n += (size_t)ac->q_lens[s] * ac->H * ac->hd;
@@ -1271,6 +1293,31 @@ PD_TEST(test_cuda_attention_decode) {
                              .q_lens = {1}, .kv_lens = {hi == 0 ? 9000 : 2047}};
             attn_check_both(&c, &one, "decode x1 long");
         }
+    ctx_fini(&c);
+}
+
+// Long contexts and batches of them at the decode kernels' partition boundaries, bf16 and fp8
+// caches (GPU vs CPU; the cost of fp8 itself is checked on the short cases above): one stream at
+// 32k (one-wave split into the most partitions, in-place merge), batches of long odd lengths
+// (4-warp blocks, combine kernel; the Llama-3-8B heads at an eighth of the lengths), and cases with
+// per-token V scales up to 2^±20 apart, K scales 2^±2, and all-zero V rows (the fp8 kernel's
+// weighting frame). Few kv heads at the longest lengths: the CPU reference and the random fill
+// dominate the test's time.
+PD_TEST(test_cuda_attention_decode_long) {
+    ctx c;
+    if (!ctx_init(&c, 11)) PD_SKIP("%s: no CUDA device", __func__);
+    int lens[9] = {8191, 1, 4099, 12345, 33, 8192, 16, 6001, 17};
+    attn_case one = {.H = 8, .Hkv = 1, .hd = 128, .bs = 16, .n_seqs = 1, .q_lens = {1}, .kv_lens = {32768}};
+    attn_check_gpu(&c, &one, "decode x1 32k");
+    attn_case sp1 = {.H = 16, .Hkv = 2, .hd = 64, .bs = 16, .n_seqs = 1, .q_lens = {1}, .kv_lens = {20001}, .spread = 20};
+    attn_check_gpu(&c, &sp1, "decode x1 spread scales");
+    int cfg[][5] = {{8, 1, 128, 2, 12}, {16, 2, 64, 2, 0}, {32, 8, 128, 8, 12}};  // H, Hkv, hd, length divisor, spread
+    for (size_t ci = 0; ci < PD_ARRAY_LEN(cfg); ci++) {
+        attn_case b = {.H = cfg[ci][0], .Hkv = cfg[ci][1], .hd = cfg[ci][2], .bs = 16, .n_seqs = 9,
+                       .q_lens = {1, 1, 1, 1, 1, 1, 1, 1, 1}, .spread = cfg[ci][4]};
+        for (int i = 0; i < 9; i++) b.kv_lens[i] = lens[i] / cfg[ci][3] > 0 ? lens[i] / cfg[ci][3] : 1;
+        attn_check_gpu(&c, &b, b.spread ? "decode x9 long, spread scales" : "decode x9 long");
+    }
     ctx_fini(&c);
 }
 

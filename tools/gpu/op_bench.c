@@ -101,8 +101,17 @@ static void ly_op(pd_backend *b, void *arg, int rep) {
     pd_op_matmul(b, &(pd_matmul_params){.a = l->mlp, .w = l->wd[i], .out = l->h, .M = M, .N = D, .K = F});
 }
 
-typedef struct at_arg { pd_attention_params p; } at_arg;
-static void at_op(pd_backend *b, void *arg, int rep) { pd_op_attention(b, &((at_arg *)arg)->p); }
+// Decode attention reads the K/V once per call; caches smaller than the 50 MB L2 would partly stay
+// there from one call to the next, so each call takes the next of n copies (together >= 160 MB;
+// OP_BENCH_ATTN_ROTATE=0: one copy, as before 2026-11-27).
+#define AT_MAX_COPIES 64
+typedef struct at_arg { pd_attention_params p; void *kc[AT_MAX_COPIES], *vc[AT_MAX_COPIES]; int n_copies; } at_arg;
+static void at_op(pd_backend *b, void *arg, int rep) {
+    at_arg *a = arg;
+    a->p.k_cache = a->kc[rep % a->n_copies];
+    a->p.v_cache = a->vc[rep % a->n_copies];
+    pd_op_attention(b, &a->p);
+}
 
 typedef struct cp_arg { void *base; size_t bytes; } cp_arg;
 static void cp_op(pd_backend *b, void *arg, int rep) {
@@ -128,15 +137,20 @@ static void attn_setup(at_arg *a, int n_seqs, int q_len, int kv_len, int H, int 
     for (int i = 0; i < 5; i++) { d[i] = alloc(sz[i]); pd_backend_upload(g_b, d[i], h[i], sz[i]); }
     pd_backend_sync(g_b);
     size_t kvn = (size_t)n_blocks * bs * Hkv * hd;
-    void *kc, *vc;
-    if (fp8) {  // random e4m3 bytes; the scales are random bytes too (finite: see bench-engine)
-        size_t rb = pd_kv_row_bytes(g_b, PD_KV_FP8, Hkv, hd) * (size_t)n_blocks * bs;
-        kc = alloc(rb), vc = alloc(rb);
-        pd_op_fill_normal(g_b, kc, PD_DTYPE_FP8_E4M3, rb, 5, 0.0f, 1.0f);
-        pd_op_fill_normal(g_b, vc, PD_DTYPE_FP8_E4M3, rb, 6, 0.0f, 1.0f);
-    } else {
-        kc = rnd(kvn), vc = rnd(kvn);
+    size_t cache_bytes = fp8 ? pd_kv_row_bytes(g_b, PD_KV_FP8, Hkv, hd) * (size_t)n_blocks * bs : kvn * 2;
+    const char *rot = getenv("OP_BENCH_ATTN_ROTATE");
+    a->n_copies = rot && !strcmp(rot, "0") ? 1 : (int)((160u << 20) / (2 * cache_bytes) + 1);
+    if (a->n_copies > AT_MAX_COPIES) a->n_copies = AT_MAX_COPIES;
+    for (int i = 0; i < a->n_copies; i++) {
+        if (fp8) {  // random e4m3 bytes; the scales are random bytes too (finite: see bench-engine)
+            a->kc[i] = alloc(cache_bytes), a->vc[i] = alloc(cache_bytes);
+            pd_op_fill_normal(g_b, a->kc[i], PD_DTYPE_FP8_E4M3, cache_bytes, 5 + 2 * i, 0.0f, 1.0f);
+            pd_op_fill_normal(g_b, a->vc[i], PD_DTYPE_FP8_E4M3, cache_bytes, 6 + 2 * i, 0.0f, 1.0f);
+        } else {
+            a->kc[i] = rnd(kvn), a->vc[i] = rnd(kvn);
+        }
     }
+    void *kc = a->kc[0], *vc = a->vc[0];
     a->p = (pd_attention_params){.q = rnd((size_t)n_tok * H * hd), .k_cache = kc, .v_cache = vc,
                                  .kv_dtype = fp8 ? PD_KV_FP8 : PD_KV_ACT,
                                  .out = alloc((size_t)n_tok * H * hd * 2), .q_indptr = d[0], .kv_lens = d[1],
@@ -578,9 +592,29 @@ fuse_done:
         printf("attn prefill bf16 hd=%d %dx L=%-5d %9.1f us  %6.1f TFLOP/s (causal flops)\n", d, n_seqs, L, us,
                fl / (us * 1e6));
     }
-    int dec[][2] = {{1, 128}, {1, 4096}, {1, 8192}, {1, 32768}, {64, 128}, {64, 512}, {64, 4096}, {256, 1024},
-                    {8, 32768}, {32, 32768}};
-    for (int i = 0; i < 10 && want("attn"); i++)
+    int dec[16][2] = {{1, 128}, {1, 4096}, {1, 8192}, {1, 32768}, {64, 128}, {64, 512}, {64, 4096}, {256, 1024},
+                      {8, 32768}, {32, 32768}};
+    int n_dec = 10;
+    // OP_BENCH_ATTN="B:CTX,B:CTX,...": these decode cases instead (e.g. one case under a profiler)
+    const char *cases = getenv("OP_BENCH_ATTN");
+    if (cases && *cases) {
+        n_dec = 0;
+        for (const char *c = cases; *c && n_dec < 16;) {
+            int bb, cc, used = 0;
+            if (sscanf(c, "%d:%d%n", &bb, &cc, &used) != 2 || bb < 1 || bb > 1024 || cc < 1 || cc > (1 << 20)) {
+                fprintf(stderr, "OP_BENCH_ATTN=%s: expected B:CTX[,B:CTX...]\n", cases);
+                return 2;
+            }
+            dec[n_dec][0] = bb, dec[n_dec][1] = cc, n_dec++;
+            c += used;
+            if (*c == ',') c++;
+            else if (*c) {
+                fprintf(stderr, "OP_BENCH_ATTN=%s: expected B:CTX[,B:CTX...]\n", cases);
+                return 2;
+            }
+        }
+    }
+    for (int i = 0; i < n_dec && want("attn"); i++)
         for (int f8 = 0; f8 < 2; f8++) {
             at_arg a;
             attn_setup(&a, dec[i][0], 1, dec[i][1], H, Hkv, hd, 16, f8);
