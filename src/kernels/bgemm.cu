@@ -238,14 +238,7 @@ static __global__ void __launch_bounds__(BG_THREADS, ST <= 4 ? 2 : 1) k_bgemm(bg
         if (n >= p.N) continue;
         float v = red[r * BG_RED_LD + m];
         if (p.bias) v += __bfloat162float(p.bias[n]);
-        size_t o = (size_t)m * p.N + n;
-        if (p.out_f32) {
-            float *of = (float *)p.out;
-            of[o] = p.accumulate ? of[o] + v : v;
-        } else {
-            __nv_bfloat16 *ob = (__nv_bfloat16 *)p.out;
-            ob[o] = __float2bfloat16(p.accumulate ? __bfloat162float(ob[o]) + v : v);
-        }
+        pd_k_gemm_out(p.out, (size_t)m * p.N + n, v, p.out_f32, p.accumulate);
     }
 }
 

@@ -181,6 +181,22 @@ static inline void pd_k_launch(void (*kern)(KArgs...), dim3 grid, dim3 block, si
 // The value x would have after a store to bf16 and a load back.
 static __device__ __forceinline__ float pd_k_bf16r(float x) { return __bfloat162float(__float2bfloat16(x)); }
 
+// Element o of a GEMM's output from its f32 sum v (bias included): f32 or bf16 out, overwritten
+// or accumulated (the sum rounded once); residual: out = bf16(out + bf16(v)), as two bf16 ops do.
+static __device__ __forceinline__ void pd_k_gemm_out(void *out, size_t o, float v, int out_f32, int accumulate) {
+    if (out_f32) {
+        float *of = (float *)out;
+        of[o] = accumulate ? of[o] + v : v;
+    } else {
+        __nv_bfloat16 *ob = (__nv_bfloat16 *)out;
+        ob[o] = __float2bfloat16(accumulate ? __bfloat162float(ob[o]) + v : v);
+    }
+}
+static __device__ __forceinline__ void pd_k_gemm_out_residual(void *out, size_t o, float v) {
+    __nv_bfloat16 *ob = (__nv_bfloat16 *)out;
+    ob[o] = __float2bfloat16(__bfloat162float(ob[o]) + pd_k_bf16r(v));
+}
+
 // Whether the elementwise kernels round where transformers' bf16 modules round (a product's
 // operands and each intermediate tensor; see backend.h), or only their final result.
 // PD_CUDA_HF_ROUNDING=0 selects the latter (measurements only).

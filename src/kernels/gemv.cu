@@ -39,14 +39,7 @@ typedef struct pd_k_gemv_args {
 
 static __device__ __forceinline__ void pd_k_gemv_store(const pd_k_gemv_args &p, int m, int col, float v) {
     if (p.bias) v += __bfloat162float(p.bias[col]);
-    size_t o = (size_t)m * p.N + col;
-    if (p.out_f32) {
-        float *of = (float *)p.out;
-        of[o] = p.accumulate ? of[o] + v : v;
-    } else {
-        __nv_bfloat16 *ob = (__nv_bfloat16 *)p.out;
-        ob[o] = __float2bfloat16(p.accumulate ? __bfloat162float(ob[o]) + v : v);
-    }
+    pd_k_gemm_out(p.out, (size_t)m * p.N + col, v, p.out_f32, p.accumulate);
 }
 
 // Writes (whole tile) or accumulates (partial) the warp's sums for chunks [first, end) of tile.

@@ -299,16 +299,8 @@ static __global__ void __launch_bounds__(PD_K_SK_THREADS, VAR == PD_K_SK_OCC4 ? 
             for (int i = 0; i < PD_K_SK_THREADS / 32; i++) v += red[i][tid];
             if (p.bias) v += __bfloat162float(p.bias[n]);
             size_t o = (size_t)m * p.N + n;
-            if (EPI == PD_K_SK_RESIDUAL) {
-                __nv_bfloat16 *ob = (__nv_bfloat16 *)p.out;
-                ob[o] = __float2bfloat16(__bfloat162float(ob[o]) + pd_k_bf16r(v));
-            } else if (p.out_f32) {
-                float *of = (float *)p.out;
-                of[o] = p.accumulate ? of[o] + v : v;
-            } else {
-                __nv_bfloat16 *ob = (__nv_bfloat16 *)p.out;
-                ob[o] = __float2bfloat16(p.accumulate ? __bfloat162float(ob[o]) + v : v);
-            }
+            if (EPI == PD_K_SK_RESIDUAL) pd_k_gemm_out_residual(p.out, o, v);
+            else pd_k_gemm_out(p.out, o, v, p.out_f32, p.accumulate);
         }
     }
 }
@@ -355,9 +347,10 @@ extern "C" void pd_cuda_skinny(const pd_skinny_kparams *p, cudaStream_t s) {
     a.M = p->M, a.N = p->N, a.K = p->K, a.lda = p->lda ? p->lda : p->K;
     a.accumulate = p->accumulate, a.out_f32 = p->out_f32;
     a.hf = pd_k_hf_rounding(), a.eps = p->norm_eps;
-    a.positions = p->positions, a.slot_mapping = p->slot_mapping, a.inv_freq = p->inv_freq;
-    a.k_cache = (__nv_bfloat16 *)p->k_cache, a.v_cache = (__nv_bfloat16 *)p->v_cache;
-    a.H = p->n_heads, a.Hkv = p->n_kv_heads, a.hd = p->head_dim, a.attn_scaling = p->attn_scaling;
+    const pd_skinny_rope *r = &p->rope_kv;
+    a.positions = r->positions, a.slot_mapping = r->slot_mapping, a.inv_freq = r->inv_freq;
+    a.k_cache = (__nv_bfloat16 *)r->k_cache, a.v_cache = (__nv_bfloat16 *)r->v_cache;
+    a.H = r->n_heads, a.Hkv = r->n_kv_heads, a.hd = r->head_dim, a.attn_scaling = r->attn_scaling;
     const int var = p->async ? PD_K_SK_ASYNC : p->occ4 ? PD_K_SK_OCC4 : PD_K_SK_REG;
     if (p->rope) {  // the qkv GEMM: with the attention norm (decode) or without
         if (p->norm_w) pd_k_skinny_launch_r<4, 1, PD_K_SK_ROPE>(a, s, var);

@@ -13,6 +13,16 @@ extern "C" {
 
 #define PD_SKINNY_MAX_M 8
 
+// The rope form's RoPE + KV write (both skinny kernels): positions and cache slots per row (slot
+// -1: no write), the rotation's inverse frequencies and scaling, the bf16 caches, the qkv layout.
+typedef struct pd_skinny_rope {
+    const int32_t *positions, *slot_mapping;
+    const float *inv_freq;
+    void *k_cache, *v_cache;
+    int n_heads, n_kv_heads, head_dim;
+    float attn_scaling;
+} pd_skinny_rope;
+
 typedef struct pd_skinny_kparams {
     const void *a;     // (M, K) bf16, row stride lda (elements)
     const void *w;     // (N, K) bf16, row-major (the backend's weight layout)
@@ -33,11 +43,7 @@ typedef struct pd_skinny_kparams {
     // does (bf16 cache only) and k, v written to the cache slots. The block layout pairs rows i
     // and i + hd/2 of each q / k head, so head_dim % 4 == 0 is required.
     int rope;
-    const int32_t *positions, *slot_mapping;
-    const float *inv_freq;
-    void *k_cache, *v_cache;
-    int n_heads, n_kv_heads, head_dim;
-    float attn_scaling;
+    pd_skinny_rope rope_kv;
 } pd_skinny_kparams;
 
 // True when the kernel handles this call: 1 <= M <= 8, K and lda multiples of 8 and a, w 16-byte

@@ -233,14 +233,9 @@ static __global__ void __launch_bounds__(PD_K_SM_THREADS) k_skinny_mma(pd_k_skin
             int slot = p.slot_mapping[m];
             if (slot >= 0) p.v_cache[(size_t)slot * p.Hkv * p.hd + (size_t)(n - (p.H + p.Hkv) * p.hd)] = bv;
         } else if (EPI == PD_K_SM_RESIDUAL) {
-            __nv_bfloat16 *ob = (__nv_bfloat16 *)p.out;
-            ob[o] = __float2bfloat16(__bfloat162float(ob[o]) + pd_k_bf16r(v));
-        } else if (p.out_f32) {
-            float *of = (float *)p.out;
-            of[o] = p.accumulate ? of[o] + v : v;
+            pd_k_gemm_out_residual(p.out, o, v);
         } else {
-            __nv_bfloat16 *ob = (__nv_bfloat16 *)p.out;
-            ob[o] = __float2bfloat16(p.accumulate ? __bfloat162float(ob[o]) + v : v);
+            pd_k_gemm_out(p.out, o, v, p.out_f32, p.accumulate);
         }
     }
 }
@@ -279,9 +274,10 @@ extern "C" void pd_cuda_skinny_mma(const pd_skinny_mma_kparams *p, cudaStream_t 
     a.M = p->M, a.N = p->N, a.K = p->K, a.lda = p->lda ? p->lda : p->K;
     a.accumulate = p->accumulate, a.out_f32 = p->out_f32;
     a.hf = pd_k_hf_rounding();
-    a.positions = p->positions, a.slot_mapping = p->slot_mapping, a.inv_freq = p->inv_freq;
-    a.k_cache = (__nv_bfloat16 *)p->k_cache, a.v_cache = (__nv_bfloat16 *)p->v_cache;
-    a.H = p->n_heads, a.Hkv = p->n_kv_heads, a.hd = p->head_dim, a.attn_scaling = p->attn_scaling;
+    const pd_skinny_rope *r = &p->rope_kv;
+    a.positions = r->positions, a.slot_mapping = r->slot_mapping, a.inv_freq = r->inv_freq;
+    a.k_cache = (__nv_bfloat16 *)r->k_cache, a.v_cache = (__nv_bfloat16 *)r->v_cache;
+    a.H = r->n_heads, a.Hkv = r->n_kv_heads, a.hd = r->head_dim, a.attn_scaling = r->attn_scaling;
     if (p->rope) pd_k_skinny_mma_launch_e<PD_K_SM_ROPE>(a, p->pipe, p->loads, s);
     else if (p->glu) pd_k_skinny_mma_launch_e<PD_K_SM_GLU>(a, p->pipe, p->loads, s);
     else if (p->residual) pd_k_skinny_mma_launch_e<PD_K_SM_RESIDUAL>(a, p->pipe, p->loads, s);

@@ -6,6 +6,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "kernels/skinny.cuh"  // pd_skinny_rope
+
 #ifdef __cplusplus
 extern "C" {
 #endif
@@ -31,11 +33,7 @@ typedef struct pd_skinny_mma_kparams {
     // rotation block's 16 rows are rows i0..i0+7 and i0+hd/2..i0+hd/2+7 of one q / k head, so
     // head_dim % 16 == 0 is required. glu and residual exclude accumulate and out_f32.
     int glu, residual, rope;
-    const int32_t *positions, *slot_mapping;
-    const float *inv_freq;
-    void *k_cache, *v_cache;
-    int n_heads, n_kv_heads, head_dim;
-    float attn_scaling;
+    pd_skinny_rope rope_kv;
 } pd_skinny_mma_kparams;
 
 // True when the kernel handles this call: 1 <= M <= 16, K and lda multiples of 8 and a, w 16-byte

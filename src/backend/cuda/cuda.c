@@ -36,6 +36,7 @@
 #include "kernels/silu_mul.cuh"
 
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
 
@@ -127,6 +128,18 @@ static void cuda_copy_d2d(pd_backend *b, void *dst, const void *src, size_t n) {
 // The device current in this thread as far as this backend knows (cudaSetDevice is per thread,
 // and the engine thread is not the thread that created the backend). Every entry point binds.
 static _Thread_local int tl_device = -1;
+int pd_cuda_env_int(const char *name, int dflt, int lo, int hi) {
+    const char *e = getenv(name);
+    if (!e || !*e) return dflt;
+    char *end = NULL;
+    long v = strtol(e, &end, 10);
+    if (*end || v < lo || v > hi) {
+        PD_LOG_E("%s=%s: expected an integer in [%d, %d]", name, e, lo, hi);
+        pd_abort(__FILE__, __LINE__, __func__, "bad CUDA knob in the environment");
+    }
+    return (int)v;
+}
+
 void pd_cuda_bind(pd_cuda_backend *cb) {
     if (tl_device == cb->device) return;
     PD_CUDA_CHECK(cudaSetDevice(cb->device));

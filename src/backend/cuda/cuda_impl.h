@@ -59,6 +59,7 @@ typedef struct pd_cuda_backend {
     int bgemm;                 // kernels/bgemm.cu for 17 <= M <= 64: 0 off, 1 on (PD_CUDA_BGEMM)
     int bgemm_per_sm;          // its split-K sizing: blocks per SM aimed at (PD_CUDA_BGEMM_PER_SM)
     int bgemm_stages;          // its cp.async ring depth, 4 or 8 (PD_CUDA_BGEMM_STAGES)
+    int tune, tune_max_m, tune_algos;  // cuBLASLt tuning of decode shapes (gemm.c, PD_CUDA_GEMM_TUNE*)
     void *bgemm_ws;            // its split-K partials + tile counters; counters zero between launches
     size_t bgemm_ws_bytes;
     // attention split-K partials; grows outside graph capture only
@@ -85,6 +86,9 @@ void pd_cuda_bind(pd_cuda_backend *cb);
 
 // gemm.c
 void pd_cuda_gemm_init(pd_cuda_backend *cb);
+// Integer knob `name` of the environment (measurement switches): dflt when unset or empty; anything
+// but an integer in [lo, hi] is a configuration error (logged, then abort), never the default.
+int pd_cuda_env_int(const char *name, int dflt, int lo, int hi);
 void pd_cuda_gemm_fini(pd_cuda_backend *cb);
 void pd_cuda_gemm_matmul(pd_backend *b, const pd_matmul_params *p);
 bool pd_cuda_gemm_fuses(pd_backend *b, int M);

@@ -57,19 +57,6 @@ struct pd_cuda_gemm_plan {
 
 enum { PD_GEMM_BIAS = 1, PD_GEMM_F32 = 2 };
 
-// Integer measurement knob `name`: dflt when unset or empty; anything but an integer in [lo, hi]
-// is a configuration error (not silently replaced by the default).
-static int env_int(const char *name, int dflt, int lo, int hi) {
-    const char *e = getenv(name);
-    if (!e || !*e) return dflt;
-    char *end = NULL;
-    long v = strtol(e, &end, 10);
-    if (*end || v < lo || v > hi) {
-        PD_LOG_E("%s=%s: expected an integer in [%d, %d]", name, e, lo, hi);
-        pd_abort(__FILE__, __LINE__, __func__, "bad CUDA GEMM knob in the environment");
-    }
-    return (int)v;
-}
 
 void pd_cuda_gemm_init(pd_cuda_backend *cb) {
     PD_CUBLAS_CHECK(cublasLtCreate(&cb->lt));
@@ -86,18 +73,18 @@ void pd_cuda_gemm_init(pd_cuda_backend *cb) {
     // PD_CUDA_SKINNY=0 off, 1 (the default) the measured per-shape rule of skinny_choice, 2 every
     // supported call (tests, op_bench);
     // PD_CUDA_SKINNY_ROWS=2 selects 2 weight rows per block instead of 4 (measurements).
-    cb->skinny = env_int("PD_CUDA_SKINNY", 1, 0, 2);
-    cb->skinny_rows = env_int("PD_CUDA_SKINNY_ROWS", 4, 2, 4);
+    cb->skinny = pd_cuda_env_int("PD_CUDA_SKINNY", 1, 0, 2);
+    cb->skinny_rows = pd_cuda_env_int("PD_CUDA_SKINNY_ROWS", 4, 2, 4);
     // PD_CUDA_SKINNY_OCC4=1: at M = 5 the CUDA-core kernel's build bounded to 128 registers, 4
     // blocks (128 KB of weight loads in flight) per SM instead of 3. Measurement knob (H100: a fused
     // layer at M = 5 171.4 vs 168.4 us: occupancy is not what limits it).
-    cb->skinny_occ4 = env_int("PD_CUDA_SKINNY_OCC4", 0, 0, 1);
-    cb->skinny_rule_max_m = env_int("PD_CUDA_SKINNY_RULE_MAX_M", 5, 1, PD_SKINNY_MAX_M);  // skinny_rule's M cut
+    cb->skinny_occ4 = pd_cuda_env_int("PD_CUDA_SKINNY_OCC4", 0, 0, 1);
+    cb->skinny_rule_max_m = pd_cuda_env_int("PD_CUDA_SKINNY_RULE_MAX_M", 5, 1, PD_SKINNY_MAX_M);  // skinny_rule's M cut
     // PD_CUDA_SKINNY_ASYNC=1: the CUDA-core kernel copies its weights into shared memory with
     // cp.async instead of loading them into registers (more blocks, so more bytes in flight, per SM
     // at M >= 5). Measurement knob (H100: slower at every M, 160.3 vs 152.3 us a layer at M = 1,
     // 207.2 vs 168.4 at M = 5).
-    cb->skinny_async = env_int("PD_CUDA_SKINNY_ASYNC", 0, 0, 1);
+    cb->skinny_async = pd_cuda_env_int("PD_CUDA_SKINNY_ASYNC", 0, 0, 1);
     if (cb->skinny_rows == 3) pd_abort(__FILE__, __LINE__, __func__, "PD_CUDA_SKINNY_ROWS must be 2 or 4");
     // Which of the two skinny kernels takes an M (see skinny_choice): PD_CUDA_SKINNY_MMA=0 the
     // CUDA-core kernel only (M <= 8; larger M go to cuBLASLt), 1 (the default) the rule measured end
@@ -106,15 +93,15 @@ void pd_cuda_gemm_init(pd_cuda_backend *cb) {
     // PD_CUDA_SKINNY_MMA_ROWS=32 gives the tensor-core kernel 32 weight rows per block instead of
     // 16; PD_CUDA_SKINNY_MMA_PIPE=0/1 forces its double-buffered weight loads off/on (default: the
     // rule's choice). Measurement knobs.
-    cb->skinny_mma = env_int("PD_CUDA_SKINNY_MMA", 1, 0, 3);
-    cb->skinny_mma_rows = env_int("PD_CUDA_SKINNY_MMA_ROWS", 16, 16, 32);
+    cb->skinny_mma = pd_cuda_env_int("PD_CUDA_SKINNY_MMA", 1, 0, 3);
+    cb->skinny_mma_rows = pd_cuda_env_int("PD_CUDA_SKINNY_MMA_ROWS", 16, 16, 32);
     if (cb->skinny_mma_rows != 16 && cb->skinny_mma_rows != 32)
         pd_abort(__FILE__, __LINE__, __func__, "PD_CUDA_SKINNY_MMA_ROWS must be 16 or 32");
-    cb->skinny_mma_pipe = env_int("PD_CUDA_SKINNY_MMA_PIPE", -1, -1, 1);
+    cb->skinny_mma_pipe = pd_cuda_env_int("PD_CUDA_SKINNY_MMA_PIPE", -1, -1, 1);
     // PD_CUDA_SKINNY_MMA_LOADS=32: 32 weight loads in flight per thread instead of 16 (16-row
     // blocks; small grids: N = 4096 is 256 blocks, 2 per SM). Measurement knob (H100 and H200:
     // slower to M = 8, level from 9).
-    cb->skinny_mma_loads = env_int("PD_CUDA_SKINNY_MMA_LOADS", 16, 16, 32);
+    cb->skinny_mma_loads = pd_cuda_env_int("PD_CUDA_SKINNY_MMA_LOADS", 16, 16, 32);
     if (cb->skinny_mma_loads != 16 && cb->skinny_mma_loads != 32)
         pd_abort(__FILE__, __LINE__, __func__, "PD_CUDA_SKINNY_MMA_LOADS must be 16 or 32");
     // Fused decode layers (pd_backend_fuses_matmul; backend.h "Fused forms"): decode steps of
@@ -130,13 +117,13 @@ void pd_cuda_gemm_init(pd_cuda_backend *cb) {
     // themselves run on the skinny kernel whenever it supports the call.
     // (above 8 rows, or 4 rows with the norm folded, without PD_CUDA_FUSE_MMA_MIN_M: the parts the
     // CUDA-core kernel cannot take run unfused, correct but slower.)
-    cb->skinny_fuse = env_int("PD_CUDA_SKINNY_FUSE", 1, 0, 1) ? env_int("PD_CUDA_SKINNY_FUSE_MAX_M", 4, 1, PD_SKINNY_MMA_MAX_M) : 0;
-    cb->fuse_norm_max_m = env_int("PD_CUDA_FUSE_NORM_MAX_M", 2, 0, PD_SKINNY_MAX_M);
+    cb->skinny_fuse = pd_cuda_env_int("PD_CUDA_SKINNY_FUSE", 1, 0, 1) ? pd_cuda_env_int("PD_CUDA_SKINNY_FUSE_MAX_M", 4, 1, PD_SKINNY_MMA_MAX_M) : 0;
+    cb->fuse_norm_max_m = pd_cuda_env_int("PD_CUDA_FUSE_NORM_MAX_M", 2, 0, PD_SKINNY_MAX_M);
     // Measurement knobs, each 0 runs that part as its own kernel around the skinny GEMM:
     // PD_CUDA_FUSE_ROPE (rope_kv), PD_CUDA_FUSE_NORM (rmsnorm), PD_CUDA_FUSE_GLU (silu_mul).
-    cb->fuse_rope = env_int("PD_CUDA_FUSE_ROPE", 1, 0, 1);
-    if (!env_int("PD_CUDA_FUSE_NORM", 1, 0, 1)) cb->fuse_norm_max_m = 0;
-    cb->fuse_glu = env_int("PD_CUDA_FUSE_GLU", 1, 0, 1);
+    cb->fuse_rope = pd_cuda_env_int("PD_CUDA_FUSE_ROPE", 1, 0, 1);
+    if (!pd_cuda_env_int("PD_CUDA_FUSE_NORM", 1, 0, 1)) cb->fuse_norm_max_m = 0;
+    cb->fuse_glu = pd_cuda_env_int("PD_CUDA_FUSE_GLU", 1, 0, 1);
     // Fused forms on the tensor-core kernel (kernels/skinny_mma.cu: its cost does not grow with M,
     // the CUDA-core kernel's does): M >= PD_CUDA_FUSE_MMA_MIN_M (0: never) runs the fused GEMMs
     // there, the norm as its own kernel before; up to M = 16, so PD_CUDA_SKINNY_FUSE_MAX_M may go to
@@ -144,12 +131,12 @@ void pd_cuda_gemm_init(pd_cuda_backend *cb) {
     // 10, docs/benchmarks.md) with MIN_M 5 / FUSE_MAX_M 16 on an H100, 0.2% off a 5-token verify
     // step, 3.2% off a 9-token one, 2.6% off a batch-8 decode step (171 vs 187 us a layer at M = 8);
     // on an H200 7-12% slower at M = 8-16 than cuBLASLt.
-    cb->fuse_mma_min_m = env_int("PD_CUDA_FUSE_MMA_MIN_M", 0, 0, PD_SKINNY_MMA_MAX_M);
+    cb->fuse_mma_min_m = pd_cuda_env_int("PD_CUDA_FUSE_MMA_MIN_M", 0, 0, PD_SKINNY_MMA_MAX_M);
     // Which fused forms go there (a mask of FUSE_MMA_*: 1 the qkv GEMM with RoPE, 2 residual (o,
     // down), 4 SwiGLU (gate_up), 8 the rest (the lm_head with its norm); default 7: the lm_head
     // stays on the CUDA-core kernel, which streams it faster to M = 7: 334 vs 350 us at M = 5, op_bench
     // gemv, session 9). From 8 rows every form goes there (the CUDA-core kernel is issue-bound).
-    cb->fuse_mma_forms = env_int("PD_CUDA_FUSE_MMA_FORMS", 7, 0, 15);
+    cb->fuse_mma_forms = pd_cuda_env_int("PD_CUDA_FUSE_MMA_FORMS", 7, 0, 15);
     // The batched-decode GEMM (kernels/bgemm.cu) for 17 <= M <= 64, with the SwiGLU in gate_up's
     // epilogue and RoPE + KV write in qkv's (pd_backend_fuses_epilogues): PD_CUDA_BGEMM=1 on, 0 (the
     // default) cuBLASLt + silu_mul + rope_kv. Off because it measured slower than cuBLASLt
@@ -157,10 +144,15 @@ void pd_cuda_gemm_init(pd_cuda_backend *cb) {
     // 72 vs 59 + 2.5 us: the mma.sync + cp.async main loop streams at ~81% of the copy rate at
     // best, cuBLASLt's TMA + wgmma kernels at 99%; see tools/gpu/NOTES.md session 10).
     // PD_CUDA_FUSE_ROPE=0 keeps rope_kv a kernel of its own here too.
-    cb->bgemm = env_int("PD_CUDA_BGEMM", 0, 0, 1);
-    cb->bgemm_per_sm = env_int("PD_CUDA_BGEMM_PER_SM", 2, 1, 2);  // its split-K sizing (measurements)
-    cb->bgemm_stages = env_int("PD_CUDA_BGEMM_STAGES", 4, 4, 8);   // its ring depth: 4 or 8 (measurements)
+    cb->bgemm = pd_cuda_env_int("PD_CUDA_BGEMM", 0, 0, 1);
+    cb->bgemm_per_sm = pd_cuda_env_int("PD_CUDA_BGEMM_PER_SM", 2, 1, 2);  // its split-K sizing (measurements)
+    cb->bgemm_stages = pd_cuda_env_int("PD_CUDA_BGEMM_STAGES", 4, 4, 8);   // its ring depth: 4 or 8 (measurements)
     if (cb->bgemm_stages != 4 && cb->bgemm_stages != 8) pd_abort(__FILE__, __LINE__, __func__, "PD_CUDA_BGEMM_STAGES must be 4 or 8");
+    // cuBLASLt tuning of decode shapes (tune_enabled, gemm_tune): PD_CUDA_GEMM_TUNE unset (-1) the
+    // default range, 1 every M up to the bound, 0 none; the bound and the candidates timed.
+    cb->tune = pd_cuda_env_int("PD_CUDA_GEMM_TUNE", -1, 0, 1);
+    cb->tune_max_m = pd_cuda_env_int("PD_CUDA_GEMM_TUNE_MAX_M", PD_GEMM_TUNE_MAX_M, 1, 65536);
+    cb->tune_algos = pd_cuda_env_int("PD_CUDA_GEMM_TUNE_ALGOS", PD_GEMM_TUNE_ALGOS, 1, PD_GEMM_TUNE_ALGOS_MAX);
 }
 
 bool pd_cuda_gemm_fuses(pd_backend *b, int M) {  // (PD_CUDA_SKINNY=0: no skinny kernel, no fused forms)
@@ -265,18 +257,11 @@ void pd_cuda_gemm_fini(pd_cuda_backend *cb) {
     if (cb->lt) cublasLtDestroy(cb->lt);
 }
 
-// Whether a plan of M rows is tuned: PD_CUDA_GEMM_TUNE unset PD_GEMM_TUNE_MIN_M <= M <= the tuning
-// bound, =1 every M up to the bound, =0 none. The bound is PD_CUDA_GEMM_TUNE_MAX_M (default
-// PD_GEMM_TUNE_MAX_M); PD_CUDA_GEMM_TUNE_ALGOS sets how many of the heuristic's candidates are timed.
-static bool tune_enabled(int M) {
-    if (M > env_int("PD_CUDA_GEMM_TUNE_MAX_M", PD_GEMM_TUNE_MAX_M, 1, 65536)) return false;
-    const char *e = getenv("PD_CUDA_GEMM_TUNE");
-    if (!e || !*e) return M >= PD_GEMM_TUNE_MIN_M;
-    if (strcmp(e, "0") && strcmp(e, "1")) {
-        PD_LOG_E("PD_CUDA_GEMM_TUNE=%s: expected 0 or 1", e);
-        pd_abort(__FILE__, __LINE__, __func__, "bad CUDA GEMM knob in the environment");
-    }
-    return !strcmp(e, "1");
+// Whether a plan of M rows is tuned (the knobs of pd_cuda_gemm_init): PD_CUDA_GEMM_TUNE unset
+// PD_GEMM_TUNE_MIN_M <= M <= the bound, =1 every M up to the bound, =0 none.
+static bool tune_enabled(const pd_cuda_backend *cb, int M) {
+    if (M > cb->tune_max_m || cb->tune == 0) return false;
+    return cb->tune == 1 || M >= PD_GEMM_TUNE_MIN_M;
 }
 
 // Times the candidates on p's operands and keeps the fastest in pl->algo. Best effort: any
@@ -357,8 +342,8 @@ static pd_cuda_gemm_plan *gemm_plan_build(pd_cuda_backend *cb, const pd_matmul_p
     int n_res = 0;
     enum cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
     PD_CUDA_CHECK(cudaStreamIsCapturing(cb->stream, &cs));
-    bool tune = cs == cudaStreamCaptureStatusNone && tune_enabled(M);
-    int n_algos = env_int("PD_CUDA_GEMM_TUNE_ALGOS", PD_GEMM_TUNE_ALGOS, 1, PD_GEMM_TUNE_ALGOS_MAX);
+    bool tune = cs == cudaStreamCaptureStatusNone && tune_enabled(cb, M);
+    int n_algos = cb->tune_algos;
     cublasStatus_t st = cublasLtMatmulAlgoGetHeuristic(cb->lt, pl->desc, pl->la, pl->lb, pl->lc, pl->lc, pref,
                                                        tune ? n_algos : 1, res, &n_res);
     cublasLtMatmulPreferenceDestroy(pref);
@@ -438,28 +423,23 @@ static void fused_matmul(pd_backend *b, pd_cuda_backend *cb, const pd_matmul_par
         q.a = cb->fuse_ws, q.lda = 0;
     }
     if (p->glu && !glu_in) q.out = (char *)cb->fuse_ws + normed, q.N = 2 * p->N;
+    pd_skinny_rope rk = {0};
+    if (rope_in)
+        rk = (pd_skinny_rope){.positions = rp->positions, .slot_mapping = rp->slot_mapping, .inv_freq = rp->inv_freq,
+                              .k_cache = rp->k_cache, .v_cache = rp->v_cache, .n_heads = rp->n_heads,
+                              .n_kv_heads = rp->n_kv_heads, .head_dim = rp->head_dim, .attn_scaling = rp->attn_scaling};
     if (mma) {
         pd_skinny_mma_kparams k = {.a = q.a, .w = q.w, .bias = q.bias, .out = q.out, .M = q.M, .N = q.N, .K = q.K,
                                    .lda = q.lda ? q.lda : q.K, .accumulate = q.accumulate, .out_f32 = q.out_f32,
                                    .rows = 16, .pipe = cb->skinny_mma_pipe > 0, .loads = cb->skinny_mma_loads, .glu = q.glu,
-                                   .residual = q.residual, .rope = rope_in};
-        if (rope_in) {
-            k.positions = rp->positions, k.slot_mapping = rp->slot_mapping, k.inv_freq = rp->inv_freq;
-            k.k_cache = rp->k_cache, k.v_cache = rp->v_cache, k.attn_scaling = rp->attn_scaling;
-            k.n_heads = rp->n_heads, k.n_kv_heads = rp->n_kv_heads, k.head_dim = rp->head_dim;
-        }
+                                   .residual = q.residual, .rope = rope_in, .rope_kv = rk};
         pd_cuda_skinny_mma(&k, cb->stream);
         PD_CUDA_CHECK_LAUNCH();
     } else if (skinny) {
         pd_skinny_kparams k = {.a = q.a, .w = q.w, .bias = q.bias, .out = q.out, .M = q.M, .N = q.N, .K = q.K,
                                .lda = q.lda ? q.lda : q.K, .accumulate = q.accumulate, .out_f32 = q.out_f32,
                                .rows = 4, .occ4 = cb->skinny_occ4, .async = cb->skinny_async, .norm_w = q.norm_w, .norm_eps = q.norm_eps, .glu = q.glu,
-                               .residual = q.residual, .rope = rope_in};
-        if (rope_in) {
-            k.positions = rp->positions, k.slot_mapping = rp->slot_mapping, k.inv_freq = rp->inv_freq;
-            k.k_cache = rp->k_cache, k.v_cache = rp->v_cache, k.attn_scaling = rp->attn_scaling;
-            k.n_heads = rp->n_heads, k.n_kv_heads = rp->n_kv_heads, k.head_dim = rp->head_dim;
-        }
+                               .residual = q.residual, .rope = rope_in, .rope_kv = rk};
         pd_cuda_skinny(&k, cb->stream);
         PD_CUDA_CHECK_LAUNCH();
     } else {

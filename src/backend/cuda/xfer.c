@@ -17,7 +17,6 @@
 //     against the kernel's ~51 GB/s (host->device 55 GB/s), and the tier benchmark's steps were no
 //     shorter with them (docs/benchmarks.md, KV tiers, session 10).
 #include <stdatomic.h>
-#include <stdlib.h>
 #include <string.h>
 #include "backend/cuda/cuda_impl.h"
 #include "kernels/kv_xfer.cuh"
@@ -63,15 +62,7 @@ static pd_cuda_xfer *xfer_of(pd_cuda_backend *cb) {
     PD_CUDA_CHECK(cudaStreamCreateWithFlags(&x->stream, cudaStreamNonBlocking));
     for (int i = 0; i < 2; i++) PD_CUDA_CHECK(cudaEventCreateWithFlags(&x->ev[i], cudaEventDisableTiming));
     PD_CUDA_CHECK(cudaEventCreateWithFlags(&x->fence_ev, cudaEventDisableTiming));
-    x->dma = 0;
-    const char *e = getenv("PD_CUDA_KV_DMA");
-    if (e && *e) {
-        if (strcmp(e, "0") && strcmp(e, "1") && strcmp(e, "2")) {
-            PD_LOG_E("PD_CUDA_KV_DMA=%s: expected 0, 1 or 2", e);
-            pd_abort(__FILE__, __LINE__, __func__, "bad CUDA knob in the environment");
-        }
-        x->dma = e[0] - '0';
-    }
+    x->dma = pd_cuda_env_int("PD_CUDA_KV_DMA", 0, 0, 2);
     cb->xfer = x;
     return x;
 }
