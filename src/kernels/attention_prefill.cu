@@ -83,6 +83,11 @@ static __device__ __forceinline__ void pd_fa_mbar_wait(uint32_t bar, int parity)
             : "memory");
     } while (!done);
 }
+// Arrives on bar (one of its expected arrivals: .noinc) when every cp.async this thread issued so
+// far has landed, without waiting for them here.
+static __device__ __forceinline__ void pd_fa_cp_arrive(uint32_t bar) {
+    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
+}
 static __device__ __forceinline__ void pd_fa_fence_async() {
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 }
@@ -172,6 +177,7 @@ static __device__ __forceinline__ void pd_fa_wgmma_rs_n128(float *d, const uint3
 #define PD_FA_ROWP 4  // the first producer: one page-table load, then the copies, row after row
 #define PD_FA_TMA 32  // whole pages by the tensor-memory accelerator (block_size 8..128 dividing 128)
 #define PD_FA_OVL 64  // consumers overlap tile j's S = Q.K^T and softmax with tile j - 1's P.V
+#define PD_FA_ARV 128  // the producer's copies arrive on "full" as they land (cp.async.mbarrier.arrive)
 // Diagnostics, compiled only with -DPD_FA3_DIAG (a separate op_bench build; the output is wrong):
 #define PD_FA_NOLOAD 8   // the producer copies no K/V (the consumers' speed alone)
 #define PD_FA_NOMATH 16  // the consumers compute nothing (the producer's speed alone)
@@ -316,6 +322,11 @@ static __global__ void __launch_bounds__(PD_FA_THREADS, 1)
     constexpr int ST = C::ST, CPR = HD / 8;
     constexpr bool VN64 = FL & PD_FA_VN64, PP = FL & PD_FA_PP, ROWP = FL & PD_FA_ROWP;
     constexpr bool NOLOAD = FL & PD_FA_NOLOAD, NOMATH = FL & PD_FA_NOMATH, TMA = FL & PD_FA_TMA, OVL = FL & PD_FA_OVL;
+    // ARV (the default producer only): each thread's copies of a tile arrive on its "full" barrier
+    // through cp.async.mbarrier.arrive.noinc when they land, instead of the thread waiting for tile
+    // j - 1's copies after issuing tile j's (a tile is then ready as soon as its bytes are, not one
+    // issue later); the consumers fence the async proxy after each wait instead of the producer.
+    constexpr bool ARV = (FL & PD_FA_ARV) && !TMA && !ROWP && !NOLOAD;
     extern __shared__ unsigned char pd_fa_smem[];
     const uint32_t base = (pd_k_smem_u32(pd_fa_smem) + 1023u) & ~1023u;
     const uint32_t sq = base, sk = base + C::TILE, sv = sk + ST * C::TILE, bar = sv + ST * C::TILE;
@@ -354,6 +365,7 @@ static __global__ void __launch_bounds__(PD_FA_THREADS, 1)
             pd_fa_cp16(sq + pd_fa_swz(r, c), src, ok);
         }
         pd_k_cp_async_commit();
+        if constexpr (ARV) pd_fa_cp_arrive(bar + 16 * ST);
         // Thread tw copies 16-byte chunk c = tw % CPR of rows tw / CPR + k * RS (k < RPT) of each
         // tile. The page-table lookups of a tile are issued together (independent loads) before
         // the wait for its stage, then the copies; ROWP: the first version, lookup and copies row
@@ -430,11 +442,16 @@ static __global__ void __launch_bounds__(PD_FA_THREADS, 1)
                 }
             }
             pd_k_cp_async_commit();
+            if constexpr (ARV) {
+                pd_fa_cp_arrive(bar + 8 * st);
+                continue;
+            }
             pd_k_cp_async_wait<1>();  // everything but tile j: the Q tile (j == 0) or tile j - 1
             pd_fa_fence_async();
             pd_fa_mbar_arrive(j == 0 ? bar + 16 * ST : bar + 8 * ((j - 1) % ST));
         }
         pd_k_cp_async_wait<0>();
+        if constexpr (ARV) return;  // every tile has arrived (or will, as its copies land)
         pd_fa_fence_async();
         pd_fa_mbar_arrive(bar + 8 * ((n_tiles - 1) % ST));
         return;
@@ -458,6 +475,7 @@ static __global__ void __launch_bounds__(PD_FA_THREADS, 1)
     uint32_t pa[PD_FA_BKV / 16][4];
 
     pd_fa_mbar_wait(bar + 16 * ST, 0);
+    if constexpr (ARV) pd_fa_fence_async();
     // PP (ping-pong): the two consumers take turns issuing their products (named barriers 1 and
     // 2, 256 threads: one warpgroup syncs, the other arrives), so one's softmax overlaps the
     // other's tensor-core work. Both run the handshake on every tile, computing or not, and the
@@ -489,6 +507,7 @@ static __global__ void __launch_bounds__(PD_FA_THREADS, 1)
             int st = j % ST, kv0 = j * PD_FA_BKV;
             bool pass = PP && !(cw == 1 && j == n_tiles - 1);
             pd_fa_mbar_wait(bar + 8 * st, (j / ST) & 1);
+            if constexpr (ARV) pd_fa_fence_async();
             if (PP) pd_fa_bar_sync(1 + cw);
             if (!mine) {  // warpgroup-uniform
                 if (pass) pd_fa_bar_arrive(2 - cw);
@@ -526,6 +545,7 @@ static __global__ void __launch_bounds__(PD_FA_THREADS, 1)
         int st = j % ST, kv0 = j * PD_FA_BKV;
         bool pass = PP && !(cw == 1 && j == n_tiles - 1);
         pd_fa_mbar_wait(bar + 8 * st, (j / ST) & 1);
+        if constexpr (ARV) pd_fa_fence_async();
         if (PP) pd_fa_bar_sync(1 + cw);
         if (NOMATH || j >= n_mine) {  // warpgroup-uniform
             if (pass) pd_fa_bar_arrive(2 - cw);
@@ -588,10 +608,10 @@ static int pd_fa_env(const char *name) {  // 1, 0, or -1 when unset / neither
     return e && !strcmp(e, "1") ? 1 : e && !strcmp(e, "0") ? 0 : -1;
 }
 static int pd_fa_flags(int hd) {
-    static int pp = -2, vn = -2, rowp = -2, tma = -2, ovl = -2, diag = 0;
+    static int pp = -2, vn = -2, rowp = -2, tma = -2, ovl = -2, arv = -2, diag = 0;
     if (pp == -2) {
         vn = pd_fa_env("PD_CUDA_FA3_VN64"), rowp = pd_fa_env("PD_CUDA_FA3_ROWP"), tma = pd_fa_env("PD_CUDA_FA3_TMA");
-        ovl = pd_fa_env("PD_CUDA_FA3_OVL");
+        ovl = pd_fa_env("PD_CUDA_FA3_OVL"), arv = pd_fa_env("PD_CUDA_FA3_ARV");
 #ifdef PD_FA3_DIAG
         const char *d = getenv("PD_CUDA_FA3_DIAG");
         diag = d && !strcmp(d, "noload") ? PD_FA_NOLOAD : d && !strcmp(d, "nomath") ? PD_FA_NOMATH : 0;
@@ -599,7 +619,8 @@ static int pd_fa_flags(int hd) {
         pp = pd_fa_env("PD_CUDA_FA3_PP");
     }
     return ((pp < 0 ? hd == 128 : pp) ? PD_FA_PP : 0) | (vn == 1 && hd == 128 ? PD_FA_VN64 : 0) |
-           (rowp == 1 ? PD_FA_ROWP : 0) | (tma == 1 ? PD_FA_TMA : 0) | (ovl == 1 ? PD_FA_OVL : 0) | diag;
+           (rowp == 1 ? PD_FA_ROWP : 0) | (tma == 1 ? PD_FA_TMA : 0) | (ovl == 1 ? PD_FA_OVL : 0) |
+           (arv == 1 && rowp != 1 && tma != 1 ? PD_FA_ARV : 0) | diag;
 }
 
 template <int HD, int FL>
@@ -666,6 +687,10 @@ static void pd_fa_dispatch(const pd_attention_kparams *p, cudaStream_t s, int fl
     PD_FA_CASE(PD_FA_PP | PD_FA_ROWP)
     PD_FA_CASE(PD_FA_PP | PD_FA_OVL)
     PD_FA_CASE(PD_FA_OVL)
+    PD_FA_CASE(PD_FA_PP | PD_FA_ARV)
+    PD_FA_CASE(PD_FA_PP | PD_FA_OVL | PD_FA_ARV)
+    PD_FA_CASE(PD_FA_ARV)
+    PD_FA_CASE(PD_FA_OVL | PD_FA_ARV)
     if constexpr (HD == 128) {
         PD_FA_CASE(PD_FA_VN64 | PD_FA_PP | PD_FA_OVL)
         PD_FA_CASE(PD_FA_VN64)
