@@ -127,6 +127,16 @@ static __device__ __forceinline__ void pd_fa_pin(float *d) {
     for (int i = 0; i < N; i++) asm volatile("" : "+f"(d[i])::"memory");
 }
 
+// The same for P's A-operand registers: keeps them live (not reused by the compiler) until the
+// wait that ends the P.V reading them.
+template <int N>
+static __device__ __forceinline__ void pd_fa_pin_u(uint32_t (*a)[4]) {
+#pragma unroll
+    for (int i = 0; i < N; i++)
+#pragma unroll
+        for (int k = 0; k < 4; k++) asm volatile("" : "+r"(a[i][k])::"memory");
+}
+
 // Shared-memory matrix descriptor, 128-byte swizzle: start address, leading and stride byte
 // offsets (16-byte units). K-major operands (Q, K): SBO = 1024 (8 rows of 128 bytes), LBO unused;
 // the k16 steps inside a column block advance the start by 32 bytes. N-major V: SBO = 1024 (8 kv
@@ -500,6 +510,7 @@ static __global__ void __launch_bounds__(PD_FA_THREADS, 1)
                 pd_fa_wg_commit();
                 pd_fa_wg_wait<0>();
                 pd_fa_pin<HD / 2>(o);
+                pd_fa_pin_u<PD_FA_BKV / 16>(pa);
                 pd_fa_mbar_arrive(bar + 8 * (ST + prev % ST));
                 prev = -1;
             }
@@ -535,6 +546,7 @@ static __global__ void __launch_bounds__(PD_FA_THREADS, 1)
             if (prev >= 0) {
                 pd_fa_wg_wait<0>();
                 pd_fa_pin<HD / 2>(o);
+                pd_fa_pin_u<PD_FA_BKV / 16>(pa);  // P.V read pa until here: the softmax must not reuse them
                 pd_fa_mbar_arrive(bar + 8 * (ST + prev % ST));
             }
             pd_fa_pack(sc, pa);
