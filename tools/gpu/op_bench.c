@@ -318,7 +318,7 @@ static void bench_step(double copy_gbs, pd_backend **bes, const char **be_names,
 // and % of the copy rate measured here; then the classes summed, and the whole layer back to back
 // for: "classic" (h holds each branch, the norms add it), "rg" (o and down accumulate into x, the
 // norms read x alone: forward.c PD_MODEL_RESID_GEMM), each on cuBLASLt's heuristic choice and on
-// the tuned choice (PD_CUDA_GEMM_TUNE=1 for every M). x 32 for a prefill's layers.
+// gemm.c's prefill tuning (gemm_tune_pf). x 32 for a prefill's layers.
 enum { PL_NORM1, PL_QKV, PL_ROPE, PL_ATTN, PL_O, PL_NORM2, PL_GU, PL_SILU, PL_DOWN, PL_N };
 static const char *pl_names[PL_N] = {"rmsnorm1", "qkv", "rope_kv", "attention", "o", "rmsnorm2", "gate_up", "silu_mul", "down"};
 typedef struct pl_arg {
@@ -356,13 +356,18 @@ static void bench_pfl(void) {
     pk.w[0] = pk.w[1] = pk.w[2] = pk.w[3] = rnd((size_t)8192 * 8192);
     double peak_tfs = 2.0 * 8192.0 * 8192 * 8192 / (time_us(g_b, mm_op, &pk, 20) * 1e6);
     printf("pfl copy %.0f GB/s (read+write), gemm 8192^3 %.1f TFLOP/s (cuBLASLt heuristic)\n", copy_gbs, peak_tfs);
-    setenv("PD_CUDA_GEMM_TUNE", "1", 1);
-    setenv("PD_CUDA_GEMM_TUNE_MAX_M", "65536", 1);
+    // heuristic: cuBLASLt's first choice (PD_CUDA_GEMM_TUNE_PF=0); tuned: gemm.c's prefill tuning
+    // (the default; PD_CUDA_GEMM_TUNE_PF in the environment applies)
+    const char *tpf = getenv("PD_CUDA_GEMM_TUNE_PF");
+    char tpf_save[32] = "";
+    if (tpf) snprintf(tpf_save, sizeof tpf_save, "%s", tpf);
+    setenv("PD_CUDA_GEMM_TUNE_PF", "0", 1);
     pd_err err = {0};
+    pd_backend *hb = pd_backend_new("cuda", 0, &err);
+    if (*tpf_save) setenv("PD_CUDA_GEMM_TUNE_PF", tpf_save, 1);
+    else unsetenv("PD_CUDA_GEMM_TUNE_PF");
     pd_backend *tb = pd_backend_new("cuda", 0, &err);
-    unsetenv("PD_CUDA_GEMM_TUNE");
-    unsetenv("PD_CUDA_GEMM_TUNE_MAX_M");
-    if (!tb) { fprintf(stderr, "pfl: no tuned backend: %s\n", err.msg); exit(1); }
+    if (!tb || !hb) { fprintf(stderr, "pfl: no backend: %s\n", err.msg); exit(1); }
     static pl_arg l;
     l.x = rnd((size_t)MAXM * D), l.h = rnd((size_t)MAXM * D), l.attn = rnd((size_t)MAXM * D);
     l.qkv = rnd((size_t)MAXM * NQ), l.gu = rnd((size_t)MAXM * 2 * F), l.mlp = rnd((size_t)MAXM * F);
@@ -401,7 +406,7 @@ static void bench_pfl(void) {
         // bytes moved: norm x + h read, both written (rg: x read, h written); rope_kv q, k read and
         // written, k and v written to the cache (v read); silu_mul gu read, mlp written
         double by[PL_N] = {4 * MD, 0, (double)M * (H + 2 * Hkv) * hd * e * 2, 0, 0, 4 * MD, 0, (double)M * 3 * F * e, 0};
-        pd_backend *bes[2] = {g_b, tb};
+        pd_backend *bes[2] = {hb, tb};
         const char *bn[2] = {"heuristic", "tuned"};
         for (int bi = 0; bi < 2; bi++) {
             pd_backend *b = bes[bi];
