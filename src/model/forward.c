@@ -228,10 +228,13 @@ static bool fuse_step(pd_model *m, int T) {
 // (run_layer's rg: pd_op_matmul accumulate into x, so each sum is rounded once, branch and
 // residual together in f32, instead of the branch first; within a bf16 ulp of the transformers
 // rounding, as the fused decode forms on cuBLASLt already are). It saves the norms' read and write
-// of the branch output h (2 of their 4 passes over (T, D)). PD_MODEL_RESID_GEMM=0 off, 1 every
-// unfused step, N > 1: steps of at least N tokens; default PD_MODEL_RESID_GEMM_DEFAULT (prefill-
-// sized steps). Read once per model.
-#define PD_MODEL_RESID_GEMM_DEFAULT 512
+// of the branch output h (2 of their 4 passes over (T, D)) but makes the two GEMMs read x: measured
+// on an H100 (session 11, tools/gpu/NOTES.md pf11-1/2) per 8192-token layer the norms 119 -> 90 us
+// each, o 375 -> 395 and down 1310 -> 1361 (op_bench pfl), and bench-engine --only prefill within
+// its run-to-run noise (8192 tokens: 229.2 ms without vs 229.5 with; 2048: 50.8 vs 50.0). No
+// measured gain and transformers' rounding points lost: off by default. PD_MODEL_RESID_GEMM=N
+// turns it on for steps of at least N tokens (1: every unfused step), 0 off. Read once per model.
+#define PD_MODEL_RESID_GEMM_DEFAULT 0
 static bool resid_gemm_step(pd_model *m, int T) {
     if (m->ws.resid_gemm_min == 0) {
         const char *e = getenv("PD_MODEL_RESID_GEMM");

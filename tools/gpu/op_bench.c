@@ -357,16 +357,17 @@ static void bench_pfl(void) {
     double peak_tfs = 2.0 * 8192.0 * 8192 * 8192 / (time_us(g_b, mm_op, &pk, 20) * 1e6);
     printf("pfl copy %.0f GB/s (read+write), gemm 8192^3 %.1f TFLOP/s (cuBLASLt heuristic)\n", copy_gbs, peak_tfs);
     // heuristic: cuBLASLt's first choice (PD_CUDA_GEMM_TUNE_PF=0); tuned: gemm.c's prefill tuning
-    // (the default; PD_CUDA_GEMM_TUNE_PF in the environment applies)
+    // (opt-in: PD_CUDA_GEMM_TUNE_PF from the environment, else 1024)
     const char *tpf = getenv("PD_CUDA_GEMM_TUNE_PF");
     char tpf_save[32] = "";
     if (tpf) snprintf(tpf_save, sizeof tpf_save, "%s", tpf);
     setenv("PD_CUDA_GEMM_TUNE_PF", "0", 1);
     pd_err err = {0};
     pd_backend *hb = pd_backend_new("cuda", 0, &err);
+    setenv("PD_CUDA_GEMM_TUNE_PF", *tpf_save && strcmp(tpf_save, "0") ? tpf_save : "1024", 1);
+    pd_backend *tb = pd_backend_new("cuda", 0, &err);
     if (*tpf_save) setenv("PD_CUDA_GEMM_TUNE_PF", tpf_save, 1);
     else unsetenv("PD_CUDA_GEMM_TUNE_PF");
-    pd_backend *tb = pd_backend_new("cuda", 0, &err);
     if (!tb || !hb) { fprintf(stderr, "pfl: no backend: %s\n", err.msg); exit(1); }
     static pl_arg l;
     l.x = rnd((size_t)MAXM * D), l.h = rnd((size_t)MAXM * D), l.attn = rnd((size_t)MAXM * D);

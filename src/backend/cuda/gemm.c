@@ -24,9 +24,8 @@
 // (tools/gpu/NOTES.md). Session 10 (H100, call b64-2) widened it from M <= 64 and 8 candidates to
 // M <= 128 and 32: batch 128 9.68 vs 9.91-10.04 ms, batch 64 7.76 vs 7.79-7.86, others level.
 // PD_CUDA_GEMM_TUNE=1 tunes every M up to the bound, =0 none; PD_CUDA_GEMM_TUNE_MAX_M and
-// PD_CUDA_GEMM_TUNE_ALGOS set the bound and the candidate count. Prefill shapes (M >= 1024) are
-// tuned differently, timed warm and back to back, and their choice shared by a bucket of M
-// (gemm_tune_pf).
+// PD_CUDA_GEMM_TUNE_ALGOS set the bound and the candidate count. Prefill shapes may be tuned
+// differently (gemm_tune_pf, PD_CUDA_GEMM_TUNE_PF: off by default; measured unreliable).
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -49,7 +48,6 @@
 #define PD_GEMM_TUNE_ALGOS_MAX 32
 #define PD_GEMM_TUNE_REPS 6
 #define PD_GEMM_FLUSH_BYTES (192u << 20)  // > L2 (50 MB on H100/H200) with margin
-#define PD_GEMM_TUNE_PF_MIN_M 1024  // prefill tuning from this M (gemm_tune_pf)
 #define PD_GEMM_TUNE_PF_ALGOS 8
 #define PD_GEMM_TUNE_PF_ROUNDS 3
 
@@ -158,9 +156,9 @@ void pd_cuda_gemm_init(pd_cuda_backend *cb) {
     cb->tune = pd_cuda_env_int("PD_CUDA_GEMM_TUNE", -1, 0, 1);
     cb->tune_max_m = pd_cuda_env_int("PD_CUDA_GEMM_TUNE_MAX_M", PD_GEMM_TUNE_MAX_M, 1, 65536);
     cb->tune_algos = pd_cuda_env_int("PD_CUDA_GEMM_TUNE_ALGOS", PD_GEMM_TUNE_ALGOS, 1, PD_GEMM_TUNE_ALGOS_MAX);
-    // Prefill shapes (gemm_tune_pf): M >= PD_CUDA_GEMM_TUNE_PF (default 1024; 0 off) above the
-    // decode range, PD_CUDA_GEMM_TUNE_PF_ALGOS candidates (default 8).
-    cb->tune_pf_min_m = pd_cuda_env_int("PD_CUDA_GEMM_TUNE_PF", PD_GEMM_TUNE_PF_MIN_M, 0, 1 << 30);
+    // Prefill shapes (gemm_tune_pf): M >= PD_CUDA_GEMM_TUNE_PF above the decode range (default 0:
+    // off; measurement knob, see gemm_tune_pf), PD_CUDA_GEMM_TUNE_PF_ALGOS candidates (default 8).
+    cb->tune_pf_min_m = pd_cuda_env_int("PD_CUDA_GEMM_TUNE_PF", 0, 0, 1 << 30);
     cb->tune_pf_algos = pd_cuda_env_int("PD_CUDA_GEMM_TUNE_PF_ALGOS", PD_GEMM_TUNE_PF_ALGOS, 1, PD_GEMM_TUNE_ALGOS_MAX);
 }
 
@@ -329,6 +327,13 @@ done:
 // cublasLtMatmulAlgoCheck, by every later M of the bucket: a server's prompt lengths vary, and
 // tuning each (tens of ms at 8k) would cost every new length. Best effort: an allocation failure
 // leaves the heuristic's choice.
+// Off by default (PD_CUDA_GEMM_TUNE_PF=1024 turns it on from M = 1024): measured on an H100
+// (session 11, tools/gpu/NOTES.md pf11-2) it did pick qkv's faster kernel at 8192 (547 vs 627 us,
+// and 147 vs 154 at 2048), but also a slower one for the 8192^3 GEMM that bench-engine measures as
+// its peak (681-727 TFLOP/s in every run with it against 780-786 without): a single interleaved
+// run per candidate still ranks by something else than sustained speed, and prefill times moved
+// within the noise (8192 tokens 230.9 ms without vs 229.5 with). A robust ranking needs long
+// sustained runs per candidate (hundreds of ms per shape) or offline tables; not done.
 static int pf_bucket(int M) {
     int b = 1;
     while (b < M && b < (1 << 30)) b <<= 1;
