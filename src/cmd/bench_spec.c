@@ -38,6 +38,7 @@ typedef struct prompts {
 typedef struct result {
     double tok_s, wall_s;
     int64_t n_tokens, drafted, accepted, emitted, steps;
+    int64_t pos_reached[PD_SPEC_MAX_K], pos_accepted[PD_SPEC_MAX_K];  // per draft position (engine stats)
     int32_t *out;  // (B, max_tokens)
 } result;
 
@@ -139,6 +140,10 @@ static bool run_batch(pd_engine *e, const prompts *P, int B, int first, int max_
         res->emitted += s1.spec_emitted[m] - s0.spec_emitted[m];
         res->steps += s1.spec_steps[m] - s0.spec_steps[m];
     }
+    for (int j = 0; j < PD_SPEC_MAX_K; j++) {
+        res->pos_reached[j] = s1.spec_pos_reached[j] - s0.spec_pos_reached[j];
+        res->pos_accepted[j] = s1.spec_pos_accepted[j] - s0.spec_pos_accepted[j];
+    }
     return true;
 }
 
@@ -152,6 +157,7 @@ static bool run_serial(pd_engine *e, const prompts *P, int B, int serial, int ma
         if (!run_batch(e, P, B, si * B, max_tokens, &r)) return false;
         sum.n_tokens += r.n_tokens, sum.wall_s += r.wall_s, sum.drafted += r.drafted, sum.accepted += r.accepted;
         sum.emitted += r.emitted, sum.steps += r.steps;
+        for (int j = 0; j < PD_SPEC_MAX_K; j++) sum.pos_reached[j] += r.pos_reached[j], sum.pos_accepted[j] += r.pos_accepted[j];
     }
     sum.tok_s = sum.wall_s > 0 ? (double)sum.n_tokens / sum.wall_s : 0;
     *res = sum;
@@ -179,6 +185,7 @@ typedef struct eng {
     pd_engine *e;
     double tok_s[16][MAX_REPS];   // [batch][rep]
     int64_t drafted[16], accepted[16], emitted[16], steps[16], tokens[16];  // over the timed reps
+    int64_t pos_reached[16][PD_SPEC_MAX_K], pos_accepted[16][PD_SPEC_MAX_K];
     int n_same[16];               // requests of its first timed run equal to the baseline's (-1: not compared)
     int diff_min[16];             // of the others: the earliest first differing token, and the mean
     double diff_mean[16];
@@ -290,6 +297,8 @@ static bool run_group(const opts *o, const prompts *P, eng *G, int n, int bi, co
             g->tok_s[bi][rep] = r.tok_s;
             g->drafted[bi] += r.drafted, g->accepted[bi] += r.accepted, g->emitted[bi] += r.emitted;
             g->steps[bi] += r.steps, g->tokens[bi] += r.n_tokens;
+            for (int j = 0; j < PD_SPEC_MAX_K; j++)
+                g->pos_reached[bi][j] += r.pos_reached[j], g->pos_accepted[bi][j] += r.pos_accepted[j];
             size_t sz = sizeof(int32_t) * (size_t)B * (size_t)o->serial * (size_t)o->max_tokens;
             if (rep == 0 && !*base_out && g == baseline) {
                 *base_out = pd_malloc(sz);
@@ -362,6 +371,19 @@ static void report_batch(const opts *o, eng *G, int n_eng, int bi, json_t *arr, 
         // verify step, E(k) = (1 - a^(k+1)) / (1 - a) (every verify step drafts k for every sequence)
         double ia = g->fixed && mal > 0 ? implied_alpha(mal, o->k) : -1;
         if (ia >= 0) printf("  implied a %.3f", ia);
+        // Decode sequence-steps: those that verified (steps) and those that ran plainly (each
+        // emitted one of the timed tokens the verify steps did not): the share that drafted.
+        int64_t plain_steps = g->tokens[bi] - g->emitted[bi];
+        double share = g->steps[bi] + plain_steps > 0 ? (double)g->steps[bi] / (double)(g->steps[bi] + PD_MAX(plain_steps, 0)) : 0;
+        json_t *pos = json_array();
+        if (g->method != PD_SPEC_NONE) {
+            printf("  drafting steps %.3f  per-position", share);
+            for (int p = 0; p < PD_SPEC_MAX_K && g->pos_reached[bi][p] > 0; p++) {
+                double pa = (double)g->pos_accepted[bi][p] / (double)g->pos_reached[bi][p];
+                printf(" %.2f", pa);
+                json_array_append_new(pos, json_real(pa));
+            }
+        }
         if (g->n_same[bi] >= 0) printf("  same as off %d/%d", g->n_same[bi], B * o->serial);
         if (g->n_same[bi] >= 0 && g->diff_min[bi] >= 0)
             printf(" (the others from token %d, mean %.0f)", g->diff_min[bi], g->diff_mean[bi]);
@@ -375,6 +397,8 @@ static void report_batch(const opts *o, eng *G, int n_eng, int bi, json_t *arr, 
                                              (json_int_t)(g->accepted[bi] / R), "tokens", (json_int_t)(g->tokens[bi] / R),
                                              "same_as_off", g->n_same[bi]));
         if (ia >= 0) json_object_set_new(json_array_get(arr, json_array_size(arr) - 1), "implied_a", json_real(ia));
+        json_object_set_new(json_array_get(arr, json_array_size(arr) - 1), "per_position_acceptance", pos);
+        json_object_set_new(json_array_get(arr, json_array_size(arr) - 1), "drafting_step_share", json_real(share));
         if (g->n_same[bi] >= 0 && g->diff_min[bi] >= 0) {
             json_t *last = json_array_get(arr, json_array_size(arr) - 1);
             json_object_set_new(last, "first_diff_min", json_integer(g->diff_min[bi]));

@@ -52,6 +52,13 @@
 #define PROBE_SHARE 0.01 // ... at most this share of the step time spent on probes (the period grows)
 #define PROBE_RETRY 4    // a due probe whose sequence had no proposal: the next sequence tries this many steps later
 #define DRAFT_LOG_MAX 64 // PD_SPEC_STATS: transient draft forwards logged as they happen, per engine
+// Draft-free, adaptive: a sequence whose lookup found no proposal (no n-gram match, an empty pool
+// entry) is not idle by the policy's verdict: it looks again 1, 2, 4, ... steps later (busy
+// meanwhile), up to NOMATCH_RETRIES misses in a row; then it is idle (probes only). Before session
+// 11 one miss made it idle, and in a loop that the next step would have matched it waited for a
+// probe (16+ steps, backing off to thousands).
+#define LAST_K_NOMATCH (-2)
+#define NOMATCH_RETRIES 5
 
 struct espec;
 typedef struct sreq {
@@ -69,7 +76,10 @@ typedef struct sreq {
     int64_t n_drafted, n_accepted, n_steps;
     // this step
     int k, w;  // drafts proposed, window tokens appended
-    int last_k;  // drafts of its last step (-1: none yet)
+    int last_k;  // drafts of its last step (-1: none yet; LAST_K_NOMATCH: a draft-free lookup found nothing)
+    int n_miss;            // draft-free, adaptive: consecutive lookups that found no proposal
+    int64_t retry_at;      // ... the step its next lookup is due (while last_k == LAST_K_NOMATCH)
+    bool looked;           // this step: it looked for a proposal (draft-free)
     int la_want;  // lookahead slots last asked of the scheduler (-1: not yet)
     int32_t draft[PD_SPEC_MAX_K];
     int32_t accepted[PD_SPEC_MAX_K];
@@ -143,6 +153,7 @@ typedef struct espec {
     int cap_seqs;
     bool last_valid;  // results describe the last step
     int64_t drafted[PD_SPEC_N], accepted[PD_SPEC_N], emitted[PD_SPEC_N], steps[PD_SPEC_N];
+    int64_t pos_reached[PD_SPEC_MAX_K], pos_accepted[PD_SPEC_MAX_K];  // per draft position (pd_engine_stats)
 } espec;
 
 // ---- helpers ---------------------------------------------------------------------------------------
@@ -927,6 +938,7 @@ static pd_status run_plan(pd_engine *e, const pd_step_plan *plan, bool *handled)
         if (!sr) continue;
         sr->k = sr->w = 0;
         sr->q = NULL;
+        sr->looked = false;
         // Where the draft's KV stands: a first appearance mid-prompt (a prefix hit) has the hit's
         // draft KV in the same blocks; one that starts decoding (a remote prefill) has none.
         if (sr->draft_pos < 0) sr->draft_pos = is_decode(s, sr) ? 0 : s->pos_start;
@@ -946,7 +958,9 @@ static pd_status run_plan(pd_engine *e, const pd_step_plan *plan, bool *handled)
             n_idle++;
             continue;
         }
+        if (sr->last_k == LAST_K_NOMATCH && S->n_steps < sr->retry_at) continue;  // its next lookup is later
         S->kmax[i] = room;
+        sr->looked = S->method != PD_SPEC_DRAFT && room > 0;
     }
     if (n_idle) {  // one idle sequence in turn on a probe step, none otherwise
         int pick = S->n_steps >= S->next_probe ? (int)(S->probe_rot++ % n_idle) : -1;
@@ -961,7 +975,21 @@ static pd_status run_plan(pd_engine *e, const pd_step_plan *plan, bool *handled)
     for (int i = 0; i < plan->n_seqs; i++) {
         any |= S->kch[i] > 0;
         if (srs[i] && S->method != PD_SPEC_DRAFT) srs[i]->k = S->kch[i];
-        if (srs[i] && is_decode(&plan->seqs[i], srs[i])) set_last_k(srs[i], S->kch[i]);
+        sreq *sr = srs[i];
+        if (!sr || !is_decode(&plan->seqs[i], sr)) continue;
+        if (sr->looked && S->kmax[i] == 0 && S->adaptive && !sr->fixed_k) {  // looked, found nothing
+            if (sr->n_miss < NOMATCH_RETRIES) {
+                sr->retry_at = S->n_steps + (1 << sr->n_miss++);
+                set_last_k(sr, LAST_K_NOMATCH);
+            } else {
+                set_last_k(sr, 0);  // idle: probes only (the lookup state starts over after a probe)
+                sr->n_miss = 0;
+            }
+            continue;
+        }
+        if (sr->looked) sr->n_miss = 0;
+        if (sr->last_k == LAST_K_NOMATCH && !sr->looked) continue;  // waiting for its retry
+        set_last_k(sr, S->kch[i]);
     }
     if (S->method == PD_SPEC_LOOKAHEAD) {
         // The Jacobi window rides along while it pays: W extra tokens per sequence add dt to a
@@ -1035,6 +1063,8 @@ static pd_status run_plan(pd_engine *e, const pd_step_plan *plan, bool *handled)
         S->accepted[S->method] += o->n_accepted;
         S->emitted[S->method] += o->n_accepted + 1;
         S->steps[S->method]++;
+        for (int j = 0; j <= PD_MIN(o->n_accepted, sr->k - 1); j++) S->pos_reached[j]++;
+        for (int j = 0; j < o->n_accepted; j++) S->pos_accepted[j]++;
         // The draft's KV past the accepted tokens holds rejected drafts: cut it back.
         sr->draft_pos = PD_MIN(sr->draft_pos, plan->seqs[i].pos_start + 1 + o->n_accepted);
     }
@@ -1108,4 +1138,7 @@ void pd_engine_spec_stats(pd_engine *e, pd_engine_stats *o) {
     memcpy(o->spec_accepted, S->accepted, sizeof o->spec_accepted);
     memcpy(o->spec_emitted, S->emitted, sizeof o->spec_emitted);
     memcpy(o->spec_steps, S->steps, sizeof o->spec_steps);
+    _Static_assert(sizeof o->spec_pos_reached == sizeof S->pos_reached, "per-position counters");
+    memcpy(o->spec_pos_reached, S->pos_reached, sizeof o->spec_pos_reached);
+    memcpy(o->spec_pos_accepted, S->pos_accepted, sizeof o->spec_pos_accepted);
 }

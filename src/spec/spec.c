@@ -26,9 +26,12 @@ int pd_spec_ngram_propose(const int32_t *toks, int n_toks, int n_min, int n_max,
         // Most recent earlier occurrence: its start i < n_toks - n, so at least one token follows.
         for (int i = n_toks - n - 1; i >= 0; i--) {
             if (memcmp(toks + i, tail, sizeof(int32_t) * (size_t)n)) continue;
-            int from = i + n, m = PD_MIN(k, n_toks - from);
-            memcpy(out, toks + from, sizeof(int32_t) * (size_t)m);
-            return m;
+            // What followed the match, continued periodically past the end: the text from `from`
+            // on is predicted to repeat with period n_toks - from, so token from + j >= n_toks is
+            // the proposal's own token from + j - n_toks (a short loop, period < k, still gets k).
+            int from = i + n;
+            for (int j = 0; j < k; j++) out[j] = from + j < n_toks ? toks[from + j] : out[from + j - n_toks];
+            return k;
         }
     }
     return 0;

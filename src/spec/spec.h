@@ -42,7 +42,8 @@ pd_status pd_spec_method_parse(const char *s, pd_spec_method *out);
 
 // ---- n-gram prompt lookup ------------------------------------------------------------------------
 // Finds the most recent earlier occurrence of toks' last n tokens, n from n_max down to n_min, and
-// copies up to k tokens that followed it into out. Returns how many (0: no match).
+// copies k tokens that followed it into out, continued periodically when the match is less than k
+// tokens back (the loop it sits in is assumed to go on). Returns how many (0: no match, else k).
 int pd_spec_ngram_propose(const int32_t *toks, int n_toks, int n_min, int n_max, int k, int32_t *out);
 
 // ---- lookahead: n-gram pool and Jacobi window ----------------------------------------------------

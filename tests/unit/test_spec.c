@@ -18,10 +18,18 @@ PD_TEST(ngram_lookup) {
     // Last 3 tokens (5 6 7): most recent earlier match at 5, followed by 1 2 5 6.
     PD_CHECK_EQ(pd_spec_ngram_propose(t, 13, 1, 3, 4, out), 4);
     PD_CHECK(out[0] == 1 && out[1] == 2 && out[2] == 5 && out[3] == 6);
-    // k larger than what follows: only what is there.
+    // k larger than what follows: the loop (4 3) goes on periodically.
     int32_t u[] = {3, 4, 3};
-    PD_CHECK_EQ(pd_spec_ngram_propose(u, 3, 1, 2, 5, out), 2);
-    PD_CHECK(out[0] == 4 && out[1] == 3);
+    PD_CHECK_EQ(pd_spec_ngram_propose(u, 3, 1, 2, 5, out), 5);
+    PD_CHECK(out[0] == 4 && out[1] == 3 && out[2] == 4 && out[3] == 3 && out[4] == 4);
+    // A loop of period 1 (7 7 7): k copies of 7.
+    int32_t c1[] = {1, 7, 7, 7};
+    PD_CHECK_EQ(pd_spec_ngram_propose(c1, 4, 1, 3, 6, out), 6);
+    for (int j = 0; j < 6; j++) PD_CHECK_EQ(out[j], 7);
+    // Period 3 matched by a 3-gram: 1 2 3 1 2 3 -> 1 2 3 1 2 3 1.
+    int32_t c3[] = {9, 1, 2, 3, 1, 2, 3};
+    PD_CHECK_EQ(pd_spec_ngram_propose(c3, 7, 1, 3, 7, out), 7);
+    for (int j = 0; j < 7; j++) PD_CHECK_EQ(out[j], 1 + j % 3);
     int32_t v[] = {1, 2, 3, 4};
     PD_CHECK_EQ(pd_spec_ngram_propose(v, 4, 1, 3, 4, out), 0);  // no repetition: nothing
     PD_CHECK_EQ(pd_spec_ngram_propose(v, 1, 1, 3, 4, out), 0);
