@@ -103,9 +103,19 @@ typedef struct espec {
     pd_spec_cost cost_eager;  // the same for steps that run eagerly (cost holds graph steps'; no graphs: unused)
     pd_spec_shapes shapes;  // measured whole-step times per step shape (graphs on: what the policy compares)
     pd_spec_dcost dcost;    // the draft's steady forwards per shape (draft_key): what drafting is priced at
+    // The draft's eager catch-up forwards (a row of more than 2 tokens: a sequence that resumes
+    // drafting after idle steps) per padded token count (tok_bucket), seeded at warm-up: what
+    // resuming costs (session 10: 4.4 ms mean, up to 50 ms, priced as a steady forward).
+    pd_spec_dcost dcatch;
+    int catchup_max;        // catch-up forwards are padded to tok_bucket() sizes up to this many tokens
+    // The target's forward time per graph shape at warm-up (shape_key): a verify shape not yet
+    // timed live is priced at the live plain step + (warm verify - warm plain) at its batch, not
+    // at an optimistic line (session 10: first steps of unmeasured shapes, 12-29 ms, were explored).
+    pd_spec_shapes warm;
+    int warm_n;             // shapes in warm (0: no warm-up timings)
     // diagnostics (PD_SPEC_STATS): steady and transient draft forwards, the largest transient, and
     // how many transients were logged (the first DRAFT_LOG_MAX)
-    int64_t dsteady_n, dsteady_us, dtrans_n, dtrans_us, dtrans_max;
+    int64_t dsteady_n, dsteady_us, dtrans_n, dtrans_us, dtrans_max, n_pad_tok;
     int n_dtrans_logged;
     uint32_t last_vkey;     // the verify step's shape key (0: none this step)
     bool last_vgraph;       // the verify step ran as a graph
@@ -157,6 +167,14 @@ typedef struct espec {
 } espec;
 
 // ---- helpers ---------------------------------------------------------------------------------------
+
+// Token counts rounded up to 1, 2, 3, 4, 6, 8, 12, 16, ... (powers of two and their 1.5x): eager
+// steps of similar size share a cost entry and, padded to these sizes, a GEMM plan.
+static int tok_bucket(int t) {
+    int r = 1;
+    while (r < t) r = (r & (r - 1)) ? (r / 3) * 4 : (r >= 2 ? r + r / 2 : 2);  // 2^k -> 1.5 * 2^k -> 2^(k+1)
+    return r;
+}
 
 
 static void bb_reset(bbuild *b) {
@@ -298,6 +316,8 @@ pd_status pd_engine_spec_load(pd_engine *e, pd_err *err) {
     pd_spec_cost_init(&S->cost_eager, 0);
     pd_spec_shapes_init(&S->shapes);
     pd_spec_dcost_init(&S->dcost);
+    pd_spec_dcost_init(&S->dcatch);
+    pd_spec_shapes_init(&S->warm);
     const char *dbg = getenv("PD_SPEC_STATS");
     S->stats = dbg && strcmp(dbg, "0");
     pd_spec_backoff_init(&S->probe_bo);
@@ -357,15 +377,110 @@ pd_status pd_engine_spec_init(pd_engine *e, pd_sched_params *sp, pd_err *err) {
     return PD_OK;
 }
 
+static bool step_is_graph(pd_model *m, int n_seqs, int max_q);
+static uint32_t shape_key(pd_model *m, int n_seqs, int max_q, int n_tokens);
+
+// One timed forward of b (device logits, synchronised), microseconds; < 0 on error.
+static double timed_forward(pd_engine *e, pd_model *m, pd_model_cache *c, const bbuild *b) {
+    pd_batch batch = bb_batch(b);
+    const float *dl = NULL;
+    int64_t t0 = pd_time_us();
+    if (pd_model_forward_dev(m, c, &batch, &dl)) return -1;
+    pd_backend_sync(e->backend);
+    return (double)(pd_time_us() - t0);
+}
+
+// Warm-up timings for the policy (graphs on only: without graphs a step's cost follows its tokens
+// and the live line is enough). Before any request, on KV blocks no request holds yet (their
+// contents are overwritten before a request reads them; the draft's KV is only ever a speed matter).
+//  - the target's verify graph shapes: B sequences of q tokens, logits at every row, at each batch
+//    bucket B <= max_num_seqs and query bucket q (1 = the plain step) -> S->warm (3 runs; the table
+//    drops the first)
+//  - the draft's eager catch-up forwards at each padded size tok_bucket() from 3 tokens up to
+//    S->catchup_max (one sequence, its last rows with logits, up to the batch bucket's count): the
+//    first run builds the GEMM plans (cuBLASLt heuristics and tuning, tens of ms for a new M),
+//    which a live catch-up padded to the same size then finds; the later runs seed S->dcatch.
+static pd_status warm_timings(pd_engine *e, espec *S) {
+    bbuild *b = &S->bb;
+    int max_seqs = e->params.max_num_seqs > 0 ? e->params.max_num_seqs : 64, bs = S->bs;
+    int n_blocks = pd_model_cache_n_blocks(e->cache);
+    int32_t *bt = pd_malloc(sizeof(int32_t) * (size_t)n_blocks), *tok = pd_calloc((size_t)PD_MAX(S->catchup_max, 64), sizeof(int32_t));
+    if (!bt || !tok) {
+        pd_free(bt), pd_free(tok);
+        return PD_ERR_NOMEM;
+    }
+    for (int i = 0; i < n_blocks; i++) bt[i] = i;
+    int n_shapes = 0, n_catch = 0;
+    int64_t t0 = pd_time_us();
+    int qmax = 1 + S->K + (S->method == PD_SPEC_LOOKAHEAD ? S->W : 0);
+    for (int n = 1, last_B = 0; n <= max_seqs; n++) {
+        int B = pd_model_step_tokens(e->model, n, 1, n);
+        if (B == last_B || B != n) continue;  // each batch bucket once, at its full size
+        last_B = B;
+        for (int q = 1, last_Q = 0; q <= qmax; q++) {
+            if (!step_is_graph(e->model, B, q)) break;
+            int Q = pd_model_step_tokens(e->model, B, q, B * q) / B;
+            if (Q == last_Q || Q != q) continue;
+            last_Q = Q;
+            int nb = (q + bs - 1) / bs;
+            if (B * nb > n_blocks) break;
+            bb_reset(b);
+            for (int i = 0; i < B; i++)
+                if (!bb_add(b, tok, q, 0, bt + i * nb, bs, q)) goto oom;
+            uint32_t key = shape_key(e->model, B, q, B * q);
+            for (int r = 0; r < 3 && key; r++) {
+                double us = timed_forward(e, e->model, e->cache, b);
+                if (us < 0) goto fail;
+                pd_spec_shapes_observe(&S->warm, key, us);
+            }
+            n_shapes++;
+        }
+    }
+    S->warm_n = n_shapes;
+    if (S->draft) {
+        int lmax = tok_bucket(max_seqs);
+        for (int T = 3; T <= S->catchup_max; T = tok_bucket(T + 1)) {
+            if (T != tok_bucket(T)) continue;
+            if ((T + bs - 1) / bs > n_blocks) break;
+            bb_reset(b);
+            if (!bb_add(b, tok, T, 0, bt, bs, PD_MIN(T, lmax))) goto oom;
+            for (int r = 0; r < 3; r++) {
+                double us = timed_forward(e, S->draft, S->dcache, b);
+                if (us < 0) goto fail;
+                pd_spec_dcost_observe(&S->dcatch, (uint32_t)T, us);
+            }
+            n_catch++;
+        }
+    }
+    PD_LOG_I("engine: speculation: %d verify shapes and %d draft catch-up sizes timed at warm-up in %.2f s", n_shapes, n_catch,
+             (double)(pd_time_us() - t0) * 1e-6);
+    pd_free(bt), pd_free(tok);
+    return PD_OK;
+oom:
+    pd_free(bt), pd_free(tok);
+    return PD_ERR_NOMEM;
+fail:
+    pd_free(bt), pd_free(tok);
+    return PD_ERR_DEVICE;
+}
+
 pd_status pd_engine_spec_warmup(pd_engine *e, pd_err *err) {
     espec *S = e->spec;
-    if (!S || !S->draft) return PD_OK;
+    if (!S) return PD_OK;
     int n_graphs = 0;
     int max_step = (e->params.max_num_batched_tokens > 0 ? e->params.max_num_batched_tokens : 2048) + CATCHUP_MAX;
-    pd_status st = pd_model_warmup(S->draft, S->dcache, max_step, e->params.max_num_seqs > 0 ? e->params.max_num_seqs : 64,
-                                   e->max_model_len, &n_graphs);
-    if (st) return pd_err_set(err, st, "draft model warm-up failed (%s)", pd_status_str(st));
-    if (n_graphs > 0) PD_LOG_I("engine: draft model: %d decode graphs", n_graphs);
+    S->catchup_max = PD_MIN(max_step, pd_model_cache_n_blocks(e->cache) * S->bs);
+    if (S->draft) {
+        pd_status st = pd_model_warmup(S->draft, S->dcache, max_step, e->params.max_num_seqs > 0 ? e->params.max_num_seqs : 64,
+                                       e->max_model_len, &n_graphs);
+        if (st) return pd_err_set(err, st, "draft model warm-up failed (%s)", pd_status_str(st));
+        if (n_graphs > 0) PD_LOG_I("engine: draft model: %d decode graphs", n_graphs);
+    }
+    const char *wt = getenv("PD_SPEC_WARM_TIMINGS");  // 0: off (the session-10 behaviour, for A/B runs)
+    if (S->adaptive && step_is_graph(e->model, 1, 1) && !(wt && !strcmp(wt, "0"))) {
+        pd_status st = warm_timings(e, S);
+        if (st) return pd_err_set(err, st, "speculation warm-up timings failed (%s)", pd_status_str(st));
+    }
     return PD_OK;
 }
 
@@ -381,6 +496,16 @@ void pd_engine_spec_fini(pd_engine *e) {
                      (long long)S->dsteady_n, S->dsteady_n ? (double)S->dsteady_us / (double)S->dsteady_n : 0,
                      (long long)S->dtrans_n, S->dtrans_n ? (double)S->dtrans_us / (double)S->dtrans_n : 0,
                      (long long)S->dtrans_max, S->dcost.any_us, S->cost.draft_us);
+        if (S->draft)
+            PD_LOG_I("spec stats: catch-up padding: %lld tokens recomputed", (long long)S->n_pad_tok);
+        for (int i = 0; S->draft && i < PD_SPEC_SHAPES; i++)
+            if (S->dcatch.t.key[i])
+                PD_LOG_I("spec stats: draft catch-up of %u tokens: %.1f us (%u forwards, warm-up's included)", S->dcatch.t.key[i],
+                         (double)S->dcatch.t.us[i], S->dcatch.t.n[i]);
+        for (int i = 0; i < PD_SPEC_SHAPES; i++)
+            if (S->warm.key[i])
+                PD_LOG_I("spec stats: warm-up shape batch %u x %u tokens: %.1f us", S->warm.key[i] >> 20, S->warm.key[i] & ((1u << 20) - 1),
+                         (double)S->warm.us[i]);
         for (int i = 0; S->draft && i < PD_SPEC_SHAPES; i++)
             if (S->dcost.t.key[i])
                 PD_LOG_I("spec stats: draft shape batch %u, %u tokens per row: %.1f us (%u forwards)", S->dcost.t.key[i] >> 20,
@@ -491,12 +616,22 @@ static void draft_observe(espec *S, const bbuild *b, int max_q, int64_t dt) {
     }
 }
 
-// What drafting costs in a step of n drafting sequences (the candidates: an upper bound).
-static pd_spec_draft_price draft_price(const espec *S, int n) {
+// What drafting costs in a step of n drafting sequences (the candidates: an upper bound) whose
+// draft KV lags the target by lag tokens in all (the catch-up through each one's last token: 1-2
+// a sequence in steady state), the longest lag max_lag. A row of more than 2 tokens makes forward
+// 1 an eager catch-up, priced at the measured (warm-up seeded) catch-up forward of its padded
+// size; an unmeasured size at the steady forward scaled by its tokens (2 a row in steady state).
+static pd_spec_draft_price draft_price(const espec *S, int n, int lag, int max_lag) {
     pd_spec_draft_price p = {pd_spec_dcost_get(&S->dcost, draft_key(S->draft, n, 2)),
                              pd_spec_dcost_get(&S->dcost, draft_key(S->draft, n, 1))};
     if (p.first_us < 0) p.first_us = 0;  // nothing measured yet: drafting runs and gets measured
     if (p.next_us < 0) p.next_us = 0;
+    if (max_lag > 2) {
+        int T = tok_bucket(lag);
+        double c = T <= S->catchup_max ? pd_spec_shapes_get(&S->dcatch.t, (uint32_t)T) : -1;
+        if (c < 0) c = p.first_us * (double)lag / (2.0 * PD_MAX(n, 1));
+        p.first_us = PD_MAX(p.first_us, c);
+    }
     return p;
 }
 
@@ -506,6 +641,7 @@ static pd_status run_draft(pd_engine *e, const pd_step_plan *plan, sreq **srs) {
     espec *S = e->spec;
     bbuild *b = &S->bb;
     int V = S->V, max_k = 0, n_rand = 0, max_q = 1;  // max_q: forward 1's longest row
+    int donor = -1, donor_from = 0;  // the sequence with the longest valid draft KV (padding, below)
     bb_reset(b);
     for (int i = 0; i < plan->n_seqs; i++) {
         const pd_step_seq *s = &plan->seqs[i];
@@ -513,6 +649,7 @@ static pd_status run_draft(pd_engine *e, const pd_step_plan *plan, sreq **srs) {
         if (!sr) continue;
         int end = s->pos_start + s->n_tokens;  // positions the target has after this step
         int from = sr->draft_pos;
+        if (from > donor_from) donor = i, donor_from = from;
         if (S->kch[i] > 0) {
             // Catch-up through the last real token; its logits give draft 1.
             if (!bb_add(b, sr->toks + from, end - from, from, s->block_ids, S->bs, 1)) return PD_ERR_NOMEM;
@@ -534,6 +671,22 @@ static pd_status run_draft(pd_engine *e, const pd_step_plan *plan, sreq **srs) {
         }
     }
     if (b->ns == 0) return PD_OK;
+    // An eager forward 1 (a catch-up of more than 2 tokens in some row) is padded to tok_bucket()
+    // tokens and logit rows by recomputing the start of the donor's valid draft KV (positions
+    // [0, pad) again, same tokens: the same KV up to rounding, and the draft's KV is only ever a
+    // speed matter), so catch-ups come in a few sizes whose GEMM plans the warm-up built and timed
+    // (an unpadded catch-up of a new size built its plans live: 12-50 ms). The padding's logit
+    // rows come after every real one and are ignored.
+    int pad_tok = 0;
+    if (max_q > 2 && S->catchup_max > 0 && donor >= 0) {
+        int T = tok_bucket(b->nt), L = tok_bucket(PD_MAX(b->nl, 1));
+        if (L > T - b->nt + b->nl) T = tok_bucket(b->nt + (L - b->nl));
+        int pad = T - b->nt, pad_l = PD_MIN(L - b->nl, pad);
+        if (pad > 0 && T <= S->catchup_max && pad <= donor_from) {
+            if (!bb_add(b, srs[donor]->toks, pad, 0, plan->seqs[donor].block_ids, S->bs, pad_l)) return PD_ERR_NOMEM;
+            pad_tok = pad;
+        }
+    }
     if (n_rand > 0 && pd_array_reserve(&S->qbuf, sizeof(float) * (size_t)V, &S->cap_q, (size_t)n_rand)) return PD_ERR_NOMEM;
     // Greedy drafts of requests the device may check: argmax on the device, no logits download.
     bool dev = S->dev_sample;
@@ -577,6 +730,9 @@ static pd_status run_draft(pd_engine *e, const pd_step_plan *plan, sreq **srs) {
         }
         int64_t dt = pd_time_us() - t0;
         if (b->nl > 0) draft_observe(S, b, j == 0 ? max_q : 1, dt);
+        if (j == 0 && max_q > 2 && b->nl > 0 && S->catchup_max > 0) pd_spec_dcost_observe(&S->dcatch, (uint32_t)tok_bucket(b->nt), (double)dt);
+        S->n_pad_tok += pad_tok;
+        pad_tok = 0;
         S->draft_us += dt;
         S->step_draft_us += dt;
         S->draft_n++;
@@ -630,9 +786,7 @@ static uint32_t shape_key(pd_model *m, int n_seqs, int max_q, int n_tokens) {
     if (B < 1 || B >= (1 << 11) || T < 1 || T >= (1 << 19)) return 0;
     uint32_t eager = 0;
     if (!step_is_graph(m, n_seqs, max_q)) {
-        int r = 1;
-        while (r < T) r = (r & (r - 1)) ? (r / 3) * 4 : (r >= 2 ? r + r / 2 : 2);  // 2^k -> 1.5 * 2^k -> 2^(k+1)
-        T = r, eager = SHAPE_EAGER;
+        T = tok_bucket(T), eager = SHAPE_EAGER;
     }
     return eager | (uint32_t)B << 20 | (uint32_t)T;
 }
@@ -648,13 +802,29 @@ typedef struct pad_ctx {
     int n_seqs, base_max_q;
 } pad_ctx;
 
+#define COST_NEVER 1e12  // a shape the adaptive policy does not go to
+
 static double step_cost(void *ud, int max_k, int n_tokens) {
     const pad_ctx *p = ud;
     int q = PD_MAX(p->base_max_q, 1 + max_k);
-    double us = pd_spec_shapes_get(&p->S->shapes, shape_key(p->m, p->n_seqs, q, n_tokens));
+    uint32_t key = shape_key(p->m, p->n_seqs, q, n_tokens);
+    double us = pd_spec_shapes_get(&p->S->shapes, key);
     if (us > 0) return us;
+    bool graph = step_is_graph(p->m, p->n_seqs, q);
+    if (graph && p->base_max_q == 1) {
+        // Not timed live yet: the live plain step at this batch plus what the warm-up measured
+        // between the two graphs (the step's host work is the same for both).
+        uint32_t k1 = shape_key(p->m, p->n_seqs, 1, p->n_seqs);
+        double w = pd_spec_shapes_get(&p->S->warm, key), w1 = pd_spec_shapes_get(&p->S->warm, k1),
+               l1 = pd_spec_shapes_get(&p->S->shapes, k1);
+        if (w > 0 && w1 > 0) return (l1 > 0 ? l1 : w1) + PD_MAX(w - w1, 0);
+    }
+    // A step that would replay a graph without drafts does not leave graphs for them when the
+    // warm-up timed the graphs (adaptive): an eager step of the same batch costs several graph
+    // steps, and its first run of a new size far more (GEMM plans).
+    if (!graph && p->S->warm_n > 0 && step_is_graph(p->m, p->n_seqs, p->base_max_q)) return COST_NEVER;
     int T = pd_model_step_tokens(p->m, p->n_seqs, q, n_tokens);
-    return pd_spec_cost_predict(step_is_graph(p->m, p->n_seqs, q) ? &p->S->cost : &p->S->cost_eager, T);
+    return pd_spec_cost_predict(graph ? &p->S->cost : &p->S->cost_eager, T);
 }
 
 static pad_ctx pad_of(pd_engine *e, const pd_step_plan *plan) {
@@ -674,6 +844,7 @@ static uint32_t batch_key(pd_model *m, int n_seqs) {
 static void choose_lengths(pd_engine *e, const pd_step_plan *plan, sreq **srs) {
     espec *S = e->spec;
     int n = 0, n_base = 0, n_yield = 0;  // n_yield: sequences that get a token this step anyway
+    int lag_sum = 0, lag_max = 0;        // draft: the candidates' catch-up (draft_price)
     for (int i = 0; i < plan->n_seqs; i++) {
         n_base += plan->seqs[i].n_tokens;
         n_yield += plan->seqs[i].needs_logits;
@@ -687,6 +858,10 @@ static void choose_lengths(pd_engine *e, const pd_step_plan *plan, sreq **srs) {
         S->sidx[n] = i;
         S->alpha[n] = pd_spec_accept_alpha(&sr->acc);
         n++;
+        if (S->method == PD_SPEC_DRAFT) {
+            int lag = PD_MAX(plan->seqs[i].pos_start + 1 - PD_MAX(sr->draft_pos, 0), 1);
+            lag_sum += lag, lag_max = PD_MAX(lag_max, lag);
+        }
     }
     if (n == 0) {
         if (S->probe_wait_id) pd_spec_backoff_result(&S->probe_bo, false), S->probe_wait_id = 0;  // no proposal: no draft
@@ -705,7 +880,7 @@ static void choose_lengths(pd_engine *e, const pd_step_plan *plan, sreq **srs) {
     if (!kout) kout = pd_malloc(sizeof(int) * (size_t)n);
     if (!kout) return;
     pad_ctx pc = pad_of(e, plan);
-    pd_spec_draft_price dp = S->method == PD_SPEC_DRAFT ? draft_price(S, n) : (pd_spec_draft_price){0, 0};
+    pd_spec_draft_price dp = S->method == PD_SPEC_DRAFT ? draft_price(S, n, lag_sum, lag_max) : (pd_spec_draft_price){0, 0};
     pd_spec_choose_padded(&S->cost, n_base, n, n_yield, S->alpha, km, S->method == PD_SPEC_DRAFT ? &dp : NULL, step_cost, &pc,
                           kout);
     int any_k = 0;
@@ -739,9 +914,17 @@ static void choose_lengths(pd_engine *e, const pd_step_plan *plan, sreq **srs) {
         }
         if (!any_k) {
             double c0 = step_cost(&pc, 0, n_base), c1 = step_cost(&pc, 1, n_base + 1);
-            // A probe's draft: one sequence, its catch-up (a transient after idle steps) and one token.
-            pd_spec_draft_price p1 = S->method == PD_SPEC_DRAFT ? draft_price(S, 1) : (pd_spec_draft_price){0, 0};
-            double dc = c1 - c0 + 2 * p1.first_us;
+            if (c1 >= COST_NEVER) {  // (a verify step would leave graphs: no probe at this batch)
+                kk[i] = 0, S->probe_i = -1;
+                c1 = c0;
+            }
+            // A probe's draft: one sequence, its catch-up (eager after idle steps: priced at its
+            // measured size) and one token.
+            int lag = 1;
+            if (S->method == PD_SPEC_DRAFT && srs[i])
+                lag = PD_MAX(plan->seqs[i].pos_start + 1 - PD_MAX(srs[i]->draft_pos, 0), 1);
+            pd_spec_draft_price p1 = S->method == PD_SPEC_DRAFT ? draft_price(S, 1, lag, lag) : (pd_spec_draft_price){0, 0};
+            double dc = c1 - c0 + p1.first_us;
             double period = dc / (PROBE_SHARE * (c0 > 1 ? c0 : 1));
             period = period < PROBE_EVERY ? PROBE_EVERY : period > 4096 ? 4096 : period;
             S->next_probe = S->n_steps + pd_spec_backoff_period(&S->probe_bo, batch_key(e->model, plan->n_seqs), period);
