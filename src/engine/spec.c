@@ -107,7 +107,8 @@ typedef struct espec {
     // drafting after idle steps) per padded token count (tok_bucket), seeded at warm-up: what
     // resuming costs (session 10: 4.4 ms mean, up to 50 ms, priced as a steady forward).
     pd_spec_dcost dcatch;
-    int catchup_max;        // catch-up forwards are padded to tok_bucket() sizes up to this many tokens
+    int catchup_max;        // catch-up forwards are priced (and padded) at tok_bucket() sizes up to this many tokens
+    bool catchup_pad;       // pad them (the draft runs graphs: a GPU, where a new GEMM size builds plans)
     // The target's forward time per graph shape at warm-up (shape_key): a verify shape not yet
     // timed live is priced at the live plain step + (warm verify - warm plain) at its batch, not
     // at an optimistic line (session 10: first steps of unmeasured shapes, 12-29 ms, were explored).
@@ -470,6 +471,8 @@ pd_status pd_engine_spec_warmup(pd_engine *e, pd_err *err) {
     int n_graphs = 0;
     int max_step = (e->params.max_num_batched_tokens > 0 ? e->params.max_num_batched_tokens : 2048) + CATCHUP_MAX;
     S->catchup_max = PD_MIN(max_step, pd_model_cache_n_blocks(e->cache) * S->bs);
+    const char *cp = getenv("PD_SPEC_CATCHUP_PAD");  // 0: off (A/B)
+    S->catchup_pad = S->draft && step_is_graph(S->draft, 1, 1) && !(cp && !strcmp(cp, "0"));
     if (S->draft) {
         pd_status st = pd_model_warmup(S->draft, S->dcache, max_step, e->params.max_num_seqs > 0 ? e->params.max_num_seqs : 64,
                                        e->max_model_len, &n_graphs);
@@ -678,8 +681,8 @@ static pd_status run_draft(pd_engine *e, const pd_step_plan *plan, sreq **srs) {
     // (an unpadded catch-up of a new size built its plans live: 12-50 ms). The padding's logit
     // rows come after every real one and are ignored.
     int pad_tok = 0;
-    if (max_q > 2 && S->catchup_max > 0 && donor >= 0) {
-        int T = tok_bucket(b->nt), L = tok_bucket(PD_MAX(b->nl, 1));
+    if (max_q > 2 && S->catchup_pad && donor >= 0) {
+        int T = tok_bucket(b->nt), L = b->nl > 0 ? tok_bucket(b->nl) : 0;  // (a prefill mirror has no logits)
         if (L > T - b->nt + b->nl) T = tok_bucket(b->nt + (L - b->nl));
         int pad = T - b->nt, pad_l = PD_MIN(L - b->nl, pad);
         if (pad > 0 && T <= S->catchup_max && pad <= donor_from) {

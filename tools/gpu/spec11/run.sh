@@ -1,7 +1,8 @@
 #!/bin/sh
 # spec11 helper, session 11 (issue 15). Run from the repo root of the lead's checkout:
 # sh build/gpu-spec11/run.sh OUT_DIR (LIMIT in build/gpu-spec11/LIMIT). Staged in build/gpu-spec11/:
-# bins.tar.xz (pdserve = this branch, pdserve.main = main's, test_gpu_spec; stripped); the libs are
+# bins.tar.xz (pdserve = this branch, pdserve.main = main's, test_gpu_spec; stripped), models.tar.xz
+# (kjv-llama-1m, golden; kjv-llama-6m is the tracked models/); the libs are
 # the lead's /tmp/gpulib/lib; the model is build/gpu-lead/llama-3-8b (read-only).
 # Parts (env PARTS, in order; BUDGET s):
 #   batch    adaptive vs off at batch 1/8/32/64 on the draft fixture at a non-paying acceptance
@@ -19,12 +20,12 @@ nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader
 cat $D/COMMIT
 left() { echo $(( ${BUDGET:-115} - ($(date +%s) - t0) )); }
 lim() { l=$(left); [ "$l" -lt "$1" ] && echo "$l" || echo "$1"; }
-M=build/gpu-lead/llama-3-8b
+M=${M:-build/gpu-lead/llama-3-8b}
 W="--random-prompt 32 --random-prompts 8"
 spec() {  # name binary limit args...
   n=$1; b=$2; l=$3; shift 3
   [ "$(left)" -lt 12 ] && { echo "== $n skipped: budget"; return; }
-  timeout $(lim $l) $T/$b bench-spec --device cuda --model $M --load-format dummy "$@" --json "$OUT/$n.json" > "$OUT/$n.txt" 2> "$OUT/$n.err"
+  timeout $(lim $l) $T/$b bench-spec --device ${DEV:-cuda} --model $M --load-format dummy "$@" --json "$OUT/$n.json" > "$OUT/$n.txt" 2> "$OUT/$n.err"
   echo "== $n rc=$? ($(( $(date +%s) - t0 )) s)"
   grep -E "ready in|batch=|summary" "$OUT/$n.txt" | sed 's/ (the others.*//; s/ready in/ready/' | cut -c1-230
   grep -E "spec stats: [0-9]+ steps|timed at warm-up|draft forwards: [0-9]|catch-up padding" "$OUT/$n.err" | sed 's/.*spec stats: //; s/.*engine: //' | cut -c1-200 | head -12
@@ -45,7 +46,8 @@ case " $PARTS " in *" batch "*) batch batch_main pdserve.main;; esac
 case " $PARTS " in *" ngram "*) shift 2 2>/dev/null && for e in "$@"; do ngram $e; done;; esac
 case " $PARTS " in *" test "*)
   if [ "$(left)" -gt 8 ]; then
-    timeout $(lim 30) $T/test_gpu_spec > "$OUT/test_gpu_spec.txt" 2>&1
+    mkdir -p $T/models && tar xJf $D/models.tar.xz -C $T/models && ln -sfn "$(pwd)/models/kjv-llama-6m" $T/models/kjv-llama-6m
+    PD_MODELS_DIR=$T/models timeout $(lim 30) $T/test_gpu_spec > "$OUT/test_gpu_spec.txt" 2>&1
     echo "== test_gpu_spec rc=$? ($(( $(date +%s) - t0 )) s)"; grep -E "passed|FAIL" "$OUT/test_gpu_spec.txt" | tail -4
   else echo "== test_gpu_spec skipped: budget"; fi;;
 esac
