@@ -18,7 +18,7 @@ mkdir -p $T && tar xJf $D/bins.tar.xz -C $T
 export LD_LIBRARY_PATH=/tmp/gpulib/lib PD_SPEC_STATS=1
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader
 cat $D/COMMIT
-left() { echo $(( ${BUDGET:-115} - ($(date +%s) - t0) )); }
+left() { echo $(( ${BUDGET:-117} - ($(date +%s) - t0) )); }
 lim() { l=$(left); [ "$l" -lt "$1" ] && echo "$l" || echo "$1"; }
 M=${M:-build/gpu-lead/llama-3-8b}
 W="--random-prompt 32 --random-prompts 8"
@@ -31,8 +31,8 @@ spec() {  # name binary limit args...
   grep -E "spec stats: [0-9]+ steps|timed at warm-up|draft forwards: [0-9]|catch-up padding" "$OUT/$n.err" | sed 's/.*spec stats: //; s/.*engine: //' | cut -c1-200 | head -12
 }
 batch() {  # name binary
-  spec $1 $2 32 --speculative-method draft --speculative-model $M --speculative-dummy-layers 1 --dummy-residual-scale 1:${B_EPS:-0.05} \
-    $W --num-speculative-tokens 4 --max-tokens 64 --batches ${BATCHES:-1,8,32,64} --reps 2 --modes off,adaptive,off,adaptive
+  spec $1 $2 38 --speculative-method draft --speculative-model $M --speculative-dummy-layers 1 --dummy-residual-scale 1:${B_EPS:-0.05} \
+    $W --num-speculative-tokens 4 --max-tokens ${B_TOK:-48} --batches ${BATCHES:-1,8,32,64} --reps 2 --modes off,adaptive,off,adaptive
 }
 ngram() {  # eps
   spec ngram_$1 pdserve 16 --dummy-residual-scale 1:$1 $W --repeat 1 --num-speculative-tokens ${NG_K:-8} --max-tokens 96 \
