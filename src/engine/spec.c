@@ -54,11 +54,11 @@
 #define DRAFT_LOG_MAX 64 // PD_SPEC_STATS: transient draft forwards logged as they happen, per engine
 // Draft-free, adaptive: a sequence whose lookup found no proposal (no n-gram match, an empty pool
 // entry) is not idle by the policy's verdict: it looks again 1, 2, 4, ... steps later (busy
-// meanwhile), up to NOMATCH_RETRIES misses in a row; then it is idle (probes only). Before session
+// meanwhile), up to PD_SPEC_NOMATCH_RETRIES misses in a row (pd_spec_nomatch_wait); then it is idle
+// (probes only). Before session
 // 11 one miss made it idle, and in a loop that the next step would have matched it waited for a
 // probe (16+ steps, backing off to thousands).
 #define LAST_K_NOMATCH (-2)
-#define NOMATCH_RETRIES 5
 
 struct espec;
 typedef struct sreq {
@@ -169,13 +169,7 @@ typedef struct espec {
 
 // ---- helpers ---------------------------------------------------------------------------------------
 
-// Token counts rounded up to 1, 2, 3, 4, 6, 8, 12, 16, ... (powers of two and their 1.5x): eager
-// steps of similar size share a cost entry and, padded to these sizes, a GEMM plan.
-static int tok_bucket(int t) {
-    int r = 1;
-    while (r < t) r = (r & (r - 1)) ? (r / 3) * 4 : (r >= 2 ? r + r / 2 : 2);  // 2^k -> 1.5 * 2^k -> 2^(k+1)
-    return r;
-}
+#define tok_bucket pd_spec_tok_bucket
 
 
 static void bb_reset(bbuild *b) {
@@ -629,12 +623,7 @@ static pd_spec_draft_price draft_price(const espec *S, int n, int lag, int max_l
                              pd_spec_dcost_get(&S->dcost, draft_key(S->draft, n, 1))};
     if (p.first_us < 0) p.first_us = 0;  // nothing measured yet: drafting runs and gets measured
     if (p.next_us < 0) p.next_us = 0;
-    if (max_lag > 2) {
-        int T = tok_bucket(lag);
-        double c = T <= S->catchup_max ? pd_spec_shapes_get(&S->dcatch.t, (uint32_t)T) : -1;
-        if (c < 0) c = p.first_us * (double)lag / (2.0 * PD_MAX(n, 1));
-        p.first_us = PD_MAX(p.first_us, c);
-    }
+    p.first_us = pd_spec_catchup_us(&S->dcatch, S->catchup_max, p.first_us, n, lag, max_lag);
     return p;
 }
 
@@ -817,10 +806,8 @@ static double step_cost(void *ud, int max_k, int n_tokens) {
     if (graph && p->base_max_q == 1) {
         // Not timed live yet: the live plain step at this batch plus what the warm-up measured
         // between the two graphs (the step's host work is the same for both).
-        uint32_t k1 = shape_key(p->m, p->n_seqs, 1, p->n_seqs);
-        double w = pd_spec_shapes_get(&p->S->warm, key), w1 = pd_spec_shapes_get(&p->S->warm, k1),
-               l1 = pd_spec_shapes_get(&p->S->shapes, k1);
-        if (w > 0 && w1 > 0) return (l1 > 0 ? l1 : w1) + PD_MAX(w - w1, 0);
+        us = pd_spec_shape_us(&p->S->shapes, &p->S->warm, key, shape_key(p->m, p->n_seqs, 1, p->n_seqs));
+        if (us > 0) return us;
     }
     // A step that would replay a graph without drafts does not leave graphs for them when the
     // warm-up timed the graphs (adaptive): an eager step of the same batch costs several graph
@@ -1164,8 +1151,9 @@ static pd_status run_plan(pd_engine *e, const pd_step_plan *plan, bool *handled)
         sreq *sr = srs[i];
         if (!sr || !is_decode(&plan->seqs[i], sr)) continue;
         if (sr->looked && S->kmax[i] == 0 && S->adaptive && !sr->fixed_k) {  // looked, found nothing
-            if (sr->n_miss < NOMATCH_RETRIES) {
-                sr->retry_at = S->n_steps + (1 << sr->n_miss++);
+            int wait = pd_spec_nomatch_wait(++sr->n_miss);
+            if (wait > 0) {
+                sr->retry_at = S->n_steps + wait;
                 set_last_k(sr, LAST_K_NOMATCH);
             } else {
                 set_last_k(sr, 0);  // idle: probes only (the lookup state starts over after a probe)

@@ -375,6 +375,37 @@ double pd_spec_dcost_get(const pd_spec_dcost *d, uint32_t key) {
     return us > 0 ? us : d->any_us;
 }
 
+// ---- what resuming and untimed shapes cost ---------------------------------------------------------
+
+int pd_spec_tok_bucket(int t) {
+    int r = 1;
+    while (r < t && r < (1 << 29)) r = (r & (r - 1)) ? (r / 3) * 4 : (r >= 2 ? r + r / 2 : 2);  // 2^k -> 1.5 * 2^k -> 2^(k+1)
+    return r;
+}
+
+double pd_spec_catchup_us(const pd_spec_dcost *catchup, int max_tokens, double steady_us, int n, int lag, int max_lag) {
+    if (steady_us < 0) steady_us = 0;
+    if (max_lag <= 2) return steady_us;
+    int T = pd_spec_tok_bucket(lag);
+    double c = catchup && T <= max_tokens ? pd_spec_shapes_get(&catchup->t, (uint32_t)T) : -1;
+    if (c < 0) c = steady_us * (double)lag / (2.0 * (n > 0 ? n : 1));
+    return c > steady_us ? c : steady_us;
+}
+
+double pd_spec_shape_us(const pd_spec_shapes *live, const pd_spec_shapes *warm, uint32_t key, uint32_t key_plain) {
+    double us = pd_spec_shapes_get(live, key);
+    if (us > 0) return us;
+    if (!warm) return -1;
+    double w = pd_spec_shapes_get(warm, key), w1 = pd_spec_shapes_get(warm, key_plain), l1 = pd_spec_shapes_get(live, key_plain);
+    if (!(w > 0) || !(w1 > 0)) return -1;
+    return (l1 > 0 ? l1 : w1) + (w > w1 ? w - w1 : 0);
+}
+
+int pd_spec_nomatch_wait(int n_miss) {
+    if (n_miss < 1) n_miss = 1;
+    return n_miss > PD_SPEC_NOMATCH_RETRIES ? -1 : 1 << (n_miss - 1);
+}
+
 // ---- probe backoff ----------------------------------------------------------------------------
 
 void pd_spec_backoff_init(pd_spec_backoff *b) { b->mult = 1, b->key = 0; }

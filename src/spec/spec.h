@@ -185,6 +185,29 @@ void pd_spec_dcost_observe(pd_spec_dcost *d, uint32_t key, double us);
 // The shape's estimate, else any_us, else -1 (nothing measured).
 double pd_spec_dcost_get(const pd_spec_dcost *d, uint32_t key);
 
+// ---- what resuming and untimed shapes cost (session 11) --------------------------------------------
+// Token counts rounded up to 1, 2, 3, 4, 6, 8, 12, 16, 24, ... (powers of two and their 1.5x): eager
+// forwards of similar size share a cost entry and, padded to these sizes, their GEMM plans.
+int pd_spec_tok_bucket(int t);
+// The draft's forward 1 for n drafting sequences whose draft KV lags the target by lag tokens in
+// all, max_lag the longest (1-2 a sequence in steady state: the last token, after a fully
+// accepted step the bonus token too). steady_us: the steady forward 1's price at this batch. A row
+// of more than 2 tokens makes the forward an eager catch-up: its price is the catch-up table's
+// entry for pd_spec_tok_bucket(lag) (the engine times every size at warm-up and each live
+// catch-up), else, unmeasured or above max_tokens, steady_us scaled by lag / (2 n) — never less
+// than steady_us.
+double pd_spec_catchup_us(const pd_spec_dcost *catchup, int max_tokens, double steady_us, int n, int lag, int max_lag);
+// A step shape's price from live whole-step times and warm-up forward times: the live time when the
+// shape was timed live; else, when the warm-up timed it and the plain shape key_plain (the same
+// batch, one token a sequence), the live plain step (or, untimed live, the warm one) plus the
+// warm-up's difference between the two (the host work of a step is the same for both); else -1.
+double pd_spec_shape_us(const pd_spec_shapes *live, const pd_spec_shapes *warm, uint32_t key, uint32_t key_plain);
+// Draft-free methods, adaptive: a sequence whose lookup found nothing looks again this many steps
+// later after its n_miss-th miss in a row (1, 2, 4, ...), or -1 after PD_SPEC_NOMATCH_RETRIES misses
+// (then it is idle: probes only).
+#define PD_SPEC_NOMATCH_RETRIES 5
+int pd_spec_nomatch_wait(int n_miss);
+
 // ---- probe backoff ------------------------------------------------------------------------------
 // Probes keep a "does not pay" estimate alive (a sequence drafts a token now and then although the
 // policy says no). While probes keep failing (nothing accepted, or the lookahead window still does

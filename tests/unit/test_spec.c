@@ -263,6 +263,89 @@ PD_TEST(h100_costs_draft_at_batch_64) {
     PD_CHECK_EQ(h100_choose(64, 0.73, 4300, &mk), 0);
 }
 
+// ---- session 11: what resuming and untimed shapes cost --------------------------------------------
+PD_TEST(tok_bucket_sizes) {
+    int want[] = {1, 1, 2, 3, 4, 6, 6, 8, 8, 12, 12, 12, 12, 16};
+    for (int t = 0; t < 14; t++) PD_CHECK_EQ(pd_spec_tok_bucket(t), want[t]);
+    PD_CHECK_EQ(pd_spec_tok_bucket(17), 24);
+    PD_CHECK_EQ(pd_spec_tok_bucket(25), 32);
+    PD_CHECK_EQ(pd_spec_tok_bucket(2048), 2048);
+    PD_CHECK_EQ(pd_spec_tok_bucket(2049), 3072);
+    for (int t = 1; t < 5000; t++) {  // a bucket holds t, and the next size down does not
+        int b = pd_spec_tok_bucket(t);
+        PD_CHECK(b >= t && b < 2 * t + 2);
+        PD_CHECK_EQ(pd_spec_tok_bucket(b), b);
+    }
+}
+
+PD_TEST(catchup_priced_at_its_measured_size) {
+    pd_spec_dcost d;
+    pd_spec_dcost_init(&d);
+    // Steady state (every row 1-2 tokens): the steady forward's price, table or not.
+    PD_CHECK(fabs(pd_spec_catchup_us(&d, 2048, 650, 32, 64, 2) - 650) < 1e-9);
+    PD_CHECK(fabs(pd_spec_catchup_us(NULL, 2048, 650, 32, 40, 1) - 650) < 1e-9);
+    // Unmeasured: the steady price scaled by the tokens (32 rows, 320 tokens = 5x the steady 64).
+    PD_CHECK(fabs(pd_spec_catchup_us(&d, 2048, 650, 32, 320, 30) - 3250) < 1e-6);
+    // ... never below the steady price (a catch-up of 3 tokens in a batch of 32).
+    PD_CHECK(fabs(pd_spec_catchup_us(&d, 2048, 650, 32, 34, 3) - 650) < 1e-9);
+    // Measured (the warm-up's 3 runs of size 384: the first, a plan build, is not a sample).
+    pd_spec_dcost_observe(&d, (uint32_t)pd_spec_tok_bucket(320), 48000);
+    pd_spec_dcost_observe(&d, (uint32_t)pd_spec_tok_bucket(320), 1200);
+    pd_spec_dcost_observe(&d, (uint32_t)pd_spec_tok_bucket(320), 1200);
+    PD_CHECK(fabs(pd_spec_catchup_us(&d, 2048, 650, 32, 320, 30) - 1200) < 1e-6);
+    // Above the padded sizes (max_tokens): the scaled price again.
+    PD_CHECK(fabs(pd_spec_catchup_us(&d, 256, 650, 32, 320, 30) - 3250) < 1e-6);
+}
+
+PD_TEST(untimed_shape_priced_from_warmup) {
+    pd_spec_shapes live, warm;
+    pd_spec_shapes_init(&live);
+    pd_spec_shapes_init(&warm);
+    uint32_t plain = 32u << 20 | 32, q5 = 32u << 20 | 160;
+    PD_CHECK(pd_spec_shape_us(&live, &warm, q5, plain) < 0);  // nothing timed
+    PD_CHECK(pd_spec_shape_us(&live, NULL, q5, plain) < 0);
+    for (int r = 0; r < 3; r++) pd_spec_shapes_observe(&warm, plain, r ? 6500 : 30000), pd_spec_shapes_observe(&warm, q5, r ? 9100 : 40000);
+    // Warm only: its own times (the first run dropped).
+    PD_CHECK(fabs(pd_spec_shape_us(&live, &warm, q5, plain) - 9100) < 1e-3);
+    // The live plain step (whole step: 6900) plus the warm difference (2600).
+    pd_spec_shapes_observe(&live, plain, 6900), pd_spec_shapes_observe(&live, plain, 6900);
+    PD_CHECK(fabs(pd_spec_shape_us(&live, &warm, q5, plain) - 9500) < 1e-3);
+    // Timed live: the live time.
+    pd_spec_shapes_observe(&live, q5, 9800), pd_spec_shapes_observe(&live, q5, 9800);
+    PD_CHECK(fabs(pd_spec_shape_us(&live, &warm, q5, plain) - 9800) < 1e-3);
+}
+
+PD_TEST(nomatch_retries_back_off_then_idle) {
+    int want[] = {1, 2, 4, 8, 16};
+    for (int m = 1; m <= PD_SPEC_NOMATCH_RETRIES; m++) PD_CHECK_EQ(pd_spec_nomatch_wait(m), want[m - 1]);
+    PD_CHECK_EQ(pd_spec_nomatch_wait(PD_SPEC_NOMATCH_RETRIES + 1), -1);
+}
+
+// Session 10's batch-32/64 runs: sequences that had stopped drafting resumed after a probe and
+// paid an eager catch-up forward (4.4 ms mean, up to 50 ms: new GEMM sizes) priced as a steady one
+// (0.7 ms). With the step times of session 8 at batch 64 (h100_step), drafting k = 1 at acceptance
+// 0.45 pays in sync (64 x 1.45 / (7579 + 700) > 64 / 6814) and after a padded catch-up measured at
+// 1.2 ms, but not after an unmeasured catch-up of 64 x 30 tokens (priced at the steady forward
+// scaled by its tokens, 10.5 ms); at 0.2 nothing pays (64 x 1.2 / 8279 < 64 / 6814).
+PD_TEST(resume_pays_only_with_its_catchup) {
+    int mk;
+    pd_spec_dcost d;
+    pd_spec_dcost_init(&d);
+    double steady = 700;
+    double resume = pd_spec_catchup_us(&d, 2048, steady, 64, 64 * 30, 30);
+    PD_CHECK(fabs(resume - 10500) < 1e-6);
+    PD_CHECK_EQ(h100_choose(64, 0.45, resume, &mk), 0);
+    PD_CHECK(h100_choose(64, 0.45, steady, &mk) > 0);
+    PD_CHECK_EQ(h100_choose(64, 0.2, steady, &mk), 0);
+    for (int r = 0; r < 3; r++) pd_spec_dcost_observe(&d, (uint32_t)pd_spec_tok_bucket(64 * 30), r ? 1200 : 50000);
+    resume = pd_spec_catchup_us(&d, 2048, steady, 64, 64 * 30, 30);
+    PD_CHECK(fabs(resume - 1200) < 1e-6);
+    PD_CHECK(h100_choose(64, 0.45, resume, &mk) > 0);
+    PD_CHECK_EQ(h100_choose(64, 0.2, resume, &mk), 0);
+    // The catch-up's first forward of a new size (a plan build, 50 ms) is not what it is priced at.
+    PD_CHECK(resume < 2 * steady);
+}
+
 // Batch 1 at a steady per-token acceptance of 0.7 (independent tokens), with the step times an
 // H200 measured (session 10 call 1, PD_SPEC_STATS: plain 4175 us; verify steps of 2 / 3 / 5 tokens
 // 4395 / 4449 / 4824 us, k = 3 padded to 5; draft forwards 393 us): the adaptive policy, its k
