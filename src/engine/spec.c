@@ -1273,13 +1273,18 @@ void pd_engine_spec_after_update(pd_engine *e, const pd_step_plan *plan, int64_t
     pd_spec_cost_observe(graph ? &S->cost : &S->cost_eager, vt, us);
     pd_spec_shapes_observe(&S->shapes, key, us);
     // Next step's lookahead asks: what was chosen now, plus one to let it grow (and 1 when it was
-    // 0, for the probes); the Jacobi window always (only budget: unused slots cost no compute).
-    // Asked only when it changes: a step that drafts nothing does O(1) here per sequence.
+    // 0, for the probes); every slot when the choice took every slot granted (it was the slots that
+    // limited it: growing one a step, a sequence back from a short step took k steps to reach k
+    // again); unchanged when a lookup found nothing (the next one may find k). The Jacobi window
+    // always (only budget: unused slots cost no compute). Asked only when it changes: a step that
+    // drafts nothing does O(1) here per sequence.
     int extra = S->method == PD_SPEC_LOOKAHEAD ? S->W : 0;
     for (int i = 0; i < plan->n_seqs && i < S->srs_n && S->adaptive; i++) {
         sreq *sr = S->srs[i];
         if (!sr || sr->fixed_k || !is_decode(&plan->seqs[i], sr) || plan->seqs[i].n_lookahead <= 0) continue;
-        int want = PD_MIN(S->K, S->kch[i] + 1) + extra;
+        if (sr->looked && S->kmax[i] == 0) continue;  // no proposal: keep the ask
+        int granted = PD_MIN(plan->seqs[i].n_lookahead - extra, S->K);
+        int want = (S->kch[i] > 0 && S->kch[i] >= granted ? S->K : PD_MIN(S->K, S->kch[i] + 1)) + extra;
         if (want == sr->la_want) continue;
         if (pd_sched_set_lookahead(e->sched, plan->seqs[i].req_id, want) == PD_OK) sr->la_want = want;
     }
