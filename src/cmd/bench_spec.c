@@ -398,6 +398,18 @@ static void report_batch(const opts *o, eng *G, int n_eng, int bi, json_t *arr, 
                                              "same_as_off", g->n_same[bi]));
         if (ia >= 0) json_object_set_new(json_array_get(arr, json_array_size(arr) - 1), "implied_a", json_real(ia));
         json_object_set_new(json_array_get(arr, json_array_size(arr) - 1), "per_position_acceptance", pos);
+        {  // the counts behind it, summed over the timed runs: reached[0] = the verify sequence-steps,
+           // sum(accepted) = the accepted drafts
+            json_t *last = json_array_get(arr, json_array_size(arr) - 1), *re = json_array(), *ac = json_array();
+            for (int p = 0; p < PD_SPEC_MAX_K; p++) {
+                json_array_append_new(re, json_integer(g->pos_reached[bi][p]));
+                json_array_append_new(ac, json_integer(g->pos_accepted[bi][p]));
+            }
+            json_object_set_new(last, "pos_reached_total", re);
+            json_object_set_new(last, "pos_accepted_total", ac);
+            json_object_set_new(last, "verify_steps_total", json_integer(g->steps[bi]));
+            json_object_set_new(last, "accepted_total", json_integer(g->accepted[bi]));
+        }
         json_object_set_new(json_array_get(arr, json_array_size(arr) - 1), "drafting_step_share", json_real(share));
         if (g->n_same[bi] >= 0 && g->diff_min[bi] >= 0) {
             json_t *last = json_array_get(arr, json_array_size(arr) - 1);

@@ -7,7 +7,8 @@
 #      output is byte-identical to speculation off ("same as off N/N": fp32 on the CPU is exact)
 #      (and the fixed run's implied per-token acceptance gives its tokens per verify step); --serial:
 #      batch 1 over several prompts in turn, every output compared, tokens summed; --serial 0 refused
-#   2. ngram on a repeated prompt: drafted, accepted, identical; the JSON report has every run;
+#   2. ngram on a repeated prompt: drafted, accepted, identical; the JSON report has every run and
+#      the per-position acceptance with its counts (consistent with accepted and the verify steps);
 #      the interleaved protocol (METHOD:mode, two plain engines, 2 rounds): runs, median within
 #      its range, the plain engines' pooled band, the summary
 #   3. bad input is refused with a message naming it
@@ -79,7 +80,22 @@ g = json.load(open(sys.argv[2]))
 f = [r for r in g["results"] if r["mode"] == "fixed"][0]
 assert f["drafted"] > 0 and f["accepted"] > 0 and f["same_as_off"] == 2, f
 assert f["tokens_per_verify"] > 1.0, f
+# per-position acceptance: reached[0] = the verify sequence-steps, the accepted drafts sum over the
+# positions, reached[j + 1] <= accepted[j], each rate accepted / reached; the share of decode steps
+# that drafted in (0, 1]
+for r in d["results"] + g["results"]:
+    if r["mode"] == "off":
+        continue
+    re, ac, pp = r["pos_reached_total"], r["pos_accepted_total"], r["per_position_acceptance"]
+    assert re[0] == r["verify_steps_total"] and sum(ac) == r["accepted_total"], r
+    assert all(0 <= ac[j] <= re[j] for j in range(len(re))), r
+    assert all(re[j + 1] <= ac[j] for j in range(len(re) - 1)), r
+    assert len(pp) == sum(1 for x in re if x > 0) and all(abs(pp[j] - ac[j] / re[j]) < 1e-9 for j in range(len(pp))), r
+    if r["drafted"] > 0:
+        assert 0 < r["drafting_step_share"] <= 1, r
+assert f["pos_reached_total"][0] > 0 and f["per_position_acceptance"][0] > 0, f
 EOF
+grep -q 'drafting steps 0\.[0-9]*  per-position 0\.[0-9]' "$TMP/ngram.out" || pd_fail "no per-position acceptance printed: $(cat "$TMP/ngram.out")"
 
 # ---- 2b. the interleaved protocol: METHOD:mode, two plain engines, rounds, median, band ------------
 timeout 300 "$PD_BIN" bench-spec --model "$MODEL" --device cpu --golden "$G" --repeat 2 --batches 2 --max-tokens 12 \
