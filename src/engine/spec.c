@@ -80,6 +80,8 @@ typedef struct sreq {
     int n_miss;            // draft-free, adaptive: consecutive lookups that found no proposal
     int64_t retry_at;      // ... the step its next lookup is due (while last_k == LAST_K_NOMATCH)
     bool looked;           // this step: it looked for a proposal (draft-free)
+    int ng_src, ng_hint;   // ngram: where its proposal was copied from (-1: none); where the next one
+                           // continues when no n-gram matches (pd_spec_ngram_propose_at; -1: nowhere)
     int la_want;  // lookahead slots last asked of the scheduler (-1: not yet)
     int32_t draft[PD_SPEC_MAX_K];
     int32_t accepted[PD_SPEC_MAX_K];
@@ -540,6 +542,7 @@ pd_status pd_engine_spec_req_init(pd_engine *e, ereq *q, const pd_engine_request
     sr->draft_pos = -1;
     sr->owner = S;
     sr->last_k = -1;  // busy until its first decode step chose
+    sr->ng_src = sr->ng_hint = -1;
     S->n_busy++;
     sr->la_want = -1;
     sr->n_prompt = r->n_prompt;
@@ -753,7 +756,8 @@ static void propose_free(pd_engine *e, const pd_step_plan *plan, sreq **srs) {
         if (!sr || S->kmax[i] <= 0) continue;
         int m = 0;
         if (S->method == PD_SPEC_NGRAM)
-            m = pd_spec_ngram_propose(sr->toks, sr->n, S->ngram_min, S->ngram_max, S->kmax[i], sr->draft);
+            m = pd_spec_ngram_propose_at(sr->toks, sr->n, S->ngram_min, S->ngram_max, S->kmax[i], sr->ng_hint, sr->draft,
+                                         &sr->ng_src);
         else
             m = pd_spec_pool_propose(sr->pool, sr->toks[sr->n - 1], S->kmax[i], sr->draft);
         S->kmax[i] = m;
@@ -1162,6 +1166,7 @@ static pd_status run_plan(pd_engine *e, const pd_step_plan *plan, bool *handled)
             continue;
         }
         if (sr->looked) sr->n_miss = 0;
+        if (S->kch[i] == 0) sr->ng_hint = -1;  // (the alignment is set again after a drafting step)
         if (sr->last_k == LAST_K_NOMATCH && !sr->looked) continue;  // waiting for its retry
         set_last_k(sr, S->kch[i]);
     }
@@ -1239,6 +1244,9 @@ static pd_status run_plan(pd_engine *e, const pd_step_plan *plan, bool *handled)
         S->steps[S->method]++;
         for (int j = 0; j <= PD_MIN(o->n_accepted, sr->k - 1); j++) S->pos_reached[j]++;
         for (int j = 0; j < o->n_accepted; j++) S->pos_accepted[j]++;
+        // ngram: the next proposal continues the source after this one's accepted drafts and the
+        // target's own token (which took the place of the first rejected draft, or is the bonus).
+        if (S->method == PD_SPEC_NGRAM) sr->ng_hint = sr->ng_src >= 0 ? sr->ng_src + o->n_accepted + 1 : -1;
         // The draft's KV past the accepted tokens holds rejected drafts: cut it back.
         sr->draft_pos = PD_MIN(sr->draft_pos, plan->seqs[i].pos_start + 1 + o->n_accepted);
     }

@@ -19,22 +19,39 @@ pd_status pd_spec_method_parse(const char *s, pd_spec_method *out) {
 
 // ---- n-gram prompt lookup ------------------------------------------------------------------------
 
-int pd_spec_ngram_propose(const int32_t *toks, int n_toks, int n_min, int n_max, int k, int32_t *out) {
-    if (k <= 0 || n_min < 1) return 0;
+// k tokens from toks[from..], continued periodically past the end: the text from `from` on is
+// predicted to repeat with period n_toks - from, so token from + j >= n_toks is the proposal's own
+// token from + j - n_toks (a short loop, period < k, still gets k).
+static int copy_from(const int32_t *toks, int n_toks, int from, int k, int32_t *out) {
+    for (int j = 0; j < k; j++) out[j] = from + j < n_toks ? toks[from + j] : out[from + j - n_toks];
+    return k;
+}
+
+// Where the tokens after the most recent earlier occurrence of toks' last n tokens start (n from
+// n_max down to n_min), or -1.
+static int ngram_match(const int32_t *toks, int n_toks, int n_min, int n_max) {
+    if (n_min < 1) return -1;
     for (int n = PD_MIN(n_max, n_toks - 1); n >= n_min; n--) {
         const int32_t *tail = toks + n_toks - n;
         // Most recent earlier occurrence: its start i < n_toks - n, so at least one token follows.
-        for (int i = n_toks - n - 1; i >= 0; i--) {
-            if (memcmp(toks + i, tail, sizeof(int32_t) * (size_t)n)) continue;
-            // What followed the match, continued periodically past the end: the text from `from`
-            // on is predicted to repeat with period n_toks - from, so token from + j >= n_toks is
-            // the proposal's own token from + j - n_toks (a short loop, period < k, still gets k).
-            int from = i + n;
-            for (int j = 0; j < k; j++) out[j] = from + j < n_toks ? toks[from + j] : out[from + j - n_toks];
-            return k;
-        }
+        for (int i = n_toks - n - 1; i >= 0; i--)
+            if (!memcmp(toks + i, tail, sizeof(int32_t) * (size_t)n)) return i + n;
     }
-    return 0;
+    return -1;
+}
+
+int pd_spec_ngram_propose(const int32_t *toks, int n_toks, int n_min, int n_max, int k, int32_t *out) {
+    return pd_spec_ngram_propose_at(toks, n_toks, n_min, n_max, k, -1, out, NULL);
+}
+
+int pd_spec_ngram_propose_at(const int32_t *toks, int n_toks, int n_min, int n_max, int k, int hint, int32_t *out, int *src) {
+    if (src) *src = -1;
+    if (k <= 0) return 0;
+    int from = ngram_match(toks, n_toks, n_min, n_max);
+    if (from < 0) from = hint >= 1 && hint < n_toks ? hint : -1;
+    if (from < 0) return 0;
+    if (src) *src = from;
+    return copy_from(toks, n_toks, from, k, out);
 }
 
 // ---- lookahead pool ------------------------------------------------------------------------------

@@ -45,6 +45,14 @@ pd_status pd_spec_method_parse(const char *s, pd_spec_method *out);
 // copies k tokens that followed it into out, continued periodically when the match is less than k
 // tokens back (the loop it sits in is assumed to go on). Returns how many (0: no match, else k).
 int pd_spec_ngram_propose(const int32_t *toks, int n_toks, int n_min, int n_max, int k, int32_t *out);
+// The same, keeping the alignment across a substitution: when no n-gram matches, the proposal
+// continues from hint (1 <= hint < n_toks; else nothing), the history position that follows the
+// last proposal's source under the assumption that the target replaced one token of it (the
+// engine passes src + accepted + 1 after a step that proposed from src). A copy with a token
+// changed (an edit, a corrupted source) then goes on being proposed right after the change,
+// where the n-gram lookup (its suffix ends in the new token) finds nothing. *src (may be NULL):
+// where the proposal was copied from (-1: nothing proposed).
+int pd_spec_ngram_propose_at(const int32_t *toks, int n_toks, int n_min, int n_max, int k, int hint, int32_t *out, int *src);
 
 // ---- lookahead: n-gram pool and Jacobi window ----------------------------------------------------
 typedef struct pd_spec_pool pd_spec_pool;

@@ -30,6 +30,19 @@ PD_TEST(ngram_lookup) {
     int32_t c3[] = {9, 1, 2, 3, 1, 2, 3};
     PD_CHECK_EQ(pd_spec_ngram_propose(c3, 7, 1, 3, 7, out), 7);
     for (int j = 0; j < 7; j++) PD_CHECK_EQ(out[j], 1 + j % 3);
+    // Keeping the alignment across a substitution: history 5 6 7 8 9 | 5 6 X: the suffix (6 X),
+    // (X) matches nothing; with the hint (the position after the source's 7) the copy goes on: 8 9.
+    int32_t sub[] = {5, 6, 7, 8, 9, 5, 6, 42};
+    int src = 0;
+    PD_CHECK_EQ(pd_spec_ngram_propose_at(sub, 8, 1, 3, 2, -1, out, &src), 0);
+    PD_CHECK_EQ(src, -1);
+    PD_CHECK_EQ(pd_spec_ngram_propose_at(sub, 8, 1, 3, 2, 3, out, &src), 2);
+    PD_CHECK(out[0] == 8 && out[1] == 9 && src == 3);
+    PD_CHECK_EQ(pd_spec_ngram_propose_at(sub, 8, 1, 3, 2, 8, out, &src), 0);  // a hint past the history: nothing
+    PD_CHECK_EQ(pd_spec_ngram_propose_at(sub, 8, 1, 3, 2, 0, out, &src), 0);
+    // A match wins over the hint, and src says where it was copied from.
+    PD_CHECK_EQ(pd_spec_ngram_propose_at(t, 13, 1, 3, 4, 2, out, &src), 4);
+    PD_CHECK(out[0] == 1 && src == 8);
     int32_t v[] = {1, 2, 3, 4};
     PD_CHECK_EQ(pd_spec_ngram_propose(v, 4, 1, 3, 4, out), 0);  // no repetition: nothing
     PD_CHECK_EQ(pd_spec_ngram_propose(v, 1, 1, 3, 4, out), 0);
