@@ -792,16 +792,22 @@ static uint32_t shape_key(pd_model *m, int n_seqs, int max_q, int n_tokens) {
 // shape was timed before; else the line at the padded size, the graph steps' line or the eager
 // steps' (an eager step of 72 tokens costs several graph steps of 64 on a small model): both are
 // optimistic for a shape never run, so it gets tried once, and then it is measured.
+#define COST_NEVER 1e12  // a shape the adaptive policy does not go to
+
 typedef struct pad_ctx {
     espec *S;
     pd_model *m;
     int n_seqs, base_max_q;
 } pad_ctx;
 
-#define COST_NEVER 1e12  // a shape the adaptive policy does not go to
 
 static double step_cost(void *ud, int max_k, int n_tokens) {
     const pad_ctx *p = ud;
+    // A step with a prefill chunk runs eagerly with or without drafts; drafts change its GEMM
+    // sizes (a plain engine's mixed steps have the sizes of their chunks), and a size seen for the
+    // first time builds its plans on the spot (session 11: mixed steps at batch 32-64 took 13-50
+    // ms with drafts). With the warm-up timings (adaptive, graphs), such steps do not draft.
+    if (max_k > 0 && p->base_max_q > 1 && p->S->warm_n > 0) return COST_NEVER;
     int q = PD_MAX(p->base_max_q, 1 + max_k);
     uint32_t key = shape_key(p->m, p->n_seqs, q, n_tokens);
     double us = pd_spec_shapes_get(&p->S->shapes, key);
@@ -1191,7 +1197,7 @@ static pd_status run_plan(pd_engine *e, const pd_step_plan *plan, bool *handled)
         // While windows do not pay, each window probe doubles the period to the next one
         // (pd_spec_backoff); a step where they pay, or a new batch bucket, resets it.
         if (cheap && S->adaptive) pd_spec_backoff_result(&S->win_bo, true);
-        if (!cheap && n_win > 0 && S->n_steps >= S->next_win_probe) {
+        if (!cheap && n_win > 0 && S->n_steps >= S->next_win_probe && cw < COST_NEVER) {
             int pick = (int)(S->probe_rot++ % n_win), c = 0;
             for (int i = 0; i < plan->n_seqs && only < 0; i++)
                 if (srs[i] && is_decode(&plan->seqs[i], srs[i]) && plan->seqs[i].n_lookahead > 0 && c++ == pick) only = i;
