@@ -4,7 +4,11 @@
 # bins.tar.xz (pdserve = this branch, pdserve.main = main's, test_gpu_spec; stripped), models.tar.xz
 # (kjv-llama-1m, golden; kjv-llama-6m is the tracked models/); the libs are
 # the lead's /tmp/gpulib/lib; the model is build/gpu-lead/llama-3-8b (read-only).
-# Parts (env PARTS, in order; BUDGET s):
+# Parts (env PARTS, in this order; BUDGET s):
+#   copy     ngram / lookahead single stream on the 8B shape, copy workload (--copy-chain 0.7: prompt lookup
+#            proposes a copy of the output with 70% of its tokens kept; Markov target --dummy-residual-scale 0:0)
+#   copy2    the same at fidelity 0.6 and 0.8 (a sweep crossing 0.7)
+#   nonpay   adaptive vs off at batch 32/64 at EPS 0.1 (acceptance ~0.2)
 #   batch    adaptive vs off at batch 1/8/32/64 on the draft fixture at a non-paying acceptance
 #            (EPS 0.05), --modes off,adaptive,off,adaptive, new binary (BIN) then main's (OLD)
 #   ngram    ngram / lookahead single stream on the 8B shape, --serial 4, EPS sweep (NG_EPS)
@@ -38,17 +42,28 @@ ngram() {  # eps
   spec ngram_$1 pdserve 16 --dummy-residual-scale 1:$1 $W --repeat 1 --num-speculative-tokens ${NG_K:-8} --max-tokens 96 \
     --batches 1 --serial 4 --reps 1 --modes off,ngram:fixed,ngram:adaptive,lookahead:adaptive
 }
-PARTS=${PARTS:-batch ngram test}
-case " $PARTS " in *" batch "*) batch batch_new pdserve;; esac
-set -- ${NG_EPS:-0 0.01 0.02}
-case " $PARTS " in *" ngram "*) ngram $1; [ $# -gt 1 ] && ngram $2;; esac
-case " $PARTS " in *" batch "*) batch batch_main pdserve.main;; esac
-case " $PARTS " in *" ngram "*) shift 2 2>/dev/null && for e in "$@"; do ngram $e; done;; esac
-case " $PARTS " in *" test "*)
+copy() {  # fidelity modes
+  spec copy_$1 pdserve 20 --dummy-residual-scale 0:0 --copy-chain $1 --random-prompt 32 --random-prompts 4 --num-speculative-tokens 8 --max-tokens 96 \
+    --batches 1 --serial 4 --reps 1 --modes $2
+}
+testgpu() {
   if [ "$(left)" -gt 8 ]; then
     mkdir -p $T/models && tar xJf $D/models.tar.xz -C $T/models && ln -sfn "$(pwd)/models/kjv-llama-6m" $T/models/kjv-llama-6m
-    PD_MODELS_DIR=$T/models timeout $(lim 30) $T/test_gpu_spec > "$OUT/test_gpu_spec.txt" 2>&1
+    PD_MODELS_DIR=$T/models timeout $(lim 25) $T/test_gpu_spec > "$OUT/test_gpu_spec.txt" 2>&1
     echo "== test_gpu_spec rc=$? ($(( $(date +%s) - t0 )) s)"; grep -E "passed|FAIL" "$OUT/test_gpu_spec.txt" | tail -4
-  else echo "== test_gpu_spec skipped: budget"; fi;;
-esac
+  else echo "== test_gpu_spec skipped: budget"; fi
+}
+# call 1 (lead's call 2): batch ngram test; call 2: copy batch test copy2 nonpay
+PARTS=${PARTS:-copy batch test copy2 nonpay}
+for part in $PARTS; do
+  case $part in
+    batch) batch batch_new pdserve;;
+    main) batch batch_main pdserve.main;;
+    ngram) for e in ${NG_EPS:-0 0.01 0.02}; do ngram $e; done;;
+    copy) copy 0.7 off,ngram:fixed,ngram:adaptive,lookahead:adaptive;;
+    copy2) for f in 0.6 0.8; do copy $f off,ngram:fixed,ngram:adaptive; done;;
+    nonpay) B_EPS=0.1 BATCHES=32,64 batch batch_nonpay pdserve;;
+    test) testgpu;;
+  esac
+done
 echo "total $(( $(date +%s) - t0 )) s"
