@@ -177,7 +177,7 @@ static pd_status check_fixture(const pd_model_params *p, int n_layers, pd_err *e
                           n_layers);
     int n = p->dummy_num_layers > 0 ? p->dummy_num_layers : n_layers;
     if (p->dummy_scale_from && p->dummy_scale_from != PD_DUMMY_SCALE_ALL && (p->dummy_scale_from < 1 || p->dummy_scale_from >= n))
-        return pd_err_set(err, PD_ERR_INVALID, "--dummy-residual-scale FROM:EPS: FROM %d must be 0..%d (the model has %d layers)",
+        return pd_err_set(err, PD_ERR_INVALID, "--dummy-residual-scale FROM:EPS: FROM %d must be 1..%d (the model has %d layers)",
                           p->dummy_scale_from, n - 1, n);
     if (p->dummy_scale_from && !(p->dummy_scale_eps >= 0.0f && p->dummy_scale_eps <= 1.0f))
         return pd_err_set(err, PD_ERR_INVALID, "--dummy-residual-scale FROM:EPS: EPS %g must be in [0, 1]", (double)p->dummy_scale_eps);
