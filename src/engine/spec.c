@@ -94,6 +94,11 @@ typedef struct bbuild {
     int nt, ns, nbt, nl;
 } bbuild;
 
+typedef struct host_ov {
+    uint32_t B;   // batch bucket
+    double v, p;  // verify / plain steps' cost beyond their warm-up forward (us; < 0: unknown)
+} host_ov;
+
 typedef struct espec {
     pd_spec_method method;
     int K, W, N, ngram_min, ngram_max;
@@ -116,6 +121,10 @@ typedef struct espec {
     // at an optimistic line (session 10: first steps of unmeasured shapes, 12-29 ms, were explored).
     pd_spec_shapes warm;
     int warm_n;             // shapes in warm (0: no warm-up timings)
+    // What whole steps cost beyond their warm-up forward, per batch bucket (EMA over the shapes
+    // timed both ways; < 0: not yet): verify steps (v) and plain ones (p), pd_spec_shape_us.
+    host_ov host[16];
+    int n_host;
     // diagnostics (PD_SPEC_STATS): steady and transient draft forwards, the largest transient, and
     // how many transients were logged (the first DRAFT_LOG_MAX)
     int64_t dsteady_n, dsteady_us, dtrans_n, dtrans_us, dtrans_max, n_pad_tok;
@@ -501,6 +510,9 @@ void pd_engine_spec_fini(pd_engine *e) {
             if (S->dcatch.t.key[i])
                 PD_LOG_I("spec stats: draft catch-up of %u tokens: %.1f us (%u forwards, warm-up's included)", S->dcatch.t.key[i],
                          (double)S->dcatch.t.us[i], S->dcatch.t.n[i]);
+        for (int i = 0; i < S->n_host; i++)
+            PD_LOG_I("spec stats: batch %u: whole steps over their warm-up forward: verify %.1f us, plain %.1f us", S->host[i].B,
+                     S->host[i].v, S->host[i].p);
         for (int i = 0; i < PD_SPEC_SHAPES; i++)
             if (S->warm.key[i])
                 PD_LOG_I("spec stats: warm-up shape batch %u x %u tokens: %.1f us", S->warm.key[i] >> 20, S->warm.key[i] & ((1u << 20) - 1),
@@ -794,6 +806,32 @@ static uint32_t shape_key(pd_model *m, int n_seqs, int max_q, int n_tokens) {
 // optimistic for a shape never run, so it gets tried once, and then it is measured.
 #define COST_NEVER 1e12  // a shape the adaptive policy does not go to
 
+// The host-overhead slot of a graph shape's batch bucket (NULL: none, or no room).
+static double *host_slot(espec *S, uint32_t key, bool add) {
+    if (!key || (key & SHAPE_EAGER)) return NULL;
+    uint32_t B = key >> 20, T = key & ((1u << 20) - 1);
+    bool verify = B > 0 && T > B;
+    for (int i = 0; i < S->n_host; i++)
+        if (S->host[i].B == B) return verify ? &S->host[i].v : &S->host[i].p;
+    if (!add || S->n_host >= (int)PD_ARRAY_LEN(S->host)) return NULL;
+    S->host[S->n_host] = (host_ov){.B = B, .v = -1, .p = -1};
+    return verify ? &S->host[S->n_host++].v : &S->host[S->n_host++].p;
+}
+
+static double host_of(espec *S, uint32_t key) {
+    double *h = host_slot(S, key, false);
+    return h ? *h : -1;
+}
+
+// A whole step of a warm-timed shape took us: what it cost beyond its warm-up forward.
+static void host_observe(espec *S, uint32_t key, double us) {
+    double w = pd_spec_shapes_get(&S->warm, key);
+    double *h = w > 0 ? host_slot(S, key, true) : NULL;
+    if (!h) return;
+    double d = PD_MAX(us - w, 0);
+    *h = *h >= 0 ? 0.8 * *h + 0.2 * d : d;
+}
+
 typedef struct pad_ctx {
     espec *S;
     pd_model *m;
@@ -816,7 +854,7 @@ static double step_cost(void *ud, int max_k, int n_tokens) {
     if (graph && p->base_max_q == 1) {
         // Not timed live yet: the live plain step at this batch plus what the warm-up measured
         // between the two graphs (the step's host work is the same for both).
-        us = pd_spec_shape_us(&p->S->shapes, &p->S->warm, key, shape_key(p->m, p->n_seqs, 1, p->n_seqs));
+        us = pd_spec_shape_us(&p->S->shapes, &p->S->warm, key, shape_key(p->m, p->n_seqs, 1, p->n_seqs), host_of(p->S, key));
         if (us > 0) return us;
     }
     // A step that would replay a graph without drafts does not leave graphs for them when the
@@ -1286,6 +1324,7 @@ void pd_engine_spec_after_update(pd_engine *e, const pd_step_plan *plan, int64_t
     double us = (double)(step_us - S->step_draft_us);
     pd_spec_cost_observe(graph ? &S->cost : &S->cost_eager, vt, us);
     pd_spec_shapes_observe(&S->shapes, key, us);
+    host_observe(S, key, us);
     // Next step's lookahead asks: what was chosen now, plus one to let it grow (and 1 when it was
     // 0, for the probes); every slot when the choice took every slot granted (it was the slots that
     // limited it: growing one a step, a sequence back from a short step took k steps to reach k

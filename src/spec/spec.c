@@ -409,11 +409,12 @@ double pd_spec_catchup_us(const pd_spec_dcost *catchup, int max_tokens, double s
     return c > steady_us ? c : steady_us;
 }
 
-double pd_spec_shape_us(const pd_spec_shapes *live, const pd_spec_shapes *warm, uint32_t key, uint32_t key_plain) {
+double pd_spec_shape_us(const pd_spec_shapes *live, const pd_spec_shapes *warm, uint32_t key, uint32_t key_plain, double host_us) {
     double us = pd_spec_shapes_get(live, key);
     if (us > 0) return us;
     if (!warm) return -1;
     double w = pd_spec_shapes_get(warm, key), w1 = pd_spec_shapes_get(warm, key_plain), l1 = pd_spec_shapes_get(live, key_plain);
+    if (w > 0 && host_us >= 0) return w + host_us;
     if (!(w > 0) || !(w1 > 0)) return -1;
     return (l1 > 0 ? l1 : w1) + (w > w1 ? w - w1 : 0);
 }

@@ -208,8 +208,12 @@ double pd_spec_catchup_us(const pd_spec_dcost *catchup, int max_tokens, double s
 // A step shape's price from live whole-step times and warm-up forward times: the live time when the
 // shape was timed live; else, when the warm-up timed it and the plain shape key_plain (the same
 // batch, one token a sequence), the live plain step (or, untimed live, the warm one) plus the
-// warm-up's difference between the two (the host work of a step is the same for both); else -1.
-double pd_spec_shape_us(const pd_spec_shapes *live, const pd_spec_shapes *warm, uint32_t key, uint32_t key_plain);
+// warm-up's difference between the two; else -1. host_us >= 0: what a step of this kind (verify
+// or plain) at this batch has cost beyond its warm-up forward so far (the engine's EMA over the
+// shapes timed both ways: scheduling, sampling, the update; a verify step's grows with its tokens,
+// ~1 ms at batch 64 on an H100 against ~0.3 ms for a plain step): an untimed shape is then its
+// warm-up forward plus that.
+double pd_spec_shape_us(const pd_spec_shapes *live, const pd_spec_shapes *warm, uint32_t key, uint32_t key_plain, double host_us);
 // Draft-free methods, adaptive: a sequence whose lookup found nothing looks again this many steps
 // later after its n_miss-th miss in a row (1, 2, 4, ...), or -1 after PD_SPEC_NOMATCH_RETRIES misses
 // (then it is idle: probes only).
