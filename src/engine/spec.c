@@ -59,6 +59,7 @@
 // 11 one miss made it idle, and in a loop that the next step would have matched it waited for a
 // probe (16+ steps, backing off to thousands).
 #define LAST_K_NOMATCH (-2)
+#define POP_MIN 16  // verify sequence-steps before the engine's acceptance is a new request's prior
 
 struct espec;
 typedef struct sreq {
@@ -176,6 +177,12 @@ typedef struct espec {
     bool last_valid;  // results describe the last step
     int64_t drafted[PD_SPEC_N], accepted[PD_SPEC_N], emitted[PD_SPEC_N], steps[PD_SPEC_N];
     int64_t pos_reached[PD_SPEC_MAX_K], pos_accepted[PD_SPEC_MAX_K];  // per draft position (pd_engine_stats)
+    // The engine's acceptance over every request's verify steps: a new request's estimate starts
+    // there (once POP_MIN verify steps were seen), not at the method's fixed prior (0.7 / 0.5),
+    // which at a real acceptance of 0.2 made every new request draft for tens of steps (session
+    // 11 call 3: batch 32-64 at 0.82-0.92x of plain decoding).
+    pd_spec_accept pop;
+    int64_t pop_n;
 } espec;
 
 // ---- helpers ---------------------------------------------------------------------------------------
@@ -328,6 +335,7 @@ pd_status pd_engine_spec_load(pd_engine *e, pd_err *err) {
     S->stats = dbg && strcmp(dbg, "0");
     pd_spec_backoff_init(&S->probe_bo);
     pd_spec_backoff_init(&S->win_bo);
+    pd_spec_accept_init(&S->pop, S->method == PD_SPEC_DRAFT ? 0.7 : 0.5);
     S->win_quiet_n = -1;
     if (S->method == PD_SPEC_DRAFT) {
         if (!p->spec_model_dir) return pd_err_set(err, PD_ERR_INVALID, "--speculative-method draft needs --speculative-model DIR");
@@ -563,6 +571,7 @@ pd_status pd_engine_spec_req_init(pd_engine *e, ereq *q, const pd_engine_request
     for (int i = 0; i < r->n_prompt; i++)
         if (!sreq_push(sr, r->prompt[i])) return PD_ERR_NOMEM;
     double prior = S->method == PD_SPEC_DRAFT ? 0.7 : 0.5;
+    if (S->pop_n >= POP_MIN) prior = pd_spec_accept_alpha(&S->pop);
     pd_spec_accept_init(&sr->acc, prior);
     if (S->method == PD_SPEC_LOOKAHEAD) {
         sr->pool = pd_spec_pool_new(S->N);
@@ -657,6 +666,12 @@ static pd_status run_draft(pd_engine *e, const pd_step_plan *plan, sreq **srs) {
         int end = s->pos_start + s->n_tokens;  // positions the target has after this step
         int from = sr->draft_pos;
         if (from > donor_from) donor = i, donor_from = from;
+        // On a GPU forward 1 stays within the tokens its workspace and padded sizes were made for
+        // (S->catchup_max): a drafting row whose catch-up does not fit drafts nothing this step,
+        // other rows catch up what fits (an eager forward past them grew the workspace or built
+        // plans: up to 90 ms, session 11 call 3).
+        int room = S->catchup_pad ? S->catchup_max - b->nt : INT_MAX;
+        if (S->kch[i] > 0 && end - from > room) S->kch[i] = 0;
         if (S->kch[i] > 0) {
             // Catch-up through the last real token; its logits give draft 1.
             if (!bb_add(b, sr->toks + from, end - from, from, s->block_ids, S->bs, 1)) return PD_ERR_NOMEM;
@@ -669,6 +684,7 @@ static pd_status run_draft(pd_engine *e, const pd_step_plan *plan, sreq **srs) {
             // behind (a remote prefill's prompt) catches up CATCHUP_MAX tokens a step; a decode
             // a little behind catches up when it next drafts.
             int lim = is_decode(s, sr) ? (end - from > CATCHUP_MAX ? CATCHUP_MAX : 0) : PD_MIN(end - from, CATCHUP_MAX);
+            lim = PD_MIN(lim, room);
             S->row0[i] = -1;
             if (lim > 0) {
                 if (!bb_add(b, sr->toks + from, lim, from, s->block_ids, S->bs, 0)) return PD_ERR_NOMEM;
@@ -1279,6 +1295,8 @@ static pd_status run_plan(pd_engine *e, const pd_step_plan *plan, bool *handled)
         if (!sr || sr->k == 0) continue;
         const pd_step_output *o = &e->sb.outputs[i];
         pd_spec_accept_update(&sr->acc, sr->k, o->n_accepted);
+        pd_spec_accept_update(&S->pop, sr->k, o->n_accepted);
+        S->pop_n++;
         sr->n_drafted += sr->k;
         sr->n_accepted += o->n_accepted;
         sr->n_steps++;

@@ -301,7 +301,8 @@ int pd_spec_choose_padded(const pd_spec_cost *c, int n_base, int n_seqs, int n_y
         }
     }
     if (g != g_stack) pd_free(g);
-    if (pad) {  // back to the best point of the path
+    if (pad) {  // back to the best point of the path, if it beats no drafts by the margin
+        if (best_rate < (1.0 + PD_SPEC_MIN_GAIN) * (n_yield > n_seqs ? n_yield : n_seqs) / (pad(ud, 0, n_base))) best_len = 0;
         for (int i = 0; i < n_seqs; i++) k[i] = 0;
         for (int j = 0; j < best_len; j++) k[order[j]]++;
         sum_k = best_len;
