@@ -22,7 +22,7 @@ mkdir -p $T && tar xJf $D/bins.tar.xz -C $T
 export LD_LIBRARY_PATH=/tmp/gpulib/lib PD_SPEC_STATS=1
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader
 cat $D/COMMIT
-left() { echo $(( ${BUDGET:-117} - ($(date +%s) - t0) )); }
+left() { echo $(( ${BUDGET:-97} - ($(date +%s) - t0) )); }
 lim() { l=$(left); [ "$l" -lt "$1" ] && echo "$l" || echo "$1"; }
 M=${M:-build/gpu-lead/llama-3-8b}
 W="--random-prompt 32 --random-prompts 8"
@@ -53,8 +53,9 @@ testgpu() {
     echo "== test_gpu_spec rc=$? ($(( $(date +%s) - t0 )) s)"; grep -E "passed|FAIL" "$OUT/test_gpu_spec.txt" | tail -4
   else echo "== test_gpu_spec skipped: budget"; fi
 }
-# call 1 (lead's call 2): batch ngram test; call 2: copy batch test copy2 nonpay
-PARTS=${PARTS:-copy batch test copy2 nonpay}
+# call 1 (lead's call 2): batch ngram test; call 2 (lead's call 3): copy batch test copy2 nonpay;
+# call 3 (LIMIT 100): nonpay batch copy3 test
+PARTS=${PARTS:-nonpay batch copy3 test}
 for part in $PARTS; do
   case $part in
     batch) batch batch_new pdserve;;
@@ -62,6 +63,7 @@ for part in $PARTS; do
     ngram) for e in ${NG_EPS:-0 0.01 0.02}; do ngram $e; done;;
     copy) copy 0.7 off,ngram:fixed,ngram:adaptive,lookahead:adaptive;;
     copy2) for f in 0.6 0.8; do copy $f off,ngram:fixed,ngram:adaptive; done;;
+    copy3) copy 0.7 off,ngram:fixed,ngram:adaptive;;
     nonpay) B_EPS=0.1 BATCHES=32,64 batch batch_nonpay pdserve;;
     test) testgpu;;
   esac
