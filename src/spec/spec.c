@@ -1,4 +1,5 @@
 // spec.c — see spec.h.
+#include <stdlib.h>
 #include "spec/spec.h"
 
 #include <math.h>
@@ -301,11 +302,37 @@ int pd_spec_choose_padded(const pd_spec_cost *c, int n_base, int n_seqs, int n_y
         }
     }
     if (g != g_stack) pd_free(g);
-    if (pad) {  // back to the best point of the path, if it beats no drafts by the margin
-        if (best_rate < (1.0 + PD_SPEC_MIN_GAIN) * (n_yield > n_seqs ? n_yield : n_seqs) / (pad(ud, 0, n_base))) best_len = 0;
+    if (pad) {
+        // Every sequence at min(m, k_max): in a padded step whose cost depends on the longest
+        // draft m alone (graphs; the draft's forwards run for the batch), every draft up to m
+        // rides free, so for each m this is the best point with that m — which the greedy path,
+        // growing the sequences with the highest estimates first, may pass by (it reached k = 4
+        // for a few sequences, a Q = 5 step, before k = 1 for the others: session 11, batch 64).
+        double base_tokens = n_yield > n_seqs ? n_yield : n_seqs;
+        int best_m = -1, kmx = 0;
+        for (int i = 0; i < n_seqs; i++) kmx = k_max[i] > kmx ? k_max[i] : kmx;
+        for (int m = 1; m <= kmx; m++) {
+            double t = base_tokens;
+            int n_tok = n_base;
+            for (int i = 0; i < n_seqs; i++) {
+                int ki = k_max[i] < m ? k_max[i] : m;
+                double p = 1;
+                for (int j = 0; j < ki; j++) p *= alpha[i] > 0 ? alpha[i] : 0, t += p;
+                n_tok += ki > 0 ? ki : 0;
+            }
+            double r = t / (pad(ud, m, n_tok) + d1 + (m - 1) * dn);
+            if (r > best_rate) best_rate = r, best_m = m;
+        }
+        // ... and drafts only where the best beats drafting nothing by the margin.
+        bool pays = best_rate >= (1.0 + PD_SPEC_MIN_GAIN) * base_tokens / pad(ud, 0, n_base);
+        sum_k = 0;
         for (int i = 0; i < n_seqs; i++) k[i] = 0;
-        for (int j = 0; j < best_len; j++) k[order[j]]++;
-        sum_k = best_len;
+        if (pays && best_m > 0) {
+            for (int i = 0; i < n_seqs; i++) k[i] = k_max[i] < best_m ? (k_max[i] > 0 ? k_max[i] : 0) : best_m, sum_k += k[i];
+        } else if (pays) {
+            for (int j = 0; j < best_len; j++) k[order[j]]++;
+            sum_k = best_len;
+        }
         if (order != order_stack) pd_free(order);
     }
     return sum_k;

@@ -369,6 +369,25 @@ PD_TEST(resume_pays_only_with_its_catchup) {
     PD_CHECK(resume < 2 * steady);
 }
 
+// Mixed estimates at batch 64 (session 11 call 3: 11-19 Q = 5 steps at batch 64 for a few
+// sequences with high estimates): 4 sequences at 0.9, 60 at 0.5. The greedy path grows the four
+// to k = 4 (marginal gains 0.9 .. 0.66 > 0.5) before the others get k = 1, so every point where
+// all draft is a Q = 5 step (11.3 ms + 4 draft forwards: below plain); every sequence at k = 1
+// (Q = 2: 97.6 tokens in 7579 + 700 us, +26% over plain) is found by the uniform scan.
+PD_TEST(uniform_lengths_beat_the_greedy_path) {
+    pd_spec_cost c;
+    pd_spec_cost_init(&c, 6200);
+    double a[64];
+    int km[64], k[64], batch = 64;
+    for (int i = 0; i < 64; i++) a[i] = i < 4 ? 0.9 : 0.5, km[i] = 4;
+    pd_spec_draft_price dp = {700, 700};
+    int sum = pd_spec_choose_padded(&c, 64, 64, 64, a, km, &dp, h100_step, &batch, k);
+    int mx = 0, mn = 99;
+    for (int i = 0; i < 64; i++) mx = k[i] > mx ? k[i] : mx, mn = k[i] < mn ? k[i] : mn;
+    PD_CHECK_EQ(sum, 64);
+    PD_CHECK(mx == 1 && mn == 1);
+}
+
 // Batch 1 at a steady per-token acceptance of 0.7 (independent tokens), with the step times an
 // H200 measured (session 10 call 1, PD_SPEC_STATS: plain 4175 us; verify steps of 2 / 3 / 5 tokens
 // 4395 / 4449 / 4824 us, k = 3 padded to 5; draft forwards 393 us): the adaptive policy, its k
