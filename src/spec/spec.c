@@ -1,5 +1,4 @@
 // spec.c — see spec.h.
-#include <stdlib.h>
 #include "spec/spec.h"
 
 #include <math.h>
