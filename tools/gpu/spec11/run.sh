@@ -54,8 +54,8 @@ testgpu() {
   else echo "== test_gpu_spec skipped: budget"; fi
 }
 # call 1 (lead's call 2): batch ngram test; call 2 (lead's call 3): copy batch test copy2 nonpay;
-# call 3 (LIMIT 100): nonpay batch copy3 test
-PARTS=${PARTS:-nonpay batch copy3 test}
+# call 3 (LIMIT 100): nonpay nonpaymain batch test copy3
+PARTS=${PARTS:-nonpay nonpaymain batch test copy3}
 for part in $PARTS; do
   case $part in
     batch) batch batch_new pdserve;;
@@ -65,6 +65,7 @@ for part in $PARTS; do
     copy2) for f in 0.6 0.8; do copy $f off,ngram:fixed,ngram:adaptive; done;;
     copy3) copy 0.7 off,ngram:fixed,ngram:adaptive;;
     nonpay) B_EPS=0.1 BATCHES=32,64 batch batch_nonpay pdserve;;
+    nonpaymain) B_EPS=0.1 BATCHES=32,64 batch batch_nonpay_main pdserve.main;;
     test) testgpu;;
   esac
 done
