@@ -38,6 +38,7 @@ typedef struct prompts {
 typedef struct result {
     double tok_s, wall_s;
     int64_t n_tokens, drafted, accepted, emitted, steps;
+    int64_t pos_reached[PD_SPEC_MAX_K], pos_accepted[PD_SPEC_MAX_K];  // per draft position (engine stats)
     int32_t *out;  // (B, max_tokens)
 } result;
 
@@ -139,6 +140,10 @@ static bool run_batch(pd_engine *e, const prompts *P, int B, int first, int max_
         res->emitted += s1.spec_emitted[m] - s0.spec_emitted[m];
         res->steps += s1.spec_steps[m] - s0.spec_steps[m];
     }
+    for (int j = 0; j < PD_SPEC_MAX_K; j++) {
+        res->pos_reached[j] = s1.spec_pos_reached[j] - s0.spec_pos_reached[j];
+        res->pos_accepted[j] = s1.spec_pos_accepted[j] - s0.spec_pos_accepted[j];
+    }
     return true;
 }
 
@@ -152,18 +157,23 @@ static bool run_serial(pd_engine *e, const prompts *P, int B, int serial, int ma
         if (!run_batch(e, P, B, si * B, max_tokens, &r)) return false;
         sum.n_tokens += r.n_tokens, sum.wall_s += r.wall_s, sum.drafted += r.drafted, sum.accepted += r.accepted;
         sum.emitted += r.emitted, sum.steps += r.steps;
+        for (int j = 0; j < PD_SPEC_MAX_K; j++) sum.pos_reached[j] += r.pos_reached[j], sum.pos_accepted[j] += r.pos_accepted[j];
     }
     sum.tok_s = sum.wall_s > 0 ? (double)sum.n_tokens / sum.wall_s : 0;
     *res = sum;
     return true;
 }
 
+struct opts;
+static bool make_copy_prompts(const struct opts *o, prompts *P, pd_engine *e, int copy_len, json_t *wl);
+
 typedef struct opts {
     const char *model, *draft, *golden, *golden_key, *device, *json_path;
     bool dummy, sequential;
     int method, k, repeat, random_len, random_n, max_tokens, max_model_len, reps, serial;
-    int dummy_layers, draft_layers, scale_from;  // the controlled-acceptance fixture (0: off)
+    int dummy_layers, draft_layers, scale_from;  // the controlled-acceptance fixture (0: off; PD_DUMMY_SCALE_ALL: from layer 0)
     float scale_eps;
+    double copy_fidelity;  // --copy-chain P (< 0: off)
     int kv_len;  // the longest prompt + max_tokens: the positions a request can hold
     int batches[16], n_batches;
     const char *modes;  // "off,adaptive,fixed" (or METHOD:adaptive, METHOD:fixed)
@@ -179,6 +189,7 @@ typedef struct eng {
     pd_engine *e;
     double tok_s[16][MAX_REPS];   // [batch][rep]
     int64_t drafted[16], accepted[16], emitted[16], steps[16], tokens[16];  // over the timed reps
+    int64_t pos_reached[16][PD_SPEC_MAX_K], pos_accepted[16][PD_SPEC_MAX_K];
     int n_same[16];               // requests of its first timed run equal to the baseline's (-1: not compared)
     int diff_min[16];             // of the others: the earliest first differing token, and the mean
     double diff_mean[16];
@@ -290,6 +301,8 @@ static bool run_group(const opts *o, const prompts *P, eng *G, int n, int bi, co
             g->tok_s[bi][rep] = r.tok_s;
             g->drafted[bi] += r.drafted, g->accepted[bi] += r.accepted, g->emitted[bi] += r.emitted;
             g->steps[bi] += r.steps, g->tokens[bi] += r.n_tokens;
+            for (int j = 0; j < PD_SPEC_MAX_K; j++)
+                g->pos_reached[bi][j] += r.pos_reached[j], g->pos_accepted[bi][j] += r.pos_accepted[j];
             size_t sz = sizeof(int32_t) * (size_t)B * (size_t)o->serial * (size_t)o->max_tokens;
             if (rep == 0 && !*base_out && g == baseline) {
                 *base_out = pd_malloc(sz);
@@ -316,6 +329,57 @@ static bool run_group(const opts *o, const prompts *P, eng *G, int n, int bi, co
                 if (n_diff) g->diff_mean[bi] /= n_diff;
             }
         }
+    return true;
+}
+
+// --copy-chain P: each prompt p (random tokens) becomes p + g + [p's last token], where g is the
+// plain engine's greedy output after p (copy_len tokens) with each token kept with probability P,
+// else replaced by another random token (seeded). A target whose next token is a function of the
+// last one alone (--dummy-residual-scale 0:0: the hidden state is the token's embedding) then
+// decodes the same output again after the new prompt, and prompt lookup finds it in g: every
+// draft holds until the first replaced token, so the per-token acceptance is ~P. It is measured,
+// not assumed (bf16 near-ties between a decode and a verify GEMM flip a few tokens; a target that
+// is not Markov ignores the copy: acceptance ~0).
+static bool make_copy_prompts(const opts *o, prompts *P, pd_engine *e, int copy_len, json_t *wl) {
+    pd_rng r;
+    pd_rng_seed(&r, 23);
+    int32_t *out = pd_malloc(sizeof(int32_t) * (size_t)copy_len);
+    if (!out) return false;
+    int64_t kept = 0, total = 0;
+    for (int k = 0; k < P->n; k++) {
+        prompts one = {.n = 1, .ids = {P->ids[k]}, .len = {P->len[k]}};
+        result res = {.out = out};
+        if (!run_batch(e, &one, 1, 0, copy_len, &res)) {
+            pd_free(out);
+            return false;
+        }
+        int n = P->len[k] + copy_len + 1;
+        int32_t *v = pd_malloc(sizeof(int32_t) * (size_t)n);
+        if (!v) {
+            pd_free(out);
+            return false;
+        }
+        memcpy(v, P->ids[k], sizeof(int32_t) * (size_t)P->len[k]);
+        for (int i = 0; i < copy_len; i++) {
+            double u = (double)(pd_rng_next(&r) >> 11) * 0x1.0p-53;
+            int32_t t = out[i];
+            if (u >= o->copy_fidelity) {
+                do t = 1 + (int32_t)(pd_rng_next(&r) % 4000);
+                while (t == out[i]);
+            } else {
+                kept++;
+            }
+            total++;
+            v[P->len[k] + i] = t;
+        }
+        v[n - 1] = P->ids[k][P->len[k] - 1];
+        pd_free(P->ids[k]);
+        P->ids[k] = v, P->len[k] = n;
+    }
+    pd_free(out);
+    printf("copy workload: %d prompts of %d tokens (prompt + a copy of the plain output, %lld of %lld tokens kept: %.3f)\n", P->n,
+           P->len[0], (long long)kept, (long long)total, total ? (double)kept / (double)total : 0.0);
+    json_array_append_new(wl, json_pack("{s:f, s:f}", "copy_fidelity", o->copy_fidelity, "copy_kept", total ? (double)kept / (double)total : 0.0));
     return true;
 }
 
@@ -362,6 +426,19 @@ static void report_batch(const opts *o, eng *G, int n_eng, int bi, json_t *arr, 
         // verify step, E(k) = (1 - a^(k+1)) / (1 - a) (every verify step drafts k for every sequence)
         double ia = g->fixed && mal > 0 ? implied_alpha(mal, o->k) : -1;
         if (ia >= 0) printf("  implied a %.3f", ia);
+        // Decode sequence-steps: those that verified (steps) and those that ran plainly (each
+        // emitted one of the timed tokens the verify steps did not): the share that drafted.
+        int64_t plain_steps = g->tokens[bi] - g->emitted[bi];
+        double share = g->steps[bi] + plain_steps > 0 ? (double)g->steps[bi] / (double)(g->steps[bi] + PD_MAX(plain_steps, 0)) : 0;
+        json_t *pos = json_array();
+        if (g->method != PD_SPEC_NONE) {
+            printf("  drafting steps %.3f  per-position", share);
+            for (int p = 0; p < PD_SPEC_MAX_K && g->pos_reached[bi][p] > 0; p++) {
+                double pa = (double)g->pos_accepted[bi][p] / (double)g->pos_reached[bi][p];
+                printf(" %.2f", pa);
+                json_array_append_new(pos, json_real(pa));
+            }
+        }
         if (g->n_same[bi] >= 0) printf("  same as off %d/%d", g->n_same[bi], B * o->serial);
         if (g->n_same[bi] >= 0 && g->diff_min[bi] >= 0)
             printf(" (the others from token %d, mean %.0f)", g->diff_min[bi], g->diff_mean[bi]);
@@ -375,6 +452,20 @@ static void report_batch(const opts *o, eng *G, int n_eng, int bi, json_t *arr, 
                                              (json_int_t)(g->accepted[bi] / R), "tokens", (json_int_t)(g->tokens[bi] / R),
                                              "same_as_off", g->n_same[bi]));
         if (ia >= 0) json_object_set_new(json_array_get(arr, json_array_size(arr) - 1), "implied_a", json_real(ia));
+        json_object_set_new(json_array_get(arr, json_array_size(arr) - 1), "per_position_acceptance", pos);
+        {  // the counts behind it, summed over the timed runs: reached[0] = the verify sequence-steps,
+           // sum(accepted) = the accepted drafts
+            json_t *last = json_array_get(arr, json_array_size(arr) - 1), *re = json_array(), *ac = json_array();
+            for (int p = 0; p < PD_SPEC_MAX_K; p++) {
+                json_array_append_new(re, json_integer(g->pos_reached[bi][p]));
+                json_array_append_new(ac, json_integer(g->pos_accepted[bi][p]));
+            }
+            json_object_set_new(last, "pos_reached_total", re);
+            json_object_set_new(last, "pos_accepted_total", ac);
+            json_object_set_new(last, "verify_steps_total", json_integer(g->steps[bi]));
+            json_object_set_new(last, "accepted_total", json_integer(g->accepted[bi]));
+        }
+        json_object_set_new(json_array_get(arr, json_array_size(arr) - 1), "drafting_step_share", json_real(share));
         if (g->n_same[bi] >= 0 && g->diff_min[bi] >= 0) {
             json_t *last = json_array_get(arr, json_array_size(arr) - 1);
             json_object_set_new(last, "first_diff_min", json_integer(g->diff_min[bi]));
@@ -414,9 +505,10 @@ int pd_cmd_bench_spec(int argc, char **argv) {
                                        {"dummy-num-layers", required_argument, 0, 'Y'},
                                        {"dummy-residual-scale", required_argument, 0, 'E'},
                                        {"speculative-dummy-layers", required_argument, 0, 'K'},
+                                       {"copy-chain", required_argument, 0, 'C'},
                                        {"help", no_argument, 0, 'h'},              {0, 0, 0, 0}};
     opts o = {.device = "auto", .golden_key = "prompts", .k = 4, .repeat = 1, .random_n = 1, .max_tokens = 128,
-              .max_model_len = 1024, .reps = 3, .serial = 1, .modes = "off,adaptive,fixed", .batches = {1, 8, 32, 64},
+              .max_model_len = 1024, .reps = 3, .copy_fidelity = -1, .serial = 1, .modes = "off,adaptive,fixed", .batches = {1, 8, 32, 64},
               .n_batches = 4};
     int c;
     long v;
@@ -498,13 +590,21 @@ int pd_cmd_bench_spec(int argc, char **argv) {
             char *colon = strchr(optarg, ':'), *end = NULL;
             if (!colon) return pd_cmd_usage_error("bench-spec", "--dummy-residual-scale is FROM_LAYER:EPS (e.g. 1:0.05)");
             *colon = 0;
-            bool ok = pd_cmd_parse_int(optarg, &v) && v >= 1 && v <= 4096;
+            bool ok = pd_cmd_parse_int(optarg, &v) && v >= 0 && v <= 4096;
             *colon = ':';
             double eps = strtod(colon + 1, &end);
             if (!ok || end == colon + 1 || *end || !(eps >= 0.0 && eps <= 1.0))
-                return pd_cmd_usage_error("bench-spec", "--dummy-residual-scale is FROM_LAYER:EPS, FROM_LAYER >= 1, 0 <= EPS <= 1 (got '%s')", optarg);
-            o.scale_from = (int)v;
+                return pd_cmd_usage_error("bench-spec", "--dummy-residual-scale is FROM_LAYER:EPS, FROM_LAYER >= 0, 0 <= EPS <= 1 (got '%s')", optarg);
+            o.scale_from = v == 0 ? PD_DUMMY_SCALE_ALL : (int)v;
             o.scale_eps = (float)eps;
+            break;
+        }
+        case 'C': {
+            char *end = NULL;
+            double f = strtod(optarg, &end);
+            if (end == optarg || *end || !(f >= 0.0 && f <= 1.0))
+                return pd_cmd_usage_error("bench-spec", "--copy-chain is a fidelity in [0, 1] (got '%s')", optarg);
+            o.copy_fidelity = f;
             break;
         }
         case 'h':
@@ -524,7 +624,12 @@ int pd_cmd_bench_spec(int argc, char **argv) {
                    "           by EPS (their o_proj and down_proj scaled at load; every weight is still read)\n"
                    "  --speculative-dummy-layers K  the draft (--speculative-model, usually the target's folder) is cut\n"
                    "           to its first K layers with the target's seed: the same embeddings, layers, norm, lm_head\n"
-                   "  --dummy-num-layers K  the target itself cut to its first K layers (same seeding)\n");
+                   "  --dummy-num-layers K  the target itself cut to its first K layers (same seeding)\n"
+                   "  --copy-chain P  a copy workload for draft-free methods (with --random-prompt and, for a target\n"
+                   "           whose next token depends on the last one alone, --dummy-residual-scale 0:0): the first\n"
+                   "           plain engine decodes each prompt; the prompt becomes prompt + that output with each token\n"
+                   "           kept with probability P (else a random token) + the prompt's last token again, so the\n"
+                   "           output repeats the copy and prompt lookup proposes it: acceptance ~P, measured\n");
             return 0;
         default: return pd_cmd_usage_error("bench-spec", "unknown option (see --help)");
         }
@@ -537,6 +642,8 @@ int pd_cmd_bench_spec(int argc, char **argv) {
         return pd_cmd_usage_error("bench-spec", "--speculative-dummy-layers needs --speculative-model DIR (the target's folder)");
     if (!o.golden == !o.random_len) return pd_cmd_usage_error("bench-spec", "give one of --golden FILE and --random-prompt L");
     if (o.random_n > 1 && !o.random_len) return pd_cmd_usage_error("bench-spec", "--random-prompts needs --random-prompt L");
+    if (o.copy_fidelity >= 0 && (!o.random_len || o.sequential))
+        return pd_cmd_usage_error("bench-spec", "--copy-chain needs --random-prompt L (and the interleaved protocol)");
     // Modes in the order given, repeats allowed (several plain engines give the noise band); the
     // first must be off: the baseline outputs are compared with.
     eng G[MAX_ENGINES];
@@ -607,6 +714,8 @@ int pd_cmd_bench_spec(int argc, char **argv) {
     repeat_prompts(&P, o.repeat);
     int max_len = 0;
     for (int i = 0; i < P.n; i++) max_len = PD_MAX(max_len, P.len[i]);
+    int copy_len = o.copy_fidelity >= 0 ? o.max_tokens + 8 : 0;  // the copy: each prompt grows by copy_len + 1
+    max_len += copy_len ? copy_len + 1 : 0;
     if (max_len + o.max_tokens + 32 > o.max_model_len) o.max_model_len = max_len + o.max_tokens + 32;
     o.kv_len = max_len + o.max_tokens;
     int bmax = 1;
@@ -641,6 +750,7 @@ int pd_cmd_bench_spec(int argc, char **argv) {
             result warm = {.out = scratch};
             (void)run_batch(grp[j].e, &P, 1, 0, PD_MIN(o.max_tokens, 16), &warm);  // first steps: cuBLASLt plans, allocations
         }
+        if (copy_len && !rc && !make_copy_prompts(&o, &P, G[0].e, copy_len, wl)) rc = 1;
         for (int bi = 0; bi < o.n_batches && !rc; bi++)
             if (!run_group(&o, &P, grp, n, bi, &G[0], scratch, &base_out[bi])) rc = 1;
         for (int j = 0; j < n; j++)

@@ -258,6 +258,9 @@ typedef struct pd_engine_stats {
     // tokens emitted by verify steps (accepted + the target's own), sequence-steps that verified
     int spec_method;
     int64_t spec_drafted[4], spec_accepted[4], spec_emitted[4], spec_steps[4];
+    // per draft position j (0-based, all methods): verify rows that reached draft j (drafts 0..j-1
+    // accepted) and of those, accepted: the per-position acceptance is accepted[j] / reached[j]
+    int64_t spec_pos_reached[16], spec_pos_accepted[16];
     // KV tiers (n_tiers 0 when off)
     int n_tiers;
     pd_engine_tier_stats tiers[PD_ENGINE_MAX_TIERS];

@@ -52,6 +52,14 @@
 #define PROBE_SHARE 0.01 // ... at most this share of the step time spent on probes (the period grows)
 #define PROBE_RETRY 4    // a due probe whose sequence had no proposal: the next sequence tries this many steps later
 #define DRAFT_LOG_MAX 64 // PD_SPEC_STATS: transient draft forwards logged as they happen, per engine
+// Draft-free, adaptive: a sequence whose lookup found no proposal (no n-gram match, an empty pool
+// entry) is not idle by the policy's verdict: it looks again 1, 2, 4, ... steps later (busy
+// meanwhile), up to PD_SPEC_NOMATCH_RETRIES misses in a row (pd_spec_nomatch_wait); then it is idle
+// (probes only). Before session
+// 11 one miss made it idle, and in a loop that the next step would have matched it waited for a
+// probe (16+ steps, backing off to thousands).
+#define LAST_K_NOMATCH (-2)
+#define POP_MIN 16  // verify sequence-steps before the engine's acceptance is a new request's prior
 
 struct espec;
 typedef struct sreq {
@@ -69,7 +77,12 @@ typedef struct sreq {
     int64_t n_drafted, n_accepted, n_steps;
     // this step
     int k, w;  // drafts proposed, window tokens appended
-    int last_k;  // drafts of its last step (-1: none yet)
+    int last_k;  // drafts of its last step (-1: none yet; LAST_K_NOMATCH: a draft-free lookup found nothing)
+    int n_miss;            // draft-free, adaptive: consecutive lookups that found no proposal
+    int64_t retry_at;      // ... the step its next lookup is due (while last_k == LAST_K_NOMATCH)
+    bool looked;           // this step: it looked for a proposal (draft-free)
+    int ng_src, ng_hint;   // ngram: where its proposal was copied from (-1: none); where the next one
+                           // continues when no n-gram matches (pd_spec_ngram_propose_at; -1: nowhere)
     int la_want;  // lookahead slots last asked of the scheduler (-1: not yet)
     int32_t draft[PD_SPEC_MAX_K];
     int32_t accepted[PD_SPEC_MAX_K];
@@ -82,6 +95,11 @@ typedef struct bbuild {
     int nt, ns, nbt, nl;
 } bbuild;
 
+typedef struct host_ov {
+    uint32_t B;   // batch bucket
+    double v, p;  // verify / plain steps' cost beyond their warm-up forward (us; < 0: unknown)
+} host_ov;
+
 typedef struct espec {
     pd_spec_method method;
     int K, W, N, ngram_min, ngram_max;
@@ -93,9 +111,24 @@ typedef struct espec {
     pd_spec_cost cost_eager;  // the same for steps that run eagerly (cost holds graph steps'; no graphs: unused)
     pd_spec_shapes shapes;  // measured whole-step times per step shape (graphs on: what the policy compares)
     pd_spec_dcost dcost;    // the draft's steady forwards per shape (draft_key): what drafting is priced at
+    // The draft's eager catch-up forwards (a row of more than 2 tokens: a sequence that resumes
+    // drafting after idle steps) per padded token count (tok_bucket), seeded at warm-up: what
+    // resuming costs (session 10: 4.4 ms mean, up to 50 ms, priced as a steady forward).
+    pd_spec_dcost dcatch;
+    int catchup_max;        // catch-up forwards are priced (and padded) at tok_bucket() sizes up to this many tokens
+    bool catchup_pad;       // pad them (the draft runs graphs: a GPU, where a new GEMM size builds plans)
+    // The target's forward time per graph shape at warm-up (shape_key): a verify shape not yet
+    // timed live is priced at the live plain step + (warm verify - warm plain) at its batch, not
+    // at an optimistic line (session 10: first steps of unmeasured shapes, 12-29 ms, were explored).
+    pd_spec_shapes warm;
+    int warm_n;             // shapes in warm (0: no warm-up timings)
+    // What whole steps cost beyond their warm-up forward, per batch bucket (EMA over the shapes
+    // timed both ways; < 0: not yet): verify steps (v) and plain ones (p), pd_spec_shape_us.
+    host_ov host[16];
+    int n_host;
     // diagnostics (PD_SPEC_STATS): steady and transient draft forwards, the largest transient, and
     // how many transients were logged (the first DRAFT_LOG_MAX)
-    int64_t dsteady_n, dsteady_us, dtrans_n, dtrans_us, dtrans_max;
+    int64_t dsteady_n, dsteady_us, dtrans_n, dtrans_us, dtrans_max, n_pad_tok;
     int n_dtrans_logged;
     uint32_t last_vkey;     // the verify step's shape key (0: none this step)
     bool last_vgraph;       // the verify step ran as a graph
@@ -143,9 +176,18 @@ typedef struct espec {
     int cap_seqs;
     bool last_valid;  // results describe the last step
     int64_t drafted[PD_SPEC_N], accepted[PD_SPEC_N], emitted[PD_SPEC_N], steps[PD_SPEC_N];
+    int64_t pos_reached[PD_SPEC_MAX_K], pos_accepted[PD_SPEC_MAX_K];  // per draft position (pd_engine_stats)
+    // The engine's acceptance over every request's verify steps: a new request's estimate starts
+    // there (once POP_MIN verify steps were seen), not at the method's fixed prior (0.7 / 0.5),
+    // which at a real acceptance of 0.2 made every new request draft for tens of steps (session
+    // 11 call 3: batch 32-64 at 0.82-0.92x of plain decoding).
+    pd_spec_accept pop;
+    int64_t pop_n;
 } espec;
 
 // ---- helpers ---------------------------------------------------------------------------------------
+
+#define tok_bucket pd_spec_tok_bucket
 
 
 static void bb_reset(bbuild *b) {
@@ -287,10 +329,13 @@ pd_status pd_engine_spec_load(pd_engine *e, pd_err *err) {
     pd_spec_cost_init(&S->cost_eager, 0);
     pd_spec_shapes_init(&S->shapes);
     pd_spec_dcost_init(&S->dcost);
+    pd_spec_dcost_init(&S->dcatch);
+    pd_spec_shapes_init(&S->warm);
     const char *dbg = getenv("PD_SPEC_STATS");
     S->stats = dbg && strcmp(dbg, "0");
     pd_spec_backoff_init(&S->probe_bo);
     pd_spec_backoff_init(&S->win_bo);
+    pd_spec_accept_init(&S->pop, S->method == PD_SPEC_DRAFT ? 0.7 : 0.5);
     S->win_quiet_n = -1;
     if (S->method == PD_SPEC_DRAFT) {
         if (!p->spec_model_dir) return pd_err_set(err, PD_ERR_INVALID, "--speculative-method draft needs --speculative-model DIR");
@@ -346,15 +391,112 @@ pd_status pd_engine_spec_init(pd_engine *e, pd_sched_params *sp, pd_err *err) {
     return PD_OK;
 }
 
+static bool step_is_graph(pd_model *m, int n_seqs, int max_q);
+static uint32_t shape_key(pd_model *m, int n_seqs, int max_q, int n_tokens);
+
+// One timed forward of b (device logits, synchronised), microseconds; < 0 on error.
+static double timed_forward(pd_engine *e, pd_model *m, pd_model_cache *c, const bbuild *b) {
+    pd_batch batch = bb_batch(b);
+    const float *dl = NULL;
+    int64_t t0 = pd_time_us();
+    if (pd_model_forward_dev(m, c, &batch, &dl)) return -1;
+    pd_backend_sync(e->backend);
+    return (double)(pd_time_us() - t0);
+}
+
+// Warm-up timings for the policy (graphs on only: without graphs a step's cost follows its tokens
+// and the live line is enough). Before any request, on KV blocks no request holds yet (their
+// contents are overwritten before a request reads them; the draft's KV is only ever a speed matter).
+//  - the target's verify graph shapes: B sequences of q tokens, logits at every row, at each batch
+//    bucket B <= max_num_seqs and query bucket q (1 = the plain step) -> S->warm (3 runs; the table
+//    drops the first)
+//  - the draft's eager catch-up forwards at each padded size tok_bucket() from 3 tokens up to
+//    S->catchup_max (one sequence, its last rows with logits, up to the batch bucket's count): the
+//    first run builds the GEMM plans (cuBLASLt heuristics and tuning, tens of ms for a new M),
+//    which a live catch-up padded to the same size then finds; the later runs seed S->dcatch.
+static pd_status warm_timings(pd_engine *e, espec *S) {
+    bbuild *b = &S->bb;
+    int max_seqs = e->params.max_num_seqs > 0 ? e->params.max_num_seqs : 64, bs = S->bs;
+    int n_blocks = pd_model_cache_n_blocks(e->cache);
+    int32_t *bt = pd_malloc(sizeof(int32_t) * (size_t)n_blocks), *tok = pd_calloc((size_t)PD_MAX(S->catchup_max, 64), sizeof(int32_t));
+    if (!bt || !tok) {
+        pd_free(bt), pd_free(tok);
+        return PD_ERR_NOMEM;
+    }
+    for (int i = 0; i < n_blocks; i++) bt[i] = i;
+    int n_shapes = 0, n_catch = 0;
+    int64_t t0 = pd_time_us();
+    int qmax = 1 + S->K + (S->method == PD_SPEC_LOOKAHEAD ? S->W : 0);
+    for (int n = 1, last_B = 0; n <= max_seqs; n++) {
+        int B = pd_model_step_tokens(e->model, n, 1, n);
+        if (B == last_B || B != n) continue;  // each batch bucket once, at its full size
+        last_B = B;
+        for (int q = 1, last_Q = 0; q <= qmax; q++) {
+            if (!step_is_graph(e->model, B, q)) break;
+            int Q = pd_model_step_tokens(e->model, B, q, B * q) / B;
+            if (Q == last_Q || Q != q) continue;
+            last_Q = Q;
+            int nb = (q + bs - 1) / bs;
+            if (B * nb > n_blocks) break;
+            bb_reset(b);
+            for (int i = 0; i < B; i++)
+                if (!bb_add(b, tok, q, 0, bt + i * nb, bs, q)) goto oom;
+            uint32_t key = shape_key(e->model, B, q, B * q);
+            for (int r = 0; r < 3 && key; r++) {
+                double us = timed_forward(e, e->model, e->cache, b);
+                if (us < 0) goto fail;
+                pd_spec_shapes_observe(&S->warm, key, us);
+            }
+            n_shapes++;
+        }
+    }
+    S->warm_n = n_shapes;
+    if (S->draft) {
+        int lmax = tok_bucket(max_seqs);
+        for (int T = 3; T <= S->catchup_max; T = tok_bucket(T + 1)) {
+            if (T != tok_bucket(T)) continue;
+            if ((T + bs - 1) / bs > n_blocks) break;
+            bb_reset(b);
+            if (!bb_add(b, tok, T, 0, bt, bs, PD_MIN(T, lmax))) goto oom;
+            for (int r = 0; r < 3; r++) {
+                double us = timed_forward(e, S->draft, S->dcache, b);
+                if (us < 0) goto fail;
+                pd_spec_dcost_observe(&S->dcatch, (uint32_t)T, us);
+            }
+            n_catch++;
+        }
+    }
+    PD_LOG_I("engine: speculation: %d verify shapes and %d draft catch-up sizes timed at warm-up in %.2f s", n_shapes, n_catch,
+             (double)(pd_time_us() - t0) * 1e-6);
+    pd_free(bt), pd_free(tok);
+    return PD_OK;
+oom:
+    pd_free(bt), pd_free(tok);
+    return PD_ERR_NOMEM;
+fail:
+    pd_free(bt), pd_free(tok);
+    return PD_ERR_DEVICE;
+}
+
 pd_status pd_engine_spec_warmup(pd_engine *e, pd_err *err) {
     espec *S = e->spec;
-    if (!S || !S->draft) return PD_OK;
+    if (!S) return PD_OK;
     int n_graphs = 0;
     int max_step = (e->params.max_num_batched_tokens > 0 ? e->params.max_num_batched_tokens : 2048) + CATCHUP_MAX;
-    pd_status st = pd_model_warmup(S->draft, S->dcache, max_step, e->params.max_num_seqs > 0 ? e->params.max_num_seqs : 64,
-                                   e->max_model_len, &n_graphs);
-    if (st) return pd_err_set(err, st, "draft model warm-up failed (%s)", pd_status_str(st));
-    if (n_graphs > 0) PD_LOG_I("engine: draft model: %d decode graphs", n_graphs);
+    S->catchup_max = PD_MIN(max_step, pd_model_cache_n_blocks(e->cache) * S->bs);
+    const char *cp = getenv("PD_SPEC_CATCHUP_PAD");  // 0: off (A/B)
+    S->catchup_pad = S->draft && step_is_graph(S->draft, 1, 1) && !(cp && !strcmp(cp, "0"));
+    if (S->draft) {
+        pd_status st = pd_model_warmup(S->draft, S->dcache, max_step, e->params.max_num_seqs > 0 ? e->params.max_num_seqs : 64,
+                                       e->max_model_len, &n_graphs);
+        if (st) return pd_err_set(err, st, "draft model warm-up failed (%s)", pd_status_str(st));
+        if (n_graphs > 0) PD_LOG_I("engine: draft model: %d decode graphs", n_graphs);
+    }
+    const char *wt = getenv("PD_SPEC_WARM_TIMINGS");  // 0: off (the session-10 behaviour, for A/B runs)
+    if (S->adaptive && step_is_graph(e->model, 1, 1) && !(wt && !strcmp(wt, "0"))) {
+        pd_status st = warm_timings(e, S);
+        if (st) return pd_err_set(err, st, "speculation warm-up timings failed (%s)", pd_status_str(st));
+    }
     return PD_OK;
 }
 
@@ -370,6 +512,19 @@ void pd_engine_spec_fini(pd_engine *e) {
                      (long long)S->dsteady_n, S->dsteady_n ? (double)S->dsteady_us / (double)S->dsteady_n : 0,
                      (long long)S->dtrans_n, S->dtrans_n ? (double)S->dtrans_us / (double)S->dtrans_n : 0,
                      (long long)S->dtrans_max, S->dcost.any_us, S->cost.draft_us);
+        if (S->draft)
+            PD_LOG_I("spec stats: catch-up padding: %lld tokens recomputed", (long long)S->n_pad_tok);
+        for (int i = 0; S->draft && i < PD_SPEC_SHAPES; i++)
+            if (S->dcatch.t.key[i])
+                PD_LOG_I("spec stats: draft catch-up of %u tokens: %.1f us (%u forwards, warm-up's included)", S->dcatch.t.key[i],
+                         (double)S->dcatch.t.us[i], S->dcatch.t.n[i]);
+        for (int i = 0; i < S->n_host; i++)
+            PD_LOG_I("spec stats: batch %u: whole steps over their warm-up forward: verify %.1f us, plain %.1f us", S->host[i].B,
+                     S->host[i].v, S->host[i].p);
+        for (int i = 0; i < PD_SPEC_SHAPES; i++)
+            if (S->warm.key[i])
+                PD_LOG_I("spec stats: warm-up shape batch %u x %u tokens: %.1f us", S->warm.key[i] >> 20, S->warm.key[i] & ((1u << 20) - 1),
+                         (double)S->warm.us[i]);
         for (int i = 0; S->draft && i < PD_SPEC_SHAPES; i++)
             if (S->dcost.t.key[i])
                 PD_LOG_I("spec stats: draft shape batch %u, %u tokens per row: %.1f us (%u forwards)", S->dcost.t.key[i] >> 20,
@@ -407,6 +562,7 @@ pd_status pd_engine_spec_req_init(pd_engine *e, ereq *q, const pd_engine_request
     sr->draft_pos = -1;
     sr->owner = S;
     sr->last_k = -1;  // busy until its first decode step chose
+    sr->ng_src = sr->ng_hint = -1;
     S->n_busy++;
     sr->la_want = -1;
     sr->n_prompt = r->n_prompt;
@@ -415,6 +571,7 @@ pd_status pd_engine_spec_req_init(pd_engine *e, ereq *q, const pd_engine_request
     for (int i = 0; i < r->n_prompt; i++)
         if (!sreq_push(sr, r->prompt[i])) return PD_ERR_NOMEM;
     double prior = S->method == PD_SPEC_DRAFT ? 0.7 : 0.5;
+    if (S->pop_n >= POP_MIN) prior = pd_spec_accept_alpha(&S->pop);
     pd_spec_accept_init(&sr->acc, prior);
     if (S->method == PD_SPEC_LOOKAHEAD) {
         sr->pool = pd_spec_pool_new(S->N);
@@ -480,12 +637,17 @@ static void draft_observe(espec *S, const bbuild *b, int max_q, int64_t dt) {
     }
 }
 
-// What drafting costs in a step of n drafting sequences (the candidates: an upper bound).
-static pd_spec_draft_price draft_price(const espec *S, int n) {
+// What drafting costs in a step of n drafting sequences (the candidates: an upper bound) whose
+// draft KV lags the target by lag tokens in all (the catch-up through each one's last token: 1-2
+// a sequence in steady state), the longest lag max_lag. A row of more than 2 tokens makes forward
+// 1 an eager catch-up, priced at the measured (warm-up seeded) catch-up forward of its padded
+// size; an unmeasured size at the steady forward scaled by its tokens (2 a row in steady state).
+static pd_spec_draft_price draft_price(const espec *S, int n, int lag, int max_lag) {
     pd_spec_draft_price p = {pd_spec_dcost_get(&S->dcost, draft_key(S->draft, n, 2)),
                              pd_spec_dcost_get(&S->dcost, draft_key(S->draft, n, 1))};
     if (p.first_us < 0) p.first_us = 0;  // nothing measured yet: drafting runs and gets measured
     if (p.next_us < 0) p.next_us = 0;
+    p.first_us = pd_spec_catchup_us(&S->dcatch, S->catchup_max, p.first_us, n, lag, max_lag);
     return p;
 }
 
@@ -495,6 +657,7 @@ static pd_status run_draft(pd_engine *e, const pd_step_plan *plan, sreq **srs) {
     espec *S = e->spec;
     bbuild *b = &S->bb;
     int V = S->V, max_k = 0, n_rand = 0, max_q = 1;  // max_q: forward 1's longest row
+    int donor = -1, donor_from = 0;  // the sequence with the longest valid draft KV (padding, below)
     bb_reset(b);
     for (int i = 0; i < plan->n_seqs; i++) {
         const pd_step_seq *s = &plan->seqs[i];
@@ -502,6 +665,13 @@ static pd_status run_draft(pd_engine *e, const pd_step_plan *plan, sreq **srs) {
         if (!sr) continue;
         int end = s->pos_start + s->n_tokens;  // positions the target has after this step
         int from = sr->draft_pos;
+        if (from > donor_from) donor = i, donor_from = from;
+        // On a GPU forward 1 stays within the tokens its workspace and padded sizes were made for
+        // (S->catchup_max): a drafting row whose catch-up does not fit drafts nothing this step,
+        // other rows catch up what fits (an eager forward past them grew the workspace or built
+        // plans: up to 90 ms, session 11 call 3).
+        int room = S->catchup_pad ? S->catchup_max - b->nt : INT_MAX;
+        if (S->kch[i] > 0 && end - from > room) S->kch[i] = 0;
         if (S->kch[i] > 0) {
             // Catch-up through the last real token; its logits give draft 1.
             if (!bb_add(b, sr->toks + from, end - from, from, s->block_ids, S->bs, 1)) return PD_ERR_NOMEM;
@@ -514,6 +684,7 @@ static pd_status run_draft(pd_engine *e, const pd_step_plan *plan, sreq **srs) {
             // behind (a remote prefill's prompt) catches up CATCHUP_MAX tokens a step; a decode
             // a little behind catches up when it next drafts.
             int lim = is_decode(s, sr) ? (end - from > CATCHUP_MAX ? CATCHUP_MAX : 0) : PD_MIN(end - from, CATCHUP_MAX);
+            lim = PD_MIN(lim, room);
             S->row0[i] = -1;
             if (lim > 0) {
                 if (!bb_add(b, sr->toks + from, lim, from, s->block_ids, S->bs, 0)) return PD_ERR_NOMEM;
@@ -523,6 +694,22 @@ static pd_status run_draft(pd_engine *e, const pd_step_plan *plan, sreq **srs) {
         }
     }
     if (b->ns == 0) return PD_OK;
+    // An eager forward 1 (a catch-up of more than 2 tokens in some row) is padded to tok_bucket()
+    // tokens and logit rows by recomputing the start of the donor's valid draft KV (positions
+    // [0, pad) again, same tokens: the same KV up to rounding, and the draft's KV is only ever a
+    // speed matter), so catch-ups come in a few sizes whose GEMM plans the warm-up built and timed
+    // (an unpadded catch-up of a new size built its plans live: 12-50 ms). The padding's logit
+    // rows come after every real one and are ignored.
+    int pad_tok = 0;
+    if (max_q > 2 && S->catchup_pad && donor >= 0) {
+        int T = tok_bucket(b->nt), L = b->nl > 0 ? tok_bucket(b->nl) : 0;  // (a prefill mirror has no logits)
+        if (L > T - b->nt + b->nl) T = tok_bucket(b->nt + (L - b->nl));
+        int pad = T - b->nt, pad_l = PD_MIN(L - b->nl, pad);
+        if (pad > 0 && T <= S->catchup_max && pad <= donor_from) {
+            if (!bb_add(b, srs[donor]->toks, pad, 0, plan->seqs[donor].block_ids, S->bs, pad_l)) return PD_ERR_NOMEM;
+            pad_tok = pad;
+        }
+    }
     if (n_rand > 0 && pd_array_reserve(&S->qbuf, sizeof(float) * (size_t)V, &S->cap_q, (size_t)n_rand)) return PD_ERR_NOMEM;
     // Greedy drafts of requests the device may check: argmax on the device, no logits download.
     bool dev = S->dev_sample;
@@ -566,6 +753,9 @@ static pd_status run_draft(pd_engine *e, const pd_step_plan *plan, sreq **srs) {
         }
         int64_t dt = pd_time_us() - t0;
         if (b->nl > 0) draft_observe(S, b, j == 0 ? max_q : 1, dt);
+        if (j == 0 && max_q > 2 && b->nl > 0 && S->catchup_max > 0) pd_spec_dcost_observe(&S->dcatch, (uint32_t)tok_bucket(b->nt), (double)dt);
+        S->n_pad_tok += pad_tok;
+        pad_tok = 0;
         S->draft_us += dt;
         S->step_draft_us += dt;
         S->draft_n++;
@@ -594,7 +784,8 @@ static void propose_free(pd_engine *e, const pd_step_plan *plan, sreq **srs) {
         if (!sr || S->kmax[i] <= 0) continue;
         int m = 0;
         if (S->method == PD_SPEC_NGRAM)
-            m = pd_spec_ngram_propose(sr->toks, sr->n, S->ngram_min, S->ngram_max, S->kmax[i], sr->draft);
+            m = pd_spec_ngram_propose_at(sr->toks, sr->n, S->ngram_min, S->ngram_max, S->kmax[i], sr->ng_hint, sr->draft,
+                                         &sr->ng_src);
         else
             m = pd_spec_pool_propose(sr->pool, sr->toks[sr->n - 1], S->kmax[i], sr->draft);
         S->kmax[i] = m;
@@ -619,9 +810,7 @@ static uint32_t shape_key(pd_model *m, int n_seqs, int max_q, int n_tokens) {
     if (B < 1 || B >= (1 << 11) || T < 1 || T >= (1 << 19)) return 0;
     uint32_t eager = 0;
     if (!step_is_graph(m, n_seqs, max_q)) {
-        int r = 1;
-        while (r < T) r = (r & (r - 1)) ? (r / 3) * 4 : (r >= 2 ? r + r / 2 : 2);  // 2^k -> 1.5 * 2^k -> 2^(k+1)
-        T = r, eager = SHAPE_EAGER;
+        T = tok_bucket(T), eager = SHAPE_EAGER;
     }
     return eager | (uint32_t)B << 20 | (uint32_t)T;
 }
@@ -631,19 +820,65 @@ static uint32_t shape_key(pd_model *m, int n_seqs, int max_q, int n_tokens) {
 // shape was timed before; else the line at the padded size, the graph steps' line or the eager
 // steps' (an eager step of 72 tokens costs several graph steps of 64 on a small model): both are
 // optimistic for a shape never run, so it gets tried once, and then it is measured.
+#define COST_NEVER 1e12  // a shape the adaptive policy does not go to
+
+// The host-overhead slot of a graph shape's batch bucket (NULL: none, or no room).
+static double *host_slot(espec *S, uint32_t key, bool add) {
+    if (!key || (key & SHAPE_EAGER)) return NULL;
+    uint32_t B = key >> 20, T = key & ((1u << 20) - 1);
+    bool verify = B > 0 && T > B;
+    for (int i = 0; i < S->n_host; i++)
+        if (S->host[i].B == B) return verify ? &S->host[i].v : &S->host[i].p;
+    if (!add || S->n_host >= (int)PD_ARRAY_LEN(S->host)) return NULL;
+    S->host[S->n_host] = (host_ov){.B = B, .v = -1, .p = -1};
+    return verify ? &S->host[S->n_host++].v : &S->host[S->n_host++].p;
+}
+
+static double host_of(espec *S, uint32_t key) {
+    double *h = host_slot(S, key, false);
+    return h ? *h : -1;
+}
+
+// A whole step of a warm-timed shape took us: what it cost beyond its warm-up forward.
+static void host_observe(espec *S, uint32_t key, double us) {
+    double w = pd_spec_shapes_get(&S->warm, key);
+    double *h = w > 0 ? host_slot(S, key, true) : NULL;
+    if (!h) return;
+    double d = PD_MAX(us - w, 0);
+    *h = *h >= 0 ? 0.8 * *h + 0.2 * d : d;
+}
+
 typedef struct pad_ctx {
     espec *S;
     pd_model *m;
     int n_seqs, base_max_q;
 } pad_ctx;
 
+
 static double step_cost(void *ud, int max_k, int n_tokens) {
     const pad_ctx *p = ud;
+    // A step with a prefill chunk runs eagerly with or without drafts; drafts change its GEMM
+    // sizes (a plain engine's mixed steps have the sizes of their chunks), and a size seen for the
+    // first time builds its plans on the spot (session 11: mixed steps at batch 32-64 took 13-50
+    // ms with drafts). With the warm-up timings (adaptive, graphs), such steps do not draft.
+    if (max_k > 0 && p->base_max_q > 1 && p->S->warm_n > 0) return COST_NEVER;
     int q = PD_MAX(p->base_max_q, 1 + max_k);
-    double us = pd_spec_shapes_get(&p->S->shapes, shape_key(p->m, p->n_seqs, q, n_tokens));
+    uint32_t key = shape_key(p->m, p->n_seqs, q, n_tokens);
+    double us = pd_spec_shapes_get(&p->S->shapes, key);
     if (us > 0) return us;
+    bool graph = step_is_graph(p->m, p->n_seqs, q);
+    if (graph && p->base_max_q == 1) {
+        // Not timed live yet: the live plain step at this batch plus what the warm-up measured
+        // between the two graphs (the step's host work is the same for both).
+        us = pd_spec_shape_us(&p->S->shapes, &p->S->warm, key, shape_key(p->m, p->n_seqs, 1, p->n_seqs), host_of(p->S, key));
+        if (us > 0) return us;
+    }
+    // A step that would replay a graph without drafts does not leave graphs for them when the
+    // warm-up timed the graphs (adaptive): an eager step of the same batch costs several graph
+    // steps, and its first run of a new size far more (GEMM plans).
+    if (!graph && p->S->warm_n > 0 && step_is_graph(p->m, p->n_seqs, p->base_max_q)) return COST_NEVER;
     int T = pd_model_step_tokens(p->m, p->n_seqs, q, n_tokens);
-    return pd_spec_cost_predict(step_is_graph(p->m, p->n_seqs, q) ? &p->S->cost : &p->S->cost_eager, T);
+    return pd_spec_cost_predict(graph ? &p->S->cost : &p->S->cost_eager, T);
 }
 
 static pad_ctx pad_of(pd_engine *e, const pd_step_plan *plan) {
@@ -663,6 +898,7 @@ static uint32_t batch_key(pd_model *m, int n_seqs) {
 static void choose_lengths(pd_engine *e, const pd_step_plan *plan, sreq **srs) {
     espec *S = e->spec;
     int n = 0, n_base = 0, n_yield = 0;  // n_yield: sequences that get a token this step anyway
+    int lag_sum = 0, lag_max = 0;        // draft: the candidates' catch-up (draft_price)
     for (int i = 0; i < plan->n_seqs; i++) {
         n_base += plan->seqs[i].n_tokens;
         n_yield += plan->seqs[i].needs_logits;
@@ -676,6 +912,10 @@ static void choose_lengths(pd_engine *e, const pd_step_plan *plan, sreq **srs) {
         S->sidx[n] = i;
         S->alpha[n] = pd_spec_accept_alpha(&sr->acc);
         n++;
+        if (S->method == PD_SPEC_DRAFT) {
+            int lag = PD_MAX(plan->seqs[i].pos_start + 1 - PD_MAX(sr->draft_pos, 0), 1);
+            lag_sum += lag, lag_max = PD_MAX(lag_max, lag);
+        }
     }
     if (n == 0) {
         if (S->probe_wait_id) pd_spec_backoff_result(&S->probe_bo, false), S->probe_wait_id = 0;  // no proposal: no draft
@@ -694,7 +934,7 @@ static void choose_lengths(pd_engine *e, const pd_step_plan *plan, sreq **srs) {
     if (!kout) kout = pd_malloc(sizeof(int) * (size_t)n);
     if (!kout) return;
     pad_ctx pc = pad_of(e, plan);
-    pd_spec_draft_price dp = S->method == PD_SPEC_DRAFT ? draft_price(S, n) : (pd_spec_draft_price){0, 0};
+    pd_spec_draft_price dp = S->method == PD_SPEC_DRAFT ? draft_price(S, n, lag_sum, lag_max) : (pd_spec_draft_price){0, 0};
     pd_spec_choose_padded(&S->cost, n_base, n, n_yield, S->alpha, km, S->method == PD_SPEC_DRAFT ? &dp : NULL, step_cost, &pc,
                           kout);
     int any_k = 0;
@@ -728,9 +968,17 @@ static void choose_lengths(pd_engine *e, const pd_step_plan *plan, sreq **srs) {
         }
         if (!any_k) {
             double c0 = step_cost(&pc, 0, n_base), c1 = step_cost(&pc, 1, n_base + 1);
-            // A probe's draft: one sequence, its catch-up (a transient after idle steps) and one token.
-            pd_spec_draft_price p1 = S->method == PD_SPEC_DRAFT ? draft_price(S, 1) : (pd_spec_draft_price){0, 0};
-            double dc = c1 - c0 + 2 * p1.first_us;
+            if (c1 >= COST_NEVER) {  // (a verify step would leave graphs: no probe at this batch)
+                kk[i] = 0, S->probe_i = -1;
+                c1 = c0;
+            }
+            // A probe's draft: one sequence, its catch-up (eager after idle steps: priced at its
+            // measured size) and one token.
+            int lag = 1;
+            if (S->method == PD_SPEC_DRAFT && srs[i])
+                lag = PD_MAX(plan->seqs[i].pos_start + 1 - PD_MAX(srs[i]->draft_pos, 0), 1);
+            pd_spec_draft_price p1 = S->method == PD_SPEC_DRAFT ? draft_price(S, 1, lag, lag) : (pd_spec_draft_price){0, 0};
+            double dc = c1 - c0 + p1.first_us;
             double period = dc / (PROBE_SHARE * (c0 > 1 ? c0 : 1));
             period = period < PROBE_EVERY ? PROBE_EVERY : period > 4096 ? 4096 : period;
             S->next_probe = S->n_steps + pd_spec_backoff_period(&S->probe_bo, batch_key(e->model, plan->n_seqs), period);
@@ -927,6 +1175,7 @@ static pd_status run_plan(pd_engine *e, const pd_step_plan *plan, bool *handled)
         if (!sr) continue;
         sr->k = sr->w = 0;
         sr->q = NULL;
+        sr->looked = false;
         // Where the draft's KV stands: a first appearance mid-prompt (a prefix hit) has the hit's
         // draft KV in the same blocks; one that starts decoding (a remote prefill) has none.
         if (sr->draft_pos < 0) sr->draft_pos = is_decode(s, sr) ? 0 : s->pos_start;
@@ -946,7 +1195,9 @@ static pd_status run_plan(pd_engine *e, const pd_step_plan *plan, bool *handled)
             n_idle++;
             continue;
         }
+        if (sr->last_k == LAST_K_NOMATCH && S->n_steps < sr->retry_at) continue;  // its next lookup is later
         S->kmax[i] = room;
+        sr->looked = S->method != PD_SPEC_DRAFT && room > 0;
     }
     if (n_idle) {  // one idle sequence in turn on a probe step, none otherwise
         int pick = S->n_steps >= S->next_probe ? (int)(S->probe_rot++ % n_idle) : -1;
@@ -961,7 +1212,23 @@ static pd_status run_plan(pd_engine *e, const pd_step_plan *plan, bool *handled)
     for (int i = 0; i < plan->n_seqs; i++) {
         any |= S->kch[i] > 0;
         if (srs[i] && S->method != PD_SPEC_DRAFT) srs[i]->k = S->kch[i];
-        if (srs[i] && is_decode(&plan->seqs[i], srs[i])) set_last_k(srs[i], S->kch[i]);
+        sreq *sr = srs[i];
+        if (!sr || !is_decode(&plan->seqs[i], sr)) continue;
+        if (sr->looked && S->kmax[i] == 0 && S->adaptive && !sr->fixed_k) {  // looked, found nothing
+            int wait = pd_spec_nomatch_wait(++sr->n_miss);
+            if (wait > 0) {
+                sr->retry_at = S->n_steps + wait;
+                set_last_k(sr, LAST_K_NOMATCH);
+            } else {
+                set_last_k(sr, 0);  // idle: probes only (the lookup state starts over after a probe)
+                sr->n_miss = 0;
+            }
+            continue;
+        }
+        if (sr->looked) sr->n_miss = 0;
+        if (S->kch[i] == 0) sr->ng_hint = -1;  // (the alignment is set again after a drafting step)
+        if (sr->last_k == LAST_K_NOMATCH && !sr->looked) continue;  // waiting for its retry
+        set_last_k(sr, S->kch[i]);
     }
     if (S->method == PD_SPEC_LOOKAHEAD) {
         // The Jacobi window rides along while it pays: W extra tokens per sequence add dt to a
@@ -984,7 +1251,7 @@ static pd_status run_plan(pd_engine *e, const pd_step_plan *plan, bool *handled)
         // While windows do not pay, each window probe doubles the period to the next one
         // (pd_spec_backoff); a step where they pay, or a new batch bucket, resets it.
         if (cheap && S->adaptive) pd_spec_backoff_result(&S->win_bo, true);
-        if (!cheap && n_win > 0 && S->n_steps >= S->next_win_probe) {
+        if (!cheap && n_win > 0 && S->n_steps >= S->next_win_probe && cw < COST_NEVER) {
             int pick = (int)(S->probe_rot++ % n_win), c = 0;
             for (int i = 0; i < plan->n_seqs && only < 0; i++)
                 if (srs[i] && is_decode(&plan->seqs[i], srs[i]) && plan->seqs[i].n_lookahead > 0 && c++ == pick) only = i;
@@ -1028,6 +1295,8 @@ static pd_status run_plan(pd_engine *e, const pd_step_plan *plan, bool *handled)
         if (!sr || sr->k == 0) continue;
         const pd_step_output *o = &e->sb.outputs[i];
         pd_spec_accept_update(&sr->acc, sr->k, o->n_accepted);
+        pd_spec_accept_update(&S->pop, sr->k, o->n_accepted);
+        S->pop_n++;
         sr->n_drafted += sr->k;
         sr->n_accepted += o->n_accepted;
         sr->n_steps++;
@@ -1035,6 +1304,11 @@ static pd_status run_plan(pd_engine *e, const pd_step_plan *plan, bool *handled)
         S->accepted[S->method] += o->n_accepted;
         S->emitted[S->method] += o->n_accepted + 1;
         S->steps[S->method]++;
+        for (int j = 0; j <= PD_MIN(o->n_accepted, sr->k - 1); j++) S->pos_reached[j]++;
+        for (int j = 0; j < o->n_accepted; j++) S->pos_accepted[j]++;
+        // ngram: the next proposal continues the source after this one's accepted drafts and the
+        // target's own token (which took the place of the first rejected draft, or is the bonus).
+        if (S->method == PD_SPEC_NGRAM) sr->ng_hint = sr->ng_src >= 0 ? sr->ng_src + o->n_accepted + 1 : -1;
         // The draft's KV past the accepted tokens holds rejected drafts: cut it back.
         sr->draft_pos = PD_MIN(sr->draft_pos, plan->seqs[i].pos_start + 1 + o->n_accepted);
     }
@@ -1068,14 +1342,20 @@ void pd_engine_spec_after_update(pd_engine *e, const pd_step_plan *plan, int64_t
     double us = (double)(step_us - S->step_draft_us);
     pd_spec_cost_observe(graph ? &S->cost : &S->cost_eager, vt, us);
     pd_spec_shapes_observe(&S->shapes, key, us);
+    host_observe(S, key, us);
     // Next step's lookahead asks: what was chosen now, plus one to let it grow (and 1 when it was
-    // 0, for the probes); the Jacobi window always (only budget: unused slots cost no compute).
-    // Asked only when it changes: a step that drafts nothing does O(1) here per sequence.
+    // 0, for the probes); every slot when the choice took every slot granted (it was the slots that
+    // limited it: growing one a step, a sequence back from a short step took k steps to reach k
+    // again); unchanged when a lookup found nothing (the next one may find k). The Jacobi window
+    // always (only budget: unused slots cost no compute). Asked only when it changes: a step that
+    // drafts nothing does O(1) here per sequence.
     int extra = S->method == PD_SPEC_LOOKAHEAD ? S->W : 0;
     for (int i = 0; i < plan->n_seqs && i < S->srs_n && S->adaptive; i++) {
         sreq *sr = S->srs[i];
         if (!sr || sr->fixed_k || !is_decode(&plan->seqs[i], sr) || plan->seqs[i].n_lookahead <= 0) continue;
-        int want = PD_MIN(S->K, S->kch[i] + 1) + extra;
+        if (sr->looked && S->kmax[i] == 0) continue;  // no proposal: keep the ask
+        int granted = PD_MIN(plan->seqs[i].n_lookahead - extra, S->K);
+        int want = (S->kch[i] > 0 && S->kch[i] >= granted ? S->K : PD_MIN(S->K, S->kch[i] + 1)) + extra;
         if (want == sr->la_want) continue;
         if (pd_sched_set_lookahead(e->sched, plan->seqs[i].req_id, want) == PD_OK) sr->la_want = want;
     }
@@ -1108,4 +1388,7 @@ void pd_engine_spec_stats(pd_engine *e, pd_engine_stats *o) {
     memcpy(o->spec_accepted, S->accepted, sizeof o->spec_accepted);
     memcpy(o->spec_emitted, S->emitted, sizeof o->spec_emitted);
     memcpy(o->spec_steps, S->steps, sizeof o->spec_steps);
+    _Static_assert(sizeof o->spec_pos_reached == sizeof S->pos_reached, "per-position counters");
+    memcpy(o->spec_pos_reached, S->pos_reached, sizeof o->spec_pos_reached);
+    memcpy(o->spec_pos_accepted, S->pos_accepted, sizeof o->spec_pos_accepted);
 }

@@ -145,7 +145,8 @@ static pd_status load_all(loader *L, int n_full) {
     uint64_t per_layer = 0;
     for (int i = 0; i < c->n_layers; i++) {
         uint64_t s0 = L->dummy_seed;
-        L->out_scale = L->p->dummy_scale_from > 0 && i >= L->p->dummy_scale_from ? L->p->dummy_scale_eps : 1.0f;
+        int from = L->p->dummy_scale_from;
+        L->out_scale = (from > 0 && i >= from) || from == PD_DUMMY_SCALE_ALL ? L->p->dummy_scale_eps : 1.0f;
         TRY(load_layer(L, i));
         per_layer = L->dummy_seed - s0;
     }
@@ -175,7 +176,7 @@ static pd_status check_fixture(const pd_model_params *p, int n_layers, pd_err *e
         return pd_err_set(err, PD_ERR_INVALID, "--dummy-num-layers %d: the config has %d layers (1..%d)", p->dummy_num_layers, n_layers,
                           n_layers);
     int n = p->dummy_num_layers > 0 ? p->dummy_num_layers : n_layers;
-    if (p->dummy_scale_from && (p->dummy_scale_from < 1 || p->dummy_scale_from >= n))
+    if (p->dummy_scale_from && p->dummy_scale_from != PD_DUMMY_SCALE_ALL && (p->dummy_scale_from < 1 || p->dummy_scale_from >= n))
         return pd_err_set(err, PD_ERR_INVALID, "--dummy-residual-scale FROM:EPS: FROM %d must be 1..%d (the model has %d layers)",
                           p->dummy_scale_from, n - 1, n);
     if (p->dummy_scale_from && !(p->dummy_scale_eps >= 0.0f && p->dummy_scale_eps <= 1.0f))

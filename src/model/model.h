@@ -46,11 +46,15 @@ typedef struct pd_model_params {
     // so every kept tensor (embeddings, layers 0..K-1, final norm, lm_head) equals the full model's
     // of the same seed. dummy_scale_from F > 0 scales the tensors that write into the residual
     // stream (o_proj, down_proj and their biases) of layers F.. by dummy_scale_eps (0..1): the
-    // weights are still all there and all read, only their values shrink.
+    // weights are still all there and all read, only their values shrink. F = PD_DUMMY_SCALE_ALL
+    // scales every layer, layer 0 too: at EPS 0 the last hidden state is the last token's
+    // embedding, so each next token is a function of the last one alone (a Markov target: the
+    // copy workload of bench-spec's --copy-chain; the step still reads every weight).
     int dummy_num_layers;
     int dummy_scale_from;
     float dummy_scale_eps;
 } pd_model_params;
+#define PD_DUMMY_SCALE_ALL (-1)  // pd_model_params.dummy_scale_from: every layer
 pd_model_params pd_model_params_default(void);
 
 // Loads a model. NULL with err naming the problem (unknown architecture, unsupported dtype,

@@ -19,19 +19,39 @@ pd_status pd_spec_method_parse(const char *s, pd_spec_method *out) {
 
 // ---- n-gram prompt lookup ------------------------------------------------------------------------
 
-int pd_spec_ngram_propose(const int32_t *toks, int n_toks, int n_min, int n_max, int k, int32_t *out) {
-    if (k <= 0 || n_min < 1) return 0;
+// k tokens from toks[from..], continued periodically past the end: the text from `from` on is
+// predicted to repeat with period n_toks - from, so token from + j >= n_toks is the proposal's own
+// token from + j - n_toks (a short loop, period < k, still gets k).
+static int copy_from(const int32_t *toks, int n_toks, int from, int k, int32_t *out) {
+    for (int j = 0; j < k; j++) out[j] = from + j < n_toks ? toks[from + j] : out[from + j - n_toks];
+    return k;
+}
+
+// Where the tokens after the most recent earlier occurrence of toks' last n tokens start (n from
+// n_max down to n_min), or -1.
+static int ngram_match(const int32_t *toks, int n_toks, int n_min, int n_max) {
+    if (n_min < 1) return -1;
     for (int n = PD_MIN(n_max, n_toks - 1); n >= n_min; n--) {
         const int32_t *tail = toks + n_toks - n;
         // Most recent earlier occurrence: its start i < n_toks - n, so at least one token follows.
-        for (int i = n_toks - n - 1; i >= 0; i--) {
-            if (memcmp(toks + i, tail, sizeof(int32_t) * (size_t)n)) continue;
-            int from = i + n, m = PD_MIN(k, n_toks - from);
-            memcpy(out, toks + from, sizeof(int32_t) * (size_t)m);
-            return m;
-        }
+        for (int i = n_toks - n - 1; i >= 0; i--)
+            if (!memcmp(toks + i, tail, sizeof(int32_t) * (size_t)n)) return i + n;
     }
-    return 0;
+    return -1;
+}
+
+int pd_spec_ngram_propose(const int32_t *toks, int n_toks, int n_min, int n_max, int k, int32_t *out) {
+    return pd_spec_ngram_propose_at(toks, n_toks, n_min, n_max, k, -1, out, NULL);
+}
+
+int pd_spec_ngram_propose_at(const int32_t *toks, int n_toks, int n_min, int n_max, int k, int hint, int32_t *out, int *src) {
+    if (src) *src = -1;
+    if (k <= 0) return 0;
+    int from = ngram_match(toks, n_toks, n_min, n_max);
+    if (from < 0) from = hint >= 1 && hint < n_toks ? hint : -1;
+    if (from < 0) return 0;
+    if (src) *src = from;
+    return copy_from(toks, n_toks, from, k, out);
 }
 
 // ---- lookahead pool ------------------------------------------------------------------------------
@@ -281,10 +301,37 @@ int pd_spec_choose_padded(const pd_spec_cost *c, int n_base, int n_seqs, int n_y
         }
     }
     if (g != g_stack) pd_free(g);
-    if (pad) {  // back to the best point of the path
+    if (pad) {
+        // Every sequence at min(m, k_max): in a padded step whose cost depends on the longest
+        // draft m alone (graphs; the draft's forwards run for the batch), every draft up to m
+        // rides free, so for each m this is the best point with that m — which the greedy path,
+        // growing the sequences with the highest estimates first, may pass by (it reached k = 4
+        // for a few sequences, a Q = 5 step, before k = 1 for the others: session 11, batch 64).
+        double base_tokens = n_yield > n_seqs ? n_yield : n_seqs;
+        int best_m = -1, kmx = 0;
+        for (int i = 0; i < n_seqs; i++) kmx = k_max[i] > kmx ? k_max[i] : kmx;
+        for (int m = 1; m <= kmx; m++) {
+            double t = base_tokens;
+            int n_tok = n_base;
+            for (int i = 0; i < n_seqs; i++) {
+                int ki = k_max[i] < m ? k_max[i] : m;
+                double p = 1;
+                for (int j = 0; j < ki; j++) p *= alpha[i] > 0 ? alpha[i] : 0, t += p;
+                n_tok += ki > 0 ? ki : 0;
+            }
+            double r = t / (pad(ud, m, n_tok) + d1 + (m - 1) * dn);
+            if (r > best_rate) best_rate = r, best_m = m;
+        }
+        // ... and drafts only where the best beats drafting nothing by the margin.
+        bool pays = best_rate >= (1.0 + PD_SPEC_MIN_GAIN) * base_tokens / pad(ud, 0, n_base);
+        sum_k = 0;
         for (int i = 0; i < n_seqs; i++) k[i] = 0;
-        for (int j = 0; j < best_len; j++) k[order[j]]++;
-        sum_k = best_len;
+        if (pays && best_m > 0) {
+            for (int i = 0; i < n_seqs; i++) k[i] = k_max[i] < best_m ? (k_max[i] > 0 ? k_max[i] : 0) : best_m, sum_k += k[i];
+        } else if (pays) {
+            for (int j = 0; j < best_len; j++) k[order[j]]++;
+            sum_k = best_len;
+        }
         if (order != order_stack) pd_free(order);
     }
     return sum_k;
@@ -370,6 +417,38 @@ void pd_spec_dcost_observe(pd_spec_dcost *d, uint32_t key, double us) {
 double pd_spec_dcost_get(const pd_spec_dcost *d, uint32_t key) {
     double us = pd_spec_shapes_get(&d->t, key);
     return us > 0 ? us : d->any_us;
+}
+
+// ---- what resuming and untimed shapes cost ---------------------------------------------------------
+
+int pd_spec_tok_bucket(int t) {
+    int r = 1;
+    while (r < t && r < (1 << 29)) r = (r & (r - 1)) ? (r / 3) * 4 : (r >= 2 ? r + r / 2 : 2);  // 2^k -> 1.5 * 2^k -> 2^(k+1)
+    return r;
+}
+
+double pd_spec_catchup_us(const pd_spec_dcost *catchup, int max_tokens, double steady_us, int n, int lag, int max_lag) {
+    if (steady_us < 0) steady_us = 0;
+    if (max_lag <= 2) return steady_us;
+    int T = pd_spec_tok_bucket(lag);
+    double c = catchup && T <= max_tokens ? pd_spec_shapes_get(&catchup->t, (uint32_t)T) : -1;
+    if (c < 0) c = steady_us * (double)lag / (2.0 * (n > 0 ? n : 1));
+    return c > steady_us ? c : steady_us;
+}
+
+double pd_spec_shape_us(const pd_spec_shapes *live, const pd_spec_shapes *warm, uint32_t key, uint32_t key_plain, double host_us) {
+    double us = pd_spec_shapes_get(live, key);
+    if (us > 0) return us;
+    if (!warm) return -1;
+    double w = pd_spec_shapes_get(warm, key), w1 = pd_spec_shapes_get(warm, key_plain), l1 = pd_spec_shapes_get(live, key_plain);
+    if (w > 0 && host_us >= 0) return w + host_us;
+    if (!(w > 0) || !(w1 > 0)) return -1;
+    return (l1 > 0 ? l1 : w1) + (w > w1 ? w - w1 : 0);
+}
+
+int pd_spec_nomatch_wait(int n_miss) {
+    if (n_miss < 1) n_miss = 1;
+    return n_miss > PD_SPEC_NOMATCH_RETRIES ? -1 : 1 << (n_miss - 1);
 }
 
 // ---- probe backoff ----------------------------------------------------------------------------

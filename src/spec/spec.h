@@ -42,8 +42,17 @@ pd_status pd_spec_method_parse(const char *s, pd_spec_method *out);
 
 // ---- n-gram prompt lookup ------------------------------------------------------------------------
 // Finds the most recent earlier occurrence of toks' last n tokens, n from n_max down to n_min, and
-// copies up to k tokens that followed it into out. Returns how many (0: no match).
+// copies k tokens that followed it into out, continued periodically when the match is less than k
+// tokens back (the loop it sits in is assumed to go on). Returns how many (0: no match, else k).
 int pd_spec_ngram_propose(const int32_t *toks, int n_toks, int n_min, int n_max, int k, int32_t *out);
+// The same, keeping the alignment across a substitution: when no n-gram matches, the proposal
+// continues from hint (1 <= hint < n_toks; else nothing), the history position that follows the
+// last proposal's source under the assumption that the target replaced one token of it (the
+// engine passes src + accepted + 1 after a step that proposed from src). A copy with a token
+// changed (an edit, a corrupted source) then goes on being proposed right after the change,
+// where the n-gram lookup (its suffix ends in the new token) finds nothing. *src (may be NULL):
+// where the proposal was copied from (-1: nothing proposed).
+int pd_spec_ngram_propose_at(const int32_t *toks, int n_toks, int n_min, int n_max, int k, int hint, int32_t *out, int *src);
 
 // ---- lookahead: n-gram pool and Jacobi window ----------------------------------------------------
 typedef struct pd_spec_pool pd_spec_pool;
@@ -133,6 +142,11 @@ typedef double (*pd_spec_step_cost_fn)(void *ud, int max_k, int n_tokens);
 // draft: the price of the draft model's forwards at this step (NULL for the draft-free methods): a
 // step whose longest draft is m runs forward 1 (catch-up + draft token 1) and m - 1 single-token
 // forwards, first_us + (m - 1) * next_us.
+// A step drafts only where the best point of its path beats drafting nothing by this share of the
+// step's rate (session 11: at a predicted +0.6% — acceptance 0.2 at batch 64 — the adaptive engines
+// ran 8-18% below plain decoding; the step model is not better than a few percent, and a closed
+// batch's requests finishing unevenly cost what a single step does not show).
+#define PD_SPEC_MIN_GAIN 0.05
 typedef struct pd_spec_draft_price {
     double first_us, next_us;
 } pd_spec_draft_price;
@@ -183,6 +197,33 @@ void pd_spec_dcost_init(pd_spec_dcost *d);
 void pd_spec_dcost_observe(pd_spec_dcost *d, uint32_t key, double us);
 // The shape's estimate, else any_us, else -1 (nothing measured).
 double pd_spec_dcost_get(const pd_spec_dcost *d, uint32_t key);
+
+// ---- what resuming and untimed shapes cost (session 11) --------------------------------------------
+// Token counts rounded up to 1, 2, 3, 4, 6, 8, 12, 16, 24, ... (powers of two and their 1.5x): eager
+// forwards of similar size share a cost entry and, padded to these sizes, their GEMM plans.
+int pd_spec_tok_bucket(int t);
+// The draft's forward 1 for n drafting sequences whose draft KV lags the target by lag tokens in
+// all, max_lag the longest (1-2 a sequence in steady state: the last token, after a fully
+// accepted step the bonus token too). steady_us: the steady forward 1's price at this batch. A row
+// of more than 2 tokens makes the forward an eager catch-up: its price is the catch-up table's
+// entry for pd_spec_tok_bucket(lag) (the engine times every size at warm-up and each live
+// catch-up), else, unmeasured or above max_tokens, steady_us scaled by lag / (2 n) — never less
+// than steady_us.
+double pd_spec_catchup_us(const pd_spec_dcost *catchup, int max_tokens, double steady_us, int n, int lag, int max_lag);
+// A step shape's price from live whole-step times and warm-up forward times: the live time when the
+// shape was timed live; else, when the warm-up timed it and the plain shape key_plain (the same
+// batch, one token a sequence), the live plain step (or, untimed live, the warm one) plus the
+// warm-up's difference between the two; else -1. host_us >= 0: what a step of this kind (verify
+// or plain) at this batch has cost beyond its warm-up forward so far (the engine's EMA over the
+// shapes timed both ways: scheduling, sampling, the update; a verify step's grows with its tokens,
+// ~1 ms at batch 64 on an H100 against ~0.3 ms for a plain step): an untimed shape is then its
+// warm-up forward plus that.
+double pd_spec_shape_us(const pd_spec_shapes *live, const pd_spec_shapes *warm, uint32_t key, uint32_t key_plain, double host_us);
+// Draft-free methods, adaptive: a sequence whose lookup found nothing looks again this many steps
+// later after its n_miss-th miss in a row (1, 2, 4, ...), or -1 after PD_SPEC_NOMATCH_RETRIES misses
+// (then it is idle: probes only).
+#define PD_SPEC_NOMATCH_RETRIES 5
+int pd_spec_nomatch_wait(int n_miss);
 
 // ---- probe backoff ------------------------------------------------------------------------------
 // Probes keep a "does not pay" estimate alive (a sequence drafts a token now and then although the

@@ -7,7 +7,8 @@
 #      output is byte-identical to speculation off ("same as off N/N": fp32 on the CPU is exact)
 #      (and the fixed run's implied per-token acceptance gives its tokens per verify step); --serial:
 #      batch 1 over several prompts in turn, every output compared, tokens summed; --serial 0 refused
-#   2. ngram on a repeated prompt: drafted, accepted, identical; the JSON report has every run;
+#   2. ngram on a repeated prompt: drafted, accepted, identical; the JSON report has every run and
+#      the per-position acceptance with its counts (consistent with accepted and the verify steps);
 #      the interleaved protocol (METHOD:mode, two plain engines, 2 rounds): runs, median within
 #      its range, the plain engines' pooled band, the summary
 #   3. bad input is refused with a message naming it
@@ -15,6 +16,7 @@
 #      residual stream scaled by 0, drafted by its own first layer (same seed), accepts every draft
 #      and matches plain decoding; unscaled, the same pair disagrees; its flags are refused outside
 #      --load-format dummy and outside the config's shape
+#   5. the copy workload (--copy-chain P on a Markov target): acceptance 1 at P = 1, ~P below
 here=$(cd "$(dirname "$0")" && pwd)
 . "$here/lib/server.sh"
 pd_setup
@@ -79,7 +81,22 @@ g = json.load(open(sys.argv[2]))
 f = [r for r in g["results"] if r["mode"] == "fixed"][0]
 assert f["drafted"] > 0 and f["accepted"] > 0 and f["same_as_off"] == 2, f
 assert f["tokens_per_verify"] > 1.0, f
+# per-position acceptance: reached[0] = the verify sequence-steps, the accepted drafts sum over the
+# positions, reached[j + 1] <= accepted[j], each rate accepted / reached; the share of decode steps
+# that drafted in (0, 1]
+for r in d["results"] + g["results"]:
+    if r["mode"] == "off":
+        continue
+    re, ac, pp = r["pos_reached_total"], r["pos_accepted_total"], r["per_position_acceptance"]
+    assert re[0] == r["verify_steps_total"] and sum(ac) == r["accepted_total"], r
+    assert all(0 <= ac[j] <= re[j] for j in range(len(re))), r
+    assert all(re[j + 1] <= ac[j] for j in range(len(re) - 1)), r
+    assert len(pp) == sum(1 for x in re if x > 0) and all(abs(pp[j] - ac[j] / re[j]) < 1e-9 for j in range(len(pp))), r
+    if r["drafted"] > 0:
+        assert 0 < r["drafting_step_share"] <= 1, r
+assert f["pos_reached_total"][0] > 0 and f["per_position_acceptance"][0] > 0, f
 EOF
+grep -q 'drafting steps 0\.[0-9]*  per-position 0\.[0-9]' "$TMP/ngram.out" || pd_fail "no per-position acceptance printed: $(cat "$TMP/ngram.out")"
 
 # ---- 2b. the interleaved protocol: METHOD:mode, two plain engines, rounds, median, band ------------
 timeout 300 "$PD_BIN" bench-spec --model "$MODEL" --device cpu --golden "$G" --repeat 2 --batches 2 --max-tokens 12 \
@@ -154,9 +171,29 @@ refuse 'need --load-format dummy' --dummy-residual-scale 1:0.1
 refuse 'need --load-format dummy' --speculative-method draft --speculative-model "$FX" --speculative-dummy-layers 1
 refuse 'FROM_LAYER:EPS' --load-format dummy --dummy-residual-scale 1
 refuse 'FROM_LAYER:EPS' --load-format dummy --dummy-residual-scale 1:2
-refuse 'FROM_LAYER:EPS' --load-format dummy --dummy-residual-scale 0:0.5
+refuse 'FROM_LAYER:EPS' --load-format dummy --dummy-residual-scale -1:0.5
+refuse 'copy-chain is a fidelity' --load-format dummy --copy-chain 1.5
+refuse 'copy-chain needs --random-prompt L (and the interleaved' --load-format dummy --copy-chain 0.5 --sequential
 refuse 'FROM 4 must be 1..3' --load-format dummy --dummy-residual-scale 4:0.5
 refuse 'needs --speculative-model' --load-format dummy --speculative-method draft --speculative-dummy-layers 1
 refuse 'the config has 4 layers' --load-format dummy --speculative-method draft --speculative-model "$FX" \
   --speculative-dummy-layers 5 --modes off,fixed
+# ---- 5. the copy workload: a Markov target (every layer's write scaled to 0) decodes the copy in
+# its prompt again, so ngram accepts every draft at fidelity 1 (f32: exact) and about half at 0.5;
+# outputs identical to plain decoding either way
+copy() {  # fidelity name
+  timeout 300 "$PD_BIN" bench-spec --model "$FX" --device cpu --load-format dummy --dummy-residual-scale 0:0 --copy-chain "$1" \
+    --random-prompt 8 --random-prompts 2 --max-tokens 24 --batches 1 --serial 2 --reps 1 --num-speculative-tokens 4 \
+    --modes off,ngram:fixed >"$TMP/$2.out" 2>"$TMP/$2.err" || pd_fail "copy workload $1: $(tail -3 "$TMP/$2.err")"
+  grep ' fixed .*batch=1 ' "$TMP/$2.out"
+}
+c1=$(copy 1 cp1)
+grep -q 'copy workload: 2 prompts of 41 tokens' "$TMP/cp1.out" || pd_fail "copy workload prompts: $(cat "$TMP/cp1.out")"
+echo "$c1" | grep -q 'acceptance 1.000' || pd_fail "copy workload at fidelity 1 rejected drafts: $c1"
+echo "$c1" | grep -q 'same as off 2/2' || pd_fail "copy workload differs from plain decoding: $c1"
+c5=$(copy 0.5 cp5)
+a5=$(echo "$c5" | sed -E 's/.*implied a ([0-9.]+).*/\1/')
+python3 -c "import sys; a = float(sys.argv[1]); assert 0.2 < a < 0.8, a" "$a5" || pd_fail "copy workload at fidelity 0.5: implied a $a5: $c5"
+echo "$c5" | grep -q 'same as off 2/2' || pd_fail "copy workload 0.5 differs from plain decoding: $c5"
+
 echo "PASS test_bench_spec: $(grep ' fixed .*batch=1 ' "$TMP/draft.out" | sed 's/  */ /g'); fixture acceptance at eps 0 / 1: $(cat "$TMP/fx0.out" "$TMP/fx1.out" | grep ' fixed ' | grep -o 'acceptance [0-9.]*' | sed 's/acceptance //' | tr '\n' ' ')"

@@ -251,7 +251,15 @@ static const char *CFG_FIX[] = {
 
 #define FIX_N 24
 // Greedy tokens of a dummy model from `dir` (seed, cut to n_layers if > 0, layers from.. scaled by eps).
+static pd_status fix_gen_p(const char *dir, uint64_t seed, int n_layers, int from, float eps, const int32_t *prompt, int n_prompt,
+                           int32_t *out, pd_err *err);
 static pd_status fix_gen(const char *dir, uint64_t seed, int n_layers, int from, float eps, int32_t *out, pd_err *err) {
+    static const int32_t prompt[] = {3, 17, 200, 45, 9, 88};
+    return fix_gen_p(dir, seed, n_layers, from, eps, prompt, 6, out, err);
+}
+
+static pd_status fix_gen_p(const char *dir, uint64_t seed, int n_layers, int from, float eps, const int32_t *prompt, int n_prompt,
+                           int32_t *out, pd_err *err) {
     pd_backend *be = pd_backend_cpu_new(1);
     pd_model_params p = pd_model_params_default();
     p.dir = dir;
@@ -264,8 +272,7 @@ static pd_status fix_gen(const char *dir, uint64_t seed, int n_layers, int from,
     pd_model *m = pd_model_load(&p, err);
     pd_status st = PD_ERR_INVALID;
     if (m) {
-        static const int32_t prompt[] = {3, 17, 200, 45, 9, 88};
-        pd_gen_seq s = {.prompt = prompt, .n_prompt = 6, .max_tokens = FIX_N, .ignore_eos = true,
+        pd_gen_seq s = {.prompt = prompt, .n_prompt = n_prompt, .max_tokens = FIX_N, .ignore_eos = true,
                         .sampling = pd_sampling_params_default(), .out_ids = out};
         s.sampling.temperature = 0;
         pd_gen_params gp = pd_gen_params_default();
@@ -310,6 +317,27 @@ PD_TEST(dummy_fixture_truncated_draft_equals_scaled_target) {
     }
 }
 
+// PD_DUMMY_SCALE_ALL at EPS 0 (bench-spec --dummy-residual-scale 0:0, the copy workload's target):
+// every layer's residual write is 0, the last hidden state is the last token's embedding, so the
+// output after a prompt depends on its last token alone; the same weights at FROM 1 (layer 0
+// writes) do depend on the context.
+PD_TEST(dummy_fixture_markov_target) {
+    const char *d = mktmp();
+    write_file(d, "config.json", CFG_FIX[0], strlen(CFG_FIX[0]));
+    pd_err err = {0};
+    static const int32_t a[] = {3, 17, 200, 45, 9, 88}, b[] = {250, 7, 7, 1, 88}, c[] = {3, 17, 200, 45, 9, 89};
+    int32_t oa[FIX_N], ob[FIX_N], oc[FIX_N], la[FIX_N], lb[FIX_N];
+    PD_CHECK_MSG(fix_gen_p(d, 1234, 0, PD_DUMMY_SCALE_ALL, 0.0f, a, 6, oa, &err) == PD_OK, "%s", err.msg);
+    PD_CHECK_EQ(fix_gen_p(d, 1234, 0, PD_DUMMY_SCALE_ALL, 0.0f, b, 5, ob, &err), PD_OK);
+    PD_CHECK_EQ(fix_gen_p(d, 1234, 0, PD_DUMMY_SCALE_ALL, 0.0f, c, 6, oc, &err), PD_OK);
+    PD_CHECK(!memcmp(oa, ob, sizeof oa));  // same last token, another context: the same output
+    PD_CHECK(memcmp(oa, oc, sizeof oa));   // another last token: another output
+    PD_CHECK_EQ(fix_gen_p(d, 1234, 0, 1, 0.0f, a, 6, la, &err), PD_OK);
+    PD_CHECK_EQ(fix_gen_p(d, 1234, 0, 1, 0.0f, b, 5, lb, &err), PD_OK);
+    PD_CHECK(memcmp(la, lb, sizeof la));  // layer 0 writing: the context matters
+    rm_dir(d);
+}
+
 // The knobs are benchmark fixtures: refused on real weights and outside the config's shape.
 PD_TEST(dummy_fixture_refusals) {
     const char *d = mktmp();
@@ -323,6 +351,7 @@ PD_TEST(dummy_fixture_refusals) {
         {true, 0, 4, 0.5f, "FROM 4 must be 1..3"},
         {true, 2, 2, 0.5f, "FROM 2 must be 1..1"},
         {true, 0, -2, 0.5f, "FROM -2 must be"},
+        {true, 0, PD_DUMMY_SCALE_ALL, 1.5f, "EPS 1.5 must be in [0, 1]"},
         {true, 0, 1, 1.5f, "EPS 1.5 must be in [0, 1]"},
         {true, 0, 1, -0.1f, "must be in [0, 1]"},
     };
