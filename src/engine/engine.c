@@ -194,6 +194,9 @@ pd_engine *pd_engine_new(const pd_engine_params *p, pd_err *err) {
     sp.enable_chunked_prefill = p->enable_chunked_prefill;
     sp.max_model_len = e->max_model_len;
     sp.policy = p->policy == PD_POLICY_SRPT ? PD_SCHED_SRPT : PD_SCHED_FCFS;
+    const char *bf = getenv("PDSERVE_SCHED_BACKFILL"), *tr = getenv("PDSERVE_TIER_RESERVE");
+    if (bf && !strcmp(bf, "1")) sp.backfill = true;
+    if (tr && !strcmp(tr, "1")) sp.tier_reserve_compute = true;
     if (pd_engine_spec_init(e, &sp, err)) goto fail;  // the draft's KV cache, lookahead slots
     e->sched = pd_sched_new(&sp, e->kv, err);
     if (!e->sched) goto fail;
@@ -442,7 +445,9 @@ static pd_status sample_on_device(pd_engine *e, const pd_step_plan *plan, const 
     step_bufs *b = &e->sb;
     int nl = batch->n_logits, V = pd_model_get_config(e->model)->vocab_size;
     const float *dl = NULL;
+    int64_t t_fwd = pd_time_us();
     pd_status st = pd_model_forward_dev(e->model, e->cache, batch, &dl);
+    e->prof_launch_us += pd_time_us() - t_fwd;  // the host's part: launching the forward's kernels
     if (st) return st;
     if (nl == 0) {
         pd_backend_sync(e->backend);  // as pd_model_forward: the step's KV is written on return
@@ -754,8 +759,10 @@ static void engine_step(pd_engine *e) {
         return;
     }
     bool was_spec = false;
+    int64_t t_run = pd_time_us();
     pd_status st = run_plan(e, &plan, &was_spec);
     pd_tiers_step_end(e);  // (a failed or hookless step: the tier copies get a fence)
+    int64_t t_ran = pd_time_us();
     e->n_saves = 0;  // the layer hook ran during the forward pass only
     pd_step_output *outs = e->sb.outputs;
     if (st) {
@@ -786,6 +793,15 @@ static void engine_step(pd_engine *e) {
     measure_step(e, &plan, pd_time_us() - t0);
     pd_engine_spec_after_update(e, &plan, pd_time_us() - t0, was_spec);
     pd_engine_push_sched_events(e, &plan, e->sb.results, ev, n_ev);
+    int64_t t_end = pd_time_us();
+    if (e->prof_last_end_us) e->prof_gap_us += t0 - e->prof_last_end_us;
+    e->prof_last_end_us = t_end;
+    e->prof_steps++;
+    e->prof_seqs += plan.n_seqs;
+    e->prof_tokens += plan.n_tokens;
+    e->prof_pre_us += t_run - t0;
+    e->prof_run_us += t_ran - t_run;
+    e->prof_post_us += t_end - t_ran;
 }
 
 static void *engine_main(void *arg) {
@@ -821,6 +837,17 @@ void pd_engine_free(pd_engine *e) {
     if (e->started) {
         pd_queue_stop(&e->q);
         pthread_join(e->thread, NULL);
+    }
+    if (e->prof_steps > 0) {
+        double n = (double)e->prof_steps;
+        pd_sched_stats ss = {0};
+        if (e->sched) pd_sched_stats_get(e->sched, &ss);
+        PD_LOG_I("engine: %lld steps ran, %.2f seqs and %.1f tokens a step; engine thread a step: run (forward + "
+                 "sampling) %.2f ms of which launching the forward %.2f ms, schedule + load start %.3f ms, update + offload + events %.3f ms, gap before "
+                 "the next step %.3f ms; backfill passes %lld, tier loads without room to compute in their step %lld",
+                 (long long)e->prof_steps, (double)e->prof_seqs / n, (double)e->prof_tokens / n, e->prof_run_us / n / 1e3,
+                 e->prof_launch_us / n / 1e3, e->prof_pre_us / n / 1e3, e->prof_post_us / n / 1e3, e->prof_gap_us / n / 1e3,
+                 (long long)ss.n_backfill_passes, (long long)ss.n_join_short);
     }
     pd_disagg_fini(e);  // joins the xfer threads, which push into the queue
     pd_tiers_fini(e);   // runs queued tier work (loads write into the cache), joins
