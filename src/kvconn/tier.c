@@ -239,6 +239,8 @@ struct pd_kvconn_tiers {
     int n_lw, cap_lw;
     int lw_marked, lw_waited;  // layers of the last layer-wise commit, and how many were waited for
     int64_t lw_commits, lw_layered, lw_fallbacks;  // commits, of them layer-wise, and fenced at step end
+    uint64_t save_fence;                           // the last saves' copy (0: none yet)
+    int64_t lw_saves_pending;                      // commits made while that copy still ran
     bool is_staged;
     stage st;
     pending_save *pend;
@@ -625,6 +627,7 @@ static void hot_start_saves(pd_kvconn_tiers *c) {
                             .row_bytes = c->p.cache.row_bytes};
     pd_op_kv_copy_xfer(c->p.backend, &kp);
     uint64_t f = pd_backend_xfer_fence(c->p.backend);
+    c->save_fence = f;
     for (int i = 0; i < n; i++)
         if (!fly_push(c, (inflight){.fence = f, .slot = dst[i], .kind = FLY_HOT_SAVE})) {
             pd_backend_xfer_sync(c->p.backend);  // (out of memory: wait for the copy, then take it in)
@@ -976,12 +979,13 @@ void pd_kvconn_tiers_free(pd_kvconn_tiers *c) {
         PD_LOG_I("kv tiers: DRAM (pages = staged rows): %lld pages written, %lld saves of held blocks skipped, %lld "
                  "dropped (no free slot), %lld evicted, %lld not written below (writes behind); %lld loads, %lld "
                  "blocks, %lld hit / %lld missed; %.1f us a block enqueue -> fence seen; same-step copies: %lld "
-                 "commits, %lld layer-wise (%d layers a copy), %lld fenced at the step's end",
+                 "commits, %lld layer-wise (%d layers a copy), %lld fenced at the step's end, %lld made while the "
+                 "last saves' copy still ran",
                  (long long)h->puts, (long long)c->staged_resident, (long long)h->drops, (long long)h->evictions,
                  (long long)h->lower_skipped,
                  (long long)h->loads, (long long)h->load_blocks, (long long)h->hits, (long long)h->misses,
                  h->us_per_block, (long long)c->lw_commits, (long long)c->lw_layered, c->lw_group,
-                 (long long)c->lw_fallbacks);
+                 (long long)c->lw_fallbacks, (long long)c->lw_saves_pending);
     }
     if (c->t) pd_kvt_tiers_free(c->t);  // runs what is queued (loads end with their event), joins; frees the stores
     arena_fini(&c->arena);    // after the DRAM store gave its pages back
@@ -1225,6 +1229,7 @@ int pd_kvconn_tiers_load_now_commit(pd_kvconn_tiers *c, bool layerwise) {
         rows = pd_malloc(sizeof *rows * (size_t)n);
     }
     for (int i = 0; i < n; i++) src[i] = c->lw[i].slot, dst[i] = c->lw[i].dst, rows[i] = bs;
+    if (c->save_fence && !pd_backend_xfer_fence_done(c->p.backend, c->save_fence)) c->lw_saves_pending++;
     hot *h = &c->hot;
     pd_kv_copy_params kp = {.src_k = h->k, .src_v = h->v, .dst_k = c->p.cache.k, .dst_v = c->p.cache.v,
                             .src_blocks = src, .dst_blocks = dst, .n_rows = rows, .n_blocks = n,
@@ -1322,6 +1327,7 @@ void pd_kvconn_tiers_stats_get(pd_kvconn_tiers *c, pd_kvconn_tiers_stats *out) {
     out->samestep_commits = c->lw_commits;
     out->samestep_layerwise = c->lw_layered;
     out->samestep_fenced = c->lw_fallbacks;
+    out->samestep_saves_pending = c->lw_saves_pending;
     int64_t rn[PD_KVCONN_NOTIFY_N] = {s.remote_notify.evicted, s.remote_notify.expired, s.remote_notify.deleted,
                                       s.remote_notify.ignored, s.remote_notify.config_refused};
     memcpy(out->remote_notify, rn, sizeof rn);
