@@ -446,9 +446,16 @@ static pd_status sample_on_device(pd_engine *e, const pd_step_plan *plan, const 
     int nl = batch->n_logits, V = pd_model_get_config(e->model)->vocab_size;
     const float *dl = NULL;
     int64_t t_fwd = pd_time_us();
+    bool tm = pd_backend_has_timer(e->backend);
+    if (tm) pd_backend_timer_mark(e->backend, 0);
     pd_status st = pd_model_forward_dev(e->model, e->cache, batch, &dl);
     e->prof_launch_us += pd_time_us() - t_fwd;  // the host's part: launching the forward's kernels
     if (st) return st;
+    if (tm) {
+        if (e->tm_end != 1 && e->tm_end != 2) e->tm_end = 1;
+        pd_backend_timer_mark(e->backend, e->tm_end);
+        e->tm_marked = true;
+    }
     if (nl == 0) {
         pd_backend_sync(e->backend);  // as pd_model_forward: the step's KV is written on return
         return PD_OK;
@@ -794,6 +801,19 @@ static void engine_step(pd_engine *e) {
     pd_engine_spec_after_update(e, &plan, pd_time_us() - t0, was_spec);
     pd_engine_push_sched_events(e, &plan, e->sb.results, ev, n_ev);
     int64_t t_end = pd_time_us();
+    if (e->tm_marked) {  // (the sampling synchronised: both marks were reached)
+        float f = pd_backend_timer_ms(e->backend, 0, e->tm_end);
+        if (f >= 0) e->prof_gpu_fwd_ms += f, e->prof_gpu_n++;
+        // Between the previous forward's end and this one's start, when the engine did not idle
+        // in between (a previous step less than 20 ms before this one began).
+        float g = e->tm_have_prev && t0 - e->prof_last_end_us < 20000 ? pd_backend_timer_ms(e->backend, 3 - e->tm_end, 0) : -1;
+        if (g >= 0) e->prof_gpu_between_ms += g, e->prof_gpu_between_n++;
+        e->tm_have_prev = true;
+        e->tm_end = 3 - e->tm_end;
+        e->tm_marked = false;
+    } else {
+        e->tm_have_prev = false;
+    }
     if (e->prof_last_end_us) e->prof_gap_us += t0 - e->prof_last_end_us;
     e->prof_last_end_us = t_end;
     e->prof_steps++;
@@ -848,6 +868,12 @@ void pd_engine_free(pd_engine *e) {
                  (long long)e->prof_steps, (double)e->prof_seqs / n, (double)e->prof_tokens / n, e->prof_run_us / n / 1e3,
                  e->prof_launch_us / n / 1e3, e->prof_pre_us / n / 1e3, e->prof_post_us / n / 1e3, e->prof_gap_us / n / 1e3,
                  (long long)ss.n_backfill_passes, (long long)ss.n_join_short);
+        if (e->prof_gpu_n > 0)
+            PD_LOG_I("engine: device time a step: forward %.2f ms (%lld steps); previous forward's end -> this one's "
+                     "start %.2f ms (%lld steps back to back)",
+                     e->prof_gpu_fwd_ms / (double)e->prof_gpu_n, (long long)e->prof_gpu_n,
+                     e->prof_gpu_between_n ? e->prof_gpu_between_ms / (double)e->prof_gpu_between_n : 0.0,
+                     (long long)e->prof_gpu_between_n);
     }
     pd_disagg_fini(e);  // joins the xfer threads, which push into the queue
     pd_tiers_fini(e);   // runs queued tier work (loads write into the cache), joins
