@@ -32,7 +32,7 @@ arm() {  # arm NAME CASES ENV...
     >"$OUT/$name.log" 2>&1
   echo "== arm $name ($*) rc=$? $(( $(date +%s) - t0 )) s"
   grep -E "TTFT p50|breakdown|server-side|greedy" "$OUT/$name/summary.txt" 2>/dev/null | sed 's/^/  /'
-  grep -E "steps ran|KV tier loads|same-step|pages written" "$OUT/$name/serve_tail.txt" 2>/dev/null | sed 's/pdserve info: //; s/^/  /'
+  grep -E "steps ran|device time|KV tier loads|same-step" "$OUT/$name/serve_tail.txt" 2>/dev/null | sed 's/pdserve info: //; s/^/  /'
 }
 for a in $ARMS; do
   case $a in
