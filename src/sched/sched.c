@@ -36,7 +36,7 @@ pd_sched_params pd_sched_params_default(void) {
         .max_lookahead_slots = 0,
         .backfill = false,
         .backfill_max_wait_us = 250 * 1000,
-        .tier_reserve_compute = false,
+        .tier_reserve_compute = true,
     };
     return p;
 }

@@ -98,7 +98,7 @@ typedef struct pd_sched_params {
     int64_t backfill_max_wait_us;    // 250 ms
     bool tier_reserve_compute;       // a tier load also reserves the blocks of the tokens computed
                                      // after it (those its joining step takes), so the load cannot
-                                     // end without room to compute; false
+                                     // end without room to compute; true
 } pd_sched_params;
 
 pd_sched_params pd_sched_params_default(void);

@@ -1,17 +1,20 @@
 #!/bin/sh
 # tools/gpu/run_tiers11.sh OUT — session 11 helper "tiers11" (issue 14): the multi-turn chat benchmark
 # (bench/kv_tiers_gpu.sh, 384-block pool, 200 conversations x 8 turns, 16 live, max_tokens 1,
-# keep-alive client), tiers off and DRAM 16 GiB, same binary, A/B by environment:
-#   A   as main (admission: strict FCFS; a tier load reserves only its loaded blocks)
-#   B   PDSERVE_SCHED_BACKFILL=1 PDSERVE_TIER_RESERVE=1 (both configurations)
-#   R   PDSERVE_TIER_RESERVE=1 alone (DRAM only: it does nothing without tier loads)
+# keep-alive client), tiers off and DRAM 16 GiB, same binary, arms by environment (ARMS, in order):
+#   P1, P2  tiers off + DRAM, the branch's defaults (a tier load reserves its computed blocks)
+#   Y       DRAM, PD_CUDA_XFER_PRIORITY=1 (the transfer stream at the highest priority)
+#   X       DRAM, PD_CUDA_KV_DMA=1 (tier copies on the copy engines, no SM use)
+#   Z       DRAM, PDSERVE_TIER_RESERVE=0 (main's admission: a tier load reserves only its blocks)
+#   G       DRAM, PDSERVE_KV_TIER_LAYERWISE=4 (same-step loads copied 4 layers a copy, not 1)
+#   A, B, R run 1's arms (main's admission; + backfill + reserve; reserve alone)
 # plus tier_bw (host<->device and the tier copy) in the same run. Runs from the repo root of the
 # lead's checkout; the folder build/gpu-tiers11 holds bins.tar.xz (pdserve, tier_bw),
-# kv_tiers_gpu.sh, kv_tiers_chat.py, llama-3-8b/ (config + kjv tokenizer). ARMS (default "A B R").
+# kv_tiers_gpu.sh, kv_tiers_chat.py, llama-3-8b/ (config + kjv tokenizer).
 set -u
 OUT=$1
 F=${F:-build/gpu-tiers11}
-ARMS=${ARMS:-A B R}
+ARMS=${ARMS:-P1 Y X P2 G}
 mkdir -p "$OUT"
 T=$(mktemp -d /tmp/t11.XXXXXX)
 D=$T/D
@@ -28,7 +31,8 @@ echo "tier_bw rc=$?"; cat "$OUT/bw.txt"
 arm() {  # arm NAME CASES ENV...
   name=$1 cases=$2; shift 2
   t0=$(date +%s)
-  env "$@" BW=0 CHAT_ARGS=--keepalive DEADLINE=30 CASES="$cases" timeout "${ARM_LIMIT:-75}" sh "$D/kv_tiers_gpu.sh" "$OUT/$name" "$D" \
+  case $cases in *off*) lim=${ARM_LIMIT:-55} ;; *) lim=${ARM_LIMIT:-26} ;; esac
+  env "$@" BW=0 CHAT_ARGS=--keepalive DEADLINE=30 CASES="$cases" timeout "$lim" sh "$D/kv_tiers_gpu.sh" "$OUT/$name" "$D" \
     >"$OUT/$name.log" 2>&1
   echo "== arm $name ($*) rc=$? $(( $(date +%s) - t0 )) s"
   grep -E "TTFT p50|breakdown|server-side|greedy" "$OUT/$name/summary.txt" 2>/dev/null | sed 's/^/  /'
@@ -36,11 +40,14 @@ arm() {  # arm NAME CASES ENV...
 }
 for a in $ARMS; do
   case $a in
-    A) arm A "off dram" ;;
-    B) arm B "off dram" PDSERVE_SCHED_BACKFILL=1 PDSERVE_TIER_RESERVE=1 ;;
-    R) arm R "dram" PDSERVE_TIER_RESERVE=1 ;;
-    A2) arm A2 "off dram" ;;
-    B2) arm B2 "off dram" PDSERVE_SCHED_BACKFILL=1 PDSERVE_TIER_RESERVE=1 ;;
+    P1 | P2 | P3) arm $a "off dram" ;;
+    Y) arm Y "dram" PD_CUDA_XFER_PRIORITY=1 ;;
+    X) arm X "dram" PD_CUDA_KV_DMA=1 ;;
+    Z) arm Z "dram" PDSERVE_TIER_RESERVE=0 ;;
+    G) arm G "dram" PDSERVE_KV_TIER_LAYERWISE=4 ;;
+    A) arm A "off dram" PDSERVE_TIER_RESERVE=0 ;;
+    B) arm B "off dram" PDSERVE_SCHED_BACKFILL=1 ;;
+    R) arm R "dram" ;;
     *) echo "unknown arm $a" ;;
   esac
 done
@@ -49,12 +56,12 @@ python3 - "$OUT" <<'PY'
 import glob, json, os, sys
 d = sys.argv[1]
 try:
-    ref = json.load(open(os.path.join(d, "A", "chat_off.json")))["outputs"]
+    ref = json.load(open(os.path.join(d, "P1", "chat_off.json")))["outputs"]
 except Exception as e:
     sys.exit("no reference outputs: %s" % e)
 for f in sorted(glob.glob(os.path.join(d, "*", "chat_*.json"))):
     got = json.load(open(f))["outputs"]
     common = [k for k in got if k in ref]
-    print("%s: first token identical to A/off in %d of %d" % (os.path.relpath(f, d), sum(got[k] == ref[k] for k in common), len(common)))
+    print("%s: first token identical to P1/off in %d of %d" % (os.path.relpath(f, d), sum(got[k] == ref[k] for k in common), len(common)))
 PY
 rm -rf "$T"
