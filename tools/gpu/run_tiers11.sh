@@ -7,6 +7,8 @@
 #   X       DRAM, PD_CUDA_KV_DMA=1 (tier copies on the copy engines, no SM use)
 #   Z       DRAM, PDSERVE_TIER_RESERVE=0 (main's admission: a tier load reserves only its blocks)
 #   G       DRAM, PDSERVE_KV_TIER_LAYERWISE=4 (same-step loads copied 4 layers a copy, not 1)
+#   K, K16  tiers off + DRAM / DRAM alone, PD_CUDA_KV_COPY_CTAS=32 / 16 (the tier copies' kernel capped
+#           at that many CTAs, striding over the copy; tiers off does not use it)
 #   A, B, R run 1's arms (main's admission; + backfill + reserve; reserve alone)
 # plus tier_bw (host<->device and the tier copy) in the same run. Runs from the repo root of the
 # lead's checkout; the folder build/gpu-tiers11 holds bins.tar.xz (pdserve, tier_bw),
@@ -14,7 +16,7 @@
 set -u
 OUT=$1
 F=${F:-build/gpu-tiers11}
-ARMS=${ARMS:-P1 Y X P2 G}
+ARMS=${ARMS:-P1 K X K16}
 mkdir -p "$OUT"
 T=$(mktemp -d /tmp/t11.XXXXXX)
 D=$T/D
@@ -28,6 +30,9 @@ export LD_LIBRARY_PATH="$LIB"
 nvidia-smi --query-gpu=name,memory.total,pcie.link.gen.current,pcie.link.width.current --format=csv,noheader
 timeout 40 "$D/tier_bw" 256 >"$OUT/bw.txt" 2>&1
 echo "tier_bw rc=$?"; cat "$OUT/bw.txt"
+for n in ${BW_CTAS:-16 32 64}; do
+  PD_CUDA_KV_COPY_CTAS=$n timeout 20 "$D/tier_bw" 256 2>&1 | grep -E "load|offload" | sed "s/^/PD_CUDA_KV_COPY_CTAS=$n /" | tee -a "$OUT/bw.txt"
+done
 arm() {  # arm NAME CASES ENV...
   name=$1 cases=$2; shift 2
   t0=$(date +%s)
@@ -45,6 +50,8 @@ for a in $ARMS; do
     X) arm X "dram" PD_CUDA_KV_DMA=1 ;;
     Z) arm Z "dram" PDSERVE_TIER_RESERVE=0 ;;
     G) arm G "dram" PDSERVE_KV_TIER_LAYERWISE=4 ;;
+    K) arm K "off dram" PD_CUDA_KV_COPY_CTAS=32 ;;
+    K16) arm K16 "dram" PD_CUDA_KV_COPY_CTAS=16 ;;
     A) arm A "off dram" PDSERVE_TIER_RESERVE=0 ;;
     B) arm B "off dram" PDSERVE_SCHED_BACKFILL=1 ;;
     R) arm R "dram" ;;

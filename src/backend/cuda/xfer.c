@@ -41,6 +41,7 @@ struct pd_cuda_xfer {
     xfer_pending *pending;
     int n_pending, cap_pending;
     int dma;                           // PD_CUDA_KV_DMA (see the head of this file)
+    int copy_ctas;                     // PD_CUDA_KV_COPY_CTAS: the kv_copy kernel's CTA cap (0: none)
     void **dma_dst;                    // cudaMemcpyBatchAsync's host arrays, grown as needed
     const void **dma_src;
     size_t *dma_size, dma_cap;
@@ -69,6 +70,11 @@ static pd_cuda_xfer *xfer_of(pd_cuda_backend *cb) {
     for (int i = 0; i < 2; i++) PD_CUDA_CHECK(cudaEventCreateWithFlags(&x->ev[i], cudaEventDisableTiming));
     PD_CUDA_CHECK(cudaEventCreateWithFlags(&x->fence_ev, cudaEventDisableTiming));
     x->dma = pd_cuda_env_int("PD_CUDA_KV_DMA", 0, 0, 2);
+    // PD_CUDA_KV_COPY_CTAS=N: the transfer stream's kv_copy kernel runs N CTAs striding over the
+    // copy instead of one CTA per 16 KiB chunk (measurement knob; 0, the default: no cap). A copy
+    // to or from pinned host memory is bound by PCIe, and CTAs parked on its reads hold SM slots
+    // the compute stream's GEMMs could use.
+    x->copy_ctas = pd_cuda_env_int("PD_CUDA_KV_COPY_CTAS", 0, 0, 65535);
     cb->xfer = x;
     return x;
 }
@@ -181,7 +187,8 @@ void pd_cuda_kv_copy_xfer(pd_backend *b, const pd_kv_copy_params *p) {
     pd_free(host);
     PD_CUDA_CHECK(cudaMemcpyAsync(x->dev + at, x->host + at, n, cudaMemcpyHostToDevice, x->stream));
     pd_kv_copy_kparams k = {.ptrs = (void *const *)(x->dev + at), .blocks = (const pd_kv_block_desc *)(x->dev + at + off),
-                            .n_blocks = p->n_blocks, .n_layers = nl, .block_size = p->block_size, .row_bytes = p->row_bytes};
+                            .n_blocks = p->n_blocks, .n_layers = nl, .block_size = p->block_size, .row_bytes = p->row_bytes,
+                            .max_ctas = x->copy_ctas};
     pd_cuda_kv_copy(&k, x->stream);
     PD_CUDA_CHECK_LAUNCH();
 }
