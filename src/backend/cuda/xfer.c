@@ -70,10 +70,10 @@ static pd_cuda_xfer *xfer_of(pd_cuda_backend *cb) {
     for (int i = 0; i < 2; i++) PD_CUDA_CHECK(cudaEventCreateWithFlags(&x->ev[i], cudaEventDisableTiming));
     PD_CUDA_CHECK(cudaEventCreateWithFlags(&x->fence_ev, cudaEventDisableTiming));
     x->dma = pd_cuda_env_int("PD_CUDA_KV_DMA", 0, 0, 2);
-    // PD_CUDA_KV_COPY_CTAS=N: the transfer stream's kv_copy kernel runs N CTAs striding over the
-    // copy instead of one CTA per 16 KiB chunk (measurement knob; 0, the default: no cap). A copy
-    // to or from pinned host memory is bound by PCIe, and CTAs parked on its reads hold SM slots
-    // the compute stream's GEMMs could use.
+    // PD_CUDA_KV_COPY_CTAS=N: a transfer-stream kv_copy with host memory on one side runs N CTAs
+    // striding over the copy instead of one CTA per 16 KiB chunk (measurement knob; 0, the default:
+    // no cap). Such a copy is bound by PCIe, and CTAs parked on its reads hold SM slots the compute
+    // stream's GEMMs could use. Device-to-device copies (handoffs over NVLink) keep every CTA.
     x->copy_ctas = pd_cuda_env_int("PD_CUDA_KV_COPY_CTAS", 0, 0, 65535);
     cb->xfer = x;
     return x;
@@ -176,19 +176,22 @@ void pd_cuda_kv_copy_xfer(pd_backend *b, const pd_kv_copy_params *p) {
     pd_cuda_xfer *x = xfer_of(cb);
     int nl = p->layer_end - p->layer_begin;
     if (p->n_blocks <= 0 || nl <= 0) return;
-    if (x->dma == 2 || (x->dma == 1 && (xfer_is_host(p->src_k[p->layer_begin]) || xfer_is_host(p->dst_k[p->layer_begin])))) {
+    // Host memory on one side: the copy crosses PCIe (the KV tiers' pinned DRAM pages).
+    bool host = (x->dma == 1 || x->copy_ctas > 0) &&
+                (xfer_is_host(p->src_k[p->layer_begin]) || xfer_is_host(p->dst_k[p->layer_begin]));
+    if (x->dma == 2 || (x->dma == 1 && host)) {
         xfer_dma(x, p);
         return;
     }
     size_t off, n;
-    char *host = pd_cuda_kv_copy_pack(p, &off, &n);
+    char *packed = pd_cuda_kv_copy_pack(p, &off, &n);
     size_t at = xfer_alloc(x, n);
-    memcpy(x->host + at, host, n);
-    pd_free(host);
+    memcpy(x->host + at, packed, n);
+    pd_free(packed);
     PD_CUDA_CHECK(cudaMemcpyAsync(x->dev + at, x->host + at, n, cudaMemcpyHostToDevice, x->stream));
     pd_kv_copy_kparams k = {.ptrs = (void *const *)(x->dev + at), .blocks = (const pd_kv_block_desc *)(x->dev + at + off),
                             .n_blocks = p->n_blocks, .n_layers = nl, .block_size = p->block_size, .row_bytes = p->row_bytes,
-                            .max_ctas = x->copy_ctas};
+                            .max_ctas = host ? x->copy_ctas : 0};
     pd_cuda_kv_copy(&k, x->stream);
     PD_CUDA_CHECK_LAUNCH();
 }
