@@ -30,6 +30,10 @@ export LD_LIBRARY_PATH="$LIB"
 nvidia-smi --query-gpu=name,memory.total,pcie.link.gen.current,pcie.link.width.current --format=csv,noheader
 timeout 40 "$D/tier_bw" 256 >"$OUT/bw.txt" 2>&1
 echo "tier_bw rc=$?"; cat "$OUT/bw.txt"
+if [ -x "$D/test_backend_ops" ]; then  # the tier copy kernel (and its CTA-capped form) moves the right rows
+  timeout 40 "$D/test_backend_ops" kv_xfer_host >"$OUT/ops_kv_xfer_host.txt" 2>&1
+  echo "test_backend_ops kv_xfer_host rc=$?: $(tail -1 "$OUT/ops_kv_xfer_host.txt")"
+fi
 for n in ${BW_CTAS:-16 32 64}; do
   PD_CUDA_KV_COPY_CTAS=$n timeout 20 "$D/tier_bw" 256 2>&1 | grep -E "load|offload" | sed "s/^/PD_CUDA_KV_COPY_CTAS=$n /" | tee -a "$OUT/bw.txt"
 done
