@@ -8,7 +8,11 @@
 #   Z       DRAM, PDSERVE_TIER_RESERVE=0 (main's admission: a tier load reserves only its blocks)
 #   G       DRAM, PDSERVE_KV_TIER_LAYERWISE=4 (same-step loads copied 4 layers a copy, not 1)
 #   K, K16  tiers off + DRAM / DRAM alone, PD_CUDA_KV_COPY_CTAS=32 / 16 (the tier copies' kernel capped
-#           at that many CTAs, striding over the copy; tiers off does not use it)
+#           at that many CTAs, striding over the copy; tiers off does not use it; 16 is the default
+#           from run 3 on, K0 = PD_CUDA_KV_COPY_CTAS=0, one CTA a chunk as before)
+#   Q1, Q2  tiers off + DRAM, the defaults (run 3)
+#   QJ, J2  tiers off + DRAM / DRAM alone, PDSERVE_KV_TIER_JIT=1 (each layer group's load enqueued
+#           when the forward's launch reaches it)
 #   A, B, R run 1's arms (main's admission; + backfill + reserve; reserve alone)
 # plus tier_bw (host<->device and the tier copy) in the same run. Runs from the repo root of the
 # lead's checkout; the folder build/gpu-tiers11 holds bins.tar.xz (pdserve, tier_bw),
@@ -16,7 +20,7 @@
 set -u
 OUT=$1
 F=${F:-build/gpu-tiers11}
-ARMS=${ARMS:-P1 K X K16}
+ARMS=${ARMS:-Q1 QJ J2}
 mkdir -p "$OUT"
 T=$(mktemp -d /tmp/t11.XXXXXX)
 D=$T/D
@@ -34,7 +38,7 @@ if [ -x "$D/test_backend_ops" ]; then  # the tier copy kernel (and its CTA-cappe
   timeout 40 "$D/test_backend_ops" kv_xfer_host >"$OUT/ops_kv_xfer_host.txt" 2>&1
   echo "test_backend_ops kv_xfer_host rc=$?: $(tail -1 "$OUT/ops_kv_xfer_host.txt")"
 fi
-for n in ${BW_CTAS:-16 32 64}; do
+for n in ${BW_CTAS:-0}; do
   PD_CUDA_KV_COPY_CTAS=$n timeout 20 "$D/tier_bw" 256 2>&1 | grep -E "load|offload" | sed "s/^/PD_CUDA_KV_COPY_CTAS=$n /" | tee -a "$OUT/bw.txt"
 done
 arm() {  # arm NAME CASES ENV...
@@ -56,6 +60,10 @@ for a in $ARMS; do
     G) arm G "dram" PDSERVE_KV_TIER_LAYERWISE=4 ;;
     K) arm K "off dram" PD_CUDA_KV_COPY_CTAS=32 ;;
     K16) arm K16 "dram" PD_CUDA_KV_COPY_CTAS=16 ;;
+    K0) arm K0 "dram" PD_CUDA_KV_COPY_CTAS=0 ;;
+    Q1 | Q2) arm $a "off dram" ;;
+    QJ) arm QJ "off dram" PDSERVE_KV_TIER_JIT=1 ;;
+    J2) arm J2 "dram" PDSERVE_KV_TIER_JIT=1 ;;
     A) arm A "off dram" PDSERVE_TIER_RESERVE=0 ;;
     B) arm B "off dram" PDSERVE_SCHED_BACKFILL=1 ;;
     R) arm R "dram" ;;
@@ -67,7 +75,7 @@ python3 - "$OUT" <<'PY'
 import glob, json, os, sys
 d = sys.argv[1]
 offs = sorted(glob.glob(os.path.join(d, "*", "chat_off.json")))
-first = os.path.join(d, "P1", "chat_off.json")
+first = os.path.join(d, "Q1", "chat_off.json")
 try:
     rf = first if os.path.exists(first) else offs[0]
     ref = json.load(open(rf))["outputs"]

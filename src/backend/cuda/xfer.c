@@ -9,6 +9,8 @@
 //     before the stream has consumed it. Growing drains the stream first.
 //   * Checksums are computed into the device buffer and copied back into the pinned one; the
 //     caller's sums are filled from there at xfer_sync (the pending list).
+//   * A kv_copy with host memory on one side runs on 16 CTAs striding over it (PD_CUDA_KV_COPY_CTAS,
+//     pd_cuda_xfer_of): PCIe, not the SMs, bounds it, and the compute stream keeps the other SMs.
 //   * PD_CUDA_KV_DMA=1: a copy with host memory on one side (the KV tiers' pinned DRAM pages,
 //     either direction) goes to the copy engines, one cudaMemcpyBatchAsync of every (layer, K/V,
 //     run of blocks contiguous on both sides), instead of the kv_copy kernel, which holds SM slots
@@ -70,11 +72,14 @@ static pd_cuda_xfer *xfer_of(pd_cuda_backend *cb) {
     for (int i = 0; i < 2; i++) PD_CUDA_CHECK(cudaEventCreateWithFlags(&x->ev[i], cudaEventDisableTiming));
     PD_CUDA_CHECK(cudaEventCreateWithFlags(&x->fence_ev, cudaEventDisableTiming));
     x->dma = pd_cuda_env_int("PD_CUDA_KV_DMA", 0, 0, 2);
-    // PD_CUDA_KV_COPY_CTAS=N: a transfer-stream kv_copy with host memory on one side runs N CTAs
-    // striding over the copy instead of one CTA per 16 KiB chunk (measurement knob; 0, the default:
-    // no cap). Such a copy is bound by PCIe, and CTAs parked on its reads hold SM slots the compute
-    // stream's GEMMs could use. Device-to-device copies (handoffs over NVLink) keep every CTA.
-    x->copy_ctas = pd_cuda_env_int("PD_CUDA_KV_COPY_CTAS", 0, 0, 65535);
+    // A transfer-stream kv_copy with host memory on one side runs 16 CTAs striding over the copy
+    // (PD_CUDA_KV_COPY_CTAS=N: N; 0: one CTA per 16 KiB chunk, as before session 11). Such a copy is
+    // bound by PCIe: on an H100, 16 CTAs move 256 scattered 2 MiB blocks at 50.65 GB/s against
+    // 50.87 with one CTA a chunk (~600 a layer of a tier load), whose CTAs, parked on PCIe reads,
+    // held SM slots the compute stream's GEMMs wanted: a DRAM tier step's forward took 27.96 ms of
+    // device time against 25.07 ms capped (docs/benchmarks.md, KV tiers, session 11).
+    // Device-to-device copies (handoffs over NVLink) keep every CTA.
+    x->copy_ctas = pd_cuda_env_int("PD_CUDA_KV_COPY_CTAS", 16, 0, 65535);
     cb->xfer = x;
     return x;
 }
