@@ -424,6 +424,12 @@ int pd_cmd_bench_engine(int argc, char **argv) {
     if (single || batched || prefill) {  // the floors need them; verify steps are compared with each other
         b.copy_bytes_s = measure_copy(b.be);
         b.gemm_flop_s = measure_gemm(b.be);
+        // The CUDA backend's prefill tuning (gemm.c gemm_tune_pf, opt-in) would tune the 8192^3 peak
+        // GEMM too, and measured it lower (session 11): the % of that floor is then no reference.
+        const char *tpf = getenv("PD_CUDA_GEMM_TUNE_PF");
+        if (tpf && *tpf && strcmp(tpf, "0"))
+            printf("note: PD_CUDA_GEMM_TUNE_PF=%s tunes the 8192^3 peak GEMM too: compare prefill ms against a run "
+                   "without it, not the %% of this floor\n", tpf);
     }
     const char *dev_name = pd_backend_device_name(b.be);
     for (size_t i = 0; i < sizeof datasheet / sizeof datasheet[0] && strcmp(pd_backend_name(b.be), "cpu"); i++)
