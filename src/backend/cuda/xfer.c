@@ -62,13 +62,7 @@ static pd_cuda_xfer *xfer_of(pd_cuda_backend *cb) {
     if (cb->xfer) return cb->xfer;
     pd_cuda_xfer *x = pd_calloc(1, sizeof *x);
     PD_ASSERT(x);
-    // PD_CUDA_XFER_PRIORITY=1: the transfer stream gets the device's highest stream priority, so
-    // the kv_copy kernels' CTAs are dispatched ahead of the compute stream's queued GEMM CTAs
-    // (measurement knob; 0, the default: equal priority).
-    int prio = 0, least = 0, greatest = 0;
-    if (pd_cuda_env_int("PD_CUDA_XFER_PRIORITY", 0, 0, 1) && cudaDeviceGetStreamPriorityRange(&least, &greatest) == cudaSuccess)
-        prio = greatest;
-    PD_CUDA_CHECK(cudaStreamCreateWithPriority(&x->stream, cudaStreamNonBlocking, prio));
+    PD_CUDA_CHECK(cudaStreamCreateWithFlags(&x->stream, cudaStreamNonBlocking));
     for (int i = 0; i < 2; i++) PD_CUDA_CHECK(cudaEventCreateWithFlags(&x->ev[i], cudaEventDisableTiming));
     PD_CUDA_CHECK(cudaEventCreateWithFlags(&x->fence_ev, cudaEventDisableTiming));
     x->dma = pd_cuda_env_int("PD_CUDA_KV_DMA", 0, 0, 2);
