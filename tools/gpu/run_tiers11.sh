@@ -3,7 +3,6 @@
 # (bench/kv_tiers_gpu.sh, 384-block pool, 200 conversations x 8 turns, 16 live, max_tokens 1,
 # keep-alive client), tiers off and DRAM 16 GiB, same binary, arms by environment (ARMS, in order):
 #   P1, P2  tiers off + DRAM, the branch's defaults (a tier load reserves its computed blocks)
-#   Y       DRAM, PD_CUDA_XFER_PRIORITY=1 (the transfer stream at the highest priority)
 #   X       DRAM, PD_CUDA_KV_DMA=1 (tier copies on the copy engines, no SM use)
 #   Z       DRAM, PDSERVE_TIER_RESERVE=0 (main's admission: a tier load reserves only its blocks)
 #   G       DRAM, PDSERVE_KV_TIER_LAYERWISE=4 (same-step loads copied 4 layers a copy, not 1)
@@ -54,7 +53,6 @@ arm() {  # arm NAME CASES ENV...
 for a in $ARMS; do
   case $a in
     P1 | P2 | P3) arm $a "off dram" ;;
-    Y) arm Y "dram" PD_CUDA_XFER_PRIORITY=1 ;;
     X) arm X "dram" PD_CUDA_KV_DMA=1 ;;
     Z) arm Z "dram" PDSERVE_TIER_RESERVE=0 ;;
     G) arm G "dram" PDSERVE_KV_TIER_LAYERWISE=4 ;;
