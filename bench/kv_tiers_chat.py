@@ -172,6 +172,7 @@ def main():
         "tier_offloads": d.get("pdserve_kv_tier_offloads_total", 0.0),
         "tier_offloads_dropped": d.get("pdserve_kv_tier_offloads_dropped_total", 0.0),
         "config": vars(a),
+        "requests_ms": [[c, t, n, round(ms, 2)] for c, t, n, ms in results],  # (conversation, turn, prompt tokens, TTFT)
         "outputs": outputs,
     }
     if errors:

@@ -53,7 +53,7 @@ run_cfg() {  # run_cfg LABEL FLAGS...
     echo "$label: the server did not come up" | tee -a "$OUT/summary.txt"
   fi
   kill $pid 2>/dev/null; wait $pid 2>/dev/null
-  { echo "== $label"; grep -v "^pdserve debug" "$W/serve_$label.log" | tail -12; } >>"$OUT/serve_tail.txt"
+  { echo "== $label"; grep -v "^pdserve debug" "$W/serve_$label.log" | tail -40; } >>"$OUT/serve_tail.txt"
 }
 for c in $CASES; do
   case $c in

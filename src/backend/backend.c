@@ -286,6 +286,14 @@ void pd_op_copy_blocks(pd_backend *b, const pd_copy_blocks_params *p) {
 }
 
 bool pd_backend_has_graphs(pd_backend *b) { return b->iface->graph_begin != NULL; }
+bool pd_backend_has_timer(pd_backend *b) { return b->iface->timer_mark != NULL; }
+void pd_backend_timer_mark(pd_backend *b, int i) {
+    if (b->iface->timer_mark && i >= 0 && i < PD_BACKEND_TIMERS) b->iface->timer_mark(b, i);
+}
+float pd_backend_timer_ms(pd_backend *b, int i, int j) {
+    if (!b->iface->timer_ms || i < 0 || j < 0 || i >= PD_BACKEND_TIMERS || j >= PD_BACKEND_TIMERS) return -1.0f;
+    return b->iface->timer_ms(b, i, j);
+}
 void pd_backend_graph_begin(pd_backend *b) {
     PD_ASSERT(b->iface->graph_begin);
     b->iface->graph_begin(b);

@@ -406,6 +406,14 @@ double pd_sample_uniform(uint64_t seed, uint64_t draw_idx);
 // run the same sequence once eagerly first so scratch buffers are sized. launch returns false
 // when the graph is stale (the backend moved a scratch buffer it uses): free it and capture again.
 bool pd_backend_has_graphs(pd_backend *b);
+// Device timing (optional; CUDA events on the compute stream): pd_backend_timer_mark(b, i) records
+// mark i (0 <= i < PD_BACKEND_TIMERS) where the compute stream's enqueued work ends now;
+// pd_backend_timer_ms(b, i, j) = device milliseconds from mark i to mark j, waiting for j to be
+// reached; < 0 when the backend has no timer or a mark was never recorded. For measurements only.
+#define PD_BACKEND_TIMERS 8
+bool pd_backend_has_timer(pd_backend *b);
+void pd_backend_timer_mark(pd_backend *b, int i);
+float pd_backend_timer_ms(pd_backend *b, int i, int j);
 void pd_backend_graph_begin(pd_backend *b);
 pd_graph *pd_backend_graph_end(pd_backend *b);  // NULL when the capture failed
 bool pd_backend_graph_launch(pd_backend *b, pd_graph *g);

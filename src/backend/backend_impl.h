@@ -60,6 +60,9 @@ typedef struct pd_backend_iface {
     void *(*graph_end)(pd_backend *b);             // NULL when the capture failed
     bool (*graph_launch)(pd_backend *b, void *g);  // false: stale (device scratch moved since capture)
     void (*graph_free)(pd_backend *b, void *g);
+    // (optional) device timing: NULL means none. See pd_backend_timer_mark.
+    void (*timer_mark)(pd_backend *b, int i);
+    float (*timer_ms)(pd_backend *b, int i, int j);
     // (optional) NULL: no device sampling; the caller samples on the host. See pd_op_sample.
     void (*sample)(pd_backend *b, const pd_sample_params *p);
     // (optional) device messaging (pd_comm_*): NULL means none. c is what comm_new returned.

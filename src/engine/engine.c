@@ -194,6 +194,11 @@ pd_engine *pd_engine_new(const pd_engine_params *p, pd_err *err) {
     sp.enable_chunked_prefill = p->enable_chunked_prefill;
     sp.max_model_len = e->max_model_len;
     sp.policy = p->policy == PD_POLICY_SRPT ? PD_SCHED_SRPT : PD_SCHED_FCFS;
+    // Admission knobs for measurements (docs/design.md "kv and sched"): PDSERVE_SCHED_BACKFILL=1
+    // turns backfill on, PDSERVE_TIER_RESERVE=0 makes a tier load reserve only its loaded blocks.
+    const char *bf = getenv("PDSERVE_SCHED_BACKFILL"), *tr = getenv("PDSERVE_TIER_RESERVE");
+    if (bf && !strcmp(bf, "1")) sp.backfill = true;
+    if (tr && !strcmp(tr, "0")) sp.tier_reserve_compute = false;
     if (pd_engine_spec_init(e, &sp, err)) goto fail;  // the draft's KV cache, lookahead slots
     e->sched = pd_sched_new(&sp, e->kv, err);
     if (!e->sched) goto fail;
@@ -442,8 +447,17 @@ static pd_status sample_on_device(pd_engine *e, const pd_step_plan *plan, const 
     step_bufs *b = &e->sb;
     int nl = batch->n_logits, V = pd_model_get_config(e->model)->vocab_size;
     const float *dl = NULL;
+    int64_t t_fwd = pd_time_us();
+    bool tm = pd_backend_has_timer(e->backend);
+    if (tm) pd_backend_timer_mark(e->backend, 0);
     pd_status st = pd_model_forward_dev(e->model, e->cache, batch, &dl);
+    e->prof_launch_us += pd_time_us() - t_fwd;  // the host's part: launching the forward's kernels
     if (st) return st;
+    if (tm) {
+        if (e->tm_end != 1 && e->tm_end != 2) e->tm_end = 1;
+        pd_backend_timer_mark(e->backend, e->tm_end);
+        e->tm_marked = true;
+    }
     if (nl == 0) {
         pd_backend_sync(e->backend);  // as pd_model_forward: the step's KV is written on return
         return PD_OK;
@@ -754,8 +768,10 @@ static void engine_step(pd_engine *e) {
         return;
     }
     bool was_spec = false;
+    int64_t t_run = pd_time_us();
     pd_status st = run_plan(e, &plan, &was_spec);
     pd_tiers_step_end(e);  // (a failed or hookless step: the tier copies get a fence)
+    int64_t t_ran = pd_time_us();
     e->n_saves = 0;  // the layer hook ran during the forward pass only
     pd_step_output *outs = e->sb.outputs;
     if (st) {
@@ -786,6 +802,28 @@ static void engine_step(pd_engine *e) {
     measure_step(e, &plan, pd_time_us() - t0);
     pd_engine_spec_after_update(e, &plan, pd_time_us() - t0, was_spec);
     pd_engine_push_sched_events(e, &plan, e->sb.results, ev, n_ev);
+    int64_t t_end = pd_time_us();
+    if (e->tm_marked) {  // (the sampling synchronised: both marks were reached)
+        float f = pd_backend_timer_ms(e->backend, 0, e->tm_end);
+        if (f >= 0) e->prof_gpu_fwd_ms += f, e->prof_gpu_n++;
+        // Between the previous forward's end and this one's start, when the engine did not idle
+        // in between (a previous step less than 20 ms before this one began).
+        float g = e->tm_have_prev && t0 - e->prof_last_end_us < 20000 ? pd_backend_timer_ms(e->backend, 3 - e->tm_end, 0) : -1;
+        if (g >= 0) e->prof_gpu_between_ms += g, e->prof_gpu_between_n++;
+        e->tm_have_prev = true;
+        e->tm_end = 3 - e->tm_end;
+        e->tm_marked = false;
+    } else {
+        e->tm_have_prev = false;
+    }
+    if (e->prof_last_end_us) e->prof_gap_us += t0 - e->prof_last_end_us;
+    e->prof_last_end_us = t_end;
+    e->prof_steps++;
+    e->prof_seqs += plan.n_seqs;
+    e->prof_tokens += plan.n_tokens;
+    e->prof_pre_us += t_run - t0;
+    e->prof_run_us += t_ran - t_run;
+    e->prof_post_us += t_end - t_ran;
 }
 
 static void *engine_main(void *arg) {
@@ -821,6 +859,23 @@ void pd_engine_free(pd_engine *e) {
     if (e->started) {
         pd_queue_stop(&e->q);
         pthread_join(e->thread, NULL);
+    }
+    if (e->prof_steps > 0) {
+        double n = (double)e->prof_steps;
+        pd_sched_stats ss = {0};
+        if (e->sched) pd_sched_stats_get(e->sched, &ss);
+        PD_LOG_I("engine: %lld steps ran, %.2f seqs and %.1f tokens a step; engine thread a step: run (forward + "
+                 "sampling) %.2f ms of which launching the forward %.2f ms, schedule + load start %.3f ms, update + offload + events %.3f ms, gap before "
+                 "the next step %.3f ms; backfill passes %lld, tier loads without room to compute in their step %lld",
+                 (long long)e->prof_steps, (double)e->prof_seqs / n, (double)e->prof_tokens / n, e->prof_run_us / n / 1e3,
+                 e->prof_launch_us / n / 1e3, e->prof_pre_us / n / 1e3, e->prof_post_us / n / 1e3, e->prof_gap_us / n / 1e3,
+                 (long long)ss.n_backfill_passes, (long long)ss.n_join_short);
+        if (e->prof_gpu_n > 0)
+            PD_LOG_I("engine: device time a step: forward %.2f ms (%lld steps); previous forward's end -> this one's "
+                     "start %.2f ms (%lld steps back to back)",
+                     e->prof_gpu_fwd_ms / (double)e->prof_gpu_n, (long long)e->prof_gpu_n,
+                     e->prof_gpu_between_n ? e->prof_gpu_between_ms / (double)e->prof_gpu_between_n : 0.0,
+                     (long long)e->prof_gpu_between_n);
     }
     pd_disagg_fini(e);  // joins the xfer threads, which push into the queue
     pd_tiers_fini(e);   // runs queued tier work (loads write into the cache), joins

@@ -88,6 +88,18 @@ struct pd_engine {
     size_t cap_saves;
     uint64_t next_internal_id;
     bool last_step_empty;  // the last schedule produced nothing to run
+    // Where the engine thread's time goes, summed over steps that ran a plan (logged at exit):
+    // gap = the previous step's end -> this step's start (commands, stats, idle waits); pre = the
+    // schedule and the loads' start; run = the forward and the sampling (the host waits for the
+    // device there); post = the update, the offloads' enqueue and the events to the HTTP loop.
+    int64_t prof_steps, prof_seqs, prof_tokens, prof_gap_us, prof_pre_us, prof_run_us, prof_post_us, prof_last_end_us, prof_launch_us;
+    // The same on the device (backend timer marks around the forward, when the backend has them):
+    // the forward's device time, and the device time from the previous step's forward end to this
+    // one's start (host work between steps, and waits enqueued before the forward: fences).
+    bool tm_marked, tm_have_prev;
+    int tm_end;  // timer index of this step's forward end (1 or 2; the other is the previous end)
+    int64_t prof_gpu_n, prof_gpu_between_n;
+    double prof_gpu_fwd_ms, prof_gpu_between_ms;
     pd_wire_kv_log *kv_log;  // KV events for routers; guarded by q.mu
     uint64_t instance;       // random per process (routers detect restarts)
     double ema_prefill_tps, ema_decode_ms;  // guarded by q.mu when read

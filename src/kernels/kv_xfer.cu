@@ -17,6 +17,39 @@
 #define PD_K_KV_COPY_UNROLL 4
 #define PD_K_KV_SUM_UNROLL 8
 
+// The same work split (chunk y of listed block x, layer z / 2, K or V), a fixed number of CTAs
+// striding over it: a copy bound by PCIe keeps the bandwidth with a few CTAs in flight, and the
+// compute stream's kernels keep the other SMs (pd_kv_copy_kparams.max_ctas).
+template <typename V>
+static __global__ void __launch_bounds__(PD_K_KV_THREADS)
+    k_kv_copy_strided(void *const *ptrs, const pd_kv_block_desc *blocks, size_t block_bytes, size_t row_bytes,
+                      unsigned n_x, unsigned n_y, unsigned n_z) {
+    const size_t chunk = (size_t)PD_K_KV_THREADS * PD_K_KV_COPY_UNROLL;
+    size_t total = (size_t)n_x * n_y * n_z;
+    for (size_t item = blockIdx.x; item < total; item += gridDim.x) {
+        unsigned x = (unsigned)(item % n_x), y = (unsigned)((item / n_x) % n_y), z = (unsigned)(item / ((size_t)n_x * n_y));
+        const pd_kv_block_desc d = blocks[x];
+        int l = (int)(z >> 1), kv = (int)(z & 1);
+        size_t n_vec = (size_t)d.n_rows * row_bytes / sizeof(V);
+        size_t begin = (size_t)y * chunk;
+        if (begin >= n_vec) continue;
+        const V *src = (const V *)((const char *)ptrs[4 * l + kv] + (size_t)d.src_block * block_bytes) + begin;
+        V *dst = (V *)((char *)ptrs[4 * l + 2 + kv] + (size_t)d.dst_block * block_bytes) + begin;
+        size_t n = min(chunk, n_vec - begin);
+        V r[PD_K_KV_COPY_UNROLL];
+#pragma unroll
+        for (int u = 0; u < PD_K_KV_COPY_UNROLL; u++) {
+            size_t j = (size_t)u * PD_K_KV_THREADS + threadIdx.x;
+            if (j < n) r[u] = src[j];
+        }
+#pragma unroll
+        for (int u = 0; u < PD_K_KV_COPY_UNROLL; u++) {
+            size_t j = (size_t)u * PD_K_KV_THREADS + threadIdx.x;
+            if (j < n) dst[j] = r[u];
+        }
+    }
+}
+
 template <typename V>
 static __global__ void __launch_bounds__(PD_K_KV_THREADS)
     k_kv_copy(void *const *ptrs, const pd_kv_block_desc *blocks, size_t block_bytes, size_t row_bytes) {
@@ -91,6 +124,13 @@ extern "C" void pd_cuda_kv_copy(const pd_kv_copy_kparams *p, cudaStream_t s) {
     bool v16 = p->row_bytes % 16 == 0;
     size_t vec = v16 ? 16 : 8, chunk = (size_t)PD_K_KV_THREADS * PD_K_KV_COPY_UNROLL * vec;
     dim3 grid((unsigned)p->n_blocks, (unsigned)((block_bytes + chunk - 1) / chunk), (unsigned)(2 * p->n_layers));
+    size_t total = (size_t)grid.x * grid.y * grid.z;
+    if (p->max_ctas > 0 && total > (size_t)p->max_ctas) {
+        unsigned g = (unsigned)p->max_ctas;
+        if (v16) k_kv_copy_strided<uint4><<<g, PD_K_KV_THREADS, 0, s>>>(p->ptrs, p->blocks, block_bytes, p->row_bytes, grid.x, grid.y, grid.z);
+        else k_kv_copy_strided<uint2><<<g, PD_K_KV_THREADS, 0, s>>>(p->ptrs, p->blocks, block_bytes, p->row_bytes, grid.x, grid.y, grid.z);
+        return;
+    }
     if (v16) k_kv_copy<uint4><<<grid, PD_K_KV_THREADS, 0, s>>>(p->ptrs, p->blocks, block_bytes, p->row_bytes);
     else k_kv_copy<uint2><<<grid, PD_K_KV_THREADS, 0, s>>>(p->ptrs, p->blocks, block_bytes, p->row_bytes);
 }

@@ -24,6 +24,8 @@ typedef struct pd_kv_copy_kparams {
     const pd_kv_block_desc *blocks; // (n_blocks) device
     int n_blocks, n_layers, block_size;
     size_t row_bytes;               // multiple of 8; 16-byte vectors when a multiple of 16
+    int max_ctas;                   // > 0: at most this many CTAs, each looping over the chunks
+                                    // (a PCIe-bound copy then holds few SMs); 0: one CTA a chunk
 } pd_kv_copy_kparams;
 void pd_cuda_kv_copy(const pd_kv_copy_kparams *p, cudaStream_t s);
 

@@ -262,6 +262,9 @@ typedef struct pd_kvconn_tiers_stats {
     // Same-step loads' commits (pd_kvconn_tiers_load_now_commit), those copied layer by layer,
     // and layer-wise ones whose layers were not all waited for (fenced at the step's end).
     int64_t samestep_commits, samestep_layerwise, samestep_fenced;
+    // Commits made while the device -> DRAM copies of the previous saves were still running (the
+    // step's compute and its first load then wait for them on the device).
+    int64_t samestep_saves_pending;
     // The Redis tier's keyspace notifications (kvtier/notify.c): keys removed by the server
     // (evicted, expired, deleted), messages ignored (malformed / foreign), CONFIG SET refusals.
     int64_t remote_notify[PD_KVCONN_NOTIFY_N];

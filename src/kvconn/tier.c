@@ -239,6 +239,17 @@ struct pd_kvconn_tiers {
     int n_lw, cap_lw;
     int lw_marked, lw_waited;  // layers of the last layer-wise commit, and how many were waited for
     int64_t lw_commits, lw_layered, lw_fallbacks;  // commits, of them layer-wise, and fenced at step end
+    uint64_t save_fence;                           // the last saves' copy (0: none yet)
+    // Just-in-time layer-wise commit (PDSERVE_KV_TIER_JIT=1): the commit enqueues the first layer
+    // group only; pd_kvconn_tiers_layer_wait(l) enqueues the groups up to l's as the forward's
+    // launch reaches them, and step_end the rest. The copies' host cost then overlaps the device
+    // running the earlier layers instead of preceding the forward.
+    bool lw_jit;
+    bool jit_open;               // a commit whose groups are not all enqueued yet
+    int jit_next;                // first layer not enqueued
+    int32_t *jit_src, *jit_dst, *jit_rows;
+    int jit_n;
+    int64_t lw_saves_pending;                      // commits made while that copy still ran
     bool is_staged;
     stage st;
     pending_save *pend;
@@ -625,6 +636,7 @@ static void hot_start_saves(pd_kvconn_tiers *c) {
                             .row_bytes = c->p.cache.row_bytes};
     pd_op_kv_copy_xfer(c->p.backend, &kp);
     uint64_t f = pd_backend_xfer_fence(c->p.backend);
+    c->save_fence = f;
     for (int i = 0; i < n; i++)
         if (!fly_push(c, (inflight){.fence = f, .slot = dst[i], .kind = FLY_HOT_SAVE})) {
             pd_backend_xfer_sync(c->p.backend);  // (out of memory: wait for the copy, then take it in)
@@ -914,6 +926,8 @@ pd_kvconn_tiers *pd_kvconn_tiers_new(const pd_kvconn_tier_params *p, pd_err *err
             }
             c->lw_group = (int)g;
         }
+        const char *jit_env = getenv("PDSERVE_KV_TIER_JIT");  // "1": just-in-time layer-wise commits
+        c->lw_jit = jit_env && !strcmp(jit_env, "1");
         // The chain below is [disk][redis]: the disk gets DRAM's victims (write-back), Redis (the
         // cluster pool) every block as soon as DRAM holds it.
         c->hot_lower_on_evict = p->disk_dir ? 1u : 0u;
@@ -976,12 +990,13 @@ void pd_kvconn_tiers_free(pd_kvconn_tiers *c) {
         PD_LOG_I("kv tiers: DRAM (pages = staged rows): %lld pages written, %lld saves of held blocks skipped, %lld "
                  "dropped (no free slot), %lld evicted, %lld not written below (writes behind); %lld loads, %lld "
                  "blocks, %lld hit / %lld missed; %.1f us a block enqueue -> fence seen; same-step copies: %lld "
-                 "commits, %lld layer-wise (%d layers a copy), %lld fenced at the step's end",
+                 "commits, %lld layer-wise (%d layers a copy), %lld fenced at the step's end, %lld made while the "
+                 "last saves' copy still ran",
                  (long long)h->puts, (long long)c->staged_resident, (long long)h->drops, (long long)h->evictions,
                  (long long)h->lower_skipped,
                  (long long)h->loads, (long long)h->load_blocks, (long long)h->hits, (long long)h->misses,
                  h->us_per_block, (long long)c->lw_commits, (long long)c->lw_layered, c->lw_group,
-                 (long long)c->lw_fallbacks);
+                 (long long)c->lw_fallbacks, (long long)c->lw_saves_pending);
     }
     if (c->t) pd_kvt_tiers_free(c->t);  // runs what is queued (loads end with their event), joins; frees the stores
     arena_fini(&c->arena);    // after the DRAM store gave its pages back
@@ -1213,8 +1228,46 @@ int pd_kvconn_tiers_load_now(pd_kvconn_tiers *c, const pd_hash128 *hashes, const
     return hot_start_load(c, hashes, dst_blocks, n, true, c->lw_group > 0);
 }
 
+// The pins of the committed loads' pages end when the host sees fence f; the queue empties.
+static void lw_release_at(pd_kvconn_tiers *c, uint64_t f) {
+    hot *h = &c->hot;
+    for (int i = 0; i < c->n_lw; i++)
+        if (!fly_push(c, (inflight){.fence = f, .slot = c->lw[i].slot, .kind = FLY_HOT_LOAD, .t0 = c->lw[i].t0,
+                                    .n_load = c->lw[i].n_load})) {
+            pd_backend_xfer_sync(c->p.backend);
+            pthread_mutex_lock(&h->mu);
+            hot_release_locked(h, c->lw[i].slot);
+            pthread_mutex_unlock(&h->mu);
+        }
+    c->n_lw = 0;
+}
+
+// Just-in-time commit: the layer groups up to (not including) layer_end, then, once every layer is
+// enqueued, the host fence that ends the pages' pins.
+static void jit_enqueue_upto(pd_kvconn_tiers *c, int layer_end) {
+    if (!c->jit_open) return;
+    int L = c->geom.n_layers, g = PD_MAX(c->lw_group, 1);
+    hot *h = &c->hot;
+    pd_kv_copy_params kp = {.src_k = h->k, .src_v = h->v, .dst_k = c->p.cache.k, .dst_v = c->p.cache.v,
+                            .src_blocks = c->jit_src, .dst_blocks = c->jit_dst, .n_rows = c->jit_rows,
+                            .n_blocks = c->jit_n, .block_size = c->p.cache.block_size,
+                            .row_bytes = c->p.cache.row_bytes};
+    while (c->jit_next < PD_MIN(layer_end, L)) {
+        kp.layer_begin = c->jit_next;
+        kp.layer_end = PD_MIN(c->jit_next + g, L);
+        pd_op_kv_copy_xfer(c->p.backend, &kp);
+        for (int l = kp.layer_begin; l < kp.layer_end; l++) pd_backend_xfer_layer_ready(c->p.backend, l);
+        c->jit_next = kp.layer_end;
+    }
+    if (c->jit_next < L) return;
+    lw_release_at(c, pd_backend_xfer_fence_host(c->p.backend));
+    pd_free(c->jit_src), pd_free(c->jit_dst), pd_free(c->jit_rows);
+    c->jit_src = c->jit_dst = c->jit_rows = NULL;
+    c->jit_open = false;
+}
+
 int pd_kvconn_tiers_load_now_commit(pd_kvconn_tiers *c, bool layerwise) {
-    if (!c || c->n_lw == 0) return 0;
+    if (!c || c->n_lw == 0 || c->jit_open) return 0;
     PD_ASSERT(c->lw_marked == c->lw_waited);  // the last layer-wise commit was closed (step_end)
     int n = c->n_lw, L = c->geom.n_layers, bs = c->p.cache.block_size;
     int32_t *src = pd_malloc(sizeof *src * (size_t)n), *dst = pd_malloc(sizeof *dst * (size_t)n);
@@ -1225,6 +1278,7 @@ int pd_kvconn_tiers_load_now_commit(pd_kvconn_tiers *c, bool layerwise) {
         rows = pd_malloc(sizeof *rows * (size_t)n);
     }
     for (int i = 0; i < n; i++) src[i] = c->lw[i].slot, dst[i] = c->lw[i].dst, rows[i] = bs;
+    if (c->save_fence && !pd_backend_xfer_fence_done(c->p.backend, c->save_fence)) c->lw_saves_pending++;
     hot *h = &c->hot;
     pd_kv_copy_params kp = {.src_k = h->k, .src_v = h->v, .dst_k = c->p.cache.k, .dst_v = c->p.cache.v,
                             .src_blocks = src, .dst_blocks = dst, .n_rows = rows, .n_blocks = n,
@@ -1232,6 +1286,18 @@ int pd_kvconn_tiers_load_now_commit(pd_kvconn_tiers *c, bool layerwise) {
     pd_backend_xfer_mark(c->p.backend);  // (after whatever compute last used the blocks)
     uint64_t f;
     int marked = 0;
+    if (layerwise && c->lw_jit) {
+        // Just in time: the first group now, the others from layer_wait (jit_enqueue_upto).
+        c->jit_src = src, c->jit_dst = dst, c->jit_rows = rows, c->jit_n = n;
+        c->jit_next = 0;
+        c->jit_open = true;
+        c->lw_commits++;
+        c->lw_layered++;
+        c->lw_marked = L;
+        c->lw_waited = 0;
+        jit_enqueue_upto(c, 1);
+        return L;
+    }
     if (layerwise) {
         // Layer group by layer group, each marked ready: the compute of layer l waits only for
         // the copies up to l's group (pd_kvconn_tiers_layer_wait), the rest overlaps it.
@@ -1254,27 +1320,21 @@ int pd_kvconn_tiers_load_now_commit(pd_kvconn_tiers *c, bool layerwise) {
     c->lw_commits++;
     c->lw_marked = marked;
     c->lw_waited = 0;
-    for (int i = 0; i < n; i++)
-        if (!fly_push(c, (inflight){.fence = f, .slot = c->lw[i].slot, .kind = FLY_HOT_LOAD, .t0 = c->lw[i].t0,
-                                    .n_load = c->lw[i].n_load})) {
-            pd_backend_xfer_sync(c->p.backend);
-            pthread_mutex_lock(&h->mu);
-            hot_release_locked(h, c->lw[i].slot);
-            pthread_mutex_unlock(&h->mu);
-        }
-    c->n_lw = 0;
+    lw_release_at(c, f);
     pd_free(src), pd_free(dst), pd_free(rows);
     return marked;
 }
 
 void pd_kvconn_tiers_layer_wait(pd_kvconn_tiers *c, int layer) {
     if (!c || layer < 0 || layer >= c->lw_marked) return;
+    jit_enqueue_upto(c, layer + 1);  // (just in time: this layer's group, if not enqueued yet)
     pd_backend_xfer_layer_wait(c->p.backend, layer);
     if (layer == c->lw_waited) c->lw_waited++;  // layers waited for in order, from 0
 }
 
 void pd_kvconn_tiers_step_end(pd_kvconn_tiers *c) {
     if (!c) return;
+    jit_enqueue_upto(c, c->geom.n_layers);      // a just-in-time commit's groups not reached yet
     pd_kvconn_tiers_load_now_commit(c, false);  // queued and never committed: copied, fenced
     if (c->lw_waited < c->lw_marked) {
         // A layer-wise commit whose layers the compute did not all wait for (the step failed, or
@@ -1322,6 +1382,7 @@ void pd_kvconn_tiers_stats_get(pd_kvconn_tiers *c, pd_kvconn_tiers_stats *out) {
     out->samestep_commits = c->lw_commits;
     out->samestep_layerwise = c->lw_layered;
     out->samestep_fenced = c->lw_fallbacks;
+    out->samestep_saves_pending = c->lw_saves_pending;
     int64_t rn[PD_KVCONN_NOTIFY_N] = {s.remote_notify.evicted, s.remote_notify.expired, s.remote_notify.deleted,
                                       s.remote_notify.ignored, s.remote_notify.config_refused};
     memcpy(out->remote_notify, rn, sizeof rn);

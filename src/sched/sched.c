@@ -34,6 +34,9 @@ pd_sched_params pd_sched_params_default(void) {
         .policy = PD_SCHED_FCFS,
         .srpt_starvation_us = 5 * 1000 * 1000,
         .max_lookahead_slots = 0,
+        .backfill = false,
+        .backfill_max_wait_us = 250 * 1000,
+        .tier_reserve_compute = true,
     };
     return p;
 }
@@ -41,7 +44,7 @@ pd_sched_params pd_sched_params_default(void) {
 pd_sched *pd_sched_new(const pd_sched_params *p, pd_kv_mgr *kv, pd_err *err) {
     if (!p || !kv || p->max_num_seqs <= 0 || p->max_num_batched_tokens <= 0 ||
         p->max_prefill_chunk < 0 || p->max_model_len < 0 || p->max_lookahead_slots < 0 ||
-        p->max_lookahead_slots > 64 ||
+        p->max_lookahead_slots > 64 || p->backfill_max_wait_us < 0 ||
         (p->policy != PD_SCHED_FCFS && p->policy != PD_SCHED_SRPT)) {
         pd_err_set(err, PD_ERR_INVALID, "sched: bad params");
         return NULL;

@@ -91,6 +91,14 @@ typedef struct pd_sched_params {
                                      // ahead of shorter ones; 5 s
     int32_t max_lookahead_slots;     // speculation: at most this many draft positions per decode
                                      // (pd_sched_set_lookahead); 0 = none
+    bool backfill;                   // admission: a waiting request whose blocks do not fit now is
+                                     // passed by later ones that fit (EASY-style backfill), while it
+                                     // has waited less than backfill_max_wait_us; then strict order
+                                     // (nobody overtakes it) until it is admitted. false
+    int64_t backfill_max_wait_us;    // 250 ms
+    bool tier_reserve_compute;       // a tier load also reserves the blocks of the tokens computed
+                                     // after it (those its joining step takes), so the load cannot
+                                     // end without room to compute; true
 } pd_sched_params;
 
 pd_sched_params pd_sched_params_default(void);
@@ -284,6 +292,9 @@ typedef struct pd_sched_stats {
     int32_t n_tier_loading;      // of which loading from a tier
     int64_t n_tier_loads;        // tier loads started (lifetime)
     int32_t n_held;              // finished requests holding blocks for a transfer
+    int64_t n_backfill_passes;   // admissions that passed a blocked request (backfill)
+    int64_t n_join_short;        // tier loads that ended in their step without room or budget to
+                                 // compute in it (they compute from the next step on)
 } pd_sched_stats;
 
 void pd_sched_stats_get(const pd_sched *s, pd_sched_stats *out);

@@ -145,7 +145,14 @@ static admit_result admit_remote(pd_sched *s, pd_sched_req *r, int32_t hit) {
 // Tier load: blocks for positions [hit, tier_end) and a seat, no token budget; the engine loads
 // them from a tier below the device pool.
 static admit_result admit_tier(pd_sched *s, pd_sched_req *r, int32_t hit, int32_t tier_end) {
-    if (pd_kv_alloc_slots(s->kv, &r->kv, hit, tier_end - hit) != PD_OK) {
+    int32_t end = tier_end;
+    if (s->params.tier_reserve_compute) {  // and the tokens its joining step computes
+        int32_t n_new = PD_MIN(r->n_tokens - tier_end, s->params.max_num_batched_tokens);
+        if (s->params.enable_chunked_prefill && s->params.max_prefill_chunk > 0)
+            n_new = PD_MIN(n_new, s->params.max_prefill_chunk);
+        end = tier_end + n_new;
+    }
+    if (pd_kv_alloc_slots(s->kv, &r->kv, hit, end - hit) != PD_OK) {
         pd_kv_free_request(s->kv, &r->kv);
         return ADMIT_BLOCKED;
     }
@@ -233,14 +240,22 @@ static void srpt_order(pd_sched *s, int64_t now_us) {
 static void admit_waiting(pd_sched *s, int64_t now_us, int32_t *budget, int32_t *n_sched) {
     if (s->n_waiting == 0) return;
     bool srpt = s->params.policy == PD_SCHED_SRPT;
-    int32_t n_cand = s->n_waiting;
+    int32_t n_cand = s->n_waiting, n_blocked = 0;
     if (srpt) srpt_order(s, now_us);
     for (int32_t i = 0; i < n_cand; i++) {
         if (s->n_running >= s->params.max_num_seqs || *budget <= 0) break;
         if (s->n_plan_finished >= s->params.max_num_seqs) break;  // the rest next step
         pd_sched_req *r = srpt ? s->order[i] : s->waiting[i];
         admit_result a = try_admit(s, r, budget, n_sched);
-        if (a == ADMIT_BLOCKED) break;  // keep the order: nobody overtakes a blocked head
+        if (a == ADMIT_BLOCKED) {
+            // Keep the order: nobody overtakes a blocked request, unless backfill is on and it
+            // has waited less than backfill_max_wait_us (later requests that fit go first; an
+            // admission this step takes blocks, which all come back as requests finish).
+            if (!s->params.backfill || now_us - r->arrival_us >= s->params.backfill_max_wait_us) break;
+            n_blocked++;
+            continue;
+        }
+        if (a == ADMIT_OK && n_blocked) s->stats.n_backfill_passes++;
         if (a == ADMIT_FAILED && !srpt) {
             i--;  // it left s->waiting, which we are walking
             n_cand--;
@@ -333,11 +348,17 @@ void pd_sched_join_plan(pd_sched *s, pd_sched_req *r, pd_step_plan *out) {
     int32_t remaining = r->n_tokens - r->n_computed, n_new = PD_MIN(remaining, s->plan_budget);
     if (PD_NEVER(remaining <= 0)) return;
     if (!s->params.enable_chunked_prefill) {
-        if (remaining > s->plan_budget) return;
+        if (remaining > s->plan_budget) {
+            s->stats.n_join_short++;
+            return;
+        }
     } else if (remaining > 1 && s->params.max_prefill_chunk > 0) {
         n_new = PD_MIN(n_new, s->params.max_prefill_chunk);
     }
-    if (n_new <= 0 || pd_kv_alloc_slots(s->kv, &r->kv, r->n_computed, n_new) != PD_OK) return;
+    if (n_new <= 0 || pd_kv_alloc_slots(s->kv, &r->kv, r->n_computed, n_new) != PD_OK) {
+        s->stats.n_join_short++;
+        return;
+    }
     int32_t n_sched = s->plan_n_sched;
     mark_scheduled(s, r, n_new, &s->plan_budget, &n_sched);
     s->plan_n_sched = n_sched;

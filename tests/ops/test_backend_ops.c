@@ -1590,7 +1590,8 @@ PD_TEST(test_cuda_kv_xfer_stream) {
 
 // The transfer stream with host memory on one side (the KV tiers' pinned DRAM pages): pinned
 // host -> device, then device -> pinned host, for each PD_CUDA_KV_DMA mode (0, the default: the
-// kv_copy kernel; 1: the copy engines for these copies; 2: the copy engines for every copy).
+// kv_copy kernel; 1: the copy engines for these copies; 2: the copy engines for every copy; and
+// the kernel with one CTA a chunk, capped at 2 CTAs and at the default 16, PD_CUDA_KV_COPY_CTAS).
 // Extra cases put runs of blocks contiguous on both sides (merged into one copy per layer and
 // K/V) next to breaks of the run: a partial block inside, an index step on one side only.
 PD_TEST(test_cuda_kv_xfer_host) {
@@ -1598,12 +1599,17 @@ PD_TEST(test_cuda_kv_xfer_host) {
         {2, 12, 16, 0, 2, 6, 2048, {2, 3, 4, 7, 8, 11}, {5, 6, 7, 0, 9, 10}, {16, 16, 16, 16, 7, 16}},
         {3, 10, 4, 1, 3, 5, 24, {0, 1, 2, 3, 9}, {4, 5, 6, 7, 0}, {4, 4, 2, 4, 3}},
     };
-    for (int mode = 0; mode <= 2; mode++) {
-        char mv[2] = {(char)('0' + mode), 0};
+    // Modes 0 and 3-4: the kernel with one CTA a chunk (PD_CUDA_KV_COPY_CTAS=0), capped at 2 CTAs
+    // striding over every copy, and at the default cap (16).
+    for (int mode = 0; mode <= 4; mode++) {
+        char mv[2] = {(char)('0' + (mode >= 3 ? 0 : mode)), 0};
         setenv("PD_CUDA_KV_DMA", mv, 1);
+        if (mode == 0 || mode == 3) setenv("PD_CUDA_KV_COPY_CTAS", mode == 3 ? "2" : "0", 1);
+        else unsetenv("PD_CUDA_KV_COPY_CTAS");
         ctx c;
         if (!ctx_init(&c, 25)) {
             unsetenv("PD_CUDA_KV_DMA");
+            unsetenv("PD_CUDA_KV_COPY_CTAS");
             PD_SKIP("%s: no CUDA device", __func__);
         }
         for (size_t ci = 0; ci < PD_ARRAY_LEN(KV_CASES) + PD_ARRAY_LEN(RUNS); ci++) {
@@ -1666,6 +1672,7 @@ PD_TEST(test_cuda_kv_xfer_host) {
         ctx_fini(&c);
     }
     unsetenv("PD_CUDA_KV_DMA");
+    unsetenv("PD_CUDA_KV_COPY_CTAS");
 }
 
 // An exported pool describes itself; opening our own handle fails cleanly (CUDA IPC handles can

@@ -141,6 +141,20 @@ static void roundtrip(const char *label, uint64_t dram, const char *disk_dir, co
         PD_CHECK(memcmp((char *)k[0] + (size_t)dst4[0] * BLKB, zero, BLKB) == 0);  // not copied yet
     }
     PD_CHECK_EQ(pd_kvconn_tiers_load_now_commit(c, true), lw ? L : 0);
+    const char *jit_env = getenv("PDSERVE_KV_TIER_JIT");
+    const char *grp_env = getenv("PDSERVE_KV_TIER_LAYERWISE");
+    int grp = grp_env && atoi(grp_env) > 0 ? atoi(grp_env) : 1;
+    if (lw && jit_env && !strcmp(jit_env, "1") && grp < L) {
+        // Just in time: the commit copied the first layer group only; each wait copies up to its layer.
+        uint8_t zero[BLKB];
+        memset(zero, 0, sizeof zero);
+        PD_CHECK(memcmp((char *)k[0] + (size_t)dst4[0] * BLKB, (char *)k[0], BLKB) == 0);
+        PD_CHECK(memcmp((char *)k[grp] + (size_t)dst4[0] * BLKB, zero, BLKB) == 0);
+        pd_kvconn_tiers_layer_wait(c, grp - 1);
+        PD_CHECK(memcmp((char *)v[grp] + (size_t)dst4[0] * BLKB, zero, BLKB) == 0);
+        pd_kvconn_tiers_layer_wait(c, grp);
+        PD_CHECK(memcmp((char *)v[grp] + (size_t)dst4[0] * BLKB, (char *)v[grp], BLKB) == 0);
+    }
     for (int l = 0; l < L; l++) pd_kvconn_tiers_layer_wait(c, l);
     pd_kvconn_tiers_step_end(c);
     PD_CHECK_EQ(pd_kvconn_tiers_load_now_commit(c, true), 0);  // nothing queued any more
@@ -391,6 +405,14 @@ PD_TEST(staged_hot_dram_load_now_layer_groups_and_off) {
     roundtrip("dram, 2 layers a copy", 1 << 20, NULL, NULL);
     setenv("PDSERVE_KV_TIER_LAYERWISE", "0", 1);
     roundtrip("dram, layer-wise off", 1 << 20, NULL, NULL);
+    // Just-in-time commits (PDSERVE_KV_TIER_JIT=1), one and two layers a copy: the same blocks,
+    // each group copied when its layer's wait comes (or at the step's end).
+    setenv("PDSERVE_KV_TIER_JIT", "1", 1);
+    setenv("PDSERVE_KV_TIER_LAYERWISE", "1", 1);
+    roundtrip("dram, just in time", 1 << 20, NULL, NULL);
+    setenv("PDSERVE_KV_TIER_LAYERWISE", "2", 1);
+    roundtrip("dram, just in time, 2 layers a copy", 1 << 20, NULL, NULL);
+    unsetenv("PDSERVE_KV_TIER_JIT");
     // A value that is not a layer count is refused, not ignored.
     setenv("PDSERVE_KV_TIER_LAYERWISE", "fast", 1);
     setenv("PDSERVE_KV_TIER_STAGING", "1", 1);

@@ -605,6 +605,62 @@ PD_TEST(fcfs_head_of_line_not_overtaken) {
     fe_free(e);
 }
 
+// Backfill: a request whose blocks do not fit is passed by a later one that fits, while it has
+// waited less than backfill_max_wait_us; past that, nobody overtakes it.
+PD_TEST(backfill_passes_blocked_head_until_its_wait_bound) {
+    for (int aged = 0; aged < 2; aged++) {
+        pd_sched_params sp = sp_make(4, 64);
+        sp.backfill = true;
+        sp.backfill_max_wait_us = aged ? 0 : 1000000;
+        fe *e = fe_new(8, 4, &sp);  // 32 slots
+        int32_t r[20], b[16], sm[4];
+        fill(r, 20, 13);
+        fill(b, 16, 14);
+        fill(sm, 4, 15);
+        PD_CHECK_EQ(fe_add(e, 1, r, 20, 3), PD_OK);
+        fe_step(e);                                  // r holds 5 blocks
+        PD_CHECK_EQ(fe_add(e, 2, b, 16, 2), PD_OK);  // needs 4 blocks: only 2 left after r's decode
+        PD_CHECK_EQ(fe_add(e, 3, sm, 4, 2), PD_OK);  // fits: passes b (unless b waited too long)
+        fe_step(e);
+        pd_sched_stats st;
+        pd_sched_stats_get(e->s, &st);
+        PD_CHECK_EQ(e->last_plan.n_seqs, aged ? 1 : 2);
+        PD_CHECK_EQ(st.n_backfill_passes, aged ? 0 : 1);
+        if (!aged) PD_CHECK_EQ(e->last_plan.seqs[1].req_id, 3);
+        fe_run(e, 100);
+        if (aged) PD_CHECK(e->r[2].finish_step <= e->r[3].finish_step);
+        expect_ref(e, 1, r, 20, 3);
+        expect_ref(e, 2, b, 16, 2);
+        expect_ref(e, 3, sm, 4, 2);
+        fe_free(e);
+    }
+}
+
+// tier_reserve_compute: a tier load's admission also takes the blocks of the tokens computed after
+// it, so a load that ends inside its step always has room to compute there.
+PD_TEST(tier_reserve_compute_takes_the_new_blocks) {
+    for (int reserve = 0; reserve < 2; reserve++) {
+        pd_sched_params sp = sp_make(4, 64);
+        sp.tier_reserve_compute = reserve;
+        fe *e = fe_new(16, 4, &sp);
+        int32_t p[30];
+        fill(p, 30, 21);
+        pd_sched_req_params rp = {.req_id = 1, .prompt = p, .n_prompt = 30, .max_tokens = 2, .n_tier_tokens = 28};
+        PD_CHECK_EQ(fe_add_rp(e, &rp), PD_OK);
+        int32_t free0 = pd_kv_n_free(e->kv);
+        e->is_tier_paused = true;  // the load stays in flight: see what admission took
+        fe_step(e);
+        PD_REQUIRE(e->last_plan.n_tier_loads == 1);
+        PD_CHECK_EQ(e->last_plan.tier_loads[0].n_blocks, 7);         // positions [0, 28): the load
+        PD_CHECK_EQ(free0 - pd_kv_n_free(e->kv), reserve ? 8 : 7);  // + [28, 30) when reserving
+        e->is_tier_paused = false;
+        fe_run(e, 100);
+        expect_ref(e, 1, p, 30, 2);
+        PD_CHECK_EQ(pd_kv_n_free(e->kv), free0);
+        fe_free(e);
+    }
+}
+
 PD_TEST(priority_first) {
     pd_sched_params sp = sp_make(1, 64);
     fe *e = fe_new(64, 4, &sp);
@@ -1063,7 +1119,7 @@ PD_TEST(tier_load_state) {
     PD_CHECK_EQ(st.n_loading, 1);
     PD_CHECK_EQ(st.n_tier_loading, 1);
     PD_CHECK_EQ(st.n_running, 1);
-    PD_CHECK_EQ(pd_kv_n_used(e->kv), 5);
+    PD_CHECK_EQ(pd_kv_n_used(e->kv), 6);  // the load's 5 blocks and the one its 2 computed tokens need
     const pd_sched_event *ev;
     int32_t n_ev;
     PD_CHECK_EQ(pd_sched_update(e->s, &plan, NULL, 0, &ev, &n_ev), PD_OK);
@@ -1073,7 +1129,7 @@ PD_TEST(tier_load_state) {
     // Aborted while loading: seat gone now, blocks when the load ends.
     PD_CHECK_EQ(pd_sched_abort(e->s, 1), PD_OK);
     PD_CHECK_EQ(pd_sched_abort(e->s, 1), PD_ERR_NOTFOUND);
-    PD_CHECK_EQ(pd_kv_n_used(e->kv), 5);
+    PD_CHECK_EQ(pd_kv_n_used(e->kv), 6);
     PD_CHECK(pd_sched_has_work(e->s));
     PD_CHECK_MSG(pd_sched_check(e->s, &err) == PD_OK, "%s", err.msg);
     PD_CHECK_EQ(pd_sched_tier_loaded(e->s, 1, 8), PD_ERR_CLOSED);
@@ -1333,11 +1389,17 @@ static int64_t prop_preemptions, prop_aborts;
 
 static int64_t prop_spec_accepted, prop_spec_drafted, prop_spec_multi;
 
+static bool prop_backfill, prop_reserve;  // the admission options under test (property_backfill_reserve)
+static int64_t prop_passes;
+
 static void prop_sched_spec(uint64_t seed, pd_sched_policy policy, bool chunked, bool caching, int32_t lookahead) {
     pd_rng rng;
     pd_rng_seed(&rng, seed);
     pd_sched_params sp = sp_make(1 + (int32_t)(pd_rng_next(&rng) % 8), 8 + (int32_t)(pd_rng_next(&rng) % 64));
     sp.max_lookahead_slots = lookahead;
+    sp.backfill = prop_backfill;
+    sp.backfill_max_wait_us = 30000;  // 30 steps of the harness
+    sp.tier_reserve_compute = prop_reserve;
     sp.policy = policy;
     sp.enable_chunked_prefill = chunked;
     sp.srpt_starvation_us = 50000;
@@ -1420,6 +1482,8 @@ static void prop_sched_spec(uint64_t seed, pd_sched_policy policy, bool chunked,
     if (lookahead == 0) PD_CHECK_EQ(e->n_spec_slots, 0);
     prop_preemptions += st.n_preemptions;
     prop_aborts += st.n_aborted;
+    prop_passes += st.n_backfill_passes;
+    if (!sp.backfill) PD_CHECK_EQ(st.n_backfill_passes, 0);
     if (getenv("PD_TEST_VERBOSE"))
         fprintf(stderr, "  seed %llu: seqs %d budget %d blocks %d: %lld steps, %d done, %lld preempted, %lld aborted\n",
                 (unsigned long long)seed, sp.max_num_seqs, sp.max_num_batched_tokens, pd_kv_n_blocks(e->kv),
@@ -1542,6 +1606,21 @@ PD_TEST(property_srpt_tier_no_starvation) {
                     (double)miss_wait / (double)n_miss, (long long)n_late);
         fe_free(e);
     }
+}
+// Backfill admission and tier loads that reserve their computed part, under the same random
+// workload (preemption, aborts, remote prefill, held blocks, tier loads async and same-step): every
+// output still equals the reference, the pool comes back whole, and backfill did pass blocked ones.
+PD_TEST(property_backfill_reserve) {
+    prop_preemptions = prop_aborts = prop_passes = 0;
+    for (uint64_t seed = 61; seed <= 66 && !pd_test_failed_; seed++) {
+        prop_backfill = seed % 4 != 3;
+        prop_reserve = seed % 4 != 2;
+        prop_sched(seed, seed % 2 ? PD_SCHED_FCFS : PD_SCHED_SRPT, seed % 3 != 0, true);
+    }
+    prop_backfill = prop_reserve = false;
+    PD_CHECK(prop_preemptions > 0);
+    PD_CHECK(prop_aborts > 0);
+    PD_CHECK(prop_passes > 0);
 }
 PD_TEST(property_no_chunking) {
     prop_preemptions = prop_aborts = 0;

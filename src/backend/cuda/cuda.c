@@ -40,6 +40,27 @@
 #include <string.h>
 #include <unistd.h>
 
+static void cuda_timer_mark(pd_backend *b, int i) {
+    pd_cuda_backend *cb = pd_cuda_backend_of(b);
+    pd_cuda_bind(cb);
+    if (!cb->timer[i]) PD_CUDA_CHECK(cudaEventCreate(&cb->timer[i]));
+    PD_CUDA_CHECK(cudaEventRecord(cb->timer[i], cb->stream));
+    cb->timer_set[i] = true;
+}
+
+static float cuda_timer_ms(pd_backend *b, int i, int j) {
+    pd_cuda_backend *cb = pd_cuda_backend_of(b);
+    if (!cb->timer_set[i] || !cb->timer_set[j]) return -1.0f;
+    pd_cuda_bind(cb);
+    PD_CUDA_CHECK(cudaEventSynchronize(cb->timer[j]));
+    float ms = -1.0f;
+    if (cudaEventElapsedTime(&ms, cb->timer[i], cb->timer[j]) != cudaSuccess) {
+        (void)cudaGetLastError();
+        return -1.0f;
+    }
+    return ms;
+}
+
 static void cuda_free(pd_backend *b) {
     pd_cuda_backend *cb = pd_cuda_backend_of(b);
     pd_cuda_bind(cb);
@@ -54,6 +75,8 @@ static void cuda_free(pd_backend *b) {
     if (cb->bgemm_ws) cudaFree(cb->bgemm_ws);
     if (cb->cb_dev) cudaFree(cb->cb_dev);
     if (cb->kv_dev) cudaFree(cb->kv_dev);
+    for (int i = 0; i < 8; i++)
+        if (cb->timer[i]) cudaEventDestroy(cb->timer[i]);
     if (cb->stream) cudaStreamDestroy(cb->stream);
     pd_free(cb);
 }
@@ -586,6 +609,8 @@ static const pd_backend_iface cuda_iface = {
     .graph_end = cuda_graph_end,
     .graph_launch = cuda_graph_launch,
     .graph_free = cuda_graph_free,
+    .timer_mark = cuda_timer_mark,
+    .timer_ms = cuda_timer_ms,
     .fill_normal = cuda_fill_normal,
     .comm_id_new = pd_cuda_comm_id_new,
     .comm_new = pd_cuda_comm_new,

@@ -30,6 +30,8 @@ typedef struct pd_cuda_backend {
     int device;
     char device_name[256];  // cuda_device_name, filled on first use
     cudaStream_t stream;
+    cudaEvent_t timer[8];   // pd_backend_timer_mark (PD_BACKEND_TIMERS), created at first use
+    bool timer_set[8];
     // cuBLASLt
     cublasLtHandle_t lt;
     void *lt_ws;

@@ -9,6 +9,8 @@
 //     before the stream has consumed it. Growing drains the stream first.
 //   * Checksums are computed into the device buffer and copied back into the pinned one; the
 //     caller's sums are filled from there at xfer_sync (the pending list).
+//   * A kv_copy with host memory on one side runs on 16 CTAs striding over it (PD_CUDA_KV_COPY_CTAS,
+//     pd_cuda_xfer_of): PCIe, not the SMs, bounds it, and the compute stream keeps the other SMs.
 //   * PD_CUDA_KV_DMA=1: a copy with host memory on one side (the KV tiers' pinned DRAM pages,
 //     either direction) goes to the copy engines, one cudaMemcpyBatchAsync of every (layer, K/V,
 //     run of blocks contiguous on both sides), instead of the kv_copy kernel, which holds SM slots
@@ -41,6 +43,7 @@ struct pd_cuda_xfer {
     xfer_pending *pending;
     int n_pending, cap_pending;
     int dma;                           // PD_CUDA_KV_DMA (see the head of this file)
+    int copy_ctas;                     // PD_CUDA_KV_COPY_CTAS: the kv_copy kernel's CTA cap (0: none)
     void **dma_dst;                    // cudaMemcpyBatchAsync's host arrays, grown as needed
     const void **dma_src;
     size_t *dma_size, dma_cap;
@@ -63,6 +66,14 @@ static pd_cuda_xfer *xfer_of(pd_cuda_backend *cb) {
     for (int i = 0; i < 2; i++) PD_CUDA_CHECK(cudaEventCreateWithFlags(&x->ev[i], cudaEventDisableTiming));
     PD_CUDA_CHECK(cudaEventCreateWithFlags(&x->fence_ev, cudaEventDisableTiming));
     x->dma = pd_cuda_env_int("PD_CUDA_KV_DMA", 0, 0, 2);
+    // A transfer-stream kv_copy with host memory on one side runs 16 CTAs striding over the copy
+    // (PD_CUDA_KV_COPY_CTAS=N: N; 0: one CTA per 16 KiB chunk, as before session 11). Such a copy is
+    // bound by PCIe: on an H100, 16 CTAs move 256 scattered 2 MiB blocks at 50.65 GB/s against
+    // 50.87 with one CTA a chunk (~600 a layer of a tier load), whose CTAs, parked on PCIe reads,
+    // held SM slots the compute stream's GEMMs wanted: a DRAM tier step's forward took 27.96 ms of
+    // device time against 25.07 ms capped (docs/benchmarks.md, KV tiers, session 11).
+    // Device-to-device copies (handoffs over NVLink) keep every CTA.
+    x->copy_ctas = pd_cuda_env_int("PD_CUDA_KV_COPY_CTAS", 16, 0, 65535);
     cb->xfer = x;
     return x;
 }
@@ -164,18 +175,22 @@ void pd_cuda_kv_copy_xfer(pd_backend *b, const pd_kv_copy_params *p) {
     pd_cuda_xfer *x = xfer_of(cb);
     int nl = p->layer_end - p->layer_begin;
     if (p->n_blocks <= 0 || nl <= 0) return;
-    if (x->dma == 2 || (x->dma == 1 && (xfer_is_host(p->src_k[p->layer_begin]) || xfer_is_host(p->dst_k[p->layer_begin])))) {
+    // Host memory on one side: the copy crosses PCIe (the KV tiers' pinned DRAM pages).
+    bool host = (x->dma == 1 || x->copy_ctas > 0) &&
+                (xfer_is_host(p->src_k[p->layer_begin]) || xfer_is_host(p->dst_k[p->layer_begin]));
+    if (x->dma == 2 || (x->dma == 1 && host)) {
         xfer_dma(x, p);
         return;
     }
     size_t off, n;
-    char *host = pd_cuda_kv_copy_pack(p, &off, &n);
+    char *packed = pd_cuda_kv_copy_pack(p, &off, &n);
     size_t at = xfer_alloc(x, n);
-    memcpy(x->host + at, host, n);
-    pd_free(host);
+    memcpy(x->host + at, packed, n);
+    pd_free(packed);
     PD_CUDA_CHECK(cudaMemcpyAsync(x->dev + at, x->host + at, n, cudaMemcpyHostToDevice, x->stream));
     pd_kv_copy_kparams k = {.ptrs = (void *const *)(x->dev + at), .blocks = (const pd_kv_block_desc *)(x->dev + at + off),
-                            .n_blocks = p->n_blocks, .n_layers = nl, .block_size = p->block_size, .row_bytes = p->row_bytes};
+                            .n_blocks = p->n_blocks, .n_layers = nl, .block_size = p->block_size, .row_bytes = p->row_bytes,
+                            .max_ctas = host ? x->copy_ctas : 0};
     pd_cuda_kv_copy(&k, x->stream);
     PD_CUDA_CHECK_LAUNCH();
 }
