@@ -49,7 +49,8 @@
 #define SHAPE_EAGER (1u << 31)   // the key of an eager step's shape
 #define CATCHUP_MAX 512  // draft catch-up tokens per sequence per step
 #define PROBE_EVERY 16   // adaptive: a request whose estimate says "don't" still drafts 1 token now and then
-#define PROBE_SHARE 0.01 // ... at most this share of the step time spent on probes (the period grows)
+#define PROBE_SHARE 0.01 // ... at most this share of the step time spent on probes (the period grows;
+                         // PD_SPEC_PROBE_SHARE overrides it, for A/B runs)
 #define PROBE_RETRY 4    // a due probe whose sequence had no proposal: the next sequence tries this many steps later
 #define DRAFT_LOG_MAX 64 // PD_SPEC_STATS: transient draft forwards logged as they happen, per engine
 // Draft-free, adaptive: a sequence whose lookup found no proposal (no n-gram match, an empty pool
@@ -104,6 +105,7 @@ typedef struct espec {
     pd_spec_method method;
     int K, W, N, ngram_min, ngram_max;
     bool adaptive;
+    double probe_share;     // PROBE_SHARE unless PD_SPEC_PROBE_SHARE says otherwise
     int V, bs;
     pd_model *draft;
     pd_model_cache *dcache;
@@ -333,6 +335,15 @@ pd_status pd_engine_spec_load(pd_engine *e, pd_err *err) {
     pd_spec_shapes_init(&S->warm);
     const char *dbg = getenv("PD_SPEC_STATS");
     S->stats = dbg && strcmp(dbg, "0");
+    S->probe_share = PROBE_SHARE;
+    const char *ps = getenv("PD_SPEC_PROBE_SHARE");
+    if (ps && *ps) {
+        char *end = NULL;
+        double v = strtod(ps, &end);
+        if (*end || !(v > 0 && v <= 0.1))
+            return pd_err_set(err, PD_ERR_INVALID, "PD_SPEC_PROBE_SHARE=%s: a share of the step time in (0, 0.1]", ps);
+        S->probe_share = v;
+    }
     pd_spec_backoff_init(&S->probe_bo);
     pd_spec_backoff_init(&S->win_bo);
     pd_spec_accept_init(&S->pop, S->method == PD_SPEC_DRAFT ? 0.7 : 0.5);
@@ -979,7 +990,7 @@ static void choose_lengths(pd_engine *e, const pd_step_plan *plan, sreq **srs) {
                 lag = PD_MAX(plan->seqs[i].pos_start + 1 - PD_MAX(srs[i]->draft_pos, 0), 1);
             pd_spec_draft_price p1 = S->method == PD_SPEC_DRAFT ? draft_price(S, 1, lag, lag) : (pd_spec_draft_price){0, 0};
             double dc = c1 - c0 + p1.first_us;
-            double period = dc / (PROBE_SHARE * (c0 > 1 ? c0 : 1));
+            double period = dc / (S->probe_share * (c0 > 1 ? c0 : 1));
             period = period < PROBE_EVERY ? PROBE_EVERY : period > 4096 ? 4096 : period;
             S->next_probe = S->n_steps + pd_spec_backoff_period(&S->probe_bo, batch_key(e->model, plan->n_seqs), period);
             S->n_probes++;
@@ -1256,7 +1267,7 @@ static pd_status run_plan(pd_engine *e, const pd_step_plan *plan, bool *handled)
             for (int i = 0; i < plan->n_seqs && only < 0; i++)
                 if (srs[i] && is_decode(&plan->seqs[i], srs[i]) && plan->seqs[i].n_lookahead > 0 && c++ == pick) only = i;
             double c1 = step_cost(&pc, kmx + S->W, n_base + S->W);
-            double period = (c1 - c0) / (PROBE_SHARE * (c0 > 1 ? c0 : 1));
+            double period = (c1 - c0) / (S->probe_share * (c0 > 1 ? c0 : 1));
             period = period < PROBE_EVERY ? PROBE_EVERY : period > 4096 ? 4096 : period;
             S->next_win_probe = S->n_steps + pd_spec_backoff_period(&S->win_bo, batch_key(e->model, plan->n_seqs), period);
             pd_spec_backoff_result(&S->win_bo, false);

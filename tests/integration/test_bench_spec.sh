@@ -176,6 +176,11 @@ refuse 'copy-chain is a fidelity' --load-format dummy --copy-chain 1.5
 refuse 'copy-chain needs --random-prompt L (and the interleaved' --load-format dummy --copy-chain 0.5 --sequential
 refuse 'FROM 4 must be 1..3' --load-format dummy --dummy-residual-scale 4:0.5
 refuse 'needs --speculative-model' --load-format dummy --speculative-method draft --speculative-dummy-layers 1
+export PD_SPEC_PROBE_SHARE=0.5  # the adaptive policy's probe budget knob: a share of the step time in (0, 0.1]
+refuse 'PD_SPEC_PROBE_SHARE=0.5' --load-format dummy --modes off,adaptive
+export PD_SPEC_PROBE_SHARE=x
+refuse 'PD_SPEC_PROBE_SHARE=x' --load-format dummy --modes off,adaptive
+unset PD_SPEC_PROBE_SHARE
 refuse 'the config has 4 layers' --load-format dummy --speculative-method draft --speculative-model "$FX" \
   --speculative-dummy-layers 5 --modes off,fixed
 # ---- 5. the copy workload: a Markov target (every layer's write scaled to 0) decodes the copy in
