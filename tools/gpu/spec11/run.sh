@@ -15,7 +15,7 @@
 #   test     test_gpu_spec (greedy byte-identical with speculation on the card)
 set -u
 OUT=$1; mkdir -p "$OUT"
-D=build/gpu-spec11
+D=${D:-build/gpu-spec11}
 T=/tmp/spec11bin
 t0=$(date +%s)
 mkdir -p $T && tar xJf $D/bins.tar.xz -C $T
