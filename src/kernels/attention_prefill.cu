@@ -219,16 +219,12 @@ static __device__ __forceinline__ void pd_fa_issue_pv(float *o, const uint32_t (
     }
 }
 
-// The online softmax of one S tile held in the wgmma accumulator layout (row g: elements 0, 1 of
-// each n8 chunk; row g + 8: elements 2, 3): scale to base 2, mask the positions after each row's
-// own (need_mask: the tile crosses the diagonal for this warp), update the running max m and sum
-// l, return the rescale factors of O in corr and P rounded to bf16 in the A-operand layout of
-// the P.V wgmma (which is the accumulator layout of S, two n8 chunks per k16 step).
-static __device__ __forceinline__ void pd_fa_softmax(float *sc, float *m, float *l, float *corr, uint32_t (*pa)[4],
+// The first half of both softmax forms: mask, row max, rescale factors; nb gets the exponent's bias.
+// The max runs on the raw scores (scale_log2 > 0 keeps the order); m is in the scaled domain and
+// each exponent is one FFMA: exp2(s * scale_log2 - m).
+static __device__ __forceinline__ void pd_fa_row_max(float *sc, float *m, float *l, float *corr, float *nb,
                                                      bool need_mask, int kv0, const int *qpos, int t,
                                                      float scale_log2) {
-    // The max runs on the raw scores (scale_log2 > 0 keeps the order); m is in the scaled domain and
-    // each exponent is one FFMA: exp2(s * scale_log2 - m).
     float mx[2] = {-INFINITY, -INFINITY};
 #pragma unroll
     for (int nt = 0; nt < PD_FA_BKV / 8; nt++) {
@@ -249,7 +245,20 @@ static __device__ __forceinline__ void pd_fa_softmax(float *sc, float *m, float 
         m[r] = mn;
         l[r] *= corr[r];
     }
-    float nb[2] = {m[0] == -INFINITY ? 0.f : -m[0], m[1] == -INFINITY ? 0.f : -m[1]};
+    nb[0] = m[0] == -INFINITY ? 0.f : -m[0];
+    nb[1] = m[1] == -INFINITY ? 0.f : -m[1];
+}
+
+// The online softmax of one S tile held in the wgmma accumulator layout (row g: elements 0, 1 of
+// each n8 chunk; row g + 8: elements 2, 3): scale to base 2, mask the positions after each row's
+// own (need_mask: the tile crosses the diagonal for this warp), update the running max m and sum
+// l, return the rescale factors of O in corr and P rounded to bf16 in the A-operand layout of
+// the P.V wgmma (which is the accumulator layout of S, two n8 chunks per k16 step).
+static __device__ __forceinline__ void pd_fa_softmax(float *sc, float *m, float *l, float *corr, uint32_t (*pa)[4],
+                                                     bool need_mask, int kv0, const int *qpos, int t,
+                                                     float scale_log2) {
+    float nb[2];
+    pd_fa_row_max(sc, m, l, corr, nb, need_mask, kv0, qpos, t, scale_log2);
 #pragma unroll
     for (int kk = 0; kk < PD_FA_BKV / 16; kk++) {
         float p[8];
@@ -269,27 +278,8 @@ static __device__ __forceinline__ void pd_fa_softmax(float *sc, float *m, float 
 // the overlapped consumer (PD_FA_OVL) computes it while the previous tile's P.V still reads pa.
 static __device__ __forceinline__ void pd_fa_softmax_p(float *sc, float *m, float *l, float *corr, bool need_mask,
                                                        int kv0, const int *qpos, int t, float scale_log2) {
-    float mx[2] = {-INFINITY, -INFINITY};
-#pragma unroll
-    for (int nt = 0; nt < PD_FA_BKV / 8; nt++) {
-#pragma unroll
-        for (int i = 0; i < 4; i++) {
-            float v = sc[nt * 4 + i];
-            if (need_mask && kv0 + nt * 8 + 2 * t + (i & 1) > qpos[i >> 1]) v = -INFINITY;
-            sc[nt * 4 + i] = v;
-            mx[i >> 1] = fmaxf(mx[i >> 1], v);
-        }
-    }
-#pragma unroll
-    for (int r = 0; r < 2; r++) {
-        mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
-        mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
-        float mn = fmaxf(m[r], mx[r] * scale_log2);
-        corr[r] = mn == -INFINITY ? 1.f : exp2f(m[r] - mn);
-        m[r] = mn;
-        l[r] *= corr[r];
-    }
-    float nb[2] = {m[0] == -INFINITY ? 0.f : -m[0], m[1] == -INFINITY ? 0.f : -m[1]};
+    float nb[2];
+    pd_fa_row_max(sc, m, l, corr, nb, need_mask, kv0, qpos, t, scale_log2);
 #pragma unroll
     for (int i = 0; i < PD_FA_BKV / 2; i++) {
         float p = exp2f(fmaf(sc[i], scale_log2, nb[(i >> 1) & 1]));

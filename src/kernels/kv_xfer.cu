@@ -17,47 +17,14 @@
 #define PD_K_KV_COPY_UNROLL 4
 #define PD_K_KV_SUM_UNROLL 8
 
-// The same work split (chunk y of listed block x, layer z / 2, K or V), a fixed number of CTAs
-// striding over it: a copy bound by PCIe keeps the bandwidth with a few CTAs in flight, and the
-// compute stream's kernels keep the other SMs (pd_kv_copy_kparams.max_ctas).
+// One CTA's part of a copy: chunk y (PD_K_KV_THREADS x PD_K_KV_COPY_UNROLL vectors) of block d's
+// rows, layer l, K (kv 0) or V (1); every load is issued before the first store.
 template <typename V>
-static __global__ void __launch_bounds__(PD_K_KV_THREADS)
-    k_kv_copy_strided(void *const *ptrs, const pd_kv_block_desc *blocks, size_t block_bytes, size_t row_bytes,
-                      unsigned n_x, unsigned n_y, unsigned n_z) {
+static __device__ __forceinline__ void pd_k_kv_copy_chunk(void *const *ptrs, const pd_kv_block_desc d, int l, int kv,
+                                                          size_t block_bytes, size_t row_bytes, unsigned y) {
     const size_t chunk = (size_t)PD_K_KV_THREADS * PD_K_KV_COPY_UNROLL;
-    size_t total = (size_t)n_x * n_y * n_z;
-    for (size_t item = blockIdx.x; item < total; item += gridDim.x) {
-        unsigned x = (unsigned)(item % n_x), y = (unsigned)((item / n_x) % n_y), z = (unsigned)(item / ((size_t)n_x * n_y));
-        const pd_kv_block_desc d = blocks[x];
-        int l = (int)(z >> 1), kv = (int)(z & 1);
-        size_t n_vec = (size_t)d.n_rows * row_bytes / sizeof(V);
-        size_t begin = (size_t)y * chunk;
-        if (begin >= n_vec) continue;
-        const V *src = (const V *)((const char *)ptrs[4 * l + kv] + (size_t)d.src_block * block_bytes) + begin;
-        V *dst = (V *)((char *)ptrs[4 * l + 2 + kv] + (size_t)d.dst_block * block_bytes) + begin;
-        size_t n = min(chunk, n_vec - begin);
-        V r[PD_K_KV_COPY_UNROLL];
-#pragma unroll
-        for (int u = 0; u < PD_K_KV_COPY_UNROLL; u++) {
-            size_t j = (size_t)u * PD_K_KV_THREADS + threadIdx.x;
-            if (j < n) r[u] = src[j];
-        }
-#pragma unroll
-        for (int u = 0; u < PD_K_KV_COPY_UNROLL; u++) {
-            size_t j = (size_t)u * PD_K_KV_THREADS + threadIdx.x;
-            if (j < n) dst[j] = r[u];
-        }
-    }
-}
-
-template <typename V>
-static __global__ void __launch_bounds__(PD_K_KV_THREADS)
-    k_kv_copy(void *const *ptrs, const pd_kv_block_desc *blocks, size_t block_bytes, size_t row_bytes) {
-    const pd_kv_block_desc d = blocks[blockIdx.x];
-    int l = blockIdx.z >> 1, kv = blockIdx.z & 1;
     size_t n_vec = (size_t)d.n_rows * row_bytes / sizeof(V);
-    const size_t chunk = (size_t)PD_K_KV_THREADS * PD_K_KV_COPY_UNROLL;
-    size_t begin = (size_t)blockIdx.y * chunk;
+    size_t begin = (size_t)y * chunk;
     if (begin >= n_vec) return;
     const V *src = (const V *)((const char *)ptrs[4 * l + kv] + (size_t)d.src_block * block_bytes) + begin;
     V *dst = (V *)((char *)ptrs[4 * l + 2 + kv] + (size_t)d.dst_block * block_bytes) + begin;
@@ -73,6 +40,26 @@ static __global__ void __launch_bounds__(PD_K_KV_THREADS)
         size_t j = (size_t)u * PD_K_KV_THREADS + threadIdx.x;
         if (j < n) dst[j] = r[u];
     }
+}
+
+// The same work split (chunk y of listed block x, layer z / 2, K or V), a fixed number of CTAs
+// striding over it: a copy bound by PCIe keeps the bandwidth with a few CTAs in flight, and the
+// compute stream's kernels keep the other SMs (pd_kv_copy_kparams.max_ctas).
+template <typename V>
+static __global__ void __launch_bounds__(PD_K_KV_THREADS)
+    k_kv_copy_strided(void *const *ptrs, const pd_kv_block_desc *blocks, size_t block_bytes, size_t row_bytes,
+                      unsigned n_x, unsigned n_y, unsigned n_z) {
+    size_t total = (size_t)n_x * n_y * n_z;
+    for (size_t item = blockIdx.x; item < total; item += gridDim.x) {
+        unsigned x = (unsigned)(item % n_x), y = (unsigned)((item / n_x) % n_y), z = (unsigned)(item / ((size_t)n_x * n_y));
+        pd_k_kv_copy_chunk<V>(ptrs, blocks[x], (int)(z >> 1), (int)(z & 1), block_bytes, row_bytes, y);
+    }
+}
+
+template <typename V>
+static __global__ void __launch_bounds__(PD_K_KV_THREADS)
+    k_kv_copy(void *const *ptrs, const pd_kv_block_desc *blocks, size_t block_bytes, size_t row_bytes) {
+    pd_k_kv_copy_chunk<V>(ptrs, blocks[blockIdx.x], blockIdx.z >> 1, blockIdx.z & 1, block_bytes, row_bytes, blockIdx.y);
 }
 
 static __device__ __forceinline__ uint64_t pd_k_mix64(uint64_t z) {
