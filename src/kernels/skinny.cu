@@ -34,6 +34,7 @@ typedef struct pd_k_skinny_args {
     __nv_bfloat16 *k_cache, *v_cache;
     int H, Hkv, hd;
     float attn_scaling;
+    int prefetch;  // L2 prefetch of the block this many blocks ahead (0: none)
 } pd_k_skinny_args;
 
 // Weight chunks c + u * 128 (u < U) of the R rows; chunks past the row's end read as zero.
@@ -91,6 +92,22 @@ static __device__ __forceinline__ int pd_k_sk_warp_reduce(float (&v)[P], int lan
 
 enum { PD_K_SK_PLAIN = 0, PD_K_SK_RESIDUAL = 1, PD_K_SK_GLU = 2, PD_K_SK_ROPE = 3 };
 
+// The weight row that row r (< R) of block blk reads (the layouts k_skinny describes); rows past N
+// repeat the last row (their sums are not stored).
+template <int R, int EPI>
+static __device__ __forceinline__ int pd_k_sk_row(const struct pd_k_skinny_args &p, unsigned blk, int r) {
+    if (EPI == PD_K_SK_ROPE) {
+        const int half = p.hd >> 1, rot_blocks = (p.H + p.Hkv) * half / 2;
+        if ((int)blk < rot_blocks) {  // rows i, i + 1, i + hd/2, i + hd/2 + 1 of head h
+            int pr = 2 * (int)blk, h = pr / half, row0 = h * p.hd + (pr - h * half);
+            return row0 + r % (R / 2) + (r / (R / 2)) * half;
+        }
+        return min((p.H + p.Hkv) * p.hd + ((int)blk - rot_blocks) * R + r, p.N - 1);
+    }
+    if (EPI == PD_K_SK_GLU) return min((int)blk * (R / 2) + r % (R / 2), p.N - 1) + (r / (R / 2)) * p.N;
+    return min((int)blk * R + r, p.N - 1);
+}
+
 // NORM: the activation rows are RMS-normalised on the fly (each block recomputes the M sums of
 // squares from the rows it reads anyway; they are in L1/L2 after the first block): a_k =
 // bf16(g_k * bf16(x_k * inv)) as kernels/rmsnorm.cu stores them. EPI: PD_K_SK_PLAIN (bias,
@@ -107,9 +124,13 @@ enum { PD_K_SK_PLAIN = 0, PD_K_SK_RESIDUAL = 1, PD_K_SK_GLU = 2, PD_K_SK_ROPE = 
 // reads back only the 16-byte slots it copied, so no barrier): the 64 registers the loads held are
 // free, and the blocks per SM are bounded by shared memory (32 KB each: 6) rather than registers
 // (3 at M = 5, 2 at M = 8), so more bytes are in flight per SM at M >= 5.
-enum { PD_K_SK_REG = 0, PD_K_SK_OCC4 = 1, PD_K_SK_ASYNC = 2 };
+// PD_K_SK_OCC6 (M = 1 only): the register build bounded to 6 blocks per SM (80 registers; the
+// natural build takes 88, 5 blocks): 192 KB of weight loads in flight per SM instead of 160, and
+// one more block per SM already holding its tile when the kernel before it completes.
+enum { PD_K_SK_REG = 0, PD_K_SK_OCC4 = 1, PD_K_SK_ASYNC = 2, PD_K_SK_OCC6 = 3 };
 template <int M, int R, int NORM, int EPI, int VAR>
-static __global__ void __launch_bounds__(PD_K_SK_THREADS, VAR == PD_K_SK_OCC4 ? 4 : 0) k_skinny(pd_k_skinny_args p) {
+static __global__ void __launch_bounds__(PD_K_SK_THREADS, VAR == PD_K_SK_OCC4 ? 4 : VAR == PD_K_SK_OCC6 ? 6 : 0)
+    k_skinny(pd_k_skinny_args p) {
     constexpr bool AS = VAR == PD_K_SK_ASYNC;
     constexpr int U = PD_K_SK_LOADS / R;
     pd_k_pdl_trigger();
@@ -128,17 +149,21 @@ static __global__ void __launch_bounds__(PD_K_SK_THREADS, VAR == PD_K_SK_OCC4 ? 
     }
     const uint4 *wr[R];
 #pragma unroll
-    for (int r = 0; r < R; r++) {  // rows past N repeat the last row; their sums are not stored
-        int n;
-        if (EPI == PD_K_SK_GLU) n = min(row0 + r % (R / 2), p.N - 1) + (r / (R / 2)) * p.N;
-        else if (EPI == PD_K_SK_ROPE && rot) n = row0 + r % (R / 2) + (r / (R / 2)) * half;
-        else n = min(row0 + r, p.N - 1);
-        wr[r] = (const uint4 *)(p.w + (size_t)n * p.K);
-    }
+    for (int r = 0; r < R; r++) wr[r] = (const uint4 *)(p.w + (size_t)pd_k_sk_row<R, EPI>(p, blockIdx.x, r) * p.K);
     uint4 wv[AS ? 1 : U][AS ? 1 : R];
     __shared__ uint4 wsm[AS ? PD_K_SK_LOADS * PD_K_SK_THREADS : 1];  // slot (u R + r) 128 + tid
     if constexpr (AS) pd_k_sk_load_async<R, U>(wsm, wr, tid, tid, chunks);
     else pd_k_sk_load<R, U>(wv, wr, tid, chunks);
+    // L2 prefetch ahead: the first batch of the block p.prefetch blocks later (the one that will
+    // take this block's place about a wave from now), one bulk prefetch per row. Before the wait,
+    // so the resident blocks of a kernel that waits on its predecessor already pull the next wave's
+    // weights into L2, and mid-kernel HBM has a wave more of requests queued without registers.
+    if (p.prefetch > 0 && tid < R) {
+        const unsigned nb = blockIdx.x + (unsigned)p.prefetch;
+        if (nb < gridDim.x)
+            pd_k_prefetch_l2(p.w + (size_t)pd_k_sk_row<R, EPI>(p, nb, tid) * p.K,
+                             (unsigned)min(chunks, U * PD_K_SK_THREADS) * 16u);
+    }
     pd_k_pdl_wait();  // the activations (and out) belong to earlier kernels
 
     const uint4 *ar[M];
@@ -324,7 +349,8 @@ static void pd_k_skinny_launch_v(const pd_k_skinny_args &a, cudaStream_t s, dim3
     }
 }
 
-// var: PD_K_SK_REG, PD_K_SK_OCC4 (M = 5 only; other M take the register build) or PD_K_SK_ASYNC.
+// var: PD_K_SK_REG, PD_K_SK_OCC4 (M = 5 only; other M take the register build), PD_K_SK_OCC6 (M = 1
+// only) or PD_K_SK_ASYNC.
 template <int R, int NORM, int EPI>
 static void pd_k_skinny_launch_r(const pd_k_skinny_args &a, cudaStream_t s, int var) {
     int rows = EPI == PD_K_SK_GLU ? R / 2 : R;
@@ -334,6 +360,7 @@ static void pd_k_skinny_launch_r(const pd_k_skinny_args &a, cudaStream_t s, int 
     dim3 grid(n_blocks), block(PD_K_SK_THREADS);
     if (var == PD_K_SK_ASYNC) pd_k_skinny_launch_v<R, NORM, EPI, PD_K_SK_ASYNC>(a, s, grid, block);
     else if (var == PD_K_SK_OCC4 && a.M == 5) pd_k_launch(k_skinny<5, R, NORM, EPI, PD_K_SK_OCC4>, grid, block, 0, s, a);
+    else if (var == PD_K_SK_OCC6 && a.M == 1) pd_k_launch(k_skinny<1, R, NORM, EPI, PD_K_SK_OCC6>, grid, block, 0, s, a);
     else pd_k_skinny_launch_v<R, NORM, EPI, PD_K_SK_REG>(a, s, grid, block);
 }
 
@@ -351,7 +378,8 @@ extern "C" void pd_cuda_skinny(const pd_skinny_kparams *p, cudaStream_t s) {
     a.positions = r->positions, a.slot_mapping = r->slot_mapping, a.inv_freq = r->inv_freq;
     a.k_cache = (__nv_bfloat16 *)r->k_cache, a.v_cache = (__nv_bfloat16 *)r->v_cache;
     a.H = r->n_heads, a.Hkv = r->n_kv_heads, a.hd = r->head_dim, a.attn_scaling = r->attn_scaling;
-    const int var = p->async ? PD_K_SK_ASYNC : p->occ4 ? PD_K_SK_OCC4 : PD_K_SK_REG;
+    a.prefetch = p->prefetch_waves > 0 ? p->prefetch_waves * pd_k_num_sms() : 0;
+    const int var = p->async ? PD_K_SK_ASYNC : p->occ4 ? PD_K_SK_OCC4 : p->occ6 ? PD_K_SK_OCC6 : PD_K_SK_REG;
     if (p->rope) {  // the qkv GEMM: with the attention norm (decode) or without
         if (p->norm_w) pd_k_skinny_launch_r<4, 1, PD_K_SK_ROPE>(a, s, var);
         else pd_k_skinny_launch_r<4, 0, PD_K_SK_ROPE>(a, s, var);

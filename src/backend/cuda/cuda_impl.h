@@ -3,6 +3,7 @@
 #pragma once
 #include <cublasLt.h>
 #include <cuda_runtime_api.h>
+#include <pthread.h>
 
 #include "backend/backend_impl.h"
 
@@ -25,6 +26,9 @@ typedef struct pd_cuda_gemm_plan pd_cuda_gemm_plan;
 typedef struct pd_cuda_sampler pd_cuda_sampler;
 typedef struct pd_cuda_xfer pd_cuda_xfer;  // xfer.c: the transfer stream  // sample.c: pd_op_sample's staging buffers
 
+#define PD_CUDA_UP_SLOTS 4           // cuda.c cuda_upload's pinned staging ring
+#define PD_CUDA_UP_SLOT_BYTES 65536
+
 typedef struct pd_cuda_backend {
     pd_backend base;
     int device;
@@ -43,6 +47,8 @@ typedef struct pd_cuda_backend {
     int skinny;                // skinny kernels for M <= 16: 0 off, 1 per shape rule, 2 always
     int skinny_rows;           // its weight rows per block (2 or 4)
     int skinny_occ4;           // M = 5: its 128-register build (4 blocks per SM)
+    int skinny_occ6;           // M = 1: its 80-register build (6 blocks per SM)
+    int skinny_prefetch;       // its L2 prefetch distance in waves of SM count blocks (0: none)
     int skinny_rule_max_m;     // the default rule's CUDA-core kernel up to this M (5)
     int skinny_async;          // its weights through shared memory (cp.async)
     int skinny_mma;            // kernels/skinny_mma.cu (M <= 16): 0 never, 1/3 the measured rules, 2 always
@@ -75,6 +81,14 @@ typedef struct pd_cuda_backend {
     size_t kv_dev_bytes;
     // bumped whenever a scratch buffer moves: graphs captured before then are stale
     uint64_t scratch_gen;
+    // upload staging (cuda.c cuda_upload): small uploads go through a ring of pinned slots, each
+    // reused once the copy from it completed (its event); PD_CUDA_UPLOAD_STAGE=0: pageable copies
+    pthread_mutex_t up_mu;     // the ring (uploads may come from several threads)
+    int up_mode;               // -1 unread, 0 off, 1 on
+    void *up_host;             // PD_CUDA_UP_SLOTS x PD_CUDA_UP_SLOT_BYTES pinned; NULL until first use
+    cudaEvent_t up_ev[PD_CUDA_UP_SLOTS];
+    bool up_used[PD_CUDA_UP_SLOTS];
+    int up_next;
     pd_cuda_sampler *sampler;  // NULL until the first pd_op_sample
     pd_cuda_xfer *xfer;        // xfer.c: the transfer stream; NULL until the first use
 } pd_cuda_backend;
