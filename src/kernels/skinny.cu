@@ -35,6 +35,7 @@ typedef struct pd_k_skinny_args {
     int H, Hkv, hd;
     float attn_scaling;
     int prefetch;  // L2 prefetch of the block this many blocks ahead (0: none)
+    int prefetch_self;  // L2 prefetch of the block's own batch after the next
 } pd_k_skinny_args;
 
 // Weight chunks c + u * 128 (u < U) of the R rows; chunks past the row's end read as zero.
@@ -164,6 +165,11 @@ static __global__ void __launch_bounds__(PD_K_SK_THREADS, VAR == PD_K_SK_OCC4 ? 
             pd_k_prefetch_l2(p.w + (size_t)pd_k_sk_row<R, EPI>(p, nb, tid) * p.K,
                              (unsigned)min(chunks, U * PD_K_SK_THREADS) * 16u);
     }
+    // prefetch_self (rows longer than one batch: the down GEMM's 3.5 batches at K = 14336): the
+    // block's own second batch now, and at each batch the one after the next (in the loop), so
+    // every batch after the first comes from L2 instead of a full HBM round trip.
+    if (p.prefetch_self && tid < R && U * PD_K_SK_THREADS < chunks)
+        pd_k_prefetch_l2(wr[tid] + U * PD_K_SK_THREADS, (unsigned)min(chunks - U * PD_K_SK_THREADS, U * PD_K_SK_THREADS) * 16u);
     pd_k_pdl_wait();  // the activations (and out) belong to earlier kernels
 
     const uint4 *ar[M];
@@ -250,6 +256,9 @@ static __global__ void __launch_bounds__(PD_K_SK_THREADS, VAR == PD_K_SK_OCC4 ? 
         }
         c += U * PD_K_SK_THREADS;
         if (c >= chunks) break;
+        const int after = c - tid + U * PD_K_SK_THREADS;  // the batch after the next (c - tid: the next)
+        if (p.prefetch_self && tid < R && after < chunks)
+            pd_k_prefetch_l2(wr[tid] + after, (unsigned)min(chunks - after, U * PD_K_SK_THREADS) * 16u);
         if constexpr (AS) {
             pd_k_sk_load_async<R, U>(wsm, wr, tid, c, chunks);
             pd_k_cp_async_wait<0>();
@@ -379,6 +388,7 @@ extern "C" void pd_cuda_skinny(const pd_skinny_kparams *p, cudaStream_t s) {
     a.k_cache = (__nv_bfloat16 *)r->k_cache, a.v_cache = (__nv_bfloat16 *)r->v_cache;
     a.H = r->n_heads, a.Hkv = r->n_kv_heads, a.hd = r->head_dim, a.attn_scaling = r->attn_scaling;
     a.prefetch = p->prefetch_waves > 0 ? p->prefetch_waves * pd_k_num_sms() : 0;
+    a.prefetch_self = p->prefetch_self;
     const int var = p->async ? PD_K_SK_ASYNC : p->occ4 ? PD_K_SK_OCC4 : p->occ6 ? PD_K_SK_OCC6 : PD_K_SK_REG;
     if (p->rope) {  // the qkv GEMM: with the attention norm (decode) or without
         if (p->norm_w) pd_k_skinny_launch_r<4, 1, PD_K_SK_ROPE>(a, s, var);

@@ -35,6 +35,8 @@ typedef struct pd_skinny_kparams {
     int occ6;          // M = 1: the build bounded to 80 registers (6 blocks per SM instead of 5)
     int prefetch_waves;  // > 0: each block prefetches into L2 the first weight batch of the block
                          // prefetch_waves x (SM count) blocks ahead (0: no prefetch)
+    int prefetch_self;   // rows longer than one batch of loads: each block prefetches into L2 its
+                         // own batch after the next
     int async;         // the weights through shared memory (cp.async) instead of registers
     // Fused forms (backend.h, pd_matmul_params): norm_w: the activation is rmsnorm(a) (weight
     // norm_w, eps norm_eps; lda == K); glu: w is (2N, K), out (M, N) = silu(gate) * up; residual:

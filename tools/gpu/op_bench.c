@@ -769,14 +769,14 @@ fuse_done:
         bench_step(copy_gbs, bes, bn, bg_on ? 2 : 1);
     }
     if (want("single")) {  // the default rule (fused M = 1 forms); OPB_SINGLE_BE adds PD_CUDA_* variants
-        pd_backend *bes[4] = {rule};
-        const char *bn[4] = {"rule"};
+        pd_backend *bes[6] = {rule};
+        const char *bn[6] = {"rule"};
         int n_be = 1;
         // OPB_SINGLE_VARIANTS="NAME=VALUE,...": one more backend per entry, built with that env knob on
         // top of the default rule (e.g. PD_CUDA_SKINNY_OCC6=1)
         const char *vv = getenv("OPB_SINGLE_VARIANTS");
-        static char names[3][64];
-        for (const char *c = vv; c && *c && n_be < 4;) {
+        static char names[5][64];
+        for (const char *c = vv; c && *c && n_be < 6;) {
             const char *e = strchr(c, ',');
             size_t n = e ? (size_t)(e - c) : strlen(c);
             char kv[128];

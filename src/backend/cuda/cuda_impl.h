@@ -49,6 +49,7 @@ typedef struct pd_cuda_backend {
     int skinny_occ4;           // M = 5: its 128-register build (4 blocks per SM)
     int skinny_occ6;           // M = 1: its 80-register build (6 blocks per SM)
     int skinny_prefetch;       // its L2 prefetch distance in waves of SM count blocks (0: none)
+    int skinny_prefetch_self;  // its L2 prefetch of a block's own batch after the next (K > 4096)
     int skinny_rule_max_m;     // the default rule's CUDA-core kernel up to this M (5)
     int skinny_async;          // its weights through shared memory (cp.async)
     int skinny_mma;            // kernels/skinny_mma.cu (M <= 16): 0 never, 1/3 the measured rules, 2 always
