@@ -362,21 +362,7 @@ static bool pd_k_attn_onewave() {
     return pd_k_env_on("PD_CUDA_ATTN_ONEWAVE", &on);
 }
 
-// Contexts (the step's bound, max_kv_len) up to which every (sequence, kv head) is one partition:
-// no split, so no merge of partials (PD_CUDA_ATTN_SHORT, tokens; 0: the sizing below for every
-// context). A one-token step at context 128 runs in the 256 bucket: 2 partitions of 128, the
-// second empty, and the in-place merge on the critical path of each layer.
-static int pd_k_attn_short() {
-    static int v = -1;
-    if (v < 0) {
-        const char *e = getenv("PD_CUDA_ATTN_SHORT");
-        v = e && atoi(e) > 0 && atoi(e) <= 4096 ? atoi(e) : 0;
-    }
-    return v;
-}
-
 static inline int pd_k_dec_part(int n_seqs, int n_kv, int max_kv_len) {
-    if (max_kv_len <= pd_k_attn_short()) return (max_kv_len + 63) / 64 * 64;
     int want = (pd_k_dec_waves() * 132 + n_seqs * n_kv - 1) / (n_seqs * n_kv);  // waves on an H100
     if (pd_k_attn_onewave() && n_seqs * n_kv * 2 <= pd_k_num_sms()) {
         int w1 = pd_k_num_sms() / (n_seqs * n_kv);

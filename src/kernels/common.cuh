@@ -37,14 +37,6 @@ static __device__ __forceinline__ uint4 pd_k_ld_stream(const uint4 *p) {
     return v;
 }
 
-// Asks L2 to fetch n bytes at p (16-byte aligned, n a multiple of 16) without waiting for them
-// (sm_90 bulk prefetch; a no-op before sm_90).
-static __device__ __forceinline__ void pd_k_prefetch_l2(const void *p, unsigned n) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(p), "r"(n) : "memory");
-#endif
-}
-
 static __device__ __forceinline__ void pd_k_unpack8(uint4 u, float f[8]) {
     const uint32_t w[4] = {u.x, u.y, u.z, u.w};
 #pragma unroll

@@ -34,8 +34,6 @@ typedef struct pd_k_skinny_args {
     __nv_bfloat16 *k_cache, *v_cache;
     int H, Hkv, hd;
     float attn_scaling;
-    int prefetch;  // L2 prefetch of the block this many blocks ahead (0: none)
-    int prefetch_self;  // L2 prefetch of the block's own batch after the next
 } pd_k_skinny_args;
 
 // Weight chunks c + u * 128 (u < U) of the R rows; chunks past the row's end read as zero.
@@ -93,22 +91,6 @@ static __device__ __forceinline__ int pd_k_sk_warp_reduce(float (&v)[P], int lan
 
 enum { PD_K_SK_PLAIN = 0, PD_K_SK_RESIDUAL = 1, PD_K_SK_GLU = 2, PD_K_SK_ROPE = 3 };
 
-// The weight row that row r (< R) of block blk reads (the layouts k_skinny describes); rows past N
-// repeat the last row (their sums are not stored).
-template <int R, int EPI>
-static __device__ __forceinline__ int pd_k_sk_row(const struct pd_k_skinny_args &p, unsigned blk, int r) {
-    if (EPI == PD_K_SK_ROPE) {
-        const int half = p.hd >> 1, rot_blocks = (p.H + p.Hkv) * half / 2;
-        if ((int)blk < rot_blocks) {  // rows i, i + 1, i + hd/2, i + hd/2 + 1 of head h
-            int pr = 2 * (int)blk, h = pr / half, row0 = h * p.hd + (pr - h * half);
-            return row0 + r % (R / 2) + (r / (R / 2)) * half;
-        }
-        return min((p.H + p.Hkv) * p.hd + ((int)blk - rot_blocks) * R + r, p.N - 1);
-    }
-    if (EPI == PD_K_SK_GLU) return min((int)blk * (R / 2) + r % (R / 2), p.N - 1) + (r / (R / 2)) * p.N;
-    return min((int)blk * R + r, p.N - 1);
-}
-
 // NORM: the activation rows are RMS-normalised on the fly (each block recomputes the M sums of
 // squares from the rows it reads anyway; they are in L1/L2 after the first block): a_k =
 // bf16(g_k * bf16(x_k * inv)) as kernels/rmsnorm.cu stores them. EPI: PD_K_SK_PLAIN (bias,
@@ -125,18 +107,20 @@ static __device__ __forceinline__ int pd_k_sk_row(const struct pd_k_skinny_args 
 // reads back only the 16-byte slots it copied, so no barrier): the 64 registers the loads held are
 // free, and the blocks per SM are bounded by shared memory (32 KB each: 6) rather than registers
 // (3 at M = 5, 2 at M = 8), so more bytes are in flight per SM at M >= 5.
-// PD_K_SK_OCC6 (M = 1 only): the register build bounded to 6 blocks per SM (80 registers; the
-// natural build takes 88, 5 blocks): 192 KB of weight loads in flight per SM instead of 160, and
-// one more block per SM already holding its tile when the kernel before it completes.
-enum { PD_K_SK_REG = 0, PD_K_SK_OCC4 = 1, PD_K_SK_ASYNC = 2, PD_K_SK_OCC6 = 3 };
+// PD_K_SK_DUAL (M = 1, plain / residual, K <= 16 x 128 x 8 / R: one batch): a block owns 2R rows,
+// the first R loaded into registers as PD_K_SK_REG does, the other R copied into shared memory with
+// cp.async, both before the PDL wait: twice the weight bytes a resident block holds when its
+// predecessor completes, so the GEMM after decode attention (o) has most of its weights requested
+// before attention even ends (the registers alone hold ~21 MB on an H100, loaded during the qkv
+// GEMM's tail, and HBM then idles through attention).
+enum { PD_K_SK_REG = 0, PD_K_SK_OCC4 = 1, PD_K_SK_ASYNC = 2, PD_K_SK_DUAL = 3 };
 template <int M, int R, int NORM, int EPI, int VAR>
-static __global__ void __launch_bounds__(PD_K_SK_THREADS, VAR == PD_K_SK_OCC4 ? 4 : VAR == PD_K_SK_OCC6 ? 6 : 0)
-    k_skinny(pd_k_skinny_args p) {
-    constexpr bool AS = VAR == PD_K_SK_ASYNC;
+static __global__ void __launch_bounds__(PD_K_SK_THREADS, VAR == PD_K_SK_OCC4 ? 4 : 0) k_skinny(pd_k_skinny_args p) {
+    constexpr bool AS = VAR == PD_K_SK_ASYNC, DU = VAR == PD_K_SK_DUAL;
     constexpr int U = PD_K_SK_LOADS / R;
     pd_k_pdl_trigger();
     const int tid = threadIdx.x, chunks = p.K >> 3;
-    int row0 = blockIdx.x * (EPI == PD_K_SK_GLU ? R / 2 : R);
+    int row0 = blockIdx.x * (EPI == PD_K_SK_GLU ? R / 2 : R) * (DU ? 2 : 1);
     // rope: a rotation block's first row (head h, pair index i0 < hd/2), or row0 of a v block
     const int half = p.hd >> 1, rot_blocks = EPI == PD_K_SK_ROPE ? (p.H + p.Hkv) * half / 2 : 0;
     const bool rot = EPI == PD_K_SK_ROPE && (int)blockIdx.x < rot_blocks;
@@ -150,26 +134,23 @@ static __global__ void __launch_bounds__(PD_K_SK_THREADS, VAR == PD_K_SK_OCC4 ? 
     }
     const uint4 *wr[R];
 #pragma unroll
-    for (int r = 0; r < R; r++) wr[r] = (const uint4 *)(p.w + (size_t)pd_k_sk_row<R, EPI>(p, blockIdx.x, r) * p.K);
+    for (int r = 0; r < R; r++) {  // rows past N repeat the last row; their sums are not stored
+        int n;
+        if (EPI == PD_K_SK_GLU) n = min(row0 + r % (R / 2), p.N - 1) + (r / (R / 2)) * p.N;
+        else if (EPI == PD_K_SK_ROPE && rot) n = row0 + r % (R / 2) + (r / (R / 2)) * half;
+        else n = min(row0 + r, p.N - 1);
+        wr[r] = (const uint4 *)(p.w + (size_t)n * p.K);
+    }
     uint4 wv[AS ? 1 : U][AS ? 1 : R];
-    __shared__ uint4 wsm[AS ? PD_K_SK_LOADS * PD_K_SK_THREADS : 1];  // slot (u R + r) 128 + tid
+    __shared__ uint4 wsm[AS || DU ? PD_K_SK_LOADS * PD_K_SK_THREADS : 1];  // slot (u R + r) 128 + tid
     if constexpr (AS) pd_k_sk_load_async<R, U>(wsm, wr, tid, tid, chunks);
     else pd_k_sk_load<R, U>(wv, wr, tid, chunks);
-    // L2 prefetch ahead: the first batch of the block p.prefetch blocks later (the one that will
-    // take this block's place about a wave from now), one bulk prefetch per row. Before the wait,
-    // so the resident blocks of a kernel that waits on its predecessor already pull the next wave's
-    // weights into L2, and mid-kernel HBM has a wave more of requests queued without registers.
-    if (p.prefetch > 0 && tid < R) {
-        const unsigned nb = blockIdx.x + (unsigned)p.prefetch;
-        if (nb < gridDim.x)
-            pd_k_prefetch_l2(p.w + (size_t)pd_k_sk_row<R, EPI>(p, nb, tid) * p.K,
-                             (unsigned)min(chunks, U * PD_K_SK_THREADS) * 16u);
+    if constexpr (DU) {  // the second R rows, into shared memory
+        const uint4 *wr2[R];
+#pragma unroll
+        for (int r = 0; r < R; r++) wr2[r] = (const uint4 *)(p.w + (size_t)min(row0 + R + r, p.N - 1) * p.K);
+        pd_k_sk_load_async<R, U>(wsm, wr2, tid, tid, chunks);
     }
-    // prefetch_self (rows longer than one batch: the down GEMM's 3.5 batches at K = 14336): the
-    // block's own second batch now, and at each batch the one after the next (in the loop), so
-    // every batch after the first comes from L2 instead of a full HBM round trip.
-    if (p.prefetch_self && tid < R && U * PD_K_SK_THREADS < chunks)
-        pd_k_prefetch_l2(wr[tid] + U * PD_K_SK_THREADS, (unsigned)min(chunks - U * PD_K_SK_THREADS, U * PD_K_SK_THREADS) * 16u);
     pd_k_pdl_wait();  // the activations (and out) belong to earlier kernels
 
     const uint4 *ar[M];
@@ -256,9 +237,6 @@ static __global__ void __launch_bounds__(PD_K_SK_THREADS, VAR == PD_K_SK_OCC4 ? 
         }
         c += U * PD_K_SK_THREADS;
         if (c >= chunks) break;
-        const int after = c - tid + U * PD_K_SK_THREADS;  // the batch after the next (c - tid: the next)
-        if (p.prefetch_self && tid < R && after < chunks)
-            pd_k_prefetch_l2(wr[tid] + after, (unsigned)min(chunks - after, U * PD_K_SK_THREADS) * 16u);
         if constexpr (AS) {
             pd_k_sk_load_async<R, U>(wsm, wr, tid, c, chunks);
             pd_k_cp_async_wait<0>();
@@ -337,6 +315,51 @@ static __global__ void __launch_bounds__(PD_K_SK_THREADS, VAR == PD_K_SK_OCC4 ? 
             else pd_k_gemm_out(p.out, o, v, p.out_f32, p.accumulate);
         }
     }
+    if constexpr (DU) {  // rows row0 + R ..: the shared-memory copy (one batch; each thread reads back
+                         // only the slots it copied, so no barrier before the reads)
+        pd_k_cp_async_wait<0>();
+        float acc2[R][M];
+#pragma unroll
+        for (int r = 0; r < R; r++)
+#pragma unroll
+            for (int m = 0; m < M; m++) acc2[r][m] = 0.f;
+#pragma unroll
+        for (int u = 0; u < U; u++) {
+            int cu = tid + u * PD_K_SK_THREADS;
+            if (cu >= chunks) break;
+            float wf[R][8];
+#pragma unroll
+            for (int r = 0; r < R; r++) pd_k_unpack8(wsm[(u * R + r) * PD_K_SK_THREADS + tid], wf[r]);
+#pragma unroll
+            for (int m = 0; m < M; m++) {
+                float af[8];
+                pd_k_unpack8(__ldg(ar[m] + cu), af);
+#pragma unroll
+                for (int r = 0; r < R; r++)
+#pragma unroll
+                    for (int j = 0; j < 8; j++) acc2[r][m] = fmaf(wf[r][j], af[j], acc2[r][m]);
+            }
+        }
+        __shared__ float red2[PD_K_SK_THREADS / 32][R * M];
+        float v2[PD_K_SK_P2(R * M)];
+#pragma unroll
+        for (int i = 0; i < PD_K_SK_P2(R * M); i++) v2[i] = i < R * M ? acc2[i / M][i % M] : 0.f;
+        int idx2 = pd_k_sk_warp_reduce<PD_K_SK_P2(R * M)>(v2, lane);
+        if (idx2 >= 0 && idx2 < R * M) red2[warp][idx2] = v2[0];
+        __syncthreads();
+        if (tid < R * M) {
+            int r = tid / M, m = tid - r * M, n = row0 + R + r;
+            if (n < p.N) {
+                float v = 0.f;
+#pragma unroll
+                for (int i = 0; i < PD_K_SK_THREADS / 32; i++) v += red2[i][tid];
+                if (p.bias) v += __bfloat162float(p.bias[n]);
+                size_t o = (size_t)m * p.N + n;
+                if (EPI == PD_K_SK_RESIDUAL) pd_k_gemm_out_residual(p.out, o, v);
+                else pd_k_gemm_out(p.out, o, v, p.out_f32, p.accumulate);
+            }
+        }
+    }
 }
 
 extern "C" int pd_cuda_skinny_supported(int M, int K, int lda, const void *a, const void *w) {
@@ -358,8 +381,8 @@ static void pd_k_skinny_launch_v(const pd_k_skinny_args &a, cudaStream_t s, dim3
     }
 }
 
-// var: PD_K_SK_REG, PD_K_SK_OCC4 (M = 5 only; other M take the register build), PD_K_SK_OCC6 (M = 1
-// only) or PD_K_SK_ASYNC.
+// var: PD_K_SK_REG, PD_K_SK_OCC4 (M = 5 only; other M take the register build), PD_K_SK_ASYNC or
+// PD_K_SK_DUAL (M = 1 plain / residual with K in one batch; other calls take the register build).
 template <int R, int NORM, int EPI>
 static void pd_k_skinny_launch_r(const pd_k_skinny_args &a, cudaStream_t s, int var) {
     int rows = EPI == PD_K_SK_GLU ? R / 2 : R;
@@ -367,9 +390,15 @@ static void pd_k_skinny_launch_r(const pd_k_skinny_args &a, cudaStream_t s, int 
     if (EPI == PD_K_SK_ROPE)  // rotation blocks (2 pairs each), then v blocks
         n_blocks = (unsigned)((a.H + a.Hkv) * (a.hd / 2) / 2 + (a.Hkv * a.hd + R - 1) / R);
     dim3 grid(n_blocks), block(PD_K_SK_THREADS);
+    if constexpr (!NORM && (EPI == PD_K_SK_PLAIN || EPI == PD_K_SK_RESIDUAL)) {
+        if (var == PD_K_SK_DUAL && a.M == 1 && (a.K >> 3) <= PD_K_SK_LOADS / R * PD_K_SK_THREADS) {
+            dim3 g2((unsigned)((a.N + 2 * R - 1) / (2 * R)));
+            pd_k_launch(k_skinny<1, R, 0, EPI, PD_K_SK_DUAL>, g2, block, 0, s, a);
+            return;
+        }
+    }
     if (var == PD_K_SK_ASYNC) pd_k_skinny_launch_v<R, NORM, EPI, PD_K_SK_ASYNC>(a, s, grid, block);
     else if (var == PD_K_SK_OCC4 && a.M == 5) pd_k_launch(k_skinny<5, R, NORM, EPI, PD_K_SK_OCC4>, grid, block, 0, s, a);
-    else if (var == PD_K_SK_OCC6 && a.M == 1) pd_k_launch(k_skinny<1, R, NORM, EPI, PD_K_SK_OCC6>, grid, block, 0, s, a);
     else pd_k_skinny_launch_v<R, NORM, EPI, PD_K_SK_REG>(a, s, grid, block);
 }
 
@@ -387,9 +416,7 @@ extern "C" void pd_cuda_skinny(const pd_skinny_kparams *p, cudaStream_t s) {
     a.positions = r->positions, a.slot_mapping = r->slot_mapping, a.inv_freq = r->inv_freq;
     a.k_cache = (__nv_bfloat16 *)r->k_cache, a.v_cache = (__nv_bfloat16 *)r->v_cache;
     a.H = r->n_heads, a.Hkv = r->n_kv_heads, a.hd = r->head_dim, a.attn_scaling = r->attn_scaling;
-    a.prefetch = p->prefetch_waves > 0 ? p->prefetch_waves * pd_k_num_sms() : 0;
-    a.prefetch_self = p->prefetch_self;
-    const int var = p->async ? PD_K_SK_ASYNC : p->occ4 ? PD_K_SK_OCC4 : p->occ6 ? PD_K_SK_OCC6 : PD_K_SK_REG;
+    const int var = p->async ? PD_K_SK_ASYNC : p->occ4 ? PD_K_SK_OCC4 : p->dual ? PD_K_SK_DUAL : PD_K_SK_REG;
     if (p->rope) {  // the qkv GEMM: with the attention norm (decode) or without
         if (p->norm_w) pd_k_skinny_launch_r<4, 1, PD_K_SK_ROPE>(a, s, var);
         else pd_k_skinny_launch_r<4, 0, PD_K_SK_ROPE>(a, s, var);

@@ -768,12 +768,12 @@ fuse_done:
         const char *bn[2] = {"cublasLt", "bgemm"};
         bench_step(copy_gbs, bes, bn, bg_on ? 2 : 1);
     }
-    if (want("single")) {  // the default rule (fused M = 1 forms); OPB_SINGLE_BE adds PD_CUDA_* variants
+    if (want("single")) {  // the default rule (fused M = 1 forms); OPB_SINGLE_VARIANTS adds PD_CUDA_* variants
         pd_backend *bes[6] = {rule};
         const char *bn[6] = {"rule"};
         int n_be = 1;
         // OPB_SINGLE_VARIANTS="NAME=VALUE,...": one more backend per entry, built with that env knob on
-        // top of the default rule (e.g. PD_CUDA_SKINNY_OCC6=1)
+        // top of the default rule (e.g. PD_CUDA_UPLOAD_STAGE=0; a knob the CUDA backend reads when created)
         const char *vv = getenv("OPB_SINGLE_VARIANTS");
         static char names[5][64];
         for (const char *c = vv; c && *c && n_be < 6;) {

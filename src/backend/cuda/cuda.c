@@ -96,7 +96,6 @@ static void cuda_dev_free(pd_backend *b, void *p) {
 // the copy would become graph nodes reading a slot that later uploads overwrite): the pageable path
 // then, as for larger uploads. PD_CUDA_UPLOAD_STAGE=0: every upload pageable (measurements).
 static bool cuda_upload_staged(pd_cuda_backend *cb, void *dst, const void *src, size_t n) {
-    if (cb->up_mode < 0) cb->up_mode = pd_cuda_env_int("PD_CUDA_UPLOAD_STAGE", 1, 0, 1);
     if (!cb->up_mode || n > PD_CUDA_UP_SLOT_BYTES) return false;
     enum cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
     PD_CUDA_CHECK(cudaStreamIsCapturing(cb->stream, &cs));
@@ -667,7 +666,7 @@ pd_backend *pd_backend_cuda_new(int device, pd_err *err) {
     }
     cb->base.iface = &cuda_iface;
     cb->device = device;
-    cb->up_mode = -1;
+    cb->up_mode = pd_cuda_env_int("PD_CUDA_UPLOAD_STAGE", 1, 0, 1);  // read here: one switch per backend
     pthread_mutex_init(&cb->up_mu, NULL);
     cudaError_t e = cudaSetDevice(device);
     if (e == cudaSuccess) tl_device = device;

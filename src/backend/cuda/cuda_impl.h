@@ -47,11 +47,9 @@ typedef struct pd_cuda_backend {
     int skinny;                // skinny kernels for M <= 16: 0 off, 1 per shape rule, 2 always
     int skinny_rows;           // its weight rows per block (2 or 4)
     int skinny_occ4;           // M = 5: its 128-register build (4 blocks per SM)
-    int skinny_occ6;           // M = 1: its 80-register build (6 blocks per SM)
-    int skinny_prefetch;       // its L2 prefetch distance in waves of SM count blocks (0: none)
-    int skinny_prefetch_self;  // its L2 prefetch of a block's own batch after the next (K > 4096)
     int skinny_rule_max_m;     // the default rule's CUDA-core kernel up to this M (5)
     int skinny_async;          // its weights through shared memory (cp.async)
+    int skinny_dual;           // M = 1 plain / residual: 4 rows in registers + 4 in shared memory a block
     int skinny_mma;            // kernels/skinny_mma.cu (M <= 16): 0 never, 1/3 the measured rules, 2 always
     int skinny_mma_rows;       // its weight rows per block (16 or 32)
     int skinny_mma_pipe;       // its double-buffered weight loads: -1 the rule's choice, 0 off, 1 on
@@ -85,7 +83,7 @@ typedef struct pd_cuda_backend {
     // upload staging (cuda.c cuda_upload): small uploads go through a ring of pinned slots, each
     // reused once the copy from it completed (its event); PD_CUDA_UPLOAD_STAGE=0: pageable copies
     pthread_mutex_t up_mu;     // the ring (uploads may come from several threads)
-    int up_mode;               // -1 unread, 0 off, 1 on
+    int up_mode;               // 0 off, 1 on (read when the backend is created)
     void *up_host;             // PD_CUDA_UP_SLOTS x PD_CUDA_UP_SLOT_BYTES pinned; NULL until first use
     cudaEvent_t up_ev[PD_CUDA_UP_SLOTS];
     bool up_used[PD_CUDA_UP_SLOTS];

@@ -79,21 +79,16 @@ void pd_cuda_gemm_init(pd_cuda_backend *cb) {
     // blocks (128 KB of weight loads in flight) per SM instead of 3. Measurement knob (H100: a fused
     // layer at M = 5 171.4 vs 168.4 us: occupancy is not what limits it).
     cb->skinny_occ4 = pd_cuda_env_int("PD_CUDA_SKINNY_OCC4", 0, 0, 1);
-    // PD_CUDA_SKINNY_OCC6=1: at M = 1 the CUDA-core kernel's build bounded to 80 registers, 6 blocks
-    // per SM instead of 5 (more of the next kernel's weights loaded before its PDL wait).
-    cb->skinny_occ6 = pd_cuda_env_int("PD_CUDA_SKINNY_OCC6", 0, 0, 1);
-    // PD_CUDA_SKINNY_PREFETCH=n: every block of the CUDA-core kernel prefetches into L2 the first
-    // weight batch of the block n x (SM count) blocks ahead, before its PDL wait (0: none).
-    cb->skinny_prefetch = pd_cuda_env_int("PD_CUDA_SKINNY_PREFETCH", 0, 0, 16);
-    // PD_CUDA_SKINNY_PREFETCH_SELF=1: where a row is longer than one batch of loads (K > 4096: the
-    // down GEMM), each block prefetches into L2 its own batch after the next.
-    cb->skinny_prefetch_self = pd_cuda_env_int("PD_CUDA_SKINNY_PREFETCH_SELF", 0, 0, 1);
     cb->skinny_rule_max_m = pd_cuda_env_int("PD_CUDA_SKINNY_RULE_MAX_M", 5, 1, PD_SKINNY_MAX_M);  // skinny_rule's M cut
     // PD_CUDA_SKINNY_ASYNC=1: the CUDA-core kernel copies its weights into shared memory with
     // cp.async instead of loading them into registers (more blocks, so more bytes in flight, per SM
     // at M >= 5). Measurement knob (H100: slower at every M, 160.3 vs 152.3 us a layer at M = 1,
     // 207.2 vs 168.4 at M = 5).
     cb->skinny_async = pd_cuda_env_int("PD_CUDA_SKINNY_ASYNC", 0, 0, 1);
+    // PD_CUDA_SKINNY_DUAL=1: at M = 1 the plain / residual forms with K <= 4096 (the o GEMM of a fused
+    // decode layer) give a block 8 rows, 4 loaded into registers and 4 into shared memory before the
+    // PDL wait, so more of o's weights are in flight while decode attention runs (skinny.cu).
+    cb->skinny_dual = pd_cuda_env_int("PD_CUDA_SKINNY_DUAL", 0, 0, 1);
     if (cb->skinny_rows == 3) pd_abort(__FILE__, __LINE__, __func__, "PD_CUDA_SKINNY_ROWS must be 2 or 4");
     // Which of the two skinny kernels takes an M (see skinny_choice): PD_CUDA_SKINNY_MMA=0 the
     // CUDA-core kernel only (M <= 8; larger M go to cuBLASLt), 1 (the default) the rule measured end
@@ -447,7 +442,7 @@ static void fused_matmul(pd_backend *b, pd_cuda_backend *cb, const pd_matmul_par
     } else if (skinny) {
         pd_skinny_kparams k = {.a = q.a, .w = q.w, .bias = q.bias, .out = q.out, .M = q.M, .N = q.N, .K = q.K,
                                .lda = q.lda ? q.lda : q.K, .accumulate = q.accumulate, .out_f32 = q.out_f32,
-                               .rows = 4, .occ4 = cb->skinny_occ4, .occ6 = cb->skinny_occ6, .prefetch_waves = cb->skinny_prefetch, .prefetch_self = cb->skinny_prefetch_self, .async = cb->skinny_async, .norm_w = q.norm_w, .norm_eps = q.norm_eps, .glu = q.glu,
+                               .rows = 4, .occ4 = cb->skinny_occ4, .async = cb->skinny_async, .dual = cb->skinny_dual, .norm_w = q.norm_w, .norm_eps = q.norm_eps, .glu = q.glu,
                                .residual = q.residual, .rope = rope_in, .rope_kv = rk};
         pd_cuda_skinny(&k, cb->stream);
         PD_CUDA_CHECK_LAUNCH();
@@ -501,7 +496,7 @@ void pd_cuda_gemm_matmul(pd_backend *b, const pd_matmul_params *p) {
     if (sk == SKINNY_CORES) {
         pd_skinny_kparams k = {.a = p->a, .w = p->w, .bias = p->bias, .out = p->out, .M = p->M, .N = p->N,
                                .K = p->K, .lda = lda, .accumulate = p->accumulate, .out_f32 = p->out_f32,
-                               .rows = cb->skinny_rows, .occ4 = cb->skinny_occ4, .occ6 = cb->skinny_occ6, .prefetch_waves = cb->skinny_prefetch, .prefetch_self = cb->skinny_prefetch_self,
+                               .rows = cb->skinny_rows, .occ4 = cb->skinny_occ4, .dual = cb->skinny_dual && cb->skinny_rows == 4,
                                .async = cb->skinny_async};
         pd_cuda_skinny(&k, cb->stream);
         PD_CUDA_CHECK_LAUNCH();
