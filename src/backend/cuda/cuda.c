@@ -4,8 +4,8 @@
 //
 // Design:
 //   * One backend = one device + one non-blocking stream. Every op is enqueued on that stream;
-//     upload is asynchronous (host memory must stay valid until the next sync), download
-//     synchronises. Nothing here synchronises implicitly otherwise, so a sequence of ops can be
+//     upload is asynchronous (host memory must stay valid until the next sync; small uploads are
+//     copied into a pinned ring first, see cuda_upload), download synchronises. Nothing here synchronises implicitly otherwise, so a sequence of ops can be
 //     captured into a CUDA graph by the caller of the stream.
 //   * cudaSetDevice is per thread and engines call ops from their own thread, not the one that
 //     created the backend: every entry point first makes the backend's device current
