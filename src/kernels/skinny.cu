@@ -107,20 +107,14 @@ enum { PD_K_SK_PLAIN = 0, PD_K_SK_RESIDUAL = 1, PD_K_SK_GLU = 2, PD_K_SK_ROPE = 
 // reads back only the 16-byte slots it copied, so no barrier): the 64 registers the loads held are
 // free, and the blocks per SM are bounded by shared memory (32 KB each: 6) rather than registers
 // (3 at M = 5, 2 at M = 8), so more bytes are in flight per SM at M >= 5.
-// PD_K_SK_DUAL (M = 1, plain / residual, K <= 16 x 128 x 8 / R: one batch): a block owns 2R rows,
-// the first R loaded into registers as PD_K_SK_REG does, the other R copied into shared memory with
-// cp.async, both before the PDL wait: twice the weight bytes a resident block holds when its
-// predecessor completes, so the GEMM after decode attention (o) has most of its weights requested
-// before attention even ends (the registers alone hold ~21 MB on an H100, loaded during the qkv
-// GEMM's tail, and HBM then idles through attention).
-enum { PD_K_SK_REG = 0, PD_K_SK_OCC4 = 1, PD_K_SK_ASYNC = 2, PD_K_SK_DUAL = 3 };
+enum { PD_K_SK_REG = 0, PD_K_SK_OCC4 = 1, PD_K_SK_ASYNC = 2 };
 template <int M, int R, int NORM, int EPI, int VAR>
 static __global__ void __launch_bounds__(PD_K_SK_THREADS, VAR == PD_K_SK_OCC4 ? 4 : 0) k_skinny(pd_k_skinny_args p) {
-    constexpr bool AS = VAR == PD_K_SK_ASYNC, DU = VAR == PD_K_SK_DUAL;
+    constexpr bool AS = VAR == PD_K_SK_ASYNC;
     constexpr int U = PD_K_SK_LOADS / R;
     pd_k_pdl_trigger();
     const int tid = threadIdx.x, chunks = p.K >> 3;
-    int row0 = blockIdx.x * (EPI == PD_K_SK_GLU ? R / 2 : R) * (DU ? 2 : 1);
+    int row0 = blockIdx.x * (EPI == PD_K_SK_GLU ? R / 2 : R);
     // rope: a rotation block's first row (head h, pair index i0 < hd/2), or row0 of a v block
     const int half = p.hd >> 1, rot_blocks = EPI == PD_K_SK_ROPE ? (p.H + p.Hkv) * half / 2 : 0;
     const bool rot = EPI == PD_K_SK_ROPE && (int)blockIdx.x < rot_blocks;
@@ -142,15 +136,9 @@ static __global__ void __launch_bounds__(PD_K_SK_THREADS, VAR == PD_K_SK_OCC4 ? 
         wr[r] = (const uint4 *)(p.w + (size_t)n * p.K);
     }
     uint4 wv[AS ? 1 : U][AS ? 1 : R];
-    __shared__ uint4 wsm[AS || DU ? PD_K_SK_LOADS * PD_K_SK_THREADS : 1];  // slot (u R + r) 128 + tid
+    __shared__ uint4 wsm[AS ? PD_K_SK_LOADS * PD_K_SK_THREADS : 1];  // slot (u R + r) 128 + tid
     if constexpr (AS) pd_k_sk_load_async<R, U>(wsm, wr, tid, tid, chunks);
     else pd_k_sk_load<R, U>(wv, wr, tid, chunks);
-    if constexpr (DU) {  // the second R rows, into shared memory
-        const uint4 *wr2[R];
-#pragma unroll
-        for (int r = 0; r < R; r++) wr2[r] = (const uint4 *)(p.w + (size_t)min(row0 + R + r, p.N - 1) * p.K);
-        pd_k_sk_load_async<R, U>(wsm, wr2, tid, tid, chunks);
-    }
     pd_k_pdl_wait();  // the activations (and out) belong to earlier kernels
 
     const uint4 *ar[M];
@@ -315,51 +303,6 @@ static __global__ void __launch_bounds__(PD_K_SK_THREADS, VAR == PD_K_SK_OCC4 ? 
             else pd_k_gemm_out(p.out, o, v, p.out_f32, p.accumulate);
         }
     }
-    if constexpr (DU) {  // rows row0 + R ..: the shared-memory copy (one batch; each thread reads back
-                         // only the slots it copied, so no barrier before the reads)
-        pd_k_cp_async_wait<0>();
-        float acc2[R][M];
-#pragma unroll
-        for (int r = 0; r < R; r++)
-#pragma unroll
-            for (int m = 0; m < M; m++) acc2[r][m] = 0.f;
-#pragma unroll
-        for (int u = 0; u < U; u++) {
-            int cu = tid + u * PD_K_SK_THREADS;
-            if (cu >= chunks) break;
-            float wf[R][8];
-#pragma unroll
-            for (int r = 0; r < R; r++) pd_k_unpack8(wsm[(u * R + r) * PD_K_SK_THREADS + tid], wf[r]);
-#pragma unroll
-            for (int m = 0; m < M; m++) {
-                float af[8];
-                pd_k_unpack8(__ldg(ar[m] + cu), af);
-#pragma unroll
-                for (int r = 0; r < R; r++)
-#pragma unroll
-                    for (int j = 0; j < 8; j++) acc2[r][m] = fmaf(wf[r][j], af[j], acc2[r][m]);
-            }
-        }
-        __shared__ float red2[PD_K_SK_THREADS / 32][R * M];
-        float v2[PD_K_SK_P2(R * M)];
-#pragma unroll
-        for (int i = 0; i < PD_K_SK_P2(R * M); i++) v2[i] = i < R * M ? acc2[i / M][i % M] : 0.f;
-        int idx2 = pd_k_sk_warp_reduce<PD_K_SK_P2(R * M)>(v2, lane);
-        if (idx2 >= 0 && idx2 < R * M) red2[warp][idx2] = v2[0];
-        __syncthreads();
-        if (tid < R * M) {
-            int r = tid / M, m = tid - r * M, n = row0 + R + r;
-            if (n < p.N) {
-                float v = 0.f;
-#pragma unroll
-                for (int i = 0; i < PD_K_SK_THREADS / 32; i++) v += red2[i][tid];
-                if (p.bias) v += __bfloat162float(p.bias[n]);
-                size_t o = (size_t)m * p.N + n;
-                if (EPI == PD_K_SK_RESIDUAL) pd_k_gemm_out_residual(p.out, o, v);
-                else pd_k_gemm_out(p.out, o, v, p.out_f32, p.accumulate);
-            }
-        }
-    }
 }
 
 extern "C" int pd_cuda_skinny_supported(int M, int K, int lda, const void *a, const void *w) {
@@ -381,8 +324,7 @@ static void pd_k_skinny_launch_v(const pd_k_skinny_args &a, cudaStream_t s, dim3
     }
 }
 
-// var: PD_K_SK_REG, PD_K_SK_OCC4 (M = 5 only; other M take the register build), PD_K_SK_ASYNC or
-// PD_K_SK_DUAL (M = 1 plain / residual with K in one batch; other calls take the register build).
+// var: PD_K_SK_REG, PD_K_SK_OCC4 (M = 5 only; other M take the register build) or PD_K_SK_ASYNC.
 template <int R, int NORM, int EPI>
 static void pd_k_skinny_launch_r(const pd_k_skinny_args &a, cudaStream_t s, int var) {
     int rows = EPI == PD_K_SK_GLU ? R / 2 : R;
@@ -390,13 +332,6 @@ static void pd_k_skinny_launch_r(const pd_k_skinny_args &a, cudaStream_t s, int 
     if (EPI == PD_K_SK_ROPE)  // rotation blocks (2 pairs each), then v blocks
         n_blocks = (unsigned)((a.H + a.Hkv) * (a.hd / 2) / 2 + (a.Hkv * a.hd + R - 1) / R);
     dim3 grid(n_blocks), block(PD_K_SK_THREADS);
-    if constexpr (!NORM && (EPI == PD_K_SK_PLAIN || EPI == PD_K_SK_RESIDUAL)) {
-        if (var == PD_K_SK_DUAL && a.M == 1 && (a.K >> 3) <= PD_K_SK_LOADS / R * PD_K_SK_THREADS) {
-            dim3 g2((unsigned)((a.N + 2 * R - 1) / (2 * R)));
-            pd_k_launch(k_skinny<1, R, 0, EPI, PD_K_SK_DUAL>, g2, block, 0, s, a);
-            return;
-        }
-    }
     if (var == PD_K_SK_ASYNC) pd_k_skinny_launch_v<R, NORM, EPI, PD_K_SK_ASYNC>(a, s, grid, block);
     else if (var == PD_K_SK_OCC4 && a.M == 5) pd_k_launch(k_skinny<5, R, NORM, EPI, PD_K_SK_OCC4>, grid, block, 0, s, a);
     else pd_k_skinny_launch_v<R, NORM, EPI, PD_K_SK_REG>(a, s, grid, block);
@@ -416,7 +351,7 @@ extern "C" void pd_cuda_skinny(const pd_skinny_kparams *p, cudaStream_t s) {
     a.positions = r->positions, a.slot_mapping = r->slot_mapping, a.inv_freq = r->inv_freq;
     a.k_cache = (__nv_bfloat16 *)r->k_cache, a.v_cache = (__nv_bfloat16 *)r->v_cache;
     a.H = r->n_heads, a.Hkv = r->n_kv_heads, a.hd = r->head_dim, a.attn_scaling = r->attn_scaling;
-    const int var = p->async ? PD_K_SK_ASYNC : p->occ4 ? PD_K_SK_OCC4 : p->dual ? PD_K_SK_DUAL : PD_K_SK_REG;
+    const int var = p->async ? PD_K_SK_ASYNC : p->occ4 ? PD_K_SK_OCC4 : PD_K_SK_REG;
     if (p->rope) {  // the qkv GEMM: with the attention norm (decode) or without
         if (p->norm_w) pd_k_skinny_launch_r<4, 1, PD_K_SK_ROPE>(a, s, var);
         else pd_k_skinny_launch_r<4, 0, PD_K_SK_ROPE>(a, s, var);

@@ -773,7 +773,7 @@ fuse_done:
         const char *bn[6] = {"rule"};
         int n_be = 1;
         // OPB_SINGLE_VARIANTS="NAME=VALUE,...": one more backend per entry, built with that env knob on
-        // top of the default rule (e.g. PD_CUDA_UPLOAD_STAGE=0; a knob the CUDA backend reads when created)
+        // top of the default rule (e.g. PD_CUDA_SKINNY_ASYNC=1: a knob the CUDA backend reads when created)
         const char *vv = getenv("OPB_SINGLE_VARIANTS");
         static char names[5][64];
         for (const char *c = vv; c && *c && n_be < 6;) {

@@ -4,8 +4,8 @@
 //
 // Design:
 //   * One backend = one device + one non-blocking stream. Every op is enqueued on that stream;
-//     upload is asynchronous (host memory must stay valid until the next sync; small uploads are
-//     copied into a pinned ring first, see cuda_upload), download synchronises. Nothing here synchronises implicitly otherwise, so a sequence of ops can be
+//     upload is asynchronous (host memory must stay valid until the next sync), download
+//     synchronises. Nothing here synchronises implicitly otherwise, so a sequence of ops can be
 //     captured into a CUDA graph by the caller of the stream.
 //   * cudaSetDevice is per thread and engines call ops from their own thread, not the one that
 //     created the backend: every entry point first makes the backend's device current
@@ -54,11 +54,6 @@ static void cuda_free(pd_backend *b) {
     if (cb->bgemm_ws) cudaFree(cb->bgemm_ws);
     if (cb->cb_dev) cudaFree(cb->cb_dev);
     if (cb->kv_dev) cudaFree(cb->kv_dev);
-    if (cb->up_host) {
-        for (int i = 0; i < PD_CUDA_UP_SLOTS; i++) cudaEventDestroy(cb->up_ev[i]);
-        cudaFreeHost(cb->up_host);
-    }
-    pthread_mutex_destroy(&cb->up_mu);
     if (cb->stream) cudaStreamDestroy(cb->stream);
     pd_free(cb);
 }
@@ -88,47 +83,9 @@ static void cuda_dev_free(pd_backend *b, void *p) {
     if (p) PD_CUDA_CHECK(cudaFree(p));
 }
 
-// Small uploads (a step's metadata: tens of bytes to a few KB, one per decode step) are copied into
-// one of PD_CUDA_UP_SLOTS pinned slots and sent from there: the DMA reads pinned memory directly
-// instead of the driver staging a pageable source, and the caller's memory is free at return. A
-// slot is reused only after the copy that last read it completed (its event; with 4 slots that is
-// three uploads later, long done in a decode loop). Not during graph capture (the event record and
-// the copy would become graph nodes reading a slot that later uploads overwrite): the pageable path
-// then, as for larger uploads. PD_CUDA_UPLOAD_STAGE=0: every upload pageable (measurements).
-static bool cuda_upload_staged(pd_cuda_backend *cb, void *dst, const void *src, size_t n) {
-    if (!cb->up_mode || n > PD_CUDA_UP_SLOT_BYTES) return false;
-    enum cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
-    PD_CUDA_CHECK(cudaStreamIsCapturing(cb->stream, &cs));
-    if (cs != cudaStreamCaptureStatusNone) return false;
-    pthread_mutex_lock(&cb->up_mu);
-    if (!cb->up_host) {
-        void *h = NULL;
-        if (cudaHostAlloc(&h, (size_t)PD_CUDA_UP_SLOTS * PD_CUDA_UP_SLOT_BYTES, cudaHostAllocPortable) != cudaSuccess) {
-            cudaGetLastError();
-            cb->up_mode = 0;  // no pinned memory: pageable uploads from now on
-            pthread_mutex_unlock(&cb->up_mu);
-            return false;
-        }
-        for (int i = 0; i < PD_CUDA_UP_SLOTS; i++) PD_CUDA_CHECK(cudaEventCreateWithFlags(&cb->up_ev[i], cudaEventDisableTiming));
-        cb->up_host = h;
-    }
-    int i = cb->up_next;
-    cb->up_next = (i + 1) % PD_CUDA_UP_SLOTS;
-    if (cb->up_used[i]) PD_CUDA_CHECK(cudaEventSynchronize(cb->up_ev[i]));
-    char *slot = (char *)cb->up_host + (size_t)i * PD_CUDA_UP_SLOT_BYTES;
-    memcpy(slot, src, n);
-    PD_CUDA_CHECK(cudaMemcpyAsync(dst, slot, n, cudaMemcpyHostToDevice, cb->stream));
-    PD_CUDA_CHECK(cudaEventRecord(cb->up_ev[i], cb->stream));
-    cb->up_used[i] = true;
-    pthread_mutex_unlock(&cb->up_mu);
-    return true;
-}
-
 static void cuda_upload(pd_backend *b, void *dst, const void *src, size_t n) {
-    pd_cuda_backend *cb = pd_cuda_backend_of(b);
-    pd_cuda_bind(cb);
-    if (cuda_upload_staged(cb, dst, src, n)) return;
-    PD_CUDA_CHECK(cudaMemcpyAsync(dst, src, n, cudaMemcpyHostToDevice, cb->stream));
+    pd_cuda_bind(pd_cuda_backend_of(b));
+    PD_CUDA_CHECK(cudaMemcpyAsync(dst, src, n, cudaMemcpyHostToDevice, pd_cuda_backend_of(b)->stream));
 }
 
 static void cuda_download(pd_backend *b, void *dst, const void *src, size_t n) {
@@ -666,8 +623,6 @@ pd_backend *pd_backend_cuda_new(int device, pd_err *err) {
     }
     cb->base.iface = &cuda_iface;
     cb->device = device;
-    cb->up_mode = pd_cuda_env_int("PD_CUDA_UPLOAD_STAGE", 1, 0, 1);  // read here: one switch per backend
-    pthread_mutex_init(&cb->up_mu, NULL);
     cudaError_t e = cudaSetDevice(device);
     if (e == cudaSuccess) tl_device = device;
     if (e == cudaSuccess) e = cudaStreamCreateWithFlags(&cb->stream, cudaStreamNonBlocking);

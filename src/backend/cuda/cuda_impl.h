@@ -3,7 +3,6 @@
 #pragma once
 #include <cublasLt.h>
 #include <cuda_runtime_api.h>
-#include <pthread.h>
 
 #include "backend/backend_impl.h"
 
@@ -26,9 +25,6 @@ typedef struct pd_cuda_gemm_plan pd_cuda_gemm_plan;
 typedef struct pd_cuda_sampler pd_cuda_sampler;
 typedef struct pd_cuda_xfer pd_cuda_xfer;  // xfer.c: the transfer stream  // sample.c: pd_op_sample's staging buffers
 
-#define PD_CUDA_UP_SLOTS 4           // cuda.c cuda_upload's pinned staging ring
-#define PD_CUDA_UP_SLOT_BYTES 65536
-
 typedef struct pd_cuda_backend {
     pd_backend base;
     int device;
@@ -49,7 +45,6 @@ typedef struct pd_cuda_backend {
     int skinny_occ4;           // M = 5: its 128-register build (4 blocks per SM)
     int skinny_rule_max_m;     // the default rule's CUDA-core kernel up to this M (5)
     int skinny_async;          // its weights through shared memory (cp.async)
-    int skinny_dual;           // M = 1 plain / residual: 4 rows in registers + 4 in shared memory a block
     int skinny_mma;            // kernels/skinny_mma.cu (M <= 16): 0 never, 1/3 the measured rules, 2 always
     int skinny_mma_rows;       // its weight rows per block (16 or 32)
     int skinny_mma_pipe;       // its double-buffered weight loads: -1 the rule's choice, 0 off, 1 on
@@ -80,14 +75,6 @@ typedef struct pd_cuda_backend {
     size_t kv_dev_bytes;
     // bumped whenever a scratch buffer moves: graphs captured before then are stale
     uint64_t scratch_gen;
-    // upload staging (cuda.c cuda_upload): small uploads go through a ring of pinned slots, each
-    // reused once the copy from it completed (its event); PD_CUDA_UPLOAD_STAGE=0: pageable copies
-    pthread_mutex_t up_mu;     // the ring (uploads may come from several threads)
-    int up_mode;               // 0 off, 1 on (read when the backend is created)
-    void *up_host;             // PD_CUDA_UP_SLOTS x PD_CUDA_UP_SLOT_BYTES pinned; NULL until first use
-    cudaEvent_t up_ev[PD_CUDA_UP_SLOTS];
-    bool up_used[PD_CUDA_UP_SLOTS];
-    int up_next;
     pd_cuda_sampler *sampler;  // NULL until the first pd_op_sample
     pd_cuda_xfer *xfer;        // xfer.c: the transfer stream; NULL until the first use
 } pd_cuda_backend;
