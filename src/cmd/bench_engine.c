@@ -3,7 +3,9 @@
 // First it measures the two ceilings of the device through the backend: copy bandwidth (a
 // device-to-device copy of 1 GiB, counting bytes read + written) and bf16 GEMM peak (8192^3).
 // Then, on the model (usually --load-format dummy with a real config), it times
-//   * single-stream decode at contexts --ctx (default 128, 4096, 8192, 32768; ms per token),
+//   * single-stream decode at contexts --ctx (default 128, 4096, 8192, 32768; ms per token), and
+//     the same step enqueued 20 times back to back with one sync ("pipelined": the device's time
+//     per step; the difference is what the host adds: upload, graph launch, wait),
 //   * one decode step at batch --batches (default 1, 8, 32, 64, 128, 256), context --batch-ctx
 //     (default 512),
 //   * prefill of 512, 2048 and 8192 tokens (one sequence, one step),
@@ -451,6 +453,12 @@ int pd_cmd_bench_engine(int argc, char **argv) {
     if (single || batched || prefill) {  // the floors need them; verify steps are compared with each other
         b.copy_bytes_s = measure_copy(b.be);
         b.gemm_flop_s = measure_gemm(b.be);
+        // The CUDA backend's prefill tuning (gemm.c gemm_tune_pf, opt-in) would tune the 8192^3 peak
+        // GEMM too, and measured it lower (session 11): the % of that floor is then no reference.
+        const char *tpf = getenv("PD_CUDA_GEMM_TUNE_PF");
+        if (tpf && *tpf && strcmp(tpf, "0"))
+            printf("note: PD_CUDA_GEMM_TUNE_PF=%s tunes the 8192^3 peak GEMM too: compare prefill ms against a run "
+                   "without it, not the %% of this floor\n", tpf);
     }
     const char *dev_name = pd_backend_device_name(b.be);
     for (size_t i = 0; i < sizeof datasheet / sizeof datasheet[0] && strcmp(pd_backend_name(b.be), "cpu"); i++)

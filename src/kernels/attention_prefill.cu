@@ -83,6 +83,11 @@ static __device__ __forceinline__ void pd_fa_mbar_wait(uint32_t bar, int parity)
             : "memory");
     } while (!done);
 }
+// Arrives on bar (one of its expected arrivals: .noinc) when every cp.async this thread issued so
+// far has landed, without waiting for them here.
+static __device__ __forceinline__ void pd_fa_cp_arrive(uint32_t bar) {
+    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
+}
 static __device__ __forceinline__ void pd_fa_fence_async() {
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 }
@@ -120,6 +125,16 @@ template <int N>
 static __device__ __forceinline__ void pd_fa_pin(float *d) {
 #pragma unroll
     for (int i = 0; i < N; i++) asm volatile("" : "+f"(d[i])::"memory");
+}
+
+// The same for P's A-operand registers: keeps them live (not reused by the compiler) until the
+// wait that ends the P.V reading them.
+template <int N>
+static __device__ __forceinline__ void pd_fa_pin_u(uint32_t (*a)[4]) {
+#pragma unroll
+    for (int i = 0; i < N; i++)
+#pragma unroll
+        for (int k = 0; k < 4; k++) asm volatile("" : "+r"(a[i][k])::"memory");
 }
 
 // Shared-memory matrix descriptor, 128-byte swizzle: start address, leading and stride byte
@@ -171,6 +186,8 @@ static __device__ __forceinline__ void pd_fa_wgmma_rs_n128(float *d, const uint3
 #define PD_FA_PP 2    // the consumers' ping-pong
 #define PD_FA_ROWP 4  // the first producer: one page-table load, then the copies, row after row
 #define PD_FA_TMA 32  // whole pages by the tensor-memory accelerator (block_size 8..128 dividing 128)
+#define PD_FA_OVL 64  // consumers overlap tile j's S = Q.K^T and softmax with tile j - 1's P.V
+#define PD_FA_ARV 128  // the producer's copies arrive on "full" as they land (cp.async.mbarrier.arrive)
 // Diagnostics, compiled only with -DPD_FA3_DIAG (a separate op_bench build; the output is wrong):
 #define PD_FA_NOLOAD 8   // the producer copies no K/V (the consumers' speed alone)
 #define PD_FA_NOMATH 16  // the consumers compute nothing (the producer's speed alone)
@@ -248,6 +265,49 @@ static __device__ __forceinline__ void pd_fa_softmax(float *sc, float *m, float 
     }
 }
 
+// pd_fa_softmax with P left in sc as f32 (pd_fa_pack rounds it into the A-operand layout later):
+// the overlapped consumer (PD_FA_OVL) computes it while the previous tile's P.V still reads pa.
+static __device__ __forceinline__ void pd_fa_softmax_p(float *sc, float *m, float *l, float *corr, bool need_mask,
+                                                       int kv0, const int *qpos, int t, float scale_log2) {
+    float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+    for (int nt = 0; nt < PD_FA_BKV / 8; nt++) {
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            float v = sc[nt * 4 + i];
+            if (need_mask && kv0 + nt * 8 + 2 * t + (i & 1) > qpos[i >> 1]) v = -INFINITY;
+            sc[nt * 4 + i] = v;
+            mx[i >> 1] = fmaxf(mx[i >> 1], v);
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
+        mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
+        float mn = fmaxf(m[r], mx[r] * scale_log2);
+        corr[r] = mn == -INFINITY ? 1.f : exp2f(m[r] - mn);
+        m[r] = mn;
+        l[r] *= corr[r];
+    }
+    float nb[2] = {m[0] == -INFINITY ? 0.f : -m[0], m[1] == -INFINITY ? 0.f : -m[1]};
+#pragma unroll
+    for (int i = 0; i < PD_FA_BKV / 2; i++) {
+        float p = exp2f(fmaf(sc[i], scale_log2, nb[(i >> 1) & 1]));
+        l[(i >> 1) & 1] += p;
+        sc[i] = p;
+    }
+}
+static __device__ __forceinline__ void pd_fa_pack(const float *sc, uint32_t (*pa)[4]) {
+#pragma unroll
+    for (int kk = 0; kk < PD_FA_BKV / 16; kk++) {
+        const float *p = sc + kk * 8;
+        pa[kk][0] = pd_k_pack2(p[0], p[1]);
+        pa[kk][1] = pd_k_pack2(p[2], p[3]);
+        pa[kk][2] = pd_k_pack2(p[4], p[5]);
+        pa[kk][3] = pd_k_pack2(p[6], p[7]);
+    }
+}
+
 template <int HD>
 static __device__ __forceinline__ void pd_fa_rescale(float *o, const float *corr) {
 #pragma unroll
@@ -271,7 +331,12 @@ static __global__ void __launch_bounds__(PD_FA_THREADS, 1)
     using C = pd_fa_cfg<HD>;
     constexpr int ST = C::ST, CPR = HD / 8;
     constexpr bool VN64 = FL & PD_FA_VN64, PP = FL & PD_FA_PP, ROWP = FL & PD_FA_ROWP;
-    constexpr bool NOLOAD = FL & PD_FA_NOLOAD, NOMATH = FL & PD_FA_NOMATH, TMA = FL & PD_FA_TMA;
+    constexpr bool NOLOAD = FL & PD_FA_NOLOAD, NOMATH = FL & PD_FA_NOMATH, TMA = FL & PD_FA_TMA, OVL = FL & PD_FA_OVL;
+    // ARV (the default producer only): each thread's copies of a tile arrive on its "full" barrier
+    // through cp.async.mbarrier.arrive.noinc when they land, instead of the thread waiting for tile
+    // j - 1's copies after issuing tile j's (a tile is then ready as soon as its bytes are, not one
+    // issue later); the consumers fence the async proxy after each wait instead of the producer.
+    constexpr bool ARV = (FL & PD_FA_ARV) && !TMA && !ROWP && !NOLOAD;
     extern __shared__ unsigned char pd_fa_smem[];
     const uint32_t base = (pd_k_smem_u32(pd_fa_smem) + 1023u) & ~1023u;
     const uint32_t sq = base, sk = base + C::TILE, sv = sk + ST * C::TILE, bar = sv + ST * C::TILE;
@@ -310,6 +375,7 @@ static __global__ void __launch_bounds__(PD_FA_THREADS, 1)
             pd_fa_cp16(sq + pd_fa_swz(r, c), src, ok);
         }
         pd_k_cp_async_commit();
+        if constexpr (ARV) pd_fa_cp_arrive(bar + 16 * ST);
         // Thread tw copies 16-byte chunk c = tw % CPR of rows tw / CPR + k * RS (k < RPT) of each
         // tile. The page-table lookups of a tile are issued together (independent loads) before
         // the wait for its stage, then the copies; ROWP: the first version, lookup and copies row
@@ -386,11 +452,16 @@ static __global__ void __launch_bounds__(PD_FA_THREADS, 1)
                 }
             }
             pd_k_cp_async_commit();
+            if constexpr (ARV) {
+                pd_fa_cp_arrive(bar + 8 * st);
+                continue;
+            }
             pd_k_cp_async_wait<1>();  // everything but tile j: the Q tile (j == 0) or tile j - 1
             pd_fa_fence_async();
             pd_fa_mbar_arrive(j == 0 ? bar + 16 * ST : bar + 8 * ((j - 1) % ST));
         }
         pd_k_cp_async_wait<0>();
+        if constexpr (ARV) return;  // every tile has arrived (or will, as its copies land)
         pd_fa_fence_async();
         pd_fa_mbar_arrive(bar + 8 * ((n_tiles - 1) % ST));
         return;
@@ -414,15 +485,79 @@ static __global__ void __launch_bounds__(PD_FA_THREADS, 1)
     uint32_t pa[PD_FA_BKV / 16][4];
 
     pd_fa_mbar_wait(bar + 16 * ST, 0);
+    if constexpr (ARV) pd_fa_fence_async();
     // PP (ping-pong): the two consumers take turns issuing their products (named barriers 1 and
     // 2, 256 threads: one warpgroup syncs, the other arrives), so one's softmax overlaps the
     // other's tensor-core work. Both run the handshake on every tile, computing or not, and the
     // second skips its last arrive, so the counts match.
     if (PP && cw == 1) pd_fa_bar_arrive(1);
-    for (int j = 0; j < n_tiles; j++) {
+    // OVL (intra-warpgroup overlap, FA3's second pipelining): each turn issues S of tile j and then
+    // P.V of tile j - 1 (prev), waits for S alone, runs the softmax of tile j while that P.V runs,
+    // then waits for it, releases tile j - 1's stage and rounds tile j's P into pa. O is rescaled
+    // by tile j - 1's factors just before its P.V. Registers: O, S (f32) and one P (bf16). The
+    // pending P.V is finished before the first tile this warpgroup skips (its stage must not stay
+    // held while the producer waits for it) and after the last.
+    if constexpr (OVL) {
+        float sc[PD_FA_BKV / 2];
+        int prev = -1;
+        for (int j = 0; j <= n_tiles; j++) {
+            bool mine = !NOMATH && j < n_mine;
+            if (!mine && prev >= 0) {  // the last P.V
+                pd_fa_rescale<HD>(o, corr);
+                pd_fa_pin<HD / 2>(o);
+                pd_fa_wg_fence();
+                pd_fa_issue_pv<HD, VN64>(o, pa, sv + (prev % ST) * C::TILE);
+                pd_fa_wg_commit();
+                pd_fa_wg_wait<0>();
+                pd_fa_pin<HD / 2>(o);
+                pd_fa_pin_u<PD_FA_BKV / 16>(pa);
+                pd_fa_mbar_arrive(bar + 8 * (ST + prev % ST));
+                prev = -1;
+            }
+            if (j == n_tiles) break;
+            int st = j % ST, kv0 = j * PD_FA_BKV;
+            bool pass = PP && !(cw == 1 && j == n_tiles - 1);
+            pd_fa_mbar_wait(bar + 8 * st, (j / ST) & 1);
+            if constexpr (ARV) pd_fa_fence_async();
+            if (PP) pd_fa_bar_sync(1 + cw);
+            if (!mine) {  // warpgroup-uniform
+                if (pass) pd_fa_bar_arrive(2 - cw);
+                pd_fa_mbar_arrive(bar + 8 * (ST + st));
+                continue;
+            }
+            const uint32_t kt = sk + st * C::TILE;
+            bool need_mask = kv0 + PD_FA_BKV - 1 > pos0 + wr;
+            pd_fa_pin<PD_FA_BKV / 2>(sc);
+            pd_fa_wg_fence();
+            pd_fa_issue_s<HD>(sc, qa, kt);
+            pd_fa_wg_commit();
+            if (prev >= 0) {
+                pd_fa_rescale<HD>(o, corr);
+                pd_fa_pin<HD / 2>(o);
+                pd_fa_wg_fence();
+                pd_fa_issue_pv<HD, VN64>(o, pa, sv + (prev % ST) * C::TILE);
+                pd_fa_wg_commit();
+            }
+            if (pass) pd_fa_bar_arrive(2 - cw);
+            if (prev >= 0) pd_fa_wg_wait<1>();
+            else pd_fa_wg_wait<0>();
+            pd_fa_pin<PD_FA_BKV / 2>(sc);
+            pd_fa_softmax_p(sc, m, l, corr, need_mask, kv0, qpos, t, scale_log2);
+            if (prev >= 0) {
+                pd_fa_wg_wait<0>();
+                pd_fa_pin<HD / 2>(o);
+                pd_fa_pin_u<PD_FA_BKV / 16>(pa);  // P.V read pa until here: the softmax must not reuse them
+                pd_fa_mbar_arrive(bar + 8 * (ST + prev % ST));
+            }
+            pd_fa_pack(sc, pa);
+            prev = j;
+        }
+    }
+    for (int j = 0; j < n_tiles && !OVL; j++) {
         int st = j % ST, kv0 = j * PD_FA_BKV;
         bool pass = PP && !(cw == 1 && j == n_tiles - 1);
         pd_fa_mbar_wait(bar + 8 * st, (j / ST) & 1);
+        if constexpr (ARV) pd_fa_fence_async();
         if (PP) pd_fa_bar_sync(1 + cw);
         if (NOMATH || j >= n_mine) {  // warpgroup-uniform
             if (pass) pd_fa_bar_arrive(2 - cw);
@@ -485,9 +620,10 @@ static int pd_fa_env(const char *name) {  // 1, 0, or -1 when unset / neither
     return e && !strcmp(e, "1") ? 1 : e && !strcmp(e, "0") ? 0 : -1;
 }
 static int pd_fa_flags(int hd) {
-    static int pp = -2, vn = -2, rowp = -2, tma = -2, diag = 0;
+    static int pp = -2, vn = -2, rowp = -2, tma = -2, ovl = -2, arv = -2, diag = 0;
     if (pp == -2) {
         vn = pd_fa_env("PD_CUDA_FA3_VN64"), rowp = pd_fa_env("PD_CUDA_FA3_ROWP"), tma = pd_fa_env("PD_CUDA_FA3_TMA");
+        ovl = pd_fa_env("PD_CUDA_FA3_OVL"), arv = pd_fa_env("PD_CUDA_FA3_ARV");
 #ifdef PD_FA3_DIAG
         const char *d = getenv("PD_CUDA_FA3_DIAG");
         diag = d && !strcmp(d, "noload") ? PD_FA_NOLOAD : d && !strcmp(d, "nomath") ? PD_FA_NOMATH : 0;
@@ -495,7 +631,8 @@ static int pd_fa_flags(int hd) {
         pp = pd_fa_env("PD_CUDA_FA3_PP");
     }
     return ((pp < 0 ? hd == 128 : pp) ? PD_FA_PP : 0) | (vn == 1 && hd == 128 ? PD_FA_VN64 : 0) |
-           (rowp == 1 ? PD_FA_ROWP : 0) | (tma == 1 ? PD_FA_TMA : 0) | diag;
+           (rowp == 1 ? PD_FA_ROWP : 0) | (tma == 1 ? PD_FA_TMA : 0) | (ovl == 1 ? PD_FA_OVL : 0) |
+           (arv == 1 && rowp != 1 && tma != 1 ? PD_FA_ARV : 0) | diag;
 }
 
 template <int HD, int FL>
@@ -560,11 +697,19 @@ static void pd_fa_dispatch(const pd_attention_kparams *p, cudaStream_t s, int fl
     PD_FA_CASE(PD_FA_TMA)
     PD_FA_CASE(PD_FA_ROWP)
     PD_FA_CASE(PD_FA_PP | PD_FA_ROWP)
+    PD_FA_CASE(PD_FA_PP | PD_FA_OVL)
+    PD_FA_CASE(PD_FA_OVL)
+    PD_FA_CASE(PD_FA_PP | PD_FA_ARV)
+    PD_FA_CASE(PD_FA_PP | PD_FA_OVL | PD_FA_ARV)
+    PD_FA_CASE(PD_FA_ARV)
+    PD_FA_CASE(PD_FA_OVL | PD_FA_ARV)
     if constexpr (HD == 128) {
+        PD_FA_CASE(PD_FA_VN64 | PD_FA_PP | PD_FA_OVL)
         PD_FA_CASE(PD_FA_VN64)
         PD_FA_CASE(PD_FA_VN64 | PD_FA_PP)
     }
 #ifdef PD_FA3_DIAG
+    PD_FA_CASE(PD_FA_PP | PD_FA_OVL | PD_FA_NOLOAD)
     PD_FA_CASE(PD_FA_PP | PD_FA_NOLOAD)
     PD_FA_CASE(PD_FA_PP | PD_FA_NOMATH)
     PD_FA_CASE(PD_FA_PP | PD_FA_TMA | PD_FA_NOMATH)

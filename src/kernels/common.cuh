@@ -17,6 +17,7 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 #include <stdint.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -143,6 +144,19 @@ static inline bool pd_k_env_on(const char *name, int *cache) {
         *cache = (e && !strcmp(e, "0")) ? 0 : 1;
     }
     return *cache != 0;
+}
+
+// An integer knob in [lo, hi] (dflt when unset or empty); anything else is a clear error.
+static inline int pd_k_env_int(const char *name, int dflt, int lo, int hi) {
+    const char *e = getenv(name);
+    if (!e || !*e) return dflt;
+    char *end = NULL;
+    long v = strtol(e, &end, 10);
+    if (*end || v < lo || v > hi) {
+        fprintf(stderr, "pdserve: %s=%s: expected an integer in [%d, %d]\n", name, e, lo, hi);
+        abort();
+    }
+    return (int)v;
 }
 
 // PD_CUDA_PDL=0 turns PDL off.

@@ -86,9 +86,20 @@ static __global__ void k_rmsnorm_scalar(__nv_bfloat16 *x, const __nv_bfloat16 *a
 extern "C" void pd_cuda_rmsnorm(const pd_rmsnorm_kparams *p, cudaStream_t s) {
     if (p->n_rows <= 0) return;
     int nv = p->dim / 8;
+    // PD_CUDA_RMS_THREADS=n (32..1024, a power of two): n threads per row for steps of >= 1024
+    // rows (prefill; measurements), at least dim / 64 (the vectors a thread holds).
+    static int big_threads = -2;
+    if (big_threads == -2) {
+        big_threads = pd_k_env_int("PD_CUDA_RMS_THREADS", 0, 0, 1024);
+        if (big_threads & (big_threads - 1) || (big_threads && big_threads < 32)) {
+            fprintf(stderr, "pdserve: PD_CUDA_RMS_THREADS must be 0 or a power of two from 32 to 1024\n");
+            abort();
+        }
+    }
     if (p->dim % 8 == 0 && nv <= PD_K_RMS_MAX_VEC * 1024) {
         int threads = 32;
         while (threads < 1024 && (threads < nv / PD_K_RMS_MAX_VEC || threads * 2 <= nv) && threads < 256) threads *= 2;
+        if (big_threads && p->n_rows >= 1024) threads = big_threads;
         while (threads * PD_K_RMS_MAX_VEC < nv) threads *= 2;
         pd_k_launch(k_rmsnorm_vec, dim3(p->n_rows), dim3(threads), 0, s, (uint4 *)p->x, (const uint4 *)p->add,
                     (const uint4 *)p->w, (uint4 *)p->out, nv, p->eps, pd_k_hf_rounding(), pd_k_early_loads());

@@ -146,7 +146,7 @@ static void *wp(pd_buffer *b) { return b ? pd_buffer_ptr(b) : NULL; }
 // applies SwiGLU — so x is complete after every layer and h is not used: 5 kernels per layer
 // (qkv, attention, o, gate_up, down) instead of 9.
 static void run_layer(pd_model *m, pd_model_cache *kc, int li, int T, const int32_t *dmeta, const meta_layout *l,
-                      int n_seqs, int max_q, int max_kv, bool fused) {
+                      int n_seqs, int max_q, int max_kv, bool fused, bool rg) {
     const pd_model_config *c = &m->cfg;
     pd_backend *be = m->backend;
     pd_layer_weights *w = &m->layers[li];
@@ -163,7 +163,7 @@ static void run_layer(pd_model *m, pd_model_cache *kc, int li, int T, const int3
                                              .M = T, .N = nqkv, .K = D, .norm_w = wp(w->attn_norm),
                                              .norm_eps = c->rms_norm_eps, .rope = &rope});
     } else {
-        pd_op_rmsnorm(be, &(pd_rmsnorm_params){.x = wp(ws->x), .add = li > 0 ? wp(ws->h) : NULL, .w = wp(w->attn_norm),
+        pd_op_rmsnorm(be, &(pd_rmsnorm_params){.x = wp(ws->x), .add = li > 0 && !rg ? wp(ws->h) : NULL, .w = wp(w->attn_norm),
                                                .out = wp(ws->h), .n_rows = T, .dim = D, .eps = c->rms_norm_eps});
         bool epi = pd_backend_fuses_epilogues(be, T);  // RoPE + KV write in the qkv GEMM (batched decode on CUDA)
         pd_op_matmul(be, &(pd_matmul_params){.a = wp(ws->h), .w = wp(w->wqkv), .bias = wp(w->bqkv), .out = wp(ws->qkv),
@@ -193,10 +193,13 @@ static void run_layer(pd_model *m, pd_model_cache *kc, int li, int T, const int3
                                              .M = T, .N = D, .K = F, .residual = true});
         return;
     }
-    pd_op_matmul(be, &(pd_matmul_params){.a = wp(ws->attn), .w = wp(w->wo), .bias = wp(w->bo), .out = wp(ws->h), .M = T,
-                                         .N = D, .K = H * hd});
-    pd_op_rmsnorm(be, &(pd_rmsnorm_params){.x = wp(ws->x), .add = wp(ws->h), .w = wp(w->mlp_norm), .out = wp(ws->h),
-                                           .n_rows = T, .dim = D, .eps = c->rms_norm_eps});
+    // rg: the residual adds in the o and down GEMMs (accumulate into x), x complete after each
+    // layer, the norms read x alone (resid_gemm_step)
+    pd_op_matmul(be, &(pd_matmul_params){.a = wp(ws->attn), .w = wp(w->wo), .bias = wp(w->bo),
+                                         .out = rg ? wp(ws->x) : wp(ws->h), .M = T, .N = D, .K = H * hd,
+                                         .accumulate = rg});
+    pd_op_rmsnorm(be, &(pd_rmsnorm_params){.x = wp(ws->x), .add = rg ? NULL : wp(ws->h), .w = wp(w->mlp_norm),
+                                           .out = wp(ws->h), .n_rows = T, .dim = D, .eps = c->rms_norm_eps});
     if (pd_backend_fuses_epilogues(be, T)) {  // gate_up and SwiGLU as one kernel
         pd_op_matmul(be, &(pd_matmul_params){.a = wp(ws->h), .w = wp(w->wgu), .bias = wp(w->bgu), .out = wp(ws->mlp),
                                              .M = T, .N = F, .K = D, .glu = true});
@@ -205,8 +208,8 @@ static void run_layer(pd_model *m, pd_model_cache *kc, int li, int T, const int3
                                              .M = T, .N = 2 * F, .K = D});
         pd_op_silu_mul(be, &(pd_silu_mul_params){.gu = wp(ws->gu), .out = wp(ws->mlp), .n_rows = T, .F = F});
     }
-    pd_op_matmul(be, &(pd_matmul_params){.a = wp(ws->mlp), .w = wp(w->wdown), .bias = wp(w->bdown), .out = wp(ws->h), .M = T,
-                                         .N = D, .K = F});
+    pd_op_matmul(be, &(pd_matmul_params){.a = wp(ws->mlp), .w = wp(w->wdown), .bias = wp(w->bdown),
+                                         .out = rg ? wp(ws->x) : wp(ws->h), .M = T, .N = D, .K = F, .accumulate = rg});
 }
 
 // Whether a step of T tokens uses the fused forms (run_layer): where the backend runs them as
@@ -222,13 +225,42 @@ static bool fuse_step(pd_model *m, int T) {
 }
 
 // Whether a one-token step's lm_head reads x in place of a gathered copy (PD_MODEL_ROWS_DIRECT=0:
-// it gathers, as every other step does; measurements). Read once per model.
+// it gathers, as every other step does; measurements; 1 or unset: reads x). Read once per model.
 static bool rows_direct(pd_model *m) {
     if (m->ws.rows_mode == 0) {
         const char *e = getenv("PD_MODEL_ROWS_DIRECT");
+        if (e && *e && strcmp(e, "0") && strcmp(e, "1")) {
+            PD_LOG_E("model: PD_MODEL_ROWS_DIRECT=%s: expected 0 or 1", e);
+            pd_abort(__FILE__, __LINE__, __func__, "bad PD_MODEL_ROWS_DIRECT");
+        }
         m->ws.rows_mode = e && !strcmp(e, "0") ? 2 : 1;
     }
     return m->ws.rows_mode == 1;
+}
+
+// Whether an unfused step of T tokens folds the residual adds into the o and down GEMMs
+// (run_layer's rg: pd_op_matmul accumulate into x, so each sum is rounded once, branch and
+// residual together in f32, instead of the branch first; within a bf16 ulp of the transformers
+// rounding, as the fused decode forms on cuBLASLt already are). It saves the norms' read and write
+// of the branch output h (2 of their 4 passes over (T, D)) but makes the two GEMMs read x: measured
+// on an H100 (session 11, tools/gpu/NOTES.md pf11-1/2) per 8192-token layer the norms 119 -> 90 us
+// each, o 375 -> 395 and down 1310 -> 1361 (op_bench pfl), and bench-engine --only prefill within
+// its run-to-run noise (8192 tokens: 229.2 ms without vs 229.5 with; 2048: 50.8 vs 50.0). No
+// measured gain and transformers' rounding points lost: off by default. PD_MODEL_RESID_GEMM=N
+// turns it on for steps of at least N tokens (1: every unfused step), 0 off. Read once per model.
+#define PD_MODEL_RESID_GEMM_DEFAULT 0
+static bool resid_gemm_step(pd_model *m, int T) {
+    if (m->ws.resid_gemm_min == 0) {
+        const char *e = getenv("PD_MODEL_RESID_GEMM");
+        char *end = NULL;
+        long v = e && *e ? strtol(e, &end, 10) : PD_MODEL_RESID_GEMM_DEFAULT;
+        if (e && *e && (*end || v < 0 || v > (1 << 30))) {
+            PD_LOG_E("model: PD_MODEL_RESID_GEMM=%s is not a token count (0 off, 1 every step, N from N tokens)", e);
+            pd_abort(__FILE__, __LINE__, __func__, "bad PD_MODEL_RESID_GEMM");
+        }
+        m->ws.resid_gemm_min = v == 0 ? -1 : (int)v;
+    }
+    return m->ws.resid_gemm_min > 0 && T >= m->ws.resid_gemm_min;
 }
 
 // The whole op sequence of one step over packed metadata at dmeta (layout l).
@@ -240,10 +272,10 @@ static void run_step(pd_model *m, pd_model_cache *kc, const int32_t *dmeta, cons
     int D = c->hidden_size;
     pd_op_embed(be, &(pd_embed_params){.ids = dmeta + l->tokens, .table = wp(m->embed), .out = wp(ws->x), .n_tokens = T,
                                        .dim = D, .vocab = c->vocab_size});
-    bool fused = fuse_step(m, T);
+    bool fused = fuse_step(m, T), rg = !fused && resid_gemm_step(m, T);
     for (int li = 0; li < c->n_layers; li++) {
         if (hook && hook->before_layer) hook->before_layer(hook->before_layer_ud, li);
-        run_layer(m, kc, li, T, dmeta, l, n_seqs, max_q, max_kv, fused);
+        run_layer(m, kc, li, T, dmeta, l, n_seqs, max_q, max_kv, fused, rg);
         if (hook && hook->on_layer) hook->on_layer(hook->on_layer_ud, li);
     }
     if (n_logits > 0 && fused) {  // x is complete: the final norm goes into the lm_head GEMM
@@ -257,6 +289,15 @@ static void run_step(pd_model *m, pd_model_cache *kc, const int32_t *dmeta, cons
         pd_op_matmul(be, &(pd_matmul_params){.a = wp(direct ? ws->x : ws->sel), .w = wp(head), .out = wp(ws->logits), .M = n_logits,
                                              .N = c->vocab_size, .K = D, .out_f32 = true, .norm_w = wp(m->final_norm),
                                              .norm_eps = c->rms_norm_eps});
+    } else if (n_logits > 0 && rg) {  // x is complete: norm the logit rows
+        pd_buffer *head = m->lm_head ? m->lm_head : m->embed;
+        pd_op_get_rows(be, &(pd_get_rows_params){.x = wp(ws->x), .idx = dmeta + l->logit_rows, .out = wp(ws->sel),
+                                                 .n_rows = n_logits, .dim = D});
+        pd_op_rmsnorm(be, &(pd_rmsnorm_params){.x = wp(ws->sel), .w = wp(m->final_norm), .out = wp(ws->sel_add),
+                                               .n_rows = n_logits, .dim = D, .eps = c->rms_norm_eps});
+        pd_op_matmul(be, &(pd_matmul_params){.a = wp(ws->sel_add), .w = wp(head),
+                                             .out = wp(ws->logits), .M = n_logits, .N = c->vocab_size, .K = D,
+                                             .out_f32 = true});
     } else if (n_logits > 0) {
         // Only the logit rows: the last MLP output (in h) is added to them here, not to all of x.
         pd_buffer *head = m->lm_head ? m->lm_head : m->embed;

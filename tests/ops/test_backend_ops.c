@@ -886,20 +886,21 @@ PD_TEST(test_cuda_rope_kv) {
     ctx c;
     if (!ctx_init(&c, 6)) PD_SKIP("%s: no CUDA device", __func__);
     int cfg[][3] = {{4, 2, 64}, {32, 8, 128}, {4, 1, 32}, {8, 8, 64}};  // H, Hkv, hd
-    int ns[] = {1, 17};
+    int ns[] = {1, 17, 300};  // 300: the 16-byte kernel of large steps (PD_CUDA_ROPE_VEC_MIN, 256), some slots -1
     for (size_t ci = 0; ci < PD_ARRAY_LEN(cfg); ci++)
         for (size_t ni = 0; ni < PD_ARRAY_LEN(ns); ni++) {
-            int H = cfg[ci][0], Hkv = cfg[ci][1], hd = cfg[ci][2], n = ns[ni], bsz = 16, n_blocks = 4;
+            int H = cfg[ci][0], Hkv = cfg[ci][1], hd = cfg[ci][2], n = ns[ni], bsz = 16, n_blocks = n > 48 ? n / bsz + 4 : 4;
             int n_slots = bsz * n_blocks, row = (H + 2 * Hkv) * hd;
             float scaling = ni ? 0.9f : 1.0f;
             float *qkv = rand_f32(&c, (size_t)n * row, 1.0f);
             float *kc = rand_f32(&c, (size_t)n_slots * Hkv * hd, 1.0f), *vc = rand_f32(&c, (size_t)n_slots * Hkv * hd, 1.0f);
             float inv_freq[64];
             for (int i = 0; i < hd / 2; i++) inv_freq[i] = powf(500000.0f, -2.0f * i / hd);
-            int32_t pos[17], slots[17];
+            int32_t pos[300], slots[300];
             for (int i = 0; i < n; i++) {
                 pos[i] = (int32_t)(pd_rng_next(&c.rng) % 9000);
-                slots[i] = (int32_t)((i * 37 + 5) % n_slots);  // distinct slots
+                slots[i] = (int32_t)((i * 37 + 5) % n_slots);  // distinct slots (37 is prime to n_slots)
+                if (n > 17 && i % 97 == 13) slots[i] = -1;     // no KV write for this token
             }
             pd_backend *bs[2] = {c.cpu, c.gpu};
             void *q[2], *k_[2], *v_[2];

@@ -21,8 +21,10 @@
 // step: one batched decode layer (M = 32..256, context 512) as a graph, whole and op by op (bench_step).
 // single: the single-stream decode step (M = 1, context 128) as one graph, whole and part by part,
 // back to back and serial (bench_single); OPB_SINGLE_VARIANTS adds backends built with env knobs.
-// Usage: op_bench [copy] [peak] [gemm] [gemv] [fuse] [fusev] [prefill] [attnpre] [attn] [step] [single] [sample]  (no argument:
-// all; attnpre: prefill attention alone, bf16, head_dim 128 and 64, one and four sequences).
+// pfl: one prefill layer at M = 2048 and 8192 op by op (bench_pfl; only when named).
+// Usage: op_bench [copy] [peak] [gemm] [gemv] [fuse] [fusev] [prefill] [attnpre] [attn] [step] [single] [sample]
+// [pfl]  (no argument: all but pfl; attnpre: prefill attention alone, bf16, head_dim 128 and 64, one and four
+// sequences).
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -307,6 +309,140 @@ static void bench_step(double copy_gbs, pd_backend **bes, const char **be_names,
             double t_lm = time_us(b, lmh_op, &lm, 10), by_lm = 2.0 * 128256 * D;
             printf("step %-8s M=%-3d   ops alone summed %7.1f us/layer (whole layer %7.1f); lm_head f32 %7.1f us (%3.0f%% of copy)\n",
                    bn, M, sum, t_all, t_lm, 100 * by_lm / (copy_gbs * 1e3) / t_lm);
+        }
+    }
+}
+
+// pfl: one Llama-3-8B prefill layer of one sequence of M = 2048 and 8192 tokens (context M, causal;
+// 32 heads, 8 kv heads, head_dim 128, block_size 16, scattered pages), op by op as forward.c runs it
+// (rmsnorm + residual add, qkv, rope_kv, attention, o, rmsnorm + add, gate_up, silu_mul, down), each
+// alone (back to back, weights alternating between 2 copies), next to its limit: GEMMs and
+// attention in TFLOP/s and % of the 8192^3 peak measured here, the memory-bound kernels in GB/s
+// and % of the copy rate measured here; then the classes summed, and the whole layer back to back
+// for: "classic" (h holds each branch, the norms add it), "rg" (o and down accumulate into x, the
+// norms read x alone: forward.c PD_MODEL_RESID_GEMM), each on cuBLASLt's heuristic choice and on
+// gemm.c's prefill tuning (gemm_tune_pf). x 32 for a prefill's layers.
+enum { PL_NORM1, PL_QKV, PL_ROPE, PL_ATTN, PL_O, PL_NORM2, PL_GU, PL_SILU, PL_DOWN, PL_N };
+static const char *pl_names[PL_N] = {"rmsnorm1", "qkv", "rope_kv", "attention", "o", "rmsnorm2", "gate_up", "silu_mul", "down"};
+typedef struct pl_arg {
+    void *x, *h, *qkv, *attn, *gu, *mlp, *g1, *g2, *wqkv[2], *wo[2], *wgu[2], *wd[2];
+    pd_rope_kv_params rope;
+    pd_attention_params at;
+    int M, only;  // only: one op (PL_*) or -1 the whole layer
+    bool rg;
+} pl_arg;
+static void pl_op(pd_backend *b, void *arg, int rep) {
+    pl_arg *l = arg;
+    int M = l->M, D = 4096, F = 14336, NQ = 6144, i = rep & 1, o = l->only;
+    bool rg = l->rg;
+    if (o < 0 || o == PL_NORM1)
+        pd_op_rmsnorm(b, &(pd_rmsnorm_params){.x = l->x, .add = rg ? NULL : l->h, .w = l->g1, .out = l->h, .n_rows = M, .dim = D, .eps = 1e-5f});
+    if (o < 0 || o == PL_QKV) pd_op_matmul(b, &(pd_matmul_params){.a = l->h, .w = l->wqkv[i], .out = l->qkv, .M = M, .N = NQ, .K = D});
+    if (o < 0 || o == PL_ROPE) pd_op_rope_kv(b, &l->rope);
+    if (o < 0 || o == PL_ATTN) pd_op_attention(b, &l->at);
+    if (o < 0 || o == PL_O)
+        pd_op_matmul(b, &(pd_matmul_params){.a = l->attn, .w = l->wo[i], .out = rg ? l->x : l->h, .M = M, .N = D, .K = D, .accumulate = rg});
+    if (o < 0 || o == PL_NORM2)
+        pd_op_rmsnorm(b, &(pd_rmsnorm_params){.x = l->x, .add = rg ? NULL : l->h, .w = l->g2, .out = l->h, .n_rows = M, .dim = D, .eps = 1e-5f});
+    if (o < 0 || o == PL_GU) pd_op_matmul(b, &(pd_matmul_params){.a = l->h, .w = l->wgu[i], .out = l->gu, .M = M, .N = 2 * F, .K = D});
+    if (o < 0 || o == PL_SILU) pd_op_silu_mul(b, &(pd_silu_mul_params){.gu = l->gu, .out = l->mlp, .n_rows = M, .F = F});
+    if (o < 0 || o == PL_DOWN)
+        pd_op_matmul(b, &(pd_matmul_params){.a = l->mlp, .w = l->wd[i], .out = rg ? l->x : l->h, .M = M, .N = D, .K = F, .accumulate = rg});
+}
+static void bench_pfl(void) {
+    int D = 4096, F = 14336, NQ = 6144, H = 32, Hkv = 8, hd = 128, bs = 16, MAXM = 8192;
+    cp_arg cp = {.bytes = (size_t)1 << 30};
+    cp.base = alloc(4 * cp.bytes);
+    pd_op_fill_normal(g_b, cp.base, PD_DTYPE_F32, cp.bytes, 1, 0.0f, 1.0f);
+    double copy_gbs = 2.0 * 2.0 * cp.bytes / (time_us(g_b, cp_op, &cp, 10) * 1e3);
+    mm_arg pk = {.M = 8192, .N = 8192, .K = 8192, .a = rnd((size_t)8192 * 8192), .out = alloc((size_t)8192 * 8192 * 2)};
+    pk.w[0] = pk.w[1] = pk.w[2] = pk.w[3] = rnd((size_t)8192 * 8192);
+    double peak_tfs = 2.0 * 8192.0 * 8192 * 8192 / (time_us(g_b, mm_op, &pk, 20) * 1e6);
+    printf("pfl copy %.0f GB/s (read+write), gemm 8192^3 %.1f TFLOP/s (cuBLASLt heuristic)\n", copy_gbs, peak_tfs);
+    // heuristic: cuBLASLt's first choice (PD_CUDA_GEMM_TUNE_PF=0); tuned: gemm.c's prefill tuning
+    // (opt-in: PD_CUDA_GEMM_TUNE_PF from the environment, else 1024)
+    const char *tpf = getenv("PD_CUDA_GEMM_TUNE_PF");
+    char tpf_save[32] = "";
+    if (tpf) snprintf(tpf_save, sizeof tpf_save, "%s", tpf);
+    setenv("PD_CUDA_GEMM_TUNE_PF", "0", 1);
+    pd_err err = {0};
+    pd_backend *hb = pd_backend_new("cuda", 0, &err);
+    setenv("PD_CUDA_GEMM_TUNE_PF", *tpf_save && strcmp(tpf_save, "0") ? tpf_save : "1024", 1);
+    pd_backend *tb = pd_backend_new("cuda", 0, &err);
+    if (*tpf_save) setenv("PD_CUDA_GEMM_TUNE_PF", tpf_save, 1);
+    else unsetenv("PD_CUDA_GEMM_TUNE_PF");
+    if (!tb || !hb) { fprintf(stderr, "pfl: no backend: %s\n", err.msg); exit(1); }
+    static pl_arg l;
+    l.x = rnd((size_t)MAXM * D), l.h = rnd((size_t)MAXM * D), l.attn = rnd((size_t)MAXM * D);
+    l.qkv = rnd((size_t)MAXM * NQ), l.gu = rnd((size_t)MAXM * 2 * F), l.mlp = rnd((size_t)MAXM * F);
+    l.g1 = alloc((size_t)D * 2), l.g2 = alloc((size_t)D * 2);
+    pd_op_fill_normal(g_b, l.g1, PD_DTYPE_BF16, D, 7, 1.0f, 0.1f);
+    pd_op_fill_normal(g_b, l.g2, PD_DTYPE_BF16, D, 8, 1.0f, 0.1f);
+    for (int i = 0; i < 2; i++) {
+        l.wqkv[i] = rnd((size_t)NQ * D), l.wo[i] = rnd((size_t)D * D);
+        l.wgu[i] = rnd((size_t)2 * F * D), l.wd[i] = rnd((size_t)D * F);
+    }
+    float inv_freq[64];
+    for (int i = 0; i < 64; i++) inv_freq[i] = powf(500000.0f, -i / 64.0f);
+    float *dinv = alloc(sizeof inv_freq);
+    pd_backend_upload(g_b, dinv, inv_freq, sizeof inv_freq);
+    int Ms[] = {2048, 8192};
+    for (int mi = 0; mi < 2; mi++) {
+        int M = Ms[mi], reps = M >= 8192 ? 5 : 10, n_blocks = (M + bs - 1) / bs;
+        at_arg a;
+        setenv("OP_BENCH_ATTN_ROTATE", "0", 1);  // one cache, as a prefill writes and reads
+        attn_setup(&a, 1, M, M, H, Hkv, hd, bs, false);
+        unsetenv("OP_BENCH_ATTN_ROTATE");
+        l.M = M, l.at = a.p, l.at.q = l.qkv, l.at.q_stride = NQ, l.at.out = l.attn;
+        int32_t *meta = malloc(sizeof(int32_t) * 2 * (size_t)M);  // positions, slots (attn_setup's page table)
+        for (int t = 0; t < M; t++)
+            meta[t] = t, meta[M + t] = (int32_t)((((int64_t)(t / bs) * 7919) % n_blocks) * bs + t % bs);
+        int32_t *dmeta = alloc(sizeof(int32_t) * 2 * (size_t)M);
+        pd_backend_upload(g_b, dmeta, meta, sizeof(int32_t) * 2 * (size_t)M);
+        free(meta);
+        l.rope = (pd_rope_kv_params){.qkv = l.qkv, .positions = dmeta, .inv_freq = dinv, .slot_mapping = dmeta + M,
+                                     .k_cache = (void *)a.p.k_cache, .v_cache = (void *)a.p.v_cache, .n_tokens = M,
+                                     .n_heads = H, .n_kv_heads = Hkv, .head_dim = hd, .attn_scaling = 1.0f};
+        pd_backend_sync(g_b);
+        double e = 2, MD = (double)M * D * e;
+        double fl[PL_N] = {0, 2.0 * M * NQ * D, 0, 4.0 * H * hd * (double)M * (M + 1) / 2, 2.0 * M * D * D, 0,
+                           2.0 * M * 2 * F * D, 0, 2.0 * M * D * F};
+        // bytes moved: norm x + h read, both written (rg: x read, h written); rope_kv q, k read and
+        // written, k and v written to the cache (v read); silu_mul gu read, mlp written
+        double by[PL_N] = {4 * MD, 0, (double)M * (H + 2 * Hkv) * hd * e * 2, 0, 0, 4 * MD, 0, (double)M * 3 * F * e, 0};
+        pd_backend *bes[2] = {hb, tb};
+        const char *bn[2] = {"heuristic", "tuned"};
+        for (int bi = 0; bi < 2; bi++) {
+            pd_backend *b = bes[bi];
+            double cls[3] = {0, 0, 0};  // gemm, attention, memory-bound
+            for (int rg = 0; rg < 2; rg++)
+                for (int o = 0; o < PL_N; o++) {
+                    bool gemm = o == PL_QKV || o == PL_O || o == PL_GU || o == PL_DOWN;
+                    if (rg && !(o == PL_O || o == PL_DOWN || o == PL_NORM1)) continue;  // the ops rg changes
+                    if (bi && !gemm && !rg) continue;  // the other ops do not depend on the GEMM choice
+                    if (bi && rg && !gemm) continue;
+                    l.rg = rg, l.only = o;
+                    double us = time_us(b, pl_op, &l, reps);
+                    double bytes = by[o] * (rg && o == PL_NORM1 ? 0.5 : 1);
+                    printf("pfl M=%-5d %-9s %-10s%s %9.1f us", M, bn[bi], pl_names[o], rg ? " rg" : "   ", us);
+                    if (fl[o] > 0) printf("  %6.1f TFLOP/s  %5.1f%% of peak", fl[o] / (us * 1e6), 100 * fl[o] / (us * 1e6) / peak_tfs);
+                    if (bytes > 0) printf("  %6.0f GB/s  %5.1f%% of copy", bytes / (us * 1e3), 100 * bytes / (us * 1e3) / copy_gbs);
+                    printf("  (x32 %.2f ms)\n", 32 * us / 1e3);
+                    if (!rg) cls[gemm ? 0 : o == PL_ATTN ? 1 : 2] += us;
+                }
+            double gfl = fl[PL_QKV] + fl[PL_O] + fl[PL_GU] + fl[PL_DOWN];
+            if (!bi)
+                printf("pfl M=%-5d %-9s classes x32: gemms %.2f ms (%.1f%% of peak; at peak %.2f), attention %.2f ms (%.1f TFLOP/s), "
+                       "memory-bound %.2f ms\n", M, bn[bi], 32 * cls[0] / 1e3, 100 * gfl / (cls[0] * 1e6) / peak_tfs,
+                       32 * gfl / (peak_tfs * 1e9), 32 * cls[1] / 1e3, fl[PL_ATTN] / (cls[1] * 1e6), 32 * cls[2] / 1e3);
+            else
+                printf("pfl M=%-5d %-9s gemms x32 %.2f ms (%.1f%% of peak)\n", M, bn[bi], 32 * cls[0] / 1e3,
+                       100 * gfl / (cls[0] * 1e6) / peak_tfs);
+            for (int rg = 0; rg < 2; rg++) {
+                l.rg = rg, l.only = -1;
+                double us = time_us(b, pl_op, &l, reps);
+                printf("pfl M=%-5d %-9s whole layer %-7s %9.1f us  (x32 %.2f ms)\n", M, bn[bi], rg ? "rg" : "classic", us, 32 * us / 1e3);
+            }
         }
     }
 }
@@ -775,7 +911,7 @@ fuse_done:
         // OPB_SINGLE_VARIANTS="NAME=VALUE,...": one more backend per entry, built with that env knob on
         // top of the default rule (e.g. PD_CUDA_SKINNY_ASYNC=1: a knob the CUDA backend reads when created)
         const char *vv = getenv("OPB_SINGLE_VARIANTS");
-        static char names[5][64];
+        static char vnames[5][64];
         for (const char *c = vv; c && *c && n_be < 6;) {
             const char *e = strchr(c, ',');
             size_t n = e ? (size_t)(e - c) : strlen(c);
@@ -789,14 +925,15 @@ fuse_done:
             bes[n_be] = pd_backend_new("cuda", 0, &err);
             unsetenv(kv);
             if (!bes[n_be]) { fprintf(stderr, "no cuda: %s\n", err.msg); return 1; }
-            snprintf(names[n_be - 1], sizeof names[0], "v%d", n_be);
+            snprintf(vnames[n_be - 1], sizeof vnames[0], "v%d", n_be);
             printf("single backend v%d: %s=%s\n", n_be, kv, eq + 1);
-            bn[n_be] = names[n_be - 1];
+            bn[n_be] = vnames[n_be - 1];
             n_be++;
             c = e ? e + 1 : c + n;
         }
         bench_single(copy_gbs, bes, bn, n_be);
     }
     if (want("sample")) bench_sample();
+    if (g_argc >= 2 && want("pfl")) bench_pfl();  // only when asked for
     return 0;
 }

@@ -24,7 +24,8 @@
 // (tools/gpu/NOTES.md). Session 10 (H100, call b64-2) widened it from M <= 64 and 8 candidates to
 // M <= 128 and 32: batch 128 9.68 vs 9.91-10.04 ms, batch 64 7.76 vs 7.79-7.86, others level.
 // PD_CUDA_GEMM_TUNE=1 tunes every M up to the bound, =0 none; PD_CUDA_GEMM_TUNE_MAX_M and
-// PD_CUDA_GEMM_TUNE_ALGOS set the bound and the candidate count.
+// PD_CUDA_GEMM_TUNE_ALGOS set the bound and the candidate count. Prefill shapes may be tuned
+// differently (gemm_tune_pf, PD_CUDA_GEMM_TUNE_PF: off by default; measured unreliable).
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -47,6 +48,8 @@
 #define PD_GEMM_TUNE_ALGOS_MAX 32
 #define PD_GEMM_TUNE_REPS 6
 #define PD_GEMM_FLUSH_BYTES (192u << 20)  // > L2 (50 MB on H100/H200) with margin
+#define PD_GEMM_TUNE_PF_ALGOS 8
+#define PD_GEMM_TUNE_PF_ROUNDS 3
 
 struct pd_cuda_gemm_plan {
     int M, N, K, lda, flags;
@@ -153,6 +156,10 @@ void pd_cuda_gemm_init(pd_cuda_backend *cb) {
     cb->tune = pd_cuda_env_int("PD_CUDA_GEMM_TUNE", -1, 0, 1);
     cb->tune_max_m = pd_cuda_env_int("PD_CUDA_GEMM_TUNE_MAX_M", PD_GEMM_TUNE_MAX_M, 1, 65536);
     cb->tune_algos = pd_cuda_env_int("PD_CUDA_GEMM_TUNE_ALGOS", PD_GEMM_TUNE_ALGOS, 1, PD_GEMM_TUNE_ALGOS_MAX);
+    // Prefill shapes (gemm_tune_pf): M >= PD_CUDA_GEMM_TUNE_PF above the decode range (default 0:
+    // off; measurement knob, see gemm_tune_pf), PD_CUDA_GEMM_TUNE_PF_ALGOS candidates (default 8).
+    cb->tune_pf_min_m = pd_cuda_env_int("PD_CUDA_GEMM_TUNE_PF", 0, 0, 1 << 30);
+    cb->tune_pf_algos = pd_cuda_env_int("PD_CUDA_GEMM_TUNE_PF_ALGOS", PD_GEMM_TUNE_PF_ALGOS, 1, PD_GEMM_TUNE_ALGOS_MAX);
 }
 
 bool pd_cuda_gemm_fuses(pd_backend *b, int M) {  // (PD_CUDA_SKINNY=0: no skinny kernel, no fused forms)
@@ -309,6 +316,90 @@ done:
     if (flush) cudaFree(flush);
 }
 
+// Prefill shapes (M >= cb->tune_pf_min_m, compute-bound): the heuristic's first choice ran the
+// Llama-3-8B qkv GEMM at M = 8192 at 81% of the 8192^3 peak where another candidate ran 94.5%
+// (H100, op_bench pfl, session 11); gemm_tune's short, L2-flushed timings picked slower kernels for
+// gate_up and o there (a GPU that just idled through the flush runs its first milliseconds at
+// clocks it cannot hold: short bursts rank kernels by something else than sustained speed). So the
+// candidates run back to back, warm, interleaved over PD_GEMM_TUNE_PF_ROUNDS rounds (each round
+// times every candidate once: clock drift hits them alike), and the fastest total wins. The choice
+// is kept per (N, K, lda, flags, power-of-two bucket of M) and reused, after
+// cublasLtMatmulAlgoCheck, by every later M of the bucket: a server's prompt lengths vary, and
+// tuning each (tens of ms at 8k) would cost every new length. Best effort: an allocation failure
+// leaves the heuristic's choice.
+// Off by default (PD_CUDA_GEMM_TUNE_PF=1024 turns it on from M = 1024): measured on an H100
+// (session 11, tools/gpu/NOTES.md pf11-2) it did pick qkv's faster kernel at 8192 (547 vs 627 us,
+// and 147 vs 154 at 2048), but also a slower one for the 8192^3 GEMM that bench-engine measures as
+// its peak (681-727 TFLOP/s in every run with it against 780-786 without): a single interleaved
+// run per candidate still ranks by something else than sustained speed, and prefill times moved
+// within the noise (8192 tokens 230.9 ms without vs 229.5 with). A robust ranking needs long
+// sustained runs per candidate (hundreds of ms per shape) or offline tables; not done.
+static int pf_bucket(int M) {
+    int b = 1;
+    while (b < M && b < (1 << 30)) b <<= 1;
+    return b;
+}
+static void gemm_tune_pf(pd_cuda_backend *cb, pd_cuda_gemm_plan *pl, const cublasLtMatmulHeuristicResult_t *res,
+                         int n_res, const pd_matmul_params *p) {
+    int bucket = pf_bucket(pl->M);
+    for (int i = 0; i < cb->n_pf_algos; i++) {
+        struct pd_cuda_pf_algo *e = &cb->pf_algos[i];
+        if (e->N != pl->N || e->K != pl->K || e->lda != pl->lda || e->flags != pl->flags || e->bucket != bucket) continue;
+        cublasLtMatmulHeuristicResult_t chk;
+        if (cublasLtMatmulAlgoCheck(cb->lt, pl->desc, pl->la, pl->lb, pl->lc, pl->lc, &e->algo, &chk) ==
+            CUBLAS_STATUS_SUCCESS) {
+            pl->algo = e->algo;
+            return;
+        }
+    }
+    size_t out_bytes = (size_t)pl->M * (size_t)pl->N * ((pl->flags & PD_GEMM_F32) ? 4 : 2);
+    void *out = NULL;
+    cudaEvent_t ev[2 * PD_GEMM_TUNE_ALGOS_MAX];
+    int n_ev = 0, best_i = 0;
+    float tot[PD_GEMM_TUNE_ALGOS_MAX];
+    if (n_res > 1 && cudaMalloc(&out, out_bytes) != cudaSuccess) {
+        cudaGetLastError();
+        out = NULL;
+    }
+    for (; out && n_ev < 2 * n_res; n_ev++)
+        if (cudaEventCreate(&ev[n_ev]) != cudaSuccess) break;
+    if (out && n_ev == 2 * n_res) {
+        PD_CUDA_CHECK(cudaMemsetAsync(out, 0, out_bytes, cb->stream));
+        if (pl->flags & PD_GEMM_BIAS)
+            PD_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(pl->desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &p->bias, sizeof p->bias));
+        float alpha = 1.0f, beta = p->accumulate ? 1.0f : 0.0f;
+        for (int i = 0; i < n_res; i++) tot[i] = 0;
+        for (int r = 0; r <= PD_GEMM_TUNE_PF_ROUNDS; r++) {  // round 0 warms up
+            for (int i = 0; i < n_res; i++) {
+                PD_CUDA_CHECK(cudaEventRecord(ev[2 * i], cb->stream));
+                if (cublasLtMatmul(cb->lt, pl->desc, &alpha, p->w, pl->la, p->a, pl->lb, &beta, out, pl->lc, out, pl->lc,
+                                   &res[i].algo, cb->lt_ws, cb->lt_ws_bytes, cb->stream) != CUBLAS_STATUS_SUCCESS)
+                    tot[i] = INFINITY;
+                PD_CUDA_CHECK(cudaEventRecord(ev[2 * i + 1], cb->stream));
+            }
+            PD_CUDA_CHECK(cudaEventSynchronize(ev[2 * n_res - 1]));
+            for (int i = 0; i < n_res && r > 0; i++) {
+                float ms = 0;
+                PD_CUDA_CHECK(cudaEventElapsedTime(&ms, ev[2 * i], ev[2 * i + 1]));
+                tot[i] += ms;
+            }
+        }
+        for (int i = 1; i < n_res; i++)
+            if (tot[i] < tot[best_i]) best_i = i;
+        pl->algo = res[best_i].algo;
+        PD_LOG_D("cuBLASLt prefill: M=%d N=%d K=%d: candidate %d of %d, %.1f us (heuristic's first %.1f us)", pl->M,
+                 pl->N, pl->K, best_i, n_res, 1e3 * tot[best_i] / PD_GEMM_TUNE_PF_ROUNDS,
+                 1e3 * tot[0] / PD_GEMM_TUNE_PF_ROUNDS);
+    } else if (n_res > 1) {
+        PD_LOG_D("cuBLASLt: no memory to tune M=%d N=%d K=%d; using the heuristic's choice", pl->M, pl->N, pl->K);
+    }
+    for (int i = 0; i < n_ev; i++) cudaEventDestroy(ev[i]);
+    if (out) cudaFree(out);
+    if (cb->n_pf_algos < (int)PD_ARRAY_LEN(cb->pf_algos))
+        cb->pf_algos[cb->n_pf_algos++] = (struct pd_cuda_pf_algo){.N = pl->N, .K = pl->K, .lda = pl->lda,
+                                                                  .flags = pl->flags, .bucket = bucket, .algo = pl->algo};
+}
+
 static pd_cuda_gemm_plan *gemm_plan_build(pd_cuda_backend *cb, const pd_matmul_params *p, int lda, int flags) {
     int M = p->M, N = p->N, K = p->K;
     pd_status grown = PD_ARRAY_RESERVE(cb->plans, cb->cap_plans, (size_t)cb->n_plans + 1);
@@ -343,9 +434,10 @@ static pd_cuda_gemm_plan *gemm_plan_build(pd_cuda_backend *cb, const pd_matmul_p
     enum cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
     PD_CUDA_CHECK(cudaStreamIsCapturing(cb->stream, &cs));
     bool tune = cs == cudaStreamCaptureStatusNone && tune_enabled(cb, M);
-    int n_algos = cb->tune_algos;
+    bool tune_pf = cs == cudaStreamCaptureStatusNone && !tune && cb->tune_pf_min_m > 0 && M >= cb->tune_pf_min_m;
+    int n_algos = tune ? cb->tune_algos : tune_pf ? cb->tune_pf_algos : 1;
     cublasStatus_t st = cublasLtMatmulAlgoGetHeuristic(cb->lt, pl->desc, pl->la, pl->lb, pl->lc, pl->lc, pref,
-                                                       tune ? n_algos : 1, res, &n_res);
+                                                       n_algos, res, &n_res);
     cublasLtMatmulPreferenceDestroy(pref);
     if (st != CUBLAS_STATUS_SUCCESS || n_res == 0) {
         PD_LOG_E("cuBLASLt: no algorithm for M=%d N=%d K=%d lda=%d flags=%d (status %d)", M, N, K, lda, flags, (int)st);
@@ -354,6 +446,7 @@ static pd_cuda_gemm_plan *gemm_plan_build(pd_cuda_backend *cb, const pd_matmul_p
     pl->algo = res[0].algo;
     cb->n_plans++;  // counted before tuning: pl stays valid (no realloc until the next build)
     if (tune && n_res > 1) gemm_tune(cb, pl, res, n_res, p);
+    else if (tune_pf) gemm_tune_pf(cb, pl, res, n_res, p);
     return pl;
 }
 
