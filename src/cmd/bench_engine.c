@@ -3,7 +3,9 @@
 // First it measures the two ceilings of the device through the backend: copy bandwidth (a
 // device-to-device copy of 1 GiB, counting bytes read + written) and bf16 GEMM peak (8192^3).
 // Then, on the model (usually --load-format dummy with a real config), it times
-//   * single-stream decode at contexts --ctx (default 128, 4096, 8192, 32768; ms per token),
+//   * single-stream decode at contexts --ctx (default 128, 4096, 8192, 32768; ms per token), and
+//     the same step enqueued 20 times back to back with one sync ("pipelined": the device's time
+//     per step; the difference is what the host adds: upload, graph launch, wait),
 //   * one decode step at batch --batches (default 1, 8, 32, 64, 128, 256), context --batch-ctx
 //     (default 512),
 //   * prefill of 512, 2048 and 8192 tokens (one sequence, one step),
@@ -154,7 +156,9 @@ static bool cache_resize(bench_ctx *b, long n_blocks) {
 
 // Times one step of n_seqs sequences, each with q_len new tokens on top of ctx - q_len cached
 // ones (blocks handed out in order); logits for the last row of each sequence. Median seconds.
-static double time_step_rows(bench_ctx *b, int n_seqs, int q_len, int ctx, int reps, bool all_rows) {
+// pipelined: the steps are enqueued back to back with one sync at the end (mean seconds): the
+// device's time per step without the host's launch and wait between steps.
+static double time_step_rows(bench_ctx *b, int n_seqs, int q_len, int ctx, int reps, bool all_rows, bool pipelined) {
     int bps = (ctx + b->block_size - 1) / b->block_size, T = n_seqs * q_len;
     if ((long)n_seqs * bps > b->n_blocks) return NAN;
     int32_t *tok = pd_malloc(sizeof(int32_t) * (size_t)T), *qi = pd_malloc(sizeof(int32_t) * (size_t)(n_seqs + 1));
@@ -179,6 +183,24 @@ static double time_step_rows(bench_ctx *b, int n_seqs, int q_len, int ctx, int r
     double t[32];
     if (reps > 32) reps = 32;
     const float *dl;
+    if (pipelined) {  // reps steps enqueued back to back, one sync: the device's time per step
+        for (int i = 0; i < reps + 2; i++) {
+            if (i == 2) {
+                pd_backend_sync(b->be);
+                t[0] = (double)pd_time_us();
+            }
+            pd_status st = pd_model_forward_dev(b->m, b->kc, &batch, &dl);
+            if (st) {
+                fprintf(stderr, "bench-engine: forward failed: %s\n", pd_status_str(st));
+                reps = 0;
+                break;
+            }
+        }
+        pd_backend_sync(b->be);
+        double per = reps ? ((double)pd_time_us() - t[0]) * 1e-6 / reps : NAN;
+        pd_free(tok), pd_free(qi), pd_free(kv), pd_free(bi), pd_free(bt), pd_free(rows);
+        return per;
+    }
     for (int i = 0; i < reps + 2; i++) {
         int64_t t0 = pd_time_us();
         pd_status st = pd_model_forward_dev(b->m, b->kc, &batch, &dl);
@@ -195,7 +217,7 @@ static double time_step_rows(bench_ctx *b, int n_seqs, int q_len, int ctx, int r
 }
 
 static double time_step(bench_ctx *b, int n_seqs, int q_len, int ctx, int reps) {
-    return time_step_rows(b, n_seqs, q_len, ctx, reps, false);
+    return time_step_rows(b, n_seqs, q_len, ctx, reps, false, false);
 }
 
 // d: a draft model's bench (NULL: none); its 1-token step is timed at each batch size too.
@@ -219,13 +241,13 @@ static void run_verify(bench_ctx *b, bench_ctx *d, int batch_ctx, int max_q, con
         int B = batches[bi];
         double t[17] = {0}, td = NAN;
         for (int q = 1; q <= max_q; q++) {
-            t[q] = time_step_rows(b, B, q, batch_ctx, 10, true);
+            t[q] = time_step_rows(b, B, q, batch_ctx, 10, true, false);
             printf("%-22s batch=%-3d ctx=%-5d tokens/seq=%d %10.3f ms  (%.2fx the 1-token step)\n", "verify step", B, batch_ctx, q,
                    t[q] * 1e3, t[q] / t[1]);
             json_array_append_new(arr, json_pack("{s:i, s:i, s:i, s:f}", "batch", B, "ctx", batch_ctx, "tokens_per_seq", q, "ms", t[q] * 1e3));
         }
         if (d) {
-            td = time_step_rows(d, B, 1, batch_ctx, 10, false);
+            td = time_step_rows(d, B, 1, batch_ctx, 10, false, false);
             printf("%-22s batch=%-3d ctx=%-5d %10.3f ms  (%.3fx the target's 1-token step)\n", "draft step", B, batch_ctx, td * 1e3,
                    td / t[1]);
             json_array_append_new(arr, json_pack("{s:i, s:i, s:f, s:f}", "batch", B, "ctx", batch_ctx, "draft_ms", td * 1e3,
@@ -288,6 +310,13 @@ static void run_benchmarks(bench_ctx *b, const int *ctxs, int n_ctx, const int *
             snprintf(label, sizeof label, "ctx=%d", ctxs[i]);
             report(b, "decode single-stream", label, 1, 1, ctxs[i], t,
                    (double)pd_model_weight_bytes_read(b->m, 1) + kvpt * ctxs[i], "bw");
+            // The same step enqueued back to back: what the host adds between steps (metadata
+            // upload, graph launch, the wait) is the difference.
+            double tp = time_step_rows(b, 1, 1, ctxs[i], 20, false, true);
+            printf("%-22s %-18s %10.3f ms  (back to back, one sync: the host adds %.1f us a step)\n",
+                   "  pipelined", label, tp * 1e3, (t - tp) * 1e6);
+            json_t *res = json_object_get(b->out, "results");
+            json_object_set_new(json_array_get(res, json_array_size(res) - 1), "pipelined_ms", json_real(tp * 1e3));
         }
     }
     int max_batch = 0;

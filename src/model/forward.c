@@ -224,6 +224,20 @@ static bool fuse_step(pd_model *m, int T) {
     return m->ws.fuse_mode == 3 || pd_backend_fuses_matmul(m->backend, T);
 }
 
+// Whether a one-token step's lm_head reads x in place of a gathered copy (PD_MODEL_ROWS_DIRECT=0:
+// it gathers, as every other step does; measurements; 1 or unset: reads x). Read once per model.
+static bool rows_direct(pd_model *m) {
+    if (m->ws.rows_mode == 0) {
+        const char *e = getenv("PD_MODEL_ROWS_DIRECT");
+        if (e && *e && strcmp(e, "0") && strcmp(e, "1")) {
+            PD_LOG_E("model: PD_MODEL_ROWS_DIRECT=%s: expected 0 or 1", e);
+            pd_abort(__FILE__, __LINE__, __func__, "bad PD_MODEL_ROWS_DIRECT");
+        }
+        m->ws.rows_mode = e && !strcmp(e, "0") ? 2 : 1;
+    }
+    return m->ws.rows_mode == 1;
+}
+
 // Whether an unfused step of T tokens folds the residual adds into the o and down GEMMs
 // (run_layer's rg: pd_op_matmul accumulate into x, so each sum is rounded once, branch and
 // residual together in f32, instead of the branch first; within a bf16 ulp of the transformers
@@ -266,9 +280,13 @@ static void run_step(pd_model *m, pd_model_cache *kc, const int32_t *dmeta, cons
     }
     if (n_logits > 0 && fused) {  // x is complete: the final norm goes into the lm_head GEMM
         pd_buffer *head = m->lm_head ? m->lm_head : m->embed;
-        pd_op_get_rows(be, &(pd_get_rows_params){.x = wp(ws->x), .idx = dmeta + l->logit_rows, .out = wp(ws->sel),
-                                                 .n_rows = n_logits, .dim = D});
-        pd_op_matmul(be, &(pd_matmul_params){.a = wp(ws->sel), .w = wp(head), .out = wp(ws->logits), .M = n_logits,
+        // One token, one logit row: that row is row 0 (pack_meta checks logit rows < T), so the
+        // lm_head reads x itself and the gather kernel is not launched.
+        bool direct = T == 1 && n_logits == 1 && rows_direct(m);
+        if (!direct)
+            pd_op_get_rows(be, &(pd_get_rows_params){.x = wp(ws->x), .idx = dmeta + l->logit_rows, .out = wp(ws->sel),
+                                                     .n_rows = n_logits, .dim = D});
+        pd_op_matmul(be, &(pd_matmul_params){.a = wp(direct ? ws->x : ws->sel), .w = wp(head), .out = wp(ws->logits), .M = n_logits,
                                              .N = c->vocab_size, .K = D, .out_f32 = true, .norm_w = wp(m->final_norm),
                                              .norm_eps = c->rms_norm_eps});
     } else if (n_logits > 0 && rg) {  // x is complete: norm the logit rows

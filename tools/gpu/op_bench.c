@@ -19,9 +19,12 @@
 // CUDA-core kernel (M <= 8), fused on the tensor-core kernel (PD_CUDA_FUSE_MMA_MIN_M), single- and
 // double-buffered.
 // step: one batched decode layer (M = 32..256, context 512) as a graph, whole and op by op (bench_step).
+// single: the single-stream decode step (M = 1, context 128) as one graph, whole and part by part,
+// back to back and serial (bench_single); OPB_SINGLE_VARIANTS adds backends built with env knobs.
 // pfl: one prefill layer at M = 2048 and 8192 op by op (bench_pfl; only when named).
-// Usage: op_bench [copy] [peak] [gemm] [gemv] [fuse] [fusev] [prefill] [attnpre] [attn] [step] [sample] [pfl]  (no argument:
-// all but pfl; attnpre: prefill attention alone, bf16, head_dim 128 and 64, one and four sequences).
+// Usage: op_bench [copy] [peak] [gemm] [gemv] [fuse] [fusev] [prefill] [attnpre] [attn] [step] [single] [sample]
+// [pfl]  (no argument: all but pfl; attnpre: prefill attention alone, bf16, head_dim 128 and 64, one and four
+// sequences).
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -444,6 +447,142 @@ static void bench_pfl(void) {
     }
 }
 
+// single: the single-stream decode step (M = 1, context 128) as forward.c runs it on the fused path:
+// embed, 32 x (qkv + norm + RoPE + KV write, attention, o += x, gate_up + norm + SwiGLU, down += x),
+// get_rows, lm_head + final norm (f32 logits); each variant (a subset of those parts) captured as one
+// CUDA graph (weights alternate between 2 copies per layer, > L2; K/V of 2 caches) and timed three
+// ways: back to back (20 launches, one sync: the device's time), serial (launch + sync each: what
+// the host adds), serial with a 128-byte metadata upload before each launch (as forward.c's
+// graph_step does). Variants: the whole step; without get_rows (lm_head reads x); without
+// attention; without lm_head; the GEMMs alone; attention alone; lm_head alone; embed + get_rows.
+enum { SG_EMBED = 1, SG_GEMMS = 2, SG_ATTN = 4, SG_ROWS = 8, SG_LMH = 16 };
+typedef struct sg_arg {
+    void *x, *qkv, *attn, *mlp, *sel, *logits, *g1, *g2, *gf, *wqkv[2], *wo[2], *wgu[2], *wd[2], *lmh, *meta_dev;
+    int32_t *ids;
+    pd_rope_kv_params rope[2];
+    pd_attention_params at[2];
+    unsigned mask;
+} sg_arg;
+static void sg_step(pd_backend *b, sg_arg *s) {
+    int D = 4096, F = 14336, NQ = 6144, V = 128256;
+    unsigned k = s->mask;
+    if (k & SG_EMBED) pd_op_embed(b, &(pd_embed_params){.ids = s->ids, .table = s->lmh, .out = s->x, .n_tokens = 1, .dim = D, .vocab = V});
+    for (int li = 0; li < 32; li++) {
+        int i = li % 2;
+        if (k & SG_GEMMS)
+            pd_op_matmul(b, &(pd_matmul_params){.a = s->x, .w = s->wqkv[i], .out = s->qkv, .M = 1, .N = NQ, .K = D,
+                                                .norm_w = s->g1, .norm_eps = 1e-5f, .rope = &s->rope[i]});
+        if (k & SG_ATTN) pd_op_attention(b, &s->at[i]);
+        if (k & SG_GEMMS) {
+            pd_op_matmul(b, &(pd_matmul_params){.a = s->attn, .w = s->wo[i], .out = s->x, .M = 1, .N = D, .K = D, .residual = true});
+            pd_op_matmul(b, &(pd_matmul_params){.a = s->x, .w = s->wgu[i], .out = s->mlp, .M = 1, .N = F, .K = D,
+                                                .norm_w = s->g2, .norm_eps = 1e-5f, .glu = true});
+            pd_op_matmul(b, &(pd_matmul_params){.a = s->mlp, .w = s->wd[i], .out = s->x, .M = 1, .N = D, .K = F, .residual = true});
+        }
+    }
+    if (k & SG_ROWS) pd_op_get_rows(b, &(pd_get_rows_params){.x = s->x, .idx = s->ids + 1, .out = s->sel, .n_rows = 1, .dim = D});
+    if (k & SG_LMH)
+        pd_op_matmul(b, &(pd_matmul_params){.a = (k & SG_ROWS) ? s->sel : s->x, .w = s->lmh, .out = s->logits, .M = 1, .N = V,
+                                            .K = D, .out_f32 = true, .norm_w = s->gf, .norm_eps = 1e-5f});
+}
+static int cmp_dbl(const void *a, const void *b) {
+    double x = *(const double *)a, y = *(const double *)b;
+    return x < y ? -1 : x > y;
+}
+// us per step: [0] back to back, [1] serial (median), [2] serial with the metadata upload (median).
+static void sg_time(pd_backend *b, sg_arg *s, double out[3]) {
+    sg_step(b, s);  // eager: scratch, plans
+    pd_backend_sync(b);
+    pd_backend_graph_begin(b);
+    sg_step(b, s);
+    pd_graph *g = pd_backend_graph_end(b);
+    if (!g) { fprintf(stderr, "single: capture failed\n"); exit(1); }
+    int32_t meta[32] = {0};
+    meta[1] = 127, meta[2] = 31;
+    for (int i = 0; i < 3; i++) pd_backend_graph_launch(b, g);
+    pd_backend_sync(b);
+    int reps = 20;
+    int64_t t0 = pd_time_us();
+    for (int i = 0; i < reps; i++) pd_backend_graph_launch(b, g);
+    pd_backend_sync(b);
+    out[0] = (double)(pd_time_us() - t0) / reps;
+    double t[2][20];
+    for (int v = 0; v < 2; v++)
+        for (int i = 0; i < reps; i++) {
+            int64_t t1 = pd_time_us();
+            if (v) pd_backend_upload(b, s->meta_dev, meta, sizeof meta);
+            pd_backend_graph_launch(b, g);
+            pd_backend_sync(b);
+            t[v][i] = (double)(pd_time_us() - t1);
+        }
+    for (int v = 0; v < 2; v++) {
+        qsort(t[v], (size_t)reps, sizeof(double), cmp_dbl);
+        out[1 + v] = t[v][reps / 2];
+    }
+    pd_backend_graph_free(b, g);
+}
+static void bench_single(double copy_gbs, pd_backend **bes, const char **be_names, int n_be) {
+    int D = 4096, F = 14336, NQ = 6144, V = 128256, H = 32, Hkv = 8, hd = 128, bs = 16, ctx = 128;
+    static sg_arg s;
+    s.x = rnd(D), s.qkv = rnd(NQ), s.attn = rnd(D), s.mlp = alloc((size_t)F * 2), s.sel = alloc((size_t)D * 2);
+    s.logits = alloc((size_t)V * 4);
+    s.g1 = alloc((size_t)D * 2), s.g2 = alloc((size_t)D * 2), s.gf = alloc((size_t)D * 2);
+    pd_op_fill_normal(g_b, s.g1, PD_DTYPE_BF16, D, 7, 1.0f, 0.1f);
+    pd_op_fill_normal(g_b, s.g2, PD_DTYPE_BF16, D, 8, 1.0f, 0.1f);
+    pd_op_fill_normal(g_b, s.gf, PD_DTYPE_BF16, D, 9, 1.0f, 0.1f);
+    for (int i = 0; i < 2; i++) {
+        s.wqkv[i] = rnd((size_t)NQ * D), s.wo[i] = rnd((size_t)D * D);
+        s.wgu[i] = rnd((size_t)2 * F * D), s.wd[i] = rnd((size_t)D * F);
+    }
+    s.lmh = rnd((size_t)V * D);
+    // ids: [0] the token, [1] the logit row (0); positions / slots after them (the step's metadata)
+    int32_t meta[4] = {12345, 0, ctx - 1, 0};
+    int bps = ctx / bs;
+    meta[3] = (int32_t)((((int64_t)(ctx - 1) / bs) * 7919) % bps) * bs + (ctx - 1) % bs;  // attn_setup's page table
+    s.ids = alloc(sizeof meta);
+    s.meta_dev = alloc(128);
+    pd_backend_upload(g_b, s.ids, meta, sizeof meta);
+    float inv_freq[64];
+    for (int i = 0; i < 64; i++) inv_freq[i] = powf(500000.0f, -i / 64.0f);
+    float *dinv = alloc(sizeof inv_freq);
+    pd_backend_upload(g_b, dinv, inv_freq, sizeof inv_freq);
+    for (int i = 0; i < 2; i++) {
+        at_arg a;
+        attn_setup(&a, 1, 1, ctx, H, Hkv, hd, bs, false);
+        s.at[i] = a.p;
+        s.at[i].q = s.qkv, s.at[i].q_stride = NQ, s.at[i].out = s.attn;
+        s.at[i].max_kv_len = 256;  // the bound a graph step at context 128 runs with (forward.c kv_bucket)
+        s.rope[i] = (pd_rope_kv_params){.qkv = s.qkv, .positions = s.ids + 2, .inv_freq = dinv, .slot_mapping = s.ids + 3,
+                                        .k_cache = (void *)a.p.k_cache, .v_cache = (void *)a.p.v_cache, .n_tokens = 1,
+                                        .n_heads = H, .n_kv_heads = Hkv, .head_dim = hd, .attn_scaling = 1.0f};
+    }
+    pd_backend_sync(g_b);
+    double layer_w = 2.0 * ((double)NQ * D + (double)D * D + 2.0 * F * D + (double)D * F), lm_w = 2.0 * V * D;
+    double kv = 2.0 * ctx * Hkv * hd * 2;  // one layer's K and V rows
+    struct { const char *name; unsigned mask; double bytes; } vs[] = {
+        {"whole step", SG_EMBED | SG_GEMMS | SG_ATTN | SG_ROWS | SG_LMH, 32 * (layer_w + kv) + lm_w},
+        {"no get_rows", SG_EMBED | SG_GEMMS | SG_ATTN | SG_LMH, 32 * (layer_w + kv) + lm_w},
+        {"no attention", SG_EMBED | SG_GEMMS | SG_ROWS | SG_LMH, 32 * layer_w + lm_w},
+        {"layers only", SG_EMBED | SG_GEMMS | SG_ATTN, 32 * (layer_w + kv)},
+        {"gemms only", SG_GEMMS, 32 * layer_w},
+        {"attention only", SG_ATTN, 32 * kv},
+        {"lm_head only", SG_LMH, lm_w},
+        {"embed+get_rows", SG_EMBED | SG_ROWS, 0},
+    };
+    for (int bi = 0; bi < n_be; bi++)
+        for (size_t v = 0; v < sizeof vs / sizeof vs[0]; v++) {
+            s.mask = vs[v].mask;
+            double t[3];
+            sg_time(bes[bi], &s, t);
+            double fl = vs[v].bytes / (copy_gbs * 1e3);
+            printf("single %-6s %-15s back-to-back %8.1f us  serial %8.1f us (+%5.1f)  serial+upload %8.1f us (+%5.1f)",
+                   be_names[bi], vs[v].name, t[0], t[1], t[1] - t[0], t[2], t[2] - t[0]);
+            if (vs[v].bytes > 0)
+                printf("  floor %8.1f us at %.0f GB/s: %5.1f%% (%5.0f GB/s)", fl, copy_gbs, 100 * fl / t[0], vs[v].bytes / (t[0] * 1e3));
+            printf("\n");
+        }
+}
+
 typedef struct sm_arg { pd_sample_params p; pd_sample_row rows[256]; pd_sample_out out[256]; } sm_arg;
 static void sm_op(pd_backend *b, void *arg, int rep) {
     sm_arg *s = arg;
@@ -535,7 +674,7 @@ int main(int argc, char **argv) {
     unsetenv("PD_CUDA_BGEMM");
     if (!g_b || !bg || !lt || !sk || !mma || !mma32 || !mma32p || !mma16p || !rule) { fprintf(stderr, "no cuda: %s\n", err.msg); return 1; }
     double us, copy_gbs = NAN;
-    if (want("copy") || want("gemv") || want("fuse") || want("fusev") || want("step")) {
+    if (want("copy") || want("gemv") || want("fuse") || want("fusev") || want("step") || want("single")) {
         cp_arg cp = {.bytes = (size_t)1 << 30};
         cp.base = alloc(4 * cp.bytes);
         pd_op_fill_normal(g_b, cp.base, PD_DTYPE_F32, cp.bytes, 1, 0.0f, 1.0f);
@@ -764,6 +903,35 @@ fuse_done:
         pd_backend *bes[2] = {g_b, bg};
         const char *bn[2] = {"cublasLt", "bgemm"};
         bench_step(copy_gbs, bes, bn, bg_on ? 2 : 1);
+    }
+    if (want("single")) {  // the default rule (fused M = 1 forms); OPB_SINGLE_VARIANTS adds PD_CUDA_* variants
+        pd_backend *bes[6] = {rule};
+        const char *bn[6] = {"rule"};
+        int n_be = 1;
+        // OPB_SINGLE_VARIANTS="NAME=VALUE,...": one more backend per entry, built with that env knob on
+        // top of the default rule (e.g. PD_CUDA_SKINNY_ASYNC=1: a knob the CUDA backend reads when created)
+        const char *vv = getenv("OPB_SINGLE_VARIANTS");
+        static char vnames[5][64];
+        for (const char *c = vv; c && *c && n_be < 6;) {
+            const char *e = strchr(c, ',');
+            size_t n = e ? (size_t)(e - c) : strlen(c);
+            char kv[128];
+            if (n >= sizeof kv || !memchr(c, '=', n)) { fprintf(stderr, "OPB_SINGLE_VARIANTS: NAME=VALUE[,...]\n"); return 2; }
+            memcpy(kv, c, n), kv[n] = 0;
+            char *eq = strchr(kv, '=');
+            *eq = 0;
+            setenv("PD_CUDA_SKINNY", "1", 1);
+            setenv(kv, eq + 1, 1);
+            bes[n_be] = pd_backend_new("cuda", 0, &err);
+            unsetenv(kv);
+            if (!bes[n_be]) { fprintf(stderr, "no cuda: %s\n", err.msg); return 1; }
+            snprintf(vnames[n_be - 1], sizeof vnames[0], "v%d", n_be);
+            printf("single backend v%d: %s=%s\n", n_be, kv, eq + 1);
+            bn[n_be] = vnames[n_be - 1];
+            n_be++;
+            c = e ? e + 1 : c + n;
+        }
+        bench_single(copy_gbs, bes, bn, n_be);
     }
     if (want("sample")) bench_sample();
     if (g_argc >= 2 && want("pfl")) bench_pfl();  // only when asked for
