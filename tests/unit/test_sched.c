@@ -583,35 +583,16 @@ PD_TEST(fcfs_order) {
     fe_free(e);
 }
 
-PD_TEST(fcfs_head_of_line_not_overtaken) {
-    pd_sched_params sp = sp_make(4, 64);
-    fe *e = fe_new(8, 4, &sp);  // 32 slots
-    int32_t r[20], b[16], sm[4];
-    fill(r, 20, 13);
-    fill(b, 16, 14);
-    fill(sm, 4, 15);
-    PD_CHECK_EQ(fe_add(e, 1, r, 20, 3), PD_OK);
-    fe_step(e);  // r holds 5 blocks
-    PD_CHECK_EQ(fe_add(e, 2, b, 16, 2), PD_OK);  // needs 4 blocks: only 2 left after r's decode
-    PD_CHECK_EQ(fe_add(e, 3, sm, 4, 2), PD_OK);  // would fit, but must not overtake b
-    fe_step(e);
-    PD_CHECK_EQ(e->last_plan.n_seqs, 1);
-    PD_CHECK_EQ(e->last_plan.seqs[0].req_id, 1);
-    fe_run(e, 100);
-    PD_CHECK(e->r[2].finish_step <= e->r[3].finish_step);
-    expect_ref(e, 1, r, 20, 3);
-    expect_ref(e, 2, b, 16, 2);
-    expect_ref(e, 3, sm, 4, 2);
-    fe_free(e);
-}
-
-// Backfill: a request whose blocks do not fit is passed by a later one that fits, while it has
-// waited less than backfill_max_wait_us; past that, nobody overtakes it.
-PD_TEST(backfill_passes_blocked_head_until_its_wait_bound) {
-    for (int aged = 0; aged < 2; aged++) {
+// Head of line: r holds 5 of 8 blocks, b (4 blocks) is blocked, sm (1 block) would fit. Without
+// backfill (FCFS) sm must not overtake b; with backfill a request whose blocks do not fit is passed
+// by a later one that fits while it has waited less than backfill_max_wait_us, and past that nobody
+// overtakes it. mode 0: FCFS, 1: backfill with a fresh head, 2: backfill with an aged head.
+PD_TEST(head_of_line_fcfs_and_backfill) {
+    for (int mode = 0; mode < 3; mode++) {
+        bool passes = mode == 1;
         pd_sched_params sp = sp_make(4, 64);
-        sp.backfill = true;
-        sp.backfill_max_wait_us = aged ? 0 : 1000000;
+        sp.backfill = mode > 0;
+        sp.backfill_max_wait_us = mode == 2 ? 0 : 1000000;
         fe *e = fe_new(8, 4, &sp);  // 32 slots
         int32_t r[20], b[16], sm[4];
         fill(r, 20, 13);
@@ -620,15 +601,16 @@ PD_TEST(backfill_passes_blocked_head_until_its_wait_bound) {
         PD_CHECK_EQ(fe_add(e, 1, r, 20, 3), PD_OK);
         fe_step(e);                                  // r holds 5 blocks
         PD_CHECK_EQ(fe_add(e, 2, b, 16, 2), PD_OK);  // needs 4 blocks: only 2 left after r's decode
-        PD_CHECK_EQ(fe_add(e, 3, sm, 4, 2), PD_OK);  // fits: passes b (unless b waited too long)
+        PD_CHECK_EQ(fe_add(e, 3, sm, 4, 2), PD_OK);  // fits: passes b only with a fresh backfill head
         fe_step(e);
         pd_sched_stats st;
         pd_sched_stats_get(e->s, &st);
-        PD_CHECK_EQ(e->last_plan.n_seqs, aged ? 1 : 2);
-        PD_CHECK_EQ(st.n_backfill_passes, aged ? 0 : 1);
-        if (!aged) PD_CHECK_EQ(e->last_plan.seqs[1].req_id, 3);
+        PD_CHECK_EQ(e->last_plan.n_seqs, passes ? 2 : 1);
+        PD_CHECK_EQ(e->last_plan.seqs[0].req_id, 1);
+        PD_CHECK_EQ(st.n_backfill_passes, passes ? 1 : 0);
+        if (passes) PD_CHECK_EQ(e->last_plan.seqs[1].req_id, 3);
         fe_run(e, 100);
-        if (aged) PD_CHECK(e->r[2].finish_step <= e->r[3].finish_step);
+        if (!passes) PD_CHECK(e->r[2].finish_step <= e->r[3].finish_step);
         expect_ref(e, 1, r, 20, 3);
         expect_ref(e, 2, b, 16, 2);
         expect_ref(e, 3, sm, 4, 2);

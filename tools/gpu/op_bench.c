@@ -176,6 +176,24 @@ static void attn_setup(at_arg *a, int n_seqs, int q_len, int kv_len, int H, int 
 // OPB_STEP_M=m: that M only.
 enum { ST_NORM1, ST_QKV, ST_ROPE, ST_ATTN, ST_O, ST_NORM2, ST_GU, ST_SILU, ST_DOWN, ST_N };
 static const char *st_names[ST_N] = {"rmsnorm1", "qkv", "rope_kv", "attention", "o", "rmsnorm2", "gate_up", "silu_mul", "down"};
+// One decoder layer's weights twice over (two copies, so a back-to-back loop reads from HBM, not
+// L2): the two norm weights, qkv, o, gate_up and down; returns Llama-3's RoPE inverse frequencies
+// (head_dim 128, theta 500000) on the device.
+static float *layer_weights(void **g1, void **g2, void **wqkv, void **wo, void **wgu, void **wd, int D, int F, int NQ) {
+    *g1 = alloc((size_t)D * 2), *g2 = alloc((size_t)D * 2);
+    pd_op_fill_normal(g_b, *g1, PD_DTYPE_BF16, D, 7, 1.0f, 0.1f);
+    pd_op_fill_normal(g_b, *g2, PD_DTYPE_BF16, D, 8, 1.0f, 0.1f);
+    for (int i = 0; i < 2; i++) {
+        wqkv[i] = rnd((size_t)NQ * D), wo[i] = rnd((size_t)D * D);
+        wgu[i] = rnd((size_t)2 * F * D), wd[i] = rnd((size_t)D * F);
+    }
+    float inv_freq[64];
+    for (int i = 0; i < 64; i++) inv_freq[i] = powf(500000.0f, -i / 64.0f);
+    float *dinv = alloc(sizeof inv_freq);
+    pd_backend_upload(g_b, dinv, inv_freq, sizeof inv_freq);
+    return dinv;
+}
+
 typedef struct st_arg {
     void *x, *h, *qkv, *attn, *gu, *mlp, *g1, *g2, *wqkv[2], *wo[2], *wgu[2], *wd[2];
     pd_rope_kv_params rope[2];
@@ -235,17 +253,7 @@ static void bench_step(double copy_gbs, pd_backend **bes, const char **be_names,
     static st_arg l;
     l.x = rnd((size_t)MAXM * D), l.h = rnd((size_t)MAXM * D), l.attn = alloc((size_t)MAXM * D * 2);
     l.qkv = rnd((size_t)MAXM * NQ), l.gu = alloc((size_t)MAXM * 2 * F * 2), l.mlp = alloc((size_t)MAXM * F * 2);
-    l.g1 = alloc((size_t)D * 2), l.g2 = alloc((size_t)D * 2);
-    pd_op_fill_normal(g_b, l.g1, PD_DTYPE_BF16, D, 7, 1.0f, 0.1f);
-    pd_op_fill_normal(g_b, l.g2, PD_DTYPE_BF16, D, 8, 1.0f, 0.1f);
-    for (int i = 0; i < 2; i++) {
-        l.wqkv[i] = rnd((size_t)NQ * D), l.wo[i] = rnd((size_t)D * D);
-        l.wgu[i] = rnd((size_t)2 * F * D), l.wd[i] = rnd((size_t)D * F);
-    }
-    float inv_freq[64];
-    for (int i = 0; i < 64; i++) inv_freq[i] = powf(500000.0f, -i / 64.0f);
-    float *dinv = alloc(sizeof inv_freq);
-    pd_backend_upload(g_b, dinv, inv_freq, sizeof inv_freq);
+    float *dinv = layer_weights(&l.g1, &l.g2, l.wqkv, l.wo, l.wgu, l.wd, D, F, NQ);
     lmh_arg lm = {.a = l.x, .w = rnd((size_t)128256 * D), .out = alloc((size_t)MAXM * 128256 * 4)};
     double w_bytes[ST_N] = {0, 2.0 * NQ * D, 0, 0, 2.0 * D * D, 0, 2.0 * 2 * F * D, 0, 2.0 * D * F};
     int Ms[] = {32, 64, 128, 256};
@@ -375,17 +383,7 @@ static void bench_pfl(void) {
     static pl_arg l;
     l.x = rnd((size_t)MAXM * D), l.h = rnd((size_t)MAXM * D), l.attn = rnd((size_t)MAXM * D);
     l.qkv = rnd((size_t)MAXM * NQ), l.gu = rnd((size_t)MAXM * 2 * F), l.mlp = rnd((size_t)MAXM * F);
-    l.g1 = alloc((size_t)D * 2), l.g2 = alloc((size_t)D * 2);
-    pd_op_fill_normal(g_b, l.g1, PD_DTYPE_BF16, D, 7, 1.0f, 0.1f);
-    pd_op_fill_normal(g_b, l.g2, PD_DTYPE_BF16, D, 8, 1.0f, 0.1f);
-    for (int i = 0; i < 2; i++) {
-        l.wqkv[i] = rnd((size_t)NQ * D), l.wo[i] = rnd((size_t)D * D);
-        l.wgu[i] = rnd((size_t)2 * F * D), l.wd[i] = rnd((size_t)D * F);
-    }
-    float inv_freq[64];
-    for (int i = 0; i < 64; i++) inv_freq[i] = powf(500000.0f, -i / 64.0f);
-    float *dinv = alloc(sizeof inv_freq);
-    pd_backend_upload(g_b, dinv, inv_freq, sizeof inv_freq);
+    float *dinv = layer_weights(&l.g1, &l.g2, l.wqkv, l.wo, l.wgu, l.wd, D, F, NQ);
     int Ms[] = {2048, 8192};
     for (int mi = 0; mi < 2; mi++) {
         int M = Ms[mi], reps = M >= 8192 ? 5 : 10, n_blocks = (M + bs - 1) / bs;
