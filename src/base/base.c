@@ -155,6 +155,19 @@ int64_t pd_time_us(void) {
 }
 
 // ---- files -------------------------------------------------------------------------------------
+pd_status pd_env_switch(const char *name, bool dflt, bool *out, pd_err *err) {
+    const char *v = getenv(name);
+    if (!v || !*v) {
+        *out = dflt;
+        return PD_OK;
+    }
+    if (!strcmp(v, "0") || !strcmp(v, "1")) {
+        *out = v[0] == '1';
+        return PD_OK;
+    }
+    return pd_err_set(err, PD_ERR_INVALID, "%s=%s: want 0 or 1", name, v);
+}
+
 pd_status pd_file_read_all(const char *path, char **out, size_t *out_len, pd_err *err) {
     *out = NULL;
     if (out_len) *out_len = 0;

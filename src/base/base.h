@@ -116,6 +116,12 @@ _Noreturn void pd_abort(const char *file, int line, const char *func, const char
 // ---- time --------------------------------------------------------------------------------------
 int64_t pd_time_us(void);  // monotonic microseconds
 
+// ---- environment switches ----------------------------------------------------------------------
+// A 0/1 switch read from the environment (measurement and A/B knobs): unset or empty -> dflt, "0" or
+// "1" -> that value; anything else is PD_ERR_INVALID with err naming the variable and its value, so
+// a mistyped knob is refused instead of silently meaning "default".
+pd_status pd_env_switch(const char *name, bool dflt, bool *out, pd_err *err);
+
 // ---- files -------------------------------------------------------------------------------------
 // Reads a whole file into a NUL-terminated buffer. out: owned by caller (pd_free).
 // PD_ERR_NOTFOUND if it does not exist, PD_ERR_IO otherwise; err names the path.

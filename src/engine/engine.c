@@ -196,9 +196,9 @@ pd_engine *pd_engine_new(const pd_engine_params *p, pd_err *err) {
     sp.policy = p->policy == PD_POLICY_SRPT ? PD_SCHED_SRPT : PD_SCHED_FCFS;
     // Admission knobs for measurements (docs/design.md "kv and sched"): PDSERVE_SCHED_BACKFILL=1
     // turns backfill on, PDSERVE_TIER_RESERVE=0 makes a tier load reserve only its loaded blocks.
-    const char *bf = getenv("PDSERVE_SCHED_BACKFILL"), *tr = getenv("PDSERVE_TIER_RESERVE");
-    if (bf && !strcmp(bf, "1")) sp.backfill = true;
-    if (tr && !strcmp(tr, "0")) sp.tier_reserve_compute = false;
+    if (pd_env_switch("PDSERVE_SCHED_BACKFILL", sp.backfill, &sp.backfill, err) ||
+        pd_env_switch("PDSERVE_TIER_RESERVE", sp.tier_reserve_compute, &sp.tier_reserve_compute, err))
+        goto fail;
     if (pd_engine_spec_init(e, &sp, err)) goto fail;  // the draft's KV cache, lookahead slots
     e->sched = pd_sched_new(&sp, e->kv, err);
     if (!e->sched) goto fail;

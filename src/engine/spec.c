@@ -495,16 +495,17 @@ pd_status pd_engine_spec_warmup(pd_engine *e, pd_err *err) {
     int n_graphs = 0;
     int max_step = (e->params.max_num_batched_tokens > 0 ? e->params.max_num_batched_tokens : 2048) + CATCHUP_MAX;
     S->catchup_max = PD_MIN(max_step, pd_model_cache_n_blocks(e->cache) * S->bs);
-    const char *cp = getenv("PD_SPEC_CATCHUP_PAD");  // 0: off (A/B)
-    S->catchup_pad = S->draft && step_is_graph(S->draft, 1, 1) && !(cp && !strcmp(cp, "0"));
+    bool pad_on, warm_on;  // PD_SPEC_CATCHUP_PAD=0 / PD_SPEC_WARM_TIMINGS=0: off (A/B; the session-10 behaviour)
+    if (pd_env_switch("PD_SPEC_CATCHUP_PAD", true, &pad_on, err) || pd_env_switch("PD_SPEC_WARM_TIMINGS", true, &warm_on, err))
+        return PD_ERR_INVALID;
+    S->catchup_pad = S->draft && step_is_graph(S->draft, 1, 1) && pad_on;
     if (S->draft) {
         pd_status st = pd_model_warmup(S->draft, S->dcache, max_step, e->params.max_num_seqs > 0 ? e->params.max_num_seqs : 64,
                                        e->max_model_len, &n_graphs);
         if (st) return pd_err_set(err, st, "draft model warm-up failed (%s)", pd_status_str(st));
         if (n_graphs > 0) PD_LOG_I("engine: draft model: %d decode graphs", n_graphs);
     }
-    const char *wt = getenv("PD_SPEC_WARM_TIMINGS");  // 0: off (the session-10 behaviour, for A/B runs)
-    if (S->adaptive && step_is_graph(e->model, 1, 1) && !(wt && !strcmp(wt, "0"))) {
+    if (S->adaptive && step_is_graph(e->model, 1, 1) && warm_on) {
         pd_status st = warm_timings(e, S);
         if (st) return pd_err_set(err, st, "speculation warm-up timings failed (%s)", pd_status_str(st));
     }

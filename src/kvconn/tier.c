@@ -902,8 +902,13 @@ pd_kvconn_tiers *pd_kvconn_tiers_new(const pd_kvconn_tier_params *p, pd_err *err
     long ncpu = sysconf(_SC_NPROCESSORS_ONLN);
     tp.n_threads = ncpu >= 16 ? 4 : ncpu >= 8 ? 2 : 1;
     pd_kvt_store_params sp = {.geom = c->geom, .fingerprint = tp.fingerprint, .policy = PD_KVT_S3FIFO};
-    const char *hot_env = getenv("PDSERVE_KV_TIER_HOT");  // "0": a device cache's DRAM tier in the chain
-    c->use_hot = staged && p->dram_bytes && !(hot_env && !strcmp(hot_env, "0"));
+    bool hot_on;  // PDSERVE_KV_TIER_HOT=0: a device cache's DRAM tier in the chain
+    if (pd_env_switch("PDSERVE_KV_TIER_HOT", true, &hot_on, err)) {
+        stage_fini(c);
+        pd_free(c);
+        return NULL;
+    }
+    c->use_hot = staged && p->dram_bytes && hot_on;
     if (c->use_hot) {
         if (hot_init(c, p->dram_bytes, err)) {
             stage_fini(c);
@@ -926,8 +931,12 @@ pd_kvconn_tiers *pd_kvconn_tiers_new(const pd_kvconn_tier_params *p, pd_err *err
             }
             c->lw_group = (int)g;
         }
-        const char *jit_env = getenv("PDSERVE_KV_TIER_JIT");  // "1": just-in-time layer-wise commits
-        c->lw_jit = jit_env && !strcmp(jit_env, "1");
+        if (pd_env_switch("PDSERVE_KV_TIER_JIT", false, &c->lw_jit, err)) {  // 1: just-in-time layer-wise commits
+            hot_fini(c);
+            stage_fini(c);
+            pd_free(c);
+            return NULL;
+        }
         // The chain below is [disk][redis]: the disk gets DRAM's victims (write-back), Redis (the
         // cluster pool) every block as soon as DRAM holds it.
         c->hot_lower_on_evict = p->disk_dir ? 1u : 0u;

@@ -215,6 +215,37 @@ PD_TEST(engine_prefix_hits_and_aborts) {
     g_golden = NULL;
 }
 
+// The engine's 0/1 measurement switches (pd_env_switch): a value other than 0 or 1 is refused at
+// start with the variable named, not read as the default.
+PD_TEST(engine_refuses_a_mistyped_switch) {
+    PD_CHECK_EQ(setenv("PDSERVE_SCHED_BACKFILL", "yes", 1), 0);
+    char dir[512];
+    pd_engine_params p = pd_engine_params_default();
+    p.model_dir = model_dir(dir, sizeof dir);
+    p.device = "cpu";
+    p.n_blocks = 64;
+    pd_err err = {0};
+    pd_engine *e = pd_engine_new(&p, &err);
+    PD_CHECK(!e);
+    PD_CHECK_CONTAINS(err.msg, "PDSERVE_SCHED_BACKFILL=yes: want 0 or 1");
+    if (e) pd_engine_free(e);
+    bool v = false;
+    PD_CHECK_EQ(setenv("PDSERVE_SCHED_BACKFILL", "1", 1), 0);
+    PD_CHECK_EQ(pd_env_switch("PDSERVE_SCHED_BACKFILL", false, &v, NULL), PD_OK);
+    PD_CHECK(v);
+    PD_CHECK_EQ(setenv("PDSERVE_SCHED_BACKFILL", "", 1), 0);
+    PD_CHECK_EQ(pd_env_switch("PDSERVE_SCHED_BACKFILL", true, &v, NULL), PD_OK);
+    PD_CHECK(v);
+    PD_CHECK_EQ(setenv("PDSERVE_SCHED_BACKFILL", "0", 1), 0);
+    PD_CHECK_EQ(pd_env_switch("PDSERVE_SCHED_BACKFILL", true, &v, NULL), PD_OK);
+    PD_CHECK(!v);
+    PD_CHECK_EQ(setenv("PDSERVE_SCHED_BACKFILL", "10", 1), 0);
+    PD_CHECK_EQ(pd_env_switch("PDSERVE_SCHED_BACKFILL", true, &v, NULL), PD_ERR_INVALID);
+    PD_CHECK_EQ(unsetenv("PDSERVE_SCHED_BACKFILL"), 0);
+    PD_CHECK_EQ(pd_env_switch("PDSERVE_SCHED_BACKFILL", true, &v, NULL), PD_OK);
+    PD_CHECK(v);
+}
+
 PD_TEST(engine_rejects_bad_requests) {
     char dir[512];
     pd_engine_params p = pd_engine_params_default();
