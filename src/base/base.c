@@ -168,6 +168,20 @@ pd_status pd_env_switch(const char *name, bool dflt, bool *out, pd_err *err) {
     return pd_err_set(err, PD_ERR_INVALID, "%s=%s: want 0 or 1", name, v);
 }
 
+pd_status pd_env_int(const char *name, int dflt, int lo, int hi, int *out, pd_err *err) {
+    const char *e = getenv(name);
+    if (!e || !*e) {
+        *out = dflt;
+        return PD_OK;
+    }
+    char *end = NULL;
+    errno = 0;
+    long v = strtol(e, &end, 10);
+    if (errno || *end || v < lo || v > hi) return pd_err_set(err, PD_ERR_INVALID, "%s=%s: expected an integer in [%d, %d]", name, e, lo, hi);
+    *out = (int)v;
+    return PD_OK;
+}
+
 pd_status pd_file_read_all(const char *path, char **out, size_t *out_len, pd_err *err) {
     *out = NULL;
     if (out_len) *out_len = 0;

@@ -121,6 +121,9 @@ int64_t pd_time_us(void);  // monotonic microseconds
 // "1" -> that value; anything else is PD_ERR_INVALID with err naming the variable and its value, so
 // a mistyped knob is refused instead of silently meaning "default".
 pd_status pd_env_switch(const char *name, bool dflt, bool *out, pd_err *err);
+// An integer knob in [lo, hi] from the environment: unset or empty -> dflt; anything else than a
+// whole decimal number in range is PD_ERR_INVALID with err naming the variable and the range.
+pd_status pd_env_int(const char *name, int dflt, int lo, int hi, int *out, pd_err *err);
 
 // ---- files -------------------------------------------------------------------------------------
 // Reads a whole file into a NUL-terminated buffer. out: owned by caller (pd_free).

@@ -146,7 +146,8 @@ static inline bool pd_k_env_on(const char *name, int *cache) {
     return *cache != 0;
 }
 
-// An integer knob in [lo, hi] (dflt when unset or empty); anything else is a clear error.
+// An integer knob in [lo, hi] (dflt when unset or empty); anything else is a clear error. (base's
+// pd_env_int, for the .cu files: base.h is C, not C++.)
 static inline int pd_k_env_int(const char *name, int dflt, int lo, int hi) {
     const char *e = getenv(name);
     if (!e || !*e) return dflt;

@@ -244,6 +244,20 @@ PD_TEST(engine_refuses_a_mistyped_switch) {
     PD_CHECK_EQ(unsetenv("PDSERVE_SCHED_BACKFILL"), 0);
     PD_CHECK_EQ(pd_env_switch("PDSERVE_SCHED_BACKFILL", true, &v, NULL), PD_OK);
     PD_CHECK(v);
+    // pd_env_int, the integer form (the CUDA backend's knobs)
+    int n = -1;
+    PD_CHECK_EQ(pd_env_int("PD_TEST_KNOB", 7, 0, 100, &n, NULL), PD_OK);
+    PD_CHECK_EQ(n, 7);
+    PD_CHECK_EQ(setenv("PD_TEST_KNOB", "12", 1), 0);
+    PD_CHECK_EQ(pd_env_int("PD_TEST_KNOB", 7, 0, 100, &n, NULL), PD_OK);
+    PD_CHECK_EQ(n, 12);
+    const char *bad[] = {"x", "12x", "200", "-1", "99999999999999999999"};
+    for (int i = 0; i < 5; i++) {
+        PD_CHECK_EQ(setenv("PD_TEST_KNOB", bad[i], 1), 0);
+        PD_CHECK_EQ(pd_env_int("PD_TEST_KNOB", 7, 0, 100, &n, &err), PD_ERR_INVALID);
+        PD_CHECK_CONTAINS(err.msg, "expected an integer in [0, 100]");
+    }
+    PD_CHECK_EQ(unsetenv("PD_TEST_KNOB"), 0);
 }
 
 PD_TEST(engine_rejects_bad_requests) {

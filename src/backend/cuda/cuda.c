@@ -152,15 +152,13 @@ static void cuda_copy_d2d(pd_backend *b, void *dst, const void *src, size_t n) {
 // and the engine thread is not the thread that created the backend). Every entry point binds.
 static _Thread_local int tl_device = -1;
 int pd_cuda_env_int(const char *name, int dflt, int lo, int hi) {
-    const char *e = getenv(name);
-    if (!e || !*e) return dflt;
-    char *end = NULL;
-    long v = strtol(e, &end, 10);
-    if (*end || v < lo || v > hi) {
-        PD_LOG_E("%s=%s: expected an integer in [%d, %d]", name, e, lo, hi);
+    int v;
+    pd_err err = {0};
+    if (pd_env_int(name, dflt, lo, hi, &v, &err)) {
+        PD_LOG_E("%s", err.msg);
         pd_abort(__FILE__, __LINE__, __func__, "bad CUDA knob in the environment");
     }
-    return (int)v;
+    return v;
 }
 
 void pd_cuda_bind(pd_cuda_backend *cb) {
