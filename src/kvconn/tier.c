@@ -1231,7 +1231,9 @@ pd_status pd_kvconn_tiers_start_load(pd_kvconn_tiers *c, uint64_t req_id, const 
 }
 
 int pd_kvconn_tiers_load_now(pd_kvconn_tiers *c, const pd_hash128 *hashes, const int32_t *dst_blocks, int n) {
-    if (!c->use_hot || n <= 0) return 0;
+    // (Not while a just-in-time commit is open: its end releases every queued load's pins at its
+    // own fence, and a load queued after it would be released before it was ever copied.)
+    if (!c->use_hot || n <= 0 || c->jit_open) return 0;
     for (int i = 0; i < n; i++)
         if (dst_blocks[i] < 0 || dst_blocks[i] >= c->p.cache.n_blocks) return 0;
     return hot_start_load(c, hashes, dst_blocks, n, true, c->lw_group > 0);

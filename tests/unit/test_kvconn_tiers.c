@@ -150,6 +150,8 @@ static void roundtrip(const char *label, uint64_t dram, const char *disk_dir, co
         memset(zero, 0, sizeof zero);
         PD_CHECK(memcmp((char *)k[0] + (size_t)dst4[0] * BLKB, (char *)k[0], BLKB) == 0);
         PD_CHECK(memcmp((char *)k[grp] + (size_t)dst4[0] * BLKB, zero, BLKB) == 0);
+        // No same-step load joins an open just-in-time commit (it would be unpinned uncopied).
+        PD_CHECK_EQ(pd_kvconn_tiers_load_now(c, hs, (int32_t[3]){0, 1, 2}, 3), 0);
         pd_kvconn_tiers_layer_wait(c, grp - 1);
         PD_CHECK(memcmp((char *)v[grp] + (size_t)dst4[0] * BLKB, zero, BLKB) == 0);
         pd_kvconn_tiers_layer_wait(c, grp);
