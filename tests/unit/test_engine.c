@@ -215,17 +215,22 @@ PD_TEST(engine_prefix_hits_and_aborts) {
     g_golden = NULL;
 }
 
-// The engine's 0/1 measurement switches (pd_env_switch): a value other than 0 or 1 is refused at
-// start with the variable named, not read as the default.
-PD_TEST(engine_refuses_a_mistyped_switch) {
-    PD_CHECK_EQ(setenv("PDSERVE_SCHED_BACKFILL", "yes", 1), 0);
+// The kjv-llama-6m engine on the CPU with a 64-block pool (NULL and err set when it cannot start).
+static pd_engine *small_engine(pd_err *err) {
     char dir[512];
     pd_engine_params p = pd_engine_params_default();
     p.model_dir = model_dir(dir, sizeof dir);
     p.device = "cpu";
     p.n_blocks = 64;
+    return pd_engine_new(&p, err);
+}
+
+// The engine's 0/1 measurement switches (pd_env_switch): a value other than 0 or 1 is refused at
+// start with the variable named, not read as the default.
+PD_TEST(engine_refuses_a_mistyped_switch) {
+    PD_CHECK_EQ(setenv("PDSERVE_SCHED_BACKFILL", "yes", 1), 0);
     pd_err err = {0};
-    pd_engine *e = pd_engine_new(&p, &err);
+    pd_engine *e = small_engine(&err);
     PD_CHECK(!e);
     PD_CHECK_CONTAINS(err.msg, "PDSERVE_SCHED_BACKFILL=yes: want 0 or 1");
     if (e) pd_engine_free(e);
@@ -261,13 +266,8 @@ PD_TEST(engine_refuses_a_mistyped_switch) {
 }
 
 PD_TEST(engine_rejects_bad_requests) {
-    char dir[512];
-    pd_engine_params p = pd_engine_params_default();
-    p.model_dir = model_dir(dir, sizeof dir);
-    p.device = "cpu";
-    p.n_blocks = 64;
     pd_err err = {0};
-    pd_engine *e = pd_engine_new(&p, &err);
+    pd_engine *e = small_engine(&err);
     PD_REQUIRE(e);
     int32_t prompt[4] = {1, 2, 3, 99999};
     pd_engine_request q = {.id = 1, .prompt = prompt, .n_prompt = 4, .max_tokens = 4, .sampling = pd_sampling_params_default()};

@@ -1,5 +1,6 @@
 #!/bin/sh
-# spec10 helper, session 10, call 2 (issue 15). Run from the repo root of the lead's checkout:
+# spec10 helper, session 10, call 2 (issue 15; call 1 ran this script's first version, `git show
+# 5dba4d4:tools/gpu/spec10/run.sh`). Run from the repo root of the lead's checkout:
 # sh build/gpu-spec10/run.sh OUT_DIR. Staged in build/gpu-spec10/: bins.tar.xz (pdserve, op_bench,
 # test_backend_ops; stripped), lib.tar.xz (the libs of /work/devlibs/lib they need), models/l8b
 # (bench/configs/llama-3-8b + the kjv tokenizer).
@@ -30,6 +31,11 @@ env_of() {
     C8) echo "PD_CUDA_SKINNY_FUSE_MAX_M=8";;
     C8A) echo "PD_CUDA_SKINNY_FUSE_MAX_M=8 PD_CUDA_SKINNY_ASYNC=1";;
     C8O) echo "PD_CUDA_SKINNY_FUSE_MAX_M=8 PD_CUDA_SKINNY_OCC4=1";;
+    # call 1's other variants (all measured slower, NOTES.md session 10 spec10)
+    T5P) echo "PD_CUDA_FUSE_MMA_MIN_M=5 PD_CUDA_SKINNY_FUSE_MAX_M=16 PD_CUDA_SKINNY_MMA_PIPE=1";;
+    T1) echo "PD_CUDA_FUSE_MMA_MIN_M=1 PD_CUDA_SKINNY_FUSE_MAX_M=16";;
+    T5L) echo "PD_CUDA_FUSE_MMA_MIN_M=5 PD_CUDA_SKINNY_FUSE_MAX_M=16 PD_CUDA_SKINNY_MMA_LOADS=32";;
+    Q5) echo "PD_CUDA_FUSE_MMA_MIN_M=5 PD_CUDA_SKINNY_FUSE_MAX_M=16 PD_CUDA_FUSE_MMA_FORMS=1 PD_CUDA_SKINNY_MMA_PIPE=1";;
   esac
 }
 M=$D/models/l8b
