@@ -58,7 +58,7 @@ struct pd_fa_cfg {
     static constexpr int TILE = PD_FA_BKV * HD * 2;  // bytes of a Q, K or V tile (BQ == BKV)
     static constexpr int CB = PD_FA_BKV * 128;       // bytes of one 64-element column block
     static constexpr int ST = PD_FA_STAGES(HD);
-    static constexpr int SMEM = 1024 + TILE * (1 + 2 * ST) + 8 * (2 * ST + 1);
+    static constexpr int SMEM = 1024 + TILE * (1 + 2 * ST) + 8 * (4 * ST + 1);  // KVS: 4 barriers a stage
 };
 
 // ---- PTX wrappers (sm_90a) ---------------------------------------------------------------------
@@ -188,6 +188,7 @@ static __device__ __forceinline__ void pd_fa_wgmma_rs_n128(float *d, const uint3
 #define PD_FA_TMA 32  // whole pages by the tensor-memory accelerator (block_size 8..128 dividing 128)
 #define PD_FA_OVL 64  // consumers overlap tile j's S = Q.K^T and softmax with tile j - 1's P.V
 #define PD_FA_ARV 128  // the producer's copies arrive on "full" as they land (cp.async.mbarrier.arrive)
+#define PD_FA_KVS 256  // with OVL: K and V of a stage on separate full / empty barriers
 // Diagnostics, compiled only with -DPD_FA3_DIAG (a separate op_bench build; the output is wrong):
 #define PD_FA_NOLOAD 8   // the producer copies no K/V (the consumers' speed alone)
 #define PD_FA_NOMATH 16  // the consumers compute nothing (the producer's speed alone)
@@ -327,10 +328,18 @@ static __global__ void __launch_bounds__(PD_FA_THREADS, 1)
     // j - 1's copies after issuing tile j's (a tile is then ready as soon as its bytes are, not one
     // issue later); the consumers fence the async proxy after each wait instead of the producer.
     constexpr bool ARV = (FL & PD_FA_ARV) && !TMA && !ROWP && !NOLOAD;
+    // KVS (with OVL and the default producer only): K and V of a stage have their own full and empty
+    // barriers. The overlapped consumer is done with K of tile j after its S (mid-turn j) but with V
+    // only after P.V (turn j + 1): the producer refills K a turn earlier, and a consumer's S of tile
+    // j waits for K alone. The producer issues K_j, arrives on V_{j-1} (landed), issues V_j, arrives
+    // on K_j, so full V_{j-1} is always complete when full K_j is.
+    constexpr bool KVS = (FL & PD_FA_KVS) && OVL && !TMA && !ROWP && !NOLOAD && !ARV;
     extern __shared__ unsigned char pd_fa_smem[];
     const uint32_t base = (pd_k_smem_u32(pd_fa_smem) + 1023u) & ~1023u;
     const uint32_t sq = base, sk = base + C::TILE, sv = sk + ST * C::TILE, bar = sv + ST * C::TILE;
-    // bar + 8 * i: full[i]; bar + 8 * (ST + i): empty[i]; bar + 16 * ST: the Q tile
+    // bar + 8 * i: full[i]; bar + 8 * (ST + i): empty[i]; bar + 16 * ST: the Q tile; KVS: those two
+    // are K's, and bar + 8 * (2 * ST + 1 + i): V's full[i], bar + 8 * (3 * ST + 1 + i): V's empty[i].
+    const uint32_t barv = bar + 8 * (2 * ST + 1);
 
     int per_tile = n_seqs * H, b = blockIdx.x;
     int qt = n_q_tiles - 1 - b / per_tile;  // longest tiles first
@@ -351,9 +360,14 @@ static __global__ void __launch_bounds__(PD_FA_THREADS, 1)
             pd_fa_mbar_init(bar + 8 * (ST + i), 256);
         }
         pd_fa_mbar_init(bar + 16 * ST, 128);
+        for (int i = 0; i < ST && KVS; i++) {
+            pd_fa_mbar_init(barv + 8 * i, 128);
+            pd_fa_mbar_init(barv + 8 * (ST + i), 256);
+        }
     }
     __syncthreads();
-    int wg = threadIdx.x >> 7, tw = threadIdx.x & 127;
+    // The warpgroup index through a shuffle: the compiler then knows it is warp-uniform
+    int wg = __shfl_sync(0xffffffffu, (int)threadIdx.x >> 7, 0), tw = threadIdx.x & 127;
 
     if (wg == 0) {
         // ---- producer ----
@@ -373,57 +387,10 @@ static __global__ void __launch_bounds__(PD_FA_THREADS, 1)
         constexpr int RS = 128 / CPR, RPT = PD_FA_BKV / RS, CB = HD / 64;
         const int r0 = tw / CPR, c = tw % CPR;
         const size_t kv_row = (size_t)n_kv * HD, kv_col = (size_t)kvh * HD + c * 8;
-        for (int j = 0; j < n_tiles; j++) {
-            int st = j % ST, kv0 = j * PD_FA_BKV;
-            uint32_t dk = sk + st * C::TILE, dv = sv + st * C::TILE;
-            if constexpr (NOLOAD) {
-                if (j >= ST) pd_fa_mbar_wait(bar + 8 * (ST + st), ((j / ST) - 1) & 1);
-            } else if constexpr (TMA) {
-                // Pages wholly inside the cache rows of this sequence (< kv_len) come by TMA, one box
-                // per (page, 64-element column block) for K and V, issued by the first CB * pages
-                // threads; the rest (the page holding kv_len, if partial, and pages past it) by
-                // cp.async with zeros past kv_end, so the masked rows hold no stale NaN.
-                int pg0 = kv0 / bs, n_full = min(max(kv_len / bs - pg0, 0), PD_FA_BKV / bs);
-                int cp_from = kv0 + n_full * bs;
-                int pg = tw / CB, cb = tw % CB;
-                int page = tw < n_full * CB ? __ldg(bt + pg0 + pg) : 0;
-                int slot[RPT];
-#pragma unroll
-                for (int k = 0; k < RPT; k++) {
-                    int pos = kv0 + r0 + k * RS;
-                    int pgk = bs_shift >= 0 ? pos >> bs_shift : pos / bs, in = pos - pgk * bs;
-                    slot[k] = pos >= cp_from && pos < kv_end ? __ldg(bt + pgk) * bs + in : -1;
-                }
-                if (j >= ST) pd_fa_mbar_wait(bar + 8 * (ST + st), ((j / ST) - 1) & 1);
-                if (tw == 0 && n_full > 0)
-                    pd_fa_mbar_expect_tx(bar + 8 * st, (uint32_t)(n_full * bs * HD * 2 * 2));
-                __syncwarp();
-                if (tw < n_full * CB) {
-                    uint32_t o = (uint32_t)(cb * (PD_FA_BKV * 128) + pg * bs * 128);
-                    pd_fa_tma3(dk + o, &tmk, cb * 64, kvh, page * bs, bar + 8 * st);
-                    pd_fa_tma3(dv + o, &tmv, cb * 64, kvh, page * bs, bar + 8 * st);
-                }
-#pragma unroll
-                for (int k = 0; k < RPT; k++) {
-                    if (kv0 + r0 + k * RS < cp_from) continue;
-                    bool ok = slot[k] >= 0;
-                    size_t off = ok ? (size_t)slot[k] * kv_row + kv_col : 0;
-                    uint32_t o = pd_fa_swz(r0 + k * RS, c);
-                    pd_fa_cp16(dk + o, kc + off, ok);
-                    pd_fa_cp16(dv + o, vc + off, ok);
-                }
-            } else if constexpr (ROWP) {
-                if (j >= ST) pd_fa_mbar_wait(bar + 8 * (ST + st), ((j / ST) - 1) & 1);
-                for (int i = tw; i < PD_FA_BKV * CPR; i += 128) {
-                    int r = i / CPR, cc = i % CPR, pos = kv0 + r;
-                    bool ok = pos < kv_end;
-                    size_t off = 0;
-                    if (ok) off = ((size_t)(bt[pos / bs] * bs + pos % bs) * n_kv + kvh) * HD + cc * 8;
-                    uint32_t o = pd_fa_swz(r, cc);
-                    pd_fa_cp16(dk + o, kc + off, ok);
-                    pd_fa_cp16(dv + o, vc + off, ok);
-                }
-            } else {
+        if constexpr (KVS) {
+            for (int j = 0; j < n_tiles; j++) {
+                int st = j % ST, kv0 = j * PD_FA_BKV, ph = ((j / ST) - 1) & 1;
+                uint32_t dk = sk + st * C::TILE, dv = sv + st * C::TILE;
                 int slot[RPT];
 #pragma unroll
                 for (int k = 0; k < RPT; k++) {
@@ -431,29 +398,111 @@ static __global__ void __launch_bounds__(PD_FA_THREADS, 1)
                     int pg = bs_shift >= 0 ? pos >> bs_shift : pos / bs, in = pos - pg * bs;
                     slot[k] = pos < kv_end ? __ldg(bt + pg) * bs + in : -1;
                 }
-                if (j >= ST) pd_fa_mbar_wait(bar + 8 * (ST + st), ((j / ST) - 1) & 1);
+                if (j >= ST) pd_fa_mbar_wait(bar + 8 * (ST + st), ph);
 #pragma unroll
-                for (int k = 0; k < RPT; k++) {
-                    bool ok = slot[k] >= 0;
-                    size_t off = ok ? (size_t)slot[k] * kv_row + kv_col : 0;
-                    uint32_t o = pd_fa_swz(r0 + k * RS, c);
-                    pd_fa_cp16(dk + o, kc + off, ok);
-                    pd_fa_cp16(dv + o, vc + off, ok);
-                }
+                for (int k = 0; k < RPT; k++)
+                    pd_fa_cp16(dk + pd_fa_swz(r0 + k * RS, c), kc + (slot[k] >= 0 ? (size_t)slot[k] * kv_row + kv_col : 0),
+                               slot[k] >= 0);
+                pd_k_cp_async_commit();
+                pd_k_cp_async_wait<1>();  // all but K_j: the Q tile (j == 0) or V_{j-1}
+                pd_fa_fence_async();
+                pd_fa_mbar_arrive(j == 0 ? bar + 16 * ST : barv + 8 * ((j - 1) % ST));
+                if (j >= ST) pd_fa_mbar_wait(barv + 8 * (ST + st), ph);
+#pragma unroll
+                for (int k = 0; k < RPT; k++)
+                    pd_fa_cp16(dv + pd_fa_swz(r0 + k * RS, c), vc + (slot[k] >= 0 ? (size_t)slot[k] * kv_row + kv_col : 0),
+                               slot[k] >= 0);
+                pd_k_cp_async_commit();
+                pd_k_cp_async_wait<1>();  // all but V_j: K_j
+                pd_fa_fence_async();
+                pd_fa_mbar_arrive(bar + 8 * st);
             }
-            pd_k_cp_async_commit();
-            if constexpr (ARV) {
-                pd_fa_cp_arrive(bar + 8 * st);
-                continue;
-            }
-            pd_k_cp_async_wait<1>();  // everything but tile j: the Q tile (j == 0) or tile j - 1
+            pd_k_cp_async_wait<0>();
             pd_fa_fence_async();
-            pd_fa_mbar_arrive(j == 0 ? bar + 16 * ST : bar + 8 * ((j - 1) % ST));
+            pd_fa_mbar_arrive(barv + 8 * ((n_tiles - 1) % ST));
+        } else {
+            for (int j = 0; j < n_tiles; j++) {
+                int st = j % ST, kv0 = j * PD_FA_BKV;
+                uint32_t dk = sk + st * C::TILE, dv = sv + st * C::TILE;
+                if constexpr (NOLOAD) {
+                    if (j >= ST) pd_fa_mbar_wait(bar + 8 * (ST + st), ((j / ST) - 1) & 1);
+                } else if constexpr (TMA) {
+                    // Pages wholly inside the cache rows of this sequence (< kv_len) come by TMA, one box
+                    // per (page, 64-element column block) for K and V, issued by the first CB * pages
+                    // threads; the rest (the page holding kv_len, if partial, and pages past it) by
+                    // cp.async with zeros past kv_end, so the masked rows hold no stale NaN.
+                    int pg0 = kv0 / bs, n_full = min(max(kv_len / bs - pg0, 0), PD_FA_BKV / bs);
+                    int cp_from = kv0 + n_full * bs;
+                    int pg = tw / CB, cb = tw % CB;
+                    int page = tw < n_full * CB ? __ldg(bt + pg0 + pg) : 0;
+                    int slot[RPT];
+#pragma unroll
+                    for (int k = 0; k < RPT; k++) {
+                        int pos = kv0 + r0 + k * RS;
+                        int pgk = bs_shift >= 0 ? pos >> bs_shift : pos / bs, in = pos - pgk * bs;
+                        slot[k] = pos >= cp_from && pos < kv_end ? __ldg(bt + pgk) * bs + in : -1;
+                    }
+                    if (j >= ST) pd_fa_mbar_wait(bar + 8 * (ST + st), ((j / ST) - 1) & 1);
+                    if (tw == 0 && n_full > 0)
+                        pd_fa_mbar_expect_tx(bar + 8 * st, (uint32_t)(n_full * bs * HD * 2 * 2));
+                    __syncwarp();
+                    if (tw < n_full * CB) {
+                        uint32_t o = (uint32_t)(cb * (PD_FA_BKV * 128) + pg * bs * 128);
+                        pd_fa_tma3(dk + o, &tmk, cb * 64, kvh, page * bs, bar + 8 * st);
+                        pd_fa_tma3(dv + o, &tmv, cb * 64, kvh, page * bs, bar + 8 * st);
+                    }
+#pragma unroll
+                    for (int k = 0; k < RPT; k++) {
+                        if (kv0 + r0 + k * RS < cp_from) continue;
+                        bool ok = slot[k] >= 0;
+                        size_t off = ok ? (size_t)slot[k] * kv_row + kv_col : 0;
+                        uint32_t o = pd_fa_swz(r0 + k * RS, c);
+                        pd_fa_cp16(dk + o, kc + off, ok);
+                        pd_fa_cp16(dv + o, vc + off, ok);
+                    }
+                } else if constexpr (ROWP) {
+                    if (j >= ST) pd_fa_mbar_wait(bar + 8 * (ST + st), ((j / ST) - 1) & 1);
+                    for (int i = tw; i < PD_FA_BKV * CPR; i += 128) {
+                        int r = i / CPR, cc = i % CPR, pos = kv0 + r;
+                        bool ok = pos < kv_end;
+                        size_t off = 0;
+                        if (ok) off = ((size_t)(bt[pos / bs] * bs + pos % bs) * n_kv + kvh) * HD + cc * 8;
+                        uint32_t o = pd_fa_swz(r, cc);
+                        pd_fa_cp16(dk + o, kc + off, ok);
+                        pd_fa_cp16(dv + o, vc + off, ok);
+                    }
+                } else {
+                    int slot[RPT];
+#pragma unroll
+                    for (int k = 0; k < RPT; k++) {
+                        int pos = kv0 + r0 + k * RS;
+                        int pg = bs_shift >= 0 ? pos >> bs_shift : pos / bs, in = pos - pg * bs;
+                        slot[k] = pos < kv_end ? __ldg(bt + pg) * bs + in : -1;
+                    }
+                    if (j >= ST) pd_fa_mbar_wait(bar + 8 * (ST + st), ((j / ST) - 1) & 1);
+#pragma unroll
+                    for (int k = 0; k < RPT; k++) {
+                        bool ok = slot[k] >= 0;
+                        size_t off = ok ? (size_t)slot[k] * kv_row + kv_col : 0;
+                        uint32_t o = pd_fa_swz(r0 + k * RS, c);
+                        pd_fa_cp16(dk + o, kc + off, ok);
+                        pd_fa_cp16(dv + o, vc + off, ok);
+                    }
+                }
+                pd_k_cp_async_commit();
+                if constexpr (ARV) {
+                    pd_fa_cp_arrive(bar + 8 * st);
+                    continue;
+                }
+                pd_k_cp_async_wait<1>();  // everything but tile j: the Q tile (j == 0) or tile j - 1
+                pd_fa_fence_async();
+                pd_fa_mbar_arrive(j == 0 ? bar + 16 * ST : bar + 8 * ((j - 1) % ST));
+            }
+            pd_k_cp_async_wait<0>();
+            if constexpr (ARV) return;  // every tile has arrived (or will, as its copies land)
+            pd_fa_fence_async();
+            pd_fa_mbar_arrive(bar + 8 * ((n_tiles - 1) % ST));
         }
-        pd_k_cp_async_wait<0>();
-        if constexpr (ARV) return;  // every tile has arrived (or will, as its copies land)
-        pd_fa_fence_async();
-        pd_fa_mbar_arrive(bar + 8 * ((n_tiles - 1) % ST));
         return;
     }
 
@@ -481,67 +530,83 @@ static __global__ void __launch_bounds__(PD_FA_THREADS, 1)
     // other's tensor-core work. Both run the handshake on every tile, computing or not, and the
     // second skips its last arrive, so the counts match.
     if (PP && cw == 1) pd_fa_bar_arrive(1);
-    // OVL (intra-warpgroup overlap, FA3's second pipelining): each turn issues S of tile j and then
-    // P.V of tile j - 1 (prev), waits for S alone, runs the softmax of tile j while that P.V runs,
-    // then waits for it, releases tile j - 1's stage and rounds tile j's P into pa. O is rescaled
-    // by tile j - 1's factors just before its P.V. Registers: O, S (f32) and one P (bf16). The
-    // pending P.V is finished before the first tile this warpgroup skips (its stage must not stay
-    // held while the producer waits for it) and after the last.
+    // OVL (intra-warpgroup overlap, FA3's second pipelining): turn j issues S of tile j and then
+    // P.V of tile j - 1 as two commit groups, waits for S alone, runs the softmax of tile j while
+    // that P.V runs, then waits for it, releases tile j - 1's stage and rounds tile j's P into pa.
+    // O is rescaled by tile j - 1's factors before the turn's wgmma.fence (no accumulator of a
+    // wgmma in flight is touched by other instructions). Registers: O, S (f32) and one P (bf16).
+    // The loops are split so that no wgmma, fence, commit or wait sits under a condition:
+    // tile 0 (S and softmax), tiles 1 .. n_comp - 1 (the overlapped turns), the last P.V, then the
+    // tiles this warpgroup only passes through (its rows end before them; the other may need them).
+    // With PP the second warpgroup arrives on every tile, the first consumes the extra arrival at
+    // the end (the handshake has no conditional arrive).
     if constexpr (OVL) {
         float sc[PD_FA_BKV / 2];
-        int prev = -1;
-        for (int j = 0; j <= n_tiles; j++) {
-            bool mine = !NOMATH && j < n_mine;
-            if (!mine && prev >= 0) {  // the last P.V
-                pd_fa_rescale<HD>(o, corr);
-                pd_fa_pin<HD / 2>(o);
-                pd_fa_wg_fence();
-                pd_fa_issue_pv<HD, VN64>(o, pa, sv + (prev % ST) * C::TILE);
-                pd_fa_wg_commit();
-                pd_fa_wg_wait<0>();
-                pd_fa_pin<HD / 2>(o);
-                pd_fa_pin_u<PD_FA_BKV / 16>(pa);
-                pd_fa_mbar_arrive(bar + 8 * (ST + prev % ST));
-                prev = -1;
-            }
-            if (j == n_tiles) break;
-            int st = j % ST, kv0 = j * PD_FA_BKV;
-            bool pass = PP && !(cw == 1 && j == n_tiles - 1);
-            pd_fa_mbar_wait(bar + 8 * st, (j / ST) & 1);
+        const int n_comp = NOMATH ? 0 : n_mine;
+        if (n_comp > 0) {
+            pd_fa_mbar_wait(bar, 0);
             if constexpr (ARV) pd_fa_fence_async();
             if (PP) pd_fa_bar_sync(1 + cw);
-            if (!mine) {  // warpgroup-uniform
-                if (pass) pd_fa_bar_arrive(2 - cw);
-                pd_fa_mbar_arrive(bar + 8 * (ST + st));
-                continue;
-            }
-            const uint32_t kt = sk + st * C::TILE;
-            bool need_mask = kv0 + PD_FA_BKV - 1 > pos0 + wr;
             pd_fa_pin<PD_FA_BKV / 2>(sc);
             pd_fa_wg_fence();
-            pd_fa_issue_s<HD>(sc, qa, kt);
+            pd_fa_issue_s<HD>(sc, qa, sk);
             pd_fa_wg_commit();
-            if (prev >= 0) {
+            if (PP) pd_fa_bar_arrive(2 - cw);
+            pd_fa_wg_wait<0>();
+            pd_fa_pin<PD_FA_BKV / 2>(sc);
+            if constexpr (KVS) pd_fa_mbar_arrive(bar + 8 * ST);  // K of tile 0
+            pd_fa_softmax_p(sc, m, l, corr, pos0 + wr < PD_FA_BKV - 1, 0, qpos, t, scale_log2);
+            pd_fa_pack(sc, pa);
+            for (int j = 1; j < n_comp; j++) {
+                const int st = j % ST, sp = (j - 1) % ST, kv0 = j * PD_FA_BKV;
+                pd_fa_mbar_wait(bar + 8 * st, (j / ST) & 1);
+                if constexpr (ARV) pd_fa_fence_async();
+                if (PP) pd_fa_bar_sync(1 + cw);
+                if constexpr (KVS) pd_fa_mbar_wait(barv + 8 * sp, ((j - 1) / ST) & 1);  // complete already
                 pd_fa_rescale<HD>(o, corr);
                 pd_fa_pin<HD / 2>(o);
+                pd_fa_pin<PD_FA_BKV / 2>(sc);
+                pd_fa_pin_u<PD_FA_BKV / 16>(pa);
                 pd_fa_wg_fence();
-                pd_fa_issue_pv<HD, VN64>(o, pa, sv + (prev % ST) * C::TILE);
+                pd_fa_issue_s<HD>(sc, qa, sk + st * C::TILE);
                 pd_fa_wg_commit();
-            }
-            if (pass) pd_fa_bar_arrive(2 - cw);
-            if (prev >= 0) pd_fa_wg_wait<1>();
-            else pd_fa_wg_wait<0>();
-            pd_fa_pin<PD_FA_BKV / 2>(sc);
-            pd_fa_softmax_p(sc, m, l, corr, need_mask, kv0, qpos, t, scale_log2);
-            if (prev >= 0) {
+                pd_fa_issue_pv<HD, VN64>(o, pa, sv + sp * C::TILE);
+                pd_fa_wg_commit();
+                if (PP) pd_fa_bar_arrive(2 - cw);
+                pd_fa_wg_wait<1>();
+                pd_fa_pin<PD_FA_BKV / 2>(sc);
+                if constexpr (KVS) pd_fa_mbar_arrive(bar + 8 * (ST + st));  // K of tile j
+                pd_fa_softmax_p(sc, m, l, corr, kv0 + PD_FA_BKV - 1 > pos0 + wr, kv0, qpos, t, scale_log2);
                 pd_fa_wg_wait<0>();
                 pd_fa_pin<HD / 2>(o);
-                pd_fa_pin_u<PD_FA_BKV / 16>(pa);  // P.V read pa until here: the softmax must not reuse them
-                pd_fa_mbar_arrive(bar + 8 * (ST + prev % ST));
+                pd_fa_pin_u<PD_FA_BKV / 16>(pa);  // P.V read pa until here: the pack must not reuse them
+                pd_fa_mbar_arrive(KVS ? barv + 8 * (ST + sp) : bar + 8 * (ST + sp));
+                pd_fa_pack(sc, pa);
             }
-            pd_fa_pack(sc, pa);
-            prev = j;
+            const int sl = (n_comp - 1) % ST;
+            if constexpr (KVS) pd_fa_mbar_wait(barv + 8 * sl, ((n_comp - 1) / ST) & 1);
+            pd_fa_rescale<HD>(o, corr);
+            pd_fa_pin<HD / 2>(o);
+            pd_fa_pin_u<PD_FA_BKV / 16>(pa);
+            pd_fa_wg_fence();
+            pd_fa_issue_pv<HD, VN64>(o, pa, sv + sl * C::TILE);
+            pd_fa_wg_commit();
+            pd_fa_wg_wait<0>();
+            pd_fa_pin<HD / 2>(o);
+            pd_fa_mbar_arrive(KVS ? barv + 8 * (ST + sl) : bar + 8 * (ST + sl));
         }
+        for (int j = n_comp; j < n_tiles; j++) {
+            const int st = j % ST;
+            pd_fa_mbar_wait(bar + 8 * st, (j / ST) & 1);
+            if (PP) pd_fa_bar_sync(1 + cw);
+            if (PP) pd_fa_bar_arrive(2 - cw);
+            pd_fa_mbar_arrive(bar + 8 * (ST + st));
+            if constexpr (KVS) {
+                pd_fa_mbar_wait(barv + 8 * st, (j / ST) & 1);
+                pd_fa_mbar_arrive(barv + 8 * (ST + st));
+            }
+        }
+        if (PP && cw == 0) pd_fa_bar_sync(1);  // the second warpgroup's last arrival
     }
     for (int j = 0; j < n_tiles && !OVL; j++) {
         int st = j % ST, kv0 = j * PD_FA_BKV;
@@ -605,15 +670,14 @@ static bool pd_fa_enabled() {
 // Knobs, read once, "1" on / "0" off: PD_CUDA_FA3_PP (ping-pong), PD_CUDA_FA3_VN64 (P.V of head_dim 128 as two
 // n64 wgmmas), PD_CUDA_FA3_ROWP (the first producer), PD_CUDA_FA3_TMA (whole pages by TMA); with
 // -DPD_FA3_DIAG also PD_CUDA_FA3_DIAG=noload|nomath.
-static int pd_fa_env(const char *name) {  // 1, 0, or -1 when unset / neither
-    const char *e = getenv(name);
-    return e && !strcmp(e, "1") ? 1 : e && !strcmp(e, "0") ? 0 : -1;
+static int pd_fa_env(const char *name) {  // 1, 0, or -1 when unset; anything else is refused (abort)
+    return pd_k_env_int(name, -1, 0, 1);
 }
 static int pd_fa_flags(int hd) {
-    static int pp = -2, vn = -2, rowp = -2, tma = -2, ovl = -2, arv = -2, diag = 0;
+    static int pp = -2, vn = -2, rowp = -2, tma = -2, ovl = -2, arv = -2, kvs = -2, diag = 0;
     if (pp == -2) {
         vn = pd_fa_env("PD_CUDA_FA3_VN64"), rowp = pd_fa_env("PD_CUDA_FA3_ROWP"), tma = pd_fa_env("PD_CUDA_FA3_TMA");
-        ovl = pd_fa_env("PD_CUDA_FA3_OVL"), arv = pd_fa_env("PD_CUDA_FA3_ARV");
+        ovl = pd_fa_env("PD_CUDA_FA3_OVL"), arv = pd_fa_env("PD_CUDA_FA3_ARV"), kvs = pd_fa_env("PD_CUDA_FA3_KVS");
 #ifdef PD_FA3_DIAG
         const char *d = getenv("PD_CUDA_FA3_DIAG");
         diag = d && !strcmp(d, "noload") ? PD_FA_NOLOAD : d && !strcmp(d, "nomath") ? PD_FA_NOMATH : 0;
@@ -622,7 +686,8 @@ static int pd_fa_flags(int hd) {
     }
     return ((pp < 0 ? hd == 128 : pp) ? PD_FA_PP : 0) | (vn == 1 && hd == 128 ? PD_FA_VN64 : 0) |
            (rowp == 1 ? PD_FA_ROWP : 0) | (tma == 1 ? PD_FA_TMA : 0) | (ovl == 1 ? PD_FA_OVL : 0) |
-           (arv == 1 && rowp != 1 && tma != 1 ? PD_FA_ARV : 0) | diag;
+           (arv == 1 && rowp != 1 && tma != 1 ? PD_FA_ARV : 0) |
+           (kvs == 1 && ovl == 1 && rowp != 1 && tma != 1 && arv != 1 ? PD_FA_KVS : 0) | diag;
 }
 
 template <int HD, int FL>
@@ -693,6 +758,8 @@ static void pd_fa_dispatch(const pd_attention_kparams *p, cudaStream_t s, int fl
     PD_FA_CASE(PD_FA_PP | PD_FA_OVL | PD_FA_ARV)
     PD_FA_CASE(PD_FA_ARV)
     PD_FA_CASE(PD_FA_OVL | PD_FA_ARV)
+    PD_FA_CASE(PD_FA_OVL | PD_FA_KVS)
+    PD_FA_CASE(PD_FA_PP | PD_FA_OVL | PD_FA_KVS)
     if constexpr (HD == 128) {
         PD_FA_CASE(PD_FA_VN64 | PD_FA_PP | PD_FA_OVL)
         PD_FA_CASE(PD_FA_VN64)

@@ -854,12 +854,12 @@ fuse_done:
             printf("attn prefill %s L=%-5d    %9.1f us  %6.1f TFLOP/s (causal flops)\n", f8 ? "fp8 " : "bf16", pre[i], us,
                    fl / (us * 1e6));
         }
-    // attnpre: also head_dim 64 (32 heads, 8 kv heads) and 4 prompts of 2048 in one batch
-    for (int i = 0; i < 2 && want("attnpre"); i++) {
+    // attnpre: also head_dim 64 (32 heads, 8 kv heads) at 512 / 2048 / 8192 and 4 prompts of 2048 in one batch
+    for (int i = 0; i < 4 && want("attnpre"); i++) {
         at_arg a;
-        int n_seqs = i ? 4 : 1, L = i ? 2048 : 8192, d = i ? 128 : 64;
+        int n_seqs = i == 3 ? 4 : 1, L = i == 0 ? 512 : i == 2 ? 8192 : 2048, d = i == 3 ? 128 : 64;
         attn_setup(&a, n_seqs, L, L, H, Hkv, d, 16, false);
-        us = time_us(g_b, at_op, &a, 5);
+        us = time_us(g_b, at_op, &a, L * n_seqs >= 8192 ? 5 : 20);
         double fl = 4.0 * H * d * (double)L * L / 2 * n_seqs;
         printf("attn prefill bf16 hd=%d %dx L=%-5d %9.1f us  %6.1f TFLOP/s (causal flops)\n", d, n_seqs, L, us,
                fl / (us * 1e6));
