@@ -36,6 +36,7 @@ static const pd_knob KNOBS[] = {
     SW("PD_CUDA_EARLY_LOADS", "rmsnorm / rope_kv: loads before the PDL wait (default 1)"),
     SW("PD_CUDA_FA3_ARV", "prefill attention variant ARV (default 0; measured slower)"),
     CHOICE("PD_CUDA_FA3_DIAG", "noload|nomath", "prefill attention diagnostics (op_bench_diag builds only; wrong results)"),
+    SW("PD_CUDA_FA3_KVS", "prefill attention with OVL: K and V on separate barriers (default 0)"),
     SW("PD_CUDA_FA3_OVL", "prefill attention: intra-warpgroup overlap (default 0; measured slower)"),
     SW("PD_CUDA_FA3_PP", "prefill attention: consumer ping-pong (default: on at head_dim 128, off at 64)"),
     SW("PD_CUDA_FA3_ROWP", "prefill attention: the first producer variant (measurements)"),

@@ -334,8 +334,9 @@ done:
 // cublasLtMatmulAlgoCheck, by every later M of the bucket: a server's prompt lengths vary, and
 // tuning each (about 0.1-0.3 s per shape at 8k) would cost every new length. Best effort: an
 // allocation failure leaves the heuristic's choice.
-// Off by default (PD_CUDA_GEMM_TUNE_PF=1024 turns it on from M = 1024); bench-engine then measures
-// its reference GEMM both ways and takes the faster (session 12, tools/gpu/NOTES.md "pf12").
+// Off by default (PD_CUDA_GEMM_TUNE_PF=1024 turns it on from M = 1024). It tunes bench-engine's
+// 8192^3 reference GEMM too: compare prefill times in ms against a run without it (session 12,
+// tools/gpu/NOTES.md "pf12").
 static int pf_bucket(int M) {
     int b = 1;
     while (b < M && b < (1 << 30)) b <<= 1;
