@@ -25,7 +25,14 @@
 //     shared memory as an N-major (transposed) operand: two m64n64k16 per k-step at head_dim 128
 //     (measured faster than one m64n128k16; PD_CUDA_FA3_VN64=0 for the latter). The two consumers
 //     take turns issuing their S products (ping-pong on named barriers; PD_CUDA_FA3_PP=0: off), so
-//     one's softmax overlaps the other's tensor-core work.
+//     one's softmax overlaps the other's tensor-core work. Each consumer also overlaps its own work
+//     (OVL, FA3's intra-warpgroup pipelining; PD_CUDA_FA3_OVL=0: off): a turn issues S of tile j and
+//     P.V of tile j - 1 as two commit groups and runs tile j's softmax while that P.V runs. Its loops
+//     are split (first tile, overlapped turns, last P.V, tiles past the warpgroup's rows) so that no
+//     wgmma, fence, commit or wait sits under a condition: ptxas serialises every wgmma of a kernel
+//     (C7514-C7518 reports) otherwise, as it did for session 10-11's OVL (measured slower then); the
+//     Makefile's WERROR=1 fails the build on such a report. At head_dim 64 K and V of a stage have
+//     separate barriers (KVS): K is released after S, V after P.V, so K is refilled a turn earlier.
 // Shared-memory tiles are rows of HD bf16 split into 64-element (128-byte) column blocks; a
 // column block holds 128 rows of 128 bytes, and 16-byte chunk c of row r sits at chunk
 // c ^ (r % 8) of its row (the 128-byte swizzle, which wgmma applies on address bits, so every
@@ -665,11 +672,15 @@ static bool pd_fa_enabled() {
     static int on = -1;
     return pd_k_env_on("PD_CUDA_ATTN_PREFILL", &on);
 }
-// The flag set for head_dim hd. Defaults from the H100 measurements (tools/gpu/NOTES.md, fa3-2): ping-pong
-// on at head_dim 128 (400 vs 395 TFLOP/s at 8k), off at 64 (300 vs 317-324); P.V as one wgmma per k-step.
-// Knobs, read once, "1" on / "0" off: PD_CUDA_FA3_PP (ping-pong), PD_CUDA_FA3_VN64 (P.V of head_dim 128 as two
-// n64 wgmmas), PD_CUDA_FA3_ROWP (the first producer), PD_CUDA_FA3_TMA (whole pages by TMA); with
-// -DPD_FA3_DIAG also PD_CUDA_FA3_DIAG=noload|nomath.
+// The flag set for head_dim hd. Defaults from the H100 measurements (tools/gpu/NOTES.md, fa3-2, pf12-1):
+// ping-pong on at head_dim 128 (400 vs 395 TFLOP/s at 8k), off at 64 (300 vs 317-324); P.V as one wgmma per
+// k-step; the overlapped consumer (OVL) on (head_dim 128 at 8k: 426-431 vs 412-413; 64: 303-306 vs 292-293),
+// with K and V on separate barriers (KVS) at head_dim 64 only (319-320 vs 303-306 at 8k; at 128: 375-377).
+// Knobs, read once, "1" on / "0" off (anything else aborts): PD_CUDA_FA3_PP (ping-pong), PD_CUDA_FA3_OVL,
+// PD_CUDA_FA3_KVS, PD_CUDA_FA3_VN64 (P.V of head_dim 128 as two n64 wgmmas), PD_CUDA_FA3_ARV,
+// PD_CUDA_FA3_ROWP (the first producer), PD_CUDA_FA3_TMA (whole pages by TMA; both without OVL unless it is
+// set); with -DPD_FA3_DIAG also PD_CUDA_FA3_DIAG=noload|nomath. A combination that is not instantiated
+// (pd_fa_dispatch) runs the default kernel, with a warning.
 static int pd_fa_env(const char *name) {  // 1, 0, or -1 when unset; anything else is refused (abort)
     return pd_k_env_int(name, -1, 0, 1);
 }
@@ -684,10 +695,12 @@ static int pd_fa_flags(int hd) {
 #endif
         pp = pd_fa_env("PD_CUDA_FA3_PP");
     }
+    bool other_producer = rowp == 1 || tma == 1;
+    bool use_ovl = ovl < 0 ? !other_producer : ovl == 1, use_arv = arv == 1 && !other_producer;
+    bool use_kvs = use_ovl && !use_arv && !other_producer && !diag && (kvs < 0 ? hd == 64 : kvs == 1);
     return ((pp < 0 ? hd == 128 : pp) ? PD_FA_PP : 0) | (vn == 1 && hd == 128 ? PD_FA_VN64 : 0) |
-           (rowp == 1 ? PD_FA_ROWP : 0) | (tma == 1 ? PD_FA_TMA : 0) | (ovl == 1 ? PD_FA_OVL : 0) |
-           (arv == 1 && rowp != 1 && tma != 1 ? PD_FA_ARV : 0) |
-           (kvs == 1 && ovl == 1 && rowp != 1 && tma != 1 && arv != 1 ? PD_FA_KVS : 0) | diag;
+           (rowp == 1 ? PD_FA_ROWP : 0) | (tma == 1 ? PD_FA_TMA : 0) | (use_ovl ? PD_FA_OVL : 0) |
+           (use_arv ? PD_FA_ARV : 0) | (use_kvs ? PD_FA_KVS : 0) | diag;
 }
 
 template <int HD, int FL>
@@ -746,19 +759,19 @@ static bool pd_fa_tensor_maps(const pd_attention_kparams *p, CUtensorMap tm[2]) 
 // The instantiated flag sets; anything else runs the default.
 template <int HD>
 static void pd_fa_dispatch(const pd_attention_kparams *p, cudaStream_t s, int fl, const CUtensorMap *tm) {
+    PD_FA_CASE(PD_FA_PP | PD_FA_OVL)  // the default at head_dim 128
+    PD_FA_CASE(PD_FA_OVL | PD_FA_KVS)  // the default at head_dim 64
     PD_FA_CASE(PD_FA_PP)
     PD_FA_CASE(PD_FA_PP | PD_FA_TMA)
     PD_FA_CASE(0)
     PD_FA_CASE(PD_FA_TMA)
     PD_FA_CASE(PD_FA_ROWP)
     PD_FA_CASE(PD_FA_PP | PD_FA_ROWP)
-    PD_FA_CASE(PD_FA_PP | PD_FA_OVL)
     PD_FA_CASE(PD_FA_OVL)
     PD_FA_CASE(PD_FA_PP | PD_FA_ARV)
     PD_FA_CASE(PD_FA_PP | PD_FA_OVL | PD_FA_ARV)
     PD_FA_CASE(PD_FA_ARV)
     PD_FA_CASE(PD_FA_OVL | PD_FA_ARV)
-    PD_FA_CASE(PD_FA_OVL | PD_FA_KVS)
     PD_FA_CASE(PD_FA_PP | PD_FA_OVL | PD_FA_KVS)
     if constexpr (HD == 128) {
         PD_FA_CASE(PD_FA_VN64 | PD_FA_PP | PD_FA_OVL)
@@ -773,8 +786,16 @@ static void pd_fa_dispatch(const pd_attention_kparams *p, cudaStream_t s, int fl
     PD_FA_CASE(PD_FA_NOLOAD)
     PD_FA_CASE(PD_FA_NOMATH)
     PD_FA_CASE(PD_FA_TMA | PD_FA_NOMATH)
+    PD_FA_CASE(PD_FA_OVL | PD_FA_NOLOAD)
+    PD_FA_CASE(PD_FA_OVL | PD_FA_NOMATH)
+    PD_FA_CASE(PD_FA_PP | PD_FA_OVL | PD_FA_NOMATH)
 #endif
-    pd_fa_launch<HD, HD == 128 ? PD_FA_PP : 0>(p, s, tm);
+    static bool warned = false;
+    if (!warned)
+        fprintf(stderr, "pdserve: prefill attention: the PD_CUDA_FA3_* combination (flags 0x%x) is not built: the default "
+                        "kernel runs\n", fl);
+    warned = true;
+    pd_fa_launch<HD, HD == 128 ? PD_FA_PP | PD_FA_OVL : PD_FA_OVL | PD_FA_KVS>(p, s, tm);
 }
 
 extern "C" int pd_cuda_attn_prefill_fa3(const pd_attention_kparams *p, cudaStream_t s) {
