@@ -325,7 +325,8 @@ static __global__ void __launch_bounds__(PD_FA_THREADS, 1)
                        const int32_t *q_indptr, const int32_t *kv_lens, const int32_t *bt_indptr,
                        const int32_t *bt_indices, int n_q_tiles, int n_seqs, int H, int n_kv, int bs, int bs_shift,
                        int q_stride, float scale_log2, const __grid_constant__ CUtensorMap tmk,
-                       const __grid_constant__ CUtensorMap tmv) {
+                       const __grid_constant__ CUtensorMap tmv, const __grid_constant__ CUtensorMap tmk_t,
+                       const __grid_constant__ CUtensorMap tmv_t) {
     using C = pd_fa_cfg<HD>;
     constexpr int ST = C::ST, CPR = HD / 8;
     constexpr bool VN64 = FL & PD_FA_VN64, PP = FL & PD_FA_PP, ROWP = FL & PD_FA_ROWP;
@@ -449,11 +450,25 @@ static __global__ void __launch_bounds__(PD_FA_THREADS, 1)
                         int pgk = bs_shift >= 0 ? pos >> bs_shift : pos / bs, in = pos - pgk * bs;
                         slot[k] = pos >= cp_from && pos < kv_end ? __ldg(bt + pgk) * bs + in : -1;
                     }
+                    // A whole tile in consecutive pages (a fresh prompt's pages often are) comes as one
+                    // box of 128 rows per column block (tmk_t / tmv_t) instead of one per page.
+                    bool run = false;
+                    if (tw < 32) {
+                        int first = __shfl_sync(0xffffffffu, page, 0);
+                        run = __all_sync(0xffffffffu, n_full * bs == PD_FA_BKV &&
+                                                          (tw >= n_full * CB || page == first + pg));
+                    }
                     if (j >= ST) pd_fa_mbar_wait(bar + 8 * (ST + st), ((j / ST) - 1) & 1);
                     if (tw == 0 && n_full > 0)
                         pd_fa_mbar_expect_tx(bar + 8 * st, (uint32_t)(n_full * bs * HD * 2 * 2));
                     __syncwarp();
-                    if (tw < n_full * CB) {
+                    if (run) {
+                        if (tw < CB) {
+                            uint32_t o = (uint32_t)(cb * (PD_FA_BKV * 128));
+                            pd_fa_tma3(dk + o, &tmk_t, cb * 64, kvh, page * bs, bar + 8 * st);
+                            pd_fa_tma3(dv + o, &tmv_t, cb * 64, kvh, page * bs, bar + 8 * st);
+                        }
+                    } else if (tw < n_full * CB) {
                         uint32_t o = (uint32_t)(cb * (PD_FA_BKV * 128) + pg * bs * 128);
                         pd_fa_tma3(dk + o, &tmk, cb * 64, kvh, page * bs, bar + 8 * st);
                         pd_fa_tma3(dv + o, &tmv, cb * 64, kvh, page * bs, bar + 8 * st);
@@ -719,13 +734,14 @@ static void pd_fa_launch(const pd_attention_kparams *p, cudaStream_t s, const CU
     k_attn_prefill_fa3<HD, FL><<<grid, PD_FA_THREADS, pd_fa_cfg<HD>::SMEM, s>>>(
         (const __nv_bfloat16 *)p->q, (const __nv_bfloat16 *)p->k_cache, (const __nv_bfloat16 *)p->v_cache,
         (__nv_bfloat16 *)p->out, p->q_indptr, p->kv_lens, p->bt_indptr, p->bt_indices, n_q_tiles, p->n_seqs,
-        p->n_heads, p->n_kv_heads, p->block_size, bs_shift, p->q_stride, p->scale * PD_FA_LOG2E, tm[0], tm[1]);
+        p->n_heads, p->n_kv_heads, p->block_size, bs_shift, p->q_stride, p->scale * PD_FA_LOG2E, tm[0], tm[1], tm[2],
+        tm[3]);
 }
 
 // Tensor maps of the K and V caches for the TMA producer: (head_dim, n_kv, slots) bf16, boxes of 64 x 1 x
 // block_size with the 128-byte swizzle. The slot extent is a bound the page ids never reach (the
 // kernel only asks for pages of the table). False when the driver lacks the encoder or rejects the map.
-static bool pd_fa_tensor_maps(const pd_attention_kparams *p, CUtensorMap tm[2]) {
+static bool pd_fa_tensor_maps(const pd_attention_kparams *p, CUtensorMap tm[4]) {
     static PFN_cuTensorMapEncodeTiled_v12000 enc = NULL;
     static int tried = 0;
     if (!tried) {
@@ -740,10 +756,10 @@ static bool pd_fa_tensor_maps(const pd_attention_kparams *p, CUtensorMap tm[2]) 
     if (!enc) return false;
     cuuint64_t dims[3] = {(cuuint64_t)p->head_dim, (cuuint64_t)p->n_kv_heads, (cuuint64_t)1 << 28};
     cuuint64_t strides[2] = {(cuuint64_t)p->head_dim * 2, (cuuint64_t)p->n_kv_heads * p->head_dim * 2};
-    cuuint32_t box[3] = {64, 1, (cuuint32_t)p->block_size}, estr[3] = {1, 1, 1};
+    cuuint32_t box[3] = {64, 1, (cuuint32_t)p->block_size}, box_t[3] = {64, 1, PD_FA_BKV}, estr[3] = {1, 1, 1};
     const void *ptr[2] = {p->k_cache, p->v_cache};
-    for (int i = 0; i < 2; i++)
-        if (enc(&tm[i], CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3, (void *)ptr[i], dims, strides, box, estr,
+    for (int i = 0; i < 4; i++)  // tm[0], tm[1]: one page of K, V; tm[2], tm[3]: a whole tile of consecutive pages
+        if (enc(&tm[i], CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3, (void *)ptr[i & 1], dims, strides, i < 2 ? box : box_t, estr,
                 CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
                 CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) != CUDA_SUCCESS)
             return false;
@@ -763,6 +779,8 @@ static void pd_fa_dispatch(const pd_attention_kparams *p, cudaStream_t s, int fl
     PD_FA_CASE(PD_FA_OVL | PD_FA_KVS)  // the default at head_dim 64
     PD_FA_CASE(PD_FA_PP)
     PD_FA_CASE(PD_FA_PP | PD_FA_TMA)
+    PD_FA_CASE(PD_FA_PP | PD_FA_OVL | PD_FA_TMA)
+    PD_FA_CASE(PD_FA_OVL | PD_FA_TMA)
     PD_FA_CASE(0)
     PD_FA_CASE(PD_FA_TMA)
     PD_FA_CASE(PD_FA_ROWP)
@@ -803,7 +821,7 @@ extern "C" int pd_cuda_attn_prefill_fa3(const pd_attention_kparams *p, cudaStrea
     if (p->head_dim != 64 && p->head_dim != 128) return 0;
     if ((long)((p->max_q_len + PD_FA_BQ - 1) / PD_FA_BQ) * p->n_seqs * p->n_heads > 0x7fffffffL) return 0;
     int fl = pd_fa_flags(p->head_dim);
-    CUtensorMap tm[2];
+    CUtensorMap tm[4];
     memset(tm, 0, sizeof tm);
     // TMA moves whole pages: block_size 8..128 dividing the 128-position tile (else cp.async only)
     if (fl & PD_FA_TMA) {

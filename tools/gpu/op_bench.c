@@ -133,7 +133,14 @@ static void attn_setup(at_arg *a, int n_seqs, int q_len, int kv_len, int H, int 
             *bt = malloc(4 * (size_t)n_blocks), *ts = malloc(4 * (size_t)n_tok);
     for (int s = 0; s <= n_seqs; s++) { qi[s] = s * q_len; bi[s] = s * bps; }
     for (int s = 0; s < n_seqs; s++) kl[s] = kv_len;
-    for (int i = 0; i < n_blocks; i++) bt[i] = (int32_t)(((int64_t)i * 7919) % n_blocks);  // scattered
+    // scattered pages; OP_BENCH_ATTN_PAGES=contig: consecutive (as a fresh pool hands out a long prompt's)
+    const char *pages = getenv("OP_BENCH_ATTN_PAGES");
+    bool contig = pages && !strcmp(pages, "contig");
+    if (pages && *pages && !contig && strcmp(pages, "scattered")) {
+        fprintf(stderr, "OP_BENCH_ATTN_PAGES=%s: expected contig or scattered\n", pages);
+        exit(2);
+    }
+    for (int i = 0; i < n_blocks; i++) bt[i] = contig ? i : (int32_t)(((int64_t)i * 7919) % n_blocks);
     for (int i = 0; i < n_tok; i++) ts[i] = i / q_len;
     int32_t *d[5];
     size_t sz[5] = {4 * (size_t)(n_seqs + 1), 4 * (size_t)n_seqs, 4 * (size_t)(n_seqs + 1), 4 * (size_t)n_blocks, 4 * (size_t)n_tok};
