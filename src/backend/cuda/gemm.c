@@ -50,9 +50,6 @@
 #define PD_GEMM_FLUSH_BYTES (192u << 20)  // > L2 (50 MB on H100/H200) with margin
 #define PD_GEMM_TUNE_PF_ALGOS 8
 #define PD_GEMM_TUNE_PF_ROUNDS 3
-#define PD_GEMM_TUNE_PF_BURST_MS 8.0f  // each candidate's timed burst: back-to-back calls of about this long
-#define PD_GEMM_TUNE_PF_MAX_CALLS 64
-#define PD_GEMM_TUNE_PF_MARGIN 0.98f   // another candidate replaces the heuristic's only when >= 2% faster
 
 struct pd_cuda_gemm_plan {
     int M, N, K, lda, flags;
@@ -323,20 +320,20 @@ done:
 // Llama-3-8B qkv GEMM at M = 8192 at 81% of the 8192^3 peak where another candidate ran 94.5%
 // (H100, op_bench pfl, session 11); gemm_tune's short, L2-flushed timings picked slower kernels for
 // gate_up and o there (a GPU that just idled through the flush runs its first milliseconds at
-// clocks it cannot hold: short bursts rank kernels by something else than sustained speed). So each
-// candidate runs a burst of back-to-back calls of about PD_GEMM_TUNE_PF_BURST_MS (warm, sustained),
-// the bursts interleaved over PD_GEMM_TUNE_PF_ROUNDS rounds (each round times every candidate once:
-// clock drift hits them alike), and the fastest total wins, if it beats the heuristic's first
-// choice by PD_GEMM_TUNE_PF_MARGIN (else noise would swap kernels of equal speed). Session 11's
-// first version timed one call per candidate and round; it picked a slower kernel for bench-engine's
-// 8192^3 reference GEMM (681-727 TFLOP/s against 780-786) and moved prefill times within the noise.
-// The choice is kept per (N, K, lda, flags, power-of-two bucket of M) and reused, after
+// clocks it cannot hold: short bursts rank kernels by something else than sustained speed). So the
+// candidates run back to back, warm, interleaved over PD_GEMM_TUNE_PF_ROUNDS rounds (each round
+// times every candidate once: clock drift hits them alike), and the fastest total wins. The choice
+// is kept per (N, K, lda, flags, power-of-two bucket of M) and reused, after
 // cublasLtMatmulAlgoCheck, by every later M of the bucket: a server's prompt lengths vary, and
-// tuning each (about 0.1-0.3 s per shape at 8k) would cost every new length. Best effort: an
-// allocation failure leaves the heuristic's choice.
-// Off by default (PD_CUDA_GEMM_TUNE_PF=1024 turns it on from M = 1024). It tunes bench-engine's
-// 8192^3 reference GEMM too: compare prefill times in ms against a run without it (session 12,
-// tools/gpu/NOTES.md "pf12").
+// tuning each (tens of ms at 8k) would cost every new length. Best effort: an allocation failure
+// leaves the heuristic's choice.
+// Off by default (PD_CUDA_GEMM_TUNE_PF=1024 turns it on from M = 1024): measured on an H100
+// (session 11, tools/gpu/NOTES.md pf11-2) it did pick qkv's faster kernel at 8192 (547 vs 627 us,
+// and 147 vs 154 at 2048), but also a slower one for the 8192^3 GEMM that bench-engine measures as
+// its peak (681-727 TFLOP/s in every run with it against 780-786 without): a single interleaved
+// run per candidate still ranks by something else than sustained speed, and prefill times moved
+// within the noise (8192 tokens 230.9 ms without vs 229.5 with). A robust ranking needs long
+// sustained runs per candidate (hundreds of ms per shape) or offline tables; not done.
 static int pf_bucket(int M) {
     int b = 1;
     while (b < M && b < (1 << 30)) b <<= 1;
@@ -371,39 +368,24 @@ static void gemm_tune_pf(pd_cuda_backend *cb, pd_cuda_gemm_plan *pl, const cubla
         if (pl->flags & PD_GEMM_BIAS)
             PD_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(pl->desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &p->bias, sizeof p->bias));
         float alpha = 1.0f, beta = p->accumulate ? 1.0f : 0.0f;
-        // The burst length: calls of the heuristic's kernel filling about PD_GEMM_TUNE_PF_BURST_MS
-        // (its second call timed, after a first that loads the kernel).
-        int calls = 1;
-        for (int k = 0; k < 2; k++) {
-            PD_CUDA_CHECK(cudaEventRecord(ev[0], cb->stream));
-            cublasLtMatmul(cb->lt, pl->desc, &alpha, p->w, pl->la, p->a, pl->lb, &beta, out, pl->lc, out, pl->lc,
-                           &res[0].algo, cb->lt_ws, cb->lt_ws_bytes, cb->stream);
-            PD_CUDA_CHECK(cudaEventRecord(ev[1], cb->stream));
-            PD_CUDA_CHECK(cudaEventSynchronize(ev[1]));
-        }
-        float one = 0;
-        PD_CUDA_CHECK(cudaEventElapsedTime(&one, ev[0], ev[1]));
-        if (one > 0) calls = (int)fminf(fmaxf(ceilf(PD_GEMM_TUNE_PF_BURST_MS / one), 2.f), (float)PD_GEMM_TUNE_PF_MAX_CALLS);
         for (int i = 0; i < n_res; i++) tot[i] = 0;
         for (int r = 0; r <= PD_GEMM_TUNE_PF_ROUNDS; r++) {  // round 0 warms up
             for (int i = 0; i < n_res; i++) {
                 PD_CUDA_CHECK(cudaEventRecord(ev[2 * i], cb->stream));
-                for (int c = 0; c < calls; c++)
-                    if (cublasLtMatmul(cb->lt, pl->desc, &alpha, p->w, pl->la, p->a, pl->lb, &beta, out, pl->lc, out,
-                                       pl->lc, &res[i].algo, cb->lt_ws, cb->lt_ws_bytes, cb->stream) != CUBLAS_STATUS_SUCCESS)
-                        tot[i] = INFINITY;
+                if (cublasLtMatmul(cb->lt, pl->desc, &alpha, p->w, pl->la, p->a, pl->lb, &beta, out, pl->lc, out, pl->lc,
+                                   &res[i].algo, cb->lt_ws, cb->lt_ws_bytes, cb->stream) != CUBLAS_STATUS_SUCCESS)
+                    tot[i] = INFINITY;
                 PD_CUDA_CHECK(cudaEventRecord(ev[2 * i + 1], cb->stream));
             }
             PD_CUDA_CHECK(cudaEventSynchronize(ev[2 * n_res - 1]));
             for (int i = 0; i < n_res && r > 0; i++) {
                 float ms = 0;
                 PD_CUDA_CHECK(cudaEventElapsedTime(&ms, ev[2 * i], ev[2 * i + 1]));
-                tot[i] += ms / calls;
+                tot[i] += ms;
             }
         }
         for (int i = 1; i < n_res; i++)
             if (tot[i] < tot[best_i]) best_i = i;
-        if (!(tot[best_i] < PD_GEMM_TUNE_PF_MARGIN * tot[0])) best_i = 0;
         pl->algo = res[best_i].algo;
         PD_LOG_D("cuBLASLt prefill: M=%d N=%d K=%d: candidate %d of %d, %.1f us (heuristic's first %.1f us)", pl->M,
                  pl->N, pl->K, best_i, n_res, 1e3 * tot[best_i] / PD_GEMM_TUNE_PF_ROUNDS,
