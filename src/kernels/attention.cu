@@ -55,6 +55,15 @@
 #define PD_K_DEC_MIN_PART 128
 #define PD_K_DEC_MAX_SPLITS 128
 
+// RoPE + KV write of a decode step folded into the bf16 streaming decode kernel (positions NULL:
+// off): see k_attn_decode_bt.
+struct pd_k_rope_fold {
+    const int32_t *positions, *slot_mapping;
+    const float *inv_freq;
+    float scaling;
+    int hf;
+};
+
 // ---- fp8 KV (backend.h, PD_KV_FP8) -------------------------------------------------------------
 // A slot's row: n_kv * HD e4m3 bytes, then n_kv f32 scales. Every kernel takes the caches as bytes
 // plus row_bytes when F8; e4m3 -> bf16 is exact (cvt to f16x2, widen), the scale is applied in
@@ -463,7 +472,7 @@ static __global__ void __launch_bounds__(PD_K_DEC_WARPS * 32)
     k_attn_decode(const __nv_bfloat16 *q, const void *kc, const void *vc, __nv_bfloat16 *out,
                   const int32_t *q_indptr, const int32_t *kv_lens, const int32_t *bt_indptr,
                   const int32_t *bt_indices, int H, int n_kv, int bs, int q_stride, float scale_log2, int part,
-                  int n_splits, float *ws, int *cnt, size_t rb, int n_new) {
+                  int n_splits, float *ws, int *cnt, size_t rb, int n_new, pd_k_rope_fold rf) {
     constexpr int LPT = HD / 8, TPW = 32 / LPT, U = PD_K_DEC_UNROLL;
     __shared__ float red[PD_K_DEC_WARPS][GM][HD + 2];
     pd_k_pdl_trigger();
@@ -700,7 +709,7 @@ static __global__ void __launch_bounds__(W * 32, W == 4 ? (PIPE ? 2 : 3) : 1)
     k_attn_decode_tc(const __nv_bfloat16 *q, const void *kc, const void *vc, __nv_bfloat16 *out,
                      const int32_t *q_indptr, const int32_t *kv_lens, const int32_t *bt_indptr,
                      const int32_t *bt_indices, int H, int n_kv, int bs, int q_stride, float scale_log2, int part,
-                     int n_splits, float *ws, int *cnt, size_t rb, int n_new) {
+                     int n_splits, float *ws, int *cnt, size_t rb, int n_new, pd_k_rope_fold rf) {
     constexpr int NI = HD / 32;
     __shared__ float red[W][GM][HD + 2];
     pd_k_pdl_trigger();
@@ -835,7 +844,7 @@ static __global__ void __launch_bounds__(W * 32, W == 4 ? 2 : 1)
     k_attn_decode_tc_f8(const __nv_bfloat16 *q, const void *kc_, const void *vc_, __nv_bfloat16 *out,
                         const int32_t *q_indptr, const int32_t *kv_lens, const int32_t *bt_indptr,
                         const int32_t *bt_indices, int H, int n_kv, int bs, int q_stride, float scale_log2, int part,
-                        int n_splits, float *ws, int *cnt, size_t rb, int n_new) {
+                        int n_splits, float *ws, int *cnt, size_t rb, int n_new, pd_k_rope_fold rf) {
     constexpr int NI = HD / 32;
     __shared__ float red[W][GM][HD + 2];
     const uint8_t *kc = (const uint8_t *)kc_, *vc = (const uint8_t *)vc_;
@@ -1060,7 +1069,7 @@ static __global__ void __launch_bounds__(W * 32, W == 4 ? 2 : 1)
     k_attn_decode_f8s(const __nv_bfloat16 *q, const void *kc_, const void *vc_, __nv_bfloat16 *out,
                       const int32_t *q_indptr, const int32_t *kv_lens, const int32_t *bt_indptr,
                       const int32_t *bt_indices, int H, int n_kv, int bs, int q_stride, float scale_log2, int part,
-                      int n_splits, float *ws, int *cnt, size_t rb, int n_new) {
+                      int n_splits, float *ws, int *cnt, size_t rb, int n_new, pd_k_rope_fold rf) {
     constexpr int NC = HD / 64, STEP = W * 16 * T2;  // a warp's step: T2 tiles of 16 tokens
     __shared__ float red[W][GM][HD + 2];
     const uint8_t *kc = (const uint8_t *)kc_, *vc = (const uint8_t *)vc_;
@@ -1236,6 +1245,66 @@ static __device__ __forceinline__ void pd_k_bt_load_late(pd_k_bt_step_regs<HD> &
     }
 }
 
+// The rope fold (pd_k_rope_fold): this lane's dims are i*32 + t*8 + e (i < HD/32, e < 8), so it
+// holds both halves of the rotation pairs (d, d + HD/2) of its chunks i < HD/64: cs/sn of those,
+// computed as rope_kv computes them (pd_k_rope_cs).
+template <int HD>
+struct pd_k_rope_cs_regs {
+    float cs[HD / 64][8], sn[HD / 64][8];
+};
+template <int HD>
+static __device__ __forceinline__ void pd_k_fold_cs(pd_k_rope_cs_regs<HD> &c, const pd_k_rope_fold &rf, float pos, int t) {
+#pragma unroll
+    for (int i = 0; i < HD / 64; i++)
+#pragma unroll
+        for (int e = 0; e < 8; e++) pd_k_rope_cs(pos, rf.inv_freq[i * 32 + t * 8 + e], rf.scaling, rf.hf, &c.sn[i][e], &c.cs[i][e]);
+}
+// Rotates this lane's chunks x[0 .. HD/32) of one head in place (bf16 in, bf16 out: k_rope_kv's values).
+template <int HD>
+static __device__ __forceinline__ void pd_k_fold_rotate(uint4 (&x)[HD / 32], const pd_k_rope_cs_regs<HD> &c, int hf) {
+#pragma unroll
+    for (int i = 0; i < HD / 64; i++) {
+        float a[8], b[8], y0[8], y1[8];
+        pd_k_unpack8(x[i], a);
+        pd_k_unpack8(x[i + HD / 64], b);
+#pragma unroll
+        for (int e = 0; e < 8; e++) pd_k_rope_apply(a[e], b[e], c.sn[i][e], c.cs[i][e], hf, &y0[e], &y1[e]);
+        x[i] = pd_k_pack8(y0);
+        x[i + HD / 64] = pd_k_pack8(y1);
+    }
+}
+// Token row hh of r is the step's new row: its K (rotated) and V from the qkv row qr, stored to the
+// cache at wslot (>= 0) as rope_kv would have.
+template <int HD, int HH>
+static __device__ __forceinline__ void pd_k_fold_new_row(pd_k_bt_step_regs<HD> &r, const __nv_bfloat16 *qr, int H,
+                                                         int n_kv, int kvh, int t, const pd_k_rope_cs_regs<HD> &c,
+                                                         int hf, __nv_bfloat16 *kc, __nv_bfloat16 *vc, int wslot) {
+    const __nv_bfloat16 *kr = qr + (size_t)(H + kvh) * HD + t * 8, *vr = qr + (size_t)(H + n_kv + kvh) * HD + t * 8;
+#pragma unroll
+    for (int i = 0; i < HD / 32; i++) {
+        r.k[HH][i] = *(const uint4 *)(kr + i * 32);
+        r.v[HH][i] = *(const uint4 *)(vr + i * 32);
+    }
+    pd_k_fold_rotate<HD>(r.k[HH], c, hf);
+    if (wslot >= 0) {
+        size_t off = ((size_t)wslot * n_kv + kvh) * HD + t * 8;
+#pragma unroll
+        for (int i = 0; i < HD / 32; i++) {
+            *(uint4 *)(kc + off + i * 32) = r.k[HH][i];
+            *(uint4 *)(vc + off + i * 32) = r.v[HH][i];
+        }
+    }
+}
+// The new row, if one of the lane's two tokens of a step (positions p and p + 8) is it.
+template <int HD>
+static __device__ __forceinline__ void pd_k_fold_if_new(pd_k_bt_step_regs<HD> &r, int p, int newpos,
+                                                        const __nv_bfloat16 *qr, int H, int n_kv, int kvh, int t,
+                                                        const pd_k_rope_cs_regs<HD> &c, int hf, __nv_bfloat16 *kc,
+                                                        __nv_bfloat16 *vc, int wslot) {
+    if (p == newpos) pd_k_fold_new_row<HD, 0>(r, qr, H, n_kv, kvh, t, c, hf, kc, vc, wslot);
+    else if (p + 8 == newpos) pd_k_fold_new_row<HD, 1>(r, qr, H, n_kv, kvh, t, c, hf, kc, vc, wslot);
+}
+
 template <int HD>
 static __device__ __forceinline__ void pd_k_bt_step(const uint4 (&qf)[HD / 32], const pd_k_bt_step_regs<HD> &r,
                                                     float (&o)[HD / 32][2][4], float (&m)[2], float (&l)[2], int base,
@@ -1304,7 +1373,7 @@ static __global__ void __launch_bounds__(W * 32, W == 4 ? 2 : 1)
     k_attn_decode_bt(const __nv_bfloat16 *q, const void *kc_, const void *vc_, __nv_bfloat16 *out,
                      const int32_t *q_indptr, const int32_t *kv_lens, const int32_t *bt_indptr,
                      const int32_t *bt_indices, int H, int n_kv, int bs, int q_stride, float scale_log2, int part,
-                     int n_splits, float *ws, int *cnt, size_t rb, int n_new) {
+                     int n_splits, float *ws, int *cnt, size_t rb, int n_new, pd_k_rope_fold rf) {
     constexpr int NI = HD / 32, STEP = W * 16;
     __shared__ float red[W][GM][HD + 2];
     const __nv_bfloat16 *kc = (const __nv_bfloat16 *)kc_, *vc = (const __nv_bfloat16 *)vc_;
@@ -1317,16 +1386,28 @@ static __global__ void __launch_bounds__(W * 32, W == 4 ? 2 : 1)
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
     bool live = q_len == 1 && k_begin < kv_len;
     int first = k_begin + warp * 16;
+    // rope fold (rf.positions set): q is rotated here, and the new row (position kv_len - 1) comes
+    // from the qkv row, rotated, instead of the cache, which this kernel writes (slot_mapping); the
+    // cache is not read at that position (its slot counts as past the end: -1)
+    bool fold = rf.positions != nullptr && live;
+    int newpos = fold ? kv_len - 1 : -1, wslot = -1;
+    pd_k_rope_cs_regs<HD> csr;
+    if (fold) {  // metadata and frequencies: never written by a kernel, read before the wait
+        pd_k_fold_cs<HD>(csr, rf, (float)rf.positions[q_begin], t);
+        wslot = rf.slot_mapping[q_begin];
+    }
     int slot[DEPTH][2];
 #pragma unroll
     for (int d = 0; d < DEPTH; d++)
 #pragma unroll
-        for (int hh = 0; hh < 2; hh++)
-            slot[d][hh] = live ? pd_k_dec_slot(bt, first + d * STEP + hh * 8 + g, k_end, bs) : -1;
+        for (int hh = 0; hh < 2; hh++) {
+            int ps = first + d * STEP + hh * 8 + g;
+            slot[d][hh] = live && ps != newpos ? pd_k_dec_slot(bt, ps, k_end, bs) : -1;
+        }
     // the slots of the step loaded next; in the loop, each step looks up the one after (a lookup's
     // latency then never delays the loads it feeds)
-    int nx[2] = {live ? pd_k_dec_slot(bt, first + DEPTH * STEP + g, k_end, bs) : -1,
-                 live ? pd_k_dec_slot(bt, first + DEPTH * STEP + 8 + g, k_end, bs) : -1};
+    int nx[2] = {live && first + DEPTH * STEP + g != newpos ? pd_k_dec_slot(bt, first + DEPTH * STEP + g, k_end, bs) : -1,
+                 live && first + DEPTH * STEP + 8 + g != newpos ? pd_k_dec_slot(bt, first + DEPTH * STEP + 8 + g, k_end, bs) : -1};
     // Rows below `stable` are not written by this step's kernels (n_new > 0: attention.cuh), so the
     // first steps' K and V of those rows are loaded before the wait, during the previous kernel;
     // the rest (this step's new rows) after it. Block-uniform.
@@ -1345,6 +1426,8 @@ static __global__ void __launch_bounds__(W * 32, W == 4 ? 2 : 1)
     int n_sp = (kv_len + part - 1) / part;
     int G = H / n_kv;
 
+    const __nv_bfloat16 *qr = q + (size_t)q_begin * q_stride;
+    __nv_bfloat16 *kcw = (__nv_bfloat16 *)kc_, *vcw = (__nv_bfloat16 *)vc_;
 #pragma unroll
     for (int d = 0; d < DEPTH; d++) {
         if (early) {
@@ -1353,12 +1436,13 @@ static __global__ void __launch_bounds__(W * 32, W == 4 ? 2 : 1)
         } else {
             pd_k_bt_load<HD>(buf[d], kc, vc, slot[d], n_kv, kvh, t);
         }
+        if (fold) pd_k_fold_if_new<HD>(buf[d], first + d * STEP + g, newpos, qr, H, n_kv, kvh, t, csr, rf.hf, kcw, vcw, wslot);
     }
     uint4 qf[NI];
 #pragma unroll
     for (int i = 0; i < NI; i++)
-        qf[i] = g < G ? *(const uint4 *)(q + (size_t)q_begin * q_stride + (size_t)(kvh * G + g) * HD + i * 32 + t * 8)
-                      : make_uint4(0, 0, 0, 0);
+        qf[i] = g < G ? *(const uint4 *)(qr + (size_t)(kvh * G + g) * HD + i * 32 + t * 8) : make_uint4(0, 0, 0, 0);
+    if (fold) pd_k_fold_rotate<HD>(qf, csr, rf.hf);
     float o[NI][2][4];
 #pragma unroll
     for (int i = 0; i < NI; i++)
@@ -1371,10 +1455,13 @@ static __global__ void __launch_bounds__(W * 32, W == 4 ? 2 : 1)
         for (int u = 0; u <= DEPTH; u++) {
             int base = b0 + u * STEP;
             if (base >= k_end) break;
-            int ns[2] = {nx[0], nx[1]};
-            nx[0] = pd_k_dec_slot(bt, base + (DEPTH + 1) * STEP + g, k_end, bs);
-            nx[1] = pd_k_dec_slot(bt, base + (DEPTH + 1) * STEP + 8 + g, k_end, bs);
+            int ns[2] = {nx[0], nx[1]}, pn = base + (DEPTH + 1) * STEP + g;
+            nx[0] = pn != newpos ? pd_k_dec_slot(bt, pn, k_end, bs) : -1;
+            nx[1] = pn + 8 != newpos ? pd_k_dec_slot(bt, pn + 8, k_end, bs) : -1;
             pd_k_bt_load<HD>(buf[(u + DEPTH) % (DEPTH + 1)], kc, vc, ns, n_kv, kvh, t);
+            if (fold)
+                pd_k_fold_if_new<HD>(buf[(u + DEPTH) % (DEPTH + 1)], base + DEPTH * STEP + g, newpos, qr, H, n_kv, kvh, t,
+                                     csr, rf.hf, kcw, vcw, wslot);
             pd_k_bt_step<HD>(qf, buf[u], o, m, l, base, k_end, g, scale_log2);
         }
     }
@@ -1525,10 +1612,11 @@ static bool pd_k_attn_fold_enabled() {
 
 typedef void (*pd_k_dec_kern)(const __nv_bfloat16 *, const void *, const void *, __nv_bfloat16 *, const int32_t *,
                               const int32_t *, const int32_t *, const int32_t *, int, int, int, int, float, int, int,
-                              float *, int *, size_t, int);
+                              float *, int *, size_t, int, pd_k_rope_fold);
 
 template <int HD, int GM, bool F8>
-static void pd_k_attn_launch_decode(const pd_attention_kparams *p, cudaStream_t s, int part, int n_splits) {
+static void pd_k_attn_launch_decode(const pd_attention_kparams *p, cudaStream_t s, int part, int n_splits,
+                                    const pd_k_rope_fold &rf) {
     dim3 grid(n_splits, p->n_kv_heads, p->n_seqs);
     // tensor cores for head_dim >= 64; 8 warps per block when the blocks do not fill the GPU
     bool tc = HD >= 64 && pd_k_attn_tc_enabled();
@@ -1550,34 +1638,53 @@ static void pd_k_attn_launch_decode(const pd_attention_kparams *p, cudaStream_t 
     pd_k_launch(kern, grid, dim3((wide ? 8 : 4) * 32), 0, s, (const __nv_bfloat16 *)p->q, p->k_cache, p->v_cache,
                 (__nv_bfloat16 *)p->out, p->q_indptr, p->kv_lens, p->bt_indptr, p->bt_indices, p->n_heads,
                 p->n_kv_heads, p->block_size, p->q_stride, p->scale * PD_K_LOG2E, part, n_splits, p->workspace,
-                fold ? p->counters : (int *)0, p->row_bytes, pd_k_attn_early_enabled() ? p->n_new : 0);
+                fold ? p->counters : (int *)0, p->row_bytes, pd_k_attn_early_enabled() ? p->n_new : 0, rf);
     if (n_splits > 1 && !fold)
         pd_k_launch(k_attn_combine<HD>, dim3(p->n_seqs, p->n_heads), dim3(HD), 0, s, (__nv_bfloat16 *)p->out,
                     p->q_indptr, p->kv_lens, p->n_heads, part, n_splits, (const float *)p->workspace);
 }
 
 template <int HD, bool F8>
-static void pd_k_attn_dispatch(const pd_attention_kparams *p, cudaStream_t s) {
+static void pd_k_attn_dispatch(const pd_attention_kparams *p, cudaStream_t s, const pd_k_rope_fold &rf) {
     if (p->max_q_len > 1) pd_k_attn_launch_prefill<HD, F8>(p, s);
     int part = pd_k_dec_part(p->n_seqs, p->n_kv_heads, p->max_kv_len);
     int n_splits = (p->max_kv_len + part - 1) / part;
     if (n_splits < 1) n_splits = 1;
     int G = p->n_heads / p->n_kv_heads;
-    if (G == 1) pd_k_attn_launch_decode<HD, 1, F8>(p, s, part, n_splits);
-    else if (G == 2) pd_k_attn_launch_decode<HD, 2, F8>(p, s, part, n_splits);
-    else if (G <= 4) pd_k_attn_launch_decode<HD, 4, F8>(p, s, part, n_splits);
-    else pd_k_attn_launch_decode<HD, 8, F8>(p, s, part, n_splits);
+    if (G == 1) pd_k_attn_launch_decode<HD, 1, F8>(p, s, part, n_splits, rf);
+    else if (G == 2) pd_k_attn_launch_decode<HD, 2, F8>(p, s, part, n_splits, rf);
+    else if (G <= 4) pd_k_attn_launch_decode<HD, 4, F8>(p, s, part, n_splits, rf);
+    else pd_k_attn_launch_decode<HD, 8, F8>(p, s, part, n_splits, rf);
+}
+
+// PD_CUDA_ATTN_ROPE=0: a decode step's rope_kv (pd_attention_kparams.rope) always runs as its own
+// kernel before the attention instead of inside the bf16 streaming decode kernel (measurements).
+static bool pd_k_attn_rope_enabled() {
+    static int on = -1;
+    if (on < 0) on = pd_k_env_int("PD_CUDA_ATTN_ROPE", 1, 0, 1);
+    return on != 0;
 }
 
 extern "C" void pd_cuda_attention(const pd_attention_kparams *p, cudaStream_t s) {
     if (p->n_tokens <= 0 || p->n_seqs <= 0) return;
+    pd_k_rope_fold rf = {};
+    if (p->rope) {  // folded where the decode kernel is k_attn_decode_bt (pd_k_attn_launch_decode's choice)
+        const pd_rope_kv_kparams *r = p->rope;
+        bool bt = !p->kv_fp8 && (p->head_dim == 64 || p->head_dim == 128) && pd_k_attn_tc_enabled() && pd_k_attn_bt_enabled();
+        if (bt && pd_k_attn_rope_enabled() && p->max_q_len == 1 && r->n_tokens == p->n_tokens && !r->kv_fp8 &&
+            r->head_dim == p->head_dim && r->n_heads == p->n_heads && r->n_kv_heads == p->n_kv_heads && r->qkv == p->q &&
+            p->q_stride == (p->n_heads + 2 * p->n_kv_heads) * p->head_dim)
+            rf = {r->positions, r->slot_mapping, r->inv_freq, r->attn_scaling, pd_k_hf_rounding()};
+        else
+            pd_cuda_rope_kv(r, s);
+    }
     switch (p->head_dim * 2 + (p->kv_fp8 ? 1 : 0)) {
-    case 64: pd_k_attn_dispatch<32, false>(p, s); break;
-    case 128: pd_k_attn_dispatch<64, false>(p, s); break;
-    case 256: pd_k_attn_dispatch<128, false>(p, s); break;
-    case 65: pd_k_attn_dispatch<32, true>(p, s); break;
-    case 129: pd_k_attn_dispatch<64, true>(p, s); break;
-    case 257: pd_k_attn_dispatch<128, true>(p, s); break;
+    case 64: pd_k_attn_dispatch<32, false>(p, s, rf); break;
+    case 128: pd_k_attn_dispatch<64, false>(p, s, rf); break;
+    case 256: pd_k_attn_dispatch<128, false>(p, s, rf); break;
+    case 65: pd_k_attn_dispatch<32, true>(p, s, rf); break;
+    case 129: pd_k_attn_dispatch<64, true>(p, s, rf); break;
+    case 257: pd_k_attn_dispatch<128, true>(p, s, rf); break;
     default: break;  // pd_cuda_attention_supported() is checked by the caller
     }
 }

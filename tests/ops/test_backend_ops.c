@@ -1297,16 +1297,20 @@ PD_TEST(test_cuda_attention_decode) {
     ctx_fini(&c);
 }
 
-// A graph step's decode attention (n_new = 1: the K/V rows before each sequence's new one are
-// loaded before the PDL wait) right after the rope_kv kernel that writes the new rows: the same
-// bytes as with n_new = 0 (every row after the wait), whose kernel test_cuda_attention_decode
-// checks against the CPU. The new rows' slots hold other random values before rope_kv, so a
-// new row read early would change the result. Contexts 1 (nothing early) to 2049, one-wave
-// (8-warp, in-place merge) and multi-wave (4-warp) grids, GQA groups 4 and 1, head_dim 64/128.
+// A decode step's attention on the card four ways, from the same qkv rows and caches: (0) rope_kv
+// then attention (test_cuda_attention_decode checks that kernel against the CPU); (1) the same with
+// n_new = 1 (a graph step: the K/V rows before each sequence's new one are loaded before the PDL
+// wait, during rope_kv); (2, 3) rope_kv folded into the attention op (pd_attention_params.rope)
+// with n_new = 1 and 0. Every way gives the same bytes: attention outputs and both caches. The new
+// rows' slots hold other random values before the write, so a new row read early or from the
+// cache instead of the rotated qkv row would change the result. One sequence writes no KV (slot
+// -1, a padding row): its cache is untouched by every way and its output ignored (the folded
+// kernel attends to the qkv row, the others to the stale slot). Contexts 1 to 2049, one-wave
+// (8-warp, in-place merge) and multi-wave (4-warp) grids, GQA groups 4 and 1, head_dim 64 and 128.
 PD_TEST(test_cuda_attention_decode_early) {
     ctx c;
     if (!ctx_init(&c, 12)) PD_SKIP("%s: no CUDA device", __func__);
-    int cfg[][4] = {{32, 8, 128, 5}, {8, 8, 64, 5}, {32, 8, 128, 60}};  // H, Hkv, hd, sequences
+    int cfg[][4] = {{32, 8, 128, 5}, {8, 8, 64, 5}, {32, 8, 128, 60}, {16, 4, 64, 24}};  // H, Hkv, hd, sequences
     int lens[] = {1, 2, 17, 128, 129, 600, 2049, 16, 33, 255};
     for (size_t ci = 0; ci < PD_ARRAY_LEN(cfg); ci++) {
         int H = cfg[ci][0], Hkv = cfg[ci][1], hd = cfg[ci][2], n = cfg[ci][3], bsz = 16, row = (H + 2 * Hkv) * hd;
@@ -1320,40 +1324,52 @@ PD_TEST(test_cuda_attention_decode_early) {
         qi[n] = n, bti[n] = n_bt;
         int32_t *bt = pd_malloc(sizeof(int32_t) * (size_t)n_bt);
         for (int j = 0; j < n_bt; j++) bt[j] = (int32_t)(((int64_t)j * 7919 + 3) % n_bt);  // a permutation (7919 prime)
+        int pad = n - 2;  // this sequence writes no KV
         for (int s = 0; s < n; s++) {
             pos[s] = kvl[s] - 1;
-            slots[s] = bt[bti[s] + pos[s] / bsz] * bsz + pos[s] % bsz;
+            slots[s] = s == pad ? -1 : bt[bti[s] + pos[s] / bsz] * bsz + pos[s] % bsz;
         }
-        size_t kvn = (size_t)n_bt * bsz * Hkv * hd;
+        size_t kvn = (size_t)n_bt * bsz * Hkv * hd, no = (size_t)n * H * hd;
         float *qkv = rand_f32(&c, (size_t)n * row, 1.0f), *kc = rand_f32(&c, kvn, 1.0f), *vc = rand_f32(&c, kvn, 1.0f);
         float inv_freq[64];
         for (int i = 0; i < hd / 2; i++) inv_freq[i] = powf(500000.0f, -2.0f * i / hd);
-        void *out[2];
-        for (int early = 0; early < 2; early++) {
+        uint16_t *res[4][3];  // per way: out, k cache, v cache
+        for (int way = 0; way < 4; way++) {
             void *q = dev_act(&c, c.gpu, qkv, (size_t)n * row), *kd = dev_act(&c, c.gpu, kc, kvn), *vd = dev_act(&c, c.gpu, vc, kvn);
-            pd_backend_sync(c.gpu);
-            pd_op_rope_kv(c.gpu, &(pd_rope_kv_params){.qkv = q, .positions = dev_i32(&c, c.gpu, pos, n),
-                                                      .inv_freq = dev_from_f32(&c, c.gpu, inv_freq, hd / 2, PD_DTYPE_F32),
-                                                      .slot_mapping = dev_i32(&c, c.gpu, slots, n), .k_cache = kd,
-                                                      .v_cache = vd, .n_tokens = n, .n_heads = H, .n_kv_heads = Hkv,
-                                                      .head_dim = hd, .attn_scaling = 1.0f});
-            pd_attention_params p = {.q = q, .k_cache = kd, .v_cache = vd, .out = out[early] = dev_out(&c, c.gpu, (size_t)n * H * hd, PD_DTYPE_BF16),
-                                     .q_indptr = dev_i32(&c, c.gpu, qi, n + 1), .kv_lens = dev_i32(&c, c.gpu, kvl, n),
-                                     .bt_indptr = dev_i32(&c, c.gpu, bti, n + 1), .bt_indices = dev_i32(&c, c.gpu, bt, n_bt),
-                                     .token_seq = dev_i32(&c, c.gpu, qi, n), .n_tokens = n, .n_seqs = n, .n_heads = H,
-                                     .n_kv_heads = Hkv, .head_dim = hd, .block_size = bsz, .q_stride = row, .max_q_len = 1,
-                                     .max_kv_len = max_kv, .scale = 1.0f / sqrtf((float)hd), .n_new = early};
+            pd_rope_kv_params r = {.qkv = q, .positions = dev_i32(&c, c.gpu, pos, n),
+                                   .inv_freq = dev_from_f32(&c, c.gpu, inv_freq, hd / 2, PD_DTYPE_F32),
+                                   .slot_mapping = dev_i32(&c, c.gpu, slots, n), .k_cache = kd, .v_cache = vd,
+                                   .n_tokens = n, .n_heads = H, .n_kv_heads = Hkv, .head_dim = hd, .attn_scaling = 1.0f};
+            void *out = dev_out(&c, c.gpu, no, PD_DTYPE_BF16);
+            pd_attention_params p = {.q = q, .k_cache = kd, .v_cache = vd, .out = out, .q_indptr = dev_i32(&c, c.gpu, qi, n + 1),
+                                     .kv_lens = dev_i32(&c, c.gpu, kvl, n), .bt_indptr = dev_i32(&c, c.gpu, bti, n + 1),
+                                     .bt_indices = dev_i32(&c, c.gpu, bt, n_bt), .token_seq = dev_i32(&c, c.gpu, qi, n),
+                                     .n_tokens = n, .n_seqs = n, .n_heads = H, .n_kv_heads = Hkv, .head_dim = hd,
+                                     .block_size = bsz, .q_stride = row, .max_q_len = 1, .max_kv_len = max_kv,
+                                     .scale = 1.0f / sqrtf((float)hd), .n_new = way == 1 || way == 2,
+                                     .rope = way >= 2 ? &r : NULL};
+            pd_backend_sync(c.gpu);  // everything uploaded: the two ops run back to back
+            if (way < 2) pd_op_rope_kv(c.gpu, &r);
             pd_op_attention(c.gpu, &p);
+            void *src[3] = {out, kd, vd};
+            size_t cnt[3] = {no, kvn, kvn};
+            for (int k = 0; k < 3; k++) {
+                res[way][k] = pd_malloc(cnt[k] * 2);
+                pd_backend_download(c.gpu, res[way][k], src[k], cnt[k] * 2);
+            }
         }
-        size_t no = (size_t)n * H * hd;
-        uint16_t *a = pd_malloc(no * 2), *b = pd_malloc(no * 2);
-        pd_backend_download(c.gpu, a, out[0], no * 2);
-        pd_backend_download(c.gpu, b, out[1], no * 2);
-        size_t diff = 0;
-        for (size_t i = 0; i < no; i++) diff += a[i] != b[i];
-        PD_CHECK_MSG(diff == 0, "attention early K/V (H=%d Hkv=%d hd=%d seqs=%d): %zu of %zu outputs differ from n_new = 0",
-                     H, Hkv, hd, n, diff, no);
-        pd_free(a), pd_free(b), pd_free(bt), pd_free(qkv), pd_free(kc), pd_free(vc);
+        static const char *what[3] = {"outputs", "k cache", "v cache"};
+        for (int way = 1; way < 4; way++)
+            for (int k = 0; k < 3; k++) {
+                size_t cnt = k ? kvn : no, diff = 0;
+                for (size_t i = 0; i < cnt; i++)
+                    diff += res[way][k][i] != res[0][k][i] && !(k == 0 && i / ((size_t)H * hd) == (size_t)pad);
+                PD_CHECK_MSG(diff == 0, "attention decode way %d (H=%d Hkv=%d hd=%d seqs=%d): %zu of %zu %s differ from rope_kv + attention",
+                             way, H, Hkv, hd, n, diff, cnt, what[k]);
+            }
+        for (int way = 0; way < 4; way++)
+            for (int k = 0; k < 3; k++) pd_free(res[way][k]);
+        pd_free(bt), pd_free(qkv), pd_free(kc), pd_free(vc);
         ctx_release(&c);
     }
     ctx_fini(&c);

@@ -246,6 +246,18 @@ static void cuda_attention(pd_backend *b, const pd_attention_params *p) {
                               .kv_fp8 = p->kv_dtype == PD_KV_FP8,
                               .row_bytes = pd_kv_row_bytes(b, p->kv_dtype, p->n_kv_heads, p->head_dim),
                               .n_new = p->n_new};
+    pd_rope_kv_kparams rk;
+    if (p->rope) {  // rope_kv in or before the attention kernel (attention.cu decides)
+        const pd_rope_kv_params *r = p->rope;
+        PD_ASSERT(r->head_dim % 2 == 0);
+        rk = (pd_rope_kv_kparams){.qkv = r->qkv, .positions = r->positions, .inv_freq = r->inv_freq,
+                                  .slot_mapping = r->slot_mapping, .k_cache = r->k_cache, .v_cache = r->v_cache,
+                                  .n_tokens = r->n_tokens, .n_heads = r->n_heads, .n_kv_heads = r->n_kv_heads,
+                                  .head_dim = r->head_dim, .attn_scaling = r->attn_scaling,
+                                  .kv_fp8 = r->kv_dtype == PD_KV_FP8,
+                                  .row_bytes = pd_kv_row_bytes(b, r->kv_dtype, r->n_kv_heads, r->head_dim)};
+        k.rope = &rk;
+    }
     pd_cuda_attention(&k, cb->stream);
     PD_CUDA_CHECK_LAUNCH();
 }

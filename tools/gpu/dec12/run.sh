@@ -5,9 +5,11 @@
 # stripped), this script, LIMIT. Libraries: /tmp/gpulib/lib (the lead's wrapper); models for
 # test_gpu_golden: build/gpu-lead/models.tar.xz + the tracked models/kjv-llama-6m. Model for the
 # benchmarks: the tracked 8B shape config bench/configs/llama-3-8b, dummy weights.
-# Variants (one binary, env switches): O = PD_CUDA_ATTN_EARLY=0 (main's attention), N = defaults
-# (decode attention loads the K/V rows a graph step does not write before its PDL wait),
-# E = N + PD_CUDA_GRAPH_EARLY=1 (programmatic graph edges from the source's launch completion).
+# Variants (one binary, env switches): O = PD_CUDA_ATTN_EARLY=0 PD_CUDA_ATTN_ROPE=0 (main's
+# kernels), N = PD_CUDA_ATTN_ROPE=0 (decode attention loads the K/V rows a graph step does not
+# write before its PDL wait), F = defaults (N + RoPE/KV write of batched decode inside the decode
+# attention kernel), E = F + PD_CUDA_GRAPH_EARLY=1 (programmatic graph edges from the source's
+# launch completion).
 set -u
 OUT=$1; mkdir -p "$OUT"
 D=${D:-build/gpu-dec12}
@@ -39,11 +41,14 @@ grep -E "^graph:" "$OUT/dump.err" | head -8
 # 3. op_bench single on the model's footprint (32 weight sets) and on 2 (session 11's replica)
 [ "$(left)" -gt 30 ] && { OPB_SINGLE_LAYERS=32 timeout $(lim 30) $T/op_bench copy single > "$OUT/single32.txt" 2>&1; say "single32 rc=$?"; grep -E "copy|single rule" "$OUT/single32.txt" | sed -E 's/ +/ /g' | cut -c1-200; }
 # 4. A/B, alternated twice
-for r in 1 2; do
-  be O$r 25 PD_CUDA_ATTN_EARLY=0 -- --only decode --ctx 128,4096 --batches 1,8,32,64
-  be N$r 25 PD_CUDA_ATTN_EARLY=1 -- --only decode --ctx 128,4096 --batches 1,8,32,64
-  be E$r 25 PD_CUDA_GRAPH_EARLY=1 -- --only decode --ctx 128,4096 --batches 1,8,32,64
-done
+A="--only decode --ctx 128,4096 --batches 1,8,32,64"
+be O1 25 PD_CUDA_ATTN_EARLY=0 PD_CUDA_ATTN_ROPE=0 -- $A
+be F1 25 PD_CUDA_ATTN_EARLY=1 -- $A
+be E1 25 PD_CUDA_GRAPH_EARLY=1 -- $A
+be N1 25 PD_CUDA_ATTN_ROPE=0 -- $A
+be O2 25 PD_CUDA_ATTN_EARLY=0 PD_CUDA_ATTN_ROPE=0 -- $A
+be F2 25 PD_CUDA_ATTN_EARLY=1 -- $A
+be E2 25 PD_CUDA_GRAPH_EARLY=1 -- $A
 # 5. op_bench single, 2 weight sets, with the graph dump
 [ "$(left)" -gt 25 ] && { OPB_SINGLE_LAYERS=2 PD_CUDA_GRAPH_DUMP=1 timeout $(lim 25) $T/op_bench copy single > "$OUT/single2.txt" 2> "$OUT/single2.err"; say "single2 rc=$?"; grep -E "single rule" "$OUT/single2.txt" | sed -E 's/ +/ /g' | cut -c1-200; }
 # 6. golden
