@@ -1304,6 +1304,20 @@ static __device__ __forceinline__ void pd_k_fold_if_new(pd_k_bt_step_regs<HD> &r
     if (p == newpos) pd_k_fold_new_row<HD, 0>(r, qr, H, n_kv, kvh, t, c, hf, kc, vc, wslot);
     else if (p + 8 == newpos) pd_k_fold_new_row<HD, 1>(r, qr, H, n_kv, kvh, t, c, hf, kc, vc, wslot);
 }
+// The same in the main loop: cs/sn computed again there (once per block, in the one warp that
+// meets the new row), so the loop holds no registers for them.
+template <int HD>
+static __device__ __forceinline__ void pd_k_fold_if_new_loop(pd_k_bt_step_regs<HD> &r, int p, int newpos,
+                                                             const __nv_bfloat16 *qr, int H, int n_kv, int kvh, int t,
+                                                             const pd_k_rope_fold &rf, float pos, __nv_bfloat16 *kc,
+                                                             __nv_bfloat16 *vc, int wslot) {
+    if (p == newpos || p + 8 == newpos) {
+        pd_k_rope_cs_regs<HD> c;
+        pd_k_fold_cs<HD>(c, rf, pos, t);
+        if (p == newpos) pd_k_fold_new_row<HD, 0>(r, qr, H, n_kv, kvh, t, c, rf.hf, kc, vc, wslot);
+        else pd_k_fold_new_row<HD, 1>(r, qr, H, n_kv, kvh, t, c, rf.hf, kc, vc, wslot);
+    }
+}
 
 template <int HD>
 static __device__ __forceinline__ void pd_k_bt_step(const uint4 (&qf)[HD / 32], const pd_k_bt_step_regs<HD> &r,
@@ -1391,9 +1405,11 @@ static __global__ void __launch_bounds__(W * 32, W == 4 ? 2 : 1)
     // cache is not read at that position (its slot counts as past the end: -1)
     bool fold = rf.positions != nullptr && live;
     int newpos = fold ? kv_len - 1 : -1, wslot = -1;
+    float rpos = 0.f;
     pd_k_rope_cs_regs<HD> csr;
     if (fold) {  // metadata and frequencies: never written by a kernel, read before the wait
-        pd_k_fold_cs<HD>(csr, rf, (float)rf.positions[q_begin], t);
+        rpos = (float)rf.positions[q_begin];
+        pd_k_fold_cs<HD>(csr, rf, rpos, t);
         wslot = rf.slot_mapping[q_begin];
     }
     int slot[DEPTH][2];
@@ -1460,8 +1476,8 @@ static __global__ void __launch_bounds__(W * 32, W == 4 ? 2 : 1)
             nx[1] = pn + 8 != newpos ? pd_k_dec_slot(bt, pn + 8, k_end, bs) : -1;
             pd_k_bt_load<HD>(buf[(u + DEPTH) % (DEPTH + 1)], kc, vc, ns, n_kv, kvh, t);
             if (fold)
-                pd_k_fold_if_new<HD>(buf[(u + DEPTH) % (DEPTH + 1)], base + DEPTH * STEP + g, newpos, qr, H, n_kv, kvh, t,
-                                     csr, rf.hf, kcw, vcw, wslot);
+                pd_k_fold_if_new_loop<HD>(buf[(u + DEPTH) % (DEPTH + 1)], base + DEPTH * STEP + g, newpos, qr, H, n_kv,
+                                          kvh, t, rf, rpos, kcw, vcw, wslot);
             pd_k_bt_step<HD>(qf, buf[u], o, m, l, base, k_end, g, scale_log2);
         }
     }
