@@ -1295,30 +1295,6 @@ static __device__ __forceinline__ void pd_k_fold_new_row(pd_k_bt_step_regs<HD> &
         }
     }
 }
-// The new row, if one of the lane's two tokens of a step (positions p and p + 8) is it.
-template <int HD>
-static __device__ __forceinline__ void pd_k_fold_if_new(pd_k_bt_step_regs<HD> &r, int p, int newpos,
-                                                        const __nv_bfloat16 *qr, int H, int n_kv, int kvh, int t,
-                                                        const pd_k_rope_cs_regs<HD> &c, int hf, __nv_bfloat16 *kc,
-                                                        __nv_bfloat16 *vc, int wslot) {
-    if (p == newpos) pd_k_fold_new_row<HD, 0>(r, qr, H, n_kv, kvh, t, c, hf, kc, vc, wslot);
-    else if (p + 8 == newpos) pd_k_fold_new_row<HD, 1>(r, qr, H, n_kv, kvh, t, c, hf, kc, vc, wslot);
-}
-// The same in the main loop: cs/sn computed again there (once per block, in the one warp that
-// meets the new row), so the loop holds no registers for them.
-template <int HD>
-static __device__ __forceinline__ void pd_k_fold_if_new_loop(pd_k_bt_step_regs<HD> &r, int p, int newpos,
-                                                             const __nv_bfloat16 *qr, int H, int n_kv, int kvh, int t,
-                                                             const pd_k_rope_fold &rf, float pos, __nv_bfloat16 *kc,
-                                                             __nv_bfloat16 *vc, int wslot) {
-    if (p == newpos || p + 8 == newpos) {
-        pd_k_rope_cs_regs<HD> c;
-        pd_k_fold_cs<HD>(c, rf, pos, t);
-        if (p == newpos) pd_k_fold_new_row<HD, 0>(r, qr, H, n_kv, kvh, t, c, rf.hf, kc, vc, wslot);
-        else pd_k_fold_new_row<HD, 1>(r, qr, H, n_kv, kvh, t, c, rf.hf, kc, vc, wslot);
-    }
-}
-
 template <int HD>
 static __device__ __forceinline__ void pd_k_bt_step(const uint4 (&qf)[HD / 32], const pd_k_bt_step_regs<HD> &r,
                                                     float (&o)[HD / 32][2][4], float (&m)[2], float (&l)[2], int base,
@@ -1400,30 +1376,23 @@ static __global__ void __launch_bounds__(W * 32, W == 4 ? 2 : 1)
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
     bool live = q_len == 1 && k_begin < kv_len;
     int first = k_begin + warp * 16;
-    // rope fold (rf.positions set): q is rotated here, and the new row (position kv_len - 1) comes
-    // from the qkv row, rotated, instead of the cache, which this kernel writes (slot_mapping); the
-    // cache is not read at that position (its slot counts as past the end: -1)
+    // Rope fold (rf.positions set): q is rotated here, and the new row (position kv_len - 1) is not
+    // read from the cache: the loop stops before it (k_stop) and one more step after the loop takes
+    // it from the qkv row, rotated, and writes it to the cache (rope_kv's values; slot_mapping).
     bool fold = rf.positions != nullptr && live;
-    int newpos = fold ? kv_len - 1 : -1, wslot = -1;
-    float rpos = 0.f;
+    int newpos = fold ? kv_len - 1 : -1, k_stop = fold ? min(k_end, newpos) : k_end;
     pd_k_rope_cs_regs<HD> csr;
-    if (fold) {  // metadata and frequencies: never written by a kernel, read before the wait
-        rpos = (float)rf.positions[q_begin];
-        pd_k_fold_cs<HD>(csr, rf, rpos, t);
-        wslot = rf.slot_mapping[q_begin];
-    }
+    if (fold) pd_k_fold_cs<HD>(csr, rf, (float)rf.positions[q_begin], t);  // metadata: read before the wait
     int slot[DEPTH][2];
 #pragma unroll
     for (int d = 0; d < DEPTH; d++)
 #pragma unroll
-        for (int hh = 0; hh < 2; hh++) {
-            int ps = first + d * STEP + hh * 8 + g;
-            slot[d][hh] = live && ps != newpos ? pd_k_dec_slot(bt, ps, k_end, bs) : -1;
-        }
+        for (int hh = 0; hh < 2; hh++)
+            slot[d][hh] = live ? pd_k_dec_slot(bt, first + d * STEP + hh * 8 + g, k_stop, bs) : -1;
     // the slots of the step loaded next; in the loop, each step looks up the one after (a lookup's
     // latency then never delays the loads it feeds)
-    int nx[2] = {live && first + DEPTH * STEP + g != newpos ? pd_k_dec_slot(bt, first + DEPTH * STEP + g, k_end, bs) : -1,
-                 live && first + DEPTH * STEP + 8 + g != newpos ? pd_k_dec_slot(bt, first + DEPTH * STEP + 8 + g, k_end, bs) : -1};
+    int nx[2] = {live ? pd_k_dec_slot(bt, first + DEPTH * STEP + g, k_stop, bs) : -1,
+                 live ? pd_k_dec_slot(bt, first + DEPTH * STEP + 8 + g, k_stop, bs) : -1};
     // Rows below `stable` are not written by this step's kernels (n_new > 0: attention.cuh), so the
     // first steps' K and V of those rows are loaded before the wait, during the previous kernel;
     // the rest (this step's new rows) after it. Block-uniform.
@@ -1442,8 +1411,6 @@ static __global__ void __launch_bounds__(W * 32, W == 4 ? 2 : 1)
     int n_sp = (kv_len + part - 1) / part;
     int G = H / n_kv;
 
-    const __nv_bfloat16 *qr = q + (size_t)q_begin * q_stride;
-    __nv_bfloat16 *kcw = (__nv_bfloat16 *)kc_, *vcw = (__nv_bfloat16 *)vc_;
 #pragma unroll
     for (int d = 0; d < DEPTH; d++) {
         if (early) {
@@ -1452,8 +1419,8 @@ static __global__ void __launch_bounds__(W * 32, W == 4 ? 2 : 1)
         } else {
             pd_k_bt_load<HD>(buf[d], kc, vc, slot[d], n_kv, kvh, t);
         }
-        if (fold) pd_k_fold_if_new<HD>(buf[d], first + d * STEP + g, newpos, qr, H, n_kv, kvh, t, csr, rf.hf, kcw, vcw, wslot);
     }
+    const __nv_bfloat16 *qr = q + (size_t)q_begin * q_stride;
     uint4 qf[NI];
 #pragma unroll
     for (int i = 0; i < NI; i++)
@@ -1466,20 +1433,30 @@ static __global__ void __launch_bounds__(W * 32, W == 4 ? 2 : 1)
         for (int rp = 0; rp < 2; rp++) o[i][rp][0] = o[i][rp][1] = o[i][rp][2] = o[i][rp][3] = 0.f;
     float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
 
-    for (int b0 = first; b0 < k_end; b0 += (DEPTH + 1) * STEP) {
+    for (int b0 = first; b0 < k_stop; b0 += (DEPTH + 1) * STEP) {
 #pragma unroll
         for (int u = 0; u <= DEPTH; u++) {
             int base = b0 + u * STEP;
-            if (base >= k_end) break;
-            int ns[2] = {nx[0], nx[1]}, pn = base + (DEPTH + 1) * STEP + g;
-            nx[0] = pn != newpos ? pd_k_dec_slot(bt, pn, k_end, bs) : -1;
-            nx[1] = pn + 8 != newpos ? pd_k_dec_slot(bt, pn + 8, k_end, bs) : -1;
+            if (base >= k_stop) break;
+            int ns[2] = {nx[0], nx[1]};
+            nx[0] = pd_k_dec_slot(bt, base + (DEPTH + 1) * STEP + g, k_stop, bs);
+            nx[1] = pd_k_dec_slot(bt, base + (DEPTH + 1) * STEP + 8 + g, k_stop, bs);
             pd_k_bt_load<HD>(buf[(u + DEPTH) % (DEPTH + 1)], kc, vc, ns, n_kv, kvh, t);
-            if (fold)
-                pd_k_fold_if_new_loop<HD>(buf[(u + DEPTH) % (DEPTH + 1)], base + DEPTH * STEP + g, newpos, qr, H, n_kv,
-                                          kvh, t, rf, rpos, kcw, vcw, wslot);
-            pd_k_bt_step<HD>(qf, buf[u], o, m, l, base, k_end, g, scale_log2);
+            pd_k_bt_step<HD>(qf, buf[u], o, m, l, base, k_stop, g, scale_log2);
         }
+    }
+    // the new row: one step of one token (lanes g = 0) in the warp after the one whose last step
+    // ended at it (it has one step less), in the split that holds it
+    if (fold && newpos < k_end && warp == ((newpos - k_begin) / 16 + 1) % W) {
+        pd_k_bt_step_regs<HD> nr;
+#pragma unroll
+        for (int i = 0; i < NI; i++) nr.k[0][i] = nr.v[0][i] = nr.k[1][i] = nr.v[1][i] = make_uint4(0, 0, 0, 0);
+        if (g == 0) {
+            pd_k_fold_cs<HD>(csr, rf, (float)rf.positions[q_begin], t);
+            pd_k_fold_new_row<HD, 0>(nr, qr, H, n_kv, kvh, t, csr, rf.hf, (__nv_bfloat16 *)kc_, (__nv_bfloat16 *)vc_,
+                                     rf.slot_mapping[q_begin]);
+        }
+        pd_k_bt_step<HD>(qf, nr, o, m, l, newpos, newpos + 1, g, scale_log2);
     }
 #pragma unroll
     for (int e = 0; e < 2; e++) {

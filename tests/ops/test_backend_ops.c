@@ -1301,12 +1301,16 @@ PD_TEST(test_cuda_attention_decode) {
 // then attention (test_cuda_attention_decode checks that kernel against the CPU); (1) the same with
 // n_new = 1 (a graph step: the K/V rows before each sequence's new one are loaded before the PDL
 // wait, during rope_kv); (2, 3) rope_kv folded into the attention op (pd_attention_params.rope)
-// with n_new = 1 and 0. Every way gives the same bytes: attention outputs and both caches. The new
-// rows' slots hold other random values before the write, so a new row read early or from the
-// cache instead of the rotated qkv row would change the result. One sequence writes no KV (slot
-// -1, a padding row): its cache is untouched by every way and its output ignored (the folded
-// kernel attends to the qkv row, the others to the stale slot). Contexts 1 to 2049, one-wave
-// (8-warp, in-place merge) and multi-wave (4-warp) grids, GQA groups 4 and 1, head_dim 64 and 128.
+// with n_new = 1 and 0. Ways 1-3 write the same cache bytes as way 0; way 1 gives the same output
+// bytes, the folded ways the same values up to the order of the online softmax (the new token is
+// a step of its own there): NMSE < 1e-5 against way 0 (a wrong row of the 1- and 2-token contexts alone would
+// give ~1), and they give each other the same bytes.
+// The new rows' slots hold other random values before the write, so a new row read early or from
+// the cache instead of the rotated qkv row would change the result by far more. One sequence
+// writes no KV (slot -1, a padding row): its cache is untouched by every way and its output
+// ignored (the folded kernel attends to the qkv row, the others to the stale slot). Contexts 1 to
+// 2049, one-wave (8-warp, in-place merge) and multi-wave (4-warp) grids, GQA groups 4 and 1,
+// head_dim 64 and 128.
 PD_TEST(test_cuda_attention_decode_early) {
     ctx c;
     if (!ctx_init(&c, 12)) PD_SKIP("%s: no CUDA device", __func__);
@@ -1361,11 +1365,22 @@ PD_TEST(test_cuda_attention_decode_early) {
         static const char *what[3] = {"outputs", "k cache", "v cache"};
         for (int way = 1; way < 4; way++)
             for (int k = 0; k < 3; k++) {
+                int ref = way == 3 && k == 0 ? 2 : 0;  // folded outputs: bytes against each other
                 size_t cnt = k ? kvn : no, diff = 0;
-                for (size_t i = 0; i < cnt; i++)
-                    diff += res[way][k][i] != res[0][k][i] && !(k == 0 && i / ((size_t)H * hd) == (size_t)pad);
-                PD_CHECK_MSG(diff == 0, "attention decode way %d (H=%d Hkv=%d hd=%d seqs=%d): %zu of %zu %s differ from rope_kv + attention",
-                             way, H, Hkv, hd, n, diff, cnt, what[k]);
+                double num = 0, den = 0;
+                for (size_t i = 0; i < cnt; i++) {
+                    if (k == 0 && i / ((size_t)H * hd) == (size_t)pad) continue;
+                    diff += res[way][k][i] != res[ref][k][i];
+                    double x = pd_bf16_to_f32(res[way][k][i]), y = pd_bf16_to_f32(res[0][k][i]);
+                    num += (x - y) * (x - y), den += y * y;
+                }
+                if (way == 2 && k == 0) {
+                    PD_CHECK_MSG(num <= 1e-5 * den, "attention decode, rope folded (H=%d Hkv=%d hd=%d seqs=%d): NMSE %.3g against rope_kv + attention",
+                                 H, Hkv, hd, n, num / (den > 0 ? den : 1));
+                    continue;
+                }
+                PD_CHECK_MSG(diff == 0, "attention decode way %d (H=%d Hkv=%d hd=%d seqs=%d): %zu of %zu %s differ from way %d",
+                             way, H, Hkv, hd, n, diff, cnt, what[k], ref);
             }
         for (int way = 0; way < 4; way++)
             for (int k = 0; k < 3; k++) pd_free(res[way][k]);

@@ -535,19 +535,24 @@ static const char *graph_node_name(cudaGraphNode_t n, drv_kparams *kp) {
     static void *get_params, *func_name, *kernel_name;
     static bool looked;
     enum cudaDriverEntryPointQueryResult qr;
-    if (!looked) {
+    if (!looked) {  // (a symbol the driver lacks comes back as success with a NULL pointer)
         looked = true;
         if (cudaGetDriverEntryPointByVersion("cuGraphKernelNodeGetParams", &get_params, 12000, cudaEnableDefault, &qr) != cudaSuccess ||
-            cudaGetDriverEntryPointByVersion("cuFuncGetName", &func_name, 12000, cudaEnableDefault, &qr) != cudaSuccess ||
-            cudaGetDriverEntryPointByVersion("cuKernelGetName", &kernel_name, 12000, cudaEnableDefault, &qr) != cudaSuccess)
+            qr != cudaDriverEntryPointSuccess)
             get_params = NULL;
+        if (cudaGetDriverEntryPointByVersion("cuFuncGetName", &func_name, 12030, cudaEnableDefault, &qr) != cudaSuccess ||
+            qr != cudaDriverEntryPointSuccess)
+            func_name = NULL;
+        if (cudaGetDriverEntryPointByVersion("cuKernelGetName", &kernel_name, 12030, cudaEnableDefault, &qr) != cudaSuccess ||
+            qr != cudaDriverEntryPointSuccess)
+            kernel_name = NULL;
         cudaGetLastError();
     }
     memset(kp, 0, sizeof *kp);
     const char *name = NULL;
     if (!get_params || ((int (*)(cudaGraphNode_t, drv_kparams *))get_params)(n, kp) != 0) return "?";
-    if (kp->func) ((int (*)(const char **, void *))func_name)(&name, kp->func);
-    else if (kp->kern) ((int (*)(const char **, void *))kernel_name)(&name, kp->kern);
+    if (kp->func && func_name) ((int (*)(const char **, void *))func_name)(&name, kp->func);
+    else if (kp->kern && kernel_name) ((int (*)(const char **, void *))kernel_name)(&name, kp->kern);
     return name ? name : "?";
 }
 

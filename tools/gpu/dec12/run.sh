@@ -6,10 +6,10 @@
 # test_gpu_golden: build/gpu-lead/models.tar.xz + the tracked models/kjv-llama-6m. Model for the
 # benchmarks: the tracked 8B shape config bench/configs/llama-3-8b, dummy weights.
 # Variants (one binary, env switches): O = PD_CUDA_ATTN_EARLY=0 PD_CUDA_ATTN_ROPE=0 (main's
-# kernels), N = PD_CUDA_ATTN_ROPE=0 (decode attention loads the K/V rows a graph step does not
-# write before its PDL wait), F = defaults (N + RoPE/KV write of batched decode inside the decode
-# attention kernel), E = F + PD_CUDA_GRAPH_EARLY=1 (programmatic graph edges from the source's
-# launch completion).
+# kernels); N = PD_CUDA_ATTN_ROPE=0 (decode attention loads the K/V rows a graph step does not
+# write before its PDL wait); F = defaults (N + RoPE/KV write of batched decode steps inside the
+# decode attention kernel); NE, FE = N, F + PD_CUDA_GRAPH_EARLY=1 (programmatic graph edges from the
+# source's launch completion). A nvidia-smi sampler (50 ms) runs throughout (smi.csv).
 set -u
 OUT=$1; mkdir -p "$OUT"
 D=${D:-build/gpu-dec12}
@@ -23,38 +23,55 @@ cat $D/COMMIT
 left() { echo $(( BUDGET - ($(date +%s) - t0) )); }
 lim() { l=$(left); [ "$l" -lt "$1" ] && echo "$l" || echo "$1"; }
 say() { echo "== $1 ($(( $(date +%s) - t0 )) s)"; }
+F="timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_event_reasons.active"
+nvidia-smi --query-gpu=$F --format=csv -lms 50 > "$OUT/smi.csv" 2> "$OUT/smi.err" &
+SMI=$!
+sleep 1; kill -0 $SMI 2>/dev/null || { F="timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu"; nvidia-smi --query-gpu=$F --format=csv -lms 50 > "$OUT/smi.csv" 2>> "$OUT/smi.err" & SMI=$!; }
 M=bench/configs/llama-3-8b
 be() {  # name limit env... -- args...
   n=$1; l=$2; shift 2
-  [ "$(left)" -lt 20 ] && { say "$n skipped: budget"; return; }
+  [ "$(left)" -lt 15 ] && { say "$n skipped: budget"; return; }
   envs=""; while [ "$1" != "--" ]; do envs="$envs $1"; shift; done; shift
+  echo "$(date +%T.%N | cut -c1-12) start $n" >> "$OUT/marks.txt"
   env $envs timeout $(lim $l) $T/pdserve bench-engine --device cuda --model $M --load-format dummy "$@" > "$OUT/$n.txt" 2> "$OUT/$n.err"
   say "$n rc=$?"
-  grep -E "^decode|pipelined|copy|card" "$OUT/$n.txt" | sed -E 's/  datasheet.*//; s/ +/ /g' | cut -c1-150
+  grep -E "^decode|pipelined" "$OUT/$n.txt" | sed -E 's/  datasheet.*//; s/ +/ /g; s/floor.*= //; s/back to back, one sync: //' | cut -c1-150
 }
-# 1. the new kernel path against the old on the card (bitwise)
-timeout $(lim 30) $T/test_backend_ops attention_decode_early > "$OUT/ops_early.txt" 2>&1; say "ops early rc=$?"
-tail -3 "$OUT/ops_early.txt"
-# 2. the captured graphs (B = 1 ctx bucket 256, B = 64 ctx bucket 512), and their timing
-be dump 30 PD_CUDA_GRAPH_DUMP=1 -- --only decode --ctx 128 --batches 64
+ob() {  # name limit env... (op_bench copy single)
+  n=$1; l=$2; shift 2
+  [ "$(left)" -lt 20 ] && { say "$n skipped: budget"; return; }
+  echo "$(date +%T.%N | cut -c1-12) start $n" >> "$OUT/marks.txt"
+  env "$@" timeout $(lim $l) $T/op_bench copy single > "$OUT/$n.txt" 2> "$OUT/$n.err"
+  say "$n rc=$?"
+  grep -E "^single" "$OUT/$n.txt" | sed -E 's/ +/ /g; s/single rule //; s/floor.*: //' | cut -c1-170
+}
+# 1. kernels on the card
+timeout $(lim 60) $T/test_backend_ops attention_decode > "$OUT/ops_attn.txt" 2>&1; say "ops attention_decode rc=$?"
+grep -E "^ok|FAIL|passed" "$OUT/ops_attn.txt" | tail -6
+timeout $(lim 20) $T/test_backend_ops rope_kv > "$OUT/ops_rope.txt" 2>&1; say "ops rope_kv rc=$?"; tail -1 "$OUT/ops_rope.txt"
+# 2. the captured graphs (B = 1 bucket 256, B = 64 bucket 512)
+be dump 20 PD_CUDA_GRAPH_DUMP=1 -- --only decode --ctx 128 --batches 64
 grep -E "^graph:" "$OUT/dump.err" | head -8
-# 3. op_bench single on the model's footprint (32 weight sets) and on 2 (session 11's replica)
-[ "$(left)" -gt 30 ] && { OPB_SINGLE_LAYERS=32 timeout $(lim 30) $T/op_bench copy single > "$OUT/single32.txt" 2>&1; say "single32 rc=$?"; grep -E "copy|single rule" "$OUT/single32.txt" | sed -E 's/ +/ /g' | cut -c1-200; }
-# 4. A/B, alternated twice
-A="--only decode --ctx 128,4096 --batches 1,8,32,64"
-be O1 25 PD_CUDA_ATTN_EARLY=0 PD_CUDA_ATTN_ROPE=0 -- $A
-be F1 25 PD_CUDA_ATTN_EARLY=1 -- $A
-be E1 25 PD_CUDA_GRAPH_EARLY=1 -- $A
-be N1 25 PD_CUDA_ATTN_ROPE=0 -- $A
-be O2 25 PD_CUDA_ATTN_EARLY=0 PD_CUDA_ATTN_ROPE=0 -- $A
-be F2 25 PD_CUDA_ATTN_EARLY=1 -- $A
-be E2 25 PD_CUDA_GRAPH_EARLY=1 -- $A
-# 5. op_bench single, 2 weight sets, with the graph dump
-[ "$(left)" -gt 25 ] && { OPB_SINGLE_LAYERS=2 PD_CUDA_GRAPH_DUMP=1 timeout $(lim 25) $T/op_bench copy single > "$OUT/single2.txt" 2> "$OUT/single2.err"; say "single2 rc=$?"; grep -E "single rule" "$OUT/single2.txt" | sed -E 's/ +/ /g' | cut -c1-200; }
+# 3. op_bench single: 2 weight sets (session 11's replica), 32 (the model's footprint), 32 after 300 ms of GEMMs
+ob single2 25 OPB_SINGLE_LAYERS=2
+ob single32 25 OPB_SINGLE_LAYERS=32
+ob single32h 30 OPB_SINGLE_LAYERS=32 OPB_SINGLE_HEAT_MS=300
+# 4. single stream right after bench-engine's GEMM peak, four times in a row
+be warm 20 -- --only single --ctx 128,128,128,128,4096
+# 5. A/B, alternated three times
+A="--only decode --ctx 128,4096,32768 --batches 1,8,32,64,128,256"
+for r in 1 2 3; do
+  be O$r 20 PD_CUDA_ATTN_EARLY=0 PD_CUDA_ATTN_ROPE=0 -- $A
+  be N$r 20 PD_CUDA_ATTN_ROPE=0 -- $A
+  be NE$r 20 PD_CUDA_ATTN_ROPE=0 PD_CUDA_GRAPH_EARLY=1 -- $A
+  be F$r 20 PD_CUDA_ATTN_EARLY=1 -- $A
+  be FE$r 20 PD_CUDA_GRAPH_EARLY=1 -- $A
+done
 # 6. golden
 if [ "$(left)" -gt 20 ] && [ -f build/gpu-lead/models.tar.xz ]; then
   mkdir -p $T/models && tar xJf build/gpu-lead/models.tar.xz -C $T/models && ln -sfn "$(pwd)/models/kjv-llama-6m" $T/models/kjv-llama-6m
   PD_MODELS_DIR=$T/models timeout $(lim 40) $T/test_gpu_golden > "$OUT/golden.txt" 2>&1; say "golden rc=$?"
   grep -E "passed|FAIL|graphs vs eager" "$OUT/golden.txt" | tail -5
 fi
+kill $SMI 2>/dev/null
 say done
