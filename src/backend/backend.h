@@ -165,6 +165,10 @@ typedef struct pd_attention_params {
     // q_stride its row width): a backend may then rotate q and the new k inside the attention
     // kernel and write the KV there, leaving qkv's q and k columns as they were.
     const pd_rope_kv_params *rope;
+    // a hint (NULL: none): device bytes the next op reads (its weight), which a backend may fetch
+    // toward the device's caches while a latency-bound attention leaves memory idle
+    const void *prefetch;
+    size_t prefetch_bytes;
 } pd_attention_params;
 
 // out (n, F) = silu(gu[:, :F]) * gu[:, F:]; in a 16-bit act dtype silu(g) is rounded before the

@@ -28,6 +28,7 @@ static const pd_knob KNOBS[] = {
     SW("PD_CUDA_ATTN_FOLD", "decode attention: split partials merged in place (default 1; 0: combine kernel)"),
     SW("PD_CUDA_ATTN_ONEWAVE", "decode attention: one wave of 8-warp blocks for small grids (default 1)"),
     SW("PD_CUDA_ATTN_PIPE", "decode attention: next step's K/V loaded during this one (default 1)"),
+    INT("PD_CUDA_ATTN_PREFETCH_KB", 0, 1 << 20, "decode attention: KB of the o weight's tail fetched into L2 during a one-wave attention (default 0)"),
     SW("PD_CUDA_ATTN_PREFILL", "prefill attention: the sm_90a FA3-class kernel (default 1; 0: mma.sync kernel)"),
     SW("PD_CUDA_ATTN_ROPE", "decode attention: a decode step's RoPE + KV write inside the bf16 decode kernel (default 1)"),
     SW("PD_CUDA_ATTN_TC", "decode attention: tensor-core kernels for head_dim 64/128 (default 1)"),

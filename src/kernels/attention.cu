@@ -55,14 +55,30 @@
 #define PD_K_DEC_MIN_PART 128
 #define PD_K_DEC_MAX_SPLITS 128
 
-// RoPE + KV write of a decode step folded into the bf16 streaming decode kernel (positions NULL:
-// off): see k_attn_decode_bt.
-struct pd_k_rope_fold {
+// What the bf16 streaming decode kernel (k_attn_decode_bt) does besides attention: RoPE + KV
+// write of a decode step (positions NULL: off), and an L2 prefetch of pf_bytes at pf (0: none).
+struct pd_k_dec_extra {
     const int32_t *positions, *slot_mapping;
     const float *inv_freq;
     float scaling;
     int hf;
+    const char *pf;
+    size_t pf_bytes;
 };
+
+// Block b of the grid's n_blocks prefetches its share of [pf, pf + pf_bytes) into L2, in bulk
+// prefetches of up to 4 KB (16-byte aligned; sm_90).
+static __device__ __forceinline__ void pd_k_l2_prefetch_share(const char *pf, size_t pf_bytes) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    size_t nb = (size_t)gridDim.x * gridDim.y * gridDim.z;
+    size_t b = blockIdx.x + (size_t)gridDim.x * (blockIdx.y + (size_t)gridDim.y * blockIdx.z);
+    size_t per = ((pf_bytes + nb - 1) / nb + 4095) & ~(size_t)4095, lo = b * per, hi = min(pf_bytes, lo + per);
+    for (size_t o = lo + (size_t)threadIdx.x * 4096; o < hi; o += (size_t)blockDim.x * 4096) {
+        unsigned n = (unsigned)min((size_t)4096, hi - o);
+        asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(pf + o), "r"(n) : "memory");
+    }
+#endif
+}
 
 // ---- fp8 KV (backend.h, PD_KV_FP8) -------------------------------------------------------------
 // A slot's row: n_kv * HD e4m3 bytes, then n_kv f32 scales. Every kernel takes the caches as bytes
@@ -472,7 +488,7 @@ static __global__ void __launch_bounds__(PD_K_DEC_WARPS * 32)
     k_attn_decode(const __nv_bfloat16 *q, const void *kc, const void *vc, __nv_bfloat16 *out,
                   const int32_t *q_indptr, const int32_t *kv_lens, const int32_t *bt_indptr,
                   const int32_t *bt_indices, int H, int n_kv, int bs, int q_stride, float scale_log2, int part,
-                  int n_splits, float *ws, int *cnt, size_t rb, int n_new, pd_k_rope_fold rf) {
+                  int n_splits, float *ws, int *cnt, size_t rb, int n_new, pd_k_dec_extra rf) {
     constexpr int LPT = HD / 8, TPW = 32 / LPT, U = PD_K_DEC_UNROLL;
     __shared__ float red[PD_K_DEC_WARPS][GM][HD + 2];
     pd_k_pdl_trigger();
@@ -709,7 +725,7 @@ static __global__ void __launch_bounds__(W * 32, W == 4 ? (PIPE ? 2 : 3) : 1)
     k_attn_decode_tc(const __nv_bfloat16 *q, const void *kc, const void *vc, __nv_bfloat16 *out,
                      const int32_t *q_indptr, const int32_t *kv_lens, const int32_t *bt_indptr,
                      const int32_t *bt_indices, int H, int n_kv, int bs, int q_stride, float scale_log2, int part,
-                     int n_splits, float *ws, int *cnt, size_t rb, int n_new, pd_k_rope_fold rf) {
+                     int n_splits, float *ws, int *cnt, size_t rb, int n_new, pd_k_dec_extra rf) {
     constexpr int NI = HD / 32;
     __shared__ float red[W][GM][HD + 2];
     pd_k_pdl_trigger();
@@ -844,7 +860,7 @@ static __global__ void __launch_bounds__(W * 32, W == 4 ? 2 : 1)
     k_attn_decode_tc_f8(const __nv_bfloat16 *q, const void *kc_, const void *vc_, __nv_bfloat16 *out,
                         const int32_t *q_indptr, const int32_t *kv_lens, const int32_t *bt_indptr,
                         const int32_t *bt_indices, int H, int n_kv, int bs, int q_stride, float scale_log2, int part,
-                        int n_splits, float *ws, int *cnt, size_t rb, int n_new, pd_k_rope_fold rf) {
+                        int n_splits, float *ws, int *cnt, size_t rb, int n_new, pd_k_dec_extra rf) {
     constexpr int NI = HD / 32;
     __shared__ float red[W][GM][HD + 2];
     const uint8_t *kc = (const uint8_t *)kc_, *vc = (const uint8_t *)vc_;
@@ -1069,7 +1085,7 @@ static __global__ void __launch_bounds__(W * 32, W == 4 ? 2 : 1)
     k_attn_decode_f8s(const __nv_bfloat16 *q, const void *kc_, const void *vc_, __nv_bfloat16 *out,
                       const int32_t *q_indptr, const int32_t *kv_lens, const int32_t *bt_indptr,
                       const int32_t *bt_indices, int H, int n_kv, int bs, int q_stride, float scale_log2, int part,
-                      int n_splits, float *ws, int *cnt, size_t rb, int n_new, pd_k_rope_fold rf) {
+                      int n_splits, float *ws, int *cnt, size_t rb, int n_new, pd_k_dec_extra rf) {
     constexpr int NC = HD / 64, STEP = W * 16 * T2;  // a warp's step: T2 tiles of 16 tokens
     __shared__ float red[W][GM][HD + 2];
     const uint8_t *kc = (const uint8_t *)kc_, *vc = (const uint8_t *)vc_;
@@ -1245,7 +1261,7 @@ static __device__ __forceinline__ void pd_k_bt_load_late(pd_k_bt_step_regs<HD> &
     }
 }
 
-// The rope fold (pd_k_rope_fold): this lane's dims are i*32 + t*8 + e (i < HD/32, e < 8), so it
+// The rope fold (pd_k_dec_extra): this lane's dims are i*32 + t*8 + e (i < HD/32, e < 8), so it
 // holds both halves of the rotation pairs (d, d + HD/2) of its chunks i < HD/64: cs/sn of those,
 // computed as rope_kv computes them (pd_k_rope_cs).
 template <int HD>
@@ -1253,7 +1269,7 @@ struct pd_k_rope_cs_regs {
     float cs[HD / 64][8], sn[HD / 64][8];
 };
 template <int HD>
-static __device__ __forceinline__ void pd_k_fold_cs(pd_k_rope_cs_regs<HD> &c, const pd_k_rope_fold &rf, float pos, int t) {
+static __device__ __forceinline__ void pd_k_fold_cs(pd_k_rope_cs_regs<HD> &c, const pd_k_dec_extra &rf, float pos, int t) {
 #pragma unroll
     for (int i = 0; i < HD / 64; i++)
 #pragma unroll
@@ -1363,7 +1379,7 @@ static __global__ void __launch_bounds__(W * 32, W == 4 ? 2 : 1)
     k_attn_decode_bt(const __nv_bfloat16 *q, const void *kc_, const void *vc_, __nv_bfloat16 *out,
                      const int32_t *q_indptr, const int32_t *kv_lens, const int32_t *bt_indptr,
                      const int32_t *bt_indices, int H, int n_kv, int bs, int q_stride, float scale_log2, int part,
-                     int n_splits, float *ws, int *cnt, size_t rb, int n_new, pd_k_rope_fold rf) {
+                     int n_splits, float *ws, int *cnt, size_t rb, int n_new, pd_k_dec_extra rf) {
     constexpr int NI = HD / 32, STEP = W * 16;
     __shared__ float red[W][GM][HD + 2];
     const __nv_bfloat16 *kc = (const __nv_bfloat16 *)kc_, *vc = (const __nv_bfloat16 *)vc_;
@@ -1407,6 +1423,9 @@ static __global__ void __launch_bounds__(W * 32, W == 4 ? 2 : 1)
         }
     }
     pd_k_pdl_wait();
+    // the next op's bytes into L2 while HBM would otherwise idle (after the wait: not during the
+    // previous kernel's streaming; every block, live or not, takes its share)
+    if (rf.pf_bytes) pd_k_l2_prefetch_share(rf.pf, rf.pf_bytes);
     if (!live) return;
     int n_sp = (kv_len + part - 1) / part;
     int G = H / n_kv;
@@ -1597,6 +1616,14 @@ static bool pd_k_attn_early_enabled() {
     return on != 0;
 }
 
+// PD_CUDA_ATTN_PREFETCH_KB: how much of the next op's bytes (pd_attention_kparams.prefetch: the
+// last KB of them) a one-wave bf16 decode attention fetches into L2 while it runs; 0: none.
+static int pd_k_attn_prefetch_kb() {
+    static int kb = -1;
+    if (kb < 0) kb = pd_k_env_int("PD_CUDA_ATTN_PREFETCH_KB", 0, 0, 1 << 20);
+    return kb;
+}
+
 // PD_CUDA_ATTN_FOLD=0: split partials are always merged by k_attn_combine (measurement knob).
 static bool pd_k_attn_fold_enabled() {
     static int on = -1;
@@ -1605,11 +1632,11 @@ static bool pd_k_attn_fold_enabled() {
 
 typedef void (*pd_k_dec_kern)(const __nv_bfloat16 *, const void *, const void *, __nv_bfloat16 *, const int32_t *,
                               const int32_t *, const int32_t *, const int32_t *, int, int, int, int, float, int, int,
-                              float *, int *, size_t, int, pd_k_rope_fold);
+                              float *, int *, size_t, int, pd_k_dec_extra);
 
 template <int HD, int GM, bool F8>
 static void pd_k_attn_launch_decode(const pd_attention_kparams *p, cudaStream_t s, int part, int n_splits,
-                                    const pd_k_rope_fold &rf) {
+                                    const pd_k_dec_extra &rf) {
     dim3 grid(n_splits, p->n_kv_heads, p->n_seqs);
     // tensor cores for head_dim >= 64; 8 warps per block when the blocks do not fill the GPU
     bool tc = HD >= 64 && pd_k_attn_tc_enabled();
@@ -1628,17 +1655,26 @@ static void pd_k_attn_launch_decode(const pd_attention_kparams *p, cudaStream_t 
             kern = wide ? k_attn_decode_tc<HD, GM, 8, true> : tc ? k_attn_decode_tc<HD, GM, 4, true> : kern;
         else kern = wide ? k_attn_decode_tc<HD, GM, 8, false> : tc ? k_attn_decode_tc<HD, GM, 4, false> : kern;
     }
+    pd_k_dec_extra ex = rf;
+    // L2 prefetch of the next op's tail (pd_attention_kparams.prefetch): where the grid is one wave
+    // of the bf16 streaming kernel (a latency-bound attention: HBM idles while it runs)
+    size_t pfb = (size_t)pd_k_attn_prefetch_kb() << 10;
+    if (!F8 && tc && pd_k_attn_bt_enabled() && wide && p->prefetch && pfb && HD >= 64) {
+        pfb = pfb < p->prefetch_bytes ? pfb : p->prefetch_bytes;
+        ex.pf = (const char *)p->prefetch + ((p->prefetch_bytes - pfb) & ~(size_t)15);
+        ex.pf_bytes = pfb & ~(size_t)15;
+    }
     pd_k_launch(kern, grid, dim3((wide ? 8 : 4) * 32), 0, s, (const __nv_bfloat16 *)p->q, p->k_cache, p->v_cache,
                 (__nv_bfloat16 *)p->out, p->q_indptr, p->kv_lens, p->bt_indptr, p->bt_indices, p->n_heads,
                 p->n_kv_heads, p->block_size, p->q_stride, p->scale * PD_K_LOG2E, part, n_splits, p->workspace,
-                fold ? p->counters : (int *)0, p->row_bytes, pd_k_attn_early_enabled() ? p->n_new : 0, rf);
+                fold ? p->counters : (int *)0, p->row_bytes, pd_k_attn_early_enabled() ? p->n_new : 0, ex);
     if (n_splits > 1 && !fold)
         pd_k_launch(k_attn_combine<HD>, dim3(p->n_seqs, p->n_heads), dim3(HD), 0, s, (__nv_bfloat16 *)p->out,
                     p->q_indptr, p->kv_lens, p->n_heads, part, n_splits, (const float *)p->workspace);
 }
 
 template <int HD, bool F8>
-static void pd_k_attn_dispatch(const pd_attention_kparams *p, cudaStream_t s, const pd_k_rope_fold &rf) {
+static void pd_k_attn_dispatch(const pd_attention_kparams *p, cudaStream_t s, const pd_k_dec_extra &rf) {
     if (p->max_q_len > 1) pd_k_attn_launch_prefill<HD, F8>(p, s);
     int part = pd_k_dec_part(p->n_seqs, p->n_kv_heads, p->max_kv_len);
     int n_splits = (p->max_kv_len + part - 1) / part;
@@ -1660,7 +1696,7 @@ static bool pd_k_attn_rope_enabled() {
 
 extern "C" void pd_cuda_attention(const pd_attention_kparams *p, cudaStream_t s) {
     if (p->n_tokens <= 0 || p->n_seqs <= 0) return;
-    pd_k_rope_fold rf = {};
+    pd_k_dec_extra rf = {};
     if (p->rope) {  // folded where the decode kernel is k_attn_decode_bt (pd_k_attn_launch_decode's choice)
         const pd_rope_kv_kparams *r = p->rope;
         bool bt = !p->kv_fp8 && (p->head_dim == 64 || p->head_dim == 128) && pd_k_attn_tc_enabled() && pd_k_attn_bt_enabled();

@@ -188,7 +188,8 @@ static void run_layer(pd_model *m, pd_model_cache *kc, int li, int T, const int3
                                                .block_size = kc->block_size, .q_stride = nqkv, .max_q_len = max_q,
                                                .max_kv_len = max_kv, .scale = 1.0f / sqrtf((float)hd),
                                                .kv_dtype = m->kv_dtype, .n_new = n_new,
-                                               .rope = rope_in_attn ? &rope : NULL});
+                                               .rope = rope_in_attn ? &rope : NULL, .prefetch = wp(w->wo),
+                                               .prefetch_bytes = (size_t)D * (size_t)(H * hd) * pd_dtype_size(m->wdt)});
     if (fused) {  // x += o(attn); mlp = silu(gate) * up of norm(x); x += down(mlp)
         pd_op_matmul(be, &(pd_matmul_params){.a = wp(ws->attn), .w = wp(w->wo), .bias = wp(w->bo), .out = wp(ws->x),
                                              .M = T, .N = D, .K = H * hd, .residual = true});

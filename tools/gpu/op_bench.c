@@ -473,7 +473,11 @@ static void sg_step(pd_backend *b, sg_arg *s) {
         if (k & SG_GEMMS)
             pd_op_matmul(b, &(pd_matmul_params){.a = s->x, .w = s->wqkv[wi], .out = s->qkv, .M = 1, .N = NQ, .K = D,
                                                 .norm_w = s->g1, .norm_eps = 1e-5f, .rope = &s->rope[i]});
-        if (k & SG_ATTN) pd_op_attention(b, &s->at[i]);
+        if (k & SG_ATTN) {  // the prefetch hint as forward.c gives it: this layer's o weight
+            pd_attention_params at = s->at[i];
+            at.prefetch = s->wo[wi], at.prefetch_bytes = (size_t)D * D * 2;
+            pd_op_attention(b, &at);
+        }
         if (k & SG_GEMMS) {
             pd_op_matmul(b, &(pd_matmul_params){.a = s->attn, .w = s->wo[wi], .out = s->x, .M = 1, .N = D, .K = D, .residual = true});
             pd_op_matmul(b, &(pd_matmul_params){.a = s->x, .w = s->wgu[wi], .out = s->mlp, .M = 1, .N = F, .K = D,

@@ -245,7 +245,7 @@ static void cuda_attention(pd_backend *b, const pd_attention_params *p) {
                               .workspace_bytes = cb->attn_ws_bytes, .counters = cb->attn_cnt,
                               .kv_fp8 = p->kv_dtype == PD_KV_FP8,
                               .row_bytes = pd_kv_row_bytes(b, p->kv_dtype, p->n_kv_heads, p->head_dim),
-                              .n_new = p->n_new};
+                              .n_new = p->n_new, .prefetch = p->prefetch, .prefetch_bytes = p->prefetch_bytes};
     pd_rope_kv_kparams rk;
     if (p->rope) {  // rope_kv in or before the attention kernel (attention.cu decides)
         const pd_rope_kv_params *r = p->rope;

@@ -9,7 +9,9 @@
 # kernels); N = PD_CUDA_ATTN_ROPE=0 (decode attention loads the K/V rows a graph step does not
 # write before its PDL wait); F = defaults (N + RoPE/KV write of batched decode steps inside the
 # decode attention kernel); NE, FE = N, F + PD_CUDA_GRAPH_EARLY=1 (programmatic graph edges from the
-# source's launch completion). A nvidia-smi sampler (50 ms) runs throughout (smi.csv).
+# source's launch completion); P6/P11/P16 = N + PD_CUDA_ATTN_PREFETCH_KB=6144/11264/16384 (a one-wave
+# decode attention fetches that much of the o weight's tail into L2 while it runs). A nvidia-smi
+# sampler (50 ms) runs throughout (smi.csv).
 set -u
 OUT=$1; mkdir -p "$OUT"
 D=${D:-build/gpu-dec12}
@@ -55,23 +57,34 @@ grep -E "^graph:" "$OUT/dump.err" | head -8
 # 3. op_bench single: 2 weight sets (session 11's replica), 32 (the model's footprint), 32 after 300 ms of GEMMs
 ob single2 25 OPB_SINGLE_LAYERS=2
 ob single32 25 OPB_SINGLE_LAYERS=32
-ob single32h 30 OPB_SINGLE_LAYERS=32 OPB_SINGLE_HEAT_MS=300
+ob single32p 25 OPB_SINGLE_LAYERS=32 PD_CUDA_ATTN_PREFETCH_KB=11264
 # 4. single stream right after bench-engine's GEMM peak, four times in a row
 be warm 20 -- --only single --ctx 128,128,128,128,4096
-# 5. A/B, alternated three times
-A="--only decode --ctx 128,4096,32768 --batches 1,8,32,64,128,256"
-for r in 1 2 3; do
-  be O$r 20 PD_CUDA_ATTN_EARLY=0 PD_CUDA_ATTN_ROPE=0 -- $A
-  be N$r 20 PD_CUDA_ATTN_ROPE=0 -- $A
-  be NE$r 20 PD_CUDA_ATTN_ROPE=0 PD_CUDA_GRAPH_EARLY=1 -- $A
-  be F$r 20 PD_CUDA_ATTN_EARLY=1 -- $A
-  be FE$r 20 PD_CUDA_GRAPH_EARLY=1 -- $A
+# 5. the L2 prefetch during attention, single stream
+S="--only single --ctx 128,4096,32768"
+for r in 1 2; do
+  be sN$r 15 PD_CUDA_ATTN_ROPE=0 -- $S
+  be sP6$r 15 PD_CUDA_ATTN_ROPE=0 PD_CUDA_ATTN_PREFETCH_KB=6144 -- $S
+  be sP11$r 15 PD_CUDA_ATTN_ROPE=0 PD_CUDA_ATTN_PREFETCH_KB=11264 -- $S
+  be sP16$r 15 PD_CUDA_ATTN_ROPE=0 PD_CUDA_ATTN_PREFETCH_KB=16384 -- $S
 done
-# 6. golden
+# 6. A/B of the batched-decode changes, alternated (a third round after golden, if time is left)
+A="--only decode --ctx 128,4096 --batches 1,8,32,64,128,256"
+ab() {
+  be O$1 20 PD_CUDA_ATTN_EARLY=0 PD_CUDA_ATTN_ROPE=0 -- $A
+  be N$1 20 PD_CUDA_ATTN_ROPE=0 -- $A
+  be NE$1 20 PD_CUDA_ATTN_ROPE=0 PD_CUDA_GRAPH_EARLY=1 -- $A
+  be F$1 20 PD_CUDA_ATTN_EARLY=1 -- $A
+  be FE$1 20 PD_CUDA_GRAPH_EARLY=1 -- $A
+}
+ab 1
+ab 2
+# 7. golden
 if [ "$(left)" -gt 20 ] && [ -f build/gpu-lead/models.tar.xz ]; then
   mkdir -p $T/models && tar xJf build/gpu-lead/models.tar.xz -C $T/models && ln -sfn "$(pwd)/models/kjv-llama-6m" $T/models/kjv-llama-6m
   PD_MODELS_DIR=$T/models timeout $(lim 40) $T/test_gpu_golden > "$OUT/golden.txt" 2>&1; say "golden rc=$?"
   grep -E "passed|FAIL|graphs vs eager" "$OUT/golden.txt" | tail -5
 fi
+ab 3
 kill $SMI 2>/dev/null
 say done
