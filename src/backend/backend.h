@@ -160,15 +160,6 @@ typedef struct pd_attention_params {
     int n_new;                   // > 0: since the stream last completed, only this op's step wrote
                                  // the cache, and only each sequence's last n_new context rows (a
                                  // backend may read the other rows early); 0: unknown
-    // non-NULL: pd_op_rope_kv(rope) first, as part of this op (host struct, read during the call).
-    // Only where every query row is its own sequence's last context row (q_len 1, rope->qkv == q,
-    // q_stride its row width): a backend may then rotate q and the new k inside the attention
-    // kernel and write the KV there, leaving qkv's q and k columns as they were.
-    const pd_rope_kv_params *rope;
-    // a hint (NULL: none): device bytes the next op reads (its weight), which a backend may fetch
-    // toward the device's caches while a latency-bound attention leaves memory idle
-    const void *prefetch;
-    size_t prefetch_bytes;
 } pd_attention_params;
 
 // out (n, F) = silu(gu[:, :F]) * gu[:, F:]; in a 16-bit act dtype silu(g) is rounded before the

@@ -55,31 +55,6 @@
 #define PD_K_DEC_MIN_PART 128
 #define PD_K_DEC_MAX_SPLITS 128
 
-// What the bf16 streaming decode kernel (k_attn_decode_bt) does besides attention: RoPE + KV
-// write of a decode step (positions NULL: off), and an L2 prefetch of pf_bytes at pf (0: none).
-struct pd_k_dec_extra {
-    const int32_t *positions, *slot_mapping;
-    const float *inv_freq;
-    float scaling;
-    int hf;
-    const char *pf;
-    size_t pf_bytes;
-};
-
-// Block b of the grid's n_blocks prefetches its share of [pf, pf + pf_bytes) into L2, in bulk
-// prefetches of up to 4 KB (16-byte aligned; sm_90).
-static __device__ __forceinline__ void pd_k_l2_prefetch_share(const char *pf, size_t pf_bytes) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    size_t nb = (size_t)gridDim.x * gridDim.y * gridDim.z;
-    size_t b = blockIdx.x + (size_t)gridDim.x * (blockIdx.y + (size_t)gridDim.y * blockIdx.z);
-    size_t per = ((pf_bytes + nb - 1) / nb + 4095) & ~(size_t)4095, lo = b * per, hi = min(pf_bytes, lo + per);
-    for (size_t o = lo + (size_t)threadIdx.x * 4096; o < hi; o += (size_t)blockDim.x * 4096) {
-        unsigned n = (unsigned)min((size_t)4096, hi - o);
-        asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(pf + o), "r"(n) : "memory");
-    }
-#endif
-}
-
 // ---- fp8 KV (backend.h, PD_KV_FP8) -------------------------------------------------------------
 // A slot's row: n_kv * HD e4m3 bytes, then n_kv f32 scales. Every kernel takes the caches as bytes
 // plus row_bytes when F8; e4m3 -> bf16 is exact (cvt to f16x2, widen), the scale is applied in
@@ -488,7 +463,7 @@ static __global__ void __launch_bounds__(PD_K_DEC_WARPS * 32)
     k_attn_decode(const __nv_bfloat16 *q, const void *kc, const void *vc, __nv_bfloat16 *out,
                   const int32_t *q_indptr, const int32_t *kv_lens, const int32_t *bt_indptr,
                   const int32_t *bt_indices, int H, int n_kv, int bs, int q_stride, float scale_log2, int part,
-                  int n_splits, float *ws, int *cnt, size_t rb, int n_new, pd_k_dec_extra rf) {
+                  int n_splits, float *ws, int *cnt, size_t rb, int n_new) {
     constexpr int LPT = HD / 8, TPW = 32 / LPT, U = PD_K_DEC_UNROLL;
     __shared__ float red[PD_K_DEC_WARPS][GM][HD + 2];
     pd_k_pdl_trigger();
@@ -725,7 +700,7 @@ static __global__ void __launch_bounds__(W * 32, W == 4 ? (PIPE ? 2 : 3) : 1)
     k_attn_decode_tc(const __nv_bfloat16 *q, const void *kc, const void *vc, __nv_bfloat16 *out,
                      const int32_t *q_indptr, const int32_t *kv_lens, const int32_t *bt_indptr,
                      const int32_t *bt_indices, int H, int n_kv, int bs, int q_stride, float scale_log2, int part,
-                     int n_splits, float *ws, int *cnt, size_t rb, int n_new, pd_k_dec_extra rf) {
+                     int n_splits, float *ws, int *cnt, size_t rb, int n_new) {
     constexpr int NI = HD / 32;
     __shared__ float red[W][GM][HD + 2];
     pd_k_pdl_trigger();
@@ -860,7 +835,7 @@ static __global__ void __launch_bounds__(W * 32, W == 4 ? 2 : 1)
     k_attn_decode_tc_f8(const __nv_bfloat16 *q, const void *kc_, const void *vc_, __nv_bfloat16 *out,
                         const int32_t *q_indptr, const int32_t *kv_lens, const int32_t *bt_indptr,
                         const int32_t *bt_indices, int H, int n_kv, int bs, int q_stride, float scale_log2, int part,
-                        int n_splits, float *ws, int *cnt, size_t rb, int n_new, pd_k_dec_extra rf) {
+                        int n_splits, float *ws, int *cnt, size_t rb, int n_new) {
     constexpr int NI = HD / 32;
     __shared__ float red[W][GM][HD + 2];
     const uint8_t *kc = (const uint8_t *)kc_, *vc = (const uint8_t *)vc_;
@@ -1085,7 +1060,7 @@ static __global__ void __launch_bounds__(W * 32, W == 4 ? 2 : 1)
     k_attn_decode_f8s(const __nv_bfloat16 *q, const void *kc_, const void *vc_, __nv_bfloat16 *out,
                       const int32_t *q_indptr, const int32_t *kv_lens, const int32_t *bt_indptr,
                       const int32_t *bt_indices, int H, int n_kv, int bs, int q_stride, float scale_log2, int part,
-                      int n_splits, float *ws, int *cnt, size_t rb, int n_new, pd_k_dec_extra rf) {
+                      int n_splits, float *ws, int *cnt, size_t rb, int n_new) {
     constexpr int NC = HD / 64, STEP = W * 16 * T2;  // a warp's step: T2 tiles of 16 tokens
     __shared__ float red[W][GM][HD + 2];
     const uint8_t *kc = (const uint8_t *)kc_, *vc = (const uint8_t *)vc_;
@@ -1261,56 +1236,6 @@ static __device__ __forceinline__ void pd_k_bt_load_late(pd_k_bt_step_regs<HD> &
     }
 }
 
-// The rope fold (pd_k_dec_extra): this lane's dims are i*32 + t*8 + e (i < HD/32, e < 8), so it
-// holds both halves of the rotation pairs (d, d + HD/2) of its chunks i < HD/64: cs/sn of those,
-// computed as rope_kv computes them (pd_k_rope_cs).
-template <int HD>
-struct pd_k_rope_cs_regs {
-    float cs[HD / 64][8], sn[HD / 64][8];
-};
-template <int HD>
-static __device__ __forceinline__ void pd_k_fold_cs(pd_k_rope_cs_regs<HD> &c, const pd_k_dec_extra &rf, float pos, int t) {
-#pragma unroll
-    for (int i = 0; i < HD / 64; i++)
-#pragma unroll
-        for (int e = 0; e < 8; e++) pd_k_rope_cs(pos, rf.inv_freq[i * 32 + t * 8 + e], rf.scaling, rf.hf, &c.sn[i][e], &c.cs[i][e]);
-}
-// Rotates this lane's chunks x[0 .. HD/32) of one head in place (bf16 in, bf16 out: k_rope_kv's values).
-template <int HD>
-static __device__ __forceinline__ void pd_k_fold_rotate(uint4 (&x)[HD / 32], const pd_k_rope_cs_regs<HD> &c, int hf) {
-#pragma unroll
-    for (int i = 0; i < HD / 64; i++) {
-        float a[8], b[8], y0[8], y1[8];
-        pd_k_unpack8(x[i], a);
-        pd_k_unpack8(x[i + HD / 64], b);
-#pragma unroll
-        for (int e = 0; e < 8; e++) pd_k_rope_apply(a[e], b[e], c.sn[i][e], c.cs[i][e], hf, &y0[e], &y1[e]);
-        x[i] = pd_k_pack8(y0);
-        x[i + HD / 64] = pd_k_pack8(y1);
-    }
-}
-// Token row hh of r is the step's new row: its K (rotated) and V from the qkv row qr, stored to the
-// cache at wslot (>= 0) as rope_kv would have.
-template <int HD, int HH>
-static __device__ __forceinline__ void pd_k_fold_new_row(pd_k_bt_step_regs<HD> &r, const __nv_bfloat16 *qr, int H,
-                                                         int n_kv, int kvh, int t, const pd_k_rope_cs_regs<HD> &c,
-                                                         int hf, __nv_bfloat16 *kc, __nv_bfloat16 *vc, int wslot) {
-    const __nv_bfloat16 *kr = qr + (size_t)(H + kvh) * HD + t * 8, *vr = qr + (size_t)(H + n_kv + kvh) * HD + t * 8;
-#pragma unroll
-    for (int i = 0; i < HD / 32; i++) {
-        r.k[HH][i] = *(const uint4 *)(kr + i * 32);
-        r.v[HH][i] = *(const uint4 *)(vr + i * 32);
-    }
-    pd_k_fold_rotate<HD>(r.k[HH], c, hf);
-    if (wslot >= 0) {
-        size_t off = ((size_t)wslot * n_kv + kvh) * HD + t * 8;
-#pragma unroll
-        for (int i = 0; i < HD / 32; i++) {
-            *(uint4 *)(kc + off + i * 32) = r.k[HH][i];
-            *(uint4 *)(vc + off + i * 32) = r.v[HH][i];
-        }
-    }
-}
 template <int HD>
 static __device__ __forceinline__ void pd_k_bt_step(const uint4 (&qf)[HD / 32], const pd_k_bt_step_regs<HD> &r,
                                                     float (&o)[HD / 32][2][4], float (&m)[2], float (&l)[2], int base,
@@ -1379,7 +1304,7 @@ static __global__ void __launch_bounds__(W * 32, W == 4 ? 2 : 1)
     k_attn_decode_bt(const __nv_bfloat16 *q, const void *kc_, const void *vc_, __nv_bfloat16 *out,
                      const int32_t *q_indptr, const int32_t *kv_lens, const int32_t *bt_indptr,
                      const int32_t *bt_indices, int H, int n_kv, int bs, int q_stride, float scale_log2, int part,
-                     int n_splits, float *ws, int *cnt, size_t rb, int n_new, pd_k_dec_extra rf) {
+                     int n_splits, float *ws, int *cnt, size_t rb, int n_new) {
     constexpr int NI = HD / 32, STEP = W * 16;
     __shared__ float red[W][GM][HD + 2];
     const __nv_bfloat16 *kc = (const __nv_bfloat16 *)kc_, *vc = (const __nv_bfloat16 *)vc_;
@@ -1392,23 +1317,16 @@ static __global__ void __launch_bounds__(W * 32, W == 4 ? 2 : 1)
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
     bool live = q_len == 1 && k_begin < kv_len;
     int first = k_begin + warp * 16;
-    // Rope fold (rf.positions set): q is rotated here, and the new row (position kv_len - 1) is not
-    // read from the cache: the loop stops before it (k_stop) and one more step after the loop takes
-    // it from the qkv row, rotated, and writes it to the cache (rope_kv's values; slot_mapping).
-    bool fold = rf.positions != nullptr && live;
-    int newpos = fold ? kv_len - 1 : -1, k_stop = fold ? min(k_end, newpos) : k_end;
-    pd_k_rope_cs_regs<HD> csr;
-    if (fold) pd_k_fold_cs<HD>(csr, rf, (float)rf.positions[q_begin], t);  // metadata: read before the wait
     int slot[DEPTH][2];
 #pragma unroll
     for (int d = 0; d < DEPTH; d++)
 #pragma unroll
         for (int hh = 0; hh < 2; hh++)
-            slot[d][hh] = live ? pd_k_dec_slot(bt, first + d * STEP + hh * 8 + g, k_stop, bs) : -1;
+            slot[d][hh] = live ? pd_k_dec_slot(bt, first + d * STEP + hh * 8 + g, k_end, bs) : -1;
     // the slots of the step loaded next; in the loop, each step looks up the one after (a lookup's
     // latency then never delays the loads it feeds)
-    int nx[2] = {live ? pd_k_dec_slot(bt, first + DEPTH * STEP + g, k_stop, bs) : -1,
-                 live ? pd_k_dec_slot(bt, first + DEPTH * STEP + 8 + g, k_stop, bs) : -1};
+    int nx[2] = {live ? pd_k_dec_slot(bt, first + DEPTH * STEP + g, k_end, bs) : -1,
+                 live ? pd_k_dec_slot(bt, first + DEPTH * STEP + 8 + g, k_end, bs) : -1};
     // Rows below `stable` are not written by this step's kernels (n_new > 0: attention.cuh), so the
     // first steps' K and V of those rows are loaded before the wait, during the previous kernel;
     // the rest (this step's new rows) after it. Block-uniform.
@@ -1423,9 +1341,6 @@ static __global__ void __launch_bounds__(W * 32, W == 4 ? 2 : 1)
         }
     }
     pd_k_pdl_wait();
-    // the next op's bytes into L2 while HBM would otherwise idle (after the wait: not during the
-    // previous kernel's streaming; every block, live or not, takes its share)
-    if (rf.pf_bytes) pd_k_l2_prefetch_share(rf.pf, rf.pf_bytes);
     if (!live) return;
     int n_sp = (kv_len + part - 1) / part;
     int G = H / n_kv;
@@ -1439,12 +1354,11 @@ static __global__ void __launch_bounds__(W * 32, W == 4 ? 2 : 1)
             pd_k_bt_load<HD>(buf[d], kc, vc, slot[d], n_kv, kvh, t);
         }
     }
-    const __nv_bfloat16 *qr = q + (size_t)q_begin * q_stride;
     uint4 qf[NI];
 #pragma unroll
     for (int i = 0; i < NI; i++)
-        qf[i] = g < G ? *(const uint4 *)(qr + (size_t)(kvh * G + g) * HD + i * 32 + t * 8) : make_uint4(0, 0, 0, 0);
-    if (fold) pd_k_fold_rotate<HD>(qf, csr, rf.hf);
+        qf[i] = g < G ? *(const uint4 *)(q + (size_t)q_begin * q_stride + (size_t)(kvh * G + g) * HD + i * 32 + t * 8)
+                      : make_uint4(0, 0, 0, 0);
     float o[NI][2][4];
 #pragma unroll
     for (int i = 0; i < NI; i++)
@@ -1452,30 +1366,17 @@ static __global__ void __launch_bounds__(W * 32, W == 4 ? 2 : 1)
         for (int rp = 0; rp < 2; rp++) o[i][rp][0] = o[i][rp][1] = o[i][rp][2] = o[i][rp][3] = 0.f;
     float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
 
-    for (int b0 = first; b0 < k_stop; b0 += (DEPTH + 1) * STEP) {
+    for (int b0 = first; b0 < k_end; b0 += (DEPTH + 1) * STEP) {
 #pragma unroll
         for (int u = 0; u <= DEPTH; u++) {
             int base = b0 + u * STEP;
-            if (base >= k_stop) break;
+            if (base >= k_end) break;
             int ns[2] = {nx[0], nx[1]};
-            nx[0] = pd_k_dec_slot(bt, base + (DEPTH + 1) * STEP + g, k_stop, bs);
-            nx[1] = pd_k_dec_slot(bt, base + (DEPTH + 1) * STEP + 8 + g, k_stop, bs);
+            nx[0] = pd_k_dec_slot(bt, base + (DEPTH + 1) * STEP + g, k_end, bs);
+            nx[1] = pd_k_dec_slot(bt, base + (DEPTH + 1) * STEP + 8 + g, k_end, bs);
             pd_k_bt_load<HD>(buf[(u + DEPTH) % (DEPTH + 1)], kc, vc, ns, n_kv, kvh, t);
-            pd_k_bt_step<HD>(qf, buf[u], o, m, l, base, k_stop, g, scale_log2);
+            pd_k_bt_step<HD>(qf, buf[u], o, m, l, base, k_end, g, scale_log2);
         }
-    }
-    // the new row: one step of one token (lanes g = 0) in the warp after the one whose last step
-    // ended at it (it has one step less), in the split that holds it
-    if (fold && newpos < k_end && warp == ((newpos - k_begin) / 16 + 1) % W) {
-        pd_k_bt_step_regs<HD> nr;
-#pragma unroll
-        for (int i = 0; i < NI; i++) nr.k[0][i] = nr.v[0][i] = nr.k[1][i] = nr.v[1][i] = make_uint4(0, 0, 0, 0);
-        if (g == 0) {
-            pd_k_fold_cs<HD>(csr, rf, (float)rf.positions[q_begin], t);
-            pd_k_fold_new_row<HD, 0>(nr, qr, H, n_kv, kvh, t, csr, rf.hf, (__nv_bfloat16 *)kc_, (__nv_bfloat16 *)vc_,
-                                     rf.slot_mapping[q_begin]);
-        }
-        pd_k_bt_step<HD>(qf, nr, o, m, l, newpos, newpos + 1, g, scale_log2);
     }
 #pragma unroll
     for (int e = 0; e < 2; e++) {
@@ -1616,14 +1517,6 @@ static bool pd_k_attn_early_enabled() {
     return on != 0;
 }
 
-// PD_CUDA_ATTN_PREFETCH_KB: how much of the next op's bytes (pd_attention_kparams.prefetch: the
-// last KB of them) a one-wave bf16 decode attention fetches into L2 while it runs; 0: none.
-static int pd_k_attn_prefetch_kb() {
-    static int kb = -1;
-    if (kb < 0) kb = pd_k_env_int("PD_CUDA_ATTN_PREFETCH_KB", 0, 0, 1 << 20);
-    return kb;
-}
-
 // PD_CUDA_ATTN_FOLD=0: split partials are always merged by k_attn_combine (measurement knob).
 static bool pd_k_attn_fold_enabled() {
     static int on = -1;
@@ -1632,11 +1525,10 @@ static bool pd_k_attn_fold_enabled() {
 
 typedef void (*pd_k_dec_kern)(const __nv_bfloat16 *, const void *, const void *, __nv_bfloat16 *, const int32_t *,
                               const int32_t *, const int32_t *, const int32_t *, int, int, int, int, float, int, int,
-                              float *, int *, size_t, int, pd_k_dec_extra);
+                              float *, int *, size_t, int);
 
 template <int HD, int GM, bool F8>
-static void pd_k_attn_launch_decode(const pd_attention_kparams *p, cudaStream_t s, int part, int n_splits,
-                                    const pd_k_dec_extra &rf) {
+static void pd_k_attn_launch_decode(const pd_attention_kparams *p, cudaStream_t s, int part, int n_splits) {
     dim3 grid(n_splits, p->n_kv_heads, p->n_seqs);
     // tensor cores for head_dim >= 64; 8 warps per block when the blocks do not fill the GPU
     bool tc = HD >= 64 && pd_k_attn_tc_enabled();
@@ -1655,65 +1547,37 @@ static void pd_k_attn_launch_decode(const pd_attention_kparams *p, cudaStream_t 
             kern = wide ? k_attn_decode_tc<HD, GM, 8, true> : tc ? k_attn_decode_tc<HD, GM, 4, true> : kern;
         else kern = wide ? k_attn_decode_tc<HD, GM, 8, false> : tc ? k_attn_decode_tc<HD, GM, 4, false> : kern;
     }
-    pd_k_dec_extra ex = rf;
-    // L2 prefetch of the next op's tail (pd_attention_kparams.prefetch): where the grid is one wave
-    // of the bf16 streaming kernel (a latency-bound attention: HBM idles while it runs)
-    size_t pfb = (size_t)pd_k_attn_prefetch_kb() << 10;
-    if (!F8 && tc && pd_k_attn_bt_enabled() && wide && p->prefetch && pfb && HD >= 64) {
-        pfb = pfb < p->prefetch_bytes ? pfb : p->prefetch_bytes;
-        ex.pf = (const char *)p->prefetch + ((p->prefetch_bytes - pfb) & ~(size_t)15);
-        ex.pf_bytes = pfb & ~(size_t)15;
-    }
     pd_k_launch(kern, grid, dim3((wide ? 8 : 4) * 32), 0, s, (const __nv_bfloat16 *)p->q, p->k_cache, p->v_cache,
                 (__nv_bfloat16 *)p->out, p->q_indptr, p->kv_lens, p->bt_indptr, p->bt_indices, p->n_heads,
                 p->n_kv_heads, p->block_size, p->q_stride, p->scale * PD_K_LOG2E, part, n_splits, p->workspace,
-                fold ? p->counters : (int *)0, p->row_bytes, pd_k_attn_early_enabled() ? p->n_new : 0, ex);
+                fold ? p->counters : (int *)0, p->row_bytes, pd_k_attn_early_enabled() ? p->n_new : 0);
     if (n_splits > 1 && !fold)
         pd_k_launch(k_attn_combine<HD>, dim3(p->n_seqs, p->n_heads), dim3(HD), 0, s, (__nv_bfloat16 *)p->out,
                     p->q_indptr, p->kv_lens, p->n_heads, part, n_splits, (const float *)p->workspace);
 }
 
 template <int HD, bool F8>
-static void pd_k_attn_dispatch(const pd_attention_kparams *p, cudaStream_t s, const pd_k_dec_extra &rf) {
+static void pd_k_attn_dispatch(const pd_attention_kparams *p, cudaStream_t s) {
     if (p->max_q_len > 1) pd_k_attn_launch_prefill<HD, F8>(p, s);
     int part = pd_k_dec_part(p->n_seqs, p->n_kv_heads, p->max_kv_len);
     int n_splits = (p->max_kv_len + part - 1) / part;
     if (n_splits < 1) n_splits = 1;
     int G = p->n_heads / p->n_kv_heads;
-    if (G == 1) pd_k_attn_launch_decode<HD, 1, F8>(p, s, part, n_splits, rf);
-    else if (G == 2) pd_k_attn_launch_decode<HD, 2, F8>(p, s, part, n_splits, rf);
-    else if (G <= 4) pd_k_attn_launch_decode<HD, 4, F8>(p, s, part, n_splits, rf);
-    else pd_k_attn_launch_decode<HD, 8, F8>(p, s, part, n_splits, rf);
-}
-
-// PD_CUDA_ATTN_ROPE=0: a decode step's rope_kv (pd_attention_kparams.rope) always runs as its own
-// kernel before the attention instead of inside the bf16 streaming decode kernel (measurements).
-static bool pd_k_attn_rope_enabled() {
-    static int on = -1;
-    if (on < 0) on = pd_k_env_int("PD_CUDA_ATTN_ROPE", 1, 0, 1);
-    return on != 0;
+    if (G == 1) pd_k_attn_launch_decode<HD, 1, F8>(p, s, part, n_splits);
+    else if (G == 2) pd_k_attn_launch_decode<HD, 2, F8>(p, s, part, n_splits);
+    else if (G <= 4) pd_k_attn_launch_decode<HD, 4, F8>(p, s, part, n_splits);
+    else pd_k_attn_launch_decode<HD, 8, F8>(p, s, part, n_splits);
 }
 
 extern "C" void pd_cuda_attention(const pd_attention_kparams *p, cudaStream_t s) {
     if (p->n_tokens <= 0 || p->n_seqs <= 0) return;
-    pd_k_dec_extra rf = {};
-    if (p->rope) {  // folded where the decode kernel is k_attn_decode_bt (pd_k_attn_launch_decode's choice)
-        const pd_rope_kv_kparams *r = p->rope;
-        bool bt = !p->kv_fp8 && (p->head_dim == 64 || p->head_dim == 128) && pd_k_attn_tc_enabled() && pd_k_attn_bt_enabled();
-        if (bt && pd_k_attn_rope_enabled() && p->max_q_len == 1 && r->n_tokens == p->n_tokens && !r->kv_fp8 &&
-            r->head_dim == p->head_dim && r->n_heads == p->n_heads && r->n_kv_heads == p->n_kv_heads && r->qkv == p->q &&
-            p->q_stride == (p->n_heads + 2 * p->n_kv_heads) * p->head_dim)
-            rf = {r->positions, r->slot_mapping, r->inv_freq, r->attn_scaling, pd_k_hf_rounding()};
-        else
-            pd_cuda_rope_kv(r, s);
-    }
     switch (p->head_dim * 2 + (p->kv_fp8 ? 1 : 0)) {
-    case 64: pd_k_attn_dispatch<32, false>(p, s, rf); break;
-    case 128: pd_k_attn_dispatch<64, false>(p, s, rf); break;
-    case 256: pd_k_attn_dispatch<128, false>(p, s, rf); break;
-    case 65: pd_k_attn_dispatch<32, true>(p, s, rf); break;
-    case 129: pd_k_attn_dispatch<64, true>(p, s, rf); break;
-    case 257: pd_k_attn_dispatch<128, true>(p, s, rf); break;
+    case 64: pd_k_attn_dispatch<32, false>(p, s); break;
+    case 128: pd_k_attn_dispatch<64, false>(p, s); break;
+    case 256: pd_k_attn_dispatch<128, false>(p, s); break;
+    case 65: pd_k_attn_dispatch<32, true>(p, s); break;
+    case 129: pd_k_attn_dispatch<64, true>(p, s); break;
+    case 257: pd_k_attn_dispatch<128, true>(p, s); break;
     default: break;  // pd_cuda_attention_supported() is checked by the caller
     }
 }

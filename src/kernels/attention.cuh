@@ -17,8 +17,6 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "kernels/rope_kv.cuh"
-
 #ifdef __cplusplus
 extern "C" {
 #endif
@@ -44,14 +42,6 @@ typedef struct pd_attention_kparams {
                                         // be written by the kernels before this one since the last full
                                         // completion of the stream (a graph step's own KV writes), so the
                                         // decode kernel loads the others before its PDL wait; 0: unknown
-    // non-NULL: rope_kv of this step first (rope->qkv is q's buffer, one token per sequence, each
-    // its sequence's last context row, q_len 1); the bf16 streaming decode kernel does it itself
-    // (PD_CUDA_ATTN_ROPE, attention.cu), otherwise the rope_kv kernel runs before the attention.
-    const pd_rope_kv_kparams *rope;
-    // a hint: the bytes the op after this one reads first thing (the next GEMM's weight); a
-    // latency-bound decode attention may fetch their tail into L2 while it runs (attention.cu)
-    const void *prefetch;
-    size_t prefetch_bytes;
 } pd_attention_kparams;
 
 // True when head_dim and the GQA group size are supported (head_dim 32/64/128, group <= 8), for

@@ -155,7 +155,6 @@ static void run_layer(pd_model *m, pd_model_cache *kc, int li, int T, const int3
     int D = c->hidden_size, F = c->intermediate_size, hd = c->head_dim, H = c->n_heads, Hkv = c->n_kv_heads;
     int nqkv = (H + 2 * Hkv) * hd;
 
-    bool rope_in_attn = false;
     pd_rope_kv_params rope = {.qkv = wp(ws->qkv), .positions = dmeta + l->positions, .inv_freq = wp(m->inv_freq),
                               .slot_mapping = dmeta + l->slots, .k_cache = pd_model_cache_k(kc, li),
                               .v_cache = pd_model_cache_v(kc, li), .n_tokens = T, .n_heads = H, .n_kv_heads = Hkv,
@@ -170,10 +169,7 @@ static void run_layer(pd_model *m, pd_model_cache *kc, int li, int T, const int3
         bool epi = pd_backend_fuses_epilogues(be, T);  // RoPE + KV write in the qkv GEMM (batched decode on CUDA)
         pd_op_matmul(be, &(pd_matmul_params){.a = wp(ws->h), .w = wp(w->wqkv), .bias = wp(w->bqkv), .out = wp(ws->qkv),
                                              .M = T, .N = nqkv, .K = D, .rope = epi ? &rope : NULL});
-        // decode (one query row per sequence, its last): rope_kv goes with the attention op, which
-        // may run it inside its kernel (pd_attention_params.rope); otherwise it runs here
-        rope_in_attn = !epi && max_q == 1 && l->n_pseudo == 0;
-        if (!epi && !rope_in_attn) pd_op_rope_kv(be, &rope);
+        if (!epi) pd_op_rope_kv(be, &rope);
     }
     bool ps = l->n_pseudo > 0;
     if (ps) n_seqs = (int)l->n_pseudo, max_q = 1;
@@ -187,9 +183,7 @@ static void run_layer(pd_model *m, pd_model_cache *kc, int li, int T, const int3
                                                .n_heads = H, .n_kv_heads = Hkv, .head_dim = hd,
                                                .block_size = kc->block_size, .q_stride = nqkv, .max_q_len = max_q,
                                                .max_kv_len = max_kv, .scale = 1.0f / sqrtf((float)hd),
-                                               .kv_dtype = m->kv_dtype, .n_new = n_new,
-                                               .rope = rope_in_attn ? &rope : NULL, .prefetch = wp(w->wo),
-                                               .prefetch_bytes = (size_t)D * (size_t)(H * hd) * pd_dtype_size(m->wdt)});
+                                               .kv_dtype = m->kv_dtype, .n_new = n_new});
     if (fused) {  // x += o(attn); mlp = silu(gate) * up of norm(x); x += down(mlp)
         pd_op_matmul(be, &(pd_matmul_params){.a = wp(ws->attn), .w = wp(w->wo), .bias = wp(w->bo), .out = wp(ws->x),
                                              .M = T, .N = D, .K = H * hd, .residual = true});

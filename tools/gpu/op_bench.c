@@ -473,11 +473,7 @@ static void sg_step(pd_backend *b, sg_arg *s) {
         if (k & SG_GEMMS)
             pd_op_matmul(b, &(pd_matmul_params){.a = s->x, .w = s->wqkv[wi], .out = s->qkv, .M = 1, .N = NQ, .K = D,
                                                 .norm_w = s->g1, .norm_eps = 1e-5f, .rope = &s->rope[i]});
-        if (k & SG_ATTN) {  // the prefetch hint as forward.c gives it: this layer's o weight
-            pd_attention_params at = s->at[i];
-            at.prefetch = s->wo[wi], at.prefetch_bytes = (size_t)D * D * 2;
-            pd_op_attention(b, &at);
-        }
+        if (k & SG_ATTN) pd_op_attention(b, &s->at[i]);
         if (k & SG_GEMMS) {
             pd_op_matmul(b, &(pd_matmul_params){.a = s->attn, .w = s->wo[wi], .out = s->x, .M = 1, .N = D, .K = D, .residual = true});
             pd_op_matmul(b, &(pd_matmul_params){.a = s->x, .w = s->wgu[wi], .out = s->mlp, .M = 1, .N = F, .K = D,
@@ -509,8 +505,9 @@ static void sg_heat(pd_backend *b, int ms) {
 }
 
 // us per step: [0] back to back, [1] serial (median), [2] serial with the metadata upload (median),
-// [3] back to back with the upload before each launch (bench-engine's "pipelined" step).
-static void sg_time(pd_backend *b, sg_arg *s, double out[4], int heat_ms) {
+// [3] back to back with the upload before each launch (bench-engine's "pipelined" step); [4..7]
+// the upload call's and the graph launch call's host time in the serial steps (median, max).
+static void sg_time(pd_backend *b, sg_arg *s, double out[8], int heat_ms) {
     sg_step(b, s);  // eager: scratch, plans
     pd_backend_sync(b);
     sg_heat(b, heat_ms);
@@ -534,19 +531,25 @@ static void sg_time(pd_backend *b, sg_arg *s, double out[4], int heat_ms) {
     }
     pd_backend_sync(b);
     out[3] = (double)(pd_time_us() - t0) / reps;
-    double t[2][20];
+    double t[2][20], tu[20], tl[20];  // tu, tl: the upload and launch calls' own host time (serial + upload)
     for (int v = 0; v < 2; v++)
         for (int i = 0; i < reps; i++) {
             int64_t t1 = pd_time_us();
             if (v) pd_backend_upload(b, s->meta_dev, meta, sizeof meta);
+            int64_t t2 = pd_time_us();
             pd_backend_graph_launch(b, g);
+            int64_t t3 = pd_time_us();
             pd_backend_sync(b);
             t[v][i] = (double)(pd_time_us() - t1);
+            if (v) tu[i] = (double)(t2 - t1), tl[i] = (double)(t3 - t2);
         }
     for (int v = 0; v < 2; v++) {
         qsort(t[v], (size_t)reps, sizeof(double), cmp_dbl);
         out[1 + v] = t[v][reps / 2];
     }
+    qsort(tu, (size_t)reps, sizeof(double), cmp_dbl);
+    qsort(tl, (size_t)reps, sizeof(double), cmp_dbl);
+    out[4] = tu[reps / 2], out[5] = tu[reps - 1], out[6] = tl[reps / 2], out[7] = tl[reps - 1];
     pd_backend_graph_free(b, g);
 }
 static void bench_single(double copy_gbs, pd_backend **bes, const char **be_names, int n_be) {
@@ -614,13 +617,14 @@ static void bench_single(double copy_gbs, pd_backend **bes, const char **be_name
         for (size_t v = 0; v < sizeof vs / sizeof vs[0]; v++) {
             s.mask = vs[v].mask;
             s.at[0].n_new = s.at[1].n_new = vs[v].early;
-            double t[4];
+            double t[8];
             sg_time(bes[bi], &s, t, heat_ms);
             double fl = vs[v].bytes / (copy_gbs * 1e3);
             printf("single %-6s %-15s back-to-back %8.1f us  b2b+upload %8.1f us (+%5.1f)  serial %8.1f us (+%5.1f)  serial+upload %8.1f us (+%5.1f)",
                    be_names[bi], vs[v].name, t[0], t[3], t[3] - t[0], t[1], t[1] - t[0], t[2], t[2] - t[0]);
             if (vs[v].bytes > 0)
                 printf("  floor %8.1f us at %.0f GB/s: %5.1f%% (%5.0f GB/s)", fl, copy_gbs, 100 * fl / t[0], vs[v].bytes / (t[0] * 1e3));
+            printf("  host: upload call %.0f (max %.0f) us, launch call %.0f (max %.0f) us", t[4], t[5], t[6], t[7]);
             printf("\n");
         }
 }

@@ -183,7 +183,6 @@ static void cpu_rope_kv(pd_backend *b, const pd_rope_kv_params *p) {
 }
 
 static void cpu_attention(pd_backend *b, const pd_attention_params *p) {
-    if (p->rope) cpu_rope_kv(b, p->rope);
     int H = p->n_heads, Hkv = p->n_kv_heads, hd = p->head_dim, bs = p->block_size;
     int group = H / Hkv;
     size_t kvw = (size_t)Hkv * hd;

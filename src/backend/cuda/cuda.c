@@ -245,19 +245,7 @@ static void cuda_attention(pd_backend *b, const pd_attention_params *p) {
                               .workspace_bytes = cb->attn_ws_bytes, .counters = cb->attn_cnt,
                               .kv_fp8 = p->kv_dtype == PD_KV_FP8,
                               .row_bytes = pd_kv_row_bytes(b, p->kv_dtype, p->n_kv_heads, p->head_dim),
-                              .n_new = p->n_new, .prefetch = p->prefetch, .prefetch_bytes = p->prefetch_bytes};
-    pd_rope_kv_kparams rk;
-    if (p->rope) {  // rope_kv in or before the attention kernel (attention.cu decides)
-        const pd_rope_kv_params *r = p->rope;
-        PD_ASSERT(r->head_dim % 2 == 0);
-        rk = (pd_rope_kv_kparams){.qkv = r->qkv, .positions = r->positions, .inv_freq = r->inv_freq,
-                                  .slot_mapping = r->slot_mapping, .k_cache = r->k_cache, .v_cache = r->v_cache,
-                                  .n_tokens = r->n_tokens, .n_heads = r->n_heads, .n_kv_heads = r->n_kv_heads,
-                                  .head_dim = r->head_dim, .attn_scaling = r->attn_scaling,
-                                  .kv_fp8 = r->kv_dtype == PD_KV_FP8,
-                                  .row_bytes = pd_kv_row_bytes(b, r->kv_dtype, r->n_kv_heads, r->head_dim)};
-        k.rope = &rk;
-    }
+                              .n_new = p->n_new};
     pd_cuda_attention(&k, cb->stream);
     PD_CUDA_CHECK_LAUNCH();
 }
@@ -602,32 +590,6 @@ static void graph_dump(cudaGraph_t g) {
     pd_free(nodes), pd_free(from), pd_free(to), pd_free(ed);
 }
 
-// PD_CUDA_GRAPH_EARLY=1 (graph_end): every programmatic edge of a captured graph leaves its
-// source at the launch-completion port (all of the source's blocks have started) instead of the
-// programmatic one (all have triggered or exited). Our kernels trigger first thing, so for them
-// nothing changes; a cuBLASLt kernel never triggers, so a PDL kernel after it (rmsnorm, rope_kv,
-// silu_mul, attention in a batched decode layer) could only launch once the GEMM had exited: now it
-// launches while the GEMM runs and waits in griddepcontrol.wait, which still waits for the GEMM's
-// completion and memory flush (every PDL kernel waits before it reads an earlier kernel's output:
-// kernels/common.cuh). Measurement knob (default 0).
-static void graph_early_edges(cudaGraph_t g) {
-    size_t ne = 0;
-    PD_CUDA_CHECK(cudaGraphGetEdges(g, NULL, NULL, NULL, &ne));
-    cudaGraphNode_t *from = pd_calloc(ne + 1, sizeof *from), *to = pd_calloc(ne + 1, sizeof *to);
-    cudaGraphEdgeData *ed = pd_calloc(ne + 1, sizeof *ed);
-    PD_ASSERT(from && to && ed);
-    PD_CUDA_CHECK(cudaGraphGetEdges(g, from, to, ed, &ne));
-    for (size_t j = 0; j < ne; j++) {
-        if (ed[j].type != cudaGraphDependencyTypeProgrammatic || ed[j].from_port == cudaGraphKernelNodePortLaunchCompletion)
-            continue;
-        cudaGraphEdgeData nd = ed[j];
-        nd.from_port = cudaGraphKernelNodePortLaunchCompletion;
-        PD_CUDA_CHECK(cudaGraphRemoveDependencies(g, &from[j], &to[j], &ed[j], 1));
-        PD_CUDA_CHECK(cudaGraphAddDependencies(g, &from[j], &to[j], &nd, 1));
-    }
-    pd_free(from), pd_free(to), pd_free(ed);
-}
-
 static void *cuda_graph_end(pd_backend *b) {
     pd_cuda_backend *cb = pd_cuda_backend_of(b);
     pd_cuda_bind(cb);
@@ -638,7 +600,6 @@ static void *cuda_graph_end(pd_backend *b) {
         PD_LOG_W("cuda: graph capture failed: %s", cudaGetErrorString(e));
         return NULL;
     }
-    if (cb->graph_early) graph_early_edges(g);
     if (cb->graph_dump) graph_dump(g);
     cuda_graph *cg = pd_calloc(1, sizeof *cg);
     e = cg ? cudaGraphInstantiate(&cg->exec, g, 0) : cudaErrorMemoryAllocation;
@@ -776,6 +737,5 @@ pd_backend *pd_backend_cuda_new(int device, pd_err *err) {
     }
     pd_cuda_gemm_init(cb);
     cb->graph_dump = pd_cuda_env_int("PD_CUDA_GRAPH_DUMP", 0, 0, 1);
-    cb->graph_early = pd_cuda_env_int("PD_CUDA_GRAPH_EARLY", 0, 0, 1);
     return &cb->base;
 }
