@@ -52,7 +52,7 @@ done
 PRE=""
 # 4. cuBLASLt tuning on rotated weights vs after a flush (batched decode), with the picks logged
 be dumpR 15 PD_CUDA_GEMM_TUNE_ROTATE=1 PD_CUDA_GRAPH_DUMP=1 PDSERVE_LOG=debug -- --only decode --ctx 128 --batches 64
-grep -E "cuBLASLt" "$OUT/dumpR.err" | head -12; grep -E "nvjet|type 2" "$OUT/dumpR.err" | sed -n '163,180p' | cut -c1-120
+grep -E "cuBLASLt" "$OUT/dumpR.err" | head -12; grep -E "nvjet|type 2" "$OUT/dumpR.err" | head -6 | cut -c1-120
 be dumpT 15 PDSERVE_LOG=debug -- --only decode --ctx 128 --batches 64
 grep -E "cuBLASLt" "$OUT/dumpT.err" | head -12
 T3="--only decode --ctx 128 --batches 32,64,128"
