@@ -53,7 +53,6 @@ static const pd_knob KNOBS[] = {
     INT("PD_CUDA_GEMM_TUNE_MAX_M", 1, 65536, "cuBLASLt tuning: largest M tuned (default 128)"),
     INT("PD_CUDA_GEMM_TUNE_PF", 0, 1 << 30, "cuBLASLt prefill tuning from this M (default 0: off)"),
     INT("PD_CUDA_GEMM_TUNE_PF_ALGOS", 1, 32, "cuBLASLt prefill tuning: candidates (default 8)"),
-    SW("PD_CUDA_GEMM_TUNE_ROTATE", "cuBLASLt decode tuning: candidates timed back to back on rotated weight copies (default 0)"),
     INT("PD_CUDA_GEMV_MAX_M", 0, 16, "stream-K GEMV kernel up to this M (default 0: off)"),
     SW("PD_CUDA_GEMV_TMA", "stream-K GEMV: TMA loads (default 1; 0: cp.async)"),
     SW("PD_CUDA_GRAPHS", "CUDA graphs for decode and verify steps (default 1)"),

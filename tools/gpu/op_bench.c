@@ -490,27 +490,12 @@ static int cmp_dbl(const void *a, const void *b) {
     double x = *(const double *)a, y = *(const double *)b;
     return x < y ? -1 : x > y;
 }
-// OPB_SINGLE_HEAT_MS=N: 8192^3 GEMMs for N ms before each variant is timed (as bench-engine's
-// GEMM peak runs before its decode steps: does a hot card decode slower?); 0 (default): none.
-static void sg_heat(pd_backend *b, int ms) {
-    static void *a, *w, *o;
-    if (ms <= 0) return;
-    if (!a) a = rnd((size_t)8192 * 8192), w = rnd((size_t)8192 * 8192), o = alloc((size_t)8192 * 8192 * 2);
-    pd_matmul_params p = {.a = a, .w = w, .out = o, .M = 8192, .N = 8192, .K = 8192};
-    int64_t t0 = pd_time_us();
-    while (pd_time_us() - t0 < (int64_t)ms * 1000) {
-        for (int i = 0; i < 5; i++) pd_op_matmul(b, &p);
-        pd_backend_sync(b);
-    }
-}
-
 // us per step: [0] back to back, [1] serial (median), [2] serial with the metadata upload (median),
 // [3] back to back with the upload before each launch (bench-engine's "pipelined" step); [4..7]
 // the upload call's and the graph launch call's host time in the serial steps (median, max).
-static void sg_time(pd_backend *b, sg_arg *s, double out[8], int heat_ms) {
+static void sg_time(pd_backend *b, sg_arg *s, double out[8]) {
     sg_step(b, s);  // eager: scratch, plans
     pd_backend_sync(b);
-    sg_heat(b, heat_ms);
     pd_backend_graph_begin(b);
     sg_step(b, s);
     pd_graph *g = pd_backend_graph_end(b);
@@ -569,9 +554,7 @@ static void bench_single(double copy_gbs, pd_backend **bes, const char **be_name
         s.wqkv[i] = rnd((size_t)NQ * D), s.wo[i] = rnd((size_t)D * D);
         s.wgu[i] = rnd((size_t)2 * F * D), s.wd[i] = rnd((size_t)D * F);
     }
-    int heat_ms;
-    if (pd_env_int("OPB_SINGLE_HEAT_MS", 0, 0, 10000, &heat_ms, &eerr)) { fprintf(stderr, "%s\n", eerr.msg); exit(2); }
-    printf("single: %d distinct layer weight sets, %d ms of GEMMs before each variant\n", s.n_copies, heat_ms);
+    printf("single: %d distinct layer weight sets\n", s.n_copies);
     s.lmh = rnd((size_t)V * D);
     // ids: [0] the token, [1] the logit row (0); positions / slots after them (the step's metadata)
     int32_t meta[4] = {12345, 0, ctx - 1, 0};
@@ -618,7 +601,7 @@ static void bench_single(double copy_gbs, pd_backend **bes, const char **be_name
             s.mask = vs[v].mask;
             s.at[0].n_new = s.at[1].n_new = vs[v].early;
             double t[8];
-            sg_time(bes[bi], &s, t, heat_ms);
+            sg_time(bes[bi], &s, t);
             double fl = vs[v].bytes / (copy_gbs * 1e3);
             printf("single %-6s %-15s back-to-back %8.1f us  b2b+upload %8.1f us (+%5.1f)  serial %8.1f us (+%5.1f)  serial+upload %8.1f us (+%5.1f)",
                    be_names[bi], vs[v].name, t[0], t[3], t[3] - t[0], t[1], t[1] - t[0], t[2], t[2] - t[0]);

@@ -62,7 +62,6 @@ typedef struct pd_cuda_backend {
     int bgemm_per_sm;          // its split-K sizing: blocks per SM aimed at (PD_CUDA_BGEMM_PER_SM)
     int bgemm_stages;          // its cp.async ring depth, 4 or 8 (PD_CUDA_BGEMM_STAGES)
     int tune, tune_max_m, tune_algos;  // cuBLASLt tuning of decode shapes (gemm.c, PD_CUDA_GEMM_TUNE*)
-    int tune_rotate;                   // ... timed back to back on rotated weight copies (PD_CUDA_GEMM_TUNE_ROTATE)
     int tune_pf_min_m, tune_pf_algos;  // and of prefill shapes (gemm.c gemm_tune_pf, PD_CUDA_GEMM_TUNE_PF*)
     struct pd_cuda_pf_algo {           // their choices per (N, K, lda, flags, power-of-two bucket of M)
         int N, K, lda, flags, bucket;

@@ -156,7 +156,6 @@ void pd_cuda_gemm_init(pd_cuda_backend *cb) {
     cb->tune = pd_cuda_env_int("PD_CUDA_GEMM_TUNE", -1, 0, 1);
     cb->tune_max_m = pd_cuda_env_int("PD_CUDA_GEMM_TUNE_MAX_M", PD_GEMM_TUNE_MAX_M, 1, 65536);
     cb->tune_algos = pd_cuda_env_int("PD_CUDA_GEMM_TUNE_ALGOS", PD_GEMM_TUNE_ALGOS, 1, PD_GEMM_TUNE_ALGOS_MAX);
-    cb->tune_rotate = pd_cuda_env_int("PD_CUDA_GEMM_TUNE_ROTATE", 0, 0, 1);  // gemm_tune_rotate
     // Prefill shapes (gemm_tune_pf): M >= PD_CUDA_GEMM_TUNE_PF above the decode range (default 0:
     // off; measurement knob, see gemm_tune_pf), PD_CUDA_GEMM_TUNE_PF_ALGOS candidates (default 8).
     cb->tune_pf_min_m = pd_cuda_env_int("PD_CUDA_GEMM_TUNE_PF", 0, 0, 1 << 30);
@@ -272,66 +271,10 @@ static bool tune_enabled(const pd_cuda_backend *cb, int M) {
     return cb->tune == 1 || M >= PD_GEMM_TUNE_MIN_M;
 }
 
-// PD_CUDA_GEMM_TUNE_ROTATE=1 (gemm_tune_rotate): the decode candidates timed back to back, each
-// call on its own copy of the weight (copies rotated, together > 3x the L2, so no call finds its
-// weight cached and none follows a flush), instead of one call after each 192 MB memset, whose dirty
-// lines the timed call's reads must evict.
-#define PD_GEMM_ROT_BYTES (160u << 20)
-#define PD_GEMM_ROT_MAX 8
-#define PD_GEMM_ROT_ROUNDS 3
-static bool gemm_tune_rotate(pd_cuda_backend *cb, pd_cuda_gemm_plan *pl, const cublasLtMatmulHeuristicResult_t *res,
-                             int n_res, const pd_matmul_params *p) {
-    size_t wb = (size_t)pl->N * (size_t)pl->K * 2, out_bytes = (size_t)pl->M * (size_t)pl->N * ((pl->flags & PD_GEMM_F32) ? 4 : 2);
-    int n_w = (int)((PD_GEMM_ROT_BYTES + wb - 1) / wb);
-    n_w = n_w < 2 ? 2 : n_w > PD_GEMM_ROT_MAX ? PD_GEMM_ROT_MAX : n_w;
-    void *w[PD_GEMM_ROT_MAX] = {0}, *out = NULL;
-    cudaEvent_t e0 = NULL, e1 = NULL;
-    bool ok = cudaMalloc(&out, out_bytes) == cudaSuccess && cudaEventCreate(&e0) == cudaSuccess &&
-              cudaEventCreate(&e1) == cudaSuccess;
-    for (int i = 0; ok && i < n_w; i++) ok = cudaMalloc(&w[i], wb) == cudaSuccess;
-    if (!ok) {
-        cudaGetLastError();
-        PD_LOG_D("cuBLASLt: no memory for rotated tuning of M=%d N=%d K=%d", pl->M, pl->N, pl->K);
-    } else {
-        for (int i = 0; i < n_w; i++) PD_CUDA_CHECK(cudaMemcpyAsync(w[i], p->w, wb, cudaMemcpyDeviceToDevice, cb->stream));
-        PD_CUDA_CHECK(cudaMemsetAsync(out, 0, out_bytes, cb->stream));
-        if (pl->flags & PD_GEMM_BIAS)
-            PD_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(pl->desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &p->bias, sizeof p->bias));
-        float alpha = 1.0f, beta = p->accumulate ? 1.0f : 0.0f, best = INFINITY, first = 0;
-        int best_i = 0;
-        for (int i = 0; i < n_res; i++) {
-            bool good = true;
-            for (int r = 0; r < PD_GEMM_ROT_ROUNDS + 1 && good; r++) {  // round 0 warms up
-                if (r == 1) PD_CUDA_CHECK(cudaEventRecord(e0, cb->stream));
-                for (int k = 0; k < n_w && good; k++)
-                    good = cublasLtMatmul(cb->lt, pl->desc, &alpha, w[k], pl->la, p->a, pl->lb, &beta, out, pl->lc, out, pl->lc,
-                                          &res[i].algo, cb->lt_ws, cb->lt_ws_bytes, cb->stream) == CUBLAS_STATUS_SUCCESS;
-            }
-            PD_CUDA_CHECK(cudaEventRecord(e1, cb->stream));
-            PD_CUDA_CHECK(cudaEventSynchronize(e1));
-            float ms = 0;
-            PD_CUDA_CHECK(cudaEventElapsedTime(&ms, e0, e1));
-            if (i == 0) first = ms;
-            if (good && ms < best) best = ms, best_i = i;
-        }
-        pl->algo = res[best_i].algo;
-        int calls = PD_GEMM_ROT_ROUNDS * n_w;
-        PD_LOG_D("cuBLASLt rotated: M=%d N=%d K=%d: candidate %d of %d, %.1f us (heuristic's first %.1f us), %d weight copies",
-                 pl->M, pl->N, pl->K, best_i, n_res, 1e3 * best / calls, 1e3 * first / calls, n_w);
-    }
-    for (int i = 0; i < n_w; i++)
-        if (w[i]) cudaFree(w[i]);
-    if (out) cudaFree(out);
-    if (e0) cudaEventDestroy(e0);
-    if (e1) cudaEventDestroy(e1);
-    return ok;
-}
-
 // Times the candidates on p's operands and keeps the fastest in pl->algo. Best effort: any
 // allocation failure leaves the heuristic's first choice.
 static void gemm_tune(pd_cuda_backend *cb, pd_cuda_gemm_plan *pl, const cublasLtMatmulHeuristicResult_t *res, int n_res,
                       const pd_matmul_params *p) {
-    if (cb->tune_rotate && gemm_tune_rotate(cb, pl, res, n_res, p)) return;
     size_t out_bytes = (size_t)pl->M * (size_t)pl->N * ((pl->flags & PD_GEMM_F32) ? 4 : 2);
     void *out = NULL, *flush = NULL;
     cudaEvent_t e0 = NULL, e1 = NULL;
