@@ -448,11 +448,15 @@ static void bench_pfl(void) {
 // single: the single-stream decode step (M = 1, context 128) as forward.c runs it on the fused path:
 // embed, 32 x (qkv + norm + RoPE + KV write, attention, o += x, gate_up + norm + SwiGLU, down += x),
 // get_rows, lm_head + final norm (f32 logits); each variant (a subset of those parts) captured as one
-// CUDA graph (weights alternate between 2 copies per layer, > L2; K/V of 2 caches) and timed three
-// ways: back to back (20 launches, one sync: the device's time), serial (launch + sync each: what
-// the host adds), serial with a 128-byte metadata upload before each launch (as forward.c's
-// graph_step does). Variants: the whole step; without get_rows (lm_head reads x); without
-// attention; without lm_head; the GEMMs alone; attention alone; lm_head alone; embed + get_rows.
+// CUDA graph (layer li's weights are set li % N of OPB_SINGLE_LAYERS=N distinct sets, default 2,
+// each > L2; 32: the model's footprint; K/V of 2 caches) and timed four ways: back to back (20
+// launches, one sync: the device's time), back to back with the 128-byte metadata upload before each
+// launch (bench-engine's "pipelined" step), serial (launch + sync each: what the host adds), serial
+// with the upload (as forward.c's graph_step does; the upload and launch calls' own host time
+// printed). Variants: the whole step (lm_head reads x, as forward.c's one-token step) with
+// attention's K/V loaded before its PDL wait (n_new = 1, a graph step) and after it ("late kv");
+// with get_rows; without attention; without lm_head; the GEMMs alone; attention alone (early and
+// late); lm_head alone; embed + get_rows; the first two again at the end (drift).
 enum { SG_EMBED = 1, SG_GEMMS = 2, SG_ATTN = 4, SG_ROWS = 8, SG_LMH = 16 };
 #define SG_MAX_COPIES 32
 typedef struct sg_arg {

@@ -512,7 +512,7 @@ static void cuda_graph_begin(pd_backend *b) {
 }
 
 // A kernel node's function name (cuBLASLt's kernels are driver launches: the driver API names
-// them all), or "?" .
+// them all), or "?".
 typedef struct drv_kparams {  // CUDA_KERNEL_NODE_PARAMS_v2 (cuda.h), without the driver header
     void *func;
     unsigned grid[3], block[3], smem;
