@@ -103,9 +103,16 @@ $(BUILD)/obj/%.o: %.c
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) -MMD -MP -c $< -o $@
 
+# ptxas reports wgmma instructions it had to serialise (C7510-C7520: "Potential Performance Loss:
+# wgmma..." or "warpgroup.wait is injected"; the asynchronous tensor-core pipeline is then lost).
+# With WERROR=1 such a report fails the build (tools/gpu/build.sh passes it).
 $(BUILD)/obj/%.cu.o: %.cu
 	@mkdir -p $(dir $@)
-	$(NVCC) $(NVFLAGS) -MMD -MP -c $< -o $@
+	$(NVCC) $(NVFLAGS) -MMD -MP -c $< -o $@ 2>$@.log; rc=$$?; cat $@.log >&2; [ $$rc = 0 ] || { rm -f $@; exit $$rc; }
+ifeq ($(WERROR),1)
+	@if grep -q 'Performance Loss: wgmma\|warpgroup.wait is injected' $@.log; then \
+	  echo "$<: ptxas serialised wgmma instructions (see above); WERROR=1 refuses it" >&2; rm -f $@; exit 1; fi
+endif
 
 $(BUILD)/libpdserve.a: $(LIB_OBJ)
 	@rm -f $@

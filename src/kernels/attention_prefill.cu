@@ -25,7 +25,14 @@
 //     shared memory as an N-major (transposed) operand: two m64n64k16 per k-step at head_dim 128
 //     (measured faster than one m64n128k16; PD_CUDA_FA3_VN64=0 for the latter). The two consumers
 //     take turns issuing their S products (ping-pong on named barriers; PD_CUDA_FA3_PP=0: off), so
-//     one's softmax overlaps the other's tensor-core work.
+//     one's softmax overlaps the other's tensor-core work. Each consumer also overlaps its own work
+//     (OVL, FA3's intra-warpgroup pipelining; PD_CUDA_FA3_OVL=0: off): a turn issues S of tile j and
+//     P.V of tile j - 1 as two commit groups and runs tile j's softmax while that P.V runs. Its loops
+//     are split (first tile, overlapped turns, last P.V, tiles past the warpgroup's rows) so that no
+//     wgmma, fence, commit or wait sits under a condition: ptxas serialises every wgmma of a kernel
+//     (C7514-C7518 reports) otherwise, as it did for session 10-11's OVL (measured slower then); the
+//     Makefile's WERROR=1 fails the build on such a report. At head_dim 64 K and V of a stage have
+//     separate barriers (KVS): K is released after S, V after P.V, so K is refilled a turn earlier.
 // Shared-memory tiles are rows of HD bf16 split into 64-element (128-byte) column blocks; a
 // column block holds 128 rows of 128 bytes, and 16-byte chunk c of row r sits at chunk
 // c ^ (r % 8) of its row (the 128-byte swizzle, which wgmma applies on address bits, so every
@@ -58,7 +65,7 @@ struct pd_fa_cfg {
     static constexpr int TILE = PD_FA_BKV * HD * 2;  // bytes of a Q, K or V tile (BQ == BKV)
     static constexpr int CB = PD_FA_BKV * 128;       // bytes of one 64-element column block
     static constexpr int ST = PD_FA_STAGES(HD);
-    static constexpr int SMEM = 1024 + TILE * (1 + 2 * ST) + 8 * (2 * ST + 1);
+    static constexpr int SMEM = 1024 + TILE * (1 + 2 * ST) + 8 * (4 * ST + 1);  // KVS: 4 barriers a stage
 };
 
 // ---- PTX wrappers (sm_90a) ---------------------------------------------------------------------
@@ -188,6 +195,7 @@ static __device__ __forceinline__ void pd_fa_wgmma_rs_n128(float *d, const uint3
 #define PD_FA_TMA 32  // whole pages by the tensor-memory accelerator (block_size 8..128 dividing 128)
 #define PD_FA_OVL 64  // consumers overlap tile j's S = Q.K^T and softmax with tile j - 1's P.V
 #define PD_FA_ARV 128  // the producer's copies arrive on "full" as they land (cp.async.mbarrier.arrive)
+#define PD_FA_KVS 256  // with OVL: K and V of a stage on separate full / empty barriers
 // Diagnostics, compiled only with -DPD_FA3_DIAG (a separate op_bench build; the output is wrong):
 #define PD_FA_NOLOAD 8   // the producer copies no K/V (the consumers' speed alone)
 #define PD_FA_NOMATH 16  // the consumers compute nothing (the producer's speed alone)
@@ -317,7 +325,8 @@ static __global__ void __launch_bounds__(PD_FA_THREADS, 1)
                        const int32_t *q_indptr, const int32_t *kv_lens, const int32_t *bt_indptr,
                        const int32_t *bt_indices, int n_q_tiles, int n_seqs, int H, int n_kv, int bs, int bs_shift,
                        int q_stride, float scale_log2, const __grid_constant__ CUtensorMap tmk,
-                       const __grid_constant__ CUtensorMap tmv) {
+                       const __grid_constant__ CUtensorMap tmv, const __grid_constant__ CUtensorMap tmk_t,
+                       const __grid_constant__ CUtensorMap tmv_t) {
     using C = pd_fa_cfg<HD>;
     constexpr int ST = C::ST, CPR = HD / 8;
     constexpr bool VN64 = FL & PD_FA_VN64, PP = FL & PD_FA_PP, ROWP = FL & PD_FA_ROWP;
@@ -327,10 +336,18 @@ static __global__ void __launch_bounds__(PD_FA_THREADS, 1)
     // j - 1's copies after issuing tile j's (a tile is then ready as soon as its bytes are, not one
     // issue later); the consumers fence the async proxy after each wait instead of the producer.
     constexpr bool ARV = (FL & PD_FA_ARV) && !TMA && !ROWP && !NOLOAD;
+    // KVS (with OVL and the default producer only): K and V of a stage have their own full and empty
+    // barriers. The overlapped consumer is done with K of tile j after its S (mid-turn j) but with V
+    // only after P.V (turn j + 1): the producer refills K a turn earlier, and a consumer's S of tile
+    // j waits for K alone. The producer issues K_j, arrives on V_{j-1} (landed), issues V_j, arrives
+    // on K_j, so full V_{j-1} is always complete when full K_j is.
+    constexpr bool KVS = (FL & PD_FA_KVS) && OVL && !TMA && !ROWP && !NOLOAD && !ARV;
     extern __shared__ unsigned char pd_fa_smem[];
     const uint32_t base = (pd_k_smem_u32(pd_fa_smem) + 1023u) & ~1023u;
     const uint32_t sq = base, sk = base + C::TILE, sv = sk + ST * C::TILE, bar = sv + ST * C::TILE;
-    // bar + 8 * i: full[i]; bar + 8 * (ST + i): empty[i]; bar + 16 * ST: the Q tile
+    // bar + 8 * i: full[i]; bar + 8 * (ST + i): empty[i]; bar + 16 * ST: the Q tile; KVS: those two
+    // are K's, and bar + 8 * (2 * ST + 1 + i): V's full[i], bar + 8 * (3 * ST + 1 + i): V's empty[i].
+    const uint32_t barv = bar + 8 * (2 * ST + 1);
 
     int per_tile = n_seqs * H, b = blockIdx.x;
     int qt = n_q_tiles - 1 - b / per_tile;  // longest tiles first
@@ -351,9 +368,14 @@ static __global__ void __launch_bounds__(PD_FA_THREADS, 1)
             pd_fa_mbar_init(bar + 8 * (ST + i), 256);
         }
         pd_fa_mbar_init(bar + 16 * ST, 128);
+        for (int i = 0; i < ST && KVS; i++) {
+            pd_fa_mbar_init(barv + 8 * i, 128);
+            pd_fa_mbar_init(barv + 8 * (ST + i), 256);
+        }
     }
     __syncthreads();
-    int wg = threadIdx.x >> 7, tw = threadIdx.x & 127;
+    // The warpgroup index through a shuffle: the compiler then knows it is warp-uniform
+    int wg = __shfl_sync(0xffffffffu, (int)threadIdx.x >> 7, 0), tw = threadIdx.x & 127;
 
     if (wg == 0) {
         // ---- producer ----
@@ -373,57 +395,10 @@ static __global__ void __launch_bounds__(PD_FA_THREADS, 1)
         constexpr int RS = 128 / CPR, RPT = PD_FA_BKV / RS, CB = HD / 64;
         const int r0 = tw / CPR, c = tw % CPR;
         const size_t kv_row = (size_t)n_kv * HD, kv_col = (size_t)kvh * HD + c * 8;
-        for (int j = 0; j < n_tiles; j++) {
-            int st = j % ST, kv0 = j * PD_FA_BKV;
-            uint32_t dk = sk + st * C::TILE, dv = sv + st * C::TILE;
-            if constexpr (NOLOAD) {
-                if (j >= ST) pd_fa_mbar_wait(bar + 8 * (ST + st), ((j / ST) - 1) & 1);
-            } else if constexpr (TMA) {
-                // Pages wholly inside the cache rows of this sequence (< kv_len) come by TMA, one box
-                // per (page, 64-element column block) for K and V, issued by the first CB * pages
-                // threads; the rest (the page holding kv_len, if partial, and pages past it) by
-                // cp.async with zeros past kv_end, so the masked rows hold no stale NaN.
-                int pg0 = kv0 / bs, n_full = min(max(kv_len / bs - pg0, 0), PD_FA_BKV / bs);
-                int cp_from = kv0 + n_full * bs;
-                int pg = tw / CB, cb = tw % CB;
-                int page = tw < n_full * CB ? __ldg(bt + pg0 + pg) : 0;
-                int slot[RPT];
-#pragma unroll
-                for (int k = 0; k < RPT; k++) {
-                    int pos = kv0 + r0 + k * RS;
-                    int pgk = bs_shift >= 0 ? pos >> bs_shift : pos / bs, in = pos - pgk * bs;
-                    slot[k] = pos >= cp_from && pos < kv_end ? __ldg(bt + pgk) * bs + in : -1;
-                }
-                if (j >= ST) pd_fa_mbar_wait(bar + 8 * (ST + st), ((j / ST) - 1) & 1);
-                if (tw == 0 && n_full > 0)
-                    pd_fa_mbar_expect_tx(bar + 8 * st, (uint32_t)(n_full * bs * HD * 2 * 2));
-                __syncwarp();
-                if (tw < n_full * CB) {
-                    uint32_t o = (uint32_t)(cb * (PD_FA_BKV * 128) + pg * bs * 128);
-                    pd_fa_tma3(dk + o, &tmk, cb * 64, kvh, page * bs, bar + 8 * st);
-                    pd_fa_tma3(dv + o, &tmv, cb * 64, kvh, page * bs, bar + 8 * st);
-                }
-#pragma unroll
-                for (int k = 0; k < RPT; k++) {
-                    if (kv0 + r0 + k * RS < cp_from) continue;
-                    bool ok = slot[k] >= 0;
-                    size_t off = ok ? (size_t)slot[k] * kv_row + kv_col : 0;
-                    uint32_t o = pd_fa_swz(r0 + k * RS, c);
-                    pd_fa_cp16(dk + o, kc + off, ok);
-                    pd_fa_cp16(dv + o, vc + off, ok);
-                }
-            } else if constexpr (ROWP) {
-                if (j >= ST) pd_fa_mbar_wait(bar + 8 * (ST + st), ((j / ST) - 1) & 1);
-                for (int i = tw; i < PD_FA_BKV * CPR; i += 128) {
-                    int r = i / CPR, cc = i % CPR, pos = kv0 + r;
-                    bool ok = pos < kv_end;
-                    size_t off = 0;
-                    if (ok) off = ((size_t)(bt[pos / bs] * bs + pos % bs) * n_kv + kvh) * HD + cc * 8;
-                    uint32_t o = pd_fa_swz(r, cc);
-                    pd_fa_cp16(dk + o, kc + off, ok);
-                    pd_fa_cp16(dv + o, vc + off, ok);
-                }
-            } else {
+        if constexpr (KVS) {
+            for (int j = 0; j < n_tiles; j++) {
+                int st = j % ST, kv0 = j * PD_FA_BKV, ph = ((j / ST) - 1) & 1;
+                uint32_t dk = sk + st * C::TILE, dv = sv + st * C::TILE;
                 int slot[RPT];
 #pragma unroll
                 for (int k = 0; k < RPT; k++) {
@@ -431,29 +406,125 @@ static __global__ void __launch_bounds__(PD_FA_THREADS, 1)
                     int pg = bs_shift >= 0 ? pos >> bs_shift : pos / bs, in = pos - pg * bs;
                     slot[k] = pos < kv_end ? __ldg(bt + pg) * bs + in : -1;
                 }
-                if (j >= ST) pd_fa_mbar_wait(bar + 8 * (ST + st), ((j / ST) - 1) & 1);
+                if (j >= ST) pd_fa_mbar_wait(bar + 8 * (ST + st), ph);
 #pragma unroll
-                for (int k = 0; k < RPT; k++) {
-                    bool ok = slot[k] >= 0;
-                    size_t off = ok ? (size_t)slot[k] * kv_row + kv_col : 0;
-                    uint32_t o = pd_fa_swz(r0 + k * RS, c);
-                    pd_fa_cp16(dk + o, kc + off, ok);
-                    pd_fa_cp16(dv + o, vc + off, ok);
-                }
+                for (int k = 0; k < RPT; k++)
+                    pd_fa_cp16(dk + pd_fa_swz(r0 + k * RS, c), kc + (slot[k] >= 0 ? (size_t)slot[k] * kv_row + kv_col : 0),
+                               slot[k] >= 0);
+                pd_k_cp_async_commit();
+                pd_k_cp_async_wait<1>();  // all but K_j: the Q tile (j == 0) or V_{j-1}
+                pd_fa_fence_async();
+                pd_fa_mbar_arrive(j == 0 ? bar + 16 * ST : barv + 8 * ((j - 1) % ST));
+                if (j >= ST) pd_fa_mbar_wait(barv + 8 * (ST + st), ph);
+#pragma unroll
+                for (int k = 0; k < RPT; k++)
+                    pd_fa_cp16(dv + pd_fa_swz(r0 + k * RS, c), vc + (slot[k] >= 0 ? (size_t)slot[k] * kv_row + kv_col : 0),
+                               slot[k] >= 0);
+                pd_k_cp_async_commit();
+                pd_k_cp_async_wait<1>();  // all but V_j: K_j
+                pd_fa_fence_async();
+                pd_fa_mbar_arrive(bar + 8 * st);
             }
-            pd_k_cp_async_commit();
-            if constexpr (ARV) {
-                pd_fa_cp_arrive(bar + 8 * st);
-                continue;
-            }
-            pd_k_cp_async_wait<1>();  // everything but tile j: the Q tile (j == 0) or tile j - 1
+            pd_k_cp_async_wait<0>();
             pd_fa_fence_async();
-            pd_fa_mbar_arrive(j == 0 ? bar + 16 * ST : bar + 8 * ((j - 1) % ST));
+            pd_fa_mbar_arrive(barv + 8 * ((n_tiles - 1) % ST));
+        } else {
+            for (int j = 0; j < n_tiles; j++) {
+                int st = j % ST, kv0 = j * PD_FA_BKV;
+                uint32_t dk = sk + st * C::TILE, dv = sv + st * C::TILE;
+                if constexpr (NOLOAD) {
+                    if (j >= ST) pd_fa_mbar_wait(bar + 8 * (ST + st), ((j / ST) - 1) & 1);
+                } else if constexpr (TMA) {
+                    // Pages wholly inside the cache rows of this sequence (< kv_len) come by TMA, one box
+                    // per (page, 64-element column block) for K and V, issued by the first CB * pages
+                    // threads; the rest (the page holding kv_len, if partial, and pages past it) by
+                    // cp.async with zeros past kv_end, so the masked rows hold no stale NaN.
+                    int pg0 = kv0 / bs, n_full = min(max(kv_len / bs - pg0, 0), PD_FA_BKV / bs);
+                    int cp_from = kv0 + n_full * bs;
+                    int pg = tw / CB, cb = tw % CB;
+                    int page = tw < n_full * CB ? __ldg(bt + pg0 + pg) : 0;
+                    int slot[RPT];
+#pragma unroll
+                    for (int k = 0; k < RPT; k++) {
+                        int pos = kv0 + r0 + k * RS;
+                        int pgk = bs_shift >= 0 ? pos >> bs_shift : pos / bs, in = pos - pgk * bs;
+                        slot[k] = pos >= cp_from && pos < kv_end ? __ldg(bt + pgk) * bs + in : -1;
+                    }
+                    // A whole tile in consecutive pages (a fresh prompt's pages often are) comes as one
+                    // box of 128 rows per column block (tmk_t / tmv_t) instead of one per page.
+                    bool run = false;
+                    if (tw < 32) {
+                        int first = __shfl_sync(0xffffffffu, page, 0);
+                        run = __all_sync(0xffffffffu, n_full * bs == PD_FA_BKV &&
+                                                          (tw >= n_full * CB || page == first + pg));
+                    }
+                    if (j >= ST) pd_fa_mbar_wait(bar + 8 * (ST + st), ((j / ST) - 1) & 1);
+                    if (tw == 0 && n_full > 0)
+                        pd_fa_mbar_expect_tx(bar + 8 * st, (uint32_t)(n_full * bs * HD * 2 * 2));
+                    __syncwarp();
+                    if (run) {
+                        if (tw < CB) {
+                            uint32_t o = (uint32_t)(cb * (PD_FA_BKV * 128));
+                            pd_fa_tma3(dk + o, &tmk_t, cb * 64, kvh, page * bs, bar + 8 * st);
+                            pd_fa_tma3(dv + o, &tmv_t, cb * 64, kvh, page * bs, bar + 8 * st);
+                        }
+                    } else if (tw < n_full * CB) {
+                        uint32_t o = (uint32_t)(cb * (PD_FA_BKV * 128) + pg * bs * 128);
+                        pd_fa_tma3(dk + o, &tmk, cb * 64, kvh, page * bs, bar + 8 * st);
+                        pd_fa_tma3(dv + o, &tmv, cb * 64, kvh, page * bs, bar + 8 * st);
+                    }
+#pragma unroll
+                    for (int k = 0; k < RPT; k++) {
+                        if (kv0 + r0 + k * RS < cp_from) continue;
+                        bool ok = slot[k] >= 0;
+                        size_t off = ok ? (size_t)slot[k] * kv_row + kv_col : 0;
+                        uint32_t o = pd_fa_swz(r0 + k * RS, c);
+                        pd_fa_cp16(dk + o, kc + off, ok);
+                        pd_fa_cp16(dv + o, vc + off, ok);
+                    }
+                } else if constexpr (ROWP) {
+                    if (j >= ST) pd_fa_mbar_wait(bar + 8 * (ST + st), ((j / ST) - 1) & 1);
+                    for (int i = tw; i < PD_FA_BKV * CPR; i += 128) {
+                        int r = i / CPR, cc = i % CPR, pos = kv0 + r;
+                        bool ok = pos < kv_end;
+                        size_t off = 0;
+                        if (ok) off = ((size_t)(bt[pos / bs] * bs + pos % bs) * n_kv + kvh) * HD + cc * 8;
+                        uint32_t o = pd_fa_swz(r, cc);
+                        pd_fa_cp16(dk + o, kc + off, ok);
+                        pd_fa_cp16(dv + o, vc + off, ok);
+                    }
+                } else {
+                    int slot[RPT];
+#pragma unroll
+                    for (int k = 0; k < RPT; k++) {
+                        int pos = kv0 + r0 + k * RS;
+                        int pg = bs_shift >= 0 ? pos >> bs_shift : pos / bs, in = pos - pg * bs;
+                        slot[k] = pos < kv_end ? __ldg(bt + pg) * bs + in : -1;
+                    }
+                    if (j >= ST) pd_fa_mbar_wait(bar + 8 * (ST + st), ((j / ST) - 1) & 1);
+#pragma unroll
+                    for (int k = 0; k < RPT; k++) {
+                        bool ok = slot[k] >= 0;
+                        size_t off = ok ? (size_t)slot[k] * kv_row + kv_col : 0;
+                        uint32_t o = pd_fa_swz(r0 + k * RS, c);
+                        pd_fa_cp16(dk + o, kc + off, ok);
+                        pd_fa_cp16(dv + o, vc + off, ok);
+                    }
+                }
+                pd_k_cp_async_commit();
+                if constexpr (ARV) {
+                    pd_fa_cp_arrive(bar + 8 * st);
+                    continue;
+                }
+                pd_k_cp_async_wait<1>();  // everything but tile j: the Q tile (j == 0) or tile j - 1
+                pd_fa_fence_async();
+                pd_fa_mbar_arrive(j == 0 ? bar + 16 * ST : bar + 8 * ((j - 1) % ST));
+            }
+            pd_k_cp_async_wait<0>();
+            if constexpr (ARV) return;  // every tile has arrived (or will, as its copies land)
+            pd_fa_fence_async();
+            pd_fa_mbar_arrive(bar + 8 * ((n_tiles - 1) % ST));
         }
-        pd_k_cp_async_wait<0>();
-        if constexpr (ARV) return;  // every tile has arrived (or will, as its copies land)
-        pd_fa_fence_async();
-        pd_fa_mbar_arrive(bar + 8 * ((n_tiles - 1) % ST));
         return;
     }
 
@@ -481,67 +552,83 @@ static __global__ void __launch_bounds__(PD_FA_THREADS, 1)
     // other's tensor-core work. Both run the handshake on every tile, computing or not, and the
     // second skips its last arrive, so the counts match.
     if (PP && cw == 1) pd_fa_bar_arrive(1);
-    // OVL (intra-warpgroup overlap, FA3's second pipelining): each turn issues S of tile j and then
-    // P.V of tile j - 1 (prev), waits for S alone, runs the softmax of tile j while that P.V runs,
-    // then waits for it, releases tile j - 1's stage and rounds tile j's P into pa. O is rescaled
-    // by tile j - 1's factors just before its P.V. Registers: O, S (f32) and one P (bf16). The
-    // pending P.V is finished before the first tile this warpgroup skips (its stage must not stay
-    // held while the producer waits for it) and after the last.
+    // OVL (intra-warpgroup overlap, FA3's second pipelining): turn j issues S of tile j and then
+    // P.V of tile j - 1 as two commit groups, waits for S alone, runs the softmax of tile j while
+    // that P.V runs, then waits for it, releases tile j - 1's stage and rounds tile j's P into pa.
+    // O is rescaled by tile j - 1's factors before the turn's wgmma.fence (no accumulator of a
+    // wgmma in flight is touched by other instructions). Registers: O, S (f32) and one P (bf16).
+    // The loops are split so that no wgmma, fence, commit or wait sits under a condition:
+    // tile 0 (S and softmax), tiles 1 .. n_comp - 1 (the overlapped turns), the last P.V, then the
+    // tiles this warpgroup only passes through (its rows end before them; the other may need them).
+    // With PP the second warpgroup arrives on every tile, the first consumes the extra arrival at
+    // the end (the handshake has no conditional arrive).
     if constexpr (OVL) {
         float sc[PD_FA_BKV / 2];
-        int prev = -1;
-        for (int j = 0; j <= n_tiles; j++) {
-            bool mine = !NOMATH && j < n_mine;
-            if (!mine && prev >= 0) {  // the last P.V
-                pd_fa_rescale<HD>(o, corr);
-                pd_fa_pin<HD / 2>(o);
-                pd_fa_wg_fence();
-                pd_fa_issue_pv<HD, VN64>(o, pa, sv + (prev % ST) * C::TILE);
-                pd_fa_wg_commit();
-                pd_fa_wg_wait<0>();
-                pd_fa_pin<HD / 2>(o);
-                pd_fa_pin_u<PD_FA_BKV / 16>(pa);
-                pd_fa_mbar_arrive(bar + 8 * (ST + prev % ST));
-                prev = -1;
-            }
-            if (j == n_tiles) break;
-            int st = j % ST, kv0 = j * PD_FA_BKV;
-            bool pass = PP && !(cw == 1 && j == n_tiles - 1);
-            pd_fa_mbar_wait(bar + 8 * st, (j / ST) & 1);
+        const int n_comp = NOMATH ? 0 : n_mine;
+        if (n_comp > 0) {
+            pd_fa_mbar_wait(bar, 0);
             if constexpr (ARV) pd_fa_fence_async();
             if (PP) pd_fa_bar_sync(1 + cw);
-            if (!mine) {  // warpgroup-uniform
-                if (pass) pd_fa_bar_arrive(2 - cw);
-                pd_fa_mbar_arrive(bar + 8 * (ST + st));
-                continue;
-            }
-            const uint32_t kt = sk + st * C::TILE;
-            bool need_mask = kv0 + PD_FA_BKV - 1 > pos0 + wr;
             pd_fa_pin<PD_FA_BKV / 2>(sc);
             pd_fa_wg_fence();
-            pd_fa_issue_s<HD>(sc, qa, kt);
+            pd_fa_issue_s<HD>(sc, qa, sk);
             pd_fa_wg_commit();
-            if (prev >= 0) {
+            if (PP) pd_fa_bar_arrive(2 - cw);
+            pd_fa_wg_wait<0>();
+            pd_fa_pin<PD_FA_BKV / 2>(sc);
+            if constexpr (KVS) pd_fa_mbar_arrive(bar + 8 * ST);  // K of tile 0
+            pd_fa_softmax_p(sc, m, l, corr, pos0 + wr < PD_FA_BKV - 1, 0, qpos, t, scale_log2);
+            pd_fa_pack(sc, pa);
+            for (int j = 1; j < n_comp; j++) {
+                const int st = j % ST, sp = (j - 1) % ST, kv0 = j * PD_FA_BKV;
+                pd_fa_mbar_wait(bar + 8 * st, (j / ST) & 1);
+                if constexpr (ARV) pd_fa_fence_async();
+                if (PP) pd_fa_bar_sync(1 + cw);
+                if constexpr (KVS) pd_fa_mbar_wait(barv + 8 * sp, ((j - 1) / ST) & 1);  // complete already
                 pd_fa_rescale<HD>(o, corr);
                 pd_fa_pin<HD / 2>(o);
+                pd_fa_pin<PD_FA_BKV / 2>(sc);
+                pd_fa_pin_u<PD_FA_BKV / 16>(pa);
                 pd_fa_wg_fence();
-                pd_fa_issue_pv<HD, VN64>(o, pa, sv + (prev % ST) * C::TILE);
+                pd_fa_issue_s<HD>(sc, qa, sk + st * C::TILE);
                 pd_fa_wg_commit();
-            }
-            if (pass) pd_fa_bar_arrive(2 - cw);
-            if (prev >= 0) pd_fa_wg_wait<1>();
-            else pd_fa_wg_wait<0>();
-            pd_fa_pin<PD_FA_BKV / 2>(sc);
-            pd_fa_softmax_p(sc, m, l, corr, need_mask, kv0, qpos, t, scale_log2);
-            if (prev >= 0) {
+                pd_fa_issue_pv<HD, VN64>(o, pa, sv + sp * C::TILE);
+                pd_fa_wg_commit();
+                if (PP) pd_fa_bar_arrive(2 - cw);
+                pd_fa_wg_wait<1>();
+                pd_fa_pin<PD_FA_BKV / 2>(sc);
+                if constexpr (KVS) pd_fa_mbar_arrive(bar + 8 * (ST + st));  // K of tile j
+                pd_fa_softmax_p(sc, m, l, corr, kv0 + PD_FA_BKV - 1 > pos0 + wr, kv0, qpos, t, scale_log2);
                 pd_fa_wg_wait<0>();
                 pd_fa_pin<HD / 2>(o);
-                pd_fa_pin_u<PD_FA_BKV / 16>(pa);  // P.V read pa until here: the softmax must not reuse them
-                pd_fa_mbar_arrive(bar + 8 * (ST + prev % ST));
+                pd_fa_pin_u<PD_FA_BKV / 16>(pa);  // P.V read pa until here: the pack must not reuse them
+                pd_fa_mbar_arrive(KVS ? barv + 8 * (ST + sp) : bar + 8 * (ST + sp));
+                pd_fa_pack(sc, pa);
             }
-            pd_fa_pack(sc, pa);
-            prev = j;
+            const int sl = (n_comp - 1) % ST;
+            if constexpr (KVS) pd_fa_mbar_wait(barv + 8 * sl, ((n_comp - 1) / ST) & 1);
+            pd_fa_rescale<HD>(o, corr);
+            pd_fa_pin<HD / 2>(o);
+            pd_fa_pin_u<PD_FA_BKV / 16>(pa);
+            pd_fa_wg_fence();
+            pd_fa_issue_pv<HD, VN64>(o, pa, sv + sl * C::TILE);
+            pd_fa_wg_commit();
+            pd_fa_wg_wait<0>();
+            pd_fa_pin<HD / 2>(o);
+            pd_fa_mbar_arrive(KVS ? barv + 8 * (ST + sl) : bar + 8 * (ST + sl));
         }
+        for (int j = n_comp; j < n_tiles; j++) {
+            const int st = j % ST;
+            pd_fa_mbar_wait(bar + 8 * st, (j / ST) & 1);
+            if (PP) pd_fa_bar_sync(1 + cw);
+            if (PP) pd_fa_bar_arrive(2 - cw);
+            pd_fa_mbar_arrive(bar + 8 * (ST + st));
+            if constexpr (KVS) {
+                pd_fa_mbar_wait(barv + 8 * st, (j / ST) & 1);
+                pd_fa_mbar_arrive(barv + 8 * (ST + st));
+            }
+        }
+        if (PP && cw == 0) pd_fa_bar_sync(1);  // the second warpgroup's last arrival
     }
     for (int j = 0; j < n_tiles && !OVL; j++) {
         int st = j % ST, kv0 = j * PD_FA_BKV;
@@ -600,29 +687,35 @@ static bool pd_fa_enabled() {
     static int on = -1;
     return pd_k_env_on("PD_CUDA_ATTN_PREFILL", &on);
 }
-// The flag set for head_dim hd. Defaults from the H100 measurements (tools/gpu/NOTES.md, fa3-2): ping-pong
-// on at head_dim 128 (400 vs 395 TFLOP/s at 8k), off at 64 (300 vs 317-324); P.V as one wgmma per k-step.
-// Knobs, read once, "1" on / "0" off: PD_CUDA_FA3_PP (ping-pong), PD_CUDA_FA3_VN64 (P.V of head_dim 128 as two
-// n64 wgmmas), PD_CUDA_FA3_ROWP (the first producer), PD_CUDA_FA3_TMA (whole pages by TMA); with
-// -DPD_FA3_DIAG also PD_CUDA_FA3_DIAG=noload|nomath.
-static int pd_fa_env(const char *name) {  // 1, 0, or -1 when unset / neither
-    const char *e = getenv(name);
-    return e && !strcmp(e, "1") ? 1 : e && !strcmp(e, "0") ? 0 : -1;
+// The flag set for head_dim hd. Defaults from the H100 measurements (tools/gpu/NOTES.md, fa3-2, pf12-1):
+// ping-pong on at head_dim 128 (400 vs 395 TFLOP/s at 8k), off at 64 (300 vs 317-324); P.V as one wgmma per
+// k-step; the overlapped consumer (OVL) on (head_dim 128 at 8k: 426-431 vs 412-413; 64: 303-306 vs 292-293),
+// with K and V on separate barriers (KVS) at head_dim 64 only (319-320 vs 303-306 at 8k; at 128: 375-377).
+// Knobs, read once, "1" on / "0" off (anything else aborts): PD_CUDA_FA3_PP (ping-pong), PD_CUDA_FA3_OVL,
+// PD_CUDA_FA3_KVS, PD_CUDA_FA3_VN64 (P.V of head_dim 128 as two n64 wgmmas), PD_CUDA_FA3_ARV,
+// PD_CUDA_FA3_ROWP (the first producer), PD_CUDA_FA3_TMA (whole pages by TMA; both without OVL unless it is
+// set); with -DPD_FA3_DIAG also PD_CUDA_FA3_DIAG=noload|nomath. A combination that is not instantiated
+// (pd_fa_dispatch) runs the default kernel, with a warning.
+static int pd_fa_env(const char *name) {  // 1, 0, or -1 when unset; anything else is refused (abort)
+    return pd_k_env_int(name, -1, 0, 1);
 }
 static int pd_fa_flags(int hd) {
-    static int pp = -2, vn = -2, rowp = -2, tma = -2, ovl = -2, arv = -2, diag = 0;
+    static int pp = -2, vn = -2, rowp = -2, tma = -2, ovl = -2, arv = -2, kvs = -2, diag = 0;
     if (pp == -2) {
         vn = pd_fa_env("PD_CUDA_FA3_VN64"), rowp = pd_fa_env("PD_CUDA_FA3_ROWP"), tma = pd_fa_env("PD_CUDA_FA3_TMA");
-        ovl = pd_fa_env("PD_CUDA_FA3_OVL"), arv = pd_fa_env("PD_CUDA_FA3_ARV");
+        ovl = pd_fa_env("PD_CUDA_FA3_OVL"), arv = pd_fa_env("PD_CUDA_FA3_ARV"), kvs = pd_fa_env("PD_CUDA_FA3_KVS");
 #ifdef PD_FA3_DIAG
         const char *d = getenv("PD_CUDA_FA3_DIAG");
         diag = d && !strcmp(d, "noload") ? PD_FA_NOLOAD : d && !strcmp(d, "nomath") ? PD_FA_NOMATH : 0;
 #endif
         pp = pd_fa_env("PD_CUDA_FA3_PP");
     }
+    bool other_producer = rowp == 1 || tma == 1;
+    bool use_ovl = ovl < 0 ? !other_producer : ovl == 1, use_arv = arv == 1 && !other_producer;
+    bool use_kvs = use_ovl && !use_arv && !other_producer && !diag && (kvs < 0 ? hd == 64 : kvs == 1);
     return ((pp < 0 ? hd == 128 : pp) ? PD_FA_PP : 0) | (vn == 1 && hd == 128 ? PD_FA_VN64 : 0) |
-           (rowp == 1 ? PD_FA_ROWP : 0) | (tma == 1 ? PD_FA_TMA : 0) | (ovl == 1 ? PD_FA_OVL : 0) |
-           (arv == 1 && rowp != 1 && tma != 1 ? PD_FA_ARV : 0) | diag;
+           (rowp == 1 ? PD_FA_ROWP : 0) | (tma == 1 ? PD_FA_TMA : 0) | (use_ovl ? PD_FA_OVL : 0) |
+           (use_arv ? PD_FA_ARV : 0) | (use_kvs ? PD_FA_KVS : 0) | diag;
 }
 
 template <int HD, int FL>
@@ -641,13 +734,14 @@ static void pd_fa_launch(const pd_attention_kparams *p, cudaStream_t s, const CU
     k_attn_prefill_fa3<HD, FL><<<grid, PD_FA_THREADS, pd_fa_cfg<HD>::SMEM, s>>>(
         (const __nv_bfloat16 *)p->q, (const __nv_bfloat16 *)p->k_cache, (const __nv_bfloat16 *)p->v_cache,
         (__nv_bfloat16 *)p->out, p->q_indptr, p->kv_lens, p->bt_indptr, p->bt_indices, n_q_tiles, p->n_seqs,
-        p->n_heads, p->n_kv_heads, p->block_size, bs_shift, p->q_stride, p->scale * PD_FA_LOG2E, tm[0], tm[1]);
+        p->n_heads, p->n_kv_heads, p->block_size, bs_shift, p->q_stride, p->scale * PD_FA_LOG2E, tm[0], tm[1], tm[2],
+        tm[3]);
 }
 
 // Tensor maps of the K and V caches for the TMA producer: (head_dim, n_kv, slots) bf16, boxes of 64 x 1 x
 // block_size with the 128-byte swizzle. The slot extent is a bound the page ids never reach (the
 // kernel only asks for pages of the table). False when the driver lacks the encoder or rejects the map.
-static bool pd_fa_tensor_maps(const pd_attention_kparams *p, CUtensorMap tm[2]) {
+static bool pd_fa_tensor_maps(const pd_attention_kparams *p, CUtensorMap tm[4]) {
     static PFN_cuTensorMapEncodeTiled_v12000 enc = NULL;
     static int tried = 0;
     if (!tried) {
@@ -662,10 +756,10 @@ static bool pd_fa_tensor_maps(const pd_attention_kparams *p, CUtensorMap tm[2]) 
     if (!enc) return false;
     cuuint64_t dims[3] = {(cuuint64_t)p->head_dim, (cuuint64_t)p->n_kv_heads, (cuuint64_t)1 << 28};
     cuuint64_t strides[2] = {(cuuint64_t)p->head_dim * 2, (cuuint64_t)p->n_kv_heads * p->head_dim * 2};
-    cuuint32_t box[3] = {64, 1, (cuuint32_t)p->block_size}, estr[3] = {1, 1, 1};
+    cuuint32_t box[3] = {64, 1, (cuuint32_t)p->block_size}, box_t[3] = {64, 1, PD_FA_BKV}, estr[3] = {1, 1, 1};
     const void *ptr[2] = {p->k_cache, p->v_cache};
-    for (int i = 0; i < 2; i++)
-        if (enc(&tm[i], CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3, (void *)ptr[i], dims, strides, box, estr,
+    for (int i = 0; i < 4; i++)  // tm[0], tm[1]: one page of K, V; tm[2], tm[3]: a whole tile of consecutive pages
+        if (enc(&tm[i], CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3, (void *)ptr[i & 1], dims, strides, i < 2 ? box : box_t, estr,
                 CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
                 CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) != CUDA_SUCCESS)
             return false;
@@ -681,18 +775,22 @@ static bool pd_fa_tensor_maps(const pd_attention_kparams *p, CUtensorMap tm[2]) 
 // The instantiated flag sets; anything else runs the default.
 template <int HD>
 static void pd_fa_dispatch(const pd_attention_kparams *p, cudaStream_t s, int fl, const CUtensorMap *tm) {
+    PD_FA_CASE(PD_FA_PP | PD_FA_OVL)  // the default at head_dim 128
+    PD_FA_CASE(PD_FA_OVL | PD_FA_KVS)  // the default at head_dim 64
     PD_FA_CASE(PD_FA_PP)
     PD_FA_CASE(PD_FA_PP | PD_FA_TMA)
+    PD_FA_CASE(PD_FA_PP | PD_FA_OVL | PD_FA_TMA)
+    PD_FA_CASE(PD_FA_OVL | PD_FA_TMA)
     PD_FA_CASE(0)
     PD_FA_CASE(PD_FA_TMA)
     PD_FA_CASE(PD_FA_ROWP)
     PD_FA_CASE(PD_FA_PP | PD_FA_ROWP)
-    PD_FA_CASE(PD_FA_PP | PD_FA_OVL)
     PD_FA_CASE(PD_FA_OVL)
     PD_FA_CASE(PD_FA_PP | PD_FA_ARV)
     PD_FA_CASE(PD_FA_PP | PD_FA_OVL | PD_FA_ARV)
     PD_FA_CASE(PD_FA_ARV)
     PD_FA_CASE(PD_FA_OVL | PD_FA_ARV)
+    PD_FA_CASE(PD_FA_PP | PD_FA_OVL | PD_FA_KVS)
     if constexpr (HD == 128) {
         PD_FA_CASE(PD_FA_VN64 | PD_FA_PP | PD_FA_OVL)
         PD_FA_CASE(PD_FA_VN64)
@@ -706,8 +804,16 @@ static void pd_fa_dispatch(const pd_attention_kparams *p, cudaStream_t s, int fl
     PD_FA_CASE(PD_FA_NOLOAD)
     PD_FA_CASE(PD_FA_NOMATH)
     PD_FA_CASE(PD_FA_TMA | PD_FA_NOMATH)
+    PD_FA_CASE(PD_FA_OVL | PD_FA_NOLOAD)
+    PD_FA_CASE(PD_FA_OVL | PD_FA_NOMATH)
+    PD_FA_CASE(PD_FA_PP | PD_FA_OVL | PD_FA_NOMATH)
 #endif
-    pd_fa_launch<HD, HD == 128 ? PD_FA_PP : 0>(p, s, tm);
+    static bool warned = false;
+    if (!warned)
+        fprintf(stderr, "pdserve: prefill attention: the PD_CUDA_FA3_* combination (flags 0x%x) is not built: the default "
+                        "kernel runs\n", fl);
+    warned = true;
+    pd_fa_launch<HD, HD == 128 ? PD_FA_PP | PD_FA_OVL : PD_FA_OVL | PD_FA_KVS>(p, s, tm);
 }
 
 extern "C" int pd_cuda_attn_prefill_fa3(const pd_attention_kparams *p, cudaStream_t s) {
@@ -715,7 +821,7 @@ extern "C" int pd_cuda_attn_prefill_fa3(const pd_attention_kparams *p, cudaStrea
     if (p->head_dim != 64 && p->head_dim != 128) return 0;
     if ((long)((p->max_q_len + PD_FA_BQ - 1) / PD_FA_BQ) * p->n_seqs * p->n_heads > 0x7fffffffL) return 0;
     int fl = pd_fa_flags(p->head_dim);
-    CUtensorMap tm[2];
+    CUtensorMap tm[4];
     memset(tm, 0, sizeof tm);
     // TMA moves whole pages: block_size 8..128 dividing the 128-position tile (else cp.async only)
     if (fl & PD_FA_TMA) {

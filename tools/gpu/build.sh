@@ -16,7 +16,15 @@ cc $CFL -o build/gpu/bin/fa3_probe tools/gpu/fa3_probe.c build/gpu/libpdserve.a 
 # op_bench_diag: the prefill attention kernel with its diagnostics (PD_CUDA_FA3_DIAG=noload|nomath: wrong
 # results, timing only; attention_prefill.cu) linked ahead of the library's copy.
 /usr/local/cuda/bin/nvcc -O3 -std=c++17 -Isrc --use_fast_math -DPD_FA3_DIAG -gencode arch=compute_90a,code=sm_90a \
-  -c src/kernels/attention_prefill.cu -o build/gpu/attention_prefill_diag.o
+  -c src/kernels/attention_prefill.cu -o build/gpu/attention_prefill_diag.o 2>build/gpu/attention_prefill_diag.log ||
+  { cat build/gpu/attention_prefill_diag.log >&2; exit 1; }
+cat build/gpu/attention_prefill_diag.log >&2
+# WERROR=1 (as for the library, Makefile): ptxas reports of serialised wgmma fail the build here too
+case " $* " in *" WERROR=1 "*)
+  if grep -q 'Performance Loss: wgmma\|warpgroup.wait is injected' build/gpu/attention_prefill_diag.log; then
+    echo "attention_prefill.cu (PD_FA3_DIAG): ptxas serialised wgmma instructions; WERROR=1 refuses it" >&2; exit 1
+  fi;;
+esac
 cc $CFL -o build/gpu/bin/op_bench_diag tools/gpu/op_bench.c build/gpu/attention_prefill_diag.o build/gpu/libpdserve.a $LIBS
 cp build/gpu/pdserve build/gpu/bin/pdserve
 strip -g build/gpu/bin/op_bench build/gpu/bin/op_bench_diag build/gpu/bin/fa3_probe build/gpu/bin/pdserve build/gpu/tests/ops/test_backend_ops build/gpu/tests/golden/test_gpu_golden \

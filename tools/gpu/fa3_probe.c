@@ -2,9 +2,11 @@
 // a double-precision CPU reference, through the kernels' C interface (pd_cuda_attention). For a
 // failing case it prints a map of the largest error per (8 query rows x 8 head dims) cell of the
 // first query tile, so a layout bug (swizzle, descriptor, fragment order) shows as a pattern.
-// Usage: fa3_probe   (PD_CUDA_ATTN_PREFILL=0 selects the old kernel, as in the engine)
+// Usage: fa3_probe   (PD_CUDA_ATTN_PREFILL=0 selects the old kernel, as in the engine; FA3_PROBE_PAGES=contig:
+// consecutive pages instead of scattered ones)
 #include <cuda_runtime_api.h>
 #include <math.h>
+#include <stdbool.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -58,7 +60,11 @@ static int run_case(const pcase *c) {
     }
     int n_blocks = n_bt + 2, hd = c->hd, H = c->H, Hkv = c->Hkv;
     int32_t *bt = malloc(4 * (size_t)n_bt);
-    for (int i = 0; i < n_bt; i++) bt[i] = (int32_t)(((int64_t)i * 7 + 1) % n_blocks);  // scattered, all distinct
+    // scattered, all distinct; FA3_PROBE_PAGES=contig: consecutive from page 1 (the TMA producer's
+    // whole-tile boxes)
+    const char *pages = getenv("FA3_PROBE_PAGES");
+    bool contig = pages && !strcmp(pages, "contig");
+    for (int i = 0; i < n_bt; i++) bt[i] = contig ? i + 1 : (int32_t)(((int64_t)i * 7 + 1) % n_blocks);
     size_t kvn = (size_t)n_blocks * c->bs * Hkv * hd, qn = (size_t)n_tok * H * hd;
     uint16_t *q = malloc(2 * qn), *k = malloc(2 * kvn), *v = malloc(2 * kvn), *o = malloc(2 * qn);
     for (size_t i = 0; i < qn; i++) q[i] = f2bf(c->mode == 1 ? 0.f : urand() * 2.f);

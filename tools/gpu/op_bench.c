@@ -133,7 +133,14 @@ static void attn_setup(at_arg *a, int n_seqs, int q_len, int kv_len, int H, int 
             *bt = malloc(4 * (size_t)n_blocks), *ts = malloc(4 * (size_t)n_tok);
     for (int s = 0; s <= n_seqs; s++) { qi[s] = s * q_len; bi[s] = s * bps; }
     for (int s = 0; s < n_seqs; s++) kl[s] = kv_len;
-    for (int i = 0; i < n_blocks; i++) bt[i] = (int32_t)(((int64_t)i * 7919) % n_blocks);  // scattered
+    // scattered pages; OP_BENCH_ATTN_PAGES=contig: consecutive (as a fresh pool hands out a long prompt's)
+    const char *pages = getenv("OP_BENCH_ATTN_PAGES");
+    bool contig = pages && !strcmp(pages, "contig");
+    if (pages && *pages && !contig && strcmp(pages, "scattered")) {
+        fprintf(stderr, "OP_BENCH_ATTN_PAGES=%s: expected contig or scattered\n", pages);
+        exit(2);
+    }
+    for (int i = 0; i < n_blocks; i++) bt[i] = contig ? i : (int32_t)(((int64_t)i * 7919) % n_blocks);
     for (int i = 0; i < n_tok; i++) ts[i] = i / q_len;
     int32_t *d[5];
     size_t sz[5] = {4 * (size_t)(n_seqs + 1), 4 * (size_t)n_seqs, 4 * (size_t)(n_seqs + 1), 4 * (size_t)n_blocks, 4 * (size_t)n_tok};
@@ -889,12 +896,12 @@ fuse_done:
             printf("attn prefill %s L=%-5d    %9.1f us  %6.1f TFLOP/s (causal flops)\n", f8 ? "fp8 " : "bf16", pre[i], us,
                    fl / (us * 1e6));
         }
-    // attnpre: also head_dim 64 (32 heads, 8 kv heads) and 4 prompts of 2048 in one batch
-    for (int i = 0; i < 2 && want("attnpre"); i++) {
+    // attnpre: also head_dim 64 (32 heads, 8 kv heads) at 512 / 2048 / 8192 and 4 prompts of 2048 in one batch
+    for (int i = 0; i < 4 && want("attnpre"); i++) {
         at_arg a;
-        int n_seqs = i ? 4 : 1, L = i ? 2048 : 8192, d = i ? 128 : 64;
+        int n_seqs = i == 3 ? 4 : 1, L = i == 0 ? 512 : i == 2 ? 8192 : 2048, d = i == 3 ? 128 : 64;
         attn_setup(&a, n_seqs, L, L, H, Hkv, d, 16, false);
-        us = time_us(g_b, at_op, &a, 5);
+        us = time_us(g_b, at_op, &a, L * n_seqs >= 8192 ? 5 : 20);
         double fl = 4.0 * H * d * (double)L * L / 2 * n_seqs;
         printf("attn prefill bf16 hd=%d %dx L=%-5d %9.1f us  %6.1f TFLOP/s (causal flops)\n", d, n_seqs, L, us,
                fl / (us * 1e6));
