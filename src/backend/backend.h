@@ -157,6 +157,9 @@ typedef struct pd_attention_params {
     int max_q_len, max_kv_len;   // upper bounds over the batch (for grid sizing)
     float scale;                 // 1/sqrt(head_dim)
     pd_kv_dtype kv_dtype;        // PD_KV_FP8: K/V are dequantised (q * scale) as they are read
+    int n_new;                   // > 0: since the stream last completed, only this op's step wrote
+                                 // the cache, and only each sequence's last n_new context rows (a
+                                 // backend may read the other rows early); 0: unknown
 } pd_attention_params;
 
 // out (n, F) = silu(gu[:, :F]) * gu[:, F:]; in a 16-bit act dtype silu(g) is rounded before the

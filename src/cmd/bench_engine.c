@@ -178,7 +178,10 @@ static bool cache_resize(bench_ctx *b, long n_blocks) {
 // ones (blocks handed out in order); logits for the last row of each sequence. Median seconds.
 // pipelined: the steps are enqueued back to back with one sync at the end (mean seconds): the
 // device's time per step without the host's launch and wait between steps.
-static double time_step_rows(bench_ctx *b, int n_seqs, int q_len, int ctx, int reps, bool all_rows, bool pipelined) {
+// call_us (may be NULL): the median time the forward call itself took on the host in the serial
+// steps (padding, metadata, upload and graph launch: what the host spends before the device runs).
+static double time_step_rows(bench_ctx *b, int n_seqs, int q_len, int ctx, int reps, bool all_rows, bool pipelined,
+                             double *call_us) {
     int bps = (ctx + b->block_size - 1) / b->block_size, T = n_seqs * q_len;
     if ((long)n_seqs * bps > b->n_blocks) return NAN;
     int32_t *tok = pd_malloc(sizeof(int32_t) * (size_t)T), *qi = pd_malloc(sizeof(int32_t) * (size_t)(n_seqs + 1));
@@ -221,23 +224,26 @@ static double time_step_rows(bench_ctx *b, int n_seqs, int q_len, int ctx, int r
         pd_free(tok), pd_free(qi), pd_free(kv), pd_free(bi), pd_free(bt), pd_free(rows);
         return per;
     }
+    double tc[32];
     for (int i = 0; i < reps + 2; i++) {
         int64_t t0 = pd_time_us();
         pd_status st = pd_model_forward_dev(b->m, b->kc, &batch, &dl);
+        int64_t t1 = pd_time_us();
         pd_backend_sync(b->be);
         if (st) {
             fprintf(stderr, "bench-engine: forward failed: %s\n", pd_status_str(st));
             reps = 0;
             break;
         }
-        if (i >= 2) t[i - 2] = (double)(pd_time_us() - t0) * 1e-6;
+        if (i >= 2) t[i - 2] = (double)(pd_time_us() - t0) * 1e-6, tc[i - 2] = (double)(t1 - t0);
     }
     pd_free(tok), pd_free(qi), pd_free(kv), pd_free(bi), pd_free(bt), pd_free(rows);
+    if (call_us) *call_us = reps ? median(tc, reps) : NAN;
     return reps ? median(t, reps) : NAN;
 }
 
 static double time_step(bench_ctx *b, int n_seqs, int q_len, int ctx, int reps) {
-    return time_step_rows(b, n_seqs, q_len, ctx, reps, false, false);
+    return time_step_rows(b, n_seqs, q_len, ctx, reps, false, false, NULL);
 }
 
 // d: a draft model's bench (NULL: none); its 1-token step is timed at each batch size too.
@@ -261,13 +267,13 @@ static void run_verify(bench_ctx *b, bench_ctx *d, int batch_ctx, int max_q, con
         int B = batches[bi];
         double t[17] = {0}, td = NAN;
         for (int q = 1; q <= max_q; q++) {
-            t[q] = time_step_rows(b, B, q, batch_ctx, 10, true, false);
+            t[q] = time_step_rows(b, B, q, batch_ctx, 10, true, false, NULL);
             printf("%-22s batch=%-3d ctx=%-5d tokens/seq=%d %10.3f ms  (%.2fx the 1-token step)\n", "verify step", B, batch_ctx, q,
                    t[q] * 1e3, t[q] / t[1]);
             json_array_append_new(arr, json_pack("{s:i, s:i, s:i, s:f}", "batch", B, "ctx", batch_ctx, "tokens_per_seq", q, "ms", t[q] * 1e3));
         }
         if (d) {
-            td = time_step_rows(d, B, 1, batch_ctx, 10, false, false);
+            td = time_step_rows(d, B, 1, batch_ctx, 10, false, false, NULL);
             printf("%-22s batch=%-3d ctx=%-5d %10.3f ms  (%.3fx the target's 1-token step)\n", "draft step", B, batch_ctx, td * 1e3,
                    td / t[1]);
             json_array_append_new(arr, json_pack("{s:i, s:i, s:f, s:f}", "batch", B, "ctx", batch_ctx, "draft_ms", td * 1e3,
@@ -325,16 +331,17 @@ static void run_benchmarks(bench_ctx *b, const int *ctxs, int n_ctx, const int *
     for (int i = 0; i < n_ctx; i++) max_ctx = PD_MAX(max_ctx, ctxs[i]);
     if (single && n_ctx > 0 && cache_resize(b, (max_ctx + bs - 1) / bs)) {
         for (int i = 0; i < n_ctx; i++) {
-            double t = time_step(b, 1, 1, ctxs[i], 20);
+            double call_us;
+            double t = time_step_rows(b, 1, 1, ctxs[i], 20, false, false, &call_us);
             char label[64];
             snprintf(label, sizeof label, "ctx=%d", ctxs[i]);
             report(b, "decode single-stream", label, 1, 1, ctxs[i], t,
                    (double)pd_model_weight_bytes_read(b->m, 1) + kvpt * ctxs[i], "bw");
             // The same step enqueued back to back: what the host adds between steps (metadata
             // upload, graph launch, the wait) is the difference.
-            double tp = time_step_rows(b, 1, 1, ctxs[i], 20, false, true);
-            printf("%-22s %-18s %10.3f ms  (back to back, one sync: the host adds %.1f us a step)\n",
-                   "  pipelined", label, tp * 1e3, (t - tp) * 1e6);
+            double tp = time_step_rows(b, 1, 1, ctxs[i], 20, false, true, NULL);
+            printf("%-22s %-18s %10.3f ms  (back to back, one sync: the host adds %.1f us a step; the forward call %.1f us)\n",
+                   "  pipelined", label, tp * 1e3, (t - tp) * 1e6, call_us);
             json_t *res = json_object_get(b->out, "results");
             json_object_set_new(json_array_get(res, json_array_size(res) - 1), "pipelined_ms", json_real(tp * 1e3));
         }

@@ -463,7 +463,7 @@ static __global__ void __launch_bounds__(PD_K_DEC_WARPS * 32)
     k_attn_decode(const __nv_bfloat16 *q, const void *kc, const void *vc, __nv_bfloat16 *out,
                   const int32_t *q_indptr, const int32_t *kv_lens, const int32_t *bt_indptr,
                   const int32_t *bt_indices, int H, int n_kv, int bs, int q_stride, float scale_log2, int part,
-                  int n_splits, float *ws, int *cnt, size_t rb) {
+                  int n_splits, float *ws, int *cnt, size_t rb, int n_new) {
     constexpr int LPT = HD / 8, TPW = 32 / LPT, U = PD_K_DEC_UNROLL;
     __shared__ float red[PD_K_DEC_WARPS][GM][HD + 2];
     pd_k_pdl_trigger();
@@ -700,7 +700,7 @@ static __global__ void __launch_bounds__(W * 32, W == 4 ? (PIPE ? 2 : 3) : 1)
     k_attn_decode_tc(const __nv_bfloat16 *q, const void *kc, const void *vc, __nv_bfloat16 *out,
                      const int32_t *q_indptr, const int32_t *kv_lens, const int32_t *bt_indptr,
                      const int32_t *bt_indices, int H, int n_kv, int bs, int q_stride, float scale_log2, int part,
-                     int n_splits, float *ws, int *cnt, size_t rb) {
+                     int n_splits, float *ws, int *cnt, size_t rb, int n_new) {
     constexpr int NI = HD / 32;
     __shared__ float red[W][GM][HD + 2];
     pd_k_pdl_trigger();
@@ -835,7 +835,7 @@ static __global__ void __launch_bounds__(W * 32, W == 4 ? 2 : 1)
     k_attn_decode_tc_f8(const __nv_bfloat16 *q, const void *kc_, const void *vc_, __nv_bfloat16 *out,
                         const int32_t *q_indptr, const int32_t *kv_lens, const int32_t *bt_indptr,
                         const int32_t *bt_indices, int H, int n_kv, int bs, int q_stride, float scale_log2, int part,
-                        int n_splits, float *ws, int *cnt, size_t rb) {
+                        int n_splits, float *ws, int *cnt, size_t rb, int n_new) {
     constexpr int NI = HD / 32;
     __shared__ float red[W][GM][HD + 2];
     const uint8_t *kc = (const uint8_t *)kc_, *vc = (const uint8_t *)vc_;
@@ -1060,7 +1060,7 @@ static __global__ void __launch_bounds__(W * 32, W == 4 ? 2 : 1)
     k_attn_decode_f8s(const __nv_bfloat16 *q, const void *kc_, const void *vc_, __nv_bfloat16 *out,
                       const int32_t *q_indptr, const int32_t *kv_lens, const int32_t *bt_indptr,
                       const int32_t *bt_indices, int H, int n_kv, int bs, int q_stride, float scale_log2, int part,
-                      int n_splits, float *ws, int *cnt, size_t rb) {
+                      int n_splits, float *ws, int *cnt, size_t rb, int n_new) {
     constexpr int NC = HD / 64, STEP = W * 16 * T2;  // a warp's step: T2 tiles of 16 tokens
     __shared__ float red[W][GM][HD + 2];
     const uint8_t *kc = (const uint8_t *)kc_, *vc = (const uint8_t *)vc_;
@@ -1218,6 +1218,24 @@ static __device__ __forceinline__ void pd_k_bt_load(pd_k_bt_step_regs<HD> &r, co
     }
 }
 
+// The rows of pd_k_bt_load flagged late (with a slot), over what an early load left there.
+template <int HD>
+static __device__ __forceinline__ void pd_k_bt_load_late(pd_k_bt_step_regs<HD> &r, const __nv_bfloat16 *kc,
+                                                         const __nv_bfloat16 *vc, const int (&slot)[2],
+                                                         const bool (&late)[2], int n_kv, int kvh, int t) {
+#pragma unroll
+    for (int hh = 0; hh < 2; hh++) {
+        if (late[hh] && slot[hh] >= 0) {
+            size_t off = ((size_t)slot[hh] * n_kv + kvh) * HD + t * 8;
+#pragma unroll
+            for (int i = 0; i < HD / 32; i++) {
+                r.k[hh][i] = __ldg((const uint4 *)(kc + off + i * 32));
+                r.v[hh][i] = __ldg((const uint4 *)(vc + off + i * 32));
+            }
+        }
+    }
+}
+
 template <int HD>
 static __device__ __forceinline__ void pd_k_bt_step(const uint4 (&qf)[HD / 32], const pd_k_bt_step_regs<HD> &r,
                                                     float (&o)[HD / 32][2][4], float (&m)[2], float (&l)[2], int base,
@@ -1286,7 +1304,7 @@ static __global__ void __launch_bounds__(W * 32, W == 4 ? 2 : 1)
     k_attn_decode_bt(const __nv_bfloat16 *q, const void *kc_, const void *vc_, __nv_bfloat16 *out,
                      const int32_t *q_indptr, const int32_t *kv_lens, const int32_t *bt_indptr,
                      const int32_t *bt_indices, int H, int n_kv, int bs, int q_stride, float scale_log2, int part,
-                     int n_splits, float *ws, int *cnt, size_t rb) {
+                     int n_splits, float *ws, int *cnt, size_t rb, int n_new) {
     constexpr int NI = HD / 32, STEP = W * 16;
     __shared__ float red[W][GM][HD + 2];
     const __nv_bfloat16 *kc = (const __nv_bfloat16 *)kc_, *vc = (const __nv_bfloat16 *)vc_;
@@ -1309,14 +1327,33 @@ static __global__ void __launch_bounds__(W * 32, W == 4 ? 2 : 1)
     // latency then never delays the loads it feeds)
     int nx[2] = {live ? pd_k_dec_slot(bt, first + DEPTH * STEP + g, k_end, bs) : -1,
                  live ? pd_k_dec_slot(bt, first + DEPTH * STEP + 8 + g, k_end, bs) : -1};
+    // Rows below `stable` are not written by this step's kernels (n_new > 0: attention.cuh), so the
+    // first steps' K and V of those rows are loaded before the wait, during the previous kernel;
+    // the rest (this step's new rows) after it. Block-uniform.
+    int stable = n_new > 0 ? kv_len - n_new : 0;
+    bool early = live && stable > k_begin;
+    pd_k_bt_step_regs<HD> buf[DEPTH + 1];
+    if (early) {
+#pragma unroll
+        for (int d = 0; d < DEPTH; d++) {
+            int pre[2] = {first + d * STEP + g < stable ? slot[d][0] : -1, first + d * STEP + 8 + g < stable ? slot[d][1] : -1};
+            pd_k_bt_load<HD>(buf[d], kc, vc, pre, n_kv, kvh, t);
+        }
+    }
     pd_k_pdl_wait();
     if (!live) return;
     int n_sp = (kv_len + part - 1) / part;
     int G = H / n_kv;
 
-    pd_k_bt_step_regs<HD> buf[DEPTH + 1];
 #pragma unroll
-    for (int d = 0; d < DEPTH; d++) pd_k_bt_load<HD>(buf[d], kc, vc, slot[d], n_kv, kvh, t);
+    for (int d = 0; d < DEPTH; d++) {
+        if (early) {
+            bool late[2] = {first + d * STEP + g >= stable, first + d * STEP + 8 + g >= stable};
+            pd_k_bt_load_late<HD>(buf[d], kc, vc, slot[d], late, n_kv, kvh, t);
+        } else {
+            pd_k_bt_load<HD>(buf[d], kc, vc, slot[d], n_kv, kvh, t);
+        }
+    }
     uint4 qf[NI];
 #pragma unroll
     for (int i = 0; i < NI; i++)
@@ -1472,6 +1509,14 @@ static bool pd_k_attn_bt_enabled() {
     return pd_k_env_on("PD_CUDA_ATTN_BT", &on);
 }
 
+// PD_CUDA_ATTN_EARLY=0: the bf16 streaming decode kernel loads no K/V before its PDL wait, even
+// where the caller says which rows this step writes (pd_attention_kparams.n_new; measurements).
+static bool pd_k_attn_early_enabled() {
+    static int on = -1;
+    if (on < 0) on = pd_k_env_int("PD_CUDA_ATTN_EARLY", 1, 0, 1);
+    return on != 0;
+}
+
 // PD_CUDA_ATTN_FOLD=0: split partials are always merged by k_attn_combine (measurement knob).
 static bool pd_k_attn_fold_enabled() {
     static int on = -1;
@@ -1480,7 +1525,7 @@ static bool pd_k_attn_fold_enabled() {
 
 typedef void (*pd_k_dec_kern)(const __nv_bfloat16 *, const void *, const void *, __nv_bfloat16 *, const int32_t *,
                               const int32_t *, const int32_t *, const int32_t *, int, int, int, int, float, int, int,
-                              float *, int *, size_t);
+                              float *, int *, size_t, int);
 
 template <int HD, int GM, bool F8>
 static void pd_k_attn_launch_decode(const pd_attention_kparams *p, cudaStream_t s, int part, int n_splits) {
@@ -1505,7 +1550,7 @@ static void pd_k_attn_launch_decode(const pd_attention_kparams *p, cudaStream_t 
     pd_k_launch(kern, grid, dim3((wide ? 8 : 4) * 32), 0, s, (const __nv_bfloat16 *)p->q, p->k_cache, p->v_cache,
                 (__nv_bfloat16 *)p->out, p->q_indptr, p->kv_lens, p->bt_indptr, p->bt_indices, p->n_heads,
                 p->n_kv_heads, p->block_size, p->q_stride, p->scale * PD_K_LOG2E, part, n_splits, p->workspace,
-                fold ? p->counters : (int *)0, p->row_bytes);
+                fold ? p->counters : (int *)0, p->row_bytes, pd_k_attn_early_enabled() ? p->n_new : 0);
     if (n_splits > 1 && !fold)
         pd_k_launch(k_attn_combine<HD>, dim3(p->n_seqs, p->n_heads), dim3(HD), 0, s, (__nv_bfloat16 *)p->out,
                     p->q_indptr, p->kv_lens, p->n_heads, part, n_splits, (const float *)p->workspace);

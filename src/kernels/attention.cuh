@@ -38,6 +38,10 @@ typedef struct pd_attention_kparams {
                                         // pd_cuda_attention_counter_bytes
     int kv_fp8;                         // 1: caches hold E4M3 rows with per-head f32 scales
     size_t row_bytes;                   // fp8 only: bytes per slot row (pd_kv_row_bytes)
+    int n_new;                          // > 0: only the last n_new rows of each sequence's context may
+                                        // be written by the kernels before this one since the last full
+                                        // completion of the stream (a graph step's own KV writes), so the
+                                        // decode kernel loads the others before its PDL wait; 0: unknown
 } pd_attention_kparams;
 
 // True when head_dim and the GQA group size are supported (head_dim 32/64/128, group <= 8), for

@@ -145,8 +145,9 @@ static void *wp(pd_buffer *b) { return b ? pd_buffer_ptr(b) : NULL; }
 // gate_up GEMMs normalise x as they read it, qkv applies RoPE and writes the KV cache, gate_up
 // applies SwiGLU — so x is complete after every layer and h is not used: 5 kernels per layer
 // (qkv, attention, o, gate_up, down) instead of 9.
+// n_new: pd_attention_params.n_new (graph steps: Q; eager steps 0).
 static void run_layer(pd_model *m, pd_model_cache *kc, int li, int T, const int32_t *dmeta, const meta_layout *l,
-                      int n_seqs, int max_q, int max_kv, bool fused, bool rg) {
+                      int n_seqs, int max_q, int max_kv, bool fused, bool rg, int n_new) {
     const pd_model_config *c = &m->cfg;
     pd_backend *be = m->backend;
     pd_layer_weights *w = &m->layers[li];
@@ -182,7 +183,7 @@ static void run_layer(pd_model *m, pd_model_cache *kc, int li, int T, const int3
                                                .n_heads = H, .n_kv_heads = Hkv, .head_dim = hd,
                                                .block_size = kc->block_size, .q_stride = nqkv, .max_q_len = max_q,
                                                .max_kv_len = max_kv, .scale = 1.0f / sqrtf((float)hd),
-                                               .kv_dtype = m->kv_dtype});
+                                               .kv_dtype = m->kv_dtype, .n_new = n_new});
     if (fused) {  // x += o(attn); mlp = silu(gate) * up of norm(x); x += down(mlp)
         pd_op_matmul(be, &(pd_matmul_params){.a = wp(ws->attn), .w = wp(w->wo), .bias = wp(w->bo), .out = wp(ws->x),
                                              .M = T, .N = D, .K = H * hd, .residual = true});
@@ -264,8 +265,9 @@ static bool resid_gemm_step(pd_model *m, int T) {
 }
 
 // The whole op sequence of one step over packed metadata at dmeta (layout l).
+// n_new: see run_layer.
 static void run_step(pd_model *m, pd_model_cache *kc, const int32_t *dmeta, const meta_layout *l, int T, int n_seqs,
-                     int n_logits, int max_q, int max_kv, const pd_batch *hook) {
+                     int n_logits, int max_q, int max_kv, const pd_batch *hook, int n_new) {
     pd_backend *be = m->backend;
     pd_model_ws *ws = &m->ws;
     const pd_model_config *c = &m->cfg;
@@ -275,7 +277,7 @@ static void run_step(pd_model *m, pd_model_cache *kc, const int32_t *dmeta, cons
     bool fused = fuse_step(m, T), rg = !fused && resid_gemm_step(m, T);
     for (int li = 0; li < c->n_layers; li++) {
         if (hook && hook->before_layer) hook->before_layer(hook->before_layer_ud, li);
-        run_layer(m, kc, li, T, dmeta, l, n_seqs, max_q, max_kv, fused, rg);
+        run_layer(m, kc, li, T, dmeta, l, n_seqs, max_q, max_kv, fused, rg, n_new);
         if (hook && hook->on_layer) hook->on_layer(hook->on_layer_ud, li);
     }
     if (n_logits > 0 && fused) {  // x is complete: the final norm goes into the lm_head GEMM
@@ -515,6 +517,9 @@ static pd_status graph_step(pd_model *m, pd_model_cache *kc, const pd_batch *b, 
     }
     pd_backend *be = m->backend;
     const int32_t *dmeta = wp(ge->meta);
+    // Every run of the step (eager, captured, launched) follows this upload, which waits for all
+    // earlier work on the stream: within the step only its own rope_kv writes KV, the last Q rows of
+    // each sequence's context, so attention may read the others early (n_new = Q).
     pd_backend_upload(be, wp(ge->meta), m->ws.meta_host, l.total * sizeof(int32_t));
     if (ge->g && (ge->ws_gen != m->ws.gen || !pd_backend_graph_launch(be, ge->g))) {
         pd_backend_graph_free(be, ge->g);  // stale: capture again below
@@ -522,12 +527,12 @@ static pd_status graph_step(pd_model *m, pd_model_cache *kc, const pd_batch *b, 
     }
     if (ge->g) return PD_OK;
     if (!ge->is_warm || ge->is_eager_only) {
-        run_step(m, kc, dmeta, &l, T, B, T, Q, kv_cap, NULL);
+        run_step(m, kc, dmeta, &l, T, B, T, Q, kv_cap, NULL, Q);
         ge->is_warm = true;
         return PD_OK;
     }
     pd_backend_graph_begin(be);
-    run_step(m, kc, dmeta, &l, T, B, T, Q, kv_cap, NULL);
+    run_step(m, kc, dmeta, &l, T, B, T, Q, kv_cap, NULL, Q);
     ge->g = pd_backend_graph_end(be);
     ge->ws_gen = m->ws.gen;
     if (ge->g && pd_backend_graph_launch(be, ge->g)) return PD_OK;
@@ -535,7 +540,7 @@ static pd_status graph_step(pd_model *m, pd_model_cache *kc, const pd_batch *b, 
     pd_backend_graph_free(be, ge->g);
     ge->g = NULL;
     ge->is_eager_only = true;
-    run_step(m, kc, dmeta, &l, T, B, T, Q, kv_cap, NULL);
+    run_step(m, kc, dmeta, &l, T, B, T, Q, kv_cap, NULL, Q);
     return PD_OK;
 }
 
@@ -642,7 +647,7 @@ pd_status pd_model_forward_dev(pd_model *m, pd_model_cache *kc, const pd_batch *
     st = pack_meta(m, kc, b, &l, &max_q, &max_kv);
     if (st) return st;
     pd_backend_upload(m->backend, wp(m->ws.meta), m->ws.meta_host, l.total * sizeof(int32_t));
-    run_step(m, kc, wp(m->ws.meta), &l, b->n_tokens, b->n_seqs, b->n_logits, max_q, max_kv, b);
+    run_step(m, kc, wp(m->ws.meta), &l, b->n_tokens, b->n_seqs, b->n_logits, max_q, max_kv, b, 0);
     if (logits_dev) *logits_dev = wp(m->ws.logits);
     return PD_OK;
 }

@@ -1297,6 +1297,79 @@ PD_TEST(test_cuda_attention_decode) {
     ctx_fini(&c);
 }
 
+// A graph step's decode attention on the card two ways, from the same qkv rows and caches, each
+// right after the rope_kv kernel that writes the step's new rows: n_new = 0 (every K/V row read
+// after the PDL wait: test_cuda_attention_decode checks that kernel against the CPU) and n_new = 1
+// (the rows before each sequence's new one loaded before the wait, while rope_kv runs). Both give
+// the same bytes: outputs and both caches. The new rows' slots hold other random values before
+// rope_kv, so a new row read early would change the result. One sequence writes no KV (slot -1,
+// a padding row): its cache is untouched. Contexts 1 to 2049, one-wave (8-warp, in-place merge)
+// and multi-wave (4-warp) grids, GQA groups 4 and 1, head_dim 64 and 128.
+PD_TEST(test_cuda_attention_decode_early) {
+    ctx c;
+    if (!ctx_init(&c, 12)) PD_SKIP("%s: no CUDA device", __func__);
+    int cfg[][4] = {{32, 8, 128, 5}, {8, 8, 64, 5}, {32, 8, 128, 60}, {16, 4, 64, 24}};  // H, Hkv, hd, sequences
+    int lens[] = {1, 2, 17, 128, 129, 600, 2049, 16, 33, 255};
+    for (size_t ci = 0; ci < PD_ARRAY_LEN(cfg); ci++) {
+        int H = cfg[ci][0], Hkv = cfg[ci][1], hd = cfg[ci][2], n = cfg[ci][3], bsz = 16, row = (H + 2 * Hkv) * hd;
+        int32_t qi[61], kvl[60], bti[61], pos[60], slots[60], max_kv = 0, n_bt = 0;
+        for (int s = 0; s < n; s++) {
+            kvl[s] = lens[(s + (int)ci) % 10] + s / 10;
+            max_kv = kvl[s] > max_kv ? kvl[s] : max_kv;
+            qi[s] = s, bti[s] = n_bt;
+            n_bt += (kvl[s] + bsz - 1) / bsz;
+        }
+        qi[n] = n, bti[n] = n_bt;
+        int32_t *bt = pd_malloc(sizeof(int32_t) * (size_t)n_bt);
+        for (int j = 0; j < n_bt; j++) bt[j] = (int32_t)(((int64_t)j * 7919 + 3) % n_bt);  // a permutation (7919 prime)
+        int pad = n - 2;  // this sequence writes no KV
+        for (int s = 0; s < n; s++) {
+            pos[s] = kvl[s] - 1;
+            slots[s] = s == pad ? -1 : bt[bti[s] + pos[s] / bsz] * bsz + pos[s] % bsz;
+        }
+        size_t kvn = (size_t)n_bt * bsz * Hkv * hd, no = (size_t)n * H * hd;
+        float *qkv = rand_f32(&c, (size_t)n * row, 1.0f), *kc = rand_f32(&c, kvn, 1.0f), *vc = rand_f32(&c, kvn, 1.0f);
+        float inv_freq[64];
+        for (int i = 0; i < hd / 2; i++) inv_freq[i] = powf(500000.0f, -2.0f * i / hd);
+        uint16_t *res[2][3];  // per way: out, k cache, v cache
+        for (int way = 0; way < 2; way++) {
+            void *q = dev_act(&c, c.gpu, qkv, (size_t)n * row), *kd = dev_act(&c, c.gpu, kc, kvn), *vd = dev_act(&c, c.gpu, vc, kvn);
+            pd_rope_kv_params r = {.qkv = q, .positions = dev_i32(&c, c.gpu, pos, n),
+                                   .inv_freq = dev_from_f32(&c, c.gpu, inv_freq, hd / 2, PD_DTYPE_F32),
+                                   .slot_mapping = dev_i32(&c, c.gpu, slots, n), .k_cache = kd, .v_cache = vd,
+                                   .n_tokens = n, .n_heads = H, .n_kv_heads = Hkv, .head_dim = hd, .attn_scaling = 1.0f};
+            void *out = dev_out(&c, c.gpu, no, PD_DTYPE_BF16);
+            pd_attention_params p = {.q = q, .k_cache = kd, .v_cache = vd, .out = out, .q_indptr = dev_i32(&c, c.gpu, qi, n + 1),
+                                     .kv_lens = dev_i32(&c, c.gpu, kvl, n), .bt_indptr = dev_i32(&c, c.gpu, bti, n + 1),
+                                     .bt_indices = dev_i32(&c, c.gpu, bt, n_bt), .token_seq = dev_i32(&c, c.gpu, qi, n),
+                                     .n_tokens = n, .n_seqs = n, .n_heads = H, .n_kv_heads = Hkv, .head_dim = hd,
+                                     .block_size = bsz, .q_stride = row, .max_q_len = 1, .max_kv_len = max_kv,
+                                     .scale = 1.0f / sqrtf((float)hd), .n_new = way};
+            pd_backend_sync(c.gpu);  // everything uploaded: the two ops run back to back
+            pd_op_rope_kv(c.gpu, &r);
+            pd_op_attention(c.gpu, &p);
+            void *src[3] = {out, kd, vd};
+            size_t cnt[3] = {no, kvn, kvn};
+            for (int k = 0; k < 3; k++) {
+                res[way][k] = pd_malloc(cnt[k] * 2);
+                pd_backend_download(c.gpu, res[way][k], src[k], cnt[k] * 2);
+            }
+        }
+        static const char *what[3] = {"outputs", "k cache", "v cache"};
+        for (int k = 0; k < 3; k++) {
+            size_t cnt = k ? kvn : no, diff = 0;
+            for (size_t i = 0; i < cnt; i++) diff += res[1][k][i] != res[0][k][i];
+            PD_CHECK_MSG(diff == 0, "attention decode, K/V loaded early (H=%d Hkv=%d hd=%d seqs=%d): %zu of %zu %s differ from n_new = 0",
+                         H, Hkv, hd, n, diff, cnt, what[k]);
+        }
+        for (int way = 0; way < 2; way++)
+            for (int k = 0; k < 3; k++) pd_free(res[way][k]);
+        pd_free(bt), pd_free(qkv), pd_free(kc), pd_free(vc);
+        ctx_release(&c);
+    }
+    ctx_fini(&c);
+}
+
 // Long contexts and batches of them at the decode kernels' partition boundaries, bf16 and fp8
 // caches (GPU vs CPU; the cost of fp8 itself is checked on the short cases above): one stream at
 // 32k (one-wave split into the most partitions, in-place merge), batches of long odd lengths

@@ -455,14 +455,21 @@ static void bench_pfl(void) {
 // single: the single-stream decode step (M = 1, context 128) as forward.c runs it on the fused path:
 // embed, 32 x (qkv + norm + RoPE + KV write, attention, o += x, gate_up + norm + SwiGLU, down += x),
 // get_rows, lm_head + final norm (f32 logits); each variant (a subset of those parts) captured as one
-// CUDA graph (weights alternate between 2 copies per layer, > L2; K/V of 2 caches) and timed three
-// ways: back to back (20 launches, one sync: the device's time), serial (launch + sync each: what
-// the host adds), serial with a 128-byte metadata upload before each launch (as forward.c's
-// graph_step does). Variants: the whole step; without get_rows (lm_head reads x); without
-// attention; without lm_head; the GEMMs alone; attention alone; lm_head alone; embed + get_rows.
+// CUDA graph (layer li's weights are set li % N of OPB_SINGLE_LAYERS=N distinct sets, default 2,
+// each > L2; 32: the model's footprint; K/V of 2 caches) and timed four ways: back to back (20
+// launches, one sync: the device's time), back to back with the 128-byte metadata upload before each
+// launch (bench-engine's "pipelined" step), serial (launch + sync each: what the host adds), serial
+// with the upload (as forward.c's graph_step does; the upload and launch calls' own host time
+// printed). Variants: the whole step (lm_head reads x, as forward.c's one-token step) with
+// attention's K/V loaded before its PDL wait (n_new = 1, a graph step) and after it ("late kv");
+// with get_rows; without attention; without lm_head; the GEMMs alone; attention alone (early and
+// late); lm_head alone; embed + get_rows; the first two again at the end (drift).
 enum { SG_EMBED = 1, SG_GEMMS = 2, SG_ATTN = 4, SG_ROWS = 8, SG_LMH = 16 };
+#define SG_MAX_COPIES 32
 typedef struct sg_arg {
-    void *x, *qkv, *attn, *mlp, *sel, *logits, *g1, *g2, *gf, *wqkv[2], *wo[2], *wgu[2], *wd[2], *lmh, *meta_dev;
+    void *x, *qkv, *attn, *mlp, *sel, *logits, *g1, *g2, *gf, *lmh, *meta_dev;
+    void *wqkv[SG_MAX_COPIES], *wo[SG_MAX_COPIES], *wgu[SG_MAX_COPIES], *wd[SG_MAX_COPIES];
+    int n_copies;  // distinct weight sets, layer li uses set li % n_copies (OPB_SINGLE_LAYERS)
     int32_t *ids;
     pd_rope_kv_params rope[2];
     pd_attention_params at[2];
@@ -473,16 +480,16 @@ static void sg_step(pd_backend *b, sg_arg *s) {
     unsigned k = s->mask;
     if (k & SG_EMBED) pd_op_embed(b, &(pd_embed_params){.ids = s->ids, .table = s->lmh, .out = s->x, .n_tokens = 1, .dim = D, .vocab = V});
     for (int li = 0; li < 32; li++) {
-        int i = li % 2;
+        int i = li % 2, wi = li % s->n_copies;
         if (k & SG_GEMMS)
-            pd_op_matmul(b, &(pd_matmul_params){.a = s->x, .w = s->wqkv[i], .out = s->qkv, .M = 1, .N = NQ, .K = D,
+            pd_op_matmul(b, &(pd_matmul_params){.a = s->x, .w = s->wqkv[wi], .out = s->qkv, .M = 1, .N = NQ, .K = D,
                                                 .norm_w = s->g1, .norm_eps = 1e-5f, .rope = &s->rope[i]});
         if (k & SG_ATTN) pd_op_attention(b, &s->at[i]);
         if (k & SG_GEMMS) {
-            pd_op_matmul(b, &(pd_matmul_params){.a = s->attn, .w = s->wo[i], .out = s->x, .M = 1, .N = D, .K = D, .residual = true});
-            pd_op_matmul(b, &(pd_matmul_params){.a = s->x, .w = s->wgu[i], .out = s->mlp, .M = 1, .N = F, .K = D,
+            pd_op_matmul(b, &(pd_matmul_params){.a = s->attn, .w = s->wo[wi], .out = s->x, .M = 1, .N = D, .K = D, .residual = true});
+            pd_op_matmul(b, &(pd_matmul_params){.a = s->x, .w = s->wgu[wi], .out = s->mlp, .M = 1, .N = F, .K = D,
                                                 .norm_w = s->g2, .norm_eps = 1e-5f, .glu = true});
-            pd_op_matmul(b, &(pd_matmul_params){.a = s->mlp, .w = s->wd[i], .out = s->x, .M = 1, .N = D, .K = F, .residual = true});
+            pd_op_matmul(b, &(pd_matmul_params){.a = s->mlp, .w = s->wd[wi], .out = s->x, .M = 1, .N = D, .K = F, .residual = true});
         }
     }
     if (k & SG_ROWS) pd_op_get_rows(b, &(pd_get_rows_params){.x = s->x, .idx = s->ids + 1, .out = s->sel, .n_rows = 1, .dim = D});
@@ -494,8 +501,10 @@ static int cmp_dbl(const void *a, const void *b) {
     double x = *(const double *)a, y = *(const double *)b;
     return x < y ? -1 : x > y;
 }
-// us per step: [0] back to back, [1] serial (median), [2] serial with the metadata upload (median).
-static void sg_time(pd_backend *b, sg_arg *s, double out[3]) {
+// us per step: [0] back to back, [1] serial (median), [2] serial with the metadata upload (median),
+// [3] back to back with the upload before each launch (bench-engine's "pipelined" step); [4..7]
+// the upload call's and the graph launch call's host time in the serial steps (median, max).
+static void sg_time(pd_backend *b, sg_arg *s, double out[8]) {
     sg_step(b, s);  // eager: scratch, plans
     pd_backend_sync(b);
     pd_backend_graph_begin(b);
@@ -511,19 +520,32 @@ static void sg_time(pd_backend *b, sg_arg *s, double out[3]) {
     for (int i = 0; i < reps; i++) pd_backend_graph_launch(b, g);
     pd_backend_sync(b);
     out[0] = (double)(pd_time_us() - t0) / reps;
-    double t[2][20];
+    t0 = pd_time_us();
+    for (int i = 0; i < reps; i++) {
+        pd_backend_upload(b, s->meta_dev, meta, sizeof meta);
+        pd_backend_graph_launch(b, g);
+    }
+    pd_backend_sync(b);
+    out[3] = (double)(pd_time_us() - t0) / reps;
+    double t[2][20], tu[20], tl[20];  // tu, tl: the upload and launch calls' own host time (serial + upload)
     for (int v = 0; v < 2; v++)
         for (int i = 0; i < reps; i++) {
             int64_t t1 = pd_time_us();
             if (v) pd_backend_upload(b, s->meta_dev, meta, sizeof meta);
+            int64_t t2 = pd_time_us();
             pd_backend_graph_launch(b, g);
+            int64_t t3 = pd_time_us();
             pd_backend_sync(b);
             t[v][i] = (double)(pd_time_us() - t1);
+            if (v) tu[i] = (double)(t2 - t1), tl[i] = (double)(t3 - t2);
         }
     for (int v = 0; v < 2; v++) {
         qsort(t[v], (size_t)reps, sizeof(double), cmp_dbl);
         out[1 + v] = t[v][reps / 2];
     }
+    qsort(tu, (size_t)reps, sizeof(double), cmp_dbl);
+    qsort(tl, (size_t)reps, sizeof(double), cmp_dbl);
+    out[4] = tu[reps / 2], out[5] = tu[reps - 1], out[6] = tl[reps / 2], out[7] = tl[reps - 1];
     pd_backend_graph_free(b, g);
 }
 static void bench_single(double copy_gbs, pd_backend **bes, const char **be_names, int n_be) {
@@ -535,10 +557,15 @@ static void bench_single(double copy_gbs, pd_backend **bes, const char **be_name
     pd_op_fill_normal(g_b, s.g1, PD_DTYPE_BF16, D, 7, 1.0f, 0.1f);
     pd_op_fill_normal(g_b, s.g2, PD_DTYPE_BF16, D, 8, 1.0f, 0.1f);
     pd_op_fill_normal(g_b, s.gf, PD_DTYPE_BF16, D, 9, 1.0f, 0.1f);
-    for (int i = 0; i < 2; i++) {
+    // OPB_SINGLE_LAYERS=N: N distinct weight sets (default 2, each > L2; 32: the model's 14 GB
+    // footprint, as bench-engine's step reads it)
+    pd_err eerr = {0};
+    if (pd_env_int("OPB_SINGLE_LAYERS", 2, 1, SG_MAX_COPIES, &s.n_copies, &eerr)) { fprintf(stderr, "%s\n", eerr.msg); exit(2); }
+    for (int i = 0; i < s.n_copies; i++) {
         s.wqkv[i] = rnd((size_t)NQ * D), s.wo[i] = rnd((size_t)D * D);
         s.wgu[i] = rnd((size_t)2 * F * D), s.wd[i] = rnd((size_t)D * F);
     }
+    printf("single: %d distinct layer weight sets\n", s.n_copies);
     s.lmh = rnd((size_t)V * D);
     // ids: [0] the token, [1] the logit row (0); positions / slots after them (the step's metadata)
     int32_t meta[4] = {12345, 0, ctx - 1, 0};
@@ -557,6 +584,7 @@ static void bench_single(double copy_gbs, pd_backend **bes, const char **be_name
         s.at[i] = a.p;
         s.at[i].q = s.qkv, s.at[i].q_stride = NQ, s.at[i].out = s.attn;
         s.at[i].max_kv_len = 256;  // the bound a graph step at context 128 runs with (forward.c kv_bucket)
+        s.at[i].n_new = 1;         // as a graph step (forward.c graph_step); variants below set 0
         s.rope[i] = (pd_rope_kv_params){.qkv = s.qkv, .positions = s.ids + 2, .inv_freq = dinv, .slot_mapping = s.ids + 3,
                                         .k_cache = (void *)a.p.k_cache, .v_cache = (void *)a.p.v_cache, .n_tokens = 1,
                                         .n_heads = H, .n_kv_heads = Hkv, .head_dim = hd, .attn_scaling = 1.0f};
@@ -564,26 +592,33 @@ static void bench_single(double copy_gbs, pd_backend **bes, const char **be_name
     pd_backend_sync(g_b);
     double layer_w = 2.0 * ((double)NQ * D + (double)D * D + 2.0 * F * D + (double)D * F), lm_w = 2.0 * V * D;
     double kv = 2.0 * ctx * Hkv * hd * 2;  // one layer's K and V rows
-    struct { const char *name; unsigned mask; double bytes; } vs[] = {
-        {"whole step", SG_EMBED | SG_GEMMS | SG_ATTN | SG_ROWS | SG_LMH, 32 * (layer_w + kv) + lm_w},
-        {"no get_rows", SG_EMBED | SG_GEMMS | SG_ATTN | SG_LMH, 32 * (layer_w + kv) + lm_w},
-        {"no attention", SG_EMBED | SG_GEMMS | SG_ROWS | SG_LMH, 32 * layer_w + lm_w},
-        {"layers only", SG_EMBED | SG_GEMMS | SG_ATTN, 32 * (layer_w + kv)},
-        {"gemms only", SG_GEMMS, 32 * layer_w},
-        {"attention only", SG_ATTN, 32 * kv},
-        {"lm_head only", SG_LMH, lm_w},
-        {"embed+get_rows", SG_EMBED | SG_ROWS, 0},
+    // early: attention's n_new (1: K/V rows before the new one loaded before the PDL wait; 0: none)
+    struct { const char *name; unsigned mask; double bytes; int early; } vs[] = {
+        {"whole step", SG_EMBED | SG_GEMMS | SG_ATTN | SG_LMH, 32 * (layer_w + kv) + lm_w, 1},
+        {"whole, late kv", SG_EMBED | SG_GEMMS | SG_ATTN | SG_LMH, 32 * (layer_w + kv) + lm_w, 0},
+        {"with get_rows", SG_EMBED | SG_GEMMS | SG_ATTN | SG_ROWS | SG_LMH, 32 * (layer_w + kv) + lm_w, 1},
+        {"no attention", SG_EMBED | SG_GEMMS | SG_LMH, 32 * layer_w + lm_w, 1},
+        {"layers only", SG_EMBED | SG_GEMMS | SG_ATTN, 32 * (layer_w + kv), 1},
+        {"gemms only", SG_GEMMS, 32 * layer_w, 1},
+        {"attention only", SG_ATTN, 32 * kv, 1},
+        {"attn only late", SG_ATTN, 32 * kv, 0},
+        {"lm_head only", SG_LMH, lm_w, 1},
+        {"embed+get_rows", SG_EMBED | SG_ROWS, 0, 1},
+        {"whole step", SG_EMBED | SG_GEMMS | SG_ATTN | SG_LMH, 32 * (layer_w + kv) + lm_w, 1},
+        {"whole, late kv", SG_EMBED | SG_GEMMS | SG_ATTN | SG_LMH, 32 * (layer_w + kv) + lm_w, 0},
     };
     for (int bi = 0; bi < n_be; bi++)
         for (size_t v = 0; v < sizeof vs / sizeof vs[0]; v++) {
             s.mask = vs[v].mask;
-            double t[3];
+            s.at[0].n_new = s.at[1].n_new = vs[v].early;
+            double t[8];
             sg_time(bes[bi], &s, t);
             double fl = vs[v].bytes / (copy_gbs * 1e3);
-            printf("single %-6s %-15s back-to-back %8.1f us  serial %8.1f us (+%5.1f)  serial+upload %8.1f us (+%5.1f)",
-                   be_names[bi], vs[v].name, t[0], t[1], t[1] - t[0], t[2], t[2] - t[0]);
+            printf("single %-6s %-15s back-to-back %8.1f us  b2b+upload %8.1f us (+%5.1f)  serial %8.1f us (+%5.1f)  serial+upload %8.1f us (+%5.1f)",
+                   be_names[bi], vs[v].name, t[0], t[3], t[3] - t[0], t[1], t[1] - t[0], t[2], t[2] - t[0]);
             if (vs[v].bytes > 0)
                 printf("  floor %8.1f us at %.0f GB/s: %5.1f%% (%5.0f GB/s)", fl, copy_gbs, 100 * fl / t[0], vs[v].bytes / (t[0] * 1e3));
+            printf("  host: upload call %.0f (max %.0f) us, launch call %.0f (max %.0f) us", t[4], t[5], t[6], t[7]);
             printf("\n");
         }
 }

@@ -244,7 +244,8 @@ static void cuda_attention(pd_backend *b, const pd_attention_params *p) {
                               .max_kv_len = p->max_kv_len, .scale = p->scale, .workspace = cb->attn_ws,
                               .workspace_bytes = cb->attn_ws_bytes, .counters = cb->attn_cnt,
                               .kv_fp8 = p->kv_dtype == PD_KV_FP8,
-                              .row_bytes = pd_kv_row_bytes(b, p->kv_dtype, p->n_kv_heads, p->head_dim)};
+                              .row_bytes = pd_kv_row_bytes(b, p->kv_dtype, p->n_kv_heads, p->head_dim),
+                              .n_new = p->n_new};
     pd_cuda_attention(&k, cb->stream);
     PD_CUDA_CHECK_LAUNCH();
 }
@@ -510,6 +511,85 @@ static void cuda_graph_begin(pd_backend *b) {
     PD_CUDA_CHECK(cudaStreamBeginCapture(cb->stream, cudaStreamCaptureModeThreadLocal));
 }
 
+// A kernel node's function name (cuBLASLt's kernels are driver launches: the driver API names
+// them all), or "?".
+typedef struct drv_kparams {  // CUDA_KERNEL_NODE_PARAMS_v2 (cuda.h), without the driver header
+    void *func;
+    unsigned grid[3], block[3], smem;
+    void **params, **extra;
+    void *kern, *ctx;
+} drv_kparams;
+static const char *graph_node_name(cudaGraphNode_t n, drv_kparams *kp) {
+    static void *get_params, *func_name, *kernel_name;
+    static bool looked;
+    enum cudaDriverEntryPointQueryResult qr;
+    if (!looked) {  // (a symbol the driver lacks comes back as success with a NULL pointer)
+        looked = true;
+        if (cudaGetDriverEntryPointByVersion("cuGraphKernelNodeGetParams", &get_params, 12000, cudaEnableDefault, &qr) != cudaSuccess ||
+            qr != cudaDriverEntryPointSuccess)
+            get_params = NULL;
+        if (cudaGetDriverEntryPointByVersion("cuFuncGetName", &func_name, 12030, cudaEnableDefault, &qr) != cudaSuccess ||
+            qr != cudaDriverEntryPointSuccess)
+            func_name = NULL;
+        if (cudaGetDriverEntryPointByVersion("cuKernelGetName", &kernel_name, 12030, cudaEnableDefault, &qr) != cudaSuccess ||
+            qr != cudaDriverEntryPointSuccess)
+            kernel_name = NULL;
+        cudaGetLastError();
+    }
+    memset(kp, 0, sizeof *kp);
+    const char *name = NULL;
+    if (!get_params || ((int (*)(cudaGraphNode_t, drv_kparams *))get_params)(n, kp) != 0) return "?";
+    if (kp->func && func_name) ((int (*)(const char **, void *))func_name)(&name, kp->func);
+    else if (kp->kern && kernel_name) ((int (*)(const char **, void *))kernel_name)(&name, kp->kern);
+    return name ? name : "?";
+}
+
+// PD_CUDA_GRAPH_DUMP=1 (graph_end): every captured graph's nodes to stderr in capture order (type,
+// kernel name, grid, block, dynamic shared memory, incoming edges: P programmatic, C programmatic
+// from the launch-completion port, D ordinary), then the counts. A measurement / debug tool.
+static void graph_dump(cudaGraph_t g) {
+    size_t n = 0, ne = 0;
+    PD_CUDA_CHECK(cudaGraphGetNodes(g, NULL, &n));
+    PD_CUDA_CHECK(cudaGraphGetEdges(g, NULL, NULL, NULL, &ne));
+    cudaGraphNode_t *nodes = pd_calloc(n + 1, sizeof *nodes), *from = pd_calloc(ne + 1, sizeof *from);
+    cudaGraphNode_t *to = pd_calloc(ne + 1, sizeof *to);
+    cudaGraphEdgeData *ed = pd_calloc(ne + 1, sizeof *ed);
+    PD_ASSERT(nodes && from && to && ed);
+    PD_CUDA_CHECK(cudaGraphGetNodes(g, nodes, &n));
+    PD_CUDA_CHECK(cudaGraphGetEdges(g, from, to, ed, &ne));
+    size_t n_kern = 0, n_other = 0, n_prog = 0, n_lc = 0, n_def = 0;
+    fprintf(stderr, "graph: %zu nodes, %zu edges\n", n, ne);
+    for (size_t i = 0; i < n; i++) {
+        enum cudaGraphNodeType t;
+        PD_CUDA_CHECK(cudaGraphNodeGetType(nodes[i], &t));
+        char in[64] = "";
+        size_t k = 0;
+        for (size_t j = 0; j < ne && k + 2 < sizeof in; j++)
+            if (to[j] == nodes[i])
+                in[k++] = ed[j].type != cudaGraphDependencyTypeProgrammatic ? 'D'
+                          : ed[j].from_port == cudaGraphKernelNodePortLaunchCompletion ? 'C' : 'P';
+        in[k] = 0;
+        if (t == cudaGraphNodeTypeKernel) {
+            drv_kparams kp;
+            const char *name = graph_node_name(nodes[i], &kp);
+            n_kern++;
+            fprintf(stderr, "graph node %3zu kernel grid %u,%u,%u block %u smem %u in %-3s %.160s\n", i, kp.grid[0], kp.grid[1],
+                    kp.grid[2], kp.block[0] * kp.block[1] * kp.block[2], kp.smem, in, name);
+        } else {
+            n_other++;
+            fprintf(stderr, "graph node %3zu type %d in %s\n", i, (int)t, in);
+        }
+    }
+    for (size_t j = 0; j < ne; j++) {
+        if (ed[j].type != cudaGraphDependencyTypeProgrammatic) n_def++;
+        else if (ed[j].from_port == cudaGraphKernelNodePortLaunchCompletion) n_lc++;
+        else n_prog++;
+    }
+    fprintf(stderr, "graph: %zu kernels, %zu other nodes; edges %zu programmatic, %zu launch-completion, %zu ordinary\n",
+            n_kern, n_other, n_prog, n_lc, n_def);
+    pd_free(nodes), pd_free(from), pd_free(to), pd_free(ed);
+}
+
 static void *cuda_graph_end(pd_backend *b) {
     pd_cuda_backend *cb = pd_cuda_backend_of(b);
     pd_cuda_bind(cb);
@@ -520,6 +600,7 @@ static void *cuda_graph_end(pd_backend *b) {
         PD_LOG_W("cuda: graph capture failed: %s", cudaGetErrorString(e));
         return NULL;
     }
+    if (cb->graph_dump) graph_dump(g);
     cuda_graph *cg = pd_calloc(1, sizeof *cg);
     e = cg ? cudaGraphInstantiate(&cg->exec, g, 0) : cudaErrorMemoryAllocation;
     cudaGraphDestroy(g);
@@ -655,5 +736,6 @@ pd_backend *pd_backend_cuda_new(int device, pd_err *err) {
         return NULL;
     }
     pd_cuda_gemm_init(cb);
+    cb->graph_dump = pd_cuda_env_int("PD_CUDA_GRAPH_DUMP", 0, 0, 1);
     return &cb->base;
 }

@@ -70,6 +70,7 @@ typedef struct pd_cuda_backend {
     int n_pf_algos;
     void *bgemm_ws;            // its split-K partials + tile counters; counters zero between launches
     size_t bgemm_ws_bytes;
+    int graph_dump;            // PD_CUDA_GRAPH_DUMP: print each captured graph (cuda.c graph_dump)
     // attention split-K partials; grows outside graph capture only
     float *attn_ws;
     size_t attn_ws_bytes;
