@@ -451,12 +451,28 @@ int pd_spec_nomatch_wait(int n_miss) {
     return n_miss > PD_SPEC_NOMATCH_RETRIES ? -1 : 1 << (n_miss - 1);
 }
 
-// ---- probe backoff ----------------------------------------------------------------------------
+// ---- probes ------------------------------------------------------------------------------------
 
-void pd_spec_backoff_init(pd_spec_backoff *b) { b->mult = 1, b->key = 0; }
+bool pd_spec_probe_worth(const pd_spec_cost *c, int n_base, int n_seqs, int n_yield, const int *k_max,
+                         const pd_spec_draft_price *draft, pd_spec_step_cost_fn cost, void *ud, int *k) {
+    if (n_seqs <= 0) return false;
+    double one_stack[256], *one = n_seqs <= 256 ? one_stack : pd_malloc(sizeof(double) * (size_t)n_seqs);
+    if (!one) return false;
+    for (int i = 0; i < n_seqs; i++) one[i] = 1.0;
+    int sum = pd_spec_choose_padded(c, n_base, n_seqs, n_yield, one, k_max, draft, cost, ud, k);
+    if (one != one_stack) pd_free(one);
+    return sum > 0;
+}
 
-int64_t pd_spec_backoff_period(pd_spec_backoff *b, uint32_t key, double base) {
-    if (key != b->key) b->key = key, b->mult = 1;
+double pd_spec_probe_base(double probe_us, double step_us, double share) {
+    double p = probe_us / (share * (step_us > 1 ? step_us : 1));
+    if (!(p >= PD_SPEC_PERIOD_MIN)) return PD_SPEC_PERIOD_MIN;  // (also NaN)
+    return p > PD_SPEC_PROBE_BASE_MAX ? PD_SPEC_PROBE_BASE_MAX : p;
+}
+
+void pd_spec_backoff_init(pd_spec_backoff *b) { b->mult = 1; }
+
+int64_t pd_spec_backoff_period(const pd_spec_backoff *b, double base) {
     if (!(base >= PD_SPEC_PERIOD_MIN)) base = PD_SPEC_PERIOD_MIN;  // (also NaN)
     double p = base * (double)b->mult;
     return p > PD_SPEC_PERIOD_MAX ? PD_SPEC_PERIOD_MAX : (int64_t)p;

@@ -1,0 +1,66 @@
+#!/bin/sh
+# spec12 helper, session 12 (issue 15: the adaptive policy never slower than off at batch 1-64).
+# Run from the repo root of the lead's checkout: sh build/gpu-spec12/run.sh OUT_DIR (LIMIT in
+# build/gpu-spec12/LIMIT). Staged in build/gpu-spec12/: bins.tar.xz (pdserve = this branch,
+# pdserve.main = main's, test_gpu_spec; stripped), models.tar.xz (kjv-llama-1m, golden; kjv-llama-6m
+# is the tracked models/), COMMIT. Libraries: /tmp/gpulib/lib (the lead's wrapper). Model: the
+# tracked 8B shape config bench/configs/llama-3-8b, dummy weights.
+# Parts (env PARTS, in this order; BUDGET s; every bench-spec run interleaves plain engines with the
+# speculative ones: --modes off,X,off,X, --reps R; the ratio is to the plain runs' median, the band
+# their spread):
+#   nonpay     draft fixture at a non-paying acceptance (EPS 0.1, ~0.2): adaptive vs off, batch 1/8/32/64
+#   pay        draft fixture where drafting pays (EPS 0.05, ~0.5): adaptive vs off, batch 1/8/32/64
+#   free       ngram and lookahead adaptive vs off on random prompts (no repetition: nothing to find)
+#   nonpaymain main's binary on nonpay at batch 32/64 (the same card, the same call)
+#   long*      the same parts with ${L_TOK:-192} tokens per request (nonpayL, payL, freeL)
+#   test       test_gpu_spec (greedy byte-identical with speculation on the card)
+set -u
+OUT=$1; mkdir -p "$OUT"
+D=${D:-build/gpu-spec12}
+T=/tmp/spec12
+t0=$(date +%s)
+mkdir -p $T && tar xJf $D/bins.tar.xz -C $T
+export LD_LIBRARY_PATH=${LD_LIBRARY_PATH:-/tmp/gpulib/lib} PD_SPEC_STATS=1
+nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader
+cat $D/COMMIT
+left() { echo $(( ${BUDGET:-140} - ($(date +%s) - t0) )); }
+lim() { l=$(left); [ "$l" -lt "$1" ] && echo "$l" || echo "$1"; }
+M=${M:-bench/configs/llama-3-8b}
+W="--random-prompt 32 --random-prompts 8"
+spec() {  # name binary limit args...
+  n=$1; b=$2; l=$3; shift 3
+  [ "$(left)" -lt 15 ] && { echo "== $n skipped: budget"; return; }
+  timeout $(lim $l) $T/$b bench-spec --device cuda --model $M --load-format dummy "$@" --json "$OUT/$n.json" > "$OUT/$n.txt" 2> "$OUT/$n.err"
+  echo "== $n rc=$? ($(( $(date +%s) - t0 )) s)"
+  grep -E "ready in|summary" "$OUT/$n.txt" | sed 's/ (the others.*//; s/ready in/ready/' | cut -c1-260
+  grep -E "spec stats: [0-9]+ steps|draft forwards: [0-9]" "$OUT/$n.err" | sed 's/.*spec stats: //' | cut -c1-400
+}
+draft() {  # name binary eps tokens batches reps limit
+  spec $1 $2 $7 --speculative-method draft --speculative-model $M --speculative-dummy-layers 1 --dummy-residual-scale 1:$3 \
+    $W --num-speculative-tokens 4 --max-tokens $4 --batches $5 --reps $6 --modes off,adaptive,off,adaptive
+}
+free() {  # name tokens batches reps limit
+  spec $1 pdserve $5 --dummy-residual-scale 1:0.02 $W --num-speculative-tokens 4 --max-tokens $2 --batches $3 --reps $4 \
+    --modes off,ngram:adaptive,lookahead:adaptive,off
+}
+testgpu() {
+  if [ "$(left)" -gt 10 ]; then
+    mkdir -p $T/models && tar xJf $D/models.tar.xz -C $T/models && ln -sfn "$(pwd)/models/kjv-llama-6m" $T/models/kjv-llama-6m
+    PD_MODELS_DIR=$T/models timeout $(lim 30) $T/test_gpu_spec > "$OUT/test_gpu_spec.txt" 2>&1
+    echo "== test_gpu_spec rc=$? ($(( $(date +%s) - t0 )) s)"; grep -E "passed|FAIL" "$OUT/test_gpu_spec.txt" | tail -4
+  else echo "== test_gpu_spec skipped: budget"; fi
+}
+PARTS=${PARTS:-nonpay free pay test nonpaymain}
+for part in $PARTS; do
+  case $part in
+    nonpay) draft nonpay pdserve 0.1 48 1,8,32,64 3 40;;
+    pay) draft pay pdserve 0.05 48 1,8,32,64 2 34;;
+    free) free free 48 1,8,32,64 3 34;;
+    nonpaymain) draft nonpay_main pdserve.main 0.1 48 32,64 2 24;;
+    nonpayL) draft nonpayL pdserve 0.1 ${L_TOK:-192} 1,8,32,64 2 60;;
+    payL) draft payL pdserve 0.05 ${L_TOK:-192} 1,8,32,64 2 60;;
+    freeL) free freeL ${L_TOK:-192} 1,8,32,64 2 60;;
+    test) testgpu;;
+  esac
+done
+echo "total $(( $(date +%s) - t0 )) s"
