@@ -52,6 +52,7 @@
 // idle candidate of a probe step drafts 1 token; spec.h "probes"), at most PROBE_SHARE of the step
 // time spent on probes (the period grows; PD_SPEC_PROBE_SHARE overrides it, for A/B runs).
 #define PROBE_SHARE 0.01
+#define PROBE_SCAN 256   // sequences one probe step lets draft at most
 #define PROBE_RETRY 4    // single-sequence probes (PD_SPEC_PROBE_GROUP=0): a due probe whose sequence
                          // had no proposal: the next sequence tries this many steps later
 #define DRAFT_LOG_MAX 64 // PD_SPEC_STATS: transient draft forwards logged as they happen, per engine
@@ -917,29 +918,44 @@ static pad_ctx pad_of(pd_engine *e, const pd_step_plan *plan) {
     return p;
 }
 
+// Whether a draft forward 1 over these catch-ups (tokens in all, rows with logits, the longest
+// row max_lag) runs at a size the warm-up planned: steady (rows of 1-2 tokens: a graph), or padded
+// to a tok_bucket() size within S->catchup_max by recomputing up to max_from positions of a
+// sequence's valid draft KV (run_draft's padding rule).
+static bool catchup_fits(const espec *S, int tokens, int rows, int max_lag, int max_from) {
+    if (max_lag <= 2 || !S->catchup_pad) return true;
+    int T = tok_bucket(tokens), L = tok_bucket(rows);
+    if (L - rows > T - tokens) T = tok_bucket(tokens + (L - rows));
+    return T <= S->catchup_max && T - tokens <= max_from;
+}
+
 // The candidates of a due probe step that probe (S->kch[i] = 1), in turn from S->probe_rot: all
-// of them (probe_group), else one. The draft method's probes stay within the catch-up room of
-// forward 1 (S->catchup_max tokens: run_draft would drop a row past it): *lag_sum / *lag_max
-// their catch-up. Returns how many probe.
+// of them (probe_group), else one. The draft method's probes: the longest run of candidates in
+// turn whose catch-ups make a forward 1 of a planned size (catchup_fits: an unplanned size builds
+// its GEMM plans on the spot, tens of ms); *lag_sum / *lag_max their catch-up. Returns how many
+// probe (the first candidate always, as a single-sequence probe would).
 static int pick_probes(espec *S, const pd_step_plan *plan, sreq **srs, int n, int *lag_sum, int *lag_max) {
-    int m = 0, want = S->probe_group ? n : 1;
-    int64_t r0 = S->probe_rot++;  // (the catch-up room decides who when not all fit: they rotate)
-    *lag_sum = *lag_max = 0;
+    int want = S->probe_group ? PD_MIN(n, PROBE_SCAN) : 1;
+    int64_t r0 = S->probe_rot++;
+    int m = 0, best = 0, sum = 0, mx = 0, from = 0, best_sum = 0, best_mx = 0, first = -1;
+    int order[PROBE_SCAN];
     for (int t = -1; t < n && m < want; t++) {
         // Single-sequence probes of a draft-free method: the idle sequence looked up for this probe first.
         int i = t >= 0 ? S->sidx[(int)((r0 + t) % n)] : !S->probe_group && S->probe_pick >= 0 && S->kmax[S->probe_pick] > 0 ? S->probe_pick : -1;
-        if (i < 0) continue;
-        if (S->kch[i] != 0) continue;
+        if (i < 0 || S->kch[i] != 0 || (t >= 0 && i == first)) continue;
+        if (t < 0) first = i;
         int lag = 1;
         if (S->method == PD_SPEC_DRAFT) {
             lag = PD_MAX(plan->seqs[i].pos_start + 1 - PD_MAX(srs[i]->draft_pos, 0), 1);
-            if (S->catchup_pad && *lag_sum + lag > S->catchup_max) continue;
+            from = PD_MAX(from, PD_MAX(srs[i]->draft_pos, 0));
         }
-        S->kch[i] = 1;
-        *lag_sum += lag, *lag_max = PD_MAX(*lag_max, lag);
-        m++;
+        order[m++] = i;
+        sum += lag, mx = PD_MAX(mx, lag);
+        if (m == 1 || S->method != PD_SPEC_DRAFT || catchup_fits(S, sum, m, mx, from)) best = m, best_sum = sum, best_mx = mx;
     }
-    return m;
+    for (int j = 0; j < best; j++) S->kch[order[j]] = 1;
+    *lag_sum = best_sum, *lag_max = best_mx;
+    return best;
 }
 
 // Chooses each speculating sequence's length in S->kch from S->kmax.
