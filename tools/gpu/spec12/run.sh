@@ -3,8 +3,9 @@
 # Run from the repo root of the lead's checkout: sh build/gpu-spec12/run.sh OUT_DIR (LIMIT in
 # build/gpu-spec12/LIMIT). Staged in build/gpu-spec12/: bins.tar.xz (pdserve = this branch,
 # pdserve.main = main's, test_gpu_spec; stripped), models.tar.xz (kjv-llama-1m, golden; kjv-llama-6m
-# is the tracked models/), COMMIT. Libraries: /tmp/gpulib/lib (the lead's wrapper). Model: the
-# tracked 8B shape config bench/configs/llama-3-8b, dummy weights.
+# is the tracked models/), COMMIT. Libraries: /tmp/gpulib/lib (the lead's wrapper). Model: the 8B
+# shape with a tokenizer, build/gpu-lead/llama-3-8b of the lead's tree (bench/configs/llama-3-8b's
+# config + the kjv tokenizer: bench-spec loads a tokenizer), dummy weights.
 # Parts (env PARTS, in this order; BUDGET s; every bench-spec run interleaves plain engines with the
 # speculative ones: --modes off,X,off,X, --reps R; the ratio is to the plain runs' median, the band
 # their spread):
@@ -12,7 +13,7 @@
 #   pay        draft fixture where drafting pays (EPS 0.05, ~0.5): adaptive vs off, batch 1/8/32/64
 #   free       ngram and lookahead adaptive vs off on random prompts (no repetition: nothing to find)
 #   nonpaymain main's binary on nonpay at batch 32/64 (the same card, the same call)
-#   long*      the same parts with ${L_TOK:-192} tokens per request (nonpayL, payL, freeL)
+#   nonpayL, freeL, payL   the same parts with ${L_TOK:-128} tokens per request
 #   test       test_gpu_spec (greedy byte-identical with speculation on the card)
 set -u
 OUT=$1; mkdir -p "$OUT"
@@ -23,9 +24,9 @@ mkdir -p $T && tar xJf $D/bins.tar.xz -C $T
 export LD_LIBRARY_PATH=${LD_LIBRARY_PATH:-/tmp/gpulib/lib} PD_SPEC_STATS=1
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader
 cat $D/COMMIT
-left() { echo $(( ${BUDGET:-140} - ($(date +%s) - t0) )); }
+left() { echo $(( ${BUDGET:-232} - ($(date +%s) - t0) )); }
 lim() { l=$(left); [ "$l" -lt "$1" ] && echo "$l" || echo "$1"; }
-M=${M:-bench/configs/llama-3-8b}
+M=${M:-build/gpu-lead/llama-3-8b}
 W="--random-prompt 32 --random-prompts 8"
 spec() {  # name binary limit args...
   n=$1; b=$2; l=$3; shift 3
@@ -50,16 +51,16 @@ testgpu() {
     echo "== test_gpu_spec rc=$? ($(( $(date +%s) - t0 )) s)"; grep -E "passed|FAIL" "$OUT/test_gpu_spec.txt" | tail -4
   else echo "== test_gpu_spec skipped: budget"; fi
 }
-PARTS=${PARTS:-nonpay free pay test nonpaymain}
+PARTS=${PARTS:-nonpay free pay nonpayL freeL test nonpaymain payL}
 for part in $PARTS; do
   case $part in
     nonpay) draft nonpay pdserve 0.1 48 1,8,32,64 3 40;;
     pay) draft pay pdserve 0.05 48 1,8,32,64 2 34;;
-    free) free free 48 1,8,32,64 3 34;;
+    free) free free 48 1,8,32,64 2 34;;
     nonpaymain) draft nonpay_main pdserve.main 0.1 48 32,64 2 24;;
-    nonpayL) draft nonpayL pdserve 0.1 ${L_TOK:-192} 1,8,32,64 2 60;;
-    payL) draft payL pdserve 0.05 ${L_TOK:-192} 1,8,32,64 2 60;;
-    freeL) free freeL ${L_TOK:-192} 1,8,32,64 2 60;;
+    nonpayL) draft nonpayL pdserve 0.1 ${L_TOK:-128} 1,8,32,64 2 60;;
+    payL) draft payL pdserve 0.05 ${L_TOK:-128} 1,8,32,64 2 60;;
+    freeL) free freeL ${L_TOK:-128} 1,8,32,64 2 60;;
     test) testgpu;;
   esac
 done
