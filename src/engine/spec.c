@@ -51,7 +51,7 @@
 // Adaptive: requests whose estimate says "don't" still draft a token now and then (probes: every
 // idle candidate of a probe step drafts 1 token; spec.h "probes"), at most PROBE_SHARE of the step
 // time spent on probes (the period grows; PD_SPEC_PROBE_SHARE overrides it, for A/B runs).
-#define PROBE_SHARE 0.01
+#define PROBE_SHARE 0.0025  // (0.01 before session 12: a probe step then judged one sequence, now all idle ones)
 #define PROBE_SCAN 256   // sequences one probe step lets draft at most
 #define PROBE_RETRY 4    // single-sequence probes (PD_SPEC_PROBE_GROUP=0): a due probe whose sequence
                          // had no proposal: the next sequence tries this many steps later
@@ -181,6 +181,8 @@ typedef struct espec {
     // a new batch or a request's arrival), and run_plan returns at once. PD_SPEC_IDLE_FAST=0: off.
     int quiet_n;
     bool idle_fast;
+    bool paused;  // pd_engine_spec_pause (atomic access): plain steps, the hooks skipped
+    bool step_paused;  // this step ran paused (engine thread only)
     int64_t n_probe_skip;  // due probes skipped: drafting could not pay even at acceptance 1 (diagnostics)
     double la_yield;  // lookahead: accepted tokens per Jacobi window token spent (EMA)
     int64_t la_win_tokens;  // window tokens verified this step
@@ -600,9 +602,9 @@ pd_status pd_engine_spec_req_init(pd_engine *e, ereq *q, const pd_engine_request
     sr->fixed_k = sr->is_random && r->sampling.has_seed;
     for (int i = 0; i < r->n_prompt; i++)
         if (!sreq_push(sr, r->prompt[i])) return PD_ERR_NOMEM;
-    double prior = S->method == PD_SPEC_DRAFT ? 0.7 : 0.5;
-    if (S->pop_n >= POP_MIN) prior = pd_spec_accept_alpha(&S->pop);
-    pd_spec_accept_init(&sr->acc, prior);
+    double prior = S->method == PD_SPEC_DRAFT ? 0.7 : 0.5, weight = PD_SPEC_ACCEPT_PRIOR_W;
+    if (S->pop_n >= POP_MIN) prior = pd_spec_accept_alpha(&S->pop), weight = PD_SPEC_ACCEPT_POP_W;
+    pd_spec_accept_init_w(&sr->acc, prior, weight);
     if (S->method == PD_SPEC_LOOKAHEAD) {
         sr->pool = pd_spec_pool_new(S->N);
         if (!sr->pool) return PD_ERR_NOMEM;
@@ -1200,10 +1202,21 @@ static pd_status verify(pd_engine *e, const pd_step_plan *plan, sreq **srs) {
 
 static pd_status run_plan(pd_engine *e, const pd_step_plan *plan, bool *handled);
 
+void pd_engine_spec_pause(pd_engine *e, bool paused) {
+    if (e && e->spec) __atomic_store_n(&e->spec->paused, paused, __ATOMIC_RELEASE);
+}
+
 pd_status pd_engine_spec_run_plan(pd_engine *e, const pd_step_plan *plan, bool *handled) {
     espec *S = e->spec;
     *handled = false;
     if (!S) return PD_OK;
+    if (__atomic_load_n(&S->paused, __ATOMIC_ACQUIRE)) {  // as without speculation (bench-spec "paused")
+        S->last_valid = false;
+        S->srs_n = 0;
+        S->step_paused = true;
+        return PD_OK;
+    }
+    S->step_paused = false;
     int64_t t0 = pd_time_us(), v0 = S->verify_us, d0 = S->draft_us;
     pd_status st = run_plan(e, plan, handled);
     int64_t us = pd_time_us() - t0 - (S->verify_us - v0) - (S->draft_us - d0);
@@ -1415,7 +1428,7 @@ void pd_engine_spec_push_token(ereq *q, int32_t token) {
 
 void pd_engine_spec_after_update(pd_engine *e, const pd_step_plan *plan, int64_t step_us, bool was_spec) {
     espec *S = e->spec;
-    if (!S) return;
+    if (!S || S->step_paused) return;
     int64_t t0 = pd_time_us();
     // Whole steps (scheduling, forward, sampling, update) on both sides, the draft's forwards
     // apart (they are the draft's cost): plain steps at their real (padded) tokens, verify steps
