@@ -18,6 +18,7 @@ int pd_cmd_bench_engine(int argc, char **argv);
 int pd_cmd_bench_spec(int argc, char **argv);
 int pd_cmd_bench_handoff(int argc, char **argv);
 int pd_cmd_bench(int argc, char **argv);
+int pd_cmd_env(int argc, char **argv);
 
 // Minimal flag parsing shared by subcommands: --name value / --name=value / --flag.
 typedef struct pd_flags {

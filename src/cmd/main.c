@@ -4,7 +4,10 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "base/knobs.h"
 #include "cmd/cmd.h"
+
+extern char **environ;
 
 typedef struct subcmd {
     const char *name;
@@ -24,6 +27,7 @@ static const subcmd CMDS[] = {
     {"run", pd_cmd_run, "prefill + decode workers + router for the bundled model on port 8000, supervised; a sample request"},
     {"nkey-gen", pd_cmd_nkey_gen, "make a NATS nkey user key pair (seed file + public key) for --control-nkey-seed"},
     {"bench", pd_cmd_bench, "benchmark an OpenAI-compatible server (latency, throughput, goodput; JSON/HTML reports)"},
+    {"env", pd_cmd_env, "list the environment knobs pdserve reads, what each accepts, and their values here"},
 };
 
 static void usage(FILE *f) {
@@ -32,7 +36,19 @@ static void usage(FILE *f) {
     fprintf(f, "\nRun 'pdserve <command> --help' for the options of one command.\n");
 }
 
+static void warn_unknown(const char *name, const pd_knob *nearest) {
+    if (nearest) PD_LOG_W("%s is set but pdserve reads no such variable (did you mean %s?)", name, nearest->name);
+    else PD_LOG_W("%s is set but pdserve reads no such variable ('pdserve env' lists them)", name);
+}
+
 int main(int argc, char **argv) {
+    // The environment knobs first (base/knobs.h): a mistyped value is refused before anything
+    // starts, instead of silently meaning the default where the knob is read.
+    pd_err kerr = {0};
+    if (pd_knobs_check_env(environ, NULL, warn_unknown, &kerr)) {
+        fprintf(stderr, "pdserve: %s\n", kerr.msg);
+        return 2;
+    }
     const char *lvl = getenv("PDSERVE_LOG");
     if (lvl) pd_log_set_level(!strcmp(lvl, "debug") ? PD_LOG_DEBUG : !strcmp(lvl, "warn") ? PD_LOG_WARN : PD_LOG_INFO);
     if (argc < 2 || !strcmp(argv[1], "--help") || !strcmp(argv[1], "-h") || !strcmp(argv[1], "help")) {
