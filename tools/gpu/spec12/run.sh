@@ -56,12 +56,17 @@ testgpu() {
   else echo "== test_gpu_spec skipped: budget"; fi
 }
 # call 2 (lead's call 2, 16:45): nonpay free pay nonpayL freeL test nonpaymain payL (BUDGET 232)
-# call 3: nonpayT pay test nonpayLT freeLT (BUDGET 235)
-PARTS=${PARTS:-nonpayT pay test nonpayLT freeLT}
+# call 3 (lead's call 4, 17:12): nonpayT pay test nonpayLT freeLT (BUDGET 235)
+# call 4: the probe share A/B with the same binary (PD_SPEC_PROBE_SHARE=0.01, the session-11 default,
+# against the new default 0.0025): payS1 pay nonpayTS1 nonpayLTS1
+PARTS=${PARTS:-payS1 pay nonpayTS1 nonpayLTS1}
 for part in $PARTS; do
   case $part in
     nonpay) draft nonpay pdserve 0.1 48 1,8,32,64 3 40;;
     nonpayT) draft nonpayT pdserve 0.1 48 1,8,32,64 3 55 $DT;;
+    payS1) (export PD_SPEC_PROBE_SHARE=0.01; draft payS1 pdserve 0.05 48 1,8,32,64 2 34);;
+    nonpayTS1) (export PD_SPEC_PROBE_SHARE=0.01; draft nonpayTS1 pdserve 0.1 48 1,8,32,64 3 55 $DT);;
+    nonpayLTS1) (export PD_SPEC_PROBE_SHARE=0.01; draft nonpayLTS1 pdserve 0.1 ${L_TOK:-128} 1,8,32,64 2 85 $DT);;
     nonpayLT) draft nonpayLT pdserve 0.1 ${L_TOK:-128} 1,8,32,64 2 85 $DT;;
     freeLT) free freeLT ${L_TOK:-128} 1,8,32,64 2 85 $FT;;
     pay) draft pay pdserve 0.05 48 1,8,32,64 2 34;;
