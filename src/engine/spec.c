@@ -110,6 +110,7 @@ typedef struct espec {
     int K, W, N, ngram_min, ngram_max;
     bool adaptive;
     double probe_share;     // PROBE_SHARE unless PD_SPEC_PROBE_SHARE says otherwise
+    double min_gain;        // PD_SPEC_MIN_GAIN (spec.h) unless the PD_SPEC_MIN_GAIN knob says otherwise (A/B)
     int V, bs;
     pd_model *draft;
     pd_model_cache *dcache;
@@ -359,6 +360,15 @@ pd_status pd_engine_spec_load(pd_engine *e, pd_err *err) {
         if (*end || !(v > 0 && v <= 0.1))
             return pd_err_set(err, PD_ERR_INVALID, "PD_SPEC_PROBE_SHARE=%s: a share of the step time in (0, 0.1]", ps);
         S->probe_share = v;
+    }
+    S->min_gain = PD_SPEC_MIN_GAIN;
+    const char *mg = getenv("PD_SPEC_MIN_GAIN");
+    if (mg && *mg) {
+        char *end = NULL;
+        double v = strtod(mg, &end);
+        if (*end || !(v >= 0 && v <= 0.5))
+            return pd_err_set(err, PD_ERR_INVALID, "PD_SPEC_MIN_GAIN=%s: a share of the step rate in [0, 0.5]", mg);
+        S->min_gain = v;
     }
     if (pd_env_switch("PD_SPEC_IDLE_FAST", true, &S->idle_fast, err) || pd_env_switch("PD_SPEC_PROBE_GROUP", true, &S->probe_group, err))
         return PD_ERR_INVALID;
@@ -1001,8 +1011,8 @@ static void choose_lengths(pd_engine *e, const pd_step_plan *plan, sreq **srs) {
     if (!kout) return;
     pad_ctx pc = pad_of(e, plan);
     pd_spec_draft_price dp = S->method == PD_SPEC_DRAFT ? draft_price(S, n, lag_sum, lag_max) : (pd_spec_draft_price){0, 0};
-    pd_spec_choose_padded(&S->cost, n_base, n, n_yield, S->alpha, km, S->method == PD_SPEC_DRAFT ? &dp : NULL, step_cost, &pc,
-                          kout);
+    pd_spec_choose_padded_m(&S->cost, n_base, n, n_yield, S->alpha, km, S->method == PD_SPEC_DRAFT ? &dp : NULL, step_cost, &pc,
+                            kout, S->min_gain);
     int any_k = 0;
     bool probe_ok = false;
     for (int j = 0; j < n; j++) {

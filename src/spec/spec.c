@@ -257,6 +257,12 @@ int pd_spec_choose(const pd_spec_cost *c, int n_base, int n_seqs, const double *
 
 int pd_spec_choose_padded(const pd_spec_cost *c, int n_base, int n_seqs, int n_yield, const double *alpha, const int *k_max,
                           const pd_spec_draft_price *draft, pd_spec_step_cost_fn pad, void *ud, int *k) {
+    return pd_spec_choose_padded_m(c, n_base, n_seqs, n_yield, alpha, k_max, draft, pad, ud, k, -1);
+}
+
+int pd_spec_choose_padded_m(const pd_spec_cost *c, int n_base, int n_seqs, int n_yield, const double *alpha, const int *k_max,
+                            const pd_spec_draft_price *draft, pd_spec_step_cost_fn pad, void *ud, int *k, double min_gain) {
+    if (!(min_gain >= 0)) min_gain = PD_SPEC_MIN_GAIN;
     double d1 = draft && draft->first_us > 0 ? draft->first_us : 0, dn = draft && draft->next_us > 0 ? draft->next_us : 0;
     int sum_k = 0, max_k = 0;
     double tokens = n_yield > n_seqs ? n_yield : n_seqs;  // every sequence yields its target token anyway
@@ -326,7 +332,7 @@ int pd_spec_choose_padded(const pd_spec_cost *c, int n_base, int n_seqs, int n_y
             if (r > best_rate) best_rate = r, best_m = m;
         }
         // ... and drafts only where the best beats drafting nothing by the margin.
-        bool pays = best_rate >= (1.0 + PD_SPEC_MIN_GAIN) * base_tokens / pad(ud, 0, n_base);
+        bool pays = best_rate >= (1.0 + min_gain) * base_tokens / pad(ud, 0, n_base);
         sum_k = 0;
         for (int i = 0; i < n_seqs; i++) k[i] = 0;
         if (pays && best_m > 0) {

@@ -164,6 +164,10 @@ typedef struct pd_spec_draft_price {
 } pd_spec_draft_price;
 int pd_spec_choose_padded(const pd_spec_cost *c, int n_base, int n_seqs, int n_yield, const double *alpha, const int *k_max,
                           const pd_spec_draft_price *draft, pd_spec_step_cost_fn cost, void *ud, int *k);
+// The same with the margin min_gain instead of PD_SPEC_MIN_GAIN (the engine's PD_SPEC_MIN_GAIN
+// knob, a measurement tool; < 0: the default).
+int pd_spec_choose_padded_m(const pd_spec_cost *c, int n_base, int n_seqs, int n_yield, const double *alpha, const int *k_max,
+                            const pd_spec_draft_price *draft, pd_spec_step_cost_fn cost, void *ud, int *k, double min_gain);
 
 // ---- measured step times per shape -----------------------------------------------------------
 // A small cache of step times (EMA, microseconds) keyed by a step's shape (the engine's key: the

@@ -57,9 +57,9 @@ testgpu() {
 }
 # call 2 (lead's call 2, 16:45): nonpay free pay nonpayL freeL test nonpaymain payL (BUDGET 232)
 # call 3 (lead's call 4, 17:12): nonpayT pay test nonpayLT freeLT (BUDGET 235)
-# call 4: the probe share A/B with the same binary (PD_SPEC_PROBE_SHARE=0.01, the session-11 default,
-# against the new default 0.0025): payS1 pay nonpayTS1 nonpayLTS1
-PARTS=${PARTS:-payS1 pay nonpayTS1 nonpayLTS1}
+# call 4: the same binary's knobs A/B: PD_SPEC_PROBE_SHARE=0.01 (the session-11 default, against the
+# new 0.0025) and PD_SPEC_MIN_GAIN=0.08 (against 0.05)
+PARTS=${PARTS:-pay payS1 nonpayTG8 payG8 nonpayTS1 nonpayLTG8}
 for part in $PARTS; do
   case $part in
     nonpay) draft nonpay pdserve 0.1 48 1,8,32,64 3 40;;
@@ -67,6 +67,9 @@ for part in $PARTS; do
     payS1) (export PD_SPEC_PROBE_SHARE=0.01; draft payS1 pdserve 0.05 48 1,8,32,64 2 34);;
     nonpayTS1) (export PD_SPEC_PROBE_SHARE=0.01; draft nonpayTS1 pdserve 0.1 48 1,8,32,64 3 55 $DT);;
     nonpayLTS1) (export PD_SPEC_PROBE_SHARE=0.01; draft nonpayLTS1 pdserve 0.1 ${L_TOK:-128} 1,8,32,64 2 85 $DT);;
+    nonpayTG8) (export PD_SPEC_MIN_GAIN=0.08; draft nonpayTG8 pdserve 0.1 48 1,8,32,64 3 55 $DT);;
+    payG8) (export PD_SPEC_MIN_GAIN=0.08; draft payG8 pdserve 0.05 48 1,8,32,64 2 34);;
+    nonpayLTG8) (export PD_SPEC_MIN_GAIN=0.08; draft nonpayLTG8 pdserve 0.1 ${L_TOK:-128} 8,32 2 60 $DT);;
     nonpayLT) draft nonpayLT pdserve 0.1 ${L_TOK:-128} 1,8,32,64 2 85 $DT;;
     freeLT) free freeLT ${L_TOK:-128} 1,8,32,64 2 85 $FT;;
     pay) draft pay pdserve 0.05 48 1,8,32,64 2 34;;
