@@ -366,8 +366,8 @@ pd_status pd_engine_spec_load(pd_engine *e, pd_err *err) {
     if (mg && *mg) {
         char *end = NULL;
         double v = strtod(mg, &end);
-        if (*end || !(v >= 0 && v <= 0.5))
-            return pd_err_set(err, PD_ERR_INVALID, "PD_SPEC_MIN_GAIN=%s: a share of the step rate in [0, 0.5]", mg);
+        if (*end || !(v > 0 && v <= 0.5))
+            return pd_err_set(err, PD_ERR_INVALID, "PD_SPEC_MIN_GAIN=%s: a share of the step rate in (0, 0.5]", mg);
         S->min_gain = v;
     }
     if (pd_env_switch("PD_SPEC_IDLE_FAST", true, &S->idle_fast, err) || pd_env_switch("PD_SPEC_PROBE_GROUP", true, &S->probe_group, err))
