@@ -165,14 +165,11 @@ void pd_spec_jacobi_step(pd_spec_jacobi *j, const int32_t *pred, pd_spec_pool *p
 
 // ---- adaptive length -----------------------------------------------------------------------------
 
-void pd_spec_accept_init(pd_spec_accept *a, double prior_alpha) { pd_spec_accept_init_w(a, prior_alpha, PD_SPEC_ACCEPT_PRIOR_W); }
+#define ACCEPT_PRIOR_WEIGHT 2.0
 
-void pd_spec_accept_init_w(pd_spec_accept *a, double prior_alpha, double weight) {
-    if (!(weight > 0)) weight = PD_SPEC_ACCEPT_PRIOR_W;
-    if (!(prior_alpha >= 0)) prior_alpha = 0;  // (also NaN)
-    if (prior_alpha > 1) prior_alpha = 1;
-    a->s = a->ss = weight * prior_alpha;
-    a->f = a->fs = weight * (1 - prior_alpha);
+void pd_spec_accept_init(pd_spec_accept *a, double prior_alpha) {
+    a->s = a->ss = ACCEPT_PRIOR_WEIGHT * prior_alpha;
+    a->f = a->fs = ACCEPT_PRIOR_WEIGHT * (1 - prior_alpha);
 }
 
 // Whether the short memory's estimate is inconsistent with the long one's: |as - al| > z standard

@@ -101,19 +101,7 @@ typedef struct pd_spec_accept {
     double s, f;    // long memory
     double ss, fs;  // short memory
 } pd_spec_accept;
-void pd_spec_accept_init(pd_spec_accept *a, double prior_alpha);  // weight PD_SPEC_ACCEPT_PRIOR_W
-// The prior as weight observations (both memories). A fixed guess (a method's default) is held
-// lightly (PD_SPEC_ACCEPT_PRIOR_W); the engine's measured acceptance over every request's verify
-// steps, as a new request's prior, more firmly (PD_SPEC_ACCEPT_POP_W, session 12): one or two
-// accepted tokens by chance — a probe's — lifted a request at the population's 0.2 to 0.47-0.6
-// with weight 2 and the policy drafted for it where drafting did not pay (the winner's curse: the
-// requests that draft are those whose estimate is high by luck); with weight 8 to 0.29-0.36. A
-// request that really differs from the population is followed a few verify steps later (0.8 among
-// 0.2, k = 4: above 0.6 after ~6 steps, ~2.5 with weight 2), and the long memory forgets the prior
-// over ~50.
-#define PD_SPEC_ACCEPT_PRIOR_W 2.0
-#define PD_SPEC_ACCEPT_POP_W 8.0
-void pd_spec_accept_init_w(pd_spec_accept *a, double prior_alpha, double weight);
+void pd_spec_accept_init(pd_spec_accept *a, double prior_alpha);
 void pd_spec_accept_update(pd_spec_accept *a, int n_drafted, int n_accepted);
 double pd_spec_accept_alpha(const pd_spec_accept *a);
 
