@@ -59,7 +59,9 @@ testgpu() {
 # call 3 (lead's call 4, 17:12): nonpayT pay test nonpayLT freeLT (BUDGET 235)
 # call 4: the same binary's knobs A/B: PD_SPEC_PROBE_SHARE=0.01 (the session-11 default, against the
 # new 0.0025) and PD_SPEC_MIN_GAIN=0.08 (against 0.05)
-PARTS=${PARTS:-pay payS1 nonpayTG8 payG8 nonpayTS1 nonpayLTG8}
+# call 5 (optional, the lead's final check): the final code as a whole (request prior weight 2, probe
+# share 0.0025): pay nonpayT test (~80 s)
+PARTS=${PARTS:-pay nonpayT test}
 for part in $PARTS; do
   case $part in
     nonpay) draft nonpay pdserve 0.1 48 1,8,32,64 3 40;;
