@@ -186,6 +186,7 @@ typedef struct opts {
 typedef struct eng {
     int method;  // PD_SPEC_NONE: off
     bool fixed;
+    int twin;    // "paused": the speculative engine (index) it times with speculation paused; -1: none
     pd_engine *e;
     double tok_s[16][MAX_REPS];   // [batch][rep]
     int64_t drafted[16], accepted[16], emitted[16], steps[16], tokens[16];  // over the timed reps
@@ -195,7 +196,17 @@ typedef struct eng {
     double diff_mean[16];
 } eng;
 
-static const char *eng_mode(const eng *g) { return g->method == PD_SPEC_NONE ? "off" : g->fixed ? "fixed" : "adaptive"; }
+static const char *eng_mode(const eng *g) {
+    return g->twin >= 0 ? "paused" : g->method == PD_SPEC_NONE ? "off" : g->fixed ? "fixed" : "adaptive";
+}
+
+// One timed run of an engine (a "paused" entry: its twin's engine with speculation paused).
+static bool run_eng(const eng *g, const prompts *P, int B, int serial, int max_tokens, result *res) {
+    if (g->twin >= 0) pd_engine_spec_pause(g->e, true);
+    bool ok = run_serial(g->e, P, B, serial, max_tokens, res);
+    if (g->twin >= 0) pd_engine_spec_pause(g->e, false);
+    return ok;
+}
 static const char *eng_method(const eng *g, const opts *o) {
     return g->method || o->method ? pd_spec_method_name((pd_spec_method)(g->method ? g->method : o->method)) : "-";
 }
@@ -291,13 +302,16 @@ static bool run_group(const opts *o, const prompts *P, eng *G, int n, int bi, co
     int B = o->batches[bi];
     for (int j = 0; j < n; j++) {  // (at most 128 tokens: the policy's step shapes get measured)
         result w = {.out = scratch_out};
-        if (!run_batch(G[j].e, P, B, 0, PD_MIN(o->max_tokens, 128), &w)) return false;
+        if (G[j].twin >= 0) pd_engine_spec_pause(G[j].e, true);
+        bool ok = run_batch(G[j].e, P, B, 0, PD_MIN(o->max_tokens, 128), &w);
+        if (G[j].twin >= 0) pd_engine_spec_pause(G[j].e, false);
+        if (!ok) return false;
     }
     for (int rep = 0; rep < o->reps; rep++)
         for (int jj = 0; jj < n; jj++) {
             eng *g = &G[(rep + jj) % n];
             result r = {.out = scratch_out};
-            if (!run_serial(g->e, P, B, o->serial, o->max_tokens, &r)) return false;
+            if (!run_eng(g, P, B, o->serial, o->max_tokens, &r)) return false;
             g->tok_s[bi][rep] = r.tok_s;
             g->drafted[bi] += r.drafted, g->accepted[bi] += r.accepted, g->emitted[bi] += r.emitted;
             g->steps[bi] += r.steps, g->tokens[bi] += r.n_tokens;
@@ -484,6 +498,22 @@ static void report_batch(const opts *o, eng *G, int n_eng, int bi, json_t *arr, 
         json_array_append_new(modes, json_pack("{s:s, s:s, s:i, s:f, s:b, s:b}", "method", eng_method(g, o), "mode", eng_mode(g),
                                                "engine", j, "ratio", ratio, "below_band", below, "above_band", above));
     }
+    // The same engine active against paused: the policy's cost without the engine-to-engine spread.
+    // Per round the active run over the paused one (adjacent in time), and their median.
+    for (int j = 0; j < n_eng; j++) {
+        const eng *p = &G[j];
+        if (p->twin < 0) continue;
+        const eng *a = &G[p->twin];
+        double rr[MAX_REPS];
+        printf("; %s %s / paused, engine %d:", eng_method(a, o), eng_mode(a), p->twin);
+        for (int r = 0; r < R; r++) rr[r] = p->tok_s[bi][r] > 0 ? a->tok_s[bi][r] / p->tok_s[bi][r] : 0, printf(" %.3f", rr[r]);
+        double m = median_of(rr, R);
+        printf(" (median %.3fx)", m);
+        json_t *pr = json_array();
+        for (int r = 0; r < R; r++) json_array_append_new(pr, json_real(rr[r]));
+        json_array_append_new(modes, json_pack("{s:s, s:s, s:i, s:f, s:o}", "method", eng_method(a, o), "mode", "active_over_paused",
+                                               "engine", p->twin, "ratio", m, "per_round", pr));
+    }
     printf("\n");
     fflush(stdout);
     json_object_set_new(sum, "speculative", modes);
@@ -617,6 +647,9 @@ int pd_cmd_bench_spec(int argc, char **argv) {
                    "  --modes: off, adaptive, fixed (the --speculative-method), or METHOD:adaptive / METHOD:fixed; repeats\n"
                    "           allowed; the first is off. Engines live side by side and run interleaved (rotated order each\n"
                    "           rep, same warm-up); --sequential builds, runs and frees them one at a time instead.\n"
+                   "           paused: the speculative engine before it timed again with speculation paused (plain steps in\n"
+                   "           the same engine: its ratio active / paused is the policy's cost without the spread between\n"
+                   "           engines; interleaved only)\n"
                    "  --serial S: a timed run is S batches one after another on the next prompts (batch 1: S prompts\n"
                    "           decoded alone in turn, so acceptance and speed are over S requests, not one)\n"
                    "  Benchmark fixture, --load-format dummy only (docs/benchmarks.md, 'controlled acceptance'):\n"
@@ -670,13 +703,25 @@ int pd_cmd_bench_spec(int argc, char **argv) {
                 method = (int)m;
                 t = colon + 1;
             }
-            if (!strcmp(t, "off") && !colon) g->method = PD_SPEC_NONE;
+            g->twin = -1;
+            if (!strcmp(t, "paused") && !colon) {
+                // The nearest speculative engine before it, timed with speculation paused.
+                for (int j = n_eng - 1; j >= 0 && g->twin < 0; j--)
+                    if (G[j].method != PD_SPEC_NONE && G[j].twin < 0) g->twin = j;
+                for (int j = 0; j < n_eng && g->twin >= 0; j++)
+                    if (G[j].twin == g->twin) g->twin = -1;  // one paused twin per engine
+                if (g->twin < 0) {
+                    pd_free(dup);
+                    return pd_cmd_usage_error("bench-spec", "--modes: 'paused' follows a speculative engine (one paused entry each)");
+                }
+                g->method = G[g->twin].method, g->fixed = G[g->twin].fixed;
+            } else if (!strcmp(t, "off") && !colon) g->method = PD_SPEC_NONE;
             else if (!strcmp(t, "adaptive") || !strcmp(t, "fixed")) g->method = method, g->fixed = !strcmp(t, "fixed");
             else {
                 bad = t;
                 break;
             }
-            if (g->method == PD_SPEC_NONE && strcmp(t, "off")) {
+            if (g->method == PD_SPEC_NONE && strcmp(t, "off") && g->twin < 0) {
                 int rc = pd_cmd_usage_error("bench-spec", "--modes: '%s' needs --speculative-method or METHOD:%s", t, t);
                 pd_free(dup); /* t points into dup */
                 return rc;
@@ -689,12 +734,15 @@ int pd_cmd_bench_spec(int argc, char **argv) {
             n_eng++;
         }
         int rc = 0;
-        if (bad) rc = pd_cmd_usage_error("bench-spec", "--modes: off, adaptive, fixed or METHOD:adaptive|fixed (8 at most), not '%s'", bad);
+        if (bad) rc = pd_cmd_usage_error("bench-spec", "--modes: off, adaptive, fixed, METHOD:adaptive|fixed or paused (8 at most), not '%s'", bad);
         pd_free(dup); /* bad points into dup */
         if (bad) return rc;
     }
     if (o.method == PD_SPEC_DRAFT && !o.draft) return pd_cmd_usage_error("bench-spec", "draft needs --speculative-model DIR");
     if (n_eng == 0 || G[0].method != PD_SPEC_NONE) return pd_cmd_usage_error("bench-spec", "--modes must start with off (the baseline)");
+    bool any_paused = false;
+    for (int j = 0; j < n_eng; j++) any_paused |= G[j].twin >= 0;
+    if (any_paused && o.sequential) return pd_cmd_usage_error("bench-spec", "--modes paused needs the interleaved protocol (not --sequential)");
     bool any_spec = false;
     for (int j = 0; j < n_eng; j++) any_spec |= G[j].method != PD_SPEC_NONE;
     if (!any_spec && !o.method) return pd_cmd_usage_error("bench-spec", "--speculative-method is required");
@@ -742,6 +790,10 @@ int pd_cmd_bench_spec(int argc, char **argv) {
         eng *grp = o.sequential ? &G[gi] : G;
         int n = o.sequential ? 1 : n_eng;
         for (int j = 0; j < n && !rc; j++) {
+            if (grp[j].twin >= 0) {  // (the interleaved protocol only: its twin was built before it)
+                grp[j].e = G[grp[j].twin].e;
+                continue;
+            }
             grp[j].e = make_engine(&o, grp[j].method, grp[j].fixed);
             if (!grp[j].e) {
                 rc = 1;
@@ -753,8 +805,10 @@ int pd_cmd_bench_spec(int argc, char **argv) {
         if (copy_len && !rc && !make_copy_prompts(&o, &P, G[0].e, copy_len, wl)) rc = 1;
         for (int bi = 0; bi < o.n_batches && !rc; bi++)
             if (!run_group(&o, &P, grp, n, bi, &G[0], scratch, &base_out[bi])) rc = 1;
-        for (int j = 0; j < n; j++)
-            if (grp[j].e) pd_engine_free(grp[j].e), grp[j].e = NULL;
+        for (int j = 0; j < n; j++) {
+            if (grp[j].e && grp[j].twin < 0) pd_engine_free(grp[j].e);
+            grp[j].e = NULL;
+        }
     }
     for (int bi = 0; bi < o.n_batches && !rc; bi++) {
         report_batch(&o, G, n_eng, bi, arr, sums);

@@ -272,6 +272,12 @@ typedef struct pd_engine_stats {
                                                // ignored (malformed / foreign), CONFIG SET refused
 } pd_engine_stats;
 void pd_engine_stats_get(pd_engine *e, pd_engine_stats *out);
+// A measurement tool (bench-spec's "paused" mode): while paused, a speculative engine's steps skip
+// the speculation hooks and run as without speculation (its state, tables and draft model are kept);
+// the same engine timed paused and not gives the policy's cost without the engine-to-engine
+// spread (two engines of one configuration differ by up to ~1% on an H100: memory placement).
+// Any thread; meant between runs (a step in flight finishes as it started). No-op without speculation.
+void pd_engine_spec_pause(pd_engine *e, bool paused);
 
 // What a router polls (GET /internal/state): load (queue, KV usage, measured prefill tokens/s and
 // decode step time) and the KV events (blocks stored in / evicted from the prefix cache) with

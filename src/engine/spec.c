@@ -48,10 +48,13 @@
 #define SHAPE_MAX_Q 32           // step shapes kept for steps of up to this many query tokens per sequence
 #define SHAPE_EAGER (1u << 31)   // the key of an eager step's shape
 #define CATCHUP_MAX 512  // draft catch-up tokens per sequence per step
-#define PROBE_EVERY 16   // adaptive: a request whose estimate says "don't" still drafts 1 token now and then
-#define PROBE_SHARE 0.01 // ... at most this share of the step time spent on probes (the period grows;
-                         // PD_SPEC_PROBE_SHARE overrides it, for A/B runs)
-#define PROBE_RETRY 4    // a due probe whose sequence had no proposal: the next sequence tries this many steps later
+// Adaptive: requests whose estimate says "don't" still draft a token now and then (probes: every
+// idle candidate of a probe step drafts 1 token; spec.h "probes"), at most PROBE_SHARE of the step
+// time spent on probes (the period grows; PD_SPEC_PROBE_SHARE overrides it, for A/B runs).
+#define PROBE_SHARE 0.0025  // (0.01 before session 12: a probe step then judged one sequence, now all idle ones)
+#define PROBE_SCAN 256   // sequences one probe step lets draft at most
+#define PROBE_RETRY 4    // single-sequence probes (PD_SPEC_PROBE_GROUP=0): a due probe whose sequence
+                         // had no proposal: the next sequence tries this many steps later
 #define DRAFT_LOG_MAX 64 // PD_SPEC_STATS: transient draft forwards logged as they happen, per engine
 // Draft-free, adaptive: a sequence whose lookup found no proposal (no n-gram match, an empty pool
 // entry) is not idle by the policy's verdict: it looks again 1, 2, 4, ... steps later (busy
@@ -85,6 +88,7 @@ typedef struct sreq {
     int ng_src, ng_hint;   // ngram: where its proposal was copied from (-1: none); where the next one
                            // continues when no n-gram matches (pd_spec_ngram_propose_at; -1: nowhere)
     int la_want;  // lookahead slots last asked of the scheduler (-1: not yet)
+    uint32_t probe_epoch;  // it drafted in the probe step of this epoch (0: none)
     int32_t draft[PD_SPEC_MAX_K];
     int32_t accepted[PD_SPEC_MAX_K];
     float *q;  // (k, V) draft distributions (random sampling with a draft model); into espec.qbuf
@@ -106,6 +110,7 @@ typedef struct espec {
     int K, W, N, ngram_min, ngram_max;
     bool adaptive;
     double probe_share;     // PROBE_SHARE unless PD_SPEC_PROBE_SHARE says otherwise
+    double min_gain;        // PD_SPEC_MIN_GAIN (spec.h) unless the PD_SPEC_MIN_GAIN knob says otherwise (A/B)
     int V, bs;
     pd_model *draft;
     pd_model_cache *dcache;
@@ -158,9 +163,12 @@ typedef struct espec {
     int64_t next_probe, probe_rot;  // adaptive: the next probe step, which sequence probes
     int64_t next_win_probe;         // lookahead: the next step a window rides along as a probe
     pd_spec_backoff probe_bo, win_bo;  // probe periods grow while probes fail (spec.h)
-    int probe_pick;  // this step: the idle sequence (plan index) whose proposal is looked up for the probe, -1: none
-    int probe_i;     // this step: the sequence (plan index) that drafts as a probe, -1: none
-    uint64_t probe_wait_id;  // the request of the last probe, until the next step judges it (0: none)
+    int probe_pick;  // single-sequence probes: the idle sequence (plan index) looked up for the probe, -1: none
+    bool probe_look;  // this step: idle sequences looked for proposals because a probe is due (draft-free)
+    bool probe_group; // a probe step lets every idle candidate draft a token (PD_SPEC_PROBE_GROUP, default
+                      // on; off: one sequence in turn, the session-11 rule)
+    bool probe_wait;  // the last probe step's sequences (sreq.probe_epoch == probe_epoch) are judged next step
+    uint32_t probe_epoch;
     int64_t n_probe_ok;  // probes after which the policy chose to draft (diagnostics)
     // Idle fast path (adaptive, draft-free): with no request busy (every live one chose no draft
     // on its last decode step), no probe due and, for lookahead, the window's last verdict "does
@@ -168,6 +176,15 @@ typedef struct espec {
     int n_busy;        // live requests whose last_k != 0 (-1: not decoded yet counts as busy)
     int win_quiet_n;   // lookahead: the batch size of the last step whose window did not ride (-1: it rode)
     int64_t n_fast;    // steps that took the fast path (diagnostics)
+    // The draft method's fast path (session 12): the last full step chose no draft for a batch of
+    // quiet_n single-token decodes with no draft work (-1: it did not). The same batch of decodes,
+    // no request busy and no probe due: the choice stands (it changes only with a probe's evidence,
+    // a new batch or a request's arrival), and run_plan returns at once. PD_SPEC_IDLE_FAST=0: off.
+    int quiet_n;
+    bool idle_fast;
+    bool paused;  // pd_engine_spec_pause (atomic access): plain steps, the hooks skipped
+    bool step_paused;  // this step ran paused (engine thread only)
+    int64_t n_probe_skip;  // due probes skipped: drafting could not pay even at acceptance 1 (diagnostics)
     double la_yield;  // lookahead: accepted tokens per Jacobi window token spent (EMA)
     int64_t la_win_tokens;  // window tokens verified this step
     int cap_res_seqs;
@@ -344,6 +361,18 @@ pd_status pd_engine_spec_load(pd_engine *e, pd_err *err) {
             return pd_err_set(err, PD_ERR_INVALID, "PD_SPEC_PROBE_SHARE=%s: a share of the step time in (0, 0.1]", ps);
         S->probe_share = v;
     }
+    S->min_gain = PD_SPEC_MIN_GAIN;
+    const char *mg = getenv("PD_SPEC_MIN_GAIN");
+    if (mg && *mg) {
+        char *end = NULL;
+        double v = strtod(mg, &end);
+        if (*end || !(v > 0 && v <= 0.5))
+            return pd_err_set(err, PD_ERR_INVALID, "PD_SPEC_MIN_GAIN=%s: a share of the step rate in (0, 0.5]", mg);
+        S->min_gain = v;
+    }
+    if (pd_env_switch("PD_SPEC_IDLE_FAST", true, &S->idle_fast, err) || pd_env_switch("PD_SPEC_PROBE_GROUP", true, &S->probe_group, err))
+        return PD_ERR_INVALID;
+    S->quiet_n = -1;
     pd_spec_backoff_init(&S->probe_bo);
     pd_spec_backoff_init(&S->win_bo);
     pd_spec_accept_init(&S->pop, S->method == PD_SPEC_DRAFT ? 0.7 : 0.5);
@@ -542,11 +571,12 @@ void pd_engine_spec_fini(pd_engine *e) {
                 PD_LOG_I("spec stats: draft shape batch %u, %u tokens per row: %.1f us (%u forwards)", S->dcost.t.key[i] >> 20,
                          S->dcost.t.key[i] & ((1u << 20) - 1), (double)S->dcost.t.us[i], S->dcost.t.n[i]);
         PD_LOG_I("spec stats: %lld steps, %lld verify (%.1f us each, forward), %lld plain (%.1f us each, whole step), "
-                 "%lld probes (%lld accepted a draft; backoff x%u), %lld window steps, %lld window probes (backoff x%u); "
+                 "%lld probe steps (%lld made the policy draft; backoff x%u; %lld due ones skipped: no gain even at acceptance 1), "
+                 "%lld window steps, %lld window probes (backoff x%u); "
                  "host time in the hooks besides forwards: %.2f us per plain step, %.1f us per verify step; %lld idle fast-path steps",
                  (long long)S->n_steps, (long long)S->verify_n, S->verify_n ? (double)S->verify_us / (double)S->verify_n : 0,
                  (long long)S->plain_n, S->plain_n ? (double)S->plain_us / (double)S->plain_n : 0, (long long)S->n_probes,
-                 (long long)S->n_probe_ok, S->probe_bo.mult, (long long)S->n_win_steps, (long long)S->n_win_probes, S->win_bo.mult,
+                 (long long)S->n_probe_ok, S->probe_bo.mult, (long long)S->n_probe_skip, (long long)S->n_win_steps, (long long)S->n_win_probes, S->win_bo.mult,
                  S->plain_n ? (double)S->hook_plain_us / (double)S->plain_n : 0,
                  S->verify_n ? (double)S->hook_us / (double)S->verify_n : 0, (long long)S->n_fast);
         for (int i = 0; i < PD_SPEC_SHAPES; i++)
@@ -584,6 +614,8 @@ pd_status pd_engine_spec_req_init(pd_engine *e, ereq *q, const pd_engine_request
         if (!sreq_push(sr, r->prompt[i])) return PD_ERR_NOMEM;
     double prior = S->method == PD_SPEC_DRAFT ? 0.7 : 0.5;
     if (S->pop_n >= POP_MIN) prior = pd_spec_accept_alpha(&S->pop);
+    // (Held with weight 2, as a fixed prior. Weight 8 — session 12, against lucky probe accepts —
+    // cut the paying draft fixture at batch 64 from 1.07-1.08x to 1.00-1.05x: calls spec12-3/4.)
     pd_spec_accept_init(&sr->acc, prior);
     if (S->method == PD_SPEC_LOOKAHEAD) {
         sr->pool = pd_spec_pool_new(S->N);
@@ -900,10 +932,44 @@ static pad_ctx pad_of(pd_engine *e, const pd_step_plan *plan) {
     return p;
 }
 
-// What a probe's verdict depends on: the step's batch bucket (its size where steps are not padded).
-static uint32_t batch_key(pd_model *m, int n_seqs) {
-    int b = pd_model_step_tokens(m, n_seqs, 1, n_seqs);
-    return (uint32_t)(b > 0 ? b : n_seqs);
+// Whether a draft forward 1 over these catch-ups (tokens in all, rows with logits, the longest
+// row max_lag) runs at a size the warm-up planned: steady (rows of 1-2 tokens: a graph), or padded
+// to a tok_bucket() size within S->catchup_max by recomputing up to max_from positions of a
+// sequence's valid draft KV (run_draft's padding rule).
+static bool catchup_fits(const espec *S, int tokens, int rows, int max_lag, int max_from) {
+    if (max_lag <= 2 || !S->catchup_pad) return true;
+    int T = tok_bucket(tokens), L = tok_bucket(rows);
+    if (L - rows > T - tokens) T = tok_bucket(tokens + (L - rows));
+    return T <= S->catchup_max && T - tokens <= max_from;
+}
+
+// The candidates of a due probe step that probe (S->kch[i] = 1), in turn from S->probe_rot: all
+// of them (probe_group), else one. The draft method's probes: the longest run of candidates in
+// turn whose catch-ups make a forward 1 of a planned size (catchup_fits: an unplanned size builds
+// its GEMM plans on the spot, tens of ms); *lag_sum / *lag_max their catch-up. Returns how many
+// probe (the first candidate always, as a single-sequence probe would).
+static int pick_probes(espec *S, const pd_step_plan *plan, sreq **srs, int n, int *lag_sum, int *lag_max) {
+    int want = S->probe_group ? PD_MIN(n, PROBE_SCAN) : 1;
+    int64_t r0 = S->probe_rot++;
+    int m = 0, best = 0, sum = 0, mx = 0, from = 0, best_sum = 0, best_mx = 0, first = -1;
+    int order[PROBE_SCAN];
+    for (int t = -1; t < n && m < want; t++) {
+        // Single-sequence probes of a draft-free method: the idle sequence looked up for this probe first.
+        int i = t >= 0 ? S->sidx[(int)((r0 + t) % n)] : !S->probe_group && S->probe_pick >= 0 && S->kmax[S->probe_pick] > 0 ? S->probe_pick : -1;
+        if (i < 0 || S->kch[i] != 0 || (t >= 0 && i == first)) continue;
+        if (t < 0) first = i;
+        int lag = 1;
+        if (S->method == PD_SPEC_DRAFT) {
+            lag = PD_MAX(plan->seqs[i].pos_start + 1 - PD_MAX(srs[i]->draft_pos, 0), 1);
+            from = PD_MAX(from, PD_MAX(srs[i]->draft_pos, 0));
+        }
+        order[m++] = i;
+        sum += lag, mx = PD_MAX(mx, lag);
+        if (m == 1 || S->method != PD_SPEC_DRAFT || catchup_fits(S, sum, m, mx, from)) best = m, best_sum = sum, best_mx = mx;
+    }
+    for (int j = 0; j < best; j++) S->kch[order[j]] = 1;
+    *lag_sum = best_sum, *lag_max = best_mx;
+    return best;
 }
 
 // Chooses each speculating sequence's length in S->kch from S->kmax.
@@ -929,13 +995,13 @@ static void choose_lengths(pd_engine *e, const pd_step_plan *plan, sreq **srs) {
             lag_sum += lag, lag_max = PD_MAX(lag_max, lag);
         }
     }
+    bool due = S->n_steps >= S->next_probe;
     if (n == 0) {
-        if (S->probe_wait_id) pd_spec_backoff_result(&S->probe_bo, false), S->probe_wait_id = 0;  // no proposal: no draft
-        // A probe was due but the sequence whose turn it was has nothing to propose (an empty
-        // lookahead pool, no n-gram match): the next one tries PROBE_RETRY steps later, not on
-        // every step (which kept the idle fast path off for lookahead engines, whose pools are
-        // mostly empty while windows do not run).
-        if (S->probe_pick >= 0 && S->n_steps >= S->next_probe) S->next_probe = S->n_steps + PROBE_RETRY;
+        if (S->probe_wait) pd_spec_backoff_result(&S->probe_bo, false), S->probe_wait = false;  // no proposal: no draft
+        // A probe was due but no idle sequence had anything to propose (an empty lookahead pool, no
+        // n-gram match): they look again PD_SPEC_PERIOD_MIN steps later (lookups are host work
+        // only; a single-sequence probe lets the next sequence try PROBE_RETRY steps later).
+        if (due && S->probe_look) S->next_probe = S->n_steps + (S->probe_group ? PD_SPEC_PERIOD_MIN : PROBE_RETRY);
         return;
     }
     // Compact arrays for pd_spec_choose (kmax / alpha by position in sidx).
@@ -947,55 +1013,61 @@ static void choose_lengths(pd_engine *e, const pd_step_plan *plan, sreq **srs) {
     if (!kout) return;
     pad_ctx pc = pad_of(e, plan);
     pd_spec_draft_price dp = S->method == PD_SPEC_DRAFT ? draft_price(S, n, lag_sum, lag_max) : (pd_spec_draft_price){0, 0};
-    pd_spec_choose_padded(&S->cost, n_base, n, n_yield, S->alpha, km, S->method == PD_SPEC_DRAFT ? &dp : NULL, step_cost, &pc,
-                          kout);
+    pd_spec_choose_padded_m(&S->cost, n_base, n, n_yield, S->alpha, km, S->method == PD_SPEC_DRAFT ? &dp : NULL, step_cost, &pc,
+                            kout, S->min_gain);
     int any_k = 0;
     bool probe_ok = false;
     for (int j = 0; j < n; j++) {
         int i = S->sidx[j];
         kk[i] = kout[j];
         any_k |= kk[i] > 0;
-        probe_ok |= kk[i] > 0 && plan->seqs[i].req_id == S->probe_wait_id;
+        probe_ok |= kk[i] > 0 && srs[i]->probe_epoch == S->probe_epoch;
     }
-    // The last probe succeeded iff its sequence now drafts by the policy's own choice (its accepted
-    // probe raised the estimate enough); else probes back off (an accepted draft that still does
-    // not pay at this batch is a failure too: the probe changed nothing).
-    if (S->probe_wait_id) {
+    // The last probe succeeded iff one of its sequences now drafts by the policy's own choice (the
+    // accepted probes raised the estimates enough); else probes back off (accepted drafts that
+    // still do not pay at this batch are a failure too: the probe changed nothing).
+    if (S->probe_wait) {
         pd_spec_backoff_result(&S->probe_bo, probe_ok);
         S->n_probe_ok += probe_ok;
-        S->probe_wait_id = 0;
+        S->probe_wait = false;
     }
-    // Probe now and then: an estimate that says "never" would never be revised. One sequence
-    // (in turn) drafts 1 token, at most every PROBE_EVERY steps, and less often when a probe is
-    // dear (a draft forward with its catch-up, a padded verify step): probes cost at most
-    // PROBE_SHARE of the time. Free when other sequences draft anyway (the step verifies already).
-    // The probing sequence: the idle one whose proposal run_plan looked up for this probe (draft-free
-    // methods), else the next in turn. While probes change nothing the period doubles
-    // (pd_spec_backoff: reset by a success or a new batch bucket).
-    if (S->n_steps >= S->next_probe || any_k) {
-        int i = S->probe_pick >= 0 && S->kmax[S->probe_pick] > 0 ? S->probe_pick : S->sidx[(int)(S->probe_rot++ % n)];
-        if (kk[i] == 0) {
-            kk[i] = 1;
-            if (!any_k) S->probe_i = i;
-        }
-        if (!any_k) {
-            double c0 = step_cost(&pc, 0, n_base), c1 = step_cost(&pc, 1, n_base + 1);
-            if (c1 >= COST_NEVER) {  // (a verify step would leave graphs: no probe at this batch)
-                kk[i] = 0, S->probe_i = -1;
-                c1 = c0;
+    if (due) {
+        // A probe step: an estimate that says "never" would never be revised. Not where drafting
+        // could not pay even at acceptance 1 (the most a probe can show): looked at again
+        // PD_SPEC_PERIOD_MIN steps later. Else every idle candidate drafts 1 token (spec.h
+        // "probes"), at most PROBE_SHARE of the time spent on probes: the period is the probe's
+        // price (the padded verify step beyond a plain one, the draft's forward 1 with the probing
+        // sequences' catch-up, eager after idle steps: its measured size) over that share of a
+        // plain step, times the backoff (doubling while probes change nothing). In a step that
+        // drafts anyway the probes cost less than that (priced the same: the period errs long).
+        pd_spec_draft_price dp1 = dp;
+        if (!any_k &&
+            !pd_spec_probe_worth(&S->cost, n_base, n, n_yield, km, S->method == PD_SPEC_DRAFT ? &dp1 : NULL, step_cost, &pc, kout)) {
+            S->next_probe = S->n_steps + PD_SPEC_PERIOD_MIN;
+            S->n_probe_skip++;
+        } else {
+            int pl_sum = 0, pl_max = 0, m = pick_probes(S, plan, srs, n, &pl_sum, &pl_max);
+            double c0 = step_cost(&pc, 0, n_base), c1 = m > 0 ? step_cost(&pc, 1, n_base + m) : COST_NEVER;
+            if (c1 >= COST_NEVER && !any_k) {  // (a verify step would leave graphs: no probe at this batch)
+                for (int j = 0; j < n; j++) kk[S->sidx[j]] = 0;
+                S->next_probe = S->n_steps + PD_SPEC_PERIOD_MIN;
+                S->n_probe_skip++;
+            } else {
+                if (c1 >= COST_NEVER) c1 = c0;
+                pd_spec_draft_price p1 = S->method == PD_SPEC_DRAFT ? draft_price(S, m, pl_sum, pl_max) : (pd_spec_draft_price){0, 0};
+                double base = pd_spec_probe_base(c1 - c0 + p1.first_us, c0, S->probe_share);
+                S->next_probe = S->n_steps + pd_spec_backoff_period(&S->probe_bo, base);
+                S->probe_epoch++;
+                for (int j = 0; j < n; j++)
+                    if (kk[S->sidx[j]] > 0) srs[S->sidx[j]]->probe_epoch = S->probe_epoch;
+                S->probe_wait = true;  // judged by the next step's choice
+                S->n_probes++;
             }
-            // A probe's draft: one sequence, its catch-up (eager after idle steps: priced at its
-            // measured size) and one token.
-            int lag = 1;
-            if (S->method == PD_SPEC_DRAFT && srs[i])
-                lag = PD_MAX(plan->seqs[i].pos_start + 1 - PD_MAX(srs[i]->draft_pos, 0), 1);
-            pd_spec_draft_price p1 = S->method == PD_SPEC_DRAFT ? draft_price(S, 1, lag, lag) : (pd_spec_draft_price){0, 0};
-            double dc = c1 - c0 + p1.first_us;
-            double period = dc / (S->probe_share * (c0 > 1 ? c0 : 1));
-            period = period < PROBE_EVERY ? PROBE_EVERY : period > 4096 ? 4096 : period;
-            S->next_probe = S->n_steps + pd_spec_backoff_period(&S->probe_bo, batch_key(e->model, plan->n_seqs), period);
-            S->n_probes++;
         }
+    } else if (any_k) {
+        // The step verifies anyway: one more sequence in turn drafts 1 token, free.
+        int i = S->sidx[(int)(S->probe_rot++ % n)];
+        if (kk[i] == 0) kk[i] = 1;
     }
     if (kout != tmp) pd_free(kout);
 }
@@ -1142,16 +1214,41 @@ static pd_status verify(pd_engine *e, const pd_step_plan *plan, sreq **srs) {
 
 static pd_status run_plan(pd_engine *e, const pd_step_plan *plan, bool *handled);
 
+void pd_engine_spec_pause(pd_engine *e, bool paused) {
+    if (e && e->spec) __atomic_store_n(&e->spec->paused, paused, __ATOMIC_RELEASE);
+}
+
 pd_status pd_engine_spec_run_plan(pd_engine *e, const pd_step_plan *plan, bool *handled) {
     espec *S = e->spec;
     *handled = false;
     if (!S) return PD_OK;
+    if (__atomic_load_n(&S->paused, __ATOMIC_ACQUIRE)) {  // as without speculation (bench-spec "paused")
+        S->last_valid = false;
+        S->srs_n = 0;
+        S->step_paused = true;
+        return PD_OK;
+    }
+    S->step_paused = false;
     int64_t t0 = pd_time_us(), v0 = S->verify_us, d0 = S->draft_us;
     pd_status st = run_plan(e, plan, handled);
     int64_t us = pd_time_us() - t0 - (S->verify_us - v0) - (S->draft_us - d0);
     if (*handled) S->hook_us += us;
     else S->hook_plain_us += us;
     return st;
+}
+
+// Whether an adaptive step with no request busy and no probe due has nothing to decide (the idle
+// fast path): draft-free methods' idle sequences look for proposals only on probe steps (and a
+// lookahead window rides only while it pays, or as a probe); the draft method's last full step
+// chose no draft for this very batch of single-token decodes (S->quiet_n), and the choice changes
+// only with new evidence (a probe's), a new batch or an arrival (a busy request).
+static bool idle_step(const espec *S, const pd_step_plan *plan) {
+    if (S->method == PD_SPEC_NGRAM) return true;
+    if (S->method == PD_SPEC_LOOKAHEAD) return S->win_quiet_n == plan->n_seqs && S->n_steps < S->next_win_probe;
+    if (S->quiet_n != plan->n_seqs) return false;
+    for (int i = 0; i < plan->n_seqs; i++)  // a prefill chunk (a recompute after preemption): the draft mirrors it
+        if (plan->seqs[i].n_tokens != 1) return false;
+    return true;
 }
 
 static pd_status run_plan(pd_engine *e, const pd_step_plan *plan, bool *handled) {
@@ -1163,21 +1260,23 @@ static pd_status run_plan(pd_engine *e, const pd_step_plan *plan, bool *handled)
     S->step_draft_us = 0;
     S->la_win_tokens = 0;
     S->srs_n = 0;
-    S->probe_pick = S->probe_i = -1;
-    if (S->adaptive && S->method != PD_SPEC_DRAFT && S->n_busy == 0 && S->n_steps > 0 && S->n_steps < S->next_probe &&
-        (S->method != PD_SPEC_LOOKAHEAD || (S->win_quiet_n == plan->n_seqs && S->n_steps < S->next_win_probe))) {
+    S->probe_pick = -1;
+    S->probe_look = false;
+    if (S->adaptive && S->n_busy == 0 && S->n_steps > 0 && S->n_steps < S->next_probe && idle_step(S, plan)) {
         S->n_fast++;  // the idle fast path: a plain step, as without speculation
         S->n_steps++;
         return PD_OK;
     }
+    S->quiet_n = -1;
     if (!reserve_seqs(S, plan->n_seqs)) return PD_ERR_NOMEM;
     sreq **srs = S->srs;
-    bool any = false, draft_work = false;
+    bool any = false, draft_work = false, all_dec = true;
     int n_idle = 0;
     for (int i = 0; i < plan->n_seqs; i++) {
         const pd_step_seq *s = &plan->seqs[i];
         ereq *r = pd_engine_req_find(e, s->req_id);
         sreq *sr = r ? r->spec : NULL;
+        all_dec &= s->n_tokens == 1;
         // A history that missed tokens (out of memory in sreq_push) cannot feed the draft or the
         // proposals: that request runs plainly from now on.
         if (sr && sr->n < s->pos_start + s->n_tokens) sr = NULL;
@@ -1211,12 +1310,17 @@ static pd_status run_plan(pd_engine *e, const pd_step_plan *plan, bool *handled)
         S->kmax[i] = room;
         sr->looked = S->method != PD_SPEC_DRAFT && room > 0;
     }
-    if (n_idle) {  // one idle sequence in turn on a probe step, none otherwise
-        int pick = S->n_steps >= S->next_probe ? (int)(S->probe_rot++ % n_idle) : -1;
+    if (n_idle) {  // on a probe step every idle sequence looks (single-sequence probes: one in turn), else none
+        bool due = S->n_steps >= S->next_probe;
+        int pick = due && !S->probe_group ? (int)(S->probe_rot++ % n_idle) : -1;
+        S->probe_look = due;
         for (int i = 0, c = 0; i < plan->n_seqs; i++)
             if (S->kmax[i] < 0) {
-                if (c++ == pick) S->kmax[i] = -S->kmax[i], S->probe_pick = i;
+                bool look = due && (S->probe_group || c == pick);
+                c++;
+                if (look) S->kmax[i] = -S->kmax[i];
                 else S->kmax[i] = 0;
+                if (look && !S->probe_group) S->probe_pick = i;
             }
     }
     if (S->method == PD_SPEC_NGRAM || S->method == PD_SPEC_LOOKAHEAD) propose_free(e, plan, srs);
@@ -1261,16 +1365,14 @@ static pd_status run_plan(pd_engine *e, const pd_step_plan *plan, bool *handled)
         int only = -1;
         bool quiet = S->adaptive && !cheap;
         // While windows do not pay, each window probe doubles the period to the next one
-        // (pd_spec_backoff); a step where they pay, or a new batch bucket, resets it.
+        // (pd_spec_backoff); a step where they pay resets it.
         if (cheap && S->adaptive) pd_spec_backoff_result(&S->win_bo, true);
         if (!cheap && n_win > 0 && S->n_steps >= S->next_win_probe && cw < COST_NEVER) {
             int pick = (int)(S->probe_rot++ % n_win), c = 0;
             for (int i = 0; i < plan->n_seqs && only < 0; i++)
                 if (srs[i] && is_decode(&plan->seqs[i], srs[i]) && plan->seqs[i].n_lookahead > 0 && c++ == pick) only = i;
             double c1 = step_cost(&pc, kmx + S->W, n_base + S->W);
-            double period = (c1 - c0) / (S->probe_share * (c0 > 1 ? c0 : 1));
-            period = period < PROBE_EVERY ? PROBE_EVERY : period > 4096 ? 4096 : period;
-            S->next_win_probe = S->n_steps + pd_spec_backoff_period(&S->win_bo, batch_key(e->model, plan->n_seqs), period);
+            S->next_win_probe = S->n_steps + pd_spec_backoff_period(&S->win_bo, pd_spec_probe_base(c1 - c0, c0, S->probe_share));
             pd_spec_backoff_result(&S->win_bo, false);
             S->n_win_probes += only >= 0;
             cheap = only >= 0;
@@ -1301,7 +1403,6 @@ static pd_status run_plan(pd_engine *e, const pd_step_plan *plan, bool *handled)
             if (srs[i] && srs[i]->k > 0) acc += e->sb.outputs[i].n_accepted;
         S->la_yield = 0.9 * S->la_yield + 0.1 * (double)acc / (double)S->la_win_tokens;
     }
-    if (S->probe_i >= 0) S->probe_wait_id = plan->seqs[S->probe_i].req_id;  // judged by the next step's choice
     for (int i = 0; i < plan->n_seqs; i++) {
         sreq *sr = srs[i];
         if (!sr || sr->k == 0) continue;
@@ -1325,6 +1426,9 @@ static pd_status run_plan(pd_engine *e, const pd_step_plan *plan, bool *handled)
         sr->draft_pos = PD_MIN(sr->draft_pos, plan->seqs[i].pos_start + 1 + o->n_accepted);
     }
 out:
+    // The draft method: a full step of single-token decodes that drafted nothing and had no draft
+    // work holds for the next steps of the same batch (idle_step), while nobody is busy.
+    if (S->method == PD_SPEC_DRAFT && S->adaptive && S->idle_fast && !st && !any && !draft_work && all_dec) S->quiet_n = plan->n_seqs;
     S->n_steps++;
     S->srs_n = st ? 0 : plan->n_seqs;  // after_update's view of this step
     return st;
@@ -1336,7 +1440,7 @@ void pd_engine_spec_push_token(ereq *q, int32_t token) {
 
 void pd_engine_spec_after_update(pd_engine *e, const pd_step_plan *plan, int64_t step_us, bool was_spec) {
     espec *S = e->spec;
-    if (!S) return;
+    if (!S || S->step_paused) return;
     int64_t t0 = pd_time_us();
     // Whole steps (scheduling, forward, sampling, update) on both sides, the draft's forwards
     // apart (they are the draft's cost): plain steps at their real (padded) tokens, verify steps

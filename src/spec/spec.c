@@ -254,6 +254,12 @@ int pd_spec_choose(const pd_spec_cost *c, int n_base, int n_seqs, const double *
 
 int pd_spec_choose_padded(const pd_spec_cost *c, int n_base, int n_seqs, int n_yield, const double *alpha, const int *k_max,
                           const pd_spec_draft_price *draft, pd_spec_step_cost_fn pad, void *ud, int *k) {
+    return pd_spec_choose_padded_m(c, n_base, n_seqs, n_yield, alpha, k_max, draft, pad, ud, k, -1);
+}
+
+int pd_spec_choose_padded_m(const pd_spec_cost *c, int n_base, int n_seqs, int n_yield, const double *alpha, const int *k_max,
+                            const pd_spec_draft_price *draft, pd_spec_step_cost_fn pad, void *ud, int *k, double min_gain) {
+    if (!(min_gain >= 0)) min_gain = PD_SPEC_MIN_GAIN;
     double d1 = draft && draft->first_us > 0 ? draft->first_us : 0, dn = draft && draft->next_us > 0 ? draft->next_us : 0;
     int sum_k = 0, max_k = 0;
     double tokens = n_yield > n_seqs ? n_yield : n_seqs;  // every sequence yields its target token anyway
@@ -323,7 +329,7 @@ int pd_spec_choose_padded(const pd_spec_cost *c, int n_base, int n_seqs, int n_y
             if (r > best_rate) best_rate = r, best_m = m;
         }
         // ... and drafts only where the best beats drafting nothing by the margin.
-        bool pays = best_rate >= (1.0 + PD_SPEC_MIN_GAIN) * base_tokens / pad(ud, 0, n_base);
+        bool pays = best_rate >= (1.0 + min_gain) * base_tokens / pad(ud, 0, n_base);
         sum_k = 0;
         for (int i = 0; i < n_seqs; i++) k[i] = 0;
         if (pays && best_m > 0) {
@@ -451,12 +457,28 @@ int pd_spec_nomatch_wait(int n_miss) {
     return n_miss > PD_SPEC_NOMATCH_RETRIES ? -1 : 1 << (n_miss - 1);
 }
 
-// ---- probe backoff ----------------------------------------------------------------------------
+// ---- probes ------------------------------------------------------------------------------------
 
-void pd_spec_backoff_init(pd_spec_backoff *b) { b->mult = 1, b->key = 0; }
+bool pd_spec_probe_worth(const pd_spec_cost *c, int n_base, int n_seqs, int n_yield, const int *k_max,
+                         const pd_spec_draft_price *draft, pd_spec_step_cost_fn cost, void *ud, int *k) {
+    if (n_seqs <= 0) return false;
+    double one_stack[256], *one = n_seqs <= 256 ? one_stack : pd_malloc(sizeof(double) * (size_t)n_seqs);
+    if (!one) return false;
+    for (int i = 0; i < n_seqs; i++) one[i] = 1.0;
+    int sum = pd_spec_choose_padded(c, n_base, n_seqs, n_yield, one, k_max, draft, cost, ud, k);
+    if (one != one_stack) pd_free(one);
+    return sum > 0;
+}
 
-int64_t pd_spec_backoff_period(pd_spec_backoff *b, uint32_t key, double base) {
-    if (key != b->key) b->key = key, b->mult = 1;
+double pd_spec_probe_base(double probe_us, double step_us, double share) {
+    double p = probe_us / (share * (step_us > 1 ? step_us : 1));
+    if (!(p >= PD_SPEC_PERIOD_MIN)) return PD_SPEC_PERIOD_MIN;  // (also NaN)
+    return p > PD_SPEC_PROBE_BASE_MAX ? PD_SPEC_PROBE_BASE_MAX : p;
+}
+
+void pd_spec_backoff_init(pd_spec_backoff *b) { b->mult = 1; }
+
+int64_t pd_spec_backoff_period(const pd_spec_backoff *b, double base) {
     if (!(base >= PD_SPEC_PERIOD_MIN)) base = PD_SPEC_PERIOD_MIN;  // (also NaN)
     double p = base * (double)b->mult;
     return p > PD_SPEC_PERIOD_MAX ? PD_SPEC_PERIOD_MAX : (int64_t)p;

@@ -152,6 +152,10 @@ typedef struct pd_spec_draft_price {
 } pd_spec_draft_price;
 int pd_spec_choose_padded(const pd_spec_cost *c, int n_base, int n_seqs, int n_yield, const double *alpha, const int *k_max,
                           const pd_spec_draft_price *draft, pd_spec_step_cost_fn cost, void *ud, int *k);
+// The same with the margin min_gain instead of PD_SPEC_MIN_GAIN (the engine's PD_SPEC_MIN_GAIN
+// knob, a measurement tool; < 0: the default).
+int pd_spec_choose_padded_m(const pd_spec_cost *c, int n_base, int n_seqs, int n_yield, const double *alpha, const int *k_max,
+                            const pd_spec_draft_price *draft, pd_spec_step_cost_fn cost, void *ud, int *k, double min_gain);
 
 // ---- measured step times per shape -----------------------------------------------------------
 // A small cache of step times (EMA, microseconds) keyed by a step's shape (the engine's key: the
@@ -225,24 +229,43 @@ double pd_spec_shape_us(const pd_spec_shapes *live, const pd_spec_shapes *warm, 
 #define PD_SPEC_NOMATCH_RETRIES 5
 int pd_spec_nomatch_wait(int n_miss);
 
-// ---- probe backoff ------------------------------------------------------------------------------
-// Probes keep a "does not pay" estimate alive (a sequence drafts a token now and then although the
-// policy says no). While probes keep failing (nothing accepted, or the lookahead window still does
-// not pay), their period doubles, up to PD_SPEC_BACKOFF_MAX times the base period; a success
-// resets it, and so does a change of what the probe's worth depends on (the key: the engine passes
-// the step's batch bucket), where the old verdict no longer holds.
+// ---- probes: when, who, how often ------------------------------------------------------------
+// Probes keep a "does not pay" estimate alive: sequences draft a token now and then although the
+// policy says no. A probe is worth its price only if what it can reveal could change the verdict:
+// pd_spec_probe_worth asks the policy whether drafting would pay at this step if every candidate's
+// acceptance were 1 (the most a probe can show); where even that does not pay (a draft as dear as
+// the step, a verify shape the step cannot take), no probe runs. A probe step lets every idle
+// candidate draft one token (the engine's choice, session 12): a padded verify step costs the same
+// for one sequence's draft as for all of them, and the verdict is then the batch's, not one
+// sequence's noisy one (one accepted token moved one estimate, which could not make a batch of
+// 64 draft).
+// Whether a step with these candidates (as pd_spec_choose_padded's arguments) could draft at all
+// were every candidate's acceptance 1. k: scratch (n_seqs). false also on out of memory.
+bool pd_spec_probe_worth(const pd_spec_cost *c, int n_base, int n_seqs, int n_yield, const int *k_max,
+                         const pd_spec_draft_price *draft, pd_spec_step_cost_fn cost, void *ud, int *k);
+// Steps between probes from the probe's price: probe_us (what a probe step costs beyond a plain
+// one: the padded verify step, the draft's forward 1 with its catch-up) spent at most share of the
+// plain step time step_us, at least PD_SPEC_PERIOD_MIN and at most PD_SPEC_PROBE_BASE_MAX steps
+// (before the backoff below).
+#define PD_SPEC_PROBE_BASE_MAX 4096
+double pd_spec_probe_base(double probe_us, double step_us, double share);
+
+// While probes keep failing (the probed sequences still do not draft by the policy's own choice,
+// or the lookahead window still does not pay), their period doubles, up to PD_SPEC_BACKOFF_MAX
+// times the base period; a success resets it. The batch size does not: acceptance is a property
+// of the requests (and of the draft), not of the batch, and a step at a new batch size re-decides
+// from the estimates at once; only the estimates' freshness is the probes' concern (before session
+// 12 every new batch bucket reset the backoff, and a closed batch's ramp crossed several).
 #define PD_SPEC_BACKOFF_MAX 256
 #define PD_SPEC_PERIOD_MIN 16
 #define PD_SPEC_PERIOD_MAX 16384
 typedef struct pd_spec_backoff {
     uint32_t mult;  // 1, 2, 4, ... PD_SPEC_BACKOFF_MAX
-    uint32_t key;
 } pd_spec_backoff;
 void pd_spec_backoff_init(pd_spec_backoff *b);
 // Steps until the next probe: base (steps, the probe's own price rule) clamped to at least
-// PD_SPEC_PERIOD_MIN, times the backoff, at most PD_SPEC_PERIOD_MAX. A key other than the last
-// one resets the backoff first.
-int64_t pd_spec_backoff_period(pd_spec_backoff *b, uint32_t key, double base);
+// PD_SPEC_PERIOD_MIN, times the backoff, at most PD_SPEC_PERIOD_MAX.
+int64_t pd_spec_backoff_period(const pd_spec_backoff *b, double base);
 void pd_spec_backoff_result(pd_spec_backoff *b, bool success);
 
 #ifdef __cplusplus

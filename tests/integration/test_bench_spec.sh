@@ -10,7 +10,8 @@
 #   2. ngram on a repeated prompt: drafted, accepted, identical; the JSON report has every run and
 #      the per-position acceptance with its counts (consistent with accepted and the verify steps);
 #      the interleaved protocol (METHOD:mode, two plain engines, 2 rounds): runs, median within
-#      its range, the plain engines' pooled band, the summary
+#      its range, the plain engines' pooled band, the summary; "paused" (a speculative engine timed
+#      with speculation paused): plain runs, the active / paused ratio
 #   3. bad input is refused with a message naming it
 #   4. the controlled-acceptance fixture (dummy weights): a target whose layers 1.. write into the
 #      residual stream scaled by 0, drafted by its own first layer (same seed), accepts every draft
@@ -120,6 +121,26 @@ assert sp["method"] == "ngram" and sp["mode"] == "fixed" and abs(sp["ratio"] - f
 assert d["workload"][0]["batch"] == 2, d["workload"]
 EOF2
 
+# ---- 2c. "paused": a speculative engine timed again with speculation paused (the same engine's plain
+# steps): its runs are plain (nothing drafted, same output as off), and the summary gives the
+# active / paused ratio per round with its median
+timeout 300 "$PD_BIN" bench-spec --model "$MODEL" --device cpu --golden "$G" --repeat 2 --batches 2 --max-tokens 12 \
+  --modes off,ngram:fixed,paused --reps 2 --json "$TMP/pz.json" >"$TMP/pz.out" 2>"$TMP/pz.err" ||
+  pd_fail "bench-spec paused: $(tail -5 "$TMP/pz.err")"
+grep -q '^summary B=2: .*ngram fixed / paused, engine 1: [0-9.]* [0-9.]* (median ' "$TMP/pz.out" || pd_fail "no paused ratio: $(cat "$TMP/pz.out")"
+python3 - "$TMP/pz.json" <<'EOF2' || pd_fail "bench-spec paused JSON"
+import json, sys
+d = json.load(open(sys.argv[1]))
+assert [r["mode"] for r in d["results"]] == ["off", "fixed", "paused"], d["results"]
+f, p = d["results"][1], d["results"][2]
+assert f["drafted"] > 0 and p["drafted"] == 0 and p["same_as_off"] == 2 and f["same_as_off"] == 2, (f, p)
+ap = [m for m in d["summary"][0]["speculative"] if m["mode"] == "active_over_paused"]
+assert len(ap) == 1 and ap[0]["engine"] == 1 and len(ap[0]["per_round"]) == 2, ap
+r = sorted(ap[0]["per_round"])
+assert abs(ap[0]["ratio"] - 0.5 * (r[0] + r[1])) < 1e-9, ap
+assert abs(r[0] - f["runs"][0] / p["runs"][0]) < 1e-9 or abs(r[0] - f["runs"][1] / p["runs"][1]) < 1e-9, (ap, f, p)
+EOF2
+
 # ---- 3. refusals -------------------------------------------------------------------------------------
 "$PD_BIN" bench-spec --model "$MODEL" --device cpu --speculative-method draft --golden "$G" >"$TMP/r1" 2>&1 &&
   pd_fail "draft without --speculative-model accepted"
@@ -135,6 +156,11 @@ grep -q 'bogus' "$TMP/r4" || pd_fail "refusal does not name the bad mode: $(cat 
 "$PD_BIN" bench-spec --model "$MODEL" --device cpu --golden "$G" --modes off,adaptive >"$TMP/r5" 2>&1 &&
   pd_fail "adaptive without a method accepted"
 grep -q 'speculative-method' "$TMP/r5" || pd_fail "refusal does not name --speculative-method: $(cat "$TMP/r5")"
+"$PD_BIN" bench-spec --model "$MODEL" --device cpu --speculative-method ngram --golden "$G" --modes off,paused >"$TMP/r6" 2>&1 &&
+  pd_fail "paused without a speculative engine before it accepted"
+grep -q 'paused' "$TMP/r6" || pd_fail "refusal does not name paused: $(cat "$TMP/r6")"
+"$PD_BIN" bench-spec --model "$MODEL" --device cpu --speculative-method ngram --golden "$G" --modes off,adaptive,paused,paused >"$TMP/r7" 2>&1 &&
+  pd_fail "two paused entries for one engine accepted"
 
 # ---- 4. the controlled-acceptance fixture ------------------------------------------------------------
 FX="$TMP/fixture"

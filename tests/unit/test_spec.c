@@ -515,25 +515,66 @@ PD_TEST(draft_cost_ignores_transients) {
 PD_TEST(probe_backoff) {
     pd_spec_backoff b;
     pd_spec_backoff_init(&b);
-    PD_CHECK_EQ(pd_spec_backoff_period(&b, 64, 5), PD_SPEC_PERIOD_MIN);  // at least the minimum
-    PD_CHECK_EQ(pd_spec_backoff_period(&b, 64, 20.5), 20);
+    PD_CHECK_EQ(pd_spec_backoff_period(&b, 5), PD_SPEC_PERIOD_MIN);  // at least the minimum
+    PD_CHECK_EQ(pd_spec_backoff_period(&b, 20.5), 20);
     // Failures double the period, up to PD_SPEC_BACKOFF_MAX x, never past PD_SPEC_PERIOD_MAX.
     for (int i = 1; i <= 3; i++) {
         pd_spec_backoff_result(&b, false);
-        PD_CHECK_EQ(pd_spec_backoff_period(&b, 64, 20), 20 << i);
+        PD_CHECK_EQ(pd_spec_backoff_period(&b, 20), 20 << i);
     }
     for (int i = 0; i < 40; i++) pd_spec_backoff_result(&b, false);
     PD_CHECK_EQ(b.mult, PD_SPEC_BACKOFF_MAX);
-    PD_CHECK_EQ(pd_spec_backoff_period(&b, 64, 16), 16 * PD_SPEC_BACKOFF_MAX);
-    PD_CHECK_EQ(pd_spec_backoff_period(&b, 64, 4096), PD_SPEC_PERIOD_MAX);
-    // A success resets it; so does a new key (another batch bucket).
+    PD_CHECK_EQ(pd_spec_backoff_period(&b, 16), 16 * PD_SPEC_BACKOFF_MAX);
+    PD_CHECK_EQ(pd_spec_backoff_period(&b, 4096), PD_SPEC_PERIOD_MAX);
+    // A success resets it; nothing else does (session 12: not a new batch bucket either — the
+    // period is asked for with the base of the step at hand, the backoff stays).
     pd_spec_backoff_result(&b, true);
-    PD_CHECK_EQ(pd_spec_backoff_period(&b, 64, 20), 20);
+    PD_CHECK_EQ(pd_spec_backoff_period(&b, 20), 20);
     pd_spec_backoff_result(&b, false);
     pd_spec_backoff_result(&b, false);
-    PD_CHECK_EQ(pd_spec_backoff_period(&b, 64, 20), 80);
-    PD_CHECK_EQ(pd_spec_backoff_period(&b, 32, 20), 20);
-    PD_CHECK_EQ(pd_spec_backoff_period(&b, 32, 0.0 / 0.0), PD_SPEC_PERIOD_MIN);  // NaN: the minimum
+    PD_CHECK_EQ(pd_spec_backoff_period(&b, 20), 80);
+    PD_CHECK_EQ(pd_spec_backoff_period(&b, 40), 160);  // (another batch: another base, the same backoff)
+    PD_CHECK_EQ(pd_spec_backoff_period(&b, 0.0 / 0.0), 4 * PD_SPEC_PERIOD_MIN);  // NaN: the minimum base
+}
+
+// The probe period's base: the probe's price over the share of a plain step, clamped.
+PD_TEST(probe_base_period) {
+    // 1.2 ms of probe at 1% of a 6.6 ms step: every ~18 steps.
+    PD_CHECK(fabs(pd_spec_probe_base(1200, 6600, 0.01) - 1200 / 66.0) < 1e-9);
+    PD_CHECK_EQ(pd_spec_probe_base(10, 6600, 0.01), PD_SPEC_PERIOD_MIN);       // cheap: the minimum
+    PD_CHECK_EQ(pd_spec_probe_base(1e9, 6600, 0.01), PD_SPEC_PROBE_BASE_MAX);  // dear: the maximum
+    PD_CHECK_EQ(pd_spec_probe_base(0.0 / 0.0, 6600, 0.01), PD_SPEC_PERIOD_MIN);
+    PD_CHECK_EQ(pd_spec_probe_base(-5, 6600, 0.01), PD_SPEC_PERIOD_MIN);
+    PD_CHECK(fabs(pd_spec_probe_base(10, 0, 0.01) - 1000) < 1e-9);  // a step time below 1 us counts as 1 us
+    // Half the share: twice the period.
+    PD_CHECK(fabs(pd_spec_probe_base(1200, 6600, 0.005) - 2 * pd_spec_probe_base(1200, 6600, 0.01)) < 1e-9);
+}
+
+// A probe runs only where drafting could pay at all: at acceptance 1 for every candidate.
+PD_TEST(probe_worth) {
+    pd_spec_cost c;
+    pd_spec_cost_init(&c, 6200);
+    int batch = 64, km[64], k[64];
+    for (int i = 0; i < 64; i++) km[i] = 4, k[i] = -7;
+    // The H100 step costs at batch 64 with the 1-layer draft (0.7 ms a forward): worth probing.
+    pd_spec_draft_price dp = {700, 700};
+    PD_CHECK(pd_spec_probe_worth(&c, batch, batch, batch, km, &dp, h100_step, &batch, k));
+    for (int i = 0; i < 64; i++) PD_CHECK(k[i] >= 0 && k[i] <= 4);  // (k: scratch, a valid choice)
+    // A draft as dear as 3 target steps a forward: not even acceptance 1 pays (k = 1: 2 x 64 tokens
+    // for 7579 + 20443 us against 64 for 6814 us; longer drafts are dearer still).
+    dp = (pd_spec_draft_price){20443, 20443};
+    PD_CHECK(!pd_spec_probe_worth(&c, batch, batch, batch, km, &dp, h100_step, &batch, k));
+    // Draft-free at batch 1: a verify step as dear as a plain one pays at acceptance 1.
+    batch = 1;
+    PD_CHECK(pd_spec_probe_worth(&c, 1, 1, 1, km, NULL, h100_step, &batch, k));
+    // One candidate in a batch of 64 whose verify step costs 1.3x: even 4 accepted drafts on 64
+    // tokens do not pay for 30% more time.
+    double mid[2] = {130, 130};
+    PD_CHECK(!pd_spec_probe_worth(&c, 64, 1, 64, km, NULL, cost_of, mid, k));
+    // No candidates, no k_max: nothing to probe.
+    PD_CHECK(!pd_spec_probe_worth(&c, 64, 0, 64, km, NULL, cost_of, mid, k));
+    int z[1] = {0};
+    PD_CHECK(!pd_spec_probe_worth(&c, 1, 1, 1, z, NULL, h100_step, &batch, k));
 }
 
 PD_TEST(method_names) {
