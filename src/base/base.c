@@ -182,6 +182,21 @@ pd_status pd_env_int(const char *name, int dflt, int lo, int hi, int *out, pd_er
     return PD_OK;
 }
 
+pd_status pd_env_double(const char *name, double dflt, double lo, double hi, double *out, pd_err *err) {
+    const char *e = getenv(name);
+    if (!e || !*e) {
+        *out = dflt;
+        return PD_OK;
+    }
+    char *end = NULL;
+    errno = 0;
+    double v = strtod(e, &end);
+    if (errno || end == e || *end || !(v > lo && v <= hi))
+        return pd_err_set(err, PD_ERR_INVALID, "%s=%s: expected a number in (%g, %g]", name, e, lo, hi);
+    *out = v;
+    return PD_OK;
+}
+
 pd_status pd_file_read_all(const char *path, char **out, size_t *out_len, pd_err *err) {
     *out = NULL;
     if (out_len) *out_len = 0;

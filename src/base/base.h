@@ -124,6 +124,9 @@ pd_status pd_env_switch(const char *name, bool dflt, bool *out, pd_err *err);
 // An integer knob in [lo, hi] from the environment: unset or empty -> dflt; anything else than a
 // whole decimal number in range is PD_ERR_INVALID with err naming the variable and the range.
 pd_status pd_env_int(const char *name, int dflt, int lo, int hi, int *out, pd_err *err);
+// A number knob in (lo, hi] from the environment: unset or empty -> dflt; anything else than a whole
+// decimal number in range is PD_ERR_INVALID with err naming the variable and the range.
+pd_status pd_env_double(const char *name, double dflt, double lo, double hi, double *out, pd_err *err);
 
 // ---- files -------------------------------------------------------------------------------------
 // Reads a whole file into a NUL-terminated buffer. out: owned by caller (pd_free).

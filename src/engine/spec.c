@@ -352,24 +352,11 @@ pd_status pd_engine_spec_load(pd_engine *e, pd_err *err) {
     pd_spec_shapes_init(&S->warm);
     const char *dbg = getenv("PD_SPEC_STATS");
     S->stats = dbg && strcmp(dbg, "0");
-    S->probe_share = PROBE_SHARE;
-    const char *ps = getenv("PD_SPEC_PROBE_SHARE");
-    if (ps && *ps) {
-        char *end = NULL;
-        double v = strtod(ps, &end);
-        if (*end || !(v > 0 && v <= 0.1))
-            return pd_err_set(err, PD_ERR_INVALID, "PD_SPEC_PROBE_SHARE=%s: a share of the step time in (0, 0.1]", ps);
-        S->probe_share = v;
-    }
-    S->min_gain = PD_SPEC_MIN_GAIN;
-    const char *mg = getenv("PD_SPEC_MIN_GAIN");
-    if (mg && *mg) {
-        char *end = NULL;
-        double v = strtod(mg, &end);
-        if (*end || !(v > 0 && v <= 0.5))
-            return pd_err_set(err, PD_ERR_INVALID, "PD_SPEC_MIN_GAIN=%s: a share of the step rate in (0, 0.5]", mg);
-        S->min_gain = v;
-    }
+    // PD_SPEC_PROBE_SHARE: a share of the step time in (0, 0.1]; PD_SPEC_MIN_GAIN: a share of the step
+    // rate in (0, 0.5] (A/B knobs, strict).
+    if (pd_env_double("PD_SPEC_PROBE_SHARE", PROBE_SHARE, 0, 0.1, &S->probe_share, err) ||
+        pd_env_double("PD_SPEC_MIN_GAIN", PD_SPEC_MIN_GAIN, 0, 0.5, &S->min_gain, err))
+        return PD_ERR_INVALID;
     if (pd_env_switch("PD_SPEC_IDLE_FAST", true, &S->idle_fast, err) || pd_env_switch("PD_SPEC_PROBE_GROUP", true, &S->probe_group, err))
         return PD_ERR_INVALID;
     S->quiet_n = -1;

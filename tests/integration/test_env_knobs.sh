@@ -8,7 +8,7 @@ pd_setup
 tmp=$TMP  # (pd_setup's, removed by its cleanup)
 
 # 1. the registry and the source agree, both ways
-grep -rohE '(getenv|pd_env_switch|pd_env_int|pd_cuda_env_int|pd_k_env_on|pd_k_env_int|pd_fa_env)\("(PD|PDSERVE)_[A-Z0-9_]+"' \
+grep -rohE '(getenv|pd_env_switch|pd_env_int|pd_env_double|pd_cuda_env_int|pd_k_env_on|pd_k_env_int|pd_fa_env)\("(PD|PDSERVE)_[A-Z0-9_]+"' \
   "$repo/src" | sed -E 's/.*\("//; s/"$//' | sort -u > "$tmp/src"
 env -i PATH="$PATH" "$PD_BIN" env | awk '{print $1}' | sort > "$tmp/reg"
 [ "$(wc -l < "$tmp/src")" -gt 50 ] || pd_fail "found only $(wc -l < "$tmp/src") knob reads in src/ (the grep broke?)"

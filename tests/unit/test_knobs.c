@@ -105,3 +105,23 @@ PD_TEST(environment_check) {
     char *lng[] = {longname, NULL};
     PD_CHECK_EQ(pd_knobs_check_env(lng, NULL, NULL, &err), PD_OK);
 }
+
+PD_TEST(env_double_is_strict) {
+    pd_err err = {0};
+    double v = -1;
+    unsetenv("PD_TEST_KNOB_D");
+    PD_CHECK_EQ(pd_env_double("PD_TEST_KNOB_D", 0.25, 0, 0.5, &v, &err), PD_OK);
+    PD_CHECK_NEAR(v, 0.25, 0);
+    setenv("PD_TEST_KNOB_D", "0.5", 1);
+    PD_CHECK_EQ(pd_env_double("PD_TEST_KNOB_D", 0.25, 0, 0.5, &v, &err), PD_OK);
+    PD_CHECK_NEAR(v, 0.5, 0);
+    const char *bad[] = {"0", "0.6", "x", "0.1x", "nan", "-0.1", " "};
+    for (size_t i = 0; i < PD_ARRAY_LEN(bad); i++) {
+        setenv("PD_TEST_KNOB_D", bad[i], 1);
+        v = -1;
+        PD_CHECK_MSG(pd_env_double("PD_TEST_KNOB_D", 0.25, 0, 0.5, &v, &err) == PD_ERR_INVALID, "accepted '%s'", bad[i]);
+        PD_CHECK_CONTAINS(err.msg, "PD_TEST_KNOB_D");
+        PD_CHECK_NEAR(v, -1, 0);  // out untouched on refusal
+    }
+    unsetenv("PD_TEST_KNOB_D");
+}
