@@ -168,30 +168,37 @@ pd_status pd_env_switch(const char *name, bool dflt, bool *out, pd_err *err) {
     return pd_err_set(err, PD_ERR_INVALID, "%s=%s: want 0 or 1", name, v);
 }
 
-pd_status pd_env_int(const char *name, int dflt, int lo, int hi, int *out, pd_err *err) {
-    const char *e = getenv(name);
-    if (!e || !*e) {
-        *out = dflt;
-        return PD_OK;
-    }
+bool pd_parse_int_in(const char *s, long long lo, long long hi, long long *out) {
     char *end = NULL;
     errno = 0;
-    long v = strtol(e, &end, 10);
-    if (errno || *end || v < lo || v > hi) return pd_err_set(err, PD_ERR_INVALID, "%s=%s: expected an integer in [%d, %d]", name, e, lo, hi);
+    long long v = strtoll(s, &end, 10);
+    if (errno || end == s || *end || v < lo || v > hi) return false;
+    *out = v;
+    return true;
+}
+
+bool pd_parse_double_in(const char *s, double lo, double hi, double *out) {
+    char *end = NULL;
+    errno = 0;
+    double v = strtod(s, &end);
+    if (errno || end == s || *end || !isfinite(v) || !(v > lo && v <= hi)) return false;
+    *out = v;
+    return true;
+}
+
+pd_status pd_env_int(const char *name, int dflt, int lo, int hi, int *out, pd_err *err) {
+    const char *e = getenv(name);
+    long long v = dflt;
+    if (e && *e && !pd_parse_int_in(e, lo, hi, &v))
+        return pd_err_set(err, PD_ERR_INVALID, "%s=%s: expected an integer in [%d, %d]", name, e, lo, hi);
     *out = (int)v;
     return PD_OK;
 }
 
 pd_status pd_env_double(const char *name, double dflt, double lo, double hi, double *out, pd_err *err) {
     const char *e = getenv(name);
-    if (!e || !*e) {
-        *out = dflt;
-        return PD_OK;
-    }
-    char *end = NULL;
-    errno = 0;
-    double v = strtod(e, &end);
-    if (errno || end == e || *end || !(v > lo && v <= hi))
+    double v = dflt;
+    if (e && *e && !pd_parse_double_in(e, lo, hi, &v))
         return pd_err_set(err, PD_ERR_INVALID, "%s=%s: expected a number in (%g, %g]", name, e, lo, hi);
     *out = v;
     return PD_OK;

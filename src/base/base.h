@@ -116,6 +116,12 @@ _Noreturn void pd_abort(const char *file, int line, const char *func, const char
 // ---- time --------------------------------------------------------------------------------------
 int64_t pd_time_us(void);  // monotonic microseconds
 
+// ---- numbers from text ----
+// s is a whole decimal number in [lo, hi] (no sign-less junk, no trailing text, no overflow).
+bool pd_parse_int_in(const char *s, long long lo, long long hi, long long *out);
+// s is a finite decimal number in (lo, hi] (no trailing text).
+bool pd_parse_double_in(const char *s, double lo, double hi, double *out);
+
 // ---- environment switches ----------------------------------------------------------------------
 // A 0/1 switch read from the environment (measurement and A/B knobs): unset or empty -> dflt, "0" or
 // "1" -> that value; anything else is PD_ERR_INVALID with err naming the variable and its value, so

@@ -1,8 +1,6 @@
 // knobs.c — the registry of environment knobs (knobs.h) and the start-up check.
 #include "base/knobs.h"
 
-#include <errno.h>
-#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -132,22 +130,19 @@ static bool choice_has(const char *choices, const char *v) {
 
 pd_status pd_knob_check(const pd_knob *k, const char *v, pd_err *err) {
     if (!v || !*v) return PD_OK;
-    char *end = NULL;
     switch (k->kind) {
     case PD_KNOB_SWITCH:
         if (!strcmp(v, "0") || !strcmp(v, "1")) return PD_OK;
         return pd_err_set(err, PD_ERR_INVALID, "%s=%s: want 0 or 1 -- %s", k->name, v, k->what);
     case PD_KNOB_INT: {
-        errno = 0;
-        long long x = strtoll(v, &end, 10);
-        if (!errno && end != v && !*end && (double)x >= k->lo && (double)x <= k->hi) return PD_OK;
+        long long x;
+        if (pd_parse_int_in(v, (long long)k->lo, (long long)k->hi, &x)) return PD_OK;
         return pd_err_set(err, PD_ERR_INVALID, "%s=%s: want a whole number in [%.0f, %.0f] -- %s", k->name, v, k->lo, k->hi,
                           k->what);
     }
     case PD_KNOB_FLOAT: {
-        errno = 0;
-        double x = strtod(v, &end);
-        if (!errno && end != v && !*end && isfinite(x) && x > k->lo && x <= k->hi) return PD_OK;
+        double x;
+        if (pd_parse_double_in(v, k->lo, k->hi, &x)) return PD_OK;
         return pd_err_set(err, PD_ERR_INVALID, "%s=%s: want a number in (%g, %g] -- %s", k->name, v, k->lo, k->hi, k->what);
     }
     case PD_KNOB_CHOICE:
