@@ -25,7 +25,6 @@ pd_setup
 for t in curl node python3 chromium prlimit; do command -v $t >/dev/null || pd_fail "$t is required"; done
 CLIENT="node $here/js/router_client.mjs"
 json() { python3 -c "import json,sys; d=json.load(sys.stdin); print($1)"; }
-free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
 router_start() {  # NAME FLAGS...
   name=$1; shift
   "$PD_BIN" router --host 127.0.0.1 --port 0 "$@" >"$TMP/$name.out" 2>"$TMP/$name.err" &
@@ -36,11 +35,10 @@ router_start() {  # NAME FLAGS...
 size() { wc -c <"$1" | tr -d ' '; }
 
 # ---- 1. a 300-request burst through `pdserve run` ------------------------------------------------
-port=$(free_port)
-"$PD_BIN" run --model "$MODEL" --port "$port" --trace-dir "$TMP/trace" >"$TMP/run.out" 2>"$TMP/run.err" &
+"$PD_BIN" run --model "$MODEL" --port 0 --trace-dir "$TMP/trace" >"$TMP/run.out" 2>"$TMP/run.err" &
 echo $! >"$TMP/run.pid"
 pd_wait_for 120 grep -q 'router http://' "$TMP/run.out" || { cat "$TMP/run.err" >&2; pd_fail "pdserve run did not start"; }
-R="http://127.0.0.1:$port"
+R=$(grep -o 'router http://[0-9.]*:[0-9]*' "$TMP/run.out" | head -1 | grep -o 'http://.*')  # (--port 0: its own free port)
 pd_wait_for 30 curl -sf "$R/health" || pd_fail "router /health never answered"
 DEC=$(grep -o 'decode worker http://[0-9.]*:[0-9]*' "$TMP/run.out" | grep -o 'http://.*')
 # the decode worker's own report: its seats and queue
