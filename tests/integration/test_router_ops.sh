@@ -78,7 +78,10 @@ n=$(pd_metric "$TMP/d.metrics" 'pdserve_ttft_part_seconds_count{part="transfer",
 [ "${n:-0}" -ge 1 ] || pd_fail "decode worker remote TTFT histogram: $n"
 
 # ---- 3. the request's spans in router, decode and prefill trace files ---------------------------
-sleep 0.5
+# The spans reach the files after the reply: wait (bounded) until each process wrote its span of
+# this trace, then check them.
+trace_written() { for svc in router decode prefill; do cat "$TMP/trace"/pdserve-$svc-*.json 2>/dev/null | grep -q "$trace_id" || return 1; done; }
+pd_wait_for 20 trace_written || pd_fail "the trace files lack spans of trace $trace_id (files: $(ls "$TMP/trace"))"
 python3 - "$TMP/trace" "$trace_id" "$parent" <<'EOF' || pd_fail "trace check failed (files: $(ls "$TMP/trace"))"
 import glob, json, os, sys
 d, tid, parent = sys.argv[1:4]
@@ -113,7 +116,13 @@ print("3. trace %s: router %d, decode %d, prefill %d spans; chain router.request
 EOF
 
 # ---- 4. /status in headless Chromium ------------------------------------------------------------------
-sleep 1.5  # a heartbeat or more: the handoff counters reach the router
+# The handoff counters reach the router with the workers' heartbeats: wait (bounded) for the prefill
+# worker's KV exports there before the page is rendered.
+exports_seen() {
+  curl -sf "$R/status.json" | python3 -c 'import json, sys
+sys.exit(0 if any(w["role"] == "prefill" and w["exports"] > 0 for w in json.load(sys.stdin)["workers"]) else 1)'
+}
+pd_wait_for 20 exports_seen || pd_fail "the router never showed the prefill worker's KV exports"
 chrome() { chromium --headless --no-sandbox --disable-gpu --disable-quic --no-first-run --disable-background-networking \
   --disable-component-update --disable-sync --user-data-dir="$TMP/chrome" --virtual-time-budget=3000 "$@" 2>/dev/null; }
 chrome --dump-dom "$R/status" >"$TMP/status.dom" || pd_fail "chromium --dump-dom failed"
