@@ -231,7 +231,10 @@ tb=$(metric "$URL_B" '^pdserve_kv_tier_hit_tokens_total')
 echo "pool: worker B loaded $tb prompt tokens computed by worker A and computed only $cb"
 # A prefill worker consults the pool before computing: a decode worker hands the same prompt to a
 # prefill worker on the pool, which loads the 192 tokens workers A and B wrote there (A: 10 blocks,
-# B: the 2 full blocks of its new part) and computes the last 8.
+# B: the 2 full blocks of its new part) and computes the last 8. B's two writes go out on its tier
+# thread after its reply: waited for (bounded), as A's were.
+pd_wait_for 60 sh -c "[ \$(curl -sf '$URL_B/metrics' | awk '/^pdserve_kv_tier_puts_total/ {s+=\$2} END {print s+0}') -ge 2 ]" ||
+  pd_fail "worker B never wrote the 2 new blocks of its prompt to Redis"
 pd_start pw --role prefill --kv-port 0 --num-kv-blocks 64 --auth-token-file "$TMP/token" --kv-remote "redis://127.0.0.1:$RPORT"
 URL_P=$URL
 kv=$(grep -o 'KV port [0-9.]*:[0-9]*' "$TMP/pw.out" | head -1 | awk '{print $3}')
