@@ -40,7 +40,8 @@ typedef struct fake_nats {
     int lfd, port;
     const char *seed;                  // to compute the signature each nonce must come back with
     const char *nonce[MAX_CONNS];
-    bool drop_after_pong[MAX_CONNS];   // close the connection once it is established (a reconnect)
+    bool drop_after_pong[MAX_CONNS];   // close the connection once it is established and the test
+    bool drop_now;                     // (atomic) says so: the client reconnects
     int n_script;
     // results (guarded by mu)
     pthread_mutex_t mu;
@@ -109,7 +110,10 @@ static void serve_one(fake_nats *f, int fd, int i) {
     while (!__atomic_load_n(&f->stop, __ATOMIC_ACQUIRE) && read_line(fd, line, sizeof line) >= 0) {
         if (strcmp(line, "PING")) continue;  // PING -> PONG; the rest is ignored
         if (send(fd, "PONG\r\n", 6, MSG_NOSIGNAL) != 6) return;
-        if (i < MAX_CONNS && f->drop_after_pong[i]) return;
+        if (i < MAX_CONNS && f->drop_after_pong[i]) {  // (bounded: 10 s)
+            for (int k = 0; k < 1000 && !__atomic_load_n(&f->drop_now, __ATOMIC_ACQUIRE); k++) usleep(10000);
+            return;
+        }
     }
 }
 
@@ -188,6 +192,8 @@ PD_TEST(ctl_nkey_zero_leading_signature_retried) {
     if (c) {
         pd_ctl_stats_get(c, &st);
         PD_CHECK_EQ(st.nkey_zero_sigs, 1);
+        PD_CHECK_EQ(st.reconnects, 0);
+        __atomic_store_n(&f.drop_now, true, __ATOMIC_RELEASE);  // the server drops the connection
         // the reconnect after the drop: bounded wait (10 s) for it
         for (int i = 0; i < 1000; i++) {
             pd_ctl_stats_get(c, &st);
