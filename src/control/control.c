@@ -201,10 +201,10 @@ static natsStatus sign_nonce(char **err_txt, unsigned char **sig, int *sig_len, 
         return NATS_ERR;
     }
     *sig = malloc(PD_NKEY_SIG_LEN);  // libnats frees it (libc free)
-    if (!*sig) return NATS_NO_MEMORY;
-    memcpy(*sig, raw, PD_NKEY_SIG_LEN);
-    *sig_len = PD_NKEY_SIG_LEN;
+    if (*sig) memcpy(*sig, raw, PD_NKEY_SIG_LEN);
     OPENSSL_cleanse(raw, sizeof raw);
+    if (!*sig) return NATS_NO_MEMORY;
+    *sig_len = PD_NKEY_SIG_LEN;
     return NATS_OK;
 }
 
