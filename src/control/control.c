@@ -195,7 +195,11 @@ static natsStatus sign_nonce(char **err_txt, unsigned char **sig, int *sig_len, 
     const char *why = st != PD_OK ? e.msg : raw[0] == 0 ? "the nonce's signature begins with a zero byte, which "
                                                           "libnats would drop: retrying with a new nonce" : NULL;
     if (why) {
-        if (st == PD_OK) bump(&c->st.nkey_zero_sigs);
+        if (st == PD_OK) {
+            bump(&c->st.nkey_zero_sigs);
+            PD_LOG_I("control: the NATS nonce's signature begins with 0x00 (libnats would send it as nothing): "
+                     "retrying on a new connection");
+        }
         OPENSSL_cleanse(raw, sizeof raw);
         *err_txt = strdup(why);  // libnats frees it (libc free)
         return NATS_ERR;
