@@ -1,0 +1,18 @@
+#!/bin/sh
+# Stages build/gpu-dec13/ in the lead's checkout from this worktree's build/gpu (dec13 helper).
+# Usage: sh tools/gpu/dec13/stage.sh LIMIT
+set -e
+cd "$(dirname "$0")/../../.."
+S=/work/main/build/gpu-dec13
+mkdir -p $S
+rm -f $S/READY
+tmp=$(mktemp -d)
+cp build/gpu/bin/pdserve build/gpu/bin/op_bench build/gpu/tests/ops/test_backend_ops build/gpu/tests/golden/test_gpu_golden $tmp/
+tar cJf $S/bins.tar.xz -C $tmp pdserve op_bench test_backend_ops test_gpu_golden
+rm -rf $tmp
+cp tools/gpu/dec13/run.sh $S/run.sh
+git rev-parse --short HEAD > $S/COMMIT
+echo "$1" > $S/LIMIT
+du -sh $S
+touch $S/READY
+ls -la $S
