@@ -81,6 +81,7 @@ static const pd_knob KNOBS[] = {
     INT("PD_CUDA_SKINNY_OCC4", 0, 1, "skinny GEMM: the 128-register build at M = 5 (default 0)"),
     INT("PD_CUDA_SKINNY_ROWS", 2, 4, "skinny GEMM: weight rows per block (default 4)"),
     INT("PD_CUDA_SKINNY_RULE_MAX_M", 1, 8, "skinny GEMM: the CUDA-core kernel up to this M (default 5)"),
+    INT("PD_CUDA_SKINNY_TWO", 0, 15, "skinny GEMM: two tiles per block at M = 1, mask of forms 1 rope 2 residual 4 glu 8 plain (default 0)"),
     SW("PD_DEVICE_SAMPLING", "sample on the device where the backend can (default 1)"),
     SW("PD_KV_OVERLAP", "disaggregated handoff: ship KV layer by layer during prefill (default 1)"),
     SW("PD_MODEL_FUSE", "fused decode layers: 0 never, 1 always (default: where the backend fuses)"),

@@ -34,6 +34,7 @@ typedef struct pd_k_skinny_args {
     __nv_bfloat16 *k_cache, *v_cache;
     int H, Hkv, hd;
     float attn_scaling;
+    int n_vb;  // the call's tiles (R weight rows each; TWO builds: block b owns tiles b and b + gridDim.x)
 } pd_k_skinny_args;
 
 // Weight chunks c + u * 128 (u < U) of the R rows; chunks past the row's end read as zero.
@@ -108,80 +109,58 @@ enum { PD_K_SK_PLAIN = 0, PD_K_SK_RESIDUAL = 1, PD_K_SK_GLU = 2, PD_K_SK_ROPE = 
 // free, and the blocks per SM are bounded by shared memory (32 KB each: 6) rather than registers
 // (3 at M = 5, 2 at M = 8), so more bytes are in flight per SM at M >= 5.
 enum { PD_K_SK_REG = 0, PD_K_SK_OCC4 = 1, PD_K_SK_ASYNC = 2 };
-template <int M, int R, int NORM, int EPI, int VAR>
-static __global__ void __launch_bounds__(PD_K_SK_THREADS, VAR == PD_K_SK_OCC4 ? 4 : 0) k_skinny(pd_k_skinny_args p) {
-    constexpr bool AS = VAR == PD_K_SK_ASYNC;
-    constexpr int U = PD_K_SK_LOADS / R;
-    pd_k_pdl_trigger();
-    const int tid = threadIdx.x, chunks = p.K >> 3;
-    int row0 = blockIdx.x * (EPI == PD_K_SK_GLU ? R / 2 : R);
-    // rope: a rotation block's first row (head h, pair index i0 < hd/2), or row0 of a v block
+// TWO (PD_CUDA_SKINNY_TWO; M = 1, K <= 4096: one batch of loads per tile): each block owns two tiles, b and
+// b + gridDim.x; the first tile's weights are loaded into registers before the PDL wait as above,
+// the second tile's are copied into shared memory with cp.async right after the wait, before the
+// first tile's arithmetic, so the memory system has the next requests queued while the blocks that
+// waited compute, exit and the next ones launch (at a kernel boundary it is otherwise idle for that
+// time: the waiting blocks' loads landed during the previous kernel).
+
+// Tile vb's first weight row, whether it is a rotation tile (the rope form: rotation tiles own two
+// pairs of one q / k head, i.e. rows i, i + 1, i + hd/2, i + hd/2 + 1; v tiles R consecutive rows)
+// and its R weight row pointers (rows past N repeat the last row; their sums are not stored).
+template <int R, int EPI>
+static __device__ __forceinline__ void pd_k_sk_rows(const pd_k_skinny_args &p, int vb, int &row0, bool &rot,
+                                                    const uint4 *(&wr)[R]) {
+    row0 = vb * (EPI == PD_K_SK_GLU ? R / 2 : R);
     const int half = p.hd >> 1, rot_blocks = EPI == PD_K_SK_ROPE ? (p.H + p.Hkv) * half / 2 : 0;
-    const bool rot = EPI == PD_K_SK_ROPE && (int)blockIdx.x < rot_blocks;
+    rot = EPI == PD_K_SK_ROPE && vb < rot_blocks;
     if (EPI == PD_K_SK_ROPE) {
         if (rot) {
-            int pr = 2 * blockIdx.x, h = pr / half;
+            int pr = 2 * vb, h = pr / half;
             row0 = h * p.hd + (pr - h * half);
         } else {
-            row0 = (p.H + p.Hkv) * p.hd + ((int)blockIdx.x - rot_blocks) * R;
+            row0 = (p.H + p.Hkv) * p.hd + (vb - rot_blocks) * R;
         }
     }
-    const uint4 *wr[R];
 #pragma unroll
-    for (int r = 0; r < R; r++) {  // rows past N repeat the last row; their sums are not stored
+    for (int r = 0; r < R; r++) {
         int n;
         if (EPI == PD_K_SK_GLU) n = min(row0 + r % (R / 2), p.N - 1) + (r / (R / 2)) * p.N;
         else if (EPI == PD_K_SK_ROPE && rot) n = row0 + r % (R / 2) + (r / (R / 2)) * half;
         else n = min(row0 + r, p.N - 1);
         wr[r] = (const uint4 *)(p.w + (size_t)n * p.K);
     }
-    uint4 wv[AS ? 1 : U][AS ? 1 : R];
-    __shared__ uint4 wsm[AS ? PD_K_SK_LOADS * PD_K_SK_THREADS : 1];  // slot (u R + r) 128 + tid
-    if constexpr (AS) pd_k_sk_load_async<R, U>(wsm, wr, tid, tid, chunks);
-    else pd_k_sk_load<R, U>(wv, wr, tid, chunks);
-    pd_k_pdl_wait();  // the activations (and out) belong to earlier kernels
+}
 
+// One tile: the main loop over K (weights in wv, or in wsm when SM: slot (u R + r) 128 + tid, one
+// cp.async commit group outstanding), the reduction through red and the epilogue.
+template <int M, int R, int NORM, int EPI, bool SM, int WU, int WR>
+static __device__ __forceinline__ void pd_k_sk_tile(const pd_k_skinny_args &p, uint4 (&wv)[WU][WR], uint4 *wsm,
+                                                    const uint4 *const (&wr)[R], int row0, bool rot, const float (&inv)[M],
+                                                    float (*red)[R * M]) {
+    constexpr int U = PD_K_SK_LOADS / R;
+    const int tid = threadIdx.x, chunks = p.K >> 3, lane = tid & 31, warp = tid >> 5, half = p.hd >> 1;
     const uint4 *ar[M];
 #pragma unroll
     for (int m = 0; m < M; m++) ar[m] = (const uint4 *)(p.a + (size_t)m * p.lda);
-    const int lane = tid & 31, warp = tid >> 5;
-    float inv[M];
-#pragma unroll
-    for (int m = 0; m < M; m++) inv[m] = 1.f;
-    if (NORM) {
-        __shared__ float ssr[PD_K_SK_THREADS / 32][M];
-        float ss[M];
-#pragma unroll
-        for (int m = 0; m < M; m++) ss[m] = 0.f;
-        for (int c = tid; c < chunks; c += PD_K_SK_THREADS)
-#pragma unroll
-            for (int m = 0; m < M; m++) {
-                float af[8];
-                pd_k_unpack8(__ldg(ar[m] + c), af);
-#pragma unroll
-                for (int j = 0; j < 8; j++) ss[m] = fmaf(af[j], af[j], ss[m]);
-            }
-#pragma unroll
-        for (int m = 0; m < M; m++) {
-            float v = pd_k_warp_sum(ss[m]);
-            if (lane == 0) ssr[warp][m] = v;
-        }
-        __syncthreads();
-#pragma unroll
-        for (int m = 0; m < M; m++) {
-            float v = 0.f;
-#pragma unroll
-            for (int i = 0; i < PD_K_SK_THREADS / 32; i++) v += ssr[i][m];
-            inv[m] = rsqrtf(v / (float)p.K + p.eps);
-        }
-    }
     float acc[R][M];
 #pragma unroll
     for (int r = 0; r < R; r++)
 #pragma unroll
         for (int m = 0; m < M; m++) acc[r][m] = 0.f;
-    if constexpr (AS) pd_k_cp_async_wait<0>();
-    constexpr int UNR = AS ? 1 : U;  // (unrolled, the shared-memory reads would all be hoisted into registers)
+    if constexpr (SM) pd_k_cp_async_wait<0>();
+    constexpr int UNR = SM ? 1 : U;  // (unrolled, the shared-memory reads would all be hoisted into registers)
     for (int c = tid;;) {
 #pragma unroll UNR
         for (int u = 0; u < U; u++) {
@@ -191,7 +170,7 @@ static __global__ void __launch_bounds__(PD_K_SK_THREADS, VAR == PD_K_SK_OCC4 ? 
             uint4 graw = make_uint4(0, 0, 0, 0);
 #pragma unroll
             for (int r = 0; r < R; r++) {
-                if constexpr (AS) pd_k_unpack8(wsm[(u * R + r) * PD_K_SK_THREADS + tid], wf[r]);
+                if constexpr (SM) pd_k_unpack8(wsm[(u * R + r) * PD_K_SK_THREADS + tid], wf[r]);
                 else pd_k_unpack8(wv[u][r], wf[r]);
             }
             if (NORM) {
@@ -225,7 +204,7 @@ static __global__ void __launch_bounds__(PD_K_SK_THREADS, VAR == PD_K_SK_OCC4 ? 
         }
         c += U * PD_K_SK_THREADS;
         if (c >= chunks) break;
-        if constexpr (AS) {
+        if constexpr (SM) {
             pd_k_sk_load_async<R, U>(wsm, wr, tid, c, chunks);
             pd_k_cp_async_wait<0>();
         } else {
@@ -233,7 +212,6 @@ static __global__ void __launch_bounds__(PD_K_SK_THREADS, VAR == PD_K_SK_OCC4 ? 
         }
     }
 
-    __shared__ float red[PD_K_SK_THREADS / 32][R * M];
     float v[PD_K_SK_P2(R * M)];
 #pragma unroll
     for (int i = 0; i < PD_K_SK_P2(R * M); i++) v[i] = i < R * M ? acc[i / M][i % M] : 0.f;
@@ -305,36 +283,112 @@ static __global__ void __launch_bounds__(PD_K_SK_THREADS, VAR == PD_K_SK_OCC4 ? 
     }
 }
 
+
+template <int M, int R, int NORM, int EPI, int VAR, int TWO>
+static __global__ void __launch_bounds__(PD_K_SK_THREADS, VAR == PD_K_SK_OCC4 ? 4 : 0) k_skinny(pd_k_skinny_args p) {
+    constexpr bool AS = VAR == PD_K_SK_ASYNC;
+    constexpr int U = PD_K_SK_LOADS / R;
+    pd_k_pdl_trigger();
+    const int tid = threadIdx.x, chunks = p.K >> 3;
+    int row0;
+    bool rot;
+    const uint4 *wr[R];
+    pd_k_sk_rows<R, EPI>(p, blockIdx.x, row0, rot, wr);
+    uint4 wv[AS ? 1 : U][AS ? 1 : R];
+    __shared__ uint4 wsm[AS || TWO ? PD_K_SK_LOADS * PD_K_SK_THREADS : 1];  // slot (u R + r) 128 + tid
+    if constexpr (AS) pd_k_sk_load_async<R, U>(wsm, wr, tid, tid, chunks);
+    else pd_k_sk_load<R, U>(wv, wr, tid, chunks);
+    pd_k_pdl_wait();  // the activations (and out) belong to earlier kernels
+    int row0b = 0;
+    bool rotb = false;
+    const uint4 *wrb[R];
+    const bool second = TWO && (int)(blockIdx.x + gridDim.x) < p.n_vb;  // uniform over the block
+    if (TWO && second) {
+        pd_k_sk_rows<R, EPI>(p, blockIdx.x + gridDim.x, row0b, rotb, wrb);
+        pd_k_sk_load_async<R, U>(wsm, wrb, tid, tid, chunks);
+    }
+
+    const uint4 *ar[M];
+#pragma unroll
+    for (int m = 0; m < M; m++) ar[m] = (const uint4 *)(p.a + (size_t)m * p.lda);
+    const int lane = tid & 31, warp = tid >> 5;
+    float inv[M];
+#pragma unroll
+    for (int m = 0; m < M; m++) inv[m] = 1.f;
+    if (NORM) {
+        __shared__ float ssr[PD_K_SK_THREADS / 32][M];
+        float ss[M];
+#pragma unroll
+        for (int m = 0; m < M; m++) ss[m] = 0.f;
+        for (int c = tid; c < chunks; c += PD_K_SK_THREADS)
+#pragma unroll
+            for (int m = 0; m < M; m++) {
+                float af[8];
+                pd_k_unpack8(__ldg(ar[m] + c), af);
+#pragma unroll
+                for (int j = 0; j < 8; j++) ss[m] = fmaf(af[j], af[j], ss[m]);
+            }
+#pragma unroll
+        for (int m = 0; m < M; m++) {
+            float v = pd_k_warp_sum(ss[m]);
+            if (lane == 0) ssr[warp][m] = v;
+        }
+        __syncthreads();
+#pragma unroll
+        for (int m = 0; m < M; m++) {
+            float v = 0.f;
+#pragma unroll
+            for (int i = 0; i < PD_K_SK_THREADS / 32; i++) v += ssr[i][m];
+            inv[m] = rsqrtf(v / (float)p.K + p.eps);
+        }
+    }
+    __shared__ float red[PD_K_SK_THREADS / 32][R * M];
+    pd_k_sk_tile<M, R, NORM, EPI, AS>(p, wv, wsm, wr, row0, rot, inv, red);
+    if (TWO && second) {
+        __syncthreads();  // red is read by the first tile's epilogue
+        pd_k_sk_tile<M, R, NORM, EPI, true>(p, wv, wsm, wrb, row0b, rotb, inv, red);
+    }
+}
+
 extern "C" int pd_cuda_skinny_supported(int M, int K, int lda, const void *a, const void *w) {
     return M >= 1 && M <= PD_SKINNY_MAX_M && K > 0 && K % 8 == 0 && lda % 8 == 0 && ((uintptr_t)a & 15) == 0 &&
            ((uintptr_t)w & 15) == 0;
 }
 
-template <int R, int NORM, int EPI, int VAR>
+template <int R, int NORM, int EPI, int VAR, int TWO>
 static void pd_k_skinny_launch_v(const pd_k_skinny_args &a, cudaStream_t s, dim3 grid, dim3 block) {
     switch (a.M) {
-    case 1: pd_k_launch(k_skinny<1, R, NORM, EPI, VAR>, grid, block, 0, s, a); break;
-    case 2: pd_k_launch(k_skinny<2, R, NORM, EPI, VAR>, grid, block, 0, s, a); break;
-    case 3: pd_k_launch(k_skinny<3, R, NORM, EPI, VAR>, grid, block, 0, s, a); break;
-    case 4: pd_k_launch(k_skinny<4, R, NORM, EPI, VAR>, grid, block, 0, s, a); break;
-    case 5: pd_k_launch(k_skinny<5, R, NORM, EPI, VAR>, grid, block, 0, s, a); break;
-    case 6: pd_k_launch(k_skinny<6, R, NORM, EPI, VAR>, grid, block, 0, s, a); break;
-    case 7: pd_k_launch(k_skinny<7, R, NORM, EPI, VAR>, grid, block, 0, s, a); break;
-    default: pd_k_launch(k_skinny<8, R, NORM, EPI, VAR>, grid, block, 0, s, a); break;
+    case 1: pd_k_launch(k_skinny<1, R, NORM, EPI, VAR, TWO>, grid, block, 0, s, a); break;
+    case 2: pd_k_launch(k_skinny<2, R, NORM, EPI, VAR, TWO>, grid, block, 0, s, a); break;
+    case 3: pd_k_launch(k_skinny<3, R, NORM, EPI, VAR, TWO>, grid, block, 0, s, a); break;
+    case 4: pd_k_launch(k_skinny<4, R, NORM, EPI, VAR, TWO>, grid, block, 0, s, a); break;
+    case 5: pd_k_launch(k_skinny<5, R, NORM, EPI, VAR, TWO>, grid, block, 0, s, a); break;
+    case 6: pd_k_launch(k_skinny<6, R, NORM, EPI, VAR, TWO>, grid, block, 0, s, a); break;
+    case 7: pd_k_launch(k_skinny<7, R, NORM, EPI, VAR, TWO>, grid, block, 0, s, a); break;
+    default: pd_k_launch(k_skinny<8, R, NORM, EPI, VAR, TWO>, grid, block, 0, s, a); break;
     }
 }
 
 // var: PD_K_SK_REG, PD_K_SK_OCC4 (M = 5 only; other M take the register build) or PD_K_SK_ASYNC.
+// two: the TWO build (register build, M = 1 only, K within one batch of loads) where asked.
 template <int R, int NORM, int EPI>
-static void pd_k_skinny_launch_r(const pd_k_skinny_args &a, cudaStream_t s, int var) {
+static void pd_k_skinny_launch_r(pd_k_skinny_args a, cudaStream_t s, int var, int two) {
     int rows = EPI == PD_K_SK_GLU ? R / 2 : R;
     unsigned n_blocks = (unsigned)((a.N + rows - 1) / rows);
     if (EPI == PD_K_SK_ROPE)  // rotation blocks (2 pairs each), then v blocks
         n_blocks = (unsigned)((a.H + a.Hkv) * (a.hd / 2) / 2 + (a.Hkv * a.hd + R - 1) / R);
+    a.n_vb = (int)n_blocks;
     dim3 grid(n_blocks), block(PD_K_SK_THREADS);
-    if (var == PD_K_SK_ASYNC) pd_k_skinny_launch_v<R, NORM, EPI, PD_K_SK_ASYNC>(a, s, grid, block);
-    else if (var == PD_K_SK_OCC4 && a.M == 5) pd_k_launch(k_skinny<5, R, NORM, EPI, PD_K_SK_OCC4>, grid, block, 0, s, a);
-    else pd_k_skinny_launch_v<R, NORM, EPI, PD_K_SK_REG>(a, s, grid, block);
+    if (two && var == PD_K_SK_REG && a.M == 1 && a.K <= 8 * PD_K_SK_LOADS / R * PD_K_SK_THREADS && n_blocks > 1) {
+        grid = dim3((n_blocks + 1) / 2);
+        pd_k_launch(k_skinny<1, R, NORM, EPI, PD_K_SK_REG, 1>, grid, block, 0, s, a);
+    } else if (var == PD_K_SK_ASYNC) {
+        pd_k_skinny_launch_v<R, NORM, EPI, PD_K_SK_ASYNC, 0>(a, s, grid, block);
+    } else if (var == PD_K_SK_OCC4 && a.M == 5) {
+        pd_k_launch(k_skinny<5, R, NORM, EPI, PD_K_SK_OCC4, 0>, grid, block, 0, s, a);
+    } else {
+        pd_k_skinny_launch_v<R, NORM, EPI, PD_K_SK_REG, 0>(a, s, grid, block);
+    }
 }
 
 extern "C" void pd_cuda_skinny(const pd_skinny_kparams *p, cudaStream_t s) {
@@ -352,18 +406,19 @@ extern "C" void pd_cuda_skinny(const pd_skinny_kparams *p, cudaStream_t s) {
     a.k_cache = (__nv_bfloat16 *)r->k_cache, a.v_cache = (__nv_bfloat16 *)r->v_cache;
     a.H = r->n_heads, a.Hkv = r->n_kv_heads, a.hd = r->head_dim, a.attn_scaling = r->attn_scaling;
     const int var = p->async ? PD_K_SK_ASYNC : p->occ4 ? PD_K_SK_OCC4 : PD_K_SK_REG;
+    const int two = p->two;  // a mask of PD_SKINNY_TWO_*
     if (p->rope) {  // the qkv GEMM: with the attention norm (decode) or without
-        if (p->norm_w) pd_k_skinny_launch_r<4, 1, PD_K_SK_ROPE>(a, s, var);
-        else pd_k_skinny_launch_r<4, 0, PD_K_SK_ROPE>(a, s, var);
+        if (p->norm_w) pd_k_skinny_launch_r<4, 1, PD_K_SK_ROPE>(a, s, var, two & PD_SKINNY_TWO_ROPE);
+        else pd_k_skinny_launch_r<4, 0, PD_K_SK_ROPE>(a, s, var, two & PD_SKINNY_TWO_ROPE);
         return;
     }
     // The fused forms: 4 rows per block (2 gate/up pairs with glu); only the instantiations the
     // decode step uses (norm with plain (lm_head) or glu (gate_up) or plain (qkv); residual alone).
-    if (p->norm_w && p->glu) pd_k_skinny_launch_r<4, 1, PD_K_SK_GLU>(a, s, var);
-    else if (p->norm_w && !p->residual) pd_k_skinny_launch_r<4, 1, PD_K_SK_PLAIN>(a, s, var);
-    else if (p->norm_w) pd_k_skinny_launch_r<4, 1, PD_K_SK_RESIDUAL>(a, s, var);
-    else if (p->glu) pd_k_skinny_launch_r<4, 0, PD_K_SK_GLU>(a, s, var);
-    else if (p->residual) pd_k_skinny_launch_r<4, 0, PD_K_SK_RESIDUAL>(a, s, var);
-    else if (p->rows == 2) pd_k_skinny_launch_r<2, 0, PD_K_SK_PLAIN>(a, s, var);
-    else pd_k_skinny_launch_r<4, 0, PD_K_SK_PLAIN>(a, s, var);
+    if (p->norm_w && p->glu) pd_k_skinny_launch_r<4, 1, PD_K_SK_GLU>(a, s, var, two & PD_SKINNY_TWO_GLU);
+    else if (p->norm_w && !p->residual) pd_k_skinny_launch_r<4, 1, PD_K_SK_PLAIN>(a, s, var, two & PD_SKINNY_TWO_PLAIN);
+    else if (p->norm_w) pd_k_skinny_launch_r<4, 1, PD_K_SK_RESIDUAL>(a, s, var, two & PD_SKINNY_TWO_RESIDUAL);
+    else if (p->glu) pd_k_skinny_launch_r<4, 0, PD_K_SK_GLU>(a, s, var, two & PD_SKINNY_TWO_GLU);
+    else if (p->residual) pd_k_skinny_launch_r<4, 0, PD_K_SK_RESIDUAL>(a, s, var, two & PD_SKINNY_TWO_RESIDUAL);
+    else if (p->rows == 2) pd_k_skinny_launch_r<2, 0, PD_K_SK_PLAIN>(a, s, var, 0);
+    else pd_k_skinny_launch_r<4, 0, PD_K_SK_PLAIN>(a, s, var, two & PD_SKINNY_TWO_PLAIN);
 }
