@@ -34,7 +34,8 @@ typedef struct pd_k_skinny_args {
     __nv_bfloat16 *k_cache, *v_cache;
     int H, Hkv, hd;
     float attn_scaling;
-    int n_vb;  // the call's tiles (R weight rows each; TWO builds: block b owns tiles b and b + gridDim.x)
+    int n_vb;     // the call's tiles (R weight rows each; the persistent build loops over them)
+    int prewait;  // batches of loads issued before the PDL wait (U or more: all)
 } pd_k_skinny_args;
 
 // Weight chunks c + u * 128 (u < U) of the R rows; chunks past the row's end read as zero.
@@ -109,12 +110,14 @@ enum { PD_K_SK_PLAIN = 0, PD_K_SK_RESIDUAL = 1, PD_K_SK_GLU = 2, PD_K_SK_ROPE = 
 // free, and the blocks per SM are bounded by shared memory (32 KB each: 6) rather than registers
 // (3 at M = 5, 2 at M = 8), so more bytes are in flight per SM at M >= 5.
 enum { PD_K_SK_REG = 0, PD_K_SK_OCC4 = 1, PD_K_SK_ASYNC = 2 };
-// TWO (PD_CUDA_SKINNY_TWO; M = 1, K <= 4096: one batch of loads per tile): each block owns two tiles, b and
-// b + gridDim.x; the first tile's weights are loaded into registers before the PDL wait as above,
-// the second tile's are copied into shared memory with cp.async right after the wait, before the
-// first tile's arithmetic, so the memory system has the next requests queued while the blocks that
-// waited compute, exit and the next ones launch (at a kernel boundary it is otherwise idle for that
-// time: the waiting blocks' loads landed during the previous kernel).
+// Persistent build (PS; PD_CUDA_SKINNY_PERSIST=n, M = 1, K <= 4096: a tile is one batch of loads):
+// n blocks per SM, each looping over tiles b, b + gridDim.x, ...; the next tile's loads are issued
+// half by half as soon as the current tile's half has been multiplied, so a block always has loads
+// in flight (no block exit and relaunch between tiles, whose blocks would start with no loads in
+// flight). Prewait (PD_CUDA_SKINNY_PREWAIT=u): only the first u of the U batches of a tile's loads
+// are issued before the PDL wait, the rest right after it, before any arithmetic (the waiting
+// blocks' loads all landed during the previous kernel; these are requests the memory system has
+// while the blocks that waited compute).
 
 // Tile vb's first weight row, whether it is a rotation tile (the rope form: rotation tiles own two
 // pairs of one q / k head, i.e. rows i, i + 1, i + hd/2, i + hd/2 + 1; v tiles R consecutive rows)
@@ -143,75 +146,50 @@ static __device__ __forceinline__ void pd_k_sk_rows(const pd_k_skinny_args &p, i
     }
 }
 
-// One tile: the main loop over K (weights in wv, or in wsm when SM: slot (u R + r) 128 + tid, one
-// cp.async commit group outstanding), the reduction through red and the epilogue.
-template <int M, int R, int NORM, int EPI, bool SM, int WU, int WR>
-static __device__ __forceinline__ void pd_k_sk_tile(const pd_k_skinny_args &p, uint4 (&wv)[WU][WR], uint4 *wsm,
-                                                    const uint4 *const (&wr)[R], int row0, bool rot, const float (&inv)[M],
-                                                    float (*red)[R * M]) {
-    constexpr int U = PD_K_SK_LOADS / R;
-    const int tid = threadIdx.x, chunks = p.K >> 3, lane = tid & 31, warp = tid >> 5, half = p.hd >> 1;
-    const uint4 *ar[M];
+// acc += the R weight chunks w (chunk cu of each row) times chunk cu of the M activation rows
+// (normalised on the fly with NORM).
+template <int M, int R, int NORM>
+static __device__ __forceinline__ void pd_k_sk_fma(const pd_k_skinny_args &p, const uint4 (&w)[R], int cu,
+                                                   const uint4 *const (&ar)[M], const float (&inv)[M], float (&acc)[R][M]) {
+    float wf[R][8], gf[8];
+    uint4 graw = make_uint4(0, 0, 0, 0);
 #pragma unroll
-    for (int m = 0; m < M; m++) ar[m] = (const uint4 *)(p.a + (size_t)m * p.lda);
-    float acc[R][M];
-#pragma unroll
-    for (int r = 0; r < R; r++)
-#pragma unroll
-        for (int m = 0; m < M; m++) acc[r][m] = 0.f;
-    if constexpr (SM) pd_k_cp_async_wait<0>();
-    constexpr int UNR = SM ? 1 : U;  // (unrolled, the shared-memory reads would all be hoisted into registers)
-    for (int c = tid;;) {
-#pragma unroll UNR
-        for (int u = 0; u < U; u++) {
-            int cu = c + u * PD_K_SK_THREADS;
-            if (cu >= chunks) break;
-            float wf[R][8], gf[8];
-            uint4 graw = make_uint4(0, 0, 0, 0);
-#pragma unroll
-            for (int r = 0; r < R; r++) {
-                if constexpr (SM) pd_k_unpack8(wsm[(u * R + r) * PD_K_SK_THREADS + tid], wf[r]);
-                else pd_k_unpack8(wv[u][r], wf[r]);
-            }
-            if (NORM) {
-                graw = __ldg((const uint4 *)p.norm_w + cu);
-                pd_k_unpack8(graw, gf);
-            }
-#pragma unroll
-            for (int m = 0; m < M; m++) {
-                float af[8];
-                pd_k_unpack8(__ldg(ar[m] + cu), af);
-                if (NORM && p.hf) {  // bf16(g * bf16(x * inv)), two at a time: the bf16x2 product of
-                                     // two bf16 values is their exact product rounded once
-                    const uint32_t gw[4] = {graw.x, graw.y, graw.z, graw.w};
-#pragma unroll
-                    for (int i = 0; i < 4; i++) {
-                        __nv_bfloat162 nv = __floats2bfloat162_rn(af[2 * i] * inv[m], af[2 * i + 1] * inv[m]);
-                        __nv_bfloat162 pr = __hmul2(*reinterpret_cast<const __nv_bfloat162 *>(&gw[i]), nv);
-                        uint32_t pw = *reinterpret_cast<uint32_t *>(&pr);
-                        af[2 * i] = __uint_as_float(pw << 16);
-                        af[2 * i + 1] = __uint_as_float(pw & 0xffff0000u);
-                    }
-                } else if (NORM) {
-#pragma unroll
-                    for (int j = 0; j < 8; j++) af[j] = pd_k_bf16r(gf[j] * (af[j] * inv[m]));
-                }
-#pragma unroll
-                for (int r = 0; r < R; r++)
-#pragma unroll
-                    for (int j = 0; j < 8; j++) acc[r][m] = fmaf(wf[r][j], af[j], acc[r][m]);
-            }
-        }
-        c += U * PD_K_SK_THREADS;
-        if (c >= chunks) break;
-        if constexpr (SM) {
-            pd_k_sk_load_async<R, U>(wsm, wr, tid, c, chunks);
-            pd_k_cp_async_wait<0>();
-        } else {
-            pd_k_sk_load<R, U>(wv, wr, c, chunks);
-        }
+    for (int r = 0; r < R; r++) pd_k_unpack8(w[r], wf[r]);
+    if (NORM) {
+        graw = __ldg((const uint4 *)p.norm_w + cu);
+        pd_k_unpack8(graw, gf);
     }
+#pragma unroll
+    for (int m = 0; m < M; m++) {
+        float af[8];
+        pd_k_unpack8(__ldg(ar[m] + cu), af);
+        if (NORM && p.hf) {  // bf16(g * bf16(x * inv)), two at a time: the bf16x2 product of
+                             // two bf16 values is their exact product rounded once
+            const uint32_t gw[4] = {graw.x, graw.y, graw.z, graw.w};
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                __nv_bfloat162 nv = __floats2bfloat162_rn(af[2 * i] * inv[m], af[2 * i + 1] * inv[m]);
+                __nv_bfloat162 pr = __hmul2(*reinterpret_cast<const __nv_bfloat162 *>(&gw[i]), nv);
+                uint32_t pw = *reinterpret_cast<uint32_t *>(&pr);
+                af[2 * i] = __uint_as_float(pw << 16);
+                af[2 * i + 1] = __uint_as_float(pw & 0xffff0000u);
+            }
+        } else if (NORM) {
+#pragma unroll
+            for (int j = 0; j < 8; j++) af[j] = pd_k_bf16r(gf[j] * (af[j] * inv[m]));
+        }
+#pragma unroll
+        for (int r = 0; r < R; r++)
+#pragma unroll
+            for (int j = 0; j < 8; j++) acc[r][m] = fmaf(wf[r][j], af[j], acc[r][m]);
+    }
+}
 
+// The tile's sums: the reduction over the block through red and the epilogue of the form.
+template <int M, int R, int EPI>
+static __device__ __forceinline__ void pd_k_sk_epi(const pd_k_skinny_args &p, const float (&acc)[R][M], int row0, bool rot,
+                                                   float (*red)[R * M]) {
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, half = p.hd >> 1;
     float v[PD_K_SK_P2(R * M)];
 #pragma unroll
     for (int i = 0; i < PD_K_SK_P2(R * M); i++) v[i] = i < R * M ? acc[i / M][i % M] : 0.f;
@@ -283,8 +261,18 @@ static __device__ __forceinline__ void pd_k_sk_tile(const pd_k_skinny_args &p, u
     }
 }
 
+// Weight chunks c + u * 128 (U0 <= u < U1) of the R rows into wv[u]; chunks past the row's end read as zero.
+template <int R, int U, int U0, int U1>
+static __device__ __forceinline__ void pd_k_sk_load_part(uint4 (&wv)[U][R], const uint4 *const (&wr)[R], int c, int chunks) {
+#pragma unroll
+    for (int u = U0; u < U1; u++)
+#pragma unroll
+        for (int r = 0; r < R; r++)
+            wv[u][r] = c + u * PD_K_SK_THREADS < chunks ? pd_k_ld_stream(wr[r] + c + u * PD_K_SK_THREADS)
+                                                        : make_uint4(0, 0, 0, 0);
+}
 
-template <int M, int R, int NORM, int EPI, int VAR, int TWO>
+template <int M, int R, int NORM, int EPI, int VAR, int PS>
 static __global__ void __launch_bounds__(PD_K_SK_THREADS, VAR == PD_K_SK_OCC4 ? 4 : 0) k_skinny(pd_k_skinny_args p) {
     constexpr bool AS = VAR == PD_K_SK_ASYNC;
     constexpr int U = PD_K_SK_LOADS / R;
@@ -295,17 +283,22 @@ static __global__ void __launch_bounds__(PD_K_SK_THREADS, VAR == PD_K_SK_OCC4 ? 
     const uint4 *wr[R];
     pd_k_sk_rows<R, EPI>(p, blockIdx.x, row0, rot, wr);
     uint4 wv[AS ? 1 : U][AS ? 1 : R];
-    __shared__ uint4 wsm[AS || TWO ? PD_K_SK_LOADS * PD_K_SK_THREADS : 1];  // slot (u R + r) 128 + tid
-    if constexpr (AS) pd_k_sk_load_async<R, U>(wsm, wr, tid, tid, chunks);
-    else pd_k_sk_load<R, U>(wv, wr, tid, chunks);
-    pd_k_pdl_wait();  // the activations (and out) belong to earlier kernels
-    int row0b = 0;
-    bool rotb = false;
-    const uint4 *wrb[R];
-    const bool second = TWO && (int)(blockIdx.x + gridDim.x) < p.n_vb;  // uniform over the block
-    if (TWO && second) {
-        pd_k_sk_rows<R, EPI>(p, blockIdx.x + gridDim.x, row0b, rotb, wrb);
-        pd_k_sk_load_async<R, U>(wsm, wrb, tid, tid, chunks);
+    __shared__ uint4 wsm[AS ? PD_K_SK_LOADS * PD_K_SK_THREADS : 1];  // slot (u R + r) 128 + tid
+    if constexpr (AS) {
+        pd_k_sk_load_async<R, U>(wsm, wr, tid, tid, chunks);
+        pd_k_pdl_wait();  // the activations (and out) belong to earlier kernels
+    } else if (PS || p.prewait >= U) {
+        pd_k_sk_load<R, U>(wv, wr, tid, chunks);
+        pd_k_pdl_wait();
+    } else {  // the first p.prewait batches before the wait, the rest right after it
+        if (p.prewait >= 1) pd_k_sk_load_part<R, U, 0, 1>(wv, wr, tid, chunks);
+        if (p.prewait >= 2) pd_k_sk_load_part<R, U, 1, 2>(wv, wr, tid, chunks);
+        if (p.prewait >= 3) pd_k_sk_load_part<R, U, 2, 3>(wv, wr, tid, chunks);
+        pd_k_pdl_wait();
+        if (p.prewait < 1) pd_k_sk_load_part<R, U, 0, 1>(wv, wr, tid, chunks);
+        if (p.prewait < 2) pd_k_sk_load_part<R, U, 1, 2>(wv, wr, tid, chunks);
+        if (p.prewait < 3) pd_k_sk_load_part<R, U, 2, 3>(wv, wr, tid, chunks);
+        pd_k_sk_load_part<R, U, 3, U>(wv, wr, tid, chunks);
     }
 
     const uint4 *ar[M];
@@ -343,10 +336,67 @@ static __global__ void __launch_bounds__(PD_K_SK_THREADS, VAR == PD_K_SK_OCC4 ? 
         }
     }
     __shared__ float red[PD_K_SK_THREADS / 32][R * M];
-    pd_k_sk_tile<M, R, NORM, EPI, AS>(p, wv, wsm, wr, row0, rot, inv, red);
-    if (TWO && second) {
-        __syncthreads();  // red is read by the first tile's epilogue
-        pd_k_sk_tile<M, R, NORM, EPI, true>(p, wv, wsm, wrb, row0b, rotb, inv, red);
+    if constexpr (PS && !AS) {  // tiles vb, vb + gridDim.x, ... (one batch of loads each: chunks <= U * 128)
+        for (int vb = blockIdx.x;;) {
+            const int nvb = vb + (int)gridDim.x;
+            const bool next = nvb < p.n_vb;  // uniform over the block
+            int row0n = 0;
+            bool rotn = false;
+            const uint4 *wrn[R];
+            if (next) pd_k_sk_rows<R, EPI>(p, nvb, row0n, rotn, wrn);
+            float acc[R][M];
+#pragma unroll
+            for (int r = 0; r < R; r++)
+#pragma unroll
+                for (int m = 0; m < M; m++) acc[r][m] = 0.f;
+#pragma unroll
+            for (int u = 0; u < U / 2; u++)
+                if (tid + u * PD_K_SK_THREADS < chunks)
+                    pd_k_sk_fma<M, R, NORM>(p, wv[u], tid + u * PD_K_SK_THREADS, ar, inv, acc);
+            if (next) pd_k_sk_load_part<R, U, 0, U / 2>(wv, wrn, tid, chunks);
+#pragma unroll
+            for (int u = U / 2; u < U; u++)
+                if (tid + u * PD_K_SK_THREADS < chunks)
+                    pd_k_sk_fma<M, R, NORM>(p, wv[u], tid + u * PD_K_SK_THREADS, ar, inv, acc);
+            if (next) pd_k_sk_load_part<R, U, U / 2, U>(wv, wrn, tid, chunks);
+            pd_k_sk_epi<M, R, EPI>(p, acc, row0, rot, red);
+            if (!next) break;
+            __syncthreads();  // red is read by this tile's epilogue
+            vb = nvb, row0 = row0n, rot = rotn;
+#pragma unroll
+            for (int r = 0; r < R; r++) wr[r] = wrn[r];
+        }
+    } else {
+        float acc[R][M];
+#pragma unroll
+        for (int r = 0; r < R; r++)
+#pragma unroll
+            for (int m = 0; m < M; m++) acc[r][m] = 0.f;
+        if constexpr (AS) pd_k_cp_async_wait<0>();
+        constexpr int UNR = AS ? 1 : U;  // (unrolled, the shared-memory reads would all be hoisted into registers)
+        for (int c = tid;;) {
+#pragma unroll UNR
+            for (int u = 0; u < U; u++) {
+                int cu = c + u * PD_K_SK_THREADS;
+                if (cu >= chunks) break;
+                uint4 w[R];
+#pragma unroll
+                for (int r = 0; r < R; r++) {
+                    if constexpr (AS) w[r] = wsm[(u * R + r) * PD_K_SK_THREADS + tid];
+                    else w[r] = wv[u][r];
+                }
+                pd_k_sk_fma<M, R, NORM>(p, w, cu, ar, inv, acc);
+            }
+            c += U * PD_K_SK_THREADS;
+            if (c >= chunks) break;
+            if constexpr (AS) {
+                pd_k_sk_load_async<R, U>(wsm, wr, tid, c, chunks);
+                pd_k_cp_async_wait<0>();
+            } else {
+                pd_k_sk_load<R, U>(wv, wr, c, chunks);
+            }
+        }
+        pd_k_sk_epi<M, R, EPI>(p, acc, row0, rot, red);
     }
 }
 
@@ -355,39 +405,51 @@ extern "C" int pd_cuda_skinny_supported(int M, int K, int lda, const void *a, co
            ((uintptr_t)w & 15) == 0;
 }
 
-template <int R, int NORM, int EPI, int VAR, int TWO>
+template <int R, int NORM, int EPI, int VAR>
 static void pd_k_skinny_launch_v(const pd_k_skinny_args &a, cudaStream_t s, dim3 grid, dim3 block) {
     switch (a.M) {
-    case 1: pd_k_launch(k_skinny<1, R, NORM, EPI, VAR, TWO>, grid, block, 0, s, a); break;
-    case 2: pd_k_launch(k_skinny<2, R, NORM, EPI, VAR, TWO>, grid, block, 0, s, a); break;
-    case 3: pd_k_launch(k_skinny<3, R, NORM, EPI, VAR, TWO>, grid, block, 0, s, a); break;
-    case 4: pd_k_launch(k_skinny<4, R, NORM, EPI, VAR, TWO>, grid, block, 0, s, a); break;
-    case 5: pd_k_launch(k_skinny<5, R, NORM, EPI, VAR, TWO>, grid, block, 0, s, a); break;
-    case 6: pd_k_launch(k_skinny<6, R, NORM, EPI, VAR, TWO>, grid, block, 0, s, a); break;
-    case 7: pd_k_launch(k_skinny<7, R, NORM, EPI, VAR, TWO>, grid, block, 0, s, a); break;
-    default: pd_k_launch(k_skinny<8, R, NORM, EPI, VAR, TWO>, grid, block, 0, s, a); break;
+    case 1: pd_k_launch(k_skinny<1, R, NORM, EPI, VAR, 0>, grid, block, 0, s, a); break;
+    case 2: pd_k_launch(k_skinny<2, R, NORM, EPI, VAR, 0>, grid, block, 0, s, a); break;
+    case 3: pd_k_launch(k_skinny<3, R, NORM, EPI, VAR, 0>, grid, block, 0, s, a); break;
+    case 4: pd_k_launch(k_skinny<4, R, NORM, EPI, VAR, 0>, grid, block, 0, s, a); break;
+    case 5: pd_k_launch(k_skinny<5, R, NORM, EPI, VAR, 0>, grid, block, 0, s, a); break;
+    case 6: pd_k_launch(k_skinny<6, R, NORM, EPI, VAR, 0>, grid, block, 0, s, a); break;
+    case 7: pd_k_launch(k_skinny<7, R, NORM, EPI, VAR, 0>, grid, block, 0, s, a); break;
+    default: pd_k_launch(k_skinny<8, R, NORM, EPI, VAR, 0>, grid, block, 0, s, a); break;
     }
 }
 
+// The SMs of the current device (read once).
+static int pd_k_sk_sms() {
+    static int n = 0;
+    if (!n) {
+        int dev = 0, v = 0;
+        if (cudaGetDevice(&dev) == cudaSuccess && cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, dev) == cudaSuccess && v > 0) n = v;
+        else n = 132;
+    }
+    return n;
+}
+
 // var: PD_K_SK_REG, PD_K_SK_OCC4 (M = 5 only; other M take the register build) or PD_K_SK_ASYNC.
-// two: the TWO build (register build, M = 1 only, K within one batch of loads) where asked.
+// ps: blocks per SM of the persistent build (0: off; M = 1, register build, K within one batch).
 template <int R, int NORM, int EPI>
-static void pd_k_skinny_launch_r(pd_k_skinny_args a, cudaStream_t s, int var, int two) {
+static void pd_k_skinny_launch_r(pd_k_skinny_args a, cudaStream_t s, int var, int ps) {
     int rows = EPI == PD_K_SK_GLU ? R / 2 : R;
     unsigned n_blocks = (unsigned)((a.N + rows - 1) / rows);
     if (EPI == PD_K_SK_ROPE)  // rotation blocks (2 pairs each), then v blocks
         n_blocks = (unsigned)((a.H + a.Hkv) * (a.hd / 2) / 2 + (a.Hkv * a.hd + R - 1) / R);
     a.n_vb = (int)n_blocks;
     dim3 grid(n_blocks), block(PD_K_SK_THREADS);
-    if (two && var == PD_K_SK_REG && a.M == 1 && a.K <= 8 * PD_K_SK_LOADS / R * PD_K_SK_THREADS && n_blocks > 1) {
-        grid = dim3((n_blocks + 1) / 2);
+    if (ps > 0 && var == PD_K_SK_REG && a.M == 1 && a.K <= 8 * PD_K_SK_LOADS / R * PD_K_SK_THREADS) {
+        unsigned g = (unsigned)(ps * pd_k_sk_sms());
+        grid = dim3(n_blocks < g ? n_blocks : g);
         pd_k_launch(k_skinny<1, R, NORM, EPI, PD_K_SK_REG, 1>, grid, block, 0, s, a);
     } else if (var == PD_K_SK_ASYNC) {
-        pd_k_skinny_launch_v<R, NORM, EPI, PD_K_SK_ASYNC, 0>(a, s, grid, block);
+        pd_k_skinny_launch_v<R, NORM, EPI, PD_K_SK_ASYNC>(a, s, grid, block);
     } else if (var == PD_K_SK_OCC4 && a.M == 5) {
         pd_k_launch(k_skinny<5, R, NORM, EPI, PD_K_SK_OCC4, 0>, grid, block, 0, s, a);
     } else {
-        pd_k_skinny_launch_v<R, NORM, EPI, PD_K_SK_REG, 0>(a, s, grid, block);
+        pd_k_skinny_launch_v<R, NORM, EPI, PD_K_SK_REG>(a, s, grid, block);
     }
 }
 
@@ -406,19 +468,20 @@ extern "C" void pd_cuda_skinny(const pd_skinny_kparams *p, cudaStream_t s) {
     a.k_cache = (__nv_bfloat16 *)r->k_cache, a.v_cache = (__nv_bfloat16 *)r->v_cache;
     a.H = r->n_heads, a.Hkv = r->n_kv_heads, a.hd = r->head_dim, a.attn_scaling = r->attn_scaling;
     const int var = p->async ? PD_K_SK_ASYNC : p->occ4 ? PD_K_SK_OCC4 : PD_K_SK_REG;
-    const int two = p->two;  // a mask of PD_SKINNY_TWO_*
+    const int ps = p->persist;  // blocks per SM of the persistent build, 0: off
+    a.prewait = p->prewait > 0 ? p->prewait - 1 : PD_K_SK_LOADS;  // (kparams: 0 = all, u + 1 = u batches)
     if (p->rope) {  // the qkv GEMM: with the attention norm (decode) or without
-        if (p->norm_w) pd_k_skinny_launch_r<4, 1, PD_K_SK_ROPE>(a, s, var, two & PD_SKINNY_TWO_ROPE);
-        else pd_k_skinny_launch_r<4, 0, PD_K_SK_ROPE>(a, s, var, two & PD_SKINNY_TWO_ROPE);
+        if (p->norm_w) pd_k_skinny_launch_r<4, 1, PD_K_SK_ROPE>(a, s, var, ps);
+        else pd_k_skinny_launch_r<4, 0, PD_K_SK_ROPE>(a, s, var, ps);
         return;
     }
     // The fused forms: 4 rows per block (2 gate/up pairs with glu); only the instantiations the
     // decode step uses (norm with plain (lm_head) or glu (gate_up) or plain (qkv); residual alone).
-    if (p->norm_w && p->glu) pd_k_skinny_launch_r<4, 1, PD_K_SK_GLU>(a, s, var, two & PD_SKINNY_TWO_GLU);
-    else if (p->norm_w && !p->residual) pd_k_skinny_launch_r<4, 1, PD_K_SK_PLAIN>(a, s, var, two & PD_SKINNY_TWO_PLAIN);
-    else if (p->norm_w) pd_k_skinny_launch_r<4, 1, PD_K_SK_RESIDUAL>(a, s, var, two & PD_SKINNY_TWO_RESIDUAL);
-    else if (p->glu) pd_k_skinny_launch_r<4, 0, PD_K_SK_GLU>(a, s, var, two & PD_SKINNY_TWO_GLU);
-    else if (p->residual) pd_k_skinny_launch_r<4, 0, PD_K_SK_RESIDUAL>(a, s, var, two & PD_SKINNY_TWO_RESIDUAL);
+    if (p->norm_w && p->glu) pd_k_skinny_launch_r<4, 1, PD_K_SK_GLU>(a, s, var, ps);
+    else if (p->norm_w && !p->residual) pd_k_skinny_launch_r<4, 1, PD_K_SK_PLAIN>(a, s, var, ps);
+    else if (p->norm_w) pd_k_skinny_launch_r<4, 1, PD_K_SK_RESIDUAL>(a, s, var, ps);
+    else if (p->glu) pd_k_skinny_launch_r<4, 0, PD_K_SK_GLU>(a, s, var, ps);
+    else if (p->residual) pd_k_skinny_launch_r<4, 0, PD_K_SK_RESIDUAL>(a, s, var, ps);
     else if (p->rows == 2) pd_k_skinny_launch_r<2, 0, PD_K_SK_PLAIN>(a, s, var, 0);
-    else pd_k_skinny_launch_r<4, 0, PD_K_SK_PLAIN>(a, s, var, two & PD_SKINNY_TWO_PLAIN);
+    else pd_k_skinny_launch_r<4, 0, PD_K_SK_PLAIN>(a, s, var, ps);
 }

@@ -608,27 +608,31 @@ static void bench_single(double copy_gbs, pd_backend **bes, const char **be_name
     double layer_w = 2.0 * ((double)NQ * D + (double)D * D + 2.0 * F * D + (double)D * F), lm_w = 2.0 * V * D;
     double kv = 2.0 * ctx * Hkv * hd * 2;  // one layer's K and V rows
     // early: attention's n_new (1: K/V rows before the new one loaded before the PDL wait; 0: none)
-    struct { const char *name; unsigned mask; double bytes; int early; } vs[] = {
-        {"whole step", SG_EMBED | SG_GEMMS | SG_ATTN | SG_LMH, 32 * (layer_w + kv) + lm_w, 1},
-        {"whole, late kv", SG_EMBED | SG_GEMMS | SG_ATTN | SG_LMH, 32 * (layer_w + kv) + lm_w, 0},
-        {"with get_rows", SG_EMBED | SG_GEMMS | SG_ATTN | SG_ROWS | SG_LMH, 32 * (layer_w + kv) + lm_w, 1},
-        {"no attention", SG_EMBED | SG_GEMMS | SG_LMH, 32 * layer_w + lm_w, 1},
-        {"layers only", SG_EMBED | SG_GEMMS | SG_ATTN, 32 * (layer_w + kv), 1},
-        {"gemms only", SG_GEMMS, 32 * layer_w, 1},
-        {"qkv only", SG_QKV, 32 * 2.0 * NQ * D, 1},
-        {"o only", SG_O, 32 * 2.0 * D * D, 1},
-        {"gate_up only", SG_GU, 32 * 2.0 * 2 * F * D, 1},
-        {"down only", SG_DN, 32 * 2.0 * F * D, 1},
-        {"o+down only", SG_O | SG_DN, 32 * 2.0 * (D * D + F * D), 1},
-        {"attention only", SG_ATTN, 32 * kv, 1},
-        {"attn only late", SG_ATTN, 32 * kv, 0},
-        {"lm_head only", SG_LMH, lm_w, 1},
-        {"embed+get_rows", SG_EMBED | SG_ROWS, 0, 1},
-        {"whole step", SG_EMBED | SG_GEMMS | SG_ATTN | SG_LMH, 32 * (layer_w + kv) + lm_w, 1},
-        {"whole, late kv", SG_EMBED | SG_GEMMS | SG_ATTN | SG_LMH, 32 * (layer_w + kv) + lm_w, 0},
+    // sh: in the short list (OPB_SINGLE_SHORT=1: only those)
+    struct { const char *name; unsigned mask; double bytes; int early, sh; } vs[] = {
+        {"whole step", SG_EMBED | SG_GEMMS | SG_ATTN | SG_LMH, 32 * (layer_w + kv) + lm_w, 1, 1},
+        {"whole, late kv", SG_EMBED | SG_GEMMS | SG_ATTN | SG_LMH, 32 * (layer_w + kv) + lm_w, 0, 0},
+        {"with get_rows", SG_EMBED | SG_GEMMS | SG_ATTN | SG_ROWS | SG_LMH, 32 * (layer_w + kv) + lm_w, 1, 0},
+        {"no attention", SG_EMBED | SG_GEMMS | SG_LMH, 32 * layer_w + lm_w, 1, 1},
+        {"layers only", SG_EMBED | SG_GEMMS | SG_ATTN, 32 * (layer_w + kv), 1, 0},
+        {"gemms only", SG_GEMMS, 32 * layer_w, 1, 1},
+        {"qkv only", SG_QKV, 32 * 2.0 * NQ * D, 1, 1},
+        {"o only", SG_O, 32 * 2.0 * D * D, 1, 1},
+        {"gate_up only", SG_GU, 32 * 2.0 * 2 * F * D, 1, 1},
+        {"down only", SG_DN, 32 * 2.0 * F * D, 1, 1},
+        {"o+down only", SG_O | SG_DN, 32 * 2.0 * (D * D + F * D), 1, 0},
+        {"attention only", SG_ATTN, 32 * kv, 1, 0},
+        {"attn only late", SG_ATTN, 32 * kv, 0, 0},
+        {"lm_head only", SG_LMH, lm_w, 1, 1},
+        {"embed+get_rows", SG_EMBED | SG_ROWS, 0, 1, 0},
+        {"whole step", SG_EMBED | SG_GEMMS | SG_ATTN | SG_LMH, 32 * (layer_w + kv) + lm_w, 1, 1},
+        {"whole, late kv", SG_EMBED | SG_GEMMS | SG_ATTN | SG_LMH, 32 * (layer_w + kv) + lm_w, 0, 0},
     };
+    bool short_only = false;
+    if (pd_env_switch("OPB_SINGLE_SHORT", false, &short_only, &eerr)) { fprintf(stderr, "%s\n", eerr.msg); exit(2); }
     for (int bi = 0; bi < n_be; bi++)
         for (size_t v = 0; v < sizeof vs / sizeof vs[0]; v++) {
+            if (short_only && !vs[v].sh) continue;
             s.mask = vs[v].mask;
             s.at[0].n_new = s.at[1].n_new = vs[v].early;
             double t[8];
