@@ -34,7 +34,6 @@ typedef struct pd_k_skinny_args {
     __nv_bfloat16 *k_cache, *v_cache;
     int H, Hkv, hd;
     float attn_scaling;
-    int n_vb;     // the call's tiles (R weight rows each; the persistent build loops over them)
     int prewait;  // batches of loads issued before the PDL wait (U or more: all)
 } pd_k_skinny_args;
 
@@ -110,14 +109,10 @@ enum { PD_K_SK_PLAIN = 0, PD_K_SK_RESIDUAL = 1, PD_K_SK_GLU = 2, PD_K_SK_ROPE = 
 // free, and the blocks per SM are bounded by shared memory (32 KB each: 6) rather than registers
 // (3 at M = 5, 2 at M = 8), so more bytes are in flight per SM at M >= 5.
 enum { PD_K_SK_REG = 0, PD_K_SK_OCC4 = 1, PD_K_SK_ASYNC = 2 };
-// Persistent build (PS; PD_CUDA_SKINNY_PERSIST=n, M = 1, K <= 4096: a tile is one batch of loads):
-// n blocks per SM, each looping over tiles b, b + gridDim.x, ...; the next tile's loads are issued
-// half by half as soon as the current tile's half has been multiplied, so a block always has loads
-// in flight (no block exit and relaunch between tiles, whose blocks would start with no loads in
-// flight). Prewait (PD_CUDA_SKINNY_PREWAIT=u): only the first u of the U batches of a tile's loads
-// are issued before the PDL wait, the rest right after it, before any arithmetic (the waiting
-// blocks' loads all landed during the previous kernel; these are requests the memory system has
-// while the blocks that waited compute).
+// Prewait (PD_CUDA_SKINNY_PREWAIT=u, a measurement knob): only the first u of the U batches of a
+// block's weight loads are issued before the PDL wait, the rest right after it, before any
+// arithmetic. Measured on an H100 (session 13, tools/gpu/NOTES.md dec13-2): u = 0 costs 170 us a
+// single-stream step (the loads before the wait are worth that much), u = 2 is level.
 
 // Tile vb's first weight row, whether it is a rotation tile (the rope form: rotation tiles own two
 // pairs of one q / k head, i.e. rows i, i + 1, i + hd/2, i + hd/2 + 1; v tiles R consecutive rows)
@@ -272,7 +267,7 @@ static __device__ __forceinline__ void pd_k_sk_load_part(uint4 (&wv)[U][R], cons
                                                         : make_uint4(0, 0, 0, 0);
 }
 
-template <int M, int R, int NORM, int EPI, int VAR, int PS>
+template <int M, int R, int NORM, int EPI, int VAR>
 static __global__ void __launch_bounds__(PD_K_SK_THREADS, VAR == PD_K_SK_OCC4 ? 4 : 0) k_skinny(pd_k_skinny_args p) {
     constexpr bool AS = VAR == PD_K_SK_ASYNC;
     constexpr int U = PD_K_SK_LOADS / R;
@@ -287,7 +282,7 @@ static __global__ void __launch_bounds__(PD_K_SK_THREADS, VAR == PD_K_SK_OCC4 ? 
     if constexpr (AS) {
         pd_k_sk_load_async<R, U>(wsm, wr, tid, tid, chunks);
         pd_k_pdl_wait();  // the activations (and out) belong to earlier kernels
-    } else if (PS || p.prewait >= U) {
+    } else if (p.prewait >= U) {
         pd_k_sk_load<R, U>(wv, wr, tid, chunks);
         pd_k_pdl_wait();
     } else {  // the first p.prewait batches before the wait, the rest right after it
@@ -336,68 +331,36 @@ static __global__ void __launch_bounds__(PD_K_SK_THREADS, VAR == PD_K_SK_OCC4 ? 
         }
     }
     __shared__ float red[PD_K_SK_THREADS / 32][R * M];
-    if constexpr (PS && !AS) {  // tiles vb, vb + gridDim.x, ... (one batch of loads each: chunks <= U * 128)
-        for (int vb = blockIdx.x;;) {
-            const int nvb = vb + (int)gridDim.x;
-            const bool next = nvb < p.n_vb;  // uniform over the block
-            int row0n = 0;
-            bool rotn = false;
-            const uint4 *wrn[R];
-            if (next) pd_k_sk_rows<R, EPI>(p, nvb, row0n, rotn, wrn);
-            float acc[R][M];
+    float acc[R][M];
 #pragma unroll
-            for (int r = 0; r < R; r++)
+    for (int r = 0; r < R; r++)
 #pragma unroll
-                for (int m = 0; m < M; m++) acc[r][m] = 0.f;
-#pragma unroll
-            for (int u = 0; u < U / 2; u++)
-                if (tid + u * PD_K_SK_THREADS < chunks)
-                    pd_k_sk_fma<M, R, NORM>(p, wv[u], tid + u * PD_K_SK_THREADS, ar, inv, acc);
-            if (next) pd_k_sk_load_part<R, U, 0, U / 2>(wv, wrn, tid, chunks);
-#pragma unroll
-            for (int u = U / 2; u < U; u++)
-                if (tid + u * PD_K_SK_THREADS < chunks)
-                    pd_k_sk_fma<M, R, NORM>(p, wv[u], tid + u * PD_K_SK_THREADS, ar, inv, acc);
-            if (next) pd_k_sk_load_part<R, U, U / 2, U>(wv, wrn, tid, chunks);
-            pd_k_sk_epi<M, R, EPI>(p, acc, row0, rot, red);
-            if (!next) break;
-            __syncthreads();  // red is read by this tile's epilogue
-            vb = nvb, row0 = row0n, rot = rotn;
-#pragma unroll
-            for (int r = 0; r < R; r++) wr[r] = wrn[r];
-        }
-    } else {
-        float acc[R][M];
-#pragma unroll
-        for (int r = 0; r < R; r++)
-#pragma unroll
-            for (int m = 0; m < M; m++) acc[r][m] = 0.f;
-        if constexpr (AS) pd_k_cp_async_wait<0>();
-        constexpr int UNR = AS ? 1 : U;  // (unrolled, the shared-memory reads would all be hoisted into registers)
-        for (int c = tid;;) {
+        for (int m = 0; m < M; m++) acc[r][m] = 0.f;
+    if constexpr (AS) pd_k_cp_async_wait<0>();
+    constexpr int UNR = AS ? 1 : U;  // (unrolled, the shared-memory reads would all be hoisted into registers)
+    for (int c = tid;;) {
 #pragma unroll UNR
-            for (int u = 0; u < U; u++) {
-                int cu = c + u * PD_K_SK_THREADS;
-                if (cu >= chunks) break;
-                uint4 w[R];
+        for (int u = 0; u < U; u++) {
+            int cu = c + u * PD_K_SK_THREADS;
+            if (cu >= chunks) break;
+            uint4 w[R];
 #pragma unroll
-                for (int r = 0; r < R; r++) {
-                    if constexpr (AS) w[r] = wsm[(u * R + r) * PD_K_SK_THREADS + tid];
-                    else w[r] = wv[u][r];
-                }
-                pd_k_sk_fma<M, R, NORM>(p, w, cu, ar, inv, acc);
+            for (int r = 0; r < R; r++) {
+                if constexpr (AS) w[r] = wsm[(u * R + r) * PD_K_SK_THREADS + tid];
+                else w[r] = wv[u][r];
             }
-            c += U * PD_K_SK_THREADS;
-            if (c >= chunks) break;
-            if constexpr (AS) {
-                pd_k_sk_load_async<R, U>(wsm, wr, tid, c, chunks);
-                pd_k_cp_async_wait<0>();
-            } else {
-                pd_k_sk_load<R, U>(wv, wr, c, chunks);
-            }
+            pd_k_sk_fma<M, R, NORM>(p, w, cu, ar, inv, acc);
         }
-        pd_k_sk_epi<M, R, EPI>(p, acc, row0, rot, red);
+        c += U * PD_K_SK_THREADS;
+        if (c >= chunks) break;
+        if constexpr (AS) {
+            pd_k_sk_load_async<R, U>(wsm, wr, tid, c, chunks);
+            pd_k_cp_async_wait<0>();
+        } else {
+            pd_k_sk_load<R, U>(wv, wr, c, chunks);
+        }
     }
+    pd_k_sk_epi<M, R, EPI>(p, acc, row0, rot, red);
 }
 
 extern "C" int pd_cuda_skinny_supported(int M, int K, int lda, const void *a, const void *w) {
@@ -408,46 +371,29 @@ extern "C" int pd_cuda_skinny_supported(int M, int K, int lda, const void *a, co
 template <int R, int NORM, int EPI, int VAR>
 static void pd_k_skinny_launch_v(const pd_k_skinny_args &a, cudaStream_t s, dim3 grid, dim3 block) {
     switch (a.M) {
-    case 1: pd_k_launch(k_skinny<1, R, NORM, EPI, VAR, 0>, grid, block, 0, s, a); break;
-    case 2: pd_k_launch(k_skinny<2, R, NORM, EPI, VAR, 0>, grid, block, 0, s, a); break;
-    case 3: pd_k_launch(k_skinny<3, R, NORM, EPI, VAR, 0>, grid, block, 0, s, a); break;
-    case 4: pd_k_launch(k_skinny<4, R, NORM, EPI, VAR, 0>, grid, block, 0, s, a); break;
-    case 5: pd_k_launch(k_skinny<5, R, NORM, EPI, VAR, 0>, grid, block, 0, s, a); break;
-    case 6: pd_k_launch(k_skinny<6, R, NORM, EPI, VAR, 0>, grid, block, 0, s, a); break;
-    case 7: pd_k_launch(k_skinny<7, R, NORM, EPI, VAR, 0>, grid, block, 0, s, a); break;
-    default: pd_k_launch(k_skinny<8, R, NORM, EPI, VAR, 0>, grid, block, 0, s, a); break;
+    case 1: pd_k_launch(k_skinny<1, R, NORM, EPI, VAR>, grid, block, 0, s, a); break;
+    case 2: pd_k_launch(k_skinny<2, R, NORM, EPI, VAR>, grid, block, 0, s, a); break;
+    case 3: pd_k_launch(k_skinny<3, R, NORM, EPI, VAR>, grid, block, 0, s, a); break;
+    case 4: pd_k_launch(k_skinny<4, R, NORM, EPI, VAR>, grid, block, 0, s, a); break;
+    case 5: pd_k_launch(k_skinny<5, R, NORM, EPI, VAR>, grid, block, 0, s, a); break;
+    case 6: pd_k_launch(k_skinny<6, R, NORM, EPI, VAR>, grid, block, 0, s, a); break;
+    case 7: pd_k_launch(k_skinny<7, R, NORM, EPI, VAR>, grid, block, 0, s, a); break;
+    default: pd_k_launch(k_skinny<8, R, NORM, EPI, VAR>, grid, block, 0, s, a); break;
     }
-}
-
-// The SMs of the current device (read once).
-static int pd_k_sk_sms() {
-    static int n = 0;
-    if (!n) {
-        int dev = 0, v = 0;
-        if (cudaGetDevice(&dev) == cudaSuccess && cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, dev) == cudaSuccess && v > 0) n = v;
-        else n = 132;
-    }
-    return n;
 }
 
 // var: PD_K_SK_REG, PD_K_SK_OCC4 (M = 5 only; other M take the register build) or PD_K_SK_ASYNC.
-// ps: blocks per SM of the persistent build (0: off; M = 1, register build, K within one batch).
 template <int R, int NORM, int EPI>
-static void pd_k_skinny_launch_r(pd_k_skinny_args a, cudaStream_t s, int var, int ps) {
+static void pd_k_skinny_launch_r(pd_k_skinny_args a, cudaStream_t s, int var) {
     int rows = EPI == PD_K_SK_GLU ? R / 2 : R;
     unsigned n_blocks = (unsigned)((a.N + rows - 1) / rows);
     if (EPI == PD_K_SK_ROPE)  // rotation blocks (2 pairs each), then v blocks
         n_blocks = (unsigned)((a.H + a.Hkv) * (a.hd / 2) / 2 + (a.Hkv * a.hd + R - 1) / R);
-    a.n_vb = (int)n_blocks;
     dim3 grid(n_blocks), block(PD_K_SK_THREADS);
-    if (ps > 0 && var == PD_K_SK_REG && a.M == 1 && a.K <= 8 * PD_K_SK_LOADS / R * PD_K_SK_THREADS) {
-        unsigned g = (unsigned)(ps * pd_k_sk_sms());
-        grid = dim3(n_blocks < g ? n_blocks : g);
-        pd_k_launch(k_skinny<1, R, NORM, EPI, PD_K_SK_REG, 1>, grid, block, 0, s, a);
-    } else if (var == PD_K_SK_ASYNC) {
+    if (var == PD_K_SK_ASYNC) {
         pd_k_skinny_launch_v<R, NORM, EPI, PD_K_SK_ASYNC>(a, s, grid, block);
     } else if (var == PD_K_SK_OCC4 && a.M == 5) {
-        pd_k_launch(k_skinny<5, R, NORM, EPI, PD_K_SK_OCC4, 0>, grid, block, 0, s, a);
+        pd_k_launch(k_skinny<5, R, NORM, EPI, PD_K_SK_OCC4>, grid, block, 0, s, a);
     } else {
         pd_k_skinny_launch_v<R, NORM, EPI, PD_K_SK_REG>(a, s, grid, block);
     }
@@ -468,20 +414,19 @@ extern "C" void pd_cuda_skinny(const pd_skinny_kparams *p, cudaStream_t s) {
     a.k_cache = (__nv_bfloat16 *)r->k_cache, a.v_cache = (__nv_bfloat16 *)r->v_cache;
     a.H = r->n_heads, a.Hkv = r->n_kv_heads, a.hd = r->head_dim, a.attn_scaling = r->attn_scaling;
     const int var = p->async ? PD_K_SK_ASYNC : p->occ4 ? PD_K_SK_OCC4 : PD_K_SK_REG;
-    const int ps = p->persist;  // blocks per SM of the persistent build, 0: off
     a.prewait = p->prewait > 0 ? p->prewait - 1 : PD_K_SK_LOADS;  // (kparams: 0 = all, u + 1 = u batches)
     if (p->rope) {  // the qkv GEMM: with the attention norm (decode) or without
-        if (p->norm_w) pd_k_skinny_launch_r<4, 1, PD_K_SK_ROPE>(a, s, var, ps);
-        else pd_k_skinny_launch_r<4, 0, PD_K_SK_ROPE>(a, s, var, ps);
+        if (p->norm_w) pd_k_skinny_launch_r<4, 1, PD_K_SK_ROPE>(a, s, var);
+        else pd_k_skinny_launch_r<4, 0, PD_K_SK_ROPE>(a, s, var);
         return;
     }
     // The fused forms: 4 rows per block (2 gate/up pairs with glu); only the instantiations the
     // decode step uses (norm with plain (lm_head) or glu (gate_up) or plain (qkv); residual alone).
-    if (p->norm_w && p->glu) pd_k_skinny_launch_r<4, 1, PD_K_SK_GLU>(a, s, var, ps);
-    else if (p->norm_w && !p->residual) pd_k_skinny_launch_r<4, 1, PD_K_SK_PLAIN>(a, s, var, ps);
-    else if (p->norm_w) pd_k_skinny_launch_r<4, 1, PD_K_SK_RESIDUAL>(a, s, var, ps);
-    else if (p->glu) pd_k_skinny_launch_r<4, 0, PD_K_SK_GLU>(a, s, var, ps);
-    else if (p->residual) pd_k_skinny_launch_r<4, 0, PD_K_SK_RESIDUAL>(a, s, var, ps);
-    else if (p->rows == 2) pd_k_skinny_launch_r<2, 0, PD_K_SK_PLAIN>(a, s, var, 0);
-    else pd_k_skinny_launch_r<4, 0, PD_K_SK_PLAIN>(a, s, var, ps);
+    if (p->norm_w && p->glu) pd_k_skinny_launch_r<4, 1, PD_K_SK_GLU>(a, s, var);
+    else if (p->norm_w && !p->residual) pd_k_skinny_launch_r<4, 1, PD_K_SK_PLAIN>(a, s, var);
+    else if (p->norm_w) pd_k_skinny_launch_r<4, 1, PD_K_SK_RESIDUAL>(a, s, var);
+    else if (p->glu) pd_k_skinny_launch_r<4, 0, PD_K_SK_GLU>(a, s, var);
+    else if (p->residual) pd_k_skinny_launch_r<4, 0, PD_K_SK_RESIDUAL>(a, s, var);
+    else if (p->rows == 2) pd_k_skinny_launch_r<2, 0, PD_K_SK_PLAIN>(a, s, var);
+    else pd_k_skinny_launch_r<4, 0, PD_K_SK_PLAIN>(a, s, var);
 }

@@ -47,7 +47,6 @@ typedef struct pd_cuda_backend {
     int skinny_occ4;           // M = 5: its 128-register build (4 blocks per SM)
     int skinny_rule_max_m;     // the default rule's CUDA-core kernel up to this M (5)
     int skinny_async;          // its weights through shared memory (cp.async)
-    int skinny_persist;        // PD_CUDA_SKINNY_PERSIST: blocks per SM of its persistent build at M = 1 (0: off)
     int skinny_prewait;        // PD_CUDA_SKINNY_PREWAIT + 1: 0 all of a first tile's loads before the PDL wait
     int skinny_mma;            // kernels/skinny_mma.cu (M <= 16): 0 never, 1/3 the measured rules, 2 always
     int skinny_mma_rows;       // its weight rows per block (16 or 32)
@@ -65,7 +64,6 @@ typedef struct pd_cuda_backend {
     int bgemm_stages;          // its cp.async ring depth, 4 or 8 (PD_CUDA_BGEMM_STAGES)
     int tune, tune_max_m, tune_algos;  // cuBLASLt tuning of decode shapes (gemm.c, PD_CUDA_GEMM_TUNE*)
     int tune_pf_min_m, tune_pf_algos;  // and of prefill shapes (gemm.c gemm_tune_pf, PD_CUDA_GEMM_TUNE_PF*)
-    int tune_nows;                     // PD_CUDA_GEMM_TUNE_NOWS: tuned decode shapes only from algorithms without workspace
     struct pd_cuda_pf_algo {           // their choices per (N, K, lda, flags, power-of-two bucket of M)
         int N, K, lda, flags, bucket;
         cublasLtMatmulAlgo_t algo;

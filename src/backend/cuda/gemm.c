@@ -88,11 +88,9 @@ void pd_cuda_gemm_init(pd_cuda_backend *cb) {
     // at M >= 5). Measurement knob (H100: slower at every M, 160.3 vs 152.3 us a layer at M = 1,
     // 207.2 vs 168.4 at M = 5).
     cb->skinny_async = pd_cuda_env_int("PD_CUDA_SKINNY_ASYNC", 0, 0, 1);
-    // Measurement knobs of the CUDA-core kernel at M = 1 (kernels/skinny.cu): PD_CUDA_SKINNY_PERSIST=n
-    // (K <= 4096) its persistent build, n blocks per SM looping over the tiles with the next tile's
-    // loads in flight; PD_CUDA_SKINNY_PREWAIT=u only the first u of a block's U batches of weight
-    // loads before the PDL wait, the rest right after it (-1, the default: all before).
-    cb->skinny_persist = pd_cuda_env_int("PD_CUDA_SKINNY_PERSIST", 0, 0, 8);
+    // PD_CUDA_SKINNY_PREWAIT=u: the CUDA-core kernel issues only the first u of a block's U batches
+    // of weight loads before the PDL wait, the rest right after it (-1, the default: all before).
+    // Measurement knob (kernels/skinny.cu "Prewait": 0 costs 170 us a single-stream step, 2 level).
     cb->skinny_prewait = pd_cuda_env_int("PD_CUDA_SKINNY_PREWAIT", -1, -1, 16) + 1;
     if (cb->skinny_rows == 3) pd_abort(__FILE__, __LINE__, __func__, "PD_CUDA_SKINNY_ROWS must be 2 or 4");
     // Which of the two skinny kernels takes an M (see skinny_choice): PD_CUDA_SKINNY_MMA=0 the
@@ -162,10 +160,6 @@ void pd_cuda_gemm_init(pd_cuda_backend *cb) {
     cb->tune = pd_cuda_env_int("PD_CUDA_GEMM_TUNE", -1, 0, 1);
     cb->tune_max_m = pd_cuda_env_int("PD_CUDA_GEMM_TUNE_MAX_M", PD_GEMM_TUNE_MAX_M, 1, 65536);
     cb->tune_algos = pd_cuda_env_int("PD_CUDA_GEMM_TUNE_ALGOS", PD_GEMM_TUNE_ALGOS, 1, PD_GEMM_TUNE_ALGOS_MAX);
-    // PD_CUDA_GEMM_TUNE_NOWS=1: the tuned decode shapes choose among algorithms that need no
-    // workspace (no split-K / stream-K reduction and none of the memset it may need before the
-    // kernel: a batch-64 graph had one memset node per layer before gate_up). Measurement knob.
-    cb->tune_nows = pd_cuda_env_int("PD_CUDA_GEMM_TUNE_NOWS", 0, 0, 1);
     // Prefill shapes (gemm_tune_pf): M >= PD_CUDA_GEMM_TUNE_PF above the decode range (default 0:
     // off; measurement knob, see gemm_tune_pf), PD_CUDA_GEMM_TUNE_PF_ALGOS candidates (default 8).
     cb->tune_pf_min_m = pd_cuda_env_int("PD_CUDA_GEMM_TUNE_PF", 0, 0, 1 << 30);
@@ -432,12 +426,8 @@ static pd_cuda_gemm_plan *gemm_plan_build(pd_cuda_backend *cb, const pd_matmul_p
     PD_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&pl->lc, dt, (uint64_t)N, (uint64_t)M, N));
     cublasLtMatmulPreference_t pref;
     PD_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
-    enum cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
-    PD_CUDA_CHECK(cudaStreamIsCapturing(cb->stream, &cs));
-    bool tune = cs == cudaStreamCaptureStatusNone && tune_enabled(cb, M);
-    size_t ws_max = tune_enabled(cb, M) && cb->tune_nows ? 0 : cb->lt_ws_bytes;
     PD_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
-                                                         &ws_max, sizeof ws_max));
+                                                         &cb->lt_ws_bytes, sizeof cb->lt_ws_bytes));
     uint32_t align = 16;  // callers pass offsets into larger buffers: promise 16 bytes, not 256
     PD_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &align, sizeof align));
     PD_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &align, sizeof align));
@@ -445,6 +435,9 @@ static pd_cuda_gemm_plan *gemm_plan_build(pd_cuda_backend *cb, const pd_matmul_p
     PD_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &align, sizeof align));
     cublasLtMatmulHeuristicResult_t res[PD_GEMM_TUNE_ALGOS_MAX];
     int n_res = 0;
+    enum cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
+    PD_CUDA_CHECK(cudaStreamIsCapturing(cb->stream, &cs));
+    bool tune = cs == cudaStreamCaptureStatusNone && tune_enabled(cb, M);
     bool tune_pf = cs == cudaStreamCaptureStatusNone && !tune && cb->tune_pf_min_m > 0 && M >= cb->tune_pf_min_m;
     int n_algos = tune ? cb->tune_algos : tune_pf ? cb->tune_pf_algos : 1;
     cublasStatus_t st = cublasLtMatmulAlgoGetHeuristic(cb->lt, pl->desc, pl->la, pl->lb, pl->lc, pl->lc, pref,
@@ -543,7 +536,7 @@ static void fused_matmul(pd_backend *b, pd_cuda_backend *cb, const pd_matmul_par
         pd_skinny_kparams k = {.a = q.a, .w = q.w, .bias = q.bias, .out = q.out, .M = q.M, .N = q.N, .K = q.K,
                                .lda = q.lda ? q.lda : q.K, .accumulate = q.accumulate, .out_f32 = q.out_f32,
                                .rows = 4, .occ4 = cb->skinny_occ4, .async = cb->skinny_async,
-                               .persist = cb->skinny_persist, .prewait = cb->skinny_prewait,
+                               .prewait = cb->skinny_prewait,
                                .norm_w = q.norm_w, .norm_eps = q.norm_eps, .glu = q.glu,
                                .residual = q.residual, .rope = rope_in, .rope_kv = rk};
         pd_cuda_skinny(&k, cb->stream);
@@ -599,8 +592,7 @@ void pd_cuda_gemm_matmul(pd_backend *b, const pd_matmul_params *p) {
         pd_skinny_kparams k = {.a = p->a, .w = p->w, .bias = p->bias, .out = p->out, .M = p->M, .N = p->N,
                                .K = p->K, .lda = lda, .accumulate = p->accumulate, .out_f32 = p->out_f32,
                                .rows = cb->skinny_rows, .occ4 = cb->skinny_occ4,
-                               .async = cb->skinny_async, .persist = cb->skinny_persist,
-                               .prewait = cb->skinny_prewait};
+                               .async = cb->skinny_async, .prewait = cb->skinny_prewait};
         pd_cuda_skinny(&k, cb->stream);
         PD_CUDA_CHECK_LAUNCH();
         return;

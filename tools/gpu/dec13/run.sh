@@ -6,12 +6,9 @@
 # script, LIMIT. Libraries: /tmp/gpulib/lib (the lead's wrapper). Model for the benchmarks: the
 # tracked 8B shape config bench/configs/llama-3-8b, dummy weights; models for test_gpu_golden from
 # build/gpu-lead/models.tar.xz + the tracked models/kjv-llama-6m.
-# Round 2: M = 1 kernel boundaries. The skinny kernel's persistent build (PD_CUDA_SKINNY_PERSIST=4/5
-# blocks per SM looping over the tiles, the next tile's loads in flight while this one is summed)
-# and PD_CUDA_SKINNY_PREWAIT=2/0 (half / none of a first tile's loads before the PDL wait, the rest
-# right after it) against the defaults and main's binary: op_bench single per GEMM kind, bench-engine
-# single stream. Batched decode: the residual adds folded into the o / down GEMMs of decode steps
-# (the branch's default; PD_MODEL_RESID_DECODE=0 off) alternated with off, batch 1-256. Goldens.
+# Round 3 (the branch's final state against main's binary, alternated): op_bench single; bench-engine
+# single stream ctx 128-32768 and decode batch 1-256 (M = main, B = branch, B0 = branch with
+# PD_MODEL_RESID_DECODE=0); test_gpu_golden, test_gpu_spec, test_backend_ops of the skinny kernel.
 set -u
 OUT=$1; mkdir -p "$OUT"
 D=${D:-build/gpu-dec13}
@@ -43,40 +40,32 @@ ob() {  # name limit binary env... -- args...
   say "$n rc=$?"
   grep -E "^single|^copy" "$OUT/$n.txt" | sed -E 's/ +/ /g; s/single //; s/host:.*//; s/b2b\+upload.*serial\+upload/ser+up/; s/floor.*GB\/s: //' | cut -c1-120
 }
-# 1. op_bench single (32 weight sets, the short list): main's binary, then the branch with variants
+# 1. op_bench single (32 weight sets): main's binary, then the branch (short list) and PREWAIT=2
 ob singleM 20 op_bench_main OPB_SINGLE_LAYERS=32 -- copy single
-ob singleB 40 op_bench OPB_SINGLE_LAYERS=32 OPB_SINGLE_SHORT=1 \
-  OPB_SINGLE_VARIANTS=PD_CUDA_SKINNY_PERSIST=4,PD_CUDA_SKINNY_PERSIST=5,PD_CUDA_SKINNY_PREWAIT=2,PD_CUDA_SKINNY_PREWAIT=0 -- copy single
-# 2. bench-engine single stream: main, branch defaults, persistent 4 / 5, prewait 2; twice
-S="--only single --ctx 128,4096"
-for r in 1 2; do
-  BIN=pdserve_main; be sM$r 14 -- $S; BIN=pdserve
-  be sO$r 14 -- $S
-  be sP4_$r 14 PD_CUDA_SKINNY_PERSIST=4 -- $S
-  be sP5_$r 14 PD_CUDA_SKINNY_PERSIST=5 -- $S
-  be sW2_$r 14 PD_CUDA_SKINNY_PREWAIT=2 -- $S
-done
-# 3. batched decode: rg in decode steps (branch default) vs off, and main's binary
-A="--only decode --ctx 128 --batches 1,8,32,64,128,256"
+ob singleB 25 op_bench OPB_SINGLE_LAYERS=32 OPB_SINGLE_SHORT=1 OPB_SINGLE_VARIANTS=PD_CUDA_SKINNY_PREWAIT=2 -- copy single
+# 2. bench-engine single stream, main vs branch, three times
+S="--only single --ctx 128,4096,8192,32768"
 for r in 1 2 3; do
-  be R0_$r 16 PD_MODEL_RESID_DECODE=0 -- $A
-  be RD$r 16 -- $A
+  BIN=pdserve_main; be sM$r 15 -- $S; BIN=pdserve
+  be sB$r 15 -- $S
 done
-BIN=pdserve_main; be M1 16 -- $A; BIN=pdserve
-# 4. exactness: goldens on the branch's defaults and the new builds; op tests of the new builds
+# 3. batched decode: main, branch, branch without the decode residual fold; twice
+A="--only decode --ctx 128 --batches 1,8,32,64,128,256"
+for r in 1 2; do
+  BIN=pdserve_main; be M$r 16 -- $A; BIN=pdserve
+  be B$r 16 -- $A
+  be B0_$r 16 PD_MODEL_RESID_DECODE=0 -- $A
+done
+# 4. exactness: goldens and the skinny kernel's op tests on the branch's defaults
 if [ "$(left)" -gt 15 ] && [ -f build/gpu-lead/models.tar.xz ]; then
   mkdir -p $T/models && tar xJf build/gpu-lead/models.tar.xz -C $T/models && ln -sfn "$(pwd)/models/kjv-llama-6m" $T/models/kjv-llama-6m
-  for v in "X=0" "PD_CUDA_SKINNY_PERSIST=4" "PD_CUDA_SKINNY_PREWAIT=2"; do
-    [ "$(left)" -lt 12 ] && break
-    env $v PD_MODELS_DIR=$T/models timeout $(lim 25) $T/test_gpu_golden > "$OUT/golden_$v.txt" 2>&1; say "golden $v rc=$?"
-    grep -E "passed|FAIL|graphs vs eager" "$OUT/golden_$v.txt" | tail -3
-  done
-  [ "$(left)" -gt 20 ] && { PD_MODELS_DIR=$T/models timeout $(lim 40) $T/test_gpu_spec > "$OUT/spec.txt" 2>&1; say "spec rc=$?"; grep -E "passed|FAIL" "$OUT/spec.txt" | tail -3; }
+  PD_MODELS_DIR=$T/models timeout $(lim 25) $T/test_gpu_golden > "$OUT/golden.txt" 2>&1; say "golden rc=$?"
+  grep -E "passed|FAIL|graphs vs eager" "$OUT/golden.txt" | tail -3
+  PD_MODELS_DIR=$T/models timeout $(lim 30) $T/test_gpu_spec > "$OUT/spec.txt" 2>&1; say "spec rc=$?"; grep -E "passed|FAIL" "$OUT/spec.txt" | tail -3
 fi
-for v in "PD_CUDA_SKINNY_PERSIST=4 fused_rope" "PD_CUDA_SKINNY_PERSIST=4 matmul_fused" "PD_CUDA_SKINNY_PREWAIT=2 matmul_fused"; do
-  [ "$(left)" -lt 20 ] && break
-  set -- $v
-  env $1 timeout $(lim 20) $T/test_backend_ops $2 > "$OUT/ops_$1_$2.txt" 2>&1; say "ops $1 $2 rc=$?"
-  grep -E "^(ok|FAIL|not ok)|passed|failed" "$OUT/ops_$1_$2.txt" | head -4
+for t in hf_rounding matmul_fused fused_rope test_cuda_skinny; do
+  [ "$(left)" -lt 12 ] && break
+  timeout $(lim 30) $T/test_backend_ops $t > "$OUT/ops_$t.txt" 2>&1; say "ops $t rc=$?"
+  grep -E "^(ok|FAIL|not ok)|passed|failed" "$OUT/ops_$t.txt" | head -4
 done
 say done
