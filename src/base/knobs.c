@@ -85,7 +85,6 @@ static const pd_knob KNOBS[] = {
     SW("PD_DEVICE_SAMPLING", "sample on the device where the backend can (default 1)"),
     SW("PD_KV_OVERLAP", "disaggregated handoff: ship KV layer by layer during prefill (default 1)"),
     SW("PD_MODEL_FUSE", "fused decode layers: 0 never, 1 always (default: where the backend fuses)"),
-    INT("PD_MODEL_RESID_DECODE", 0, 1 << 30, "graph decode steps fold the residual adds into o/down from this batch (default 32; 0 off)"),
     INT("PD_MODEL_RESID_GEMM", 0, 1 << 30, "residual adds in the o/down GEMMs from this many tokens (default 0: off)"),
     SW("PD_MODEL_ROWS_DIRECT", "one-token lm_head reads x without a gather (default 1)"),
     SW("PD_SPEC_CATCHUP_PAD", "speculation: draft catch-ups padded to warmed sizes (default 1)"),

@@ -249,26 +249,8 @@ static bool rows_direct(pd_model *m) {
 // its run-to-run noise (8192 tokens: 229.2 ms without vs 229.5 with; 2048: 50.8 vs 50.0). No
 // measured gain and transformers' rounding points lost: off by default. PD_MODEL_RESID_GEMM=N
 // turns it on for steps of at least N tokens (1: every unfused step), 0 off. Read once per model.
-// Decode steps (one query token per sequence) of at least PD_MODEL_RESID_DECODE tokens (default
-// 32; 0: only as PD_MODEL_RESID_GEMM says) on a backend with graphs (CUDA; the CPU keeps the
-// transformers rounding) fold them too: the norms then read x alone, the residual rides on
-// cuBLASLt's accumulate. Measured on an H100 (session 13, tools/gpu/NOTES.md dec13-1/2, alternated
-// in one run): bench-engine decode steps at batch 32-256 level to 0.9% faster; at batch 8 faster in
-// one call (6.25 vs 6.30 ms) and slower in the other (6.39 vs 6.34), hence the bound.
-#define PD_MODEL_RESID_DECODE_DEFAULT 32
 #define PD_MODEL_RESID_GEMM_DEFAULT 0
-static bool graphs_on(pd_model *m);
-static bool resid_gemm_step(pd_model *m, int T, int max_q) {
-    if (m->ws.resid_decode == 0) {
-        int v = PD_MODEL_RESID_DECODE_DEFAULT;
-        pd_err err = {0};
-        if (pd_env_int("PD_MODEL_RESID_DECODE", PD_MODEL_RESID_DECODE_DEFAULT, 0, 1 << 30, &v, &err)) {
-            PD_LOG_E("model: %s", err.msg);
-            pd_abort(__FILE__, __LINE__, __func__, "bad PD_MODEL_RESID_DECODE");
-        }
-        m->ws.resid_decode = v == 0 ? -1 : v;
-    }
-    if (max_q == 1 && m->ws.resid_decode > 0 && T >= m->ws.resid_decode && graphs_on(m)) return true;
+static bool resid_gemm_step(pd_model *m, int T) {
     if (m->ws.resid_gemm_min == 0) {
         const char *e = getenv("PD_MODEL_RESID_GEMM");
         char *end = NULL;
@@ -292,7 +274,7 @@ static void run_step(pd_model *m, pd_model_cache *kc, const int32_t *dmeta, cons
     int D = c->hidden_size;
     pd_op_embed(be, &(pd_embed_params){.ids = dmeta + l->tokens, .table = wp(m->embed), .out = wp(ws->x), .n_tokens = T,
                                        .dim = D, .vocab = c->vocab_size});
-    bool fused = fuse_step(m, T), rg = !fused && resid_gemm_step(m, T, max_q);
+    bool fused = fuse_step(m, T), rg = !fused && resid_gemm_step(m, T);
     for (int li = 0; li < c->n_layers; li++) {
         if (hook && hook->before_layer) hook->before_layer(hook->before_layer_ud, li);
         run_layer(m, kc, li, T, dmeta, l, n_seqs, max_q, max_kv, fused, rg, n_new);

@@ -50,7 +50,6 @@ typedef struct pd_model_ws {
     // decode graphs
     int graphs_mode;     // 0 undecided, 1 on, 2 off (no backend support, or PD_CUDA_GRAPHS=0)
     int resid_gemm_min;  // 0 undecided, -1 off, else steps of >= this many tokens (forward.c resid_gemm_step)
-    int resid_decode;    // 0 undecided, -1 off, else decode steps of >= this many tokens fold the residual adds (forward.c)
     int fuse_mode;       // 0 undecided, 1 per backend (pd_backend_fuses_matmul), 2 off, 3 forced (PD_MODEL_FUSE)
     int rows_mode;       // 0 undecided, 1 a one-token step's lm_head reads x itself, 2 always gathers (PD_MODEL_ROWS_DIRECT=0)
     int graph_q_max;     // steps of up to this many query tokens per sequence may run as graphs (0/1: decode only)
