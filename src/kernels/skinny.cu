@@ -34,6 +34,7 @@ typedef struct pd_k_skinny_args {
     __nv_bfloat16 *k_cache, *v_cache;
     int H, Hkv, hd;
     float attn_scaling;
+    int prewait;  // batches of loads issued before the PDL wait (U or more: all)
 } pd_k_skinny_args;
 
 // Weight chunks c + u * 128 (u < U) of the R rows; chunks past the row's end read as zero.
@@ -108,132 +109,82 @@ enum { PD_K_SK_PLAIN = 0, PD_K_SK_RESIDUAL = 1, PD_K_SK_GLU = 2, PD_K_SK_ROPE = 
 // free, and the blocks per SM are bounded by shared memory (32 KB each: 6) rather than registers
 // (3 at M = 5, 2 at M = 8), so more bytes are in flight per SM at M >= 5.
 enum { PD_K_SK_REG = 0, PD_K_SK_OCC4 = 1, PD_K_SK_ASYNC = 2 };
-template <int M, int R, int NORM, int EPI, int VAR>
-static __global__ void __launch_bounds__(PD_K_SK_THREADS, VAR == PD_K_SK_OCC4 ? 4 : 0) k_skinny(pd_k_skinny_args p) {
-    constexpr bool AS = VAR == PD_K_SK_ASYNC;
-    constexpr int U = PD_K_SK_LOADS / R;
-    pd_k_pdl_trigger();
-    const int tid = threadIdx.x, chunks = p.K >> 3;
-    int row0 = blockIdx.x * (EPI == PD_K_SK_GLU ? R / 2 : R);
-    // rope: a rotation block's first row (head h, pair index i0 < hd/2), or row0 of a v block
+// Prewait (PD_CUDA_SKINNY_PREWAIT=u, a measurement knob): only the first u of the U batches of a
+// block's weight loads are issued before the PDL wait, the rest right after it, before any
+// arithmetic. Measured on an H100 (session 13, tools/gpu/NOTES.md dec13-2): u = 0 costs 170 us a
+// single-stream step (the loads before the wait are worth that much), u = 2 is level.
+
+// Tile vb's first weight row, whether it is a rotation tile (the rope form: rotation tiles own two
+// pairs of one q / k head, i.e. rows i, i + 1, i + hd/2, i + hd/2 + 1; v tiles R consecutive rows)
+// and its R weight row pointers (rows past N repeat the last row; their sums are not stored).
+template <int R, int EPI>
+static __device__ __forceinline__ void pd_k_sk_rows(const pd_k_skinny_args &p, int vb, int &row0, bool &rot,
+                                                    const uint4 *(&wr)[R]) {
+    row0 = vb * (EPI == PD_K_SK_GLU ? R / 2 : R);
     const int half = p.hd >> 1, rot_blocks = EPI == PD_K_SK_ROPE ? (p.H + p.Hkv) * half / 2 : 0;
-    const bool rot = EPI == PD_K_SK_ROPE && (int)blockIdx.x < rot_blocks;
+    rot = EPI == PD_K_SK_ROPE && vb < rot_blocks;
     if (EPI == PD_K_SK_ROPE) {
         if (rot) {
-            int pr = 2 * blockIdx.x, h = pr / half;
+            int pr = 2 * vb, h = pr / half;
             row0 = h * p.hd + (pr - h * half);
         } else {
-            row0 = (p.H + p.Hkv) * p.hd + ((int)blockIdx.x - rot_blocks) * R;
+            row0 = (p.H + p.Hkv) * p.hd + (vb - rot_blocks) * R;
         }
     }
-    const uint4 *wr[R];
 #pragma unroll
-    for (int r = 0; r < R; r++) {  // rows past N repeat the last row; their sums are not stored
+    for (int r = 0; r < R; r++) {
         int n;
         if (EPI == PD_K_SK_GLU) n = min(row0 + r % (R / 2), p.N - 1) + (r / (R / 2)) * p.N;
         else if (EPI == PD_K_SK_ROPE && rot) n = row0 + r % (R / 2) + (r / (R / 2)) * half;
         else n = min(row0 + r, p.N - 1);
         wr[r] = (const uint4 *)(p.w + (size_t)n * p.K);
     }
-    uint4 wv[AS ? 1 : U][AS ? 1 : R];
-    __shared__ uint4 wsm[AS ? PD_K_SK_LOADS * PD_K_SK_THREADS : 1];  // slot (u R + r) 128 + tid
-    if constexpr (AS) pd_k_sk_load_async<R, U>(wsm, wr, tid, tid, chunks);
-    else pd_k_sk_load<R, U>(wv, wr, tid, chunks);
-    pd_k_pdl_wait();  // the activations (and out) belong to earlier kernels
+}
 
-    const uint4 *ar[M];
+// acc += the R weight chunks w (chunk cu of each row) times chunk cu of the M activation rows
+// (normalised on the fly with NORM).
+template <int M, int R, int NORM>
+static __device__ __forceinline__ void pd_k_sk_fma(const pd_k_skinny_args &p, const uint4 (&w)[R], int cu,
+                                                   const uint4 *const (&ar)[M], const float (&inv)[M], float (&acc)[R][M]) {
+    float wf[R][8], gf[8];
+    uint4 graw = make_uint4(0, 0, 0, 0);
 #pragma unroll
-    for (int m = 0; m < M; m++) ar[m] = (const uint4 *)(p.a + (size_t)m * p.lda);
-    const int lane = tid & 31, warp = tid >> 5;
-    float inv[M];
-#pragma unroll
-    for (int m = 0; m < M; m++) inv[m] = 1.f;
+    for (int r = 0; r < R; r++) pd_k_unpack8(w[r], wf[r]);
     if (NORM) {
-        __shared__ float ssr[PD_K_SK_THREADS / 32][M];
-        float ss[M];
-#pragma unroll
-        for (int m = 0; m < M; m++) ss[m] = 0.f;
-        for (int c = tid; c < chunks; c += PD_K_SK_THREADS)
-#pragma unroll
-            for (int m = 0; m < M; m++) {
-                float af[8];
-                pd_k_unpack8(__ldg(ar[m] + c), af);
-#pragma unroll
-                for (int j = 0; j < 8; j++) ss[m] = fmaf(af[j], af[j], ss[m]);
-            }
-#pragma unroll
-        for (int m = 0; m < M; m++) {
-            float v = pd_k_warp_sum(ss[m]);
-            if (lane == 0) ssr[warp][m] = v;
-        }
-        __syncthreads();
-#pragma unroll
-        for (int m = 0; m < M; m++) {
-            float v = 0.f;
-#pragma unroll
-            for (int i = 0; i < PD_K_SK_THREADS / 32; i++) v += ssr[i][m];
-            inv[m] = rsqrtf(v / (float)p.K + p.eps);
-        }
+        graw = __ldg((const uint4 *)p.norm_w + cu);
+        pd_k_unpack8(graw, gf);
     }
-    float acc[R][M];
 #pragma unroll
-    for (int r = 0; r < R; r++)
+    for (int m = 0; m < M; m++) {
+        float af[8];
+        pd_k_unpack8(__ldg(ar[m] + cu), af);
+        if (NORM && p.hf) {  // bf16(g * bf16(x * inv)), two at a time: the bf16x2 product of
+                             // two bf16 values is their exact product rounded once
+            const uint32_t gw[4] = {graw.x, graw.y, graw.z, graw.w};
 #pragma unroll
-        for (int m = 0; m < M; m++) acc[r][m] = 0.f;
-    if constexpr (AS) pd_k_cp_async_wait<0>();
-    constexpr int UNR = AS ? 1 : U;  // (unrolled, the shared-memory reads would all be hoisted into registers)
-    for (int c = tid;;) {
-#pragma unroll UNR
-        for (int u = 0; u < U; u++) {
-            int cu = c + u * PD_K_SK_THREADS;
-            if (cu >= chunks) break;
-            float wf[R][8], gf[8];
-            uint4 graw = make_uint4(0, 0, 0, 0);
-#pragma unroll
-            for (int r = 0; r < R; r++) {
-                if constexpr (AS) pd_k_unpack8(wsm[(u * R + r) * PD_K_SK_THREADS + tid], wf[r]);
-                else pd_k_unpack8(wv[u][r], wf[r]);
+            for (int i = 0; i < 4; i++) {
+                __nv_bfloat162 nv = __floats2bfloat162_rn(af[2 * i] * inv[m], af[2 * i + 1] * inv[m]);
+                __nv_bfloat162 pr = __hmul2(*reinterpret_cast<const __nv_bfloat162 *>(&gw[i]), nv);
+                uint32_t pw = *reinterpret_cast<uint32_t *>(&pr);
+                af[2 * i] = __uint_as_float(pw << 16);
+                af[2 * i + 1] = __uint_as_float(pw & 0xffff0000u);
             }
-            if (NORM) {
-                graw = __ldg((const uint4 *)p.norm_w + cu);
-                pd_k_unpack8(graw, gf);
-            }
+        } else if (NORM) {
 #pragma unroll
-            for (int m = 0; m < M; m++) {
-                float af[8];
-                pd_k_unpack8(__ldg(ar[m] + cu), af);
-                if (NORM && p.hf) {  // bf16(g * bf16(x * inv)), two at a time: the bf16x2 product of
-                                     // two bf16 values is their exact product rounded once
-                    const uint32_t gw[4] = {graw.x, graw.y, graw.z, graw.w};
-#pragma unroll
-                    for (int i = 0; i < 4; i++) {
-                        __nv_bfloat162 nv = __floats2bfloat162_rn(af[2 * i] * inv[m], af[2 * i + 1] * inv[m]);
-                        __nv_bfloat162 pr = __hmul2(*reinterpret_cast<const __nv_bfloat162 *>(&gw[i]), nv);
-                        uint32_t pw = *reinterpret_cast<uint32_t *>(&pr);
-                        af[2 * i] = __uint_as_float(pw << 16);
-                        af[2 * i + 1] = __uint_as_float(pw & 0xffff0000u);
-                    }
-                } else if (NORM) {
-#pragma unroll
-                    for (int j = 0; j < 8; j++) af[j] = pd_k_bf16r(gf[j] * (af[j] * inv[m]));
-                }
-#pragma unroll
-                for (int r = 0; r < R; r++)
-#pragma unroll
-                    for (int j = 0; j < 8; j++) acc[r][m] = fmaf(wf[r][j], af[j], acc[r][m]);
-            }
+            for (int j = 0; j < 8; j++) af[j] = pd_k_bf16r(gf[j] * (af[j] * inv[m]));
         }
-        c += U * PD_K_SK_THREADS;
-        if (c >= chunks) break;
-        if constexpr (AS) {
-            pd_k_sk_load_async<R, U>(wsm, wr, tid, c, chunks);
-            pd_k_cp_async_wait<0>();
-        } else {
-            pd_k_sk_load<R, U>(wv, wr, c, chunks);
-        }
+#pragma unroll
+        for (int r = 0; r < R; r++)
+#pragma unroll
+            for (int j = 0; j < 8; j++) acc[r][m] = fmaf(wf[r][j], af[j], acc[r][m]);
     }
+}
 
-    __shared__ float red[PD_K_SK_THREADS / 32][R * M];
+// The tile's sums: the reduction over the block through red and the epilogue of the form.
+template <int M, int R, int EPI>
+static __device__ __forceinline__ void pd_k_sk_epi(const pd_k_skinny_args &p, const float (&acc)[R][M], int row0, bool rot,
+                                                   float (*red)[R * M]) {
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, half = p.hd >> 1;
     float v[PD_K_SK_P2(R * M)];
 #pragma unroll
     for (int i = 0; i < PD_K_SK_P2(R * M); i++) v[i] = i < R * M ? acc[i / M][i % M] : 0.f;
@@ -305,6 +256,113 @@ static __global__ void __launch_bounds__(PD_K_SK_THREADS, VAR == PD_K_SK_OCC4 ? 
     }
 }
 
+// Weight chunks c + u * 128 (U0 <= u < U1) of the R rows into wv[u]; chunks past the row's end read as zero.
+template <int R, int U, int U0, int U1>
+static __device__ __forceinline__ void pd_k_sk_load_part(uint4 (&wv)[U][R], const uint4 *const (&wr)[R], int c, int chunks) {
+#pragma unroll
+    for (int u = U0; u < U1; u++)
+#pragma unroll
+        for (int r = 0; r < R; r++)
+            wv[u][r] = c + u * PD_K_SK_THREADS < chunks ? pd_k_ld_stream(wr[r] + c + u * PD_K_SK_THREADS)
+                                                        : make_uint4(0, 0, 0, 0);
+}
+
+template <int M, int R, int NORM, int EPI, int VAR>
+static __global__ void __launch_bounds__(PD_K_SK_THREADS, VAR == PD_K_SK_OCC4 ? 4 : 0) k_skinny(pd_k_skinny_args p) {
+    constexpr bool AS = VAR == PD_K_SK_ASYNC;
+    constexpr int U = PD_K_SK_LOADS / R;
+    pd_k_pdl_trigger();
+    const int tid = threadIdx.x, chunks = p.K >> 3;
+    int row0;
+    bool rot;
+    const uint4 *wr[R];
+    pd_k_sk_rows<R, EPI>(p, blockIdx.x, row0, rot, wr);
+    uint4 wv[AS ? 1 : U][AS ? 1 : R];
+    __shared__ uint4 wsm[AS ? PD_K_SK_LOADS * PD_K_SK_THREADS : 1];  // slot (u R + r) 128 + tid
+    if constexpr (AS) {
+        pd_k_sk_load_async<R, U>(wsm, wr, tid, tid, chunks);
+        pd_k_pdl_wait();  // the activations (and out) belong to earlier kernels
+    } else if (p.prewait >= U) {
+        pd_k_sk_load<R, U>(wv, wr, tid, chunks);
+        pd_k_pdl_wait();
+    } else {  // the first p.prewait batches before the wait, the rest right after it
+        if (p.prewait >= 1) pd_k_sk_load_part<R, U, 0, 1>(wv, wr, tid, chunks);
+        if (p.prewait >= 2) pd_k_sk_load_part<R, U, 1, 2>(wv, wr, tid, chunks);
+        if (p.prewait >= 3) pd_k_sk_load_part<R, U, 2, 3>(wv, wr, tid, chunks);
+        pd_k_pdl_wait();
+        if (p.prewait < 1) pd_k_sk_load_part<R, U, 0, 1>(wv, wr, tid, chunks);
+        if (p.prewait < 2) pd_k_sk_load_part<R, U, 1, 2>(wv, wr, tid, chunks);
+        if (p.prewait < 3) pd_k_sk_load_part<R, U, 2, 3>(wv, wr, tid, chunks);
+        pd_k_sk_load_part<R, U, 3, U>(wv, wr, tid, chunks);
+    }
+
+    const uint4 *ar[M];
+#pragma unroll
+    for (int m = 0; m < M; m++) ar[m] = (const uint4 *)(p.a + (size_t)m * p.lda);
+    const int lane = tid & 31, warp = tid >> 5;
+    float inv[M];
+#pragma unroll
+    for (int m = 0; m < M; m++) inv[m] = 1.f;
+    if (NORM) {
+        __shared__ float ssr[PD_K_SK_THREADS / 32][M];
+        float ss[M];
+#pragma unroll
+        for (int m = 0; m < M; m++) ss[m] = 0.f;
+        for (int c = tid; c < chunks; c += PD_K_SK_THREADS)
+#pragma unroll
+            for (int m = 0; m < M; m++) {
+                float af[8];
+                pd_k_unpack8(__ldg(ar[m] + c), af);
+#pragma unroll
+                for (int j = 0; j < 8; j++) ss[m] = fmaf(af[j], af[j], ss[m]);
+            }
+#pragma unroll
+        for (int m = 0; m < M; m++) {
+            float v = pd_k_warp_sum(ss[m]);
+            if (lane == 0) ssr[warp][m] = v;
+        }
+        __syncthreads();
+#pragma unroll
+        for (int m = 0; m < M; m++) {
+            float v = 0.f;
+#pragma unroll
+            for (int i = 0; i < PD_K_SK_THREADS / 32; i++) v += ssr[i][m];
+            inv[m] = rsqrtf(v / (float)p.K + p.eps);
+        }
+    }
+    __shared__ float red[PD_K_SK_THREADS / 32][R * M];
+    float acc[R][M];
+#pragma unroll
+    for (int r = 0; r < R; r++)
+#pragma unroll
+        for (int m = 0; m < M; m++) acc[r][m] = 0.f;
+    if constexpr (AS) pd_k_cp_async_wait<0>();
+    constexpr int UNR = AS ? 1 : U;  // (unrolled, the shared-memory reads would all be hoisted into registers)
+    for (int c = tid;;) {
+#pragma unroll UNR
+        for (int u = 0; u < U; u++) {
+            int cu = c + u * PD_K_SK_THREADS;
+            if (cu >= chunks) break;
+            uint4 w[R];
+#pragma unroll
+            for (int r = 0; r < R; r++) {
+                if constexpr (AS) w[r] = wsm[(u * R + r) * PD_K_SK_THREADS + tid];
+                else w[r] = wv[u][r];
+            }
+            pd_k_sk_fma<M, R, NORM>(p, w, cu, ar, inv, acc);
+        }
+        c += U * PD_K_SK_THREADS;
+        if (c >= chunks) break;
+        if constexpr (AS) {
+            pd_k_sk_load_async<R, U>(wsm, wr, tid, c, chunks);
+            pd_k_cp_async_wait<0>();
+        } else {
+            pd_k_sk_load<R, U>(wv, wr, c, chunks);
+        }
+    }
+    pd_k_sk_epi<M, R, EPI>(p, acc, row0, rot, red);
+}
+
 extern "C" int pd_cuda_skinny_supported(int M, int K, int lda, const void *a, const void *w) {
     return M >= 1 && M <= PD_SKINNY_MAX_M && K > 0 && K % 8 == 0 && lda % 8 == 0 && ((uintptr_t)a & 15) == 0 &&
            ((uintptr_t)w & 15) == 0;
@@ -326,15 +384,19 @@ static void pd_k_skinny_launch_v(const pd_k_skinny_args &a, cudaStream_t s, dim3
 
 // var: PD_K_SK_REG, PD_K_SK_OCC4 (M = 5 only; other M take the register build) or PD_K_SK_ASYNC.
 template <int R, int NORM, int EPI>
-static void pd_k_skinny_launch_r(const pd_k_skinny_args &a, cudaStream_t s, int var) {
+static void pd_k_skinny_launch_r(pd_k_skinny_args a, cudaStream_t s, int var) {
     int rows = EPI == PD_K_SK_GLU ? R / 2 : R;
     unsigned n_blocks = (unsigned)((a.N + rows - 1) / rows);
     if (EPI == PD_K_SK_ROPE)  // rotation blocks (2 pairs each), then v blocks
         n_blocks = (unsigned)((a.H + a.Hkv) * (a.hd / 2) / 2 + (a.Hkv * a.hd + R - 1) / R);
     dim3 grid(n_blocks), block(PD_K_SK_THREADS);
-    if (var == PD_K_SK_ASYNC) pd_k_skinny_launch_v<R, NORM, EPI, PD_K_SK_ASYNC>(a, s, grid, block);
-    else if (var == PD_K_SK_OCC4 && a.M == 5) pd_k_launch(k_skinny<5, R, NORM, EPI, PD_K_SK_OCC4>, grid, block, 0, s, a);
-    else pd_k_skinny_launch_v<R, NORM, EPI, PD_K_SK_REG>(a, s, grid, block);
+    if (var == PD_K_SK_ASYNC) {
+        pd_k_skinny_launch_v<R, NORM, EPI, PD_K_SK_ASYNC>(a, s, grid, block);
+    } else if (var == PD_K_SK_OCC4 && a.M == 5) {
+        pd_k_launch(k_skinny<5, R, NORM, EPI, PD_K_SK_OCC4>, grid, block, 0, s, a);
+    } else {
+        pd_k_skinny_launch_v<R, NORM, EPI, PD_K_SK_REG>(a, s, grid, block);
+    }
 }
 
 extern "C" void pd_cuda_skinny(const pd_skinny_kparams *p, cudaStream_t s) {
@@ -352,6 +414,7 @@ extern "C" void pd_cuda_skinny(const pd_skinny_kparams *p, cudaStream_t s) {
     a.k_cache = (__nv_bfloat16 *)r->k_cache, a.v_cache = (__nv_bfloat16 *)r->v_cache;
     a.H = r->n_heads, a.Hkv = r->n_kv_heads, a.hd = r->head_dim, a.attn_scaling = r->attn_scaling;
     const int var = p->async ? PD_K_SK_ASYNC : p->occ4 ? PD_K_SK_OCC4 : PD_K_SK_REG;
+    a.prewait = p->prewait > 0 ? p->prewait - 1 : PD_K_SK_LOADS;  // (kparams: 0 = all, u + 1 = u batches)
     if (p->rope) {  // the qkv GEMM: with the attention norm (decode) or without
         if (p->norm_w) pd_k_skinny_launch_r<4, 1, PD_K_SK_ROPE>(a, s, var);
         else pd_k_skinny_launch_r<4, 0, PD_K_SK_ROPE>(a, s, var);

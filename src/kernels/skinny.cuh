@@ -33,6 +33,9 @@ typedef struct pd_skinny_kparams {
     int rows;          // weight rows per thread block: 2 or 4 (0: the default, 4); 4 with the fused forms
     int occ4;          // M = 5: the build bounded to 128 registers (4 blocks per SM instead of 3)
     int async;         // the weights through shared memory (cp.async) instead of registers
+    // prewait: 0 every weight load of a block's first batch before the PDL wait, u + 1 only the
+    // first u of its U load batches (skinny.cu "Prewait"; a measurement knob)
+    int prewait;
     // Fused forms (backend.h, pd_matmul_params): norm_w: the activation is rmsnorm(a) (weight
     // norm_w, eps norm_eps; lda == K); glu: w is (2N, K), out (M, N) = silu(gate) * up; residual:
     // out = bf16(out + bf16(a . w^T + bias)). glu and residual exclude accumulate and out_f32.

@@ -48,9 +48,10 @@ static void *alloc(size_t n) {
     if (!b) { fprintf(stderr, "alloc %zu failed\n", n); exit(1); }
     return pd_buffer_ptr(b);  // leaked on purpose: a short-lived tool
 }
+static double g_wstd = 0.05;  // OPB_W_STD: the standard deviation of rnd's values (single: 0.02 = the engine's dummy weights)
 static void *rnd(size_t n_elems) {
     void *p = alloc(n_elems * 2);
-    pd_op_fill_normal(g_b, p, PD_DTYPE_BF16, n_elems, n_elems, 0.0f, 0.05f);
+    pd_op_fill_normal(g_b, p, PD_DTYPE_BF16, n_elems, n_elems, 0.0f, (float)g_wstd);
     return p;
 }
 
@@ -311,6 +312,17 @@ static void bench_step(double copy_gbs, pd_backend **bes, const char **be_names,
                    "gemms %7.1f us  => small kernels %5.1f us/layer (%.3f ms/step), %.3f ms/step for 32 layers\n",
                    bn, M, ctx, t_all, floor_all, copy_gbs, 100 * floor_all / t_all, t_big, t_gemm, t_all - t_big,
                    32 * (t_all - t_big) / 1e3, 32 * t_all / 1e3);
+            // what each small kernel costs in the pipeline: the layer without it (the values are
+            // wrong, the timing is the point: the ceiling of folding it into a neighbour)
+            static const struct { const char *name; unsigned drop; } dr[] = {
+                {"norms", (1u << ST_NORM1) | (1u << ST_NORM2)}, {"rmsnorm1", 1u << ST_NORM1}, {"rmsnorm2", 1u << ST_NORM2},
+                {"rope_kv", 1u << ST_ROPE}, {"silu_mul", 1u << ST_SILU}, {"norms+silu", (1u << ST_NORM1) | (1u << ST_NORM2) | (1u << ST_SILU)}};
+            for (size_t d = 0; d < sizeof dr / sizeof dr[0]; d++) {
+                l.mask = ((1u << ST_N) - 1) & ~dr[d].drop;
+                double t = st_time(b, &l, reps);
+                printf("step %-8s M=%-3d   layer without %-10s %7.1f us (-%5.1f us/layer, -%.3f ms/step)\n", bn, M, dr[d].name, t,
+                       t_all - t, 32 * (t_all - t) / 1e3);
+            }
             double sum = 0;
             for (int o = 0; o < ST_N; o++) {
                 l.mask = 1u << o;
@@ -464,7 +476,8 @@ static void bench_pfl(void) {
 // attention's K/V loaded before its PDL wait (n_new = 1, a graph step) and after it ("late kv");
 // with get_rows; without attention; without lm_head; the GEMMs alone; attention alone (early and
 // late); lm_head alone; embed + get_rows; the first two again at the end (drift).
-enum { SG_EMBED = 1, SG_GEMMS = 2, SG_ATTN = 4, SG_ROWS = 8, SG_LMH = 16 };
+enum { SG_EMBED = 1, SG_ATTN = 4, SG_ROWS = 8, SG_LMH = 16, SG_QKV = 32, SG_O = 64, SG_GU = 128, SG_DN = 256 };
+#define SG_GEMMS (SG_QKV | SG_O | SG_GU | SG_DN)
 #define SG_MAX_COPIES 32
 typedef struct sg_arg {
     void *x, *qkv, *attn, *mlp, *sel, *logits, *g1, *g2, *gf, *lmh, *meta_dev;
@@ -481,16 +494,17 @@ static void sg_step(pd_backend *b, sg_arg *s) {
     if (k & SG_EMBED) pd_op_embed(b, &(pd_embed_params){.ids = s->ids, .table = s->lmh, .out = s->x, .n_tokens = 1, .dim = D, .vocab = V});
     for (int li = 0; li < 32; li++) {
         int i = li % 2, wi = li % s->n_copies;
-        if (k & SG_GEMMS)
+        if (k & SG_QKV)
             pd_op_matmul(b, &(pd_matmul_params){.a = s->x, .w = s->wqkv[wi], .out = s->qkv, .M = 1, .N = NQ, .K = D,
                                                 .norm_w = s->g1, .norm_eps = 1e-5f, .rope = &s->rope[i]});
         if (k & SG_ATTN) pd_op_attention(b, &s->at[i]);
-        if (k & SG_GEMMS) {
+        if (k & SG_O)
             pd_op_matmul(b, &(pd_matmul_params){.a = s->attn, .w = s->wo[wi], .out = s->x, .M = 1, .N = D, .K = D, .residual = true});
+        if (k & SG_GU)
             pd_op_matmul(b, &(pd_matmul_params){.a = s->x, .w = s->wgu[wi], .out = s->mlp, .M = 1, .N = F, .K = D,
                                                 .norm_w = s->g2, .norm_eps = 1e-5f, .glu = true});
+        if (k & SG_DN)
             pd_op_matmul(b, &(pd_matmul_params){.a = s->mlp, .w = s->wd[wi], .out = s->x, .M = 1, .N = D, .K = F, .residual = true});
-        }
     }
     if (k & SG_ROWS) pd_op_get_rows(b, &(pd_get_rows_params){.x = s->x, .idx = s->ids + 1, .out = s->sel, .n_rows = 1, .dim = D});
     if (k & SG_LMH)
@@ -561,11 +575,12 @@ static void bench_single(double copy_gbs, pd_backend **bes, const char **be_name
     // footprint, as bench-engine's step reads it)
     pd_err eerr = {0};
     if (pd_env_int("OPB_SINGLE_LAYERS", 2, 1, SG_MAX_COPIES, &s.n_copies, &eerr)) { fprintf(stderr, "%s\n", eerr.msg); exit(2); }
+    if (pd_env_double("OPB_W_STD", 0.05, 1e-4, 1.0, &g_wstd, &eerr)) { fprintf(stderr, "%s\n", eerr.msg); exit(2); }
     for (int i = 0; i < s.n_copies; i++) {
         s.wqkv[i] = rnd((size_t)NQ * D), s.wo[i] = rnd((size_t)D * D);
         s.wgu[i] = rnd((size_t)2 * F * D), s.wd[i] = rnd((size_t)D * F);
     }
-    printf("single: %d distinct layer weight sets\n", s.n_copies);
+    printf("single: %d distinct layer weight sets, weights N(0, %g)\n", s.n_copies, g_wstd);
     s.lmh = rnd((size_t)V * D);
     // ids: [0] the token, [1] the logit row (0); positions / slots after them (the step's metadata)
     int32_t meta[4] = {12345, 0, ctx - 1, 0};
@@ -593,22 +608,31 @@ static void bench_single(double copy_gbs, pd_backend **bes, const char **be_name
     double layer_w = 2.0 * ((double)NQ * D + (double)D * D + 2.0 * F * D + (double)D * F), lm_w = 2.0 * V * D;
     double kv = 2.0 * ctx * Hkv * hd * 2;  // one layer's K and V rows
     // early: attention's n_new (1: K/V rows before the new one loaded before the PDL wait; 0: none)
-    struct { const char *name; unsigned mask; double bytes; int early; } vs[] = {
-        {"whole step", SG_EMBED | SG_GEMMS | SG_ATTN | SG_LMH, 32 * (layer_w + kv) + lm_w, 1},
-        {"whole, late kv", SG_EMBED | SG_GEMMS | SG_ATTN | SG_LMH, 32 * (layer_w + kv) + lm_w, 0},
-        {"with get_rows", SG_EMBED | SG_GEMMS | SG_ATTN | SG_ROWS | SG_LMH, 32 * (layer_w + kv) + lm_w, 1},
-        {"no attention", SG_EMBED | SG_GEMMS | SG_LMH, 32 * layer_w + lm_w, 1},
-        {"layers only", SG_EMBED | SG_GEMMS | SG_ATTN, 32 * (layer_w + kv), 1},
-        {"gemms only", SG_GEMMS, 32 * layer_w, 1},
-        {"attention only", SG_ATTN, 32 * kv, 1},
-        {"attn only late", SG_ATTN, 32 * kv, 0},
-        {"lm_head only", SG_LMH, lm_w, 1},
-        {"embed+get_rows", SG_EMBED | SG_ROWS, 0, 1},
-        {"whole step", SG_EMBED | SG_GEMMS | SG_ATTN | SG_LMH, 32 * (layer_w + kv) + lm_w, 1},
-        {"whole, late kv", SG_EMBED | SG_GEMMS | SG_ATTN | SG_LMH, 32 * (layer_w + kv) + lm_w, 0},
+    // sh: in the short list (OPB_SINGLE_SHORT=1: only those)
+    struct { const char *name; unsigned mask; double bytes; int early, sh; } vs[] = {
+        {"whole step", SG_EMBED | SG_GEMMS | SG_ATTN | SG_LMH, 32 * (layer_w + kv) + lm_w, 1, 1},
+        {"whole, late kv", SG_EMBED | SG_GEMMS | SG_ATTN | SG_LMH, 32 * (layer_w + kv) + lm_w, 0, 0},
+        {"with get_rows", SG_EMBED | SG_GEMMS | SG_ATTN | SG_ROWS | SG_LMH, 32 * (layer_w + kv) + lm_w, 1, 0},
+        {"no attention", SG_EMBED | SG_GEMMS | SG_LMH, 32 * layer_w + lm_w, 1, 1},
+        {"layers only", SG_EMBED | SG_GEMMS | SG_ATTN, 32 * (layer_w + kv), 1, 0},
+        {"gemms only", SG_GEMMS, 32 * layer_w, 1, 1},
+        {"qkv only", SG_QKV, 32 * 2.0 * NQ * D, 1, 1},
+        {"o only", SG_O, 32 * 2.0 * D * D, 1, 1},
+        {"gate_up only", SG_GU, 32 * 2.0 * 2 * F * D, 1, 1},
+        {"down only", SG_DN, 32 * 2.0 * F * D, 1, 1},
+        {"o+down only", SG_O | SG_DN, 32 * 2.0 * (D * D + F * D), 1, 0},
+        {"attention only", SG_ATTN, 32 * kv, 1, 0},
+        {"attn only late", SG_ATTN, 32 * kv, 0, 0},
+        {"lm_head only", SG_LMH, lm_w, 1, 1},
+        {"embed+get_rows", SG_EMBED | SG_ROWS, 0, 1, 0},
+        {"whole step", SG_EMBED | SG_GEMMS | SG_ATTN | SG_LMH, 32 * (layer_w + kv) + lm_w, 1, 1},
+        {"whole, late kv", SG_EMBED | SG_GEMMS | SG_ATTN | SG_LMH, 32 * (layer_w + kv) + lm_w, 0, 0},
     };
+    bool short_only = false;
+    if (pd_env_switch("OPB_SINGLE_SHORT", false, &short_only, &eerr)) { fprintf(stderr, "%s\n", eerr.msg); exit(2); }
     for (int bi = 0; bi < n_be; bi++)
         for (size_t v = 0; v < sizeof vs / sizeof vs[0]; v++) {
+            if (short_only && !vs[v].sh) continue;
             s.mask = vs[v].mask;
             s.at[0].n_new = s.at[1].n_new = vs[v].early;
             double t[8];

@@ -547,7 +547,7 @@ static const char *graph_node_name(cudaGraphNode_t n, drv_kparams *kp) {
 // PD_CUDA_GRAPH_DUMP=1 (graph_end): every captured graph's nodes to stderr in capture order (type,
 // kernel name, grid, block, dynamic shared memory, incoming edges: P programmatic, C programmatic
 // from the launch-completion port, D ordinary), then the counts. A measurement / debug tool.
-static void graph_dump(cudaGraph_t g) {
+static void graph_dump(cudaGraph_t g, const void *lt_ws) {
     size_t n = 0, ne = 0;
     PD_CUDA_CHECK(cudaGraphGetNodes(g, NULL, &n));
     PD_CUDA_CHECK(cudaGraphGetEdges(g, NULL, NULL, NULL, &ne));
@@ -558,7 +558,7 @@ static void graph_dump(cudaGraph_t g) {
     PD_CUDA_CHECK(cudaGraphGetNodes(g, nodes, &n));
     PD_CUDA_CHECK(cudaGraphGetEdges(g, from, to, ed, &ne));
     size_t n_kern = 0, n_other = 0, n_prog = 0, n_lc = 0, n_def = 0;
-    fprintf(stderr, "graph: %zu nodes, %zu edges\n", n, ne);
+    fprintf(stderr, "graph: %zu nodes, %zu edges (cuBLASLt workspace at %p)\n", n, ne, lt_ws);
     for (size_t i = 0; i < n; i++) {
         enum cudaGraphNodeType t;
         PD_CUDA_CHECK(cudaGraphNodeGetType(nodes[i], &t));
@@ -575,6 +575,12 @@ static void graph_dump(cudaGraph_t g) {
             n_kern++;
             fprintf(stderr, "graph node %3zu kernel grid %u,%u,%u block %u smem %u in %-3s %.160s\n", i, kp.grid[0], kp.grid[1],
                     kp.grid[2], kp.block[0] * kp.block[1] * kp.block[2], kp.smem, in, name);
+        } else if (t == cudaGraphNodeTypeMemset) {
+            struct cudaMemsetParams mp;
+            n_other++;
+            PD_CUDA_CHECK(cudaGraphMemsetNodeGetParams(nodes[i], &mp));
+            fprintf(stderr, "graph node %3zu memset %zu bytes at %p (value %u) in %s\n", i,
+                    mp.width * mp.height * mp.elementSize, mp.dst, mp.value, in);
         } else {
             n_other++;
             fprintf(stderr, "graph node %3zu type %d in %s\n", i, (int)t, in);
@@ -600,7 +606,7 @@ static void *cuda_graph_end(pd_backend *b) {
         PD_LOG_W("cuda: graph capture failed: %s", cudaGetErrorString(e));
         return NULL;
     }
-    if (cb->graph_dump) graph_dump(g);
+    if (cb->graph_dump) graph_dump(g, cb->lt_ws);
     cuda_graph *cg = pd_calloc(1, sizeof *cg);
     e = cg ? cudaGraphInstantiate(&cg->exec, g, 0) : cudaErrorMemoryAllocation;
     cudaGraphDestroy(g);

@@ -88,6 +88,10 @@ void pd_cuda_gemm_init(pd_cuda_backend *cb) {
     // at M >= 5). Measurement knob (H100: slower at every M, 160.3 vs 152.3 us a layer at M = 1,
     // 207.2 vs 168.4 at M = 5).
     cb->skinny_async = pd_cuda_env_int("PD_CUDA_SKINNY_ASYNC", 0, 0, 1);
+    // PD_CUDA_SKINNY_PREWAIT=u: the CUDA-core kernel issues only the first u of a block's U batches
+    // of weight loads before the PDL wait, the rest right after it (-1, the default: all before).
+    // Measurement knob (kernels/skinny.cu "Prewait": 0 costs 170 us a single-stream step, 2 level).
+    cb->skinny_prewait = pd_cuda_env_int("PD_CUDA_SKINNY_PREWAIT", -1, -1, 16) + 1;
     if (cb->skinny_rows == 3) pd_abort(__FILE__, __LINE__, __func__, "PD_CUDA_SKINNY_ROWS must be 2 or 4");
     // Which of the two skinny kernels takes an M (see skinny_choice): PD_CUDA_SKINNY_MMA=0 the
     // CUDA-core kernel only (M <= 8; larger M go to cuBLASLt), 1 (the default) the rule measured end
@@ -531,7 +535,9 @@ static void fused_matmul(pd_backend *b, pd_cuda_backend *cb, const pd_matmul_par
     } else if (skinny) {
         pd_skinny_kparams k = {.a = q.a, .w = q.w, .bias = q.bias, .out = q.out, .M = q.M, .N = q.N, .K = q.K,
                                .lda = q.lda ? q.lda : q.K, .accumulate = q.accumulate, .out_f32 = q.out_f32,
-                               .rows = 4, .occ4 = cb->skinny_occ4, .async = cb->skinny_async, .norm_w = q.norm_w, .norm_eps = q.norm_eps, .glu = q.glu,
+                               .rows = 4, .occ4 = cb->skinny_occ4, .async = cb->skinny_async,
+                               .prewait = cb->skinny_prewait,
+                               .norm_w = q.norm_w, .norm_eps = q.norm_eps, .glu = q.glu,
                                .residual = q.residual, .rope = rope_in, .rope_kv = rk};
         pd_cuda_skinny(&k, cb->stream);
         PD_CUDA_CHECK_LAUNCH();
@@ -586,7 +592,7 @@ void pd_cuda_gemm_matmul(pd_backend *b, const pd_matmul_params *p) {
         pd_skinny_kparams k = {.a = p->a, .w = p->w, .bias = p->bias, .out = p->out, .M = p->M, .N = p->N,
                                .K = p->K, .lda = lda, .accumulate = p->accumulate, .out_f32 = p->out_f32,
                                .rows = cb->skinny_rows, .occ4 = cb->skinny_occ4,
-                               .async = cb->skinny_async};
+                               .async = cb->skinny_async, .prewait = cb->skinny_prewait};
         pd_cuda_skinny(&k, cb->stream);
         PD_CUDA_CHECK_LAUNCH();
         return;
