@@ -360,8 +360,8 @@ void pd_spec_step_moments(double alpha, int k, double *mean, double *var) {
 // The standard normal distribution function (Abramowitz & Stegun 26.2.17, |error| < 7.5e-8): one
 // exp(), where erfc() costs several times more (the drain model calls it n x DRAIN_GRID times).
 static double norm_cdf(double x) {
-    if (x > 9) return 1;
-    if (x < -9) return 0;
+    if (x > 8.3) return 1;  // 1 - Phi(8.3) < 1e-16
+    if (x < -8.3) return 0;
     double ax = fabs(x), t = 1 / (1 + 0.2316419 * ax);
     double poly = t * (0.319381530 + t * (-0.356563782 + t * (1.781477937 + t * (-1.821255978 + t * 1.330274429))));
     double q = 0.3989422804014327 * exp(-0.5 * ax * ax) * poly;
@@ -401,7 +401,7 @@ double pd_spec_drain_steps(int n, const int *R, const double *alpha, const int *
         double h = (hi - lo) / DRAIN_GRID, sum = 0;
         for (int g = 0; g <= DRAIN_GRID; g++) {
             double x = lo + g * h, p = 1;
-            for (int i = 0; i < nc && p > 0; i++) p *= norm_cdf((x - mu[i]) / sd[i]);
+            for (int i = 0; i < nc && p > 1e-15; i++) p *= norm_cdf((x - mu[i]) / sd[i]);
             sum += (g == 0 || g == DRAIN_GRID ? 0.5 : 1) * (1 - p);
         }
         e = lo + sum * h;
