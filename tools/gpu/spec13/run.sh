@@ -11,7 +11,7 @@
 # 1:EPS (0.1: acceptance ~0.2, "nonpay"; 0.05: ~0.5-0.6, "pay"), --num-speculative-tokens 4, random
 # prompts of 32 tokens. Modes DT3 = three adaptive engines, each followed by its paused twin (the same
 # engine with speculation paused: "a/p" is the policy's effect without the spread between engines),
-# between two plain engines (the cross-engine ratio and band).
+# after one plain engine (the cross-engine ratio; its band is that engine's own runs).
 # Parts (env PARTS, in order; BUDGET s):
 #   nD1 / nD0     nonpay, 48 tokens, batches 1/8/32/64, reps 2, DT3, drain on / off
 #   nLD1 / nLD0   nonpay, 128 tokens, batch ${L_B:-8}, reps 2, DT3, drain on / off
@@ -43,7 +43,7 @@ draft() {  # name drain eps tokens batches reps limit modes
   spec $1 $2 $7 --speculative-method draft --speculative-model $M --speculative-dummy-layers 1 --dummy-residual-scale 1:$3 \
     $W --num-speculative-tokens 4 --max-tokens $4 --batches $5 --reps $6 --modes $8
 }
-DT3=off,adaptive,paused,adaptive,paused,adaptive,paused,off
+DT3=off,adaptive,paused,adaptive,paused,adaptive,paused  # 4 engines (8B dummy ~16 GB each): 5 would not fit
 FT=off,ngram:adaptive,paused,lookahead:adaptive,paused,off
 testgpu() {
   if [ "$(left)" -gt 12 ]; then
