@@ -626,8 +626,8 @@ PD_TEST(drain_steps_match_simulation) {
         double a[64];
         for (int i = 0; i < C[c].n; i++) R[i] = C[c].R, k[i] = C[c].k, a[i] = C[c].a;
         double model = pd_spec_drain_steps(C[c].n, R, a, k), sim = sim_drain(C[c].n, C[c].R, C[c].a, C[c].k, 2000);
-        // The normal approximation (no overshoot of the last step, no lattice) within 4%.
-        PD_CHECK(fabs(model / sim - 1) < 0.04);
+        // The normal approximation (the counts' skew ignored) within 3%.
+        PD_CHECK(fabs(model / sim - 1) < 0.03);
     }
 }
 
@@ -635,7 +635,8 @@ PD_TEST(drain_no_tail_for_one_sequence_and_long_budgets) {
     int R[8] = {48}, k[8] = {2};
     double a[8] = {0.5}, m, v;
     pd_spec_step_moments(0.5, 2, &m, &v);
-    PD_CHECK(fabs(pd_spec_drain_steps(1, R, a, k) / (48 / m) - 1) < 1e-4);  // batch 1: its mean, no tail
+    double over = (v + m * m - m) / (2 * m);  // the last step's overshoot (spec.h)
+    PD_CHECK(fabs(pd_spec_drain_steps(1, R, a, k) / ((48 + over) / m) - 1) < 1e-4);  // batch 1: its mean, no tail
     // R -> infinity: the batch of 8's expected steps approach R / mu (the throughput model's view).
     for (int i = 0; i < 8; i++) R[i] = 10000000, k[i] = 2, a[i] = 0.5;
     PD_CHECK(fabs(pd_spec_drain_steps(8, R, a, k) / (R[0] / m) - 1) < 0.002);
