@@ -408,10 +408,8 @@ double pd_spec_drain_steps(int n, const int *R, const double *alpha, const int *
         if (R[i] <= 0) continue;
         double m = 1, v = 0;
         if (k[i] > 0) pd_spec_step_moments(alpha[i], k[i], &m, &v);
-        // The last step's overshoot past R (renewal theory on the integers: (E[T^2] - mu) / (2 mu)
-        // tokens) makes the mean (R + overshoot) / mu steps; simulated within 0.5% (test_spec).
-        double over = k[i] > 0 ? (v + m * m - m) / (2 * m) : 0;
-        mu[i] = (R[i] + over) / m;
+        // (No overshoot past R: the scheduler caps a step's drafts at the budget left.)
+        mu[i] = R[i] / m;
         sd[i] = sqrt(R[i] * v / (m * m * m));
         double l = mu[i] - DRAIN_Z * sd[i], h = mu[i] + DRAIN_Z * sd[i];
         if (!any || l > lo) lo = l;

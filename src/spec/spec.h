@@ -167,11 +167,14 @@ int pd_spec_choose_padded_m(const pd_spec_cost *c, int n_base, int n_seqs, int n
 // an upper bound) and drafts k[i] tokens a step at acceptance alpha[i] (the geometric model:
 // draft j accepted with alpha given the previous ones were). Its tokens per step T: mean
 // 1 + sum_{j<=k} alpha^j, variance sum_{j<=k} (2j-1) alpha^j - (mean - 1)^2 (pd_spec_step_moments).
-// Its steps to finish, a renewal count: normal with mean (R + o)/mu, o = (E[T^2] - mu) / (2 mu) the
-// last step's expected overshoot, and variance R var/mu^3 (k = 0: R, exact). The batch's expected steps: E[max_i N_i] of independent normals, integrated numerically
+// Its steps to finish, a renewal count: normal with mean R/mu and variance R var/mu^3 (k = 0: R,
+// exact). The batch's expected steps: E[max_i N_i] of independent normals, integrated numerically
 // over the sequences that can be last (one sequence: its mean, no tail; R -> infinity: R/mu).
-// Against a simulation of the geometric model (test_spec): within 2.5% for batches 1-64, k 1-4 (a
-// little under it at long drafts and large batches: the counts' skew).
+// Against a simulation of the geometric model (test_spec): within 4.5% for batches 1-64, k 1-4, a
+// little under it (by ~0.5 step: the last step's drafts are cut to the budget, and the counts'
+// skew). Not corrected for: at batch 1 that would refuse the last steps' small but real gain.
+// The engine passes every drafting sequence the same alpha (the mean of their estimates, see
+// engine/spec.c drain_apply): a maximum over noisy per-request estimates is biased low.
 void pd_spec_step_moments(double alpha, int k, double *mean, double *var);
 double pd_spec_drain_steps(int n, const int *R, const double *alpha, const int *k);
 // The draining batch's choice after the per-step one: k[i] (in: the per-step choice, out: capped at

@@ -603,7 +603,7 @@ static double sim_drain(int n, int R, double alpha, int k, int reps) {
             int got = 0, steps = 0;
             while (got < R) {
                 int t = 1;
-                for (int j = 0; j < k; j++) {
+                for (int j = 0; j < k && j < R - got - 1; j++) {  // drafts cut to the budget (the scheduler)
                     x ^= x << 13, x ^= x >> 7, x ^= x << 17;
                     if ((double)(x >> 11) / 9007199254740992.0 >= alpha) break;
                     t++;
@@ -626,8 +626,9 @@ PD_TEST(drain_steps_match_simulation) {
         double a[64];
         for (int i = 0; i < C[c].n; i++) R[i] = C[c].R, k[i] = C[c].k, a[i] = C[c].a;
         double model = pd_spec_drain_steps(C[c].n, R, a, k), sim = sim_drain(C[c].n, C[c].R, C[c].a, C[c].k, 2000);
-        // The normal approximation (the counts' skew ignored) within 3%.
-        PD_CHECK(fabs(model / sim - 1) < 0.03);
+        // The normal approximation within 4.5%, under the simulation (the last step's cut drafts, the
+        // counts' skew).
+        PD_CHECK(model / sim - 1 < 0.005 && model / sim - 1 > -0.045);
     }
 }
 
@@ -635,8 +636,7 @@ PD_TEST(drain_no_tail_for_one_sequence_and_long_budgets) {
     int R[8] = {48}, k[8] = {2};
     double a[8] = {0.5}, m, v;
     pd_spec_step_moments(0.5, 2, &m, &v);
-    double over = (v + m * m - m) / (2 * m);  // the last step's overshoot (spec.h)
-    PD_CHECK(fabs(pd_spec_drain_steps(1, R, a, k) / ((48 + over) / m) - 1) < 1e-4);  // batch 1: its mean, no tail
+    PD_CHECK(fabs(pd_spec_drain_steps(1, R, a, k) / (48 / m) - 1) < 1e-4);  // batch 1: its mean, no tail
     // R -> infinity: the batch of 8's expected steps approach R / mu (the throughput model's view).
     for (int i = 0; i < 8; i++) R[i] = 10000000, k[i] = 2, a[i] = 0.5;
     PD_CHECK(fabs(pd_spec_drain_steps(8, R, a, k) / (R[0] / m) - 1) < 0.002);
@@ -711,6 +711,70 @@ PD_TEST(drain_refuses_the_nonpaying_batch_and_keeps_the_paying_one) {
     for (int i = 0; i < 8; i++) k[i] = 0;
     PD_CHECK_EQ(pd_spec_drain_choose(8, R, a, k, c3, 0.05, &ratio), 0);
     PD_CHECK(ratio == 1);
+}
+
+// A closed batch with the policy in the loop (what the engine does while draining): each step the
+// per-step choice drafts k = min(K, budget - 1) and the drain model keeps, caps or refuses it, from
+// acceptance estimates (pd_spec_accept, prior at the true rate as the engine's population estimate
+// gives a new request) either pooled (the engine's rule: the mean of the estimates) or per sequence.
+// Returns the batch's time (step costs c[longest draft]) summed over reps runs. mode: 0 never
+// drafts, 1 always, 2 drain with pooled estimates, 3 drain with per-sequence estimates.
+static double sim_policy(int n, int R0, double a, int K, const double *c, int mode, int reps) {
+    uint64_t x = 0x9E3779B97F4A7C15ull;
+    double t = 0;
+    for (int r = 0; r < reps; r++) {
+        int R[64], k[64];
+        double al[64];
+        pd_spec_accept acc[64];
+        for (int i = 0; i < n; i++) R[i] = R0, pd_spec_accept_init(&acc[i], a);
+        for (;;) {
+            int live = 0;
+            double pool = 0;
+            for (int i = 0; i < n; i++)
+                if (R[i] > 0) live++, pool += pd_spec_accept_alpha(&acc[i]);
+            if (!live) break;
+            pool /= live;
+            for (int i = 0; i < n; i++) {
+                k[i] = mode == 0 || R[i] <= 1 ? 0 : (K < R[i] - 1 ? K : R[i] - 1);
+                al[i] = mode == 3 ? pd_spec_accept_alpha(&acc[i]) : pool;
+            }
+            if (mode >= 2) pd_spec_drain_choose(n, R, al, k, c, 0.05, NULL);
+            int m = 0;
+            for (int i = 0; i < n; i++) m = R[i] > 0 && k[i] > m ? k[i] : m;
+            t += c[m];
+            for (int i = 0; i < n; i++) {
+                if (R[i] <= 0) continue;
+                int A = 0;
+                while (A < k[i]) {
+                    x ^= x << 13, x ^= x >> 7, x ^= x << 17;
+                    if ((double)(x >> 11) / 9007199254740992.0 >= a) break;
+                    A++;
+                }
+                if (k[i] > 0) pd_spec_accept_update(&acc[i], k[i], A);
+                R[i] -= 1 + A;
+            }
+        }
+    }
+    return t;
+}
+
+PD_TEST(drain_policy_in_a_closed_batch) {
+    double c[3] = {1.0, 1.15, 1.27};  // plain, k = 1, k = 2 (the 8B shape's verify + draft forwards, roughly)
+    // Not paying in a closed batch (acceptance 0.22, batch 8, 48 tokens): drafting always loses ~1.5%;
+    // the drain model does not draft.
+    double nv = sim_policy(8, 48, 0.22, 1, c, 0, 200), al = sim_policy(8, 48, 0.22, 1, c, 1, 200);
+    double dr = sim_policy(8, 48, 0.22, 1, c, 2, 200);
+    PD_CHECK(al > nv * 1.005);
+    PD_CHECK(dr <= nv * 1.002);
+    // Paying (0.5, k up to 2, batch 32): the drain model keeps the gain of drafting (within 2%) ...
+    nv = sim_policy(32, 48, 0.5, 2, c, 0, 60), al = sim_policy(32, 48, 0.5, 2, c, 1, 60);
+    dr = sim_policy(32, 48, 0.5, 2, c, 2, 60);
+    PD_CHECK(nv / al > 1.1);
+    PD_CHECK(nv / dr > 0.98 * (nv / al));
+    // ... which per-sequence estimates lose: the maximum over 32 noisy estimates reads the batch as
+    // slow and refuses (why the engine pools them).
+    double ds = sim_policy(32, 48, 0.5, 2, c, 3, 60);
+    PD_CHECK(nv / ds < 1.05);
 }
 
 PD_TEST(method_names) {
