@@ -52,8 +52,9 @@ testgpu() {
     echo "== test_gpu_spec rc=$? ($(( $(date +%s) - t0 )) s)"; grep -E "passed|FAIL" "$OUT/test_gpu_spec.txt" | tail -4
   else echo "== test_gpu_spec skipped: budget"; fi
 }
-# round 1: nD1 nD0 test pD1 nLD1 nLD0
-PARTS=${PARTS:-nD1 nD0 test pD1 nLD1 nLD0}
+# round 1 (call 1, binaries 01e538d): nD1 nD0 test pD1 nLD1 nLD0
+# round 2 (binaries 13608a2: pooled acceptance in the drain model): pD1 nD1 pD0 test nLD1 free nD0
+PARTS=${PARTS:-pD1 nD1 pD0 test nLD1 free nD0}
 for part in $PARTS; do
   case $part in
     nD1) draft nD1 1 0.1 48 1,8,32,64 2 50 $DT3;;
