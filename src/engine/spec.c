@@ -112,6 +112,7 @@ typedef struct espec {
     bool adaptive;
     double probe_share;     // PROBE_SHARE unless PD_SPEC_PROBE_SHARE says otherwise
     double min_gain;        // PD_SPEC_MIN_GAIN (spec.h) unless the PD_SPEC_MIN_GAIN knob says otherwise (A/B)
+    double drain_gain;      // PD_SPEC_DRAIN_MIN_GAIN (spec.h) unless the PD_SPEC_DRAIN_GAIN knob says otherwise
     int V, bs;
     pd_model *draft;
     pd_model_cache *dcache;
@@ -366,7 +367,8 @@ pd_status pd_engine_spec_load(pd_engine *e, pd_err *err) {
     // PD_SPEC_PROBE_SHARE: a share of the step time in (0, 0.1]; PD_SPEC_MIN_GAIN: a share of the step
     // rate in (0, 0.5] (A/B knobs, strict).
     if (pd_env_double("PD_SPEC_PROBE_SHARE", PROBE_SHARE, 0, 0.1, &S->probe_share, err) ||
-        pd_env_double("PD_SPEC_MIN_GAIN", PD_SPEC_MIN_GAIN, 0, 0.5, &S->min_gain, err))
+        pd_env_double("PD_SPEC_MIN_GAIN", PD_SPEC_MIN_GAIN, 0, 0.5, &S->min_gain, err) ||
+        pd_env_double("PD_SPEC_DRAIN_GAIN", PD_SPEC_DRAIN_MIN_GAIN, 0, 0.5, &S->drain_gain, err))
         return PD_ERR_INVALID;
     if (pd_env_switch("PD_SPEC_IDLE_FAST", true, &S->idle_fast, err) || pd_env_switch("PD_SPEC_PROBE_GROUP", true, &S->probe_group, err) ||
         pd_env_switch("PD_SPEC_DRAIN", true, &S->drain_on, err))
@@ -1020,7 +1022,7 @@ static int drain_apply(pd_engine *e, const pd_step_plan *plan, sreq **srs, int n
         for (int j = 0; j < n; j++) n_tok += PD_MIN(k[S->sidx[j]], m);
         cost[m] = step_cost((void *)pc, m, n_tok) + (m > 0 && dp ? dp->first_us + (m - 1) * dp->next_us : 0);
     }
-    int got = pd_spec_drain_choose(nd, S->dR, S->dA, S->dK, cost, S->min_gain, NULL);
+    int got = pd_spec_drain_choose(nd, S->dR, S->dA, S->dK, cost, S->drain_gain, NULL);
     for (int i = 0, j = 0, r = 0; i < plan->n_seqs; i++) {
         bool cand = j < n && S->sidx[j] == i;
         if (srs[i] && !srs[i]->fixed_k) {

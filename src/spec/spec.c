@@ -435,7 +435,7 @@ double pd_spec_drain_steps(int n, const int *R, const double *alpha, const int *
 }
 
 int pd_spec_drain_choose(int n, const int *R, const double *alpha, int *k, const double *cost, double min_gain, double *ratio) {
-    if (!(min_gain >= 0)) min_gain = PD_SPEC_MIN_GAIN;
+    if (!(min_gain >= 0)) min_gain = PD_SPEC_DRAIN_MIN_GAIN;
     if (ratio) *ratio = 1;
     int M = 0, plain = 0;
     for (int i = 0; i < n; i++) {

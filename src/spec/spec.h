@@ -181,10 +181,17 @@ double pd_spec_drain_steps(int n, const int *R, const double *alpha, const int *
 // the chosen m), for each uniform cap m = 1..max k[i] the predicted finish time E[max N(m)] *
 // cost[m] (cost[m]: the step's price when its longest draft is m, draft forwards included; cost[0]
 // the plain step's) against plain max R * cost[0]; the best m drafts only where plain / it >= 1 +
-// min_gain, else every k[i] becomes 0. Returns the chosen m (0: refused); *ratio (may be NULL): the
+// min_gain (< 0: PD_SPEC_DRAIN_MIN_GAIN), else every k[i] becomes 0. Returns the chosen m (0: refused); *ratio (may be NULL): the
 // best predicted finish time over plain's (1 where nothing drafted). Sequences with k[i] = 0 are
 // plain ones in the batch (their R counts: the batch cannot end before them).
 int pd_spec_drain_choose(int n, const int *R, const double *alpha, int *k, const double *cost, double min_gain, double *ratio);
+// The drain model's margin (the engine's default; knob PD_SPEC_DRAIN_GAIN): half the step margin.
+// The step margin also stood for "a closed batch's requests finish unevenly", which the drain model
+// now predicts; what is left is the error of the step prices. Measured (session 13, calls 1-2): with
+// the step margin (5%) the paying fixture's batch 64 (acceptance ~0.45, a predicted +3%) stopped
+// drafting at once, 1.00x where drafting throughout gave 1.03-1.04x; simulated closed batches
+// (tests/unit/test_spec.c) at acceptance 0.22 refuse with either margin.
+#define PD_SPEC_DRAIN_MIN_GAIN 0.025
 
 // ---- measured step times per shape -----------------------------------------------------------
 // A small cache of step times (EMA, microseconds) keyed by a step's shape (the engine's key: the

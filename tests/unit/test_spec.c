@@ -673,43 +673,51 @@ PD_TEST(drain_refuses_the_nonpaying_batch_and_keeps_the_paying_one) {
     // one: the step model's +6% is -1.6% for the closed batch: refused.
     double c1[2] = {1.0, 1.15};
     for (int i = 0; i < 8; i++) R[i] = 48, k[i] = 1, a[i] = 0.22;
-    PD_CHECK_EQ(pd_spec_drain_choose(8, R, a, k, c1, 0.05, &ratio), 0);
+    PD_CHECK_EQ(pd_spec_drain_choose(8, R, a, k, c1, -1, &ratio), 0);
     PD_CHECK(ratio > 1.0);
     for (int i = 0; i < 8; i++) PD_CHECK_EQ(k[i], 0);
     // 128 tokens: the tail is smaller, still not the 5% margin.
     for (int i = 0; i < 8; i++) R[i] = 128, k[i] = 1;
-    PD_CHECK_EQ(pd_spec_drain_choose(8, R, a, k, c1, 0.05, &ratio), 0);
+    PD_CHECK_EQ(pd_spec_drain_choose(8, R, a, k, c1, -1, &ratio), 0);
     // Batch 1 keeps its gain (48 / 1.22 steps at 1.15: +6.1%).
     R[0] = 48, k[0] = 1;
-    PD_CHECK_EQ(pd_spec_drain_choose(1, R, a, k, c1, 0.05, &ratio), 1);
+    PD_CHECK_EQ(pd_spec_drain_choose(1, R, a, k, c1, -1, &ratio), 1);
     PD_CHECK(k[0] == 1 && ratio < 1 / 1.05);
+    // (The default margin, PD_SPEC_DRAIN_MIN_GAIN, is used from here on: -1.)
     // The paying fixture: acceptance 0.6, k = 2, batch 8: ~+30% predicted.
     double c2[3] = {1.0, 1.15, 1.2};
     for (int i = 0; i < 8; i++) R[i] = 48, k[i] = 2, a[i] = 0.6;
-    PD_CHECK_EQ(pd_spec_drain_choose(8, R, a, k, c2, 0.05, &ratio), 2);
+    PD_CHECK_EQ(pd_spec_drain_choose(8, R, a, k, c2, -1, &ratio), 2);
     PD_CHECK(ratio < 1 / 1.2 && ratio > 1 / 1.45);
     for (int i = 0; i < 8; i++) PD_CHECK_EQ(k[i], 2);
     // Batch 64, same acceptance and costs: still drafts.
     for (int i = 0; i < 64; i++) R[i] = 48, k[i] = 2, a[i] = 0.6;
-    PD_CHECK_EQ(pd_spec_drain_choose(64, R, a, k, c2, 0.05, &ratio), 2);
+    PD_CHECK_EQ(pd_spec_drain_choose(64, R, a, k, c2, -1, &ratio), 2);
+    // Session 13 call 2's paying batch 64 (acceptance ~0.45, a k = 1 step 1.23x a plain one): a
+    // predicted +3% finish-time gain, which the drain margin keeps and the step margin would refuse.
+    double c4[2] = {1.0, 1.23};
+    for (int i = 0; i < 64; i++) R[i] = 48, k[i] = 1, a[i] = 0.45;
+    PD_CHECK_EQ(pd_spec_drain_choose(64, R, a, k, c4, -1, &ratio), 1);
+    PD_CHECK(ratio > 1 / 1.05 && ratio < 1 / 1.025);
+    PD_CHECK_EQ(pd_spec_drain_choose(64, R, a, k, c4, PD_SPEC_MIN_GAIN, &ratio), 0);
     // A plain sequence with the longest budget: the batch cannot end sooner, drafting only costs.
     for (int i = 0; i < 8; i++) R[i] = 48, k[i] = 2, a[i] = 0.9;
     R[7] = 60, k[7] = 0;
-    PD_CHECK_EQ(pd_spec_drain_choose(8, R, a, k, c2, 0.05, &ratio), 0);
+    PD_CHECK_EQ(pd_spec_drain_choose(8, R, a, k, c2, -1, &ratio), 0);
     PD_CHECK(fabs(ratio - 1.15) < 0.01);  // the others finish in ~17 steps at 1.15: the plain one's 60 steps, dearer
     // The cap: a dear longest draft is cut back to the best uniform m.
     double c3[4] = {1.0, 1.1, 1.2, 3.0};
     for (int i = 0; i < 8; i++) R[i] = 48, k[i] = 3, a[i] = 0.7;
-    PD_CHECK_EQ(pd_spec_drain_choose(8, R, a, k, c3, 0.05, &ratio), 2);
+    PD_CHECK_EQ(pd_spec_drain_choose(8, R, a, k, c3, -1, &ratio), 2);
     for (int i = 0; i < 8; i++) PD_CHECK_EQ(k[i], 2);
     // Half the batch at k = 1 (the per-step choice's greedy path): they set the batch's end, and
     // the longer drafts of the others would only make every step dearer: m = 1.
     for (int i = 0; i < 8; i++) k[i] = i < 4 ? 3 : 1;
-    PD_CHECK_EQ(pd_spec_drain_choose(8, R, a, k, c3, 0.05, &ratio), 1);
+    PD_CHECK_EQ(pd_spec_drain_choose(8, R, a, k, c3, -1, &ratio), 1);
     for (int i = 0; i < 8; i++) PD_CHECK_EQ(k[i], 1);
     // Nothing drafted: nothing to decide.
     for (int i = 0; i < 8; i++) k[i] = 0;
-    PD_CHECK_EQ(pd_spec_drain_choose(8, R, a, k, c3, 0.05, &ratio), 0);
+    PD_CHECK_EQ(pd_spec_drain_choose(8, R, a, k, c3, -1, &ratio), 0);
     PD_CHECK(ratio == 1);
 }
 
@@ -738,7 +746,7 @@ static double sim_policy(int n, int R0, double a, int K, const double *c, int mo
                 k[i] = mode == 0 || R[i] <= 1 ? 0 : (K < R[i] - 1 ? K : R[i] - 1);
                 al[i] = mode == 3 ? pd_spec_accept_alpha(&acc[i]) : pool;
             }
-            if (mode >= 2) pd_spec_drain_choose(n, R, al, k, c, 0.05, NULL);
+            if (mode >= 2) pd_spec_drain_choose(n, R, al, k, c, -1, NULL);
             int m = 0;
             for (int i = 0; i < n; i++) m = R[i] > 0 && k[i] > m ? k[i] : m;
             t += c[m];
