@@ -27,7 +27,7 @@ mkdir -p $T && tar xJf $D/bins.tar.xz -C $T
 export LD_LIBRARY_PATH=${LD_LIBRARY_PATH:-/tmp/gpulib/lib} PD_SPEC_STATS=1
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader
 cat $D/COMMIT
-left() { echo $(( ${BUDGET:-195} - ($(date +%s) - t0) )); }
+left() { echo $(( ${BUDGET:-172} - ($(date +%s) - t0) )); }
 lim() { l=$(left); [ "$l" -lt "$1" ] && echo "$l" || echo "$1"; }
 M=${M:-build/gpu-lead/llama-3-8b}
 W="--random-prompt 32 --random-prompts 8"
@@ -54,7 +54,8 @@ testgpu() {
 }
 # round 1 (call 1, binaries 01e538d): nD1 nD0 test pD1 nLD1 nLD0
 # round 2 (binaries 13608a2: pooled acceptance in the drain model): pD1 nD1 pD0 test nLD1 free nD0
-PARTS=${PARTS:-pD1 nD1 pD0 test nLD1 free nD0}
+# round 3 (binaries 7d65e3d: the drain margin 0.025), BUDGET 172, LIMIT 180: pD1 nD1 test nLD1 pD0 nD0
+PARTS=${PARTS:-pD1 nD1 test nLD1 pD0 nD0}
 for part in $PARTS; do
   case $part in
     nD1) draft nD1 1 0.1 48 1,8,32,64 2 50 $DT3;;
