@@ -189,7 +189,10 @@ typedef struct espec {
     int64_t n_probe_skip;  // due probes skipped: drafting could not pay even at acceptance 1 (diagnostics)
     // The drain model (session 13, spec.h pd_spec_drain_choose): while no request waits for a slot
     // (draining: the batch ends with its slowest sequence), a step's drafts must also shorten the
-    // batch's predicted finish time by the margin. PD_SPEC_DRAIN=0: off (A/B).
+    // batch's predicted finish time by the margin. Off by default (PD_SPEC_DRAIN=1: on): measured on
+    // the H100 (tools/gpu/NOTES.md, session 13) it did not lift the non-paying cells above what the
+    // step model gives, and cut the paying fixture's gain at batch 32-64 (1.06-1.18x against
+    // 1.21-1.29x at 32).
     bool drain_on;
     bool draining;     // this step: no request waiting or loading (pd_sched_stats)
     bool quiet_drain;  // draining when quiet_n was set (the fast path's verdict holds for that state)
@@ -371,7 +374,7 @@ pd_status pd_engine_spec_load(pd_engine *e, pd_err *err) {
         pd_env_double("PD_SPEC_DRAIN_GAIN", PD_SPEC_DRAIN_MIN_GAIN, 0, 0.5, &S->drain_gain, err))
         return PD_ERR_INVALID;
     if (pd_env_switch("PD_SPEC_IDLE_FAST", true, &S->idle_fast, err) || pd_env_switch("PD_SPEC_PROBE_GROUP", true, &S->probe_group, err) ||
-        pd_env_switch("PD_SPEC_DRAIN", true, &S->drain_on, err))
+        pd_env_switch("PD_SPEC_DRAIN", false, &S->drain_on, err))
         return PD_ERR_INVALID;
     S->quiet_n = -1;
     pd_spec_backoff_init(&S->probe_bo);
@@ -1335,7 +1338,7 @@ pd_status pd_engine_spec_run_plan(pd_engine *e, const pd_step_plan *plan, bool *
 static bool idle_step(const espec *S, const pd_step_plan *plan) {
     if (S->method == PD_SPEC_NGRAM) return true;
     if (S->method == PD_SPEC_LOOKAHEAD) return S->win_quiet_n == plan->n_seqs && S->n_steps < S->next_win_probe;
-    if (S->quiet_n != plan->n_seqs || S->quiet_drain != S->draining) return false;
+    if (S->quiet_n != plan->n_seqs || (S->drain_on && S->quiet_drain != S->draining)) return false;
     for (int i = 0; i < plan->n_seqs; i++)  // a prefill chunk (a recompute after preemption): the draft mirrors it
         if (plan->seqs[i].n_tokens != 1) return false;
     return true;
@@ -1352,9 +1355,12 @@ static pd_status run_plan(pd_engine *e, const pd_step_plan *plan, bool *handled)
     S->srs_n = 0;
     S->probe_pick = -1;
     S->probe_look = false;
-    pd_sched_stats ss;
-    pd_sched_stats_get(e->sched, &ss);
-    S->draining = ss.n_waiting == 0 && ss.n_loading == 0;
+    S->draining = false;
+    if (S->drain_on) {
+        pd_sched_stats ss;
+        pd_sched_stats_get(e->sched, &ss);
+        S->draining = ss.n_waiting == 0 && ss.n_loading == 0;
+    }
     if (S->adaptive && S->n_busy == 0 && S->n_steps > 0 && S->n_steps < S->next_probe && idle_step(S, plan)) {
         S->n_fast++;  // the idle fast path: a plain step, as without speculation
         S->n_steps++;
