@@ -74,6 +74,7 @@ typedef struct sreq {
     int n_prompt;
     int draft_pos;  // draft KV is valid for positions [0, draft_pos); -1: not placed yet
     bool fixed_k;   // seeded random sampling: k does not depend on load (reproducible)
+    int max_tokens; // the request's limit (the drain model's remaining budget: max_tokens - generated)
     bool is_random;
     pd_spec_accept acc;
     pd_spec_jacobi jac;
@@ -111,6 +112,7 @@ typedef struct espec {
     bool adaptive;
     double probe_share;     // PROBE_SHARE unless PD_SPEC_PROBE_SHARE says otherwise
     double min_gain;        // PD_SPEC_MIN_GAIN (spec.h) unless the PD_SPEC_MIN_GAIN knob says otherwise (A/B)
+    double drain_gain;      // PD_SPEC_DRAIN_MIN_GAIN (spec.h) unless the PD_SPEC_DRAIN_GAIN knob says otherwise
     int V, bs;
     pd_model *draft;
     pd_model_cache *dcache;
@@ -185,6 +187,19 @@ typedef struct espec {
     bool paused;  // pd_engine_spec_pause (atomic access): plain steps, the hooks skipped
     bool step_paused;  // this step ran paused (engine thread only)
     int64_t n_probe_skip;  // due probes skipped: drafting could not pay even at acceptance 1 (diagnostics)
+    // The drain model (session 13, spec.h pd_spec_drain_choose): while no request waits for a slot
+    // (draining: the batch ends with its slowest sequence), a step's drafts must also shorten the
+    // batch's predicted finish time by the margin. Off by default (PD_SPEC_DRAIN=1: on): measured on
+    // the H100 (tools/gpu/NOTES.md, session 13) it did not lift the non-paying cells above what the
+    // step model gives, and cut the paying fixture's gain at batch 32-64 (1.06-1.18x against
+    // 1.21-1.29x at 32).
+    bool drain_on;
+    bool draining;     // this step: no request waiting or loading (pd_sched_stats)
+    bool quiet_drain;  // draining when quiet_n was set (the fast path's verdict holds for that state)
+    int64_t n_drain_eval, n_drain_refused, n_drain_capped, n_drain_probe_skip;  // diagnostics
+    int *dR;  // per plan seq: the drain model's remaining budgets (dR), lengths (dK), acceptance (dA)
+    int *dK;
+    double *dA;
     double la_yield;  // lookahead: accepted tokens per Jacobi window token spent (EMA)
     int64_t la_win_tokens;  // window tokens verified this step
     int cap_res_seqs;
@@ -248,9 +263,9 @@ static bool reserve_seqs(espec *S, int n) {
     if (n <= S->cap_seqs) return true;
     // The per-seq arrays share cap_seqs: each grows from the same capacity to the same new one (on
     // failure those already grown keep it: harmless, as in engine.c's step buffers).
-    void *arrs[] = {&S->kmax, &S->kch, &S->sidx, &S->row0, &S->alpha, &S->srs, &S->results};
+    void *arrs[] = {&S->kmax, &S->kch, &S->sidx, &S->row0, &S->alpha, &S->srs, &S->results, &S->dR, &S->dK, &S->dA};
     size_t elem[] = {sizeof(int), sizeof(int), sizeof(int), sizeof(int), sizeof(double), sizeof(sreq *),
-                     sizeof(pd_sample_result) * (size_t)(S->K + 1)};
+                     sizeof(pd_sample_result) * (size_t)(S->K + 1), sizeof(int), sizeof(int), sizeof(double)};
     size_t cap = 0;
     for (size_t i = 0; i < PD_ARRAY_LEN(arrs); i++) {
         cap = (size_t)S->cap_seqs;
@@ -355,9 +370,11 @@ pd_status pd_engine_spec_load(pd_engine *e, pd_err *err) {
     // PD_SPEC_PROBE_SHARE: a share of the step time in (0, 0.1]; PD_SPEC_MIN_GAIN: a share of the step
     // rate in (0, 0.5] (A/B knobs, strict).
     if (pd_env_double("PD_SPEC_PROBE_SHARE", PROBE_SHARE, 0, 0.1, &S->probe_share, err) ||
-        pd_env_double("PD_SPEC_MIN_GAIN", PD_SPEC_MIN_GAIN, 0, 0.5, &S->min_gain, err))
+        pd_env_double("PD_SPEC_MIN_GAIN", PD_SPEC_MIN_GAIN, 0, 0.5, &S->min_gain, err) ||
+        pd_env_double("PD_SPEC_DRAIN_GAIN", PD_SPEC_DRAIN_MIN_GAIN, 0, 0.5, &S->drain_gain, err))
         return PD_ERR_INVALID;
-    if (pd_env_switch("PD_SPEC_IDLE_FAST", true, &S->idle_fast, err) || pd_env_switch("PD_SPEC_PROBE_GROUP", true, &S->probe_group, err))
+    if (pd_env_switch("PD_SPEC_IDLE_FAST", true, &S->idle_fast, err) || pd_env_switch("PD_SPEC_PROBE_GROUP", true, &S->probe_group, err) ||
+        pd_env_switch("PD_SPEC_DRAIN", false, &S->drain_on, err))
         return PD_ERR_INVALID;
     S->quiet_n = -1;
     pd_spec_backoff_init(&S->probe_bo);
@@ -566,6 +583,9 @@ void pd_engine_spec_fini(pd_engine *e) {
                  (long long)S->n_probe_ok, S->probe_bo.mult, (long long)S->n_probe_skip, (long long)S->n_win_steps, (long long)S->n_win_probes, S->win_bo.mult,
                  S->plain_n ? (double)S->hook_plain_us / (double)S->plain_n : 0,
                  S->verify_n ? (double)S->hook_us / (double)S->verify_n : 0, (long long)S->n_fast);
+        PD_LOG_I("spec stats: drain model%s: %lld drafting steps judged while draining, %lld refused, %lld capped; %lld probes skipped",
+                 S->drain_on ? "" : " (off)", (long long)S->n_drain_eval, (long long)S->n_drain_refused, (long long)S->n_drain_capped,
+                 (long long)S->n_drain_probe_skip);
         for (int i = 0; i < PD_SPEC_SHAPES; i++)
             if (S->shapes.key[i])
                 PD_LOG_I("spec stats: shape batch %u x %s%u tokens: %.1f us (%u steps)", (S->shapes.key[i] & ~SHAPE_EAGER) >> 20,
@@ -578,6 +598,7 @@ void pd_engine_spec_fini(pd_engine *e) {
     pd_free(b->tok), pd_free(b->qi), pd_free(b->kvl), pd_free(b->bti), pd_free(b->bt), pd_free(b->lr);
     pd_free(S->logits), pd_free(S->scratch), pd_free(S->qbuf), pd_free(S->results), pd_free(S->drows), pd_free(S->douts);
     pd_free(S->kmax), pd_free(S->kch), pd_free(S->sidx), pd_free(S->row0), pd_free(S->alpha), pd_free(S->srs);
+    pd_free(S->dR), pd_free(S->dK), pd_free(S->dA);
     pd_free(S);
     e->spec = NULL;
 }
@@ -597,6 +618,7 @@ pd_status pd_engine_spec_req_init(pd_engine *e, ereq *q, const pd_engine_request
     sr->n_prompt = r->n_prompt;
     sr->is_random = r->sampling.temperature > 0;
     sr->fixed_k = sr->is_random && r->sampling.has_seed;
+    sr->max_tokens = r->max_tokens;
     for (int i = 0; i < r->n_prompt; i++)
         if (!sreq_push(sr, r->prompt[i])) return PD_ERR_NOMEM;
     double prior = S->method == PD_SPEC_DRAFT ? 0.7 : 0.5;
@@ -959,6 +981,74 @@ static int pick_probes(espec *S, const pd_step_plan *plan, sreq **srs, int n, in
     return best;
 }
 
+// A request's remaining budget: max_tokens - generated, and the context's room (an upper bound: EOS
+// and stop strings may end it sooner).
+static int remaining(const pd_engine *e, const sreq *sr) {
+    int r = sr->max_tokens - (sr->n - sr->n_prompt), ctx = pd_engine_max_model_len(e) - sr->n;
+    r = PD_MIN(r, ctx);
+    return PD_MAX(r, 0);
+}
+
+// The drain model over the step's sequences (spec.h pd_spec_drain_choose): k (per plan seq; the
+// per-step choice, capped in place) for the candidates of sidx[0..n) at the mean of their
+// acceptance estimates alpha (NULL: 1, the most a probe can show), the others of the batch plain (their budgets count); fixed-length
+// sequences (seeded sampling) stay out. Returns the chosen cap (0: refused).
+static int drain_apply(pd_engine *e, const pd_step_plan *plan, sreq **srs, int n, const double *alpha, int *k, const pad_ctx *pc,
+                       int n_base, const pd_spec_draft_price *dp) {
+    espec *S = e->spec;
+    int nd = 0, M = 0;
+    // One acceptance for every candidate: the mean of their estimates. The batch's end is a maximum
+    // over its sequences, and a maximum over noisy per-request estimates (~0.08 apart after a
+    // 48-token request's verify steps) picks the unluckiest one: with them, a simulated batch of 32
+    // at a true 0.5 never drafted (0.997x of plain; pooled 1.15x, drafting always 1.15x; session 13
+    // call 1: the paying fixture fell from 1.12-1.27x to 1.00-1.06x at batch 32, 1.03-1.08x to
+    // 0.99x at 64). The spread of real progress is the model's own variance term.
+    double pool = 0;
+    for (int j = 0; j < n; j++) pool += alpha ? alpha[j] : 1.0;
+    pool = n > 0 ? pool / n : 0;
+    // sidx is in plan order: one walk pairs the candidates with their plan seqs.
+    for (int i = 0, j = 0; i < plan->n_seqs; i++) {
+        bool cand = j < n && S->sidx[j] == i;
+        if (srs[i] && !srs[i]->fixed_k) {
+            S->dR[nd] = remaining(e, srs[i]);
+            S->dK[nd] = cand ? k[i] : 0;
+            S->dA[nd] = cand ? pool : 0;
+            M = PD_MAX(M, S->dK[nd]);
+            nd++;
+        }
+        j += cand;
+    }
+    if (M <= 0) return 0;
+    double cost[PD_SPEC_MAX_K + 1];
+    for (int m = 0; m <= M; m++) {
+        int n_tok = n_base;
+        for (int j = 0; j < n; j++) n_tok += PD_MIN(k[S->sidx[j]], m);
+        cost[m] = step_cost((void *)pc, m, n_tok) + (m > 0 && dp ? dp->first_us + (m - 1) * dp->next_us : 0);
+    }
+    int got = pd_spec_drain_choose(nd, S->dR, S->dA, S->dK, cost, S->drain_gain, NULL);
+    for (int i = 0, j = 0, r = 0; i < plan->n_seqs; i++) {
+        bool cand = j < n && S->sidx[j] == i;
+        if (srs[i] && !srs[i]->fixed_k) {
+            if (cand) k[i] = S->dK[r];
+            r++;
+        }
+        j += cand;
+    }
+    return got;
+}
+
+// Whether the drain model would let the candidates draft were every acceptance 1 (k = kmax: the
+// most a probe could reveal), for a due probe in a draining batch.
+static bool drain_probe_worth(pd_engine *e, const pd_step_plan *plan, sreq **srs, int n, const int *km, const pad_ctx *pc, int n_base,
+                              const pd_spec_draft_price *dp) {
+    espec *S = e->spec;
+    int *k = S->kch;  // (all 0 here: no candidate drafts this step; restored below)
+    for (int j = 0; j < n; j++) k[S->sidx[j]] = km[j];
+    int m = drain_apply(e, plan, srs, n, NULL, k, pc, n_base, dp);
+    for (int j = 0; j < n; j++) k[S->sidx[j]] = 0;
+    return m > 0;
+}
+
 // Chooses each speculating sequence's length in S->kch from S->kmax.
 static void choose_lengths(pd_engine *e, const pd_step_plan *plan, sreq **srs) {
     espec *S = e->spec;
@@ -1008,6 +1098,19 @@ static void choose_lengths(pd_engine *e, const pd_step_plan *plan, sreq **srs) {
         int i = S->sidx[j];
         kk[i] = kout[j];
         any_k |= kk[i] > 0;
+    }
+    const pd_spec_draft_price *dpp = S->method == PD_SPEC_DRAFT ? &dp : NULL;
+    if (any_k && S->drain_on && S->draining) {  // a draining batch: its finish time must gain too
+        int M = 0;
+        for (int j = 0; j < n; j++) M = PD_MAX(M, kk[S->sidx[j]]);
+        int m = drain_apply(e, plan, srs, n, S->alpha, kk, &pc, n_base, dpp);
+        S->n_drain_eval++;
+        S->n_drain_refused += m == 0;
+        S->n_drain_capped += m > 0 && m < M;
+        any_k = m > 0;
+    }
+    for (int j = 0; j < n; j++) {
+        int i = S->sidx[j];
         probe_ok |= kk[i] > 0 && srs[i]->probe_epoch == S->probe_epoch;
     }
     // The last probe succeeded iff one of its sequences now drafts by the policy's own choice (the
@@ -1032,6 +1135,9 @@ static void choose_lengths(pd_engine *e, const pd_step_plan *plan, sreq **srs) {
             !pd_spec_probe_worth(&S->cost, n_base, n, n_yield, km, S->method == PD_SPEC_DRAFT ? &dp1 : NULL, step_cost, &pc, kout)) {
             S->next_probe = S->n_steps + PD_SPEC_PERIOD_MIN;
             S->n_probe_skip++;
+        } else if (!any_k && S->drain_on && S->draining && !drain_probe_worth(e, plan, srs, n, km, &pc, n_base, dpp)) {
+            S->next_probe = S->n_steps + PD_SPEC_PERIOD_MIN;  // the batch's remaining budgets leave nothing to win
+            S->n_drain_probe_skip++;
         } else {
             int pl_sum = 0, pl_max = 0, m = pick_probes(S, plan, srs, n, &pl_sum, &pl_max);
             double c0 = step_cost(&pc, 0, n_base), c1 = m > 0 ? step_cost(&pc, 1, n_base + m) : COST_NEVER;
@@ -1232,7 +1338,7 @@ pd_status pd_engine_spec_run_plan(pd_engine *e, const pd_step_plan *plan, bool *
 static bool idle_step(const espec *S, const pd_step_plan *plan) {
     if (S->method == PD_SPEC_NGRAM) return true;
     if (S->method == PD_SPEC_LOOKAHEAD) return S->win_quiet_n == plan->n_seqs && S->n_steps < S->next_win_probe;
-    if (S->quiet_n != plan->n_seqs) return false;
+    if (S->quiet_n != plan->n_seqs || (S->drain_on && S->quiet_drain != S->draining)) return false;
     for (int i = 0; i < plan->n_seqs; i++)  // a prefill chunk (a recompute after preemption): the draft mirrors it
         if (plan->seqs[i].n_tokens != 1) return false;
     return true;
@@ -1249,6 +1355,12 @@ static pd_status run_plan(pd_engine *e, const pd_step_plan *plan, bool *handled)
     S->srs_n = 0;
     S->probe_pick = -1;
     S->probe_look = false;
+    S->draining = false;
+    if (S->drain_on) {
+        pd_sched_stats ss;
+        pd_sched_stats_get(e->sched, &ss);
+        S->draining = ss.n_waiting == 0 && ss.n_loading == 0;
+    }
     if (S->adaptive && S->n_busy == 0 && S->n_steps > 0 && S->n_steps < S->next_probe && idle_step(S, plan)) {
         S->n_fast++;  // the idle fast path: a plain step, as without speculation
         S->n_steps++;
@@ -1415,7 +1527,7 @@ static pd_status run_plan(pd_engine *e, const pd_step_plan *plan, bool *handled)
 out:
     // The draft method: a full step of single-token decodes that drafted nothing and had no draft
     // work holds for the next steps of the same batch (idle_step), while nobody is busy.
-    if (S->method == PD_SPEC_DRAFT && S->adaptive && S->idle_fast && !st && !any && !draft_work && all_dec) S->quiet_n = plan->n_seqs;
+    if (S->method == PD_SPEC_DRAFT && S->adaptive && S->idle_fast && !st && !any && !draft_work && all_dec) S->quiet_n = plan->n_seqs, S->quiet_drain = S->draining;
     S->n_steps++;
     S->srs_n = st ? 0 : plan->n_seqs;  // after_update's view of this step
     return st;

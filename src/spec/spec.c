@@ -2,6 +2,7 @@
 #include "spec/spec.h"
 
 #include <math.h>
+#include <pthread.h>
 #include <string.h>
 
 static const char *const NAMES[PD_SPEC_N] = {"none", "draft", "ngram", "lookahead"};
@@ -341,6 +342,125 @@ int pd_spec_choose_padded_m(const pd_spec_cost *c, int n_base, int n_seqs, int n
         if (order != order_stack) pd_free(order);
     }
     return sum_k;
+}
+
+// ---- a draining batch's finish time ----------------------------------------------------------
+
+void pd_spec_step_moments(double alpha, int k, double *mean, double *var) {
+    double a = alpha > 0 ? (alpha < 1 ? alpha : 1) : 0, p = 1, m1 = 0, m2 = 0;
+    for (int j = 1; j <= k; j++) {
+        p *= a;  // P(A >= j): drafts 1..j accepted
+        m1 += p;
+        m2 += (2 * j - 1) * p;  // E[A^2] = sum_j (2j - 1) P(A >= j)
+    }
+    *mean = 1 + m1;
+    double v = m2 - m1 * m1;
+    *var = v > 0 ? v : 0;
+}
+
+// The standard normal distribution function (Abramowitz & Stegun 26.2.17, |error| < 7.5e-8).
+static double norm_cdf_exact(double x) {
+    if (x > 8.3) return 1;  // 1 - Phi(8.3) < 1e-16
+    if (x < -8.3) return 0;
+    double ax = fabs(x), t = 1 / (1 + 0.2316419 * ax);
+    double poly = t * (0.319381530 + t * (-0.356563782 + t * (1.781477937 + t * (-1.821255978 + t * 1.330274429))));
+    double q = 0.3989422804014327 * exp(-0.5 * ax * ax) * poly;
+    return x >= 0 ? 1 - q : q;
+}
+
+// The same from a table at 1/32 steps over [-8.5, 8.5], interpolated linearly (|error| < 3e-5: the
+// drain model evaluates it n x (DRAIN_GRID + 1) times per cap, ~2100 at batch 64: a table lookup
+// instead of an exp() halves the model's host time). Filled once (pthread_once).
+#define PHI_STEPS 32
+#define PHI_MAX 8.5
+#define PHI_N 546  // 2 * PHI_MAX * PHI_STEPS + 2
+static double phi_tab[PHI_N];
+static pthread_once_t phi_once = PTHREAD_ONCE_INIT;
+
+static void phi_fill(void) {
+    for (int i = 0; i < PHI_N; i++) phi_tab[i] = norm_cdf_exact(-PHI_MAX + (double)i / PHI_STEPS);
+}
+
+static double norm_cdf(double x) {
+    if (x >= PHI_MAX) return 1;
+    if (x <= -PHI_MAX) return 0;
+    double u = (x + PHI_MAX) * PHI_STEPS;
+    int i = (int)u;
+    double f = u - i;
+    return phi_tab[i] + f * (phi_tab[i + 1] - phi_tab[i]);
+}
+
+// E[max] of independent normals: lo = max_i (mu_i - DRAIN_Z s_i) (the maximum lies below it with
+// probability < Phi(-DRAIN_Z)), E[max] = lo + integral over [lo, hi] of P(max > x), hi = max_i
+// (mu_i + DRAIN_Z s_i); only sequences whose mu + DRAIN_Z s exceeds lo can be last (the others'
+// Phi is 1 there). The trapezoid rule over DRAIN_GRID intervals (~0.3 s apart at the widest).
+#define DRAIN_Z 5.0
+#define DRAIN_GRID 32
+
+double pd_spec_drain_steps(int n, const int *R, const double *alpha, const int *k) {
+    pthread_once(&phi_once, phi_fill);
+    double mu_stack[256], *mu = n <= 128 ? mu_stack : pd_malloc(sizeof(double) * 2 * (size_t)n), *sd = mu + (n <= 128 ? 128 : n);
+    if (!mu) return -1;
+    double lo = 0, hi = 0;
+    int any = 0;
+    for (int i = 0; i < n; i++) {
+        mu[i] = sd[i] = 0;
+        if (R[i] <= 0) continue;
+        double m = 1, v = 0;
+        if (k[i] > 0) pd_spec_step_moments(alpha[i], k[i], &m, &v);
+        // (No overshoot past R: the scheduler caps a step's drafts at the budget left.)
+        mu[i] = R[i] / m;
+        sd[i] = sqrt(R[i] * v / (m * m * m));
+        double l = mu[i] - DRAIN_Z * sd[i], h = mu[i] + DRAIN_Z * sd[i];
+        if (!any || l > lo) lo = l;
+        if (!any || h > hi) hi = h;
+        any = 1;
+    }
+    double e = lo;
+    if (any && hi > lo) {
+        // The sequences that can be last, compacted to the front.
+        int nc = 0;
+        for (int i = 0; i < n; i++)
+            if (R[i] > 0 && sd[i] > 0 && mu[i] + DRAIN_Z * sd[i] > lo) mu[nc] = mu[i], sd[nc] = 1 / sd[i], nc++;  // sd now 1/sd
+        double h = (hi - lo) / DRAIN_GRID, sum = 0;
+        for (int g = 0; g <= DRAIN_GRID; g++) {
+            double x = lo + g * h, p = 1;
+            for (int i = 0; i < nc && p > 1e-15; i++) p *= norm_cdf((x - mu[i]) * sd[i]);
+            sum += (g == 0 || g == DRAIN_GRID ? 0.5 : 1) * (1 - p);
+        }
+        e = lo + sum * h;
+    }
+    if (mu != mu_stack) pd_free(mu);
+    return any ? e : 0;
+}
+
+int pd_spec_drain_choose(int n, const int *R, const double *alpha, int *k, const double *cost, double min_gain, double *ratio) {
+    if (!(min_gain >= 0)) min_gain = PD_SPEC_DRAIN_MIN_GAIN;
+    if (ratio) *ratio = 1;
+    int M = 0, plain = 0;
+    for (int i = 0; i < n; i++) {
+        M = k[i] > M ? k[i] : M;
+        plain = R[i] > plain ? R[i] : plain;
+    }
+    if (M <= 0) return 0;
+    if (plain <= 0 || !(cost[0] > 0)) return M;  // nothing to finish: the per-step choice stands
+    int kk_stack[256], *kk = n <= 256 ? kk_stack : pd_malloc(sizeof(int) * (size_t)n);
+    if (!kk) return M;  // out of memory: the per-step choice stands
+    double plain_t = plain * cost[0], best_t = -1;
+    int best_m = 0;
+    for (int m = 1; m <= M; m++) {
+        for (int i = 0; i < n; i++) kk[i] = k[i] < m ? k[i] : m;
+        double steps = pd_spec_drain_steps(n, R, alpha, kk);
+        if (steps < 0) continue;
+        double t = steps * cost[m];
+        if (best_m == 0 || t < best_t) best_t = t, best_m = m;
+    }
+    if (kk != kk_stack) pd_free(kk);
+    if (best_m == 0) return M;
+    if (ratio) *ratio = best_t / plain_t;
+    bool pays = plain_t >= (1 + min_gain) * best_t;
+    for (int i = 0; i < n; i++) k[i] = pays ? (k[i] < best_m ? k[i] : best_m) : 0;
+    return pays ? best_m : 0;
 }
 
 // ---- measured step times per shape -----------------------------------------------------------

@@ -157,6 +157,42 @@ int pd_spec_choose_padded(const pd_spec_cost *c, int n_base, int n_seqs, int n_y
 int pd_spec_choose_padded_m(const pd_spec_cost *c, int n_base, int n_seqs, int n_yield, const double *alpha, const int *k_max,
                             const pd_spec_draft_price *draft, pd_spec_step_cost_fn cost, void *ud, int *k, double min_gain);
 
+// ---- a draining batch's finish time (session 13) ------------------------------------------------
+// pd_spec_choose_padded maximises one step's tokens per second: right while waiting requests refill
+// every slot that frees. A batch that drains (no request waiting for a slot) ends when its slowest
+// sequence ends, and speculation spreads the sequences' progress: the batch's steps to finish are
+// the maximum over its sequences, not the mean (session 12: batch 8 at acceptance 0.22 drafted in
+// 57% of the steps for a predicted +5-7% and ran at 0.975x of plain decoding).
+// Sequence i has R[i] tokens left to generate (max_tokens - generated: EOS and stop strings make it
+// an upper bound) and drafts k[i] tokens a step at acceptance alpha[i] (the geometric model:
+// draft j accepted with alpha given the previous ones were). Its tokens per step T: mean
+// 1 + sum_{j<=k} alpha^j, variance sum_{j<=k} (2j-1) alpha^j - (mean - 1)^2 (pd_spec_step_moments).
+// Its steps to finish, a renewal count: normal with mean R/mu and variance R var/mu^3 (k = 0: R,
+// exact). The batch's expected steps: E[max_i N_i] of independent normals, integrated numerically
+// over the sequences that can be last (one sequence: its mean, no tail; R -> infinity: R/mu).
+// Against a simulation of the geometric model (test_spec): within 4.5% for batches 1-64, k 1-4, a
+// little under it (by ~0.5 step: the last step's drafts are cut to the budget, and the counts'
+// skew). Not corrected for: at batch 1 that would refuse the last steps' small but real gain.
+// The engine passes every drafting sequence the same alpha (the mean of their estimates, see
+// engine/spec.c drain_apply): a maximum over noisy per-request estimates is biased low.
+void pd_spec_step_moments(double alpha, int k, double *mean, double *var);
+double pd_spec_drain_steps(int n, const int *R, const double *alpha, const int *k);
+// The draining batch's choice after the per-step one: k[i] (in: the per-step choice, out: capped at
+// the chosen m), for each uniform cap m = 1..max k[i] the predicted finish time E[max N(m)] *
+// cost[m] (cost[m]: the step's price when its longest draft is m, draft forwards included; cost[0]
+// the plain step's) against plain max R * cost[0]; the best m drafts only where plain / it >= 1 +
+// min_gain (< 0: PD_SPEC_DRAIN_MIN_GAIN), else every k[i] becomes 0. Returns the chosen m (0: refused); *ratio (may be NULL): the
+// best predicted finish time over plain's (1 where nothing drafted). Sequences with k[i] = 0 are
+// plain ones in the batch (their R counts: the batch cannot end before them).
+int pd_spec_drain_choose(int n, const int *R, const double *alpha, int *k, const double *cost, double min_gain, double *ratio);
+// The drain model's margin (the engine's default; knob PD_SPEC_DRAIN_GAIN): half the step margin.
+// The step margin also stood for "a closed batch's requests finish unevenly", which the drain model
+// now predicts; what is left is the error of the step prices. Measured (session 13, calls 1-2): with
+// the step margin (5%) the paying fixture's batch 64 (acceptance ~0.45, a predicted +3%) stopped
+// drafting at once, 1.00x where drafting throughout gave 1.03-1.04x; simulated closed batches
+// (tests/unit/test_spec.c) at acceptance 0.22 refuse with either margin.
+#define PD_SPEC_DRAIN_MIN_GAIN 0.025
+
 // ---- measured step times per shape -----------------------------------------------------------
 // A small cache of step times (EMA, microseconds) keyed by a step's shape (the engine's key: the
 // batch bucket and the padded tokens; 0 is not a key). A step that drafts nothing must cost what a

@@ -32,7 +32,8 @@ DRAFT="$GD/../kjv-llama-1m"
 [ -e "$DRAFT/config.json" ] || pd_fail "model kjv-llama-1m not found"
 
 # ---- 1. the kjv pair ---------------------------------------------------------------------------------
-timeout 300 "$PD_BIN" bench-spec --model "$MODEL" --device cpu --speculative-method draft --speculative-model "$DRAFT" \
+# (PD_SPEC_DRAIN=1: the draining-batch model, off by default, runs here too: a closed batch drains.)
+PD_SPEC_DRAIN=1 timeout 300 "$PD_BIN" bench-spec --model "$MODEL" --device cpu --speculative-method draft --speculative-model "$DRAFT" \
   --golden "$G" --golden-key speculative_acceptance --batches 1,3 --max-tokens 24 --modes off,adaptive,fixed,off \
   --json "$TMP/draft.json" >"$TMP/draft.out" 2>"$TMP/draft.err" || pd_fail "bench-spec draft: $(tail -5 "$TMP/draft.err")"
 n=$(grep -c ' batch=' "$TMP/draft.out")

@@ -577,6 +577,214 @@ PD_TEST(probe_worth) {
     PD_CHECK(!pd_spec_probe_worth(&c, 1, 1, 1, z, NULL, h100_step, &batch, k));
 }
 
+// ---- the draining batch's finish-time model (session 13) ----
+
+PD_TEST(drain_step_moments) {
+    double m, v;
+    pd_spec_step_moments(0.22, 1, &m, &v);  // T in {1, 2}: Bernoulli(0.22) + 1
+    PD_CHECK(fabs(m - 1.22) < 1e-12 && fabs(v - 0.22 * 0.78) < 1e-12);
+    pd_spec_step_moments(0.5, 0, &m, &v);
+    PD_CHECK(m == 1 && v == 0);
+    pd_spec_step_moments(1.0, 3, &m, &v);  // every draft accepted: 4 tokens, no spread
+    PD_CHECK(fabs(m - 4) < 1e-12 && fabs(v) < 1e-12);
+    // k = 2 at 0.6: A in {0, 1, 2} with P 0.4, 0.24, 0.36.
+    pd_spec_step_moments(0.6, 2, &m, &v);
+    double ea = 0.24 + 2 * 0.36, ea2 = 0.24 + 4 * 0.36;
+    PD_CHECK(fabs(m - 1 - ea) < 1e-12 && fabs(v - (ea2 - ea * ea)) < 1e-12);
+}
+
+// Simulated mean steps until the last of n sequences (R tokens each, k drafts at alpha) finishes.
+static double sim_drain(int n, int R, double alpha, int k, int reps) {
+    uint64_t x = 88172645463325252ull;
+    double sum = 0;
+    for (int r = 0; r < reps; r++) {
+        int worst = 0;
+        for (int i = 0; i < n; i++) {
+            int got = 0, steps = 0;
+            while (got < R) {
+                int t = 1;
+                for (int j = 0; j < k && j < R - got - 1; j++) {  // drafts cut to the budget (the scheduler)
+                    x ^= x << 13, x ^= x >> 7, x ^= x << 17;
+                    if ((double)(x >> 11) / 9007199254740992.0 >= alpha) break;
+                    t++;
+                }
+                got += t, steps++;
+            }
+            worst = steps > worst ? steps : worst;
+        }
+        sum += worst;
+    }
+    return sum / reps;
+}
+
+PD_TEST(drain_steps_match_simulation) {
+    static const struct { int n, R, k; double a; } C[] = {
+        {8, 48, 1, 0.22}, {8, 48, 2, 0.6}, {64, 48, 1, 0.22}, {8, 128, 1, 0.22}, {32, 128, 4, 0.7}, {1, 48, 2, 0.5},
+    };
+    for (size_t c = 0; c < PD_ARRAY_LEN(C); c++) {
+        int R[64], k[64];
+        double a[64];
+        for (int i = 0; i < C[c].n; i++) R[i] = C[c].R, k[i] = C[c].k, a[i] = C[c].a;
+        double model = pd_spec_drain_steps(C[c].n, R, a, k), sim = sim_drain(C[c].n, C[c].R, C[c].a, C[c].k, 2000);
+        // The normal approximation within 4.5%, under the simulation (the last step's cut drafts, the
+        // counts' skew).
+        PD_CHECK(model / sim - 1 < 0.005 && model / sim - 1 > -0.045);
+    }
+}
+
+PD_TEST(drain_no_tail_for_one_sequence_and_long_budgets) {
+    int R[8] = {48}, k[8] = {2};
+    double a[8] = {0.5}, m, v;
+    pd_spec_step_moments(0.5, 2, &m, &v);
+    PD_CHECK(fabs(pd_spec_drain_steps(1, R, a, k) / (48 / m) - 1) < 1e-4);  // batch 1: its mean, no tail
+    // R -> infinity: the batch of 8's expected steps approach R / mu (the throughput model's view).
+    for (int i = 0; i < 8; i++) R[i] = 10000000, k[i] = 2, a[i] = 0.5;
+    PD_CHECK(fabs(pd_spec_drain_steps(8, R, a, k) / (R[0] / m) - 1) < 0.002);
+    // ... while at 48 tokens the tail is several percent of the run.
+    for (int i = 0; i < 8; i++) R[i] = 48;
+    PD_CHECK(pd_spec_drain_steps(8, R, a, k) / (48 / m) > 1.05);
+    // Plain sequences only: max R, exactly.
+    int R2[3] = {10, 30, 20}, k0[3] = {0, 0, 0};
+    double a2[3] = {0.9, 0.9, 0.9};
+    PD_CHECK(fabs(pd_spec_drain_steps(3, R2, a2, k0) - 30) < 1e-9);
+    // Finished sequences (R 0) do not count.
+    int R3[2] = {0, 0};
+    PD_CHECK(pd_spec_drain_steps(2, R3, a2, k0) == 0);
+}
+
+PD_TEST(drain_choice_monotone_in_alpha) {
+    int R[8], k[8];
+    double a[8], cost[3] = {1.0, 1.15, 1.2}, prev = 1e9, prev_steps = 1e9;
+    for (int s = 1; s <= 9; s++) {
+        for (int i = 0; i < 8; i++) R[i] = 48, k[i] = 2, a[i] = 0.1 * s;
+        double steps = pd_spec_drain_steps(8, R, a, k), ratio;
+        PD_CHECK(steps < prev_steps);
+        prev_steps = steps;
+        pd_spec_drain_choose(8, R, a, k, cost, 0.05, &ratio);
+        PD_CHECK(ratio <= prev + 1e-12);
+        prev = ratio;
+    }
+}
+
+PD_TEST(drain_refuses_the_nonpaying_batch_and_keeps_the_paying_one) {
+    int R[64], k[64];
+    double a[64], ratio;
+    // Session 12's batch-8 engine: acceptance 0.22, k = 1, 48 tokens, a verify step 1.15x a plain
+    // one: the step model's +6% is -1.6% for the closed batch: refused.
+    double c1[2] = {1.0, 1.15};
+    for (int i = 0; i < 8; i++) R[i] = 48, k[i] = 1, a[i] = 0.22;
+    PD_CHECK_EQ(pd_spec_drain_choose(8, R, a, k, c1, -1, &ratio), 0);
+    PD_CHECK(ratio > 1.0);
+    for (int i = 0; i < 8; i++) PD_CHECK_EQ(k[i], 0);
+    // 128 tokens: the tail is smaller, still not the 5% margin.
+    for (int i = 0; i < 8; i++) R[i] = 128, k[i] = 1;
+    PD_CHECK_EQ(pd_spec_drain_choose(8, R, a, k, c1, -1, &ratio), 0);
+    // Batch 1 keeps its gain (48 / 1.22 steps at 1.15: +6.1%).
+    R[0] = 48, k[0] = 1;
+    PD_CHECK_EQ(pd_spec_drain_choose(1, R, a, k, c1, -1, &ratio), 1);
+    PD_CHECK(k[0] == 1 && ratio < 1 / 1.05);
+    // (The default margin, PD_SPEC_DRAIN_MIN_GAIN, is used from here on: -1.)
+    // The paying fixture: acceptance 0.6, k = 2, batch 8: ~+30% predicted.
+    double c2[3] = {1.0, 1.15, 1.2};
+    for (int i = 0; i < 8; i++) R[i] = 48, k[i] = 2, a[i] = 0.6;
+    PD_CHECK_EQ(pd_spec_drain_choose(8, R, a, k, c2, -1, &ratio), 2);
+    PD_CHECK(ratio < 1 / 1.2 && ratio > 1 / 1.45);
+    for (int i = 0; i < 8; i++) PD_CHECK_EQ(k[i], 2);
+    // Batch 64, same acceptance and costs: still drafts.
+    for (int i = 0; i < 64; i++) R[i] = 48, k[i] = 2, a[i] = 0.6;
+    PD_CHECK_EQ(pd_spec_drain_choose(64, R, a, k, c2, -1, &ratio), 2);
+    // Session 13 call 2's paying batch 64 (acceptance ~0.45, a k = 1 step 1.23x a plain one): a
+    // predicted +3% finish-time gain, which the drain margin keeps and the step margin would refuse.
+    double c4[2] = {1.0, 1.23};
+    for (int i = 0; i < 64; i++) R[i] = 48, k[i] = 1, a[i] = 0.45;
+    PD_CHECK_EQ(pd_spec_drain_choose(64, R, a, k, c4, -1, &ratio), 1);
+    PD_CHECK(ratio > 1 / 1.05 && ratio < 1 / 1.025);
+    PD_CHECK_EQ(pd_spec_drain_choose(64, R, a, k, c4, PD_SPEC_MIN_GAIN, &ratio), 0);
+    // A plain sequence with the longest budget: the batch cannot end sooner, drafting only costs.
+    for (int i = 0; i < 8; i++) R[i] = 48, k[i] = 2, a[i] = 0.9;
+    R[7] = 60, k[7] = 0;
+    PD_CHECK_EQ(pd_spec_drain_choose(8, R, a, k, c2, -1, &ratio), 0);
+    PD_CHECK(fabs(ratio - 1.15) < 0.01);  // the others finish in ~17 steps at 1.15: the plain one's 60 steps, dearer
+    // The cap: a dear longest draft is cut back to the best uniform m.
+    double c3[4] = {1.0, 1.1, 1.2, 3.0};
+    for (int i = 0; i < 8; i++) R[i] = 48, k[i] = 3, a[i] = 0.7;
+    PD_CHECK_EQ(pd_spec_drain_choose(8, R, a, k, c3, -1, &ratio), 2);
+    for (int i = 0; i < 8; i++) PD_CHECK_EQ(k[i], 2);
+    // Half the batch at k = 1 (the per-step choice's greedy path): they set the batch's end, and
+    // the longer drafts of the others would only make every step dearer: m = 1.
+    for (int i = 0; i < 8; i++) k[i] = i < 4 ? 3 : 1;
+    PD_CHECK_EQ(pd_spec_drain_choose(8, R, a, k, c3, -1, &ratio), 1);
+    for (int i = 0; i < 8; i++) PD_CHECK_EQ(k[i], 1);
+    // Nothing drafted: nothing to decide.
+    for (int i = 0; i < 8; i++) k[i] = 0;
+    PD_CHECK_EQ(pd_spec_drain_choose(8, R, a, k, c3, -1, &ratio), 0);
+    PD_CHECK(ratio == 1);
+}
+
+// A closed batch with the policy in the loop (what the engine does while draining): each step the
+// per-step choice drafts k = min(K, budget - 1) and the drain model keeps, caps or refuses it, from
+// acceptance estimates (pd_spec_accept, prior at the true rate as the engine's population estimate
+// gives a new request) either pooled (the engine's rule: the mean of the estimates) or per sequence.
+// Returns the batch's time (step costs c[longest draft]) summed over reps runs. mode: 0 never
+// drafts, 1 always, 2 drain with pooled estimates, 3 drain with per-sequence estimates.
+static double sim_policy(int n, int R0, double a, int K, const double *c, int mode, int reps) {
+    uint64_t x = 0x9E3779B97F4A7C15ull;
+    double t = 0;
+    for (int r = 0; r < reps; r++) {
+        int R[64], k[64];
+        double al[64];
+        pd_spec_accept acc[64];
+        for (int i = 0; i < n; i++) R[i] = R0, pd_spec_accept_init(&acc[i], a);
+        for (;;) {
+            int live = 0;
+            double pool = 0;
+            for (int i = 0; i < n; i++)
+                if (R[i] > 0) live++, pool += pd_spec_accept_alpha(&acc[i]);
+            if (!live) break;
+            pool /= live;
+            for (int i = 0; i < n; i++) {
+                k[i] = mode == 0 || R[i] <= 1 ? 0 : (K < R[i] - 1 ? K : R[i] - 1);
+                al[i] = mode == 3 ? pd_spec_accept_alpha(&acc[i]) : pool;
+            }
+            if (mode >= 2) pd_spec_drain_choose(n, R, al, k, c, -1, NULL);
+            int m = 0;
+            for (int i = 0; i < n; i++) m = R[i] > 0 && k[i] > m ? k[i] : m;
+            t += c[m];
+            for (int i = 0; i < n; i++) {
+                if (R[i] <= 0) continue;
+                int A = 0;
+                while (A < k[i]) {
+                    x ^= x << 13, x ^= x >> 7, x ^= x << 17;
+                    if ((double)(x >> 11) / 9007199254740992.0 >= a) break;
+                    A++;
+                }
+                if (k[i] > 0) pd_spec_accept_update(&acc[i], k[i], A);
+                R[i] -= 1 + A;
+            }
+        }
+    }
+    return t;
+}
+
+PD_TEST(drain_policy_in_a_closed_batch) {
+    double c[3] = {1.0, 1.15, 1.27};  // plain, k = 1, k = 2 (the 8B shape's verify + draft forwards, roughly)
+    // Not paying in a closed batch (acceptance 0.22, batch 8, 48 tokens): drafting always loses ~1.5%;
+    // the drain model does not draft.
+    double nv = sim_policy(8, 48, 0.22, 1, c, 0, 200), al = sim_policy(8, 48, 0.22, 1, c, 1, 200);
+    double dr = sim_policy(8, 48, 0.22, 1, c, 2, 200);
+    PD_CHECK(al > nv * 1.005);
+    PD_CHECK(dr <= nv * 1.002);
+    // Paying (0.5, k up to 2, batch 32): the drain model keeps the gain of drafting (within 2%) ...
+    nv = sim_policy(32, 48, 0.5, 2, c, 0, 60), al = sim_policy(32, 48, 0.5, 2, c, 1, 60);
+    dr = sim_policy(32, 48, 0.5, 2, c, 2, 60);
+    PD_CHECK(nv / al > 1.1);
+    PD_CHECK(nv / dr > 0.98 * (nv / al));
+    // ... which per-sequence estimates lose: the maximum over 32 noisy estimates reads the batch as
+    // slow and refuses (why the engine pools them).
+    double ds = sim_policy(32, 48, 0.5, 2, c, 3, 60);
+    PD_CHECK(nv / ds < 1.05);
+}
+
 PD_TEST(method_names) {
     pd_spec_method m;
     PD_CHECK_EQ(pd_spec_method_parse("lookahead", &m), PD_OK);
