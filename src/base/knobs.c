@@ -60,6 +60,7 @@ static const pd_knob KNOBS[] = {
     INT("PD_CUDA_KV_COPY_CTAS", 0, 65535, "KV copy kernel CTA cap with host memory on one side (default 16; 0: none)"),
     INT("PD_CUDA_KV_DMA", 0, 2, "KV copies by the copy engines: 1 host<->device, 2 every copy (default 0)"),
     SW("PD_CUDA_PDL", "programmatic dependent launch (default 1)"),
+    SW("PD_CUDA_PROF", "bench-engine: one profiled step per prefill length, a table of its ops (default 0)"),
     INT("PD_CUDA_RMS_THREADS", 0, 1024, "rmsnorm threads per block for large M (default 0: automatic)"),
     SW("PD_CUDA_ROPE_SPLIT", "rope_kv: a token's heads split over blocks (default 1)"),
     INT("PD_CUDA_ROPE_VEC_MIN", 0, 1 << 30, "rope_kv: 16-byte kernel from this many tokens (default 256; 0: never)"),

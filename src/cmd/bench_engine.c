@@ -54,6 +54,8 @@ typedef struct bench_ctx {
     double copy_bytes_s, gemm_flop_s, gemm_sus, gemm_lo, gemm_hi;  // gemm: peak, sustained median, slowest, fastest round
     int gemm_rounds;
     double ds_bytes_s, ds_flop_s;  // datasheet (0: unknown card)
+    bool prof_on;                  // PD_CUDA_PROF=1
+    const char *prof;              // non-NULL: serial steps end with one profiled step titled so (PD_CUDA_PROF)
     json_t *out;
 } bench_ctx;
 
@@ -237,6 +239,23 @@ static double time_step_rows(bench_ctx *b, int n_seqs, int q_len, int ctx, int r
         }
         if (i >= 2) t[i - 2] = (double)(pd_time_us() - t0) * 1e-6, tc[i - 2] = (double)(t1 - t0);
     }
+    // PD_CUDA_PROF=1: the same step twice more with the op profiler (backend.h), after the timed
+    // ones so its events never touch a timed figure; the first only warms the profiler's events.
+    for (int k = 0; b->prof && reps && k < 2; k++) {
+        if (!pd_backend_prof_begin(b->be)) {
+            printf("prof: this backend has no device events\n");
+            break;
+        }
+        int64_t t0 = pd_time_us();
+        pd_status st = pd_model_forward_dev(b->m, b->kc, &batch, &dl);
+        int64_t t1 = pd_time_us();
+        pd_backend_sync(b->be);
+        int64_t t2 = pd_time_us();
+        pd_backend_prof_end(b->be, k ? stdout : NULL, b->prof);
+        if (k && !st)
+            printf("prof %s: this step %.1f us (forward call %.1f us, then the sync); the timed median %.1f us\n", b->prof,
+                   (double)(t2 - t0), (double)(t1 - t0), median(t, reps) * 1e6);
+    }
     pd_free(tok), pd_free(qi), pd_free(kv), pd_free(bi), pd_free(bt), pd_free(rows);
     if (call_us) *call_us = reps ? median(tc, reps) : NAN;
     return reps ? median(t, reps) : NAN;
@@ -359,14 +378,20 @@ static void run_benchmarks(bench_ctx *b, const int *ctxs, int n_ctx, const int *
     }
     int lens[] = {512, 2048, 8192};
     const pd_model_config *c = b->c;
+    // PD_CUDA_PROF=1: each prefill length ends with one step under the op profiler (backend.h
+    // pd_backend_prof_begin): per op and shape its device time, the idle time before it, the host's
+    // time in the call, and the host's work before the first op: where a prefill's time goes.
+    bool prof = b->prof_on;
     if (prefill && cache_resize(b, (8192 + bs - 1) / bs)) {
         for (int i = 0; i < 3; i++) {
             double L = lens[i];
             double flops = 2.0 * matmul_params(c) * L + 2.0 * c->vocab_size * c->hidden_size +
                            c->n_layers * 2.0 * 2.0 * c->n_heads * c->head_dim * (L * (L + 1) / 2);
-            double t = time_step(b, 1, lens[i], lens[i], lens[i] >= 8192 ? 3 : 5);
             char label[64];
             snprintf(label, sizeof label, "tokens=%d", lens[i]);
+            b->prof = prof ? label : NULL;
+            double t = time_step(b, 1, lens[i], lens[i], lens[i] >= 8192 ? 3 : 5);
+            b->prof = NULL;
             report(b, "prefill", label, 1, lens[i], lens[i], t, flops, "gemm");
         }
     }
@@ -471,6 +496,10 @@ int pd_cmd_bench_engine(int argc, char **argv) {
         if (batches[i] > 64) return pd_cmd_usage_error("bench-engine", "--batches with --verify-tokens: each at most 64");
     pd_err err = {0};
     bench_ctx b = {.block_size = 16}, d = {.block_size = 16};
+    if (pd_env_switch("PD_CUDA_PROF", false, &b.prof_on, &err)) {
+        fprintf(stderr, "pdserve bench-engine: %s\n", err.msg);
+        return 2;
+    }
     b.be = pd_backend_new(device, 0, &err);
     if (!b.be) {
         fprintf(stderr, "pdserve bench-engine: %s\n", err.msg);

@@ -32,6 +32,8 @@ typedef struct pd_cuda_backend {
     cudaStream_t stream;
     cudaEvent_t timer[8];   // pd_backend_timer_mark (PD_BACKEND_TIMERS), created at first use
     bool timer_set[8];
+    cudaEvent_t *prof_ev;   // the op profiler's events (prof.c), created as needed, kept
+    int n_prof_ev;
     // cuBLASLt
     cublasLtHandle_t lt;
     void *lt_ws;
