@@ -47,6 +47,7 @@ static const pd_knob KNOBS[] = {
     SW("PD_CUDA_FUSE_NORM", "skinny GEMM: rmsnorm fused into the next GEMM (default 1)"),
     INT("PD_CUDA_FUSE_NORM_MAX_M", 0, 8, "skinny GEMM: fused rmsnorm up to this M (default 2)"),
     SW("PD_CUDA_FUSE_ROPE", "skinny GEMM: RoPE + KV write fused into qkv (default 1)"),
+    INT("PD_CUDA_GEMM_PF_PICK", -1, 31, "cuBLASLt: prefill plans take the heuristic's candidate k, printed (measurements)"),
     INT("PD_CUDA_GEMM_TUNE", 0, 1, "cuBLASLt candidate tuning for decode shapes (default: 32 <= M <= 128)"),
     INT("PD_CUDA_GEMM_TUNE_ALGOS", 1, 32, "cuBLASLt tuning: candidates timed (default 32)"),
     INT("PD_CUDA_GEMM_TUNE_MAX_M", 1, 65536, "cuBLASLt tuning: largest M tuned (default 128)"),

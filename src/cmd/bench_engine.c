@@ -40,6 +40,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "backend/backend.h"
 #include "cmd/cmd.h"
@@ -55,6 +56,8 @@ typedef struct bench_ctx {
     int gemm_rounds;
     double ds_bytes_s, ds_flop_s;  // datasheet (0: unknown card)
     bool prof_on;                  // PD_CUDA_PROF=1
+    int prefill_idle_ms;           // --prefill-idle-ms
+    int idle_ms;                   // serial steps: the device idles this long before each (--prefill-idle-ms)
     const char *prof;              // non-NULL: serial steps end with one profiled step titled so (PD_CUDA_PROF)
     json_t *out;
 } bench_ctx;
@@ -228,6 +231,7 @@ static double time_step_rows(bench_ctx *b, int n_seqs, int q_len, int ctx, int r
     }
     double tc[32];
     for (int i = 0; i < reps + 2; i++) {
+        if (b->idle_ms > 0) nanosleep(&(struct timespec){.tv_sec = b->idle_ms / 1000, .tv_nsec = b->idle_ms % 1000 * 1000000L}, NULL);
         int64_t t0 = pd_time_us();
         pd_status st = pd_model_forward_dev(b->m, b->kc, &batch, &dl);
         int64_t t1 = pd_time_us();
@@ -246,6 +250,7 @@ static double time_step_rows(bench_ctx *b, int n_seqs, int q_len, int ctx, int r
             printf("prof: this backend has no device events\n");
             break;
         }
+        if (b->idle_ms > 0) nanosleep(&(struct timespec){.tv_sec = b->idle_ms / 1000, .tv_nsec = b->idle_ms % 1000 * 1000000L}, NULL);
         int64_t t0 = pd_time_us();
         pd_status st = pd_model_forward_dev(b->m, b->kc, &batch, &dl);
         int64_t t1 = pd_time_us();
@@ -390,8 +395,10 @@ static void run_benchmarks(bench_ctx *b, const int *ctxs, int n_ctx, const int *
             char label[64];
             snprintf(label, sizeof label, "tokens=%d", lens[i]);
             b->prof = prof ? label : NULL;
+            b->idle_ms = b->prefill_idle_ms;
             double t = time_step(b, 1, lens[i], lens[i], lens[i] >= 8192 ? 3 : 5);
             b->prof = NULL;
+            b->idle_ms = 0;
             report(b, "prefill", label, 1, lens[i], lens[i], t, flops, "gemm");
         }
     }
@@ -407,6 +414,7 @@ int pd_cmd_bench_engine(int argc, char **argv) {
                                          {"batches", required_argument, 0, 'b'},
                                          {"verify-tokens", required_argument, 0, 'v'},
                                          {"draft-model", required_argument, 0, 'D'},
+                                         {"prefill-idle-ms", required_argument, 0, 'I'},
                                          {"help", no_argument, 0, 'h'},          {0, 0, 0, 0}};
     const char *model = NULL, *json_path = NULL, *device = "auto", *draft_dir = NULL;
     bool dummy = false, single = true, batched = true, prefill = true;
@@ -416,6 +424,7 @@ int pd_cmd_bench_engine(int argc, char **argv) {
     bool batches_set = false;  // --batches given: also the verify steps' batch sizes (at most 64)
     pd_kv_dtype kv_dtype = PD_KV_ACT;
     double ds_gbs = 0, ds_tflops = 0;
+    long idle_ms = 0;
     int c;
     optind = 1;
     while ((c = getopt_long(argc, argv, "", opts, NULL)) != -1) {
@@ -464,6 +473,10 @@ int pd_cmd_bench_engine(int argc, char **argv) {
             free(list);
             break;
         }
+        case 'I':
+            if (!pd_cmd_parse_int(optarg, &idle_ms) || idle_ms < 0 || idle_ms > 10000)
+                return pd_cmd_usage_error("bench-engine", "--prefill-idle-ms must be 0..10000");
+            break;
         case 'k':
             if (!pd_kv_dtype_parse(optarg, &kv_dtype))
                 return pd_cmd_usage_error("bench-engine", "--kv-cache-dtype is auto or fp8, not '%s'", optarg);
@@ -481,12 +494,17 @@ int pd_cmd_bench_engine(int argc, char **argv) {
                    "                            [--ctx N,N,...] [--batches N,N,...] [--batch-ctx N]\n"
                    "                            [--only decode|single|prefill|verify|all] [--verify-tokens N]\n"
                    "                            [--kv-cache-dtype auto|fp8] [--datasheet-gbs X] [--datasheet-tflops X]\n"
-                   "                            [--json FILE]\n"
+                   "                            [--prefill-idle-ms N] [--json FILE]\n"
                    "  --verify-tokens N   speculative verify steps of 1..N tokens per sequence at batch 1/8/32/64\n"
                    "                      (or at the --batches given, each at most 64)\n"
                    "                      (--only verify runs just those)\n"
                    "  --draft-model DIR   with --verify-tokens: also time this draft's 1-token step (same load format)\n"
-                   "                      and give the implied speedup with it\n");
+                   "                      and give the implied speedup with it\n"
+                   "  --prefill-idle-ms N each prefill step starts after the device idled N ms (0: back to back, the\n"
+                   "                      default): the card's clocks recover from its power limit between steps,\n"
+                   "                      as before the short GEMM peak (a diagnostic, not the floor's figure)\n"
+                   "environment: PD_CUDA_PROF=1 ends each prefill length with one step under the op profiler\n"
+                   "             (a table per op and shape: device time, idle time, host time)\n");
             return 0;
         default: return 2;
         }
@@ -496,6 +514,7 @@ int pd_cmd_bench_engine(int argc, char **argv) {
         if (batches[i] > 64) return pd_cmd_usage_error("bench-engine", "--batches with --verify-tokens: each at most 64");
     pd_err err = {0};
     bench_ctx b = {.block_size = 16}, d = {.block_size = 16};
+    b.prefill_idle_ms = (int)idle_ms;
     if (pd_env_switch("PD_CUDA_PROF", false, &b.prof_on, &err)) {
         fprintf(stderr, "pdserve bench-engine: %s\n", err.msg);
         return 2;

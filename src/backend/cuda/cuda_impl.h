@@ -70,6 +70,7 @@ typedef struct pd_cuda_backend {
         cublasLtMatmulAlgo_t algo;
     } pf_algos[64];
     int n_pf_algos;
+    int pf_pick;                       // PD_CUDA_GEMM_PF_PICK (gemm.c): -1 the heuristic's first
     void *bgemm_ws;            // its split-K partials + tile counters; counters zero between launches
     size_t bgemm_ws_bytes;
     int graph_dump;            // PD_CUDA_GRAPH_DUMP: print each captured graph (cuda.c graph_dump)
