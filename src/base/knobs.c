@@ -39,7 +39,7 @@ static const pd_knob KNOBS[] = {
     SW("PD_CUDA_FA3_OVL", "prefill attention: intra-warpgroup overlap (default 1; 0: session 11's default kernel)"),
     SW("PD_CUDA_FA3_PP", "prefill attention: consumer ping-pong (default: on at head_dim 128, off at 64)"),
     SW("PD_CUDA_FA3_ROWP", "prefill attention: the first producer variant (measurements)"),
-    SW("PD_CUDA_FA3_TMA", "prefill attention: whole pages by TMA (measurements)"),
+    INT("PD_CUDA_FA3_TMA", 0, 2, "prefill attention: 1 whole pages by TMA, 2 tiles of consecutive pages by TMA (measurements)"),
     SW("PD_CUDA_FA3_VN64", "prefill attention: P.V of head_dim 128 as two n64 wgmmas (measurements)"),
     SW("PD_CUDA_FUSE_GLU", "skinny GEMM: SwiGLU fused into gate_up (default 1)"),
     INT("PD_CUDA_FUSE_MMA_FORMS", 0, 15, "fused tensor-core GEMM forms, a bit mask (default 7)"),
