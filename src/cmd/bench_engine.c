@@ -246,11 +246,11 @@ static double time_step_rows(bench_ctx *b, int n_seqs, int q_len, int ctx, int r
     // PD_CUDA_PROF=1: the same step twice more with the op profiler (backend.h), after the timed
     // ones so its events never touch a timed figure; the first only warms the profiler's events.
     for (int k = 0; b->prof && reps && k < 2; k++) {
+        if (b->idle_ms > 0) nanosleep(&(struct timespec){.tv_sec = b->idle_ms / 1000, .tv_nsec = b->idle_ms % 1000 * 1000000L}, NULL);
         if (!pd_backend_prof_begin(b->be)) {
             printf("prof: this backend has no device events\n");
             break;
         }
-        if (b->idle_ms > 0) nanosleep(&(struct timespec){.tv_sec = b->idle_ms / 1000, .tv_nsec = b->idle_ms % 1000 * 1000000L}, NULL);
         int64_t t0 = pd_time_us();
         pd_status st = pd_model_forward_dev(b->m, b->kc, &batch, &dl);
         int64_t t1 = pd_time_us();
