@@ -9,6 +9,7 @@
 #include <poll.h>
 #include <pthread.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 #include <sys/eventfd.h>
 #include <time.h>
@@ -28,6 +29,7 @@ struct pd_ctl {
     pd_ctl_msg *head, *tail;
     size_t inbox_bytes, inbox_n;  // backlog (guarded by mu)
     char *sign_key;            // the shared secret (pd_malloc'd)
+    char *seed_file;           // the nkey seed file (pd_malloc'd), read at each signing; or NULL
     EVP_MAC *hmac;             // fetched once at connect (thread-safe to share; a context per MAC)
     int connected;             // atomic
     pd_ctl_stats st;           // atomics
@@ -169,6 +171,47 @@ static void on_reconnected(natsConnection *nc, void *closure) {
     }
 }
 
+// The nonce signer of an nkey connection (libnats calls it, unlocked, on every connect and
+// reconnect, with the nonce from the server's INFO). pdserve signs itself rather than through
+// natsOptions_SetNKeyFromSeed because of a libnats bug: its base64 encoder (3.4.1, Debian 12's
+// libnats3.4; nats_Base64RawURL_EncodeString) takes a source whose FIRST BYTE is 0 for an empty
+// string and encodes it as nothing, so CONNECT goes without "sig" and nats-server answers
+// "Authorization Violation" ("Signature missing" in its debug log). An ed25519 signature begins
+// with 0x00 for 1 nonce in 256: a router or worker with an nkey failed to start 1 time in 256 (and a
+// reconnect failed as often). Such a signature is never handed to libnats: this attempt fails here
+// (counted), no CONNECT is sent, and pd_ctl_connect / libnats' reconnect loop try again on a new
+// TCP connection, whose new nonce's signature begins with 0x00 again only 1 time in 256.
+// The seed is read from its file for each signature and wiped at once (as libnats did).
+static natsStatus sign_nonce(char **err_txt, unsigned char **sig, int *sig_len, const char *nonce, void *closure) {
+    pd_ctl *c = closure;
+    char seed[PD_NKEY_SEED_LEN + 1], pub[PD_NKEY_PUB_LEN + 1];
+    uint8_t raw[PD_NKEY_SIG_LEN];
+    pd_err e = {0};
+    pd_status st = pd_nkey_read_seed_file(c->seed_file, seed, pub, &e);
+    if (st == PD_OK) st = pd_nkey_sign(seed, nonce, nonce ? strlen(nonce) : 0, raw, &e);
+    OPENSSL_cleanse(seed, sizeof seed);
+    *sig = NULL;
+    *sig_len = 0;
+    const char *why = st != PD_OK ? e.msg : raw[0] == 0 ? "the nonce's signature begins with a zero byte, which "
+                                                          "libnats would drop: retrying with a new nonce" : NULL;
+    if (why) {
+        if (st == PD_OK) {
+            bump(&c->st.nkey_zero_sigs);
+            PD_LOG_I("control: the NATS nonce's signature begins with 0x00 (libnats would send it as nothing): "
+                     "retrying on a new connection");
+        }
+        OPENSSL_cleanse(raw, sizeof raw);
+        *err_txt = strdup(why);  // libnats frees it (libc free)
+        return NATS_ERR;
+    }
+    *sig = malloc(PD_NKEY_SIG_LEN);  // libnats frees it (libc free)
+    if (*sig) memcpy(*sig, raw, PD_NKEY_SIG_LEN);
+    OPENSSL_cleanse(raw, sizeof raw);
+    if (!*sig) return NATS_NO_MEMORY;
+    *sig_len = PD_NKEY_SIG_LEN;
+    return NATS_OK;
+}
+
 pd_ctl *pd_ctl_connect(const pd_ctl_params *p, pd_err *err) {
     if (!p->url || strncmp(p->url, "nats://", 7)) {
         pd_err_set(err, PD_ERR_INVALID, "--control must be nats://HOST:PORT (got '%s')", p->url ? p->url : "");
@@ -180,7 +223,7 @@ pd_ctl *pd_ctl_connect(const pd_ctl_params *p, pd_err *err) {
     }
     char seed[PD_NKEY_SEED_LEN + 1], pub[PD_NKEY_PUB_LEN + 1];
     if (p->nkey_seed_file && pd_nkey_read_seed_file(p->nkey_seed_file, seed, pub, err) != PD_OK) return NULL;
-    OPENSSL_cleanse(seed, sizeof seed);  // (libnats reads the file itself, when it signs)
+    OPENSSL_cleanse(seed, sizeof seed);  // (sign_nonce reads the file again, when it signs)
     pd_ctl *c = pd_calloc(1, sizeof *c);
     if (!c) {
         pd_err_set(err, PD_ERR_NOMEM, "out of memory");
@@ -190,10 +233,12 @@ pd_ctl *pd_ctl_connect(const pd_ctl_params *p, pd_err *err) {
     pthread_mutex_init(&c->mu, NULL);
     pthread_cond_init(&c->closed_cv, NULL);
     c->sign_key = pd_strdup(p->sign_key);
+    c->seed_file = p->nkey_seed_file ? pd_strdup(p->nkey_seed_file) : NULL;
     c->hmac = EVP_MAC_fetch(NULL, "HMAC", NULL);
-    natsStatus s = c->efd < 0 || !c->sign_key || !c->hmac ? NATS_SYS_ERROR : natsOptions_Create(&c->opts);
+    natsStatus s = c->efd < 0 || !c->sign_key || !c->hmac || (p->nkey_seed_file && !c->seed_file)
+                       ? NATS_SYS_ERROR : natsOptions_Create(&c->opts);
     if (s == NATS_OK) s = natsOptions_SetServers(c->opts, (const char *[]){p->url}, 1);
-    if (s == NATS_OK && p->nkey_seed_file) s = natsOptions_SetNKeyFromSeed(c->opts, pub, p->nkey_seed_file);
+    if (s == NATS_OK && p->nkey_seed_file) s = natsOptions_SetNKey(c->opts, pub, sign_nonce, c);
     else if (s == NATS_OK) s = natsOptions_SetToken(c->opts, p->token);
     if (s == NATS_OK && p->name) s = natsOptions_SetName(c->opts, p->name);
     if (s == NATS_OK) s = natsOptions_SetTimeout(c->opts, p->connect_timeout_ms > 0 ? p->connect_timeout_ms : 2000);
@@ -206,7 +251,14 @@ pd_ctl *pd_ctl_connect(const pd_ctl_params *p, pd_err *err) {
     if (s == NATS_OK) s = natsOptions_SetDisconnectedCB(c->opts, on_disconnected, c);
     if (s == NATS_OK) s = natsOptions_SetReconnectedCB(c->opts, on_reconnected, c);
     if (s == NATS_OK) s = natsOptions_SetClosedCB(c->opts, on_closed, c);
-    if (s == NATS_OK) s = natsConnection_Connect(&c->nc, c->opts);
+    // An attempt sign_nonce abandoned (a signature libnats would drop, see there) is tried again on
+    // a new connection: 16 in a row have the odds 2^-128; any other failure is final.
+    for (int attempt = 0; s == NATS_OK; attempt++) {
+        int64_t z0 = __atomic_load_n(&c->st.nkey_zero_sigs, __ATOMIC_RELAXED);
+        s = natsConnection_Connect(&c->nc, c->opts);
+        if (s == NATS_OK || attempt == 15 || __atomic_load_n(&c->st.nkey_zero_sigs, __ATOMIC_RELAXED) == z0) break;
+        s = NATS_OK;
+    }
     if (s != NATS_OK) {
         natsStatus ls;
         const char *detail = nats_GetLastError(&ls);
@@ -250,6 +302,7 @@ void pd_ctl_free(pd_ctl *c) {
     pd_ctl_msg_free(c->head);
     if (c->sign_key) OPENSSL_cleanse(c->sign_key, strlen(c->sign_key));
     pd_free(c->sign_key);
+    pd_free(c->seed_file);
     EVP_MAC_free(c->hmac);
     if (c->efd >= 0) close(c->efd);
     pthread_mutex_destroy(&c->mu);
@@ -272,6 +325,7 @@ void pd_ctl_stats_get(pd_ctl *c, pd_ctl_stats *out) {
     out->dropped = __atomic_load_n(&c->st.dropped, __ATOMIC_RELAXED);
     out->bad_mac = __atomic_load_n(&c->st.bad_mac, __ATOMIC_RELAXED);
     out->inbox_full = __atomic_load_n(&c->st.inbox_full, __ATOMIC_RELAXED);
+    out->nkey_zero_sigs = __atomic_load_n(&c->st.nkey_zero_sigs, __ATOMIC_RELAXED);
 }
 
 pd_status pd_ctl_publish(pd_ctl *c, const char *subject, const char *reply, const void *data, int len) {

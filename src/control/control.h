@@ -77,6 +77,8 @@ typedef struct pd_ctl_stats {
     int64_t received, dropped;            // inbox messages (dropped: over PD_CTL_MAX_MSG or OOM)
     int64_t bad_mac;                      // messages, replies and jobs without a valid Pd-Mac: dropped
     int64_t inbox_full;                   // dropped: the inbox backlog was at its cap
+    int64_t nkey_zero_sigs;               // nkey connection attempts abandoned and retried: the
+                                          // nonce's signature began with 0x00 (control.c, sign_nonce)
 } pd_ctl_stats;
 void pd_ctl_stats_get(pd_ctl *c, pd_ctl_stats *out);
 

@@ -101,25 +101,46 @@ pd_status pd_nkey_generate(char seed[PD_NKEY_SEED_LEN + 1], char pub[PD_NKEY_PUB
     return st;
 }
 
-pd_status pd_nkey_public_from_seed(const char *seed, char pub[PD_NKEY_PUB_LEN + 1], pd_err *err) {
+// The seed's 36 bytes (prefix, the 32-byte ed25519 seed at raw + 2, CRC), checked.
+static pd_status decode_seed(const char *seed, uint8_t raw[40], pd_err *err) {
     if (!seed || strlen(seed) != PD_NKEY_SEED_LEN)
         return pd_err_set(err, PD_ERR_INVALID, "nkey: a user seed is %d characters (got %zu)", PD_NKEY_SEED_LEN,
                           seed ? strlen(seed) : (size_t)0);
+    int n = b32_decode(seed, PD_NKEY_SEED_LEN, raw, 40);
+    if (n != 36) return pd_err_set(err, PD_ERR_INVALID, "nkey: the seed is not base32 (A-Z, 2-7)");
+    if (crc16(raw, 34) != (uint16_t)(raw[34] | raw[35] << 8))
+        return pd_err_set(err, PD_ERR_INVALID, "nkey: the seed's checksum does not match (a typo or a truncated file?)");
+    if ((raw[0] & 0xf8) != PREFIX_SEED || (((unsigned)raw[0] & 7) << 5 | ((unsigned)raw[1] & 0xf8) >> 3) != PREFIX_USER)
+        return pd_err_set(err, PD_ERR_INVALID, "nkey: not a user seed (it must start with SU)");
+    return PD_OK;
+}
+
+pd_status pd_nkey_public_from_seed(const char *seed, char pub[PD_NKEY_PUB_LEN + 1], pd_err *err) {
     uint8_t raw[40];
-    int n = b32_decode(seed, PD_NKEY_SEED_LEN, raw, sizeof raw);
-    pd_status st = PD_OK;
-    if (n != 36) {
-        st = pd_err_set(err, PD_ERR_INVALID, "nkey: the seed is not base32 (A-Z, 2-7)");
-    } else if (crc16(raw, 34) != (uint16_t)(raw[34] | raw[35] << 8)) {
-        st = pd_err_set(err, PD_ERR_INVALID, "nkey: the seed's checksum does not match (a typo or a truncated file?)");
-    } else if ((raw[0] & 0xf8) != PREFIX_SEED ||
-               (((unsigned)raw[0] & 7) << 5 | ((unsigned)raw[1] & 0xf8) >> 3) != PREFIX_USER) {
-        st = pd_err_set(err, PD_ERR_INVALID, "nkey: not a user seed (it must start with SU)");
-    } else {
-        st = pub_of(raw + 2, pub, err);
-    }
+    pd_status st = decode_seed(seed, raw, err);
+    if (st == PD_OK) st = pub_of(raw + 2, pub, err);
     OPENSSL_cleanse(raw, sizeof raw);
     return st;
+}
+
+pd_status pd_nkey_sign(const char *seed, const void *msg, size_t n, uint8_t sig[PD_NKEY_SIG_LEN], pd_err *err) {
+    uint8_t raw[40];
+    pd_status st = decode_seed(seed, raw, err);
+    if (st != PD_OK) {
+        OPENSSL_cleanse(raw, sizeof raw);
+        return st;
+    }
+    EVP_PKEY *k = EVP_PKEY_new_raw_private_key(EVP_PKEY_ED25519, NULL, raw + 2, 32);
+    OPENSSL_cleanse(raw, sizeof raw);
+    EVP_MD_CTX *md = k ? EVP_MD_CTX_new() : NULL;
+    size_t len = PD_NKEY_SIG_LEN;
+    // ed25519 (RFC 8032, pure): no digest of its own; one-shot over the whole message
+    bool ok = md && EVP_DigestSignInit(md, NULL, NULL, NULL, k) == 1 &&
+              EVP_DigestSign(md, sig, &len, (const unsigned char *)msg, n) == 1 && len == PD_NKEY_SIG_LEN;
+    EVP_MD_CTX_free(md);
+    EVP_PKEY_free(k);
+    if (!ok) return pd_err_set(err, PD_ERR_IO, "nkey: libcrypto cannot sign with the ed25519 key");
+    return PD_OK;
 }
 
 pd_status pd_nkey_read_seed_file(const char *path, char seed[PD_NKEY_SEED_LEN + 1], char pub[PD_NKEY_PUB_LEN + 1],

@@ -18,12 +18,17 @@ extern "C" {
 
 #define PD_NKEY_SEED_LEN 58
 #define PD_NKEY_PUB_LEN 56
+#define PD_NKEY_SIG_LEN 64
 
 // A fresh user key pair. PD_OK, or PD_ERR_IO (libcrypto failed) with err.
 pd_status pd_nkey_generate(char seed[PD_NKEY_SEED_LEN + 1], char pub[PD_NKEY_PUB_LEN + 1], pd_err *err);
 // The public key of a user seed ("SU..."): PD_ERR_INVALID (with err naming what is wrong: length,
 // alphabet, checksum, not a user seed) or PD_OK.
 pd_status pd_nkey_public_from_seed(const char *seed, char pub[PD_NKEY_PUB_LEN + 1], pd_err *err);
+// The ed25519 signature (RFC 8032: deterministic, 64 bytes) of msg's n bytes with the user seed's
+// key, as nats-server verifies the signed nonce. PD_ERR_INVALID (a malformed seed) or PD_ERR_IO
+// (libcrypto failed), with err.
+pd_status pd_nkey_sign(const char *seed, const void *msg, size_t n, uint8_t sig[PD_NKEY_SIG_LEN], pd_err *err);
 // Reads a seed file (its one line: the seed; surrounding whitespace ignored). Refuses a file group
 // or others may read, anything but exactly one user seed, and then derives the public key.
 pd_status pd_nkey_read_seed_file(const char *path, char seed[PD_NKEY_SEED_LEN + 1], char pub[PD_NKEY_PUB_LEN + 1],

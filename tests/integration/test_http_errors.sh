@@ -21,7 +21,6 @@ here=$(cd "$(dirname "$0")" && pwd)
 pd_setup
 pd_need python3
 ERR="python3 $here/http_errors.py"
-free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
 C=/v1/completions
 # RSS growth allowed while a 100 MiB body is refused: 4x the limit + 32 MiB. Under ASan freed
 # memory sits in its quarantine (256 MiB by default), so there the bound only catches gross growth.
@@ -112,11 +111,12 @@ code=$(post "$URL_R" "$TMP/b1x" cl)
 kill "$(cat "$TMP/R.pid")"
 
 # ---- pdserve run ----------------------------------------------------------------------------------
-port=$(free_port)
-"$PD_BIN" run --model "$MODEL" --port "$port" --num-kv-blocks 256 >"$TMP/run.out" 2>"$TMP/run.err" &
+# --port 0: the router binds a free port itself and prints it (no port picked here and bound later,
+# which another process may take in between)
+"$PD_BIN" run --model "$MODEL" --port 0 --num-kv-blocks 256 >"$TMP/run.out" 2>"$TMP/run.err" &
 echo $! >"$TMP/run.pid"
 pd_wait_for 120 grep -q 'router http://' "$TMP/run.out" || { cat "$TMP/run.err" >&2; pd_fail "pdserve run did not start"; }
-U="http://127.0.0.1:$port"
+U=$(grep -o 'router http://[0-9.]*:[0-9]*' "$TMP/run.out" | head -1 | grep -o 'http://.*')
 pd_wait_for 30 curl -sf "$U/health" || pd_fail "pdserve run: /health never answered"
 DLIM=8388608  # the default --max-body-bytes
 mkbody $((DLIM * 2)) "$TMP/d2x"

@@ -218,10 +218,11 @@ RURL=$(grep -o 'http://[0-9.]*:[0-9]*' "$TMP/router.out" | head -1)
 code=$(curl -s -o /dev/null -w '%{http_code}' "$RURL/internal/register" -d "$reg")
 [ "$code" = 403 ] || pd_fail "a router without a token accepted a registration ($code)"
 kill "$(cat "$TMP/router.pid")"
-rport=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
-"$PD_BIN" run --model "$MODEL" --port "$rport" >"$TMP/run.out" 2>"$TMP/run.err" &
+"$PD_BIN" run --model "$MODEL" --port 0 >"$TMP/run.out" 2>"$TMP/run.err" &  # (its router binds a free port, printed)
 echo $! >"$TMP/run.pid"
 pd_wait_for 120 grep -qi 'serving on' "$TMP/run.out" || pd_fail "pdserve run did not come up: $(tail -5 "$TMP/run.err")"
+rport=$(grep -o 'router http://[0-9.]*:[0-9]*' "$TMP/run.out" | head -1 | sed 's/.*://')
+[ -n "$rport" ] || pd_fail "pdserve run did not print its router's port"
 code=$(curl -s -o /dev/null -w '%{http_code}' "http://127.0.0.1:$rport/internal/register" -d "$reg")
 [ "$code" = 401 ] || pd_fail "pdserve run's router accepted an unauthenticated register ($code)"
 dereg="{\"v\":1,\"url\":\"$(grep -o 'decode worker http://[0-9.:]*' "$TMP/run.out" | awk '{print $3}')\"}"

@@ -89,7 +89,10 @@ pd_stop p_f32
 echo "handoff bytes: fp8 $b_shm = 144/512 of f32 $b_f32"
 
 start_pair mixed shm "" "--kv-cache-dtype fp8" nowait
-sleep 1
+# The pair meets and the prefill worker refuses the decode worker (the handoff fingerprint names the
+# KV dtype): waited for (bounded) rather than slept on, so the run below is known to follow it.
+pd_wait_for 30 grep -q "refusing a decode worker: model fingerprint mismatch" "$TMP/p_mixed.err" ||
+  { cat "$TMP/p_mixed.err" >&2; pd_fail "the f32 prefill worker never refused the fp8 decode worker"; }
 run "$URL" "$TMP/mixed.json" "mismatched pair"
 same "$TMP/ref.json" "$TMP/mixed.json" "f32 prefill worker + fp8 decode worker" || pd_fail "mismatched pair outputs differ"
 h=$(metric "$URL" '^pdserve_kv_handoffs_total')

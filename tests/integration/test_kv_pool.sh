@@ -23,14 +23,7 @@ here=$(cd "$(dirname "$0")" && pwd)
 
 (umask 077; head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \n' >"$TMP/token")
 SECRET=$(cat "$TMP/token")
-free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
-start_redis() {  # start_redis [EXTRA FLAGS...]
-  RPORT=$(free_port)
-  redis-server --port "$RPORT" --bind 127.0.0.1 --save '' --appendonly no --requirepass "$SECRET" \
-    --notify-keyspace-events KEgx --dir "$TMP" "$@" >"$TMP/redis.log" 2>&1 &
-  echo $! >"$TMP/redis.pid"
-  pd_wait_for 20 sh -c "REDISCLI_AUTH='$SECRET' redis-cli -p $RPORT ping | grep -q PONG" || pd_fail "redis-server did not start"
-}
+start_redis() { pd_redis_start "$SECRET" --notify-keyspace-events KEgx "$@"; }  # start_redis [EXTRA FLAGS...]
 kill_redis() {
   kill -9 "$(cat "$TMP/redis.pid")" 2>/dev/null
   wait "$(cat "$TMP/redis.pid")" 2>/dev/null

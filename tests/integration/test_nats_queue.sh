@@ -20,9 +20,9 @@ dg_prompts "$TMP/prompts.json" 12 6 32 96 200
 dg_reference both 4 16 --num-kv-blocks 2048
 pd_stop both
 
-NPORT=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
 cat >"$TMP/nats.conf" <<EOF
-listen: 127.0.0.1:$NPORT
+host: 127.0.0.1
+port: -1
 authorization { token: "$(cat "$TMP/token")" }
 jetstream { store_dir: "$TMP/js", max_memory_store: 64MB, max_file_store: 256MB }
 EOF
@@ -30,6 +30,9 @@ chmod 600 "$TMP/nats.conf"
 nats-server -c "$TMP/nats.conf" >"$TMP/nats.log" 2>&1 &
 echo $! >"$TMP/nats.pid"
 pd_wait_for 20 grep -q "Server is ready" "$TMP/nats.log" || { cat "$TMP/nats.log" >&2; pd_fail "nats-server did not start"; }
+# (port: -1: nats-server picked a free port itself, no port picked here and bound later; it logs it)
+NPORT=$(sed -n 's/.*Listening for client connections on 127\.0\.0\.1:\([0-9][0-9]*\).*/\1/p' "$TMP/nats.log" | head -1)
+[ -n "$NPORT" ] || { cat "$TMP/nats.log" >&2; pd_fail "nats-server did not log its port"; }
 CTL="--control nats://127.0.0.1:$NPORT --prefill-queue"
 
 dg_start_prefill p1 $CTL --debug-prefill-job-hold-ms 600000

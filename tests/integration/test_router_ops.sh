@@ -25,7 +25,6 @@ pd_setup
 for t in curl node python3 chromium prlimit; do command -v $t >/dev/null || pd_fail "$t is required"; done
 CLIENT="node $here/js/router_client.mjs"
 json() { python3 -c "import json,sys; d=json.load(sys.stdin); print($1)"; }
-free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
 router_start() {  # NAME FLAGS...
   name=$1; shift
   "$PD_BIN" router --host 127.0.0.1 --port 0 "$@" >"$TMP/$name.out" 2>"$TMP/$name.err" &
@@ -36,11 +35,10 @@ router_start() {  # NAME FLAGS...
 size() { wc -c <"$1" | tr -d ' '; }
 
 # ---- 1. a 300-request burst through `pdserve run` ------------------------------------------------
-port=$(free_port)
-"$PD_BIN" run --model "$MODEL" --port "$port" --trace-dir "$TMP/trace" >"$TMP/run.out" 2>"$TMP/run.err" &
+"$PD_BIN" run --model "$MODEL" --port 0 --trace-dir "$TMP/trace" >"$TMP/run.out" 2>"$TMP/run.err" &
 echo $! >"$TMP/run.pid"
 pd_wait_for 120 grep -q 'router http://' "$TMP/run.out" || { cat "$TMP/run.err" >&2; pd_fail "pdserve run did not start"; }
-R="http://127.0.0.1:$port"
+R=$(grep -o 'router http://[0-9.]*:[0-9]*' "$TMP/run.out" | head -1 | grep -o 'http://.*')  # (--port 0: its own free port)
 pd_wait_for 30 curl -sf "$R/health" || pd_fail "router /health never answered"
 DEC=$(grep -o 'decode worker http://[0-9.]*:[0-9]*' "$TMP/run.out" | grep -o 'http://.*')
 # the decode worker's own report: its seats and queue
@@ -80,7 +78,10 @@ n=$(pd_metric "$TMP/d.metrics" 'pdserve_ttft_part_seconds_count{part="transfer",
 [ "${n:-0}" -ge 1 ] || pd_fail "decode worker remote TTFT histogram: $n"
 
 # ---- 3. the request's spans in router, decode and prefill trace files ---------------------------
-sleep 0.5
+# The spans reach the files after the reply: wait (bounded) until each process wrote its span of
+# this trace, then check them.
+trace_written() { for svc in router decode prefill; do cat "$TMP/trace"/pdserve-$svc-*.json 2>/dev/null | grep -q "$trace_id" || return 1; done; }
+pd_wait_for 20 trace_written || pd_fail "the trace files lack spans of trace $trace_id (files: $(ls "$TMP/trace"))"
 python3 - "$TMP/trace" "$trace_id" "$parent" <<'EOF' || pd_fail "trace check failed (files: $(ls "$TMP/trace"))"
 import glob, json, os, sys
 d, tid, parent = sys.argv[1:4]
@@ -115,7 +116,13 @@ print("3. trace %s: router %d, decode %d, prefill %d spans; chain router.request
 EOF
 
 # ---- 4. /status in headless Chromium ------------------------------------------------------------------
-sleep 1.5  # a heartbeat or more: the handoff counters reach the router
+# The handoff counters reach the router with the workers' heartbeats: wait (bounded) for the prefill
+# worker's KV exports there before the page is rendered.
+exports_seen() {
+  curl -sf "$R/status.json" | python3 -c 'import json, sys
+sys.exit(0 if any(w["role"] == "prefill" and w["exports"] > 0 for w in json.load(sys.stdin)["workers"]) else 1)'
+}
+pd_wait_for 20 exports_seen || pd_fail "the router never showed the prefill worker's KV exports"
 chrome() { chromium --headless --no-sandbox --disable-gpu --disable-quic --no-first-run --disable-background-networking \
   --disable-component-update --disable-sync --user-data-dir="$TMP/chrome" --virtual-time-budget=3000 "$@" 2>/dev/null; }
 chrome --dump-dom "$R/status" >"$TMP/status.dom" || pd_fail "chromium --dump-dom failed"

@@ -5,6 +5,7 @@
 #   pd_start NAME FLAGS...   starts `pdserve serve` on a free port (--port 0, read back from its
 #                            output), waits for GET /health (polling, 60 s deadline), sets $URL
 #   pd_stop NAME             SIGTERM, waits for a clean exit (status 0)
+#   pd_redis_start SECRET [FLAGS...]   redis-server on a free port (RPORT), waited for
 # Every server started is killed on exit, whatever happens.
 
 pd_fail() { echo "FAIL: $*" >&2; exit 1; }
@@ -77,6 +78,28 @@ pd_stop() {
   rc=$?
   rm -f "$TMP/$name.pid"
   [ $rc = 0 ] || pd_fail "$name exited with status $rc after SIGTERM"
+}
+
+# pd_redis_start SECRET [FLAGS...]: redis-server on a free loopback port (requirepass SECRET, no
+# persistence, --dir $TMP, log $TMP/redis.log, pid $TMP/redis.pid), waited for (PONG); sets RPORT.
+# redis-server cannot pick its own port, so one is picked here and bound by redis-server a moment
+# later: when another process took it in between (redis-server exits at once: "Address already in
+# use"), another port is tried (3 tries, bounded).
+pd_redis_start() {
+  secret=$1; shift
+  for try in 1 2 3; do
+    RPORT=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+    redis-server --port "$RPORT" --bind 127.0.0.1 --save '' --appendonly no --requirepass "$secret" \
+      --dir "$TMP" "$@" >"$TMP/redis.log" 2>&1 &
+    echo $! >"$TMP/redis.pid"
+    # ready (PONG), or exited
+    pd_wait_for 20 sh -c "REDISCLI_AUTH='$secret' redis-cli -p $RPORT ping 2>/dev/null | grep -q PONG || ! kill -0 $(cat "$TMP/redis.pid")"
+    REDISCLI_AUTH="$secret" redis-cli -p "$RPORT" ping 2>/dev/null | grep -q PONG && return 0
+    kill -9 "$(cat "$TMP/redis.pid")" 2>/dev/null; wait "$(cat "$TMP/redis.pid")" 2>/dev/null; rm -f "$TMP/redis.pid"
+    grep -q "Address already in use" "$TMP/redis.log" || break
+  done
+  cat "$TMP/redis.log" >&2
+  pd_fail "redis-server did not start"
 }
 
 # Prometheus sample value of a metric line (exact name + labels) from $1 = metrics text file.
