@@ -245,7 +245,12 @@ bool pd_buffer_reserve(pd_backend *b, pd_buffer **buf, size_t n_bytes) {
     return *buf != NULL;
 }
 
-void pd_backend_upload(pd_backend *b, void *d, const void *s, size_t n) { if (n) b->iface->upload(b, d, s, n); }
+void pd_backend_upload(pd_backend *b, void *d, const void *s, size_t n) {
+    if (!n) return;
+    int pi = pd_backend_prof_op_begin(b, 0, "upload %zu B", n);
+    b->iface->upload(b, d, s, n);
+    pd_backend_prof_op_end(b, pi);
+}
 void pd_backend_download(pd_backend *b, void *d, const void *s, size_t n) { if (n) b->iface->download(b, d, s, n); }
 void pd_backend_memset(pd_backend *b, void *d, int v, size_t n) { if (n) b->iface->memset(b, d, v, n); }
 void pd_backend_sync(pd_backend *b) { b->iface->sync(b); }
@@ -253,8 +258,17 @@ void pd_backend_bind_thread(pd_backend *b) {
     if (b->iface->bind_thread) b->iface->bind_thread(b);
 }
 
-void pd_op_embed(pd_backend *b, const pd_embed_params *p) { b->iface->embed(b, p); }
-void pd_op_rmsnorm(pd_backend *b, const pd_rmsnorm_params *p) { b->iface->rmsnorm(b, p); }
+// Every op below is bracketed for the op profiler (prof.c; a call and a branch when none runs).
+void pd_op_embed(pd_backend *b, const pd_embed_params *p) {
+    int pi = pd_backend_prof_op_begin(b, 0, "embed T=%d", p->n_tokens);
+    b->iface->embed(b, p);
+    pd_backend_prof_op_end(b, pi);
+}
+void pd_op_rmsnorm(pd_backend *b, const pd_rmsnorm_params *p) {
+    int pi = pd_backend_prof_op_begin(b, 0, "rmsnorm%s rows=%d", p->add ? "+add" : "", p->n_rows);
+    b->iface->rmsnorm(b, p);
+    pd_backend_prof_op_end(b, pi);
+}
 void pd_op_matmul(pd_backend *b, const pd_matmul_params *p) {
     PD_ASSERT(!p->glu || (!p->accumulate && !p->residual && !p->out_f32));
     PD_ASSERT(!p->residual || (!p->accumulate && !p->out_f32));
@@ -262,14 +276,35 @@ void pd_op_matmul(pd_backend *b, const pd_matmul_params *p) {
     PD_ASSERT(!p->rope || (!p->glu && !p->residual && !p->accumulate && !p->out_f32 && p->rope->qkv == p->out &&
                            p->rope->n_tokens == p->M &&
                            p->N == (p->rope->n_heads + 2 * p->rope->n_kv_heads) * p->rope->head_dim));
+    int pi = pd_backend_prof_op_begin(b, 2.0 * p->M * (double)p->N * p->K, "matmul M=%d N=%d K=%d%s%s%s%s%s%s", p->M, p->N,
+                                      p->K, p->accumulate ? " acc" : "", p->out_f32 ? " f32" : "", p->norm_w ? " norm" : "",
+                                      p->glu ? " glu" : "", p->residual ? " res" : "", p->rope ? " rope" : "");
     b->iface->matmul(b, p);
+    pd_backend_prof_op_end(b, pi);
 }
 bool pd_backend_fuses_matmul(pd_backend *b, int M) { return b->iface->fuses_matmul && b->iface->fuses_matmul(b, M); }
 bool pd_backend_fuses_epilogues(pd_backend *b, int M) { return b->iface->fuses_epilogues && b->iface->fuses_epilogues(b, M); }
-void pd_op_rope_kv(pd_backend *b, const pd_rope_kv_params *p) { b->iface->rope_kv(b, p); }
-void pd_op_attention(pd_backend *b, const pd_attention_params *p) { b->iface->attention(b, p); }
-void pd_op_silu_mul(pd_backend *b, const pd_silu_mul_params *p) { b->iface->silu_mul(b, p); }
-void pd_op_get_rows(pd_backend *b, const pd_get_rows_params *p) { b->iface->get_rows(b, p); }
+void pd_op_rope_kv(pd_backend *b, const pd_rope_kv_params *p) {
+    int pi = pd_backend_prof_op_begin(b, 0, "rope_kv T=%d", p->n_tokens);
+    b->iface->rope_kv(b, p);
+    pd_backend_prof_op_end(b, pi);
+}
+void pd_op_attention(pd_backend *b, const pd_attention_params *p) {
+    int pi = pd_backend_prof_op_begin(b, 0, "attention T=%d seqs=%d max_q=%d max_kv=%d", p->n_tokens, p->n_seqs,
+                                      p->max_q_len, p->max_kv_len);
+    b->iface->attention(b, p);
+    pd_backend_prof_op_end(b, pi);
+}
+void pd_op_silu_mul(pd_backend *b, const pd_silu_mul_params *p) {
+    int pi = pd_backend_prof_op_begin(b, 0, "silu_mul rows=%d", p->n_rows);
+    b->iface->silu_mul(b, p);
+    pd_backend_prof_op_end(b, pi);
+}
+void pd_op_get_rows(pd_backend *b, const pd_get_rows_params *p) {
+    int pi = pd_backend_prof_op_begin(b, 0, "get_rows rows=%d", p->n_rows);
+    b->iface->get_rows(b, p);
+    pd_backend_prof_op_end(b, pi);
+}
 
 void pd_op_copy_blocks(pd_backend *b, const pd_copy_blocks_params *p) {
     if (b->iface->copy_blocks) {

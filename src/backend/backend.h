@@ -24,6 +24,8 @@
 // order on the backend's stream; pd_backend_sync waits for all of them. Copies to host
 // (pd_backend_download) synchronize.
 #pragma once
+#include <stdio.h>
+
 #include "base/base.h"
 
 #ifdef __cplusplus
@@ -417,6 +419,17 @@ bool pd_backend_has_graphs(pd_backend *b);
 bool pd_backend_has_timer(pd_backend *b);
 void pd_backend_timer_mark(pd_backend *b, int i);
 float pd_backend_timer_ms(pd_backend *b, int i, int j);
+// Op profiler (measurements only; bench-engine's PD_CUDA_PROF=1): between pd_backend_prof_begin(b)
+// and pd_backend_prof_end(b, out, title) every pd_op_* and pd_backend_upload on b is bracketed by
+// device events (where the backend has them: prof_record) and host clock readings. end waits for
+// the device and prints to out, per op and shape: calls, device time (sum, min / median / max,
+// first / last call), the device's idle time before the ops (host behind, or work outside the
+// ops), the host's time in the calls; then the totals: host time from begin to the first op (the
+// caller's preparation), device time from begin to the last op's end, the ops' sum and the gaps.
+// One profile at a time in the process; not inside a graph capture. begin returns false (and
+// records nothing) when the backend has no events. out NULL: nothing printed.
+bool pd_backend_prof_begin(pd_backend *b);
+void pd_backend_prof_end(pd_backend *b, FILE *out, const char *title);
 void pd_backend_graph_begin(pd_backend *b);
 pd_graph *pd_backend_graph_end(pd_backend *b);  // NULL when the capture failed
 bool pd_backend_graph_launch(pd_backend *b, pd_graph *g);

@@ -63,6 +63,11 @@ typedef struct pd_backend_iface {
     // (optional) device timing: NULL means none. See pd_backend_timer_mark.
     void (*timer_mark)(pd_backend *b, int i);
     float (*timer_ms)(pd_backend *b, int i, int j);
+    // (optional, both or neither) the op profiler's events (prof.c): prof_record(b, i) records
+    // event i of a pool that grows as needed on the compute stream; prof_ms(b, i, j) = device
+    // milliseconds from event i to event j once both completed (< 0: unknown).
+    void (*prof_record)(pd_backend *b, int i);
+    float (*prof_ms)(pd_backend *b, int i, int j);
     // (optional) NULL: no device sampling; the caller samples on the host. See pd_op_sample.
     void (*sample)(pd_backend *b, const pd_sample_params *p);
     // (optional) device messaging (pd_comm_*): NULL means none. c is what comm_new returned.
@@ -78,6 +83,12 @@ typedef struct pd_backend_iface {
     void *(*host_alloc)(pd_backend *b, size_t n_bytes);
     void (*host_free)(pd_backend *b, void *p);
 } pd_backend_iface;
+
+// prof.c: the op profiler's brackets (backend.c calls them around every op; -1 / no-op when no
+// profile of b is in progress). The key (printf format) names the op and its shape; flops: 0
+// unless a GEMM.
+int pd_backend_prof_op_begin(pd_backend *b, double flops, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
+void pd_backend_prof_op_end(pd_backend *b, int i);
 
 struct pd_backend {
     const pd_backend_iface *iface;

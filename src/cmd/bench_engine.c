@@ -40,6 +40,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "backend/backend.h"
 #include "cmd/cmd.h"
@@ -54,6 +55,10 @@ typedef struct bench_ctx {
     double copy_bytes_s, gemm_flop_s, gemm_sus, gemm_lo, gemm_hi;  // gemm: peak, sustained median, slowest, fastest round
     int gemm_rounds;
     double ds_bytes_s, ds_flop_s;  // datasheet (0: unknown card)
+    bool prof_on;                  // PD_CUDA_PROF=1
+    int prefill_idle_ms;           // --prefill-idle-ms
+    int idle_ms;                   // serial steps: the device idles this long before each (--prefill-idle-ms)
+    const char *prof;              // non-NULL: serial steps end with one profiled step titled so (PD_CUDA_PROF)
     json_t *out;
 } bench_ctx;
 
@@ -226,6 +231,7 @@ static double time_step_rows(bench_ctx *b, int n_seqs, int q_len, int ctx, int r
     }
     double tc[32];
     for (int i = 0; i < reps + 2; i++) {
+        if (b->idle_ms > 0) nanosleep(&(struct timespec){.tv_sec = b->idle_ms / 1000, .tv_nsec = b->idle_ms % 1000 * 1000000L}, NULL);
         int64_t t0 = pd_time_us();
         pd_status st = pd_model_forward_dev(b->m, b->kc, &batch, &dl);
         int64_t t1 = pd_time_us();
@@ -236,6 +242,24 @@ static double time_step_rows(bench_ctx *b, int n_seqs, int q_len, int ctx, int r
             break;
         }
         if (i >= 2) t[i - 2] = (double)(pd_time_us() - t0) * 1e-6, tc[i - 2] = (double)(t1 - t0);
+    }
+    // PD_CUDA_PROF=1: the same step twice more with the op profiler (backend.h), after the timed
+    // ones so its events never touch a timed figure; the first only warms the profiler's events.
+    for (int k = 0; b->prof && reps && k < 2; k++) {
+        if (b->idle_ms > 0) nanosleep(&(struct timespec){.tv_sec = b->idle_ms / 1000, .tv_nsec = b->idle_ms % 1000 * 1000000L}, NULL);
+        if (!pd_backend_prof_begin(b->be)) {
+            printf("prof: this backend has no device events\n");
+            break;
+        }
+        int64_t t0 = pd_time_us();
+        pd_status st = pd_model_forward_dev(b->m, b->kc, &batch, &dl);
+        int64_t t1 = pd_time_us();
+        pd_backend_sync(b->be);
+        int64_t t2 = pd_time_us();
+        pd_backend_prof_end(b->be, k ? stdout : NULL, b->prof);
+        if (k && !st)
+            printf("prof %s: this step %.1f us (forward call %.1f us, then the sync); the timed median %.1f us\n", b->prof,
+                   (double)(t2 - t0), (double)(t1 - t0), median(t, reps) * 1e6);
     }
     pd_free(tok), pd_free(qi), pd_free(kv), pd_free(bi), pd_free(bt), pd_free(rows);
     if (call_us) *call_us = reps ? median(tc, reps) : NAN;
@@ -311,6 +335,9 @@ static void report(bench_ctx *b, const char *kind, const char *label, int batch,
     if (ds > 0) printf("  datasheet %8.3f ms %5.2fx = %3.0f%%", ds_floor * 1e3, sec / ds_floor, 100.0 * ds_floor / sec);
     if (bw) printf("  %.2f GB, %4.0f GB/s", work * 1e-9, work / sec * 1e-9);
     else printf("  %5.1f TFLOP/s", work / sec * 1e-12);
+    // GEMM floors: the share of the sustained median too (the short peak is a cool card's burst;
+    // back-to-back steps run at the power limit, as the sustained rounds do)
+    if (!bw && b->gemm_sus > 0) printf(" = %.1f%% of the sustained %.1f", 100.0 * work / sec / b->gemm_sus, b->gemm_sus * 1e-12);
     printf("\n");
     json_t *r = json_pack("{s:s, s:s, s:i, s:i, s:i, s:f, s:f, s:f, s:s, s:f}", "kind", kind, "label", label, "batch",
                           batch, "tokens", tokens, "ctx", ctx, "ms", sec * 1e3, "floor_ms", floor_sec * 1e3, "ratio",
@@ -320,6 +347,7 @@ static void report(bench_ctx *b, const char *kind, const char *label, int batch,
         json_object_set_new(r, "datasheet_ratio", json_real(sec / ds_floor));
     }
     if (bw) json_object_set_new(r, "tok_s", json_real(tokens / sec));
+    if (!bw && b->gemm_sus > 0) json_object_set_new(r, "sustained_ratio", json_real(work / sec / b->gemm_sus));
     json_array_append_new(json_object_get(b->out, "results"), r);
 }
 
@@ -359,14 +387,22 @@ static void run_benchmarks(bench_ctx *b, const int *ctxs, int n_ctx, const int *
     }
     int lens[] = {512, 2048, 8192};
     const pd_model_config *c = b->c;
+    // PD_CUDA_PROF=1: each prefill length ends with one step under the op profiler (backend.h
+    // pd_backend_prof_begin): per op and shape its device time, the idle time before it, the host's
+    // time in the call, and the host's work before the first op: where a prefill's time goes.
+    bool prof = b->prof_on;
     if (prefill && cache_resize(b, (8192 + bs - 1) / bs)) {
         for (int i = 0; i < 3; i++) {
             double L = lens[i];
             double flops = 2.0 * matmul_params(c) * L + 2.0 * c->vocab_size * c->hidden_size +
                            c->n_layers * 2.0 * 2.0 * c->n_heads * c->head_dim * (L * (L + 1) / 2);
-            double t = time_step(b, 1, lens[i], lens[i], lens[i] >= 8192 ? 3 : 5);
             char label[64];
             snprintf(label, sizeof label, "tokens=%d", lens[i]);
+            b->prof = prof ? label : NULL;
+            b->idle_ms = b->prefill_idle_ms;
+            double t = time_step(b, 1, lens[i], lens[i], lens[i] >= 8192 ? 3 : 5);
+            b->prof = NULL;
+            b->idle_ms = 0;
             report(b, "prefill", label, 1, lens[i], lens[i], t, flops, "gemm");
         }
     }
@@ -382,6 +418,7 @@ int pd_cmd_bench_engine(int argc, char **argv) {
                                          {"batches", required_argument, 0, 'b'},
                                          {"verify-tokens", required_argument, 0, 'v'},
                                          {"draft-model", required_argument, 0, 'D'},
+                                         {"prefill-idle-ms", required_argument, 0, 'I'},
                                          {"help", no_argument, 0, 'h'},          {0, 0, 0, 0}};
     const char *model = NULL, *json_path = NULL, *device = "auto", *draft_dir = NULL;
     bool dummy = false, single = true, batched = true, prefill = true;
@@ -391,6 +428,7 @@ int pd_cmd_bench_engine(int argc, char **argv) {
     bool batches_set = false;  // --batches given: also the verify steps' batch sizes (at most 64)
     pd_kv_dtype kv_dtype = PD_KV_ACT;
     double ds_gbs = 0, ds_tflops = 0;
+    long idle_ms = 0;
     int c;
     optind = 1;
     while ((c = getopt_long(argc, argv, "", opts, NULL)) != -1) {
@@ -439,6 +477,10 @@ int pd_cmd_bench_engine(int argc, char **argv) {
             free(list);
             break;
         }
+        case 'I':
+            if (!pd_cmd_parse_int(optarg, &idle_ms) || idle_ms < 0 || idle_ms > 10000)
+                return pd_cmd_usage_error("bench-engine", "--prefill-idle-ms must be 0..10000");
+            break;
         case 'k':
             if (!pd_kv_dtype_parse(optarg, &kv_dtype))
                 return pd_cmd_usage_error("bench-engine", "--kv-cache-dtype is auto or fp8, not '%s'", optarg);
@@ -456,12 +498,17 @@ int pd_cmd_bench_engine(int argc, char **argv) {
                    "                            [--ctx N,N,...] [--batches N,N,...] [--batch-ctx N]\n"
                    "                            [--only decode|single|prefill|verify|all] [--verify-tokens N]\n"
                    "                            [--kv-cache-dtype auto|fp8] [--datasheet-gbs X] [--datasheet-tflops X]\n"
-                   "                            [--json FILE]\n"
+                   "                            [--prefill-idle-ms N] [--json FILE]\n"
                    "  --verify-tokens N   speculative verify steps of 1..N tokens per sequence at batch 1/8/32/64\n"
                    "                      (or at the --batches given, each at most 64)\n"
                    "                      (--only verify runs just those)\n"
                    "  --draft-model DIR   with --verify-tokens: also time this draft's 1-token step (same load format)\n"
-                   "                      and give the implied speedup with it\n");
+                   "                      and give the implied speedup with it\n"
+                   "  --prefill-idle-ms N each prefill step starts after the device idled N ms (0: back to back, the\n"
+                   "                      default): the card's clocks recover from its power limit between steps,\n"
+                   "                      as before the short GEMM peak (a diagnostic, not the floor's figure)\n"
+                   "environment: PD_CUDA_PROF=1 ends each prefill length with one step under the op profiler\n"
+                   "             (a table per op and shape: device time, idle time, host time)\n");
             return 0;
         default: return 2;
         }
@@ -471,6 +518,11 @@ int pd_cmd_bench_engine(int argc, char **argv) {
         if (batches[i] > 64) return pd_cmd_usage_error("bench-engine", "--batches with --verify-tokens: each at most 64");
     pd_err err = {0};
     bench_ctx b = {.block_size = 16}, d = {.block_size = 16};
+    b.prefill_idle_ms = (int)idle_ms;
+    if (pd_env_switch("PD_CUDA_PROF", false, &b.prof_on, &err)) {
+        fprintf(stderr, "pdserve bench-engine: %s\n", err.msg);
+        return 2;
+    }
     b.be = pd_backend_new(device, 0, &err);
     if (!b.be) {
         fprintf(stderr, "pdserve bench-engine: %s\n", err.msg);

@@ -1558,7 +1558,13 @@ static void pd_k_attn_launch_decode(const pd_attention_kparams *p, cudaStream_t 
 
 template <int HD, bool F8>
 static void pd_k_attn_dispatch(const pd_attention_kparams *p, cudaStream_t s) {
-    if (p->max_q_len > 1) pd_k_attn_launch_prefill<HD, F8>(p, s);
+    if (p->max_q_len > 1) {
+        pd_k_attn_launch_prefill<HD, F8>(p, s);
+        // One sequence of several query rows (its q_len is n_tokens): no decode row, so no decode
+        // kernel, whose blocks would only wait for the prefill kernel (PDL) and return (a
+        // prefill's every layer launched one; session 13, pf13).
+        if (p->n_seqs == 1 && p->n_tokens > 1) return;
+    }
     int part = pd_k_dec_part(p->n_seqs, p->n_kv_heads, p->max_kv_len);
     int n_splits = (p->max_kv_len + part - 1) / part;
     if (n_splits < 1) n_splits = 1;

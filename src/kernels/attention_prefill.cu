@@ -15,7 +15,8 @@
 //     its "empty" mbarrier (count 256). PD_CUDA_FA3_TMA=1: whole pages come by TMA instead (one
 //     64 x 1 x block_size box per page, column block and cache, expect_tx on the same barrier);
 //     correct, but slower on an H100 (343 vs 396 TFLOP/s at 8k: 32 small boxes per 64 KB tile), so
-//     it stays opt-in.
+//     it stays opt-in. PD_CUDA_FA3_TMA=2 (TMAH, head_dim 128): a tile in consecutive whole pages by
+//     TMA as 4 tile-sized boxes, any other tile by cp.async (session 13; see pd_fa_flags).
 //   * warpgroups 1 and 2, the consumers (setmaxnreg up to PD_FA_REG_C): 64 query rows each.
 //     S = Q.K^T is wgmma m64n128k16 with both operands in shared memory (K-major descriptors);
 //     the online softmax runs on the accumulator registers (base-2 exponentials, scale * log2(e)
@@ -196,6 +197,7 @@ static __device__ __forceinline__ void pd_fa_wgmma_rs_n128(float *d, const uint3
 #define PD_FA_OVL 64  // consumers overlap tile j's S = Q.K^T and softmax with tile j - 1's P.V
 #define PD_FA_ARV 128  // the producer's copies arrive on "full" as they land (cp.async.mbarrier.arrive)
 #define PD_FA_KVS 256  // with OVL: K and V of a stage on separate full / empty barriers
+#define PD_FA_TMAH 512  // a tile in consecutive pages by TMA (one box per column block), else cp.async
 // Diagnostics, compiled only with -DPD_FA3_DIAG (a separate op_bench build; the output is wrong):
 #define PD_FA_NOLOAD 8   // the producer copies no K/V (the consumers' speed alone)
 #define PD_FA_NOMATH 16  // the consumers compute nothing (the producer's speed alone)
@@ -331,17 +333,22 @@ static __global__ void __launch_bounds__(PD_FA_THREADS, 1)
     constexpr int ST = C::ST, CPR = HD / 8;
     constexpr bool VN64 = FL & PD_FA_VN64, PP = FL & PD_FA_PP, ROWP = FL & PD_FA_ROWP;
     constexpr bool NOLOAD = FL & PD_FA_NOLOAD, NOMATH = FL & PD_FA_NOMATH, TMA = FL & PD_FA_TMA, OVL = FL & PD_FA_OVL;
+    // TMAH (PD_CUDA_FA3_TMA=2): a K/V tile whose 128 positions fill consecutive whole pages comes by
+    // TMA (one 128-row box per 64-column block of K and of V: 4 boxes at head_dim 128), any other
+    // tile by the default producer's cp.async (no per-page boxes, which made TMA slower on scattered
+    // pages). Every producer warp decides the same way from the tile's page-table entries.
+    constexpr bool TMAH = (FL & PD_FA_TMAH) && !TMA && !NOLOAD;
     // ARV (the default producer only): each thread's copies of a tile arrive on its "full" barrier
     // through cp.async.mbarrier.arrive.noinc when they land, instead of the thread waiting for tile
     // j - 1's copies after issuing tile j's (a tile is then ready as soon as its bytes are, not one
     // issue later); the consumers fence the async proxy after each wait instead of the producer.
-    constexpr bool ARV = (FL & PD_FA_ARV) && !TMA && !ROWP && !NOLOAD;
+    constexpr bool ARV = (FL & PD_FA_ARV) && !TMA && !TMAH && !ROWP && !NOLOAD;
     // KVS (with OVL and the default producer only): K and V of a stage have their own full and empty
     // barriers. The overlapped consumer is done with K of tile j after its S (mid-turn j) but with V
     // only after P.V (turn j + 1): the producer refills K a turn earlier, and a consumer's S of tile
     // j waits for K alone. The producer issues K_j, arrives on V_{j-1} (landed), issues V_j, arrives
     // on K_j, so full V_{j-1} is always complete when full K_j is.
-    constexpr bool KVS = (FL & PD_FA_KVS) && OVL && !TMA && !ROWP && !NOLOAD && !ARV;
+    constexpr bool KVS = (FL & PD_FA_KVS) && OVL && !TMA && !TMAH && !ROWP && !NOLOAD && !ARV;
     extern __shared__ unsigned char pd_fa_smem[];
     const uint32_t base = (pd_k_smem_u32(pd_fa_smem) + 1023u) & ~1023u;
     const uint32_t sq = base, sk = base + C::TILE, sv = sk + ST * C::TILE, bar = sv + ST * C::TILE;
@@ -434,7 +441,7 @@ static __global__ void __launch_bounds__(PD_FA_THREADS, 1)
                 uint32_t dk = sk + st * C::TILE, dv = sv + st * C::TILE;
                 if constexpr (NOLOAD) {
                     if (j >= ST) pd_fa_mbar_wait(bar + 8 * (ST + st), ((j / ST) - 1) & 1);
-                } else if constexpr (TMA) {
+                } else if constexpr (TMA || TMAH) {
                     // Pages wholly inside the cache rows of this sequence (< kv_len) come by TMA, one box
                     // per (page, 64-element column block) for K and V, issued by the first CB * pages
                     // threads; the rest (the page holding kv_len, if partial, and pages past it) by
@@ -443,6 +450,20 @@ static __global__ void __launch_bounds__(PD_FA_THREADS, 1)
                     int cp_from = kv0 + n_full * bs;
                     int pg = tw / CB, cb = tw % CB;
                     int page = tw < n_full * CB ? __ldg(bt + pg0 + pg) : 0;
+                    // A whole tile in consecutive pages (a fresh prompt's pages often are) comes as one
+                    // box of 128 rows per column block (tmk_t / tmv_t) instead of one per page.
+                    bool run = false;
+                    if constexpr (TMAH) {  // every warp: lane l holds the page of box l (n_full * CB <= 32)
+                        int lane = tw & 31, lp = lane < n_full * CB ? __ldg(bt + pg0 + lane / CB) : 0;
+                        int first = __shfl_sync(0xffffffffu, lp, 0);
+                        run = __all_sync(0xffffffffu, n_full * bs == PD_FA_BKV &&
+                                                          (lane >= n_full * CB || lp == first + lane / CB));
+                        if (!run) cp_from = kv0;  // the whole tile by cp.async
+                    } else if (tw < 32) {
+                        int first = __shfl_sync(0xffffffffu, page, 0);
+                        run = __all_sync(0xffffffffu, n_full * bs == PD_FA_BKV &&
+                                                          (tw >= n_full * CB || page == first + pg));
+                    }
                     int slot[RPT];
 #pragma unroll
                     for (int k = 0; k < RPT; k++) {
@@ -450,16 +471,8 @@ static __global__ void __launch_bounds__(PD_FA_THREADS, 1)
                         int pgk = bs_shift >= 0 ? pos >> bs_shift : pos / bs, in = pos - pgk * bs;
                         slot[k] = pos >= cp_from && pos < kv_end ? __ldg(bt + pgk) * bs + in : -1;
                     }
-                    // A whole tile in consecutive pages (a fresh prompt's pages often are) comes as one
-                    // box of 128 rows per column block (tmk_t / tmv_t) instead of one per page.
-                    bool run = false;
-                    if (tw < 32) {
-                        int first = __shfl_sync(0xffffffffu, page, 0);
-                        run = __all_sync(0xffffffffu, n_full * bs == PD_FA_BKV &&
-                                                          (tw >= n_full * CB || page == first + pg));
-                    }
                     if (j >= ST) pd_fa_mbar_wait(bar + 8 * (ST + st), ((j / ST) - 1) & 1);
-                    if (tw == 0 && n_full > 0)
+                    if (tw == 0 && n_full > 0 && (!TMAH || run))
                         pd_fa_mbar_expect_tx(bar + 8 * st, (uint32_t)(n_full * bs * HD * 2 * 2));
                     __syncwarp();
                     if (run) {
@@ -468,7 +481,7 @@ static __global__ void __launch_bounds__(PD_FA_THREADS, 1)
                             pd_fa_tma3(dk + o, &tmk_t, cb * 64, kvh, page * bs, bar + 8 * st);
                             pd_fa_tma3(dv + o, &tmv_t, cb * 64, kvh, page * bs, bar + 8 * st);
                         }
-                    } else if (tw < n_full * CB) {
+                    } else if (!TMAH && tw < n_full * CB) {
                         uint32_t o = (uint32_t)(cb * (PD_FA_BKV * 128) + pg * bs * 128);
                         pd_fa_tma3(dk + o, &tmk, cb * 64, kvh, page * bs, bar + 8 * st);
                         pd_fa_tma3(dv + o, &tmv, cb * 64, kvh, page * bs, bar + 8 * st);
@@ -702,7 +715,8 @@ static int pd_fa_env(const char *name) {  // 1, 0, or -1 when unset; anything el
 static int pd_fa_flags(int hd) {
     static int pp = -2, vn = -2, rowp = -2, tma = -2, ovl = -2, arv = -2, kvs = -2, diag = 0;
     if (pp == -2) {
-        vn = pd_fa_env("PD_CUDA_FA3_VN64"), rowp = pd_fa_env("PD_CUDA_FA3_ROWP"), tma = pd_fa_env("PD_CUDA_FA3_TMA");
+        vn = pd_fa_env("PD_CUDA_FA3_VN64"), rowp = pd_fa_env("PD_CUDA_FA3_ROWP");
+        tma = pd_k_env_int("PD_CUDA_FA3_TMA", -1, 0, 2);  // 2: TMAH (head_dim 128; the default kernel at 64)
         ovl = pd_fa_env("PD_CUDA_FA3_OVL"), arv = pd_fa_env("PD_CUDA_FA3_ARV"), kvs = pd_fa_env("PD_CUDA_FA3_KVS");
 #ifdef PD_FA3_DIAG
         const char *d = getenv("PD_CUDA_FA3_DIAG");
@@ -714,7 +728,8 @@ static int pd_fa_flags(int hd) {
     bool use_ovl = ovl < 0 ? !other_producer : ovl == 1, use_arv = arv == 1 && !other_producer;
     bool use_kvs = use_ovl && !use_arv && !other_producer && !diag && (kvs < 0 ? hd == 64 : kvs == 1);
     return ((pp < 0 ? hd == 128 : pp) ? PD_FA_PP : 0) | (vn == 1 && hd == 128 ? PD_FA_VN64 : 0) |
-           (rowp == 1 ? PD_FA_ROWP : 0) | (tma == 1 ? PD_FA_TMA : 0) | (use_ovl ? PD_FA_OVL : 0) |
+           (rowp == 1 ? PD_FA_ROWP : 0) | (tma == 1 ? PD_FA_TMA : 0) | (tma == 2 && hd == 128 ? PD_FA_TMAH : 0) |
+           (use_ovl ? PD_FA_OVL : 0) |
            (use_arv ? PD_FA_ARV : 0) | (use_kvs ? PD_FA_KVS : 0) | diag;
 }
 
@@ -793,6 +808,7 @@ static void pd_fa_dispatch(const pd_attention_kparams *p, cudaStream_t s, int fl
     PD_FA_CASE(PD_FA_PP | PD_FA_OVL | PD_FA_KVS)
     if constexpr (HD == 128) {
         PD_FA_CASE(PD_FA_VN64 | PD_FA_PP | PD_FA_OVL)
+        PD_FA_CASE(PD_FA_PP | PD_FA_OVL | PD_FA_TMAH)
         PD_FA_CASE(PD_FA_VN64)
         PD_FA_CASE(PD_FA_VN64 | PD_FA_PP)
     }
@@ -824,7 +840,7 @@ extern "C" int pd_cuda_attn_prefill_fa3(const pd_attention_kparams *p, cudaStrea
     CUtensorMap tm[4];
     memset(tm, 0, sizeof tm);
     // TMA moves whole pages: block_size 8..128 dividing the 128-position tile (else cp.async only)
-    if (fl & PD_FA_TMA) {
+    if (fl & (PD_FA_TMA | PD_FA_TMAH)) {
         bool bs_ok = p->block_size >= 8 && p->block_size <= 128 && 128 % p->block_size == 0;
         if (bs_ok && !pd_fa_tensor_maps(p, tm)) {
             static int warned = 0;
@@ -832,7 +848,7 @@ extern "C" int pd_cuda_attn_prefill_fa3(const pd_attention_kparams *p, cudaStrea
             warned = 1;
             bs_ok = false;
         }
-        if (!bs_ok) fl &= ~PD_FA_TMA;
+        if (!bs_ok) fl &= ~(PD_FA_TMA | PD_FA_TMAH);
     }
     if (p->head_dim == 64) pd_fa_dispatch<64>(p, s, fl, tm);
     else pd_fa_dispatch<128>(p, s, fl, tm);

@@ -61,6 +61,35 @@ static float cuda_timer_ms(pd_backend *b, int i, int j) {
     return ms;
 }
 
+// The op profiler's events (backend_impl.h prof_record / prof_ms): a pool that grows on demand
+// and is kept for the next profile, so a profiled step after the first creates none.
+static void cuda_prof_record(pd_backend *b, int i) {
+    pd_cuda_backend *cb = pd_cuda_backend_of(b);
+    pd_cuda_bind(cb);
+    if (i >= cb->n_prof_ev) {
+        int n = PD_MAX(i + 1, PD_MAX(256, 2 * cb->n_prof_ev));
+        cudaEvent_t *ev = pd_realloc(cb->prof_ev, sizeof *ev * (size_t)n);
+        if (!ev) pd_abort(__FILE__, __LINE__, __func__, "out of memory for profiler events");
+        for (int j = cb->n_prof_ev; j < n; j++) PD_CUDA_CHECK(cudaEventCreate(&ev[j]));
+        cb->prof_ev = ev;
+        cb->n_prof_ev = n;
+    }
+    PD_CUDA_CHECK(cudaEventRecord(cb->prof_ev[i], cb->stream));
+}
+
+static float cuda_prof_ms(pd_backend *b, int i, int j) {
+    pd_cuda_backend *cb = pd_cuda_backend_of(b);
+    if (i < 0 || j < 0 || i >= cb->n_prof_ev || j >= cb->n_prof_ev) return -1.0f;
+    pd_cuda_bind(cb);
+    PD_CUDA_CHECK(cudaEventSynchronize(cb->prof_ev[j]));
+    float ms = -1.0f;
+    if (cudaEventElapsedTime(&ms, cb->prof_ev[i], cb->prof_ev[j]) != cudaSuccess) {
+        (void)cudaGetLastError();
+        return -1.0f;
+    }
+    return ms;
+}
+
 static void cuda_free(pd_backend *b) {
     pd_cuda_backend *cb = pd_cuda_backend_of(b);
     pd_cuda_bind(cb);
@@ -77,6 +106,8 @@ static void cuda_free(pd_backend *b) {
     if (cb->kv_dev) cudaFree(cb->kv_dev);
     for (int i = 0; i < 8; i++)
         if (cb->timer[i]) cudaEventDestroy(cb->timer[i]);
+    for (int i = 0; i < cb->n_prof_ev; i++) cudaEventDestroy(cb->prof_ev[i]);
+    pd_free(cb->prof_ev);
     if (cb->stream) cudaStreamDestroy(cb->stream);
     pd_free(cb);
 }
@@ -696,6 +727,8 @@ static const pd_backend_iface cuda_iface = {
     .graph_free = cuda_graph_free,
     .timer_mark = cuda_timer_mark,
     .timer_ms = cuda_timer_ms,
+    .prof_record = cuda_prof_record,
+    .prof_ms = cuda_prof_ms,
     .fill_normal = cuda_fill_normal,
     .comm_id_new = pd_cuda_comm_id_new,
     .comm_new = pd_cuda_comm_new,

@@ -32,6 +32,8 @@ typedef struct pd_cuda_backend {
     cudaStream_t stream;
     cudaEvent_t timer[8];   // pd_backend_timer_mark (PD_BACKEND_TIMERS), created at first use
     bool timer_set[8];
+    cudaEvent_t *prof_ev;   // the op profiler's events (prof.c), created as needed, kept
+    int n_prof_ev;
     // cuBLASLt
     cublasLtHandle_t lt;
     void *lt_ws;
@@ -69,6 +71,7 @@ typedef struct pd_cuda_backend {
         cublasLtMatmulAlgo_t algo;
     } pf_algos[64];
     int n_pf_algos;
+    int pf_pick;                       // PD_CUDA_GEMM_PF_PICK (gemm.c): -1 the heuristic's first
     void *bgemm_ws;            // its split-K partials + tile counters; counters zero between launches
     size_t bgemm_ws_bytes;
     int graph_dump;            // PD_CUDA_GRAPH_DUMP: print each captured graph (cuda.c graph_dump)

@@ -50,6 +50,7 @@
 #define PD_GEMM_FLUSH_BYTES (192u << 20)  // > L2 (50 MB on H100/H200) with margin
 #define PD_GEMM_TUNE_PF_ALGOS 8
 #define PD_GEMM_TUNE_PF_ROUNDS 3
+#define PD_GEMM_PICK_MIN_M 256  // PD_CUDA_GEMM_PF_PICK applies from this M
 
 struct pd_cuda_gemm_plan {
     int M, N, K, lda, flags;
@@ -164,6 +165,30 @@ void pd_cuda_gemm_init(pd_cuda_backend *cb) {
     // off; measurement knob, see gemm_tune_pf), PD_CUDA_GEMM_TUNE_PF_ALGOS candidates (default 8).
     cb->tune_pf_min_m = pd_cuda_env_int("PD_CUDA_GEMM_TUNE_PF", 0, 0, 1 << 30);
     cb->tune_pf_algos = pd_cuda_env_int("PD_CUDA_GEMM_TUNE_PF_ALGOS", PD_GEMM_TUNE_PF_ALGOS, 1, PD_GEMM_TUNE_ALGOS_MAX);
+    // PD_CUDA_GEMM_PF_PICK=k (measurement knob, default -1: off): untuned cuBLASLt plans of M >=
+    // PD_GEMM_PICK_MIN_M (prefill shapes) take the heuristic's candidate k (its last when it offers
+    // fewer) instead of its first, and every such plan's choice is printed (stderr) with its
+    // configuration: candidates compared inside the engine's own prefill (bench-engine
+    // PD_CUDA_PROF=1 gives each shape's time there), where the card runs at its power limit.
+    cb->pf_pick = pd_cuda_env_int("PD_CUDA_GEMM_PF_PICK", -1, -1, PD_GEMM_TUNE_ALGOS_MAX - 1);
+}
+
+// One line on stderr: the algorithm's configuration (cublasLtMatmulAlgoConfigGetAttribute).
+static void algo_print(const pd_cuda_gemm_plan *pl, int pick, int n_res, const cublasLtMatmulHeuristicResult_t *r) {
+    static const cublasLtMatmulAlgoConfigAttributes_t attrs[] = {
+        CUBLASLT_ALGO_CONFIG_ID, CUBLASLT_ALGO_CONFIG_TILE_ID, CUBLASLT_ALGO_CONFIG_STAGES_ID,
+        CUBLASLT_ALGO_CONFIG_CLUSTER_SHAPE_ID, CUBLASLT_ALGO_CONFIG_SPLITK_NUM, CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME,
+        CUBLASLT_ALGO_CONFIG_CTA_SWIZZLING, CUBLASLT_ALGO_CONFIG_CUSTOM_OPTION, CUBLASLT_ALGO_CONFIG_INNER_SHAPE_ID};
+    static const char *names[] = {"id", "tile", "stages", "cluster", "splitk", "reduction", "swizzle", "custom", "inner"};
+    fprintf(stderr, "cuBLASLt plan M=%d N=%d K=%d flags=%d: candidate %d of %d (workspace %zu B, waves %.2f):", pl->M, pl->N,
+            pl->K, pl->flags, pick, n_res, r->workspaceSize, r->wavesCount);
+    for (size_t i = 0; i < PD_ARRAY_LEN(attrs); i++) {
+        uint32_t v = 0;  // every one of these attributes is 32 bits or less
+        size_t got = 0;
+        if (cublasLtMatmulAlgoConfigGetAttribute(&r->algo, attrs[i], &v, sizeof v, &got) == CUBLAS_STATUS_SUCCESS)
+            fprintf(stderr, " %s=%u", names[i], v);
+    }
+    fprintf(stderr, "\n");
 }
 
 bool pd_cuda_gemm_fuses(pd_backend *b, int M) {  // (PD_CUDA_SKINNY=0: no skinny kernel, no fused forms)
@@ -439,7 +464,8 @@ static pd_cuda_gemm_plan *gemm_plan_build(pd_cuda_backend *cb, const pd_matmul_p
     PD_CUDA_CHECK(cudaStreamIsCapturing(cb->stream, &cs));
     bool tune = cs == cudaStreamCaptureStatusNone && tune_enabled(cb, M);
     bool tune_pf = cs == cudaStreamCaptureStatusNone && !tune && cb->tune_pf_min_m > 0 && M >= cb->tune_pf_min_m;
-    int n_algos = tune ? cb->tune_algos : tune_pf ? cb->tune_pf_algos : 1;
+    int pick = !tune && !tune_pf && cb->pf_pick >= 0 && M >= PD_GEMM_PICK_MIN_M ? cb->pf_pick : -1;
+    int n_algos = tune ? cb->tune_algos : tune_pf ? cb->tune_pf_algos : pick >= 0 ? pick + 1 : 1;
     cublasStatus_t st = cublasLtMatmulAlgoGetHeuristic(cb->lt, pl->desc, pl->la, pl->lb, pl->lc, pl->lc, pref,
                                                        n_algos, res, &n_res);
     cublasLtMatmulPreferenceDestroy(pref);
@@ -448,6 +474,11 @@ static pd_cuda_gemm_plan *gemm_plan_build(pd_cuda_backend *cb, const pd_matmul_p
         pd_abort(__FILE__, __LINE__, __func__, "cuBLASLt heuristic found no algorithm");
     }
     pl->algo = res[0].algo;
+    if (pick >= 0) {
+        pick = PD_MIN(pick, n_res - 1);
+        pl->algo = res[pick].algo;
+        algo_print(pl, pick, n_res, &res[pick]);
+    }
     cb->n_plans++;  // counted before tuning: pl stays valid (no realloc until the next build)
     if (tune && n_res > 1) gemm_tune(cb, pl, res, n_res, p);
     else if (tune_pf) gemm_tune_pf(cb, pl, res, n_res, p);
