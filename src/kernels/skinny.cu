@@ -35,6 +35,7 @@ typedef struct pd_k_skinny_args {
     int H, Hkv, hd;
     float attn_scaling;
     int prewait;  // batches of loads issued before the PDL wait (U or more: all)
+    int pf_waves, pf_own, pf_bulk, pf_res;  // L2 prefetch (below); pf_res: blocks resident in one wave
 } pd_k_skinny_args;
 
 // Weight chunks c + u * 128 (u < U) of the R rows; chunks past the row's end read as zero.
@@ -267,8 +268,55 @@ static __device__ __forceinline__ void pd_k_sk_load_part(uint4 (&wv)[U][R], cons
                                                         : make_uint4(0, 0, 0, 0);
 }
 
-template <int M, int R, int NORM, int EPI, int VAR>
-static __global__ void __launch_bounds__(PD_K_SK_THREADS, VAR == PD_K_SK_OCC4 ? 4 : 0) k_skinny(pd_k_skinny_args p) {
+// L2 prefetch (PD_CUDA_SKINNY_L2PF, PD_CUDA_SKINNY_L2PF_OWN, PD_CUDA_SKINNY_L2PF_BULK: measurement
+// knobs). At a kernel boundary the first resident wave's weights are already in registers (loaded
+// before the PDL wait), but the HBM idles from the previous kernel's last load until the blocks of
+// the next wave, dispatched as the first wave exits, issue theirs: each boundary of the
+// single-stream step costs ~2.5-3.9 us against the steady streaming rate (tools/gpu/NOTES.md
+// dec13-1). Here a first-wave block (blockIdx < pf_res, the blocks one wave holds) also prefetches
+// into L2, before its wait, the tiles of blocks blockIdx + k pf_res (k = 1 .. pf_waves) and the
+// next pf_own load batches of its own tile, so those bytes stream during the boundary.
+static __device__ __forceinline__ void pd_k_l2_prefetch_bulk(const void *ptr, unsigned bytes) {
+    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(ptr), "r"(bytes) : "memory");
+}
+static __device__ __forceinline__ void pd_k_l2_prefetch_line(const void *ptr) {
+    asm volatile("prefetch.global.L2 [%0];\n" ::"l"(ptr));
+}
+
+template <int R>
+static __device__ __forceinline__ void pd_k_sk_prefetch_rows(const pd_k_skinny_args &p, const uint4 *const (&wr)[R],
+                                                             size_t off, size_t end) {
+    if (off >= end) return;
+    const int tid = threadIdx.x;
+    if (p.pf_bulk) {
+#pragma unroll
+        for (int r = 0; r < R; r++)
+            if (tid == r) pd_k_l2_prefetch_bulk((const char *)wr[r] + off, (unsigned)(end - off));
+    } else {
+#pragma unroll
+        for (int r = 0; r < R; r++)
+            for (size_t b = off + (size_t)tid * 128; b < end; b += PD_K_SK_THREADS * 128)
+                pd_k_l2_prefetch_line((const char *)wr[r] + b);
+    }
+}
+
+template <int R, int EPI>
+static __device__ __forceinline__ void pd_k_sk_prefetch(const pd_k_skinny_args &p, const uint4 *const (&own)[R]) {
+    const size_t row_bytes = (size_t)p.K * 2, batch = (size_t)(PD_K_SK_LOADS / R) * PD_K_SK_THREADS * 16;
+    if (p.pf_own > 0) pd_k_sk_prefetch_rows<R>(p, own, batch, min(row_bytes, batch * (size_t)(1 + p.pf_own)));
+    for (int k = 1; k <= p.pf_waves; k++) {
+        unsigned t = blockIdx.x + (unsigned)k * (unsigned)p.pf_res;
+        if (t >= gridDim.x) break;
+        int row0;
+        bool rot;
+        const uint4 *wr[R];
+        pd_k_sk_rows<R, EPI>(p, (int)t, row0, rot, wr);
+        pd_k_sk_prefetch_rows<R>(p, wr, 0, row_bytes);
+    }
+}
+
+template <int M, int R, int NORM, int EPI, int VAR, bool PF = false>
+static __global__ void __launch_bounds__(PD_K_SK_THREADS, VAR == PD_K_SK_OCC4 ? 4 : PF ? 5 : 0) k_skinny(pd_k_skinny_args p) {
     constexpr bool AS = VAR == PD_K_SK_ASYNC;
     constexpr int U = PD_K_SK_LOADS / R;
     pd_k_pdl_trigger();
@@ -295,6 +343,8 @@ static __global__ void __launch_bounds__(PD_K_SK_THREADS, VAR == PD_K_SK_OCC4 ? 
         if (p.prewait < 3) pd_k_sk_load_part<R, U, 2, 3>(wv, wr, tid, chunks);
         pd_k_sk_load_part<R, U, 3, U>(wv, wr, tid, chunks);
     }
+    // (after the wait in the prewait form: only a measurement of either knob alone is meaningful)
+    if (PF && (int)blockIdx.x < p.pf_res) pd_k_sk_prefetch<R, EPI>(p, wr);
 
     const uint4 *ar[M];
 #pragma unroll
@@ -368,18 +418,39 @@ extern "C" int pd_cuda_skinny_supported(int M, int K, int lda, const void *a, co
            ((uintptr_t)w & 15) == 0;
 }
 
-template <int R, int NORM, int EPI, int VAR>
-static void pd_k_skinny_launch_v(const pd_k_skinny_args &a, cudaStream_t s, dim3 grid, dim3 block) {
-    switch (a.M) {
-    case 1: pd_k_launch(k_skinny<1, R, NORM, EPI, VAR>, grid, block, 0, s, a); break;
-    case 2: pd_k_launch(k_skinny<2, R, NORM, EPI, VAR>, grid, block, 0, s, a); break;
-    case 3: pd_k_launch(k_skinny<3, R, NORM, EPI, VAR>, grid, block, 0, s, a); break;
-    case 4: pd_k_launch(k_skinny<4, R, NORM, EPI, VAR>, grid, block, 0, s, a); break;
-    case 5: pd_k_launch(k_skinny<5, R, NORM, EPI, VAR>, grid, block, 0, s, a); break;
-    case 6: pd_k_launch(k_skinny<6, R, NORM, EPI, VAR>, grid, block, 0, s, a); break;
-    case 7: pd_k_launch(k_skinny<7, R, NORM, EPI, VAR>, grid, block, 0, s, a); break;
-    default: pd_k_launch(k_skinny<8, R, NORM, EPI, VAR>, grid, block, 0, s, a); break;
+typedef void (*pd_k_sk_kern)(pd_k_skinny_args);
+
+// Blocks of kern resident at once on the whole GPU (the L2 prefetch's wave), cached per kernel.
+static int pd_k_sk_resident(pd_k_sk_kern kern) {
+    static pd_k_sk_kern keys[256];
+    static int vals[256], n;
+    for (int i = 0; i < n; i++)
+        if (keys[i] == kern) return vals[i];
+    int per_sm = 0;
+    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kern, PD_K_SK_THREADS, 0) != cudaSuccess) {
+        cudaGetLastError();
+        per_sm = 1;
     }
+    int r = (per_sm > 0 ? per_sm : 1) * pd_k_num_sms();
+    if (n < 256) keys[n] = kern, vals[n++] = r;
+    return r;
+}
+
+template <int R, int NORM, int EPI, int VAR>
+static void pd_k_skinny_launch_v(pd_k_skinny_args a, cudaStream_t s, dim3 grid, dim3 block) {
+    pd_k_sk_kern k;
+    switch (a.M) {
+    case 1: k = a.pf_waves > 0 || a.pf_own > 0 ? k_skinny<1, R, NORM, EPI, VAR, true> : k_skinny<1, R, NORM, EPI, VAR>; break;
+    case 2: k = k_skinny<2, R, NORM, EPI, VAR>; break;
+    case 3: k = k_skinny<3, R, NORM, EPI, VAR>; break;
+    case 4: k = k_skinny<4, R, NORM, EPI, VAR>; break;
+    case 5: k = k_skinny<5, R, NORM, EPI, VAR>; break;
+    case 6: k = k_skinny<6, R, NORM, EPI, VAR>; break;
+    case 7: k = k_skinny<7, R, NORM, EPI, VAR>; break;
+    default: k = k_skinny<8, R, NORM, EPI, VAR>; break;
+    }
+    a.pf_res = a.M == 1 && (a.pf_waves > 0 || a.pf_own > 0) ? pd_k_sk_resident(k) : 0;
+    pd_k_launch(k, grid, block, 0, s, a);
 }
 
 // var: PD_K_SK_REG, PD_K_SK_OCC4 (M = 5 only; other M take the register build) or PD_K_SK_ASYNC.
@@ -415,6 +486,7 @@ extern "C" void pd_cuda_skinny(const pd_skinny_kparams *p, cudaStream_t s) {
     a.H = r->n_heads, a.Hkv = r->n_kv_heads, a.hd = r->head_dim, a.attn_scaling = r->attn_scaling;
     const int var = p->async ? PD_K_SK_ASYNC : p->occ4 ? PD_K_SK_OCC4 : PD_K_SK_REG;
     a.prewait = p->prewait > 0 ? p->prewait - 1 : PD_K_SK_LOADS;  // (kparams: 0 = all, u + 1 = u batches)
+    a.pf_waves = p->pf_waves, a.pf_own = p->pf_own, a.pf_bulk = p->pf_bulk, a.pf_res = 0;
     if (p->rope) {  // the qkv GEMM: with the attention norm (decode) or without
         if (p->norm_w) pd_k_skinny_launch_r<4, 1, PD_K_SK_ROPE>(a, s, var);
         else pd_k_skinny_launch_r<4, 0, PD_K_SK_ROPE>(a, s, var);

@@ -36,6 +36,12 @@ typedef struct pd_skinny_kparams {
     // prewait: 0 every weight load of a block's first batch before the PDL wait, u + 1 only the
     // first u of its U load batches (skinny.cu "Prewait"; a measurement knob)
     int prewait;
+    // L2 prefetch before the PDL wait (skinny.cu "L2 prefetch"; PD_CUDA_SKINNY_L2PF*, measurement
+    // knobs): pf_waves w: each block of the first resident wave also prefetches into L2 the tiles
+    // of the blocks that will take its place in the next w waves; pf_own b: the next b load
+    // batches of its own tile (K > U * 1024); pf_bulk: one cp.async.bulk.prefetch.L2 per weight row
+    // instead of one prefetch.global.L2 per 128-byte line. 0, 0: nothing prefetched.
+    int pf_waves, pf_own, pf_bulk;
     // Fused forms (backend.h, pd_matmul_params): norm_w: the activation is rmsnorm(a) (weight
     // norm_w, eps norm_eps; lda == K); glu: w is (2N, K), out (M, N) = silu(gate) * up; residual:
     // out = bf16(out + bf16(a . w^T + bias)). glu and residual exclude accumulate and out_f32.

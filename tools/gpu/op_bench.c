@@ -972,25 +972,34 @@ fuse_done:
         pd_backend *bes[6] = {rule};
         const char *bn[6] = {"rule"};
         int n_be = 1;
-        // OPB_SINGLE_VARIANTS="NAME=VALUE,...": one more backend per entry, built with that env knob on
-        // top of the default rule (e.g. PD_CUDA_SKINNY_ASYNC=1: a knob the CUDA backend reads when created)
+        // OPB_SINGLE_VARIANTS="NAME=VALUE[+NAME=VALUE...],...": one more backend per entry, built with
+        // those env knobs on top of the default rule (e.g. PD_CUDA_SKINNY_ASYNC=1: a knob the CUDA
+        // backend reads when created)
         const char *vv = getenv("OPB_SINGLE_VARIANTS");
         static char vnames[5][64];
         for (const char *c = vv; c && *c && n_be < 6;) {
             const char *e = strchr(c, ',');
             size_t n = e ? (size_t)(e - c) : strlen(c);
-            char kv[128];
-            if (n >= sizeof kv || !memchr(c, '=', n)) { fprintf(stderr, "OPB_SINGLE_VARIANTS: NAME=VALUE[,...]\n"); return 2; }
+            char kv[256];
+            if (n >= sizeof kv || !memchr(c, '=', n)) { fprintf(stderr, "OPB_SINGLE_VARIANTS: NAME=VALUE[+NAME=VALUE][,...]\n"); return 2; }
             memcpy(kv, c, n), kv[n] = 0;
-            char *eq = strchr(kv, '=');
-            *eq = 0;
+            char *names[8];
+            int n_kv = 0;
             setenv("PD_CUDA_SKINNY", "1", 1);
-            setenv(kv, eq + 1, 1);
+            for (char *t = kv; t && n_kv < 8;) {
+                char *plus = strchr(t, '+'), *eq = strchr(t, '=');
+                if (plus) *plus = 0;
+                if (!eq || (plus && eq > plus)) { fprintf(stderr, "OPB_SINGLE_VARIANTS: NAME=VALUE[+NAME=VALUE][,...]\n"); return 2; }
+                *eq = 0;
+                setenv(t, eq + 1, 1);
+                printf("single backend v%d: %s=%s\n", n_be, t, eq + 1);
+                names[n_kv++] = t;
+                t = plus ? plus + 1 : NULL;
+            }
             bes[n_be] = pd_backend_new("cuda", 0, &err);
-            unsetenv(kv);
+            for (int i = 0; i < n_kv; i++) unsetenv(names[i]);
             if (!bes[n_be]) { fprintf(stderr, "no cuda: %s\n", err.msg); return 1; }
             snprintf(vnames[n_be - 1], sizeof vnames[0], "v%d", n_be);
-            printf("single backend v%d: %s=%s\n", n_be, kv, eq + 1);
             bn[n_be] = vnames[n_be - 1];
             n_be++;
             c = e ? e + 1 : c + n;

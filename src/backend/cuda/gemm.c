@@ -93,6 +93,14 @@ void pd_cuda_gemm_init(pd_cuda_backend *cb) {
     // of weight loads before the PDL wait, the rest right after it (-1, the default: all before).
     // Measurement knob (kernels/skinny.cu "Prewait": 0 costs 170 us a single-stream step, 2 level).
     cb->skinny_prewait = pd_cuda_env_int("PD_CUDA_SKINNY_PREWAIT", -1, -1, 16) + 1;
+    // PD_CUDA_SKINNY_L2PF=w (0 off, the default), PD_CUDA_SKINNY_L2PF_OWN=b, PD_CUDA_SKINNY_L2PF_BULK=0|1
+    // (1): at M = 1 the CUDA-core kernel's first resident wave prefetches into L2, before its PDL
+    // wait, the tiles of the next w waves and the next b load batches of its own tile, one bulk
+    // prefetch per row or one prefetch per 128-byte line (kernels/skinny.cu "L2 prefetch";
+    // measurement knobs).
+    cb->skinny_l2pf = pd_cuda_env_int("PD_CUDA_SKINNY_L2PF", 0, 0, 4);
+    cb->skinny_l2pf_own = pd_cuda_env_int("PD_CUDA_SKINNY_L2PF_OWN", 0, 0, 8);
+    cb->skinny_l2pf_bulk = pd_cuda_env_int("PD_CUDA_SKINNY_L2PF_BULK", 1, 0, 1);
     if (cb->skinny_rows == 3) pd_abort(__FILE__, __LINE__, __func__, "PD_CUDA_SKINNY_ROWS must be 2 or 4");
     // Which of the two skinny kernels takes an M (see skinny_choice): PD_CUDA_SKINNY_MMA=0 the
     // CUDA-core kernel only (M <= 8; larger M go to cuBLASLt), 1 (the default) the rule measured end
@@ -567,7 +575,8 @@ static void fused_matmul(pd_backend *b, pd_cuda_backend *cb, const pd_matmul_par
         pd_skinny_kparams k = {.a = q.a, .w = q.w, .bias = q.bias, .out = q.out, .M = q.M, .N = q.N, .K = q.K,
                                .lda = q.lda ? q.lda : q.K, .accumulate = q.accumulate, .out_f32 = q.out_f32,
                                .rows = 4, .occ4 = cb->skinny_occ4, .async = cb->skinny_async,
-                               .prewait = cb->skinny_prewait,
+                               .prewait = cb->skinny_prewait, .pf_waves = cb->skinny_l2pf,
+                               .pf_own = cb->skinny_l2pf_own, .pf_bulk = cb->skinny_l2pf_bulk,
                                .norm_w = q.norm_w, .norm_eps = q.norm_eps, .glu = q.glu,
                                .residual = q.residual, .rope = rope_in, .rope_kv = rk};
         pd_cuda_skinny(&k, cb->stream);
@@ -623,7 +632,9 @@ void pd_cuda_gemm_matmul(pd_backend *b, const pd_matmul_params *p) {
         pd_skinny_kparams k = {.a = p->a, .w = p->w, .bias = p->bias, .out = p->out, .M = p->M, .N = p->N,
                                .K = p->K, .lda = lda, .accumulate = p->accumulate, .out_f32 = p->out_f32,
                                .rows = cb->skinny_rows, .occ4 = cb->skinny_occ4,
-                               .async = cb->skinny_async, .prewait = cb->skinny_prewait};
+                               .async = cb->skinny_async, .prewait = cb->skinny_prewait,
+                               .pf_waves = cb->skinny_l2pf, .pf_own = cb->skinny_l2pf_own,
+                               .pf_bulk = cb->skinny_l2pf_bulk};
         pd_cuda_skinny(&k, cb->stream);
         PD_CUDA_CHECK_LAUNCH();
         return;

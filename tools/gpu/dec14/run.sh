@@ -1,0 +1,65 @@
+#!/bin/sh
+# dec14 helper, session 14 (issue 17: single stream ctx 128 robustly >= 190 tok/s).
+# Run from the repo root of the lead's checkout: sh build/gpu-dec14/run.sh OUT_DIR. Staged in
+# build/gpu-dec14/ (tools/gpu/dec14/stage.sh): bins.tar.xz (pdserve, op_bench, test_backend_ops,
+# test_gpu_golden, test_gpu_spec of COMMIT, stripped), this script, LIMIT. Libraries: /tmp/gpulib/lib
+# (the lead's wrapper). Model: the tracked 8B shape config bench/configs/llama-3-8b, dummy weights;
+# models for test_gpu_golden from build/gpu-lead/models.tar.xz + the tracked models/kjv-llama-6m.
+# Round 1: the skinny kernel's L2 prefetch (PD_CUDA_SKINNY_L2PF*): op_bench single per variant,
+# then bench-engine single stream base / best op_bench variant alternated, golden with it.
+set -u
+OUT=$1; mkdir -p "$OUT"
+D=${D:-build/gpu-dec14}
+T=/tmp/dec14
+t0=$(date +%s)
+BUDGET=${BUDGET:-$(( $(cat $D/LIMIT) - 6 ))}
+mkdir -p $T && xz -dc $D/bins.tar.xz | tar xf - -C $T
+export LD_LIBRARY_PATH=${LD_LIBRARY_PATH:-/tmp/gpulib/lib}
+nvidia-smi --query-gpu=name,driver_version,clocks.max.sm,pci.bus_id --format=csv,noheader
+cat $D/COMMIT
+left() { echo $(( BUDGET - ($(date +%s) - t0) )); }
+lim() { l=$(left); [ "$l" -lt "$1" ] && echo "$l" || echo "$1"; }
+say() { echo "== $1 ($(( $(date +%s) - t0 )) s)"; }
+M=bench/configs/llama-3-8b
+be() {  # name limit env... -- args...
+  n=$1; l=$2; shift 2
+  [ "$(left)" -lt 10 ] && { say "$n skipped: budget"; return; }
+  envs=""; while [ "$1" != "--" ]; do envs="$envs $1"; shift; done; shift
+  env $envs timeout $(lim $l) $T/pdserve bench-engine --device cuda --model $M --load-format dummy "$@" > "$OUT/$n.txt" 2> "$OUT/$n.err"
+  say "$n rc=$? [$envs]"
+  grep -E "^decode|pipelined" "$OUT/$n.txt" | sed -E 's/  datasheet.*//; s/ +/ /g; s/floor.*= //; s/back to back, one sync: //; s/decode //' | cut -c1-110
+}
+ob() {  # name limit env... -- args...
+  n=$1; l=$2; shift 2
+  [ "$(left)" -lt 10 ] && { say "$n skipped: budget"; return; }
+  envs=""; while [ "$1" != "--" ]; do envs="$envs $1"; shift; done; shift
+  env $envs timeout $(lim $l) $T/op_bench "$@" > "$OUT/$n.txt" 2>&1
+  say "$n rc=$?"
+  grep -E "^single|^copy" "$OUT/$n.txt" | sed -E 's/ +/ /g; s/single //; s/host:.*//; s/b2b\+upload.*serial\+upload/ser+up/; s/floor.*GB\/s: //' | cut -c1-120
+}
+P=PD_CUDA_SKINNY_L2PF
+V="$P=1,$P=2,${P}_OWN=1,$P=1+${P}_OWN=1,$P=1+${P}_BULK=0"
+# 1. op_bench single (32 weight sets): base + five prefetch variants
+ob single1 60 OPB_SINGLE_LAYERS=32 OPB_SINGLE_SHORT=1 OPB_SINGLE_VARIANTS=$V -- copy single
+# the best variant's env by its first "whole step" back-to-back time
+best=$(awk '/^single backend v[0-9]+:/ {v=$3; sub(":", "", v); e[v] = e[v] (e[v] ? " " : "") $4}
+  /^single [a-z0-9]+ +whole step +back-to-back/ {if (!($2 in t)) t[$2] = $6}
+  END {b = "rule"; for (n in t) if (t[n] < t[b]) b = n; print (b == "rule" ? "" : e[b])}' "$OUT/single1.txt")
+echo "best op_bench variant: [${best:-base}]"
+B2=${best:-PD_CUDA_SKINNY_L2PF=1}
+# 2. bench-engine single stream: base vs the best variant (or L2PF=1), alternated
+S="--only single --ctx 128,4096"
+for r in 1 2; do
+  be sB$r 14 -- $S
+  be sP$r 14 $B2 -- $S
+done
+# 3. exactness with the variant on: goldens (prefetch is a hint; results must not change)
+if [ "$(left)" -gt 15 ] && [ -f build/gpu-lead/models.tar.xz ]; then
+  mkdir -p $T/models && tar xJf build/gpu-lead/models.tar.xz -C $T/models && ln -sfn "$(pwd)/models/kjv-llama-6m" $T/models/kjv-llama-6m
+  env $B2 PD_MODELS_DIR=$T/models timeout $(lim 25) $T/test_gpu_golden > "$OUT/golden.txt" 2>&1; say "golden rc=$? [$B2]"
+  grep -E "passed|FAIL|graphs vs eager" "$OUT/golden.txt" | tail -3
+fi
+# 4. a third alternation if time is left
+be sB3 14 -- $S
+be sP3 14 $B2 -- $S
+say done
