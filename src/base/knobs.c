@@ -20,6 +20,7 @@ static const pd_knob KNOBS[] = {
     SW("PDSERVE_SCHED_BACKFILL", "scheduler: admit later requests that fit past a blocked head (default 0)"),
     SW("PDSERVE_TIER_RESERVE", "scheduler: a tier load reserves the blocks of the tokens it computes (default 1)"),
     SW("PD_CUDA_ATTN_BT", "decode attention: the bf16 streaming kernel (default 1; 0: k_attn_decode_tc)"),
+    SW("PD_CUDA_ATTN_DEP", "decode attention (one sequence): wait for the qkv GEMM's kv-group counters, not its end (default 0)"),
     SW("PD_CUDA_ATTN_EARLY", "decode attention: graph steps load K/V rows they do not write before the PDL wait (default 1)"),
     SW("PD_CUDA_ATTN_F8S", "decode attention: the fp8 streaming kernel (default 1; 0: k_attn_decode_tc_f8)"),
     INT("PD_CUDA_ATTN_F8TILES", 1, 2, "decode attention: fp8 tiles in flight (default 2)"),

@@ -1198,7 +1198,8 @@ struct pd_k_bt_step_regs {
     uint4 k[2][HD / 32], v[2][HD / 32];
 };
 
-template <int HD>
+// CG: through L2 (ld.global.cg), for rows another running kernel may have written (DEP below).
+template <int HD, bool CG = false>
 static __device__ __forceinline__ void pd_k_bt_load(pd_k_bt_step_regs<HD> &r, const __nv_bfloat16 *kc,
                                                     const __nv_bfloat16 *vc, const int (&slot)[2], int n_kv, int kvh,
                                                     int t) {
@@ -1208,8 +1209,8 @@ static __device__ __forceinline__ void pd_k_bt_load(pd_k_bt_step_regs<HD> &r, co
             size_t off = ((size_t)slot[hh] * n_kv + kvh) * HD + t * 8;
 #pragma unroll
             for (int i = 0; i < HD / 32; i++) {
-                r.k[hh][i] = __ldg((const uint4 *)(kc + off + i * 32));
-                r.v[hh][i] = __ldg((const uint4 *)(vc + off + i * 32));
+                r.k[hh][i] = CG ? __ldcg((const uint4 *)(kc + off + i * 32)) : __ldg((const uint4 *)(kc + off + i * 32));
+                r.v[hh][i] = CG ? __ldcg((const uint4 *)(vc + off + i * 32)) : __ldg((const uint4 *)(vc + off + i * 32));
             }
         } else {
 #pragma unroll
@@ -1219,7 +1220,7 @@ static __device__ __forceinline__ void pd_k_bt_load(pd_k_bt_step_regs<HD> &r, co
 }
 
 // The rows of pd_k_bt_load flagged late (with a slot), over what an early load left there.
-template <int HD>
+template <int HD, bool CG = false>
 static __device__ __forceinline__ void pd_k_bt_load_late(pd_k_bt_step_regs<HD> &r, const __nv_bfloat16 *kc,
                                                          const __nv_bfloat16 *vc, const int (&slot)[2],
                                                          const bool (&late)[2], int n_kv, int kvh, int t) {
@@ -1229,8 +1230,8 @@ static __device__ __forceinline__ void pd_k_bt_load_late(pd_k_bt_step_regs<HD> &
             size_t off = ((size_t)slot[hh] * n_kv + kvh) * HD + t * 8;
 #pragma unroll
             for (int i = 0; i < HD / 32; i++) {
-                r.k[hh][i] = __ldg((const uint4 *)(kc + off + i * 32));
-                r.v[hh][i] = __ldg((const uint4 *)(vc + off + i * 32));
+                r.k[hh][i] = CG ? __ldcg((const uint4 *)(kc + off + i * 32)) : __ldg((const uint4 *)(kc + off + i * 32));
+                r.v[hh][i] = CG ? __ldcg((const uint4 *)(vc + off + i * 32)) : __ldg((const uint4 *)(vc + off + i * 32));
             }
         }
     }
@@ -1299,12 +1300,27 @@ static __device__ __forceinline__ void pd_k_bt_step(const uint4 (&qf)[HD / 32], 
         }
 }
 
-template <int HD, int GM, int W, int DEPTH>
+// Counter dependency (DEP; PD_CUDA_ATTN_DEP=1, a measurement path): at one decode sequence the
+// kernel before this one is the skinny qkv GEMM's rope form, whose blocks add themselves to
+// dep[kv head] after their q / K / V stores (skinny.cu). Instead of griddepcontrol.wait (that whole
+// kernel's completion and flush: the ~3 us boundary of tools/gpu/NOTES.md dec13-1), thread 0 of
+// each live block waits for its kv head's count to reach dep_need, so the attention of a kv group
+// starts as soon as the blocks it needs are done; everything written by that kernel is then read
+// through L2 (ld.global.cg), never through the non-coherent path. The last live partition to pass
+// resets the count (dep[n_kv + kv head] counts them). The kernel after this one still waits for
+// this one's completion (PDL), which implies every qkv block has counted itself.
+static __device__ __forceinline__ int pd_k_ld_acquire(const int *p) {
+    int v;
+    asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+
+template <int HD, int GM, int W, int DEPTH, bool DEP = false>
 static __global__ void __launch_bounds__(W * 32, W == 4 ? 2 : 1)
     k_attn_decode_bt(const __nv_bfloat16 *q, const void *kc_, const void *vc_, __nv_bfloat16 *out,
                      const int32_t *q_indptr, const int32_t *kv_lens, const int32_t *bt_indptr,
                      const int32_t *bt_indices, int H, int n_kv, int bs, int q_stride, float scale_log2, int part,
-                     int n_splits, float *ws, int *cnt, size_t rb, int n_new) {
+                     int n_splits, float *ws, int *cnt, size_t rb, int n_new, int *dep, int dep_need) {
     constexpr int NI = HD / 32, STEP = W * 16;
     __shared__ float red[W][GM][HD + 2];
     const __nv_bfloat16 *kc = (const __nv_bfloat16 *)kc_, *vc = (const __nv_bfloat16 *)vc_;
@@ -1340,24 +1356,39 @@ static __global__ void __launch_bounds__(W * 32, W == 4 ? 2 : 1)
             pd_k_bt_load<HD>(buf[d], kc, vc, pre, n_kv, kvh, t);
         }
     }
-    pd_k_pdl_wait();
-    if (!live) return;
     int n_sp = (kv_len + part - 1) / part;
+    if constexpr (DEP) {
+        if (!live) return;
+        if (threadIdx.x == 0) {
+            while (pd_k_ld_acquire(dep + kvh) < dep_need) {
+            }
+            if (atomicAdd(dep + n_kv + kvh, 1) == n_sp - 1) {  // every live partition has passed
+                dep[kvh] = 0;
+                dep[n_kv + kvh] = 0;
+            }
+            __threadfence();
+        }
+        __syncthreads();
+    } else {
+        pd_k_pdl_wait();
+        if (!live) return;
+    }
     int G = H / n_kv;
 
 #pragma unroll
     for (int d = 0; d < DEPTH; d++) {
         if (early) {
             bool late[2] = {first + d * STEP + g >= stable, first + d * STEP + 8 + g >= stable};
-            pd_k_bt_load_late<HD>(buf[d], kc, vc, slot[d], late, n_kv, kvh, t);
+            pd_k_bt_load_late<HD, DEP>(buf[d], kc, vc, slot[d], late, n_kv, kvh, t);
         } else {
-            pd_k_bt_load<HD>(buf[d], kc, vc, slot[d], n_kv, kvh, t);
+            pd_k_bt_load<HD, DEP>(buf[d], kc, vc, slot[d], n_kv, kvh, t);
         }
     }
     uint4 qf[NI];
 #pragma unroll
     for (int i = 0; i < NI; i++)
-        qf[i] = g < G ? *(const uint4 *)(q + (size_t)q_begin * q_stride + (size_t)(kvh * G + g) * HD + i * 32 + t * 8)
+        qf[i] = g < G ? (DEP ? __ldcg((const uint4 *)(q + (size_t)q_begin * q_stride + (size_t)(kvh * G + g) * HD + i * 32 + t * 8))
+                             : *(const uint4 *)(q + (size_t)q_begin * q_stride + (size_t)(kvh * G + g) * HD + i * 32 + t * 8))
                       : make_uint4(0, 0, 0, 0);
     float o[NI][2][4];
 #pragma unroll
@@ -1374,7 +1405,7 @@ static __global__ void __launch_bounds__(W * 32, W == 4 ? 2 : 1)
             int ns[2] = {nx[0], nx[1]};
             nx[0] = pd_k_dec_slot(bt, base + (DEPTH + 1) * STEP + g, k_end, bs);
             nx[1] = pd_k_dec_slot(bt, base + (DEPTH + 1) * STEP + 8 + g, k_end, bs);
-            pd_k_bt_load<HD>(buf[(u + DEPTH) % (DEPTH + 1)], kc, vc, ns, n_kv, kvh, t);
+            pd_k_bt_load<HD, DEP>(buf[(u + DEPTH) % (DEPTH + 1)], kc, vc, ns, n_kv, kvh, t);
             pd_k_bt_step<HD>(qf, buf[u], o, m, l, base, k_end, g, scale_log2);
         }
     }
@@ -1541,12 +1572,28 @@ static void pd_k_attn_launch_decode(const pd_attention_kparams *p, cudaStream_t 
             if (pd_k_attn_f8_tiles() == 2) kern = wide ? k_attn_decode_f8s<HD, GM, 8, 1, 2> : k_attn_decode_f8s<HD, GM, 4, 1, 2>;
             else kern = wide ? k_attn_decode_f8s<HD, GM, 8, 2, 1> : k_attn_decode_f8s<HD, GM, 4, 2, 1>;
         } else if (F8) kern = wide ? k_attn_decode_tc_f8<HD, GM, 8> : tc ? k_attn_decode_tc_f8<HD, GM, 4> : kern;
-        else if (tc && pd_k_attn_bt_enabled())
-            kern = wide ? k_attn_decode_bt<HD, GM, 8, 1> : k_attn_decode_bt<HD, GM, 4, 1>;
+        else if (tc && pd_k_attn_bt_enabled()) {
+            bool dep = p->dep_cnt && wide && p->n_seqs == 1 && p->max_q_len == 1;
+            void (*bt)(const __nv_bfloat16 *, const void *, const void *, __nv_bfloat16 *, const int32_t *, const int32_t *,
+                       const int32_t *, const int32_t *, int, int, int, int, float, int, int, float *, int *, size_t, int,
+                       int *, int) = dep ? k_attn_decode_bt<HD, GM, 8, 1, true>
+                                         : wide ? k_attn_decode_bt<HD, GM, 8, 1> : k_attn_decode_bt<HD, GM, 4, 1>;
+            if (p->dep_cnt && !dep) cudaMemsetAsync(p->dep_cnt, 0, 2 * (size_t)p->n_kv_heads * sizeof(int), s);
+            pd_k_launch(bt, grid, dim3((wide ? 8 : 4) * 32), 0, s, (const __nv_bfloat16 *)p->q, p->k_cache, p->v_cache,
+                        (__nv_bfloat16 *)p->out, p->q_indptr, p->kv_lens, p->bt_indptr, p->bt_indices, p->n_heads,
+                        p->n_kv_heads, p->block_size, p->q_stride, p->scale * PD_K_LOG2E, part, n_splits, p->workspace,
+                        fold ? p->counters : (int *)0, p->row_bytes, pd_k_attn_early_enabled() ? p->n_new : 0,
+                        dep ? p->dep_cnt : (int *)0, p->dep_need);
+            if (n_splits > 1 && !fold)
+                pd_k_launch(k_attn_combine<HD>, dim3(p->n_seqs, p->n_heads), dim3(HD), 0, s, (__nv_bfloat16 *)p->out,
+                            p->q_indptr, p->kv_lens, p->n_heads, part, n_splits, (const float *)p->workspace);
+            return;
+        }
         else if (pd_k_attn_pipe_enabled())
             kern = wide ? k_attn_decode_tc<HD, GM, 8, true> : tc ? k_attn_decode_tc<HD, GM, 4, true> : kern;
         else kern = wide ? k_attn_decode_tc<HD, GM, 8, false> : tc ? k_attn_decode_tc<HD, GM, 4, false> : kern;
     }
+    if (p->dep_cnt) cudaMemsetAsync(p->dep_cnt, 0, 2 * (size_t)p->n_kv_heads * sizeof(int), s);  // not honoured here
     pd_k_launch(kern, grid, dim3((wide ? 8 : 4) * 32), 0, s, (const __nv_bfloat16 *)p->q, p->k_cache, p->v_cache,
                 (__nv_bfloat16 *)p->out, p->q_indptr, p->kv_lens, p->bt_indptr, p->bt_indices, p->n_heads,
                 p->n_kv_heads, p->block_size, p->q_stride, p->scale * PD_K_LOG2E, part, n_splits, p->workspace,
@@ -1559,6 +1606,7 @@ static void pd_k_attn_launch_decode(const pd_attention_kparams *p, cudaStream_t 
 template <int HD, bool F8>
 static void pd_k_attn_dispatch(const pd_attention_kparams *p, cudaStream_t s) {
     if (p->max_q_len > 1) {
+        if (p->dep_cnt) cudaMemsetAsync(p->dep_cnt, 0, 2 * (size_t)p->n_kv_heads * sizeof(int), s);  // not honoured
         pd_k_attn_launch_prefill<HD, F8>(p, s);
         // One sequence of several query rows (its q_len is n_tokens): no decode row, so no decode
         // kernel, whose blocks would only wait for the prefill kernel (PDL) and return (a
@@ -1573,6 +1621,11 @@ static void pd_k_attn_dispatch(const pd_attention_kparams *p, cudaStream_t s) {
     else if (G == 2) pd_k_attn_launch_decode<HD, 2, F8>(p, s, part, n_splits);
     else if (G <= 4) pd_k_attn_launch_decode<HD, 4, F8>(p, s, part, n_splits);
     else pd_k_attn_launch_decode<HD, 8, F8>(p, s, part, n_splits);
+}
+
+extern "C" int pd_cuda_attention_dep_ok(int head_dim, int n_heads, int n_kv_heads) {
+    return (head_dim == 64 || head_dim == 128) && pd_cuda_attention_supported(head_dim, n_heads, n_kv_heads) &&
+           2 * n_kv_heads <= pd_k_num_sms() && pd_k_attn_tc_enabled() && pd_k_attn_bt_enabled() && pd_k_attn_onewave();
 }
 
 extern "C" void pd_cuda_attention(const pd_attention_kparams *p, cudaStream_t s) {

@@ -36,6 +36,7 @@ typedef struct pd_k_skinny_args {
     float attn_scaling;
     int prewait;  // batches of loads issued before the PDL wait (U or more: all)
     int pf_waves, pf_own, pf_bulk, pf_res;  // L2 prefetch (below); pf_res: blocks resident in one wave
+    int *dep_cnt;                           // rope form: kv-group counters (skinny.cuh)
 } pd_k_skinny_args;
 
 // Weight chunks c + u * 128 (u < U) of the R rows; chunks past the row's end read as zero.
@@ -411,6 +412,19 @@ static __global__ void __launch_bounds__(PD_K_SK_THREADS, VAR == PD_K_SK_OCC4 ? 
         }
     }
     pd_k_sk_epi<M, R, EPI>(p, acc, row0, rot, red);
+    if (EPI == PD_K_SK_ROPE && p.dep_cnt) {  // count this block into its kv group (attention.cu "Counter dependency")
+        __threadfence();
+        __syncthreads();
+        if (tid == 0) {
+            int h = row0 / p.hd, grp = h < p.H ? h / (p.H / p.Hkv) : h < p.H + p.Hkv ? h - p.H : h - p.H - p.Hkv;
+            atomicAdd(p.dep_cnt + grp, 1);
+        }
+    }
+}
+
+extern "C" int pd_cuda_skinny_dep_need(int n_heads, int n_kv_heads, int head_dim) {
+    // rotation blocks own 4 rows of one q / k head (hd / 4 per head), v blocks 4 rows of one v head
+    return (n_heads / n_kv_heads + 2) * (head_dim / 4);
 }
 
 extern "C" int pd_cuda_skinny_supported(int M, int K, int lda, const void *a, const void *w) {
@@ -487,6 +501,7 @@ extern "C" void pd_cuda_skinny(const pd_skinny_kparams *p, cudaStream_t s) {
     const int var = p->async ? PD_K_SK_ASYNC : p->occ4 ? PD_K_SK_OCC4 : PD_K_SK_REG;
     a.prewait = p->prewait > 0 ? p->prewait - 1 : PD_K_SK_LOADS;  // (kparams: 0 = all, u + 1 = u batches)
     a.pf_waves = p->pf_waves, a.pf_own = p->pf_own, a.pf_bulk = p->pf_bulk, a.pf_res = 0;
+    a.dep_cnt = p->rope ? p->dep_cnt : NULL;
     if (p->rope) {  // the qkv GEMM: with the attention norm (decode) or without
         if (p->norm_w) pd_k_skinny_launch_r<4, 1, PD_K_SK_ROPE>(a, s, var);
         else pd_k_skinny_launch_r<4, 0, PD_K_SK_ROPE>(a, s, var);

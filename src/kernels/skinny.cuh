@@ -42,6 +42,10 @@ typedef struct pd_skinny_kparams {
     // batches of its own tile (K > U * 1024); pf_bulk: one cp.async.bulk.prefetch.L2 per weight row
     // instead of one prefetch.global.L2 per 128-byte line. 0, 0: nothing prefetched.
     int pf_waves, pf_own, pf_bulk;
+    // rope form: each block adds 1 to dep_cnt[kv group of its rows] after its stores (a q head's
+    // rows count for its group; attention.cuh dep_cnt, PD_CUDA_ATTN_DEP); NULL: nothing.
+    // pd_cuda_skinny_dep_need: the count of one group.
+    int *dep_cnt;
     // Fused forms (backend.h, pd_matmul_params): norm_w: the activation is rmsnorm(a) (weight
     // norm_w, eps norm_eps; lda == K); glu: w is (2N, K), out (M, N) = silu(gate) * up; residual:
     // out = bf16(out + bf16(a . w^T + bias)). glu and residual exclude accumulate and out_f32.
@@ -59,6 +63,8 @@ typedef struct pd_skinny_kparams {
 // aligned (every load is 16 bytes).
 int pd_cuda_skinny_supported(int M, int K, int lda, const void *a, const void *w);
 void pd_cuda_skinny(const pd_skinny_kparams *p, cudaStream_t s);
+// Blocks of the CUDA-core kernel's rope form that write one kv group's q, k and v rows.
+int pd_cuda_skinny_dep_need(int n_heads, int n_kv_heads, int head_dim);
 
 #ifdef __cplusplus
 }

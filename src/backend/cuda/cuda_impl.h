@@ -50,7 +50,8 @@ typedef struct pd_cuda_backend {
     int skinny_rule_max_m;     // the default rule's CUDA-core kernel up to this M (5)
     int skinny_async;          // its weights through shared memory (cp.async)
     int skinny_prewait;        // PD_CUDA_SKINNY_PREWAIT + 1: 0 all of a first tile's loads before the PDL wait
-    int skinny_l2pf, skinny_l2pf_own, skinny_l2pf_bulk;  // PD_CUDA_SKINNY_L2PF* (kernels/skinny.cu "L2 prefetch")
+    int skinny_l2pf, skinny_l2pf_own, skinny_l2pf_bulk;
+#define PD_CUDA_DEP_MAX_KV 64  // PD_CUDA_SKINNY_L2PF* (kernels/skinny.cu "L2 prefetch")
     int skinny_mma;            // kernels/skinny_mma.cu (M <= 16): 0 never, 1/3 the measured rules, 2 always
     int skinny_mma_rows;       // its weight rows per block (16 or 32)
     int skinny_mma_pipe;       // its double-buffered weight loads: -1 the rule's choice, 0 off, 1 on
@@ -80,6 +81,13 @@ typedef struct pd_cuda_backend {
     float *attn_ws;
     size_t attn_ws_bytes;
     int *attn_cnt;          // the decode attention's split counters (zeroed when allocated)
+    // PD_CUDA_ATTN_DEP=1 (kernels/attention.cu "Counter dependency"): the qkv GEMM's kv-group
+    // counters (2 x PD_CUDA_DEP_MAX_KV ints, zero between uses), and the pending dependency: the q
+    // rows a qkv GEMM counted into them (NULL: none) and the count of one group
+    int attn_dep;
+    int *dep_cnt;
+    const void *dep_q;
+    int dep_need;
     size_t attn_cnt_bytes;
     // copy_blocks staging (device): cache pointers then (src, dst) pairs
     void *cb_dev;

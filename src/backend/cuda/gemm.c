@@ -33,6 +33,7 @@
 #include "backend/cuda/cuda_impl.h"
 #include "base/buf.h"
 #include "kernels/add_bias.cuh"
+#include "kernels/attention.cuh"
 #include "kernels/bgemm.cuh"
 #include "kernels/gemv.cuh"
 #include "kernels/rmsnorm.cuh"
@@ -572,15 +573,24 @@ static void fused_matmul(pd_backend *b, pd_cuda_backend *cb, const pd_matmul_par
         pd_cuda_skinny_mma(&k, cb->stream);
         PD_CUDA_CHECK_LAUNCH();
     } else if (skinny) {
+        // PD_CUDA_ATTN_DEP: the rope form counts its blocks per kv group for the attention after it
+        bool dep = rope_in && p->attn_follows && cb->attn_dep && cb->dep_cnt && p->M == 1 &&
+                   rp->n_kv_heads <= PD_CUDA_DEP_MAX_KV &&
+                   pd_cuda_attention_dep_ok(rp->head_dim, rp->n_heads, rp->n_kv_heads);
         pd_skinny_kparams k = {.a = q.a, .w = q.w, .bias = q.bias, .out = q.out, .M = q.M, .N = q.N, .K = q.K,
                                .lda = q.lda ? q.lda : q.K, .accumulate = q.accumulate, .out_f32 = q.out_f32,
                                .rows = 4, .occ4 = cb->skinny_occ4, .async = cb->skinny_async,
                                .prewait = cb->skinny_prewait, .pf_waves = cb->skinny_l2pf,
                                .pf_own = cb->skinny_l2pf_own, .pf_bulk = cb->skinny_l2pf_bulk,
                                .norm_w = q.norm_w, .norm_eps = q.norm_eps, .glu = q.glu,
-                               .residual = q.residual, .rope = rope_in, .rope_kv = rk};
+                               .residual = q.residual, .rope = rope_in, .rope_kv = rk,
+                               .dep_cnt = dep ? cb->dep_cnt : NULL};
         pd_cuda_skinny(&k, cb->stream);
         PD_CUDA_CHECK_LAUNCH();
+        if (dep) {
+            cb->dep_q = q.out;
+            cb->dep_need = pd_cuda_skinny_dep_need(rp->n_heads, rp->n_kv_heads, rp->head_dim);
+        }
     } else {
         // cuBLASLt / gemv / bgemm: the residual add as accumulate (the sum rounded once)
         q.accumulate = p->accumulate || p->residual, q.residual = false;
@@ -601,6 +611,10 @@ void pd_cuda_gemm_matmul(pd_backend *b, const pd_matmul_params *p) {
     int lda = p->lda ? p->lda : p->K;
     PD_ASSERT(p->M >= 0 && p->N > 0 && p->K > 0 && lda >= p->K);
     if (p->M == 0) return;
+    if (cb->dep_q) {  // a qkv GEMM counted its blocks but no attention followed: zero the counters
+        PD_CUDA_CHECK(cudaMemsetAsync(cb->dep_cnt, 0, 2 * PD_CUDA_DEP_MAX_KV * sizeof(int), cb->stream));
+        cb->dep_q = NULL;
+    }
     if (p->norm_w || p->glu || p->residual || p->rope) {
         fused_matmul(b, cb, p, lda);
         return;

@@ -5,8 +5,8 @@
 # test_gpu_golden, test_gpu_spec of COMMIT, stripped), this script, LIMIT. Libraries: /tmp/gpulib/lib
 # (the lead's wrapper). Model: the tracked 8B shape config bench/configs/llama-3-8b, dummy weights;
 # models for test_gpu_golden from build/gpu-lead/models.tar.xz + the tracked models/kjv-llama-6m.
-# Round 1: the skinny kernel's L2 prefetch (PD_CUDA_SKINNY_L2PF*): op_bench single per variant,
-# then bench-engine single stream base / best op_bench variant alternated, golden with it.
+# Round 1: the skinny kernel's L2 prefetch (PD_CUDA_SKINNY_L2PF*) and the qkv -> attention counter
+# dependency (PD_CUDA_ATTN_DEP): op_bench single, goldens, bench-engine single + decode alternated.
 set -u
 OUT=$1; mkdir -p "$OUT"
 D=${D:-build/gpu-dec14}
@@ -38,28 +38,37 @@ ob() {  # name limit env... -- args...
   grep -E "^single|^copy" "$OUT/$n.txt" | sed -E 's/ +/ /g; s/single //; s/host:.*//; s/b2b\+upload.*serial\+upload/ser+up/; s/floor.*GB\/s: //' | cut -c1-120
 }
 P=PD_CUDA_SKINNY_L2PF
-V="$P=1,$P=2,${P}_OWN=1,$P=1+${P}_OWN=1,$P=1+${P}_BULK=0"
-# 1. op_bench single (32 weight sets): base + five prefetch variants
-ob single1 60 OPB_SINGLE_LAYERS=32 OPB_SINGLE_SHORT=1 OPB_SINGLE_VARIANTS=$V -- copy single
-# the best variant's env by its first "whole step" back-to-back time
+DP=PD_CUDA_ATTN_DEP=1
+# 1. op_bench single (32 weight sets): base + prefetch variants + the counter dependency; then
+#    the other order (drift) with the remaining combinations
+ob single1 40 OPB_SINGLE_LAYERS=32 OPB_SINGLE_SHORT=1 OPB_SINGLE_VARIANTS="$P=1,$P=2,${P}_OWN=1,$P=1+${P}_OWN=1,$DP" -- copy single
+ob single2 40 OPB_SINGLE_LAYERS=32 OPB_SINGLE_SHORT=1 OPB_SINGLE_VARIANTS="$P=1+${P}_BULK=0,${P}_OWN=2,$P=1,$DP+$P=1,$DP" -- copy single
+# the best prefetch variant (by its first "whole step" back-to-back time in single1, DEP excluded)
 best=$(awk '/^single backend v[0-9]+:/ {v=$3; sub(":", "", v); e[v] = e[v] (e[v] ? " " : "") $4}
   /^single [a-z0-9]+ +whole step +back-to-back/ {if (!($2 in t)) t[$2] = $6}
-  END {b = "rule"; for (n in t) if (t[n] < t[b]) b = n; print (b == "rule" ? "" : e[b])}' "$OUT/single1.txt")
-echo "best op_bench variant: [${best:-base}]"
-B2=${best:-PD_CUDA_SKINNY_L2PF=1}
-# 2. bench-engine single stream: base vs the best variant (or L2PF=1), alternated
-S="--only single --ctx 128,4096"
-for r in 1 2; do
-  be sB$r 14 -- $S
-  be sP$r 14 $B2 -- $S
-done
-# 3. exactness with the variant on: goldens (prefetch is a hint; results must not change)
-if [ "$(left)" -gt 15 ] && [ -f build/gpu-lead/models.tar.xz ]; then
+  END {b = "rule"; for (n in t) if (t[n] < t[b] && e[n] !~ /ATTN_DEP/) b = n; print (b == "rule" ? "" : e[b])}' "$OUT/single1.txt")
+echo "best op_bench prefetch variant: [${best:-none}]"
+PB=${best:-PD_CUDA_SKINNY_L2PF=1}
+# 2. exactness first (short): goldens with the dependency and the prefetch on
+if [ -f build/gpu-lead/models.tar.xz ]; then
   mkdir -p $T/models && tar xJf build/gpu-lead/models.tar.xz -C $T/models && ln -sfn "$(pwd)/models/kjv-llama-6m" $T/models/kjv-llama-6m
-  env $B2 PD_MODELS_DIR=$T/models timeout $(lim 25) $T/test_gpu_golden > "$OUT/golden.txt" 2>&1; say "golden rc=$? [$B2]"
+  env $DP $PB PD_MODELS_DIR=$T/models timeout $(lim 25) $T/test_gpu_golden > "$OUT/golden.txt" 2>&1; say "golden rc=$? [$DP $PB]"
   grep -E "passed|FAIL|graphs vs eager" "$OUT/golden.txt" | tail -3
+  env $DP PD_MODELS_DIR=$T/models timeout $(lim 30) $T/test_gpu_spec > "$OUT/spec.txt" 2>&1; say "spec rc=$? [$DP]"
+  grep -E "passed|FAIL" "$OUT/spec.txt" | tail -2
 fi
-# 4. a third alternation if time is left
-be sB3 14 -- $S
-be sP3 14 $B2 -- $S
+# 3. bench-engine single stream, alternated: base, prefetch, dependency, both
+S="--only single --ctx 128,4096,8192,32768"
+for r in 1 2 3; do
+  be sB$r 14 -- $S
+  be sP$r 14 $PB -- $S
+  be sD$r 14 $DP -- $S
+  be sDP$r 14 $DP $PB -- $S
+done
+# 4. batched decode (M = 1 only changes batch 1; the rest must be level): base vs both, twice
+A="--only decode --ctx 128 --batches 1,8,32,64,128,256"
+for r in 1 2; do
+  be dB$r 16 -- $A
+  be dDP$r 16 $DP $PB -- $A
+done
 say done
