@@ -1370,6 +1370,88 @@ PD_TEST(test_cuda_attention_decode_early) {
     ctx_fini(&c);
 }
 
+// The counter dependency (PD_CUDA_ATTN_DEP=1, kernels/attention.cu): one decode sequence's fused
+// qkv GEMM (norm + RoPE + KV write, attn_follows) then its attention, on a backend with the knob
+// and on the default one (griddepcontrol.wait), from the same inputs: the same bytes (attention
+// output, qkv rows, both caches). Each context runs three times in a row (the counters must be
+// back at zero after every attention: one partition or many, in-place merge), graph-like early
+// K/V loads (n_new = 1) and none; a qkv GEMM with attn_follows but no attention after it (the
+// counters are zeroed, the next pair still agrees); the Llama-3-8B qkv shape and a small one.
+PD_TEST(test_cuda_attention_dep) {
+    ctx c;
+    if (!ctx_init(&c, 13)) PD_SKIP("%s: no CUDA device", __func__);
+    setenv("PD_CUDA_ATTN_DEP", "1", 1);
+    pd_err err = {0};
+    pd_backend *dep = pd_backend_new("cuda", 0, &err);
+    unsetenv("PD_CUDA_ATTN_DEP");
+    PD_REQUIRE(dep != NULL);
+    int cfg[][4] = {{32, 8, 128, 4096}, {4, 2, 64, 256}};  // H, Hkv, hd, K
+    int lens[] = {1, 2, 17, 128, 129, 600, 2049};
+    for (size_t ci = 0; ci < PD_ARRAY_LEN(cfg); ci++) {
+        int H = cfg[ci][0], Hkv = cfg[ci][1], hd = cfg[ci][2], K = cfg[ci][3], row = (H + 2 * Hkv) * hd, bsz = 16;
+        int n_bt = (lens[PD_ARRAY_LEN(lens) - 1] + bsz - 1) / bsz;
+        int32_t *bt = pd_malloc(sizeof(int32_t) * (size_t)n_bt);
+        for (int j = 0; j < n_bt; j++) bt[j] = (int32_t)(((int64_t)j * 7919 + 3) % n_bt);
+        size_t kvn = (size_t)n_bt * bsz * Hkv * hd;
+        float *a = rand_f32(&c, (size_t)K, 1.0f), *g = rand_f32(&c, (size_t)K, 0.2f), *w = rand_f32(&c, (size_t)row * K, 0.05f);
+        float *kc = rand_f32(&c, kvn, 1.0f), *vc = rand_f32(&c, kvn, 1.0f);
+        for (int i = 0; i < K; i++) g[i] += 1.0f;
+        float inv_freq[64];
+        for (int i = 0; i < hd / 2; i++) inv_freq[i] = powf(500000.0f, -2.0f * i / hd);
+        for (size_t li = 0; li < PD_ARRAY_LEN(lens); li++)
+            for (int early = 0; early < 2; early++) {
+                int kv = lens[li], max_kv = kv <= 256 ? 256 : kv;
+                int32_t qi[2] = {0, 1}, kvl[1] = {kv}, bti[2] = {0, (kv + bsz - 1) / bsz}, pos[1] = {kv - 1};
+                int32_t slots[1] = {bt[pos[0] / bsz] * bsz + pos[0] % bsz};
+                uint16_t *res[2][4];  // per backend: out, qkv, k cache, v cache
+                size_t cnt[4] = {(size_t)H * hd, (size_t)row, kvn, kvn};
+                for (int way = 0; way < 2; way++) {
+                    pd_backend *b = way ? dep : c.gpu;
+                    pd_dtype wdt = pd_backend_weight_dtype(b);
+                    void *q = dev_out(&c, b, (size_t)row, PD_DTYPE_BF16), *kd = dev_act(&c, b, kc, kvn), *vd = dev_act(&c, b, vc, kvn);
+                    void *out = dev_out(&c, b, (size_t)H * hd, PD_DTYPE_BF16);
+                    pd_rope_kv_params r = {.qkv = q, .positions = dev_i32(&c, b, pos, 1),
+                                           .inv_freq = dev_from_f32(&c, b, inv_freq, hd / 2, PD_DTYPE_F32),
+                                           .slot_mapping = dev_i32(&c, b, slots, 1), .k_cache = kd, .v_cache = vd,
+                                           .n_tokens = 1, .n_heads = H, .n_kv_heads = Hkv, .head_dim = hd, .attn_scaling = 1.0f};
+                    pd_matmul_params mp = {.a = dev_act(&c, b, a, (size_t)K), .w = dev_from_f32(&c, b, w, (size_t)row * K, wdt),
+                                           .out = q, .M = 1, .N = row, .K = K, .norm_w = dev_from_f32(&c, b, g, (size_t)K, wdt),
+                                           .norm_eps = 1e-5f, .rope = &r, .attn_follows = true};
+                    pd_attention_params p = {.q = q, .k_cache = kd, .v_cache = vd, .out = out, .q_indptr = dev_i32(&c, b, qi, 2),
+                                             .kv_lens = dev_i32(&c, b, kvl, 1), .bt_indptr = dev_i32(&c, b, bti, 2),
+                                             .bt_indices = dev_i32(&c, b, bt, (size_t)bti[1]), .token_seq = dev_i32(&c, b, qi, 1),
+                                             .n_tokens = 1, .n_seqs = 1, .n_heads = H, .n_kv_heads = Hkv, .head_dim = hd,
+                                             .block_size = bsz, .q_stride = row, .max_q_len = 1, .max_kv_len = max_kv,
+                                             .scale = 1.0f / sqrtf((float)hd), .n_new = early};
+                    pd_backend_sync(b);
+                    if (li == 2) pd_op_matmul(b, &mp);  // counted, no attention after it
+                    for (int rep = 0; rep < 3; rep++) {
+                        pd_op_matmul(b, &mp);
+                        pd_op_attention(b, &p);
+                    }
+                    void *src[4] = {out, q, kd, vd};
+                    for (int k = 0; k < 4; k++) {
+                        res[way][k] = pd_malloc(cnt[k] * 2);
+                        pd_backend_download(b, res[way][k], src[k], cnt[k] * 2);
+                    }
+                }
+                static const char *what[4] = {"outputs", "qkv rows", "k cache", "v cache"};
+                for (int k = 0; k < 4; k++) {
+                    size_t diff = 0;
+                    for (size_t i = 0; i < cnt[k]; i++) diff += res[1][k][i] != res[0][k][i];
+                    PD_CHECK_MSG(diff == 0, "attention after the qkv GEMM's counters (H=%d Hkv=%d hd=%d ctx=%d n_new=%d): %zu of %zu %s differ",
+                                 H, Hkv, hd, kv, early, diff, cnt[k], what[k]);
+                }
+                for (int way = 0; way < 2; way++)
+                    for (int k = 0; k < 4; k++) pd_free(res[way][k]);
+                ctx_release(&c);
+            }
+        pd_free(bt), pd_free(a), pd_free(g), pd_free(w), pd_free(kc), pd_free(vc);
+    }
+    pd_backend_free(dep);
+    ctx_fini(&c);
+}
+
 // Long contexts and batches of them at the decode kernels' partition boundaries, bf16 and fp8
 // caches (GPU vs CPU; the cost of fp8 itself is checked on the short cases above): one stream at
 // 32k (one-wave split into the most partitions, in-place merge), batches of long odd lengths

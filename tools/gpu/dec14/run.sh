@@ -57,6 +57,8 @@ if [ -f build/gpu-lead/models.tar.xz ]; then
   env $DP PD_MODELS_DIR=$T/models timeout $(lim 30) $T/test_gpu_spec > "$OUT/spec.txt" 2>&1; say "spec rc=$? [$DP]"
   grep -E "passed|FAIL" "$OUT/spec.txt" | tail -2
 fi
+timeout $(lim 30) $T/test_backend_ops test_cuda_attention_dep > "$OUT/ops_dep.txt" 2>&1; say "ops attention_dep rc=$?"
+grep -E "^(ok|FAIL|not ok)|passed|failed|differ" "$OUT/ops_dep.txt" | head -6
 # 3. bench-engine single stream, alternated: base, prefetch, dependency, both
 S="--only single --ctx 128,4096,8192,32768"
 for r in 1 2 3; do
