@@ -75,6 +75,7 @@ static const pd_knob KNOBS[] = {
     INT("PD_CUDA_SAMPLE_TOPP_MIN_CL", 1, 32, "sampler: top-p candidate path from this cluster size (default 1)"),
     INT("PD_CUDA_SKINNY", 0, 2, "skinny GEMM kernels: 0 off, 1 the measured rule (default), 2 every call"),
     INT("PD_CUDA_SKINNY_ASYNC", 0, 1, "skinny GEMM: weights through shared memory by cp.async (default 0)"),
+    SW("PD_CUDA_SKINNY_CHAIN", "skinny GEMM (M = 1 decode): wait for the previous GEMM's blocks by counters, not PDL (default 0)"),
     INT("PD_CUDA_SKINNY_FUSE", 0, 1, "skinny GEMM: fused decode layers (default 1)"),
     INT("PD_CUDA_SKINNY_FUSE_MAX_M", 1, 16, "skinny GEMM: fused layers up to this M (default 4)"),
     INT("PD_CUDA_SKINNY_L2PF", 0, 4, "skinny GEMM (M = 1): waves of later tiles prefetched into L2 before the PDL wait (default 0)"),

@@ -37,6 +37,8 @@ typedef struct pd_k_skinny_args {
     int prewait;  // batches of loads issued before the PDL wait (U or more: all)
     int pf_waves, pf_own, pf_bulk, pf_res;  // L2 prefetch (below); pf_res: blocks resident in one wave
     int *dep_cnt;                           // rope form: kv-group counters (skinny.cuh)
+    int *ring;                              // chain (below): 4 counters; NULL: off
+    int seq, wait_need, chain_start;        // this launch's slot seq & 3; the predecessor's blocks (0: PDL wait)
 } pd_k_skinny_args;
 
 // Weight chunks c + u * 128 (u < U) of the R rows; chunks past the row's end read as zero.
@@ -145,7 +147,7 @@ static __device__ __forceinline__ void pd_k_sk_rows(const pd_k_skinny_args &p, i
 
 // acc += the R weight chunks w (chunk cu of each row) times chunk cu of the M activation rows
 // (normalised on the fly with NORM).
-template <int M, int R, int NORM>
+template <int M, int R, int NORM, bool CG = false>
 static __device__ __forceinline__ void pd_k_sk_fma(const pd_k_skinny_args &p, const uint4 (&w)[R], int cu,
                                                    const uint4 *const (&ar)[M], const float (&inv)[M], float (&acc)[R][M]) {
     float wf[R][8], gf[8];
@@ -159,7 +161,7 @@ static __device__ __forceinline__ void pd_k_sk_fma(const pd_k_skinny_args &p, co
 #pragma unroll
     for (int m = 0; m < M; m++) {
         float af[8];
-        pd_k_unpack8(__ldg(ar[m] + cu), af);
+        pd_k_unpack8(CG ? __ldcg(ar[m] + cu) : __ldg(ar[m] + cu), af);
         if (NORM && p.hf) {  // bf16(g * bf16(x * inv)), two at a time: the bf16x2 product of
                              // two bf16 values is their exact product rounded once
             const uint32_t gw[4] = {graw.x, graw.y, graw.z, graw.w};
@@ -183,7 +185,7 @@ static __device__ __forceinline__ void pd_k_sk_fma(const pd_k_skinny_args &p, co
 }
 
 // The tile's sums: the reduction over the block through red and the epilogue of the form.
-template <int M, int R, int EPI>
+template <int M, int R, int EPI, bool CG = false>
 static __device__ __forceinline__ void pd_k_sk_epi(const pd_k_skinny_args &p, const float (&acc)[R][M], int row0, bool rot,
                                                    float (*red)[R * M]) {
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, half = p.hd >> 1;
@@ -252,7 +254,11 @@ static __device__ __forceinline__ void pd_k_sk_epi(const pd_k_skinny_args &p, co
             for (int i = 0; i < PD_K_SK_THREADS / 32; i++) v += red[i][tid];
             if (p.bias) v += __bfloat162float(p.bias[n]);
             size_t o = (size_t)m * p.N + n;
-            if (EPI == PD_K_SK_RESIDUAL) pd_k_gemm_out_residual(p.out, o, v);
+            if (EPI == PD_K_SK_RESIDUAL && CG) {  // (out may be stale in L1: read it from L2)
+                __nv_bfloat16 *ob = (__nv_bfloat16 *)p.out;
+                unsigned short raw = __ldcg((const unsigned short *)ob + o);
+                ob[o] = __float2bfloat16(__bfloat162float(__ushort_as_bfloat16(raw)) + pd_k_bf16r(v));
+            } else if (EPI == PD_K_SK_RESIDUAL) pd_k_gemm_out_residual(p.out, o, v);
             else pd_k_gemm_out(p.out, o, v, p.out_f32, p.accumulate);
         }
     }
@@ -316,8 +322,29 @@ static __device__ __forceinline__ void pd_k_sk_prefetch(const pd_k_skinny_args &
     }
 }
 
-template <int M, int R, int NORM, int EPI, int VAR, bool PF = false>
-static __global__ void __launch_bounds__(PD_K_SK_THREADS, VAR == PD_K_SK_OCC4 ? 4 : PF ? 5 : 0) k_skinny(pd_k_skinny_args p) {
+// Chain (PD_CUDA_SKINNY_CHAIN=1, a measurement path; X & PD_K_SK_X_CHAIN): the M = 1 decode
+// layer's GEMMs o -> gate_up -> down -> next qkv (and the last down -> lm_head) wait for their
+// predecessor's blocks through a counter instead of griddepcontrol.wait (its completion and flush:
+// the ~3 us boundary of tools/gpu/NOTES.md dec13-1): every block of launch seq adds 1 to
+// ring[seq & 3] after its stores; a launch with wait_need > 0 spins (thread 0, ld.acquire) until
+// ring[(seq - 1) & 3] reaches it, then reads its activations and residual through L2
+// (ld.global.cg: they were written while it ran), and its block 0 zeroes ring[(seq - 2) & 3]
+// (every reader of that slot has passed: they all counted into the slot this launch waited on).
+// A launch with wait_need 0 waits by PDL (and zeroes ring[(seq - 2) & 3] too: its predecessor is
+// complete); with chain_start it zeroes all four slots and counts itself nowhere (the slots may
+// hold an earlier chain's counts). Safe because a PDL launch starts
+// only once every block of its predecessor has started: no waiting block can keep a producer's
+// block from an SM.
+enum { PD_K_SK_X_PF = 1, PD_K_SK_X_CHAIN = 2 };
+static __device__ __forceinline__ int pd_k_sk_ld_acquire(const int *p) {
+    int v;
+    asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+
+template <int M, int R, int NORM, int EPI, int VAR, int X = 0>
+static __global__ void __launch_bounds__(PD_K_SK_THREADS, VAR == PD_K_SK_OCC4 ? 4 : X ? 5 : 0) k_skinny(pd_k_skinny_args p) {
+    constexpr bool PF = X & PD_K_SK_X_PF, CH = X & PD_K_SK_X_CHAIN;
     constexpr bool AS = VAR == PD_K_SK_ASYNC;
     constexpr int U = PD_K_SK_LOADS / R;
     pd_k_pdl_trigger();
@@ -333,7 +360,17 @@ static __global__ void __launch_bounds__(PD_K_SK_THREADS, VAR == PD_K_SK_OCC4 ? 
         pd_k_pdl_wait();  // the activations (and out) belong to earlier kernels
     } else if (p.prewait >= U) {
         pd_k_sk_load<R, U>(wv, wr, tid, chunks);
-        pd_k_pdl_wait();
+        if (CH && p.wait_need > 0) {
+            if (tid == 0) {
+                while (pd_k_sk_ld_acquire(p.ring + ((p.seq - 1) & 3)) < p.wait_need) {
+                }
+                if (blockIdx.x == 0) p.ring[(p.seq - 2) & 3] = 0;
+            }
+            __syncthreads();
+        } else {
+            pd_k_pdl_wait();
+            if (CH && blockIdx.x == 0 && tid < 4 && (p.chain_start || tid == ((p.seq - 2) & 3))) p.ring[tid] = 0;
+        }
     } else {  // the first p.prewait batches before the wait, the rest right after it
         if (p.prewait >= 1) pd_k_sk_load_part<R, U, 0, 1>(wv, wr, tid, chunks);
         if (p.prewait >= 2) pd_k_sk_load_part<R, U, 1, 2>(wv, wr, tid, chunks);
@@ -363,7 +400,7 @@ static __global__ void __launch_bounds__(PD_K_SK_THREADS, VAR == PD_K_SK_OCC4 ? 
 #pragma unroll
             for (int m = 0; m < M; m++) {
                 float af[8];
-                pd_k_unpack8(__ldg(ar[m] + c), af);
+                pd_k_unpack8(CH ? __ldcg(ar[m] + c) : __ldg(ar[m] + c), af);
 #pragma unroll
                 for (int j = 0; j < 8; j++) ss[m] = fmaf(af[j], af[j], ss[m]);
             }
@@ -400,7 +437,7 @@ static __global__ void __launch_bounds__(PD_K_SK_THREADS, VAR == PD_K_SK_OCC4 ? 
                 if constexpr (AS) w[r] = wsm[(u * R + r) * PD_K_SK_THREADS + tid];
                 else w[r] = wv[u][r];
             }
-            pd_k_sk_fma<M, R, NORM>(p, w, cu, ar, inv, acc);
+            pd_k_sk_fma<M, R, NORM, CH>(p, w, cu, ar, inv, acc);
         }
         c += U * PD_K_SK_THREADS;
         if (c >= chunks) break;
@@ -411,15 +448,29 @@ static __global__ void __launch_bounds__(PD_K_SK_THREADS, VAR == PD_K_SK_OCC4 ? 
             pd_k_sk_load<R, U>(wv, wr, c, chunks);
         }
     }
-    pd_k_sk_epi<M, R, EPI>(p, acc, row0, rot, red);
-    if (EPI == PD_K_SK_ROPE && p.dep_cnt) {  // count this block into its kv group (attention.cu "Counter dependency")
+    pd_k_sk_epi<M, R, EPI, CH>(p, acc, row0, rot, red);
+    const bool sig = CH && !p.chain_start;
+    if ((EPI == PD_K_SK_ROPE && p.dep_cnt) || sig) {  // count this block in (attention.cu "Counter dependency", chain above)
         __threadfence();
         __syncthreads();
         if (tid == 0) {
-            int h = row0 / p.hd, grp = h < p.H ? h / (p.H / p.Hkv) : h < p.H + p.Hkv ? h - p.H : h - p.H - p.Hkv;
-            atomicAdd(p.dep_cnt + grp, 1);
+            if (EPI == PD_K_SK_ROPE && p.dep_cnt) {
+                int h = row0 / p.hd, grp = h < p.H ? h / (p.H / p.Hkv) : h < p.H + p.Hkv ? h - p.H : h - p.H - p.Hkv;
+                atomicAdd(p.dep_cnt + grp, 1);
+            }
+            if (sig) atomicAdd(p.ring + (p.seq & 3), 1);
         }
     }
+}
+
+extern "C" int pd_cuda_skinny_blocks(const pd_skinny_kparams *p) {
+    // (pd_cuda_skinny: 4 rows per block, 2 gate/up pairs with glu, the rope form's layout; rows 2: plain only)
+    int R = p->rope || p->norm_w || p->glu || p->residual || p->rows != 2 ? 4 : 2, rows = p->glu ? R / 2 : R;
+    if (p->rope) {
+        const pd_skinny_rope *r = &p->rope_kv;
+        return (r->n_heads + r->n_kv_heads) * (r->head_dim / 2) / 2 + (r->n_kv_heads * r->head_dim + R - 1) / R;
+    }
+    return (p->N + rows - 1) / rows;
 }
 
 extern "C" int pd_cuda_skinny_dep_need(int n_heads, int n_kv_heads, int head_dim) {
@@ -454,7 +505,12 @@ template <int R, int NORM, int EPI, int VAR>
 static void pd_k_skinny_launch_v(pd_k_skinny_args a, cudaStream_t s, dim3 grid, dim3 block) {
     pd_k_sk_kern k;
     switch (a.M) {
-    case 1: k = a.pf_waves > 0 || a.pf_own > 0 ? k_skinny<1, R, NORM, EPI, VAR, true> : k_skinny<1, R, NORM, EPI, VAR>; break;
+    case 1: {
+        int x = (a.pf_waves > 0 || a.pf_own > 0 ? PD_K_SK_X_PF : 0) | (a.ring && VAR == PD_K_SK_REG ? PD_K_SK_X_CHAIN : 0);
+        k = x == 3 ? k_skinny<1, R, NORM, EPI, VAR, 3> : x == 2 ? k_skinny<1, R, NORM, EPI, VAR, 2>
+            : x == 1 ? k_skinny<1, R, NORM, EPI, VAR, 1> : k_skinny<1, R, NORM, EPI, VAR>;
+        break;
+    }
     case 2: k = k_skinny<2, R, NORM, EPI, VAR>; break;
     case 3: k = k_skinny<3, R, NORM, EPI, VAR>; break;
     case 4: k = k_skinny<4, R, NORM, EPI, VAR>; break;
@@ -502,6 +558,9 @@ extern "C" void pd_cuda_skinny(const pd_skinny_kparams *p, cudaStream_t s) {
     a.prewait = p->prewait > 0 ? p->prewait - 1 : PD_K_SK_LOADS;  // (kparams: 0 = all, u + 1 = u batches)
     a.pf_waves = p->pf_waves, a.pf_own = p->pf_own, a.pf_bulk = p->pf_bulk, a.pf_res = 0;
     a.dep_cnt = p->rope ? p->dep_cnt : NULL;
+    // the chain: M = 1, the register build, all loads before the wait
+    bool ch = p->ring && p->M == 1 && var == PD_K_SK_REG && a.prewait >= PD_K_SK_LOADS;
+    a.ring = ch ? p->ring : NULL, a.seq = p->seq, a.wait_need = ch ? p->wait_need : 0, a.chain_start = p->chain_start;
     if (p->rope) {  // the qkv GEMM: with the attention norm (decode) or without
         if (p->norm_w) pd_k_skinny_launch_r<4, 1, PD_K_SK_ROPE>(a, s, var);
         else pd_k_skinny_launch_r<4, 0, PD_K_SK_ROPE>(a, s, var);

@@ -46,6 +46,11 @@ typedef struct pd_skinny_kparams {
     // rows count for its group; attention.cuh dep_cnt, PD_CUDA_ATTN_DEP); NULL: nothing.
     // pd_cuda_skinny_dep_need: the count of one group.
     int *dep_cnt;
+    // chain (skinny.cu "Chain"; M = 1, PD_CUDA_SKINNY_CHAIN): ring NULL off; else this launch counts
+    // its blocks into ring[seq & 3] (not with chain_start, which zeroes the ring after a PDL wait)
+    // and, with wait_need > 0, waits for ring[(seq - 1) & 3] to reach wait_need instead of PDL.
+    int *ring;
+    int seq, wait_need, chain_start;
     // Fused forms (backend.h, pd_matmul_params): norm_w: the activation is rmsnorm(a) (weight
     // norm_w, eps norm_eps; lda == K); glu: w is (2N, K), out (M, N) = silu(gate) * up; residual:
     // out = bf16(out + bf16(a . w^T + bias)). glu and residual exclude accumulate and out_f32.
@@ -63,6 +68,8 @@ typedef struct pd_skinny_kparams {
 // aligned (every load is 16 bytes).
 int pd_cuda_skinny_supported(int M, int K, int lda, const void *a, const void *w);
 void pd_cuda_skinny(const pd_skinny_kparams *p, cudaStream_t s);
+// Thread blocks of the CUDA-core kernel's launch for p (the chain's count).
+int pd_cuda_skinny_blocks(const pd_skinny_kparams *p);
 // Blocks of the CUDA-core kernel's rope form that write one kv group's q, k and v rows.
 int pd_cuda_skinny_dep_need(int n_heads, int n_kv_heads, int head_dim);
 

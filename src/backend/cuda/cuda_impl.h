@@ -84,6 +84,11 @@ typedef struct pd_cuda_backend {
     // PD_CUDA_ATTN_DEP=1 (kernels/attention.cu "Counter dependency"): the qkv GEMM's kv-group
     // counters (2 x PD_CUDA_DEP_MAX_KV ints, zero between uses), and the pending dependency: the q
     // rows a qkv GEMM counted into them (NULL: none) and the count of one group
+    // PD_CUDA_SKINNY_CHAIN=1 (kernels/skinny.cu "Chain"): the ring of 4 counters, the last chain
+    // launch's seq and its blocks (0: the last GEMM was not a chain launch)
+    int chain;
+    int *chain_ring;
+    int chain_seq, chain_need;
     int attn_dep;
     int *dep_cnt;
     const void *dep_q;

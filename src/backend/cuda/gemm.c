@@ -585,6 +585,15 @@ static void fused_matmul(pd_backend *b, pd_cuda_backend *cb, const pd_matmul_par
                                .norm_w = q.norm_w, .norm_eps = q.norm_eps, .glu = q.glu,
                                .residual = q.residual, .rope = rope_in, .rope_kv = rk,
                                .dep_cnt = dep ? cb->dep_cnt : NULL};
+        // the chain (kernels/skinny.cu "Chain"): M = 1 on the register build with every load before the wait
+        // (and no kernel of its own before or after it: the norm, SwiGLU and RoPE all inside)
+        bool ch = cb->chain && p->chain != PD_CHAIN_NONE && p->M == 1 && !cb->skinny_async && cb->skinny_prewait == 0 &&
+                  (!p->norm_w || norm_in) && (!p->glu || glu_in) && (!rp || rope_in);
+        if (ch) {
+            k.ring = cb->chain_ring, k.seq = ++cb->chain_seq, k.chain_start = p->chain == PD_CHAIN_START;
+            k.wait_need = p->chain == PD_CHAIN_NEXT ? cb->chain_need : 0;
+        }
+        cb->chain_need = ch && !k.chain_start ? pd_cuda_skinny_blocks(&k) : 0;
         pd_cuda_skinny(&k, cb->stream);
         PD_CUDA_CHECK_LAUNCH();
         if (dep) {
@@ -611,11 +620,14 @@ void pd_cuda_gemm_matmul(pd_backend *b, const pd_matmul_params *p) {
     int lda = p->lda ? p->lda : p->K;
     PD_ASSERT(p->M >= 0 && p->N > 0 && p->K > 0 && lda >= p->K);
     if (p->M == 0) return;
+    int chain_need = cb->chain_need;
+    cb->chain_need = 0;  // (set again by a chain launch below)
     if (cb->dep_q) {  // a qkv GEMM counted its blocks but no attention followed: zero the counters
         PD_CUDA_CHECK(cudaMemsetAsync(cb->dep_cnt, 0, 2 * PD_CUDA_DEP_MAX_KV * sizeof(int), cb->stream));
         cb->dep_q = NULL;
     }
     if (p->norm_w || p->glu || p->residual || p->rope) {
+        cb->chain_need = chain_need;
         fused_matmul(b, cb, p, lda);
         return;
     }

@@ -5,8 +5,9 @@
 # test_gpu_golden, test_gpu_spec of COMMIT, stripped), this script, LIMIT. Libraries: /tmp/gpulib/lib
 # (the lead's wrapper). Model: the tracked 8B shape config bench/configs/llama-3-8b, dummy weights;
 # models for test_gpu_golden from build/gpu-lead/models.tar.xz + the tracked models/kjv-llama-6m.
-# Round 1: the skinny kernel's L2 prefetch (PD_CUDA_SKINNY_L2PF*) and the qkv -> attention counter
-# dependency (PD_CUDA_ATTN_DEP): op_bench single, goldens, bench-engine single + decode alternated.
+# Round 1: the skinny kernel's L2 prefetch (PD_CUDA_SKINNY_L2PF*), the qkv -> attention counter
+# dependency (PD_CUDA_ATTN_DEP) and the GEMM chain (PD_CUDA_SKINNY_CHAIN): op_bench single, op tests,
+# goldens, bench-engine single + decode alternated.
 set -u
 OUT=$1; mkdir -p "$OUT"
 D=${D:-build/gpu-dec14}
@@ -39,38 +40,43 @@ ob() {  # name limit env... -- args...
 }
 P=PD_CUDA_SKINNY_L2PF
 DP=PD_CUDA_ATTN_DEP=1
-# 1. op_bench single (32 weight sets): base + prefetch variants + the counter dependency; then
-#    the other order (drift) with the remaining combinations
-ob single1 40 OPB_SINGLE_LAYERS=32 OPB_SINGLE_SHORT=1 OPB_SINGLE_VARIANTS="$P=1,$P=2,${P}_OWN=1,$P=1+${P}_OWN=1,$DP" -- copy single
-ob single2 40 OPB_SINGLE_LAYERS=32 OPB_SINGLE_SHORT=1 OPB_SINGLE_VARIANTS="$P=1+${P}_BULK=0,${P}_OWN=2,$P=1,$DP+$P=1,$DP" -- copy single
-# the best prefetch variant (by its first "whole step" back-to-back time in single1, DEP excluded)
-best=$(awk '/^single backend v[0-9]+:/ {v=$3; sub(":", "", v); e[v] = e[v] (e[v] ? " " : "") $4}
-  /^single [a-z0-9]+ +whole step +back-to-back/ {if (!($2 in t)) t[$2] = $6}
-  END {b = "rule"; for (n in t) if (t[n] < t[b] && e[n] !~ /ATTN_DEP/) b = n; print (b == "rule" ? "" : e[b])}' "$OUT/single1.txt")
+CH=PD_CUDA_SKINNY_CHAIN=1
+# 1. op_bench single (32 weight sets): base + prefetch variants + the counter dependencies; then
+#    a second backend list (drift, combinations)
+ob single1 40 OPB_SINGLE_LAYERS=32 OPB_SINGLE_SHORT=1 OPB_SINGLE_VARIANTS="$P=1,${P}_OWN=1,$DP,$CH,$CH+$DP" -- copy single
+ob single2 40 OPB_SINGLE_LAYERS=32 OPB_SINGLE_SHORT=1 OPB_SINGLE_VARIANTS="$CH+$DP,$P=2,$P=1+${P}_OWN=1,$P=1+${P}_BULK=0,$CH+$DP+$P=1" -- copy single
+# the best prefetch variant (by its first "whole step" back-to-back time in single1/2, no dependency knob)
+best=$(cat "$OUT/single1.txt" "$OUT/single2.txt" | awk '/^copy / {f++}
+  /^single backend v[0-9]+:/ {v = f "_" $3; sub(":", "", v); e[v] = e[v] (e[v] ? " " : "") $4}
+  /^single [a-z0-9]+ +whole step +back-to-back/ {n = ($2 == "rule" ? "rule" : f "_" $2); if (!(n in t)) t[n] = $6}
+  END {b = "rule"; for (n in t) if (t[n] < t[b] && e[n] !~ /ATTN_DEP|CHAIN/) b = n; print (b == "rule" ? "" : e[b])}')
 echo "best op_bench prefetch variant: [${best:-none}]"
 PB=${best:-PD_CUDA_SKINNY_L2PF=1}
-# 2. exactness first (short): goldens with the dependency and the prefetch on
+# 2. exactness (short): the op tests of both dependencies, goldens and spec with them on
+for t in test_cuda_attention_dep test_cuda_decode_chain; do
+  timeout $(lim 30) $T/test_backend_ops $t > "$OUT/ops_$t.txt" 2>&1; say "ops $t rc=$?"
+  grep -E "^(ok|FAIL|not ok)|passed|failed|differ" "$OUT/ops_$t.txt" | head -6
+done
 if [ -f build/gpu-lead/models.tar.xz ]; then
   mkdir -p $T/models && tar xJf build/gpu-lead/models.tar.xz -C $T/models && ln -sfn "$(pwd)/models/kjv-llama-6m" $T/models/kjv-llama-6m
-  env $DP $PB PD_MODELS_DIR=$T/models timeout $(lim 25) $T/test_gpu_golden > "$OUT/golden.txt" 2>&1; say "golden rc=$? [$DP $PB]"
+  env $DP $CH $PB PD_MODELS_DIR=$T/models timeout $(lim 25) $T/test_gpu_golden > "$OUT/golden.txt" 2>&1; say "golden rc=$? [$DP $CH $PB]"
   grep -E "passed|FAIL|graphs vs eager" "$OUT/golden.txt" | tail -3
-  env $DP PD_MODELS_DIR=$T/models timeout $(lim 30) $T/test_gpu_spec > "$OUT/spec.txt" 2>&1; say "spec rc=$? [$DP]"
+  env $DP $CH PD_MODELS_DIR=$T/models timeout $(lim 30) $T/test_gpu_spec > "$OUT/spec.txt" 2>&1; say "spec rc=$? [$DP $CH]"
   grep -E "passed|FAIL" "$OUT/spec.txt" | tail -2
 fi
-timeout $(lim 30) $T/test_backend_ops test_cuda_attention_dep > "$OUT/ops_dep.txt" 2>&1; say "ops attention_dep rc=$?"
-grep -E "^(ok|FAIL|not ok)|passed|failed|differ" "$OUT/ops_dep.txt" | head -6
-# 3. bench-engine single stream, alternated: base, prefetch, dependency, both
+# 3. bench-engine single stream, alternated: base, prefetch, dependency, chain + dependency, all three
 S="--only single --ctx 128,4096,8192,32768"
 for r in 1 2 3; do
   be sB$r 14 -- $S
   be sP$r 14 $PB -- $S
   be sD$r 14 $DP -- $S
-  be sDP$r 14 $DP $PB -- $S
+  be sCD$r 14 $CH $DP -- $S
+  be sCDP$r 14 $CH $DP $PB -- $S
 done
-# 4. batched decode (M = 1 only changes batch 1; the rest must be level): base vs both, twice
+# 4. batched decode (only batch 1 runs M = 1 GEMMs; the rest must be level): base vs all three
 A="--only decode --ctx 128 --batches 1,8,32,64,128,256"
 for r in 1 2; do
   be dB$r 16 -- $A
-  be dDP$r 16 $DP $PB -- $A
+  be dCDP$r 16 $CH $DP $PB -- $A
 done
 say done
