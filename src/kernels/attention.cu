@@ -1320,7 +1320,8 @@ static __global__ void __launch_bounds__(W * 32, W == 4 ? 2 : 1)
     k_attn_decode_bt(const __nv_bfloat16 *q, const void *kc_, const void *vc_, __nv_bfloat16 *out,
                      const int32_t *q_indptr, const int32_t *kv_lens, const int32_t *bt_indptr,
                      const int32_t *bt_indices, int H, int n_kv, int bs, int q_stride, float scale_log2, int part,
-                     int n_splits, float *ws, int *cnt, size_t rb, int n_new, int *dep, int dep_need) {
+                     int n_splits, float *ws, int *cnt, size_t rb, int n_new, int *dep, int dep_need, int *ring,
+                     int ring_slot) {
     constexpr int NI = HD / 32, STEP = W * 16;
     __shared__ float red[W][GM][HD + 2];
     const __nv_bfloat16 *kc = (const __nv_bfloat16 *)kc_, *vc = (const __nv_bfloat16 *)vc_;
@@ -1358,7 +1359,10 @@ static __global__ void __launch_bounds__(W * 32, W == 4 ? 2 : 1)
     }
     int n_sp = (kv_len + part - 1) / part;
     if constexpr (DEP) {
-        if (!live) return;
+        if (!live) {
+            if (ring && threadIdx.x == 0) atomicAdd(ring + ring_slot, 1);  // (nothing written)
+            return;
+        }
         if (threadIdx.x == 0) {
             while (pd_k_ld_acquire(dep + kvh) < dep_need) {
             }
@@ -1371,7 +1375,10 @@ static __global__ void __launch_bounds__(W * 32, W == 4 ? 2 : 1)
         __syncthreads();
     } else {
         pd_k_pdl_wait();
-        if (!live) return;
+        if (!live) {
+            if (ring && threadIdx.x == 0) atomicAdd(ring + ring_slot, 1);
+            return;
+        }
     }
     int G = H / n_kv;
 
@@ -1430,6 +1437,11 @@ static __global__ void __launch_bounds__(W * 32, W == 4 ? 2 : 1)
     }
     __syncthreads();
     pd_k_dec_finish<HD, GM, W, W == 8>(red, out, ws, cnt, q_begin, s, kvh, G, H, split, n_sp, n_splits);
+    if (ring) {  // the chain (kernels/skinny.cu "Chain"): count this block in after its stores
+        __threadfence();
+        __syncthreads();
+        if (threadIdx.x == 0) atomicAdd(ring + ring_slot, 1);
+    }
 }
 
 template <int HD>
@@ -1574,16 +1586,18 @@ static void pd_k_attn_launch_decode(const pd_attention_kparams *p, cudaStream_t 
         } else if (F8) kern = wide ? k_attn_decode_tc_f8<HD, GM, 8> : tc ? k_attn_decode_tc_f8<HD, GM, 4> : kern;
         else if (tc && pd_k_attn_bt_enabled()) {
             bool dep = p->dep_cnt && wide && p->n_seqs == 1 && p->max_q_len == 1;
+            bool ring = p->ring && wide && p->n_seqs == 1 && p->max_q_len == 1 && (n_splits == 1 || fold);
+            if (p->ring && !ring) abort();  // the caller promised it (pd_cuda_attention_dep_ok): a waiter would hang
             void (*bt)(const __nv_bfloat16 *, const void *, const void *, __nv_bfloat16 *, const int32_t *, const int32_t *,
                        const int32_t *, const int32_t *, int, int, int, int, float, int, int, float *, int *, size_t, int,
-                       int *, int) = dep ? k_attn_decode_bt<HD, GM, 8, 1, true>
+                       int *, int, int *, int) = dep ? k_attn_decode_bt<HD, GM, 8, 1, true>
                                          : wide ? k_attn_decode_bt<HD, GM, 8, 1> : k_attn_decode_bt<HD, GM, 4, 1>;
             if (p->dep_cnt && !dep) cudaMemsetAsync(p->dep_cnt, 0, 2 * (size_t)p->n_kv_heads * sizeof(int), s);
             pd_k_launch(bt, grid, dim3((wide ? 8 : 4) * 32), 0, s, (const __nv_bfloat16 *)p->q, p->k_cache, p->v_cache,
                         (__nv_bfloat16 *)p->out, p->q_indptr, p->kv_lens, p->bt_indptr, p->bt_indices, p->n_heads,
                         p->n_kv_heads, p->block_size, p->q_stride, p->scale * PD_K_LOG2E, part, n_splits, p->workspace,
                         fold ? p->counters : (int *)0, p->row_bytes, pd_k_attn_early_enabled() ? p->n_new : 0,
-                        dep ? p->dep_cnt : (int *)0, p->dep_need);
+                        dep ? p->dep_cnt : (int *)0, p->dep_need, ring ? p->ring : (int *)0, p->ring_slot);
             if (n_splits > 1 && !fold)
                 pd_k_launch(k_attn_combine<HD>, dim3(p->n_seqs, p->n_heads), dim3(HD), 0, s, (__nv_bfloat16 *)p->out,
                             p->q_indptr, p->kv_lens, p->n_heads, part, n_splits, (const float *)p->workspace);
@@ -1593,6 +1607,7 @@ static void pd_k_attn_launch_decode(const pd_attention_kparams *p, cudaStream_t 
             kern = wide ? k_attn_decode_tc<HD, GM, 8, true> : tc ? k_attn_decode_tc<HD, GM, 4, true> : kern;
         else kern = wide ? k_attn_decode_tc<HD, GM, 8, false> : tc ? k_attn_decode_tc<HD, GM, 4, false> : kern;
     }
+    if (p->ring) abort();  // (pd_cuda_attention_dep_ok promised the streaming kernel: a waiter would hang)
     if (p->dep_cnt) cudaMemsetAsync(p->dep_cnt, 0, 2 * (size_t)p->n_kv_heads * sizeof(int), s);  // not honoured here
     pd_k_launch(kern, grid, dim3((wide ? 8 : 4) * 32), 0, s, (const __nv_bfloat16 *)p->q, p->k_cache, p->v_cache,
                 (__nv_bfloat16 *)p->out, p->q_indptr, p->kv_lens, p->bt_indptr, p->bt_indices, p->n_heads,
@@ -1625,7 +1640,13 @@ static void pd_k_attn_dispatch(const pd_attention_kparams *p, cudaStream_t s) {
 
 extern "C" int pd_cuda_attention_dep_ok(int head_dim, int n_heads, int n_kv_heads) {
     return (head_dim == 64 || head_dim == 128) && pd_cuda_attention_supported(head_dim, n_heads, n_kv_heads) &&
-           2 * n_kv_heads <= pd_k_num_sms() && pd_k_attn_tc_enabled() && pd_k_attn_bt_enabled() && pd_k_attn_onewave();
+           2 * n_kv_heads <= pd_k_num_sms() && pd_k_attn_tc_enabled() && pd_k_attn_bt_enabled() && pd_k_attn_onewave() &&
+           pd_k_attn_fold_enabled();
+}
+
+extern "C" int pd_cuda_attention_decode_blocks(int n_seqs, int n_kv_heads, int max_kv_len) {
+    int part = pd_k_dec_part(n_seqs, n_kv_heads, max_kv_len), n_splits = (max_kv_len + part - 1) / part;
+    return (n_splits < 1 ? 1 : n_splits) * n_kv_heads * n_seqs;
 }
 
 extern "C" void pd_cuda_attention(const pd_attention_kparams *p, cudaStream_t s) {

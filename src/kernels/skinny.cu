@@ -37,8 +37,8 @@ typedef struct pd_k_skinny_args {
     int prewait;  // batches of loads issued before the PDL wait (U or more: all)
     int pf_waves, pf_own, pf_bulk, pf_res;  // L2 prefetch (below); pf_res: blocks resident in one wave
     int *dep_cnt;                           // rope form: kv-group counters (skinny.cuh)
-    int *ring;                              // chain (below): 4 counters; NULL: off
-    int seq, wait_need, chain_start;        // this launch's slot seq & 3; the predecessor's blocks (0: PDL wait)
+    int *ring;                              // chain (below): PD_SKINNY_CHAIN_SLOTS counters; NULL: off
+    int wait_slot, wait_need, sig_slot, chain_start;
 } pd_k_skinny_args;
 
 // Weight chunks c + u * 128 (u < U) of the R rows; chunks past the row's end read as zero.
@@ -323,18 +323,16 @@ static __device__ __forceinline__ void pd_k_sk_prefetch(const pd_k_skinny_args &
 }
 
 // Chain (PD_CUDA_SKINNY_CHAIN=1, a measurement path; X & PD_K_SK_X_CHAIN): the M = 1 decode
-// layer's GEMMs o -> gate_up -> down -> next qkv (and the last down -> lm_head) wait for their
-// predecessor's blocks through a counter instead of griddepcontrol.wait (its completion and flush:
-// the ~3 us boundary of tools/gpu/NOTES.md dec13-1): every block of launch seq adds 1 to
-// ring[seq & 3] after its stores; a launch with wait_need > 0 spins (thread 0, ld.acquire) until
-// ring[(seq - 1) & 3] reaches it, then reads its activations and residual through L2
-// (ld.global.cg: they were written while it ran), and its block 0 zeroes ring[(seq - 2) & 3]
-// (every reader of that slot has passed: they all counted into the slot this launch waited on).
-// A launch with wait_need 0 waits by PDL (and zeroes ring[(seq - 2) & 3] too: its predecessor is
-// complete); with chain_start it zeroes all four slots and counts itself nowhere (the slots may
-// hold an earlier chain's counts). Safe because a PDL launch starts
-// only once every block of its predecessor has started: no waiting block can keep a producer's
-// block from an SM.
+// step's launches wait for their predecessor's blocks through counters instead of
+// griddepcontrol.wait (its completion and flush: the ~3 us boundary of tools/gpu/NOTES.md
+// dec13-1). Every block of a launch with sig_slot >= 0 adds 1 to ring[sig_slot] after its stores;
+// a launch with wait_slot >= 0 spins (thread 0, ld.acquire) until ring[wait_slot] reaches
+// wait_need (the producer's blocks), then reads its activations and residual through L2
+// (ld.global.cg: they were written while it ran). Each launch of a chain signals its own slot, so
+// no slot is reused within it: the chain's first launch (chain_start) waits by PDL, zeroes all
+// PD_SKINNY_CHAIN_SLOTS slots and signals nothing (the one after it waits by PDL too). Deadlock-free
+// because a PDL launch starts only once every block of its predecessor has started: no waiting
+// block can keep a producer's block from an SM.
 enum { PD_K_SK_X_PF = 1, PD_K_SK_X_CHAIN = 2 };
 static __device__ __forceinline__ int pd_k_sk_ld_acquire(const int *p) {
     int v;
@@ -360,16 +358,16 @@ static __global__ void __launch_bounds__(PD_K_SK_THREADS, VAR == PD_K_SK_OCC4 ? 
         pd_k_pdl_wait();  // the activations (and out) belong to earlier kernels
     } else if (p.prewait >= U) {
         pd_k_sk_load<R, U>(wv, wr, tid, chunks);
-        if (CH && p.wait_need > 0) {
+        if (CH && p.wait_slot >= 0) {
             if (tid == 0) {
-                while (pd_k_sk_ld_acquire(p.ring + ((p.seq - 1) & 3)) < p.wait_need) {
+                while (pd_k_sk_ld_acquire(p.ring + p.wait_slot) < p.wait_need) {
                 }
-                if (blockIdx.x == 0) p.ring[(p.seq - 2) & 3] = 0;
             }
             __syncthreads();
         } else {
             pd_k_pdl_wait();
-            if (CH && blockIdx.x == 0 && tid < 4 && (p.chain_start || tid == ((p.seq - 2) & 3))) p.ring[tid] = 0;
+            if (CH && p.chain_start && blockIdx.x == 0)
+                for (int i = tid; i < PD_SKINNY_CHAIN_SLOTS; i += PD_K_SK_THREADS) p.ring[i] = 0;
         }
     } else {  // the first p.prewait batches before the wait, the rest right after it
         if (p.prewait >= 1) pd_k_sk_load_part<R, U, 0, 1>(wv, wr, tid, chunks);
@@ -449,7 +447,7 @@ static __global__ void __launch_bounds__(PD_K_SK_THREADS, VAR == PD_K_SK_OCC4 ? 
         }
     }
     pd_k_sk_epi<M, R, EPI, CH>(p, acc, row0, rot, red);
-    const bool sig = CH && !p.chain_start;
+    const bool sig = CH && p.sig_slot >= 0;
     if ((EPI == PD_K_SK_ROPE && p.dep_cnt) || sig) {  // count this block in (attention.cu "Counter dependency", chain above)
         __threadfence();
         __syncthreads();
@@ -458,7 +456,7 @@ static __global__ void __launch_bounds__(PD_K_SK_THREADS, VAR == PD_K_SK_OCC4 ? 
                 int h = row0 / p.hd, grp = h < p.H ? h / (p.H / p.Hkv) : h < p.H + p.Hkv ? h - p.H : h - p.H - p.Hkv;
                 atomicAdd(p.dep_cnt + grp, 1);
             }
-            if (sig) atomicAdd(p.ring + (p.seq & 3), 1);
+            if (sig) atomicAdd(p.ring + p.sig_slot, 1);
         }
     }
 }
@@ -560,7 +558,8 @@ extern "C" void pd_cuda_skinny(const pd_skinny_kparams *p, cudaStream_t s) {
     a.dep_cnt = p->rope ? p->dep_cnt : NULL;
     // the chain: M = 1, the register build, all loads before the wait
     bool ch = p->ring && p->M == 1 && var == PD_K_SK_REG && a.prewait >= PD_K_SK_LOADS;
-    a.ring = ch ? p->ring : NULL, a.seq = p->seq, a.wait_need = ch ? p->wait_need : 0, a.chain_start = p->chain_start;
+    a.ring = ch ? p->ring : NULL, a.chain_start = ch && p->chain_start;
+    a.wait_slot = ch ? p->wait_slot : -1, a.wait_need = p->wait_need, a.sig_slot = ch ? p->sig_slot : -1;
     if (p->rope) {  // the qkv GEMM: with the attention norm (decode) or without
         if (p->norm_w) pd_k_skinny_launch_r<4, 1, PD_K_SK_ROPE>(a, s, var);
         else pd_k_skinny_launch_r<4, 0, PD_K_SK_ROPE>(a, s, var);

@@ -12,6 +12,7 @@ extern "C" {
 #endif
 
 #define PD_SKINNY_MAX_M 8
+#define PD_SKINNY_CHAIN_SLOTS 256  // counters of one chain (skinny.cu "Chain")
 
 // The rope form's RoPE + KV write (both skinny kernels): positions and cache slots per row (slot
 // -1: no write), the rotation's inverse frequencies and scaling, the bf16 caches, the qkv layout.
@@ -46,11 +47,12 @@ typedef struct pd_skinny_kparams {
     // rows count for its group; attention.cuh dep_cnt, PD_CUDA_ATTN_DEP); NULL: nothing.
     // pd_cuda_skinny_dep_need: the count of one group.
     int *dep_cnt;
-    // chain (skinny.cu "Chain"; M = 1, PD_CUDA_SKINNY_CHAIN): ring NULL off; else this launch counts
-    // its blocks into ring[seq & 3] (not with chain_start, which zeroes the ring after a PDL wait)
-    // and, with wait_need > 0, waits for ring[(seq - 1) & 3] to reach wait_need instead of PDL.
+    // chain (skinny.cu "Chain"; M = 1, PD_CUDA_SKINNY_CHAIN): ring NULL off; else, with wait_slot
+    // >= 0, wait for ring[wait_slot] to reach wait_need instead of PDL; with sig_slot >= 0 count
+    // the blocks into ring[sig_slot]; chain_start: zero the ring after the PDL wait. (Ignored, and
+    // nothing counted, where the launch is not M = 1 on the register build.)
     int *ring;
-    int seq, wait_need, chain_start;
+    int wait_slot, wait_need, sig_slot, chain_start;
     // Fused forms (backend.h, pd_matmul_params): norm_w: the activation is rmsnorm(a) (weight
     // norm_w, eps norm_eps; lda == K); glu: w is (2N, K), out (M, N) = silu(gate) * up; residual:
     // out = bf16(out + bf16(a . w^T + bias)). glu and residual exclude accumulate and out_f32.

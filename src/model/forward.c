@@ -163,7 +163,7 @@ static void run_layer(pd_model *m, pd_model_cache *kc, int li, int T, const int3
         pd_op_matmul(be, &(pd_matmul_params){.a = wp(ws->x), .w = wp(w->wqkv), .bias = wp(w->bqkv), .out = wp(ws->qkv),
                                              .M = T, .N = nqkv, .K = D, .norm_w = wp(w->attn_norm),
                                              .norm_eps = c->rms_norm_eps, .rope = &rope, .attn_follows = true,
-                                             .chain = li == 0 || !chain ? PD_CHAIN_START : PD_CHAIN_NEXT});
+                                             .chain = li == 0 || !chain ? PD_CHAIN_NONE : PD_CHAIN_NEXT});
     } else {
         pd_op_rmsnorm(be, &(pd_rmsnorm_params){.x = wp(ws->x), .add = li > 0 && !rg ? wp(ws->h) : NULL, .w = wp(w->attn_norm),
                                                .out = wp(ws->h), .n_rows = T, .dim = D, .eps = c->rms_norm_eps});
@@ -187,7 +187,8 @@ static void run_layer(pd_model *m, pd_model_cache *kc, int li, int T, const int3
                                                .kv_dtype = m->kv_dtype, .n_new = n_new});
     if (fused) {  // x += o(attn); mlp = silu(gate) * up of norm(x); x += down(mlp)
         pd_op_matmul(be, &(pd_matmul_params){.a = wp(ws->attn), .w = wp(w->wo), .bias = wp(w->bo), .out = wp(ws->x),
-                                             .M = T, .N = D, .K = H * hd, .residual = true, .chain = PD_CHAIN_AFTER_OP});
+                                             .M = T, .N = D, .K = H * hd, .residual = true,
+                                             .chain = li == 0 || !chain ? PD_CHAIN_START : PD_CHAIN_AFTER_ATTN});
         pd_op_matmul(be, &(pd_matmul_params){.a = wp(ws->x), .w = wp(w->wgu), .bias = wp(w->bgu), .out = wp(ws->mlp),
                                              .M = T, .N = F, .K = D, .norm_w = wp(w->mlp_norm),
                                              .norm_eps = c->rms_norm_eps, .glu = true, .chain = PD_CHAIN_NEXT});

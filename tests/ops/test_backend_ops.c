@@ -1521,14 +1521,14 @@ PD_TEST(test_cuda_decode_chain) {
                                            .attn_scaling = 1.0f};
                     pd_op_matmul(b, &(pd_matmul_params){.a = x, .w = dwq[l], .out = q, .M = 1, .N = row, .K = D, .norm_w = dg1[l],
                                                         .norm_eps = 1e-5f, .rope = &r, .attn_follows = true,
-                                                        .chain = l ? PD_CHAIN_NEXT : PD_CHAIN_START});
+                                                        .chain = l ? PD_CHAIN_NEXT : PD_CHAIN_NONE});
                     pd_op_attention(b, &(pd_attention_params){.q = q, .k_cache = kd[l], .v_cache = vd[l], .out = attn, .q_indptr = dqi,
                                                               .kv_lens = dkvl, .bt_indptr = dbti, .bt_indices = dbt, .token_seq = dqi,
                                                               .n_tokens = 1, .n_seqs = 1, .n_heads = H, .n_kv_heads = Hkv,
                                                               .head_dim = hd, .block_size = bsz, .q_stride = row, .max_q_len = 1,
                                                               .max_kv_len = max_kv, .scale = 1.0f / sqrtf((float)hd), .n_new = 1});
                     pd_op_matmul(b, &(pd_matmul_params){.a = attn, .w = dwo[l], .out = x, .M = 1, .N = D, .K = H * hd,
-                                                        .residual = true, .chain = PD_CHAIN_AFTER_OP});
+                                                        .residual = true, .chain = l ? PD_CHAIN_AFTER_ATTN : PD_CHAIN_START});
                     pd_op_matmul(b, &(pd_matmul_params){.a = x, .w = dwgu[l], .out = mlp, .M = 1, .N = F, .K = D, .norm_w = dg2[l],
                                                         .norm_eps = 1e-5f, .glu = true, .chain = PD_CHAIN_NEXT});
                     if (step == 1 && l == 0)  // a GEMM without the hints breaks the chain

@@ -26,6 +26,7 @@
 #include "backend/cuda/cuda_impl.h"
 #include "backend/cuda/nccl.h"
 #include "kernels/attention.cuh"
+#include "kernels/skinny.cuh"
 #include "kernels/copy_blocks.cuh"
 #include "kernels/embed.cuh"
 #include "kernels/fill_normal.cuh"
@@ -140,6 +141,7 @@ static void cuda_dev_free(pd_backend *b, void *p) {
 }
 
 static void cuda_upload(pd_backend *b, void *dst, const void *src, size_t n) {
+    pd_cuda_chain_break(pd_cuda_backend_of(b));
     pd_cuda_bind(pd_cuda_backend_of(b));
     PD_CUDA_CHECK(cudaMemcpyAsync(dst, src, n, cudaMemcpyHostToDevice, pd_cuda_backend_of(b)->stream));
 }
@@ -164,6 +166,7 @@ static void cuda_host_free(pd_backend *b, void *p) {
 }
 
 static void cuda_memset(pd_backend *b, void *dst, int v, size_t n) {
+    pd_cuda_chain_break(pd_cuda_backend_of(b));
     pd_cuda_bind(pd_cuda_backend_of(b));
     PD_CUDA_CHECK(cudaMemsetAsync(dst, v, n, pd_cuda_backend_of(b)->stream));
 }
@@ -230,6 +233,7 @@ void pd_cuda_scratch_reserve_zeroed(pd_cuda_backend *cb, void **ptr, size_t *cur
 // ---- op shims ----------------------------------------------------------------------------------
 
 static void cuda_embed(pd_backend *b, const pd_embed_params *p) {
+    pd_cuda_chain_break(pd_cuda_backend_of(b));
     pd_cuda_bind(pd_cuda_backend_of(b));
     pd_embed_kparams k = {.ids = p->ids, .table = p->table, .out = p->out, .n_tokens = p->n_tokens,
                           .dim = p->dim, .vocab = p->vocab};
@@ -238,6 +242,7 @@ static void cuda_embed(pd_backend *b, const pd_embed_params *p) {
 }
 
 static void cuda_rmsnorm(pd_backend *b, const pd_rmsnorm_params *p) {
+    pd_cuda_chain_break(pd_cuda_backend_of(b));
     pd_cuda_bind(pd_cuda_backend_of(b));
     PD_ASSERT(!(p->add && p->x == p->out));
     pd_rmsnorm_kparams k = {.x = p->x, .add = p->add, .w = p->w, .out = p->out, .n_rows = p->n_rows,
@@ -247,6 +252,7 @@ static void cuda_rmsnorm(pd_backend *b, const pd_rmsnorm_params *p) {
 }
 
 static void cuda_rope_kv(pd_backend *b, const pd_rope_kv_params *p) {
+    pd_cuda_chain_break(pd_cuda_backend_of(b));
     pd_cuda_bind(pd_cuda_backend_of(b));
     PD_ASSERT(p->head_dim % 2 == 0);
     pd_rope_kv_kparams k = {.qkv = p->qkv, .positions = p->positions, .inv_freq = p->inv_freq,
@@ -279,7 +285,15 @@ static void cuda_attention(pd_backend *b, const pd_attention_params *p) {
                               .kv_fp8 = p->kv_dtype == PD_KV_FP8,
                               .row_bytes = pd_kv_row_bytes(b, p->kv_dtype, p->n_kv_heads, p->head_dim),
                               .n_new = p->n_new};
-    cb->chain_need = 0;  // (a GEMM after this one waits by PDL)
+    // the chain (kernels/skinny.cu "Chain"): a decode attention of an open chain counts its blocks
+    // for the o GEMM after it
+    cb->chain_last_slot = cb->chain_attn_slot = -1;
+    if (cb->chain_open && cb->chain_n_sig < PD_SKINNY_CHAIN_SLOTS && p->n_seqs == 1 && p->max_q_len == 1 &&
+        p->kv_dtype != PD_KV_FP8 && pd_cuda_attention_dep_ok(p->head_dim, p->n_heads, p->n_kv_heads)) {
+        k.ring = cb->chain_ring, k.ring_slot = cb->chain_n_sig++;
+        cb->chain_attn_slot = k.ring_slot;
+        cb->chain_attn_need = pd_cuda_attention_decode_blocks(1, p->n_kv_heads, p->max_kv_len);
+    }
     if (cb->dep_q) {  // the qkv GEMM before counted its blocks: this launch waits on them (or zeroes them)
         if (p->q == cb->dep_q) k.dep_cnt = cb->dep_cnt, k.dep_need = cb->dep_need;
         else PD_CUDA_CHECK(cudaMemsetAsync(cb->dep_cnt, 0, 2 * PD_CUDA_DEP_MAX_KV * sizeof(int), cb->stream));
@@ -290,6 +304,7 @@ static void cuda_attention(pd_backend *b, const pd_attention_params *p) {
 }
 
 static void cuda_silu_mul(pd_backend *b, const pd_silu_mul_params *p) {
+    pd_cuda_chain_break(pd_cuda_backend_of(b));
     pd_cuda_bind(pd_cuda_backend_of(b));
     pd_silu_mul_kparams k = {.gu = p->gu, .out = p->out, .n_rows = p->n_rows, .F = p->F};
     pd_cuda_silu_mul(&k, pd_cuda_backend_of(b)->stream);
@@ -297,6 +312,7 @@ static void cuda_silu_mul(pd_backend *b, const pd_silu_mul_params *p) {
 }
 
 static void cuda_get_rows(pd_backend *b, const pd_get_rows_params *p) {
+    pd_cuda_chain_break(pd_cuda_backend_of(b));
     pd_cuda_bind(pd_cuda_backend_of(b));
     pd_get_rows_kparams k = {.x = p->x, .idx = p->idx, .out = p->out, .n_rows = p->n_rows, .dim = p->dim};
     pd_cuda_get_rows(&k, pd_cuda_backend_of(b)->stream);
@@ -305,6 +321,7 @@ static void cuda_get_rows(pd_backend *b, const pd_get_rows_params *p) {
 
 // Stages the cache pointers and block pairs in device scratch, then one kernel copies them all.
 static void cuda_copy_blocks(pd_backend *b, const pd_copy_blocks_params *p) {
+    pd_cuda_chain_break(pd_cuda_backend_of(b));
     pd_cuda_bind(pd_cuda_backend_of(b));
     pd_cuda_backend *cb = pd_cuda_backend_of(b);
     if (p->n <= 0 || p->n_layers <= 0) return;
@@ -790,8 +807,9 @@ pd_backend *pd_backend_cuda_new(int device, pd_err *err) {
     // PD_CUDA_SKINNY_CHAIN=1: the M = 1 decode GEMMs wait for their predecessor GEMM's blocks
     // through counters instead of its completion (kernels/skinny.cu "Chain"; measurement knob)
     cb->chain = pd_cuda_env_int("PD_CUDA_SKINNY_CHAIN", 0, 0, 1);
-    if (cb->chain && (cudaMalloc((void **)&cb->chain_ring, 4 * sizeof(int)) != cudaSuccess ||
-                      cudaMemset(cb->chain_ring, 0, 4 * sizeof(int)) != cudaSuccess)) {
+    cb->chain_last_slot = cb->chain_attn_slot = -1;
+    if (cb->chain && (cudaMalloc((void **)&cb->chain_ring, PD_SKINNY_CHAIN_SLOTS * sizeof(int)) != cudaSuccess ||
+                      cudaMemset(cb->chain_ring, 0, PD_SKINNY_CHAIN_SLOTS * sizeof(int)) != cudaSuccess)) {
         cudaGetLastError();
         cb->chain_ring = NULL;
         cb->chain = 0;

@@ -84,11 +84,13 @@ typedef struct pd_cuda_backend {
     // PD_CUDA_ATTN_DEP=1 (kernels/attention.cu "Counter dependency"): the qkv GEMM's kv-group
     // counters (2 x PD_CUDA_DEP_MAX_KV ints, zero between uses), and the pending dependency: the q
     // rows a qkv GEMM counted into them (NULL: none) and the count of one group
-    // PD_CUDA_SKINNY_CHAIN=1 (kernels/skinny.cu "Chain"): the ring of 4 counters, the last chain
-    // launch's seq and its blocks (0: the last GEMM was not a chain launch)
+    // PD_CUDA_SKINNY_CHAIN=1 (kernels/skinny.cu "Chain"): the chain's PD_SKINNY_CHAIN_SLOTS
+    // counters; whether a chain is open and its next free slot; the slot and blocks of the last
+    // GEMM's and the last attention's launches (-1: they count nowhere)
     int chain;
     int *chain_ring;
-    int chain_seq, chain_need;
+    int chain_open, chain_n_sig;
+    int chain_last_slot, chain_last_need, chain_attn_slot, chain_attn_need;
     int attn_dep;
     int *dep_cnt;
     const void *dep_q;
@@ -107,6 +109,11 @@ typedef struct pd_cuda_backend {
 } pd_cuda_backend;
 
 static inline pd_cuda_backend *pd_cuda_backend_of(pd_backend *b) { return (pd_cuda_backend *)b; }
+// An op outside the decode chain (kernels/skinny.cu "Chain"): no GEMM after it waits on a counter.
+static inline void pd_cuda_chain_break(pd_cuda_backend *cb) {
+    cb->chain_last_slot = cb->chain_attn_slot = -1;
+    cb->chain_open = 0;
+}
 
 // Makes cb's device current in the calling thread (cached per thread). Every entry point calls it.
 void pd_cuda_bind(pd_cuda_backend *cb);

@@ -524,6 +524,12 @@ enum { FUSE_MMA_ROPE = 1, FUSE_MMA_RESIDUAL = 2, FUSE_MMA_GLU = 4, FUSE_MMA_OTHE
 // branch (within a bf16 ulp).
 static void fused_matmul(pd_backend *b, pd_cuda_backend *cb, const pd_matmul_params *p, int lda) {
     const pd_rope_kv_params *rp = p->rope;
+    // the chain (kernels/skinny.cu "Chain"): what the op before this one counted into; only a
+    // skinny launch below counts again
+    int last_slot = cb->chain_last_slot, last_need = cb->chain_last_need;
+    int attn_slot = cb->chain_attn_slot, attn_need = cb->chain_attn_need;
+    cb->chain_last_slot = cb->chain_attn_slot = -1;
+    if (p->chain == PD_CHAIN_NONE) cb->chain_open = 0;
     bool nw_ok = !p->norm_w || ((uintptr_t)p->norm_w & 15) == 0;
     // The tensor-core kernel from fuse_mma_min_m rows (no norm prologue: the norm runs apart)
     int form = rp ? FUSE_MMA_ROPE : p->residual ? FUSE_MMA_RESIDUAL : p->glu ? FUSE_MMA_GLU : FUSE_MMA_OTHER;
@@ -585,15 +591,22 @@ static void fused_matmul(pd_backend *b, pd_cuda_backend *cb, const pd_matmul_par
                                .norm_w = q.norm_w, .norm_eps = q.norm_eps, .glu = q.glu,
                                .residual = q.residual, .rope = rope_in, .rope_kv = rk,
                                .dep_cnt = dep ? cb->dep_cnt : NULL};
-        // the chain (kernels/skinny.cu "Chain"): M = 1 on the register build with every load before the wait
-        // (and no kernel of its own before or after it: the norm, SwiGLU and RoPE all inside)
+        // the chain (kernels/skinny.cu "Chain"): M = 1 on the register build with every load before
+        // the wait, and no kernel of its own before or after it (norm, SwiGLU and RoPE all inside)
         bool ch = cb->chain && p->chain != PD_CHAIN_NONE && p->M == 1 && !cb->skinny_async && cb->skinny_prewait == 0 &&
-                  (!p->norm_w || norm_in) && (!p->glu || glu_in) && (!rp || rope_in);
+                  (!p->norm_w || norm_in) && (!p->glu || glu_in) && (!rp || rope_in) && (cb->chain_open || p->chain == PD_CHAIN_START);
         if (ch) {
-            k.ring = cb->chain_ring, k.seq = ++cb->chain_seq, k.chain_start = p->chain == PD_CHAIN_START;
-            k.wait_need = p->chain == PD_CHAIN_NEXT ? cb->chain_need : 0;
+            k.ring = cb->chain_ring, k.wait_slot = k.sig_slot = -1;
+            if (p->chain == PD_CHAIN_START) {
+                k.chain_start = 1;
+                cb->chain_open = 1, cb->chain_n_sig = 0;
+            } else {
+                if (p->chain == PD_CHAIN_NEXT && last_slot >= 0) k.wait_slot = last_slot, k.wait_need = last_need;
+                if (p->chain == PD_CHAIN_AFTER_ATTN && attn_slot >= 0) k.wait_slot = attn_slot, k.wait_need = attn_need;
+                if (cb->chain_n_sig < PD_SKINNY_CHAIN_SLOTS) k.sig_slot = cb->chain_n_sig++;
+            }
+            if (k.sig_slot >= 0) cb->chain_last_slot = k.sig_slot, cb->chain_last_need = pd_cuda_skinny_blocks(&k);
         }
-        cb->chain_need = ch && !k.chain_start ? pd_cuda_skinny_blocks(&k) : 0;
         pd_cuda_skinny(&k, cb->stream);
         PD_CUDA_CHECK_LAUNCH();
         if (dep) {
@@ -620,17 +633,15 @@ void pd_cuda_gemm_matmul(pd_backend *b, const pd_matmul_params *p) {
     int lda = p->lda ? p->lda : p->K;
     PD_ASSERT(p->M >= 0 && p->N > 0 && p->K > 0 && lda >= p->K);
     if (p->M == 0) return;
-    int chain_need = cb->chain_need;
-    cb->chain_need = 0;  // (set again by a chain launch below)
     if (cb->dep_q) {  // a qkv GEMM counted its blocks but no attention followed: zero the counters
         PD_CUDA_CHECK(cudaMemsetAsync(cb->dep_cnt, 0, 2 * PD_CUDA_DEP_MAX_KV * sizeof(int), cb->stream));
         cb->dep_q = NULL;
     }
     if (p->norm_w || p->glu || p->residual || p->rope) {
-        cb->chain_need = chain_need;
         fused_matmul(b, cb, p, lda);
         return;
     }
+    cb->chain_last_slot = cb->chain_attn_slot = -1, cb->chain_open = 0;  // (a plain GEMM ends a chain)
     if (p->M <= cb->gemv_max_m && pd_cuda_gemv_supported(p->M, p->K, lda)) {
         pd_cuda_scratch_reserve_zeroed(cb, &cb->gemv_ws, &cb->gemv_ws_bytes, pd_cuda_gemv_workspace_bytes(p->N));
         pd_gemv_kparams k = {.a = p->a, .w = p->w, .bias = p->bias, .out = p->out, .M = p->M, .N = p->N,
