@@ -130,14 +130,7 @@ typedef struct pd_matmul_params {
     // (CUDA: PD_CUDA_ATTN_DEP=1, kernels/attention.cu "Counter dependency"). A hint: results are
     // the same either way.
     bool attn_follows;
-    // The decode step's chain of GEMMs (a hint for M = 1; CUDA: PD_CUDA_SKINNY_CHAIN=1, see
-    // kernels/skinny.cu "Chain"): PD_CHAIN_NONE (ends a chain); PD_CHAIN_START, the chain's first
-    // GEMM; PD_CHAIN_AFTER_OP, a later one right after another op; PD_CHAIN_AFTER_ATTN, right
-    // after pd_op_attention (nothing between); PD_CHAIN_NEXT, right after the previous GEMM of the
-    // chain on this backend (nothing between). Results are the same with any hint.
-    int chain;
 } pd_matmul_params;
-enum { PD_CHAIN_NONE = 0, PD_CHAIN_START, PD_CHAIN_AFTER_OP, PD_CHAIN_AFTER_ATTN, PD_CHAIN_NEXT };
 
 // RoPE (HF "rotate_half" layout: pairs (i, i + head_dim/2)) applied in place to the q and k parts
 // of qkv rows, then k and v of each token are written to the paged cache at slot_mapping[i]. In a

@@ -1304,24 +1304,27 @@ static __device__ __forceinline__ void pd_k_bt_step(const uint4 (&qf)[HD / 32], 
 // kernel before this one is the skinny qkv GEMM's rope form, whose blocks add themselves to
 // dep[kv head] after their q / K / V stores (skinny.cu). Instead of griddepcontrol.wait (that whole
 // kernel's completion and flush: the ~3 us boundary of tools/gpu/NOTES.md dec13-1), thread 0 of
-// each live block waits for its kv head's count to reach dep_need, so the attention of a kv group
-// starts as soon as the blocks it needs are done; everything written by that kernel is then read
-// through L2 (ld.global.cg), never through the non-coherent path. The last live partition to pass
-// resets the count (dep[n_kv + kv head] counts them). The kernel after this one still waits for
-// this one's completion (PDL), which implies every qkv block has counted itself.
-static __device__ __forceinline__ int pd_k_ld_acquire(const int *p) {
+// each live block polls its kv head's count until it reaches dep_need, so the attention of a kv
+// group starts as soon as the blocks it needs are done; everything written by that kernel is then
+// read through L2 (ld.global.cg), never through the non-coherent path. The last live partition to
+// pass resets the count (dep[n_kv + kv head] counts them). The kernel after this one still waits
+// for this one's completion (PDL), which implies every qkv block has counted itself. Measured on
+// an H100 (session 14, NOTES.md dec14): slower than the PDL wait.
+// (a relaxed poll, then one acquire fence: an acquire load in the loop would invalidate the SM's
+// L1 on every iteration, under the other blocks that share it)
+static __device__ __forceinline__ int pd_k_ld_relaxed(const int *p) {
     int v;
-    asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
+    asm volatile("ld.relaxed.gpu.global.b32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
     return v;
 }
+static __device__ __forceinline__ void pd_k_fence_acq_rel() { asm volatile("fence.acq_rel.gpu;\n" ::: "memory"); }
 
 template <int HD, int GM, int W, int DEPTH, bool DEP = false>
 static __global__ void __launch_bounds__(W * 32, W == 4 ? 2 : 1)
     k_attn_decode_bt(const __nv_bfloat16 *q, const void *kc_, const void *vc_, __nv_bfloat16 *out,
                      const int32_t *q_indptr, const int32_t *kv_lens, const int32_t *bt_indptr,
                      const int32_t *bt_indices, int H, int n_kv, int bs, int q_stride, float scale_log2, int part,
-                     int n_splits, float *ws, int *cnt, size_t rb, int n_new, int *dep, int dep_need, int *ring,
-                     int ring_slot) {
+                     int n_splits, float *ws, int *cnt, size_t rb, int n_new, int *dep, int dep_need) {
     constexpr int NI = HD / 32, STEP = W * 16;
     __shared__ float red[W][GM][HD + 2];
     const __nv_bfloat16 *kc = (const __nv_bfloat16 *)kc_, *vc = (const __nv_bfloat16 *)vc_;
@@ -1359,13 +1362,11 @@ static __global__ void __launch_bounds__(W * 32, W == 4 ? 2 : 1)
     }
     int n_sp = (kv_len + part - 1) / part;
     if constexpr (DEP) {
-        if (!live) {
-            if (ring && threadIdx.x == 0) atomicAdd(ring + ring_slot, 1);  // (nothing written)
-            return;
-        }
+        if (!live) return;
         if (threadIdx.x == 0) {
-            while (pd_k_ld_acquire(dep + kvh) < dep_need) {
+            while (pd_k_ld_relaxed(dep + kvh) < dep_need) {
             }
+            pd_k_fence_acq_rel();
             if (atomicAdd(dep + n_kv + kvh, 1) == n_sp - 1) {  // every live partition has passed
                 dep[kvh] = 0;
                 dep[n_kv + kvh] = 0;
@@ -1375,10 +1376,7 @@ static __global__ void __launch_bounds__(W * 32, W == 4 ? 2 : 1)
         __syncthreads();
     } else {
         pd_k_pdl_wait();
-        if (!live) {
-            if (ring && threadIdx.x == 0) atomicAdd(ring + ring_slot, 1);
-            return;
-        }
+        if (!live) return;
     }
     int G = H / n_kv;
 
@@ -1437,11 +1435,6 @@ static __global__ void __launch_bounds__(W * 32, W == 4 ? 2 : 1)
     }
     __syncthreads();
     pd_k_dec_finish<HD, GM, W, W == 8>(red, out, ws, cnt, q_begin, s, kvh, G, H, split, n_sp, n_splits);
-    if (ring) {  // the chain (kernels/skinny.cu "Chain"): count this block in after its stores
-        __threadfence();
-        __syncthreads();
-        if (threadIdx.x == 0) atomicAdd(ring + ring_slot, 1);
-    }
 }
 
 template <int HD>
@@ -1586,18 +1579,16 @@ static void pd_k_attn_launch_decode(const pd_attention_kparams *p, cudaStream_t 
         } else if (F8) kern = wide ? k_attn_decode_tc_f8<HD, GM, 8> : tc ? k_attn_decode_tc_f8<HD, GM, 4> : kern;
         else if (tc && pd_k_attn_bt_enabled()) {
             bool dep = p->dep_cnt && wide && p->n_seqs == 1 && p->max_q_len == 1;
-            bool ring = p->ring && wide && p->n_seqs == 1 && p->max_q_len == 1 && (n_splits == 1 || fold);
-            if (p->ring && !ring) abort();  // the caller promised it (pd_cuda_attention_dep_ok): a waiter would hang
             void (*bt)(const __nv_bfloat16 *, const void *, const void *, __nv_bfloat16 *, const int32_t *, const int32_t *,
                        const int32_t *, const int32_t *, int, int, int, int, float, int, int, float *, int *, size_t, int,
-                       int *, int, int *, int) = dep ? k_attn_decode_bt<HD, GM, 8, 1, true>
+                       int *, int) = dep ? k_attn_decode_bt<HD, GM, 8, 1, true>
                                          : wide ? k_attn_decode_bt<HD, GM, 8, 1> : k_attn_decode_bt<HD, GM, 4, 1>;
             if (p->dep_cnt && !dep) cudaMemsetAsync(p->dep_cnt, 0, 2 * (size_t)p->n_kv_heads * sizeof(int), s);
             pd_k_launch(bt, grid, dim3((wide ? 8 : 4) * 32), 0, s, (const __nv_bfloat16 *)p->q, p->k_cache, p->v_cache,
                         (__nv_bfloat16 *)p->out, p->q_indptr, p->kv_lens, p->bt_indptr, p->bt_indices, p->n_heads,
                         p->n_kv_heads, p->block_size, p->q_stride, p->scale * PD_K_LOG2E, part, n_splits, p->workspace,
                         fold ? p->counters : (int *)0, p->row_bytes, pd_k_attn_early_enabled() ? p->n_new : 0,
-                        dep ? p->dep_cnt : (int *)0, p->dep_need, ring ? p->ring : (int *)0, p->ring_slot);
+                        dep ? p->dep_cnt : (int *)0, p->dep_need);
             if (n_splits > 1 && !fold)
                 pd_k_launch(k_attn_combine<HD>, dim3(p->n_seqs, p->n_heads), dim3(HD), 0, s, (__nv_bfloat16 *)p->out,
                             p->q_indptr, p->kv_lens, p->n_heads, part, n_splits, (const float *)p->workspace);
@@ -1607,7 +1598,6 @@ static void pd_k_attn_launch_decode(const pd_attention_kparams *p, cudaStream_t 
             kern = wide ? k_attn_decode_tc<HD, GM, 8, true> : tc ? k_attn_decode_tc<HD, GM, 4, true> : kern;
         else kern = wide ? k_attn_decode_tc<HD, GM, 8, false> : tc ? k_attn_decode_tc<HD, GM, 4, false> : kern;
     }
-    if (p->ring) abort();  // (pd_cuda_attention_dep_ok promised the streaming kernel: a waiter would hang)
     if (p->dep_cnt) cudaMemsetAsync(p->dep_cnt, 0, 2 * (size_t)p->n_kv_heads * sizeof(int), s);  // not honoured here
     pd_k_launch(kern, grid, dim3((wide ? 8 : 4) * 32), 0, s, (const __nv_bfloat16 *)p->q, p->k_cache, p->v_cache,
                 (__nv_bfloat16 *)p->out, p->q_indptr, p->kv_lens, p->bt_indptr, p->bt_indices, p->n_heads,
@@ -1642,11 +1632,6 @@ extern "C" int pd_cuda_attention_dep_ok(int head_dim, int n_heads, int n_kv_head
     return (head_dim == 64 || head_dim == 128) && pd_cuda_attention_supported(head_dim, n_heads, n_kv_heads) &&
            2 * n_kv_heads <= pd_k_num_sms() && pd_k_attn_tc_enabled() && pd_k_attn_bt_enabled() && pd_k_attn_onewave() &&
            pd_k_attn_fold_enabled();
-}
-
-extern "C" int pd_cuda_attention_decode_blocks(int n_seqs, int n_kv_heads, int max_kv_len) {
-    int part = pd_k_dec_part(n_seqs, n_kv_heads, max_kv_len), n_splits = (max_kv_len + part - 1) / part;
-    return (n_splits < 1 ? 1 : n_splits) * n_kv_heads * n_seqs;
 }
 
 extern "C" void pd_cuda_attention(const pd_attention_kparams *p, cudaStream_t s) {

@@ -50,11 +50,6 @@ typedef struct pd_attention_kparams {
     // launch cannot wait so (another kernel, several sequences), the counters are zeroed instead.
     int *dep_cnt;
     int dep_need;
-    // ring (PD_CUDA_SKINNY_CHAIN, kernels/skinny.cu "Chain"): every block of the decode kernel adds 1
-    // to ring[ring_slot] when done (the o GEMM after it waits for pd_cuda_attention_decode_blocks);
-    // only where pd_cuda_attention_dep_ok holds and one sequence of one query row; NULL: nothing.
-    int *ring;
-    int ring_slot;
 } pd_attention_kparams;
 
 // True when head_dim and the GQA group size are supported (head_dim 32/64/128, group <= 8), for
@@ -66,11 +61,9 @@ size_t pd_cuda_attention_workspace_bytes(int n_tokens, int n_seqs, int n_heads, 
 // Bytes of the counters (zeroed once by the caller) for these bounds (0 when no split is needed).
 size_t pd_cuda_attention_counter_bytes(int n_seqs, int n_kv_heads, int head_dim, int max_kv_len);
 void pd_cuda_attention(const pd_attention_kparams *p, cudaStream_t s);
-// Whether a launch of these shapes would honour dep_cnt and ring (bf16 cache, head_dim 64 / 128,
-// one sequence of one query row, the streaming tensor-core decode kernel, partials merged in place).
+// Whether a launch of these shapes would honour dep_cnt (bf16 cache, head_dim 64 / 128, one
+// sequence of one query row, the streaming tensor-core decode kernel, partials merged in place).
 int pd_cuda_attention_dep_ok(int head_dim, int n_heads, int n_kv_heads);
-// Thread blocks of the decode kernel's launch (one sequence per query row) for these bounds.
-int pd_cuda_attention_decode_blocks(int n_seqs, int n_kv_heads, int max_kv_len);
 
 #ifdef __cplusplus
 }

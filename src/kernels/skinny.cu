@@ -35,10 +35,7 @@ typedef struct pd_k_skinny_args {
     int H, Hkv, hd;
     float attn_scaling;
     int prewait;  // batches of loads issued before the PDL wait (U or more: all)
-    int pf_waves, pf_own, pf_bulk, pf_res;  // L2 prefetch (below); pf_res: blocks resident in one wave
-    int *dep_cnt;                           // rope form: kv-group counters (skinny.cuh)
-    int *ring;                              // chain (below): PD_SKINNY_CHAIN_SLOTS counters; NULL: off
-    int wait_slot, wait_need, sig_slot, chain_start;
+    int *dep_cnt;  // rope form: kv-group counters (skinny.cuh; attention.cu "Counter dependency")
 } pd_k_skinny_args;
 
 // Weight chunks c + u * 128 (u < U) of the R rows; chunks past the row's end read as zero.
@@ -147,7 +144,7 @@ static __device__ __forceinline__ void pd_k_sk_rows(const pd_k_skinny_args &p, i
 
 // acc += the R weight chunks w (chunk cu of each row) times chunk cu of the M activation rows
 // (normalised on the fly with NORM).
-template <int M, int R, int NORM, bool CG = false>
+template <int M, int R, int NORM>
 static __device__ __forceinline__ void pd_k_sk_fma(const pd_k_skinny_args &p, const uint4 (&w)[R], int cu,
                                                    const uint4 *const (&ar)[M], const float (&inv)[M], float (&acc)[R][M]) {
     float wf[R][8], gf[8];
@@ -161,7 +158,7 @@ static __device__ __forceinline__ void pd_k_sk_fma(const pd_k_skinny_args &p, co
 #pragma unroll
     for (int m = 0; m < M; m++) {
         float af[8];
-        pd_k_unpack8(CG ? __ldcg(ar[m] + cu) : __ldg(ar[m] + cu), af);
+        pd_k_unpack8(__ldg(ar[m] + cu), af);
         if (NORM && p.hf) {  // bf16(g * bf16(x * inv)), two at a time: the bf16x2 product of
                              // two bf16 values is their exact product rounded once
             const uint32_t gw[4] = {graw.x, graw.y, graw.z, graw.w};
@@ -185,7 +182,7 @@ static __device__ __forceinline__ void pd_k_sk_fma(const pd_k_skinny_args &p, co
 }
 
 // The tile's sums: the reduction over the block through red and the epilogue of the form.
-template <int M, int R, int EPI, bool CG = false>
+template <int M, int R, int EPI>
 static __device__ __forceinline__ void pd_k_sk_epi(const pd_k_skinny_args &p, const float (&acc)[R][M], int row0, bool rot,
                                                    float (*red)[R * M]) {
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, half = p.hd >> 1;
@@ -254,11 +251,7 @@ static __device__ __forceinline__ void pd_k_sk_epi(const pd_k_skinny_args &p, co
             for (int i = 0; i < PD_K_SK_THREADS / 32; i++) v += red[i][tid];
             if (p.bias) v += __bfloat162float(p.bias[n]);
             size_t o = (size_t)m * p.N + n;
-            if (EPI == PD_K_SK_RESIDUAL && CG) {  // (out may be stale in L1: read it from L2)
-                __nv_bfloat16 *ob = (__nv_bfloat16 *)p.out;
-                unsigned short raw = __ldcg((const unsigned short *)ob + o);
-                ob[o] = __float2bfloat16(__bfloat162float(__ushort_as_bfloat16(raw)) + pd_k_bf16r(v));
-            } else if (EPI == PD_K_SK_RESIDUAL) pd_k_gemm_out_residual(p.out, o, v);
+            if (EPI == PD_K_SK_RESIDUAL) pd_k_gemm_out_residual(p.out, o, v);
             else pd_k_gemm_out(p.out, o, v, p.out_f32, p.accumulate);
         }
     }
@@ -275,74 +268,12 @@ static __device__ __forceinline__ void pd_k_sk_load_part(uint4 (&wv)[U][R], cons
                                                         : make_uint4(0, 0, 0, 0);
 }
 
-// L2 prefetch (PD_CUDA_SKINNY_L2PF, PD_CUDA_SKINNY_L2PF_OWN, PD_CUDA_SKINNY_L2PF_BULK: measurement
-// knobs). At a kernel boundary the first resident wave's weights are already in registers (loaded
-// before the PDL wait), but the HBM idles from the previous kernel's last load until the blocks of
-// the next wave, dispatched as the first wave exits, issue theirs: each boundary of the
-// single-stream step costs ~2.5-3.9 us against the steady streaming rate (tools/gpu/NOTES.md
-// dec13-1). Here a first-wave block (blockIdx < pf_res, the blocks one wave holds) also prefetches
-// into L2, before its wait, the tiles of blocks blockIdx + k pf_res (k = 1 .. pf_waves) and the
-// next pf_own load batches of its own tile, so those bytes stream during the boundary.
-static __device__ __forceinline__ void pd_k_l2_prefetch_bulk(const void *ptr, unsigned bytes) {
-    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(ptr), "r"(bytes) : "memory");
-}
-static __device__ __forceinline__ void pd_k_l2_prefetch_line(const void *ptr) {
-    asm volatile("prefetch.global.L2 [%0];\n" ::"l"(ptr));
-}
-
-template <int R>
-static __device__ __forceinline__ void pd_k_sk_prefetch_rows(const pd_k_skinny_args &p, const uint4 *const (&wr)[R],
-                                                             size_t off, size_t end) {
-    if (off >= end) return;
-    const int tid = threadIdx.x;
-    if (p.pf_bulk) {
-#pragma unroll
-        for (int r = 0; r < R; r++)
-            if (tid == r) pd_k_l2_prefetch_bulk((const char *)wr[r] + off, (unsigned)(end - off));
-    } else {
-#pragma unroll
-        for (int r = 0; r < R; r++)
-            for (size_t b = off + (size_t)tid * 128; b < end; b += PD_K_SK_THREADS * 128)
-                pd_k_l2_prefetch_line((const char *)wr[r] + b);
-    }
-}
-
-template <int R, int EPI>
-static __device__ __forceinline__ void pd_k_sk_prefetch(const pd_k_skinny_args &p, const uint4 *const (&own)[R]) {
-    const size_t row_bytes = (size_t)p.K * 2, batch = (size_t)(PD_K_SK_LOADS / R) * PD_K_SK_THREADS * 16;
-    if (p.pf_own > 0) pd_k_sk_prefetch_rows<R>(p, own, batch, min(row_bytes, batch * (size_t)(1 + p.pf_own)));
-    for (int k = 1; k <= p.pf_waves; k++) {
-        unsigned t = blockIdx.x + (unsigned)k * (unsigned)p.pf_res;
-        if (t >= gridDim.x) break;
-        int row0;
-        bool rot;
-        const uint4 *wr[R];
-        pd_k_sk_rows<R, EPI>(p, (int)t, row0, rot, wr);
-        pd_k_sk_prefetch_rows<R>(p, wr, 0, row_bytes);
-    }
-}
-
-// Chain (PD_CUDA_SKINNY_CHAIN=1, a measurement path; X & PD_K_SK_X_CHAIN): the M = 1 decode
-// step's launches wait for their predecessor's blocks through counters instead of
-// griddepcontrol.wait (its completion and flush: the ~3 us boundary of tools/gpu/NOTES.md
-// dec13-1). Every block of a launch with sig_slot >= 0 adds 1 to ring[sig_slot] after its stores;
-// a launch with wait_slot >= 0 spins (thread 0, ld.acquire) until ring[wait_slot] reaches
-// wait_need (the producer's blocks), then reads its activations and residual through L2
-// (ld.global.cg: they were written while it ran). Each launch of a chain signals its own slot, so
-// no slot is reused within it: the chain's first launch (chain_start) waits by PDL, zeroes all
-// PD_SKINNY_CHAIN_SLOTS slots and signals nothing (the one after it waits by PDL too). Deadlock-free
-// because a PDL launch starts only once every block of its predecessor has started: no waiting
-// block can keep a producer's block from an SM.
-enum { PD_K_SK_X_PF = 1, PD_K_SK_X_CHAIN = 2 };
-static __device__ __forceinline__ int pd_k_sk_ld_acquire(const int *p) {
-    int v;
-    asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
-    return v;
-}
-
-template <int M, int R, int NORM, int EPI, int VAR, int X = 0>
-static __global__ void __launch_bounds__(PD_K_SK_THREADS, VAR == PD_K_SK_OCC4 ? 4 : X ? 5 : 0) k_skinny(pd_k_skinny_args p) {
-    constexpr bool PF = X & PD_K_SK_X_PF, CH = X & PD_K_SK_X_CHAIN;
+// O6 (PD_CUDA_SKINNY_OCC6, a measurement knob): the M = 1 build bounded to 6 blocks per SM (80
+// registers; a few spilled bytes without the norm prologue, ~100 with it) instead of the natural 5
+// (94 registers): 192 KB of weight loads in flight per SM instead of 160, and a sixth of a
+// kernel's first wave more loaded before its PDL wait.
+template <int M, int R, int NORM, int EPI, int VAR, bool O6 = false>
+static __global__ void __launch_bounds__(PD_K_SK_THREADS, VAR == PD_K_SK_OCC4 ? 4 : O6 ? 6 : 0) k_skinny(pd_k_skinny_args p) {
     constexpr bool AS = VAR == PD_K_SK_ASYNC;
     constexpr int U = PD_K_SK_LOADS / R;
     pd_k_pdl_trigger();
@@ -358,17 +289,7 @@ static __global__ void __launch_bounds__(PD_K_SK_THREADS, VAR == PD_K_SK_OCC4 ? 
         pd_k_pdl_wait();  // the activations (and out) belong to earlier kernels
     } else if (p.prewait >= U) {
         pd_k_sk_load<R, U>(wv, wr, tid, chunks);
-        if (CH && p.wait_slot >= 0) {
-            if (tid == 0) {
-                while (pd_k_sk_ld_acquire(p.ring + p.wait_slot) < p.wait_need) {
-                }
-            }
-            __syncthreads();
-        } else {
-            pd_k_pdl_wait();
-            if (CH && p.chain_start && blockIdx.x == 0)
-                for (int i = tid; i < PD_SKINNY_CHAIN_SLOTS; i += PD_K_SK_THREADS) p.ring[i] = 0;
-        }
+        pd_k_pdl_wait();
     } else {  // the first p.prewait batches before the wait, the rest right after it
         if (p.prewait >= 1) pd_k_sk_load_part<R, U, 0, 1>(wv, wr, tid, chunks);
         if (p.prewait >= 2) pd_k_sk_load_part<R, U, 1, 2>(wv, wr, tid, chunks);
@@ -379,8 +300,6 @@ static __global__ void __launch_bounds__(PD_K_SK_THREADS, VAR == PD_K_SK_OCC4 ? 
         if (p.prewait < 3) pd_k_sk_load_part<R, U, 2, 3>(wv, wr, tid, chunks);
         pd_k_sk_load_part<R, U, 3, U>(wv, wr, tid, chunks);
     }
-    // (after the wait in the prewait form: only a measurement of either knob alone is meaningful)
-    if (PF && (int)blockIdx.x < p.pf_res) pd_k_sk_prefetch<R, EPI>(p, wr);
 
     const uint4 *ar[M];
 #pragma unroll
@@ -398,7 +317,7 @@ static __global__ void __launch_bounds__(PD_K_SK_THREADS, VAR == PD_K_SK_OCC4 ? 
 #pragma unroll
             for (int m = 0; m < M; m++) {
                 float af[8];
-                pd_k_unpack8(CH ? __ldcg(ar[m] + c) : __ldg(ar[m] + c), af);
+                pd_k_unpack8(__ldg(ar[m] + c), af);
 #pragma unroll
                 for (int j = 0; j < 8; j++) ss[m] = fmaf(af[j], af[j], ss[m]);
             }
@@ -435,7 +354,7 @@ static __global__ void __launch_bounds__(PD_K_SK_THREADS, VAR == PD_K_SK_OCC4 ? 
                 if constexpr (AS) w[r] = wsm[(u * R + r) * PD_K_SK_THREADS + tid];
                 else w[r] = wv[u][r];
             }
-            pd_k_sk_fma<M, R, NORM, CH>(p, w, cu, ar, inv, acc);
+            pd_k_sk_fma<M, R, NORM>(p, w, cu, ar, inv, acc);
         }
         c += U * PD_K_SK_THREADS;
         if (c >= chunks) break;
@@ -446,29 +365,15 @@ static __global__ void __launch_bounds__(PD_K_SK_THREADS, VAR == PD_K_SK_OCC4 ? 
             pd_k_sk_load<R, U>(wv, wr, c, chunks);
         }
     }
-    pd_k_sk_epi<M, R, EPI, CH>(p, acc, row0, rot, red);
-    const bool sig = CH && p.sig_slot >= 0;
-    if ((EPI == PD_K_SK_ROPE && p.dep_cnt) || sig) {  // count this block in (attention.cu "Counter dependency", chain above)
-        __threadfence();
-        __syncthreads();
+    pd_k_sk_epi<M, R, EPI>(p, acc, row0, rot, red);
+    if (EPI == PD_K_SK_ROPE && p.dep_cnt) {  // count this block into its kv group (attention.cu "Counter dependency")
+        __syncthreads();  // (every store of the block before thread 0's fence: cumulative)
         if (tid == 0) {
-            if (EPI == PD_K_SK_ROPE && p.dep_cnt) {
-                int h = row0 / p.hd, grp = h < p.H ? h / (p.H / p.Hkv) : h < p.H + p.Hkv ? h - p.H : h - p.H - p.Hkv;
-                atomicAdd(p.dep_cnt + grp, 1);
-            }
-            if (sig) atomicAdd(p.ring + p.sig_slot, 1);
+            int h = row0 / p.hd, grp = h < p.H ? h / (p.H / p.Hkv) : h < p.H + p.Hkv ? h - p.H : h - p.H - p.Hkv;
+            __threadfence();
+            atomicAdd(p.dep_cnt + grp, 1);
         }
     }
-}
-
-extern "C" int pd_cuda_skinny_blocks(const pd_skinny_kparams *p) {
-    // (pd_cuda_skinny: 4 rows per block, 2 gate/up pairs with glu, the rope form's layout; rows 2: plain only)
-    int R = p->rope || p->norm_w || p->glu || p->residual || p->rows != 2 ? 4 : 2, rows = p->glu ? R / 2 : R;
-    if (p->rope) {
-        const pd_skinny_rope *r = &p->rope_kv;
-        return (r->n_heads + r->n_kv_heads) * (r->head_dim / 2) / 2 + (r->n_kv_heads * r->head_dim + R - 1) / R;
-    }
-    return (p->N + rows - 1) / rows;
 }
 
 extern "C" int pd_cuda_skinny_dep_need(int n_heads, int n_kv_heads, int head_dim) {
@@ -481,60 +386,39 @@ extern "C" int pd_cuda_skinny_supported(int M, int K, int lda, const void *a, co
            ((uintptr_t)w & 15) == 0;
 }
 
-typedef void (*pd_k_sk_kern)(pd_k_skinny_args);
-
-// Blocks of kern resident at once on the whole GPU (the L2 prefetch's wave), cached per kernel.
-static int pd_k_sk_resident(pd_k_sk_kern kern) {
-    static pd_k_sk_kern keys[256];
-    static int vals[256], n;
-    for (int i = 0; i < n; i++)
-        if (keys[i] == kern) return vals[i];
-    int per_sm = 0;
-    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kern, PD_K_SK_THREADS, 0) != cudaSuccess) {
-        cudaGetLastError();
-        per_sm = 1;
-    }
-    int r = (per_sm > 0 ? per_sm : 1) * pd_k_num_sms();
-    if (n < 256) keys[n] = kern, vals[n++] = r;
-    return r;
-}
-
 template <int R, int NORM, int EPI, int VAR>
-static void pd_k_skinny_launch_v(pd_k_skinny_args a, cudaStream_t s, dim3 grid, dim3 block) {
-    pd_k_sk_kern k;
+static void pd_k_skinny_launch_v(const pd_k_skinny_args &a, cudaStream_t s, dim3 grid, dim3 block, int occ6) {
     switch (a.M) {
-    case 1: {
-        int x = (a.pf_waves > 0 || a.pf_own > 0 ? PD_K_SK_X_PF : 0) | (a.ring && VAR == PD_K_SK_REG ? PD_K_SK_X_CHAIN : 0);
-        k = x == 3 ? k_skinny<1, R, NORM, EPI, VAR, 3> : x == 2 ? k_skinny<1, R, NORM, EPI, VAR, 2>
-            : x == 1 ? k_skinny<1, R, NORM, EPI, VAR, 1> : k_skinny<1, R, NORM, EPI, VAR>;
+    case 1:
+        if (VAR == PD_K_SK_REG && (occ6 >= 2 || (occ6 == 1 && !NORM)))
+            pd_k_launch(k_skinny<1, R, NORM, EPI, VAR, true>, grid, block, 0, s, a);
+        else
+            pd_k_launch(k_skinny<1, R, NORM, EPI, VAR>, grid, block, 0, s, a);
         break;
+    case 2: pd_k_launch(k_skinny<2, R, NORM, EPI, VAR>, grid, block, 0, s, a); break;
+    case 3: pd_k_launch(k_skinny<3, R, NORM, EPI, VAR>, grid, block, 0, s, a); break;
+    case 4: pd_k_launch(k_skinny<4, R, NORM, EPI, VAR>, grid, block, 0, s, a); break;
+    case 5: pd_k_launch(k_skinny<5, R, NORM, EPI, VAR>, grid, block, 0, s, a); break;
+    case 6: pd_k_launch(k_skinny<6, R, NORM, EPI, VAR>, grid, block, 0, s, a); break;
+    case 7: pd_k_launch(k_skinny<7, R, NORM, EPI, VAR>, grid, block, 0, s, a); break;
+    default: pd_k_launch(k_skinny<8, R, NORM, EPI, VAR>, grid, block, 0, s, a); break;
     }
-    case 2: k = k_skinny<2, R, NORM, EPI, VAR>; break;
-    case 3: k = k_skinny<3, R, NORM, EPI, VAR>; break;
-    case 4: k = k_skinny<4, R, NORM, EPI, VAR>; break;
-    case 5: k = k_skinny<5, R, NORM, EPI, VAR>; break;
-    case 6: k = k_skinny<6, R, NORM, EPI, VAR>; break;
-    case 7: k = k_skinny<7, R, NORM, EPI, VAR>; break;
-    default: k = k_skinny<8, R, NORM, EPI, VAR>; break;
-    }
-    a.pf_res = a.M == 1 && (a.pf_waves > 0 || a.pf_own > 0) ? pd_k_sk_resident(k) : 0;
-    pd_k_launch(k, grid, block, 0, s, a);
 }
 
 // var: PD_K_SK_REG, PD_K_SK_OCC4 (M = 5 only; other M take the register build) or PD_K_SK_ASYNC.
 template <int R, int NORM, int EPI>
-static void pd_k_skinny_launch_r(pd_k_skinny_args a, cudaStream_t s, int var) {
+static void pd_k_skinny_launch_r(pd_k_skinny_args a, cudaStream_t s, int var, int occ6) {
     int rows = EPI == PD_K_SK_GLU ? R / 2 : R;
     unsigned n_blocks = (unsigned)((a.N + rows - 1) / rows);
     if (EPI == PD_K_SK_ROPE)  // rotation blocks (2 pairs each), then v blocks
         n_blocks = (unsigned)((a.H + a.Hkv) * (a.hd / 2) / 2 + (a.Hkv * a.hd + R - 1) / R);
     dim3 grid(n_blocks), block(PD_K_SK_THREADS);
     if (var == PD_K_SK_ASYNC) {
-        pd_k_skinny_launch_v<R, NORM, EPI, PD_K_SK_ASYNC>(a, s, grid, block);
+        pd_k_skinny_launch_v<R, NORM, EPI, PD_K_SK_ASYNC>(a, s, grid, block, 0);
     } else if (var == PD_K_SK_OCC4 && a.M == 5) {
         pd_k_launch(k_skinny<5, R, NORM, EPI, PD_K_SK_OCC4>, grid, block, 0, s, a);
     } else {
-        pd_k_skinny_launch_v<R, NORM, EPI, PD_K_SK_REG>(a, s, grid, block);
+        pd_k_skinny_launch_v<R, NORM, EPI, PD_K_SK_REG>(a, s, grid, block, occ6);
     }
 }
 
@@ -554,24 +438,19 @@ extern "C" void pd_cuda_skinny(const pd_skinny_kparams *p, cudaStream_t s) {
     a.H = r->n_heads, a.Hkv = r->n_kv_heads, a.hd = r->head_dim, a.attn_scaling = r->attn_scaling;
     const int var = p->async ? PD_K_SK_ASYNC : p->occ4 ? PD_K_SK_OCC4 : PD_K_SK_REG;
     a.prewait = p->prewait > 0 ? p->prewait - 1 : PD_K_SK_LOADS;  // (kparams: 0 = all, u + 1 = u batches)
-    a.pf_waves = p->pf_waves, a.pf_own = p->pf_own, a.pf_bulk = p->pf_bulk, a.pf_res = 0;
     a.dep_cnt = p->rope ? p->dep_cnt : NULL;
-    // the chain: M = 1, the register build, all loads before the wait
-    bool ch = p->ring && p->M == 1 && var == PD_K_SK_REG && a.prewait >= PD_K_SK_LOADS;
-    a.ring = ch ? p->ring : NULL, a.chain_start = ch && p->chain_start;
-    a.wait_slot = ch ? p->wait_slot : -1, a.wait_need = p->wait_need, a.sig_slot = ch ? p->sig_slot : -1;
     if (p->rope) {  // the qkv GEMM: with the attention norm (decode) or without
-        if (p->norm_w) pd_k_skinny_launch_r<4, 1, PD_K_SK_ROPE>(a, s, var);
-        else pd_k_skinny_launch_r<4, 0, PD_K_SK_ROPE>(a, s, var);
+        if (p->norm_w) pd_k_skinny_launch_r<4, 1, PD_K_SK_ROPE>(a, s, var, p->occ6);
+        else pd_k_skinny_launch_r<4, 0, PD_K_SK_ROPE>(a, s, var, p->occ6);
         return;
     }
     // The fused forms: 4 rows per block (2 gate/up pairs with glu); only the instantiations the
     // decode step uses (norm with plain (lm_head) or glu (gate_up) or plain (qkv); residual alone).
-    if (p->norm_w && p->glu) pd_k_skinny_launch_r<4, 1, PD_K_SK_GLU>(a, s, var);
-    else if (p->norm_w && !p->residual) pd_k_skinny_launch_r<4, 1, PD_K_SK_PLAIN>(a, s, var);
-    else if (p->norm_w) pd_k_skinny_launch_r<4, 1, PD_K_SK_RESIDUAL>(a, s, var);
-    else if (p->glu) pd_k_skinny_launch_r<4, 0, PD_K_SK_GLU>(a, s, var);
-    else if (p->residual) pd_k_skinny_launch_r<4, 0, PD_K_SK_RESIDUAL>(a, s, var);
-    else if (p->rows == 2) pd_k_skinny_launch_r<2, 0, PD_K_SK_PLAIN>(a, s, var);
-    else pd_k_skinny_launch_r<4, 0, PD_K_SK_PLAIN>(a, s, var);
+    if (p->norm_w && p->glu) pd_k_skinny_launch_r<4, 1, PD_K_SK_GLU>(a, s, var, p->occ6);
+    else if (p->norm_w && !p->residual) pd_k_skinny_launch_r<4, 1, PD_K_SK_PLAIN>(a, s, var, p->occ6);
+    else if (p->norm_w) pd_k_skinny_launch_r<4, 1, PD_K_SK_RESIDUAL>(a, s, var, p->occ6);
+    else if (p->glu) pd_k_skinny_launch_r<4, 0, PD_K_SK_GLU>(a, s, var, p->occ6);
+    else if (p->residual) pd_k_skinny_launch_r<4, 0, PD_K_SK_RESIDUAL>(a, s, var, p->occ6);
+    else if (p->rows == 2) pd_k_skinny_launch_r<2, 0, PD_K_SK_PLAIN>(a, s, var, p->occ6);
+    else pd_k_skinny_launch_r<4, 0, PD_K_SK_PLAIN>(a, s, var, p->occ6);
 }

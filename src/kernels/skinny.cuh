@@ -12,7 +12,6 @@ extern "C" {
 #endif
 
 #define PD_SKINNY_MAX_M 8
-#define PD_SKINNY_CHAIN_SLOTS 256  // counters of one chain (skinny.cu "Chain")
 
 // The rope form's RoPE + KV write (both skinny kernels): positions and cache slots per row (slot
 // -1: no write), the rotation's inverse frequencies and scaling, the bf16 caches, the qkv layout.
@@ -37,22 +36,13 @@ typedef struct pd_skinny_kparams {
     // prewait: 0 every weight load of a block's first batch before the PDL wait, u + 1 only the
     // first u of its U load batches (skinny.cu "Prewait"; a measurement knob)
     int prewait;
-    // L2 prefetch before the PDL wait (skinny.cu "L2 prefetch"; PD_CUDA_SKINNY_L2PF*, measurement
-    // knobs): pf_waves w: each block of the first resident wave also prefetches into L2 the tiles
-    // of the blocks that will take its place in the next w waves; pf_own b: the next b load
-    // batches of its own tile (K > U * 1024); pf_bulk: one cp.async.bulk.prefetch.L2 per weight row
-    // instead of one prefetch.global.L2 per 128-byte line. 0, 0: nothing prefetched.
-    int pf_waves, pf_own, pf_bulk;
+    // occ6 (PD_CUDA_SKINNY_OCC6, a measurement knob): M = 1 built for 6 blocks per SM (80 registers)
+    // instead of 5 (94): 1 the forms without the norm prologue (o, down), 2 every form
+    int occ6;
     // rope form: each block adds 1 to dep_cnt[kv group of its rows] after its stores (a q head's
     // rows count for its group; attention.cuh dep_cnt, PD_CUDA_ATTN_DEP); NULL: nothing.
     // pd_cuda_skinny_dep_need: the count of one group.
     int *dep_cnt;
-    // chain (skinny.cu "Chain"; M = 1, PD_CUDA_SKINNY_CHAIN): ring NULL off; else, with wait_slot
-    // >= 0, wait for ring[wait_slot] to reach wait_need instead of PDL; with sig_slot >= 0 count
-    // the blocks into ring[sig_slot]; chain_start: zero the ring after the PDL wait. (Ignored, and
-    // nothing counted, where the launch is not M = 1 on the register build.)
-    int *ring;
-    int wait_slot, wait_need, sig_slot, chain_start;
     // Fused forms (backend.h, pd_matmul_params): norm_w: the activation is rmsnorm(a) (weight
     // norm_w, eps norm_eps; lda == K); glu: w is (2N, K), out (M, N) = silu(gate) * up; residual:
     // out = bf16(out + bf16(a . w^T + bias)). glu and residual exclude accumulate and out_f32.
@@ -70,8 +60,6 @@ typedef struct pd_skinny_kparams {
 // aligned (every load is 16 bytes).
 int pd_cuda_skinny_supported(int M, int K, int lda, const void *a, const void *w);
 void pd_cuda_skinny(const pd_skinny_kparams *p, cudaStream_t s);
-// Thread blocks of the CUDA-core kernel's launch for p (the chain's count).
-int pd_cuda_skinny_blocks(const pd_skinny_kparams *p);
 // Blocks of the CUDA-core kernel's rope form that write one kv group's q, k and v rows.
 int pd_cuda_skinny_dep_need(int n_heads, int n_kv_heads, int head_dim);
 

@@ -147,7 +147,7 @@ static void *wp(pd_buffer *b) { return b ? pd_buffer_ptr(b) : NULL; }
 // (qkv, attention, o, gate_up, down) instead of 9.
 // n_new: pd_attention_params.n_new (graph steps: Q; eager steps 0).
 static void run_layer(pd_model *m, pd_model_cache *kc, int li, int T, const int32_t *dmeta, const meta_layout *l,
-                      int n_seqs, int max_q, int max_kv, bool fused, bool rg, int n_new, bool chain) {
+                      int n_seqs, int max_q, int max_kv, bool fused, bool rg, int n_new) {
     const pd_model_config *c = &m->cfg;
     pd_backend *be = m->backend;
     pd_layer_weights *w = &m->layers[li];
@@ -162,8 +162,7 @@ static void run_layer(pd_model *m, pd_model_cache *kc, int li, int T, const int3
     if (fused) {  // x is the whole residual stream: the norm, RoPE and KV write go into the qkv GEMM
         pd_op_matmul(be, &(pd_matmul_params){.a = wp(ws->x), .w = wp(w->wqkv), .bias = wp(w->bqkv), .out = wp(ws->qkv),
                                              .M = T, .N = nqkv, .K = D, .norm_w = wp(w->attn_norm),
-                                             .norm_eps = c->rms_norm_eps, .rope = &rope, .attn_follows = true,
-                                             .chain = li == 0 || !chain ? PD_CHAIN_NONE : PD_CHAIN_NEXT});
+                                             .norm_eps = c->rms_norm_eps, .rope = &rope, .attn_follows = true});
     } else {
         pd_op_rmsnorm(be, &(pd_rmsnorm_params){.x = wp(ws->x), .add = li > 0 && !rg ? wp(ws->h) : NULL, .w = wp(w->attn_norm),
                                                .out = wp(ws->h), .n_rows = T, .dim = D, .eps = c->rms_norm_eps});
@@ -187,13 +186,12 @@ static void run_layer(pd_model *m, pd_model_cache *kc, int li, int T, const int3
                                                .kv_dtype = m->kv_dtype, .n_new = n_new});
     if (fused) {  // x += o(attn); mlp = silu(gate) * up of norm(x); x += down(mlp)
         pd_op_matmul(be, &(pd_matmul_params){.a = wp(ws->attn), .w = wp(w->wo), .bias = wp(w->bo), .out = wp(ws->x),
-                                             .M = T, .N = D, .K = H * hd, .residual = true,
-                                             .chain = li == 0 || !chain ? PD_CHAIN_START : PD_CHAIN_AFTER_ATTN});
+                                             .M = T, .N = D, .K = H * hd, .residual = true});
         pd_op_matmul(be, &(pd_matmul_params){.a = wp(ws->x), .w = wp(w->wgu), .bias = wp(w->bgu), .out = wp(ws->mlp),
                                              .M = T, .N = F, .K = D, .norm_w = wp(w->mlp_norm),
-                                             .norm_eps = c->rms_norm_eps, .glu = true, .chain = PD_CHAIN_NEXT});
+                                             .norm_eps = c->rms_norm_eps, .glu = true});
         pd_op_matmul(be, &(pd_matmul_params){.a = wp(ws->mlp), .w = wp(w->wdown), .bias = wp(w->bdown), .out = wp(ws->x),
-                                             .M = T, .N = D, .K = F, .residual = true, .chain = PD_CHAIN_NEXT});
+                                             .M = T, .N = D, .K = F, .residual = true});
         return;
     }
     // rg: the residual adds in the o and down GEMMs (accumulate into x), x complete after each
@@ -279,9 +277,7 @@ static void run_step(pd_model *m, pd_model_cache *kc, const int32_t *dmeta, cons
     bool fused = fuse_step(m, T), rg = !fused && resid_gemm_step(m, T);
     for (int li = 0; li < c->n_layers; li++) {
         if (hook && hook->before_layer) hook->before_layer(hook->before_layer_ud, li);
-        // the GEMM chain (backend.h pd_matmul_params.chain): only with no layer hooks between them
-        run_layer(m, kc, li, T, dmeta, l, n_seqs, max_q, max_kv, fused, rg, n_new,
-                  !hook || (!hook->before_layer && !hook->on_layer));
+        run_layer(m, kc, li, T, dmeta, l, n_seqs, max_q, max_kv, fused, rg, n_new);
         if (hook && hook->on_layer) hook->on_layer(hook->on_layer_ud, li);
     }
     if (n_logits > 0 && fused) {  // x is complete: the final norm goes into the lm_head GEMM
@@ -294,7 +290,7 @@ static void run_step(pd_model *m, pd_model_cache *kc, const int32_t *dmeta, cons
                                                      .n_rows = n_logits, .dim = D});
         pd_op_matmul(be, &(pd_matmul_params){.a = wp(direct ? ws->x : ws->sel), .w = wp(head), .out = wp(ws->logits), .M = n_logits,
                                              .N = c->vocab_size, .K = D, .out_f32 = true, .norm_w = wp(m->final_norm),
-                                             .norm_eps = c->rms_norm_eps, .chain = direct && (!hook || !hook->on_layer) ? PD_CHAIN_NEXT : PD_CHAIN_AFTER_OP});
+                                             .norm_eps = c->rms_norm_eps});
     } else if (n_logits > 0 && rg) {  // x is complete: norm the logit rows
         pd_buffer *head = m->lm_head ? m->lm_head : m->embed;
         pd_op_get_rows(be, &(pd_get_rows_params){.x = wp(ws->x), .idx = dmeta + l->logit_rows, .out = wp(ws->sel),

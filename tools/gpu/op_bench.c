@@ -491,33 +491,26 @@ typedef struct sg_arg {
 static void sg_step(pd_backend *b, sg_arg *s) {
     int D = 4096, F = 14336, NQ = 6144, V = 128256;
     unsigned k = s->mask;
-    // the decode chain's hints (backend.h pd_matmul_params.chain) where the step has whole layers
-    bool ch = (k & (SG_GEMMS | SG_ATTN)) == (SG_GEMMS | SG_ATTN);
     if (k & SG_EMBED) pd_op_embed(b, &(pd_embed_params){.ids = s->ids, .table = s->lmh, .out = s->x, .n_tokens = 1, .dim = D, .vocab = V});
     for (int li = 0; li < 32; li++) {
         int i = li % 2, wi = li % s->n_copies;
         if (k & SG_QKV)
             pd_op_matmul(b, &(pd_matmul_params){.a = s->x, .w = s->wqkv[wi], .out = s->qkv, .M = 1, .N = NQ, .K = D,
                                                 .norm_w = s->g1, .norm_eps = 1e-5f, .rope = &s->rope[i],
-                                                .attn_follows = (k & SG_ATTN) != 0,
-                                                .chain = li && ch ? PD_CHAIN_NEXT : PD_CHAIN_NONE});
+                                                .attn_follows = (k & SG_ATTN) != 0});
         if (k & SG_ATTN) pd_op_attention(b, &s->at[i]);
         if (k & SG_O)
-            pd_op_matmul(b, &(pd_matmul_params){.a = s->attn, .w = s->wo[wi], .out = s->x, .M = 1, .N = D, .K = D, .residual = true,
-                                                .chain = !ch ? PD_CHAIN_NONE : li ? PD_CHAIN_AFTER_ATTN : PD_CHAIN_START});
+            pd_op_matmul(b, &(pd_matmul_params){.a = s->attn, .w = s->wo[wi], .out = s->x, .M = 1, .N = D, .K = D, .residual = true});
         if (k & SG_GU)
             pd_op_matmul(b, &(pd_matmul_params){.a = s->x, .w = s->wgu[wi], .out = s->mlp, .M = 1, .N = F, .K = D,
-                                                .norm_w = s->g2, .norm_eps = 1e-5f, .glu = true,
-                                                .chain = ch ? PD_CHAIN_NEXT : PD_CHAIN_NONE});
+                                                .norm_w = s->g2, .norm_eps = 1e-5f, .glu = true});
         if (k & SG_DN)
-            pd_op_matmul(b, &(pd_matmul_params){.a = s->mlp, .w = s->wd[wi], .out = s->x, .M = 1, .N = D, .K = F, .residual = true,
-                                                .chain = ch ? PD_CHAIN_NEXT : PD_CHAIN_NONE});
+            pd_op_matmul(b, &(pd_matmul_params){.a = s->mlp, .w = s->wd[wi], .out = s->x, .M = 1, .N = D, .K = F, .residual = true});
     }
     if (k & SG_ROWS) pd_op_get_rows(b, &(pd_get_rows_params){.x = s->x, .idx = s->ids + 1, .out = s->sel, .n_rows = 1, .dim = D});
     if (k & SG_LMH)
         pd_op_matmul(b, &(pd_matmul_params){.a = (k & SG_ROWS) ? s->sel : s->x, .w = s->lmh, .out = s->logits, .M = 1, .N = V,
-                                            .K = D, .out_f32 = true, .norm_w = s->gf, .norm_eps = 1e-5f,
-                                            .chain = ch && !(k & SG_ROWS) ? PD_CHAIN_NEXT : PD_CHAIN_NONE});
+                                            .K = D, .out_f32 = true, .norm_w = s->gf, .norm_eps = 1e-5f});
 }
 static int cmp_dbl(const void *a, const void *b) {
     double x = *(const double *)a, y = *(const double *)b;

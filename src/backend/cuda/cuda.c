@@ -26,7 +26,6 @@
 #include "backend/cuda/cuda_impl.h"
 #include "backend/cuda/nccl.h"
 #include "kernels/attention.cuh"
-#include "kernels/skinny.cuh"
 #include "kernels/copy_blocks.cuh"
 #include "kernels/embed.cuh"
 #include "kernels/fill_normal.cuh"
@@ -102,7 +101,6 @@ static void cuda_free(pd_backend *b) {
     if (cb->fuse_ws) cudaFree(cb->fuse_ws);
     if (cb->attn_cnt) cudaFree(cb->attn_cnt);
     if (cb->dep_cnt) cudaFree(cb->dep_cnt);
-    if (cb->chain_ring) cudaFree(cb->chain_ring);
     if (cb->gemv_ws) cudaFree(cb->gemv_ws);
     if (cb->bgemm_ws) cudaFree(cb->bgemm_ws);
     if (cb->cb_dev) cudaFree(cb->cb_dev);
@@ -141,7 +139,6 @@ static void cuda_dev_free(pd_backend *b, void *p) {
 }
 
 static void cuda_upload(pd_backend *b, void *dst, const void *src, size_t n) {
-    pd_cuda_chain_break(pd_cuda_backend_of(b));
     pd_cuda_bind(pd_cuda_backend_of(b));
     PD_CUDA_CHECK(cudaMemcpyAsync(dst, src, n, cudaMemcpyHostToDevice, pd_cuda_backend_of(b)->stream));
 }
@@ -166,7 +163,6 @@ static void cuda_host_free(pd_backend *b, void *p) {
 }
 
 static void cuda_memset(pd_backend *b, void *dst, int v, size_t n) {
-    pd_cuda_chain_break(pd_cuda_backend_of(b));
     pd_cuda_bind(pd_cuda_backend_of(b));
     PD_CUDA_CHECK(cudaMemsetAsync(dst, v, n, pd_cuda_backend_of(b)->stream));
 }
@@ -233,7 +229,6 @@ void pd_cuda_scratch_reserve_zeroed(pd_cuda_backend *cb, void **ptr, size_t *cur
 // ---- op shims ----------------------------------------------------------------------------------
 
 static void cuda_embed(pd_backend *b, const pd_embed_params *p) {
-    pd_cuda_chain_break(pd_cuda_backend_of(b));
     pd_cuda_bind(pd_cuda_backend_of(b));
     pd_embed_kparams k = {.ids = p->ids, .table = p->table, .out = p->out, .n_tokens = p->n_tokens,
                           .dim = p->dim, .vocab = p->vocab};
@@ -242,7 +237,6 @@ static void cuda_embed(pd_backend *b, const pd_embed_params *p) {
 }
 
 static void cuda_rmsnorm(pd_backend *b, const pd_rmsnorm_params *p) {
-    pd_cuda_chain_break(pd_cuda_backend_of(b));
     pd_cuda_bind(pd_cuda_backend_of(b));
     PD_ASSERT(!(p->add && p->x == p->out));
     pd_rmsnorm_kparams k = {.x = p->x, .add = p->add, .w = p->w, .out = p->out, .n_rows = p->n_rows,
@@ -252,7 +246,6 @@ static void cuda_rmsnorm(pd_backend *b, const pd_rmsnorm_params *p) {
 }
 
 static void cuda_rope_kv(pd_backend *b, const pd_rope_kv_params *p) {
-    pd_cuda_chain_break(pd_cuda_backend_of(b));
     pd_cuda_bind(pd_cuda_backend_of(b));
     PD_ASSERT(p->head_dim % 2 == 0);
     pd_rope_kv_kparams k = {.qkv = p->qkv, .positions = p->positions, .inv_freq = p->inv_freq,
@@ -285,15 +278,6 @@ static void cuda_attention(pd_backend *b, const pd_attention_params *p) {
                               .kv_fp8 = p->kv_dtype == PD_KV_FP8,
                               .row_bytes = pd_kv_row_bytes(b, p->kv_dtype, p->n_kv_heads, p->head_dim),
                               .n_new = p->n_new};
-    // the chain (kernels/skinny.cu "Chain"): a decode attention of an open chain counts its blocks
-    // for the o GEMM after it
-    cb->chain_last_slot = cb->chain_attn_slot = -1;
-    if (cb->chain_open && cb->chain_n_sig < PD_SKINNY_CHAIN_SLOTS && p->n_seqs == 1 && p->max_q_len == 1 &&
-        p->kv_dtype != PD_KV_FP8 && pd_cuda_attention_dep_ok(p->head_dim, p->n_heads, p->n_kv_heads)) {
-        k.ring = cb->chain_ring, k.ring_slot = cb->chain_n_sig++;
-        cb->chain_attn_slot = k.ring_slot;
-        cb->chain_attn_need = pd_cuda_attention_decode_blocks(1, p->n_kv_heads, p->max_kv_len);
-    }
     if (cb->dep_q) {  // the qkv GEMM before counted its blocks: this launch waits on them (or zeroes them)
         if (p->q == cb->dep_q) k.dep_cnt = cb->dep_cnt, k.dep_need = cb->dep_need;
         else PD_CUDA_CHECK(cudaMemsetAsync(cb->dep_cnt, 0, 2 * PD_CUDA_DEP_MAX_KV * sizeof(int), cb->stream));
@@ -304,7 +288,6 @@ static void cuda_attention(pd_backend *b, const pd_attention_params *p) {
 }
 
 static void cuda_silu_mul(pd_backend *b, const pd_silu_mul_params *p) {
-    pd_cuda_chain_break(pd_cuda_backend_of(b));
     pd_cuda_bind(pd_cuda_backend_of(b));
     pd_silu_mul_kparams k = {.gu = p->gu, .out = p->out, .n_rows = p->n_rows, .F = p->F};
     pd_cuda_silu_mul(&k, pd_cuda_backend_of(b)->stream);
@@ -312,7 +295,6 @@ static void cuda_silu_mul(pd_backend *b, const pd_silu_mul_params *p) {
 }
 
 static void cuda_get_rows(pd_backend *b, const pd_get_rows_params *p) {
-    pd_cuda_chain_break(pd_cuda_backend_of(b));
     pd_cuda_bind(pd_cuda_backend_of(b));
     pd_get_rows_kparams k = {.x = p->x, .idx = p->idx, .out = p->out, .n_rows = p->n_rows, .dim = p->dim};
     pd_cuda_get_rows(&k, pd_cuda_backend_of(b)->stream);
@@ -321,7 +303,6 @@ static void cuda_get_rows(pd_backend *b, const pd_get_rows_params *p) {
 
 // Stages the cache pointers and block pairs in device scratch, then one kernel copies them all.
 static void cuda_copy_blocks(pd_backend *b, const pd_copy_blocks_params *p) {
-    pd_cuda_chain_break(pd_cuda_backend_of(b));
     pd_cuda_bind(pd_cuda_backend_of(b));
     pd_cuda_backend *cb = pd_cuda_backend_of(b);
     if (p->n <= 0 || p->n_layers <= 0) return;
@@ -804,16 +785,6 @@ pd_backend *pd_backend_cuda_new(int device, pd_err *err) {
     // PD_CUDA_ATTN_DEP=1: single-sequence decode attention waits for the qkv GEMM's kv-group
     // counters instead of its completion (kernels/attention.cu "Counter dependency"; measurement
     // knob, default 0)
-    // PD_CUDA_SKINNY_CHAIN=1: the M = 1 decode GEMMs wait for their predecessor GEMM's blocks
-    // through counters instead of its completion (kernels/skinny.cu "Chain"; measurement knob)
-    cb->chain = pd_cuda_env_int("PD_CUDA_SKINNY_CHAIN", 0, 0, 1);
-    cb->chain_last_slot = cb->chain_attn_slot = -1;
-    if (cb->chain && (cudaMalloc((void **)&cb->chain_ring, PD_SKINNY_CHAIN_SLOTS * sizeof(int)) != cudaSuccess ||
-                      cudaMemset(cb->chain_ring, 0, PD_SKINNY_CHAIN_SLOTS * sizeof(int)) != cudaSuccess)) {
-        cudaGetLastError();
-        cb->chain_ring = NULL;
-        cb->chain = 0;
-    }
     cb->attn_dep = pd_cuda_env_int("PD_CUDA_ATTN_DEP", 0, 0, 1);
     if (cb->attn_dep) {
         size_t dep_bytes = 2 * PD_CUDA_DEP_MAX_KV * sizeof(int);

@@ -25,6 +25,8 @@ typedef struct pd_cuda_gemm_plan pd_cuda_gemm_plan;
 typedef struct pd_cuda_sampler pd_cuda_sampler;
 typedef struct pd_cuda_xfer pd_cuda_xfer;  // xfer.c: the transfer stream  // sample.c: pd_op_sample's staging buffers
 
+#define PD_CUDA_DEP_MAX_KV 64  // kv heads the qkv -> attention counters cover (PD_CUDA_ATTN_DEP)
+
 typedef struct pd_cuda_backend {
     pd_backend base;
     int device;
@@ -50,8 +52,7 @@ typedef struct pd_cuda_backend {
     int skinny_rule_max_m;     // the default rule's CUDA-core kernel up to this M (5)
     int skinny_async;          // its weights through shared memory (cp.async)
     int skinny_prewait;        // PD_CUDA_SKINNY_PREWAIT + 1: 0 all of a first tile's loads before the PDL wait
-    int skinny_l2pf, skinny_l2pf_own, skinny_l2pf_bulk;
-#define PD_CUDA_DEP_MAX_KV 64  // PD_CUDA_SKINNY_L2PF* (kernels/skinny.cu "L2 prefetch")
+    int skinny_occ6;           // PD_CUDA_SKINNY_OCC6: M = 1 at 6 blocks per SM (1 forms without norm, 2 all)
     int skinny_mma;            // kernels/skinny_mma.cu (M <= 16): 0 never, 1/3 the measured rules, 2 always
     int skinny_mma_rows;       // its weight rows per block (16 or 32)
     int skinny_mma_pipe;       // its double-buffered weight loads: -1 the rule's choice, 0 off, 1 on
@@ -84,13 +85,6 @@ typedef struct pd_cuda_backend {
     // PD_CUDA_ATTN_DEP=1 (kernels/attention.cu "Counter dependency"): the qkv GEMM's kv-group
     // counters (2 x PD_CUDA_DEP_MAX_KV ints, zero between uses), and the pending dependency: the q
     // rows a qkv GEMM counted into them (NULL: none) and the count of one group
-    // PD_CUDA_SKINNY_CHAIN=1 (kernels/skinny.cu "Chain"): the chain's PD_SKINNY_CHAIN_SLOTS
-    // counters; whether a chain is open and its next free slot; the slot and blocks of the last
-    // GEMM's and the last attention's launches (-1: they count nowhere)
-    int chain;
-    int *chain_ring;
-    int chain_open, chain_n_sig;
-    int chain_last_slot, chain_last_need, chain_attn_slot, chain_attn_need;
     int attn_dep;
     int *dep_cnt;
     const void *dep_q;
@@ -109,11 +103,6 @@ typedef struct pd_cuda_backend {
 } pd_cuda_backend;
 
 static inline pd_cuda_backend *pd_cuda_backend_of(pd_backend *b) { return (pd_cuda_backend *)b; }
-// An op outside the decode chain (kernels/skinny.cu "Chain"): no GEMM after it waits on a counter.
-static inline void pd_cuda_chain_break(pd_cuda_backend *cb) {
-    cb->chain_last_slot = cb->chain_attn_slot = -1;
-    cb->chain_open = 0;
-}
 
 // Makes cb's device current in the calling thread (cached per thread). Every entry point calls it.
 void pd_cuda_bind(pd_cuda_backend *cb);

@@ -94,14 +94,10 @@ void pd_cuda_gemm_init(pd_cuda_backend *cb) {
     // of weight loads before the PDL wait, the rest right after it (-1, the default: all before).
     // Measurement knob (kernels/skinny.cu "Prewait": 0 costs 170 us a single-stream step, 2 level).
     cb->skinny_prewait = pd_cuda_env_int("PD_CUDA_SKINNY_PREWAIT", -1, -1, 16) + 1;
-    // PD_CUDA_SKINNY_L2PF=w (0 off, the default), PD_CUDA_SKINNY_L2PF_OWN=b, PD_CUDA_SKINNY_L2PF_BULK=0|1
-    // (1): at M = 1 the CUDA-core kernel's first resident wave prefetches into L2, before its PDL
-    // wait, the tiles of the next w waves and the next b load batches of its own tile, one bulk
-    // prefetch per row or one prefetch per 128-byte line (kernels/skinny.cu "L2 prefetch";
-    // measurement knobs).
-    cb->skinny_l2pf = pd_cuda_env_int("PD_CUDA_SKINNY_L2PF", 0, 0, 4);
-    cb->skinny_l2pf_own = pd_cuda_env_int("PD_CUDA_SKINNY_L2PF_OWN", 0, 0, 8);
-    cb->skinny_l2pf_bulk = pd_cuda_env_int("PD_CUDA_SKINNY_L2PF_BULK", 1, 0, 1);
+    // PD_CUDA_SKINNY_OCC6=1|2: the CUDA-core kernel at M = 1 built for 6 blocks per SM (80
+    // registers) instead of 5: 1 the forms without the norm prologue (o, down, plain), 2 every form
+    // (kernels/skinny.cu "O6"; measurement knob, default 0).
+    cb->skinny_occ6 = pd_cuda_env_int("PD_CUDA_SKINNY_OCC6", 0, 0, 2);
     if (cb->skinny_rows == 3) pd_abort(__FILE__, __LINE__, __func__, "PD_CUDA_SKINNY_ROWS must be 2 or 4");
     // Which of the two skinny kernels takes an M (see skinny_choice): PD_CUDA_SKINNY_MMA=0 the
     // CUDA-core kernel only (M <= 8; larger M go to cuBLASLt), 1 (the default) the rule measured end
@@ -524,12 +520,6 @@ enum { FUSE_MMA_ROPE = 1, FUSE_MMA_RESIDUAL = 2, FUSE_MMA_GLU = 4, FUSE_MMA_OTHE
 // branch (within a bf16 ulp).
 static void fused_matmul(pd_backend *b, pd_cuda_backend *cb, const pd_matmul_params *p, int lda) {
     const pd_rope_kv_params *rp = p->rope;
-    // the chain (kernels/skinny.cu "Chain"): what the op before this one counted into; only a
-    // skinny launch below counts again
-    int last_slot = cb->chain_last_slot, last_need = cb->chain_last_need;
-    int attn_slot = cb->chain_attn_slot, attn_need = cb->chain_attn_need;
-    cb->chain_last_slot = cb->chain_attn_slot = -1;
-    if (p->chain == PD_CHAIN_NONE) cb->chain_open = 0;
     bool nw_ok = !p->norm_w || ((uintptr_t)p->norm_w & 15) == 0;
     // The tensor-core kernel from fuse_mma_min_m rows (no norm prologue: the norm runs apart)
     int form = rp ? FUSE_MMA_ROPE : p->residual ? FUSE_MMA_RESIDUAL : p->glu ? FUSE_MMA_GLU : FUSE_MMA_OTHER;
@@ -586,27 +576,10 @@ static void fused_matmul(pd_backend *b, pd_cuda_backend *cb, const pd_matmul_par
         pd_skinny_kparams k = {.a = q.a, .w = q.w, .bias = q.bias, .out = q.out, .M = q.M, .N = q.N, .K = q.K,
                                .lda = q.lda ? q.lda : q.K, .accumulate = q.accumulate, .out_f32 = q.out_f32,
                                .rows = 4, .occ4 = cb->skinny_occ4, .async = cb->skinny_async,
-                               .prewait = cb->skinny_prewait, .pf_waves = cb->skinny_l2pf,
-                               .pf_own = cb->skinny_l2pf_own, .pf_bulk = cb->skinny_l2pf_bulk,
+                               .prewait = cb->skinny_prewait, .occ6 = cb->skinny_occ6,
+                               .dep_cnt = dep ? cb->dep_cnt : NULL,
                                .norm_w = q.norm_w, .norm_eps = q.norm_eps, .glu = q.glu,
-                               .residual = q.residual, .rope = rope_in, .rope_kv = rk,
-                               .dep_cnt = dep ? cb->dep_cnt : NULL};
-        // the chain (kernels/skinny.cu "Chain"): M = 1 on the register build with every load before
-        // the wait, and no kernel of its own before or after it (norm, SwiGLU and RoPE all inside)
-        bool ch = cb->chain && p->chain != PD_CHAIN_NONE && p->M == 1 && !cb->skinny_async && cb->skinny_prewait == 0 &&
-                  (!p->norm_w || norm_in) && (!p->glu || glu_in) && (!rp || rope_in) && (cb->chain_open || p->chain == PD_CHAIN_START);
-        if (ch) {
-            k.ring = cb->chain_ring, k.wait_slot = k.sig_slot = -1;
-            if (p->chain == PD_CHAIN_START) {
-                k.chain_start = 1;
-                cb->chain_open = 1, cb->chain_n_sig = 0;
-            } else {
-                if (p->chain == PD_CHAIN_NEXT && last_slot >= 0) k.wait_slot = last_slot, k.wait_need = last_need;
-                if (p->chain == PD_CHAIN_AFTER_ATTN && attn_slot >= 0) k.wait_slot = attn_slot, k.wait_need = attn_need;
-                if (cb->chain_n_sig < PD_SKINNY_CHAIN_SLOTS) k.sig_slot = cb->chain_n_sig++;
-            }
-            if (k.sig_slot >= 0) cb->chain_last_slot = k.sig_slot, cb->chain_last_need = pd_cuda_skinny_blocks(&k);
-        }
+                               .residual = q.residual, .rope = rope_in, .rope_kv = rk};
         pd_cuda_skinny(&k, cb->stream);
         PD_CUDA_CHECK_LAUNCH();
         if (dep) {
@@ -641,7 +614,6 @@ void pd_cuda_gemm_matmul(pd_backend *b, const pd_matmul_params *p) {
         fused_matmul(b, cb, p, lda);
         return;
     }
-    cb->chain_last_slot = cb->chain_attn_slot = -1, cb->chain_open = 0;  // (a plain GEMM ends a chain)
     if (p->M <= cb->gemv_max_m && pd_cuda_gemv_supported(p->M, p->K, lda)) {
         pd_cuda_scratch_reserve_zeroed(cb, &cb->gemv_ws, &cb->gemv_ws_bytes, pd_cuda_gemv_workspace_bytes(p->N));
         pd_gemv_kparams k = {.a = p->a, .w = p->w, .bias = p->bias, .out = p->out, .M = p->M, .N = p->N,
@@ -669,9 +641,7 @@ void pd_cuda_gemm_matmul(pd_backend *b, const pd_matmul_params *p) {
         pd_skinny_kparams k = {.a = p->a, .w = p->w, .bias = p->bias, .out = p->out, .M = p->M, .N = p->N,
                                .K = p->K, .lda = lda, .accumulate = p->accumulate, .out_f32 = p->out_f32,
                                .rows = cb->skinny_rows, .occ4 = cb->skinny_occ4,
-                               .async = cb->skinny_async, .prewait = cb->skinny_prewait,
-                               .pf_waves = cb->skinny_l2pf, .pf_own = cb->skinny_l2pf_own,
-                               .pf_bulk = cb->skinny_l2pf_bulk};
+                               .async = cb->skinny_async, .prewait = cb->skinny_prewait, .occ6 = cb->skinny_occ6};
         pd_cuda_skinny(&k, cb->stream);
         PD_CUDA_CHECK_LAUNCH();
         return;

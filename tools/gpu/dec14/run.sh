@@ -5,9 +5,9 @@
 # test_gpu_golden, test_gpu_spec of COMMIT, stripped), this script, LIMIT. Libraries: /tmp/gpulib/lib
 # (the lead's wrapper). Model: the tracked 8B shape config bench/configs/llama-3-8b, dummy weights;
 # models for test_gpu_golden from build/gpu-lead/models.tar.xz + the tracked models/kjv-llama-6m.
-# Round 1: the skinny kernel's L2 prefetch (PD_CUDA_SKINNY_L2PF*), the qkv -> attention counter
-# dependency (PD_CUDA_ATTN_DEP) and the GEMM chain (PD_CUDA_SKINNY_CHAIN): op_bench single, op tests,
-# goldens, bench-engine single + decode alternated.
+# Round 2: the M = 1 skinny kernel at 6 blocks per SM (PD_CUDA_SKINNY_OCC6=1|2) and the qkv ->
+# attention counter dependency with a relaxed poll and one fence a block (PD_CUDA_ATTN_DEP=1):
+# op tests, op_bench single, goldens, bench-engine single + decode alternated.
 set -u
 OUT=$1; mkdir -p "$OUT"
 D=${D:-build/gpu-dec14}
@@ -38,51 +38,48 @@ ob() {  # name limit env... -- args...
   say "$n rc=$?"
   grep -E "^single|^copy" "$OUT/$n.txt" | sed -E 's/ +/ /g; s/single //; s/host:.*//; s/b2b\+upload.*serial\+upload/ser+up/; s/floor.*GB\/s: //' | cut -c1-120
 }
-P=PD_CUDA_SKINNY_L2PF
+O=PD_CUDA_SKINNY_OCC6
 DP=PD_CUDA_ATTN_DEP=1
-CH=PD_CUDA_SKINNY_CHAIN=1
-# 1. exactness of both dependencies first (the op tests compare bytes with the default path; a
-#    hang or a difference drops the knob from everything below)
+# 1. the dependency's op test (bytes equal to the default path's; a failure drops the knob)
 t=test_cuda_attention_dep
 timeout $(lim 30) $T/test_backend_ops $t > "$OUT/ops_$t.txt" 2>&1; rc=$?; say "ops $t rc=$rc"
 grep -E "^(ok|FAIL|not ok)|passed|failed|differ" "$OUT/ops_$t.txt" | head -6
 [ $rc = 0 ] || { echo "DEP dropped"; DP=PD_CUDA_ATTN_DEP=0; }
-t=test_cuda_decode_chain
-timeout $(lim 30) $T/test_backend_ops $t > "$OUT/ops_$t.txt" 2>&1; rc=$?; say "ops $t rc=$rc"
-grep -E "^(ok|FAIL|not ok)|passed|failed|differ" "$OUT/ops_$t.txt" | head -6
-[ $rc = 0 ] || { echo "CHAIN dropped"; CH=PD_CUDA_SKINNY_CHAIN=0; }
-# 2. op_bench single (32 weight sets): base + prefetch variants + the dependencies; then a second
-#    backend list (drift, combinations)
-ob single1 40 OPB_SINGLE_LAYERS=32 OPB_SINGLE_SHORT=1 OPB_SINGLE_VARIANTS="$P=1,${P}_OWN=1,$DP,$CH,$CH+$DP" -- copy single
-ob single2 40 OPB_SINGLE_LAYERS=32 OPB_SINGLE_SHORT=1 OPB_SINGLE_VARIANTS="$P=2,$P=1+${P}_OWN=1,$P=1+${P}_BULK=0,$CH+$DP,$CH+$DP+$P=1" -- copy single
-# the best prefetch variant (by its first "whole step" back-to-back time in single1/2, no dependency knob)
+# 2. op_bench single (32 weight sets), two backend orders
+ob single1 30 OPB_SINGLE_LAYERS=32 OPB_SINGLE_SHORT=1 OPB_SINGLE_VARIANTS="$O=1,$O=2,$DP,$O=2+$DP" -- copy single
+ob single2 30 OPB_SINGLE_LAYERS=32 OPB_SINGLE_SHORT=1 OPB_SINGLE_VARIANTS="$O=2+$DP,$DP,$O=2,$O=1" -- copy single
+# the better OCC6 value by the mean of its "whole step" back-to-back times in both runs
 best=$(cat "$OUT/single1.txt" "$OUT/single2.txt" | awk '/^copy / {f++}
   /^single backend v[0-9]+:/ {v = f "_" $3; sub(":", "", v); e[v] = e[v] (e[v] ? " " : "") $4}
-  /^single [a-z0-9]+ +whole step +back-to-back/ {n = ($2 == "rule" ? "rule" : f "_" $2); if (!(n in t)) t[n] = $6}
-  END {b = "rule"; for (n in t) if (t[n] < t[b] && e[n] !~ /ATTN_DEP|CHAIN/) b = n; print (b == "rule" ? "" : e[b])}')
-echo "best op_bench prefetch variant: [${best:-none}]"
-PB=${best:-PD_CUDA_SKINNY_L2PF=1}
-# 3. goldens and spec with everything on
+  /^single [a-z0-9]+ +whole step +back-to-back/ {if ($2 == "rule") next; k = e[f "_" $2]; s[k] += $6; c[k]++}
+  END {b = ""; for (k in s) if (k !~ /ATTN_DEP/ && (b == "" || s[k] / c[k] < s[b] / c[b])) b = k; print b}')
+echo "better OCC6 variant: [${best:-none}]"
+OB=${best:-PD_CUDA_SKINNY_OCC6=2}
+# 3. exactness with the knobs: goldens, spec, the fused forms at M = 1 (OCC6 = 2 builds every form)
 if [ -f build/gpu-lead/models.tar.xz ]; then
   mkdir -p $T/models && tar xJf build/gpu-lead/models.tar.xz -C $T/models && ln -sfn "$(pwd)/models/kjv-llama-6m" $T/models/kjv-llama-6m
-  env $DP $CH $PB PD_MODELS_DIR=$T/models timeout $(lim 25) $T/test_gpu_golden > "$OUT/golden.txt" 2>&1; say "golden rc=$? [$DP $CH $PB]"
+  env $DP $O=2 PD_MODELS_DIR=$T/models timeout $(lim 25) $T/test_gpu_golden > "$OUT/golden.txt" 2>&1; say "golden rc=$? [$DP $O=2]"
   grep -E "passed|FAIL|graphs vs eager" "$OUT/golden.txt" | tail -3
-  env $DP $CH PD_MODELS_DIR=$T/models timeout $(lim 30) $T/test_gpu_spec > "$OUT/spec.txt" 2>&1; say "spec rc=$? [$DP $CH]"
+  env $DP $O=2 PD_MODELS_DIR=$T/models timeout $(lim 30) $T/test_gpu_spec > "$OUT/spec.txt" 2>&1; say "spec rc=$? [$DP $O=2]"
   grep -E "passed|FAIL" "$OUT/spec.txt" | tail -2
 fi
-# 3. bench-engine single stream, alternated: base, prefetch, dependency, chain + dependency, all three
+# 4. bench-engine single stream, alternated: base, OCC6, dependency, both
 S="--only single --ctx 128,4096,8192,32768"
 for r in 1 2 3; do
   be sB$r 14 -- $S
-  be sP$r 14 $PB -- $S
+  be sO$r 14 $OB -- $S
   be sD$r 14 $DP -- $S
-  be sCD$r 14 $CH $DP -- $S
-  be sCDP$r 14 $CH $DP $PB -- $S
+  be sOD$r 14 $OB $DP -- $S
 done
-# 4. batched decode (only batch 1 runs M = 1 GEMMs; the rest must be level): base vs all three
+# 5. batched decode (only batch 1 runs M = 1 GEMMs; the rest must be level): base vs OCC6
 A="--only decode --ctx 128 --batches 1,8,32,64,128,256"
 for r in 1 2; do
   be dB$r 16 -- $A
-  be dCDP$r 16 $CH $DP $PB -- $A
+  be dO$r 16 $OB -- $A
 done
+# 6. the fused forms on the OCC6 build against the CPU reference (M = 1..8, decode shapes)
+env $O=2 timeout $(lim 25) $T/test_backend_ops test_cuda_matmul_fused > "$OUT/ops_matmul_fused.txt" 2>&1; say "ops matmul_fused [$O=2] rc=$?"
+grep -E "^(ok|FAIL|not ok)|passed|failed" "$OUT/ops_matmul_fused.txt" | head -4
+env $O=2 timeout $(lim 25) $T/test_backend_ops test_cuda_fused_rope > "$OUT/ops_fused_rope.txt" 2>&1; say "ops fused_rope [$O=2] rc=$?"
+grep -E "^(ok|FAIL|not ok)|passed|failed" "$OUT/ops_fused_rope.txt" | head -4
 say done
