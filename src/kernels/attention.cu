@@ -362,6 +362,23 @@ static bool pd_k_attn_onewave() {
     return pd_k_env_on("PD_CUDA_ATTN_ONEWAVE", &on);
 }
 
+// PD_CUDA_ATTN_MIN_PART=n (a measurement knob, 64..4096, default PD_K_DEC_MIN_PART = 128): the
+// smallest partition of the split; PD_CUDA_ATTN_W4=1 (measurement knob): a one-partition grid
+// that fits the GPU runs 4-warp blocks (half an SM's registers) instead of 8-warp ones (241
+// registers: a whole SM each, so every block waits for an SM the kernel before it has left
+// entirely). At one stream, context <= 256 (graph bucket 256): 16 blocks of 8 warps (the second
+// partition idle below 129) by default; MIN_PART=256, 8 blocks; with W4, 8 blocks of 4 warps.
+static int pd_k_dec_min_part() {
+    static int v = -1;
+    if (v < 0) v = pd_k_env_int("PD_CUDA_ATTN_MIN_PART", PD_K_DEC_MIN_PART, 64, 4096);
+    return v;
+}
+static bool pd_k_dec_w4() {
+    static int v = -1;
+    if (v < 0) v = pd_k_env_int("PD_CUDA_ATTN_W4", 0, 0, 1);
+    return v != 0;
+}
+
 static inline int pd_k_dec_part(int n_seqs, int n_kv, int max_kv_len) {
     int want = (pd_k_dec_waves() * 132 + n_seqs * n_kv - 1) / (n_seqs * n_kv);  // waves on an H100
     if (pd_k_attn_onewave() && n_seqs * n_kv * 2 <= pd_k_num_sms()) {
@@ -369,12 +386,12 @@ static inline int pd_k_dec_part(int n_seqs, int n_kv, int max_kv_len) {
         if (w1 > PD_K_DEC_MAX_SPLITS) w1 = PD_K_DEC_MAX_SPLITS;
         int part = (max_kv_len + w1 - 1) / w1;
         part = (part + 63) / 64 * 64;
-        if (part < PD_K_DEC_MIN_PART) part = PD_K_DEC_MIN_PART;
+        if (part < pd_k_dec_min_part()) part = pd_k_dec_min_part();
         return part;  // ceil(max_kv_len / part) <= w1 splits: one wave
     }
     if (want < 1) want = 1;
     int part = (max_kv_len + want - 1) / want;
-    if (part < PD_K_DEC_MIN_PART) part = PD_K_DEC_MIN_PART;
+    if (part < pd_k_dec_min_part()) part = pd_k_dec_min_part();
     int min_part = (max_kv_len + PD_K_DEC_MAX_SPLITS - 1) / PD_K_DEC_MAX_SPLITS;
     if (part < min_part) part = min_part;
     return (part + 63) / 64 * 64;
@@ -1569,7 +1586,7 @@ static void pd_k_attn_launch_decode(const pd_attention_kparams *p, cudaStream_t 
     // tensor cores for head_dim >= 64; 8 warps per block when the blocks do not fill the GPU
     bool tc = HD >= 64 && pd_k_attn_tc_enabled();
     long blocks = (long)n_splits * p->n_kv_heads * p->n_seqs;
-    bool wide = tc && blocks <= pd_k_num_sms();
+    bool wide = tc && blocks <= pd_k_num_sms() && !(n_splits == 1 && pd_k_dec_w4());
     bool fold = n_splits > 1 && wide && pd_k_attn_fold_enabled();  // only the 8-warp kernels merge
     pd_k_dec_kern kern = k_attn_decode<HD, GM, F8>;
     if constexpr (HD >= 64) {
