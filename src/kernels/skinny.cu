@@ -36,6 +36,7 @@ typedef struct pd_k_skinny_args {
     float attn_scaling;
     int prewait;  // batches of loads issued before the PDL wait (U or more: all)
     int *dep_cnt;  // rope form: kv-group counters (skinny.cuh; attention.cu "Counter dependency")
+    int norm_pf;   // the norm weight prefetched before the PDL wait: 0 no, 1 into L1, 2 into L2
 } pd_k_skinny_args;
 
 // Weight chunks c + u * 128 (u < U) of the R rows; chunks past the row's end read as zero.
@@ -268,6 +269,24 @@ static __device__ __forceinline__ void pd_k_sk_load_part(uint4 (&wv)[U][R], cons
                                                         : make_uint4(0, 0, 0, 0);
 }
 
+// Norm prefetch (PD_CUDA_SKINNY_NORM_PF=1|2; kparams norm_pf): the norm weight chunks this thread
+// reads in its first batch (a per-layer weight, 8 KB at K = 4096, last read a whole step ago, so no
+// longer in L2) are prefetched into L1 (1) or L2 (2) before the PDL wait, like the GEMM weights:
+// otherwise every first-wave block of the qkv and gate_up GEMMs (64 a step) meets an HBM miss
+// right after its release, between the sum of squares and its first FMA. (op_bench single's
+// replica shared one norm weight across layers, always cached: OPB_SINGLE_NORMS.)
+static __device__ __forceinline__ void pd_k_sk_norm_prefetch(const pd_k_skinny_args &p, int tid, int chunks) {
+#pragma unroll
+    for (int u = 0; u < PD_K_SK_LOADS / 4; u++) {
+        int c = tid + u * PD_K_SK_THREADS;
+        if (c < chunks && (c & 7) == 0) {  // one per 128-byte line
+            const uint4 *a = (const uint4 *)p.norm_w + c;
+            if (p.norm_pf == 1) asm volatile("prefetch.global.L1 [%0];\n" ::"l"(a));
+            else asm volatile("prefetch.global.L2 [%0];\n" ::"l"(a));
+        }
+    }
+}
+
 // O6 (PD_CUDA_SKINNY_OCC6, a measurement knob): the M = 1 build bounded to 6 blocks per SM (80
 // registers; a few spilled bytes without the norm prologue, ~100 with it) instead of the natural 5
 // (94 registers): 192 KB of weight loads in flight per SM instead of 160, and a sixth of a
@@ -289,6 +308,7 @@ static __global__ void __launch_bounds__(PD_K_SK_THREADS, VAR == PD_K_SK_OCC4 ? 
         pd_k_pdl_wait();  // the activations (and out) belong to earlier kernels
     } else if (p.prewait >= U) {
         pd_k_sk_load<R, U>(wv, wr, tid, chunks);
+        if (NORM && p.norm_pf) pd_k_sk_norm_prefetch(p, tid, chunks);
         pd_k_pdl_wait();
     } else {  // the first p.prewait batches before the wait, the rest right after it
         if (p.prewait >= 1) pd_k_sk_load_part<R, U, 0, 1>(wv, wr, tid, chunks);
@@ -439,6 +459,7 @@ extern "C" void pd_cuda_skinny(const pd_skinny_kparams *p, cudaStream_t s) {
     const int var = p->async ? PD_K_SK_ASYNC : p->occ4 ? PD_K_SK_OCC4 : PD_K_SK_REG;
     a.prewait = p->prewait > 0 ? p->prewait - 1 : PD_K_SK_LOADS;  // (kparams: 0 = all, u + 1 = u batches)
     a.dep_cnt = p->rope ? p->dep_cnt : NULL;
+    a.norm_pf = p->norm_pf;
     if (p->rope) {  // the qkv GEMM: with the attention norm (decode) or without
         if (p->norm_w) pd_k_skinny_launch_r<4, 1, PD_K_SK_ROPE>(a, s, var, p->occ6);
         else pd_k_skinny_launch_r<4, 0, PD_K_SK_ROPE>(a, s, var, p->occ6);

@@ -39,6 +39,9 @@ typedef struct pd_skinny_kparams {
     // occ6 (PD_CUDA_SKINNY_OCC6, a measurement knob): M = 1 built for 6 blocks per SM (80 registers)
     // instead of 5 (94): 1 the forms without the norm prologue (o, down), 2 every form
     int occ6;
+    // norm_pf (PD_CUDA_SKINNY_NORM_PF): with norm_w, its chunks of the block's first batch are
+    // prefetched before the PDL wait: 0 no, 1 into L1, 2 into L2 (skinny.cu "Norm prefetch")
+    int norm_pf;
     // rope form: each block adds 1 to dep_cnt[kv group of its rows] after its stores (a q head's
     // rows count for its group; attention.cuh dep_cnt, PD_CUDA_ATTN_DEP); NULL: nothing.
     // pd_cuda_skinny_dep_need: the count of one group.

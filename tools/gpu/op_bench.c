@@ -482,6 +482,7 @@ enum { SG_EMBED = 1, SG_ATTN = 4, SG_ROWS = 8, SG_LMH = 16, SG_QKV = 32, SG_O = 
 typedef struct sg_arg {
     void *x, *qkv, *attn, *mlp, *sel, *logits, *g1, *g2, *gf, *lmh, *meta_dev;
     void *wqkv[SG_MAX_COPIES], *wo[SG_MAX_COPIES], *wgu[SG_MAX_COPIES], *wd[SG_MAX_COPIES];
+    void *g1s[SG_MAX_COPIES], *g2s[SG_MAX_COPIES];  // OPB_SINGLE_NORMS=1: each weight set's own norm weights
     int n_copies;  // distinct weight sets, layer li uses set li % n_copies (OPB_SINGLE_LAYERS)
     int32_t *ids;
     pd_rope_kv_params rope[2];
@@ -496,14 +497,14 @@ static void sg_step(pd_backend *b, sg_arg *s) {
         int i = li % 2, wi = li % s->n_copies;
         if (k & SG_QKV)
             pd_op_matmul(b, &(pd_matmul_params){.a = s->x, .w = s->wqkv[wi], .out = s->qkv, .M = 1, .N = NQ, .K = D,
-                                                .norm_w = s->g1, .norm_eps = 1e-5f, .rope = &s->rope[i],
+                                                .norm_w = s->g1s[wi] ? s->g1s[wi] : s->g1, .norm_eps = 1e-5f, .rope = &s->rope[i],
                                                 .attn_follows = (k & SG_ATTN) != 0});
         if (k & SG_ATTN) pd_op_attention(b, &s->at[i]);
         if (k & SG_O)
             pd_op_matmul(b, &(pd_matmul_params){.a = s->attn, .w = s->wo[wi], .out = s->x, .M = 1, .N = D, .K = D, .residual = true});
         if (k & SG_GU)
             pd_op_matmul(b, &(pd_matmul_params){.a = s->x, .w = s->wgu[wi], .out = s->mlp, .M = 1, .N = F, .K = D,
-                                                .norm_w = s->g2, .norm_eps = 1e-5f, .glu = true});
+                                                .norm_w = s->g2s[wi] ? s->g2s[wi] : s->g2, .norm_eps = 1e-5f, .glu = true});
         if (k & SG_DN)
             pd_op_matmul(b, &(pd_matmul_params){.a = s->mlp, .w = s->wd[wi], .out = s->x, .M = 1, .N = D, .K = F, .residual = true});
     }
@@ -577,11 +578,21 @@ static void bench_single(double copy_gbs, pd_backend **bes, const char **be_name
     pd_err eerr = {0};
     if (pd_env_int("OPB_SINGLE_LAYERS", 2, 1, SG_MAX_COPIES, &s.n_copies, &eerr)) { fprintf(stderr, "%s\n", eerr.msg); exit(2); }
     if (pd_env_double("OPB_W_STD", 0.05, 1e-4, 1.0, &g_wstd, &eerr)) { fprintf(stderr, "%s\n", eerr.msg); exit(2); }
+    // OPB_SINGLE_NORMS=1: every weight set its own norm weights (the engine's, each read once a
+    // step); 0 (default): one pair shared by all layers (always cached)
+    bool own_norms = false;
+    if (pd_env_switch("OPB_SINGLE_NORMS", false, &own_norms, &eerr)) { fprintf(stderr, "%s\n", eerr.msg); exit(2); }
     for (int i = 0; i < s.n_copies; i++) {
+        if (own_norms) {
+            s.g1s[i] = alloc((size_t)D * 2), s.g2s[i] = alloc((size_t)D * 2);
+            pd_op_fill_normal(g_b, s.g1s[i], PD_DTYPE_BF16, D, 100 + (uint64_t)i, 1.0f, 0.1f);
+            pd_op_fill_normal(g_b, s.g2s[i], PD_DTYPE_BF16, D, 200 + (uint64_t)i, 1.0f, 0.1f);
+        }
         s.wqkv[i] = rnd((size_t)NQ * D), s.wo[i] = rnd((size_t)D * D);
         s.wgu[i] = rnd((size_t)2 * F * D), s.wd[i] = rnd((size_t)D * F);
     }
-    printf("single: %d distinct layer weight sets, weights N(0, %g)\n", s.n_copies, g_wstd);
+    printf("single: %d distinct layer weight sets, weights N(0, %g), norm weights %s\n", s.n_copies, g_wstd,
+           own_norms ? "per set" : "shared");
     s.lmh = rnd((size_t)V * D);
     // ids: [0] the token, [1] the logit row (0); positions / slots after them (the step's metadata)
     int32_t meta[4] = {12345, 0, ctx - 1, 0};

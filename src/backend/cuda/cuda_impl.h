@@ -53,6 +53,7 @@ typedef struct pd_cuda_backend {
     int skinny_async;          // its weights through shared memory (cp.async)
     int skinny_prewait;        // PD_CUDA_SKINNY_PREWAIT + 1: 0 all of a first tile's loads before the PDL wait
     int skinny_occ6;           // PD_CUDA_SKINNY_OCC6: M = 1 at 6 blocks per SM (1 forms without norm, 2 all)
+    int skinny_norm_pf;        // PD_CUDA_SKINNY_NORM_PF: the norm weight prefetched before the PDL wait (1 L1, 2 L2)
     int skinny_mma;            // kernels/skinny_mma.cu (M <= 16): 0 never, 1/3 the measured rules, 2 always
     int skinny_mma_rows;       // its weight rows per block (16 or 32)
     int skinny_mma_pipe;       // its double-buffered weight loads: -1 the rule's choice, 0 off, 1 on

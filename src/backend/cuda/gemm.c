@@ -98,6 +98,10 @@ void pd_cuda_gemm_init(pd_cuda_backend *cb) {
     // registers) instead of 5: 1 the forms without the norm prologue (o, down, plain), 2 every form
     // (kernels/skinny.cu "O6"; measurement knob, default 0).
     cb->skinny_occ6 = pd_cuda_env_int("PD_CUDA_SKINNY_OCC6", 0, 0, 2);
+    // PD_CUDA_SKINNY_NORM_PF=1|2: the fused norm's weight chunks of a block's first batch are
+    // prefetched into L1 (1) or L2 (2) before the PDL wait (kernels/skinny.cu "Norm prefetch";
+    // measurement knob, default 0).
+    cb->skinny_norm_pf = pd_cuda_env_int("PD_CUDA_SKINNY_NORM_PF", 0, 0, 2);
     if (cb->skinny_rows == 3) pd_abort(__FILE__, __LINE__, __func__, "PD_CUDA_SKINNY_ROWS must be 2 or 4");
     // Which of the two skinny kernels takes an M (see skinny_choice): PD_CUDA_SKINNY_MMA=0 the
     // CUDA-core kernel only (M <= 8; larger M go to cuBLASLt), 1 (the default) the rule measured end
@@ -577,7 +581,7 @@ static void fused_matmul(pd_backend *b, pd_cuda_backend *cb, const pd_matmul_par
                                .lda = q.lda ? q.lda : q.K, .accumulate = q.accumulate, .out_f32 = q.out_f32,
                                .rows = 4, .occ4 = cb->skinny_occ4, .async = cb->skinny_async,
                                .prewait = cb->skinny_prewait, .occ6 = cb->skinny_occ6,
-                               .dep_cnt = dep ? cb->dep_cnt : NULL,
+                               .norm_pf = cb->skinny_norm_pf, .dep_cnt = dep ? cb->dep_cnt : NULL,
                                .norm_w = q.norm_w, .norm_eps = q.norm_eps, .glu = q.glu,
                                .residual = q.residual, .rope = rope_in, .rope_kv = rk};
         pd_cuda_skinny(&k, cb->stream);
