@@ -273,7 +273,6 @@ void pd_op_matmul(pd_backend *b, const pd_matmul_params *p) {
     PD_ASSERT(!p->glu || (!p->accumulate && !p->residual && !p->out_f32));
     PD_ASSERT(!p->residual || (!p->accumulate && !p->out_f32));
     PD_ASSERT(!p->norm_w || !p->lda || p->lda == p->K);
-    PD_ASSERT(!p->attn_follows || p->rope);
     PD_ASSERT(!p->rope || (!p->glu && !p->residual && !p->accumulate && !p->out_f32 && p->rope->qkv == p->out &&
                            p->rope->n_tokens == p->M &&
                            p->N == (p->rope->n_heads + 2 * p->rope->n_kv_heads) * p->rope->head_dim));

@@ -125,11 +125,6 @@ typedef struct pd_matmul_params {
     bool glu;
     bool residual;
     const pd_rope_kv_params *rope;  // host struct, read during the call
-    // With rope: the caller's next op on this backend is pd_op_attention of these rows (a decode
-    // step's), which a backend may then start as soon as the rows of each kv group are written
-    // (CUDA: PD_CUDA_ATTN_DEP=1, kernels/attention.cu "Counter dependency"). A hint: results are
-    // the same either way.
-    bool attn_follows;
 } pd_matmul_params;
 
 // RoPE (HF "rotate_half" layout: pairs (i, i + head_dim/2)) applied in place to the q and k parts

@@ -362,23 +362,6 @@ static bool pd_k_attn_onewave() {
     return pd_k_env_on("PD_CUDA_ATTN_ONEWAVE", &on);
 }
 
-// PD_CUDA_ATTN_MIN_PART=n (a measurement knob, 64..4096, default PD_K_DEC_MIN_PART = 128): the
-// smallest partition of the split; PD_CUDA_ATTN_W4=1 (measurement knob): a one-partition grid
-// that fits the GPU runs 4-warp blocks (half an SM's registers) instead of 8-warp ones (241
-// registers: a whole SM each, so every block waits for an SM the kernel before it has left
-// entirely). At one stream, context <= 256 (graph bucket 256): 16 blocks of 8 warps (the second
-// partition idle below 129) by default; MIN_PART=256, 8 blocks; with W4, 8 blocks of 4 warps.
-static int pd_k_dec_min_part() {
-    static int v = -1;
-    if (v < 0) v = pd_k_env_int("PD_CUDA_ATTN_MIN_PART", PD_K_DEC_MIN_PART, 64, 4096);
-    return v;
-}
-static bool pd_k_dec_w4() {
-    static int v = -1;
-    if (v < 0) v = pd_k_env_int("PD_CUDA_ATTN_W4", 0, 0, 1);
-    return v != 0;
-}
-
 static inline int pd_k_dec_part(int n_seqs, int n_kv, int max_kv_len) {
     int want = (pd_k_dec_waves() * 132 + n_seqs * n_kv - 1) / (n_seqs * n_kv);  // waves on an H100
     if (pd_k_attn_onewave() && n_seqs * n_kv * 2 <= pd_k_num_sms()) {
@@ -386,12 +369,12 @@ static inline int pd_k_dec_part(int n_seqs, int n_kv, int max_kv_len) {
         if (w1 > PD_K_DEC_MAX_SPLITS) w1 = PD_K_DEC_MAX_SPLITS;
         int part = (max_kv_len + w1 - 1) / w1;
         part = (part + 63) / 64 * 64;
-        if (part < pd_k_dec_min_part()) part = pd_k_dec_min_part();
+        if (part < PD_K_DEC_MIN_PART) part = PD_K_DEC_MIN_PART;
         return part;  // ceil(max_kv_len / part) <= w1 splits: one wave
     }
     if (want < 1) want = 1;
     int part = (max_kv_len + want - 1) / want;
-    if (part < pd_k_dec_min_part()) part = pd_k_dec_min_part();
+    if (part < PD_K_DEC_MIN_PART) part = PD_K_DEC_MIN_PART;
     int min_part = (max_kv_len + PD_K_DEC_MAX_SPLITS - 1) / PD_K_DEC_MAX_SPLITS;
     if (part < min_part) part = min_part;
     return (part + 63) / 64 * 64;
@@ -1215,8 +1198,7 @@ struct pd_k_bt_step_regs {
     uint4 k[2][HD / 32], v[2][HD / 32];
 };
 
-// CG: through L2 (ld.global.cg), for rows another running kernel may have written (DEP below).
-template <int HD, bool CG = false>
+template <int HD>
 static __device__ __forceinline__ void pd_k_bt_load(pd_k_bt_step_regs<HD> &r, const __nv_bfloat16 *kc,
                                                     const __nv_bfloat16 *vc, const int (&slot)[2], int n_kv, int kvh,
                                                     int t) {
@@ -1226,8 +1208,8 @@ static __device__ __forceinline__ void pd_k_bt_load(pd_k_bt_step_regs<HD> &r, co
             size_t off = ((size_t)slot[hh] * n_kv + kvh) * HD + t * 8;
 #pragma unroll
             for (int i = 0; i < HD / 32; i++) {
-                r.k[hh][i] = CG ? __ldcg((const uint4 *)(kc + off + i * 32)) : __ldg((const uint4 *)(kc + off + i * 32));
-                r.v[hh][i] = CG ? __ldcg((const uint4 *)(vc + off + i * 32)) : __ldg((const uint4 *)(vc + off + i * 32));
+                r.k[hh][i] = __ldg((const uint4 *)(kc + off + i * 32));
+                r.v[hh][i] = __ldg((const uint4 *)(vc + off + i * 32));
             }
         } else {
 #pragma unroll
@@ -1237,7 +1219,7 @@ static __device__ __forceinline__ void pd_k_bt_load(pd_k_bt_step_regs<HD> &r, co
 }
 
 // The rows of pd_k_bt_load flagged late (with a slot), over what an early load left there.
-template <int HD, bool CG = false>
+template <int HD>
 static __device__ __forceinline__ void pd_k_bt_load_late(pd_k_bt_step_regs<HD> &r, const __nv_bfloat16 *kc,
                                                          const __nv_bfloat16 *vc, const int (&slot)[2],
                                                          const bool (&late)[2], int n_kv, int kvh, int t) {
@@ -1247,8 +1229,8 @@ static __device__ __forceinline__ void pd_k_bt_load_late(pd_k_bt_step_regs<HD> &
             size_t off = ((size_t)slot[hh] * n_kv + kvh) * HD + t * 8;
 #pragma unroll
             for (int i = 0; i < HD / 32; i++) {
-                r.k[hh][i] = CG ? __ldcg((const uint4 *)(kc + off + i * 32)) : __ldg((const uint4 *)(kc + off + i * 32));
-                r.v[hh][i] = CG ? __ldcg((const uint4 *)(vc + off + i * 32)) : __ldg((const uint4 *)(vc + off + i * 32));
+                r.k[hh][i] = __ldg((const uint4 *)(kc + off + i * 32));
+                r.v[hh][i] = __ldg((const uint4 *)(vc + off + i * 32));
             }
         }
     }
@@ -1317,31 +1299,12 @@ static __device__ __forceinline__ void pd_k_bt_step(const uint4 (&qf)[HD / 32], 
         }
 }
 
-// Counter dependency (DEP; PD_CUDA_ATTN_DEP=1, a measurement path): at one decode sequence the
-// kernel before this one is the skinny qkv GEMM's rope form, whose blocks add themselves to
-// dep[kv head] after their q / K / V stores (skinny.cu). Instead of griddepcontrol.wait (that whole
-// kernel's completion and flush: the ~3 us boundary of tools/gpu/NOTES.md dec13-1), thread 0 of
-// each live block polls its kv head's count until it reaches dep_need, so the attention of a kv
-// group starts as soon as the blocks it needs are done; everything written by that kernel is then
-// read through L2 (ld.global.cg), never through the non-coherent path. The last live partition to
-// pass resets the count (dep[n_kv + kv head] counts them). The kernel after this one still waits
-// for this one's completion (PDL), which implies every qkv block has counted itself. Measured on
-// an H100 (session 14, NOTES.md dec14): slower than the PDL wait.
-// (a relaxed poll, then one acquire fence: an acquire load in the loop would invalidate the SM's
-// L1 on every iteration, under the other blocks that share it)
-static __device__ __forceinline__ int pd_k_ld_relaxed(const int *p) {
-    int v;
-    asm volatile("ld.relaxed.gpu.global.b32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
-    return v;
-}
-static __device__ __forceinline__ void pd_k_fence_acq_rel() { asm volatile("fence.acq_rel.gpu;\n" ::: "memory"); }
-
-template <int HD, int GM, int W, int DEPTH, bool DEP = false>
+template <int HD, int GM, int W, int DEPTH>
 static __global__ void __launch_bounds__(W * 32, W == 4 ? 2 : 1)
     k_attn_decode_bt(const __nv_bfloat16 *q, const void *kc_, const void *vc_, __nv_bfloat16 *out,
                      const int32_t *q_indptr, const int32_t *kv_lens, const int32_t *bt_indptr,
                      const int32_t *bt_indices, int H, int n_kv, int bs, int q_stride, float scale_log2, int part,
-                     int n_splits, float *ws, int *cnt, size_t rb, int n_new, int *dep, int dep_need) {
+                     int n_splits, float *ws, int *cnt, size_t rb, int n_new) {
     constexpr int NI = HD / 32, STEP = W * 16;
     __shared__ float red[W][GM][HD + 2];
     const __nv_bfloat16 *kc = (const __nv_bfloat16 *)kc_, *vc = (const __nv_bfloat16 *)vc_;
@@ -1377,40 +1340,24 @@ static __global__ void __launch_bounds__(W * 32, W == 4 ? 2 : 1)
             pd_k_bt_load<HD>(buf[d], kc, vc, pre, n_kv, kvh, t);
         }
     }
+    pd_k_pdl_wait();
+    if (!live) return;
     int n_sp = (kv_len + part - 1) / part;
-    if constexpr (DEP) {
-        if (!live) return;
-        if (threadIdx.x == 0) {
-            while (pd_k_ld_relaxed(dep + kvh) < dep_need) {
-            }
-            pd_k_fence_acq_rel();
-            if (atomicAdd(dep + n_kv + kvh, 1) == n_sp - 1) {  // every live partition has passed
-                dep[kvh] = 0;
-                dep[n_kv + kvh] = 0;
-            }
-            __threadfence();
-        }
-        __syncthreads();
-    } else {
-        pd_k_pdl_wait();
-        if (!live) return;
-    }
     int G = H / n_kv;
 
 #pragma unroll
     for (int d = 0; d < DEPTH; d++) {
         if (early) {
             bool late[2] = {first + d * STEP + g >= stable, first + d * STEP + 8 + g >= stable};
-            pd_k_bt_load_late<HD, DEP>(buf[d], kc, vc, slot[d], late, n_kv, kvh, t);
+            pd_k_bt_load_late<HD>(buf[d], kc, vc, slot[d], late, n_kv, kvh, t);
         } else {
-            pd_k_bt_load<HD, DEP>(buf[d], kc, vc, slot[d], n_kv, kvh, t);
+            pd_k_bt_load<HD>(buf[d], kc, vc, slot[d], n_kv, kvh, t);
         }
     }
     uint4 qf[NI];
 #pragma unroll
     for (int i = 0; i < NI; i++)
-        qf[i] = g < G ? (DEP ? __ldcg((const uint4 *)(q + (size_t)q_begin * q_stride + (size_t)(kvh * G + g) * HD + i * 32 + t * 8))
-                             : *(const uint4 *)(q + (size_t)q_begin * q_stride + (size_t)(kvh * G + g) * HD + i * 32 + t * 8))
+        qf[i] = g < G ? *(const uint4 *)(q + (size_t)q_begin * q_stride + (size_t)(kvh * G + g) * HD + i * 32 + t * 8)
                       : make_uint4(0, 0, 0, 0);
     float o[NI][2][4];
 #pragma unroll
@@ -1427,7 +1374,7 @@ static __global__ void __launch_bounds__(W * 32, W == 4 ? 2 : 1)
             int ns[2] = {nx[0], nx[1]};
             nx[0] = pd_k_dec_slot(bt, base + (DEPTH + 1) * STEP + g, k_end, bs);
             nx[1] = pd_k_dec_slot(bt, base + (DEPTH + 1) * STEP + 8 + g, k_end, bs);
-            pd_k_bt_load<HD, DEP>(buf[(u + DEPTH) % (DEPTH + 1)], kc, vc, ns, n_kv, kvh, t);
+            pd_k_bt_load<HD>(buf[(u + DEPTH) % (DEPTH + 1)], kc, vc, ns, n_kv, kvh, t);
             pd_k_bt_step<HD>(qf, buf[u], o, m, l, base, k_end, g, scale_log2);
         }
     }
@@ -1586,7 +1533,7 @@ static void pd_k_attn_launch_decode(const pd_attention_kparams *p, cudaStream_t 
     // tensor cores for head_dim >= 64; 8 warps per block when the blocks do not fill the GPU
     bool tc = HD >= 64 && pd_k_attn_tc_enabled();
     long blocks = (long)n_splits * p->n_kv_heads * p->n_seqs;
-    bool wide = tc && blocks <= pd_k_num_sms() && !(n_splits == 1 && pd_k_dec_w4());
+    bool wide = tc && blocks <= pd_k_num_sms();
     bool fold = n_splits > 1 && wide && pd_k_attn_fold_enabled();  // only the 8-warp kernels merge
     pd_k_dec_kern kern = k_attn_decode<HD, GM, F8>;
     if constexpr (HD >= 64) {
@@ -1594,28 +1541,12 @@ static void pd_k_attn_launch_decode(const pd_attention_kparams *p, cudaStream_t 
             if (pd_k_attn_f8_tiles() == 2) kern = wide ? k_attn_decode_f8s<HD, GM, 8, 1, 2> : k_attn_decode_f8s<HD, GM, 4, 1, 2>;
             else kern = wide ? k_attn_decode_f8s<HD, GM, 8, 2, 1> : k_attn_decode_f8s<HD, GM, 4, 2, 1>;
         } else if (F8) kern = wide ? k_attn_decode_tc_f8<HD, GM, 8> : tc ? k_attn_decode_tc_f8<HD, GM, 4> : kern;
-        else if (tc && pd_k_attn_bt_enabled()) {
-            bool dep = p->dep_cnt && wide && p->n_seqs == 1 && p->max_q_len == 1;
-            void (*bt)(const __nv_bfloat16 *, const void *, const void *, __nv_bfloat16 *, const int32_t *, const int32_t *,
-                       const int32_t *, const int32_t *, int, int, int, int, float, int, int, float *, int *, size_t, int,
-                       int *, int) = dep ? k_attn_decode_bt<HD, GM, 8, 1, true>
-                                         : wide ? k_attn_decode_bt<HD, GM, 8, 1> : k_attn_decode_bt<HD, GM, 4, 1>;
-            if (p->dep_cnt && !dep) cudaMemsetAsync(p->dep_cnt, 0, 2 * (size_t)p->n_kv_heads * sizeof(int), s);
-            pd_k_launch(bt, grid, dim3((wide ? 8 : 4) * 32), 0, s, (const __nv_bfloat16 *)p->q, p->k_cache, p->v_cache,
-                        (__nv_bfloat16 *)p->out, p->q_indptr, p->kv_lens, p->bt_indptr, p->bt_indices, p->n_heads,
-                        p->n_kv_heads, p->block_size, p->q_stride, p->scale * PD_K_LOG2E, part, n_splits, p->workspace,
-                        fold ? p->counters : (int *)0, p->row_bytes, pd_k_attn_early_enabled() ? p->n_new : 0,
-                        dep ? p->dep_cnt : (int *)0, p->dep_need);
-            if (n_splits > 1 && !fold)
-                pd_k_launch(k_attn_combine<HD>, dim3(p->n_seqs, p->n_heads), dim3(HD), 0, s, (__nv_bfloat16 *)p->out,
-                            p->q_indptr, p->kv_lens, p->n_heads, part, n_splits, (const float *)p->workspace);
-            return;
-        }
+        else if (tc && pd_k_attn_bt_enabled())
+            kern = wide ? k_attn_decode_bt<HD, GM, 8, 1> : k_attn_decode_bt<HD, GM, 4, 1>;
         else if (pd_k_attn_pipe_enabled())
             kern = wide ? k_attn_decode_tc<HD, GM, 8, true> : tc ? k_attn_decode_tc<HD, GM, 4, true> : kern;
         else kern = wide ? k_attn_decode_tc<HD, GM, 8, false> : tc ? k_attn_decode_tc<HD, GM, 4, false> : kern;
     }
-    if (p->dep_cnt) cudaMemsetAsync(p->dep_cnt, 0, 2 * (size_t)p->n_kv_heads * sizeof(int), s);  // not honoured here
     pd_k_launch(kern, grid, dim3((wide ? 8 : 4) * 32), 0, s, (const __nv_bfloat16 *)p->q, p->k_cache, p->v_cache,
                 (__nv_bfloat16 *)p->out, p->q_indptr, p->kv_lens, p->bt_indptr, p->bt_indices, p->n_heads,
                 p->n_kv_heads, p->block_size, p->q_stride, p->scale * PD_K_LOG2E, part, n_splits, p->workspace,
@@ -1628,7 +1559,6 @@ static void pd_k_attn_launch_decode(const pd_attention_kparams *p, cudaStream_t 
 template <int HD, bool F8>
 static void pd_k_attn_dispatch(const pd_attention_kparams *p, cudaStream_t s) {
     if (p->max_q_len > 1) {
-        if (p->dep_cnt) cudaMemsetAsync(p->dep_cnt, 0, 2 * (size_t)p->n_kv_heads * sizeof(int), s);  // not honoured
         pd_k_attn_launch_prefill<HD, F8>(p, s);
         // One sequence of several query rows (its q_len is n_tokens): no decode row, so no decode
         // kernel, whose blocks would only wait for the prefill kernel (PDL) and return (a
@@ -1643,12 +1573,6 @@ static void pd_k_attn_dispatch(const pd_attention_kparams *p, cudaStream_t s) {
     else if (G == 2) pd_k_attn_launch_decode<HD, 2, F8>(p, s, part, n_splits);
     else if (G <= 4) pd_k_attn_launch_decode<HD, 4, F8>(p, s, part, n_splits);
     else pd_k_attn_launch_decode<HD, 8, F8>(p, s, part, n_splits);
-}
-
-extern "C" int pd_cuda_attention_dep_ok(int head_dim, int n_heads, int n_kv_heads) {
-    return (head_dim == 64 || head_dim == 128) && pd_cuda_attention_supported(head_dim, n_heads, n_kv_heads) &&
-           2 * n_kv_heads <= pd_k_num_sms() && pd_k_attn_tc_enabled() && pd_k_attn_bt_enabled() && pd_k_attn_onewave() &&
-           pd_k_attn_fold_enabled();
 }
 
 extern "C" void pd_cuda_attention(const pd_attention_kparams *p, cudaStream_t s) {

@@ -42,14 +42,6 @@ typedef struct pd_attention_kparams {
                                         // be written by the kernels before this one since the last full
                                         // completion of the stream (a graph step's own KV writes), so the
                                         // decode kernel loads the others before its PDL wait; 0: unknown
-    // dep_cnt (a measurement path, PD_CUDA_ATTN_DEP; attention.cu "Counter dependency"): the q / K /
-    // V rows come from the kernel launched just before (the skinny qkv GEMM's rope form), whose
-    // blocks count themselves into dep_cnt[kv head] (dep_need each) after their stores: a single
-    // decode sequence's kernel then waits for its kv head's counter instead of that kernel's
-    // completion, and resets it (dep_cnt[n_kv_heads + kv head]: its live partitions). Where the
-    // launch cannot wait so (another kernel, several sequences), the counters are zeroed instead.
-    int *dep_cnt;
-    int dep_need;
 } pd_attention_kparams;
 
 // True when head_dim and the GQA group size are supported (head_dim 32/64/128, group <= 8), for
@@ -61,9 +53,6 @@ size_t pd_cuda_attention_workspace_bytes(int n_tokens, int n_seqs, int n_heads, 
 // Bytes of the counters (zeroed once by the caller) for these bounds (0 when no split is needed).
 size_t pd_cuda_attention_counter_bytes(int n_seqs, int n_kv_heads, int head_dim, int max_kv_len);
 void pd_cuda_attention(const pd_attention_kparams *p, cudaStream_t s);
-// Whether a launch of these shapes would honour dep_cnt (bf16 cache, head_dim 64 / 128, one
-// sequence of one query row, the streaming tensor-core decode kernel, partials merged in place).
-int pd_cuda_attention_dep_ok(int head_dim, int n_heads, int n_kv_heads);
 
 #ifdef __cplusplus
 }

@@ -15,7 +15,8 @@
 // 4-warp reduction through shared memory; threads 0 .. R*M-1 add bias / the previous output and
 // store.
 // PDL: the first batch of weight loads is issued before pd_k_pdl_wait() (weights are never
-// written by a kernel), so it overlaps the previous kernel's tail.
+// written by a kernel), so it overlaps the previous kernel's tail; so is a prefetch of the fused
+// norm's weight (see "Norm prefetch").
 #include "kernels/common.cuh"
 #include "kernels/skinny.cuh"
 
@@ -35,8 +36,7 @@ typedef struct pd_k_skinny_args {
     int H, Hkv, hd;
     float attn_scaling;
     int prewait;  // batches of loads issued before the PDL wait (U or more: all)
-    int *dep_cnt;  // rope form: kv-group counters (skinny.cuh; attention.cu "Counter dependency")
-    int norm_pf;   // the norm weight prefetched before the PDL wait: 0 no, 1 into L1, 2 into L2
+    int norm_pf;  // the norm weight prefetched before the PDL wait: 0 no, 1 into L1, 2 into L2
 } pd_k_skinny_args;
 
 // Weight chunks c + u * 128 (u < U) of the R rows; chunks past the row's end read as zero.
@@ -269,17 +269,21 @@ static __device__ __forceinline__ void pd_k_sk_load_part(uint4 (&wv)[U][R], cons
                                                         : make_uint4(0, 0, 0, 0);
 }
 
-// Norm prefetch (PD_CUDA_SKINNY_NORM_PF=1|2; kparams norm_pf): the norm weight chunks this thread
-// reads in its first batch (a per-layer weight, 8 KB at K = 4096, last read a whole step ago, so no
-// longer in L2) are prefetched into L1 (1) or L2 (2) before the PDL wait, like the GEMM weights:
-// otherwise every first-wave block of the qkv and gate_up GEMMs (64 a step) meets an HBM miss
-// right after its release, between the sum of squares and its first FMA. (op_bench single's
-// replica shared one norm weight across layers, always cached: OPB_SINGLE_NORMS.)
+// Norm prefetch (PD_CUDA_SKINNY_NORM_PF, kparams norm_pf; default 1): the norm weight's 16-byte
+// chunks of a block's first load batch are prefetched into L1 (1; or L2, 2) before the PDL wait,
+// like the GEMM weights. The norm weights are per layer (8 KB at K = 4096) and read once a step, so
+// the whole step's streaming has evicted them from L2 by then: without the prefetch every
+// first-wave block of the qkv and gate_up GEMMs (64 a step, and the lm_head's final norm) meets an
+// HBM miss right after its release, between the sum of squares and its first FMA. Measured on an
+// H100 (session 14, tools/gpu/NOTES.md dec14-2): op_bench single with per-layer norm weights 5230.4
+// -> 5200.8 us (shared, always cached: 5184.2, level), bench-engine single stream ctx 128 5.263-5.269
+// -> 5.206-5.228 ms; it is the ~50 us "engine vs replica" gap of sessions 12-13 (the replica shared
+// one norm weight across layers).
 static __device__ __forceinline__ void pd_k_sk_norm_prefetch(const pd_k_skinny_args &p, int tid, int chunks) {
 #pragma unroll
-    for (int u = 0; u < PD_K_SK_LOADS / 4; u++) {
+    for (int u = 0; u < PD_K_SK_LOADS / 4; u++) {  // (U <= 4 batches of chunks tid + u * 128)
         int c = tid + u * PD_K_SK_THREADS;
-        if (c < chunks && (c & 7) == 0) {  // one per 128-byte line
+        if (c < chunks && (c & 7) == 0) {  // one prefetch per 128-byte line
             const uint4 *a = (const uint4 *)p.norm_w + c;
             if (p.norm_pf == 1) asm volatile("prefetch.global.L1 [%0];\n" ::"l"(a));
             else asm volatile("prefetch.global.L2 [%0];\n" ::"l"(a));
@@ -287,12 +291,8 @@ static __device__ __forceinline__ void pd_k_sk_norm_prefetch(const pd_k_skinny_a
     }
 }
 
-// O6 (PD_CUDA_SKINNY_OCC6, a measurement knob): the M = 1 build bounded to 6 blocks per SM (80
-// registers; a few spilled bytes without the norm prologue, ~100 with it) instead of the natural 5
-// (94 registers): 192 KB of weight loads in flight per SM instead of 160, and a sixth of a
-// kernel's first wave more loaded before its PDL wait.
-template <int M, int R, int NORM, int EPI, int VAR, bool O6 = false>
-static __global__ void __launch_bounds__(PD_K_SK_THREADS, VAR == PD_K_SK_OCC4 ? 4 : O6 ? 6 : 0) k_skinny(pd_k_skinny_args p) {
+template <int M, int R, int NORM, int EPI, int VAR>
+static __global__ void __launch_bounds__(PD_K_SK_THREADS, VAR == PD_K_SK_OCC4 ? 4 : 0) k_skinny(pd_k_skinny_args p) {
     constexpr bool AS = VAR == PD_K_SK_ASYNC;
     constexpr int U = PD_K_SK_LOADS / R;
     pd_k_pdl_trigger();
@@ -386,19 +386,6 @@ static __global__ void __launch_bounds__(PD_K_SK_THREADS, VAR == PD_K_SK_OCC4 ? 
         }
     }
     pd_k_sk_epi<M, R, EPI>(p, acc, row0, rot, red);
-    if (EPI == PD_K_SK_ROPE && p.dep_cnt) {  // count this block into its kv group (attention.cu "Counter dependency")
-        __syncthreads();  // (every store of the block before thread 0's fence: cumulative)
-        if (tid == 0) {
-            int h = row0 / p.hd, grp = h < p.H ? h / (p.H / p.Hkv) : h < p.H + p.Hkv ? h - p.H : h - p.H - p.Hkv;
-            __threadfence();
-            atomicAdd(p.dep_cnt + grp, 1);
-        }
-    }
-}
-
-extern "C" int pd_cuda_skinny_dep_need(int n_heads, int n_kv_heads, int head_dim) {
-    // rotation blocks own 4 rows of one q / k head (hd / 4 per head), v blocks 4 rows of one v head
-    return (n_heads / n_kv_heads + 2) * (head_dim / 4);
 }
 
 extern "C" int pd_cuda_skinny_supported(int M, int K, int lda, const void *a, const void *w) {
@@ -407,14 +394,9 @@ extern "C" int pd_cuda_skinny_supported(int M, int K, int lda, const void *a, co
 }
 
 template <int R, int NORM, int EPI, int VAR>
-static void pd_k_skinny_launch_v(const pd_k_skinny_args &a, cudaStream_t s, dim3 grid, dim3 block, int occ6) {
+static void pd_k_skinny_launch_v(const pd_k_skinny_args &a, cudaStream_t s, dim3 grid, dim3 block) {
     switch (a.M) {
-    case 1:
-        if (VAR == PD_K_SK_REG && (occ6 >= 2 || (occ6 == 1 && !NORM)))
-            pd_k_launch(k_skinny<1, R, NORM, EPI, VAR, true>, grid, block, 0, s, a);
-        else
-            pd_k_launch(k_skinny<1, R, NORM, EPI, VAR>, grid, block, 0, s, a);
-        break;
+    case 1: pd_k_launch(k_skinny<1, R, NORM, EPI, VAR>, grid, block, 0, s, a); break;
     case 2: pd_k_launch(k_skinny<2, R, NORM, EPI, VAR>, grid, block, 0, s, a); break;
     case 3: pd_k_launch(k_skinny<3, R, NORM, EPI, VAR>, grid, block, 0, s, a); break;
     case 4: pd_k_launch(k_skinny<4, R, NORM, EPI, VAR>, grid, block, 0, s, a); break;
@@ -427,18 +409,18 @@ static void pd_k_skinny_launch_v(const pd_k_skinny_args &a, cudaStream_t s, dim3
 
 // var: PD_K_SK_REG, PD_K_SK_OCC4 (M = 5 only; other M take the register build) or PD_K_SK_ASYNC.
 template <int R, int NORM, int EPI>
-static void pd_k_skinny_launch_r(pd_k_skinny_args a, cudaStream_t s, int var, int occ6) {
+static void pd_k_skinny_launch_r(pd_k_skinny_args a, cudaStream_t s, int var) {
     int rows = EPI == PD_K_SK_GLU ? R / 2 : R;
     unsigned n_blocks = (unsigned)((a.N + rows - 1) / rows);
     if (EPI == PD_K_SK_ROPE)  // rotation blocks (2 pairs each), then v blocks
         n_blocks = (unsigned)((a.H + a.Hkv) * (a.hd / 2) / 2 + (a.Hkv * a.hd + R - 1) / R);
     dim3 grid(n_blocks), block(PD_K_SK_THREADS);
     if (var == PD_K_SK_ASYNC) {
-        pd_k_skinny_launch_v<R, NORM, EPI, PD_K_SK_ASYNC>(a, s, grid, block, 0);
+        pd_k_skinny_launch_v<R, NORM, EPI, PD_K_SK_ASYNC>(a, s, grid, block);
     } else if (var == PD_K_SK_OCC4 && a.M == 5) {
         pd_k_launch(k_skinny<5, R, NORM, EPI, PD_K_SK_OCC4>, grid, block, 0, s, a);
     } else {
-        pd_k_skinny_launch_v<R, NORM, EPI, PD_K_SK_REG>(a, s, grid, block, occ6);
+        pd_k_skinny_launch_v<R, NORM, EPI, PD_K_SK_REG>(a, s, grid, block);
     }
 }
 
@@ -458,20 +440,19 @@ extern "C" void pd_cuda_skinny(const pd_skinny_kparams *p, cudaStream_t s) {
     a.H = r->n_heads, a.Hkv = r->n_kv_heads, a.hd = r->head_dim, a.attn_scaling = r->attn_scaling;
     const int var = p->async ? PD_K_SK_ASYNC : p->occ4 ? PD_K_SK_OCC4 : PD_K_SK_REG;
     a.prewait = p->prewait > 0 ? p->prewait - 1 : PD_K_SK_LOADS;  // (kparams: 0 = all, u + 1 = u batches)
-    a.dep_cnt = p->rope ? p->dep_cnt : NULL;
     a.norm_pf = p->norm_pf;
     if (p->rope) {  // the qkv GEMM: with the attention norm (decode) or without
-        if (p->norm_w) pd_k_skinny_launch_r<4, 1, PD_K_SK_ROPE>(a, s, var, p->occ6);
-        else pd_k_skinny_launch_r<4, 0, PD_K_SK_ROPE>(a, s, var, p->occ6);
+        if (p->norm_w) pd_k_skinny_launch_r<4, 1, PD_K_SK_ROPE>(a, s, var);
+        else pd_k_skinny_launch_r<4, 0, PD_K_SK_ROPE>(a, s, var);
         return;
     }
     // The fused forms: 4 rows per block (2 gate/up pairs with glu); only the instantiations the
     // decode step uses (norm with plain (lm_head) or glu (gate_up) or plain (qkv); residual alone).
-    if (p->norm_w && p->glu) pd_k_skinny_launch_r<4, 1, PD_K_SK_GLU>(a, s, var, p->occ6);
-    else if (p->norm_w && !p->residual) pd_k_skinny_launch_r<4, 1, PD_K_SK_PLAIN>(a, s, var, p->occ6);
-    else if (p->norm_w) pd_k_skinny_launch_r<4, 1, PD_K_SK_RESIDUAL>(a, s, var, p->occ6);
-    else if (p->glu) pd_k_skinny_launch_r<4, 0, PD_K_SK_GLU>(a, s, var, p->occ6);
-    else if (p->residual) pd_k_skinny_launch_r<4, 0, PD_K_SK_RESIDUAL>(a, s, var, p->occ6);
-    else if (p->rows == 2) pd_k_skinny_launch_r<2, 0, PD_K_SK_PLAIN>(a, s, var, p->occ6);
-    else pd_k_skinny_launch_r<4, 0, PD_K_SK_PLAIN>(a, s, var, p->occ6);
+    if (p->norm_w && p->glu) pd_k_skinny_launch_r<4, 1, PD_K_SK_GLU>(a, s, var);
+    else if (p->norm_w && !p->residual) pd_k_skinny_launch_r<4, 1, PD_K_SK_PLAIN>(a, s, var);
+    else if (p->norm_w) pd_k_skinny_launch_r<4, 1, PD_K_SK_RESIDUAL>(a, s, var);
+    else if (p->glu) pd_k_skinny_launch_r<4, 0, PD_K_SK_GLU>(a, s, var);
+    else if (p->residual) pd_k_skinny_launch_r<4, 0, PD_K_SK_RESIDUAL>(a, s, var);
+    else if (p->rows == 2) pd_k_skinny_launch_r<2, 0, PD_K_SK_PLAIN>(a, s, var);
+    else pd_k_skinny_launch_r<4, 0, PD_K_SK_PLAIN>(a, s, var);
 }

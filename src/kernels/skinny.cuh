@@ -36,16 +36,9 @@ typedef struct pd_skinny_kparams {
     // prewait: 0 every weight load of a block's first batch before the PDL wait, u + 1 only the
     // first u of its U load batches (skinny.cu "Prewait"; a measurement knob)
     int prewait;
-    // occ6 (PD_CUDA_SKINNY_OCC6, a measurement knob): M = 1 built for 6 blocks per SM (80 registers)
-    // instead of 5 (94): 1 the forms without the norm prologue (o, down), 2 every form
-    int occ6;
-    // norm_pf (PD_CUDA_SKINNY_NORM_PF): with norm_w, its chunks of the block's first batch are
-    // prefetched before the PDL wait: 0 no, 1 into L1, 2 into L2 (skinny.cu "Norm prefetch")
+    // norm_pf: with norm_w, its chunks of a block's first load batch are prefetched before the PDL
+    // wait: 0 no, 1 into L1, 2 into L2 (skinny.cu "Norm prefetch"; PD_CUDA_SKINNY_NORM_PF)
     int norm_pf;
-    // rope form: each block adds 1 to dep_cnt[kv group of its rows] after its stores (a q head's
-    // rows count for its group; attention.cuh dep_cnt, PD_CUDA_ATTN_DEP); NULL: nothing.
-    // pd_cuda_skinny_dep_need: the count of one group.
-    int *dep_cnt;
     // Fused forms (backend.h, pd_matmul_params): norm_w: the activation is rmsnorm(a) (weight
     // norm_w, eps norm_eps; lda == K); glu: w is (2N, K), out (M, N) = silu(gate) * up; residual:
     // out = bf16(out + bf16(a . w^T + bias)). glu and residual exclude accumulate and out_f32.
@@ -63,8 +56,6 @@ typedef struct pd_skinny_kparams {
 // aligned (every load is 16 bytes).
 int pd_cuda_skinny_supported(int M, int K, int lda, const void *a, const void *w);
 void pd_cuda_skinny(const pd_skinny_kparams *p, cudaStream_t s);
-// Blocks of the CUDA-core kernel's rope form that write one kv group's q, k and v rows.
-int pd_cuda_skinny_dep_need(int n_heads, int n_kv_heads, int head_dim);
 
 #ifdef __cplusplus
 }

@@ -162,7 +162,7 @@ static void run_layer(pd_model *m, pd_model_cache *kc, int li, int T, const int3
     if (fused) {  // x is the whole residual stream: the norm, RoPE and KV write go into the qkv GEMM
         pd_op_matmul(be, &(pd_matmul_params){.a = wp(ws->x), .w = wp(w->wqkv), .bias = wp(w->bqkv), .out = wp(ws->qkv),
                                              .M = T, .N = nqkv, .K = D, .norm_w = wp(w->attn_norm),
-                                             .norm_eps = c->rms_norm_eps, .rope = &rope, .attn_follows = true});
+                                             .norm_eps = c->rms_norm_eps, .rope = &rope});
     } else {
         pd_op_rmsnorm(be, &(pd_rmsnorm_params){.x = wp(ws->x), .add = li > 0 && !rg ? wp(ws->h) : NULL, .w = wp(w->attn_norm),
                                                .out = wp(ws->h), .n_rows = T, .dim = D, .eps = c->rms_norm_eps});

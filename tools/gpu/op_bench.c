@@ -497,8 +497,7 @@ static void sg_step(pd_backend *b, sg_arg *s) {
         int i = li % 2, wi = li % s->n_copies;
         if (k & SG_QKV)
             pd_op_matmul(b, &(pd_matmul_params){.a = s->x, .w = s->wqkv[wi], .out = s->qkv, .M = 1, .N = NQ, .K = D,
-                                                .norm_w = s->g1s[wi] ? s->g1s[wi] : s->g1, .norm_eps = 1e-5f, .rope = &s->rope[i],
-                                                .attn_follows = (k & SG_ATTN) != 0});
+                                                .norm_w = s->g1s[wi] ? s->g1s[wi] : s->g1, .norm_eps = 1e-5f, .rope = &s->rope[i]});
         if (k & SG_ATTN) pd_op_attention(b, &s->at[i]);
         if (k & SG_O)
             pd_op_matmul(b, &(pd_matmul_params){.a = s->attn, .w = s->wo[wi], .out = s->x, .M = 1, .N = D, .K = D, .residual = true});

@@ -100,7 +100,6 @@ static void cuda_free(pd_backend *b) {
     if (cb->attn_ws) cudaFree(cb->attn_ws);
     if (cb->fuse_ws) cudaFree(cb->fuse_ws);
     if (cb->attn_cnt) cudaFree(cb->attn_cnt);
-    if (cb->dep_cnt) cudaFree(cb->dep_cnt);
     if (cb->gemv_ws) cudaFree(cb->gemv_ws);
     if (cb->bgemm_ws) cudaFree(cb->bgemm_ws);
     if (cb->cb_dev) cudaFree(cb->cb_dev);
@@ -278,11 +277,6 @@ static void cuda_attention(pd_backend *b, const pd_attention_params *p) {
                               .kv_fp8 = p->kv_dtype == PD_KV_FP8,
                               .row_bytes = pd_kv_row_bytes(b, p->kv_dtype, p->n_kv_heads, p->head_dim),
                               .n_new = p->n_new};
-    if (cb->dep_q) {  // the qkv GEMM before counted its blocks: this launch waits on them (or zeroes them)
-        if (p->q == cb->dep_q) k.dep_cnt = cb->dep_cnt, k.dep_need = cb->dep_need;
-        else PD_CUDA_CHECK(cudaMemsetAsync(cb->dep_cnt, 0, 2 * PD_CUDA_DEP_MAX_KV * sizeof(int), cb->stream));
-        cb->dep_q = NULL;
-    }
     pd_cuda_attention(&k, cb->stream);
     PD_CUDA_CHECK_LAUNCH();
 }
@@ -782,17 +776,5 @@ pd_backend *pd_backend_cuda_new(int device, pd_err *err) {
     }
     pd_cuda_gemm_init(cb);
     cb->graph_dump = pd_cuda_env_int("PD_CUDA_GRAPH_DUMP", 0, 0, 1);
-    // PD_CUDA_ATTN_DEP=1: single-sequence decode attention waits for the qkv GEMM's kv-group
-    // counters instead of its completion (kernels/attention.cu "Counter dependency"; measurement
-    // knob, default 0)
-    cb->attn_dep = pd_cuda_env_int("PD_CUDA_ATTN_DEP", 0, 0, 1);
-    if (cb->attn_dep) {
-        size_t dep_bytes = 2 * PD_CUDA_DEP_MAX_KV * sizeof(int);
-        if (cudaMalloc((void **)&cb->dep_cnt, dep_bytes) != cudaSuccess || cudaMemset(cb->dep_cnt, 0, dep_bytes) != cudaSuccess) {
-            cudaGetLastError();
-            cb->dep_cnt = NULL;
-            cb->attn_dep = 0;
-        }
-    }
     return &cb->base;
 }

@@ -25,8 +25,6 @@ typedef struct pd_cuda_gemm_plan pd_cuda_gemm_plan;
 typedef struct pd_cuda_sampler pd_cuda_sampler;
 typedef struct pd_cuda_xfer pd_cuda_xfer;  // xfer.c: the transfer stream  // sample.c: pd_op_sample's staging buffers
 
-#define PD_CUDA_DEP_MAX_KV 64  // kv heads the qkv -> attention counters cover (PD_CUDA_ATTN_DEP)
-
 typedef struct pd_cuda_backend {
     pd_backend base;
     int device;
@@ -52,8 +50,7 @@ typedef struct pd_cuda_backend {
     int skinny_rule_max_m;     // the default rule's CUDA-core kernel up to this M (5)
     int skinny_async;          // its weights through shared memory (cp.async)
     int skinny_prewait;        // PD_CUDA_SKINNY_PREWAIT + 1: 0 all of a first tile's loads before the PDL wait
-    int skinny_occ6;           // PD_CUDA_SKINNY_OCC6: M = 1 at 6 blocks per SM (1 forms without norm, 2 all)
-    int skinny_norm_pf;        // PD_CUDA_SKINNY_NORM_PF: the norm weight prefetched before the PDL wait (1 L1, 2 L2)
+    int skinny_norm_pf;        // PD_CUDA_SKINNY_NORM_PF: the fused norm's weight prefetched before the PDL wait
     int skinny_mma;            // kernels/skinny_mma.cu (M <= 16): 0 never, 1/3 the measured rules, 2 always
     int skinny_mma_rows;       // its weight rows per block (16 or 32)
     int skinny_mma_pipe;       // its double-buffered weight loads: -1 the rule's choice, 0 off, 1 on
@@ -83,13 +80,6 @@ typedef struct pd_cuda_backend {
     float *attn_ws;
     size_t attn_ws_bytes;
     int *attn_cnt;          // the decode attention's split counters (zeroed when allocated)
-    // PD_CUDA_ATTN_DEP=1 (kernels/attention.cu "Counter dependency"): the qkv GEMM's kv-group
-    // counters (2 x PD_CUDA_DEP_MAX_KV ints, zero between uses), and the pending dependency: the q
-    // rows a qkv GEMM counted into them (NULL: none) and the count of one group
-    int attn_dep;
-    int *dep_cnt;
-    const void *dep_q;
-    int dep_need;
     size_t attn_cnt_bytes;
     // copy_blocks staging (device): cache pointers then (src, dst) pairs
     void *cb_dev;

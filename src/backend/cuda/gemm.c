@@ -33,7 +33,6 @@
 #include "backend/cuda/cuda_impl.h"
 #include "base/buf.h"
 #include "kernels/add_bias.cuh"
-#include "kernels/attention.cuh"
 #include "kernels/bgemm.cuh"
 #include "kernels/gemv.cuh"
 #include "kernels/rmsnorm.cuh"
@@ -94,14 +93,10 @@ void pd_cuda_gemm_init(pd_cuda_backend *cb) {
     // of weight loads before the PDL wait, the rest right after it (-1, the default: all before).
     // Measurement knob (kernels/skinny.cu "Prewait": 0 costs 170 us a single-stream step, 2 level).
     cb->skinny_prewait = pd_cuda_env_int("PD_CUDA_SKINNY_PREWAIT", -1, -1, 16) + 1;
-    // PD_CUDA_SKINNY_OCC6=1|2: the CUDA-core kernel at M = 1 built for 6 blocks per SM (80
-    // registers) instead of 5: 1 the forms without the norm prologue (o, down, plain), 2 every form
-    // (kernels/skinny.cu "O6"; measurement knob, default 0).
-    cb->skinny_occ6 = pd_cuda_env_int("PD_CUDA_SKINNY_OCC6", 0, 0, 2);
-    // PD_CUDA_SKINNY_NORM_PF=1|2: the fused norm's weight chunks of a block's first batch are
-    // prefetched into L1 (1) or L2 (2) before the PDL wait (kernels/skinny.cu "Norm prefetch";
-    // measurement knob, default 0).
-    cb->skinny_norm_pf = pd_cuda_env_int("PD_CUDA_SKINNY_NORM_PF", 0, 0, 2);
+    // PD_CUDA_SKINNY_NORM_PF: the CUDA-core kernel's fused norm weight (chunks of a block's first
+    // batch) prefetched before the PDL wait into L1 (1, the default) or L2 (2), or not (0):
+    // kernels/skinny.cu "Norm prefetch" (H100, session 14: single stream ctx 128 -36 to -63 us a step).
+    cb->skinny_norm_pf = pd_cuda_env_int("PD_CUDA_SKINNY_NORM_PF", 1, 0, 2);
     if (cb->skinny_rows == 3) pd_abort(__FILE__, __LINE__, __func__, "PD_CUDA_SKINNY_ROWS must be 2 or 4");
     // Which of the two skinny kernels takes an M (see skinny_choice): PD_CUDA_SKINNY_MMA=0 the
     // CUDA-core kernel only (M <= 8; larger M go to cuBLASLt), 1 (the default) the rule measured end
@@ -573,23 +568,14 @@ static void fused_matmul(pd_backend *b, pd_cuda_backend *cb, const pd_matmul_par
         pd_cuda_skinny_mma(&k, cb->stream);
         PD_CUDA_CHECK_LAUNCH();
     } else if (skinny) {
-        // PD_CUDA_ATTN_DEP: the rope form counts its blocks per kv group for the attention after it
-        bool dep = rope_in && p->attn_follows && cb->attn_dep && cb->dep_cnt && p->M == 1 &&
-                   rp->n_kv_heads <= PD_CUDA_DEP_MAX_KV &&
-                   pd_cuda_attention_dep_ok(rp->head_dim, rp->n_heads, rp->n_kv_heads);
         pd_skinny_kparams k = {.a = q.a, .w = q.w, .bias = q.bias, .out = q.out, .M = q.M, .N = q.N, .K = q.K,
                                .lda = q.lda ? q.lda : q.K, .accumulate = q.accumulate, .out_f32 = q.out_f32,
                                .rows = 4, .occ4 = cb->skinny_occ4, .async = cb->skinny_async,
-                               .prewait = cb->skinny_prewait, .occ6 = cb->skinny_occ6,
-                               .norm_pf = cb->skinny_norm_pf, .dep_cnt = dep ? cb->dep_cnt : NULL,
+                               .prewait = cb->skinny_prewait, .norm_pf = cb->skinny_norm_pf,
                                .norm_w = q.norm_w, .norm_eps = q.norm_eps, .glu = q.glu,
                                .residual = q.residual, .rope = rope_in, .rope_kv = rk};
         pd_cuda_skinny(&k, cb->stream);
         PD_CUDA_CHECK_LAUNCH();
-        if (dep) {
-            cb->dep_q = q.out;
-            cb->dep_need = pd_cuda_skinny_dep_need(rp->n_heads, rp->n_kv_heads, rp->head_dim);
-        }
     } else {
         // cuBLASLt / gemv / bgemm: the residual add as accumulate (the sum rounded once)
         q.accumulate = p->accumulate || p->residual, q.residual = false;
@@ -610,10 +596,6 @@ void pd_cuda_gemm_matmul(pd_backend *b, const pd_matmul_params *p) {
     int lda = p->lda ? p->lda : p->K;
     PD_ASSERT(p->M >= 0 && p->N > 0 && p->K > 0 && lda >= p->K);
     if (p->M == 0) return;
-    if (cb->dep_q) {  // a qkv GEMM counted its blocks but no attention followed: zero the counters
-        PD_CUDA_CHECK(cudaMemsetAsync(cb->dep_cnt, 0, 2 * PD_CUDA_DEP_MAX_KV * sizeof(int), cb->stream));
-        cb->dep_q = NULL;
-    }
     if (p->norm_w || p->glu || p->residual || p->rope) {
         fused_matmul(b, cb, p, lda);
         return;
@@ -645,7 +627,7 @@ void pd_cuda_gemm_matmul(pd_backend *b, const pd_matmul_params *p) {
         pd_skinny_kparams k = {.a = p->a, .w = p->w, .bias = p->bias, .out = p->out, .M = p->M, .N = p->N,
                                .K = p->K, .lda = lda, .accumulate = p->accumulate, .out_f32 = p->out_f32,
                                .rows = cb->skinny_rows, .occ4 = cb->skinny_occ4,
-                               .async = cb->skinny_async, .prewait = cb->skinny_prewait, .occ6 = cb->skinny_occ6};
+                               .async = cb->skinny_async, .prewait = cb->skinny_prewait};
         pd_cuda_skinny(&k, cb->stream);
         PD_CUDA_CHECK_LAUNCH();
         return;
