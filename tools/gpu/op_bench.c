@@ -468,7 +468,8 @@ static void bench_pfl(void) {
 // embed, 32 x (qkv + norm + RoPE + KV write, attention, o += x, gate_up + norm + SwiGLU, down += x),
 // get_rows, lm_head + final norm (f32 logits); each variant (a subset of those parts) captured as one
 // CUDA graph (layer li's weights are set li % N of OPB_SINGLE_LAYERS=N distinct sets, default 2,
-// each > L2; 32: the model's footprint; K/V of 2 caches) and timed four ways: back to back (20
+// each > L2; 32: the model's footprint; OPB_SINGLE_NORMS=1: each set its own norm weights, as the
+// engine's layers, else one pair shared and always cached; K/V of 2 caches) and timed four ways: back to back (20
 // launches, one sync: the device's time), back to back with the 128-byte metadata upload before each
 // launch (bench-engine's "pipelined" step), serial (launch + sync each: what the host adds), serial
 // with the upload (as forward.c's graph_step does; the upload and launch calls' own host time

@@ -95,7 +95,7 @@ void pd_cuda_gemm_init(pd_cuda_backend *cb) {
     cb->skinny_prewait = pd_cuda_env_int("PD_CUDA_SKINNY_PREWAIT", -1, -1, 16) + 1;
     // PD_CUDA_SKINNY_NORM_PF: the CUDA-core kernel's fused norm weight (chunks of a block's first
     // batch) prefetched before the PDL wait into L1 (1, the default) or L2 (2), or not (0):
-    // kernels/skinny.cu "Norm prefetch" (H100, session 14: single stream ctx 128 -36 to -63 us a step).
+    // kernels/skinny.cu "Norm prefetch" (H100, session 14: single stream ctx 128 -35 to -63 us a step).
     cb->skinny_norm_pf = pd_cuda_env_int("PD_CUDA_SKINNY_NORM_PF", 1, 0, 2);
     if (cb->skinny_rows == 3) pd_abort(__FILE__, __LINE__, __func__, "PD_CUDA_SKINNY_ROWS must be 2 or 4");
     // Which of the two skinny kernels takes an M (see skinny_choice): PD_CUDA_SKINNY_MMA=0 the
