@@ -80,6 +80,7 @@ static const pd_knob KNOBS[] = {
     INT("PD_CUDA_SKINNY_MMA_LOADS", 16, 32, "skinny tensor-core GEMM: loads in flight per thread, 16 or 32 (default 16)"),
     INT("PD_CUDA_SKINNY_MMA_PIPE", -1, 1, "skinny tensor-core GEMM: double-buffered loads (default -1: automatic)"),
     INT("PD_CUDA_SKINNY_MMA_ROWS", 16, 32, "skinny tensor-core GEMM: rows per block, 16 or 32 (default 16)"),
+    INT("PD_CUDA_SKINNY_NORM_PF", 0, 2, "skinny GEMM: fused norm weight prefetched before the PDL wait, 0 off, 1 L1 (default), 2 L2"),
     INT("PD_CUDA_SKINNY_OCC4", 0, 1, "skinny GEMM: the 128-register build at M = 5 (default 0)"),
     INT("PD_CUDA_SKINNY_PREWAIT", -1, 16, "skinny GEMM: weight-load batches before the PDL wait (default -1: all)"),
     INT("PD_CUDA_SKINNY_ROWS", 2, 4, "skinny GEMM: weight rows per block (default 4)"),

@@ -15,7 +15,8 @@
 // 4-warp reduction through shared memory; threads 0 .. R*M-1 add bias / the previous output and
 // store.
 // PDL: the first batch of weight loads is issued before pd_k_pdl_wait() (weights are never
-// written by a kernel), so it overlaps the previous kernel's tail.
+// written by a kernel), so it overlaps the previous kernel's tail; so is a prefetch of the fused
+// norm's weight (see "Norm prefetch").
 #include "kernels/common.cuh"
 #include "kernels/skinny.cuh"
 
@@ -35,6 +36,7 @@ typedef struct pd_k_skinny_args {
     int H, Hkv, hd;
     float attn_scaling;
     int prewait;  // batches of loads issued before the PDL wait (U or more: all)
+    int norm_pf;  // the norm weight prefetched before the PDL wait: 0 no, 1 into L1, 2 into L2
 } pd_k_skinny_args;
 
 // Weight chunks c + u * 128 (u < U) of the R rows; chunks past the row's end read as zero.
@@ -267,6 +269,28 @@ static __device__ __forceinline__ void pd_k_sk_load_part(uint4 (&wv)[U][R], cons
                                                         : make_uint4(0, 0, 0, 0);
 }
 
+// Norm prefetch (PD_CUDA_SKINNY_NORM_PF, kparams norm_pf; default 1): the norm weight's 16-byte
+// chunks of a block's first load batch are prefetched into L1 (1; or L2, 2) before the PDL wait,
+// like the GEMM weights. The norm weights are per layer (8 KB at K = 4096) and read once a step, so
+// the whole step's streaming has evicted them from L2 by then: without the prefetch every
+// first-wave block of the qkv and gate_up GEMMs (64 a step, and the lm_head's final norm) meets an
+// HBM miss right after its release, between the sum of squares and its first FMA. Measured on an
+// H100 (session 14, tools/gpu/NOTES.md dec14-2): op_bench single with per-layer norm weights 5230.4
+// -> 5200.8 us (shared, always cached: 5184.2, level), bench-engine single stream ctx 128 5.263-5.269
+// -> 5.206-5.228 ms; it is the ~50 us "engine vs replica" gap of sessions 12-13 (the replica shared
+// one norm weight across layers).
+static __device__ __forceinline__ void pd_k_sk_norm_prefetch(const pd_k_skinny_args &p, int tid, int chunks) {
+#pragma unroll
+    for (int u = 0; u < PD_K_SK_LOADS / 4; u++) {  // (U <= 4 batches of chunks tid + u * 128)
+        int c = tid + u * PD_K_SK_THREADS;
+        if (c < chunks && (c & 7) == 0) {  // one prefetch per 128-byte line
+            const uint4 *a = (const uint4 *)p.norm_w + c;
+            if (p.norm_pf == 1) asm volatile("prefetch.global.L1 [%0];\n" ::"l"(a));
+            else asm volatile("prefetch.global.L2 [%0];\n" ::"l"(a));
+        }
+    }
+}
+
 template <int M, int R, int NORM, int EPI, int VAR>
 static __global__ void __launch_bounds__(PD_K_SK_THREADS, VAR == PD_K_SK_OCC4 ? 4 : 0) k_skinny(pd_k_skinny_args p) {
     constexpr bool AS = VAR == PD_K_SK_ASYNC;
@@ -284,6 +308,7 @@ static __global__ void __launch_bounds__(PD_K_SK_THREADS, VAR == PD_K_SK_OCC4 ? 
         pd_k_pdl_wait();  // the activations (and out) belong to earlier kernels
     } else if (p.prewait >= U) {
         pd_k_sk_load<R, U>(wv, wr, tid, chunks);
+        if (NORM && p.norm_pf) pd_k_sk_norm_prefetch(p, tid, chunks);
         pd_k_pdl_wait();
     } else {  // the first p.prewait batches before the wait, the rest right after it
         if (p.prewait >= 1) pd_k_sk_load_part<R, U, 0, 1>(wv, wr, tid, chunks);
@@ -415,6 +440,7 @@ extern "C" void pd_cuda_skinny(const pd_skinny_kparams *p, cudaStream_t s) {
     a.H = r->n_heads, a.Hkv = r->n_kv_heads, a.hd = r->head_dim, a.attn_scaling = r->attn_scaling;
     const int var = p->async ? PD_K_SK_ASYNC : p->occ4 ? PD_K_SK_OCC4 : PD_K_SK_REG;
     a.prewait = p->prewait > 0 ? p->prewait - 1 : PD_K_SK_LOADS;  // (kparams: 0 = all, u + 1 = u batches)
+    a.norm_pf = p->norm_pf;
     if (p->rope) {  // the qkv GEMM: with the attention norm (decode) or without
         if (p->norm_w) pd_k_skinny_launch_r<4, 1, PD_K_SK_ROPE>(a, s, var);
         else pd_k_skinny_launch_r<4, 0, PD_K_SK_ROPE>(a, s, var);

@@ -36,6 +36,9 @@ typedef struct pd_skinny_kparams {
     // prewait: 0 every weight load of a block's first batch before the PDL wait, u + 1 only the
     // first u of its U load batches (skinny.cu "Prewait"; a measurement knob)
     int prewait;
+    // norm_pf: with norm_w, its chunks of a block's first load batch are prefetched before the PDL
+    // wait: 0 no, 1 into L1, 2 into L2 (skinny.cu "Norm prefetch"; PD_CUDA_SKINNY_NORM_PF)
+    int norm_pf;
     // Fused forms (backend.h, pd_matmul_params): norm_w: the activation is rmsnorm(a) (weight
     // norm_w, eps norm_eps; lda == K); glu: w is (2N, K), out (M, N) = silu(gate) * up; residual:
     // out = bf16(out + bf16(a . w^T + bias)). glu and residual exclude accumulate and out_f32.

@@ -468,7 +468,8 @@ static void bench_pfl(void) {
 // embed, 32 x (qkv + norm + RoPE + KV write, attention, o += x, gate_up + norm + SwiGLU, down += x),
 // get_rows, lm_head + final norm (f32 logits); each variant (a subset of those parts) captured as one
 // CUDA graph (layer li's weights are set li % N of OPB_SINGLE_LAYERS=N distinct sets, default 2,
-// each > L2; 32: the model's footprint; K/V of 2 caches) and timed four ways: back to back (20
+// each > L2; 32: the model's footprint; OPB_SINGLE_NORMS=1: each set its own norm weights, as the
+// engine's layers, else one pair shared and always cached; K/V of 2 caches) and timed four ways: back to back (20
 // launches, one sync: the device's time), back to back with the 128-byte metadata upload before each
 // launch (bench-engine's "pipelined" step), serial (launch + sync each: what the host adds), serial
 // with the upload (as forward.c's graph_step does; the upload and launch calls' own host time
@@ -482,6 +483,7 @@ enum { SG_EMBED = 1, SG_ATTN = 4, SG_ROWS = 8, SG_LMH = 16, SG_QKV = 32, SG_O = 
 typedef struct sg_arg {
     void *x, *qkv, *attn, *mlp, *sel, *logits, *g1, *g2, *gf, *lmh, *meta_dev;
     void *wqkv[SG_MAX_COPIES], *wo[SG_MAX_COPIES], *wgu[SG_MAX_COPIES], *wd[SG_MAX_COPIES];
+    void *g1s[SG_MAX_COPIES], *g2s[SG_MAX_COPIES];  // OPB_SINGLE_NORMS=1: each weight set's own norm weights
     int n_copies;  // distinct weight sets, layer li uses set li % n_copies (OPB_SINGLE_LAYERS)
     int32_t *ids;
     pd_rope_kv_params rope[2];
@@ -496,13 +498,13 @@ static void sg_step(pd_backend *b, sg_arg *s) {
         int i = li % 2, wi = li % s->n_copies;
         if (k & SG_QKV)
             pd_op_matmul(b, &(pd_matmul_params){.a = s->x, .w = s->wqkv[wi], .out = s->qkv, .M = 1, .N = NQ, .K = D,
-                                                .norm_w = s->g1, .norm_eps = 1e-5f, .rope = &s->rope[i]});
+                                                .norm_w = s->g1s[wi] ? s->g1s[wi] : s->g1, .norm_eps = 1e-5f, .rope = &s->rope[i]});
         if (k & SG_ATTN) pd_op_attention(b, &s->at[i]);
         if (k & SG_O)
             pd_op_matmul(b, &(pd_matmul_params){.a = s->attn, .w = s->wo[wi], .out = s->x, .M = 1, .N = D, .K = D, .residual = true});
         if (k & SG_GU)
             pd_op_matmul(b, &(pd_matmul_params){.a = s->x, .w = s->wgu[wi], .out = s->mlp, .M = 1, .N = F, .K = D,
-                                                .norm_w = s->g2, .norm_eps = 1e-5f, .glu = true});
+                                                .norm_w = s->g2s[wi] ? s->g2s[wi] : s->g2, .norm_eps = 1e-5f, .glu = true});
         if (k & SG_DN)
             pd_op_matmul(b, &(pd_matmul_params){.a = s->mlp, .w = s->wd[wi], .out = s->x, .M = 1, .N = D, .K = F, .residual = true});
     }
@@ -576,11 +578,21 @@ static void bench_single(double copy_gbs, pd_backend **bes, const char **be_name
     pd_err eerr = {0};
     if (pd_env_int("OPB_SINGLE_LAYERS", 2, 1, SG_MAX_COPIES, &s.n_copies, &eerr)) { fprintf(stderr, "%s\n", eerr.msg); exit(2); }
     if (pd_env_double("OPB_W_STD", 0.05, 1e-4, 1.0, &g_wstd, &eerr)) { fprintf(stderr, "%s\n", eerr.msg); exit(2); }
+    // OPB_SINGLE_NORMS=1: every weight set its own norm weights (the engine's, each read once a
+    // step); 0 (default): one pair shared by all layers (always cached)
+    bool own_norms = false;
+    if (pd_env_switch("OPB_SINGLE_NORMS", false, &own_norms, &eerr)) { fprintf(stderr, "%s\n", eerr.msg); exit(2); }
     for (int i = 0; i < s.n_copies; i++) {
+        if (own_norms) {
+            s.g1s[i] = alloc((size_t)D * 2), s.g2s[i] = alloc((size_t)D * 2);
+            pd_op_fill_normal(g_b, s.g1s[i], PD_DTYPE_BF16, D, 100 + (uint64_t)i, 1.0f, 0.1f);
+            pd_op_fill_normal(g_b, s.g2s[i], PD_DTYPE_BF16, D, 200 + (uint64_t)i, 1.0f, 0.1f);
+        }
         s.wqkv[i] = rnd((size_t)NQ * D), s.wo[i] = rnd((size_t)D * D);
         s.wgu[i] = rnd((size_t)2 * F * D), s.wd[i] = rnd((size_t)D * F);
     }
-    printf("single: %d distinct layer weight sets, weights N(0, %g)\n", s.n_copies, g_wstd);
+    printf("single: %d distinct layer weight sets, weights N(0, %g), norm weights %s\n", s.n_copies, g_wstd,
+           own_norms ? "per set" : "shared");
     s.lmh = rnd((size_t)V * D);
     // ids: [0] the token, [1] the logit row (0); positions / slots after them (the step's metadata)
     int32_t meta[4] = {12345, 0, ctx - 1, 0};
@@ -972,25 +984,34 @@ fuse_done:
         pd_backend *bes[6] = {rule};
         const char *bn[6] = {"rule"};
         int n_be = 1;
-        // OPB_SINGLE_VARIANTS="NAME=VALUE,...": one more backend per entry, built with that env knob on
-        // top of the default rule (e.g. PD_CUDA_SKINNY_ASYNC=1: a knob the CUDA backend reads when created)
+        // OPB_SINGLE_VARIANTS="NAME=VALUE[+NAME=VALUE...],...": one more backend per entry, built with
+        // those env knobs on top of the default rule (e.g. PD_CUDA_SKINNY_ASYNC=1: a knob the CUDA
+        // backend reads when created)
         const char *vv = getenv("OPB_SINGLE_VARIANTS");
         static char vnames[5][64];
         for (const char *c = vv; c && *c && n_be < 6;) {
             const char *e = strchr(c, ',');
             size_t n = e ? (size_t)(e - c) : strlen(c);
-            char kv[128];
-            if (n >= sizeof kv || !memchr(c, '=', n)) { fprintf(stderr, "OPB_SINGLE_VARIANTS: NAME=VALUE[,...]\n"); return 2; }
+            char kv[256];
+            if (n >= sizeof kv || !memchr(c, '=', n)) { fprintf(stderr, "OPB_SINGLE_VARIANTS: NAME=VALUE[+NAME=VALUE][,...]\n"); return 2; }
             memcpy(kv, c, n), kv[n] = 0;
-            char *eq = strchr(kv, '=');
-            *eq = 0;
+            char *names[8];
+            int n_kv = 0;
             setenv("PD_CUDA_SKINNY", "1", 1);
-            setenv(kv, eq + 1, 1);
+            for (char *t = kv; t && n_kv < 8;) {
+                char *plus = strchr(t, '+'), *eq = strchr(t, '=');
+                if (plus) *plus = 0;
+                if (!eq || (plus && eq > plus)) { fprintf(stderr, "OPB_SINGLE_VARIANTS: NAME=VALUE[+NAME=VALUE][,...]\n"); return 2; }
+                *eq = 0;
+                setenv(t, eq + 1, 1);
+                printf("single backend v%d: %s=%s\n", n_be, t, eq + 1);
+                names[n_kv++] = t;
+                t = plus ? plus + 1 : NULL;
+            }
             bes[n_be] = pd_backend_new("cuda", 0, &err);
-            unsetenv(kv);
+            for (int i = 0; i < n_kv; i++) unsetenv(names[i]);
             if (!bes[n_be]) { fprintf(stderr, "no cuda: %s\n", err.msg); return 1; }
             snprintf(vnames[n_be - 1], sizeof vnames[0], "v%d", n_be);
-            printf("single backend v%d: %s=%s\n", n_be, kv, eq + 1);
             bn[n_be] = vnames[n_be - 1];
             n_be++;
             c = e ? e + 1 : c + n;

@@ -50,6 +50,7 @@ typedef struct pd_cuda_backend {
     int skinny_rule_max_m;     // the default rule's CUDA-core kernel up to this M (5)
     int skinny_async;          // its weights through shared memory (cp.async)
     int skinny_prewait;        // PD_CUDA_SKINNY_PREWAIT + 1: 0 all of a first tile's loads before the PDL wait
+    int skinny_norm_pf;        // PD_CUDA_SKINNY_NORM_PF: the fused norm's weight prefetched before the PDL wait
     int skinny_mma;            // kernels/skinny_mma.cu (M <= 16): 0 never, 1/3 the measured rules, 2 always
     int skinny_mma_rows;       // its weight rows per block (16 or 32)
     int skinny_mma_pipe;       // its double-buffered weight loads: -1 the rule's choice, 0 off, 1 on

@@ -93,6 +93,10 @@ void pd_cuda_gemm_init(pd_cuda_backend *cb) {
     // of weight loads before the PDL wait, the rest right after it (-1, the default: all before).
     // Measurement knob (kernels/skinny.cu "Prewait": 0 costs 170 us a single-stream step, 2 level).
     cb->skinny_prewait = pd_cuda_env_int("PD_CUDA_SKINNY_PREWAIT", -1, -1, 16) + 1;
+    // PD_CUDA_SKINNY_NORM_PF: the CUDA-core kernel's fused norm weight (chunks of a block's first
+    // batch) prefetched before the PDL wait into L1 (1, the default) or L2 (2), or not (0):
+    // kernels/skinny.cu "Norm prefetch" (H100, session 14: single stream ctx 128 -35 to -63 us a step).
+    cb->skinny_norm_pf = pd_cuda_env_int("PD_CUDA_SKINNY_NORM_PF", 1, 0, 2);
     if (cb->skinny_rows == 3) pd_abort(__FILE__, __LINE__, __func__, "PD_CUDA_SKINNY_ROWS must be 2 or 4");
     // Which of the two skinny kernels takes an M (see skinny_choice): PD_CUDA_SKINNY_MMA=0 the
     // CUDA-core kernel only (M <= 8; larger M go to cuBLASLt), 1 (the default) the rule measured end
@@ -567,7 +571,7 @@ static void fused_matmul(pd_backend *b, pd_cuda_backend *cb, const pd_matmul_par
         pd_skinny_kparams k = {.a = q.a, .w = q.w, .bias = q.bias, .out = q.out, .M = q.M, .N = q.N, .K = q.K,
                                .lda = q.lda ? q.lda : q.K, .accumulate = q.accumulate, .out_f32 = q.out_f32,
                                .rows = 4, .occ4 = cb->skinny_occ4, .async = cb->skinny_async,
-                               .prewait = cb->skinny_prewait,
+                               .prewait = cb->skinny_prewait, .norm_pf = cb->skinny_norm_pf,
                                .norm_w = q.norm_w, .norm_eps = q.norm_eps, .glu = q.glu,
                                .residual = q.residual, .rope = rope_in, .rope_kv = rk};
         pd_cuda_skinny(&k, cb->stream);
