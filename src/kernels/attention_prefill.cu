@@ -61,11 +61,11 @@
 #define PD_FA_LOG2E 1.4426950408889634f
 #define PD_FA_STAGES(HD) ((HD) == 64 ? 4 : 3)
 
-template <int HD>
+template <int HD, int NST>
 struct pd_fa_cfg {
-    static constexpr int TILE = PD_FA_BKV * HD * 2;  // bytes of a Q, K or V tile (BQ == BKV)
+    static constexpr int TILE = PD_FA_BKV * HD * 2;  // bytes of a Q, K or V tile (128 rows: BQ == BKV)
     static constexpr int CB = PD_FA_BKV * 128;       // bytes of one 64-element column block
-    static constexpr int ST = PD_FA_STAGES(HD);
+    static constexpr int ST = NST;
     static constexpr int SMEM = 1024 + TILE * (1 + 2 * ST) + 8 * (4 * ST + 1);  // KVS: 4 barriers a stage
 };
 
@@ -198,9 +198,19 @@ static __device__ __forceinline__ void pd_fa_wgmma_rs_n128(float *d, const uint3
 #define PD_FA_ARV 128  // the producer's copies arrive on "full" as they land (cp.async.mbarrier.arrive)
 #define PD_FA_KVS 256  // with OVL: K and V of a stage on separate full / empty barriers
 #define PD_FA_TMAH 512  // a tile in consecutive pages by TMA (one box per column block), else cp.async
+#define PD_FA_G2 1024   // GQA packing: two query heads of one kv head share a block (64 positions each)
+#define PD_FA_G4 2048   // four query heads of one kv head share a block (32 positions each)
+#define PD_FA_ST2 4096  // a 2-stage K/V ring (head_dim 128; default 3)
 // Diagnostics, compiled only with -DPD_FA3_DIAG (a separate op_bench build; the output is wrong):
 #define PD_FA_NOLOAD 8   // the producer copies no K/V (the consumers' speed alone)
 #define PD_FA_NOMATH 16  // the consumers compute nothing (the producer's speed alone)
+#define PD_FA_NOSYNC 8192  // nobody waits on the K/V ring's barriers (copies and math uncoupled)
+
+// Query heads packed into one block (GQA): G heads of one kv head, 128 / G query positions each.
+template <int FL>
+__host__ __device__ static constexpr int pd_fa_g() { return (FL & PD_FA_G4) ? 4 : (FL & PD_FA_G2) ? 2 : 1; }
+template <int HD, int FL>
+__host__ __device__ static constexpr int pd_fa_st() { return (FL & PD_FA_ST2) ? 2 : PD_FA_STAGES(HD); }
 
 // Issues S = Q.K^T (HD / 16 wgmmas, no commit). qa: this warpgroup's 64 Q rows; kt: the K tile.
 template <int HD>
@@ -329,8 +339,14 @@ static __global__ void __launch_bounds__(PD_FA_THREADS, 1)
                        int q_stride, float scale_log2, const __grid_constant__ CUtensorMap tmk,
                        const __grid_constant__ CUtensorMap tmv, const __grid_constant__ CUtensorMap tmk_t,
                        const __grid_constant__ CUtensorMap tmv_t) {
-    using C = pd_fa_cfg<HD>;
+    using C = pd_fa_cfg<HD, pd_fa_st<HD, FL>()>;
     constexpr int ST = C::ST, CPR = HD / 8;
+    // G (PD_FA_G2 / G4, PD_CUDA_FA3_GQA): the block's 128 query rows are G heads of one kv head at
+    // BQ = 128 / G positions, so each K/V tile loaded serves G heads (1 / G of the L2 traffic and of the
+    // shared-memory writes per flop). Consumer warp wi (0..7) holds head h0 + wi % G at the 16
+    // positions from (wi / G) * 16; the warpgroups split the positions, not the heads.
+    constexpr int G = pd_fa_g<FL>(), BQ = PD_FA_BQ / G;
+    constexpr bool NOSYNC = FL & PD_FA_NOSYNC;
     constexpr bool VN64 = FL & PD_FA_VN64, PP = FL & PD_FA_PP, ROWP = FL & PD_FA_ROWP;
     constexpr bool NOLOAD = FL & PD_FA_NOLOAD, NOMATH = FL & PD_FA_NOMATH, TMA = FL & PD_FA_TMA, OVL = FL & PD_FA_OVL;
     // TMAH (PD_CUDA_FA3_TMA=2): a K/V tile whose 128 positions fill consecutive whole pages comes by
@@ -356,13 +372,13 @@ static __global__ void __launch_bounds__(PD_FA_THREADS, 1)
     // are K's, and bar + 8 * (2 * ST + 1 + i): V's full[i], bar + 8 * (3 * ST + 1 + i): V's empty[i].
     const uint32_t barv = bar + 8 * (2 * ST + 1);
 
-    int per_tile = n_seqs * H, b = blockIdx.x;
+    int HB = H / G, per_tile = n_seqs * HB, b = blockIdx.x;
     int qt = n_q_tiles - 1 - b / per_tile;  // longest tiles first
-    int s = (b % per_tile) / H, h = b % H;
+    int s = (b % per_tile) / HB, h = (b % HB) * G;  // h: the block's first query head
     int q_begin = q_indptr[s], q_len = q_indptr[s + 1] - q_begin;
-    if (q_len <= 1 || qt * PD_FA_BQ >= q_len) return;  // q_len == 1: the decode kernel's
+    if (q_len <= 1 || qt * BQ >= q_len) return;  // q_len == 1: the decode kernel's
     int kv_len = kv_lens[s];
-    int row0 = qt * PD_FA_BQ, row_end = min(q_len, row0 + PD_FA_BQ);
+    int row0 = qt * BQ, row_end = min(q_len, row0 + BQ);
     int pos0 = kv_len - q_len + row0;       // position of tile row 0
     int kv_end = kv_len - q_len + row_end;  // exclusive bound over the tile's rows
     int n_tiles = (kv_end + PD_FA_BKV - 1) / PD_FA_BKV;
@@ -388,9 +404,9 @@ static __global__ void __launch_bounds__(PD_FA_THREADS, 1)
         // ---- producer ----
         asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(PD_FA_REG_P));
         for (int i = tw; i < PD_FA_BQ * CPR; i += 128) {
-            int r = i / CPR, c = i % CPR;
-            bool ok = row0 + r < q_len;
-            const __nv_bfloat16 *src = q + (size_t)(q_begin + (ok ? row0 + r : 0)) * q_stride + (size_t)h * HD + c * 8;
+            int r = i / CPR, c = i % CPR, wi = r >> 4, qr = (wi / G) * 16 + (r & 15), qh = h + wi % G;
+            bool ok = row0 + qr < q_len;
+            const __nv_bfloat16 *src = q + (size_t)(q_begin + (ok ? row0 + qr : 0)) * q_stride + (size_t)qh * HD + c * 8;
             pd_fa_cp16(sq + pd_fa_swz(r, c), src, ok);
         }
         pd_k_cp_async_commit();
@@ -413,7 +429,7 @@ static __global__ void __launch_bounds__(PD_FA_THREADS, 1)
                     int pg = bs_shift >= 0 ? pos >> bs_shift : pos / bs, in = pos - pg * bs;
                     slot[k] = pos < kv_end ? __ldg(bt + pg) * bs + in : -1;
                 }
-                if (j >= ST) pd_fa_mbar_wait(bar + 8 * (ST + st), ph);
+                if (j >= ST && !NOSYNC) pd_fa_mbar_wait(bar + 8 * (ST + st), ph);
 #pragma unroll
                 for (int k = 0; k < RPT; k++)
                     pd_fa_cp16(dk + pd_fa_swz(r0 + k * RS, c), kc + (slot[k] >= 0 ? (size_t)slot[k] * kv_row + kv_col : 0),
@@ -422,7 +438,7 @@ static __global__ void __launch_bounds__(PD_FA_THREADS, 1)
                 pd_k_cp_async_wait<1>();  // all but K_j: the Q tile (j == 0) or V_{j-1}
                 pd_fa_fence_async();
                 pd_fa_mbar_arrive(j == 0 ? bar + 16 * ST : barv + 8 * ((j - 1) % ST));
-                if (j >= ST) pd_fa_mbar_wait(barv + 8 * (ST + st), ph);
+                if (j >= ST && !NOSYNC) pd_fa_mbar_wait(barv + 8 * (ST + st), ph);
 #pragma unroll
                 for (int k = 0; k < RPT; k++)
                     pd_fa_cp16(dv + pd_fa_swz(r0 + k * RS, c), vc + (slot[k] >= 0 ? (size_t)slot[k] * kv_row + kv_col : 0),
@@ -439,9 +455,7 @@ static __global__ void __launch_bounds__(PD_FA_THREADS, 1)
             for (int j = 0; j < n_tiles; j++) {
                 int st = j % ST, kv0 = j * PD_FA_BKV;
                 uint32_t dk = sk + st * C::TILE, dv = sv + st * C::TILE;
-                if constexpr (NOLOAD) {
-                    if (j >= ST) pd_fa_mbar_wait(bar + 8 * (ST + st), ((j / ST) - 1) & 1);
-                } else if constexpr (TMA || TMAH) {
+                if constexpr (TMA || TMAH) {
                     // Pages wholly inside the cache rows of this sequence (< kv_len) come by TMA, one box
                     // per (page, 64-element column block) for K and V, issued by the first CB * pages
                     // threads; the rest (the page holding kv_len, if partial, and pages past it) by
@@ -471,7 +485,7 @@ static __global__ void __launch_bounds__(PD_FA_THREADS, 1)
                         int pgk = bs_shift >= 0 ? pos >> bs_shift : pos / bs, in = pos - pgk * bs;
                         slot[k] = pos >= cp_from && pos < kv_end ? __ldg(bt + pgk) * bs + in : -1;
                     }
-                    if (j >= ST) pd_fa_mbar_wait(bar + 8 * (ST + st), ((j / ST) - 1) & 1);
+                    if (j >= ST && !NOSYNC) pd_fa_mbar_wait(bar + 8 * (ST + st), ((j / ST) - 1) & 1);
                     if (tw == 0 && n_full > 0 && (!TMAH || run))
                         pd_fa_mbar_expect_tx(bar + 8 * st, (uint32_t)(n_full * bs * HD * 2 * 2));
                     __syncwarp();
@@ -496,7 +510,7 @@ static __global__ void __launch_bounds__(PD_FA_THREADS, 1)
                         pd_fa_cp16(dv + o, vc + off, ok);
                     }
                 } else if constexpr (ROWP) {
-                    if (j >= ST) pd_fa_mbar_wait(bar + 8 * (ST + st), ((j / ST) - 1) & 1);
+                    if (j >= ST && !NOSYNC) pd_fa_mbar_wait(bar + 8 * (ST + st), ((j / ST) - 1) & 1);
                     for (int i = tw; i < PD_FA_BKV * CPR; i += 128) {
                         int r = i / CPR, cc = i % CPR, pos = kv0 + r;
                         bool ok = pos < kv_end;
@@ -514,9 +528,11 @@ static __global__ void __launch_bounds__(PD_FA_THREADS, 1)
                         int pg = bs_shift >= 0 ? pos >> bs_shift : pos / bs, in = pos - pg * bs;
                         slot[k] = pos < kv_end ? __ldg(bt + pg) * bs + in : -1;
                     }
-                    if (j >= ST) pd_fa_mbar_wait(bar + 8 * (ST + st), ((j / ST) - 1) & 1);
+                    if (j >= ST && !NOSYNC) pd_fa_mbar_wait(bar + 8 * (ST + st), ((j / ST) - 1) & 1);
+                    // NOLOAD (diag): the ring's first ST tiles are copied (real data in every stage,
+                    // as the tensor cores' power depends on it), later tiles only pass the barriers
 #pragma unroll
-                    for (int k = 0; k < RPT; k++) {
+                    for (int k = 0; k < RPT && (!NOLOAD || j < ST); k++) {
                         bool ok = slot[k] >= 0;
                         size_t off = ok ? (size_t)slot[k] * kv_row + kv_col : 0;
                         uint32_t o = pd_fa_swz(r0 + k * RS, c);
@@ -543,11 +559,12 @@ static __global__ void __launch_bounds__(PD_FA_THREADS, 1)
 
     // ---- consumers ----
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(PD_FA_REG_C));
-    int cw = wg - 1, warp = tw >> 5, lane = tw & 31, g = lane >> 2, t = lane & 3;
-    int wr = cw * 64 + warp * 16;  // the warp's first row in the tile
+    int cw = wg - 1, warp = tw >> 5, lane = tw & 31, g = lane >> 2, t = lane & 3, wi = cw * 4 + warp;
+    int wr = (wi / G) * 16, hq = h + wi % G;  // the warp's first position in the tile and its head
     int qpos[2] = {pos0 + wr + g, pos0 + wr + g + 8};
-    bool live = row0 + cw * 64 < q_len;
-    int last_pos = pos0 + min(cw * 64 + 63, row_end - row0 - 1);  // the warpgroup's last row
+    constexpr int WGP = 64 / G;  // positions of a warpgroup: [cw * WGP, cw * WGP + WGP)
+    bool live = row0 + cw * WGP < q_len;
+    int last_pos = pos0 + min(cw * WGP + WGP - 1, row_end - row0 - 1);  // the warpgroup's last row
     // Tiles [0, n_mine) hold positions at or before this warpgroup's last row; the rest are
     // waited for and released untouched (the other warpgroup may need them).
     int n_mine = live ? last_pos / PD_FA_BKV + 1 : 0;
@@ -579,7 +596,7 @@ static __global__ void __launch_bounds__(PD_FA_THREADS, 1)
         float sc[PD_FA_BKV / 2];
         const int n_comp = NOMATH ? 0 : n_mine;
         if (n_comp > 0) {
-            pd_fa_mbar_wait(bar, 0);
+            if (!NOSYNC) pd_fa_mbar_wait(bar, 0);
             if constexpr (ARV) pd_fa_fence_async();
             if (PP) pd_fa_bar_sync(1 + cw);
             pd_fa_pin<PD_FA_BKV / 2>(sc);
@@ -594,10 +611,10 @@ static __global__ void __launch_bounds__(PD_FA_THREADS, 1)
             pd_fa_pack(sc, pa);
             for (int j = 1; j < n_comp; j++) {
                 const int st = j % ST, sp = (j - 1) % ST, kv0 = j * PD_FA_BKV;
-                pd_fa_mbar_wait(bar + 8 * st, (j / ST) & 1);
+                if (!NOSYNC) pd_fa_mbar_wait(bar + 8 * st, (j / ST) & 1);
                 if constexpr (ARV) pd_fa_fence_async();
                 if (PP) pd_fa_bar_sync(1 + cw);
-                if constexpr (KVS) pd_fa_mbar_wait(barv + 8 * sp, ((j - 1) / ST) & 1);  // complete already
+                if (KVS && !NOSYNC) pd_fa_mbar_wait(barv + 8 * sp, ((j - 1) / ST) & 1);  // complete already
                 pd_fa_rescale<HD>(o, corr);
                 pd_fa_pin<HD / 2>(o);
                 pd_fa_pin<PD_FA_BKV / 2>(sc);
@@ -619,7 +636,7 @@ static __global__ void __launch_bounds__(PD_FA_THREADS, 1)
                 pd_fa_pack(sc, pa);
             }
             const int sl = (n_comp - 1) % ST;
-            if constexpr (KVS) pd_fa_mbar_wait(barv + 8 * sl, ((n_comp - 1) / ST) & 1);
+            if (KVS && !NOSYNC) pd_fa_mbar_wait(barv + 8 * sl, ((n_comp - 1) / ST) & 1);
             pd_fa_rescale<HD>(o, corr);
             pd_fa_pin<HD / 2>(o);
             pd_fa_pin_u<PD_FA_BKV / 16>(pa);
@@ -632,12 +649,12 @@ static __global__ void __launch_bounds__(PD_FA_THREADS, 1)
         }
         for (int j = n_comp; j < n_tiles; j++) {
             const int st = j % ST;
-            pd_fa_mbar_wait(bar + 8 * st, (j / ST) & 1);
+            if (!NOSYNC) pd_fa_mbar_wait(bar + 8 * st, (j / ST) & 1);
             if (PP) pd_fa_bar_sync(1 + cw);
             if (PP) pd_fa_bar_arrive(2 - cw);
             pd_fa_mbar_arrive(bar + 8 * (ST + st));
             if constexpr (KVS) {
-                pd_fa_mbar_wait(barv + 8 * st, (j / ST) & 1);
+                if (!NOSYNC) pd_fa_mbar_wait(barv + 8 * st, (j / ST) & 1);
                 pd_fa_mbar_arrive(barv + 8 * (ST + st));
             }
         }
@@ -646,7 +663,7 @@ static __global__ void __launch_bounds__(PD_FA_THREADS, 1)
     for (int j = 0; j < n_tiles && !OVL; j++) {
         int st = j % ST, kv0 = j * PD_FA_BKV;
         bool pass = PP && !(cw == 1 && j == n_tiles - 1);
-        pd_fa_mbar_wait(bar + 8 * st, (j / ST) & 1);
+        if (!NOSYNC) pd_fa_mbar_wait(bar + 8 * st, (j / ST) & 1);
         if constexpr (ARV) pd_fa_fence_async();
         if (PP) pd_fa_bar_sync(1 + cw);
         if (NOMATH || j >= n_mine) {  // warpgroup-uniform
@@ -686,7 +703,7 @@ static __global__ void __launch_bounds__(PD_FA_THREADS, 1)
     for (int r = 0; r < 2; r++) {
         int row = row0 + wr + g + r * 8;
         if (row >= q_len) continue;
-        __nv_bfloat16 *dst = out + (size_t)(q_begin + row) * H * HD + (size_t)h * HD;
+        __nv_bfloat16 *dst = out + (size_t)(q_begin + row) * H * HD + (size_t)hq * HD;
 #pragma unroll
         for (int i = 0; i < HD / 8; i++)
             *(uint32_t *)(dst + i * 8 + 2 * t) = pd_k_pack2(o[i * 4 + 2 * r] * l[r], o[i * 4 + 2 * r + 1] * l[r]);
@@ -712,22 +729,38 @@ static bool pd_fa_enabled() {
 static int pd_fa_env(const char *name) {  // 1, 0, or -1 when unset; anything else is refused (abort)
     return pd_k_env_int(name, -1, 0, 1);
 }
-static int pd_fa_flags(int hd) {
-    static int pp = -2, vn = -2, rowp = -2, tma = -2, ovl = -2, arv = -2, kvs = -2, diag = 0;
+static int pd_fa_flags(int hd, int group) {
+    static int pp = -2, vn = -2, rowp = -2, tma = -2, ovl = -2, arv = -2, kvs = -2, diag = 0, gqa = -2, st = -2;
     if (pp == -2) {
+        gqa = pd_k_env_int("PD_CUDA_FA3_GQA", -1, 1, 4);
+        if (gqa == 3) {
+            fprintf(stderr, "PD_CUDA_FA3_GQA=3: expected 1, 2 or 4\n");
+            abort();
+        }
+        st = pd_k_env_int("PD_CUDA_FA3_ST", -1, 2, 3);
         vn = pd_fa_env("PD_CUDA_FA3_VN64"), rowp = pd_fa_env("PD_CUDA_FA3_ROWP");
         tma = pd_k_env_int("PD_CUDA_FA3_TMA", -1, 0, 2);  // 2: TMAH (head_dim 128; the default kernel at 64)
         ovl = pd_fa_env("PD_CUDA_FA3_OVL"), arv = pd_fa_env("PD_CUDA_FA3_ARV"), kvs = pd_fa_env("PD_CUDA_FA3_KVS");
 #ifdef PD_FA3_DIAG
         const char *d = getenv("PD_CUDA_FA3_DIAG");
-        diag = d && !strcmp(d, "noload") ? PD_FA_NOLOAD : d && !strcmp(d, "nomath") ? PD_FA_NOMATH : 0;
+        diag = d && !strcmp(d, "noload")   ? PD_FA_NOLOAD
+               : d && !strcmp(d, "nomath") ? PD_FA_NOMATH
+               : d && !strcmp(d, "nosync") ? PD_FA_NOSYNC
+                                           : 0;
+        if (d && *d && !diag) {
+            fprintf(stderr, "PD_CUDA_FA3_DIAG=%s: expected noload, nomath or nosync\n", d);
+            abort();
+        }
 #endif
         pp = pd_fa_env("PD_CUDA_FA3_PP");
     }
     bool other_producer = rowp == 1 || tma == 1;
     bool use_ovl = ovl < 0 ? !other_producer : ovl == 1, use_arv = arv == 1 && !other_producer;
     bool use_kvs = use_ovl && !use_arv && !other_producer && !diag && (kvs < 0 ? hd == 64 : kvs == 1);
-    return ((pp < 0 ? hd == 128 : pp) ? PD_FA_PP : 0) | (vn == 1 && hd == 128 ? PD_FA_VN64 : 0) |
+    // GQA packing: the largest of 4, 2 not above the knob that divides the group (query heads per kv head)
+    int g = gqa < 0 ? 1 : gqa;
+    while (g > 1 && group % g) g /= 2;
+    return (g == 4 ? PD_FA_G4 : g == 2 ? PD_FA_G2 : 0) | (st == 2 && hd == 128 ? PD_FA_ST2 : 0) | ((pp < 0 ? hd == 128 : pp) ? PD_FA_PP : 0) | (vn == 1 && hd == 128 ? PD_FA_VN64 : 0) |
            (rowp == 1 ? PD_FA_ROWP : 0) | (tma == 1 ? PD_FA_TMA : 0) | (tma == 2 && hd == 128 ? PD_FA_TMAH : 0) |
            (use_ovl ? PD_FA_OVL : 0) |
            (use_arv ? PD_FA_ARV : 0) | (use_kvs ? PD_FA_KVS : 0) | diag;
@@ -735,18 +768,19 @@ static int pd_fa_flags(int hd) {
 
 template <int HD, int FL>
 static void pd_fa_launch(const pd_attention_kparams *p, cudaStream_t s, const CUtensorMap *tm) {
+    constexpr int SMEM = pd_fa_cfg<HD, pd_fa_st<HD, FL>()>::SMEM;
     static bool attr_set = false;  // per instantiation; the first launch raises the smem limit
     if (!attr_set) {
-        cudaFuncSetAttribute(k_attn_prefill_fa3<HD, FL>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                             pd_fa_cfg<HD>::SMEM);
+        cudaFuncSetAttribute(k_attn_prefill_fa3<HD, FL>, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM);
         attr_set = true;
     }
-    int n_q_tiles = (p->max_q_len + PD_FA_BQ - 1) / PD_FA_BQ;
-    dim3 grid((unsigned)(n_q_tiles * p->n_seqs * p->n_heads));
+    constexpr int G = pd_fa_g<FL>(), BQ = PD_FA_BQ / G;
+    int n_q_tiles = (p->max_q_len + BQ - 1) / BQ;
+    dim3 grid((unsigned)(n_q_tiles * p->n_seqs * (p->n_heads / G)));
     int bs_shift = -1;  // log2(block_size) when it is a power of two (shifts instead of divisions)
     for (int i = 0; i < 31; i++)
         if (p->block_size == 1 << i) bs_shift = i;
-    k_attn_prefill_fa3<HD, FL><<<grid, PD_FA_THREADS, pd_fa_cfg<HD>::SMEM, s>>>(
+    k_attn_prefill_fa3<HD, FL><<<grid, PD_FA_THREADS, SMEM, s>>>(
         (const __nv_bfloat16 *)p->q, (const __nv_bfloat16 *)p->k_cache, (const __nv_bfloat16 *)p->v_cache,
         (__nv_bfloat16 *)p->out, p->q_indptr, p->kv_lens, p->bt_indptr, p->bt_indices, n_q_tiles, p->n_seqs,
         p->n_heads, p->n_kv_heads, p->block_size, bs_shift, p->q_stride, p->scale * PD_FA_LOG2E, tm[0], tm[1], tm[2],
@@ -806,7 +840,15 @@ static void pd_fa_dispatch(const pd_attention_kparams *p, cudaStream_t s, int fl
     PD_FA_CASE(PD_FA_ARV)
     PD_FA_CASE(PD_FA_OVL | PD_FA_ARV)
     PD_FA_CASE(PD_FA_PP | PD_FA_OVL | PD_FA_KVS)
+    PD_FA_CASE(PD_FA_OVL | PD_FA_KVS | PD_FA_G2)
+    PD_FA_CASE(PD_FA_OVL | PD_FA_KVS | PD_FA_G4)
     if constexpr (HD == 128) {
+        PD_FA_CASE(PD_FA_PP | PD_FA_OVL | PD_FA_G2)
+        PD_FA_CASE(PD_FA_PP | PD_FA_OVL | PD_FA_G4)
+        PD_FA_CASE(PD_FA_OVL | PD_FA_G4)
+        PD_FA_CASE(PD_FA_PP | PD_FA_OVL | PD_FA_G4 | PD_FA_TMAH)
+        PD_FA_CASE(PD_FA_PP | PD_FA_OVL | PD_FA_ST2)
+        PD_FA_CASE(PD_FA_PP | PD_FA_OVL | PD_FA_G4 | PD_FA_ST2)
         PD_FA_CASE(PD_FA_VN64 | PD_FA_PP | PD_FA_OVL)
         PD_FA_CASE(PD_FA_PP | PD_FA_OVL | PD_FA_TMAH)
         PD_FA_CASE(PD_FA_VN64)
@@ -823,6 +865,13 @@ static void pd_fa_dispatch(const pd_attention_kparams *p, cudaStream_t s, int fl
     PD_FA_CASE(PD_FA_OVL | PD_FA_NOLOAD)
     PD_FA_CASE(PD_FA_OVL | PD_FA_NOMATH)
     PD_FA_CASE(PD_FA_PP | PD_FA_OVL | PD_FA_NOMATH)
+    if constexpr (HD == 128) {
+        PD_FA_CASE(PD_FA_PP | PD_FA_OVL | PD_FA_NOSYNC)
+        PD_FA_CASE(PD_FA_PP | PD_FA_OVL | PD_FA_G4 | PD_FA_NOLOAD)
+        PD_FA_CASE(PD_FA_PP | PD_FA_OVL | PD_FA_G4 | PD_FA_NOMATH)
+        PD_FA_CASE(PD_FA_PP | PD_FA_OVL | PD_FA_G4 | PD_FA_NOSYNC)
+        PD_FA_CASE(PD_FA_PP | PD_FA_OVL | PD_FA_ST2 | PD_FA_NOLOAD)
+    }
 #endif
     static bool warned = false;
     if (!warned)
@@ -836,7 +885,7 @@ extern "C" int pd_cuda_attn_prefill_fa3(const pd_attention_kparams *p, cudaStrea
     if (!pd_fa_enabled() || p->kv_fp8 || p->max_q_len <= 1) return 0;
     if (p->head_dim != 64 && p->head_dim != 128) return 0;
     if ((long)((p->max_q_len + PD_FA_BQ - 1) / PD_FA_BQ) * p->n_seqs * p->n_heads > 0x7fffffffL) return 0;
-    int fl = pd_fa_flags(p->head_dim);
+    int fl = pd_fa_flags(p->head_dim, p->n_heads / p->n_kv_heads);
     CUtensorMap tm[4];
     memset(tm, 0, sizeof tm);
     // TMA moves whole pages: block_size 8..128 dividing the 128-position tile (else cp.async only)
