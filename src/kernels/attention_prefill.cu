@@ -61,12 +61,12 @@
 #define PD_FA_LOG2E 1.4426950408889634f
 #define PD_FA_STAGES(HD) ((HD) == 64 ? 4 : 3)
 
-template <int HD, int NST, int NQB>
+template <int HD>
 struct pd_fa_cfg {
-    static constexpr int TILE = PD_FA_BKV * HD * 2;  // bytes of a Q, K or V tile (128 rows: BQ == BKV)
+    static constexpr int TILE = PD_FA_BKV * HD * 2;  // bytes of a Q, K or V tile (BQ == BKV)
     static constexpr int CB = PD_FA_BKV * 128;       // bytes of one 64-element column block
-    static constexpr int ST = NST;
-    static constexpr int SMEM = 1024 + TILE * (NQB + 2 * ST) + 8 * (4 * ST + 4);  // KVS: 4 barriers a stage
+    static constexpr int ST = PD_FA_STAGES(HD);
+    static constexpr int SMEM = 1024 + TILE * (1 + 2 * ST) + 8 * (4 * ST + 1);  // KVS: 4 barriers a stage
 };
 
 // ---- PTX wrappers (sm_90a) ---------------------------------------------------------------------
@@ -198,20 +198,11 @@ static __device__ __forceinline__ void pd_fa_wgmma_rs_n128(float *d, const uint3
 #define PD_FA_ARV 128  // the producer's copies arrive on "full" as they land (cp.async.mbarrier.arrive)
 #define PD_FA_KVS 256  // with OVL: K and V of a stage on separate full / empty barriers
 #define PD_FA_TMAH 512  // a tile in consecutive pages by TMA (one box per column block), else cp.async
-#define PD_FA_G2 1024   // GQA packing: two query heads of one kv head share a block (64 positions each)
-#define PD_FA_G4 2048   // four query heads of one kv head share a block (32 positions each)
-#define PD_FA_ST2 4096  // a 2-stage K/V ring (head_dim 128; default 3)
-#define PD_FA_PERS 16384  // persistent blocks (one per SM) over the work items, two Q buffers
+#define PD_FA_RSC 1024  // with OVL: O rescaled only when a row of the warp changed its running max
 // Diagnostics, compiled only with -DPD_FA3_DIAG (a separate op_bench build; the output is wrong):
-#define PD_FA_NOLOAD 8   // the producer copies no K/V (the consumers' speed alone)
+#define PD_FA_NOLOAD 8   // the producer copies K/V into the ring's stages once, then none (the consumers alone)
 #define PD_FA_NOMATH 16  // the consumers compute nothing (the producer's speed alone)
-#define PD_FA_NOSYNC 8192  // nobody waits on the K/V ring's barriers (copies and math uncoupled)
-
-// Query heads packed into one block (GQA): G heads of one kv head, 128 / G query positions each.
-template <int FL>
-__host__ __device__ static constexpr int pd_fa_g() { return (FL & PD_FA_G4) ? 4 : (FL & PD_FA_G2) ? 2 : 1; }
-template <int HD, int FL>
-__host__ __device__ static constexpr int pd_fa_st() { return (FL & PD_FA_ST2) ? 2 : PD_FA_STAGES(HD); }
+#define PD_FA_NOSYNC 2048  // nobody waits on the K/V ring's barriers (copies and math run uncoupled)
 
 // Issues S = Q.K^T (HD / 16 wgmmas, no commit). qa: this warpgroup's 64 Q rows; kt: the K tile.
 template <int HD>
@@ -340,16 +331,11 @@ static __global__ void __launch_bounds__(PD_FA_THREADS, 1)
                        int q_stride, float scale_log2, const __grid_constant__ CUtensorMap tmk,
                        const __grid_constant__ CUtensorMap tmv, const __grid_constant__ CUtensorMap tmk_t,
                        const __grid_constant__ CUtensorMap tmv_t) {
-    using C = pd_fa_cfg<HD, pd_fa_st<HD, FL>(), (FL & PD_FA_PERS) ? 2 : 1>;
+    using C = pd_fa_cfg<HD>;
     constexpr int ST = C::ST, CPR = HD / 8;
-    // G (PD_FA_G2 / G4, PD_CUDA_FA3_GQA): the block's 128 query rows are G heads of one kv head at
-    // BQ = 128 / G positions, so each K/V tile loaded serves G heads (1 / G of the L2 traffic and of the
-    // shared-memory writes per flop). Consumer warp wi (0..7) holds head h0 + wi % G at the 16
-    // positions from (wi / G) * 16; the warpgroups split the positions, not the heads.
-    constexpr int G = pd_fa_g<FL>(), BQ = PD_FA_BQ / G;
-    constexpr bool NOSYNC = FL & PD_FA_NOSYNC;
     constexpr bool VN64 = FL & PD_FA_VN64, PP = FL & PD_FA_PP, ROWP = FL & PD_FA_ROWP;
     constexpr bool NOLOAD = FL & PD_FA_NOLOAD, NOMATH = FL & PD_FA_NOMATH, TMA = FL & PD_FA_TMA, OVL = FL & PD_FA_OVL;
+    constexpr bool NOSYNC = FL & PD_FA_NOSYNC, RSC = (FL & PD_FA_RSC) && OVL;
     // TMAH (PD_CUDA_FA3_TMA=2): a K/V tile whose 128 positions fill consecutive whole pages comes by
     // TMA (one 128-row box per 64-column block of K and of V: 4 boxes at head_dim 128), any other
     // tile by the default producer's cp.async (no per-page boxes, which made TMA slower on scattered
@@ -366,51 +352,32 @@ static __global__ void __launch_bounds__(PD_FA_THREADS, 1)
     // j waits for K alone. The producer issues K_j, arrives on V_{j-1} (landed), issues V_j, arrives
     // on K_j, so full V_{j-1} is always complete when full K_j is.
     constexpr bool KVS = (FL & PD_FA_KVS) && OVL && !TMA && !TMAH && !ROWP && !NOLOAD && !ARV;
-    // PERS (persistent): one block per SM walks work items blockIdx.x, + gridDim.x, ... (the same
-    // longest-first order); the K/V ring runs on across items (global tile count gj) and Q has two
-    // buffers, so the producer loads the next item's Q and first tiles while the consumers finish
-    // the current one (its last P.V and the output stores) instead of a fresh block starting cold.
-    constexpr bool PERS = (FL & PD_FA_PERS) && !KVS && !ARV && !TMA && !ROWP;
-    constexpr int NQB = PERS ? 2 : 1;  // Q buffers
     extern __shared__ unsigned char pd_fa_smem[];
     const uint32_t base = (pd_k_smem_u32(pd_fa_smem) + 1023u) & ~1023u;
-    const uint32_t sq = base, sk = base + NQB * C::TILE, sv = sk + ST * C::TILE, bar = sv + ST * C::TILE;
-    // bar + 8 * i: full[i]; bar + 8 * (ST + i): empty[i]; bar + 16 * ST + 8 * b: Q buffer b's full,
-    // bar + 16 * ST + 16 + 8 * b: its empty (PERS); KVS: full / empty are K's, and barv + 8 * i: V's
-    // full[i], barv + 8 * (ST + i): V's empty[i].
-    const uint32_t qfull = bar + 16 * ST, qempty = qfull + 16, barv = bar + 8 * (2 * ST + 4);
+    const uint32_t sq = base, sk = base + C::TILE, sv = sk + ST * C::TILE, bar = sv + ST * C::TILE;
+    // bar + 8 * i: full[i]; bar + 8 * (ST + i): empty[i]; bar + 16 * ST: the Q tile; KVS: those two
+    // are K's, and bar + 8 * (2 * ST + 1 + i): V's full[i], bar + 8 * (3 * ST + 1 + i): V's empty[i].
+    const uint32_t barv = bar + 8 * (2 * ST + 1);
 
-    const int HB = H / G, per_tile = n_seqs * HB, n_items = n_q_tiles * per_tile;
-    int q_begin, q_len, kv_len, row0, row_end, pos0, kv_end, n_tiles, h, kvh;
-    const int32_t *bt;
-    // Work item it: (query tile, sequence, head group); false when it has no rows (nothing to do).
-    auto item = [&](int it) {
-        int qt = n_q_tiles - 1 - it / per_tile;  // longest tiles first
-        int s = (it % per_tile) / HB;
-        h = (it % HB) * G;  // the item's first query head
-        q_begin = q_indptr[s], q_len = q_indptr[s + 1] - q_begin;
-        if (q_len <= 1 || qt * BQ >= q_len) return false;  // q_len == 1: the decode kernel's
-        kv_len = kv_lens[s];
-        row0 = qt * BQ, row_end = min(q_len, row0 + BQ);
-        pos0 = kv_len - q_len + row0;       // position of tile row 0
-        kv_end = kv_len - q_len + row_end;  // exclusive bound over the tile's rows
-        n_tiles = (kv_end + PD_FA_BKV - 1) / PD_FA_BKV;
-        kvh = h / (H / n_kv);
-        bt = bt_indices + bt_indptr[s];
-        return true;
-    };
-    if (!PERS && !item(blockIdx.x)) return;
-    const int it_step = PERS ? gridDim.x : n_items;
+    int per_tile = n_seqs * H, b = blockIdx.x;
+    int qt = n_q_tiles - 1 - b / per_tile;  // longest tiles first
+    int s = (b % per_tile) / H, h = b % H;
+    int q_begin = q_indptr[s], q_len = q_indptr[s + 1] - q_begin;
+    if (q_len <= 1 || qt * PD_FA_BQ >= q_len) return;  // q_len == 1: the decode kernel's
+    int kv_len = kv_lens[s];
+    int row0 = qt * PD_FA_BQ, row_end = min(q_len, row0 + PD_FA_BQ);
+    int pos0 = kv_len - q_len + row0;       // position of tile row 0
+    int kv_end = kv_len - q_len + row_end;  // exclusive bound over the tile's rows
+    int n_tiles = (kv_end + PD_FA_BKV - 1) / PD_FA_BKV;
+    int kvh = h / (H / n_kv);
+    const int32_t *bt = bt_indices + bt_indptr[s];
 
     if (threadIdx.x == 0) {
         for (int i = 0; i < ST; i++) {
             pd_fa_mbar_init(bar + 8 * i, 128);
             pd_fa_mbar_init(bar + 8 * (ST + i), 256);
         }
-        for (int i = 0; i < NQB; i++) {
-            pd_fa_mbar_init(qfull + 8 * i, 128);
-            pd_fa_mbar_init(qempty + 8 * i, 256);
-        }
+        pd_fa_mbar_init(bar + 16 * ST, 128);
         for (int i = 0; i < ST && KVS; i++) {
             pd_fa_mbar_init(barv + 8 * i, 128);
             pd_fa_mbar_init(barv + 8 * (ST + i), 256);
@@ -423,27 +390,14 @@ static __global__ void __launch_bounds__(PD_FA_THREADS, 1)
     if (wg == 0) {
         // ---- producer ----
         asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(PD_FA_REG_P));
-        // prev: the barrier the latest-but-one commit group completes (arrived on once it landed)
-        uint32_t prev = 0;
-        int gj = 0, n = 0;  // K/V tiles and items so far (the ring and the Q buffers run on across items)
-        for (int it = blockIdx.x; it < n_items; it += it_step) {
-        if (PERS && !item(it)) continue;  // (without PERS the one item is decoded above)
-        const int qb = PERS ? n & 1 : 0;
-        if (PERS && n >= 2 && !NOSYNC) pd_fa_mbar_wait(qempty + 8 * qb, ((n >> 1) - 1) & 1);
         for (int i = tw; i < PD_FA_BQ * CPR; i += 128) {
-            int r = i / CPR, c = i % CPR, wi = r >> 4, qr = (wi / G) * 16 + (r & 15), qh = h + wi % G;
-            bool ok = row0 + qr < q_len;
-            const __nv_bfloat16 *src = q + (size_t)(q_begin + (ok ? row0 + qr : 0)) * q_stride + (size_t)qh * HD + c * 8;
-            pd_fa_cp16(sq + qb * C::TILE + pd_fa_swz(r, c), src, ok);
+            int r = i / CPR, c = i % CPR;
+            bool ok = row0 + r < q_len;
+            const __nv_bfloat16 *src = q + (size_t)(q_begin + (ok ? row0 + r : 0)) * q_stride + (size_t)h * HD + c * 8;
+            pd_fa_cp16(sq + pd_fa_swz(r, c), src, ok);
         }
         pd_k_cp_async_commit();
-        if constexpr (ARV) pd_fa_cp_arrive(qfull + 8 * qb);
-        if (!ARV && prev) {  // PERS: the previous item's last tile
-            pd_k_cp_async_wait<1>();
-            pd_fa_fence_async();
-            pd_fa_mbar_arrive(prev);
-        }
-        prev = qfull + 8 * qb;
+        if constexpr (ARV) pd_fa_cp_arrive(bar + 16 * ST);
         // Thread tw copies 16-byte chunk c = tw % CPR of rows tw / CPR + k * RS (k < RPT) of each
         // tile. The page-table lookups of a tile are issued together (independent loads) before
         // the wait for its stage, then the copies; ROWP: the first version, lookup and copies row
@@ -470,7 +424,7 @@ static __global__ void __launch_bounds__(PD_FA_THREADS, 1)
                 pd_k_cp_async_commit();
                 pd_k_cp_async_wait<1>();  // all but K_j: the Q tile (j == 0) or V_{j-1}
                 pd_fa_fence_async();
-                pd_fa_mbar_arrive(j == 0 ? qfull : barv + 8 * ((j - 1) % ST));
+                pd_fa_mbar_arrive(j == 0 ? bar + 16 * ST : barv + 8 * ((j - 1) % ST));
                 if (j >= ST && !NOSYNC) pd_fa_mbar_wait(barv + 8 * (ST + st), ph);
 #pragma unroll
                 for (int k = 0; k < RPT; k++)
@@ -486,7 +440,7 @@ static __global__ void __launch_bounds__(PD_FA_THREADS, 1)
             pd_fa_mbar_arrive(barv + 8 * ((n_tiles - 1) % ST));
         } else {
             for (int j = 0; j < n_tiles; j++) {
-                const int g = gj + j, st = g % ST, kv0 = j * PD_FA_BKV;
+                int st = j % ST, kv0 = j * PD_FA_BKV;
                 uint32_t dk = sk + st * C::TILE, dv = sv + st * C::TILE;
                 if constexpr (TMA || TMAH) {
                     // Pages wholly inside the cache rows of this sequence (< kv_len) come by TMA, one box
@@ -518,7 +472,7 @@ static __global__ void __launch_bounds__(PD_FA_THREADS, 1)
                         int pgk = bs_shift >= 0 ? pos >> bs_shift : pos / bs, in = pos - pgk * bs;
                         slot[k] = pos >= cp_from && pos < kv_end ? __ldg(bt + pgk) * bs + in : -1;
                     }
-                    if (g >= ST && !NOSYNC) pd_fa_mbar_wait(bar + 8 * (ST + st), ((g / ST) - 1) & 1);
+                    if (j >= ST && !NOSYNC) pd_fa_mbar_wait(bar + 8 * (ST + st), ((j / ST) - 1) & 1);
                     if (tw == 0 && n_full > 0 && (!TMAH || run))
                         pd_fa_mbar_expect_tx(bar + 8 * st, (uint32_t)(n_full * bs * HD * 2 * 2));
                     __syncwarp();
@@ -543,7 +497,7 @@ static __global__ void __launch_bounds__(PD_FA_THREADS, 1)
                         pd_fa_cp16(dv + o, vc + off, ok);
                     }
                 } else if constexpr (ROWP) {
-                    if (g >= ST && !NOSYNC) pd_fa_mbar_wait(bar + 8 * (ST + st), ((g / ST) - 1) & 1);
+                    if (j >= ST && !NOSYNC) pd_fa_mbar_wait(bar + 8 * (ST + st), ((j / ST) - 1) & 1);
                     for (int i = tw; i < PD_FA_BKV * CPR; i += 128) {
                         int r = i / CPR, cc = i % CPR, pos = kv0 + r;
                         bool ok = pos < kv_end;
@@ -561,11 +515,11 @@ static __global__ void __launch_bounds__(PD_FA_THREADS, 1)
                         int pg = bs_shift >= 0 ? pos >> bs_shift : pos / bs, in = pos - pg * bs;
                         slot[k] = pos < kv_end ? __ldg(bt + pg) * bs + in : -1;
                     }
-                    if (g >= ST && !NOSYNC) pd_fa_mbar_wait(bar + 8 * (ST + st), ((g / ST) - 1) & 1);
-                    // NOLOAD (diag): the ring's first ST tiles are copied (real data in every stage,
-                    // as the tensor cores' power depends on it), later tiles only pass the barriers
+                    if (j >= ST && !NOSYNC) pd_fa_mbar_wait(bar + 8 * (ST + st), ((j / ST) - 1) & 1);
+                    // NOLOAD (diag): the ring's first ST tiles are copied (real data in every stage: the
+                    // tensor cores' power, and so the clock, depend on it), later tiles only pass the barriers
 #pragma unroll
-                    for (int k = 0; k < RPT && (!NOLOAD || g < ST); k++) {
+                    for (int k = 0; k < RPT && (!NOLOAD || j < ST); k++) {
                         bool ok = slot[k] >= 0;
                         size_t off = ok ? (size_t)slot[k] * kv_row + kv_col : 0;
                         uint32_t o = pd_fa_swz(r0 + k * RS, c);
@@ -580,32 +534,23 @@ static __global__ void __launch_bounds__(PD_FA_THREADS, 1)
                 }
                 pd_k_cp_async_wait<1>();  // everything but tile j: the Q tile (j == 0) or tile j - 1
                 pd_fa_fence_async();
-                pd_fa_mbar_arrive(prev);
-                prev = bar + 8 * st;
+                pd_fa_mbar_arrive(j == 0 ? bar + 16 * ST : bar + 8 * ((j - 1) % ST));
             }
-        }
-        gj += n_tiles, n++;
-        }
-        pd_k_cp_async_wait<0>();
-        if (!KVS && !ARV && prev) {  // ARV: every tile has arrived (or will, as its copies land)
+            pd_k_cp_async_wait<0>();
+            if constexpr (ARV) return;  // every tile has arrived (or will, as its copies land)
             pd_fa_fence_async();
-            pd_fa_mbar_arrive(prev);
+            pd_fa_mbar_arrive(bar + 8 * ((n_tiles - 1) % ST));
         }
         return;
     }
 
     // ---- consumers ----
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(PD_FA_REG_C));
-    const int cw = wg - 1, warp = tw >> 5, lane = tw & 31, g = lane >> 2, t = lane & 3, wi = cw * 4 + warp;
-    const int wr = (wi / G) * 16;  // the warp's first position in the tile (its head: h + wi % G)
-    int gj = 0, ni = 0;            // K/V tiles and items so far (PERS: the ring runs on across items)
-    for (int it = blockIdx.x; it < n_items; it += it_step) {
-    if (PERS && !item(it)) continue;
-    const int qb = PERS ? ni & 1 : 0;
+    int cw = wg - 1, warp = tw >> 5, lane = tw & 31, g = lane >> 2, t = lane & 3;
+    int wr = cw * 64 + warp * 16;  // the warp's first row in the tile
     int qpos[2] = {pos0 + wr + g, pos0 + wr + g + 8};
-    constexpr int WGP = 64 / G;  // positions of a warpgroup: [cw * WGP, cw * WGP + WGP)
-    bool live = row0 + cw * WGP < q_len;
-    int last_pos = pos0 + min(cw * WGP + WGP - 1, row_end - row0 - 1);  // the warpgroup's last row
+    bool live = row0 + cw * 64 < q_len;
+    int last_pos = pos0 + min(cw * 64 + 63, row_end - row0 - 1);  // the warpgroup's last row
     // Tiles [0, n_mine) hold positions at or before this warpgroup's last row; the rest are
     // waited for and released untouched (the other warpgroup may need them).
     int n_mine = live ? last_pos / PD_FA_BKV + 1 : 0;
@@ -613,10 +558,10 @@ static __global__ void __launch_bounds__(PD_FA_THREADS, 1)
 #pragma unroll
     for (int i = 0; i < HD / 2; i++) o[i] = 0.f;
     float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f}, corr[2];
-    const uint32_t qa = sq + qb * C::TILE + cw * 64 * 128;  // this warpgroup's 64 rows of Q
+    const uint32_t qa = sq + cw * 64 * 128;  // this warpgroup's 64 rows of Q
     uint32_t pa[PD_FA_BKV / 16][4];
 
-    pd_fa_mbar_wait(qfull + 8 * qb, (ni >> 1) & 1);
+    pd_fa_mbar_wait(bar + 16 * ST, 0);
     if constexpr (ARV) pd_fa_fence_async();
     // PP (ping-pong): the two consumers take turns issuing their products (named barriers 1 and
     // 2, 256 threads: one warpgroup syncs, the other arrives), so one's softmax overlaps the
@@ -637,26 +582,26 @@ static __global__ void __launch_bounds__(PD_FA_THREADS, 1)
         float sc[PD_FA_BKV / 2];
         const int n_comp = NOMATH ? 0 : n_mine;
         if (n_comp > 0) {
-            if (!NOSYNC) pd_fa_mbar_wait(bar + 8 * (gj % ST), (gj / ST) & 1);
+            if (!NOSYNC) pd_fa_mbar_wait(bar, 0);
             if constexpr (ARV) pd_fa_fence_async();
             if (PP) pd_fa_bar_sync(1 + cw);
             pd_fa_pin<PD_FA_BKV / 2>(sc);
             pd_fa_wg_fence();
-            pd_fa_issue_s<HD>(sc, qa, sk + (gj % ST) * C::TILE);
+            pd_fa_issue_s<HD>(sc, qa, sk);
             pd_fa_wg_commit();
             if (PP) pd_fa_bar_arrive(2 - cw);
             pd_fa_wg_wait<0>();
             pd_fa_pin<PD_FA_BKV / 2>(sc);
-            if constexpr (KVS) pd_fa_mbar_arrive(bar + 8 * (ST + gj % ST));  // K of tile 0
+            if constexpr (KVS) pd_fa_mbar_arrive(bar + 8 * ST);  // K of tile 0
             pd_fa_softmax_p(sc, m, l, corr, pos0 + wr < PD_FA_BKV - 1, 0, qpos, t, scale_log2);
             pd_fa_pack(sc, pa);
             for (int j = 1; j < n_comp; j++) {
-                const int gr = gj + j, st = gr % ST, sp = (gr - 1) % ST, kv0 = j * PD_FA_BKV;
-                if (!NOSYNC) pd_fa_mbar_wait(bar + 8 * st, (gr / ST) & 1);
+                const int st = j % ST, sp = (j - 1) % ST, kv0 = j * PD_FA_BKV;
+                if (!NOSYNC) pd_fa_mbar_wait(bar + 8 * st, (j / ST) & 1);
                 if constexpr (ARV) pd_fa_fence_async();
                 if (PP) pd_fa_bar_sync(1 + cw);
-                if (KVS && !NOSYNC) pd_fa_mbar_wait(barv + 8 * sp, ((gr - 1) / ST) & 1);  // complete already
-                pd_fa_rescale<HD>(o, corr);
+                if (KVS && !NOSYNC) pd_fa_mbar_wait(barv + 8 * sp, ((j - 1) / ST) & 1);  // complete already
+                if (!RSC || __any_sync(0xffffffffu, corr[0] != 1.f || corr[1] != 1.f)) pd_fa_rescale<HD>(o, corr);
                 pd_fa_pin<HD / 2>(o);
                 pd_fa_pin<PD_FA_BKV / 2>(sc);
                 pd_fa_pin_u<PD_FA_BKV / 16>(pa);
@@ -676,9 +621,9 @@ static __global__ void __launch_bounds__(PD_FA_THREADS, 1)
                 pd_fa_mbar_arrive(KVS ? barv + 8 * (ST + sp) : bar + 8 * (ST + sp));
                 pd_fa_pack(sc, pa);
             }
-            const int sl = (gj + n_comp - 1) % ST;
-            if (KVS && !NOSYNC) pd_fa_mbar_wait(barv + 8 * sl, ((gj + n_comp - 1) / ST) & 1);
-            pd_fa_rescale<HD>(o, corr);
+            const int sl = (n_comp - 1) % ST;
+            if (KVS && !NOSYNC) pd_fa_mbar_wait(barv + 8 * sl, ((n_comp - 1) / ST) & 1);
+            if (!RSC || __any_sync(0xffffffffu, corr[0] != 1.f || corr[1] != 1.f)) pd_fa_rescale<HD>(o, corr);
             pd_fa_pin<HD / 2>(o);
             pd_fa_pin_u<PD_FA_BKV / 16>(pa);
             pd_fa_wg_fence();
@@ -689,22 +634,22 @@ static __global__ void __launch_bounds__(PD_FA_THREADS, 1)
             pd_fa_mbar_arrive(KVS ? barv + 8 * (ST + sl) : bar + 8 * (ST + sl));
         }
         for (int j = n_comp; j < n_tiles; j++) {
-            const int gr = gj + j, st = gr % ST;
-            if (!NOSYNC) pd_fa_mbar_wait(bar + 8 * st, (gr / ST) & 1);
+            const int st = j % ST;
+            if (!NOSYNC) pd_fa_mbar_wait(bar + 8 * st, (j / ST) & 1);
             if (PP) pd_fa_bar_sync(1 + cw);
             if (PP) pd_fa_bar_arrive(2 - cw);
             pd_fa_mbar_arrive(bar + 8 * (ST + st));
             if constexpr (KVS) {
-                if (!NOSYNC) pd_fa_mbar_wait(barv + 8 * st, (gr / ST) & 1);
+                if (!NOSYNC) pd_fa_mbar_wait(barv + 8 * st, (j / ST) & 1);
                 pd_fa_mbar_arrive(barv + 8 * (ST + st));
             }
         }
         if (PP && cw == 0) pd_fa_bar_sync(1);  // the second warpgroup's last arrival
     }
     for (int j = 0; j < n_tiles && !OVL; j++) {
-        int st = (gj + j) % ST, kv0 = j * PD_FA_BKV;
+        int st = j % ST, kv0 = j * PD_FA_BKV;
         bool pass = PP && !(cw == 1 && j == n_tiles - 1);
-        if (!NOSYNC) pd_fa_mbar_wait(bar + 8 * st, ((gj + j) / ST) & 1);
+        if (!NOSYNC) pd_fa_mbar_wait(bar + 8 * st, (j / ST) & 1);
         if constexpr (ARV) pd_fa_fence_async();
         if (PP) pd_fa_bar_sync(1 + cw);
         if (NOMATH || j >= n_mine) {  // warpgroup-uniform
@@ -734,7 +679,6 @@ static __global__ void __launch_bounds__(PD_FA_THREADS, 1)
             pd_fa_mbar_arrive(bar + 8 * (ST + st));
         }
     }
-    if (PERS) pd_fa_mbar_arrive(qempty + 8 * qb);  // every S of the item is done: Q buffer qb is free
 #pragma unroll
     for (int r = 0; r < 2; r++) {
         l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
@@ -745,12 +689,10 @@ static __global__ void __launch_bounds__(PD_FA_THREADS, 1)
     for (int r = 0; r < 2; r++) {
         int row = row0 + wr + g + r * 8;
         if (row >= q_len) continue;
-        __nv_bfloat16 *dst = out + (size_t)(q_begin + row) * H * HD + (size_t)(h + wi % G) * HD;
+        __nv_bfloat16 *dst = out + (size_t)(q_begin + row) * H * HD + (size_t)h * HD;
 #pragma unroll
         for (int i = 0; i < HD / 8; i++)
             *(uint32_t *)(dst + i * 8 + 2 * t) = pd_k_pack2(o[i * 4 + 2 * r] * l[r], o[i * 4 + 2 * r + 1] * l[r]);
-    }
-    gj += n_tiles, ni++;
     }
 }
 
@@ -773,17 +715,10 @@ static bool pd_fa_enabled() {
 static int pd_fa_env(const char *name) {  // 1, 0, or -1 when unset; anything else is refused (abort)
     return pd_k_env_int(name, -1, 0, 1);
 }
-static int pd_fa_flags(int hd, int group) {
-    static int pp = -2, vn = -2, rowp = -2, tma = -2, ovl = -2, arv = -2, kvs = -2, diag = 0, gqa = -2, st = -2,
-               pers = -2;
+static int pd_fa_flags(int hd) {
+    static int pp = -2, vn = -2, rowp = -2, tma = -2, ovl = -2, arv = -2, kvs = -2, diag = 0, rsc = -2;
     if (pp == -2) {
-        pers = pd_fa_env("PD_CUDA_FA3_PERS");
-        gqa = pd_k_env_int("PD_CUDA_FA3_GQA", -1, 1, 4);
-        if (gqa == 3) {
-            fprintf(stderr, "PD_CUDA_FA3_GQA=3: expected 1, 2 or 4\n");
-            abort();
-        }
-        st = pd_k_env_int("PD_CUDA_FA3_ST", -1, 2, 3);
+        rsc = pd_fa_env("PD_CUDA_FA3_RSC");
         vn = pd_fa_env("PD_CUDA_FA3_VN64"), rowp = pd_fa_env("PD_CUDA_FA3_ROWP");
         tma = pd_k_env_int("PD_CUDA_FA3_TMA", -1, 0, 2);  // 2: TMAH (head_dim 128; the default kernel at 64)
         ovl = pd_fa_env("PD_CUDA_FA3_OVL"), arv = pd_fa_env("PD_CUDA_FA3_ARV"), kvs = pd_fa_env("PD_CUDA_FA3_KVS");
@@ -802,15 +737,8 @@ static int pd_fa_flags(int hd, int group) {
     }
     bool other_producer = rowp == 1 || tma == 1;
     bool use_ovl = ovl < 0 ? !other_producer : ovl == 1, use_arv = arv == 1 && !other_producer;
-    // PERS (persistent blocks): the default producer without KVS; at head_dim 128 two Q buffers fit only
-    // beside a 2-stage ring
-    bool use_pers = pers == 1 && !use_arv && !other_producer && !diag;
-    bool use_kvs = use_ovl && !use_arv && !other_producer && !diag && !use_pers && (kvs < 0 ? hd == 64 : kvs == 1);
-    // GQA packing: the largest of 4, 2 not above the knob that divides the group (query heads per kv head)
-    int g = gqa < 0 ? 1 : gqa;
-    while (g > 1 && group % g) g /= 2;
-    return (g == 4 ? PD_FA_G4 : g == 2 ? PD_FA_G2 : 0) | ((st == 2 || use_pers) && hd == 128 ? PD_FA_ST2 : 0) |
-           (use_pers ? PD_FA_PERS : 0) | ((pp < 0 ? hd == 128 : pp) ? PD_FA_PP : 0) | (vn == 1 && hd == 128 ? PD_FA_VN64 : 0) |
+    bool use_kvs = use_ovl && !use_arv && !other_producer && !diag && (kvs < 0 ? hd == 64 : kvs == 1);
+    return (rsc == 1 && use_ovl ? PD_FA_RSC : 0) | ((pp < 0 ? hd == 128 : pp) ? PD_FA_PP : 0) | (vn == 1 && hd == 128 ? PD_FA_VN64 : 0) |
            (rowp == 1 ? PD_FA_ROWP : 0) | (tma == 1 ? PD_FA_TMA : 0) | (tma == 2 && hd == 128 ? PD_FA_TMAH : 0) |
            (use_ovl ? PD_FA_OVL : 0) |
            (use_arv ? PD_FA_ARV : 0) | (use_kvs ? PD_FA_KVS : 0) | diag;
@@ -818,28 +746,18 @@ static int pd_fa_flags(int hd, int group) {
 
 template <int HD, int FL>
 static void pd_fa_launch(const pd_attention_kparams *p, cudaStream_t s, const CUtensorMap *tm) {
-    constexpr int SMEM = pd_fa_cfg<HD, pd_fa_st<HD, FL>(), (FL & PD_FA_PERS) ? 2 : 1>::SMEM;
     static bool attr_set = false;  // per instantiation; the first launch raises the smem limit
     if (!attr_set) {
-        cudaFuncSetAttribute(k_attn_prefill_fa3<HD, FL>, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM);
+        cudaFuncSetAttribute(k_attn_prefill_fa3<HD, FL>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                             pd_fa_cfg<HD>::SMEM);
         attr_set = true;
     }
-    constexpr int G = pd_fa_g<FL>(), BQ = PD_FA_BQ / G;
-    int n_q_tiles = (p->max_q_len + BQ - 1) / BQ, n_items = n_q_tiles * p->n_seqs * (p->n_heads / G);
-    if (FL & PD_FA_PERS) {  // one block per SM (the device's SM count, read once)
-        static int n_sm = 0;
-        if (!n_sm) {
-            int dev = 0;
-            cudaGetDevice(&dev);
-            if (cudaDeviceGetAttribute(&n_sm, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess || n_sm < 1) n_sm = 132;
-        }
-        if (n_items > n_sm) n_items = n_sm;
-    }
-    dim3 grid((unsigned)n_items);
+    int n_q_tiles = (p->max_q_len + PD_FA_BQ - 1) / PD_FA_BQ;
+    dim3 grid((unsigned)(n_q_tiles * p->n_seqs * p->n_heads));
     int bs_shift = -1;  // log2(block_size) when it is a power of two (shifts instead of divisions)
     for (int i = 0; i < 31; i++)
         if (p->block_size == 1 << i) bs_shift = i;
-    k_attn_prefill_fa3<HD, FL><<<grid, PD_FA_THREADS, SMEM, s>>>(
+    k_attn_prefill_fa3<HD, FL><<<grid, PD_FA_THREADS, pd_fa_cfg<HD>::SMEM, s>>>(
         (const __nv_bfloat16 *)p->q, (const __nv_bfloat16 *)p->k_cache, (const __nv_bfloat16 *)p->v_cache,
         (__nv_bfloat16 *)p->out, p->q_indptr, p->kv_lens, p->bt_indptr, p->bt_indices, n_q_tiles, p->n_seqs,
         p->n_heads, p->n_kv_heads, p->block_size, bs_shift, p->q_stride, p->scale * PD_FA_LOG2E, tm[0], tm[1], tm[2],
@@ -899,26 +817,14 @@ static void pd_fa_dispatch(const pd_attention_kparams *p, cudaStream_t s, int fl
     PD_FA_CASE(PD_FA_ARV)
     PD_FA_CASE(PD_FA_OVL | PD_FA_ARV)
     PD_FA_CASE(PD_FA_PP | PD_FA_OVL | PD_FA_KVS)
-    PD_FA_CASE(PD_FA_OVL | PD_FA_KVS | PD_FA_G2)
-    PD_FA_CASE(PD_FA_OVL | PD_FA_KVS | PD_FA_G4)
+    PD_FA_CASE(PD_FA_OVL | PD_FA_KVS | PD_FA_RSC)
     if constexpr (HD == 128) {
-        PD_FA_CASE(PD_FA_PP | PD_FA_OVL | PD_FA_G2)
-        PD_FA_CASE(PD_FA_PP | PD_FA_OVL | PD_FA_G4)
-        PD_FA_CASE(PD_FA_OVL | PD_FA_G4)
-        PD_FA_CASE(PD_FA_PP | PD_FA_OVL | PD_FA_G4 | PD_FA_TMAH)
-        PD_FA_CASE(PD_FA_PP | PD_FA_OVL | PD_FA_ST2)
-        PD_FA_CASE(PD_FA_PP | PD_FA_OVL | PD_FA_G4 | PD_FA_ST2)
-        PD_FA_CASE(PD_FA_PP | PD_FA_OVL | PD_FA_ST2 | PD_FA_PERS)
-        PD_FA_CASE(PD_FA_PP | PD_FA_OVL | PD_FA_G4 | PD_FA_ST2 | PD_FA_PERS)
-        PD_FA_CASE(PD_FA_PP | PD_FA_OVL | PD_FA_G4 | PD_FA_ST2 | PD_FA_PERS | PD_FA_TMAH)
+        PD_FA_CASE(PD_FA_PP | PD_FA_OVL | PD_FA_RSC)
+        PD_FA_CASE(PD_FA_PP | PD_FA_OVL | PD_FA_TMAH | PD_FA_RSC)
         PD_FA_CASE(PD_FA_VN64 | PD_FA_PP | PD_FA_OVL)
         PD_FA_CASE(PD_FA_PP | PD_FA_OVL | PD_FA_TMAH)
         PD_FA_CASE(PD_FA_VN64)
         PD_FA_CASE(PD_FA_VN64 | PD_FA_PP)
-    } else {
-        PD_FA_CASE(PD_FA_OVL | PD_FA_PERS)
-        PD_FA_CASE(PD_FA_OVL | PD_FA_G4 | PD_FA_PERS)
-        PD_FA_CASE(PD_FA_OVL | PD_FA_G2 | PD_FA_PERS)
     }
 #ifdef PD_FA3_DIAG
     PD_FA_CASE(PD_FA_PP | PD_FA_OVL | PD_FA_NOLOAD)
@@ -931,12 +837,10 @@ static void pd_fa_dispatch(const pd_attention_kparams *p, cudaStream_t s, int fl
     PD_FA_CASE(PD_FA_OVL | PD_FA_NOLOAD)
     PD_FA_CASE(PD_FA_OVL | PD_FA_NOMATH)
     PD_FA_CASE(PD_FA_PP | PD_FA_OVL | PD_FA_NOMATH)
+    PD_FA_CASE(PD_FA_OVL | PD_FA_NOSYNC)
     if constexpr (HD == 128) {
         PD_FA_CASE(PD_FA_PP | PD_FA_OVL | PD_FA_NOSYNC)
-        PD_FA_CASE(PD_FA_PP | PD_FA_OVL | PD_FA_G4 | PD_FA_NOLOAD)
-        PD_FA_CASE(PD_FA_PP | PD_FA_OVL | PD_FA_G4 | PD_FA_NOMATH)
-        PD_FA_CASE(PD_FA_PP | PD_FA_OVL | PD_FA_G4 | PD_FA_NOSYNC)
-        PD_FA_CASE(PD_FA_PP | PD_FA_OVL | PD_FA_ST2 | PD_FA_NOLOAD)
+        PD_FA_CASE(PD_FA_PP | PD_FA_OVL | PD_FA_RSC | PD_FA_NOLOAD)
     }
 #endif
     static bool warned = false;
@@ -951,7 +855,7 @@ extern "C" int pd_cuda_attn_prefill_fa3(const pd_attention_kparams *p, cudaStrea
     if (!pd_fa_enabled() || p->kv_fp8 || p->max_q_len <= 1) return 0;
     if (p->head_dim != 64 && p->head_dim != 128) return 0;
     if ((long)((p->max_q_len + PD_FA_BQ - 1) / PD_FA_BQ) * p->n_seqs * p->n_heads > 0x7fffffffL) return 0;
-    int fl = pd_fa_flags(p->head_dim, p->n_heads / p->n_kv_heads);
+    int fl = pd_fa_flags(p->head_dim);
     CUtensorMap tm[4];
     memset(tm, 0, sizeof tm);
     // TMA moves whole pages: block_size 8..128 dividing the 128-position tile (else cp.async only)
