@@ -45,6 +45,18 @@ for r in 1 2; do
   ob d_nosync_$r op_bench_diag $Q PD_CUDA_FA3_DIAG=nosync
   ob d_noloadrsc_$r op_bench_diag $Q PD_CUDA_FA3_DIAG=noload PD_CUDA_FA3_RSC=1
 done
+echo "== sustained 8k runs (400 calls) with nvidia-smi sampling every 20 ms: median SM MHz / W of the loaded samples"
+smi() { n=$1; b=$2; shift 2
+  nvidia-smi --query-gpu=clocks.sm,power.draw,clocks_throttle_reasons.active --format=csv,noheader,nounits -lms 20 > "$OUT/smi_$n.txt" 2>&1 &
+  P=$!; sleep 0.3
+  env $Q OP_BENCH_ATTNPRE_REPS=400 "$@" timeout 15 $B/bin/$b attnpre > "$OUT/ob_long_$n.txt" 2>&1
+  kill $P 2>/dev/null; wait $P 2>/dev/null
+  s="$(awk -F', ' '$2 > 250 {print $1}' "$OUT/smi_$n.txt" | sort -n | awk '{a[NR]=$1} END {if (NR) printf "%d samples, MHz median %s", NR, a[int((NR+1)/2)]}'), W median $(awk -F', ' '$2 > 250 {print $2}' "$OUT/smi_$n.txt" | sort -n | awk '{a[NR]=$1} END {if (NR) print a[int((NR+1)/2)]}')"
+  el "long $n: $(ap "$OUT/ob_long_$n.txt")| $s"; }
+smi def op_bench
+smi noload op_bench_diag PD_CUDA_FA3_DIAG=noload
+smi nomath op_bench_diag PD_CUDA_FA3_DIAG=nomath
+smi rsc op_bench PD_CUDA_FA3_RSC=1
 M="--model bench/configs/llama-3-8b --load-format dummy"
 pf() { grep -E '^prefill' "$1" | awk '{for(i=4;i<=NF;i++) if($i=="=") {p=$(i+1); break}; printf "%s ms %s; ", $3, p}'; grep -o 'GEMM 8192^3 [0-9.]* TFLOP/s[^;]*' "$1" | head -1; }
 eng() { n=$1; x=$2; shift 2; env "$@" timeout 25 $B/bin/$x bench-engine $M --only prefill $EX > "$OUT/eng_$n.txt" 2>&1; el "engine $n: $(pf "$OUT/eng_$n.txt")"; }
