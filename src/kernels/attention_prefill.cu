@@ -710,8 +710,12 @@ static bool pd_fa_enabled() {
 // Knobs, read once, "1" on / "0" off (anything else aborts): PD_CUDA_FA3_PP (ping-pong), PD_CUDA_FA3_OVL,
 // PD_CUDA_FA3_KVS, PD_CUDA_FA3_VN64 (P.V of head_dim 128 as two n64 wgmmas), PD_CUDA_FA3_ARV,
 // PD_CUDA_FA3_ROWP (the first producer), PD_CUDA_FA3_TMA (whole pages by TMA; both without OVL unless it is
-// set); with -DPD_FA3_DIAG also PD_CUDA_FA3_DIAG=noload|nomath. A combination that is not instantiated
-// (pd_fa_dispatch) runs the default kernel, with a warning.
+// set), PD_CUDA_FA3_RSC (with OVL: O rescaled only when a row of the warp changed its running max; a
+// warp-uniform branch, exact: the factor is exp2(0) = 1 otherwise); with -DPD_FA3_DIAG also
+// PD_CUDA_FA3_DIAG=noload|nomath|nosync (noload: the ring's stages are filled once with real data, then
+// the producer only passes the barriers; nomath: the consumers only pass the barriers; nosync: nobody waits
+// on the ring, copies and math run uncoupled). A combination that is not instantiated (pd_fa_dispatch)
+// runs the default kernel, with a warning.
 static int pd_fa_env(const char *name) {  // 1, 0, or -1 when unset; anything else is refused (abort)
     return pd_k_env_int(name, -1, 0, 1);
 }
