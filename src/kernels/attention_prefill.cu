@@ -199,18 +199,22 @@ static __device__ __forceinline__ void pd_fa_wgmma_rs_n128(float *d, const uint3
 #define PD_FA_KVS 256  // with OVL: K and V of a stage on separate full / empty barriers
 #define PD_FA_TMAH 512  // a tile in consecutive pages by TMA (one box per column block), else cp.async
 #define PD_FA_RSC 1024  // with OVL: O rescaled only when a row of the warp changed its running max
+#define PD_FA_MB 4096   // the causal mask in its own code path, taken only by tiles that cross the diagonal
 // Diagnostics, compiled only with -DPD_FA3_DIAG (a separate op_bench build; the output is wrong):
 #define PD_FA_NOLOAD 8   // the producer copies K/V into the ring's stages once, then none (the consumers alone)
 #define PD_FA_NOMATH 16  // the consumers compute nothing (the producer's speed alone)
 #define PD_FA_NOSYNC 2048  // nobody waits on the K/V ring's barriers (copies and math run uncoupled)
 
 // Issues S = Q.K^T (HD / 16 wgmmas, no commit). qa: this warpgroup's 64 Q rows; kt: the K tile.
+// The descriptors are built once per tile; each k-step adds its byte offset / 16 to the start-address
+// field (14 bits: shared-memory addresses stay below 256 KB, so the sum never carries out of it).
 template <int HD>
 static __device__ __forceinline__ void pd_fa_issue_s(float *sc, uint32_t qa, uint32_t kt) {
+    const uint64_t dq = pd_fa_desc(qa, 16), dk = pd_fa_desc(kt, 16);
 #pragma unroll
     for (int kk = 0; kk < HD / 16; kk++) {
         uint32_t off = (kk >> 2) * (PD_FA_BKV * 128) + (kk & 3) * 32;
-        pd_fa_wgmma_ss_n128(sc, pd_fa_desc(qa + off, 16), pd_fa_desc(kt + off, 16), kk > 0);
+        pd_fa_wgmma_ss_n128(sc, dq + (off >> 4), dk + (off >> 4), kk > 0);
     }
 }
 
@@ -218,15 +222,16 @@ static __device__ __forceinline__ void pd_fa_issue_s(float *sc, uint32_t qa, uin
 template <int HD, bool VN64>
 static __device__ __forceinline__ void pd_fa_issue_pv(float *o, const uint32_t (*pa)[4], uint32_t vt) {
     constexpr uint32_t CB = PD_FA_BKV * 128;
+    const uint64_t dv = pd_fa_desc(vt, CB);
 #pragma unroll
     for (int kk = 0; kk < PD_FA_BKV / 16; kk++) {
         if constexpr (HD == 64) {
-            pd_fa_wgmma_rs_n64(o, pa[kk], pd_fa_desc(vt + kk * 2048, CB));
+            pd_fa_wgmma_rs_n64(o, pa[kk], dv + kk * (2048 >> 4));
         } else if constexpr (VN64) {
-            pd_fa_wgmma_rs_n64(o, pa[kk], pd_fa_desc(vt + kk * 2048, CB));
-            pd_fa_wgmma_rs_n64(o + 32, pa[kk], pd_fa_desc(vt + CB + kk * 2048, CB));
+            pd_fa_wgmma_rs_n64(o, pa[kk], dv + kk * (2048 >> 4));
+            pd_fa_wgmma_rs_n64(o + 32, pa[kk], dv + ((CB + kk * 2048) >> 4));
         } else {
-            pd_fa_wgmma_rs_n128(o, pa[kk], pd_fa_desc(vt + kk * 2048, CB));
+            pd_fa_wgmma_rs_n128(o, pa[kk], dv + kk * (2048 >> 4));
         }
     }
 }
@@ -234,16 +239,16 @@ static __device__ __forceinline__ void pd_fa_issue_pv(float *o, const uint32_t (
 // The first half of both softmax forms: mask, row max, rescale factors; nb gets the exponent's bias.
 // The max runs on the raw scores (scale_log2 > 0 keeps the order); m is in the scaled domain and
 // each exponent is one FFMA: exp2(s * scale_log2 - m).
+template <bool MASK>
 static __device__ __forceinline__ void pd_fa_row_max(float *sc, float *m, float *l, float *corr, float *nb,
-                                                     bool need_mask, int kv0, const int *qpos, int t,
-                                                     float scale_log2) {
+                                                     int kv0, const int *qpos, int t, float scale_log2) {
     float mx[2] = {-INFINITY, -INFINITY};
 #pragma unroll
     for (int nt = 0; nt < PD_FA_BKV / 8; nt++) {
 #pragma unroll
         for (int i = 0; i < 4; i++) {
             float v = sc[nt * 4 + i];
-            if (need_mask && kv0 + nt * 8 + 2 * t + (i & 1) > qpos[i >> 1]) v = -INFINITY;
+            if (MASK && kv0 + nt * 8 + 2 * t + (i & 1) > qpos[i >> 1]) v = -INFINITY;
             sc[nt * 4 + i] = v;
             mx[i >> 1] = fmaxf(mx[i >> 1], v);
         }
@@ -266,11 +271,11 @@ static __device__ __forceinline__ void pd_fa_row_max(float *sc, float *m, float 
 // own (need_mask: the tile crosses the diagonal for this warp), update the running max m and sum
 // l, return the rescale factors of O in corr and P rounded to bf16 in the A-operand layout of
 // the P.V wgmma (which is the accumulator layout of S, two n8 chunks per k16 step).
+template <bool MASK>
 static __device__ __forceinline__ void pd_fa_softmax(float *sc, float *m, float *l, float *corr, uint32_t (*pa)[4],
-                                                     bool need_mask, int kv0, const int *qpos, int t,
-                                                     float scale_log2) {
+                                                     int kv0, const int *qpos, int t, float scale_log2) {
     float nb[2];
-    pd_fa_row_max(sc, m, l, corr, nb, need_mask, kv0, qpos, t, scale_log2);
+    pd_fa_row_max<MASK>(sc, m, l, corr, nb, kv0, qpos, t, scale_log2);
 #pragma unroll
     for (int kk = 0; kk < PD_FA_BKV / 16; kk++) {
         float p[8];
@@ -288,10 +293,11 @@ static __device__ __forceinline__ void pd_fa_softmax(float *sc, float *m, float 
 
 // pd_fa_softmax with P left in sc as f32 (pd_fa_pack rounds it into the A-operand layout later):
 // the overlapped consumer (PD_FA_OVL) computes it while the previous tile's P.V still reads pa.
-static __device__ __forceinline__ void pd_fa_softmax_p(float *sc, float *m, float *l, float *corr, bool need_mask,
-                                                       int kv0, const int *qpos, int t, float scale_log2) {
+template <bool MASK>
+static __device__ __forceinline__ void pd_fa_softmax_p(float *sc, float *m, float *l, float *corr, int kv0,
+                                                       const int *qpos, int t, float scale_log2) {
     float nb[2];
-    pd_fa_row_max(sc, m, l, corr, nb, need_mask, kv0, qpos, t, scale_log2);
+    pd_fa_row_max<MASK>(sc, m, l, corr, nb, kv0, qpos, t, scale_log2);
 #pragma unroll
     for (int i = 0; i < PD_FA_BKV / 2; i++) {
         float p = exp2f(fmaf(sc[i], scale_log2, nb[(i >> 1) & 1]));
@@ -335,7 +341,7 @@ static __global__ void __launch_bounds__(PD_FA_THREADS, 1)
     constexpr int ST = C::ST, CPR = HD / 8;
     constexpr bool VN64 = FL & PD_FA_VN64, PP = FL & PD_FA_PP, ROWP = FL & PD_FA_ROWP;
     constexpr bool NOLOAD = FL & PD_FA_NOLOAD, NOMATH = FL & PD_FA_NOMATH, TMA = FL & PD_FA_TMA, OVL = FL & PD_FA_OVL;
-    constexpr bool NOSYNC = FL & PD_FA_NOSYNC, RSC = (FL & PD_FA_RSC) && OVL;
+    constexpr bool NOSYNC = FL & PD_FA_NOSYNC, RSC = (FL & PD_FA_RSC) && OVL, MB = FL & PD_FA_MB;
     // TMAH (PD_CUDA_FA3_TMA=2): a K/V tile whose 128 positions fill consecutive whole pages comes by
     // TMA (one 128-row box per 64-column block of K and of V: 4 boxes at head_dim 128), any other
     // tile by the default producer's cp.async (no per-page boxes, which made TMA slower on scattered
@@ -593,7 +599,8 @@ static __global__ void __launch_bounds__(PD_FA_THREADS, 1)
             pd_fa_wg_wait<0>();
             pd_fa_pin<PD_FA_BKV / 2>(sc);
             if constexpr (KVS) pd_fa_mbar_arrive(bar + 8 * ST);  // K of tile 0
-            pd_fa_softmax_p(sc, m, l, corr, pos0 + wr < PD_FA_BKV - 1, 0, qpos, t, scale_log2);
+            if (!MB || pos0 + wr < PD_FA_BKV - 1) pd_fa_softmax_p<true>(sc, m, l, corr, 0, qpos, t, scale_log2);
+            else pd_fa_softmax_p<false>(sc, m, l, corr, 0, qpos, t, scale_log2);
             pd_fa_pack(sc, pa);
             for (int j = 1; j < n_comp; j++) {
                 const int st = j % ST, sp = (j - 1) % ST, kv0 = j * PD_FA_BKV;
@@ -614,7 +621,8 @@ static __global__ void __launch_bounds__(PD_FA_THREADS, 1)
                 pd_fa_wg_wait<1>();
                 pd_fa_pin<PD_FA_BKV / 2>(sc);
                 if constexpr (KVS) pd_fa_mbar_arrive(bar + 8 * (ST + st));  // K of tile j
-                pd_fa_softmax_p(sc, m, l, corr, kv0 + PD_FA_BKV - 1 > pos0 + wr, kv0, qpos, t, scale_log2);
+                if (!MB || kv0 + PD_FA_BKV - 1 > pos0 + wr) pd_fa_softmax_p<true>(sc, m, l, corr, kv0, qpos, t, scale_log2);
+                else pd_fa_softmax_p<false>(sc, m, l, corr, kv0, qpos, t, scale_log2);
                 pd_fa_wg_wait<0>();
                 pd_fa_pin<HD / 2>(o);
                 pd_fa_pin_u<PD_FA_BKV / 16>(pa);  // P.V read pa until here: the pack must not reuse them
@@ -668,7 +676,8 @@ static __global__ void __launch_bounds__(PD_FA_THREADS, 1)
             if (pass) pd_fa_bar_arrive(2 - cw);
             pd_fa_wg_wait<0>();
             pd_fa_pin<PD_FA_BKV / 2>(sc);
-            pd_fa_softmax(sc, m, l, corr, pa, need_mask, kv0, qpos, t, scale_log2);
+            if (!MB || need_mask) pd_fa_softmax<true>(sc, m, l, corr, pa, kv0, qpos, t, scale_log2);
+            else pd_fa_softmax<false>(sc, m, l, corr, pa, kv0, qpos, t, scale_log2);
             pd_fa_rescale<HD>(o, corr);
             pd_fa_pin<HD / 2>(o);
             pd_fa_wg_fence();
@@ -720,9 +729,9 @@ static int pd_fa_env(const char *name) {  // 1, 0, or -1 when unset; anything el
     return pd_k_env_int(name, -1, 0, 1);
 }
 static int pd_fa_flags(int hd) {
-    static int pp = -2, vn = -2, rowp = -2, tma = -2, ovl = -2, arv = -2, kvs = -2, diag = 0, rsc = -2;
+    static int pp = -2, vn = -2, rowp = -2, tma = -2, ovl = -2, arv = -2, kvs = -2, diag = 0, rsc = -2, mb = -2;
     if (pp == -2) {
-        rsc = pd_fa_env("PD_CUDA_FA3_RSC");
+        rsc = pd_fa_env("PD_CUDA_FA3_RSC"), mb = pd_fa_env("PD_CUDA_FA3_MB");
         vn = pd_fa_env("PD_CUDA_FA3_VN64"), rowp = pd_fa_env("PD_CUDA_FA3_ROWP");
         tma = pd_k_env_int("PD_CUDA_FA3_TMA", -1, 0, 2);  // 2: TMAH (head_dim 128; the default kernel at 64)
         ovl = pd_fa_env("PD_CUDA_FA3_OVL"), arv = pd_fa_env("PD_CUDA_FA3_ARV"), kvs = pd_fa_env("PD_CUDA_FA3_KVS");
@@ -742,7 +751,7 @@ static int pd_fa_flags(int hd) {
     bool other_producer = rowp == 1 || tma == 1;
     bool use_ovl = ovl < 0 ? !other_producer : ovl == 1, use_arv = arv == 1 && !other_producer;
     bool use_kvs = use_ovl && !use_arv && !other_producer && !diag && (kvs < 0 ? hd == 64 : kvs == 1);
-    return (rsc == 1 && use_ovl ? PD_FA_RSC : 0) | ((pp < 0 ? hd == 128 : pp) ? PD_FA_PP : 0) | (vn == 1 && hd == 128 ? PD_FA_VN64 : 0) |
+    return (rsc != 0 && use_ovl ? PD_FA_RSC : 0) | (mb != 0 ? PD_FA_MB : 0) | ((pp < 0 ? hd == 128 : pp) ? PD_FA_PP : 0) | (vn == 1 && hd == 128 ? PD_FA_VN64 : 0) |
            (rowp == 1 ? PD_FA_ROWP : 0) | (tma == 1 ? PD_FA_TMA : 0) | (tma == 2 && hd == 128 ? PD_FA_TMAH : 0) |
            (use_ovl ? PD_FA_OVL : 0) |
            (use_arv ? PD_FA_ARV : 0) | (use_kvs ? PD_FA_KVS : 0) | diag;
@@ -805,8 +814,12 @@ static bool pd_fa_tensor_maps(const pd_attention_kparams *p, CUtensorMap tm[4]) 
 // The instantiated flag sets; anything else runs the default.
 template <int HD>
 static void pd_fa_dispatch(const pd_attention_kparams *p, cudaStream_t s, int fl, const CUtensorMap *tm) {
-    PD_FA_CASE(PD_FA_PP | PD_FA_OVL)  // the default at head_dim 128
-    PD_FA_CASE(PD_FA_OVL | PD_FA_KVS)  // the default at head_dim 64
+    PD_FA_CASE(PD_FA_PP | PD_FA_OVL | PD_FA_RSC | PD_FA_MB)  // the default at head_dim 128
+    PD_FA_CASE(PD_FA_OVL | PD_FA_KVS | PD_FA_RSC | PD_FA_MB)  // the default at head_dim 64
+    PD_FA_CASE(PD_FA_PP | PD_FA_OVL | PD_FA_MB)
+    PD_FA_CASE(PD_FA_OVL | PD_FA_KVS | PD_FA_MB)
+    PD_FA_CASE(PD_FA_PP | PD_FA_OVL)  // session 13's default at head_dim 128
+    PD_FA_CASE(PD_FA_OVL | PD_FA_KVS)  // and at 64
     PD_FA_CASE(PD_FA_PP)
     PD_FA_CASE(PD_FA_PP | PD_FA_TMA)
     PD_FA_CASE(PD_FA_PP | PD_FA_OVL | PD_FA_TMA)
@@ -824,7 +837,7 @@ static void pd_fa_dispatch(const pd_attention_kparams *p, cudaStream_t s, int fl
     PD_FA_CASE(PD_FA_OVL | PD_FA_KVS | PD_FA_RSC)
     if constexpr (HD == 128) {
         PD_FA_CASE(PD_FA_PP | PD_FA_OVL | PD_FA_RSC)
-        PD_FA_CASE(PD_FA_PP | PD_FA_OVL | PD_FA_TMAH | PD_FA_RSC)
+        PD_FA_CASE(PD_FA_PP | PD_FA_OVL | PD_FA_TMAH | PD_FA_RSC | PD_FA_MB)
         PD_FA_CASE(PD_FA_VN64 | PD_FA_PP | PD_FA_OVL)
         PD_FA_CASE(PD_FA_PP | PD_FA_OVL | PD_FA_TMAH)
         PD_FA_CASE(PD_FA_VN64)
@@ -845,14 +858,20 @@ static void pd_fa_dispatch(const pd_attention_kparams *p, cudaStream_t s, int fl
     if constexpr (HD == 128) {
         PD_FA_CASE(PD_FA_PP | PD_FA_OVL | PD_FA_NOSYNC)
         PD_FA_CASE(PD_FA_PP | PD_FA_OVL | PD_FA_RSC | PD_FA_NOLOAD)
+        PD_FA_CASE(PD_FA_PP | PD_FA_OVL | PD_FA_RSC | PD_FA_MB | PD_FA_NOLOAD)
     }
 #endif
+    // The other variants are built without RSC and MB (on by default): those two dropped, then the default
+    if (fl & (PD_FA_RSC | PD_FA_MB)) {
+        pd_fa_dispatch<HD>(p, s, fl & ~(PD_FA_RSC | PD_FA_MB), tm);
+        return;
+    }
     static bool warned = false;
     if (!warned)
         fprintf(stderr, "pdserve: prefill attention: the PD_CUDA_FA3_* combination (flags 0x%x) is not built: the default "
                         "kernel runs\n", fl);
     warned = true;
-    pd_fa_launch<HD, HD == 128 ? PD_FA_PP | PD_FA_OVL : PD_FA_OVL | PD_FA_KVS>(p, s, tm);
+    pd_fa_launch<HD, HD == 128 ? PD_FA_PP | PD_FA_OVL | PD_FA_RSC | PD_FA_MB : PD_FA_OVL | PD_FA_KVS | PD_FA_RSC | PD_FA_MB>(p, s, tm);
 }
 
 extern "C" int pd_cuda_attn_prefill_fa3(const pd_attention_kparams *p, cudaStream_t s) {
