@@ -728,11 +728,15 @@ static bool pd_fa_enabled() {
 // ping-pong on at head_dim 128 (400 vs 395 TFLOP/s at 8k), off at 64 (300 vs 317-324); P.V as one wgmma per
 // k-step; the overlapped consumer (OVL) on (head_dim 128 at 8k: 426-431 vs 412-413; 64: 303-306 vs 292-293),
 // with K and V on separate barriers (KVS) at head_dim 64 only (319-320 vs 303-306 at 8k; at 128: 375-377).
+// Session 14 (fa14-3): MB (the causal mask in its own code path, only on tiles crossing the diagonal) and
+// RSC on, both exact (hd 128 at 8k: 444-449 vs 430-435; hd 64: 354-359 vs 323-325); the other variants
+// are built without them (pd_fa_dispatch drops the two before looking for the combination).
 // Knobs, read once, "1" on / "0" off (anything else aborts): PD_CUDA_FA3_PP (ping-pong), PD_CUDA_FA3_OVL,
 // PD_CUDA_FA3_KVS, PD_CUDA_FA3_VN64 (P.V of head_dim 128 as two n64 wgmmas), PD_CUDA_FA3_ARV,
 // PD_CUDA_FA3_ROWP (the first producer), PD_CUDA_FA3_TMA (whole pages by TMA; both without OVL unless it is
-// set), PD_CUDA_FA3_RSC (with OVL: O rescaled only when a row of the warp changed its running max; a
-// warp-uniform branch, exact: the factor is exp2(0) = 1 otherwise); with -DPD_FA3_DIAG also
+// set), PD_CUDA_FA3_RSC (default 1; with OVL: O rescaled only when a row of the warp changed its running
+// max; a warp-uniform branch, exact: the factor is exp2(0) = 1 otherwise), PD_CUDA_FA3_MB (default 1: the
+// causal mask in its own code path; 0: applied by predication on every tile); with -DPD_FA3_DIAG also
 // PD_CUDA_FA3_DIAG=noload|nomath|nosync (noload: the ring's stages are filled once with real data, then
 // the producer only passes the barriers; nomath: the consumers only pass the barriers; nosync: nobody waits
 // on the ring, copies and math run uncoupled). A combination that is not instantiated (pd_fa_dispatch)
