@@ -242,12 +242,7 @@ static __device__ __forceinline__ void pd_fa_issue_pv(float *o, const uint32_t (
 template <bool MASK>
 static __device__ __forceinline__ void pd_fa_row_max(float *sc, float *m, float *l, float *corr, float *nb,
                                                      int kv0, const int *qpos, int t, float scale_log2) {
-    // Four partial maxima per row (chains of 8 instead of one of 32: the consumers are latency-bound)
-    float px[2][4];
-#pragma unroll
-    for (int r = 0; r < 2; r++)
-#pragma unroll
-        for (int k = 0; k < 4; k++) px[r][k] = -INFINITY;
+    float mx[2] = {-INFINITY, -INFINITY};
 #pragma unroll
     for (int nt = 0; nt < PD_FA_BKV / 8; nt++) {
 #pragma unroll
@@ -255,12 +250,9 @@ static __device__ __forceinline__ void pd_fa_row_max(float *sc, float *m, float 
             float v = sc[nt * 4 + i];
             if (MASK && kv0 + nt * 8 + 2 * t + (i & 1) > qpos[i >> 1]) v = -INFINITY;
             sc[nt * 4 + i] = v;
-            float &a = px[i >> 1][(i & 1) * 2 + (nt & 1)];
-            a = fmaxf(a, v);
+            mx[i >> 1] = fmaxf(mx[i >> 1], v);
         }
     }
-    float mx[2] = {fmaxf(fmaxf(px[0][0], px[0][1]), fmaxf(px[0][2], px[0][3])),
-                   fmaxf(fmaxf(px[1][0], px[1][1]), fmaxf(px[1][2], px[1][3]))};
 #pragma unroll
     for (int r = 0; r < 2; r++) {
         mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
@@ -282,7 +274,7 @@ static __device__ __forceinline__ void pd_fa_row_max(float *sc, float *m, float 
 template <bool MASK>
 static __device__ __forceinline__ void pd_fa_softmax(float *sc, float *m, float *l, float *corr, uint32_t (*pa)[4],
                                                      int kv0, const int *qpos, int t, float scale_log2) {
-    float nb[2], ps[2][4] = {};  // four partial sums per row (short dependency chains)
+    float nb[2];
     pd_fa_row_max<MASK>(sc, m, l, corr, nb, kv0, qpos, t, scale_log2);
 #pragma unroll
     for (int kk = 0; kk < PD_FA_BKV / 16; kk++) {
@@ -290,15 +282,13 @@ static __device__ __forceinline__ void pd_fa_softmax(float *sc, float *m, float 
 #pragma unroll
         for (int i = 0; i < 8; i++) {
             p[i] = exp2f(fmaf(sc[kk * 8 + i], scale_log2, nb[(i >> 1) & 1]));
-            ps[(i >> 1) & 1][(i & 1) * 2 + (kk & 1)] += p[i];
+            l[(i >> 1) & 1] += p[i];
         }
         pa[kk][0] = pd_k_pack2(p[0], p[1]);  // row g, k 2t, 2t + 1
         pa[kk][1] = pd_k_pack2(p[2], p[3]);  // row g + 8
         pa[kk][2] = pd_k_pack2(p[4], p[5]);  // row g, k 2t + 8, 2t + 9
         pa[kk][3] = pd_k_pack2(p[6], p[7]);  // row g + 8
     }
-    l[0] += (ps[0][0] + ps[0][1]) + (ps[0][2] + ps[0][3]);
-    l[1] += (ps[1][0] + ps[1][1]) + (ps[1][2] + ps[1][3]);
 }
 
 // pd_fa_softmax with P left in sc as f32 (pd_fa_pack rounds it into the A-operand layout later):
@@ -306,16 +296,14 @@ static __device__ __forceinline__ void pd_fa_softmax(float *sc, float *m, float 
 template <bool MASK>
 static __device__ __forceinline__ void pd_fa_softmax_p(float *sc, float *m, float *l, float *corr, int kv0,
                                                        const int *qpos, int t, float scale_log2) {
-    float nb[2], ps[2][4] = {};  // four partial sums per row (short dependency chains)
+    float nb[2];
     pd_fa_row_max<MASK>(sc, m, l, corr, nb, kv0, qpos, t, scale_log2);
 #pragma unroll
     for (int i = 0; i < PD_FA_BKV / 2; i++) {
         float p = exp2f(fmaf(sc[i], scale_log2, nb[(i >> 1) & 1]));
-        ps[(i >> 1) & 1][(i & 1) * 2 + ((i >> 2) & 1)] += p;
+        l[(i >> 1) & 1] += p;
         sc[i] = p;
     }
-    l[0] += (ps[0][0] + ps[0][1]) + (ps[0][2] + ps[0][3]);
-    l[1] += (ps[1][0] + ps[1][1]) + (ps[1][2] + ps[1][3]);
 }
 static __device__ __forceinline__ void pd_fa_pack(const float *sc, uint32_t (*pa)[4]) {
 #pragma unroll
