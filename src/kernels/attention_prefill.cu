@@ -198,17 +198,23 @@ static __device__ __forceinline__ void pd_fa_wgmma_rs_n128(float *d, const uint3
 #define PD_FA_ARV 128  // the producer's copies arrive on "full" as they land (cp.async.mbarrier.arrive)
 #define PD_FA_KVS 256  // with OVL: K and V of a stage on separate full / empty barriers
 #define PD_FA_TMAH 512  // a tile in consecutive pages by TMA (one box per column block), else cp.async
+#define PD_FA_RSC 1024  // with OVL: O rescaled only when a row of the warp changed its running max
+#define PD_FA_MB 4096   // the causal mask in its own code path, taken only by tiles that cross the diagonal
 // Diagnostics, compiled only with -DPD_FA3_DIAG (a separate op_bench build; the output is wrong):
-#define PD_FA_NOLOAD 8   // the producer copies no K/V (the consumers' speed alone)
+#define PD_FA_NOLOAD 8   // the producer copies K/V into the ring's stages once, then none (the consumers alone)
 #define PD_FA_NOMATH 16  // the consumers compute nothing (the producer's speed alone)
+#define PD_FA_NOSYNC 2048  // nobody waits on the K/V ring's barriers (copies and math run uncoupled)
 
 // Issues S = Q.K^T (HD / 16 wgmmas, no commit). qa: this warpgroup's 64 Q rows; kt: the K tile.
+// The descriptors are built once per tile; each k-step adds its byte offset / 16 to the start-address
+// field (14 bits: shared-memory addresses stay below 256 KB, so the sum never carries out of it).
 template <int HD>
 static __device__ __forceinline__ void pd_fa_issue_s(float *sc, uint32_t qa, uint32_t kt) {
+    const uint64_t dq = pd_fa_desc(qa, 16), dk = pd_fa_desc(kt, 16);
 #pragma unroll
     for (int kk = 0; kk < HD / 16; kk++) {
         uint32_t off = (kk >> 2) * (PD_FA_BKV * 128) + (kk & 3) * 32;
-        pd_fa_wgmma_ss_n128(sc, pd_fa_desc(qa + off, 16), pd_fa_desc(kt + off, 16), kk > 0);
+        pd_fa_wgmma_ss_n128(sc, dq + (off >> 4), dk + (off >> 4), kk > 0);
     }
 }
 
@@ -216,15 +222,16 @@ static __device__ __forceinline__ void pd_fa_issue_s(float *sc, uint32_t qa, uin
 template <int HD, bool VN64>
 static __device__ __forceinline__ void pd_fa_issue_pv(float *o, const uint32_t (*pa)[4], uint32_t vt) {
     constexpr uint32_t CB = PD_FA_BKV * 128;
+    const uint64_t dv = pd_fa_desc(vt, CB);
 #pragma unroll
     for (int kk = 0; kk < PD_FA_BKV / 16; kk++) {
         if constexpr (HD == 64) {
-            pd_fa_wgmma_rs_n64(o, pa[kk], pd_fa_desc(vt + kk * 2048, CB));
+            pd_fa_wgmma_rs_n64(o, pa[kk], dv + kk * (2048 >> 4));
         } else if constexpr (VN64) {
-            pd_fa_wgmma_rs_n64(o, pa[kk], pd_fa_desc(vt + kk * 2048, CB));
-            pd_fa_wgmma_rs_n64(o + 32, pa[kk], pd_fa_desc(vt + CB + kk * 2048, CB));
+            pd_fa_wgmma_rs_n64(o, pa[kk], dv + kk * (2048 >> 4));
+            pd_fa_wgmma_rs_n64(o + 32, pa[kk], dv + ((CB + kk * 2048) >> 4));
         } else {
-            pd_fa_wgmma_rs_n128(o, pa[kk], pd_fa_desc(vt + kk * 2048, CB));
+            pd_fa_wgmma_rs_n128(o, pa[kk], dv + kk * (2048 >> 4));
         }
     }
 }
@@ -232,16 +239,16 @@ static __device__ __forceinline__ void pd_fa_issue_pv(float *o, const uint32_t (
 // The first half of both softmax forms: mask, row max, rescale factors; nb gets the exponent's bias.
 // The max runs on the raw scores (scale_log2 > 0 keeps the order); m is in the scaled domain and
 // each exponent is one FFMA: exp2(s * scale_log2 - m).
+template <bool MASK>
 static __device__ __forceinline__ void pd_fa_row_max(float *sc, float *m, float *l, float *corr, float *nb,
-                                                     bool need_mask, int kv0, const int *qpos, int t,
-                                                     float scale_log2) {
+                                                     int kv0, const int *qpos, int t, float scale_log2) {
     float mx[2] = {-INFINITY, -INFINITY};
 #pragma unroll
     for (int nt = 0; nt < PD_FA_BKV / 8; nt++) {
 #pragma unroll
         for (int i = 0; i < 4; i++) {
             float v = sc[nt * 4 + i];
-            if (need_mask && kv0 + nt * 8 + 2 * t + (i & 1) > qpos[i >> 1]) v = -INFINITY;
+            if (MASK && kv0 + nt * 8 + 2 * t + (i & 1) > qpos[i >> 1]) v = -INFINITY;
             sc[nt * 4 + i] = v;
             mx[i >> 1] = fmaxf(mx[i >> 1], v);
         }
@@ -264,11 +271,11 @@ static __device__ __forceinline__ void pd_fa_row_max(float *sc, float *m, float 
 // own (need_mask: the tile crosses the diagonal for this warp), update the running max m and sum
 // l, return the rescale factors of O in corr and P rounded to bf16 in the A-operand layout of
 // the P.V wgmma (which is the accumulator layout of S, two n8 chunks per k16 step).
+template <bool MASK>
 static __device__ __forceinline__ void pd_fa_softmax(float *sc, float *m, float *l, float *corr, uint32_t (*pa)[4],
-                                                     bool need_mask, int kv0, const int *qpos, int t,
-                                                     float scale_log2) {
+                                                     int kv0, const int *qpos, int t, float scale_log2) {
     float nb[2];
-    pd_fa_row_max(sc, m, l, corr, nb, need_mask, kv0, qpos, t, scale_log2);
+    pd_fa_row_max<MASK>(sc, m, l, corr, nb, kv0, qpos, t, scale_log2);
 #pragma unroll
     for (int kk = 0; kk < PD_FA_BKV / 16; kk++) {
         float p[8];
@@ -286,10 +293,11 @@ static __device__ __forceinline__ void pd_fa_softmax(float *sc, float *m, float 
 
 // pd_fa_softmax with P left in sc as f32 (pd_fa_pack rounds it into the A-operand layout later):
 // the overlapped consumer (PD_FA_OVL) computes it while the previous tile's P.V still reads pa.
-static __device__ __forceinline__ void pd_fa_softmax_p(float *sc, float *m, float *l, float *corr, bool need_mask,
-                                                       int kv0, const int *qpos, int t, float scale_log2) {
+template <bool MASK>
+static __device__ __forceinline__ void pd_fa_softmax_p(float *sc, float *m, float *l, float *corr, int kv0,
+                                                       const int *qpos, int t, float scale_log2) {
     float nb[2];
-    pd_fa_row_max(sc, m, l, corr, nb, need_mask, kv0, qpos, t, scale_log2);
+    pd_fa_row_max<MASK>(sc, m, l, corr, nb, kv0, qpos, t, scale_log2);
 #pragma unroll
     for (int i = 0; i < PD_FA_BKV / 2; i++) {
         float p = exp2f(fmaf(sc[i], scale_log2, nb[(i >> 1) & 1]));
@@ -333,6 +341,7 @@ static __global__ void __launch_bounds__(PD_FA_THREADS, 1)
     constexpr int ST = C::ST, CPR = HD / 8;
     constexpr bool VN64 = FL & PD_FA_VN64, PP = FL & PD_FA_PP, ROWP = FL & PD_FA_ROWP;
     constexpr bool NOLOAD = FL & PD_FA_NOLOAD, NOMATH = FL & PD_FA_NOMATH, TMA = FL & PD_FA_TMA, OVL = FL & PD_FA_OVL;
+    constexpr bool NOSYNC = FL & PD_FA_NOSYNC, RSC = (FL & PD_FA_RSC) && OVL, MB = FL & PD_FA_MB;
     // TMAH (PD_CUDA_FA3_TMA=2): a K/V tile whose 128 positions fill consecutive whole pages comes by
     // TMA (one 128-row box per 64-column block of K and of V: 4 boxes at head_dim 128), any other
     // tile by the default producer's cp.async (no per-page boxes, which made TMA slower on scattered
@@ -413,7 +422,7 @@ static __global__ void __launch_bounds__(PD_FA_THREADS, 1)
                     int pg = bs_shift >= 0 ? pos >> bs_shift : pos / bs, in = pos - pg * bs;
                     slot[k] = pos < kv_end ? __ldg(bt + pg) * bs + in : -1;
                 }
-                if (j >= ST) pd_fa_mbar_wait(bar + 8 * (ST + st), ph);
+                if (j >= ST && !NOSYNC) pd_fa_mbar_wait(bar + 8 * (ST + st), ph);
 #pragma unroll
                 for (int k = 0; k < RPT; k++)
                     pd_fa_cp16(dk + pd_fa_swz(r0 + k * RS, c), kc + (slot[k] >= 0 ? (size_t)slot[k] * kv_row + kv_col : 0),
@@ -422,7 +431,7 @@ static __global__ void __launch_bounds__(PD_FA_THREADS, 1)
                 pd_k_cp_async_wait<1>();  // all but K_j: the Q tile (j == 0) or V_{j-1}
                 pd_fa_fence_async();
                 pd_fa_mbar_arrive(j == 0 ? bar + 16 * ST : barv + 8 * ((j - 1) % ST));
-                if (j >= ST) pd_fa_mbar_wait(barv + 8 * (ST + st), ph);
+                if (j >= ST && !NOSYNC) pd_fa_mbar_wait(barv + 8 * (ST + st), ph);
 #pragma unroll
                 for (int k = 0; k < RPT; k++)
                     pd_fa_cp16(dv + pd_fa_swz(r0 + k * RS, c), vc + (slot[k] >= 0 ? (size_t)slot[k] * kv_row + kv_col : 0),
@@ -439,9 +448,7 @@ static __global__ void __launch_bounds__(PD_FA_THREADS, 1)
             for (int j = 0; j < n_tiles; j++) {
                 int st = j % ST, kv0 = j * PD_FA_BKV;
                 uint32_t dk = sk + st * C::TILE, dv = sv + st * C::TILE;
-                if constexpr (NOLOAD) {
-                    if (j >= ST) pd_fa_mbar_wait(bar + 8 * (ST + st), ((j / ST) - 1) & 1);
-                } else if constexpr (TMA || TMAH) {
+                if constexpr (TMA || TMAH) {
                     // Pages wholly inside the cache rows of this sequence (< kv_len) come by TMA, one box
                     // per (page, 64-element column block) for K and V, issued by the first CB * pages
                     // threads; the rest (the page holding kv_len, if partial, and pages past it) by
@@ -471,7 +478,7 @@ static __global__ void __launch_bounds__(PD_FA_THREADS, 1)
                         int pgk = bs_shift >= 0 ? pos >> bs_shift : pos / bs, in = pos - pgk * bs;
                         slot[k] = pos >= cp_from && pos < kv_end ? __ldg(bt + pgk) * bs + in : -1;
                     }
-                    if (j >= ST) pd_fa_mbar_wait(bar + 8 * (ST + st), ((j / ST) - 1) & 1);
+                    if (j >= ST && !NOSYNC) pd_fa_mbar_wait(bar + 8 * (ST + st), ((j / ST) - 1) & 1);
                     if (tw == 0 && n_full > 0 && (!TMAH || run))
                         pd_fa_mbar_expect_tx(bar + 8 * st, (uint32_t)(n_full * bs * HD * 2 * 2));
                     __syncwarp();
@@ -496,7 +503,7 @@ static __global__ void __launch_bounds__(PD_FA_THREADS, 1)
                         pd_fa_cp16(dv + o, vc + off, ok);
                     }
                 } else if constexpr (ROWP) {
-                    if (j >= ST) pd_fa_mbar_wait(bar + 8 * (ST + st), ((j / ST) - 1) & 1);
+                    if (j >= ST && !NOSYNC) pd_fa_mbar_wait(bar + 8 * (ST + st), ((j / ST) - 1) & 1);
                     for (int i = tw; i < PD_FA_BKV * CPR; i += 128) {
                         int r = i / CPR, cc = i % CPR, pos = kv0 + r;
                         bool ok = pos < kv_end;
@@ -514,9 +521,11 @@ static __global__ void __launch_bounds__(PD_FA_THREADS, 1)
                         int pg = bs_shift >= 0 ? pos >> bs_shift : pos / bs, in = pos - pg * bs;
                         slot[k] = pos < kv_end ? __ldg(bt + pg) * bs + in : -1;
                     }
-                    if (j >= ST) pd_fa_mbar_wait(bar + 8 * (ST + st), ((j / ST) - 1) & 1);
+                    if (j >= ST && !NOSYNC) pd_fa_mbar_wait(bar + 8 * (ST + st), ((j / ST) - 1) & 1);
+                    // NOLOAD (diag): the ring's first ST tiles are copied (real data in every stage: the
+                    // tensor cores' power, and so the clock, depend on it), later tiles only pass the barriers
 #pragma unroll
-                    for (int k = 0; k < RPT; k++) {
+                    for (int k = 0; k < RPT && (!NOLOAD || j < ST); k++) {
                         bool ok = slot[k] >= 0;
                         size_t off = ok ? (size_t)slot[k] * kv_row + kv_col : 0;
                         uint32_t o = pd_fa_swz(r0 + k * RS, c);
@@ -579,7 +588,7 @@ static __global__ void __launch_bounds__(PD_FA_THREADS, 1)
         float sc[PD_FA_BKV / 2];
         const int n_comp = NOMATH ? 0 : n_mine;
         if (n_comp > 0) {
-            pd_fa_mbar_wait(bar, 0);
+            if (!NOSYNC) pd_fa_mbar_wait(bar, 0);
             if constexpr (ARV) pd_fa_fence_async();
             if (PP) pd_fa_bar_sync(1 + cw);
             pd_fa_pin<PD_FA_BKV / 2>(sc);
@@ -590,15 +599,16 @@ static __global__ void __launch_bounds__(PD_FA_THREADS, 1)
             pd_fa_wg_wait<0>();
             pd_fa_pin<PD_FA_BKV / 2>(sc);
             if constexpr (KVS) pd_fa_mbar_arrive(bar + 8 * ST);  // K of tile 0
-            pd_fa_softmax_p(sc, m, l, corr, pos0 + wr < PD_FA_BKV - 1, 0, qpos, t, scale_log2);
+            if (!MB || pos0 + wr < PD_FA_BKV - 1) pd_fa_softmax_p<true>(sc, m, l, corr, 0, qpos, t, scale_log2);
+            else pd_fa_softmax_p<false>(sc, m, l, corr, 0, qpos, t, scale_log2);
             pd_fa_pack(sc, pa);
             for (int j = 1; j < n_comp; j++) {
                 const int st = j % ST, sp = (j - 1) % ST, kv0 = j * PD_FA_BKV;
-                pd_fa_mbar_wait(bar + 8 * st, (j / ST) & 1);
+                if (!NOSYNC) pd_fa_mbar_wait(bar + 8 * st, (j / ST) & 1);
                 if constexpr (ARV) pd_fa_fence_async();
                 if (PP) pd_fa_bar_sync(1 + cw);
-                if constexpr (KVS) pd_fa_mbar_wait(barv + 8 * sp, ((j - 1) / ST) & 1);  // complete already
-                pd_fa_rescale<HD>(o, corr);
+                if (KVS && !NOSYNC) pd_fa_mbar_wait(barv + 8 * sp, ((j - 1) / ST) & 1);  // complete already
+                if (!RSC || __any_sync(0xffffffffu, corr[0] != 1.f || corr[1] != 1.f)) pd_fa_rescale<HD>(o, corr);
                 pd_fa_pin<HD / 2>(o);
                 pd_fa_pin<PD_FA_BKV / 2>(sc);
                 pd_fa_pin_u<PD_FA_BKV / 16>(pa);
@@ -611,7 +621,8 @@ static __global__ void __launch_bounds__(PD_FA_THREADS, 1)
                 pd_fa_wg_wait<1>();
                 pd_fa_pin<PD_FA_BKV / 2>(sc);
                 if constexpr (KVS) pd_fa_mbar_arrive(bar + 8 * (ST + st));  // K of tile j
-                pd_fa_softmax_p(sc, m, l, corr, kv0 + PD_FA_BKV - 1 > pos0 + wr, kv0, qpos, t, scale_log2);
+                if (!MB || kv0 + PD_FA_BKV - 1 > pos0 + wr) pd_fa_softmax_p<true>(sc, m, l, corr, kv0, qpos, t, scale_log2);
+                else pd_fa_softmax_p<false>(sc, m, l, corr, kv0, qpos, t, scale_log2);
                 pd_fa_wg_wait<0>();
                 pd_fa_pin<HD / 2>(o);
                 pd_fa_pin_u<PD_FA_BKV / 16>(pa);  // P.V read pa until here: the pack must not reuse them
@@ -619,8 +630,8 @@ static __global__ void __launch_bounds__(PD_FA_THREADS, 1)
                 pd_fa_pack(sc, pa);
             }
             const int sl = (n_comp - 1) % ST;
-            if constexpr (KVS) pd_fa_mbar_wait(barv + 8 * sl, ((n_comp - 1) / ST) & 1);
-            pd_fa_rescale<HD>(o, corr);
+            if (KVS && !NOSYNC) pd_fa_mbar_wait(barv + 8 * sl, ((n_comp - 1) / ST) & 1);
+            if (!RSC || __any_sync(0xffffffffu, corr[0] != 1.f || corr[1] != 1.f)) pd_fa_rescale<HD>(o, corr);
             pd_fa_pin<HD / 2>(o);
             pd_fa_pin_u<PD_FA_BKV / 16>(pa);
             pd_fa_wg_fence();
@@ -632,12 +643,12 @@ static __global__ void __launch_bounds__(PD_FA_THREADS, 1)
         }
         for (int j = n_comp; j < n_tiles; j++) {
             const int st = j % ST;
-            pd_fa_mbar_wait(bar + 8 * st, (j / ST) & 1);
+            if (!NOSYNC) pd_fa_mbar_wait(bar + 8 * st, (j / ST) & 1);
             if (PP) pd_fa_bar_sync(1 + cw);
             if (PP) pd_fa_bar_arrive(2 - cw);
             pd_fa_mbar_arrive(bar + 8 * (ST + st));
             if constexpr (KVS) {
-                pd_fa_mbar_wait(barv + 8 * st, (j / ST) & 1);
+                if (!NOSYNC) pd_fa_mbar_wait(barv + 8 * st, (j / ST) & 1);
                 pd_fa_mbar_arrive(barv + 8 * (ST + st));
             }
         }
@@ -646,7 +657,7 @@ static __global__ void __launch_bounds__(PD_FA_THREADS, 1)
     for (int j = 0; j < n_tiles && !OVL; j++) {
         int st = j % ST, kv0 = j * PD_FA_BKV;
         bool pass = PP && !(cw == 1 && j == n_tiles - 1);
-        pd_fa_mbar_wait(bar + 8 * st, (j / ST) & 1);
+        if (!NOSYNC) pd_fa_mbar_wait(bar + 8 * st, (j / ST) & 1);
         if constexpr (ARV) pd_fa_fence_async();
         if (PP) pd_fa_bar_sync(1 + cw);
         if (NOMATH || j >= n_mine) {  // warpgroup-uniform
@@ -665,7 +676,8 @@ static __global__ void __launch_bounds__(PD_FA_THREADS, 1)
             if (pass) pd_fa_bar_arrive(2 - cw);
             pd_fa_wg_wait<0>();
             pd_fa_pin<PD_FA_BKV / 2>(sc);
-            pd_fa_softmax(sc, m, l, corr, pa, need_mask, kv0, qpos, t, scale_log2);
+            if (!MB || need_mask) pd_fa_softmax<true>(sc, m, l, corr, pa, kv0, qpos, t, scale_log2);
+            else pd_fa_softmax<false>(sc, m, l, corr, pa, kv0, qpos, t, scale_log2);
             pd_fa_rescale<HD>(o, corr);
             pd_fa_pin<HD / 2>(o);
             pd_fa_wg_fence();
@@ -704,30 +716,46 @@ static bool pd_fa_enabled() {
 // ping-pong on at head_dim 128 (400 vs 395 TFLOP/s at 8k), off at 64 (300 vs 317-324); P.V as one wgmma per
 // k-step; the overlapped consumer (OVL) on (head_dim 128 at 8k: 426-431 vs 412-413; 64: 303-306 vs 292-293),
 // with K and V on separate barriers (KVS) at head_dim 64 only (319-320 vs 303-306 at 8k; at 128: 375-377).
+// Session 14 (fa14-3): MB (the causal mask in its own code path, only on tiles crossing the diagonal) and
+// RSC on, both exact (hd 128 at 8k: 444-449 vs 430-435; hd 64: 354-359 vs 323-325); the other variants
+// are built without them (pd_fa_dispatch drops the two before looking for the combination).
 // Knobs, read once, "1" on / "0" off (anything else aborts): PD_CUDA_FA3_PP (ping-pong), PD_CUDA_FA3_OVL,
 // PD_CUDA_FA3_KVS, PD_CUDA_FA3_VN64 (P.V of head_dim 128 as two n64 wgmmas), PD_CUDA_FA3_ARV,
 // PD_CUDA_FA3_ROWP (the first producer), PD_CUDA_FA3_TMA (whole pages by TMA; both without OVL unless it is
-// set); with -DPD_FA3_DIAG also PD_CUDA_FA3_DIAG=noload|nomath. A combination that is not instantiated
-// (pd_fa_dispatch) runs the default kernel, with a warning.
+// set), PD_CUDA_FA3_RSC (default 1; with OVL: O rescaled only when a row of the warp changed its running
+// max; a warp-uniform branch, exact: the factor is exp2(0) = 1 otherwise), PD_CUDA_FA3_MB (default 1: the
+// causal mask in its own code path; 0: applied by predication on every tile); with -DPD_FA3_DIAG also
+// PD_CUDA_FA3_DIAG=noload|nomath|nosync (noload: the ring's stages are filled once with real data, then
+// the producer only passes the barriers; nomath: the consumers only pass the barriers; nosync: nobody waits
+// on the ring, copies and math run uncoupled). A combination that is not instantiated (pd_fa_dispatch)
+// runs the default kernel, with a warning.
 static int pd_fa_env(const char *name) {  // 1, 0, or -1 when unset; anything else is refused (abort)
     return pd_k_env_int(name, -1, 0, 1);
 }
 static int pd_fa_flags(int hd) {
-    static int pp = -2, vn = -2, rowp = -2, tma = -2, ovl = -2, arv = -2, kvs = -2, diag = 0;
+    static int pp = -2, vn = -2, rowp = -2, tma = -2, ovl = -2, arv = -2, kvs = -2, diag = 0, rsc = -2, mb = -2;
     if (pp == -2) {
+        rsc = pd_fa_env("PD_CUDA_FA3_RSC"), mb = pd_fa_env("PD_CUDA_FA3_MB");
         vn = pd_fa_env("PD_CUDA_FA3_VN64"), rowp = pd_fa_env("PD_CUDA_FA3_ROWP");
         tma = pd_k_env_int("PD_CUDA_FA3_TMA", -1, 0, 2);  // 2: TMAH (head_dim 128; the default kernel at 64)
         ovl = pd_fa_env("PD_CUDA_FA3_OVL"), arv = pd_fa_env("PD_CUDA_FA3_ARV"), kvs = pd_fa_env("PD_CUDA_FA3_KVS");
 #ifdef PD_FA3_DIAG
         const char *d = getenv("PD_CUDA_FA3_DIAG");
-        diag = d && !strcmp(d, "noload") ? PD_FA_NOLOAD : d && !strcmp(d, "nomath") ? PD_FA_NOMATH : 0;
+        diag = d && !strcmp(d, "noload")   ? PD_FA_NOLOAD
+               : d && !strcmp(d, "nomath") ? PD_FA_NOMATH
+               : d && !strcmp(d, "nosync") ? PD_FA_NOSYNC
+                                           : 0;
+        if (d && *d && !diag) {
+            fprintf(stderr, "PD_CUDA_FA3_DIAG=%s: expected noload, nomath or nosync\n", d);
+            abort();
+        }
 #endif
         pp = pd_fa_env("PD_CUDA_FA3_PP");
     }
     bool other_producer = rowp == 1 || tma == 1;
     bool use_ovl = ovl < 0 ? !other_producer : ovl == 1, use_arv = arv == 1 && !other_producer;
     bool use_kvs = use_ovl && !use_arv && !other_producer && !diag && (kvs < 0 ? hd == 64 : kvs == 1);
-    return ((pp < 0 ? hd == 128 : pp) ? PD_FA_PP : 0) | (vn == 1 && hd == 128 ? PD_FA_VN64 : 0) |
+    return (rsc != 0 && use_ovl ? PD_FA_RSC : 0) | (mb != 0 ? PD_FA_MB : 0) | ((pp < 0 ? hd == 128 : pp) ? PD_FA_PP : 0) | (vn == 1 && hd == 128 ? PD_FA_VN64 : 0) |
            (rowp == 1 ? PD_FA_ROWP : 0) | (tma == 1 ? PD_FA_TMA : 0) | (tma == 2 && hd == 128 ? PD_FA_TMAH : 0) |
            (use_ovl ? PD_FA_OVL : 0) |
            (use_arv ? PD_FA_ARV : 0) | (use_kvs ? PD_FA_KVS : 0) | diag;
@@ -790,8 +818,12 @@ static bool pd_fa_tensor_maps(const pd_attention_kparams *p, CUtensorMap tm[4]) 
 // The instantiated flag sets; anything else runs the default.
 template <int HD>
 static void pd_fa_dispatch(const pd_attention_kparams *p, cudaStream_t s, int fl, const CUtensorMap *tm) {
-    PD_FA_CASE(PD_FA_PP | PD_FA_OVL)  // the default at head_dim 128
-    PD_FA_CASE(PD_FA_OVL | PD_FA_KVS)  // the default at head_dim 64
+    PD_FA_CASE(PD_FA_PP | PD_FA_OVL | PD_FA_RSC | PD_FA_MB)  // the default at head_dim 128
+    PD_FA_CASE(PD_FA_OVL | PD_FA_KVS | PD_FA_RSC | PD_FA_MB)  // the default at head_dim 64
+    PD_FA_CASE(PD_FA_PP | PD_FA_OVL | PD_FA_MB)
+    PD_FA_CASE(PD_FA_OVL | PD_FA_KVS | PD_FA_MB)
+    PD_FA_CASE(PD_FA_PP | PD_FA_OVL)  // session 13's default at head_dim 128
+    PD_FA_CASE(PD_FA_OVL | PD_FA_KVS)  // and at 64
     PD_FA_CASE(PD_FA_PP)
     PD_FA_CASE(PD_FA_PP | PD_FA_TMA)
     PD_FA_CASE(PD_FA_PP | PD_FA_OVL | PD_FA_TMA)
@@ -806,7 +838,10 @@ static void pd_fa_dispatch(const pd_attention_kparams *p, cudaStream_t s, int fl
     PD_FA_CASE(PD_FA_ARV)
     PD_FA_CASE(PD_FA_OVL | PD_FA_ARV)
     PD_FA_CASE(PD_FA_PP | PD_FA_OVL | PD_FA_KVS)
+    PD_FA_CASE(PD_FA_OVL | PD_FA_KVS | PD_FA_RSC)
     if constexpr (HD == 128) {
+        PD_FA_CASE(PD_FA_PP | PD_FA_OVL | PD_FA_RSC)
+        PD_FA_CASE(PD_FA_PP | PD_FA_OVL | PD_FA_TMAH | PD_FA_RSC | PD_FA_MB)
         PD_FA_CASE(PD_FA_VN64 | PD_FA_PP | PD_FA_OVL)
         PD_FA_CASE(PD_FA_PP | PD_FA_OVL | PD_FA_TMAH)
         PD_FA_CASE(PD_FA_VN64)
@@ -823,13 +858,24 @@ static void pd_fa_dispatch(const pd_attention_kparams *p, cudaStream_t s, int fl
     PD_FA_CASE(PD_FA_OVL | PD_FA_NOLOAD)
     PD_FA_CASE(PD_FA_OVL | PD_FA_NOMATH)
     PD_FA_CASE(PD_FA_PP | PD_FA_OVL | PD_FA_NOMATH)
+    PD_FA_CASE(PD_FA_OVL | PD_FA_NOSYNC)
+    if constexpr (HD == 128) {
+        PD_FA_CASE(PD_FA_PP | PD_FA_OVL | PD_FA_NOSYNC)
+        PD_FA_CASE(PD_FA_PP | PD_FA_OVL | PD_FA_RSC | PD_FA_NOLOAD)
+        PD_FA_CASE(PD_FA_PP | PD_FA_OVL | PD_FA_RSC | PD_FA_MB | PD_FA_NOLOAD)
+    }
 #endif
+    // The other variants are built without RSC and MB (on by default): those two dropped, then the default
+    if (fl & (PD_FA_RSC | PD_FA_MB)) {
+        pd_fa_dispatch<HD>(p, s, fl & ~(PD_FA_RSC | PD_FA_MB), tm);
+        return;
+    }
     static bool warned = false;
     if (!warned)
         fprintf(stderr, "pdserve: prefill attention: the PD_CUDA_FA3_* combination (flags 0x%x) is not built: the default "
                         "kernel runs\n", fl);
     warned = true;
-    pd_fa_launch<HD, HD == 128 ? PD_FA_PP | PD_FA_OVL : PD_FA_OVL | PD_FA_KVS>(p, s, tm);
+    pd_fa_launch<HD, HD == 128 ? PD_FA_PP | PD_FA_OVL | PD_FA_RSC | PD_FA_MB : PD_FA_OVL | PD_FA_KVS | PD_FA_RSC | PD_FA_MB>(p, s, tm);
 }
 
 extern "C" int pd_cuda_attn_prefill_fa3(const pd_attention_kparams *p, cudaStream_t s) {

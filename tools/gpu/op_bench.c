@@ -923,11 +923,27 @@ fuse_done:
     // attention: Llama-3-8B heads
     int H = 32, Hkv = 8, hd = 128;
     int pre[] = {512, 2048, 8192};
+    // OP_BENCH_ATTNPRE_L=512|2048|8192: attnpre runs only the one-sequence cases of that length (both head dims)
+    const char *only_s = getenv("OP_BENCH_ATTNPRE_L");
+    int only = only_s && *only_s ? atoi(only_s) : 0;
+    if (only_s && *only_s && only != 512 && only != 2048 && only != 8192) {
+        fprintf(stderr, "OP_BENCH_ATTNPRE_L=%s: expected 512, 2048 or 8192\n", only_s);
+        return 2;
+    }
+    // OP_BENCH_ATTNPRE_REPS=n: n timed calls per case (default 5 at 8192 tokens, 20 below), e.g. to
+    // sample the clock and power under a sustained run
+    const char *reps_s = getenv("OP_BENCH_ATTNPRE_REPS");
+    int reps_env = reps_s && *reps_s ? atoi(reps_s) : 0;
+    if (reps_s && *reps_s && (reps_env < 1 || reps_env > 100000)) {
+        fprintf(stderr, "OP_BENCH_ATTNPRE_REPS=%s: expected 1..100000\n", reps_s);
+        return 2;
+    }
     for (int f8 = 0; f8 < 2; f8++)
         for (int i = 0; i < 3 && (want("prefill") || (want("attnpre") && !f8)); i++) {
+            if (only && pre[i] != only) continue;
             at_arg a;
             attn_setup(&a, 1, pre[i], pre[i], H, Hkv, hd, 16, f8);
-            us = time_us(g_b, at_op, &a, pre[i] == 8192 ? 5 : 20);
+            us = time_us(g_b, at_op, &a, reps_env ? reps_env : pre[i] == 8192 ? 5 : 20);
             double fl = 4.0 * H * hd * (double)pre[i] * pre[i] / 2;
             printf("attn prefill %s L=%-5d    %9.1f us  %6.1f TFLOP/s (causal flops)\n", f8 ? "fp8 " : "bf16", pre[i], us,
                    fl / (us * 1e6));
@@ -936,8 +952,9 @@ fuse_done:
     for (int i = 0; i < 4 && want("attnpre"); i++) {
         at_arg a;
         int n_seqs = i == 3 ? 4 : 1, L = i == 0 ? 512 : i == 2 ? 8192 : 2048, d = i == 3 ? 128 : 64;
+        if (only && (n_seqs > 1 || L != only)) continue;
         attn_setup(&a, n_seqs, L, L, H, Hkv, d, 16, false);
-        us = time_us(g_b, at_op, &a, L * n_seqs >= 8192 ? 5 : 20);
+        us = time_us(g_b, at_op, &a, reps_env ? reps_env : L * n_seqs >= 8192 ? 5 : 20);
         double fl = 4.0 * H * d * (double)L * L / 2 * n_seqs;
         printf("attn prefill bf16 hd=%d %dx L=%-5d %9.1f us  %6.1f TFLOP/s (causal flops)\n", d, n_seqs, L, us,
                fl / (us * 1e6));
