@@ -156,6 +156,11 @@ int pd_spec_choose_padded(const pd_spec_cost *c, int n_base, int n_seqs, int n_y
 // knob, a measurement tool; < 0: the default).
 int pd_spec_choose_padded_m(const pd_spec_cost *c, int n_base, int n_seqs, int n_yield, const double *alpha, const int *k_max,
                             const pd_spec_draft_price *draft, pd_spec_step_cost_fn cost, void *ud, int *k, double min_gain);
+// The same with the drafting gain scaled by factor (pd_spec_calib_factor; <= 0: 1): a step drafts
+// only where factor x (best rate / plain rate) >= 1 + min_gain.
+int pd_spec_choose_padded_f(const pd_spec_cost *c, int n_base, int n_seqs, int n_yield, const double *alpha, const int *k_max,
+                            const pd_spec_draft_price *draft, pd_spec_step_cost_fn cost, void *ud, int *k, double min_gain,
+                            double factor);
 
 // ---- a draining batch's finish time (session 13) ------------------------------------------------
 // pd_spec_choose_padded maximises one step's tokens per second: right while waiting requests refill
@@ -185,6 +190,10 @@ double pd_spec_drain_steps(int n, const int *R, const double *alpha, const int *
 // best predicted finish time over plain's (1 where nothing drafted). Sequences with k[i] = 0 are
 // plain ones in the batch (their R counts: the batch cannot end before them).
 int pd_spec_drain_choose(int n, const int *R, const double *alpha, int *k, const double *cost, double min_gain, double *ratio);
+// The same with the predicted gain scaled by factor (pd_spec_calib_factor; <= 0: 1): drafts only
+// where factor x plain / best >= 1 + min_gain. *ratio stays the model's own (unscaled) prediction.
+int pd_spec_drain_choose_f(int n, const int *R, const double *alpha, int *k, const double *cost, double min_gain, double factor,
+                           double *ratio);
 // The drain model's margin (the engine's default; knob PD_SPEC_DRAIN_GAIN): half the step margin.
 // The step margin also stood for "a closed batch's requests finish unevenly", which the drain model
 // now predicts; what is left is the error of the step prices. Measured (session 13, calls 1-2): with
@@ -192,6 +201,42 @@ int pd_spec_drain_choose(int n, const int *R, const double *alpha, int *k, const
 // drafting at once, 1.00x where drafting throughout gave 1.03-1.04x; simulated closed batches
 // (tests/unit/test_spec.c) at acceptance 0.22 refuse with either margin.
 #define PD_SPEC_DRAIN_MIN_GAIN 0.025
+
+// ---- realized against predicted gain (session 14, DISCO-like calibration) ---------------------
+// The policy predicts, for each step that drafts, the tokens it yields (the plain yield plus every
+// draft's acceptance probability) and what it costs (the verify shape's price plus the draft's
+// forwards). The engine then knows what it got: the tokens emitted and the whole step's time. Per
+// batch bucket (the step's batch as the engine keys it) this keeps, with exponential forgetting
+// (PD_SPEC_CALIB_DECAY a drafting step), the four sums and reads the step model's error as one
+// factor f = (emitted / expected) x (predicted us / realized us): the realized rate over the
+// predicted one. The policy multiplies every predicted drafting gain (per step, and the draining
+// batch's finish-time gain) by f: a model that overestimates (prices too low, an acceptance
+// estimate above what the requests do) stops drafting where its promise was only the error.
+// f is 1 until PD_SPEC_CALIB_MIN drafting steps were seen at the bucket, and held within
+// [PD_SPEC_CALIB_LO, PD_SPEC_CALIB_HI]: one slow step (a transient) cannot switch drafting off
+// for good, and a model that underestimates earns at most a little more drafting.
+#define PD_SPEC_CALIB_DECAY 0.95
+#define PD_SPEC_CALIB_MIN 4
+#define PD_SPEC_CALIB_LO 0.85
+#define PD_SPEC_CALIB_HI 1.05
+#define PD_SPEC_CALIB_BUCKETS 16
+typedef struct pd_spec_calib {
+    struct {
+        uint32_t B;                              // batch bucket (0: free slot)
+        double emitted, expected, real_us, pred_us;  // decayed sums
+        int64_t n;                               // drafting steps seen
+    } b[PD_SPEC_CALIB_BUCKETS];
+    int nb;
+} pd_spec_calib;
+void pd_spec_calib_init(pd_spec_calib *c);
+// One drafting step at batch bucket B (> 0): it emitted `emitted` tokens in real_us microseconds,
+// where the policy expected `expected` tokens for pred_us. Ignored when a value is not positive.
+// A full table drops the bucket seen least often.
+void pd_spec_calib_observe(pd_spec_calib *c, uint32_t B, double emitted, double expected, double real_us, double pred_us);
+// The factor at bucket B (1 while unknown), clamped to [PD_SPEC_CALIB_LO, PD_SPEC_CALIB_HI].
+double pd_spec_calib_factor(const pd_spec_calib *c, uint32_t B);
+// Drafting steps seen at bucket B.
+int64_t pd_spec_calib_n(const pd_spec_calib *c, uint32_t B);
 
 // ---- measured step times per shape -----------------------------------------------------------
 // A small cache of step times (EMA, microseconds) keyed by a step's shape (the engine's key: the
