@@ -637,11 +637,11 @@ void pd_engine_spec_fini(pd_engine *e) {
             const bstat *b = &S->bst[i];
             PD_LOG_I("spec stats: batch %u: %lld steps judged, %lld drafted by the policy, %lld refused by the step model, %lld refused "
                      "and %lld capped by the drain model (predicted finish-time ratio %.3f..%.3f), %lld drain refusals judged again, "
-                     "%lld fast-path steps; realized / predicted gain %.3f over %lld drafting steps%s",
+                     "%lld fast-path steps; realized-gain factor %.3f over %lld drafting steps (emitted / expected tokens %.3f, predicted / realized time %.3f)%s",
                      b->B, (long long)b->judged, (long long)b->drafted, (long long)b->step_refused, (long long)b->drain_refused,
                      (long long)b->drain_capped, b->drain_ratio_max < 0 ? 0 : b->drain_ratio_min, b->drain_ratio_max < 0 ? 0 : b->drain_ratio_max,
                      (long long)b->rejudged, (long long)b->fast, pd_spec_calib_factor(&S->calib, b->B), (long long)pd_spec_calib_n(&S->calib, b->B),
-                     S->calib_on ? "" : " (PD_SPEC_CALIB=0: not applied)");
+                     pd_spec_calib_part(&S->calib, b->B, 0), pd_spec_calib_part(&S->calib, b->B, 1), S->calib_on ? "" : " (PD_SPEC_CALIB=0: not applied)");
         }
         for (int i = 0; i < PD_SPEC_SHAPES; i++)
             if (S->shapes.key[i])
@@ -1683,8 +1683,8 @@ void pd_engine_spec_after_update(pd_engine *e, const pd_step_plan *plan, int64_t
     }
     double us = (double)(step_us - S->step_draft_us);
     // The realized-gain check: a step that drafted by the policy's choice, at a verify shape timed
-    // live before (a shape's first run is no price: pd_spec_shapes).
-    if (was_spec && S->cal_B && pd_spec_shapes_get(&S->shapes, key) > 0)
+    // live before (a shape's first run is no price: pd_spec_shapes; without graphs, key 0, every one).
+    if (was_spec && S->cal_B && (!key || pd_spec_shapes_get(&S->shapes, key) > 0))
         pd_spec_calib_observe(&S->calib, S->cal_B, (double)S->cal_emitted, S->cal_exp, (double)step_us, S->cal_pred_us);
     pd_spec_cost_observe(graph ? &S->cost : &S->cost_eager, vt, us);
     pd_spec_shapes_observe(&S->shapes, key, us);

@@ -509,9 +509,15 @@ void pd_spec_calib_observe(pd_spec_calib *c, uint32_t B, double emitted, double 
 
 double pd_spec_calib_factor(const pd_spec_calib *c, uint32_t B) {
     int i = calib_find(c, B);
-    if (i < 0 || c->b[i].n < PD_SPEC_CALIB_MIN || !(c->b[i].expected > 0) || !(c->b[i].real_us > 0)) return 1;
-    double f = (c->b[i].emitted / c->b[i].expected) * (c->b[i].pred_us / c->b[i].real_us);
+    if (i < 0 || c->b[i].n < PD_SPEC_CALIB_MIN || !(c->b[i].real_us > 0)) return 1;
+    double f = c->b[i].pred_us / c->b[i].real_us;
     return f < PD_SPEC_CALIB_LO ? PD_SPEC_CALIB_LO : f > PD_SPEC_CALIB_HI ? PD_SPEC_CALIB_HI : f;
+}
+
+double pd_spec_calib_part(const pd_spec_calib *c, uint32_t B, int part) {
+    int i = calib_find(c, B);
+    if (i < 0 || !(c->b[i].expected > 0) || !(c->b[i].real_us > 0)) return 0;
+    return part == 0 ? c->b[i].emitted / c->b[i].expected : c->b[i].pred_us / c->b[i].real_us;
 }
 
 int64_t pd_spec_calib_n(const pd_spec_calib *c, uint32_t B) {

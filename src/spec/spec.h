@@ -207,11 +207,14 @@ int pd_spec_drain_choose_f(int n, const int *R, const double *alpha, int *k, con
 // draft's acceptance probability) and what it costs (the verify shape's price plus the draft's
 // forwards). The engine then knows what it got: the tokens emitted and the whole step's time. Per
 // batch bucket (the step's batch as the engine keys it) this keeps, with exponential forgetting
-// (PD_SPEC_CALIB_DECAY a drafting step), the four sums and reads the step model's error as one
-// factor f = (emitted / expected) x (predicted us / realized us): the realized rate over the
-// predicted one. The policy multiplies every predicted drafting gain (per step, and the draining
-// batch's finish-time gain) by f: a model that overestimates (prices too low, an acceptance
-// estimate above what the requests do) stops drafting where its promise was only the error.
+// (PD_SPEC_CALIB_DECAY a drafting step), the four sums. The factor the policy applies is the price
+// part, f = predicted us / realized us: every predicted drafting gain (per step, and the draining
+// batch's finish-time gain) is multiplied by it, so a model whose drafting steps cost more than
+// it priced them stops drafting where its promise was only that error. The token part (emitted /
+// expected) is kept for the diagnostics only: the acceptance estimates are already corrected by
+// every verify step, and folded into f their early error (a new request's prior; on the CPU the
+// kjv pair's 0.7 prior against ~0.5: emitted / expected 0.77 over a request's first 13 drafting
+// steps) outlived the estimates' own correction and switched drafting off at batch 1.
 // f is 1 until PD_SPEC_CALIB_MIN drafting steps were seen at the bucket, and held within
 // [PD_SPEC_CALIB_LO, PD_SPEC_CALIB_HI]: one slow step (a transient) cannot switch drafting off
 // for good, and a model that underestimates earns at most a little more drafting.
@@ -235,6 +238,9 @@ void pd_spec_calib_init(pd_spec_calib *c);
 void pd_spec_calib_observe(pd_spec_calib *c, uint32_t B, double emitted, double expected, double real_us, double pred_us);
 // The factor at bucket B (1 while unknown), clamped to [PD_SPEC_CALIB_LO, PD_SPEC_CALIB_HI].
 double pd_spec_calib_factor(const pd_spec_calib *c, uint32_t B);
+// Its parts (unclamped; 0 when nothing was seen): emitted / expected tokens (part 0), predicted /
+// realized time (part 1, the factor before the clamp).
+double pd_spec_calib_part(const pd_spec_calib *c, uint32_t B, int part);
 // Drafting steps seen at bucket B.
 int64_t pd_spec_calib_n(const pd_spec_calib *c, uint32_t B);
 
