@@ -56,8 +56,8 @@ testgpu() {
     echo "== test_gpu_spec rc=$? ($(( $(date +%s) - t0 )) s)"; grep -E "passed|FAIL" "$OUT/test_gpu_spec.txt" | tail -4
   else echo "== test_gpu_spec skipped: budget"; fi
 }
-# round 1 (call 1): nL_N p_N p_O test n_N nL_O (LB 32 for nL_O)
-PARTS=${PARTS:-nL_N p_N p_O test n_N nL_O}
+# round 1 (call 1, LIMIT 180, BUDGET 172): nL_N p_N p_O test nL_O n_N (n_N only if the budget is left)
+PARTS=${PARTS:-nL_N p_N p_O test nL_O n_N}
 for part in $PARTS; do
   case $part in
     nL_N) draft nL_N N 0.1 128 ${LB:-8,32,64} ${LR:-2} 60 $DT3;;
