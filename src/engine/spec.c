@@ -80,6 +80,7 @@ typedef struct sreq {
     pd_spec_jacobi jac;
     pd_spec_pool *pool;
     int64_t n_drafted, n_accepted, n_steps;
+    int64_t n_fail;  // verify steps with a rejected draft (its lifetime acceptance, pd_spec_prior)
     // this step
     int k, w;  // drafts proposed, window tokens appended
     int last_k;  // drafts of its last step (-1: none yet; LAST_K_NOMATCH: a draft-free lookup found nothing)
@@ -195,10 +196,10 @@ typedef struct espec {
     int64_t n_probe_skip;  // due probes skipped: drafting could not pay even at acceptance 1 (diagnostics)
     // The drain model (session 13, spec.h pd_spec_drain_choose): while no request waits for a slot
     // (draining: the batch ends with its slowest sequence), a step's drafts must also shorten the
-    // batch's predicted finish time by the margin. Off by default (PD_SPEC_DRAIN=1: on): measured on
-    // the H100 (tools/gpu/NOTES.md, session 13) it did not lift the non-paying cells above what the
-    // step model gives, and cut the paying fixture's gain at batch 32-64 (1.06-1.18x against
-    // 1.21-1.29x at 32).
+    // batch's predicted finish time by the margin. On by default since session 14 (PD_SPEC_DRAIN=0:
+    // off), with its refusals judged again (drain_hold) and a new request's prior from finished
+    // requests (pd_spec_prior): session 13 shipped it off (it cut the paying fixture's gain at batch
+    // 32-64: 1.06-1.18x against 1.21-1.29x at 32; tools/gpu/NOTES.md).
     bool drain_on;
     bool draining;     // this step: no request waiting or loading (pd_sched_stats)
     bool quiet_drain;  // draining when quiet_n was set (the fast path's verdict holds for that state)
@@ -242,6 +243,10 @@ typedef struct espec {
     // 11 call 3: batch 32-64 at 0.82-0.92x of plain decoding).
     pd_spec_accept pop;
     int64_t pop_n;
+    // Session 14: a new request's prior is the finished requests' lifetime acceptance (spec.h
+    // pd_spec_prior) once there are some; PD_SPEC_POP_REQ=0: the engine's acceptance above (A/B).
+    pd_spec_prior prior;
+    bool pop_req;
 } espec;
 
 // ---- helpers ---------------------------------------------------------------------------------------
@@ -417,10 +422,11 @@ pd_status pd_engine_spec_load(pd_engine *e, pd_err *err) {
         pd_env_double("PD_SPEC_DRAIN_GAIN", PD_SPEC_DRAIN_MIN_GAIN, 0, 0.5, &S->drain_gain, err))
         return PD_ERR_INVALID;
     if (pd_env_switch("PD_SPEC_IDLE_FAST", true, &S->idle_fast, err) || pd_env_switch("PD_SPEC_PROBE_GROUP", true, &S->probe_group, err) ||
-        pd_env_switch("PD_SPEC_DRAIN", false, &S->drain_on, err) || pd_env_switch("PD_SPEC_CALIB", true, &S->calib_on, err) ||
-        pd_env_int("PD_SPEC_DRAIN_HOLD", 8, 0, 1 << 20, &S->drain_hold, err))
+        pd_env_switch("PD_SPEC_DRAIN", true, &S->drain_on, err) || pd_env_switch("PD_SPEC_CALIB", true, &S->calib_on, err) ||
+        pd_env_int("PD_SPEC_DRAIN_HOLD", 8, 0, 1 << 20, &S->drain_hold, err) || pd_env_switch("PD_SPEC_POP_REQ", true, &S->pop_req, err))
         return PD_ERR_INVALID;
     pd_spec_calib_init(&S->calib);
+    pd_spec_prior_init(&S->prior);
     S->quiet_until = INT64_MAX;
     S->last_drain_verdict = -1;
     S->quiet_n = -1;
@@ -633,6 +639,10 @@ void pd_engine_spec_fini(pd_engine *e) {
         PD_LOG_I("spec stats: drain model%s: %lld drafting steps judged while draining, %lld refused, %lld capped; %lld probes skipped",
                  S->drain_on ? "" : " (off)", (long long)S->n_drain_eval, (long long)S->n_drain_refused, (long long)S->n_drain_capped,
                  (long long)S->n_drain_probe_skip);
+        PD_LOG_I("spec stats: new-request prior: finished requests' lifetime acceptance %.3f over %lld requests%s; the engine's "
+                 "recent acceptance %.3f",
+                 pd_spec_prior_get(&S->prior), (long long)S->prior.n, S->pop_req ? "" : " (PD_SPEC_POP_REQ=0: not used)",
+                 pd_spec_accept_alpha(&S->pop));
         for (int i = 0; i < S->n_bst; i++) {
             const bstat *b = &S->bst[i];
             PD_LOG_I("spec stats: batch %u: %lld steps judged, %lld drafted by the policy, %lld refused by the step model, %lld refused "
@@ -679,7 +689,9 @@ pd_status pd_engine_spec_req_init(pd_engine *e, ereq *q, const pd_engine_request
     for (int i = 0; i < r->n_prompt; i++)
         if (!sreq_push(sr, r->prompt[i])) return PD_ERR_NOMEM;
     double prior = S->method == PD_SPEC_DRAFT ? 0.7 : 0.5;
-    if (S->pop_n >= POP_MIN) prior = pd_spec_accept_alpha(&S->pop);
+    double pr = S->pop_req ? pd_spec_prior_get(&S->prior) : -1;
+    if (pr >= 0) prior = pr;
+    else if (S->pop_n >= POP_MIN) prior = pd_spec_accept_alpha(&S->pop);
     // (Held with weight 2, as a fixed prior. Weight 8 — session 12, against lucky probe accepts —
     // cut the paying draft fixture at batch 64 from 1.07-1.08x to 1.00-1.05x: calls spec12-3/4.)
     pd_spec_accept_init(&sr->acc, prior);
@@ -696,6 +708,7 @@ void pd_engine_spec_req_fini(ereq *q) {
     sreq *sr = q->spec;
     if (!sr) return;
     if (sr->owner && is_busy(sr, sr->last_k)) sr->owner->n_busy--;
+    if (sr->owner && !sr->fixed_k) pd_spec_prior_add(&sr->owner->prior, sr->n_steps, sr->n_accepted, sr->n_fail);
     pd_free(sr->toks);
     pd_spec_pool_free(sr->pool);
     pd_free(sr);
@@ -1634,6 +1647,7 @@ static pd_status run_plan(pd_engine *e, const pd_step_plan *plan, bool *handled)
         S->pop_n++;
         sr->n_drafted += sr->k;
         sr->n_accepted += o->n_accepted;
+        sr->n_fail += o->n_accepted < sr->k;
         sr->n_steps++;
         S->drafted[S->method] += sr->k;
         S->accepted[S->method] += o->n_accepted;

@@ -205,6 +205,18 @@ double pd_spec_accept_alpha(const pd_spec_accept *a) {
     return t > 0 ? a->s / t : 0;
 }
 
+void pd_spec_prior_init(pd_spec_prior *p) { p->sum = p->w = 0, p->n = 0; }
+
+void pd_spec_prior_add(pd_spec_prior *p, int64_t n_steps, int64_t n_accepted, int64_t n_fail) {
+    if (n_steps < PD_SPEC_PRIOR_MIN_STEPS || n_accepted < 0 || n_fail < 0 || n_accepted + n_fail <= 0) return;
+    double a = (double)n_accepted / (double)(n_accepted + n_fail);
+    p->sum = PD_SPEC_PRIOR_DECAY * p->sum + a;
+    p->w = PD_SPEC_PRIOR_DECAY * p->w + 1;
+    p->n++;
+}
+
+double pd_spec_prior_get(const pd_spec_prior *p) { return p->n >= PD_SPEC_PRIOR_MIN && p->w > 0 ? p->sum / p->w : -1; }
+
 #define COST_DECAY 0.98
 
 void pd_spec_cost_init(pd_spec_cost *c, double step_us_prior) {

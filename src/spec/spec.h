@@ -105,6 +105,29 @@ void pd_spec_accept_init(pd_spec_accept *a, double prior_alpha);
 void pd_spec_accept_update(pd_spec_accept *a, int n_drafted, int n_accepted);
 double pd_spec_accept_alpha(const pd_spec_accept *a);
 
+// A new request's prior from the requests that finished before it (session 14): the mean, with
+// forgetting (PD_SPEC_PRIOR_DECAY a request), of each finished request's acceptance over its whole
+// life (the geometric model's estimate: accepted drafts / (accepted + rejections)), over the requests
+// that verified at least PD_SPEC_PRIOR_MIN_STEPS steps; -1 (none) before PD_SPEC_PRIOR_MIN of them.
+// What a new request will do over its life is what finished requests did over theirs; before it the
+// engine's acceptance over its last verify steps stood for it (pd_spec_accept over every sequence's
+// verify: ~50 sequence-steps, at batch 64 the last step or two) — the tail of the previous batch,
+// whose sequences accept less in the draft fixture (its estimates fall from ~0.55 to ~0.3 over 48
+// tokens): session 14 call 1, a batch of 64 started at 0.33 where its requests did ~0.45, the drain
+// model refused at once and nothing drafted to correct it (0.992x of plain where another engine
+// gained 1.04x).
+#define PD_SPEC_PRIOR_DECAY 0.97
+#define PD_SPEC_PRIOR_MIN 4
+#define PD_SPEC_PRIOR_MIN_STEPS 4
+typedef struct pd_spec_prior {
+    double sum, w;  // decayed sum of lifetime acceptances, and of weights
+    int64_t n;      // requests counted
+} pd_spec_prior;
+void pd_spec_prior_init(pd_spec_prior *p);
+// A finished request: n_steps verify steps, n_accepted drafts accepted, n_fail steps with a rejection.
+void pd_spec_prior_add(pd_spec_prior *p, int64_t n_steps, int64_t n_accepted, int64_t n_fail);
+double pd_spec_prior_get(const pd_spec_prior *p);  // -1 before PD_SPEC_PRIOR_MIN requests
+
 // Step cost: time of a target forward as a + b * tokens (exponentially weighted least squares over
 // measured steps, started from an optimistic prior that decays away), plus the time of one draft
 // forward (EMA). Microseconds.

@@ -963,6 +963,25 @@ PD_TEST(policy_in_a_closed_batch_never_loses_and_keeps_the_gain) {
     }
 }
 
+PD_TEST(prior_from_finished_requests) {
+    pd_spec_prior p;
+    pd_spec_prior_init(&p);
+    PD_CHECK(pd_spec_prior_get(&p) < 0);
+    pd_spec_prior_add(&p, 3, 2, 1);  // too few verify steps: not counted
+    pd_spec_prior_add(&p, 10, 0, 0);  // nothing to estimate from
+    PD_CHECK_EQ(p.n, 0);
+    for (int i = 0; i < PD_SPEC_PRIOR_MIN - 1; i++) pd_spec_prior_add(&p, 20, 9, 11);  // 0.45 each
+    PD_CHECK(pd_spec_prior_get(&p) < 0);
+    pd_spec_prior_add(&p, 20, 9, 11);
+    PD_CHECK(fabs(pd_spec_prior_get(&p) - 0.45) < 1e-12);
+    // Each request weighs the same, whatever its length; older ones fade.
+    pd_spec_prior_add(&p, 400, 100, 300);  // 0.25
+    double g = pd_spec_prior_get(&p);
+    PD_CHECK(g < 0.45 && g > 0.39);
+    for (int i = 0; i < 300; i++) pd_spec_prior_add(&p, 30, 6, 24);  // 0.2
+    PD_CHECK(fabs(pd_spec_prior_get(&p) - 0.2) < 0.001);
+}
+
 PD_TEST(method_names) {
     pd_spec_method m;
     PD_CHECK_EQ(pd_spec_method_parse("lookahead", &m), PD_OK);

@@ -5,18 +5,22 @@
 # COMMIT, LIMIT. Models: build/gpu-lead/llama-3-8b (8B config + the kjv tokenizer, dummy weights),
 # build/gpu-lead/models.tar.xz for test_gpu_spec. Libraries: /tmp/gpulib/lib (the lead's wrapper).
 # One binary; the policy is switched per bench-spec process:
-#   N (new)  PD_SPEC_DRAIN=1 PD_SPEC_CALIB=1 PD_SPEC_DRAIN_HOLD=8   (drain model + realized-gain
-#            check + drain refusals judged again after 8 steps)
-#   O (old)  PD_SPEC_DRAIN=0 PD_SPEC_CALIB=0                         (session 13's default policy)
+#   N (new)  the binary's defaults. Call 1 (binaries 6d1601c): PD_SPEC_DRAIN=1 PD_SPEC_CALIB=1
+#            PD_SPEC_DRAIN_HOLD=8 set by env (drain model + realized-gain check + drain refusals judged
+#            again after 8 steps); from call 2 (binaries with those defaults and PD_SPEC_POP_REQ=1: a new
+#            request's prior from finished requests) no env.
+#   O (old)  PD_SPEC_DRAIN=0 PD_SPEC_CALIB=0 (+ PD_SPEC_POP_REQ=0 from call 2): session 13's policy
 # Draft fixture: --speculative-dummy-layers 1 --dummy-residual-scale 1:EPS (0.1: acceptance ~0.2,
 # "nonpay"; 0.05: ~0.5-0.6, "pay"), --num-speculative-tokens 4, random prompts of 32 tokens.
-# DT3 = one plain engine, then three adaptive engines each followed by its paused twin (a/p = the
-# policy's effect on the same engine).
+# AP3 = three adaptive engines each followed by its paused twin (a/p = the policy's effect on the
+# same engine); DT3 = AP3 after one plain engine (call 1). bench-spec runs, per batch, a warm-up run
+# of every entry and then reps rounds, and prints every summary at the end (a run cut by its
+# timeout prints nothing: call 1's nL_N).
 # Parts (env PARTS, in order; BUDGET s):
-#   nL_N / nL_O  nonpay, 128 tokens, batches ${LB:-8,32,64}, reps ${LR:-2}, DT3
-#   n_N / n_O    nonpay, 48 tokens, batches 1/8/32/64, reps 2, DT3
+#   nL_N / nL_O  nonpay, 128 tokens, batches ${LB:-8,32,64} (nL_O: ${LBO:-32}), reps ${LR:-2}, AP3
+#   n_N / n_O    nonpay, 48 tokens, batches 1/8/32/64, reps 2, AP3
 #   p_N / p_O    pay, 48 tokens, batches 1/8/32/64, reps 2, off,adaptive,off,adaptive
-#   free_N       ngram / lookahead adaptive (with paused twins), 128 tokens, reps 2
+#   free_N       ngram / lookahead adaptive (with paused twins), 48 tokens, reps 2
 #   test         test_gpu_spec (greedy byte-identical with speculation on the card)
 set -u
 OUT=$1; mkdir -p "$OUT"
@@ -27,16 +31,17 @@ mkdir -p $T && tar xJf $D/bins.tar.xz -C $T
 export LD_LIBRARY_PATH=${LD_LIBRARY_PATH:-/tmp/gpulib/lib} PD_SPEC_STATS=1
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader
 cat $D/COMMIT
-left() { echo $(( ${BUDGET:-172} - ($(date +%s) - t0) )); }
+left() { echo $(( ${BUDGET:-162} - ($(date +%s) - t0) )); }
 lim() { l=$(left); [ "$l" -lt "$1" ] && echo "$l" || echo "$1"; }
 M=${M:-build/gpu-lead/llama-3-8b}
 W="--random-prompt 32 --random-prompts 8"
 spec() {  # name variant limit args...
   n=$1; v=$2; l=$3; shift 3
-  [ "$(left)" -lt 15 ] && { echo "== $n skipped: budget"; return; }
+  # (a bench-spec cut by its timeout prints nothing: run a part only where its whole limit fits)
+  [ "$(left)" -lt "$l" ] && { echo "== $n skipped: budget ($(left) s left, $l s needed)"; return; }
   case $v in
-    N) E="PD_SPEC_DRAIN=1 PD_SPEC_CALIB=1 PD_SPEC_DRAIN_HOLD=8";;
-    O) E="PD_SPEC_DRAIN=0 PD_SPEC_CALIB=0";;
+    N) E="PD_SPEC_STATS=1";;
+    O) E="PD_SPEC_DRAIN=0 PD_SPEC_CALIB=0 PD_SPEC_POP_REQ=0";;
   esac
   env $E timeout $(lim $l) $T/pdserve bench-spec --device cuda --model $M --load-format dummy "$@" --json "$OUT/$n.json" > "$OUT/$n.txt" 2> "$OUT/$n.err"
   echo "== $n $E rc=$? ($(( $(date +%s) - t0 )) s)"
@@ -47,7 +52,7 @@ draft() {  # name variant eps tokens batches reps limit modes
   spec $1 $2 $7 --speculative-method draft --speculative-model $M --speculative-dummy-layers 1 --dummy-residual-scale 1:$3 \
     $W --num-speculative-tokens 4 --max-tokens $4 --batches $5 --reps $6 --modes $8
 }
-DT3=off,adaptive,paused,adaptive,paused,adaptive,paused  # 4 engines (8B dummy ~16 GB each)
+AP3=adaptive,paused,adaptive,paused,adaptive,paused  # 3 engines (8B dummy ~16 GB each)
 FT=off,ngram:adaptive,paused,lookahead:adaptive,paused
 testgpu() {
   if [ "$(left)" -gt 12 ]; then
@@ -56,17 +61,18 @@ testgpu() {
     echo "== test_gpu_spec rc=$? ($(( $(date +%s) - t0 )) s)"; grep -E "passed|FAIL" "$OUT/test_gpu_spec.txt" | tail -4
   else echo "== test_gpu_spec skipped: budget"; fi
 }
-# round 1 (call 1, LIMIT 180, BUDGET 172): nL_N p_N p_O test nL_O n_N (n_N only if the budget is left)
-PARTS=${PARTS:-nL_N p_N p_O test nL_O n_N}
+# round 1 (call 1, binaries 6d1601c, LIMIT 180, BUDGET 172, DT3): nL_N p_N p_O test nL_O n_N
+# round 2 (call 2, LIMIT 170, BUDGET 162, AP3): nL_N p_N n_N nL_O
+PARTS=${PARTS:-nL_N p_N n_N nL_O}
 for part in $PARTS; do
   case $part in
-    nL_N) draft nL_N N 0.1 128 ${LB:-8,32,64} ${LR:-2} 60 $DT3;;
-    nL_O) draft nL_O O 0.1 128 ${LBO:-32} ${LR:-2} 35 $DT3;;
-    n_N) draft n_N N 0.1 48 1,8,32,64 2 40 $DT3;;
-    n_O) draft n_O O 0.1 48 1,8,32,64 2 40 $DT3;;
+    nL_N) draft nL_N N 0.1 128 ${LB:-8,32,64} ${LR:-2} 80 $AP3;;
+    nL_O) draft nL_O O 0.1 128 ${LBO:-32} ${LR:-2} 32 $AP3;;
+    n_N) draft n_N N 0.1 48 1,8,32,64 2 40 $AP3;;
+    n_O) draft n_O O 0.1 48 1,8,32,64 2 40 $AP3;;
     p_N) draft p_N N 0.05 48 1,8,32,64 2 30 off,adaptive,off,adaptive;;
     p_O) draft p_O O 0.05 48 1,8,32,64 2 30 off,adaptive,off,adaptive;;
-    free_N) spec free_N N 40 --dummy-residual-scale 1:0.02 $W --num-speculative-tokens 4 --max-tokens 128 --batches 1,8,32,64 --reps 2 --modes $FT;;
+    free_N) spec free_N N 40 --dummy-residual-scale 1:0.02 $W --num-speculative-tokens 4 --max-tokens 48 --batches 1,8,32,64 --reps 2 --modes $FT;;
     test) testgpu;;
   esac
 done
