@@ -1702,7 +1702,10 @@ void pd_engine_spec_after_update(pd_engine *e, const pd_step_plan *plan, int64_t
         pd_spec_calib_observe(&S->calib, S->cal_B, (double)S->cal_emitted, S->cal_exp, (double)step_us, S->cal_pred_us);
     pd_spec_cost_observe(graph ? &S->cost : &S->cost_eager, vt, us);
     pd_spec_shapes_observe(&S->shapes, key, us);
-    host_observe(S, key, us);
+    // (Not a shape's first live step: a graph's first launch, the step buffers' first growth — up to
+    // ms more; session 14 call 2: one such step priced the untimed batch-64 verify shape at 1.43x a
+    // plain step, the policy refused it from then on, and the shape was never timed live.)
+    if (pd_spec_shapes_get_n(&S->shapes, key) >= 2) host_observe(S, key, us);
     // Next step's lookahead asks: what was chosen now, plus one to let it grow (and 1 when it was
     // 0, for the probes); every slot when the choice took every slot granted (it was the slots that
     // limited it: growing one a step, a sequence back from a short step took k steps to reach k

@@ -511,6 +511,8 @@ void pd_spec_calib_observe(pd_spec_calib *c, uint32_t B, double emitted, double 
         memset(&c->b[i], 0, sizeof c->b[i]);
         c->b[i].B = B;
     }
+    if (real_us > PD_SPEC_CALIB_CLIP * pred_us) real_us = PD_SPEC_CALIB_CLIP * pred_us;
+    if (real_us < pred_us / PD_SPEC_CALIB_CLIP) real_us = pred_us / PD_SPEC_CALIB_CLIP;
     double d = PD_SPEC_CALIB_DECAY;
     c->b[i].emitted = d * c->b[i].emitted + emitted;
     c->b[i].expected = d * c->b[i].expected + expected;

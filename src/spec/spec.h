@@ -242,7 +242,12 @@ int pd_spec_drain_choose_f(int n, const int *R, const double *alpha, int *k, con
 // [PD_SPEC_CALIB_LO, PD_SPEC_CALIB_HI]: one slow step (a transient) cannot switch drafting off
 // for good, and a model that underestimates earns at most a little more drafting.
 #define PD_SPEC_CALIB_DECAY 0.95
-#define PD_SPEC_CALIB_MIN 4
+#define PD_SPEC_CALIB_MIN 8
+// Each step's realized time counts within [1 / PD_SPEC_CALIB_CLIP, PD_SPEC_CALIB_CLIP] x its predicted
+// time: a transient (a first draft forward at a new batch, a graph's first launch) moves the factor
+// by a few percent, not to the clamp (session 14 call 2: four drafting steps at a new batch of 64,
+// unclipped, took it to 0.85, and the policy never drafted there again).
+#define PD_SPEC_CALIB_CLIP 1.25
 #define PD_SPEC_CALIB_LO 0.85
 #define PD_SPEC_CALIB_HI 1.05
 #define PD_SPEC_CALIB_BUCKETS 16

@@ -812,12 +812,18 @@ PD_TEST(calib_factor_ratio_of_sums_clamped) {
     // An underestimating model earns at most PD_SPEC_CALIB_HI; the old steps are forgotten.
     for (int i = 0; i < 200; i++) pd_spec_calib_observe(&c, 32, 45, 38.4, 6000, 7000);
     PD_CHECK(pd_spec_calib_factor(&c, 32) == PD_SPEC_CALIB_HI);
-    // One transient (a step 3x dearer) among steady ones moves the factor by a few percent only.
+    // One transient (a step 3x dearer) among steady ones counts as 1.25x: it moves the factor by ~1.5%.
     pd_spec_calib_init(&c);
     for (int i = 0; i < 30; i++) pd_spec_calib_observe(&c, 64, 70, 70, 8000, 8000);
     pd_spec_calib_observe(&c, 64, 70, 70, 24000, 8000);
     double f = pd_spec_calib_factor(&c, 64);
-    PD_CHECK(f < 0.97 && f > 0.85);
+    PD_CHECK(f < 0.99 && f > 0.98);
+    // Four such steps at a new bucket: not yet a factor (PD_SPEC_CALIB_MIN), and then not the clamp.
+    for (int i = 0; i < 4; i++) pd_spec_calib_observe(&c, 128, 70, 70, 24000, 8000);
+    PD_CHECK(pd_spec_calib_factor(&c, 128) == 1);
+    for (int i = 0; i < PD_SPEC_CALIB_MIN - 4; i++) pd_spec_calib_observe(&c, 128, 70, 70, 8000, 8000);
+    f = pd_spec_calib_factor(&c, 128);
+    PD_CHECK(f > 0.88 && f < 0.95);
     for (int i = 0; i < 60; i++) pd_spec_calib_observe(&c, 64, 70, 70, 8000, 8000);
     PD_CHECK(pd_spec_calib_factor(&c, 64) > 0.99);
     // A full table: a new bucket replaces the one seen least often.
