@@ -218,6 +218,8 @@ typedef struct espec {
     // bucket, the factor every predicted drafting gain is multiplied by.
     pd_spec_calib calib;
     bool calib_on;
+    bool calib_tok;  // the drain model's pooled acceptance times the bucket's emitted / expected tokens
+                     // (pd_spec_calib_tokens; PD_SPEC_CALIB_TOK, default on; off: A/B)
     uint32_t cal_B;          // this step drafted by the policy's choice: its batch bucket (0: not observed)
     double cal_exp, cal_pred_us;  // ... the tokens it expected and the price it was given
     int64_t cal_emitted;     // ... the tokens it emitted
@@ -423,7 +425,8 @@ pd_status pd_engine_spec_load(pd_engine *e, pd_err *err) {
         return PD_ERR_INVALID;
     if (pd_env_switch("PD_SPEC_IDLE_FAST", true, &S->idle_fast, err) || pd_env_switch("PD_SPEC_PROBE_GROUP", true, &S->probe_group, err) ||
         pd_env_switch("PD_SPEC_DRAIN", true, &S->drain_on, err) || pd_env_switch("PD_SPEC_CALIB", true, &S->calib_on, err) ||
-        pd_env_int("PD_SPEC_DRAIN_HOLD", 8, 0, 1 << 20, &S->drain_hold, err) || pd_env_switch("PD_SPEC_POP_REQ", true, &S->pop_req, err))
+        pd_env_int("PD_SPEC_DRAIN_HOLD", 8, 0, 1 << 20, &S->drain_hold, err) || pd_env_switch("PD_SPEC_POP_REQ", true, &S->pop_req, err) ||
+        pd_env_switch("PD_SPEC_CALIB_TOK", true, &S->calib_tok, err))
         return PD_ERR_INVALID;
     pd_spec_calib_init(&S->calib);
     pd_spec_prior_init(&S->prior);
@@ -1076,6 +1079,10 @@ static int drain_apply(pd_engine *e, const pd_step_plan *plan, sreq **srs, int n
     double pool = 0;
     for (int j = 0; j < n; j++) pool += alpha ? alpha[j] : 1.0;
     pool = n > 0 ? pool / n : 0;
+    // ... corrected by what this batch bucket's drafting steps emitted against what their estimates
+    // expected (spec.h pd_spec_calib_tokens; not for a probe's "at acceptance 1").
+    double tokf = alpha && S->calib_on && S->calib_tok ? pd_spec_calib_tokens(&S->calib, batch_bucket(e->model, plan->n_seqs)) : 1;
+    pool *= tokf;
     // sidx is in plan order: one walk pairs the candidates with their plan seqs.
     for (int i = 0, j = 0; i < plan->n_seqs; i++) {
         bool cand = j < n && S->sidx[j] == i;
@@ -1107,8 +1114,8 @@ static int drain_apply(pd_engine *e, const pd_step_plan *plan, sreq **srs, int n
             int rmax = 0;
             for (int j = 0; j < nd; j++) rmax = PD_MAX(rmax, S->dR[j]);
             PD_LOG_I("spec stats: drain at step %lld: batch %d, %d drafting, longest budget %d, pooled acceptance %.3f, "
-                     "plain %.0f us, k=1 %.0f us, k=%d %.0f us, factor %.3f: predicted finish-time ratio %.3f -> %s (cap %d)",
-                     (long long)S->n_steps, plan->n_seqs, n, rmax, pool, cost[0], M >= 1 ? cost[1] : 0, M, cost[M], factor, ratio,
+                     "plain %.0f us, k=1 %.0f us, k=%d %.0f us, factor %.3f (tokens %.3f): predicted finish-time ratio %.3f -> %s (cap %d)",
+                     (long long)S->n_steps, plan->n_seqs, n, rmax, pool, cost[0], M >= 1 ? cost[1] : 0, M, cost[M], factor, tokf, ratio,
                      got > 0 ? "draft" : "refused", got);
         }
         S->last_drain_verdict = verdict;

@@ -534,6 +534,13 @@ double pd_spec_calib_part(const pd_spec_calib *c, uint32_t B, int part) {
     return part == 0 ? c->b[i].emitted / c->b[i].expected : c->b[i].pred_us / c->b[i].real_us;
 }
 
+double pd_spec_calib_tokens(const pd_spec_calib *c, uint32_t B) {
+    int i = calib_find(c, B);
+    if (i < 0 || c->b[i].n < PD_SPEC_CALIB_MIN || !(c->b[i].expected > 0)) return 1;
+    double f = c->b[i].emitted / c->b[i].expected;
+    return f < PD_SPEC_CALIB_LO ? PD_SPEC_CALIB_LO : f > 1 ? 1 : f;
+}
+
 int64_t pd_spec_calib_n(const pd_spec_calib *c, uint32_t B) {
     int i = calib_find(c, B);
     return i < 0 ? 0 : c->b[i].n;

@@ -269,6 +269,15 @@ double pd_spec_calib_factor(const pd_spec_calib *c, uint32_t B);
 // Its parts (unclamped; 0 when nothing was seen): emitted / expected tokens (part 0), predicted /
 // realized time (part 1, the factor before the clamp).
 double pd_spec_calib_part(const pd_spec_calib *c, uint32_t B, int part);
+// The token part as the drain model applies it (session 14, call 4): emitted / expected tokens at
+// bucket B after PD_SPEC_CALIB_MIN drafting steps, clamped to [PD_SPEC_CALIB_LO, 1] (1 while
+// unknown): the draining batch's pooled acceptance is multiplied by it. The acceptance estimates
+// run ahead of what drafting steps emit where the policy drafts on their high side (session 14 call
+// 3, acceptance ~0.24: emitted / expected 0.91-0.96 at batch 8, 0.89-0.91 at batch 1), and a
+// draining batch's predicted gain at batch 8 (+2.7%) was then a loss (0.990-0.991x). Not applied to
+// the per-step choice: at batch 1 its margin covers the error (1.16x measured) and a token factor
+// there would have switched it off (the CPU's kjv pair: 0.77 over a request's first 13 steps).
+double pd_spec_calib_tokens(const pd_spec_calib *c, uint32_t B);
 // Drafting steps seen at bucket B.
 int64_t pd_spec_calib_n(const pd_spec_calib *c, uint32_t B);
 

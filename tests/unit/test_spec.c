@@ -836,6 +836,30 @@ PD_TEST(calib_factor_ratio_of_sums_clamped) {
     PD_CHECK_EQ(pd_spec_calib_n(&c, 2), 6);
 }
 
+PD_TEST(calib_tokens_for_the_drain_model) {
+    pd_spec_calib c;
+    pd_spec_calib_init(&c);
+    PD_CHECK(pd_spec_calib_tokens(&c, 8) == 1);  // unknown
+    for (int i = 0; i < PD_SPEC_CALIB_MIN - 1; i++) pd_spec_calib_observe(&c, 8, 9.0, 10.0, 7000, 7000);
+    PD_CHECK(pd_spec_calib_tokens(&c, 8) == 1);  // too few steps
+    pd_spec_calib_observe(&c, 8, 9.0, 10.0, 7000, 7000);
+    PD_CHECK(fabs(pd_spec_calib_tokens(&c, 8) - 0.9) < 1e-9);
+    PD_CHECK(pd_spec_calib_factor(&c, 8) == 1);  // the price part is its own
+    for (int i = 0; i < 200; i++) pd_spec_calib_observe(&c, 8, 12.0, 10.0, 7000, 7000);
+    PD_CHECK(pd_spec_calib_tokens(&c, 8) == 1);  // more than expected: not raised
+    for (int i = 0; i < 200; i++) pd_spec_calib_observe(&c, 8, 5.0, 10.0, 7000, 7000);
+    PD_CHECK(pd_spec_calib_tokens(&c, 8) == PD_SPEC_CALIB_LO);
+    // In the drain model: batch 8, 48 tokens, a k = 1 step 1.12x a plain one. At an estimated 0.24
+    // it predicts +2.7% and drafts; at the emitted 0.93 x 0.24 it refuses.
+    int R[8], k[8];
+    double a[8], cost[2] = {1.0, 1.12}, r;
+    for (int i = 0; i < 8; i++) R[i] = 48, k[i] = 1, a[i] = 0.24;
+    PD_CHECK_EQ(pd_spec_drain_choose(8, R, a, k, cost, -1, &r), 1);
+    PD_CHECK(r < 1 / 1.025 && r > 0.95);
+    for (int i = 0; i < 8; i++) k[i] = 1, a[i] = 0.24 * 0.93;
+    PD_CHECK_EQ(pd_spec_drain_choose(8, R, a, k, cost, -1, &r), 0);
+}
+
 PD_TEST(calib_factor_scales_the_choices) {
     pd_spec_cost c;
     pd_spec_cost_init(&c, 100);

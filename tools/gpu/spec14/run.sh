@@ -33,7 +33,7 @@ BIN=${BIN:-$T/pdserve} DEV=${DEV:-cuda}  # (BIN, DEV, M, LIMS: a check of the co
 export LD_LIBRARY_PATH=${LD_LIBRARY_PATH:-/tmp/gpulib/lib} PD_SPEC_STATS=1
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader
 cat $D/COMMIT
-left() { echo $(( ${BUDGET:-164} - ($(date +%s) - t0) )); }
+left() { echo $(( ${BUDGET:-114} - ($(date +%s) - t0) )); }
 lim() { l=$(left); [ "$l" -lt "$1" ] && echo "$l" || echo "$1"; }
 M=${M:-build/gpu-lead/llama-3-8b}
 W="--random-prompt 32 --random-prompts 8"
@@ -43,6 +43,7 @@ spec() {  # name variant limit args...
   [ "$(left)" -lt "$l" ] && { echo "== $n skipped: budget ($(left) s left, $l s needed)"; return; }
   case $v in
     N) E="PD_SPEC_STATS=1";;
+    U) E="PD_SPEC_CALIB_TOK=0";;
     O) E="PD_SPEC_DRAIN=0 PD_SPEC_CALIB=0 PD_SPEC_POP_REQ=0";;
   esac
   env $E timeout $(lim ${LIMS:-$l}) $BIN bench-spec --device $DEV --model $M --load-format dummy "$@" --json "$OUT/$n.json" > "$OUT/$n.txt" 2> "$OUT/$n.err"
@@ -65,8 +66,11 @@ testgpu() {
 }
 # round 1 (call 1, binaries 6d1601c, LIMIT 180, BUDGET 172, DT3): nL_N p_N p_O test nL_O n_N
 # round 2 (call 2, binaries 08830f7, LIMIT 170, BUDGET 162, AP3): nL_N p_N n_N nL_O (only p_N ran)
-# round 2b (call 3, LIMIT 170, BUDGET 164, DT3): nL_N p_N n_N nL_O
-PARTS=${PARTS:-nL_N p_N n_N nL_O}
+# round 2b (call 3, binaries 86bdd89, LIMIT 170, BUDGET 164, DT3): nL_N p_N n_N nL_O (nL_O skipped)
+# round 4 (call 4, LIMIT 120, BUDGET 114): the token correction of the drain model's acceptance
+# (PD_SPEC_CALIB_TOK, default on = T) against call 3's policy (U = PD_SPEC_CALIB_TOK=0), alternated:
+# nb_T nb_U (nonpay, 48 tokens, b1/8), p_T (pay b8/32/64), nL8_T (nonpay, 128 tokens, b8)
+PARTS=${PARTS:-nb_T nb_U p_T nL8_T}
 for part in $PARTS; do
   case $part in
     nL_N) draft nL_N N 0.1 128 ${LB:-8,32,64} ${LR:-2} 85 $DT3;;
@@ -76,6 +80,10 @@ for part in $PARTS; do
     p_N) draft p_N N 0.05 48 1,8,32,64 2 30 off,adaptive,off,adaptive;;
     p_O) draft p_O O 0.05 48 1,8,32,64 2 30 off,adaptive,off,adaptive;;
     free_N) spec free_N N 40 --dummy-residual-scale 1:0.02 $W --num-speculative-tokens 4 --max-tokens 48 --batches 1,8,32,64 --reps 2 --modes $FT;;
+    nb_T) draft nb_T N 0.1 48 1,8 2 32 $DT3;;
+    nb_U) draft nb_U U 0.1 48 1,8 2 32 $DT3;;
+    p_T) draft p_T N 0.05 48 8,32,64 2 24 off,adaptive,off,adaptive;;
+    nL8_T) draft nL8_T N 0.1 128 8 2 26 $DT3;;
     test) testgpu;;
   esac
 done
