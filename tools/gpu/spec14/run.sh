@@ -69,8 +69,8 @@ testgpu() {
 # round 2b (call 3, binaries 86bdd89, LIMIT 170, BUDGET 164, DT3): nL_N p_N n_N nL_O (nL_O skipped)
 # round 4 (call 4, LIMIT 120, BUDGET 114): the token correction of the drain model's acceptance
 # (PD_SPEC_CALIB_TOK, default on = T) against call 3's policy (U = PD_SPEC_CALIB_TOK=0), alternated:
-# nb_T nb_U (nonpay, 48 tokens, b1/8), p_T (pay b8/32/64), nL8_T (nonpay, 128 tokens, b8)
-PARTS=${PARTS:-nb_T nb_U p_T nL8_T}
+# nb_T nb_U (nonpay, 48 tokens, b1/8), p_T (pay b8/32/64), test (test_gpu_spec on the final code)
+PARTS=${PARTS:-nb_T nb_U p_T test}
 for part in $PARTS; do
   case $part in
     nL_N) draft nL_N N 0.1 128 ${LB:-8,32,64} ${LR:-2} 85 $DT3;;
