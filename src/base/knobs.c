@@ -90,7 +90,7 @@ static const pd_knob KNOBS[] = {
     INT("PD_MODEL_RESID_GEMM", 0, 1 << 30, "residual adds in the o/down GEMMs from this many tokens (default 0: off)"),
     SW("PD_MODEL_ROWS_DIRECT", "one-token lm_head reads x without a gather (default 1)"),
     SW("PD_SPEC_CALIB", "speculation: scale predicted gains by the realized / predicted gain per batch (default 1)"),
-    SW("PD_SPEC_CALIB_TOK", "speculation: a draining batch's acceptance times its emitted / expected tokens (default 1)"),
+    SW("PD_SPEC_CALIB_TOK", "speculation: a draining batch's acceptance times its emitted / expected tokens (default 0)"),
     SW("PD_SPEC_CATCHUP_PAD", "speculation: draft catch-ups padded to warmed sizes (default 1)"),
     SW("PD_SPEC_DRAIN", "speculation: a draining batch drafts only where its finish time gains (default 1)"),
     {"PD_SPEC_DRAIN_GAIN", PD_KNOB_FLOAT, 0, 0.5, NULL, "speculation: the finish-time gain a draining batch must promise (default 0.025)"},

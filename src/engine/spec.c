@@ -219,7 +219,9 @@ typedef struct espec {
     pd_spec_calib calib;
     bool calib_on;
     bool calib_tok;  // the drain model's pooled acceptance times the bucket's emitted / expected tokens
-                     // (pd_spec_calib_tokens; PD_SPEC_CALIB_TOK, default on; off: A/B)
+                     // (pd_spec_calib_tokens; PD_SPEC_CALIB_TOK=1; default off: measured no better at
+                     // batch 8 where drafting does not pay, and one paying batch-32 engine stopped
+                     // drafting with it: session 14 call 4)
     uint32_t cal_B;          // this step drafted by the policy's choice: its batch bucket (0: not observed)
     double cal_exp, cal_pred_us;  // ... the tokens it expected and the price it was given
     int64_t cal_emitted;     // ... the tokens it emitted
@@ -426,7 +428,7 @@ pd_status pd_engine_spec_load(pd_engine *e, pd_err *err) {
     if (pd_env_switch("PD_SPEC_IDLE_FAST", true, &S->idle_fast, err) || pd_env_switch("PD_SPEC_PROBE_GROUP", true, &S->probe_group, err) ||
         pd_env_switch("PD_SPEC_DRAIN", true, &S->drain_on, err) || pd_env_switch("PD_SPEC_CALIB", true, &S->calib_on, err) ||
         pd_env_int("PD_SPEC_DRAIN_HOLD", 8, 0, 1 << 20, &S->drain_hold, err) || pd_env_switch("PD_SPEC_POP_REQ", true, &S->pop_req, err) ||
-        pd_env_switch("PD_SPEC_CALIB_TOK", true, &S->calib_tok, err))
+        pd_env_switch("PD_SPEC_CALIB_TOK", false, &S->calib_tok, err))
         return PD_ERR_INVALID;
     pd_spec_calib_init(&S->calib);
     pd_spec_prior_init(&S->prior);

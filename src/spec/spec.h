@@ -269,7 +269,8 @@ double pd_spec_calib_factor(const pd_spec_calib *c, uint32_t B);
 // Its parts (unclamped; 0 when nothing was seen): emitted / expected tokens (part 0), predicted /
 // realized time (part 1, the factor before the clamp).
 double pd_spec_calib_part(const pd_spec_calib *c, uint32_t B, int part);
-// The token part as the drain model applies it (session 14, call 4): emitted / expected tokens at
+// The token part as the drain model can apply it (session 14, call 4; the engine's PD_SPEC_CALIB_TOK=1,
+// off by default: measured no better, see docs/benchmarks.md session 14): emitted / expected tokens at
 // bucket B after PD_SPEC_CALIB_MIN drafting steps, clamped to [PD_SPEC_CALIB_LO, 1] (1 while
 // unknown): the draining batch's pooled acceptance is multiplied by it. The acceptance estimates
 // run ahead of what drafting steps emit where the policy drafts on their high side (session 14 call
