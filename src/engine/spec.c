@@ -80,6 +80,7 @@ typedef struct sreq {
     pd_spec_jacobi jac;
     pd_spec_pool *pool;
     int64_t n_drafted, n_accepted, n_steps;
+    int64_t n_fail;  // verify steps with a rejected draft (its lifetime acceptance, pd_spec_prior)
     // this step
     int k, w;  // drafts proposed, window tokens appended
     int last_k;  // drafts of its last step (-1: none yet; LAST_K_NOMATCH: a draft-free lookup found nothing)
@@ -105,6 +106,12 @@ typedef struct host_ov {
     uint32_t B;   // batch bucket
     double v, p;  // verify / plain steps' cost beyond their warm-up forward (us; < 0: unknown)
 } host_ov;
+
+typedef struct bstat {
+    uint32_t B;  // batch bucket (0: free)
+    int64_t judged, drafted, step_refused, drain_refused, drain_capped, fast, rejudged;
+    double drain_ratio_min, drain_ratio_max;  // the drain model's predicted finish-time ratios (refused or not)
+} bstat;
 
 typedef struct espec {
     pd_spec_method method;
@@ -189,10 +196,10 @@ typedef struct espec {
     int64_t n_probe_skip;  // due probes skipped: drafting could not pay even at acceptance 1 (diagnostics)
     // The drain model (session 13, spec.h pd_spec_drain_choose): while no request waits for a slot
     // (draining: the batch ends with its slowest sequence), a step's drafts must also shorten the
-    // batch's predicted finish time by the margin. Off by default (PD_SPEC_DRAIN=1: on): measured on
-    // the H100 (tools/gpu/NOTES.md, session 13) it did not lift the non-paying cells above what the
-    // step model gives, and cut the paying fixture's gain at batch 32-64 (1.06-1.18x against
-    // 1.21-1.29x at 32).
+    // batch's predicted finish time by the margin. On by default since session 14 (PD_SPEC_DRAIN=0:
+    // off), with its refusals judged again (drain_hold) and a new request's prior from finished
+    // requests (pd_spec_prior): session 13 shipped it off (it cut the paying fixture's gain at batch
+    // 32-64: 1.06-1.18x against 1.21-1.29x at 32; tools/gpu/NOTES.md).
     bool drain_on;
     bool draining;     // this step: no request waiting or loading (pd_sched_stats)
     bool quiet_drain;  // draining when quiet_n was set (the fast path's verdict holds for that state)
@@ -200,6 +207,29 @@ typedef struct espec {
     int *dR;  // per plan seq: the drain model's remaining budgets (dR), lengths (dK), acceptance (dA)
     int *dK;
     double *dA;
+    // Session 14: a drain refusal is held by the idle fast path for drain_hold steps (PD_SPEC_DRAIN_HOLD;
+    // 0: until a probe, a batch change or an arrival, as in session 13), then the step is judged again:
+    // a refusal made from prices and estimates that had not settled (a new batch's first steps) no
+    // longer stands for the rest of the batch.
+    int drain_hold;
+    int64_t quiet_until;     // the fast path's verdict holds before this step (INT64_MAX: until it changes)
+    bool step_drain_refused; // this step: the drain model refused the per-step choice
+    // Realized against predicted gain (spec.h pd_spec_calib; PD_SPEC_CALIB, default on): per batch
+    // bucket, the factor every predicted drafting gain is multiplied by.
+    pd_spec_calib calib;
+    bool calib_on;
+    bool calib_tok;  // the drain model's pooled acceptance times the bucket's emitted / expected tokens
+                     // (pd_spec_calib_tokens; PD_SPEC_CALIB_TOK=1; default off: measured no better at
+                     // batch 8 where drafting does not pay, and one paying batch-32 engine stopped
+                     // drafting with it: session 14 call 4)
+    uint32_t cal_B;          // this step drafted by the policy's choice: its batch bucket (0: not observed)
+    double cal_exp, cal_pred_us;  // ... the tokens it expected and the price it was given
+    int64_t cal_emitted;     // ... the tokens it emitted
+    // Diagnostics per batch bucket (PD_SPEC_STATS): full steps judged, steps that drafted, refused by
+    // the step model, refused / capped by the drain model, fast-path steps, re-judged drain refusals.
+    bstat bst[16];
+    int n_bst;
+    int n_drain_logged, last_drain_verdict, last_drain_n;  // drain decisions logged as they change
     double la_yield;  // lookahead: accepted tokens per Jacobi window token spent (EMA)
     int64_t la_win_tokens;  // window tokens verified this step
     int cap_res_seqs;
@@ -217,9 +247,31 @@ typedef struct espec {
     // 11 call 3: batch 32-64 at 0.82-0.92x of plain decoding).
     pd_spec_accept pop;
     int64_t pop_n;
+    // Session 14: a new request's prior is the finished requests' lifetime acceptance (spec.h
+    // pd_spec_prior) once there are some; PD_SPEC_POP_REQ=0: the engine's acceptance above (A/B).
+    pd_spec_prior prior;
+    bool pop_req;
 } espec;
 
 // ---- helpers ---------------------------------------------------------------------------------------
+
+#define DRAIN_LOG_MAX 96  // PD_SPEC_STATS: drain decisions logged (where the verdict or the batch changes)
+
+// The diagnostics slot of batch bucket B (NULL: no room).
+static bstat *bst_of(espec *S, uint32_t B) {
+    for (int i = 0; i < S->n_bst; i++)
+        if (S->bst[i].B == B) return &S->bst[i];
+    if (S->n_bst >= (int)PD_ARRAY_LEN(S->bst)) return NULL;
+    bstat *b = &S->bst[S->n_bst++];
+    *b = (bstat){.B = B, .drain_ratio_min = 1e9, .drain_ratio_max = -1};
+    return b;
+}
+
+// A plan's batch bucket (the target's graph bucket, else its sequences).
+static uint32_t batch_bucket(pd_model *m, int n_seqs) {
+    int B = pd_model_step_tokens(m, n_seqs, 1, n_seqs);
+    return (uint32_t)(B >= 1 ? B : n_seqs > 0 ? n_seqs : 0);
+}
 
 #define tok_bucket pd_spec_tok_bucket
 
@@ -374,8 +426,14 @@ pd_status pd_engine_spec_load(pd_engine *e, pd_err *err) {
         pd_env_double("PD_SPEC_DRAIN_GAIN", PD_SPEC_DRAIN_MIN_GAIN, 0, 0.5, &S->drain_gain, err))
         return PD_ERR_INVALID;
     if (pd_env_switch("PD_SPEC_IDLE_FAST", true, &S->idle_fast, err) || pd_env_switch("PD_SPEC_PROBE_GROUP", true, &S->probe_group, err) ||
-        pd_env_switch("PD_SPEC_DRAIN", false, &S->drain_on, err))
+        pd_env_switch("PD_SPEC_DRAIN", true, &S->drain_on, err) || pd_env_switch("PD_SPEC_CALIB", true, &S->calib_on, err) ||
+        pd_env_int("PD_SPEC_DRAIN_HOLD", 8, 0, 1 << 20, &S->drain_hold, err) || pd_env_switch("PD_SPEC_POP_REQ", true, &S->pop_req, err) ||
+        pd_env_switch("PD_SPEC_CALIB_TOK", false, &S->calib_tok, err))
         return PD_ERR_INVALID;
+    pd_spec_calib_init(&S->calib);
+    pd_spec_prior_init(&S->prior);
+    S->quiet_until = INT64_MAX;
+    S->last_drain_verdict = -1;
     S->quiet_n = -1;
     pd_spec_backoff_init(&S->probe_bo);
     pd_spec_backoff_init(&S->win_bo);
@@ -586,6 +644,20 @@ void pd_engine_spec_fini(pd_engine *e) {
         PD_LOG_I("spec stats: drain model%s: %lld drafting steps judged while draining, %lld refused, %lld capped; %lld probes skipped",
                  S->drain_on ? "" : " (off)", (long long)S->n_drain_eval, (long long)S->n_drain_refused, (long long)S->n_drain_capped,
                  (long long)S->n_drain_probe_skip);
+        PD_LOG_I("spec stats: new-request prior: finished requests' lifetime acceptance %.3f over %lld requests%s; the engine's "
+                 "recent acceptance %.3f",
+                 pd_spec_prior_get(&S->prior), (long long)S->prior.n, S->pop_req ? "" : " (PD_SPEC_POP_REQ=0: not used)",
+                 pd_spec_accept_alpha(&S->pop));
+        for (int i = 0; i < S->n_bst; i++) {
+            const bstat *b = &S->bst[i];
+            PD_LOG_I("spec stats: batch %u: %lld steps judged, %lld drafted by the policy, %lld refused by the step model, %lld refused "
+                     "and %lld capped by the drain model (predicted finish-time ratio %.3f..%.3f), %lld drain refusals judged again, "
+                     "%lld fast-path steps; realized-gain factor %.3f over %lld drafting steps (emitted / expected tokens %.3f, predicted / realized time %.3f)%s",
+                     b->B, (long long)b->judged, (long long)b->drafted, (long long)b->step_refused, (long long)b->drain_refused,
+                     (long long)b->drain_capped, b->drain_ratio_max < 0 ? 0 : b->drain_ratio_min, b->drain_ratio_max < 0 ? 0 : b->drain_ratio_max,
+                     (long long)b->rejudged, (long long)b->fast, pd_spec_calib_factor(&S->calib, b->B), (long long)pd_spec_calib_n(&S->calib, b->B),
+                     pd_spec_calib_part(&S->calib, b->B, 0), pd_spec_calib_part(&S->calib, b->B, 1), S->calib_on ? "" : " (PD_SPEC_CALIB=0: not applied)");
+        }
         for (int i = 0; i < PD_SPEC_SHAPES; i++)
             if (S->shapes.key[i])
                 PD_LOG_I("spec stats: shape batch %u x %s%u tokens: %.1f us (%u steps)", (S->shapes.key[i] & ~SHAPE_EAGER) >> 20,
@@ -622,7 +694,9 @@ pd_status pd_engine_spec_req_init(pd_engine *e, ereq *q, const pd_engine_request
     for (int i = 0; i < r->n_prompt; i++)
         if (!sreq_push(sr, r->prompt[i])) return PD_ERR_NOMEM;
     double prior = S->method == PD_SPEC_DRAFT ? 0.7 : 0.5;
-    if (S->pop_n >= POP_MIN) prior = pd_spec_accept_alpha(&S->pop);
+    double pr = S->pop_req ? pd_spec_prior_get(&S->prior) : -1;
+    if (pr >= 0) prior = pr;
+    else if (S->pop_n >= POP_MIN) prior = pd_spec_accept_alpha(&S->pop);
     // (Held with weight 2, as a fixed prior. Weight 8 — session 12, against lucky probe accepts —
     // cut the paying draft fixture at batch 64 from 1.07-1.08x to 1.00-1.05x: calls spec12-3/4.)
     pd_spec_accept_init(&sr->acc, prior);
@@ -639,6 +713,7 @@ void pd_engine_spec_req_fini(ereq *q) {
     sreq *sr = q->spec;
     if (!sr) return;
     if (sr->owner && is_busy(sr, sr->last_k)) sr->owner->n_busy--;
+    if (sr->owner && !sr->fixed_k) pd_spec_prior_add(&sr->owner->prior, sr->n_steps, sr->n_accepted, sr->n_fail);
     pd_free(sr->toks);
     pd_spec_pool_free(sr->pool);
     pd_free(sr);
@@ -994,7 +1069,7 @@ static int remaining(const pd_engine *e, const sreq *sr) {
 // acceptance estimates alpha (NULL: 1, the most a probe can show), the others of the batch plain (their budgets count); fixed-length
 // sequences (seeded sampling) stay out. Returns the chosen cap (0: refused).
 static int drain_apply(pd_engine *e, const pd_step_plan *plan, sreq **srs, int n, const double *alpha, int *k, const pad_ctx *pc,
-                       int n_base, const pd_spec_draft_price *dp) {
+                       int n_base, const pd_spec_draft_price *dp, double factor, double *ratio_out) {
     espec *S = e->spec;
     int nd = 0, M = 0;
     // One acceptance for every candidate: the mean of their estimates. The batch's end is a maximum
@@ -1006,6 +1081,10 @@ static int drain_apply(pd_engine *e, const pd_step_plan *plan, sreq **srs, int n
     double pool = 0;
     for (int j = 0; j < n; j++) pool += alpha ? alpha[j] : 1.0;
     pool = n > 0 ? pool / n : 0;
+    // ... corrected by what this batch bucket's drafting steps emitted against what their estimates
+    // expected (spec.h pd_spec_calib_tokens; not for a probe's "at acceptance 1").
+    double tokf = alpha && S->calib_on && S->calib_tok ? pd_spec_calib_tokens(&S->calib, batch_bucket(e->model, plan->n_seqs)) : 1;
+    pool *= tokf;
     // sidx is in plan order: one walk pairs the candidates with their plan seqs.
     for (int i = 0, j = 0; i < plan->n_seqs; i++) {
         bool cand = j < n && S->sidx[j] == i;
@@ -1025,7 +1104,25 @@ static int drain_apply(pd_engine *e, const pd_step_plan *plan, sreq **srs, int n
         for (int j = 0; j < n; j++) n_tok += PD_MIN(k[S->sidx[j]], m);
         cost[m] = step_cost((void *)pc, m, n_tok) + (m > 0 && dp ? dp->first_us + (m - 1) * dp->next_us : 0);
     }
-    int got = pd_spec_drain_choose(nd, S->dR, S->dA, S->dK, cost, S->drain_gain, NULL);
+    double ratio = 1;
+    int got = pd_spec_drain_choose_f(nd, S->dR, S->dA, S->dK, cost, S->drain_gain, factor, &ratio);
+    if (ratio_out) *ratio_out = ratio;
+    // PD_SPEC_STATS: the decisions where the verdict or the batch changes (why each refusal happened:
+    // the pooled acceptance, the longest budget, the prices and the predicted finish-time ratio).
+    int verdict = got > 0;
+    if (S->stats && alpha && (verdict != S->last_drain_verdict || S->last_drain_n != plan->n_seqs)) {
+        if (S->n_drain_logged < DRAIN_LOG_MAX) {
+            S->n_drain_logged++;
+            int rmax = 0;
+            for (int j = 0; j < nd; j++) rmax = PD_MAX(rmax, S->dR[j]);
+            PD_LOG_I("spec stats: drain at step %lld: batch %d, %d drafting, longest budget %d, pooled acceptance %.3f, "
+                     "plain %.0f us, k=1 %.0f us, k=%d %.0f us, factor %.3f (tokens %.3f): predicted finish-time ratio %.3f -> %s (cap %d)",
+                     (long long)S->n_steps, plan->n_seqs, n, rmax, pool, cost[0], M >= 1 ? cost[1] : 0, M, cost[M], factor, tokf, ratio,
+                     got > 0 ? "draft" : "refused", got);
+        }
+        S->last_drain_verdict = verdict;
+        S->last_drain_n = plan->n_seqs;
+    }
     for (int i = 0, j = 0, r = 0; i < plan->n_seqs; i++) {
         bool cand = j < n && S->sidx[j] == i;
         if (srs[i] && !srs[i]->fixed_k) {
@@ -1044,7 +1141,7 @@ static bool drain_probe_worth(pd_engine *e, const pd_step_plan *plan, sreq **srs
     espec *S = e->spec;
     int *k = S->kch;  // (all 0 here: no candidate drafts this step; restored below)
     for (int j = 0; j < n; j++) k[S->sidx[j]] = km[j];
-    int m = drain_apply(e, plan, srs, n, NULL, k, pc, n_base, dp);
+    int m = drain_apply(e, plan, srs, n, NULL, k, pc, n_base, dp, 1, NULL);
     for (int j = 0; j < n; j++) k[S->sidx[j]] = 0;
     return m > 0;
 }
@@ -1090,8 +1187,11 @@ static void choose_lengths(pd_engine *e, const pd_step_plan *plan, sreq **srs) {
     if (!kout) return;
     pad_ctx pc = pad_of(e, plan);
     pd_spec_draft_price dp = S->method == PD_SPEC_DRAFT ? draft_price(S, n, lag_sum, lag_max) : (pd_spec_draft_price){0, 0};
-    pd_spec_choose_padded_m(&S->cost, n_base, n, n_yield, S->alpha, km, S->method == PD_SPEC_DRAFT ? &dp : NULL, step_cost, &pc,
-                            kout, S->min_gain);
+    uint32_t B = batch_bucket(e->model, plan->n_seqs);
+    bstat *bs = S->stats ? bst_of(S, B) : NULL;
+    double factor = S->calib_on ? pd_spec_calib_factor(&S->calib, B) : 1;
+    pd_spec_choose_padded_f(&S->cost, n_base, n, n_yield, S->alpha, km, S->method == PD_SPEC_DRAFT ? &dp : NULL, step_cost, &pc,
+                            kout, S->min_gain, factor);
     int any_k = 0;
     bool probe_ok = false;
     for (int j = 0; j < n; j++) {
@@ -1103,12 +1203,22 @@ static void choose_lengths(pd_engine *e, const pd_step_plan *plan, sreq **srs) {
     if (any_k && S->drain_on && S->draining) {  // a draining batch: its finish time must gain too
         int M = 0;
         for (int j = 0; j < n; j++) M = PD_MAX(M, kk[S->sidx[j]]);
-        int m = drain_apply(e, plan, srs, n, S->alpha, kk, &pc, n_base, dpp);
+        double ratio = 1;
+        int m = drain_apply(e, plan, srs, n, S->alpha, kk, &pc, n_base, dpp, factor, &ratio);
         S->n_drain_eval++;
         S->n_drain_refused += m == 0;
         S->n_drain_capped += m > 0 && m < M;
+        S->step_drain_refused = m == 0;
+        if (bs) {
+            bs->drain_refused += m == 0, bs->drain_capped += m > 0 && m < M;
+            bs->drain_ratio_min = PD_MIN(bs->drain_ratio_min, ratio), bs->drain_ratio_max = PD_MAX(bs->drain_ratio_max, ratio);
+        }
         any_k = m > 0;
+    } else if (bs && !any_k) {
+        bs->step_refused++;
     }
+    if (bs) bs->judged++;
+    bool policy_drafts = any_k, probing = false;  // by the policy's own choice; a probe step (not observed)
     for (int j = 0; j < n; j++) {
         int i = S->sidx[j];
         probe_ok |= kk[i] > 0 && srs[i]->probe_epoch == S->probe_epoch;
@@ -1155,6 +1265,7 @@ static void choose_lengths(pd_engine *e, const pd_step_plan *plan, sreq **srs) {
                     if (kk[S->sidx[j]] > 0) srs[S->sidx[j]]->probe_epoch = S->probe_epoch;
                 S->probe_wait = true;  // judged by the next step's choice
                 S->n_probes++;
+                probing = true;
             }
         }
     } else if (any_k) {
@@ -1162,6 +1273,25 @@ static void choose_lengths(pd_engine *e, const pd_step_plan *plan, sreq **srs) {
         int i = S->sidx[(int)(S->probe_rot++ % n)];
         if (kk[i] == 0) kk[i] = 1;
     }
+    // What the step expects and what it is priced at, for the realized-gain check (after_update):
+    // steps that draft by the policy's choice only (a probe's verdict is not the model's promise).
+    if (policy_drafts && !probing) {
+        double expt = n_yield > n ? n_yield : n;
+        int mk = 0, n_tok = n_base;
+        for (int j = 0; j < n; j++) {
+            int i = S->sidx[j], ki = kk[i];
+            double p = 1;
+            for (int r = 0; r < ki; r++) p *= S->alpha[j] > 0 ? S->alpha[j] : 0, expt += p;
+            mk = PD_MAX(mk, ki), n_tok += ki;
+        }
+        double c = mk > 0 ? step_cost(&pc, mk, n_tok) : COST_NEVER;
+        if (c < COST_NEVER) {
+            S->cal_B = B;
+            S->cal_exp = expt;
+            S->cal_pred_us = c + (S->method == PD_SPEC_DRAFT ? dp.first_us + (mk - 1) * dp.next_us : 0);
+        }
+    }
+    if (bs) bs->drafted += any_k;
     if (kout != tmp) pd_free(kout);
 }
 
@@ -1339,6 +1469,7 @@ static bool idle_step(const espec *S, const pd_step_plan *plan) {
     if (S->method == PD_SPEC_NGRAM) return true;
     if (S->method == PD_SPEC_LOOKAHEAD) return S->win_quiet_n == plan->n_seqs && S->n_steps < S->next_win_probe;
     if (S->quiet_n != plan->n_seqs || (S->drain_on && S->quiet_drain != S->draining)) return false;
+    if (S->n_steps >= S->quiet_until) return false;  // a drain refusal's hold ran out: judged again
     for (int i = 0; i < plan->n_seqs; i++)  // a prefill chunk (a recompute after preemption): the draft mirrors it
         if (plan->seqs[i].n_tokens != 1) return false;
     return true;
@@ -1356,6 +1487,9 @@ static pd_status run_plan(pd_engine *e, const pd_step_plan *plan, bool *handled)
     S->probe_pick = -1;
     S->probe_look = false;
     S->draining = false;
+    S->step_drain_refused = false;
+    S->cal_B = 0;
+    S->cal_emitted = 0;
     if (S->drain_on) {
         pd_sched_stats ss;
         pd_sched_stats_get(e->sched, &ss);
@@ -1363,8 +1497,16 @@ static pd_status run_plan(pd_engine *e, const pd_step_plan *plan, bool *handled)
     }
     if (S->adaptive && S->n_busy == 0 && S->n_steps > 0 && S->n_steps < S->next_probe && idle_step(S, plan)) {
         S->n_fast++;  // the idle fast path: a plain step, as without speculation
+        if (S->stats) {
+            bstat *b = bst_of(S, batch_bucket(e->model, plan->n_seqs));
+            if (b) b->fast++;
+        }
         S->n_steps++;
         return PD_OK;
+    }
+    if (S->stats && S->method == PD_SPEC_DRAFT && S->quiet_n == plan->n_seqs && S->n_steps >= S->quiet_until) {
+        bstat *b = bst_of(S, batch_bucket(e->model, plan->n_seqs));
+        if (b) b->rejudged++;
     }
     S->quiet_n = -1;
     if (!reserve_seqs(S, plan->n_seqs)) return PD_ERR_NOMEM;
@@ -1502,6 +1644,9 @@ static pd_status run_plan(pd_engine *e, const pd_step_plan *plan, bool *handled)
             if (srs[i] && srs[i]->k > 0) acc += e->sb.outputs[i].n_accepted;
         S->la_yield = 0.9 * S->la_yield + 0.1 * (double)acc / (double)S->la_win_tokens;
     }
+    if (S->cal_B)  // the realized-gain check: every token the step emitted (after_update has its time)
+        for (int i = 0; i < plan->n_seqs; i++)
+            if (S->row0[i] >= 0) S->cal_emitted += 1 + (srs[i] && srs[i]->k > 0 ? e->sb.outputs[i].n_accepted : 0);
     for (int i = 0; i < plan->n_seqs; i++) {
         sreq *sr = srs[i];
         if (!sr || sr->k == 0) continue;
@@ -1511,6 +1656,7 @@ static pd_status run_plan(pd_engine *e, const pd_step_plan *plan, bool *handled)
         S->pop_n++;
         sr->n_drafted += sr->k;
         sr->n_accepted += o->n_accepted;
+        sr->n_fail += o->n_accepted < sr->k;
         sr->n_steps++;
         S->drafted[S->method] += sr->k;
         S->accepted[S->method] += o->n_accepted;
@@ -1527,7 +1673,11 @@ static pd_status run_plan(pd_engine *e, const pd_step_plan *plan, bool *handled)
 out:
     // The draft method: a full step of single-token decodes that drafted nothing and had no draft
     // work holds for the next steps of the same batch (idle_step), while nobody is busy.
-    if (S->method == PD_SPEC_DRAFT && S->adaptive && S->idle_fast && !st && !any && !draft_work && all_dec) S->quiet_n = plan->n_seqs, S->quiet_drain = S->draining;
+    if (S->method == PD_SPEC_DRAFT && S->adaptive && S->idle_fast && !st && !any && !draft_work && all_dec) {
+        S->quiet_n = plan->n_seqs, S->quiet_drain = S->draining;
+        // A drain refusal holds drain_hold steps, then is judged again (0: until the state changes).
+        S->quiet_until = S->step_drain_refused && S->drain_hold > 0 ? S->n_steps + 1 + S->drain_hold : INT64_MAX;
+    }
     S->n_steps++;
     S->srs_n = st ? 0 : plan->n_seqs;  // after_update's view of this step
     return st;
@@ -1555,9 +1705,16 @@ void pd_engine_spec_after_update(pd_engine *e, const pd_step_plan *plan, int64_t
         graph = step_is_graph(e->model, plan->n_seqs, mq);
     }
     double us = (double)(step_us - S->step_draft_us);
+    // The realized-gain check: a step that drafted by the policy's choice, at a verify shape timed
+    // live before (a shape's first run is no price: pd_spec_shapes; without graphs, key 0, every one).
+    if (was_spec && S->cal_B && (!key || pd_spec_shapes_get(&S->shapes, key) > 0))
+        pd_spec_calib_observe(&S->calib, S->cal_B, (double)S->cal_emitted, S->cal_exp, (double)step_us, S->cal_pred_us);
     pd_spec_cost_observe(graph ? &S->cost : &S->cost_eager, vt, us);
     pd_spec_shapes_observe(&S->shapes, key, us);
-    host_observe(S, key, us);
+    // (Not a shape's first live step: a graph's first launch, the step buffers' first growth — up to
+    // ms more; session 14 call 2: one such step priced the untimed batch-64 verify shape at 1.43x a
+    // plain step, the policy refused it from then on, and the shape was never timed live.)
+    if (pd_spec_shapes_get_n(&S->shapes, key) >= 2) host_observe(S, key, us);
     // Next step's lookahead asks: what was chosen now, plus one to let it grow (and 1 when it was
     // 0, for the probes); every slot when the choice took every slot granted (it was the slots that
     // limited it: growing one a step, a sequence back from a short step took k steps to reach k

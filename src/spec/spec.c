@@ -205,6 +205,18 @@ double pd_spec_accept_alpha(const pd_spec_accept *a) {
     return t > 0 ? a->s / t : 0;
 }
 
+void pd_spec_prior_init(pd_spec_prior *p) { p->sum = p->w = 0, p->n = 0; }
+
+void pd_spec_prior_add(pd_spec_prior *p, int64_t n_steps, int64_t n_accepted, int64_t n_fail) {
+    if (n_steps < PD_SPEC_PRIOR_MIN_STEPS || n_accepted < 0 || n_fail < 0 || n_accepted + n_fail <= 0) return;
+    double a = (double)n_accepted / (double)(n_accepted + n_fail);
+    p->sum = PD_SPEC_PRIOR_DECAY * p->sum + a;
+    p->w = PD_SPEC_PRIOR_DECAY * p->w + 1;
+    p->n++;
+}
+
+double pd_spec_prior_get(const pd_spec_prior *p) { return p->n >= PD_SPEC_PRIOR_MIN && p->w > 0 ? p->sum / p->w : -1; }
+
 #define COST_DECAY 0.98
 
 void pd_spec_cost_init(pd_spec_cost *c, double step_us_prior) {
@@ -260,7 +272,14 @@ int pd_spec_choose_padded(const pd_spec_cost *c, int n_base, int n_seqs, int n_y
 
 int pd_spec_choose_padded_m(const pd_spec_cost *c, int n_base, int n_seqs, int n_yield, const double *alpha, const int *k_max,
                             const pd_spec_draft_price *draft, pd_spec_step_cost_fn pad, void *ud, int *k, double min_gain) {
+    return pd_spec_choose_padded_f(c, n_base, n_seqs, n_yield, alpha, k_max, draft, pad, ud, k, min_gain, 1);
+}
+
+int pd_spec_choose_padded_f(const pd_spec_cost *c, int n_base, int n_seqs, int n_yield, const double *alpha, const int *k_max,
+                            const pd_spec_draft_price *draft, pd_spec_step_cost_fn pad, void *ud, int *k, double min_gain,
+                            double factor) {
     if (!(min_gain >= 0)) min_gain = PD_SPEC_MIN_GAIN;
+    if (!(factor > 0)) factor = 1;
     double d1 = draft && draft->first_us > 0 ? draft->first_us : 0, dn = draft && draft->next_us > 0 ? draft->next_us : 0;
     int sum_k = 0, max_k = 0;
     double tokens = n_yield > n_seqs ? n_yield : n_seqs;  // every sequence yields its target token anyway
@@ -330,7 +349,7 @@ int pd_spec_choose_padded_m(const pd_spec_cost *c, int n_base, int n_seqs, int n
             if (r > best_rate) best_rate = r, best_m = m;
         }
         // ... and drafts only where the best beats drafting nothing by the margin.
-        bool pays = best_rate >= (1.0 + min_gain) * base_tokens / pad(ud, 0, n_base);
+        bool pays = factor * best_rate >= (1.0 + min_gain) * base_tokens / pad(ud, 0, n_base);
         sum_k = 0;
         for (int i = 0; i < n_seqs; i++) k[i] = 0;
         if (pays && best_m > 0) {
@@ -435,7 +454,13 @@ double pd_spec_drain_steps(int n, const int *R, const double *alpha, const int *
 }
 
 int pd_spec_drain_choose(int n, const int *R, const double *alpha, int *k, const double *cost, double min_gain, double *ratio) {
+    return pd_spec_drain_choose_f(n, R, alpha, k, cost, min_gain, 1, ratio);
+}
+
+int pd_spec_drain_choose_f(int n, const int *R, const double *alpha, int *k, const double *cost, double min_gain, double factor,
+                           double *ratio) {
     if (!(min_gain >= 0)) min_gain = PD_SPEC_DRAIN_MIN_GAIN;
+    if (!(factor > 0)) factor = 1;
     if (ratio) *ratio = 1;
     int M = 0, plain = 0;
     for (int i = 0; i < n; i++) {
@@ -458,9 +483,67 @@ int pd_spec_drain_choose(int n, const int *R, const double *alpha, int *k, const
     if (kk != kk_stack) pd_free(kk);
     if (best_m == 0) return M;
     if (ratio) *ratio = best_t / plain_t;
-    bool pays = plain_t >= (1 + min_gain) * best_t;
+    bool pays = factor * plain_t >= (1 + min_gain) * best_t;
     for (int i = 0; i < n; i++) k[i] = pays ? (k[i] < best_m ? k[i] : best_m) : 0;
     return pays ? best_m : 0;
+}
+
+// ---- realized against predicted gain ---------------------------------------------------------
+
+void pd_spec_calib_init(pd_spec_calib *c) { memset(c, 0, sizeof *c); }
+
+static int calib_find(const pd_spec_calib *c, uint32_t B) {
+    for (int i = 0; i < c->nb; i++)
+        if (c->b[i].B == B) return i;
+    return -1;
+}
+
+void pd_spec_calib_observe(pd_spec_calib *c, uint32_t B, double emitted, double expected, double real_us, double pred_us) {
+    if (!B || !(emitted > 0) || !(expected > 0) || !(real_us > 0) || !(pred_us > 0)) return;
+    int i = calib_find(c, B);
+    if (i < 0) {
+        if (c->nb < PD_SPEC_CALIB_BUCKETS) i = c->nb++;
+        else {  // full: the bucket seen least often makes room
+            i = 0;
+            for (int j = 1; j < c->nb; j++)
+                if (c->b[j].n < c->b[i].n) i = j;
+        }
+        memset(&c->b[i], 0, sizeof c->b[i]);
+        c->b[i].B = B;
+    }
+    if (real_us > PD_SPEC_CALIB_CLIP * pred_us) real_us = PD_SPEC_CALIB_CLIP * pred_us;
+    if (real_us < pred_us / PD_SPEC_CALIB_CLIP) real_us = pred_us / PD_SPEC_CALIB_CLIP;
+    double d = PD_SPEC_CALIB_DECAY;
+    c->b[i].emitted = d * c->b[i].emitted + emitted;
+    c->b[i].expected = d * c->b[i].expected + expected;
+    c->b[i].real_us = d * c->b[i].real_us + real_us;
+    c->b[i].pred_us = d * c->b[i].pred_us + pred_us;
+    c->b[i].n++;
+}
+
+double pd_spec_calib_factor(const pd_spec_calib *c, uint32_t B) {
+    int i = calib_find(c, B);
+    if (i < 0 || c->b[i].n < PD_SPEC_CALIB_MIN || !(c->b[i].real_us > 0)) return 1;
+    double f = c->b[i].pred_us / c->b[i].real_us;
+    return f < PD_SPEC_CALIB_LO ? PD_SPEC_CALIB_LO : f > PD_SPEC_CALIB_HI ? PD_SPEC_CALIB_HI : f;
+}
+
+double pd_spec_calib_part(const pd_spec_calib *c, uint32_t B, int part) {
+    int i = calib_find(c, B);
+    if (i < 0 || !(c->b[i].expected > 0) || !(c->b[i].real_us > 0)) return 0;
+    return part == 0 ? c->b[i].emitted / c->b[i].expected : c->b[i].pred_us / c->b[i].real_us;
+}
+
+double pd_spec_calib_tokens(const pd_spec_calib *c, uint32_t B) {
+    int i = calib_find(c, B);
+    if (i < 0 || c->b[i].n < PD_SPEC_CALIB_MIN || !(c->b[i].expected > 0)) return 1;
+    double f = c->b[i].emitted / c->b[i].expected;
+    return f < PD_SPEC_CALIB_LO ? PD_SPEC_CALIB_LO : f > 1 ? 1 : f;
+}
+
+int64_t pd_spec_calib_n(const pd_spec_calib *c, uint32_t B) {
+    int i = calib_find(c, B);
+    return i < 0 ? 0 : c->b[i].n;
 }
 
 // ---- measured step times per shape -----------------------------------------------------------

@@ -105,6 +105,29 @@ void pd_spec_accept_init(pd_spec_accept *a, double prior_alpha);
 void pd_spec_accept_update(pd_spec_accept *a, int n_drafted, int n_accepted);
 double pd_spec_accept_alpha(const pd_spec_accept *a);
 
+// A new request's prior from the requests that finished before it (session 14): the mean, with
+// forgetting (PD_SPEC_PRIOR_DECAY a request), of each finished request's acceptance over its whole
+// life (the geometric model's estimate: accepted drafts / (accepted + rejections)), over the requests
+// that verified at least PD_SPEC_PRIOR_MIN_STEPS steps; -1 (none) before PD_SPEC_PRIOR_MIN of them.
+// What a new request will do over its life is what finished requests did over theirs; before it the
+// engine's acceptance over its last verify steps stood for it (pd_spec_accept over every sequence's
+// verify: ~50 sequence-steps, at batch 64 the last step or two) — the tail of the previous batch,
+// whose sequences accept less in the draft fixture (its estimates fall from ~0.55 to ~0.3 over 48
+// tokens): session 14 call 1, a batch of 64 started at 0.33 where its requests did ~0.45, the drain
+// model refused at once and nothing drafted to correct it (0.992x of plain where another engine
+// gained 1.04x).
+#define PD_SPEC_PRIOR_DECAY 0.97
+#define PD_SPEC_PRIOR_MIN 4
+#define PD_SPEC_PRIOR_MIN_STEPS 4
+typedef struct pd_spec_prior {
+    double sum, w;  // decayed sum of lifetime acceptances, and of weights
+    int64_t n;      // requests counted
+} pd_spec_prior;
+void pd_spec_prior_init(pd_spec_prior *p);
+// A finished request: n_steps verify steps, n_accepted drafts accepted, n_fail steps with a rejection.
+void pd_spec_prior_add(pd_spec_prior *p, int64_t n_steps, int64_t n_accepted, int64_t n_fail);
+double pd_spec_prior_get(const pd_spec_prior *p);  // -1 before PD_SPEC_PRIOR_MIN requests
+
 // Step cost: time of a target forward as a + b * tokens (exponentially weighted least squares over
 // measured steps, started from an optimistic prior that decays away), plus the time of one draft
 // forward (EMA). Microseconds.
@@ -156,6 +179,11 @@ int pd_spec_choose_padded(const pd_spec_cost *c, int n_base, int n_seqs, int n_y
 // knob, a measurement tool; < 0: the default).
 int pd_spec_choose_padded_m(const pd_spec_cost *c, int n_base, int n_seqs, int n_yield, const double *alpha, const int *k_max,
                             const pd_spec_draft_price *draft, pd_spec_step_cost_fn cost, void *ud, int *k, double min_gain);
+// The same with the drafting gain scaled by factor (pd_spec_calib_factor; <= 0: 1): a step drafts
+// only where factor x (best rate / plain rate) >= 1 + min_gain.
+int pd_spec_choose_padded_f(const pd_spec_cost *c, int n_base, int n_seqs, int n_yield, const double *alpha, const int *k_max,
+                            const pd_spec_draft_price *draft, pd_spec_step_cost_fn cost, void *ud, int *k, double min_gain,
+                            double factor);
 
 // ---- a draining batch's finish time (session 13) ------------------------------------------------
 // pd_spec_choose_padded maximises one step's tokens per second: right while waiting requests refill
@@ -185,6 +213,10 @@ double pd_spec_drain_steps(int n, const int *R, const double *alpha, const int *
 // best predicted finish time over plain's (1 where nothing drafted). Sequences with k[i] = 0 are
 // plain ones in the batch (their R counts: the batch cannot end before them).
 int pd_spec_drain_choose(int n, const int *R, const double *alpha, int *k, const double *cost, double min_gain, double *ratio);
+// The same with the predicted gain scaled by factor (pd_spec_calib_factor; <= 0: 1): drafts only
+// where factor x plain / best >= 1 + min_gain. *ratio stays the model's own (unscaled) prediction.
+int pd_spec_drain_choose_f(int n, const int *R, const double *alpha, int *k, const double *cost, double min_gain, double factor,
+                           double *ratio);
 // The drain model's margin (the engine's default; knob PD_SPEC_DRAIN_GAIN): half the step margin.
 // The step margin also stood for "a closed batch's requests finish unevenly", which the drain model
 // now predicts; what is left is the error of the step prices. Measured (session 13, calls 1-2): with
@@ -192,6 +224,63 @@ int pd_spec_drain_choose(int n, const int *R, const double *alpha, int *k, const
 // drafting at once, 1.00x where drafting throughout gave 1.03-1.04x; simulated closed batches
 // (tests/unit/test_spec.c) at acceptance 0.22 refuse with either margin.
 #define PD_SPEC_DRAIN_MIN_GAIN 0.025
+
+// ---- realized against predicted gain (session 14, DISCO-like calibration) ---------------------
+// The policy predicts, for each step that drafts, the tokens it yields (the plain yield plus every
+// draft's acceptance probability) and what it costs (the verify shape's price plus the draft's
+// forwards). The engine then knows what it got: the tokens emitted and the whole step's time. Per
+// batch bucket (the step's batch as the engine keys it) this keeps, with exponential forgetting
+// (PD_SPEC_CALIB_DECAY a drafting step), the four sums. The factor the policy applies is the price
+// part, f = predicted us / realized us: every predicted drafting gain (per step, and the draining
+// batch's finish-time gain) is multiplied by it, so a model whose drafting steps cost more than
+// it priced them stops drafting where its promise was only that error. The token part (emitted /
+// expected) is kept for the diagnostics only: the acceptance estimates are already corrected by
+// every verify step, and folded into f their early error (a new request's prior; on the CPU the
+// kjv pair's 0.7 prior against ~0.5: emitted / expected 0.77 over a request's first 13 drafting
+// steps) outlived the estimates' own correction and switched drafting off at batch 1.
+// f is 1 until PD_SPEC_CALIB_MIN drafting steps were seen at the bucket, and held within
+// [PD_SPEC_CALIB_LO, PD_SPEC_CALIB_HI]: one slow step (a transient) cannot switch drafting off
+// for good, and a model that underestimates earns at most a little more drafting.
+#define PD_SPEC_CALIB_DECAY 0.95
+#define PD_SPEC_CALIB_MIN 8
+// Each step's realized time counts within [1 / PD_SPEC_CALIB_CLIP, PD_SPEC_CALIB_CLIP] x its predicted
+// time: a transient (a first draft forward at a new batch, a graph's first launch) moves the factor
+// by a few percent, not to the clamp (session 14 call 2: four drafting steps at a new batch of 64,
+// unclipped, took it to 0.85, and the policy never drafted there again).
+#define PD_SPEC_CALIB_CLIP 1.25
+#define PD_SPEC_CALIB_LO 0.85
+#define PD_SPEC_CALIB_HI 1.05
+#define PD_SPEC_CALIB_BUCKETS 16
+typedef struct pd_spec_calib {
+    struct {
+        uint32_t B;                              // batch bucket (0: free slot)
+        double emitted, expected, real_us, pred_us;  // decayed sums
+        int64_t n;                               // drafting steps seen
+    } b[PD_SPEC_CALIB_BUCKETS];
+    int nb;
+} pd_spec_calib;
+void pd_spec_calib_init(pd_spec_calib *c);
+// One drafting step at batch bucket B (> 0): it emitted `emitted` tokens in real_us microseconds,
+// where the policy expected `expected` tokens for pred_us. Ignored when a value is not positive.
+// A full table drops the bucket seen least often.
+void pd_spec_calib_observe(pd_spec_calib *c, uint32_t B, double emitted, double expected, double real_us, double pred_us);
+// The factor at bucket B (1 while unknown), clamped to [PD_SPEC_CALIB_LO, PD_SPEC_CALIB_HI].
+double pd_spec_calib_factor(const pd_spec_calib *c, uint32_t B);
+// Its parts (unclamped; 0 when nothing was seen): emitted / expected tokens (part 0), predicted /
+// realized time (part 1, the factor before the clamp).
+double pd_spec_calib_part(const pd_spec_calib *c, uint32_t B, int part);
+// The token part as the drain model can apply it (session 14, call 4; the engine's PD_SPEC_CALIB_TOK=1,
+// off by default: measured no better, see docs/benchmarks.md session 14): emitted / expected tokens at
+// bucket B after PD_SPEC_CALIB_MIN drafting steps, clamped to [PD_SPEC_CALIB_LO, 1] (1 while
+// unknown): the draining batch's pooled acceptance is multiplied by it. The acceptance estimates
+// run ahead of what drafting steps emit where the policy drafts on their high side (session 14 call
+// 3, acceptance ~0.24: emitted / expected 0.91-0.96 at batch 8, 0.89-0.91 at batch 1), and a
+// draining batch's predicted gain at batch 8 (+2.7%) was then a loss (0.990-0.991x). Not applied to
+// the per-step choice: at batch 1 its margin covers the error (1.16x measured) and a token factor
+// there would have switched it off (the CPU's kjv pair: 0.77 over a request's first 13 steps).
+double pd_spec_calib_tokens(const pd_spec_calib *c, uint32_t B);
+// Drafting steps seen at bucket B.
+int64_t pd_spec_calib_n(const pd_spec_calib *c, uint32_t B);
 
 // ---- measured step times per shape -----------------------------------------------------------
 // A small cache of step times (EMA, microseconds) keyed by a step's shape (the engine's key: the

@@ -785,6 +785,233 @@ PD_TEST(drain_policy_in_a_closed_batch) {
     PD_CHECK(nv / ds < 1.05);
 }
 
+// ---- realized against predicted gain (session 14) ----
+PD_TEST(calib_factor_ratio_of_sums_clamped) {
+    pd_spec_calib c;
+    pd_spec_calib_init(&c);
+    PD_CHECK(pd_spec_calib_factor(&c, 32) == 1);  // unknown
+    pd_spec_calib_observe(&c, 0, 40, 38, 7000, 6800);  // no bucket: ignored
+    pd_spec_calib_observe(&c, 32, 40, 0, 7000, 6800);  // no expectation: ignored
+    PD_CHECK_EQ(pd_spec_calib_n(&c, 32), 0);
+    // Emitted as expected, steps 5% dearer than priced: 1 / 1.05 once PD_SPEC_CALIB_MIN steps were seen.
+    for (int i = 0; i < PD_SPEC_CALIB_MIN - 1; i++) pd_spec_calib_observe(&c, 32, 38.4, 38.4, 7350, 7000);
+    PD_CHECK(pd_spec_calib_factor(&c, 32) == 1);
+    pd_spec_calib_observe(&c, 32, 38.4, 38.4, 7350, 7000);
+    PD_CHECK(fabs(pd_spec_calib_factor(&c, 32) - 1 / 1.05) < 1e-9);
+    PD_CHECK(pd_spec_calib_factor(&c, 8) == 1);  // another bucket: its own
+    // Fewer tokens than expected (an estimate above the requests' acceptance) is the estimates' to
+    // correct: the factor is the price part; the token part is reported.
+    for (int i = 0; i < 200; i++) pd_spec_calib_observe(&c, 32, 32, 38.4, 7350, 7000);
+    PD_CHECK(fabs(pd_spec_calib_factor(&c, 32) - 1 / 1.05) < 1e-9);
+    PD_CHECK(fabs(pd_spec_calib_part(&c, 32, 0) - 32 / 38.4) < 1e-3);
+    PD_CHECK(fabs(pd_spec_calib_part(&c, 32, 1) - 1 / 1.05) < 1e-9);
+    PD_CHECK(pd_spec_calib_part(&c, 5, 0) == 0);
+    // Steps far dearer than priced: down to the clamp.
+    for (int i = 0; i < 200; i++) pd_spec_calib_observe(&c, 32, 38.4, 38.4, 9000, 7000);
+    PD_CHECK(pd_spec_calib_factor(&c, 32) == PD_SPEC_CALIB_LO);
+    // An underestimating model earns at most PD_SPEC_CALIB_HI; the old steps are forgotten.
+    for (int i = 0; i < 200; i++) pd_spec_calib_observe(&c, 32, 45, 38.4, 6000, 7000);
+    PD_CHECK(pd_spec_calib_factor(&c, 32) == PD_SPEC_CALIB_HI);
+    // One transient (a step 3x dearer) among steady ones counts as 1.25x: it moves the factor by ~1.5%.
+    pd_spec_calib_init(&c);
+    for (int i = 0; i < 30; i++) pd_spec_calib_observe(&c, 64, 70, 70, 8000, 8000);
+    pd_spec_calib_observe(&c, 64, 70, 70, 24000, 8000);
+    double f = pd_spec_calib_factor(&c, 64);
+    PD_CHECK(f < 0.99 && f > 0.98);
+    // Four such steps at a new bucket: not yet a factor (PD_SPEC_CALIB_MIN), and then not the clamp.
+    for (int i = 0; i < 4; i++) pd_spec_calib_observe(&c, 128, 70, 70, 24000, 8000);
+    PD_CHECK(pd_spec_calib_factor(&c, 128) == 1);
+    for (int i = 0; i < PD_SPEC_CALIB_MIN - 4; i++) pd_spec_calib_observe(&c, 128, 70, 70, 8000, 8000);
+    f = pd_spec_calib_factor(&c, 128);
+    PD_CHECK(f > 0.88 && f < 0.95);
+    for (int i = 0; i < 60; i++) pd_spec_calib_observe(&c, 64, 70, 70, 8000, 8000);
+    PD_CHECK(pd_spec_calib_factor(&c, 64) > 0.99);
+    // A full table: a new bucket replaces the one seen least often.
+    pd_spec_calib_init(&c);
+    for (int b = 1; b <= PD_SPEC_CALIB_BUCKETS; b++)
+        for (int i = 0; i < b + 4; i++) pd_spec_calib_observe(&c, (uint32_t)b, 10, 10, 100, 100);
+    pd_spec_calib_observe(&c, 99, 10, 10, 100, 100);
+    PD_CHECK_EQ(pd_spec_calib_n(&c, 1), 0);
+    PD_CHECK_EQ(pd_spec_calib_n(&c, 99), 1);
+    PD_CHECK_EQ(pd_spec_calib_n(&c, 2), 6);
+}
+
+PD_TEST(calib_tokens_for_the_drain_model) {
+    pd_spec_calib c;
+    pd_spec_calib_init(&c);
+    PD_CHECK(pd_spec_calib_tokens(&c, 8) == 1);  // unknown
+    for (int i = 0; i < PD_SPEC_CALIB_MIN - 1; i++) pd_spec_calib_observe(&c, 8, 9.0, 10.0, 7000, 7000);
+    PD_CHECK(pd_spec_calib_tokens(&c, 8) == 1);  // too few steps
+    pd_spec_calib_observe(&c, 8, 9.0, 10.0, 7000, 7000);
+    PD_CHECK(fabs(pd_spec_calib_tokens(&c, 8) - 0.9) < 1e-9);
+    PD_CHECK(pd_spec_calib_factor(&c, 8) == 1);  // the price part is its own
+    for (int i = 0; i < 200; i++) pd_spec_calib_observe(&c, 8, 12.0, 10.0, 7000, 7000);
+    PD_CHECK(pd_spec_calib_tokens(&c, 8) == 1);  // more than expected: not raised
+    for (int i = 0; i < 200; i++) pd_spec_calib_observe(&c, 8, 5.0, 10.0, 7000, 7000);
+    PD_CHECK(pd_spec_calib_tokens(&c, 8) == PD_SPEC_CALIB_LO);
+    // In the drain model: batch 8, 48 tokens, a k = 1 step 1.12x a plain one. At an estimated 0.24
+    // it predicts +2.7% and drafts; at the emitted 0.93 x 0.24 it refuses.
+    int R[8], k[8];
+    double a[8], cost[2] = {1.0, 1.12}, r;
+    for (int i = 0; i < 8; i++) R[i] = 48, k[i] = 1, a[i] = 0.24;
+    PD_CHECK_EQ(pd_spec_drain_choose(8, R, a, k, cost, -1, &r), 1);
+    PD_CHECK(r < 1 / 1.025 && r > 0.95);
+    for (int i = 0; i < 8; i++) k[i] = 1, a[i] = 0.24 * 0.93;
+    PD_CHECK_EQ(pd_spec_drain_choose(8, R, a, k, cost, -1, &r), 0);
+}
+
+PD_TEST(calib_factor_scales_the_choices) {
+    pd_spec_cost c;
+    pd_spec_cost_init(&c, 100);
+    // Batch 32 at acceptance 0.2, a k = 1 step priced 1.1x: 1.2 / 1.1 = +9% drafts; scaled by 0.9 it does not.
+    double a[32], p[2] = {110, 125};
+    int km[32], k[32];
+    for (int i = 0; i < 32; i++) a[i] = 0.2, km[i] = 1;
+    PD_CHECK(pd_spec_choose_padded_f(&c, 32, 32, 32, a, km, NULL, cost_of, p, k, 0.05, 1) == 32);
+    PD_CHECK(pd_spec_choose_padded_f(&c, 32, 32, 32, a, km, NULL, cost_of, p, k, 0.05, 0) == 32);  // <= 0: 1
+    PD_CHECK(pd_spec_choose_padded_f(&c, 32, 32, 32, a, km, NULL, cost_of, p, k, 0.05, 0.9) == 0);
+    for (int i = 0; i < 32; i++) PD_CHECK_EQ(k[i], 0);
+    // The drain model the same: acceptance 0.5, batch 8, 48 tokens: k = 1 pays ~15%; not at factor 0.85.
+    int R[8], kk[8];
+    double al[8], cost[2] = {1.0, 1.15}, r1, r2;
+    for (int i = 0; i < 8; i++) R[i] = 48, kk[i] = 1, al[i] = 0.5;
+    PD_CHECK_EQ(pd_spec_drain_choose_f(8, R, al, kk, cost, -1, 1, &r1), 1);
+    for (int i = 0; i < 8; i++) kk[i] = 1;
+    PD_CHECK_EQ(pd_spec_drain_choose_f(8, R, al, kk, cost, -1, 0.85, &r2), 0);
+    PD_CHECK(r1 == r2);  // the ratio is the model's own
+    PD_CHECK(r1 < 1 / 1.025 && r1 * 0.85 > 1 / 1.025 * 0.85 - 1 && 0.85 / r1 < 1.025);
+}
+
+// The engine's policy in a closed batch: each step the per-step choice (pd_spec_choose_padded_f over
+// the live sequences' own estimates, k up to K and the budget), then, with drain, the drain model
+// at their pooled estimate, with calib, both scaled by the realized-gain factor. Steps are priced at
+// pred[m] (m: the longest draft; x100 us) and cost real[m]. Returns the batch's time over reps runs.
+static double sim_engine(int n, int R0, double a, int K, const double *real, const double *pred, bool drain, bool calib, int reps,
+                         double *drafting_share) {
+    uint64_t x = 0x2545F4914F6CDD1Dull;
+    double t = 0, p[2] = {100 * pred[1], 100 * pred[2]};
+    int64_t nd = 0, ns = 0;
+    pd_spec_cost cst;
+    pd_spec_cost_init(&cst, 100);
+    pd_spec_calib cb;  // the engine's: kept across batches
+    pd_spec_calib_init(&cb);
+    for (int r = 0; r < reps; r++) {
+        int R[64], k[64], km[64], idx[64], RR[64], kd[64];
+        double al[64], ad[64];
+        pd_spec_accept acc[64];
+        for (int i = 0; i < n; i++) R[i] = R0, pd_spec_accept_init(&acc[i], a);
+        for (;;) {
+            int live = 0;
+            double pool = 0;
+            for (int i = 0; i < n; i++)
+                if (R[i] > 0) {
+                    idx[live] = i, al[live] = pd_spec_accept_alpha(&acc[i]), pool += al[live];
+                    km[live] = K < R[i] - 1 ? K : R[i] - 1;
+                    live++;
+                }
+            if (!live) break;
+            pool /= live;
+            double f = calib ? pd_spec_calib_factor(&cb, 1) : 1;
+            pd_spec_choose_padded_f(&cst, live, live, live, al, km, NULL, cost_of, p, k, -1, f);
+            if (drain) {
+                for (int j = 0; j < live; j++) RR[j] = R[idx[j]], ad[j] = pool, kd[j] = k[j];
+                pd_spec_drain_choose_f(live, RR, ad, kd, pred, -1, f, NULL);
+                for (int j = 0; j < live; j++) k[j] = kd[j];
+            }
+            int m = 0;
+            double expt = live, emitted = live;
+            for (int j = 0; j < live; j++) {
+                m = k[j] > m ? k[j] : m;
+                double q = 1;
+                for (int h = 0; h < k[j]; h++) q *= al[j], expt += q;
+            }
+            t += real[m];
+            ns++, nd += m > 0;
+            for (int j = 0; j < live; j++) {
+                int i = idx[j], A = 0;
+                while (A < k[j]) {
+                    x ^= x << 13, x ^= x >> 7, x ^= x << 17;
+                    if ((double)(x >> 11) / 9007199254740992.0 >= a) break;
+                    A++;
+                }
+                if (k[j] > 0) pd_spec_accept_update(&acc[i], k[j], A);
+                R[i] -= 1 + A;
+                emitted += A;
+            }
+            if (m > 0) pd_spec_calib_observe(&cb, 1, emitted, expt, 100 * real[m], 100 * pred[m]);
+        }
+    }
+    if (drafting_share) *drafting_share = ns ? (double)nd / (double)ns : 0;
+    return t;
+}
+
+PD_TEST(policy_in_a_closed_batch_never_loses_and_keeps_the_gain) {
+    // The session-13 final check's failing cell: batch 32, 128 tokens, acceptance 0.2, a k = 1 step
+    // 1.134x a plain one (6.47 ms plain; verify 32 x 2 with its host work ~6.7 ms, a draft forward
+    // 0.64 ms on the H100). Per step that is +5.8% and the step model drafts; the batch's last
+    // sequence gains ~1.12x, so drafting loses (simulated: 0.97-1.00x; the card: 0.980 in one of
+    // two rounds). The drain model refuses: never slower than plain.
+    double c[3] = {1.0, 1.134, 1.27}, sh;
+    int B[3] = {8, 32, 64}, T[2] = {48, 128};
+    double worst_step = 2;
+    for (int b = 0; b < 3; b++)
+        for (int t = 0; t < 2; t++) {
+            double plain = 6.0 * T[t];  // six runs of T plain steps
+            double step = sim_engine(B[b], T[t], 0.2, 2, c, c, false, false, 6, NULL);
+            double pol = sim_engine(B[b], T[t], 0.2, 2, c, c, true, true, 6, &sh);
+            worst_step = PD_MIN(worst_step, plain / step);
+            PD_CHECK(pol <= plain * 1.002);  // (within 0.2%: the last steps' small choices)
+            PD_CHECK(sh < 0.02);
+        }
+    PD_CHECK(worst_step < 0.98);  // what the step model alone loses (the test can fail)
+    // Paying (acceptance 0.5-0.6, batch 32, 48 tokens): >= 1.15x kept, within 2.5% of the step model
+    // alone (simulated: 1.171 / 1.196 / 1.255x against 1.132 / 1.222 / 1.264x at 0.5 / 0.55 / 0.6: the
+    // drain model's cap at k = 1 gains more than the step model's k = 2 at 0.5, a little less at 0.55).
+    for (int a = 0; a < 3; a++) {
+        double al = 0.5 + 0.05 * a;
+        double step = sim_engine(32, 48, al, 2, c, c, false, false, 20, NULL);
+        double pol = sim_engine(32, 48, al, 2, c, c, true, true, 20, &sh);
+        PD_CHECK(20.0 * 48 / pol >= 1.15);
+        PD_CHECK(pol <= step * 1.025);
+        PD_CHECK(sh > 0.9);
+    }
+    // A model that prices a drafting step 10% low (1.05 where it costs 1.155; k = 2 1.15 for 1.3):
+    // at acceptance 0.15-0.25, batch 8, 48 tokens, it drafts in 40-95% of the steps and loses up to
+    // ~4% (simulated 0.963-0.997x). The realized-gain check (kept across the 40 batches, as the
+    // engine keeps it) reads the prices 0.91x and cuts the drafting steps by more than half (0.2%
+    // of the steps at 0.15-0.2, 39% at 0.25, where the corrected step gain is still +8%); with the
+    // drain model as well it is level (0.9997-1.0000x).
+    double lo[3] = {1.0, 1.05, 1.15}, hi[3] = {1.0, 1.155, 1.30}, shc;
+    for (int a = 0; a < 3; a++) {
+        double al = 0.15 + 0.05 * a;
+        double nc = sim_engine(8, 48, al, 2, hi, lo, false, false, 40, &sh);
+        sim_engine(8, 48, al, 2, hi, lo, false, true, 40, &shc);
+        double dc = sim_engine(8, 48, al, 2, hi, lo, true, true, 40, NULL);
+        PD_CHECK(shc < sh * 0.5);
+        PD_CHECK(dc <= 40.0 * 48 * 1.005);
+        if (a < 2) PD_CHECK(nc > 40.0 * 48 * 1.025);  // (what the mispriced step model loses: the test can fail)
+    }
+}
+
+PD_TEST(prior_from_finished_requests) {
+    pd_spec_prior p;
+    pd_spec_prior_init(&p);
+    PD_CHECK(pd_spec_prior_get(&p) < 0);
+    pd_spec_prior_add(&p, 3, 2, 1);  // too few verify steps: not counted
+    pd_spec_prior_add(&p, 10, 0, 0);  // nothing to estimate from
+    PD_CHECK_EQ(p.n, 0);
+    for (int i = 0; i < PD_SPEC_PRIOR_MIN - 1; i++) pd_spec_prior_add(&p, 20, 9, 11);  // 0.45 each
+    PD_CHECK(pd_spec_prior_get(&p) < 0);
+    pd_spec_prior_add(&p, 20, 9, 11);
+    PD_CHECK(fabs(pd_spec_prior_get(&p) - 0.45) < 1e-12);
+    // Each request weighs the same, whatever its length; older ones fade.
+    pd_spec_prior_add(&p, 400, 100, 300);  // 0.25
+    double g = pd_spec_prior_get(&p);
+    PD_CHECK(g < 0.45 && g > 0.39);
+    for (int i = 0; i < 300; i++) pd_spec_prior_add(&p, 30, 6, 24);  // 0.2
+    PD_CHECK(fabs(pd_spec_prior_get(&p) - 0.2) < 0.001);
+}
+
 PD_TEST(method_names) {
     pd_spec_method m;
     PD_CHECK_EQ(pd_spec_method_parse("lookahead", &m), PD_OK);
