@@ -445,7 +445,10 @@ pd_status pd_engine_spec_load(pd_engine *e, pd_err *err) {
         pd_env_double("PD_SPEC_DRAIN_Z", PD_SPEC_DRAIN_Z, 0, 4, &S->drain_z, err) ||
         pd_env_int("PD_SPEC_EXPLORE_N", PD_SPEC_EXPLORE_N, 0, 1 << 20, &S->explore_n, err))
         return PD_ERR_INVALID;
-    if (!S->evidence) S->drain_z = 0, S->explore_n = 0, S->shapes.trust_n = 0;
+    if (!S->evidence) {  // (every shape table back to session 14's rule: a clean A/B)
+        S->drain_z = 0, S->explore_n = 0;
+        S->shapes.trust_n = S->warm.trust_n = S->dcost.t.trust_n = S->dcatch.t.trust_n = 0;
+    }
     pd_spec_calib_init(&S->calib);
     pd_spec_prior_init(&S->prior);
     S->quiet_until = INT64_MAX;
