@@ -237,7 +237,7 @@ int pd_spec_drain_choose_f(int n, const int *R, const double *alpha, int *k, con
 // pooled acceptance, not only at its point estimate (the cap stays the point estimate's choice):
 // bound = mean - z sqrt(var), var = mean (1 - mean) sum(1 / e_i) / n^2 over the n candidates, e_i a
 // candidate's evidence in observations (pd_spec_accept_evidence). At batch 8 (a k = 1 step 1.12x a
-// plain one) the lucky 0.277 bounds at ~0.22: refused. One candidate has no bound (the mean): the
+// plain one) the lucky 0.277 bounds at ~0.21: refused. One candidate has no bound (the mean): the
 // batch's end is then its own, the per-step choice's (a k = 1 step ~1.04x a plain one at batch 1,
 // 1.15x measured at acceptance 0.2); its bound (~0.06 at 0.2 and 8 observations) would refuse it.
 #define PD_SPEC_DRAIN_Z 1.0
@@ -245,7 +245,11 @@ int pd_spec_drain_choose_f(int n, const int *R, const double *alpha, int *k, con
 // where its prior came from finished requests or recent steps (informed: the mean over many requests
 // of the same engine says more about a new one than the 2 observations its estimate starts from);
 // an uninformed prior (the method's default) is no evidence: s + f less its weight (>= 0).
-#define PD_SPEC_PRIOR_EVIDENCE 6.0
+// Measured (spec15-1, H100): with 6 the batch-32 bound sat only ~0.03 under a prior that was itself
+// 0.05-0.08 above the requests' acceptance (0.27-0.30 against ~0.22: only requests with 4+ verify
+// steps count, i.e. those that drafted longest — early in their lives, where this fixture accepts
+// more), and two of three engines drafted 1-2 steps there; 2: the bound ~0.04-0.05 under it.
+#define PD_SPEC_PRIOR_EVIDENCE 2.0
 double pd_spec_accept_evidence(const pd_spec_accept *a, bool informed);
 // The uninformed candidates' acceptance as the drain model takes it: their lifetime counts summed
 // (n_acc accepted drafts, n_fail verify steps with a rejection) with the method's default prior at

@@ -1024,16 +1024,17 @@ PD_TEST(evidence_bound_and_uninformed_counts) {
     PD_CHECK_NEAR(pd_spec_accept_evidence(&a, false), 0, 1e-12);  // the default prior is no evidence
     pd_spec_accept_update(&a, 1, 1);
     PD_CHECK_NEAR(pd_spec_accept_evidence(&a, false), 0.98 * 2 + 1 - 2, 1e-12);
-    // Eight requests at 0.277 with 3 observations each (the prior's 2 + a probe's): +- 0.058 at z = 1.
+    // Eight requests at 0.277 with 3 observations each (the prior's 2 + a probe's) and the prior's
+    // evidence: 0.277 - sqrt(0.277 x 0.723 / (8 x 5)) = 0.206 at z = 1.
     double al[8], e[8], m;
     for (int i = 0; i < 8; i++) al[i] = 0.277, e[i] = 3 + PD_SPEC_PRIOR_EVIDENCE;
     double lo = pd_spec_pooled_bound(8, al, e, 1, &m);
     PD_CHECK_NEAR(m, 0.277, 1e-12);
-    PD_CHECK_NEAR(lo, 0.277 - sqrt(0.277 * 0.723 / 72), 1e-9);
+    PD_CHECK_NEAR(lo, 0.277 - sqrt(0.277 * 0.723 / (8 * (3 + PD_SPEC_PRIOR_EVIDENCE))), 1e-9);
     PD_CHECK_NEAR(pd_spec_pooled_bound(8, al, e, 0, NULL), 0.277, 1e-12);
     PD_CHECK_NEAR(pd_spec_pooled_bound(1, al, e, 1, &m), 0.277, 1e-12);  // one candidate: no bound
     e[0] = 0;  // counted as 1 observation
-    PD_CHECK(pd_spec_pooled_bound(8, al, e, 1, NULL) < lo - 0.02);
+    PD_CHECK(pd_spec_pooled_bound(8, al, e, 1, NULL) < lo - 0.01);
     al[0] = 0.01, e[0] = 1;
     for (int i = 1; i < 8; i++) al[i] = 0.01;
     PD_CHECK(pd_spec_pooled_bound(8, al, e, 4, NULL) == 0);  // never below 0

@@ -8,6 +8,7 @@
 #   N (new)  the binary's defaults (session 15: PD_SPEC_EVIDENCE=1, the drain verdict from the pooled
 #            acceptance's lower bound too, uninformed requests explore at k = 1, shape prices confirmed)
 #   O (old)  PD_SPEC_EVIDENCE=0: session 14's policy (main 0b86b1a's behaviour)
+#   Q        N with PD_SPEC_PROBE_SHARE=0.0005 (probes 5x rarer: what the probes cost in a draining batch)
 # Draft fixture: --speculative-dummy-layers 1 --dummy-residual-scale 1:EPS (0.1: acceptance ~0.2,
 # "nonpay"; 0.05: ~0.5-0.6, "pay"), --num-speculative-tokens 4, random prompts of 32 tokens.
 # DT3 = one plain engine (bench-spec's baseline: --modes must start with off), then three adaptive
@@ -16,7 +17,7 @@
 # end (a run cut by its timeout prints nothing). The 48-token non-paying runs start with batch 8 (as
 # session 14's final check: the 0.967 engine was a batch-8-first one).
 # Parts (env PARTS, in order; BUDGET s):
-#   n48_N / n48_O  nonpay, 48 tokens, batches 8,32,64, reps 2, DT3
+#   n48_N / n48_O  nonpay, 48 tokens, batches 8,32,64, reps 2, DT3 (n48_N2: N again, n48_Q: Q)
 #   nL_N / nL_O    nonpay, 128 tokens, batches ${LB:-1,8,32,64}, reps 2, DT2 (two adaptive engines)
 #   p_N / p_O      pay, 48 tokens, batches 1,8,32,64, reps 2, off,adaptive,off,adaptive
 #   copy           ngram copy workload P 0.7 (fixed and adaptive), batch 1, 4 serial requests of 96 tokens
@@ -31,7 +32,7 @@ BIN=${BIN:-$T/pdserve} DEV=${DEV:-cuda}  # (BIN, DEV, M, LIMS: a check of the co
 export LD_LIBRARY_PATH=${LD_LIBRARY_PATH:-/tmp/gpulib/lib} PD_SPEC_STATS=1
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader 2>/dev/null
 cat $D/COMMIT
-left() { echo $(( ${BUDGET:-182} - ($(date +%s) - t0) )); }
+left() { echo $(( ${BUDGET:-192} - ($(date +%s) - t0) )); }
 lim() { l=$(left); [ "$l" -lt "$1" ] && echo "$l" || echo "$1"; }
 M=${M:-build/gpu-lead/llama-3-8b}
 W="--random-prompt 32 --random-prompts 8"
@@ -42,6 +43,7 @@ spec() {  # name variant limit args...
   case $v in
     N) E="PD_SPEC_STATS=1";;
     O) E="PD_SPEC_EVIDENCE=0";;
+    Q) E="PD_SPEC_PROBE_SHARE=0.0005";;
   esac
   env $E timeout $(lim ${LIMS:-$l}) $BIN bench-spec --device $DEV --model $M --load-format dummy "$@" --json "$OUT/$n.json" > "$OUT/$n.txt" 2> "$OUT/$n.err"
   echo "== $n $E rc=$? ($(( $(date +%s) - t0 )) s)"
@@ -61,12 +63,15 @@ testgpu() {
     echo "== test_gpu_spec rc=$? ($(( $(date +%s) - t0 )) s)"; grep -E "passed|FAIL" "$OUT/test_gpu_spec.txt" | tail -4
   else echo "== test_gpu_spec skipped: budget"; fi
 }
-# round 1 (LIMIT 190, BUDGET 182): n48_N n48_O p_N nL_N copy test
-PARTS=${PARTS:-n48_N n48_O p_N nL_N copy test}
+# round 1 (call spec15-1, binaries b5a8567, LIMIT 190, BUDGET 182): n48_N n48_O p_N nL_N copy test
+# round 2 (LIMIT 200, BUDGET 192; PD_SPEC_PRIOR_EVIDENCE 6 -> 2): n48_N n48_O n48_Q n48_N2 p_N test
+PARTS=${PARTS:-n48_N n48_O n48_Q n48_N2 p_N test}
 for part in $PARTS; do
   case $part in
     n48_N) draft n48_N N 0.1 48 8,32,64 2 40 $DT3;;
     n48_O) draft n48_O O 0.1 48 8,32,64 2 40 $DT3;;
+    n48_N2) draft n48_N2 N 0.1 48 8,32,64 2 40 $DT3;;
+    n48_Q) draft n48_Q Q 0.1 48 8,32,64 2 40 $DT3;;
     nL_N) draft nL_N N 0.1 128 ${LB:-1,8,32,64} 2 66 $DT2;;
     nL_O) draft nL_O O 0.1 128 ${LB:-1,8,32,64} 2 66 $DT2;;
     p_N) draft p_N N 0.05 48 1,8,32,64 2 30 off,adaptive,off,adaptive;;
