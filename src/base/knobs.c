@@ -104,6 +104,7 @@ static const pd_knob KNOBS[] = {
     SW("PD_SPEC_IDLE_FAST", "speculation: the draft method skips steps whose choice stands (default 1)"),
     {"PD_SPEC_MIN_GAIN", PD_KNOB_FLOAT, 0, 0.5, NULL, "speculation: the gain a step must promise to draft (default 0.05)"},
     SW("PD_SPEC_POP_REQ", "speculation: a new request's prior is finished requests' acceptance (default 1; 0: recent steps')"),
+    {"PD_SPEC_PRIOR_EVIDENCE", PD_KNOB_FLOAT, 0, 64, NULL, "speculation: observations a finished-requests prior counts for in the drain model's bound (default 4)"},
     SW("PD_SPEC_PROBE_GROUP", "speculation: a probe step lets every idle sequence draft (default 1; 0: one)"),
     {"PD_SPEC_PROBE_SHARE", PD_KNOB_FLOAT, 0, 0.1, NULL, "speculation: share of step time for probes (default 0.0025)"},
     SW("PD_SPEC_STATS", "speculation: log the policy's counters at engine stop (default 0)"),

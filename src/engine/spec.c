@@ -215,6 +215,7 @@ typedef struct espec {
     // price needs PD_SPEC_SHAPE_TRUST steps before it outbids the warm-up's.
     bool evidence;
     double drain_z;
+    double prior_ev;  // PD_SPEC_PRIOR_EVIDENCE (spec.h) unless the knob says otherwise
     int explore_n;
     int64_t n_drain_lb_refused;  // diagnostics: drafting refused at the bound, not at the point estimate
     // Session 14: a drain refusal is held by the idle fast path for drain_hold steps (PD_SPEC_DRAIN_HOLD;
@@ -443,6 +444,7 @@ pd_status pd_engine_spec_load(pd_engine *e, pd_err *err) {
         return PD_ERR_INVALID;
     if (pd_env_switch("PD_SPEC_EVIDENCE", true, &S->evidence, err) ||
         pd_env_double("PD_SPEC_DRAIN_Z", PD_SPEC_DRAIN_Z, 0, 4, &S->drain_z, err) ||
+        pd_env_double("PD_SPEC_PRIOR_EVIDENCE", PD_SPEC_PRIOR_EVIDENCE, 0, 64, &S->prior_ev, err) ||
         pd_env_int("PD_SPEC_EXPLORE_N", PD_SPEC_EXPLORE_N, 0, 1 << 20, &S->explore_n, err))
         return PD_ERR_INVALID;
     if (!S->evidence) {  // (every shape table back to session 14's rule: a clean A/B)
@@ -1122,7 +1124,7 @@ static int drain_apply(pd_engine *e, const pd_step_plan *plan, sreq **srs, int n
         for (int j = 0; j < n; j++) {
             const sreq *sr = srs[S->sidx[j]];
             S->dU[j] = sr->informed ? alpha[j] : au;
-            S->dE[j] = sr->informed ? pd_spec_accept_evidence(&sr->acc, true) : (double)(ua + uf) / nu;
+            S->dE[j] = sr->informed ? pd_spec_accept_evidence(&sr->acc, S->prior_ev) : (double)(ua + uf) / nu;
         }
         double lb = pd_spec_pooled_bound(n, S->dU, S->dE, S->drain_z, &pool);
         if (S->drain_z > 0) lo = lb;

@@ -205,8 +205,8 @@ double pd_spec_accept_alpha(const pd_spec_accept *a) {
     return t > 0 ? a->s / t : 0;
 }
 
-double pd_spec_accept_evidence(const pd_spec_accept *a, bool informed) {
-    double e = a->s + a->f + (informed ? PD_SPEC_PRIOR_EVIDENCE : -ACCEPT_PRIOR_WEIGHT);
+double pd_spec_accept_evidence(const pd_spec_accept *a, double prior_evidence) {
+    double e = a->s + a->f + (prior_evidence >= 0 ? prior_evidence : -ACCEPT_PRIOR_WEIGHT);
     return e > 0 ? e : 0;
 }
 

@@ -248,9 +248,13 @@ int pd_spec_drain_choose_f(int n, const int *R, const double *alpha, int *k, con
 // Measured (spec15-1, H100): with 6 the batch-32 bound sat only ~0.03 under a prior that was itself
 // 0.05-0.08 above the requests' acceptance (0.27-0.30 against ~0.22: only requests with 4+ verify
 // steps count, i.e. those that drafted longest — early in their lives, where this fixture accepts
-// more), and two of three engines drafted 1-2 steps there; 2: the bound ~0.04-0.05 under it.
-#define PD_SPEC_PRIOR_EVIDENCE 2.0
-double pd_spec_accept_evidence(const pd_spec_accept *a, bool informed);
+// more), and two of three engines drafted 1-2 steps there; with 2 (call spec15-2) a paying batch-64
+// engine whose k = 1 steps cost 1.25x a plain one (the other's 1.17x) was refused at the bound in half
+// its steps (1.053x against 1.096x): 4, between them (knob PD_SPEC_PRIOR_EVIDENCE).
+#define PD_SPEC_PRIOR_EVIDENCE 4.0
+// prior_evidence: what an informed prior counts for (PD_SPEC_PRIOR_EVIDENCE or the engine's knob);
+// < 0: an uninformed one.
+double pd_spec_accept_evidence(const pd_spec_accept *a, double prior_evidence);
 // The uninformed candidates' acceptance as the drain model takes it: their lifetime counts summed
 // (n_acc accepted drafts, n_fail verify steps with a rejection) with the method's default prior at
 // the weight of PD_SPEC_UNINFORMED_W observations, (n_acc + W prior) / (n_acc + n_fail + W); their

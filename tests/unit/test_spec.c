@@ -1020,12 +1020,12 @@ PD_TEST(policy_in_a_closed_batch_never_loses_and_keeps_the_gain) {
 PD_TEST(evidence_bound_and_uninformed_counts) {
     pd_spec_accept a;
     pd_spec_accept_init(&a, 0.2);
-    PD_CHECK_NEAR(pd_spec_accept_evidence(&a, true), 2 + PD_SPEC_PRIOR_EVIDENCE, 1e-12);
-    PD_CHECK_NEAR(pd_spec_accept_evidence(&a, false), 0, 1e-12);  // the default prior is no evidence
+    PD_CHECK_NEAR(pd_spec_accept_evidence(&a, PD_SPEC_PRIOR_EVIDENCE), 2 + PD_SPEC_PRIOR_EVIDENCE, 1e-12);
+    PD_CHECK_NEAR(pd_spec_accept_evidence(&a, -1), 0, 1e-12);  // the default prior is no evidence
     pd_spec_accept_update(&a, 1, 1);
-    PD_CHECK_NEAR(pd_spec_accept_evidence(&a, false), 0.98 * 2 + 1 - 2, 1e-12);
+    PD_CHECK_NEAR(pd_spec_accept_evidence(&a, -1), 0.98 * 2 + 1 - 2, 1e-12);
     // Eight requests at 0.277 with 3 observations each (the prior's 2 + a probe's) and the prior's
-    // evidence: 0.277 - sqrt(0.277 x 0.723 / (8 x 5)) = 0.206 at z = 1.
+    // evidence: 0.277 - sqrt(0.277 x 0.723 / (8 x 7)) = 0.217 at z = 1.
     double al[8], e[8], m;
     for (int i = 0; i < 8; i++) al[i] = 0.277, e[i] = 3 + PD_SPEC_PRIOR_EVIDENCE;
     double lo = pd_spec_pooled_bound(8, al, e, 1, &m);
@@ -1106,7 +1106,7 @@ static double sim_ev(int n, int R0, double a, int K, const double *real, double 
             for (int i = 0; i < n; i++)
                 if (R[i] > 0) {
                     idx[live] = i, al[live] = pd_spec_accept_alpha(&acc[i]);
-                    ev[live] = pd_spec_accept_evidence(&acc[i], true);
+                    ev[live] = pd_spec_accept_evidence(&acc[i], PD_SPEC_PRIOR_EVIDENCE);
                     km[live] = pd_spec_explore_cap(informed, steps[i], K < R[i] - 1 ? K : R[i] - 1, explore_n, n);
                     sa += nacc[i], sf += nfail[i];
                     live++;

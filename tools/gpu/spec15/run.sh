@@ -9,6 +9,7 @@
 #            acceptance's lower bound too, uninformed requests explore at k = 1, shape prices confirmed)
 #   O (old)  PD_SPEC_EVIDENCE=0: session 14's policy (main 0b86b1a's behaviour)
 #   Q        N with PD_SPEC_PROBE_SHARE=0.0005 (probes 5x rarer: what the probes cost in a draining batch)
+#   E6       N with PD_SPEC_PRIOR_EVIDENCE=6 (call 1's value; the default is 4 from call 3, 2 in call 2)
 # Draft fixture: --speculative-dummy-layers 1 --dummy-residual-scale 1:EPS (0.1: acceptance ~0.2,
 # "nonpay"; 0.05: ~0.5-0.6, "pay"), --num-speculative-tokens 4, random prompts of 32 tokens.
 # DT3 = one plain engine (bench-spec's baseline: --modes must start with off), then three adaptive
@@ -44,6 +45,7 @@ spec() {  # name variant limit args...
     N) E="PD_SPEC_STATS=1";;
     O) E="PD_SPEC_EVIDENCE=0";;
     Q) E="PD_SPEC_PROBE_SHARE=0.0005";;
+    E6) E="PD_SPEC_PRIOR_EVIDENCE=6";;
   esac
   env $E timeout $(lim ${LIMS:-$l}) $BIN bench-spec --device $DEV --model $M --load-format dummy "$@" --json "$OUT/$n.json" > "$OUT/$n.txt" 2> "$OUT/$n.err"
   echo "== $n $E rc=$? ($(( $(date +%s) - t0 )) s)"
@@ -64,18 +66,22 @@ testgpu() {
   else echo "== test_gpu_spec skipped: budget"; fi
 }
 # round 1 (call spec15-1, binaries b5a8567, LIMIT 190, BUDGET 182): n48_N n48_O p_N nL_N copy test
-# round 2 (LIMIT 200, BUDGET 192; PD_SPEC_PRIOR_EVIDENCE 6 -> 2): n48_N n48_O n48_Q n48_N2 p_N test
-PARTS=${PARTS:-n48_N n48_O n48_Q n48_N2 p_N test}
+# round 2 (call spec15-2, binaries da62a34, LIMIT 200, BUDGET 192; PD_SPEC_PRIOR_EVIDENCE 6 -> 2):
+#   n48_N n48_O n48_Q n48_N2 p_N test
+# round 3 (LIMIT 200, BUDGET 192; PD_SPEC_PRIOR_EVIDENCE 4, a knob): n48_N p_N n48_N2 p_N2 p_E6 test nL_N (b8,32,64)
+PARTS=${PARTS:-n48_N p_N n48_N2 p_N2 p_E6 test nL_N}
 for part in $PARTS; do
   case $part in
     n48_N) draft n48_N N 0.1 48 8,32,64 2 40 $DT3;;
     n48_O) draft n48_O O 0.1 48 8,32,64 2 40 $DT3;;
     n48_N2) draft n48_N2 N 0.1 48 8,32,64 2 40 $DT3;;
     n48_Q) draft n48_Q Q 0.1 48 8,32,64 2 40 $DT3;;
-    nL_N) draft nL_N N 0.1 128 ${LB:-1,8,32,64} 2 66 $DT2;;
+    nL_N) draft nL_N N 0.1 128 ${LB:-8,32,64} 2 48 $DT2;;
     nL_O) draft nL_O O 0.1 128 ${LB:-1,8,32,64} 2 66 $DT2;;
     p_N) draft p_N N 0.05 48 1,8,32,64 2 30 off,adaptive,off,adaptive;;
     p_O) draft p_O O 0.05 48 1,8,32,64 2 30 off,adaptive,off,adaptive;;
+    p_N2) draft p_N2 N 0.05 48 1,8,32,64 2 30 off,adaptive,off,adaptive;;
+    p_E6) draft p_E6 E6 0.05 48 1,8,32,64 2 30 off,adaptive,off,adaptive;;
     copy) spec copy N 14 --dummy-residual-scale 0:0 --copy-chain 0.7 --random-prompt 32 --random-prompts 4 --num-speculative-tokens 8 \
             --max-tokens 96 --batches 1 --serial 4 --reps 1 --modes off,ngram:fixed,ngram:adaptive;;
     test) testgpu;;
