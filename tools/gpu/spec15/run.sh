@@ -68,8 +68,8 @@ testgpu() {
 # round 1 (call spec15-1, binaries b5a8567, LIMIT 190, BUDGET 182): n48_N n48_O p_N nL_N copy test
 # round 2 (call spec15-2, binaries da62a34, LIMIT 200, BUDGET 192; PD_SPEC_PRIOR_EVIDENCE 6 -> 2):
 #   n48_N n48_O n48_Q n48_N2 p_N test
-# round 3 (LIMIT 200, BUDGET 192; PD_SPEC_PRIOR_EVIDENCE 4, a knob): n48_N p_N n48_N2 p_N2 p_E6 test nL_N (b8,32,64)
-PARTS=${PARTS:-n48_N p_N n48_N2 p_N2 p_E6 test nL_N}
+# round 3 (LIMIT 200, BUDGET 192; PD_SPEC_PRIOR_EVIDENCE 4, a knob): n48_N p_N n48_N2 p_N2 test nL_N (b8,32,64)
+PARTS=${PARTS:-n48_N p_N n48_N2 p_N2 test nL_N}
 for part in $PARTS; do
   case $part in
     n48_N) draft n48_N N 0.1 48 8,32,64 2 40 $DT3;;
