@@ -81,6 +81,7 @@ typedef struct sreq {
     pd_spec_pool *pool;
     int64_t n_drafted, n_accepted, n_steps;
     int64_t n_fail;  // verify steps with a rejected draft (its lifetime acceptance, pd_spec_prior)
+    bool informed;   // its prior came from finished requests or recent verify steps, not the method's default
     // this step
     int k, w;  // drafts proposed, window tokens appended
     int last_k;  // drafts of its last step (-1: none yet; LAST_K_NOMATCH: a draft-free lookup found nothing)
@@ -206,7 +207,17 @@ typedef struct espec {
     int64_t n_drain_eval, n_drain_refused, n_drain_capped, n_drain_probe_skip;  // diagnostics
     int *dR;  // per plan seq: the drain model's remaining budgets (dR), lengths (dK), acceptance (dA)
     int *dK;
-    double *dA;
+    double *dA, *dL, *dE, *dU;  // ... and the acceptance's lower bound (dL); per candidate: evidence (dE), acceptance (dU)
+    double prior0;  // the method's default acceptance prior (0.7 draft, 0.5 draft-free)
+    // Session 15 (spec.h "a decision to draft needs evidence"; PD_SPEC_EVIDENCE=0: session 14's policy):
+    // the drain model drafts only where the pooled acceptance's lower bound (z = drain_z) pays too; an
+    // uninformed request drafts at most 1 token for its first explore_n drafting steps; a shape's live
+    // price needs PD_SPEC_SHAPE_TRUST steps before it outbids the warm-up's.
+    bool evidence;
+    double drain_z;
+    double prior_ev;  // PD_SPEC_PRIOR_EVIDENCE (spec.h) unless the knob says otherwise
+    int explore_n;
+    int64_t n_drain_lb_refused;  // diagnostics: drafting refused at the bound, not at the point estimate
     // Session 14: a drain refusal is held by the idle fast path for drain_hold steps (PD_SPEC_DRAIN_HOLD;
     // 0: until a probe, a batch change or an arrival, as in session 13), then the step is judged again:
     // a refusal made from prices and estimates that had not settled (a new batch's first steps) no
@@ -315,9 +326,10 @@ static bool reserve_seqs(espec *S, int n) {
     if (n <= S->cap_seqs) return true;
     // The per-seq arrays share cap_seqs: each grows from the same capacity to the same new one (on
     // failure those already grown keep it: harmless, as in engine.c's step buffers).
-    void *arrs[] = {&S->kmax, &S->kch, &S->sidx, &S->row0, &S->alpha, &S->srs, &S->results, &S->dR, &S->dK, &S->dA};
+    void *arrs[] = {&S->kmax, &S->kch, &S->sidx, &S->row0, &S->alpha, &S->srs, &S->results, &S->dR, &S->dK, &S->dA, &S->dL, &S->dE, &S->dU};
     size_t elem[] = {sizeof(int), sizeof(int), sizeof(int), sizeof(int), sizeof(double), sizeof(sreq *),
-                     sizeof(pd_sample_result) * (size_t)(S->K + 1), sizeof(int), sizeof(int), sizeof(double)};
+                     sizeof(pd_sample_result) * (size_t)(S->K + 1), sizeof(int), sizeof(int), sizeof(double), sizeof(double),
+                     sizeof(double), sizeof(double)};
     size_t cap = 0;
     for (size_t i = 0; i < PD_ARRAY_LEN(arrs); i++) {
         cap = (size_t)S->cap_seqs;
@@ -430,6 +442,15 @@ pd_status pd_engine_spec_load(pd_engine *e, pd_err *err) {
         pd_env_int("PD_SPEC_DRAIN_HOLD", 8, 0, 1 << 20, &S->drain_hold, err) || pd_env_switch("PD_SPEC_POP_REQ", true, &S->pop_req, err) ||
         pd_env_switch("PD_SPEC_CALIB_TOK", false, &S->calib_tok, err))
         return PD_ERR_INVALID;
+    if (pd_env_switch("PD_SPEC_EVIDENCE", true, &S->evidence, err) ||
+        pd_env_double("PD_SPEC_DRAIN_Z", PD_SPEC_DRAIN_Z, 0, 4, &S->drain_z, err) ||
+        pd_env_double("PD_SPEC_PRIOR_EVIDENCE", PD_SPEC_PRIOR_EVIDENCE, 0, 64, &S->prior_ev, err) ||
+        pd_env_int("PD_SPEC_EXPLORE_N", PD_SPEC_EXPLORE_N, 0, 1 << 20, &S->explore_n, err))
+        return PD_ERR_INVALID;
+    if (!S->evidence) {  // (every shape table back to session 14's rule: a clean A/B)
+        S->drain_z = 0, S->explore_n = 0;
+        S->shapes.trust_n = S->warm.trust_n = S->dcost.t.trust_n = S->dcatch.t.trust_n = 0;
+    }
     pd_spec_calib_init(&S->calib);
     pd_spec_prior_init(&S->prior);
     S->quiet_until = INT64_MAX;
@@ -437,7 +458,8 @@ pd_status pd_engine_spec_load(pd_engine *e, pd_err *err) {
     S->quiet_n = -1;
     pd_spec_backoff_init(&S->probe_bo);
     pd_spec_backoff_init(&S->win_bo);
-    pd_spec_accept_init(&S->pop, S->method == PD_SPEC_DRAFT ? 0.7 : 0.5);
+    S->prior0 = S->method == PD_SPEC_DRAFT ? 0.7 : 0.5;
+    pd_spec_accept_init(&S->pop, S->prior0);
     S->win_quiet_n = -1;
     if (S->method == PD_SPEC_DRAFT) {
         if (!p->spec_model_dir) return pd_err_set(err, PD_ERR_INVALID, "--speculative-method draft needs --speculative-model DIR");
@@ -641,9 +663,11 @@ void pd_engine_spec_fini(pd_engine *e) {
                  (long long)S->n_probe_ok, S->probe_bo.mult, (long long)S->n_probe_skip, (long long)S->n_win_steps, (long long)S->n_win_probes, S->win_bo.mult,
                  S->plain_n ? (double)S->hook_plain_us / (double)S->plain_n : 0,
                  S->verify_n ? (double)S->hook_us / (double)S->verify_n : 0, (long long)S->n_fast);
-        PD_LOG_I("spec stats: drain model%s: %lld drafting steps judged while draining, %lld refused, %lld capped; %lld probes skipped",
-                 S->drain_on ? "" : " (off)", (long long)S->n_drain_eval, (long long)S->n_drain_refused, (long long)S->n_drain_capped,
-                 (long long)S->n_drain_probe_skip);
+        PD_LOG_I("spec stats: drain model%s: %lld drafting steps judged while draining, %lld refused (%lld of them at the acceptance's "
+                 "lower bound only, z %.2f), %lld capped; %lld probes skipped; explore cap %d steps%s",
+                 S->drain_on ? "" : " (off)", (long long)S->n_drain_eval, (long long)S->n_drain_refused, (long long)S->n_drain_lb_refused,
+                 S->drain_z, (long long)S->n_drain_capped, (long long)S->n_drain_probe_skip, S->explore_n,
+                 S->evidence ? "" : " (PD_SPEC_EVIDENCE=0: session 14's policy)");
         PD_LOG_I("spec stats: new-request prior: finished requests' lifetime acceptance %.3f over %lld requests%s; the engine's "
                  "recent acceptance %.3f",
                  pd_spec_prior_get(&S->prior), (long long)S->prior.n, S->pop_req ? "" : " (PD_SPEC_POP_REQ=0: not used)",
@@ -670,7 +694,7 @@ void pd_engine_spec_fini(pd_engine *e) {
     pd_free(b->tok), pd_free(b->qi), pd_free(b->kvl), pd_free(b->bti), pd_free(b->bt), pd_free(b->lr);
     pd_free(S->logits), pd_free(S->scratch), pd_free(S->qbuf), pd_free(S->results), pd_free(S->drows), pd_free(S->douts);
     pd_free(S->kmax), pd_free(S->kch), pd_free(S->sidx), pd_free(S->row0), pd_free(S->alpha), pd_free(S->srs);
-    pd_free(S->dR), pd_free(S->dK), pd_free(S->dA);
+    pd_free(S->dR), pd_free(S->dK), pd_free(S->dA), pd_free(S->dL), pd_free(S->dE), pd_free(S->dU);
     pd_free(S);
     e->spec = NULL;
 }
@@ -693,10 +717,11 @@ pd_status pd_engine_spec_req_init(pd_engine *e, ereq *q, const pd_engine_request
     sr->max_tokens = r->max_tokens;
     for (int i = 0; i < r->n_prompt; i++)
         if (!sreq_push(sr, r->prompt[i])) return PD_ERR_NOMEM;
-    double prior = S->method == PD_SPEC_DRAFT ? 0.7 : 0.5;
+    double prior = S->prior0;
     double pr = S->pop_req ? pd_spec_prior_get(&S->prior) : -1;
     if (pr >= 0) prior = pr;
     else if (S->pop_n >= POP_MIN) prior = pd_spec_accept_alpha(&S->pop);
+    sr->informed = pr >= 0 || S->pop_n >= POP_MIN;
     // (Held with weight 2, as a fixed prior. Weight 8 — session 12, against lucky probe accepts —
     // cut the paying draft fixture at batch 64 from 1.07-1.08x to 1.00-1.05x: calls spec12-3/4.)
     pd_spec_accept_init(&sr->acc, prior);
@@ -992,13 +1017,16 @@ static double step_cost(void *ud, int max_k, int n_tokens) {
     if (max_k > 0 && p->base_max_q > 1 && p->S->warm_n > 0) return COST_NEVER;
     int q = PD_MAX(p->base_max_q, 1 + max_k);
     uint32_t key = shape_key(p->m, p->n_seqs, q, n_tokens);
-    double us = pd_spec_shapes_get(&p->S->shapes, key);
-    if (us > 0) return us;
     bool graph = step_is_graph(p->m, p->n_seqs, q);
+    double us;
     if (graph && p->base_max_q == 1) {
-        // Not timed live yet: the live plain step at this batch plus what the warm-up measured
+        // The live time; not timed live yet (or, session 15, timed fewer than PD_SPEC_SHAPE_TRUST
+        // times and above it): the live plain step at this batch plus what the warm-up measured
         // between the two graphs (the step's host work is the same for both).
         us = pd_spec_shape_us(&p->S->shapes, &p->S->warm, key, shape_key(p->m, p->n_seqs, 1, p->n_seqs), host_of(p->S, key));
+        if (us > 0) return us;
+    } else {
+        us = pd_spec_shapes_get(&p->S->shapes, key);
         if (us > 0) return us;
     }
     // A step that would replay a graph without drafts does not leave graphs for them when the
@@ -1081,6 +1109,26 @@ static int drain_apply(pd_engine *e, const pd_step_plan *plan, sreq **srs, int n
     double pool = 0;
     for (int j = 0; j < n; j++) pool += alpha ? alpha[j] : 1.0;
     pool = n > 0 ? pool / n : 0;
+    // Session 15 (spec.h "a decision to draft needs evidence"; not for a probe's "at acceptance 1"):
+    // an uninformed candidate counts at its own lifetime counts (pd_spec_uninformed_alpha), and the
+    // verdict needs the pooled acceptance's lower bound to pay as well (pd_spec_pooled_bound).
+    double lo = -1;
+    if (alpha && S->evidence) {
+        int64_t ua = 0, uf = 0;
+        int nu = 0;
+        for (int j = 0; j < n; j++) {
+            const sreq *sr = srs[S->sidx[j]];
+            if (!sr->informed) ua += sr->n_accepted, uf += sr->n_fail, nu++;
+        }
+        double au = pd_spec_uninformed_alpha(ua, uf, S->prior0);
+        for (int j = 0; j < n; j++) {
+            const sreq *sr = srs[S->sidx[j]];
+            S->dU[j] = sr->informed ? alpha[j] : au;
+            S->dE[j] = sr->informed ? pd_spec_accept_evidence(&sr->acc, S->prior_ev) : (double)(ua + uf) / nu;
+        }
+        double lb = pd_spec_pooled_bound(n, S->dU, S->dE, S->drain_z, &pool);
+        if (S->drain_z > 0) lo = lb;
+    }
     // ... corrected by what this batch bucket's drafting steps emitted against what their estimates
     // expected (spec.h pd_spec_calib_tokens; not for a probe's "at acceptance 1").
     double tokf = alpha && S->calib_on && S->calib_tok ? pd_spec_calib_tokens(&S->calib, batch_bucket(e->model, plan->n_seqs)) : 1;
@@ -1092,6 +1140,7 @@ static int drain_apply(pd_engine *e, const pd_step_plan *plan, sreq **srs, int n
             S->dR[nd] = remaining(e, srs[i]);
             S->dK[nd] = cand ? k[i] : 0;
             S->dA[nd] = cand ? pool : 0;
+            S->dL[nd] = cand ? lo * tokf : 0;
             M = PD_MAX(M, S->dK[nd]);
             nd++;
         }
@@ -1104,9 +1153,11 @@ static int drain_apply(pd_engine *e, const pd_step_plan *plan, sreq **srs, int n
         for (int j = 0; j < n; j++) n_tok += PD_MIN(k[S->sidx[j]], m);
         cost[m] = step_cost((void *)pc, m, n_tok) + (m > 0 && dp ? dp->first_us + (m - 1) * dp->next_us : 0);
     }
-    double ratio = 1;
-    int got = pd_spec_drain_choose_f(nd, S->dR, S->dA, S->dK, cost, S->drain_gain, factor, &ratio);
+    double ratio = 1, ratio_lo = 1;
+    int got = pd_spec_drain_choose_lb(nd, S->dR, S->dA, lo >= 0 ? S->dL : NULL, S->dK, cost, S->drain_gain, factor, &ratio, &ratio_lo);
     if (ratio_out) *ratio_out = ratio;
+    bool lb_refused = got == 0 && lo >= 0 && factor * 1 >= (1 + S->drain_gain) * ratio;  // the point estimate alone drafts
+    S->n_drain_lb_refused += lb_refused;
     // PD_SPEC_STATS: the decisions where the verdict or the batch changes (why each refusal happened:
     // the pooled acceptance, the longest budget, the prices and the predicted finish-time ratio).
     int verdict = got > 0;
@@ -1115,10 +1166,11 @@ static int drain_apply(pd_engine *e, const pd_step_plan *plan, sreq **srs, int n
             S->n_drain_logged++;
             int rmax = 0;
             for (int j = 0; j < nd; j++) rmax = PD_MAX(rmax, S->dR[j]);
-            PD_LOG_I("spec stats: drain at step %lld: batch %d, %d drafting, longest budget %d, pooled acceptance %.3f, "
-                     "plain %.0f us, k=1 %.0f us, k=%d %.0f us, factor %.3f (tokens %.3f): predicted finish-time ratio %.3f -> %s (cap %d)",
-                     (long long)S->n_steps, plan->n_seqs, n, rmax, pool, cost[0], M >= 1 ? cost[1] : 0, M, cost[M], factor, tokf, ratio,
-                     got > 0 ? "draft" : "refused", got);
+            PD_LOG_I("spec stats: drain at step %lld: batch %d, %d drafting, longest budget %d, pooled acceptance %.3f (bound %.3f), "
+                     "plain %.0f us, k=1 %.0f us, k=%d %.0f us, factor %.3f (tokens %.3f): predicted finish-time ratio %.3f (at the bound "
+                     "%.3f) -> %s (cap %d)",
+                     (long long)S->n_steps, plan->n_seqs, n, rmax, pool, lo, cost[0], M >= 1 ? cost[1] : 0, M, cost[M], factor, tokf, ratio,
+                     ratio_lo, got > 0 ? "draft" : lb_refused ? "refused at the bound" : "refused", got);
         }
         S->last_drain_verdict = verdict;
         S->last_drain_n = plan->n_seqs;
@@ -1548,6 +1600,8 @@ static pd_status run_plan(pd_engine *e, const pd_step_plan *plan, bool *handled)
             continue;
         }
         if (sr->last_k == LAST_K_NOMATCH && S->n_steps < sr->retry_at) continue;  // its next lookup is later
+        // Session 15: an uninformed draft-model request explores at k = 1 first (spec.h PD_SPEC_EXPLORE_N).
+        if (S->adaptive && !sr->fixed_k && S->method == PD_SPEC_DRAFT) room = pd_spec_explore_cap(sr->informed, sr->n_steps, room, S->explore_n, plan->n_seqs);
         S->kmax[i] = room;
         sr->looked = S->method != PD_SPEC_DRAFT && room > 0;
     }

@@ -205,6 +205,11 @@ double pd_spec_accept_alpha(const pd_spec_accept *a) {
     return t > 0 ? a->s / t : 0;
 }
 
+double pd_spec_accept_evidence(const pd_spec_accept *a, double prior_evidence) {
+    double e = a->s + a->f + (prior_evidence >= 0 ? prior_evidence : -ACCEPT_PRIOR_WEIGHT);
+    return e > 0 ? e : 0;
+}
+
 void pd_spec_prior_init(pd_spec_prior *p) { p->sum = p->w = 0, p->n = 0; }
 
 void pd_spec_prior_add(pd_spec_prior *p, int64_t n_steps, int64_t n_accepted, int64_t n_fail) {
@@ -488,6 +493,55 @@ int pd_spec_drain_choose_f(int n, const int *R, const double *alpha, int *k, con
     return pays ? best_m : 0;
 }
 
+// ---- a decision to draft needs evidence ---------------------------------------------------------
+
+double pd_spec_uninformed_alpha(int64_t n_acc, int64_t n_fail, double prior) {
+    if (n_acc < 0) n_acc = 0;
+    if (n_fail < 0) n_fail = 0;
+    return ((double)n_acc + PD_SPEC_UNINFORMED_W * prior) / ((double)(n_acc + n_fail) + PD_SPEC_UNINFORMED_W);
+}
+
+double pd_spec_pooled_bound(int n, const double *alpha, const double *e, double z, double *mean) {
+    if (mean) *mean = 0;
+    if (n <= 0) return 0;
+    double m = 0, inv = 0;
+    for (int i = 0; i < n; i++) {
+        m += alpha[i];
+        inv += 1.0 / (e[i] > 1 ? e[i] : 1);
+    }
+    m /= n;
+    if (mean) *mean = m;
+    if (n == 1) return m;
+    double var = m * (1 - m) * inv / ((double)n * n);
+    double lo = m - (z > 0 ? z : 0) * sqrt(var > 0 ? var : 0);
+    return lo > 0 ? lo : 0;
+}
+
+int pd_spec_drain_choose_lb(int n, const int *R, const double *alpha, const double *alpha_lo, int *k, const double *cost,
+                            double min_gain, double factor, double *ratio, double *ratio_lo) {
+    if (ratio_lo) *ratio_lo = 1;
+    if (alpha_lo) {
+        int kk_stack[256], *kk = n <= 256 ? kk_stack : pd_malloc(sizeof(int) * (size_t)n);
+        if (kk) {
+            for (int i = 0; i < n; i++) kk[i] = k[i];
+            int m = pd_spec_drain_choose_f(n, R, alpha_lo, kk, cost, min_gain, factor, ratio_lo);
+            if (kk != kk_stack) pd_free(kk);
+            if (m == 0) {
+                // Refused at the bound: the point estimate's ratio for the record, nothing drafts.
+                pd_spec_drain_choose_f(n, R, alpha, k, cost, min_gain, factor, ratio);
+                for (int i = 0; i < n; i++) k[i] = 0;
+                return 0;
+            }
+        }
+    }
+    return pd_spec_drain_choose_f(n, R, alpha, k, cost, min_gain, factor, ratio);
+}
+
+int pd_spec_explore_cap(bool informed, int64_t n_steps, int k_max, int explore_n, int n_batch) {
+    if (informed || explore_n <= 0 || n_steps >= explore_n || n_batch <= 1) return k_max;
+    return k_max < 1 ? k_max : 1;
+}
+
 // ---- realized against predicted gain ---------------------------------------------------------
 
 void pd_spec_calib_init(pd_spec_calib *c) { memset(c, 0, sizeof *c); }
@@ -551,7 +605,10 @@ int64_t pd_spec_calib_n(const pd_spec_calib *c, uint32_t B) {
 #define SHAPE_PROBE 8
 #define SHAPE_EMA 0.2
 
-void pd_spec_shapes_init(pd_spec_shapes *t) { memset(t, 0, sizeof *t); }
+void pd_spec_shapes_init(pd_spec_shapes *t) {
+    memset(t, 0, sizeof *t);
+    t->trust_n = PD_SPEC_SHAPE_TRUST;
+}
 
 static int shape_slot(const pd_spec_shapes *t, uint32_t key, bool *found) {
     uint32_t h = (key * 2654435761u) >> 24;  // 8 bits: PD_SPEC_SHAPES = 256
@@ -579,7 +636,9 @@ void pd_spec_shapes_observe(pd_spec_shapes *t, uint32_t key, double us) {
     }
     // The first step of a shape is not its cost (a graph's first launch uploads it; an eager
     // step of a new size plans its GEMMs: up to 100x a plain step): the second one replaces it.
-    t->us[s] = t->n[s] >= 2 ? (float)((1 - SHAPE_EMA) * t->us[s] + SHAPE_EMA * us) : (float)us;
+    // Session 15: steps 2 .. trust_n keep the least of them (a transient only adds time).
+    if (t->n[s] >= 2 && t->n[s] < t->trust_n) t->us[s] = us < t->us[s] ? (float)us : t->us[s];
+    else t->us[s] = t->n[s] >= 2 ? (float)((1 - SHAPE_EMA) * t->us[s] + SHAPE_EMA * us) : (float)us;
     t->n[s]++;
     t->last[s] = ++t->clock;
 }
@@ -645,14 +704,23 @@ double pd_spec_catchup_us(const pd_spec_dcost *catchup, int max_tokens, double s
     return c > steady_us ? c : steady_us;
 }
 
-double pd_spec_shape_us(const pd_spec_shapes *live, const pd_spec_shapes *warm, uint32_t key, uint32_t key_plain, double host_us) {
-    double us = pd_spec_shapes_get(live, key);
-    if (us > 0) return us;
+// The warm-up's price of a shape (pd_spec_shape_us without its live time); -1: none.
+static double shape_warm_us(const pd_spec_shapes *live, const pd_spec_shapes *warm, uint32_t key, uint32_t key_plain, double host_us) {
     if (!warm) return -1;
     double w = pd_spec_shapes_get(warm, key), w1 = pd_spec_shapes_get(warm, key_plain), l1 = pd_spec_shapes_get(live, key_plain);
     if (w > 0 && host_us >= 0) return w + host_us;
     if (!(w > 0) || !(w1 > 0)) return -1;
     return (l1 > 0 ? l1 : w1) + (w > w1 ? w - w1 : 0);
+}
+
+double pd_spec_shape_us(const pd_spec_shapes *live, const pd_spec_shapes *warm, uint32_t key, uint32_t key_plain, double host_us) {
+    double us = pd_spec_shapes_get(live, key);
+    if (us > 0 && pd_spec_shapes_get_n(live, key) < live->trust_n && key != key_plain) {
+        double wu = shape_warm_us(live, warm, key, key_plain, host_us);
+        if (wu > 0 && wu < us) return wu;  // not confirmed yet: the warm-up's price stands
+    }
+    if (us > 0) return us;
+    return shape_warm_us(live, warm, key, key_plain, host_us);
 }
 
 int pd_spec_nomatch_wait(int n_miss) {

@@ -225,6 +225,68 @@ int pd_spec_drain_choose_f(int n, const int *R, const double *alpha, int *k, con
 // (tests/unit/test_spec.c) at acceptance 0.22 refuse with either margin.
 #define PD_SPEC_DRAIN_MIN_GAIN 0.025
 
+// ---- a decision to draft needs evidence (session 15) ---------------------------------------------
+// Session 14's final check (H100, non-paying draft fixture, acceptance ~0.22, batch 8, 48 tokens):
+// one engine of three ran at 0.967x of plain in both rounds. Its timed batches started from the
+// finished requests' prior (0.226: refused, right), then a probe's lucky accepts moved the pooled
+// estimate to 0.277 (each request's prior holds the weight of 2 observations) and the drain model
+// drafted (cap 1) at a predicted -5.7%, and went on at estimates 0.24-0.28 (drafting where the
+// estimates run high keeps them there) while the card lost 3.3%. At the true 0.225 the model itself
+// predicts 0.985 (a 1.5% gain, under the 2.5% margin): the error was the estimate's, ~+0.03-0.05.
+// So the draining batch's verdict "draft" now needs the gain at a lower confidence bound of the
+// pooled acceptance, not only at its point estimate (the cap stays the point estimate's choice):
+// bound = mean - z sqrt(var), var = mean (1 - mean) sum(1 / e_i) / n^2 over the n candidates, e_i a
+// candidate's evidence in observations (pd_spec_accept_evidence). At batch 8 (a k = 1 step 1.12x a
+// plain one) the lucky 0.277 bounds at ~0.21: refused. One candidate has no bound (the mean): the
+// batch's end is then its own, the per-step choice's (a k = 1 step ~1.04x a plain one at batch 1,
+// 1.15x measured at acceptance 0.2); its bound (~0.06 at 0.2 and 8 observations) would refuse it.
+#define PD_SPEC_DRAIN_Z 1.0
+// A request's evidence: the observations its long memory holds (s + f), plus PD_SPEC_PRIOR_EVIDENCE
+// where its prior came from finished requests or recent steps (informed: the mean over many requests
+// of the same engine says more about a new one than the 2 observations its estimate starts from);
+// an uninformed prior (the method's default) is no evidence: s + f less its weight (>= 0).
+// Measured (spec15-1, H100): with 6 the batch-32 bound sat only ~0.03 under a prior that was itself
+// 0.05-0.08 above the requests' acceptance (0.27-0.30 against ~0.22: only requests with 4+ verify
+// steps count, i.e. those that drafted longest — early in their lives, where this fixture accepts
+// more), and two of three engines drafted 1-2 steps there; with 2 (call spec15-2) a paying batch-64
+// engine whose k = 1 steps cost 1.25x a plain one (the other's 1.17x) was refused at the bound in half
+// its steps (1.053x against 1.096x): 4, between them (knob PD_SPEC_PRIOR_EVIDENCE).
+#define PD_SPEC_PRIOR_EVIDENCE 4.0
+// prior_evidence: what an informed prior counts for (PD_SPEC_PRIOR_EVIDENCE or the engine's knob);
+// < 0: an uninformed one.
+double pd_spec_accept_evidence(const pd_spec_accept *a, double prior_evidence);
+// The uninformed candidates' acceptance as the drain model takes it: their lifetime counts summed
+// (n_acc accepted drafts, n_fail verify steps with a rejection) with the method's default prior at
+// the weight of PD_SPEC_UNINFORMED_W observations, (n_acc + W prior) / (n_acc + n_fail + W); their
+// evidence n_acc + n_fail, shared. (Their running estimates start from the default at weight 2 and
+// forget slowly: in a simulated first batch of 64 at a true 0.25 they read ~0.45 after 4 steps at
+// k = 1, and the drain model drafted on at 1.17x a plain step's price, losing 1.7%; one step's 64
+// observations pooled tell 0.2 +- 0.05.)
+#define PD_SPEC_UNINFORMED_W 1.0
+double pd_spec_uninformed_alpha(int64_t n_acc, int64_t n_fail, double prior);
+// The pooled mean of alpha[0..n) (in *mean, may be NULL) and its lower bound (>= 0) from the
+// candidates' evidence e[0..n) (observations; each counted as at least 1): mean - z sqrt(var), as
+// above; n = 1: the mean.
+double pd_spec_pooled_bound(int n, const double *alpha, const double *e, double z, double *mean);
+// pd_spec_drain_choose_f, the verdict from the bound: the candidates draft only if the drain model
+// drafts at acceptance alpha_lo (every candidate's; the same k and budgets) as well; the cap is then
+// the point estimate's (alpha) choice. *ratio: the point estimate's predicted ratio, *ratio_lo (may
+// be NULL) the bound's (1 where nothing would draft). Returns the cap (0: refused).
+int pd_spec_drain_choose_lb(int n, const int *R, const double *alpha, const double *alpha_lo, int *k, const double *cost,
+                            double min_gain, double factor, double *ratio, double *ratio_lo);
+// An uninformed start must not draft deep: a request whose acceptance prior is only the method's
+// default (no finished requests, no recent verify steps to take it from: an engine's first batch)
+// drafts at most 1 token a step until it verified PD_SPEC_EXPLORE_N drafting steps of its own. At a
+// true 0.2 the default 0.7 (weight 2) had the first batch of every engine draft at cap 3 for 17-27
+// of ~45 steps (session 14's final-check logs, steps 1.25-1.3x a plain one); a k = 1 step costs
+// ~1.1x at batch 8 and tells as much about the acceptance of the first draft token. Not at batch 1
+// (a deep step costs ~1.11x a plain one there, k = 1 ~1.04x: deep drafting at a wrong prior costs
+// little, exploring at k = 1 would cost a paying request ~10% of its first steps' gain).
+#define PD_SPEC_EXPLORE_N 8
+// The cap on k_max: k_max, or at most 1 while !informed, n_steps < explore_n and the step's batch
+// n_batch > 1 (explore_n <= 0: off).
+int pd_spec_explore_cap(bool informed, int64_t n_steps, int k_max, int explore_n, int n_batch);
+
 // ---- realized against predicted gain (session 14, DISCO-like calibration) ---------------------
 // The policy predicts, for each step that drafts, the tokens it yields (the plain yield plus every
 // draft's acceptance probability) and what it costs (the verify shape's price plus the draft's
@@ -289,7 +351,15 @@ int64_t pd_spec_calib_n(const pd_spec_calib *c, uint32_t B);
 // line fitted mostly to prefill chunks and plain decodes misjudges a padded verify graph or an
 // eager step by several times on a small, launch-bound model).
 #define PD_SPEC_SHAPES 256
+// Session 15: a shape's price from its 2nd to its PD_SPEC_SHAPE_TRUST-th step is the least of them
+// (a transient only ever adds time: one slow step was the price before, and where that price refused
+// drafting the shape was never timed again — the final check of session 14, paying fixture, batch 8:
+// one engine priced its k = 1 verify shape at 9.5 ms against 6.3 ms on the other, drafted nothing
+// after its first batch-8 steps and ran at 0.997x where the other gained 1.345x); from then on an EMA.
+// (trust_n 0: session 14's rule, the 2nd step's time then an EMA.)
+#define PD_SPEC_SHAPE_TRUST 4
 typedef struct pd_spec_shapes {
+    uint32_t trust_n;              // PD_SPEC_SHAPE_TRUST (pd_spec_shapes_init) or 0
     uint32_t key[PD_SPEC_SHAPES];  // 0: empty
     float us[PD_SPEC_SHAPES];
     uint32_t n[PD_SPEC_SHAPES];     // observations
@@ -348,6 +418,9 @@ double pd_spec_catchup_us(const pd_spec_dcost *catchup, int max_tokens, double s
 // ~1 ms at batch 64 on an H100 against ~0.3 ms for a plain step): an untimed shape is then its
 // warm-up forward plus that.
 double pd_spec_shape_us(const pd_spec_shapes *live, const pd_spec_shapes *warm, uint32_t key, uint32_t key_plain, double host_us);
+// Session 15: a live time of fewer than live->trust_n steps that exceeds the warm-up's price (as above,
+// without the live time) is not trusted yet: the warm-up's price stands until the shape is confirmed
+// (drafting at the shape times it again; an untrusted high price that refuses drafting would never be).
 // Draft-free methods, adaptive: a sequence whose lookup found nothing looks again this many steps
 // later after its n_miss-th miss in a row (1, 2, 4, ...), or -1 after PD_SPEC_NOMATCH_RETRIES misses
 // (then it is idle: probes only).
