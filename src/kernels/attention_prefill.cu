@@ -200,6 +200,8 @@ static __device__ __forceinline__ void pd_fa_wgmma_rs_n128(float *d, const uint3
 #define PD_FA_TMAH 512  // a tile in consecutive pages by TMA (one box per column block), else cp.async
 #define PD_FA_RSC 1024  // with OVL: O rescaled only when a row of the warp changed its running max
 #define PD_FA_MB 4096   // the causal mask in its own code path, taken only by tiles that cross the diagonal
+#define PD_FA_RSE 8192  // with OVL: O rescaled at the end of its turn (after the wait for P.V), off the ping-pong's turn
+#define PD_FA_R240 16384  // setmaxnreg 232 for the consumers, 48 for the producer instead of 224 / 56 (24 / 240, 40 / 232 spill)
 // Diagnostics, compiled only with -DPD_FA3_DIAG (a separate op_bench build; the output is wrong):
 #define PD_FA_NOLOAD 8   // the producer copies K/V into the ring's stages once, then none (the consumers alone)
 #define PD_FA_NOMATH 16  // the consumers compute nothing (the producer's speed alone)
@@ -342,6 +344,8 @@ static __global__ void __launch_bounds__(PD_FA_THREADS, 1)
     constexpr bool VN64 = FL & PD_FA_VN64, PP = FL & PD_FA_PP, ROWP = FL & PD_FA_ROWP;
     constexpr bool NOLOAD = FL & PD_FA_NOLOAD, NOMATH = FL & PD_FA_NOMATH, TMA = FL & PD_FA_TMA, OVL = FL & PD_FA_OVL;
     constexpr bool NOSYNC = FL & PD_FA_NOSYNC, RSC = (FL & PD_FA_RSC) && OVL, MB = FL & PD_FA_MB;
+    constexpr bool RSE = (FL & PD_FA_RSE) && OVL;
+    constexpr int REG_P = (FL & PD_FA_R240) ? 48 : PD_FA_REG_P, REG_C = (FL & PD_FA_R240) ? 232 : PD_FA_REG_C;
     // TMAH (PD_CUDA_FA3_TMA=2): a K/V tile whose 128 positions fill consecutive whole pages comes by
     // TMA (one 128-row box per 64-column block of K and of V: 4 boxes at head_dim 128), any other
     // tile by the default producer's cp.async (no per-page boxes, which made TMA slower on scattered
@@ -395,7 +399,7 @@ static __global__ void __launch_bounds__(PD_FA_THREADS, 1)
 
     if (wg == 0) {
         // ---- producer ----
-        asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(PD_FA_REG_P));
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(REG_P));
         for (int i = tw; i < PD_FA_BQ * CPR; i += 128) {
             int r = i / CPR, c = i % CPR;
             bool ok = row0 + r < q_len;
@@ -551,7 +555,7 @@ static __global__ void __launch_bounds__(PD_FA_THREADS, 1)
     }
 
     // ---- consumers ----
-    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(PD_FA_REG_C));
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(REG_C));
     int cw = wg - 1, warp = tw >> 5, lane = tw & 31, g = lane >> 2, t = lane & 3;
     int wr = cw * 64 + warp * 16;  // the warp's first row in the tile
     int qpos[2] = {pos0 + wr + g, pos0 + wr + g + 8};
@@ -608,7 +612,7 @@ static __global__ void __launch_bounds__(PD_FA_THREADS, 1)
                 if constexpr (ARV) pd_fa_fence_async();
                 if (PP) pd_fa_bar_sync(1 + cw);
                 if (KVS && !NOSYNC) pd_fa_mbar_wait(barv + 8 * sp, ((j - 1) / ST) & 1);  // complete already
-                if (!RSC || __any_sync(0xffffffffu, corr[0] != 1.f || corr[1] != 1.f)) pd_fa_rescale<HD>(o, corr);
+                if (!RSE && (!RSC || __any_sync(0xffffffffu, corr[0] != 1.f || corr[1] != 1.f))) pd_fa_rescale<HD>(o, corr);
                 pd_fa_pin<HD / 2>(o);
                 pd_fa_pin<PD_FA_BKV / 2>(sc);
                 pd_fa_pin_u<PD_FA_BKV / 16>(pa);
@@ -627,11 +631,14 @@ static __global__ void __launch_bounds__(PD_FA_THREADS, 1)
                 pd_fa_pin<HD / 2>(o);
                 pd_fa_pin_u<PD_FA_BKV / 16>(pa);  // P.V read pa until here: the pack must not reuse them
                 pd_fa_mbar_arrive(KVS ? barv + 8 * (ST + sp) : bar + 8 * (ST + sp));
+                // RSE: O (P.V of tile j - 1 done) moves to tile j's max here, before the next turn's handshake
+                if (RSE && (!RSC || __any_sync(0xffffffffu, corr[0] != 1.f || corr[1] != 1.f))) pd_fa_rescale<HD>(o, corr);
                 pd_fa_pack(sc, pa);
             }
             const int sl = (n_comp - 1) % ST;
             if (KVS && !NOSYNC) pd_fa_mbar_wait(barv + 8 * sl, ((n_comp - 1) / ST) & 1);
-            if (!RSC || __any_sync(0xffffffffu, corr[0] != 1.f || corr[1] != 1.f)) pd_fa_rescale<HD>(o, corr);
+            // (RSE: done in the last turn; with n_comp == 1, O is still zero)
+            if (!RSE && (!RSC || __any_sync(0xffffffffu, corr[0] != 1.f || corr[1] != 1.f))) pd_fa_rescale<HD>(o, corr);
             pd_fa_pin<HD / 2>(o);
             pd_fa_pin_u<PD_FA_BKV / 16>(pa);
             pd_fa_wg_fence();
@@ -734,8 +741,10 @@ static int pd_fa_env(const char *name) {  // 1, 0, or -1 when unset; anything el
 }
 static int pd_fa_flags(int hd) {
     static int pp = -2, vn = -2, rowp = -2, tma = -2, ovl = -2, arv = -2, kvs = -2, diag = 0, rsc = -2, mb = -2;
+    static int rse = -2, r240 = -2;
     if (pp == -2) {
         rsc = pd_fa_env("PD_CUDA_FA3_RSC"), mb = pd_fa_env("PD_CUDA_FA3_MB");
+        rse = pd_fa_env("PD_CUDA_FA3_RSE"), r240 = pd_fa_env("PD_CUDA_FA3_R240");
         vn = pd_fa_env("PD_CUDA_FA3_VN64"), rowp = pd_fa_env("PD_CUDA_FA3_ROWP");
         tma = pd_k_env_int("PD_CUDA_FA3_TMA", -1, 0, 2);  // 2: TMAH (head_dim 128; the default kernel at 64)
         ovl = pd_fa_env("PD_CUDA_FA3_OVL"), arv = pd_fa_env("PD_CUDA_FA3_ARV"), kvs = pd_fa_env("PD_CUDA_FA3_KVS");
@@ -758,7 +767,8 @@ static int pd_fa_flags(int hd) {
     return (rsc != 0 && use_ovl ? PD_FA_RSC : 0) | (mb != 0 ? PD_FA_MB : 0) | ((pp < 0 ? hd == 128 : pp) ? PD_FA_PP : 0) | (vn == 1 && hd == 128 ? PD_FA_VN64 : 0) |
            (rowp == 1 ? PD_FA_ROWP : 0) | (tma == 1 ? PD_FA_TMA : 0) | (tma == 2 && hd == 128 ? PD_FA_TMAH : 0) |
            (use_ovl ? PD_FA_OVL : 0) |
-           (use_arv ? PD_FA_ARV : 0) | (use_kvs ? PD_FA_KVS : 0) | diag;
+           (use_arv ? PD_FA_ARV : 0) | (use_kvs ? PD_FA_KVS : 0) | (rse == 1 && use_ovl ? PD_FA_RSE : 0) |
+           (r240 == 1 ? PD_FA_R240 : 0) | diag;
 }
 
 template <int HD, int FL>
@@ -820,6 +830,11 @@ template <int HD>
 static void pd_fa_dispatch(const pd_attention_kparams *p, cudaStream_t s, int fl, const CUtensorMap *tm) {
     PD_FA_CASE(PD_FA_PP | PD_FA_OVL | PD_FA_RSC | PD_FA_MB)  // the default at head_dim 128
     PD_FA_CASE(PD_FA_OVL | PD_FA_KVS | PD_FA_RSC | PD_FA_MB)  // the default at head_dim 64
+    PD_FA_CASE(PD_FA_PP | PD_FA_OVL | PD_FA_RSC | PD_FA_MB | PD_FA_RSE)  // session 15 candidates
+    PD_FA_CASE(PD_FA_PP | PD_FA_OVL | PD_FA_RSC | PD_FA_MB | PD_FA_R240)
+    PD_FA_CASE(PD_FA_PP | PD_FA_OVL | PD_FA_RSC | PD_FA_MB | PD_FA_RSE | PD_FA_R240)
+    PD_FA_CASE(PD_FA_OVL | PD_FA_KVS | PD_FA_RSC | PD_FA_MB | PD_FA_RSE)
+    PD_FA_CASE(PD_FA_OVL | PD_FA_KVS | PD_FA_RSC | PD_FA_MB | PD_FA_R240)
     PD_FA_CASE(PD_FA_PP | PD_FA_OVL | PD_FA_MB)
     PD_FA_CASE(PD_FA_OVL | PD_FA_KVS | PD_FA_MB)
     PD_FA_CASE(PD_FA_PP | PD_FA_OVL)  // session 13's default at head_dim 128
@@ -863,6 +878,8 @@ static void pd_fa_dispatch(const pd_attention_kparams *p, cudaStream_t s, int fl
         PD_FA_CASE(PD_FA_PP | PD_FA_OVL | PD_FA_NOSYNC)
         PD_FA_CASE(PD_FA_PP | PD_FA_OVL | PD_FA_RSC | PD_FA_NOLOAD)
         PD_FA_CASE(PD_FA_PP | PD_FA_OVL | PD_FA_RSC | PD_FA_MB | PD_FA_NOLOAD)
+        PD_FA_CASE(PD_FA_PP | PD_FA_OVL | PD_FA_RSC | PD_FA_MB | PD_FA_RSE | PD_FA_NOLOAD)
+        PD_FA_CASE(PD_FA_PP | PD_FA_OVL | PD_FA_RSC | PD_FA_MB | PD_FA_R240 | PD_FA_NOLOAD)
     }
 #endif
     // The other variants are built without RSC and MB (on by default): those two dropped, then the default
