@@ -66,7 +66,7 @@ struct pd_fa_cfg {
     static constexpr int TILE = PD_FA_BKV * HD * 2;  // bytes of a Q, K or V tile (BQ == BKV)
     static constexpr int CB = PD_FA_BKV * 128;       // bytes of one 64-element column block
     static constexpr int ST = PD_FA_STAGES(HD);
-    static constexpr int SMEM = 1024 + TILE * (1 + 2 * ST) + 8 * (4 * ST + 1);  // KVS: 4 barriers a stage
+    static constexpr int SMEM = 1024 + TILE * (1 + 2 * ST) + 8 * (4 * ST + 2);  // KVS: 4 barriers a stage; Q: 2
 };
 
 // ---- PTX wrappers (sm_90a) ---------------------------------------------------------------------
@@ -201,6 +201,7 @@ static __device__ __forceinline__ void pd_fa_wgmma_rs_n128(float *d, const uint3
 #define PD_FA_RSC 1024  // with OVL: O rescaled only when a row of the warp changed its running max
 #define PD_FA_MB 4096   // the causal mask in its own code path, taken only by tiles that cross the diagonal
 #define PD_FA_RSE 8192  // with OVL: O rescaled at the end of its turn (after the wait for P.V), off the ping-pong's turn
+#define PD_FA_PERS 32768  // persistent blocks (one per SM) over the work items, the ring running on across them
 #define PD_FA_R240 16384  // setmaxnreg 232 for the consumers, 48 for the producer instead of 224 / 56 (24 / 240, 40 / 232 spill)
 // Diagnostics, compiled only with -DPD_FA3_DIAG (a separate op_bench build; the output is wrong):
 #define PD_FA_NOLOAD 8   // the producer copies K/V into the ring's stages once, then none (the consumers alone)
@@ -362,32 +363,52 @@ static __global__ void __launch_bounds__(PD_FA_THREADS, 1)
     // j waits for K alone. The producer issues K_j, arrives on V_{j-1} (landed), issues V_j, arrives
     // on K_j, so full V_{j-1} is always complete when full K_j is.
     constexpr bool KVS = (FL & PD_FA_KVS) && OVL && !TMA && !TMAH && !ROWP && !NOLOAD && !ARV;
+    // PERS (persistent, session 15): one block per SM walks the work items (query tile, sequence, head)
+    // in the longest-first order, snaking (round r takes items r * G + b, or r * G + G - 1 - b on odd
+    // rounds, G blocks), so the rounds' lengths even out. The K/V ring runs on across items (tile count
+    // gt); Q has one buffer with an "empty" barrier the consumers arrive on after their last S of an
+    // item, and the producer issues the next item's first K/V tile before it waits for that, so the
+    // next item's loads overlap the current one's last P.V and output stores (no cold block start).
+    // The default producer (cp.async, one tile behind) and the overlapped consumer only.
+    constexpr bool PERS = (FL & PD_FA_PERS) && OVL && !TMA && !TMAH && !ROWP && !NOLOAD && !NOMATH && !NOSYNC &&
+                          !(FL & PD_FA_ARV) && !(FL & PD_FA_KVS);
     extern __shared__ unsigned char pd_fa_smem[];
     const uint32_t base = (pd_k_smem_u32(pd_fa_smem) + 1023u) & ~1023u;
     const uint32_t sq = base, sk = base + C::TILE, sv = sk + ST * C::TILE, bar = sv + ST * C::TILE;
     // bar + 8 * i: full[i]; bar + 8 * (ST + i): empty[i]; bar + 16 * ST: the Q tile; KVS: those two
     // are K's, and bar + 8 * (2 * ST + 1 + i): V's full[i], bar + 8 * (3 * ST + 1 + i): V's empty[i].
-    const uint32_t barv = bar + 8 * (2 * ST + 1);
+    const uint32_t barv = bar + 8 * (2 * ST + 1), qfull = bar + 16 * ST, qempty = bar + 8 * (4 * ST + 1);
 
-    int per_tile = n_seqs * H, b = blockIdx.x;
-    int qt = n_q_tiles - 1 - b / per_tile;  // longest tiles first
-    int s = (b % per_tile) / H, h = b % H;
-    int q_begin = q_indptr[s], q_len = q_indptr[s + 1] - q_begin;
-    if (q_len <= 1 || qt * PD_FA_BQ >= q_len) return;  // q_len == 1: the decode kernel's
-    int kv_len = kv_lens[s];
-    int row0 = qt * PD_FA_BQ, row_end = min(q_len, row0 + PD_FA_BQ);
-    int pos0 = kv_len - q_len + row0;       // position of tile row 0
-    int kv_end = kv_len - q_len + row_end;  // exclusive bound over the tile's rows
-    int n_tiles = (kv_end + PD_FA_BKV - 1) / PD_FA_BKV;
-    int kvh = h / (H / n_kv);
-    const int32_t *bt = bt_indices + bt_indptr[s];
+    const int per_tile = n_seqs * H, n_items = n_q_tiles * per_tile;
+    int q_begin, q_len, kv_len, row0, row_end, pos0, kv_end, n_tiles, kvh, h;
+    const int32_t *bt;
+    // Work item it: (query tile, sequence, head); false when it has no rows (nothing to do).
+    auto item = [&](int it) {
+        int qt = n_q_tiles - 1 - it / per_tile;  // longest tiles first
+        int s = (it % per_tile) / H;
+        h = it % H;
+        q_begin = q_indptr[s], q_len = q_indptr[s + 1] - q_begin;
+        if (q_len <= 1 || qt * PD_FA_BQ >= q_len) return false;  // q_len == 1: the decode kernel's
+        kv_len = kv_lens[s];
+        row0 = qt * PD_FA_BQ, row_end = min(q_len, row0 + PD_FA_BQ);
+        pos0 = kv_len - q_len + row0;       // position of tile row 0
+        kv_end = kv_len - q_len + row_end;  // exclusive bound over the tile's rows
+        n_tiles = (kv_end + PD_FA_BKV - 1) / PD_FA_BKV;
+        kvh = h / (H / n_kv);
+        bt = bt_indices + bt_indptr[s];
+        return true;
+    };
+    const int NB = PERS ? (int)gridDim.x : 1, n_rounds = PERS ? (n_items + NB - 1) / NB : 1;
+    auto item_of = [&](int r) { return (r & 1) ? r * NB + NB - 1 - (int)blockIdx.x : r * NB + (int)blockIdx.x; };
+    if (!PERS && !item(blockIdx.x)) return;
 
     if (threadIdx.x == 0) {
         for (int i = 0; i < ST; i++) {
             pd_fa_mbar_init(bar + 8 * i, 128);
             pd_fa_mbar_init(bar + 8 * (ST + i), 256);
         }
-        pd_fa_mbar_init(bar + 16 * ST, 128);
+        pd_fa_mbar_init(qfull, 128);
+        pd_fa_mbar_init(qempty, 256);
         for (int i = 0; i < ST && KVS; i++) {
             pd_fa_mbar_init(barv + 8 * i, 128);
             pd_fa_mbar_init(barv + 8 * (ST + i), 256);
@@ -400,6 +421,61 @@ static __global__ void __launch_bounds__(PD_FA_THREADS, 1)
     if (wg == 0) {
         // ---- producer ----
         asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(REG_P));
+        if constexpr (PERS) {
+            // Per item: K/V tile 0, then (after the consumers' "Q empty" of the previous item) Q, then
+            // tiles 1 ..; arrivals one commit group behind as below (tile 0 and Q together with tile 1's issue).
+            constexpr int RS = 128 / CPR, RPT = PD_FA_BKV / RS;
+            const int r0 = tw / CPR, c = tw % CPR;
+            const size_t kv_row = (size_t)n_kv * HD;
+            int gp = 0, n = 0;
+            for (int r = 0; r < n_rounds; r++) {
+                const int it = item_of(r);
+                if (it >= n_items || !item(it)) continue;
+                const size_t kv_col = (size_t)kvh * HD + c * 8;
+                for (int j = 0; j < n_tiles; j++) {
+                    const int g = gp + j, st = g % ST, kv0 = j * PD_FA_BKV;
+                    const uint32_t dk = sk + st * C::TILE, dv = sv + st * C::TILE;
+                    int slot[RPT];
+#pragma unroll
+                    for (int k = 0; k < RPT; k++) {
+                        int pos = kv0 + r0 + k * RS;
+                        int pg = bs_shift >= 0 ? pos >> bs_shift : pos / bs, in = pos - pg * bs;
+                        slot[k] = pos < kv_end ? __ldg(bt + pg) * bs + in : -1;
+                    }
+                    if (g >= ST) pd_fa_mbar_wait(bar + 8 * (ST + st), ((g / ST) - 1) & 1);
+#pragma unroll
+                    for (int k = 0; k < RPT; k++) {
+                        bool ok = slot[k] >= 0;
+                        size_t off = ok ? (size_t)slot[k] * kv_row + kv_col : 0;
+                        uint32_t o = pd_fa_swz(r0 + k * RS, c);
+                        pd_fa_cp16(dk + o, kc + off, ok);
+                        pd_fa_cp16(dv + o, vc + off, ok);
+                    }
+                    pd_k_cp_async_commit();
+                    if (j == 0) {
+                        if (n > 0) pd_fa_mbar_wait(qempty, (n - 1) & 1);  // the previous item's every S is done
+                        for (int i = tw; i < PD_FA_BQ * CPR; i += 128) {
+                            int qr = i / CPR, qc = i % CPR;
+                            bool ok = row0 + qr < q_len;
+                            const __nv_bfloat16 *src =
+                                q + (size_t)(q_begin + (ok ? row0 + qr : 0)) * q_stride + (size_t)h * HD + qc * 8;
+                            pd_fa_cp16(sq + pd_fa_swz(qr, qc), src, ok);
+                        }
+                        pd_k_cp_async_commit();
+                        continue;
+                    }
+                    pd_k_cp_async_wait<1>();  // all but tile g: j == 1: tile g - 1 and Q, else tile g - 1
+                    pd_fa_fence_async();
+                    pd_fa_mbar_arrive(bar + 8 * ((g - 1) % ST));
+                    if (j == 1) pd_fa_mbar_arrive(qfull);
+                }
+                pd_k_cp_async_wait<0>();
+                pd_fa_fence_async();
+                pd_fa_mbar_arrive(bar + 8 * ((gp + n_tiles - 1) % ST));
+                if (n_tiles == 1) pd_fa_mbar_arrive(qfull);
+                gp += n_tiles, n++;
+            }
+        } else {  // one item (the block's)
         for (int i = tw; i < PD_FA_BQ * CPR; i += 128) {
             int r = i / CPR, c = i % CPR;
             bool ok = row0 + r < q_len;
@@ -551,13 +627,22 @@ static __global__ void __launch_bounds__(PD_FA_THREADS, 1)
             pd_fa_fence_async();
             pd_fa_mbar_arrive(bar + 8 * ((n_tiles - 1) % ST));
         }
+        }  // PERS
         return;
     }
 
     // ---- consumers ----
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(REG_C));
-    int cw = wg - 1, warp = tw >> 5, lane = tw & 31, g = lane >> 2, t = lane & 3;
-    int wr = cw * 64 + warp * 16;  // the warp's first row in the tile
+    const int cw = wg - 1, warp = tw >> 5, lane = tw & 31, g = lane >> 2, t = lane & 3;
+    const int wr = cw * 64 + warp * 16;  // the warp's first row in the tile
+    // gt: K/V tiles of the earlier items (PERS: the ring runs on across items; 0 otherwise)
+    int gt_run = 0, n_it = 0;
+    for (int rr = 0; rr < n_rounds; rr++) {
+    if constexpr (PERS) {
+        const int it = item_of(rr);
+        if (it >= n_items || !item(it)) continue;
+    }
+    const int gt = PERS ? gt_run : 0;
     int qpos[2] = {pos0 + wr + g, pos0 + wr + g + 8};
     bool live = row0 + cw * 64 < q_len;
     int last_pos = pos0 + min(cw * 64 + 63, row_end - row0 - 1);  // the warpgroup's last row
@@ -571,7 +656,7 @@ static __global__ void __launch_bounds__(PD_FA_THREADS, 1)
     const uint32_t qa = sq + cw * 64 * 128;  // this warpgroup's 64 rows of Q
     uint32_t pa[PD_FA_BKV / 16][4];
 
-    pd_fa_mbar_wait(bar + 16 * ST, 0);
+    pd_fa_mbar_wait(qfull, PERS ? n_it & 1 : 0);
     if constexpr (ARV) pd_fa_fence_async();
     // PP (ping-pong): the two consumers take turns issuing their products (named barriers 1 and
     // 2, 256 threads: one warpgroup syncs, the other arrives), so one's softmax overlaps the
@@ -592,26 +677,26 @@ static __global__ void __launch_bounds__(PD_FA_THREADS, 1)
         float sc[PD_FA_BKV / 2];
         const int n_comp = NOMATH ? 0 : n_mine;
         if (n_comp > 0) {
-            if (!NOSYNC) pd_fa_mbar_wait(bar, 0);
+            if (!NOSYNC) pd_fa_mbar_wait(bar + 8 * (gt % ST), (gt / ST) & 1);
             if constexpr (ARV) pd_fa_fence_async();
             if (PP) pd_fa_bar_sync(1 + cw);
             pd_fa_pin<PD_FA_BKV / 2>(sc);
             pd_fa_wg_fence();
-            pd_fa_issue_s<HD>(sc, qa, sk);
+            pd_fa_issue_s<HD>(sc, qa, sk + (gt % ST) * C::TILE);
             pd_fa_wg_commit();
             if (PP) pd_fa_bar_arrive(2 - cw);
             pd_fa_wg_wait<0>();
             pd_fa_pin<PD_FA_BKV / 2>(sc);
-            if constexpr (KVS) pd_fa_mbar_arrive(bar + 8 * ST);  // K of tile 0
+            if constexpr (KVS) pd_fa_mbar_arrive(bar + 8 * (ST + gt % ST));  // K of tile 0
             if (!MB || pos0 + wr < PD_FA_BKV - 1) pd_fa_softmax_p<true>(sc, m, l, corr, 0, qpos, t, scale_log2);
             else pd_fa_softmax_p<false>(sc, m, l, corr, 0, qpos, t, scale_log2);
             pd_fa_pack(sc, pa);
             for (int j = 1; j < n_comp; j++) {
-                const int st = j % ST, sp = (j - 1) % ST, kv0 = j * PD_FA_BKV;
-                if (!NOSYNC) pd_fa_mbar_wait(bar + 8 * st, (j / ST) & 1);
+                const int st = (gt + j) % ST, sp = (gt + j - 1) % ST, kv0 = j * PD_FA_BKV;
+                if (!NOSYNC) pd_fa_mbar_wait(bar + 8 * st, ((gt + j) / ST) & 1);
                 if constexpr (ARV) pd_fa_fence_async();
                 if (PP) pd_fa_bar_sync(1 + cw);
-                if (KVS && !NOSYNC) pd_fa_mbar_wait(barv + 8 * sp, ((j - 1) / ST) & 1);  // complete already
+                if (KVS && !NOSYNC) pd_fa_mbar_wait(barv + 8 * sp, ((gt + j - 1) / ST) & 1);  // complete already
                 if (!RSE && (!RSC || __any_sync(0xffffffffu, corr[0] != 1.f || corr[1] != 1.f))) pd_fa_rescale<HD>(o, corr);
                 pd_fa_pin<HD / 2>(o);
                 pd_fa_pin<PD_FA_BKV / 2>(sc);
@@ -635,8 +720,9 @@ static __global__ void __launch_bounds__(PD_FA_THREADS, 1)
                 if (RSE && (!RSC || __any_sync(0xffffffffu, corr[0] != 1.f || corr[1] != 1.f))) pd_fa_rescale<HD>(o, corr);
                 pd_fa_pack(sc, pa);
             }
-            const int sl = (n_comp - 1) % ST;
-            if (KVS && !NOSYNC) pd_fa_mbar_wait(barv + 8 * sl, ((n_comp - 1) / ST) & 1);
+            if constexpr (PERS) pd_fa_mbar_arrive(qempty);  // every S of this warpgroup is done: Q is free
+            const int sl = (gt + n_comp - 1) % ST;
+            if (KVS && !NOSYNC) pd_fa_mbar_wait(barv + 8 * sl, ((gt + n_comp - 1) / ST) & 1);
             // (RSE: done in the last turn; with n_comp == 1, O is still zero)
             if (!RSE && (!RSC || __any_sync(0xffffffffu, corr[0] != 1.f || corr[1] != 1.f))) pd_fa_rescale<HD>(o, corr);
             pd_fa_pin<HD / 2>(o);
@@ -647,24 +733,28 @@ static __global__ void __launch_bounds__(PD_FA_THREADS, 1)
             pd_fa_wg_wait<0>();
             pd_fa_pin<HD / 2>(o);
             pd_fa_mbar_arrive(KVS ? barv + 8 * (ST + sl) : bar + 8 * (ST + sl));
+        } else if (PERS) {
+            pd_fa_mbar_arrive(qempty);
         }
         for (int j = n_comp; j < n_tiles; j++) {
-            const int st = j % ST;
-            if (!NOSYNC) pd_fa_mbar_wait(bar + 8 * st, (j / ST) & 1);
+            const int st = (gt + j) % ST;
+            if (!NOSYNC) pd_fa_mbar_wait(bar + 8 * st, ((gt + j) / ST) & 1);
             if (PP) pd_fa_bar_sync(1 + cw);
             if (PP) pd_fa_bar_arrive(2 - cw);
             pd_fa_mbar_arrive(bar + 8 * (ST + st));
             if constexpr (KVS) {
-                if (!NOSYNC) pd_fa_mbar_wait(barv + 8 * st, (j / ST) & 1);
+                if (!NOSYNC) pd_fa_mbar_wait(barv + 8 * st, ((gt + j) / ST) & 1);
                 pd_fa_mbar_arrive(barv + 8 * (ST + st));
             }
         }
         if (PP && cw == 0) pd_fa_bar_sync(1);  // the second warpgroup's last arrival
+        // PERS: the second warpgroup's first arrival of the next item must not meet its last of this one
+        if (PERS && PP) pd_fa_bar_sync(3);
     }
     for (int j = 0; j < n_tiles && !OVL; j++) {
-        int st = j % ST, kv0 = j * PD_FA_BKV;
+        int st = (gt + j) % ST, kv0 = j * PD_FA_BKV;
         bool pass = PP && !(cw == 1 && j == n_tiles - 1);
-        if (!NOSYNC) pd_fa_mbar_wait(bar + 8 * st, (j / ST) & 1);
+        if (!NOSYNC) pd_fa_mbar_wait(bar + 8 * st, ((gt + j) / ST) & 1);
         if constexpr (ARV) pd_fa_fence_async();
         if (PP) pd_fa_bar_sync(1 + cw);
         if (NOMATH || j >= n_mine) {  // warpgroup-uniform
@@ -710,6 +800,8 @@ static __global__ void __launch_bounds__(PD_FA_THREADS, 1)
         for (int i = 0; i < HD / 8; i++)
             *(uint32_t *)(dst + i * 8 + 2 * t) = pd_k_pack2(o[i * 4 + 2 * r] * l[r], o[i * 4 + 2 * r + 1] * l[r]);
     }
+    gt_run += n_tiles, n_it++;
+    }  // items
 }
 
 // ---- launch ------------------------------------------------------------------------------------
@@ -741,10 +833,10 @@ static int pd_fa_env(const char *name) {  // 1, 0, or -1 when unset; anything el
 }
 static int pd_fa_flags(int hd) {
     static int pp = -2, vn = -2, rowp = -2, tma = -2, ovl = -2, arv = -2, kvs = -2, diag = 0, rsc = -2, mb = -2;
-    static int rse = -2, r240 = -2;
+    static int rse = -2, r240 = -2, pers = -2;
     if (pp == -2) {
         rsc = pd_fa_env("PD_CUDA_FA3_RSC"), mb = pd_fa_env("PD_CUDA_FA3_MB");
-        rse = pd_fa_env("PD_CUDA_FA3_RSE"), r240 = pd_fa_env("PD_CUDA_FA3_R240");
+        rse = pd_fa_env("PD_CUDA_FA3_RSE"), r240 = pd_fa_env("PD_CUDA_FA3_R240"), pers = pd_fa_env("PD_CUDA_FA3_PERS");
         vn = pd_fa_env("PD_CUDA_FA3_VN64"), rowp = pd_fa_env("PD_CUDA_FA3_ROWP");
         tma = pd_k_env_int("PD_CUDA_FA3_TMA", -1, 0, 2);  // 2: TMAH (head_dim 128; the default kernel at 64)
         ovl = pd_fa_env("PD_CUDA_FA3_OVL"), arv = pd_fa_env("PD_CUDA_FA3_ARV"), kvs = pd_fa_env("PD_CUDA_FA3_KVS");
@@ -763,12 +855,13 @@ static int pd_fa_flags(int hd) {
     }
     bool other_producer = rowp == 1 || tma == 1;
     bool use_ovl = ovl < 0 ? !other_producer : ovl == 1, use_arv = arv == 1 && !other_producer;
-    bool use_kvs = use_ovl && !use_arv && !other_producer && !diag && (kvs < 0 ? hd == 64 : kvs == 1);
+    bool use_pers = pers == 1 && use_ovl && !use_arv && !other_producer && tma != 2 && !diag;
+    bool use_kvs = use_ovl && !use_arv && !other_producer && !diag && !use_pers && (kvs < 0 ? hd == 64 : kvs == 1);
     return (rsc != 0 && use_ovl ? PD_FA_RSC : 0) | (mb != 0 ? PD_FA_MB : 0) | ((pp < 0 ? hd == 128 : pp) ? PD_FA_PP : 0) | (vn == 1 && hd == 128 ? PD_FA_VN64 : 0) |
            (rowp == 1 ? PD_FA_ROWP : 0) | (tma == 1 ? PD_FA_TMA : 0) | (tma == 2 && hd == 128 ? PD_FA_TMAH : 0) |
            (use_ovl ? PD_FA_OVL : 0) |
            (use_arv ? PD_FA_ARV : 0) | (use_kvs ? PD_FA_KVS : 0) | (rse == 1 && use_ovl ? PD_FA_RSE : 0) |
-           (r240 == 1 ? PD_FA_R240 : 0) | diag;
+           (r240 == 1 ? PD_FA_R240 : 0) | (use_pers ? PD_FA_PERS : 0) | diag;
 }
 
 template <int HD, int FL>
@@ -781,6 +874,15 @@ static void pd_fa_launch(const pd_attention_kparams *p, cudaStream_t s, const CU
     }
     int n_q_tiles = (p->max_q_len + PD_FA_BQ - 1) / PD_FA_BQ;
     dim3 grid((unsigned)(n_q_tiles * p->n_seqs * p->n_heads));
+    if (FL & PD_FA_PERS) {  // one block per SM (the device's SM count, read once per instantiation)
+        static int n_sm = 0;
+        if (!n_sm) {
+            int dev = 0;
+            cudaGetDevice(&dev);
+            if (cudaDeviceGetAttribute(&n_sm, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess || n_sm < 1) n_sm = 132;
+        }
+        if ((int)grid.x > n_sm) grid.x = (unsigned)n_sm;
+    }
     int bs_shift = -1;  // log2(block_size) when it is a power of two (shifts instead of divisions)
     for (int i = 0; i < 31; i++)
         if (p->block_size == 1 << i) bs_shift = i;
@@ -835,6 +937,9 @@ static void pd_fa_dispatch(const pd_attention_kparams *p, cudaStream_t s, int fl
     PD_FA_CASE(PD_FA_PP | PD_FA_OVL | PD_FA_RSC | PD_FA_MB | PD_FA_RSE | PD_FA_R240)
     PD_FA_CASE(PD_FA_OVL | PD_FA_KVS | PD_FA_RSC | PD_FA_MB | PD_FA_RSE)
     PD_FA_CASE(PD_FA_OVL | PD_FA_KVS | PD_FA_RSC | PD_FA_MB | PD_FA_R240)
+    PD_FA_CASE(PD_FA_PP | PD_FA_OVL | PD_FA_RSC | PD_FA_MB | PD_FA_PERS)
+    PD_FA_CASE(PD_FA_PP | PD_FA_OVL | PD_FA_RSC | PD_FA_MB | PD_FA_PERS | PD_FA_RSE)
+    PD_FA_CASE(PD_FA_OVL | PD_FA_RSC | PD_FA_MB | PD_FA_PERS)
     PD_FA_CASE(PD_FA_PP | PD_FA_OVL | PD_FA_MB)
     PD_FA_CASE(PD_FA_OVL | PD_FA_KVS | PD_FA_MB)
     PD_FA_CASE(PD_FA_PP | PD_FA_OVL)  // session 13's default at head_dim 128
