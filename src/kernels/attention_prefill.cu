@@ -188,6 +188,36 @@ static __device__ __forceinline__ void pd_fa_wgmma_rs_n128(float *d, const uint3
 }
 
 
+// DSC (session 15): the same three wgmmas with the descriptors given as their low words; the high word
+// (stride 1024 bytes, 128-byte swizzle) is the same for every operand here and joins inside the asm. The
+// low word holds the start address >> 4 (14 bits: below 256 KB, so a k-step's offset never carries out)
+// and the leading byte offset: one 32-bit add per k-step instead of 64-bit ones and register moves.
+#define PD_FA_DHI 0x40000040u
+static __device__ __forceinline__ uint32_t pd_fa_dlo(uint32_t addr, uint32_t lbo) {
+    return ((addr & 0x3FFFF) >> 4) | ((lbo >> 4) << 16);
+}
+static __device__ __forceinline__ void pd_fa_wgmma_ss_n128_lo(float *d, uint32_t la, uint32_t lb, int scale_d) {
+    asm volatile(
+        "{\n.reg .pred p;\n.reg .b64 da, db;\nsetp.ne.b32 p, %66, 0;\nmov.b64 da, {%64, %67};\nmov.b64 db, {%65, %67};\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63}, da, db, p, 1, 1, 0, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+        : "r"(la), "r"(lb), "r"(scale_d), "r"(PD_FA_DHI));
+}
+static __device__ __forceinline__ void pd_fa_wgmma_rs_n64_lo(float *d, const uint32_t *a, uint32_t lb) {
+    asm volatile(
+        "{\n.reg .pred p;\n.reg .b64 db;\nsetp.ne.b32 p, %37, 0;\nmov.b64 db, {%36, %38};\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, {%32,%33,%34,%35}, db, p, 1, 1, 1;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(lb), "r"(1), "r"(PD_FA_DHI));
+}
+static __device__ __forceinline__ void pd_fa_wgmma_rs_n128_lo(float *d, const uint32_t *a, uint32_t lb) {
+    asm volatile(
+        "{\n.reg .pred p;\n.reg .b64 db;\nsetp.ne.b32 p, %69, 0;\nmov.b64 db, {%68, %70};\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63}, {%64,%65,%66,%67}, db, p, 1, 1, 1;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(lb), "r"(1), "r"(PD_FA_DHI));
+}
+
 // ---- consumer pieces ---------------------------------------------------------------------------
 
 #define PD_FA_VN64 1  // flags: P.V of head_dim 128 as two n64 wgmmas
@@ -202,7 +232,8 @@ static __device__ __forceinline__ void pd_fa_wgmma_rs_n128(float *d, const uint3
 #define PD_FA_MB 4096   // the causal mask in its own code path, taken only by tiles that cross the diagonal
 #define PD_FA_RSE 8192  // with OVL: O rescaled at the end of its turn (after the wait for P.V), off the ping-pong's turn
 #define PD_FA_PERS 32768  // persistent blocks (one per SM) over the work items, the ring running on across them
-#define PD_FA_R240 16384  // setmaxnreg 232 for the consumers, 48 for the producer instead of 224 / 56 (24 / 240, 40 / 232 spill)
+#define PD_FA_DSC 65536  // wgmma descriptors as 32-bit low words (the high word a constant), built before the handshake
+#define PD_FA_LKF 16384  // the producer's page-table lookups: one load per lane and a shuffle per row (bs >= rows a pass)
 // Diagnostics, compiled only with -DPD_FA3_DIAG (a separate op_bench build; the output is wrong):
 #define PD_FA_NOLOAD 8   // the producer copies K/V into the ring's stages once, then none (the consumers alone)
 #define PD_FA_NOMATH 16  // the consumers compute nothing (the producer's speed alone)
@@ -211,8 +242,17 @@ static __device__ __forceinline__ void pd_fa_wgmma_rs_n128(float *d, const uint3
 // Issues S = Q.K^T (HD / 16 wgmmas, no commit). qa: this warpgroup's 64 Q rows; kt: the K tile.
 // The descriptors are built once per tile; each k-step adds its byte offset / 16 to the start-address
 // field (14 bits: shared-memory addresses stay below 256 KB, so the sum never carries out of it).
-template <int HD>
+// DSC: qa and kt are the descriptors' low words (pd_fa_dlo) instead of addresses.
+template <int HD, bool DSC = false>
 static __device__ __forceinline__ void pd_fa_issue_s(float *sc, uint32_t qa, uint32_t kt) {
+    if constexpr (DSC) {
+#pragma unroll
+        for (int kk = 0; kk < HD / 16; kk++) {
+            uint32_t off = (kk >> 2) * (PD_FA_BKV * 128) + (kk & 3) * 32;
+            pd_fa_wgmma_ss_n128_lo(sc, qa + (off >> 4), kt + (off >> 4), kk > 0);
+        }
+        return;
+    }
     const uint64_t dq = pd_fa_desc(qa, 16), dk = pd_fa_desc(kt, 16);
 #pragma unroll
     for (int kk = 0; kk < HD / 16; kk++) {
@@ -222,9 +262,24 @@ static __device__ __forceinline__ void pd_fa_issue_s(float *sc, uint32_t qa, uin
 }
 
 // Issues O += P.V (BKV / 16 k-steps, no commit).
-template <int HD, bool VN64>
+// DSC: vt is the descriptor's low word (pd_fa_dlo(address, CB)).
+template <int HD, bool VN64, bool DSC = false>
 static __device__ __forceinline__ void pd_fa_issue_pv(float *o, const uint32_t (*pa)[4], uint32_t vt) {
     constexpr uint32_t CB = PD_FA_BKV * 128;
+    if constexpr (DSC) {
+#pragma unroll
+        for (int kk = 0; kk < PD_FA_BKV / 16; kk++) {
+            if constexpr (HD == 64) {
+                pd_fa_wgmma_rs_n64_lo(o, pa[kk], vt + kk * (2048 >> 4));
+            } else if constexpr (VN64) {
+                pd_fa_wgmma_rs_n64_lo(o, pa[kk], vt + kk * (2048 >> 4));
+                pd_fa_wgmma_rs_n64_lo(o + 32, pa[kk], vt + ((CB + kk * 2048) >> 4));
+            } else {
+                pd_fa_wgmma_rs_n128_lo(o, pa[kk], vt + kk * (2048 >> 4));
+            }
+        }
+        return;
+    }
     const uint64_t dv = pd_fa_desc(vt, CB);
 #pragma unroll
     for (int kk = 0; kk < PD_FA_BKV / 16; kk++) {
@@ -330,6 +385,46 @@ static __device__ __forceinline__ void pd_fa_rescale(float *o, const float *corr
     }
 }
 
+// The cache slots of the RPT rows r0 + k * RS (k < RPT) of the K/V tile at kv0 (-1 past kv_end: zero
+// fill), one page-table load per row (issued together, before the wait for the stage).
+template <int RPT, int RS>
+static __device__ __forceinline__ void pd_fa_lookup(int *slot, const int32_t *bt, int kv0, int r0, int kv_end, int bs,
+                                                    int bs_shift) {
+#pragma unroll
+    for (int k = 0; k < RPT; k++) {
+        int pos = kv0 + r0 + k * RS;
+        int pg = bs_shift >= 0 ? pos >> bs_shift : pos / bs, in = pos - pg * bs;
+        slot[k] = pos < kv_end ? __ldg(bt + pg) * bs + in : -1;
+    }
+}
+
+// LKF (session 15; block_size a power of two with RS <= bs <= 128, so a row's page does not depend on
+// r0 < RS and a tile holds 128 / bs pages): lane i loads page i of the tile (pd_fa_page_lane, before the
+// wait for the stage), and each row takes its page from that lane by a shuffle while its copies are
+// issued (pd_fa_copy_lkf), with no branch and no array of slots. The per-row loads of pd_fa_lookup,
+// with their dependent address arithmetic under branches, made ptxas wait for each load in turn: the
+// producer was latency-bound there and the consumers waited for its tiles (ncu, session 15).
+static __device__ __forceinline__ int pd_fa_page_lane(const int32_t *bt, int kv0, int kv_end, int bs_shift) {
+    const int lane = threadIdx.x & 31, pg0 = kv0 >> bs_shift;
+    const bool has = lane < (PD_FA_BKV >> bs_shift) && ((pg0 + lane) << bs_shift) < kv_end;
+    return has ? __ldg(bt + pg0 + lane) : 0;
+}
+template <int RPT, int RS, bool DK, bool DV>
+static __device__ __forceinline__ void pd_fa_copy_lkf(uint32_t dk, uint32_t dv, const __nv_bfloat16 *kc,
+                                                      const __nv_bfloat16 *vc, int mine, int kv0, int r0, int c,
+                                                      int kv_end, int bs, int bs_shift, size_t kv_row, size_t kv_col) {
+    // (4 rows at a time: unrolled whole, ptxas hoists every shuffle and address and spills at 56 registers)
+#pragma unroll 4
+    for (int k = 0; k < RPT; k++) {
+        const int pg = __shfl_sync(0xffffffffu, mine, (k * RS) >> bs_shift);
+        const bool ok = kv0 + r0 + k * RS < kv_end;
+        const size_t off = ok ? (size_t)((pg << bs_shift) + ((k * RS) & (bs - 1)) + r0) * kv_row + kv_col : 0;
+        const uint32_t o = pd_fa_swz(r0 + k * RS, c);
+        if (DK) pd_fa_cp16(dk + o, kc + off, ok);
+        if (DV) pd_fa_cp16(dv + o, vc + off, ok);
+    }
+}
+
 // ---- the kernel --------------------------------------------------------------------------------
 
 template <int HD, int FL>
@@ -346,7 +441,8 @@ static __global__ void __launch_bounds__(PD_FA_THREADS, 1)
     constexpr bool NOLOAD = FL & PD_FA_NOLOAD, NOMATH = FL & PD_FA_NOMATH, TMA = FL & PD_FA_TMA, OVL = FL & PD_FA_OVL;
     constexpr bool NOSYNC = FL & PD_FA_NOSYNC, RSC = (FL & PD_FA_RSC) && OVL, MB = FL & PD_FA_MB;
     constexpr bool RSE = (FL & PD_FA_RSE) && OVL;
-    constexpr int REG_P = (FL & PD_FA_R240) ? 48 : PD_FA_REG_P, REG_C = (FL & PD_FA_R240) ? 232 : PD_FA_REG_C;
+    constexpr bool DSC = (FL & PD_FA_DSC) && OVL;
+    constexpr int REG_P = PD_FA_REG_P, REG_C = PD_FA_REG_C;
     // TMAH (PD_CUDA_FA3_TMA=2): a K/V tile whose 128 positions fill consecutive whole pages comes by
     // TMA (one 128-row box per 64-column block of K and of V: 4 boxes at head_dim 128), any other
     // tile by the default producer's cp.async (no per-page boxes, which made TMA slower on scattered
@@ -421,6 +517,8 @@ static __global__ void __launch_bounds__(PD_FA_THREADS, 1)
     if (wg == 0) {
         // ---- producer ----
         asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(REG_P));
+        // LKF: the lane-parallel lookups (their conditions; 128 / CPR rows a pass)
+        const bool lkf = (FL & PD_FA_LKF) && bs_shift >= 0 && bs >= 128 / CPR && bs <= PD_FA_BKV;
         if constexpr (PERS) {
             // Per item: K/V tile 0, then (after the consumers' "Q empty" of the previous item) Q, then
             // tiles 1 ..; arrivals one commit group behind as below (tile 0 and Q together with tile 1's issue).
@@ -435,21 +533,21 @@ static __global__ void __launch_bounds__(PD_FA_THREADS, 1)
                 for (int j = 0; j < n_tiles; j++) {
                     const int g = gp + j, st = g % ST, kv0 = j * PD_FA_BKV;
                     const uint32_t dk = sk + st * C::TILE, dv = sv + st * C::TILE;
-                    int slot[RPT];
-#pragma unroll
-                    for (int k = 0; k < RPT; k++) {
-                        int pos = kv0 + r0 + k * RS;
-                        int pg = bs_shift >= 0 ? pos >> bs_shift : pos / bs, in = pos - pg * bs;
-                        slot[k] = pos < kv_end ? __ldg(bt + pg) * bs + in : -1;
-                    }
+                    int slot[RPT], mine = 0;
+                    if (lkf) mine = pd_fa_page_lane(bt, kv0, kv_end, bs_shift);
+                    else pd_fa_lookup<RPT, RS>(slot, bt, kv0, r0, kv_end, bs, bs_shift);
                     if (g >= ST) pd_fa_mbar_wait(bar + 8 * (ST + st), ((g / ST) - 1) & 1);
+                    if (lkf) {
+                        pd_fa_copy_lkf<RPT, RS, true, true>(dk, dv, kc, vc, mine, kv0, r0, c, kv_end, bs, bs_shift, kv_row, kv_col);
+                    } else {
 #pragma unroll
-                    for (int k = 0; k < RPT; k++) {
-                        bool ok = slot[k] >= 0;
-                        size_t off = ok ? (size_t)slot[k] * kv_row + kv_col : 0;
-                        uint32_t o = pd_fa_swz(r0 + k * RS, c);
-                        pd_fa_cp16(dk + o, kc + off, ok);
-                        pd_fa_cp16(dv + o, vc + off, ok);
+                        for (int k = 0; k < RPT; k++) {
+                            bool ok = slot[k] >= 0;
+                            size_t off = ok ? (size_t)slot[k] * kv_row + kv_col : 0;
+                            uint32_t o = pd_fa_swz(r0 + k * RS, c);
+                            pd_fa_cp16(dk + o, kc + off, ok);
+                            pd_fa_cp16(dv + o, vc + off, ok);
+                        }
                     }
                     pd_k_cp_async_commit();
                     if (j == 0) {
@@ -495,27 +593,31 @@ static __global__ void __launch_bounds__(PD_FA_THREADS, 1)
             for (int j = 0; j < n_tiles; j++) {
                 int st = j % ST, kv0 = j * PD_FA_BKV, ph = ((j / ST) - 1) & 1;
                 uint32_t dk = sk + st * C::TILE, dv = sv + st * C::TILE;
-                int slot[RPT];
-#pragma unroll
-                for (int k = 0; k < RPT; k++) {
-                    int pos = kv0 + r0 + k * RS;
-                    int pg = bs_shift >= 0 ? pos >> bs_shift : pos / bs, in = pos - pg * bs;
-                    slot[k] = pos < kv_end ? __ldg(bt + pg) * bs + in : -1;
-                }
+                int slot[RPT], mine = 0;
+                if (lkf) mine = pd_fa_page_lane(bt, kv0, kv_end, bs_shift);
+                else pd_fa_lookup<RPT, RS>(slot, bt, kv0, r0, kv_end, bs, bs_shift);
                 if (j >= ST && !NOSYNC) pd_fa_mbar_wait(bar + 8 * (ST + st), ph);
+                if (lkf) {
+                    pd_fa_copy_lkf<RPT, RS, true, false>(dk, dv, kc, vc, mine, kv0, r0, c, kv_end, bs, bs_shift, kv_row, kv_col);
+                } else {
 #pragma unroll
-                for (int k = 0; k < RPT; k++)
-                    pd_fa_cp16(dk + pd_fa_swz(r0 + k * RS, c), kc + (slot[k] >= 0 ? (size_t)slot[k] * kv_row + kv_col : 0),
-                               slot[k] >= 0);
+                    for (int k = 0; k < RPT; k++)
+                        pd_fa_cp16(dk + pd_fa_swz(r0 + k * RS, c),
+                                   kc + (slot[k] >= 0 ? (size_t)slot[k] * kv_row + kv_col : 0), slot[k] >= 0);
+                }
                 pd_k_cp_async_commit();
                 pd_k_cp_async_wait<1>();  // all but K_j: the Q tile (j == 0) or V_{j-1}
                 pd_fa_fence_async();
                 pd_fa_mbar_arrive(j == 0 ? bar + 16 * ST : barv + 8 * ((j - 1) % ST));
                 if (j >= ST && !NOSYNC) pd_fa_mbar_wait(barv + 8 * (ST + st), ph);
+                if (lkf) {
+                    pd_fa_copy_lkf<RPT, RS, false, true>(dk, dv, kc, vc, mine, kv0, r0, c, kv_end, bs, bs_shift, kv_row, kv_col);
+                } else {
 #pragma unroll
-                for (int k = 0; k < RPT; k++)
-                    pd_fa_cp16(dv + pd_fa_swz(r0 + k * RS, c), vc + (slot[k] >= 0 ? (size_t)slot[k] * kv_row + kv_col : 0),
-                               slot[k] >= 0);
+                    for (int k = 0; k < RPT; k++)
+                        pd_fa_cp16(dv + pd_fa_swz(r0 + k * RS, c),
+                                   vc + (slot[k] >= 0 ? (size_t)slot[k] * kv_row + kv_col : 0), slot[k] >= 0);
+                }
                 pd_k_cp_async_commit();
                 pd_k_cp_async_wait<1>();  // all but V_j: K_j
                 pd_fa_fence_async();
@@ -594,23 +696,25 @@ static __global__ void __launch_bounds__(PD_FA_THREADS, 1)
                         pd_fa_cp16(dv + o, vc + off, ok);
                     }
                 } else {
-                    int slot[RPT];
-#pragma unroll
-                    for (int k = 0; k < RPT; k++) {
-                        int pos = kv0 + r0 + k * RS;
-                        int pg = bs_shift >= 0 ? pos >> bs_shift : pos / bs, in = pos - pg * bs;
-                        slot[k] = pos < kv_end ? __ldg(bt + pg) * bs + in : -1;
-                    }
+                    int slot[RPT], mine = 0;
+                    if (lkf) mine = pd_fa_page_lane(bt, kv0, kv_end, bs_shift);
+                    else pd_fa_lookup<RPT, RS>(slot, bt, kv0, r0, kv_end, bs, bs_shift);
                     if (j >= ST && !NOSYNC) pd_fa_mbar_wait(bar + 8 * (ST + st), ((j / ST) - 1) & 1);
                     // NOLOAD (diag): the ring's first ST tiles are copied (real data in every stage: the
                     // tensor cores' power, and so the clock, depend on it), later tiles only pass the barriers
+                    if (lkf) {
+                        if (!NOLOAD || j < ST)
+                            pd_fa_copy_lkf<RPT, RS, true, true>(dk, dv, kc, vc, mine, kv0, r0, c, kv_end, bs, bs_shift,
+                                                                kv_row, kv_col);
+                    } else {
 #pragma unroll
-                    for (int k = 0; k < RPT && (!NOLOAD || j < ST); k++) {
-                        bool ok = slot[k] >= 0;
-                        size_t off = ok ? (size_t)slot[k] * kv_row + kv_col : 0;
-                        uint32_t o = pd_fa_swz(r0 + k * RS, c);
-                        pd_fa_cp16(dk + o, kc + off, ok);
-                        pd_fa_cp16(dv + o, vc + off, ok);
+                        for (int k = 0; k < RPT && (!NOLOAD || j < ST); k++) {
+                            bool ok = slot[k] >= 0;
+                            size_t off = ok ? (size_t)slot[k] * kv_row + kv_col : 0;
+                            uint32_t o = pd_fa_swz(r0 + k * RS, c);
+                            pd_fa_cp16(dk + o, kc + off, ok);
+                            pd_fa_cp16(dv + o, vc + off, ok);
+                        }
                     }
                 }
                 pd_k_cp_async_commit();
@@ -682,7 +786,8 @@ static __global__ void __launch_bounds__(PD_FA_THREADS, 1)
             if (PP) pd_fa_bar_sync(1 + cw);
             pd_fa_pin<PD_FA_BKV / 2>(sc);
             pd_fa_wg_fence();
-            pd_fa_issue_s<HD>(sc, qa, sk + (gt % ST) * C::TILE);
+            if constexpr (DSC) pd_fa_issue_s<HD, true>(sc, pd_fa_dlo(qa, 16), pd_fa_dlo(sk + (gt % ST) * C::TILE, 16));
+            else pd_fa_issue_s<HD>(sc, qa, sk + (gt % ST) * C::TILE);
             pd_fa_wg_commit();
             if (PP) pd_fa_bar_arrive(2 - cw);
             pd_fa_wg_wait<0>();
@@ -693,6 +798,10 @@ static __global__ void __launch_bounds__(PD_FA_THREADS, 1)
             pd_fa_pack(sc, pa);
             for (int j = 1; j < n_comp; j++) {
                 const int st = (gt + j) % ST, sp = (gt + j - 1) % ST, kv0 = j * PD_FA_BKV;
+                // DSC: the descriptors' low words now, pinned, so that the handshake's turn holds only the wgmmas
+                uint32_t ql = pd_fa_dlo(qa, 16), kl = pd_fa_dlo(sk + st * C::TILE, 16);
+                uint32_t vl = pd_fa_dlo(sv + sp * C::TILE, PD_FA_BKV * 128);
+                if constexpr (DSC) asm volatile("" : "+r"(ql), "+r"(kl), "+r"(vl)::"memory");
                 if (!NOSYNC) pd_fa_mbar_wait(bar + 8 * st, ((gt + j) / ST) & 1);
                 if constexpr (ARV) pd_fa_fence_async();
                 if (PP) pd_fa_bar_sync(1 + cw);
@@ -702,9 +811,11 @@ static __global__ void __launch_bounds__(PD_FA_THREADS, 1)
                 pd_fa_pin<PD_FA_BKV / 2>(sc);
                 pd_fa_pin_u<PD_FA_BKV / 16>(pa);
                 pd_fa_wg_fence();
-                pd_fa_issue_s<HD>(sc, qa, sk + st * C::TILE);
+                if constexpr (DSC) pd_fa_issue_s<HD, true>(sc, ql, kl);
+                else pd_fa_issue_s<HD>(sc, qa, sk + st * C::TILE);
                 pd_fa_wg_commit();
-                pd_fa_issue_pv<HD, VN64>(o, pa, sv + sp * C::TILE);
+                if constexpr (DSC) pd_fa_issue_pv<HD, VN64, true>(o, pa, vl);
+                else pd_fa_issue_pv<HD, VN64>(o, pa, sv + sp * C::TILE);
                 pd_fa_wg_commit();
                 if (PP) pd_fa_bar_arrive(2 - cw);
                 pd_fa_wg_wait<1>();
@@ -728,7 +839,8 @@ static __global__ void __launch_bounds__(PD_FA_THREADS, 1)
             pd_fa_pin<HD / 2>(o);
             pd_fa_pin_u<PD_FA_BKV / 16>(pa);
             pd_fa_wg_fence();
-            pd_fa_issue_pv<HD, VN64>(o, pa, sv + sl * C::TILE);
+            if constexpr (DSC) pd_fa_issue_pv<HD, VN64, true>(o, pa, pd_fa_dlo(sv + sl * C::TILE, PD_FA_BKV * 128));
+            else pd_fa_issue_pv<HD, VN64>(o, pa, sv + sl * C::TILE);
             pd_fa_wg_commit();
             pd_fa_wg_wait<0>();
             pd_fa_pin<HD / 2>(o);
@@ -833,10 +945,10 @@ static int pd_fa_env(const char *name) {  // 1, 0, or -1 when unset; anything el
 }
 static int pd_fa_flags(int hd) {
     static int pp = -2, vn = -2, rowp = -2, tma = -2, ovl = -2, arv = -2, kvs = -2, diag = 0, rsc = -2, mb = -2;
-    static int rse = -2, r240 = -2, pers = -2;
+    static int rse = -2, lkf = -2, pers = -2, dsc = -2;
     if (pp == -2) {
         rsc = pd_fa_env("PD_CUDA_FA3_RSC"), mb = pd_fa_env("PD_CUDA_FA3_MB");
-        rse = pd_fa_env("PD_CUDA_FA3_RSE"), r240 = pd_fa_env("PD_CUDA_FA3_R240"), pers = pd_fa_env("PD_CUDA_FA3_PERS");
+        rse = pd_fa_env("PD_CUDA_FA3_RSE"), lkf = pd_fa_env("PD_CUDA_FA3_LKF"), dsc = pd_fa_env("PD_CUDA_FA3_DSC"), pers = pd_fa_env("PD_CUDA_FA3_PERS");
         vn = pd_fa_env("PD_CUDA_FA3_VN64"), rowp = pd_fa_env("PD_CUDA_FA3_ROWP");
         tma = pd_k_env_int("PD_CUDA_FA3_TMA", -1, 0, 2);  // 2: TMAH (head_dim 128; the default kernel at 64)
         ovl = pd_fa_env("PD_CUDA_FA3_OVL"), arv = pd_fa_env("PD_CUDA_FA3_ARV"), kvs = pd_fa_env("PD_CUDA_FA3_KVS");
@@ -860,8 +972,8 @@ static int pd_fa_flags(int hd) {
     return (rsc != 0 && use_ovl ? PD_FA_RSC : 0) | (mb != 0 ? PD_FA_MB : 0) | ((pp < 0 ? hd == 128 : pp) ? PD_FA_PP : 0) | (vn == 1 && hd == 128 ? PD_FA_VN64 : 0) |
            (rowp == 1 ? PD_FA_ROWP : 0) | (tma == 1 ? PD_FA_TMA : 0) | (tma == 2 && hd == 128 ? PD_FA_TMAH : 0) |
            (use_ovl ? PD_FA_OVL : 0) |
-           (use_arv ? PD_FA_ARV : 0) | (use_kvs ? PD_FA_KVS : 0) | (rse == 1 && use_ovl ? PD_FA_RSE : 0) |
-           (r240 == 1 ? PD_FA_R240 : 0) | (use_pers ? PD_FA_PERS : 0) | diag;
+           (use_arv ? PD_FA_ARV : 0) | (use_kvs ? PD_FA_KVS : 0) | (rse != 0 && use_ovl ? PD_FA_RSE : 0) |
+           (lkf == 1 ? PD_FA_LKF : 0) | (dsc == 1 && use_ovl ? PD_FA_DSC : 0) | (use_pers ? PD_FA_PERS : 0) | diag;
 }
 
 template <int HD, int FL>
@@ -930,16 +1042,22 @@ static bool pd_fa_tensor_maps(const pd_attention_kparams *p, CUtensorMap tm[4]) 
 // The instantiated flag sets; anything else runs the default.
 template <int HD>
 static void pd_fa_dispatch(const pd_attention_kparams *p, cudaStream_t s, int fl, const CUtensorMap *tm) {
-    PD_FA_CASE(PD_FA_PP | PD_FA_OVL | PD_FA_RSC | PD_FA_MB)  // the default at head_dim 128
-    PD_FA_CASE(PD_FA_OVL | PD_FA_KVS | PD_FA_RSC | PD_FA_MB)  // the default at head_dim 64
-    PD_FA_CASE(PD_FA_PP | PD_FA_OVL | PD_FA_RSC | PD_FA_MB | PD_FA_RSE)  // session 15 candidates
-    PD_FA_CASE(PD_FA_PP | PD_FA_OVL | PD_FA_RSC | PD_FA_MB | PD_FA_R240)
-    PD_FA_CASE(PD_FA_PP | PD_FA_OVL | PD_FA_RSC | PD_FA_MB | PD_FA_RSE | PD_FA_R240)
-    PD_FA_CASE(PD_FA_OVL | PD_FA_KVS | PD_FA_RSC | PD_FA_MB | PD_FA_RSE)
-    PD_FA_CASE(PD_FA_OVL | PD_FA_KVS | PD_FA_RSC | PD_FA_MB | PD_FA_R240)
-    PD_FA_CASE(PD_FA_PP | PD_FA_OVL | PD_FA_RSC | PD_FA_MB | PD_FA_PERS)
-    PD_FA_CASE(PD_FA_PP | PD_FA_OVL | PD_FA_RSC | PD_FA_MB | PD_FA_PERS | PD_FA_RSE)
-    PD_FA_CASE(PD_FA_OVL | PD_FA_RSC | PD_FA_MB | PD_FA_PERS)
+    PD_FA_CASE(PD_FA_PP | PD_FA_OVL | PD_FA_RSC | PD_FA_MB | PD_FA_RSE)  // the default at head_dim 128
+    PD_FA_CASE(PD_FA_OVL | PD_FA_KVS | PD_FA_RSC | PD_FA_MB | PD_FA_RSE)  // the default at head_dim 64
+    PD_FA_CASE(PD_FA_PP | PD_FA_OVL | PD_FA_RSC | PD_FA_MB)  // session 14's defaults (PD_CUDA_FA3_RSE=0)
+    PD_FA_CASE(PD_FA_OVL | PD_FA_KVS | PD_FA_RSC | PD_FA_MB)
+    // session 15 candidates
+#define PD_FA_S15(F)                                                     \
+    PD_FA_CASE(PD_FA_PP | PD_FA_OVL | PD_FA_RSC | PD_FA_MB | PD_FA_RSE | (F)) \
+    PD_FA_CASE(PD_FA_OVL | PD_FA_KVS | PD_FA_RSC | PD_FA_MB | PD_FA_RSE | (F))
+    PD_FA_S15(PD_FA_LKF)
+    PD_FA_S15(PD_FA_DSC)
+    PD_FA_S15(PD_FA_LKF | PD_FA_DSC)
+#undef PD_FA_S15
+    PD_FA_CASE(PD_FA_PP | PD_FA_OVL | PD_FA_RSC | PD_FA_MB | PD_FA_RSE | PD_FA_LKF | PD_FA_DSC | PD_FA_PERS)
+    PD_FA_CASE(PD_FA_OVL | PD_FA_RSC | PD_FA_MB | PD_FA_RSE | PD_FA_LKF | PD_FA_DSC | PD_FA_PERS)
+    PD_FA_CASE(PD_FA_PP | PD_FA_OVL | PD_FA_RSC | PD_FA_MB | PD_FA_RSE | PD_FA_PERS)
+    PD_FA_CASE(PD_FA_PP | PD_FA_OVL | PD_FA_RSC | PD_FA_MB | PD_FA_RSE | PD_FA_LKF | PD_FA_DSC | PD_FA_ARV)
     PD_FA_CASE(PD_FA_PP | PD_FA_OVL | PD_FA_MB)
     PD_FA_CASE(PD_FA_OVL | PD_FA_KVS | PD_FA_MB)
     PD_FA_CASE(PD_FA_PP | PD_FA_OVL)  // session 13's default at head_dim 128
@@ -984,7 +1102,9 @@ static void pd_fa_dispatch(const pd_attention_kparams *p, cudaStream_t s, int fl
         PD_FA_CASE(PD_FA_PP | PD_FA_OVL | PD_FA_RSC | PD_FA_NOLOAD)
         PD_FA_CASE(PD_FA_PP | PD_FA_OVL | PD_FA_RSC | PD_FA_MB | PD_FA_NOLOAD)
         PD_FA_CASE(PD_FA_PP | PD_FA_OVL | PD_FA_RSC | PD_FA_MB | PD_FA_RSE | PD_FA_NOLOAD)
-        PD_FA_CASE(PD_FA_PP | PD_FA_OVL | PD_FA_RSC | PD_FA_MB | PD_FA_R240 | PD_FA_NOLOAD)
+        PD_FA_CASE(PD_FA_PP | PD_FA_OVL | PD_FA_RSC | PD_FA_MB | PD_FA_RSE | PD_FA_DSC | PD_FA_NOLOAD)
+        PD_FA_CASE(PD_FA_PP | PD_FA_OVL | PD_FA_RSC | PD_FA_MB | PD_FA_RSE | PD_FA_NOMATH)
+        PD_FA_CASE(PD_FA_PP | PD_FA_OVL | PD_FA_RSC | PD_FA_MB | PD_FA_RSE | PD_FA_LKF | PD_FA_NOMATH)
     }
 #endif
     // The other variants are built without RSC and MB (on by default): those two dropped, then the default
@@ -997,7 +1117,8 @@ static void pd_fa_dispatch(const pd_attention_kparams *p, cudaStream_t s, int fl
         fprintf(stderr, "pdserve: prefill attention: the PD_CUDA_FA3_* combination (flags 0x%x) is not built: the default "
                         "kernel runs\n", fl);
     warned = true;
-    pd_fa_launch<HD, HD == 128 ? PD_FA_PP | PD_FA_OVL | PD_FA_RSC | PD_FA_MB : PD_FA_OVL | PD_FA_KVS | PD_FA_RSC | PD_FA_MB>(p, s, tm);
+    pd_fa_launch<HD, HD == 128 ? PD_FA_PP | PD_FA_OVL | PD_FA_RSC | PD_FA_MB | PD_FA_RSE
+                               : PD_FA_OVL | PD_FA_KVS | PD_FA_RSC | PD_FA_MB | PD_FA_RSE>(p, s, tm);
 }
 
 extern "C" int pd_cuda_attn_prefill_fa3(const pd_attention_kparams *p, cudaStream_t s) {
