@@ -467,7 +467,7 @@ static __global__ void __launch_bounds__(PD_FA_THREADS, 1)
     // next item's loads overlap the current one's last P.V and output stores (no cold block start).
     // The default producer (cp.async, one tile behind) and the overlapped consumer only.
     constexpr bool PERS = (FL & PD_FA_PERS) && OVL && !TMA && !TMAH && !ROWP && !NOLOAD && !NOMATH && !NOSYNC &&
-                          !(FL & PD_FA_ARV) && !(FL & PD_FA_KVS);
+                          !(FL & PD_FA_KVS);
     extern __shared__ unsigned char pd_fa_smem[];
     const uint32_t base = (pd_k_smem_u32(pd_fa_smem) + 1023u) & ~1023u;
     const uint32_t sq = base, sk = base + C::TILE, sv = sk + ST * C::TILE, bar = sv + ST * C::TILE;
@@ -550,6 +550,7 @@ static __global__ void __launch_bounds__(PD_FA_THREADS, 1)
                         }
                     }
                     pd_k_cp_async_commit();
+                    if constexpr (ARV) pd_fa_cp_arrive(bar + 8 * st);  // (ARV: each group arrives as it lands)
                     if (j == 0) {
                         if (n > 0) pd_fa_mbar_wait(qempty, (n - 1) & 1);  // the previous item's every S is done
                         for (int i = tw; i < PD_FA_BQ * CPR; i += 128) {
@@ -560,19 +561,24 @@ static __global__ void __launch_bounds__(PD_FA_THREADS, 1)
                             pd_fa_cp16(sq + pd_fa_swz(qr, qc), src, ok);
                         }
                         pd_k_cp_async_commit();
+                        if constexpr (ARV) pd_fa_cp_arrive(qfull);
                         continue;
                     }
+                    if constexpr (ARV) continue;
                     pd_k_cp_async_wait<1>();  // all but tile g: j == 1: tile g - 1 and Q, else tile g - 1
                     pd_fa_fence_async();
                     pd_fa_mbar_arrive(bar + 8 * ((g - 1) % ST));
                     if (j == 1) pd_fa_mbar_arrive(qfull);
                 }
-                pd_k_cp_async_wait<0>();
-                pd_fa_fence_async();
-                pd_fa_mbar_arrive(bar + 8 * ((gp + n_tiles - 1) % ST));
-                if (n_tiles == 1) pd_fa_mbar_arrive(qfull);
+                if constexpr (!ARV) {
+                    pd_k_cp_async_wait<0>();
+                    pd_fa_fence_async();
+                    pd_fa_mbar_arrive(bar + 8 * ((gp + n_tiles - 1) % ST));
+                    if (n_tiles == 1) pd_fa_mbar_arrive(qfull);
+                }
                 gp += n_tiles, n++;
             }
+            if constexpr (ARV) pd_k_cp_async_wait<0>();
         } else {  // one item (the block's)
         for (int i = tw; i < PD_FA_BQ * CPR; i += 128) {
             int r = i / CPR, c = i % CPR;
@@ -966,14 +972,15 @@ static int pd_fa_flags(int hd) {
         pp = pd_fa_env("PD_CUDA_FA3_PP");
     }
     bool other_producer = rowp == 1 || tma == 1;
-    bool use_ovl = ovl < 0 ? !other_producer : ovl == 1, use_arv = arv == 1 && !other_producer;
-    bool use_pers = pers == 1 && use_ovl && !use_arv && !other_producer && tma != 2 && !diag;
+    bool use_ovl = ovl < 0 ? !other_producer : ovl == 1;
+    bool use_arv = (arv < 0 ? hd == 128 : arv == 1) && !other_producer && tma != 2;
+    bool use_pers = pers == 1 && use_ovl && !other_producer && tma != 2 && !diag;
     bool use_kvs = use_ovl && !use_arv && !other_producer && !diag && !use_pers && (kvs < 0 ? hd == 64 : kvs == 1);
     return (rsc != 0 && use_ovl ? PD_FA_RSC : 0) | (mb != 0 ? PD_FA_MB : 0) | ((pp < 0 ? hd == 128 : pp) ? PD_FA_PP : 0) | (vn == 1 && hd == 128 ? PD_FA_VN64 : 0) |
            (rowp == 1 ? PD_FA_ROWP : 0) | (tma == 1 ? PD_FA_TMA : 0) | (tma == 2 && hd == 128 ? PD_FA_TMAH : 0) |
            (use_ovl ? PD_FA_OVL : 0) |
            (use_arv ? PD_FA_ARV : 0) | (use_kvs ? PD_FA_KVS : 0) | (rse != 0 && use_ovl ? PD_FA_RSE : 0) |
-           (lkf == 1 ? PD_FA_LKF : 0) | (dsc == 1 && use_ovl ? PD_FA_DSC : 0) | (use_pers ? PD_FA_PERS : 0) | diag;
+           ((lkf < 0 ? hd == 128 : lkf == 1) && !other_producer && tma != 2 ? PD_FA_LKF : 0) | (dsc == 1 && use_ovl ? PD_FA_DSC : 0) | (use_pers ? PD_FA_PERS : 0) | diag;
 }
 
 template <int HD, int FL>
@@ -1042,22 +1049,22 @@ static bool pd_fa_tensor_maps(const pd_attention_kparams *p, CUtensorMap tm[4]) 
 // The instantiated flag sets; anything else runs the default.
 template <int HD>
 static void pd_fa_dispatch(const pd_attention_kparams *p, cudaStream_t s, int fl, const CUtensorMap *tm) {
-    PD_FA_CASE(PD_FA_PP | PD_FA_OVL | PD_FA_RSC | PD_FA_MB | PD_FA_RSE)  // the default at head_dim 128
+    PD_FA_CASE(PD_FA_PP | PD_FA_OVL | PD_FA_RSC | PD_FA_MB | PD_FA_RSE | PD_FA_ARV | PD_FA_LKF)  // default, hd 128
     PD_FA_CASE(PD_FA_OVL | PD_FA_KVS | PD_FA_RSC | PD_FA_MB | PD_FA_RSE)  // the default at head_dim 64
-    PD_FA_CASE(PD_FA_PP | PD_FA_OVL | PD_FA_RSC | PD_FA_MB)  // session 14's defaults (PD_CUDA_FA3_RSE=0)
+    PD_FA_CASE(PD_FA_PP | PD_FA_OVL | PD_FA_RSC | PD_FA_MB)  // session 14's defaults
     PD_FA_CASE(PD_FA_OVL | PD_FA_KVS | PD_FA_RSC | PD_FA_MB)
-    // session 15 candidates
-#define PD_FA_S15(F)                                                     \
+    // session 15 variants (measurements)
+#define PD_FA_S15(F)                                                    \
     PD_FA_CASE(PD_FA_PP | PD_FA_OVL | PD_FA_RSC | PD_FA_MB | PD_FA_RSE | (F)) \
-    PD_FA_CASE(PD_FA_OVL | PD_FA_KVS | PD_FA_RSC | PD_FA_MB | PD_FA_RSE | (F))
-    PD_FA_S15(PD_FA_LKF)
-    PD_FA_S15(PD_FA_DSC)
-    PD_FA_S15(PD_FA_LKF | PD_FA_DSC)
+    PD_FA_CASE(PD_FA_OVL | PD_FA_RSC | PD_FA_MB | PD_FA_RSE | (F))
+    PD_FA_S15(0)
+    PD_FA_S15(PD_FA_ARV)
+    PD_FA_S15(PD_FA_ARV | PD_FA_LKF)
+    PD_FA_S15(PD_FA_ARV | PD_FA_LKF | PD_FA_DSC)
+    PD_FA_S15(PD_FA_ARV | PD_FA_LKF | PD_FA_PERS)
+    PD_FA_S15(PD_FA_ARV | PD_FA_PERS)
 #undef PD_FA_S15
-    PD_FA_CASE(PD_FA_PP | PD_FA_OVL | PD_FA_RSC | PD_FA_MB | PD_FA_RSE | PD_FA_LKF | PD_FA_DSC | PD_FA_PERS)
-    PD_FA_CASE(PD_FA_OVL | PD_FA_RSC | PD_FA_MB | PD_FA_RSE | PD_FA_LKF | PD_FA_DSC | PD_FA_PERS)
-    PD_FA_CASE(PD_FA_PP | PD_FA_OVL | PD_FA_RSC | PD_FA_MB | PD_FA_RSE | PD_FA_PERS)
-    PD_FA_CASE(PD_FA_PP | PD_FA_OVL | PD_FA_RSC | PD_FA_MB | PD_FA_RSE | PD_FA_LKF | PD_FA_DSC | PD_FA_ARV)
+    PD_FA_CASE(PD_FA_OVL | PD_FA_KVS | PD_FA_RSC | PD_FA_MB | PD_FA_RSE | PD_FA_LKF)
     PD_FA_CASE(PD_FA_PP | PD_FA_OVL | PD_FA_MB)
     PD_FA_CASE(PD_FA_OVL | PD_FA_KVS | PD_FA_MB)
     PD_FA_CASE(PD_FA_PP | PD_FA_OVL)  // session 13's default at head_dim 128
@@ -1079,7 +1086,7 @@ static void pd_fa_dispatch(const pd_attention_kparams *p, cudaStream_t s, int fl
     PD_FA_CASE(PD_FA_OVL | PD_FA_KVS | PD_FA_RSC)
     if constexpr (HD == 128) {
         PD_FA_CASE(PD_FA_PP | PD_FA_OVL | PD_FA_RSC)
-        PD_FA_CASE(PD_FA_PP | PD_FA_OVL | PD_FA_TMAH | PD_FA_RSC | PD_FA_MB)
+        PD_FA_CASE(PD_FA_PP | PD_FA_OVL | PD_FA_TMAH | PD_FA_RSC | PD_FA_MB | PD_FA_RSE)
         PD_FA_CASE(PD_FA_VN64 | PD_FA_PP | PD_FA_OVL)
         PD_FA_CASE(PD_FA_PP | PD_FA_OVL | PD_FA_TMAH)
         PD_FA_CASE(PD_FA_VN64)
@@ -1102,9 +1109,9 @@ static void pd_fa_dispatch(const pd_attention_kparams *p, cudaStream_t s, int fl
         PD_FA_CASE(PD_FA_PP | PD_FA_OVL | PD_FA_RSC | PD_FA_NOLOAD)
         PD_FA_CASE(PD_FA_PP | PD_FA_OVL | PD_FA_RSC | PD_FA_MB | PD_FA_NOLOAD)
         PD_FA_CASE(PD_FA_PP | PD_FA_OVL | PD_FA_RSC | PD_FA_MB | PD_FA_RSE | PD_FA_NOLOAD)
-        PD_FA_CASE(PD_FA_PP | PD_FA_OVL | PD_FA_RSC | PD_FA_MB | PD_FA_RSE | PD_FA_DSC | PD_FA_NOLOAD)
+        PD_FA_CASE(PD_FA_PP | PD_FA_OVL | PD_FA_RSC | PD_FA_MB | PD_FA_RSE | PD_FA_ARV | PD_FA_LKF | PD_FA_NOLOAD)
         PD_FA_CASE(PD_FA_PP | PD_FA_OVL | PD_FA_RSC | PD_FA_MB | PD_FA_RSE | PD_FA_NOMATH)
-        PD_FA_CASE(PD_FA_PP | PD_FA_OVL | PD_FA_RSC | PD_FA_MB | PD_FA_RSE | PD_FA_LKF | PD_FA_NOMATH)
+        PD_FA_CASE(PD_FA_PP | PD_FA_OVL | PD_FA_RSC | PD_FA_MB | PD_FA_RSE | PD_FA_ARV | PD_FA_LKF | PD_FA_NOMATH)
     }
 #endif
     // The other variants are built without RSC and MB (on by default): those two dropped, then the default
@@ -1117,7 +1124,7 @@ static void pd_fa_dispatch(const pd_attention_kparams *p, cudaStream_t s, int fl
         fprintf(stderr, "pdserve: prefill attention: the PD_CUDA_FA3_* combination (flags 0x%x) is not built: the default "
                         "kernel runs\n", fl);
     warned = true;
-    pd_fa_launch<HD, HD == 128 ? PD_FA_PP | PD_FA_OVL | PD_FA_RSC | PD_FA_MB | PD_FA_RSE
+    pd_fa_launch<HD, HD == 128 ? PD_FA_PP | PD_FA_OVL | PD_FA_RSC | PD_FA_MB | PD_FA_RSE | PD_FA_ARV | PD_FA_LKF
                                : PD_FA_OVL | PD_FA_KVS | PD_FA_RSC | PD_FA_MB | PD_FA_RSE>(p, s, tm);
 }
 
