@@ -413,15 +413,19 @@ template <int RPT, int RS, bool DK, bool DV>
 static __device__ __forceinline__ void pd_fa_copy_lkf(uint32_t dk, uint32_t dv, const __nv_bfloat16 *kc,
                                                       const __nv_bfloat16 *vc, int mine, int kv0, int r0, int c,
                                                       int kv_end, int bs, int bs_shift, size_t kv_row, size_t kv_col) {
-    // (4 rows at a time: unrolled whole, ptxas hoists every shuffle and address and spills at 56 registers)
-#pragma unroll 4
+    // A row's source is one 32 x 32 -> 64-bit multiply-add from the thread's base (its kv head and chunk):
+    // slot * row bytes (a row of the cache is n_kv * HD * 2 bytes, far below 4 GB) + base.
+    const char *kb = (const char *)(kc + kv_col), *vb = (const char *)(vc + kv_col);
+    const uint32_t row_b = (uint32_t)(kv_row * sizeof(__nv_bfloat16));
+    // (8 rows at a time: unrolled whole, ptxas hoists every shuffle and address and spills at 56 registers)
+#pragma unroll 8
     for (int k = 0; k < RPT; k++) {
         const int pg = __shfl_sync(0xffffffffu, mine, (k * RS) >> bs_shift);
         const bool ok = kv0 + r0 + k * RS < kv_end;
-        const size_t off = ok ? (size_t)((pg << bs_shift) + ((k * RS) & (bs - 1)) + r0) * kv_row + kv_col : 0;
+        const uint32_t slot = ok ? (uint32_t)((pg << bs_shift) + ((k * RS) & (bs - 1)) + r0) : 0u;
         const uint32_t o = pd_fa_swz(r0 + k * RS, c);
-        if (DK) pd_fa_cp16(dk + o, kc + off, ok);
-        if (DV) pd_fa_cp16(dv + o, vc + off, ok);
+        if (DK) pd_fa_cp16(dk + o, kb + (uint64_t)slot * row_b, ok);
+        if (DV) pd_fa_cp16(dv + o, vb + (uint64_t)slot * row_b, ok);
     }
 }
 
