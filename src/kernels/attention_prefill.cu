@@ -8,11 +8,15 @@
 // Block = 3 warpgroups (384 threads) for one (sequence, 128-row query tile, query head):
 //   * warpgroup 0, the producer (setmaxnreg down to PD_FA_REG_P): cp.async of the Q tile and of
 //     the K/V tiles of BKV = 128 positions, gathered through the page table (16-byte chunks, any
-//     block_size; a tile's page-table lookups are issued together before its copies), into a ring
-//     of PD_FA_STAGES stages. Each thread waits for its own copies, issues fence.proxy.async (the
-//     tiles are read by wgmma through the async proxy) and arrives on the stage's "full" mbarrier
-//     (count 128), one tile behind its issue; it refills a stage after both consumers arrived on
-//     its "empty" mbarrier (count 256). PD_CUDA_FA3_TMA=1: whole pages come by TMA instead (one
+//     block_size; LKF, the default at head_dim 128: lane i loads page i of the tile and each row
+//     takes its page by a shuffle; else a tile's lookups are issued together before its copies),
+//     into a ring of PD_FA_STAGES stages. ARV (the default at head_dim 128): each thread's copies
+//     arrive on the stage's "full" mbarrier (count 128) by cp.async.mbarrier.arrive when they land,
+//     and the consumers issue fence.proxy.async after their wait (the tiles are read by wgmma
+//     through the async proxy); otherwise each thread waits for its own copies one tile behind its
+//     issue, fences and arrives, which put the next tile's issue on the consumers' critical path
+//     (session 15: +11% at 8k). It refills a stage after both consumers arrived on its "empty"
+//     mbarrier (count 256). PD_CUDA_FA3_TMA=1: whole pages come by TMA instead (one
 //     64 x 1 x block_size box per page, column block and cache, expect_tx on the same barrier);
 //     correct, but slower on an H100 (343 vs 396 TFLOP/s at 8k: 32 small boxes per 64 KB tile), so
 //     it stays opt-in. PD_CUDA_FA3_TMA=2 (TMAH, head_dim 128): a tile in consecutive whole pages by
@@ -28,7 +32,9 @@
 //     take turns issuing their S products (ping-pong on named barriers; PD_CUDA_FA3_PP=0: off), so
 //     one's softmax overlaps the other's tensor-core work. Each consumer also overlaps its own work
 //     (OVL, FA3's intra-warpgroup pipelining; PD_CUDA_FA3_OVL=0: off): a turn issues S of tile j and
-//     P.V of tile j - 1 as two commit groups and runs tile j's softmax while that P.V runs. Its loops
+//     P.V of tile j - 1 as two commit groups and runs tile j's softmax while that P.V runs; O moves to
+//     the new running max at the end of the turn, after that P.V (RSE, session 15: the rescale had
+//     sat inside the ping-pong turn, between the handshake and the wgmmas). Its loops
 //     are split (first tile, overlapped turns, last P.V, tiles past the warpgroup's rows) so that no
 //     wgmma, fence, commit or wait sits under a condition: ptxas serialises every wgmma of a kernel
 //     (C7514-C7518 reports) otherwise, as it did for session 10-11's OVL (measured slower then); the
@@ -41,7 +47,8 @@
 //   HD=128: 32 KB per tile, 3 stages: 225 KB; HD=64: 16 KB per tile, 4 stages: 145 KB.
 // Grid: one block per (query tile, sequence, head) with the query tile slowest and reversed, so
 // the longest tiles (most K/V tiles under the causal mask) start first, and the heads sharing a
-// kv head are neighbours (their K/V tiles meet in L2).
+// kv head are neighbours (their K/V tiles meet in L2). PD_CUDA_FA3_PERS=1 (measurements): one
+// block per SM walking those work items, the ring running on across them.
 //
 // PD_CUDA_ATTN_PREFILL=0 selects k_attn_prefill everywhere (A/B knob); the PD_CUDA_FA3_* knobs are
 // listed at pd_fa_flags. Numbers: docs/benchmarks.md, tools/gpu/NOTES.md (session 10, "fa3").
@@ -780,7 +787,7 @@ static __global__ void __launch_bounds__(PD_FA_THREADS, 1)
     // OVL (intra-warpgroup overlap, FA3's second pipelining): turn j issues S of tile j and then
     // P.V of tile j - 1 as two commit groups, waits for S alone, runs the softmax of tile j while
     // that P.V runs, then waits for it, releases tile j - 1's stage and rounds tile j's P into pa.
-    // O is rescaled by tile j - 1's factors before the turn's wgmma.fence (no accumulator of a
+    // Without RSE, O is rescaled by tile j - 1's factors before the turn's wgmma.fence (no accumulator of a
     // wgmma in flight is touched by other instructions). Registers: O, S (f32) and one P (bf16).
     // The loops are split so that no wgmma, fence, commit or wait sits under a condition:
     // tile 0 (S and softmax), tiles 1 .. n_comp - 1 (the overlapped turns), the last P.V, then the
@@ -940,6 +947,12 @@ static bool pd_fa_enabled() {
 // Session 14 (fa14-3): MB (the causal mask in its own code path, only on tiles crossing the diagonal) and
 // RSC on, both exact (hd 128 at 8k: 444-449 vs 430-435; hd 64: 354-359 vs 323-325); the other variants
 // are built without them (pd_fa_dispatch drops the two before looking for the combination).
+// Session 15 (fa15-1..3): RSE on (O rescaled after the turn's P.V wait; +2% at 8k), and at head_dim 128 ARV
+// (copies arrive as they land, not one tile behind) + LKF (lane-parallel page lookups): 8k 485-486 vs
+// 440-442 TFLOP/s; ARV without LKF 439-440, LKF without ARV slower (406-410). At head_dim 64 ARV + LKF
+// (PD_CUDA_FA3_ARV=1 PD_CUDA_FA3_LKF=1, KVS off) measured 384-385 vs 370-371 at 8k, exact in fa3_probe, but
+// not yet run through test_gpu_golden: KVS stays the default there. DSC (descriptor words) level, PERS
+// (persistent blocks) slower (468-470): both off, measurement knobs.
 // Knobs, read once, "1" on / "0" off (anything else aborts): PD_CUDA_FA3_PP (ping-pong), PD_CUDA_FA3_OVL,
 // PD_CUDA_FA3_KVS, PD_CUDA_FA3_VN64 (P.V of head_dim 128 as two n64 wgmmas), PD_CUDA_FA3_ARV,
 // PD_CUDA_FA3_ROWP (the first producer), PD_CUDA_FA3_TMA (whole pages by TMA; both without OVL unless it is
